@@ -1,0 +1,245 @@
+// Package cudart owns cudapool's view of the CUDA runtime: the subset of calls that
+// IPC-capable stream-ordered memory pools need, the Go types for their C arguments, and
+// the errors they return.
+//
+// Everything above this package talks to a Runtime. Load returns one backed by the real
+// runtime (libcudart.so.13, then .12, opened at run time so that the module builds and
+// its tests run with no CUDA toolkit, driver or GPU); package cudarttest returns one
+// backed by a software device for machines without a GPU.
+//
+// CUDA's current device is per OS thread and goroutines move between threads. Every
+// Runtime method whose meaning depends on the current device takes the device ordinal
+// and makes that device current on the very thread that makes the call, so goroutines
+// working on different devices never observe each other's choice.
+package cudart
+
+import "fmt"
+
+// DevicePtr is a device address (CUdeviceptr / void* in device space).
+type DevicePtr uintptr
+
+// Stream is a cudaStream_t. The zero Stream is the legacy default stream.
+type Stream uintptr
+
+// Event is a cudaEvent_t.
+type Event uintptr
+
+// MemPool is a cudaMemPool_t.
+type MemPool uintptr
+
+// PtrExportData is cudaMemPoolPtrExportData: the record that shares one allocation of
+// an exported pool. Its bytes are identical each time the same pointer is exported.
+type PtrExportData [64]byte
+
+// IpcEventHandle is cudaIpcEventHandle_t.
+type IpcEventHandle [64]byte
+
+// FabricHandle is cudaMemFabricHandle_t, the shareable handle of a FABRIC pool.
+type FabricHandle [64]byte
+
+// UUID is a device's 16-byte UUID (cudaUUID_t).
+type UUID [16]byte
+
+func (u UUID) String() string {
+	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+}
+
+// HandleType is cudaMemAllocationHandleType: how a pool can be shared.
+type HandleType int32
+
+const (
+	HandleTypeNone    HandleType = 0x0 // not shareable
+	HandleTypePosixFD HandleType = 0x1 // a POSIX file descriptor, passed with SCM_RIGHTS
+	HandleTypeFabric  HandleType = 0x8 // a 64-byte fabric handle, authorised by IMEX
+)
+
+func (h HandleType) String() string {
+	switch h {
+	case HandleTypeNone:
+		return "none"
+	case HandleTypePosixFD:
+		return "posix-fd"
+	case HandleTypeFabric:
+		return "fabric"
+	}
+	return fmt.Sprintf("HandleType(%#x)", int32(h))
+}
+
+// ShareableHandle is what MemPoolExportToShareableHandle returns and
+// MemPoolImportFromShareableHandle takes. For HandleTypePosixFD, FD is a file
+// descriptor the caller owns and must close; for HandleTypeFabric, Fabric holds the
+// handle bytes and FD is -1.
+type ShareableHandle struct {
+	Type   HandleType
+	FD     int
+	Fabric FabricHandle
+}
+
+// LocationType is cudaMemLocationType.
+type LocationType int32
+
+const (
+	LocationInvalid LocationType = 0
+	LocationDevice  LocationType = 1
+	LocationHost    LocationType = 2
+)
+
+// Location is cudaMemLocation.
+type Location struct {
+	Type LocationType
+	ID   int32
+}
+
+// DeviceLocation is the location of device dev.
+func DeviceLocation(dev int) Location { return Location{Type: LocationDevice, ID: int32(dev)} }
+
+// AccessFlags is cudaMemAccessFlags.
+type AccessFlags int32
+
+const (
+	// AccessNone must never be passed to MemPoolSetAccess: the driver answers
+	// invalid device. It is only ever returned by MemPoolGetAccess.
+	AccessNone      AccessFlags = 0
+	AccessRead      AccessFlags = 1
+	AccessReadWrite AccessFlags = 3
+)
+
+// AccessDesc is cudaMemAccessDesc.
+type AccessDesc struct {
+	Location Location
+	Flags    AccessFlags
+}
+
+// PoolProps is cudaMemPoolProps, less the Windows-only and reserved fields. Only pinned
+// device allocations are supported (cudaMemAllocationTypePinned).
+type PoolProps struct {
+	HandleTypes HandleType
+	Location    Location
+	// MaxSize bounds the pool's reserved memory; 0 means the driver's default (the
+	// device's memory).
+	MaxSize uint64
+}
+
+// PoolAttr is cudaMemPoolAttr.
+type PoolAttr int32
+
+const (
+	PoolReuseFollowEventDependencies   PoolAttr = 1 // int (bool)
+	PoolReuseAllowOpportunistic        PoolAttr = 2 // int (bool)
+	PoolReuseAllowInternalDependencies PoolAttr = 3 // int (bool)
+	PoolReleaseThreshold               PoolAttr = 4 // uint64
+	PoolReservedMemCurrent             PoolAttr = 5 // uint64
+	PoolReservedMemHigh                PoolAttr = 6 // uint64; settable to 0 only
+	PoolUsedMemCurrent                 PoolAttr = 7 // uint64
+	PoolUsedMemHigh                    PoolAttr = 8 // uint64; settable to 0 only
+)
+
+// IsBool reports whether the attribute is an int-sized flag rather than a uint64.
+func (a PoolAttr) IsBool() bool { return a >= 1 && a <= 3 }
+
+// DeviceAttr is cudaDeviceAttr; only the ones cudapool asks for are named.
+type DeviceAttr int32
+
+const (
+	DevAttrPciBusID                   DeviceAttr = 33
+	DevAttrPciDeviceID                DeviceAttr = 34
+	DevAttrPciDomainID                DeviceAttr = 50
+	DevAttrComputeCapabilityMajor     DeviceAttr = 75
+	DevAttrComputeCapabilityMinor     DeviceAttr = 76
+	DevAttrMemoryPoolsSupported       DeviceAttr = 115
+	DevAttrMemoryPoolSupportedHandles DeviceAttr = 119
+)
+
+// EventFlags is the flags argument of cudaEventCreateWithFlags.
+type EventFlags uint32
+
+const (
+	EventDefault       EventFlags = 0x0
+	EventBlockingSync  EventFlags = 0x1
+	EventDisableTiming EventFlags = 0x2
+	EventInterprocess  EventFlags = 0x4
+	EventIPC                      = EventInterprocess | EventDisableTiming // what an IPC event needs
+)
+
+// StreamFlags is the flags argument of cudaStreamCreateWithFlags.
+type StreamFlags uint32
+
+const (
+	StreamDefault     StreamFlags = 0x0
+	StreamNonBlocking StreamFlags = 0x1
+)
+
+// Runtime is the CUDA runtime subset cudapool uses. Load returns the real one; package
+// cudarttest returns a software device. Methods are safe for concurrent use.
+//
+// Every error a Runtime method returns wraps a Code, so errors.Is(err, ErrOutOfMemory)
+// and friends work; failures that are not CUDA's own (no runtime, a missing symbol)
+// wrap ErrNoRuntime.
+type Runtime interface {
+	// Name says what backs this Runtime, e.g. "libcudart.so.13 (runtime 13000, driver
+	// 13000)" or "cudarttest software device".
+	Name() string
+	DriverVersion() (int, error)
+	RuntimeVersion() (int, error)
+
+	DeviceCount() (int, error)
+	DeviceAttribute(dev int, attr DeviceAttr) (int, error)
+	DeviceUUID(dev int) (UUID, error)
+	DevicePCIBusID(dev int) (string, error)
+	DeviceCanAccessPeer(dev, peer int) (bool, error)
+	// MemGetInfo returns the free and total memory of dev.
+	MemGetInfo(dev int) (free, total uint64, err error)
+	// AllocationGranularity is cuMemGetAllocationGranularity for pinned device memory
+	// on dev that can be shared as ht; recommended picks the recommended granularity
+	// over the minimum one.
+	AllocationGranularity(dev int, ht HandleType, recommended bool) (uint64, error)
+
+	StreamCreate(dev int, flags StreamFlags) (Stream, error)
+	StreamDestroy(dev int, s Stream) error
+	StreamSynchronize(dev int, s Stream) error
+	// StreamWaitEvent makes all future work on s wait for the work captured by the
+	// last EventRecord of e before this call; it does not block the host.
+	StreamWaitEvent(dev int, s Stream, e Event) error
+
+	EventCreate(dev int, flags EventFlags) (Event, error)
+	EventDestroy(dev int, e Event) error
+	EventRecord(dev int, e Event, s Stream) error
+	EventSynchronize(dev int, e Event) error
+	// EventQuery reports whether the work captured by e has completed.
+	EventQuery(dev int, e Event) (bool, error)
+	IpcGetEventHandle(dev int, e Event) (IpcEventHandle, error)
+	// IpcOpenEventHandle opens another process's event on dev; destroy it with
+	// EventDestroy.
+	IpcOpenEventHandle(dev int, h IpcEventHandle) (Event, error)
+
+	MemPoolCreate(props PoolProps) (MemPool, error)
+	MemPoolDestroy(dev int, p MemPool) error
+	DeviceGetDefaultMemPool(dev int) (MemPool, error)
+	MemPoolGetAttribute(dev int, p MemPool, attr PoolAttr) (uint64, error)
+	MemPoolSetAttribute(dev int, p MemPool, attr PoolAttr, value uint64) error
+	MemPoolSetAccess(dev int, p MemPool, descs []AccessDesc) error
+	MemPoolGetAccess(dev int, p MemPool, loc Location) (AccessFlags, error)
+	MemPoolTrimTo(dev int, p MemPool, minBytesToKeep uint64) error
+	MallocFromPoolAsync(dev int, size uint64, p MemPool, s Stream) (DevicePtr, error)
+	FreeAsync(dev int, ptr DevicePtr, s Stream) error
+
+	// MemPoolExportToShareableHandle exports p. For a POSIX fd the caller owns the
+	// returned descriptor.
+	MemPoolExportToShareableHandle(dev int, p MemPool, ht HandleType) (ShareableHandle, error)
+	// MemPoolImportFromShareableHandle imports a pool exported by another process. It
+	// does not take ownership of h.FD: the caller closes it.
+	MemPoolImportFromShareableHandle(dev int, h ShareableHandle) (MemPool, error)
+	MemPoolExportPointer(dev int, ptr DevicePtr) (PtrExportData, error)
+	MemPoolImportPointer(dev int, p MemPool, data PtrExportData) (DevicePtr, error)
+
+	// MemcpyHtoDAsync copies src to dst. Go memory is pageable, so when it returns src
+	// has been consumed (staged by the driver) and may be reused.
+	MemcpyHtoDAsync(dev int, dst DevicePtr, src []byte, s Stream) error
+	// MemcpyDtoHAsync copies into dst. Go memory is pageable, so the copy has
+	// completed when it returns.
+	MemcpyDtoHAsync(dev int, dst []byte, src DevicePtr, s Stream) error
+	// MemcpyDtoDAsync copies n bytes between device addresses, across devices too
+	// (cudaMemcpyDefault through unified addressing).
+	MemcpyDtoDAsync(dev int, dst, src DevicePtr, n uint64, s Stream) error
+	MemsetAsync(dev int, dst DevicePtr, value byte, n uint64, s Stream) error
+}
