@@ -1,0 +1,57 @@
+// Package proctest owns cudapool's multi-process test harness: a test binary re-executes
+// itself as a child in a named role, so tests exchange real file descriptors over real
+// sockets between real processes.
+package proctest
+
+import (
+	"os"
+	"os/exec"
+	"testing"
+)
+
+// roleEnv names the role a re-executed test binary plays.
+const roleEnv = "CUDAPOOL_PROCTEST_ROLE"
+
+// Main is called from TestMain. When this process was started by Command it runs the
+// named role with the arguments Command was given and exits with the role's status;
+// otherwise it runs the tests. A role name that is not in roles exits with status 2.
+func Main(m *testing.M, roles map[string]func(args []string) int) {
+	role, ok := os.LookupEnv(roleEnv)
+	if !ok {
+		os.Exit(m.Run())
+	}
+	run, ok := roles[role]
+	if !ok {
+		os.Stderr.WriteString("proctest: unknown role " + role + "\n")
+		os.Exit(2)
+	}
+	os.Exit(run(os.Args[1:]))
+}
+
+// IsChild reports whether this process is a role started by Command.
+func IsChild() bool {
+	_, ok := os.LookupEnv(roleEnv)
+	return ok
+}
+
+// Command returns, unstarted, this test binary re-executed in role with args. The
+// child inherits the environment and writes to the test's stderr; the caller may set
+// ExtraFiles (fd 3 onwards in the child), Stdin, Stdout and more before starting it.
+// The child is killed when the test ends if it is still running.
+func Command(t testing.TB, role string, args ...string) *exec.Cmd {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatalf("proctest: %v", err)
+	}
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(os.Environ(), roleEnv+"="+role)
+	cmd.Stderr = os.Stderr
+	t.Cleanup(func() {
+		if cmd.Process != nil && cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	return cmd
+}

@@ -1,0 +1,99 @@
+// Package unixfd owns file-descriptor passing over Unix sockets (SCM_RIGHTS): a message
+// of bytes and descriptors goes out in one sendmsg, and comes in with a control buffer
+// sized for what the caller expects, descriptors marked close-on-exec, and every
+// descriptor the caller did not ask for closed.
+package unixfd
+
+import (
+	"errors"
+	"fmt"
+	"net"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrUnexpectedFDs means a message carried more descriptors than the caller accepts,
+// or a truncated control message. The descriptors it carried have been closed.
+var ErrUnexpectedFDs = errors.New("unixfd: unexpected file descriptors")
+
+// Send writes data and fds on c in one sendmsg. The kernel duplicates the descriptors
+// into the receiver; the caller still owns fds. data must not be empty: a stream
+// socket cannot carry descriptors without at least one byte.
+func Send(c *net.UnixConn, data []byte, fds ...int) error {
+	if len(data) == 0 {
+		return errors.New("unixfd: Send needs at least one byte of data")
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	n, oobn, err := c.WriteMsgUnix(data, oob, nil)
+	if err != nil {
+		return err
+	}
+	if n != len(data) || oobn != len(oob) {
+		return fmt.Errorf("unixfd: short send: %d of %d bytes, %d of %d control bytes", n, len(data), oobn, len(oob))
+	}
+	return nil
+}
+
+// Recv reads at most len(buf) bytes from c, and at most maxFDs descriptors. On
+// success the descriptors are close-on-exec and owned by the caller. If the message
+// carried more than maxFDs descriptors, or its control data was truncated, Recv closes
+// every descriptor it received and returns an error wrapping ErrUnexpectedFDs together
+// with the bytes read.
+func Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
+	// One spare slot lets an extra descriptor arrive whole (and be closed) rather than
+	// be dropped by the kernel with MSG_CTRUNC and nothing to close.
+	oob := make([]byte, unix.CmsgSpace((maxFDs+1)*4))
+	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return n, nil, err
+	}
+	if oobn > 0 {
+		fds, err = parseRights(oob[:oobn])
+	}
+	switch {
+	case err != nil:
+	case flags&unix.MSG_CTRUNC != 0:
+		err = fmt.Errorf("%w: control message truncated", ErrUnexpectedFDs)
+	case len(fds) > maxFDs:
+		err = fmt.Errorf("%w: got %d, accept at most %d", ErrUnexpectedFDs, len(fds), maxFDs)
+	}
+	if err != nil {
+		closeAll(fds)
+		return n, nil, err
+	}
+	for _, fd := range fds {
+		unix.CloseOnExec(fd)
+	}
+	return n, fds, nil
+}
+
+func parseRights(oob []byte) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnexpectedFDs, err)
+	}
+	var fds []int
+	var bad error
+	for _, m := range msgs {
+		if m.Header.Level != unix.SOL_SOCKET || m.Header.Type != unix.SCM_RIGHTS {
+			bad = fmt.Errorf("%w: control message level %d type %d", ErrUnexpectedFDs, m.Header.Level, m.Header.Type)
+			continue
+		}
+		got, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			bad = fmt.Errorf("%w: %v", ErrUnexpectedFDs, err)
+			continue
+		}
+		fds = append(fds, got...)
+	}
+	return fds, bad
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
