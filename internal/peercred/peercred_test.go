@@ -7,24 +7,30 @@ import (
 	"testing"
 )
 
-func TestGetIdentifiesConnectingProcess(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "s")
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+// listenAndDial returns both ends of a fresh Unix stream connection.
+func listenAndDial(t *testing.T) (server, client *net.UnixConn) {
+	t.Helper()
+	addr := &net.UnixAddr{Name: filepath.Join(t.TempDir(), "s"), Net: "unix"}
+	l, err := net.ListenUnix("unix", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	client, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	client, err = net.DialUnix("unix", nil, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer client.Close()
-	server, err := l.AcceptUnix()
+	t.Cleanup(func() { client.Close() })
+	server, err = l.AcceptUnix()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer server.Close()
+	t.Cleanup(func() { server.Close() })
+	return server, client
+}
 
+func TestGetIdentifiesConnectingProcess(t *testing.T) {
+	server, client := listenAndDial(t)
 	for name, c := range map[string]*net.UnixConn{"server side": server, "client side": client} {
 		got, err := Get(c)
 		if err != nil {
@@ -38,18 +44,9 @@ func TestGetIdentifiesConnectingProcess(t *testing.T) {
 }
 
 func TestGetOnClosedConnFails(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "s")
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.Close()
-	if cred, err := Get(c); err == nil {
+	_, client := listenAndDial(t)
+	client.Close()
+	if cred, err := Get(client); err == nil {
 		t.Fatalf("Get on a closed conn = %+v, nil; want an error", cred)
 	}
 }
