@@ -1,0 +1,302 @@
+// Package cudarttest owns the software device: a cudart.Runtime without a GPU, whose
+// device memory is shared host memory (one memfd per pool), so that pools exported as
+// POSIX descriptors really cross Unix sockets into other processes and are read and
+// written by both.
+//
+// It reproduces the driver behaviour measured in FACTS.md that the layers above must
+// cope with (sub-allocation packing, stale export records accepted, double imports
+// aliasing one mapping, imported pools that cannot allocate, FABRIC refused, maxSize)
+// and it checks the rules the real driver leaves undefined: each broken rule is a
+// Violation, returned by the call that broke it (wrapping ErrViolation) and kept in
+// Device.Violations. A violation is never silent.
+//
+// Two Devices in one process behave like two processes: each has its own pools,
+// imports, streams and events, and Close simulates its process exiting. Streams are
+// immediate: work is done when the call returns, so events are complete once
+// recorded; ordering between Devices is still checked, through epochs (see
+// ViolationUnorderedRead).
+package cudarttest
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// Option configures New.
+type Option func(*config)
+
+type config struct {
+	devices     int
+	granularity uint64
+	memory      uint64
+	fabric      bool
+	peerAccess  bool
+}
+
+// WithDevices sets the number of devices (default 2). n < 1 means 1.
+func WithDevices(n int) Option { return func(c *config) { c.devices = max(n, 1) } }
+
+// WithGranularity sets the allocation granularity (default 2 MiB, as measured). It is
+// rounded up to a multiple of 512 bytes.
+func WithGranularity(g uint64) Option {
+	return func(c *config) { c.granularity = max(roundUp(g, allocAlign), allocAlign) }
+}
+
+// WithMemory sets each device's memory (default 16 GiB). It is virtual: pool memfds
+// are sparse, so only bytes actually written cost host memory.
+func WithMemory(bytes uint64) Option { return func(c *config) { c.memory = bytes } }
+
+// WithFabric lets FABRIC pools be exported and imported; without it their export
+// fails with cudart.ErrNotPermitted, as on a host without IMEX (FACTS 11).
+func WithFabric() Option { return func(c *config) { c.fabric = true } }
+
+// WithPeerAccess sets whether devices can access each other (default true).
+func WithPeerAccess(ok bool) Option { return func(c *config) { c.peerAccess = ok } }
+
+// Device is a software CUDA device set implementing cudart.Runtime. Its methods are
+// safe for concurrent use.
+type Device struct {
+	cfg config
+	id  ident
+
+	mu            sync.Mutex
+	closed        bool
+	devs          []devState
+	pools         map[cudart.MemPool]*pool // live handles, own and imported
+	spans         []*pool                  // pools that map memory, sorted by base
+	importedByUID map[uid]*pool
+	streams       map[cudart.Stream]*stream
+	events        map[cudart.Event]*event
+	arena         *arena         // this Device's IPC events, created on first use
+	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
+	hostSync      uint64         // epoch the host has synchronised with
+	violations    []Violation
+}
+
+type devState struct {
+	reserved      uint64 // bytes reserved by this Device's own pools on the device
+	defaultPool   *pool
+	defaultStream *stream
+}
+
+var _ cudart.Runtime = (*Device)(nil)
+
+// New returns an open software device. Close it when done: it holds memfds and
+// mappings.
+func New(opts ...Option) *Device {
+	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	d := &Device{
+		cfg:           cfg,
+		id:            registerInstance(),
+		devs:          make([]devState, cfg.devices),
+		pools:         map[cudart.MemPool]*pool{},
+		importedByUID: map[uid]*pool{},
+		streams:       map[cudart.Stream]*stream{},
+		events:        map[cudart.Event]*event{},
+		remoteArenas:  map[uid]*arena{},
+	}
+	for i := range d.devs {
+		d.devs[i].defaultStream = &stream{dev: i}
+	}
+	return d
+}
+
+// Close simulates this Device's process exiting: its imports are dropped (as the
+// driver drops them at exit), its events die, and its own pools stay readable by the
+// Devices that imported them (FACTS 7). Every later call fails with ErrClosed.
+// Closing twice is a no-op.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.closed = true
+	unregisterInstance(d.id)
+	for _, p := range d.spans {
+		if p.imported {
+			for _, imp := range p.imports {
+				p.releaseSlot(imp)
+			}
+		} else {
+			p.reg.store(hExporterGone, 1)
+		}
+		p.reg.release()
+	}
+	if d.arena != nil {
+		d.arena.kill()
+	}
+	for _, a := range d.remoteArenas {
+		a.reg.release()
+	}
+	d.spans, d.pools, d.importedByUID, d.streams, d.events, d.remoteArenas, d.arena = nil, nil, nil, nil, nil, nil, nil
+	return nil
+}
+
+// Violations returns every violation this Device has seen, oldest first.
+func (d *Device) Violations() []Violation {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.violations)
+}
+
+// Err is errors.Join of all violations so far; nil if there were none.
+func (d *Device) Err() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	errs := make([]error, len(d.violations))
+	for i, v := range d.violations {
+		errs[i] = v
+	}
+	return errors.Join(errs...)
+}
+
+// violate records a violation and returns it.
+func (d *Device) violate(kind ViolationKind, op, format string, args ...any) Violation {
+	v := Violation{Kind: kind, Op: op, Detail: fmt.Sprintf(format, args...)}
+	d.violations = append(d.violations, v)
+	return v
+}
+
+// violationErr is the error for a call that saw vs; code is what the real driver would
+// have returned, or 0 where it would have succeeded.
+func violationErr(op string, code cudart.Code, vs ...Violation) error {
+	e := &callError{violations: vs}
+	if code != 0 {
+		e.cuda = cudart.NewError(op, code)
+	}
+	return e
+}
+
+// nextHandle numbers streams, events and pools process-wide, so a handle passed to
+// the wrong Device is unknown there rather than someone else's.
+var nextHandle atomic.Uint64
+
+func init() { nextHandle.Store(0x5ca1ab1e0000) }
+
+func newHandle() uintptr { return uintptr(nextHandle.Add(16)) }
+
+// enter checks what every call checks first; d.mu is held.
+func (d *Device) enter(op string, dev int) error {
+	if d.closed {
+		return errClosed(op)
+	}
+	if dev < 0 || dev >= d.cfg.devices {
+		return fail(op, cudart.ErrInvalidDevice)
+	}
+	return nil
+}
+
+func (d *Device) Name() string { return "cudarttest software device" }
+
+// DriverVersion and RuntimeVersion report CUDA 13.0, the measured host's.
+func (d *Device) DriverVersion() (int, error)  { return 13000, nil }
+func (d *Device) RuntimeVersion() (int, error) { return 13000, nil }
+
+func (d *Device) DeviceCount() (int, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return 0, errClosed("cudaGetDeviceCount")
+	}
+	return d.cfg.devices, nil
+}
+
+func (d *Device) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) {
+	const op = "cudaDeviceGetAttribute"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(op, dev); err != nil {
+		return 0, err
+	}
+	switch attr {
+	case cudart.DevAttrPciBusID:
+		return pciBus(dev), nil
+	case cudart.DevAttrPciDeviceID, cudart.DevAttrPciDomainID:
+		return 0, nil
+	case cudart.DevAttrComputeCapabilityMajor:
+		return 9, nil
+	case cudart.DevAttrComputeCapabilityMinor:
+		return 0, nil
+	case cudart.DevAttrMemoryPoolsSupported:
+		return 1, nil
+	case cudart.DevAttrMemoryPoolSupportedHandles:
+		return int(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), nil
+	}
+	return 0, fail(op, cudart.ErrInvalidValue)
+}
+
+func pciBus(dev int) int { return 0x18 + 0x10*dev }
+
+// DeviceUUID is derived from the ordinal alone, so every Device and every process
+// agrees on which physical device an ordinal is, as they would on one host.
+func (d *Device) DeviceUUID(dev int) (cudart.UUID, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter("cudaDeviceGetUuid", dev); err != nil {
+		return cudart.UUID{}, err
+	}
+	sum := sha256.Sum256(fmt.Appendf(nil, "cudarttest device %d", dev))
+	var u cudart.UUID
+	copy(u[:], sum[:])
+	return u, nil
+}
+
+func (d *Device) DevicePCIBusID(dev int) (string, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter("cudaDeviceGetPCIBusId", dev); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("0000:%02X:00.0", pciBus(dev)), nil
+}
+
+// DeviceCanAccessPeer is false for a device and itself, as CUDA answers.
+func (d *Device) DeviceCanAccessPeer(dev, peer int) (bool, error) {
+	const op = "cudaDeviceCanAccessPeer"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(op, dev); err != nil {
+		return false, err
+	}
+	if err := d.enter(op, peer); err != nil {
+		return false, err
+	}
+	return dev != peer && d.cfg.peerAccess, nil
+}
+
+// MemGetInfo counts what this Device's own pools reserve on dev as used.
+func (d *Device) MemGetInfo(dev int) (free, total uint64, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter("cudaMemGetInfo", dev); err != nil {
+		return 0, 0, err
+	}
+	return d.cfg.memory - d.devs[dev].reserved, d.cfg.memory, nil
+}
+
+// AllocationGranularity is the configured granularity, minimum and recommended alike
+// (as measured).
+func (d *Device) AllocationGranularity(dev int, ht cudart.HandleType, recommended bool) (uint64, error) {
+	const op = "cuMemGetAllocationGranularity"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(op, dev); err != nil {
+		return 0, err
+	}
+	if ht&^supportedHandles != 0 {
+		return 0, fail(op, cudart.ErrInvalidValue)
+	}
+	return d.cfg.granularity, nil
+}
+
+const supportedHandles = cudart.HandleTypePosixFD | cudart.HandleTypeFabric

@@ -1,0 +1,225 @@
+package cudarttest
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// region is a mapped memfd shared between Devices, possibly in different processes.
+// Fields that another Device reads are 64-bit words accessed only with sync/atomic;
+// the layouts (pool header, event arena) are fixed per version below.
+type region struct {
+	mem []byte
+	fd  int // kept open by the owner so the region can be re-exported; -1 otherwise
+}
+
+// newRegion creates a memfd of size bytes (sparse: only touched pages cost memory)
+// and maps it. On failure nothing is left open.
+func newRegion(name string, size uint64) (*region, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("ftruncate memfd to %d: %w", size, err)
+	}
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("mmap memfd of %d bytes: %w", size, err)
+	}
+	return &region{mem: mem, fd: fd}, nil
+}
+
+// mapRegion maps all of the file open as fd, which must be a memfd created by this
+// package under name and at least minSize bytes long. The caller keeps fd.
+func mapRegion(fd int, name string, minSize uint64) (*region, error) {
+	if fd < 0 {
+		return nil, errors.New("negative file descriptor")
+	}
+	if link, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd)); err != nil || !isOurMemfd(link, name) {
+		return nil, fmt.Errorf("descriptor %d is not a %s memfd (%q, %v)", fd, name, link, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("fstat: %w", err)
+	}
+	if st.Size < int64(minSize) || st.Size > 1<<50 {
+		return nil, fmt.Errorf("memfd of %d bytes, need at least %d", st.Size, minSize)
+	}
+	mem, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap: %w", err)
+	}
+	return &region{mem: mem, fd: -1}, nil
+}
+
+func isOurMemfd(link, name string) bool {
+	return strings.HasPrefix(link, "/memfd:"+name+" ") || link == "/memfd:"+name
+}
+
+// openProcFD opens another process's (or this one's) descriptor through /proc, the way
+// a FABRIC handle or an IPC event handle names shared memory, after checking that it
+// is one of this package's memfds: a stale or forged handle must not open, say, a
+// terminal. The caller closes the result.
+func openProcFD(pid, fd int, name string) (int, error) {
+	path := fmt.Sprintf("/proc/%d/fd/%d", pid, fd)
+	link, err := os.Readlink(path)
+	if err != nil {
+		return -1, err
+	}
+	if !isOurMemfd(link, name) {
+		return -1, fmt.Errorf("%s is %q, not a %s memfd", path, link, name)
+	}
+	nfd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s: %w", path, err)
+	}
+	return nfd, nil
+}
+
+// mapProcRegion maps the memfd that process pid holds open as fd, if its header
+// carries want at uidOff: a handle naming a descriptor since closed and reused must
+// not map someone else's memory.
+func mapProcRegion(pid, fd int, name string, minSize, uidOff uint64, want uid) (*region, error) {
+	nfd, err := openProcFD(pid, fd, name)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(nfd)
+	reg, err := mapRegion(nfd, name, minSize)
+	if err != nil {
+		return nil, err
+	}
+	if reg.loadUID(uidOff) != want {
+		reg.release()
+		return nil, errors.New("the handle names a descriptor that now holds something else")
+	}
+	return reg, nil
+}
+
+// release unmaps the region and closes its descriptor, if kept.
+func (r *region) release() {
+	if r.mem != nil {
+		unix.Munmap(r.mem)
+		r.mem = nil
+	}
+	if r.fd >= 0 {
+		unix.Close(r.fd)
+		r.fd = -1
+	}
+}
+
+func (r *region) word(off uint64) *uint64 { return (*uint64)(unsafe.Pointer(&r.mem[off])) }
+
+func (r *region) load(off uint64) uint64     { return atomic.LoadUint64(r.word(off)) }
+func (r *region) store(off uint64, v uint64) { atomic.StoreUint64(r.word(off), v) }
+func (r *region) cas(off uint64, old, v uint64) bool {
+	return atomic.CompareAndSwapUint64(r.word(off), old, v)
+}
+
+// storeMax raises the word at off to v unless it is already higher.
+func (r *region) storeMax(off uint64, v uint64) {
+	for {
+		cur := r.load(off)
+		if cur >= v || r.cas(off, cur, v) {
+			return
+		}
+	}
+}
+
+// uid is a random 128-bit identity of a pool or event arena: handles carry it, and a
+// mapping is only trusted when its header carries the same one.
+type uid [2]uint64
+
+func newUID() uid {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic("cudarttest: crypto/rand: " + err.Error()) // rand.Read does not fail on Linux
+	}
+	return uid{le64(b[0:8]), le64(b[8:16])}
+}
+
+func (r *region) loadUID(off uint64) uid     { return uid{r.load(off), r.load(off + 8)} }
+func (r *region) storeUID(off uint64, u uid) { r.store(off, u[0]); r.store(off+8, u[1]) }
+
+func le64(b []byte) uint64 {
+	return uint64(b[0]) | uint64(b[1])<<8 | uint64(b[2])<<16 | uint64(b[3])<<24 |
+		uint64(b[4])<<32 | uint64(b[5])<<40 | uint64(b[6])<<48 | uint64(b[7])<<56
+}
+
+func put64(b []byte, v uint64) {
+	for i := range 8 {
+		b[i] = byte(v >> (8 * i))
+	}
+}
+
+// checksum is FNV-1a over b: it tells junk handle bytes from ours.
+func checksum(b []byte) uint64 {
+	h := uint64(14695981039346656037)
+	for _, c := range b {
+		h ^= uint64(c)
+		h *= 1099511628211
+	}
+	return h
+}
+
+func roundUp(n, m uint64) uint64 { return (n + m - 1) / m * m }
+
+// The pool memfd: [header][entry table][data area]. The exporting Device alone
+// allocates; importers read entries to validate records and register themselves.
+const (
+	poolMemfdName = "cudarttest-pool"
+	poolMagic     = 0x315f4c4f4f504443 // "CDPOOL_1"
+
+	hMagic        = 0   // poolMagic
+	hUID          = 8   // 2 words
+	hBase         = 24  // device address of data offset 0
+	hSize         = 32  // bytes in the data area
+	hGranularity  = 40  //
+	hReserved     = 48  // current reserved bytes
+	hReservedHigh = 56  //
+	hUsed         = 64  // bytes in live allocations
+	hUsedHigh     = 72  //
+	hExporter     = 80  // ident of the exporting Device
+	hExporterGone = 88  // 1 once the exporting Device closed
+	hDevice       = 96  // resident device ordinal
+	hHandleTypes  = 104 // cudart.HandleType bits
+	hEntries      = 112 // entries in the table (maxEntries)
+	headerBytes   = 128
+
+	maxEntries   = 8192
+	maxImporters = 32
+
+	// An entry: one allocation slot. eState is gen<<2 | state; offset and size are
+	// written before it, so a reader that sees the same eState before and after
+	// reading them has a consistent triple.
+	eState      = 0
+	eOffset     = 8
+	eSize       = 16
+	eWriteEpoch = 24 // epoch of the last write (or of the allocation)
+	eWriter     = 32 // ident of the Device that made it
+	eSlots      = 64 // maxImporters × (ident, gen): importers holding this allocation
+	slotBytes   = 16
+	entryBytes  = eSlots + maxImporters*slotBytes
+
+	poolDataOffset = (headerBytes + maxEntries*entryBytes + 4095) / 4096 * 4096
+)
+
+const (
+	stateUnused = 0
+	stateLive   = 1
+	stateFreed  = 2
+)
+
+func entryOff(i uint32) uint64           { return headerBytes + uint64(i)*entryBytes }
+func slotOff(i uint32, s int) uint64     { return entryOff(i) + eSlots + uint64(s)*slotBytes }
+func packState(gen, state uint64) uint64 { return gen<<2 | state }
