@@ -134,7 +134,7 @@ func (d *Device) adoptPool(op string, reg *region, ht cudart.HandleType) (*pool,
 	switch {
 	case reg.load(hMagic) != poolMagic:
 		return nil, invalid(op, "not a cudarttest pool")
-	case reg.load(hEntries) != maxEntries || poolDataOffset+size > uint64(len(reg.mem)):
+	case reg.load(hEntries) != maxEntries || size > uint64(len(reg.mem)) || poolDataOffset+size > uint64(len(reg.mem)):
 		return nil, invalid(op, "pool header does not match its memfd")
 	case cudart.HandleType(reg.load(hHandleTypes))&ht == 0:
 		return nil, invalid(op, fmt.Sprintf("pool was not created shareable as %v", ht))
@@ -319,6 +319,10 @@ func (p *pool) releasedAt(off, n uint64) bool {
 	return false
 }
 
+// maxReleased bounds the unmapped imports a pool remembers, so that a long run of
+// imports and frees does not grow without end.
+const maxReleased = 4096
+
 // freeImport unmaps an import: the pointer and every alias of it (FACTS 4).
 func (d *Device) freeImport(op string, p *pool, ptr cudart.DevicePtr) error {
 	off := uint64(ptr) - p.base
@@ -332,6 +336,12 @@ func (d *Device) freeImport(op string, p *pool, ptr cudart.DevicePtr) error {
 	}
 	p.releaseSlot(imp)
 	p.imports = slices.Delete(p.imports, i, i+1)
+	if len(p.released) >= maxReleased {
+		for old := range p.released { // forget one: the record is for diagnosis only
+			delete(p.released, old)
+			break
+		}
+	}
 	p.released[imp.ptr] = imp.size
 	d.dropPool(p)
 	return nil

@@ -2,6 +2,10 @@ package cudarttest
 
 import (
 	"bytes"
+	"fmt"
+	"slices"
+	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -43,4 +47,150 @@ func TestChildImportsReadsAndWrites(t *testing.T) {
 	}
 	child.exit()
 	ok(t, exp.Err())
+}
+
+// childImporter starts a child Device and gives it the exporter's pool.
+func childImporter(t *testing.T, exp fx) (*remote, cudart.MemPool) {
+	t.Helper()
+	child := startRemote(t)
+	p, fd := exp.exported()
+	defer unix.Close(fd)
+	child.do(request{Op: "import-pool"}, fd)
+	return child, p
+}
+
+func (r *remote) importPtr(data cudart.PtrExportData) uint64 {
+	r.t.Helper()
+	return r.do(request{Op: "import-ptr", Data: data[:]}).Ptr
+}
+
+// wantKinds fails unless a failed remote call reported exactly kinds.
+func wantKinds(t *testing.T, rep reply, kinds ...ViolationKind) {
+	t.Helper()
+	if rep.Err == "" || !slices.Equal(rep.Kinds, kinds) {
+		t.Fatalf("remote reply %+v, want an error reporting %v", rep, kinds)
+	}
+}
+
+func TestChildStaleAndDoubleImports(t *testing.T) {
+	exp := newFx(t)
+	child, p := childImporter(t, exp)
+	ptr := exp.alloc(p, 512)
+	stale := exp.exportPtr(ptr)
+	ok(t, exp.FreeAsync(0, ptr, 0))
+	iptr := child.importPtr(stale) // FACTS 3: accepted
+	rep, _ := child.call(request{Op: "read", Ptr: iptr, N: 4})
+	wantKinds(t, rep, ViolationUseAfterRelease)
+	child.do(request{Op: "free", Ptr: iptr})
+
+	live := exp.alloc(p, 512)
+	rec := exp.exportPtr(live)
+	first, second := child.importPtr(rec), child.importPtr(rec)
+	if first != second || first != uint64(live) {
+		t.Fatalf("imports at %#x and %#x, allocation at %#x", first, second, uint64(live))
+	}
+	child.do(request{Op: "free", Ptr: second})
+	rep, _ = child.call(request{Op: "free", Ptr: first}) // FACTS 4
+	wantKinds(t, rep, ViolationUseAfterRelease)
+	if !strings.Contains(rep.Err, "invalid argument") {
+		t.Fatalf("second free: %s; want invalid argument too", rep.Err)
+	}
+	ok(t, exp.FreeAsync(0, live, 0))
+	ok(t, exp.Err())
+	child.exit()
+}
+
+func TestExporterFreesWhileChildHolds(t *testing.T) {
+	exp := newFx(t)
+	child, p := childImporter(t, exp)
+	ptr := exp.alloc(p, 512)
+	child.importPtr(exp.exportPtr(ptr))
+	err := exp.FreeAsync(0, ptr, 0)
+	wantViolation(t, err, ViolationExporterFreedWhileImported)
+	if !strings.Contains(err.Error(), fmt.Sprintf("pid %d ", child.pid)) {
+		t.Fatalf("violation %v does not name the importer, pid %d", err, child.pid)
+	}
+	rep, _ := child.call(request{Op: "read", Ptr: uint64(ptr), N: 1})
+	wantKinds(t, rep, ViolationUseAfterRelease)
+	child.exit()
+}
+
+// A killed importer's mappings are gone, as with the driver: it holds nothing,
+// whether already reaped or still a zombie.
+func TestKilledImporterHoldsNothing(t *testing.T) {
+	for _, reap := range []bool{false, true} {
+		exp := newFx(t)
+		child, p := childImporter(t, exp)
+		ptr := exp.alloc(p, 512)
+		child.importPtr(exp.exportPtr(ptr))
+		ok(t, syscall.Kill(child.pid, syscall.SIGKILL))
+		if reap {
+			child.cmd.Wait()
+		} else {
+			// Wait for it to be a zombie without reaping it.
+			var info unix.Siginfo
+			ok(t, unix.Waitid(unix.P_PID, child.pid, &info, unix.WEXITED|unix.WNOWAIT, nil))
+		}
+		ok(t, exp.FreeAsync(0, ptr, 0))
+		ok(t, exp.Err())
+	}
+}
+
+// FACTS 7: the exporting process dies; the importer reads on, frees its import, and
+// then cannot destroy the pool.
+func TestExporterChildDiesFirst(t *testing.T) {
+	imp := newFx(t)
+	child := startRemote(t)
+	rep, fds := child.call(request{Op: "export-pool"})
+	if rep.Err != "" || len(fds) != 1 {
+		t.Fatalf("export-pool: %+v, %d descriptors", rep, len(fds))
+	}
+	p := imp.importPool(fds[0])
+	unix.Close(fds[0])
+	ptr := child.do(request{Op: "alloc", N: 1000}).Ptr
+	child.do(request{Op: "write", Ptr: ptr, Data: []byte("written by the dead")})
+	h := child.do(request{Op: "create-event"}).Data
+	child.do(request{Op: "record"})
+	rec := child.do(request{Op: "export-ptr", Ptr: ptr}).Data
+	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
+	ok(t, err)
+	ok(t, imp.StreamWaitEvent(0, 0, e))
+	iptr := imp.importPtr(p, cudart.PtrExportData(rec))
+
+	ok(t, syscall.Kill(child.pid, syscall.SIGKILL))
+	child.cmd.Wait()
+	imp.wantBytes(iptr, []byte("written by the dead"))
+	ok(t, imp.FreeAsync(0, iptr, 0))
+	wantErr(t, imp.MemPoolDestroy(0, p), cudart.ErrInvalidValue)
+	_, err = imp.EventQuery(0, e) // its events died with it
+	wantViolation(t, err, ViolationUseAfterRelease)
+}
+
+func TestChildExportsAndParentImportsOverEvents(t *testing.T) {
+	imp := newFx(t)
+	child := startRemote(t)
+	_, fds := child.call(request{Op: "export-pool"})
+	p := imp.importPool(fds[0])
+	unix.Close(fds[0])
+	ptr := child.do(request{Op: "alloc", N: 64}).Ptr
+	iptr := imp.importPtr(p, cudart.PtrExportData(child.do(request{Op: "export-ptr", Ptr: ptr}).Data))
+	h := child.do(request{Op: "create-event"}).Data
+	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
+	ok(t, err)
+	child.do(request{Op: "write", Ptr: ptr, Data: []byte("round 1")})
+	_, err = imp.MemcpyDtoHAsyncN(iptr, 7) // not waited for
+	wantViolation(t, err, ViolationUnorderedRead)
+	child.do(request{Op: "record"})
+	ok(t, imp.StreamWaitEvent(0, 0, e))
+	imp.wantBytes(iptr, []byte("round 1"))
+	ok(t, imp.FreeAsync(0, iptr, 0))
+	ok(t, imp.EventRecord(0, e, 0)) // the importer's free is done: tell the exporter
+	child.do(request{Op: "wait"})
+	child.do(request{Op: "free", Ptr: ptr})
+	if kinds := child.do(request{Op: "violations"}).Kinds; len(kinds) != 0 {
+		t.Fatalf("child saw %v", kinds)
+	}
+	child.exit()
+	// A Device that closed while its process lives on cannot be destroyed from either.
+	wantErr(t, imp.MemPoolDestroy(0, p), cudart.ErrInvalidValue)
 }

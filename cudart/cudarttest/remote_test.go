@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -56,6 +57,9 @@ func startRemote(t testing.TB) *remote {
 	t.Cleanup(func() { conn.Close() })
 	cmd := proctest.Command(t, "remote")
 	cmd.ExtraFiles = []*os.File{theirs}
+	// Under -race a process lingers a second at exit to let reports settle; a child
+	// that exits cleanly has nothing to report late.
+	cmd.Env = append(cmd.Env, "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 	ok(t, cmd.Start())
 	return &remote{t: t, conn: conn, cmd: cmd, pid: cmd.Process.Pid}
 }

@@ -1,0 +1,479 @@
+package cudarttest
+
+import (
+	"bytes"
+	"os"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// shared is an exporter and an importer Device of one process with a pool exported
+// from the first and imported into the second.
+type shared struct {
+	exp, imp fx
+	pool     cudart.MemPool // in exp
+	ipool    cudart.MemPool // in imp
+}
+
+func newShared(t *testing.T) shared {
+	t.Helper()
+	s := shared{exp: newFx(t), imp: newFx(t)}
+	var fd int
+	s.pool, fd = s.exp.exported()
+	defer unix.Close(fd)
+	s.ipool = s.imp.importPool(fd)
+	return s
+}
+
+// share allocates n bytes in the exporter, fills them with data, and imports them
+// ordered after that write.
+func (s shared) share(n uint64, data []byte) (ptr, iptr cudart.DevicePtr) {
+	ptr = s.exp.alloc(s.pool, n)
+	s.exp.write(ptr, data)
+	ok(s.exp.t, s.exp.StreamSynchronize(0, 0))
+	e, o := s.exp.ipcEvent(s.imp)
+	ready(s.exp, e, s.imp, o)
+	return ptr, s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
+}
+
+// FACTS 12 and 9: only live allocations of an exported IPC pool can be exported.
+func TestExportPointerNeedsExportedIPCPool(t *testing.T) {
+	d := newFx(t)
+	p := d.pool(ipcProps(0))
+	ptr := d.alloc(p, 1*mib)
+	_, err := d.MemPoolExportPointer(0, ptr)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	h, err := d.MemPoolExportToShareableHandle(0, p, cudart.HandleTypePosixFD)
+	ok(t, err)
+	defer unix.Close(h.FD)
+	flags, err := unix.FcntlInt(uintptr(h.FD), unix.F_GETFD, 0)
+	if err != nil || flags&unix.FD_CLOEXEC == 0 {
+		t.Fatalf("exported descriptor not close-on-exec: %#x %v", flags, err)
+	}
+	first := d.exportPtr(ptr)
+	if again := d.exportPtr(ptr); again != first {
+		t.Fatal("exporting one pointer twice gave different records")
+	}
+	other := d.alloc(p, 1*mib)
+	if d.exportPtr(other) == first {
+		t.Fatal("two allocations share a record")
+	}
+	_, err = d.MemPoolExportPointer(0, ptr+512)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	ok(t, d.FreeAsync(0, other, 0))
+	_, err = d.MemPoolExportPointer(0, other)
+	wantErr(t, err, cudart.ErrInvalidValue)
+
+	none := d.pool(cudart.PoolProps{Location: cudart.DeviceLocation(0)})
+	_, err = d.MemPoolExportToShareableHandle(0, none, cudart.HandleTypePosixFD)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	_, err = d.MemPoolExportToShareableHandle(0, p, cudart.HandleTypeFabric) // not created with it
+	wantErr(t, err, cudart.ErrInvalidValue)
+	_, err = d.MemPoolExportPointer(0, d.alloc(none, 512))
+	wantErr(t, err, cudart.ErrInvalidValue)
+}
+
+// FACTS 11: FABRIC export is refused unless the host has IMEX (WithFabric).
+func TestFabricExport(t *testing.T) {
+	fabricProps := cudart.PoolProps{HandleTypes: cudart.HandleTypeFabric, Location: cudart.DeviceLocation(0)}
+	plain := newFx(t)
+	_, err := plain.MemPoolExportToShareableHandle(0, plain.pool(fabricProps), cudart.HandleTypeFabric)
+	wantErr(t, err, cudart.ErrNotPermitted)
+
+	exp, imp := newFx(t, WithFabric()), newFx(t, WithFabric())
+	p := exp.pool(fabricProps)
+	h, err := exp.MemPoolExportToShareableHandle(0, p, cudart.HandleTypeFabric)
+	ok(t, err)
+	if h.FD != -1 || h.Type != cudart.HandleTypeFabric {
+		t.Fatalf("fabric handle %+v", h)
+	}
+	ptr := exp.alloc(p, 100)
+	exp.write(ptr, []byte("over the fabric"))
+	ip, err := imp.MemPoolImportFromShareableHandle(0, h)
+	ok(t, err)
+	e, o := exp.ipcEvent(imp)
+	ready(exp, e, imp, o)
+	iptr := imp.importPtr(ip, exp.exportPtr(ptr))
+	imp.wantBytes(iptr, []byte("over the fabric"))
+	ok(t, imp.FreeAsync(0, iptr, 0))
+
+	_, err = plain.MemPoolImportFromShareableHandle(0, h)
+	wantErr(t, err, cudart.ErrNotPermitted)
+	junk := h
+	junk.Fabric[20] ^= 1
+	_, err = imp.MemPoolImportFromShareableHandle(0, junk)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	ok(t, exp.FreeAsync(0, ptr, 0))
+	ok(t, exp.MemPoolDestroy(0, p))
+	// The exporter's descriptor is gone: the handle names nothing now.
+	_, err = newFx(t, WithFabric()).MemPoolImportFromShareableHandle(0, h)
+	wantErr(t, err, cudart.ErrInvalidValue)
+}
+
+func TestImportPoolChecksItsHandle(t *testing.T) {
+	exp, imp := newFx(t), newFx(t)
+	p, fd := exp.exported()
+	defer unix.Close(fd)
+	posix := func(fd int) cudart.ShareableHandle {
+		return cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd}
+	}
+	r, w, err := os.Pipe()
+	ok(t, err)
+	defer r.Close()
+	defer w.Close()
+	junk, err := unix.MemfdCreate(poolMemfdName, unix.MFD_CLOEXEC) // our name, no header
+	ok(t, err)
+	defer unix.Close(junk)
+	ok(t, unix.Ftruncate(junk, poolDataOffset))
+	for _, h := range []cudart.ShareableHandle{posix(-1), posix(int(r.Fd())), posix(junk), {Type: 0x2, FD: fd}} {
+		_, err := imp.MemPoolImportFromShareableHandle(0, h)
+		wantErr(t, err, cudart.ErrInvalidValue)
+	}
+	_, err = exp.MemPoolImportFromShareableHandle(0, posix(fd))
+	wantErr(t, err, cudart.ErrInvalidValue) // its own pool
+	_, err = imp.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypeFabric, FD: -1})
+	wantErr(t, err, cudart.ErrNotPermitted) // no IMEX
+
+	// Importing one pool twice gives one handle, undone by two destroys.
+	a, b := imp.importPool(fd), imp.importPool(fd)
+	if a != b {
+		t.Fatalf("one pool imported twice as %#x and %#x", a, b)
+	}
+	ok(t, imp.MemPoolDestroy(0, a))
+	ok(t, imp.MemPoolDestroy(0, a))
+	wantErr(t, imp.MemPoolDestroy(0, a), cudart.ErrInvalidValue)
+	_ = p
+}
+
+// FACTS 6: an imported pool cannot allocate.
+func TestImportedPoolCannotAllocate(t *testing.T) {
+	s := newShared(t)
+	_, err := s.imp.MallocFromPoolAsync(0, 512, s.ipool, 0)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	_, err = s.imp.MemPoolExportToShareableHandle(0, s.ipool, cudart.HandleTypePosixFD)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	wantErr(t, s.imp.MemPoolSetAttribute(0, s.ipool, cudart.PoolUsedMemHigh, 0), cudart.ErrInvalidValue)
+	s.exp.alloc(s.pool, 3*mib)
+	if r := s.imp.attr(s.ipool, cudart.PoolReservedMemCurrent); r != 4*mib {
+		t.Fatalf("importer sees reserved %d, want the exporter's 4 MiB", r)
+	}
+}
+
+// FACTS 2: imports have the exporter's addresses; memcpy on a neighbour that was not
+// imported fails.
+func TestImportKeepsAddressesAndHidesNeighbours(t *testing.T) {
+	s := newShared(t)
+	ptr, iptr := s.share(1000, []byte("exported"))
+	secret := s.exp.alloc(s.pool, 1000)
+	s.exp.write(secret, []byte("not exported"))
+	if iptr != ptr {
+		t.Fatalf("imported at %#x, exported at %#x", iptr, ptr)
+	}
+	s.imp.wantBytes(iptr, []byte("exported"))
+	_, err := s.imp.MemcpyDtoHAsyncN(secret, 4)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	_, err = s.imp.MemcpyDtoHAsyncN(iptr+1000, 100) // runs past the import
+	wantErr(t, err, cudart.ErrInvalidValue)
+	ok(t, s.imp.Err())
+}
+
+// FACTS 5: junk records fail; so do records of another pool.
+func TestJunkRecordsAreRefused(t *testing.T) {
+	s := newShared(t)
+	ptr := s.exp.alloc(s.pool, 512)
+	rec := s.exp.exportPtr(ptr)
+	var junk cudart.PtrExportData
+	for i := range junk {
+		junk[i] = 0x3c
+	}
+	flipped := rec
+	flipped[40] ^= 0x80
+	other := newShared(t)
+	foreign := other.exp.exportPtr(other.exp.alloc(other.pool, 512))
+	for _, data := range []cudart.PtrExportData{junk, flipped, foreign, {}} {
+		_, err := s.imp.MemPoolImportPointer(0, s.ipool, data)
+		wantErr(t, err, cudart.ErrInvalidValue)
+	}
+	_, err := s.exp.MemPoolImportPointer(0, s.pool, rec) // into the exporter's own pool
+	wantErr(t, err, cudart.ErrInvalidValue)
+	ok(t, s.imp.Err())
+}
+
+// FACTS 3: a stale record imports fine; using it is the violation.
+func TestStaleRecordImportsButCannotBeUsed(t *testing.T) {
+	s := newShared(t)
+	ptr := s.exp.alloc(s.pool, 512)
+	rec := s.exp.exportPtr(ptr)
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	iptr, err := s.imp.MemPoolImportPointer(0, s.ipool, rec)
+	ok(t, err)
+	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 8)
+	wantErr(t, err, ErrViolation)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+
+	// Reused: the same entry's new allocation does not revive the old record.
+	again := s.exp.alloc(s.pool, 512)
+	if again != ptr {
+		t.Fatalf("reallocation at %#x, want the freed %#x", again, ptr)
+	}
+	iptr, err = s.imp.MemPoolImportPointer(0, s.ipool, rec)
+	ok(t, err)
+	err = s.imp.MemsetAsync(0, iptr, 0, 8, 0)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	ok(t, s.exp.FreeAsync(0, again, 0)) // the stale import held no reference
+	ok(t, s.exp.Err())
+}
+
+// FACTS 4: a second import of one record aliases the first; freeing either unmaps
+// both.
+func TestDoubleImportAliasesOneMapping(t *testing.T) {
+	s := newShared(t)
+	ptr, first := s.share(512, []byte("once"))
+	second := s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
+	if first != second {
+		t.Fatalf("double import gave %#x and %#x", first, second)
+	}
+	ok(t, s.imp.FreeAsync(0, second, 0))
+	_, err := s.imp.MemcpyDtoHAsyncN(first, 4)
+	wantErr(t, err, cudart.ErrInvalidValue, ErrViolation)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	err = s.imp.FreeAsync(0, first, 0)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	ok(t, s.exp.FreeAsync(0, ptr, 0)) // the importer holds nothing any more
+	ok(t, s.exp.Err())
+}
+
+func TestExporterFreeWhileImported(t *testing.T) {
+	s := newShared(t)
+	ptr, iptr := s.share(512, []byte("held"))
+	err := s.exp.FreeAsync(0, ptr, 0)
+	wantErr(t, err, ErrViolation)
+	wantViolation(t, err, ViolationExporterFreedWhileImported)
+	if vs := s.exp.Violations(); len(vs) != 1 {
+		t.Fatalf("exporter violations %+v", vs)
+	}
+	// The free happened: the space is handed out again, and the import is dead.
+	if again := s.exp.alloc(s.pool, 512); again != ptr {
+		t.Fatalf("freed space not reused: %#x", again)
+	}
+	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 4)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+}
+
+func TestClosedImporterHoldsNothing(t *testing.T) {
+	s := newShared(t)
+	ptr, _ := s.share(512, []byte("x"))
+	ok(t, s.imp.Close())
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	ok(t, s.exp.Err())
+}
+
+// FACTS 7: the importer outlives the exporter.
+func TestExporterClosesFirst(t *testing.T) {
+	s := newShared(t)
+	ptr, iptr := s.share(512, []byte("survives"))
+	_ = ptr
+	ok(t, s.exp.Close())
+	s.imp.wantBytes(iptr, []byte("survives"))
+	s.imp.write(iptr, []byte("still mapped"))
+	s.imp.wantBytes(iptr, []byte("still mapped"))
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	wantErr(t, s.imp.MemPoolDestroy(0, s.ipool), cudart.ErrInvalidValue)
+	ok(t, s.imp.Err())
+}
+
+func TestUnorderedAccessIsReported(t *testing.T) {
+	s := newShared(t)
+	ptr := s.exp.alloc(s.pool, 512)
+	e, o := s.exp.ipcEvent(s.imp)
+	iptr := s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
+
+	// Before any event: the allocation itself is not ordered before the read.
+	_, err := s.imp.MemcpyDtoHAsyncN(iptr, 4)
+	wantViolation(t, err, ViolationUnorderedRead)
+
+	s.exp.write(ptr, []byte("v1"))
+	ready(s.exp, e, s.imp, o)
+	s.imp.wantBytes(iptr, []byte("v1"))
+
+	// Written again after the record: the old wait no longer covers it, and the
+	// bytes are still copied (the device is immediate).
+	s.exp.write(ptr, []byte("v2"))
+	got, err := s.imp.MemcpyDtoHAsyncN(iptr, 2)
+	wantViolation(t, err, ViolationUnorderedRead)
+	if string(got) != "v2" {
+		t.Fatalf("unordered read copied %q", got)
+	}
+
+	// The host synchronising with the event orders every stream after it.
+	ok(t, s.imp.EventSynchronize(0, o)) // o was recorded before v2: not enough
+	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 2)
+	wantViolation(t, err, ViolationUnorderedRead)
+	err = s.imp.MemcpyHtoDAsync(0, iptr, []byte("w"), 0)
+	wantViolation(t, err, ViolationUnorderedWrite)
+	ok(t, s.exp.EventRecord(0, e, 0))
+	if done, err := s.imp.EventQuery(0, o); err != nil || !done {
+		t.Fatalf("EventQuery = %v, %v", done, err)
+	}
+	s.imp.wantBytes(iptr, []byte("w2"))
+
+	// A created stream is ordered only by what it waited on.
+	st, err := s.imp.StreamCreate(0, 0)
+	ok(t, err)
+	err = s.exp.MemcpyHtoDAsync(0, ptr, []byte("v3"), 0) // the importer wrote last
+	wantViolation(t, err, ViolationUnorderedWrite)
+	ready(s.imp, o, s.exp, e)
+	s.exp.write(ptr, []byte("v3"))
+	ok(t, s.exp.EventRecord(0, e, 0))
+	ok(t, s.imp.StreamWaitEvent(0, st, o))
+	buf := make([]byte, 2)
+	ok(t, s.imp.MemcpyDtoHAsync(0, buf, iptr, st))
+	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 2) // the default stream did not wait
+	wantViolation(t, err, ViolationUnorderedRead)
+
+	// The exporter reading the importer's write needs the importer's event too.
+	ok(t, s.imp.MemcpyHtoDAsync(0, iptr, []byte("i"), st))
+	_, err = s.exp.MemcpyDtoHAsyncN(ptr, 1)
+	wantViolation(t, err, ViolationUnorderedRead)
+	ready(s.imp, o, s.exp, e)
+	s.exp.wantBytes(ptr, []byte("i3"))
+}
+
+// FACTS 8 and the access rule: an imported pool is reachable from another device
+// only once the importer grants it; the exporter's grant does not carry over.
+func TestImportedPoolAccessFromAnotherDevice(t *testing.T) {
+	s := newShared(t)
+	rw := []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}
+	ok(t, s.exp.MemPoolSetAccess(0, s.pool, rw))
+	_, iptr := s.share(512, []byte("peer"))
+	buf := make([]byte, 4)
+	err := s.imp.MemcpyDtoHAsync(1, buf, iptr, 0)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	wantViolation(t, err, ViolationAccessDenied)
+
+	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
+	ok(t, s.imp.StreamSynchronize(1, 0))
+	ok(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
+	ok(t, s.imp.MemcpyDtoHAsync(1, buf, iptr, 0))
+	if string(buf) != "peer" {
+		t.Fatalf("device 1 read %q", buf)
+	}
+	err = s.imp.MemsetAsync(1, iptr, 0, 1, 0)
+	wantViolation(t, err, ViolationAccessDenied)
+	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, rw))
+	ok(t, s.imp.MemsetAsync(1, iptr, 'P', 1, 0))
+}
+
+// mustEvent records an IPC event of the exporter, opened in the importer, and returns
+// the importer's handle of it.
+func mustEvent(t *testing.T, s shared) cudart.Event {
+	e, o := s.exp.ipcEvent(s.imp)
+	ok(t, s.exp.EventRecord(0, e, 0))
+	return o
+}
+
+func TestImportersPerAllocationAreBounded(t *testing.T) {
+	s := newShared(t)
+	ptr := s.exp.alloc(s.pool, 512)
+	rec := s.exp.exportPtr(ptr)
+	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
+	ok(t, err)
+	defer unix.Close(h.FD)
+	s.imp.importPtr(s.ipool, rec)
+	var last fx
+	for range maxImporters - 1 {
+		last = newFx(t)
+		last.importPtr(last.importPool(h.FD), rec)
+	}
+	extra := newFx(t)
+	_, err = extra.MemPoolImportPointer(0, extra.importPool(h.FD), rec)
+	wantErr(t, err, ErrCapacity, cudart.ErrOutOfMemory)
+	ok(t, last.Close()) // a closed importer's slot goes back
+	extra.importPtr(extra.importPool(h.FD), rec)
+}
+
+func TestIPCEvents(t *testing.T) {
+	a, b := newFx(t), newFx(t)
+	_, err := a.EventCreate(0, cudart.EventInterprocess)
+	wantErr(t, err, cudart.ErrInvalidValue) // needs DisableTiming too
+	_, err = a.EventCreate(0, 0x80)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	plain, err := a.EventCreate(0, cudart.EventDisableTiming)
+	ok(t, err)
+	_, err = a.IpcGetEventHandle(0, plain)
+	wantErr(t, err, cudart.ErrInvalidValue)
+
+	e, o := a.ipcEvent(b)
+	h, err := a.IpcGetEventHandle(0, e)
+	ok(t, err)
+	_, err = a.IpcOpenEventHandle(0, h)
+	wantErr(t, err, cudart.ErrInvalidValue) // its own
+	junk := h
+	junk[30] ^= 1
+	_, err = b.IpcOpenEventHandle(0, junk)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	ok(t, b.EventRecord(0, o, 0)) // an opened event can be recorded
+	if done, err := a.EventQuery(0, e); err != nil || !done {
+		t.Fatalf("EventQuery = %v %v", done, err)
+	}
+
+	// Mismatched or unknown handles.
+	wantErr(t, a.EventRecord(1, e, 0), cudart.ErrInvalidResourceHandle) // event of device 0
+	wantErr(t, a.EventRecord(0, e, 999), cudart.ErrInvalidResourceHandle)
+	wantErr(t, a.EventRecord(0, o, 0), cudart.ErrInvalidResourceHandle) // b's handle
+	wantErr(t, a.StreamDestroy(0, 0), cudart.ErrInvalidResourceHandle)
+	_, err = a.StreamCreate(0, 0x10)
+	wantErr(t, err, cudart.ErrInvalidValue)
+	st, err := a.StreamCreate(0, cudart.StreamNonBlocking)
+	ok(t, err)
+	ok(t, a.StreamDestroy(0, st))
+	wantErr(t, a.StreamSynchronize(0, st), cudart.ErrInvalidResourceHandle)
+
+	// Destroyed by its owner: using it is a violation, and so is opening it.
+	ok(t, a.EventDestroy(0, e))
+	wantErr(t, a.EventDestroy(0, e), cudart.ErrInvalidResourceHandle)
+	wantViolation(t, b.StreamWaitEvent(0, 0, o), ViolationUseAfterRelease)
+	_, err = newFx(t).IpcOpenEventHandle(0, h)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	ok(t, b.EventDestroy(0, o))
+
+	// Its owner closed: every opened event dies.
+	e2, o2 := a.ipcEvent(b)
+	_ = e2
+	ok(t, a.Close())
+	_, err = b.EventQuery(0, o2)
+	wantViolation(t, err, ViolationUseAfterRelease)
+	_, err = newFx(t).IpcOpenEventHandle(0, h)
+	wantErr(t, err, cudart.ErrInvalidValue) // nothing left to open
+}
+
+func TestCopyBetweenTwoImportedPools(t *testing.T) {
+	s, u := newShared(t), newShared(t)
+	// u's importer imports s's pool too: one Device holding two imported pools.
+	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
+	ok(t, err)
+	defer unix.Close(h.FD)
+	sp := u.imp.importPool(h.FD)
+	src := s.exp.alloc(s.pool, 64)
+	s.exp.write(src, []byte("cross pool"))
+	dst := u.exp.alloc(u.pool, 64)
+	e, o := s.exp.ipcEvent(u.imp)
+	f, q := u.exp.ipcEvent(u.imp)
+	ready(s.exp, e, u.imp, o)
+	ready(u.exp, f, u.imp, q)
+	isrc := u.imp.importPtr(sp, s.exp.exportPtr(src))
+	idst := u.imp.importPtr(u.ipool, u.exp.exportPtr(dst))
+	ok(t, u.imp.MemcpyDtoDAsync(0, idst, isrc, 10, 0))
+	ready(u.imp, q, u.exp, f)
+	u.exp.wantBytes(dst, []byte("cross pool"))
+	if !bytes.Equal(u.imp.read(isrc, 10), []byte("cross pool")) {
+		t.Fatal("source changed")
+	}
+}
