@@ -1,0 +1,150 @@
+package export
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// DirEnv names the environment variable that overrides DefaultDir.
+const DirEnv = "CUDAPOOL_DIR"
+
+// DefaultDir is where exporters announce themselves and cmd/poolstat looks for them:
+// $CUDAPOOL_DIR, else $XDG_RUNTIME_DIR/cudapool, else <os.TempDir()>/cudapool-<uid>.
+// It does not create the directory.
+func DefaultDir() string {
+	if d := os.Getenv(DirEnv); d != "" {
+		return d
+	}
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "cudapool")
+	}
+	return filepath.Join(os.TempDir(), "cudapool-"+strconv.Itoa(os.Getuid()))
+}
+
+// EnsureDir creates dir with mode 0700 if it is missing, and checks that it is a
+// directory (not a link to one) owned by this user and writable by nobody else, so that
+// no other user can plant or remove announcements or sockets in it. On failure the
+// error wraps ErrBadDir, or says why dir could not be created.
+func EnsureDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("export: create %s: %w", dir, err)
+	}
+	info, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("export: %s: %w", dir, err)
+	}
+	if !info.IsDir() {
+		return fmt.Errorf("%w: %s is a %v, not a directory", ErrBadDir, dir, info.Mode().Type())
+	}
+	if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Getuid() {
+		return fmt.Errorf("%w: %s is owned by uid %d, not %d", ErrBadDir, dir, st.Uid, os.Getuid())
+	}
+	if perm := info.Mode().Perm(); perm&0o022 != 0 {
+		return fmt.Errorf("%w: %s has mode %v: group or others can write to it", ErrBadDir, dir, perm)
+	}
+	return nil
+}
+
+// Announcement is what an exporter writes to <dir>/<pid>.json while it listens, so
+// that tools can find it. Its JSON form is a stable schema.
+type Announcement struct {
+	PID     int       `json:"pid"`
+	Socket  string    `json:"socket"`
+	Name    string    `json:"name"`
+	Started time.Time `json:"started"`
+	// Live is set by Discover, never written: the process exists and its socket
+	// accepts connections.
+	Live bool `json:"-"`
+	// Dead says why Discover found the exporter not live, else "".
+	Dead string `json:"-"`
+}
+
+// announce writes a's file into dir atomically (a reader sees all of it or none) and
+// returns its path.
+func announce(dir string, a Announcement) (string, error) {
+	body, err := json.Marshal(a)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, strconv.Itoa(a.PID)+".json")
+	tmp, err := os.CreateTemp(dir, ".announce-*")
+	if err != nil {
+		return "", fmt.Errorf("export: announce: %w", err)
+	}
+	_, err = tmp.Write(append(body, '\n'))
+	err = errors.Join(err, tmp.Close())
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return "", fmt.Errorf("export: announce: %w", err)
+	}
+	return path, nil
+}
+
+// Discover lists the exporters announced in dir, ordered by pid. Each is marked Live
+// only if its process exists and its socket accepts a connection; any other, or one
+// that could not be checked, is marked dead with the reason, never live. A file that is
+// not a readable announcement is listed with PID 0 and the reason in Dead. A missing
+// dir lists nothing.
+func Discover(dir string) ([]Announcement, error) {
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("export: discover: %w", err)
+	}
+	var out []Announcement
+	for _, e := range entries {
+		name := e.Name()
+		if !strings.HasSuffix(name, ".json") || strings.HasPrefix(name, ".") {
+			continue
+		}
+		out = append(out, readAnnouncement(filepath.Join(dir, name)))
+	}
+	slices.SortFunc(out, func(a, b Announcement) int { return a.PID - b.PID })
+	return out, nil
+}
+
+func readAnnouncement(path string) Announcement {
+	var a Announcement
+	body, err := os.ReadFile(path)
+	if err == nil {
+		err = json.Unmarshal(body, &a)
+	}
+	if err == nil && a.PID <= 0 {
+		err = fmt.Errorf("pid %d", a.PID)
+	}
+	if err != nil {
+		return Announcement{Socket: a.Socket, Dead: fmt.Sprintf("unreadable announcement %s: %v", path, err)}
+	}
+	a.Dead = liveness(a)
+	a.Live = a.Dead == ""
+	return a
+}
+
+// liveness says why the announced exporter is not live, or "".
+func liveness(a Announcement) string {
+	if err := syscall.Kill(a.PID, 0); err != nil && !errors.Is(err, syscall.EPERM) {
+		return fmt.Sprintf("process %d is gone", a.PID)
+	}
+	live, err := socketAnswers(a.Socket)
+	switch {
+	case err != nil:
+		return fmt.Sprintf("socket %s could not be checked: %v", a.Socket, err)
+	case !live:
+		return fmt.Sprintf("socket %s refuses connections", a.Socket)
+	}
+	return ""
+}

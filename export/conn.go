@@ -1,0 +1,161 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/unixfd"
+	"golang.org/x/sys/unix"
+)
+
+// conn is one side of a protocol connection: whole frames out under a lock, so that
+// many goroutines can send on it, and frames in from the one goroutine that reads it.
+type conn struct {
+	nc net.Conn
+	// uc is nc as a Unix socket, which can carry descriptors; nil on a byte stream
+	// such as TCP, where only FABRIC handles can travel.
+	uc *net.UnixConn
+	// acceptsFDs: frames in may carry a pool's descriptor (the importer's side). On the
+	// exporter's side any descriptor that arrives is closed and is a violation.
+	acceptsFDs bool
+
+	wmu  sync.Mutex
+	wbuf []byte
+
+	hdr  [headerLen]byte
+	rbuf []byte
+}
+
+func newConn(nc net.Conn, acceptsFDs bool) *conn {
+	c := &conn{nc: nc, acceptsFDs: acceptsFDs}
+	c.uc, _ = nc.(*net.UnixConn)
+	return c
+}
+
+// canPassFDs reports whether this connection can carry a POSIX fd pool handle.
+func (c *conn) canPassFDs() bool { return c.uc != nil }
+
+// send writes m as one frame, with fd attached when fd >= 0. A failed or interrupted
+// write leaves the stream unusable: the caller must close the connection.
+func (c *conn) send(ctx context.Context, m message, fd int) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, func() { c.nc.SetWriteDeadline(time.Unix(1, 0)) })
+		defer func() {
+			if !stop() {
+				c.nc.SetWriteDeadline(time.Time{})
+			}
+		}()
+	}
+	c.wbuf = appendFrame(c.wbuf[:0], m)
+	var err error
+	switch {
+	case fd >= 0 && c.uc != nil:
+		err = unixfd.Send(c.uc, c.wbuf, fd)
+	case fd >= 0:
+		err = errors.New("a descriptor cannot travel on a byte stream")
+	default:
+		_, err = c.nc.Write(c.wbuf)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
+		return fmt.Errorf("export: send %s: %w", m.kind(), err)
+	}
+	return nil
+}
+
+// recv reads the next frame. fd is the descriptor that came with a POSIX fd
+// PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on any other
+// frame, a PoolHandle without one, and every malformed frame are errors wrapping
+// ErrProtocol, after which the connection must be closed; the descriptors involved
+// have been closed. A peer that closed between frames gives io.EOF.
+func (c *conn) recv() (m message, fd int, err error) {
+	var fds []int
+	defer func() {
+		if err != nil {
+			closeFDs(fds)
+		}
+	}()
+	if err := c.readFull(c.hdr[:], &fds); err != nil {
+		return nil, -1, err
+	}
+	t, n, err := parseHeader(c.hdr[:])
+	if err != nil {
+		return nil, -1, err
+	}
+	if cap(c.rbuf) < n {
+		c.rbuf = make([]byte, n)
+	}
+	p := c.rbuf[:n]
+	if err := c.readFull(p, &fds); err != nil {
+		if err == io.EOF {
+			err = protocolErr("truncated %s frame: connection closed after its header", t)
+		}
+		return nil, -1, err
+	}
+	if m, err = decodePayload(t, p); err != nil {
+		return nil, -1, err
+	}
+	wantFD := 0
+	if ph, ok := m.(*poolHandle); ok && ph.HandleType == cudart.HandleTypePosixFD {
+		wantFD = 1
+	}
+	switch {
+	case len(fds) != wantFD && wantFD == 1:
+		return nil, -1, protocolErr("POSIX fd PoolHandle arrived with %d descriptors, want 1", len(fds))
+	case len(fds) != wantFD:
+		return nil, -1, protocolErr("%s arrived with %d unexpected descriptors", t, len(fds))
+	case wantFD == 1:
+		return m, fds[0], nil
+	}
+	return m, -1, nil
+}
+
+// readFull fills b, collecting the descriptors that arrive with its bytes. It returns
+// io.EOF if the peer closed before the first byte and a protocol error if it closed
+// within b.
+func (c *conn) readFull(b []byte, fds *[]int) error {
+	for got := 0; got < len(b); {
+		var n int
+		var err error
+		if c.uc != nil {
+			maxFDs := 0
+			if c.acceptsFDs {
+				maxFDs = 1 // a frame carries at most one
+			}
+			var in []int
+			n, in, err = unixfd.Recv(c.uc, b[got:], maxFDs)
+			*fds = append(*fds, in...)
+			if errors.Is(err, unixfd.ErrUnexpectedFDs) {
+				return protocolErr("%v", err)
+			}
+		} else {
+			n, err = c.nc.Read(b[got:])
+		}
+		got += n
+		if err == io.EOF && got > 0 && got < len(b) {
+			return protocolErr("truncated frame: connection closed after %d of %d bytes", got, len(b))
+		}
+		if err != nil && got < len(b) {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *conn) close() error { return c.nc.Close() }
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}

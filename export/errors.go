@@ -1,0 +1,73 @@
+package export
+
+import "errors"
+
+// Errors of the sharing protocol. Every error export returns that is about one of these
+// conditions wraps the sentinel, so callers match with errors.Is; the message around it
+// says which peer, name or lease.
+var (
+	// ErrClosed means the Exporter or Importer was closed, or is closing.
+	ErrClosed = errors.New("export: closed")
+	// ErrExporterGone means the exporter's connection ended (the producer exited,
+	// crashed or closed): no new buffer can be opened through this Importer. Mappings
+	// already open stay readable until released (FACTS 7).
+	ErrExporterGone = errors.New("export: exporter is gone")
+	// ErrRefused means the exporter did not admit this process; the message carries
+	// the exporter's reason.
+	ErrRefused = errors.New("export: refused by exporter")
+	// ErrVersionMismatch means the two sides speak different protocol versions; the
+	// message names both.
+	ErrVersionMismatch = errors.New("export: protocol version mismatch")
+	// ErrProtocol means a peer sent something the protocol does not allow: a malformed,
+	// oversized or unexpected frame, or an unexpected file descriptor. The connection
+	// it came on is closed.
+	ErrProtocol = errors.New("export: protocol violation")
+	// ErrUnknownName means no buffer is published under the name asked for.
+	ErrUnknownName = errors.New("export: no buffer published under that name")
+	// ErrNameInUse means a buffer is already published under that name.
+	ErrNameInUse = errors.New("export: name already published")
+	// ErrBadName means a name is empty, too long, not UTF-8 or holds control
+	// characters.
+	ErrBadName = errors.New("export: invalid name")
+	// ErrStaleLease means the lease id was issued to this connection but has ended:
+	// a second release, or a replay.
+	ErrStaleLease = errors.New("export: stale lease")
+	// ErrForeignLease means the lease id was issued to another connection.
+	ErrForeignLease = errors.New("export: lease belongs to another connection")
+	// ErrForgedLease means the exporter never issued the lease id.
+	ErrForgedLease = errors.New("export: lease id was never issued")
+	// ErrBufferGone means the buffer was freed (or its pool closed) before it could be
+	// leased: the library never hands out export data of a freed buffer (FACTS 3).
+	ErrBufferGone = errors.New("export: buffer freed")
+	// ErrNoPeer means no connected peer has the pid Push was given.
+	ErrNoPeer = errors.New("export: no such peer")
+	// ErrAddressInUse means a live exporter already answers on the socket path.
+	ErrAddressInUse = errors.New("export: socket path in use by a live exporter")
+	// ErrNotSocket means the socket path exists and is not a socket; it is left alone.
+	ErrNotSocket = errors.New("export: path exists and is not a socket")
+	// ErrIMEXRequired means a FABRIC pool could not be exported because the host has
+	// no IMEX channel (the driver answers operation not permitted, FACTS 11).
+	ErrIMEXRequired = errors.New("export: FABRIC export needs an IMEX channel, and this host has none")
+	// ErrHandleType means the pool's handle type cannot travel to this peer: a POSIX
+	// fd pool to a peer on a byte stream without descriptor passing, a pool the peer
+	// cannot import, or a pool that is not shareable at all.
+	ErrHandleType = errors.New("export: pool handle type cannot be shared with this peer")
+	// ErrBadDir means the announce directory is not private to this user.
+	ErrBadDir = errors.New("export: announce directory is not private")
+	// ErrExporter means the exporter failed to serve a request for a reason of its own
+	// (a CUDA error, for instance); the message carries its text.
+	ErrExporter = errors.New("export: exporter failed")
+	// ErrBadRequest means the exporter found a request malformed in a way the frame
+	// layout cannot show (a lease count of zero, for instance).
+	ErrBadRequest = errors.New("export: bad request")
+	// ErrDuplicateImporter means this process already has an Importer connected to
+	// the same exporter on the same runtime: two would import the same pointers and
+	// free each other's mappings (FACTS 4). Share the first one.
+	ErrDuplicateImporter = errors.New("export: this process already has an Importer for that exporter")
+	// ErrReleased means a Mapping was released more times than it was opened, or
+	// after its Importer closed.
+	ErrReleased = errors.New("export: mapping already released")
+	// ErrNoLeases means the connection was made without a device (QueryState's), so it
+	// cannot take leases.
+	ErrNoLeases = errors.New("export: connection cannot hold leases")
+)

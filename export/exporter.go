@@ -1,0 +1,454 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// Exporter shares buffers of IPC-capable pools with the processes that connect to its
+// socket. Its methods are safe for concurrent use.
+type Exporter struct {
+	rt      cudart.Runtime
+	opts    options
+	log     *slog.Logger
+	ids     leaseIDs
+	started time.Time
+	devices []cudart.UUID // by ordinal
+	sock    *socketFile
+	// announced is the announcement file, "" if none.
+	announced string
+
+	lastConnID atomic.Uint32
+
+	readyMu sync.Mutex
+	ready   map[readyKey]*readyEvent
+
+	mu        sync.Mutex
+	closed    bool
+	pubs      map[string]*publication
+	pools     map[*pool.Pool]uint64 // wire ids of the pools ever published
+	lastPool  uint64
+	peers     map[*peer]struct{}
+	listeners []net.Listener
+	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
+	changed chan struct{}
+	wg      sync.WaitGroup
+}
+
+// publication is a buffer under a name, with the event consumers wait on for the
+// producer's writes.
+type publication struct {
+	name  string
+	buf   *pool.Buffer
+	ready *readyEvent
+}
+
+// readyKey names the ready event of one producer stream.
+type readyKey struct {
+	dev int
+	s   cudart.Stream
+}
+
+// readyEvent is an IPC event recorded on one producer stream, created on first use and
+// kept until Close: all its records are on that one in-order stream, so waiting on a
+// later record than a buffer needs only waits longer, never too little.
+type readyEvent struct {
+	dev    int
+	ev     cudart.Event
+	handle cudart.IpcEventHandle
+}
+
+// Listen creates an Exporter on a new Unix socket at path (mode 0600) and starts
+// accepting connections. A stale socket file at path is replaced; a live exporter's
+// gives ErrAddressInUse and a file that is not a socket ErrNotSocket. Unless
+// WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
+// WithAnnounce directory, created private if missing). On failure nothing is left
+// behind: no socket, no announcement.
+func Listen(path string, rt cudart.Runtime, opts ...Option) (*Exporter, error) {
+	o := applyOptions(opts)
+	ex := &Exporter{
+		rt: rt, opts: o, log: o.log, ids: newLeaseIDs(), started: time.Now(),
+		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
+		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, changed: make(chan struct{}, 1),
+	}
+	var err error
+	if ex.devices, err = deviceUUIDs(rt); err != nil {
+		return nil, err
+	}
+	if o.announce {
+		if o.announceDir == "" {
+			o.announceDir = DefaultDir()
+		}
+		if err := EnsureDir(o.announceDir); err != nil {
+			return nil, err
+		}
+	}
+	if ex.sock, err = listenSocket(path); err != nil {
+		return nil, err
+	}
+	if o.announce {
+		a := Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
+		if ex.announced, err = announce(o.announceDir, a); err != nil {
+			ex.sock.remove()
+			return nil, err
+		}
+	}
+	ex.listeners = append(ex.listeners, ex.sock)
+	ex.wg.Add(1)
+	go ex.accept(ex.sock)
+	return ex, nil
+}
+
+// Serve accepts connections on l too, until l fails or the Exporter closes (which
+// closes l). It is for byte streams such as TCP between the nodes of one NVLink domain:
+// peers there have no credentials, so the Policy must set AllowRemote, and only FABRIC
+// pools can be shared with them. Serve returns at once; it fails with ErrClosed after
+// Close.
+func (ex *Exporter) Serve(l net.Listener) error {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	if ex.closed {
+		return ErrClosed
+	}
+	ex.listeners = append(ex.listeners, l)
+	ex.wg.Add(1)
+	go ex.accept(l)
+	return nil
+}
+
+// Addr is the path of the exporter's socket.
+func (ex *Exporter) Addr() string { return ex.sock.path }
+
+func (ex *Exporter) accept(l net.Listener) {
+	defer ex.wg.Done()
+	for {
+		nc, err := l.Accept()
+		if err != nil {
+			ex.mu.Lock()
+			closed := ex.closed
+			ex.mu.Unlock()
+			if !closed {
+				ex.log.Error("export: accept failed; no more connections on this listener", "addr", l.Addr(), "err", err)
+			}
+			return
+		}
+		ex.mu.Lock()
+		if ex.closed {
+			ex.mu.Unlock()
+			nc.Close()
+			return
+		}
+		ex.wg.Add(1)
+		ex.mu.Unlock()
+		go func() {
+			defer ex.wg.Done()
+			ex.servePeer(nc)
+		}()
+	}
+}
+
+// Publish makes b available under name, ready once the work queued on stream ready
+// before the call (the producer's writes) has completed: consumers' streams wait for
+// that, the host does not. It exports b's pool and b now, so that Open is quick and a
+// failure shows here: a FABRIC pool on a host without IMEX fails with ErrIMEXRequired.
+// A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
+// published under several names. To retire a published buffer, Free it: later Opens
+// fail with ErrBufferGone, and its memory returns to the pool once the consumers that
+// hold it released it.
+func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if _, err := b.ExportRecord(); err != nil {
+		return fmt.Errorf("export: publish %q: %w", name, fabricErr(b.Pool(), err))
+	}
+	re, err := ex.readyFor(b.Device(), ready)
+	if err != nil {
+		return fmt.Errorf("export: publish %q: %w", name, err)
+	}
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	if ex.closed {
+		return ErrClosed
+	}
+	if _, ok := ex.pubs[name]; ok {
+		return fmt.Errorf("%w: %q", ErrNameInUse, name)
+	}
+	// Recorded under mu so that no Open can see the publication before its writes are
+	// captured.
+	if err := ex.rt.EventRecord(re.dev, re.ev, ready); err != nil {
+		return fmt.Errorf("export: publish %q: record ready event: %w", name, err)
+	}
+	if _, ok := ex.pools[b.Pool()]; !ok {
+		ex.lastPool++
+		ex.pools[b.Pool()] = ex.lastPool
+	}
+	ex.pubs[name] = &publication{name: name, buf: b, ready: re}
+	return nil
+}
+
+// Unpublish removes name. Leases already given out are unaffected. An unknown name
+// fails with ErrUnknownName.
+func (ex *Exporter) Unpublish(name string) error {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	if _, ok := ex.pubs[name]; !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownName, name)
+	}
+	delete(ex.pubs, name)
+	return nil
+}
+
+// readyFor returns the ready event of stream s on dev, creating it on first use.
+func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
+	ex.readyMu.Lock()
+	defer ex.readyMu.Unlock()
+	k := readyKey{dev, s}
+	if re := ex.ready[k]; re != nil {
+		return re, nil
+	}
+	ev, err := ex.rt.EventCreate(dev, cudart.EventIPC)
+	if err != nil {
+		return nil, fmt.Errorf("create ready event: %w", err)
+	}
+	h, err := ex.rt.IpcGetEventHandle(dev, ev)
+	if err != nil {
+		ex.rt.EventDestroy(dev, ev)
+		return nil, fmt.Errorf("ready event handle: %w", err)
+	}
+	re := &readyEvent{dev: dev, ev: ev, handle: h}
+	ex.ready[k] = re
+	return re, nil
+}
+
+// Push leases the buffer published under name to every connection of process pid,
+// without being asked; the importer there hands it to its WithPushes handler (or gives
+// it back at once if it has none). It returns once the lease is sent. No connected
+// process pid gives ErrNoPeer.
+func (ex *Exporter) Push(ctx context.Context, pid int, name string) error {
+	ex.mu.Lock()
+	pub := ex.pubs[name]
+	var targets []*peer
+	for p := range ex.peers {
+		if p.cred != nil && p.cred.PID == pid {
+			targets = append(targets, p)
+		}
+	}
+	closed := ex.closed
+	ex.mu.Unlock()
+	switch {
+	case closed:
+		return ErrClosed
+	case pub == nil:
+		return fmt.Errorf("%w: %q", ErrUnknownName, name)
+	case len(targets) == 0:
+		return fmt.Errorf("%w: no connection from pid %d", ErrNoPeer, pid)
+	}
+	var errs []error
+	for _, p := range targets {
+		l, err := p.grant(ctx, pub, 0)
+		if err == nil {
+			err = p.c.send(ctx, &push{lease: l, Name: name}, -1)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("export: push %q to pid %d: %w", name, pid, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// lookup returns the publication under name.
+func (ex *Exporter) lookup(name string) (*publication, error) {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	if ex.closed {
+		return nil, ErrClosed
+	}
+	pub := ex.pubs[name]
+	if pub == nil {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownName, name)
+	}
+	return pub, nil
+}
+
+// retire drops pub if it is still published: its buffer was freed.
+func (ex *Exporter) retire(pub *publication) {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	if ex.pubs[pub.name] == pub {
+		delete(ex.pubs, pub.name)
+	}
+}
+
+func (ex *Exporter) poolID(p *pool.Pool) uint64 {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	return ex.pools[p]
+}
+
+// poke tells Close that leases or peers changed.
+func (ex *Exporter) poke() {
+	select {
+	case ex.changed <- struct{}{}:
+	default:
+	}
+}
+
+// PeerInfo describes one connected peer.
+type PeerInfo struct {
+	PID int
+	UID uint32
+	GID uint32
+	// Remote is set for a peer on a byte stream, which has no credentials.
+	Remote bool
+	// Device is the UUID of the device the peer imports to; zero for a connection
+	// that takes no leases.
+	Device cudart.UUID
+	// Leases counts the buffers the peer holds, Grants the opens behind them.
+	Leases, Grants int
+	BytesLeased    uint64
+	ConnectedSince time.Time
+}
+
+// Peers lists the connected peers.
+func (ex *Exporter) Peers() []PeerInfo {
+	ex.mu.Lock()
+	peers := make([]*peer, 0, len(ex.peers))
+	for p := range ex.peers {
+		peers = append(peers, p)
+	}
+	ex.mu.Unlock()
+	out := make([]PeerInfo, 0, len(peers))
+	for _, p := range peers {
+		out = append(out, p.info())
+	}
+	return out
+}
+
+// Close stops accepting connections, removes the socket and the announcement, and
+// tells every peer that no more buffers can be opened. It then waits, until ctx ends,
+// for the peers to release what they hold, closes every connection and destroys the
+// events it made. Leases still held when ctx ends are ended as of the peers' last
+// release and reported in the error: a peer that still reads such a buffer may see it
+// reused. Close leaves the pools alone: they are the caller's. A second Close returns
+// ErrClosed.
+func (ex *Exporter) Close(ctx context.Context) error {
+	ex.mu.Lock()
+	if ex.closed {
+		ex.mu.Unlock()
+		return ErrClosed
+	}
+	ex.closed = true
+	listeners := ex.listeners
+	ex.pubs = map[string]*publication{}
+	ex.mu.Unlock()
+
+	var errs []error
+	for _, l := range listeners {
+		if l == net.Listener(ex.sock) {
+			errs = append(errs, ex.sock.remove())
+		} else {
+			l.Close()
+		}
+	}
+	if ex.announced != "" {
+		if err := os.Remove(ex.announced); err != nil {
+			errs = append(errs, fmt.Errorf("export: remove announcement: %w", err))
+		}
+	}
+	for _, p := range ex.peerList() {
+		// A peer that cannot be told is closed: it can release nothing then.
+		if err := p.c.send(ctx, &bye{}, -1); err != nil {
+			p.c.close()
+		}
+	}
+	errs = append(errs, ex.waitReleased(ctx))
+	for _, p := range ex.peerList() {
+		p.shut()
+	}
+	ex.wg.Wait()
+	ex.readyMu.Lock()
+	for k, re := range ex.ready {
+		if err := ex.rt.EventDestroy(re.dev, re.ev); err != nil {
+			errs = append(errs, fmt.Errorf("export: destroy ready event: %w", err))
+		}
+		delete(ex.ready, k)
+	}
+	ex.readyMu.Unlock()
+	return errors.Join(errs...)
+}
+
+func (ex *Exporter) peerList() []*peer {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	out := make([]*peer, 0, len(ex.peers))
+	for p := range ex.peers {
+		out = append(out, p)
+	}
+	return out
+}
+
+// waitReleased waits until no peer holds a lease, or ctx ends; then it says who still
+// holds what.
+func (ex *Exporter) waitReleased(ctx context.Context) error {
+	for {
+		var held []string
+		for _, p := range ex.peerList() {
+			if i := p.info(); i.Leases > 0 {
+				held = append(held, fmt.Sprintf("pid %d holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))
+			}
+		}
+		if len(held) == 0 {
+			return nil
+		}
+		select {
+		case <-ex.changed:
+		case <-ctx.Done():
+			return fmt.Errorf("export: close: %w while peers still held leases, which were ended: %v", ctx.Err(), held)
+		}
+	}
+}
+
+// deviceUUIDs lists the UUIDs of rt's devices by ordinal.
+func deviceUUIDs(rt cudart.Runtime) ([]cudart.UUID, error) {
+	n, err := rt.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("export: count devices: %w", err)
+	}
+	out := make([]cudart.UUID, n)
+	for i := range out {
+		if out[i], err = rt.DeviceUUID(i); err != nil {
+			return nil, fmt.Errorf("export: device %d: %w", i, err)
+		}
+	}
+	return out, nil
+}
+
+// fabricErr explains the driver's refusal to export a FABRIC pool (FACTS 11).
+func fabricErr(p *pool.Pool, err error) error {
+	if p.HandleType() == cudart.HandleTypeFabric && errors.Is(err, cudart.ErrNotPermitted) {
+		return fmt.Errorf("%w: %w", ErrIMEXRequired, err)
+	}
+	return err
+}
+
+func absPath(p string) string {
+	if a, err := filepath.Abs(p); err == nil {
+		return a
+	}
+	return p
+}

@@ -1,0 +1,169 @@
+package export
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// hangGuard bounds every blocking call of a test. It only ends a test that hangs; no
+// test depends on it passing.
+const hangGuard = 60 * time.Second
+
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// shortDir is a fresh directory with a short path: a Unix socket path must fit in
+// 108 bytes, which t.TempDir() under a long test name does not promise.
+func shortDir(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "cpx")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// logBuffer collects log records for a test to check, safe for concurrent writers.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func (l *logBuffer) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+var discardLogger = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// side is one simulated process: a software device and a stream on device dev.
+type side struct {
+	dev    *cudarttest.Device
+	ord    int
+	stream cudart.Stream
+}
+
+func newSide(t testing.TB, ord int, opts ...cudarttest.Option) *side {
+	t.Helper()
+	d := cudarttest.New(opts...)
+	s, err := d.StreamCreate(ord, cudart.StreamNonBlocking)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return &side{dev: d, ord: ord, stream: s}
+}
+
+// checkClean fails the test if the side's device saw a rule broken.
+func (s *side) checkClean(t testing.TB) {
+	t.Helper()
+	if err := s.dev.Err(); err != nil {
+		t.Fatalf("software device saw violations: %v", err)
+	}
+}
+
+// producer is an exporter with a pool, in its own simulated process.
+type producer struct {
+	*side
+	pool *pool.Pool
+	ex   *Exporter
+	path string
+	log  *logBuffer
+}
+
+func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []Option, devOpts ...cudarttest.Option) *producer {
+	t.Helper()
+	s := newSide(t, 0, devOpts...)
+	p, err := pool.New(s.dev, 0, poolOpts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb := &logBuffer{}
+	path := filepath.Join(shortDir(t), "x.sock")
+	ex, err := Listen(path, s.dev, append([]Option{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr := &producer{side: s, pool: p, ex: ex, path: path, log: lb}
+	t.Cleanup(func() {
+		ex.Close(context.Background())
+		p.Close(context.Background(), pool.Force())
+	})
+	return pr
+}
+
+// publish allocates size bytes, fills them with fill on the producer's stream and
+// publishes them under name.
+func (pr *producer) publish(t testing.TB, name string, size uint64, fill byte) *pool.Buffer {
+	t.Helper()
+	ctx := testCtx(t)
+	b, err := pr.pool.Alloc(ctx, size, pr.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pr.dev.MemsetAsync(pr.ord, b.Ptr(), fill, size, pr.stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := pr.ex.Publish(ctx, name, b, pr.stream); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// consumer is an importer in its own simulated process.
+type consumer struct {
+	*side
+	imp *Importer
+}
+
+func newConsumer(t testing.TB, path string, ord int, opts ...Option) *consumer {
+	t.Helper()
+	s := newSide(t, ord)
+	imp, err := Dial(testCtx(t), path, s.dev, ord, append([]Option{WithLogger(discardLogger)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { imp.Close(context.Background()) })
+	return &consumer{side: s, imp: imp}
+}
+
+// read copies a mapping's bytes to the host on the consumer's stream.
+func (c *consumer) read(t testing.TB, m *Mapping) []byte {
+	t.Helper()
+	out := make([]byte, m.Size())
+	if err := c.dev.MemcpyDtoHAsync(c.ord, out, m.Ptr(), c.stream); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// allAre reports whether every byte of b is v.
+func allAre(b []byte, v byte) bool {
+	return len(b) > 0 && bytes.Count(b, []byte{v}) == len(b)
+}

@@ -1,0 +1,118 @@
+package export
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+// staleProbeTimeout bounds the connect that tells a live exporter's socket from a stale
+// one. A live listener answers a local connect at once; this only guards against a hang.
+const staleProbeTimeout = 2 * time.Second
+
+// socketFile is a listening Unix socket that only this user can connect to, and the
+// identity of the file that names it, so that Close removes that file and never a
+// successor's.
+type socketFile struct {
+	*net.UnixListener
+	path string
+	info os.FileInfo
+}
+
+// listenSocket creates a listening Unix socket at path with mode 0600 whatever the
+// umask. An existing socket file that refuses connections (its exporter died) is
+// removed; one that a live exporter answers gives ErrAddressInUse; a path that is not
+// a socket gives ErrNotSocket and is left alone. On failure nothing is left behind.
+func listenSocket(path string) (*socketFile, error) {
+	if err := clearStaleSocket(path); err != nil {
+		return nil, err
+	}
+	// Bind under a random name in the same directory, restrict it, then link it to
+	// path: the socket is never reachable under path with the umask's mode, and the
+	// link fails rather than replace a socket that appeared since the check.
+	var r [8]byte
+	rand.Read(r[:])
+	tmp := filepath.Join(filepath.Dir(path), ".cudapool-"+hex.EncodeToString(r[:])+".sock")
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("export: listen on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(false)
+	defer os.Remove(tmp)
+	fail := func(err error) (*socketFile, error) {
+		l.Close()
+		return nil, err
+	}
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		return fail(fmt.Errorf("export: restrict socket: %w", err))
+	}
+	if err := os.Link(tmp, path); err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return fail(fmt.Errorf("%w: %s appeared while this exporter started", ErrAddressInUse, path))
+		}
+		return fail(fmt.Errorf("export: name socket %s: %w", path, err))
+	}
+	info, err := os.Lstat(path)
+	if err != nil {
+		return fail(fmt.Errorf("export: socket %s: %w", path, err))
+	}
+	return &socketFile{UnixListener: l, path: path, info: info}, nil
+}
+
+// clearStaleSocket leaves path free for a new socket, or says why it cannot.
+func clearStaleSocket(path string) error {
+	info, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("export: socket path %s: %w", path, err)
+	}
+	if info.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%w: %s is a %v", ErrNotSocket, path, info.Mode().Type())
+	}
+	live, err := socketAnswers(path)
+	if err != nil {
+		return fmt.Errorf("export: probe existing socket %s: %w", path, err)
+	}
+	if live {
+		return fmt.Errorf("%w: %s", ErrAddressInUse, path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("export: remove stale socket %s: %w", path, err)
+	}
+	return nil
+}
+
+// socketAnswers reports whether a listener accepts connections on path. A refused or
+// vanished socket is not live; any other failure is returned, as it proves nothing.
+func socketAnswers(path string) (bool, error) {
+	c, err := net.DialTimeout("unix", path, staleProbeTimeout)
+	if err == nil {
+		c.Close()
+		return true, nil
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	return false, err
+}
+
+// remove closes the listener and removes the socket file if it is still the one this
+// listener created.
+func (s *socketFile) remove() error {
+	err := s.UnixListener.Close()
+	if info, lerr := os.Lstat(s.path); lerr == nil && os.SameFile(info, s.info) {
+		if rerr := os.Remove(s.path); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+	}
+	return err
+}

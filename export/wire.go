@@ -1,0 +1,580 @@
+package export
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// ProtocolVersion is the version of the sharing protocol this package speaks. Both
+// sides must speak the same one.
+const ProtocolVersion = 1
+
+// The frame layout: [u32 little-endian payload length][u8 type][payload].
+const (
+	headerLen = 5
+	// maxFrame bounds a whole frame, header included, so a peer cannot make the other
+	// side allocate more than this for one message.
+	maxFrame   = 64 << 10
+	maxPayload = maxFrame - headerLen
+	// MaxNameLen is the longest name a buffer can be published under, in bytes.
+	MaxNameLen = 255
+	// maxDevices bounds the device UUIDs a Welcome lists.
+	maxDevices = 16
+	// maxStateBytes bounds the JSON a State reply may add up to across its frames.
+	maxStateBytes = 16 << 20
+)
+
+// msgType is a frame's type byte.
+type msgType uint8
+
+const (
+	msgHello        msgType = 1  // importer: version, pid, device, release event
+	msgWelcome      msgType = 2  // exporter: admitted
+	msgRefused      msgType = 3  // exporter: not admitted, and why; then close
+	msgPoolHandle   msgType = 4  // exporter: a pool's handle (fd attached for POSIX fd)
+	msgOpen         msgType = 5  // importer: lease the buffer under a name
+	msgLease        msgType = 6  // exporter: the lease answering an Open
+	msgRelease      msgType = 7  // importer: give a lease back
+	msgReleased     msgType = 8  // exporter: the lease has ended
+	msgError        msgType = 9  // exporter: a request failed
+	msgPush         msgType = 10 // exporter: a lease nobody asked for
+	msgStateRequest msgType = 11 // importer: describe yourself
+	msgState        msgType = 12 // exporter: a chunk of the State JSON
+	msgBye          msgType = 13 // either: no more requests from me
+)
+
+var msgNames = [...]string{
+	msgHello: "Hello", msgWelcome: "Welcome", msgRefused: "Refused", msgPoolHandle: "PoolHandle",
+	msgOpen: "Open", msgLease: "Lease", msgRelease: "Release", msgReleased: "Released",
+	msgError: "Error", msgPush: "Push", msgStateRequest: "StateRequest", msgState: "State", msgBye: "Bye",
+}
+
+func (t msgType) String() string {
+	if int(t) < len(msgNames) && msgNames[t] != "" {
+		return msgNames[t]
+	}
+	return fmt.Sprintf("type %d", uint8(t))
+}
+
+// message is one decoded frame.
+type message interface {
+	kind() msgType
+	// appendPayload appends the payload's fixed binary layout to b.
+	appendPayload(b []byte) []byte
+}
+
+// Hello flags.
+const (
+	// helloLeases: the peer takes leases; Device and HandleTypes are meaningful.
+	helloLeases uint32 = 1 << 0
+	// helloReleaseEvent: ReleaseEvent is an IPC event recorded after each of the
+	// peer's frees. A leasing peer without one synchronises its frees before it
+	// sends Release (a peer on another host, where IPC events cannot travel).
+	helloReleaseEvent uint32 = 1 << 1
+	helloKnown               = helloLeases | helloReleaseEvent
+)
+
+type hello struct {
+	Version      uint32
+	PID          uint32
+	Flags        uint32
+	HandleTypes  uint32 // the cudart.HandleType bits the peer can import
+	Device       cudart.UUID
+	ReleaseEvent cudart.IpcEventHandle
+}
+
+const helloLen = 4*4 + 16 + 64
+
+type welcome struct {
+	Version uint32
+	PID     uint32
+	Devices []cudart.UUID // at most maxDevices
+}
+
+const welcomeLen = 4*3 + maxDevices*16
+
+type refused struct {
+	Version uint32
+	Reason  string
+}
+
+type poolHandle struct {
+	PoolID     uint64
+	HandleType cudart.HandleType
+	Device     cudart.UUID
+	MaxSize    uint64
+	Fabric     cudart.FabricHandle // zero unless HandleType is FABRIC
+}
+
+const poolHandleLen = 8 + 4 + 16 + 8 + 64
+
+type open struct {
+	ReqID uint64
+	Name  string
+}
+
+// Lease flags.
+const (
+	// leaseReadyEvent: Ready is an IPC event the consumer's stream must wait on.
+	// Without it the exporter waited for the producer's writes before it answered.
+	leaseReadyEvent uint32 = 1 << 0
+	leaseKnown             = leaseReadyEvent
+)
+
+type lease struct {
+	ReqID    uint64
+	LeaseID  uint64
+	PoolID   uint64
+	BufferID uint64
+	Size     uint64
+	Flags    uint32
+	Record   cudart.PtrExportData
+	Ready    cudart.IpcEventHandle
+}
+
+const leaseLen = 8*5 + 4 + 64 + 64
+
+// push is a lease the exporter sends unasked, with the name it was published under.
+type push struct {
+	lease
+	Name string
+}
+
+// Release flags.
+const (
+	// releaseNothingImported: the importer imported nothing under the lease (a push it
+	// did not want), so the exporter need not wait for any free of it.
+	releaseNothingImported uint32 = 1 << 0
+	releaseKnown                  = releaseNothingImported
+)
+
+type release struct {
+	ReqID   uint64
+	LeaseID uint64
+	// Count is how many grants of the lease the importer returns: an exporter asked
+	// twice for a buffer a connection already holds grants the same lease again.
+	Count uint32
+	Flags uint32
+}
+
+const releaseLen = 8 + 8 + 4 + 4
+
+type released struct {
+	ReqID   uint64
+	LeaseID uint64
+}
+
+const releasedLen = 8 + 8
+
+// errCode says on the wire which sentinel an Error frame stands for.
+type errCode uint32
+
+const (
+	codeExporter errCode = iota + 1
+	codeUnknownName
+	codeStaleLease
+	codeForeignLease
+	codeForgedLease
+	codeBufferGone
+	codeClosed
+	codeHandleType
+	codeIMEXRequired
+	codeBadRequest
+	codeNoLeases
+	codeLimit // one past the last code
+)
+
+var codeErrs = [codeLimit]error{
+	codeExporter: ErrExporter, codeUnknownName: ErrUnknownName, codeStaleLease: ErrStaleLease,
+	codeForeignLease: ErrForeignLease, codeForgedLease: ErrForgedLease, codeBufferGone: ErrBufferGone,
+	codeClosed: ErrExporterGone, codeHandleType: ErrHandleType, codeIMEXRequired: ErrIMEXRequired,
+	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases,
+}
+
+// codeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
+func codeOf(err error) errCode {
+	if errors.Is(err, ErrClosed) {
+		return codeClosed
+	}
+	for c := codeExporter + 1; c < codeLimit; c++ {
+		if errors.Is(err, codeErrs[c]) {
+			return c
+		}
+	}
+	return codeExporter
+}
+
+type errorMsg struct {
+	ReqID uint64
+	Code  errCode
+	Text  string
+}
+
+type stateRequest struct{ ReqID uint64 }
+
+// State flags.
+const (
+	stateMore  uint32 = 1 << 0 // more State frames follow for this request
+	stateKnown        = stateMore
+)
+
+type stateChunk struct {
+	ReqID uint64
+	Flags uint32
+	JSON  []byte
+}
+
+type bye struct{}
+
+func (*hello) kind() msgType        { return msgHello }
+func (*welcome) kind() msgType      { return msgWelcome }
+func (*refused) kind() msgType      { return msgRefused }
+func (*poolHandle) kind() msgType   { return msgPoolHandle }
+func (*open) kind() msgType         { return msgOpen }
+func (*lease) kind() msgType        { return msgLease }
+func (*push) kind() msgType         { return msgPush }
+func (*release) kind() msgType      { return msgRelease }
+func (*released) kind() msgType     { return msgReleased }
+func (*errorMsg) kind() msgType     { return msgError }
+func (*stateRequest) kind() msgType { return msgStateRequest }
+func (*stateChunk) kind() msgType   { return msgState }
+func (*bye) kind() msgType          { return msgBye }
+
+var le = binary.LittleEndian
+
+func (m *hello) appendPayload(b []byte) []byte {
+	b = le.AppendUint32(b, m.Version)
+	b = le.AppendUint32(b, m.PID)
+	b = le.AppendUint32(b, m.Flags)
+	b = le.AppendUint32(b, m.HandleTypes)
+	b = append(b, m.Device[:]...)
+	return append(b, m.ReleaseEvent[:]...)
+}
+
+func (m *welcome) appendPayload(b []byte) []byte {
+	b = le.AppendUint32(b, m.Version)
+	b = le.AppendUint32(b, m.PID)
+	b = le.AppendUint32(b, uint32(len(m.Devices)))
+	var slots [maxDevices]cudart.UUID
+	copy(slots[:], m.Devices)
+	for _, u := range slots {
+		b = append(b, u[:]...)
+	}
+	return b
+}
+
+func (m *refused) appendPayload(b []byte) []byte {
+	return append(le.AppendUint32(b, m.Version), m.Reason...)
+}
+
+func (m *poolHandle) appendPayload(b []byte) []byte {
+	b = le.AppendUint64(b, m.PoolID)
+	b = le.AppendUint32(b, uint32(m.HandleType))
+	b = append(b, m.Device[:]...)
+	b = le.AppendUint64(b, m.MaxSize)
+	return append(b, m.Fabric[:]...)
+}
+
+func (m *open) appendPayload(b []byte) []byte {
+	return append(le.AppendUint64(b, m.ReqID), m.Name...)
+}
+
+func (m *lease) appendPayload(b []byte) []byte {
+	b = le.AppendUint64(b, m.ReqID)
+	b = le.AppendUint64(b, m.LeaseID)
+	b = le.AppendUint64(b, m.PoolID)
+	b = le.AppendUint64(b, m.BufferID)
+	b = le.AppendUint64(b, m.Size)
+	b = le.AppendUint32(b, m.Flags)
+	b = append(b, m.Record[:]...)
+	return append(b, m.Ready[:]...)
+}
+
+func (m *push) appendPayload(b []byte) []byte {
+	return append(m.lease.appendPayload(b), m.Name...)
+}
+
+func (m *release) appendPayload(b []byte) []byte {
+	b = le.AppendUint64(b, m.ReqID)
+	b = le.AppendUint64(b, m.LeaseID)
+	b = le.AppendUint32(b, m.Count)
+	return le.AppendUint32(b, m.Flags)
+}
+
+func (m *released) appendPayload(b []byte) []byte {
+	return le.AppendUint64(le.AppendUint64(b, m.ReqID), m.LeaseID)
+}
+
+func (m *errorMsg) appendPayload(b []byte) []byte {
+	b = le.AppendUint64(b, m.ReqID)
+	b = le.AppendUint32(b, uint32(m.Code))
+	return append(b, m.Text...)
+}
+
+func (m *stateRequest) appendPayload(b []byte) []byte { return le.AppendUint64(b, m.ReqID) }
+
+func (m *stateChunk) appendPayload(b []byte) []byte {
+	return append(le.AppendUint32(le.AppendUint64(b, m.ReqID), m.Flags), m.JSON...)
+}
+
+func (*bye) appendPayload(b []byte) []byte { return b }
+
+// appendFrame appends m as one whole frame to b.
+func appendFrame(b []byte, m message) []byte {
+	start := len(b)
+	b = append(b, 0, 0, 0, 0, byte(m.kind()))
+	b = m.appendPayload(b)
+	le.PutUint32(b[start:], uint32(len(b)-start-headerLen))
+	return b
+}
+
+// parseHeader checks a frame header and returns the payload length it announces.
+// A header is refused before its payload is read: an unknown type, or a length the type
+// cannot have (an oversized frame among them).
+func parseHeader(h []byte) (msgType, int, error) {
+	n := le.Uint32(h)
+	t := msgType(h[4])
+	if n > maxPayload {
+		return t, 0, protocolErr("oversized frame: %s payload of %d bytes, the limit is %d", t, n, maxPayload)
+	}
+	if int(t) >= len(payloadLimits) || payloadLimits[t].max == 0 && t != msgBye {
+		return t, 0, protocolErr("unknown message type %d", uint8(t))
+	}
+	lim := payloadLimits[t]
+	if int(n) < lim.min || int(n) > lim.max {
+		if lim.min == lim.max {
+			return t, 0, protocolErr("%s payload is %d bytes, want %d", t, n, lim.min)
+		}
+		return t, 0, protocolErr("%s payload is %d bytes, want %d to %d", t, n, lim.min, lim.max)
+	}
+	return t, int(n), nil
+}
+
+// payloadLimits gives each type's smallest and largest payload length.
+var payloadLimits = [...]struct{ min, max int }{
+	// A Hello of another protocol version may have another length: its version,
+	// first, is read before the length is held to this version's.
+	msgHello:        {4, maxPayload},
+	msgWelcome:      {welcomeLen, welcomeLen},
+	msgRefused:      {4 + 1, maxPayload},
+	msgPoolHandle:   {poolHandleLen, poolHandleLen},
+	msgOpen:         {8 + 1, 8 + MaxNameLen},
+	msgLease:        {leaseLen, leaseLen},
+	msgRelease:      {releaseLen, releaseLen},
+	msgReleased:     {releasedLen, releasedLen},
+	msgError:        {8 + 4 + 1, maxPayload},
+	msgPush:         {leaseLen + 1, leaseLen + MaxNameLen},
+	msgStateRequest: {8, 8},
+	msgState:        {8 + 4, maxPayload},
+	msgBye:          {0, 0},
+}
+
+// decodePayload decodes the payload of a frame whose header parseHeader accepted.
+// Every field is checked: unknown flag bits, out-of-range counts, names and texts that
+// are not clean UTF-8, and non-zero padding are all refused, so that a frame decodes
+// only if encoding what it decoded to gives the same bytes.
+func decodePayload(t msgType, p []byte) (message, error) {
+	r := reader{b: p}
+	switch t {
+	case msgHello:
+		m := &hello{Version: r.u32()}
+		if m.Version != ProtocolVersion {
+			return nil, versionErr(m.Version)
+		}
+		if len(p) != helloLen {
+			return nil, protocolErr("%s payload is %d bytes, want %d", t, len(p), helloLen)
+		}
+		m.PID, m.Flags, m.HandleTypes = r.u32(), r.u32(), r.u32()
+		r.bytes(m.Device[:])
+		r.bytes(m.ReleaseEvent[:])
+		if err := checkFlags(t, m.Flags, helloKnown); err != nil {
+			return nil, err
+		}
+		if m.Flags&helloReleaseEvent != 0 && m.Flags&helloLeases == 0 {
+			return nil, protocolErr("Hello has a release event but takes no leases")
+		}
+		return m, nil
+	case msgWelcome:
+		m := &welcome{Version: r.u32(), PID: r.u32()}
+		n := r.u32()
+		if n > maxDevices {
+			return nil, protocolErr("Welcome lists %d devices, at most %d", n, maxDevices)
+		}
+		m.Devices = make([]cudart.UUID, n)
+		for i := range maxDevices {
+			var u cudart.UUID
+			r.bytes(u[:])
+			if uint32(i) < n {
+				m.Devices[i] = u
+			} else if u != (cudart.UUID{}) {
+				return nil, protocolErr("Welcome has bytes in unused device slot %d", i)
+			}
+		}
+		return m, nil
+	case msgRefused:
+		m := &refused{Version: r.u32()}
+		var err error
+		m.Reason, err = r.text(t, "reason")
+		return m, err
+	case msgPoolHandle:
+		m := &poolHandle{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
+		r.bytes(m.Device[:])
+		m.MaxSize = r.u64()
+		r.bytes(m.Fabric[:])
+		switch m.HandleType {
+		case cudart.HandleTypePosixFD:
+			if m.Fabric != (cudart.FabricHandle{}) {
+				return nil, protocolErr("POSIX fd PoolHandle carries fabric bytes")
+			}
+		case cudart.HandleTypeFabric:
+		default:
+			return nil, protocolErr("PoolHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+		}
+		return m, nil
+	case msgOpen:
+		m := &open{ReqID: r.u64()}
+		var err error
+		m.Name, err = r.name(t)
+		return m, err
+	case msgLease:
+		m := &lease{}
+		return m, r.lease(m)
+	case msgPush:
+		m := &push{}
+		if err := r.lease(&m.lease); err != nil {
+			return nil, err
+		}
+		if m.ReqID != 0 {
+			return nil, protocolErr("Push has request id %d, want 0", m.ReqID)
+		}
+		var err error
+		m.Name, err = r.name(t)
+		return m, err
+	case msgRelease:
+		m := &release{ReqID: r.u64(), LeaseID: r.u64(), Count: r.u32(), Flags: r.u32()}
+		return m, checkFlags(t, m.Flags, releaseKnown)
+	case msgReleased:
+		return &released{ReqID: r.u64(), LeaseID: r.u64()}, nil
+	case msgError:
+		m := &errorMsg{ReqID: r.u64(), Code: errCode(r.u32())}
+		if m.Code == 0 || m.Code >= codeLimit {
+			return nil, protocolErr("Error has unknown code %d", m.Code)
+		}
+		var err error
+		m.Text, err = r.text(t, "text")
+		return m, err
+	case msgStateRequest:
+		return &stateRequest{ReqID: r.u64()}, nil
+	case msgState:
+		m := &stateChunk{ReqID: r.u64(), Flags: r.u32()}
+		m.JSON = bytes.Clone(r.rest()) // the read buffer is reused for the next frame
+		return m, checkFlags(t, m.Flags, stateKnown)
+	case msgBye:
+		return &bye{}, nil
+	}
+	return nil, protocolErr("unknown message type %d", uint8(t))
+}
+
+// decodeFrame decodes the first whole frame of b and returns what follows it.
+func decodeFrame(b []byte) (message, []byte, error) {
+	if len(b) < headerLen {
+		return nil, nil, protocolErr("truncated frame header: %d of %d bytes", len(b), headerLen)
+	}
+	t, n, err := parseHeader(b[:headerLen])
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(b)-headerLen < n {
+		return nil, nil, protocolErr("truncated %s frame: %d of %d payload bytes", t, len(b)-headerLen, n)
+	}
+	m, err := decodePayload(t, b[headerLen:headerLen+n])
+	if err != nil {
+		return nil, nil, err
+	}
+	return m, b[headerLen+n:], nil
+}
+
+// reader reads fixed fields from a payload whose length parseHeader has checked, so
+// the fixed part is always there.
+type reader struct {
+	b []byte
+	i int
+}
+
+func (r *reader) u32() uint32      { v := le.Uint32(r.b[r.i:]); r.i += 4; return v }
+func (r *reader) u64() uint64      { v := le.Uint64(r.b[r.i:]); r.i += 8; return v }
+func (r *reader) bytes(dst []byte) { r.i += copy(dst, r.b[r.i:]) }
+func (r *reader) rest() []byte {
+	v := r.b[r.i:]
+	r.i = len(r.b)
+	return v
+}
+
+func (r *reader) lease(m *lease) error {
+	m.ReqID, m.LeaseID, m.PoolID, m.BufferID, m.Size = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
+	m.Flags = r.u32()
+	r.bytes(m.Record[:])
+	r.bytes(m.Ready[:])
+	if err := checkFlags(msgLease, m.Flags, leaseKnown); err != nil {
+		return err
+	}
+	if m.Flags&leaseReadyEvent == 0 && m.Ready != (cudart.IpcEventHandle{}) {
+		return protocolErr("Lease carries event bytes without the ready-event flag")
+	}
+	return nil
+}
+
+func (r *reader) name(t msgType) (string, error) {
+	name := string(r.rest())
+	if err := checkName(name); err != nil {
+		return "", protocolErr("%s: %v", t, err)
+	}
+	return name, nil
+}
+
+func (r *reader) text(t msgType, field string) (string, error) {
+	s := r.rest()
+	if !utf8.Valid(s) {
+		return "", protocolErr("%s %s is not UTF-8", t, field)
+	}
+	return string(s), nil
+}
+
+// checkName says why name cannot be published, or nil.
+func checkName(name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("%w: empty", ErrBadName)
+	case len(name) > MaxNameLen:
+		return fmt.Errorf("%w: %d bytes, at most %d", ErrBadName, len(name), MaxNameLen)
+	case !utf8.ValidString(name):
+		return fmt.Errorf("%w %q: not UTF-8", ErrBadName, name)
+	}
+	for _, c := range name {
+		if unicode.IsControl(c) {
+			return fmt.Errorf("%w %q: control character %U", ErrBadName, name, c)
+		}
+	}
+	return nil
+}
+
+func checkFlags(t msgType, flags, known uint32) error {
+	if flags&^known != 0 {
+		return protocolErr("%s has unknown flags %#x", t, flags&^known)
+	}
+	return nil
+}
+
+func protocolErr(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+func versionErr(peer uint32) error {
+	return fmt.Errorf("%w: peer speaks protocol version %d, this side speaks %d", ErrVersionMismatch, peer, ProtocolVersion)
+}

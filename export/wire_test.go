@@ -1,0 +1,250 @@
+package export
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// sampleMessages has one well-formed message of every type, each field set so that a
+// field dropped or swapped by the codec shows.
+func sampleMessages() []message {
+	var rec cudart.PtrExportData
+	var ev cudart.IpcEventHandle
+	var fab cudart.FabricHandle
+	for i := range rec {
+		rec[i], ev[i], fab[i] = byte(i+1), byte(200-i), byte(i*3)
+	}
+	l := lease{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Flags: leaseReadyEvent, Record: rec, Ready: ev}
+	return []message{
+		&hello{Version: ProtocolVersion, PID: 4242, Flags: helloLeases | helloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
+		&welcome{Version: ProtocolVersion, PID: 17, Devices: []cudart.UUID{{9}, {8, 7}}},
+		&refused{Version: ProtocolVersion, Reason: "uid 1001 is not allowed"},
+		&poolHandle{PoolID: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{5}, MaxSize: 64 << 20},
+		&poolHandle{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
+		&open{ReqID: 1, Name: "kv/layer-0"},
+		&l,
+		&push{lease: lease{LeaseID: 5, PoolID: 3, BufferID: 2, Size: 512, Record: rec}, Name: "pushed"},
+		&release{ReqID: 8, LeaseID: 0xdeadbeefcafe, Count: 2, Flags: releaseNothingImported},
+		&released{ReqID: 8, LeaseID: 0xdeadbeefcafe},
+		&errorMsg{ReqID: 1, Code: codeUnknownName, Text: "no buffer named \"x\""},
+		&stateRequest{ReqID: 99},
+		&stateChunk{ReqID: 99, Flags: stateMore, JSON: []byte(`{"pid":1}`)},
+		&bye{},
+	}
+}
+
+func TestFramesRoundTrip(t *testing.T) {
+	var stream []byte
+	msgs := sampleMessages()
+	for _, m := range msgs {
+		stream = appendFrame(stream, m)
+	}
+	rest := stream
+	for i, want := range msgs {
+		got, r, err := decodeFrame(rest)
+		if err != nil {
+			t.Fatalf("message %d (%s): %v", i, want.kind(), err)
+		}
+		if a, b := appendFrame(nil, got), appendFrame(nil, want); !bytes.Equal(a, b) {
+			t.Fatalf("message %d (%s) changed in a round trip:\n got %x\nwant %x", i, want.kind(), a, b)
+		}
+		rest = r
+	}
+	if len(rest) != 0 {
+		t.Fatalf("%d bytes left over", len(rest))
+	}
+}
+
+// frame builds raw frame bytes with any header, right or wrong.
+func frame(length uint32, t msgType, payload []byte) []byte {
+	b := le.AppendUint32(nil, length)
+	return append(append(b, byte(t)), payload...)
+}
+
+// withField returns a well-formed frame of m with the payload bytes at off replaced.
+func withField(m message, off int, v []byte) []byte {
+	b := appendFrame(nil, m)
+	copy(b[headerLen+off:], v)
+	return b
+}
+
+// malformedFrame is a frame the decoder must refuse, and what its error must say.
+type malformedFrame struct {
+	name string
+	b    []byte
+	want string
+}
+
+func malformedFrames() []malformedFrame {
+	good := sampleMessages()
+	helloMsg, leaseMsg := good[0], good[6]
+	return []malformedFrame{
+		{name: "short header", b: []byte{1, 0, 0}, want: "truncated frame header"},
+		{name: "unknown type", b: frame(0, 0x7f, nil), want: "unknown message type 127"},
+		{name: "type zero", b: frame(0, 0, nil), want: "unknown message type 0"},
+		{name: "oversized", b: frame(maxPayload+1, msgOpen, nil), want: "oversized frame"},
+		{name: "huge length", b: frame(0xffffffff, msgState, nil), want: "oversized frame"},
+		{name: "wrong length", b: frame(10, msgLease, make([]byte, 10)), want: "Lease payload is 10 bytes, want 172"},
+		{name: "bye with payload", b: frame(1, msgBye, []byte{0}), want: "Bye payload is 1 bytes, want 0"},
+		{name: "truncated payload", b: frame(8, msgStateRequest, []byte{1, 2}), want: "truncated StateRequest frame"},
+		{name: "open without name", b: frame(8, msgOpen, make([]byte, 8)), want: "Open payload is 8 bytes, want 9 to 263"},
+		{name: "name not utf8", b: frame(9, msgOpen, append(make([]byte, 8), 0xff)), want: "not UTF-8"},
+		{name: "name with NUL", b: frame(10, msgOpen, append(make([]byte, 8), 'a', 0)), want: "control character"},
+		{name: "unknown hello flag", b: withField(helloMsg, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
+		{name: "release event without leases", b: withField(helloMsg, 8, []byte{byte(helloReleaseEvent)}), want: "takes no leases"},
+		{name: "hello short", b: frame(20, msgHello, le.AppendUint32(make([]byte, 0, 20), ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
+		{name: "unknown lease flag", b: withField(leaseMsg, 40, []byte{2}), want: "Lease has unknown flags 0x2"},
+		{name: "event bytes without flag", b: withField(leaseMsg, 40, []byte{0}), want: "without the ready-event flag"},
+		{name: "push with request id", b: appendFrame(nil, &push{lease: lease{ReqID: 3}, Name: "x"}), want: "Push has request id 3"},
+		{name: "pool handle type none", b: appendFrame(nil, &poolHandle{HandleType: cudart.HandleTypeNone}), want: "handle type none"},
+		{name: "fd pool with fabric bytes", b: appendFrame(nil, &poolHandle{HandleType: cudart.HandleTypePosixFD, Fabric: cudart.FabricHandle{1}}), want: "carries fabric bytes"},
+		{name: "welcome too many devices", b: withField(good[1], 8, []byte{17}), want: "lists 17 devices"},
+		{name: "welcome unused slot", b: withField(good[1], 12+2*16, []byte{1}), want: "unused device slot 2"},
+		{name: "error code zero", b: withField(good[10], 8, []byte{0}), want: "unknown code 0"},
+		{name: "error code unknown", b: withField(good[10], 8, []byte{byte(codeLimit)}), want: "unknown code"},
+		{name: "error text not utf8", b: frame(13, msgError, append(le.AppendUint32(le.AppendUint64(nil, 1), 1), 0xc3)), want: "Error text is not UTF-8"},
+		{name: "unknown release flag", b: withField(good[8], 20, []byte{4}), want: "Release has unknown flags 0x4"},
+		{name: "unknown state flag", b: withField(good[12], 8, []byte{2}), want: "State has unknown flags 0x2"},
+	}
+}
+
+func TestDecoderRefusesMalformedFrames(t *testing.T) {
+	for _, c := range malformedFrames() {
+		t.Run(c.name, func(t *testing.T) {
+			m, _, err := decodeFrame(c.b)
+			if err == nil {
+				t.Fatalf("decoded %#v, want an error", m)
+			}
+			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("error %q, want ErrProtocol saying %q", err, c.want)
+			}
+		})
+	}
+}
+
+func TestDecoderNamesBothVersions(t *testing.T) {
+	// A version-2 Hello may be longer; the version is read first and named.
+	b := frame(200, msgHello, le.AppendUint32(make([]byte, 0, 200), 2)[:200])
+	_, _, err := decodeFrame(b)
+	if !errors.Is(err, ErrVersionMismatch) || !strings.Contains(err.Error(), "version 2") || !strings.Contains(err.Error(), "speaks 1") {
+		t.Fatalf("error %v, want ErrVersionMismatch naming versions 2 and 1", err)
+	}
+}
+
+func TestCodeOfMapsEverySentinel(t *testing.T) {
+	for c := codeExporter + 1; c < codeLimit; c++ {
+		if c == codeClosed {
+			continue // ErrExporterGone on the importer's side, from ErrClosed on the exporter's
+		}
+		if got := codeOf(errors.Join(errors.New("context"), codeErrs[c])); got != c {
+			t.Errorf("codeOf(%v) = %d, want %d", codeErrs[c], got, c)
+		}
+	}
+	if got := codeOf(ErrClosed); got != codeClosed {
+		t.Errorf("codeOf(ErrClosed) = %d, want %d", got, codeClosed)
+	}
+	if got := codeOf(errors.New("cuda failed")); got != codeExporter {
+		t.Errorf("codeOf(other) = %d, want codeExporter", got)
+	}
+}
+
+// FuzzDecodeFrame feeds the decoder arbitrary bytes. It must never panic, and a frame
+// it accepts must encode back to exactly the bytes it was decoded from: the decoder
+// accepts one spelling of each message and nothing else.
+func FuzzDecodeFrame(f *testing.F) {
+	for _, m := range sampleMessages() {
+		f.Add(appendFrame(nil, m))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, rest, err := decodeFrame(b)
+		if err != nil {
+			if !errors.Is(err, ErrProtocol) && !errors.Is(err, ErrVersionMismatch) {
+				t.Fatalf("error %v wraps neither ErrProtocol nor ErrVersionMismatch", err)
+			}
+			return
+		}
+		used := b[:len(b)-len(rest)]
+		if again := appendFrame(nil, m); !bytes.Equal(again, used) {
+			t.Fatalf("%s re-encodes differently:\n got %x\nwant %x", m.kind(), again, used)
+		}
+	})
+}
+
+// TestSeedCorpusCoversEveryType keeps the checked-in corpus honest: every message type
+// has a seed there, and so does each malformed-input class the decoder names.
+func TestSeedCorpusCoversEveryType(t *testing.T) {
+	dir := filepath.Join("testdata", "fuzz", "FuzzDecodeFrame")
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[msgType]bool{}
+	for _, e := range entries {
+		b := readCorpusEntry(t, filepath.Join(dir, e.Name()))
+		if m, _, err := decodeFrame(b); err == nil {
+			seen[m.kind()] = true
+		}
+	}
+	for typ := msgHello; typ <= msgBye; typ++ {
+		if !seen[typ] {
+			t.Errorf("no well-formed %s seed in %s", typ, dir)
+		}
+	}
+	if len(entries) < int(msgBye)+10 {
+		t.Errorf("%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
+	}
+}
+
+var writeCorpus = flag.Bool("write-corpus", false, "rewrite testdata/fuzz/FuzzDecodeFrame from sampleMessages and malformedFrames")
+
+// TestWriteCorpus regenerates the checked-in seed corpus when run with -write-corpus:
+// one well-formed frame of every type, and every malformed frame the decoder test
+// names, so that the fuzzer starts from each class of input the decoder tells apart.
+func TestWriteCorpus(t *testing.T) {
+	if !*writeCorpus {
+		t.Skip("run with -write-corpus to regenerate the seed corpus")
+	}
+	dir := filepath.Join("testdata", "fuzz", "FuzzDecodeFrame")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	write := func(name string, b []byte) {
+		body := fmt.Sprintf("go test fuzz v1\n[]byte(%q)\n", b)
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, m := range sampleMessages() {
+		write(fmt.Sprintf("good-%02d-%s", i, m.kind()), appendFrame(nil, m))
+	}
+	for _, c := range malformedFrames() {
+		write("bad-"+strings.ReplaceAll(c.name, " ", "-"), c.b)
+	}
+}
+
+// readCorpusEntry reads the []byte of a one-argument corpus file.
+func readCorpusEntry(t *testing.T, path string) []byte {
+	t.Helper()
+	body, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(body)), "\n")
+	if len(lines) != 2 || lines[0] != "go test fuzz v1" || !strings.HasPrefix(lines[1], "[]byte(") || !strings.HasSuffix(lines[1], ")") {
+		t.Fatalf("%s: not a one-[]byte corpus file", path)
+	}
+	s, err := strconv.Unquote(strings.TrimSuffix(strings.TrimPrefix(lines[1], "[]byte("), ")"))
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return []byte(s)
+}
