@@ -1,0 +1,673 @@
+package cudart_test
+
+// GPU tests: the behaviour FACTS.md records, checked through this binding. They skip
+// where no CUDA runtime loads (internal/gputest) and fail there instead under
+// CUDAPOOL_REQUIRE_GPU=1.
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/bits"
+	"net"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/gputest"
+	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/unixfd"
+)
+
+const (
+	KiB = 1 << 10
+	MiB = 1 << 20
+
+	// hangGuard bounds every wait on the other process of a pair; it only stops a
+	// broken test from hanging, and no test depends on its length.
+	hangGuard = 3 * time.Minute
+)
+
+var childRoles = map[string]func(args []string) int{
+	"importer":       importerMain,
+	"dying-exporter": dyingExporterMain,
+	"bench-exporter": benchExporterMain,
+}
+
+// gpuFixture is what most GPU tests need: the runtime, and a pool and stream on dev
+// that are destroyed when the test ends.
+type gpuFixture struct {
+	rt     cudart.Runtime
+	dev    int
+	pool   cudart.MemPool
+	stream cudart.Stream
+}
+
+func newGPUFixture(t testing.TB, rt cudart.Runtime, dev int, props cudart.PoolProps) *gpuFixture {
+	t.Helper()
+	props.Location = cudart.DeviceLocation(dev)
+	f := &gpuFixture{rt: rt, dev: dev}
+	f.pool = must[cudart.MemPool](t, "MemPoolCreate")(rt.MemPoolCreate(props))
+	f.stream = must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	t.Cleanup(func() {
+		if err := rt.StreamSynchronize(dev, f.stream); err != nil {
+			t.Errorf("StreamSynchronize: %v", err)
+		}
+		if err := rt.StreamDestroy(dev, f.stream); err != nil {
+			t.Errorf("StreamDestroy: %v", err)
+		}
+		if err := rt.MemPoolDestroy(dev, f.pool); err != nil {
+			t.Errorf("MemPoolDestroy: %v", err)
+		}
+	})
+	return f
+}
+
+func (f *gpuFixture) malloc(t testing.TB, size uint64) cudart.DevicePtr {
+	t.Helper()
+	return must[cudart.DevicePtr](t, "MallocFromPoolAsync")(f.rt.MallocFromPoolAsync(f.dev, size, f.pool, f.stream))
+}
+
+func (f *gpuFixture) free(t testing.TB, ptrs ...cudart.DevicePtr) {
+	t.Helper()
+	for _, p := range ptrs {
+		noErr(t, "FreeAsync", f.rt.FreeAsync(f.dev, p, f.stream))
+	}
+	noErr(t, "StreamSynchronize", f.rt.StreamSynchronize(f.dev, f.stream))
+}
+
+// write puts data at p and waits for it to land.
+func (f *gpuFixture) write(t testing.TB, p cudart.DevicePtr, data []byte) {
+	t.Helper()
+	noErr(t, "MemcpyHtoDAsync", f.rt.MemcpyHtoDAsync(f.dev, p, data, f.stream))
+	noErr(t, "StreamSynchronize", f.rt.StreamSynchronize(f.dev, f.stream))
+}
+
+func (f *gpuFixture) read(t testing.TB, p cudart.DevicePtr, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	noErr(t, "MemcpyDtoHAsync", f.rt.MemcpyDtoHAsync(f.dev, b, p, f.stream))
+	return b
+}
+
+var ipcPool = cudart.PoolProps{HandleTypes: cudart.HandleTypePosixFD}
+
+func TestGPUDeviceQueries(t *testing.T) {
+	rt := gputest.Runtime(t)
+	t.Log(rt.Name())
+	drv := must[int](t, "DriverVersion")(rt.DriverVersion())
+	run := must[int](t, "RuntimeVersion")(rt.RuntimeVersion())
+	if drv < 12000 || run < 12000 {
+		t.Errorf("driver %d, runtime %d: want CUDA 12 or later", drv, run)
+	}
+	n := must[int](t, "DeviceCount")(rt.DeviceCount())
+	busID := regexp.MustCompile(`^[0-9a-fA-F]{4,8}:([0-9a-fA-F]{2}):[0-9a-fA-F]{2}\.[0-9a-fA-F]$`)
+	uuids := map[cudart.UUID]int{}
+	for dev := range n {
+		attr := func(a cudart.DeviceAttr) int {
+			t.Helper()
+			return must[int](t, fmt.Sprint("DeviceAttribute ", a))(rt.DeviceAttribute(dev, a))
+		}
+		if attr(cudart.DevAttrMemoryPoolsSupported) != 1 {
+			t.Errorf("device %d does not support memory pools", dev)
+		}
+		handles := cudart.HandleType(attr(cudart.DevAttrMemoryPoolSupportedHandles))
+		if handles&cudart.HandleTypePosixFD == 0 {
+			t.Errorf("device %d pools cannot be shared as POSIX fds: handle types %#x", dev, int32(handles))
+		}
+		u := must[cudart.UUID](t, "DeviceUUID")(rt.DeviceUUID(dev))
+		if other, dup := uuids[u]; dup || u == (cudart.UUID{}) {
+			t.Errorf("device %d UUID %s is zero or also device %d's", dev, u, other)
+		}
+		uuids[u] = dev
+		pci := must[string](t, "DevicePCIBusID")(rt.DevicePCIBusID(dev))
+		if !pciBusMatches(busID.FindStringSubmatch(pci), attr(cudart.DevAttrPciBusID)) {
+			t.Errorf("device %d PCI bus id %q disagrees with its bus attribute %d", dev, pci, attr(cudart.DevAttrPciBusID))
+		}
+		free, total, err := rt.MemGetInfo(dev)
+		if err != nil || free == 0 || free > total {
+			t.Errorf("MemGetInfo(%d) = %d, %d, %v", dev, free, total, err)
+		}
+		min := must[uint64](t, "AllocationGranularity")(rt.AllocationGranularity(dev, cudart.HandleTypePosixFD, false))
+		rec := must[uint64](t, "AllocationGranularity")(rt.AllocationGranularity(dev, cudart.HandleTypePosixFD, true))
+		if bits.OnesCount64(min) != 1 || rec < min || rec%min != 0 {
+			t.Errorf("device %d granularity: minimum %d, recommended %d", dev, min, rec)
+		}
+		t.Logf("device %d: %s %s, cc %d.%d, handle types %#x, granularity %d/%d, %d of %d bytes free",
+			dev, u, pci, attr(cudart.DevAttrComputeCapabilityMajor), attr(cudart.DevAttrComputeCapabilityMinor),
+			int32(handles), min, rec, free, total)
+	}
+	if self, err := rt.DeviceCanAccessPeer(0, 0); err != nil || self {
+		t.Errorf("DeviceCanAccessPeer(0, 0) = %v, %v; a device is not its own peer", self, err)
+	}
+	for dev := 1; dev < n; dev++ {
+		a, errA := rt.DeviceCanAccessPeer(0, dev)
+		b, errB := rt.DeviceCanAccessPeer(dev, 0)
+		if errA != nil || errB != nil {
+			t.Errorf("DeviceCanAccessPeer between 0 and %d: %v, %v", dev, errA, errB)
+		}
+		t.Logf("peer access 0->%d %v, %d->0 %v", dev, a, dev, b)
+	}
+}
+
+// pciBusMatches reports whether a bus id's bus field (m[1], hex) is bus.
+func pciBusMatches(m []string, bus int) bool {
+	if m == nil {
+		return false
+	}
+	v, err := strconv.ParseInt(m[1], 16, 32)
+	return err == nil && int(v) == bus
+}
+
+func TestGPUPoolAttributesAndAccess(t *testing.T) {
+	rt := gputest.Runtime(t)
+	// A pool that is not shareable: IPC pools ignore the release threshold and trims.
+	f := newGPUFixture(t, rt, 0, cudart.PoolProps{})
+	attr := func(a cudart.PoolAttr) uint64 {
+		t.Helper()
+		return must[uint64](t, fmt.Sprint("MemPoolGetAttribute ", a))(rt.MemPoolGetAttribute(0, f.pool, a))
+	}
+	for a := cudart.PoolReuseFollowEventDependencies; a <= cudart.PoolUsedMemHigh; a++ {
+		v := attr(a)
+		if a.IsBool() && v > 1 {
+			t.Errorf("flag attribute %d reads %d", a, v)
+		}
+		t.Logf("attribute %d = %d", a, v)
+	}
+	noErr(t, "clear a flag", rt.MemPoolSetAttribute(0, f.pool, cudart.PoolReuseAllowOpportunistic, 0))
+	noErr(t, "set the release threshold", rt.MemPoolSetAttribute(0, f.pool, cudart.PoolReleaseThreshold, 1<<40+MiB))
+	if a, b := attr(cudart.PoolReuseAllowOpportunistic), attr(cudart.PoolReleaseThreshold); a != 0 || b != 1<<40+MiB {
+		t.Errorf("read back flag %d and threshold %d", a, b)
+	}
+	p := f.malloc(t, MiB)
+	noErr(t, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
+	if used, reserved := attr(cudart.PoolUsedMemCurrent), attr(cudart.PoolReservedMemCurrent); used < MiB || reserved < used {
+		t.Errorf("with 1 MiB allocated: used %d, reserved %d", used, reserved)
+	}
+	err := rt.MemPoolSetAttribute(0, f.pool, cudart.PoolReservedMemCurrent, 0)
+	if !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Errorf("setting the read-only reserved size: %v, want invalid value", err)
+	}
+	noErr(t, "reset the used high-water mark", rt.MemPoolSetAttribute(0, f.pool, cudart.PoolUsedMemHigh, 0))
+	f.free(t, p)
+	before := attr(cudart.PoolReservedMemCurrent)
+	noErr(t, "MemPoolTrimTo", rt.MemPoolTrimTo(0, f.pool, 0))
+	if after := attr(cudart.PoolReservedMemCurrent); after > before {
+		t.Errorf("reserved grew from %d to %d on trimming", before, after)
+	}
+
+	if a := must[cudart.AccessFlags](t, "MemPoolGetAccess")(rt.MemPoolGetAccess(0, f.pool, cudart.DeviceLocation(0))); a != cudart.AccessReadWrite {
+		t.Errorf("own device access %d, want read-write", a)
+	}
+	if n, _ := rt.DeviceCount(); n < 2 {
+		t.Log("one device: peer access not checked")
+		return
+	}
+	if can, _ := rt.DeviceCanAccessPeer(1, 0); !can {
+		t.Log("device 1 cannot reach device 0: peer access not checked")
+		return
+	}
+	noErr(t, "MemPoolSetAccess", rt.MemPoolSetAccess(0, f.pool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}))
+	if a := must[cudart.AccessFlags](t, "MemPoolGetAccess")(rt.MemPoolGetAccess(0, f.pool, cudart.DeviceLocation(1))); a != cudart.AccessReadWrite {
+		t.Errorf("device 1 access %d after granting read-write", a)
+	}
+}
+
+// FACTS 1: small buffers pack below the allocation granularity.
+func TestGPUCopiesSetsAndPacking(t *testing.T) {
+	rt := gputest.Runtime(t)
+	f := newGPUFixture(t, rt, 0, ipcPool)
+	a, b := f.malloc(t, MiB), f.malloc(t, MiB)
+	src := pattern(MiB, 3)
+	noErr(t, "MemcpyHtoDAsync", rt.MemcpyHtoDAsync(0, a, src, f.stream))
+	noErr(t, "MemsetAsync", rt.MemsetAsync(0, b, 0x11, MiB, f.stream))
+	noErr(t, "MemcpyDtoDAsync", rt.MemcpyDtoDAsync(0, b+4*KiB, a, 64*KiB, f.stream))
+	want := bytes.Repeat([]byte{0x11}, MiB)
+	copy(want[4*KiB:], src[:64*KiB])
+	if got := f.read(t, b, MiB); !bytes.Equal(got, want) {
+		t.Error("device bytes differ from what was copied and set")
+	}
+	f.free(t, a, b)
+
+	gran := must[uint64](t, "AllocationGranularity")(rt.AllocationGranularity(0, cudart.HandleTypePosixFD, false))
+	granules := map[uint64]bool{}
+	var small []cudart.DevicePtr
+	for range 8 {
+		p := f.malloc(t, 4*KiB)
+		small = append(small, p)
+		granules[uint64(p)/gran] = true
+	}
+	if len(granules) == len(small) {
+		t.Errorf("8 buffers of 4 KiB took %d granules of %d bytes: no packing (%#x)", len(granules), gran, small)
+	}
+	f.free(t, small...)
+}
+
+func TestGPUEvents(t *testing.T) {
+	rt := gputest.Runtime(t)
+	f := newGPUFixture(t, rt, 0, ipcPool)
+	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
+	defer rt.StreamDestroy(0, s2)
+	for _, flags := range []cudart.EventFlags{cudart.EventDisableTiming, cudart.EventIPC} {
+		e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(0, flags))
+		if done := must[bool](t, "EventQuery")(rt.EventQuery(0, e)); !done {
+			t.Errorf("flags %#x: an event never recorded is not complete", flags)
+		}
+		noErr(t, "EventRecord", rt.EventRecord(0, e, f.stream))
+		noErr(t, "StreamWaitEvent", rt.StreamWaitEvent(0, s2, e))
+		noErr(t, "EventSynchronize", rt.EventSynchronize(0, e))
+		noErr(t, "StreamSynchronize", rt.StreamSynchronize(0, s2))
+		if done := must[bool](t, "EventQuery")(rt.EventQuery(0, e)); !done {
+			t.Errorf("flags %#x: the event is not complete after EventSynchronize", flags)
+		}
+		_, err := rt.IpcGetEventHandle(0, e)
+		var cerr *cudart.Error
+		if flags == cudart.EventIPC && err != nil {
+			t.Errorf("IpcGetEventHandle of an IPC event: %v", err)
+		} else if flags != cudart.EventIPC && !errors.As(err, &cerr) {
+			t.Errorf("IpcGetEventHandle of a non-IPC event: %v, want a CUDA error", err)
+		}
+		noErr(t, "EventDestroy", rt.EventDestroy(0, e))
+	}
+}
+
+// FACTS 9, 11 and 12: what may be exported, and when.
+func TestGPUExportRules(t *testing.T) {
+	rt := gputest.Runtime(t)
+	plain := newGPUFixture(t, rt, 0, cudart.PoolProps{})
+	p := plain.malloc(t, MiB)
+	_, err := rt.MemPoolExportPointer(0, p)
+	if !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Errorf("exporting memory of a handle-type-none pool: %v, want invalid value", err)
+	}
+	_, err = rt.MemPoolExportToShareableHandle(0, plain.pool, cudart.HandleTypePosixFD)
+	if !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Errorf("exporting a handle-type-none pool: %v, want invalid value", err)
+	}
+	plain.free(t, p)
+
+	def := must[cudart.MemPool](t, "DeviceGetDefaultMemPool")(rt.DeviceGetDefaultMemPool(0))
+	d := must[cudart.DevicePtr](t, "MallocFromPoolAsync")(rt.MallocFromPoolAsync(0, MiB, def, plain.stream))
+	_, err = rt.MemPoolExportPointer(0, d)
+	if !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Errorf("exporting memory of the default pool: %v, want invalid value", err)
+	}
+	plain.free(t, d)
+
+	f := newGPUFixture(t, rt, 0, ipcPool)
+	q := f.malloc(t, MiB)
+	noErr(t, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
+	_, err = rt.MemPoolExportPointer(0, q)
+	if !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Errorf("exporting a pointer before its pool: %v, want invalid value", err)
+	}
+	h := must[cudart.ShareableHandle](t, "MemPoolExportToShareableHandle")(rt.MemPoolExportToShareableHandle(0, f.pool, cudart.HandleTypePosixFD))
+	noErr(t, "close the exported fd", unix.Close(h.FD))
+	first := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, q))
+	if again := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, q)); again != first {
+		t.Error("exporting the same pointer twice gave different bytes")
+	}
+	f.free(t, q)
+
+	fabric := newGPUFixture(t, rt, 0, cudart.PoolProps{HandleTypes: cudart.HandleTypeFabric})
+	fh, err := rt.MemPoolExportToShareableHandle(0, fabric.pool, cudart.HandleTypeFabric)
+	switch {
+	case err == nil:
+		t.Logf("this host exports fabric handles (IMEX is set up): %x", fh.Fabric[:8])
+	case errors.Is(err, cudart.ErrNotPermitted), errors.Is(err, cudart.ErrNotSupported):
+		t.Logf("fabric export refused, as without IMEX: %v", err)
+	default:
+		t.Errorf("fabric export: %v", err)
+	}
+}
+
+// FACTS 10: maxSize bounds a pool.
+func TestGPUPoolMaxSize(t *testing.T) {
+	rt := gputest.Runtime(t)
+	f := newGPUFixture(t, rt, 0, cudart.PoolProps{HandleTypes: cudart.HandleTypePosixFD, MaxSize: 64 * MiB})
+	p := f.malloc(t, 48*MiB)
+	_, err := rt.MallocFromPoolAsync(0, 32*MiB, f.pool, f.stream)
+	if !errors.Is(err, cudart.ErrOutOfMemory) {
+		t.Errorf("32 MiB more in a 64 MiB pool holding 48: %v, want out of memory", err)
+	}
+	f.free(t, p)
+	newGPUFixture(t, rt, 0, cudart.PoolProps{HandleTypes: cudart.HandleTypePosixFD, MaxSize: 3 * MiB})
+}
+
+// startChild starts this test binary in role with a Unix socket to it on the child's
+// fd 3, and returns the parent's end.
+func startChild(t testing.TB, role string, args ...string) (*exec.Cmd, *net.UnixConn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.CloseOnExec(fds[0]) // the child gets its end as fd 3 through ExtraFiles
+	unix.CloseOnExec(fds[1])
+	child := os.NewFile(uintptr(fds[1]), "child socket")
+	defer child.Close()
+	parent := os.NewFile(uintptr(fds[0]), "parent socket")
+	defer parent.Close()
+	c, err := net.FileConn(parent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := c.(*net.UnixConn)
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(hangGuard))
+	cmd := proctest.Command(t, role, args...)
+	cmd.ExtraFiles = []*os.File{child}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return cmd, conn
+}
+
+// parentConn is a child's end of the socket startChild made.
+func parentConn() (*net.UnixConn, error) {
+	f := os.NewFile(3, "parent socket")
+	defer f.Close()
+	c, err := net.FileConn(f)
+	if err != nil {
+		return nil, err
+	}
+	c.SetDeadline(time.Now().Add(hangGuard))
+	return c.(*net.UnixConn), nil
+}
+
+// sendWithFD sends msg and fd in one message.
+func sendWithFD(c *net.UnixConn, msg []byte, fd int) error { return unixfd.Send(c, msg, fd) }
+
+// recvWithFD reads a message of exactly size bytes that carries one descriptor.
+func recvWithFD(c *net.UnixConn, size int) ([]byte, int, error) {
+	msg := make([]byte, size)
+	n, fds, err := unixfd.Recv(c, msg, 1)
+	if err != nil {
+		return nil, -1, err
+	}
+	if len(fds) != 1 {
+		return nil, -1, fmt.Errorf("got %d descriptors, want 1", len(fds))
+	}
+	if _, err := io.ReadFull(c, msg[n:]); err != nil {
+		unix.Close(fds[0])
+		return nil, -1, err
+	}
+	return msg, fds[0], nil
+}
+
+// The importer's message: the exported buffer's address, its never-exported
+// neighbour's address, the buffer's export data, the export data of a buffer freed
+// since, and an IPC event handle recorded after the writes.
+type importerMsg struct {
+	Buffer, Neighbour uint64
+	Data, Stale       cudart.PtrExportData
+	Event             cudart.IpcEventHandle
+}
+
+const importerMsgSize = 8 + 8 + 64 + 64 + 64
+
+// FACTS 2-6 and 8, across two processes: the child imports the pool from an fd sent
+// over SCM_RIGHTS and reads what the parent wrote.
+func TestGPUTwoProcessSharing(t *testing.T) {
+	rt := gputest.Runtime(t)
+	f := newGPUFixture(t, rt, 0, ipcPool)
+	h := must[cudart.ShareableHandle](t, "MemPoolExportToShareableHandle")(rt.MemPoolExportToShareableHandle(0, f.pool, cudart.HandleTypePosixFD))
+	defer unix.Close(h.FD)
+	buf, neighbour := f.malloc(t, MiB), f.malloc(t, MiB)
+	f.write(t, buf, pattern(MiB, 1))
+	f.write(t, neighbour, pattern(MiB, 2))
+	stale := f.malloc(t, MiB)
+	m := importerMsg{Buffer: uint64(buf), Neighbour: uint64(neighbour)}
+	m.Stale = must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, stale))
+	f.free(t, stale)
+	m.Data = must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, buf))
+	ev := must[cudart.Event](t, "EventCreate")(rt.EventCreate(0, cudart.EventIPC))
+	defer rt.EventDestroy(0, ev)
+	noErr(t, "EventRecord", rt.EventRecord(0, ev, f.stream))
+	m.Event = must[cudart.IpcEventHandle](t, "IpcGetEventHandle")(rt.IpcGetEventHandle(0, ev))
+
+	cmd, conn := startChild(t, "importer")
+	var msg bytes.Buffer
+	binary.Write(&msg, binary.LittleEndian, &m)
+	noErr(t, "send to the importer", sendWithFD(conn, msg.Bytes(), h.FD))
+	// The importer acknowledges once it has freed every import, as CUDA requires
+	// before the exporter frees.
+	ack := make([]byte, 1)
+	_, ackErr := io.ReadFull(conn, ack)
+	waitErr := cmd.Wait()
+	if ackErr != nil || waitErr != nil {
+		t.Fatalf("importer: ack %v, exit %v (its stderr is above)", ackErr, waitErr)
+	}
+	f.free(t, buf, neighbour)
+}
+
+// childChecks collects a child's failures; each is printed to stderr at once.
+type childChecks struct{ failed bool }
+
+func (c *childChecks) check(ok bool, format string, args ...any) bool {
+	if !ok {
+		c.failed = true
+		fmt.Fprintf(os.Stderr, "child: "+format+"\n", args...)
+	}
+	return ok
+}
+
+func (c *childChecks) status() int {
+	if c.failed {
+		return 1
+	}
+	return 0
+}
+
+func childSetup(msgSize int) (cudart.Runtime, *net.UnixConn, []byte, int, error) {
+	rt, err := cudart.Load()
+	if err != nil {
+		return nil, nil, nil, -1, err
+	}
+	conn, err := parentConn()
+	if err != nil {
+		return nil, nil, nil, -1, err
+	}
+	msg, fd, err := recvWithFD(conn, msgSize)
+	if err != nil {
+		conn.Close()
+		return nil, nil, nil, -1, err
+	}
+	return rt, conn, msg, fd, nil
+}
+
+func importerMain([]string) int {
+	rt, conn, raw, fd, err := childSetup(importerMsgSize)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 1
+	}
+	defer conn.Close()
+	var m importerMsg
+	binary.Read(bytes.NewReader(raw), binary.LittleEndian, &m)
+	c := &childChecks{}
+	defer conn.Write([]byte{'k'}) // after every import is freed, failed or not
+	pool, err := rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd})
+	unix.Close(fd)
+	if !c.check(err == nil, "importing the pool: %v", err) {
+		return 1
+	}
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	if !c.check(err == nil, "StreamCreate: %v", err) {
+		return 1
+	}
+	ev, err := rt.IpcOpenEventHandle(0, m.Event)
+	if c.check(err == nil, "IpcOpenEventHandle: %v", err) {
+		c.check(rt.StreamWaitEvent(0, s, ev) == nil, "StreamWaitEvent on the parent's event")
+		c.check(rt.StreamSynchronize(0, s) == nil, "StreamSynchronize after the wait")
+		c.check(rt.EventDestroy(0, ev) == nil, "EventDestroy of the opened event")
+	}
+
+	p, err := rt.MemPoolImportPointer(0, pool, m.Data)
+	if !c.check(err == nil, "MemPoolImportPointer: %v", err) {
+		return 1
+	}
+	c.check(uint64(p) == m.Buffer, "imported at %#x, the exporter's address is %#x", p, m.Buffer)
+	got := make([]byte, MiB)
+	err = rt.MemcpyDtoHAsync(0, got, p, s)
+	c.check(err == nil && bytes.Equal(got, pattern(MiB, 1)), "reading the import: %v, bytes equal %v", err, bytes.Equal(got, pattern(MiB, 1)))
+	err = rt.MemcpyDtoHAsync(0, got[:4096], cudart.DevicePtr(m.Neighbour), s)
+	c.check(errors.Is(err, cudart.ErrInvalidValue), "copying from the never-exported neighbour: %v, want invalid value", err)
+	var junk cudart.PtrExportData
+	for i := range junk {
+		junk[i] = 0x3c
+	}
+	_, err = rt.MemPoolImportPointer(0, pool, junk)
+	c.check(errors.Is(err, cudart.ErrInvalidValue), "importing junk: %v, want invalid value", err)
+	_, err = rt.MallocFromPoolAsync(0, MiB, pool, s)
+	c.check(errors.Is(err, cudart.ErrInvalidValue), "allocating from the imported pool: %v, want invalid value", err)
+	readOnOtherDevice(rt, c, pool, p)
+
+	p2, err := rt.MemPoolImportPointer(0, pool, m.Data)
+	c.check(err == nil && p2 == p, "importing again: %#x, %v; want the same pointer %#x", p2, err, p)
+	c.check(rt.FreeAsync(0, p, s) == nil, "freeing the import")
+	c.check(rt.StreamSynchronize(0, s) == nil, "StreamSynchronize after the free")
+	err = rt.FreeAsync(0, p2, s)
+	c.check(errors.Is(err, cudart.ErrInvalidValue), "freeing the second import after the first: %v, want invalid value", err)
+	rt.StreamSynchronize(0, s)
+
+	sp, err := rt.MemPoolImportPointer(0, pool, m.Stale)
+	c.check(err == nil, "importing the export data of a freed buffer: %v, want success (the driver cannot tell)", err)
+	if err == nil {
+		err = rt.FreeAsync(0, sp, s)
+		fmt.Fprintf(os.Stderr, "child: freeing the stale import: %v; synchronizing: %v\n", err, rt.StreamSynchronize(0, s))
+	}
+	c.check(rt.StreamDestroy(0, s) == nil, "StreamDestroy")
+	return c.status()
+}
+
+// readOnOtherDevice checks FACTS 8: with access granted in the importing process,
+// device 1 reads the imported device-0 pointer.
+func readOnOtherDevice(rt cudart.Runtime, c *childChecks, pool cudart.MemPool, p cudart.DevicePtr) {
+	if n, _ := rt.DeviceCount(); n < 2 {
+		fmt.Fprintln(os.Stderr, "child: one device, reading from another GPU not checked")
+		return
+	}
+	err := rt.MemPoolSetAccess(0, pool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}})
+	if !c.check(err == nil, "granting device 1 access to the imported pool: %v", err) {
+		return
+	}
+	local, err := rt.MemPoolCreate(cudart.PoolProps{Location: cudart.DeviceLocation(1)})
+	if !c.check(err == nil, "a pool on device 1: %v", err) {
+		return
+	}
+	defer rt.MemPoolDestroy(1, local)
+	s1, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
+	if !c.check(err == nil, "a stream on device 1: %v", err) {
+		return
+	}
+	defer rt.StreamDestroy(1, s1)
+	dst, err := rt.MallocFromPoolAsync(1, MiB, local, s1)
+	if !c.check(err == nil, "allocating on device 1: %v", err) {
+		return
+	}
+	got := make([]byte, MiB)
+	err = rt.MemcpyDtoDAsync(1, dst, p, MiB, s1)
+	if c.check(err == nil, "copying the import to device 1: %v", err) {
+		err = rt.MemcpyDtoHAsync(1, got, dst, s1)
+		c.check(err == nil && bytes.Equal(got, pattern(MiB, 1)), "device 1 read the import: %v, bytes equal %v", err, bytes.Equal(got, pattern(MiB, 1)))
+	}
+	c.check(rt.FreeAsync(1, dst, s1) == nil, "freeing on device 1")
+	c.check(rt.StreamSynchronize(1, s1) == nil, "StreamSynchronize on device 1")
+}
+
+// FACTS 7: the exporter may exit first; its memory stays readable through the import.
+func TestGPUExporterDiesFirst(t *testing.T) {
+	rt := gputest.Runtime(t)
+	cmd, conn := startChild(t, "dying-exporter")
+	msg, fd, err := recvWithFD(conn, 64)
+	if err != nil {
+		t.Fatalf("from the exporter: %v", err)
+	}
+	defer unix.Close(fd)
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exporter: %v", err)
+	}
+	pool := must[cudart.MemPool](t, "import")(rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd}))
+	p := must[cudart.DevicePtr](t, "MemPoolImportPointer")(rt.MemPoolImportPointer(0, pool, cudart.PtrExportData(msg)))
+	got := make([]byte, MiB)
+	noErr(t, "reading the import", rt.MemcpyDtoHAsync(0, got, p, 0))
+	if !bytes.Equal(got, pattern(MiB, 5)) {
+		t.Error("the import of a dead exporter reads other bytes")
+	}
+	noErr(t, "freeing the import", rt.FreeAsync(0, p, 0))
+	noErr(t, "StreamSynchronize", rt.StreamSynchronize(0, 0))
+	if err := rt.MemPoolDestroy(0, pool); !errors.Is(err, cudart.ErrInvalidValue) {
+		t.Logf("destroying the imported pool of a dead exporter: %v (FACTS.md saw invalid value)", err)
+	}
+}
+
+// dyingExporterMain writes pattern 5 into a buffer, sends its pool and export data,
+// and exits with the buffer still allocated.
+func dyingExporterMain([]string) int {
+	rt, err := cudart.Load()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 1
+	}
+	conn, err := parentConn()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 1
+	}
+	defer conn.Close()
+	h, data, err := exportBuffers(rt, 1, func(p cudart.DevicePtr, s cudart.Stream) error {
+		return rt.MemcpyHtoDAsync(0, p, pattern(MiB, 5), s)
+	})
+	if err == nil {
+		err = sendWithFD(conn, data[0][:], h.FD)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 1
+	}
+	return 0
+}
+
+// exportBuffers makes an exported POSIX-fd pool on device 0 with n buffers of 1 MiB,
+// fills each with fill and waits, and returns the pool's handle and each buffer's
+// export data. The pool and buffers live until the process exits.
+func exportBuffers(rt cudart.Runtime, n int, fill func(cudart.DevicePtr, cudart.Stream) error) (cudart.ShareableHandle, []cudart.PtrExportData, error) {
+	pool, err := rt.MemPoolCreate(cudart.PoolProps{HandleTypes: cudart.HandleTypePosixFD, Location: cudart.DeviceLocation(0)})
+	if err != nil {
+		return cudart.ShareableHandle{}, nil, err
+	}
+	h, err := rt.MemPoolExportToShareableHandle(0, pool, cudart.HandleTypePosixFD)
+	if err != nil {
+		return h, nil, err
+	}
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	if err != nil {
+		return h, nil, err
+	}
+	data := make([]cudart.PtrExportData, n)
+	for i := range data {
+		p, err := rt.MallocFromPoolAsync(0, MiB, pool, s)
+		if err == nil && fill != nil {
+			err = fill(p, s)
+		}
+		if err == nil {
+			err = rt.StreamSynchronize(0, s)
+		}
+		if err == nil {
+			data[i], err = rt.MemPoolExportPointer(0, p)
+		}
+		if err != nil {
+			return h, nil, err
+		}
+	}
+	return h, data, nil
+}
