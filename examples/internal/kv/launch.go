@@ -1,0 +1,240 @@
+package kv
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/internal/rtselect"
+)
+
+// LaunchCommand is examples/kvshare. Called with "producer" or "consumer" first, it is
+// that role (ProducerCommand, ConsumerCommand); otherwise it starts one producer and N
+// consumers as processes of this same executable, waits for the consumers, stops the
+// producer with an interrupt, and prints a summary table. It succeeds when every consumer
+// read the whole cache correctly and the producer shut down cleanly.
+func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	if len(args) > 0 {
+		switch args[0] {
+		case "producer":
+			return ProducerCommand(ctx, args[1:], stdin, stdout, stderr)
+		case "consumer":
+			return ConsumerCommand(ctx, args[1:], stdin, stdout, stderr)
+		}
+	}
+	const role = "kvshare"
+	fs := flag.NewFlagSet(role, flag.ContinueOnError)
+	consumers := fs.Int("consumers", 0, "consumer processes (default: one per visible device, at least 2)")
+	prefer := fs.String("runtime", rtselect.Auto, "auto (GPU if there is one, else the software device), gpu or test")
+	reps := fs.Int("reps", 3, "how many times each consumer times each copy (the best counts)")
+	shapeFlags := ShapeFlags(fs)
+	if !parse(fs, args, stderr) {
+		return 2
+	}
+	if *consumers < 0 || *reps < 1 {
+		fmt.Fprintf(stderr, "%s: -consumers must be positive and -reps at least 1\n", role)
+		return 2
+	}
+	rt, onGPU, why, err := rtselect.Open(*prefer)
+	if err != nil {
+		return fail(role, stderr, err)
+	}
+	devices, err := rt.DeviceCount()
+	if err != nil {
+		return fail(role, stderr, err)
+	}
+	l := launch{
+		shape: shapeFlags.Resolve(onGPU), devices: devices, consumers: *consumers, reps: *reps,
+		runtime: rtselect.Test, stdout: stdout, stderr: stderr,
+	}
+	if onGPU {
+		l.runtime = rtselect.GPU
+	}
+	if l.consumers == 0 {
+		l.consumers = max(2, devices)
+	}
+	if err := l.shape.Validate(); err != nil {
+		return fail(role, stderr, err)
+	}
+	fmt.Fprintf(stdout, "%s: %s\n", role, why)
+	size := "a " + humanize.IBytes(l.shape.Bytes()) + " KV cache"
+	if !onGPU {
+		size += " (small for the software device; a GPU gets " + humanize.IBytes(GPUShape.Bytes()) + ")"
+	}
+	fmt.Fprintf(stdout, "%s: one producer on device 0 computes %s once; %d consumers map it instead\n", role, size, l.consumers)
+	if err := l.run(ctx); err != nil {
+		return fail(role, stderr, err)
+	}
+	return 0
+}
+
+// launch is one run of the main job.
+type launch struct {
+	shape     Shape
+	devices   int
+	consumers int
+	reps      int
+	runtime   string // what the children are told, so that all of them agree with the launcher
+	stdout    io.Writer
+	stderr    io.Writer
+}
+
+// outcome is what one consumer process did.
+type outcome struct {
+	device int
+	res    Result
+	err    error
+}
+
+func (l *launch) run(ctx context.Context) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "kvshare-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	base := []string{"-json", "-runtime", l.runtime, "-socket", filepath.Join(dir, "kv.sock"), "-name", DefaultName}
+
+	producerArgs := append([]string{"producer"}, base...)
+	producerArgs = append(producerArgs, "-device", "0",
+		"-layers", strconv.Itoa(l.shape.Layers), "-tokens", strconv.Itoa(l.shape.Tokens),
+		"-heads", strconv.Itoa(l.shape.Heads), "-head-dim", strconv.Itoa(l.shape.HeadDim))
+	producer := newChild(ctx, exe, producerArgs)
+	out, err := producer.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	if err := producer.Start(); err != nil {
+		return err
+	}
+	var pub Published
+	if err := readJSONLine(out, &pub); err != nil {
+		// The producer failed before publishing: its stderr says why.
+		return errors.Join(fmt.Errorf("the producer did not publish: %w", err), producer.wait())
+	}
+
+	outcomes := make([]outcome, l.consumers)
+	var wg sync.WaitGroup
+	for i := range outcomes {
+		o := &outcomes[i]
+		o.device = i % l.devices
+		args := append([]string{"consumer"}, base...)
+		args = append(args, "-device", strconv.Itoa(o.device), "-reps", strconv.Itoa(l.reps))
+		wg.Go(func() { o.res, o.err = runConsumer(ctx, exe, args) })
+	}
+	wg.Wait()
+
+	// The producer's clean shutdown is part of the job: Ctrl-C is how it is stopped.
+	stopErr := producer.Process.Signal(os.Interrupt)
+	stopErr = errors.Join(stopErr, producer.wait())
+	if stopErr != nil {
+		stopErr = fmt.Errorf("the producer did not stop cleanly: %w", stopErr)
+	}
+	failed := l.summarise(pub, outcomes)
+	if failed > 0 {
+		return errors.Join(fmt.Errorf("%d of %d consumers failed", failed, len(outcomes)), stopErr)
+	}
+	if stopErr != nil {
+		return stopErr
+	}
+	fmt.Fprintf(l.stdout, "kvshare: %d consumers read the producer's %s and checked every byte; the producer stopped cleanly\n",
+		len(outcomes), humanize.IBytes(pub.Size))
+	return nil
+}
+
+// summarise prints the table and returns how many consumers failed.
+func (l *launch) summarise(pub Published, outcomes []outcome) (failed int) {
+	tw := tabwriter.NewWriter(l.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "CONSUMER\tPID\tDEVICE\tREADS FROM\tIMPORT READ\tLOCAL COPY\tRATIO\tCHECKSUM")
+	for i, o := range outcomes {
+		from := "same device"
+		if o.device != pub.Device {
+			from = fmt.Sprintf("device %d (peer)", pub.Device)
+		}
+		if o.err == nil && o.res.Checksum != pub.Checksum {
+			o.err = fmt.Errorf("checksum %s, the producer's is %s", o.res.Checksum, pub.Checksum)
+		}
+		if o.err != nil {
+			failed++
+			fmt.Fprintf(tw, "%d\t-\t%d\t%s\tFAILED: %v\n", i+1, o.device, from, o.err)
+			continue
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%.1f GB/s\t%.1f GB/s\t%.2f\t%s ok\n", i+1, o.res.PID, o.device, from,
+			o.res.ImportGBps(), o.res.LocalGBps(), o.res.ImportGBps()/o.res.LocalGBps(), o.res.Checksum)
+	}
+	tw.Flush()
+	return failed
+}
+
+// child is a process of this executable in one role. Its stderr is kept and shown only
+// when it fails: a working child's output is the launcher's summary.
+type child struct {
+	*exec.Cmd
+	errOut bytes.Buffer
+}
+
+// newChild prepares exe with args. When ctx ends the child gets an interrupt, as from
+// Ctrl-C, and is killed only if it has not exited shutdownTimeout later; if the launcher
+// dies first, the kernel sends it SIGTERM, so no producer outlives its launcher.
+func newChild(ctx context.Context, exe string, args []string) *child {
+	c := &child{Cmd: exec.CommandContext(ctx, exe, args...)}
+	c.Cancel = func() error { return c.Process.Signal(os.Interrupt) }
+	c.WaitDelay = shutdownTimeout
+	c.Stderr = &c.errOut
+	c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	return c
+}
+
+// wait waits for the child; a failure carries what it wrote on stderr.
+func (c *child) wait() error {
+	if err := c.Wait(); err != nil {
+		return fmt.Errorf("%s %s: %w\n%s", filepath.Base(c.Path), c.Args[1], err, bytes.TrimSpace(c.errOut.Bytes()))
+	}
+	return nil
+}
+
+func runConsumer(ctx context.Context, exe string, args []string) (Result, error) {
+	c := newChild(ctx, exe, args)
+	var out bytes.Buffer
+	c.Stdout = &out
+	if err := c.Start(); err != nil {
+		return Result{}, err
+	}
+	if err := c.wait(); err != nil {
+		return Result{}, err
+	}
+	var res Result
+	if err := readJSONLine(&out, &res); err != nil {
+		return Result{}, fmt.Errorf("consumer's result: %w", err)
+	}
+	return res, nil
+}
+
+// readJSONLine decodes the first line of r into v; it fails at the end of r.
+func readJSONLine(r io.Reader, v any) error {
+	line, err := bufio.NewReader(r).ReadBytes('\n')
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			return io.ErrUnexpectedEOF
+		}
+		return err
+	}
+	return json.Unmarshal(line, v)
+}
