@@ -1,0 +1,184 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"os/user"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/export"
+)
+
+// Width is what the table fits in, socket paths aside.
+const Width = 100
+
+// Longest names shown whole; longer ones are cut with an ellipsis so that the table
+// keeps its width.
+const (
+	maxPoolName    = 16
+	maxUserName    = 12
+	maxProcessName = 32
+	maxPublished   = 48
+)
+
+// render writes r as the operator's table, with ages counted up to now.
+func render(w io.Writer, r *Report, now time.Time) {
+	fmt.Fprintln(w, summary(r))
+	for _, e := range r.Exporters {
+		fmt.Fprintln(w)
+		if e.Status == Live {
+			renderLive(w, e, now)
+			continue
+		}
+		who := "unknown process"
+		if e.PID > 0 {
+			who = fmt.Sprintf("%s (pid %d)", cut(orDash(e.Name), maxProcessName), e.PID)
+		}
+		fmt.Fprintf(w, "%s: %s\n  socket %s\n  %s\n", strings.ToUpper(string(e.Status)), who, e.Socket, e.Error)
+		if e.Status == Dead {
+			fmt.Fprintln(w, "  poolstat -clean removes its announcement")
+		}
+	}
+}
+
+// summary is the table's first line: where poolstat looked and what it found.
+func summary(r *Report) string {
+	if r.Dir == "" {
+		return fmt.Sprintf("Exporter at %s: %s", r.Exporters[0].Socket, r.Exporters[0].Status)
+	}
+	if len(r.Exporters) == 0 {
+		return fmt.Sprintf("No cudapool exporter is announced in %s: none runs as this user, or it announces elsewhere ($%s, -dir)",
+			r.Dir, export.DirEnv)
+	}
+	var parts []string
+	for _, s := range []Status{Live, Unreachable, Dead, Removed} {
+		if n := r.count(s); n > 0 {
+			parts = append(parts, fmt.Sprintf("%d %s", n, s))
+		}
+	}
+	return fmt.Sprintf("Exporters announced in %s: %s", r.Dir, strings.Join(parts, ", "))
+}
+
+func renderLive(w io.Writer, e Exporter, now time.Time) {
+	st := e.State
+	fmt.Fprintf(w, "%s (pid %d), up %s, %s, %s\n", cut(orDash(st.Name), maxProcessName), st.PID, age(st.Started, now),
+		plural(len(st.Pools), "pool"), plural(len(st.Peers), "peer"))
+	fmt.Fprintf(w, "  socket %s\n", e.Socket)
+
+	if len(st.Pools) > 0 {
+		tw := table(w)
+		fmt.Fprintln(tw, "  POOL\tDEV\tTYPE\tMAX\tRESERVED\t(HIGH)\tUSED\t(HIGH)\tROUNDING")
+		for _, p := range st.Pools {
+			maxSize := "-"
+			if p.MaxSize > 0 {
+				maxSize = size(p.MaxSize)
+			}
+			fmt.Fprintf(tw, "  %s\t%d\t%s\t%s\t%s\t(%s)\t%s\t(%s)\t%s\n", cut(p.Name, maxPoolName), p.Device,
+				p.HandleType, maxSize, size(p.ReservedCurrent), size(p.ReservedHigh), size(p.UsedCurrent),
+				size(p.UsedHigh), size(p.RoundingOverhead))
+		}
+		tw.Flush()
+		for _, p := range st.Pools {
+			fmt.Fprintf(w, "  %s: %s live, %d shared, %s; %s waiting on importers\n", cut(p.Name, maxPoolName),
+				plural(p.BuffersLive, "buffer"), p.BuffersShared, plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
+			if p.FailedFrees > 0 {
+				fmt.Fprintf(w, "  %s: %s failed and hold memory until the pool closes\n", cut(p.Name, maxPoolName),
+					plural(p.FailedFrees, "deferred free"))
+			}
+			if p.Error != "" {
+				fmt.Fprintf(w, "  %s: %s\n", cut(p.Name, maxPoolName), p.Error)
+			}
+		}
+	}
+
+	if len(st.Published) > 0 {
+		names := make(map[uint64]string, len(st.Pools))
+		for _, p := range st.Pools {
+			names[p.ID] = p.Name
+		}
+		tw := table(w)
+		fmt.Fprintln(tw, "  PUBLISHED\tSIZE\tPOOL")
+		for _, n := range st.Published {
+			fmt.Fprintf(tw, "  %s\t%s\t%s\n", cut(n.Name, maxPublished), size(n.Size), cut(names[n.Pool], maxPoolName))
+		}
+		tw.Flush()
+	}
+
+	if len(st.Peers) == 0 {
+		fmt.Fprintln(w, "  no peer connected")
+		return
+	}
+	tw := table(w)
+	fmt.Fprintln(tw, "  PEER\tUSER\tDEVICE\tLEASES\tLEASED\tCONNECTED")
+	for _, p := range st.Peers {
+		fmt.Fprintf(tw, "  %d\t%s\t%s\t%d\t%s\t%s (%s ago)\n", p.PID, userName(p.UID), peerDevice(p, st.Devices),
+			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
+	}
+	tw.Flush()
+}
+
+func table(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0) }
+
+// size is a byte count for people: "64 MiB".
+func size(n uint64) string { return humanize.IBytes(n) }
+
+// age is how long ago t was, to the second.
+func age(t, now time.Time) string {
+	if t.IsZero() {
+		return "?"
+	}
+	return max(now.Sub(t), 0).Round(time.Second).String()
+}
+
+// peerDevice names the peer's device as the exporter knows it ("GPU 1") when it is one of
+// the exporter's, by UUID otherwise; "-" for a connection without a device.
+func peerDevice(p export.PeerState, devices []export.DeviceState) string {
+	if p.Device == "" {
+		if p.Remote {
+			return "remote"
+		}
+		return "-"
+	}
+	if i := slices.IndexFunc(devices, func(d export.DeviceState) bool { return d.UUID == p.Device }); i >= 0 {
+		return "GPU " + strconv.Itoa(devices[i].Ordinal)
+	}
+	return cut(p.Device, 16)
+}
+
+// userName is the login name of uid, or the number when it has none.
+func userName(uid uint32) string {
+	id := strconv.FormatUint(uint64(uid), 10)
+	if u, err := user.LookupId(id); err == nil {
+		return cut(u.Username, maxUserName)
+	}
+	return id
+}
+
+// cut shortens s to n characters, marking the cut with an ellipsis.
+func cut(s string, n int) string {
+	r := []rune(s)
+	if len(r) <= n {
+		return s
+	}
+	return string(r[:n-1]) + "…"
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
+}
