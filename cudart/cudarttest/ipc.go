@@ -149,6 +149,14 @@ func (d *Device) adoptPool(op string, reg *region, ht cudart.HandleType) (*pool,
 	}
 	base := reg.load(hBase)
 	for _, q := range d.spans {
+		if q.uid == id && q.imported {
+			// Destroyed, its imports not all freed yet: the same pool again.
+			reg.release()
+			q.handle, q.refs = cudart.MemPool(newHandle()), 1
+			d.importedByUID[id] = q
+			d.pools[q.handle] = q
+			return q, nil
+		}
 		if q.uid == id {
 			return nil, invalid(op, "pool is this Device's own")
 		}
@@ -333,6 +341,10 @@ func (d *Device) freeImport(op string, p *pool, ptr cudart.DevicePtr) error {
 				d.violate(ViolationUseAfterRelease, op, "import %#x was already unmapped", uint64(ptr)))
 		}
 		return fail(op, cudart.ErrInvalidValue)
+	}
+	if p.entryHolds(imp) {
+		// The exporter's free of the allocation must be ordered after this one.
+		p.reg.storeMax(entryOff(imp.entry)+eReleased, now())
 	}
 	p.releaseSlot(imp)
 	p.imports = slices.Delete(p.imports, i, i+1)

@@ -39,6 +39,13 @@ func (s shared) share(n uint64, data []byte) (ptr, iptr cudart.DevicePtr) {
 	return ptr, s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
 }
 
+// importerDone orders the exporter's default stream after everything the importer
+// did so far, through an IPC event of the importer.
+func (s shared) importerDone() {
+	o, e := s.imp.ipcEvent(s.exp)
+	ready(s.imp, o, s.exp, e)
+}
+
 // FACTS 12 and 9: only live allocations of an exported IPC pool can be exported.
 func TestExportPointerNeedsExportedIPCPool(t *testing.T) {
 	d := newFx(t)
@@ -99,6 +106,7 @@ func TestFabricExport(t *testing.T) {
 	iptr := imp.importPtr(ip, exp.exportPtr(ptr))
 	imp.wantBytes(iptr, []byte("over the fabric"))
 	ok(t, imp.FreeAsync(0, iptr, 0))
+	ready(imp, o, exp, e)
 
 	_, err = plain.MemPoolImportFromShareableHandle(0, h)
 	wantErr(t, err, cudart.ErrNotPermitted)
@@ -145,7 +153,23 @@ func TestImportPoolChecksItsHandle(t *testing.T) {
 	ok(t, imp.MemPoolDestroy(0, a))
 	ok(t, imp.MemPoolDestroy(0, a))
 	wantErr(t, imp.MemPoolDestroy(0, a), cudart.ErrInvalidValue)
-	_ = p
+
+	// Destroyed with an import still live: the import stays usable, and importing
+	// the pool again works.
+	ptr := exp.alloc(p, 512)
+	exp.write(ptr, []byte("kept"))
+	e, o := exp.ipcEvent(imp)
+	ready(exp, e, imp, o)
+	c := imp.importPool(fd)
+	iptr := imp.importPtr(c, exp.exportPtr(ptr))
+	ok(t, imp.MemPoolDestroy(0, c))
+	imp.wantBytes(iptr, []byte("kept"))
+	c = imp.importPool(fd)
+	_, err = imp.MemPoolImportPointer(0, c, exp.exportPtr(ptr))
+	ok(t, err)
+	ok(t, imp.FreeAsync(0, iptr, 0))
+	ok(t, imp.MemPoolDestroy(0, c))
+	ok(t, imp.Err())
 }
 
 // FACTS 6: an imported pool cannot allocate.
@@ -245,8 +269,27 @@ func TestDoubleImportAliasesOneMapping(t *testing.T) {
 	err = s.imp.FreeAsync(0, first, 0)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantViolation(t, err, ViolationUseAfterRelease)
+	s.importerDone()
 	ok(t, s.exp.FreeAsync(0, ptr, 0)) // the importer holds nothing any more
 	ok(t, s.exp.Err())
+}
+
+// The importer's free must complete before the exporter's: an IPC event recorded
+// after it, waited on by the exporter's freeing stream.
+func TestExporterFreeMustFollowImportersFree(t *testing.T) {
+	s := newShared(t)
+	ptr, iptr := s.share(512, []byte("x"))
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	err := s.exp.FreeAsync(0, ptr, 0)
+	wantViolation(t, err, ViolationExporterFreedWhileImported)
+
+	ptr, iptr = s.share(512, []byte("y"))
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	s.importerDone()
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	if n := len(s.exp.Violations()); n != 1 {
+		t.Fatalf("%d violations, want the first free's only", n)
+	}
 }
 
 func TestExporterFreeWhileImported(t *testing.T) {
@@ -475,5 +518,40 @@ func TestCopyBetweenTwoImportedPools(t *testing.T) {
 	u.exp.wantBytes(dst, []byte("cross pool"))
 	if !bytes.Equal(u.imp.read(isrc, 10), []byte("cross pool")) {
 		t.Fatal("source changed")
+	}
+}
+
+// Every failed call and every finished Device gives its descriptors back.
+func TestNoDescriptorLeaks(t *testing.T) {
+	count := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		ok(t, err)
+		return len(ents)
+	}
+	before := count()
+	func() {
+		exp, imp := New(WithFabric()), New(WithFabric())
+		defer exp.Close()
+		defer imp.Close()
+		f, g := fx{t, exp}, fx{t, imp}
+		p, fd := f.exported()
+		ip := g.importPool(fd)
+		ok(t, unix.Close(fd))
+		_, err := imp.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: 0})
+		wantErr(t, err, cudart.ErrInvalidValue)
+		fp := f.pool(cudart.PoolProps{HandleTypes: cudart.HandleTypeFabric, Location: cudart.DeviceLocation(0)})
+		h, err := exp.MemPoolExportToShareableHandle(0, fp, cudart.HandleTypeFabric)
+		ok(t, err)
+		w, _ := unseal(h.Fabric, fabricMagic)
+		h.Fabric = sealed(w[0], w[1], w[2], w[3]^1, w[4]) // another pool's uid at that descriptor
+		_, err = imp.MemPoolImportFromShareableHandle(0, h)
+		wantErr(t, err, cudart.ErrInvalidValue)
+		f.ipcEvent(g)
+		ptr := f.alloc(p, 512)
+		g.importPtr(ip, f.exportPtr(ptr))
+		ok(t, imp.MemPoolDestroy(0, ip))
+	}()
+	if after := count(); after != before {
+		t.Fatalf("%d descriptors open before, %d after", before, after)
 	}
 }

@@ -95,6 +95,11 @@ func TestChildStaleAndDoubleImports(t *testing.T) {
 	if !strings.Contains(rep.Err, "invalid argument") {
 		t.Fatalf("second free: %s; want invalid argument too", rep.Err)
 	}
+	h := child.do(request{Op: "create-event"}).Data
+	child.do(request{Op: "record"})
+	e, err := exp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
+	ok(t, err)
+	ok(t, exp.StreamWaitEvent(0, 0, e))
 	ok(t, exp.FreeAsync(0, live, 0))
 	ok(t, exp.Err())
 	child.exit()

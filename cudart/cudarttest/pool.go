@@ -405,8 +405,8 @@ func (d *Device) MemPoolTrimTo(dev int, h cudart.MemPool, minBytesToKeep uint64)
 
 // MallocFromPoolAsync allocates first fit, at 512-byte alignment, sizes rounded to 512,
 // growing the reserved memory in granules (FACTS 1). Beyond the pool's maxSize or the
-// device's memory it fails with ErrOutOfMemory (FACTS 10); on an imported pool, with
-// ErrInvalidValue (FACTS 6); a zero size, with ErrInvalidValue.
+// device's memory (a single allocation too) it fails with ErrOutOfMemory (FACTS 10);
+// on an imported pool (FACTS 6), or for a zero size, with ErrInvalidValue.
 func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
 	const op = "cudaMallocFromPoolAsync"
 	d.mu.Lock()
@@ -418,8 +418,11 @@ func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s c
 	if _, err := d.stream(op, dev, s); err != nil {
 		return 0, err
 	}
-	if p.imported || size == 0 || size > p.size {
+	if p.imported || size == 0 {
 		return 0, fail(op, cudart.ErrInvalidValue)
+	}
+	if size > p.size { // checked before rounding, which could wrap
+		return 0, fail(op, cudart.ErrOutOfMemory)
 	}
 	size = roundUp(size, allocAlign)
 	off, at, ok := p.firstFit(size)
@@ -445,6 +448,7 @@ func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s c
 	p.reg.store(eo+eSize, size)
 	p.reg.store(eo+eWriter, uint64(d.id))
 	p.reg.store(eo+eWriteEpoch, now()) // importers must order their access after this
+	p.reg.store(eo+eReleased, 0)
 	p.reg.store(eo+eState, packState(gen, stateLive))
 	p.live = slices.Insert(p.live, at, &alloc{off: off, size: size, entry: entry, gen: gen})
 
@@ -511,7 +515,8 @@ func (d *Device) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error
 	if err := d.enter(op, dev); err != nil {
 		return err
 	}
-	if _, err := d.stream(op, dev, s); err != nil {
+	st, err := d.stream(op, dev, s)
+	if err != nil {
 		return err
 	}
 	p := d.poolAt(ptr)
@@ -533,14 +538,21 @@ func (d *Device) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error
 	eo := entryOff(a.entry)
 	p.reg.store(eo+eState, packState(a.gen, stateFreed))
 	holders := p.liveImporters(a)
+	released := p.reg.load(eo + eReleased)
 
 	p.live = slices.Delete(p.live, i, i+1)
 	p.freeEntries = append(p.freeEntries, a.entry)
 	p.reg.store(hUsed, p.reg.load(hUsed)-a.size)
 	d.dropPool(p)
-	if len(holders) > 0 {
+	switch {
+	case len(holders) > 0:
 		return violationErr(op, 0, d.violate(ViolationExporterFreedWhileImported, op,
 			"%#x (%d bytes) freed while imported by %v", uint64(ptr), a.size, holders))
+	case released > d.orderedAfter(st):
+		// The importer's free must have completed before this one runs: an IPC event
+		// recorded after it and waited on here says so.
+		return violationErr(op, 0, d.violate(ViolationExporterFreedWhileImported, op,
+			"%#x (%d bytes) freed on a stream not ordered after an importer's free of it", uint64(ptr), a.size))
 	}
 	return nil
 }

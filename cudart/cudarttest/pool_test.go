@@ -224,8 +224,10 @@ func TestBadAddressesAndSizes(t *testing.T) {
 	ptr := d.alloc(p, 1000) // 1024 bytes
 	_, err := d.MallocFromPoolAsync(0, 0, p, 0)
 	wantErr(t, err, cudart.ErrInvalidValue)
-	_, err = d.MallocFromPoolAsync(0, 1<<62, p, 0)
-	wantErr(t, err, cudart.ErrInvalidValue)
+	for _, huge := range []uint64{1 << 62, ^uint64(0)} {
+		_, err = d.MallocFromPoolAsync(0, huge, p, 0)
+		wantErr(t, err, cudart.ErrOutOfMemory)
+	}
 
 	_, err = d.MemcpyDtoHAsyncN(ptr+1000, 24)
 	ok(t, err)

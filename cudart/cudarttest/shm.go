@@ -207,6 +207,7 @@ const (
 	eSize       = 16
 	eWriteEpoch = 24 // epoch of the last write (or of the allocation)
 	eWriter     = 32 // ident of the Device that made it
+	eReleased   = 40 // epoch of the latest importer's free of this generation
 	eSlots      = 64 // maxImporters × (ident, gen): importers holding this allocation
 	slotBytes   = 16
 	entryBytes  = eSlots + maxImporters*slotBytes
