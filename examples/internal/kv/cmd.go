@@ -21,7 +21,8 @@ import (
 )
 
 // Command is one of this example's commands, given its arguments and standard streams.
-// It returns the process's exit status: 0 success, 1 failure, 2 bad usage.
+// It returns the process's exit status: 0 success, 1 failure, 2 bad usage,
+// ExitInterrupted when Ctrl-C stopped it before its work was done.
 type Command func(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int
 
 // Main runs cmd as this process, with the process's arguments, and exits with its status.
@@ -36,6 +37,10 @@ func Run(cmd Command, args []string) int {
 	context.AfterFunc(ctx, stop)
 	return cmd(ctx, args, os.Stdin, os.Stdout, os.Stderr)
 }
+
+// ExitInterrupted is the status of a command that Ctrl-C stopped before its work was
+// done, after it released everything it held (128 + SIGINT, as a shell reports it).
+const ExitInterrupted = 130
 
 // common is what the producer and the consumer are both told.
 type common struct {
@@ -106,11 +111,16 @@ func fail(role string, stderr io.Writer, err error) int {
 // software device saw, makes it a failure. An interrupted command says so, and that it
 // released what it held (it did, or err says what it could not).
 func finish(ctx context.Context, role string, rt cudart.Runtime, stderr io.Writer, err error) int {
-	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
-		err = errors.New("interrupted; released everything it held")
+	interrupted := errors.Is(err, context.Canceled) && ctx.Err() != nil
+	if interrupted {
+		err = nil
 	}
 	if err = errors.Join(err, rtselect.Err(rt)); err != nil {
 		return fail(role, stderr, err)
+	}
+	if interrupted {
+		fmt.Fprintf(stderr, "%s: interrupted; released everything it held\n", role)
+		return ExitInterrupted
 	}
 	return 0
 }
@@ -158,7 +168,9 @@ func ProducerCommand(ctx context.Context, args []string, _ io.Reader, stdout, st
 		return fail(role, stderr, err)
 	}
 	cfg := ProducerConfig{Socket: c.socket, Name: c.name, Device: c.device, Shape: shape.Resolve(onGPU), Seed: c.seed,
-		Notify: func(msg string) { fmt.Fprintf(c.say(stdout, stderr), "%s: %s\n", role, msg) }}
+		Notify: func(msg string) {
+			fmt.Fprintf(c.say(stdout, stderr), "%s: %s; Ctrl-C again stops at once\n", role, msg)
+		}}
 	err = Produce(ctx, rt, cfg, func(p Published) {
 		if c.json {
 			json.NewEncoder(stdout).Encode(p)

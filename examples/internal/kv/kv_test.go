@@ -13,6 +13,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
 // TestMain lets the launcher test re-execute this binary as "producer" and "consumer",
@@ -207,15 +208,19 @@ func TestProducerStopsWhileHeld(t *testing.T) {
 
 func TestLaunch(t *testing.T) {
 	t.Setenv(export.DirEnv, t.TempDir())
+	// The runtime kvshare would pick: the software device here, the GPUs on a GPU host.
+	_, _, why, err := rtselect.Open(rtselect.Auto)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var out, errOut bytes.Buffer
-	code := LaunchCommand(context.Background(), []string{"-runtime", "test", "-consumers", "3", "-tokens", "64", "-reps", "1"},
-		nil, &out, &errOut)
+	code := LaunchCommand(context.Background(), []string{"-consumers", "3", "-tokens", "64", "-reps", "1"}, nil, &out, &errOut)
 	if code != 0 {
 		t.Fatalf("kvshare exited %d\nstdout:\n%s\nstderr:\n%s", code, &out, &errOut)
 	}
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
-	if !strings.HasPrefix(lines[0], "kvshare: running on the cudarttest software device") {
-		t.Errorf("first line %q does not say the software device is in use", lines[0])
+	if lines[0] != "kvshare: "+why {
+		t.Errorf("first line %q, want %q", lines[0], "kvshare: "+why)
 	}
 	rows := 0
 	for _, l := range lines {
@@ -225,6 +230,25 @@ func TestLaunch(t *testing.T) {
 	}
 	if rows != 3 || !strings.Contains(lines[len(lines)-1], "3 consumers read the producer's 8.0 MiB and checked every byte") {
 		t.Errorf("want 3 good rows and a closing line:\n%s", &out)
+	}
+	if entries, _ := os.ReadDir(os.Getenv(export.DirEnv)); len(entries) != 0 {
+		t.Errorf("kvshare left %v behind", entries)
+	}
+}
+
+func TestLaunchInterrupted(t *testing.T) {
+	t.Setenv(export.DirEnv, t.TempDir())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	testHookPublished = cancel // Ctrl-C once the producer serves the cache
+	defer func() { testHookPublished = func() {} }()
+	var out, errOut bytes.Buffer
+	code := LaunchCommand(ctx, []string{"-tokens", "64"}, nil, &out, &errOut)
+	if code != ExitInterrupted || !strings.Contains(out.String(), "interrupted; the producer and the consumers stopped") {
+		t.Errorf("interrupted kvshare exited %d\nstdout:\n%s\nstderr:\n%s", code, &out, &errOut)
+	}
+	if entries, _ := os.ReadDir(os.Getenv(export.DirEnv)); len(entries) != 0 {
+		t.Errorf("the interrupted run left %v behind", entries)
 	}
 }
 

@@ -19,6 +19,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
@@ -76,7 +77,11 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 		size += " (small for the software device; a GPU gets " + humanize.IBytes(GPUShape.Bytes()) + ")"
 	}
 	fmt.Fprintf(stdout, "%s: one producer on device 0 computes %s once; %d consumers map it instead\n", role, size, l.consumers)
-	if err := l.run(ctx); err != nil {
+	switch err := l.run(ctx); {
+	case errors.Is(err, errInterrupted):
+		fmt.Fprintf(stdout, "%s: interrupted; the producer and the consumers stopped and released what they held\n", role)
+		return ExitInterrupted
+	case err != nil:
 		return fail(role, stderr, err)
 	}
 	return 0
@@ -105,12 +110,14 @@ func (l *launch) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	dir, err := os.MkdirTemp("", "kvshare-")
-	if err != nil {
+	// The socket goes in the private announce directory, which the producer removes it
+	// from when it stops, so that even a killed launcher leaves nothing behind.
+	dir := export.DefaultDir()
+	if err := export.EnsureDir(dir); err != nil {
 		return err
 	}
-	defer os.RemoveAll(dir)
-	base := []string{"-json", "-runtime", l.runtime, "-socket", filepath.Join(dir, "kv.sock"), "-name", DefaultName}
+	socket := filepath.Join(dir, fmt.Sprintf("kvshare-%d.sock", os.Getpid()))
+	base := []string{"-json", "-runtime", l.runtime, "-socket", socket, "-name", DefaultName}
 
 	producerArgs := append([]string{"producer"}, base...)
 	producerArgs = append(producerArgs, "-device", "0",
@@ -126,9 +133,13 @@ func (l *launch) run(ctx context.Context) error {
 	}
 	var pub Published
 	if err := readJSONLine(out, &pub); err != nil {
-		// The producer failed before publishing: its stderr says why.
-		return errors.Join(fmt.Errorf("the producer did not publish: %w", err), producer.wait())
+		// The producer ended before publishing: wait says why.
+		if werr := producer.wait(); werr != nil {
+			return werr
+		}
+		return fmt.Errorf("the producer did not publish: %w", err)
 	}
+	testHookPublished()
 
 	outcomes := make([]outcome, l.consumers)
 	var wg sync.WaitGroup
@@ -142,10 +153,12 @@ func (l *launch) run(ctx context.Context) error {
 	wg.Wait()
 
 	// The producer's clean shutdown is part of the job: Ctrl-C is how it is stopped.
-	stopErr := producer.Process.Signal(os.Interrupt)
-	stopErr = errors.Join(stopErr, producer.wait())
+	stopErr := errors.Join(producer.interrupt(), producer.wait())
 	if stopErr != nil {
 		stopErr = fmt.Errorf("the producer did not stop cleanly: %w", stopErr)
+	}
+	if ctx.Err() != nil {
+		return l.interrupted(outcomes, stopErr)
 	}
 	failed := l.summarise(pub, outcomes)
 	if failed > 0 {
@@ -159,10 +172,27 @@ func (l *launch) run(ctx context.Context) error {
 	return nil
 }
 
-// summarise prints the table and returns how many consumers failed.
+// interrupted is the end of a run cut short by Ctrl-C: errInterrupted if every process
+// stopped cleanly, else what went wrong.
+func (l *launch) interrupted(outcomes []outcome, stopErr error) error {
+	errs := []error{stopErr}
+	for i, o := range outcomes {
+		if o.err != nil && !errors.Is(o.err, errInterrupted) {
+			errs = append(errs, fmt.Errorf("consumer %d: %w", i+1, o.err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	return errInterrupted
+}
+
+// summarise prints the table, and below it why each failed consumer failed; it returns
+// how many failed.
 func (l *launch) summarise(pub Published, outcomes []outcome) (failed int) {
 	tw := tabwriter.NewWriter(l.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "CONSUMER\tPID\tDEVICE\tREADS FROM\tIMPORT READ\tLOCAL COPY\tRATIO\tCHECKSUM")
+	var why []string
 	for i, o := range outcomes {
 		from := "same device"
 		if o.device != pub.Device {
@@ -173,41 +203,60 @@ func (l *launch) summarise(pub Published, outcomes []outcome) (failed int) {
 		}
 		if o.err != nil {
 			failed++
-			fmt.Fprintf(tw, "%d\t-\t%d\t%s\tFAILED: %v\n", i+1, o.device, from, o.err)
+			fmt.Fprintf(tw, "%d\t-\t%d\t%s\tFAILED\n", i+1, o.device, from)
+			why = append(why, fmt.Sprintf("consumer %d: %v", i+1, o.err))
 			continue
 		}
 		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%.1f GB/s\t%.1f GB/s\t%.2f\t%s ok\n", i+1, o.res.PID, o.device, from,
 			o.res.ImportGBps(), o.res.LocalGBps(), o.res.ImportGBps()/o.res.LocalGBps(), o.res.Checksum)
 	}
 	tw.Flush()
+	for _, w := range why {
+		fmt.Fprintln(l.stdout, w)
+	}
 	return failed
 }
+
+// testHookPublished is called once the producer has published: tests interrupt there.
+var testHookPublished = func() {}
+
+// errInterrupted means a process stopped cleanly on Ctrl-C before it finished its work.
+var errInterrupted = errors.New("interrupted")
 
 // child is a process of this executable in one role. Its stderr is kept and shown only
 // when it fails: a working child's output is the launcher's summary.
 type child struct {
 	*exec.Cmd
-	errOut bytes.Buffer
+	errOut    bytes.Buffer
+	interrupt func() error // sends one interrupt, however often it is called
 }
 
-// newChild prepares exe with args. When ctx ends the child gets an interrupt, as from
-// Ctrl-C, and is killed only if it has not exited shutdownTimeout later; if the launcher
-// dies first, the kernel sends it SIGTERM, so no producer outlives its launcher.
+// newChild prepares exe with args. When ctx ends the child gets one interrupt, as from
+// Ctrl-C, and is killed only if it has not exited shutdownTimeout later. It runs in a
+// process group of its own, so that a Ctrl-C at the terminal reaches the launcher alone
+// and each child gets exactly one interrupt (a second one would stop it at once); if the
+// launcher dies, the kernel sends it SIGTERM, so no producer outlives its launcher.
 func newChild(ctx context.Context, exe string, args []string) *child {
 	c := &child{Cmd: exec.CommandContext(ctx, exe, args...)}
-	c.Cancel = func() error { return c.Process.Signal(os.Interrupt) }
+	c.interrupt = sync.OnceValue(func() error { return c.Process.Signal(os.Interrupt) })
+	c.Cancel = c.interrupt
 	c.WaitDelay = shutdownTimeout
 	c.Stderr = &c.errOut
-	c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	c.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	return c
 }
 
-// wait waits for the child; a failure carries what it wrote on stderr.
+// wait waits for the child: nil when it succeeded, errInterrupted when it stopped
+// cleanly on an interrupt before finishing, else an error carrying its stderr.
 func (c *child) wait() error {
-	if err := c.Wait(); err != nil {
-		return fmt.Errorf("%s %s: %w\n%s", filepath.Base(c.Path), c.Args[1], err, bytes.TrimSpace(c.errOut.Bytes()))
+	err := c.Wait()
+	switch {
+	case c.ProcessState != nil && c.ProcessState.Success():
+		return nil // also after an interrupt: the producer's normal stop
+	case c.ProcessState != nil && c.ProcessState.ExitCode() == ExitInterrupted:
+		return errInterrupted
 	}
-	return nil
+	return fmt.Errorf("%s %s: %w\n%s", filepath.Base(c.Path), c.Args[1], err, bytes.TrimSpace(c.errOut.Bytes()))
 }
 
 func runConsumer(ctx context.Context, exe string, args []string) (Result, error) {
@@ -215,6 +264,9 @@ func runConsumer(ctx context.Context, exe string, args []string) (Result, error)
 	var out bytes.Buffer
 	c.Stdout = &out
 	if err := c.Start(); err != nil {
+		if ctx.Err() != nil {
+			return Result{}, errInterrupted // never started, so it holds nothing
+		}
 		return Result{}, err
 	}
 	if err := c.wait(); err != nil {

@@ -99,8 +99,7 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 	})
 	<-ctx.Done()
 	if held := leasesHeld(ex); held > 0 && cfg.Notify != nil {
-		cfg.Notify(fmt.Sprintf("stopping: waiting up to %v for consumers to release %d lease(s); Ctrl-C again stops at once",
-			shutdownTimeout, held))
+		cfg.Notify(fmt.Sprintf("stopping: waiting up to %v for consumers to release %d lease(s)", shutdownTimeout, held))
 	}
 	return nil
 }
