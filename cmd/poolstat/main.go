@@ -68,12 +68,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	show := func(r *Report) error { return writeTable(stdout, r) }
-	if *asJSON {
+	switch {
+	case *asJSON:
 		show = func(r *Report) error { return writeJSON(stdout, r, *every == 0) }
-	} else if *every > 0 && isTerminal(stdout) {
+	case *every > 0:
+		clear := isTerminal(stdout)
 		show = func(r *Report) error {
-			fmt.Fprint(stdout, "\x1b[H\x1b[2J") // home and clear: redraw in place
-			fmt.Fprintf(stdout, "every %v, Ctrl-C to stop\n", *every)
+			if clear {
+				fmt.Fprint(stdout, "\x1b[H\x1b[2J") // home and clear: redraw in place
+			}
+			fmt.Fprintf(stdout, "poolstat at %s, every %v (Ctrl-C stops)\n", r.Time.Format(time.TimeOnly), *every)
 			return writeTable(stdout, r)
 		}
 	}

@@ -67,8 +67,8 @@ func summary(r *Report) string {
 
 func renderLive(w io.Writer, e Exporter, now time.Time) {
 	st := e.State
-	fmt.Fprintf(w, "%s (pid %d), up %s, %s, %s\n", cut(orDash(st.Name), maxProcessName), st.PID, age(st.Started, now),
-		plural(len(st.Pools), "pool"), plural(len(st.Peers), "peer"))
+	fmt.Fprintf(w, "%s (pid %d)%s, up %s, %s, %s\n", cut(orDash(st.Name), maxProcessName), st.PID, poolDevices(st.Pools),
+		age(st.Started, now), plural(len(st.Pools), "pool"), plural(len(st.Peers), "peer"))
 	fmt.Fprintf(w, "  socket %s\n", e.Socket)
 
 	if len(st.Pools) > 0 {
@@ -121,6 +121,28 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
 	}
 	tw.Flush()
+}
+
+// poolDevices says which devices the exporter's pools are on: " on device 0", " on
+// devices 0,1", or nothing without pools.
+func poolDevices(pools []export.PoolState) string {
+	var devs []int
+	for _, p := range pools {
+		devs = append(devs, p.Device)
+	}
+	slices.Sort(devs)
+	devs = slices.Compact(devs)
+	strs := make([]string, len(devs))
+	for i, d := range devs {
+		strs[i] = strconv.Itoa(d)
+	}
+	switch len(devs) {
+	case 0:
+		return ""
+	case 1:
+		return " on device " + strs[0]
+	}
+	return " on devices " + strings.Join(strs, ",")
 }
 
 func table(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0) }
