@@ -296,7 +296,7 @@ func TestRefused(t *testing.T) {
 	}
 	defer ex.Close(context.Background())
 	code, out, _ := poolstat(t, "-dir", dir)
-	if code != 1 || !strings.Contains(out, "1 unreachable") || !strings.Contains(out, "refused") {
+	if code != 1 || !strings.Contains(out, "1 unreachable") || !strings.Contains(out, "refused by exporter") {
 		t.Errorf("poolstat against an exporter that refuses it exited %d and said:\n%s", code, out)
 	}
 }

@@ -158,7 +158,9 @@ func dropPeer(peers []export.PeerState, pid int) []export.PeerState {
 	return out
 }
 
-// explain turns a failed query into a sentence an operator can act on.
+// explain turns a failed query into a sentence an operator can act on. export's own
+// messages say when nothing listens and why a policy refused us; what they cannot say is
+// whose socket the kernel kept us out of, or which socket timed out.
 func explain(err error, socket string) string {
 	switch {
 	case errors.Is(err, syscall.EACCES):
@@ -169,12 +171,6 @@ func explain(err error, socket string) string {
 			}
 		}
 		return fmt.Sprintf("permission denied on %s%s", socket, owner)
-	case errors.Is(err, export.ErrRefused):
-		return fmt.Sprintf("the exporter refused this process (uid %d): %v", os.Getuid(), err)
-	case errors.Is(err, syscall.ECONNREFUSED):
-		return fmt.Sprintf("%s refuses connections: no exporter is listening there", socket)
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Sprintf("%s does not exist: no exporter is listening there", socket)
 	case errors.Is(err, context.DeadlineExceeded):
 		return fmt.Sprintf("%s did not answer in time: %v", socket, err)
 	}
