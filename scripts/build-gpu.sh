@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# build-gpu.sh runs where Go is, and builds what scripts/gpu-check.sh runs on a GPU
+# host that has no Go: bin/gpu/<package>.test for every package with tests (listed,
+# with the package's folder, in bin/gpu/tests.txt, as a test binary runs in its
+# package's folder), and the commands under cmd/ and examples/ when there are any.
+# It builds every package it can, and exits non-zero if any build failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=bin/gpu
+rm -rf "$out"
+mkdir -p "$out"
+# The GPU host is linux/amd64; cgo is the CUDA binding. Symbols and DWARF are left out
+# to keep what travels to the host small.
+export CGO_ENABLED=1 GOOS=linux GOARCH=amd64
+flags=(-trimpath -ldflags=-s\ -w)
+module=$(go list -m)
+failed=0
+
+while read -r pkg dir; do
+	[ -n "$pkg" ] || continue
+	rel=${pkg#"$module"}
+	rel=${rel#/}
+	name=${rel//\//_}
+	name=${name:-root}
+	if go test -c "${flags[@]}" -o "$out/$name.test" "$pkg"; then
+		echo "$name ${dir#"$PWD"/}" >>"$out/tests.txt"
+		echo "built $out/$name.test"
+	else
+		echo "build-gpu: FAILED to build the tests of $pkg" >&2
+		failed=1
+	fi
+done < <(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}' ./...)
+
+mains=$(go list -f '{{if eq .Name "main"}}{{.ImportPath}}{{end}}' ./cmd/... ./examples/... 2>/dev/null)
+if [ -n "$mains" ]; then
+	# shellcheck disable=SC2086 # one argument per package
+	if go build "${flags[@]}" -o "$out/" $mains; then
+		echo "built commands:" $mains
+	else
+		echo "build-gpu: FAILED to build commands" >&2
+		failed=1
+	fi
+fi
+du -sh "$out"
+exit $failed

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# gpu-check.sh runs on a GPU host, from the repository root, with what
+# scripts/build-gpu.sh built elsewhere in bin/gpu (the host needs no Go). It prints
+# the host's GPUs, runs every test binary with CUDAPOOL_REQUIRE_GPU=1 (so a test
+# that cannot reach a GPU fails rather than skips), then every benchmark, then the C
+# reference bench/cref (built here with nvcc), and prints LAST a table: each test
+# binary PASS or FAIL, and each benchmark's Go ns/op beside C's and their ratio.
+# It exits non-zero if anything failed. It changes no GPU setting.
+#
+# Environment: BENCHTIME (default 1s) and BENCHCOUNT (default 3) for the Go
+# benchmarks, whose ns/op is the median of the counts; TEST_TIMEOUT (default 90s) per
+# test binary; TESTS_BUDGET (default 200) seconds after which no further test binary
+# starts (it is reported NOT-RUN), and BENCH_BUDGET (default 330) the same for
+# benchmark binaries, so that the table still comes within a run of about 6 minutes. Logs go to $OUT/gpu-check when OUT is set, else
+# /tmp/gpu-check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+bin=$root/bin/gpu
+benchtime=${BENCHTIME:-1s}
+benchcount=${BENCHCOUNT:-3}
+test_timeout=${TEST_TIMEOUT:-90s}
+tests_budget=${TESTS_BUDGET:-200}
+bench_budget=${BENCH_BUDGET:-330}
+logs=${OUT:-/tmp}/gpu-check
+mkdir -p "$logs"
+export CUDAPOOL_REQUIRE_GPU=1
+failed=0
+results=()
+
+if [ ! -s "$bin/tests.txt" ]; then
+	echo "gpu-check: no $bin/tests.txt; run scripts/build-gpu.sh first" >&2
+	exit 2
+fi
+
+echo "== host"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,pci.bus_id --format=csv
+nvidia-smi | sed -n '3p'
+nvidia-smi topo -m 2>/dev/null | head -n 4
+
+echo "== C reference: build"
+cref=/tmp/cudapool-cref
+if ! nvcc -O2 -cudart shared -o "$cref" bench/cref/cref.cu; then
+	results+=("cref FAIL(build)")
+	failed=1
+	cref=
+fi
+
+echo "== tests"
+while read -r name dir; do
+	if [ "$SECONDS" -ge "$tests_budget" ]; then
+		results+=("$name NOT-RUN(time)")
+		failed=1
+		continue
+	fi
+	log=$logs/$name.test.log
+	(cd "$root/$dir" && "$bin/$name.test" -test.v -test.count=1 -test.timeout="$test_timeout") >"$log" 2>&1
+	rc=$?
+	if [ $rc -eq 0 ]; then
+		results+=("$name PASS")
+	else
+		results+=("$name FAIL(rc=$rc)")
+		failed=1
+		echo "--- $name.test failed (rc=$rc); the end of its log:"
+		grep -E '^\s*(--- FAIL|FAIL|panic:)|_test\.go:[0-9]+:' "$log" | tail -n 40
+	fi
+	echo "$name: rc=$rc at ${SECONDS}s, $(grep -c -- '--- PASS' "$log") passed, $(grep -c -- '--- SKIP' "$log") skipped, $(grep -c -- '--- FAIL' "$log") failed"
+done <"$bin/tests.txt"
+
+echo "== benchmarks (benchtime $benchtime, count $benchcount)"
+benchlog=$logs/bench.txt
+: >"$benchlog"
+while read -r name dir; do
+	list=$("$bin/$name.test" -test.list '^Benchmark' 2>/dev/null)
+	[[ $list == *Benchmark* ]] || continue
+	if [ "$SECONDS" -ge "$bench_budget" ]; then
+		results+=("$name-benchmarks NOT-RUN(time)")
+		failed=1
+		continue
+	fi
+	log=$logs/$name.bench.log
+	(cd "$root/$dir" && "$bin/$name.test" -test.run '^$' -test.bench . -test.benchmem \
+		-test.benchtime="$benchtime" -test.count="$benchcount" -test.timeout="$test_timeout") >"$log" 2>&1
+	rc=$?
+	sed -n "s/^Benchmark/$name /p" "$log" | tee -a "$benchlog"
+	if [ $rc -ne 0 ]; then
+		results+=("$name-benchmarks FAIL(rc=$rc)")
+		failed=1
+		tail -n 20 "$log"
+	fi
+done <"$bin/tests.txt"
+
+echo "== C reference: run"
+creflog=$logs/cref.txt
+: >"$creflog"
+if [ -n "$cref" ]; then
+	if "$cref" >"$creflog"; then
+		results+=("cref PASS")
+	else
+		results+=("cref FAIL")
+		failed=1
+	fi
+	cat "$creflog"
+fi
+
+echo
+echo "== summary (${SECONDS}s)"
+printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
+echo
+# Go lines: "PKG NAME-PROCS N NS ns/op ..."; C lines: "cref NAME NS". Go's figure is the
+# median over the counts.
+awk '
+	FNR == NR { if ($1 == "cref" && NF == 3) c[$2] = $3; next }
+	$5 == "ns/op" {
+		name = $2; sub(/-[0-9]+$/, "", name)
+		key = $1 " " name
+		if (!(key in n)) order[++keys] = key
+		v[key, ++n[key]] = $4
+	}
+	END {
+		printf "%-8s %-24s %12s %12s %7s\n", "package", "benchmark", "Go ns/op", "C ns/op", "Go/C"
+		for (k = 1; k <= keys; k++) {
+			key = order[k]; m = n[key]
+			for (i = 1; i <= m; i++) s[i] = v[key, i]
+			for (i = 2; i <= m; i++) for (j = i; j > 1 && s[j-1] + 0 > s[j] + 0; j--) { t = s[j]; s[j] = s[j-1]; s[j-1] = t }
+			med = (m % 2) ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
+			split(key, part, " ")
+			if (part[2] in c) printf "%-8s %-24s %12.1f %12.1f %7.2f\n", part[1], part[2], med, c[part[2]], med / c[part[2]]
+			else printf "%-8s %-24s %12.1f %12s %7s\n", part[1], part[2], med, "-", "-"
+		}
+	}
+' "$creflog" "$benchlog"
+exit $failed
