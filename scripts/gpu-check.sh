@@ -3,7 +3,8 @@
 # scripts/build-gpu.sh built elsewhere in bin/gpu (the host needs no Go). It prints
 # the host's GPUs, runs every test binary with CUDAPOOL_REQUIRE_GPU=1 (so a test
 # that cannot reach a GPU fails rather than skips), then every benchmark, then the C
-# reference bench/cref (built here with nvcc), and prints LAST a table: each test
+# reference bench/cref (built here with nvcc) just before the benchmarks, and prints
+# LAST a table: each test
 # binary PASS or FAIL, and each benchmark's Go ns/op beside C's and their ratio.
 # It exits non-zero if anything failed. It changes no GPU setting.
 #
@@ -20,9 +21,10 @@ bin=$root/bin/gpu
 benchtime=${BENCHTIME:-1s}
 benchcount=${BENCHCOUNT:-3}
 test_timeout=${TEST_TIMEOUT:-90s}
-tests_budget=${TESTS_BUDGET:-200}
-bench_budget=${BENCH_BUDGET:-330}
-logs=${OUT:-/tmp}/gpu-check
+tests_budget=${TESTS_BUDGET:-180}
+bench_budget=${BENCH_BUDGET:-300}
+logs=/tmp/gpu-check
+rm -rf "$logs"
 mkdir -p "$logs"
 export CUDAPOOL_REQUIRE_GPU=1
 failed=0
@@ -67,6 +69,19 @@ while read -r name dir; do
 	echo "$name: rc=$rc at ${SECONDS}s, $(grep -c -- '--- PASS' "$log") passed, $(grep -c -- '--- SKIP' "$log") skipped, $(grep -c -- '--- FAIL' "$log") failed"
 done <"$bin/tests.txt"
 
+echo "== C reference: run"
+creflog=$logs/cref.txt
+: >"$creflog"
+if [ -n "$cref" ]; then
+	if "$cref" >"$creflog"; then
+		results+=("cref PASS")
+	else
+		results+=("cref FAIL")
+		failed=1
+	fi
+	cat "$creflog"
+fi
+
 echo "== benchmarks (benchtime $benchtime, count $benchcount)"
 benchlog=$logs/bench.txt
 : >"$benchlog"
@@ -90,19 +105,6 @@ while read -r name dir; do
 	fi
 done <"$bin/tests.txt"
 
-echo "== C reference: run"
-creflog=$logs/cref.txt
-: >"$creflog"
-if [ -n "$cref" ]; then
-	if "$cref" >"$creflog"; then
-		results+=("cref PASS")
-	else
-		results+=("cref FAIL")
-		failed=1
-	fi
-	cat "$creflog"
-fi
-
 echo
 echo "== summary (${SECONDS}s)"
 printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
@@ -110,7 +112,7 @@ echo
 # Go lines: "PKG NAME-PROCS N NS ns/op ..."; C lines: "cref NAME NS". Go's figure is the
 # median over the counts.
 awk '
-	FNR == NR { if ($1 == "cref" && NF == 3) c[$2] = $3; next }
+	FILENAME == ARGV[1] { if ($1 == "cref" && NF == 3) c[$2] = $3; next }
 	$5 == "ns/op" {
 		name = $2; sub(/-[0-9]+$/, "", name)
 		key = $1 " " name
@@ -130,4 +132,7 @@ awk '
 		}
 	}
 ' "$creflog" "$benchlog"
+if [ -n "${OUT:-}" ]; then
+	tar czf "$OUT/gpu-check-logs.tgz" -C /tmp gpu-check
+fi
 exit $failed
