@@ -85,7 +85,10 @@ func (c *conn) recv() (m message, fd int, err error) {
 			closeFDs(fds)
 		}
 	}()
-	if err := c.readFull(c.hdr[:], &fds); err != nil {
+	if got, err := c.readFull(c.hdr[:], &fds); err != nil {
+		if errors.Is(err, io.EOF) && got > 0 {
+			err = protocolErr("truncated frame header: connection closed after %d of %d bytes", got, headerLen)
+		}
 		return nil, -1, err
 	}
 	t, n, err := parseHeader(c.hdr[:])
@@ -96,9 +99,9 @@ func (c *conn) recv() (m message, fd int, err error) {
 		c.rbuf = make([]byte, n)
 	}
 	p := c.rbuf[:n]
-	if err := c.readFull(p, &fds); err != nil {
-		if err == io.EOF {
-			err = protocolErr("truncated %s frame: connection closed after its header", t)
+	if got, err := c.readFull(p, &fds); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = protocolErr("truncated %s frame: connection closed after %d of %d payload bytes", t, got, n)
 		}
 		return nil, -1, err
 	}
@@ -120,11 +123,11 @@ func (c *conn) recv() (m message, fd int, err error) {
 	return m, -1, nil
 }
 
-// readFull fills b, collecting the descriptors that arrive with its bytes. It returns
-// io.EOF if the peer closed before the first byte and a protocol error if it closed
-// within b.
-func (c *conn) readFull(b []byte, fds *[]int) error {
-	for got := 0; got < len(b); {
+// readFull fills b, collecting the descriptors that arrive with its bytes, and says
+// how many bytes it read.
+func (c *conn) readFull(b []byte, fds *[]int) (int, error) {
+	got := 0
+	for got < len(b) {
 		var n int
 		var err error
 		if c.uc != nil {
@@ -136,20 +139,17 @@ func (c *conn) readFull(b []byte, fds *[]int) error {
 			n, in, err = unixfd.Recv(c.uc, b[got:], maxFDs)
 			*fds = append(*fds, in...)
 			if errors.Is(err, unixfd.ErrUnexpectedFDs) {
-				return protocolErr("%v", err)
+				return got + n, protocolErr("%v", err)
 			}
 		} else {
 			n, err = c.nc.Read(b[got:])
 		}
 		got += n
-		if err == io.EOF && got > 0 && got < len(b) {
-			return protocolErr("truncated frame: connection closed after %d of %d bytes", got, len(b))
-		}
 		if err != nil && got < len(b) {
-			return err
+			return got, err
 		}
 	}
-	return nil
+	return got, nil
 }
 
 func (c *conn) close() error { return c.nc.Close() }

@@ -112,8 +112,12 @@ func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []Option, devOpts 
 	}
 	pr := &producer{side: s, pool: p, ex: ex, path: path, log: lb}
 	t.Cleanup(func() {
-		ex.Close(context.Background())
-		p.Close(context.Background(), pool.Force())
+		// Tests close what they check; this only cleans up after a failure, without
+		// waiting for consumers that will never release.
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		ex.Close(ctx)
+		p.Close(ctx, pool.Force())
 	})
 	return pr
 }
@@ -166,4 +170,17 @@ func (c *consumer) read(t testing.TB, m *Mapping) []byte {
 // allAre reports whether every byte of b is v.
 func allAre(b []byte, v byte) bool {
 	return len(b) > 0 && bytes.Count(b, []byte{v}) == len(b)
+}
+
+// waitFor polls cond until it holds. The polling is a hang guard's loop, not a timing
+// assumption: the test fails only if cond never holds within hangGuard.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(hangGuard)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

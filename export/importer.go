@@ -361,12 +361,12 @@ func (imp *Importer) fail(err error) {
 	imp.c.close()
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
-	if imp.down == nil {
-		why := "the connection closed"
-		if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-			why = err.Error()
-		}
-		imp.down = fmt.Errorf("%w: %s", ErrExporterGone, why)
+	switch {
+	case imp.down != nil:
+	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed):
+		imp.down = fmt.Errorf("%w: the connection closed", ErrExporterGone)
+	default:
+		imp.down = fmt.Errorf("%w: %w", ErrExporterGone, err)
 	}
 	for id, ch := range imp.pending {
 		close(ch)

@@ -1,0 +1,251 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/unixfd"
+)
+
+// openFDs counts this process's open descriptors.
+func openFDs(t testing.TB) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("cannot count descriptors: %v", err)
+	}
+	return len(ents)
+}
+
+// Every malformed input closes the connection it came on, with the reason logged,
+// and leaves the other peers served.
+func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
+	cases := []struct {
+		name string
+		// handshake: admit the raw peer first.
+		handshake bool
+		do        func(t *testing.T, r *rawPeer)
+		logged    string
+	}{
+		{"garbage before hello", false, func(t *testing.T, r *rawPeer) { r.sendBytes([]byte("GET / HTTP/1.1\r\n\r\n")) }, "oversized frame"},
+		{"first message not hello", false, func(t *testing.T, r *rawPeer) { r.send(&open{ReqID: 1, Name: "a"}) }, "first message must be Hello"},
+		{"truncated hello", false, func(t *testing.T, r *rawPeer) { r.sendBytes(appendFrame(nil, leasingHello())[:20]); r.nc.CloseWrite() }, "truncated"},
+		{"unknown type", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(0, 0x42, nil)) }, "unknown message type 66"},
+		{"wrong length", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(3, msgRelease, []byte{1, 2, 3})) }, "Release payload is 3 bytes, want 24"},
+		{"oversized", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(1<<30, msgOpen, nil)) }, "oversized frame"},
+		{"truncated frame", true, func(t *testing.T, r *rawPeer) {
+			r.sendBytes(appendFrame(nil, &open{ReqID: 1, Name: "abc"})[:9])
+			r.nc.CloseWrite()
+		}, "truncated Open frame"},
+		{"garbage after hello", true, func(t *testing.T, r *rawPeer) { r.sendBytes([]byte{0xff, 0xff, 0xff, 0x7f, 0xee, 1, 2}) }, "oversized frame"},
+		{"bad name", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(10, msgOpen, append(make([]byte, 8), 'x', 0x07))) }, "control character"},
+		{"unknown flags", true, func(t *testing.T, r *rawPeer) { r.send(&release{ReqID: 1, LeaseID: 2, Count: 1, Flags: 1 << 9}) }, "Release has unknown flags"},
+		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&welcome{Version: ProtocolVersion}) }, "unexpected Welcome from an importer"},
+		{"descriptor attached", true, func(t *testing.T, r *rawPeer) {
+			pr, pw, err := os.Pipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pr.Close()
+			defer pw.Close()
+			if err := unixfd.Send(r.nc, appendFrame(nil, &open{ReqID: 1, Name: "a"}), int(pw.Fd())); err != nil {
+				t.Fatal(err)
+			}
+		}, "unexpected file descriptors"},
+	}
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 9)
+	good := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	held, err := good.imp.Open(ctx, "a", good.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	baseline := openFDs(t)
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r := dialRaw(t, pr.path)
+			if c.handshake {
+				r.send(leasingHello())
+				if m := r.recv(); m.kind() != msgWelcome {
+					t.Fatalf("handshake answered %s", m.kind())
+				}
+			}
+			c.do(t, r)
+			if !r.closedByExporter() {
+				t.Fatal("the exporter kept the connection")
+			}
+			r.nc.Close()
+			waitFor(t, "the peer to be forgotten", func() bool { return len(pr.ex.Peers()) == 1 })
+			if log := pr.log.String(); !strings.Contains(log, c.logged) {
+				t.Fatalf("log does not say %q:\n%s", c.logged, log)
+			}
+			// The well-behaved consumer is still served.
+			m, err := good.imp.Open(ctx, "a", good.stream)
+			if err != nil {
+				t.Fatalf("other peer's open failed: %v", err)
+			}
+			if err := m.Release(ctx, good.stream); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	if got := openFDs(t); got != baseline {
+		t.Fatalf("%d descriptors open after the malformed peers, %d before", got, baseline)
+	}
+	if got := good.read(t, held); !allAre(got, 9) {
+		t.Fatal("the held mapping changed")
+	}
+	if err := held.Release(ctx, good.stream); err != nil {
+		t.Fatal(err)
+	}
+	pr.checkClean(t)
+}
+
+func TestVersionMismatchNamesBothVersions(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	r := dialRaw(t, pr.path)
+	h := appendFrame(nil, leasingHello())
+	le.PutUint32(h[headerLen:], 7)
+	r.sendBytes(h)
+	ref, ok := r.recv().(*refused)
+	if !ok {
+		t.Fatal("a version-7 Hello was not refused")
+	}
+	if ref.Version != ProtocolVersion || !strings.Contains(ref.Reason, "version 7") || !strings.Contains(ref.Reason, "speaks 1") {
+		t.Fatalf("Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
+	}
+
+	// And the importer's side: an exporter that speaks version 9.
+	fake := fakeExporter(t, func(c *conn) {
+		c.recv()
+		c.send(context.Background(), &refused{Version: 9, Reason: "peer speaks protocol version 1, this side speaks 9"}, -1)
+	})
+	s := newSide(t, 0)
+	_, err := Dial(testCtx(t), fake, s.dev, 0)
+	if !errors.Is(err, ErrVersionMismatch) || !strings.Contains(err.Error(), "version 9") || !strings.Contains(err.Error(), "speaks 1") {
+		t.Fatalf("Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
+	}
+}
+
+// fakeExporter listens on a fresh socket and runs serve on the first connection.
+func fakeExporter(t testing.TB, serve func(c *conn)) string {
+	path, _ := fakeExporterDone(t, serve)
+	return path
+}
+
+// fakeExporterDone is fakeExporter, and a channel closed once it has hung up.
+func fakeExporterDone(t testing.TB, serve func(c *conn)) (string, <-chan struct{}) {
+	t.Helper()
+	path := filepath.Join(shortDir(t), "f.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		nc, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		serve(newConn(nc, false))
+	}()
+	t.Cleanup(func() { l.Close(); <-done })
+	return path, done
+}
+
+// welcomeThen is a fake exporter that admits the importer and then runs next.
+func welcomeThen(next func(c *conn)) func(c *conn) {
+	return func(c *conn) {
+		if _, _, err := c.recv(); err != nil {
+			return
+		}
+		c.send(context.Background(), &welcome{Version: ProtocolVersion, PID: 1}, -1)
+		next(c)
+	}
+}
+
+// An exporter that breaks the protocol loses its importer: the reason is logged,
+// opens fail with ErrExporterGone, and Close completes.
+func TestMalformedExporterInput(t *testing.T) {
+	cases := []struct {
+		name   string
+		send   func(c *conn)
+		logged string
+	}{
+		{"pool handle without descriptor", func(c *conn) {
+			c.send(context.Background(), &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}, -1)
+		}, "arrived with 0 descriptors, want 1"},
+		{"descriptor on another frame", func(c *conn) {
+			pr, pw, _ := os.Pipe()
+			defer pr.Close()
+			defer pw.Close()
+			unixfd.Send(c.uc, appendFrame(nil, &bye{}), int(pw.Fd()))
+		}, "Bye arrived with 1 unexpected descriptors"},
+		{"two descriptors", func(c *conn) {
+			pr, pw, _ := os.Pipe()
+			defer pr.Close()
+			defer pw.Close()
+			unixfd.Send(c.uc, appendFrame(nil, &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pr.Fd()), int(pw.Fd()))
+		}, "unexpected file descriptors"},
+		{"unknown type", func(c *conn) { c.nc.Write(frame(0, 99, nil)) }, "unknown message type 99"},
+		{"garbage", func(c *conn) { c.nc.Write([]byte("\x05\x00\x00\x00\x06garbage")) }, "Lease payload is 5 bytes"},
+		{"importer's message", func(c *conn) { c.send(context.Background(), &open{ReqID: 1, Name: "x"}, -1) }, "unexpected Open from an exporter"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			sent := make(chan struct{})
+			path, hungUp := fakeExporterDone(t, welcomeThen(func(c *conn) {
+				tc.send(c)
+				close(sent)
+				c.recv() // until the importer hangs up
+			}))
+			s := newSide(t, 0)
+			warmEventArena(t, s)
+			lb := &logBuffer{}
+			before := openFDs(t)
+			imp, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(lb.logger()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-sent
+			<-imp.readerDone
+			if _, err := imp.Open(testCtx(t), "x", s.stream); !errors.Is(err, ErrExporterGone) || !errors.Is(err, ErrProtocol) {
+				t.Fatalf("Open = %v, want ErrExporterGone with the violation", err)
+			}
+			if !strings.Contains(lb.String(), tc.logged) {
+				t.Fatalf("log does not say %q:\n%s", tc.logged, lb.String())
+			}
+			if err := imp.Close(testCtx(t)); err != nil {
+				t.Fatalf("Close = %v", err)
+			}
+			<-hungUp
+			if after := openFDs(t); after > before {
+				t.Fatalf("%d descriptors open, %d before", after, before)
+			}
+			s.checkClean(t)
+		})
+	}
+}
+
+// warmEventArena makes the software device create the memfd behind its IPC events,
+// which it keeps until it closes, so that counting descriptors sees only what export
+// holds.
+func warmEventArena(t testing.TB, s *side) {
+	t.Helper()
+	ev, err := s.dev.EventCreate(s.ord, cudart.EventIPC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.dev.EventDestroy(s.ord, ev); err != nil {
+		t.Fatal(err)
+	}
+}

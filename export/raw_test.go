@@ -1,0 +1,124 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// rawPeer speaks the protocol frame by frame, to send what a well-behaved Importer
+// never would.
+type rawPeer struct {
+	t  testing.TB
+	nc *net.UnixConn
+	c  *conn
+}
+
+func dialRaw(t testing.TB, path string) *rawPeer {
+	t.Helper()
+	nc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { nc.Close() })
+	return &rawPeer{t: t, nc: nc, c: newConn(nc, true)}
+}
+
+// leasingHello is the Hello of a peer that takes leases of POSIX fd pools and offers
+// no release event (so the exporter ends its leases without waiting).
+func leasingHello() *hello {
+	return &hello{Version: ProtocolVersion, PID: uint32(os.Getpid()), Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypePosixFD)}
+}
+
+// admitted dials path and completes a handshake as a leasing peer.
+func admitted(t testing.TB, path string) *rawPeer {
+	t.Helper()
+	r := dialRaw(t, path)
+	r.send(leasingHello())
+	if m := r.recv(); m.kind() != msgWelcome {
+		t.Fatalf("handshake answered with %s", m.kind())
+	}
+	return r
+}
+
+func (r *rawPeer) send(m message) {
+	r.t.Helper()
+	if err := r.c.send(context.Background(), m, -1); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+func (r *rawPeer) sendBytes(b []byte) {
+	r.t.Helper()
+	if _, err := r.nc.Write(b); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// recv returns the next frame, closing any descriptor that came with it.
+func (r *rawPeer) recv() message {
+	r.t.Helper()
+	m, fd, err := r.c.recv()
+	if err != nil {
+		r.t.Fatalf("recv: %v", err)
+	}
+	if fd >= 0 {
+		closeFDs([]int{fd})
+	}
+	return m
+}
+
+// open asks for name and returns the Lease (skipping the PoolHandle before it) or
+// the Error.
+func (r *rawPeer) open(reqID uint64, name string) message {
+	r.t.Helper()
+	r.send(&open{ReqID: reqID, Name: name})
+	for {
+		if m := r.recv(); m.kind() != msgPoolHandle {
+			return m
+		}
+	}
+}
+
+// release asks to release lease id and returns the reply.
+func (r *rawPeer) release(reqID, id uint64, count uint32) message {
+	r.t.Helper()
+	r.send(&release{ReqID: reqID, LeaseID: id, Count: count})
+	return r.recv()
+}
+
+// closedByExporter reports whether the exporter closed the connection: the next read
+// ends without a frame.
+func (r *rawPeer) closedByExporter() bool {
+	r.t.Helper()
+	for {
+		m, fd, err := r.c.recv()
+		if fd >= 0 {
+			closeFDs([]int{fd})
+		}
+		if err != nil {
+			return errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) || strings.Contains(err.Error(), "reset")
+		}
+		if m.kind() == msgRefused || m.kind() == msgError {
+			continue
+		}
+	}
+}
+
+// wantError checks that m is an Error frame for reqID standing for target.
+func wantError(t testing.TB, m message, reqID uint64, target error) {
+	t.Helper()
+	e, ok := m.(*errorMsg)
+	if !ok {
+		t.Fatalf("got %s, want an Error wrapping %v", m.kind(), target)
+	}
+	if e.ReqID != reqID || !errors.Is(replyErr(e), target) {
+		t.Fatalf("got Error(req %d, %v: %q), want req %d and %v", e.ReqID, codeErrs[e.Code], e.Text, reqID, target)
+	}
+}
