@@ -1,0 +1,68 @@
+package pool
+
+import "github.com/cudapool/cudapool/cudart"
+
+// config is what New is asked for.
+type config struct {
+	handleType       cudart.HandleType
+	maxSize          uint64
+	peers            []int
+	releaseThreshold *uint64
+	name             string
+	waitForMemory    bool
+}
+
+// Option configures New.
+type Option func(*config)
+
+// WithHandleType makes the pool shareable as ht: cudart.HandleTypePosixFD (the
+// default), cudart.HandleTypeFabric, or cudart.HandleTypeNone for a pool that only this
+// process uses (which neither rounds allocations nor can be exported).
+func WithHandleType(ht cudart.HandleType) Option {
+	return func(c *config) { c.handleType = ht }
+}
+
+// WithMaxSize bounds the memory the pool may reserve. An exportable pool rounds it up
+// to the allocation granularity. 0, the default, leaves the driver's bound: the
+// device's memory.
+func WithMaxSize(bytes uint64) Option {
+	return func(c *config) { c.maxSize = bytes }
+}
+
+// WithPeerAccess lets kernels on the given devices read and write the pool's memory
+// in this process. It does not carry over to importers: each sets access for its
+// own imported pool.
+func WithPeerAccess(devs ...int) Option {
+	return func(c *config) { c.peers = append(c.peers, devs...) }
+}
+
+// WithReleaseThreshold sets how much reserved memory the pool keeps when streams
+// synchronize instead of returning it to the device. The driver ignores it for
+// exportable pools, which never return memory.
+func WithReleaseThreshold(bytes uint64) Option {
+	return func(c *config) { c.releaseThreshold = &bytes }
+}
+
+// WithName names the pool in errors, Stats and CloseReport.
+func WithName(name string) Option {
+	return func(c *config) { c.name = name }
+}
+
+// WithWaitForMemory makes Alloc on a full pool wait for a Free in this process and
+// try again, until it succeeds or its context ends, instead of failing at once.
+func WithWaitForMemory() Option {
+	return func(c *config) { c.waitForMemory = true }
+}
+
+// CloseOption configures Close.
+type CloseOption func(*closeConfig)
+
+type closeConfig struct{ force bool }
+
+// Force makes Close release a pool that still has live buffers. Buffers that
+// importers may still hold (live leases, or a lease ended after Close began) are not
+// freed but abandoned: their memory stays allocated until the process exits, because
+// freeing it before every importer has would break CUDA's rule.
+func Force() CloseOption {
+	return func(c *closeConfig) { c.force = true }
+}
