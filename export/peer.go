@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"sync"
@@ -59,7 +60,11 @@ func (p *peer) takesLeases() bool { return p.hello.Flags&helloLeases != 0 }
 func (ex *Exporter) servePeer(nc net.Conn) {
 	p, err := ex.handshake(nc)
 	if err != nil {
-		ex.log.Warn("export: connection not admitted", "err", err)
+		level := slog.LevelWarn
+		if errors.Is(err, io.EOF) {
+			level = slog.LevelDebug // a liveness probe (Discover) hangs up without a word
+		}
+		ex.log.Log(context.Background(), level, "export: connection not admitted", "err", err)
 		nc.Close()
 		return
 	}

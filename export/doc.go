@@ -1,0 +1,96 @@
+// Package export owns cudapool's sharing protocol: a producer process shares buffers
+// of its IPC-capable pools with consumer processes over a Unix socket, with leases
+// that keep a buffer alive while any consumer maps it and stream-ordered events that
+// keep every side's GPU work in the right order, without the host waiting.
+//
+// # Overview
+//
+// The producer calls Listen to create an Exporter on a socket and Publish to make a
+// pool.Buffer available under a name, ready once the work queued on a stream before the
+// call (the producer's writes) has completed. A consumer calls Dial to connect an
+// Importer, Open to lease a buffer by name and map it into its own process, and
+// Mapping.Release to give it back:
+//
+//	ex, err := export.Listen("/run/app/kv.sock", rt)
+//	err = ex.Publish(ctx, "layer-0", buf, stream)
+//
+//	imp, err := export.Dial(ctx, "/run/app/kv.sock", rt, device)
+//	m, err := imp.Open(ctx, "layer-0", stream) // stream waits for the writes
+//	... use m.Ptr() on stream ...
+//	err = m.Release(ctx, stream) // the import is freed after the work on stream
+//
+// Open makes the consumer's stream wait on an IPC event that Publish recorded on the
+// producer's stream. Release frees the import on the Importer's release stream after
+// the caller's stream, records the Importer's release event there and tells the
+// exporter, which ends the lease with that event: the pool frees a buffer only after
+// every importer's free of it has completed (pool's ordered release). The producer may
+// Free a published buffer at any time; its memory goes back to the pool once the last
+// consumer released it, and Opens after the Free fail with ErrBufferGone.
+//
+// Opening a buffer the Importer already holds returns the same *Mapping, counted once
+// more: the driver would return the same pointer, and freeing either import would
+// unmap both (FACTS 4). The exporter grants the second Open under the same lease id,
+// and only the last Release frees the import and returns every grant.
+//
+// # The connection
+//
+// The socket is created with mode 0600 whatever the umask. Each connecting process is
+// identified by the kernel (SO_PEERCRED) and admitted by the Exporter's Policy: by
+// default only processes of the exporter's own user. A refused process gets the reason
+// and nothing else. The handshake carries the protocol version (ProtocolVersion; a
+// mismatch is refused with both versions named), the pids, the importer's device UUID
+// and the handle types it can import.
+//
+// Each pool's handle goes to each peer once, its descriptor passed with SCM_RIGHTS;
+// every descriptor that arrives where none is expected is closed. Every message is a
+// fixed binary layout in a frame of at most 64 KiB; a malformed, oversized or
+// unexpected frame closes the connection it came on, with the reason logged, and
+// touches no other peer. Lease ids are unguessable, and a Release with a lease id that
+// was released already, belongs to another connection or was never issued is refused
+// with ErrStaleLease, ErrForeignLease or ErrForgedLease, and changes nothing.
+//
+// Listen announces the exporter in DefaultDir() (<pid>.json) for tools such as
+// cmd/poolstat, which find exporters with Discover and ask for their State with
+// QueryState, through the same handshake and admission policy as any consumer.
+//
+// # Faults
+//
+// A consumer that dies, even by SIGKILL, closes its socket: the exporter ends its
+// leases, and frees that waited for them proceed. A producer that dies leaves its
+// consumers' mappings readable (FACTS 7) until they release them: Open then fails with
+// ErrExporterGone, while Release and Close succeed, as there is no one left to tell.
+//
+// # FABRIC
+//
+// Pools with cudart.HandleTypeFabric travel as 64 inline bytes, so the protocol works
+// over any byte stream: Exporter.Serve accepts on a TCP listener and DialConn connects
+// over one, between the nodes of one NVLink domain where IMEX authorises each import.
+// Such peers have no credentials, so the Policy must set AllowRemote; IPC events do not
+// cross hosts, so the exporter waits for the producer's writes before it answers an
+// Open, and the importer waits for its free before it reports a Release. On a host
+// without an IMEX channel, Publish of a FABRIC buffer fails with ErrIMEXRequired.
+//
+// # Caveats
+//
+// The pool is the unit of trust. An importer of one buffer can read every buffer of its
+// pool, published or not (FACTS 2). Never put data for different trust domains in one
+// exported pool; make a pool per domain.
+//
+// Release mappings before the process exits. A mapping a live process never releases
+// holds its lease, and with it the buffer, until the Importer closes or the exporter
+// notices the connection close. Importer.Close frees what is still mapped without
+// ordering the frees after your streams: release first.
+//
+// Exporter.Close waits for consumers to release until its context ends; leases still
+// held then are ended as of their consumers' last release, and a consumer that keeps
+// reading such a buffer may see it reused. Close the pools after the Exporter.
+//
+// One process holds one Importer per exporter and runtime: a second Dial fails with
+// ErrDuplicateImporter, because two would import the same pointers. Mappings are valid
+// on the Importer's device and any device the runtime can reach it from.
+//
+// An exporter waits for a consumer's free through an event of the consumer's process.
+// On the real driver an IPC event of a process that died mid-record may never
+// complete; the exporter therefore trusts a closed connection to mean a dead process
+// and stops waiting for it.
+package export

@@ -1,0 +1,84 @@
+package export
+
+import (
+	"fmt"
+	"path/filepath"
+	"testing"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/gputest"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// On a GPU host: a producer process on device 0, this process consuming on device 1.
+// The consumer reads the producer's bytes over NVLink, and a release is ordered: the
+// producer frees, reallocates and overwrites the buffer as soon as the release is
+// acknowledged, while copies the consumer queued before releasing are still running;
+// those copies must see the old bytes.
+func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
+	rt := gputest.Devices(t, 2)
+	const size = 256 << 20
+	path := filepath.Join(shortDir(t), "g.sock")
+	k := startChild(t, "producer", "gpu", path, "default", fmt.Sprintf("big=%d:161", size))
+	k.expect("ready")
+	ctx := testCtx(t)
+	s, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.StreamDestroy(1, s)
+	imp, err := Dial(ctx, path, rt, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer imp.Close(ctx)
+	m, err := imp.Open(ctx, "big", s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, size)
+	if err := rt.MemcpyDtoHAsync(1, got, m.Ptr(), s); err != nil {
+		t.Fatal(err)
+	}
+	if !allAre(got, 161) {
+		t.Fatal("device 1 read wrong bytes from the producer's buffer")
+	}
+
+	local, err := pool.New(rt, 1, pool.WithHandleType(cudart.HandleTypeNone))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close(ctx, pool.Force())
+	dst, err := local.Alloc(ctx, size, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 8 { // a few milliseconds of copies still queued at Release
+		if err := rt.MemcpyDtoDAsync(1, dst.Ptr(), m.Ptr(), size, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.Release(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	k.say("free big")
+	k.expect("freed")
+	k.say(fmt.Sprintf("refill %d 178", size))
+	k.expect("refilled")
+	if err := rt.MemcpyDtoHAsync(1, got, dst.Ptr(), s); err != nil {
+		t.Fatal(err)
+	}
+	if !allAre(got, 161) {
+		t.Fatal("a copy queued before Release saw the producer's later writes: release was not ordered")
+	}
+	dst.Free(s)
+	k.say("stats")
+	if got := k.expect("stats"); got != "stats 1 0 0" {
+		t.Fatalf("producer %q, want the refilled buffer only, no lease, no deferred free", got)
+	}
+	if err := imp.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k.say("quit")
+	k.wait()
+}
