@@ -2,16 +2,19 @@ package cudart_test
 
 // GPU benchmarks of the calls a pool makes per buffer. bench/cref/cref.cu makes the
 // same calls from C in loops of the same shape; scripts/gpu-check.sh prints the two
-// side by side. Each loop synchronizes its stream every syncEvery operations, as the
-// C one does, so that queued work stays bounded.
+// side by side. Each loop runs in batches that end with a synchronize, as the C one
+// does, so that queued work stays bounded, and both report the same statistic: the
+// median over batches of the time per operation (here as ns/op).
 
 import (
 	"encoding/binary"
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -21,11 +24,47 @@ import (
 
 const (
 	syncEvery = 10000
+	// exportsPerBatch is a batch of BenchmarkExportPointer, which needs no
+	// synchronize.
+	exportsPerBatch = 200
 	// importBuffers is how many distinct buffers BenchmarkImportPointer cycles
 	// through: each import is freed, and the frees complete (a synchronize) before
 	// the same buffer is imported again.
 	importBuffers = 1000
 )
+
+// batches times a benchmark loop in batches of n operations, so that it reports the
+// statistic bench/cref prints: the median batch's time per operation. Medians keep a
+// stray descheduling or clock step out of the comparison with C.
+type batches struct {
+	n, done int
+	start   time.Time
+	perOp   []float64
+}
+
+func newBatches(n int) *batches { return &batches{n: n, start: time.Now()} }
+
+// full counts one operation and reports whether it ended a batch; the caller then
+// synchronizes and calls lap.
+func (bt *batches) full() bool {
+	bt.done++
+	return bt.done%bt.n == 0
+}
+
+func (bt *batches) lap() {
+	now := time.Now()
+	bt.perOp = append(bt.perOp, float64(now.Sub(bt.start).Nanoseconds())/float64(bt.n))
+	bt.start = now
+}
+
+// report replaces ns/op with the median batch's, when there were batches enough.
+func (bt *batches) report(b *testing.B) {
+	if len(bt.perOp) < 3 {
+		return
+	}
+	slices.Sort(bt.perOp)
+	b.ReportMetric(bt.perOp[len(bt.perOp)/2], "ns/op")
+}
 
 // BenchmarkMallocFreePair is one cudaMallocFromPoolAsync and one cudaFreeAsync of the
 // same size on the same stream, from a pool that can be shared as a POSIX fd.
@@ -39,7 +78,7 @@ func BenchmarkMallocFreePair(b *testing.B) {
 			f := newGPUFixture(b, rt, 0, ipcPool)
 			f.free(b, f.malloc(b, size.bytes)) // the pool reserves its memory once
 			b.ReportAllocs()
-			i := 0
+			bt := newBatches(syncEvery)
 			for b.Loop() {
 				p, err := rt.MallocFromPoolAsync(0, size.bytes, f.pool, f.stream)
 				if err != nil {
@@ -48,10 +87,12 @@ func BenchmarkMallocFreePair(b *testing.B) {
 				if err := rt.FreeAsync(0, p, f.stream); err != nil {
 					b.Fatal(err)
 				}
-				if i++; i%syncEvery == 0 {
+				if bt.full() {
 					noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
+					bt.lap()
 				}
 			}
+			bt.report(b)
 		})
 	}
 }
@@ -67,11 +108,16 @@ func BenchmarkExportPointer(b *testing.B) {
 	defer f.free(b, p)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
 	b.ReportAllocs()
+	bt := newBatches(exportsPerBatch)
 	for b.Loop() {
 		if _, err := rt.MemPoolExportPointer(0, p); err != nil {
 			b.Fatal(err)
 		}
+		if bt.full() {
+			bt.lap()
+		}
 	}
+	bt.report(b)
 }
 
 // BenchmarkImportPointer is one cudaMemPoolImportPointer and one cudaFreeAsync of the
@@ -96,20 +142,22 @@ func BenchmarkImportPointer(b *testing.B) {
 	defer rt.StreamDestroy(0, s)
 
 	b.ReportAllocs()
-	i := 0
+	bt := newBatches(importBuffers)
 	for b.Loop() {
-		p, err := rt.MemPoolImportPointer(0, pool, data[i%importBuffers])
+		p, err := rt.MemPoolImportPointer(0, pool, data[bt.done%importBuffers])
 		if err != nil {
 			b.Fatal(err)
 		}
 		if err := rt.FreeAsync(0, p, s); err != nil {
 			b.Fatal(err)
 		}
-		if i++; i%importBuffers == 0 {
+		if bt.full() {
 			noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, s))
+			bt.lap()
 		}
 	}
 	b.StopTimer()
+	bt.report(b)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, s))
 	// Every import is freed: the exporter may free its buffers now, by exiting.
 	if _, err := conn.Write([]byte{'k'}); err != nil {
@@ -170,7 +218,7 @@ func BenchmarkEventRecordWait(b *testing.B) {
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventIPC))
 	defer rt.EventDestroy(0, e)
 	b.ReportAllocs()
-	i := 0
+	bt := newBatches(syncEvery)
 	for b.Loop() {
 		if err := rt.EventRecord(0, e, f.stream); err != nil {
 			b.Fatal(err)
@@ -178,10 +226,12 @@ func BenchmarkEventRecordWait(b *testing.B) {
 		if err := rt.StreamWaitEvent(0, waiter, e); err != nil {
 			b.Fatal(err)
 		}
-		if i++; i%syncEvery == 0 {
+		if bt.full() {
 			noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, waiter))
+			bt.lap()
 		}
 	}
 	b.StopTimer()
+	bt.report(b)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, waiter))
 }

@@ -69,19 +69,26 @@ while read -r name dir; do
 	echo "$name: rc=$rc at ${SECONDS}s, $(grep -c -- '--- PASS' "$log") passed, $(grep -c -- '--- SKIP' "$log") skipped, $(grep -c -- '--- FAIL' "$log") failed"
 done <"$bin/tests.txt"
 
-echo "== C reference: run"
+# Pinned to the same few CPUs, C and Go see the same cores and caches.
+pin=()
+if command -v taskset >/dev/null && [ "$(nproc)" -ge 12 ]; then
+	pin=(taskset -c 2-9)
+fi
 creflog=$logs/cref.txt
 : >"$creflog"
-if [ -n "$cref" ]; then
-	if "$cref" >"$creflog"; then
-		results+=("cref PASS")
+# run_cref runs the C reference once, appending its lines to $creflog.
+run_cref() {
+	echo "== C reference: run $1 ${pin[*]}"
+	[ -n "$cref" ] || return
+	if "${pin[@]}" "$cref" | tee -a "$creflog"; then
+		results+=("cref-$1 PASS")
 	else
-		results+=("cref FAIL")
+		results+=("cref-$1 FAIL")
 		failed=1
 	fi
-	cat "$creflog"
-fi
+}
 
+run_cref 1
 echo "== benchmarks (benchtime $benchtime, count $benchcount)"
 benchlog=$logs/bench.txt
 : >"$benchlog"
@@ -94,7 +101,7 @@ while read -r name dir; do
 		continue
 	fi
 	log=$logs/$name.bench.log
-	(cd "$root/$dir" && "$bin/$name.test" -test.run '^$' -test.bench . -test.benchmem \
+	(cd "$root/$dir" && "${pin[@]}" "$bin/$name.test" -test.run '^$' -test.bench . -test.benchmem \
 		-test.benchtime="$benchtime" -test.count="$benchcount" -test.timeout="$test_timeout") >"$log" 2>&1
 	rc=$?
 	sed -n "s/^Benchmark/$name /p" "$log" | tee -a "$benchlog"
@@ -105,6 +112,8 @@ while read -r name dir; do
 	fi
 done <"$bin/tests.txt"
 
+run_cref 2
+
 echo
 echo "== summary (${SECONDS}s)"
 printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
@@ -112,7 +121,10 @@ echo
 # Go lines: "PKG NAME-PROCS N NS ns/op ..."; C lines: "cref NAME NS". Go's figure is the
 # median over the counts.
 awk '
-	FILENAME == ARGV[1] { if ($1 == "cref" && NF == 3) c[$2] = $3; next }
+	FILENAME == ARGV[1] {
+		if ($1 == "cref" && NF == 3 && $3 ~ /^[0-9.]+$/) { csum[$2] += $3; cn[$2]++; cruns[$2] = cruns[$2] (cn[$2] > 1 ? "/" : "") $3 }
+		next
+	}
 	$5 == "ns/op" {
 		name = $2; sub(/-[0-9]+$/, "", name)
 		key = $1 " " name
@@ -120,15 +132,17 @@ awk '
 		v[key, ++n[key]] = $4
 	}
 	END {
-		printf "%-8s %-24s %12s %12s %7s\n", "package", "benchmark", "Go ns/op", "C ns/op", "Go/C"
+		printf "%-8s %-22s %10s %10s %6s  %s\n", "package", "benchmark", "Go ns/op", "C ns/op", "Go/C", "C runs"
 		for (k = 1; k <= keys; k++) {
 			key = order[k]; m = n[key]
 			for (i = 1; i <= m; i++) s[i] = v[key, i]
 			for (i = 2; i <= m; i++) for (j = i; j > 1 && s[j-1] + 0 > s[j] + 0; j--) { t = s[j]; s[j] = s[j-1]; s[j-1] = t }
 			med = (m % 2) ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
 			split(key, part, " ")
-			if (part[2] in c) printf "%-8s %-24s %12.1f %12.1f %7.2f\n", part[1], part[2], med, c[part[2]], med / c[part[2]]
-			else printf "%-8s %-24s %12.1f %12s %7s\n", part[1], part[2], med, "-", "-"
+			if (part[2] in cn) {
+				c = csum[part[2]] / cn[part[2]]
+				printf "%-8s %-22s %10.1f %10.1f %6.2f  %s\n", part[1], part[2], med, c, med / c, cruns[part[2]]
+			} else printf "%-8s %-22s %10.1f %10s %6s\n", part[1], part[2], med, "-", "-"
 		}
 	}
 ' "$creflog" "$benchlog"
