@@ -34,12 +34,14 @@ type Exporter struct {
 	readyMu sync.Mutex
 	ready   map[readyKey]*readyEvent
 
-	mu        sync.Mutex
-	closed    bool
-	pubs      map[string]*publication
-	pools     map[*pool.Pool]uint64 // wire ids of the pools ever published
-	lastPool  uint64
-	peers     map[*peer]struct{}
+	mu       sync.Mutex
+	closed   bool
+	pubs     map[string]*publication
+	pools    map[*pool.Pool]uint64 // wire ids of the pools ever published
+	lastPool uint64
+	peers    map[*peer]struct{}
+	// greeting holds the connections still in their handshake, for Close to cut.
+	greeting  map[net.Conn]struct{}
 	listeners []net.Listener
 	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
 	changed chan struct{}
@@ -80,7 +82,8 @@ func Listen(path string, rt cudart.Runtime, opts ...Option) (*Exporter, error) {
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.log, ids: newLeaseIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
-		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, changed: make(chan struct{}, 1),
+		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, greeting: map[net.Conn]struct{}{},
+		changed: make(chan struct{}, 1),
 	}
 	var err error
 	if ex.devices, err = deviceUUIDs(rt); err != nil {
@@ -150,6 +153,7 @@ func (ex *Exporter) accept(l net.Listener) {
 			return
 		}
 		ex.wg.Add(1)
+		ex.greeting[nc] = struct{}{}
 		ex.mu.Unlock()
 		go func() {
 			defer ex.wg.Done()
@@ -170,8 +174,17 @@ func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, re
 	if err := checkName(name); err != nil {
 		return err
 	}
+	if b == nil {
+		return fmt.Errorf("export: publish %q: nil buffer", name)
+	}
 	if err := ctx.Err(); err != nil {
 		return err
+	}
+	ex.mu.Lock()
+	closed := ex.closed
+	ex.mu.Unlock()
+	if closed {
+		return ErrClosed
 	}
 	if _, err := b.ExportRecord(); err != nil {
 		return fmt.Errorf("export: publish %q: %w", name, fabricErr(b.Pool(), err))
@@ -217,6 +230,13 @@ func (ex *Exporter) Unpublish(name string) error {
 func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 	ex.readyMu.Lock()
 	defer ex.readyMu.Unlock()
+	// Checked under readyMu: Close destroys the events under it after setting closed.
+	ex.mu.Lock()
+	closed := ex.closed
+	ex.mu.Unlock()
+	if closed {
+		return nil, ErrClosed
+	}
 	k := readyKey{dev, s}
 	if re := ex.ready[k]; re != nil {
 		return re, nil
@@ -355,6 +375,9 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	ex.closed = true
 	listeners := ex.listeners
 	ex.pubs = map[string]*publication{}
+	for nc := range ex.greeting {
+		nc.Close() // a peer not yet admitted holds nothing
+	}
 	ex.mu.Unlock()
 
 	var errs []error

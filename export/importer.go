@@ -328,7 +328,9 @@ func (imp *Importer) read() {
 			imp.importPool(m, fd)
 		case *lease:
 			if !imp.deliver(m.ReqID, m) {
-				imp.giveBack(m) // its request was given up on
+				// Its request was given up on. Not sent from here: a reader blocked on
+				// a full socket while the exporter blocks writing to it would deadlock.
+				go imp.giveBack(m)
 			}
 		case *released:
 			imp.deliver(m.ReqID, m)

@@ -471,3 +471,61 @@ func orderAfterProducer(t testing.TB, pr *producer, c *side) {
 		t.Fatal(err)
 	}
 }
+
+// A peer that connects and says nothing must not hold Close up until its handshake
+// times out.
+func TestCloseCutsSilentPeers(t *testing.T) {
+	pr := newProducer(t, nil, []Option{WithHandshakeTimeout(hangGuard * 10)})
+	r := dialRaw(t, pr.path)
+	waitFor(t, "the silent peer to be accepted", func() bool {
+		pr.ex.mu.Lock()
+		defer pr.ex.mu.Unlock()
+		return len(pr.ex.greeting) == 1
+	})
+	if err := pr.ex.Close(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !r.closedByExporter() {
+		t.Fatal("the silent peer's connection stayed open")
+	}
+	b, err := pr.pool.Alloc(testCtx(t), 4096, pr.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pr.ex.Publish(testCtx(t), "late", b, pr.stream); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Publish after Close = %v, want ErrClosed", err)
+	}
+}
+
+// A buffer released and opened again is imported anew, after this process's earlier
+// free of it is known complete (FACTS 4: a pending free would unmap the new import).
+func TestReopenAfterReleaseSettlesTheFree(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 5)
+	c := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "a", c.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(c.imp.freed); n != 1 {
+		t.Fatalf("%d frees tracked after a release, want 1", n)
+	}
+	m2, err := c.imp.Open(ctx, "a", c.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m2 == m || len(c.imp.freed) != 0 {
+		t.Fatalf("reopen: same mapping %v, %d frees still tracked; want a new mapping and none", m2 == m, len(c.imp.freed))
+	}
+	if b := c.read(t, m2); !allAre(b, 5) {
+		t.Fatal("reopened mapping reads wrong bytes")
+	}
+	if err := m2.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	c.checkClean(t)
+}

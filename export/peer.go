@@ -79,6 +79,11 @@ func (ex *Exporter) servePeer(nc net.Conn) {
 // handshake reads the peer's Hello, applies the policy and answers Welcome or
 // Refused. The Refused frame carries the reason and nothing else.
 func (ex *Exporter) handshake(nc net.Conn) (*peer, error) {
+	defer func() {
+		ex.mu.Lock()
+		delete(ex.greeting, nc)
+		ex.mu.Unlock()
+	}()
 	c := newConn(nc, false)
 	nc.SetDeadline(time.Now().Add(ex.opts.handshake))
 	p := &peer{ex: ex, c: c, since: time.Now(), sent: map[*pool.Pool]bool{},
