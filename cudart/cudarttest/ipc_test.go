@@ -39,6 +39,33 @@ func (s shared) share(n uint64, data []byte) (ptr, iptr cudart.DevicePtr) {
 	return ptr, s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
 }
 
+// The whole round trip between two Devices of one process: bytes both ways, ordered
+// by IPC events, freed in order, no violation.
+func TestTwoDevicesShareAPool(t *testing.T) {
+	exp, imp := newFx(t), newFx(t)
+	p, fd := exp.exported()
+	defer unix.Close(fd)
+	ptr := exp.alloc(p, 1000)
+	exp.write(ptr, []byte("from the exporter"))
+	e, o := exp.ipcEvent(imp)
+	ready(exp, e, imp, o)
+
+	ip := imp.importPool(fd)
+	iptr := imp.importPtr(ip, exp.exportPtr(ptr))
+	if iptr != ptr {
+		t.Fatalf("imported at %#x, exported at %#x: addresses must match", iptr, ptr)
+	}
+	imp.wantBytes(iptr, []byte("from the exporter"))
+	imp.write(iptr+100, []byte("from the importer"))
+	ready(imp, o, exp, e)
+	exp.wantBytes(ptr+100, []byte("from the importer"))
+	ok(t, imp.FreeAsync(0, iptr, 0))
+	ready(imp, o, exp, e)
+	ok(t, exp.FreeAsync(0, ptr, 0))
+	ok(t, imp.Err())
+	ok(t, exp.Err())
+}
+
 // importerDone orders the exporter's default stream after everything the importer
 // did so far, through an IPC event of the importer.
 func (s shared) importerDone() {
