@@ -180,7 +180,10 @@ func handshake(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int, 
 	if err := imp.c.send(ctx, &h, -1); err != nil {
 		return nil, ctxOr(ctx, err)
 	}
-	m, _, err := imp.c.recv()
+	m, fd, err := imp.c.recv()
+	if fd >= 0 {
+		closeFDs([]int{fd}) // a pool handle before Welcome: refused below
+	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
 			return nil, fmt.Errorf("%w: the exporter closed the connection during the handshake", ErrExporterGone)
