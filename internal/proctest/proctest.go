@@ -45,7 +45,9 @@ func Command(t testing.TB, role string, args ...string) *exec.Cmd {
 		t.Fatalf("proctest: %v", err)
 	}
 	cmd := exec.Command(exe, args...)
-	cmd.Env = append(os.Environ(), roleEnv+"="+role)
+	// Under -race every process sleeps a second at exit unless told not to; children
+	// are many and short-lived.
+	cmd.Env = append(os.Environ(), roleEnv+"="+role, "GORACE=atexit_sleep_ms=0")
 	cmd.Stderr = os.Stderr
 	t.Cleanup(func() {
 		if cmd.Process != nil && cmd.ProcessState == nil {
