@@ -249,3 +249,28 @@ func warmEventArena(t testing.TB, s *side) {
 		t.Fatal(err)
 	}
 }
+
+// An exporter that answers Hello with a pool handle (descriptor and all) instead of
+// Welcome is refused, and the descriptor does not stay open here.
+func TestHandleBeforeWelcomeIsRefused(t *testing.T) {
+	s := newSide(t, 0)
+	warmEventArena(t, s)
+	path, hungUp := fakeExporterDone(t, func(c *conn) {
+		c.recv()
+		pr, pw, _ := os.Pipe()
+		defer pr.Close()
+		defer pw.Close()
+		unixfd.Send(c.uc, appendFrame(nil, &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pw.Fd()))
+		c.recv()
+	})
+	before := openFDs(t)
+	_, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(discardLogger))
+	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "answered Hello with PoolHandle") {
+		t.Fatalf("Dial = %v, want ErrProtocol", err)
+	}
+	<-hungUp
+	if after := openFDs(t); after > before {
+		t.Fatalf("%d descriptors open, %d before", after, before)
+	}
+	s.checkClean(t)
+}

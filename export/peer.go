@@ -70,10 +70,10 @@ func (ex *Exporter) servePeer(nc net.Conn) {
 	}
 	ex.log.Debug("export: peer admitted", "pid", p.pid(), "remote", p.remote())
 	reason, clean := p.serve()
-	p.cleanup(clean)
 	if reason != nil {
-		ex.log.Warn("export: peer connection closed", "pid", p.pid(), "reason", reason)
+		ex.log.Warn("export: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
+	p.cleanup(clean)
 }
 
 // handshake reads the peer's Hello, applies the policy and answers Welcome or

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -75,7 +76,9 @@ func roleProducer(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	var opts = []Option{WithoutAnnounce()}
+	// Refusals are this role's job in some tests: only errors are worth a line.
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	opts := []Option{WithoutAnnounce(), WithLogger(quiet)}
 	if args[2] == "other-uid" {
 		opts = append(opts, WithPolicy(Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	}
