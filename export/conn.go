@@ -46,10 +46,18 @@ func (c *conn) canPassFDs() bool { return c.uc != nil }
 func (c *conn) send(ctx context.Context, m message, fd int) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
+	}
 	if ctx.Done() != nil {
-		stop := context.AfterFunc(ctx, func() { c.nc.SetWriteDeadline(time.Unix(1, 0)) })
+		fired := make(chan struct{})
+		stop := context.AfterFunc(ctx, func() {
+			c.nc.SetWriteDeadline(time.Unix(1, 0))
+			close(fired)
+		})
 		defer func() {
 			if !stop() {
+				<-fired // or it could set the deadline after it is cleared
 				c.nc.SetWriteDeadline(time.Time{})
 			}
 		}()

@@ -394,10 +394,9 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		}
 	}
 	for _, p := range ex.peerList() {
-		// A peer that cannot be told is closed: it can release nothing then.
-		if err := p.c.send(ctx, &bye{}, -1); err != nil {
-			p.c.close()
-		}
+		// A peer that cannot be told still holds what it holds: it is counted below,
+		// and cut with the others.
+		p.c.send(ctx, &bye{}, -1)
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
