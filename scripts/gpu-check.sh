@@ -118,9 +118,15 @@ echo
 echo "== summary (${SECONDS}s)"
 printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
 echo
-# Go lines: "PKG NAME-PROCS N NS ns/op ..."; C lines: "cref NAME NS". Go's figure is the
-# median over the counts.
+# Go lines: "PKG NAME-PROCS N NS ns/op [LATE late-ns/op] ..."; C lines: "cref NAME NS".
+# Each Go figure is the median over the counts; C's is the mean of the two runs. A
+# benchmark only C has is listed too.
 awk '
+	function median(key, m,    i, j, t, s) {
+		for (i = 1; i <= m; i++) s[i] = vals[key, i]
+		for (i = 2; i <= m; i++) for (j = i; j > 1 && s[j-1] + 0 > s[j] + 0; j--) { t = s[j]; s[j] = s[j-1]; s[j-1] = t }
+		return (m % 2) ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
+	}
 	FILENAME == ARGV[1] {
 		if ($1 == "cref" && NF == 3 && $3 ~ /^[0-9.]+$/) { csum[$2] += $3; cn[$2]++; cruns[$2] = cruns[$2] (cn[$2] > 1 ? "/" : "") $3 }
 		next
@@ -129,21 +135,22 @@ awk '
 		name = $2; sub(/-[0-9]+$/, "", name)
 		key = $1 " " name
 		if (!(key in n)) order[++keys] = key
-		v[key, ++n[key]] = $4
+		vals[key, ++n[key]] = $4
+		for (i = 6; i <= NF; i++) if ($i == "late-ns/op") vals[key " late", ++n[key " late"]] = $(i - 1)
 	}
 	END {
-		printf "%-8s %-22s %10s %10s %6s  %s\n", "package", "benchmark", "Go ns/op", "C ns/op", "Go/C", "C runs"
+		printf "%-8s %-28s %9s %9s %9s %6s  %s\n", "package", "benchmark", "Go ns/op", "Go late", "C ns/op", "Go/C", "C runs"
 		for (k = 1; k <= keys; k++) {
-			key = order[k]; m = n[key]
-			for (i = 1; i <= m; i++) s[i] = v[key, i]
-			for (i = 2; i <= m; i++) for (j = i; j > 1 && s[j-1] + 0 > s[j] + 0; j--) { t = s[j]; s[j] = s[j-1]; s[j-1] = t }
-			med = (m % 2) ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
-			split(key, part, " ")
+			key = order[k]; split(key, part, " ")
+			late = (key " late") in n ? sprintf("%.1f", median(key " late", n[key " late"])) : "-"
+			go = median(key, n[key])
 			if (part[2] in cn) {
-				c = csum[part[2]] / cn[part[2]]
-				printf "%-8s %-22s %10.1f %10.1f %6.2f  %s\n", part[1], part[2], med, c, med / c, cruns[part[2]]
-			} else printf "%-8s %-22s %10.1f %10s %6s\n", part[1], part[2], med, "-", "-"
+				c = csum[part[2]] / cn[part[2]]; seen[part[2]] = 1
+				printf "%-8s %-28s %9.1f %9s %9.1f %6.2f  %s\n", part[1], part[2], go, late, c, go / c, cruns[part[2]]
+			} else printf "%-8s %-28s %9.1f %9s %9s %6s\n", part[1], part[2], go, late, "-", "-"
 		}
+		for (name in cn) if (!(name in seen))
+			printf "%-8s %-28s %9s %9s %9.1f %6s  %s\n", "cref", name, "-", "-", csum[name] / cn[name], "-", cruns[name]
 	}
 ' "$creflog" "$benchlog"
 if [ -n "${OUT:-}" ]; then

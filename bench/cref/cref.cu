@@ -72,7 +72,9 @@ static cudaStream_t new_stream(void) {
 	return s;
 }
 
-static void malloc_free_pair(const char *name, size_t size) {
+// malloc_free_pair times the pair; with get_device, each call is preceded by the
+// cudaGetDevice that cudart's trampolines make, to tell that cost from cgo's.
+static void malloc_free_pair(const char *name, size_t size, int get_device) {
 	cudaMemPool_t pool = ipc_pool();
 	cudaStream_t s = new_stream();
 	void *p;
@@ -83,7 +85,10 @@ static void malloc_free_pair(const char *name, size_t size) {
 	for (int b = -1; b < BATCHES; b++) { // batch -1 warms up
 		double t0 = now_ns();
 		for (int i = 0; i < SYNC_EVERY; i++) {
+			int dev;
+			if (get_device) CHECK(cudaGetDevice(&dev));
 			CHECK(cudaMallocFromPoolAsync(&p, size, pool, s));
+			if (get_device) CHECK(cudaGetDevice(&dev));
 			CHECK(cudaFreeAsync(p, s));
 		}
 		CHECK(cudaStreamSynchronize(s));
@@ -247,9 +252,10 @@ int main(void) {
 	CHECK(cudaDriverGetVersion(&driver));
 	CHECK(cudaSetDevice(0));
 	printf("cref runtime %d driver %d\n", runtime, driver);
-	malloc_free_pair("MallocFreePair/1KiB", 1 << 10);
-	malloc_free_pair("MallocFreePair/1MiB", MiB);
-	malloc_free_pair("MallocFreePair/64MiB", 64 * MiB);
+	malloc_free_pair("MallocFreePair/1KiB", 1 << 10, 0);
+	malloc_free_pair("MallocFreePair/1MiB", MiB, 0);
+	malloc_free_pair("MallocFreePair/64MiB", 64 * MiB, 0);
+	malloc_free_pair("MallocFreePairGetDevice/1MiB", MiB, 1);
 	export_pointer();
 	import_pointer(socks[0]);
 	event_record_wait();
