@@ -61,6 +61,10 @@ func (p *Pool) Close(ctx context.Context, opts ...CloseOption) (CloseReport, err
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if err := p.takeCloser(ctx); err != nil {
+		return CloseReport{}, err
+	}
+	defer func() { <-p.closer }()
 	p.mu.Lock()
 	switch {
 	case p.state == poolClosed:
@@ -89,6 +93,22 @@ func (p *Pool) Close(ctx context.Context, opts ...CloseOption) (CloseReport, err
 	report, toFree, abandoned := p.sortForClose()
 	errs := p.releaseAll(toFree, &report)
 	return p.teardown(report, append(errs, p.destroyEvents(abandoned)...))
+}
+
+// takeCloser lets one Close run at a time: a second one waits (bounded by ctx), then
+// finds the pool closed. A free token is taken even if ctx has ended.
+func (p *Pool) takeCloser(ctx context.Context) error {
+	select {
+	case p.closer <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case p.closer <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return p.errorf("close: waiting for another Close: %w", ctx.Err())
+	}
 }
 
 // busyLocked says why Close without Force must refuse, and otherwise closes the gate.

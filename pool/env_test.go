@@ -3,12 +3,12 @@ package pool
 import (
 	"context"
 	"errors"
-	"os"
 	"runtime"
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/gputest"
 )
 
 const mib = 1 << 20
@@ -21,7 +21,8 @@ type testEnv struct {
 }
 
 // onEachRuntime runs body on a fresh software device, checked for rule violations at
-// the end, and then on the real runtime, which skips without a GPU.
+// the end, and then on the real runtime (internal/gputest: skipped without a GPU,
+// failed instead where CUDAPOOL_REQUIRE_GPU=1).
 func onEachRuntime(t *testing.T, body func(t *testing.T, e testEnv)) {
 	t.Helper()
 	t.Run("cudarttest", func(t *testing.T) {
@@ -29,7 +30,7 @@ func onEachRuntime(t *testing.T, body func(t *testing.T, e testEnv)) {
 		body(t, newTestEnv(t, d, d))
 	})
 	t.Run("gpu", func(t *testing.T) {
-		rt := gpuRuntime(t)
+		rt := gputest.Runtime(t)
 		body(t, newTestEnv(t, rt, nil))
 	})
 }
@@ -60,31 +61,6 @@ func newTestEnv(t testing.TB, rt cudart.Runtime, soft *cudarttest.Device) testEn
 		}
 	})
 	return testEnv{rt: rt, soft: soft, stream: s}
-}
-
-// gpuRuntime is the real CUDA runtime with at least one device. Without one the test
-// is skipped, unless CUDAPOOL_REQUIRE_GPU=1 says a GPU must be there.
-func gpuRuntime(t testing.TB) cudart.Runtime {
-	t.Helper()
-	require := os.Getenv("CUDAPOOL_REQUIRE_GPU") == "1"
-	rt, err := cudart.Load()
-	if err == nil {
-		var n int
-		if n, err = rt.DeviceCount(); err == nil && n == 0 {
-			err = cudart.ErrNoDevice
-		}
-	}
-	switch {
-	case err == nil:
-		return rt
-	case require:
-		t.Fatalf("CUDAPOOL_REQUIRE_GPU=1 but no GPU: %v", err)
-	case errors.Is(err, cudart.ErrNoRuntime), errors.Is(err, cudart.ErrNoDevice), errors.Is(err, cudart.ErrInsufficientDriver):
-		t.Skipf("no GPU: %v", err)
-	default:
-		t.Fatalf("loading the CUDA runtime: %v", err)
-	}
-	return nil
 }
 
 // mustNew makes a pool that the test closes (forcing it, so that a failed test does

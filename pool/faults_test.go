@@ -30,11 +30,11 @@ func (r *countingRuntime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (c
 // faultyRuntime fails the calls it is told to, and can misalign pointers.
 type faultyRuntime struct {
 	cudart.Runtime
-	mu      sync.Mutex
-	fail    map[string]int // call name -> how many more calls fail
-	shift   cudart.DevicePtr
-	attrs   map[cudart.DeviceAttr]int // device attributes answered instead of the device
-	pools   int // pools created and not destroyed
+	mu    sync.Mutex
+	fail  map[string]int // call name -> how many more calls fail
+	shift cudart.DevicePtr
+	attrs map[cudart.DeviceAttr]int // device attributes answered instead of the device
+	pools int                       // pools created and not destroyed
 }
 
 var errInjected = cudart.NewError("injected", cudart.ErrUnknown)
@@ -245,15 +245,18 @@ func TestReleaseStreamFailure(t *testing.T) {
 	mustFree(t, b, e.stream)
 }
 
-// blockingRuntime holds MallocFromPoolAsync until released.
+// blockingRuntime holds the first MallocFromPoolAsync until released.
 type blockingRuntime struct {
 	cudart.Runtime
 	entered, release chan struct{}
+	blocked          atomic.Bool
 }
 
 func (r *blockingRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
-	r.entered <- struct{}{}
-	<-r.release
+	if r.blocked.CompareAndSwap(false, true) {
+		close(r.entered)
+		<-r.release
+	}
 	return r.Runtime.MallocFromPoolAsync(dev, size, p, s)
 }
 

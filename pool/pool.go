@@ -101,6 +101,7 @@ type Pool struct {
 	relStream cudart.Stream
 
 	closing chan struct{} // closed when Close begins; wakes waiting Allocs
+	closer  chan struct{} // holds a token while a Close runs
 
 	mu     sync.Mutex
 	state  poolState
@@ -123,7 +124,8 @@ type counts struct {
 }
 
 func newPool(rt cudart.Runtime, dev int, handle cudart.MemPool, name string) *Pool {
-	p := &Pool{rt: rt, dev: dev, handle: handle, name: name, gran: 1, gate: newGate(), closing: make(chan struct{})}
+	p := &Pool{rt: rt, dev: dev, handle: handle, name: name, gran: 1, gate: newGate(),
+		closing: make(chan struct{}), closer: make(chan struct{}, 1)}
 	p.live.next, p.live.prev = &p.live, &p.live
 	return p
 }

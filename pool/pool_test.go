@@ -217,7 +217,7 @@ func fill(t testing.TB, p *Pool, s cudart.Stream) []*Buffer {
 	var bufs []*Buffer
 	for {
 		b, err := p.Alloc(context.Background(), p.Granularity(), s)
-		if errors.Is(err, cudart.ErrOutOfMemory) {
+		if errors.Is(err, cudart.ErrOutOfMemory) && len(bufs) > 0 {
 			return bufs
 		}
 		if err != nil {
@@ -481,4 +481,40 @@ func TestIDsAreProcessUnique(t *testing.T) {
 	}
 	mustFree(t, a, 0)
 	mustFree(t, b, 0)
+}
+
+func TestConcurrentCloses(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		p := mustNew(t, e.rt)
+		mustAlloc(t, p, 1, e.stream)
+		mustLease(t, mustAlloc(t, p, 1, e.stream))
+		if _, err := p.ExportHandle(); err != nil {
+			t.Fatal(err)
+		}
+		reports := make(chan CloseReport, 4)
+		errs := make(chan error, cap(reports))
+		for i := 0; i < cap(reports); i++ {
+			go func() {
+				r, err := p.Close(context.Background(), Force())
+				reports <- r
+				errs <- err
+			}()
+		}
+		closed := 0
+		for i := 0; i < cap(reports); i++ {
+			r, err := <-reports, <-errs
+			switch {
+			case err == nil:
+				closed++
+				if r.ReleasedBuffers != 1 || r.AbandonedBuffers != 1 || !r.Destroyed {
+					t.Errorf("Close(Force) = %v; want 1 released, 1 abandoned", r)
+				}
+			case !errors.Is(err, ErrClosed):
+				t.Errorf("concurrent Close(Force): %v", err)
+			}
+		}
+		if closed != 1 {
+			t.Fatalf("%d concurrent Closes succeeded; want 1", closed)
+		}
+	})
 }

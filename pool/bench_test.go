@@ -1,0 +1,110 @@
+package pool
+
+import (
+	"context"
+	"slices"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/gputest"
+)
+
+// BenchmarkMallocFreePair is Pool.Alloc and Pool.Free of the same size on the same
+// stream, from a pool shared as a POSIX fd, on the real runtime. It is named after
+// bench/cref's loop of cudaMallocFromPoolAsync and cudaFreeAsync, which
+// scripts/gpu-check.sh prints beside it, and has its shape: a synchronize every
+// syncEvery pairs, and the median batch's time per pair reported as ns/op.
+func BenchmarkMallocFreePair(b *testing.B) {
+	for _, size := range []struct {
+		name  string
+		bytes uint64
+	}{{"1KiB", 1 << 10}, {"1MiB", 1 << 20}, {"64MiB", 64 << 20}} {
+		b.Run(size.name, func(b *testing.B) {
+			rt := gputest.Runtime(b)
+			e := newTestEnv(b, rt, nil)
+			p := mustNew(b, rt)
+			// The pool reserves its memory once, outside the timing.
+			mustFree(b, mustAlloc(b, p, size.bytes, e.stream), e.stream)
+			benchPairs(b, p, size.bytes, e.stream)
+		})
+	}
+}
+
+// syncEvery is the number of pairs between synchronizes, as in bench/cref.
+const syncEvery = 10000
+
+// benchPairs times Alloc+Free pairs; see BenchmarkMallocFreePair.
+func benchPairs(b *testing.B, p *Pool, size uint64, s cudart.Stream) {
+	ctx := context.Background()
+	var perPair []float64
+	n, start := 0, time.Now()
+	b.ReportAllocs()
+	for b.Loop() {
+		buf, err := p.Alloc(ctx, size, s)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := p.Free(buf, s); err != nil {
+			b.Fatal(err)
+		}
+		if n++; n%syncEvery == 0 {
+			if err := p.rt.StreamSynchronize(p.dev, s); err != nil {
+				b.Fatal(err)
+			}
+			now := time.Now()
+			perPair = append(perPair, float64(now.Sub(start).Nanoseconds())/syncEvery)
+			start = now
+		}
+	}
+	if len(perPair) >= 3 {
+		slices.Sort(perPair)
+		b.ReportMetric(perPair[len(perPair)/2], "ns/op")
+	}
+}
+
+// nullRuntime answers the calls of an Alloc+Free pair at once, so that a benchmark on
+// it times the pool's own bookkeeping. Other calls panic.
+type nullRuntime struct {
+	cudart.Runtime
+	next atomic.Uint64
+}
+
+func (r *nullRuntime) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) { return 0x9, nil }
+func (r *nullRuntime) AllocationGranularity(dev int, ht cudart.HandleType, recommended bool) (uint64, error) {
+	return 2 << 20, nil
+}
+func (r *nullRuntime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) { return 1, nil }
+func (r *nullRuntime) MemPoolDestroy(dev int, p cudart.MemPool) error               { return nil }
+func (r *nullRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
+	return cudart.DevicePtr(r.next.Add(size)), nil
+}
+func (r *nullRuntime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error { return nil }
+func (r *nullRuntime) StreamSynchronize(dev int, s cudart.Stream) error               { return nil }
+
+// BenchmarkBookkeeping times an Alloc+Free pair on a runtime that does nothing: the
+// pool's own cost per pair, serial and from all Ps at once.
+func BenchmarkBookkeeping(b *testing.B) {
+	p, err := New(&nullRuntime{}, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("serial", func(b *testing.B) { benchPairs(b, p, 1<<20, 0) })
+	b.Run("parallel", func(b *testing.B) {
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				buf, err := p.Alloc(context.Background(), 1<<20, 0)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				if err := p.Free(buf, 0); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+	})
+}
