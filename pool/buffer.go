@@ -59,7 +59,12 @@ func (b *Buffer) ID() uint64 { return b.id }
 func (b *Buffer) Pool() *Pool { return b.pool }
 
 // Free is b.Pool().Free(b, s).
-func (b *Buffer) Free(s cudart.Stream) error { return b.pool.Free(b, s) }
+func (b *Buffer) Free(s cudart.Stream) error {
+	if b.pool == nil {
+		return unpooled("free", b)
+	}
+	return b.pool.Free(b, s)
+}
 
 // Shared reports whether the buffer has ever been leased.
 func (b *Buffer) Shared() bool {
@@ -69,7 +74,18 @@ func (b *Buffer) Shared() bool {
 }
 
 func (b *Buffer) String() string {
-	return fmt.Sprintf("buffer %d (%d bytes at %#x on device %d)", b.id, b.size, uintptr(b.ptr), b.pool.dev)
+	switch {
+	case b == nil:
+		return "nil buffer"
+	case b.pool == nil:
+		return "buffer not from a pool"
+	}
+	return fmt.Sprintf("buffer %d (%d bytes at %#x on device %d of pool %q)", b.id, b.size, uintptr(b.ptr), b.pool.dev, b.pool.name)
+}
+
+// unpooled is the error for a Buffer that no pool made (a zero Buffer).
+func unpooled(op string, b *Buffer) error {
+	return fmt.Errorf("pool: %s %v: %w", op, b, ErrForeignBuffer)
 }
 
 // stateError says why a buffer that is not live cannot be used. Call with pool.mu held.
@@ -217,11 +233,8 @@ func (p *Pool) allocWaiting(ctx context.Context, size, reserved uint64, s cudart
 // ErrForeignBuffer, and after Close with ErrClosed; none of them changes anything.
 // If CUDA fails, b stays live and Free may be called again.
 func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
-	if b == nil {
-		return p.errorf("free: %w: nil buffer", ErrForeignBuffer)
-	}
-	if b.pool != p {
-		return p.errorf("free %v: %w %q", b, ErrForeignBuffer, b.pool.name)
+	if b == nil || b.pool != p {
+		return p.errorf("free %v: %w", b, ErrForeignBuffer)
 	}
 	if !p.gate.enter() {
 		return p.closedError(fmt.Sprintf("free %v", b))

@@ -23,6 +23,9 @@ func (l *Lease) Buffer() *Buffer { return l.b }
 // buffer's record, so it cannot be freed while being shared.
 func (b *Buffer) Lease() (*Lease, error) {
 	p := b.pool
+	if p == nil {
+		return nil, unpooled("lease", b)
+	}
 	if p.handleType == cudart.HandleTypeNone {
 		return nil, p.errorf("lease %v: %w", b, ErrNotShareable)
 	}
@@ -62,6 +65,9 @@ func (b *Buffer) Lease() (*Lease, error) {
 // lease is still live and End may be called again. After Close began, End only ends
 // the lease: the buffer has been abandoned and will not be freed.
 func (l *Lease) End(completion cudart.Event) error {
+	if l.b == nil {
+		return fmt.Errorf("pool: end a lease that Buffer.Lease did not make: %w", ErrLeaseEnded)
+	}
 	b := l.b
 	p := b.pool
 	if !p.gate.enter() {
@@ -242,6 +248,9 @@ func (p *Pool) exportHandleLocked() (cudart.ShareableHandle, error) {
 // then on. It fails with ErrNotShareable on a local pool and ErrFreed once b was freed.
 func (b *Buffer) ExportRecord() (cudart.PtrExportData, error) {
 	p := b.pool
+	if p == nil {
+		return cudart.PtrExportData{}, unpooled("export", b)
+	}
 	if p.handleType == cudart.HandleTypeNone {
 		return cudart.PtrExportData{}, p.errorf("export %v: %w", b, ErrNotShareable)
 	}

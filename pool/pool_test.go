@@ -188,7 +188,7 @@ func TestFullPool(t *testing.T) {
 
 func TestWaitingAllocGetsFreedMemory(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(4*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
 		bufs := fill(t, p, e.stream)
 		got := make(chan error, 1)
 		go func() {
@@ -229,7 +229,7 @@ func fill(t testing.TB, p *Pool, s cudart.Stream) []*Buffer {
 
 func TestWaitingAllocCancelled(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(4*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
 		bufs := fill(t, p, e.stream)
 		ctx, cancel := context.WithCancel(context.Background())
 		got := make(chan error, 1)
@@ -347,7 +347,15 @@ func TestMisuseChangesNothing(t *testing.T) {
 
 		wantErr(t, "Free of another pool's buffer", p.Free(theirs, e.stream), ErrForeignBuffer)
 		wantErr(t, "Free of nil", p.Free(nil, e.stream), ErrForeignBuffer)
-		_, err := p.Alloc(context.Background(), 0, e.stream)
+		var zero Buffer
+		wantErr(t, "Pool.Free of a zero Buffer", p.Free(&zero, e.stream), ErrForeignBuffer)
+		wantErr(t, "Free of a zero Buffer", zero.Free(e.stream), ErrForeignBuffer)
+		_, err := zero.Lease()
+		wantErr(t, "Lease of a zero Buffer", err, ErrForeignBuffer)
+		_, err = zero.ExportRecord()
+		wantErr(t, "ExportRecord of a zero Buffer", err, ErrForeignBuffer)
+		wantErr(t, "End of a zero Lease", new(Lease).End(0), ErrLeaseEnded)
+		_, err = p.Alloc(context.Background(), 0, e.stream)
 		wantErr(t, "Alloc(0)", err, ErrZeroSize)
 		_, err = p.Alloc(context.Background(), math.MaxUint64, e.stream)
 		wantErr(t, "Alloc(2^64-1)", err, granularity.ErrOverflow)
