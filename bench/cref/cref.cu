@@ -1,13 +1,31 @@
-// cref is the C reference for cudart's benchmarks: the same CUDA runtime calls in
-// loops of the same shape as cudart/bench_test.go, so that the Go binding's cost can
-// be read as a ratio taken in one run on one host. For each benchmark it prints
+// cref is the C reference of cudapool's benchmarks: the CUDA runtime calls that
+// cudapool makes, in loops of the same shape as cudart/bench_test.go and the Go
+// suite (bench/gosuite), so that what the Go layers cost shows as a ratio taken in
+// one run on one host. It also measures the legacy per-allocation IPC path
+// (cudaMalloc, cudaIpcGetMemHandle, cudaIpcOpenMemHandle, cudaIpcCloseMemHandle) on
+// the same operations, as the suite's "legacy IPC" column.
+//
+// For cudart's benchmarks it prints, as before,
 //
 //	cref NAME NS_PER_OP
 //
 // the median over 15 batches of the time per operation, the batch's closing
-// synchronize included, after one batch untimed to warm up. cudart's benchmarks
-// report the same statistic. Build: nvcc -O2 -cudart shared -o cref cref.cu
+// synchronize included, after one batch untimed to warm up. For the suite
+// (scripts/bench-suite.sh, bench/table.py) every measurement prints
+//
+//	result IMPL OP UNIT MEDIAN P90 N
+//	raw IMPL OP UNIT V1 V2 ...
+//
+// IMPL is c (stream-ordered pools, as cudapool uses them) or legacy; UNIT is us,
+// GB/s or shares/s. Times come from CLOCK_MONOTONIC, which all processes of a host
+// share, and copies are timed with CUDA events.
+//
+// Usage: cref [all|alloc [LABEL]]. "alloc" runs only the allocate+free pairs, and
+// with LABEL names them variant/LABEL/... (scripts/bench-suite.sh runs it under
+// other CPU pinnings). Build: nvcc -O2 -cudart shared -o cref cref.cu
 #include <cuda_runtime.h>
+#include <poll.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +38,7 @@
 	do { \
 		cudaError_t e_ = (call); \
 		if (e_ != cudaSuccess) { \
-			fprintf(stderr, "cref: line %d: %s: %s\n", __LINE__, #call, cudaGetErrorName(e_)); \
+			fprintf(stderr, "cref[%d]: line %d: %s: %s\n", (int)getpid(), __LINE__, #call, cudaGetErrorName(e_)); \
 			exit(1); \
 		} \
 	} while (0)
@@ -33,7 +51,26 @@
 	} while (0)
 
 enum { BATCHES = 15, SYNC_EVERY = 10000, EXPORTS_PER_BATCH = 200, IMPORT_BUFFERS = 1000 };
+// The suite's operations. cudapool rounds every buffer of an exportable pool to the
+// 2 MiB granularity, so the buffers shared here are 2 MiB, in every column.
+enum {
+	CONSUMERS = 7,           // the most consumer processes fan-out uses
+	SUSTAIN_CONSUMERS = 4,   // consumers of the sustained rate
+	SAMPLES = 200,           // timed operations of a per-operation measurement
+	WARMUP = 20,             // untimed operations before them
+	FANOUT_REPS = 50,        // fan-outs per consumer count
+	RING = 64,               // buffers that "already exported" cycles through
+	LEGACY_PAIRS = 100,      // pairs per batch of cudaMalloc+cudaFree, 100x slower
+	LEGACY_IMPORTS = 50,     // handles per batch of cudaIpcOpenMemHandle+Close
+	SUSTAIN_ROUNDS = 5,      // windows of the sustained rate
+	SUSTAIN_MS = 300,        // length of each window
+	READ_COPIES = 20,        // timed copies of the bandwidth measurement
+};
 static const size_t MiB = 1 << 20;
+static const size_t SHARE_SIZE = 2 << 20;
+static const size_t READ_SIZE = (size_t)1 << 30;
+
+static const char *op_prefix = ""; // "variant/LABEL/" for a labelled alloc run
 
 static double now_ns(void) {
 	struct timespec t;
@@ -46,9 +83,33 @@ static int by_value(const void *a, const void *b) {
 	return (x > y) - (x < y);
 }
 
-static void report(const char *name, double per_op[BATCHES]) {
+// summarize prints a measurement's result line (median and 90th percentile of v)
+// and its raw line. v is sorted in place.
+static void summarize(const char *impl, const char *op, const char *unit, double *v, int n) {
+	if (n <= 0) {
+		printf("fail %s %s%s no samples\n", impl, op_prefix, op);
+		fflush(stdout);
+		return;
+	}
+	qsort(v, n, sizeof v[0], by_value);
+	int p90 = (int)(0.9 * (n - 1) + 0.5);
+	printf("result %s %s%s %s %.4f %.4f %d\n", impl, op_prefix, op, unit, v[n / 2], v[p90], n);
+	printf("raw %s %s%s %s", impl, op_prefix, op, unit);
+	for (int i = 0; i < n; i++) printf(" %.4f", v[i]);
+	printf("\n");
+	fflush(stdout);
+}
+
+// report prints a cudart benchmark's line (ns per operation, median of the batches)
+// and, where suite_op is set, the suite's lines in microseconds.
+static void report(const char *name, const char *suite_op, double per_op[BATCHES]) {
 	qsort(per_op, BATCHES, sizeof per_op[0], by_value);
-	printf("cref %s %.1f\n", name, per_op[BATCHES / 2]);
+	if (!*op_prefix) printf("cref %s %.1f\n", name, per_op[BATCHES / 2]);
+	if (suite_op) {
+		double us[BATCHES];
+		for (int i = 0; i < BATCHES; i++) us[i] = per_op[i] / 1e3;
+		summarize("c", suite_op, "us", us, BATCHES);
+	}
 	fflush(stdout);
 }
 
@@ -74,7 +135,7 @@ static cudaStream_t new_stream(void) {
 
 // malloc_free_pair times the pair; with get_device, each call is preceded by the
 // cudaGetDevice that cudart's trampolines make, to tell that cost from cgo's.
-static void malloc_free_pair(const char *name, size_t size, int get_device) {
+static void malloc_free_pair(const char *name, const char *suite_op, size_t size, int get_device) {
 	cudaMemPool_t pool = ipc_pool();
 	cudaStream_t s = new_stream();
 	void *p;
@@ -94,9 +155,28 @@ static void malloc_free_pair(const char *name, size_t size, int get_device) {
 		CHECK(cudaStreamSynchronize(s));
 		if (b >= 0) per_op[b] = (now_ns() - t0) / SYNC_EVERY;
 	}
-	report(name, per_op);
+	report(name, suite_op, per_op);
 	CHECK(cudaStreamDestroy(s));
 	CHECK(cudaMemPoolDestroy(pool));
+}
+
+// legacy_malloc_free_pair is malloc_free_pair's loop on cudaMalloc and cudaFree,
+// the allocator the legacy IPC path needs, in batches of LEGACY_PAIRS.
+static void legacy_malloc_free_pair(const char *suite_op, size_t size) {
+	void *p;
+	CHECK(cudaMalloc(&p, size));
+	CHECK(cudaFree(p));
+	double per_op[BATCHES];
+	for (int b = -1; b < BATCHES; b++) {
+		double t0 = now_ns();
+		for (int i = 0; i < LEGACY_PAIRS; i++) {
+			CHECK(cudaMalloc(&p, size));
+			CHECK(cudaFree(p));
+		}
+		CHECK(cudaDeviceSynchronize());
+		if (b >= 0) per_op[b] = (now_ns() - t0) / LEGACY_PAIRS / 1e3;
+	}
+	summarize("legacy", suite_op, "us", per_op, BATCHES);
 }
 
 static void export_pointer(void) {
@@ -115,7 +195,7 @@ static void export_pointer(void) {
 		for (int i = 0; i < EXPORTS_PER_BATCH; i++) CHECK(cudaMemPoolExportPointer(&data, p));
 		if (b >= 0) per_op[b] = (now_ns() - t0) / EXPORTS_PER_BATCH;
 	}
-	report("ExportPointer", per_op);
+	report("ExportPointer", NULL, per_op);
 	CHECK(cudaFreeAsync(p, s));
 	CHECK(cudaStreamSynchronize(s));
 	CHECK(cudaStreamDestroy(s));
@@ -136,7 +216,7 @@ static void event_record_wait(void) {
 		CHECK(cudaStreamSynchronize(waiter));
 		if (b >= 0) per_op[b] = (now_ns() - t0) / SYNC_EVERY;
 	}
-	report("EventRecordWait", per_op);
+	report("EventRecordWait", NULL, per_op);
 	CHECK(cudaEventDestroy(e));
 	CHECK(cudaStreamDestroy(s));
 	CHECK(cudaStreamDestroy(waiter));
@@ -158,21 +238,7 @@ static void read_all(int sock, void *buf, size_t n) {
 	}
 }
 
-// exporter runs in the child forked before any CUDA call: it sends its pool's fd
-// (SCM_RIGHTS, with one byte), then the export data of IMPORT_BUFFERS buffers of
-// 1 MiB, and exits once the parent says every import is freed.
-static int exporter(int sock) {
-	cudaMemPool_t pool = ipc_pool();
-	cudaStream_t s = new_stream();
-	int fd;
-	CHECK(cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0));
-	static cudaMemPoolPtrExportData data[IMPORT_BUFFERS];
-	for (int i = 0; i < IMPORT_BUFFERS; i++) {
-		void *p;
-		CHECK(cudaMallocFromPoolAsync(&p, MiB, pool, s));
-		CHECK(cudaStreamSynchronize(s));
-		CHECK(cudaMemPoolExportPointer(&data[i], p));
-	}
+static void send_fd(int sock, int fd) {
 	char byte = 'f', control[CMSG_SPACE(sizeof fd)];
 	struct iovec iov = {&byte, 1};
 	struct msghdr msg;
@@ -187,9 +253,6 @@ static int exporter(int sock) {
 	c->cmsg_len = CMSG_LEN(sizeof fd);
 	memcpy(CMSG_DATA(c), &fd, sizeof fd);
 	CHECK_SYS(sendmsg(sock, &msg, 0) == 1, "sendmsg");
-	write_all(sock, data, sizeof data);
-	read_all(sock, &byte, 1);
-	return 0;
 }
 
 static int receive_fd(int sock) {
@@ -207,6 +270,28 @@ static int receive_fd(int sock) {
 	int fd;
 	memcpy(&fd, CMSG_DATA(c), sizeof fd);
 	return fd;
+}
+
+// exporter runs in the child forked before any CUDA call: it sends its pool's fd
+// (SCM_RIGHTS, with one byte), then the export data of IMPORT_BUFFERS buffers of
+// 1 MiB, and exits once the parent says every import is freed.
+static int exporter(int sock) {
+	cudaMemPool_t pool = ipc_pool();
+	cudaStream_t s = new_stream();
+	int fd;
+	CHECK(cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0));
+	static cudaMemPoolPtrExportData data[IMPORT_BUFFERS];
+	for (int i = 0; i < IMPORT_BUFFERS; i++) {
+		void *p;
+		CHECK(cudaMallocFromPoolAsync(&p, MiB, pool, s));
+		CHECK(cudaStreamSynchronize(s));
+		CHECK(cudaMemPoolExportPointer(&data[i], p));
+	}
+	send_fd(sock, fd);
+	write_all(sock, data, sizeof data);
+	char byte;
+	read_all(sock, &byte, 1);
+	return 0;
 }
 
 // import_pointer imports each of the exporter's buffers and frees the import, and
@@ -230,41 +315,606 @@ static void import_pointer(int sock) {
 		CHECK(cudaStreamSynchronize(s));
 		if (b >= 0) per_op[b] = (now_ns() - t0) / IMPORT_BUFFERS;
 	}
-	report("ImportPointer", per_op);
+	report("ImportPointer", "import/pair", per_op);
 	CHECK(cudaStreamDestroy(s));
 	char byte = 'k';
 	write_all(sock, &byte, 1);
 }
 
-int main(void) {
+// ---- The suite's sharing operations, for both the pool route and the legacy one.
+//
+// A share is made by the producer (this process) and taken by consumer processes
+// forked before any CUDA call. Both routes send a 64-byte record: the pool route's
+// cudaMemPoolPtrExportData or the legacy cudaIpcMemHandle_t.
+
+enum kind { POOL, LEGACY };
+static const char *impl_name[] = {"c", "legacy"};
+
+typedef struct { unsigned char b[64]; } record;
+
+// Commands from the producer to a consumer, and what a consumer says while serving
+// one: a request for buffer i (i >= 0), DONE, or RELEASED.
+enum { CMD_OPEN, CMD_RELEASE, CMD_FANOUT, CMD_SUSTAIN, CMD_READ, CMD_LEGACY_PAIRS, CMD_QUIT };
+enum { DONE = -1, RELEASED = -2 };
+typedef struct { int32_t op, kind, dev, n; } command;
+
+// The producer's side of sharing.
+static struct {
+	cudaMemPool_t pool;
+	cudaStream_t stream;
+	cudaEvent_t ready; // recorded after the producer's writes; consumers wait on it
+	int ndev;
+	cudaEvent_t released[CONSUMERS]; // each consumer's release event, opened here
+} prod;
+
+typedef struct { void *ptr; } buffer;
+
+// make_buffer allocates size bytes by kind's route and writes them, and records the
+// ready event after the writes.
+static buffer make_buffer(enum kind k, size_t size) {
+	buffer b;
+	if (k == POOL) CHECK(cudaMallocFromPoolAsync(&b.ptr, size, prod.pool, prod.stream));
+	else CHECK(cudaMalloc(&b.ptr, size));
+	CHECK(cudaMemsetAsync(b.ptr, 0x5a, size, prod.stream));
+	CHECK(cudaEventRecord(prod.ready, prod.stream));
+	return b;
+}
+
+static void drop_buffer(enum kind k, buffer b) {
+	if (k == POOL) CHECK(cudaFreeAsync(b.ptr, prod.stream));
+	else CHECK(cudaFree(b.ptr));
+}
+
+static record export_buffer(enum kind k, buffer b) {
+	record r;
+	if (k == POOL) CHECK(cudaMemPoolExportPointer((cudaMemPoolPtrExportData *)&r, b.ptr));
+	else CHECK(cudaIpcGetMemHandle((cudaIpcMemHandle_t *)&r, b.ptr));
+	return r;
+}
+
+// export_fresh times the export of buffers never exported before.
+static void export_fresh(enum kind k) {
+	static buffer bufs[SAMPLES];
+	double us[SAMPLES];
+	for (int i = 0; i < SAMPLES; i++) bufs[i] = make_buffer(k, SHARE_SIZE);
+	CHECK(cudaStreamSynchronize(prod.stream));
+	for (int i = 0; i < SAMPLES; i++) {
+		double t0 = now_ns();
+		export_buffer(k, bufs[i]);
+		us[i] = (now_ns() - t0) / 1e3;
+	}
+	for (int i = 0; i < SAMPLES; i++) drop_buffer(k, bufs[i]);
+	CHECK(cudaStreamSynchronize(prod.stream));
+	summarize(impl_name[k], "export/fresh", "us", us, SAMPLES);
+}
+
+// The buffers a consumer's requests are answered from: fresh ones are exported when
+// asked for, the others were exported before.
+static struct {
+	enum kind k;
+	int fresh, n;
+	buffer *bufs;
+	record *recs;
+} shared;
+
+static void share(enum kind k, int n, int fresh) {
+	shared.k = k;
+	shared.n = n;
+	shared.fresh = fresh;
+	shared.bufs = (buffer *)calloc(n, sizeof(buffer));
+	shared.recs = (record *)calloc(n, sizeof(record));
+	CHECK_SYS(shared.bufs && shared.recs, "calloc");
+	for (int i = 0; i < n; i++) {
+		shared.bufs[i] = make_buffer(k, SHARE_SIZE);
+		if (!fresh) shared.recs[i] = export_buffer(k, shared.bufs[i]);
+	}
+	CHECK(cudaStreamSynchronize(prod.stream));
+}
+
+// unshare frees the shared buffers; the consumers have freed their imports and
+// synchronized before saying DONE.
+static void unshare(void) {
+	for (int i = 0; i < shared.n; i++) drop_buffer(shared.k, shared.bufs[i]);
+	CHECK(cudaStreamSynchronize(prod.stream));
+	free(shared.bufs);
+	free(shared.recs);
+}
+
+// serve_one answers one message of consumer c: a record for a request, an
+// acknowledgement for a release (after making the producer's stream wait for the
+// consumer's free, as cudapool's exporter does). It returns what the consumer said.
+static int serve_one(int sock, int c) {
+	int32_t said;
+	read_all(sock, &said, sizeof said);
+	if (said >= 0) {
+		int i = said % shared.n;
+		record r = shared.fresh ? export_buffer(shared.k, shared.bufs[i]) : shared.recs[i];
+		write_all(sock, &r, sizeof r);
+	} else if (said == RELEASED) {
+		if (shared.k == POOL) CHECK(cudaStreamWaitEvent(prod.stream, prod.released[c], 0));
+		char ack = 'a';
+		write_all(sock, &ack, 1);
+	}
+	return said;
+}
+
+// serve answers consumer c until it says DONE, then reads its n samples.
+static void serve(int sock, int c, double *samples, int n) {
+	while (serve_one(sock, c) != DONE) {
+	}
+	read_all(sock, samples, n * sizeof samples[0]);
+}
+
+static void send_command(int sock, int op, enum kind k, int dev, int n) {
+	command cmd = {op, (int32_t)k, dev, n};
+	write_all(sock, &cmd, sizeof cmd);
+}
+
+// open_end_to_end: a consumer asks for a buffer, the producer answers with its
+// record (exporting it first if fresh), the consumer imports it and makes its
+// stream wait for the producer's writes; timed in the consumer, from the request to
+// the usable pointer.
+static void open_end_to_end(int sock, enum kind k, int fresh) {
+	share(k, fresh ? WARMUP + SAMPLES : RING, fresh);
+	send_command(sock, CMD_OPEN, k, 0, WARMUP + SAMPLES);
+	double us[WARMUP + SAMPLES];
+	serve(sock, 0, us, WARMUP + SAMPLES);
+	unshare();
+	summarize(impl_name[k], fresh ? "open/first" : "open/exported", "us", us + WARMUP, SAMPLES);
+}
+
+// release_round_trip: the consumer frees its import, records its release event and
+// tells the producer, whose stream waits for that event before it acknowledges;
+// timed in the consumer from the free to the acknowledgement.
+static void release_round_trip(int sock, enum kind k) {
+	share(k, RING, 0);
+	send_command(sock, CMD_RELEASE, k, 0, WARMUP + SAMPLES);
+	double us[WARMUP + SAMPLES];
+	serve(sock, 0, us, WARMUP + SAMPLES);
+	unshare();
+	summarize(impl_name[k], "release", "us", us + WARMUP, SAMPLES);
+}
+
+// fan_out: one fresh buffer to n consumers, from the producer's export to the last
+// consumer's usable pointer (consumers stamp CLOCK_MONOTONIC, which is the host's).
+static void fan_out(const int *socks, int n, enum kind k) {
+	for (int c = 0; c < n; c++) send_command(socks[c], CMD_FANOUT, k, 0, WARMUP + FANOUT_REPS);
+	double us[FANOUT_REPS];
+	for (int rep = 0; rep < WARMUP + FANOUT_REPS; rep++) {
+		buffer b = make_buffer(k, SHARE_SIZE);
+		CHECK(cudaStreamSynchronize(prod.stream));
+		double t0 = now_ns();
+		record r = export_buffer(k, b);
+		for (int c = 0; c < n; c++) write_all(socks[c], &r, sizeof r);
+		double last = t0;
+		for (int c = 0; c < n; c++) {
+			double t;
+			read_all(socks[c], &t, sizeof t);
+			if (t > last) last = t;
+		}
+		for (int c = 0; c < n; c++) { // each consumer has freed its import
+			char ack;
+			read_all(socks[c], &ack, 1);
+		}
+		if (rep >= WARMUP) us[rep - WARMUP] = (last - t0) / 1e3;
+		drop_buffer(k, b);
+	}
+	CHECK(cudaStreamSynchronize(prod.stream));
+	char op[32];
+	snprintf(op, sizeof op, "fanout/%d", n);
+	summarize(impl_name[k], op, "us", us, FANOUT_REPS);
+}
+
+// sustained: SUSTAIN_CONSUMERS consumers each open and release buffers of a ring
+// already exported, as fast as they can, for SUSTAIN_MS; a round's rate is all
+// their shares over the window.
+static void sustained(const int *socks, enum kind k) {
+	share(k, RING, 0);
+	for (int c = 0; c < SUSTAIN_CONSUMERS; c++) send_command(socks[c], CMD_SUSTAIN, k, 0, SUSTAIN_ROUNDS);
+	double rate[SUSTAIN_ROUNDS];
+	for (int round = 0; round < SUSTAIN_ROUNDS; round++) {
+		char go = 'g';
+		for (int c = 0; c < SUSTAIN_CONSUMERS; c++) write_all(socks[c], &go, 1);
+		int running = SUSTAIN_CONSUMERS;
+		double shares = 0;
+		while (running > 0) {
+			struct pollfd fds[SUSTAIN_CONSUMERS];
+			for (int c = 0; c < SUSTAIN_CONSUMERS; c++) {
+				fds[c].fd = socks[c];
+				fds[c].events = POLLIN;
+				fds[c].revents = 0;
+			}
+			CHECK_SYS(poll(fds, SUSTAIN_CONSUMERS, -1) > 0, "poll");
+			for (int c = 0; c < SUSTAIN_CONSUMERS; c++) {
+				if (!(fds[c].revents & (POLLIN | POLLHUP))) continue;
+				if (serve_one(socks[c], c) == DONE) {
+					double count;
+					read_all(socks[c], &count, sizeof count);
+					shares += count;
+					running--;
+				}
+			}
+		}
+		rate[round] = shares / (SUSTAIN_MS / 1e3);
+	}
+	unshare();
+	summarize(impl_name[k], "sustained/4", "shares/s", rate, SUSTAIN_ROUNDS);
+}
+
+// read_imported: a consumer on dev copies an imported 1 GiB buffer into its own
+// memory, each copy timed with events.
+static void read_imported(int sock, enum kind k, int dev) {
+	buffer b = make_buffer(k, READ_SIZE);
+	CHECK(cudaStreamSynchronize(prod.stream));
+	record r = export_buffer(k, b);
+	send_command(sock, CMD_READ, k, dev, READ_COPIES);
+	write_all(sock, &r, sizeof r);
+	double gbs[READ_COPIES];
+	read_all(sock, gbs, sizeof gbs);
+	drop_buffer(k, b);
+	CHECK(cudaStreamSynchronize(prod.stream));
+	summarize(impl_name[k], dev == 0 ? "read/same-gpu" : "read/other-gpu", "GB/s", gbs, READ_COPIES);
+}
+
+// timed_copies copies n bytes from src to dst on s READ_COPIES times after one
+// untimed copy, and returns each copy's rate in GB/s (10^9 bytes, counted once).
+static void timed_copies(void *dst, const void *src, size_t n, cudaStream_t s, double gbs[READ_COPIES]) {
+	cudaEvent_t start, stop;
+	CHECK(cudaEventCreate(&start));
+	CHECK(cudaEventCreate(&stop));
+	CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
+	for (int i = 0; i < READ_COPIES; i++) {
+		CHECK(cudaEventRecord(start, s));
+		CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s));
+		CHECK(cudaEventRecord(stop, s));
+		CHECK(cudaEventSynchronize(stop));
+		float ms;
+		CHECK(cudaEventElapsedTime(&ms, start, stop));
+		gbs[i] = n / (ms / 1e3) / 1e9;
+	}
+	CHECK(cudaEventDestroy(start));
+	CHECK(cudaEventDestroy(stop));
+}
+
+// plain_copy is the baseline of read_imported: a device copy of 1 GiB of plain
+// cudaMalloc memory of device 0 into device dev, in this process, on dev's stream.
+static void plain_copy(int dev) {
+	void *src, *dst;
+	CHECK(cudaSetDevice(0));
+	CHECK(cudaMalloc(&src, READ_SIZE));
+	CHECK(cudaMemset(src, 0x5a, READ_SIZE));
+	CHECK(cudaSetDevice(dev));
+	if (dev != 0) {
+		cudaError_t e = cudaDeviceEnablePeerAccess(0, 0);
+		if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) CHECK(e);
+	}
+	CHECK(cudaMalloc(&dst, READ_SIZE));
+	cudaStream_t s = new_stream();
+	double gbs[READ_COPIES];
+	timed_copies(dst, src, READ_SIZE, s, gbs);
+	CHECK(cudaStreamDestroy(s));
+	CHECK(cudaFree(dst));
+	CHECK(cudaSetDevice(0));
+	CHECK(cudaFree(src));
+	summarize("c", dev == 0 ? "copy/same-gpu" : "copy/other-gpu", "GB/s", gbs, READ_COPIES);
+}
+
+// legacy_import_pairs is import_pointer's loop on the legacy route:
+// cudaIpcOpenMemHandle and cudaIpcCloseMemHandle of LEGACY_IMPORTS buffers a batch.
+static void legacy_import_pairs(int sock) {
+	buffer bufs[LEGACY_IMPORTS];
+	record recs[LEGACY_IMPORTS];
+	for (int i = 0; i < LEGACY_IMPORTS; i++) {
+		bufs[i] = make_buffer(LEGACY, SHARE_SIZE);
+		recs[i] = export_buffer(LEGACY, bufs[i]);
+	}
+	CHECK(cudaStreamSynchronize(prod.stream));
+	send_command(sock, CMD_LEGACY_PAIRS, LEGACY, 0, LEGACY_IMPORTS);
+	write_all(sock, recs, sizeof recs);
+	double us[BATCHES];
+	read_all(sock, us, sizeof us);
+	for (int i = 0; i < LEGACY_IMPORTS; i++) drop_buffer(LEGACY, bufs[i]);
+	summarize("legacy", "import/pair", "us", us, BATCHES);
+}
+
+// ---- The consumer process.
+
+static struct {
+	int sock, ndev;
+	cudaMemPool_t pool; // the producer's, imported
+	cudaEvent_t ready;  // the producer's, opened
+	cudaEvent_t released;
+	cudaStream_t stream[2];
+} cons;
+
+static void *import_record(enum kind k, const record *r) {
+	void *p;
+	if (k == POOL) CHECK(cudaMemPoolImportPointer(&p, cons.pool, (cudaMemPoolPtrExportData *)r));
+	else CHECK(cudaIpcOpenMemHandle(&p, *(const cudaIpcMemHandle_t *)r, cudaIpcMemLazyEnablePeerAccess));
+	return p;
+}
+
+static void free_import(enum kind k, void *p, cudaStream_t s) {
+	if (k == POOL) CHECK(cudaFreeAsync(p, s));
+	else CHECK(cudaIpcCloseMemHandle(p));
+}
+
+// open_record asks the producer for buffer i and returns it imported, usable on s.
+static void *open_record(enum kind k, int32_t i, cudaStream_t s) {
+	record r;
+	write_all(cons.sock, &i, sizeof i);
+	read_all(cons.sock, &r, sizeof r);
+	void *p = import_record(k, &r);
+	CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+	return p;
+}
+
+// release_record frees an import and tells the producer, waiting for its answer.
+static void release_record(enum kind k, void *p, cudaStream_t s) {
+	free_import(k, p, s);
+	if (k == POOL) CHECK(cudaEventRecord(cons.released, s));
+	int32_t said = RELEASED;
+	write_all(cons.sock, &said, sizeof said);
+	char ack;
+	read_all(cons.sock, &ack, 1);
+}
+
+static void say_done(const double *samples, int n) {
+	int32_t said = DONE;
+	write_all(cons.sock, &said, sizeof said);
+	write_all(cons.sock, samples, n * sizeof samples[0]);
+}
+
+static void consume_open(enum kind k, int n) {
+	double *us = (double *)calloc(n, sizeof(double));
+	cudaStream_t s = cons.stream[0];
+	for (int i = 0; i < n; i++) {
+		double t0 = now_ns();
+		void *p = open_record(k, i, s);
+		us[i] = (now_ns() - t0) / 1e3;
+		free_import(k, p, s);
+		// A record imported again while its last free is queued would alias it
+		// (FACTS 4): let the free complete, untimed.
+		CHECK(cudaStreamSynchronize(s));
+	}
+	CHECK(cudaStreamSynchronize(s));
+	say_done(us, n);
+	free(us);
+}
+
+static void consume_release(enum kind k, int n) {
+	double *us = (double *)calloc(n, sizeof(double));
+	cudaStream_t s = cons.stream[0];
+	for (int i = 0; i < n; i++) {
+		CHECK(cudaStreamSynchronize(s)); // the last release's free, untimed
+		void *p = open_record(k, i, s);
+		double t0 = now_ns();
+		release_record(k, p, s);
+		us[i] = (now_ns() - t0) / 1e3;
+	}
+	CHECK(cudaStreamSynchronize(s));
+	say_done(us, n);
+	free(us);
+}
+
+static void consume_fanout(enum kind k, int n) {
+	cudaStream_t s = cons.stream[0];
+	for (int rep = 0; rep < n; rep++) {
+		record r;
+		read_all(cons.sock, &r, sizeof r);
+		void *p = import_record(k, &r);
+		CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+		double t = now_ns();
+		write_all(cons.sock, &t, sizeof t);
+		free_import(k, p, s);
+		CHECK(cudaStreamSynchronize(s));
+		char ack = 'a';
+		write_all(cons.sock, &ack, 1);
+	}
+}
+
+static void consume_sustained(enum kind k, int rounds) {
+	cudaStream_t s = cons.stream[0];
+	for (int round = 0; round < rounds; round++) {
+		char go;
+		read_all(cons.sock, &go, 1);
+		double end = now_ns() + SUSTAIN_MS * 1e6, count = 0;
+		for (int32_t i = 0; now_ns() < end; i++, count++) release_record(k, open_record(k, i, s), s);
+		CHECK(cudaStreamSynchronize(s));
+		say_done(&count, 1);
+	}
+}
+
+static void consume_read(enum kind k, int dev) {
+	record r;
+	read_all(cons.sock, &r, sizeof r);
+	CHECK(cudaSetDevice(dev));
+	if (k == POOL && dev != 0) {
+		cudaMemAccessDesc d;
+		memset(&d, 0, sizeof d);
+		d.location.type = cudaMemLocationTypeDevice;
+		d.location.id = dev;
+		d.flags = cudaMemAccessFlagsProtReadWrite;
+		CHECK(cudaMemPoolSetAccess(cons.pool, &d, 1));
+	}
+	cudaStream_t s = cons.stream[dev];
+	void *src = import_record(k, &r), *dst;
+	CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+	CHECK(cudaMalloc(&dst, READ_SIZE));
+	double gbs[READ_COPIES];
+	timed_copies(dst, src, READ_SIZE, s, gbs);
+	free_import(k, src, s);
+	CHECK(cudaStreamSynchronize(s));
+	CHECK(cudaFree(dst));
+	CHECK(cudaSetDevice(0));
+	write_all(cons.sock, gbs, sizeof gbs);
+}
+
+static void consume_legacy_pairs(int n) {
+	record *recs = (record *)calloc(n, sizeof(record));
+	read_all(cons.sock, recs, n * sizeof(record));
+	double us[BATCHES];
+	for (int b = -1; b < BATCHES; b++) {
+		double t0 = now_ns();
+		for (int i = 0; i < n; i++) free_import(LEGACY, import_record(LEGACY, &recs[i]), cons.stream[0]);
+		if (b >= 0) us[b] = (now_ns() - t0) / n / 1e3;
+	}
+	write_all(cons.sock, us, sizeof us);
+	free(recs);
+}
+
+// consumer runs in a child forked before any CUDA call. It imports the producer's
+// pool and ready event, sends the handle of its own release event, and obeys
+// commands until CMD_QUIT.
+static int consumer(int sock) {
+	cons.sock = sock;
+	int fd = receive_fd(sock);
+	cudaIpcEventHandle_t ready;
+	read_all(sock, &ready, sizeof ready);
+	CHECK(cudaGetDeviceCount(&cons.ndev));
+	CHECK(cudaSetDevice(0));
+	CHECK(cudaMemPoolImportFromShareableHandle(&cons.pool, (void *)(long)fd, cudaMemHandleTypePosixFileDescriptor, 0));
+	close(fd);
+	CHECK(cudaIpcOpenEventHandle(&cons.ready, ready));
+	for (int d = 0; d < cons.ndev && d < 2; d++) {
+		CHECK(cudaSetDevice(d));
+		cons.stream[d] = new_stream();
+	}
+	CHECK(cudaSetDevice(0));
+	CHECK(cudaEventCreateWithFlags(&cons.released, cudaEventInterprocess | cudaEventDisableTiming));
+	cudaIpcEventHandle_t released;
+	CHECK(cudaIpcGetEventHandle(&released, cons.released));
+	write_all(sock, &released, sizeof released);
+	for (;;) {
+		command cmd;
+		read_all(sock, &cmd, sizeof cmd);
+		enum kind k = (enum kind)cmd.kind;
+		switch (cmd.op) {
+		case CMD_OPEN: consume_open(k, cmd.n); break;
+		case CMD_RELEASE: consume_release(k, cmd.n); break;
+		case CMD_FANOUT: consume_fanout(k, cmd.n); break;
+		case CMD_SUSTAIN: consume_sustained(k, cmd.n); break;
+		case CMD_READ: consume_read(k, cmd.dev); break;
+		case CMD_LEGACY_PAIRS: consume_legacy_pairs(cmd.n); break;
+		case CMD_QUIT: return 0;
+		default: fprintf(stderr, "cref: consumer: unknown command %d\n", cmd.op); return 1;
+		}
+	}
+}
+
+// sharing runs the suite's sharing operations on both routes with the consumers
+// at socks, which it then tells to quit.
+static void sharing(const int *socks) {
+	CHECK(cudaGetDeviceCount(&prod.ndev));
+	prod.pool = ipc_pool();
+	prod.stream = new_stream();
+	CHECK(cudaEventCreateWithFlags(&prod.ready, cudaEventInterprocess | cudaEventDisableTiming));
+	int fd;
+	CHECK(cudaMemPoolExportToShareableHandle(&fd, prod.pool, cudaMemHandleTypePosixFileDescriptor, 0));
+	cudaIpcEventHandle_t ready;
+	CHECK(cudaIpcGetEventHandle(&ready, prod.ready));
+	for (int c = 0; c < CONSUMERS; c++) {
+		send_fd(socks[c], fd);
+		write_all(socks[c], &ready, sizeof ready);
+	}
+	close(fd);
+	for (int c = 0; c < CONSUMERS; c++) {
+		cudaIpcEventHandle_t released;
+		read_all(socks[c], &released, sizeof released);
+		CHECK(cudaIpcOpenEventHandle(&prod.released[c], released));
+	}
+
+	for (int k = POOL; k <= LEGACY; k++) export_fresh((enum kind)k);
+	legacy_import_pairs(socks[0]);
+	for (int k = POOL; k <= LEGACY; k++) {
+		open_end_to_end(socks[0], (enum kind)k, 1);
+		open_end_to_end(socks[0], (enum kind)k, 0);
+		release_round_trip(socks[0], (enum kind)k);
+	}
+	static const int fans[] = {1, 2, 4, 7};
+	for (int k = POOL; k <= LEGACY; k++)
+		for (int f = 0; f < 4; f++) fan_out(socks, fans[f], (enum kind)k);
+	for (int k = POOL; k <= LEGACY; k++) sustained(socks, (enum kind)k);
+	for (int dev = 0; dev < prod.ndev && dev < 2; dev++) {
+		plain_copy(dev);
+		for (int k = POOL; k <= LEGACY; k++) read_imported(socks[0], (enum kind)k, dev);
+	}
+	for (int c = 0; c < CONSUMERS; c++) send_command(socks[c], CMD_QUIT, POOL, 0, 0);
+}
+
+static void alloc_pairs(void) {
+	malloc_free_pair("MallocFreePair/1KiB", "alloc/1KiB", 1 << 10, 0);
+	malloc_free_pair("MallocFreePair/1MiB", "alloc/1MiB", MiB, 0);
+	malloc_free_pair("MallocFreePair/64MiB", "alloc/64MiB", 64 * MiB, 0);
+}
+
+// spawn forks a child before any CUDA call (CUDA does not survive a fork) that runs
+// role on its end of a new socket pair, and returns the parent's end.
+// The child closes the parent's ends of earlier children's sockets, so that each
+// child sees its end close when the parent exits, and cannot hang on it.
+static int spawn(int (*role)(int), pid_t *pid) {
+	static int parent_ends[1 + CONSUMERS], spawned;
 	int socks[2];
+	CHECK_SYS(spawned < 1 + CONSUMERS, "spawn: too many children");
 	CHECK_SYS(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0, "socketpair");
-	pid_t child = fork(); // before any CUDA call: CUDA does not survive a fork
-	CHECK_SYS(child >= 0, "fork");
-	if (child == 0) {
+	*pid = fork();
+	CHECK_SYS(*pid >= 0, "fork");
+	if (*pid == 0) {
+		for (int i = 0; i < spawned; i++) close(parent_ends[i]);
 		close(socks[0]);
-		return exporter(socks[1]);
+		exit(role(socks[1]));
 	}
 	close(socks[1]);
+	parent_ends[spawned++] = socks[0];
+	return socks[0];
+}
+
+static int reap(pid_t pid, const char *what) {
+	int status;
+	CHECK_SYS(waitpid(pid, &status, 0) == pid, "waitpid");
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+		fprintf(stderr, "cref: the %s failed (status %#x)\n", what, status);
+		return 1;
+	}
+	return 0;
+}
+
+int main(int argc, char **argv) {
+	const char *mode = argc > 1 ? argv[1] : "all";
+	char prefix[64];
+	if (strcmp(mode, "alloc") == 0) {
+		if (argc > 2) {
+			snprintf(prefix, sizeof prefix, "variant/%s/", argv[2]);
+			op_prefix = prefix;
+		}
+		CHECK(cudaSetDevice(0));
+		alloc_pairs();
+		return 0;
+	}
+	if (strcmp(mode, "all") != 0) {
+		fprintf(stderr, "usage: cref [all|alloc [LABEL]]\n");
+		return 2;
+	}
+	pid_t exporter_pid, consumer_pid[CONSUMERS];
+	int exporter_sock = spawn(exporter, &exporter_pid), socks[CONSUMERS];
+	for (int c = 0; c < CONSUMERS; c++) socks[c] = spawn(consumer, &consumer_pid[c]);
 
 	int runtime = 0, driver = 0;
 	CHECK(cudaRuntimeGetVersion(&runtime));
 	CHECK(cudaDriverGetVersion(&driver));
 	CHECK(cudaSetDevice(0));
 	printf("cref runtime %d driver %d\n", runtime, driver);
-	malloc_free_pair("MallocFreePair/1KiB", 1 << 10, 0);
-	malloc_free_pair("MallocFreePair/1MiB", MiB, 0);
-	malloc_free_pair("MallocFreePair/64MiB", 64 * MiB, 0);
-	malloc_free_pair("MallocFreePairGetDevice/1MiB", MiB, 1);
+	alloc_pairs();
+	malloc_free_pair("MallocFreePairGetDevice/1MiB", NULL, MiB, 1);
 	export_pointer();
-	import_pointer(socks[0]);
+	import_pointer(exporter_sock);
 	event_record_wait();
+	legacy_malloc_free_pair("alloc/1KiB", 1 << 10);
+	legacy_malloc_free_pair("alloc/1MiB", MiB);
+	legacy_malloc_free_pair("alloc/64MiB", 64 * MiB);
+	sharing(socks);
 
-	int status;
-	CHECK_SYS(waitpid(child, &status, 0) == child, "waitpid");
-	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-		fprintf(stderr, "cref: the exporter failed (status %#x)\n", status);
-		return 1;
-	}
-	return 0;
+	int failed = reap(exporter_pid, "exporter");
+	for (int c = 0; c < CONSUMERS; c++) failed |= reap(consumer_pid[c], "consumer");
+	return failed;
 }
