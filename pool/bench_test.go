@@ -108,3 +108,24 @@ func BenchmarkBookkeeping(b *testing.B) {
 		})
 	})
 }
+
+// The pool's bookkeeping allocates nothing per pair beyond the *Buffer itself.
+func TestAllocFreeAllocatesOnlyTheBuffer(t *testing.T) {
+	p, err := New(&nullRuntime{}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	allocs := testing.AllocsPerRun(1000, func() {
+		b, err := p.Alloc(ctx, 1<<20, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Free(b, 0); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if allocs != 1 {
+		t.Fatalf("%v allocations per Alloc+Free pair; want 1", allocs)
+	}
+}

@@ -40,6 +40,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -177,20 +178,11 @@ func checkConfig(cfg *config, device int) ([]int, error) {
 		case d == device:
 			return nil, fmt.Errorf("%w: peer device %d is the pool's own device", ErrInvalidOption, d)
 		}
-		if !contains(peers, d) {
+		if !slices.Contains(peers, d) {
 			peers = append(peers, d)
 		}
 	}
 	return peers, nil
-}
-
-func contains(xs []int, x int) bool {
-	for _, y := range xs {
-		if x == y {
-			return true
-		}
-	}
-	return false
 }
 
 // create asks the device, creates the CUDA pool and configures it. On failure it
