@@ -59,10 +59,12 @@ type CloseOption func(*closeConfig)
 
 type closeConfig struct{ force bool }
 
-// Force makes Close release a pool that still has live buffers. Buffers that
-// importers may still hold (live leases, or a lease ended after Close began) are not
-// freed but abandoned: their memory stays allocated until the process exits, because
-// freeing it before every importer has would break CUDA's rule.
+// Force makes Close release a pool that still has live buffers. It frees them on the
+// pool's release stream (the legacy default stream if it has none), without waiting
+// for work the program queued on them on other streams. Buffers that importers may
+// still hold (live leases, or a lease ended after Close began) are not freed but
+// abandoned: their memory stays allocated until the process exits, because freeing it
+// before every importer has would break CUDA's rule.
 func Force() CloseOption {
 	return func(c *closeConfig) { c.force = true }
 }
