@@ -153,26 +153,61 @@ func (p *Pool) allocOnce(size, reserved uint64, s cudart.Stream) (*Buffer, error
 		return nil, p.closedError(fmt.Sprintf("alloc %d bytes", size))
 	}
 	defer p.gate.leave()
-	ptr, err := p.rt.MallocFromPoolAsync(p.dev, reserved, p.handle, s)
-	if err != nil {
-		if errors.Is(err, cudart.ErrOutOfMemory) {
-			return nil, p.fullError(size, reserved, err)
+	claimed := p.maxSize != 0
+	if claimed {
+		if err := p.claim(size, reserved); err != nil {
+			return nil, err
 		}
-		return nil, p.errorf("alloc %d bytes: %w", reserved, err)
 	}
-	if !granularity.IsAligned(uint64(ptr), p.gran) {
-		err := p.errorf("alloc %d bytes: %w: %#x is %d bytes into a %d-byte granule",
+	ptr, err := p.rt.MallocFromPoolAsync(p.dev, reserved, p.handle, s)
+	if err == nil && !granularity.IsAligned(uint64(ptr), p.gran) {
+		err = p.errorf("alloc %d bytes: %w: %#x is %d bytes into a %d-byte granule",
 			reserved, ErrMisaligned, uintptr(ptr), uint64(ptr)%p.gran, p.gran)
 		if ferr := p.rt.FreeAsync(p.dev, ptr, s); ferr != nil {
-			return nil, errors.Join(err, p.errorf("freeing the misaligned pointer: %w", ferr))
+			err = errors.Join(err, p.errorf("freeing the misaligned pointer: %w", ferr))
+		}
+	} else if err != nil {
+		if errors.Is(err, cudart.ErrOutOfMemory) {
+			err = p.fullError(size, reserved, err)
+		} else {
+			err = p.errorf("alloc %d bytes: %w", reserved, err)
+		}
+	}
+	if err != nil {
+		if claimed {
+			p.mu.Lock()
+			p.counts.bytesPending -= reserved
+			p.mu.Unlock()
 		}
 		return nil, err
 	}
 	b := &Buffer{pool: p, ptr: ptr, size: size, reserved: reserved, id: lastBufferID.Add(1)}
 	p.mu.Lock()
+	if claimed {
+		p.counts.bytesPending -= reserved
+	}
 	p.remember(b)
 	p.mu.Unlock()
 	return b, nil
+}
+
+// claim counts reserved bytes against the pool's max size before the driver is asked.
+// The driver's own cap is looser than the maxSize it was given (on driver 580 a 16 MiB
+// pool handed out nine 2 MiB buffers), so the pool keeps the bound itself: its buffers
+// never hold more than MaxSize bytes. Call inside the gate; allocOnce gives the claim
+// back when the driver answered.
+func (p *Pool) claim(size, reserved uint64) error {
+	p.mu.Lock()
+	held := p.counts.bytesReserved + p.counts.bytesPending
+	fits := held <= p.maxSize && reserved <= p.maxSize-held
+	if fits {
+		p.counts.bytesPending += reserved
+	}
+	p.mu.Unlock()
+	if !fits {
+		return p.fullError(size, reserved, cudart.NewError("cudaMallocFromPoolAsync", cudart.ErrOutOfMemory))
+	}
+	return nil
 }
 
 // fullError says how full the pool is. Call inside the gate.

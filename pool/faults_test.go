@@ -289,3 +289,33 @@ func TestCloseWaitsForCallsInFlight(t *testing.T) {
 		t.Fatalf("Close finishing the forced close = %v, %v; want the in-flight buffer released", report, err)
 	}
 }
+
+// looseCapRuntime creates pools without the max size it is given, as the real driver
+// enforces a looser cap than asked (9 granules from a 16 MiB pool on driver 580).
+type looseCapRuntime struct{ cudart.Runtime }
+
+func (r looseCapRuntime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) {
+	props.MaxSize = 0
+	return r.Runtime.MemPoolCreate(props)
+}
+
+func TestMaxSizeHeldByThePoolWhateverTheDriver(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	p := mustNew(t, looseCapRuntime{d}, WithMaxSize(8*mib))
+	g := p.Granularity()
+	var bufs []*Buffer
+	for uint64(len(bufs))*g < p.MaxSize() {
+		bufs = append(bufs, mustAlloc(t, p, g, e.stream))
+	}
+	_, err := p.Alloc(context.Background(), 1, e.stream)
+	wantErr(t, "Alloc past max size", err, cudart.ErrOutOfMemory)
+	mustFree(t, bufs[0], e.stream)
+	bufs[0] = mustAlloc(t, p, g, e.stream) // the freed granule fits again
+	for _, b := range bufs {
+		mustFree(t, b, e.stream)
+	}
+	if s := mustStats(t, p); s.LiveBuffers != 0 || s.BytesReserved != 0 {
+		t.Fatalf("after freeing everything: %v", s)
+	}
+}

@@ -22,9 +22,11 @@ func WithHandleType(ht cudart.HandleType) Option {
 	return func(c *config) { c.handleType = ht }
 }
 
-// WithMaxSize bounds the memory the pool may reserve. An exportable pool rounds it up
-// to the allocation granularity. 0, the default, leaves the driver's bound: the
-// device's memory.
+// WithMaxSize bounds the memory the pool's buffers may hold. An exportable pool rounds
+// it up to the allocation granularity. The pool keeps the bound itself, since the
+// driver's cap is looser than the maxSize it is given; an Alloc past it fails with
+// cudart.ErrOutOfMemory (or waits, with WithWaitForMemory). 0, the default, leaves the
+// driver's bound: the device's memory.
 func WithMaxSize(bytes uint64) Option {
 	return func(c *config) { c.maxSize = bytes }
 }

@@ -118,6 +118,7 @@ type counts struct {
 	liveBuffers     int
 	bytesRequested  uint64
 	bytesReserved   uint64
+	bytesPending    uint64 // reserved by Allocs still in the driver; counted against maxSize
 	sharedBuffers   int
 	activeLeases    int
 	deferredFrees   int
