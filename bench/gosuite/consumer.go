@@ -1,0 +1,248 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// consumerRole is the first argument that makes this program a consumer:
+//
+//	gosuite consumer KIND SOCKET DEVICE
+//
+// It dials the exporter at SOCKET for DEVICE on runtime KIND (gpu or test), says
+// "ready", and obeys lines on stdin until it closes:
+//
+//	fresh NAME N          Open NAME0..NAME<N-1> (each timed), then Release each: "us T..."
+//	open NAME COUNT N     N times Open NAME<i%COUNT> (timed), Release: "us T..."
+//	release NAME COUNT N  N times Open NAME<i%COUNT>, Release (timed): "us T..."
+//	sustain NAME COUNT MS Open and Release NAME<i%COUNT> for MS ms: "count N"
+//	read NAME N           Open NAME, copy it N times into own memory: "gbs R..."
+//
+// A buffer the exporter pushes is held, "pushed NAME MONOTONIC-NS" said, and
+// released. Times are microseconds.
+const consumerRole = "consumer"
+
+func consumerMain(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite consumer:", err); return 1 }
+	if len(args) != 3 {
+		return fail(errors.New("want KIND SOCKET DEVICE"))
+	}
+	dev, err := strconv.Atoi(args[2])
+	if err != nil {
+		return fail(err)
+	}
+	rt, _, _, err := rtselect.Open(args[0])
+	if err != nil {
+		return fail(err)
+	}
+	ctx := context.Background()
+	s, err := rt.StreamCreate(dev, cudart.StreamNonBlocking)
+	if err != nil {
+		return fail(err)
+	}
+	pushStream, err := rt.StreamCreate(dev, cudart.StreamNonBlocking)
+	if err != nil {
+		return fail(err)
+	}
+	out := &lineWriter{w: os.Stdout}
+	pushed := func(name string, m *export.Mapping) {
+		out.say(fmt.Sprintf("pushed %s %d", name, monotonic()))
+		if err := m.Release(ctx, pushStream); err != nil {
+			fmt.Fprintln(os.Stderr, "gosuite consumer: release of a push:", err)
+		}
+	}
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	imp, err := export.Dial(ctx, args[1], rt, dev, export.WithPushes(pushStream, pushed), export.WithLogger(quiet))
+	if err != nil {
+		return fail(err)
+	}
+	c := &consumerState{rt: rt, dev: dev, imp: imp, s: s}
+	out.say("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		reply, err := c.obey(ctx, strings.Fields(in.Text()))
+		if err != nil {
+			imp.Close(ctx)
+			return fail(fmt.Errorf("%q: %w", in.Text(), err))
+		}
+		out.say(reply)
+	}
+	closeCtx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	if err := imp.Close(closeCtx); err != nil {
+		return fail(err)
+	}
+	if err := rtselect.Err(rt); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// lineWriter writes whole lines from several goroutines (the command loop and the
+// push handler).
+type lineWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (lw *lineWriter) say(line string) {
+	lw.mu.Lock()
+	defer lw.mu.Unlock()
+	fmt.Fprintln(lw.w, line)
+}
+
+type consumerState struct {
+	rt  cudart.Runtime
+	dev int
+	imp *export.Importer
+	s   cudart.Stream
+}
+
+func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
+	if len(f) < 3 {
+		return "", errors.New("too few fields")
+	}
+	nums := make([]int, len(f)-2)
+	for i := range nums {
+		n, err := strconv.Atoi(f[i+2])
+		if err != nil {
+			return "", err
+		}
+		nums[i] = n
+	}
+	name := f[1]
+	switch {
+	case f[0] == "fresh" && len(nums) == 1:
+		return c.fresh(ctx, name, nums[0])
+	case f[0] == "open" && len(nums) == 2:
+		return c.cycle(ctx, name, nums[0], nums[1], false)
+	case f[0] == "release" && len(nums) == 2:
+		return c.cycle(ctx, name, nums[0], nums[1], true)
+	case f[0] == "sustain" && len(nums) == 2:
+		return c.sustain(ctx, name, nums[0], time.Duration(nums[1])*time.Millisecond)
+	case f[0] == "read" && len(nums) == 1:
+		return c.read(ctx, name, nums[0])
+	}
+	return "", errors.New("unknown command")
+}
+
+func samples(word string, v []float64) string {
+	var b strings.Builder
+	b.WriteString(word)
+	for _, x := range v {
+		fmt.Fprintf(&b, " %.4f", x)
+	}
+	return b.String()
+}
+
+func (c *consumerState) fresh(ctx context.Context, name string, n int) (string, error) {
+	us := make([]float64, n)
+	var ms []*export.Mapping
+	defer func() {
+		for _, m := range ms {
+			m.Release(ctx, c.s)
+		}
+	}()
+	for i := range n {
+		start := time.Now()
+		m, err := c.imp.Open(ctx, fmt.Sprint(name, i), c.s)
+		us[i] = micros(time.Since(start))
+		if err != nil {
+			return "", err
+		}
+		ms = append(ms, m)
+	}
+	return samples("us", us), nil
+}
+
+// cycle opens and releases n buffers of a ring, timing the Open or the Release.
+func (c *consumerState) cycle(ctx context.Context, name string, count, n int, timeRelease bool) (string, error) {
+	us := make([]float64, n)
+	for i := range n {
+		start := time.Now()
+		m, err := c.imp.Open(ctx, fmt.Sprint(name, i%count), c.s)
+		if err != nil {
+			return "", err
+		}
+		if !timeRelease {
+			us[i] = micros(time.Since(start))
+		}
+		start = time.Now()
+		err = m.Release(ctx, c.s)
+		if timeRelease {
+			us[i] = micros(time.Since(start))
+		}
+		if err != nil {
+			return "", err
+		}
+	}
+	return samples("us", us), nil
+}
+
+func (c *consumerState) sustain(ctx context.Context, name string, count int, window time.Duration) (string, error) {
+	end := time.Now().Add(window)
+	n := 0
+	for ; time.Now().Before(end); n++ {
+		m, err := c.imp.Open(ctx, fmt.Sprint(name, n%count), c.s)
+		if err != nil {
+			return "", err
+		}
+		if err := m.Release(ctx, c.s); err != nil {
+			return "", err
+		}
+	}
+	return fmt.Sprintf("count %d", n), nil
+}
+
+// read copies the mapping of name into a buffer of a local pool n times after one
+// untimed copy, each copy timed around its synchronize, in GB/s (10^9 bytes, each
+// byte counted once).
+func (c *consumerState) read(ctx context.Context, name string, n int) (string, error) {
+	m, err := c.imp.Open(ctx, name, c.s)
+	if err != nil {
+		return "", err
+	}
+	defer m.Release(ctx, c.s)
+	local, err := pool.New(c.rt, c.dev, pool.WithHandleType(cudart.HandleTypeNone))
+	if err != nil {
+		return "", err
+	}
+	defer local.Close(ctx, pool.Force())
+	dst, err := local.Alloc(ctx, m.Size(), c.s)
+	if err != nil {
+		return "", err
+	}
+	defer dst.Free(c.s)
+	copyOnce := func() error {
+		if err := c.rt.MemcpyDtoDAsync(c.dev, dst.Ptr(), m.Ptr(), m.Size(), c.s); err != nil {
+			return err
+		}
+		return c.rt.StreamSynchronize(c.dev, c.s)
+	}
+	if err := copyOnce(); err != nil {
+		return "", err
+	}
+	gbs := make([]float64, n)
+	for i := range n {
+		start := time.Now()
+		if err := copyOnce(); err != nil {
+			return "", err
+		}
+		gbs[i] = float64(m.Size()) / time.Since(start).Seconds() / 1e9
+	}
+	return samples("gbs", gbs), nil
+}

@@ -1,0 +1,475 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// producer is this process's side of the sharing measurements: a pool on device 0,
+// an exporter, and consumer processes (this program again, in consumerRole).
+type producer struct {
+	rt     cudart.Runtime
+	kind   string // the runtime the consumers load: gpu or test
+	sh     shape
+	pool   *pool.Pool
+	ex     *export.Exporter
+	stream cudart.Stream
+	dir    string
+}
+
+// sharing runs the sharing measurements, each reported on its own, and then
+// closes everything it made.
+func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape) {
+	pr, err := newProducer(rt, kind, sh)
+	if err != nil {
+		r.fail("cudapool", "sharing", err)
+		return
+	}
+	defer pr.close(r)
+
+	r.measure("cudapool", "export/fresh", "us", pr.exportFresh)
+	// One consumer on device 0 for the one-consumer operations, as in cref.
+	c, err := pr.startConsumer(0)
+	if err != nil {
+		r.fail("cudapool", "open/first", err)
+		return
+	}
+	r.measure("cudapool", "open/first", "us", func() ([]float64, error) { return pr.openFirst(c) })
+	r.measure("cudapool", "open/exported", "us", func() ([]float64, error) { return pr.openExported(c) })
+	r.measure("cudapool", "release", "us", func() ([]float64, error) { return pr.release(c) })
+	consumers := []*consumer{c}
+	defer func() {
+		for _, c := range consumers {
+			if err := c.quit(); err != nil {
+				r.fail("cudapool", "consumer", err)
+			}
+		}
+	}()
+	for len(consumers) < max(slices.Max(fanouts), sustainConsumers) {
+		c, err := pr.startConsumer(0)
+		if err != nil {
+			r.fail("cudapool", "fanout", err)
+			return
+		}
+		consumers = append(consumers, c)
+	}
+	for _, n := range fanouts {
+		r.measure("cudapool", fmt.Sprintf("fanout/%d", n), "us", func() ([]float64, error) { return pr.fanOut(consumers[:n]) })
+	}
+	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(consumers[:sustainConsumers]) })
+	r.measure("cudapool", "read/same-gpu", "GB/s", func() ([]float64, error) { return pr.read(c) })
+	n, err := rt.DeviceCount()
+	if err == nil && n < 2 {
+		err = errors.New("one device only")
+	}
+	if err != nil {
+		r.fail("cudapool", "read/other-gpu", err)
+		return
+	}
+	other, err := pr.startConsumer(1)
+	if err != nil {
+		r.fail("cudapool", "read/other-gpu", err)
+		return
+	}
+	consumers = append(consumers, other)
+	r.measure("cudapool", "read/other-gpu", "GB/s", func() ([]float64, error) { return pr.read(other) })
+}
+
+func newProducer(rt cudart.Runtime, kind string, sh shape) (*producer, error) {
+	pr := &producer{rt: rt, kind: kind, sh: sh}
+	var err error
+	if pr.dir, err = os.MkdirTemp("", "gosuite"); err != nil {
+		return nil, err
+	}
+	if pr.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
+		os.RemoveAll(pr.dir)
+		return nil, err
+	}
+	if pr.pool, err = pool.New(rt, 0, pool.WithName("gosuite")); err != nil {
+		rt.StreamDestroy(0, pr.stream)
+		os.RemoveAll(pr.dir)
+		return nil, err
+	}
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	if pr.ex, err = export.Listen(filepath.Join(pr.dir, "x.sock"), rt, export.WithoutAnnounce(), export.WithLogger(quiet)); err != nil {
+		pr.pool.Close(context.Background(), pool.Force())
+		rt.StreamDestroy(0, pr.stream)
+		os.RemoveAll(pr.dir)
+		return nil, err
+	}
+	return pr, nil
+}
+
+func (pr *producer) close(r *reporter) {
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if err := pr.ex.Close(ctx); err != nil {
+		r.fail("cudapool", "close", err)
+	}
+	pr.rt.StreamSynchronize(0, pr.stream)
+	pr.pool.Close(ctx, pool.Force())
+	pr.rt.StreamDestroy(0, pr.stream)
+	os.RemoveAll(pr.dir)
+}
+
+// alloc returns n buffers of size bytes, written on the producer's stream.
+func (pr *producer) alloc(n int, size uint64) ([]*pool.Buffer, error) {
+	var bufs []*pool.Buffer
+	for i := range n {
+		b, err := pr.pool.Alloc(context.Background(), size, pr.stream)
+		if err == nil {
+			err = pr.rt.MemsetAsync(0, b.Ptr(), byte(i), size, pr.stream)
+		}
+		if err != nil {
+			pr.retire("", bufs)
+			return nil, err
+		}
+		bufs = append(bufs, b)
+	}
+	return bufs, nil
+}
+
+// publish publishes bufs as name<i> and returns the time each Publish took.
+func (pr *producer) publish(name string, bufs []*pool.Buffer) ([]time.Duration, error) {
+	took := make([]time.Duration, len(bufs))
+	for i, b := range bufs {
+		start := time.Now()
+		err := pr.ex.Publish(context.Background(), fmt.Sprint(name, i), b, pr.stream)
+		took[i] = time.Since(start)
+		if err != nil {
+			return nil, err
+		}
+	}
+	return took, nil
+}
+
+// retire unpublishes name<i> (when name is set) and frees bufs; a buffer still
+// leased is freed when its leases end.
+func (pr *producer) retire(name string, bufs []*pool.Buffer) error {
+	var errs []error
+	for i, b := range bufs {
+		if name != "" {
+			pr.ex.Unpublish(fmt.Sprint(name, i))
+		}
+		errs = append(errs, b.Free(pr.stream))
+	}
+	return errors.Join(errs...)
+}
+
+// shared publishes n buffers as name<i> for a measurement, and returns the function
+// that retires them.
+func (pr *producer) shared(name string, n int, size uint64) (func() error, error) {
+	bufs, err := pr.alloc(n, size)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := pr.publish(name, bufs); err != nil {
+		pr.retire(name, bufs)
+		return nil, err
+	}
+	return func() error { return pr.retire(name, bufs) }, nil
+}
+
+// exportFresh times Publish of buffers never exported (the pool itself was, by a
+// warm-up Publish): cudapool's export of a fresh buffer.
+func (pr *producer) exportFresh() ([]float64, error) {
+	warm, err := pr.shared("warm", pr.sh.warmup, shareSize)
+	if err != nil {
+		return nil, err
+	}
+	if err := warm(); err != nil {
+		return nil, err
+	}
+	bufs, err := pr.alloc(pr.sh.samples, shareSize)
+	if err != nil {
+		return nil, err
+	}
+	if err := pr.rt.StreamSynchronize(0, pr.stream); err != nil {
+		pr.retire("", bufs)
+		return nil, err
+	}
+	took, err := pr.publish("fresh", bufs)
+	if rerr := pr.retire("fresh", bufs); err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	return durations(took), nil
+}
+
+// openFirst: a buffer never exported is published and opened by the consumer,
+// Publish (timed here) plus Open (timed there) for each buffer.
+func (pr *producer) openFirst(c *consumer) ([]float64, error) {
+	var us []float64
+	const batch = 20 // buffers published before the consumer opens them
+	for done := 0; done < pr.sh.warmup+pr.sh.samples; done += batch {
+		name := fmt.Sprintf("first%d-", done)
+		bufs, err := pr.alloc(batch, shareSize)
+		if err == nil {
+			err = pr.rt.StreamSynchronize(0, pr.stream)
+		}
+		if err != nil {
+			return nil, err
+		}
+		took, err := pr.publish(name, bufs)
+		var opened []float64
+		if err == nil {
+			opened, err = c.ask(fmt.Sprintf("fresh %s %d", name, batch), "us")
+		}
+		if rerr := pr.retire(name, bufs); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return nil, err
+		}
+		if len(opened) != batch {
+			return nil, fmt.Errorf("consumer timed %d opens of %d", len(opened), batch)
+		}
+		for i, d := range took {
+			us = append(us, micros(d)+opened[i])
+		}
+	}
+	return us[pr.sh.warmup:], nil
+}
+
+// openExported: the consumer opens (timed) and releases buffers published before.
+func (pr *producer) openExported(c *consumer) ([]float64, error) {
+	return pr.onRing(c, "open")
+}
+
+// release: the consumer opens and releases (timed) buffers published before.
+func (pr *producer) release(c *consumer) ([]float64, error) {
+	return pr.onRing(c, "release")
+}
+
+func (pr *producer) onRing(c *consumer, verb string) ([]float64, error) {
+	retire, err := pr.shared("ring", pr.sh.ring, shareSize)
+	if err != nil {
+		return nil, err
+	}
+	us, err := c.ask(fmt.Sprintf("%s ring %d %d", verb, pr.sh.ring, pr.sh.warmup+pr.sh.samples), "us")
+	if rerr := retire(); err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	return us[min(pr.sh.warmup, len(us)):], nil
+}
+
+// fanOut: a fresh buffer is published and pushed to every consumer; latency from
+// Publish until the last consumer's push handler holds a usable mapping.
+func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
+	var us []float64
+	for rep := range pr.sh.warmup + pr.sh.fanoutReps {
+		bufs, err := pr.alloc(1, shareSize)
+		if err == nil {
+			err = pr.rt.StreamSynchronize(0, pr.stream)
+		}
+		if err != nil {
+			return nil, err
+		}
+		name := fmt.Sprintf("fan%d-%d-", len(cs), rep)
+		start := monotonic()
+		_, err = pr.publish(name, bufs)
+		for _, c := range cs {
+			if err == nil {
+				err = pr.ex.Push(context.Background(), c.pid, name+"0")
+			}
+		}
+		last := start
+		for _, c := range cs {
+			if err != nil {
+				break
+			}
+			var at []float64
+			at, err = c.await("pushed " + name + "0")
+			if err == nil {
+				last = max(last, int64(at[0]))
+			}
+		}
+		if rerr := pr.retire(name, bufs); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return nil, err
+		}
+		if rep >= pr.sh.warmup {
+			us = append(us, float64(last-start)/1e3)
+		}
+	}
+	return us, nil
+}
+
+// sustained: the consumers open and release buffers published before, each as fast
+// as it can, for a window; a round's rate is all their shares over the window.
+func (pr *producer) sustained(cs []*consumer) ([]float64, error) {
+	retire, err := pr.shared("sus", pr.sh.ring, shareSize)
+	if err != nil {
+		return nil, err
+	}
+	defer retire()
+	var rates []float64
+	for range pr.sh.rounds {
+		for _, c := range cs {
+			if err := c.say(fmt.Sprintf("sustain sus %d %d", pr.sh.ring, pr.sh.window.Milliseconds())); err != nil {
+				return nil, err
+			}
+		}
+		total := 0.0
+		for _, c := range cs {
+			n, err := c.await("count")
+			if err != nil {
+				return nil, err
+			}
+			total += n[0]
+		}
+		rates = append(rates, total/pr.sh.window.Seconds())
+	}
+	return rates, retire()
+}
+
+// read: the consumer copies an imported buffer into its own memory, each copy
+// timed on the host around a synchronize (cudart has no timing events).
+func (pr *producer) read(c *consumer) ([]float64, error) {
+	retire, err := pr.shared("big", 1, pr.sh.readSize)
+	if err != nil {
+		return nil, err
+	}
+	gbs, err := c.ask(fmt.Sprintf("read big0 %d", pr.sh.copies), "gbs")
+	if rerr := retire(); err == nil {
+		err = rerr
+	}
+	return gbs, err
+}
+
+func durations(ds []time.Duration) []float64 {
+	us := make([]float64, len(ds))
+	for i, d := range ds {
+		us[i] = micros(d)
+	}
+	return us
+}
+
+// consumer is a consumer process, driven by lines on its stdin; its stdout lines
+// are read by a goroutine, so that every wait has a hang guard.
+type consumer struct {
+	cmd   *exec.Cmd
+	pid   int
+	in    io.WriteCloser
+	lines chan string
+}
+
+func (pr *producer) startConsumer(dev int) (*consumer, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, consumerRole, pr.kind, pr.ex.Addr(), strconv.Itoa(dev))
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	c := &consumer{cmd: cmd, pid: cmd.Process.Pid, in: in, lines: make(chan string, 16)}
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			c.lines <- sc.Text()
+		}
+		close(c.lines)
+	}()
+	if _, err := c.await("ready"); err != nil {
+		c.kill()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *consumer) say(line string) error {
+	_, err := io.WriteString(c.in, line+"\n")
+	return err
+}
+
+// await waits for the consumer's next line, which must start with want, and
+// returns the numbers after it.
+func (c *consumer) await(want string) ([]float64, error) {
+	select {
+	case line, ok := <-c.lines:
+		if !ok {
+			return nil, fmt.Errorf("consumer %d ended before saying %q", c.pid, want)
+		}
+		rest, found := strings.CutPrefix(line, want)
+		if !found {
+			return nil, fmt.Errorf("consumer %d said %q, want %q", c.pid, line, want)
+		}
+		var v []float64
+		for _, f := range strings.Fields(rest) {
+			x, err := strconv.ParseFloat(f, 64)
+			if err != nil {
+				return nil, fmt.Errorf("consumer %d said %q: %v", c.pid, line, err)
+			}
+			v = append(v, x)
+		}
+		return v, nil
+	case <-time.After(opTimeout):
+		return nil, fmt.Errorf("consumer %d said nothing for %v (want %q)", c.pid, opTimeout, want)
+	}
+}
+
+func (c *consumer) ask(cmd, want string) ([]float64, error) {
+	if err := c.say(cmd); err != nil {
+		return nil, err
+	}
+	return c.await(want)
+}
+
+// quit tells the consumer to close its importer and waits for it to exit.
+func (c *consumer) quit() error {
+	c.in.Close()
+	go func() { // lines no one waits for must not block the consumer's exit
+		for range c.lines {
+		}
+	}()
+	done := make(chan error, 1)
+	go func() { done <- c.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("consumer %d: %w", c.pid, err)
+		}
+		return nil
+	case <-time.After(opTimeout):
+		c.kill()
+		return fmt.Errorf("consumer %d did not exit", c.pid)
+	}
+}
+
+func (c *consumer) kill() {
+	c.cmd.Process.Kill()
+	c.cmd.Wait()
+}
