@@ -1,9 +1,8 @@
 // Package peercred owns the identification of the process at the other end of a Unix
 // socket: its pid, uid and gid as the kernel recorded them when it connected, which no
-// peer can forge (SO_PEERCRED on Linux).
+// peer can forge (SO_PEERCRED on Linux), and a handle on that process that tells when
+// it has exited, bound to the process rather than to its pid (a pidfd on Linux).
 package peercred
-
-import "errors"
 
 // Cred is what the kernel knows of a connected peer.
 type Cred struct {
@@ -11,7 +10,3 @@ type Cred struct {
 	UID uint32
 	GID uint32
 }
-
-// ErrUnsupported means this operating system offers no peer credentials that cudapool
-// reads; no peer can be identified, so none should be admitted.
-var ErrUnsupported = errors.New("peercred: peer credentials are not supported on this system")
