@@ -420,6 +420,8 @@ def device_count(c):
 
 def main():
     shape = QUICK if "--quick" in sys.argv[1:] else FULL
+    # cuda.core checks that IPC objects travel to spawned processes only.
+    mp.set_start_method("spawn", force=True)
     print("# cudacore: cuda.core %s, Python %s" % (version(), sys.version.split()[0]), flush=True)
     try:
         c = api()

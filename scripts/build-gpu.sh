@@ -2,7 +2,8 @@
 # build-gpu.sh runs where Go is, and builds what scripts/gpu-check.sh runs on a GPU
 # host that has no Go: bin/gpu/<package>.test for every package with tests (listed,
 # with the package's folder, in bin/gpu/tests.txt, as a test binary runs in its
-# package's folder), and the commands under cmd/ and examples/ when there are any.
+# package's folder), and the commands under cmd/, examples/ and bench/ (the
+# benchmark suite's bin/gpu/gosuite) when there are any, each gzipped.
 # It builds every package it can, and exits non-zero if any build failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ while read -r pkg dir; do
 	fi
 done < <(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}' ./...)
 
-mains=$(go list -f '{{if eq .Name "main"}}{{.ImportPath}}{{end}}' ./cmd/... ./examples/... 2>/dev/null)
+mains=$(go list -f '{{if eq .Name "main"}}{{.ImportPath}}{{end}}' ./cmd/... ./examples/... ./bench/... 2>/dev/null)
 if [ -n "$mains" ]; then
 	# shellcheck disable=SC2086 # one argument per package
 	if go build "${flags[@]}" -o "$out/" $mains; then
@@ -41,5 +42,10 @@ if [ -n "$mains" ]; then
 		failed=1
 	fi
 fi
+# What travels to the GPU host is capped (64 MiB with the working tree), and Go
+# binaries shrink to about 40% in gzip: they travel compressed, and gpu-check.sh
+# and bench-suite.sh unpack them there.
+gzip -6 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f -perm -u+x ! -name '*.test')
+go version >"$out/go-version.txt"
 du -sh "$out"
 exit $failed

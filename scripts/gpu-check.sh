@@ -8,7 +8,8 @@
 # binary PASS or FAIL, and each benchmark's Go ns/op beside C's and their ratio.
 # It exits non-zero if anything failed. It changes no GPU setting.
 #
-# Environment: BENCHTIME (default 1s) and BENCHCOUNT (default 3) for the Go
+# Environment: BENCH=0 runs the tests alone (scripts/gpu-run.sh runs the benchmark
+# suite after them instead); BENCHTIME (default 1s) and BENCHCOUNT (default 3) for the Go
 # benchmarks, whose ns/op is the median of the counts; TEST_TIMEOUT (default 90s) per
 # test binary; TESTS_BUDGET (default 200) seconds after which no further test binary
 # starts (it is reported NOT-RUN), and BENCH_BUDGET (default 330) the same for
@@ -20,6 +21,7 @@ root=$PWD
 bin=$root/bin/gpu
 benchtime=${BENCHTIME:-1s}
 benchcount=${BENCHCOUNT:-3}
+run_benches=${BENCH:-1}
 test_timeout=${TEST_TIMEOUT:-90s}
 tests_budget=${TESTS_BUDGET:-180}
 bench_budget=${BENCH_BUDGET:-300}
@@ -30,6 +32,11 @@ export CUDAPOOL_REQUIRE_GPU=1
 failed=0
 results=()
 
+# build-gpu.sh gzips the binaries for the journey; unpack them once.
+for z in "$bin"/*.gz; do
+	[ -e "$z" ] || continue
+	gunzip -f "$z" && chmod +x "${z%.gz}" || { echo "cannot unpack $z" >&2; exit 2; }
+done
 if [ ! -s "$bin/tests.txt" ]; then
 	echo "gpu-check: no $bin/tests.txt; run scripts/build-gpu.sh first" >&2
 	exit 2
@@ -80,7 +87,9 @@ creflog=$logs/cref.txt
 run_cref() {
 	echo "== C reference: run $1 ${pin[*]}"
 	[ -n "$cref" ] || return
-	if "${pin[@]}" "$cref" | tee -a "$creflog"; then
+	# Only cref's own lines: its suite lines (result, raw) are bench-suite.sh's.
+	if "${pin[@]}" "$cref" >"$logs/cref-$1.txt"; then
+		grep '^cref ' "$logs/cref-$1.txt" | tee -a "$creflog"
 		results+=("cref-$1 PASS")
 	else
 		results+=("cref-$1 FAIL")
@@ -88,6 +97,7 @@ run_cref() {
 	fi
 }
 
+if [ "$run_benches" = 1 ]; then
 run_cref 1
 echo "== benchmarks (benchtime $benchtime, count $benchcount)"
 benchlog=$logs/bench.txt
@@ -113,10 +123,12 @@ while read -r name dir; do
 done <"$bin/tests.txt"
 
 run_cref 2
+fi
 
 echo
 echo "== summary (${SECONDS}s)"
 printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
+if [ "$run_benches" = 1 ]; then
 echo
 # Go lines: "PKG NAME-PROCS N NS ns/op [LATE late-ns/op] ..."; C lines: "cref NAME NS".
 # Each Go figure is the median over the counts; C's is the mean of the two runs. A
@@ -153,6 +165,7 @@ awk '
 			printf "%-8s %-28s %9s %9s %9.1f %6s  %s\n", "cref", name, "-", "-", csum[name] / cn[name], "-", cruns[name]
 	}
 ' "$creflog" "$benchlog"
+fi
 if [ -n "${OUT:-}" ]; then
 	tar czf "$OUT/gpu-check-logs.tgz" -C /tmp gpu-check
 fi

@@ -238,15 +238,23 @@ static void read_all(int sock, void *buf, size_t n) {
 	}
 }
 
+// fd_message makes msg a message of the one byte at byte, with room at control
+// (n bytes) for one descriptor.
+static void fd_message(struct msghdr *msg, struct iovec *iov, char *byte, char *control, size_t n) {
+	iov->iov_base = byte;
+	iov->iov_len = 1;
+	memset(msg, 0, sizeof *msg);
+	msg->msg_iov = iov;
+	msg->msg_iovlen = 1;
+	msg->msg_control = control;
+	msg->msg_controllen = n;
+}
+
 static void send_fd(int sock, int fd) {
 	char byte = 'f', control[CMSG_SPACE(sizeof fd)];
-	struct iovec iov = {&byte, 1};
+	struct iovec iov;
 	struct msghdr msg;
-	memset(&msg, 0, sizeof msg);
-	msg.msg_iov = &iov;
-	msg.msg_iovlen = 1;
-	msg.msg_control = control;
-	msg.msg_controllen = sizeof control;
+	fd_message(&msg, &iov, &byte, control, sizeof control);
 	struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
 	c->cmsg_level = SOL_SOCKET;
 	c->cmsg_type = SCM_RIGHTS;
@@ -257,13 +265,9 @@ static void send_fd(int sock, int fd) {
 
 static int receive_fd(int sock) {
 	char byte, control[CMSG_SPACE(sizeof(int))];
-	struct iovec iov = {&byte, 1};
+	struct iovec iov;
 	struct msghdr msg;
-	memset(&msg, 0, sizeof msg);
-	msg.msg_iov = &iov;
-	msg.msg_iovlen = 1;
-	msg.msg_control = control;
-	msg.msg_controllen = sizeof control;
+	fd_message(&msg, &iov, &byte, control, sizeof control);
 	CHECK_SYS(recvmsg(sock, &msg, 0) == 1, "recvmsg");
 	struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
 	CHECK_SYS(c && c->cmsg_type == SCM_RIGHTS, "recvmsg: no descriptor");
