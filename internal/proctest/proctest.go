@@ -1,6 +1,7 @@
 // Package proctest owns cudapool's multi-process test harness: a test binary re-executes
 // itself as a child in a named role, so tests exchange real file descriptors over real
-// sockets between real processes.
+// sockets between real processes, and drives each child step by step with lines on its
+// stdin and stdout.
 package proctest
 
 import (

@@ -1,0 +1,48 @@
+package proctest
+
+import (
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+func TestMain(m *testing.M) {
+	Main(m, map[string]func([]string) int{"echo": echoRole})
+}
+
+// echoRole says "ready ARGS", then answers each command with "echo COMMAND"; the command
+// "fail" makes it exit with status 3.
+func echoRole(args []string) int {
+	fmt.Println("ready", strings.Join(args, " "))
+	for line := range Commands() {
+		if line == "fail" {
+			return 3
+		}
+		fmt.Println("echo", line)
+	}
+	return 0
+}
+
+func TestChildLineProtocol(t *testing.T) {
+	c := Start(t, "echo", "a", "b")
+	c.Expect("ready a b")
+	c.Send("one")
+	c.Send("two")
+	if got := c.Next(); got != "echo one" {
+		t.Fatalf("Next = %q, want %q", got, "echo one")
+	}
+	c.Expect("echo two")
+	c.Finish()
+}
+
+func TestChildExitStatus(t *testing.T) {
+	c := Start(t, "echo")
+	c.Expect("ready ")
+	c.Send("fail")
+	var exit *exec.ExitError
+	if err := c.Wait(); !errors.As(err, &exit) || exit.ExitCode() != 3 {
+		t.Fatalf("Wait = %v, want exit status 3", err)
+	}
+}
