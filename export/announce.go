@@ -61,6 +61,9 @@ type Announcement struct {
 	Socket  string    `json:"socket"`
 	Name    string    `json:"name"`
 	Started time.Time `json:"started"`
+	// Path is the announcement file, set by Discover, never written: what a tool
+	// removes once the exporter is dead, or names when the file is unreadable.
+	Path string `json:"-"`
 	// Live is set by Discover, never written: the process exists and its socket
 	// accepts connections.
 	Live bool `json:"-"`
@@ -92,11 +95,11 @@ func announce(dir string, a Announcement) (string, error) {
 	return path, nil
 }
 
-// Discover lists the exporters announced in dir, ordered by pid. Each is marked Live
-// only if its process exists and its socket accepts a connection; any other, or one
-// that could not be checked, is marked dead with the reason, never live. A file that is
-// not a readable announcement is listed with PID 0 and the reason in Dead. A missing
-// dir lists nothing.
+// Discover lists the exporters announced in dir, ordered by pid, each with the Path of
+// its file. Each is marked Live only if its process exists and its socket accepts a
+// connection; any other, or one that could not be checked, is marked dead with the
+// reason, never live. A file that is not a readable announcement is listed with PID 0
+// and the reason in Dead. A missing dir lists nothing.
 func Discover(dir string) ([]Announcement, error) {
 	entries, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -127,8 +130,9 @@ func readAnnouncement(path string) Announcement {
 		err = fmt.Errorf("pid %d", a.PID)
 	}
 	if err != nil {
-		return Announcement{Socket: a.Socket, Dead: fmt.Sprintf("unreadable announcement %s: %v", path, err)}
+		return Announcement{Socket: a.Socket, Path: path, Dead: fmt.Sprintf("unreadable announcement %s: %v", path, err)}
 	}
+	a.Path = path
 	a.Dead = liveness(a)
 	a.Live = a.Dead == ""
 	return a

@@ -157,6 +157,11 @@ func TestAnnounceAndDiscover(t *testing.T) {
 	if len(found) != 4 {
 		t.Fatalf("Discover found %d, want 4: %+v", len(found), found)
 	}
+	for _, a := range found {
+		if a.PID != 0 && a.Path != filepath.Join(dir, fmt.Sprint(a.PID)+".json") || a.PID == 0 && a.Path != filepath.Join(dir, "junk.json") {
+			t.Errorf("announcement %+v: Path %q is not its file", a, a.Path)
+		}
+	}
 	if a := byName["unit"]; !a.Live || a.PID != os.Getpid() || a.Socket != path {
 		t.Fatalf("own announcement %+v, want live with our pid and socket", a)
 	}
