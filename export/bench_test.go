@@ -1,7 +1,6 @@
 package export
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -53,9 +53,8 @@ func roleBenchConsumer(args []string) int {
 		return fail(err)
 	}
 	defer imp.Close(ctx)
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		f := strings.Fields(in.Text())
+	for line := range proctest.Commands() {
+		f := strings.Fields(line)
 		if len(f) == 0 {
 			continue
 		}
@@ -72,7 +71,7 @@ func roleBenchConsumer(args []string) int {
 		case "read":
 			spent, err = benchRead(ctx, rt, dev, imp, s, f[1], num(2))
 		default:
-			err = fmt.Errorf("unknown command %q", in.Text())
+			err = fmt.Errorf("unknown command %q", line)
 		}
 		if err != nil {
 			return fail(err)
@@ -175,7 +174,7 @@ type benchEnv struct {
 	pool   *pool.Pool
 	ex     *Exporter
 	stream cudart.Stream
-	kid    *child
+	kid    *proctest.Child
 }
 
 func newBenchEnv(b *testing.B) *benchEnv {
@@ -204,9 +203,9 @@ func newBenchEnv(b *testing.B) *benchEnv {
 	if onGPU {
 		kind = "gpu"
 	}
-	e.kid = startChild(b, "bench-consumer", kind, path, strconv.Itoa(min(1, n-1)))
+	e.kid = proctest.Start(b, "bench-consumer", kind, path, strconv.Itoa(min(1, n-1)))
 	b.Cleanup(func() {
-		e.kid.wait()
+		e.kid.Finish()
 		ctx := context.Background()
 		if err := e.ex.Close(ctx); err != nil {
 			b.Error(err)
@@ -257,10 +256,11 @@ func (e *benchEnv) retire(b *testing.B, name string, from int, bufs []*pool.Buff
 // ask sends a command to the consumer and returns the nanoseconds it reports.
 func (e *benchEnv) ask(b *testing.B, cmd string) time.Duration {
 	b.Helper()
-	e.kid.say(cmd)
-	ns, err := strconv.ParseInt(strings.TrimPrefix(e.kid.expect("ns "), "ns "), 10, 64)
-	if err != nil {
-		b.Fatal(err)
+	e.kid.Send(cmd)
+	reply := e.kid.Next()
+	ns, err := strconv.ParseInt(strings.TrimPrefix(reply, "ns "), 10, 64)
+	if err != nil || !strings.HasPrefix(reply, "ns ") {
+		b.Fatalf("consumer answered %q to %q: %v", reply, cmd, err)
 	}
 	return time.Duration(ns)
 }

@@ -55,10 +55,17 @@
 //
 // # Faults
 //
-// A consumer that dies, even by SIGKILL, closes its socket: the exporter ends its
-// leases, and frees that waited for them proceed. A producer that dies leaves its
-// consumers' mappings readable (FACTS 7) until they release them: Open then fails with
-// ErrExporterGone, while Release and Close succeed, as there is no one left to tell.
+// A consumer that dies, even by SIGKILL, closes its socket while its process may still
+// be exiting, with work on the GPU. The exporter holds a handle on each consumer's
+// process (a pidfd, opened at the handshake) and ends the leases of a connection lost
+// without Bye only once that process has exited (a zombie not yet reaped has); then the
+// frees that waited for them proceed. Where the process cannot be watched (a peer on a
+// byte stream, a kernel without pidfds, a process gone before its handshake ended) the
+// leases end when the connection closes, and the log says why.
+//
+// A producer that dies leaves its consumers' mappings readable (FACTS 7) until they
+// release them: Open then fails with ErrExporterGone, while Release and Close succeed,
+// as there is no one left to tell.
 //
 // # FABRIC
 //
@@ -77,9 +84,15 @@
 // exported pool; make a pool per domain.
 //
 // Release mappings before the process exits. A mapping a live process never releases
-// holds its lease, and with it the buffer, until the Importer closes or the exporter
-// notices the connection close. Importer.Close frees what is still mapped without
-// ordering the frees after your streams: release first.
+// holds its lease, and with it the buffer, until the Importer closes or the process
+// exits. Importer.Close frees what is still mapped without ordering the frees after
+// your streams: release first.
+//
+// A consumer whose connection ends without Bye while it lives on (it closed the socket
+// without Importer.Close, or the exporter cut it for a protocol violation) keeps its
+// leases until its process exits: its imports are still mapped, so that is the only
+// safe choice. State shows such a peer as awaiting its exit, and Exporter.Close waits
+// for its leases like any others, until its context ends.
 //
 // Exporter.Close waits for consumers to release until its context ends; leases still
 // held then are ended as of their consumers' last release, and a consumer that keeps
@@ -91,6 +104,6 @@
 //
 // An exporter waits for a consumer's free through an event of the consumer's process.
 // On the real driver an IPC event of a process that died mid-record may never
-// complete; the exporter therefore trusts a closed connection to mean a dead process
-// and stops waiting for it.
+// complete; the exporter therefore ends a dead consumer's leases without waiting on
+// its event, once the process has exited.
 package export

@@ -264,7 +264,7 @@ func (ex *Exporter) Push(ctx context.Context, pid int, name string) error {
 	pub := ex.pubs[name]
 	var targets []*peer
 	for p := range ex.peers {
-		if p.cred != nil && p.cred.PID == pid {
+		if p.cred != nil && p.cred.PID == pid && p.takesLeases() {
 			targets = append(targets, p)
 		}
 	}
@@ -328,7 +328,7 @@ func (ex *Exporter) poke() {
 	}
 }
 
-// PeerInfo describes one connected peer.
+// PeerInfo describes one peer that takes leases.
 type PeerInfo struct {
 	PID int
 	UID uint32
@@ -342,14 +342,22 @@ type PeerInfo struct {
 	Leases, Grants int
 	BytesLeased    uint64
 	ConnectedSince time.Time
+	// AwaitingExit is set for a peer whose connection was lost without Bye while its
+	// process lives on: it may still map what it holds, so its leases are kept until
+	// the process exits.
+	AwaitingExit bool
 }
 
-// Peers lists the connected peers.
+// Peers lists the peers that take leases: the connected ones and those awaiting their
+// process's exit. Connections made for State alone (QueryState's, cmd/poolstat's) hold
+// nothing and are left out.
 func (ex *Exporter) Peers() []PeerInfo {
 	ex.mu.Lock()
 	peers := make([]*peer, 0, len(ex.peers))
 	for p := range ex.peers {
-		peers = append(peers, p)
+		if p.takesLeases() {
+			peers = append(peers, p)
+		}
 	}
 	ex.mu.Unlock()
 	out := make([]PeerInfo, 0, len(peers))
@@ -361,11 +369,11 @@ func (ex *Exporter) Peers() []PeerInfo {
 
 // Close stops accepting connections, removes the socket and the announcement, and
 // tells every peer that no more buffers can be opened. It then waits, until ctx ends,
-// for the peers to release what they hold, closes every connection and destroys the
-// events it made. Leases still held when ctx ends are ended as of the peers' last
-// release and reported in the error: a peer that still reads such a buffer may see it
-// reused. Close leaves the pools alone: they are the caller's. A second Close returns
-// ErrClosed.
+// for the peers to release what they hold (and for the processes of peers lost without
+// Bye to exit), closes every connection and destroys the events it made. Leases still
+// held when ctx ends are ended as of the peers' last release and reported in the
+// error: a peer that still reads such a buffer may see it reused. Close leaves the
+// pools alone: they are the caller's. A second Close returns ErrClosed.
 func (ex *Exporter) Close(ctx context.Context) error {
 	ex.mu.Lock()
 	if ex.closed {
@@ -430,7 +438,11 @@ func (ex *Exporter) waitReleased(ctx context.Context) error {
 	for {
 		var held []string
 		for _, p := range ex.peerList() {
-			if i := p.info(); i.Leases > 0 {
+			i := p.info()
+			switch {
+			case i.Leases > 0 && i.AwaitingExit:
+				held = append(held, fmt.Sprintf("pid %d, its connection lost but its process alive, holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))
+			case i.Leases > 0:
 				held = append(held, fmt.Sprintf("pid %d holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))
 			}
 		}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/gputest"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -19,8 +20,8 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 	rt := gputest.Devices(t, 2)
 	const size = 256 << 20
 	path := filepath.Join(shortDir(t), "g.sock")
-	k := startChild(t, "producer", "gpu", path, "default", fmt.Sprintf("big=%d:161", size))
-	k.expect("ready")
+	k := proctest.Start(t, "producer", "gpu", path, "default", fmt.Sprintf("big=%d:161", size))
+	k.Expect("ready")
 	ctx := testCtx(t)
 	s, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
 	if err != nil {
@@ -61,10 +62,10 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 	if err := m.Release(ctx, s); err != nil {
 		t.Fatal(err)
 	}
-	k.say("free big")
-	k.expect("freed")
-	k.say(fmt.Sprintf("refill %d 178", size))
-	k.expect("refilled")
+	k.Send("free big")
+	k.Expect("freed")
+	k.Send(fmt.Sprintf("refill %d 178", size))
+	k.Expect("refilled")
 	if err := rt.MemcpyDtoHAsync(1, got, dst.Ptr(), s); err != nil {
 		t.Fatal(err)
 	}
@@ -72,13 +73,13 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 		t.Fatal("a copy queued before Release saw the producer's later writes: release was not ordered")
 	}
 	dst.Free(s)
-	k.say("stats")
-	if got := k.expect("stats"); got != "stats 1 0 0" {
+	k.Send("stats")
+	if got := k.Next(); got != "stats 1 0 0" {
 		t.Fatalf("producer %q, want the refilled buffer only, no lease, no deferred free", got)
 	}
 	if err := imp.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	k.say("quit")
-	k.wait()
+	k.Send("quit")
+	k.Finish()
 }

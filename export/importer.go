@@ -133,7 +133,7 @@ func dial(ctx context.Context, path string, rt cudart.Runtime, device int, o opt
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
-			return nil, fmt.Errorf("%w: nothing listens at %s: %v", ErrExporterGone, path, err)
+			return nil, fmt.Errorf("%w: nothing listens at %s: %w", ErrExporterGone, path, err)
 		}
 		return nil, fmt.Errorf("export: dial %s: %w", path, err)
 	}

@@ -3,9 +3,12 @@ package export
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -24,8 +27,8 @@ func TestPolicyRefusesWithReason(t *testing.T) {
 	if _, err := QueryState(testCtx(t), pr.path); !errors.Is(err, ErrRefused) {
 		t.Fatalf("QueryState = %v, want ErrRefused: the same policy applies", err)
 	}
-	if !strings.Contains(pr.log.String(), "not admitted") {
-		t.Fatalf("refusal not logged:\n%s", pr.log.String())
+	if !strings.Contains(pr.log.String(), "level=WARN msg=\"export: connection not admitted\"") {
+		t.Fatalf("refusal not logged as a warning:\n%s", pr.log.String())
 	}
 	if n := len(pr.ex.Peers()); n != 0 {
 		t.Fatalf("%d peers after refusals", n)
@@ -65,15 +68,10 @@ func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
 	if len(st.Published) != 1 || st.Published[0].Name != "a" || st.Published[0].Size != 3<<20 {
 		t.Fatalf("published %+v", st.Published)
 	}
-	// The consumer, and QueryState's own connection, which takes no leases.
-	var leasing *PeerState
-	for i, p := range st.Peers {
-		if p.Device != "" {
-			leasing = &st.Peers[i]
-		}
-	}
-	if len(st.Peers) != 2 || leasing == nil || leasing.Leases != 1 || leasing.BytesLeased != 3<<20 || leasing.Device != c.imp.devUUID.String() {
-		t.Fatalf("peers %+v", st.Peers)
+	// The consumer; QueryState's own connection, which takes no leases, is left out.
+	if len(st.Peers) != 1 || st.Peers[0].Leases != 1 || st.Peers[0].BytesLeased != 3<<20 ||
+		st.Peers[0].Device != c.imp.devUUID.String() || st.Peers[0].AwaitingExit {
+		t.Fatalf("peers %+v, want the consumer alone", st.Peers)
 	}
 	m.Release(testCtx(t), c.stream)
 }
@@ -278,37 +276,95 @@ func TestSecondImporterToOneExporterIsRefused(t *testing.T) {
 	imp.Close(testCtx(t))
 }
 
+// Dial says why nothing answers, as the error the system gave: a socket file nobody
+// serves refuses the connection, a missing one does not exist.
 func TestDialNothingListening(t *testing.T) {
 	s := newSide(t, 0)
-	_, err := Dial(testCtx(t), shortDir(t)+"/none.sock", s.dev, 0)
-	if !errors.Is(err, ErrExporterGone) {
-		t.Fatalf("Dial of a missing socket = %v, want ErrExporterGone", err)
+	dir := shortDir(t)
+	_, err := Dial(testCtx(t), dir+"/none.sock", s.dev, 0)
+	if !errors.Is(err, ErrExporterGone) || !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: dir + "/dead.sock", Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.SetUnlinkOnClose(false)
+	l.Close()
+	_, err = Dial(testCtx(t), dir+"/dead.sock", s.dev, 0)
+	if !errors.Is(err, ErrExporterGone) || !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
 	}
 }
 
-// A consumer that vanishes without a word (its process killed): the exporter ends its
-// leases, the deferred free proceeds and the pool is back where it was.
-func TestConsumerCrashEndsItsLeases(t *testing.T) {
+// A liveness probe (Discover's) connects and hangs up without a word: that is logged
+// for debugging only, not as a warning.
+func TestProbeIsNotAWarning(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	if live, err := socketAnswers(pr.path); !live || err != nil {
+		t.Fatalf("socketAnswers = %v, %v; want a live socket", live, err)
+	}
+	waitFor(t, "the probe to be logged", func() bool { return strings.Contains(pr.log.String(), "not admitted") })
+	if log := pr.log.String(); !strings.Contains(log, "level=DEBUG msg=\"export: connection not admitted\"") || strings.Contains(log, "level=WARN") {
+		t.Fatalf("probe logged as more than debugging:\n%s", log)
+	}
+}
+
+// A consumer that closes its connection without Bye but lives on (here, the test's own
+// process) may still map what it holds: its lease, and the free waiting on it, stay
+// until its process exits, and no new lease reaches it. Close, whose ctx ends first,
+// reports the lease and ends it.
+func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	before, _ := pr.pool.Stats()
 	b := pr.publish(t, "a", 1<<20, 1)
+	pr.publish(t, "b", 1<<20, 2)
 	c := newConsumer(t, pr.path, 0)
-	if _, err := c.imp.Open(testCtx(t), "a", c.stream); err != nil {
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "a", c.stream)
+	if err != nil {
 		t.Fatal(err)
 	}
 	if err := b.Free(pr.stream); err != nil {
 		t.Fatal(err)
 	}
-	// The process dies: the driver drops its imports, the kernel closes its socket.
-	c.dev.Close()
 	c.imp.c.close()
-	waitFor(t, "the dead peer's leases to end", func() bool { return len(pr.ex.Peers()) == 0 })
-	after, _ := pr.pool.Stats()
-	if after.LiveBuffers != before.LiveBuffers || after.ActiveLeases != 0 || after.DeferredFrees != 0 || after.UsedCurrent != before.UsedCurrent {
-		t.Fatalf("pool after the crash %+v, before %+v", after, before)
+	waitFor(t, "the exporter to see the hang-up", func() bool {
+		ps := pr.ex.Peers()
+		return len(ps) == 0 || ps[0].AwaitingExit
+	})
+	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
+		t.Fatalf("pool after a live consumer hung up: %+v, want its lease and the free waiting", s)
 	}
-	if !strings.Contains(pr.log.String(), "without Bye") {
-		t.Fatalf("crash not logged:\n%s", pr.log.String())
+	if got := c.read(t, m); !allAre(got, 1) {
+		t.Fatal("the mapping of a consumer that hung up changed")
+	}
+	pr.checkClean(t)
+	if st, err := pr.ex.State(); err != nil || len(st.Peers) != 1 || !st.Peers[0].AwaitingExit || st.Peers[0].Leases != 1 {
+		t.Fatalf("State peers %+v, %v; want the consumer awaiting its exit with its lease", st.Peers, err)
+	}
+	if !strings.Contains(pr.log.String(), "held until its process exits") {
+		t.Fatalf("the held leases are not logged:\n%s", pr.log.String())
+	}
+	if err := pr.ex.Push(ctx, os.Getpid(), "b"); !errors.Is(err, ErrNoPeer) {
+		t.Fatalf("Push to a consumer that hung up = %v, want ErrNoPeer", err)
+	}
+
+	// The consumer releases, but cannot tell the exporter any more; the exporter sees
+	// nothing either, as the process lives on. Close, with its ctx ended, names the
+	// lease and ends it as of the consumer's last release, which covers this one.
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatalf("Release after hanging up = %v, want nil: there is no one to tell", err)
+	}
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	err = pr.ex.Close(ended)
+	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d, its connection lost but its process alive, holds 1 leases", os.Getpid())) {
+		t.Fatalf("Close = %v, want the lost consumer's lease reported", err)
+	}
+	after, _ := pr.pool.Stats()
+	if after.ActiveLeases != 0 || after.DeferredFrees != 0 || after.LiveBuffers != before.LiveBuffers+1 {
+		t.Fatalf("pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
 	}
 	pr.checkClean(t)
 }

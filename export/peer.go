@@ -26,6 +26,15 @@ type peer struct {
 	hello hello
 	since time.Time
 
+	// proc is the peer's process, opened at admission, whose exit ends the leases of a
+	// connection lost without Bye; nil for a peer that takes no leases or is on a byte
+	// stream, or where it could not be opened (procErr says why).
+	proc    *peercred.Process
+	procErr error
+	// exitWait bounds the wait for proc's exit; stopExitWait (Close) ends it.
+	exitWait     context.Context
+	stopExitWait context.CancelFunc
+
 	poolMu sync.Mutex // held while a pool's handle is sent, so it goes once and first
 	sent   map[*pool.Pool]bool
 
@@ -40,6 +49,11 @@ type peer struct {
 	bye bool
 	// closing: the exporter is shutting this connection.
 	closing bool
+	// awaitingExit: the connection was lost without Bye while the process lives on,
+	// still mapping what it holds; its leases end when it exits.
+	awaitingExit bool
+	// left: cleanup has run; a lease granted now would never be ended.
+	left bool
 }
 
 // grant is one lease id given to a connection: one pool lease per Open or Push that
@@ -73,7 +87,49 @@ func (ex *Exporter) servePeer(nc net.Conn) {
 	if reason != nil {
 		ex.log.Warn("export: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
+	p.c.close()
+	if p.lost() {
+		clean = p.awaitExit(clean)
+	}
 	p.cleanup(clean)
+}
+
+// lost reports whether the peer's connection ended without Bye, and not because the
+// exporter is closing, while it still holds leases: nothing says its imports are gone.
+func (p *peer) lost() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.bye && !p.closing && len(p.leases) > 0
+}
+
+// awaitExit keeps a lost peer's leases until its process has exited: until then the
+// process may still map and read what it holds. It returns cleanup's clean: false once
+// the process has exited (its imports went with it), true when Close stopped the wait
+// (Close ends leases as of the peer's last release). For a process that cannot be
+// watched it returns the connection's own verdict, clean, and logs why.
+func (p *peer) awaitExit(clean bool) bool {
+	if p.proc == nil {
+		p.ex.log.Warn("export: cannot watch the process of a peer lost without Bye; ending its leases now",
+			"pid", p.pid(), "err", p.procErr)
+		return clean
+	}
+	p.mu.Lock()
+	p.awaitingExit = true
+	leases := len(p.leases)
+	p.mu.Unlock()
+	p.ex.log.Info("export: peer lost without Bye; its leases are held until its process exits",
+		"pid", p.pid(), "leases", leases)
+	err := p.proc.Wait(p.exitWait)
+	switch {
+	case err == nil:
+		p.ex.log.Info("export: lost peer's process exited; ending its leases", "pid", p.pid(), "leases", leases)
+		return false
+	case p.exitWait.Err() != nil:
+		return true
+	}
+	p.ex.log.Warn("export: cannot wait for the process of a peer lost without Bye; ending its leases now",
+		"pid", p.pid(), "err", err)
+	return clean
 }
 
 // handshake reads the peer's Hello, applies the policy and answers Welcome or
@@ -88,6 +144,7 @@ func (ex *Exporter) handshake(nc net.Conn) (*peer, error) {
 	nc.SetDeadline(time.Now().Add(ex.opts.handshake))
 	p := &peer{ex: ex, c: c, since: time.Now(), sent: map[*pool.Pool]bool{},
 		leases: map[uint64]*grant{}, byBuffer: map[*pool.Buffer]*grant{}, release: map[int]cudart.Event{}}
+	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
 	if c.uc != nil {
 		cred, err := peercred.Get(c.uc)
 		if err != nil {
@@ -129,6 +186,15 @@ func (ex *Exporter) handshake(nc net.Conn) (*peer, error) {
 	}
 	ex.peers[p] = struct{}{}
 	ex.mu.Unlock()
+	switch {
+	case !p.takesLeases():
+	case p.remote():
+		p.procErr = errors.New("a peer on a byte stream has no process on this host")
+	default:
+		// Opened while the peer is connected, so that it names the process that
+		// connected even if that pid is reused later.
+		p.proc, p.procErr = peercred.OpenProcess(p.cred.PID)
+	}
 	if err := c.send(context.Background(), &welcome{Version: ProtocolVersion, PID: uint32(os.Getpid()), Devices: ex.devices[:min(len(ex.devices), maxDevices)]}, -1); err != nil {
 		p.cleanup(false)
 		return nil, err
@@ -158,8 +224,9 @@ func (p *peer) serve() (reason error, clean bool) {
 			case bye || closing:
 				return nil, true
 			case errors.Is(err, io.EOF):
-				// Without Bye the peer exited or crashed: its imports are gone with it.
-				return errors.New("connection closed without Bye; ending its leases"), false
+				// Without Bye the peer exited, crashed or hung up; which, its process
+				// tells (awaitExit).
+				return errors.New("connection closed without Bye"), false
 			case errors.Is(err, ErrProtocol):
 				return err, true
 			}
@@ -233,6 +300,10 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 	msg.ReqID = reqID
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.left || p.awaitingExit {
+		pl.End(0) // the Lease message was not sent, so nothing was imported
+		return lease{}, fmt.Errorf("%w: pid %d's connection is gone", ErrNoPeer, p.pid())
+	}
 	g := p.byBuffer[b]
 	if g == nil {
 		p.issued++
@@ -405,16 +476,22 @@ func (p *peer) end(g *grant, ls []*pool.Lease, completion cudart.Event) error {
 }
 
 // cleanup ends what the peer still holds once its connection is over, and forgets it.
-// clean: the peer is alive or said Bye, so its release event covers what it freed;
-// otherwise the peer is dead and its imports went with it, so nothing is waited for.
+// clean: the peer said Bye or the exporter is closing, so its release event covers what
+// it freed; otherwise its process is gone and its imports with it, so nothing is
+// waited for.
 func (p *peer) cleanup(clean bool) {
 	p.c.close()
+	p.stopExitWait()
+	if p.proc != nil {
+		p.proc.Close()
+	}
 	p.mu.Lock()
 	grants := make([]*grant, 0, len(p.leases))
 	for _, g := range p.leases {
 		grants = append(grants, g)
 	}
 	p.leases, p.byBuffer = map[uint64]*grant{}, map[*pool.Buffer]*grant{}
+	p.left = true
 	release := p.release
 	p.release = map[int]cudart.Event{}
 	p.mu.Unlock()
@@ -438,12 +515,14 @@ func (p *peer) cleanup(clean bool) {
 	p.ex.poke()
 }
 
-// shut closes the connection from the exporter's side; serve then returns.
+// shut closes the connection from the exporter's side; serve then returns, and so does
+// a wait for a lost peer's exit.
 func (p *peer) shut() {
 	p.mu.Lock()
 	p.closing = true
 	p.mu.Unlock()
 	p.c.close()
+	p.stopExitWait()
 }
 
 func (p *peer) info() PeerInfo {
@@ -456,6 +535,7 @@ func (p *peer) info() PeerInfo {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	i.AwaitingExit = p.awaitingExit
 	for _, g := range p.leases {
 		i.Leases++
 		i.Grants += len(g.held)

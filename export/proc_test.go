@@ -1,12 +1,11 @@
 package export
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,9 +14,12 @@ import (
 	"syscall"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -26,6 +28,7 @@ func TestMain(m *testing.M) {
 		"producer":       roleProducer,
 		"consumer":       roleConsumer,
 		"bench-consumer": roleBenchConsumer,
+		"connector":      roleConnector,
 	})
 }
 
@@ -107,9 +110,8 @@ func roleProducer(args []string) int {
 		bufs[name] = b
 	}
 	fmt.Println("ready")
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		f := strings.Fields(in.Text())
+	for line := range proctest.Commands() {
+		f := strings.Fields(line)
 		switch {
 		case len(f) == 2 && f[0] == "free":
 			if err := bufs[f[1]].Free(stream); err != nil {
@@ -145,7 +147,7 @@ func roleProducer(args []string) int {
 			}
 			return 0
 		default:
-			return fail(fmt.Errorf("unknown command %q", in.Text()))
+			return fail(fmt.Errorf("unknown command %q", line))
 		}
 	}
 	return 0
@@ -154,7 +156,9 @@ func roleProducer(args []string) int {
 // roleConsumer: consumer KIND SOCKET DEVICE NAME FILL MODE
 // It opens NAME on DEVICE, checks every byte is FILL and then, for MODE "release",
 // releases, closes and says "ok"; for MODE "hold" says "holding" and waits to be
-// killed.
+// killed, obeying stdin meanwhile:
+//
+//	hang-up  close the connection without Bye, keeping the mapping; say "hung up"
 func roleConsumer(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "consumer:", err); return 1 }
 	if len(args) != 6 {
@@ -189,7 +193,13 @@ func roleConsumer(args []string) int {
 	}
 	if args[5] == "hold" {
 		fmt.Println("holding")
-		io.Copy(io.Discard, os.Stdin)
+		for line := range proctest.Commands() {
+			if line != "hang-up" {
+				return fail(fmt.Errorf("unknown command %q", line))
+			}
+			imp.c.close()
+			fmt.Println("hung up")
+		}
 		return 0
 	}
 	if err := m.Release(ctx, stream); err != nil {
@@ -205,64 +215,28 @@ func roleConsumer(args []string) int {
 	return 0
 }
 
-// child is a started role with its stdin and stdout lines at hand.
-type child struct {
-	t   testing.TB
-	cmd *exec.Cmd
-	in  io.WriteCloser
-	out *bufio.Scanner
-}
-
-func startChild(t testing.TB, role string, args ...string) *child {
-	t.Helper()
-	cmd := proctest.Command(t, role, args...)
-	in, err := cmd.StdinPipe()
+// roleConnector: connector SOCKET
+// It connects to SOCKET, passes the connection to its parent over the Unix socket at
+// descriptor 3, and exits: the exporter then serves a connection whose process is
+// gone.
+func roleConnector(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "connector:", err); return 1 }
+	nc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: args[0], Net: "unix"})
 	if err != nil {
-		t.Fatal(err)
+		return fail(err)
 	}
-	out, err := cmd.StdoutPipe()
+	parent, err := net.FileConn(os.NewFile(3, "parent"))
 	if err != nil {
-		t.Fatal(err)
+		return fail(err)
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	f, err := nc.File()
+	if err != nil {
+		return fail(err)
 	}
-	return &child{t: t, cmd: cmd, in: in, out: bufio.NewScanner(out)}
-}
-
-// expect reads the child's next line and checks that it begins with want.
-func (c *child) expect(want string) string {
-	c.t.Helper()
-	if !c.out.Scan() {
-		c.t.Fatalf("child %s ended before saying %q: %v", c.cmd.Args[1:], want, c.cmd.Wait())
+	if err := unixfd.Send(parent.(*net.UnixConn), []byte{1}, int(f.Fd())); err != nil {
+		return fail(err)
 	}
-	line := c.out.Text()
-	if !strings.HasPrefix(line, want) {
-		c.t.Fatalf("child said %q, want %q", line, want)
-	}
-	return line
-}
-
-func (c *child) say(line string) {
-	c.t.Helper()
-	if _, err := io.WriteString(c.in, line+"\n"); err != nil {
-		c.t.Fatal(err)
-	}
-}
-
-// wait waits for the child to exit and fails the test unless it exited 0.
-func (c *child) wait() {
-	c.t.Helper()
-	c.in.Close()
-	if err := c.cmd.Wait(); err != nil {
-		c.t.Fatalf("child %v: %v", c.cmd.Args[1:], err)
-	}
-}
-
-func (c *child) kill() {
-	c.t.Helper()
-	c.cmd.Process.Signal(syscall.SIGKILL)
-	c.cmd.Wait()
+	return 0
 }
 
 // Real processes, real sockets, real descriptors: a producer here and several
@@ -271,13 +245,13 @@ func TestProcessesShareBuffers(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 0x0a)
 	pr.publish(t, "b", 3<<20, 0x0b)
-	var kids []*child
+	var kids []*proctest.Child
 	for _, spec := range []struct{ dev, name, fill string }{{"0", "a", "10"}, {"1", "a", "10"}, {"1", "b", "11"}, {"0", "b", "11"}} {
-		kids = append(kids, startChild(t, "consumer", "test", pr.path, spec.dev, spec.name, spec.fill, "release"))
+		kids = append(kids, proctest.Start(t, "consumer", "test", pr.path, spec.dev, spec.name, spec.fill, "release"))
 	}
 	for _, k := range kids {
-		k.expect("ok")
-		k.wait()
+		k.Expect("ok")
+		k.Finish()
 	}
 	waitFor(t, "the consumers to leave", func() bool { return len(pr.ex.Peers()) == 0 })
 	if n := pr.activeLeases(t); n != 0 {
@@ -286,42 +260,171 @@ func TestProcessesShareBuffers(t *testing.T) {
 	pr.checkClean(t)
 }
 
-// SIGKILL a consumer mid-lease: the exporter sees the socket close, ends its lease,
-// and the free the producer asked for meanwhile proceeds.
-func TestProcessConsumerKilled(t *testing.T) {
+// killedBySIGKILL fails the test unless reaping k shows it was killed by SIGKILL: then
+// nothing reaped it before.
+func killedBySIGKILL(t *testing.T, k *proctest.Child) {
+	t.Helper()
+	var exit *exec.ExitError
+	if err := k.Wait(); !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("reaping the killed child: %v, want killed by SIGKILL", err)
+	}
+}
+
+// poolBackTo fails the test unless pr's pool holds what it held when it showed before:
+// no lease, no free waiting, the same buffers and bytes.
+func (pr *producer) poolBackTo(t *testing.T, before pool.Stats) {
+	t.Helper()
+	after, _ := pr.pool.Stats()
+	if after.LiveBuffers != before.LiveBuffers || after.DeferredFrees != 0 || after.ActiveLeases != 0 || after.UsedCurrent != before.UsedCurrent {
+		t.Fatalf("pool %+v, before %+v", after, before)
+	}
+}
+
+// freeWaitingOnChild publishes a buffer, has a consumer child hold it, and frees it: the
+// free waits for the child's lease. It returns the producer, its pool's figures from
+// before the buffer, and the child.
+func freeWaitingOnChild(t *testing.T) (*producer, pool.Stats, *proctest.Child) {
+	t.Helper()
 	pr := newProducer(t, nil, nil)
 	before, _ := pr.pool.Stats()
 	b := pr.publish(t, "a", 1<<20, 0x0a)
-	k := startChild(t, "consumer", "test", pr.path, "1", "a", "10", "hold")
-	k.expect("holding")
+	k := proctest.Start(t, "consumer", "test", pr.path, "1", "a", "10", "hold")
+	k.Expect("holding")
 	if err := b.Free(pr.stream); err != nil {
 		t.Fatal(err)
 	}
-	if s, _ := pr.pool.Stats(); s.DeferredFrees != 1 {
+	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
 		t.Fatalf("free of a leased buffer not deferred: %+v", s)
 	}
-	k.kill()
+	return pr, before, k
+}
+
+// SIGKILL a consumer mid-lease: its socket closes while it is still exiting; once it
+// has exited, a zombie its parent (this test) has not reaped yet, the exporter ends its
+// lease and the free the producer asked for meanwhile proceeds, never while the
+// consumer might still map the buffer.
+func TestProcessConsumerKilled(t *testing.T) {
+	pr, before, k := freeWaitingOnChild(t)
+	k.Kill()
 	waitFor(t, "the killed consumer's lease to end", func() bool { return len(pr.ex.Peers()) == 0 })
-	after, _ := pr.pool.Stats()
-	if after.LiveBuffers != before.LiveBuffers || after.DeferredFrees != 0 || after.ActiveLeases != 0 || after.UsedCurrent != before.UsedCurrent {
-		t.Fatalf("pool after the kill %+v, before %+v", after, before)
+	killedBySIGKILL(t, k)
+	pr.poolBackTo(t, before)
+	pr.checkClean(t)
+}
+
+// A consumer that hangs up without Bye and lives on still maps what it holds: its
+// lease, and the producer's free waiting on it, last until it is killed and has exited,
+// and Close waits for that. (When the exporter ended leases as soon as a connection
+// closed, this freed the buffer at the hang-up, and the software device saw memory
+// freed while a live process had it imported: what a SIGKILLed consumer risks in the
+// moment between its socket closing and its exit.)
+func TestProcessLostConsumerKeepsLeasesUntilExit(t *testing.T) {
+	pr, before, k := freeWaitingOnChild(t)
+	k.Send("hang-up")
+	k.Expect("hung up")
+	waitFor(t, "the exporter to see the hang-up", func() bool {
+		return len(pr.ex.Peers()) == 0 || strings.Contains(pr.log.String(), "held until its process exits")
+	})
+	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
+		t.Fatalf("after a live consumer hung up the pool shows %+v, want its lease held and the free waiting", s)
 	}
 	pr.checkClean(t)
+	if ps := pr.ex.Peers(); len(ps) != 1 || ps[0].PID != k.PID() || !ps[0].AwaitingExit || ps[0].Leases != 1 {
+		t.Fatalf("peers %+v, want pid %d awaiting its exit with its lease", ps, k.PID())
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- pr.ex.Close(testCtx(t)) }()
+	k.Kill()
+	if err := <-closed; err != nil {
+		t.Fatalf("Close = %v, want nil: the lease ended when the consumer exited", err)
+	}
+	killedBySIGKILL(t, k)
+	if !strings.Contains(pr.log.String(), "process exited; ending its leases") {
+		t.Fatalf("the exit is not logged:\n%s", pr.log.String())
+	}
+	pr.poolBackTo(t, before)
+	pr.checkClean(t)
+}
+
+// A connection whose process is gone before its handshake (it passed the socket on and
+// exited) cannot be watched: its leases end when it closes, and the log says why.
+func TestProcessGoneBeforeHandshake(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	before, _ := pr.pool.Stats()
+	b := pr.publish(t, "a", 1<<20, 0x0a)
+	nc := connectionOfAReapedChild(t, pr.path)
+	s := newSide(t, 0)
+	ctx := testCtx(t)
+	imp, err := DialConn(ctx, nc, s.dev, 0, WithLogger(discardLogger))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := imp.Open(ctx, "a", s.stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Free(pr.stream); err != nil {
+		t.Fatal(err)
+	}
+	// This side dies too: the driver drops its imports, the kernel closes its socket.
+	s.dev.Close()
+	imp.c.close()
+	waitFor(t, "the lease to end", func() bool { return len(pr.ex.Peers()) == 0 })
+	if log := pr.log.String(); !strings.Contains(log, "cannot watch the process") || !strings.Contains(log, "no such process") {
+		t.Fatalf("the log does not say why the leases ended at once:\n%s", log)
+	}
+	pr.poolBackTo(t, before)
+	pr.checkClean(t)
+}
+
+// connectionOfAReapedChild returns a connection to the socket at path that a child
+// process made, passed to this one, and exited; the child is reaped.
+func connectionOfAReapedChild(t *testing.T, path string) net.Conn {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine, theirs := os.NewFile(uintptr(fds[0]), "mine"), os.NewFile(uintptr(fds[1]), "theirs")
+	defer mine.Close()
+	cmd := proctest.Command(t, "connector", path)
+	cmd.ExtraFiles = []*os.File{theirs}
+	err = cmd.Run()
+	theirs.Close()
+	if err != nil {
+		t.Fatalf("connector: %v", err)
+	}
+	via, err := net.FileConn(mine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer via.Close()
+	_, got, err := unixfd.Recv(via.(*net.UnixConn), make([]byte, 1), 1)
+	if err != nil || len(got) != 1 {
+		t.Fatalf("receiving the child's connection: %d descriptors, %v", len(got), err)
+	}
+	f := os.NewFile(uintptr(got[0]), "conn")
+	defer f.Close()
+	nc, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc
 }
 
 // SIGKILL the producer: this consumer's mapping stays readable, new opens say the
 // exporter is gone, and release and close complete without error.
 func TestProcessProducerKilled(t *testing.T) {
 	path := filepath.Join(shortDir(t), "p.sock")
-	k := startChild(t, "producer", "test", path, "default", "a=1048576:90")
-	k.expect("ready")
+	k := proctest.Start(t, "producer", "test", path, "default", "a=1048576:90")
+	k.Expect("ready")
 	c := newConsumer(t, path, 1)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
 	if err != nil {
 		t.Fatal(err)
 	}
-	k.kill()
+	k.Kill()
+	killedBySIGKILL(t, k)
 	<-c.imp.readerDone
 	if b := c.read(t, m); !allAre(b, 90) {
 		t.Fatal("mapping unreadable after the producer was killed")
@@ -342,32 +445,32 @@ func TestProcessProducerKilled(t *testing.T) {
 // says why.
 func TestProcessPolicyRefusal(t *testing.T) {
 	path := filepath.Join(shortDir(t), "p.sock")
-	k := startChild(t, "producer", "test", path, "other-uid", "a=4096:1")
-	k.expect("ready")
+	k := proctest.Start(t, "producer", "test", path, "other-uid", "a=4096:1")
+	k.Expect("ready")
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), path, s.dev, 0)
 	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), fmt.Sprintf("uid %d gid %d is not allowed", os.Getuid(), os.Getgid())) {
 		t.Fatalf("Dial = %v, want ErrRefused naming our uid", err)
 	}
-	k.say("quit")
-	k.wait()
+	k.Send("quit")
+	k.Finish()
 }
 
 // A producer in another process, closed cleanly, waits for our release first.
 func TestProcessProducerClosesAfterRelease(t *testing.T) {
 	path := filepath.Join(shortDir(t), "p.sock")
-	k := startChild(t, "producer", "test", path, "default", "a=2097152:3", "b=4096:4")
-	k.expect("ready")
+	k := proctest.Start(t, "producer", "test", path, "default", "a=2097152:3", "b=4096:4")
+	k.Expect("ready")
 	c := newConsumer(t, path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
 	if err != nil {
 		t.Fatal(err)
 	}
-	k.say("free a")
-	k.expect("freed")
-	k.say("stats")
-	if got := k.expect("stats"); got != "stats 2 1 1" {
+	k.Send("free a")
+	k.Expect("freed")
+	k.Send("stats")
+	if got := k.Next(); got != "stats 2 1 1" {
 		t.Fatalf("producer %q, want 2 live buffers, 1 lease, 1 deferred free", got)
 	}
 	if b := c.read(t, m); !allAre(b, 3) {
@@ -376,14 +479,14 @@ func TestProcessProducerClosesAfterRelease(t *testing.T) {
 	if err := m.Release(ctx, c.stream); err != nil {
 		t.Fatal(err)
 	}
-	k.say("stats")
-	if got := k.expect("stats"); got != "stats 1 0 0" {
+	k.Send("stats")
+	if got := k.Next(); got != "stats 1 0 0" {
 		t.Fatalf("producer %q after release, want 1 live buffer, no lease, no deferred free", got)
 	}
 	if err := c.imp.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	k.say("quit")
-	k.wait()
+	k.Send("quit")
+	k.Finish()
 	c.checkClean(t)
 }

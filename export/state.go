@@ -67,7 +67,8 @@ type NameState struct {
 	Size     uint64 `json:"size"`
 }
 
-// PeerState is one connected peer.
+// PeerState is one peer that takes leases (PeerInfo). State-only connections, such as
+// the one QueryState makes, are not listed.
 type PeerState struct {
 	PID            int       `json:"pid"`
 	UID            uint32    `json:"uid"`
@@ -78,6 +79,7 @@ type PeerState struct {
 	Grants         int       `json:"grants"`
 	BytesLeased    uint64    `json:"bytes_leased"`
 	ConnectedSince time.Time `json:"connected_since"`
+	AwaitingExit   bool      `json:"awaiting_exit,omitempty"`
 }
 
 // State returns a snapshot of the exporter. Figures of different pools and peers are
@@ -102,7 +104,7 @@ func (ex *Exporter) State() (*State, error) {
 	}
 	for _, i := range ex.Peers() {
 		ps := PeerState{PID: i.PID, UID: i.UID, GID: i.GID, Remote: i.Remote, Leases: i.Leases, Grants: i.Grants,
-			BytesLeased: i.BytesLeased, ConnectedSince: i.ConnectedSince}
+			BytesLeased: i.BytesLeased, ConnectedSince: i.ConnectedSince, AwaitingExit: i.AwaitingExit}
 		if i.Device != (cudart.UUID{}) {
 			ps.Device = i.Device.String()
 		}
@@ -143,7 +145,7 @@ func QueryState(ctx context.Context, socketPath string, opts ...Option) (*State,
 	}
 	var st State
 	if err := json.Unmarshal(body, &st); err != nil {
-		return nil, fmt.Errorf("%w: State is not valid JSON: %v", ErrProtocol, err)
+		return nil, fmt.Errorf("%w: State is not valid JSON: %w", ErrProtocol, err)
 	}
 	return &st, nil
 }
