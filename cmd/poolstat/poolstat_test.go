@@ -1,14 +1,12 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -29,77 +27,6 @@ func TestMain(m *testing.M) {
 
 // hangGuard bounds waits that only a bug could make long.
 const hangGuard = time.Minute
-
-// proc is a child process driven line by line.
-type proc struct {
-	cmd *exec.Cmd
-	in  io.WriteCloser
-	out *bufio.Scanner
-}
-
-func start(t *testing.T, role string, args ...string) *proc {
-	t.Helper()
-	cmd := proctest.Command(t, role, args...)
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	return &proc{cmd: cmd, in: in, out: bufio.NewScanner(out)}
-}
-
-// expect waits for the child's next line and fails unless it is want.
-func (p *proc) expect(t *testing.T, want string) {
-	t.Helper()
-	got := make(chan string, 1)
-	go func() {
-		if p.out.Scan() {
-			got <- p.out.Text()
-		}
-		close(got)
-	}()
-	select {
-	case line := <-got:
-		if line != want {
-			t.Fatalf("%s said %q, want %q", p.cmd.Args[0], line, want)
-		}
-	case <-time.After(hangGuard):
-		t.Fatalf("%s did not say %q", p.cmd.Args[0], want)
-	}
-}
-
-// say sends the child one line.
-func (p *proc) say(t *testing.T, line string) {
-	t.Helper()
-	if _, err := io.WriteString(p.in, line+"\n"); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// finish closes the child's stdin, which ends it, and waits for a clean exit.
-func (p *proc) finish(t *testing.T) {
-	t.Helper()
-	p.in.Close()
-	if err := p.cmd.Wait(); err != nil {
-		t.Fatalf("%v: %v", p.cmd.Args, err)
-	}
-}
-
-func (p *proc) kill(t *testing.T) {
-	t.Helper()
-	if err := p.cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	p.cmd.Wait()
-}
-
-func (p *proc) pid() int { return p.cmd.Process.Pid }
 
 // poolstat runs the command in this process and returns its exit status and output.
 func poolstat(t *testing.T, args ...string) (code int, stdout, stderr string) {
@@ -172,21 +99,21 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("with nothing running poolstat exited %d and said:\n%s", code, out)
 	}
 
-	ex := start(t, "exporter", sock)
-	ex.expect(t, "ready")
+	ex := proctest.Start(t, "exporter", sock)
+	ex.Expect("ready")
 	r := report(t, 0)
-	if len(r.Exporters) != 1 || r.Exporters[0].PID != ex.pid() || r.Exporters[0].Status != Live || len(r.Exporters[0].State.Peers) != 0 {
+	if len(r.Exporters) != 1 || r.Exporters[0].PID != ex.PID() || r.Exporters[0].Status != Live || len(r.Exporters[0].State.Peers) != 0 {
 		t.Fatalf("with the exporter alone: %+v", r.Exporters)
 	}
 
-	a := start(t, "consumer", sock, "0", "alpha", "beta")
-	a.expect(t, "holding")
-	b := start(t, "consumer", sock, "1", "alpha")
-	b.expect(t, "holding")
+	a := proctest.Start(t, "consumer", sock, "0", "alpha", "beta")
+	a.Expect("holding")
+	b := proctest.Start(t, "consumer", sock, "1", "alpha")
+	b.Expect("holding")
 
 	r = report(t, 0)
 	st := r.Exporters[0].State
-	pa, pb := peer(st, a.pid()), peer(st, b.pid())
+	pa, pb := peer(st, a.PID()), peer(st, b.PID())
 	if pa == nil || pb == nil || pa.Leases != 2 || pb.Leases != 1 || pa.BytesLeased != 7<<20 || pb.BytesLeased != 4<<20 {
 		t.Fatalf("peers with both consumers holding: %+v", st.Peers)
 	}
@@ -194,10 +121,10 @@ func TestLifecycle(t *testing.T) {
 		t.Errorf("pool with both consumers holding: %+v", st.Pools[0])
 	}
 	if !onGPU(t) {
-		golden(t, r, map[int]int{ex.pid(): 100, a.pid(): 101, b.pid(): 102})
+		golden(t, r, map[int]int{ex.PID(): 100, a.PID(): 101, b.PID(): 102})
 	}
 	// -socket asks that one exporter, without the announce directory.
-	if r := report(t, 0, "-socket", sock); r.Dir != "" || len(r.Exporters) != 1 || r.Exporters[0].PID != ex.pid() {
+	if r := report(t, 0, "-socket", sock); r.Dir != "" || len(r.Exporters) != 1 || r.Exporters[0].PID != ex.PID() {
 		t.Errorf("poolstat -socket: %+v", r)
 	}
 
@@ -205,26 +132,27 @@ func TestLifecycle(t *testing.T) {
 	// stays published. (A free waiting on a killed consumer is not shown here: the
 	// exporter sees the socket close while the process is still exiting, and the
 	// software device rightly calls a free at that moment one made while imported.)
-	ex.say(t, "free beta")
-	ex.expect(t, "freed beta")
+	ex.Send("free beta")
+	ex.Expect("freed beta")
 	st = report(t, 0).Exporters[0].State
 	if p := st.Pools[0]; p.DeferredFrees != 1 || p.BuffersLive != 2 {
 		t.Errorf("after freeing beta while a holds it, the pool shows %+v, want 1 free waiting", p)
 	}
 
-	a.finish(t)
-	r = eventually(t, "the released consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, a.pid()) == nil })
+	a.Finish()
+	r = eventually(t, "the released consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, a.PID()) == nil })
 	if p := r.Exporters[0].State.Pools[0]; p.ActiveLeases != 1 || p.DeferredFrees != 0 || p.BuffersLive != 1 {
 		t.Errorf("after a released beta the pool shows %+v, want beta's free done and b's lease left", p)
 	}
 
-	b.kill(t)
-	r = eventually(t, "the killed consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, b.pid()) == nil })
+	b.Kill()
+	r = eventually(t, "the killed consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, b.PID()) == nil })
 	if p := r.Exporters[0].State.Pools[0]; p.ActiveLeases != 0 || p.BuffersShared != 0 {
 		t.Errorf("after the killed consumer's lease ended the pool shows %+v, want no lease", p)
 	}
 
-	ex.kill(t)
+	ex.Kill()
+	ex.Wait()
 	code, out, _ = poolstat(t)
 	if code != 1 || !strings.Contains(out, "1 dead") || !strings.Contains(out, "poolstat -clean") {
 		t.Errorf("with the exporter killed poolstat exited %d and said:\n%s", code, out)
@@ -395,5 +323,22 @@ func TestTableWidth(t *testing.T) {
 		if n := len([]rune(line)); n > Width && !strings.HasPrefix(line, "  socket ") {
 			t.Errorf("%d columns: %q", n, line)
 		}
+	}
+}
+
+// -clean leaves an announcement it cannot read, as it cannot tell whether it is stale,
+// and names the file for the operator to look at.
+func TestCleanLeavesUnreadableAnnouncement(t *testing.T) {
+	dir := t.TempDir()
+	junk := filepath.Join(dir, "123.json")
+	if err := os.WriteFile(junk, []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := report(t, 1, "-dir", dir, "-clean")
+	if len(r.Exporters) != 1 || r.Exporters[0].Status != Dead || !strings.Contains(r.Exporters[0].Error, "remove "+junk+" by hand") {
+		t.Fatalf("poolstat -clean with an unreadable announcement: %+v", r.Exporters)
+	}
+	if _, err := os.Stat(junk); err != nil {
+		t.Fatalf("-clean removed an unreadable announcement: %v", err)
 	}
 }

@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"path/filepath"
-	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -140,22 +138,10 @@ func (l *looker) query(ctx context.Context, e *Exporter) {
 		e.Status, e.Error = Unreachable, explain(err, e.Socket)
 		return
 	}
-	st.Peers = dropPeer(st.Peers, os.Getpid())
 	e.State = st
 	if e.PID == 0 {
 		e.PID, e.Name = st.PID, st.Name
 	}
-}
-
-// dropPeer removes the peers with pid: poolstat's own connection, which holds nothing.
-func dropPeer(peers []export.PeerState, pid int) []export.PeerState {
-	out := peers[:0]
-	for _, p := range peers {
-		if p.PID != pid {
-			out = append(out, p)
-		}
-	}
-	return out
 }
 
 // explain turns a failed query into a sentence an operator can act on. export's own
@@ -182,12 +168,11 @@ func explain(err error, socket string) string {
 // exporter that has just started with a recycled pid keeps its own.
 func (l *looker) remove(e *Exporter, a export.Announcement) {
 	if a.PID <= 0 {
-		e.Error += " (not removed: unreadable; remove it by hand)"
+		e.Error += fmt.Sprintf(" (not removed: unreadable, so poolstat cannot tell whether it is stale; if it is, remove %s by hand)", a.Path)
 		return
 	}
-	path := filepath.Join(l.dir, strconv.Itoa(a.PID)+".json")
 	var now export.Announcement
-	body, err := os.ReadFile(path)
+	body, err := os.ReadFile(a.Path)
 	if err == nil {
 		err = json.Unmarshal(body, &now)
 	}
@@ -198,7 +183,7 @@ func (l *looker) remove(e *Exporter, a export.Announcement) {
 		e.Error += fmt.Sprintf(" (not removed: %v)", err)
 		return
 	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := os.Remove(a.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		e.Error += fmt.Sprintf(" (not removed: %v)", err)
 		return
 	}
