@@ -52,7 +52,7 @@ func report(t *testing.T, wantCode int, args ...string) *Report {
 }
 
 // eventually takes reports until cond holds for one, which it returns. Only a bug makes
-// it wait long: the exporter sees a consumer's exit when the kernel closes its socket.
+// it wait long: the exporter sees a consumer's exit through its pidfd.
 func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 	t.Helper()
 	deadline := time.Now().Add(hangGuard)
@@ -129,9 +129,7 @@ func TestLifecycle(t *testing.T) {
 	}
 
 	// beta's free waits for a, which releases it; b is killed holding only alpha, which
-	// stays published. (A free waiting on a killed consumer is not shown here: the
-	// exporter sees the socket close while the process is still exiting, and the
-	// software device rightly calls a free at that moment one made while imported.)
+	// stays published. (export's own tests cover a free waiting on a killed consumer.)
 	ex.Send("free beta")
 	ex.Expect("freed beta")
 	st = report(t, 0).Exporters[0].State

@@ -117,8 +117,14 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 	tw := table(w)
 	fmt.Fprintln(tw, "  PEER\tUSER\tDEVICE\tLEASES\tLEASED\tCONNECTED")
 	for _, p := range st.Peers {
-		fmt.Fprintf(tw, "  %d\t%s\t%s\t%d\t%s\t%s (%s ago)\n", p.PID, userName(p.UID), peerDevice(p, st.Devices),
-			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
+		// A peer that hung up while alive keeps its leases until it exits: its imports
+		// may still be mapped.
+		awaiting := ""
+		if p.AwaitingExit {
+			awaiting = ", hung up, leases held until it exits"
+		}
+		fmt.Fprintf(tw, "  %d\t%s\t%s\t%d\t%s\t%s (%s ago%s)\n", p.PID, userName(p.UID), peerDevice(p, st.Devices),
+			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now), awaiting)
 	}
 	tw.Flush()
 }
