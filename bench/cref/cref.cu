@@ -909,7 +909,7 @@ int main(int argc, char **argv) {
 	CHECK(cudaSetDevice(0));
 	printf("cref runtime %d driver %d\n", runtime, driver);
 	alloc_pairs();
-	malloc_free_pair("MallocFreePairGetDevice/1MiB", NULL, MiB, 1);
+	malloc_free_pair("MallocFreePairGetDevice/1MiB", "variant/c+getdevice/alloc/1MiB", MiB, 1);
 	export_pointer();
 	import_pointer(exporter_sock);
 	event_record_wait();

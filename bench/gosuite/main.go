@@ -29,6 +29,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"slices"
@@ -100,7 +101,7 @@ func main() {
 	if *quick {
 		sh = quickShape
 	}
-	r := &reporter{}
+	r := &reporter{w: os.Stdout}
 	if *label != "" {
 		r.prefix = "variant/" + *label + "/"
 	}
@@ -123,6 +124,7 @@ func main() {
 
 // reporter prints measurements in the suite's format.
 type reporter struct {
+	w      io.Writer
 	prefix string
 	failed bool
 }
@@ -135,18 +137,18 @@ func (r *reporter) result(impl, op, unit string, v []float64) {
 	}
 	slices.Sort(v)
 	p90 := v[int(0.9*float64(len(v)-1)+0.5)]
-	fmt.Printf("result %s %s%s %s %.4f %.4f %d\n", impl, r.prefix, op, unit, v[len(v)/2], p90, len(v))
+	fmt.Fprintf(r.w, "result %s %s%s %s %.4f %.4f %d\n", impl, r.prefix, op, unit, v[len(v)/2], p90, len(v))
 	var raw strings.Builder
 	fmt.Fprintf(&raw, "raw %s %s%s %s", impl, r.prefix, op, unit)
 	for _, x := range v {
 		fmt.Fprintf(&raw, " %.4f", x)
 	}
-	fmt.Println(raw.String())
+	fmt.Fprintln(r.w, raw.String())
 }
 
 func (r *reporter) fail(impl, op string, err error) {
 	r.failed = true
-	fmt.Printf("fail %s %s%s %s\n", impl, r.prefix, op, strings.ReplaceAll(err.Error(), "\n", " "))
+	fmt.Fprintf(r.w, "fail %s %s%s %s\n", impl, r.prefix, op, strings.ReplaceAll(err.Error(), "\n", " "))
 }
 
 // measure reports what f measured, or its failure.
