@@ -10,9 +10,10 @@ scripts/bench-suite.sh print into one file:
 (raw lines and anything else are skipped), prints the table of the operations
 with cudapool's ratio to each other column, the allocation variants and the
 targets of issue 6, and with --md writes the same as a Markdown section for the
-README (bench/RESULTS.md).
+README (bench/RESULTS.md), with the text of --notes (what a person found out
+about the run: why a target was missed) under its own heading.
 
-Usage: python3 bench/table.py RESULTS [--md FILE]
+Usage: python3 bench/table.py RESULTS [--md FILE [--notes FILE]]
 """
 
 import sys
@@ -216,7 +217,7 @@ RATIO_NOTE = ("Each cell is the median (90th percentile; for GB/s and shares/s t
               "for GB/s and shares/s above 1 means it is.")
 
 
-def markdown(run):
+def markdown(run, notes=""):
     m = run.meta
     out = ["## Performance", ""]
     out.append("Measured %s on %s, driver %s, CUDA runtime %s; cuda.core %s; %s. "
@@ -248,9 +249,12 @@ def markdown(run):
     fl = failures(run)
     if fl:
         out += ["### What failed in this run", ""] + ["- " + f for f in fl] + [""]
+    if notes.strip():
+        out += ["### Notes on this run", "", notes.strip(), ""]
     out += ["### Reproducing", "",
             "    scripts/build-gpu.sh                # where Go is: test binaries, commands and bench/gosuite",
             "    scripts/bench-suite.sh              # on the GPU host (needs nvcc and cuda.core there)",
+            "    scripts/gpu-run.sh                  # or: the GPU tests first, then the suite",
             "",
             "The suite prints this table last, writes every sample to the raw file it names, and this "
             "section to RESULTS.md beside it (`python3 bench/table.py RAW --md FILE` makes it again from "
@@ -264,13 +268,9 @@ def main(argv):
         return 2
     with open(argv[0]) as f:
         run = Run(f)
-    md = None
-    if "--md" in argv:
-        i = argv.index("--md")
-        if i + 1 >= len(argv):
-            print("--md needs a file", file=sys.stderr)
-            return 2
-        md = argv[i + 1]
+    md, notes = option(argv, "--md"), option(argv, "--notes")
+    if md is False or notes is False:
+        return 2
     print(RATIO_NOTE)
     print(text_table(MAIN_HEAD, main_rows(run)))
     vr = variant_rows(run)
@@ -286,9 +286,24 @@ def main(argv):
         for f in fl:
             print("  " + f[:200])
     if md:
+        text = ""
+        if notes:
+            with open(notes) as f:
+                text = f.read()
         with open(md, "w") as f:
-            f.write(markdown(run))
+            f.write(markdown(run, text))
     return 0
+
+
+def option(argv, name):
+    """The value after name in argv: None if name is absent, False if it has none."""
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    if i + 1 >= len(argv):
+        print("%s needs a file" % name, file=sys.stderr)
+        return False
+    return argv[i + 1]
 
 
 if __name__ == "__main__":
