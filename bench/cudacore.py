@@ -67,6 +67,24 @@ def descriptor(buf):
     return d() if callable(d) else d
 
 
+def allocation_handle_fd(mr):
+    """The pool's shareable fd, by the method (0.x) or the property (1.x)."""
+    get = getattr(mr, "get_allocation_handle", None)
+    h = get() if get is not None else mr.allocation_handle
+    return h, (h.handle if hasattr(h, "handle") else int(h))
+
+
+def import_buffer(c, mr, desc, stream):
+    """Buffer.from_ipc_descriptor: 1.x wants the stream that will free the import,
+    keyword-only; 0.x takes none."""
+    try:
+        return c["Buffer"].from_ipc_descriptor(mr, desc, stream=stream)
+    except TypeError as e:
+        if "stream" not in str(e):
+            raise
+        return c["Buffer"].from_ipc_descriptor(mr, desc)
+
+
 def ipc_resource(c, dev, max_size):
     opts = c["DeviceMemoryResourceOptions"](ipc_enabled=True, max_size=max_size)
     return c["DeviceMemoryResource"](dev, options=opts)
@@ -132,7 +150,7 @@ class Consumer:
         self.c, self.dev, self.stream, self.mr, self.conn = c, dev, stream, mr, conn
 
     def imported(self, desc):
-        return self.c["Buffer"].from_ipc_descriptor(self.mr, desc)
+        return import_buffer(self.c, self.mr, desc, self.stream)
 
     def request(self, i):
         self.conn.send(("req", i))
@@ -243,9 +261,7 @@ class Producer:
             p = ctx.Process(target=consumer_main, args=(child, d), daemon=True)
             p.start()
             started.append((p, parent))
-        handle = self.mr.get_allocation_handle()
-        fd = getattr(handle, "handle", handle)
-        fd = fd if isinstance(fd, int) else int(fd)
+        handle, fd = allocation_handle_fd(self.mr)  # handle owns fd: keep it until sent
         for p, conn in started:
             multiprocessing.reduction.send_handle(conn, fd, p.pid)
         for p, conn in started:
