@@ -119,11 +119,16 @@ echo "== bench-suite: main columns"
 part gosuite 180 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" all
 part cudacore 180 env PYTHONUNBUFFERED=1 python3 bench/cudacore.py "${pyquick[@]}"
 # cudart's import+free pair: the binding's benchmark, the loop cref times; each
-# count's ns/op is the median of 15 batches, as cref's.
+# count's ns/op is the median of 15 batches, as cref's. Beside it cudart's pair
+# benchmark (its first 15 batches and the later ones: variant (d)) and the pool's
+# bookkeeping on a runtime that does nothing.
 gotest_import() {
 	# shellcheck disable=SC2086 # $wide_cmd is a command prefix, split on purpose
 	(cd "$root/cudart" && $wide_cmd "$bin/cudart.test" -test.run '^$' -test.bench 'MallocFreePair|ImportPointer' \
-		-test.count 3 -test.benchtime 1s -test.timeout 110s) >"$logs/cudart-bench.txt" 2>&1 || return 1
+		-test.count 3 -test.benchtime 1s -test.timeout 100s) >"$logs/cudart-bench.txt" 2>&1 || return 1
+	# The pool's own cost per pair, on a runtime that does nothing.
+	(cd "$root/pool" && $wide_cmd "$bin/pool.test" -test.run '^$' -test.bench 'Bookkeeping/serial' \
+		-test.count 3 -test.benchtime 1s -test.timeout 30s) >>"$logs/cudart-bench.txt" 2>&1 || return 1
 	awk '
 		$1 ~ /^Benchmark/ {
 			name = $1; sub(/^Benchmark/, "", name); sub(/-[0-9]+$/, "", name)
@@ -144,6 +149,7 @@ gotest_import() {
 			for (k = 1; k <= names; k++) {
 				name = order[k]
 				if (name == "ImportPointer") put("cudapool", "import/pair", name, "ns")
+				else if (name == "Bookkeeping/serial") put("cudapool", "variant/null-runtime/alloc/1MiB", name, "ns")
 				else if (name ~ /^MallocFreePair\//) {
 					size = name; sub(/^MallocFreePair\//, "", size)
 					put("cudart", "variant/gotest-first15/alloc/" size, name, "ns")
