@@ -89,8 +89,9 @@ python3 -c 'import cuda.core as c; print("meta cudacore", getattr(c, "__version_
 	meta cudacore "not importable"
 grep '^meta' "$raw"
 
-# The first GPU runs pinned Go and C to CPUs 2-9; the main columns keep that, so
-# that figures compare with theirs, and the variants change it.
+# The first GPU runs pinned Go and C to CPUs 2-9; every main column (consumer
+# processes too) keeps that, so that figures compare with theirs and with each
+# other, and the variants change it.
 wide=()
 if command -v taskset >/dev/null && [ "$(nproc)" -ge 12 ]; then
 	wide=(taskset -c 2-9)
@@ -117,7 +118,7 @@ echo "== bench-suite: main columns"
 # own prefixes keep them out of the table.
 [ -n "$cref" ] && part cref 120 "${wide[@]}" "$cref" all
 part gosuite 180 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" all
-part cudacore 180 env PYTHONUNBUFFERED=1 python3 bench/cudacore.py "${pyquick[@]}"
+part cudacore 180 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/cudacore.py "${pyquick[@]}"
 # cudart's import+free pair: the binding's benchmark, the loop cref times; each
 # count's ns/op is the median of 15 batches, as cref's. Beside it cudart's pair
 # benchmark (its first 15 batches and the later ones: variant (d)) and the pool's
