@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# gpu-examples.sh runs on a GPU host, from the repository root, with the commands
+# scripts/build-gpu.sh built into bin/gpu. It runs the README's main job (kvshare: one
+# producer, consumers on every GPU) and then the operator's view: a producer and two
+# holding consumers (GPU 0 and GPU 1) watched with poolstat while one consumer is
+# SIGKILLed and the other releases. It prints a short table last and exits non-zero if
+# a step failed. It changes no GPU setting.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=/tmp/cudapool-bin
+mkdir -p "$bin"
+for c in kvshare producer consumer poolstat; do
+	gunzip -c "${GPU_BIN:-bin/gpu}/$c.gz" >"$bin/$c" && chmod +x "$bin/$c" || { echo "no bin/gpu/$c.gz: run scripts/build-gpu.sh" >&2; exit 2; }
+done
+# RUNTIME=test CUDAPOOL_REQUIRE_GPU=0 dry-runs it here on the software device.
+runtime=${RUNTIME:-gpu}
+export CUDAPOOL_REQUIRE_GPU=${CUDAPOOL_REQUIRE_GPU:-1} CUDAPOOL_DIR=/tmp/cudapool-demo
+rm -rf "$CUDAPOOL_DIR"
+work=$(mktemp -d)
+results=()
+step() { # step NAME RC
+	if [ "$2" -eq 0 ]; then results+=("$1 PASS"); else results+=("$1 FAIL(rc=$2)"); fi
+}
+
+echo "== main job: kvshare (default size, one consumer per GPU, at least two)"
+timeout 240 "$bin/kvshare" -runtime "$runtime"
+step kvshare $?
+
+# leases_of PID prints the leases peer PID holds in the only exporter, or "none".
+leases_of() {
+	"$bin/poolstat" -json | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+peers = [p for e in r["exporters"] if e.get("state") for p in e["state"]["peers"] or []]
+print(next((p["leases"] for p in peers if p["pid"] == int(sys.argv[1])), "none"))' "$1"
+}
+export -f leases_of
+export bin
+# wait_for WHAT CMD...: retries CMD for up to 60 s.
+wait_for() {
+	local what=$1; shift
+	for _ in $(seq 600); do "$@" && return 0; sleep 0.1; done
+	echo "timed out waiting for $what" >&2
+	return 1
+}
+
+echo "== poolstat: a producer and two holding consumers"
+sock=$CUDAPOOL_DIR/kv.sock
+"$bin/producer" -runtime "$runtime" -socket "$sock" -tokens 4096 >"$work/producer.log" 2>&1 &
+producer=$!
+wait_for "the producer's socket" test -S "$sock"
+step producer-up $?
+mkfifo "$work/a.in" "$work/b.in"
+"$bin/consumer" -runtime "$runtime" -socket "$sock" -hold -device 0 <"$work/a.in" >"$work/a.log" 2>&1 &
+a=$!
+exec 7>"$work/a.in"
+"$bin/consumer" -runtime "$runtime" -socket "$sock" -hold -device 1 <"$work/b.in" >"$work/b.log" 2>&1 &
+b=$!
+exec 8>"$work/b.in"
+wait_for "both consumers' leases" bash -c "[ \"\$(leases_of $a)\" = 1 ] && [ \"\$(leases_of $b)\" = 1 ]"
+step two-leases $?
+"$bin/poolstat"
+step poolstat-table $?
+
+echo "== SIGKILL the consumer on GPU 1 (pid $b)"
+kill -KILL "$b"
+wait "$b" 2>/dev/null
+exec 8>&-
+wait_for "the killed consumer's lease to end" bash -c "[ \"\$(leases_of $b)\" = none ]"
+step killed-lease-gone $?
+"$bin/poolstat"
+
+echo "== the consumer on GPU 0 releases (end of its input)"
+exec 7>&-
+wait "$a"
+step released-consumer-exit $?
+wait_for "the released consumer's lease to end" bash -c "[ \"\$(leases_of $a)\" = none ]"
+step released-lease-gone $?
+"$bin/poolstat"
+"$bin/poolstat" -json >"$work/poolstat.json"
+step poolstat-json $?
+
+kill -INT "$producer"
+wait "$producer"
+step producer-clean-exit $?
+echo "== consumer logs"
+cat "$work/a.log" "$work/b.log"
+echo "== producer log"
+cat "$work/producer.log"
+
+echo
+echo "== gpu-examples summary"
+printf '%s\n' "${results[@]}" | column -t
+for r in "${results[@]}"; do [[ $r == *PASS ]] || exit 1; done
