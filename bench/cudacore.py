@@ -85,6 +85,14 @@ def import_buffer(c, mr, desc, stream):
         return c["Buffer"].from_ipc_descriptor(mr, desc)
 
 
+def timing_options(EventOptions):
+    """Options of an event that records time: timing_enabled (1.x) or enable_timing (0.x)."""
+    try:
+        return EventOptions(timing_enabled=True)
+    except TypeError:
+        return EventOptions(enable_timing=True)
+
+
 def ipc_resource(c, dev, max_size):
     opts = c["DeviceMemoryResourceOptions"](ipc_enabled=True, max_size=max_size)
     return c["DeviceMemoryResource"](dev, options=opts)
@@ -211,7 +219,7 @@ class Consumer:
         self.conn.send(("done", [n]))
 
     def read(self, desc, copies):
-        EventOptions = self.c["EventOptions"]
+        timing = timing_options(self.c["EventOptions"])
         if self.dev.device_id != 0:
             self.mr.peer_accessible_by = [self.dev.device_id]
         src = self.imported(desc)
@@ -219,9 +227,9 @@ class Consumer:
         dst.copy_from(src, stream=self.stream)
         gbs = []
         for _ in range(copies):
-            e0 = self.stream.record(options=EventOptions(enable_timing=True))
+            e0 = self.stream.record(options=timing)
             dst.copy_from(src, stream=self.stream)
-            e1 = self.stream.record(options=EventOptions(enable_timing=True))
+            e1 = self.stream.record(options=timing)
             e1.sync()
             ms = e1 - e0
             gbs.append(src.size / (ms / 1e3) / 1e9)

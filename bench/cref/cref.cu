@@ -55,6 +55,7 @@ enum { BATCHES = 15, SYNC_EVERY = 10000, EXPORTS_PER_BATCH = 200, IMPORT_BUFFERS
 // 2 MiB granularity, so the buffers shared here are 2 MiB, in every column.
 enum {
 	CONSUMERS = 7,           // the most consumer processes fan-out uses
+	OTHER = CONSUMERS,       // the index of one more consumer, on device 1
 	SUSTAIN_CONSUMERS = 4,   // consumers of the sustained rate
 	SAMPLES = 200,           // timed operations of a per-operation measurement
 	WARMUP = 20,             // untimed operations before them
@@ -340,7 +341,7 @@ typedef struct { unsigned char b[64]; } record;
 // one: a request for buffer i (i >= 0), DONE, or RELEASED.
 enum { CMD_OPEN, CMD_RELEASE, CMD_FANOUT, CMD_SUSTAIN, CMD_READ, CMD_LEGACY_PAIRS, CMD_QUIT };
 enum { DONE = -1, RELEASED = -2 };
-typedef struct { int32_t op, kind, dev, n; } command;
+typedef struct { int32_t op, kind, n; } command;
 
 // The producer's side of sharing.
 static struct {
@@ -348,7 +349,7 @@ static struct {
 	cudaStream_t stream;
 	cudaEvent_t ready; // recorded after the producer's writes; consumers wait on it
 	int ndev;
-	cudaEvent_t released[CONSUMERS]; // each consumer's release event, opened here
+	cudaEvent_t released[CONSUMERS + 1]; // each consumer's release event, opened here
 } prod;
 
 typedef struct { void *ptr; } buffer;
@@ -449,8 +450,8 @@ static void serve(int sock, int c, double *samples, int n) {
 	read_all(sock, samples, n * sizeof samples[0]);
 }
 
-static void send_command(int sock, int op, enum kind k, int dev, int n) {
-	command cmd = {op, (int32_t)k, dev, n};
+static void send_command(int sock, int op, enum kind k, int n) {
+	command cmd = {op, (int32_t)k, n};
 	write_all(sock, &cmd, sizeof cmd);
 }
 
@@ -460,7 +461,7 @@ static void send_command(int sock, int op, enum kind k, int dev, int n) {
 // the usable pointer.
 static void open_end_to_end(int sock, enum kind k, int fresh) {
 	share(k, fresh ? WARMUP + SAMPLES : RING, fresh);
-	send_command(sock, CMD_OPEN, k, 0, WARMUP + SAMPLES);
+	send_command(sock, CMD_OPEN, k, WARMUP + SAMPLES);
 	double us[WARMUP + SAMPLES];
 	serve(sock, 0, us, WARMUP + SAMPLES);
 	unshare();
@@ -472,7 +473,7 @@ static void open_end_to_end(int sock, enum kind k, int fresh) {
 // timed in the consumer from the free to the acknowledgement.
 static void release_round_trip(int sock, enum kind k) {
 	share(k, RING, 0);
-	send_command(sock, CMD_RELEASE, k, 0, WARMUP + SAMPLES);
+	send_command(sock, CMD_RELEASE, k, WARMUP + SAMPLES);
 	double us[WARMUP + SAMPLES];
 	serve(sock, 0, us, WARMUP + SAMPLES);
 	unshare();
@@ -482,7 +483,7 @@ static void release_round_trip(int sock, enum kind k) {
 // fan_out: one fresh buffer to n consumers, from the producer's export to the last
 // consumer's usable pointer (consumers stamp CLOCK_MONOTONIC, which is the host's).
 static void fan_out(const int *socks, int n, enum kind k) {
-	for (int c = 0; c < n; c++) send_command(socks[c], CMD_FANOUT, k, 0, WARMUP + FANOUT_REPS);
+	for (int c = 0; c < n; c++) send_command(socks[c], CMD_FANOUT, k, WARMUP + FANOUT_REPS);
 	double us[FANOUT_REPS];
 	for (int rep = 0; rep < WARMUP + FANOUT_REPS; rep++) {
 		buffer b = make_buffer(k, SHARE_SIZE);
@@ -514,7 +515,7 @@ static void fan_out(const int *socks, int n, enum kind k) {
 // their shares over the window.
 static void sustained(const int *socks, enum kind k) {
 	share(k, RING, 0);
-	for (int c = 0; c < SUSTAIN_CONSUMERS; c++) send_command(socks[c], CMD_SUSTAIN, k, 0, SUSTAIN_ROUNDS);
+	for (int c = 0; c < SUSTAIN_CONSUMERS; c++) send_command(socks[c], CMD_SUSTAIN, k, SUSTAIN_ROUNDS);
 	double rate[SUSTAIN_ROUNDS];
 	for (int round = 0; round < SUSTAIN_ROUNDS; round++) {
 		char go = 'g';
@@ -551,7 +552,7 @@ static void read_imported(int sock, enum kind k, int dev) {
 	buffer b = make_buffer(k, READ_SIZE);
 	CHECK(cudaStreamSynchronize(prod.stream));
 	record r = export_buffer(k, b);
-	send_command(sock, CMD_READ, k, dev, READ_COPIES);
+	send_command(sock, CMD_READ, k, READ_COPIES);
 	write_all(sock, &r, sizeof r);
 	double gbs[READ_COPIES];
 	read_all(sock, gbs, sizeof gbs);
@@ -613,7 +614,7 @@ static void legacy_import_pairs(int sock) {
 		recs[i] = export_buffer(LEGACY, bufs[i]);
 	}
 	CHECK(cudaStreamSynchronize(prod.stream));
-	send_command(sock, CMD_LEGACY_PAIRS, LEGACY, 0, LEGACY_IMPORTS);
+	send_command(sock, CMD_LEGACY_PAIRS, LEGACY, LEGACY_IMPORTS);
 	write_all(sock, recs, sizeof recs);
 	double us[BATCHES];
 	read_all(sock, us, sizeof us);
@@ -623,12 +624,14 @@ static void legacy_import_pairs(int sock) {
 
 // ---- The consumer process.
 
+// A consumer works on one device, as a cudapool Importer does: the producer's pool
+// is made accessible there, and its ready event is opened there.
 static struct {
-	int sock, ndev;
+	int sock, dev;
 	cudaMemPool_t pool; // the producer's, imported
 	cudaEvent_t ready;  // the producer's, opened
 	cudaEvent_t released;
-	cudaStream_t stream[2];
+	cudaStream_t stream;
 } cons;
 
 static void *import_record(enum kind k, const record *r) {
@@ -671,7 +674,7 @@ static void say_done(const double *samples, int n) {
 
 static void consume_open(enum kind k, int n) {
 	double *us = (double *)calloc(n, sizeof(double));
-	cudaStream_t s = cons.stream[0];
+	cudaStream_t s = cons.stream;
 	for (int i = 0; i < n; i++) {
 		double t0 = now_ns();
 		void *p = open_record(k, i, s);
@@ -688,7 +691,7 @@ static void consume_open(enum kind k, int n) {
 
 static void consume_release(enum kind k, int n) {
 	double *us = (double *)calloc(n, sizeof(double));
-	cudaStream_t s = cons.stream[0];
+	cudaStream_t s = cons.stream;
 	for (int i = 0; i < n; i++) {
 		CHECK(cudaStreamSynchronize(s)); // the last release's free, untimed
 		void *p = open_record(k, i, s);
@@ -702,7 +705,7 @@ static void consume_release(enum kind k, int n) {
 }
 
 static void consume_fanout(enum kind k, int n) {
-	cudaStream_t s = cons.stream[0];
+	cudaStream_t s = cons.stream;
 	for (int rep = 0; rep < n; rep++) {
 		record r;
 		read_all(cons.sock, &r, sizeof r);
@@ -718,7 +721,7 @@ static void consume_fanout(enum kind k, int n) {
 }
 
 static void consume_sustained(enum kind k, int rounds) {
-	cudaStream_t s = cons.stream[0];
+	cudaStream_t s = cons.stream;
 	for (int round = 0; round < rounds; round++) {
 		char go;
 		read_all(cons.sock, &go, 1);
@@ -729,19 +732,10 @@ static void consume_sustained(enum kind k, int rounds) {
 	}
 }
 
-static void consume_read(enum kind k, int dev) {
+static void consume_read(enum kind k) {
 	record r;
 	read_all(cons.sock, &r, sizeof r);
-	CHECK(cudaSetDevice(dev));
-	if (k == POOL && dev != 0) {
-		cudaMemAccessDesc d;
-		memset(&d, 0, sizeof d);
-		d.location.type = cudaMemLocationTypeDevice;
-		d.location.id = dev;
-		d.flags = cudaMemAccessFlagsProtReadWrite;
-		CHECK(cudaMemPoolSetAccess(cons.pool, &d, 1));
-	}
-	cudaStream_t s = cons.stream[dev];
+	cudaStream_t s = cons.stream;
 	void *src = import_record(k, &r), *dst;
 	CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
 	CHECK(cudaMalloc(&dst, READ_SIZE));
@@ -750,7 +744,6 @@ static void consume_read(enum kind k, int dev) {
 	free_import(k, src, s);
 	CHECK(cudaStreamSynchronize(s));
 	CHECK(cudaFree(dst));
-	CHECK(cudaSetDevice(0));
 	write_all(cons.sock, gbs, sizeof gbs);
 }
 
@@ -760,34 +753,43 @@ static void consume_legacy_pairs(int n) {
 	double us[BATCHES];
 	for (int b = -1; b < BATCHES; b++) {
 		double t0 = now_ns();
-		for (int i = 0; i < n; i++) free_import(LEGACY, import_record(LEGACY, &recs[i]), cons.stream[0]);
+		for (int i = 0; i < n; i++) free_import(LEGACY, import_record(LEGACY, &recs[i]), cons.stream);
 		if (b >= 0) us[b] = (now_ns() - t0) / n / 1e3;
 	}
 	write_all(cons.sock, us, sizeof us);
 	free(recs);
 }
 
-// consumer runs in a child forked before any CUDA call. It imports the producer's
-// pool and ready event, sends the handle of its own release event, and obeys
-// commands until CMD_QUIT.
+// consumer runs in a child forked before any CUDA call. It is told its device,
+// imports the producer's pool and ready event, sends the handle of its own release
+// event, and obeys commands until CMD_QUIT.
 static int consumer(int sock) {
 	cons.sock = sock;
 	int fd = receive_fd(sock);
 	cudaIpcEventHandle_t ready;
 	read_all(sock, &ready, sizeof ready);
-	CHECK(cudaGetDeviceCount(&cons.ndev));
-	CHECK(cudaSetDevice(0));
-	CHECK(cudaMemPoolImportFromShareableHandle(&cons.pool, (void *)(long)fd, cudaMemHandleTypePosixFileDescriptor, 0));
-	close(fd);
-	CHECK(cudaIpcOpenEventHandle(&cons.ready, ready));
-	for (int d = 0; d < cons.ndev && d < 2; d++) {
-		CHECK(cudaSetDevice(d));
-		cons.stream[d] = new_stream();
-	}
+	int32_t dev;
+	read_all(sock, &dev, sizeof dev);
+	cons.dev = dev;
+	// The release event lives on device 0, where the producer opens it and its
+	// stream waits on it (only consumers on device 0 release).
 	CHECK(cudaSetDevice(0));
 	CHECK(cudaEventCreateWithFlags(&cons.released, cudaEventInterprocess | cudaEventDisableTiming));
 	cudaIpcEventHandle_t released;
 	CHECK(cudaIpcGetEventHandle(&released, cons.released));
+	CHECK(cudaSetDevice(cons.dev));
+	CHECK(cudaMemPoolImportFromShareableHandle(&cons.pool, (void *)(long)fd, cudaMemHandleTypePosixFileDescriptor, 0));
+	close(fd);
+	if (cons.dev != 0) {
+		cudaMemAccessDesc d;
+		memset(&d, 0, sizeof d);
+		d.location.type = cudaMemLocationTypeDevice;
+		d.location.id = cons.dev;
+		d.flags = cudaMemAccessFlagsProtReadWrite;
+		CHECK(cudaMemPoolSetAccess(cons.pool, &d, 1));
+	}
+	CHECK(cudaIpcOpenEventHandle(&cons.ready, ready));
+	cons.stream = new_stream();
 	write_all(sock, &released, sizeof released);
 	for (;;) {
 		command cmd;
@@ -798,7 +800,7 @@ static int consumer(int sock) {
 		case CMD_RELEASE: consume_release(k, cmd.n); break;
 		case CMD_FANOUT: consume_fanout(k, cmd.n); break;
 		case CMD_SUSTAIN: consume_sustained(k, cmd.n); break;
-		case CMD_READ: consume_read(k, cmd.dev); break;
+		case CMD_READ: consume_read(k); break;
 		case CMD_LEGACY_PAIRS: consume_legacy_pairs(cmd.n); break;
 		case CMD_QUIT: return 0;
 		default: fprintf(stderr, "cref: consumer: unknown command %d\n", cmd.op); return 1;
@@ -817,12 +819,14 @@ static void sharing(const int *socks) {
 	CHECK(cudaMemPoolExportToShareableHandle(&fd, prod.pool, cudaMemHandleTypePosixFileDescriptor, 0));
 	cudaIpcEventHandle_t ready;
 	CHECK(cudaIpcGetEventHandle(&ready, prod.ready));
-	for (int c = 0; c < CONSUMERS; c++) {
+	for (int c = 0; c <= OTHER; c++) {
+		int32_t dev = c == OTHER && prod.ndev > 1 ? 1 : 0;
 		send_fd(socks[c], fd);
 		write_all(socks[c], &ready, sizeof ready);
+		write_all(socks[c], &dev, sizeof dev);
 	}
 	close(fd);
-	for (int c = 0; c < CONSUMERS; c++) {
+	for (int c = 0; c <= OTHER; c++) {
 		cudaIpcEventHandle_t released;
 		read_all(socks[c], &released, sizeof released);
 		CHECK(cudaIpcOpenEventHandle(&prod.released[c], released));
@@ -841,9 +845,9 @@ static void sharing(const int *socks) {
 	for (int k = POOL; k <= LEGACY; k++) sustained(socks, (enum kind)k);
 	for (int dev = 0; dev < prod.ndev && dev < 2; dev++) {
 		plain_copy(dev);
-		for (int k = POOL; k <= LEGACY; k++) read_imported(socks[0], (enum kind)k, dev);
+		for (int k = POOL; k <= LEGACY; k++) read_imported(socks[dev == 0 ? 0 : OTHER], (enum kind)k, dev);
 	}
-	for (int c = 0; c < CONSUMERS; c++) send_command(socks[c], CMD_QUIT, POOL, 0, 0);
+	for (int c = 0; c <= OTHER; c++) send_command(socks[c], CMD_QUIT, POOL, 0);
 }
 
 static void alloc_pairs(void) {
@@ -857,9 +861,9 @@ static void alloc_pairs(void) {
 // The child closes the parent's ends of earlier children's sockets, so that each
 // child sees its end close when the parent exits, and cannot hang on it.
 static int spawn(int (*role)(int), pid_t *pid) {
-	static int parent_ends[1 + CONSUMERS], spawned;
+	static int parent_ends[2 + CONSUMERS], spawned;
 	int socks[2];
-	CHECK_SYS(spawned < 1 + CONSUMERS, "spawn: too many children");
+	CHECK_SYS(spawned < 2 + CONSUMERS, "spawn: too many children");
 	CHECK_SYS(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0, "socketpair");
 	*pid = fork();
 	CHECK_SYS(*pid >= 0, "fork");
@@ -899,9 +903,9 @@ int main(int argc, char **argv) {
 		fprintf(stderr, "usage: cref [all|alloc [LABEL]]\n");
 		return 2;
 	}
-	pid_t exporter_pid, consumer_pid[CONSUMERS];
-	int exporter_sock = spawn(exporter, &exporter_pid), socks[CONSUMERS];
-	for (int c = 0; c < CONSUMERS; c++) socks[c] = spawn(consumer, &consumer_pid[c]);
+	pid_t exporter_pid, consumer_pid[CONSUMERS + 1];
+	int exporter_sock = spawn(exporter, &exporter_pid), socks[CONSUMERS + 1];
+	for (int c = 0; c <= OTHER; c++) socks[c] = spawn(consumer, &consumer_pid[c]);
 
 	int runtime = 0, driver = 0;
 	CHECK(cudaRuntimeGetVersion(&runtime));
@@ -919,6 +923,6 @@ int main(int argc, char **argv) {
 	sharing(socks);
 
 	int failed = reap(exporter_pid, "exporter");
-	for (int c = 0; c < CONSUMERS; c++) failed |= reap(consumer_pid[c], "consumer");
+	for (int c = 0; c <= OTHER; c++) failed |= reap(consumer_pid[c], "consumer");
 	return failed;
 }
