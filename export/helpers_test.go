@@ -99,14 +99,26 @@ type producer struct {
 
 func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []Option, devOpts ...cudarttest.Option) *producer {
 	t.Helper()
+	return newProducerOn(t, nil, poolOpts, exOpts, devOpts...)
+}
+
+// newProducerOn is newProducer whose pool and exporter call the runtime wrap makes of
+// the software device (the device itself when wrap is nil), for tests that watch or
+// steer the calls.
+func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolOpts []pool.Option, exOpts []Option, devOpts ...cudarttest.Option) *producer {
+	t.Helper()
 	s := newSide(t, 0, devOpts...)
-	p, err := pool.New(s.dev, 0, poolOpts...)
+	var rt cudart.Runtime = s.dev
+	if wrap != nil {
+		rt = wrap(rt)
+	}
+	p, err := pool.New(rt, 0, poolOpts...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	lb := &logBuffer{}
 	path := filepath.Join(shortDir(t), "x.sock")
-	ex, err := Listen(path, s.dev, append([]Option{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
+	ex, err := Listen(path, rt, append([]Option{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -611,8 +611,10 @@ func (imp *Importer) adoptLease(l *lease, name string, s cudart.Stream) (*Mappin
 		if err != nil {
 			return nil, err
 		}
-		if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
-			return nil, fmt.Errorf("wait for the producer's writes: %w", err)
+		if !completed(imp.rt, imp.dev, ev) {
+			if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
+				return nil, fmt.Errorf("wait for the producer's writes: %w", err)
+			}
 		}
 	}
 	imp.mapMu.Lock()

@@ -317,6 +317,15 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 	return msg, nil
 }
 
+// push grants pub's buffer to the peer unasked and sends it as a Push.
+func (p *peer) push(ctx context.Context, pub *publication) error {
+	l, err := p.grant(ctx, pub, 0)
+	if err != nil {
+		return err
+	}
+	return p.c.send(ctx, &push{lease: l, Name: pub.name}, -1)
+}
+
 // prepare makes everything a Lease message for pub refers to: the record, the pool
 // handle on the peer's side, the release event on this side. LeaseID and ReqID are
 // left to the caller.
@@ -447,6 +456,9 @@ func (p *peer) releaseLease(m *release) error {
 		// Nothing to wait for: nothing imported, or a peer that synchronised its free
 		// before it said Release.
 		completion = 0
+	}
+	if completion != 0 && completed(p.ex.rt, g.buf.Device(), completion) {
+		completion = 0 // the free is known to be done: the pool's stream need not wait
 	}
 	if err := p.end(g, ending, completion); err != nil {
 		return err
