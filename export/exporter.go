@@ -260,12 +260,30 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 // it back at once if it has none). It returns once the lease is sent. No connected
 // process pid gives ErrNoPeer.
 func (ex *Exporter) Push(ctx context.Context, pid int, name string) error {
+	return ex.PushAll(ctx, name, pid)
+}
+
+// PushAll is Push to every connection of each process in pids at once: the leases
+// are granted and sent concurrently, one goroutine per connection, and no send waits
+// for another process to take its push, so fanning a buffer out to n processes takes
+// about as long as pushing it to one. It returns once every lease is sent or has
+// failed. A pid without a connection gives an error wrapping ErrNoPeer and the others
+// are pushed all the same; a pid listed twice is pushed to twice. Without pids it
+// fails and pushes nothing.
+func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error {
+	if len(pids) == 0 {
+		return fmt.Errorf("export: push %q: no process to push to", name)
+	}
+	wanted := make(map[int]bool, len(pids))
+	for _, pid := range pids {
+		wanted[pid] = true
+	}
 	ex.mu.Lock()
 	pub := ex.pubs[name]
-	var targets []*peer
+	conns := map[int][]*peer{}
 	for p := range ex.peers {
-		if p.cred != nil && p.cred.PID == pid && p.takesLeases() {
-			targets = append(targets, p)
+		if p.cred != nil && wanted[p.cred.PID] && p.takesLeases() {
+			conns[p.cred.PID] = append(conns[p.cred.PID], p)
 		}
 	}
 	closed := ex.closed
@@ -275,19 +293,32 @@ func (ex *Exporter) Push(ctx context.Context, pid int, name string) error {
 		return ErrClosed
 	case pub == nil:
 		return fmt.Errorf("%w: %q", ErrUnknownName, name)
-	case len(targets) == 0:
-		return fmt.Errorf("%w: no connection from pid %d", ErrNoPeer, pid)
 	}
-	var errs []error
-	for _, p := range targets {
-		l, err := p.grant(ctx, pub, 0)
-		if err == nil {
-			err = p.c.send(ctx, &push{lease: l, Name: name}, -1)
+	var (
+		errMu sync.Mutex
+		errs  []error
+		wg    sync.WaitGroup
+	)
+	failed := func(err error) {
+		errMu.Lock()
+		errs = append(errs, err)
+		errMu.Unlock()
+	}
+	for _, pid := range pids {
+		targets := conns[pid]
+		if len(targets) == 0 {
+			failed(fmt.Errorf("%w: no connection from pid %d", ErrNoPeer, pid))
+			continue
 		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("export: push %q to pid %d: %w", name, pid, err))
+		for _, p := range targets {
+			wg.Go(func() {
+				if err := p.push(ctx, pub); err != nil {
+					failed(fmt.Errorf("export: push %q to pid %d: %w", name, pid, err))
+				}
+			})
 		}
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 

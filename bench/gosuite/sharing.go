@@ -273,8 +273,9 @@ func (pr *producer) onRing(c *consumer, verb string) ([]float64, error) {
 	return us[min(pr.sh.warmup, len(us)):], nil
 }
 
-// fanOut: a fresh buffer is published and pushed to every consumer; latency from
-// Publish until the last consumer's push handler holds a usable mapping.
+// fanOut: a fresh buffer is published and pushed to every consumer at once
+// (PushAll); latency from Publish until the last consumer's push handler holds a
+// usable mapping.
 func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
 	var us []float64
 	for rep := range pr.sh.warmup + pr.sh.fanoutReps {
@@ -288,10 +289,12 @@ func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
 		name := fmt.Sprintf("fan%d-%d-", len(cs), rep)
 		start := monotonic()
 		_, err = pr.publish(name, bufs)
-		for _, c := range cs {
-			if err == nil {
-				err = pr.ex.Push(context.Background(), c.pid, name+"0")
+		if err == nil {
+			pids := make([]int, len(cs))
+			for i, c := range cs {
+				pids[i] = c.pid
 			}
+			err = pr.ex.PushAll(context.Background(), name+"0", pids...)
 		}
 		last := start
 		for _, c := range cs {
