@@ -23,7 +23,10 @@
 // producer's stream. Release frees the import on the Importer's release stream after
 // the caller's stream, records the Importer's release event there and tells the
 // exporter, which ends the lease with that event: the pool frees a buffer only after
-// every importer's free of it has completed (pool's ordered release). The producer may
+// every importer's free of it has completed (pool's ordered release). Either side first
+// asks whether the other process's event has completed already, and then leaves the
+// wait out: work that is done needs no ordering, and each wait left out is one less
+// dependency between two processes' GPU work. The producer may
 // Free a published buffer at any time; its memory goes back to the pool once the last
 // consumer released it, and Opens after the Free fail with ErrBufferGone.
 //
