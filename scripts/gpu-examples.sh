@@ -90,5 +90,5 @@ cat "$work/producer.log"
 
 echo
 echo "== gpu-examples summary"
-printf '%s\n' "${results[@]}" | column -t
+printf '%-24s %s\n' $(printf '%s\n' "${results[@]}")
 for r in "${results[@]}"; do [[ $r == *PASS ]] || exit 1; done
