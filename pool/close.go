@@ -25,8 +25,9 @@ type CloseReport struct {
 	// FailedFrees are the deferred frees that failed during the pool's life, and
 	// Close(Force)'s own frees that failed.
 	FailedFrees []error
-	// Destroyed reports whether the CUDA pool was destroyed; a device's default
-	// pool is not.
+	// Destroyed reports whether the CUDA pool was destroyed. A device's default pool
+	// is not, nor a FABRIC pool whose export the driver refused: destroying one
+	// crashed the process on driver 580.159.04, so it is left to the process's exit.
 	Destroyed bool
 }
 
@@ -215,7 +216,7 @@ func (p *Pool) teardown(r CloseReport, errs []error) (CloseReport, error) {
 	}
 	p.exported = nil
 	p.exportMu.Unlock()
-	if p.owned {
+	if p.owned && !p.keepAtClose.Load() {
 		if err := p.rt.MemPoolDestroy(p.dev, p.handle); err != nil {
 			errs = append(errs, p.errorf("close: destroying the CUDA pool: %w", err))
 		} else {

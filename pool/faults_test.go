@@ -319,3 +319,34 @@ func TestMaxSizeHeldByThePoolWhateverTheDriver(t *testing.T) {
 		t.Fatalf("after freeing everything: %v", s)
 	}
 }
+
+// destroyCounter counts MemPoolDestroy calls.
+type destroyCounter struct {
+	cudart.Runtime
+	destroys atomic.Int32
+}
+
+func (r *destroyCounter) MemPoolDestroy(dev int, p cudart.MemPool) error {
+	r.destroys.Add(1)
+	return r.Runtime.MemPoolDestroy(dev, p)
+}
+
+func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
+	d := softDevice(t) // without cudarttest.WithFabric: FABRIC export is not permitted, as without IMEX
+	for _, export := range []bool{false, true} {
+		r := &destroyCounter{Runtime: d}
+		p := mustNew(t, r, WithHandleType(cudart.HandleTypeFabric))
+		if export {
+			_, err := p.ExportHandle()
+			wantErr(t, "FABRIC export without IMEX", err, cudart.ErrNotPermitted)
+		}
+		report, err := p.Close(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := !export; report.Destroyed != want || r.destroys.Load() != map[bool]int32{true: 1}[want] {
+			t.Errorf("export refused %v: Close destroyed %v with %d MemPoolDestroy calls; want destroyed %v",
+				export, report.Destroyed, r.destroys.Load(), want)
+		}
+	}
+}

@@ -235,6 +235,12 @@ func (p *Pool) exportHandleLocked() (cudart.ShareableHandle, error) {
 	if p.exported == nil {
 		h, err := p.rt.MemPoolExportToShareableHandle(p.dev, p.handle, p.handleType)
 		if err != nil {
+			if p.handleType == cudart.HandleTypeFabric {
+				// Driver 580.159.04 crashed the process in cudaMemPoolDestroy of a
+				// FABRIC pool whose export it had refused (no IMEX channel): such a
+				// pool is left to the process's exit instead.
+				p.keepAtClose.Store(true)
+			}
 			return cudart.ShareableHandle{}, p.errorf("export: %w", err)
 		}
 		p.exported = &h

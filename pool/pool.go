@@ -97,6 +97,8 @@ type Pool struct {
 
 	exportMu sync.Mutex // serialises exports (the driver does too) and guards exported
 	exported *cudart.ShareableHandle
+	// keepAtClose is set when destroying the CUDA pool is known to be unsafe.
+	keepAtClose atomic.Bool
 
 	relMu     sync.Mutex // guards relStream; held while creating it
 	relStream cudart.Stream
