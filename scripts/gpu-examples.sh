@@ -9,8 +9,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=/tmp/cudapool-bin
 mkdir -p "$bin"
+src=${GPU_BIN:-bin/gpu}
 for c in kvshare producer consumer poolstat; do
-	gunzip -c "${GPU_BIN:-bin/gpu}/$c.gz" >"$bin/$c" && chmod +x "$bin/$c" || { echo "no bin/gpu/$c.gz: run scripts/build-gpu.sh" >&2; exit 2; }
+	# build-gpu.sh gzips the commands; gpu-check.sh may have unpacked them already.
+	if [ -f "$src/$c.gz" ]; then
+		gunzip -c "$src/$c.gz" >"$bin/$c"
+	elif [ -f "$src/$c" ]; then
+		cp "$src/$c" "$bin/$c"
+	else
+		echo "no $src/$c(.gz): run scripts/build-gpu.sh" >&2
+		exit 2
+	fi
+	chmod +x "$bin/$c"
 done
 # RUNTIME=test CUDAPOOL_REQUIRE_GPU=0 dry-runs it here on the software device.
 runtime=${RUNTIME:-gpu}
