@@ -585,3 +585,43 @@ func TestReopenAfterReleaseSettlesTheFree(t *testing.T) {
 	}
 	c.checkClean(t)
 }
+
+// A Push whose context has ended before its Lease frame went out leaves the peer
+// holding nothing: the grant it made is taken back, not left for a release that the
+// peer, never told of it, will never send.
+func TestPushCancelledBeforeSendHoldsNothing(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "p", 1<<20, 1)
+	c := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	// An Open first, so that the peer has the pool's handle and the Push's only send
+	// is its Lease frame.
+	m, err := c.imp.Open(ctx, "p", c.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := pr.ex.Push(cancelled, os.Getpid(), "p"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Push with an ended context = %v, want context.Canceled", err)
+	}
+	if n := pr.activeLeases(t); n != 0 {
+		t.Fatalf("%d pool leases held after a Push that sent nothing", n)
+	}
+	for _, p := range pr.ex.Peers() {
+		if p.Leases != 0 {
+			t.Fatalf("peer pid %d holds %d leases after a Push that sent nothing", p.PID, p.Leases)
+		}
+	}
+	// The connection is intact: nothing was written.
+	if m, err = c.imp.Open(ctx, "p", c.stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	c.checkClean(t)
+}

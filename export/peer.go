@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -267,19 +268,24 @@ func (p *peer) open(m *open) error {
 	if err != nil {
 		return err
 	}
-	l, err := p.grant(context.Background(), pub, m.ReqID)
+	l, pl, err := p.grant(context.Background(), pub, m.ReqID)
 	if err != nil {
 		return err
 	}
-	return p.c.send(context.Background(), &l, -1)
+	if err := p.c.send(context.Background(), &l, -1); err != nil {
+		p.withdraw(l.LeaseID, pl)
+		return err
+	}
+	return nil
 }
 
 // grant leases pub's buffer to the peer and returns the Lease message, its pool handle
 // sent first if this peer has not had it. A buffer the peer already holds is granted
-// under the same id once more, to be released as many times.
-func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease, error) {
+// under the same id once more, to be released as many times. The pool lease it took
+// is returned for withdraw, should the message fail to go out.
+func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease, *pool.Lease, error) {
 	if !p.takesLeases() {
-		return lease{}, ErrNoLeases
+		return lease{}, nil, ErrNoLeases
 	}
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
@@ -288,21 +294,21 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
 			p.ex.retire(pub)
-			return lease{}, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
+			return lease{}, nil, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
 		}
-		return lease{}, fmt.Errorf("export: lease %q: %w", pub.name, err)
+		return lease{}, nil, fmt.Errorf("export: lease %q: %w", pub.name, err)
 	}
 	msg, err := p.prepare(ctx, pub)
 	if err != nil {
 		pl.End(0) // nothing was sent, so nothing was imported
-		return lease{}, err
+		return lease{}, nil, err
 	}
 	msg.ReqID = reqID
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.left || p.awaitingExit {
 		pl.End(0) // the Lease message was not sent, so nothing was imported
-		return lease{}, fmt.Errorf("%w: pid %d's connection is gone", ErrNoPeer, p.pid())
+		return lease{}, nil, fmt.Errorf("%w: pid %d's connection is gone", ErrNoPeer, p.pid())
 	}
 	g := p.byBuffer[b]
 	if g == nil {
@@ -314,16 +320,47 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 	g.held = append(g.held, pl)
 	g.bytes = b.Size()
 	msg.LeaseID = g.id
-	return msg, nil
+	return msg, pl, nil
 }
 
 // push grants pub's buffer to the peer unasked and sends it as a Push.
 func (p *peer) push(ctx context.Context, pub *publication) error {
-	l, err := p.grant(ctx, pub, 0)
+	l, pl, err := p.grant(ctx, pub, 0)
 	if err != nil {
 		return err
 	}
-	return p.c.send(ctx, &push{lease: l, Name: pub.name}, -1)
+	if err := p.c.send(ctx, &push{lease: l, Name: pub.name}, -1); err != nil {
+		p.withdraw(l.LeaseID, pl)
+		return err
+	}
+	return nil
+}
+
+// withdraw takes back pl, granted under lease id but whose message did not go out
+// whole: the peer never learnt of it, so it will never release it, and imported
+// nothing under it. Once cleanup has run it ended pl already.
+func (p *peer) withdraw(id uint64, pl *pool.Lease) {
+	p.mu.Lock()
+	g := p.leases[id]
+	i := -1
+	if g != nil {
+		i = slices.Index(g.held, pl)
+	}
+	if i >= 0 {
+		g.held = slices.Delete(g.held, i, i+1)
+		if len(g.held) == 0 {
+			delete(p.leases, g.id)
+			delete(p.byBuffer, g.buf)
+		}
+	}
+	p.mu.Unlock()
+	if i < 0 {
+		return
+	}
+	if err := pl.End(0); err != nil {
+		p.ex.log.Error("export: taking back a lease that was never sent", "pid", p.pid(), "err", err)
+	}
+	p.ex.poke()
 }
 
 // prepare makes everything a Lease message for pub refers to: the record, the pool
