@@ -41,8 +41,10 @@ func newConn(nc net.Conn, acceptsFDs bool) *conn {
 // canPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *conn) canPassFDs() bool { return c.uc != nil }
 
-// send writes m as one frame, with fd attached when fd >= 0. A failed or interrupted
-// write leaves the stream unusable: the caller must close the connection.
+// send writes m as one frame, with fd attached when fd >= 0. A context that ended
+// before the write began fails it with nothing written, the stream intact. A failed or
+// interrupted write may leave part of a frame on the stream, which nothing can follow:
+// send then closes the connection, so the peer sees it end.
 func (c *conn) send(ctx context.Context, m message, fd int) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -73,6 +75,7 @@ func (c *conn) send(ctx context.Context, m message, fd int) error {
 		_, err = c.nc.Write(c.wbuf)
 	}
 	if err != nil {
+		c.nc.Close()
 		if ctx.Err() != nil {
 			err = ctx.Err()
 		}

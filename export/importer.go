@@ -481,10 +481,7 @@ func (imp *Importer) request(ctx context.Context, build func(reqID uint64) messa
 	imp.pending[id] = ch
 	imp.mu.Unlock()
 	if err := imp.c.send(ctx, build(id), -1); err != nil {
-		imp.forget(id)
-		if ctx.Err() == nil {
-			imp.c.close() // the stream may hold half a frame: nothing more can follow it
-		}
+		imp.forget(id) // send closed the connection if it wrote part of the frame
 		return nil, imp.goneOr(err)
 	}
 	select {
