@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sync"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -14,7 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// conn is one side of a protocol connection: whole frames out under a lock, so that
+// conn is one side of a protocol connection: whole frames out one at a time, so that
 // many goroutines can send on it, and frames in from the one goroutine that reads it.
 type conn struct {
 	nc net.Conn
@@ -25,15 +24,18 @@ type conn struct {
 	// exporter's side any descriptor that arrives is closed and is a violation.
 	acceptsFDs bool
 
-	wmu  sync.Mutex
-	wbuf []byte
+	// wlock, a one-slot semaphore, is held while a frame is written: unlike a mutex,
+	// waiting for it ends with the waiter's context, so a peer that stopped reading
+	// holds up no caller past its deadline.
+	wlock chan struct{}
+	wbuf  []byte
 
 	hdr  [headerLen]byte
 	rbuf []byte
 }
 
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
-	c := &conn{nc: nc, acceptsFDs: acceptsFDs}
+	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: make(chan struct{}, 1)}
 	c.uc, _ = nc.(*net.UnixConn)
 	return c
 }
@@ -46,11 +48,16 @@ func (c *conn) canPassFDs() bool { return c.uc != nil }
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
 // send then closes the connection, so the peer sees it end.
 func (c *conn) send(ctx context.Context, m message, fd int) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
+	select {
+	case c.wlock <- struct{}{}:
+		if err := ctx.Err(); err != nil { // ended as the lock came free
+			<-c.wlock
+			return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
+		}
+	case <-ctx.Done():
+		return fmt.Errorf("export: send %s: %w", m.kind(), ctx.Err()) // nothing written
 	}
+	defer func() { <-c.wlock }()
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {

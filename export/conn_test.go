@@ -60,3 +60,30 @@ func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 		t.Fatalf("read %#v, want the second StateRequest", m)
 	}
 }
+
+// A send waiting for another to finish writing (to a peer that has stopped reading)
+// gives up when its context ends, as a blocking call should.
+func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
+	a, b := net.Pipe()
+	defer b.Close()
+	c := newConn(a, false)
+	defer c.close()
+	go c.send(context.Background(), &stateRequest{ReqID: 1}, -1)
+	var first [1]byte
+	if _, err := io.ReadFull(b, first[:]); err != nil {
+		t.Fatal(err)
+	}
+	// The first send now writes, and no one reads the rest.
+	ctx, cancel := context.WithCancel(testCtx(t))
+	cancel()
+	sent := make(chan error, 1)
+	go func() { sent <- c.send(ctx, &stateRequest{ReqID: 2}, -1) }()
+	select {
+	case err := <-sent:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("send = %v, want context.Canceled", err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal("a send behind a stuck write ignored its ended context")
+	}
+}
