@@ -32,6 +32,8 @@ type conn struct {
 
 	hdr  [headerLen]byte
 	rbuf []byte
+	// rx keeps the control buffer between reads: recv runs per frame.
+	rx unixfd.Receiver
 }
 
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
@@ -154,7 +156,7 @@ func (c *conn) readFull(b []byte, fds *[]int) (int, error) {
 				maxFDs = 1 // a frame carries at most one
 			}
 			var in []int
-			n, in, err = unixfd.Recv(c.uc, b[got:], maxFDs)
+			n, in, err = c.rx.Recv(c.uc, b[got:], maxFDs)
 			*fds = append(*fds, in...)
 			if errors.Is(err, unixfd.ErrUnexpectedFDs) {
 				return got + n, protocolErr("%v", err)

@@ -43,9 +43,27 @@ func Send(c *net.UnixConn, data []byte, fds ...int) error {
 // every descriptor it received and returns an error wrapping ErrUnexpectedFDs together
 // with the bytes read.
 func Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
+	var r Receiver
+	return r.Recv(c, buf, maxFDs)
+}
+
+// Receiver is Recv for a reader that receives many messages: it keeps its control
+// buffer between calls, so a message without descriptors allocates nothing. The zero
+// value is ready for use. A Receiver serves one reader at a time.
+type Receiver struct {
+	oob []byte
+}
+
+// Recv is the package's Recv, with the same guarantees, using r's control buffer.
+func (r *Receiver) Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
 	// One spare slot lets an extra descriptor arrive whole (and be closed) rather than
-	// be dropped by the kernel with MSG_CTRUNC and nothing to close.
-	oob := make([]byte, unix.CmsgSpace((maxFDs+1)*4))
+	// be dropped by the kernel with MSG_CTRUNC and nothing to close. The buffer is cut
+	// to exactly that size: a larger one would let more descriptors in.
+	size := unix.CmsgSpace((maxFDs + 1) * 4)
+	if cap(r.oob) < size {
+		r.oob = make([]byte, size)
+	}
+	oob := r.oob[:size]
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
 		return n, nil, err

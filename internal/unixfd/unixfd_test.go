@@ -103,3 +103,65 @@ func openFDs(t *testing.T) int {
 	}
 	return len(ents)
 }
+
+// One Receiver, reused across messages with and without descriptors, too many of them
+// among them, keeps Recv's guarantees for each message.
+func TestReceiverReusedKeepsGuarantees(t *testing.T) {
+	a, b := pair(t)
+	_, w1 := pipeFD(t)
+	_, w2 := pipeFD(t)
+	var r Receiver
+	buf := make([]byte, 8)
+	before := openFDs(t)
+	steps := []struct {
+		fds     []int
+		maxFDs  int
+		wantFDs int
+		wantErr bool
+	}{
+		{[]int{int(w1.Fd()), int(w2.Fd())}, 2, 2, false}, // grows the buffer
+		{[]int{int(w1.Fd()), int(w2.Fd())}, 1, 0, true},  // the larger buffer must not let both in
+		{nil, 1, 0, false},
+		{[]int{int(w1.Fd())}, 0, 0, true},
+		{[]int{int(w1.Fd())}, 1, 1, false},
+	}
+	for i, s := range steps {
+		if err := Send(a, []byte("m"), s.fds...); err != nil {
+			t.Fatal(err)
+		}
+		n, fds, err := r.Recv(b, buf, s.maxFDs)
+		if n != 1 || len(fds) != s.wantFDs || (err != nil) != s.wantErr || s.wantErr && !errors.Is(err, ErrUnexpectedFDs) {
+			t.Fatalf("step %d: Recv = %d %v %v, want %d descriptors, error %v", i, n, fds, err, s.wantFDs, s.wantErr)
+		}
+		for _, fd := range fds {
+			flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+			if err != nil || flags&unix.FD_CLOEXEC == 0 {
+				t.Fatalf("step %d: received fd not close-on-exec: flags %#x err %v", i, flags, err)
+			}
+			unix.Close(fd)
+		}
+	}
+	if after := openFDs(t); after != before {
+		t.Fatalf("open descriptors %d before, %d after: some leaked", before, after)
+	}
+}
+
+func TestReceiverAllocatesNothingForPlainMessages(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates on its own")
+	}
+	a, b := pair(t)
+	var r Receiver
+	buf := make([]byte, 8)
+	msg := []byte("m")
+	if n := testing.AllocsPerRun(100, func() {
+		if _, err := a.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := r.Recv(b, buf, 1); err != nil {
+			t.Fatal(err)
+		}
+	}); n != 0 {
+		t.Fatalf("%v allocations per plain message", n)
+	}
+}

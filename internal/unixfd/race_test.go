@@ -1,0 +1,5 @@
+//go:build race
+
+package unixfd
+
+const raceEnabled = true
