@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -624,4 +625,76 @@ func TestPushCancelledBeforeSendHoldsNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.checkClean(t)
+}
+
+// eventTrackingRuntime tracks the IPC events opened from handles and not yet destroyed.
+type eventTrackingRuntime struct {
+	cudart.Runtime
+	mu   sync.Mutex
+	open map[cudart.Event]bool
+}
+
+func (r *eventTrackingRuntime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
+	ev, err := r.Runtime.IpcOpenEventHandle(dev, h)
+	if err == nil {
+		r.mu.Lock()
+		r.open[ev] = true
+		r.mu.Unlock()
+	}
+	return ev, err
+}
+
+func (r *eventTrackingRuntime) EventDestroy(dev int, ev cudart.Event) error {
+	r.mu.Lock()
+	delete(r.open, ev)
+	r.mu.Unlock()
+	return r.Runtime.EventDestroy(dev, ev)
+}
+
+func (r *eventTrackingRuntime) stillOpen() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.open)
+}
+
+// A grant that reaches a peer after it left (PushAll picked it, then it hung up)
+// fails, and opens nothing on its behalf that no one would destroy.
+func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
+	var rt *eventTrackingRuntime
+	pr := newProducerOn(t, func(r cudart.Runtime) cudart.Runtime {
+		rt = &eventTrackingRuntime{Runtime: r, open: map[cudart.Event]bool{}}
+		return rt
+	}, nil, nil)
+	pr.publish(t, "p", 1<<20, 1)
+	c := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "p", c.stream) // the peer has the pool's handle from now on
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	peers := pr.ex.peerList()
+	if len(peers) != 1 {
+		t.Fatalf("%d peers, want 1", len(peers))
+	}
+	p := peers[0]
+	if err := c.imp.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the peer to leave", func() bool { return len(pr.ex.peerList()) == 0 })
+	pub, err := pr.ex.lookup("p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.push(ctx, pub); !errors.Is(err, ErrNoPeer) {
+		t.Fatalf("push to a departed peer = %v, want ErrNoPeer", err)
+	}
+	if n := pr.activeLeases(t); n != 0 {
+		t.Fatalf("%d pool leases held after a push to a departed peer", n)
+	}
+	if n := rt.stillOpen(); n != 0 {
+		t.Fatalf("%d of the departed peer's events left open", n)
+	}
 }
