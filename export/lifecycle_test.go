@@ -698,3 +698,43 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 		t.Fatalf("%d of the departed peer's events left open", n)
 	}
 }
+
+// A grant withdrawn after the peer released the lease it shares (the peer, holding
+// the buffer already, released as many grants as it knew of, and the release took the
+// newest) still leaves the lease with exactly the grants the peer knows of: none.
+func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "buf", 1<<20, 1)
+	a := admitted(t, pr.path)
+	l, ok := a.open(1, "buf").(*lease)
+	if !ok {
+		t.Fatal("open did not answer with a Lease")
+	}
+	peers := pr.ex.peerList()
+	if len(peers) != 1 {
+		t.Fatalf("%d peers, want 1", len(peers))
+	}
+	p := peers[0]
+	pub, err := pr.ex.lookup("buf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A Push's grant, as if its frame were on its way when the peer released.
+	pushed, pl, err := p.grant(testCtx(t), pub, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pushed.LeaseID != l.LeaseID {
+		t.Fatal("a second grant of a held buffer got another lease id")
+	}
+	if m := a.release(2, l.LeaseID, 1); m.kind() != msgReleased {
+		t.Fatalf("release answered %s", m.kind())
+	}
+	p.withdraw(pushed.LeaseID, pl) // the Push's frame failed to go out
+	if n := pr.activeLeases(t); n != 0 {
+		t.Fatalf("%d pool leases held, though the peer released the one grant it knew of", n)
+	}
+	if i := p.info(); i.Leases != 0 || i.Grants != 0 {
+		t.Fatalf("peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
+	}
+}

@@ -343,13 +343,20 @@ func (p *peer) push(ctx context.Context, pub *publication) error {
 
 // withdraw takes back pl, granted under lease id but whose message did not go out
 // whole: the peer never learnt of it, so it will never release it, and imported
-// nothing under it. Once cleanup has run it ended pl already.
+// nothing under it. Once cleanup has run it ended pl already. A peer that held the
+// buffer under id before may have released, meanwhile, as many grants as it knew of,
+// and releaseLease ends the newest, pl among them: then one of those the peer knew of
+// is left, and goes instead, so that the lease keeps exactly the grants the peer holds.
 func (p *peer) withdraw(id uint64, pl *pool.Lease) {
 	p.mu.Lock()
 	g := p.leases[id]
 	i := -1
 	if g != nil {
 		i = slices.Index(g.held, pl)
+		if i < 0 && len(g.held) > 0 {
+			i = len(g.held) - 1
+			pl = g.held[i]
+		}
 	}
 	if i >= 0 {
 		g.held = slices.Delete(g.held, i, i+1)
