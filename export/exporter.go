@@ -432,15 +432,19 @@ func (ex *Exporter) Close(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("export: remove announcement: %w", err))
 		}
 	}
+	var byes sync.WaitGroup
 	for _, p := range ex.peerList() {
-		// A peer that cannot be told still holds what it holds: it is counted below,
-		// and cut with the others.
-		p.c.send(ctx, &bye{}, -1)
+		// Each Bye on its own: a peer that stopped reading must keep neither the
+		// others from being told nor the wait below from starting. A peer that cannot
+		// be told still holds what it holds: it is counted below, and cut with the
+		// others, which ends its Bye.
+		byes.Go(func() { p.c.send(ctx, &bye{}, -1) })
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
 		p.shut()
 	}
+	byes.Wait()
 	ex.wg.Wait()
 	ex.readyMu.Lock()
 	for k, re := range ex.ready {

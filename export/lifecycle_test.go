@@ -738,3 +738,81 @@ func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 		t.Fatalf("peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
 	}
 }
+
+// pipeListener hands the exporter one end of in-memory pipes, which hold no bytes: a
+// write to a peer that does not read blocks for certain.
+type pipeListener struct {
+	conns chan net.Conn
+	done  chan struct{}
+	once  sync.Once
+}
+
+func newPipeListener() *pipeListener {
+	return &pipeListener{conns: make(chan net.Conn), done: make(chan struct{})}
+}
+
+func (l *pipeListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *pipeListener) Close() error {
+	l.once.Do(func() { close(l.done) })
+	return nil
+}
+
+func (l *pipeListener) Addr() net.Addr { return &net.UnixAddr{Name: "pipe", Net: "pipe"} }
+
+// dial connects a peer that takes no leases, and returns it once admitted.
+func (l *pipeListener) dial(t *testing.T) *conn {
+	t.Helper()
+	a, b := net.Pipe()
+	t.Cleanup(func() { b.Close() })
+	l.conns <- a
+	c := newConn(b, true)
+	if err := c.send(testCtx(t), &hello{Version: ProtocolVersion}, -1); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.recv(); err != nil || m.kind() != msgWelcome {
+		t.Fatalf("handshake: %v %v", m, err)
+	}
+	return c
+}
+
+// Peers that stopped reading keep neither Close's Bye from the others nor Close from
+// waiting for the others' releases.
+func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
+	pr := newProducer(t, nil, []Option{WithPolicy(Policy{AllowRemote: true})})
+	pr.publish(t, "p", 1<<20, 1)
+	l := newPipeListener()
+	if err := pr.ex.Serve(l); err != nil {
+		t.Fatal(err)
+	}
+	// Several, so that the one reading peer is unlikely to be told first by chance.
+	for range 4 {
+		l.dial(t) // and never read from again
+	}
+	c := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "p", c.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- pr.ex.Close(ctx) }()
+	waitFor(t, "the consumer to be told Bye", func() bool {
+		c.imp.mu.Lock()
+		defer c.imp.mu.Unlock()
+		return c.imp.bye
+	})
+	if err := m.Release(ctx, c.stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatalf("Close = %v, want nil: every lease was released before its context ended", err)
+	}
+}
