@@ -363,3 +363,67 @@ func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 		}
 	})
 }
+
+// waitBlockingRuntime holds the first StreamWaitEvent until released.
+type waitBlockingRuntime struct {
+	cudart.Runtime
+	entered, release chan struct{}
+	blocked          atomic.Bool
+}
+
+func (r *waitBlockingRuntime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	if r.blocked.CompareAndSwap(false, true) {
+		close(r.entered)
+		<-r.release
+	}
+	return r.Runtime.StreamWaitEvent(dev, s, e)
+}
+
+// A second End of a lease whose first End is still waiting for its completion, made
+// after Close(Force) began, must not end the lease a second time: that would take
+// another importer's lease with it and free the buffer under that importer.
+func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	r := &waitBlockingRuntime{Runtime: d, entered: make(chan struct{}), release: make(chan struct{})}
+	p := mustNew(t, r)
+	b := mustAlloc(t, p, 1, e.stream)
+	first, other := mustLease(t, b), mustLease(t, b)
+	mustFree(t, b, e.stream)
+	completion, err := d.EventCreate(0, cudart.EventDisableTiming)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.EventDestroy(0, completion)
+	if err := d.EventRecord(0, completion, e.stream); err != nil {
+		t.Fatal(err)
+	}
+
+	ended := make(chan error, 1)
+	go func() { ended <- first.End(completion) }()
+	<-r.entered
+	closed := make(chan error, 1)
+	go func() {
+		_, err := p.Close(context.Background(), Force())
+		closed <- err
+	}()
+	<-p.closing
+	again := first.End(0)
+	close(r.release)
+	wantErr(t, "End while the first End of the lease is in flight", again, ErrLeaseEnded)
+	if err := <-ended; err != nil {
+		t.Fatalf("first End: %v", err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatalf("Close(Force): %v", err)
+	}
+	p.mu.Lock()
+	leases, state := b.leases, b.state
+	p.mu.Unlock()
+	if leases != 1 || state == bufFreed {
+		t.Fatalf("after one End of two leases: %d leases, state %d; want the other lease live and the buffer not freed", leases, state)
+	}
+	if err := other.End(0); err != nil {
+		t.Fatalf("ending the other lease after Close: %v", err)
+	}
+}

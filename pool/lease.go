@@ -121,12 +121,14 @@ func (p *Pool) dropLease(l *Lease) {
 }
 
 // endAfterClose ends a lease once Close has begun. Its completion can no longer be
-// waited for, so the buffer is abandoned rather than freed.
+// waited for, so the buffer is abandoned rather than freed. A lease whose End is still
+// in flight (inside the gate, which Close waits for) is that End's to end: ending it
+// here too would drop another lease of the buffer.
 func (l *Lease) endAfterClose() error {
 	p := l.b.pool
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if l.ended {
+	if l.ended || l.ending {
 		return p.errorf("end lease on %v: %w", l.b, ErrLeaseEnded)
 	}
 	p.dropLease(l)
