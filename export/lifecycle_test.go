@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
@@ -767,14 +769,14 @@ func (l *pipeListener) Close() error {
 
 func (l *pipeListener) Addr() net.Addr { return &net.UnixAddr{Name: "pipe", Net: "pipe"} }
 
-// dial connects a peer that takes no leases, and returns it once admitted.
-func (l *pipeListener) dial(t *testing.T) *conn {
+// dial connects a peer that says h, and returns it once admitted.
+func (l *pipeListener) dial(t *testing.T, h *hello) *conn {
 	t.Helper()
 	a, b := net.Pipe()
 	t.Cleanup(func() { b.Close() })
 	l.conns <- a
 	c := newConn(b, true)
-	if err := c.send(testCtx(t), &hello{Version: ProtocolVersion}, -1); err != nil {
+	if err := c.send(testCtx(t), h, -1); err != nil {
 		t.Fatal(err)
 	}
 	if m, _, err := c.recv(); err != nil || m.kind() != msgWelcome {
@@ -794,7 +796,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	}
 	// Several, so that the one reading peer is unlikely to be told first by chance.
 	for range 4 {
-		l.dial(t) // and never read from again
+		l.dial(t, &hello{Version: ProtocolVersion}) // and never read from again
 	}
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
@@ -814,5 +816,46 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	}
 	if err := <-closed; err != nil {
 		t.Fatalf("Close = %v, want nil: every lease was released before its context ended", err)
+	}
+}
+
+// A grant waiting for another grant's pool handle to go out, to a peer that stopped
+// reading, gives up when its context ends.
+func TestGrantBehindStuckPoolHandleHonoursContext(t *testing.T) {
+	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
+		[]Option{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+	pr.publish(t, "f", 2<<20, 1)
+	l := newPipeListener()
+	if err := pr.ex.Serve(l); err != nil {
+		t.Fatal(err)
+	}
+	c := l.dial(t, &hello{Version: ProtocolVersion, Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
+	peers := pr.ex.peerList()
+	if len(peers) != 1 {
+		t.Fatalf("%d peers, want 1", len(peers))
+	}
+	p := peers[0]
+	if err := c.send(testCtx(t), &open{ReqID: 1, Name: "f"}, -1); err != nil {
+		t.Fatal(err)
+	}
+	var first [1]byte
+	if _, err := io.ReadFull(c.nc, first[:]); err != nil { // the pool handle is on its way
+		t.Fatal(err)
+	}
+	pub, err := pr.ex.lookup("f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(testCtx(t))
+	cancel()
+	pushed := make(chan error, 1)
+	go func() { pushed <- p.push(ctx, pub) }()
+	select {
+	case err := <-pushed:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("push = %v, want context.Canceled", err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal("a grant behind a stuck pool handle ignored its ended context")
 	}
 }

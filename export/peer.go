@@ -36,8 +36,11 @@ type peer struct {
 	exitWait     context.Context
 	stopExitWait context.CancelFunc
 
-	poolMu sync.Mutex // held while a pool's handle is sent, so it goes once and first
-	sent   map[*pool.Pool]bool
+	// poolLock, a one-slot semaphore, is held while a pool's handle is sent, so that
+	// it goes once and first; waiting for it ends with the waiter's context, as a
+	// peer that stopped reading can hold it for as long as it likes.
+	poolLock chan struct{}
+	sent     map[*pool.Pool]bool
 
 	mu       sync.Mutex
 	issued   uint64 // lease counter: ids 1..issued were given out
@@ -143,7 +146,7 @@ func (ex *Exporter) handshake(nc net.Conn) (*peer, error) {
 	}()
 	c := newConn(nc, false)
 	nc.SetDeadline(time.Now().Add(ex.opts.handshake))
-	p := &peer{ex: ex, c: c, since: time.Now(), sent: map[*pool.Pool]bool{},
+	p := &peer{ex: ex, c: c, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: make(chan struct{}, 1),
 		leases: map[uint64]*grant{}, byBuffer: map[*pool.Buffer]*grant{}, release: map[int]cudart.Event{}}
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
 	if c.uc != nil {
@@ -413,8 +416,12 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (lease, error) {
 // pool's wire id.
 func (p *peer) sendPool(ctx context.Context, pl *pool.Pool) (uint64, error) {
 	id := p.ex.poolID(pl)
-	p.poolMu.Lock()
-	defer p.poolMu.Unlock()
+	select {
+	case p.poolLock <- struct{}{}:
+	case <-ctx.Done():
+		return 0, fmt.Errorf("export: send pool %s: %w", pl.Name(), ctx.Err())
+	}
+	defer func() { <-p.poolLock }()
 	if p.sent[pl] {
 		return id, nil
 	}
