@@ -14,10 +14,8 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"slices"
 	"strconv"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -36,65 +34,6 @@ const (
 	importBuffers = 1000
 )
 
-// measuredBatches is how many batches after the warm-up one give ns/op, as in cref.
-const measuredBatches = 15
-
-// batches times a benchmark loop in batches of n operations, so that it reports the
-// statistic bench/cref prints (see the top of this file). Medians keep a stray
-// descheduling or clock step out of the comparison with C.
-type batches struct {
-	n, done int
-	start   time.Time
-	perOp   []float64
-}
-
-func newBatches(n int) *batches { return &batches{n: n, start: time.Now()} }
-
-// full counts one operation and reports whether it ended a batch; the caller then
-// synchronizes and calls lap.
-func (bt *batches) full() bool {
-	bt.done++
-	return bt.done%bt.n == 0
-}
-
-func (bt *batches) lap() {
-	now := time.Now()
-	bt.perOp = append(bt.perOp, float64(now.Sub(bt.start).Nanoseconds())/float64(bt.n))
-	bt.start = now
-}
-
-// report replaces ns/op with the median of the measured batches and adds late-ns/op,
-// when b.Loop ran batches enough.
-func (bt *batches) report(b *testing.B) {
-	measured, late := summarize(bt.perOp)
-	if measured > 0 {
-		b.ReportMetric(measured, "ns/op")
-	}
-	if late > 0 {
-		b.ReportMetric(late, "late-ns/op")
-	}
-}
-
-// summarize is the median of the measured batches (after the first, at most
-// measuredBatches) and of the batches after those; 0 where there are none.
-func summarize(perOp []float64) (measured, late float64) {
-	if len(perOp) < 2 {
-		return 0, 0
-	}
-	end := min(len(perOp), 1+measuredBatches)
-	measured = median(perOp[1:end])
-	if end < len(perOp) {
-		late = median(perOp[end:])
-	}
-	return measured, late
-}
-
-func median(v []float64) float64 {
-	v = slices.Clone(v)
-	slices.Sort(v)
-	return v[len(v)/2]
-}
-
 // BenchmarkMallocFreePair is one cudaMallocFromPoolAsync and one cudaFreeAsync of the
 // same size on the same stream, from a pool that can be shared as a POSIX fd.
 func BenchmarkMallocFreePair(b *testing.B) {
@@ -107,7 +46,7 @@ func BenchmarkMallocFreePair(b *testing.B) {
 			f := newGPUFixture(b, rt, 0, ipcPool)
 			f.free(b, f.malloc(b, size.bytes)) // the pool reserves its memory once
 			b.ReportAllocs()
-			bt := newBatches(syncEvery)
+			bt := gputest.NewBatches(syncEvery)
 			for b.Loop() {
 				p, err := rt.MallocFromPoolAsync(0, size.bytes, f.pool, f.stream)
 				if err != nil {
@@ -116,12 +55,12 @@ func BenchmarkMallocFreePair(b *testing.B) {
 				if err := rt.FreeAsync(0, p, f.stream); err != nil {
 					b.Fatal(err)
 				}
-				if bt.full() {
+				if bt.Full() {
 					noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
-					bt.lap()
+					bt.Lap()
 				}
 			}
-			bt.report(b)
+			bt.Report(b)
 		})
 	}
 }
@@ -137,16 +76,16 @@ func BenchmarkExportPointer(b *testing.B) {
 	defer f.free(b, p)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, f.stream))
 	b.ReportAllocs()
-	bt := newBatches(exportsPerBatch)
+	bt := gputest.NewBatches(exportsPerBatch)
 	for b.Loop() {
 		if _, err := rt.MemPoolExportPointer(0, p); err != nil {
 			b.Fatal(err)
 		}
-		if bt.full() {
-			bt.lap()
+		if bt.Full() {
+			bt.Lap()
 		}
 	}
-	bt.report(b)
+	bt.Report(b)
 }
 
 // BenchmarkImportPointer is one cudaMemPoolImportPointer and one cudaFreeAsync of the
@@ -171,22 +110,22 @@ func BenchmarkImportPointer(b *testing.B) {
 	defer rt.StreamDestroy(0, s)
 
 	b.ReportAllocs()
-	bt := newBatches(importBuffers)
+	bt := gputest.NewBatches(importBuffers)
 	for b.Loop() {
-		p, err := rt.MemPoolImportPointer(0, pool, data[bt.done%importBuffers])
+		p, err := rt.MemPoolImportPointer(0, pool, data[bt.Done()%importBuffers])
 		if err != nil {
 			b.Fatal(err)
 		}
 		if err := rt.FreeAsync(0, p, s); err != nil {
 			b.Fatal(err)
 		}
-		if bt.full() {
+		if bt.Full() {
 			noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, s))
-			bt.lap()
+			bt.Lap()
 		}
 	}
 	b.StopTimer()
-	bt.report(b)
+	bt.Report(b)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, s))
 	// Every import is freed: the exporter may free its buffers now, by exiting.
 	if _, err := conn.Write([]byte{'k'}); err != nil {
@@ -247,7 +186,7 @@ func BenchmarkEventRecordWait(b *testing.B) {
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventIPC))
 	defer rt.EventDestroy(0, e)
 	b.ReportAllocs()
-	bt := newBatches(syncEvery)
+	bt := gputest.NewBatches(syncEvery)
 	for b.Loop() {
 		if err := rt.EventRecord(0, e, f.stream); err != nil {
 			b.Fatal(err)
@@ -255,12 +194,12 @@ func BenchmarkEventRecordWait(b *testing.B) {
 		if err := rt.StreamWaitEvent(0, waiter, e); err != nil {
 			b.Fatal(err)
 		}
-		if bt.full() {
+		if bt.Full() {
 			noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, waiter))
-			bt.lap()
+			bt.Lap()
 		}
 	}
 	b.StopTimer()
-	bt.report(b)
+	bt.Report(b)
 	noErr(b, "StreamSynchronize", rt.StreamSynchronize(0, waiter))
 }

@@ -2,10 +2,8 @@ package pool
 
 import (
 	"context"
-	"slices"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/gputest"
@@ -15,7 +13,7 @@ import (
 // stream, from a pool shared as a POSIX fd, on the real runtime. It is named after
 // bench/cref's loop of cudaMallocFromPoolAsync and cudaFreeAsync, which
 // scripts/gpu-check.sh prints beside it, and has its shape: a synchronize every
-// syncEvery pairs, and the median batch's time per pair reported as ns/op.
+// syncEvery pairs, and cref's statistic reported as ns/op (gputest.Batches).
 func BenchmarkMallocFreePair(b *testing.B) {
 	for _, size := range []struct {
 		name  string
@@ -38,8 +36,7 @@ const syncEvery = 10000
 // benchPairs times Alloc+Free pairs; see BenchmarkMallocFreePair.
 func benchPairs(b *testing.B, p *Pool, size uint64, s cudart.Stream) {
 	ctx := context.Background()
-	var perPair []float64
-	n, start := 0, time.Now()
+	bt := gputest.NewBatches(syncEvery)
 	b.ReportAllocs()
 	for b.Loop() {
 		buf, err := p.Alloc(ctx, size, s)
@@ -49,19 +46,15 @@ func benchPairs(b *testing.B, p *Pool, size uint64, s cudart.Stream) {
 		if err := p.Free(buf, s); err != nil {
 			b.Fatal(err)
 		}
-		if n++; n%syncEvery == 0 {
+		if bt.Full() {
 			if err := p.rt.StreamSynchronize(p.dev, s); err != nil {
 				b.Fatal(err)
 			}
-			now := time.Now()
-			perPair = append(perPair, float64(now.Sub(start).Nanoseconds())/syncEvery)
-			start = now
+			bt.Lap()
 		}
 	}
-	if len(perPair) >= 3 {
-		slices.Sort(perPair)
-		b.ReportMetric(perPair[len(perPair)/2], "ns/op")
-	}
+	b.StopTimer()
+	bt.Report(b)
 }
 
 // nullRuntime answers the calls of an Alloc+Free pair at once, so that a benchmark on
