@@ -342,59 +342,6 @@ func (p *Pool) closedError(op string) error {
 	return p.errorf("%s: %w", op, ErrClosed)
 }
 
-// releaseStream returns the stream deferred and shared frees are issued on, creating
-// it the first time.
-func (p *Pool) releaseStream() (cudart.Stream, error) {
-	p.relMu.Lock()
-	defer p.relMu.Unlock()
-	if p.relStream == 0 {
-		s, err := p.rt.StreamCreate(p.dev, cudart.StreamNonBlocking)
-		if err != nil {
-			return 0, p.errorf("creating the release stream: %w", err)
-		}
-		p.relStream = s
-	}
-	return p.relStream, nil
-}
-
-// takeEvent returns an idle event for ordering a free; putEvent gives it back. An
-// event may be reused as soon as a stream has been made to wait on it: the wait
-// captures the event's work when it is issued.
-func (p *Pool) takeEvent() (cudart.Event, error) {
-	p.mu.Lock()
-	if n := len(p.events); n > 0 {
-		e := p.events[n-1]
-		p.events = p.events[:n-1]
-		p.mu.Unlock()
-		return e, nil
-	}
-	p.mu.Unlock()
-	e, err := p.rt.EventCreate(p.dev, cudart.EventDisableTiming)
-	if err != nil {
-		return 0, p.errorf("creating an event: %w", err)
-	}
-	return e, nil
-}
-
-func (p *Pool) putEvent(e cudart.Event) {
-	p.mu.Lock()
-	p.events = append(p.events, e)
-	p.mu.Unlock()
-}
-
-// recordOn returns an event recorded on s, capturing the work queued on s so far.
-func (p *Pool) recordOn(s cudart.Stream) (cudart.Event, error) {
-	e, err := p.takeEvent()
-	if err != nil {
-		return 0, err
-	}
-	if err := p.rt.EventRecord(p.dev, e, s); err != nil {
-		p.putEvent(e)
-		return 0, p.errorf("recording an event on stream %#x: %w", uintptr(s), err)
-	}
-	return e, nil
-}
-
 // wakeWaiters tells Allocs waiting for memory that some came back.
 func (p *Pool) wakeWaiters() {
 	if p.waiting.Load() == 0 {

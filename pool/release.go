@@ -1,0 +1,144 @@
+package pool
+
+import (
+	"fmt"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// The deferred-free engine: a shared buffer goes back to the driver on the pool's
+// release stream, after its importers' completions and the work its freeing stream had
+// queued before Free.
+
+// releaseStream returns the stream deferred and shared frees are issued on, creating
+// it the first time.
+func (p *Pool) releaseStream() (cudart.Stream, error) {
+	p.relMu.Lock()
+	defer p.relMu.Unlock()
+	if p.relStream == 0 {
+		s, err := p.rt.StreamCreate(p.dev, cudart.StreamNonBlocking)
+		if err != nil {
+			return 0, p.errorf("creating the release stream: %w", err)
+		}
+		p.relStream = s
+	}
+	return p.relStream, nil
+}
+
+// takeEvent returns an idle event for ordering a free; putEvent gives it back. An
+// event may be reused as soon as a stream has been made to wait on it: the wait
+// captures the event's work when it is issued.
+func (p *Pool) takeEvent() (cudart.Event, error) {
+	p.mu.Lock()
+	if n := len(p.events); n > 0 {
+		e := p.events[n-1]
+		p.events = p.events[:n-1]
+		p.mu.Unlock()
+		return e, nil
+	}
+	p.mu.Unlock()
+	e, err := p.rt.EventCreate(p.dev, cudart.EventDisableTiming)
+	if err != nil {
+		return 0, p.errorf("creating an event: %w", err)
+	}
+	return e, nil
+}
+
+func (p *Pool) putEvent(e cudart.Event) {
+	p.mu.Lock()
+	p.events = append(p.events, e)
+	p.mu.Unlock()
+}
+
+// recordOn returns an event recorded on s, capturing the work queued on s so far.
+func (p *Pool) recordOn(s cudart.Stream) (cudart.Event, error) {
+	e, err := p.takeEvent()
+	if err != nil {
+		return 0, err
+	}
+	if err := p.rt.EventRecord(p.dev, e, s); err != nil {
+		p.putEvent(e)
+		return 0, p.errorf("recording an event on stream %#x: %w", uintptr(s), err)
+	}
+	return e, nil
+}
+
+// deferFree records the point reached on s for a leased buffer being freed, and
+// issues the free if its last lease ended meanwhile. Call inside the gate, with
+// b.state already bufFreeing and counted as a deferred free.
+func (p *Pool) deferFree(b *Buffer, s cudart.Stream) error {
+	ev, err := p.recordOn(s)
+	if err != nil {
+		p.mu.Lock()
+		b.state = bufLive
+		p.counts.deferredFrees--
+		p.mu.Unlock()
+		return p.errorf("free %v: %w", b, err)
+	}
+	p.mu.Lock()
+	release := b.leases == 0
+	if !release {
+		b.freeEvent = ev
+	}
+	p.mu.Unlock()
+	if release {
+		return p.releaseDeferred(b, ev)
+	}
+	return nil
+}
+
+// releaseDeferred issues the deferred free of b after ev. A failure is kept: b's
+// memory stays reserved, Stats counts it and Close reports it. Call inside the gate.
+func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
+	err := p.freeAfter(b, ev)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.counts.deferredFrees--
+	if err != nil {
+		b.state = bufFailed
+		err = p.errorf("%w: %v: %w", ErrFreeFailed, b, err)
+		p.failed = append(p.failed, err)
+		p.counts.failedFreeBytes += b.reserved
+		return err
+	}
+	b.state = bufFreed
+	p.forget(b)
+	p.freedLocked()
+	return nil
+}
+
+// freeShared frees a buffer that was leased before and has no live leases, on the
+// release stream after the point reached on s. On failure b is live again. Call
+// inside the gate with b.state bufFreeing.
+func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
+	ev, err := p.recordOn(s)
+	if err == nil {
+		err = p.freeAfter(b, ev)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err != nil {
+		b.state = bufLive
+		return p.errorf("free %v: %w", b, err)
+	}
+	b.state = bufFreed
+	p.forget(b)
+	p.freedLocked()
+	return nil
+}
+
+// freeAfter makes the release stream wait for ev, gives ev back, and frees b on the
+// release stream.
+func (p *Pool) freeAfter(b *Buffer, ev cudart.Event) error {
+	rel, err := p.releaseStream()
+	if err != nil {
+		p.putEvent(ev)
+		return err
+	}
+	err = p.rt.StreamWaitEvent(p.dev, rel, ev)
+	p.putEvent(ev)
+	if err != nil {
+		return fmt.Errorf("release stream waiting for the free's stream: %w", err)
+	}
+	return p.rt.FreeAsync(p.dev, b.ptr, rel)
+}
