@@ -418,6 +418,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -434,6 +435,9 @@ const (
 type library struct {
 	c    *C.cp_lib
 	name string
+	// contained is set once a call returned ErrContained: the driver fails every call
+	// after it (FACTS 14), and each such error says the context is lost.
+	contained atomic.Bool
 }
 
 func load(c *loadConfig) (Runtime, error) {
@@ -533,6 +537,10 @@ func (l *library) fail(op string, code C.cp_err, at C.int) error {
 		op = "cuDeviceGet (for " + op + ")"
 	}
 	e := NewError(op, Code(code))
+	if e.Code == ErrContained {
+		l.contained.Store(true)
+	}
+	e.ContextLost = l.contained.Load()
 	var name, text *C.char
 	if strings.HasPrefix(op, "cuda") {
 		name, text = C.cp_error_name(l.c, code), C.cp_error_string(l.c, code)

@@ -17,6 +17,7 @@ const (
 	ErrInitialization        Code = 3
 	ErrInsufficientDriver    Code = 35
 	ErrDevicesUnavailable    Code = 46
+	ErrContained             Code = 226
 	ErrNoDevice              Code = 100
 	ErrInvalidDevice         Code = 101
 	ErrInvalidResourceHandle Code = 400
@@ -34,6 +35,7 @@ var codeNames = map[Code][2]string{
 	ErrInitialization:        {"cudaErrorInitializationError", "initialization error"},
 	ErrInsufficientDriver:    {"cudaErrorInsufficientDriver", "CUDA driver version is insufficient for CUDA runtime version"},
 	ErrDevicesUnavailable:    {"cudaErrorDevicesUnavailable", "CUDA-capable device(s) is/are busy or unavailable"},
+	ErrContained:             {"cudaErrorContained", "Invalid access of peer GPU memory over nvlink or a hardware error"},
 	ErrNoDevice:              {"cudaErrorNoDevice", "no CUDA-capable device is detected"},
 	ErrInvalidDevice:         {"cudaErrorInvalidDevice", "invalid device ordinal"},
 	ErrInvalidResourceHandle: {"cudaErrorInvalidResourceHandle", "invalid resource handle"},
@@ -70,6 +72,10 @@ type Error struct {
 	Code Code
 	Name string
 	Text string
+	// ContextLost is set on every error the runtime returns once a call of this
+	// process failed with ErrContained: the failure is sticky (FACTS 14), whatever code
+	// the later calls return (ErrDevicesUnavailable on another device, for one).
+	ContextLost bool
 }
 
 // NewError is the error for call op returning code, named from cudapool's table.
@@ -78,11 +84,32 @@ func NewError(op string, code Code) *Error {
 }
 
 func (e *Error) Error() string {
-	return fmt.Sprintf("%s: %s (%d): %s", e.Op, e.Name, int32(e.Code), e.Text)
+	s := fmt.Sprintf("%s: %s (%d): %s", e.Op, e.Name, int32(e.Code), e.Text)
+	if e.lost() {
+		s += " (" + ErrContextLost.Error() + ")"
+	}
+	return s
 }
 
-// Unwrap returns the Code, so errors.Is(err, cudart.ErrInvalidValue) works.
-func (e *Error) Unwrap() error { return e.Code }
+func (e *Error) lost() bool { return e.ContextLost || e.Code == ErrContained }
+
+// Unwrap returns the Code, so errors.Is(err, cudart.ErrInvalidValue) works, and
+// ErrContextLost too for an error of a process whose context is lost.
+func (e *Error) Unwrap() []error {
+	if e.lost() {
+		return []error{e.Code, ErrContextLost}
+	}
+	return []error{e.Code}
+}
+
+// ErrContextLost means this process's CUDA context is lost: a call failed with
+// ErrContained (a peer GPU's memory became unreachable, typically because the
+// process that owned it died while this one read it from another GPU, FACTS 14, or
+// a hardware error), and the driver fails every later call of the process. Nothing
+// short of a new process recovers: save what host state you need and restart. Every
+// *Error with code ErrContained, and every error the runtime returns after one,
+// wraps it.
+var ErrContextLost = errors.New("cudart: this process's CUDA context is lost; every CUDA call will fail: restart the process")
 
 // ErrNoRuntime means no usable CUDA runtime could be loaded: no library, a library
 // without a symbol cudapool needs, or a build without cgo.

@@ -9,7 +9,11 @@
 //   - a stream, event or pool must be used with its own device current, else
 //     cudaErrorInvalidResourceHandle (400): a binding that set the device on one
 //     thread and called on another fails here;
-//   - device memory is host memory, so copies and sets really move bytes.
+//   - device memory is host memory, so copies and sets really move bytes;
+//   - a memset to the value CONTAIN (226) stands for a read of a dead peer's memory
+//     over NVLink: it fails with cudaErrorContained, and from then on every call fails,
+//     with 226 on that device and 46 (cudaErrorDevicesUnavailable) on the others, as
+//     measured (FACTS 14).
 // Compile with -DOMIT_<name> to leave out cudaFreeAsync or cudaMemPoolExportPointer.
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -25,7 +29,15 @@ enum {
 	INVALID_DEVICE = 101,
 	INVALID_HANDLE = 400,
 	NOT_READY = 600,
+	DEVICES_UNAVAILABLE = 46,
+	CONTAINED = 226,
 };
+enum { CONTAIN = 226 };
+
+// contained is the device whose context a CONTAIN memset lost, -1 while none has.
+static int contained = -1;
+#define STICKY(d) \
+	if (contained >= 0) return (d) == contained ? CONTAINED : DEVICES_UNAVAILABLE
 enum { STREAM_MAGIC = 0x57AEA111, EVENT_MAGIC = 0xE7E27222, POOL_MAGIC = 0x9001F333 };
 
 static __thread int cur;
@@ -42,11 +54,13 @@ static void unlock(int *unused) {
 
 #define ON_CURRENT() \
 	LOCK(); \
-	if (cur == POISONED) return poison(__func__)
+	if (cur == POISONED) return poison(__func__); \
+	STICKY(cur)
 
 #define CHECK_DEVICE(d) \
 	if ((d) < 0 || (d) >= NDEV) return INVALID_DEVICE; \
-	if ((d) == POISONED) return poison(__func__)
+	if ((d) == POISONED) return poison(__func__); \
+	STICKY(d)
 
 typedef struct {
 	unsigned magic;
@@ -535,6 +549,10 @@ int cudaMemsetAsync(void *dst, int value, size_t n, void *s) {
 	ON_CURRENT();
 	if (!as_stream(s)) return INVALID_HANDLE;
 	if (!find(dst, n)) return INVALID_VALUE;
+	if (value == CONTAIN) {
+		contained = cur;
+		return CONTAINED;
+	}
 	memset(dst, value, n);
 	return SUCCESS;
 }
