@@ -151,11 +151,7 @@ func benchExporterMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	rt, err := cudart.Load()
-	if err != nil {
-		return fail(err)
-	}
-	conn, err := parentConn()
+	rt, conn, err := childStart()
 	if err != nil {
 		return fail(err)
 	}

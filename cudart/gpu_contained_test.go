@@ -121,11 +121,7 @@ func runF14(t *testing.T, name string) []string {
 // to be killed.
 func f14ProducerMain(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "f14 producer:", err); return 1 }
-	rt, err := cudart.Load()
-	if err != nil {
-		return fail(err)
-	}
-	conn, err := parentConn()
+	rt, conn, err := childStart()
 	if err != nil {
 		return fail(err)
 	}

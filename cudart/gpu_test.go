@@ -547,12 +547,22 @@ func (c *childChecks) status() int {
 	return 0
 }
 
-func childSetup(msgSize int) (cudart.Runtime, *net.UnixConn, []byte, int, error) {
+// childStart is what every child of a GPU pair does first: load the real runtime and
+// take its end of the parent's socket.
+func childStart() (cudart.Runtime, *net.UnixConn, error) {
 	rt, err := cudart.Load()
 	if err != nil {
-		return nil, nil, nil, -1, err
+		return nil, nil, err
 	}
 	conn, err := parentConn()
+	if err != nil {
+		return nil, nil, err
+	}
+	return rt, conn, nil
+}
+
+func childSetup(msgSize int) (cudart.Runtime, *net.UnixConn, []byte, int, error) {
+	rt, conn, err := childStart()
 	if err != nil {
 		return nil, nil, nil, -1, err
 	}
@@ -700,12 +710,7 @@ func TestGPUExporterDiesFirst(t *testing.T) {
 // dyingExporterMain writes pattern 5 into a buffer, sends its pool and export data,
 // and, once told to, exits with the buffer still allocated.
 func dyingExporterMain([]string) int {
-	rt, err := cudart.Load()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "child:", err)
-		return 1
-	}
-	conn, err := parentConn()
+	rt, conn, err := childStart()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 1
