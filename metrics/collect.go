@@ -1,0 +1,190 @@
+package metrics
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// NewExporterCollector returns a collector of ex's State at each scrape: the exporter,
+// the pools it publishes buffers of and its peers. A State that fails is a collection
+// error of that scrape.
+func NewExporterCollector(ex *export.Exporter) prometheus.Collector { return exporterCollector{ex} }
+
+type exporterCollector struct{ ex *export.Exporter }
+
+func (c exporterCollector) Describe(ch chan<- *prometheus.Desc) {
+	describe(ch, exporterDescs, poolDescs, peerDescs)
+}
+
+func (c exporterCollector) Collect(ch chan<- prometheus.Metric) {
+	st, err := c.ex.State()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(exporterInfo, err)
+		return
+	}
+	collectState(ch, st)
+}
+
+// Target is one exporter as a scrape found it: its State, or nil when it could not be
+// asked (announced but dead, refused, timed out).
+type Target struct {
+	Name   string // the name it announced
+	Socket string
+	State  *export.State
+}
+
+// NewTargetCollector returns a collector that calls targets at each scrape and reports
+// every exporter it returns: cudapool_exporter_up for each, and the figures of those
+// with a State. An error from targets (the exporters could not be listed) is a
+// collection error of that scrape. targets runs once per scrape, and scrapes may
+// overlap: it must bound its own time, as a scrape waits for it.
+func NewTargetCollector(targets func() ([]Target, error)) prometheus.Collector {
+	return targetCollector(targets)
+}
+
+type targetCollector func() ([]Target, error)
+
+func (c targetCollector) Describe(ch chan<- *prometheus.Desc) {
+	describe(ch, []*prometheus.Desc{exporterUp}, exporterDescs, poolDescs, peerDescs)
+}
+
+func (c targetCollector) Collect(ch chan<- prometheus.Metric) {
+	targets, err := c()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(exporterUp, err)
+		return
+	}
+	for _, t := range targets {
+		name, socket, up := t.Name, t.Socket, 0.0
+		if t.State != nil {
+			// The exporter's own word: the socket as an absolute path.
+			name, socket, up = t.State.Name, t.State.Socket, 1
+			collectState(ch, t.State)
+		}
+		send(ch, exporterUp, up, []string{name, socket})
+	}
+}
+
+// StatsSource is what NewPoolCollector reads: *pool.Pool, or anything that wraps one.
+type StatsSource interface {
+	Stats() (pool.Stats, error)
+}
+
+// NewPoolCollector returns a collector of the pools' Stats at each scrape, for pools
+// that no Exporter in the registry reports already (one reports the pools it publishes
+// buffers of). Their exporter and socket labels are empty, and each pool's pool_id is
+// its position among the arguments, from 1. A pool whose Stats fail is left out.
+func NewPoolCollector(pools ...StatsSource) prometheus.Collector { return poolCollector(pools) }
+
+type poolCollector []StatsSource
+
+func (c poolCollector) Describe(ch chan<- *prometheus.Desc) { describe(ch, poolDescs) }
+
+func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
+	for i, p := range c {
+		s, err := p.Stats()
+		if err != nil {
+			continue
+		}
+		collectPool(ch, []string{"", "", s.Name, strconv.Itoa(i + 1), strconv.Itoa(s.Device)}, poolFigures{
+			handleType: s.HandleType.String(), max: s.MaxSize,
+			reserved: s.ReservedCurrent, reservedHigh: s.ReservedHigh, used: s.UsedCurrent, usedHigh: s.UsedHigh,
+			rounding: s.RoundingOverhead(), buffers: s.LiveBuffers, shared: s.SharedBuffers, leases: s.ActiveLeases,
+			deferred: s.DeferredFrees, failed: s.FailedFrees,
+		})
+	}
+}
+
+// collectState sends the figures of one exporter's State.
+func collectState(ch chan<- prometheus.Metric, st *export.State) {
+	ex := []string{st.Name, st.Socket}
+	var publishedBytes uint64
+	for _, n := range st.Published {
+		publishedBytes += n.Size
+	}
+	send(ch, exporterInfo, 1, ex, strconv.Itoa(st.PID))
+	if !st.Started.IsZero() {
+		send(ch, exporterStart, seconds(st.Started.UnixNano()), ex)
+	}
+	send(ch, exporterPublished, float64(len(st.Published)), ex)
+	send(ch, exporterPublishedBytes, float64(publishedBytes), ex)
+	send(ch, exporterPeers, float64(len(st.Peers)), ex)
+
+	for _, p := range st.Pools {
+		if p.Error != "" {
+			continue // the figures are those that could be read before the failure
+		}
+		collectPool(ch, append(ex[:2:2], p.Name, strconv.FormatUint(p.ID, 10), strconv.Itoa(p.Device)), poolFigures{
+			handleType: p.HandleType, max: p.MaxSize,
+			reserved: p.ReservedCurrent, reservedHigh: p.ReservedHigh, used: p.UsedCurrent, usedHigh: p.UsedHigh,
+			rounding: p.RoundingOverhead, buffers: p.BuffersLive, shared: p.BuffersShared, leases: p.ActiveLeases,
+			deferred: p.DeferredFrees, failed: p.FailedFrees,
+		})
+	}
+
+	for _, p := range st.Peers {
+		labels := append(ex[:2:2], strconv.Itoa(p.PID))
+		command := ""
+		if info, err := peercred.Lookup(p.PID); err == nil && !p.Remote {
+			command = info.Command
+		}
+		send(ch, peerInfo, 1, labels, strconv.FormatUint(uint64(p.UID), 10), strconv.FormatUint(uint64(p.GID), 10),
+			p.Device, strconv.FormatBool(p.Remote), command)
+		send(ch, peerLeases, float64(p.Leases), labels)
+		send(ch, peerGrants, float64(p.Grants), labels)
+		send(ch, peerLeasedBytes, float64(p.BytesLeased), labels)
+		send(ch, peerConnectTime, seconds(p.ConnectedSince.UnixNano()), labels)
+		send(ch, peerAwaitingExit, boolean(p.AwaitingExit), labels)
+	}
+}
+
+// poolFigures are one pool's figures, from an exporter's State or from pool.Stats.
+type poolFigures struct {
+	handleType                                            string
+	max, reserved, reservedHigh, used, usedHigh, rounding uint64
+	buffers, shared, leases, deferred, failed             int
+}
+
+// collectPool sends one pool's figures under labels (poolLabels' values).
+func collectPool(ch chan<- prometheus.Metric, labels []string, f poolFigures) {
+	send(ch, poolInfo, 1, labels, f.handleType)
+	if f.max > 0 {
+		send(ch, poolMax, float64(f.max), labels)
+	}
+	for _, g := range []struct {
+		desc  *prometheus.Desc
+		value float64
+	}{
+		{poolReserved, float64(f.reserved)}, {poolReservedHigh, float64(f.reservedHigh)},
+		{poolUsed, float64(f.used)}, {poolUsedHigh, float64(f.usedHigh)}, {poolRounding, float64(f.rounding)},
+		{poolBuffers, float64(f.buffers)}, {poolShared, float64(f.shared)}, {poolLeases, float64(f.leases)},
+		{poolDeferred, float64(f.deferred)}, {poolFailed, float64(f.failed)},
+	} {
+		send(ch, g.desc, g.value, labels)
+	}
+}
+
+// send sends one gauge. Label values come from other processes (names, UUIDs), so
+// bytes that are not UTF-8, which Prometheus refuses, are replaced.
+func send(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels []string, extra ...string) {
+	values := append(labels[:len(labels):len(labels)], extra...)
+	for i, s := range values {
+		values[i] = strings.ToValidUTF8(s, "\uFFFD")
+	}
+	ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, values...)
+}
+
+func seconds(unixNano int64) float64 { return float64(unixNano) / 1e9 }
+
+func boolean(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

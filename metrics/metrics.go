@@ -1,0 +1,129 @@
+// Package metrics owns cudapool's Prometheus metrics: collectors that turn an
+// exporter's State (export.State) and a pool's figures (pool.Stats) into metrics named
+// by Prometheus's conventions, at each scrape, with no state of their own.
+//
+// Three collectors cover the three places the figures live:
+//
+//	NewExporterCollector(ex)  an Exporter in this process, read through ex.State
+//	NewPoolCollector(pools)   pools in this process, read through their Stats
+//	NewTargetCollector(fn)    exporters asked over their sockets, as poolstat -serve does
+//
+// Register them with a prometheus.Registerer and serve it with promhttp. Every metric
+// is a gauge named cudapool_<subject>_<what>[_<unit>]: each figure is a current value
+// or a high-water mark that the exporter or pool keeps, not a count this package
+// accumulates, so no _total counter appears. Series of one exporter carry its
+// announced name and its socket (the socket tells exporters of one host apart); a
+// pool's also its id and device, a peer's its pid.
+//
+// A scrape reads each figure once, one exporter and pool after another, not at one
+// instant. A pool whose Stats fail (closed, or the driver would not answer) is left
+// out of that scrape; an exporter that cannot be asked is reported with
+// cudapool_exporter_up 0 by the target collector, and as a collection error by the
+// in-process one.
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// The label names, shared by every metric of one subject.
+const (
+	labelExporter   = "exporter"    // the name the exporter announced (export.WithName)
+	labelSocket     = "socket"      // the exporter's socket: its identity on the host
+	labelPool       = "pool"        // the pool's name
+	labelPoolID     = "pool_id"     // the exporter's id for the pool, unique within it
+	labelDevice     = "device"      // the pool's device ordinal
+	labelHandleType = "handle_type" // how the pool is shared
+	labelPID        = "pid"         // the exporter's process
+	labelPeer       = "peer"        // a peer's pid, as the exporter's host sees it
+	labelUID        = "uid"
+	labelGID        = "gid"
+	labelPeerDevice = "peer_device" // the UUID of the device the peer imports to
+	labelRemote     = "remote"      // "true" for a peer on a byte stream (FABRIC)
+	labelCommand    = "command"     // the peer's command name, when this host shows it
+)
+
+var (
+	exporterLabels = []string{labelExporter, labelSocket}
+	poolLabels     = []string{labelExporter, labelSocket, labelPool, labelPoolID, labelDevice}
+	peerLabels     = []string{labelExporter, labelSocket, labelPeer}
+)
+
+func gauge(name, help string, labels []string, extra ...string) *prometheus.Desc {
+	return prometheus.NewDesc("cudapool_"+name, help, append(labels[:len(labels):len(labels)], extra...), nil)
+}
+
+// Exporter metrics.
+var (
+	exporterUp = gauge("exporter_up",
+		"1 when the exporter answered its state at this scrape, 0 when it is announced but dead or did not answer.", exporterLabels)
+	exporterInfo = gauge("exporter_info",
+		"Always 1; its labels say which process the exporter runs in.", exporterLabels, labelPID)
+	exporterStart = gauge("exporter_start_time_seconds",
+		"When the exporter started listening, in seconds since the Unix epoch.", exporterLabels)
+	exporterPublished = gauge("exporter_published_buffers",
+		"Buffers published under a name.", exporterLabels)
+	exporterPublishedBytes = gauge("exporter_published_bytes",
+		"Size of the buffers published under a name.", exporterLabels)
+	exporterPeers = gauge("exporter_peers",
+		"Peers that take leases: connected, or hung up and awaiting their exit.", exporterLabels)
+)
+
+// Pool metrics.
+var (
+	poolInfo = gauge("pool_info",
+		"Always 1; its labels say how the pool is shared.", poolLabels, labelHandleType)
+	poolMax = gauge("pool_max_bytes",
+		"The most the pool may reserve (pool.WithMaxSize); absent when it has no limit.", poolLabels)
+	poolReserved = gauge("pool_reserved_bytes",
+		"Memory the driver holds for the pool.", poolLabels)
+	poolReservedHigh = gauge("pool_reserved_high_water_bytes",
+		"The most the driver held for the pool since it was created or its marks reset.", poolLabels)
+	poolUsed = gauge("pool_used_bytes",
+		"Memory of the pool that allocations use, as the driver counts it.", poolLabels)
+	poolUsedHigh = gauge("pool_used_high_water_bytes",
+		"The most memory of the pool allocations used since it was created or its marks reset.", poolLabels)
+	poolRounding = gauge("pool_rounding_overhead_bytes",
+		"Memory the live buffers hold beyond what they asked for (rounding to the granularity).", poolLabels)
+	poolBuffers = gauge("pool_buffers",
+		"Buffers not yet returned to the driver: live, waiting on leases to be freed, or whose free failed.", poolLabels)
+	poolShared = gauge("pool_shared_buffers",
+		"Buffers with at least one live lease.", poolLabels)
+	poolLeases = gauge("pool_leases",
+		"Live leases on the pool's buffers.", poolLabels)
+	poolDeferred = gauge("pool_deferred_frees",
+		"Buffers freed while leased, waiting for their last lease to end.", poolLabels)
+	poolFailed = gauge("pool_failed_frees",
+		"Deferred frees that failed; their memory stays reserved until the pool closes.", poolLabels)
+)
+
+// Peer metrics.
+var (
+	peerInfo = gauge("peer_info",
+		"Always 1; its labels say who the peer is.", peerLabels, labelUID, labelGID, labelPeerDevice, labelRemote, labelCommand)
+	peerLeases = gauge("peer_leases",
+		"Buffers the peer holds a lease on.", peerLabels)
+	peerGrants = gauge("peer_grants",
+		"Opens behind the peer's leases.", peerLabels)
+	peerLeasedBytes = gauge("peer_leased_bytes",
+		"Size of the buffers the peer holds a lease on.", peerLabels)
+	peerConnectTime = gauge("peer_connect_time_seconds",
+		"When the peer connected, in seconds since the Unix epoch.", peerLabels)
+	peerAwaitingExit = gauge("peer_awaiting_exit",
+		"1 for a peer that hung up without Bye while its process lives on: its leases are kept until it exits.", peerLabels)
+)
+
+var (
+	exporterDescs = []*prometheus.Desc{exporterInfo, exporterStart, exporterPublished, exporterPublishedBytes, exporterPeers}
+	poolDescs     = []*prometheus.Desc{poolInfo, poolMax, poolReserved, poolReservedHigh, poolUsed, poolUsedHigh, poolRounding,
+		poolBuffers, poolShared, poolLeases, poolDeferred, poolFailed}
+	peerDescs = []*prometheus.Desc{peerInfo, peerLeases, peerGrants, peerLeasedBytes, peerConnectTime, peerAwaitingExit}
+)
+
+func describe(ch chan<- *prometheus.Desc, sets ...[]*prometheus.Desc) {
+	for _, set := range sets {
+		for _, d := range set {
+			ch <- d
+		}
+	}
+}

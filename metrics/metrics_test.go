@@ -1,0 +1,227 @@
+package metrics_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/metrics"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// sharing is an exporter publishing two buffers of one pool, and a consumer (a second
+// software device, which acts as a second process) holding a lease on one of them.
+type sharing struct {
+	rt     *cudarttest.Device
+	pool   *pool.Pool
+	ex     *export.Exporter
+	socket string
+	imp    *export.Importer
+}
+
+func newSharing(t *testing.T) *sharing {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	dir, err := os.MkdirTemp("", "cpm") // short: a socket path must fit in 108 bytes
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+
+	rt := cudarttest.New()
+	t.Cleanup(func() { rt.Close() })
+	p, err := pool.New(rt, 0, pool.WithName("kv"), pool.WithMaxSize(16<<20))
+	require.NoError(t, err)
+	socket := filepath.Join(dir, "x.sock")
+	ex, err := export.Listen(socket, rt, export.WithoutAnnounce(), export.WithName("test-exporter"))
+	require.NoError(t, err)
+	t.Cleanup(func() { ex.Close(ctx); p.Close(ctx) })
+	// 3 MiB rounds up to 4 MiB in a 2 MiB-granular pool: 1 MiB of rounding overhead.
+	for name, size := range map[string]uint64{"alpha": 4 << 20, "beta": 3 << 20} {
+		buf, err := p.Alloc(ctx, size, 0)
+		require.NoError(t, err)
+		require.NoError(t, ex.Publish(ctx, name, buf, 0))
+	}
+
+	consumer := cudarttest.New()
+	t.Cleanup(func() { consumer.Close() })
+	imp, err := export.Dial(ctx, socket, consumer, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { imp.Close(ctx) })
+	_, err = imp.Open(ctx, "alpha", 0)
+	require.NoError(t, err)
+	return &sharing{rt: rt, pool: p, ex: ex, socket: socket, imp: imp}
+}
+
+// The figures that do not change from run to run, as Prometheus's text format shows them.
+func stableFigures(socket string) string {
+	return strings.NewReplacer("SOCKET", socket).Replace(`
+# HELP cudapool_exporter_peers Peers that take leases: connected, or hung up and awaiting their exit.
+# TYPE cudapool_exporter_peers gauge
+cudapool_exporter_peers{exporter="test-exporter",socket="SOCKET"} 1
+# HELP cudapool_exporter_published_buffers Buffers published under a name.
+# TYPE cudapool_exporter_published_buffers gauge
+cudapool_exporter_published_buffers{exporter="test-exporter",socket="SOCKET"} 2
+# HELP cudapool_exporter_published_bytes Size of the buffers published under a name.
+# TYPE cudapool_exporter_published_bytes gauge
+cudapool_exporter_published_bytes{exporter="test-exporter",socket="SOCKET"} 7.340032e+06
+# HELP cudapool_pool_info Always 1; its labels say how the pool is shared.
+# TYPE cudapool_pool_info gauge
+cudapool_pool_info{device="0",exporter="test-exporter",handle_type="posix-fd",pool="kv",pool_id="1",socket="SOCKET"} 1
+# HELP cudapool_pool_max_bytes The most the pool may reserve (pool.WithMaxSize); absent when it has no limit.
+# TYPE cudapool_pool_max_bytes gauge
+cudapool_pool_max_bytes{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 1.6777216e+07
+# HELP cudapool_pool_rounding_overhead_bytes Memory the live buffers hold beyond what they asked for (rounding to the granularity).
+# TYPE cudapool_pool_rounding_overhead_bytes gauge
+cudapool_pool_rounding_overhead_bytes{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 1.048576e+06
+# HELP cudapool_pool_buffers Buffers not yet returned to the driver: live, waiting on leases to be freed, or whose free failed.
+# TYPE cudapool_pool_buffers gauge
+cudapool_pool_buffers{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 2
+# HELP cudapool_pool_shared_buffers Buffers with at least one live lease.
+# TYPE cudapool_pool_shared_buffers gauge
+cudapool_pool_shared_buffers{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 1
+# HELP cudapool_pool_leases Live leases on the pool's buffers.
+# TYPE cudapool_pool_leases gauge
+cudapool_pool_leases{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 1
+# HELP cudapool_pool_deferred_frees Buffers freed while leased, waiting for their last lease to end.
+# TYPE cudapool_pool_deferred_frees gauge
+cudapool_pool_deferred_frees{device="0",exporter="test-exporter",pool="kv",pool_id="1",socket="SOCKET"} 0
+# HELP cudapool_peer_leases Buffers the peer holds a lease on.
+# TYPE cudapool_peer_leases gauge
+cudapool_peer_leases{exporter="test-exporter",peer="PID",socket="SOCKET"} 1
+# HELP cudapool_peer_leased_bytes Size of the buffers the peer holds a lease on.
+# TYPE cudapool_peer_leased_bytes gauge
+cudapool_peer_leased_bytes{exporter="test-exporter",peer="PID",socket="SOCKET"} 4.194304e+06
+`)
+}
+
+var stableNames = []string{
+	"cudapool_exporter_peers", "cudapool_exporter_published_buffers", "cudapool_exporter_published_bytes",
+	"cudapool_pool_info", "cudapool_pool_max_bytes", "cudapool_pool_rounding_overhead_bytes", "cudapool_pool_buffers",
+	"cudapool_pool_shared_buffers", "cudapool_pool_leases", "cudapool_pool_deferred_frees",
+	"cudapool_peer_leases", "cudapool_peer_leased_bytes",
+}
+
+func expected(socket string) *strings.Reader {
+	return strings.NewReader(strings.ReplaceAll(stableFigures(socket), `peer="PID"`, fmt.Sprintf(`peer="%d"`, os.Getpid())))
+}
+
+func TestExporterCollector(t *testing.T) {
+	s := newSharing(t)
+	c := metrics.NewExporterCollector(s.ex)
+	require.NoError(t, testutil.CollectAndCompare(c, expected(s.socket), stableNames...))
+
+	// The figures that change from run to run: checked for sense, not equality.
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c), "a collector whose metrics do not match its descriptions")
+	st, err := s.ex.State()
+	require.NoError(t, err)
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	got := map[string]float64{}
+	labels := map[string]map[string]string{}
+	for _, f := range families {
+		m := f.GetMetric()[0]
+		got[f.GetName()] = m.GetGauge().GetValue()
+		labels[f.GetName()] = map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[f.GetName()][l.GetName()] = l.GetValue()
+		}
+	}
+	assert.InDelta(t, float64(st.Started.UnixNano())/1e9, got["cudapool_exporter_start_time_seconds"], 1e-3)
+	assert.InDelta(t, float64(st.Peers[0].ConnectedSince.UnixNano())/1e9, got["cudapool_peer_connect_time_seconds"], 1e-3)
+	assert.Equal(t, fmt.Sprint(os.Getpid()), labels["cudapool_exporter_info"]["pid"])
+	me, err := peercred.Lookup(os.Getpid())
+	require.NoError(t, err)
+	assert.Equal(t, map[string]string{"exporter": "test-exporter", "socket": s.socket, "peer": fmt.Sprint(os.Getpid()),
+		"uid": fmt.Sprint(os.Getuid()), "gid": fmt.Sprint(os.Getgid()), "peer_device": st.Peers[0].Device,
+		"remote": "false", "command": me.Command}, labels["cudapool_peer_info"])
+	assert.GreaterOrEqual(t, got["cudapool_pool_reserved_bytes"], float64(8<<20), "two buffers of 4 MiB reserved")
+	assert.GreaterOrEqual(t, got["cudapool_pool_reserved_high_water_bytes"], got["cudapool_pool_reserved_bytes"])
+	assert.GreaterOrEqual(t, got["cudapool_pool_used_high_water_bytes"], got["cudapool_pool_used_bytes"])
+	assert.Zero(t, got["cudapool_peer_awaiting_exit"])
+}
+
+// The names follow Prometheus's conventions, as its own linter reads them.
+func TestLint(t *testing.T) {
+	s := newSharing(t)
+	for _, c := range []prometheus.Collector{
+		metrics.NewExporterCollector(s.ex),
+		metrics.NewPoolCollector(s.pool),
+		metrics.NewTargetCollector(func() ([]metrics.Target, error) {
+			return []metrics.Target{{Name: "gone", Socket: "/nowhere"}}, nil
+		}),
+	} {
+		problems, err := testutil.CollectAndLint(c)
+		require.NoError(t, err)
+		assert.Empty(t, problems)
+	}
+}
+
+func TestTargetCollector(t *testing.T) {
+	s := newSharing(t)
+	st, err := s.ex.State()
+	require.NoError(t, err)
+	c := metrics.NewTargetCollector(func() ([]metrics.Target, error) {
+		return []metrics.Target{{Name: "test-exporter", Socket: s.socket, State: st}, {Name: "dead\xff", Socket: "/run/gone.sock"}}, nil
+	})
+	want := `
+# HELP cudapool_exporter_up 1 when the exporter answered its state at this scrape, 0 when it is announced but dead or did not answer.
+# TYPE cudapool_exporter_up gauge
+cudapool_exporter_up{exporter="dead�",socket="/run/gone.sock"} 0
+cudapool_exporter_up{exporter="test-exporter",socket="SOCKET"} 1
+`
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(strings.ReplaceAll(want, "SOCKET", s.socket)+stableFigures(s.socket)[1:]),
+		append(stableNames[:3:3], "cudapool_exporter_up")...))
+	// A dead exporter has only its up series.
+	assert.Equal(t, 1+len(st.Pools)*12+len(st.Peers)*6+5+1, testutil.CollectAndCount(c))
+
+	// Exporters that cannot be listed fail the scrape rather than show an empty host.
+	broken := metrics.NewTargetCollector(func() ([]metrics.Target, error) { return nil, errors.New("unreadable directory") })
+	reg := prometheus.NewRegistry()
+	require.NoError(t, reg.Register(broken))
+	_, err = reg.Gather()
+	assert.ErrorContains(t, err, "unreadable directory")
+}
+
+func TestPoolCollector(t *testing.T) {
+	s := newSharing(t)
+	other, err := pool.New(s.rt, 0, pool.WithName("scratch"), pool.WithHandleType(cudart.HandleTypeNone))
+	require.NoError(t, err)
+	c := metrics.NewPoolCollector(s.pool, other, failing{})
+	want := `
+# HELP cudapool_pool_leases Live leases on the pool's buffers.
+# TYPE cudapool_pool_leases gauge
+cudapool_pool_leases{device="0",exporter="",pool="kv",pool_id="1",socket=""} 1
+cudapool_pool_leases{device="0",exporter="",pool="scratch",pool_id="2",socket=""} 0
+# HELP cudapool_pool_info Always 1; its labels say how the pool is shared.
+# TYPE cudapool_pool_info gauge
+cudapool_pool_info{device="0",exporter="",handle_type="posix-fd",pool="kv",pool_id="1",socket=""} 1
+cudapool_pool_info{device="0",exporter="",handle_type="none",pool="scratch",pool_id="2",socket=""} 1
+`
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "cudapool_pool_leases", "cudapool_pool_info"))
+	// Without a limit the pool has no max series; the failing source has none at all.
+	assert.Equal(t, 1, testutil.CollectAndCount(c, "cudapool_pool_max_bytes"))
+
+	_, err = other.Close(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, 1, testutil.CollectAndCount(c, "cudapool_pool_info"), "a closed pool is left out")
+}
+
+// failing is a pool whose Stats always fail.
+type failing struct{}
+
+func (failing) Stats() (pool.Stats, error) { return pool.Stats{}, errors.New("no stats") }
