@@ -1,32 +1,47 @@
 // Command poolstat shows how GPU memory is shared on this host, the way nvidia-smi shows
 // how it is used: every cudapool exporter, its pools with the driver's figures, the names
-// it publishes, and each consumer process with the leases it holds.
+// it publishes, and each consumer process (pid and command name) with the leases it holds.
 //
 //	poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]
+//	poolstat -serve ADDR [-dir DIR | -socket PATH] [-timeout D]
+//	poolstat -version
 //
 // Exporters announce themselves in one directory ($CUDAPOOL_DIR, else
 // $XDG_RUNTIME_DIR/cudapool, else cudapool-<uid> in the system temp directory); -dir
-// looks elsewhere and -socket asks one exporter only. Each is asked for its state over
-// its own socket, under its own admission policy, with a read-only request. An announced
-// exporter whose process is gone or whose socket refuses connections is shown as dead,
-// never as live; -clean removes such announcements.
+// looks elsewhere (it must exist) and -socket asks one exporter only, saying what is
+// wrong with a path that leads to none. Each is asked for its state over its own
+// socket, under its own admission policy, with a read-only request, at most 16 at once.
+// An announced exporter whose process is gone or whose socket refuses connections is
+// shown as dead, never as live; -clean removes such an announcement only once the
+// exporter is dead beyond doubt (its socket refuses connections and its process is
+// gone), never a live process's.
 //
-// -json prints a Report (see Report for the schema) instead of the table; with -watch
-// it prints one Report per line. -watch redraws every INTERVAL until Ctrl-C.
+// -json prints a Report, whose schema is report.schema.json beside this file; with
+// -watch it prints one Report per line. -watch redraws every INTERVAL (a duration, or
+// a number of seconds) until Ctrl-C. -serve answers Prometheus scrapes at
+// http://ADDR/metrics with the figures of every exporter (package metrics names them),
+// taking a fresh look at each scrape.
 //
 // Exit status: 0 when poolstat reached every exporter it lists (dead ones removed by
-// -clean count as reached, and so does an empty list), 1 otherwise, 2 for a bad command
-// line.
+// -clean count as reached, and so does an empty list), and for -h, -version and a
+// -serve ended by Ctrl-C; 1 otherwise; 2 for a bad command line, a -dir that is not a
+// directory included.
 package main
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
+	"math"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -44,47 +59,140 @@ func main() {
 
 // run is poolstat with its arguments and output streams; it returns the exit status.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("poolstat", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	flags := flag.NewFlagSet("poolstat", flag.ContinueOnError)
+	flags.SetOutput(stderr)
+	flags.Usage = func() {} // printed below, to stdout when asked for with -h
 	var l looker
-	fs.StringVar(&l.dir, "dir", export.DefaultDir(), "the announce directory to look in")
-	fs.StringVar(&l.socket, "socket", "", "ask only the exporter on this Unix socket")
-	fs.BoolVar(&l.clean, "clean", false, "remove the announcements of dead exporters")
-	fs.DurationVar(&l.timeout, "timeout", 5*time.Second, "how long to wait for each exporter's answer")
-	asJSON := fs.Bool("json", false, "print a JSON report (stable schema) instead of the table")
-	every := fs.Duration("watch", 0, "redraw every `INTERVAL` (e.g. 2s) until Ctrl-C")
-	if err := fs.Parse(args); err != nil {
+	every := interval(0)
+	flags.StringVar(&l.dir, "dir", export.DefaultDir(), "the announce directory to look in")
+	flags.StringVar(&l.socket, "socket", "", "ask only the exporter on this Unix socket")
+	flags.BoolVar(&l.clean, "clean", false, "remove the announcements of exporters that are provably dead")
+	flags.DurationVar(&l.timeout, "timeout", 5*time.Second, "how long to wait for each exporter's answer")
+	asJSON := flags.Bool("json", false, "print a JSON report (schema: cmd/poolstat/report.schema.json) instead of the table")
+	flags.Var(&every, "watch", "redraw every `INTERVAL` (2s, 500ms, or a number of seconds) until Ctrl-C")
+	serveAddr := flags.String("serve", "", "serve Prometheus metrics of every exporter at http://`ADDR`/metrics until Ctrl-C")
+	showVersion := flags.Bool("version", false, "print poolstat's version and the protocol and schema versions it speaks")
+	if err := flags.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			usage(stdout, flags)
+			return 0
+		}
+		usage(stderr, flags)
 		return 2
 	}
+	explicit := map[string]bool{}
+	flags.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
 	switch {
-	case fs.NArg() > 0:
-		fmt.Fprintf(stderr, "poolstat: unexpected arguments %q\n", fs.Args())
+	case *showVersion:
+		fmt.Fprintln(stdout, version())
+		return 0
+	case flags.NArg() > 0:
+		fmt.Fprintf(stderr, "poolstat: unexpected arguments %q\n", flags.Args())
 		return 2
 	case l.socket != "" && l.clean:
 		fmt.Fprintln(stderr, "poolstat: -clean works on the announce directory; it cannot be used with -socket")
 		return 2
-	case *every < 0 || l.timeout <= 0:
+	case *serveAddr != "" && (*asJSON || every != 0 || l.clean):
+		fmt.Fprintln(stderr, "poolstat: -serve answers each scrape on its own; it cannot be used with -json, -watch or -clean")
+		return 2
+	case every < 0 || l.timeout <= 0:
 		fmt.Fprintln(stderr, "poolstat: -watch and -timeout must be positive")
 		return 2
+	case explicit["dir"] && l.socket == "":
+		// The default directory is made by the first exporter: before that, none runs.
+		// One named on the command line must be there.
+		if err := isDir(l.dir); err != nil {
+			fmt.Fprintf(stderr, "poolstat: -dir: %v\n", err)
+			return 2
+		}
+	}
+	if *serveAddr != "" {
+		return serve(ctx, &l, *serveAddr, stdout, stderr)
 	}
 	show := func(r *Report) error { return writeTable(stdout, r) }
 	switch {
 	case *asJSON:
-		show = func(r *Report) error { return writeJSON(stdout, r, *every == 0) }
-	case *every > 0:
+		show = func(r *Report) error { return writeJSON(stdout, r, every == 0) }
+	case every > 0:
 		clear := isTerminal(stdout)
 		show = func(r *Report) error {
 			if clear {
 				fmt.Fprint(stdout, "\x1b[H\x1b[2J") // home and clear: redraw in place
 			}
-			fmt.Fprintf(stdout, "poolstat at %s, every %v (Ctrl-C stops)\n", r.Time.Format(time.TimeOnly), *every)
+			fmt.Fprintf(stdout, "poolstat at %s, every %v (Ctrl-C stops)\n", r.Time.Format(time.TimeOnly), time.Duration(every))
 			return writeTable(stdout, r)
 		}
 	}
-	if *every == 0 {
+	if every == 0 {
 		return once(ctx, &l, show, stderr)
 	}
-	return watch(ctx, &l, *every, show, stderr)
+	return watch(ctx, &l, time.Duration(every), show, stderr)
+}
+
+// usage prints the synopsis and the flags.
+func usage(w io.Writer, flags *flag.FlagSet) {
+	fmt.Fprintln(w, "usage: poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]")
+	fmt.Fprintln(w, "       poolstat -serve ADDR [-dir DIR | -socket PATH] [-timeout D]")
+	fmt.Fprintln(w, "       poolstat -version")
+	fmt.Fprintln(w, "\nShows the cudapool exporters of this host: their pools, published names and peers.")
+	flags.SetOutput(w)
+	flags.PrintDefaults()
+	flags.SetOutput(io.Discard)
+}
+
+// interval is -watch's value: a duration ("2s", "500ms") or a bare number of seconds
+// ("2", "0.5"), as watch(1) takes it.
+type interval time.Duration
+
+func (i *interval) String() string { return time.Duration(*i).String() }
+
+func (i *interval) Set(s string) error {
+	if secs, err := strconv.ParseFloat(s, 64); err == nil {
+		if math.IsNaN(secs) || math.Abs(secs) > float64(math.MaxInt64/time.Second) {
+			return fmt.Errorf("%q is not a number of seconds poolstat can wait", s)
+		}
+		*i = interval(secs * float64(time.Second))
+		return nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("%q is neither a duration (2s, 500ms) nor a number of seconds", s)
+	}
+	*i = interval(d)
+	return nil
+}
+
+// version says which poolstat this is, from the build's own record, and the versions
+// of what it speaks: the wire protocol and the two JSON schemas.
+func version() string {
+	v, rev, modified := "(unknown)", "", ""
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		v = bi.Main.Version
+		for _, s := range bi.Settings {
+			switch {
+			case s.Key == "vcs.revision":
+				rev = " " + s.Value
+			case s.Key == "vcs.modified" && s.Value == "true":
+				modified = " (modified)"
+			}
+		}
+	}
+	return fmt.Sprintf("poolstat %s%s%s; protocol %d, report schema %d, state schema %d; %s",
+		v, rev, modified, export.ProtocolVersion, ReportSchema, export.StateSchema, runtime.Version())
+}
+
+// isDir says why dir cannot be looked in, or nil.
+func isDir(dir string) error {
+	info, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("%s does not exist", dir)
+	case err != nil:
+		return err
+	case !info.IsDir():
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	return nil
 }
 
 // once takes one report, shows it and returns the exit status. A report cut short by

@@ -6,15 +6,21 @@ import (
 	"encoding/json"
 	"flag"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/rtselect"
 )
@@ -36,18 +42,15 @@ func poolstat(t *testing.T, args ...string) (code int, stdout, stderr string) {
 	return code, out.String(), errOut.String()
 }
 
-// report runs poolstat -json and decodes its report; it fails unless the exit status is
-// wantCode.
+// report runs poolstat -json, checks its output against the schema and decodes it; it
+// fails unless the exit status is wantCode.
 func report(t *testing.T, wantCode int, args ...string) *Report {
 	t.Helper()
 	code, out, errOut := poolstat(t, append([]string{"-json"}, args...)...)
-	if code != wantCode {
-		t.Fatalf("poolstat %q exited %d, want %d\n%s%s", args, code, wantCode, out, errOut)
-	}
+	require.Equal(t, wantCode, code, "poolstat %q\n%s%s", args, out, errOut)
+	checkSchema(t, []byte(out))
 	var r Report
-	if err := json.Unmarshal([]byte(out), &r); err != nil {
-		t.Fatalf("poolstat -json printed what is not a report: %v\n%s", err, out)
-	}
+	require.NoError(t, json.Unmarshal([]byte(out), &r), "poolstat -json printed what is not a report:\n%s", out)
 	return &r
 }
 
@@ -61,9 +64,7 @@ func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 		if cond(r) {
 			return r
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("poolstat never showed %s; last report: %+v", what, r.Exporters)
-		}
+		require.False(t, time.Now().After(deadline), "poolstat never showed %s; last report: %+v", what, r.Exporters)
 		time.Sleep(10 * time.Millisecond)
 	}
 }
@@ -72,9 +73,7 @@ func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 // golden files, taken on the software device, do not apply.
 func onGPU(t *testing.T) bool {
 	_, gpu, _, err := rtselect.Open(rtselect.Auto)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return gpu
 }
 
@@ -95,16 +94,17 @@ func TestLifecycle(t *testing.T) {
 	sock := filepath.Join(dir, "test.sock")
 
 	code, out, _ := poolstat(t)
-	if code != 0 || !strings.HasPrefix(out, "No cudapool exporter is announced in "+dir) {
-		t.Fatalf("with nothing running poolstat exited %d and said:\n%s", code, out)
-	}
+	require.Equal(t, 0, code, out)
+	require.True(t, strings.HasPrefix(out, "No cudapool exporter is announced in "+dir), "with nothing running poolstat said:\n%s", out)
 
 	ex := proctest.Start(t, "exporter", sock)
 	ex.Expect("ready")
 	r := report(t, 0)
-	if len(r.Exporters) != 1 || r.Exporters[0].PID != ex.PID() || r.Exporters[0].Status != Live || len(r.Exporters[0].State.Peers) != 0 {
-		t.Fatalf("with the exporter alone: %+v", r.Exporters)
-	}
+	require.Len(t, r.Exporters, 1, "with the exporter alone")
+	e := r.Exporters[0]
+	require.Equal(t, ex.PID(), e.PID)
+	require.Equal(t, Live, e.Status, e.Error)
+	require.Empty(t, e.State.Peers, "with the exporter alone")
 
 	a := proctest.Start(t, "consumer", sock, "0", "alpha", "beta")
 	a.Expect("holding")
@@ -114,58 +114,66 @@ func TestLifecycle(t *testing.T) {
 	r = report(t, 0)
 	st := r.Exporters[0].State
 	pa, pb := peer(st, a.PID()), peer(st, b.PID())
-	if pa == nil || pb == nil || pa.Leases != 2 || pb.Leases != 1 || pa.BytesLeased != 7<<20 || pb.BytesLeased != 4<<20 {
-		t.Fatalf("peers with both consumers holding: %+v", st.Peers)
-	}
-	if st.Pools[0].ActiveLeases != 3 || st.Pools[0].BuffersShared != 2 {
-		t.Errorf("pool with both consumers holding: %+v", st.Pools[0])
-	}
+	require.NotNil(t, pa, "peers with both consumers holding: %+v", st.Peers)
+	require.NotNil(t, pb, "peers with both consumers holding: %+v", st.Peers)
+	require.Equal(t, 2, pa.Leases)
+	require.Equal(t, 1, pb.Leases)
+	require.Equal(t, uint64(7<<20), pa.BytesLeased)
+	require.Equal(t, uint64(4<<20), pb.BytesLeased)
+	assert.Equal(t, 3, st.Pools[0].ActiveLeases, "pool with both consumers holding: %+v", st.Pools[0])
+	assert.Equal(t, 2, st.Pools[0].BuffersShared, "pool with both consumers holding: %+v", st.Pools[0])
+	// The children are this test binary: the report names their command.
+	me, err := peercred.Lookup(os.Getpid())
+	require.NoError(t, err)
+	assert.Equal(t, me.Command, r.Exporters[0].Processes[a.PID()])
 	if !onGPU(t) {
-		golden(t, r, map[int]int{ex.PID(): 100, a.PID(): 101, b.PID(): 102})
+		golden(t, r, me.Command, map[int]int{ex.PID(): 100, a.PID(): 101, b.PID(): 102})
 	}
 	// -socket asks that one exporter, without the announce directory.
-	if r := report(t, 0, "-socket", sock); r.Dir != "" || len(r.Exporters) != 1 || r.Exporters[0].PID != ex.PID() {
-		t.Errorf("poolstat -socket: %+v", r)
+	r = report(t, 0, "-socket", sock)
+	assert.Empty(t, r.Dir, "poolstat -socket")
+	if assert.Len(t, r.Exporters, 1, "poolstat -socket") {
+		assert.Equal(t, ex.PID(), r.Exporters[0].PID, "poolstat -socket")
 	}
 
 	// beta's free waits for a, which releases it; b is killed holding only alpha, which
 	// stays published. (export's own tests cover a free waiting on a killed consumer.)
 	ex.Send("free beta")
 	ex.Expect("freed beta")
-	st = report(t, 0).Exporters[0].State
-	if p := st.Pools[0]; p.DeferredFrees != 1 || p.BuffersLive != 2 {
-		t.Errorf("after freeing beta while a holds it, the pool shows %+v, want 1 free waiting", p)
-	}
+	p := report(t, 0).Exporters[0].State.Pools[0]
+	assert.Equal(t, 1, p.DeferredFrees, "after freeing beta while a holds it: %+v", p)
+	assert.Equal(t, 2, p.BuffersLive, "after freeing beta while a holds it: %+v", p)
 
 	a.Finish()
 	r = eventually(t, "the released consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, a.PID()) == nil })
-	if p := r.Exporters[0].State.Pools[0]; p.ActiveLeases != 1 || p.DeferredFrees != 0 || p.BuffersLive != 1 {
-		t.Errorf("after a released beta the pool shows %+v, want beta's free done and b's lease left", p)
-	}
+	p = r.Exporters[0].State.Pools[0]
+	assert.Equal(t, 1, p.ActiveLeases, "after a released beta, b's lease is left: %+v", p)
+	assert.Equal(t, 0, p.DeferredFrees, "after a released beta, its free is done: %+v", p)
+	assert.Equal(t, 1, p.BuffersLive, "after a released beta, its free is done: %+v", p)
 
 	b.Kill()
 	r = eventually(t, "the killed consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, b.PID()) == nil })
-	if p := r.Exporters[0].State.Pools[0]; p.ActiveLeases != 0 || p.BuffersShared != 0 {
-		t.Errorf("after the killed consumer's lease ended the pool shows %+v, want no lease", p)
-	}
+	p = r.Exporters[0].State.Pools[0]
+	assert.Equal(t, 0, p.ActiveLeases, "after the killed consumer's lease ended: %+v", p)
+	assert.Equal(t, 0, p.BuffersShared, "after the killed consumer's lease ended: %+v", p)
 
 	ex.Kill()
 	ex.Wait()
 	code, out, _ = poolstat(t)
-	if code != 1 || !strings.Contains(out, "1 dead") || !strings.Contains(out, "poolstat -clean") {
-		t.Errorf("with the exporter killed poolstat exited %d and said:\n%s", code, out)
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "1 dead")
+	assert.Contains(t, out, "poolstat -clean")
+	r = report(t, 0, "-clean")
+	if assert.Len(t, r.Exporters, 1, "poolstat -clean") {
+		assert.Equal(t, Removed, r.Exporters[0].Status, r.Exporters[0].Error)
 	}
-	if r := report(t, 0, "-clean"); len(r.Exporters) != 1 || r.Exporters[0].Status != Removed {
-		t.Errorf("poolstat -clean: %+v", r.Exporters)
-	}
-	if r := report(t, 0); len(r.Exporters) != 0 {
-		t.Errorf("after -clean: %+v", r.Exporters)
-	}
+	assert.Empty(t, report(t, 0).Exporters, "after -clean")
 }
 
 // golden checks r against testdata/lifecycle.{txt,json} with its volatile fields (pids,
-// times, paths, ids) replaced by fixed ones: pids maps real pids to fixed ones.
-func golden(t *testing.T, r *Report, pids map[int]int) {
+// times, paths, ids, the test binary's name) replaced by fixed ones: pids maps real pids
+// to fixed ones.
+func golden(t *testing.T, r *Report, self string, pids map[int]int) {
 	t.Helper()
 	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 	r.Time, r.Dir = t0.Add(time.Hour), "/run/user/1000/cudapool"
@@ -179,97 +187,146 @@ func golden(t *testing.T, r *Report, pids map[int]int) {
 			p.PID, p.UID, p.GID, p.ConnectedSince = pids[p.PID], 0, 0, t0.Add(time.Minute)
 		}
 		slices.SortFunc(st.Peers, func(a, b export.PeerState) int { return a.PID - b.PID })
+		commands := map[int]string{}
+		for pid, c := range e.Processes {
+			if c == self {
+				c = "poolstat.test"
+			}
+			commands[pids[pid]] = c
+		}
+		e.Processes = commands
 	}
 	var table bytes.Buffer
 	render(&table, r, r.Time)
 	js, err := json.MarshalIndent(r, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	compare(t, "testdata/lifecycle.txt", table.Bytes())
 	compare(t, "testdata/lifecycle.json", append(js, '\n'))
+	checkSchema(t, js)
 }
 
 func compare(t *testing.T, path string, got []byte) {
 	t.Helper()
 	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, os.WriteFile(path, got, 0o644))
 		return
 	}
 	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("%s differs (go test -update rewrites it):\n--- got\n%s--- want\n%s", path, got, want)
-	}
+	require.NoError(t, err)
+	assert.Equal(t, string(want), string(got), "%s differs (go test -update rewrites it)", path)
+}
+
+// testExporter starts an exporter in this process on the software device, announced
+// in dir, with its socket there.
+func testExporter(t *testing.T, dir string, opts ...export.Option) *export.Exporter {
+	t.Helper()
+	rt, _, _, err := rtselect.Open(rtselect.Test)
+	require.NoError(t, err)
+	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.Option{export.WithAnnounce(dir)}, opts...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { ex.Close(context.Background()) })
+	return ex
+}
+
+// shortDir is a fresh directory with a path short enough for a Unix socket (108 bytes),
+// which t.TempDir() under a long test name does not promise.
+func shortDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "cps")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }
 
 // TestRefused shows what an operator sees when an exporter's policy does not admit them,
 // e.g. another user's exporter in a shared $CUDAPOOL_DIR.
 func TestRefused(t *testing.T) {
-	dir := t.TempDir()
-	rt, _, _, err := rtselect.Open(rtselect.Test)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ex, err := export.Listen(filepath.Join(dir, "other.sock"), rt, export.WithAnnounce(dir),
-		export.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ex.Close(context.Background())
+	dir := shortDir(t)
+	testExporter(t, dir, export.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	code, out, _ := poolstat(t, "-dir", dir)
-	if code != 1 || !strings.Contains(out, "1 unreachable") || !strings.Contains(out, "refused by exporter") {
-		t.Errorf("poolstat against an exporter that refuses it exited %d and said:\n%s", code, out)
-	}
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "1 unreachable")
+	assert.Contains(t, out, "refused by exporter")
 }
 
-func TestSocketNotThere(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "none.sock")
-	code, out, _ := poolstat(t, "-socket", sock)
-	if code != 1 || !strings.Contains(out, "Exporter at "+sock+": unreachable") || !strings.Contains(out, "no such file") {
-		t.Errorf("poolstat -socket to nothing exited %d and said:\n%s", code, out)
+// -socket to a path that is wrong says what is wrong with it.
+func TestSocketDiagnosis(t *testing.T) {
+	dir := shortDir(t)
+	file := filepath.Join(dir, "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	fifo := filepath.Join(dir, "fifo")
+	require.NoError(t, syscall.Mkfifo(fifo, 0o600))
+	// A socket whose listener is gone: what a killed exporter leaves.
+	stale := filepath.Join(dir, "stale.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	require.NoError(t, err)
+	ln.SetUnlinkOnClose(false)
+	require.NoError(t, ln.Close())
+
+	for path, want := range map[string]string{
+		filepath.Join(dir, "none.sock"): "does not exist: no exporter listens there",
+		file:                            "is a regular file, not a Unix socket",
+		dir:                             "is a directory, not a Unix socket",
+		fifo:                            "is a named pipe, not a Unix socket",
+		stale:                           "",
+	} {
+		code, out, _ := poolstat(t, "-socket", path)
+		assert.Equal(t, 1, code, "poolstat -socket %s\n%s", path, out)
+		assert.Contains(t, out, "Exporter at "+path+": unreachable")
+		if want == "" {
+			want = "nobody listens on " + stale + ": the exporter that made it is gone"
+		} else {
+			want = path + " " + want
+		}
+		assert.Contains(t, out, want, "poolstat -socket %s", path)
 	}
 }
 
 func TestExplainPermission(t *testing.T) {
 	if os.Getuid() != 0 {
-		t.Skip("giving a socket file to another user needs root")
+		t.Skip("giving a socket to another user needs root")
 	}
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	if err := os.WriteFile(sock, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chown(sock, 4242, 4242); err != nil {
-		t.Fatal(err)
-	}
+	dir := shortDir(t)
+	sock := filepath.Join(dir, "s.sock")
+	ln, err := net.Listen("unix", sock)
+	require.NoError(t, err)
+	defer ln.Close()
+	require.NoError(t, os.Chown(sock, 4242, 4242))
 	got := explain(&os.SyscallError{Syscall: "connect", Err: syscall.EACCES}, sock)
-	if !strings.Contains(got, "uid 4242, another user's exporter") {
-		t.Errorf("explain(EACCES) = %q, want the socket's owner named", got)
-	}
+	assert.Contains(t, got, "permission denied on "+sock+": it belongs to uid 4242, another user's exporter")
 }
 
 // TestWatch stops a -watch after three reports: each is one line of JSON.
 func TestWatch(t *testing.T) {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	w := &lineCounter{after: 3, cancel: cancel}
-	code := run(ctx, []string{"-json", "-watch", "1ms", "-dir", t.TempDir()}, w, io.Discard)
-	if code != 0 {
-		t.Errorf("poolstat -watch exited %d after Ctrl-C, want 0", code)
-	}
-	lines := strings.Split(strings.TrimSpace(w.buf.String()), "\n")
-	if len(lines) < 3 {
-		t.Fatalf("poolstat -watch printed %d reports before it was stopped, want 3", len(lines))
-	}
-	for _, l := range lines {
-		var r Report
-		if err := json.Unmarshal([]byte(l), &r); err != nil || r.Schema != ReportSchema {
-			t.Errorf("line %q: %v", l, err)
+	for _, every := range []string{"1ms", "0.001"} {
+		ctx, cancel := context.WithCancel(context.Background())
+		w := &lineCounter{after: 3, cancel: cancel}
+		code := run(ctx, []string{"-json", "-watch", every, "-dir", t.TempDir()}, w, io.Discard)
+		cancel()
+		assert.Equal(t, 0, code, "poolstat -watch %s exited after Ctrl-C", every)
+		lines := strings.Split(strings.TrimSpace(w.buf.String()), "\n")
+		require.GreaterOrEqual(t, len(lines), 3, "poolstat -watch %s printed too few reports before it was stopped", every)
+		for _, l := range lines {
+			checkSchema(t, []byte(l))
+			var r Report
+			if assert.NoError(t, json.Unmarshal([]byte(l), &r), "line %q", l) {
+				assert.Equal(t, ReportSchema, r.Schema, "line %q", l)
+			}
 		}
+	}
+}
+
+func TestInterval(t *testing.T) {
+	for in, want := range map[string]time.Duration{"2": 2 * time.Second, "0.5": 500 * time.Millisecond, "2s": 2 * time.Second,
+		"1m30s": 90 * time.Second, "0": 0} {
+		var i interval
+		if assert.NoError(t, i.Set(in), "-watch %s", in) {
+			assert.Equal(t, want, time.Duration(i), "-watch %s", in)
+		}
+	}
+	for _, in := range []string{"", "two", "2x", "NaN", "1e300", "Inf"} {
+		var i interval
+		assert.Error(t, i.Set(in), "-watch %q", in)
 	}
 }
 
@@ -289,11 +346,50 @@ func (w *lineCounter) Write(p []byte) (int, error) {
 }
 
 func TestUsage(t *testing.T) {
-	for _, args := range [][]string{{"extra"}, {"-clean", "-socket", "x"}, {"-watch", "-1s"}, {"-timeout", "0s"}, {"-nope"}} {
-		if code, _, _ := poolstat(t, args...); code != 2 {
-			t.Errorf("poolstat %q exited %d, want 2", args, code)
-		}
+	for _, args := range [][]string{{"extra"}, {"-clean", "-socket", "x"}, {"-watch", "-1s"}, {"-watch", "-1"},
+		{"-watch", "soon"}, {"-timeout", "0s"}, {"-nope"}, {"-serve", ":0", "-json"}, {"-serve", ":0", "-watch", "1"},
+		{"-serve", ":0", "-clean"}} {
+		code, out, errOut := poolstat(t, args...)
+		assert.Equal(t, 2, code, "poolstat %q", args)
+		assert.Empty(t, out, "poolstat %q printed on stdout", args)
+		assert.NotEmpty(t, errOut, "poolstat %q said nothing on stderr", args)
 	}
+}
+
+func TestHelp(t *testing.T) {
+	for _, arg := range []string{"-h", "-help", "--help"} {
+		code, out, errOut := poolstat(t, arg)
+		assert.Equal(t, 0, code, "poolstat %s", arg)
+		assert.Contains(t, out, "usage: poolstat", "poolstat %s", arg)
+		assert.Contains(t, out, "-watch INTERVAL", "poolstat %s", arg)
+		assert.Empty(t, errOut, "poolstat %s", arg)
+	}
+}
+
+func TestVersion(t *testing.T) {
+	code, out, _ := poolstat(t, "-version")
+	assert.Equal(t, 0, code)
+	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(export.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
+}
+
+// A -dir named on the command line must exist; the default one appears with the first
+// exporter, so its absence means that none runs.
+func TestDirMissing(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "nowhere")
+	code, out, errOut := poolstat(t, "-dir", missing)
+	assert.Equal(t, 2, code, out)
+	assert.Contains(t, errOut, missing+" does not exist")
+
+	file := filepath.Join(t.TempDir(), "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	code, _, errOut = poolstat(t, "-dir", file)
+	assert.Equal(t, 2, code)
+	assert.Contains(t, errOut, file+" is not a directory")
+
+	t.Setenv(export.DirEnv, missing)
+	code, out, _ = poolstat(t)
+	assert.Equal(t, 0, code, out)
+	assert.Contains(t, out, "No cudapool exporter is announced in "+missing)
 }
 
 // TestTableWidth renders the widest report the table can meet: every size at its widest,
@@ -310,16 +406,17 @@ func TestTableWidth(t *testing.T) {
 			RoundingOverhead: widest, BuffersLive: 99999, BuffersShared: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
 			FailedFrees: 99999})
 		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
-		st.Peers = append(st.Peers, export.PeerState{PID: 4194304, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
-			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour)})
+		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
+			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
 	}
-	r := &Report{Dir: "/run/user/1000/cudapool", Exporters: []Exporter{{Socket: "/s", Status: Live, State: st},
+	r := &Report{Dir: "/run/user/1000/cudapool", Exporters: []Exporter{
+		{Socket: "/s", Status: Live, State: st, Processes: map[int]string{4194304: long, 4194303: strings.Repeat("c", 15)}},
 		{PID: 4194304, Name: long, Socket: "/s", Status: Dead, Error: "process 4194304 is gone"}}}
 	var b bytes.Buffer
 	render(&b, r, now)
 	for _, line := range strings.Split(b.String(), "\n") {
-		if n := len([]rune(line)); n > Width && !strings.HasPrefix(line, "  socket ") {
-			t.Errorf("%d columns: %q", n, line)
+		if !strings.HasPrefix(line, "  socket ") {
+			assert.LessOrEqual(t, len([]rune(line)), Width, "%q", line)
 		}
 	}
 }
@@ -329,14 +426,52 @@ func TestTableWidth(t *testing.T) {
 func TestCleanLeavesUnreadableAnnouncement(t *testing.T) {
 	dir := t.TempDir()
 	junk := filepath.Join(dir, "123.json")
-	if err := os.WriteFile(junk, []byte("{"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.WriteFile(junk, []byte("{"), 0o600))
 	r := report(t, 1, "-dir", dir, "-clean")
-	if len(r.Exporters) != 1 || r.Exporters[0].Status != Dead || !strings.Contains(r.Exporters[0].Error, "remove "+junk+" by hand") {
-		t.Fatalf("poolstat -clean with an unreadable announcement: %+v", r.Exporters)
+	require.Len(t, r.Exporters, 1)
+	assert.Equal(t, Dead, r.Exporters[0].Status)
+	assert.Contains(t, r.Exporters[0].Error, "remove "+junk+" by hand")
+	assert.FileExists(t, junk, "-clean removed an unreadable announcement")
+}
+
+// announce writes an announcement for pid, its socket at socket, as an exporter would.
+func announce(t *testing.T, dir string, pid int, socket string, started time.Time) string {
+	t.Helper()
+	body, err := json.Marshal(export.Announcement{PID: pid, Socket: socket, Name: "planted", Started: started})
+	require.NoError(t, err)
+	path := filepath.Join(dir, strconv.Itoa(pid)+".json")
+	require.NoError(t, os.WriteFile(path, body, 0o600))
+	return path
+}
+
+// -clean removes an announcement only when its exporter is dead beyond doubt: a live
+// process whose socket does not answer (or cannot be dialled, as a path past the
+// kernel's 108 bytes cannot) keeps it.
+func TestCleanSparesLiveProcesses(t *testing.T) {
+	dir := shortDir(t)
+	me, err := peercred.Lookup(os.Getpid())
+	require.NoError(t, err)
+	for name, socket := range map[string]string{
+		"socket not there":  filepath.Join(dir, "gone.sock"),
+		"socket too long":   filepath.Join(dir, strings.Repeat("x", 120)+".sock"),
+		"socket is no sock": dir,
+	} {
+		path := announce(t, dir, os.Getpid(), socket, me.Started.Add(time.Second))
+		r := report(t, 1, "-dir", dir, "-clean")
+		if assert.Len(t, r.Exporters, 1, name) {
+			assert.Equal(t, Dead, r.Exporters[0].Status, "%s: %s", name, r.Exporters[0].Error)
+			assert.Contains(t, r.Exporters[0].Error, "not removed", name)
+		}
+		assert.FileExists(t, path, "%s: -clean removed a live process's announcement", name)
+		require.NoError(t, os.Remove(path))
 	}
-	if _, err := os.Stat(junk); err != nil {
-		t.Fatalf("-clean removed an unreadable announcement: %v", err)
+
+	// The same pid, taken by a process that started after the announcement was
+	// written: the announced exporter is dead.
+	path := announce(t, dir, os.Getpid(), filepath.Join(dir, "gone.sock"), me.Started.Add(-time.Hour))
+	r := report(t, 0, "-dir", dir, "-clean")
+	if assert.Len(t, r.Exporters, 1) {
+		assert.Equal(t, Removed, r.Exporters[0].Status, r.Exporters[0].Error)
 	}
+	assert.NoFileExists(t, path)
 }

@@ -24,6 +24,7 @@ const (
 	maxPoolName    = 16
 	maxUserName    = 12
 	maxProcessName = 32
+	maxCommand     = 15 // what the kernel keeps of a command name
 	maxPublished   = 48
 )
 
@@ -116,17 +117,21 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 	}
 	tw := table(w)
 	fmt.Fprintln(tw, "  PEER\tUSER\tDEVICE\tLEASES\tLEASED\tCONNECTED")
+	var awaiting []string
 	for _, p := range st.Peers {
-		// A peer that hung up while alive keeps its leases until it exits: its imports
-		// may still be mapped.
-		awaiting := ""
+		name := peerName(p, e.Processes)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%s\t%s (%s ago)\n", name, userName(p.UID), peerDevice(p, st.Devices),
+			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
 		if p.AwaitingExit {
-			awaiting = ", hung up, leases held until it exits"
+			awaiting = append(awaiting, name)
 		}
-		fmt.Fprintf(tw, "  %d\t%s\t%s\t%d\t%s\t%s (%s ago%s)\n", p.PID, userName(p.UID), peerDevice(p, st.Devices),
-			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now), awaiting)
 	}
 	tw.Flush()
+	// A peer that hung up while alive keeps its leases until it exits: its imports may
+	// still be mapped.
+	for _, name := range awaiting {
+		fmt.Fprintf(w, "  %s hung up without Bye: its leases are held until it exits\n", name)
+	}
 }
 
 // poolDevices says which devices the exporter's pools are on: " on device 0", " on
@@ -162,6 +167,15 @@ func age(t, now time.Time) string {
 		return "?"
 	}
 	return max(now.Sub(t), 0).Round(time.Second).String()
+}
+
+// peerName is the peer's pid with its command name beside it ("4242 python3") when this
+// host shows one; a remote peer's pid is another host's, so it has none.
+func peerName(p export.PeerState, commands map[int]string) string {
+	if c, ok := commands[p.PID]; ok && !p.Remote {
+		return fmt.Sprintf("%d %s", p.PID, cut(c, maxCommand))
+	}
+	return strconv.Itoa(p.PID)
 }
 
 // peerDevice names the peer's device as the exporter knows it ("GPU 1") when it is one of

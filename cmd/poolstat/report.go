@@ -6,12 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"os"
-	"sync"
 	"syscall"
 	"time"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/peercred"
 )
 
 // ReportSchema is the version of the -json schema. Fields may be added within a
@@ -19,7 +22,8 @@ import (
 const ReportSchema = 1
 
 // Report is one look at the exporters of a host: what the table shows and what -json
-// prints. It is a stable schema (ReportSchema):
+// prints. It is a stable schema (ReportSchema), written down as JSON Schema in
+// report.schema.json, which the tests hold the output to:
 //
 //	schema     int      ReportSchema
 //	time       string   when the look was taken (RFC 3339)
@@ -33,6 +37,8 @@ const ReportSchema = 1
 //	                    its announcement; "unreachable": it should answer but did not (refused this
 //	                    user, spoke another protocol version, timed out)
 //	  error    string   why, for every status but "live"
+//	  processes object  the command names of the state's peers (and of the exporter), by pid, as
+//	                    this host's /proc shows them; a pid it does not show is left out
 //	  state    object   the exporter's own description, export.State (schema export.StateSchema):
 //	                    process, devices, pools with their figures, published names, peers with
 //	                    their leases
@@ -53,6 +59,8 @@ type Exporter struct {
 	Status Status        `json:"status"`
 	Error  string        `json:"error,omitempty"`
 	State  *export.State `json:"state,omitempty"`
+	// Processes are the command names of the pids in State, by pid.
+	Processes map[int]string `json:"processes,omitempty"`
 }
 
 // Status says whether poolstat reached an exporter.
@@ -119,15 +127,21 @@ func (l *looker) look(ctx context.Context) (*Report, error) {
 			r.Exporters = append(r.Exporters, e)
 		}
 	}
-	var wg sync.WaitGroup
+	// Each query waits at most l.timeout; the limit keeps a host with many exporters
+	// from opening a connection to every one at once.
+	var g errgroup.Group
+	g.SetLimit(maxQueries)
 	for i := range r.Exporters {
 		if e := &r.Exporters[i]; e.Status == Live {
-			wg.Go(func() { l.query(ctx, e) })
+			g.Go(func() error { l.query(ctx, e); return nil })
 		}
 	}
-	wg.Wait()
+	g.Wait() // a query's failure is a fact of the report, not an error
 	return r, nil
 }
+
+// maxQueries is how many exporters poolstat asks at once.
+const maxQueries = 16
 
 // query asks e for its state; on failure e becomes unreachable, with the reason.
 func (l *looker) query(ctx context.Context, e *Exporter) {
@@ -142,33 +156,103 @@ func (l *looker) query(ctx context.Context, e *Exporter) {
 	if e.PID == 0 {
 		e.PID, e.Name = st.PID, st.Name
 	}
+	e.Processes = commands(st)
+}
+
+// commands returns the command names of the exporter's and its peers' pids, as far as
+// this host shows them: a peer on another host, in another pid namespace or gone since
+// the state was taken has none.
+func commands(st *export.State) map[int]string {
+	names := map[int]string{}
+	for _, pid := range append([]int{st.PID}, peerPIDs(st)...) {
+		if info, err := peercred.Lookup(pid); err == nil {
+			names[pid] = info.Command
+		}
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	return names
+}
+
+func peerPIDs(st *export.State) []int {
+	var pids []int
+	for _, p := range st.Peers {
+		if !p.Remote {
+			pids = append(pids, p.PID)
+		}
+	}
+	return pids
 }
 
 // explain turns a failed query into a sentence an operator can act on. export's own
-// messages say when nothing listens and why a policy refused us; what they cannot say is
-// whose socket the kernel kept us out of, or which socket timed out.
+// messages say why a policy refused us; what they cannot say is what is wrong with the
+// path (nothing there, not a socket, nobody listening, whose it is), or which socket
+// timed out.
 func explain(err error, socket string) string {
-	switch {
-	case errors.Is(err, syscall.EACCES):
-		owner := ""
-		if info, serr := os.Stat(socket); serr == nil {
-			if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Getuid() {
-				owner = fmt.Sprintf(": it belongs to uid %d, another user's exporter", st.Uid)
-			}
-		}
-		return fmt.Sprintf("permission denied on %s%s", socket, owner)
-	case errors.Is(err, context.DeadlineExceeded):
+	if errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Sprintf("%s did not answer in time: %v", socket, err)
+	}
+	if why := diagnose(socket, err); why != "" {
+		return why
 	}
 	return err.Error()
 }
 
+// diagnose looks at the path a connection to socket failed on and says what is wrong
+// with it, or "" when the path looks right and err says more.
+func diagnose(socket string, err error) string {
+	info, serr := os.Stat(socket)
+	switch {
+	case errors.Is(serr, fs.ErrNotExist):
+		return fmt.Sprintf("%s does not exist: no exporter listens there", socket)
+	case errors.Is(serr, fs.ErrPermission):
+		return fmt.Sprintf("permission denied looking up %s: a directory on its path is closed to this user", socket)
+	case serr != nil:
+		return serr.Error()
+	case info.Mode().Type() != fs.ModeSocket:
+		return fmt.Sprintf("%s is a %s, not a Unix socket", socket, fileKind(info.Mode()))
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return fmt.Sprintf("nobody listens on %s: the exporter that made it is gone or stopped listening", socket)
+	case errors.Is(err, syscall.EACCES):
+		owner := ""
+		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Getuid() {
+			owner = fmt.Sprintf(": it belongs to uid %d, another user's exporter", st.Uid)
+		}
+		return fmt.Sprintf("permission denied on %s%s", socket, owner)
+	}
+	return ""
+}
+
+// fileKind names the type of a file that is not a socket.
+func fileKind(m fs.FileMode) string {
+	switch m.Type() {
+	case 0:
+		return "regular file"
+	case fs.ModeDir:
+		return "directory"
+	case fs.ModeNamedPipe:
+		return "named pipe"
+	case fs.ModeDevice | fs.ModeCharDevice:
+		return "character device"
+	case fs.ModeDevice:
+		return "block device"
+	}
+	return "special file"
+}
+
 // remove deletes the announcement of the dead exporter e, found as a, and marks e
-// removed. It checks first that the file still holds the same announcement, so that an
-// exporter that has just started with a recycled pid keeps its own.
+// removed, but only once the exporter is proven dead (see provenDead): an announcement
+// that Discover found not live may still be a live process's. It checks first that the
+// file still holds the same announcement, so that an exporter that has just started
+// with a recycled pid keeps its own.
 func (l *looker) remove(e *Exporter, a export.Announcement) {
 	if a.PID <= 0 {
 		e.Error += fmt.Sprintf(" (not removed: unreadable, so poolstat cannot tell whether it is stale; if it is, remove %s by hand)", a.Path)
+		return
+	}
+	if err := provenDead(a); err != nil {
+		e.Error += fmt.Sprintf(" (not removed: %v)", err)
 		return
 	}
 	var now export.Announcement
@@ -188,4 +272,34 @@ func (l *looker) remove(e *Exporter, a export.Announcement) {
 		return
 	}
 	e.Status = Removed
+}
+
+// startSlack is how far a process's start time as /proc shows it (the boot time there
+// is in whole seconds) may be off.
+const startSlack = time.Second
+
+// provenDead returns nil when a's exporter is dead beyond doubt: its socket is gone or
+// refuses connections, and its process is gone, or its pid names a process that
+// started after the announcement was written (the pid was reused). Otherwise it says
+// what may still be alive. A socket that cannot be checked (a path too long to dial, a
+// full backlog) or a process that cannot be looked up proves nothing.
+func provenDead(a export.Announcement) error {
+	c, err := net.DialTimeout("unix", a.Socket, time.Second)
+	switch {
+	case err == nil:
+		c.Close()
+		return fmt.Errorf("its socket %s accepts connections", a.Socket)
+	case !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("its socket %s could not be checked: %w", a.Socket, err)
+	}
+	info, err := peercred.Lookup(a.PID)
+	switch {
+	case errors.Is(err, peercred.ErrGone):
+		return nil
+	case err != nil:
+		return fmt.Errorf("process %d could not be checked: %w", a.PID, err)
+	case info.Started.After(a.Started.Add(startSlack)):
+		return nil // a later process has its pid
+	}
+	return fmt.Errorf("process %d (%s) still runs", a.PID, info.Command)
 }

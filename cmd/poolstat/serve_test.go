@@ -1,0 +1,89 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/export"
+)
+
+// TestServe scrapes poolstat -serve over loopback: a live exporter with a published
+// buffer, and a dead one, announced by a process that has exited.
+func TestServe(t *testing.T) {
+	dir := shortDir(t)
+	ex := testExporter(t, dir, export.WithName("served"))
+	live, err := ex.State()
+	require.NoError(t, err)
+	gone := exec.Command("true")
+	require.NoError(t, gone.Run())
+	deadSocket := filepath.Join(dir, "dead.sock")
+	announce(t, dir, gone.Process.Pid, deadSocket, time.Now())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out, w := io.Pipe()
+	done := make(chan int, 1)
+	go func() {
+		done <- run(ctx, []string{"-serve", "127.0.0.1:0", "-dir", dir}, w, os.Stderr)
+		w.Close()
+	}()
+	first := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(out).ReadString('\n')
+		first <- line
+		io.Copy(io.Discard, out)
+	}()
+	var url string
+	select {
+	case line := <-first:
+		_, rest, ok := strings.Cut(line, "serving metrics at ")
+		require.True(t, ok, "poolstat -serve said %q", line)
+		url, _, _ = strings.Cut(rest, " ")
+	case <-time.After(hangGuard):
+		t.Fatal("poolstat -serve never said where it serves")
+	}
+
+	want := fmt.Sprintf(`
+# HELP cudapool_exporter_up 1 when the exporter answered its state at this scrape, 0 when it is announced but dead or did not answer.
+# TYPE cudapool_exporter_up gauge
+cudapool_exporter_up{exporter="planted",socket=%q} 0
+cudapool_exporter_up{exporter="served",socket=%q} 1
+# HELP cudapool_exporter_peers Peers that take leases: connected, or hung up and awaiting their exit.
+# TYPE cudapool_exporter_peers gauge
+cudapool_exporter_peers{exporter="served",socket=%q} 0
+`, deadSocket, live.Socket, live.Socket)
+	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_exporter_up", "cudapool_exporter_peers"))
+
+	// Only /metrics is served.
+	resp, err := http.Get(strings.TrimSuffix(url, "/metrics") + "/other")
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
+
+	cancel() // Ctrl-C
+	select {
+	case code := <-done:
+		assert.Equal(t, 0, code, "poolstat -serve exited after Ctrl-C")
+	case <-time.After(hangGuard):
+		t.Fatal("poolstat -serve did not stop after Ctrl-C")
+	}
+}
+
+func TestServeBadAddress(t *testing.T) {
+	code, _, errOut := poolstat(t, "-serve", "256.0.0.1:http", "-dir", t.TempDir())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, errOut, "poolstat: -serve: ")
+}
