@@ -1,0 +1,10 @@
+// cp.h declares what the Go half and the C half of libcudapool share beyond the
+// public cudapool.h. Only declarations: the Go files that //export functions include
+// it, and cgo forbids definitions there.
+#ifndef CP_H
+#define CP_H
+#include "cudapool.h"
+
+// cp_set_error sets this thread's last error message (copied, cut to fit).
+void cp_set_error(const char *msg, size_t n);
+#endif

@@ -1,0 +1,189 @@
+package main
+
+/*
+#include "cp.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/rtselect"
+)
+
+// RuntimeEnv names the runtime preference used when no cudapool_init came first.
+const RuntimeEnv = "CUDAPOOL_RUNTIME"
+
+// chosen is the process's runtime, picked once.
+type chosen struct {
+	rt     cudart.Runtime
+	prefer string
+	onGPU  bool
+	why    string
+}
+
+var (
+	current  atomic.Pointer[chosen]
+	chooseMu sync.Mutex
+)
+
+// choose picks the runtime for prefer ("" means auto), once per process. A later call
+// with the same preference returns the first choice; with another it fails.
+func choose(prefer string) (*chosen, error) {
+	if prefer == "" {
+		prefer = rtselect.Auto
+	}
+	chooseMu.Lock()
+	defer chooseMu.Unlock()
+	if c := current.Load(); c != nil {
+		if c.prefer != prefer {
+			return nil, fmt.Errorf("%w: %q (%s), not %q", errRuntimeSet, c.prefer, c.why, prefer)
+		}
+		return c, nil
+	}
+	rt, onGPU, why, err := rtselect.Open(prefer)
+	if err != nil {
+		return nil, fmt.Errorf("cudapool: choosing the runtime %q: %w", prefer, err)
+	}
+	c := &chosen{rt: rt, prefer: prefer, onGPU: onGPU, why: why}
+	current.Store(c)
+	return c, nil
+}
+
+// runtimeNow is the process's runtime, chosen from $CUDAPOOL_RUNTIME if none is yet.
+func runtimeNow() (cudart.Runtime, error) {
+	if c := current.Load(); c != nil {
+		return c.rt, nil
+	}
+	c, err := choose(os.Getenv(RuntimeEnv))
+	if err != nil {
+		return nil, err
+	}
+	return c.rt, nil
+}
+
+func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }
+
+//export cpgo_init
+func cpgo_init(prefer *C.char, why *C.char, whyLen C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	p := ""
+	if prefer != nil {
+		p = C.GoString(prefer)
+	}
+	c, err := choose(p)
+	if err != nil {
+		return fail(err)
+	}
+	writeText(why, whyLen, c.why)
+	return statusOK
+}
+
+//export cpgo_runtime_info
+func cpgo_runtime_info(onGPU *C.int, devices *C.int, name *C.char, nameLen C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if _, err := runtimeNow(); err != nil {
+		return fail(err)
+	}
+	c := current.Load()
+	if onGPU != nil {
+		*onGPU = 0
+		if c.onGPU {
+			*onGPU = 1
+		}
+	}
+	if devices != nil {
+		n, err := c.rt.DeviceCount()
+		if err != nil {
+			return fail(err)
+		}
+		*devices = C.int(n)
+	}
+	writeText(name, nameLen, c.rt.Name())
+	return statusOK
+}
+
+//export cpgo_stream_create
+func cpgo_stream_create(device C.int, out *C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("stream is NULL"))
+	}
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	s, err := rt.StreamCreate(int(device), cudart.StreamNonBlocking)
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uintptr_t(s)
+	return statusOK
+}
+
+//export cpgo_stream_destroy
+func cpgo_stream_destroy(device C.int, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	if s == 0 {
+		return fail(invalid("the legacy default stream (NULL) cannot be destroyed"))
+	}
+	return result(rt.StreamDestroy(int(device), cudart.Stream(s)))
+}
+
+//export cpgo_stream_synchronize
+func cpgo_stream_synchronize(device C.int, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	return result(rt.StreamSynchronize(int(device), cudart.Stream(s)))
+}
+
+//export cpgo_copy_to_device
+func cpgo_copy_to_device(device C.int, dst C.uintptr_t, src unsafe.Pointer, n C.size_t, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if err := checkCopy(uintptr(dst), src, n); err != nil {
+		return fail(err)
+	}
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	return result(rt.MemcpyHtoDAsync(int(device), cudart.DevicePtr(dst), unsafe.Slice((*byte)(src), int(n)), cudart.Stream(s)))
+}
+
+//export cpgo_copy_from_device
+func cpgo_copy_from_device(device C.int, dst unsafe.Pointer, src C.uintptr_t, n C.size_t, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if err := checkCopy(uintptr(src), dst, n); err != nil {
+		return fail(err)
+	}
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	return result(rt.MemcpyDtoHAsync(int(device), unsafe.Slice((*byte)(dst), int(n)), cudart.DevicePtr(src), cudart.Stream(s)))
+}
+
+func checkCopy(dev uintptr, host unsafe.Pointer, n C.size_t) error {
+	switch {
+	case dev == 0:
+		return invalid("device pointer is NULL")
+	case host == nil:
+		return invalid("host pointer is NULL")
+	case n == 0:
+		return invalid("size is 0")
+	}
+	return nil
+}

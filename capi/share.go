@@ -1,0 +1,285 @@
+package main
+
+/*
+#include "cp.h"
+*/
+import "C"
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+)
+
+var (
+	exporters = newTable[*export.Exporter](kindExporter)
+	importers = newTable[*export.Importer](kindImporter)
+	mappings  = newTable[*export.Mapping](kindMapping)
+)
+
+// maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
+const maxMeta = 4096
+
+//export cpgo_protocol_version
+func cpgo_protocol_version(out *C.int) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("version is NULL"))
+	}
+	*out = C.int(export.ProtocolVersion)
+	return statusOK
+}
+
+//export cpgo_exporter_listen
+func cpgo_exporter_listen(path, name *C.char, out *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("exporter is NULL"))
+	}
+	p, err := goString(path, "path")
+	if err != nil {
+		return fail(err)
+	}
+	var opts []export.Option
+	if name != nil {
+		opts = append(opts, export.WithName(C.GoString(name)))
+	}
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	ex, err := export.Listen(p, rt, opts...)
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uint64_t(exporters.add(ex))
+	return statusOK
+}
+
+//export cpgo_exporter_publish
+func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.uint64_t, s C.uintptr_t, meta unsafe.Pointer, metaLen C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	n, err := goString(name, "name")
+	if err != nil {
+		return fail(err)
+	}
+	switch {
+	case ptr == 0:
+		return fail(invalid("ptr is NULL"))
+	case metaLen > maxMeta:
+		return fail(invalid("metadata of %d bytes is longer than %d", int(metaLen), maxMeta))
+	case metaLen > 0 && meta == nil:
+		return fail(invalid("meta is NULL with meta_len %d", int(metaLen)))
+	}
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	b, off, ok := buffers.containing(uintptr(ptr))
+	if !ok {
+		return fail(fmt.Errorf("%w: %#x lies in no buffer of a cudapool pool of this process", errPointer, uintptr(ptr)))
+	}
+	if uint64(size) > b.Size()-off {
+		return fail(invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size()))
+	}
+	if off != 0 || (size != 0 && uint64(size) != b.Size()) {
+		return fail(fmt.Errorf("%w: publishing part of a buffer (%d bytes at offset %d of %d) needs sub-range leases, which export does not have yet", errNotSup, uint64(size), off, b.Size()))
+	}
+	if metaLen > 0 {
+		return fail(fmt.Errorf("%w: metadata with a publish needs protocol version 2, which export does not speak yet", errNotSup))
+	}
+	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s)))
+}
+
+//export cpgo_exporter_unpublish
+func cpgo_exporter_unpublish(h C.uint64_t, name *C.char) (rc C.int) {
+	defer recoverTo(&rc)
+	n, err := goString(name, "name")
+	if err != nil {
+		return fail(err)
+	}
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(ex.Unpublish(n))
+}
+
+//export cpgo_exporter_push
+func cpgo_exporter_push(h C.uint64_t, pid C.int, name *C.char, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	n, ctx, cancel, err := nameAndContext(name, "name", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(ex.Push(ctx, int(pid), n))
+}
+
+//export cpgo_exporter_state
+func cpgo_exporter_state(h C.uint64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	st, err := ex.State()
+	if err != nil {
+		return fail(err)
+	}
+	return result(writeJSON(st, buf, capacity, n))
+}
+
+//export cpgo_exporter_close
+func cpgo_exporter_close(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	ex, err := exporters.remove(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(ex.Close(ctx))
+}
+
+//export cpgo_query_state
+func cpgo_query_state(socket *C.char, timeoutMs C.int64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	path, ctx, cancel, err := nameAndContext(socket, "socket", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	st, err := export.QueryState(ctx, path)
+	if err != nil {
+		return fail(err)
+	}
+	return result(writeJSON(st, buf, capacity, n))
+}
+
+func writeJSON(st *export.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
+	b, err := json.Marshal(st)
+	if err != nil {
+		return err
+	}
+	return writeOut(unsafe.Pointer(buf), capacity, n, b, true)
+}
+
+//export cpgo_importer_dial
+func cpgo_importer_dial(path *C.char, device C.int, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("importer is NULL"))
+	}
+	p, ctx, cancel, err := nameAndContext(path, "path", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	imp, err := export.Dial(ctx, p, rt, int(device))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uint64_t(importers.add(imp))
+	return statusOK
+}
+
+//export cpgo_importer_open
+func cpgo_importer_open(h C.uint64_t, name *C.char, s C.uintptr_t, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("mapping is NULL"))
+	}
+	n, ctx, cancel, err := nameAndContext(name, "name", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	imp, err := importers.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	m, err := imp.Open(ctx, n, cudart.Stream(s))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uint64_t(mappings.add(m))
+	return statusOK
+}
+
+//export cpgo_importer_close
+func cpgo_importer_close(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	imp, err := importers.remove(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(imp.Close(ctx))
+}
+
+//export cpgo_mapping_info
+func cpgo_mapping_info(h C.uint64_t, ptr *C.uintptr_t, size *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	m, err := mappings.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	if ptr != nil {
+		*ptr = C.uintptr_t(m.Ptr())
+	}
+	if size != nil {
+		*size = C.uint64_t(m.Size())
+	}
+	return statusOK
+}
+
+//export cpgo_mapping_meta
+func cpgo_mapping_meta(h C.uint64_t, buf unsafe.Pointer, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if _, err := mappings.get(uint64(h)); err != nil {
+		return fail(err)
+	}
+	return result(writeOut(buf, capacity, n, nil, false))
+}
+
+//export cpgo_mapping_release
+func cpgo_mapping_release(h C.uint64_t, s C.uintptr_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	m, err := mappings.remove(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	if err := m.Release(ctx, cudart.Stream(s)); err != nil {
+		if !errors.Is(err, export.ErrReleased) {
+			return fail(err)
+		}
+		return fail(fmt.Errorf("%w: %w", errHandle, err))
+	}
+	return statusOK
+}

@@ -1,0 +1,134 @@
+"""PyTorch helpers: cudapool as torch's allocator, publishing tensors and opening
+published names as tensors. Importing this module imports torch.
+
+    import cudapool, cudapool.torch as cpt
+    cpt.use_as_current()                  # before the first CUDA allocation: every tensor
+                                          # comes from an exportable cudapool pool
+    kv = torch.randn(..., device="cuda")  # real torch ops
+    ex = cudapool.Exporter(path)
+    cpt.publish(ex, "kv", kv)             # ready after torch's current stream's work
+
+    # in another process (spawn), on any GPU:
+    imp = cudapool.Importer(path, device=1)
+    m = cpt.open(imp, "kv")               # m.tensor: the producer's dtype and shape, no copy
+    ... use m.tensor on torch's current stream ...
+    m.release()                           # after the current stream's work on it
+
+Or keep torch's caching for everything else and put a chosen set of tensors in cudapool
+with a MemPool: `with torch.cuda.use_mem_pool(cpt.mem_pool()): kv = torch.empty(...)`.
+"""
+
+import json
+
+import torch
+
+import cudapool
+from . import _lib
+
+# The dtypes metadata can name, by torch's name for them.
+_BY_NAME = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool)}
+
+_allocator = None
+
+
+def configure(**pool_options):
+    """Sets the options of the allocator's pools not yet made (cudapool.Pool's keyword
+    arguments: name, handle_type, max_size, ...). Call it before the first allocation."""
+    o = cudapool._pool_options(**pool_options)
+    _lib.call("cudapool_torch_configure", o)
+
+
+def allocator():
+    """The torch.cuda.memory.CUDAPluggableAllocator over libcudapool (one per process)."""
+    global _allocator
+    if _allocator is None:
+        _allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            _lib.loaded_path(), "cudapool_torch_malloc", "cudapool_torch_free")
+    return _allocator
+
+
+def use_as_current():
+    """Makes cudapool torch's allocator for every CUDA tensor of this process. Must come
+    before the process's first CUDA allocation (torch refuses otherwise)."""
+    torch.cuda.memory.change_current_allocator(allocator())
+
+
+def mem_pool():
+    """A torch.cuda.MemPool whose segments come from cudapool: tensors allocated under
+    torch.cuda.use_mem_pool(pool) live in exportable memory."""
+    return torch.cuda.MemPool(allocator().allocator())
+
+
+def pool_handle(device=0):
+    """The cudapool pool the allocator uses on device, as a handle for stats."""
+    h = _lib.u64()
+    _lib.call("cudapool_torch_pool", device, _lib.ctypes.byref(h))
+    return h.value
+
+
+def _current_stream(device):
+    return torch.cuda.current_stream(device)
+
+
+def describe(t):
+    """The metadata publish sends with a tensor: dtype, shape and strides, as JSON."""
+    return json.dumps({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                       "strides": list(t.stride())}).encode()
+
+
+def publish(exporter, name, tensor, stream=None):
+    """Publishes tensor's memory under name, ready once the work queued on stream
+    (default: torch's current stream on the tensor's device) is done. The tensor must be
+    contiguous and allocated by cudapool (use_as_current or mem_pool). Where the protocol
+    carries metadata (version 2), consumers receive the dtype, shape and strides."""
+    if not tensor.is_cuda:
+        raise ValueError("publish wants a CUDA tensor")
+    if not tensor.is_contiguous():
+        raise ValueError("publish wants a contiguous tensor (call .contiguous())")
+    if stream is None:
+        stream = _current_stream(tensor.device)
+    meta = describe(tensor) if cudapool.protocol_version() >= 2 else b""
+    exporter.publish(name, tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                     stream=stream, meta=meta)
+
+
+def open(importer, name, dtype=None, shape=None, stream=None, timeout=cudapool.DEFAULT_TIMEOUT):
+    """Opens name as a tensor on the importer's device: returns the Mapping with
+    .tensor set, a view of the mapped memory (no copy) of the producer's dtype and shape
+    (from the metadata; dtype and shape given here win, and are needed where the
+    protocol carries none). The tensor is usable on stream (default: torch's current
+    stream); release the Mapping when done with it."""
+    dev = torch.device("cuda", importer.device)
+    if stream is None:
+        stream = _current_stream(dev)
+    m = importer.open(name, stream=stream, timeout=timeout)
+    try:
+        m.tensor = _as_tensor(m, dtype, shape, dev)
+    except BaseException:
+        m.release()
+        raise
+    return m
+
+
+def _as_tensor(m, dtype, shape, dev):
+    strides = None
+    if m.meta:
+        d = json.loads(m.meta)
+        dtype = dtype or _BY_NAME[d["dtype"]]
+        shape = shape or tuple(d["shape"])
+        strides = d.get("strides")
+    if dtype is None or shape is None:
+        raise ValueError("%r carries no metadata: give dtype and shape" % m.name)
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes > m.size:
+        raise ValueError("%r is %d bytes, too small for %s %s" % (m.name, m.size, dtype, tuple(shape)))
+    raw = torch.as_tensor(m, device=dev)  # uint8, honours the mapping's stream
+    t = raw[:nbytes].view(dtype).view(*shape)
+    if strides is not None and tuple(strides) != t.stride():
+        t = t.as_strided(shape, strides)
+    return t

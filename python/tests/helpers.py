@@ -1,0 +1,71 @@
+"""Shared set-up of the Python tests: where the package and the library are, the runtime
+the tests run on, and bounded waits for child processes."""
+
+import multiprocessing
+import os
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+# The library reads its environment when it loads (at the first call): set it first.
+REQUIRE_GPU = os.environ.get("CUDAPOOL_REQUIRE_GPU") == "1"
+os.environ.setdefault("CUDAPOOL_RUNTIME", "gpu" if REQUIRE_GPU else "auto")
+os.environ.setdefault("CUDAPOOL_DIR", tempfile.mkdtemp(prefix="cudapool-pytest-"))
+
+import cudapool  # noqa: E402
+
+CHILD_TIMEOUT = 60  # seconds any child process may take
+
+
+def socket_path(tag):
+    return os.path.join(os.environ["CUDAPOOL_DIR"], "%s-%d.sock" % (tag, os.getpid()))
+
+
+def spawn(target, *args):
+    """Runs target(queue, *args) in a spawned process; returns (process, queue)."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(q,) + args)
+    p.start()
+    return p, q
+
+
+def result_of(test, p, q):
+    """The one result p put on q, failing test if none came in time or p failed."""
+    try:
+        r = q.get(timeout=CHILD_TIMEOUT)
+    except Exception:
+        p.kill()
+        p.join(5)
+        test.fail("child process gave no result in %d s (exit code %s)" % (CHILD_TIMEOUT, p.exitcode))
+    p.join(CHILD_TIMEOUT)
+    if p.is_alive():
+        p.kill()
+        test.fail("child process did not exit in %d s" % CHILD_TIMEOUT)
+    if isinstance(r, str) and r.startswith("error:"):
+        test.fail("child process failed: " + r)
+    test.assertEqual(p.exitcode, 0, "child process exit code")
+    return r
+
+
+def need(module):
+    """Imports module, or skips the test where it is absent (fails under
+    CUDAPOOL_REQUIRE_GPU=1, where it must be there)."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as e:
+        if REQUIRE_GPU:
+            raise AssertionError("CUDAPOOL_REQUIRE_GPU=1 but %s does not import: %s" % (module, e))
+        raise unittest.SkipTest("%s is not installed" % module)
+
+
+def need_gpu():
+    on_gpu, n, _ = cudapool.runtime_info()
+    if not on_gpu:
+        if REQUIRE_GPU:
+            raise AssertionError("CUDAPOOL_REQUIRE_GPU=1 but cudapool runs on the software device")
+        raise unittest.SkipTest("no GPU: cudapool runs on the software device")
+    return n

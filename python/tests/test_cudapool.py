@@ -1,0 +1,417 @@
+"""Tests of libcudapool through the Python package, on the software device where no GPU
+is (or on the GPU). Run: python3 -m pytest python/tests (or python3 -m unittest
+discover -s python/tests)."""
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import time
+import unittest
+
+from helpers import CHILD_TIMEOUT, cudapool, result_of, socket_path, spawn
+
+from cudapool import _lib
+
+MiB = 1 << 20
+
+
+def setUpModule():
+    cudapool.init(os.environ["CUDAPOOL_RUNTIME"])
+
+
+def pattern(n, seed):
+    return bytes((i * 7 + seed) & 0xFF for i in range(n))
+
+
+def consume(q, path, name, n, seed, device):
+    """A consumer process: opens name, checks its first n bytes, releases."""
+    try:
+        imp = cudapool.Importer(path, device=device)
+        m = imp.open(name)
+        got = cudapool.copy_from_device(device, m.ptr, n, m.stream)
+        cai = m.__cuda_array_interface__
+        m.release()
+        imp.close()
+        q.put({"ok": got == pattern(n, seed), "size": m.size, "meta": m.meta,
+               "cai_stream": cai["stream"], "pid": os.getpid()})
+    except Exception as e:  # the parent reports it
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+class RuntimeTest(unittest.TestCase):
+    def test_runtime_is_chosen_once(self):
+        on_gpu, n, name = cudapool.runtime_info()
+        self.assertGreaterEqual(n, 1)
+        self.assertTrue(name)
+        other = "test" if os.environ["CUDAPOOL_RUNTIME"] != "test" else "gpu"
+        with self.assertRaises(cudapool.NoRuntime) as cm:
+            cudapool.init(other)
+        self.assertIn("another runtime was chosen", str(cm.exception))
+        self.assertIn("running on", cudapool.init(os.environ["CUDAPOOL_RUNTIME"]))
+
+    def test_protocol_version(self):
+        self.assertGreaterEqual(cudapool.protocol_version(), 1)
+
+    def test_stream_handle_takes_every_kind(self):
+        class Torchish:
+            cuda_stream = 0x1234
+
+        class Cupyish:
+            ptr = 0x5678
+
+        class CudaCoreish:
+            def __cuda_stream__(self):
+                return (0, 0x9ABC)
+
+        self.assertEqual(cudapool.stream_handle(None), 0)
+        self.assertEqual(cudapool.stream_handle(7), 7)
+        self.assertEqual(cudapool.stream_handle(Torchish()), 0x1234)
+        self.assertEqual(cudapool.stream_handle(Cupyish()), 0x5678)
+        self.assertEqual(cudapool.stream_handle(CudaCoreish()), 0x9ABC)
+        with self.assertRaises(TypeError):
+            cudapool.stream_handle("stream")
+        with self.assertRaises(ValueError):
+            cudapool.stream_handle(-1)
+
+
+class PoolTest(unittest.TestCase):
+    def test_alloc_copy_free_stats(self):
+        with cudapool.Pool(0, name="py-pool") as p, cudapool.Stream(0) as s:
+            ptr = p.alloc(MiB, s)
+            data = pattern(4096, 3)
+            cudapool.copy_to_device(0, ptr, data, s)
+            self.assertEqual(cudapool.copy_from_device(0, ptr, len(data), s), data)
+            st = p.stats()
+            self.assertEqual(st["live_buffers"], 1)
+            self.assertEqual(st["bytes_requested"], MiB)
+            self.assertGreaterEqual(st["bytes_reserved"], MiB)
+            p.free(ptr, s)
+            s.synchronize()
+            self.assertEqual(p.stats()["live_buffers"], 0)
+
+    def test_close_refuses_live_buffers_without_force(self):
+        p = cudapool.Pool(0)
+        ptr = p.alloc(MiB)
+        with self.assertRaises(cudapool.Busy):
+            p.close()
+        self.assertEqual(p.stats()["live_buffers"], 1, "a refused close changes nothing")
+        p.close(force=True)
+        with self.assertRaises(cudapool.ForeignPointer):
+            cudapool.Pool.free(ptr)  # force-closing released it
+
+    def test_local_pool_does_not_round(self):
+        with cudapool.Pool(0, handle_type="none") as p:
+            ptr = p.alloc(1000)
+            self.assertEqual(p.stats()["granularity"], 1)
+            p.free(ptr)
+
+    def test_max_size_bounds_the_pool(self):
+        with cudapool.Pool(0, max_size=4 * MiB) as p:
+            a = p.alloc(4 * MiB)
+            with self.assertRaises(cudapool.OutOfMemory):
+                p.alloc(MiB)
+            p.free(a)
+
+
+class BadInputTest(unittest.TestCase):
+    """Every bad input gets an error code and a message; none crashes the process."""
+
+    def assertStatus(self, exc, status, text):
+        self.assertEqual(exc.exception.status, status)
+        self.assertIn(text, str(exc.exception))
+
+    def test_null_pointers(self):
+        l = _lib.lib()
+        cases = [
+            ("cudapool_alloc", (1, MiB, None, None), "ptr is NULL"),
+            ("cudapool_free", (None, None), "ptr is NULL"),
+            ("cudapool_pool_create", (0, None, None), "pool is NULL"),
+            ("cudapool_exporter_listen", (None, None, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
+            ("cudapool_importer_dial", (None, 0, 0, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
+            ("cudapool_query_state", (None, 0, None, 0, None), "socket is NULL"),
+            ("cudapool_protocol_version", (None,), "version is NULL"),
+            ("cudapool_copy_to_device", (0, None, None, 1, None), "NULL"),
+        ]
+        for name, args, text in cases:
+            with self.subTest(name):
+                self.assertEqual(getattr(l, name)(*args), 1, name)
+                self.assertIn(text, l.cudapool_last_error().decode())
+        with cudapool.Pool(0) as p:
+            ex = cudapool.Exporter(socket_path("null"))
+            try:
+                self.assertEqual(l.cudapool_exporter_publish(ex.handle, None, 1, 0, None, None, 0), 1)
+                self.assertIn("name is NULL", l.cudapool_last_error().decode())
+                self.assertEqual(l.cudapool_pool_stats_get(p.handle, None), 1)
+            finally:
+                ex.close()
+
+    def test_last_error_is_cleared_by_the_next_call(self):
+        l = _lib.lib()
+        self.assertNotEqual(l.cudapool_free(None, None), 0)
+        self.assertTrue(l.cudapool_last_error())
+        v = ctypes.c_int()
+        self.assertEqual(l.cudapool_protocol_version(ctypes.byref(v)), 0)
+        self.assertEqual(l.cudapool_last_error(), b"")
+
+    def test_pointer_no_pool_gave(self):
+        with self.assertRaises(cudapool.ForeignPointer) as cm:
+            cudapool.Pool.free(0x7F0000001000)
+        self.assertIn("0x7f0000001000", str(cm.exception))
+
+    def test_double_free(self):
+        with cudapool.Pool(0) as p:
+            ptr = p.alloc(MiB)
+            p.free(ptr)
+            with self.assertRaises(cudapool.ForeignPointer):
+                p.free(ptr)
+
+    def test_pointer_inside_a_buffer_is_not_freed(self):
+        with cudapool.Pool(0) as p:
+            ptr = p.alloc(MiB)
+            with self.assertRaises(cudapool.ForeignPointer):
+                p.free(ptr + 4096)
+            p.free(ptr)
+
+    def test_size_zero(self):
+        with cudapool.Pool(0) as p:
+            with self.assertRaises(cudapool.InvalidArgument) as cm:
+                p.alloc(0)
+            self.assertIn("zero-size", str(cm.exception))
+
+    def test_handles(self):
+        p = cudapool.Pool(0)
+        h = p.handle
+        ex = cudapool.Exporter(socket_path("handles"))
+        try:
+            l = _lib.lib()
+            stats = ctypes.byref(_lib.PoolStats())
+            for handle, text in [(0, "handle 0"), (ex.handle, "is the handle of an exporter, not of a pool"),
+                                 (0xDEADBEEF, "not a cudapool handle"), (h + (1 << 20), "never issued")]:
+                with self.subTest(hex(handle)):
+                    self.assertEqual(l.cudapool_pool_stats_get(handle, stats), 2)
+                    self.assertIn(text, l.cudapool_last_error().decode())
+            p.close()
+            self.assertEqual(l.cudapool_pool_stats_get(h, stats), 2)
+            self.assertIn("closed or released", l.cudapool_last_error().decode())
+            self.assertEqual(l.cudapool_pool_close(h, 0, 0), 2, "a second close")
+        finally:
+            ex.close()
+
+    def test_use_after_close(self):
+        ex = cudapool.Exporter(socket_path("after-close"))
+        h = ex.handle
+        ex.close()
+        self.assertEqual(_lib.lib().cudapool_exporter_unpublish(h, b"x"), 2)
+        with cudapool.Pool(0) as p:
+            ptr = p.alloc(MiB)
+            ex._h = h
+            with self.assertRaises(cudapool.InvalidHandle):
+                ex.publish("x", ptr)
+            ex._h = 0
+            p.free(ptr)
+
+    def test_names(self):
+        with cudapool.Pool(0) as p, cudapool.Exporter(socket_path("names")) as ex:
+            ptr = p.alloc(MiB)
+            for bad in ["", "x" * 256, "a\nb"]:
+                with self.subTest(repr(bad[:10])):
+                    with self.assertRaises(cudapool.InvalidArgument):
+                        ex.publish(bad, ptr)
+            ex.publish("x" * 255, ptr)
+            with self.assertRaises(cudapool.NameInUse):
+                ex.publish("x" * 255, ptr)
+            with self.assertRaises(cudapool.NotFound):
+                ex.unpublish("nope")
+            ex.unpublish("x" * 255)
+            p.free(ptr)
+
+    def test_publish_checks_the_range(self):
+        with cudapool.Pool(0) as p, cudapool.Exporter(socket_path("range")) as ex:
+            ptr = p.alloc(MiB)
+            with self.assertRaises(cudapool.ForeignPointer):
+                ex.publish("x", 0x7F0000001000, 16)
+            with self.assertRaises(cudapool.InvalidArgument):
+                ex.publish("x", ptr, MiB + 1)
+            with self.assertRaises(cudapool.InvalidArgument):
+                ex.publish("x", ptr, meta=b"m" * (cudapool.MAX_META + 1))
+            p.free(ptr)
+
+    def test_negative_timeout(self):
+        with self.assertRaises(ValueError):
+            cudapool.Importer(socket_path("none"), timeout=-1)
+        l = _lib.lib()
+        self.assertEqual(l.cudapool_importer_dial(b"/nonexistent", 0, -5, ctypes.byref(ctypes.c_uint64())), 1)
+        self.assertIn("negative", l.cudapool_last_error().decode())
+
+    def test_dial_nothing(self):
+        with self.assertRaises(cudapool.Gone):
+            cudapool.Importer(socket_path("nobody"), timeout=5)
+
+    def test_state_buffer_too_small(self):
+        with cudapool.Exporter(socket_path("small"), name="small") as ex:
+            n = ctypes.c_size_t()
+            buf = ctypes.create_string_buffer(8)
+            l = _lib.lib()
+            self.assertEqual(l.cudapool_exporter_state(ex.handle, buf, 8, ctypes.byref(n)), 14)
+            self.assertGreater(n.value, 8, "the size needed")
+            self.assertEqual(ex.state()["name"], "small")
+
+
+class SharingTest(unittest.TestCase):
+    """A producer here, consumers in spawned processes."""
+
+    def setUp(self):
+        self.pool = cudapool.Pool(0, name="py-share")
+        self.ex = cudapool.Exporter(socket_path("share"))
+        self.addCleanup(self.pool.close, True)
+        self.addCleanup(self.ex.close, 10)
+
+    def publish(self, name, n, seed, **kw):
+        ptr = self.pool.alloc(n)
+        cudapool.copy_to_device(0, ptr, pattern(n, seed))
+        self.ex.publish(name, ptr, **kw)
+        return ptr
+
+    def test_publish_open_release_across_processes(self):
+        ptr = self.publish("kv", 2 * MiB, 11)
+        p, q = spawn(consume, self.ex.path, "kv", 2 * MiB, 11, 0)
+        r = result_of(self, p, q)
+        self.assertTrue(r["ok"], "the consumer read the producer's bytes")
+        self.assertEqual(r["size"], 2 * MiB)
+        self.assertEqual(r["cai_stream"], 1, "the legacy default stream is 1 in the interface")
+        self.assertEqual(self.pool.stats()["active_leases"], 0, "the consumer released")
+        cudapool.Pool.free(ptr)
+
+    def test_free_while_consumer_holds_it_is_deferred(self):
+        ptr = self.publish("held", MiB, 5)
+        go = multiprocessing.get_context("spawn").Event()
+        p, q = spawn(hold_then_release, self.ex.path, "held", MiB, 5, go)
+        try:
+            self.assertEqual(q.get(timeout=CHILD_TIMEOUT), "mapped")
+            cudapool.Pool.free(ptr)  # deferred: the consumer still maps it
+            self.assertEqual(self.pool.stats()["deferred_frees"], 1)
+            o, oq = spawn(open_error, self.ex.path, "held")
+            self.assertEqual(result_of(self, o, oq), "Gone", "an open after the free")
+        finally:
+            go.set()
+        self.assertTrue(result_of(self, p, q)["ok"], "the mapping stayed readable")
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while self.pool.stats()["live_buffers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.pool.stats()["live_buffers"], 0, "the free ran after the release")
+
+    def test_metadata(self):
+        meta = b'{"dtype": "float16", "shape": [4, 8]}'
+        if cudapool.protocol_version() < 2:
+            ptr = self.pool.alloc(MiB)
+            with self.assertRaises(cudapool.NotSupported):
+                self.ex.publish("meta", ptr, meta=meta)
+            cudapool.Pool.free(ptr)
+            return
+        ptr = self.publish("meta", MiB, 2, meta=meta)
+        p, q = spawn(consume, self.ex.path, "meta", MiB, 2, 0)
+        self.assertEqual(result_of(self, p, q)["meta"], meta)
+        cudapool.Pool.free(ptr)
+
+    def test_sub_range(self):
+        ptr = self.publish("slab", 4 * MiB, 9)
+        self.ex.unpublish("slab")
+        if cudapool.protocol_version() < 2:
+            with self.assertRaises(cudapool.NotSupported):
+                self.ex.publish("block", ptr + 1000, 3000)
+            cudapool.Pool.free(ptr)
+            return
+        self.ex.publish("block", ptr + 1000, 3000)
+        p, q = spawn(consume_range, self.ex.path, "block", 1000, 3000, 9)
+        r = result_of(self, p, q)
+        self.assertTrue(r["ok"])
+        self.assertEqual(r["size"], 3000)
+        cudapool.Pool.free(ptr)
+
+    def test_state_query(self):
+        ptr = self.publish("seen", MiB, 1)
+        st = cudapool.query_state(self.ex.path)
+        self.assertEqual([n["name"] for n in st["published"]], ["seen"])
+        self.assertEqual(st["pid"], os.getpid())
+        cudapool.Pool.free(ptr)
+
+
+def hold_then_release(q, path, name, n, seed, go):
+    """A consumer that maps name, says so, and reads and releases it once go is set."""
+    try:
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        q.put("mapped")
+        if not go.wait(CHILD_TIMEOUT):
+            raise TimeoutError("the parent never said go")
+        got = cudapool.copy_from_device(0, m.ptr, n)
+        m.release()
+        imp.close()
+        q.put({"ok": got == pattern(n, seed)})
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def open_error(q, path, name):
+    """Opens name, expecting a failure: puts the error's class name."""
+    try:
+        imp = cudapool.Importer(path, device=0)
+        try:
+            imp.open(name).release()
+            q.put("opened")
+        except cudapool.CudapoolError as e:
+            q.put(type(e).__name__)
+        imp.close()
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def consume_range(q, path, name, offset, n, seed):
+    try:
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        got = cudapool.copy_from_device(0, m.ptr, n)
+        m.release()
+        imp.close()
+        q.put({"ok": got == pattern(offset + n, seed)[offset:], "size": m.size})
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+class ForkTest(unittest.TestCase):
+    def test_forked_child_fails_clearly(self):
+        cudapool.protocol_version()  # the library is loaded and its Go runtime running
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no Go runtime survives here
+            os.close(r)
+            try:
+                cudapool.runtime_info()
+                msg = b"no error"
+            except cudapool.ForkedProcess as e:
+                msg = b"ok " + str(e).encode()
+            except BaseException as e:
+                msg = ("wrong error %r" % e).encode()
+            os.write(w, msg)
+            os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                self.fail("the forked child hung calling the library")
+            time.sleep(0.01)
+        msg = os.read(r, 4096).decode()
+        os.close(r)
+        self.assertTrue(msg.startswith("ok "), msg)
+        self.assertIn("spawn", msg)
+        self.assertIn("forked", msg)
+
+
+if __name__ == "__main__":
+    unittest.main()
