@@ -31,45 +31,71 @@ func (p *Pool) forget(b *Buffer) {
 // Alloc returns a buffer of at least size bytes, rounded up to the pool's granularity,
 // ready for work queued on s after the call. On failure nothing is allocated.
 //
+// With WithCache, a buffer freed on s that fits is taken from the cache first, without
+// calling the driver; it may hold up to a quarter more than the granularity asks for
+// (Reserved says how much), and an exportable one keeps its export record.
+//
 // A full pool fails with an error that wraps cudart.ErrOutOfMemory and says how much
-// the pool has reserved and in use; with WithWaitForMemory, Alloc instead waits for a
-// Free in this process and tries again until ctx ends (the error then wraps both
-// ctx's error and cudart.ErrOutOfMemory). A pointer that is not aligned to the
-// granularity is freed and reported with ErrMisaligned.
+// the pool has reserved and in use, after it returned its cache to the driver and
+// tried again; with WithWaitForMemory, Alloc instead waits for a Free in this process
+// and tries again until ctx ends (the error then wraps both ctx's error and
+// cudart.ErrOutOfMemory). A pointer that is not aligned to the granularity is freed
+// and reported with ErrMisaligned.
 func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
-		return nil, p.errorf("alloc %d bytes: %w", size, err)
+		return nil, p.errorf("alloc %s: %w", human(size), err)
 	}
 	if size == 0 {
 		return nil, p.errorf("alloc: %w", ErrZeroSize)
 	}
 	reserved, err := granularity.RoundUp(size, p.gran)
 	if err != nil {
-		return nil, p.errorf("alloc %d bytes: %w", size, err)
+		return nil, p.errorf("alloc %s: %w", human(size), err)
 	}
-	b, err := p.allocOnce(size, reserved, s)
+	b := &Buffer{pool: p, owner: p, dev: p.dev, size: size, reserved: reserved, id: lastBufferID.Add(1)}
+	err = p.allocOnce(b, s)
 	if p.wait && errors.Is(err, cudart.ErrOutOfMemory) {
-		return p.allocWaiting(ctx, size, reserved, s)
+		err = p.allocWaiting(ctx, b, s)
 	}
-	return b, err
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
 }
 
-// allocOnce tries once to allocate.
-func (p *Pool) allocOnce(size, reserved uint64, s cudart.Stream) (*Buffer, error) {
+// allocOnce fills b from the cache or the driver, returning the cache to the driver
+// and trying once more if the pool is full.
+func (p *Pool) allocOnce(b *Buffer, s cudart.Stream) error {
 	if !p.gate.enter() {
-		return nil, p.closedError(fmt.Sprintf("alloc %d bytes", size))
+		return p.closedError("alloc " + human(b.size))
 	}
 	defer p.gate.leave()
+	if p.cache.limit != 0 {
+		if hit, err := p.allocCached(b, s); hit {
+			return err
+		}
+	}
+	err := p.allocDriver(b, s)
+	if errors.Is(err, cudart.ErrOutOfMemory) && p.holdsCache() {
+		_, _ = p.trim(func(cudart.Stream) bool { return true }) // failures are kept for Stats and Close
+		err = p.allocDriver(b, s)
+	}
+	return err
+}
+
+// allocDriver asks the driver for b's memory. Call inside the gate.
+func (p *Pool) allocDriver(b *Buffer, s cudart.Stream) error {
+	size, reserved := b.size, b.reserved
 	claimed := p.maxSize != 0
 	if claimed {
 		if err := p.claim(size, reserved); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	ptr, err := p.rt.MallocFromPoolAsync(p.dev, reserved, p.handle, s)
 	if err == nil && !granularity.IsAligned(uint64(ptr), p.gran) {
-		err = p.errorf("alloc %d bytes: %w: %#x is %d bytes into a %d-byte granule",
-			reserved, ErrMisaligned, uintptr(ptr), uint64(ptr)%p.gran, p.gran)
+		err = p.errorf("alloc %s: %w: %#x is %s into a %s granule",
+			human(reserved), ErrMisaligned, uintptr(ptr), human(uint64(ptr)%p.gran), human(p.gran))
 		if ferr := p.rt.FreeAsync(p.dev, ptr, s); ferr != nil {
 			err = errors.Join(err, p.errorf("freeing the misaligned pointer: %w", ferr))
 		}
@@ -77,7 +103,7 @@ func (p *Pool) allocOnce(size, reserved uint64, s cudart.Stream) (*Buffer, error
 		if errors.Is(err, cudart.ErrOutOfMemory) {
 			err = p.fullError(size, reserved, err)
 		} else {
-			err = p.errorf("alloc %d bytes: %w", reserved, err)
+			err = p.errorf("alloc %s: %w", human(reserved), err)
 		}
 	}
 	if err != nil {
@@ -86,16 +112,16 @@ func (p *Pool) allocOnce(size, reserved uint64, s cudart.Stream) (*Buffer, error
 			p.counts.bytesPending -= reserved
 			p.mu.Unlock()
 		}
-		return nil, err
+		return err
 	}
-	b := &Buffer{pool: p, ptr: ptr, size: size, reserved: reserved, id: lastBufferID.Add(1)}
+	b.ptr = ptr
 	p.mu.Lock()
 	if claimed {
 		p.counts.bytesPending -= reserved
 	}
 	p.remember(b)
 	p.mu.Unlock()
-	return b, nil
+	return nil
 }
 
 // claim counts reserved bytes against the pool's max size before the driver is asked.
@@ -105,7 +131,7 @@ func (p *Pool) allocOnce(size, reserved uint64, s cudart.Stream) (*Buffer, error
 // back when the driver answered.
 func (p *Pool) claim(size, reserved uint64) error {
 	p.mu.Lock()
-	held := p.counts.bytesReserved + p.counts.bytesPending
+	held := p.counts.bytesReserved + p.counts.bytesPending + p.cache.bytes
 	fits := held <= p.maxSize && reserved <= p.maxSize-held
 	if fits {
 		p.counts.bytesPending += reserved
@@ -124,29 +150,29 @@ func (p *Pool) fullError(size, reserved uint64, cause error) error {
 	p.mu.Unlock()
 	used, uerr := p.rt.MemPoolGetAttribute(p.dev, p.handle, cudart.PoolUsedMemCurrent)
 	res, rerr := p.rt.MemPoolGetAttribute(p.dev, p.handle, cudart.PoolReservedMemCurrent)
-	driver := fmt.Sprintf("driver: %d bytes reserved, %d in use", res, used)
+	driver := fmt.Sprintf("driver: %s reserved, %s in use", human(res), human(used))
 	if uerr != nil || rerr != nil {
 		driver = "driver's figures unavailable"
 	}
 	limit := "no max size"
 	if p.maxSize != 0 {
-		limit = fmt.Sprintf("max size %d", p.maxSize)
+		limit = "max size " + human(p.maxSize)
 	}
-	return p.errorf("alloc %d bytes (%d after rounding): pool full (%s; %s; %d live buffers hold %d bytes): %w",
-		size, reserved, driver, limit, c.liveBuffers, c.bytesReserved, cause)
+	return p.errorf("alloc %s (%s after rounding): pool full (%s; %s; %d live buffers hold %s): %w",
+		human(size), human(reserved), driver, limit, c.liveBuffers, human(c.bytesReserved), cause)
 }
 
-// allocWaiting retries a full pool's allocation after each Free until it succeeds,
-// ctx ends or the pool closes.
-func (p *Pool) allocWaiting(ctx context.Context, size, reserved uint64, s cudart.Stream) (*Buffer, error) {
+// allocWaiting retries a full pool's allocation of b after each Free until it
+// succeeds, ctx ends or the pool closes.
+func (p *Pool) allocWaiting(ctx context.Context, b *Buffer, s cudart.Stream) error {
 	// Counted before the next try, so a Free that lands after that try sees a waiter.
 	p.waiting.Add(1)
 	defer p.waiting.Add(-1)
 	for {
 		gen := p.freeGen.Load()
-		b, err := p.allocOnce(size, reserved, s)
+		err := p.allocOnce(b, s)
 		if !errors.Is(err, cudart.ErrOutOfMemory) {
-			return b, err
+			return err
 		}
 		wake, retry := p.waitChannel(gen)
 		if retry {
@@ -155,21 +181,24 @@ func (p *Pool) allocWaiting(ctx context.Context, size, reserved uint64, s cudart
 		select {
 		case <-wake:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("%w; gave up waiting for memory: %w", err, ctx.Err())
+			return fmt.Errorf("%w; gave up waiting for memory: %w", err, ctx.Err())
 		case <-p.closing:
-			return nil, p.closedError(fmt.Sprintf("alloc %d bytes: waiting for memory", size))
+			return p.closedError("alloc " + human(b.size) + ": waiting for memory")
 		}
 	}
 }
 
 // Free returns b to the pool once the work queued on s before the call has
-// completed. Free of a buffer that was never leased is one cudaFreeAsync on s.
+// completed. Free of a buffer that was never leased puts it in the cache (WithCache)
+// if the cache has room, calling nothing, and is otherwise one cudaFreeAsync on s.
 //
 // If b has live leases, Free records the point reached on s and returns nil at once;
 // the real free is issued when the last lease ends, on the release stream, after the
-// importers' completions and that point. A buffer that was leased before but has no
-// live leases is freed on the release stream too, after that point, so that the free
-// also follows every completion already waited for.
+// importers' completions and that point (or the buffer goes to the cache, for the
+// next Alloc on s to take after them). A buffer that was leased before but has no live
+// leases is freed on the release stream too, after that point, so that the free also
+// follows every completion already waited for; or s waits for those completions and
+// the buffer goes to the cache.
 //
 // Freeing a buffer twice fails with ErrFreed, a buffer of another pool with
 // ErrForeignBuffer, and after Close with ErrClosed; none of them changes anything.
@@ -197,6 +226,10 @@ func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
 		b.state = bufFreeing
 		p.mu.Unlock()
 		return p.freeShared(b, s)
+	case p.claimCacheLocked(b.reserved):
+		p.cacheLocked(b, s, 0)
+		p.mu.Unlock()
+		return nil
 	}
 	b.state = bufFreed
 	p.forget(b)

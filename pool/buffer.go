@@ -2,6 +2,9 @@ package pool
 
 import (
 	"fmt"
+	"sync/atomic"
+
+	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -16,10 +19,13 @@ const (
 	bufFailed            // a deferred free failed; the memory stays reserved
 )
 
-// Buffer is device memory from a Pool. Its accessors are safe for concurrent use; it
-// stays valid to read after Free, but not to free, lease or export.
+// Buffer is device memory from a Pool, or from another Allocator that made it with
+// NewBuffer. Its accessors are safe for concurrent use; it stays valid to read after
+// Free, but not to free, lease or export.
 type Buffer struct {
-	pool     *Pool
+	pool     *Pool     // nil for a buffer made by NewBuffer
+	owner    Allocator // the allocator Free goes to; nil for a zero Buffer
+	dev      int
 	ptr      cudart.DevicePtr
 	size     uint64
 	reserved uint64
@@ -29,11 +35,14 @@ type Buffer struct {
 	state      bufState
 	leases     int
 	shared     bool
-	abandoned  bool         // a lease ended after Close began: its completion was not waited on
-	freeEvent  cudart.Event // recorded by a deferred Free; 0 until then
-	prev, next *Buffer      // in pool.live
+	abandoned  bool          // a lease ended after Close began: its completion was not waited on
+	freeEvent  cudart.Event  // recorded by a deferred Free; 0 until then
+	freeStream cudart.Stream // the stream a deferred Free was given
+	prev, next *Buffer       // in pool.live
 
-	record *cudart.PtrExportData // guarded by pool.exportMu
+	// record is set once, under pool.exportMu; atomic so that Free can carry it
+	// into the cache.
+	record atomic.Pointer[cudart.PtrExportData]
 }
 
 // Ptr is the device address of the buffer.
@@ -47,24 +56,34 @@ func (b *Buffer) Size() uint64 { return b.size }
 func (b *Buffer) Reserved() uint64 { return b.reserved }
 
 // Device is the ordinal of the device the buffer is on.
-func (b *Buffer) Device() int { return b.pool.dev }
+func (b *Buffer) Device() int { return b.dev }
 
 // ID is unique among the buffers of this process.
 func (b *Buffer) ID() uint64 { return b.id }
 
-// Pool is the pool the buffer came from.
+// Pool is the pool the buffer came from; nil for a buffer made by NewBuffer.
 func (b *Buffer) Pool() *Pool { return b.pool }
 
-// Free is b.Pool().Free(b, s).
+// NewBuffer makes a Buffer of the size bytes at ptr on owner's device, for an
+// Allocator that is not a Pool (a wrapper or a test double) to hand out. Its Free
+// calls owner.Free; it cannot be leased or exported (ErrNotShareable).
+func NewBuffer(owner Allocator, ptr cudart.DevicePtr, size uint64) *Buffer {
+	return &Buffer{owner: owner, dev: owner.Device(), ptr: ptr, size: size, reserved: size, id: lastBufferID.Add(1)}
+}
+
+// Free is b's allocator's Free(b, s).
 func (b *Buffer) Free(s cudart.Stream) error {
-	if b.pool == nil {
+	if b.owner == nil {
 		return unpooled("free", b)
 	}
-	return b.pool.Free(b, s)
+	return b.owner.Free(b, s)
 }
 
 // Shared reports whether the buffer has ever been leased.
 func (b *Buffer) Shared() bool {
+	if b.pool == nil {
+		return false
+	}
 	b.pool.mu.Lock()
 	defer b.pool.mu.Unlock()
 	return b.shared
@@ -74,16 +93,25 @@ func (b *Buffer) String() string {
 	switch {
 	case b == nil:
 		return "nil buffer"
+	case b.owner == nil:
+		return "buffer not from an allocator"
 	case b.pool == nil:
-		return "buffer not from a pool"
+		return fmt.Sprintf("buffer %d (%s at %#x on device %d, not from a pool)", b.id, human(b.size), uintptr(b.ptr), b.dev)
 	}
-	return fmt.Sprintf("buffer %d (%d bytes at %#x on device %d of pool %q)", b.id, b.size, uintptr(b.ptr), b.pool.dev, b.pool.name)
+	return fmt.Sprintf("buffer %d (%s at %#x on device %d of pool %q)", b.id, human(b.size), uintptr(b.ptr), b.dev, b.pool.name)
 }
 
-// unpooled is the error for a Buffer that no pool made (a zero Buffer).
+// unpooled is the error for a Buffer that no pool made: one from NewBuffer cannot be
+// shared, a zero Buffer belongs to nobody.
 func unpooled(op string, b *Buffer) error {
+	if b.owner != nil {
+		return fmt.Errorf("pool: %s %v: %w", op, b, ErrNotShareable)
+	}
 	return fmt.Errorf("pool: %s %v: %w", op, b, ErrForeignBuffer)
 }
+
+// human prints a size in bytes the way people read it ("16 MiB").
+func human(n uint64) string { return humanize.IBytes(n) }
 
 // stateError says why a buffer that is not live cannot be used. Call with pool.mu held.
 func (b *Buffer) stateError(op string) error {

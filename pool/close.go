@@ -22,8 +22,12 @@ type CloseReport struct {
 	// to the device when the process exits.
 	AbandonedBuffers int
 	AbandonedBytes   uint64
-	// FailedFrees are the deferred frees that failed during the pool's life, and
-	// Close(Force)'s own frees that failed.
+	// CachedBuffers and CachedBytes are the buffers Close returned from the cache
+	// (WithCache) to the driver.
+	CachedBuffers int
+	CachedBytes   uint64
+	// FailedFrees are the deferred frees and frees of cached buffers that failed
+	// during the pool's life, and Close's own frees that failed.
 	FailedFrees []error
 	// Destroyed reports whether the CUDA pool was destroyed. A device's default pool
 	// is not, nor a FABRIC pool whose export the driver refused: destroying one
@@ -33,9 +37,12 @@ type CloseReport struct {
 
 func (r CloseReport) String() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "pool %q closed: released %d buffers (%d bytes)", r.Name, r.ReleasedBuffers, r.ReleasedBytes)
+	fmt.Fprintf(&b, "pool %q closed: released %d buffers (%s)", r.Name, r.ReleasedBuffers, human(r.ReleasedBytes))
+	if r.CachedBuffers > 0 {
+		fmt.Fprintf(&b, ", returned %d cached buffers (%s)", r.CachedBuffers, human(r.CachedBytes))
+	}
 	if r.AbandonedBuffers > 0 {
-		fmt.Fprintf(&b, ", abandoned %d shared buffers (%d bytes) until exit", r.AbandonedBuffers, r.AbandonedBytes)
+		fmt.Fprintf(&b, ", abandoned %d shared buffers (%s) until exit", r.AbandonedBuffers, human(r.AbandonedBytes))
 	}
 	if len(r.FailedFrees) > 0 {
 		fmt.Fprintf(&b, ", %d failed frees", len(r.FailedFrees))
@@ -53,8 +60,9 @@ func (r CloseReport) String() string {
 // abandons the rest (see Force); if ctx ends first it returns ctx's error, and a later
 // Close finishes the job. Waiting Allocs fail with ErrClosed.
 //
-// Close then destroys the release stream, the pool's events, the exported handle's
-// descriptor and the CUDA pool (not a default pool), and returns what it released.
+// Close then returns the cache to the driver (as Trim does), destroys the release
+// stream, the pool's events, the exported handle's descriptor and the CUDA pool (not a
+// default pool), and returns what it released.
 // Errors from those are joined in the error, with the report filled in. A second
 // Close fails with ErrClosed.
 func (p *Pool) Close(ctx context.Context, opts ...CloseOption) (CloseReport, error) {
@@ -117,8 +125,8 @@ func (p *Pool) takeCloser(ctx context.Context) error {
 func (p *Pool) busyLocked() error {
 	c := p.counts
 	if c.liveBuffers > 0 {
-		return p.errorf("close: %w: %d live buffers (%d bytes reserved; %d shared with %d leases, %d deferred frees, %d failed frees)",
-			ErrBusy, c.liveBuffers, c.bytesReserved, c.sharedBuffers, c.activeLeases, c.deferredFrees, len(p.failed))
+		return p.errorf("close: %w: %d live buffers (%s reserved; %d shared with %d leases, %d deferred frees, %d failed frees)",
+			ErrBusy, c.liveBuffers, human(c.bytesReserved), c.sharedBuffers, c.activeLeases, c.deferredFrees, len(p.failed))
 	}
 	if !p.gate.closeIfIdle() {
 		return p.errorf("close: %w: calls in flight", ErrBusy)
@@ -195,6 +203,10 @@ func (p *Pool) destroyEvents(events []cudart.Event) []error {
 // teardown destroys the pool's CUDA objects once no call can reach them, and marks
 // the pool closed.
 func (p *Pool) teardown(r CloseReport, errs []error) (CloseReport, error) {
+	freed, terrs := p.trim(func(cudart.Stream) bool { return true })
+	r.CachedBuffers, r.CachedBytes = freed.buffers, freed.bytes
+	r.FailedFrees = append(r.FailedFrees, terrs...)
+	errs = append(errs, terrs...)
 	p.mu.Lock()
 	events := p.events
 	p.events = nil

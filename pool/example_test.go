@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log"
 
+	"github.com/dustin/go-humanize"
+
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/pool"
@@ -36,7 +38,7 @@ func Example() {
 	fmt.Println(report)
 	// Output:
 	// asked 1000 bytes, own 2097152 (the granularity is 2097152)
-	// pool "activations" closed: released 0 buffers (0 bytes)
+	// pool "activations" closed: released 0 buffers (0 B)
 }
 
 // scratch needs device memory and does not care where it comes from.
@@ -120,4 +122,71 @@ func ExampleBuffer_Lease() {
 	// Output:
 	// after Free: 1 live, 1 deferred
 	// after End: 0 live, 0 deferred
+}
+
+// countingAllocator is an Allocator of host-side fake addresses, as a test double for
+// code that takes an Allocator: it hands out buffers made with pool.NewBuffer.
+type countingAllocator struct {
+	next, live uint64
+}
+
+func (a *countingAllocator) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*pool.Buffer, error) {
+	a.next += 1 << 20
+	a.live++
+	return pool.NewBuffer(a, cudart.DevicePtr(a.next), size), nil
+}
+
+func (a *countingAllocator) Free(b *pool.Buffer, s cudart.Stream) error {
+	a.live--
+	return nil
+}
+
+func (a *countingAllocator) Device() int { return 0 }
+
+func (a *countingAllocator) Stats() (pool.Stats, error) {
+	return pool.Stats{Name: "double", LiveBuffers: int(a.live)}, nil
+}
+
+// A test double stands in for a pool where code takes an Allocator.
+func ExampleNewBuffer() {
+	a := &countingAllocator{}
+	if err := scratch(context.Background(), a, 0); err != nil {
+		log.Fatal(err)
+	}
+	st, _ := a.Stats()
+	fmt.Println(st.LiveBuffers, "live buffers left")
+	// Output:
+	// device 0: 4096 bytes
+	// 0 live buffers left
+}
+
+// With a cache, a buffer freed on a stream serves the next Alloc of its size on that
+// stream without calling the driver, export record included.
+func ExampleWithCache() {
+	rt := cudarttest.New()
+	defer rt.Close()
+	ctx := context.Background()
+	p, err := pool.New(rt, 0, pool.WithName("kv"), pool.WithCache(256<<20))
+	if err != nil {
+		log.Fatal(err)
+	}
+	for range 3 {
+		b, err := p.Alloc(ctx, 1<<20, 0)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := b.Free(0); err != nil {
+			log.Fatal(err)
+		}
+	}
+	st, _ := p.Stats()
+	fmt.Printf("%d hits, %d misses, %s cached\n", st.CacheHits, st.CacheMisses, humanize.IBytes(st.CachedBytes))
+	report, err := p.Close(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(report)
+	// Output:
+	// 2 hits, 1 misses, 2.0 MiB cached
+	// pool "kv" closed: released 0 buffers (0 B), returned 1 cached buffers (2.0 MiB)
 }

@@ -57,8 +57,8 @@ func (b *Buffer) ExportRecord() (cudart.PtrExportData, error) {
 	if err := p.checkLive(b, "export"); err != nil {
 		return cudart.PtrExportData{}, err
 	}
-	if b.record != nil {
-		return *b.record, nil
+	if rec := b.record.Load(); rec != nil {
+		return *rec, nil
 	}
 	if _, err := p.exportHandleLocked(); err != nil {
 		return cudart.PtrExportData{}, err
@@ -71,7 +71,7 @@ func (b *Buffer) ExportRecord() (cudart.PtrExportData, error) {
 	if err := p.checkLive(b, "export"); err != nil {
 		return cudart.PtrExportData{}, err
 	}
-	b.record = &rec
+	b.record.Store(&rec)
 	return rec, nil
 }
 

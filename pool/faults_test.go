@@ -11,22 +11,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 )
 
-// countingRuntime counts exports.
-type countingRuntime struct {
-	cudart.Runtime
-	poolExports, ptrExports atomic.Int32
-}
-
-func (r *countingRuntime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht cudart.HandleType) (cudart.ShareableHandle, error) {
-	r.poolExports.Add(1)
-	return r.Runtime.MemPoolExportToShareableHandle(dev, p, ht)
-}
-
-func (r *countingRuntime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
-	r.ptrExports.Add(1)
-	return r.Runtime.MemPoolExportPointer(dev, ptr)
-}
-
 // faultyRuntime fails the calls it is told to, and can misalign pointers.
 type faultyRuntime struct {
 	cudart.Runtime

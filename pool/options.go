@@ -10,6 +10,7 @@ type config struct {
 	releaseThreshold *uint64
 	name             string
 	waitForMemory    bool
+	cacheLimit       uint64
 }
 
 // Option configures New.
@@ -54,6 +55,16 @@ func WithName(name string) Option {
 // try again, until it succeeds or its context ends, instead of failing at once.
 func WithWaitForMemory() Option {
 	return func(c *config) { c.waitForMemory = true }
+}
+
+// WithCache lets the pool keep up to bytes of freed buffers for reuse: a buffer freed
+// on a stream serves the next Alloc of a fitting size on that stream at once, without
+// calling the driver, and an exportable one keeps its export record. 0, the default,
+// returns every free to the driver. The cached memory stays reserved (Stats counts it
+// as CachedBytes, and against WithMaxSize); a full pool returns it to the driver before
+// failing, and so do Trim and Close.
+func WithCache(bytes uint64) Option {
+	return func(c *config) { c.cacheLimit = bytes }
 }
 
 // CloseOption configures Close.

@@ -49,7 +49,9 @@ import (
 )
 
 // Allocator is what code that needs device memory accepts: a *Pool of any kind,
-// including the device's default pool (FromDefault).
+// including the device's default pool (FromDefault), or a wrapper or a test double
+// that hands out buffers made with NewBuffer. A wrapper that passes on a Pool's
+// buffers should know that Buffer.Free goes to the Pool, not to the wrapper.
 type Allocator interface {
 	// Alloc returns a buffer of at least size bytes, ready for work queued on s
 	// after the call.
@@ -59,6 +61,9 @@ type Allocator interface {
 	Free(b *Buffer, s cudart.Stream) error
 	// Device is the ordinal of the device the memory is on.
 	Device() int
+	// Stats is a snapshot of the allocator's figures; an allocator that does not
+	// keep one of them leaves it zero.
+	Stats() (Stats, error)
 }
 
 var _ Allocator = (*Pool)(nil)
@@ -113,6 +118,7 @@ type Pool struct {
 	events []cudart.Event // idle events for ordering frees
 	failed []error        // deferred frees that failed
 	counts counts
+	cache  cache
 }
 
 // counts are the pool's own figures, guarded by Pool.mu.
@@ -155,7 +161,7 @@ func New(rt cudart.Runtime, device int, opts ...Option) (*Pool, error) {
 		return nil, fmt.Errorf("pool.New %q: %w", cfg.name, err)
 	}
 	p := newPool(rt, device, 0, cfg.name)
-	p.owned, p.handleType, p.wait = true, cfg.handleType, cfg.waitForMemory
+	p.owned, p.handleType, p.wait, p.cache.limit = true, cfg.handleType, cfg.waitForMemory, cfg.cacheLimit
 	if err := p.create(cfg, peers); err != nil {
 		return nil, p.errorf("new: %w", err)
 	}

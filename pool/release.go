@@ -76,6 +76,7 @@ func (p *Pool) deferFree(b *Buffer, s cudart.Stream) error {
 		return p.errorf("free %v: %w", b, err)
 	}
 	p.mu.Lock()
+	b.freeStream = s
 	release := b.leases == 0
 	if !release {
 		b.freeEvent = ev
@@ -90,7 +91,16 @@ func (p *Pool) deferFree(b *Buffer, s cudart.Stream) error {
 // releaseDeferred issues the deferred free of b after ev. A failure is kept: b's
 // memory stays reserved, Stats counts it and Close reports it. Call inside the gate.
 func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
-	err := p.freeAfter(b, ev)
+	err := p.waitRelease(ev)
+	if err == nil && p.cacheShared(b, b.freeStream, false) {
+		p.mu.Lock()
+		p.counts.deferredFrees--
+		p.mu.Unlock()
+		return nil
+	}
+	if err == nil {
+		err = p.freeOnRelease(b)
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.counts.deferredFrees--
@@ -111,9 +121,15 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 // release stream after the point reached on s. On failure b is live again. Call
 // inside the gate with b.state bufFreeing.
 func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
+	if p.cacheShared(b, s, true) {
+		return nil
+	}
 	ev, err := p.recordOn(s)
 	if err == nil {
-		err = p.freeAfter(b, ev)
+		err = p.waitRelease(ev)
+	}
+	if err == nil {
+		err = p.freeOnRelease(b)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -127,18 +143,24 @@ func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
 	return nil
 }
 
-// freeAfter makes the release stream wait for ev, gives ev back, and frees b on the
-// release stream.
-func (p *Pool) freeAfter(b *Buffer, ev cudart.Event) error {
+// waitRelease makes the release stream wait for ev, and gives ev back.
+func (p *Pool) waitRelease(ev cudart.Event) error {
 	rel, err := p.releaseStream()
-	if err != nil {
-		p.putEvent(ev)
-		return err
+	if err == nil {
+		err = p.rt.StreamWaitEvent(p.dev, rel, ev)
 	}
-	err = p.rt.StreamWaitEvent(p.dev, rel, ev)
 	p.putEvent(ev)
 	if err != nil {
 		return fmt.Errorf("release stream waiting for the free's stream: %w", err)
+	}
+	return nil
+}
+
+// freeOnRelease frees b on the release stream, which exists once b was leased.
+func (p *Pool) freeOnRelease(b *Buffer) error {
+	rel, err := p.releaseStream()
+	if err != nil {
+		return err
 	}
 	return p.rt.FreeAsync(p.dev, b.ptr, rel)
 }

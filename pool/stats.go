@@ -2,6 +2,7 @@ package pool
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -33,6 +34,15 @@ type Stats struct {
 	// they left reserved.
 	FailedFrees     int
 	FailedFreeBytes uint64
+
+	// CacheLimit is WithCache's bound; CachedBuffers and CachedBytes are what the
+	// cache holds (reserved in the driver, not counted as live). CacheHits counts the
+	// Allocs the cache served, CacheMisses those that went to the driver while the
+	// cache was on.
+	CacheLimit             uint64
+	CachedBuffers          int
+	CachedBytes            uint64
+	CacheHits, CacheMisses uint64
 }
 
 // RoundingOverhead is the memory the live buffers hold beyond what they asked for.
@@ -62,6 +72,8 @@ func (p *Pool) Stats() (Stats, error) {
 	p.mu.Lock()
 	c := p.counts
 	s.FailedFrees = len(p.failed)
+	s.CacheLimit, s.CachedBuffers, s.CachedBytes = p.cache.limit, p.cache.buffers, p.cache.bytes
+	s.CacheHits, s.CacheMisses = p.cache.hits, p.cache.misses
 	p.mu.Unlock()
 	s.LiveBuffers, s.BytesRequested, s.BytesReserved = c.liveBuffers, c.bytesRequested, c.bytesReserved
 	s.SharedBuffers, s.ActiveLeases, s.DeferredFrees = c.sharedBuffers, c.activeLeases, c.deferredFrees
@@ -93,8 +105,15 @@ func (p *Pool) ResetHighWatermarks() error {
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("pool %q on device %d (%v, granularity %d, max size %d): driver reserved %d (high %d), used %d (high %d); "+
-		"%d live buffers, %d bytes requested, %d reserved; %d shared, %d leases, %d deferred frees, %d failed frees (%d bytes)",
-		s.Name, s.Device, s.HandleType, s.Granularity, s.MaxSize, s.ReservedCurrent, s.ReservedHigh, s.UsedCurrent, s.UsedHigh,
-		s.LiveBuffers, s.BytesRequested, s.BytesReserved, s.SharedBuffers, s.ActiveLeases, s.DeferredFrees, s.FailedFrees, s.FailedFreeBytes)
+	var b strings.Builder
+	fmt.Fprintf(&b, "pool %q on device %d (%v, granularity %s, max size %s): driver reserved %s (high %s), used %s (high %s); "+
+		"%d live buffers, %s requested, %s reserved; %d shared, %d leases, %d deferred frees, %d failed frees (%s)",
+		s.Name, s.Device, s.HandleType, human(s.Granularity), human(s.MaxSize), human(s.ReservedCurrent), human(s.ReservedHigh),
+		human(s.UsedCurrent), human(s.UsedHigh), s.LiveBuffers, human(s.BytesRequested), human(s.BytesReserved),
+		s.SharedBuffers, s.ActiveLeases, s.DeferredFrees, s.FailedFrees, human(s.FailedFreeBytes))
+	if s.CacheLimit != 0 {
+		fmt.Fprintf(&b, "; cache %d buffers, %s of %s (%d hits, %d misses)",
+			s.CachedBuffers, human(s.CachedBytes), human(s.CacheLimit), s.CacheHits, s.CacheMisses)
+	}
+	return b.String()
 }

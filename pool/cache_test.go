@@ -1,0 +1,409 @@
+package pool
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// countingRuntime counts the calls that exports make and that the cache exists to
+// save.
+type countingRuntime struct {
+	cudart.Runtime
+	mallocs, frees, poolExports, ptrExports, waits atomic.Int64
+}
+
+func (r *countingRuntime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht cudart.HandleType) (cudart.ShareableHandle, error) {
+	r.poolExports.Add(1)
+	return r.Runtime.MemPoolExportToShareableHandle(dev, p, ht)
+}
+
+func (r *countingRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
+	r.mallocs.Add(1)
+	return r.Runtime.MallocFromPoolAsync(dev, size, p, s)
+}
+
+func (r *countingRuntime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
+	r.frees.Add(1)
+	return r.Runtime.FreeAsync(dev, ptr, s)
+}
+
+func (r *countingRuntime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
+	r.ptrExports.Add(1)
+	return r.Runtime.MemPoolExportPointer(dev, ptr)
+}
+
+func (r *countingRuntime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	r.waits.Add(1)
+	return r.Runtime.StreamWaitEvent(dev, s, e)
+}
+
+// calls is what the counting runtime has seen so far.
+type calls struct{ mallocs, frees, ptrExports, waits int64 }
+
+func (r *countingRuntime) calls() calls {
+	return calls{r.mallocs.Load(), r.frees.Load(), r.ptrExports.Load(), r.waits.Load()}
+}
+
+func newStream(t testing.TB, rt cudart.Runtime) cudart.Stream {
+	t.Helper()
+	return newTestEnv(t, rt, nil).stream
+}
+
+func TestCacheServesTheSameStreamWithoutTheDriver(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		p := mustNew(t, rt, WithCache(64*mib))
+		b := mustAlloc(t, p, mib, e.stream)
+		mustFree(t, b, e.stream)
+		s := mustStats(t, p)
+		assert.Equal(t, 1, s.CachedBuffers)
+		assert.Equal(t, p.Granularity(), s.CachedBytes)
+		assert.Zero(t, s.LiveBuffers)
+
+		before := rt.calls()
+		again := mustAlloc(t, p, mib, e.stream)
+		assert.Equal(t, before, rt.calls(), "a hit called the runtime")
+		assert.Equal(t, b.Ptr(), again.Ptr())
+		assert.Equal(t, b.Reserved(), again.Reserved())
+		assert.NotEqual(t, b.ID(), again.ID(), "a recycled buffer is a new Buffer")
+
+		// The old handle stays freed: it cannot free the memory now in use again.
+		require.ErrorIs(t, b.Free(e.stream), ErrFreed)
+		s = mustStats(t, p)
+		assert.Equal(t, 1, s.LiveBuffers)
+		assert.Zero(t, s.CachedBuffers)
+		assert.Equal(t, uint64(1), s.CacheHits)
+		assert.Equal(t, uint64(1), s.CacheMisses)
+		mustFree(t, again, e.stream)
+	})
+}
+
+func TestCacheLeavesOtherStreamsToTheDriver(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		p := mustNew(t, rt, WithCache(64*mib))
+		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
+		other := newStream(t, e.rt)
+		before := rt.calls()
+		b := mustAlloc(t, p, mib, other)
+		assert.Equal(t, before.mallocs+1, rt.mallocs.Load(), "Alloc on another stream did not go to the driver")
+		s := mustStats(t, p)
+		assert.Equal(t, 1, s.CachedBuffers, "Alloc on another stream took the cached buffer")
+		mustFree(t, b, other)
+		require.NoError(t, p.Trim())
+	})
+}
+
+func TestCacheOffByDefault(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	rt := &countingRuntime{Runtime: d}
+	p := mustNew(t, rt)
+	mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
+	assert.Equal(t, int64(1), rt.frees.Load())
+	s := mustStats(t, p)
+	assert.Zero(t, s.CacheLimit)
+	assert.Zero(t, s.CachedBuffers)
+	assert.Zero(t, s.CacheMisses, "a pool without a cache counts no misses")
+}
+
+func TestCacheSizeClasses(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	t.Run("local", func(t *testing.T) {
+		p := mustNew(t, d, WithHandleType(cudart.HandleTypeNone), WithCache(mib))
+		mustFree(t, mustAlloc(t, p, 1024, e.stream), e.stream)
+		b := mustAlloc(t, p, 1000, e.stream)
+		assert.Equal(t, uint64(1000), b.Size())
+		assert.Equal(t, uint64(1024), b.Reserved(), "1000 bytes were not served by the cached 1 KiB")
+		mustFree(t, b, e.stream)
+		// Less than the class below, or more than the buffer holds: the driver.
+		for _, size := range []uint64{700, 1025} {
+			b := mustAlloc(t, p, size, e.stream)
+			assert.Equal(t, size, b.Reserved(), "%d bytes were served by the cached 1 KiB", size)
+			mustFree(t, b, e.stream)
+		}
+		assert.Equal(t, uint64(1), mustStats(t, p).CacheHits)
+		require.NoError(t, p.Trim())
+	})
+	t.Run("exportable", func(t *testing.T) {
+		p := mustNew(t, d, WithCache(64*mib))
+		mustFree(t, mustAlloc(t, p, 4*mib, e.stream), e.stream)
+		small := mustAlloc(t, p, 2*mib, e.stream) // a class below: the driver
+		b := mustAlloc(t, p, 3*mib, e.stream)     // rounds to 4 MiB: the cache
+		assert.Equal(t, uint64(4*mib), b.Reserved())
+		assert.Equal(t, uint64(4*mib), small.Reserved()+2*mib)
+		assert.Equal(t, uint64(1), mustStats(t, p).CacheHits)
+		mustFree(t, small, e.stream)
+		mustFree(t, b, e.stream)
+		require.NoError(t, p.Trim())
+	})
+}
+
+func TestSizeClass(t *testing.T) {
+	for _, c := range []struct {
+		a, b uint64
+		same bool
+	}{
+		{1, 2, false}, {4, 5, false}, {5, 6, false}, {8, 9, false}, {1000, 1024, true}, {896, 1024, false},
+		{2 * mib, 2*mib - 1, true}, {2 * mib, 2*mib + 1, false}, {60 * mib, 64 * mib, true}, {56 * mib, 57 * mib, false},
+		{1<<63 + 1, 1<<63 + 1<<61, true}, {1<<63 + 3<<61 + 1, 1<<64 - 1, true},
+	} {
+		assert.Equal(t, c.same, sizeClass(c.a) == sizeClass(c.b), "sizeClass(%d) == sizeClass(%d)", c.a, c.b)
+	}
+}
+
+func TestCacheLimit(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	rt := &countingRuntime{Runtime: d}
+	p := mustNew(t, rt, WithCache(5*mib))
+	bufs := []*Buffer{mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream)}
+	for _, b := range bufs {
+		mustFree(t, b, e.stream)
+	}
+	s := mustStats(t, p)
+	assert.Equal(t, 2, s.CachedBuffers)
+	assert.Equal(t, uint64(4*mib), s.CachedBytes)
+	assert.Equal(t, uint64(5*mib), s.CacheLimit)
+	assert.Equal(t, int64(1), rt.frees.Load(), "the buffer past the limit did not go to the driver")
+	require.NoError(t, p.Trim())
+}
+
+func TestTrim(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		p := mustNew(t, rt, WithCache(64*mib))
+		other := newStream(t, e.rt)
+		a, b, c := mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, other)
+		mustFree(t, a, e.stream)
+		mustFree(t, b, e.stream)
+		mustFree(t, c, other)
+		require.Equal(t, 3, mustStats(t, p).CachedBuffers)
+
+		require.NoError(t, p.TrimStream(e.stream))
+		assert.Equal(t, int64(2), rt.frees.Load())
+		s := mustStats(t, p)
+		assert.Equal(t, 1, s.CachedBuffers)
+		assert.Equal(t, p.Granularity(), s.CachedBytes)
+
+		require.NoError(t, p.Trim())
+		assert.Equal(t, int64(3), rt.frees.Load())
+		s = mustStats(t, p)
+		assert.Zero(t, s.CachedBuffers)
+		assert.Zero(t, s.CachedBytes)
+		if e.soft != nil {
+			assert.Zero(t, s.UsedCurrent, "the driver still counts memory in use after Trim")
+		}
+	})
+}
+
+// A full pool returns the cache to the driver and tries again before it fails.
+func TestFullPoolTrimsTheCache(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		gran := mustNew(t, e.rt).Granularity()
+		p := mustNew(t, rt, WithMaxSize(4*gran), WithCache(4*gran))
+		var bufs []*Buffer
+		for range 4 {
+			bufs = append(bufs, mustAlloc(t, p, gran, e.stream))
+		}
+		for _, b := range bufs {
+			mustFree(t, b, e.stream)
+		}
+		require.Equal(t, 4, mustStats(t, p).CachedBuffers)
+		other := newStream(t, e.rt)
+		b := mustAlloc(t, p, 2*gran, other)
+		s := mustStats(t, p)
+		assert.Zero(t, s.CachedBuffers, "the cache was not trimmed")
+		assert.Equal(t, int64(4), rt.frees.Load())
+		mustFree(t, b, other)
+		require.NoError(t, p.Trim())
+	})
+}
+
+// An Alloc waiting for memory on another stream gets it when a Free puts a buffer in
+// the cache: it cannot take it, but the cache is returned to the driver for it.
+func TestWaitingAllocTrimsTheCache(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	p := mustNew(t, d, WithMaxSize(4*mib), WithCache(4*mib), WithWaitForMemory())
+	a, b := mustAlloc(t, p, 2*mib, e.stream), mustAlloc(t, p, 2*mib, e.stream)
+	other := newStream(t, d)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got := make(chan error, 1)
+	var waited *Buffer
+	go func() {
+		var err error
+		waited, err = p.Alloc(ctx, 2*mib, other)
+		got <- err
+	}()
+	blockedWaiting(t, p, got)
+	mustFree(t, a, e.stream)
+	select {
+	case err := <-got:
+		require.NoError(t, err)
+	case <-ctx.Done():
+		t.Fatal("the waiting Alloc did not get the cached memory")
+	}
+	mustFree(t, waited, other)
+	mustFree(t, b, e.stream)
+	require.NoError(t, p.Trim())
+}
+
+func TestCloseReturnsTheCache(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		p := mustNew(t, e.rt, WithCache(64*mib))
+		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
+		r, err := p.Close(context.Background())
+		require.NoError(t, err)
+		assert.Equal(t, 1, r.CachedBuffers)
+		assert.Equal(t, p.Granularity(), r.CachedBytes)
+		assert.Contains(t, r.String(), "returned 1 cached buffers (2.0 MiB)")
+		assert.True(t, r.Destroyed)
+	})
+}
+
+func TestRecycledBufferKeepsItsExportRecord(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		p := mustNew(t, rt, WithCache(64*mib))
+		b := mustAlloc(t, p, mib, e.stream)
+		rec, err := b.ExportRecord()
+		require.NoError(t, err)
+		mustFree(t, b, e.stream)
+		again := mustAlloc(t, p, mib, e.stream)
+		rec2, err := again.ExportRecord()
+		require.NoError(t, err)
+		assert.Equal(t, rec, rec2)
+		assert.Equal(t, int64(1), rt.ptrExports.Load(), "a recycled buffer was exported again")
+		mustFree(t, again, e.stream)
+	})
+}
+
+// A buffer that was shared goes to the cache after its importers' completions: Free's
+// stream waits for them at once when no lease is live, and the taking stream waits
+// when the free was deferred until the last lease ended.
+func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
+	onEachRuntime(t, func(t *testing.T, e testEnv) {
+		rt := &countingRuntime{Runtime: e.rt}
+		p := mustNew(t, rt, WithCache(64*mib))
+
+		b := mustAlloc(t, p, mib, e.stream)
+		require.NoError(t, mustLease(t, b).End(0))
+		before := rt.calls()
+		mustFree(t, b, e.stream)
+		assert.Equal(t, before.waits+1, rt.waits.Load(), "Free's stream did not wait for the release stream")
+		assert.Equal(t, before.frees, rt.frees.Load())
+		before = rt.calls()
+		b = mustAlloc(t, p, mib, e.stream)
+		assert.Equal(t, before, rt.calls(), "a shared buffer freed with no lease live was not a plain hit")
+
+		l := mustLease(t, b)
+		mustFree(t, b, e.stream)
+		wantCounts(t, p, 1, 1, 1, 1)
+		require.NoError(t, l.End(0))
+		wantCounts(t, p, 0, 0, 0, 0)
+		require.Equal(t, 1, mustStats(t, p).CachedBuffers)
+		before = rt.calls()
+		again := mustAlloc(t, p, mib, e.stream)
+		assert.Equal(t, b.Ptr(), again.Ptr())
+		assert.Equal(t, before.waits+1, rt.waits.Load(), "the taking stream did not wait for the deferred free's event")
+		assert.Equal(t, before.mallocs, rt.mallocs.Load())
+		mustFree(t, again, e.stream)
+		assert.Zero(t, mustStats(t, p).CacheMisses-1, "only the first Alloc missed")
+	})
+}
+
+// A consumer of a recycled buffer reads what the producer wrote after recycling it,
+// never the old contents, and the software device sees no rule broken.
+func TestRecycledBufferCarriesNewContents(t *testing.T) {
+	exp := softDevice(t)
+	e := newTestEnv(t, exp, exp)
+	p := mustNew(t, exp, WithCache(64*mib))
+	const n = 4096
+	b := mustAlloc(t, p, n, e.stream)
+	require.NoError(t, exp.MemsetAsync(0, b.Ptr(), 0x11, n, e.stream))
+	l := mustLease(t, b)
+	first := importBuffer(t, b)
+	first.waitFor(exp, e.stream)
+	assert.Equal(t, bytes.Repeat([]byte{0x11}, n), first.read(n))
+	mustFree(t, b, e.stream) // deferred: the lease is live
+	done := first.freeImport(exp)
+	require.NoError(t, l.End(done))
+	require.NoError(t, exp.EventDestroy(0, done))
+	first.close()
+
+	again := mustAlloc(t, p, n, e.stream)
+	require.Equal(t, b.Ptr(), again.Ptr(), "the buffer was not recycled")
+	require.NoError(t, exp.MemsetAsync(0, again.Ptr(), 0x22, n, e.stream))
+	l = mustLease(t, again)
+	second := importBuffer(t, again)
+	second.waitFor(exp, e.stream)
+	assert.Equal(t, bytes.Repeat([]byte{0x22}, n), second.read(n))
+	mustFree(t, again, e.stream)
+	done = second.freeImport(exp)
+	require.NoError(t, l.End(done))
+	require.NoError(t, exp.EventDestroy(0, done))
+	second.close()
+	require.NoError(t, p.Trim())
+}
+
+// Many goroutines, each on its own stream, allocate and free through the cache at
+// once; the figures add up at the end.
+func TestCacheConcurrent(t *testing.T) {
+	d := softDevice(t)
+	p := mustNew(t, d, WithCache(16*mib))
+	const workers, rounds = 8, 200
+	var wg sync.WaitGroup
+	for w := range workers {
+		s := newStream(t, d)
+		wg.Go(func() {
+			for i := range rounds {
+				size := uint64(1+(w+i)%3) * mib
+				b, err := p.Alloc(context.Background(), size, s)
+				if !assert.NoError(t, err) {
+					return
+				}
+				if !assert.NoError(t, b.Free(s)) {
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	s := mustStats(t, p)
+	assert.Zero(t, s.LiveBuffers)
+	assert.LessOrEqual(t, s.CachedBytes, s.CacheLimit)
+	assert.Equal(t, uint64(workers*rounds), s.CacheHits+s.CacheMisses)
+	assert.Positive(t, s.CacheHits)
+	r, err := p.Close(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, s.CachedBuffers, r.CachedBuffers)
+}
+
+// waitFor orders the importer's stream after the work queued on the exporter's
+// stream s so far, through an IPC event, as a sharing layer does before a read.
+func (im *importer) waitFor(exp cudart.Runtime, s cudart.Stream) {
+	t := im.t
+	t.Helper()
+	ev, err := exp.EventCreate(0, cudart.EventIPC)
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, exp.EventDestroy(0, ev)) })
+	require.NoError(t, exp.EventRecord(0, ev, s))
+	h, err := exp.IpcGetEventHandle(0, ev)
+	require.NoError(t, err)
+	opened, err := im.d.IpcOpenEventHandle(0, h)
+	require.NoError(t, err)
+	require.NoError(t, im.d.StreamWaitEvent(0, im.stream, opened))
+}
