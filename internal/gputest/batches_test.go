@@ -1,23 +1,23 @@
 package gputest
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+)
 
 func TestSummarizeMatchesCrefStatistic(t *testing.T) {
+	summary := func(perOp []float64) [2]float64 {
+		m, l := Summarize(perOp)
+		return [2]float64{m, l}
+	}
 	perOp := []float64{1000} // the warm-up batch, left out
 	for i := range 15 {
 		perOp = append(perOp, float64(100+i)) // median 107
 	}
-	if m, l := Summarize(perOp); m != 107 || l != 0 {
-		t.Errorf("16 batches: measured %v, late %v; want 107, 0", m, l)
-	}
+	assert.Equal(t, [2]float64{107, 0}, summary(perOp), "16 batches: measured, late")
 	perOp = append(perOp, 300, 200, 500)
-	if m, l := Summarize(perOp); m != 107 || l != 300 {
-		t.Errorf("19 batches: measured %v, late %v; want 107, 300", m, l)
-	}
-	if m, l := Summarize(perOp[:3]); m != 101 || l != 0 {
-		t.Errorf("3 batches: measured %v, late %v", m, l)
-	}
-	if m, l := Summarize(perOp[:1]); m != 0 || l != 0 {
-		t.Errorf("the warm-up batch alone: measured %v, late %v; want nothing", m, l)
-	}
+	assert.Equal(t, [2]float64{107, 300}, summary(perOp), "19 batches: measured, late")
+	assert.Equal(t, [2]float64{101, 0}, summary(perOp[:3]), "3 batches: measured, late")
+	assert.Equal(t, [2]float64{0, 0}, summary(perOp[:1]), "the warm-up batch alone: nothing measured")
 }

@@ -1,11 +1,12 @@
 package gputest
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
-	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -29,9 +30,9 @@ func (r *recorder) Fatalf(format string, args ...any) {
 	runtime.Goexit()
 }
 
-// probe runs Devices(n) against a recorder, with CUDAPOOL_REQUIRE_GPU set to require.
-func probe(t *testing.T, n int, require string) (*recorder, cudart.Runtime) {
-	t.Setenv(RequireEnv, require)
+// probe runs Devices(n) against a recorder, with CUDAPOOL_REQUIRE_GPU set to required.
+func probe(t *testing.T, n int, required string) (*recorder, cudart.Runtime) {
+	t.Setenv(RequireEnv, required)
 	r := &recorder{TB: t}
 	var rt cudart.Runtime
 	done := make(chan struct{})
@@ -48,8 +49,8 @@ func probe(t *testing.T, n int, require string) (*recorder, cudart.Runtime) {
 // devices than any host has skips or fails.
 func TestDevicesSkipsOrFailsWithoutEnoughGPUs(t *testing.T) {
 	rt, loadErr := cudart.Load()
-	if loadErr != nil && !errors.Is(loadErr, cudart.ErrNoRuntime) {
-		t.Fatalf("Load: %v", loadErr)
+	if loadErr != nil {
+		require.ErrorIs(t, loadErr, cudart.ErrNoRuntime, "Load")
 	}
 	devices := 0
 	if loadErr == nil {
@@ -62,20 +63,18 @@ func TestDevicesSkipsOrFailsWithoutEnoughGPUs(t *testing.T) {
 		r, got := probe(t, tc.n, tc.require)
 		switch {
 		case devices >= tc.n:
-			if got != rt || r.skipped != "" || r.failed != "" {
-				t.Errorf("Devices(%d) with %d devices: skipped %q, failed %q", tc.n, devices, r.skipped, r.failed)
-			}
+			assert.Equal(t, rt, got, "Devices(%d) with %d devices", tc.n, devices)
+			assert.Empty(t, r.skipped, "Devices(%d) with %d devices skipped", tc.n, devices)
+			assert.Empty(t, r.failed, "Devices(%d) with %d devices failed", tc.n, devices)
 		case tc.require == "1":
-			if r.failed == "" || !strings.Contains(r.failed, RequireEnv+"=1") || r.skipped != "" {
-				t.Errorf("Devices(%d) required: failed %q, skipped %q", tc.n, r.failed, r.skipped)
-			}
+			assert.Contains(t, r.failed, RequireEnv+"=1", "Devices(%d) required", tc.n)
+			assert.Empty(t, r.skipped, "Devices(%d) required skipped", tc.n)
 		default:
-			if r.skipped == "" || r.failed != "" {
-				t.Errorf("Devices(%d): skipped %q, failed %q", tc.n, r.skipped, r.failed)
-			}
+			assert.NotEmpty(t, r.skipped, "Devices(%d) did not skip", tc.n)
+			assert.Empty(t, r.failed, "Devices(%d) failed", tc.n)
 		}
-		if loadErr != nil && !strings.Contains(r.skipped+r.failed, loadErr.Error()) {
-			t.Errorf("the reason %q does not carry Load's error %q", r.skipped+r.failed, loadErr)
+		if loadErr != nil {
+			assert.Contains(t, r.skipped+r.failed, loadErr.Error(), "the reason does not carry Load's error")
 		}
 	}
 }

@@ -8,6 +8,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/cudapool/cudapool/cudart"
 )
 
@@ -48,13 +51,11 @@ func TestRoundUpAgainstBigIntegers(t *testing.T) {
 			want, ok := bigRoundUp(n, g)
 			got, err := RoundUp(n, g)
 			if !ok {
-				if !errors.Is(err, ErrOverflow) {
-					t.Errorf("RoundUp(%d, %d) = %d, %v; want ErrOverflow", n, g, got, err)
-				}
+				assert.ErrorIs(t, err, ErrOverflow, "RoundUp(%d, %d) = %d", n, g, got)
 				continue
 			}
-			if err != nil || got != want {
-				t.Errorf("RoundUp(%d, %d) = %d, %v; want %d", n, g, got, err, want)
+			if assert.NoError(t, err, "RoundUp(%d, %d)", n, g) {
+				assert.Equal(t, want, got, "RoundUp(%d, %d)", n, g)
 			}
 		}
 	}
@@ -67,16 +68,13 @@ func TestRoundUpExhaustiveSmall(t *testing.T) {
 			for want%g != 0 {
 				want++
 			}
-			if got, err := RoundUp(n, g); err != nil || got != want {
-				t.Fatalf("RoundUp(%d, %d) = %d, %v; want %d", n, g, got, err, want)
-			}
-			down := n - n%g
-			if got, err := RoundDown(n, g); err != nil || got != down {
-				t.Fatalf("RoundDown(%d, %d) = %d, %v; want %d", n, g, got, err, down)
-			}
-			if IsAligned(n, g) != (n%g == 0) {
-				t.Fatalf("IsAligned(%d, %d) = %v", n, g, IsAligned(n, g))
-			}
+			got, err := RoundUp(n, g)
+			require.NoError(t, err, "RoundUp(%d, %d)", n, g)
+			require.Equal(t, want, got, "RoundUp(%d, %d)", n, g)
+			got, err = RoundDown(n, g)
+			require.NoError(t, err, "RoundDown(%d, %d)", n, g)
+			require.Equal(t, n-n%g, got, "RoundDown(%d, %d)", n, g)
+			require.Equal(t, n%g == 0, IsAligned(n, g), "IsAligned(%d, %d)", n, g)
 		}
 	}
 }
@@ -103,22 +101,23 @@ func TestRoundingEdges(t *testing.T) {
 	}
 	for _, c := range cases {
 		got, err := RoundUp(c.n, c.g)
-		if !errors.Is(err, c.err) || got != c.want || (c.err == nil) != (err == nil) {
-			t.Errorf("RoundUp(%d, %d) = %d, %v; want %d, %v", c.n, c.g, got, err, c.want, c.err)
+		if c.err == nil {
+			assert.NoError(t, err, "RoundUp(%d, %d)", c.n, c.g)
+		} else {
+			assert.ErrorIs(t, err, c.err, "RoundUp(%d, %d)", c.n, c.g)
 		}
+		assert.Equal(t, c.want, got, "RoundUp(%d, %d)", c.n, c.g)
 	}
-	if _, err := RoundDown(1, 0); !errors.Is(err, ErrZeroGranularity) {
-		t.Errorf("RoundDown(1, 0) error = %v; want ErrZeroGranularity", err)
-	}
-	if got, _ := RoundDown(math.MaxUint64, 2*mib); got != top {
-		t.Errorf("RoundDown(max, 2 MiB) = %d; want %d", got, top)
-	}
-	if IsAligned(0, 0) || IsAligned(4, 0) {
-		t.Error("IsAligned with granularity 0 reported true")
-	}
-	if !IsAligned(0, 2*mib) || !IsAligned(top, 2*mib) || IsAligned(top+1, 2*mib) || IsAligned(6144, 2*mib) {
-		t.Error("IsAligned wrong at 0, the top multiple, or 6144 bytes into a granule")
-	}
+	_, err := RoundDown(1, 0)
+	assert.ErrorIs(t, err, ErrZeroGranularity, "RoundDown(1, 0)")
+	got, _ := RoundDown(math.MaxUint64, 2*mib)
+	assert.Equal(t, top, got, "RoundDown(max, 2 MiB)")
+	assert.False(t, IsAligned(0, 0), "IsAligned(0, 0) with granularity 0")
+	assert.False(t, IsAligned(4, 0), "IsAligned(4, 0) with granularity 0")
+	assert.True(t, IsAligned(0, 2*mib), "IsAligned at 0")
+	assert.True(t, IsAligned(top, 2*mib), "IsAligned at the top multiple")
+	assert.False(t, IsAligned(top+1, 2*mib), "IsAligned past the top multiple")
+	assert.False(t, IsAligned(6144, 2*mib), "IsAligned 6144 bytes into a granule")
 }
 
 // countingQuerier answers granularities from a table and counts the questions.
@@ -149,8 +148,8 @@ func TestCacheAsksOncePerDeviceAndHandleType(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for j := 0; j < 100; j++ {
-				if g, err := c.Get(1, cudart.HandleTypePosixFD); err != nil || g != 4*mib {
-					t.Errorf("Get(1, posix-fd) = %d, %v; want 4 MiB", g, err)
+				g, err := c.Get(1, cudart.HandleTypePosixFD)
+				if !assert.NoError(t, err, "Get(1, posix-fd)") || !assert.Equal(t, uint64(4*mib), g, "Get(1, posix-fd)") {
 					return
 				}
 			}
@@ -159,74 +158,54 @@ func TestCacheAsksOncePerDeviceAndHandleType(t *testing.T) {
 	wg.Wait()
 	// Concurrent first callers may each ask; later ones must not.
 	first := q.asked.Load()
-	if first < 1 || first > 16 {
-		t.Fatalf("asked %d times for one key", first)
-	}
-	if g, err := c.Get(0, cudart.HandleTypeFabric); err != nil || g != 4*mib {
-		t.Fatalf("Get(0, fabric) = %d, %v", g, err)
-	}
+	require.True(t, first >= 1 && first <= 16, "asked %d times for one key", first)
+	g, err := c.Get(0, cudart.HandleTypeFabric)
+	require.NoError(t, err, "Get(0, fabric)")
+	require.Equal(t, uint64(4*mib), g, "Get(0, fabric)")
 	c.Get(0, cudart.HandleTypeFabric)
 	c.Get(1, cudart.HandleTypePosixFD)
-	if got := q.asked.Load(); got != first+1 {
-		t.Fatalf("asked %d times; want %d", got, first+1)
-	}
+	require.Equal(t, first+1, q.asked.Load(), "times asked")
 }
 
 func TestCacheDoesNotRememberFailures(t *testing.T) {
 	q := &countingQuerier{answers: map[cudart.HandleType]uint64{cudart.HandleTypePosixFD: 2 * mib, cudart.HandleTypeNone: 0}}
 	q.fail.Store(1)
 	c := NewCache(q)
-	if _, err := c.Get(0, cudart.HandleTypePosixFD); !errors.Is(err, cudart.ErrInvalidDevice) {
-		t.Fatalf("Get error = %v; want the runtime's ErrInvalidDevice", err)
-	}
-	if g, err := c.Get(0, cudart.HandleTypePosixFD); err != nil || g != 2*mib {
-		t.Fatalf("Get after a failure = %d, %v; want 2 MiB", g, err)
-	}
+	_, err := c.Get(0, cudart.HandleTypePosixFD)
+	require.ErrorIs(t, err, cudart.ErrInvalidDevice, "Get: want the runtime's error")
+	g, err := c.Get(0, cudart.HandleTypePosixFD)
+	require.NoError(t, err, "Get after a failure")
+	require.Equal(t, uint64(2*mib), g, "Get after a failure")
 	for i := 0; i < 2; i++ {
-		if _, err := c.Get(0, cudart.HandleTypeNone); !errors.Is(err, ErrZeroGranularity) {
-			t.Fatalf("Get of a zero granularity: error = %v; want ErrZeroGranularity", err)
-		}
+		_, err := c.Get(0, cudart.HandleTypeNone)
+		require.ErrorIs(t, err, ErrZeroGranularity, "Get of a zero granularity")
 	}
-	if got := q.asked.Load(); got != 4 {
-		t.Fatalf("asked %d times; want 4 (failures and zeros are asked again)", got)
-	}
+	require.Equal(t, int32(4), q.asked.Load(), "times asked (failures and zeros are asked again)")
 }
 
 func TestAcquireSharesUntilReleased(t *testing.T) {
 	q := &countingQuerier{answers: map[cudart.HandleType]uint64{cudart.HandleTypePosixFD: 2 * mib}}
 	a, b := Acquire(q), Acquire(q)
-	if a != b {
-		t.Fatal("two Acquires of one Querier returned different caches")
-	}
+	require.Same(t, a, b, "two Acquires of one Querier returned different caches")
 	a.Get(0, cudart.HandleTypePosixFD)
 	b.Get(0, cudart.HandleTypePosixFD)
-	if q.asked.Load() != 1 {
-		t.Fatalf("asked %d times through a shared cache; want 1", q.asked.Load())
-	}
-	if other := Acquire(&countingQuerier{}); other == a {
-		t.Fatal("different Queriers share a cache")
-	} else {
-		other.Release()
-	}
+	require.Equal(t, int32(1), q.asked.Load(), "times asked through a shared cache")
+	other := Acquire(&countingQuerier{})
+	require.NotSame(t, a, other, "different Queriers share a cache")
+	other.Release()
 	a.Release()
-	if c := Acquire(q); c != b {
-		t.Fatal("cache forgotten while still held")
-	} else {
-		c.Release()
-	}
+	c := Acquire(q)
+	require.Same(t, b, c, "cache forgotten while still held")
+	c.Release()
 	b.Release()
 	b.Release() // one too many: does nothing
-	c := Acquire(q)
+	c = Acquire(q)
 	defer c.Release()
-	if c == a {
-		t.Fatal("cache kept after its last Release")
-	}
+	require.NotSame(t, a, c, "cache kept after its last Release")
 	shared.mu.Lock()
 	n := len(shared.caches)
 	shared.mu.Unlock()
-	if n != 1 {
-		t.Fatalf("%d shared caches remembered; want 1", n)
-	}
+	require.Equal(t, 1, n, "shared caches remembered")
 }
 
 // valueQuerier cannot be a map key: it holds a slice and is passed by value.
@@ -241,10 +220,8 @@ func TestAcquireOfUncomparableQuerier(t *testing.T) {
 	a, b := Acquire(q), Acquire(q)
 	defer a.Release()
 	defer b.Release()
-	if a == b {
-		t.Fatal("an uncomparable Querier was shared")
-	}
-	if g, err := a.Get(0, cudart.HandleTypePosixFD); err != nil || g != 2*mib {
-		t.Fatalf("Get = %d, %v", g, err)
-	}
+	require.NotSame(t, a, b, "an uncomparable Querier was shared")
+	g, err := a.Get(0, cudart.HandleTypePosixFD)
+	require.NoError(t, err)
+	require.Equal(t, uint64(2*mib), g)
 }

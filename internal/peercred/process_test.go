@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/cudapool/cudapool/internal/proctest"
 )
 
@@ -34,9 +36,7 @@ func openProcess(t *testing.T, pid int) *Process {
 	if errors.Is(err, ErrUnsupported) {
 		t.Skip(err)
 	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { p.Close() })
 	return p
 }
@@ -46,51 +46,41 @@ func TestWaitReturnsWhenTheProcessExits(t *testing.T) {
 	c := proctest.Start(t, "idle")
 	c.Expect("idle")
 	p := openProcess(t, c.PID())
-	if p.PID() != c.PID() {
-		t.Fatalf("PID = %d, want %d", p.PID(), c.PID())
-	}
+	require.Equal(t, c.PID(), p.PID())
 	// The child waits on its stdin, so it is running: Wait must give up with ctx.
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if err := p.Wait(ctx); !errors.Is(err, context.Canceled) {
-		t.Fatalf("Wait on a running process with an ended ctx = %v, want context.Canceled", err)
-	}
+	require.ErrorIs(t, p.Wait(ctx), context.Canceled, "Wait on a running process with an ended ctx")
 	ctx, cancel = context.WithCancel(context.Background())
 	waited := make(chan error, 1)
 	go func() { waited <- p.Wait(ctx) }()
 	cancel()
-	if err := <-waited; !errors.Is(err, context.Canceled) {
-		t.Fatalf("Wait on a running process whose ctx ended meanwhile = %v, want context.Canceled", err)
-	}
+	require.ErrorIs(t, receive(t, waited), context.Canceled, "Wait on a running process whose ctx ended meanwhile")
 
 	// Killed and not reaped, a zombie: it has exited. A Wait after a cancelled one
 	// still waits.
 	c.Kill()
 	ctx, cancel = context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
-	if err := p.Wait(ctx); err != nil {
-		t.Fatalf("Wait on a killed process = %v, want nil", err)
-	}
+	require.NoError(t, p.Wait(ctx), "Wait on a killed process")
 	// Its parent reaps it now, and learns it was killed: Wait reaped nothing.
 	var exit *exec.ExitError
-	if err := c.Wait(); !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("reaping the child: %v, want killed by SIGKILL", err)
-	}
-	if err := p.Wait(ctx); err != nil {
-		t.Fatalf("Wait after the process was reaped = %v, want nil", err)
-	}
+	err := c.Wait()
+	require.ErrorAs(t, err, &exit, "reaping the child, want killed by SIGKILL")
+	require.Equal(t, syscall.SIGKILL, exit.Sys().(syscall.WaitStatus).Signal(), "reaping the child: %v", err)
+	require.NoError(t, p.Wait(ctx), "Wait after the process was reaped")
 }
 
 func TestOpenProcessRefusesWhatCannotBeWatched(t *testing.T) {
 	c := proctest.Start(t, "idle")
 	c.Expect("idle")
 	c.Finish()
-	if _, err := OpenProcess(c.PID()); !errors.Is(err, ErrGone) && !errors.Is(err, ErrUnsupported) {
-		t.Fatalf("OpenProcess of a reaped child = %v, want ErrGone", err)
+	_, err := OpenProcess(c.PID())
+	if !errors.Is(err, ErrUnsupported) {
+		require.ErrorIs(t, err, ErrGone, "OpenProcess of a reaped child")
 	}
-	if _, err := OpenProcess(0); err == nil {
-		t.Fatal("OpenProcess(0) succeeded")
-	}
+	_, err = OpenProcess(0)
+	require.Error(t, err, "OpenProcess(0)")
 }
 
 func TestCloseEndsAWait(t *testing.T) {
@@ -98,7 +88,17 @@ func TestCloseEndsAWait(t *testing.T) {
 	waited := make(chan error, 1)
 	go func() { waited <- p.Wait(context.Background()) }()
 	p.Close()
-	if err := <-waited; err == nil {
-		t.Fatal("Wait on our own process returned nil after Close")
+	require.Error(t, receive(t, waited), "Wait on our own process returned nil after Close")
+}
+
+// receive takes what a Wait returned, failing the test if it does not return.
+func receive(t *testing.T, waited <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-waited:
+		return err
+	case <-time.After(hangGuard):
+		t.Fatal("Wait did not return")
+		return nil
 	}
 }

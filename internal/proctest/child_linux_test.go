@@ -2,11 +2,12 @@ package proctest
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"os"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 )
 
@@ -17,22 +18,13 @@ func TestKillLeavesAZombieUntilWait(t *testing.T) {
 	c.Kill()
 	// WNOWAIT: wait for the exit, reaping nothing.
 	var info unix.Siginfo
-	if err := unix.Waitid(unix.P_PID, c.PID(), &info, unix.WEXITED|unix.WNOWAIT, nil); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, unix.Waitid(unix.P_PID, c.PID(), &info, unix.WEXITED|unix.WNOWAIT, nil))
 	stat := fmt.Sprintf("/proc/%d/stat", c.PID())
 	b, err := os.ReadFile(stat)
-	if err != nil {
-		t.Fatalf("killed child not left as a zombie: %v", err)
-	}
+	require.NoError(t, err, "killed child not left as a zombie")
 	// The state follows the last ')': the command name may hold one.
-	if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] != 'Z' {
-		t.Fatalf("killed child's state: %s, want Z", b)
-	}
-	if err := c.Wait(); err == nil {
-		t.Fatal("Wait after SIGKILL = nil, want the signal")
-	}
-	if _, err := os.Stat(stat); !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("after Wait %s: %v, want it gone", stat, err)
-	}
+	i := bytes.LastIndexByte(b, ')')
+	require.True(t, i >= 0 && i+2 < len(b) && b[i+2] == 'Z', "killed child's state: %s, want Z", b)
+	require.Error(t, c.Wait(), "Wait after SIGKILL, want the signal")
+	assert.NoFileExists(t, stat, "after Wait")
 }

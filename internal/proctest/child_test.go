@@ -1,11 +1,13 @@
 package proctest
 
 import (
-	"errors"
 	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestMain(m *testing.M) {
@@ -30,9 +32,7 @@ func TestChildLineProtocol(t *testing.T) {
 	c.Expect("ready a b")
 	c.Send("one")
 	c.Send("two")
-	if got := c.Next(); got != "echo one" {
-		t.Fatalf("Next = %q, want %q", got, "echo one")
-	}
+	require.Equal(t, "echo one", c.Next())
 	c.Expect("echo two")
 	c.Finish()
 }
@@ -42,7 +42,7 @@ func TestChildExitStatus(t *testing.T) {
 	c.Expect("ready ")
 	c.Send("fail")
 	var exit *exec.ExitError
-	if err := c.Wait(); !errors.As(err, &exit) || exit.ExitCode() != 3 {
-		t.Fatalf("Wait = %v, want exit status 3", err)
-	}
+	err := c.Wait()
+	require.ErrorAs(t, err, &exit, "Wait, want exit status 3")
+	assert.Equal(t, 3, exit.ExitCode(), "Wait = %v", err)
 }

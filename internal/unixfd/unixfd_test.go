@@ -1,27 +1,24 @@
 package unixfd
 
 import (
-	"errors"
 	"net"
 	"os"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 )
 
 func pair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
 	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	conn := func(fd int) *net.UnixConn {
 		f := os.NewFile(uintptr(fd), "sock")
 		defer f.Close()
 		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		t.Cleanup(func() { c.Close() })
 		return c.(*net.UnixConn)
 	}
@@ -31,68 +28,60 @@ func pair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
 func pipeFD(t *testing.T) (r *os.File, w *os.File) {
 	t.Helper()
 	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { r.Close(); w.Close() })
 	return r, w
+}
+
+// requireCloseOnExec fails the test unless fd is close-on-exec.
+func requireCloseOnExec(t *testing.T, fd int, msgAndArgs ...any) {
+	t.Helper()
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+	require.NoError(t, err, msgAndArgs...)
+	require.NotZero(t, flags&unix.FD_CLOEXEC, msgAndArgs...)
 }
 
 func TestSendRecvPassesWorkingDescriptor(t *testing.T) {
 	a, b := pair(t)
 	r, w := pipeFD(t)
-	if err := Send(a, []byte("hello"), int(w.Fd())); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, Send(a, []byte("hello"), int(w.Fd())))
 	buf := make([]byte, 16)
 	n, fds, err := Recv(b, buf, 1)
-	if err != nil || n != 5 || string(buf[:n]) != "hello" || len(fds) != 1 {
-		t.Fatalf("Recv = %d %q %v %v", n, buf[:n], fds, err)
-	}
-	flags, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GETFD, 0)
-	if err != nil || flags&unix.FD_CLOEXEC == 0 {
-		t.Fatalf("received fd not close-on-exec: flags %#x err %v", flags, err)
-	}
+	require.NoError(t, err)
+	require.Equal(t, "hello", string(buf[:n]))
+	require.Len(t, fds, 1)
+	requireCloseOnExec(t, fds[0], "received fd not close-on-exec")
 	got := os.NewFile(uintptr(fds[0]), "w")
 	defer got.Close()
-	if _, err := got.Write([]byte("x")); err != nil {
-		t.Fatal(err)
-	}
+	_, err = got.Write([]byte("x"))
+	require.NoError(t, err)
 	one := make([]byte, 1)
-	if _, err := r.Read(one); err != nil || one[0] != 'x' {
-		t.Fatalf("read through passed fd: %q %v", one, err)
-	}
+	_, err = r.Read(one)
+	require.NoError(t, err, "read through passed fd")
+	require.Equal(t, byte('x'), one[0], "read through passed fd")
 }
 
 func TestRecvClosesUnexpectedDescriptors(t *testing.T) {
 	a, b := pair(t)
 	_, w1 := pipeFD(t)
 	_, w2 := pipeFD(t)
-	if err := Send(a, []byte("x"), int(w1.Fd()), int(w2.Fd())); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, Send(a, []byte("x"), int(w1.Fd()), int(w2.Fd())))
 	before := openFDs(t)
 	n, fds, err := Recv(b, make([]byte, 4), 1)
-	if !errors.Is(err, ErrUnexpectedFDs) || fds != nil || n != 1 {
-		t.Fatalf("Recv = %d %v %v, want ErrUnexpectedFDs", n, fds, err)
-	}
-	if after := openFDs(t); after != before {
-		t.Fatalf("open descriptors %d before Recv, %d after: unexpected ones leaked", before, after)
-	}
+	require.ErrorIs(t, err, ErrUnexpectedFDs)
+	require.Nil(t, fds)
+	require.Equal(t, 1, n)
+	require.Equal(t, before, openFDs(t), "open descriptors before and after Recv: unexpected ones leaked")
 }
 
 func TestRecvWithoutDescriptors(t *testing.T) {
 	a, b := pair(t)
-	if err := Send(a, []byte("plain")); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, Send(a, []byte("plain")))
 	n, fds, err := Recv(b, make([]byte, 8), 1)
-	if err != nil || n != 5 || len(fds) != 0 {
-		t.Fatalf("Recv = %d %v %v", n, fds, err)
-	}
-	if err := Send(a, nil); err == nil {
-		t.Fatal("Send of no bytes succeeded")
-	}
+	require.NoError(t, err)
+	require.Equal(t, 5, n)
+	require.Empty(t, fds)
+	require.Error(t, Send(a, nil), "Send of no bytes")
 }
 
 func openFDs(t *testing.T) int {
@@ -126,24 +115,21 @@ func TestReceiverReusedKeepsGuarantees(t *testing.T) {
 		{[]int{int(w1.Fd())}, 1, 1, false},
 	}
 	for i, s := range steps {
-		if err := Send(a, []byte("m"), s.fds...); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, Send(a, []byte("m"), s.fds...))
 		n, fds, err := r.Recv(b, buf, s.maxFDs)
-		if n != 1 || len(fds) != s.wantFDs || (err != nil) != s.wantErr || s.wantErr && !errors.Is(err, ErrUnexpectedFDs) {
-			t.Fatalf("step %d: Recv = %d %v %v, want %d descriptors, error %v", i, n, fds, err, s.wantFDs, s.wantErr)
+		require.Equal(t, 1, n, "step %d", i)
+		require.Len(t, fds, s.wantFDs, "step %d", i)
+		if s.wantErr {
+			require.ErrorIs(t, err, ErrUnexpectedFDs, "step %d", i)
+		} else {
+			require.NoError(t, err, "step %d", i)
 		}
 		for _, fd := range fds {
-			flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
-			if err != nil || flags&unix.FD_CLOEXEC == 0 {
-				t.Fatalf("step %d: received fd not close-on-exec: flags %#x err %v", i, flags, err)
-			}
+			requireCloseOnExec(t, fd, "step %d: received fd not close-on-exec", i)
 			unix.Close(fd)
 		}
 	}
-	if after := openFDs(t); after != before {
-		t.Fatalf("open descriptors %d before, %d after: some leaked", before, after)
-	}
+	assert.Equal(t, before, openFDs(t), "open descriptors before and after: some leaked")
 }
 
 func TestReceiverAllocatesNothingForPlainMessages(t *testing.T) {
@@ -154,14 +140,11 @@ func TestReceiverAllocatesNothingForPlainMessages(t *testing.T) {
 	var r Receiver
 	buf := make([]byte, 8)
 	msg := []byte("m")
-	if n := testing.AllocsPerRun(100, func() {
-		if _, err := a.Write(msg); err != nil {
-			t.Fatal(err)
-		}
-		if _, _, err := r.Recv(b, buf, 1); err != nil {
-			t.Fatal(err)
-		}
-	}); n != 0 {
-		t.Fatalf("%v allocations per plain message", n)
-	}
+	n := testing.AllocsPerRun(100, func() {
+		_, err := a.Write(msg)
+		require.NoError(t, err)
+		_, _, err = r.Recv(b, buf, 1)
+		require.NoError(t, err)
+	})
+	require.Zero(t, n, "allocations per plain message")
 }
