@@ -254,7 +254,7 @@ func TestWaitingAllocTrimsTheCache(t *testing.T) {
 	case err := <-got:
 		require.NoError(t, err)
 	case <-ctx.Done():
-		t.Fatal("the waiting Alloc did not get the cached memory")
+		require.FailNow(t, "the waiting Alloc did not get the cached memory")
 	}
 	mustFree(t, waited, other)
 	mustFree(t, b, e.stream)

@@ -6,6 +6,9 @@ import (
 	"runtime"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/gputest"
@@ -39,9 +42,7 @@ func onEachRuntime(t *testing.T, body func(t *testing.T, e testEnv)) {
 func softDevice(t testing.TB, opts ...cudarttest.Option) *cudarttest.Device {
 	d := cudarttest.New(opts...)
 	t.Cleanup(func() {
-		if err := d.Err(); err != nil {
-			t.Errorf("software device saw rule violations: %v", err)
-		}
+		assert.NoError(t, d.Err(), "software device saw rule violations")
 		d.Close()
 	})
 	return d
@@ -49,16 +50,10 @@ func softDevice(t testing.TB, opts ...cudarttest.Option) *cudarttest.Device {
 
 func newTestEnv(t testing.TB, rt cudart.Runtime, soft *cudarttest.Device) testEnv {
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
-	if err != nil {
-		t.Fatalf("StreamCreate: %v", err)
-	}
+	require.NoError(t, err, "StreamCreate")
 	t.Cleanup(func() {
-		if err := rt.StreamSynchronize(0, s); err != nil {
-			t.Errorf("StreamSynchronize: %v", err)
-		}
-		if err := rt.StreamDestroy(0, s); err != nil {
-			t.Errorf("StreamDestroy: %v", err)
-		}
+		assert.NoError(t, rt.StreamSynchronize(0, s), "StreamSynchronize")
+		assert.NoError(t, rt.StreamDestroy(0, s), "StreamDestroy")
 	})
 	return testEnv{rt: rt, soft: soft, stream: s}
 }
@@ -68,19 +63,19 @@ func newTestEnv(t testing.TB, rt cudart.Runtime, soft *cudarttest.Device) testEn
 func mustNew(t testing.TB, rt cudart.Runtime, opts ...Option) *Pool {
 	t.Helper()
 	p, err := New(rt, 0, opts...)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
+	require.NoError(t, err, "New")
 	closeAtEnd(t, p)
 	return p
 }
 
 func closeAtEnd(t testing.TB, p *Pool) {
 	t.Cleanup(func() {
-		if r, err := p.Close(context.Background(), Force()); err != nil && !errors.Is(err, ErrClosed) {
-			t.Errorf("Close(Force): %v", err)
-		} else if err == nil && (r.ReleasedBuffers != 0 || r.AbandonedBuffers != 0) && !t.Failed() {
-			t.Errorf("test left buffers in pool %q: %v", p.Name(), r)
+		r, err := p.Close(context.Background(), Force())
+		if errors.Is(err, ErrClosed) {
+			return
+		}
+		if assert.NoError(t, err, "Close(Force)") && !t.Failed() {
+			assert.Zero(t, r.ReleasedBuffers+r.AbandonedBuffers, "test left buffers in pool %q: %v", p.Name(), r)
 		}
 	})
 }
@@ -88,25 +83,19 @@ func closeAtEnd(t testing.TB, p *Pool) {
 func mustAlloc(t testing.TB, p *Pool, size uint64, s cudart.Stream) *Buffer {
 	t.Helper()
 	b, err := p.Alloc(context.Background(), size, s)
-	if err != nil {
-		t.Fatalf("Alloc(%d): %v", size, err)
-	}
+	require.NoError(t, err, "Alloc(%d)", size)
 	return b
 }
 
 func mustFree(t testing.TB, b *Buffer, s cudart.Stream) {
 	t.Helper()
-	if err := b.Free(s); err != nil {
-		t.Fatalf("Free: %v", err)
-	}
+	require.NoError(t, b.Free(s), "Free")
 }
 
 func mustStats(t testing.TB, p *Pool) Stats {
 	t.Helper()
 	s, err := p.Stats()
-	if err != nil {
-		t.Fatalf("Stats: %v", err)
-	}
+	require.NoError(t, err, "Stats")
 	return s
 }
 
@@ -118,7 +107,7 @@ func blockedWaiting(t testing.TB, p *Pool, got <-chan error) {
 	for {
 		select {
 		case err := <-got:
-			t.Fatalf("Alloc returned %v instead of waiting for memory", err)
+			require.FailNow(t, "Alloc did not wait for memory", "it returned %v", err)
 		default:
 		}
 		p.mu.Lock()
@@ -133,12 +122,8 @@ func blockedWaiting(t testing.TB, p *Pool, got <-chan error) {
 
 func wantErr(t testing.TB, what string, err error, targets ...error) {
 	t.Helper()
-	if err == nil {
-		t.Fatalf("%s: no error; want %v", what, targets)
-	}
+	require.Error(t, err, "%s: want %v", what, targets)
 	for _, target := range targets {
-		if !errors.Is(err, target) {
-			t.Fatalf("%s: error %q does not wrap %v", what, err, target)
-		}
+		require.ErrorIs(t, err, target, what)
 	}
 }

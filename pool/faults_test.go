@@ -3,10 +3,12 @@ package pool
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -118,9 +120,9 @@ func TestMisalignedPointerFailsLoudly(t *testing.T) {
 	_, err := p.Alloc(context.Background(), 1, e.stream)
 	wantErr(t, "Alloc returning a misaligned pointer", err, ErrMisaligned)
 	r.shift = 0
-	if s := mustStats(t, p); s.LiveBuffers != 0 || s.UsedCurrent != 0 {
-		t.Fatalf("the misaligned pointer was kept: %v", s)
-	}
+	s := mustStats(t, p)
+	require.Zero(t, s.LiveBuffers, "the misaligned pointer was kept: %v", s)
+	require.Zero(t, s.UsedCurrent, "the misaligned pointer was kept: %v", s)
 	// A local pool does not care.
 	local := mustNew(t, r, WithHandleType(cudart.HandleTypeNone))
 	r.shift = 512
@@ -152,12 +154,8 @@ func TestNewFailuresLeaveNothing(t *testing.T) {
 		c.setup(r)
 		_, err := New(r, 0, c.opts...)
 		wantErr(t, c.name, err, c.target)
-		if !strings.Contains(err.Error(), c.says) {
-			t.Errorf("%s: error %q does not say %q", c.name, err, c.says)
-		}
-		if r.pools != 0 {
-			t.Errorf("%s: %d pools left behind", c.name, r.pools)
-		}
+		assert.Contains(t, err.Error(), c.says, c.name)
+		assert.Zero(t, r.pools, "%s: pools left behind", c.name)
 	}
 }
 
@@ -172,9 +170,7 @@ func TestFailedFreeKeepsBufferLive(t *testing.T) {
 
 	// The same for a buffer that was shared, and one whose free is deferred.
 	b = mustAlloc(t, p, 1, e.stream)
-	if err := mustLease(t, b).End(0); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, mustLease(t, b).End(0))
 	r.failNext("EventRecord", 1)
 	wantErr(t, "Free of a shared buffer with failing EventRecord", b.Free(e.stream), errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
@@ -186,9 +182,7 @@ func TestFailedFreeKeepsBufferLive(t *testing.T) {
 	wantErr(t, "deferred Free with failing EventRecord", b.Free(e.stream), errInjected)
 	wantCounts(t, p, 1, 1, 1, 0)
 	mustFree(t, b, e.stream)
-	if err := l.End(0); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, l.End(0))
 	wantCounts(t, p, 0, 0, 0, 0)
 }
 
@@ -203,16 +197,16 @@ func TestFailedDeferredFreeIsReported(t *testing.T) {
 	wantErr(t, "End issuing a failing deferred free", err, ErrFreeFailed, errInjected)
 	wantErr(t, "End again", l.End(0), ErrLeaseEnded)
 	s := mustStats(t, p)
-	if s.FailedFrees != 1 || s.FailedFreeBytes != b.Reserved() || s.LiveBuffers != 1 || s.DeferredFrees != 0 {
-		t.Fatalf("Stats = %v; want the failed free counted", s)
-	}
+	require.Equal(t, [4]uint64{1, b.Reserved(), 1, 0}, [4]uint64{uint64(s.FailedFrees), s.FailedFreeBytes, uint64(s.LiveBuffers), uint64(s.DeferredFrees)},
+		"failed frees, their bytes, live buffers, deferred frees: want the failed free counted (%v)", s)
 	wantErr(t, "Free of a buffer whose deferred free failed", b.Free(e.stream), ErrFreed)
 	_, err = p.Close(context.Background())
 	wantErr(t, "Close with a failed free", err, ErrBusy)
 	report, err := p.Close(context.Background(), Force())
-	if err != nil || len(report.FailedFrees) != 1 || !errors.Is(report.FailedFrees[0], errInjected) || report.ReleasedBuffers != 0 {
-		t.Fatalf("Close(Force) = %v, %v; want the failed free reported", report, err)
-	}
+	require.NoError(t, err, "Close(Force)")
+	require.Len(t, report.FailedFrees, 1, "Close(Force) = %v; want the failed free reported", report)
+	require.ErrorIs(t, report.FailedFrees[0], errInjected)
+	require.Zero(t, report.ReleasedBuffers, "Close(Force) = %v", report)
 }
 
 func TestReleaseStreamFailure(t *testing.T) {
@@ -223,9 +217,7 @@ func TestReleaseStreamFailure(t *testing.T) {
 	_, err := b.Lease()
 	wantErr(t, "Lease without a release stream", err, errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
-	if b.Shared() {
-		t.Fatal("a failed Lease marked the buffer shared")
-	}
+	require.False(t, b.Shared(), "a failed Lease marked the buffer shared")
 	mustFree(t, b, e.stream)
 }
 
@@ -265,13 +257,11 @@ func TestCloseWaitsForCallsInFlight(t *testing.T) {
 	wantErr(t, "Alloc while closing", err, ErrClosed)
 
 	close(r.release)
-	if err := <-got; err != nil {
-		t.Fatalf("Alloc in flight during Close: %v", err)
-	}
+	require.NoError(t, <-got, "Alloc in flight during Close")
 	report, err := p.Close(context.Background())
-	if err != nil || report.ReleasedBuffers != 1 || !report.Destroyed {
-		t.Fatalf("Close finishing the forced close = %v, %v; want the in-flight buffer released", report, err)
-	}
+	require.NoError(t, err, "Close finishing the forced close")
+	require.Equal(t, 1, report.ReleasedBuffers, "Close finishing the forced close = %v; want the in-flight buffer released", report)
+	require.True(t, report.Destroyed, "Close finishing the forced close = %v", report)
 }
 
 // looseCapRuntime creates pools without the max size it is given, as the real driver
@@ -299,9 +289,9 @@ func TestMaxSizeHeldByThePoolWhateverTheDriver(t *testing.T) {
 	for _, b := range bufs {
 		mustFree(t, b, e.stream)
 	}
-	if s := mustStats(t, p); s.LiveBuffers != 0 || s.BytesReserved != 0 {
-		t.Fatalf("after freeing everything: %v", s)
-	}
+	s := mustStats(t, p)
+	require.Zero(t, s.LiveBuffers, "after freeing everything: %v", s)
+	require.Zero(t, s.BytesReserved, "after freeing everything: %v", s)
 }
 
 // destroyCounter counts MemPoolDestroy calls.
@@ -329,20 +319,16 @@ func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 				case errors.Is(err, cudart.ErrNotPermitted):
 					refused = true
 				case err != nil:
-					t.Fatalf("FABRIC export: %v; want success or not permitted (no IMEX)", err)
+					require.NoError(t, err, "FABRIC export: want success or not permitted (no IMEX)")
 				}
 			}
 			report, err := p.Close(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			want := !refused
-			if report.Destroyed != want || r.destroys.Load() != map[bool]int32{true: 1}[want] {
-				t.Errorf("export refused %v: Close destroyed %v with %d MemPoolDestroy calls; want destroyed %v",
-					refused, report.Destroyed, r.destroys.Load(), want)
-			}
-			if e.soft != nil && export && !refused {
-				t.Error("the software device without WithFabric let a FABRIC pool be exported")
+			assert.Equal(t, want, report.Destroyed, "export refused %v: Close destroyed", refused)
+			assert.Equal(t, map[bool]int32{true: 1}[want], r.destroys.Load(), "export refused %v: MemPoolDestroy calls", refused)
+			if e.soft != nil && export {
+				assert.True(t, refused, "the software device without WithFabric let a FABRIC pool be exported")
 			}
 		}
 	})
@@ -375,13 +361,9 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	first, other := mustLease(t, b), mustLease(t, b)
 	mustFree(t, b, e.stream)
 	completion, err := d.EventCreate(0, cudart.EventDisableTiming)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer d.EventDestroy(0, completion)
-	if err := d.EventRecord(0, completion, e.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, d.EventRecord(0, completion, e.stream))
 
 	ended := make(chan error, 1)
 	go func() { ended <- first.End(completion) }()
@@ -395,19 +377,12 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	again := first.End(0)
 	close(r.release)
 	wantErr(t, "End while the first End of the lease is in flight", again, ErrLeaseEnded)
-	if err := <-ended; err != nil {
-		t.Fatalf("first End: %v", err)
-	}
-	if err := <-closed; err != nil {
-		t.Fatalf("Close(Force): %v", err)
-	}
+	require.NoError(t, <-ended, "first End")
+	require.NoError(t, <-closed, "Close(Force)")
 	p.mu.Lock()
 	leases, state := b.leases, b.state
 	p.mu.Unlock()
-	if leases != 1 || state == bufFreed {
-		t.Fatalf("after one End of two leases: %d leases, state %d; want the other lease live and the buffer not freed", leases, state)
-	}
-	if err := other.End(0); err != nil {
-		t.Fatalf("ending the other lease after Close: %v", err)
-	}
+	require.Equal(t, 1, leases, "after one End of two leases: want the other lease live")
+	require.NotEqual(t, bufFreed, state, "after one End of two leases: the buffer was freed")
+	require.NoError(t, other.End(0), "ending the other lease after Close")
 }

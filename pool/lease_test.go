@@ -3,9 +3,11 @@ package pool
 import (
 	"bytes"
 	"context"
-	"errors"
 	"sync"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
@@ -27,30 +29,20 @@ func importBuffer(t testing.TB, b *Buffer) *importer {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
 	rec, err := b.ExportRecord()
-	if err != nil {
-		t.Fatalf("ExportRecord: %v", err)
-	}
+	require.NoError(t, err, "ExportRecord")
 	h, err := b.Pool().ExportHandle()
-	if err != nil {
-		t.Fatalf("ExportHandle: %v", err)
-	}
+	require.NoError(t, err, "ExportHandle")
 	ip, err := d.MemPoolImportFromShareableHandle(0, h)
-	if err != nil {
-		t.Fatalf("MemPoolImportFromShareableHandle: %v", err)
-	}
+	require.NoError(t, err, "MemPoolImportFromShareableHandle")
 	ptr, err := d.MemPoolImportPointer(0, ip, rec)
-	if err != nil {
-		t.Fatalf("MemPoolImportPointer: %v", err)
-	}
+	require.NoError(t, err, "MemPoolImportPointer")
 	return &importer{t: t, d: d, stream: e.stream, pool: ip, ptr: ptr}
 }
 
 // read copies n bytes of the import.
 func (im *importer) read(n int) []byte {
 	buf := make([]byte, n)
-	if err := im.d.MemcpyDtoHAsync(0, buf, im.ptr, im.stream); err != nil {
-		im.t.Fatalf("importer read: %v", err)
-	}
+	require.NoError(im.t, im.d.MemcpyDtoHAsync(0, buf, im.ptr, im.stream), "importer read")
 	return buf
 }
 
@@ -59,49 +51,34 @@ func (im *importer) read(n int) []byte {
 func (im *importer) freeImport(exporter cudart.Runtime) cudart.Event {
 	t := im.t
 	t.Helper()
-	if err := im.d.FreeAsync(0, im.ptr, im.stream); err != nil {
-		t.Fatalf("importer FreeAsync: %v", err)
-	}
+	require.NoError(t, im.d.FreeAsync(0, im.ptr, im.stream), "importer FreeAsync")
 	ev, err := im.d.EventCreate(0, cudart.EventIPC)
-	if err != nil {
-		t.Fatalf("importer EventCreate: %v", err)
-	}
+	require.NoError(t, err, "importer EventCreate")
 	t.Cleanup(func() { im.d.EventDestroy(0, ev) })
-	if err := im.d.EventRecord(0, ev, im.stream); err != nil {
-		t.Fatalf("importer EventRecord: %v", err)
-	}
+	require.NoError(t, im.d.EventRecord(0, ev, im.stream), "importer EventRecord")
 	h, err := im.d.IpcGetEventHandle(0, ev)
-	if err != nil {
-		t.Fatalf("IpcGetEventHandle: %v", err)
-	}
+	require.NoError(t, err, "IpcGetEventHandle")
 	opened, err := exporter.IpcOpenEventHandle(0, h)
-	if err != nil {
-		t.Fatalf("IpcOpenEventHandle: %v", err)
-	}
+	require.NoError(t, err, "IpcOpenEventHandle")
 	return opened
 }
 
 func (im *importer) close() {
-	if err := im.d.MemPoolDestroy(0, im.pool); err != nil {
-		im.t.Errorf("importer MemPoolDestroy: %v", err)
-	}
+	assert.NoError(im.t, im.d.MemPoolDestroy(0, im.pool), "importer MemPoolDestroy")
 }
 
 func mustLease(t testing.TB, b *Buffer) *Lease {
 	t.Helper()
 	l, err := b.Lease()
-	if err != nil {
-		t.Fatalf("Lease: %v", err)
-	}
+	require.NoError(t, err, "Lease")
 	return l
 }
 
 func wantCounts(t testing.TB, p *Pool, live, shared, leases, deferred int) {
 	t.Helper()
 	s := mustStats(t, p)
-	if s.LiveBuffers != live || s.SharedBuffers != shared || s.ActiveLeases != leases || s.DeferredFrees != deferred {
-		t.Fatalf("Stats = %v; want %d live, %d shared, %d leases, %d deferred frees", s, live, shared, leases, deferred)
-	}
+	require.Equal(t, [4]int{live, shared, leases, deferred}, [4]int{s.LiveBuffers, s.SharedBuffers, s.ActiveLeases, s.DeferredFrees},
+		"live, shared, leases, deferred frees in %v", s)
 }
 
 // The exporter frees first; the real free waits for the importer's free, so the
@@ -111,51 +88,33 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	e := newTestEnv(t, exp, exp)
 	p := mustNew(t, exp)
 	b := mustAlloc(t, p, 1000, e.stream)
-	if err := exp.MemsetAsync(0, b.Ptr(), 0xab, 1000, e.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, exp.MemsetAsync(0, b.Ptr(), 0xab, 1000, e.stream))
 	ready, err := exp.EventCreate(0, cudart.EventIPC)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer exp.EventDestroy(0, ready)
-	if err := exp.EventRecord(0, ready, e.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, exp.EventRecord(0, ready, e.stream))
 	l := mustLease(t, b)
 	im := importBuffer(t, b)
 	defer im.close()
 	rh, err := exp.IpcGetEventHandle(0, ready)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	imReady, err := im.d.IpcOpenEventHandle(0, rh)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := im.d.StreamWaitEvent(0, im.stream, imReady); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, im.d.StreamWaitEvent(0, im.stream, imReady))
 
 	mustFree(t, b, e.stream)
 	wantCounts(t, p, 1, 1, 1, 1)
 	wantErr(t, "Free while the free is deferred", b.Free(e.stream), ErrFreed)
 	_, err = b.Lease()
 	wantErr(t, "Lease while the free is deferred", err, ErrFreed)
-	if !bytes.Equal(im.read(1000), bytes.Repeat([]byte{0xab}, 1000)) {
-		t.Fatal("importer read other bytes than the exporter wrote")
-	}
+	require.Equal(t, bytes.Repeat([]byte{0xab}, 1000), im.read(1000), "importer read other bytes than the exporter wrote")
 
 	done := im.freeImport(exp)
-	if err := l.End(done); err != nil {
-		t.Fatalf("End: %v", err)
-	}
+	require.NoError(t, l.End(done), "End")
 	exp.EventDestroy(0, done)
 	wantCounts(t, p, 0, 0, 0, 0)
 	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
-	if !b.Shared() {
-		t.Error("Shared() = false for a buffer that was leased")
-	}
+	assert.True(t, b.Shared(), "Shared() = false for a buffer that was leased")
 }
 
 // The same sharing without a lease frees under the importer: the software device must
@@ -164,25 +123,17 @@ func TestUnleasedSharedFreeIsCaught(t *testing.T) {
 	exp := cudarttest.New()
 	defer exp.Close()
 	p, err := New(exp, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	b, err := p.Alloc(context.Background(), 1000, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	im := importBuffer(t, b)
 	defer im.close()
-	if err := b.Free(0); !errors.Is(err, cudarttest.ErrViolation) {
-		t.Fatalf("Free under an importer without a lease: %v; want a violation", err)
-	}
+	require.ErrorIs(t, b.Free(0), cudarttest.ErrViolation, "Free under an importer without a lease")
 	var kinds []cudarttest.ViolationKind
 	for _, v := range exp.Violations() {
 		kinds = append(kinds, v.Kind)
 	}
-	if len(kinds) != 1 || kinds[0] != cudarttest.ViolationExporterFreedWhileImported {
-		t.Fatalf("violations %v; want one exporter-freed-while-imported", kinds)
-	}
+	require.Equal(t, []cudarttest.ViolationKind{cudarttest.ViolationExporterFreedWhileImported}, kinds)
 }
 
 func TestLastLeaseReleases(t *testing.T) {
@@ -196,27 +147,15 @@ func TestLastLeaseReleases(t *testing.T) {
 		// A completion event on the pool's device: the importer's free, here work
 		// on a stream of our own.
 		ev, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		defer e.rt.EventDestroy(0, ev)
-		if err := e.rt.EventRecord(0, ev, e.stream); err != nil {
-			t.Fatal(err)
-		}
-		if err := l1.End(ev); err != nil {
-			t.Fatalf("End: %v", err)
-		}
+		require.NoError(t, e.rt.EventRecord(0, ev, e.stream))
+		require.NoError(t, l1.End(ev), "End")
 		wantCounts(t, p, 1, 1, 1, 1)
-		if err := l2.End(0); err != nil {
-			t.Fatalf("End: %v", err)
-		}
+		require.NoError(t, l2.End(0), "End")
 		wantCounts(t, p, 0, 0, 0, 0)
-		if err := e.rt.StreamSynchronize(0, p.relStream); err != nil {
-			t.Fatal(err)
-		}
-		if s := mustStats(t, p); s.UsedCurrent != 0 {
-			t.Fatalf("driver still counts %d bytes used after the deferred free", s.UsedCurrent)
-		}
+		require.NoError(t, e.rt.StreamSynchronize(0, p.relStream))
+		require.Zero(t, mustStats(t, p).UsedCurrent, "driver still counts bytes used after the deferred free")
 	})
 }
 
@@ -224,9 +163,7 @@ func TestFreeAfterLeasesEnded(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		p := mustNew(t, e.rt)
 		b := mustAlloc(t, p, 10, e.stream)
-		if err := mustLease(t, b).End(0); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, mustLease(t, b).End(0))
 		wantCounts(t, p, 1, 0, 0, 0)
 		mustFree(t, b, e.stream)
 		wantCounts(t, p, 0, 0, 0, 0)
@@ -241,22 +178,17 @@ func TestExportRecordIsCached(t *testing.T) {
 		b := mustAlloc(t, p, 10, e.stream)
 		l := mustLease(t, b)
 		r1, err := b.ExportRecord()
-		if err != nil {
-			t.Fatalf("ExportRecord before the pool was exported: %v", err)
-		}
+		require.NoError(t, err, "ExportRecord before the pool was exported")
 		r2, err := b.ExportRecord()
-		if err != nil || r1 != r2 {
-			t.Fatalf("second ExportRecord = %x, %v; want the same bytes", r2, err)
-		}
+		require.NoError(t, err, "second ExportRecord")
+		require.Equal(t, r1, r2, "second ExportRecord: want the same bytes")
 		h1, _ := p.ExportHandle()
 		h2, _ := p.ExportHandle()
-		if h1 != h2 || rt.poolExports.Load() != 1 || rt.ptrExports.Load() != 1 {
-			t.Fatalf("pool exported %d times, pointer %d times; want once each", rt.poolExports.Load(), rt.ptrExports.Load())
-		}
+		require.Equal(t, h1, h2)
+		require.Equal(t, int64(1), rt.poolExports.Load(), "pool exports")
+		require.Equal(t, int64(1), rt.ptrExports.Load(), "pointer exports")
 		mustFree(t, b, e.stream)
-		if err := l.End(0); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, l.End(0))
 	})
 }
 
@@ -268,9 +200,7 @@ func TestLeaseMisuse(t *testing.T) {
 	// A completion that cannot be waited for leaves the lease live.
 	wantErr(t, "End with a bogus event", l.End(0xbad), cudart.ErrInvalidResourceHandle)
 	wantCounts(t, p, 1, 1, 1, 0)
-	if err := l.End(0); err != nil {
-		t.Fatalf("End after a failed End: %v", err)
-	}
+	require.NoError(t, l.End(0), "End after a failed End")
 	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
 	wantCounts(t, p, 1, 0, 0, 0)
 	mustFree(t, b, 0)
@@ -287,15 +217,13 @@ func TestConcurrentLeases(t *testing.T) {
 				defer wg.Done()
 				for i := 0; i < rounds; i++ {
 					b, err := p.Alloc(context.Background(), 100, e.stream)
-					if err != nil {
-						t.Error(err)
+					if !assert.NoError(t, err) {
 						return
 					}
 					var ls []*Lease
 					for j := 0; j < leases; j++ {
 						l, err := b.Lease()
-						if err != nil {
-							t.Error(err)
+						if !assert.NoError(t, err) {
 							return
 						}
 						ls = append(ls, l)
@@ -307,13 +235,9 @@ func TestConcurrentLeases(t *testing.T) {
 						go func() {
 							defer inner.Done()
 							if j == i%leases {
-								if err := b.Free(e.stream); err != nil {
-									t.Error(err)
-								}
+								assert.NoError(t, b.Free(e.stream))
 							}
-							if err := l.End(0); err != nil {
-								t.Error(err)
-							}
+							assert.NoError(t, l.End(0))
 						}()
 					}
 					inner.Wait()
@@ -322,8 +246,7 @@ func TestConcurrentLeases(t *testing.T) {
 		}
 		wg.Wait()
 		wantCounts(t, p, 0, 0, 0, 0)
-		if _, err := p.Close(context.Background()); err != nil {
-			t.Fatalf("Close: %v", err)
-		}
+		_, err := p.Close(context.Background())
+		require.NoError(t, err, "Close")
 	})
 }

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"math"
-	"strings"
 	"sync"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/granularity"
@@ -16,12 +18,10 @@ func TestExportablePoolRoundsAndAligns(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		p := mustNew(t, e.rt, WithMaxSize(64*mib+1))
 		g := p.Granularity()
-		if g < 2 || p.HandleType() != cudart.HandleTypePosixFD {
-			t.Fatalf("granularity %d, handle type %v; want a real granularity and posix-fd", g, p.HandleType())
-		}
-		if want, _ := granularity.RoundUp(64*mib+1, g); p.MaxSize() != want {
-			t.Fatalf("MaxSize() = %d; want %d (rounded up)", p.MaxSize(), want)
-		}
+		require.GreaterOrEqual(t, g, uint64(2), "want a real granularity")
+		require.Equal(t, cudart.HandleTypePosixFD, p.HandleType())
+		want, _ := granularity.RoundUp(64*mib+1, g)
+		require.Equal(t, want, p.MaxSize(), "MaxSize(): want it rounded up")
 		// Mixed sizes: the driver would pack the small ones below the granularity
 		// (FACTS 1) if the pool did not round them.
 		sizes := []uint64{1, 512, g - 1, g, g + 1, 3 * mib, 1}
@@ -30,58 +30,51 @@ func TestExportablePoolRoundsAndAligns(t *testing.T) {
 		for _, n := range sizes {
 			b := mustAlloc(t, p, n, e.stream)
 			want, _ := granularity.RoundUp(n, g)
-			if b.Size() != n || b.Reserved() != want {
-				t.Errorf("Alloc(%d): Size %d, Reserved %d; want %d, %d", n, b.Size(), b.Reserved(), n, want)
-			}
-			if !granularity.IsAligned(uint64(b.Ptr()), g) {
-				t.Errorf("Alloc(%d) = %#x: not aligned to %d", n, b.Ptr(), g)
-			}
-			if b.Device() != 0 || b.Pool() != p || b.Shared() {
-				t.Errorf("buffer %v: device %d, pool %p, shared %v", b, b.Device(), b.Pool(), b.Shared())
-			}
+			assert.Equal(t, n, b.Size(), "Alloc(%d): Size", n)
+			assert.Equal(t, want, b.Reserved(), "Alloc(%d): Reserved", n)
+			assert.True(t, granularity.IsAligned(uint64(b.Ptr()), g), "Alloc(%d) = %#x: not aligned to %d", n, b.Ptr(), g)
+			assert.Zero(t, b.Device(), "buffer %v: device", b)
+			assert.Same(t, p, b.Pool(), "buffer %v: pool", b)
+			assert.False(t, b.Shared(), "buffer %v: shared", b)
 			bufs = append(bufs, b)
 			requested += n
 			reserved += want
 		}
 		for i, b := range bufs {
 			for _, c := range bufs[i+1:] {
-				if b.ID() == c.ID() {
-					t.Errorf("two buffers with ID %d", b.ID())
-				}
-				if b.Ptr() < c.Ptr()+cudart.DevicePtr(c.Reserved()) && c.Ptr() < b.Ptr()+cudart.DevicePtr(b.Reserved()) {
-					t.Errorf("%v and %v overlap", b, c)
-				}
+				assert.NotEqual(t, b.ID(), c.ID(), "two buffers with one ID")
+				overlap := b.Ptr() < c.Ptr()+cudart.DevicePtr(c.Reserved()) && c.Ptr() < b.Ptr()+cudart.DevicePtr(b.Reserved())
+				assert.False(t, overlap, "%v and %v overlap", b, c)
 			}
 		}
 		s := mustStats(t, p)
-		if s.LiveBuffers != len(sizes) || s.BytesRequested != requested || s.BytesReserved != reserved || s.RoundingOverhead() != reserved-requested {
-			t.Errorf("Stats = %v; want %d buffers, %d requested, %d reserved", s, len(sizes), requested, reserved)
-		}
-		if s.UsedCurrent != reserved || s.ReservedCurrent < reserved || s.UsedHigh < s.UsedCurrent || s.ReservedHigh < s.ReservedCurrent {
-			t.Errorf("driver figures %v do not match %d bytes in use", s, reserved)
-		}
+		assert.Equal(t, len(sizes), s.LiveBuffers, "Stats = %v", s)
+		assert.Equal(t, requested, s.BytesRequested, "Stats = %v", s)
+		assert.Equal(t, reserved, s.BytesReserved, "Stats = %v", s)
+		assert.Equal(t, reserved-requested, s.RoundingOverhead(), "Stats = %v", s)
+		assert.Equal(t, reserved, s.UsedCurrent, "driver figures %v", s)
+		assert.GreaterOrEqual(t, s.ReservedCurrent, reserved, "driver figures %v", s)
+		assert.GreaterOrEqual(t, s.UsedHigh, s.UsedCurrent, "driver figures %v", s)
+		assert.GreaterOrEqual(t, s.ReservedHigh, s.ReservedCurrent, "driver figures %v", s)
 		for _, b := range bufs {
 			mustFree(t, b, e.stream)
 		}
-		if s := mustStats(t, p); s.LiveBuffers != 0 || s.BytesRequested != 0 || s.BytesReserved != 0 {
-			t.Errorf("Stats after freeing everything = %v", s)
-		}
+		s = mustStats(t, p)
+		assert.Zero(t, s.LiveBuffers+int(s.BytesRequested+s.BytesReserved), "Stats after freeing everything = %v", s)
 	})
 }
 
 func TestLocalPoolDoesNotRound(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		p := mustNew(t, e.rt, WithHandleType(cudart.HandleTypeNone), WithMaxSize(3*mib+5), WithName("local"))
-		if p.Granularity() != 1 || p.MaxSize() != 3*mib+5 || p.Name() != "local" {
-			t.Fatalf("local pool: granularity %d, max size %d, name %q", p.Granularity(), p.MaxSize(), p.Name())
-		}
+		require.Equal(t, uint64(1), p.Granularity())
+		require.Equal(t, uint64(3*mib+5), p.MaxSize())
+		require.Equal(t, "local", p.Name())
 		b := mustAlloc(t, p, 1000, e.stream)
-		if b.Reserved() != 1000 {
-			t.Errorf("Reserved() = %d; want 1000", b.Reserved())
-		}
-		if s := mustStats(t, p); s.RoundingOverhead() != 0 || s.BytesReserved != 1000 {
-			t.Errorf("Stats = %v; want 1000 bytes and no overhead", s)
-		}
+		assert.Equal(t, uint64(1000), b.Reserved())
+		s := mustStats(t, p)
+		assert.Zero(t, s.RoundingOverhead(), "Stats = %v", s)
+		assert.Equal(t, uint64(1000), s.BytesReserved, "Stats = %v", s)
 		_, err := b.Lease()
 		wantErr(t, "Lease on a local pool", err, ErrNotShareable)
 		_, err = b.ExportRecord()
@@ -95,25 +88,18 @@ func TestLocalPoolDoesNotRound(t *testing.T) {
 func TestDefaultPoolAdapter(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		p, err := FromDefault(e.rt, 0)
-		if err != nil {
-			t.Fatalf("FromDefault: %v", err)
-		}
+		require.NoError(t, err, "FromDefault")
 		closeAtEnd(t, p)
 		var a Allocator = p
 		b, err := a.Alloc(context.Background(), 4096, e.stream)
-		if err != nil {
-			t.Fatalf("Alloc: %v", err)
-		}
-		if a.Device() != 0 || b.Reserved() != 4096 || p.HandleType() != cudart.HandleTypeNone {
-			t.Errorf("default pool: device %d, reserved %d, handle type %v", a.Device(), b.Reserved(), p.HandleType())
-		}
-		if err := a.Free(b, e.stream); err != nil {
-			t.Fatalf("Free: %v", err)
-		}
+		require.NoError(t, err, "Alloc")
+		assert.Zero(t, a.Device())
+		assert.Equal(t, uint64(4096), b.Reserved())
+		assert.Equal(t, cudart.HandleTypeNone, p.HandleType())
+		require.NoError(t, a.Free(b, e.stream), "Free")
 		r, err := p.Close(context.Background())
-		if err != nil || r.Destroyed {
-			t.Fatalf("Close = %v, %v; want the default pool kept", r, err)
-		}
+		require.NoError(t, err, "Close")
+		require.False(t, r.Destroyed, "Close = %v; want the default pool kept", r)
 	})
 }
 
@@ -139,17 +125,16 @@ func TestNewRefusesBadOptions(t *testing.T) {
 		}
 		wantErr(t, c.name, err, c.target)
 	}
-	if _, err := New(nil, 0); !errors.Is(err, ErrInvalidOption) {
-		t.Errorf("New(nil) error = %v; want ErrInvalidOption", err)
-	}
+	_, err := New(nil, 0)
+	assert.ErrorIs(t, err, ErrInvalidOption, "New(nil)")
 }
 
 func TestPeerAccess(t *testing.T) {
 	d := softDevice(t)
 	p := mustNew(t, d, WithPeerAccess(1, 1))
-	if f, err := d.MemPoolGetAccess(0, p.Handle(), cudart.DeviceLocation(1)); err != nil || f != cudart.AccessReadWrite {
-		t.Fatalf("device 1's access = %v, %v; want read-write", f, err)
-	}
+	f, err := d.MemPoolGetAccess(0, p.Handle(), cudart.DeviceLocation(1))
+	require.NoError(t, err)
+	require.Equal(t, cudart.AccessReadWrite, f, "device 1's access")
 }
 
 func TestFullPool(t *testing.T) {
@@ -163,26 +148,20 @@ func TestFullPool(t *testing.T) {
 		}()
 		g := p.Granularity()
 		for i := uint64(0); ; i++ {
-			if i > p.MaxSize()/g {
-				t.Fatalf("allocated %d granules from a pool of %d bytes", i, p.MaxSize())
-			}
+			require.LessOrEqual(t, i, p.MaxSize()/g, "allocated more granules than the pool's max size holds")
 			b, err := p.Alloc(context.Background(), g, e.stream)
 			if err != nil {
 				wantErr(t, "Alloc from a full pool", err, cudart.ErrOutOfMemory)
-				if !strings.Contains(err.Error(), "reserved") || !strings.Contains(err.Error(), "in use") {
-					t.Errorf("full-pool error %q does not say how much is reserved and in use", err)
-				}
+				assert.Contains(t, err.Error(), "reserved", "the full-pool error says how much is reserved")
+				assert.Contains(t, err.Error(), "in use", "the full-pool error says how much is in use")
 				break
 			}
 			bufs = append(bufs, b)
 		}
-		if len(bufs) == 0 {
-			t.Fatal("not even one granule fit")
-		}
+		require.NotEmpty(t, bufs, "not even one granule fit")
 		s := mustStats(t, p)
-		if s.LiveBuffers != len(bufs) || s.UsedCurrent != uint64(len(bufs))*g {
-			t.Errorf("Stats of the full pool = %v; want %d granules", s, len(bufs))
-		}
+		assert.Equal(t, len(bufs), s.LiveBuffers, "Stats of the full pool = %v", s)
+		assert.Equal(t, uint64(len(bufs))*g, s.UsedCurrent, "Stats of the full pool = %v", s)
 	})
 }
 
@@ -200,9 +179,7 @@ func TestWaitingAllocGetsFreedMemory(t *testing.T) {
 		}()
 		blockedWaiting(t, p, got)
 		mustFree(t, bufs[0], e.stream)
-		if err := <-got; err != nil {
-			t.Fatalf("waiting Alloc after a Free: %v", err)
-		}
+		require.NoError(t, <-got, "waiting Alloc after a Free")
 		for _, b := range bufs[1:] {
 			mustFree(t, b, e.stream)
 		}
@@ -220,9 +197,7 @@ func fill(t testing.TB, p *Pool, s cudart.Stream) []*Buffer {
 		if errors.Is(err, cudart.ErrOutOfMemory) && len(bufs) > 0 {
 			return bufs
 		}
-		if err != nil {
-			t.Fatalf("filling the pool: %v", err)
-		}
+		require.NoError(t, err, "filling the pool")
 		bufs = append(bufs, b)
 	}
 }
@@ -242,9 +217,7 @@ func TestWaitingAllocCancelled(t *testing.T) {
 		wantErr(t, "cancelled waiting Alloc", <-got, context.Canceled, cudart.ErrOutOfMemory)
 		_, err := p.Alloc(ctx, 1, e.stream)
 		wantErr(t, "Alloc with a cancelled context", err, context.Canceled)
-		if s := mustStats(t, p); s.LiveBuffers != len(bufs) {
-			t.Errorf("cancelled Allocs changed the pool: %v", s)
-		}
+		assert.Equal(t, len(bufs), mustStats(t, p).LiveBuffers, "cancelled Allocs changed the pool")
 		for _, b := range bufs {
 			mustFree(t, b, e.stream)
 		}
@@ -261,9 +234,8 @@ func TestWaitingAllocEndsAtClose(t *testing.T) {
 		got <- err
 	}()
 	blockedWaiting(t, p, got)
-	if _, err := p.Close(context.Background()); err != nil {
-		t.Fatalf("Close: %v", err)
-	}
+	_, err := p.Close(context.Background())
+	require.NoError(t, err, "Close")
 	wantErr(t, "Alloc waiting when the pool closed", <-got, ErrClosed)
 }
 
@@ -280,8 +252,7 @@ func TestConcurrentAllocFree(t *testing.T) {
 					var held []*Buffer
 					for i := 0; i < rounds; i++ {
 						b, err := p.Alloc(context.Background(), uint64(1+(w*rounds+i)*4099%(3*mib)), e.stream)
-						if err != nil {
-							t.Errorf("Alloc: %v", err)
+						if !assert.NoError(t, err, "Alloc") {
 							return
 						}
 						held = append(held, b)
@@ -289,26 +260,20 @@ func TestConcurrentAllocFree(t *testing.T) {
 							continue
 						}
 						for _, b := range held {
-							if err := p.Free(b, e.stream); err != nil {
-								t.Errorf("Free: %v", err)
-							}
+							assert.NoError(t, p.Free(b, e.stream), "Free")
 						}
 						held = held[:0]
 					}
 					for _, b := range held {
-						if err := p.Free(b, e.stream); err != nil {
-							t.Errorf("Free: %v", err)
-						}
+						assert.NoError(t, p.Free(b, e.stream), "Free")
 					}
 				}()
 			}
 			wg.Wait()
-			if s := mustStats(t, p); s.LiveBuffers != 0 || s.BytesReserved != 0 || s.BytesRequested != 0 {
-				t.Errorf("%v pool after concurrent Alloc/Free: %v", ht, s)
-			}
-			if _, err := p.Close(context.Background()); err != nil {
-				t.Errorf("Close: %v", err)
-			}
+			s := mustStats(t, p)
+			assert.Zero(t, s.LiveBuffers+int(s.BytesReserved+s.BytesRequested), "%v pool after concurrent Alloc/Free: %v", ht, s)
+			_, err := p.Close(context.Background())
+			assert.NoError(t, err, "Close")
 		}
 	})
 }
@@ -326,13 +291,11 @@ func TestConcurrentDoubleFree(t *testing.T) {
 			for i := 0; i < cap(errs); i++ {
 				if err := <-errs; err == nil {
 					ok++
-				} else if !errors.Is(err, ErrFreed) {
-					t.Fatalf("concurrent Free: %v; want nil or ErrFreed", err)
+				} else {
+					require.ErrorIs(t, err, ErrFreed, "concurrent Free: want nil or ErrFreed")
 				}
 			}
-			if ok != 1 {
-				t.Fatalf("%d concurrent Frees of one buffer succeeded; want 1", ok)
-			}
+			require.Equal(t, 1, ok, "concurrent Frees of one buffer that succeeded")
 		}
 	})
 }
@@ -359,9 +322,9 @@ func TestMisuseChangesNothing(t *testing.T) {
 		wantErr(t, "Alloc(0)", err, ErrZeroSize)
 		_, err = p.Alloc(context.Background(), math.MaxUint64, e.stream)
 		wantErr(t, "Alloc(2^64-1)", err, granularity.ErrOverflow)
-		if after := mustStats(t, p); after.LiveBuffers != before.LiveBuffers || after.BytesReserved != before.BytesReserved {
-			t.Fatalf("misuse changed the pool: %v, then %v", before, after)
-		}
+		after := mustStats(t, p)
+		require.Equal(t, before.LiveBuffers, after.LiveBuffers, "misuse changed the pool: %v, then %v", before, after)
+		require.Equal(t, before.BytesReserved, after.BytesReserved, "misuse changed the pool: %v, then %v", before, after)
 		mustFree(t, theirs, e.stream)
 
 		mustFree(t, b, e.stream)
@@ -371,9 +334,9 @@ func TestMisuseChangesNothing(t *testing.T) {
 		wantErr(t, "Lease of a freed buffer", err, ErrFreed)
 		_, err = b.ExportRecord()
 		wantErr(t, "ExportRecord of a freed buffer", err, ErrFreed)
-		if after := mustStats(t, p); after.LiveBuffers != freed.LiveBuffers || after.SharedBuffers != 0 {
-			t.Fatalf("use after free changed the pool: %v, then %v", freed, after)
-		}
+		after = mustStats(t, p)
+		require.Equal(t, freed.LiveBuffers, after.LiveBuffers, "use after free changed the pool: %v, then %v", freed, after)
+		require.Zero(t, after.SharedBuffers, "use after free changed the pool: %v, then %v", freed, after)
 	})
 }
 
@@ -389,9 +352,9 @@ func TestCloseWithoutForce(t *testing.T) {
 		mustFree(t, c, e.stream)
 		mustFree(t, b, e.stream)
 		r, err := p.Close(ctx)
-		if err != nil || !r.Destroyed || r.ReleasedBuffers != 0 {
-			t.Fatalf("Close of an empty pool = %v, %v", r, err)
-		}
+		require.NoError(t, err, "Close of an empty pool")
+		require.True(t, r.Destroyed, "Close of an empty pool = %v", r)
+		require.Zero(t, r.ReleasedBuffers, "Close of an empty pool = %v", r)
 		_, err = p.Close(ctx)
 		wantErr(t, "second Close", err, ErrClosed)
 		_, err = p.Alloc(ctx, 1, e.stream)
@@ -412,41 +375,30 @@ func TestCloseWithForce(t *testing.T) {
 		b := mustAlloc(t, p, 3*mib, e.stream)
 		shared := mustAlloc(t, p, 1, e.stream)
 		l, err := shared.Lease()
-		if err != nil {
-			t.Fatalf("Lease: %v", err)
-		}
-		if err := l.End(0); err != nil {
-			t.Fatalf("End: %v", err)
-		}
+		require.NoError(t, err, "Lease")
+		require.NoError(t, l.End(0), "End")
 		// Leased and freed: the free waits for the lease, so Close abandons it.
 		held := mustAlloc(t, p, 1, e.stream)
 		hl, err := held.Lease()
-		if err != nil {
-			t.Fatalf("Lease: %v", err)
-		}
+		require.NoError(t, err, "Lease")
 		mustFree(t, held, e.stream)
-		if _, err := p.ExportHandle(); err != nil {
-			t.Fatalf("ExportHandle: %v", err)
-		}
+		_, err = p.ExportHandle()
+		require.NoError(t, err, "ExportHandle")
 
 		r, err := p.Close(context.Background(), Force())
-		if err != nil {
-			t.Fatalf("Close(Force): %v", err)
-		}
+		require.NoError(t, err, "Close(Force)")
 		g := p.Granularity()
-		if r.ReleasedBuffers != 3 || r.ReleasedBytes != a.Reserved()+b.Reserved()+shared.Reserved() ||
-			r.AbandonedBuffers != 1 || r.AbandonedBytes != g || !r.Destroyed || len(r.FailedFrees) != 0 {
-			t.Fatalf("Close(Force) = %v; want 3 released, 1 abandoned, destroyed", r)
-		}
-		if !strings.Contains(r.String(), "released 3 buffers") {
-			t.Errorf("report %q does not say what it released", r)
-		}
+		require.Equal(t, 3, r.ReleasedBuffers, "Close(Force) = %v", r)
+		require.Equal(t, a.Reserved()+b.Reserved()+shared.Reserved(), r.ReleasedBytes, "Close(Force) = %v", r)
+		require.Equal(t, 1, r.AbandonedBuffers, "Close(Force) = %v", r)
+		require.Equal(t, g, r.AbandonedBytes, "Close(Force) = %v", r)
+		require.True(t, r.Destroyed, "Close(Force) = %v", r)
+		require.Empty(t, r.FailedFrees, "Close(Force) = %v", r)
+		assert.Contains(t, r.String(), "released 3 buffers", "the report says what it released")
 		wantErr(t, "Free of a released buffer", a.Free(e.stream), ErrClosed)
 		_, err = a.Lease()
 		wantErr(t, "Lease after Close", err, ErrFreed, ErrClosed)
-		if err := hl.End(0); err != nil {
-			t.Fatalf("End after Close: %v", err)
-		}
+		require.NoError(t, hl.End(0), "End after Close")
 		wantErr(t, "second End after Close", hl.End(0), ErrLeaseEnded)
 	})
 }
@@ -458,24 +410,18 @@ func TestStatsMatchDriverAndWatermarksReset(t *testing.T) {
 		a := mustAlloc(t, p, 3*g, e.stream)
 		b := mustAlloc(t, p, 1, e.stream)
 		s := mustStats(t, p)
-		if s.UsedCurrent != 4*g || s.UsedHigh != 4*g || s.BytesReserved != 4*g || s.BytesRequested != 3*g+1 || s.RoundingOverhead() != g-1 {
-			t.Fatalf("Stats = %v; want 4 granules used and reserved, %d requested", s, 3*g+1)
-		}
+		require.Equal(t, [5]uint64{4 * g, 4 * g, 4 * g, 3*g + 1, g - 1},
+			[5]uint64{s.UsedCurrent, s.UsedHigh, s.BytesReserved, s.BytesRequested, s.RoundingOverhead()},
+			"used, used high, reserved, requested, rounding overhead in %v", s)
 		mustFree(t, a, e.stream)
-		if err := e.rt.StreamSynchronize(0, e.stream); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
 		s = mustStats(t, p)
-		if s.UsedCurrent != g || s.UsedHigh != 4*g {
-			t.Fatalf("after a free: Stats = %v; want 1 granule used, high mark 4", s)
-		}
-		if err := p.ResetHighWatermarks(); err != nil {
-			t.Fatalf("ResetHighWatermarks: %v", err)
-		}
+		require.Equal(t, g, s.UsedCurrent, "after a free: Stats = %v", s)
+		require.Equal(t, 4*g, s.UsedHigh, "after a free: Stats = %v", s)
+		require.NoError(t, p.ResetHighWatermarks(), "ResetHighWatermarks")
 		s = mustStats(t, p)
-		if s.UsedHigh != s.UsedCurrent || s.ReservedHigh != s.ReservedCurrent {
-			t.Fatalf("after reset: Stats = %v; want high marks at the current figures", s)
-		}
+		require.Equal(t, s.UsedCurrent, s.UsedHigh, "after reset: Stats = %v", s)
+		require.Equal(t, s.ReservedCurrent, s.ReservedHigh, "after reset: Stats = %v", s)
 		mustFree(t, b, e.stream)
 	})
 }
@@ -484,9 +430,7 @@ func TestIDsAreProcessUnique(t *testing.T) {
 	d := softDevice(t)
 	p, q := mustNew(t, d), mustNew(t, d, WithHandleType(cudart.HandleTypeNone))
 	a, b := mustAlloc(t, p, 1, 0), mustAlloc(t, q, 1, 0)
-	if a.ID() == b.ID() {
-		t.Fatalf("buffers of two pools share ID %d", a.ID())
-	}
+	require.NotEqual(t, a.ID(), b.ID(), "buffers of two pools share an ID")
 	mustFree(t, a, 0)
 	mustFree(t, b, 0)
 }
@@ -496,9 +440,8 @@ func TestConcurrentCloses(t *testing.T) {
 		p := mustNew(t, e.rt)
 		mustAlloc(t, p, 1, e.stream)
 		mustLease(t, mustAlloc(t, p, 1, e.stream))
-		if _, err := p.ExportHandle(); err != nil {
-			t.Fatal(err)
-		}
+		_, err := p.ExportHandle()
+		require.NoError(t, err)
 		reports := make(chan CloseReport, 4)
 		errs := make(chan error, cap(reports))
 		for i := 0; i < cap(reports); i++ {
@@ -514,15 +457,13 @@ func TestConcurrentCloses(t *testing.T) {
 			switch {
 			case err == nil:
 				closed++
-				if r.ReleasedBuffers != 1 || r.AbandonedBuffers != 1 || !r.Destroyed {
-					t.Errorf("Close(Force) = %v; want 1 released, 1 abandoned", r)
-				}
-			case !errors.Is(err, ErrClosed):
-				t.Errorf("concurrent Close(Force): %v", err)
+				assert.Equal(t, 1, r.ReleasedBuffers, "Close(Force) = %v", r)
+				assert.Equal(t, 1, r.AbandonedBuffers, "Close(Force) = %v", r)
+				assert.True(t, r.Destroyed, "Close(Force) = %v", r)
+			default:
+				assert.ErrorIs(t, err, ErrClosed, "concurrent Close(Force)")
 			}
 		}
-		if closed != 1 {
-			t.Fatalf("%d concurrent Closes succeeded; want 1", closed)
-		}
+		require.Equal(t, 1, closed, "concurrent Closes that succeeded")
 	})
 }
