@@ -65,6 +65,25 @@ func (h HandleType) String() string {
 	return fmt.Sprintf("HandleType(%#x)", int32(h))
 }
 
+// MarshalText writes h as String does ("posix-fd"), so that JSON shows the name.
+func (h HandleType) MarshalText() ([]byte, error) { return []byte(h.String()), nil }
+
+// UnmarshalText reads a name MarshalText wrote.
+func (h *HandleType) UnmarshalText(b []byte) error {
+	for _, t := range []HandleType{HandleTypeNone, HandleTypePosixFD, HandleTypeFabric} {
+		if string(b) == t.String() {
+			*h = t
+			return nil
+		}
+	}
+	var n int32
+	if _, err := fmt.Sscanf(string(b), "HandleType(%v)", &n); err == nil {
+		*h = HandleType(n)
+		return nil
+	}
+	return fmt.Errorf("cudart: unknown handle type %q", b)
+}
+
 // ShareableHandle is what MemPoolExportToShareableHandle returns and
 // MemPoolImportFromShareableHandle takes. For HandleTypePosixFD, FD is a file
 // descriptor the caller owns and must close; for HandleTypeFabric, Fabric holds the

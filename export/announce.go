@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/cudapool/cudapool/internal/privdir"
 )
 
 // DirEnv names the environment variable that overrides DefaultDir.
@@ -30,26 +32,16 @@ func DefaultDir() string {
 	return filepath.Join(os.TempDir(), "cudapool-"+strconv.Itoa(os.Getuid()))
 }
 
-// EnsureDir creates dir with mode 0700 if it is missing, and checks that it is a
-// directory (not a link to one) owned by this user and writable by nobody else, so that
-// no other user can plant or remove announcements or sockets in it. On failure the
-// error wraps ErrBadDir, or says why dir could not be created.
-func EnsureDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("export: create %s: %w", dir, err)
-	}
-	info, err := os.Lstat(dir)
+// ensureDir creates dir with mode 0700 if it is missing, and checks that it is
+// private to this user (privdir.Check). On failure the error wraps ErrBadDir, or says
+// why dir could not be created.
+func ensureDir(dir string) error {
+	reason, err := privdir.Check(dir)
 	if err != nil {
-		return fmt.Errorf("export: %s: %w", dir, err)
+		return fmt.Errorf("export: %w", err)
 	}
-	if !info.IsDir() {
-		return fmt.Errorf("%w: %s is a %v, not a directory", ErrBadDir, dir, info.Mode().Type())
-	}
-	if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Getuid() {
-		return fmt.Errorf("%w: %s is owned by uid %d, not %d", ErrBadDir, dir, st.Uid, os.Getuid())
-	}
-	if perm := info.Mode().Perm(); perm&0o022 != 0 {
-		return fmt.Errorf("%w: %s has mode %v: group or others can write to it", ErrBadDir, dir, perm)
+	if reason != "" {
+		return fmt.Errorf("%w: %s", ErrBadDir, reason)
 	}
 	return nil
 }

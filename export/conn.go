@@ -129,7 +129,7 @@ func (c *conn) recv() (m message, fd int, err error) {
 		return nil, -1, err
 	}
 	wantFD := 0
-	if ph, ok := m.(*poolHandle); ok && ph.HandleType == cudart.HandleTypePosixFD {
+	if ph, ok := m.(*poolHandleMsg); ok && ph.HandleType == cudart.HandleTypePosixFD {
 		wantFD = 1
 	}
 	switch {

@@ -19,7 +19,7 @@ func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 	ctx, cancel := context.WithCancel(testCtx(t))
 	defer cancel()
 	sent := make(chan error, 1)
-	go func() { sent <- c.send(ctx, &stateRequest{ReqID: 1}, -1) }()
+	go func() { sent <- c.send(ctx, &stateRequestMsg{ReqID: 1}, -1) }()
 	var first [1]byte
 	if _, err := io.ReadFull(b, first[:]); err != nil {
 		t.Fatal(err)
@@ -44,10 +44,10 @@ func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 	defer c.close()
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
-	if err := c.send(ctx, &stateRequest{ReqID: 1}, -1); !errors.Is(err, context.Canceled) {
+	if err := c.send(ctx, &stateRequestMsg{ReqID: 1}, -1); !errors.Is(err, context.Canceled) {
 		t.Fatalf("send = %v, want context.Canceled", err)
 	}
-	go c.send(context.Background(), &stateRequest{ReqID: 2}, -1)
+	go c.send(context.Background(), &stateRequestMsg{ReqID: 2}, -1)
 	got := make([]byte, headerLen+8)
 	if _, err := io.ReadFull(b, got); err != nil {
 		t.Fatal(err)
@@ -56,7 +56,7 @@ func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r, ok := m.(*stateRequest); !ok || r.ReqID != 2 {
+	if r, ok := m.(*stateRequestMsg); !ok || r.ReqID != 2 {
 		t.Fatalf("read %#v, want the second StateRequest", m)
 	}
 }
@@ -68,7 +68,7 @@ func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
 	defer b.Close()
 	c := newConn(a, false)
 	defer c.close()
-	go c.send(context.Background(), &stateRequest{ReqID: 1}, -1)
+	go c.send(context.Background(), &stateRequestMsg{ReqID: 1}, -1)
 	var first [1]byte
 	if _, err := io.ReadFull(b, first[:]); err != nil {
 		t.Fatal(err)
@@ -77,7 +77,7 @@ func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
 	sent := make(chan error, 1)
-	go func() { sent <- c.send(ctx, &stateRequest{ReqID: 2}, -1) }()
+	go func() { sent <- c.send(ctx, &stateRequestMsg{ReqID: 2}, -1) }()
 	select {
 	case err := <-sent:
 		if !errors.Is(err, context.Canceled) {

@@ -1,6 +1,8 @@
 package export
 
-import "errors"
+import (
+	"errors"
+)
 
 // Errors of the sharing protocol. Every error export returns that is about one of these
 // conditions wraps the sentinel, so callers match with errors.Is; the message around it
@@ -67,7 +69,22 @@ var (
 	// ErrReleased means a Mapping was released more times than it was opened, or
 	// after its Importer closed.
 	ErrReleased = errors.New("export: mapping already released")
-	// ErrNoLeases means the connection was made without a device (QueryState's), so it
+	// ErrNoLeases means the connection was made for State alone (QueryState's), so it
 	// cannot take leases.
 	ErrNoLeases = errors.New("export: connection cannot hold leases")
 )
+
+// RemoteError is a request the exporter refused: Text is the exporter's message, and
+// errors.Is matches Err, the sentinel it stands for (ErrUnknownName, ErrStaleLease, ...).
+type RemoteError struct {
+	Err  error
+	Text string
+}
+
+func (e *RemoteError) Error() string { return "exporter: " + e.Text }
+func (e *RemoteError) Unwrap() error { return e.Err }
+
+// replyErr turns an Error frame into the error it stands for.
+func replyErr(m *errorMsg) error {
+	return &RemoteError{Err: codeErrs[m.Code], Text: m.Text}
+}

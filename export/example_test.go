@@ -94,7 +94,7 @@ func ExampleQueryState() {
 		check(err)
 		for _, ps := range st.Pools {
 			fmt.Printf("%s: pool %s on device %d, %d buffer(s), %d MiB reserved, %d MiB of rounding\n",
-				st.Name, ps.Name, ps.Device, ps.BuffersLive, ps.ReservedCurrent>>20, ps.RoundingOverhead>>20)
+				st.Name, ps.Name, ps.Device, ps.LiveBuffers, ps.ReservedCurrent>>20, ps.RoundingOverhead()>>20)
 		}
 		for _, n := range st.Published {
 			fmt.Printf("published %q: %d bytes\n", n.Name, n.Size)

@@ -20,7 +20,7 @@ import (
 // socket. Its methods are safe for concurrent use.
 type Exporter struct {
 	rt      cudart.Runtime
-	opts    options
+	opts    listenOptions
 	log     *slog.Logger
 	ids     leaseIDs
 	started time.Time
@@ -40,6 +40,8 @@ type Exporter struct {
 	pools    map[*pool.Pool]uint64 // wire ids of the pools ever published
 	lastPool uint64
 	peers    map[*peer]struct{}
+	// observers are the connections made for State alone.
+	observers map[*observer]struct{}
 	// greeting holds the connections still in their handshake, for Close to cut.
 	greeting  map[net.Conn]struct{}
 	listeners []net.Listener
@@ -77,12 +79,12 @@ type readyEvent struct {
 // WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
 // WithAnnounce directory, created private if missing). On failure nothing is left
 // behind: no socket, no announcement.
-func Listen(path string, rt cudart.Runtime, opts ...Option) (*Exporter, error) {
-	o := applyOptions(opts)
+func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, error) {
+	o := newListenOptions(opts)
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.log, ids: newLeaseIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
-		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, greeting: map[net.Conn]struct{}{},
+		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]struct{}{},
 		changed: make(chan struct{}, 1),
 	}
 	var err error
@@ -93,7 +95,7 @@ func Listen(path string, rt cudart.Runtime, opts ...Option) (*Exporter, error) {
 		if o.announceDir == "" {
 			o.announceDir = DefaultDir()
 		}
-		if err := EnsureDir(o.announceDir); err != nil {
+		if err := ensureDir(o.announceDir); err != nil {
 			return nil, err
 		}
 	}
@@ -157,7 +159,7 @@ func (ex *Exporter) accept(l net.Listener) {
 		ex.mu.Unlock()
 		go func() {
 			defer ex.wg.Done()
-			ex.servePeer(nc)
+			ex.serveConn(nc)
 		}()
 	}
 }
@@ -259,7 +261,7 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 // without being asked; the importer there hands it to its WithPushes handler (or gives
 // it back at once if it has none). It returns once the lease is sent. No connected
 // process pid gives ErrNoPeer.
-func (ex *Exporter) Push(ctx context.Context, pid int, name string) error {
+func (ex *Exporter) Push(ctx context.Context, name string, pid int) error {
 	return ex.PushAll(ctx, name, pid)
 }
 
@@ -282,7 +284,7 @@ func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error
 	pub := ex.pubs[name]
 	conns := map[int][]*peer{}
 	for p := range ex.peers {
-		if p.cred != nil && wanted[p.cred.PID] && p.takesLeases() {
+		if p.cred != nil && wanted[p.cred.PID] {
 			conns[p.cred.PID] = append(conns[p.cred.PID], p)
 		}
 	}
@@ -359,41 +361,14 @@ func (ex *Exporter) poke() {
 	}
 }
 
-// PeerInfo describes one peer that takes leases.
-type PeerInfo struct {
-	PID int
-	UID uint32
-	GID uint32
-	// Remote is set for a peer on a byte stream, which has no credentials.
-	Remote bool
-	// Device is the UUID of the device the peer imports to; zero for a connection
-	// that takes no leases.
-	Device cudart.UUID
-	// Leases counts the buffers the peer holds, Grants the opens behind them.
-	Leases, Grants int
-	BytesLeased    uint64
-	ConnectedSince time.Time
-	// AwaitingExit is set for a peer whose connection was lost without Bye while its
-	// process lives on: it may still map what it holds, so its leases are kept until
-	// the process exits.
-	AwaitingExit bool
-}
-
-// Peers lists the peers that take leases: the connected ones and those awaiting their
-// process's exit. Connections made for State alone (QueryState's, cmd/poolstat's) hold
-// nothing and are left out.
-func (ex *Exporter) Peers() []PeerInfo {
-	ex.mu.Lock()
-	peers := make([]*peer, 0, len(ex.peers))
-	for p := range ex.peers {
-		if p.takesLeases() {
-			peers = append(peers, p)
-		}
-	}
-	ex.mu.Unlock()
-	out := make([]PeerInfo, 0, len(peers))
+// Peers lists the peers, the connections that take leases: the connected ones and
+// those awaiting their process's exit. Connections made for State alone (QueryState's,
+// cmd/poolstat's) hold nothing and are left out.
+func (ex *Exporter) Peers() []PeerState {
+	peers := ex.peerList()
+	out := make([]PeerState, 0, len(peers))
 	for _, p := range peers {
-		out = append(out, p.info())
+		out = append(out, p.state())
 	}
 	return out
 }
@@ -417,6 +392,9 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	for nc := range ex.greeting {
 		nc.Close() // a peer not yet admitted holds nothing
 	}
+	for o := range ex.observers {
+		o.c.close() // an observer holds nothing either
+	}
 	ex.mu.Unlock()
 
 	var errs []error
@@ -438,7 +416,7 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		// others from being told nor the wait below from starting. A peer that cannot
 		// be told still holds what it holds: it is counted below, and cut with the
 		// others, which ends its Bye.
-		byes.Go(func() { p.c.send(ctx, &bye{}, -1) })
+		byes.Go(func() { p.c.send(ctx, &byeMsg{}, -1) })
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
@@ -473,7 +451,7 @@ func (ex *Exporter) waitReleased(ctx context.Context) error {
 	for {
 		var held []string
 		for _, p := range ex.peerList() {
-			i := p.info()
+			i := p.state()
 			switch {
 			case i.Leases > 0 && i.AwaitingExit:
 				held = append(held, fmt.Sprintf("pid %d, its connection lost but its process alive, holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))

@@ -97,7 +97,7 @@ type producer struct {
 	log  *logBuffer
 }
 
-func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []Option, devOpts ...cudarttest.Option) *producer {
+func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []ListenOption, devOpts ...cudarttest.Option) *producer {
 	t.Helper()
 	return newProducerOn(t, nil, poolOpts, exOpts, devOpts...)
 }
@@ -105,7 +105,7 @@ func newProducer(t testing.TB, poolOpts []pool.Option, exOpts []Option, devOpts 
 // newProducerOn is newProducer whose pool and exporter call the runtime wrap makes of
 // the software device (the device itself when wrap is nil), for tests that watch or
 // steer the calls.
-func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolOpts []pool.Option, exOpts []Option, devOpts ...cudarttest.Option) *producer {
+func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolOpts []pool.Option, exOpts []ListenOption, devOpts ...cudarttest.Option) *producer {
 	t.Helper()
 	s := newSide(t, 0, devOpts...)
 	var rt cudart.Runtime = s.dev
@@ -118,7 +118,7 @@ func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolO
 	}
 	lb := &logBuffer{}
 	path := filepath.Join(shortDir(t), "x.sock")
-	ex, err := Listen(path, rt, append([]Option{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
+	ex, err := Listen(path, rt, append([]ListenOption{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,10 +158,10 @@ type consumer struct {
 	imp *Importer
 }
 
-func newConsumer(t testing.TB, path string, ord int, opts ...Option) *consumer {
+func newConsumer(t testing.TB, path string, ord int, opts ...DialOption) *consumer {
 	t.Helper()
 	s := newSide(t, ord)
-	imp, err := Dial(testCtx(t), path, s.dev, ord, append([]Option{WithLogger(discardLogger)}, opts...)...)
+	imp, err := Dial(testCtx(t), path, s.dev, ord, append([]DialOption{WithLogger(discardLogger)}, opts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}

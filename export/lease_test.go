@@ -20,7 +20,7 @@ func TestStaleForeignAndForgedLeasesAreRefused(t *testing.T) {
 	pr.publish(t, "buf", 1<<20, 1)
 	a, b := admitted(t, pr.path), admitted(t, pr.path)
 
-	l, ok := a.open(1, "buf").(*lease)
+	l, ok := a.open(1, "buf").(*leaseMsg)
 	if !ok {
 		t.Fatal("open did not answer with a Lease")
 	}
@@ -46,7 +46,7 @@ func TestStaleForeignAndForgedLeasesAreRefused(t *testing.T) {
 	wantError(t, b.release(8, l.LeaseID, 1), 8, ErrForeignLease)
 
 	// The connection survives every refusal.
-	if _, ok := a.open(9, "buf").(*lease); !ok {
+	if _, ok := a.open(9, "buf").(*leaseMsg); !ok {
 		t.Fatal("open after refusals did not answer with a Lease")
 	}
 	pr.checkClean(t)
@@ -56,8 +56,8 @@ func TestReopenOnOneConnectionGrantsTheSameLease(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "buf", 1<<20, 1)
 	a := admitted(t, pr.path)
-	l1 := a.open(1, "buf").(*lease)
-	l2 := a.open(2, "buf").(*lease)
+	l1 := a.open(1, "buf").(*leaseMsg)
+	l2 := a.open(2, "buf").(*leaseMsg)
 	if l1.LeaseID != l2.LeaseID || l1.Record != l2.Record {
 		t.Fatalf("second open got lease %#x, want the first's %#x", l2.LeaseID, l1.LeaseID)
 	}
@@ -93,7 +93,7 @@ func TestStateOnlyConnectionCannotLease(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "buf", 1<<20, 1)
 	r := dialRaw(t, pr.path)
-	r.send(&hello{Version: ProtocolVersion, PID: 1})
+	r.send(&helloMsg{Version: ProtocolVersion, PID: 1})
 	if m := r.recv(); m.kind() != msgWelcome {
 		t.Fatalf("handshake answered %s", m.kind())
 	}
@@ -112,7 +112,7 @@ func TestEndingALeaseEarlyIsCaught(t *testing.T) {
 	for _, p := range pr.ex.peerList() {
 		p.mu.Lock()
 		for _, g := range p.leases {
-			for _, l := range g.held {
+			for _, l := range g.grants {
 				l.End(0) // the wrong order: the importer has not freed its import
 			}
 		}

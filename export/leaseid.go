@@ -51,8 +51,8 @@ func (k leaseIDs) seal(conn uint32, ctr uint64) uint64 {
 	return uint64(l)<<32 | uint64(r)
 }
 
-// open inverts seal.
-func (k leaseIDs) open(id uint64) (conn uint32, ctr uint64) {
+// unseal inverts seal.
+func (k leaseIDs) unseal(id uint64) (conn uint32, ctr uint64) {
 	l, r := uint32(id>>32), uint32(id)
 	for i := byte(4); i > 0; i-- {
 		l, r = r^k.round(i-1, l), l

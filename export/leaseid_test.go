@@ -8,7 +8,7 @@ func TestLeaseIDsRoundTripAndScatter(t *testing.T) {
 	for conn := uint32(1); conn <= 3; conn++ {
 		for ctr := uint64(1); ctr <= 1000; ctr++ {
 			id := k.seal(conn, ctr)
-			if c, n := k.open(id); c != conn || n != ctr {
+			if c, n := k.unseal(id); c != conn || n != ctr {
 				t.Fatalf("open(seal(%d, %d)) = %d, %d", conn, ctr, c, n)
 			}
 			if seen[id] {
@@ -25,7 +25,7 @@ func TestLeaseIDsRoundTripAndScatter(t *testing.T) {
 	if other := newLeaseIDs(); other.seal(1, 1) == a {
 		t.Fatalf("two exporters issued the same first id %#x", a)
 	}
-	if c, n := k.open(k.seal(maxConnID, maxCounter)); c != maxConnID || n != maxCounter {
+	if c, n := k.unseal(k.seal(maxConnID, maxCounter)); c != maxConnID || n != maxCounter {
 		t.Fatalf("largest pair came back as %d, %d", c, n)
 	}
 }

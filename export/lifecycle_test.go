@@ -21,7 +21,7 @@ import (
 
 func TestPolicyRefusesWithReason(t *testing.T) {
 	other := uint32(os.Getuid()) + 1
-	pr := newProducer(t, nil, []Option{WithPolicy(Policy{AllowUIDs: []uint32{other}})})
+	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowUIDs: []uint32{other}})})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), pr.path, s.dev, 0)
 	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "is not allowed") {
@@ -42,13 +42,13 @@ func TestPolicyRefusesWithReason(t *testing.T) {
 func TestPolicyAdmits(t *testing.T) {
 	uid, gid := uint32(os.Getuid()), uint32(os.Getgid())
 	for _, p := range []Policy{{}, {AllowUIDs: []uint32{uid}}, {AllowGIDs: []uint32{gid}}, {AllowUIDs: []uint32{uid + 1}, AllowGIDs: []uint32{gid}}} {
-		pr := newProducer(t, nil, []Option{WithPolicy(p)})
+		pr := newProducer(t, nil, []ListenOption{WithPolicy(p)})
 		newConsumer(t, pr.path, 0)
 	}
 }
 
 func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
-	pr := newProducer(t, []pool.Option{pool.WithName("kv")}, []Option{WithName("unit-producer")})
+	pr := newProducer(t, []pool.Option{pool.WithName("kv")}, []ListenOption{WithName("unit-producer")})
 	pr.publish(t, "a", 3<<20, 1)
 	c := newConsumer(t, pr.path, 1)
 	m, err := c.imp.Open(testCtx(t), "a", c.stream)
@@ -62,11 +62,11 @@ func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
 	if st.Schema != StateSchema || st.Name != "unit-producer" || st.PID != os.Getpid() || len(st.Devices) != 2 {
 		t.Fatalf("state header %+v", st)
 	}
-	if len(st.Pools) != 1 || st.Pools[0].Name != "kv" || st.Pools[0].BuffersShared != 1 || st.Pools[0].ActiveLeases != 1 || st.Pools[0].HandleType != "posix-fd" {
+	if len(st.Pools) != 1 || st.Pools[0].Name != "kv" || st.Pools[0].SharedBuffers != 1 || st.Pools[0].ActiveLeases != 1 || st.Pools[0].HandleType != cudart.HandleTypePosixFD {
 		t.Fatalf("pools %+v", st.Pools)
 	}
-	if st.Pools[0].RoundingOverhead != 1<<20 {
-		t.Fatalf("rounding overhead %d, want 1 MiB (3 MiB rounded to 4)", st.Pools[0].RoundingOverhead)
+	if st.Pools[0].RoundingOverhead() != 1<<20 {
+		t.Fatalf("rounding overhead %d, want 1 MiB (3 MiB rounded to 4)", st.Pools[0].RoundingOverhead())
 	}
 	if len(st.Published) != 1 || st.Published[0].Name != "a" || st.Published[0].Size != 3<<20 {
 		t.Fatalf("published %+v", st.Published)
@@ -95,7 +95,7 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	}
 	defer imp.Close(context.Background())
 	ctx := testCtx(t)
-	if err := pr.ex.Push(ctx, os.Getpid(), "p"); err != nil {
+	if err := pr.ex.Push(ctx, "p", os.Getpid()); err != nil {
 		t.Fatal(err)
 	}
 	m := <-got
@@ -109,10 +109,10 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	if n := pr.activeLeases(t); n != 0 {
 		t.Fatalf("%d leases after the pushed mapping was released", n)
 	}
-	if err := pr.ex.Push(ctx, impossiblePID(t), "p"); !errors.Is(err, ErrNoPeer) {
+	if err := pr.ex.Push(ctx, "p", impossiblePID(t)); !errors.Is(err, ErrNoPeer) {
 		t.Fatalf("Push to nobody = %v, want ErrNoPeer", err)
 	}
-	if err := pr.ex.Push(ctx, os.Getpid(), "nope"); !errors.Is(err, ErrUnknownName) {
+	if err := pr.ex.Push(ctx, "nope", os.Getpid()); !errors.Is(err, ErrUnknownName) {
 		t.Fatalf("Push of an unknown name = %v, want ErrUnknownName", err)
 	}
 	pr.checkClean(t)
@@ -123,7 +123,7 @@ func TestPushWithoutHandlerIsGivenBack(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "p", 1<<20, 1)
 	c := newConsumer(t, pr.path, 0)
-	if err := pr.ex.Push(testCtx(t), os.Getpid(), "p"); err != nil {
+	if err := pr.ex.Push(testCtx(t), "p", os.Getpid()); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the pushed lease to come back", func() bool { return pr.activeLeases(t) == 0 })
@@ -179,7 +179,7 @@ func TestFabricWithoutIMEXIsReported(t *testing.T) {
 // way between nodes of one NVLink domain.
 func TestFabricOverTCP(t *testing.T) {
 	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
-		[]Option{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
 	pr.publish(t, "f", 2<<20, 0xfa)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -233,7 +233,7 @@ func TestByteStreamPeers(t *testing.T) {
 	// POSIX fd pools cannot travel on a byte stream; and a byte-stream peer needs
 	// AllowRemote.
 	for _, remote := range []bool{false, true} {
-		pr := newProducer(t, nil, []Option{WithPolicy(Policy{AllowRemote: remote})})
+		pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowRemote: remote})})
 		pr.publish(t, "a", 1<<20, 1)
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
@@ -331,7 +331,7 @@ func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	if err := b.Free(pr.stream); err != nil {
 		t.Fatal(err)
 	}
-	c.imp.c.close()
+	c.imp.cl.c.close()
 	waitFor(t, "the exporter to see the hang-up", func() bool {
 		ps := pr.ex.Peers()
 		return len(ps) == 0 || ps[0].AwaitingExit
@@ -349,7 +349,7 @@ func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	if !strings.Contains(pr.log.String(), "held until its process exits") {
 		t.Fatalf("the held leases are not logged:\n%s", pr.log.String())
 	}
-	if err := pr.ex.Push(ctx, os.Getpid(), "b"); !errors.Is(err, ErrNoPeer) {
+	if err := pr.ex.Push(ctx, "b", os.Getpid()); !errors.Is(err, ErrNoPeer) {
 		t.Fatalf("Push to a consumer that hung up = %v, want ErrNoPeer", err)
 	}
 
@@ -387,7 +387,7 @@ func TestProducerCrashLeavesMappingsReadable(t *testing.T) {
 	for _, p := range pr.ex.peerList() {
 		p.c.close()
 	}
-	<-c.imp.readerDone
+	<-c.imp.cl.readerDone
 	if b := c.read(t, m); !allAre(b, 0x77) {
 		t.Fatal("mapping unreadable after the producer died")
 	}
@@ -417,9 +417,9 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(ctx) }()
 	waitFor(t, "the importer to hear Bye", func() bool {
-		c.imp.mu.Lock()
-		defer c.imp.mu.Unlock()
-		return c.imp.bye
+		c.imp.cl.mu.Lock()
+		defer c.imp.cl.mu.Unlock()
+		return c.imp.cl.bye
 	})
 	if _, err := c.imp.Open(ctx, "a", c.stream); !errors.Is(err, ErrExporterGone) {
 		t.Fatalf("Open during Close = %v, want ErrExporterGone", err)
@@ -534,7 +534,7 @@ func orderAfterProducer(t testing.TB, pr *producer, c *side) {
 // A peer that connects and says nothing must not hold Close up until its handshake
 // times out.
 func TestCloseCutsSilentPeers(t *testing.T) {
-	pr := newProducer(t, nil, []Option{WithHandshakeTimeout(hangGuard * 10)})
+	pr := newProducer(t, nil, []ListenOption{WithHandshakeTimeout(hangGuard * 10)})
 	r := dialRaw(t, pr.path)
 	waitFor(t, "the silent peer to be accepted", func() bool {
 		pr.ex.mu.Lock()
@@ -608,7 +608,7 @@ func TestPushCancelledBeforeSendHoldsNothing(t *testing.T) {
 	}
 	cancelled, cancel := context.WithCancel(ctx)
 	cancel()
-	if err := pr.ex.Push(cancelled, os.Getpid(), "p"); !errors.Is(err, context.Canceled) {
+	if err := pr.ex.Push(cancelled, "p", os.Getpid()); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Push with an ended context = %v, want context.Canceled", err)
 	}
 	if n := pr.activeLeases(t); n != 0 {
@@ -708,7 +708,7 @@ func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "buf", 1<<20, 1)
 	a := admitted(t, pr.path)
-	l, ok := a.open(1, "buf").(*lease)
+	l, ok := a.open(1, "buf").(*leaseMsg)
 	if !ok {
 		t.Fatal("open did not answer with a Lease")
 	}
@@ -736,7 +736,7 @@ func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 	if n := pr.activeLeases(t); n != 0 {
 		t.Fatalf("%d pool leases held, though the peer released the one grant it knew of", n)
 	}
-	if i := p.info(); i.Leases != 0 || i.Grants != 0 {
+	if i := p.state(); i.Leases != 0 || i.Grants != 0 {
 		t.Fatalf("peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
 	}
 }
@@ -770,7 +770,7 @@ func (l *pipeListener) Close() error {
 func (l *pipeListener) Addr() net.Addr { return &net.UnixAddr{Name: "pipe", Net: "pipe"} }
 
 // dial connects a peer that says h, and returns it once admitted.
-func (l *pipeListener) dial(t *testing.T, h *hello) *conn {
+func (l *pipeListener) dial(t *testing.T, h *helloMsg) *conn {
 	t.Helper()
 	a, b := net.Pipe()
 	t.Cleanup(func() { b.Close() })
@@ -788,7 +788,7 @@ func (l *pipeListener) dial(t *testing.T, h *hello) *conn {
 // Peers that stopped reading keep neither Close's Bye from the others nor Close from
 // waiting for the others' releases.
 func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
-	pr := newProducer(t, nil, []Option{WithPolicy(Policy{AllowRemote: true})})
+	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowRemote: true})})
 	pr.publish(t, "p", 1<<20, 1)
 	l := newPipeListener()
 	if err := pr.ex.Serve(l); err != nil {
@@ -796,7 +796,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	}
 	// Several, so that the one reading peer is unlikely to be told first by chance.
 	for range 4 {
-		l.dial(t, &hello{Version: ProtocolVersion}) // and never read from again
+		l.dial(t, &helloMsg{Version: ProtocolVersion}) // and never read from again
 	}
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
@@ -807,9 +807,9 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(ctx) }()
 	waitFor(t, "the consumer to be told Bye", func() bool {
-		c.imp.mu.Lock()
-		defer c.imp.mu.Unlock()
-		return c.imp.bye
+		c.imp.cl.mu.Lock()
+		defer c.imp.cl.mu.Unlock()
+		return c.imp.cl.bye
 	})
 	if err := m.Release(ctx, c.stream); err != nil {
 		t.Fatal(err)
@@ -823,19 +823,19 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 // reading, gives up when its context ends.
 func TestGrantBehindStuckPoolHandleHonoursContext(t *testing.T) {
 	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
-		[]Option{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
 	pr.publish(t, "f", 2<<20, 1)
 	l := newPipeListener()
 	if err := pr.ex.Serve(l); err != nil {
 		t.Fatal(err)
 	}
-	c := l.dial(t, &hello{Version: ProtocolVersion, Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
+	c := l.dial(t, &helloMsg{Version: ProtocolVersion, Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
 	peers := pr.ex.peerList()
 	if len(peers) != 1 {
 		t.Fatalf("%d peers, want 1", len(peers))
 	}
 	p := peers[0]
-	if err := c.send(testCtx(t), &open{ReqID: 1, Name: "f"}, -1); err != nil {
+	if err := c.send(testCtx(t), &openMsg{ReqID: 1, Name: "f"}, -1); err != nil {
 		t.Fatal(err)
 	}
 	var first [1]byte

@@ -34,19 +34,19 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 		logged    string
 	}{
 		{"garbage before hello", false, func(t *testing.T, r *rawPeer) { r.sendBytes([]byte("GET / HTTP/1.1\r\n\r\n")) }, "oversized frame"},
-		{"first message not hello", false, func(t *testing.T, r *rawPeer) { r.send(&open{ReqID: 1, Name: "a"}) }, "first message must be Hello"},
+		{"first message not hello", false, func(t *testing.T, r *rawPeer) { r.send(&openMsg{ReqID: 1, Name: "a"}) }, "first message must be Hello"},
 		{"truncated hello", false, func(t *testing.T, r *rawPeer) { r.sendBytes(appendFrame(nil, leasingHello())[:20]); r.nc.CloseWrite() }, "truncated"},
 		{"unknown type", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(0, 0x42, nil)) }, "unknown message type 66"},
 		{"wrong length", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(3, msgRelease, []byte{1, 2, 3})) }, "Release payload is 3 bytes, want 24"},
 		{"oversized", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(1<<30, msgOpen, nil)) }, "oversized frame"},
 		{"truncated frame", true, func(t *testing.T, r *rawPeer) {
-			r.sendBytes(appendFrame(nil, &open{ReqID: 1, Name: "abc"})[:9])
+			r.sendBytes(appendFrame(nil, &openMsg{ReqID: 1, Name: "abc"})[:9])
 			r.nc.CloseWrite()
 		}, "truncated Open frame"},
 		{"garbage after hello", true, func(t *testing.T, r *rawPeer) { r.sendBytes([]byte{0xff, 0xff, 0xff, 0x7f, 0xee, 1, 2}) }, "oversized frame"},
 		{"bad name", true, func(t *testing.T, r *rawPeer) { r.sendBytes(frame(10, msgOpen, append(make([]byte, 8), 'x', 0x07))) }, "control character"},
-		{"unknown flags", true, func(t *testing.T, r *rawPeer) { r.send(&release{ReqID: 1, LeaseID: 2, Count: 1, Flags: 1 << 9}) }, "Release has unknown flags"},
-		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&welcome{Version: ProtocolVersion}) }, "unexpected Welcome from an importer"},
+		{"unknown flags", true, func(t *testing.T, r *rawPeer) { r.send(&releaseMsg{ReqID: 1, LeaseID: 2, Count: 1, Flags: 1 << 9}) }, "Release has unknown flags"},
+		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&welcomeMsg{Version: ProtocolVersion}) }, "unexpected Welcome from an importer"},
 		{"descriptor attached", true, func(t *testing.T, r *rawPeer) {
 			pr, pw, err := os.Pipe()
 			if err != nil {
@@ -54,7 +54,7 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 			}
 			defer pr.Close()
 			defer pw.Close()
-			if err := unixfd.Send(r.nc, appendFrame(nil, &open{ReqID: 1, Name: "a"}), int(pw.Fd())); err != nil {
+			if err := unixfd.Send(r.nc, appendFrame(nil, &openMsg{ReqID: 1, Name: "a"}), int(pw.Fd())); err != nil {
 				t.Fatal(err)
 			}
 		}, "unexpected file descriptors"},
@@ -114,7 +114,7 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	h := appendFrame(nil, leasingHello())
 	le.PutUint32(h[headerLen:], 7)
 	r.sendBytes(h)
-	ref, ok := r.recv().(*refused)
+	ref, ok := r.recv().(*refusedMsg)
 	if !ok {
 		t.Fatal("a version-7 Hello was not refused")
 	}
@@ -125,7 +125,7 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	// And the importer's side: an exporter that speaks version 9.
 	fake := fakeExporter(t, func(c *conn) {
 		c.recv()
-		c.send(context.Background(), &refused{Version: 9, Reason: "peer speaks protocol version 1, this side speaks 9"}, -1)
+		c.send(context.Background(), &refusedMsg{Version: 9, Reason: "peer speaks protocol version 1, this side speaks 9"}, -1)
 	})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), fake, s.dev, 0)
@@ -168,7 +168,7 @@ func welcomeThen(next func(c *conn)) func(c *conn) {
 		if _, _, err := c.recv(); err != nil {
 			return
 		}
-		c.send(context.Background(), &welcome{Version: ProtocolVersion, PID: 1}, -1)
+		c.send(context.Background(), &welcomeMsg{Version: ProtocolVersion, PID: 1}, -1)
 		next(c)
 	}
 }
@@ -182,23 +182,23 @@ func TestMalformedExporterInput(t *testing.T) {
 		logged string
 	}{
 		{"pool handle without descriptor", func(c *conn) {
-			c.send(context.Background(), &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}, -1)
+			c.send(context.Background(), &poolHandleMsg{PoolID: 1, HandleType: cudart.HandleTypePosixFD}, -1)
 		}, "arrived with 0 descriptors, want 1"},
 		{"descriptor on another frame", func(c *conn) {
 			pr, pw, _ := os.Pipe()
 			defer pr.Close()
 			defer pw.Close()
-			unixfd.Send(c.uc, appendFrame(nil, &bye{}), int(pw.Fd()))
+			unixfd.Send(c.uc, appendFrame(nil, &byeMsg{}), int(pw.Fd()))
 		}, "Bye arrived with 1 unexpected descriptors"},
 		{"two descriptors", func(c *conn) {
 			pr, pw, _ := os.Pipe()
 			defer pr.Close()
 			defer pw.Close()
-			unixfd.Send(c.uc, appendFrame(nil, &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pr.Fd()), int(pw.Fd()))
+			unixfd.Send(c.uc, appendFrame(nil, &poolHandleMsg{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pr.Fd()), int(pw.Fd()))
 		}, "unexpected file descriptors"},
 		{"unknown type", func(c *conn) { c.nc.Write(frame(0, 99, nil)) }, "unknown message type 99"},
 		{"garbage", func(c *conn) { c.nc.Write([]byte("\x05\x00\x00\x00\x06garbage")) }, "Lease payload is 5 bytes"},
-		{"importer's message", func(c *conn) { c.send(context.Background(), &open{ReqID: 1, Name: "x"}, -1) }, "unexpected Open from an exporter"},
+		{"importer's message", func(c *conn) { c.send(context.Background(), &openMsg{ReqID: 1, Name: "x"}, -1) }, "unexpected Open from an exporter"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -217,7 +217,7 @@ func TestMalformedExporterInput(t *testing.T) {
 				t.Fatal(err)
 			}
 			<-sent
-			<-imp.readerDone
+			<-imp.cl.readerDone
 			if _, err := imp.Open(testCtx(t), "x", s.stream); !errors.Is(err, ErrExporterGone) || !errors.Is(err, ErrProtocol) {
 				t.Fatalf("Open = %v, want ErrExporterGone with the violation", err)
 			}
@@ -260,7 +260,7 @@ func TestHandleBeforeWelcomeIsRefused(t *testing.T) {
 		pr, pw, _ := os.Pipe()
 		defer pr.Close()
 		defer pw.Close()
-		unixfd.Send(c.uc, appendFrame(nil, &poolHandle{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pw.Fd()))
+		unixfd.Send(c.uc, appendFrame(nil, &poolHandleMsg{PoolID: 1, HandleType: cudart.HandleTypePosixFD}), int(pw.Fd()))
 		c.recv()
 	})
 	before := openFDs(t)

@@ -9,79 +9,141 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 )
 
-// Option configures Listen or Dial. Each option says which side it is for; the other
-// side ignores it.
-type Option func(*options)
+// Each side takes options of its own type, as gRPC's ServerOption and DialOption: an
+// option given to a side it does not configure does not compile. An option that fits
+// every side (WithLogger, WithHandshakeTimeout) is a SharedOption, which is all three.
 
-type options struct {
+// ListenOption configures Listen.
+type ListenOption interface{ applyListen(*listenOptions) }
+
+// DialOption configures Dial and DialConn.
+type DialOption interface{ applyDial(*dialOptions) }
+
+// QueryOption configures QueryState.
+type QueryOption interface{ applyQuery(*queryOptions) }
+
+// SharedOption configures every side: it is a ListenOption, a DialOption and a
+// QueryOption.
+type SharedOption interface {
+	ListenOption
+	DialOption
+	QueryOption
+}
+
+// sharedOptions are the settings of every side.
+type sharedOptions struct {
+	log              *slog.Logger
+	handshakeTimeout time.Duration
+}
+
+type listenOptions struct {
+	sharedOptions
 	policy      Policy
-	log         *slog.Logger
 	announceDir string // "" with announce false: none
 	announce    bool
 	name        string
-	handshake   time.Duration
+}
+
+type dialOptions struct {
+	sharedOptions
 	pushStream  cudart.Stream
 	pushHandler func(name string, m *Mapping)
 }
 
-func defaultOptions() options {
-	return options{
-		log:       slog.Default(),
-		announce:  true,
-		name:      filepath.Base(os.Args[0]),
-		handshake: 30 * time.Second,
-	}
+type queryOptions struct {
+	sharedOptions
 }
 
-func applyOptions(opts []Option) options {
-	o := defaultOptions()
+func defaultShared() sharedOptions {
+	return sharedOptions{log: slog.Default(), handshakeTimeout: 30 * time.Second}
+}
+
+func newListenOptions(opts []ListenOption) listenOptions {
+	o := listenOptions{sharedOptions: defaultShared(), announce: true, name: filepath.Base(os.Args[0])}
 	for _, opt := range opts {
-		opt(&o)
+		opt.applyListen(&o)
 	}
 	return o
 }
 
-// WithPolicy sets who may connect (Listen). The default admits this user's processes.
-func WithPolicy(p Policy) Option { return func(o *options) { o.policy = p } }
+func newDialOptions(opts []DialOption) dialOptions {
+	o := dialOptions{sharedOptions: defaultShared()}
+	for _, opt := range opts {
+		opt.applyDial(&o)
+	}
+	return o
+}
 
-// WithLogger sets where connections refused or closed for malformed input, and other
-// events no call returns, are logged (Listen and Dial). The default is slog.Default().
-func WithLogger(l *slog.Logger) Option {
-	return func(o *options) {
+func newQueryOptions(opts []QueryOption) queryOptions {
+	o := queryOptions{sharedOptions: defaultShared()}
+	for _, opt := range opts {
+		opt.applyQuery(&o)
+	}
+	return o
+}
+
+type listenOption func(*listenOptions)
+
+func (f listenOption) applyListen(o *listenOptions) { f(o) }
+
+type dialOption func(*dialOptions)
+
+func (f dialOption) applyDial(o *dialOptions) { f(o) }
+
+type sharedOption func(*sharedOptions)
+
+func (f sharedOption) applyListen(o *listenOptions) { f(&o.sharedOptions) }
+func (f sharedOption) applyDial(o *dialOptions)     { f(&o.sharedOptions) }
+func (f sharedOption) applyQuery(o *queryOptions)   { f(&o.sharedOptions) }
+
+// WithPolicy sets who may connect. The default admits this user's processes.
+func WithPolicy(p Policy) ListenOption {
+	return listenOption(func(o *listenOptions) { o.policy = p })
+}
+
+// WithLogger sets where events no call returns are logged: connections refused or
+// closed for malformed input, cleanup that failed. The default is slog.Default().
+func WithLogger(l *slog.Logger) SharedOption {
+	return sharedOption(func(o *sharedOptions) {
 		if l != nil {
 			o.log = l
 		}
-	}
+	})
 }
 
 // WithAnnounce makes Listen announce the exporter in dir instead of DefaultDir().
-func WithAnnounce(dir string) Option {
-	return func(o *options) { o.announce, o.announceDir = true, dir }
+func WithAnnounce(dir string) ListenOption {
+	return listenOption(func(o *listenOptions) { o.announce, o.announceDir = true, dir })
 }
 
 // WithoutAnnounce makes Listen write no announcement.
-func WithoutAnnounce() Option { return func(o *options) { o.announce = false } }
-
-// WithName sets the process name the exporter gives in its announcement and State
-// (Listen). The default is the program's base name.
-func WithName(name string) Option { return func(o *options) { o.name = name } }
-
-// WithHandshakeTimeout bounds how long a connecting peer may take to say Hello (Listen)
-// and how long Dial waits for the exporter's answer when ctx has no deadline. It only
-// guards against peers that hang; the default is 30 s.
-func WithHandshakeTimeout(d time.Duration) Option {
-	return func(o *options) {
-		if d > 0 {
-			o.handshake = d
-		}
-	}
+func WithoutAnnounce() ListenOption {
+	return listenOption(func(o *listenOptions) { o.announce = false })
 }
 
-// WithPushes accepts buffers the exporter pushes (Dial): each is imported, s is made to
-// wait for the producer's writes, and handler is called with the name and the Mapping,
+// WithName sets the process name the exporter gives in its announcement and State.
+// The default is the program's base name.
+func WithName(name string) ListenOption {
+	return listenOption(func(o *listenOptions) { o.name = name })
+}
+
+// WithHandshakeTimeout bounds the handshake: how long a connecting peer may take to
+// say Hello (Listen), and how long Dial, DialConn and QueryState wait for the
+// exporter's answer when ctx has no earlier deadline. It only guards against peers
+// that hang; the default is 30 s.
+func WithHandshakeTimeout(d time.Duration) SharedOption {
+	return sharedOption(func(o *sharedOptions) {
+		if d > 0 {
+			o.handshakeTimeout = d
+		}
+	})
+}
+
+// WithPushes accepts buffers the exporter pushes: each is imported, s is made to wait
+// for the producer's writes, and handler is called with the name and the Mapping,
 // which it owns and must Release. Handlers run one at a time, in arrival order, on a
 // goroutine of their own, so they may call Open. Without WithPushes, pushed leases are
 // handed back at once.
-func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) Option {
-	return func(o *options) { o.pushStream, o.pushHandler = s, handler }
+func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOption {
+	return dialOption(func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler })
 }

@@ -81,7 +81,7 @@ func roleProducer(args []string) int {
 	}
 	// Refusals are this role's job in some tests: only errors are worth a line.
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	opts := []Option{WithoutAnnounce(), WithLogger(quiet)}
+	opts := []ListenOption{WithoutAnnounce(), WithLogger(quiet)}
 	if args[2] == "other-uid" {
 		opts = append(opts, WithPolicy(Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	}
@@ -197,7 +197,7 @@ func roleConsumer(args []string) int {
 			if line != "hang-up" {
 				return fail(fmt.Errorf("unknown command %q", line))
 			}
-			imp.c.close()
+			imp.cl.c.close()
 			fmt.Println("hung up")
 		}
 		return 0
@@ -367,7 +367,7 @@ func TestProcessGoneBeforeHandshake(t *testing.T) {
 	}
 	// This side dies too: the driver drops its imports, the kernel closes its socket.
 	s.dev.Close()
-	imp.c.close()
+	imp.cl.c.close()
 	waitFor(t, "the lease to end", func() bool { return len(pr.ex.Peers()) == 0 })
 	if log := pr.log.String(); !strings.Contains(log, "cannot watch the process") || !strings.Contains(log, "no such process") {
 		t.Fatalf("the log does not say why the leases ended at once:\n%s", log)
@@ -425,7 +425,7 @@ func TestProcessProducerKilled(t *testing.T) {
 	}
 	k.Kill()
 	killedBySIGKILL(t, k)
-	<-c.imp.readerDone
+	<-c.imp.cl.readerDone
 	if b := c.read(t, m); !allAre(b, 90) {
 		t.Fatal("mapping unreadable after the producer was killed")
 	}

@@ -32,8 +32,8 @@ func dialRaw(t testing.TB, path string) *rawPeer {
 
 // leasingHello is the Hello of a peer that takes leases of POSIX fd pools and offers
 // no release event (so the exporter ends its leases without waiting).
-func leasingHello() *hello {
-	return &hello{Version: ProtocolVersion, PID: uint32(os.Getpid()), Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypePosixFD)}
+func leasingHello() *helloMsg {
+	return &helloMsg{Version: ProtocolVersion, PID: uint32(os.Getpid()), Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypePosixFD)}
 }
 
 // admitted dials path and completes a handshake as a leasing peer.
@@ -78,7 +78,7 @@ func (r *rawPeer) recv() message {
 // the Error.
 func (r *rawPeer) open(reqID uint64, name string) message {
 	r.t.Helper()
-	r.send(&open{ReqID: reqID, Name: name})
+	r.send(&openMsg{ReqID: reqID, Name: name})
 	for {
 		if m := r.recv(); m.kind() != msgPoolHandle {
 			return m
@@ -89,7 +89,7 @@ func (r *rawPeer) open(reqID uint64, name string) message {
 // release asks to release lease id and returns the reply.
 func (r *rawPeer) release(reqID, id uint64, count uint32) message {
 	r.t.Helper()
-	r.send(&release{ReqID: reqID, LeaseID: id, Count: count})
+	r.send(&releaseMsg{ReqID: reqID, LeaseID: id, Count: count})
 	return r.recv()
 }
 

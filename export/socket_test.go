@@ -203,15 +203,15 @@ func TestEnsureDirRefusesSharedDirectories(t *testing.T) {
 		t.Fatal(err)
 	}
 	os.Chmod(open, 0o777)
-	if err := EnsureDir(open); !errors.Is(err, ErrBadDir) {
-		t.Fatalf("EnsureDir(world-writable) = %v, want ErrBadDir", err)
+	if err := ensureDir(open); !errors.Is(err, ErrBadDir) {
+		t.Fatalf("ensureDir(world-writable) = %v, want ErrBadDir", err)
 	}
 	link := filepath.Join(base, "link")
 	os.Symlink(base, link)
-	if err := EnsureDir(link); !errors.Is(err, ErrBadDir) {
-		t.Fatalf("EnsureDir(symlink) = %v, want ErrBadDir", err)
+	if err := ensureDir(link); !errors.Is(err, ErrBadDir) {
+		t.Fatalf("ensureDir(symlink) = %v, want ErrBadDir", err)
 	}
-	if err := EnsureDir(filepath.Join(base, "new", "deep")); err != nil {
+	if err := ensureDir(filepath.Join(base, "new", "deep")); err != nil {
 		t.Fatal(err)
 	}
 }

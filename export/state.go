@@ -37,26 +37,70 @@ type DeviceState struct {
 	UUID    string `json:"uuid"`
 }
 
-// PoolState is one pool the exporter has published buffers of, with its figures from
+// PoolState is one pool the exporter has published buffers of: its wire id and its
 // pool.Stats. Error is set, and the figures are what could still be read, when the
-// stats failed (the pool was closed, for instance).
+// stats failed (the pool was closed, for instance). Its JSON form keeps the State
+// schema's field names (see MarshalJSON).
 type PoolState struct {
-	ID               uint64 `json:"id"`
-	Name             string `json:"name"`
-	Device           int    `json:"device"`
-	HandleType       string `json:"handle_type"`
-	MaxSize          uint64 `json:"max_size"`
-	ReservedCurrent  uint64 `json:"reserved_current"`
-	ReservedHigh     uint64 `json:"reserved_high"`
-	UsedCurrent      uint64 `json:"used_current"`
-	UsedHigh         uint64 `json:"used_high"`
-	RoundingOverhead uint64 `json:"rounding_overhead"`
-	BuffersLive      int    `json:"buffers_live"`
-	BuffersShared    int    `json:"buffers_shared"`
-	ActiveLeases     int    `json:"active_leases"`
-	DeferredFrees    int    `json:"deferred_frees"`
-	FailedFrees      int    `json:"failed_frees"`
-	Error            string `json:"error,omitempty"`
+	ID uint64
+	pool.Stats
+	Error string
+}
+
+// poolStateJSON is PoolState's form in the State schema.
+type poolStateJSON struct {
+	ID               uint64            `json:"id"`
+	Name             string            `json:"name"`
+	Device           int               `json:"device"`
+	HandleType       cudart.HandleType `json:"handle_type"`
+	MaxSize          uint64            `json:"max_size"`
+	Granularity      uint64            `json:"granularity"`
+	ReservedCurrent  uint64            `json:"reserved_current"`
+	ReservedHigh     uint64            `json:"reserved_high"`
+	UsedCurrent      uint64            `json:"used_current"`
+	UsedHigh         uint64            `json:"used_high"`
+	BytesRequested   uint64            `json:"bytes_requested"`
+	BytesReserved    uint64            `json:"bytes_reserved"`
+	RoundingOverhead uint64            `json:"rounding_overhead"`
+	BuffersLive      int               `json:"buffers_live"`
+	BuffersShared    int               `json:"buffers_shared"`
+	ActiveLeases     int               `json:"active_leases"`
+	DeferredFrees    int               `json:"deferred_frees"`
+	FailedFrees      int               `json:"failed_frees"`
+	FailedFreeBytes  uint64            `json:"failed_free_bytes"`
+	Error            string            `json:"error,omitempty"`
+}
+
+// MarshalJSON writes the State schema's pool object.
+func (p PoolState) MarshalJSON() ([]byte, error) {
+	s := p.Stats
+	return json.Marshal(poolStateJSON{
+		ID: p.ID, Name: s.Name, Device: s.Device, HandleType: s.HandleType, MaxSize: s.MaxSize, Granularity: s.Granularity,
+		ReservedCurrent: s.ReservedCurrent, ReservedHigh: s.ReservedHigh, UsedCurrent: s.UsedCurrent, UsedHigh: s.UsedHigh,
+		BytesRequested: s.BytesRequested, BytesReserved: s.BytesReserved, RoundingOverhead: s.RoundingOverhead(),
+		BuffersLive: s.LiveBuffers, BuffersShared: s.SharedBuffers, ActiveLeases: s.ActiveLeases,
+		DeferredFrees: s.DeferredFrees, FailedFrees: s.FailedFrees, FailedFreeBytes: s.FailedFreeBytes, Error: p.Error,
+	})
+}
+
+// UnmarshalJSON reads the State schema's pool object.
+func (p *PoolState) UnmarshalJSON(b []byte) error {
+	var j poolStateJSON
+	if err := json.Unmarshal(b, &j); err != nil {
+		return err
+	}
+	*p = PoolState{ID: j.ID, Error: j.Error, Stats: pool.Stats{
+		Name: j.Name, Device: j.Device, HandleType: j.HandleType, MaxSize: j.MaxSize, Granularity: j.Granularity,
+		ReservedCurrent: j.ReservedCurrent, ReservedHigh: j.ReservedHigh, UsedCurrent: j.UsedCurrent, UsedHigh: j.UsedHigh,
+		BytesRequested: j.BytesRequested, BytesReserved: j.BytesReserved,
+		LiveBuffers: j.BuffersLive, SharedBuffers: j.BuffersShared, ActiveLeases: j.ActiveLeases,
+		DeferredFrees: j.DeferredFrees, FailedFrees: j.FailedFrees, FailedFreeBytes: j.FailedFreeBytes,
+	}}
+	if j.BytesRequested == 0 && j.BytesReserved == 0 {
+		// An exporter that sends only the overhead: keep the figure RoundingOverhead gives.
+		p.BytesReserved = j.RoundingOverhead
+	}
+	return nil
 }
 
 // NameState is one published name.
@@ -67,19 +111,26 @@ type NameState struct {
 	Size     uint64 `json:"size"`
 }
 
-// PeerState is one peer that takes leases (PeerInfo). State-only connections, such as
-// the one QueryState makes, are not listed.
+// PeerState is one peer, a connection that takes leases (Exporter.Peers, State.Peers).
+// Connections made for State alone, such as QueryState's, are not peers. Leases counts
+// the buffers the peer holds, Grants the Opens and Pushes behind them (see the
+// glossary in the package documentation).
 type PeerState struct {
-	PID            int       `json:"pid"`
-	UID            uint32    `json:"uid"`
-	GID            uint32    `json:"gid"`
-	Remote         bool      `json:"remote"`
+	PID int    `json:"pid"`
+	UID uint32 `json:"uid"`
+	GID uint32 `json:"gid"`
+	// Remote is set for a peer on a byte stream, which has no credentials.
+	Remote bool `json:"remote"`
+	// Device is the UUID of the device the peer imports to.
 	Device         string    `json:"device,omitempty"`
 	Leases         int       `json:"leases"`
 	Grants         int       `json:"grants"`
 	BytesLeased    uint64    `json:"bytes_leased"`
 	ConnectedSince time.Time `json:"connected_since"`
-	AwaitingExit   bool      `json:"awaiting_exit,omitempty"`
+	// AwaitingExit is set for a peer whose connection was lost without Bye while its
+	// process lives on: it may still map what it holds, so its leases are kept until
+	// the process exits.
+	AwaitingExit bool `json:"awaiting_exit,omitempty"`
 }
 
 // State returns a snapshot of the exporter. Figures of different pools and peers are
@@ -102,14 +153,7 @@ func (ex *Exporter) State() (*State, error) {
 	for p, id := range pools {
 		st.Pools = append(st.Pools, poolState(p, id))
 	}
-	for _, i := range ex.Peers() {
-		ps := PeerState{PID: i.PID, UID: i.UID, GID: i.GID, Remote: i.Remote, Leases: i.Leases, Grants: i.Grants,
-			BytesLeased: i.BytesLeased, ConnectedSince: i.ConnectedSince, AwaitingExit: i.AwaitingExit}
-		if i.Device != (cudart.UUID{}) {
-			ps.Device = i.Device.String()
-		}
-		st.Peers = append(st.Peers, ps)
-	}
+	st.Peers = append(st.Peers, ex.Peers()...)
 	slices.SortFunc(st.Pools, func(a, b PoolState) int { return cmp.Compare(a.ID, b.ID) })
 	slices.SortFunc(st.Published, func(a, b NameState) int { return cmp.Compare(a.Name, b.Name) })
 	slices.SortFunc(st.Peers, func(a, b PeerState) int { return cmp.Compare(a.PID, b.PID) })
@@ -118,28 +162,34 @@ func (ex *Exporter) State() (*State, error) {
 
 func poolState(p *pool.Pool, id uint64) PoolState {
 	s, err := p.Stats()
-	ps := PoolState{
-		ID: id, Name: s.Name, Device: s.Device, HandleType: s.HandleType.String(), MaxSize: s.MaxSize,
-		ReservedCurrent: s.ReservedCurrent, ReservedHigh: s.ReservedHigh, UsedCurrent: s.UsedCurrent, UsedHigh: s.UsedHigh,
-		RoundingOverhead: s.RoundingOverhead(), BuffersLive: s.LiveBuffers, BuffersShared: s.SharedBuffers,
-		ActiveLeases: s.ActiveLeases, DeferredFrees: s.DeferredFrees, FailedFrees: s.FailedFrees,
-	}
+	ps := PoolState{ID: id, Stats: s}
 	if err != nil {
 		ps.Error = err.Error()
 	}
 	return ps
 }
 
-// QueryState connects to the exporter at socketPath without a device, asks for its
-// State and disconnects. The exporter's admission policy applies as to any peer: a
+// QueryState connects to the exporter at socketPath as an observer, a connection that
+// takes no leases, asks for its State and disconnects. The exporter's admission policy applies as to any peer: a
 // refusal wraps ErrRefused. It needs no CUDA runtime.
-func QueryState(ctx context.Context, socketPath string, opts ...Option) (*State, error) {
-	imp, err := dial(ctx, socketPath, nil, -1, applyOptions(opts))
+func QueryState(ctx context.Context, socketPath string, opts ...QueryOption) (*State, error) {
+	o := newQueryOptions(opts)
+	nc, err := dialSocket(ctx, socketPath)
 	if err != nil {
 		return nil, err
 	}
-	defer imp.Close(ctx)
-	body, err := imp.queryState(ctx)
+	c, w, err := handshake(ctx, nc, &helloMsg{Version: ProtocolVersion, PID: uint32(os.Getpid())}, o.handshakeTimeout)
+	if err != nil {
+		nc.Close()
+		return nil, err
+	}
+	cl := newClient(c, o.log, int(w.PID))
+	cl.handle = func(m message, _ int) error {
+		return protocolErr("unexpected %s on a connection for State alone", m.kind())
+	}
+	cl.start()
+	defer cl.hangUp(ctx)
+	body, err := cl.queryState(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -148,4 +198,30 @@ func QueryState(ctx context.Context, socketPath string, opts ...Option) (*State,
 		return nil, fmt.Errorf("%w: State is not valid JSON: %w", ErrProtocol, err)
 	}
 	return &st, nil
+}
+
+// sendState sends the exporter's State as JSON, in as many frames as it takes.
+func (ex *Exporter) sendState(c *conn, reqID uint64) error {
+	st, err := ex.State()
+	if err != nil {
+		return err
+	}
+	body, err := json.Marshal(st)
+	if err != nil {
+		return fmt.Errorf("export: state: %w", err)
+	}
+	const chunk = maxPayload - 12
+	for {
+		n := min(len(body), chunk)
+		m := &stateMsg{ReqID: reqID, JSON: body[:n]}
+		if n < len(body) {
+			m.Flags = stateMore
+		}
+		if err := c.send(context.Background(), m, -1); err != nil {
+			return err
+		}
+		if body = body[n:]; len(body) == 0 {
+			return nil
+		}
+	}
 }

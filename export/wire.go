@@ -80,7 +80,7 @@ const (
 	helloKnown               = helloLeases | helloReleaseEvent
 )
 
-type hello struct {
+type helloMsg struct {
 	Version      uint32
 	PID          uint32
 	Flags        uint32
@@ -91,7 +91,7 @@ type hello struct {
 
 const helloLen = 4*4 + 16 + 64
 
-type welcome struct {
+type welcomeMsg struct {
 	Version uint32
 	PID     uint32
 	Devices []cudart.UUID // at most maxDevices
@@ -99,12 +99,12 @@ type welcome struct {
 
 const welcomeLen = 4*3 + maxDevices*16
 
-type refused struct {
+type refusedMsg struct {
 	Version uint32
 	Reason  string
 }
 
-type poolHandle struct {
+type poolHandleMsg struct {
 	PoolID     uint64
 	HandleType cudart.HandleType
 	Device     cudart.UUID
@@ -114,7 +114,7 @@ type poolHandle struct {
 
 const poolHandleLen = 8 + 4 + 16 + 8 + 64
 
-type open struct {
+type openMsg struct {
 	ReqID uint64
 	Name  string
 }
@@ -127,7 +127,7 @@ const (
 	leaseKnown             = leaseReadyEvent
 )
 
-type lease struct {
+type leaseMsg struct {
 	ReqID    uint64
 	LeaseID  uint64
 	PoolID   uint64
@@ -140,9 +140,9 @@ type lease struct {
 
 const leaseLen = 8*5 + 4 + 64 + 64
 
-// push is a lease the exporter sends unasked, with the name it was published under.
-type push struct {
-	lease
+// pushMsg is a lease the exporter sends unasked, with the name it was published under.
+type pushMsg struct {
+	leaseMsg
 	Name string
 }
 
@@ -154,7 +154,7 @@ const (
 	releaseKnown                  = releaseNothingImported
 )
 
-type release struct {
+type releaseMsg struct {
 	ReqID   uint64
 	LeaseID uint64
 	// Count is how many grants of the lease the importer returns: an exporter asked
@@ -165,7 +165,7 @@ type release struct {
 
 const releaseLen = 8 + 8 + 4 + 4
 
-type released struct {
+type releasedMsg struct {
 	ReqID   uint64
 	LeaseID uint64
 }
@@ -216,7 +216,7 @@ type errorMsg struct {
 	Text  string
 }
 
-type stateRequest struct{ ReqID uint64 }
+type stateRequestMsg struct{ ReqID uint64 }
 
 // State flags.
 const (
@@ -224,31 +224,31 @@ const (
 	stateKnown        = stateMore
 )
 
-type stateChunk struct {
+type stateMsg struct {
 	ReqID uint64
 	Flags uint32
 	JSON  []byte
 }
 
-type bye struct{}
+type byeMsg struct{}
 
-func (*hello) kind() msgType        { return msgHello }
-func (*welcome) kind() msgType      { return msgWelcome }
-func (*refused) kind() msgType      { return msgRefused }
-func (*poolHandle) kind() msgType   { return msgPoolHandle }
-func (*open) kind() msgType         { return msgOpen }
-func (*lease) kind() msgType        { return msgLease }
-func (*push) kind() msgType         { return msgPush }
-func (*release) kind() msgType      { return msgRelease }
-func (*released) kind() msgType     { return msgReleased }
-func (*errorMsg) kind() msgType     { return msgError }
-func (*stateRequest) kind() msgType { return msgStateRequest }
-func (*stateChunk) kind() msgType   { return msgState }
-func (*bye) kind() msgType          { return msgBye }
+func (*helloMsg) kind() msgType        { return msgHello }
+func (*welcomeMsg) kind() msgType      { return msgWelcome }
+func (*refusedMsg) kind() msgType      { return msgRefused }
+func (*poolHandleMsg) kind() msgType   { return msgPoolHandle }
+func (*openMsg) kind() msgType         { return msgOpen }
+func (*leaseMsg) kind() msgType        { return msgLease }
+func (*pushMsg) kind() msgType         { return msgPush }
+func (*releaseMsg) kind() msgType      { return msgRelease }
+func (*releasedMsg) kind() msgType     { return msgReleased }
+func (*errorMsg) kind() msgType        { return msgError }
+func (*stateRequestMsg) kind() msgType { return msgStateRequest }
+func (*stateMsg) kind() msgType        { return msgState }
+func (*byeMsg) kind() msgType          { return msgBye }
 
 var le = binary.LittleEndian
 
-func (m *hello) appendPayload(b []byte) []byte {
+func (m *helloMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint32(b, m.Version)
 	b = le.AppendUint32(b, m.PID)
 	b = le.AppendUint32(b, m.Flags)
@@ -257,7 +257,7 @@ func (m *hello) appendPayload(b []byte) []byte {
 	return append(b, m.ReleaseEvent[:]...)
 }
 
-func (m *welcome) appendPayload(b []byte) []byte {
+func (m *welcomeMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint32(b, m.Version)
 	b = le.AppendUint32(b, m.PID)
 	b = le.AppendUint32(b, uint32(len(m.Devices)))
@@ -269,11 +269,11 @@ func (m *welcome) appendPayload(b []byte) []byte {
 	return b
 }
 
-func (m *refused) appendPayload(b []byte) []byte {
+func (m *refusedMsg) appendPayload(b []byte) []byte {
 	return append(le.AppendUint32(b, m.Version), m.Reason...)
 }
 
-func (m *poolHandle) appendPayload(b []byte) []byte {
+func (m *poolHandleMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint64(b, m.PoolID)
 	b = le.AppendUint32(b, uint32(m.HandleType))
 	b = append(b, m.Device[:]...)
@@ -281,11 +281,11 @@ func (m *poolHandle) appendPayload(b []byte) []byte {
 	return append(b, m.Fabric[:]...)
 }
 
-func (m *open) appendPayload(b []byte) []byte {
+func (m *openMsg) appendPayload(b []byte) []byte {
 	return append(le.AppendUint64(b, m.ReqID), m.Name...)
 }
 
-func (m *lease) appendPayload(b []byte) []byte {
+func (m *leaseMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint64(b, m.ReqID)
 	b = le.AppendUint64(b, m.LeaseID)
 	b = le.AppendUint64(b, m.PoolID)
@@ -296,18 +296,18 @@ func (m *lease) appendPayload(b []byte) []byte {
 	return append(b, m.Ready[:]...)
 }
 
-func (m *push) appendPayload(b []byte) []byte {
-	return append(m.lease.appendPayload(b), m.Name...)
+func (m *pushMsg) appendPayload(b []byte) []byte {
+	return append(m.leaseMsg.appendPayload(b), m.Name...)
 }
 
-func (m *release) appendPayload(b []byte) []byte {
+func (m *releaseMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint64(b, m.ReqID)
 	b = le.AppendUint64(b, m.LeaseID)
 	b = le.AppendUint32(b, m.Count)
 	return le.AppendUint32(b, m.Flags)
 }
 
-func (m *released) appendPayload(b []byte) []byte {
+func (m *releasedMsg) appendPayload(b []byte) []byte {
 	return le.AppendUint64(le.AppendUint64(b, m.ReqID), m.LeaseID)
 }
 
@@ -317,13 +317,13 @@ func (m *errorMsg) appendPayload(b []byte) []byte {
 	return append(b, m.Text...)
 }
 
-func (m *stateRequest) appendPayload(b []byte) []byte { return le.AppendUint64(b, m.ReqID) }
+func (m *stateRequestMsg) appendPayload(b []byte) []byte { return le.AppendUint64(b, m.ReqID) }
 
-func (m *stateChunk) appendPayload(b []byte) []byte {
+func (m *stateMsg) appendPayload(b []byte) []byte {
 	return append(le.AppendUint32(le.AppendUint64(b, m.ReqID), m.Flags), m.JSON...)
 }
 
-func (*bye) appendPayload(b []byte) []byte { return b }
+func (*byeMsg) appendPayload(b []byte) []byte { return b }
 
 // appendFrame appends m as one whole frame to b.
 func appendFrame(b []byte, m message) []byte {
@@ -383,7 +383,7 @@ func decodePayload(t msgType, p []byte) (message, error) {
 	r := reader{b: p}
 	switch t {
 	case msgHello:
-		m := &hello{Version: r.u32()}
+		m := &helloMsg{Version: r.u32()}
 		if m.Version != ProtocolVersion {
 			return nil, versionErr(m.Version)
 		}
@@ -401,7 +401,7 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		}
 		return m, nil
 	case msgWelcome:
-		m := &welcome{Version: r.u32(), PID: r.u32()}
+		m := &welcomeMsg{Version: r.u32(), PID: r.u32()}
 		n := r.u32()
 		if n > maxDevices {
 			return nil, protocolErr("Welcome lists %d devices, at most %d", n, maxDevices)
@@ -418,12 +418,12 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		}
 		return m, nil
 	case msgRefused:
-		m := &refused{Version: r.u32()}
+		m := &refusedMsg{Version: r.u32()}
 		var err error
 		m.Reason, err = r.text(t, "reason")
 		return m, err
 	case msgPoolHandle:
-		m := &poolHandle{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
+		m := &poolHandleMsg{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
 		r.bytes(m.Device[:])
 		m.MaxSize = r.u64()
 		r.bytes(m.Fabric[:])
@@ -438,16 +438,16 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		}
 		return m, nil
 	case msgOpen:
-		m := &open{ReqID: r.u64()}
+		m := &openMsg{ReqID: r.u64()}
 		var err error
 		m.Name, err = r.name(t)
 		return m, err
 	case msgLease:
-		m := &lease{}
+		m := &leaseMsg{}
 		return m, r.lease(m)
 	case msgPush:
-		m := &push{}
-		if err := r.lease(&m.lease); err != nil {
+		m := &pushMsg{}
+		if err := r.lease(&m.leaseMsg); err != nil {
 			return nil, err
 		}
 		if m.ReqID != 0 {
@@ -457,10 +457,10 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		m.Name, err = r.name(t)
 		return m, err
 	case msgRelease:
-		m := &release{ReqID: r.u64(), LeaseID: r.u64(), Count: r.u32(), Flags: r.u32()}
+		m := &releaseMsg{ReqID: r.u64(), LeaseID: r.u64(), Count: r.u32(), Flags: r.u32()}
 		return m, checkFlags(t, m.Flags, releaseKnown)
 	case msgReleased:
-		return &released{ReqID: r.u64(), LeaseID: r.u64()}, nil
+		return &releasedMsg{ReqID: r.u64(), LeaseID: r.u64()}, nil
 	case msgError:
 		m := &errorMsg{ReqID: r.u64(), Code: errCode(r.u32())}
 		if m.Code == 0 || m.Code >= codeLimit {
@@ -470,34 +470,15 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		m.Text, err = r.text(t, "text")
 		return m, err
 	case msgStateRequest:
-		return &stateRequest{ReqID: r.u64()}, nil
+		return &stateRequestMsg{ReqID: r.u64()}, nil
 	case msgState:
-		m := &stateChunk{ReqID: r.u64(), Flags: r.u32()}
+		m := &stateMsg{ReqID: r.u64(), Flags: r.u32()}
 		m.JSON = bytes.Clone(r.rest()) // the read buffer is reused for the next frame
 		return m, checkFlags(t, m.Flags, stateKnown)
 	case msgBye:
-		return &bye{}, nil
+		return &byeMsg{}, nil
 	}
 	return nil, protocolErr("unknown message type %d", uint8(t))
-}
-
-// decodeFrame decodes the first whole frame of b and returns what follows it.
-func decodeFrame(b []byte) (message, []byte, error) {
-	if len(b) < headerLen {
-		return nil, nil, protocolErr("truncated frame header: %d of %d bytes", len(b), headerLen)
-	}
-	t, n, err := parseHeader(b[:headerLen])
-	if err != nil {
-		return nil, nil, err
-	}
-	if len(b)-headerLen < n {
-		return nil, nil, protocolErr("truncated %s frame: %d of %d payload bytes", t, len(b)-headerLen, n)
-	}
-	m, err := decodePayload(t, b[headerLen:headerLen+n])
-	if err != nil {
-		return nil, nil, err
-	}
-	return m, b[headerLen+n:], nil
 }
 
 // reader reads fixed fields from a payload whose length parseHeader has checked, so
@@ -516,7 +497,7 @@ func (r *reader) rest() []byte {
 	return v
 }
 
-func (r *reader) lease(m *lease) error {
+func (r *reader) lease(m *leaseMsg) error {
 	m.ReqID, m.LeaseID, m.PoolID, m.BufferID, m.Size = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
 	m.Flags = r.u32()
 	r.bytes(m.Record[:])

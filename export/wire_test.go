@@ -23,22 +23,22 @@ func sampleMessages() []message {
 	for i := range rec {
 		rec[i], ev[i], fab[i] = byte(i+1), byte(200-i), byte(i*3)
 	}
-	l := lease{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Flags: leaseReadyEvent, Record: rec, Ready: ev}
+	l := leaseMsg{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Flags: leaseReadyEvent, Record: rec, Ready: ev}
 	return []message{
-		&hello{Version: ProtocolVersion, PID: 4242, Flags: helloLeases | helloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
-		&welcome{Version: ProtocolVersion, PID: 17, Devices: []cudart.UUID{{9}, {8, 7}}},
-		&refused{Version: ProtocolVersion, Reason: "uid 1001 is not allowed"},
-		&poolHandle{PoolID: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{5}, MaxSize: 64 << 20},
-		&poolHandle{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
-		&open{ReqID: 1, Name: "kv/layer-0"},
+		&helloMsg{Version: ProtocolVersion, PID: 4242, Flags: helloLeases | helloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
+		&welcomeMsg{Version: ProtocolVersion, PID: 17, Devices: []cudart.UUID{{9}, {8, 7}}},
+		&refusedMsg{Version: ProtocolVersion, Reason: "uid 1001 is not allowed"},
+		&poolHandleMsg{PoolID: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{5}, MaxSize: 64 << 20},
+		&poolHandleMsg{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
+		&openMsg{ReqID: 1, Name: "kv/layer-0"},
 		&l,
-		&push{lease: lease{LeaseID: 5, PoolID: 3, BufferID: 2, Size: 512, Record: rec}, Name: "pushed"},
-		&release{ReqID: 8, LeaseID: 0xdeadbeefcafe, Count: 2, Flags: releaseNothingImported},
-		&released{ReqID: 8, LeaseID: 0xdeadbeefcafe},
+		&pushMsg{leaseMsg: leaseMsg{LeaseID: 5, PoolID: 3, BufferID: 2, Size: 512, Record: rec}, Name: "pushed"},
+		&releaseMsg{ReqID: 8, LeaseID: 0xdeadbeefcafe, Count: 2, Flags: releaseNothingImported},
+		&releasedMsg{ReqID: 8, LeaseID: 0xdeadbeefcafe},
 		&errorMsg{ReqID: 1, Code: codeUnknownName, Text: "no buffer named \"x\""},
-		&stateRequest{ReqID: 99},
-		&stateChunk{ReqID: 99, Flags: stateMore, JSON: []byte(`{"pid":1}`)},
-		&bye{},
+		&stateRequestMsg{ReqID: 99},
+		&stateMsg{ReqID: 99, Flags: stateMore, JSON: []byte(`{"pid":1}`)},
+		&byeMsg{},
 	}
 }
 
@@ -86,7 +86,7 @@ type malformedFrame struct {
 
 func malformedFrames() []malformedFrame {
 	good := sampleMessages()
-	helloMsg, leaseMsg := good[0], good[6]
+	goodHello, goodLease := good[0], good[6]
 	return []malformedFrame{
 		{name: "short header", b: []byte{1, 0, 0}, want: "truncated frame header"},
 		{name: "unknown type", b: frame(0, 0x7f, nil), want: "unknown message type 127"},
@@ -99,14 +99,14 @@ func malformedFrames() []malformedFrame {
 		{name: "open without name", b: frame(8, msgOpen, make([]byte, 8)), want: "Open payload is 8 bytes, want 9 to 263"},
 		{name: "name not utf8", b: frame(9, msgOpen, append(make([]byte, 8), 0xff)), want: "not UTF-8"},
 		{name: "name with NUL", b: frame(10, msgOpen, append(make([]byte, 8), 'a', 0)), want: "control character"},
-		{name: "unknown hello flag", b: withField(helloMsg, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
-		{name: "release event without leases", b: withField(helloMsg, 8, []byte{byte(helloReleaseEvent)}), want: "takes no leases"},
+		{name: "unknown hello flag", b: withField(goodHello, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
+		{name: "release event without leases", b: withField(goodHello, 8, []byte{byte(helloReleaseEvent)}), want: "takes no leases"},
 		{name: "hello short", b: frame(20, msgHello, le.AppendUint32(make([]byte, 0, 20), ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
-		{name: "unknown lease flag", b: withField(leaseMsg, 40, []byte{2}), want: "Lease has unknown flags 0x2"},
-		{name: "event bytes without flag", b: withField(leaseMsg, 40, []byte{0}), want: "without the ready-event flag"},
-		{name: "push with request id", b: appendFrame(nil, &push{lease: lease{ReqID: 3}, Name: "x"}), want: "Push has request id 3"},
-		{name: "pool handle type none", b: appendFrame(nil, &poolHandle{HandleType: cudart.HandleTypeNone}), want: "handle type none"},
-		{name: "fd pool with fabric bytes", b: appendFrame(nil, &poolHandle{HandleType: cudart.HandleTypePosixFD, Fabric: cudart.FabricHandle{1}}), want: "carries fabric bytes"},
+		{name: "unknown lease flag", b: withField(goodLease, 40, []byte{2}), want: "Lease has unknown flags 0x2"},
+		{name: "event bytes without flag", b: withField(goodLease, 40, []byte{0}), want: "without the ready-event flag"},
+		{name: "push with request id", b: appendFrame(nil, &pushMsg{leaseMsg: leaseMsg{ReqID: 3}, Name: "x"}), want: "Push has request id 3"},
+		{name: "pool handle type none", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypeNone}), want: "handle type none"},
+		{name: "fd pool with fabric bytes", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypePosixFD, Fabric: cudart.FabricHandle{1}}), want: "carries fabric bytes"},
 		{name: "welcome too many devices", b: withField(good[1], 8, []byte{17}), want: "lists 17 devices"},
 		{name: "welcome unused slot", b: withField(good[1], 12+2*16, []byte{1}), want: "unused device slot 2"},
 		{name: "error code zero", b: withField(good[10], 8, []byte{0}), want: "unknown code 0"},
@@ -247,4 +247,23 @@ func readCorpusEntry(t *testing.T, path string) []byte {
 		t.Fatalf("%s: %v", path, err)
 	}
 	return []byte(s)
+}
+
+// decodeFrame decodes the first whole frame of b and returns what follows it.
+func decodeFrame(b []byte) (message, []byte, error) {
+	if len(b) < headerLen {
+		return nil, nil, protocolErr("truncated frame header: %d of %d bytes", len(b), headerLen)
+	}
+	t, n, err := parseHeader(b[:headerLen])
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(b)-headerLen < n {
+		return nil, nil, protocolErr("truncated %s frame: %d of %d payload bytes", t, len(b)-headerLen, n)
+	}
+	m, err := decodePayload(t, b[headerLen:headerLen+n])
+	if err != nil {
+		return nil, nil, err
+	}
+	return m, b[headerLen+n:], nil
 }

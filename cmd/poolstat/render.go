@@ -82,12 +82,12 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 			}
 			fmt.Fprintf(tw, "  %s\t%d\t%s\t%s\t%s\t(%s)\t%s\t(%s)\t%s\n", cut(p.Name, maxPoolName), p.Device,
 				p.HandleType, maxSize, size(p.ReservedCurrent), size(p.ReservedHigh), size(p.UsedCurrent),
-				size(p.UsedHigh), size(p.RoundingOverhead))
+				size(p.UsedHigh), size(p.RoundingOverhead()))
 		}
 		tw.Flush()
 		for _, p := range st.Pools {
 			fmt.Fprintf(w, "  %s: %s live, %d shared, %s; %s waiting on importers\n", cut(p.Name, maxPoolName),
-				plural(p.BuffersLive, "buffer"), p.BuffersShared, plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
+				plural(p.LiveBuffers, "buffer"), p.SharedBuffers, plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
 			if p.FailedFrees > 0 {
 				fmt.Fprintf(w, "  %s: %s failed and hold memory until the pool closes\n", cut(p.Name, maxPoolName),
 					plural(p.FailedFrees, "deferred free"))

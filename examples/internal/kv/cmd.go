@@ -17,6 +17,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/privdir"
 	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
@@ -247,7 +248,7 @@ func waitLine(ctx context.Context, r io.Reader) error {
 // other user can take its place.
 func DefaultSocket() (string, error) {
 	dir := export.DefaultDir()
-	if err := export.EnsureDir(dir); err != nil {
+	if err := privdir.Ensure(dir); err != nil {
 		return "", err
 	}
 	return filepath.Join(dir, DefaultName+".sock"), nil

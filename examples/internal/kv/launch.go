@@ -20,6 +20,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/privdir"
 	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
@@ -113,7 +114,7 @@ func (l *launch) run(ctx context.Context) error {
 	// The socket goes in the private announce directory, which the producer removes it
 	// from when it stops, so that even a killed launcher leaves nothing behind.
 	dir := export.DefaultDir()
-	if err := export.EnsureDir(dir); err != nil {
+	if err := privdir.Ensure(dir); err != nil {
 		return err
 	}
 	socket := filepath.Join(dir, fmt.Sprintf("kvshare-%d.sock", os.Getpid()))

@@ -1,0 +1,143 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// serveConn admits nc and serves it, as a peer or an observer, until it closes.
+func (ex *Exporter) serveConn(nc net.Conn) {
+	p, o, err := ex.admit(nc)
+	if err != nil {
+		level := slog.LevelWarn
+		if errors.Is(err, io.EOF) {
+			level = slog.LevelDebug // a liveness probe (Discover) hangs up without a word
+		}
+		ex.log.Log(context.Background(), level, "export: connection not admitted", "err", err)
+		nc.Close()
+		return
+	}
+	if o != nil {
+		o.serve()
+		return
+	}
+	ex.log.Debug("export: peer admitted", "pid", p.pid(), "remote", p.remote())
+	reason, clean := p.serve()
+	if reason != nil {
+		ex.log.Warn("export: closing peer connection", "pid", p.pid(), "reason", reason)
+	}
+	p.c.close()
+	if p.lost() {
+		clean = p.awaitExit(clean)
+	}
+	p.cleanup(clean)
+}
+
+// admit is the exporter's half of the handshake: it reads the Hello, applies the
+// policy and answers Welcome or Refused (which carries the reason and nothing else).
+// A Hello that takes leases makes a peer; one that does not, an observer.
+func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
+	defer func() {
+		ex.mu.Lock()
+		delete(ex.greeting, nc)
+		ex.mu.Unlock()
+	}()
+	c := newConn(nc, false)
+	nc.SetDeadline(time.Now().Add(ex.opts.handshakeTimeout))
+	var cred *peercred.Cred // nil on a byte stream
+	if c.uc != nil {
+		cr, err := peercred.Get(c.uc)
+		if err != nil {
+			return nil, nil, err
+		}
+		cred = &cr
+	}
+	var h helloMsg
+	pid := func() int {
+		if cred != nil {
+			return cred.PID
+		}
+		return int(h.PID) // what a remote peer says: not checked
+	}
+	refuse := func(reason string) (*peer, *observer, error) {
+		c.send(context.Background(), &refusedMsg{Version: ProtocolVersion, Reason: reason}, -1)
+		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
+	}
+	m, _, err := c.recv()
+	if errors.Is(err, ErrVersionMismatch) {
+		return refuse(err.Error())
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("pid %d: before Hello: %w", pid(), err)
+	}
+	hm, ok := m.(*helloMsg)
+	if !ok {
+		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", ErrProtocol, m.kind()))
+	}
+	h = *hm
+	if reason := ex.opts.policy.admit(cred); reason != "" {
+		return refuse(reason)
+	}
+	if cred == nil && h.Flags&helloReleaseEvent != 0 {
+		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", ErrProtocol))
+	}
+	welcome := func() error {
+		return c.send(context.Background(), &welcomeMsg{Version: ProtocolVersion, PID: uint32(os.Getpid()), Devices: ex.devices[:min(len(ex.devices), maxDevices)]}, -1)
+	}
+
+	if h.Flags&helloLeases == 0 {
+		o := &observer{ex: ex, c: c, pid: pid()}
+		ex.mu.Lock()
+		if ex.closed {
+			ex.mu.Unlock()
+			return refuse("the exporter is closing")
+		}
+		ex.observers[o] = struct{}{}
+		ex.mu.Unlock()
+		if err := welcome(); err != nil {
+			o.leave()
+			return nil, nil, err
+		}
+		nc.SetDeadline(time.Time{})
+		return nil, o, nil
+	}
+
+	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: make(chan struct{}, 1),
+		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{}}
+	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
+	id := ex.lastConnID.Add(1)
+	if id > maxConnID {
+		return refuse("the exporter has run out of connection ids; restart it")
+	}
+	p.id = id
+	ex.mu.Lock()
+	if ex.closed {
+		ex.mu.Unlock()
+		return refuse("the exporter is closing")
+	}
+	ex.peers[p] = struct{}{}
+	ex.mu.Unlock()
+	if p.remote() {
+		p.procErr = errors.New("a peer on a byte stream has no process on this host")
+	} else {
+		// Opened while the peer is connected, so that it names the process that
+		// connected even if that pid is reused later.
+		p.proc, p.procErr = peercred.OpenProcess(p.cred.PID)
+	}
+	if err := welcome(); err != nil {
+		p.cleanup(false)
+		return nil, nil, err
+	}
+	nc.SetDeadline(time.Time{})
+	return p, nil, nil
+}

@@ -1,0 +1,167 @@
+package export
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// The lease ledger: what each peer holds, and how it ends.
+
+// lease is a peer's hold on one buffer, under one lease id: one grant (a pool lease)
+// per Open or Push the id answered, as a connection asking again for a buffer it holds
+// gets the same id. It ends when its last grant is released.
+type lease struct {
+	id     uint64
+	buf    *pool.Buffer
+	grants []*pool.Lease
+	bytes  uint64
+}
+
+// withdraw takes back pl, granted under lease id but whose message did not go out
+// whole: the peer never learnt of it, so it will never release it, and imported
+// nothing under it. Once cleanup has run it ended pl already. A peer that held the
+// buffer under id before may have released, meanwhile, as many grants as it knew of,
+// and releaseLease ends the newest, pl among them: then one of those the peer knew of
+// is left, and goes instead, so that the lease keeps exactly the grants the peer holds.
+func (p *peer) withdraw(id uint64, pl *pool.Lease) {
+	p.mu.Lock()
+	entry := p.leases[id]
+	i := -1
+	if entry != nil {
+		i = slices.Index(entry.grants, pl)
+		if i < 0 && len(entry.grants) > 0 {
+			i = len(entry.grants) - 1
+			pl = entry.grants[i]
+		}
+	}
+	if i >= 0 {
+		entry.grants = slices.Delete(entry.grants, i, i+1)
+		if len(entry.grants) == 0 {
+			delete(p.leases, entry.id)
+			delete(p.byBuffer, entry.buf)
+		}
+	}
+	p.mu.Unlock()
+	if i < 0 {
+		return
+	}
+	if err := pl.End(0); err != nil {
+		p.ex.log.Error("export: taking back a lease that was never sent", "pid", p.pid(), "err", err)
+	}
+	p.ex.poke()
+}
+
+// lookupLease finds the lease of id on this connection, or says why there is none.
+// Call with p.mu held.
+func (p *peer) lookupLease(id uint64) (*lease, error) {
+	if entry := p.leases[id]; entry != nil {
+		return entry, nil
+	}
+	conn, ctr := p.ex.ids.unseal(id)
+	switch {
+	case conn == p.id && ctr >= 1 && ctr <= p.issued:
+		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
+	case conn != p.id && conn >= 1 && conn <= p.ex.lastConnID.Load() && ctr >= 1:
+		return nil, fmt.Errorf("%w: lease %#x", ErrForeignLease, id)
+	}
+	return nil, fmt.Errorf("%w: lease %#x", ErrForgedLease, id)
+}
+
+func (p *peer) releaseLease(m *releaseMsg) error {
+	p.mu.Lock()
+	entry, err := p.lookupLease(m.LeaseID)
+	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
+		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
+	}
+	if err != nil {
+		p.mu.Unlock()
+		return err
+	}
+	n := len(entry.grants) - int(m.Count)
+	ending := entry.grants[n:]
+	entry.grants = entry.grants[:n:n]
+	if n == 0 {
+		delete(p.leases, entry.id)
+		delete(p.byBuffer, entry.buf)
+	}
+	completion := p.releaseEvents[entry.buf.Device()]
+	p.mu.Unlock()
+	if m.Flags&releaseNothingImported != 0 || p.hello.Flags&helloReleaseEvent == 0 {
+		// Nothing to wait for: nothing imported, or a peer that synchronised its free
+		// before it said Release.
+		completion = 0
+	}
+	if completion != 0 && completed(p.ex.rt, entry.buf.Device(), completion) {
+		completion = 0 // the free is known to be done: the pool's stream need not wait
+	}
+	if err := p.endGrants(entry, ending, completion); err != nil {
+		return err
+	}
+	p.ex.poke()
+	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
+}
+
+// endGrants ends grants of entry after completion. A grant whose end failed before it
+// ended (waiting for completion failed) goes back to entry, so it can be ended later.
+func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion cudart.Event) error {
+	var errs []error
+	for _, l := range ls {
+		err := l.End(completion)
+		if err == nil {
+			continue
+		}
+		errs = append(errs, err)
+		if !errors.Is(err, pool.ErrFreeFailed) && !errors.Is(err, pool.ErrLeaseEnded) {
+			p.mu.Lock()
+			entry.grants = append(entry.grants, l)
+			p.leases[entry.id], p.byBuffer[entry.buf] = entry, entry
+			p.mu.Unlock()
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cleanup ends what the peer still holds once its connection is over, and forgets it.
+// clean: the peer said Bye or the exporter is closing, so its release event covers what
+// it freed; otherwise its process is gone and its imports with it, so nothing is
+// waited for.
+func (p *peer) cleanup(clean bool) {
+	p.c.close()
+	p.stopExitWait()
+	if p.proc != nil {
+		p.proc.Close()
+	}
+	p.mu.Lock()
+	held := make([]*lease, 0, len(p.leases))
+	for _, entry := range p.leases {
+		held = append(held, entry)
+	}
+	p.leases, p.byBuffer = map[uint64]*lease{}, map[*pool.Buffer]*lease{}
+	p.left = true
+	release := p.releaseEvents
+	p.releaseEvents = map[int]cudart.Event{}
+	p.mu.Unlock()
+	for _, entry := range held {
+		completion := cudart.Event(0)
+		if clean {
+			completion = release[entry.buf.Device()]
+		}
+		for _, l := range entry.grants {
+			if err := l.End(completion); err != nil {
+				p.ex.log.Error("export: ending a lease of a departed peer", "pid", p.pid(), "err", err)
+			}
+		}
+	}
+	for dev, ev := range release {
+		p.ex.rt.EventDestroy(dev, ev)
+	}
+	p.ex.mu.Lock()
+	delete(p.ex.peers, p)
+	p.ex.mu.Unlock()
+	p.ex.poke()
+}

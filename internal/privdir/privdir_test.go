@@ -1,0 +1,36 @@
+package privdir
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestCheck(t *testing.T) {
+	base := t.TempDir()
+
+	fresh := filepath.Join(base, "new", "deep")
+	reason, err := Check(fresh)
+	require.NoError(t, err)
+	assert.Empty(t, reason)
+	info, err := os.Stat(fresh)
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o700), info.Mode().Perm())
+
+	open := filepath.Join(base, "open")
+	require.NoError(t, os.Mkdir(open, 0o700))
+	require.NoError(t, os.Chmod(open, 0o777))
+	reason, err = Check(open)
+	require.NoError(t, err)
+	assert.Contains(t, reason, "group or others can write")
+	assert.ErrorContains(t, Ensure(open), "not private")
+
+	link := filepath.Join(base, "link")
+	require.NoError(t, os.Symlink(fresh, link))
+	reason, err = Check(link)
+	require.NoError(t, err)
+	assert.Contains(t, reason, "not a directory")
+}
