@@ -33,7 +33,40 @@
 // Opening a buffer the Importer already holds returns the same *Mapping, counted once
 // more: the driver would return the same pointer, and freeing either import would
 // unmap both (FACTS 4). The exporter grants the second Open under the same lease id,
-// and only the last Release frees the import and returns every grant.
+// and only the last Release frees the import and returns every grant of the lease.
+//
+// # Glossary
+//
+// One word names one idea, in the API, the code and the messages:
+//
+//   - publish: the producer puts a buffer under a name (Exporter.Publish); a buffer is
+//     published until Unpublish, or until it is freed.
+//   - open: a consumer asks for the buffer under a name (Importer.Open, the Open
+//     frame); the exporter answers with a grant.
+//   - push: the exporter grants a buffer to a consumer unasked (Exporter.Push,
+//     Exporter.PushAll, the Push frame).
+//   - lease: a connection's hold on one buffer, named by a lease id that only the
+//     exporter can make. A lease lives while the connection has grants of it.
+//   - grant: one Open's or one Push's share of a lease, backed by one pool.Lease.
+//     Opening a buffer the connection holds adds a grant to its lease;
+//     PeerState.Leases counts leases, PeerState.Grants the grants behind them.
+//   - release: an importer gives grants back (Mapping.Release, the Release frame);
+//     a lease ends with its last grant.
+//   - mapping: a buffer imported into the consumer's process (Mapping).
+//   - peer: the exporter's side of a connection that takes leases, an Importer's.
+//   - observer: a connection for State alone (QueryState's): it takes no leases, is
+//     no peer, and is neither listed nor pushed to.
+//   - handshake: Hello, answered by Welcome or Refused; the exporter admits a peer or
+//     observer by its Policy (admission).
+//   - pool handle: a pool's shareable handle, sent once per peer before its first
+//     grant; record: a buffer's export data.
+//   - ready event: recorded by Publish on the producer's stream, waited on by Open;
+//     release event: recorded after each of an importer's frees, waited on by the
+//     exporter's free.
+//
+// Options are typed by the side they configure: a ListenOption for Listen, a
+// DialOption for Dial and DialConn, a QueryOption for QueryState; a SharedOption
+// (WithLogger, WithHandshakeTimeout) is all three.
 //
 // # The connection
 //
@@ -54,7 +87,8 @@
 //
 // Listen announces the exporter in DefaultDir() (<pid>.json) for tools such as
 // cmd/poolstat, which find exporters with Discover and ask for their State with
-// QueryState, through the same handshake and admission policy as any consumer.
+// QueryState, as observers admitted through the same handshake and policy as any
+// consumer.
 //
 // # Faults
 //

@@ -1,0 +1,410 @@
+// binding.h: the C half of binding_linux.go, included by its cgo preamble. It declares
+// the few CUDA types the calls take and the trampolines that call the runtime through
+// the function pointers dlsym found; Go calls only the cp_ functions.
+#ifndef CUDAPOOL_CUDART_BINDING_H
+#define CUDAPOOL_CUDART_BINDING_H
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// No CUDA headers: the module builds where there is no toolkit. The few C types the
+// calls take are declared here with the layouts CUDA documents, and checked by size.
+// cudaError_t, CUresult and every CUDA enum are int-sized.
+typedef int cp_err;
+enum { cp_invalid_device = 101 }; // cudaErrorInvalidDevice, CUDA_ERROR_INVALID_DEVICE
+
+typedef struct { int type; int id; } cp_location; // cudaMemLocation, CUmemLocation
+
+typedef struct { // cudaMemPoolProps
+	int allocType;
+	int handleTypes;
+	cp_location location;
+	void *win32SecurityAttributes;
+	size_t maxSize;
+	unsigned short usage;
+	unsigned char reserved[54];
+} cp_pool_props;
+_Static_assert(sizeof(cp_pool_props) == 88, "cudaMemPoolProps is 88 bytes");
+
+typedef struct { cp_location location; int flags; } cp_access_desc; // cudaMemAccessDesc
+_Static_assert(sizeof(cp_access_desc) == 12, "cudaMemAccessDesc is 12 bytes");
+
+typedef struct { // CUmemAllocationProp
+	int type;
+	int requestedHandleTypes;
+	cp_location location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} cp_alloc_prop;
+_Static_assert(sizeof(cp_alloc_prop) == 32, "CUmemAllocationProp is 32 bytes");
+
+// cudaMemPoolPtrExportData, cudaIpcEventHandle_t and cudaMemFabricHandle_t are each 64
+// opaque bytes; CUuuid is 16.
+typedef struct { unsigned char b[64]; } cp_blob64;
+typedef struct { unsigned char b[16]; } cp_uuid;
+
+// Each symbol: return type, name, parameters, and a newer versioned name to prefer
+// where the library exports one (the driver API versions entry points with _v2).
+#define CP_RUNTIME_SYMBOLS(X) \
+	X(const char *, cudaGetErrorName, (cp_err), 0) \
+	X(const char *, cudaGetErrorString, (cp_err), 0) \
+	X(cp_err, cudaDriverGetVersion, (int *), 0) \
+	X(cp_err, cudaRuntimeGetVersion, (int *), 0) \
+	X(cp_err, cudaGetDeviceCount, (int *), 0) \
+	X(cp_err, cudaGetDevice, (int *), 0) \
+	X(cp_err, cudaSetDevice, (int), 0) \
+	X(cp_err, cudaDeviceGetAttribute, (int *, int, int), 0) \
+	X(cp_err, cudaDeviceGetPCIBusId, (char *, int, int), 0) \
+	X(cp_err, cudaDeviceCanAccessPeer, (int *, int, int), 0) \
+	X(cp_err, cudaMemGetInfo, (size_t *, size_t *), 0) \
+	X(cp_err, cudaStreamCreateWithFlags, (void **, unsigned), 0) \
+	X(cp_err, cudaStreamDestroy, (void *), 0) \
+	X(cp_err, cudaStreamSynchronize, (void *), 0) \
+	X(cp_err, cudaStreamWaitEvent, (void *, void *, unsigned), 0) \
+	X(cp_err, cudaEventCreateWithFlags, (void **, unsigned), 0) \
+	X(cp_err, cudaEventDestroy, (void *), 0) \
+	X(cp_err, cudaEventRecord, (void *, void *), 0) \
+	X(cp_err, cudaEventSynchronize, (void *), 0) \
+	X(cp_err, cudaEventQuery, (void *), 0) \
+	X(cp_err, cudaIpcGetEventHandle, (cp_blob64 *, void *), 0) \
+	X(cp_err, cudaIpcOpenEventHandle, (void **, cp_blob64), 0) \
+	X(cp_err, cudaMemPoolCreate, (void **, const cp_pool_props *), 0) \
+	X(cp_err, cudaMemPoolDestroy, (void *), 0) \
+	X(cp_err, cudaDeviceGetDefaultMemPool, (void **, int), 0) \
+	X(cp_err, cudaMemPoolGetAttribute, (void *, int, void *), 0) \
+	X(cp_err, cudaMemPoolSetAttribute, (void *, int, void *), 0) \
+	X(cp_err, cudaMemPoolSetAccess, (void *, const cp_access_desc *, size_t), 0) \
+	X(cp_err, cudaMemPoolGetAccess, (int *, void *, cp_location *), 0) \
+	X(cp_err, cudaMemPoolTrimTo, (void *, size_t), 0) \
+	X(cp_err, cudaMallocFromPoolAsync, (void **, size_t, void *, void *), 0) \
+	X(cp_err, cudaFreeAsync, (void *, void *), 0) \
+	X(cp_err, cudaMemPoolExportToShareableHandle, (void *, void *, int, unsigned), 0) \
+	X(cp_err, cudaMemPoolImportFromShareableHandle, (void **, void *, int, unsigned), 0) \
+	X(cp_err, cudaMemPoolExportPointer, (cp_blob64 *, void *), 0) \
+	X(cp_err, cudaMemPoolImportPointer, (void **, void *, cp_blob64 *), 0) \
+	X(cp_err, cudaMemcpyAsync, (void *, const void *, size_t, int, void *), 0) \
+	X(cp_err, cudaMemsetAsync, (void *, int, size_t, void *), 0)
+
+#define CP_DRIVER_SYMBOLS(X) \
+	X(cp_err, cuGetErrorName, (cp_err, const char **), 0) \
+	X(cp_err, cuGetErrorString, (cp_err, const char **), 0) \
+	X(cp_err, cuInit, (unsigned), 0) \
+	X(cp_err, cuDeviceGet, (int *, int), 0) \
+	X(cp_err, cuDeviceGetUuid, (cp_uuid *, int), "cuDeviceGetUuid_v2") \
+	X(cp_err, cuMemGetAllocationGranularity, (size_t *, const cp_alloc_prop *, int), 0)
+
+// cp_lib is the table of a loaded runtime and driver: every entry point, resolved once.
+typedef struct {
+#define CP_FIELD(ret, name, params, newer) ret(*name) params;
+	CP_RUNTIME_SYMBOLS(CP_FIELD)
+	CP_DRIVER_SYMBOLS(CP_FIELD)
+#undef CP_FIELD
+} cp_lib;
+
+typedef struct { const char *name, *newer; size_t offset; } cp_symbol;
+#define CP_ENTRY(ret, name, params, newer) {#name, newer, offsetof(cp_lib, name)},
+static const cp_symbol cp_runtime_symbols[] = {CP_RUNTIME_SYMBOLS(CP_ENTRY){0}};
+static const cp_symbol cp_driver_symbols[] = {CP_DRIVER_SYMBOLS(CP_ENTRY){0}};
+#undef CP_ENTRY
+
+// cp_open opens path and resolves its symbols (the driver's when driver is set) into
+// lib. It returns the handle, or NULL with nothing left open and msg saying why: the
+// loader's message, or every missing symbol. dlerror is per thread, so the open and
+// the reading of its error happen here, in one call.
+static void *cp_open(cp_lib *lib, const char *path, int driver, char *msg, size_t msglen) {
+	const cp_symbol *syms = driver ? cp_driver_symbols : cp_runtime_symbols;
+	msg[0] = 0;
+	dlerror();
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		const char *e = dlerror();
+		snprintf(msg, msglen, "%s", e ? e : "dlopen failed");
+		return NULL;
+	}
+	size_t used = 0;
+	for (const cp_symbol *s = syms; s->name; s++) {
+		void *f = s->newer ? dlsym(h, s->newer) : NULL;
+		if (!f) f = dlsym(h, s->name);
+		if (f) {
+			memcpy((char *)lib + s->offset, &f, sizeof f);
+		} else if (used < msglen) {
+			used += snprintf(msg + used, msglen - used, "%s%s", used ? ", " : "missing symbols: ", s->name);
+		}
+	}
+	if (msg[0]) {
+		dlclose(h);
+		return NULL;
+	}
+	return h;
+}
+
+// Where a call failed, when not in the call the trampoline is named for.
+enum { cp_at_call, cp_at_get_device, cp_at_set_device, cp_at_cu_init, cp_at_cu_device_get };
+
+// Every trampoline returns its status, where it failed and its outputs by value, so
+// that no Go memory is handed to C on the hot path and nothing is allocated.
+typedef struct { cp_err err; int at; uint64_t v, w; } cp_res;
+typedef struct { cp_err err; int at; int64_t v; cp_blob64 blob; } cp_blob_res;
+
+// CP_DEVICE_ARG fails the trampoline when dev is no int, as no device has such an
+// ordinal.
+#define CP_DEVICE_ARG(r, dev) \
+	if ((dev) < 0 || (dev) > INT_MAX) { (r).err = cp_invalid_device; return (r); }
+
+// CP_ON_DEVICE makes dev the calling thread's current device, CUDA's current device
+// being per thread. The trampoline then makes its call on this same thread: one cgo
+// call per operation, with no LockOSThread.
+#define CP_ON_DEVICE(r, lib, dev) \
+	CP_DEVICE_ARG(r, dev) \
+	{ \
+		int cur_ = -1; \
+		if (((r).err = (lib)->cudaGetDevice(&cur_)) != 0) { (r).at = cp_at_get_device; return (r); } \
+		if (cur_ != (int)(dev) && ((r).err = (lib)->cudaSetDevice((int)(dev))) != 0) { (r).at = cp_at_set_device; return (r); } \
+	}
+
+#define CP_CU_INIT(r, lib) \
+	if (((r).err = (lib)->cuInit(0)) != 0) { (r).at = cp_at_cu_init; return (r); }
+
+static const char *cp_error_name(const cp_lib *l, cp_err e) { return l->cudaGetErrorName(e); }
+static const char *cp_error_string(const cp_lib *l, cp_err e) { return l->cudaGetErrorString(e); }
+static const char *cp_cu_error_name(const cp_lib *l, cp_err e) {
+	const char *s = 0;
+	return l->cuGetErrorName(e, &s) == 0 ? s : 0;
+}
+static const char *cp_cu_error_string(const cp_lib *l, cp_err e) {
+	const char *s = 0;
+	return l->cuGetErrorString(e, &s) == 0 ? s : 0;
+}
+
+static cp_res cp_driver_version(const cp_lib *l) {
+	cp_res r = {0};
+	int v = 0;
+	r.err = l->cudaDriverGetVersion(&v);
+	r.v = (uint64_t)v;
+	return r;
+}
+
+static cp_res cp_runtime_version(const cp_lib *l) {
+	cp_res r = {0};
+	int v = 0;
+	r.err = l->cudaRuntimeGetVersion(&v);
+	r.v = (uint64_t)v;
+	return r;
+}
+
+static cp_res cp_device_count(const cp_lib *l) {
+	cp_res r = {0};
+	int n = 0;
+	r.err = l->cudaGetDeviceCount(&n);
+	r.v = (uint64_t)n;
+	return r;
+}
+
+static cp_res cp_device_attribute(const cp_lib *l, long long dev, int attr) {
+	cp_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	int v = 0;
+	r.err = l->cudaDeviceGetAttribute(&v, attr, (int)dev);
+	r.v = (uint64_t)(int64_t)v;
+	return r;
+}
+
+static cp_blob_res cp_device_uuid(const cp_lib *l, long long dev) {
+	cp_blob_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	CP_CU_INIT(r, l);
+	int d = 0;
+	if ((r.err = l->cuDeviceGet(&d, (int)dev)) != 0) {
+		r.at = cp_at_cu_device_get;
+		return r;
+	}
+	cp_uuid u = {{0}};
+	r.err = l->cuDeviceGetUuid(&u, d);
+	memcpy(r.blob.b, u.b, sizeof u.b);
+	return r;
+}
+
+static cp_blob_res cp_device_pci_bus_id(const cp_lib *l, long long dev) {
+	cp_blob_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	r.err = l->cudaDeviceGetPCIBusId((char *)r.blob.b, (int)sizeof r.blob.b - 1, (int)dev);
+	return r;
+}
+
+static cp_res cp_device_can_access_peer(const cp_lib *l, long long dev, long long peer) {
+	cp_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	CP_DEVICE_ARG(r, peer);
+	int can = 0;
+	r.err = l->cudaDeviceCanAccessPeer(&can, (int)dev, (int)peer);
+	r.v = (uint64_t)can;
+	return r;
+}
+
+static cp_res cp_mem_get_info(const cp_lib *l, long long dev) {
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	size_t free = 0, total = 0;
+	r.err = l->cudaMemGetInfo(&free, &total);
+	r.v = free;
+	r.w = total;
+	return r;
+}
+
+static cp_res cp_allocation_granularity(const cp_lib *l, long long dev, int handle_type, int recommended) {
+	cp_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	CP_CU_INIT(r, l);
+	cp_alloc_prop p;
+	memset(&p, 0, sizeof p);
+	p.type = 1; // CU_MEM_ALLOCATION_TYPE_PINNED
+	p.requestedHandleTypes = handle_type;
+	p.location.type = 1; // CU_MEM_LOCATION_TYPE_DEVICE
+	p.location.id = (int)dev;
+	size_t g = 0;
+	r.err = l->cuMemGetAllocationGranularity(&g, &p, recommended ? 1 : 0);
+	r.v = g;
+	return r;
+}
+
+static cp_res cp_mem_pool_create(const cp_lib *l, int handle_types, int loc_type, int loc_id, unsigned long long max_size) {
+	cp_res r = {0};
+	if (loc_type == 1) { // a device pool: create it with its device current
+		CP_ON_DEVICE(r, l, loc_id);
+	}
+	cp_pool_props p;
+	memset(&p, 0, sizeof p);
+	p.allocType = 1; // cudaMemAllocationTypePinned
+	p.handleTypes = handle_types;
+	p.location.type = loc_type;
+	p.location.id = (int)loc_id;
+	p.maxSize = (size_t)max_size;
+	void *pool = 0;
+	r.err = l->cudaMemPoolCreate(&pool, &p);
+	r.v = (uintptr_t)pool;
+	return r;
+}
+
+static cp_res cp_device_default_mem_pool(const cp_lib *l, long long dev) {
+	cp_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	void *p = 0;
+	r.err = l->cudaDeviceGetDefaultMemPool(&p, (int)dev);
+	r.v = (uintptr_t)p;
+	return r;
+}
+
+// The pool attributes 1-3 are C ints and 4-8 are uint64: the driver reads and writes
+// exactly that many bytes.
+static cp_res cp_mem_pool_get_attribute(const cp_lib *l, long long dev, uintptr_t p, int attr, int is_int) {
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	if (is_int) {
+		int v = 0;
+		r.err = l->cudaMemPoolGetAttribute((void *)p, attr, &v);
+		r.v = (uint64_t)(unsigned)v;
+	} else {
+		uint64_t v = 0;
+		r.err = l->cudaMemPoolGetAttribute((void *)p, attr, &v);
+		r.v = v;
+	}
+	return r;
+}
+
+static cp_res cp_mem_pool_set_attribute(const cp_lib *l, long long dev, uintptr_t p, int attr, int is_int, uint64_t value) {
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	if (is_int) {
+		int v = (int)value;
+		r.err = l->cudaMemPoolSetAttribute((void *)p, attr, &v);
+	} else {
+		uint64_t v = value;
+		r.err = l->cudaMemPoolSetAttribute((void *)p, attr, &v);
+	}
+	return r;
+}
+
+static cp_res cp_mem_pool_get_access(const cp_lib *l, long long dev, uintptr_t p, int loc_type, int loc_id) {
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	cp_location loc = {loc_type, loc_id};
+	int flags = 0;
+	r.err = l->cudaMemPoolGetAccess(&flags, (void *)p, &loc);
+	r.v = (uint64_t)(unsigned)flags;
+	return r;
+}
+
+// A POSIX fd handle is exported through an int* and imported as the fd's value cast
+// to a pointer; a fabric handle travels as its 64 bytes both ways.
+enum { cp_handle_posix_fd = 0x1, cp_handle_fabric = 0x8 };
+
+static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t p, int handle_type) {
+	cp_blob_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	if (handle_type == cp_handle_posix_fd) {
+		int fd = -1;
+		r.err = l->cudaMemPoolExportToShareableHandle(&fd, (void *)p, handle_type, 0);
+		r.v = fd;
+	} else {
+		r.err = l->cudaMemPoolExportToShareableHandle(&r.blob, (void *)p, handle_type, 0);
+		r.v = -1;
+	}
+	return r;
+}
+
+// CP_CALL defines trampoline name(params) returning type, which makes dev current and
+// then makes call; a call that yields a handle or pointer writes it to out.
+#define CP_CALL(type, name, params, call) \
+	static type name params { \
+		type r = {0}; \
+		CP_ON_DEVICE(r, l, dev); \
+		void *out = 0; \
+		r.err = call; \
+		r.v = (uintptr_t)out; \
+		return r; \
+	}
+#define CP_PTR(x) ((void *)(x))
+
+enum { cp_memcpy_host_to_device = 1, cp_memcpy_device_to_host = 2, cp_memcpy_default = 4 };
+
+CP_CALL(cp_res, cp_stream_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
+CP_CALL(cp_res, cp_stream_destroy, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
+CP_CALL(cp_res, cp_stream_synchronize, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
+CP_CALL(cp_res, cp_stream_wait_event, (const cp_lib *l, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+CP_CALL(cp_res, cp_event_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
+CP_CALL(cp_res, cp_event_destroy, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
+CP_CALL(cp_res, cp_event_record, (const cp_lib *l, long long dev, uintptr_t e, uintptr_t s), l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
+CP_CALL(cp_res, cp_event_synchronize, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventSynchronize(CP_PTR(e)))
+CP_CALL(cp_res, cp_event_query, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventQuery(CP_PTR(e)))
+CP_CALL(cp_blob_res, cp_ipc_get_event_handle, (const cp_lib *l, long long dev, uintptr_t e), l->cudaIpcGetEventHandle(&r.blob, CP_PTR(e)))
+CP_CALL(cp_res, cp_ipc_open_event_handle, (const cp_lib *l, long long dev, cp_blob64 h), l->cudaIpcOpenEventHandle(&out, h))
+CP_CALL(cp_res, cp_mem_pool_import, (const cp_lib *l, long long dev, int handle_type, int fd, cp_blob64 fabric),
+	l->cudaMemPoolImportFromShareableHandle(&out, handle_type == cp_handle_posix_fd ? (void *)(intptr_t)fd : &fabric, handle_type, 0))
+CP_CALL(cp_res, cp_mem_pool_destroy, (const cp_lib *l, long long dev, uintptr_t p), l->cudaMemPoolDestroy(CP_PTR(p)))
+CP_CALL(cp_res, cp_mem_pool_set_access, (const cp_lib *l, long long dev, uintptr_t p, const cp_access_desc *d, size_t n), l->cudaMemPoolSetAccess(CP_PTR(p), d, n))
+CP_CALL(cp_res, cp_mem_pool_trim_to, (const cp_lib *l, long long dev, uintptr_t p, uint64_t keep), l->cudaMemPoolTrimTo(CP_PTR(p), (size_t)keep))
+CP_CALL(cp_res, cp_malloc_from_pool_async, (const cp_lib *l, long long dev, uint64_t size, uintptr_t p, uintptr_t s),
+	l->cudaMallocFromPoolAsync(&out, (size_t)size, CP_PTR(p), CP_PTR(s)))
+CP_CALL(cp_res, cp_free_async, (const cp_lib *l, long long dev, uintptr_t ptr, uintptr_t s), l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
+CP_CALL(cp_blob_res, cp_mem_pool_export_pointer, (const cp_lib *l, long long dev, uintptr_t ptr), l->cudaMemPoolExportPointer(&r.blob, CP_PTR(ptr)))
+CP_CALL(cp_res, cp_mem_pool_import_pointer, (const cp_lib *l, long long dev, uintptr_t p, cp_blob64 data), l->cudaMemPoolImportPointer(&out, CP_PTR(p), &data))
+CP_CALL(cp_res, cp_memcpy_from_host, (const cp_lib *l, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s),
+	l->cudaMemcpyAsync(CP_PTR(dst), src, (size_t)n, cp_memcpy_host_to_device, CP_PTR(s)))
+CP_CALL(cp_res, cp_memcpy_to_host, (const cp_lib *l, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s),
+	l->cudaMemcpyAsync(dst, CP_PTR(src), (size_t)n, cp_memcpy_device_to_host, CP_PTR(s)))
+CP_CALL(cp_res, cp_memcpy_device, (const cp_lib *l, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s),
+	l->cudaMemcpyAsync(CP_PTR(dst), CP_PTR(src), (size_t)n, cp_memcpy_default, CP_PTR(s)))
+CP_CALL(cp_res, cp_memset, (const cp_lib *l, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
+	l->cudaMemsetAsync(CP_PTR(dst), value, (size_t)n, CP_PTR(s)))
+
+#endif // CUDAPOOL_CUDART_BINDING_H
