@@ -15,6 +15,8 @@ import (
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // The benchmarks put the consumer in a child process (the real runtime cannot import
@@ -180,14 +182,10 @@ type benchEnv struct {
 func newBenchEnv(b *testing.B) *benchEnv {
 	b.Helper()
 	rt, onGPU, why, err := rtselect.Open(os.Getenv("CUDAPOOL_RUNTIME"))
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	b.Log(why)
 	n, err := rt.DeviceCount()
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	e := &benchEnv{rt: rt, onGPU: onGPU}
 	if e.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
 		b.Fatal(err)
@@ -207,13 +205,9 @@ func newBenchEnv(b *testing.B) *benchEnv {
 	b.Cleanup(func() {
 		e.kid.Finish()
 		ctx := context.Background()
-		if err := e.ex.Close(ctx); err != nil {
-			b.Error(err)
-		}
+		assert.NoError(b, e.ex.Close(ctx))
 		e.pool.Close(ctx, pool.Force())
-		if err := rtselect.Err(rt); err != nil {
-			b.Error(err)
-		}
+		assert.NoError(b, rtselect.Err(rt))
 	})
 	return e
 }
@@ -227,16 +221,10 @@ func (e *benchEnv) publish(b *testing.B, name string, from, to int, size uint64)
 	var spent time.Duration
 	for i := from; i < to; i++ {
 		buf, err := e.pool.Alloc(ctx, size, e.stream)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := e.rt.MemsetAsync(0, buf.Ptr(), byte(i), size, e.stream); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, err)
+		require.NoError(b, e.rt.MemsetAsync(0, buf.Ptr(), byte(i), size, e.stream))
 		start := time.Now()
-		if err := e.ex.Publish(ctx, fmt.Sprint(name, i), buf, e.stream); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, e.ex.Publish(ctx, fmt.Sprint(name, i), buf, e.stream))
 		spent += time.Since(start)
 		bufs = append(bufs, buf)
 	}
@@ -247,9 +235,7 @@ func (e *benchEnv) retire(b *testing.B, name string, from int, bufs []*pool.Buff
 	b.Helper()
 	for i, buf := range bufs {
 		e.ex.Unpublish(fmt.Sprint(name, from+i))
-		if err := buf.Free(e.stream); err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(b, buf.Free(e.stream))
 	}
 }
 
@@ -259,9 +245,8 @@ func (e *benchEnv) ask(b *testing.B, cmd string) time.Duration {
 	e.kid.Send(cmd)
 	reply := e.kid.Next()
 	ns, err := strconv.ParseInt(strings.TrimPrefix(reply, "ns "), 10, 64)
-	if err != nil || !strings.HasPrefix(reply, "ns ") {
-		b.Fatalf("consumer answered %q to %q: %v", reply, cmd, err)
-	}
+	require.NoError(b, err, "consumer answered %q to %q: %v", reply, cmd, err)
+	require.True(b, strings.HasPrefix(reply, "ns "), "consumer answered %q to %q: %v", reply, cmd, err)
 	return time.Duration(ns)
 }
 
@@ -349,9 +334,7 @@ func BenchmarkOpenExportedInProcess(b *testing.B) {
 	c := newConsumer(b, pr.path, 1)
 	ctx := testCtx(b)
 	spent, err := benchOpen(ctx, c.imp, c.stream, "x", count, count)
-	if err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(b, err)
 	b.ResetTimer()
 	if spent, err = benchOpen(ctx, c.imp, c.stream, "x", count, b.N); err != nil {
 		b.Fatal(err)

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // rendezvousRuntime makes the exporter's first use of each peer's release event
@@ -59,18 +61,14 @@ func TestOpensOfManyConsumersOverlap(t *testing.T) {
 				t.Errorf("Open: %v", err)
 				return
 			}
-			if b := c.read(t, m); !allAre(b, 0x21) {
-				t.Error("mapping reads wrong bytes")
-			}
-			if err := m.Release(ctx, c.stream); err != nil {
-				t.Errorf("Release: %v", err)
-			}
+			b := c.read(t, m)
+			assert.True(t, allAre(b, 0x21), "mapping reads wrong bytes")
+			assert.NoError(t, m.Release(ctx, c.stream), "Release")
 		})
 	}
 	wg.Wait()
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases after every consumer released", n)
-	}
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases after every consumer released", n)
 	pr.checkClean(t)
 }
 
@@ -89,30 +87,18 @@ func TestPushAllSendsToEveryPeerAtOnce(t *testing.T) {
 			}
 			got <- errors.Join(err, m.Release(ctx, s.stream))
 		}))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		t.Cleanup(func() { imp.Close(context.Background()) })
 	}
 	// Every connection is this process's: one pid, pushed to on all of them at once.
-	if err := pr.ex.PushAll(ctx, "p", os.Getpid()); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.PushAll(ctx, "p", os.Getpid()))
 	for range overlapPeers {
-		if err := <-got; err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, <-got)
 	}
 	waitFor(t, "the pushed leases to be released", func() bool { return pr.activeLeases(t) == 0 })
-	if err := pr.ex.PushAll(ctx, "p", impossiblePID(t)); !errors.Is(err, ErrNoPeer) {
-		t.Fatalf("PushAll to nobody = %v, want ErrNoPeer", err)
-	}
-	if err := pr.ex.PushAll(ctx, "p"); err == nil {
-		t.Fatal("PushAll without pids succeeded")
-	}
-	if err := pr.ex.PushAll(ctx, "nope", os.Getpid()); !errors.Is(err, ErrUnknownName) {
-		t.Fatalf("PushAll of an unknown name = %v, want ErrUnknownName", err)
-	}
+	require.ErrorIs(t, pr.ex.PushAll(ctx, "p", impossiblePID(t)), ErrNoPeer, "PushAll to nobody, want ErrNoPeer")
+	require.Error(t, pr.ex.PushAll(ctx, "p"), "PushAll without pids succeeded")
+	require.ErrorIs(t, pr.ex.PushAll(ctx, "nope", os.Getpid()), ErrUnknownName, "PushAll of an unknown name, want ErrUnknownName")
 	pr.checkClean(t)
 }
 
@@ -168,9 +154,7 @@ func TestCyclesWaitOnlyForWorkNotDone(t *testing.T) {
 	s := newSide(t, 0)
 	crt := &countingRuntime{Runtime: s.dev}
 	imp, err := Dial(testCtx(t), pr.path, crt, 0, WithLogger(discardLogger))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { imp.Close(context.Background()) })
 	c := &consumer{side: s, imp: imp}
 	ctx := testCtx(t)
@@ -178,15 +162,10 @@ func TestCyclesWaitOnlyForWorkNotDone(t *testing.T) {
 		t.Helper()
 		for i := range ring * rounds {
 			m, err := imp.Open(ctx, names[i%ring], s.stream)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if b := c.read(t, m); !allAre(b, byte(i%ring+1)) {
-				t.Fatalf("cycle %d reads wrong bytes", i)
-			}
-			if err := m.Release(ctx, s.stream); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
+			b := c.read(t, m)
+			require.True(t, allAre(b, byte(i%ring+1)), "cycle %d reads wrong bytes", i)
+			require.NoError(t, m.Release(ctx, s.stream))
 		}
 	}
 	type counts struct{ prodWaits, consWaits, consSyncs int64 }
@@ -197,26 +176,19 @@ func TestCyclesWaitOnlyForWorkNotDone(t *testing.T) {
 	before := measure()
 	cycle()
 	after := measure()
-	if got, want := (counts{after.prodWaits - before.prodWaits, after.consWaits - before.consWaits, after.consSyncs - before.consSyncs}), (counts{0, n, 0}); got != want {
-		t.Fatalf("with the GPU done: producer stream waits, consumer stream waits, consumer host waits = %+v, want %+v", got, want)
-	}
+	got, want := (counts{after.prodWaits - before.prodWaits, after.consWaits - before.consWaits, after.consSyncs - before.consSyncs}), (counts{0, n, 0})
+	require.EqualValues(t, want, got, "with the GPU done: producer stream waits, consumer stream waits, consumer host waits = %+v, want %+v", got, want)
 
 	prt.busy.Store(true)
 	crt.busy.Store(true)
 	before = measure()
 	cycle()
 	after = measure()
-	if got, want := after.prodWaits-before.prodWaits, int64(n); got != want {
-		t.Fatalf("with the consumer's frees pending, the producer's stream waited %d times for %d releases", got, want)
-	}
-	if got, want := after.consWaits-before.consWaits, int64(2*n); got != want {
-		t.Fatalf("with the producer's writes pending, the consumer's streams waited %d times for %d opens and releases, want %d", got, n, want)
-	}
+	require.EqualValues(t, n, after.prodWaits-before.prodWaits, "with the consumer's frees pending, the producer's stream's waits for %d releases", n)
+	require.EqualValues(t, 2*n, after.consWaits-before.consWaits, "with the producer's writes pending, the consumer's streams' waits for %d opens and releases", n)
 	// Each Open re-imports the record freed a ring ago, only once that free is done:
 	// one wait covers the frees of a whole turn of the ring.
-	if got := after.consSyncs - before.consSyncs; got != rounds {
-		t.Fatalf("with frees pending, the consumer waited for them %d times in %d turns of the ring", got, rounds)
-	}
+	require.EqualValues(t, rounds, after.consSyncs-before.consSyncs, "with frees pending, the consumer's waits for them in %d turns of the ring", rounds)
 	pr.checkClean(t)
 	s.checkClean(t)
 }

@@ -2,11 +2,12 @@ package export
 
 import (
 	"context"
-	"errors"
 	"io"
 	"net"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // A send cut short by its context leaves part of a frame on the stream, which nothing
@@ -21,18 +22,14 @@ func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 	sent := make(chan error, 1)
 	go func() { sent <- c.send(ctx, &stateRequestMsg{ReqID: 1}, -1) }()
 	var first [1]byte
-	if _, err := io.ReadFull(b, first[:]); err != nil {
-		t.Fatal(err)
-	}
+	_, err := io.ReadFull(b, first[:])
+	require.NoError(t, err)
 	cancel() // the frame's other bytes are still unread: the write is under way
-	if err := <-sent; !errors.Is(err, context.Canceled) {
-		t.Fatalf("send = %v, want context.Canceled", err)
-	}
+	require.ErrorIs(t, <-sent, context.Canceled, "send, want context.Canceled")
 	b.SetReadDeadline(time.Now().Add(hangGuard))
 	var rest [64]byte
-	if n, err := b.Read(rest[:]); err != io.EOF {
-		t.Fatalf("after an interrupted send the peer read %d bytes, err %v; want the connection closed (io.EOF)", n, err)
-	}
+	n, err := b.Read(rest[:])
+	require.EqualValues(t, io.EOF, err, "after an interrupted send the peer read %d bytes, err %v; want the connection closed (io.EOF)", n, err)
 }
 
 // A send whose context ended before it began writes nothing, and the stream stays
@@ -44,21 +41,15 @@ func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 	defer c.close()
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
-	if err := c.send(ctx, &stateRequestMsg{ReqID: 1}, -1); !errors.Is(err, context.Canceled) {
-		t.Fatalf("send = %v, want context.Canceled", err)
-	}
+	require.ErrorIs(t, c.send(ctx, &stateRequestMsg{ReqID: 1}, -1), context.Canceled, "send, want context.Canceled")
 	go c.send(context.Background(), &stateRequestMsg{ReqID: 2}, -1)
 	got := make([]byte, headerLen+8)
-	if _, err := io.ReadFull(b, got); err != nil {
-		t.Fatal(err)
-	}
+	_, err := io.ReadFull(b, got)
+	require.NoError(t, err)
 	m, _, err := decodeFrame(got)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r, ok := m.(*stateRequestMsg); !ok || r.ReqID != 2 {
-		t.Fatalf("read %#v, want the second StateRequest", m)
-	}
+	require.NoError(t, err)
+	r, ok := m.(*stateRequestMsg)
+	require.False(t, !ok || r.ReqID != 2, "read %#v, want the second StateRequest", m)
 }
 
 // A send waiting for another to finish writing (to a peer that has stopped reading)
@@ -70,9 +61,8 @@ func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
 	defer c.close()
 	go c.send(context.Background(), &stateRequestMsg{ReqID: 1}, -1)
 	var first [1]byte
-	if _, err := io.ReadFull(b, first[:]); err != nil {
-		t.Fatal(err)
-	}
+	_, err := io.ReadFull(b, first[:])
+	require.NoError(t, err)
 	// The first send now writes, and no one reads the rest.
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
@@ -80,9 +70,7 @@ func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
 	go func() { sent <- c.send(ctx, &stateRequestMsg{ReqID: 2}, -1) }()
 	select {
 	case err := <-sent:
-		if !errors.Is(err, context.Canceled) {
-			t.Fatalf("send = %v, want context.Canceled", err)
-		}
+		require.ErrorIs(t, err, context.Canceled, "send = %v, want context.Canceled", err)
 	case <-time.After(hangGuard):
 		t.Fatal("a send behind a stuck write ignored its ended context")
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/cudapool/cudapool/internal/gputest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/stretchr/testify/require"
 )
 
 // On a GPU host: a producer process on device 0, this process consuming on device 1.
@@ -24,62 +25,36 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 	k.Expect("ready")
 	ctx := testCtx(t)
 	s, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer rt.StreamDestroy(1, s)
 	imp, err := Dial(ctx, path, rt, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer imp.Close(ctx)
 	m, err := imp.Open(ctx, "big", s)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	got := make([]byte, size)
-	if err := rt.MemcpyDtoHAsync(1, got, m.Ptr(), s); err != nil {
-		t.Fatal(err)
-	}
-	if !allAre(got, 161) {
-		t.Fatal("device 1 read wrong bytes from the producer's buffer")
-	}
+	require.NoError(t, rt.MemcpyDtoHAsync(1, got, m.Ptr(), s))
+	require.True(t, allAre(got, 161), "device 1 read wrong bytes from the producer's buffer")
 
 	local, err := pool.New(rt, 1, pool.WithHandleType(cudart.HandleTypeNone))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer local.Close(ctx, pool.Force())
 	dst, err := local.Alloc(ctx, size, s)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	for range 8 { // a few milliseconds of copies still queued at Release
-		if err := rt.MemcpyDtoDAsync(1, dst.Ptr(), m.Ptr(), size, s); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, rt.MemcpyDtoDAsync(1, dst.Ptr(), m.Ptr(), size, s))
 	}
-	if err := m.Release(ctx, s); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, m.Release(ctx, s))
 	k.Send("free big")
 	k.Expect("freed")
 	k.Send(fmt.Sprintf("refill %d 178", size))
 	k.Expect("refilled")
-	if err := rt.MemcpyDtoHAsync(1, got, dst.Ptr(), s); err != nil {
-		t.Fatal(err)
-	}
-	if !allAre(got, 161) {
-		t.Fatal("a copy queued before Release saw the producer's later writes: release was not ordered")
-	}
+	require.NoError(t, rt.MemcpyDtoHAsync(1, got, dst.Ptr(), s))
+	require.True(t, allAre(got, 161), "a copy queued before Release saw the producer's later writes: release was not ordered")
 	dst.Free(s)
 	k.Send("stats")
-	if got := k.Next(); got != "stats 1 0 0" {
-		t.Fatalf("producer %q, want the refilled buffer only, no lease, no deferred free", got)
-	}
-	if err := imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.Equal(t, "stats 1 0 0", k.Next(), "producer: want the refilled buffer only, no lease, no deferred free")
+	require.NoError(t, imp.Close(ctx))
 	k.Send("quit")
 	k.Finish()
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/stretchr/testify/require"
 )
 
 // hangGuard bounds every blocking call of a test. It only ends a test that hangs; no
@@ -31,9 +32,7 @@ func testCtx(t testing.TB) context.Context {
 func shortDir(t testing.TB) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "cpx")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
 }
@@ -73,9 +72,7 @@ func newSide(t testing.TB, ord int, opts ...cudarttest.Option) *side {
 	t.Helper()
 	d := cudarttest.New(opts...)
 	s, err := d.StreamCreate(ord, cudart.StreamNonBlocking)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { d.Close() })
 	return &side{dev: d, ord: ord, stream: s}
 }
@@ -83,9 +80,7 @@ func newSide(t testing.TB, ord int, opts ...cudarttest.Option) *side {
 // checkClean fails the test if the side's device saw a rule broken.
 func (s *side) checkClean(t testing.TB) {
 	t.Helper()
-	if err := s.dev.Err(); err != nil {
-		t.Fatalf("software device saw violations: %v", err)
-	}
+	require.NoError(t, s.dev.Err(), "software device saw violations")
 }
 
 // producer is an exporter with a pool, in its own simulated process.
@@ -113,15 +108,11 @@ func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolO
 		rt = wrap(rt)
 	}
 	p, err := pool.New(rt, 0, poolOpts...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	lb := &logBuffer{}
 	path := filepath.Join(shortDir(t), "x.sock")
 	ex, err := Listen(path, rt, append([]ListenOption{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	pr := &producer{side: s, pool: p, ex: ex, path: path, log: lb}
 	t.Cleanup(func() {
 		// Tests close what they check; this only cleans up after a failure, without
@@ -140,15 +131,9 @@ func (pr *producer) publish(t testing.TB, name string, size uint64, fill byte) *
 	t.Helper()
 	ctx := testCtx(t)
 	b, err := pr.pool.Alloc(ctx, size, pr.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.dev.MemsetAsync(pr.ord, b.Ptr(), fill, size, pr.stream); err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.ex.Publish(ctx, name, b, pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, pr.dev.MemsetAsync(pr.ord, b.Ptr(), fill, size, pr.stream))
+	require.NoError(t, pr.ex.Publish(ctx, name, b, pr.stream))
 	return b
 }
 
@@ -162,9 +147,7 @@ func newConsumer(t testing.TB, path string, ord int, opts ...DialOption) *consum
 	t.Helper()
 	s := newSide(t, ord)
 	imp, err := Dial(testCtx(t), path, s.dev, ord, append([]DialOption{WithLogger(discardLogger)}, opts...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { imp.Close(context.Background()) })
 	return &consumer{side: s, imp: imp}
 }
@@ -173,9 +156,7 @@ func newConsumer(t testing.TB, path string, ord int, opts ...DialOption) *consum
 func (c *consumer) read(t testing.TB, m *Mapping) []byte {
 	t.Helper()
 	out := make([]byte, m.Size())
-	if err := c.dev.MemcpyDtoHAsync(c.ord, out, m.Ptr(), c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, c.dev.MemcpyDtoHAsync(c.ord, out, m.Ptr(), c.stream))
 	return out
 }
 
@@ -190,9 +171,7 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(hangGuard)
 	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting for %s", what)
-		}
+		require.False(t, time.Now().After(deadline), "gave up waiting for %s", what)
 		time.Sleep(time.Millisecond)
 	}
 }

@@ -3,15 +3,15 @@ package export
 import (
 	"math/rand/v2"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // activeLeases reads the producer pool's lease count.
 func (pr *producer) activeLeases(t testing.TB) int {
 	t.Helper()
 	s, err := pr.pool.Stats()
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return s.ActiveLeases
 }
 
@@ -21,34 +21,27 @@ func TestStaleForeignAndForgedLeasesAreRefused(t *testing.T) {
 	a, b := admitted(t, pr.path), admitted(t, pr.path)
 
 	l, ok := a.open(1, "buf").(*leaseMsg)
-	if !ok {
-		t.Fatal("open did not answer with a Lease")
-	}
-	if n := pr.activeLeases(t); n != 1 {
-		t.Fatalf("%d active leases after one open, want 1", n)
-	}
+	require.True(t, ok, "open did not answer with a Lease")
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 1, n, "%d active leases after one open, want 1", n)
 
 	wantError(t, b.release(2, l.LeaseID, 1), 2, ErrForeignLease)
 	wantError(t, a.release(3, l.LeaseID^1<<63, 1), 3, ErrForgedLease)
 	wantError(t, a.release(4, rand.Uint64(), 1), 4, ErrForgedLease)
 	wantError(t, a.release(5, l.LeaseID, 2), 5, ErrBadRequest)
-	if n := pr.activeLeases(t); n != 1 {
-		t.Fatalf("refused releases changed the lease count to %d", n)
-	}
+	n = pr.activeLeases(t)
+	require.EqualValues(t, 1, n, "refused releases changed the lease count to %d", n)
 
-	if m := a.release(6, l.LeaseID, 1); m.kind() != msgReleased {
-		t.Fatalf("release answered %s", m.kind())
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d active leases after release, want 0", n)
-	}
+	m := a.release(6, l.LeaseID, 1)
+	require.EqualValues(t, msgReleased, m.kind(), "release answered %s", m.kind())
+	n = pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d active leases after release, want 0", n)
 	wantError(t, a.release(7, l.LeaseID, 1), 7, ErrStaleLease) // replayed
 	wantError(t, b.release(8, l.LeaseID, 1), 8, ErrForeignLease)
 
 	// The connection survives every refusal.
-	if _, ok := a.open(9, "buf").(*leaseMsg); !ok {
-		t.Fatal("open after refusals did not answer with a Lease")
-	}
+	_, ok = a.open(9, "buf").(*leaseMsg)
+	require.True(t, ok, "open after refusals did not answer with a Lease")
 	pr.checkClean(t)
 }
 
@@ -58,30 +51,23 @@ func TestReopenOnOneConnectionGrantsTheSameLease(t *testing.T) {
 	a := admitted(t, pr.path)
 	l1 := a.open(1, "buf").(*leaseMsg)
 	l2 := a.open(2, "buf").(*leaseMsg)
-	if l1.LeaseID != l2.LeaseID || l1.Record != l2.Record {
-		t.Fatalf("second open got lease %#x, want the first's %#x", l2.LeaseID, l1.LeaseID)
-	}
-	if n := pr.activeLeases(t); n != 2 {
-		t.Fatalf("%d pool leases for two grants, want 2", n)
-	}
-	if m := a.release(3, l1.LeaseID, 1); m.kind() != msgReleased {
-		t.Fatalf("release answered %s", m.kind())
-	}
-	if n := pr.activeLeases(t); n != 1 {
-		t.Fatalf("%d pool leases after one of two grants came back, want 1", n)
-	}
-	if m := a.release(4, l1.LeaseID, 1); m.kind() != msgReleased {
-		t.Fatalf("release answered %s", m.kind())
-	}
+	require.EqualValues(t, l2.LeaseID, l1.LeaseID, "second open got lease %#x, want the first's %#x", l2.LeaseID, l1.LeaseID)
+	require.EqualValues(t, l2.Record, l1.Record, "second open got lease %#x, want the first's %#x", l2.LeaseID, l1.LeaseID)
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 2, n, "%d pool leases for two grants, want 2", n)
+	m := a.release(3, l1.LeaseID, 1)
+	require.EqualValues(t, msgReleased, m.kind(), "release answered %s", m.kind())
+	n = pr.activeLeases(t)
+	require.EqualValues(t, 1, n, "%d pool leases after one of two grants came back, want 1", n)
+	m = a.release(4, l1.LeaseID, 1)
+	require.EqualValues(t, msgReleased, m.kind(), "release answered %s", m.kind())
 	wantError(t, a.release(5, l1.LeaseID, 1), 5, ErrStaleLease)
 }
 
 func TestFreedBufferIsNeverHandedOut(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	b := pr.publish(t, "buf", 1<<20, 1)
-	if err := b.Free(pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, b.Free(pr.stream))
 	a := admitted(t, pr.path)
 	wantError(t, a.open(1, "buf"), 1, ErrBufferGone)
 	// Retired: the name is gone now.
@@ -94,9 +80,8 @@ func TestStateOnlyConnectionCannotLease(t *testing.T) {
 	pr.publish(t, "buf", 1<<20, 1)
 	r := dialRaw(t, pr.path)
 	r.send(&helloMsg{Version: ProtocolVersion, PID: 1})
-	if m := r.recv(); m.kind() != msgWelcome {
-		t.Fatalf("handshake answered %s", m.kind())
-	}
+	m := r.recv()
+	require.EqualValues(t, msgWelcome, m.kind(), "handshake answered %s", m.kind())
 	wantError(t, r.open(1, "buf"), 1, ErrNoLeases)
 }
 
@@ -106,9 +91,8 @@ func TestEndingALeaseEarlyIsCaught(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	b := pr.publish(t, "buf", 1<<20, 1)
 	c := newConsumer(t, pr.path, 0)
-	if _, err := c.imp.Open(testCtx(t), "buf", c.stream); err != nil {
-		t.Fatal(err)
-	}
+	_, err := c.imp.Open(testCtx(t), "buf", c.stream)
+	require.NoError(t, err)
 	for _, p := range pr.ex.peerList() {
 		p.mu.Lock()
 		for _, g := range p.leases {
@@ -119,7 +103,5 @@ func TestEndingALeaseEarlyIsCaught(t *testing.T) {
 		p.mu.Unlock()
 	}
 	b.Free(pr.stream)
-	if err := pr.dev.Err(); err == nil {
-		t.Fatal("freeing a buffer still imported went unnoticed")
-	}
+	require.Error(t, pr.dev.Err(), "freeing a buffer still imported went unnoticed")
 }

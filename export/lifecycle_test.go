@@ -2,7 +2,6 @@ package export
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -17,6 +16,8 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestPolicyRefusesWithReason(t *testing.T) {
@@ -24,18 +25,13 @@ func TestPolicyRefusesWithReason(t *testing.T) {
 	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowUIDs: []uint32{other}})})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), pr.path, s.dev, 0)
-	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "is not allowed") {
-		t.Fatalf("Dial = %v, want ErrRefused with the reason", err)
-	}
-	if _, err := QueryState(testCtx(t), pr.path); !errors.Is(err, ErrRefused) {
-		t.Fatalf("QueryState = %v, want ErrRefused: the same policy applies", err)
-	}
-	if !strings.Contains(pr.log.String(), "level=WARN msg=\"export: connection not admitted\"") {
-		t.Fatalf("refusal not logged as a warning:\n%s", pr.log.String())
-	}
-	if n := len(pr.ex.Peers()); n != 0 {
-		t.Fatalf("%d peers after refusals", n)
-	}
+	require.ErrorIs(t, err, ErrRefused, "Dial = %v, want ErrRefused with the reason", err)
+	require.ErrorContains(t, err, "is not allowed", "Dial = %v, want ErrRefused with the reason", err)
+	_, err = QueryState(testCtx(t), pr.path)
+	require.ErrorIs(t, err, ErrRefused, "QueryState, want ErrRefused: the same policy applies")
+	require.Contains(t, pr.log.String(), "level=WARN msg=\"export: connection not admitted\"", "refusal not logged as a warning:\n%s", pr.log.String())
+	n := len(pr.ex.Peers())
+	require.EqualValues(t, 0, n, "%d peers after refusals", n)
 	s.checkClean(t)
 }
 
@@ -52,25 +48,23 @@ func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
 	pr.publish(t, "a", 3<<20, 1)
 	c := newConsumer(t, pr.path, 1)
 	m, err := c.imp.Open(testCtx(t), "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	st, err := QueryState(testCtx(t), pr.path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st.Schema != StateSchema || st.Name != "unit-producer" || st.PID != os.Getpid() || len(st.Devices) != 2 {
-		t.Fatalf("state header %+v", st)
-	}
-	if len(st.Pools) != 1 || st.Pools[0].Name != "kv" || st.Pools[0].SharedBuffers != 1 || st.Pools[0].ActiveLeases != 1 || st.Pools[0].HandleType != cudart.HandleTypePosixFD {
-		t.Fatalf("pools %+v", st.Pools)
-	}
-	if st.Pools[0].RoundingOverhead() != 1<<20 {
-		t.Fatalf("rounding overhead %d, want 1 MiB (3 MiB rounded to 4)", st.Pools[0].RoundingOverhead())
-	}
-	if len(st.Published) != 1 || st.Published[0].Name != "a" || st.Published[0].Size != 3<<20 {
-		t.Fatalf("published %+v", st.Published)
-	}
+	require.NoError(t, err)
+	require.Equal(t, StateSchema, st.Schema)
+	require.Equal(t, "unit-producer", st.Name)
+	require.Equal(t, os.Getpid(), st.PID)
+	require.Len(t, st.Devices, 2, "state header %+v", st)
+	require.Len(t, st.Pools, 1)
+	pl := st.Pools[0]
+	require.Equal(t, "kv", pl.Name, "pools %+v", st.Pools)
+	require.Equal(t, 1, pl.SharedBuffers, "pools %+v", st.Pools)
+	require.Equal(t, 1, pl.ActiveLeases, "pools %+v", st.Pools)
+	require.Equal(t, cudart.HandleTypePosixFD, pl.HandleType, "pools %+v", st.Pools)
+	require.EqualValues(t, 1<<20, st.Pools[0].RoundingOverhead(), "rounding overhead %d, want 1 MiB (3 MiB rounded to 4)", st.Pools[0].RoundingOverhead())
+	require.Len(t, st.Published, 1)
+	require.Equal(t, "a", st.Published[0].Name)
+	require.EqualValues(t, 3<<20, st.Published[0].Size)
 	// The consumer; QueryState's own connection, which takes no leases, is left out.
 	if len(st.Peers) != 1 || st.Peers[0].Leases != 1 || st.Peers[0].BytesLeased != 3<<20 ||
 		st.Peers[0].Device != c.imp.devUUID.String() || st.Peers[0].AwaitingExit {
@@ -85,36 +79,22 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	got := make(chan *Mapping, 1)
 	s := newSide(t, 0)
 	imp, err := Dial(testCtx(t), pr.path, s.dev, 0, WithLogger(discardLogger), WithPushes(s.stream, func(name string, m *Mapping) {
-		if name != "p" {
-			t.Errorf("pushed name %q", name)
-		}
+		assert.EqualValues(t, "p", name, "pushed name %q", name)
 		got <- m
 	}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer imp.Close(context.Background())
 	ctx := testCtx(t)
-	if err := pr.ex.Push(ctx, "p", os.Getpid()); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Push(ctx, "p", os.Getpid()))
 	m := <-got
 	c := &consumer{side: s, imp: imp}
-	if b := c.read(t, m); !allAre(b, 0x11) {
-		t.Fatal("pushed mapping reads wrong bytes")
-	}
-	if err := m.Release(ctx, s.stream); err != nil {
-		t.Fatal(err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases after the pushed mapping was released", n)
-	}
-	if err := pr.ex.Push(ctx, "p", impossiblePID(t)); !errors.Is(err, ErrNoPeer) {
-		t.Fatalf("Push to nobody = %v, want ErrNoPeer", err)
-	}
-	if err := pr.ex.Push(ctx, "nope", os.Getpid()); !errors.Is(err, ErrUnknownName) {
-		t.Fatalf("Push of an unknown name = %v, want ErrUnknownName", err)
-	}
+	b := c.read(t, m)
+	require.True(t, allAre(b, 0x11), "pushed mapping reads wrong bytes")
+	require.NoError(t, m.Release(ctx, s.stream))
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases after the pushed mapping was released", n)
+	require.ErrorIs(t, pr.ex.Push(ctx, "p", impossiblePID(t)), ErrNoPeer, "Push to nobody, want ErrNoPeer")
+	require.ErrorIs(t, pr.ex.Push(ctx, "nope", os.Getpid()), ErrUnknownName, "Push of an unknown name, want ErrUnknownName")
 	pr.checkClean(t)
 	s.checkClean(t)
 }
@@ -123,9 +103,7 @@ func TestPushWithoutHandlerIsGivenBack(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "p", 1<<20, 1)
 	c := newConsumer(t, pr.path, 0)
-	if err := pr.ex.Push(testCtx(t), "p", os.Getpid()); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Push(testCtx(t), "p", os.Getpid()))
 	waitFor(t, "the pushed lease to come back", func() bool { return pr.activeLeases(t) == 0 })
 	c.checkClean(t)
 }
@@ -134,45 +112,29 @@ func TestPublishChecks(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	b := pr.publish(t, "a", 1<<20, 1)
 	ctx := testCtx(t)
-	if err := pr.ex.Publish(ctx, "a", b, pr.stream); !errors.Is(err, ErrNameInUse) {
-		t.Fatalf("Publish twice = %v, want ErrNameInUse", err)
-	}
+	require.ErrorIs(t, pr.ex.Publish(ctx, "a", b, pr.stream), ErrNameInUse, "Publish twice, want ErrNameInUse")
 	for _, name := range []string{"", strings.Repeat("x", MaxNameLen+1), "a\nb", "\xff"} {
-		if err := pr.ex.Publish(ctx, name, b, pr.stream); !errors.Is(err, ErrBadName) {
-			t.Fatalf("Publish(%q) = %v, want ErrBadName", name, err)
-		}
+		require.ErrorIs(t, pr.ex.Publish(ctx, name, b, pr.stream), ErrBadName, "Publish(%q), want ErrBadName", name)
 	}
-	if err := pr.ex.Unpublish("a"); err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.ex.Unpublish("a"); !errors.Is(err, ErrUnknownName) {
-		t.Fatalf("Unpublish twice = %v, want ErrUnknownName", err)
-	}
+	require.NoError(t, pr.ex.Unpublish("a"))
+	require.ErrorIs(t, pr.ex.Unpublish("a"), ErrUnknownName, "Unpublish twice, want ErrUnknownName")
 	local, err := pool.New(pr.dev, 0, pool.WithHandleType(cudart.HandleTypeNone))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer local.Close(ctx, pool.Force())
 	lb, err := local.Alloc(ctx, 4096, pr.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.ex.Publish(ctx, "local", lb, pr.stream); !errors.Is(err, pool.ErrNotShareable) {
-		t.Fatalf("Publish of a local pool's buffer = %v, want pool.ErrNotShareable", err)
-	}
+	require.NoError(t, err)
+	require.ErrorIs(t, pr.ex.Publish(ctx, "local", lb, pr.stream), pool.ErrNotShareable, "Publish of a local pool's buffer, want pool.ErrNotShareable")
 }
 
 func TestFabricWithoutIMEXIsReported(t *testing.T) {
 	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)}, nil)
 	ctx := testCtx(t)
 	b, err := pr.pool.Alloc(ctx, 1<<20, pr.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	err = pr.ex.Publish(ctx, "f", b, pr.stream)
-	if !errors.Is(err, ErrIMEXRequired) || !errors.Is(err, cudart.ErrNotPermitted) || !strings.Contains(err.Error(), "IMEX channel") {
-		t.Fatalf("Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
-	}
+	require.ErrorIs(t, err, ErrIMEXRequired, "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
+	require.ErrorIs(t, err, cudart.ErrNotPermitted, "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
+	require.Contains(t, err.Error(), "IMEX channel", "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
 }
 
 // FABRIC handles travel on a plain byte stream (TCP here), with no descriptors: the
@@ -185,46 +147,31 @@ func TestFabricOverTCP(t *testing.T) {
 	if err != nil {
 		t.Skipf("no TCP loopback: %v", err)
 	}
-	if err := pr.ex.Serve(l); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Serve(l))
 	s := newSide(t, 1, cudarttest.WithFabric())
 	ctx := testCtx(t)
 	nc, err := net.Dial("tcp", l.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	imp, err := DialConn(ctx, nc, s.dev, 1, WithLogger(discardLogger))
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { imp.Close(context.Background()) })
 	c := &consumer{side: s, imp: imp}
 	m, err := imp.Open(ctx, "f", s.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// Across nodes no event can carry the producer's writes over: the exporter waited
 	// for them on its host before it answered, and the answer crossing the network
 	// orders the consumer after them. The software device cannot see a network
 	// message, so the test hands that order over with an event of its own, as the
 	// network does for real.
 	orderAfterProducer(t, pr, s)
-	if b := c.read(t, m); !allAre(b, 0xfa) {
-		t.Fatal("FABRIC mapping reads wrong bytes")
-	}
-	if p := pr.ex.Peers(); len(p) != 1 || !p[0].Remote {
-		t.Fatalf("peers %+v, want one remote", p)
-	}
-	if err := m.Release(ctx, s.stream); err != nil {
-		t.Fatal(err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases after release", n)
-	}
-	if err := imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	b := c.read(t, m)
+	require.True(t, allAre(b, 0xfa), "FABRIC mapping reads wrong bytes")
+	p := pr.ex.Peers()
+	require.False(t, len(p) != 1 || !p[0].Remote, "peers %+v, want one remote", p)
+	require.NoError(t, m.Release(ctx, s.stream))
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases after release", n)
+	require.NoError(t, imp.Close(ctx))
 	pr.checkClean(t)
 	s.checkClean(t)
 }
@@ -241,26 +188,19 @@ func TestByteStreamPeers(t *testing.T) {
 		}
 		pr.ex.Serve(l)
 		nc, err := net.Dial("tcp", l.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		s := newSide(t, 0)
 		imp, err := DialConn(testCtx(t), nc, s.dev, 0, WithLogger(discardLogger))
 		if !remote {
-			if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "AllowRemote") {
-				t.Fatalf("DialConn without AllowRemote = %v, want ErrRefused naming AllowRemote", err)
-			}
+			require.ErrorIs(t, err, ErrRefused, "DialConn without AllowRemote = %v, want ErrRefused naming AllowRemote", err)
+			require.ErrorContains(t, err, "AllowRemote", "DialConn without AllowRemote = %v, want ErrRefused naming AllowRemote", err)
 			continue
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := imp.Open(testCtx(t), "a", s.stream); !errors.Is(err, ErrHandleType) {
-			t.Fatalf("Open of a POSIX fd pool over TCP = %v, want ErrHandleType", err)
-		}
-		if n := pr.activeLeases(t); n != 0 {
-			t.Fatalf("%d leases after a refused open", n)
-		}
+		require.NoError(t, err)
+		_, err = imp.Open(testCtx(t), "a", s.stream)
+		require.ErrorIs(t, err, ErrHandleType, "Open of a POSIX fd pool over TCP, want ErrHandleType")
+		n := pr.activeLeases(t)
+		require.EqualValues(t, 0, n, "%d leases after a refused open", n)
 		imp.Close(testCtx(t))
 	}
 }
@@ -268,14 +208,11 @@ func TestByteStreamPeers(t *testing.T) {
 func TestSecondImporterToOneExporterIsRefused(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	c := newConsumer(t, pr.path, 0)
-	if _, err := Dial(testCtx(t), pr.path, c.dev, 0); !errors.Is(err, ErrDuplicateImporter) {
-		t.Fatalf("second Dial = %v, want ErrDuplicateImporter", err)
-	}
+	_, err := Dial(testCtx(t), pr.path, c.dev, 0)
+	require.ErrorIs(t, err, ErrDuplicateImporter, "second Dial, want ErrDuplicateImporter")
 	c.imp.Close(testCtx(t))
 	imp, err := Dial(testCtx(t), pr.path, c.dev, 0)
-	if err != nil {
-		t.Fatalf("Dial after the first Importer closed: %v", err)
-	}
+	require.NoError(t, err, "Dial after the first Importer closed: %v", err)
 	imp.Close(testCtx(t))
 }
 
@@ -285,32 +222,26 @@ func TestDialNothingListening(t *testing.T) {
 	s := newSide(t, 0)
 	dir := shortDir(t)
 	_, err := Dial(testCtx(t), dir+"/none.sock", s.dev, 0)
-	if !errors.Is(err, ErrExporterGone) || !errors.Is(err, fs.ErrNotExist) {
-		t.Fatalf("Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
-	}
+	require.ErrorIs(t, err, ErrExporterGone, "Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
+	require.ErrorIs(t, err, fs.ErrNotExist, "Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: dir + "/dead.sock", Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	l.SetUnlinkOnClose(false)
 	l.Close()
 	_, err = Dial(testCtx(t), dir+"/dead.sock", s.dev, 0)
-	if !errors.Is(err, ErrExporterGone) || !errors.Is(err, syscall.ECONNREFUSED) {
-		t.Fatalf("Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
-	}
+	require.ErrorIs(t, err, ErrExporterGone, "Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
 }
 
 // A liveness probe (Discover's) connects and hangs up without a word: that is logged
 // for debugging only, not as a warning.
 func TestProbeIsNotAWarning(t *testing.T) {
 	pr := newProducer(t, nil, nil)
-	if live, err := socketAnswers(pr.path); !live || err != nil {
-		t.Fatalf("socketAnswers = %v, %v; want a live socket", live, err)
-	}
+	live, err := socketAnswers(pr.path)
+	require.False(t, !live || err != nil, "socketAnswers = %v, %v; want a live socket", live, err)
 	waitFor(t, "the probe to be logged", func() bool { return strings.Contains(pr.log.String(), "not admitted") })
-	if log := pr.log.String(); !strings.Contains(log, "level=DEBUG msg=\"export: connection not admitted\"") || strings.Contains(log, "level=WARN") {
-		t.Fatalf("probe logged as more than debugging:\n%s", log)
-	}
+	log := pr.log.String()
+	require.False(t, !strings.Contains(log, "level=DEBUG msg=\"export: connection not admitted\"") || strings.Contains(log, "level=WARN"), "probe logged as more than debugging:\n%s", log)
 }
 
 // A consumer that closes its connection without Bye but lives on (here, the test's own
@@ -325,50 +256,37 @@ func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Free(pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, b.Free(pr.stream))
 	c.imp.cl.c.close()
 	waitFor(t, "the exporter to see the hang-up", func() bool {
 		ps := pr.ex.Peers()
 		return len(ps) == 0 || ps[0].AwaitingExit
 	})
-	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
-		t.Fatalf("pool after a live consumer hung up: %+v, want its lease and the free waiting", s)
-	}
-	if got := c.read(t, m); !allAre(got, 1) {
-		t.Fatal("the mapping of a consumer that hung up changed")
-	}
+	s, _ := pr.pool.Stats()
+	require.EqualValues(t, 1, s.ActiveLeases, "pool after a live consumer hung up: %+v, want its lease and the free waiting", s)
+	require.EqualValues(t, 1, s.DeferredFrees, "pool after a live consumer hung up: %+v, want its lease and the free waiting", s)
+	got := c.read(t, m)
+	require.True(t, allAre(got, 1), "the mapping of a consumer that hung up changed")
 	pr.checkClean(t)
-	if st, err := pr.ex.State(); err != nil || len(st.Peers) != 1 || !st.Peers[0].AwaitingExit || st.Peers[0].Leases != 1 {
-		t.Fatalf("State peers %+v, %v; want the consumer awaiting its exit with its lease", st.Peers, err)
-	}
-	if !strings.Contains(pr.log.String(), "held until its process exits") {
-		t.Fatalf("the held leases are not logged:\n%s", pr.log.String())
-	}
-	if err := pr.ex.Push(ctx, "b", os.Getpid()); !errors.Is(err, ErrNoPeer) {
-		t.Fatalf("Push to a consumer that hung up = %v, want ErrNoPeer", err)
-	}
+	st, err := pr.ex.State()
+	require.False(t, err != nil || len(st.Peers) != 1 || !st.Peers[0].AwaitingExit || st.Peers[0].Leases != 1, "State peers %+v, %v; want the consumer awaiting its exit with its lease", st.Peers, err)
+	require.Contains(t, pr.log.String(), "held until its process exits", "the held leases are not logged:\n%s", pr.log.String())
+	require.ErrorIs(t, pr.ex.Push(ctx, "b", os.Getpid()), ErrNoPeer, "Push to a consumer that hung up, want ErrNoPeer")
 
 	// The consumer releases, but cannot tell the exporter any more; the exporter sees
 	// nothing either, as the process lives on. Close, with its ctx ended, names the
 	// lease and ends it as of the consumer's last release, which covers this one.
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatalf("Release after hanging up = %v, want nil: there is no one to tell", err)
-	}
+	require.NoError(t, m.Release(ctx, c.stream), "Release after hanging up, want nil: there is no one to tell")
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
 	err = pr.ex.Close(ended)
-	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d, its connection lost but its process alive, holds 1 leases", os.Getpid())) {
-		t.Fatalf("Close = %v, want the lost consumer's lease reported", err)
-	}
+	require.ErrorIs(t, err, context.Canceled, "Close = %v, want the lost consumer's lease reported", err)
+	require.ErrorContains(t, err, fmt.Sprintf("pid %d, its connection lost but its process alive, holds 1 leases", os.Getpid()), "Close = %v, want the lost consumer's lease reported", err)
 	after, _ := pr.pool.Stats()
-	if after.ActiveLeases != 0 || after.DeferredFrees != 0 || after.LiveBuffers != before.LiveBuffers+1 {
-		t.Fatalf("pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
-	}
+	require.EqualValues(t, 0, after.ActiveLeases, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
+	require.EqualValues(t, 0, after.DeferredFrees, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
+	require.EqualValues(t, before.LiveBuffers+1, after.LiveBuffers, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
 	pr.checkClean(t)
 }
 
@@ -380,26 +298,18 @@ func TestProducerCrashLeavesMappingsReadable(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	pr.dev.Close()
 	for _, p := range pr.ex.peerList() {
 		p.c.close()
 	}
 	<-c.imp.cl.readerDone
-	if b := c.read(t, m); !allAre(b, 0x77) {
-		t.Fatal("mapping unreadable after the producer died")
-	}
-	if _, err := c.imp.Open(ctx, "a", c.stream); !errors.Is(err, ErrExporterGone) {
-		t.Fatalf("Open after the producer died = %v, want ErrExporterGone", err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatalf("Release after the producer died = %v, want nil", err)
-	}
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatalf("Close after the producer died = %v, want nil", err)
-	}
+	b := c.read(t, m)
+	require.True(t, allAre(b, 0x77), "mapping unreadable after the producer died")
+	_, err = c.imp.Open(ctx, "a", c.stream)
+	require.ErrorIs(t, err, ErrExporterGone, "Open after the producer died, want ErrExporterGone")
+	require.NoError(t, m.Release(ctx, c.stream), "Release after the producer died, want nil")
+	require.NoError(t, c.imp.Close(ctx), "Close after the producer died, want nil")
 	c.checkClean(t)
 }
 
@@ -411,9 +321,7 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(ctx) }()
 	waitFor(t, "the importer to hear Bye", func() bool {
@@ -421,23 +329,16 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 		defer c.imp.cl.mu.Unlock()
 		return c.imp.cl.bye
 	})
-	if _, err := c.imp.Open(ctx, "a", c.stream); !errors.Is(err, ErrExporterGone) {
-		t.Fatalf("Open during Close = %v, want ErrExporterGone", err)
-	}
+	_, err = c.imp.Open(ctx, "a", c.stream)
+	require.ErrorIs(t, err, ErrExporterGone, "Open during Close, want ErrExporterGone")
 	select {
 	case err := <-closed:
 		t.Fatalf("Close returned %v while a lease was held", err)
 	default:
 	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-closed; err != nil {
-		t.Fatal(err)
-	}
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, m.Release(ctx, c.stream))
+	require.NoError(t, <-closed)
+	require.NoError(t, c.imp.Close(ctx))
 	pr.checkClean(t)
 	c.checkClean(t)
 }
@@ -446,18 +347,15 @@ func TestExporterCloseGivesUpWhenContextEnds(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 1)
 	c := newConsumer(t, pr.path, 0)
-	if _, err := c.imp.Open(testCtx(t), "a", c.stream); err != nil {
-		t.Fatal(err)
-	}
+	_, err := c.imp.Open(testCtx(t), "a", c.stream)
+	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	err := pr.ex.Close(ctx)
-	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "holds 1 leases") {
-		t.Fatalf("Close with a held lease and an ended ctx = %v", err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases left after Close ended them", n)
-	}
+	err = pr.ex.Close(ctx)
+	require.ErrorIs(t, err, context.Canceled, "Close with a held lease and an ended ctx = %v", err)
+	require.ErrorContains(t, err, "holds 1 leases", "Close with a held lease and an ended ctx = %v", err)
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases left after Close ended them", n)
 }
 
 // Many consumers come and go, some releasing and some not; afterwards no descriptor,
@@ -471,21 +369,13 @@ func TestNoLeaksAfterManyConnections(t *testing.T) {
 	// One round first, so that what is made once per process exists already.
 	cycle := func(i int) {
 		imp, err := Dial(ctx, pr.path, s.dev, 0, WithLogger(discardLogger))
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		m, err := imp.Open(ctx, "a", s.stream)
-		if err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
 		if i%2 == 0 {
-			if err := m.Release(ctx, s.stream); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, m.Release(ctx, s.stream))
 		} // odd rounds leave the mapping to Close
-		if err := imp.Close(ctx); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, imp.Close(ctx))
 	}
 	cycle(0)
 	waitFor(t, "the first peer to leave", func() bool { return len(pr.ex.Peers()) == 0 })
@@ -494,12 +384,10 @@ func TestNoLeaksAfterManyConnections(t *testing.T) {
 		cycle(i)
 	}
 	waitFor(t, "every peer to leave", func() bool { return len(pr.ex.Peers()) == 0 })
-	if got := openFDs(t); got != baseline {
-		t.Fatalf("%d descriptors open after 100 connections, %d before", got, baseline)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases left", n)
-	}
+	got := openFDs(t)
+	require.EqualValues(t, baseline, got, "%d descriptors open after 100 connections, %d before", got, baseline)
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases left", n)
 	pr.checkClean(t)
 	s.checkClean(t)
 }
@@ -510,25 +398,15 @@ func TestNoLeaksAfterManyConnections(t *testing.T) {
 func orderAfterProducer(t testing.TB, pr *producer, c *side) {
 	t.Helper()
 	ev, err := pr.dev.EventCreate(pr.ord, cudart.EventIPC)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer pr.dev.EventDestroy(pr.ord, ev)
-	if err := pr.dev.EventRecord(pr.ord, ev, pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.dev.EventRecord(pr.ord, ev, pr.stream))
 	h, err := pr.dev.IpcGetEventHandle(pr.ord, ev)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	opened, err := c.dev.IpcOpenEventHandle(c.ord, h)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer c.dev.EventDestroy(c.ord, opened)
-	if err := c.dev.StreamWaitEvent(c.ord, c.stream, opened); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, c.dev.StreamWaitEvent(c.ord, c.stream, opened))
 }
 
 // A peer that connects and says nothing must not hold Close up until its handshake
@@ -541,19 +419,11 @@ func TestCloseCutsSilentPeers(t *testing.T) {
 		defer pr.ex.mu.Unlock()
 		return len(pr.ex.greeting) == 1
 	})
-	if err := pr.ex.Close(testCtx(t)); err != nil {
-		t.Fatal(err)
-	}
-	if !r.closedByExporter() {
-		t.Fatal("the silent peer's connection stayed open")
-	}
+	require.NoError(t, pr.ex.Close(testCtx(t)))
+	require.True(t, r.closedByExporter(), "the silent peer's connection stayed open")
 	b, err := pr.pool.Alloc(testCtx(t), 4096, pr.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.ex.Publish(testCtx(t), "late", b, pr.stream); !errors.Is(err, ErrClosed) {
-		t.Fatalf("Publish after Close = %v, want ErrClosed", err)
-	}
+	require.NoError(t, err)
+	require.ErrorIs(t, pr.ex.Publish(testCtx(t), "late", b, pr.stream), ErrClosed, "Publish after Close, want ErrClosed")
 }
 
 // A buffer released and opened again is imported anew, after this process's earlier
@@ -564,28 +434,17 @@ func TestReopenAfterReleaseSettlesTheFree(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
-	if n := len(c.imp.freed); n != 1 {
-		t.Fatalf("%d frees tracked after a release, want 1", n)
-	}
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.stream))
+	n := len(c.imp.freed)
+	require.EqualValues(t, 1, n, "%d frees tracked after a release, want 1", n)
 	m2, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m2 == m || len(c.imp.freed) != 0 {
-		t.Fatalf("reopen: same mapping %v, %d frees still tracked; want a new mapping and none", m2 == m, len(c.imp.freed))
-	}
-	if b := c.read(t, m2); !allAre(b, 5) {
-		t.Fatal("reopened mapping reads wrong bytes")
-	}
-	if err := m2.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NotSame(t, m, m2, "reopen: same mapping %v, %d frees still tracked; want a new mapping and none", m2 == m, len(c.imp.freed))
+	require.Len(t, c.imp.freed, 0, "reopen: same mapping %v, %d frees still tracked; want a new mapping and none", m2 == m, len(c.imp.freed))
+	b := c.read(t, m2)
+	require.True(t, allAre(b, 5), "reopened mapping reads wrong bytes")
+	require.NoError(t, m2.Release(ctx, c.stream))
 	c.checkClean(t)
 }
 
@@ -600,32 +459,21 @@ func TestPushCancelledBeforeSendHoldsNothing(t *testing.T) {
 	// An Open first, so that the peer has the pool's handle and the Push's only send
 	// is its Lease frame.
 	m, err := c.imp.Open(ctx, "p", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.stream))
 	cancelled, cancel := context.WithCancel(ctx)
 	cancel()
-	if err := pr.ex.Push(cancelled, "p", os.Getpid()); !errors.Is(err, context.Canceled) {
-		t.Fatalf("Push with an ended context = %v, want context.Canceled", err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d pool leases held after a Push that sent nothing", n)
-	}
+	require.ErrorIs(t, pr.ex.Push(cancelled, "p", os.Getpid()), context.Canceled, "Push with an ended context, want context.Canceled")
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d pool leases held after a Push that sent nothing", n)
 	for _, p := range pr.ex.Peers() {
-		if p.Leases != 0 {
-			t.Fatalf("peer pid %d holds %d leases after a Push that sent nothing", p.PID, p.Leases)
-		}
+		require.EqualValues(t, 0, p.Leases, "peer pid %d holds %d leases after a Push that sent nothing", p.PID, p.Leases)
 	}
 	// The connection is intact: nothing was written.
 	if m, err = c.imp.Open(ctx, "p", c.stream); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, m.Release(ctx, c.stream))
 	c.checkClean(t)
 }
 
@@ -671,34 +519,20 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "p", c.stream) // the peer has the pool's handle from now on
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.stream))
 	peers := pr.ex.peerList()
-	if len(peers) != 1 {
-		t.Fatalf("%d peers, want 1", len(peers))
-	}
+	require.Len(t, peers, 1, "%d peers, want 1", len(peers))
 	p := peers[0]
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, c.imp.Close(ctx))
 	waitFor(t, "the peer to leave", func() bool { return len(pr.ex.peerList()) == 0 })
 	pub, err := pr.ex.lookup("p")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.push(ctx, pub); !errors.Is(err, ErrNoPeer) {
-		t.Fatalf("push to a departed peer = %v, want ErrNoPeer", err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d pool leases held after a push to a departed peer", n)
-	}
-	if n := rt.stillOpen(); n != 0 {
-		t.Fatalf("%d of the departed peer's events left open", n)
-	}
+	require.NoError(t, err)
+	require.ErrorIs(t, p.push(ctx, pub), ErrNoPeer, "push to a departed peer, want ErrNoPeer")
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d pool leases held after a push to a departed peer", n)
+	n = rt.stillOpen()
+	require.EqualValues(t, 0, n, "%d of the departed peer's events left open", n)
 }
 
 // A grant withdrawn after the peer released the lease it shares (the peer, holding
@@ -709,36 +543,24 @@ func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 	pr.publish(t, "buf", 1<<20, 1)
 	a := admitted(t, pr.path)
 	l, ok := a.open(1, "buf").(*leaseMsg)
-	if !ok {
-		t.Fatal("open did not answer with a Lease")
-	}
+	require.True(t, ok, "open did not answer with a Lease")
 	peers := pr.ex.peerList()
-	if len(peers) != 1 {
-		t.Fatalf("%d peers, want 1", len(peers))
-	}
+	require.Len(t, peers, 1, "%d peers, want 1", len(peers))
 	p := peers[0]
 	pub, err := pr.ex.lookup("buf")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	// A Push's grant, as if its frame were on its way when the peer released.
 	pushed, pl, err := p.grant(testCtx(t), pub, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if pushed.LeaseID != l.LeaseID {
-		t.Fatal("a second grant of a held buffer got another lease id")
-	}
-	if m := a.release(2, l.LeaseID, 1); m.kind() != msgReleased {
-		t.Fatalf("release answered %s", m.kind())
-	}
+	require.NoError(t, err)
+	require.EqualValues(t, l.LeaseID, pushed.LeaseID, "a second grant of a held buffer got another lease id")
+	m := a.release(2, l.LeaseID, 1)
+	require.EqualValues(t, msgReleased, m.kind(), "release answered %s", m.kind())
 	p.withdraw(pushed.LeaseID, pl) // the Push's frame failed to go out
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d pool leases held, though the peer released the one grant it knew of", n)
-	}
-	if i := p.state(); i.Leases != 0 || i.Grants != 0 {
-		t.Fatalf("peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
-	}
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d pool leases held, though the peer released the one grant it knew of", n)
+	i := p.state()
+	require.EqualValues(t, 0, i.Leases, "peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
+	require.EqualValues(t, 0, i.Grants, "peer holds %d leases, %d grants; want none", i.Leases, i.Grants)
 }
 
 // pipeListener hands the exporter one end of in-memory pipes, which hold no bytes: a
@@ -776,12 +598,10 @@ func (l *pipeListener) dial(t *testing.T, h *helloMsg) *conn {
 	t.Cleanup(func() { b.Close() })
 	l.conns <- a
 	c := newConn(b, true)
-	if err := c.send(testCtx(t), h, -1); err != nil {
-		t.Fatal(err)
-	}
-	if m, _, err := c.recv(); err != nil || m.kind() != msgWelcome {
-		t.Fatalf("handshake: %v %v", m, err)
-	}
+	require.NoError(t, c.send(testCtx(t), h, -1))
+	m, _, err := c.recv()
+	require.NoError(t, err, "handshake: %v %v", m, err)
+	require.EqualValues(t, msgWelcome, m.kind(), "handshake: %v %v", m, err)
 	return c
 }
 
@@ -791,9 +611,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowRemote: true})})
 	pr.publish(t, "p", 1<<20, 1)
 	l := newPipeListener()
-	if err := pr.ex.Serve(l); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Serve(l))
 	// Several, so that the one reading peer is unlikely to be told first by chance.
 	for range 4 {
 		l.dial(t, &helloMsg{Version: ProtocolVersion}) // and never read from again
@@ -801,9 +619,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "p", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(ctx) }()
 	waitFor(t, "the consumer to be told Bye", func() bool {
@@ -811,12 +627,8 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 		defer c.imp.cl.mu.Unlock()
 		return c.imp.cl.bye
 	})
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-closed; err != nil {
-		t.Fatalf("Close = %v, want nil: every lease was released before its context ended", err)
-	}
+	require.NoError(t, m.Release(ctx, c.stream))
+	require.NoError(t, <-closed, "Close, want nil: every lease was released before its context ended")
 }
 
 // A grant waiting for another grant's pool handle to go out, to a peer that stopped
@@ -826,35 +638,25 @@ func TestGrantBehindStuckPoolHandleHonoursContext(t *testing.T) {
 		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
 	pr.publish(t, "f", 2<<20, 1)
 	l := newPipeListener()
-	if err := pr.ex.Serve(l); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Serve(l))
 	c := l.dial(t, &helloMsg{Version: ProtocolVersion, Flags: helloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
 	peers := pr.ex.peerList()
-	if len(peers) != 1 {
-		t.Fatalf("%d peers, want 1", len(peers))
-	}
+	require.Len(t, peers, 1, "%d peers, want 1", len(peers))
 	p := peers[0]
-	if err := c.send(testCtx(t), &openMsg{ReqID: 1, Name: "f"}, -1); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, c.send(testCtx(t), &openMsg{ReqID: 1, Name: "f"}, -1))
 	var first [1]byte
 	if _, err := io.ReadFull(c.nc, first[:]); err != nil { // the pool handle is on its way
 		t.Fatal(err)
 	}
 	pub, err := pr.ex.lookup("f")
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
 	pushed := make(chan error, 1)
 	go func() { pushed <- p.push(ctx, pub) }()
 	select {
 	case err := <-pushed:
-		if !errors.Is(err, context.Canceled) {
-			t.Fatalf("push = %v, want context.Canceled", err)
-		}
+		require.ErrorIs(t, err, context.Canceled, "push = %v, want context.Canceled", err)
 	case <-time.After(hangGuard):
 		t.Fatal("a grant behind a stuck pool handle ignored its ended context")
 	}

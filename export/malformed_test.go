@@ -2,15 +2,14 @@ package export
 
 import (
 	"context"
-	"errors"
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/unixfd"
+	"github.com/stretchr/testify/require"
 )
 
 // openFDs counts this process's open descriptors.
@@ -49,14 +48,10 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&welcomeMsg{Version: ProtocolVersion}) }, "unexpected Welcome from an importer"},
 		{"descriptor attached", true, func(t *testing.T, r *rawPeer) {
 			pr, pw, err := os.Pipe()
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			defer pr.Close()
 			defer pw.Close()
-			if err := unixfd.Send(r.nc, appendFrame(nil, &openMsg{ReqID: 1, Name: "a"}), int(pw.Fd())); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, unixfd.Send(r.nc, appendFrame(nil, &openMsg{ReqID: 1, Name: "a"}), int(pw.Fd())))
 		}, "unexpected file descriptors"},
 	}
 	pr := newProducer(t, nil, nil)
@@ -64,47 +59,32 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 	good := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	held, err := good.imp.Open(ctx, "a", good.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	baseline := openFDs(t)
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			r := dialRaw(t, pr.path)
 			if c.handshake {
 				r.send(leasingHello())
-				if m := r.recv(); m.kind() != msgWelcome {
-					t.Fatalf("handshake answered %s", m.kind())
-				}
+				m := r.recv()
+				require.EqualValues(t, msgWelcome, m.kind(), "handshake answered %s", m.kind())
 			}
 			c.do(t, r)
-			if !r.closedByExporter() {
-				t.Fatal("the exporter kept the connection")
-			}
+			require.True(t, r.closedByExporter(), "the exporter kept the connection")
 			r.nc.Close()
 			waitFor(t, "the peer to be forgotten", func() bool { return len(pr.ex.Peers()) == 1 })
-			if log := pr.log.String(); !strings.Contains(log, c.logged) {
-				t.Fatalf("log does not say %q:\n%s", c.logged, log)
-			}
+			log := pr.log.String()
+			require.Contains(t, log, c.logged, "log does not say %q:\n%s", c.logged, log)
 			// The well-behaved consumer is still served.
 			m, err := good.imp.Open(ctx, "a", good.stream)
-			if err != nil {
-				t.Fatalf("other peer's open failed: %v", err)
-			}
-			if err := m.Release(ctx, good.stream); err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err, "other peer's open failed: %v", err)
+			require.NoError(t, m.Release(ctx, good.stream))
 		})
 	}
-	if got := openFDs(t); got != baseline {
-		t.Fatalf("%d descriptors open after the malformed peers, %d before", got, baseline)
-	}
-	if got := good.read(t, held); !allAre(got, 9) {
-		t.Fatal("the held mapping changed")
-	}
-	if err := held.Release(ctx, good.stream); err != nil {
-		t.Fatal(err)
-	}
+	got := openFDs(t)
+	require.EqualValues(t, baseline, got, "%d descriptors open after the malformed peers, %d before", got, baseline)
+	require.True(t, allAre(good.read(t, held), 9), "the held mapping changed")
+	require.NoError(t, held.Release(ctx, good.stream))
 	pr.checkClean(t)
 }
 
@@ -115,12 +95,10 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	le.PutUint32(h[headerLen:], 7)
 	r.sendBytes(h)
 	ref, ok := r.recv().(*refusedMsg)
-	if !ok {
-		t.Fatal("a version-7 Hello was not refused")
-	}
-	if ref.Version != ProtocolVersion || !strings.Contains(ref.Reason, "version 7") || !strings.Contains(ref.Reason, "speaks 1") {
-		t.Fatalf("Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
-	}
+	require.True(t, ok, "a version-7 Hello was not refused")
+	require.EqualValues(t, ProtocolVersion, ref.Version, "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
+	require.Contains(t, ref.Reason, "version 7", "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
+	require.Contains(t, ref.Reason, "speaks 1", "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
 
 	// And the importer's side: an exporter that speaks version 9.
 	fake := fakeExporter(t, func(c *conn) {
@@ -129,9 +107,9 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), fake, s.dev, 0)
-	if !errors.Is(err, ErrVersionMismatch) || !strings.Contains(err.Error(), "version 9") || !strings.Contains(err.Error(), "speaks 1") {
-		t.Fatalf("Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
-	}
+	require.ErrorIs(t, err, ErrVersionMismatch, "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
+	require.Contains(t, err.Error(), "version 9", "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
+	require.Contains(t, err.Error(), "speaks 1", "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
 }
 
 // fakeExporter listens on a fresh socket and runs serve on the first connection.
@@ -145,9 +123,7 @@ func fakeExporterDone(t testing.TB, serve func(c *conn)) (string, <-chan struct{
 	t.Helper()
 	path := filepath.Join(shortDir(t), "f.sock")
 	l, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -213,24 +189,17 @@ func TestMalformedExporterInput(t *testing.T) {
 			lb := &logBuffer{}
 			before := openFDs(t)
 			imp, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(lb.logger()))
-			if err != nil {
-				t.Fatal(err)
-			}
+			require.NoError(t, err)
 			<-sent
 			<-imp.cl.readerDone
-			if _, err := imp.Open(testCtx(t), "x", s.stream); !errors.Is(err, ErrExporterGone) || !errors.Is(err, ErrProtocol) {
-				t.Fatalf("Open = %v, want ErrExporterGone with the violation", err)
-			}
-			if !strings.Contains(lb.String(), tc.logged) {
-				t.Fatalf("log does not say %q:\n%s", tc.logged, lb.String())
-			}
-			if err := imp.Close(testCtx(t)); err != nil {
-				t.Fatalf("Close = %v", err)
-			}
+			_, err = imp.Open(testCtx(t), "x", s.stream)
+			require.ErrorIs(t, err, ErrExporterGone, "Open = %v, want ErrExporterGone with the violation", err)
+			require.ErrorIs(t, err, ErrProtocol, "Open = %v, want ErrExporterGone with the violation", err)
+			require.Contains(t, lb.String(), tc.logged, "log does not say %q:\n%s", tc.logged, lb.String())
+			require.NoError(t, imp.Close(testCtx(t)), "Close =")
 			<-hungUp
-			if after := openFDs(t); after > before {
-				t.Fatalf("%d descriptors open, %d before", after, before)
-			}
+			after := openFDs(t)
+			require.LessOrEqual(t, after, before, "%d descriptors open, %d before", after, before)
 			s.checkClean(t)
 		})
 	}
@@ -242,12 +211,8 @@ func TestMalformedExporterInput(t *testing.T) {
 func warmEventArena(t testing.TB, s *side) {
 	t.Helper()
 	ev, err := s.dev.EventCreate(s.ord, cudart.EventIPC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.dev.EventDestroy(s.ord, ev); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, s.dev.EventDestroy(s.ord, ev))
 }
 
 // An exporter that answers Hello with a pool handle (descriptor and all) instead of
@@ -265,12 +230,10 @@ func TestHandleBeforeWelcomeIsRefused(t *testing.T) {
 	})
 	before := openFDs(t)
 	_, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(discardLogger))
-	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "answered Hello with PoolHandle") {
-		t.Fatalf("Dial = %v, want ErrProtocol", err)
-	}
+	require.ErrorIs(t, err, ErrProtocol, "Dial = %v, want ErrProtocol", err)
+	require.ErrorContains(t, err, "answered Hello with PoolHandle", "Dial = %v, want ErrProtocol", err)
 	<-hungUp
-	if after := openFDs(t); after > before {
-		t.Fatalf("%d descriptors open, %d before", after, before)
-	}
+	after := openFDs(t)
+	require.LessOrEqual(t, after, before, "%d descriptors open, %d before", after, before)
 	s.checkClean(t)
 }

@@ -1,54 +1,37 @@
 package export
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 func TestOpenTwiceSharesOneMapping(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 7)
-	if err := pr.ex.Publish(testCtx(t), "alias", pr.ex.pubs["a"].buf, pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, pr.ex.Publish(testCtx(t), "alias", pr.ex.pubs["a"].buf, pr.stream))
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m1, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	m2, err := c.imp.Open(ctx, "alias", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m1 != m2 {
-		t.Fatal("the same buffer opened twice gave two Mappings")
-	}
-	if err := m1.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.Same(t, m1, m2, "the same buffer opened twice gave two Mappings")
+	require.NoError(t, m1.Release(ctx, c.stream))
 	// Still mapped: the second reference holds it.
-	if got := c.read(t, m2); !allAre(got, 7) {
-		t.Fatal("mapping unreadable after the first of two releases")
-	}
+	got := c.read(t, m2)
+	require.True(t, allAre(got, 7), "mapping unreadable after the first of two releases")
 	// Both grants stay with the exporter until the last reference goes: the import
 	// is one, and it is freed once.
-	if n := pr.activeLeases(t); n != 2 {
-		t.Fatalf("%d pool leases while one of two references is held, want 2", n)
-	}
-	if err := m2.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d pool leases after the last release, want 0", n)
-	}
-	if err := m2.Release(ctx, c.stream); !errors.Is(err, ErrReleased) {
-		t.Fatalf("third release = %v, want ErrReleased", err)
-	}
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 2, n, "%d pool leases while one of two references is held, want 2", n)
+	require.NoError(t, m2.Release(ctx, c.stream))
+	n = pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d pool leases after the last release, want 0", n)
+	require.ErrorIs(t, m2.Release(ctx, c.stream), ErrReleased, "third release, want ErrReleased")
 	pr.checkClean(t)
 	c.checkClean(t)
 }
@@ -59,15 +42,10 @@ func TestConsumerOnOtherDeviceReadsProducerBytes(t *testing.T) {
 	c := newConsumer(t, pr.path, 1)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := c.read(t, m); !allAre(got, 0xc3) {
-		t.Fatal("device 1 read wrong bytes")
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	got := c.read(t, m)
+	require.True(t, allAre(got, 0xc3), "device 1 read wrong bytes")
+	require.NoError(t, m.Release(ctx, c.stream))
 	pr.checkClean(t)
 	c.checkClean(t)
 }
@@ -78,30 +56,21 @@ func TestFreeWhileLeasedWaitsForRelease(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Free(pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	require.NoError(t, b.Free(pr.stream))
 	s, _ := pr.pool.Stats()
-	if s.DeferredFrees != 1 || s.LiveBuffers != 1 {
-		t.Fatalf("free of a leased buffer: %d deferred, %d live; want 1, 1", s.DeferredFrees, s.LiveBuffers)
-	}
-	if got := c.read(t, m); !allAre(got, 1) {
-		t.Fatal("leased buffer changed after the producer freed it")
-	}
+	require.EqualValues(t, 1, s.DeferredFrees, "free of a leased buffer: %d deferred, %d live; want 1, 1", s.DeferredFrees, s.LiveBuffers)
+	require.EqualValues(t, 1, s.LiveBuffers, "free of a leased buffer: %d deferred, %d live; want 1, 1", s.DeferredFrees, s.LiveBuffers)
+	got := c.read(t, m)
+	require.True(t, allAre(got, 1), "leased buffer changed after the producer freed it")
 	// A new open must not get the freed buffer.
-	if _, err := c.imp.Open(ctx, "a", c.stream); !errors.Is(err, ErrBufferGone) {
-		t.Fatalf("open of a freed buffer = %v, want ErrBufferGone", err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	_, err = c.imp.Open(ctx, "a", c.stream)
+	require.ErrorIs(t, err, ErrBufferGone, "open of a freed buffer, want ErrBufferGone")
+	require.NoError(t, m.Release(ctx, c.stream))
 	s, _ = pr.pool.Stats()
-	if s.DeferredFrees != 0 || s.LiveBuffers != 0 || s.ActiveLeases != 0 {
-		t.Fatalf("after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)
-	}
+	require.EqualValues(t, 0, s.DeferredFrees, "after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)
+	require.EqualValues(t, 0, s.LiveBuffers, "after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)
+	require.EqualValues(t, 0, s.ActiveLeases, "after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)
 	pr.checkClean(t)
 	c.checkClean(t)
 }
@@ -158,13 +127,10 @@ func TestConcurrentOpensAndReleases(t *testing.T) {
 	for err := range errs {
 		t.Error(err)
 	}
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d pool leases after every release", n)
-	}
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d pool leases after every release", n)
 	for _, p := range pr.ex.Peers() {
-		if p.Leases != 0 {
-			t.Fatalf("peer %d still holds %d leases", p.PID, p.Leases)
-		}
+		require.EqualValues(t, 0, p.Leases, "peer %d still holds %d leases", p.PID, p.Leases)
 	}
 	pr.checkClean(t)
 	for _, c := range cs {

@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/stretchr/testify/require"
 )
 
 func TestMain(m *testing.M) {
@@ -254,9 +255,8 @@ func TestProcessesShareBuffers(t *testing.T) {
 		k.Finish()
 	}
 	waitFor(t, "the consumers to leave", func() bool { return len(pr.ex.Peers()) == 0 })
-	if n := pr.activeLeases(t); n != 0 {
-		t.Fatalf("%d leases after every consumer released", n)
-	}
+	n := pr.activeLeases(t)
+	require.EqualValues(t, 0, n, "%d leases after every consumer released", n)
 	pr.checkClean(t)
 }
 
@@ -275,9 +275,10 @@ func killedBySIGKILL(t *testing.T, k *proctest.Child) {
 func (pr *producer) poolBackTo(t *testing.T, before pool.Stats) {
 	t.Helper()
 	after, _ := pr.pool.Stats()
-	if after.LiveBuffers != before.LiveBuffers || after.DeferredFrees != 0 || after.ActiveLeases != 0 || after.UsedCurrent != before.UsedCurrent {
-		t.Fatalf("pool %+v, before %+v", after, before)
-	}
+	require.EqualValues(t, before.LiveBuffers, after.LiveBuffers, "pool %+v, before %+v", after, before)
+	require.EqualValues(t, 0, after.DeferredFrees, "pool %+v, before %+v", after, before)
+	require.EqualValues(t, 0, after.ActiveLeases, "pool %+v, before %+v", after, before)
+	require.EqualValues(t, before.UsedCurrent, after.UsedCurrent, "pool %+v, before %+v", after, before)
 }
 
 // freeWaitingOnChild publishes a buffer, has a consumer child hold it, and frees it: the
@@ -290,12 +291,10 @@ func freeWaitingOnChild(t *testing.T) (*producer, pool.Stats, *proctest.Child) {
 	b := pr.publish(t, "a", 1<<20, 0x0a)
 	k := proctest.Start(t, "consumer", "test", pr.path, "1", "a", "10", "hold")
 	k.Expect("holding")
-	if err := b.Free(pr.stream); err != nil {
-		t.Fatal(err)
-	}
-	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
-		t.Fatalf("free of a leased buffer not deferred: %+v", s)
-	}
+	require.NoError(t, b.Free(pr.stream))
+	s, _ := pr.pool.Stats()
+	require.EqualValues(t, 1, s.ActiveLeases, "free of a leased buffer not deferred: %+v", s)
+	require.EqualValues(t, 1, s.DeferredFrees, "free of a leased buffer not deferred: %+v", s)
 	return pr, before, k
 }
 
@@ -325,23 +324,18 @@ func TestProcessLostConsumerKeepsLeasesUntilExit(t *testing.T) {
 	waitFor(t, "the exporter to see the hang-up", func() bool {
 		return len(pr.ex.Peers()) == 0 || strings.Contains(pr.log.String(), "held until its process exits")
 	})
-	if s, _ := pr.pool.Stats(); s.ActiveLeases != 1 || s.DeferredFrees != 1 {
-		t.Fatalf("after a live consumer hung up the pool shows %+v, want its lease held and the free waiting", s)
-	}
+	s, _ := pr.pool.Stats()
+	require.EqualValues(t, 1, s.ActiveLeases, "after a live consumer hung up the pool shows %+v, want its lease held and the free waiting", s)
+	require.EqualValues(t, 1, s.DeferredFrees, "after a live consumer hung up the pool shows %+v, want its lease held and the free waiting", s)
 	pr.checkClean(t)
-	if ps := pr.ex.Peers(); len(ps) != 1 || ps[0].PID != k.PID() || !ps[0].AwaitingExit || ps[0].Leases != 1 {
-		t.Fatalf("peers %+v, want pid %d awaiting its exit with its lease", ps, k.PID())
-	}
+	ps := pr.ex.Peers()
+	require.False(t, len(ps) != 1 || ps[0].PID != k.PID() || !ps[0].AwaitingExit || ps[0].Leases != 1, "peers %+v, want pid %d awaiting its exit with its lease", ps, k.PID())
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(testCtx(t)) }()
 	k.Kill()
-	if err := <-closed; err != nil {
-		t.Fatalf("Close = %v, want nil: the lease ended when the consumer exited", err)
-	}
+	require.NoError(t, <-closed, "Close, want nil: the lease ended when the consumer exited")
 	killedBySIGKILL(t, k)
-	if !strings.Contains(pr.log.String(), "process exited; ending its leases") {
-		t.Fatalf("the exit is not logged:\n%s", pr.log.String())
-	}
+	require.Contains(t, pr.log.String(), "process exited; ending its leases", "the exit is not logged:\n%s", pr.log.String())
 	pr.poolBackTo(t, before)
 	pr.checkClean(t)
 }
@@ -356,22 +350,17 @@ func TestProcessGoneBeforeHandshake(t *testing.T) {
 	s := newSide(t, 0)
 	ctx := testCtx(t)
 	imp, err := DialConn(ctx, nc, s.dev, 0, WithLogger(discardLogger))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := imp.Open(ctx, "a", s.stream); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Free(pr.stream); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	_, err = imp.Open(ctx, "a", s.stream)
+	require.NoError(t, err)
+	require.NoError(t, b.Free(pr.stream))
 	// This side dies too: the driver drops its imports, the kernel closes its socket.
 	s.dev.Close()
 	imp.cl.c.close()
 	waitFor(t, "the lease to end", func() bool { return len(pr.ex.Peers()) == 0 })
-	if log := pr.log.String(); !strings.Contains(log, "cannot watch the process") || !strings.Contains(log, "no such process") {
-		t.Fatalf("the log does not say why the leases ended at once:\n%s", log)
-	}
+	log := pr.log.String()
+	require.Contains(t, log, "cannot watch the process", "the log does not say why the leases ended at once:\n%s", log)
+	require.Contains(t, log, "no such process", "the log does not say why the leases ended at once:\n%s", log)
 	pr.poolBackTo(t, before)
 	pr.checkClean(t)
 }
@@ -381,33 +370,24 @@ func TestProcessGoneBeforeHandshake(t *testing.T) {
 func connectionOfAReapedChild(t *testing.T, path string) net.Conn {
 	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	mine, theirs := os.NewFile(uintptr(fds[0]), "mine"), os.NewFile(uintptr(fds[1]), "theirs")
 	defer mine.Close()
 	cmd := proctest.Command(t, "connector", path)
 	cmd.ExtraFiles = []*os.File{theirs}
 	err = cmd.Run()
 	theirs.Close()
-	if err != nil {
-		t.Fatalf("connector: %v", err)
-	}
+	require.NoError(t, err, "connector: %v", err)
 	via, err := net.FileConn(mine)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	defer via.Close()
 	_, got, err := unixfd.Recv(via.(*net.UnixConn), make([]byte, 1), 1)
-	if err != nil || len(got) != 1 {
-		t.Fatalf("receiving the child's connection: %d descriptors, %v", len(got), err)
-	}
+	require.NoError(t, err, "receiving the child's connection: %d descriptors, %v", len(got), err)
+	require.Len(t, got, 1, "receiving the child's connection: %d descriptors, %v", len(got), err)
 	f := os.NewFile(uintptr(got[0]), "conn")
 	defer f.Close()
 	nc, err := net.FileConn(f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return nc
 }
 
@@ -420,24 +400,17 @@ func TestProcessProducerKilled(t *testing.T) {
 	c := newConsumer(t, path, 1)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	k.Kill()
 	killedBySIGKILL(t, k)
 	<-c.imp.cl.readerDone
-	if b := c.read(t, m); !allAre(b, 90) {
-		t.Fatal("mapping unreadable after the producer was killed")
-	}
-	if _, err := c.imp.Open(ctx, "a", c.stream); !errors.Is(err, ErrExporterGone) || !strings.Contains(err.Error(), "exporter is gone") {
-		t.Fatalf("Open after the producer was killed = %v, want ErrExporterGone", err)
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatalf("Release = %v, want nil", err)
-	}
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatalf("Close = %v, want nil", err)
-	}
+	b := c.read(t, m)
+	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed")
+	_, err = c.imp.Open(ctx, "a", c.stream)
+	require.ErrorIs(t, err, ErrExporterGone, "Open after the producer was killed = %v, want ErrExporterGone", err)
+	require.ErrorContains(t, err, "exporter is gone", "Open after the producer was killed = %v, want ErrExporterGone", err)
+	require.NoError(t, m.Release(ctx, c.stream), "Release, want nil")
+	require.NoError(t, c.imp.Close(ctx), "Close, want nil")
 	c.checkClean(t)
 }
 
@@ -449,9 +422,8 @@ func TestProcessPolicyRefusal(t *testing.T) {
 	k.Expect("ready")
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), path, s.dev, 0)
-	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), fmt.Sprintf("uid %d gid %d is not allowed", os.Getuid(), os.Getgid())) {
-		t.Fatalf("Dial = %v, want ErrRefused naming our uid", err)
-	}
+	require.ErrorIs(t, err, ErrRefused, "Dial = %v, want ErrRefused naming our uid", err)
+	require.ErrorContains(t, err, fmt.Sprintf("uid %d gid %d is not allowed", os.Getuid(), os.Getgid()), "Dial = %v, want ErrRefused naming our uid", err)
 	k.Send("quit")
 	k.Finish()
 }
@@ -464,28 +436,19 @@ func TestProcessProducerClosesAfterRelease(t *testing.T) {
 	c := newConsumer(t, path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	k.Send("free a")
 	k.Expect("freed")
 	k.Send("stats")
-	if got := k.Next(); got != "stats 2 1 1" {
-		t.Fatalf("producer %q, want 2 live buffers, 1 lease, 1 deferred free", got)
-	}
-	if b := c.read(t, m); !allAre(b, 3) {
-		t.Fatal("freed-while-leased buffer changed")
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
+	got := k.Next()
+	require.EqualValues(t, "stats 2 1 1", got, "producer %q, want 2 live buffers, 1 lease, 1 deferred free", got)
+	b := c.read(t, m)
+	require.True(t, allAre(b, 3), "freed-while-leased buffer changed")
+	require.NoError(t, m.Release(ctx, c.stream))
 	k.Send("stats")
-	if got := k.Next(); got != "stats 1 0 0" {
-		t.Fatalf("producer %q after release, want 1 live buffer, no lease, no deferred free", got)
-	}
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	got = k.Next()
+	require.EqualValues(t, "stats 1 0 0", got, "producer %q after release, want 1 live buffer, no lease, no deferred free", got)
+	require.NoError(t, c.imp.Close(ctx))
 	k.Send("quit")
 	k.Finish()
 	c.checkClean(t)

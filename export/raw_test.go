@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 // rawPeer speaks the protocol frame by frame, to send what a well-behaved Importer
@@ -23,9 +24,7 @@ type rawPeer struct {
 func dialRaw(t testing.TB, path string) *rawPeer {
 	t.Helper()
 	nc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	t.Cleanup(func() { nc.Close() })
 	return &rawPeer{t: t, nc: nc, c: newConn(nc, true)}
 }
@@ -41,9 +40,8 @@ func admitted(t testing.TB, path string) *rawPeer {
 	t.Helper()
 	r := dialRaw(t, path)
 	r.send(leasingHello())
-	if m := r.recv(); m.kind() != msgWelcome {
-		t.Fatalf("handshake answered with %s", m.kind())
-	}
+	m := r.recv()
+	require.EqualValues(t, msgWelcome, m.kind(), "handshake answered with %s", m.kind())
 	return r
 }
 
@@ -115,10 +113,7 @@ func (r *rawPeer) closedByExporter() bool {
 func wantError(t testing.TB, m message, reqID uint64, target error) {
 	t.Helper()
 	e, ok := m.(*errorMsg)
-	if !ok {
-		t.Fatalf("got %s, want an Error wrapping %v", m.kind(), target)
-	}
-	if e.ReqID != reqID || !errors.Is(replyErr(e), target) {
-		t.Fatalf("got Error(req %d, %v: %q), want req %d and %v", e.ReqID, codeErrs[e.Code], e.Text, reqID, target)
-	}
+	require.True(t, ok, "got %s, want an Error wrapping %v", m.kind(), target)
+	require.EqualValues(t, reqID, e.ReqID, "got Error(req %d, %v: %q), want req %d and %v", e.ReqID, codeErrs[e.Code], e.Text, reqID, target)
+	require.ErrorIs(t, replyErr(e), target, "got Error(req %d, %v: %q), want req %d and %v", e.ReqID, codeErrs[e.Code], e.Text, reqID, target)
 }

@@ -1,6 +1,10 @@
 package export
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
 
 func TestSmokeOpenReadRelease(t *testing.T) {
 	pr := newProducer(t, nil, nil)
@@ -8,21 +12,12 @@ func TestSmokeOpenReadRelease(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := c.read(t, m); !allAre(got, 0x5a) {
-		t.Fatalf("read %x...", got[:8])
-	}
-	if err := m.Release(ctx, c.stream); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.imp.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.ex.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
+	got := c.read(t, m)
+	require.True(t, allAre(got, 0x5a), "read %x...", got[:8])
+	require.NoError(t, m.Release(ctx, c.stream))
+	require.NoError(t, c.imp.Close(ctx))
+	require.NoError(t, pr.ex.Close(ctx))
 	pr.checkClean(t)
 	c.checkClean(t)
 	t.Log(pr.log.String())

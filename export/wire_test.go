@@ -12,6 +12,8 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // sampleMessages has one well-formed message of every type, each field set so that a
@@ -51,17 +53,12 @@ func TestFramesRoundTrip(t *testing.T) {
 	rest := stream
 	for i, want := range msgs {
 		got, r, err := decodeFrame(rest)
-		if err != nil {
-			t.Fatalf("message %d (%s): %v", i, want.kind(), err)
-		}
-		if a, b := appendFrame(nil, got), appendFrame(nil, want); !bytes.Equal(a, b) {
-			t.Fatalf("message %d (%s) changed in a round trip:\n got %x\nwant %x", i, want.kind(), a, b)
-		}
+		require.NoError(t, err, "message %d (%s): %v", i, want.kind(), err)
+		a, b := appendFrame(nil, got), appendFrame(nil, want)
+		require.True(t, bytes.Equal(a, b), "message %d (%s) changed in a round trip:\n got %x\nwant %x", i, want.kind(), a, b)
 		rest = r
 	}
-	if len(rest) != 0 {
-		t.Fatalf("%d bytes left over", len(rest))
-	}
+	require.Len(t, rest, 0, "%d bytes left over", len(rest))
 }
 
 // frame builds raw frame bytes with any header, right or wrong.
@@ -121,12 +118,9 @@ func TestDecoderRefusesMalformedFrames(t *testing.T) {
 	for _, c := range malformedFrames() {
 		t.Run(c.name, func(t *testing.T) {
 			m, _, err := decodeFrame(c.b)
-			if err == nil {
-				t.Fatalf("decoded %#v, want an error", m)
-			}
-			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), c.want) {
-				t.Fatalf("error %q, want ErrProtocol saying %q", err, c.want)
-			}
+			require.Error(t, err, "decoded %#v, want an error", m)
+			require.ErrorIs(t, err, ErrProtocol, "error %q, want ErrProtocol saying %q", err, c.want)
+			require.ErrorContains(t, err, c.want, "error %q, want ErrProtocol saying %q", err, c.want)
 		})
 	}
 }
@@ -135,9 +129,9 @@ func TestDecoderNamesBothVersions(t *testing.T) {
 	// A version-2 Hello may be longer; the version is read first and named.
 	b := frame(200, msgHello, le.AppendUint32(make([]byte, 0, 200), 2)[:200])
 	_, _, err := decodeFrame(b)
-	if !errors.Is(err, ErrVersionMismatch) || !strings.Contains(err.Error(), "version 2") || !strings.Contains(err.Error(), "speaks 1") {
-		t.Fatalf("error %v, want ErrVersionMismatch naming versions 2 and 1", err)
-	}
+	require.ErrorIs(t, err, ErrVersionMismatch, "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
+	require.Contains(t, err.Error(), "version 2", "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
+	require.Contains(t, err.Error(), "speaks 1", "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
 }
 
 func TestCodeOfMapsEverySentinel(t *testing.T) {
@@ -145,16 +139,10 @@ func TestCodeOfMapsEverySentinel(t *testing.T) {
 		if c == codeClosed {
 			continue // ErrExporterGone on the importer's side, from ErrClosed on the exporter's
 		}
-		if got := codeOf(errors.Join(errors.New("context"), codeErrs[c])); got != c {
-			t.Errorf("codeOf(%v) = %d, want %d", codeErrs[c], got, c)
-		}
+		assert.Equal(t, c, codeOf(errors.Join(errors.New("context"), codeErrs[c])), "codeOf(%v)", codeErrs[c])
 	}
-	if got := codeOf(ErrClosed); got != codeClosed {
-		t.Errorf("codeOf(ErrClosed) = %d, want %d", got, codeClosed)
-	}
-	if got := codeOf(errors.New("cuda failed")); got != codeExporter {
-		t.Errorf("codeOf(other) = %d, want codeExporter", got)
-	}
+	assert.Equal(t, codeClosed, codeOf(ErrClosed), "codeOf(ErrClosed)")
+	assert.Equal(t, codeExporter, codeOf(errors.New("cuda failed")), "codeOf(other)")
 }
 
 // FuzzDecodeFrame feeds the decoder arbitrary bytes. It must never panic, and a frame
@@ -167,15 +155,12 @@ func FuzzDecodeFrame(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, rest, err := decodeFrame(b)
 		if err != nil {
-			if !errors.Is(err, ErrProtocol) && !errors.Is(err, ErrVersionMismatch) {
-				t.Fatalf("error %v wraps neither ErrProtocol nor ErrVersionMismatch", err)
-			}
+			require.False(t, !errors.Is(err, ErrProtocol) && !errors.Is(err, ErrVersionMismatch), "error %v wraps neither ErrProtocol nor ErrVersionMismatch", err)
 			return
 		}
 		used := b[:len(b)-len(rest)]
-		if again := appendFrame(nil, m); !bytes.Equal(again, used) {
-			t.Fatalf("%s re-encodes differently:\n got %x\nwant %x", m.kind(), again, used)
-		}
+		again := appendFrame(nil, m)
+		require.True(t, bytes.Equal(again, used), "%s re-encodes differently:\n got %x\nwant %x", m.kind(), again, used)
 	})
 }
 
@@ -184,9 +169,7 @@ func FuzzDecodeFrame(f *testing.F) {
 func TestSeedCorpusCoversEveryType(t *testing.T) {
 	dir := filepath.Join("testdata", "fuzz", "FuzzDecodeFrame")
 	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	seen := map[msgType]bool{}
 	for _, e := range entries {
 		b := readCorpusEntry(t, filepath.Join(dir, e.Name()))
@@ -195,13 +178,9 @@ func TestSeedCorpusCoversEveryType(t *testing.T) {
 		}
 	}
 	for typ := msgHello; typ <= msgBye; typ++ {
-		if !seen[typ] {
-			t.Errorf("no well-formed %s seed in %s", typ, dir)
-		}
+		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
 	}
-	if len(entries) < int(msgBye)+10 {
-		t.Errorf("%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
-	}
+	assert.GreaterOrEqual(t, len(entries), int(msgBye)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
 }
 
 var writeCorpus = flag.Bool("write-corpus", false, "rewrite testdata/fuzz/FuzzDecodeFrame from sampleMessages and malformedFrames")
@@ -214,14 +193,10 @@ func TestWriteCorpus(t *testing.T) {
 		t.Skip("run with -write-corpus to regenerate the seed corpus")
 	}
 	dir := filepath.Join("testdata", "fuzz", "FuzzDecodeFrame")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, os.MkdirAll(dir, 0o755))
 	write := func(name string, b []byte) {
 		body := fmt.Sprintf("go test fuzz v1\n[]byte(%q)\n", b)
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
 	}
 	for i, m := range sampleMessages() {
 		write(fmt.Sprintf("good-%02d-%s", i, m.kind()), appendFrame(nil, m))
@@ -235,17 +210,11 @@ func TestWriteCorpus(t *testing.T) {
 func readCorpusEntry(t *testing.T, path string) []byte {
 	t.Helper()
 	body, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	lines := strings.Split(strings.TrimSpace(string(body)), "\n")
-	if len(lines) != 2 || lines[0] != "go test fuzz v1" || !strings.HasPrefix(lines[1], "[]byte(") || !strings.HasSuffix(lines[1], ")") {
-		t.Fatalf("%s: not a one-[]byte corpus file", path)
-	}
+	require.False(t, len(lines) != 2 || lines[0] != "go test fuzz v1" || !strings.HasPrefix(lines[1], "[]byte(") || !strings.HasSuffix(lines[1], ")"), "%s: not a one-[]byte corpus file", path)
 	s, err := strconv.Unquote(strings.TrimSuffix(strings.TrimPrefix(lines[1], "[]byte("), ")"))
-	if err != nil {
-		t.Fatalf("%s: %v", path, err)
-	}
+	require.NoError(t, err, "%s: %v", path, err)
 	return []byte(s)
 }
 
