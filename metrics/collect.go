@@ -121,9 +121,9 @@ func collectState(ch chan<- prometheus.Metric, st *export.State) {
 			continue // the figures are those that could be read before the failure
 		}
 		collectPool(ch, append(ex[:2:2], p.Name, strconv.FormatUint(p.ID, 10), strconv.Itoa(p.Device)), poolFigures{
-			handleType: p.HandleType, max: p.MaxSize,
+			handleType: p.HandleType.String(), max: p.MaxSize,
 			reserved: p.ReservedCurrent, reservedHigh: p.ReservedHigh, used: p.UsedCurrent, usedHigh: p.UsedHigh,
-			rounding: p.RoundingOverhead, buffers: p.BuffersLive, shared: p.BuffersShared, leases: p.ActiveLeases,
+			rounding: p.RoundingOverhead(), buffers: p.LiveBuffers, shared: p.SharedBuffers, leases: p.ActiveLeases,
 			deferred: p.DeferredFrees, failed: p.FailedFrees,
 		})
 	}

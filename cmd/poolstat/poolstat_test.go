@@ -19,10 +19,12 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/pool"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata")
@@ -121,7 +123,7 @@ func TestLifecycle(t *testing.T) {
 	require.Equal(t, uint64(7<<20), pa.BytesLeased)
 	require.Equal(t, uint64(4<<20), pb.BytesLeased)
 	assert.Equal(t, 3, st.Pools[0].ActiveLeases, "pool with both consumers holding: %+v", st.Pools[0])
-	assert.Equal(t, 2, st.Pools[0].BuffersShared, "pool with both consumers holding: %+v", st.Pools[0])
+	assert.Equal(t, 2, st.Pools[0].SharedBuffers, "pool with both consumers holding: %+v", st.Pools[0])
 	// The children are this test binary: the report names their command.
 	me, err := peercred.Lookup(os.Getpid())
 	require.NoError(t, err)
@@ -142,20 +144,20 @@ func TestLifecycle(t *testing.T) {
 	ex.Expect("freed beta")
 	p := report(t, 0).Exporters[0].State.Pools[0]
 	assert.Equal(t, 1, p.DeferredFrees, "after freeing beta while a holds it: %+v", p)
-	assert.Equal(t, 2, p.BuffersLive, "after freeing beta while a holds it: %+v", p)
+	assert.Equal(t, 2, p.LiveBuffers, "after freeing beta while a holds it: %+v", p)
 
 	a.Finish()
 	r = eventually(t, "the released consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, a.PID()) == nil })
 	p = r.Exporters[0].State.Pools[0]
 	assert.Equal(t, 1, p.ActiveLeases, "after a released beta, b's lease is left: %+v", p)
 	assert.Equal(t, 0, p.DeferredFrees, "after a released beta, its free is done: %+v", p)
-	assert.Equal(t, 1, p.BuffersLive, "after a released beta, its free is done: %+v", p)
+	assert.Equal(t, 1, p.LiveBuffers, "after a released beta, its free is done: %+v", p)
 
 	b.Kill()
 	r = eventually(t, "the killed consumer gone", func(r *Report) bool { return peer(r.Exporters[0].State, b.PID()) == nil })
 	p = r.Exporters[0].State.Pools[0]
 	assert.Equal(t, 0, p.ActiveLeases, "after the killed consumer's lease ended: %+v", p)
-	assert.Equal(t, 0, p.BuffersShared, "after the killed consumer's lease ended: %+v", p)
+	assert.Equal(t, 0, p.SharedBuffers, "after the killed consumer's lease ended: %+v", p)
 
 	ex.Kill()
 	ex.Wait()
@@ -218,11 +220,11 @@ func compare(t *testing.T, path string, got []byte) {
 
 // testExporter starts an exporter in this process on the software device, announced
 // in dir, with its socket there.
-func testExporter(t *testing.T, dir string, opts ...export.Option) *export.Exporter {
+func testExporter(t *testing.T, dir string, opts ...export.ListenOption) *export.Exporter {
 	t.Helper()
 	rt, _, _, err := rtselect.Open(rtselect.Test)
 	require.NoError(t, err)
-	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.Option{export.WithAnnounce(dir)}, opts...)...)
+	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.ListenOption{export.WithAnnounce(dir)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { ex.Close(context.Background()) })
 	return ex
@@ -401,10 +403,10 @@ func TestTableWidth(t *testing.T) {
 	st := &export.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
 		Devices: []export.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
 	for i := range 3 {
-		st.Pools = append(st.Pools, export.PoolState{ID: uint64(i), Name: long, Device: 15, HandleType: "posix-fd",
+		st.Pools = append(st.Pools, export.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
 			MaxSize: widest, ReservedCurrent: widest, ReservedHigh: widest, UsedCurrent: widest, UsedHigh: widest,
-			RoundingOverhead: widest, BuffersLive: 99999, BuffersShared: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
-			FailedFrees: 99999})
+			BytesReserved: widest, LiveBuffers: 99999, SharedBuffers: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
+			FailedFrees: 99999}})
 		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
 		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
 			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
