@@ -45,7 +45,7 @@ func cpgo_exporter_listen(path, name *C.char, out *C.uint64_t) (rc C.int) {
 	if err != nil {
 		return fail(err)
 	}
-	var opts []export.Option
+	var opts []export.ListenOption
 	if name != nil {
 		opts = append(opts, export.WithName(C.GoString(name)))
 	}
@@ -122,7 +122,7 @@ func cpgo_exporter_push(h C.uint64_t, pid C.int, name *C.char, timeoutMs C.int64
 	if err != nil {
 		return fail(err)
 	}
-	return result(ex.Push(ctx, int(pid), n))
+	return result(ex.Push(ctx, n, int(pid)))
 }
 
 //export cpgo_exporter_state
