@@ -226,7 +226,7 @@ func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
 		b.state = bufFreeing
 		p.mu.Unlock()
 		return p.freeShared(b, s)
-	case p.claimCacheLocked(b.reserved):
+	case p.claimCacheLocked(s, b.reserved):
 		p.cacheLocked(b, s, 0)
 		p.mu.Unlock()
 		return nil

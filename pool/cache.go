@@ -118,10 +118,15 @@ func (l *classList) take(reserved uint64) (cached, bool) {
 	return cached{}, false
 }
 
-// claimCacheLocked counts n bytes into the cache if they fit under its limit. Call
-// with pool.mu held.
-func (p *Pool) claimCacheLocked(n uint64) bool {
-	if p.cache.limit == 0 || n > p.cache.limit-p.cache.bytes {
+// perThreadStream is cudaStreamPerThread: the default stream of whichever OS thread
+// makes the call, so two calls with it, which a goroutine may make from two threads,
+// are not ordered. The cache leaves its buffers to the driver.
+const perThreadStream cudart.Stream = 2
+
+// claimCacheLocked counts n bytes freed on s into the cache if they fit under its
+// limit. Call with pool.mu held.
+func (p *Pool) claimCacheLocked(s cudart.Stream, n uint64) bool {
+	if p.cache.limit == 0 || s == perThreadStream || n > p.cache.limit-p.cache.bytes {
 		return false
 	}
 	p.cache.bytes += n
@@ -160,6 +165,8 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 		p.mu.Unlock()
 		return false, nil
 	}
+	// Counted now, so that Stats never shows the cache short of a buffer without a
+	// hit to account for it; a failed wait below takes it back.
 	p.cache.hits++
 	p.cache.buffers--
 	p.cache.bytes -= c.reserved
@@ -176,6 +183,7 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 	p.mu.Lock()
 	p.counts.bytesPending -= c.reserved
 	if err != nil {
+		p.cache.hits--
 		p.cache.bytes += c.reserved
 		p.pushLocked(s, c)
 		p.mu.Unlock()
@@ -195,7 +203,7 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 // CUDA fails. Call inside the gate with b.state bufFreeing.
 func (p *Pool) cacheShared(b *Buffer, s cudart.Stream, now bool) bool {
 	p.mu.Lock()
-	ok := p.claimCacheLocked(b.reserved)
+	ok := p.claimCacheLocked(s, b.reserved)
 	p.mu.Unlock()
 	if !ok {
 		return false

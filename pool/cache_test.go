@@ -407,3 +407,14 @@ func (im *importer) waitFor(exp cudart.Runtime, s cudart.Stream) {
 	require.NoError(t, err)
 	require.NoError(t, im.d.StreamWaitEvent(0, im.stream, opened))
 }
+
+// cudaStreamPerThread names a different stream on each OS thread, and a goroutine
+// moves between threads: a buffer freed on it goes to the driver.
+func TestCacheSkipsThePerThreadStream(t *testing.T) {
+	d := softDevice(t)
+	rt := &countingRuntime{Runtime: d}
+	p := mustNew(t, rt, WithCache(64*mib))
+	mustFree(t, mustAlloc(t, p, mib, perThreadStream), perThreadStream)
+	assert.Equal(t, int64(1), rt.frees.Load())
+	assert.Zero(t, mustStats(t, p).CachedBuffers)
+}
