@@ -1,4 +1,4 @@
-"""The cuda.core column of cudapool's benchmark suite (issue 6).
+"""The cuda.core column of cudapool's benchmark suite (issues 6 and 13).
 
 NVIDIA's cuda.core (Python) on the operations bench/cref and bench/gosuite time:
 an IPC-enabled DeviceMemoryResource, Buffer IPC descriptors, and consumers in
@@ -11,19 +11,39 @@ or "fail cudacore OP REASON" where it could not be taken (an API that differs
 from the one this script knows, say); the others still run. Times are in
 microseconds from CLOCK_MONOTONIC (time.monotonic_ns), the clock the C and Go
 columns read. cuda.core leaves stream ordering between processes to its user,
-so no consumer here waits on an event of the producer: its figures are for less
-work than cudapool's.
+so no consumer here waits on an event of the producer and no release is ordered:
+its sharing figures are for less work than cudapool's and C's, and the table
+shows them apart, never as a ratio of the same protocol. Its import pair is
+cuda.core's own API (Buffer.from_ipc_descriptor and close), not a bare binding.
 
-Usage: python3 bench/cudacore.py [--quick]
+Usage:
+    python3 bench/cudacore.py [--quick]
+    python3 bench/cudacore.py alloc --plan PLAN --ring IN,OUT --ready FIFO
+                              --round R --batches B --pairs N
+
+"alloc" is one participant of the allocation ring (bench/gosuite/alloc.go says
+why): for each plan entry and slot, one untimed warm-up batch and B measured
+batches of N allocate+close pairs, one batch a turn, from a new pool of the
+entry's kind (IPC-enabled or not) and the entry's bytes; it prints
+
+    sample cudacore api OP ROUND BATCH TURN US
+    bytes cudacore OP BYTES
+
+cuda.core has no layer below its API here, so it passes its turns of the
+binding slot. Without cuda.core it still takes and passes every turn, so that
+the ring goes on, and says "fail cudacore alloc ...".
 """
 
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import select
 import sys
 import time
 import traceback
+
+from suitelines import summarize  # bench/, the script's own folder
 
 IMPL = "cudacore"
 SHARE_SIZE = 2 << 20  # cudapool's granularity: every column shares 2 MiB buffers
@@ -31,9 +51,11 @@ TIMEOUT = 60.0  # a hang guard for every wait on a consumer, never a measurement
 FANOUTS = (1, 2, 4, 7)
 SUSTAIN_CONSUMERS = 4
 
-FULL = dict(batches=15, sync_every=2000, samples=200, warmup=20, fanout_reps=50, ring=64,
+IMPORT_BUFFERS = 1000  # the import pair's buffers a batch, as bench/cref and bench/gosuite
+SLOW_OPEN = 1e-3  # an open in the sustained loop this slow or slower is a stall (as gosuite)
+FULL = dict(batches=15, import_buffers=IMPORT_BUFFERS, samples=200, warmup=20, fanout_reps=50, ring=64,
             rounds=5, window=0.3, copies=20, read_size=1 << 30)
-QUICK = dict(batches=3, sync_every=20, samples=10, warmup=2, fanout_reps=3, ring=4,
+QUICK = dict(batches=3, import_buffers=8, samples=10, warmup=2, fanout_reps=3, ring=4,
              rounds=2, window=0.05, copies=2, read_size=8 << 20)
 
 
@@ -98,23 +120,13 @@ def ipc_resource(c, dev, max_size):
     return c["DeviceMemoryResource"](dev, options=opts)
 
 
-def summarize(op, unit, v):
-    if not v:
-        print("fail %s %s no samples" % (IMPL, op), flush=True)
-        return
-    v = sorted(v)
-    p90 = v[int(0.9 * (len(v) - 1) + 0.5)]
-    print("result %s %s %s %.4f %.4f %d" % (IMPL, op, unit, v[len(v) // 2], p90, len(v)))
-    print("raw %s %s %s %s" % (IMPL, op, unit, " ".join("%.4f" % x for x in v)), flush=True)
-
-
 def fail(op, err):
     print("fail %s %s %s" % (IMPL, op, str(err).replace("\n", " ")), flush=True)
 
 
 def measure(op, unit, f):
     try:
-        summarize(op, unit, f())
+        summarize(IMPL, op, unit, f())
     except Exception as e:  # one measurement failing must not stop the others
         fail(op, "%s: %s" % (type(e).__name__, e))
         traceback.print_exc(file=sys.stderr)
@@ -189,6 +201,15 @@ class Consumer:
             us.append(us_since(t0))
         self.conn.send(("done", us))
 
+    def open_release_loop(self, n):
+        us = []
+        for i in range(n):
+            self.stream.sync()  # untimed: an import of a descriptor whose free is queued would alias it
+            t0 = time.monotonic_ns()
+            self.release(self.request(i))
+            us.append(us_since(t0))
+        self.conn.send(("done", us))
+
     def import_pairs(self, descs, batches):
         us = []
         for b in range(-1, batches):
@@ -211,12 +232,18 @@ class Consumer:
 
     def sustain(self, window):
         end = time.monotonic() + window
-        n = 0
+        n, slow, slow_s = 0, 0, 0.0
         while time.monotonic() < end:
-            self.release(self.request(n))
+            t0 = time.monotonic()
+            buf = self.request(n)
+            took = time.monotonic() - t0
+            if took >= SLOW_OPEN:
+                slow += 1
+                slow_s += took
+            self.release(buf)
             n += 1
         self.stream.sync()
-        self.conn.send(("done", [n]))
+        self.conn.send(("done", [n, slow, slow_s * 1e3]))
 
     def read(self, desc, copies):
         timing = timing_options(self.c["EventOptions"])
@@ -340,7 +367,7 @@ class Producer:
         return us[s["warmup"]:]
 
     def import_pairs(self, conn):
-        bufs, descs = self.shared(50, False)
+        bufs, descs = self.shared(self.shape["import_buffers"], False)
         try:
             conn.send(("import_pairs", descs, self.shape["batches"]))
             (us,) = recv(conn, "done")
@@ -375,7 +402,7 @@ class Producer:
             for _ in range(s["rounds"]):
                 for conn in conns:
                     conn.send(("sustain", s["window"]))
-                running, total = set(conns), 0
+                running, total, slow, slow_ms = set(conns), 0, 0, 0.0
                 while running:
                     ready = multiprocessing.connection.wait(list(running), TIMEOUT)
                     if not ready:
@@ -388,9 +415,13 @@ class Producer:
                             conn.send(("ack",))
                         elif msg[0] == "done":
                             total += msg[1][0]
+                            slow += msg[1][1]
+                            slow_ms += msg[1][2]
                             running.discard(conn)
                         elif msg[0] == "error":
                             raise RuntimeError("consumer: " + msg[1])
+                print("window %s sustained/4 %d %d %d %.3f %.2f" % (IMPL, len(rates), total, slow, slow_ms,
+                                                                   total / s["ring"]), flush=True)
                 rates.append(total / s["window"])
         finally:
             self.drop(bufs)
@@ -406,25 +437,95 @@ class Producer:
         return gbs
 
 
-def alloc_pairs(c, shape):
-    dev = c["Device"](0)
-    dev.set_current()
-    for name, size in (("1KiB", 1 << 10), ("1MiB", 1 << 20), ("64MiB", 64 << 20)):
-        def pairs(size=size):
-            mr = ipc_resource(c, dev, 1 << 30)
-            s = dev.create_stream()
-            mr.allocate(size, stream=s).close(s)  # the pool reserves its memory once
-            s.sync()
-            us = []
-            for b in range(-1, shape["batches"]):
-                t0 = time.monotonic_ns()
-                for _ in range(shape["sync_every"]):
-                    mr.allocate(size, stream=s).close(s)
-                s.sync()
-                if b >= 0:
-                    us.append(us_since(t0) / shape["sync_every"])
-            return us
-        measure("alloc/" + name, "us", pairs)
+TURN_TIMEOUT = 60.0  # a hang guard for the ring's token
+
+
+class Ring:
+    """This participant's place in the allocation ring: the token (the turn's
+    number, a line of text) comes in on one named pipe and goes on by another."""
+
+    def __init__(self, spec):
+        ins, outs = spec.split(",")
+        # O_RDWR never blocks on a FIFO (Linux), whatever order the participants open in.
+        self.inp = os.open(ins, os.O_RDWR)
+        self.out = os.open(outs, os.O_RDWR)
+
+    def take(self):
+        ready, _, _ = select.select([self.inp], [], [], TURN_TIMEOUT)
+        if not ready:
+            raise TimeoutError("no turn came for %.0f s: another participant died or runs another plan" % TURN_TIMEOUT)
+        return int(os.read(self.inp, 32).decode().strip())
+
+    def give(self, turn):
+        os.write(self.out, b"%d\n" % (turn + 1))
+
+
+def parse_plan(text):
+    """"KIND/SIZE=BYTES ..." as (kind, op, bytes)."""
+    plan = []
+    for entry in text.split():
+        name, _, nbytes = entry.partition("=")
+        kind = name.split("/")[0]
+        if kind not in ("ipc", "local") or not nbytes.isdigit() or int(nbytes) == 0:
+            raise ValueError("plan entry %r: want ipc/SIZE=BYTES or local/SIZE=BYTES" % entry)
+        plan.append((kind, "alloc/" + name, int(nbytes)))
+    if not plan:
+        raise ValueError("empty plan")
+    return plan
+
+
+def alloc_ring(args):
+    """One participant of the allocation ring; returns the exit status."""
+    opts = dict(zip(args[0::2], args[1::2]))
+    try:
+        plan = parse_plan(opts["--plan"])
+        ring = Ring(opts["--ring"])
+        rnd, batches, pairs = int(opts["--round"]), int(opts["--batches"]), int(opts["--pairs"])
+    except (KeyError, ValueError) as e:
+        print("cudacore alloc: bad arguments: %s" % e, file=sys.stderr)
+        return 2
+    work = None
+    try:
+        c = api()
+        dev = c["Device"](0)
+        dev.set_current()
+        work = (c, dev)
+    except Exception as e:
+        fail("alloc", "cuda.core %s: %s: %s" % (version(), type(e).__name__, e))
+    if "--ready" in opts:
+        fd = os.open(opts["--ready"], os.O_RDWR)
+        os.write(fd, b"ready cudacore %d\n" % os.getpid())
+        os.close(fd)
+    for kind, op, nbytes in plan:
+        for slot in ("api", "binding"):
+            mr = s = None
+            for b in range(-1, batches):
+                turn = ring.take()
+                if work is not None and slot == "api":
+                    try:
+                        if b == -1:  # set up inside the first turn: nothing of it beside another's batch
+                            c, dev = work
+                            mr = c["DeviceMemoryResource"](dev, options=c["DeviceMemoryResourceOptions"](
+                                ipc_enabled=kind == "ipc", max_size=max(1 << 30, 2 * nbytes)))
+                            s = dev.create_stream()
+                            mr.allocate(nbytes, stream=s).close(s)  # the pool reserves its memory once
+                            s.sync()
+                            print("bytes %s %s %d" % (IMPL, op, nbytes), flush=True)
+                        t0 = time.monotonic_ns()
+                        for _ in range(pairs):
+                            mr.allocate(nbytes, stream=s).close(s)
+                        s.sync()
+                        us = us_since(t0) / pairs
+                        if b >= 0:
+                            print("sample %s api %s %d %d %d %.4f" % (IMPL, op, rnd, b, turn, us), flush=True)
+                        if b == batches - 1:
+                            mr.close()
+                    except Exception as e:  # this column fails; the ring goes on
+                        fail(op, "%s: %s" % (type(e).__name__, e))
+                        traceback.print_exc(file=sys.stderr)
+                        work = None
+                ring.give(turn)
+    return 0
 
 
 def device_count(c):
@@ -443,6 +544,8 @@ def device_count(c):
 
 
 def main():
+    if sys.argv[1:2] == ["alloc"]:
+        return alloc_ring(sys.argv[2:])
     shape = QUICK if "--quick" in sys.argv[1:] else FULL
     # cuda.core checks that IPC objects travel to spawned processes only.
     mp.set_start_method("spawn", force=True)
@@ -452,7 +555,6 @@ def main():
     except Exception as e:
         fail("all", "cuda.core %s lacks the API this script uses: %s: %s" % (version(), type(e).__name__, e))
         return 1
-    alloc_pairs(c, shape)
     try:
         pr = Producer(c, shape)
     except Exception as e:
@@ -468,10 +570,11 @@ def main():
             fail("sharing", "starting consumers: %s: %s" % (type(e).__name__, e))
             return 1
         one = conns[0]
-        measure("import/pair", "us", lambda: pr.import_pairs(one))
+        measure("import/api", "us", lambda: pr.import_pairs(one))
         measure("open/first", "us", lambda: pr.on_consumer(one, "open_loop", True))
         measure("open/exported", "us", lambda: pr.on_consumer(one, "open_loop", False))
         measure("release", "us", lambda: pr.on_consumer(one, "release_loop", False))
+        measure("open+release/exported", "us", lambda: pr.on_consumer(one, "open_release_loop", False))
         for n in FANOUTS:
             measure("fanout/%d" % n, "us", lambda n=n: pr.fanout(conns[:n]))
         measure("sustained/4", "shares/s", lambda: pr.sustained(conns[:SUSTAIN_CONSUMERS]))

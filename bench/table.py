@@ -1,50 +1,170 @@
-"""Turns one run of cudapool's benchmark suite into its table.
+"""Turns one run of cudapool's benchmark suite into its tables.
 
-Reads the lines that bench/cref, bench/gosuite, bench/cudacore.py and
-scripts/bench-suite.sh print into one file:
+Reads the lines that bench/cref, bench/gosuite, bench/cudacore.py,
+bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
 
-    result IMPL OP UNIT MEDIAN P90 N
-    fail IMPL OP REASON...
+    result IMPL OP UNIT MEDIAN P90 N          a measurement's summary
+    raw IMPL OP UNIT V1 V2 ...                its samples (every statistic comes from these)
+    sample IMPL SLOT OP ROUND BATCH TURN US   one batch of the allocation ring
+    bytes IMPL OP BYTES                       what each allocation of OP allocates
+    window IMPL OP ROUND SHARES SLOW SLOW_MS TURNS   one window of a sustained rate
+    settle IMPL OP ROUND WAITS WAIT_MS        C's waits for its own earlier frees there
+    validated IMPL all CHECKED GIVEN          buffers a validating run's consumers checked
+    fail IMPL OP REASON...                    a measurement that could not be taken
+    absent IMPL OP REASON...                  a measurement whose feature is not on main
     meta KEY VALUE...
 
-(raw lines and anything else are skipped), prints the table of the operations
-with cudapool's ratio to each other column, the allocation variants and the
-targets of issue 6, and with --md writes the same as a Markdown section for the
-README (bench/RESULTS.md), with the text of --notes (what a person found out
-about the run: why a target was missed) under its own heading.
+(anything else is skipped), and prints, the targets last:
 
-Usage: python3 bench/table.py RESULTS [--md FILE [--notes FILE]]
+  - the allocation pairs of the ring: each batch of Go and cuda.core gets the timing
+    state (fast or slow) of the C batch taken next to it on the same CPU, C's state
+    being found by splitting C's batches in two clusters; ratios are given state by
+    state (fast against fast), and for the best and the median batch;
+  - the sharing operations where cudapool and C follow the same protocol, each
+    latency with its median, mean, p99 and maximum;
+  - the other routes and libraries (legacy IPC, cuda.core), which follow other
+    protocols: figures for orientation, never a verdict;
+  - the sustained windows: shares, the Opens that stalled and their time;
+  - the rows of issues 10 and 11, "not run (feature absent)" where so;
+  - the targets, each verdict computed from one fair pair of this run.
+
+The raw file is checked first: a result whose samples do not give its median or
+count, two columns of one allocation row that allocate different bytes, a Go batch
+without its C neighbour, a malformed line. Each such problem is printed, the
+tables still come, and the exit status is 1.
+
+Usage: python3 bench/table.py RAW [--md FILE [--notes FILE]]
 """
 
+import math
 import sys
 
-IMPLS = ("cudapool", "c", "legacy", "cudacore")
-HEADS = ("cudapool", "C", "legacy IPC", "cuda.core")
-OPS = (
-    ("alloc/1KiB", "allocate+free pair, 1 KiB"),
-    ("alloc/1MiB", "allocate+free pair, 1 MiB"),
-    ("alloc/64MiB", "allocate+free pair, 64 MiB"),
-    ("export/fresh", "export of a fresh buffer"),
-    ("import/pair", "import+free pair (binding)"),
-    ("open/first", "open end to end, first time"),
-    ("open/exported", "open end to end, already exported"),
-    ("release", "release round trip"),
-    ("fanout/1", "fan-out to 1 consumer"),
-    ("fanout/2", "fan-out to 2 consumers"),
-    ("fanout/4", "fan-out to 4 consumers"),
-    ("fanout/7", "fan-out to 7 consumers"),
-    ("sustained/4", "sustained shares, 1 producer, 4 consumers"),
-    ("read/same-gpu", "read of an imported buffer, same GPU"),
-    ("read/other-gpu", "read of an imported buffer, other GPU"),
-    ("copy/same-gpu", "plain device copy, same GPU"),
-    ("copy/other-gpu", "plain device copy, other GPU"),
-)
+# ---- Reading the raw file.
+
 RATES = ("GB/s", "shares/s")
-# The parts of scripts/bench-suite.sh and the columns they fill.
-PARTS = {"cref": ("c", "legacy"), "gosuite": ("cudapool",), "cudacore": ("cudacore",)}
 
 
-def version(v):
+class Run:
+    def __init__(self, lines):
+        self.results, self.raws, self.fails, self.absent, self.meta = {}, {}, {}, {}, {}
+        self.samples, self.bytes, self.windows, self.settles, self.validated = [], {}, [], [], []
+        self.problems = []
+        for n, line in enumerate(lines, 1):
+            f = line.split()
+            if not f:
+                continue
+            try:
+                self.read(f)
+            except (ValueError, IndexError) as e:
+                self.problems.append("line %d: %s: %r" % (n, e, line.strip()[:120]))
+        self.check()
+
+    def read(self, f):
+        kind = f[0]
+        if kind == "result":
+            need(f, 7)
+            key = (f[1], f[2])
+            if key in self.results:
+                raise ValueError("a second result for %s %s" % key)
+            self.results[key] = (f[3], float(f[4]), float(f[5]), int(f[6]))
+        elif kind == "raw":
+            if len(f) < 5:
+                raise ValueError("a raw line without samples")
+            self.raws[(f[1], f[2])] = (f[3], sorted(float(x) for x in f[4:]))
+        elif kind == "sample":
+            need(f, 8)
+            self.samples.append(dict(impl=f[1], slot=f[2], op=f[3], round=int(f[4]), batch=int(f[5]),
+                                     turn=int(f[6]), us=positive(f[7])))
+        elif kind == "bytes":
+            need(f, 4)
+            self.bytes.setdefault(f[2], {})[f[1]] = int(f[3])
+        elif kind == "window":
+            need(f, 8)
+            self.windows.append(dict(impl=f[1], op=f[2], round=int(f[3]), shares=float(f[4]), slow=float(f[5]),
+                                     slow_ms=float(f[6]), turns=float(f[7])))
+        elif kind == "settle":
+            need(f, 6)
+            self.settles.append(dict(impl=f[1], op=f[2], round=int(f[3]), waits=float(f[4]), ms=float(f[5])))
+        elif kind == "validated":
+            need(f, 5)
+            self.validated.append((f[1], int(f[3]), int(f[4])))
+        elif kind in ("fail", "absent"):
+            if len(f) < 3:
+                raise ValueError("a %s line without an operation" % kind)
+            (self.fails if kind == "fail" else self.absent)[(f[1], f[2])] = " ".join(f[3:])
+        elif kind == "meta" and len(f) >= 2:
+            self.meta[f[1]] = " ".join(f[2:])
+        elif f[:2] == ["cref", "runtime"] and len(f) == 5:
+            self.meta.setdefault("cuda", "%s (driver API %s)" % (cuda_version(f[2]), cuda_version(f[4])))
+
+    def check(self):
+        for key, (unit, median, _, n) in self.results.items():
+            raw = self.raws.get(key)
+            if raw is None:
+                self.problems.append("%s %s: a result without its samples" % key)
+            elif len(raw[1]) != n or not close(raw[1][len(raw[1]) // 2], median):
+                self.problems.append("%s %s: the result says median %g of %d, the samples give %g of %d" % (
+                    key + (median, n, raw[1][len(raw[1]) // 2], len(raw[1]))))
+        for op, by in self.bytes.items():
+            if len(set(by.values())) > 1:
+                self.problems.append("%s: the columns allocate different bytes: %s" % (
+                    op, ", ".join("%s %d" % kv for kv in sorted(by.items()))))
+        seen = set()
+        for s in self.samples:
+            key = (s["impl"], s["slot"], s["op"], s["round"], s["batch"])
+            if key in seen:
+                self.problems.append("a second sample for %s %s %s round %d batch %d" % key)
+            seen.add(key)
+        c = {(s["slot"], s["op"], s["round"], s["batch"]): s for s in self.samples if s["impl"] == "c"}
+        for s in self.samples:
+            if s["impl"] == "c":
+                continue
+            n = c.get((s["slot"], s["op"], s["round"], s["batch"]))
+            if n is None:
+                self.problems.append("%s %s %s round %d batch %d: no C batch beside it" % (
+                    s["impl"], s["slot"], s["op"], s["round"], s["batch"]))
+            elif abs(n["turn"] - s["turn"]) > 2:
+                self.problems.append("%s %s %s round %d batch %d: its C batch is %d turns away, not beside it" % (
+                    s["impl"], s["slot"], s["op"], s["round"], s["batch"], abs(n["turn"] - s["turn"])))
+        for impl, checked, given in self.validated:
+            if checked != given or given == 0:
+                self.problems.append("%s's consumers validated %d of the %d buffers they were given" % (
+                    impl, checked, given))
+
+    def stats(self, impl, op):
+        """Stats of impl's op from its samples, or None."""
+        raw = self.raws.get((impl, op))
+        return Stats(raw[0], raw[1]) if raw else None
+
+    def failed(self, impl, op):
+        """Why impl's op failed (itself, all of impl, or the suite's part), or None."""
+        for key in ((impl, op), (impl, "all"), (impl, "sharing"), (impl, op.split("/")[0])):
+            if key in self.fails:
+                return self.fails[key]
+        part = {"c": "cref", "legacy": "cref", "cudapool": "gosuite", "cudart": "gosuite",
+                "cudacore": "cudacore", "torch": "torch", "python": "torch"}.get(impl)
+        if op.startswith("alloc/"):
+            part = "alloc"
+        return self.fails.get(("suite", part)) if part else None
+
+
+def need(f, n):
+    if len(f) != n:
+        raise ValueError("%d fields, want %d" % (len(f), n))
+
+
+def positive(x):
+    v = float(x)
+    if not v > 0:
+        raise ValueError("a time that is not positive")
+    return v
+
+
+def close(a, b):
+    return abs(a - b) <= 1e-3 * max(abs(a), abs(b), 1e-9)
+
+
+def cuda_version(v):
     """CUDA's integer version (13000) as 13.0."""
     try:
         v = int(v)
@@ -53,151 +173,370 @@ def version(v):
     return "%d.%d" % (v // 1000, v % 1000 // 10)
 
 
-class Run:
-    def __init__(self, lines):
-        self.results, self.fails, self.meta = {}, {}, {}
-        for line in lines:
-            f = line.split()
-            if len(f) == 7 and f[0] == "result":
-                try:
-                    self.results[(f[1], f[2])] = (f[3], float(f[4]), float(f[5]), int(f[6]))
-                except ValueError:
-                    continue
-            elif len(f) > 4 and f[0] == "raw" and f[3] in RATES and (f[1], f[2]) in self.results:
-                # For a rate the slow tail is the low one: beside the median goes the
-                # 10th percentile, not the 90th.
-                try:
-                    v = sorted(float(x) for x in f[4:])
-                except ValueError:
-                    continue
-                unit, median, _, n = self.results[(f[1], f[2])]
-                self.results[(f[1], f[2])] = (unit, median, v[int(0.1 * (len(v) - 1) + 0.5)], n)
-            elif len(f) == 5 and f[:2] == ["cref", "runtime"] and f[3] == "driver":
-                self.meta.setdefault("cuda", "%s (driver API %s)" % (version(f[2]), version(f[4])))
-            elif len(f) >= 3 and f[0] == "fail":
-                self.fails[(f[1], f[2])] = " ".join(f[3:])
-            elif len(f) >= 2 and f[0] == "meta":
-                self.meta[f[1]] = " ".join(f[2:])
+class Stats:
+    def __init__(self, unit, v):
+        self.unit, self.v = unit, sorted(v)
+        n = len(self.v)
+        self.n = n
+        self.median = self.v[n // 2]
+        self.mean = sum(self.v) / n
+        self.max, self.min = self.v[-1], self.v[0]
+        self.p99 = self.v[max(0, math.ceil(0.99 * n) - 1)]
+        self.p10 = self.v[int(0.1 * (n - 1) + 0.5)]
 
-    def get(self, impl, op):
-        return self.results.get((impl, op))
+    def rate(self):
+        return self.unit in RATES
 
-    def failed(self, impl, op):
-        """Whether impl's op failed: itself, all of impl, or the suite's part that runs it."""
-        if any((impl, o) in self.fails for o in (op, "all", "sharing")):
-            return True
-        parts = [p for p, impls in PARTS.items() if impl in impls]
-        if impl == "cudapool" and op == "import/pair":
-            parts = ["cudart-bench"]
-        return any(("suite", p) in self.fails for p in parts)
-
-    def cell(self, impl, op):
-        r = self.get(impl, op)
-        if r:
-            return "%s (%s)" % (num(r[1]), num(r[2]))
-        return "FAIL" if self.failed(impl, op) else "-"
-
-    def ratio(self, impl, op):
-        a, b = self.get("cudapool", op), self.get(impl, op)
-        if not a or not b or b[1] == 0:
-            return "-"
-        return "%.2f" % (a[1] / b[1])
+    def cells(self):
+        """median, mean, p99, max for a time; median, p10 (the slow tail), min for a rate."""
+        if self.rate():
+            return "%s / %s / %s" % (num(self.median), num(self.p10), num(self.min))
+        return "%s / %s / %s / %s" % (num(self.median), num(self.mean), num(self.p99), num(self.max))
 
 
 def num(x):
-    if x >= 1000:
-        return "%.0f" % x
-    if x >= 100:
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return "{:,.0f}".format(x)
+    if abs(x) >= 100:
         return "%.1f" % x
+    if abs(x) < 0.1:
+        return "%.3g" % x
     return "%.2f" % x
 
 
-def unit_of(run, op):
-    for impl in IMPLS:
-        r = run.get(impl, op)
-        if r:
-            return r[0]
-    return "GB/s" if op.startswith(("read", "copy")) else "shares/s" if op.startswith("sustained") else "us"
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else None
 
 
-def main_rows(run):
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def rtext(r):
+    return "-" if r is None else "%.2f" % r
+
+
+# ---- The allocation ring.
+
+ALLOC_OPS = ("alloc/ipc/1KiB", "alloc/ipc/1MiB", "alloc/ipc/64MiB", "alloc/local/1KiB", "alloc/local/1MiB")
+ALLOC_WHAT = {"ipc": "exportable pool", "local": "local pool"}
+# Each column of the ring and the C slot it is compared with.
+RING_COLUMNS = (("cudapool", "api", "pool.Alloc + Free (Go)"),
+                ("cudart", "binding", "bare binding (Go, cgo)"),
+                ("cudacore", "api", "cuda.core allocate + close"))
+SEPARATION = 1.25  # two clusters of C's batches are two states when their medians differ this much
+
+
+def two_states(values):
+    """The threshold between C's fast and slow batches, or None for one state: the
+    split of the sorted logs that leaves the least squares within the two parts,
+    kept when their medians differ by SEPARATION at least."""
+    v = sorted(values)
+    if len(v) < 4:
+        return None
+    logs = [math.log(x) for x in v]
+    best, at = None, None
+    for k in range(2, len(v) - 1):
+        lo, hi = logs[:k], logs[k:]
+        cost = sum((x - sum(lo) / len(lo)) ** 2 for x in lo) + sum((x - sum(hi) / len(hi)) ** 2 for x in hi)
+        if best is None or cost < best:
+            best, at = cost, k
+    if at is None or median(v[at:]) / median(v[:at]) < SEPARATION:
+        return None
+    return math.sqrt(v[at - 1] * v[at])
+
+
+class AllocRow:
+    """One column of one allocation operation, compared with its C neighbours."""
+
+    def __init__(self, run, op, impl, slot):
+        self.op, self.impl, self.slot = op, impl, slot
+        mine = [s for s in run.samples if s["impl"] == impl and s["slot"] == slot and s["op"] == op]
+        cs = {(s["round"], s["batch"]): s for s in run.samples if s["impl"] == "c" and s["op"] == op
+              and s["slot"] == slot}
+        self.threshold = two_states([s["us"] for s in run.samples if s["impl"] == "c" and s["op"] == op])
+        self.states = self.threshold is not None
+
+        def state(c):
+            return "one" if not self.states else ("fast" if c["us"] < self.threshold else "slow")
+
+        pairs = [(s["us"], cs[(s["round"], s["batch"])]) for s in mine if (s["round"], s["batch"]) in cs]
+        self.n = len(mine)
+        self.values = [v for v, _ in pairs]
+        self.c_values = [c["us"] for _, c in pairs]
+        self.by_state = {}
+        for v, c in pairs:
+            self.by_state.setdefault(state(c), []).append((v, c["us"]))
+        # How often this column's own clusters agree with its neighbour's state: a
+        # check that the state is the CPU's, not the process's.
+        own = two_states(self.values)
+        self.agreement = None
+        if own is not None and self.states:
+            same = sum(1 for v, c in pairs if (v < own) == (c["us"] < self.threshold))
+            self.agreement = same / len(pairs)
+
+    def state_median(self, state, which):
+        got = self.by_state.get(state, [])
+        return median([p[which] for p in got]) if got else None
+
+    def fair(self):
+        """The fair pair: this column's and C's medians in C's fast state (or in its
+        one state), the state's name and how many pairs."""
+        state = "fast" if self.states else "one"
+        n = len(self.by_state.get(state, []))
+        return self.state_median(state, 0), self.state_median(state, 1), state, n
+
+
+def alloc_label(op):
+    _, kind, size = op.split("/")
+    return "%s %s" % (ALLOC_WHAT.get(kind, kind), size)
+
+
+def alloc_rows(run):
+    head = ["operation", "column", "batches", "best", "median", "fast (n)", "slow (n)",
+            "vs C best", "vs C median", "vs C fast", "vs C slow", "state agrees"]
     rows = []
-    for op, what in OPS:
-        row = [what, unit_of(run, op)] + [run.cell(i, op) for i in IMPLS]
-        row += [run.ratio(i, op) for i in IMPLS[1:]]
-        rows.append(row)
-    return rows
-
-
-MAIN_HEAD = ["operation", "unit"] + list(HEADS) + ["vs C", "vs legacy", "vs cuda.core"]
-
-
-def variant_rows(run):
-    """One row per variant run and size: cudapool, cudart and C under that pinning."""
-    labels = []
-    for impl, op in run.results:
-        if op.startswith("variant/"):
-            label = op.split("/")[1]
-            if label not in labels:
-                labels.append(label)
-    rows = []
-    for label in labels:
-        for size in ("1KiB", "1MiB", "64MiB"):
-            op = "variant/%s/alloc/%s" % (label, size)
-            cells = [run.get(i, op) for i in ("cudapool", "cudart", "c")]
-            if not any(cells):
+    ops = [op for op in ALLOC_OPS if any(s["op"] == op for s in run.samples)]
+    ops += sorted({s["op"] for s in run.samples} - set(ops))
+    for op in ops:
+        c = [s["us"] for s in run.samples if s["impl"] == "c" and s["op"] == op and s["slot"] == "api"]
+        thr = two_states([s["us"] for s in run.samples if s["impl"] == "c" and s["op"] == op])
+        fast = [x for x in c if thr is None or x < thr]
+        slow = [x for x in c if thr is not None and x >= thr]
+        label = alloc_label(op) + " (%s B)" % num(run.bytes.get(op, {}).get("c")) if run.bytes.get(op) else alloc_label(op)
+        rows.append([label, "C", len(c), num(min(c)) if c else "-", num(median(c)),
+                     "%s (%d)" % (num(median(fast)), len(fast)) if thr else "%s (one state)" % num(median(c)),
+                     "%s (%d)" % (num(median(slow)), len(slow)) if thr else "-", "", "", "", "", ""])
+        for impl, slot, what in RING_COLUMNS:
+            r = AllocRow(run, op, impl, slot)
+            if not r.n:
+                why = run.failed(impl, op) or run.fails.get((impl, "alloc"))
+                rows.append(["", what, 0, "FAIL" if why else "-"] + [""] * 8)
                 continue
-            row = [label, size] + ["%s (%s)" % (num(c[1]), num(c[2])) if c else "-" for c in cells]
-            c = cells[2]
-            row += ["%.2f" % (g[1] / c[1]) if g and c else "-" for g in cells[:2]]
-            rows.append(row)
-    return rows
+            cbest = min(r.c_values) if r.c_values else None
+            f, fc = r.state_median("fast" if r.states else "one", 0), r.state_median("fast" if r.states else "one", 1)
+            s, sc = r.state_median("slow", 0), r.state_median("slow", 1)
+            rows.append(["", what, r.n, num(min(r.values)) if r.values else "-", num(median(r.values)),
+                         "%s (%d)" % (num(f), len(r.by_state.get("fast" if r.states else "one", []))),
+                         "%s (%d)" % (num(s), len(r.by_state.get("slow", []))) if r.states else "-",
+                         rtext(ratio(min(r.values) if r.values else None, cbest)),
+                         rtext(ratio(median(r.values), median(r.c_values))),
+                         rtext(ratio(f, fc)), rtext(ratio(s, sc)),
+                         "-" if r.agreement is None else "%.0f%%" % (100 * r.agreement)])
+    return head, rows
 
 
-VARIANT_HEAD = ["variant", "size", "cudapool", "cudart", "C", "cudapool/C", "cudart/C"]
+# ---- Sharing: the same protocol in cudapool and C.
+
+# (op, what, cudapool's impl, the layer the comparison is at)
+SAME_PROTOCOL = (
+    ("import/pair", "import+free pair", "cudart", "bare binding: cudaMemPoolImportPointer + cudaFreeAsync"),
+    ("export/fresh", "export of a fresh buffer", "cudapool", "Publish / cudaMemPoolExportPointer"),
+    ("open/first", "open end to end, first time", "cudapool", "ordered open"),
+    ("open/exported", "open end to end, already exported", "cudapool", "ordered open"),
+    ("release", "release round trip", "cudapool", "ordered release + reply"),
+    ("open+release/exported", "open + release, already exported", "cudapool", "ordered open and release"),
+    ("fanout/1", "fan-out to 1 consumer", "cudapool", "push, ordered"),
+    ("fanout/2", "fan-out to 2 consumers", "cudapool", "push, ordered"),
+    ("fanout/4", "fan-out to 4 consumers", "cudapool", "push, ordered"),
+    ("fanout/7", "fan-out to 7 consumers", "cudapool", "push, ordered"),
+    ("sustained/4", "sustained shares, 1 producer, 4 consumers", "cudapool", "ordered open and release"),
+    ("read/same-gpu", "read of an imported buffer, same GPU", "cudapool", "copy out of the mapping"),
+    ("read/other-gpu", "read of an imported buffer, other GPU", "cudapool", "copy out of the mapping"),
+)
+
+
+def cell(run, impl, op):
+    st = run.stats(impl, op)
+    if st:
+        return st.cells(), st
+    if (impl, op) in run.absent:
+        return "not run (feature absent)", None
+    return ("FAIL" if run.failed(impl, op) else "-"), None
+
+
+def sharing_rows(run):
+    head = ["operation", "unit", "cudapool", "C", "vs C (median)", "vs C (mean)"]
+    rows = []
+    for op, what, impl, _ in SAME_PROTOCOL:
+        g, gs = cell(run, impl, op)
+        c, cs = cell(run, "c", op)
+        unit = (gs or cs).unit if (gs or cs) else "-"
+        rm = rtext(ratio(gs.median, cs.median)) if gs and cs else "-"
+        rmean = rtext(ratio(gs.mean, cs.mean)) if gs and cs and not gs.rate() else "-"
+        rows.append([what + (" (bare binding)" if impl == "cudart" else ""), unit, g, c, rm, rmean])
+    for op, what in (("copy/same-gpu", "plain device copy, same GPU"), ("copy/other-gpu", "plain device copy, other GPU")):
+        c, cs = cell(run, "c", op)
+        rows.append([what, cs.unit if cs else "GB/s", "-", c, "-", "-"])
+    return head, rows
+
+
+# ---- Other routes and libraries: other protocols, for orientation.
+
+OTHERS = (
+    ("legacy", "alloc/1KiB", "cudaMalloc + cudaFree, 1 KiB"),
+    ("legacy", "alloc/1MiB", "cudaMalloc + cudaFree, 1 MiB"),
+    ("legacy", "alloc/64MiB", "cudaMalloc + cudaFree, 64 MiB"),
+    ("legacy", "import/pair", "cudaIpcOpenMemHandle + Close pair"),
+    ("cudacore", "import/api", "cuda.core Buffer.from_ipc_descriptor + close (its API, not a binding)"),
+) + tuple((impl, op, what) for impl in ("legacy", "cudacore") for op, what, _, _ in SAME_PROTOCOL[1:])
+DIFFERS = {"legacy": "legacy IPC: cudaMalloc memory, a handle per allocation, close is synchronous",
+           "cudacore": "cuda.core: no wait on the producer's writes, no ordered release, no reply"}
+
+
+def other_rows(run):
+    head = ["column", "operation", "unit", "figure", "cudapool / it (median)"]
+    rows = []
+    go_of = {op: impl for op, _, impl, _ in SAME_PROTOCOL}
+    for impl, op, what in OTHERS:
+        c, st = cell(run, impl, op)
+        if c == "-":
+            continue
+        g = run.stats(go_of.get(op, "cudapool"), op)
+        rows.append([{"legacy": "legacy IPC", "cudacore": "cuda.core"}[impl], what, st.unit if st else "-", c,
+                     rtext(ratio(g.median, st.median)) if g and st else "-"])
+    return head, rows
+
+
+def window_rows(run):
+    head = ["column", "window", "shares", "opens >= 1 ms", "ms in them", "ring turns", "settle waits (ms)"]
+    rows = []
+    settles = {(s["impl"], s["round"]): s for s in run.settles}
+    for w in run.windows:
+        s = settles.get((w["impl"], w["round"]))
+        rows.append([w["impl"], w["round"], num(w["shares"]), "%d" % w["slow"], num(w["slow_ms"]), num(w["turns"]),
+                     "%d (%s)" % (s["waits"], num(s["ms"])) if s else "-"])
+    return head, rows
+
+
+# ---- Issues 10 and 11.
+
+FEATURE_ROWS = (
+    ("cudapool", "alloc/ipc/1KiB/hit", "alloc+free, reuse hit, exportable pool 1 KiB (issue 11)"),
+    ("cudapool", "alloc/ipc/1MiB/hit", "alloc+free, reuse hit, exportable pool 1 MiB (issue 11)"),
+    ("cudapool", "alloc/ipc/64MiB/hit", "alloc+free, reuse hit, exportable pool 64 MiB (issue 11)"),
+    ("cudapool", "sustained/4/recycled", "sustained shares/s, recycled 2 MiB buffers, 4 consumers (issue 11)"),
+    ("cudapool", "block/64KiB/b1", "block shares/s, 64 KiB of a 1 GiB slab, batch 1, 4 consumers (issue 11)"),
+    ("cudapool", "block/64KiB/b64", "block shares/s, 64 KiB of a 1 GiB slab, batch 64, 4 consumers (issue 11)"),
+    ("cudapool", "blocklease/64KiB", "block lease latency, 64 KiB (issue 11)"),
+    ("torch", "alloc/1MiB/native", "torch alloc+free 1 MiB, native caching allocator (issue 10)"),
+    ("torch", "alloc/1MiB/cudaMallocAsync", "torch alloc+free 1 MiB, backend:cudaMallocAsync (issue 10)"),
+    ("torch", "alloc/1MiB/cudapool", "torch alloc+free 1 MiB, cudapool as the current allocator (issue 10)"),
+    ("python", "open+release/exported", "Python open+release, already exported (issue 10)"),
+    ("torch", "read/own", "torch read of its own memory, same GPU (issue 10)"),
+    ("torch", "read/mapping", "torch read of a cudapool mapping, same GPU (issue 10)"),
+)
+
+
+def feature_rows(run):
+    head = ["operation", "unit", "figure", "why not"]
+    rows = []
+    for impl, op, what in FEATURE_ROWS:
+        st = run.stats(impl, op)
+        if st:
+            rows.append([what, st.unit, st.cells(), ""])
+        elif (impl, op) in run.absent:
+            rows.append([what, "-", "not run (feature absent)", run.absent[(impl, op)]])
+        elif run.failed(impl, op):
+            rows.append([what, "-", "FAIL", run.failed(impl, op)[:120]])
+        else:
+            rows.append([what, "-", "not reported", "no line in the raw file says why"])
+    return head, rows
+
+
+# ---- Targets.
+
+MET, MISSED, NOT_RUN, FAILED, NO_PAIR = "met", "MISSED", "NOT RUN (feature absent)", "FAIL (not measured)", "NO FAIR PAIR"
 
 
 def targets(run):
-    """Issue 6's targets, each a ratio within this run: (target, figure, verdict)."""
+    """Each target of issues 6, 10 and 11: (target, the fair pair and figure, verdict)."""
     out = []
 
-    def med(impl, op):
-        r = run.get(impl, op)
-        return r[1] if r else None
-
-    def check(name, value, ok, figure):
+    def judge(name, value, ok, figure, absent_key=None):
         if value is None:
-            out.append((name, "not measured", "FAIL"))
+            if absent_key and absent_key in run.absent:
+                out.append((name, run.absent[absent_key], NOT_RUN))
+            else:
+                out.append((name, figure or "not measured", FAILED))
         else:
-            out.append((name, figure, "met" if ok else "MISSED"))
+            out.append((name, figure, MET if ok(value) else MISSED))
 
-    for size in ("1KiB", "1MiB", "64MiB"):
-        op = "alloc/" + size
-        g, c, core = med("cudapool", op), med("c", op), med("cudacore", op)
-        r = g / c if g and c else None
-        check("alloc+free %s within 1.3x C" % size, r, r is not None and r <= 1.3,
-              "%.2fx C" % r if r else "")
-        r = core / g if g and core else None
-        check("alloc+free %s 2.5x faster than cuda.core" % size, r, r is not None and r >= 2.5,
-              "%.2fx faster" % r if r else "")
-    g, c, core = med("cudapool", "import/pair"), med("c", "import/pair"), med("cudacore", "import/pair")
-    r = g / c if g and c else None
-    check("import within 1.5x C", r, r is not None and r <= 1.5, "%.2fx C" % r if r else "")
-    check("import faster than cuda.core", g if core else None, g is not None and core is not None and g < core,
-          "%s us vs %s us" % (num(g), num(core)) if g and core else "")
-    g = med("cudapool", "open/exported")
-    check("open of an exported buffer under 30 us", g, g is not None and g < 30, "%s us" % num(g) if g else "")
-    g, c = med("cudapool", "read/other-gpu"), med("c", "read/other-gpu")
-    r = g / c if g and c else None
-    check("other-GPU read at least 95% of C", r, r is not None and r >= 0.95, "%.1f%% of C" % (100 * r) if r else "")
-    return out
+    for op in ALLOC_OPS:
+        g = AllocRow(run, op, "cudapool", "api")
+        gf, cf, state, n = g.fair()
+        bad_bytes = len(set(run.bytes.get(op, {}).values())) > 1
+        r = ratio(gf, cf) if n and not bad_bytes else None
+        figure = ("%s x C (%s us vs %s us, %s state, %d batch pairs)" % (rtext(r), num(gf), num(cf), state, n)
+                  if r else "bytes differ between columns" if bad_bytes else "")
+        judge("alloc+free, %s, within 1.3x C (issue 6; issue 11's miss path)" % alloc_label(op), r,
+              lambda x: x <= 1.3, figure)
+        if op.startswith("alloc/ipc/"):
+            core = AllocRow(run, op, "cudacore", "api")
+            kf, kc, kstate, kn = core.fair()
+            r2 = ratio(kf, gf) if kn and n and state == kstate else None
+            judge("alloc+free, %s, 2.5x faster than cuda.core (issue 6)" % alloc_label(op), r2, lambda x: x >= 2.5,
+                  "%s x faster (%s us vs %s us, %s state)" % (rtext(r2), num(gf), num(kf), state) if r2 else "")
+            hit = run.stats("cudapool", op + "/hit")
+            judge("alloc+free reuse hit, %s, at most 1.0x C (issue 11)" % alloc_label(op),
+                  None if hit is None else ratio(hit.median, cf), lambda x: x <= 1.0,
+                  "hit %s us vs C %s us" % (num(hit.median), num(cf)) if hit else "", ("cudapool", op + "/hit"))
+    g, c = run.stats("cudart", "import/pair"), run.stats("c", "import/pair")
+    r = ratio(g.median, c.median) if g and c and g.n == c.n else None
+    judge("import within 1.5x C, both the bare binding, same N and statistic (issue 6)", r, lambda x: x <= 1.5,
+          "%s x C (%s us vs %s us, median of %d batches each)" % (rtext(r), num(g.median), num(c.median), g.n)
+          if r else ("different N: %d and %d" % (g.n, c.n) if g and c else ""))
+    out.append(("import faster than cuda.core (issue 6)",
+                "cuda.core's figure is its API (Buffer.from_ipc_descriptor + close); cudapool has no import-only "
+                "API call to set beside it, and its binding is a lower layer", NO_PAIR))
+    o = run.stats("cudapool", "open/exported")
+    fig = "p50 %s us, mean %s, p99 %s, max %s" % (num(o.median), num(o.mean), num(o.p99), num(o.max)) if o else ""
+    judge("open of an exported buffer, p50 under 30 us (issue 6)", o and o.median, lambda x: x < 30, fig)
+    judge("open of an exported buffer, p50 at most 25 us (issue 11)", o and o.median, lambda x: x <= 25, fig)
+    g, c = run.stats("cudapool", "release"), run.stats("c", "release")
+    r = ratio(g.median, c.median) if g and c else None
+    judge("release round trip at most 1.0x C, same protocol (issue 11)", r, lambda x: x <= 1.0,
+          "%s x C (%s us vs %s us)" % (rtext(r), num(g.median), num(c.median)) if r else "")
+    rec, c, core = run.stats("cudapool", "sustained/4/recycled"), run.stats("c", "sustained/4"), \
+        run.stats("cudacore", "sustained/4")
+    r = ratio(rec.median, c.median) if rec and c else None
+    judge("sustained recycled shares/s at least 2x C's per-buffer path (issue 11)", r, lambda x: x >= 2,
+          "%s x C" % rtext(r) if r else "", ("cudapool", "sustained/4/recycled"))
+    r = ratio(rec.median, core.median) if rec and core else None
+    judge("sustained recycled shares/s at least 1.5x cuda.core, which orders nothing (issue 11)", r,
+          lambda x: x >= 1.5, "%s x cuda.core" % rtext(r) if r else "", ("cudapool", "sustained/4/recycled"))
+    b = run.stats("cudapool", "block/64KiB/b64")
+    judge("block shares/s, 64 KiB, batch 64, 4 consumers, at least 250,000/s (issue 11)", b and b.median,
+          lambda x: x >= 250000, "%s/s" % num(b.median) if b else "", ("cudapool", "block/64KiB/b64"))
+    g, c = run.stats("cudapool", "read/other-gpu"), run.stats("c", "read/other-gpu")
+    r = ratio(g.median, c.median) if g and c else None
+    judge("other-GPU read at least 95% of C (issue 6)", r, lambda x: x >= 0.95,
+          "%.1f%% of C" % (100 * r) if r else "")
+    t, a = run.stats("torch", "alloc/1MiB/cudapool"), run.stats("torch", "alloc/1MiB/cudaMallocAsync")
+    r = ratio(t.median, a.median) if t and a else None
+    judge("torch alloc+free 1 MiB through cudapool within 1.5x backend:cudaMallocAsync (issue 10)", r,
+          lambda x: x <= 1.5, "%s x (%s us vs %s us)" % (rtext(r), num(t.median), num(a.median)) if r else "",
+          ("torch", "alloc/1MiB/cudapool"))
+    p, g = run.stats("python", "open+release/exported"), run.stats("cudapool", "open+release/exported")
+    r = ratio(p.median, g.median) if p and g else None
+    judge("Python open+release within 1.5x Go (issue 10)", r, lambda x: x <= 1.5,
+          "%s x Go (%s us vs %s us)" % (rtext(r), num(p.median), num(g.median)) if r else "",
+          ("python", "open+release/exported"))
+    m, own = run.stats("torch", "read/mapping"), run.stats("torch", "read/own")
+    r = ratio(m.median, own.median) if m and own else None
+    judge("torch read of a mapping at least 95% of its own memory (issue 10)", r, lambda x: x >= 0.95,
+          "%.1f%%" % (100 * r) if r else "", ("torch", "read/mapping"))
+    return ["target", "the fair pair in this run", "verdict"], out
 
 
-TARGET_HEAD = ["target", "this run", "verdict"]
-
+# ---- Output.
 
 def text_table(head, rows):
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
+    rows = [[str(x) for x in r] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
     fmt = "  ".join("%%-%ds" % w for w in widths)
     return "\n".join([fmt % tuple(head)] + [fmt % tuple(r) for r in rows])
 
@@ -208,83 +547,93 @@ def md_table(head, rows):
     return "\n".join(lines)
 
 
-def failures(run):
-    return ["%s %s: %s" % (impl, op, why) for (impl, op), why in sorted(run.fails.items())]
+SECTIONS = (
+    ("Allocation pairs: the ring (same CPU, batch by batch)", alloc_rows,
+     "Each column allocates the bytes in brackets, from a new pool of the row's kind (an exportable pool rounds "
+     "to the granularity in every column; a local pool does not round). C, Go and cuda.core ran as one process "
+     "each, pinned to one CPU, taking turns one batch each (fresh processes each round, the order rotated), with "
+     "nothing else of the suite running. Times are us per pair, per batch. A batch's state is that of the C batch "
+     "beside it: C's batches split into a fast and a slow cluster (or one state); 'vs C fast' sets the column's "
+     "fast-state batches against C's fast batches, the verdicts' figure. 'state agrees' is how often the column's "
+     "own clusters match its C neighbour's state (the state is the CPU's, not the process's). cudart is the bare "
+     "binding on the same pool: the pool's own bookkeeping is the difference to cudapool."),
+    ("Sharing: cudapool and C, same protocol", sharing_rows,
+     "C's consumers follow cudapool's protocol call for call (bench/cref says which calls). Latencies are "
+     "median / mean / p99 / max in us; rates median / p10 / min. The import pair is the bare binding in both "
+     "columns (Go's cudart, C's runtime), 15 batches of 1000 buffers each. Ratios are cudapool over C: below 1 "
+     "is faster for times, above 1 for rates."),
+    ("Other routes and libraries (other protocols: for orientation, no verdicts)", other_rows,
+     DIFFERS["legacy"] + ". " + DIFFERS["cudacore"] + ". Figures as above."),
+    ("Sustained windows", window_rows,
+     "One line per 300 ms window: the consumers' shares, the Opens that took 1 ms or more and their time, how "
+     "often the consumers went round their 64-buffer rings, and (C) how often an Open had to wait for this "
+     "process's earlier free of the same record, and for how long."),
+    ("Issues 10 and 11", feature_rows, ""),
+)
 
 
-RATIO_NOTE = ("Each cell is the median (90th percentile; for GB/s and shares/s the 10th, the slow tail). "
-              "Ratios are cudapool's median over the other's: for times (us) below 1 means cudapool is faster; "
-              "for GB/s and shares/s above 1 means it is.")
-
-
-def markdown(run, notes=""):
+def markdown(run, notes):
     m = run.meta
-    out = ["## Performance", ""]
-    out.append("Measured %s on %s, driver %s, CUDA runtime %s; cuda.core %s; %s. "
-               "Every figure below comes from that one run on that one host, so the ratios compare like "
-               "with like; absolute times drift between runs." % (
-                   m.get("date", "?"), m.get("gpu", "?"), m.get("driver", "?"), m.get("cuda", "?"),
-                   m.get("cudacore", "?"), m.get("go", "Go ?")))
-    out += ["", RATIO_NOTE, "",
-            "cudapool is `pool` and `export` (Go, cgo binding); C is the same CUDA runtime calls from C "
-            "(bench/cref); legacy IPC is cudaMalloc with cudaIpcGetMemHandle / cudaIpcOpenMemHandle / "
-            "cudaIpcCloseMemHandle; cuda.core is NVIDIA's Python library (IPC-enabled DeviceMemoryResource, "
-            "IPC buffer descriptors). Shared buffers are 2 MiB (cudapool's granularity) in every column. "
-            "Consumers are separate processes on GPU 0 except for the other-GPU read. End-to-end times are "
-            "taken in the consumer, fan-out from the producer's export to the last consumer's usable pointer "
-            "(CLOCK_MONOTONIC, shared by the processes). cuda.core orders nothing between processes, so its "
-            "consumers do less work than cudapool's, which wait on the producer's ready event. Copies are "
-            "timed with CUDA events in C and cuda.core and on the host around a synchronize in Go (the cudart "
-            "binding has no timing events).", ""]
-    out += [md_table(MAIN_HEAD, main_rows(run)), ""]
-    out += ["### Targets", "", md_table(TARGET_HEAD, targets(run)), ""]
-    vr = variant_rows(run)
-    if vr:
-        out += ["### Allocation pairs under other thread and CPU settings", "",
-                "The same pair loops (fresh pool, one warm-up batch, 15 batches of 10000 pairs, median and p90 "
-                "of the batches) with the measuring goroutine locked to its OS thread or not, GOMAXPROCS 1 or "
-                "the CPUs allowed, and the process pinned to CPUs 2-9 or to CPU 3 alone; C under the same "
-                "pinning. cudart is the binding's own pair, without the pool's bookkeeping.", "",
-                md_table(VARIANT_HEAD, vr), ""]
+    out = ["## Performance", "",
+           "Measured %s on %s, driver %s, CUDA runtime %s; cuda.core %s; torch %s; %s; commit %s. Every figure "
+           "below comes from that one run of scripts/bench-suite.sh on that one host, so the ratios compare like "
+           "with like; absolute times drift between runs." % (
+               m.get("date", "?"), m.get("gpu", "?"), m.get("driver", "?"), m.get("cuda", "?"),
+               m.get("cudacore", "?"), m.get("torch", "?"), m.get("go", "Go ?"), m.get("commit", "?")), ""]
+    for title, rows_of, text in SECTIONS:
+        head, rows = rows_of(run)
+        if not rows:
+            continue
+        out += ["### " + title, ""] + ([text, ""] if text else []) + [md_table(head, rows), ""]
+    head, rows = targets(run)
+    out += ["### Targets", "", "Each verdict comes from the fair pair beside it, taken in this run.", "",
+            md_table(head, rows), ""]
     fl = failures(run)
-    if fl:
-        out += ["### What failed in this run", ""] + ["- " + f for f in fl] + [""]
+    if fl or run.problems:
+        out += ["### What failed in this run", ""] + ["- " + f for f in fl + run.problems] + [""]
     if notes.strip():
-        out += ["### Notes on this run", "", notes.strip(), ""]
+        out += ["### Notes", "", notes.strip(), ""]
     out += ["### Reproducing", "",
-            "    scripts/build-gpu.sh                # where Go is: test binaries, commands and bench/gosuite",
-            "    scripts/bench-suite.sh              # on the GPU host (needs nvcc and cuda.core there)",
-            "    scripts/gpu-run.sh                  # or: the GPU tests first, then the suite",
+            "    scripts/build-gpu.sh                     # where Go is: test binaries, commands, bin/gpu/gosuite",
+            "    OUT=/tmp/out bash scripts/gpu-run.sh     # on the GPU host: the GPU tests, then the suite",
+            "    python3 bench/table.py /tmp/out/bench-raw.txt --md bench/RESULTS.md --notes bench/NOTES.md",
             "",
-            "The suite prints this table last, writes every sample to the raw file it names, and this "
-            "section to RESULTS.md beside it (`python3 bench/table.py RAW --md FILE` makes it again from "
-            "a raw file).", ""]
+            "The suite prints these tables last and writes every sample to bench-raw.txt and this section to "
+            "RESULTS.md in $OUT; the README's performance section is RESULTS.md.", ""]
     return "\n".join(out)
+
+
+def failures(run):
+    return ["%s %s: %s" % (impl, op, why[:200]) for (impl, op), why in sorted(run.fails.items())]
 
 
 def main(argv):
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        run = Run(f)
     md, notes = option(argv, "--md"), option(argv, "--notes")
     if md is False or notes is False:
         return 2
-    print(RATIO_NOTE)
-    print(text_table(MAIN_HEAD, main_rows(run)))
-    vr = variant_rows(run)
-    if vr:
-        print()
-        print(text_table(VARIANT_HEAD, [r for r in vr if r[1] == "1MiB"]))
-    print()
-    print(text_table(TARGET_HEAD, targets(run)))
+    with open(argv[0]) as f:
+        run = Run(f)
+    for p in run.problems:
+        print("PROBLEM: " + p)
+    for title, rows_of, _ in SECTIONS:
+        head, rows = rows_of(run)
+        if rows:
+            print("\n== " + title)
+            print(text_table(head, rows))
     fl = failures(run)
     if fl:
-        print()
-        print("failed:")
+        print("\nfailed:")
         for f in fl:
-            print("  " + f[:200])
+            print("  " + f)
+    head, rows = targets(run)
+    print("\n== Targets")
+    print(text_table(head, rows))
+    if run.problems:
+        print("\n%d problems in the raw file (PROBLEM lines above): the tables are not to be trusted" %
+              len(run.problems))
     if md:
         text = ""
         if notes:
@@ -292,7 +641,7 @@ def main(argv):
                 text = f.read()
         with open(md, "w") as f:
             f.write(markdown(run, text))
-    return 0
+    return 1 if run.problems else 0
 
 
 def option(argv, name):

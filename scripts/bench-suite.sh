@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# bench-suite.sh runs cudapool's benchmark suite (issue 6) on a GPU host, from the
-# repository root, with what scripts/build-gpu.sh built elsewhere in bin/gpu (the
-# host needs no Go; it needs nvcc and python3 with cuda.core). In one run on one
-# host it takes every operation from four implementations:
+# bench-suite.sh runs cudapool's benchmark suite (issues 6, 10, 11, 13) on a GPU host,
+# from the repository root, with what scripts/build-gpu.sh built elsewhere in bin/gpu
+# (the host needs no Go; it needs nvcc and python3 with cuda.core, and torch for the
+# torch rows). In one run on one host it takes every operation from:
 #
-#	cudapool   bin/gpu/gosuite (pool and export) and cudart's Go benchmarks
-#	C          bench/cref, built here with nvcc: the same runtime calls from C
+#	cudapool   bin/gpu/gosuite: pool and export (Go), and cudart, the bare binding
+#	C          bench/cref, built here with nvcc: the same runtime calls, the same
+#	           ordered protocol as cudapool's consumers
 #	legacy IPC bench/cref: cudaMalloc and cudaIpc{Get,Open,Close}MemHandle
-#	cuda.core  bench/cudacore.py
+#	cuda.core  bench/cudacore.py (orders nothing between processes)
+#	torch      bench/torchbench.py (issue 10's rows)
 #
-# then the allocation pairs again under other thread and CPU settings (the
-# variants), and prints LAST the table bench/table.py makes: each operation's
-# median and p90 in every column and cudapool's ratio to each. Every sample goes to
-# the raw file it names, and the README's performance section to RESULTS.md beside
-# it. A part that fails or runs out of time shows as FAIL in the table; the rest
-# still runs. It changes no GPU setting.
+# First, with nothing else of the suite running, the allocation ring: C, Go and
+# cuda.core in one process each, pinned to the same CPU (ALLOC_CPU), taking turns one
+# batch each, ALLOC_ROUNDS times with fresh processes and the order rotated, every
+# column allocating the same bytes from the same kind of pool (bench/gosuite/alloc.go
+# says why). Then the sharing operations, one implementation after another, a short
+# validating run of the Go suite (its consumers check every byte), and the torch rows.
+# It prints LAST the tables bench/table.py makes. Every sample goes to the raw file
+# it names, and the README's performance section to RESULTS.md beside it. A part
+# that fails or runs out of time shows as FAIL in the tables and makes the script
+# exit non-zero; the rest still runs. It changes no GPU setting.
 #
 # Environment: SUITE_BUDGET (default 330) seconds after which no part starts and
-# running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and
-# the logs go, else /tmp/bench-suite. For a dry run of the script itself where
-# there is no GPU: GOSUITE_RUNTIME=test (the software device) and SUITE_QUICK=1
-# (few samples).
+# running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and the
+# logs go, else /tmp/bench-suite; ALLOC_CPU (default 3) and ALLOC_ROUNDS (default 4).
+# For a dry run of the script itself where there is no GPU: GOSUITE_RUNTIME=test
+# (the software device) and SUITE_QUICK=1 (few samples).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -37,15 +43,22 @@ start=$SECONDS
 parts=()
 suite_failed=0
 rt=${GOSUITE_RUNTIME:-gpu}
+alloc_cpu=${ALLOC_CPU:-3}
+alloc_rounds=${ALLOC_ROUNDS:-4}
 quick=()
 pyquick=()
+alloc_shape=(15 10000) # measured batches per plan entry and slot, pairs per batch
 if [ "${SUITE_QUICK:-0}" = 1 ]; then
 	quick=(-quick)
 	pyquick=(--quick)
+	alloc_shape=(3 100)
 fi
 
 # meta records a fact about the run for the table's heading.
 meta() { echo "meta $*" >>"$raw"; }
+
+# left is what remains of the suite's budget, in seconds.
+left() { echo $((budget - (SECONDS - start))); }
 
 # part NAME SECONDS CMD... runs CMD with its output appended to the raw file (and
 # its stderr to a log), stopped after SECONDS or at the suite's budget; a part that
@@ -53,20 +66,20 @@ meta() { echo "meta $*" >>"$raw"; }
 part() {
 	local name=$1 limit=$2
 	shift 2
-	local left=$((budget - (SECONDS - start)))
-	if [ "$left" -lt 10 ]; then
+	if [ "$(left)" -lt 10 ]; then
 		echo "fail suite $name not run: the suite's budget of ${budget}s is spent" >>"$raw"
 		parts+=("$name NOT-RUN")
 		suite_failed=1
 		return
 	fi
-	[ "$limit" -le "$left" ] || limit=$left
+	[ "$limit" -le "$(left)" ] || limit=$(left)
 	local t0=$SECONDS
 	timeout -k 5 "$limit" "$@" >>"$raw" 2>"$logs/$name.err"
 	local rc=$?
 	if [ $rc -eq 0 ]; then
 		parts+=("$name ok($((SECONDS - t0))s)")
 	else
+		local why
 		[ $rc -eq 124 ] && why="timed out after ${limit}s" || why="exit status $rc"
 		echo "fail suite $name $why: $(tail -n 3 "$logs/$name.err" | tr '\n' ' ' | cut -c1-300)" >>"$raw"
 		parts+=("$name FAIL($why)")
@@ -85,20 +98,23 @@ meta gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort
 meta driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
 meta cpus "$(nproc)"
 [ -s "$bin/go-version.txt" ] && meta go "$(cat "$bin/go-version.txt")"
+git rev-parse --short HEAD >/dev/null 2>&1 && meta commit "$(git rev-parse --short HEAD)"
 python3 -c 'import cuda.core as c; print("meta cudacore", getattr(c, "__version__", "unknown"))' >>"$raw" 2>/dev/null ||
 	meta cudacore "not importable"
+python3 -c 'import torch; print("meta torch", torch.__version__)' >>"$raw" 2>/dev/null || meta torch "not importable"
 grep '^meta' "$raw"
 
-# The first GPU runs pinned Go and C to CPUs 2-9; every main column (consumer
-# processes too) keeps that, so that figures compare with theirs and with each
-# other, and the variants change it.
+# The sharing columns (consumer processes too) run on CPUs 2-9, all of them alike.
 wide=()
 if command -v taskset >/dev/null && [ "$(nproc)" -ge 12 ]; then
 	wide=(taskset -c 2-9)
 fi
-narrow=()
-if command -v taskset >/dev/null && [ "$(nproc)" -ge 4 ]; then
-	narrow=(taskset -c 3)
+pin=()
+if command -v taskset >/dev/null && [ "$(nproc)" -gt "$alloc_cpu" ]; then
+	pin=(taskset -c "$alloc_cpu")
+	meta alloc-cpu "$alloc_cpu"
+else
+	meta alloc-cpu "not pinned (no taskset, or too few CPUs)"
 fi
 
 echo "== bench-suite: C reference (build)"
@@ -113,82 +129,111 @@ elif ! timeout 180 nvcc -O2 -cudart shared -o "$cref" bench/cref/cref.cu; then
 	cref=
 fi
 
-echo "== bench-suite: main columns"
-# cref's cudart lines and cudart's Go benchmark lines are not the suite's; their
-# own prefixes keep them out of the table.
-[ -n "$cref" ] && part cref 120 "${wide[@]}" "$cref" all
-part gosuite 180 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" all
-part cudacore 180 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/cudacore.py "${pyquick[@]}"
-# cudart's import+free pair: the binding's benchmark, the loop cref times; each
-# count's ns/op is the median of 15 batches, as cref's. Beside it cudart's pair
-# benchmark (its first 15 batches and the later ones: variant (d)) and the pool's
-# bookkeeping on a runtime that does nothing.
-gotest_import() {
-	# shellcheck disable=SC2086 # $wide_cmd is a command prefix, split on purpose
-	(cd "$root/cudart" && $wide_cmd "$bin/cudart.test" -test.run '^$' -test.bench 'MallocFreePair|ImportPointer' \
-		-test.count 3 -test.benchtime 1s -test.timeout 100s) >"$logs/cudart-bench.txt" 2>&1 || return 1
-	# The pool's own cost per pair, on a runtime that does nothing.
-	(cd "$root/pool" && $wide_cmd "$bin/pool.test" -test.run '^$' -test.bench 'Bookkeeping/serial' \
-		-test.count 3 -test.benchtime 1s -test.timeout 30s) >>"$logs/cudart-bench.txt" 2>&1 || return 1
-	awk '
-		$1 ~ /^Benchmark/ {
-			name = $1; sub(/^Benchmark/, "", name); sub(/-[0-9]+$/, "", name)
-			for (i = 3; i < NF; i++) {
-				if ($(i + 1) == "ns/op") v[name, "ns", ++n[name, "ns"]] = $i / 1e3
-				if ($(i + 1) == "late-ns/op") v[name, "late", ++n[name, "late"]] = $i / 1e3
-			}
-			if (!(name in seen)) { seen[name] = 1; order[++names] = name }
+echo "== bench-suite: allocation ring (CPU $alloc_cpu, $alloc_rounds rounds)"
+# What an exportable pool allocates for a small buffer: cudapool rounds to this, so C
+# and cuda.core are asked for it too, and every column allocates the same bytes.
+gran=$(timeout 60 "$bin/gosuite" -runtime "$rt" granularity 2>"$logs/granularity.err")
+if [ -z "$cref" ]; then
+	# Without C there is nothing to compare the Go pairs with, batch by batch.
+	echo "fail suite alloc not run: bench/cref did not build" >>"$raw"
+	parts+=("alloc NOT-RUN(no cref)")
+elif ! [[ $gran =~ ^[0-9]+$ ]] || [ "$gran" -lt 1024 ]; then
+	echo "fail suite alloc the granularity is unknown (gosuite granularity said '$gran': $(head -c 200 "$logs/granularity.err"))" >>"$raw"
+	parts+=("alloc FAIL(granularity)")
+	suite_failed=1
+else
+	meta granularity "$gran"
+	roundup() { echo $((($1 + gran - 1) / gran * gran)); }
+	plan="ipc/1KiB=$(roundup 1024) ipc/1MiB=$(roundup 1048576) ipc/64MiB=$(roundup 67108864) local/1KiB=1024 local/1MiB=1048576"
+	meta alloc-plan "$plan"
+	meta alloc-shape "${alloc_shape[0]} batches of ${alloc_shape[1]} pairs"
+	# alloc_round R: one round of the ring. Each participant writes to its own file
+	# (appended to the raw file after the round), says ready on a FIFO, and the first
+	# token goes in only when all three are ready.
+	alloc_round() {
+		local r=$1 dir
+		dir=$(mktemp -d)
+		local names=(c go py) order=() n i pids=() rc=0
+		for i in 0 1 2; do order+=("${names[$(((i + r) % 3))]}"); done
+		for n in "${names[@]}"; do mkfifo "$dir/to-$n"; done
+		mkfifo "$dir/ready"
+		exec {ready}<>"$dir/ready"
+		next_of() { # the participant after $1 in this round's order
+			local k
+			for k in 0 1 2; do [ "${order[$k]}" = "$1" ] && echo "${order[$(((k + 1) % 3))]}"; done
 		}
-		function put(impl, op, name, what,    m, i, j, t, s) {
-			m = n[name, what]
-			if (!m) return
-			for (i = 1; i <= m; i++) s[i] = v[name, what, i]
-			for (i = 2; i <= m; i++) for (j = i; j > 1 && s[j-1] > s[j]; j--) { t = s[j]; s[j] = s[j-1]; s[j-1] = t }
-			printf "result %s %s us %.4f %.4f %d\n", impl, op, s[int((m + 1) / 2)], s[m], m
-		}
-		END {
-			for (k = 1; k <= names; k++) {
-				name = order[k]
-				if (name == "ImportPointer") put("cudapool", "import/pair", name, "ns")
-				else if (name == "Bookkeeping/serial") put("cudapool", "variant/null-runtime/alloc/1MiB", name, "ns")
-				else if (name ~ /^MallocFreePair\//) {
-					size = name; sub(/^MallocFreePair\//, "", size)
-					put("cudart", "variant/gotest-first15/alloc/" size, name, "ns")
-					put("cudart", "variant/gotest-late/alloc/" size, name, "late")
-				}
-			}
-		}' "$logs/cudart-bench.txt"
-}
-wide_cmd=${wide[*]}
-export -f gotest_import
-export root bin logs wide_cmd
-part cudart-bench 120 bash -c gotest_import
+		"${pin[@]}" "$cref" alloc "$plan" "$dir/to-c" "$dir/to-$(next_of c)" "$dir/ready" "$r" "${alloc_shape[@]}" \
+			>"$dir/c.out" 2>"$logs/alloc-c.$r.err" &
+		pids+=($!)
+		"${pin[@]}" "$bin/gosuite" -runtime "$rt" -plan "$plan" -ring "$dir/to-go,$dir/to-$(next_of go)" \
+			-ready "$dir/ready" -round "$r" -batches "${alloc_shape[0]}" -pairs "${alloc_shape[1]}" alloc \
+			>"$dir/go.out" 2>"$logs/alloc-go.$r.err" &
+		pids+=($!)
+		"${pin[@]}" env PYTHONUNBUFFERED=1 python3 bench/cudacore.py alloc --plan "$plan" \
+			--ring "$dir/to-py,$dir/to-$(next_of py)" --ready "$dir/ready" --round "$r" \
+			--batches "${alloc_shape[0]}" --pairs "${alloc_shape[1]}" >"$dir/py.out" 2>"$logs/alloc-py.$r.err" &
+		pids+=($!)
+		local want=3 got=0 line
+		while [ $got -lt $want ] && read -r -t 90 line <&"$ready"; do
+			got=$((got + 1))
+			echo "  round $r: $line"
+		done
+		if [ $got -lt $want ]; then
+			echo "fail suite alloc round $r: $got of $want participants said ready within 90s" >>"$raw"
+			rc=1
+		else
+			echo 0 >"$dir/to-${order[0]}" # the first turn
+		fi
+		# Each round has its own time limit; a participant that fails makes the others
+		# time out waiting for their turn (60 s), so the round always ends.
+		local deadline=$((SECONDS + 150)) p
+		for p in "${pids[@]}"; do
+			while kill -0 "$p" 2>/dev/null && [ $SECONDS -lt $deadline ] && [ $rc -eq 0 ]; do sleep 0.2; done
+			if kill -0 "$p" 2>/dev/null; then
+				kill "$p" 2>/dev/null
+				[ $rc -ne 0 ] || echo "fail suite alloc round $r: a participant ran past 150s" >>"$raw"
+				rc=1
+			fi
+			wait "$p" || rc=1
+		done
+		exec {ready}>&-
+		cat "$dir"/*.out >>"$raw"
+		rm -rf "$dir"
+		return $rc
+	}
+	for r in $(seq 1 "$alloc_rounds"); do
+		if [ "$(left)" -lt 60 ]; then
+			echo "fail suite alloc round $r not run: the suite's budget of ${budget}s is spent" >>"$raw"
+			parts+=("alloc.$r NOT-RUN")
+			suite_failed=1
+			continue
+		fi
+		t0=$SECONDS
+		if alloc_round "$r"; then
+			parts+=("alloc.$r ok($((SECONDS - t0))s)")
+		else
+			parts+=("alloc.$r FAIL")
+			suite_failed=1
+			tail -n 3 "$logs"/alloc-*."$r".err
+		fi
+	done
+fi
 
-echo "== bench-suite: allocation variants"
-# Each variant three times, interleaved, so that the spread between runs shows beside
-# the differences between variants. cref runs under each pinning it has.
-for round in 1 2 3; do
-	part "base.$round" 60 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -label "base.$round" alloc
-	[ -n "$cref" ] && part "c-wide.$round" 60 "${wide[@]}" "$cref" alloc "base.$round"
-	part "lock.$round" 60 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -lock -label "lock.$round" alloc
-	part "gomaxprocs1.$round" 60 env GOMAXPROCS=1 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -label "gomaxprocs1.$round" alloc
-	part "lock+gomaxprocs1.$round" 60 env GOMAXPROCS=1 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -lock -label "lock+gomaxprocs1.$round" alloc
-	if [ ${#narrow[@]} -gt 0 ]; then
-		part "cpu3.$round" 60 "${narrow[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -label "cpu3.$round" alloc
-		part "cpu3+lock.$round" 60 "${narrow[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -lock -label "cpu3+lock.$round" alloc
-		[ -n "$cref" ] && part "c-cpu3.$round" 60 "${narrow[@]}" "$cref" alloc "cpu3.$round"
-	fi
-done
-# cref's labelled lines name the variant whose pinning they share: the C figure of
-# cpu3+lock is the one of cpu3, and of the wide variants that of base.
-awk '$1 == "result" && $2 == "c" && $3 ~ /^variant\/(base|cpu3)\./ {
-	split($3, p, "/"); label = p[2]; rest = substr($3, length("variant/" label) + 1)
-	split(label, lr, "."); round = lr[2]
-	if (lr[1] == "base") n = split("lock gomaxprocs1 lock+gomaxprocs1", also, " ")
-	else n = split("cpu3+lock", also, " ")
-	for (i = 1; i <= n; i++) { $3 = "variant/" also[i] "." round rest; print }
-}' "$raw" >"$logs/aliases.txt"
-cat "$logs/aliases.txt" >>"$raw"
+echo "== bench-suite: sharing"
+[ -n "$cref" ] && part cref 120 "${wide[@]}" "$cref" all
+part gosuite 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" all
+part cudacore 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/cudacore.py "${pyquick[@]}"
+# A short run whose consumers check every byte they are given; only its verdict
+# (and any failure) goes to the raw file, its timings being the check's.
+validate() {
+	"$bin/gosuite" -runtime "$rt" -quick -validate all >"$logs/validate.txt" || return 1
+	grep -E '^(validated|fail) ' "$logs/validate.txt" | sed 's/^fail cudapool /fail cudapool validate:/'
+	grep -q '^validated ' "$logs/validate.txt"
+}
+export -f validate
+export bin rt logs
+part validate 60 "${wide[@]}" bash -c validate
+part torch 90 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "${pyquick[@]}"
 
 echo
 echo "== bench-suite: parts ($((SECONDS - start))s)"
@@ -199,5 +244,5 @@ if [ -n "${OUT:-}" ]; then
 fi
 echo
 echo "== bench-suite: raw samples in $raw; README section in $dest/RESULTS.md"
-python3 bench/table.py "$raw" --md "$dest/RESULTS.md" || suite_failed=1
+python3 bench/table.py "$raw" --md "$dest/RESULTS.md" --notes bench/NOTES.md || suite_failed=1
 exit $suite_failed

@@ -87,8 +87,8 @@ creflog=$logs/cref.txt
 run_cref() {
 	echo "== C reference: run $1 ${pin[*]}"
 	[ -n "$cref" ] || return
-	# Only cref's own lines: its suite lines (result, raw) are bench-suite.sh's.
-	if "${pin[@]}" "$cref" >"$logs/cref-$1.txt"; then
+	# "cref bench" prints cudart's benchmark lines: "cref NAME NS".
+	if "${pin[@]}" "$cref" bench >"$logs/cref-$1.txt"; then
 		grep '^cref ' "$logs/cref-$1.txt" | tee -a "$creflog"
 		results+=("cref-$1 PASS")
 	else

@@ -5,13 +5,27 @@
 // (cudaMalloc, cudaIpcGetMemHandle, cudaIpcOpenMemHandle, cudaIpcCloseMemHandle) on
 // the same operations, as the suite's "legacy IPC" column.
 //
-// For cudart's benchmarks it prints, as before,
+// Its consumers follow the protocol cudapool's export package follows, call for
+// call, so that a ratio between the two columns compares the same work (issue 13):
+// an Open asks whether the producer's ready event has completed and makes the stream
+// wait on it only if not; a record this process freed before is imported again only
+// once that free has completed (a second import would alias the first, FACTS 4): the
+// release event is asked, and the release stream synchronized only if it has not; a
+// Release records an event on the caller's stream, makes the release stream wait on
+// it, frees the import there, records the release event there and tells the producer,
+// whose release stream waits on that event only if it has not completed.
 //
-//	cref NAME NS_PER_OP
+// Usage:
 //
-// the median over 15 batches of the time per operation, the batch's closing
-// synchronize included, after one batch untimed to warm up. For the suite
-// (scripts/bench-suite.sh, bench/table.py) every measurement prints
+//	cref bench     cudart's benchmarks: "cref NAME NS_PER_OP" lines (scripts/gpu-check.sh)
+//	cref all       the suite's sharing operations, import pairs and legacy allocations
+//	cref alloc PLAN IN OUT READY ROUND BATCHES PAIRS
+//	               one participant of the allocation ring (see alloc_ring)
+//
+// For cudart's benchmarks a line is the median over 15 batches of the time per
+// operation, the batch's closing synchronize included, after one batch untimed to
+// warm up. For the suite (scripts/bench-suite.sh, bench/table.py) every measurement
+// prints
 //
 //	result IMPL OP UNIT MEDIAN P90 N
 //	raw IMPL OP UNIT V1 V2 ...
@@ -20,10 +34,10 @@
 // GB/s or shares/s. Times come from CLOCK_MONOTONIC, which all processes of a host
 // share, and copies are timed with CUDA events.
 //
-// Usage: cref [all|alloc [LABEL]]. "alloc" runs only the allocate+free pairs, and
-// with LABEL names them variant/LABEL/... (scripts/bench-suite.sh runs it under
-// other CPU pinnings). Build: nvcc -O2 -cudart shared -o cref cref.cu
+// Build: nvcc -O2 -cudart shared -o cref cref.cu
 #include <cuda_runtime.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -71,7 +85,7 @@ static const size_t MiB = 1 << 20;
 static const size_t SHARE_SIZE = 2 << 20;
 static const size_t READ_SIZE = (size_t)1 << 30;
 
-static const char *op_prefix = ""; // "variant/LABEL/" for a labelled alloc run
+static int bench_mode; // cref bench: cudart's lines instead of the suite's
 
 static double now_ns(void) {
 	struct timespec t;
@@ -88,25 +102,26 @@ static int by_value(const void *a, const void *b) {
 // and its raw line. v is sorted in place.
 static void summarize(const char *impl, const char *op, const char *unit, double *v, int n) {
 	if (n <= 0) {
-		printf("fail %s %s%s no samples\n", impl, op_prefix, op);
+		printf("fail %s %s no samples\n", impl, op);
 		fflush(stdout);
 		return;
 	}
 	qsort(v, n, sizeof v[0], by_value);
 	int p90 = (int)(0.9 * (n - 1) + 0.5);
-	printf("result %s %s%s %s %.4f %.4f %d\n", impl, op_prefix, op, unit, v[n / 2], v[p90], n);
-	printf("raw %s %s%s %s", impl, op_prefix, op, unit);
+	printf("result %s %s %s %.4f %.4f %d\n", impl, op, unit, v[n / 2], v[p90], n);
+	printf("raw %s %s %s", impl, op, unit);
 	for (int i = 0; i < n; i++) printf(" %.4f", v[i]);
 	printf("\n");
 	fflush(stdout);
 }
 
-// report prints a cudart benchmark's line (ns per operation, median of the batches)
-// and, where suite_op is set, the suite's lines in microseconds.
+// report prints, in bench mode, a cudart benchmark's line (ns per operation, median
+// of the batches), and otherwise, where suite_op is set, the suite's lines in
+// microseconds.
 static void report(const char *name, const char *suite_op, double per_op[BATCHES]) {
 	qsort(per_op, BATCHES, sizeof per_op[0], by_value);
-	if (!*op_prefix) printf("cref %s %.1f\n", name, per_op[BATCHES / 2]);
-	if (suite_op) {
+	if (bench_mode) printf("cref %s %.1f\n", name, per_op[BATCHES / 2]);
+	else if (suite_op) {
 		double us[BATCHES];
 		for (int i = 0; i < BATCHES; i++) us[i] = per_op[i] / 1e3;
 		summarize("c", suite_op, "us", us, BATCHES);
@@ -114,13 +129,12 @@ static void report(const char *name, const char *suite_op, double per_op[BATCHES
 	fflush(stdout);
 }
 
-// ipc_pool is a pool on device 0 that can be shared as a POSIX fd, as cudart's
-// benchmarks use.
-static cudaMemPool_t ipc_pool(void) {
+// pool_of is a new pool on device 0 that can be shared as ht (none: a local pool).
+static cudaMemPool_t pool_of(cudaMemAllocationHandleType ht) {
 	cudaMemPoolProps props;
 	memset(&props, 0, sizeof props);
 	props.allocType = cudaMemAllocationTypePinned;
-	props.handleTypes = cudaMemHandleTypePosixFileDescriptor;
+	props.handleTypes = ht;
 	props.location.type = cudaMemLocationTypeDevice;
 	props.location.id = 0;
 	cudaMemPool_t pool;
@@ -128,15 +142,18 @@ static cudaMemPool_t ipc_pool(void) {
 	return pool;
 }
 
+// ipc_pool is a pool on device 0 that can be shared as a POSIX fd, as cudapool's
+// exportable pools are.
+static cudaMemPool_t ipc_pool(void) { return pool_of(cudaMemHandleTypePosixFileDescriptor); }
+
 static cudaStream_t new_stream(void) {
 	cudaStream_t s;
 	CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 	return s;
 }
 
-// malloc_free_pair times the pair; with get_device, each call is preceded by the
-// cudaGetDevice that cudart's trampolines make, to tell that cost from cgo's.
-static void malloc_free_pair(const char *name, const char *suite_op, size_t size, int get_device) {
+// malloc_free_pair times the pair, for cudart's benchmark of the same name.
+static void malloc_free_pair(const char *name, size_t size) {
 	cudaMemPool_t pool = ipc_pool();
 	cudaStream_t s = new_stream();
 	void *p;
@@ -147,16 +164,13 @@ static void malloc_free_pair(const char *name, const char *suite_op, size_t size
 	for (int b = -1; b < BATCHES; b++) { // batch -1 warms up
 		double t0 = now_ns();
 		for (int i = 0; i < SYNC_EVERY; i++) {
-			int dev;
-			if (get_device) CHECK(cudaGetDevice(&dev));
 			CHECK(cudaMallocFromPoolAsync(&p, size, pool, s));
-			if (get_device) CHECK(cudaGetDevice(&dev));
 			CHECK(cudaFreeAsync(p, s));
 		}
 		CHECK(cudaStreamSynchronize(s));
 		if (b >= 0) per_op[b] = (now_ns() - t0) / SYNC_EVERY;
 	}
-	report(name, suite_op, per_op);
+	report(name, NULL, per_op);
 	CHECK(cudaStreamDestroy(s));
 	CHECK(cudaMemPoolDestroy(pool));
 }
@@ -278,8 +292,9 @@ static int receive_fd(int sock) {
 }
 
 // exporter runs in the child forked before any CUDA call: it sends its pool's fd
-// (SCM_RIGHTS, with one byte), then the export data of IMPORT_BUFFERS buffers of
-// 1 MiB, and exits once the parent says every import is freed.
+// (SCM_RIGHTS, with one byte), then the export data of IMPORT_BUFFERS buffers (of
+// SHARE_SIZE, or 1 MiB for cudart's benchmark), and exits once the parent says every
+// import is freed.
 static int exporter(int sock) {
 	cudaMemPool_t pool = ipc_pool();
 	cudaStream_t s = new_stream();
@@ -287,8 +302,8 @@ static int exporter(int sock) {
 	CHECK(cudaMemPoolExportToShareableHandle(&fd, pool, cudaMemHandleTypePosixFileDescriptor, 0));
 	static cudaMemPoolPtrExportData data[IMPORT_BUFFERS];
 	for (int i = 0; i < IMPORT_BUFFERS; i++) {
-		void *p;
-		CHECK(cudaMallocFromPoolAsync(&p, MiB, pool, s));
+		void *p; // cudart's benchmark imports 1 MiB buffers, the suite 2 MiB ones
+		CHECK(cudaMallocFromPoolAsync(&p, bench_mode ? MiB : SHARE_SIZE, pool, s));
 		CHECK(cudaStreamSynchronize(s));
 		CHECK(cudaMemPoolExportPointer(&data[i], p));
 	}
@@ -338,15 +353,17 @@ static const char *impl_name[] = {"c", "legacy"};
 typedef struct { unsigned char b[64]; } record;
 
 // Commands from the producer to a consumer, and what a consumer says while serving
-// one: a request for buffer i (i >= 0), DONE, or RELEASED.
-enum { CMD_OPEN, CMD_RELEASE, CMD_FANOUT, CMD_SUSTAIN, CMD_READ, CMD_LEGACY_PAIRS, CMD_QUIT };
+// one: a request for buffer i (i >= 0), DONE, or RELEASED. count is how many distinct
+// buffers the consumer's requests cycle through (request i is buffer i % count).
+enum { CMD_OPEN, CMD_RELEASE, CMD_OPEN_RELEASE, CMD_FANOUT, CMD_SUSTAIN, CMD_READ, CMD_LEGACY_PAIRS, CMD_QUIT };
 enum { DONE = -1, RELEASED = -2 };
-typedef struct { int32_t op, kind, n; } command;
+typedef struct { int32_t op, kind, n, count; } command;
 
 // The producer's side of sharing.
 static struct {
 	cudaMemPool_t pool;
 	cudaStream_t stream;
+	cudaStream_t release; // the pool's release stream: waits for consumers' frees
 	cudaEvent_t ready; // recorded after the producer's writes; consumers wait on it
 	int ndev;
 	cudaEvent_t released[CONSUMERS + 1]; // each consumer's release event, opened here
@@ -416,18 +433,29 @@ static void share(enum kind k, int n, int fresh) {
 	CHECK(cudaStreamSynchronize(prod.stream));
 }
 
-// unshare frees the shared buffers; the consumers have freed their imports and
-// synchronized before saying DONE.
+// unshare frees the shared buffers once the release stream has waited for every
+// consumer's free (the consumers have also synchronized before saying DONE).
 static void unshare(void) {
+	CHECK(cudaStreamSynchronize(prod.release));
 	for (int i = 0; i < shared.n; i++) drop_buffer(shared.k, shared.bufs[i]);
 	CHECK(cudaStreamSynchronize(prod.stream));
 	free(shared.bufs);
 	free(shared.recs);
 }
 
+// completed reports whether the work captured by e has completed, as cudapool's
+// export package asks before making a stream wait on another process's event.
+static int completed(cudaEvent_t e) {
+	cudaError_t err = cudaEventQuery(e);
+	if (err == cudaErrorNotReady) return 0;
+	CHECK(err);
+	return 1;
+}
+
 // serve_one answers one message of consumer c: a record for a request, an
-// acknowledgement for a release (after making the producer's stream wait for the
-// consumer's free, as cudapool's exporter does). It returns what the consumer said.
+// acknowledgement for a release (after making the release stream wait for the
+// consumer's free unless it has completed, as cudapool's exporter does). It returns
+// what the consumer said.
 static int serve_one(int sock, int c) {
 	int32_t said;
 	read_all(sock, &said, sizeof said);
@@ -436,7 +464,7 @@ static int serve_one(int sock, int c) {
 		record r = shared.fresh ? export_buffer(shared.k, shared.bufs[i]) : shared.recs[i];
 		write_all(sock, &r, sizeof r);
 	} else if (said == RELEASED) {
-		if (shared.k == POOL) CHECK(cudaStreamWaitEvent(prod.stream, prod.released[c], 0));
+		if (shared.k == POOL && !completed(prod.released[c])) CHECK(cudaStreamWaitEvent(prod.release, prod.released[c], 0));
 		char ack = 'a';
 		write_all(sock, &ack, 1);
 	}
@@ -450,40 +478,42 @@ static void serve(int sock, int c, double *samples, int n) {
 	read_all(sock, samples, n * sizeof samples[0]);
 }
 
-static void send_command(int sock, int op, enum kind k, int n) {
-	command cmd = {op, (int32_t)k, n};
+static void send_command(int sock, int op, enum kind k, int n, int count) {
+	command cmd = {op, (int32_t)k, n, count};
 	write_all(sock, &cmd, sizeof cmd);
 }
 
 // open_end_to_end: a consumer asks for a buffer, the producer answers with its
-// record (exporting it first if fresh), the consumer imports it and makes its
-// stream wait for the producer's writes; timed in the consumer, from the request to
-// the usable pointer.
+// record (exporting it first if fresh), the consumer opens it (the ordered protocol)
+// and releases it, untimed; timed in the consumer, from the request to the usable
+// pointer.
 static void open_end_to_end(int sock, enum kind k, int fresh) {
-	share(k, fresh ? WARMUP + SAMPLES : RING, fresh);
-	send_command(sock, CMD_OPEN, k, WARMUP + SAMPLES);
+	int count = fresh ? WARMUP + SAMPLES : RING;
+	share(k, count, fresh);
+	send_command(sock, CMD_OPEN, k, WARMUP + SAMPLES, count);
 	double us[WARMUP + SAMPLES];
 	serve(sock, 0, us, WARMUP + SAMPLES);
 	unshare();
 	summarize(impl_name[k], fresh ? "open/first" : "open/exported", "us", us + WARMUP, SAMPLES);
 }
 
-// release_round_trip: the consumer frees its import, records its release event and
-// tells the producer, whose stream waits for that event before it acknowledges;
-// timed in the consumer from the free to the acknowledgement.
-static void release_round_trip(int sock, enum kind k) {
+// release_round_trip: the consumer opens a buffer (untimed) and releases it: the
+// ordered free, its release event, and the message the producer acknowledges after
+// making its release stream wait for that event; timed in the consumer from the
+// release's first call to the acknowledgement. With both, the same cycle timed whole.
+static void release_round_trip(int sock, enum kind k, int both) {
 	share(k, RING, 0);
-	send_command(sock, CMD_RELEASE, k, WARMUP + SAMPLES);
+	send_command(sock, both ? CMD_OPEN_RELEASE : CMD_RELEASE, k, WARMUP + SAMPLES, RING);
 	double us[WARMUP + SAMPLES];
 	serve(sock, 0, us, WARMUP + SAMPLES);
 	unshare();
-	summarize(impl_name[k], "release", "us", us + WARMUP, SAMPLES);
+	summarize(impl_name[k], both ? "open+release/exported" : "release", "us", us + WARMUP, SAMPLES);
 }
 
 // fan_out: one fresh buffer to n consumers, from the producer's export to the last
 // consumer's usable pointer (consumers stamp CLOCK_MONOTONIC, which is the host's).
 static void fan_out(const int *socks, int n, enum kind k) {
-	for (int c = 0; c < n; c++) send_command(socks[c], CMD_FANOUT, k, WARMUP + FANOUT_REPS);
+	for (int c = 0; c < n; c++) send_command(socks[c], CMD_FANOUT, k, WARMUP + FANOUT_REPS, 1);
 	double us[FANOUT_REPS];
 	for (int rep = 0; rep < WARMUP + FANOUT_REPS; rep++) {
 		buffer b = make_buffer(k, SHARE_SIZE);
@@ -510,18 +540,30 @@ static void fan_out(const int *socks, int n, enum kind k) {
 	summarize(impl_name[k], op, "us", us, FANOUT_REPS);
 }
 
+// A consumer's account of one sustained window: its shares, the Opens that took
+// SLOW_OPEN_NS or more and their time, and the Opens that had to wait for an earlier
+// free of the same record to complete (the settle) and the time in those waits.
+enum { W_SHARES, W_SLOW, W_SLOW_MS, W_SETTLES, W_SETTLE_MS, W_FIELDS };
+static const double SLOW_OPEN_NS = 1e6; // as bench/gosuite's slowOpen
+
 // sustained: SUSTAIN_CONSUMERS consumers each open and release buffers of a ring
 // already exported, as fast as they can, for SUSTAIN_MS; a round's rate is all
-// their shares over the window.
+// their shares over the window. Each window also prints
+//
+//	window IMPL sustained/4 ROUND SHARES SLOW SLOW_MS TURNS
+//	settle IMPL sustained/4 ROUND WAITS WAIT_MS
+//
+// (summed over the consumers; TURNS is how often they went round their rings): the
+// stall pattern, and how much of it is the settle.
 static void sustained(const int *socks, enum kind k) {
 	share(k, RING, 0);
-	for (int c = 0; c < SUSTAIN_CONSUMERS; c++) send_command(socks[c], CMD_SUSTAIN, k, SUSTAIN_ROUNDS);
+	for (int c = 0; c < SUSTAIN_CONSUMERS; c++) send_command(socks[c], CMD_SUSTAIN, k, SUSTAIN_ROUNDS, RING);
 	double rate[SUSTAIN_ROUNDS];
 	for (int round = 0; round < SUSTAIN_ROUNDS; round++) {
 		char go = 'g';
 		for (int c = 0; c < SUSTAIN_CONSUMERS; c++) write_all(socks[c], &go, 1);
 		int running = SUSTAIN_CONSUMERS;
-		double shares = 0;
+		double sum[W_FIELDS] = {0};
 		while (running > 0) {
 			struct pollfd fds[SUSTAIN_CONSUMERS];
 			for (int c = 0; c < SUSTAIN_CONSUMERS; c++) {
@@ -533,14 +575,17 @@ static void sustained(const int *socks, enum kind k) {
 			for (int c = 0; c < SUSTAIN_CONSUMERS; c++) {
 				if (!(fds[c].revents & (POLLIN | POLLHUP))) continue;
 				if (serve_one(socks[c], c) == DONE) {
-					double count;
-					read_all(socks[c], &count, sizeof count);
-					shares += count;
+					double w[W_FIELDS];
+					read_all(socks[c], w, sizeof w);
+					for (int f = 0; f < W_FIELDS; f++) sum[f] += w[f];
 					running--;
 				}
 			}
 		}
-		rate[round] = shares / (SUSTAIN_MS / 1e3);
+		rate[round] = sum[W_SHARES] / (SUSTAIN_MS / 1e3);
+		printf("window %s sustained/4 %d %.0f %.0f %.3f %.2f\n", impl_name[k], round, sum[W_SHARES], sum[W_SLOW],
+		       sum[W_SLOW_MS], sum[W_SHARES] / RING);
+		printf("settle %s sustained/4 %d %.0f %.3f\n", impl_name[k], round, sum[W_SETTLES], sum[W_SETTLE_MS]);
 	}
 	unshare();
 	summarize(impl_name[k], "sustained/4", "shares/s", rate, SUSTAIN_ROUNDS);
@@ -552,7 +597,7 @@ static void read_imported(int sock, enum kind k, int dev) {
 	buffer b = make_buffer(k, READ_SIZE);
 	CHECK(cudaStreamSynchronize(prod.stream));
 	record r = export_buffer(k, b);
-	send_command(sock, CMD_READ, k, READ_COPIES);
+	send_command(sock, CMD_READ, k, READ_COPIES, 1);
 	write_all(sock, &r, sizeof r);
 	double gbs[READ_COPIES];
 	read_all(sock, gbs, sizeof gbs);
@@ -614,7 +659,7 @@ static void legacy_import_pairs(int sock) {
 		recs[i] = export_buffer(LEGACY, bufs[i]);
 	}
 	CHECK(cudaStreamSynchronize(prod.stream));
-	send_command(sock, CMD_LEGACY_PAIRS, LEGACY, LEGACY_IMPORTS);
+	send_command(sock, CMD_LEGACY_PAIRS, LEGACY, LEGACY_IMPORTS, LEGACY_IMPORTS);
 	write_all(sock, recs, sizeof recs);
 	double us[BATCHES];
 	read_all(sock, us, sizeof us);
@@ -625,14 +670,29 @@ static void legacy_import_pairs(int sock) {
 // ---- The consumer process.
 
 // A consumer works on one device, as a cudapool Importer does: the producer's pool
-// is made accessible there, and its ready event is opened there.
+// is made accessible there, and its ready event is opened there. Like an Importer it
+// frees imports on a release stream of its own, after the caller's stream's work
+// (the order event), and records its release event there.
 static struct {
 	int sock, dev;
 	cudaMemPool_t pool; // the producer's, imported
 	cudaEvent_t ready;  // the producer's, opened
 	cudaEvent_t released;
-	cudaStream_t stream;
+	cudaEvent_t order;
+	cudaStream_t stream, release;
+	// freed[i]: record i (of the command's count) was freed since the last settle.
+	unsigned char *freed;
+	int count;
+	double settles, settle_ms; // settles that waited, and their time
 } cons;
+
+// begin_command sizes the freed set for a command's count distinct records.
+static void begin_command(int count) {
+	free(cons.freed);
+	cons.count = count > 0 ? count : 1;
+	cons.freed = (unsigned char *)calloc(cons.count, 1);
+	CHECK_SYS(cons.freed, "calloc");
+}
 
 static void *import_record(enum kind k, const record *r) {
 	void *p;
@@ -641,29 +701,61 @@ static void *import_record(enum kind k, const record *r) {
 	return p;
 }
 
-static void free_import(enum kind k, void *p, cudaStream_t s) {
-	if (k == POOL) CHECK(cudaFreeAsync(p, s));
-	else CHECK(cudaIpcCloseMemHandle(p));
+// wait_ready makes s wait for the producer's writes unless they have completed.
+static void wait_ready(cudaStream_t s) {
+	if (!completed(cons.ready)) CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
 }
 
-// open_record asks the producer for buffer i and returns it imported, usable on s.
+// settle: before record i, freed earlier by this process, is imported again, every
+// free issued so far must have completed; the host waits only if the release event
+// says it has not. As the Importer, it then forgets every freed record.
+static void settle(int i) {
+	if (!cons.freed[i]) return;
+	if (!completed(cons.released)) {
+		double t0 = now_ns();
+		CHECK(cudaStreamSynchronize(cons.release));
+		cons.settles++;
+		cons.settle_ms += (now_ns() - t0) / 1e6;
+	}
+	memset(cons.freed, 0, cons.count);
+}
+
+// open_record asks the producer for buffer i and returns it imported, usable on s:
+// the ordered protocol of cudapool's Importer.Open.
 static void *open_record(enum kind k, int32_t i, cudaStream_t s) {
 	record r;
 	write_all(cons.sock, &i, sizeof i);
 	read_all(cons.sock, &r, sizeof r);
-	void *p = import_record(k, &r);
-	CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
-	return p;
+	wait_ready(s);
+	if (k == POOL) settle(i % cons.count);
+	return import_record(k, &r);
 }
 
-// release_record frees an import and tells the producer, waiting for its answer.
-static void release_record(enum kind k, void *p, cudaStream_t s) {
-	free_import(k, p, s);
-	if (k == POOL) CHECK(cudaEventRecord(cons.released, s));
+// release_record frees import p of request i after s's work and tells the producer,
+// waiting for its answer: the ordered protocol of cudapool's Mapping.Release. The
+// legacy route's close is synchronous and orders nothing.
+static void release_record(enum kind k, void *p, int32_t i, cudaStream_t s) {
+	if (k == POOL) {
+		CHECK(cudaEventRecord(cons.order, s));
+		CHECK(cudaStreamWaitEvent(cons.release, cons.order, 0));
+		CHECK(cudaFreeAsync(p, cons.release));
+		CHECK(cudaEventRecord(cons.released, cons.release));
+		cons.freed[i % cons.count] = 1;
+	} else {
+		CHECK(cudaIpcCloseMemHandle(p));
+	}
 	int32_t said = RELEASED;
 	write_all(cons.sock, &said, sizeof said);
 	char ack;
 	read_all(cons.sock, &ack, 1);
+}
+
+// free_now frees an import and waits for the free: for the measurements that do not
+// time a release (fan-out, read, legacy pairs).
+static void free_now(enum kind k, void *p, cudaStream_t s) {
+	if (k == POOL) CHECK(cudaFreeAsync(p, s));
+	else CHECK(cudaIpcCloseMemHandle(p));
+	CHECK(cudaStreamSynchronize(s));
 }
 
 static void say_done(const double *samples, int n) {
@@ -672,34 +764,21 @@ static void say_done(const double *samples, int n) {
 	write_all(cons.sock, samples, n * sizeof samples[0]);
 }
 
-static void consume_open(enum kind k, int n) {
+// consume_cycle opens and releases n requests, timing the open (CMD_OPEN), the
+// release (CMD_RELEASE) or both (CMD_OPEN_RELEASE), as bench/gosuite's consumer does.
+static void consume_cycle(int op, enum kind k, int n) {
 	double *us = (double *)calloc(n, sizeof(double));
+	CHECK_SYS(us, "calloc");
 	cudaStream_t s = cons.stream;
 	for (int i = 0; i < n; i++) {
 		double t0 = now_ns();
 		void *p = open_record(k, i, s);
-		us[i] = (now_ns() - t0) / 1e3;
-		free_import(k, p, s);
-		// A record imported again while its last free is queued would alias it
-		// (FACTS 4): let the free complete, untimed.
-		CHECK(cudaStreamSynchronize(s));
+		double t1 = now_ns();
+		release_record(k, p, i, s);
+		double t2 = now_ns();
+		us[i] = (op == CMD_OPEN ? t1 - t0 : op == CMD_RELEASE ? t2 - t1 : t2 - t0) / 1e3;
 	}
-	CHECK(cudaStreamSynchronize(s));
-	say_done(us, n);
-	free(us);
-}
-
-static void consume_release(enum kind k, int n) {
-	double *us = (double *)calloc(n, sizeof(double));
-	cudaStream_t s = cons.stream;
-	for (int i = 0; i < n; i++) {
-		CHECK(cudaStreamSynchronize(s)); // the last release's free, untimed
-		void *p = open_record(k, i, s);
-		double t0 = now_ns();
-		release_record(k, p, s);
-		us[i] = (now_ns() - t0) / 1e3;
-	}
-	CHECK(cudaStreamSynchronize(s));
+	CHECK(cudaStreamSynchronize(cons.release));
 	say_done(us, n);
 	free(us);
 }
@@ -710,11 +789,10 @@ static void consume_fanout(enum kind k, int n) {
 		record r;
 		read_all(cons.sock, &r, sizeof r);
 		void *p = import_record(k, &r);
-		CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+		wait_ready(s);
 		double t = now_ns();
 		write_all(cons.sock, &t, sizeof t);
-		free_import(k, p, s);
-		CHECK(cudaStreamSynchronize(s));
+		free_now(k, p, s);
 		char ack = 'a';
 		write_all(cons.sock, &ack, 1);
 	}
@@ -725,10 +803,24 @@ static void consume_sustained(enum kind k, int rounds) {
 	for (int round = 0; round < rounds; round++) {
 		char go;
 		read_all(cons.sock, &go, 1);
-		double end = now_ns() + SUSTAIN_MS * 1e6, count = 0;
-		for (int32_t i = 0; now_ns() < end; i++, count++) release_record(k, open_record(k, i, s), s);
-		CHECK(cudaStreamSynchronize(s));
-		say_done(&count, 1);
+		double w[W_FIELDS] = {0};
+		cons.settles = cons.settle_ms = 0;
+		double end = now_ns() + SUSTAIN_MS * 1e6;
+		for (int32_t i = 0; now_ns() < end; i++) {
+			double t0 = now_ns();
+			void *p = open_record(k, i, s);
+			double took = now_ns() - t0;
+			if (took >= SLOW_OPEN_NS) {
+				w[W_SLOW]++;
+				w[W_SLOW_MS] += took / 1e6;
+			}
+			release_record(k, p, i, s);
+			w[W_SHARES]++;
+		}
+		CHECK(cudaStreamSynchronize(cons.release));
+		w[W_SETTLES] = cons.settles;
+		w[W_SETTLE_MS] = cons.settle_ms;
+		say_done(w, W_FIELDS);
 	}
 }
 
@@ -737,12 +829,11 @@ static void consume_read(enum kind k) {
 	read_all(cons.sock, &r, sizeof r);
 	cudaStream_t s = cons.stream;
 	void *src = import_record(k, &r), *dst;
-	CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+	wait_ready(s);
 	CHECK(cudaMalloc(&dst, READ_SIZE));
 	double gbs[READ_COPIES];
 	timed_copies(dst, src, READ_SIZE, s, gbs);
-	free_import(k, src, s);
-	CHECK(cudaStreamSynchronize(s));
+	free_now(k, src, s);
 	CHECK(cudaFree(dst));
 	write_all(cons.sock, gbs, sizeof gbs);
 }
@@ -753,7 +844,7 @@ static void consume_legacy_pairs(int n) {
 	double us[BATCHES];
 	for (int b = -1; b < BATCHES; b++) {
 		double t0 = now_ns();
-		for (int i = 0; i < n; i++) free_import(LEGACY, import_record(LEGACY, &recs[i]), cons.stream);
+		for (int i = 0; i < n; i++) CHECK(cudaIpcCloseMemHandle(import_record(LEGACY, &recs[i])));
 		if (b >= 0) us[b] = (now_ns() - t0) / n / 1e3;
 	}
 	write_all(cons.sock, us, sizeof us);
@@ -790,14 +881,21 @@ static int consumer(int sock) {
 	}
 	CHECK(cudaIpcOpenEventHandle(&cons.ready, ready));
 	cons.stream = new_stream();
+	// The release stream and the order event live on device 0 with the release event.
+	CHECK(cudaSetDevice(0));
+	cons.release = new_stream();
+	CHECK(cudaEventCreateWithFlags(&cons.order, cudaEventDisableTiming));
+	CHECK(cudaSetDevice(cons.dev));
 	write_all(sock, &released, sizeof released);
 	for (;;) {
 		command cmd;
 		read_all(sock, &cmd, sizeof cmd);
 		enum kind k = (enum kind)cmd.kind;
+		begin_command(cmd.count);
 		switch (cmd.op) {
-		case CMD_OPEN: consume_open(k, cmd.n); break;
-		case CMD_RELEASE: consume_release(k, cmd.n); break;
+		case CMD_OPEN:
+		case CMD_RELEASE:
+		case CMD_OPEN_RELEASE: consume_cycle(cmd.op, k, cmd.n); break;
 		case CMD_FANOUT: consume_fanout(k, cmd.n); break;
 		case CMD_SUSTAIN: consume_sustained(k, cmd.n); break;
 		case CMD_READ: consume_read(k); break;
@@ -814,6 +912,7 @@ static void sharing(const int *socks) {
 	CHECK(cudaGetDeviceCount(&prod.ndev));
 	prod.pool = ipc_pool();
 	prod.stream = new_stream();
+	prod.release = new_stream();
 	CHECK(cudaEventCreateWithFlags(&prod.ready, cudaEventInterprocess | cudaEventDisableTiming));
 	int fd;
 	CHECK(cudaMemPoolExportToShareableHandle(&fd, prod.pool, cudaMemHandleTypePosixFileDescriptor, 0));
@@ -837,7 +936,8 @@ static void sharing(const int *socks) {
 	for (int k = POOL; k <= LEGACY; k++) {
 		open_end_to_end(socks[0], (enum kind)k, 1);
 		open_end_to_end(socks[0], (enum kind)k, 0);
-		release_round_trip(socks[0], (enum kind)k);
+		release_round_trip(socks[0], (enum kind)k, 0);
+		release_round_trip(socks[0], (enum kind)k, 1);
 	}
 	static const int fans[] = {1, 2, 4, 7};
 	for (int k = POOL; k <= LEGACY; k++)
@@ -847,13 +947,107 @@ static void sharing(const int *socks) {
 		plain_copy(dev);
 		for (int k = POOL; k <= LEGACY; k++) read_imported(socks[dev == 0 ? 0 : OTHER], (enum kind)k, dev);
 	}
-	for (int c = 0; c <= OTHER; c++) send_command(socks[c], CMD_QUIT, POOL, 0);
+	for (int c = 0; c <= OTHER; c++) send_command(socks[c], CMD_QUIT, POOL, 0, 1);
 }
 
-static void alloc_pairs(void) {
-	malloc_free_pair("MallocFreePair/1KiB", "alloc/1KiB", 1 << 10, 0);
-	malloc_free_pair("MallocFreePair/1MiB", "alloc/1MiB", MiB, 0);
-	malloc_free_pair("MallocFreePair/64MiB", "alloc/64MiB", 64 * MiB, 0);
+// ---- The allocation ring.
+//
+// The allocation pairs run as one participant of a ring of processes that take
+// turns, one batch each, pinned by scripts/bench-suite.sh to the same CPU: this
+// program, bench/gosuite and bench/cudacore.py (bench/gosuite/alloc.go says why).
+// Every participant runs the same plan, "KIND/SIZE=BYTES ...": for each entry and
+// each slot (api, then binding) one untimed warm-up batch and BATCHES measured ones
+// of PAIRS pairs, each batch one turn. C has one layer, so it runs its pair in both
+// slots. The token is the turn's number as a line of text.
+
+enum { TURN_TIMEOUT_MS = 60000 };
+
+static int take_turn(int in) {
+	struct pollfd p = {in, POLLIN, 0};
+	int n;
+	do n = poll(&p, 1, TURN_TIMEOUT_MS);
+	while (n < 0 && errno == EINTR);
+	CHECK_SYS(n >= 0, "poll for the turn");
+	if (n == 0) {
+		fprintf(stderr, "cref: no turn came for %d ms: another participant died or runs another plan\n", TURN_TIMEOUT_MS);
+		exit(1);
+	}
+	char buf[32];
+	ssize_t k = read(in, buf, sizeof buf - 1);
+	CHECK_SYS(k > 0, "read the turn");
+	buf[k] = 0;
+	char *end;
+	long turn = strtol(buf, &end, 10);
+	CHECK_SYS(end != buf && (*end == '\n' || *end == 0), "a turn token that is not a number");
+	return (int)turn;
+}
+
+static void pass_turn(int out, int turn) {
+	char buf[32];
+	int n = snprintf(buf, sizeof buf, "%d\n", turn + 1);
+	CHECK_SYS(write(out, buf, n) == n, "pass the turn");
+}
+
+static int open_fifo(const char *path) {
+	int fd = open(path, O_RDWR); // never blocks on a FIFO (Linux)
+	CHECK_SYS(fd >= 0, "open a FIFO of the ring");
+	return fd;
+}
+
+static int alloc_ring(char *plan, const char *in_path, const char *out_path, const char *ready_path, int round,
+                      int batches, int pairs) {
+	static const char *slots[] = {"api", "binding"};
+	int in = open_fifo(in_path), out = open_fifo(out_path), ready = open_fifo(ready_path);
+	CHECK(cudaSetDevice(0));
+	CHECK(cudaFree(0)); // the context, before saying ready
+	dprintf(ready, "ready cref %d\n", (int)getpid());
+	close(ready);
+	for (char *save = NULL, *entry = strtok_r(plan, " ", &save); entry; entry = strtok_r(NULL, " ", &save)) {
+		char *eq = strchr(entry, '=');
+		int ipc = strncmp(entry, "ipc/", 4) == 0;
+		if (!eq || (!ipc && strncmp(entry, "local/", 6) != 0)) {
+			fprintf(stderr, "cref: plan entry %s: want ipc/SIZE=BYTES or local/SIZE=BYTES\n", entry);
+			return 2;
+		}
+		*eq = 0;
+		char *end;
+		size_t bytes = strtoull(eq + 1, &end, 10);
+		if (*end || bytes == 0) {
+			fprintf(stderr, "cref: plan entry %s: bad bytes %s\n", entry, eq + 1);
+			return 2;
+		}
+		for (int slot = 0; slot < 2; slot++) {
+			cudaMemPool_t pool = 0;
+			cudaStream_t s = 0;
+			for (int b = -1; b < batches; b++) {
+				int turn = take_turn(in);
+				void *p;
+				if (b == -1) { // set up inside the first turn: nothing of it beside another's batch
+					pool = pool_of(ipc ? cudaMemHandleTypePosixFileDescriptor : cudaMemHandleTypeNone);
+					s = new_stream();
+					CHECK(cudaMallocFromPoolAsync(&p, bytes, pool, s)); // the pool reserves its memory once
+					CHECK(cudaFreeAsync(p, s));
+					CHECK(cudaStreamSynchronize(s));
+					printf("bytes c alloc/%s %zu\n", entry, bytes);
+				}
+				double t0 = now_ns();
+				for (int i = 0; i < pairs; i++) {
+					CHECK(cudaMallocFromPoolAsync(&p, bytes, pool, s));
+					CHECK(cudaFreeAsync(p, s));
+				}
+				CHECK(cudaStreamSynchronize(s));
+				double us = (now_ns() - t0) / 1e3 / pairs;
+				if (b == batches - 1) {
+					CHECK(cudaStreamDestroy(s));
+					CHECK(cudaMemPoolDestroy(pool));
+				}
+				if (b >= 0) printf("sample c %s alloc/%s %d %d %d %.4f\n", slots[slot], entry, round, b, turn, us);
+				fflush(stdout);
+				pass_turn(out, turn);
+			}
+		}
+	}
+	return 0;
 }
 
 // spawn forks a child before any CUDA call (CUDA does not survive a fork) that runs
@@ -887,42 +1081,51 @@ static int reap(pid_t pid, const char *what) {
 	return 0;
 }
 
+static int usage(void) {
+	fprintf(stderr, "usage: cref bench | all | alloc PLAN IN OUT READY ROUND BATCHES PAIRS\n");
+	return 2;
+}
+
 int main(int argc, char **argv) {
 	const char *mode = argc > 1 ? argv[1] : "all";
-	char prefix[64];
 	if (strcmp(mode, "alloc") == 0) {
-		if (argc > 2) {
-			snprintf(prefix, sizeof prefix, "variant/%s/", argv[2]);
-			op_prefix = prefix;
-		}
-		CHECK(cudaSetDevice(0));
-		alloc_pairs();
-		return 0;
+		if (argc != 9) return usage();
+		int round = atoi(argv[6]), batches = atoi(argv[7]), pairs = atoi(argv[8]);
+		if (batches < 1 || pairs < 1) return usage();
+		return alloc_ring(argv[2], argv[3], argv[4], argv[5], round, batches, pairs);
 	}
-	if (strcmp(mode, "all") != 0) {
-		fprintf(stderr, "usage: cref [all|alloc [LABEL]]\n");
-		return 2;
-	}
+	bench_mode = strcmp(mode, "bench") == 0;
+	if (!bench_mode && strcmp(mode, "all") != 0) return usage();
+	// Children first: CUDA does not survive a fork. In "all" the consumers wait,
+	// without touching CUDA, until sharing sends them the pool.
 	pid_t exporter_pid, consumer_pid[CONSUMERS + 1];
 	int exporter_sock = spawn(exporter, &exporter_pid), socks[CONSUMERS + 1];
-	for (int c = 0; c <= OTHER; c++) socks[c] = spawn(consumer, &consumer_pid[c]);
+	if (!bench_mode)
+		for (int c = 0; c <= OTHER; c++) socks[c] = spawn(consumer, &consumer_pid[c]);
 
 	int runtime = 0, driver = 0;
 	CHECK(cudaRuntimeGetVersion(&runtime));
 	CHECK(cudaDriverGetVersion(&driver));
 	CHECK(cudaSetDevice(0));
 	printf("cref runtime %d driver %d\n", runtime, driver);
-	alloc_pairs();
-	malloc_free_pair("MallocFreePairGetDevice/1MiB", "variant/c+getdevice/alloc/1MiB", MiB, 1);
-	export_pointer();
+	int failed = 0;
+	if (bench_mode) {
+		malloc_free_pair("MallocFreePair/1KiB", 1 << 10);
+		malloc_free_pair("MallocFreePair/1MiB", MiB);
+		malloc_free_pair("MallocFreePair/64MiB", 64 * MiB);
+		export_pointer();
+		import_pointer(exporter_sock);
+		event_record_wait();
+		return reap(exporter_pid, "exporter");
+	}
+	// The exporter works (CUDA) until import_pointer has its records, and nothing
+	// timed runs before.
 	import_pointer(exporter_sock);
-	event_record_wait();
+	failed |= reap(exporter_pid, "exporter");
 	legacy_malloc_free_pair("alloc/1KiB", 1 << 10);
 	legacy_malloc_free_pair("alloc/1MiB", MiB);
 	legacy_malloc_free_pair("alloc/64MiB", 64 * MiB);
 	sharing(socks);
-
-	int failed = reap(exporter_pid, "exporter");
 	for (int c = 0; c <= OTHER; c++) failed |= reap(consumer_pid[c], "consumer");
 	return failed;
 }

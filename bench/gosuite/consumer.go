@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -21,27 +22,36 @@ import (
 
 // consumerRole is the first argument that makes this program a consumer:
 //
-//	gosuite consumer KIND SOCKET DEVICE
+//	gosuite consumer KIND SOCKET DEVICE VALIDATE
 //
 // It dials the exporter at SOCKET for DEVICE on runtime KIND (gpu or test), says
 // "ready", and obeys lines on stdin until it closes:
 //
-//	fresh NAME N          Open NAME0..NAME<N-1> (each timed), then Release each: "us T..."
-//	open NAME COUNT N     N times Open NAME<i%COUNT> (timed), Release: "us T..."
-//	release NAME COUNT N  N times Open NAME<i%COUNT>, Release (timed): "us T..."
-//	sustain NAME COUNT MS Open and Release NAME<i%COUNT> for MS ms: "count N"
-//	read NAME N           Open NAME, copy it N times into own memory: "gbs R..."
+//	fresh NAME N              Open NAME0..NAME<N-1> (each timed), then Release each: "us T..."
+//	open NAME COUNT N         N times Open NAME<i%COUNT> (timed), Release: "us T..."
+//	release NAME COUNT N      N times Open NAME<i%COUNT>, Release (timed): "us T..."
+//	openrelease NAME COUNT N  N times Open and Release NAME<i%COUNT> (timed together): "us T..."
+//	sustain NAME COUNT MS     Open and Release NAME<i%COUNT> for MS ms: "count N SLOW SLOW_MS"
+//	                          (SLOW: the Opens that took slowOpen or more, SLOW_MS their time)
+//	read NAME N               Open NAME, copy it N times into own memory: "gbs R..."
+//	checked - 0               "checked N": how many buffers this consumer validated
 //
 // A buffer the exporter pushes is held, "pushed NAME MONOTONIC-NS" said, and
-// released. Times are microseconds.
+// released. Times are microseconds. With VALIDATE true, every buffer opened or pushed
+// is copied to the host and each byte checked against the number that ends its name
+// (the producer writes byte(i) into buffer i): the timings then include the check.
 const consumerRole = "consumer"
 
 func consumerMain(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite consumer:", err); return 1 }
-	if len(args) != 3 {
-		return fail(errors.New("want KIND SOCKET DEVICE"))
+	if len(args) != 4 {
+		return fail(errors.New("want KIND SOCKET DEVICE VALIDATE"))
 	}
 	dev, err := strconv.Atoi(args[2])
+	if err != nil {
+		return fail(err)
+	}
+	validate, err := strconv.ParseBool(args[3])
 	if err != nil {
 		return fail(err)
 	}
@@ -59,8 +69,15 @@ func consumerMain(args []string) int {
 		return fail(err)
 	}
 	out := &lineWriter{w: os.Stdout}
+	c := &consumerState{rt: rt, dev: dev, s: s, validate: validate}
 	pushed := func(name string, m *export.Mapping) {
-		out.say(fmt.Sprintf("pushed %s %d", name, monotonic()))
+		at := monotonic()
+		if err := c.check(m, pushStream); err != nil {
+			// The producer waits for "pushed": say what went wrong instead.
+			out.say(fmt.Sprintf("bad push %s: %v", name, err))
+		} else {
+			out.say(fmt.Sprintf("pushed %s %d", name, at))
+		}
 		if err := m.Release(ctx, pushStream); err != nil {
 			fmt.Fprintln(os.Stderr, "gosuite consumer: release of a push:", err)
 		}
@@ -70,7 +87,7 @@ func consumerMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	c := &consumerState{rt: rt, dev: dev, imp: imp, s: s}
+	c.imp = imp
 	out.say("ready")
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -110,6 +127,51 @@ type consumerState struct {
 	dev int
 	imp *export.Importer
 	s   cudart.Stream
+
+	validate bool
+	checked  atomic.Int64 // buffers validated, by the command loop and the push handler
+}
+
+// check validates m's bytes when the consumer validates: every byte must be the
+// number that ends m's name, as the producer wrote it. The copy is queued on s after
+// Open's wait for the producer's writes, so it reads what they wrote.
+func (c *consumerState) check(m *export.Mapping, s cudart.Stream) error {
+	if !c.validate {
+		return nil
+	}
+	name := m.Name()
+	digits := strings.TrimRightFunc(name, func(r rune) bool { return r >= '0' && r <= '9' })
+	i, err := strconv.Atoi(name[len(digits):])
+	if err != nil {
+		return fmt.Errorf("validate %q: no number ends the name", name)
+	}
+	host := make([]byte, m.Size())
+	if err := c.rt.MemcpyDtoHAsync(c.dev, host, m.Ptr(), s); err != nil {
+		return fmt.Errorf("validate %q: %w", name, err)
+	}
+	if err := c.rt.StreamSynchronize(c.dev, s); err != nil {
+		return fmt.Errorf("validate %q: %w", name, err)
+	}
+	for at, b := range host {
+		if b != byte(i) {
+			return fmt.Errorf("validate %q: byte %d is %#x, want %#x", name, at, b, byte(i))
+		}
+	}
+	c.checked.Add(1)
+	return nil
+}
+
+// open opens name on c.s and validates it.
+func (c *consumerState) open(ctx context.Context, name string) (*export.Mapping, error) {
+	m, err := c.imp.Open(ctx, name, c.s)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.check(m, c.s); err != nil {
+		m.Release(ctx, c.s)
+		return nil, err
+	}
+	return m, nil
 }
 
 func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
@@ -128,10 +190,10 @@ func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
 	switch {
 	case f[0] == "fresh" && len(nums) == 1:
 		return c.fresh(ctx, name, nums[0])
-	case f[0] == "open" && len(nums) == 2:
-		return c.cycle(ctx, name, nums[0], nums[1], false)
-	case f[0] == "release" && len(nums) == 2:
-		return c.cycle(ctx, name, nums[0], nums[1], true)
+	case (f[0] == "open" || f[0] == "release" || f[0] == "openrelease") && len(nums) == 2:
+		return c.cycle(ctx, name, nums[0], nums[1], f[0])
+	case f[0] == "checked":
+		return fmt.Sprintf("checked %d", c.checked.Load()), nil
 	case f[0] == "sustain" && len(nums) == 2:
 		return c.sustain(ctx, name, nums[0], time.Duration(nums[1])*time.Millisecond)
 	case f[0] == "read" && len(nums) == 1:
@@ -159,7 +221,7 @@ func (c *consumerState) fresh(ctx context.Context, name string, n int) (string, 
 	}()
 	for i := range n {
 		start := time.Now()
-		m, err := c.imp.Open(ctx, fmt.Sprint(name, i), c.s)
+		m, err := c.open(ctx, fmt.Sprint(name, i))
 		us[i] = micros(time.Since(start))
 		if err != nil {
 			return "", err
@@ -169,21 +231,24 @@ func (c *consumerState) fresh(ctx context.Context, name string, n int) (string, 
 	return samples("us", us), nil
 }
 
-// cycle opens and releases n buffers of a ring, timing the Open or the Release.
-func (c *consumerState) cycle(ctx context.Context, name string, count, n int, timeRelease bool) (string, error) {
+// cycle opens and releases n buffers of a ring, timing verb's part: the Open (open),
+// the Release (release) or both (openrelease).
+func (c *consumerState) cycle(ctx context.Context, name string, count, n int, verb string) (string, error) {
 	us := make([]float64, n)
 	for i := range n {
 		start := time.Now()
-		m, err := c.imp.Open(ctx, fmt.Sprint(name, i%count), c.s)
+		m, err := c.open(ctx, fmt.Sprint(name, i%count))
 		if err != nil {
 			return "", err
 		}
-		if !timeRelease {
-			us[i] = micros(time.Since(start))
-		}
-		start = time.Now()
+		opened := time.Now()
 		err = m.Release(ctx, c.s)
-		if timeRelease {
+		switch verb {
+		case "open":
+			us[i] = micros(opened.Sub(start))
+		case "release":
+			us[i] = micros(time.Since(opened))
+		default:
 			us[i] = micros(time.Since(start))
 		}
 		if err != nil {
@@ -195,24 +260,30 @@ func (c *consumerState) cycle(ctx context.Context, name string, count, n int, ti
 
 func (c *consumerState) sustain(ctx context.Context, name string, count int, window time.Duration) (string, error) {
 	end := time.Now().Add(window)
-	n := 0
+	n, slow := 0, 0
+	var stalled time.Duration
 	for ; time.Now().Before(end); n++ {
-		m, err := c.imp.Open(ctx, fmt.Sprint(name, n%count), c.s)
+		start := time.Now()
+		m, err := c.open(ctx, fmt.Sprint(name, n%count))
 		if err != nil {
 			return "", err
+		}
+		if took := time.Since(start); took >= slowOpen {
+			slow++
+			stalled += took
 		}
 		if err := m.Release(ctx, c.s); err != nil {
 			return "", err
 		}
 	}
-	return fmt.Sprintf("count %d", n), nil
+	return fmt.Sprintf("count %d %d %.3f", n, slow, float64(stalled.Microseconds())/1e3), nil
 }
 
 // read copies the mapping of name into a buffer of a local pool n times after one
 // untimed copy, each copy timed around its synchronize, in GB/s (10^9 bytes, each
 // byte counted once).
 func (c *consumerState) read(ctx context.Context, name string, n int) (string, error) {
-	m, err := c.imp.Open(ctx, name, c.s)
+	m, err := c.open(ctx, name)
 	if err != nil {
 		return "", err
 	}

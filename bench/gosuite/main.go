@@ -1,27 +1,31 @@
-// Command gosuite is the cudapool column of the benchmark suite (issue 6): the
-// operations bench/cref times in C, done through cudapool's packages (pool,
-// export) with the consumer in other processes, so that scripts/bench-suite.sh can
-// print each as a ratio to C, the legacy IPC path and cuda.core taken in one run.
+// Command gosuite is the cudapool column of the benchmark suite (issues 6 and 13):
+// the operations bench/cref times in C, done through cudapool's packages (pool,
+// export) with the consumers in other processes, so that scripts/bench-suite.sh can
+// print each beside C, the legacy IPC path and cuda.core taken in one run.
 //
 // Every measurement prints
 //
 //	result IMPL OP UNIT MEDIAN P90 N
 //	raw IMPL OP UNIT V1 V2 ...
 //
-// or "fail IMPL OP REASON" when it could not be taken; the others still run. IMPL is
-// cudapool (the pool and export packages) or cudart (the binding's own pair, beside
-// it for the allocation variants). Times are in microseconds from CLOCK_MONOTONIC,
-// which every process of the host shares, so a consumer's timestamp can be compared
-// with the producer's.
+// or "fail IMPL OP REASON" when it could not be taken, and "absent IMPL OP REASON"
+// for an operation whose feature is not in the library yet; the others still run.
+// IMPL is cudapool (the pool and export packages) or cudart (the bare binding).
+// Times are in microseconds from CLOCK_MONOTONIC, which every process of the host
+// shares, so a consumer's timestamp can be compared with the producer's.
 //
 // Usage:
 //
-//	gosuite [-runtime auto|gpu|test] [-lock] [-label L] [-quick] all|alloc
+//	gosuite [-runtime auto|gpu|test] [-quick] [-validate] all
+//	gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc
+//	gosuite [-runtime ...] granularity
 //
-// "alloc" runs only the allocate+free pairs; -lock runs them with the measuring
-// goroutine locked to its OS thread, and -label names them variant/L/... (the
-// script runs them under several GOMAXPROCS and CPU pinnings). -quick takes few
-// samples, for a dry run on the software device.
+// "all" runs the sharing operations and the import pair. "alloc" runs the allocation
+// pairs as one participant of the ring that scripts/bench-suite.sh starts (see
+// alloc.go). "granularity" prints the bytes an exportable pool allocates for one
+// byte asked, which the script puts in the plan. -quick takes few samples, for a dry
+// run on the software device; -validate makes the consumers check every byte they
+// are given.
 package main
 
 import (
@@ -45,22 +49,22 @@ import (
 
 // The shapes of the measurements, the same as bench/cref's.
 type shape struct {
-	batches    int // timed batches of the allocation pairs, after one untimed
-	syncEvery  int // pairs per batch
-	samples    int // timed operations of a per-operation measurement
-	warmup     int // untimed operations before them
-	fanoutReps int
-	ring       int // buffers "already exported" cycles through
-	rounds     int // windows of the sustained rate
-	window     time.Duration
-	copies     int
-	readSize   uint64
+	batches       int // timed batches of the import pairs, after one untimed
+	importBuffers int // buffers a batch of import pairs imports
+	samples       int // timed operations of a per-operation measurement
+	warmup        int // untimed operations before them
+	fanoutReps    int
+	ring          int // buffers "already exported" cycles through
+	rounds        int // windows of the sustained rate
+	window        time.Duration
+	copies        int
+	readSize      uint64
 }
 
-var fullShape = shape{batches: 15, syncEvery: 10000, samples: 200, warmup: 20, fanoutReps: 50, ring: 64,
-	rounds: 5, window: 300 * time.Millisecond, copies: 20, readSize: 1 << 30}
+var fullShape = shape{batches: 15, importBuffers: importBuffers, samples: 200, warmup: 20, fanoutReps: 50,
+	ring: 64, rounds: 5, window: 300 * time.Millisecond, copies: 20, readSize: 1 << 30}
 
-var quickShape = shape{batches: 3, syncEvery: 100, samples: 10, warmup: 2, fanoutReps: 3, ring: 4,
+var quickShape = shape{batches: 3, importBuffers: 8, samples: 10, warmup: 2, fanoutReps: 3, ring: 4,
 	rounds: 2, window: 50 * time.Millisecond, copies: 2, readSize: 8 << 20}
 
 // shareSize is the size of every shared buffer: cudapool rounds buffers of an
@@ -75,51 +79,113 @@ var fanouts = []int{1, 2, 4, 7}
 const sustainConsumers = 4
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == consumerRole {
-		os.Exit(consumerMain(os.Args[2:]))
+	playRole()
+	os.Exit(run())
+}
+
+// playRole runs this process as the consumer or the exporter it was started as, and
+// exits; it returns when the process was started as neither.
+func playRole() {
+	if len(os.Args) > 1 {
+		switch os.Args[1] {
+		case consumerRole:
+			os.Exit(consumerMain(os.Args[2:]))
+		case exporterRole:
+			os.Exit(exporterMain(os.Args[2:]))
+		}
 	}
+}
+
+func run() int {
 	prefer := flag.String("runtime", rtselect.Auto, "auto, gpu or test (the software device)")
-	lock := flag.Bool("lock", false, "lock the measuring goroutine to its OS thread")
-	label := flag.String("label", "", "name the allocation pairs variant/LABEL/...")
 	quick := flag.Bool("quick", false, "few samples: a dry run")
+	validate := flag.Bool("validate", false, "consumers check every byte they are given")
+	planText := flag.String("plan", "", "alloc: the plan, KIND/SIZE=BYTES ...")
+	ringText := flag.String("ring", "", "alloc: the ring's named pipes, IN,OUT")
+	ready := flag.String("ready", "", "alloc: the named pipe to say ready on")
+	round := flag.Int("round", 0, "alloc: the round's number, for the sample lines")
+	batches := flag.Int("batches", 15, "alloc: measured batches per plan entry and slot")
+	pairs := flag.Int("pairs", 10000, "alloc: pairs per batch")
 	flag.Parse()
 	mode := flag.Arg(0)
-	if flag.NArg() != 1 || (mode != "all" && mode != "alloc") {
-		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-lock] [-label L] [-quick] all|alloc")
-		os.Exit(2)
+	usage := func(why string) int {
+		fmt.Fprintln(os.Stderr, "gosuite:", why)
+		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
+			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
+			"       gosuite [-runtime ...] granularity")
+		return 2
 	}
-	if *lock {
-		runtime.LockOSThread()
+	if flag.NArg() != 1 {
+		return usage("want one mode")
+	}
+	var plan []planEntry
+	var rg ring
+	switch mode {
+	case "all", "granularity":
+	case "alloc":
+		var err error
+		if plan, err = parsePlan(*planText); err != nil {
+			return usage(err.Error())
+		}
+		in, out, ok := strings.Cut(*ringText, ",")
+		if !ok || *batches < 1 || *pairs < 1 {
+			return usage("alloc needs -ring IN,OUT and positive -batches and -pairs")
+		}
+		if rg, err = openRing(in, out); err != nil {
+			fmt.Fprintln(os.Stderr, "gosuite:", err)
+			return 1
+		}
+	default:
+		return usage(fmt.Sprintf("unknown mode %q", mode))
 	}
 	rt, _, why, err := rtselect.Open(*prefer)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite:", err)
-		os.Exit(1)
-	}
-	fmt.Printf("# gosuite: %s; GOMAXPROCS=%d, locked=%v\n", why, runtime.GOMAXPROCS(0), *lock)
-	sh := fullShape
-	if *quick {
-		sh = quickShape
+		return 1
 	}
 	r := &reporter{w: os.Stdout}
-	if *label != "" {
-		r.prefix = "variant/" + *label + "/"
-	}
-	allocPairs(r, rt, sh)
-	if mode == "all" {
+	switch mode {
+	case "granularity":
+		g, err := granularityOf(rt)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "gosuite:", err)
+			return 1
+		}
+		fmt.Println(g)
+		return 0
+	case "alloc":
+		fmt.Printf("# gosuite alloc round %d: %s; GOMAXPROCS=%d\n", *round, why, runtime.GOMAXPROCS(0))
+		if *ready != "" {
+			if err := sayReady(*ready); err != nil {
+				fmt.Fprintln(os.Stderr, "gosuite:", err)
+				return 1
+			}
+		}
+		if err := allocRing(r, rt, plan, rg, *round, *batches, *pairs); err != nil {
+			r.fail("cudapool", "alloc", err)
+		}
+	case "all":
+		fmt.Printf("# gosuite: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+		sh := fullShape
+		if *quick {
+			sh = quickShape
+		}
 		kind := rtselect.GPU
 		if *prefer == rtselect.Test || !strings.HasPrefix(rt.Name(), "libcudart") {
 			kind = rtselect.Test
 		}
-		sharing(r, rt, kind, sh)
+		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
+		sharing(r, rt, kind, sh, *validate)
+		absentRows(r)
 	}
 	if err := rtselect.Err(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
 		r.failed = true
 	}
 	if r.failed {
-		os.Exit(1)
+		return 1
 	}
+	return 0
 }
 
 // reporter prints measurements in the suite's format.
@@ -173,51 +239,6 @@ func monotonic() int64 {
 	return ts.Nano()
 }
 
-var allocSizes = []struct {
-	name  string
-	bytes uint64
-}{{"1KiB", 1 << 10}, {"1MiB", 1 << 20}, {"64MiB", 64 << 20}}
-
-// allocPairs times allocate+free pairs as bench/cref does: on a fresh pool that
-// reserved its memory once, one untimed batch, then sh.batches batches of
-// sh.syncEvery pairs, each closed by a synchronize; a sample is a batch's time per
-// pair. Through pool.Pool (cudapool) and through the binding alone (cudart).
-func allocPairs(r *reporter, rt cudart.Runtime, sh shape) {
-	ctx := context.Background()
-	for _, size := range allocSizes {
-		op := "alloc/" + size.name
-		r.measure("cudapool", op, "us", func() ([]float64, error) {
-			p, s, done, err := freshPool(rt, pool.WithHandleType(cudart.HandleTypePosixFD))
-			if err != nil {
-				return nil, err
-			}
-			defer done()
-			return pairBatches(rt, s, sh, func() error {
-				b, err := p.Alloc(ctx, size.bytes, s)
-				if err != nil {
-					return err
-				}
-				return p.Free(b, s)
-			})
-		})
-		r.measure("cudart", op, "us", func() ([]float64, error) {
-			p, s, done, err := freshPool(rt, pool.WithHandleType(cudart.HandleTypePosixFD))
-			if err != nil {
-				return nil, err
-			}
-			defer done()
-			h := p.Handle()
-			return pairBatches(rt, s, sh, func() error {
-				ptr, err := rt.MallocFromPoolAsync(0, size.bytes, h, s)
-				if err != nil {
-					return err
-				}
-				return rt.FreeAsync(0, ptr, s)
-			})
-		})
-	}
-}
-
 // freshPool is a new pool on device 0 and a stream; done destroys both.
 func freshPool(rt cudart.Runtime, opts ...pool.Option) (*pool.Pool, cudart.Stream, func(), error) {
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
@@ -234,30 +255,4 @@ func freshPool(rt cudart.Runtime, opts ...pool.Option) (*pool.Pool, cudart.Strea
 		p.Close(context.Background(), pool.Force())
 		rt.StreamDestroy(0, s)
 	}, nil
-}
-
-func pairBatches(rt cudart.Runtime, s cudart.Stream, sh shape, pair func() error) ([]float64, error) {
-	// The pool reserves its memory once, untimed, as in cref.
-	if err := pair(); err != nil {
-		return nil, err
-	}
-	if err := rt.StreamSynchronize(0, s); err != nil {
-		return nil, err
-	}
-	var perPair []float64
-	for b := -1; b < sh.batches; b++ {
-		start := time.Now()
-		for range sh.syncEvery {
-			if err := pair(); err != nil {
-				return nil, err
-			}
-		}
-		if err := rt.StreamSynchronize(0, s); err != nil {
-			return nil, err
-		}
-		if b >= 0 {
-			perPair = append(perPair, micros(time.Since(start))/float64(sh.syncEvery))
-		}
-	}
-	return perPair, nil
 }

@@ -2,66 +2,238 @@ package main
 
 import (
 	"bufio"
+	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
-// TestMain lets the test binary be the suite's consumer process, as the program is.
+// TestMain lets the test binary be the suite's consumer and exporter processes, as
+// the program is.
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == consumerRole {
-		os.Exit(consumerMain(os.Args[2:]))
-	}
+	playRole()
 	os.Exit(m.Run())
 }
 
-// The whole suite, few samples, on the software device: every operation the table
-// needs is reported, with positive figures, and nothing fails.
-func TestSuiteOnSoftwareDevice(t *testing.T) {
-	rt, _, _, err := rtselect.Open(rtselect.Test)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out strings.Builder
-	r := &reporter{w: &out}
-	allocPairs(r, rt, quickShape)
-	sharing(r, rt, rtselect.Test, quickShape)
-	if err := rtselect.Err(rt); err != nil {
-		t.Errorf("the software device saw violations: %v", err)
-	}
-
-	want := map[string]bool{"export/fresh": false, "open/first": false, "open/exported": false,
-		"release": false, "sustained/4": false, "read/same-gpu": false, "read/other-gpu": false}
-	for _, s := range allocSizes {
-		want["alloc/"+s.name] = false
-	}
-	for _, n := range fanouts {
-		want["fanout/"+strconv.Itoa(n)] = false
-	}
-	sc := bufio.NewScanner(strings.NewReader(out.String()))
+// lines splits the suite's output into its lines' fields, by the first word.
+func lines(t *testing.T, out string) map[string][][]string {
+	t.Helper()
+	by := map[string][][]string{}
+	sc := bufio.NewScanner(strings.NewReader(out))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
-		switch {
-		case f[0] == "fail":
-			t.Errorf("failed: %s", sc.Text())
-		case f[0] == "result" && f[1] == "cudapool":
-			median, err := strconv.ParseFloat(f[4], 64)
-			if err != nil || len(f) != 7 || median <= 0 {
-				t.Errorf("bad result line %q", sc.Text())
+		if len(f) > 0 {
+			by[f[0]] = append(by[f[0]], f)
+		}
+	}
+	require.NoError(t, sc.Err())
+	return by
+}
+
+// The whole of "gosuite all", few samples, on the software device with validating
+// consumers: every operation the table needs is reported once with exactly the
+// samples its shape asks for, every buffer a consumer was given was checked byte by
+// byte, the sustained windows add up to the rates, the features not on main are
+// said to be absent, and nothing fails.
+func TestSuiteOnSoftwareDevice(t *testing.T) {
+	rt, _, _, err := rtselect.Open(rtselect.Test)
+	require.NoError(t, err)
+	var out strings.Builder
+	r := &reporter{w: &out}
+	sh := quickShape
+	r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, rtselect.Test, sh) })
+	sharing(r, rt, rtselect.Test, sh, true)
+	absentRows(r)
+	require.NoError(t, rtselect.Err(rt), "the software device saw violations")
+	by := lines(t, out.String())
+	assert.Empty(t, by["fail"], "failures")
+	assert.False(t, r.failed, "the reporter says something failed")
+
+	want := map[string]int{"cudart import/pair": sh.batches, "cudapool export/fresh": sh.samples,
+		"cudapool open/first": sh.samples, "cudapool open/exported": sh.samples, "cudapool release": sh.samples,
+		"cudapool open+release/exported": sh.samples, "cudapool sustained/4": sh.rounds,
+		"cudapool read/same-gpu": sh.copies, "cudapool read/other-gpu": sh.copies}
+	for _, n := range fanouts {
+		want[fmt.Sprintf("cudapool fanout/%d", n)] = sh.fanoutReps
+	}
+	results := map[string][]string{}
+	for _, f := range by["result"] {
+		require.Len(t, f, 7, "result line %q", f)
+		key := f[1] + " " + f[2]
+		assert.NotContains(t, results, key, "%s reported twice", key)
+		results[key] = f
+	}
+	raws := map[string][]string{}
+	for _, f := range by["raw"] {
+		raws[f[1]+" "+f[2]] = f[4:]
+	}
+	assert.Len(t, results, len(want), "one result per operation")
+	for key, n := range want {
+		f, ok := results[key]
+		if !assert.True(t, ok, "no result for %s", key) {
+			continue
+		}
+		assert.Equal(t, strconv.Itoa(n), f[6], "%s: samples", key)
+		assert.Len(t, raws[key], n, "%s: raw samples", key)
+		median, err := strconv.ParseFloat(f[4], 64)
+		if assert.NoError(t, err) {
+			assert.Positive(t, median, key)
+		}
+	}
+
+	// One window line per round, whose shares make the round's rate.
+	windows := by["window"]
+	require.Len(t, windows, sh.rounds)
+	rates := raws["cudapool sustained/4"]
+	var sum, rateSum float64
+	for i, f := range windows {
+		require.Len(t, f, 8, "window line %q", f)
+		assert.Equal(t, strconv.Itoa(i), f[3], "window rounds in order")
+		shares, _ := strconv.ParseFloat(f[4], 64)
+		turns, _ := strconv.ParseFloat(f[7], 64)
+		assert.Positive(t, shares)
+		assert.InDelta(t, shares/float64(sh.ring), turns, 0.01, "turns are shares over the ring")
+		sum += shares
+	}
+	for _, x := range rates {
+		v, _ := strconv.ParseFloat(x, 64)
+		rateSum += v
+	}
+	assert.InDelta(t, sum/sh.window.Seconds(), rateSum, 1, "the windows' shares make the rates")
+
+	// Every buffer given to a consumer was validated, and there were as many as the
+	// shape makes plus the sustained windows' shares.
+	require.Len(t, by["validated"], 1)
+	v := by["validated"][0]
+	given := 4*(sh.warmup+sh.samples) + 2 + int(sum)
+	for _, n := range fanouts {
+		given += n * (sh.warmup + sh.fanoutReps)
+	}
+	assert.Equal(t, []string{"validated", "cudapool", "all", strconv.Itoa(given), strconv.Itoa(given)}, v)
+
+	absentOps := map[string]bool{}
+	for _, f := range by["absent"] {
+		absentOps[f[2]] = true
+	}
+	for _, a := range absent {
+		assert.True(t, absentOps[a.op], "absent %s not said", a.op)
+	}
+}
+
+// fifo makes a named pipe in dir.
+func fifo(t *testing.T, dir, name string) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	require.NoError(t, unix.Mkfifo(p, 0o600))
+	return p
+}
+
+// A ring of one participant (its pipe leads back to itself) runs the whole plan:
+// every entry in both slots, each with exactly the batches asked, one turn after
+// another, and a bytes line per entry and slot saying what the plan says.
+func TestAllocRingRunsThePlan(t *testing.T) {
+	rt, _, _, err := rtselect.Open(rtselect.Test)
+	require.NoError(t, err)
+	g, err := granularityOf(rt)
+	require.NoError(t, err)
+	plan, err := parsePlan(fmt.Sprintf("ipc/1KiB=%d local/1KiB=1024 local/1MiB=1048576", g))
+	require.NoError(t, err)
+	dir := t.TempDir()
+	p := fifo(t, dir, "turn")
+	rg, err := openRing(p, p)
+	require.NoError(t, err)
+	defer rg.in.Close()
+	defer rg.out.Close()
+	require.NoError(t, rg.pass(-1)) // turn 0 to start
+	var out strings.Builder
+	const batches = 3
+	require.NoError(t, allocRing(&reporter{w: &out}, rt, plan, rg, 7, batches, 10))
+	require.NoError(t, rtselect.Err(rt))
+
+	by := lines(t, out.String())
+	samples := by["sample"]
+	require.Len(t, samples, len(plan)*len(allocSlots)*batches)
+	i := 0
+	for _, e := range plan {
+		for _, slot := range allocSlots {
+			impl := map[string]string{"api": "cudapool", "binding": "cudart"}[slot]
+			for b := range batches {
+				f := samples[i]
+				require.Len(t, f, 8)
+				assert.Equal(t, []string{"sample", impl, slot, e.op, "7", strconv.Itoa(b)}, f[:6])
+				// Turn 0 of each entry and slot is its warm-up batch.
+				turn := (i/batches)*(batches+1) + 1 + b
+				assert.Equal(t, strconv.Itoa(turn), f[6], "turn of sample %d", i)
+				us, err := strconv.ParseFloat(f[7], 64)
+				assert.NoError(t, err)
+				assert.Positive(t, us)
+				i++
 			}
-			want[f[2]] = true
 		}
 	}
-	for op, seen := range want {
-		if !seen {
-			t.Errorf("no result for %s", op)
-		}
+	var bytes []string
+	for _, f := range by["bytes"] {
+		bytes = append(bytes, strings.Join(f[1:], " "))
 	}
-	if r.failed {
-		t.Error("the reporter says something failed")
+	assert.Equal(t, []string{
+		"cudapool alloc/ipc/1KiB " + strconv.FormatUint(g, 10), "cudart alloc/ipc/1KiB " + strconv.FormatUint(g, 10),
+		"cudapool alloc/local/1KiB 1024", "cudart alloc/local/1KiB 1024",
+		"cudapool alloc/local/1MiB 1048576", "cudart alloc/local/1MiB 1048576",
+	}, bytes)
+}
+
+// A plan whose bytes are not what the pool allocates fails before measuring: the
+// columns would not allocate the same bytes.
+func TestAllocRingRefusesUnequalBytes(t *testing.T) {
+	rt, _, _, err := rtselect.Open(rtselect.Test)
+	require.NoError(t, err)
+	plan, err := parsePlan("ipc/1KiB=1024")
+	require.NoError(t, err)
+	p := fifo(t, t.TempDir(), "turn")
+	rg, err := openRing(p, p)
+	require.NoError(t, err)
+	defer rg.in.Close()
+	defer rg.out.Close()
+	require.NoError(t, rg.pass(-1))
+	var out strings.Builder
+	err = allocRing(&reporter{w: &out}, rt, plan, rg, 0, 2, 10)
+	require.ErrorContains(t, err, "would not allocate the same bytes")
+	assert.NotContains(t, out.String(), "sample ")
+}
+
+// A participant whose turn never comes fails within its timeout, saying why.
+func TestAllocRingGivesUpWithoutATurn(t *testing.T) {
+	p := fifo(t, t.TempDir(), "turn")
+	rg, err := openRing(p, p)
+	require.NoError(t, err)
+	defer rg.in.Close()
+	defer rg.out.Close()
+	rg.timeout = 50 * time.Millisecond
+	start := time.Now()
+	_, err = rg.take()
+	require.ErrorContains(t, err, "no turn came")
+	assert.Less(t, time.Since(start), 5*time.Second)
+}
+
+func TestParsePlan(t *testing.T) {
+	plan, err := parsePlan("ipc/1KiB=2097152 local/64MiB=67108864")
+	require.NoError(t, err)
+	assert.Equal(t, []planEntry{
+		{kind: "ipc", asked: 1 << 10, bytes: 2 << 20, op: "alloc/ipc/1KiB"},
+		{kind: "local", asked: 64 << 20, bytes: 64 << 20, op: "alloc/local/64MiB"},
+	}, plan)
+	for _, bad := range []string{"", "ipc/1KiB", "fabric/1KiB=1024", "ipc/1KB=1024", "ipc/0KiB=1", "ipc/1MiB=1024", "ipc/1KiB=x"} {
+		_, err := parsePlan(bad)
+		assert.Error(t, err, "plan %q", bad)
 	}
 }

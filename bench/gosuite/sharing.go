@@ -30,12 +30,17 @@ type producer struct {
 	ex     *export.Exporter
 	stream cudart.Stream
 	dir    string
+
+	validate bool
+	// given counts the buffers the consumers were given, each of which a validating
+	// consumer checks.
+	given int
 }
 
 // sharing runs the sharing measurements, each reported on its own, and then
 // closes everything it made.
-func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape) {
-	pr, err := newProducer(rt, kind, sh)
+func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate bool) {
+	pr, err := newProducer(rt, kind, sh, validate)
 	if err != nil {
 		r.fail("cudapool", "sharing", err)
 		return
@@ -52,8 +57,12 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape) {
 	r.measure("cudapool", "open/first", "us", func() ([]float64, error) { return pr.openFirst(c) })
 	r.measure("cudapool", "open/exported", "us", func() ([]float64, error) { return pr.openExported(c) })
 	r.measure("cudapool", "release", "us", func() ([]float64, error) { return pr.release(c) })
+	r.measure("cudapool", "open+release/exported", "us", func() ([]float64, error) { return pr.onRing(c, "openrelease") })
 	consumers := []*consumer{c}
 	defer func() {
+		if validate {
+			pr.reportValidated(r, consumers)
+		}
 		for _, c := range consumers {
 			if err := c.quit(); err != nil {
 				r.fail("cudapool", "consumer", err)
@@ -71,7 +80,7 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape) {
 	for _, n := range fanouts {
 		r.measure("cudapool", fmt.Sprintf("fanout/%d", n), "us", func() ([]float64, error) { return pr.fanOut(consumers[:n]) })
 	}
-	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(consumers[:sustainConsumers]) })
+	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(r, consumers[:sustainConsumers]) })
 	r.measure("cudapool", "read/same-gpu", "GB/s", func() ([]float64, error) { return pr.read(c) })
 	n, err := rt.DeviceCount()
 	if err == nil && n < 2 {
@@ -90,8 +99,8 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape) {
 	r.measure("cudapool", "read/other-gpu", "GB/s", func() ([]float64, error) { return pr.read(other) })
 }
 
-func newProducer(rt cudart.Runtime, kind string, sh shape) (*producer, error) {
-	pr := &producer{rt: rt, kind: kind, sh: sh}
+func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*producer, error) {
+	pr := &producer{rt: rt, kind: kind, sh: sh, validate: validate}
 	var err error
 	if pr.dir, err = os.MkdirTemp("", "gosuite"); err != nil {
 		return nil, err
@@ -127,7 +136,9 @@ func (pr *producer) close(r *reporter) {
 	os.RemoveAll(pr.dir)
 }
 
-// alloc returns n buffers of size bytes, written on the producer's stream.
+// alloc returns n buffers of size bytes, written on the producer's stream: every byte
+// of buffer i is byte(i), which is what a consumer validates against the number that
+// ends the buffer's name.
 func (pr *producer) alloc(n int, size uint64) ([]*pool.Buffer, error) {
 	var bufs []*pool.Buffer
 	for i := range n {
@@ -217,9 +228,11 @@ func (pr *producer) exportFresh() ([]float64, error) {
 // Publish (timed here) plus Open (timed there) for each buffer.
 func (pr *producer) openFirst(c *consumer) ([]float64, error) {
 	var us []float64
-	const batch = 20 // buffers published before the consumer opens them
-	for done := 0; done < pr.sh.warmup+pr.sh.samples; done += batch {
+	total := pr.sh.warmup + pr.sh.samples
+	for done := 0; done < total; {
+		batch := min(20, total-done) // buffers published before the consumer opens them
 		name := fmt.Sprintf("first%d-", done)
+		done += batch
 		bufs, err := pr.alloc(batch, shareSize)
 		if err == nil {
 			err = pr.rt.StreamSynchronize(0, pr.stream)
@@ -241,6 +254,7 @@ func (pr *producer) openFirst(c *consumer) ([]float64, error) {
 		if len(opened) != batch {
 			return nil, fmt.Errorf("consumer timed %d opens of %d", len(opened), batch)
 		}
+		pr.given += batch
 		for i, d := range took {
 			us = append(us, micros(d)+opened[i])
 		}
@@ -258,19 +272,26 @@ func (pr *producer) release(c *consumer) ([]float64, error) {
 	return pr.onRing(c, "release")
 }
 
+// onRing has the consumer cycle through a ring of buffers published before, timing
+// verb's part of each cycle: open, release, or openrelease (both).
 func (pr *producer) onRing(c *consumer, verb string) ([]float64, error) {
 	retire, err := pr.shared("ring", pr.sh.ring, shareSize)
 	if err != nil {
 		return nil, err
 	}
-	us, err := c.ask(fmt.Sprintf("%s ring %d %d", verb, pr.sh.ring, pr.sh.warmup+pr.sh.samples), "us")
+	n := pr.sh.warmup + pr.sh.samples
+	us, err := c.ask(fmt.Sprintf("%s ring %d %d", verb, pr.sh.ring, n), "us")
 	if rerr := retire(); err == nil {
 		err = rerr
 	}
 	if err != nil {
 		return nil, err
 	}
-	return us[min(pr.sh.warmup, len(us)):], nil
+	if len(us) != n {
+		return nil, fmt.Errorf("consumer timed %d cycles of %d", len(us), n)
+	}
+	pr.given += n
+	return us[pr.sh.warmup:], nil
 }
 
 // fanOut: a fresh buffer is published and pushed to every consumer at once
@@ -305,6 +326,7 @@ func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
 			at, err = c.await("pushed " + name + "0")
 			if err == nil {
 				last = max(last, int64(at[0]))
+				pr.given++
 			}
 		}
 		if rerr := pr.retire(name, bufs); err == nil {
@@ -320,32 +342,70 @@ func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
 	return us, nil
 }
 
+// slowOpen is the time from which an Open in the sustained loop counts as a stall in
+// the window lines: an Open of a buffer already exported takes tens of microseconds.
+const slowOpen = time.Millisecond
+
 // sustained: the consumers open and release buffers published before, each as fast
-// as it can, for a window; a round's rate is all their shares over the window.
-func (pr *producer) sustained(cs []*consumer) ([]float64, error) {
+// as it can, for a window; a round's rate is all their shares over the window. Each
+// window also gives a line
+//
+//	window cudapool sustained/4 ROUND SHARES SLOW SLOW_MS TURNS
+//
+// SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
+// how many times the consumers went round their ring (summed): the stall pattern.
+func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 	retire, err := pr.shared("sus", pr.sh.ring, shareSize)
 	if err != nil {
 		return nil, err
 	}
 	defer retire()
 	var rates []float64
-	for range pr.sh.rounds {
+	for round := range pr.sh.rounds {
 		for _, c := range cs {
 			if err := c.say(fmt.Sprintf("sustain sus %d %d", pr.sh.ring, pr.sh.window.Milliseconds())); err != nil {
 				return nil, err
 			}
 		}
-		total := 0.0
+		var total, slow, slowMS, turns float64
 		for _, c := range cs {
-			n, err := c.await("count")
+			v, err := c.await("count")
 			if err != nil {
 				return nil, err
 			}
-			total += n[0]
+			if len(v) != 3 {
+				return nil, fmt.Errorf("consumer %d said %d numbers after count, want 3", c.pid, len(v))
+			}
+			total += v[0]
+			slow += v[1]
+			slowMS += v[2]
+			turns += v[0] / float64(pr.sh.ring)
 		}
+		pr.given += int(total)
+		fmt.Fprintf(r.w, "window cudapool sustained/4 %d %.0f %.0f %.3f %.2f\n", round, total, slow, slowMS, turns)
 		rates = append(rates, total/pr.sh.window.Seconds())
 	}
 	return rates, retire()
+}
+
+// reportValidated asks each consumer how many buffers it checked, and says whether
+// that is every buffer they were given:
+//
+//	validated cudapool all CHECKED GIVEN
+func (pr *producer) reportValidated(r *reporter, cs []*consumer) {
+	checked := 0
+	for _, c := range cs {
+		v, err := c.ask("checked - 0", "checked")
+		if err != nil || len(v) != 1 {
+			r.fail("cudapool", "validate", fmt.Errorf("consumer %d: %v %v", c.pid, v, err))
+			return
+		}
+		checked += int(v[0])
+	}
+	fmt.Fprintf(r.w, "validated cudapool all %d %d\n", checked, pr.given)
+	if checked != pr.given {
+		r.fail("cudapool", "validate", fmt.Errorf("the consumers checked %d buffers of the %d they were given", checked, pr.given))
+	}
 }
 
 // read: the consumer copies an imported buffer into its own memory, each copy
@@ -358,6 +418,9 @@ func (pr *producer) read(c *consumer) ([]float64, error) {
 	gbs, err := c.ask(fmt.Sprintf("read big0 %d", pr.sh.copies), "gbs")
 	if rerr := retire(); err == nil {
 		err = rerr
+	}
+	if err == nil {
+		pr.given++
 	}
 	return gbs, err
 }
@@ -384,7 +447,7 @@ func (pr *producer) startConsumer(dev int) (*consumer, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(self, consumerRole, pr.kind, pr.ex.Addr(), strconv.Itoa(dev))
+	cmd := exec.Command(self, consumerRole, pr.kind, pr.ex.Addr(), strconv.Itoa(dev), strconv.FormatBool(pr.validate))
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
