@@ -92,13 +92,29 @@ func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 		if err != nil {
 			continue
 		}
-		collectPool(ch, []string{"", "", s.Name, strconv.Itoa(i + 1), strconv.Itoa(s.Device)}, poolFigures{
+		labels := []string{"", "", s.Name, strconv.Itoa(i + 1), strconv.Itoa(s.Device)}
+		collectPool(ch, labels, poolFigures{
 			handleType: s.HandleType.String(), max: s.MaxSize,
 			reserved: s.ReservedCurrent, reservedHigh: s.ReservedHigh, used: s.UsedCurrent, usedHigh: s.UsedHigh,
 			rounding: s.RoundingOverhead(), buffers: s.LiveBuffers, shared: s.SharedBuffers, leases: s.ActiveLeases,
 			deferred: s.DeferredFrees, failed: s.FailedFrees,
 		})
+		collectPoolOnly(ch, labels, s)
 	}
+}
+
+// collectPoolOnly sends the figures that pool.Stats has and an exporter's State does
+// not carry.
+func collectPoolOnly(ch chan<- prometheus.Metric, labels []string, s pool.Stats) {
+	send(ch, poolFailedBytes, float64(s.FailedFreeBytes), labels)
+	if s.CacheLimit == 0 {
+		return
+	}
+	send(ch, poolCacheLimit, float64(s.CacheLimit), labels)
+	send(ch, poolCachedBuffers, float64(s.CachedBuffers), labels)
+	send(ch, poolCachedBytes, float64(s.CachedBytes), labels)
+	sendCounter(ch, poolCacheHits, float64(s.CacheHits), labels)
+	sendCounter(ch, poolCacheMisses, float64(s.CacheMisses), labels)
 }
 
 // collectState sends the figures of one exporter's State.
@@ -170,14 +186,25 @@ func collectPool(ch chan<- prometheus.Metric, labels []string, f poolFigures) {
 	}
 }
 
-// send sends one gauge. Label values come from other processes (names, UUIDs), so
-// bytes that are not UTF-8, which Prometheus refuses, are replaced.
+// send sends one gauge.
 func send(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels []string, extra ...string) {
+	ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labelValues(labels, extra)...)
+}
+
+// sendCounter sends one counter.
+func sendCounter(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels []string) {
+	ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labelValues(labels, nil)...)
+}
+
+// labelValues joins labels and extra into a new slice. Label values come from other
+// processes (names, UUIDs), so bytes that are not UTF-8, which Prometheus refuses, are
+// replaced.
+func labelValues(labels, extra []string) []string {
 	values := append(labels[:len(labels):len(labels)], extra...)
 	for i, s := range values {
 		values[i] = strings.ToValidUTF8(s, "\uFFFD")
 	}
-	ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, values...)
+	return values
 }
 
 func seconds(unixNano int64) float64 { return float64(unixNano) / 1e9 }

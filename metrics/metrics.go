@@ -8,12 +8,13 @@
 //	NewPoolCollector(pools)   pools in this process, read through their Stats
 //	NewTargetCollector(fn)    exporters asked over their sockets, as poolstat -serve does
 //
-// Register them with a prometheus.Registerer and serve it with promhttp. Every metric
-// is a gauge named cudapool_<subject>_<what>[_<unit>]: each figure is a current value
-// or a high-water mark that the exporter or pool keeps, not a count this package
-// accumulates, so no _total counter appears. Series of one exporter carry its
-// announced name and its socket (the socket tells exporters of one host apart); a
-// pool's also its id and device, a peer's its pid.
+// Register them with a prometheus.Registerer and serve it with promhttp. Metrics are
+// named cudapool_<subject>_<what>[_<unit>]: gauges for current values and high-water
+// marks, counters (_total) for the counts a pool accumulates over its life (its cache's
+// hits and misses). This package keeps no state: every value is the exporter's or the
+// pool's own. Series of one exporter carry its announced name and its socket (the
+// socket tells exporters of one host apart); a pool's also its id and device, a peer's
+// its pid.
 //
 // A scrape reads each figure once, one exporter and pool after another, not at one
 // instant. A pool whose Stats fail (closed, or the driver would not answer) is left
@@ -95,6 +96,18 @@ var (
 		"Buffers freed while leased, waiting for their last lease to end.", poolLabels)
 	poolFailed = gauge("pool_failed_frees",
 		"Deferred frees that failed; their memory stays reserved until the pool closes.", poolLabels)
+	poolFailedBytes = gauge("pool_failed_free_bytes",
+		"Memory the failed deferred frees left reserved.", poolLabels)
+	poolCacheLimit = gauge("pool_cache_limit_bytes",
+		"The most the pool's cache of freed buffers may hold (pool.WithCache); absent without a cache.", poolLabels)
+	poolCachedBuffers = gauge("pool_cached_buffers",
+		"Freed buffers the pool's cache holds for reuse (reserved in the driver, not live).", poolLabels)
+	poolCachedBytes = gauge("pool_cached_bytes",
+		"Memory the pool's cache holds.", poolLabels)
+	poolCacheHits = prometheus.NewDesc("cudapool_pool_cache_hits_total",
+		"Allocations the pool's cache served.", poolLabels, nil)
+	poolCacheMisses = prometheus.NewDesc("cudapool_pool_cache_misses_total",
+		"Allocations that went to the driver while the pool's cache was on.", poolLabels, nil)
 )
 
 // Peer metrics.
@@ -116,7 +129,8 @@ var (
 var (
 	exporterDescs = []*prometheus.Desc{exporterInfo, exporterStart, exporterPublished, exporterPublishedBytes, exporterPeers}
 	poolDescs     = []*prometheus.Desc{poolInfo, poolMax, poolReserved, poolReservedHigh, poolUsed, poolUsedHigh, poolRounding,
-		poolBuffers, poolShared, poolLeases, poolDeferred, poolFailed}
+		poolBuffers, poolShared, poolLeases, poolDeferred, poolFailed, poolFailedBytes, poolCacheLimit, poolCachedBuffers,
+		poolCachedBytes, poolCacheHits, poolCacheMisses}
 	peerDescs = []*prometheus.Desc{peerInfo, peerLeases, peerGrants, peerLeasedBytes, peerConnectTime, peerAwaitingExit}
 )
 

@@ -158,9 +158,12 @@ func TestExporterCollector(t *testing.T) {
 // The names follow Prometheus's conventions, as its own linter reads them.
 func TestLint(t *testing.T) {
 	s := newSharing(t)
+	cached, err := pool.New(s.rt, 0, pool.WithName("cached"), pool.WithCache(8<<20))
+	require.NoError(t, err)
+	t.Cleanup(func() { cached.Close(context.Background()) })
 	for _, c := range []prometheus.Collector{
 		metrics.NewExporterCollector(s.ex),
-		metrics.NewPoolCollector(s.pool),
+		metrics.NewPoolCollector(s.pool, cached),
 		metrics.NewTargetCollector(func() ([]metrics.Target, error) {
 			return []metrics.Target{{Name: "gone", Socket: "/nowhere"}}, nil
 		}),
@@ -199,8 +202,14 @@ cudapool_exporter_up{exporter="test-exporter",socket="SOCKET"} 1
 
 func TestPoolCollector(t *testing.T) {
 	s := newSharing(t)
-	other, err := pool.New(s.rt, 0, pool.WithName("scratch"), pool.WithHandleType(cudart.HandleTypeNone))
+	other, err := pool.New(s.rt, 0, pool.WithName("scratch"), pool.WithHandleType(cudart.HandleTypeNone), pool.WithCache(8<<20))
 	require.NoError(t, err)
+	// A miss, then a hit: the freed buffer goes to the cache and is taken from it.
+	for range 2 {
+		buf, err := other.Alloc(context.Background(), 2<<20, 0)
+		require.NoError(t, err)
+		require.NoError(t, buf.Free(0))
+	}
 	c := metrics.NewPoolCollector(s.pool, other, failing{})
 	want := `
 # HELP cudapool_pool_leases Live leases on the pool's buffers.
@@ -211,8 +220,22 @@ cudapool_pool_leases{device="0",exporter="",pool="scratch",pool_id="2",socket=""
 # TYPE cudapool_pool_info gauge
 cudapool_pool_info{device="0",exporter="",handle_type="posix-fd",pool="kv",pool_id="1",socket=""} 1
 cudapool_pool_info{device="0",exporter="",handle_type="none",pool="scratch",pool_id="2",socket=""} 1
+# HELP cudapool_pool_cache_hits_total Allocations the pool's cache served.
+# TYPE cudapool_pool_cache_hits_total counter
+cudapool_pool_cache_hits_total{device="0",exporter="",pool="scratch",pool_id="2",socket=""} 1
+# HELP cudapool_pool_cache_misses_total Allocations that went to the driver while the pool's cache was on.
+# TYPE cudapool_pool_cache_misses_total counter
+cudapool_pool_cache_misses_total{device="0",exporter="",pool="scratch",pool_id="2",socket=""} 1
+# HELP cudapool_pool_cached_buffers Freed buffers the pool's cache holds for reuse (reserved in the driver, not live).
+# TYPE cudapool_pool_cached_buffers gauge
+cudapool_pool_cached_buffers{device="0",exporter="",pool="scratch",pool_id="2",socket=""} 1
+# HELP cudapool_pool_cache_limit_bytes The most the pool's cache of freed buffers may hold (pool.WithCache); absent without a cache.
+# TYPE cudapool_pool_cache_limit_bytes gauge
+cudapool_pool_cache_limit_bytes{device="0",exporter="",pool="scratch",pool_id="2",socket=""} 8.388608e+06
 `
-	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "cudapool_pool_leases", "cudapool_pool_info"))
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "cudapool_pool_leases", "cudapool_pool_info",
+		"cudapool_pool_cache_hits_total", "cudapool_pool_cache_misses_total", "cudapool_pool_cached_buffers",
+		"cudapool_pool_cache_limit_bytes"))
 	// Without a limit the pool has no max series; the failing source has none at all.
 	assert.Equal(t, 1, testutil.CollectAndCount(c, "cudapool_pool_max_bytes"))
 
