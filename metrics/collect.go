@@ -92,29 +92,8 @@ func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 		if err != nil {
 			continue
 		}
-		labels := []string{"", "", s.Name, strconv.Itoa(i + 1), strconv.Itoa(s.Device)}
-		collectPool(ch, labels, poolFigures{
-			handleType: s.HandleType.String(), max: s.MaxSize,
-			reserved: s.ReservedCurrent, reservedHigh: s.ReservedHigh, used: s.UsedCurrent, usedHigh: s.UsedHigh,
-			rounding: s.RoundingOverhead(), buffers: s.LiveBuffers, shared: s.SharedBuffers, leases: s.ActiveLeases,
-			deferred: s.DeferredFrees, failed: s.FailedFrees,
-		})
-		collectPoolOnly(ch, labels, s)
+		collectPool(ch, []string{"", "", s.Name, strconv.Itoa(i + 1), strconv.Itoa(s.Device)}, s)
 	}
-}
-
-// collectPoolOnly sends the figures that pool.Stats has and an exporter's State does
-// not carry.
-func collectPoolOnly(ch chan<- prometheus.Metric, labels []string, s pool.Stats) {
-	send(ch, poolFailedBytes, float64(s.FailedFreeBytes), labels)
-	if s.CacheLimit == 0 {
-		return
-	}
-	send(ch, poolCacheLimit, float64(s.CacheLimit), labels)
-	send(ch, poolCachedBuffers, float64(s.CachedBuffers), labels)
-	send(ch, poolCachedBytes, float64(s.CachedBytes), labels)
-	sendCounter(ch, poolCacheHits, float64(s.CacheHits), labels)
-	sendCounter(ch, poolCacheMisses, float64(s.CacheMisses), labels)
 }
 
 // collectState sends the figures of one exporter's State.
@@ -136,12 +115,7 @@ func collectState(ch chan<- prometheus.Metric, st *export.State) {
 		if p.Error != "" {
 			continue // the figures are those that could be read before the failure
 		}
-		collectPool(ch, append(ex[:2:2], p.Name, strconv.FormatUint(p.ID, 10), strconv.Itoa(p.Device)), poolFigures{
-			handleType: p.HandleType.String(), max: p.MaxSize,
-			reserved: p.ReservedCurrent, reservedHigh: p.ReservedHigh, used: p.UsedCurrent, usedHigh: p.UsedHigh,
-			rounding: p.RoundingOverhead(), buffers: p.LiveBuffers, shared: p.SharedBuffers, leases: p.ActiveLeases,
-			deferred: p.DeferredFrees, failed: p.FailedFrees,
-		})
+		collectPool(ch, append(ex[:2:2], p.Name, strconv.FormatUint(p.ID, 10), strconv.Itoa(p.Device)), p.Stats)
 	}
 
 	for _, p := range st.Peers {
@@ -160,30 +134,35 @@ func collectState(ch chan<- prometheus.Metric, st *export.State) {
 	}
 }
 
-// poolFigures are one pool's figures, from an exporter's State or from pool.Stats.
-type poolFigures struct {
-	handleType                                            string
-	max, reserved, reservedHigh, used, usedHigh, rounding uint64
-	buffers, shared, leases, deferred, failed             int
-}
-
-// collectPool sends one pool's figures under labels (poolLabels' values).
-func collectPool(ch chan<- prometheus.Metric, labels []string, f poolFigures) {
-	send(ch, poolInfo, 1, labels, f.handleType)
-	if f.max > 0 {
-		send(ch, poolMax, float64(f.max), labels)
+// collectPool sends one pool's figures under labels (poolLabels' values). A State
+// read over a socket carries no cache figures: they are left out, as for a pool
+// without a cache.
+func collectPool(ch chan<- prometheus.Metric, labels []string, s pool.Stats) {
+	send(ch, poolInfo, 1, labels, s.HandleType.String())
+	if s.MaxSize > 0 {
+		send(ch, poolMax, float64(s.MaxSize), labels)
 	}
 	for _, g := range []struct {
 		desc  *prometheus.Desc
 		value float64
 	}{
-		{poolReserved, float64(f.reserved)}, {poolReservedHigh, float64(f.reservedHigh)},
-		{poolUsed, float64(f.used)}, {poolUsedHigh, float64(f.usedHigh)}, {poolRounding, float64(f.rounding)},
-		{poolBuffers, float64(f.buffers)}, {poolShared, float64(f.shared)}, {poolLeases, float64(f.leases)},
-		{poolDeferred, float64(f.deferred)}, {poolFailed, float64(f.failed)},
+		{poolReserved, float64(s.ReservedCurrent)}, {poolReservedHigh, float64(s.ReservedHigh)},
+		{poolUsed, float64(s.UsedCurrent)}, {poolUsedHigh, float64(s.UsedHigh)},
+		{poolRounding, float64(s.RoundingOverhead())}, {poolBuffers, float64(s.LiveBuffers)},
+		{poolShared, float64(s.SharedBuffers)}, {poolLeases, float64(s.ActiveLeases)},
+		{poolDeferred, float64(s.DeferredFrees)}, {poolFailed, float64(s.FailedFrees)},
+		{poolFailedBytes, float64(s.FailedFreeBytes)},
 	} {
 		send(ch, g.desc, g.value, labels)
 	}
+	if s.CacheLimit == 0 {
+		return
+	}
+	send(ch, poolCacheLimit, float64(s.CacheLimit), labels)
+	send(ch, poolCachedBuffers, float64(s.CachedBuffers), labels)
+	send(ch, poolCachedBytes, float64(s.CachedBytes), labels)
+	sendCounter(ch, poolCacheHits, float64(s.CacheHits), labels)
+	sendCounter(ch, poolCacheMisses, float64(s.CacheMisses), labels)
 }
 
 // send sends one gauge.

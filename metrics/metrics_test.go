@@ -190,7 +190,7 @@ cudapool_exporter_up{exporter="test-exporter",socket="SOCKET"} 1
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(strings.ReplaceAll(want, "SOCKET", s.socket)+stableFigures(s.socket)[1:]),
 		append(stableNames[:3:3], "cudapool_exporter_up")...))
 	// A dead exporter has only its up series.
-	assert.Equal(t, 1+len(st.Pools)*12+len(st.Peers)*6+5+1, testutil.CollectAndCount(c))
+	assert.Equal(t, 1+len(st.Pools)*13+len(st.Peers)*6+5+1, testutil.CollectAndCount(c))
 
 	// Exporters that cannot be listed fail the scrape rather than show an empty host.
 	broken := metrics.NewTargetCollector(func() ([]metrics.Target, error) { return nil, errors.New("unreadable directory") })
