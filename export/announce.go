@@ -92,11 +92,23 @@ func announce(dir string, a Announcement) (string, error) {
 // connection; any other, or one that could not be checked, is marked dead with the
 // reason, never live. A file that is not a readable announcement is listed with PID 0
 // and the reason in Dead. A missing dir lists nothing.
+//
+// dir must be private to this user, as Listen requires of the directory it announces
+// in: a directory that another user owns, that group or others can write, or that is a
+// symbolic link fails with ErrBadDir, and nothing in it is read. (Under the temp
+// directory, another user can make the default directory first; what it holds is then
+// theirs to fill.)
 func Discover(dir string) ([]Announcement, error) {
-	entries, err := os.ReadDir(dir)
-	if errors.Is(err, fs.ErrNotExist) {
+	reason, err := privdir.Inspect(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
 		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("export: discover: %w", err)
+	case reason != "":
+		return nil, fmt.Errorf("%w: %s", ErrBadDir, reason)
 	}
+	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("export: discover: %w", err)
 	}

@@ -9,7 +9,10 @@
 // Exporters announce themselves in one directory ($CUDAPOOL_DIR, else
 // $XDG_RUNTIME_DIR/cudapool, else cudapool-<uid> in the system temp directory); -dir
 // looks elsewhere (it must exist) and -socket asks one exporter only, saying what is
-// wrong with a path that leads to none. Each is asked for its state over its own
+// wrong with a path that leads to none. The directory must be private to this user
+// (owned by it, writable by nobody else, not a link), as exporters require of it:
+// poolstat reads nothing from one that is not, such as a default directory another
+// user made first under the temp dir. Each is asked for its state over its own
 // socket, under its own admission policy, with a read-only request, at most 16 at once.
 // An announced exporter whose process is gone or whose socket refuses connections is
 // shown as dead, never as live; -clean removes such an announcement only once the

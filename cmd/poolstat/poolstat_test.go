@@ -477,3 +477,19 @@ func TestCleanSparesLiveProcesses(t *testing.T) {
 	}
 	assert.NoFileExists(t, path)
 }
+
+// poolstat reads announcements only from a directory private to this user: one that
+// others can write to (or another user made first) is refused, and nothing in it is
+// shown or cleaned.
+func TestDirNotPrivate(t *testing.T) {
+	dir := shortDir(t)
+	path := announce(t, dir, 1<<22+1, filepath.Join(dir, "planted.sock"), time.Now())
+	require.NoError(t, os.Chmod(dir, 0o777))
+	for _, args := range [][]string{{"-dir", dir}, {"-dir", dir, "-clean"}} {
+		code, out, errOut := poolstat(t, args...)
+		assert.Equal(t, 1, code, "poolstat %q\n%s", args, out)
+		assert.Empty(t, out, "poolstat %q showed a directory it does not trust", args)
+		assert.Contains(t, errOut, "announce directory is not private: "+dir+" has mode")
+	}
+	assert.FileExists(t, path, "-clean removed a file from a directory it does not trust")
+}

@@ -1,7 +1,9 @@
 // Package privdir owns one check: that a directory where sockets and announcements go
 // is private to this user, so that no other user can plant or remove files in it.
-// export applies it to its announce directory; the examples, to the directory they put
-// their sockets in.
+// export applies it to its announce directory, when it writes there (Check) and when it
+// reads there (Inspect: a directory another user made first, under a name this user
+// would have used, is theirs to fill); the examples, to the directory they put their
+// sockets in.
 package privdir
 
 import (
@@ -18,6 +20,12 @@ func Check(dir string) (reason string, err error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", fmt.Errorf("create %s: %w", dir, err)
 	}
+	return Inspect(dir)
+}
+
+// Inspect is Check without the creation: a missing dir is an error wrapping
+// fs.ErrNotExist.
+func Inspect(dir string) (reason string, err error) {
 	info, err := os.Lstat(dir)
 	if err != nil {
 		return "", err
