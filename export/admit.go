@@ -13,6 +13,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
+	"golang.org/x/sync/semaphore"
 )
 
 // serveConn admits nc and serves it, as a peer or an observer, until it closes.
@@ -112,7 +113,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return nil, o, nil
 	}
 
-	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: make(chan struct{}, 1),
+	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{}}
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
 	id := ex.lastConnID.Add(1)

@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+
+	"github.com/dustin/go-humanize"
 )
 
 // client is the requesting side of an admitted connection: it numbers requests, sends
@@ -128,7 +130,7 @@ func (cl *client) assembleState(m *stateMsg) {
 		delete(cl.states, m.ReqID)
 		cl.mu.Unlock()
 		if waiting {
-			cl.deliver(m.ReqID, &errorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %d bytes", ErrProtocol, maxStateBytes)})
+			cl.deliver(m.ReqID, &errorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", ErrProtocol, humanize.IBytes(maxStateBytes))})
 		}
 		return
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/unixfd"
+	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 )
 
@@ -24,10 +25,10 @@ type conn struct {
 	// exporter's side any descriptor that arrives is closed and is a violation.
 	acceptsFDs bool
 
-	// wlock, a one-slot semaphore, is held while a frame is written: unlike a mutex,
-	// waiting for it ends with the waiter's context, so a peer that stopped reading
-	// holds up no caller past its deadline.
-	wlock chan struct{}
+	// wlock is held while a frame is written: unlike a mutex, waiting for it ends with
+	// the waiter's context, so a peer that stopped reading holds up no caller past its
+	// deadline.
+	wlock *semaphore.Weighted
 	wbuf  []byte
 
 	hdr  [headerLen]byte
@@ -37,7 +38,7 @@ type conn struct {
 }
 
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
-	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: make(chan struct{}, 1)}
+	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: semaphore.NewWeighted(1)}
 	c.uc, _ = nc.(*net.UnixConn)
 	return c
 }
@@ -50,16 +51,13 @@ func (c *conn) canPassFDs() bool { return c.uc != nil }
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
 // send then closes the connection, so the peer sees it end.
 func (c *conn) send(ctx context.Context, m message, fd int) error {
-	select {
-	case c.wlock <- struct{}{}:
-		if err := ctx.Err(); err != nil { // ended as the lock came free
-			<-c.wlock
-			return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
-		}
-	case <-ctx.Done():
-		return fmt.Errorf("export: send %s: %w", m.kind(), ctx.Err()) // nothing written
+	if err := c.wlock.Acquire(ctx, 1); err != nil {
+		return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
 	}
-	defer func() { <-c.wlock }()
+	defer c.wlock.Release(1)
+	if err := ctx.Err(); err != nil { // Acquire may succeed with ctx already ended
+		return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written
+	}
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {

@@ -5,15 +5,21 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/dustin/go-humanize"
+	"golang.org/x/sync/errgroup"
 )
 
 // Exporter shares buffers of IPC-capable pools with the processes that connect to its
@@ -222,7 +228,7 @@ func (ex *Exporter) Unpublish(name string) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if _, ok := ex.pubs[name]; !ok {
-		return fmt.Errorf("%w: %q", ErrUnknownName, name)
+		return ex.unknownName(name)
 	}
 	delete(ex.pubs, name)
 	return nil
@@ -265,13 +271,16 @@ func (ex *Exporter) Push(ctx context.Context, name string, pid int) error {
 	return ex.PushAll(ctx, name, pid)
 }
 
+// maxPushSends bounds the connections PushAll grants and sends to at once.
+const maxPushSends = 64
+
 // PushAll is Push to every connection of each process in pids at once: the leases
-// are granted and sent concurrently, one goroutine per connection, and no send waits
+// are granted and sent concurrently, up to 64 connections at a time, and no send waits
 // for another process to take its push, so fanning a buffer out to n processes takes
-// about as long as pushing it to one. It returns once every lease is sent or has
-// failed. A pid without a connection gives an error wrapping ErrNoPeer and the others
-// are pushed all the same; a pid listed twice is pushed to twice. Without pids it
-// fails and pushes nothing.
+// about as long as pushing it to one. (A process that stopped reading holds its slot
+// until ctx ends.) It returns once every lease is sent or has failed. A pid without a
+// connection gives an error wrapping ErrNoPeer and the others are pushed all the same;
+// a pid listed twice is pushed to twice. Without pids it fails and pushes nothing.
 func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error {
 	if len(pids) == 0 {
 		return fmt.Errorf("export: push %q: no process to push to", name)
@@ -282,6 +291,10 @@ func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error
 	}
 	ex.mu.Lock()
 	pub := ex.pubs[name]
+	var unknown error
+	if pub == nil {
+		unknown = ex.unknownName(name)
+	}
 	conns := map[int][]*peer{}
 	for p := range ex.peers {
 		if p.cred != nil && wanted[p.cred.PID] {
@@ -294,34 +307,37 @@ func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error
 	case closed:
 		return ErrClosed
 	case pub == nil:
-		return fmt.Errorf("%w: %q", ErrUnknownName, name)
+		return unknown
 	}
-	var (
-		errMu sync.Mutex
-		errs  []error
-		wg    sync.WaitGroup
-	)
-	failed := func(err error) {
-		errMu.Lock()
-		errs = append(errs, err)
-		errMu.Unlock()
+	// Every send is tried whatever the others do, so the group's functions report
+	// through errs, one slot each, and return nil: a failure cancels nothing.
+	type send struct {
+		pid int
+		p   *peer
 	}
+	var sends []send
+	var errs []error
 	for _, pid := range pids {
-		targets := conns[pid]
-		if len(targets) == 0 {
-			failed(fmt.Errorf("%w: no connection from pid %d", ErrNoPeer, pid))
-			continue
+		if len(conns[pid]) == 0 {
+			errs = append(errs, fmt.Errorf("%w: no connection from pid %d", ErrNoPeer, pid))
 		}
-		for _, p := range targets {
-			wg.Go(func() {
-				if err := p.push(ctx, pub); err != nil {
-					failed(fmt.Errorf("export: push %q to pid %d: %w", name, pid, err))
-				}
-			})
+		for _, p := range conns[pid] {
+			sends = append(sends, send{pid, p})
 		}
 	}
-	wg.Wait()
-	return errors.Join(errs...)
+	sendErrs := make([]error, len(sends))
+	var g errgroup.Group
+	g.SetLimit(maxPushSends)
+	for i, s := range sends {
+		g.Go(func() error {
+			if err := s.p.push(ctx, pub); err != nil {
+				sendErrs[i] = fmt.Errorf("export: push %q to pid %d: %w", name, s.pid, err)
+			}
+			return nil
+		})
+	}
+	g.Wait()
+	return errors.Join(append(errs, sendErrs...)...)
 }
 
 // lookup returns the publication under name.
@@ -333,9 +349,30 @@ func (ex *Exporter) lookup(name string) (*publication, error) {
 	}
 	pub := ex.pubs[name]
 	if pub == nil {
-		return nil, fmt.Errorf("%w: %q", ErrUnknownName, name)
+		return nil, ex.unknownName(name)
 	}
 	return pub, nil
+}
+
+// namesInError bounds the published names an unknown name's error lists.
+const namesInError = 5
+
+// unknownName is the error for a name not published, listing a few that are, so that
+// a misspelt name shows at once. Call with mu held.
+func (ex *Exporter) unknownName(name string) error {
+	if len(ex.pubs) == 0 {
+		return fmt.Errorf("%w: %q (nothing is published)", ErrUnknownName, name)
+	}
+	names := slices.Sorted(maps.Keys(ex.pubs))
+	list := make([]string, 0, namesInError)
+	for _, n := range names[:min(len(names), namesInError)] {
+		list = append(list, strconv.Quote(n))
+	}
+	more := ""
+	if extra := len(names) - namesInError; extra > 0 {
+		more = fmt.Sprintf(" and %d more", extra)
+	}
+	return fmt.Errorf("%w: %q (published: %s%s)", ErrUnknownName, name, strings.Join(list, ", "), more)
 }
 
 // retire drops pub if it is still published: its buffer was freed.
@@ -454,9 +491,9 @@ func (ex *Exporter) waitReleased(ctx context.Context) error {
 			i := p.state()
 			switch {
 			case i.Leases > 0 && i.AwaitingExit:
-				held = append(held, fmt.Sprintf("pid %d, its connection lost but its process alive, holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))
+				held = append(held, fmt.Sprintf("pid %d, its connection lost but its process alive, holds %d leases (%s)", i.PID, i.Leases, humanize.IBytes(i.BytesLeased)))
 			case i.Leases > 0:
-				held = append(held, fmt.Sprintf("pid %d holds %d leases (%d bytes)", i.PID, i.Leases, i.BytesLeased))
+				held = append(held, fmt.Sprintf("pid %d holds %d leases (%s)", i.PID, i.Leases, humanize.IBytes(i.BytesLeased)))
 			}
 		}
 		if len(held) == 0 {

@@ -118,12 +118,10 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (leaseMsg, error) 
 // pool's wire id.
 func (p *peer) sendPool(ctx context.Context, pl *pool.Pool) (uint64, error) {
 	id := p.ex.poolID(pl)
-	select {
-	case p.poolLock <- struct{}{}:
-	case <-ctx.Done():
-		return 0, fmt.Errorf("export: send pool %s: %w", pl.Name(), ctx.Err())
+	if err := p.poolLock.Acquire(ctx, 1); err != nil {
+		return 0, fmt.Errorf("export: send pool %s: %w", pl.Name(), err)
 	}
-	defer func() { <-p.poolLock }()
+	defer p.poolLock.Release(1)
 	if p.sent[pl] {
 		return id, nil
 	}

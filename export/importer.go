@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"golang.org/x/sync/singleflight"
 )
 
 // Importer is a consumer's connection to one exporter: it opens published buffers as
@@ -35,11 +36,13 @@ type Importer struct {
 
 	registryKey any // the entry this Importer holds in importers, nil if none
 
-	mu      sync.Mutex
-	pools   map[uint64]*importedPool
-	events  map[cudart.IpcEventHandle]cudart.Event // opened ready events
-	pushes  []*pushMsg
-	pushCue chan struct{}
+	mu     sync.Mutex
+	pools  map[uint64]*importedPool
+	events map[cudart.IpcEventHandle]cudart.Event // opened ready events
+	// eventOpens shares one opening of a ready event among the Opens that need it.
+	eventOpens singleflight.Group
+	pushes     []*pushMsg
+	pushCue    chan struct{}
 
 	// mapMu serialises every import and free of a pointer with the table, so that a
 	// pointer is never imported again while its free may still be pending (FACTS 4).
@@ -75,11 +78,12 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 	if rt == nil {
 		return nil, errors.New("export: Dial needs a runtime")
 	}
-	nc, err := dialSocket(ctx, path)
+	o := newDialOptions(opts)
+	nc, err := dialWaiting(ctx, path, o.waitForExporter)
 	if err != nil {
 		return nil, err
 	}
-	return newImporter(ctx, nc, rt, device, newDialOptions(opts))
+	return newImporter(ctx, nc, rt, device, o)
 }
 
 // DialConn is Dial over a connection the caller made, such as TCP to another node of
@@ -295,13 +299,29 @@ func (imp *Importer) giveBack(l *leaseMsg) {
 // before Publish; the host does not wait. Opening a buffer this Importer already holds
 // returns the same Mapping, counted once more; each Open needs its Release.
 //
-// It fails with ErrUnknownName, ErrBufferGone (the producer freed it), ErrHandleType,
-// ErrExporterGone once the exporter left, ErrClosed after Close, or ctx's error. On
-// failure nothing is held.
-func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream) (*Mapping, error) {
+// It fails with ErrUnknownName (whose message lists a few names that are published;
+// WaitForName waits for the name instead), ErrBufferGone (the producer freed it),
+// ErrHandleType, ErrExporterGone once the exporter left, ErrClosed after Close, or
+// ctx's error. On failure nothing is held.
+func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opts ...OpenOption) (*Mapping, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
 	}
+	o := newOpenOptions(opts)
+	var m *Mapping
+	last, ctxErr := retry(ctx, openRetryFirst, openRetryMost, func() (bool, error) {
+		var err error
+		m, err = imp.open(ctx, name, s)
+		return o.waitForName && errors.Is(err, ErrUnknownName), err
+	})
+	if ctxErr != nil {
+		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)
+	}
+	return m, last
+}
+
+// open is one try of Open.
+func (imp *Importer) open(ctx context.Context, name string, s cudart.Stream) (*Mapping, error) {
 	reply, err := imp.cl.request(ctx, func(id uint64) message { return &openMsg{ReqID: id, Name: name} }, true)
 	if err != nil {
 		return nil, fmt.Errorf("export: open %q: %w", name, err)
@@ -374,19 +394,33 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 }
 
 // readyEvent opens a ready event once; it costs 0.29 ms on the measured host, far too
-// much for every Open.
+// much for every Open. Concurrent Opens of buffers published from one stream (of one
+// name, say) share the one opening instead of each waiting for the lock around it.
 func (imp *Importer) readyEvent(h cudart.IpcEventHandle) (cudart.Event, error) {
-	imp.mu.Lock()
-	defer imp.mu.Unlock()
-	if ev, ok := imp.events[h]; ok {
+	if ev, ok := imp.openedEvent(h); ok {
 		return ev, nil
 	}
-	ev, err := imp.rt.IpcOpenEventHandle(imp.dev, h)
-	if err != nil {
-		return 0, fmt.Errorf("open the ready event: %w", err)
-	}
-	imp.events[h] = ev
-	return ev, nil
+	v, err, _ := imp.eventOpens.Do(string(h[:]), func() (any, error) {
+		if ev, ok := imp.openedEvent(h); ok {
+			return ev, nil // opened between the look and the Do
+		}
+		ev, err := imp.rt.IpcOpenEventHandle(imp.dev, h)
+		if err != nil {
+			return cudart.Event(0), fmt.Errorf("open the ready event: %w", err)
+		}
+		imp.mu.Lock()
+		imp.events[h] = ev
+		imp.mu.Unlock()
+		return ev, nil
+	})
+	return v.(cudart.Event), err
+}
+
+func (imp *Importer) openedEvent(h cudart.IpcEventHandle) (cudart.Event, bool) {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	ev, ok := imp.events[h]
+	return ev, ok
 }
 
 // ExporterPID is the exporter's process id, as it said in its Welcome.

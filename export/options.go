@@ -46,12 +46,40 @@ type listenOptions struct {
 
 type dialOptions struct {
 	sharedOptions
-	pushStream  cudart.Stream
-	pushHandler func(name string, m *Mapping)
+	waitForExporter bool
+	pushStream      cudart.Stream
+	pushHandler     func(name string, m *Mapping)
 }
 
 type queryOptions struct {
 	sharedOptions
+}
+
+// OpenOption configures Importer.Open.
+type OpenOption interface{ applyOpen(*openOptions) }
+
+type openOptions struct {
+	waitForName bool
+}
+
+type openOption func(*openOptions)
+
+func (f openOption) applyOpen(o *openOptions) { f(o) }
+
+func newOpenOptions(opts []OpenOption) openOptions {
+	var o openOptions
+	for _, opt := range opts {
+		opt.applyOpen(&o)
+	}
+	return o
+}
+
+// WaitForName makes Open wait, until its ctx ends, for the name to be published: it
+// asks again, with backoff from 1 ms up to 100 ms, while the exporter answers
+// ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error
+// wraps ctx's error and ErrUnknownName.
+func WaitForName() OpenOption {
+	return openOption(func(o *openOptions) { o.waitForName = true })
 }
 
 func defaultShared() sharedOptions {
@@ -137,6 +165,15 @@ func WithHandshakeTimeout(d time.Duration) SharedOption {
 			o.handshakeTimeout = d
 		}
 	})
+}
+
+// WaitForExporter makes Dial wait, until its ctx ends, for an exporter to listen at the
+// path: it dials again, with backoff from 5 ms up to 500 ms, while nothing listens
+// there (a missing socket, or one nobody accepts on). A refusal or a failed handshake
+// ends the wait at once. When ctx ends first, the error wraps ctx's error and
+// ErrExporterGone. DialConn, given a connection made already, has nothing to wait for.
+func WaitForExporter() DialOption {
+	return dialOption(func(o *dialOptions) { o.waitForExporter = true })
 }
 
 // WithPushes accepts buffers the exporter pushes: each is imported, s is made to wait

@@ -11,6 +11,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
+	"golang.org/x/sync/semaphore"
 )
 
 // peer is the exporter's side of an admitted connection that takes leases: an
@@ -31,10 +32,10 @@ type peer struct {
 	exitWait     context.Context
 	stopExitWait context.CancelFunc
 
-	// poolLock, a one-slot semaphore, is held while a pool's handle is sent, so that
-	// it goes once and first; waiting for it ends with the waiter's context, as a
-	// peer that stopped reading can hold it for as long as it likes.
-	poolLock chan struct{}
+	// poolLock is held while a pool's handle is sent, so that it goes once and first;
+	// waiting for it ends with the waiter's context, as a peer that stopped reading can
+	// hold it for as long as it likes.
+	poolLock *semaphore.Weighted
 	sent     map[*pool.Pool]bool
 
 	mu       sync.Mutex

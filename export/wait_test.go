@@ -1,0 +1,108 @@
+package export
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestUnknownNameListsPublishedNames(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	c := newConsumer(t, pr.path, 0)
+	_, err := c.imp.Open(testCtx(t), "kv", c.stream)
+	require.ErrorIs(t, err, ErrUnknownName)
+	assert.ErrorContains(t, err, `"kv" (nothing is published)`)
+
+	for i := range 7 {
+		pr.publish(t, fmt.Sprintf("layer-%d", i), 1<<20, byte(i))
+	}
+	_, err = c.imp.Open(testCtx(t), "layer-9", c.stream)
+	require.ErrorIs(t, err, ErrUnknownName)
+	assert.ErrorContains(t, err, `"layer-9" (published: "layer-0", "layer-1", "layer-2", "layer-3", "layer-4" and 2 more)`)
+	assert.ErrorContains(t, pr.ex.Unpublish("layer-9"), `published: "layer-0"`)
+	assert.ErrorContains(t, pr.ex.Push(testCtx(t), "layer-9", 1), `published: "layer-0"`)
+	pr.checkClean(t)
+}
+
+func TestOpenWaitsForName(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	c := newConsumer(t, pr.path, 0)
+	opened := make(chan error, 1)
+	go func() {
+		m, err := c.imp.Open(testCtx(t), "late", c.stream, WaitForName())
+		if err == nil {
+			err = m.Release(context.Background(), c.stream)
+		}
+		opened <- err
+	}()
+	// Publishing after a pause lets Open ask and be refused first, as a replica that
+	// started early would be; the test holds in either order.
+	time.Sleep(20 * time.Millisecond)
+	pr.publish(t, "late", 1<<20, 5)
+	select {
+	case err := <-opened:
+		require.NoError(t, err)
+	case <-time.After(hangGuard):
+		t.Fatal("Open with WaitForName did not return after the name was published")
+	}
+
+	ctx, cancel := context.WithTimeout(testCtx(t), 30*time.Millisecond)
+	defer cancel()
+	_, err := c.imp.Open(ctx, "never", c.stream, WaitForName())
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorIs(t, err, ErrUnknownName)
+
+	// Other errors end the wait at once.
+	b := pr.publish(t, "freed", 1<<20, 6)
+	require.NoError(t, b.Free(pr.stream))
+	_, err = c.imp.Open(testCtx(t), "freed", c.stream, WaitForName())
+	require.ErrorIs(t, err, ErrBufferGone)
+	pr.checkClean(t)
+}
+
+func TestDialWaitsForExporter(t *testing.T) {
+	path := filepath.Join(shortDir(t), "x.sock")
+	s := newSide(t, 0)
+
+	_, err := Dial(testCtx(t), path, s.dev, 0)
+	require.ErrorIs(t, err, ErrExporterGone, "without WaitForExporter Dial does not wait")
+
+	ctx, cancel := context.WithTimeout(testCtx(t), 30*time.Millisecond)
+	defer cancel()
+	_, err = Dial(ctx, path, s.dev, 0, WaitForExporter())
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorIs(t, err, ErrExporterGone)
+
+	dialed := make(chan error, 1)
+	go func() {
+		imp, err := Dial(testCtx(t), path, s.dev, 0, WaitForExporter(), WithLogger(discardLogger))
+		if err == nil {
+			err = imp.Close(context.Background())
+		}
+		dialed <- err
+	}()
+	time.Sleep(20 * time.Millisecond) // as in TestOpenWaitsForName; either order holds
+	ex, err := Listen(path, s.dev, WithoutAnnounce(), WithLogger(discardLogger))
+	require.NoError(t, err)
+	select {
+	case err := <-dialed:
+		require.NoError(t, err)
+	case <-time.After(hangGuard):
+		t.Fatal("Dial with WaitForExporter did not return after the exporter listened")
+	}
+	require.NoError(t, ex.Close(testCtx(t)))
+
+	// A refusal ends the wait at once.
+	other := newSide(t, 0)
+	ex, err = Listen(path, other.dev, WithoutAnnounce(), WithLogger(discardLogger), WithPolicy(Policy{AllowUIDs: []uint32{1 << 30}}))
+	require.NoError(t, err)
+	_, err = Dial(testCtx(t), path, s.dev, 0, WaitForExporter())
+	require.ErrorIs(t, err, ErrRefused)
+	require.NoError(t, ex.Close(testCtx(t)))
+	s.checkClean(t)
+}
