@@ -120,6 +120,7 @@ func TestMisalignedPointerFailsLoudly(t *testing.T) {
 	_, err := p.Alloc(context.Background(), 1, e.stream)
 	wantErr(t, "Alloc returning a misaligned pointer", err, ErrMisaligned)
 	r.shift = 0
+	require.NoError(t, e.rt.StreamSynchronize(0, e.stream)) // the free of the misaligned pointer has run
 	s := mustStats(t, p)
 	require.Zero(t, s.LiveBuffers, "the misaligned pointer was kept: %v", s)
 	require.Zero(t, s.UsedCurrent, "the misaligned pointer was kept: %v", s)

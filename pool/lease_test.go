@@ -120,7 +120,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 // The same sharing without a lease frees under the importer: the software device must
 // catch it, or the test above proves nothing.
 func TestUnleasedSharedFreeIsCaught(t *testing.T) {
-	exp := cudarttest.New()
+	exp := cudarttest.New(cudarttest.WithDeferred())
 	defer exp.Close()
 	p, err := New(exp, 0)
 	require.NoError(t, err)
@@ -128,7 +128,9 @@ func TestUnleasedSharedFreeIsCaught(t *testing.T) {
 	require.NoError(t, err)
 	im := importBuffer(t, b)
 	defer im.close()
-	require.ErrorIs(t, b.Free(0), cudarttest.ErrViolation, "Free under an importer without a lease")
+	require.NoError(t, b.Free(0))
+	// The free runs later; the stream reports what it found.
+	require.ErrorIs(t, exp.StreamSynchronize(0, 0), cudarttest.ErrViolation, "Free under an importer without a lease")
 	var kinds []cudarttest.ViolationKind
 	for _, v := range exp.Violations() {
 		kinds = append(kinds, v.Kind)

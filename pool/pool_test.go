@@ -382,16 +382,21 @@ func TestCloseWithForce(t *testing.T) {
 		hl, err := held.Lease()
 		require.NoError(t, err, "Lease")
 		mustFree(t, held, e.stream)
+		// Leased and not freed: an importer may still read it, so Close abandons it.
+		ll := mustLease(t, mustAlloc(t, p, 1, e.stream))
 		_, err = p.ExportHandle()
 		require.NoError(t, err, "ExportHandle")
+		// Close(Force) frees on the release stream, which does not wait for the
+		// caller's streams: their work must be done.
+		require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
 
 		r, err := p.Close(context.Background(), Force())
 		require.NoError(t, err, "Close(Force)")
 		g := p.Granularity()
 		require.Equal(t, 3, r.ReleasedBuffers, "Close(Force) = %v", r)
 		require.Equal(t, a.Reserved()+b.Reserved()+shared.Reserved(), r.ReleasedBytes, "Close(Force) = %v", r)
-		require.Equal(t, 1, r.AbandonedBuffers, "Close(Force) = %v", r)
-		require.Equal(t, g, r.AbandonedBytes, "Close(Force) = %v", r)
+		require.Equal(t, 2, r.AbandonedBuffers, "Close(Force) = %v", r)
+		require.Equal(t, 2*g, r.AbandonedBytes, "Close(Force) = %v", r)
 		require.True(t, r.Destroyed, "Close(Force) = %v", r)
 		require.Empty(t, r.FailedFrees, "Close(Force) = %v", r)
 		assert.Contains(t, r.String(), "released 3 buffers", "the report says what it released")
@@ -400,6 +405,7 @@ func TestCloseWithForce(t *testing.T) {
 		wantErr(t, "Lease after Close", err, ErrFreed, ErrClosed)
 		require.NoError(t, hl.End(0), "End after Close")
 		wantErr(t, "second End after Close", hl.End(0), ErrLeaseEnded)
+		require.NoError(t, ll.End(0), "End after Close of a lease on a buffer never freed")
 	})
 }
 
@@ -442,6 +448,7 @@ func TestConcurrentCloses(t *testing.T) {
 		mustLease(t, mustAlloc(t, p, 1, e.stream))
 		_, err := p.ExportHandle()
 		require.NoError(t, err)
+		require.NoError(t, e.rt.StreamSynchronize(0, e.stream)) // Close frees on another stream
 		reports := make(chan CloseReport, 4)
 		errs := make(chan error, cap(reports))
 		for i := 0; i < cap(reports); i++ {

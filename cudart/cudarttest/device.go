@@ -11,16 +11,40 @@
 // Device.Violations. A violation is never silent.
 //
 // Two Devices in one process behave like two processes: each has its own pools,
-// imports, streams and events, and Close simulates its process exiting. Streams are
-// immediate: work is done when the call returns, so events are complete once
-// recorded; ordering between Devices is still checked, through epochs (see
-// ViolationUnorderedRead).
+// imports, streams and events, and Close simulates its process exiting.
+//
+// # Deferred execution
+//
+// Streams are queues, run later by a worker of the Device that picks among the streams
+// whose next op can run at random, from a seed, and sometimes lags behind the host, so
+// that work runs in many interleavings. An event completes when its stream reaches it;
+// EventQuery says whether it has; StreamWaitEvent holds a stream until the event's last
+// record has run; the synchronising calls (StreamSynchronize, EventSynchronize and the
+// copies to host memory) wait for the work they synchronise with. Stall holds a stream
+// as a long kernel would, so a test can make the GPU busy.
+//
+// Every access and free is checked when it runs, against what has run on every stream
+// of every Device, in this process and others: an access is ordered after work of
+// another stream that had completed when the access was queued, or before the
+// completion of an event its stream waited on. Reading or overwriting memory another
+// stream wrote, or overwriting or freeing memory another stream read, without that
+// order is a violation (ViolationUnorderedRead, ViolationUnorderedWrite,
+// ViolationUnorderedFree); so is touching memory whose free has run. A violation found
+// by work that ran after its call returned is kept in Violations and returned by the
+// next StreamSynchronize of that stream (as CUDA reports asynchronous errors).
+//
+// Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
+// violation names it, and ForTest logs it when a test fails. WithImmediate gives the
+// old behaviour, for the few tests that need it: every call's work runs before the call
+// returns, so no access can ever be unordered. (Until the tests of package export stop
+// assuming immediacy, New's default is still immediate: see WithDeferred.)
 package cudarttest
 
 import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -37,6 +61,8 @@ type config struct {
 	memory      uint64
 	fabric      bool
 	peerAccess  bool
+	immediate   bool
+	seed        *uint64
 }
 
 // WithDevices sets the number of devices (default 2). n < 1 means 1.
@@ -59,6 +85,22 @@ func WithFabric() Option { return func(c *config) { c.fabric = true } }
 // WithPeerAccess sets whether devices can access each other (default true).
 func WithPeerAccess(ok bool) Option { return func(c *config) { c.peerAccess = ok } }
 
+// WithSeed sets the seed of the Device's interleavings (default: $CUDAPOOL_SOFTDEV_SEED,
+// else random).
+func WithSeed(seed uint64) Option { return func(c *config) { c.seed = &seed } }
+
+// WithImmediate makes every call run its work before it returns, as the software
+// device did before it deferred work: events are complete once recorded, violations
+// are returned by the call that made them, and no access can be unordered. Use it
+// only where a test needs calls to complete at once.
+func WithImmediate() Option { return func(c *config) { c.immediate = true } }
+
+// WithDeferred makes the Device defer work to its streams (see the package
+// documentation). For now New's Devices are immediate unless given this option: the
+// tests of package export still assume immediacy, and deferred execution becomes the
+// default once they no longer do.
+func WithDeferred() Option { return func(c *config) { c.immediate = false } }
+
 // Device is a software CUDA device set implementing cudart.Runtime. Its methods are
 // safe for concurrent use.
 type Device struct {
@@ -75,8 +117,18 @@ type Device struct {
 	events        map[cudart.Event]*event
 	arena         *arena         // this Device's IPC events, created on first use
 	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
-	hostSync      uint64         // epoch the host has synchronised with
 	violations    []Violation
+
+	// Deferred execution (queue.go).
+	seed     uint64
+	rng      *rand.Rand
+	active   []*stream // streams with queued work, in the order they got it
+	queued   int       // ops queued on all streams
+	working  bool      // a worker runs
+	workers  sync.WaitGroup
+	kick     chan struct{} // wakes an idle worker
+	stop     chan struct{} // closed by Close
+	progress chan struct{} // closed and replaced each time an op has run
 }
 
 type devState struct {
@@ -90,12 +142,18 @@ var _ cudart.Runtime = (*Device)(nil)
 // New returns an open software device. Close it when done: it holds memfds and
 // mappings.
 func New(opts ...Option) *Device {
-	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true}
+	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true, immediate: true}
 	for _, o := range opts {
 		o(&cfg)
 	}
+	seed := seedFrom(cfg)
 	d := &Device{
 		cfg:           cfg,
+		seed:          seed,
+		rng:           rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)),
+		kick:          make(chan struct{}, 1),
+		stop:          make(chan struct{}),
+		progress:      make(chan struct{}),
 		id:            registerInstance(),
 		devs:          make([]devState, cfg.devices),
 		pools:         map[cudart.MemPool]*pool{},
@@ -105,22 +163,32 @@ func New(opts ...Option) *Device {
 		remoteArenas:  map[uid]*arena{},
 	}
 	for i := range d.devs {
-		d.devs[i].defaultStream = &stream{dev: i}
+		d.devs[i].defaultStream = &stream{dev: i, id: uint64(newHandle())}
 	}
 	return d
 }
 
-// Close simulates this Device's process exiting: its imports are dropped (as the
-// driver drops them at exit), its events die, and its own pools stay readable by the
-// Devices that imported them (FACTS 7). Every later call fails with ErrClosed.
-// Closing twice is a no-op.
+// Close simulates this Device's process exiting: work still queued never runs, its
+// imports are dropped (as the driver drops them at exit), its events die, and its own
+// pools stay readable by the Devices that imported them (FACTS 7). Every later call
+// fails with ErrClosed, and calls waiting for work return it. Close returns once the
+// worker has stopped. Closing twice is a no-op.
 func (d *Device) Close() error {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
+		d.mu.Unlock()
 		return nil
 	}
 	d.closed = true
+	close(d.stop)
+	for _, st := range d.active {
+		st.queue = nil
+	}
+	d.active, d.queued = nil, 0
+	d.mu.Unlock()
+	d.workers.Wait()
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	unregisterInstance(d.id)
 	for _, p := range d.spans {
 		if p.imported {
@@ -142,19 +210,21 @@ func (d *Device) Close() error {
 	return nil
 }
 
-// Violations returns every violation this Device has seen, oldest first.
+// Violations returns every violation this Device has seen, oldest first, once the
+// work queued so far has run, except work that cannot run yet (behind a Stall, or
+// waiting on an event that has not completed).
 func (d *Device) Violations() []Violation {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.settle()
 	return slices.Clone(d.violations)
 }
 
-// Err is errors.Join of all violations so far; nil if there were none.
+// Err is errors.Join of Violations; nil if there were none.
 func (d *Device) Err() error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	errs := make([]error, len(d.violations))
-	for i, v := range d.violations {
+	vs := d.Violations()
+	errs := make([]error, len(vs))
+	for i, v := range vs {
 		errs[i] = v
 	}
 	return errors.Join(errs...)
@@ -162,7 +232,7 @@ func (d *Device) Err() error {
 
 // violate records a violation and returns it.
 func (d *Device) violate(kind ViolationKind, op, format string, args ...any) Violation {
-	v := Violation{Kind: kind, Op: op, Detail: fmt.Sprintf(format, args...)}
+	v := Violation{Kind: kind, Op: op, Detail: fmt.Sprintf(format, args...), Seed: d.seed}
 	d.violations = append(d.violations, v)
 	return v
 }

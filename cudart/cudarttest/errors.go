@@ -48,6 +48,10 @@ const (
 	// ViolationAccessDenied: a device accessed an imported pool that the importer
 	// never granted it with MemPoolSetAccess (or granted read-only, for a write).
 	ViolationAccessDenied
+	// ViolationUnorderedFree: memory was freed on a stream not ordered after another
+	// stream's access to it, so the free may run (and the memory be reused) before
+	// that access.
+	ViolationUnorderedFree
 )
 
 func (k ViolationKind) String() string {
@@ -62,6 +66,8 @@ func (k ViolationKind) String() string {
 		return "unordered write"
 	case ViolationAccessDenied:
 		return "access denied"
+	case ViolationUnorderedFree:
+		return "unordered free"
 	}
 	return fmt.Sprintf("ViolationKind(%d)", int(k))
 }
@@ -71,10 +77,11 @@ type Violation struct {
 	Kind   ViolationKind
 	Op     string // the CUDA call that broke the rule
 	Detail string
+	Seed   uint64 // the seed of the Device that saw it (see SeedEnv)
 }
 
 func (v Violation) Error() string {
-	return fmt.Sprintf("cudarttest: %s in %s: %s", v.Kind, v.Op, v.Detail)
+	return fmt.Sprintf("cudarttest: %s in %s: %s (seed %d)", v.Kind, v.Op, v.Detail, v.Seed)
 }
 
 // Is makes every Violation match ErrViolation.

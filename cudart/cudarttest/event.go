@@ -2,35 +2,34 @@ package cudarttest
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/cudapool/cudapool/cudart"
 )
 
-// Streams are immediate: work is done when the call returns. What a stream keeps is
-// how far it has been ordered after other Devices' work: the latest epoch among the
-// events it waited on. An access to memory another Device wrote later than that is
-// unordered (see ViolationUnorderedRead).
+// A stream is a queue of work that the Device's worker runs (queue.go). What it keeps
+// besides is how far it has been ordered after other streams' work: the completion
+// epoch of the latest event it waited on.
 type stream struct {
-	dev  int
-	sync uint64
+	dev    int
+	id     uint64 // names the stream in the write and read marks of memory
+	queue  []*task
+	waited uint64
+	faults []error // of work that ran after its call returned, not yet reported
 }
 
 // stream resolves s on dev; the legacy, per-thread and null streams are dev's default
-// stream. d.mu is held.
+// stream (which here does not synchronise with other streams). d.mu is held.
 func (d *Device) stream(op string, dev int, s cudart.Stream) (*stream, error) {
 	if s <= 2 { // 0, cudaStreamLegacy, cudaStreamPerThread
 		return d.devs[dev].defaultStream, nil
 	}
 	st, ok := d.streams[s]
-	if !ok {
+	if !ok || st.dev != dev {
 		return nil, fail(op, cudart.ErrInvalidResourceHandle)
 	}
 	return st, nil
 }
-
-// orderedAfter is the epoch up to which other Devices' work is ordered before new work
-// on st: what st waited on, and what the host synchronised with.
-func (d *Device) orderedAfter(st *stream) uint64 { return max(st.sync, d.hostSync) }
 
 func (d *Device) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream, error) {
 	const op = "cudaStreamCreateWithFlags"
@@ -43,12 +42,12 @@ func (d *Device) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream,
 		return 0, fail(op, cudart.ErrInvalidValue)
 	}
 	h := cudart.Stream(newHandle())
-	d.streams[h] = &stream{dev: dev}
+	d.streams[h] = &stream{dev: dev, id: uint64(h)}
 	return h, nil
 }
 
-// StreamDestroy destroys a created stream; the default streams fail with
-// ErrInvalidResourceHandle.
+// StreamDestroy destroys a created stream; work queued on it still runs, as with the
+// driver. The default streams fail with ErrInvalidResourceHandle.
 func (d *Device) StreamDestroy(dev int, s cudart.Stream) error {
 	const op = "cudaStreamDestroy"
 	d.mu.Lock()
@@ -56,49 +55,65 @@ func (d *Device) StreamDestroy(dev int, s cudart.Stream) error {
 	if err := d.enter(op, dev); err != nil {
 		return err
 	}
-	if _, ok := d.streams[s]; !ok {
+	if st, ok := d.streams[s]; !ok || st.dev != dev {
 		return fail(op, cudart.ErrInvalidResourceHandle)
 	}
 	delete(d.streams, s)
 	return nil
 }
 
-// StreamSynchronize returns at once (the work is done); the host is now ordered after
-// everything s waited on.
+// StreamSynchronize waits until the work queued on s so far has run, and returns the
+// violations that work found (and any earlier work of s whose violations no call has
+// returned yet).
 func (d *Device) StreamSynchronize(dev int, s cudart.Stream) error {
-	const op = "cudaStreamSynchronize"
+	const opName = "cudaStreamSynchronize"
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := d.enter(op, dev); err != nil {
+	if err := d.enter(opName, dev); err != nil {
 		return err
 	}
-	st, err := d.stream(op, dev, s)
+	st, err := d.stream(opName, dev, s)
 	if err != nil {
 		return err
 	}
-	d.hostSync = max(d.hostSync, st.sync)
-	return nil
+	if err := d.submit(opName, st, &task{done: make(chan error, 1), run: func(*stream, uint64) error { return nil }}); err != nil {
+		return err
+	}
+	return faultsOf(st)
 }
 
-// StreamWaitEvent orders s after e's last record. Waiting on an imported event whose
-// owner destroyed it, or that died, is a ViolationUseAfterRelease.
+// StreamWaitEvent makes the work queued on s from now on wait until e's last record
+// (as of this call) has run; an event never recorded is no wait. Waiting on an
+// imported event whose owner destroyed it, or that died, is a ViolationUseAfterRelease;
+// an owner that dies while s waits ends the wait.
 func (d *Device) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
-	const op = "cudaStreamWaitEvent"
+	const opName = "cudaStreamWaitEvent"
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	st, ev, err := d.streamAndEvent(op, dev, s, e)
+	st, ev, err := d.streamAndEvent(opName, dev, s, e)
 	if err != nil {
 		return err
 	}
-	st.sync = max(st.sync, ev.epoch())
-	return nil
+	seq := ev.recorded()
+	if seq == 0 {
+		return nil
+	}
+	return d.submit(opName, st, &task{
+		ready: func() bool { return ev.reached(seq) || ev.ownerGone() },
+		run: func(st *stream, _ uint64) error {
+			if ev.reached(seq) {
+				st.waited = max(st.waited, ev.epoch())
+			}
+			return nil
+		},
+	})
 }
 
 // The event arena: one memfd per Device holding its IPC events, so that other
 // Devices that open an event handle read and write the same record.
 const (
 	arenaMemfdName = "cudarttest-events"
-	arenaMagic     = 0x31305f5456454443 // "CDEVT_01"
+	arenaMagic     = 0x32305f5456454443 // "CDEVT_02"
 
 	aMagic     = 0
 	aUID       = 8  // 2 words
@@ -108,11 +123,14 @@ const (
 	aHeader    = 64
 	arenaSlots = 4096
 
-	// A slot: the epoch of the last record (0: never recorded) and the generation of
-	// the event using it, bumped when it is destroyed.
+	// A slot: the generation of the event using it, bumped when it is destroyed; how
+	// many records were queued and how many have run (sequence numbers); and the epoch
+	// at which the latest record that ran did.
 	sEpoch    = 0
 	sGen      = 8
-	slotSize  = 16
+	sRecorded = 16
+	sReached  = 24
+	slotSize  = 32
 	arenaSize = aHeader + arenaSlots*slotSize
 
 	eventMagic = 0x31305f4456454443 // "CDEVH_01", begins an IpcEventHandle
@@ -122,6 +140,29 @@ type arena struct {
 	reg  *region
 	uid  uid
 	free []uint32 // the owner's free slots
+	// draining are slots of destroyed events with records still queued: the driver
+	// completes them all the same, so a slot is reused only once they have run.
+	draining []uint32
+}
+
+// takeSlot returns a free slot, reclaiming drained ones when none is left.
+func (a *arena) takeSlot() (uint32, bool) {
+	if len(a.free) == 0 {
+		a.draining = slices.DeleteFunc(a.draining, func(s uint32) bool {
+			so := arenaSlotOff(s)
+			if a.reg.load(so+sReached) >= a.reg.load(so+sRecorded) {
+				a.free = append(a.free, s)
+				return true
+			}
+			return false
+		})
+	}
+	if len(a.free) == 0 {
+		return 0, false
+	}
+	s := a.free[0]
+	a.free = a.free[1:]
+	return s, true
 }
 
 func arenaSlotOff(slot uint32) uint64 { return aHeader + uint64(slot)*slotSize }
@@ -157,31 +198,81 @@ func (a *arena) kill() {
 	a.reg.release()
 }
 
-// event is a created event (its record kept here, or in this Device's arena if it is
-// an IPC event) or an event opened from another Device's arena.
+// event is a created event (its records kept here, or in this Device's arena if it is
+// an IPC event) or an event opened from another Device's arena. Records are numbered:
+// recorded counts those queued, reached those that have run.
 type event struct {
 	dev    int
 	flags  cudart.EventFlags
-	local  uint64 // epoch of the last record, for events outside an arena
+	local  struct{ recorded, reached, epoch uint64 } // for events outside an arena
 	arena  *arena
 	slot   uint32
 	gen    uint64
 	opened bool
 }
 
-func (e *event) epoch() uint64 {
+func (e *event) word(w uint64) uint64 { return e.arena.reg.load(arenaSlotOff(e.slot) + w) }
+
+// recorded is the number of the last record queued; 0 if there was none.
+func (e *event) recorded() uint64 {
 	if e.arena == nil {
-		return e.local
+		return e.local.recorded
 	}
-	return e.arena.reg.load(arenaSlotOff(e.slot) + sEpoch)
+	return e.word(sRecorded)
 }
 
-func (e *event) record(epoch uint64) {
+// reached reports whether record seq has run.
+func (e *event) reached(seq uint64) bool {
 	if e.arena == nil {
-		e.local = epoch
+		return e.local.reached >= seq
+	}
+	return e.word(sReached) >= seq
+}
+
+// epoch is when the latest record that ran did.
+func (e *event) epoch() uint64 {
+	if e.arena == nil {
+		return e.local.epoch
+	}
+	return e.word(sEpoch)
+}
+
+// queueRecord numbers a new record.
+func (e *event) queueRecord() uint64 {
+	if e.arena == nil {
+		e.local.recorded++
+		return e.local.recorded
+	}
+	off := arenaSlotOff(e.slot) + sRecorded
+	for {
+		n := e.arena.reg.load(off)
+		if e.arena.reg.cas(off, n, n+1) {
+			return n + 1
+		}
+	}
+}
+
+// complete marks record seq as run now. An event destroyed since still completes,
+// as with the driver: its slot is not reused before (arena.takeSlot).
+func (e *event) complete(seq uint64) {
+	t := now()
+	if e.arena == nil {
+		e.local.epoch = max(e.local.epoch, t)
+		e.local.reached = max(e.local.reached, seq)
 		return
 	}
-	e.arena.reg.store(arenaSlotOff(e.slot)+sEpoch, epoch)
+	so := arenaSlotOff(e.slot)
+	if e.arena.reg.mem == nil {
+		return
+	}
+	e.arena.reg.storeMax(so+sEpoch, t) // before the number: a reader that sees it reached sees the epoch
+	e.arena.reg.storeMax(so+sReached, seq)
+}
+
+// ownerGone reports whether an opened event's owner closed or exited: its queued
+// records will never run, and nothing waits for them any more.
+func (e *event) ownerGone() bool {
+	return e.opened && (e.arena.reg.load(aClosed) != 0 || !ident(e.arena.reg.load(aOwner)).alive())
 }
 
 // released says why an opened event is no longer its owner's, or "" while it is.
@@ -244,13 +335,16 @@ func (d *Device) EventCreate(dev int, flags cudart.EventFlags) (cudart.Event, er
 		if err != nil {
 			return 0, err
 		}
-		if len(a.free) == 0 {
+		slot, ok := a.takeSlot()
+		if !ok {
 			return 0, errCapacity(op, fmt.Sprintf("%d IPC events", arenaSlots))
 		}
-		ev.arena, ev.slot = a, a.free[0]
-		a.free = a.free[1:]
-		ev.gen = a.reg.load(arenaSlotOff(ev.slot) + sGen)
-		ev.record(0)
+		ev.arena, ev.slot = a, slot
+		so := arenaSlotOff(ev.slot)
+		ev.gen = a.reg.load(so + sGen)
+		for _, w := range []uint64{sEpoch, sRecorded, sReached} {
+			a.reg.store(so+w, 0)
+		}
 	}
 	h := cudart.Event(newHandle())
 	d.events[h] = ev
@@ -274,54 +368,66 @@ func (d *Device) EventDestroy(dev int, e cudart.Event) error {
 	if ev.arena != nil && !ev.opened {
 		so := arenaSlotOff(ev.slot)
 		ev.arena.reg.store(so+sGen, ev.gen+1)
-		ev.arena.reg.store(so+sEpoch, 0)
-		ev.arena.free = append(ev.arena.free, ev.slot)
+		ev.arena.draining = append(ev.arena.draining, ev.slot)
 	}
 	return nil
 }
 
-// EventRecord captures the work submitted so far: all of it is done already, so the
-// record is the current epoch. The event and stream must be on one device
-// (ErrInvalidResourceHandle).
+// EventRecord queues a record of e on s: e completes when s reaches it. The event
+// and stream must be on one device (ErrInvalidResourceHandle).
 func (d *Device) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
-	const op = "cudaEventRecord"
+	const opName = "cudaEventRecord"
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	st, ev, err := d.streamAndEvent(op, dev, s, e)
+	st, ev, err := d.streamAndEvent(opName, dev, s, e)
 	if err != nil {
 		return err
 	}
 	if ev.dev != st.dev {
-		return fail(op, cudart.ErrInvalidResourceHandle)
+		return fail(opName, cudart.ErrInvalidResourceHandle)
 	}
-	ev.record(now())
+	seq := ev.queueRecord()
+	return d.submit(opName, st, &task{run: func(*stream, uint64) error {
+		ev.complete(seq)
+		return nil
+	}})
+}
+
+// EventSynchronize waits until e's last record (as of the call) has run, or its owner
+// is gone.
+func (d *Device) EventSynchronize(dev int, e cudart.Event) error {
+	const opName = "cudaEventSynchronize"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(opName, dev); err != nil {
+		return err
+	}
+	ev, err := d.usableEvent(opName, e)
+	if err != nil {
+		return err
+	}
+	seq := ev.recorded()
+	for !ev.reached(seq) && !ev.ownerGone() {
+		if err := d.waitProgress(opName); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
-// EventSynchronize returns at once; the host is now ordered after e's record.
-func (d *Device) EventSynchronize(dev int, e cudart.Event) error {
-	_, err := d.syncEvent("cudaEventSynchronize", dev, e)
-	return err
-}
-
-// EventQuery is true at once: the work an event captures is done when it is recorded.
-// A true answer orders the host after the record, as a synchronize would.
+// EventQuery reports whether e's last record has run (true if it was never recorded).
 func (d *Device) EventQuery(dev int, e cudart.Event) (bool, error) {
-	return d.syncEvent("cudaEventQuery", dev, e)
-}
-
-func (d *Device) syncEvent(op string, dev int, e cudart.Event) (bool, error) {
+	const opName = "cudaEventQuery"
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := d.enter(op, dev); err != nil {
+	if err := d.enter(opName, dev); err != nil {
 		return false, err
 	}
-	ev, err := d.usableEvent(op, e)
+	ev, err := d.usableEvent(opName, e)
 	if err != nil {
 		return false, err
 	}
-	d.hostSync = max(d.hostSync, ev.epoch())
-	return true, nil
+	return ev.reached(ev.recorded()), nil
 }
 
 // IpcGetEventHandle returns the handle of an interprocess event created here; any

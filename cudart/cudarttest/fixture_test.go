@@ -16,7 +16,7 @@ type fx struct {
 
 func newFx(t testing.TB, opts ...Option) fx {
 	t.Helper()
-	d := New(opts...)
+	d := New(append([]Option{WithDeferred()}, opts...)...)
 	t.Cleanup(func() { d.Close() })
 	return fx{t, d}
 }
@@ -85,6 +85,20 @@ func (f fx) wantBytes(ptr cudart.DevicePtr, want []byte) {
 	if got := f.read(ptr, len(want)); !bytes.Equal(got, want) {
 		f.t.Fatalf("read %#x: got %q, want %q", uint64(ptr), got, want)
 	}
+}
+
+// sync waits for the work queued on f's default stream of device 0 and returns
+// the violations it found.
+func (f fx) sync() error { return f.StreamSynchronize(0, 0) }
+
+// stall holds f's default stream of device 0 until the returned resume is called (or
+// the test ends).
+func (f fx) stall() (resume func()) {
+	f.t.Helper()
+	resume, err := f.Stall(0, 0)
+	ok(f.t, err)
+	f.t.Cleanup(resume)
+	return resume
 }
 
 func (f fx) attr(p cudart.MemPool, a cudart.PoolAttr) uint64 {

@@ -18,6 +18,7 @@ type importRec struct {
 	gen       uint64
 	slot      int
 	stale     bool
+	freeing   bool // its free is queued
 }
 
 // Magic numbers that begin the 64-byte handles; the last 8 bytes of each are a
@@ -202,7 +203,7 @@ func (d *Device) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.Ptr
 	}
 	off := uint64(ptr) - p.base
 	a, _ := p.allocAt(off, 1)
-	if a == nil || a.off != off {
+	if a == nil || a.off != off || a.freeing {
 		return cudart.PtrExportData{}, fail(op, cudart.ErrInvalidValue)
 	}
 	return sealed(ptrMagic, p.uid[0], p.uid[1], uint64(a.entry), a.gen, a.off, a.size), nil
@@ -331,30 +332,49 @@ func (p *pool) releasedAt(off, n uint64) bool {
 // imports and frees does not grow without end.
 const maxReleased = 4096
 
-// freeImport unmaps an import: the pointer and every alias of it (FACTS 4).
-func (d *Device) freeImport(op string, p *pool, ptr cudart.DevicePtr) error {
+// freeImport queues the unmapping of an import. When it runs it unmaps whatever import
+// is at the pointer then, with every alias of it (FACTS 4): an import of the same
+// record made while the free was queued is the same mapping, and goes too. It must be
+// ordered after this Device's accesses through the import on other streams
+// (ViolationUnorderedFree).
+func (d *Device) freeImport(op string, st *stream, p *pool, ptr cudart.DevicePtr) error {
 	off := uint64(ptr) - p.base
-	imp, i := p.importAt(off, 1)
-	if imp == nil || imp.off != off {
+	imp, _ := p.importAt(off, 1)
+	switch {
+	case imp != nil && imp.off == off && imp.freeing:
+		return violationErr(op, cudart.ErrInvalidValue,
+			d.violate(ViolationUseAfterRelease, op, "import %#x is already being unmapped", uint64(ptr)))
+	case imp == nil || imp.off != off:
 		if imp == nil && p.releasedAt(off, 1) {
 			return violationErr(op, cudart.ErrInvalidValue,
 				d.violate(ViolationUseAfterRelease, op, "import %#x was already unmapped", uint64(ptr)))
 		}
 		return fail(op, cudart.ErrInvalidValue)
 	}
-	if p.entryHolds(imp) {
-		// The exporter's free of the allocation must be ordered after this one.
-		p.reg.storeMax(entryOff(imp.entry)+eReleased, now())
-	}
-	p.releaseSlot(imp)
-	p.imports = slices.Delete(p.imports, i, i+1)
-	if len(p.released) >= maxReleased {
-		for old := range p.released { // forget one: the record is for diagnosis only
-			delete(p.released, old)
-			break
+	imp.freeing = true
+	return d.submit(op, st, &task{pool: p, run: func(st *stream, after uint64) error {
+		cur, i := p.importAt(off, 1)
+		if cur == nil || cur.off != off {
+			return nil // superseded by an import of reused memory, which this free does not name
 		}
-	}
-	p.released[imp.ptr] = imp.size
-	d.dropPool(p)
-	return nil
+		mine := func(id ident) bool { return id == d.id }
+		vs := d.unorderedFree(op, p, cur.entry, st, after, ptr, mine)
+		if p.entryHolds(cur) {
+			// The exporter's free of the allocation must be ordered after this one.
+			p.reg.storeMax(entryOff(cur.entry)+eReleased, now())
+		}
+		p.releaseSlot(cur)
+		p.imports = slices.Delete(p.imports, i, i+1)
+		if len(p.released) >= maxReleased {
+			for old := range p.released { // forget one: the record is for diagnosis only
+				delete(p.released, old)
+				break
+			}
+		}
+		p.released[cur.ptr] = cur.size
+		if len(vs) > 0 {
+			return violationErr(op, 0, vs...)
+		}
+		return nil
+	}})
 }

@@ -142,6 +142,7 @@ func TestFabricExport(t *testing.T) {
 	_, err = imp.MemPoolImportFromShareableHandle(0, junk)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	ok(t, exp.FreeAsync(0, ptr, 0))
+	ok(t, exp.sync())
 	ok(t, exp.MemPoolDestroy(0, p))
 	// The exporter's descriptor is gone: the handle names nothing now.
 	_, err = newFx(t, WithFabric()).MemPoolImportFromShareableHandle(0, h)
@@ -259,12 +260,14 @@ func TestStaleRecordImportsButCannotBeUsed(t *testing.T) {
 	ptr := s.exp.alloc(s.pool, 512)
 	rec := s.exp.exportPtr(ptr)
 	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	ok(t, s.exp.sync()) // the free has run: the record is stale
 	iptr, err := s.imp.MemPoolImportPointer(0, s.ipool, rec)
 	ok(t, err)
 	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 8)
 	wantErr(t, err, ErrViolation)
 	wantViolation(t, err, ViolationUseAfterRelease)
 	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	ok(t, s.imp.sync())
 
 	// Reused: the same entry's new allocation does not revive the old record.
 	again := s.exp.alloc(s.pool, 512)
@@ -305,24 +308,40 @@ func TestDoubleImportAliasesOneMapping(t *testing.T) {
 // after it, waited on by the exporter's freeing stream.
 func TestExporterFreeMustFollowImportersFree(t *testing.T) {
 	s := newShared(t)
+	// The importer's free has not run when the exporter's does.
 	ptr, iptr := s.share(512, []byte("x"))
+	resumeImp := s.imp.stall()
 	ok(t, s.imp.FreeAsync(0, iptr, 0))
-	err := s.exp.FreeAsync(0, ptr, 0)
-	wantViolation(t, err, ViolationExporterFreedWhileImported)
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	wantViolation(t, s.exp.sync(), ViolationExporterFreedWhileImported)
+	resumeImp()
+	ok(t, s.imp.sync())
+
+	// The importer's free has run when the exporter's does, but only after the
+	// exporter's was queued: nothing ordered them.
+	ptr, iptr = s.share(512, []byte("x"))
+	resumeImp, resumeExp := s.imp.stall(), s.exp.stall()
+	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	resumeImp()
+	ok(t, s.imp.sync())
+	resumeExp()
+	wantViolation(t, s.exp.sync(), ViolationExporterFreedWhileImported)
 
 	ptr, iptr = s.share(512, []byte("y"))
 	ok(t, s.imp.FreeAsync(0, iptr, 0))
 	s.importerDone()
 	ok(t, s.exp.FreeAsync(0, ptr, 0))
-	if n := len(s.exp.Violations()); n != 1 {
-		t.Fatalf("%d violations, want the first free's only", n)
+	if n := len(s.exp.Violations()); n != 2 {
+		t.Fatalf("%d violations, want the first two frees' only", n)
 	}
 }
 
 func TestExporterFreeWhileImported(t *testing.T) {
 	s := newShared(t)
 	ptr, iptr := s.share(512, []byte("held"))
-	err := s.exp.FreeAsync(0, ptr, 0)
+	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	err := s.exp.sync()
 	wantErr(t, err, ErrViolation)
 	wantViolation(t, err, ViolationExporterFreedWhileImported)
 	if vs := s.exp.Violations(); len(vs) != 1 {
@@ -361,59 +380,67 @@ func TestExporterClosesFirst(t *testing.T) {
 
 func TestUnorderedAccessIsReported(t *testing.T) {
 	s := newShared(t)
-	ptr := s.exp.alloc(s.pool, 512)
 	e, o := s.exp.ipcEvent(s.imp)
-	iptr := s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
+	local := s.imp.alloc(s.imp.pool(ipcProps(0)), 512)
 
-	// Before any event: the allocation itself is not ordered before the read.
+	// The exporter's stream is busy: its allocation has not run when the importer reads.
+	resume := s.exp.stall()
+	ptr := s.exp.alloc(s.pool, 512)
+	iptr := s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
 	_, err := s.imp.MemcpyDtoHAsyncN(iptr, 4)
 	wantViolation(t, err, ViolationUnorderedRead)
 
+	// Ordered by an event: the importer's stream waits for the record behind the stall.
 	s.exp.write(ptr, []byte("v1"))
-	ready(s.exp, e, s.imp, o)
-	s.imp.wantBytes(iptr, []byte("v1"))
-
-	// Written again after the record: the old wait no longer covers it, and the
-	// bytes are still copied (the device is immediate).
-	s.exp.write(ptr, []byte("v2"))
-	got, err := s.imp.MemcpyDtoHAsyncN(iptr, 2)
-	wantViolation(t, err, ViolationUnorderedRead)
-	if string(got) != "v2" {
-		t.Fatalf("unordered read copied %q", got)
-	}
-
-	// The host synchronising with the event orders every stream after it.
-	ok(t, s.imp.EventSynchronize(0, o)) // o was recorded before v2: not enough
-	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 2)
-	wantViolation(t, err, ViolationUnorderedRead)
-	err = s.imp.MemcpyHtoDAsync(0, iptr, []byte("w"), 0)
-	wantViolation(t, err, ViolationUnorderedWrite)
 	ok(t, s.exp.EventRecord(0, e, 0))
-	if done, err := s.imp.EventQuery(0, o); err != nil || !done {
-		t.Fatalf("EventQuery = %v, %v", done, err)
+	ok(t, s.imp.StreamWaitEvent(0, 0, o))
+	if done, err := s.imp.EventQuery(0, o); err != nil || done {
+		t.Fatalf("EventQuery of a record behind a stall = %v, %v", done, err)
 	}
-	s.imp.wantBytes(iptr, []byte("w2"))
+	resume()
+	s.imp.wantBytes(iptr, []byte("v1"))
+	if vs := s.imp.Violations(); len(vs) != 1 {
+		t.Fatalf("violations %v, want the first read's only", vs)
+	}
 
-	// A created stream is ordered only by what it waited on.
+	// A write queued before a read of another stream but run after it: the write is
+	// reported (it overwrote what was read), and the read saw the old bytes.
+	resume = s.exp.stall()
+	s.exp.write(ptr, []byte("v2"))
+	s.imp.wantBytes(iptr, []byte("v1"))
+	resume()
+	wantViolation(t, s.exp.sync(), ViolationUnorderedWrite)
+
+	// A read queued before a write of another stream ran, and run after it: the read
+	// is reported.
+	resumeImp := s.imp.stall()
+	ok(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, 0))
+	s.exp.write(ptr, []byte("v3"))
+	ok(t, s.exp.sync())
+	resumeImp()
+	wantViolation(t, s.imp.sync(), ViolationUnorderedRead)
+
+	// A created stream is ordered only by what it waited on: a wait of the default
+	// stream does not cover it.
 	st, err := s.imp.StreamCreate(0, 0)
 	ok(t, err)
-	err = s.exp.MemcpyHtoDAsync(0, ptr, []byte("v3"), 0) // the importer wrote last
-	wantViolation(t, err, ViolationUnorderedWrite)
-	ready(s.imp, o, s.exp, e)
-	s.exp.write(ptr, []byte("v3"))
+	resumeSt, err := s.imp.Stall(0, st)
+	ok(t, err)
+	resume = s.exp.stall()
+	s.exp.write(ptr, []byte("v4"))
 	ok(t, s.exp.EventRecord(0, e, 0))
+	ok(t, s.imp.StreamWaitEvent(0, 0, o))
+	ok(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, st))
+	resume()
+	ok(t, s.exp.sync())
+	resumeSt()
+	wantViolation(t, s.imp.StreamSynchronize(0, st), ViolationUnorderedRead)
 	ok(t, s.imp.StreamWaitEvent(0, st, o))
 	buf := make([]byte, 2)
 	ok(t, s.imp.MemcpyDtoHAsync(0, buf, iptr, st))
-	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 2) // the default stream did not wait
-	wantViolation(t, err, ViolationUnorderedRead)
-
-	// The exporter reading the importer's write needs the importer's event too.
-	ok(t, s.imp.MemcpyHtoDAsync(0, iptr, []byte("i"), st))
-	_, err = s.exp.MemcpyDtoHAsyncN(ptr, 1)
-	wantViolation(t, err, ViolationUnorderedRead)
-	ready(s.imp, o, s.exp, e)
-	s.exp.wantBytes(ptr, []byte("i3"))
+	if string(buf) != "v4" {
+		t.Fatalf("read after the wait copied %q", buf)
+	}
 }
 
 // FACTS 8 and the access rule: an imported pool is reachable from another device
@@ -490,6 +517,7 @@ func TestIPCEvents(t *testing.T) {
 	_, err = b.IpcOpenEventHandle(0, junk)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	ok(t, b.EventRecord(0, o, 0)) // an opened event can be recorded
+	ok(t, a.EventSynchronize(0, e))
 	if done, err := a.EventQuery(0, e); err != nil || !done {
 		t.Fatalf("EventQuery = %v %v", done, err)
 	}

@@ -2,37 +2,41 @@ package cudarttest
 
 import (
 	"errors"
+	"slices"
 
 	"github.com/cudapool/cudapool/cudart"
 )
 
-// A span is device memory a call may touch: the bytes and the allocation's entry,
-// whose write mark a write updates.
+// A span is device memory a call touches, resolved when the call is made: the pool,
+// the offset and length, and the allocation or import it lies in, which must still be
+// there when the work runs.
 type span struct {
 	p     *pool
-	buf   []byte
+	off   uint64
+	n     uint64
+	ptr   cudart.DevicePtr
+	a     *alloc     // own memory
+	imp   *importRec // imported memory
 	entry uint32
+	write bool
 }
 
-// access resolves [ptr, ptr+n) for a read or write on st from dev. It fails with
-// ErrInvalidValue for memory outside every live allocation or import of this Device
-// (a ViolationUseAfterRelease too, if it was freed or unmapped), and with a
-// ViolationAccessDenied (and ErrInvalidValue) for an imported pool dev was not
+func (s span) buf() []byte { return s.p.data(s.off, s.n) }
+
+// access resolves [ptr, ptr+n) for a read or write from dev, as the call is made. It
+// fails with ErrInvalidValue for memory outside every live allocation or import of
+// this Device (a ViolationUseAfterRelease too, if it was freed or unmapped), and with
+// a ViolationAccessDenied (and ErrInvalidValue) for an imported pool dev was not
 // granted; through a stale import it fails with a ViolationUseAfterRelease alone, as
-// the driver would read whatever is there now. An access not ordered after another
-// Device's last write is appended to unordered: the call still copies the bytes, as
-// the device is immediate, then reports it. d.mu is held.
-func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, st *stream, write bool, unordered *[]Violation) (span, error) {
+// the driver would read whatever is there now. d.mu is held.
+func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, write bool) (span, error) {
 	p := d.poolAt(ptr)
 	if p == nil || n > p.base+p.size-uint64(ptr) {
 		return span{}, fail(op, cudart.ErrInvalidValue)
 	}
 	off := uint64(ptr) - p.base
-	verb := "read"
-	if write {
-		verb = "write"
-	}
-	var entry uint32
+	verb := verbOf(write)
+	sp := span{p: p, off: off, n: n, ptr: ptr, write: write}
 	if p.imported {
 		if flags := p.accessOf(dev); flags == cudart.AccessNone || (write && flags != cudart.AccessReadWrite) {
 			return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationAccessDenied, op,
@@ -40,57 +44,105 @@ func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, st *
 				dev, verb, uintptr(p.handle), p.dev, flags))
 		}
 		imp, _ := p.importAt(off, n)
-		if imp == nil {
-			if p.releasedAt(off, n) {
+		if imp == nil || imp.freeing {
+			if imp != nil || p.releasedAt(off, n) {
 				return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationUseAfterRelease, op,
 					"%s of %#x+%d through an import already unmapped", verb, uint64(ptr), n))
 			}
 			return span{}, fail(op, cudart.ErrInvalidValue)
 		}
-		if imp.stale || !p.entryHolds(imp) {
-			why := "the exporter freed it after it was imported"
-			if imp.stale {
-				why = "it was imported from a stale record (the allocation was already freed)"
-			}
-			return span{}, violationErr(op, 0, d.violate(ViolationUseAfterRelease, op,
-				"%s of %#x+%d through an import, but %s", verb, uint64(ptr), n, why))
+		if v, bad := d.staleImport(op, imp, sp, verb); bad {
+			return span{}, violationErr(op, 0, v)
 		}
-		entry = imp.entry
-	} else {
-		a, _ := p.allocAt(off, n)
-		if a == nil {
-			if p.freedAt(off, n) {
-				return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationUseAfterRelease, op,
-					"%s of %#x+%d after it was freed", verb, uint64(ptr), n))
-			}
-			return span{}, fail(op, cudart.ErrInvalidValue)
-		}
-		entry = a.entry
+		sp.imp, sp.entry = imp, imp.entry
+		return sp, nil
 	}
-	eo := entryOff(entry)
-	epoch := p.reg.load(eo + eWriteEpoch)
-	if writer := ident(p.reg.load(eo + eWriter)); writer != d.id && epoch > d.orderedAfter(st) {
+	a, _ := p.allocAt(off, n)
+	if a == nil || a.freeing {
+		if a != nil || p.freedAt(off, n) {
+			return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationUseAfterRelease, op,
+				"%s of %#x+%d after it was freed", verb, uint64(ptr), n))
+		}
+		return span{}, fail(op, cudart.ErrInvalidValue)
+	}
+	sp.a, sp.entry = a, a.entry
+	return sp, nil
+}
+
+func verbOf(write bool) string {
+	if write {
+		return "write"
+	}
+	return "read"
+}
+
+// staleImport reports a use of an import whose allocation the exporter freed, or that
+// was imported from a stale record.
+func (d *Device) staleImport(op string, imp *importRec, sp span, verb string) (Violation, bool) {
+	if !imp.stale && sp.p.entryHolds(imp) {
+		return Violation{}, false
+	}
+	why := "the exporter freed it after it was imported"
+	if imp.stale {
+		why = "it was imported from a stale record (the allocation was already freed)"
+	}
+	return d.violate(ViolationUseAfterRelease, op, "%s of %#x+%d through an import, but %s", verb, uint64(sp.ptr), sp.n, why), true
+}
+
+// touch checks, as the work runs on st, that sp's memory is still there and that the
+// access is ordered after the accesses of other streams it must follow, and marks it.
+// It returns the violations; bad is true if the memory is gone, and the work must not
+// touch it. d.mu is held.
+func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Violation, bad bool) {
+	write := sp.write
+	verb := verbOf(write)
+	if sp.imp != nil {
+		if cur, _ := sp.p.importAt(sp.off, sp.n); cur != sp.imp {
+			return []Violation{d.violate(ViolationUseAfterRelease, op,
+				"%s of %#x+%d through an import that was unmapped before the work ran", verb, uint64(sp.ptr), sp.n)}, true
+		}
+		if v, stale := d.staleImport(op, sp.imp, sp, verb); stale {
+			return []Violation{v}, true
+		}
+	} else if cur, _ := sp.p.allocAt(sp.off, sp.n); cur != sp.a {
+		return []Violation{d.violate(ViolationUseAfterRelease, op,
+			"%s of %#x+%d after its free ran", verb, uint64(sp.ptr), sp.n)}, true
+	}
+	m := sp.p.marks(sp.entry)
+	if w := m.writer(); !w.is(d.id, st) && w.epoch > after {
 		kind := ViolationUnorderedRead
 		if write {
 			kind = ViolationUnorderedWrite
 		}
-		*unordered = append(*unordered, d.violate(kind, op,
-			"%s of %#x+%d on a stream not ordered after %v's write or allocation of it (wait on an event recorded after it)",
-			verb, uint64(ptr), n, writer))
+		what := "write or allocation"
+		if w.epoch == pendingEpoch {
+			what = "allocation, which had not run yet"
+		}
+		vs = append(vs, d.violate(kind, op,
+			"%s of %#x+%d on a stream not ordered after %v's %s of it (wait on an event recorded after it)",
+			verb, uint64(sp.ptr), sp.n, w, what))
 	}
-	return span{p: p, buf: p.data(off, n), entry: entry}, nil
+	if write {
+		for _, r := range m.readers() {
+			if !r.is(d.id, st) && r.epoch > after {
+				vs = append(vs, d.violate(ViolationUnorderedWrite, op,
+					"write of %#x+%d on a stream not ordered after %v's read of it", uint64(sp.ptr), sp.n, r))
+			}
+		}
+		m.wrote(d.id, st, now())
+	} else {
+		m.read(d.id, st, now())
+	}
+	return vs, false
 }
 
-// wrote marks s as written by this Device now.
-func (d *Device) wrote(s span) {
-	eo := entryOff(s.entry)
-	s.p.reg.store(eo+eWriter, uint64(d.id))
-	s.p.reg.store(eo+eWriteEpoch, now())
-}
-
-// transfer runs one copy or set: it resolves the device ranges, does the work, marks
-// the written range and reports unordered accesses. d.mu is taken here.
-func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, work func(st *stream, unordered *[]Violation) error) error {
+// transfer makes one copy or set: resolve resolves the device ranges as the call is
+// made; the work queued on the stream checks them when it runs and, unless one is
+// gone, calls work. A copy into host memory (sync) waits for its work, as the driver
+// does for pageable memory, and returns its violations and the stream's earlier ones.
+// d.mu is taken here.
+func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bool,
+	resolve func() ([]span, error), work func(spans []span)) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.enter(op, dev); err != nil {
@@ -100,67 +152,87 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, work fu
 	if err != nil || n == 0 {
 		return err
 	}
-	var unordered []Violation
-	err = work(st, &unordered)
-	if len(unordered) > 0 {
-		return errors.Join(err, violationErr(op, 0, unordered...))
+	spans, err := resolve()
+	if err != nil {
+		return err
 	}
-	return err
+	o := &task{pool: spans[0].p, run: func(st *stream, after uint64) error {
+		var vs []Violation
+		gone := false
+		for _, sp := range spans {
+			v, bad := d.touch(op, sp, st, after)
+			vs = append(vs, v...)
+			gone = gone || bad
+		}
+		if !gone {
+			work(spans)
+		}
+		if len(vs) > 0 {
+			return violationErr(op, 0, vs...)
+		}
+		return nil
+	}}
+	if len(spans) > 1 && spans[1].p != spans[0].p {
+		other := spans[1].p // kept mapped by its own count
+		other.pending++
+		run := o.run
+		o.run = func(st *stream, after uint64) error {
+			defer func() { other.pending--; d.dropPool(other) }()
+			return run(st, after)
+		}
+	}
+	if sync {
+		o.done = make(chan error, 1)
+	}
+	err = d.submit(op, st, o)
+	if !sync {
+		return err
+	}
+	return errors.Join(err, faultsOf(st))
 }
 
+// MemcpyHtoDAsync takes a copy of src at once (so src may be reused when it returns,
+// as with pageable memory) and writes it when the stream reaches the copy.
 func (d *Device) MemcpyHtoDAsync(dev int, dst cudart.DevicePtr, src []byte, s cudart.Stream) error {
 	const op = "cudaMemcpyAsync"
-	return d.transfer(op, dev, s, uint64(len(src)), func(st *stream, unordered *[]Violation) error {
-		to, err := d.access(op, dev, dst, uint64(len(src)), st, true, unordered)
-		if err != nil {
-			return err
-		}
-		copy(to.buf, src)
-		d.wrote(to)
-		return nil
-	})
+	staged := slices.Clone(src)
+	return d.transfer(op, dev, s, uint64(len(src)), false, func() ([]span, error) {
+		to, err := d.access(op, dev, dst, uint64(len(src)), true)
+		return []span{to}, err
+	}, func(sp []span) { copy(sp[0].buf(), staged) })
 }
 
+// MemcpyDtoHAsync waits for the work queued on s, then copies: host memory given by Go
+// is pageable.
 func (d *Device) MemcpyDtoHAsync(dev int, dst []byte, src cudart.DevicePtr, s cudart.Stream) error {
 	const op = "cudaMemcpyAsync"
-	return d.transfer(op, dev, s, uint64(len(dst)), func(st *stream, unordered *[]Violation) error {
-		from, err := d.access(op, dev, src, uint64(len(dst)), st, false, unordered)
-		if err != nil {
-			return err
-		}
-		copy(dst, from.buf)
-		return nil
-	})
+	return d.transfer(op, dev, s, uint64(len(dst)), true, func() ([]span, error) {
+		from, err := d.access(op, dev, src, uint64(len(dst)), false)
+		return []span{from}, err
+	}, func(sp []span) { copy(dst, sp[0].buf()) })
 }
 
 func (d *Device) MemcpyDtoDAsync(dev int, dst, src cudart.DevicePtr, n uint64, s cudart.Stream) error {
 	const op = "cudaMemcpyAsync"
-	return d.transfer(op, dev, s, n, func(st *stream, unordered *[]Violation) error {
-		from, err := d.access(op, dev, src, n, st, false, unordered)
+	return d.transfer(op, dev, s, n, false, func() ([]span, error) {
+		from, err := d.access(op, dev, src, n, false)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		to, err := d.access(op, dev, dst, n, st, true, unordered)
-		if err != nil {
-			return err
-		}
-		copy(to.buf, from.buf)
-		d.wrote(to)
-		return nil
-	})
+		to, err := d.access(op, dev, dst, n, true)
+		return []span{from, to}, err
+	}, func(sp []span) { copy(sp[1].buf(), sp[0].buf()) })
 }
 
 func (d *Device) MemsetAsync(dev int, dst cudart.DevicePtr, value byte, n uint64, s cudart.Stream) error {
 	const op = "cudaMemsetAsync"
-	return d.transfer(op, dev, s, n, func(st *stream, unordered *[]Violation) error {
-		to, err := d.access(op, dev, dst, n, st, true, unordered)
-		if err != nil {
-			return err
+	return d.transfer(op, dev, s, n, false, func() ([]span, error) {
+		to, err := d.access(op, dev, dst, n, true)
+		return []span{to}, err
+	}, func(sp []span) {
+		b := sp[0].buf()
+		for i := range b {
+			b[i] = value
 		}
-		for i := range to.buf {
-			to.buf[i] = value
-		}
-		d.wrote(to)
-		return nil
 	})
 }

@@ -78,6 +78,7 @@ func TestChildStaleAndDoubleImports(t *testing.T) {
 	ptr := exp.alloc(p, 512)
 	stale := exp.exportPtr(ptr)
 	ok(t, exp.FreeAsync(0, ptr, 0))
+	ok(t, exp.sync())
 	iptr := child.importPtr(stale) // FACTS 3: accepted
 	rep, _ := child.call(request{Op: "read", Ptr: iptr, N: 4})
 	wantKinds(t, rep, ViolationUseAfterRelease)
@@ -110,7 +111,8 @@ func TestExporterFreesWhileChildHolds(t *testing.T) {
 	child, p := childImporter(t, exp)
 	ptr := exp.alloc(p, 512)
 	child.importPtr(exp.exportPtr(ptr))
-	err := exp.FreeAsync(0, ptr, 0)
+	ok(t, exp.FreeAsync(0, ptr, 0))
+	err := exp.sync()
 	wantViolation(t, err, ViolationExporterFreedWhileImported)
 	if !strings.Contains(err.Error(), fmt.Sprintf("pid %d ", child.pid)) {
 		t.Fatalf("violation %v does not name the importer, pid %d", err, child.pid)
@@ -156,6 +158,7 @@ func TestExporterChildDiesFirst(t *testing.T) {
 	child.do(request{Op: "write", Ptr: ptr, Data: []byte("written by the dead")})
 	h := child.do(request{Op: "create-event"}).Data
 	child.do(request{Op: "record"})
+	child.do(request{Op: "sync"}) // the write is done before the child dies
 	rec := child.do(request{Op: "export-ptr", Ptr: ptr}).Data
 	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
 	ok(t, err)
@@ -177,15 +180,17 @@ func TestChildExportsAndParentImportsOverEvents(t *testing.T) {
 	_, fds := child.call(request{Op: "export-pool"})
 	p := imp.importPool(fds[0])
 	unix.Close(fds[0])
+	child.do(request{Op: "stall"}) // the child's GPU is busy
 	ptr := child.do(request{Op: "alloc", N: 64}).Ptr
 	iptr := imp.importPtr(p, cudart.PtrExportData(child.do(request{Op: "export-ptr", Ptr: ptr}).Data))
 	h := child.do(request{Op: "create-event"}).Data
 	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
 	ok(t, err)
 	child.do(request{Op: "write", Ptr: ptr, Data: []byte("round 1")})
-	_, err = imp.MemcpyDtoHAsyncN(iptr, 7) // not waited for
+	_, err = imp.MemcpyDtoHAsyncN(iptr, 7) // not waited for: its allocation has not run
 	wantViolation(t, err, ViolationUnorderedRead)
 	child.do(request{Op: "record"})
+	child.do(request{Op: "resume"})
 	ok(t, imp.StreamWaitEvent(0, 0, e))
 	imp.wantBytes(iptr, []byte("round 1"))
 	ok(t, imp.FreeAsync(0, iptr, 0))

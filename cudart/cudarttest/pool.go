@@ -30,9 +30,12 @@ type pool struct {
 	threshold uint64
 	access    map[int]cudart.AccessFlags // devices other than dev
 
+	pending int // queued ops that touch the pool's memory: it stays mapped for them
+
 	// Exporter side.
 	exported    bool
-	live        []*alloc // by offset
+	live        []*alloc // by offset, until their frees have run
+	freeing     int      // allocations whose frees are queued, not run
 	freeEntries []uint32 // FIFO, so a freed entry keeps its record for a while
 
 	// Importer side.
@@ -46,6 +49,7 @@ type alloc struct {
 	off, size uint64
 	entry     uint32
 	gen       uint64
+	freeing   bool // its free is queued
 }
 
 func (p *pool) ipc() bool { return p.handleTypes != cudart.HandleTypeNone }
@@ -138,7 +142,7 @@ func insertSorted[T ranged](items []T, item T) []T {
 
 // dropPool unmaps a destroyed pool once nothing uses its memory any more.
 func (d *Device) dropPool(p *pool) {
-	if p.handle != 0 || len(p.live) > 0 || len(p.imports) > 0 {
+	if p.handle != 0 || len(p.live) > 0 || len(p.imports) > 0 || p.pending > 0 || p.reg.mem == nil {
 		return
 	}
 	if i := slices.Index(d.spans, p); i >= 0 {
@@ -404,38 +408,57 @@ func (d *Device) MemPoolTrimTo(dev int, h cudart.MemPool, minBytesToKeep uint64)
 }
 
 // MallocFromPoolAsync allocates first fit, at 512-byte alignment, sizes rounded to 512,
-// growing the reserved memory in granules (FACTS 1). Beyond the pool's maxSize or the
-// device's memory (a single allocation too) it fails with ErrOutOfMemory (FACTS 10);
-// on an imported pool (FACTS 6), or for a zero size, with ErrInvalidValue.
+// growing the reserved memory in granules (FACTS 1). The pointer is returned at once;
+// the allocation runs when the stream reaches it, and no other stream may touch the
+// memory before that (ViolationUnorderedRead, ViolationUnorderedWrite). Memory comes
+// back to the pool when a free has run: a pool found full waits for the frees queued
+// on it, as the driver may order an allocation after them. Beyond the pool's maxSize or
+// the device's memory (a single allocation too) it fails with ErrOutOfMemory
+// (FACTS 10); on an imported pool (FACTS 6), or for a zero size, with ErrInvalidValue.
 func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
 	const op = "cudaMallocFromPoolAsync"
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	for {
+		ptr, retry, err := d.mallocOnce(op, dev, size, h, s)
+		if !retry {
+			return ptr, err
+		}
+		if err := d.waitProgress(op); err != nil {
+			return 0, err
+		}
+	}
+}
+
+// mallocOnce tries once; retry says the pool is full but frees queued on it may make
+// room. d.mu is held.
+func (d *Device) mallocOnce(op string, dev int, size uint64, h cudart.MemPool, s cudart.Stream) (_ cudart.DevicePtr, retry bool, _ error) {
 	p, err := d.enterPool(op, dev, h)
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
-	if _, err := d.stream(op, dev, s); err != nil {
-		return 0, err
+	st, err := d.stream(op, dev, s)
+	if err != nil {
+		return 0, false, err
 	}
 	if p.imported || size == 0 {
-		return 0, fail(op, cudart.ErrInvalidValue)
+		return 0, false, fail(op, cudart.ErrInvalidValue)
 	}
 	if size > p.size { // checked before rounding, which could wrap
-		return 0, fail(op, cudart.ErrOutOfMemory)
+		return 0, false, fail(op, cudart.ErrOutOfMemory)
 	}
 	size = roundUp(size, allocAlign)
 	off, at, ok := p.firstFit(size)
 	if !ok {
-		return 0, fail(op, cudart.ErrOutOfMemory)
+		return 0, p.freeing > 0, fail(op, cudart.ErrOutOfMemory)
 	}
 	reserved := p.reg.load(hReserved)
 	grown := max(reserved, roundUp(off+size, d.cfg.granularity))
 	if grown > p.maxSize || d.devs[p.dev].reserved+(grown-reserved) > d.cfg.memory {
-		return 0, fail(op, cudart.ErrOutOfMemory)
+		return 0, p.freeing > 0, fail(op, cudart.ErrOutOfMemory)
 	}
 	if len(p.freeEntries) == 0 {
-		return 0, errCapacity(op, "pool has maxEntries live allocations")
+		return 0, p.freeing > 0, errCapacity(op, "pool has maxEntries live allocations")
 	}
 	entry := p.freeEntries[0]
 	p.freeEntries = p.freeEntries[1:]
@@ -446,11 +469,12 @@ func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s c
 	gen := p.reg.load(eo+eState)>>2 + 1
 	p.reg.store(eo+eOffset, off)
 	p.reg.store(eo+eSize, size)
-	p.reg.store(eo+eWriter, uint64(d.id))
-	p.reg.store(eo+eWriteEpoch, now()) // importers must order their access after this
+	m := p.marks(entry)
+	m.wrote(d.id, st, pendingEpoch) // until it runs, no other stream may touch it
 	p.reg.store(eo+eReleased, 0)
 	p.reg.store(eo+eState, packState(gen, stateLive))
-	p.live = slices.Insert(p.live, at, &alloc{off: off, size: size, entry: entry, gen: gen})
+	a := &alloc{off: off, size: size, entry: entry, gen: gen}
+	p.live = slices.Insert(p.live, at, a)
 
 	d.devs[p.dev].reserved += grown - reserved
 	p.reg.store(hReserved, grown)
@@ -458,7 +482,13 @@ func (d *Device) MallocFromPoolAsync(dev int, size uint64, h cudart.MemPool, s c
 	used := p.reg.load(hUsed) + size
 	p.reg.store(hUsed, used)
 	p.reg.storeMax(hUsedHigh, used)
-	return cudart.DevicePtr(p.base + off), nil
+	err = d.submit(op, st, &task{pool: p, run: func(st *stream, _ uint64) error {
+		if cur, _ := p.allocAt(a.off, a.size); cur == a && m.writer().epoch == pendingEpoch {
+			m.wrote(d.id, st, now())
+		}
+		return nil
+	}})
+	return cudart.DevicePtr(p.base + off), false, err
 }
 
 // firstFit finds the lowest offset where size bytes fit between live allocations, and
@@ -503,11 +533,13 @@ func (p *pool) freedAt(off, n uint64) bool {
 	return false
 }
 
-// FreeAsync frees an allocation of this Device's pool or drops an import. Freeing an
-// allocation that a live importer still holds is a ViolationExporterFreedWhileImported
-// (the free still happens); freeing memory already freed or unmapped is a
+// FreeAsync queues the free of an allocation of this Device's pool, or the unmapping
+// of an import. Freeing memory whose free is already queued or has run is a
 // ViolationUseAfterRelease with ErrInvalidValue (FACTS 4); any other address is
-// ErrInvalidValue.
+// ErrInvalidValue. When the free runs, the memory goes back to the pool; freeing an
+// allocation that a live importer still holds is then a
+// ViolationExporterFreedWhileImported (the free still happens), and a free not ordered
+// after another stream's access is a ViolationUnorderedFree.
 func (d *Device) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
 	const op = "cudaFreeAsync"
 	d.mu.Lock()
@@ -524,37 +556,72 @@ func (d *Device) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error
 		return fail(op, cudart.ErrInvalidValue)
 	}
 	if p.imported {
-		return d.freeImport(op, p, ptr)
+		return d.freeImport(op, st, p, ptr)
 	}
 	off := uint64(ptr) - p.base
-	a, i := p.allocAt(off, 1)
-	if a == nil || a.off != off {
+	a, _ := p.allocAt(off, 1)
+	switch {
+	case a != nil && a.off == off && a.freeing:
+		return violationErr(op, cudart.ErrInvalidValue,
+			d.violate(ViolationUseAfterRelease, op, "%#x is already being freed", uint64(ptr)))
+	case a == nil || a.off != off:
 		if a == nil && p.freedAt(off, 1) {
 			return violationErr(op, cudart.ErrInvalidValue,
 				d.violate(ViolationUseAfterRelease, op, "%#x was already freed", uint64(ptr)))
 		}
 		return fail(op, cudart.ErrInvalidValue)
 	}
+	a.freeing = true
+	p.freeing++
+	return d.submit(op, st, &task{pool: p, run: func(st *stream, after uint64) error {
+		return d.runFree(op, st, after, p, a, ptr)
+	}})
+}
+
+// runFree is an allocation's free, as it runs on st.
+func (d *Device) runFree(op string, st *stream, after uint64, p *pool, a *alloc, ptr cudart.DevicePtr) error {
+	vs := d.unorderedFree(op, p, a.entry, st, after, ptr, func(ident) bool { return true })
 	eo := entryOff(a.entry)
 	p.reg.store(eo+eState, packState(a.gen, stateFreed))
 	holders := p.liveImporters(a)
 	released := p.reg.load(eo + eReleased)
-
+	i := slices.Index(p.live, a)
 	p.live = slices.Delete(p.live, i, i+1)
+	p.freeing--
 	p.freeEntries = append(p.freeEntries, a.entry)
 	p.reg.store(hUsed, p.reg.load(hUsed)-a.size)
-	d.dropPool(p)
 	switch {
 	case len(holders) > 0:
-		return violationErr(op, 0, d.violate(ViolationExporterFreedWhileImported, op,
+		vs = append(vs, d.violate(ViolationExporterFreedWhileImported, op,
 			"%#x (%d bytes) freed while imported by %v", uint64(ptr), a.size, holders))
-	case released > d.orderedAfter(st):
+	case released > after:
 		// The importer's free must have completed before this one runs: an IPC event
 		// recorded after it and waited on here says so.
-		return violationErr(op, 0, d.violate(ViolationExporterFreedWhileImported, op,
+		vs = append(vs, d.violate(ViolationExporterFreedWhileImported, op,
 			"%#x (%d bytes) freed on a stream not ordered after an importer's free of it", uint64(ptr), a.size))
 	}
+	if len(vs) > 0 {
+		return violationErr(op, 0, vs...)
+	}
 	return nil
+}
+
+// unorderedFree reports the accesses to an entry's memory, by the Devices whose
+// accesses count, that a free running on st is not ordered after.
+func (d *Device) unorderedFree(op string, p *pool, entry uint32, st *stream, after uint64, ptr cudart.DevicePtr, counts func(ident) bool) []Violation {
+	m := p.marks(entry)
+	var vs []Violation
+	check := func(a accessor, verb string) {
+		if a.id != 0 && counts(a.id) && !a.is(d.id, st) && a.epoch > after {
+			vs = append(vs, d.violate(ViolationUnorderedFree, op,
+				"%#x freed on a stream not ordered after %v's %s of it", uint64(ptr), a, verb))
+		}
+	}
+	check(m.writer(), "write")
+	for _, r := range m.readers() {
+		check(r, "read")
+	}
+	return vs
 }
 
 // liveImporters lists the Devices that hold an import of a and are still alive,

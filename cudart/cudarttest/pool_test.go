@@ -42,6 +42,7 @@ func TestFirstFitReusesFreedSpace(t *testing.T) {
 	b := d.alloc(p, 4096)
 	d.alloc(p, 4096)
 	ok(t, d.FreeAsync(0, b, 0))
+	ok(t, d.sync()) // freed space comes back when the free has run
 	if got := d.alloc(p, 1000); got != b {
 		t.Fatalf("after freeing %#x, the next small allocation went to %#x", b, got)
 	}
@@ -65,6 +66,7 @@ func TestMemoryFiguresAndReservation(t *testing.T) {
 		t.Fatalf("device 1 free = %d, want all of it", free)
 	}
 	ok(t, d.FreeAsync(0, b, 0))
+	ok(t, d.sync())
 	if u, h := d.attr(p, cudart.PoolUsedMemCurrent), d.attr(p, cudart.PoolUsedMemHigh); u != 1024 || h != 3*mib+1024 {
 		t.Fatalf("after free: used %d high %d", u, h)
 	}
@@ -83,6 +85,7 @@ func TestMemoryFiguresAndReservation(t *testing.T) {
 	np := d.pool(cudart.PoolProps{Location: cudart.DeviceLocation(0)})
 	x := d.alloc(np, 5*mib)
 	ok(t, d.FreeAsync(0, x, 0))
+	ok(t, d.sync()) // memory whose free has not run is still in use
 	ok(t, d.MemPoolTrimTo(0, np, 2*mib))
 	if r := d.attr(np, cudart.PoolReservedMemCurrent); r != 2*mib {
 		t.Fatalf("non-IPC reserved after TrimTo(2 MiB) = %d", r)
@@ -205,6 +208,7 @@ func TestDestroyWaitsForLiveAllocations(t *testing.T) {
 		t.Fatalf("free = %d while the destroyed pool still has an allocation", free)
 	}
 	ok(t, d.FreeAsync(0, ptr, 0))
+	ok(t, d.sync())
 	if free, _, _ := d.MemGetInfo(0); free != 64*mib {
 		t.Fatalf("free = %d after the last allocation of a destroyed pool went", free)
 	}
@@ -260,10 +264,12 @@ func TestCopiesAndSets(t *testing.T) {
 	a := d.alloc(p, 64)
 	b, err := d.MallocFromPoolAsync(1, 64, q, 0)
 	ok(t, err)
+	ok(t, d.StreamSynchronize(1, 0)) // the allocation has run: any stream may use it
 	ok(t, d.MemsetAsync(0, a, 'z', 64, 0))
 	d.write(a+8, []byte("hello"))
 	ok(t, d.MemcpyDtoDAsync(0, b, a, 64, 0)) // across devices, as cudaMemcpyDefault
 	ok(t, d.MemcpyDtoDAsync(0, a+1, a, 16, 0))
+	ok(t, d.sync()) // device 1's default stream is another stream
 	got := make([]byte, 16)
 	ok(t, d.MemcpyDtoHAsync(1, got, b, 0))
 	if string(got) != "zzzzzzzzhellozzz" {

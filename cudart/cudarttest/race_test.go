@@ -58,6 +58,7 @@ func TestConcurrentAllocFree(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
+	ok(t, d.sync())
 	if used := d.attr(p, cudart.PoolUsedMemCurrent); used != 0 {
 		t.Fatalf("used %d after every allocation was freed", used)
 	}
@@ -79,6 +80,7 @@ func TestImportRacingExporterFree(t *testing.T) {
 		wg.Go(func() { iptr, importErr = s.imp.MemPoolImportPointer(0, s.ipool, rec) })
 		wg.Wait()
 		ok(t, importErr)
+		freeErr = errors.Join(freeErr, s.exp.sync())
 		if freeErr != nil && !errors.Is(freeErr, ErrViolation) {
 			t.Fatal(freeErr)
 		}
@@ -91,5 +93,6 @@ func TestImportRacingExporterFree(t *testing.T) {
 			t.Fatal("an import outlived the exporter's free unnoticed")
 		}
 		ok(t, s.imp.FreeAsync(0, iptr, 0))
+		ok(t, s.imp.sync())
 	}
 }

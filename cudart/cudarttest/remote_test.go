@@ -116,7 +116,7 @@ func serveRemote([]string) int {
 		fmt.Fprintln(os.Stderr, "remote:", err)
 		return 1
 	}
-	s := &server{d: New()}
+	s := &server{d: New(WithDeferred())}
 	buf := make([]byte, 1<<16)
 	for {
 		n, fds, err := unixfd.Recv(conn.(*net.UnixConn), buf, 1)
@@ -152,9 +152,10 @@ func serveRemote([]string) int {
 }
 
 type server struct {
-	d     *Device
-	pool  cudart.MemPool
-	event cudart.Event
+	d      *Device
+	pool   cudart.MemPool
+	event  cudart.Event
+	resume func() // of the stall on the default stream, if any
 }
 
 // serve runs one request; out is a descriptor to send back, or -1.
@@ -208,6 +209,14 @@ func (s *server) serve(req request, fds []int) (rep reply, out int) {
 		err = d.MemcpyDtoHAsync(0, rep.Data, cudart.DevicePtr(req.Ptr), 0)
 	case "write":
 		err = d.MemcpyHtoDAsync(0, cudart.DevicePtr(req.Ptr), req.Data, 0)
+	case "stall": // hold the default stream until "resume"
+		s.resume, err = d.Stall(0, 0)
+	case "resume":
+		if s.resume != nil {
+			s.resume()
+		}
+	case "sync":
+		err = d.StreamSynchronize(0, 0)
 	case "violations":
 		for _, v := range d.Violations() {
 			rep.Kinds = append(rep.Kinds, v.Kind)

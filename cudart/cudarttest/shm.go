@@ -178,7 +178,7 @@ func roundUp(n, m uint64) uint64 { return (n + m - 1) / m * m }
 // allocates; importers read entries to validate records and register themselves.
 const (
 	poolMemfdName = "cudarttest-pool"
-	poolMagic     = 0x315f4c4f4f504443 // "CDPOOL_1"
+	poolMagic     = 0x325f4c4f4f504443 // "CDPOOL_2"
 
 	hMagic        = 0   // poolMagic
 	hUID          = 8   // 2 words
@@ -201,16 +201,21 @@ const (
 
 	// An entry: one allocation slot. eState is gen<<2 | state; offset and size are
 	// written before it, so a reader that sees the same eState before and after
-	// reading them has a consistent triple.
-	eState      = 0
-	eOffset     = 8
-	eSize       = 16
-	eWriteEpoch = 24 // epoch of the last write (or of the allocation)
-	eWriter     = 32 // ident of the Device that made it
-	eReleased   = 40 // epoch of the latest importer's free of this generation
-	eSlots      = 64 // maxImporters × (ident, gen): importers holding this allocation
-	slotBytes   = 16
-	entryBytes  = eSlots + maxImporters*slotBytes
+	// reading them has a consistent triple. The marks say who last wrote the memory
+	// (or allocated it) and read it, on which stream and when the work ran.
+	eState        = 0
+	eOffset       = 8
+	eSize         = 16
+	eWriteEpoch   = 24  // when the last write (or the allocation) ran; pendingEpoch until then
+	eWriter       = 32  // ident of the Device that did it
+	eWriterStream = 40  // and its stream
+	eReleased     = 48  // epoch of the latest importer's free of this generation
+	eReads        = 64  // maxReaders × (ident, stream, epoch): the latest reads, one per stream
+	eSlots        = 160 // maxImporters × (ident, gen): importers holding this allocation
+	maxReaders    = 4
+	readBytes     = 24
+	slotBytes     = 16
+	entryBytes    = eSlots + maxImporters*slotBytes
 
 	poolDataOffset = (headerBytes + maxEntries*entryBytes + 4095) / 4096 * 4096
 )
@@ -224,3 +229,73 @@ const (
 func entryOff(i uint32) uint64           { return headerBytes + uint64(i)*entryBytes }
 func slotOff(i uint32, s int) uint64     { return entryOff(i) + eSlots + uint64(s)*slotBytes }
 func packState(gen, state uint64) uint64 { return gen<<2 | state }
+
+// marks are the access marks of one allocation's entry, shared by every Device that
+// maps the pool. Each word is atomic; a mark of three words may be seen half updated
+// by another process, which at worst misnames an access.
+type marks struct {
+	r  *region
+	eo uint64
+}
+
+func (p *pool) marks(entry uint32) marks { return marks{p.reg, entryOff(entry)} }
+
+// An accessor is a stream of a Device and when its access ran.
+type accessor struct {
+	id     ident
+	stream uint64
+	epoch  uint64
+}
+
+func (a accessor) is(id ident, st *stream) bool { return a.id == id && a.stream == st.id }
+
+func (a accessor) String() string { return fmt.Sprintf("stream %#x of %v", a.stream, a.id) }
+
+func (m marks) writer() accessor {
+	return accessor{ident(m.r.load(m.eo + eWriter)), m.r.load(m.eo + eWriterStream), m.r.load(m.eo + eWriteEpoch)}
+}
+
+func (m marks) readers() []accessor {
+	var rs []accessor
+	for i := range uint64(maxReaders) {
+		ro := m.eo + eReads + i*readBytes
+		if id := ident(m.r.load(ro)); id != 0 {
+			rs = append(rs, accessor{id, m.r.load(ro + 8), m.r.load(ro + 16)})
+		}
+	}
+	return rs
+}
+
+// wrote marks a write (or allocation) by stream st of Device id at epoch t; the reads
+// before it are forgotten, as they were checked to be ordered before it.
+func (m marks) wrote(id ident, st *stream, t uint64) {
+	m.r.store(m.eo+eWriter, uint64(id))
+	m.r.store(m.eo+eWriterStream, st.id)
+	m.r.store(m.eo+eWriteEpoch, t)
+	for i := range uint64(maxReaders) {
+		m.r.store(m.eo+eReads+i*readBytes, 0)
+	}
+}
+
+// read marks a read by stream st of Device id at epoch t, in that stream's slot, else
+// a free one, else the oldest.
+func (m marks) read(id ident, st *stream, t uint64) {
+	at, oldest := uint64(0), ^uint64(0)
+	for i := range uint64(maxReaders) {
+		ro := m.eo + eReads + i*readBytes
+		rid := ident(m.r.load(ro))
+		if rid == id && m.r.load(ro+8) == st.id {
+			at = ro
+			break
+		}
+		if e := m.r.load(ro + 16); rid == 0 || e < oldest {
+			if rid == 0 {
+				e = 0
+			}
+			at, oldest = ro, e
+		}
+	}
+	m.r.store(at, uint64(id))
+	m.r.store(at+8, st.id)
+	m.r.store(at+16, t)
+}
