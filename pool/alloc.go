@@ -77,7 +77,7 @@ func (p *Pool) allocOnce(b *Buffer, s cudart.Stream) error {
 	}
 	err := p.allocDriver(b, s)
 	if errors.Is(err, cudart.ErrOutOfMemory) && p.holdsCache() {
-		_, _ = p.trim(func(cudart.Stream) bool { return true }) // failures are kept for Stats and Close
+		_, _, _ = p.trim(func(cudart.Stream) bool { return true }, false) // failures are kept for Stats and Close
 		err = p.allocDriver(b, s)
 	}
 	return err
@@ -230,6 +230,10 @@ func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
 		p.cacheLocked(b, s, 0)
 		p.mu.Unlock()
 		return nil
+	case b.retained.holds():
+		b.state = bufFreeing
+		p.mu.Unlock()
+		return p.freeRetained(b, s)
 	}
 	b.state = bufFreed
 	p.forget(b)

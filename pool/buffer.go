@@ -38,6 +38,7 @@ type Buffer struct {
 	abandoned  bool          // a lease ended after Close began: its completion was not waited on
 	freeEvent  cudart.Event  // recorded by a deferred Free; 0 until then
 	freeStream cudart.Stream // the stream a deferred Free was given
+	retained   *retainSet    // the memory's retentions; nil until its first
 	prev, next *Buffer       // in pool.live
 
 	// record is set once, under pool.exportMu; atomic so that Free can carry it

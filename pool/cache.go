@@ -31,6 +31,8 @@ type cached struct {
 	record *cudart.PtrExportData
 	// ready is 0, or a pool event that the taking stream must wait for first.
 	ready cudart.Event
+	// retained is the memory's retentions, handed to the next buffer.
+	retained *retainSet
 }
 
 // streamCache holds the buffers freed on one stream, a list per size class. A stream
@@ -138,7 +140,7 @@ func (p *Pool) claimCacheLocked(s cudart.Stream, n uint64) bool {
 func (p *Pool) cacheLocked(b *Buffer, s cudart.Stream, ready cudart.Event) {
 	b.state = bufFreed
 	p.forget(b)
-	p.pushLocked(s, cached{ptr: b.ptr, reserved: b.reserved, record: b.record.Load(), ready: ready})
+	p.pushLocked(s, cached{ptr: b.ptr, reserved: b.reserved, record: b.record.Load(), ready: ready, retained: b.retained})
 	p.freedLocked()
 }
 
@@ -170,7 +172,7 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 	p.cache.hits++
 	p.cache.buffers--
 	p.cache.bytes -= c.reserved
-	b.ptr, b.reserved = c.ptr, c.reserved
+	b.ptr, b.reserved, b.retained = c.ptr, c.reserved, c.retained
 	b.record.Store(c.record)
 	if c.ready == 0 {
 		p.remember(b)
@@ -243,7 +245,7 @@ func (p *Pool) Trim() error {
 		return p.closedError("trim")
 	}
 	defer p.gate.leave()
-	_, errs := p.trim(func(cudart.Stream) bool { return true })
+	_, _, errs := p.trim(func(cudart.Stream) bool { return true }, false)
 	return errors.Join(errs...)
 }
 
@@ -253,13 +255,15 @@ func (p *Pool) TrimStream(s cudart.Stream) error {
 		return p.closedError("trim")
 	}
 	defer p.gate.leave()
-	_, errs := p.trim(func(c cudart.Stream) bool { return c == s })
+	_, _, errs := p.trim(func(c cudart.Stream) bool { return c == s }, false)
 	return errors.Join(errs...)
 }
 
 // trim frees the cached buffers of the streams that match, and returns what it freed.
-// Call inside the gate, or from Close once no call can be inside.
-func (p *Pool) trim(match func(cudart.Stream) bool) (freed cacheFigures, errs []error) {
+// Memory that importers retain goes back once they let go (see Retain); closing, it
+// is abandoned instead, as there is no one left to wait for them. Call inside the
+// gate, or from Close once no call can be inside.
+func (p *Pool) trim(match func(cudart.Stream) bool, closing bool) (freed, abandoned cacheFigures, errs []error) {
 	type entry struct {
 		s cudart.Stream
 		c cached
@@ -284,6 +288,17 @@ func (p *Pool) trim(match func(cudart.Stream) bool) (freed cacheFigures, errs []
 	}
 	p.mu.Unlock()
 	for _, e := range out {
+		if p.retainedEntry(e.c) {
+			if closing {
+				abandoned.buffers++
+				abandoned.bytes += e.c.reserved
+				continue
+			}
+			if err := p.retireCached(e.s, e.c); err != nil {
+				errs = append(errs, err)
+			}
+			continue
+		}
 		if err := p.freeCached(e.s, e.c); err != nil {
 			err = p.errorf("%w: cached buffer (%s at %#x): %w", ErrFreeFailed, human(e.c.reserved), uintptr(e.c.ptr), err)
 			errs = append(errs, err)
@@ -299,7 +314,33 @@ func (p *Pool) trim(match func(cudart.Stream) bool) (freed cacheFigures, errs []
 	if freed.buffers > 0 {
 		p.wakeWaiters()
 	}
-	return freed, errs
+	return freed, abandoned, errs
+}
+
+func (p *Pool) retainedEntry(c cached) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return c.retained.holds()
+}
+
+// retireCached returns cached memory that importers retain to the driver once they
+// let go, after the point its stream had reached.
+func (p *Pool) retireCached(s cudart.Stream, c cached) error {
+	after := c.ready
+	if after == 0 {
+		ev, err := p.recordOn(s)
+		if err != nil {
+			// Without that point the memory cannot be ordered: it stays reserved.
+			err = p.errorf("%w: cached buffer (%s at %#x): %w", ErrFreeFailed, human(c.reserved), uintptr(c.ptr), err)
+			p.mu.Lock()
+			p.failed = append(p.failed, err)
+			p.counts.failedFreeBytes += c.reserved
+			p.mu.Unlock()
+			return err
+		}
+		after = ev
+	}
+	return p.retire(c.retained, c.ptr, c.reserved, after)
 }
 
 type cacheFigures struct {

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 )
 
 // countingRuntime counts the calls that exports make and that the cache exists to
@@ -331,16 +332,9 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 // A consumer of a recycled buffer reads what the producer wrote after recycling it,
 // never the old contents, and the software device sees no rule broken.
 func TestRecycledBufferCarriesNewContents(t *testing.T) {
-	exp := softDevice(t)
-	e := newTestEnv(t, exp, exp)
-	p := mustNew(t, exp, WithCache(64*mib))
-	const n = 4096
-	b := mustAlloc(t, p, n, e.stream)
-	require.NoError(t, exp.MemsetAsync(0, b.Ptr(), 0x11, n, e.stream))
-	l := mustLease(t, b)
-	first := importBuffer(t, b)
-	first.waitFor(exp, e.stream)
-	assert.Equal(t, bytes.Repeat([]byte{0x11}, n), first.read(n))
+	sh := shareFilled(t, 0x11)
+	exp, e, p, b, l, first := sh.exp, sh.e, sh.p, sh.b, sh.l, sh.im
+	const n = shareSize
 	mustFree(t, b, e.stream) // deferred: the lease is live
 	done := first.freeImport(exp)
 	require.NoError(t, l.End(done))
@@ -395,29 +389,53 @@ func TestCacheConcurrent(t *testing.T) {
 	assert.Equal(t, s.CachedBuffers, r.CachedBuffers)
 }
 
+// sharing is a buffer of a cached pool on a software device, filled with one byte,
+// leased and imported into another software device, which has read it.
+type sharing struct {
+	exp *cudarttest.Device
+	e   testEnv
+	p   *Pool
+	b   *Buffer
+	l   *Lease
+	im  *importer
+}
+
+// shareSize is the size of a sharing's buffer.
+const shareSize = 4096
+
+func shareFilled(t *testing.T, fill byte) sharing {
+	t.Helper()
+	exp := softDevice(t)
+	e := newTestEnv(t, exp, exp)
+	p := mustNew(t, exp, WithCache(64*mib))
+	b := mustAlloc(t, p, shareSize, e.stream)
+	require.NoError(t, exp.MemsetAsync(0, b.Ptr(), fill, shareSize, e.stream))
+	l := mustLease(t, b)
+	im := importBuffer(t, b)
+	im.waitFor(exp, e.stream)
+	require.Equal(t, bytes.Repeat([]byte{fill}, shareSize), im.read(shareSize))
+	return sharing{exp, e, p, b, l, im}
+}
+
 // waitFor orders the importer's stream after the work queued on the exporter's
 // stream s so far, through an IPC event, as a sharing layer does before a read.
 func (im *importer) waitFor(exp cudart.Runtime, s cudart.Stream) {
-	t := im.t
-	t.Helper()
-	ev, err := exp.EventCreate(0, cudart.EventIPC)
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, exp.EventDestroy(0, ev)) })
-	require.NoError(t, exp.EventRecord(0, ev, s))
-	h, err := exp.IpcGetEventHandle(0, ev)
-	require.NoError(t, err)
-	opened, err := im.d.IpcOpenEventHandle(0, h)
-	require.NoError(t, err)
-	require.NoError(t, im.d.StreamWaitEvent(0, im.stream, opened))
+	im.t.Helper()
+	require.NoError(im.t, im.d.StreamWaitEvent(0, im.stream, crossEvent(im.t, exp, s, im.d)))
 }
 
-// cudaStreamPerThread names a different stream on each OS thread, and a goroutine
-// moves between threads: a buffer freed on it goes to the driver.
-func TestCacheSkipsThePerThreadStream(t *testing.T) {
-	d := softDevice(t)
-	rt := &countingRuntime{Runtime: d}
-	p := mustNew(t, rt, WithCache(64*mib))
-	mustFree(t, mustAlloc(t, p, mib, perThreadStream), perThreadStream)
-	assert.Equal(t, int64(1), rt.frees.Load())
-	assert.Zero(t, mustStats(t, p).CachedBuffers)
+// crossEvent records an IPC event on stream s of from and returns it opened on to,
+// as another process sees it.
+func crossEvent(t testing.TB, from cudart.Runtime, s cudart.Stream, to cudart.Runtime) cudart.Event {
+	t.Helper()
+	ev, err := from.EventCreate(0, cudart.EventIPC)
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, from.EventDestroy(0, ev)) })
+	require.NoError(t, from.EventRecord(0, ev, s))
+	h, err := from.IpcGetEventHandle(0, ev)
+	require.NoError(t, err)
+	opened, err := to.IpcOpenEventHandle(0, h)
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, to.EventDestroy(0, opened)) })
+	return opened
 }

@@ -124,6 +124,9 @@ func (p *Pool) takeCloser(ctx context.Context) error {
 // Call with pool.mu held.
 func (p *Pool) busyLocked() error {
 	c := p.counts
+	if c.retentions > 0 {
+		return p.errorf("close: %w: importers retain %d mappings of its memory", ErrBusy, c.retentions)
+	}
 	if c.liveBuffers > 0 {
 		return p.errorf("close: %w: %d live buffers (%s reserved; %d shared with %d leases, %d deferred frees, %d failed frees)",
 			ErrBusy, c.liveBuffers, human(c.bytesReserved), c.sharedBuffers, c.activeLeases, c.deferredFrees, len(p.failed))
@@ -149,7 +152,7 @@ func (p *Pool) sortForClose() (r CloseReport, toFree []*Buffer, abandoned []cuda
 		next := b.next
 		switch {
 		case b.state == bufFailed:
-		case b.leases > 0 || b.abandoned || b.state == bufFreeing:
+		case b.leases > 0 || b.abandoned || b.state == bufFreeing || b.retained.holds():
 			r.AbandonedBuffers++
 			r.AbandonedBytes += b.reserved
 			if b.freeEvent != 0 {
@@ -164,6 +167,15 @@ func (p *Pool) sortForClose() (r CloseReport, toFree []*Buffer, abandoned []cuda
 		}
 		p.forget(b)
 		b = next
+	}
+	// Memory waiting for its retainers is abandoned with the rest that importers hold.
+	for set := range p.parked {
+		r.AbandonedBuffers++
+		r.AbandonedBytes += set.reserved
+		if set.after != 0 {
+			abandoned = append(abandoned, set.after)
+		}
+		p.unparkLocked(set)
 	}
 	r.FailedFrees = append(r.FailedFrees, p.failed...)
 	return r, toFree, abandoned
@@ -203,8 +215,10 @@ func (p *Pool) destroyEvents(events []cudart.Event) []error {
 // teardown destroys the pool's CUDA objects once no call can reach them, and marks
 // the pool closed.
 func (p *Pool) teardown(r CloseReport, errs []error) (CloseReport, error) {
-	freed, terrs := p.trim(func(cudart.Stream) bool { return true })
+	freed, abandoned, terrs := p.trim(func(cudart.Stream) bool { return true }, true)
 	r.CachedBuffers, r.CachedBytes = freed.buffers, freed.bytes
+	r.AbandonedBuffers += abandoned.buffers
+	r.AbandonedBytes += abandoned.bytes
 	r.FailedFrees = append(r.FailedFrees, terrs...)
 	errs = append(errs, terrs...)
 	p.mu.Lock()

@@ -119,6 +119,8 @@ type Pool struct {
 	failed []error        // deferred frees that failed
 	counts counts
 	cache  cache
+	// parked is the memory waiting for its retainers to let go (see Retain).
+	parked map[*retainSet]struct{}
 }
 
 // counts are the pool's own figures, guarded by Pool.mu.
@@ -131,6 +133,9 @@ type counts struct {
 	activeLeases    int
 	deferredFrees   int
 	failedFreeBytes uint64
+	retentions      int
+	revokingBuffers int
+	revokingBytes   uint64
 }
 
 func newPool(rt cudart.Runtime, dev int, handle cudart.MemPool, name string) *Pool {

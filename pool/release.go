@@ -98,6 +98,14 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 		p.mu.Unlock()
 		return nil
 	}
+	if set := p.retainedSet(b); err == nil && set != nil {
+		p.mu.Lock()
+		p.counts.deferredFrees--
+		b.state = bufFreed
+		p.forget(b)
+		p.mu.Unlock()
+		return p.retire(set, b.ptr, b.reserved, 0)
+	}
 	if err == nil {
 		err = p.freeOnRelease(b)
 	}
@@ -127,6 +135,13 @@ func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
 	ev, err := p.recordOn(s)
 	if err == nil {
 		err = p.waitRelease(ev)
+	}
+	if set := p.retainedSet(b); err == nil && set != nil {
+		p.mu.Lock()
+		b.state = bufFreed
+		p.forget(b)
+		p.mu.Unlock()
+		return p.retire(set, b.ptr, b.reserved, 0)
 	}
 	if err == nil {
 		err = p.freeOnRelease(b)
@@ -163,4 +178,33 @@ func (p *Pool) freeOnRelease(b *Buffer) error {
 		return err
 	}
 	return p.rt.FreeAsync(p.dev, b.ptr, rel)
+}
+
+// retainedSet returns b's retentions if it has any, else nil.
+func (p *Pool) retainedSet(b *Buffer) *retainSet {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if b.retained.holds() {
+		return b.retained
+	}
+	return nil
+}
+
+// freeRetained frees a buffer that was never leased but whose memory importers
+// retain (it came from the cache): the memory goes back to the driver after the point
+// reached on s, once they let go. On failure b is live again. Call inside the gate
+// with b.state bufFreeing.
+func (p *Pool) freeRetained(b *Buffer, s cudart.Stream) error {
+	ev, err := p.recordOn(s)
+	p.mu.Lock()
+	if err != nil {
+		b.state = bufLive
+		p.mu.Unlock()
+		return p.errorf("free %v: %w", b, err)
+	}
+	b.state = bufFreed
+	p.forget(b)
+	set := b.retained
+	p.mu.Unlock()
+	return p.retire(set, b.ptr, b.reserved, ev)
 }

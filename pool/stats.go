@@ -43,6 +43,13 @@ type Stats struct {
 	CachedBuffers          int
 	CachedBytes            uint64
 	CacheHits, CacheMisses uint64
+
+	// Retentions counts importers' mappings kept past their leases (Retain);
+	// RevokingBuffers and RevokingBytes are the memory waiting for its retainers to
+	// let go before it goes back to the driver.
+	Retentions      int
+	RevokingBuffers int
+	RevokingBytes   uint64
 }
 
 // RoundingOverhead is the memory the live buffers hold beyond what they asked for.
@@ -74,6 +81,7 @@ func (p *Pool) Stats() (Stats, error) {
 	s.FailedFrees = len(p.failed)
 	s.CacheLimit, s.CachedBuffers, s.CachedBytes = p.cache.limit, p.cache.buffers, p.cache.bytes
 	s.CacheHits, s.CacheMisses = p.cache.hits, p.cache.misses
+	s.Retentions, s.RevokingBuffers, s.RevokingBytes = c.retentions, c.revokingBuffers, c.revokingBytes
 	p.mu.Unlock()
 	s.LiveBuffers, s.BytesRequested, s.BytesReserved = c.liveBuffers, c.bytesRequested, c.bytesReserved
 	s.SharedBuffers, s.ActiveLeases, s.DeferredFrees = c.sharedBuffers, c.activeLeases, c.deferredFrees
@@ -114,6 +122,9 @@ func (s Stats) String() string {
 	if s.CacheLimit != 0 {
 		fmt.Fprintf(&b, "; cache %d buffers, %s of %s (%d hits, %d misses)",
 			s.CachedBuffers, human(s.CachedBytes), human(s.CacheLimit), s.CacheHits, s.CacheMisses)
+	}
+	if s.Retentions != 0 || s.RevokingBuffers != 0 {
+		fmt.Fprintf(&b, "; %d retentions, %d buffers (%s) being revoked", s.Retentions, s.RevokingBuffers, human(s.RevokingBytes))
 	}
 	return b.String()
 }
