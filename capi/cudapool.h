@@ -89,6 +89,9 @@ int cudapool_runtime_info(int *on_gpu, int *devices, char *name, size_t name_len
 int cudapool_stream_create(int device, void **stream);
 int cudapool_stream_destroy(int device, void *stream);
 int cudapool_stream_synchronize(int device, void *stream);
+/* cudapool_stream_wait makes the work queued on waiter from now on wait for the work
+ * queued on waited so far; the host does not wait. */
+int cudapool_stream_wait(int device, void *waiter, void *waited);
 int cudapool_copy_to_device(int device, void *dst, const void *src, size_t n, void *stream);
 /* cudapool_copy_from_device returns once the copy is done. */
 int cudapool_copy_from_device(int device, void *dst, const void *src, size_t n, void *stream);
@@ -111,6 +114,7 @@ typedef struct {
 	int wait_for_memory;        /* alloc on a full pool waits for a free */
 	const int *peer_devices;    /* devices that may access the pool's memory */
 	int peer_count;
+	uint64_t cache_bytes;       /* freed buffers kept for reuse on their stream; 0: none */
 } cudapool_pool_options;
 
 /* cudapool_pool_options_default fills *o with pool.New's defaults (POSIX fd). */
@@ -125,6 +129,7 @@ typedef struct {
 	uint64_t reserved_current, reserved_high, used_current, used_high; /* the driver's */
 	uint64_t live_buffers, bytes_requested, bytes_reserved;
 	uint64_t shared_buffers, active_leases, deferred_frees, failed_frees;
+	uint64_t cached_buffers, cached_bytes; /* kept for reuse (cache_bytes) */
 } cudapool_pool_stats;
 
 int cudapool_pool_stats_get(uint64_t pool, cudapool_pool_stats *stats);
@@ -191,8 +196,9 @@ int cudapool_mapping_release(uint64_t mapping, void *stream, int64_t timeout_ms)
 /* ---- PyTorch allocator ----
  * The entry points torch.cuda.memory.CUDAPluggableAllocator loads. Each device's
  * memory comes from an exportable cudapool pool made at its first allocation, with the
- * options of cudapool_torch_configure (else from $CUDAPOOL_TORCH_MAX_SIZE and
- * $CUDAPOOL_TORCH_HANDLE_TYPE: "posix-fd", "none" or "fabric"). A tensor allocated
+ * options of cudapool_torch_configure (else from $CUDAPOOL_TORCH_MAX_SIZE,
+ * $CUDAPOOL_TORCH_CACHE (bytes) and $CUDAPOOL_TORCH_HANDLE_TYPE: "posix-fd", "none" or
+ * "fabric"). A tensor allocated
  * there can be published with cudapool_exporter_publish. */
 void *cudapool_torch_malloc(ssize_t size, int device, void *stream);
 void cudapool_torch_free(void *ptr, ssize_t size, int device, void *stream);

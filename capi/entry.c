@@ -88,6 +88,10 @@ int cudapool_stream_synchronize(int device, void *stream) {
 	CP_CALL(cpgo_stream_synchronize(device, (uintptr_t)stream));
 }
 
+int cudapool_stream_wait(int device, void *waiter, void *waited) {
+	CP_CALL(cpgo_stream_wait(device, (uintptr_t)waiter, (uintptr_t)waited));
+}
+
 int cudapool_copy_to_device(int device, void *dst, const void *src, size_t n, void *stream) {
 	CP_CALL(cpgo_copy_to_device(device, (uintptr_t)dst, (void *)src, n, (uintptr_t)stream));
 }

@@ -36,6 +36,9 @@ func poolOptions(o *C.cudapool_pool_options) ([]pool.Option, error) {
 	if o.wait_for_memory != 0 {
 		opts = append(opts, pool.WithWaitForMemory())
 	}
+	if o.cache_bytes != 0 {
+		opts = append(opts, pool.WithCache(uint64(o.cache_bytes)))
+	}
 	switch n := int(o.peer_count); {
 	case n < 0:
 		return nil, invalid("peer_count %d is negative", n)
@@ -92,7 +95,8 @@ func cpgo_pool_stats(h C.uint64_t, out *C.cudapool_pool_stats) (rc C.int) {
 		live_buffers: C.uint64_t(s.LiveBuffers), bytes_requested: C.uint64_t(s.BytesRequested),
 		bytes_reserved: C.uint64_t(s.BytesReserved), shared_buffers: C.uint64_t(s.SharedBuffers),
 		active_leases: C.uint64_t(s.ActiveLeases), deferred_frees: C.uint64_t(s.DeferredFrees),
-		failed_frees: C.uint64_t(s.FailedFrees),
+		failed_frees: C.uint64_t(s.FailedFrees), cached_buffers: C.uint64_t(s.CachedBuffers),
+		cached_bytes: C.uint64_t(s.CachedBytes),
 	}
 	return result(err)
 }

@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"sync"
@@ -148,6 +149,33 @@ func cpgo_stream_synchronize(device C.int, s C.uintptr_t) (rc C.int) {
 		return fail(err)
 	}
 	return result(rt.StreamSynchronize(int(device), cudart.Stream(s)))
+}
+
+//export cpgo_stream_wait
+func cpgo_stream_wait(device C.int, waiter, waited C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	return result(streamWait(rt, int(device), cudart.Stream(waiter), cudart.Stream(waited)))
+}
+
+// streamWait orders waiter after waited through an event made for the purpose: the
+// wait captures the event's work when it is queued, so the event can go at once.
+func streamWait(rt cudart.Runtime, dev int, waiter, waited cudart.Stream) error {
+	if waiter == waited {
+		return nil
+	}
+	ev, err := rt.EventCreate(dev, cudart.EventDisableTiming)
+	if err != nil {
+		return err
+	}
+	err = rt.EventRecord(dev, ev, waited)
+	if err == nil {
+		err = rt.StreamWaitEvent(dev, waiter, ev)
+	}
+	return errors.Join(err, rt.EventDestroy(dev, ev))
 }
 
 //export cpgo_copy_to_device

@@ -28,6 +28,7 @@ import (
 const (
 	TorchMaxSizeEnv    = "CUDAPOOL_TORCH_MAX_SIZE"
 	TorchHandleTypeEnv = "CUDAPOOL_TORCH_HANDLE_TYPE"
+	TorchCacheEnv      = "CUDAPOOL_TORCH_CACHE"
 )
 
 // maxTorchDevices bounds the device ordinals the allocator serves.
@@ -87,12 +88,19 @@ func torchPool(device int) (*pool.Pool, error) {
 
 func torchEnvOptions() ([]pool.Option, error) {
 	var opts []pool.Option
-	if v := os.Getenv(TorchMaxSizeEnv); v != "" {
+	for _, e := range []struct {
+		name   string
+		option func(uint64) pool.Option
+	}{{TorchMaxSizeEnv, pool.WithMaxSize}, {TorchCacheEnv, pool.WithCache}} {
+		v := os.Getenv(e.name)
+		if v == "" {
+			continue
+		}
 		n, err := strconv.ParseUint(v, 10, 64)
 		if err != nil {
-			return nil, invalid("$%s=%q is not a byte count", TorchMaxSizeEnv, v)
+			return nil, invalid("$%s=%q is not a byte count", e.name, v)
 		}
-		opts = append(opts, pool.WithMaxSize(n))
+		opts = append(opts, e.option(n))
 	}
 	switch v := os.Getenv(TorchHandleTypeEnv); v {
 	case "", "posix-fd":

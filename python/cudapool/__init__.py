@@ -25,7 +25,7 @@ method.
 import ctypes
 import json
 
-from . import _lib
+from . import _dlpack, _lib
 from ._lib import (  # noqa: F401 (re-exported)
     Busy, Closed, CudaError, CudapoolError, ForeignPointer, ForkedProcess, Gone,
     InternalError, InvalidArgument, InvalidHandle, NameInUse, NoRuntime, NotFound,
@@ -33,7 +33,7 @@ from ._lib import (  # noqa: F401 (re-exported)
     VersionMismatch, library_path)
 
 __all__ = [
-    "init", "runtime_info", "protocol_version", "stream_handle", "Stream", "Pool",
+    "init", "runtime_info", "protocol_version", "stream_handle", "stream_wait", "Stream", "Pool",
     "Exporter", "Importer", "Mapping", "ArrayView", "query_state", "copy_to_device",
     "copy_from_device", "CudapoolError", "MAX_META", "DEFAULT_TIMEOUT",
 ]
@@ -121,6 +121,14 @@ class Stream:
         self.close()
 
 
+def stream_wait(device, waiter, waited):
+    """Makes the work queued on waiter from now on wait for the work queued on waited so
+    far (both on device); the host does not wait."""
+    w, d = stream_handle(waiter), stream_handle(waited)
+    if w != d:
+        _lib.call("cudapool_stream_wait", device, ctypes.c_void_p(w or None), ctypes.c_void_p(d or None))
+
+
 def copy_to_device(device, dst, data, stream=None):
     """Copies the bytes data to the device address dst, ordered on stream."""
     data = bytes(data)
@@ -136,7 +144,7 @@ def copy_from_device(device, src, n, stream=None):
 
 
 def _pool_options(name=None, handle_type="posix-fd", max_size=0, release_threshold=None,
-                  wait_for_memory=False, peer_devices=()):
+                  wait_for_memory=False, peer_devices=(), cache_bytes=0):
     if handle_type not in HANDLE_TYPES:
         raise ValueError("handle_type %r: want one of %s" % (handle_type, ", ".join(HANDLE_TYPES)))
     o = _lib.PoolOptions()
@@ -146,6 +154,7 @@ def _pool_options(name=None, handle_type="posix-fd", max_size=0, release_thresho
     if release_threshold is not None:
         o.release_threshold, o.has_release_threshold = release_threshold, 1
     o.wait_for_memory = 1 if wait_for_memory else 0
+    o.cache_bytes = cache_bytes
     peers = list(peer_devices)
     if peers:
         o.peer_devices = (ctypes.c_int * len(peers))(*peers)
@@ -173,8 +182,9 @@ class Pool(_Handle):
     """A cudapool pool on device: pool.New's options, stream-ordered alloc and free."""
 
     def __init__(self, device=0, *, name=None, handle_type="posix-fd", max_size=0,
-                 release_threshold=None, wait_for_memory=False, peer_devices=()):
-        o = _pool_options(name, handle_type, max_size, release_threshold, wait_for_memory, peer_devices)
+                 release_threshold=None, wait_for_memory=False, peer_devices=(), cache_bytes=0):
+        o = _pool_options(name, handle_type, max_size, release_threshold, wait_for_memory, peer_devices,
+                          cache_bytes)
         h = ctypes.c_uint64()
         _lib.call("cudapool_pool_create", device, ctypes.byref(o), ctypes.byref(h))
         self._h, self.device = h.value, device
@@ -316,8 +326,14 @@ class Mapping(_Handle):
 
     def view(self, typestr, shape, strides=None, offset=0):
         """An ArrayView of the mapping's memory from offset: typestr is a
-        __cuda_array_interface__ type string ("<f2", "|u1", ...)."""
+        __cuda_array_interface__ type string ("<f2", "|u1", ...), or "bf16"."""
         return ArrayView(self, typestr, shape, strides, offset)
+
+    def __dlpack__(self, stream=None, **_):
+        return self.view("|u1", (self.size,)).__dlpack__(stream)
+
+    def __dlpack_device__(self):
+        return (_dlpack.KDL_CUDA, self.device)
 
     def release(self, stream=None, timeout=DEFAULT_TIMEOUT):
         """Gives the mapping back once the work queued on stream (default: the stream it
@@ -331,10 +347,14 @@ class Mapping(_Handle):
 
 
 class ArrayView:
-    """A typed, shaped window on a Mapping, for __cuda_array_interface__ consumers."""
+    """A typed, shaped window on a Mapping, for __cuda_array_interface__ and DLPack
+    consumers. Through DLPack (torch.from_dlpack, cupy.from_dlpack) the array is on the
+    importer's device, also where that is not the producer's: a consumer on another GPU
+    then reads the producer's memory over NVLink, where __cuda_array_interface__
+    consumers would place the array on the producer's GPU."""
 
     def __init__(self, mapping, typestr, shape, strides=None, offset=0):
-        itemsize = int(typestr[2:])
+        itemsize = 2 if typestr == "bf16" else int(typestr[2:])
         n = itemsize
         for d in shape:
             n *= d
@@ -342,11 +362,27 @@ class ArrayView:
             raise ValueError("%d bytes at offset %d do not fit the %d-byte mapping" % (n, offset, mapping.size))
         self.mapping, self.typestr, self.shape = mapping, typestr, tuple(shape)
         self.strides = None if strides is None else tuple(strides)
-        self.offset = offset
+        self.offset, self.itemsize = offset, itemsize
 
     @property
     def __cuda_array_interface__(self):
+        if self.typestr == "bf16":
+            raise TypeError("__cuda_array_interface__ has no bfloat16: use DLPack")
         cai = dict(self.mapping.__cuda_array_interface__)
         cai.update(shape=self.shape, typestr=self.typestr, strides=self.strides,
                    data=(self.mapping.ptr + self.offset, False))
         return cai
+
+    def __dlpack__(self, stream=None, **_):
+        """A DLPack capsule; stream (the consumer's; -1: none) is made to wait for the
+        stream the mapping was opened on."""
+        m = self.mapping
+        if not m.handle:
+            raise Closed(4, "cudapool: mapping %r was released" % m.name)
+        if stream != -1:
+            stream_wait(m.device, 0 if stream in (None, 1) else stream, m.stream)
+        return _dlpack.capsule(self, m.ptr + self.offset, m.device, _dlpack.dtype_of(self.typestr),
+                               self.shape, self.strides, self.itemsize)
+
+    def __dlpack_device__(self):
+        return (_dlpack.KDL_CUDA, self.mapping.device)

@@ -44,6 +44,7 @@ class PoolOptions(ctypes.Structure):
         ("wait_for_memory", c_int),
         ("peer_devices", ctypes.POINTER(c_int)),
         ("peer_count", c_int),
+        ("cache_bytes", u64),
     ]
 
 
@@ -53,7 +54,7 @@ class PoolStats(ctypes.Structure):
             "max_size", "granularity", "reserved_current", "reserved_high",
             "used_current", "used_high", "live_buffers", "bytes_requested",
             "bytes_reserved", "shared_buffers", "active_leases", "deferred_frees",
-            "failed_frees")
+            "failed_frees", "cached_buffers", "cached_bytes")
     ]
 
 
@@ -65,6 +66,7 @@ _SIGNATURES = {
     "cudapool_stream_create": (c_int, ctypes.POINTER(vp)),
     "cudapool_stream_destroy": (c_int, vp),
     "cudapool_stream_synchronize": (c_int, vp),
+    "cudapool_stream_wait": (c_int, vp, vp),
     "cudapool_copy_to_device": (c_int, vp, vp, size_t, vp),
     "cudapool_copy_from_device": (c_int, vp, vp, size_t, vp),
     "cudapool_pool_create": (c_int, ctypes.POINTER(PoolOptions), ctypes.POINTER(u64)),

@@ -25,10 +25,13 @@ import torch
 import cudapool
 from . import _lib
 
-# The dtypes metadata can name, by torch's name for them.
-_BY_NAME = {str(d).removeprefix("torch."): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool)}
+# The dtypes a shared tensor can have, with their DLPack type strings.
+_TYPESTRS = {
+    torch.float16: "<f2", torch.bfloat16: "bf16", torch.float32: "<f4", torch.float64: "<f8",
+    torch.int8: "|i1", torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4",
+    torch.int64: "<i8", torch.bool: "|b1",
+}
+_BY_NAME = {str(d).removeprefix("torch."): d for d in _TYPESTRS}
 
 _allocator = None
 
@@ -121,14 +124,10 @@ def _as_tensor(m, dtype, shape, dev):
         strides = d.get("strides")
     if dtype is None or shape is None:
         raise ValueError("%r carries no metadata: give dtype and shape" % m.name)
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if nbytes > m.size:
-        raise ValueError("%r is %d bytes, too small for %s %s" % (m.name, m.size, dtype, tuple(shape)))
-    raw = torch.as_tensor(m, device=dev)  # uint8, honours the mapping's stream
-    t = raw[:nbytes].view(dtype).view(*shape)
-    if strides is not None and tuple(strides) != t.stride():
-        t = t.as_strided(shape, strides)
-    return t
+    if dtype not in _TYPESTRS:
+        raise ValueError("cannot share %s tensors" % dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    byte_strides = None if strides is None else [s * itemsize for s in strides]
+    # DLPack, not __cuda_array_interface__: it names the importer's device, so that a
+    # consumer on another GPU gets a tensor there (reading over NVLink).
+    return torch.from_dlpack(m.view(_TYPESTRS[dtype], tuple(shape), byte_strides))

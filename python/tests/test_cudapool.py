@@ -106,6 +106,17 @@ class PoolTest(unittest.TestCase):
             self.assertEqual(p.stats()["granularity"], 1)
             p.free(ptr)
 
+    def test_cache_serves_the_next_alloc_on_the_stream(self):
+        with cudapool.Pool(0, cache_bytes=8 * MiB) as p, cudapool.Stream(0) as s:
+            a = p.alloc(MiB, s)
+            p.free(a, s)
+            self.assertEqual(p.stats()["cached_buffers"], 1)
+            self.assertEqual(p.alloc(MiB, s), a, "the cached buffer came back")
+            self.assertEqual(p.stats()["cached_buffers"], 0)
+            p.free(a, s)
+            s.synchronize()
+            p.close(force=True)  # before the stream goes: the cache frees on it
+
     def test_max_size_bounds_the_pool(self):
         with cudapool.Pool(0, max_size=4 * MiB) as p:
             a = p.alloc(4 * MiB)
@@ -329,6 +340,19 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(r["size"], 3000)
         cudapool.Pool.free(ptr)
 
+    def test_dlpack_and_array_interface(self):
+        ptr = self.publish("arr", MiB, 4)
+        p, q = spawn(dlpack_fields, self.ex.path, "arr")
+        r = result_of(self, p, q)
+        self.assertEqual(r["cai"]["shape"], (4, 8))
+        self.assertEqual(r["cai"]["typestr"], "<f4")
+        self.assertEqual(r["cai"]["version"], 3)
+        self.assertEqual(r["cai"]["data"], (r["ptr"] + 64, False))
+        self.assertEqual(r["device"], (2, 0))
+        self.assertEqual(r["dl"], {"data": r["ptr"] + 64, "device": (2, 0), "ndim": 2,
+                                   "dtype": (2, 32, 1), "shape": [4, 8], "alive_after_delete": 0})
+        cudapool.Pool.free(ptr)
+
     def test_state_query(self):
         ptr = self.publish("seen", MiB, 1)
         st = cudapool.query_state(self.ex.path)
@@ -363,6 +387,30 @@ def open_error(q, path, name):
         except cudapool.CudapoolError as e:
             q.put(type(e).__name__)
         imp.close()
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def dlpack_fields(q, path, name):
+    """Opens name and reads back the DLPack capsule a float32 view of it makes."""
+    try:
+        from cudapool import _dlpack
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        v = m.view("<f4", (4, 8), offset=64)
+        cap = v.__dlpack__(stream=-1)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+        mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
+        t = mt.dl_tensor
+        dl = {"data": t.data, "device": (t.device.device_type, t.device.device_id), "ndim": t.ndim,
+              "dtype": (t.dtype.code, t.dtype.bits, t.dtype.lanes), "shape": [t.shape[0], t.shape[1]]}
+        mt.deleter(ctypes.pointer(mt))  # what a consumer does when done with it
+        dl["alive_after_delete"] = len(_dlpack._alive)
+        res = {"cai": v.__cuda_array_interface__, "ptr": m.ptr, "device": v.__dlpack_device__(), "dl": dl}
+        m.release()
+        imp.close()
+        q.put(res)
     except Exception as e:
         q.put("error: %s: %s" % (type(e).__name__, e))
 

@@ -1,0 +1,89 @@
+"""A DLPack capsule for a mapping, made with ctypes.
+
+__cuda_array_interface__ has no device field: its consumers ask the driver which
+device a pointer lives on, and for a mapping of another GPU's pool that is the producer's
+GPU, so torch.as_tensor on GPU 1 labels the tensor cuda:0 and computes there. DLPack
+names the device, so a consumer on GPU 1 gets a cuda:1 tensor that reads the producer's
+memory over NVLink (the importer gave its device access to the pool).
+"""
+
+import ctypes
+
+KDL_CUDA = 2
+
+# DLDataTypeCode by __cuda_array_interface__ kind letter.
+_CODES = {"i": 0, "u": 1, "f": 2, "b": 6}
+KDL_BFLOAT = 4
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+
+# What each capsule's memory and owner are, by the address of its DLManagedTensor, until
+# its consumer calls the deleter.
+_alive = {}
+
+
+@_Deleter
+def _delete(managed):
+    _alive.pop(ctypes.addressof(managed.contents), None)
+
+
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+
+
+def dtype_of(typestr):
+    """The DLDataType for a __cuda_array_interface__ typestr, or for "bf16"."""
+    if typestr == "bf16":
+        return DLDataType(KDL_BFLOAT, 16, 1)
+    kind, size = typestr[1], int(typestr[2:])
+    if kind not in _CODES:
+        raise ValueError("no DLPack type for %r" % typestr)
+    return DLDataType(_CODES[kind], 8 * size, 1)
+
+
+def capsule(owner, ptr, device, dtype, shape, strides_bytes, itemsize):
+    """A "dltensor" capsule for shape elements of dtype at ptr on device; owner is kept
+    alive until the consumer is done with the capsule."""
+    ndim = len(shape)
+    shape_arr = (ctypes.c_int64 * ndim)(*shape)
+    strides_arr = None
+    if strides_bytes is not None:
+        strides_arr = (ctypes.c_int64 * ndim)(*(s // itemsize for s in strides_bytes))
+    m = DLManagedTensor()
+    m.dl_tensor.data = ptr
+    m.dl_tensor.device = DLDevice(KDL_CUDA, device)
+    m.dl_tensor.ndim = ndim
+    m.dl_tensor.dtype = dtype
+    m.dl_tensor.shape = shape_arr
+    m.dl_tensor.strides = strides_arr if strides_arr is not None else None
+    m.dl_tensor.byte_offset = 0
+    m.deleter = _delete
+    _alive[ctypes.addressof(m)] = (m, shape_arr, strides_arr, owner)
+    return _new_capsule(ctypes.addressof(m), b"dltensor", None)
