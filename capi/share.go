@@ -87,8 +87,10 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 	if uint64(size) > b.Size()-off {
 		return fail(invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size()))
 	}
-	if off != 0 || (size != 0 && uint64(size) != b.Size()) {
-		return fail(fmt.Errorf("%w: publishing part of a buffer (%d bytes at offset %d of %d) needs sub-range leases, which export does not have yet", errNotSup, uint64(size), off, b.Size()))
+	if off != 0 {
+		// From a buffer's start, a shorter size shares the whole buffer (PyTorch may
+		// have asked for more than the tensor holds); elsewhere it needs sub-ranges.
+		return fail(fmt.Errorf("%w: publishing memory %d bytes into a buffer needs sub-range leases, which export does not have yet", errNotSup, off))
 	}
 	if metaLen > 0 {
 		return fail(fmt.Errorf("%w: metadata with a publish needs protocol version 2, which export does not speak yet", errNotSup))

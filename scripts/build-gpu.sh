@@ -3,7 +3,8 @@
 # host that has no Go: bin/gpu/<package>.test for every package with tests (listed,
 # with the package's folder, in bin/gpu/tests.txt, as a test binary runs in its
 # package's folder), and the commands under cmd/, examples/ and bench/ (the
-# benchmark suite's bin/gpu/gosuite) when there are any, each gzipped.
+# benchmark suite's bin/gpu/gosuite) when there are any, and libcudapool.so, each
+# gzipped.
 # It builds every package it can, and exits non-zero if any build failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,10 +43,18 @@ if [ -n "$mains" ]; then
 		failed=1
 	fi
 fi
+# libcudapool for the Python package and the torch examples (gpu-examples.sh).
+if go build -buildmode=c-shared "${flags[@]}" -o "$out/libcudapool.so" ./capi; then
+	rm -f "$out/libcudapool.h" # cgo's; the interface is capi/cudapool.h
+	echo "built $out/libcudapool.so"
+else
+	echo "build-gpu: FAILED to build libcudapool.so" >&2
+	failed=1
+fi
 # What travels to the GPU host is capped (64 MiB with the working tree), and Go
 # binaries shrink to about 40% in gzip: they travel compressed, and gpu-check.sh
 # and bench-suite.sh unpack them there.
-gzip -6 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f -perm -u+x ! -name '*.test')
+gzip -6 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f \( -perm -u+x -o -name '*.so' \) ! -name '*.test')
 go version >"$out/go-version.txt"
 du -sh "$out"
 exit $failed

@@ -3,7 +3,10 @@
 # scripts/build-gpu.sh built into bin/gpu. It runs the README's main job (kvshare: one
 # producer, consumers on every GPU) and then the operator's view: a producer and two
 # holding consumers (GPU 0 and GPU 1) watched with poolstat while one consumer is
-# SIGKILLed and the other releases. It prints a short table last and exits non-zero if
+# SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
+# (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there), the mixed pairs
+# (examples/torch/pairs.py) and the torch KV cache (examples/torch/kvcache.py). It
+# prints a short table last and exits non-zero if
 # a step failed. It changes no GPU setting.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +100,30 @@ echo "== consumer logs"
 cat "$work/a.log" "$work/b.log"
 echo "== producer log"
 cat "$work/producer.log"
+
+echo "== Python and PyTorch: the package's tests, the mixed pairs, the torch KV cache"
+lib=$bin/libcudapool.so
+if [ -f "$src/libcudapool.so.gz" ]; then
+	gunzip -c "$src/libcudapool.so.gz" >"$lib"
+elif [ -f "$src/libcudapool.so" ]; then
+	cp "$src/libcudapool.so" "$lib"
+fi
+if [ -f "$lib" ]; then
+	export CUDAPOOL_LIB=$lib
+	scripts/python-tests.sh
+	step python-tests $?
+	if [ "$runtime" = test ]; then
+		echo "(the torch pairs and the torch KV cache need a GPU: not run with RUNTIME=test)"
+	else
+		timeout 600 python3 examples/torch/pairs.py --bin "$bin"
+		step torch-pairs $?
+		timeout 600 python3 examples/torch/kvcache.py
+		step torch-kvcache $?
+	fi
+else
+	echo "no $src/libcudapool.so(.gz): run scripts/build-gpu.sh" >&2
+	step libcudapool 1
+fi
 
 echo
 echo "== gpu-examples summary"

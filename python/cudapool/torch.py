@@ -71,6 +71,13 @@ def pool_handle(device=0):
     return h.value
 
 
+def stats(device=0):
+    """The statistics of the allocator's pool on device (cudapool.Pool.stats's)."""
+    s = _lib.PoolStats()
+    _lib.call("cudapool_pool_stats_get", pool_handle(device), _lib.ctypes.byref(s))
+    return {name: getattr(s, name) for name, _ in s._fields_}
+
+
 def _current_stream(device):
     return torch.cuda.current_stream(device)
 
