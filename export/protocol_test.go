@@ -1,0 +1,347 @@
+package export
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"reflect"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// The wire protocol is written down in docs/PROTOCOL.md. These tests read its tables and
+// hold the code to them, so that neither changes without the other. A change to the
+// wire fails here with what differs; so does a line of the spec the code does not do.
+// A new message type, flag, error code or limit needs its row in the spec and its entry
+// in the maps below (a sample message, a flag constant, a sentinel, a constant).
+
+const protocolDoc = "../docs/PROTOCOL.md"
+
+// protocolConstants are the spec's constants table, by the name it gives each.
+var protocolConstants = map[string]uint64{
+	"protocol version":    ProtocolVersion,
+	"frame header bytes":  headerLen,
+	"maximum frame bytes": maxFrame,
+	"maximum name bytes":  MaxNameLen,
+	"maximum devices":     maxDevices,
+	"maximum State bytes": maxStateBytes,
+	"connection id bits":  connIDBits,
+}
+
+// protocolSamples has one message of every type, each field set to a value no other
+// field has, so that a field at the wrong offset shows. A new message type needs one.
+func protocolSamples() map[msgType]message {
+	var (
+		uuid   = func(b byte) (u cudart.UUID) { fill(u[:], b); return u }
+		event  = func(b byte) (h cudart.IpcEventHandle) { fill(h[:], b); return h }
+		record = func(b byte) (r cudart.PtrExportData) { fill(r[:], b); return r }
+		fabric = func(b byte) (f cudart.FabricHandle) { fill(f[:], b); return f }
+	)
+	lease := leaseMsg{ReqID: 0x1101, LeaseID: 0x1102, PoolID: 0x1103, BufferID: 0x1104, Size: 0x1105,
+		Flags: leaseReadyEvent, Record: record(0x11), Ready: event(0x12)}
+	push := pushMsg{leaseMsg: lease, Name: "pushed"}
+	push.ReqID = 0
+	return map[msgType]message{
+		msgHello: &helloMsg{Version: ProtocolVersion, PID: 0x0101, Flags: helloLeases | helloReleaseEvent,
+			HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: uuid(0x01), ReleaseEvent: event(0x02)},
+		msgWelcome:      &welcomeMsg{Version: ProtocolVersion, PID: 0x0201, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
+		msgRefused:      &refusedMsg{Version: ProtocolVersion, Reason: "not you"},
+		msgPoolHandle:   &poolHandleMsg{PoolID: 0x0401, HandleType: cudart.HandleTypeFabric, Device: uuid(0x41), MaxSize: 0x0402, Fabric: fabric(0x42)},
+		msgOpen:         &openMsg{ReqID: 0x0501, Name: "layer-0"},
+		msgLease:        &lease,
+		msgRelease:      &releaseMsg{ReqID: 0x0701, LeaseID: 0x0702, Count: 0x0703, Flags: releaseNothingImported},
+		msgReleased:     &releasedMsg{ReqID: 0x0801, LeaseID: 0x0802},
+		msgError:        &errorMsg{ReqID: 0x0901, Code: codeBufferGone, Text: "freed"},
+		msgPush:         &push,
+		msgStateRequest: &stateRequestMsg{ReqID: 0x0b01},
+		msgState:        &stateMsg{ReqID: 0x0c01, Flags: stateMore, JSON: []byte(`{"schema":1}`)},
+		msgBye:          &byeMsg{},
+	}
+}
+
+func fill(b []byte, v byte) {
+	for i := range b {
+		b[i] = v + byte(i)
+	}
+}
+
+// protocolFlags are the flag constants by the spec's "message flag" names, and
+// protocolKnownFlags each message's mask of the flags it accepts.
+var (
+	protocolFlags = map[string]uint32{
+		"Hello leases": helloLeases, "Hello release event": helloReleaseEvent,
+		"Lease ready event":        leaseReadyEvent,
+		"Release nothing imported": releaseNothingImported,
+		"State more":               stateMore,
+	}
+	protocolKnownFlags = map[string]uint32{"Hello": helloKnown, "Lease": leaseKnown, "Release": releaseKnown, "State": stateKnown}
+)
+
+// protocolErrors are the sentinels by the names the spec's error table gives them.
+var protocolErrors = map[string]error{
+	"ErrExporter": ErrExporter, "ErrUnknownName": ErrUnknownName, "ErrStaleLease": ErrStaleLease,
+	"ErrForeignLease": ErrForeignLease, "ErrForgedLease": ErrForgedLease, "ErrBufferGone": ErrBufferGone,
+	"ErrExporterGone": ErrExporterGone, "ErrHandleType": ErrHandleType, "ErrIMEXRequired": ErrIMEXRequired,
+	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": ErrNoLeases,
+}
+
+// derivedFields are spec fields with no Go field of their own: what they hold, from the
+// message.
+var derivedFields = map[string]func(m message) uint64{
+	"Welcome device_count": func(m message) uint64 { return uint64(len(m.(*welcomeMsg).Devices)) },
+}
+
+// spec is what the tests read of docs/PROTOCOL.md.
+type spec struct {
+	constants [][]string             // constant, value, meaning
+	messages  [][]string             // type, message, from, payload bytes
+	layouts   map[string]*[][]string // by message name: offset, size, field, meaning
+	flags     [][]string             // message, bit, flag, meaning
+	errors    [][]string             // code, error, meaning
+}
+
+var layoutHeading = regexp.MustCompile(`^### (\d+) (\w+)$`)
+
+// readSpec reads the tables of docs/PROTOCOL.md: each table goes where the header row
+// that starts it says.
+func readSpec(t *testing.T) *spec {
+	t.Helper()
+	f, err := os.Open(protocolDoc)
+	require.NoError(t, err)
+	defer f.Close()
+	s := &spec{layouts: map[string]*[][]string{}}
+	var rows *[][]string // the table being read
+	heading := ""
+	in := bufio.NewScanner(f)
+	for in.Scan() {
+		line := strings.TrimSpace(in.Text())
+		if strings.HasPrefix(line, "#") {
+			heading, rows = line, nil
+			continue
+		}
+		if !strings.HasPrefix(line, "|") {
+			rows = nil
+			continue
+		}
+		cells := strings.Split(strings.Trim(line, "|"), "|")
+		for i := range cells {
+			cells[i] = strings.Trim(strings.TrimSpace(cells[i]), "`")
+		}
+		switch {
+		case rows != nil:
+			if !strings.HasPrefix(cells[0], "---") {
+				*rows = append(*rows, cells)
+			}
+		case slices.Equal(cells, []string{"constant", "value", "meaning"}):
+			rows = &s.constants
+		case slices.Equal(cells, []string{"type", "message", "from", "payload bytes"}):
+			rows = &s.messages
+		case slices.Equal(cells, []string{"message", "bit", "flag", "meaning"}):
+			rows = &s.flags
+		case slices.Equal(cells, []string{"code", "error", "meaning"}):
+			rows = &s.errors
+		case slices.Equal(cells, []string{"offset", "size", "field", "meaning"}):
+			m := layoutHeading.FindStringSubmatch(heading)
+			require.NotNil(t, m, "%s: a layout table under %q, want a heading \"### TYPE Name\"", protocolDoc, heading)
+			require.NotContains(t, s.layouts, m[2], "%s: two layout tables of %s", protocolDoc, m[2])
+			rows = new([][]string)
+			s.layouts[m[2]] = rows
+		}
+	}
+	require.NoError(t, in.Err())
+	return s
+}
+
+// number reads a decimal or 0x-hexadecimal cell.
+func number(t *testing.T, cell string) uint64 {
+	t.Helper()
+	n, err := strconv.ParseUint(cell, 0, 64)
+	require.NoError(t, err, "%s: %q is not a number", protocolDoc, cell)
+	return n
+}
+
+func TestProtocolConstants(t *testing.T) {
+	s := readSpec(t)
+	seen := map[string]bool{}
+	for _, row := range s.constants {
+		want, ok := protocolConstants[row[0]]
+		if !assert.True(t, ok, "%s names constant %q, which protocolConstants (protocol_test.go) does not know", protocolDoc, row[0]) {
+			continue
+		}
+		seen[row[0]] = true
+		assert.Equal(t, want, number(t, row[1]), "%s: constant %q differs from the code", protocolDoc, row[0])
+	}
+	for name := range protocolConstants {
+		assert.True(t, seen[name], "%s's constants table has no row %q", protocolDoc, name)
+	}
+}
+
+// Every message type the code decodes is in the messages table, with its name and the
+// payload lengths it accepts, and the table lists no other.
+func TestProtocolMessages(t *testing.T) {
+	s := readSpec(t)
+	inSpec := map[msgType]bool{}
+	for _, row := range s.messages {
+		typ := msgType(number(t, row[0]))
+		inSpec[typ] = true
+		assert.Equal(t, typ.String(), row[1], "%s: message type %d", protocolDoc, typ)
+		if !assert.True(t, known(typ), "%s lists message type %d (%s), which the code does not decode", protocolDoc, typ, row[1]) {
+			continue
+		}
+		lim := payloadLimits[typ]
+		want := fmt.Sprintf("%d–%d", lim.min, lim.max)
+		if lim.min == lim.max {
+			want = strconv.Itoa(lim.min)
+		}
+		assert.Equal(t, want, row[3], "%s: payload bytes of %s differ from the code's limits", protocolDoc, typ)
+	}
+	for typ := range msgType(255) {
+		if known(typ) {
+			assert.True(t, inSpec[typ], "message type %d (%s) is not in %s's messages table", typ, typ, protocolDoc)
+		}
+	}
+}
+
+// known reports whether the code decodes message type t.
+func known(t msgType) bool {
+	return int(t) < len(payloadLimits) && (payloadLimits[t].max > 0 || t == msgBye)
+}
+
+// Every message's layout table is where its sample's fields land when encoded: each
+// field at its offset with its size, the offsets contiguous, only the last field of
+// variable length; the sample decodes back to itself.
+func TestProtocolLayouts(t *testing.T) {
+	s := readSpec(t)
+	samples := protocolSamples()
+	for _, row := range s.messages {
+		typ := msgType(number(t, row[0]))
+		t.Run(typ.String(), func(t *testing.T) {
+			sample, ok := samples[typ]
+			require.True(t, ok, "no sample of %s in protocolSamples (protocol_test.go)", typ)
+			require.Contains(t, s.layouts, typ.String(), "%s has no layout table under \"### %d %s\"", protocolDoc, typ, typ)
+			layout := *s.layouts[typ.String()]
+			payload := sample.appendPayload(nil)
+			off := 0
+			for i, f := range layout {
+				require.Equal(t, strconv.Itoa(off), f[0], "%s: %s field %s: offset, after the fields before it", protocolDoc, typ, f[2])
+				if f[1] == "rest" {
+					want := fieldBytes(t, sample, typ.String(), f[2], -1)
+					require.Equal(t, len(layout)-1, i, "%s: %s field %s takes the rest, so it must be last", protocolDoc, typ, f[2])
+					require.Equal(t, want, payload[off:], "%s: %s field %s, the rest of the payload", protocolDoc, typ, f[2])
+					off = len(payload)
+					break
+				}
+				size := int(number(t, f[1]))
+				want := fieldBytes(t, sample, typ.String(), f[2], size)
+				require.Len(t, want, size, "%s: %s field %s: size, against the Go field", protocolDoc, typ, f[2])
+				require.LessOrEqual(t, off+size, len(payload), "%s: %s field %s runs past the encoded payload", protocolDoc, typ, f[2])
+				require.Equal(t, want, payload[off:off+size], "%s: %s field %s at offset %d", protocolDoc, typ, f[2], off)
+				off += size
+			}
+			require.Equal(t, len(payload), off, "%s: %s's fields cover %d of the %d bytes the code encodes", protocolDoc, typ, off, len(payload))
+
+			back, err := decodePayload(typ, payload)
+			require.NoError(t, err, "the sample of %s does not decode: fix protocolSamples", typ)
+			require.Equal(t, sample, back, "the sample of %s decodes to another message", typ)
+		})
+	}
+}
+
+// fieldBytes is the encoding of the field the spec calls name in message m: the Go
+// field of the same name without underscores (ReqID for req_id), or a derived field. A
+// list of fixed-size values (Welcome's devices) fills its slots, the unused ones zero:
+// size is the spec's size, or -1 for the rest of the payload.
+func fieldBytes(t *testing.T, m message, msg, name string, size int) []byte {
+	t.Helper()
+	if derive, ok := derivedFields[msg+" "+name]; ok {
+		return binary.LittleEndian.AppendUint32(nil, uint32(derive(m)))
+	}
+	want := strings.ReplaceAll(name, "_", "")
+	v := reflect.ValueOf(m).Elem().FieldByNameFunc(func(n string) bool { return strings.EqualFold(n, want) })
+	require.True(t, v.IsValid(), "%s: %s has field %s, which %T has not (nor derivedFields)", protocolDoc, msg, name, m)
+	switch v.Kind() {
+	case reflect.Uint32, reflect.Uint64, reflect.Int32, reflect.Int64, reflect.Int:
+		// As many bytes as the Go type has: a uint32, or a named type over one.
+		var n uint64
+		if v.CanUint() {
+			n = v.Uint()
+		} else {
+			n = uint64(v.Int())
+		}
+		return binary.LittleEndian.AppendUint64(nil, n)[:v.Type().Size()]
+	case reflect.String:
+		return []byte(v.String())
+	case reflect.Array, reflect.Slice:
+		var b []byte
+		for i := range v.Len() {
+			e := v.Index(i)
+			switch e.Kind() {
+			case reflect.Uint8:
+				b = append(b, byte(e.Uint()))
+			case reflect.Array:
+				for j := range e.Len() {
+					b = append(b, byte(e.Index(j).Uint()))
+				}
+			default:
+				t.Fatalf("%s field %s: %v, a list of what the test cannot encode", msg, name, v.Type())
+			}
+		}
+		if v.Kind() == reflect.Slice && v.Type().Elem().Kind() == reflect.Array && size > len(b) {
+			b = append(b, make([]byte, size-len(b))...) // the unused slots
+		}
+		return b
+	}
+	t.Fatalf("%s field %s: %v, a type the test cannot encode", msg, name, v.Type())
+	return nil
+}
+
+// The flags table lists every flag bit each message accepts, and no other.
+func TestProtocolFlags(t *testing.T) {
+	s := readSpec(t)
+	masks := map[string]uint32{}
+	for _, row := range s.flags {
+		name := row[0] + " " + row[2]
+		want, ok := protocolFlags[name]
+		if !assert.True(t, ok, "%s lists flag %q, which protocolFlags (protocol_test.go) does not know", protocolDoc, name) {
+			continue
+		}
+		assert.Equal(t, want, uint32(number(t, row[1])), "%s: bit of flag %q", protocolDoc, name)
+		masks[row[0]] |= want
+	}
+	for msg, known := range protocolKnownFlags {
+		assert.Equal(t, known, masks[msg], "%s: the flags of %s differ from those the code accepts (%#x)", protocolDoc, msg, known)
+	}
+	for name := range protocolFlags {
+		msg, _, _ := strings.Cut(name, " ")
+		assert.Contains(t, protocolKnownFlags, msg, "flag %q of a message protocolKnownFlags does not list", name)
+	}
+}
+
+// The error codes table lists every code the code sends, each with its sentinel.
+func TestProtocolErrorCodes(t *testing.T) {
+	s := readSpec(t)
+	inSpec := map[errCode]bool{}
+	for _, row := range s.errors {
+		code := errCode(number(t, row[0]))
+		inSpec[code] = true
+		want, ok := protocolErrors[row[1]]
+		if !assert.True(t, ok, "%s names error %q, which protocolErrors (protocol_test.go) does not know", protocolDoc, row[1]) {
+			continue
+		}
+		if assert.True(t, code > 0 && code < codeLimit, "%s lists error code %d, which the code does not send", protocolDoc, code) {
+			assert.Equal(t, want, codeErrs[code], "%s: error code %d", protocolDoc, code)
+		}
+	}
+	for code := errCode(1); code < codeLimit; code++ {
+		assert.True(t, inSpec[code], "error code %d (%v) is not in %s's error codes table", code, codeErrs[code], protocolDoc)
+	}
+}
