@@ -95,6 +95,11 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 	X(cp_err, cudaMemcpyAsync, (void *, const void *, size_t, int, void *), 0) \
 	X(cp_err, cudaMemsetAsync, (void *, int, size_t, void *), 0)
 
+// Entry points newer runtimes have and older ones lack: a library without one still
+// loads, and the call fails with cudaErrorNotSupported (801).
+#define CP_RUNTIME_OPTIONAL_SYMBOLS(X) \
+	X(cp_err, cudaStreamGetDevice, (void *, int *), 0) // CUDA 12.8
+
 #define CP_DRIVER_SYMBOLS(X) \
 	X(cp_err, cuGetErrorName, (cp_err, const char **), 0) \
 	X(cp_err, cuGetErrorString, (cp_err, const char **), 0) \
@@ -107,6 +112,7 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 typedef struct {
 #define CP_FIELD(ret, name, params, newer) ret(*name) params;
 	CP_RUNTIME_SYMBOLS(CP_FIELD)
+	CP_RUNTIME_OPTIONAL_SYMBOLS(CP_FIELD)
 	CP_DRIVER_SYMBOLS(CP_FIELD)
 #undef CP_FIELD
 } cp_lib;
@@ -114,6 +120,7 @@ typedef struct {
 typedef struct { const char *name, *newer; size_t offset; } cp_symbol;
 #define CP_ENTRY(ret, name, params, newer) {#name, newer, offsetof(cp_lib, name)},
 static const cp_symbol cp_runtime_symbols[] = {CP_RUNTIME_SYMBOLS(CP_ENTRY){0}};
+static const cp_symbol cp_runtime_optional_symbols[] = {CP_RUNTIME_OPTIONAL_SYMBOLS(CP_ENTRY){0}};
 static const cp_symbol cp_driver_symbols[] = {CP_DRIVER_SYMBOLS(CP_ENTRY){0}};
 #undef CP_ENTRY
 
@@ -144,6 +151,10 @@ static void *cp_open(cp_lib *lib, const char *path, int driver, char *msg, size_
 	if (msg[0]) {
 		dlclose(h);
 		return NULL;
+	}
+	for (const cp_symbol *s = driver ? NULL : cp_runtime_optional_symbols; s && s->name; s++) {
+		void *f = dlsym(h, s->name); // NULL where the runtime predates it
+		memcpy((char *)lib + s->offset, &f, sizeof f);
 	}
 	return h;
 }
@@ -381,6 +392,21 @@ CP_CALL(cp_res, cp_stream_create, (const cp_lib *l, long long dev, unsigned flag
 CP_CALL(cp_res, cp_stream_destroy, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_synchronize, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_wait_event, (const cp_lib *l, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+enum { cp_not_supported = 801 }; // cudaErrorNotSupported
+
+static cp_res cp_stream_get_device(const cp_lib *l, long long dev, uintptr_t s) {
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	if (!l->cudaStreamGetDevice) {
+		r.err = cp_not_supported;
+		return r;
+	}
+	int d = -1;
+	r.err = l->cudaStreamGetDevice(CP_PTR(s), &d);
+	r.v = (uint64_t)(int64_t)d;
+	return r;
+}
+
 CP_CALL(cp_res, cp_event_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_event_destroy, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
 CP_CALL(cp_res, cp_event_record, (const cp_lib *l, long long dev, uintptr_t e, uintptr_t s), l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))

@@ -258,6 +258,11 @@ func (l *library) StreamSynchronize(dev int, s Stream) error {
 	return l.check("cudaStreamSynchronize", C.cp_stream_synchronize(l.c, C.longlong(dev), C.uintptr_t(s)))
 }
 
+func (l *library) StreamDevice(dev int, s Stream) (int, error) {
+	r := C.cp_stream_get_device(l.c, C.longlong(dev), C.uintptr_t(s))
+	return int(int64(r.v)), l.check("cudaStreamGetDevice", r)
+}
+
 func (l *library) StreamWaitEvent(dev int, s Stream, e Event) error {
 	return l.check("cudaStreamWaitEvent", C.cp_stream_wait_event(l.c, C.longlong(dev), C.uintptr_t(s), C.uintptr_t(e)))
 }

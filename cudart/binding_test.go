@@ -330,6 +330,7 @@ func TestFakeErrorsNameTheFailingCall(t *testing.T) {
 		{"cudaStreamDestroy", "", func() error { return rt.StreamDestroy(d, 1) }},
 		{"cudaStreamSynchronize", "", func() error { return rt.StreamSynchronize(d, 0) }},
 		{"cudaStreamWaitEvent", "", func() error { return rt.StreamWaitEvent(d, 0, 1) }},
+		{"cudaStreamGetDevice", "", func() error { return discard(rt.StreamDevice(d, 0)) }},
 		{"cudaEventCreateWithFlags", "", func() error { return discard(rt.EventCreate(d, 0)) }},
 		{"cudaEventDestroy", "", func() error { return rt.EventDestroy(d, 1) }},
 		{"cudaEventRecord", "", func() error { return rt.EventRecord(d, 1, 0) }},

@@ -216,6 +216,10 @@ type Runtime interface {
 	StreamCreate(dev int, flags StreamFlags) (Stream, error)
 	StreamDestroy(dev int, s Stream) error
 	StreamSynchronize(dev int, s Stream) error
+	// StreamDevice is the device s belongs to; the legacy, per-thread and null
+	// streams belong to dev. It needs cudaStreamGetDevice (CUDA 12.8 and later):
+	// with an older runtime it fails with ErrNotSupported.
+	StreamDevice(dev int, s Stream) (int, error)
 	// StreamWaitEvent makes all future work on s wait for the work captured by the
 	// last EventRecord of e before this call; it does not block the host.
 	StreamWaitEvent(dev int, s Stream, e Event) error

@@ -249,6 +249,28 @@ func TestGPUCopiesSetsAndPacking(t *testing.T) {
 	f.free(t, small...)
 }
 
+// StreamDevice tells each stream's device, from whichever device asks: export relies on
+// it to refuse, at Open, a stream on another device than the Importer's.
+func TestGPUStreamDevice(t *testing.T) {
+	rt := gputest.Runtime(t)
+	n := must[int](t, "DeviceCount")(rt.DeviceCount())
+	if _, err := rt.StreamDevice(0, 0); errors.Is(err, cudart.ErrNotSupported) {
+		t.Skipf("%s predates cudaStreamGetDevice (CUDA 12.8)", rt.Name())
+	}
+	for dev := range n {
+		s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+		for asker := range n {
+			if got := must[int](t, "StreamDevice")(rt.StreamDevice(asker, s)); got != dev {
+				t.Errorf("StreamDevice(%d, stream of device %d) = %d", asker, dev, got)
+			}
+		}
+		if got := must[int](t, "StreamDevice")(rt.StreamDevice(dev, 0)); got != dev {
+			t.Errorf("StreamDevice(%d, null stream) = %d", dev, got)
+		}
+		noErr(t, "StreamDestroy", rt.StreamDestroy(dev, s))
+	}
+}
+
 func TestGPUEvents(t *testing.T) {
 	rt := gputest.Runtime(t)
 	f := newGPUFixture(t, rt, 0, ipcPool)

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func loadError(t *testing.T, err error) *cudart.LoadError {
@@ -108,4 +110,30 @@ func TestLoadPrefersVersionedUUIDEntryPoint(t *testing.T) {
 			t.Errorf("with %q: DeviceUUID(1) = %v, %v; want bytes from %#x", tc.defs, u, err, tc.first)
 		}
 	}
+}
+
+// cudaStreamGetDevice came with CUDA 12.8: a runtime without it still loads, and only
+// StreamDevice fails, with ErrNotSupported.
+func TestLoadWithoutOptionalStreamGetDevice(t *testing.T) {
+	rt := buildFake(t, []string{"OMIT_cudaStreamGetDevice"}, nil).load(t)
+	s, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	_, err = rt.StreamDevice(1, s)
+	require.ErrorIs(t, err, cudart.ErrNotSupported)
+	require.NoError(t, rt.StreamDestroy(1, s))
+}
+
+func TestStreamDevice(t *testing.T) {
+	rt := buildFake(t, nil, nil).load(t)
+	s, err := rt.StreamCreate(2, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	for dev := range 3 {
+		got, err := rt.StreamDevice(dev, s)
+		require.NoError(t, err)
+		assert.Equal(t, 2, got, "a stream created on device 2, asked from device %d", dev)
+		got, err = rt.StreamDevice(dev, 0)
+		require.NoError(t, err)
+		assert.Equal(t, dev, got, "the null stream, asked from device %d", dev)
+	}
+	require.NoError(t, rt.StreamDestroy(2, s))
 }

@@ -66,6 +66,9 @@ var (
 	// the same exporter on the same runtime: two would import the same pointers and
 	// free each other's mappings (FACTS 4). Share the first one.
 	ErrDuplicateImporter = errors.New("export: this process already has an Importer for that exporter")
+	// ErrStreamDevice means a stream given to Open (or WithPushes) belongs to another
+	// device than the Importer's: the import's free could not be ordered after it.
+	ErrStreamDevice = errors.New("export: stream is on another device than the Importer's")
 	// ErrReleased means a Mapping was released more times than it was opened, or
 	// after its Importer closed.
 	ErrReleased = errors.New("export: mapping already released")

@@ -120,6 +120,11 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	if err := imp.makeResources(); err != nil {
 		return nil, err
 	}
+	if o.pushHandler != nil {
+		if err := imp.checkStream(o.pushStream); err != nil {
+			return nil, fmt.Errorf("export: WithPushes: %w", err)
+		}
+	}
 	h := &helloMsg{Version: ProtocolVersion, PID: uint32(os.Getpid()), Flags: helloLeases, Device: imp.devUUID,
 		HandleTypes: uint32(cudart.HandleTypeFabric)}
 	if !imp.remote {
@@ -299,13 +304,17 @@ func (imp *Importer) giveBack(l *leaseMsg) {
 // before Publish; the host does not wait. Opening a buffer this Importer already holds
 // returns the same Mapping, counted once more; each Open needs its Release.
 //
-// It fails with ErrUnknownName (whose message lists a few names that are published;
+// s must belong to the Importer's device, else Open fails with ErrStreamDevice. It
+// fails with ErrUnknownName (whose message lists a few names that are published;
 // WaitForName waits for the name instead), ErrBufferGone (the producer freed it),
 // ErrHandleType, ErrExporterGone once the exporter left, ErrClosed after Close, or
 // ctx's error. On failure nothing is held.
 func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opts ...OpenOption) (*Mapping, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
+	}
+	if err := imp.checkStream(s); err != nil {
+		return nil, fmt.Errorf("export: open %q: %w", name, err)
 	}
 	o := newOpenOptions(opts)
 	var m *Mapping
@@ -318,6 +327,23 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)
 	}
 	return m, last
+}
+
+// checkStream refuses a stream of another device: Release orders the import's free
+// after the caller's stream through an event of the Importer's device, which the
+// driver cannot record on another device's stream. A runtime that cannot tell a
+// stream's device (before CUDA 12.8) leaves the check to Release.
+func (imp *Importer) checkStream(s cudart.Stream) error {
+	dev, err := imp.rt.StreamDevice(imp.dev, s)
+	switch {
+	case errors.Is(err, cudart.ErrNotSupported):
+		return nil
+	case err != nil:
+		return fmt.Errorf("stream %#x: %w", uintptr(s), err)
+	case dev != imp.dev:
+		return fmt.Errorf("%w: stream %#x is on device %d, the Importer on device %d", ErrStreamDevice, uintptr(s), dev, imp.dev)
+	}
+	return nil
 }
 
 // open is one try of Open.

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -105,4 +106,22 @@ func TestDialWaitsForExporter(t *testing.T) {
 	require.ErrorIs(t, err, ErrRefused)
 	require.NoError(t, ex.Close(testCtx(t)))
 	s.checkClean(t)
+}
+
+func TestOpenRefusesStreamOfAnotherDevice(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	c := newConsumer(t, pr.path, 0)
+	other, err := c.dev.StreamCreate(1, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	_, err = c.imp.Open(testCtx(t), "a", other, WaitForName())
+	require.ErrorIs(t, err, ErrStreamDevice)
+	assert.ErrorContains(t, err, "is on device 1, the Importer on device 0")
+	assert.Zero(t, pr.activeLeases(t), "a refused Open took a lease")
+
+	_, err = Dial(testCtx(t), pr.path, c.dev, 0, WithPushes(other, func(string, *Mapping) {}))
+	require.ErrorIs(t, err, ErrStreamDevice)
+	require.NoError(t, c.dev.StreamDestroy(1, other))
+	c.checkClean(t)
+	pr.checkClean(t)
 }

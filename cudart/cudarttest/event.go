@@ -82,6 +82,25 @@ func (d *Device) StreamSynchronize(dev int, s cudart.Stream) error {
 	return faultsOf(st)
 }
 
+// StreamDevice is the device s was created on; the default streams are dev's. Unlike
+// the other stream calls it takes a stream of any device, as the driver's does.
+func (d *Device) StreamDevice(dev int, s cudart.Stream) (int, error) {
+	const opName = "cudaStreamGetDevice"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(opName, dev); err != nil {
+		return 0, err
+	}
+	if s <= 2 { // 0, cudaStreamLegacy, cudaStreamPerThread
+		return dev, nil
+	}
+	st, ok := d.streams[s]
+	if !ok {
+		return 0, fail(opName, cudart.ErrInvalidResourceHandle)
+	}
+	return st.dev, nil
+}
+
 // StreamWaitEvent makes the work queued on s from now on wait until e's last record
 // (as of this call) has run; an event never recorded is no wait. Waiting on an
 // imported event whose owner destroyed it, or that died, is a ViolationUseAfterRelease;

@@ -14,7 +14,8 @@
 //     over NVLink: it fails with cudaErrorContained, and from then on every call fails,
 //     with 226 on that device and 46 (cudaErrorDevicesUnavailable) on the others, as
 //     measured (FACTS 14).
-// Compile with -DOMIT_<name> to leave out cudaFreeAsync or cudaMemPoolExportPointer.
+// Compile with -DOMIT_<name> to leave out cudaFreeAsync, cudaMemPoolExportPointer or
+// cudaStreamGetDevice.
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <sys/mman.h>
@@ -220,6 +221,21 @@ int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
 	if (!as_stream(s) || !as_event(e)) return INVALID_HANDLE;
 	return SUCCESS;
 }
+
+#ifndef OMIT_cudaStreamGetDevice
+// cudaStreamGetDevice, unlike the other stream calls, may name a stream of any device.
+int cudaStreamGetDevice(void *s, int *device) {
+	ON_CURRENT();
+	if ((uintptr_t)s <= 2) { // NULL, cudaStreamLegacy, cudaStreamPerThread
+		*device = cur;
+		return SUCCESS;
+	}
+	stream_t *st = s;
+	if (st->magic != STREAM_MAGIC) return INVALID_HANDLE;
+	*device = st->dev;
+	return SUCCESS;
+}
+#endif
 
 int cudaEventCreateWithFlags(void **e, unsigned flags) {
 	ON_CURRENT();
