@@ -24,7 +24,9 @@ Usage:
 "alloc" is one participant of the allocation ring (bench/gosuite/alloc.go says
 why): for each plan entry and slot, one untimed warm-up batch and B measured
 batches of N allocate+close pairs, one batch a turn, from a new pool of the
-entry's kind (IPC-enabled or not) and the entry's bytes; it prints
+entry's kind (IPC-enabled or not; hit and miss, which measure cudapool's
+cache, get cuda.core's plain pair on an IPC-enabled pool) and the entry's
+bytes; it prints
 
     sample cudacore api OP ROUND BATCH TURN US
     bytes cudacore OP BYTES
@@ -120,7 +122,11 @@ def ipc_resource(c, dev, max_size):
     return c["DeviceMemoryResource"](dev, options=opts)
 
 
+failed = []  # the operations that failed: the exit status says so
+
+
 def fail(op, err):
+    failed.append(op)
     print("fail %s %s %s" % (IMPL, op, str(err).replace("\n", " ")), flush=True)
 
 
@@ -466,8 +472,8 @@ def parse_plan(text):
     for entry in text.split():
         name, _, nbytes = entry.partition("=")
         kind = name.split("/")[0]
-        if kind not in ("ipc", "local") or not nbytes.isdigit() or int(nbytes) == 0:
-            raise ValueError("plan entry %r: want ipc/SIZE=BYTES or local/SIZE=BYTES" % entry)
+        if kind not in ("ipc", "local", "hit", "miss") or not nbytes.isdigit() or int(nbytes) == 0:
+            raise ValueError("plan entry %r: want KIND/SIZE=BYTES, KIND one of ipc, local, hit, miss" % entry)
         plan.append((kind, "alloc/" + name, int(nbytes)))
     if not plan:
         raise ValueError("empty plan")
@@ -506,7 +512,7 @@ def alloc_ring(args):
                         if b == -1:  # set up inside the first turn: nothing of it beside another's batch
                             c, dev = work
                             mr = c["DeviceMemoryResource"](dev, options=c["DeviceMemoryResourceOptions"](
-                                ipc_enabled=kind == "ipc", max_size=max(1 << 30, 2 * nbytes)))
+                                ipc_enabled=kind != "local", max_size=max(1 << 30, 2 * nbytes)))
                             s = dev.create_stream()
                             mr.allocate(nbytes, stream=s).close(s)  # the pool reserves its memory once
                             s.sync()
@@ -525,7 +531,7 @@ def alloc_ring(args):
                         traceback.print_exc(file=sys.stderr)
                         work = None
                 ring.give(turn)
-    return 0
+    return 1 if failed else 0
 
 
 def device_count(c):
@@ -585,7 +591,7 @@ def main():
             fail("read/other-gpu", "one device only")
     finally:
         pr.close()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

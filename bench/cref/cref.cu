@@ -1003,10 +1003,13 @@ static int alloc_ring(char *plan, const char *in_path, const char *out_path, con
 	dprintf(ready, "ready cref %d\n", (int)getpid());
 	close(ready);
 	for (char *save = NULL, *entry = strtok_r(plan, " ", &save); entry; entry = strtok_r(NULL, " ", &save)) {
+		// hit and miss measure cudapool's cache; C has none and runs its plain pair on
+		// an exportable pool there, the pair issue 11 compares with.
 		char *eq = strchr(entry, '=');
-		int ipc = strncmp(entry, "ipc/", 4) == 0;
-		if (!eq || (!ipc && strncmp(entry, "local/", 6) != 0)) {
-			fprintf(stderr, "cref: plan entry %s: want ipc/SIZE=BYTES or local/SIZE=BYTES\n", entry);
+		int local = strncmp(entry, "local/", 6) == 0;
+		int ipc = strncmp(entry, "ipc/", 4) == 0 || strncmp(entry, "hit/", 4) == 0 || strncmp(entry, "miss/", 5) == 0;
+		if (!eq || !(local || ipc)) {
+			fprintf(stderr, "cref: plan entry %s: want KIND/SIZE=BYTES, KIND one of ipc, local, hit, miss\n", entry);
 			return 2;
 		}
 		*eq = 0;

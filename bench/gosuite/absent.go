@@ -6,9 +6,6 @@ import "fmt"
 // 11), with what is missing. The table shows each as "not run (feature absent)";
 // when a feature lands, its operations move from here to a measurement.
 var absent = []struct{ op, missing string }{
-	{"alloc/ipc/1KiB/hit", "per-stream reuse in pool (issue 11) is not on main"},
-	{"alloc/ipc/1MiB/hit", "per-stream reuse in pool (issue 11) is not on main"},
-	{"alloc/ipc/64MiB/hit", "per-stream reuse in pool (issue 11) is not on main"},
 	{"sustained/4/recycled", "retained imports and recycled exports (issue 11) are not on main"},
 	{"block/64KiB/b1", "sub-range and batched leases (issues 10, 11) are not on main"},
 	{"block/64KiB/b64", "sub-range and batched leases (issues 10, 11) are not on main"},

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -36,12 +37,21 @@ import (
 // planEntry is one allocation measurement: asked bytes from a pool of a kind, and the
 // bytes every column must allocate for them (cudapool rounds an exportable pool's
 // buffers up to the granularity; C and cuda.core are asked for the rounded size).
+//
+// The kinds: ipc, an exportable pool (POSIX fd); local, a pool of handle type none;
+// hit, an exportable pool whose cache (pool.WithCache) serves every Alloc after the
+// first (issue 11's hit path); miss, an exportable pool with its cache on but too
+// small for any buffer, so that every Alloc goes to the driver past the cache (the
+// miss path). C and cuda.core have no cache: for hit and miss they run their plain
+// pair on an exportable pool, the pair issue 11 compares with.
 type planEntry struct {
-	kind  string // "ipc" (exportable, POSIX fd) or "local" (handle type none)
+	kind  string // ipc, local, hit or miss
 	asked uint64
 	bytes uint64
 	op    string // alloc/KIND/SIZE
 }
+
+var planKinds = []string{"ipc", "local", "hit", "miss"}
 
 // allocSlots are the layers each plan entry is measured at, in this order.
 var allocSlots = []string{"api", "binding"}
@@ -52,8 +62,8 @@ func parsePlan(s string) ([]planEntry, error) {
 	for _, f := range strings.Fields(s) {
 		name, bytesText, ok := strings.Cut(f, "=")
 		kind, size, ok2 := strings.Cut(name, "/")
-		if !ok || !ok2 || (kind != "ipc" && kind != "local") {
-			return nil, fmt.Errorf("plan entry %q: want ipc/SIZE=BYTES or local/SIZE=BYTES", f)
+		if !ok || !ok2 || !slices.Contains(planKinds, kind) {
+			return nil, fmt.Errorf("plan entry %q: want KIND/SIZE=BYTES with KIND one of %v", f, planKinds)
 		}
 		asked, err := parseSize(size)
 		if err != nil {
@@ -161,6 +171,23 @@ func sayReady(path string) error {
 	return err
 }
 
+// poolOptions are the options of a plan entry's pool.
+func (e planEntry) poolOptions() []pool.Option {
+	switch e.kind {
+	case "local":
+		return []pool.Option{pool.WithHandleType(cudart.HandleTypeNone)}
+	case "hit":
+		return []pool.Option{pool.WithHandleType(cudart.HandleTypePosixFD), pool.WithCache(2 * e.bytes)}
+	case "miss":
+		return []pool.Option{pool.WithHandleType(cudart.HandleTypePosixFD), pool.WithCache(1)}
+	}
+	return []pool.Option{pool.WithHandleType(cudart.HandleTypePosixFD)}
+}
+
+// cached reports whether the entry measures the pool's cache: its binding slot would
+// only repeat the ipc entry's, and is passed.
+func (e planEntry) cached() bool { return e.kind == "hit" || e.kind == "miss" }
+
 // allocRing runs the plan's allocation pairs as one participant of the ring: the
 // pool's pair (cudapool, api slot) and the binding's own pair on the pool's handle
 // (cudart, binding slot).
@@ -169,12 +196,13 @@ func allocRing(r *reporter, rt cudart.Runtime, plan []planEntry, rg ring, round,
 	for _, e := range plan {
 		for _, slot := range allocSlots {
 			impl := map[string]string{"api": "cudapool", "binding": "cudart"}[slot]
-			var opts []pool.Option
-			if e.kind == "local" {
-				opts = append(opts, pool.WithHandleType(cudart.HandleTypeNone))
-			} else {
-				opts = append(opts, pool.WithHandleType(cudart.HandleTypePosixFD))
+			if slot == "binding" && e.cached() {
+				if err := passTurns(rg, batches+1); err != nil {
+					return err
+				}
+				continue
 			}
+			opts := e.poolOptions()
 			var p *pool.Pool
 			var s cudart.Stream
 			done := func() {}
@@ -204,6 +232,9 @@ func allocRing(r *reporter, rt cudart.Runtime, plan []planEntry, rg ring, round,
 					err = rt.StreamSynchronize(0, s)
 				}
 				us := float64(monotonic()-start) / 1e3 / float64(pairs)
+				if b == batches-1 && err == nil && slot == "api" {
+					err = checkCache(p, e, (batches+1)*pairs+1)
+				}
 				if b == batches-1 || err != nil {
 					done()
 				}
@@ -218,6 +249,39 @@ func allocRing(r *reporter, rt cudart.Runtime, plan []planEntry, rg ring, round,
 				}
 			}
 		}
+	}
+	return nil
+}
+
+// passTurns takes and passes n turns without work.
+func passTurns(rg ring, n int) error {
+	for range n {
+		turn, err := rg.take()
+		if err != nil {
+			return err
+		}
+		if err := rg.pass(turn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkCache makes sure that the pool's cache did what the entry's kind measures, in
+// the n Allocs made: hit, every Alloc after the first served by the cache; miss,
+// every one past it to the driver; without a cache, no cache counts at all.
+func checkCache(p *pool.Pool, e planEntry, n int) error {
+	st, err := p.Stats()
+	if err != nil {
+		return err
+	}
+	hits, misses := int(st.CacheHits), int(st.CacheMisses)
+	ok := map[string]bool{
+		"hit":  hits == n-1 && misses == 1,
+		"miss": hits == 0 && misses == n,
+	}
+	if want, measured := ok[e.kind]; measured && !want || !measured && hits+misses != 0 {
+		return fmt.Errorf("%s: %d of %d Allocs were cache hits and %d misses: the pairs did not take the path measured", e.op, hits, n, misses)
 	}
 	return nil
 }

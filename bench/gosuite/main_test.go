@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/pool"
 )
 
 // TestMain lets the test binary be the suite's consumer and exporter processes, as
@@ -139,14 +141,16 @@ func fifo(t *testing.T, dir, name string) string {
 }
 
 // A ring of one participant (its pipe leads back to itself) runs the whole plan:
-// every entry in both slots, each with exactly the batches asked, one turn after
-// another, and a bytes line per entry and slot saying what the plan says.
+// every entry in both slots (the binding slot of a cache entry passed, its turns
+// taken all the same), each with exactly the batches asked, one turn after another,
+// and a bytes line per entry and slot run saying what the plan says. The hit and miss
+// entries took the path they name (allocRing checks the pool's counts).
 func TestAllocRingRunsThePlan(t *testing.T) {
 	rt, _, _, err := rtselect.Open(rtselect.Test)
 	require.NoError(t, err)
 	g, err := granularityOf(rt)
 	require.NoError(t, err)
-	plan, err := parsePlan(fmt.Sprintf("ipc/1KiB=%d local/1KiB=1024 local/1MiB=1048576", g))
+	plan, err := parsePlan(fmt.Sprintf("ipc/1KiB=%d local/1KiB=1024 hit/1MiB=%d local/1MiB=1048576 miss/1KiB=%d", g, g, g))
 	require.NoError(t, err)
 	dir := t.TempDir()
 	p := fifo(t, dir, "turn")
@@ -162,23 +166,29 @@ func TestAllocRingRunsThePlan(t *testing.T) {
 
 	by := lines(t, out.String())
 	samples := by["sample"]
-	require.Len(t, samples, len(plan)*len(allocSlots)*batches)
-	i := 0
+	require.Len(t, samples, (2*len(plan)-2)*batches)
+	i, slotsBefore := 0, 0
+	gs := strconv.FormatUint(g, 10)
 	for _, e := range plan {
 		for _, slot := range allocSlots {
 			impl := map[string]string{"api": "cudapool", "binding": "cudart"}[slot]
+			if slot == "binding" && e.cached() {
+				slotsBefore++
+				continue
+			}
 			for b := range batches {
 				f := samples[i]
 				require.Len(t, f, 8)
 				assert.Equal(t, []string{"sample", impl, slot, e.op, "7", strconv.Itoa(b)}, f[:6])
-				// Turn 0 of each entry and slot is its warm-up batch.
-				turn := (i/batches)*(batches+1) + 1 + b
+				// The first turn of each entry and slot is its warm-up batch.
+				turn := slotsBefore*(batches+1) + 1 + b
 				assert.Equal(t, strconv.Itoa(turn), f[6], "turn of sample %d", i)
 				us, err := strconv.ParseFloat(f[7], 64)
 				assert.NoError(t, err)
 				assert.Positive(t, us)
 				i++
 			}
+			slotsBefore++
 		}
 	}
 	var bytes []string
@@ -186,9 +196,11 @@ func TestAllocRingRunsThePlan(t *testing.T) {
 		bytes = append(bytes, strings.Join(f[1:], " "))
 	}
 	assert.Equal(t, []string{
-		"cudapool alloc/ipc/1KiB " + strconv.FormatUint(g, 10), "cudart alloc/ipc/1KiB " + strconv.FormatUint(g, 10),
+		"cudapool alloc/ipc/1KiB " + gs, "cudart alloc/ipc/1KiB " + gs,
 		"cudapool alloc/local/1KiB 1024", "cudart alloc/local/1KiB 1024",
+		"cudapool alloc/hit/1MiB " + gs,
 		"cudapool alloc/local/1MiB 1048576", "cudart alloc/local/1MiB 1048576",
+		"cudapool alloc/miss/1KiB " + gs,
 	}, bytes)
 }
 
@@ -232,8 +244,37 @@ func TestParsePlan(t *testing.T) {
 		{kind: "ipc", asked: 1 << 10, bytes: 2 << 20, op: "alloc/ipc/1KiB"},
 		{kind: "local", asked: 64 << 20, bytes: 64 << 20, op: "alloc/local/64MiB"},
 	}, plan)
-	for _, bad := range []string{"", "ipc/1KiB", "fabric/1KiB=1024", "ipc/1KB=1024", "ipc/0KiB=1", "ipc/1MiB=1024", "ipc/1KiB=x"} {
+	for _, bad := range []string{"", "ipc/1KiB", "fabric/1KiB=1024", "hit/1KiB", "ipc/1KB=1024", "ipc/0KiB=1", "ipc/1MiB=1024", "ipc/1KiB=x"} {
 		_, err := parsePlan(bad)
 		assert.Error(t, err, "plan %q", bad)
 	}
+}
+
+// checkCache refuses a pool whose cache did not take the path an entry measures.
+func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
+	rt, _, _, err := rtselect.Open(rtselect.Test)
+	require.NoError(t, err)
+	g, err := granularityOf(rt)
+	require.NoError(t, err)
+	plan, err := parsePlan(fmt.Sprintf("hit/1KiB=%d miss/1KiB=%d ipc/1KiB=%d", g, g, g))
+	require.NoError(t, err)
+	hit, miss, plain := plan[0], plan[1], plan[2]
+	run := func(e planEntry, n int) *pool.Pool { // n Alloc+Free pairs on one stream
+		p, s, done, err := freshPool(rt, e.poolOptions()...)
+		require.NoError(t, err)
+		t.Cleanup(done)
+		for range n {
+			b, err := p.Alloc(context.Background(), e.asked, s)
+			require.NoError(t, err)
+			require.NoError(t, p.Free(b, s))
+		}
+		return p
+	}
+	assert.NoError(t, checkCache(run(hit, 5), hit, 5))
+	assert.NoError(t, checkCache(run(miss, 5), miss, 5))
+	assert.NoError(t, checkCache(run(plain, 5), plain, 5))
+	assert.ErrorContains(t, checkCache(run(plain, 5), hit, 5), "did not take the path measured")
+	assert.ErrorContains(t, checkCache(run(hit, 5), miss, 5), "did not take the path measured")
+	assert.ErrorContains(t, checkCache(run(hit, 5), hit, 6), "did not take the path measured")
+	assert.ErrorContains(t, checkCache(run(miss, 5), plain, 5), "did not take the path measured")
 }
