@@ -2,8 +2,8 @@
 # gpu-examples.sh runs on a GPU host, from the repository root, with the commands
 # scripts/build-gpu.sh built into bin/gpu. It runs the README's main job (kvshare: one
 # producer, consumers on every GPU) and then the operator's view: a producer and two
-# holding consumers (GPU 0 and GPU 1) watched with poolstat while one consumer is
-# SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
+# holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
+# poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there), the mixed pairs
 # (examples/torch/pairs.py) and the torch KV cache (examples/torch/kvcache.py). It
 # prints a short table last and exits non-zero if
@@ -74,6 +74,37 @@ wait_for "both consumers' leases" bash -c "[ \"\$(leases_of $a)\" = 1 ] && [ \"\
 step two-leases $?
 "$bin/poolstat"
 step poolstat-table $?
+
+echo "== poolstat -serve: a Prometheus scrape of the same exporter"
+"$bin/poolstat" -serve 127.0.0.1:0 >"$work/serve.log" 2>&1 &
+serve=$!
+wait_for "poolstat -serve's address" grep -q "serving metrics at" "$work/serve.log"
+url=$(sed -n 's/.*serving metrics at \([^ ]*\).*/\1/p' "$work/serve.log")
+python3 - "$url" "$a" "$b" <<'PY'
+import re, sys, urllib.request
+url, a, b = sys.argv[1], sys.argv[2], sys.argv[3]
+text = urllib.request.urlopen(url, timeout=30).read().decode()
+series = {}
+for line in text.splitlines():
+    if line.startswith("cudapool_"):
+        print(line)
+        name, value = line.rsplit(" ", 1)
+        series[name] = float(value)
+def one(prefix, label=""):
+    got = [v for k, v in series.items() if k.startswith(prefix + "{") and label in k]
+    assert len(got) == 1, f"{prefix} {label}: {len(got)} series"
+    return got[0]
+assert one("cudapool_exporter_up") == 1, "the exporter is not up"
+assert one("cudapool_peer_leases", f'peer="{a}"') == 1, "consumer on GPU 0: no lease"
+assert one("cudapool_peer_leases", f'peer="{b}"') == 1, "consumer on GPU 1: no lease"
+assert one("cudapool_pool_reserved_bytes") > 0, "the driver reports nothing reserved"
+assert one("cudapool_pool_leases") == 2, "the pool does not count two leases"
+print("scrape checked")
+PY
+step poolstat-serve $?
+kill -INT "$serve"
+wait "$serve"
+step poolstat-serve-exit $?
 
 echo "== SIGKILL the consumer on GPU 1 (pid $b)"
 kill -KILL "$b"
