@@ -18,9 +18,8 @@ func NewExporterCollector(ex *export.Exporter) prometheus.Collector { return exp
 
 type exporterCollector struct{ ex *export.Exporter }
 
-func (c exporterCollector) Describe(ch chan<- *prometheus.Desc) {
-	describe(ch, exporterDescs, poolDescs, peerDescs)
-}
+// Describe describes nothing: the collector is unchecked (see the package docs).
+func (c exporterCollector) Describe(chan<- *prometheus.Desc) {}
 
 func (c exporterCollector) Collect(ch chan<- prometheus.Metric) {
 	st, err := c.ex.State()
@@ -50,9 +49,8 @@ func NewTargetCollector(targets func() ([]Target, error)) prometheus.Collector {
 
 type targetCollector func() ([]Target, error)
 
-func (c targetCollector) Describe(ch chan<- *prometheus.Desc) {
-	describe(ch, []*prometheus.Desc{exporterUp}, exporterDescs, poolDescs, peerDescs)
-}
+// Describe describes nothing: the collector is unchecked (see the package docs).
+func (c targetCollector) Describe(chan<- *prometheus.Desc) {}
 
 func (c targetCollector) Collect(ch chan<- prometheus.Metric) {
 	targets, err := c()
@@ -84,7 +82,8 @@ func NewPoolCollector(pools ...StatsSource) prometheus.Collector { return poolCo
 
 type poolCollector []StatsSource
 
-func (c poolCollector) Describe(ch chan<- *prometheus.Desc) { describe(ch, poolDescs) }
+// Describe describes nothing: the collector is unchecked (see the package docs).
+func (c poolCollector) Describe(chan<- *prometheus.Desc) {}
 
 func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 	for i, p := range c {

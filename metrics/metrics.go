@@ -8,7 +8,11 @@
 //	NewPoolCollector(pools)   pools in this process, read through their Stats
 //	NewTargetCollector(fn)    exporters asked over their sockets, as poolstat -serve does
 //
-// Register them with a prometheus.Registerer and serve it with promhttp. Metrics are
+// Register them with a prometheus.Registerer and serve it with promhttp. They are
+// unchecked collectors (they describe no metric up front, as the series they yield
+// depend on what runs), so several share one registry, which still refuses, at each
+// scrape, a series collected twice: give all the pools of a process to one
+// NewPoolCollector. Metrics are
 // named cudapool_<subject>_<what>[_<unit>]: gauges for current values and high-water
 // marks, counters (_total) for the counts a pool accumulates over its life (its cache's
 // hits and misses). This package keeps no state: every value is the exporter's or the
@@ -125,19 +129,3 @@ var (
 	peerAwaitingExit = gauge("peer_awaiting_exit",
 		"1 for a peer that hung up without Bye while its process lives on: its leases are kept until it exits.", peerLabels)
 )
-
-var (
-	exporterDescs = []*prometheus.Desc{exporterInfo, exporterStart, exporterPublished, exporterPublishedBytes, exporterPeers}
-	poolDescs     = []*prometheus.Desc{poolInfo, poolMax, poolReserved, poolReservedHigh, poolUsed, poolUsedHigh, poolRounding,
-		poolBuffers, poolShared, poolLeases, poolDeferred, poolFailed, poolFailedBytes, poolCacheLimit, poolCachedBuffers,
-		poolCachedBytes, poolCacheHits, poolCacheMisses}
-	peerDescs = []*prometheus.Desc{peerInfo, peerLeases, peerGrants, peerLeasedBytes, peerConnectTime, peerAwaitingExit}
-)
-
-func describe(ch chan<- *prometheus.Desc, sets ...[]*prometheus.Desc) {
-	for _, set := range sets {
-		for _, d := range set {
-			ch <- d
-		}
-	}
-}
