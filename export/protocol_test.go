@@ -107,6 +107,7 @@ type spec struct {
 	layouts   map[string]*[][]string // by message name: offset, size, field, meaning
 	flags     [][]string             // message, bit, flag, meaning
 	errors    [][]string             // code, error, meaning
+	versions  [][]string             // version, changes
 }
 
 var layoutHeading = regexp.MustCompile(`^### (\d+) (\w+)$`)
@@ -149,6 +150,8 @@ func readSpec(t *testing.T) *spec {
 			rows = &s.flags
 		case slices.Equal(cells, []string{"code", "error", "meaning"}):
 			rows = &s.errors
+		case slices.Equal(cells, []string{"version", "changes"}):
+			rows = &s.versions
 		case slices.Equal(cells, []string{"offset", "size", "field", "meaning"}):
 			m := layoutHeading.FindStringSubmatch(heading)
 			require.NotNil(t, m, "%s: a layout table under %q, want a heading \"### TYPE Name\"", protocolDoc, heading)
@@ -183,6 +186,18 @@ func TestProtocolConstants(t *testing.T) {
 	for name := range protocolConstants {
 		assert.True(t, seen[name], "%s's constants table has no row %q", protocolDoc, name)
 	}
+}
+
+// The versions table ends with the version the code speaks: a bump says what changed.
+func TestProtocolVersions(t *testing.T) {
+	s := readSpec(t)
+	require.NotEmpty(t, s.versions, "%s has no versions table", protocolDoc)
+	for i, row := range s.versions {
+		assert.Equal(t, uint64(i+1), number(t, row[0]), "%s: the versions table goes 1, 2, 3...", protocolDoc)
+		assert.NotEmpty(t, row[1], "%s: version %s says nothing of what changed", protocolDoc, row[0])
+	}
+	assert.Equal(t, strconv.Itoa(ProtocolVersion), s.versions[len(s.versions)-1][0],
+		"%s: the last version in its versions table is not ProtocolVersion", protocolDoc)
 }
 
 // Every message type the code decodes is in the messages table, with its name and the
