@@ -33,7 +33,11 @@ count, two columns of one allocation row that allocate different bytes, a Go bat
 without its C neighbour, a malformed line. Each such problem is printed, the
 tables still come, and the exit status is 1.
 
-Usage: python3 bench/table.py RAW [--md FILE [--notes FILE]]
+With --md the same goes, as Markdown, to FILE (bench/RESULTS.md), with the text of
+--notes under its own heading; with --readme the README's "## Performance" section
+(up to the next "## " heading) is replaced by it.
+
+Usage: python3 bench/table.py RAW [--md FILE] [--notes FILE] [--readme README.md]
 """
 
 import math
@@ -42,6 +46,9 @@ import sys
 # ---- Reading the raw file.
 
 RATES = ("GB/s", "shares/s")
+# The version of the suite's lines and protocols: scripts/bench-suite.sh says it in a
+# "meta suite" line; a raw file of another version compared other work.
+SUITE = "2"
 
 
 class Run:
@@ -98,6 +105,9 @@ class Run:
             self.meta.setdefault("cuda", "%s (driver API %s)" % (cuda_version(f[2]), cuda_version(f[4])))
 
     def check(self):
+        if self.meta.get("suite") != SUITE:
+            self.problems.append("the raw file is of suite version %s, not %s: its columns did other work" % (
+                self.meta.get("suite", "1 (no meta suite line)"), SUITE))
         for key, (unit, median, _, n) in self.results.items():
             raw = self.raws.get(key)
             if raw is None:
@@ -614,8 +624,8 @@ def main(argv):
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    md, notes = option(argv, "--md"), option(argv, "--notes")
-    if md is False or notes is False:
+    md, notes, readme = option(argv, "--md"), option(argv, "--notes"), option(argv, "--readme")
+    if md is False or notes is False or readme is False:
         return 2
     with open(argv[0]) as f:
         run = Run(f)
@@ -637,14 +647,39 @@ def main(argv):
     if run.problems:
         print("\n%d problems in the raw file (PROBLEM lines above): the tables are not to be trusted" %
               len(run.problems))
+    text = ""
+    if notes:
+        with open(notes) as f:
+            text = f.read()
+    section = markdown(run, text)
     if md:
-        text = ""
-        if notes:
-            with open(notes) as f:
-                text = f.read()
         with open(md, "w") as f:
-            f.write(markdown(run, text))
+            f.write(section)
+    if readme:
+        if run.problems:
+            print("table: %s left as it was: the raw file has problems" % readme, file=sys.stderr)
+            return 1
+        with open(readme) as f:
+            old = f.read()
+        new = replace_section(old, section)
+        if new is None:
+            print("table: %s has no \"## Performance\" section to replace" % readme, file=sys.stderr)
+            return 1
+        with open(readme, "w") as f:
+            f.write(new)
     return 1 if run.problems else 0
+
+
+def replace_section(text, section):
+    """text with its "## Performance" section (to the next "## " heading or the end)
+    replaced by section, or None if it has none."""
+    lines = text.split("\n")
+    try:
+        start = lines.index("## Performance")
+    except ValueError:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[:start] + section.rstrip("\n").split("\n") + [""] + lines[end:])
 
 
 def option(argv, name):

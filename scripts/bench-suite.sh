@@ -93,6 +93,7 @@ for z in "$bin"/*.gz; do
 	gunzip -f "$z" && chmod +x "${z%.gz}" || { echo "cannot unpack $z" >&2; exit 2; }
 done
 echo "== bench-suite: host"
+meta suite 2 # bench/table.py's SUITE: the version of these lines and of what each column does
 meta date "$(date -u '+%Y-%m-%d %H:%M UTC')"
 meta gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | sed 's/^ *\([0-9]*\) /\1x /' | paste -sd, -)"
 meta driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"

@@ -7,7 +7,8 @@
 //
 // Its consumers follow the protocol cudapool's export package follows, call for
 // call, so that a ratio between the two columns compares the same work (issue 13):
-// an Open asks whether the producer's ready event has completed and makes the stream
+// an Open checks that the stream is on the consumer's device (cudaStreamGetDevice),
+// asks whether the producer's ready event has completed and makes the stream
 // wait on it only if not; a record this process freed before is imported again only
 // once that free has completed (a second import would alias the first, FACTS 4): the
 // release event is asked, and the release stream synchronized only if it has not; a
@@ -723,6 +724,9 @@ static void settle(int i) {
 // open_record asks the producer for buffer i and returns it imported, usable on s:
 // the ordered protocol of cudapool's Importer.Open.
 static void *open_record(enum kind k, int32_t i, cudaStream_t s) {
+	int dev; // Open refuses a stream of another device than the Importer's
+	CHECK(cudaStreamGetDevice(s, &dev));
+	CHECK_SYS(dev == cons.dev, "a stream of another device");
 	record r;
 	write_all(cons.sock, &i, sizeof i);
 	read_all(cons.sock, &r, sizeof r);
