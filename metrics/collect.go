@@ -27,20 +27,21 @@ func (c exporterCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(exporterInfo, err)
 		return
 	}
-	collectState(ch, st)
+	collectState(ch, st.Name, st.Socket, st)
 }
 
 // Target is one exporter as a scrape found it: its State, or nil when it could not be
 // asked (announced but dead, refused, timed out).
 type Target struct {
 	Name   string // the name it announced
-	Socket string
+	Socket string // where it was asked: its identity, whatever its State says
 	State  *export.State
 }
 
 // NewTargetCollector returns a collector that calls targets at each scrape and reports
-// every exporter it returns: cudapool_exporter_up for each, and the figures of those
-// with a State. An error from targets (the exporters could not be listed) is a
+// every exporter it returns: cudapool_exporter_up for each socket, and the figures of
+// those with a State. Targets of one socket are one exporter (a stale announcement of
+// an earlier exporter on the same path, say): up is 1 if any of them answered. An error from targets (the exporters could not be listed) is a
 // collection error of that scrape. targets runs once per scrape, and scrapes may
 // overlap: it must bound its own time, as a scrape waits for it.
 func NewTargetCollector(targets func() ([]Target, error)) prometheus.Collector {
@@ -58,12 +59,22 @@ func (c targetCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(exporterUp, err)
 		return
 	}
+	bySocket := map[string]Target{}
+	var sockets []string
 	for _, t := range targets {
-		name, socket, up := t.Name, t.Socket, 0.0
+		if seen, ok := bySocket[t.Socket]; !ok {
+			sockets = append(sockets, t.Socket)
+		} else if seen.State != nil || t.State == nil {
+			continue // the first that answered speaks for the socket
+		}
+		bySocket[t.Socket] = t
+	}
+	for _, socket := range sockets {
+		t := bySocket[socket]
+		name, up := t.Name, 0.0
 		if t.State != nil {
-			// The exporter's own word: the socket as an absolute path.
-			name, socket, up = t.State.Name, t.State.Socket, 1
-			collectState(ch, t.State)
+			name, up = t.State.Name, 1
+			collectState(ch, name, socket, t.State)
 		}
 		send(ch, exporterUp, up, []string{name, socket})
 	}
@@ -95,9 +106,12 @@ func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// collectState sends the figures of one exporter's State.
-func collectState(ch chan<- prometheus.Metric, st *export.State) {
-	ex := []string{st.Name, st.Socket}
+// collectState sends the figures of one exporter's State under its name and socket.
+// The State comes from another process: a pool id or a peer pid it lists twice (two
+// Importers of one process are two peers of one pid) is reported once, not as series
+// that would fail the scrape.
+func collectState(ch chan<- prometheus.Metric, name, socket string, st *export.State) {
+	ex := []string{name, socket}
 	var publishedBytes uint64
 	for _, n := range st.Published {
 		publishedBytes += n.Size
@@ -110,27 +124,60 @@ func collectState(ch chan<- prometheus.Metric, st *export.State) {
 	send(ch, exporterPublishedBytes, float64(publishedBytes), ex)
 	send(ch, exporterPeers, float64(len(st.Peers)), ex)
 
+	pools := map[uint64]bool{}
 	for _, p := range st.Pools {
-		if p.Error != "" {
-			continue // the figures are those that could be read before the failure
+		if p.Error != "" || pools[p.ID] {
+			continue // figures that could not all be read, or a pool already reported
 		}
+		pools[p.ID] = true
 		collectPool(ch, append(ex[:2:2], p.Name, strconv.FormatUint(p.ID, 10), strconv.Itoa(p.Device)), p.Stats)
 	}
 
-	for _, p := range st.Peers {
+	for _, p := range peersByPID(st.Peers) {
 		labels := append(ex[:2:2], strconv.Itoa(p.PID))
-		command := ""
-		if info, err := peercred.Lookup(p.PID); err == nil && !p.Remote {
-			command = info.Command
-		}
-		send(ch, peerInfo, 1, labels, strconv.FormatUint(uint64(p.UID), 10), strconv.FormatUint(uint64(p.GID), 10),
-			p.Device, strconv.FormatBool(p.Remote), command)
 		send(ch, peerLeases, float64(p.Leases), labels)
 		send(ch, peerGrants, float64(p.Grants), labels)
 		send(ch, peerLeasedBytes, float64(p.BytesLeased), labels)
 		send(ch, peerConnectTime, seconds(p.ConnectedSince.UnixNano()), labels)
 		send(ch, peerAwaitingExit, boolean(p.AwaitingExit), labels)
 	}
+	infos := map[[6]string]bool{}
+	for _, p := range st.Peers {
+		command := ""
+		if info, err := peercred.Lookup(p.PID); err == nil && !p.Remote {
+			command = info.Command
+		}
+		info := [6]string{strconv.Itoa(p.PID), strconv.FormatUint(uint64(p.UID), 10), strconv.FormatUint(uint64(p.GID), 10),
+			p.Device, strconv.FormatBool(p.Remote), command}
+		if !infos[info] {
+			infos[info] = true
+			send(ch, peerInfo, 1, append(ex[:2:2], info[0]), info[1:]...)
+		}
+	}
+}
+
+// peersByPID sums the peers of one pid into one, in the order of their first
+// appearance: the earliest connection, and awaiting its exit if any is.
+func peersByPID(peers []export.PeerState) []export.PeerState {
+	var out []export.PeerState
+	at := map[int]int{}
+	for _, p := range peers {
+		i, ok := at[p.PID]
+		if !ok {
+			at[p.PID] = len(out)
+			out = append(out, p)
+			continue
+		}
+		q := &out[i]
+		q.Leases += p.Leases
+		q.Grants += p.Grants
+		q.BytesLeased += p.BytesLeased
+		if p.ConnectedSince.Before(q.ConnectedSince) {
+			q.ConnectedSince = p.ConnectedSince
+		}
+		q.AwaitingExit = q.AwaitingExit || p.AwaitingExit
+	}
+	return out
 }
 
 // collectPool sends one pool's figures under labels (poolLabels' values). A State

@@ -248,3 +248,44 @@ cudapool_pool_cache_limit_bytes{device="0",exporter="",pool="scratch",pool_id="2
 type failing struct{}
 
 func (failing) Stats() (pool.Stats, error) { return pool.Stats{}, errors.New("no stats") }
+
+// What another process reports twice is reported once: two announcements of one
+// socket (a stale one beside the live exporter's), two peers of one pid (two Importers
+// of one process), a pool listed twice. A duplicate series would fail the whole scrape.
+func TestDuplicatesAreReportedOnce(t *testing.T) {
+	s := newSharing(t)
+	st, err := s.ex.State()
+	require.NoError(t, err)
+	require.Len(t, st.Peers, 1)
+	st.Peers = append(st.Peers, st.Peers[0])
+	st.Peers[1].ConnectedSince = st.Peers[0].ConnectedSince.Add(-time.Minute)
+	st.Peers[1].AwaitingExit = true
+	st.Pools = append(st.Pools, st.Pools[0])
+	c := metrics.NewTargetCollector(func() ([]metrics.Target, error) {
+		return []metrics.Target{{Name: "stale", Socket: s.socket}, {Name: "test-exporter", Socket: s.socket, State: st},
+			{Name: "stale again", Socket: s.socket}}, nil
+	})
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c))
+	_, err = reg.Gather()
+	require.NoError(t, err)
+
+	want := fmt.Sprintf(`
+# HELP cudapool_exporter_up 1 when the exporter answered its state at this scrape, 0 when it is announced but dead or did not answer.
+# TYPE cudapool_exporter_up gauge
+cudapool_exporter_up{exporter="test-exporter",socket=%[1]q} 1
+# HELP cudapool_peer_leases Buffers the peer holds a lease on.
+# TYPE cudapool_peer_leases gauge
+cudapool_peer_leases{exporter="test-exporter",peer="%[2]d",socket=%[1]q} 2
+# HELP cudapool_peer_awaiting_exit 1 for a peer that hung up without Bye while its process lives on: its leases are kept until it exits.
+# TYPE cudapool_peer_awaiting_exit gauge
+cudapool_peer_awaiting_exit{exporter="test-exporter",peer="%[2]d",socket=%[1]q} 1
+# HELP cudapool_peer_connect_time_seconds When the peer connected, in seconds since the Unix epoch.
+# TYPE cudapool_peer_connect_time_seconds gauge
+cudapool_peer_connect_time_seconds{exporter="test-exporter",peer="%[2]d",socket=%[1]q} %[3]v
+`, s.socket, os.Getpid(), float64(st.Peers[1].ConnectedSince.UnixNano())/1e9)
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want), "cudapool_exporter_up", "cudapool_peer_leases",
+		"cudapool_peer_awaiting_exit", "cudapool_peer_connect_time_seconds"))
+	assert.Equal(t, 1, testutil.CollectAndCount(c, "cudapool_pool_leases"), "a pool listed twice")
+	assert.Equal(t, 1, testutil.CollectAndCount(c, "cudapool_peer_info"), "one peer's info, listed twice")
+}

@@ -42,6 +42,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -108,6 +109,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "poolstat: -dir: %v\n", err)
 			return 2
 		}
+	}
+	if abs, err := filepath.Abs(l.socket); l.socket != "" && err == nil {
+		l.socket = abs // as exporters announce theirs, and as metrics label it
 	}
 	if *serveAddr != "" {
 		return serve(ctx, &l, *serveAddr, stdout, stderr)
