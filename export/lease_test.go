@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 )
 
 // activeLeases reads the producer pool's lease count.
@@ -102,6 +104,8 @@ func TestEndingALeaseEarlyIsCaught(t *testing.T) {
 		}
 		p.mu.Unlock()
 	}
-	b.Free(pr.stream)
-	require.Error(t, pr.dev.Err(), "freeing a buffer still imported went unnoticed")
+	require.NoError(t, b.Free(pr.stream))
+	vs := pr.dev.Violations()
+	require.Len(t, vs, 1, "violations after freeing a buffer still imported: %v", vs)
+	require.Equal(t, cudarttest.ViolationExporterFreedWhileImported, vs[0].Kind, "violation %v", vs[0])
 }

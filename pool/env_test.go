@@ -40,7 +40,7 @@ func onEachRuntime(t *testing.T, body func(t *testing.T, e testEnv)) {
 
 // softDevice is a software device that the test checks for violations and closes.
 func softDevice(t testing.TB, opts ...cudarttest.Option) *cudarttest.Device {
-	d := cudarttest.New(append([]cudarttest.Option{cudarttest.WithDeferred()}, opts...)...)
+	d := cudarttest.New(opts...)
 	t.Cleanup(func() {
 		assert.NoError(t, d.Err(), "software device saw rule violations")
 		d.Close()

@@ -120,7 +120,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 // The same sharing without a lease frees under the importer: the software device must
 // catch it, or the test above proves nothing.
 func TestUnleasedSharedFreeIsCaught(t *testing.T) {
-	exp := cudarttest.New(cudarttest.WithDeferred())
+	exp := cudarttest.New()
 	defer exp.Close()
 	p, err := New(exp, 0)
 	require.NoError(t, err)

@@ -36,8 +36,7 @@
 // Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
 // violation names it, and ForTest logs it when a test fails. WithImmediate gives the
 // old behaviour, for the few tests that need it: every call's work runs before the call
-// returns, so no access can ever be unordered. (Until the tests of package export stop
-// assuming immediacy, New's default is still immediate: see WithDeferred.)
+// returns, so no access can ever be unordered.
 package cudarttest
 
 import (
@@ -95,12 +94,6 @@ func WithSeed(seed uint64) Option { return func(c *config) { c.seed = &seed } }
 // only where a test needs calls to complete at once.
 func WithImmediate() Option { return func(c *config) { c.immediate = true } }
 
-// WithDeferred makes the Device defer work to its streams (see the package
-// documentation). For now New's Devices are immediate unless given this option: the
-// tests of package export still assume immediacy, and deferred execution becomes the
-// default once they no longer do.
-func WithDeferred() Option { return func(c *config) { c.immediate = false } }
-
 // Device is a software CUDA device set implementing cudart.Runtime. Its methods are
 // safe for concurrent use.
 type Device struct {
@@ -142,7 +135,7 @@ var _ cudart.Runtime = (*Device)(nil)
 // New returns an open software device. Close it when done: it holds memfds and
 // mappings.
 func New(opts ...Option) *Device {
-	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true, immediate: true}
+	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true}
 	for _, o := range opts {
 		o(&cfg)
 	}

@@ -16,7 +16,7 @@ type fx struct {
 
 func newFx(t testing.TB, opts ...Option) fx {
 	t.Helper()
-	d := New(append([]Option{WithDeferred()}, opts...)...)
+	d := New(opts...)
 	t.Cleanup(func() { d.Close() })
 	return fx{t, d}
 }

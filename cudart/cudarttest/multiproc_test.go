@@ -83,6 +83,7 @@ func TestChildStaleAndDoubleImports(t *testing.T) {
 	rep, _ := child.call(request{Op: "read", Ptr: iptr, N: 4})
 	wantKinds(t, rep, ViolationUseAfterRelease)
 	child.do(request{Op: "free", Ptr: iptr})
+	child.do(request{Op: "sync"}) // else the free, run later, unmaps the next import there
 
 	live := exp.alloc(p, 512)
 	rec := exp.exportPtr(live)

@@ -179,6 +179,41 @@ func (d *Device) work() {
 	}
 }
 
+// Synchronize waits until the work queued so far on every stream of the Device has run,
+// as cudaDeviceSynchronize does (so it waits for stalls to be resumed too), and
+// returns the violations that work found that no call has returned yet.
+func (d *Device) Synchronize() error {
+	const opName = "cudaDeviceSynchronize"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return errClosed(opName)
+	}
+	for _, st := range slices.Clone(d.active) {
+		err := d.submit(opName, st, &task{done: make(chan error, 1), run: func(*stream, uint64) error { return nil }})
+		if err != nil {
+			return err
+		}
+	}
+	var errs []error
+	for _, st := range d.allStreams() {
+		errs = append(errs, faultsOf(st))
+	}
+	return errors.Join(errs...)
+}
+
+// allStreams lists the default streams and the created ones.
+func (d *Device) allStreams() []*stream {
+	sts := make([]*stream, 0, len(d.devs)+len(d.streams))
+	for _, dev := range d.devs {
+		sts = append(sts, dev.defaultStream)
+	}
+	for _, st := range d.streams {
+		sts = append(sts, st)
+	}
+	return sts
+}
+
 // settle waits until no queued work can run. d.mu is held.
 func (d *Device) settle() {
 	for !d.closed && d.runnable() != nil {

@@ -116,7 +116,7 @@ func serveRemote([]string) int {
 		fmt.Fprintln(os.Stderr, "remote:", err)
 		return 1
 	}
-	s := &server{d: New(WithDeferred())}
+	s := &server{d: New()}
 	buf := make([]byte, 1<<16)
 	for {
 		n, fds, err := unixfd.Recv(conn.(*net.UnixConn), buf, 1)
