@@ -67,3 +67,20 @@ func TestDiscoverRefusesAnotherUsersDirectory(t *testing.T) {
 	// The exporter, too, refuses to announce there.
 	require.ErrorIs(t, ensureDir(squatted), ErrBadDir)
 }
+
+// Listen announces only in a private directory: one others can write to is refused
+// before any socket is made.
+func TestListenRefusesAnAnnounceDirectoryOthersControl(t *testing.T) {
+	dir := shortDir(t)
+	open := filepath.Join(dir, "open")
+	require.NoError(t, os.Mkdir(open, 0o700))
+	require.NoError(t, os.Chmod(open, 0o777))
+	sock := filepath.Join(dir, "x.sock")
+	rt := newSide(t, 0).dev
+	_, err := Listen(sock, rt, WithAnnounce(open))
+	require.ErrorIs(t, err, ErrBadDir)
+	assert.NoFileExists(t, sock, "Listen left a socket behind")
+	entries, err := os.ReadDir(open)
+	require.NoError(t, err)
+	assert.Empty(t, entries, "Listen wrote into a directory it does not trust")
+}
