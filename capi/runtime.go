@@ -15,7 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/rtselect"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 )
 
 // RuntimeEnv names the runtime preference used when no cudapool_init came first.
@@ -38,7 +38,7 @@ var (
 // with the same preference returns the first choice; with another it fails.
 func choose(prefer string) (*chosen, error) {
 	if prefer == "" {
-		prefer = rtselect.Auto
+		prefer = rtchoice.Auto
 	}
 	chooseMu.Lock()
 	defer chooseMu.Unlock()
@@ -48,7 +48,8 @@ func choose(prefer string) (*chosen, error) {
 		}
 		return c, nil
 	}
-	rt, onGPU, why, err := rtselect.Open(prefer)
+	picked, err := rtchoice.Runtime(prefer)
+	rt, onGPU, why := picked.Runtime, picked.OnGPU, picked.Why
 	if err != nil {
 		return nil, fmt.Errorf("cudapool: choosing the runtime %q: %w", prefer, err)
 	}

@@ -69,6 +69,10 @@ func (c *loadConfig) driverCandidate() string {
 // every library tried and why each failed (the loader's message, or the missing
 // symbols); nothing stays loaded. A build without cgo, or for an OS other than Linux,
 // always fails so.
+//
+// A program that should run without a GPU too, on the cudarttest software device, calls
+// choose.Runtime (package cudart/choose) instead: it calls Load, and falls back with
+// one line saying why.
 func Load(opts ...LoadOption) (Runtime, error) {
 	var c loadConfig
 	for _, o := range opts {

@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/internal/proctest"
-	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -181,7 +181,8 @@ type benchEnv struct {
 
 func newBenchEnv(b *testing.B) *benchEnv {
 	b.Helper()
-	rt, onGPU, why, err := rtselect.Open(os.Getenv("CUDAPOOL_RUNTIME"))
+	picked, err := choose.Runtime(os.Getenv("CUDAPOOL_RUNTIME"))
+	rt, onGPU, why := picked.Runtime, picked.OnGPU, picked.Why
 	require.NoError(b, err)
 	b.Log(why)
 	n, err := rt.DeviceCount()
@@ -207,7 +208,7 @@ func newBenchEnv(b *testing.B) *benchEnv {
 		ctx := context.Background()
 		assert.NoError(b, e.ex.Close(ctx))
 		e.pool.Close(ctx, pool.Force())
-		assert.NoError(b, rtselect.Err(rt))
+		assert.NoError(b, choose.Violations(rt))
 	})
 	return e
 }

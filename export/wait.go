@@ -21,15 +21,23 @@ const (
 )
 
 // retry calls try until it returns false (done) or ctx ends, waiting between calls with
-// backoff from first to most. It returns try's last error, and ctx's error if ctx ended
-// while a try still asked for another.
+// backoff from first to most. It returns try's last error, and ctx's error if ctx
+// ended while waiting. A try that fails as ctx ends (a dial cut short) counts as the
+// end of the wait, with the last error worth waiting on as try's.
 func retry(ctx context.Context, first, most time.Duration, try func() (again bool, err error)) (last, ctxErr error) {
 	delay := first
 	t := time.NewTimer(0)
 	<-t.C
 	defer t.Stop()
+	var waitedOn error // the last error a try asked to wait on
 	for {
 		again, err := try()
+		if again {
+			waitedOn = err
+		}
+		if err != nil && waitedOn != nil && ctx.Err() != nil {
+			return waitedOn, ctx.Err()
+		}
 		if !again {
 			return err, nil
 		}

@@ -52,7 +52,7 @@ func TestOpenWaitsForName(t *testing.T) {
 		t.Fatal("Open with WaitForName did not return after the name was published")
 	}
 
-	ctx, cancel := context.WithTimeout(testCtx(t), 30*time.Millisecond)
+	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
 	defer cancel()
 	_, err := c.imp.Open(ctx, "never", c.stream, WaitForName())
 	require.ErrorIs(t, err, context.DeadlineExceeded)
@@ -73,7 +73,7 @@ func TestDialWaitsForExporter(t *testing.T) {
 	_, err := Dial(testCtx(t), path, s.dev, 0)
 	require.ErrorIs(t, err, ErrExporterGone, "without WaitForExporter Dial does not wait")
 
-	ctx, cancel := context.WithTimeout(testCtx(t), 30*time.Millisecond)
+	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
 	defer cancel()
 	_, err = Dial(ctx, path, s.dev, 0, WaitForExporter())
 	require.ErrorIs(t, err, context.DeadlineExceeded)

@@ -15,8 +15,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -55,7 +55,8 @@ func consumerMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	rt, _, _, err := rtselect.Open(args[0])
+	picked, err := choose.Runtime(args[0])
+	rt := picked.Runtime
 	if err != nil {
 		return fail(err)
 	}
@@ -103,7 +104,7 @@ func consumerMain(args []string) int {
 	if err := imp.Close(closeCtx); err != nil {
 		return fail(err)
 	}
-	if err := rtselect.Err(rt); err != nil {
+	if err := choose.Violations(rt); err != nil {
 		return fail(err)
 	}
 	return 0

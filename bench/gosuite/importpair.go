@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -42,7 +42,8 @@ func exporterMain(args []string) int {
 	if err != nil || n <= 0 {
 		return fail(fmt.Errorf("bad count %q", args[1]))
 	}
-	rt, _, _, err := rtselect.Open(args[0])
+	picked, err := choose.Runtime(args[0])
+	rt := picked.Runtime
 	if err != nil {
 		return fail(err)
 	}

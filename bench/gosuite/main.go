@@ -43,7 +43,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -97,7 +97,7 @@ func playRole() {
 }
 
 func run() int {
-	prefer := flag.String("runtime", rtselect.Auto, "auto, gpu or test (the software device)")
+	prefer := flag.String("runtime", choose.Auto, "auto, gpu or test (the software device)")
 	quick := flag.Bool("quick", false, "few samples: a dry run")
 	validate := flag.Bool("validate", false, "consumers check every byte they are given")
 	planText := flag.String("plan", "", "alloc: the plan, KIND/SIZE=BYTES ...")
@@ -138,7 +138,8 @@ func run() int {
 	default:
 		return usage(fmt.Sprintf("unknown mode %q", mode))
 	}
-	rt, _, why, err := rtselect.Open(*prefer)
+	picked, err := choose.Runtime(*prefer)
+	rt, why := picked.Runtime, picked.Why
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite:", err)
 		return 1
@@ -170,15 +171,15 @@ func run() int {
 		if *quick {
 			sh = quickShape
 		}
-		kind := rtselect.GPU
-		if *prefer == rtselect.Test || !strings.HasPrefix(rt.Name(), "libcudart") {
-			kind = rtselect.Test
+		kind := choose.GPU
+		if *prefer == choose.Software || !strings.HasPrefix(rt.Name(), "libcudart") {
+			kind = choose.Software
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
 		absentRows(r)
 	}
-	if err := rtselect.Err(rt); err != nil {
+	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
 		r.failed = true
 	}

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/internal/rtselect"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -48,15 +48,16 @@ func lines(t *testing.T, out string) map[string][][]string {
 // byte, the sustained windows add up to the rates, the features not on main are
 // said to be absent, and nothing fails.
 func TestSuiteOnSoftwareDevice(t *testing.T) {
-	rt, _, _, err := rtselect.Open(rtselect.Test)
+	picked, err := choose.Runtime(choose.Software)
+	rt := picked.Runtime
 	require.NoError(t, err)
 	var out strings.Builder
 	r := &reporter{w: &out}
 	sh := quickShape
-	r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, rtselect.Test, sh) })
-	sharing(r, rt, rtselect.Test, sh, true)
+	r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, choose.Software, sh) })
+	sharing(r, rt, choose.Software, sh, true)
 	absentRows(r)
-	require.NoError(t, rtselect.Err(rt), "the software device saw violations")
+	require.NoError(t, choose.Violations(rt), "the software device saw violations")
 	by := lines(t, out.String())
 	assert.Empty(t, by["fail"], "failures")
 	assert.False(t, r.failed, "the reporter says something failed")
@@ -146,7 +147,8 @@ func fifo(t *testing.T, dir, name string) string {
 // and a bytes line per entry and slot run saying what the plan says. The hit and miss
 // entries took the path they name (allocRing checks the pool's counts).
 func TestAllocRingRunsThePlan(t *testing.T) {
-	rt, _, _, err := rtselect.Open(rtselect.Test)
+	picked, err := choose.Runtime(choose.Software)
+	rt := picked.Runtime
 	require.NoError(t, err)
 	g, err := granularityOf(rt)
 	require.NoError(t, err)
@@ -162,7 +164,7 @@ func TestAllocRingRunsThePlan(t *testing.T) {
 	var out strings.Builder
 	const batches = 3
 	require.NoError(t, allocRing(&reporter{w: &out}, rt, plan, rg, 7, batches, 10))
-	require.NoError(t, rtselect.Err(rt))
+	require.NoError(t, choose.Violations(rt))
 
 	by := lines(t, out.String())
 	samples := by["sample"]
@@ -207,7 +209,8 @@ func TestAllocRingRunsThePlan(t *testing.T) {
 // A plan whose bytes are not what the pool allocates fails before measuring: the
 // columns would not allocate the same bytes.
 func TestAllocRingRefusesUnequalBytes(t *testing.T) {
-	rt, _, _, err := rtselect.Open(rtselect.Test)
+	picked, err := choose.Runtime(choose.Software)
+	rt := picked.Runtime
 	require.NoError(t, err)
 	plan, err := parsePlan("ipc/1KiB=1024")
 	require.NoError(t, err)
@@ -252,7 +255,8 @@ func TestParsePlan(t *testing.T) {
 
 // checkCache refuses a pool whose cache did not take the path an entry measures.
 func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
-	rt, _, _, err := rtselect.Open(rtselect.Test)
+	picked, err := choose.Runtime(choose.Software)
+	rt := picked.Runtime
 	require.NoError(t, err)
 	g, err := granularityOf(rt)
 	require.NoError(t, err)

@@ -20,10 +20,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
-	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -74,7 +74,8 @@ func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 // onGPU reports whether the children run on the real runtime (a GPU host), where the
 // golden files, taken on the software device, do not apply.
 func onGPU(t *testing.T) bool {
-	_, gpu, _, err := rtselect.Open(rtselect.Auto)
+	picked, err := choose.Runtime(choose.Auto)
+	gpu := picked.OnGPU
 	require.NoError(t, err)
 	return gpu
 }
@@ -222,7 +223,8 @@ func compare(t *testing.T, path string, got []byte) {
 // in dir, with its socket there.
 func testExporter(t *testing.T, dir string, opts ...export.ListenOption) *export.Exporter {
 	t.Helper()
-	rt, _, _, err := rtselect.Open(rtselect.Test)
+	picked, err := choose.Runtime(choose.Software)
+	rt := picked.Runtime
 	require.NoError(t, err)
 	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.ListenOption{export.WithAnnounce(dir)}, opts...)...)
 	require.NoError(t, err)

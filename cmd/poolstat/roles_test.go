@@ -10,8 +10,8 @@ import (
 	"strings"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/internal/rtselect"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -117,9 +117,10 @@ func consumerRole(args []string) int {
 // roleMain runs body on the runtime the test runs on, and fails on any error or any rule
 // the software device saw broken.
 func roleMain(role string, body func(ctx context.Context, rt cudart.Runtime) error) int {
-	rt, _, _, err := rtselect.Open(rtselect.Auto)
+	picked, err := choose.Runtime(choose.Auto)
+	rt := picked.Runtime
 	if err == nil {
-		err = errors.Join(body(context.Background(), rt), rtselect.Err(rt))
+		err = errors.Join(body(context.Background(), rt), choose.Violations(rt))
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "%s: %v\n", role, err)

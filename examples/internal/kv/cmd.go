@@ -16,9 +16,9 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/privdir"
-	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
 // Command is one of this example's commands, given its arguments and standard streams.
@@ -57,7 +57,7 @@ const DefaultName = "kv-cache"
 func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.socket, "socket", "", "the exporter's Unix socket (default: kv.sock in the announce directory)")
 	fs.StringVar(&c.name, "name", DefaultName, "the name the cache is published under")
-	fs.StringVar(&c.runtime, "runtime", rtselect.Auto, "auto (GPU if there is one, else the software device), gpu or test")
+	fs.StringVar(&c.runtime, "runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test")
 	fs.IntVar(&c.device, "device", 0, "the device this process works on")
 	fs.Uint64Var(&c.seed, "seed", 1, "selects the pattern the cache is filled with; consumers must use the producer's")
 	fs.BoolVar(&c.json, "json", false, "print one JSON line for programs (the launcher) instead of sentences")
@@ -71,7 +71,8 @@ func (c *common) setup(role string, stdout, stderr io.Writer) (rt cudart.Runtime
 			return nil, false, err
 		}
 	}
-	rt, onGPU, why, err := rtselect.Open(c.runtime)
+	picked, err := choose.Runtime(c.runtime)
+	rt, onGPU, why := picked.Runtime, picked.OnGPU, picked.Why
 	if err != nil {
 		return nil, false, err
 	}
@@ -116,7 +117,7 @@ func finish(ctx context.Context, role string, rt cudart.Runtime, stderr io.Write
 	if interrupted {
 		err = nil
 	}
-	if err = errors.Join(err, rtselect.Err(rt)); err != nil {
+	if err = errors.Join(err, choose.Violations(rt)); err != nil {
 		return fail(role, stderr, err)
 	}
 	if interrupted {

@@ -11,9 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
 // TestMain lets the launcher test re-execute this binary as "producer" and "consumer",
@@ -209,7 +209,8 @@ func TestProducerStopsWhileHeld(t *testing.T) {
 func TestLaunch(t *testing.T) {
 	t.Setenv(export.DirEnv, t.TempDir())
 	// The runtime kvshare would pick: the software device here, the GPUs on a GPU host.
-	_, _, why, err := rtselect.Open(rtselect.Auto)
+	picked, err := choose.Runtime(choose.Auto)
+	why := picked.Why
 	if err != nil {
 		t.Fatal(err)
 	}

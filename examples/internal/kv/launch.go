@@ -19,9 +19,9 @@ import (
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/privdir"
-	"github.com/cudapool/cudapool/internal/rtselect"
 )
 
 // LaunchCommand is examples/kvshare. Called with "producer" or "consumer" first, it is
@@ -41,7 +41,7 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 	const role = "kvshare"
 	fs := flag.NewFlagSet(role, flag.ContinueOnError)
 	consumers := fs.Int("consumers", 0, "consumer processes (default: one per visible device, at least 2)")
-	prefer := fs.String("runtime", rtselect.Auto, "auto (GPU if there is one, else the software device), gpu or test")
+	prefer := fs.String("runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test")
 	reps := fs.Int("reps", 3, "how many times each consumer times each copy (the best counts)")
 	shapeFlags := ShapeFlags(fs)
 	if !parse(fs, args, stderr) {
@@ -51,7 +51,8 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 		fmt.Fprintf(stderr, "%s: -consumers must be positive and -reps at least 1\n", role)
 		return 2
 	}
-	rt, onGPU, why, err := rtselect.Open(*prefer)
+	picked, err := choose.Runtime(*prefer)
+	rt, onGPU, why := picked.Runtime, picked.OnGPU, picked.Why
 	if err != nil {
 		return fail(role, stderr, err)
 	}
@@ -61,10 +62,10 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 	}
 	l := launch{
 		shape: shapeFlags.Resolve(onGPU), devices: devices, consumers: *consumers, reps: *reps,
-		runtime: rtselect.Test, stdout: stdout, stderr: stderr,
+		runtime: choose.Software, stdout: stdout, stderr: stderr,
 	}
 	if onGPU {
-		l.runtime = rtselect.GPU
+		l.runtime = choose.GPU
 	}
 	if l.consumers == 0 {
 		l.consumers = max(2, devices)
