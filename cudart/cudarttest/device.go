@@ -100,8 +100,12 @@ type Device struct {
 	cfg config
 	id  ident
 
-	mu            sync.Mutex
-	closed        bool
+	mu     sync.Mutex
+	closed bool
+	// lost: a read of a dead process's memory from a peer device lost this Device's
+	// context, on device lostOn (FACTS 14); every call fails from then on.
+	lost          bool
+	lostOn        int
 	devs          []devState
 	pools         map[cudart.MemPool]*pool // live handles, own and imported
 	spans         []*pool                  // pools that map memory, sorted by base
@@ -203,6 +207,15 @@ func (d *Device) Close() error {
 	return nil
 }
 
+// ContextLost reports whether this Device's context is lost: it read memory of a
+// process that had died from a device other than the memory's own, and every call
+// fails since, as the driver fails them (FACTS 14).
+func (d *Device) ContextLost() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lost
+}
+
 // Violations returns every violation this Device has seen, oldest first, once the
 // work queued so far has run, except work that cannot run yet (behind a Stall, or
 // waiting on an event that has not completed).
@@ -256,6 +269,9 @@ func (d *Device) enter(op string, dev int) error {
 	if dev < 0 || dev >= d.cfg.devices {
 		return fail(op, cudart.ErrInvalidDevice)
 	}
+	if d.lost {
+		return d.errLost(op, dev)
+	}
 	return nil
 }
 
@@ -270,6 +286,9 @@ func (d *Device) DeviceCount() (int, error) {
 	defer d.mu.Unlock()
 	if d.closed {
 		return 0, errClosed("cudaGetDeviceCount")
+	}
+	if d.lost {
+		return 0, d.errLost("cudaGetDeviceCount", d.lostOn)
 	}
 	return d.cfg.devices, nil
 }

@@ -155,3 +155,16 @@ func errClosed(op string) error {
 func errCapacity(op, detail string) error {
 	return &detailError{cudart.NewError(op, cudart.ErrOutOfMemory), ErrCapacity, detail}
 }
+
+// errLost is the error of every call once the context is lost: cudaErrorContained on
+// the device where it was lost, cudaErrorDevicesUnavailable on the others (FACTS 14).
+// d.mu is held.
+func (d *Device) errLost(op string, dev int) error {
+	code := cudart.ErrDevicesUnavailable
+	if dev == d.lostOn {
+		code = cudart.ErrContained
+	}
+	e := cudart.NewError(op, code)
+	e.ContextLost = true
+	return &detailError{cuda: e, detail: fmt.Sprintf("the context was lost on device %d by a read of a dead process's memory", d.lostOn)}
+}

@@ -2,6 +2,7 @@ package cudarttest
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -42,6 +43,17 @@ func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, writ
 			return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationAccessDenied, op,
 				"device %d may not %s imported pool %#x of device %d (flags %d; MemPoolSetAccess in the importer grants it)",
 				dev, verb, uintptr(p.handle), p.dev, flags))
+		}
+		if dev != p.dev && p.exporterGone() {
+			// The driver reaches a peer's memory over NVLink; once its owner died the
+			// access is contained and the context lost (FACTS 14). The owner device
+			// itself still reads it (FACTS 7).
+			d.lost, d.lostOn = true, dev
+			e := cudart.NewError(op, cudart.ErrContained)
+			e.ContextLost = true
+			return span{}, &detailError{cuda: e, detail: fmt.Sprintf(
+				"device %d %s %#x+%d of pool %#x on device %d, whose exporter has exited: the context is lost",
+				dev, verb, uint64(ptr), n, uintptr(p.handle), p.dev)}
 		}
 		imp, _ := p.importAt(off, n)
 		if imp == nil || imp.freeing {

@@ -52,6 +52,12 @@ type alloc struct {
 	freeing   bool // its free is queued
 }
 
+// exporterGone reports whether the Device that made this imported pool has closed or
+// its process exited.
+func (p *pool) exporterGone() bool {
+	return p.reg.load(hExporterGone) != 0 || !ident(p.reg.load(hExporter)).alive()
+}
+
 func (p *pool) ipc() bool { return p.handleTypes != cudart.HandleTypeNone }
 
 func (p *pool) data(off, n uint64) []byte {
@@ -177,6 +183,9 @@ func (d *Device) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) {
 	if d.closed {
 		return 0, errClosed(op)
 	}
+	if d.lost {
+		return 0, d.errLost(op, int(props.Location.ID))
+	}
 	switch {
 	case props.Location.Type == cudart.LocationHost:
 		return 0, fail(op, cudart.ErrNotSupported)
@@ -233,7 +242,7 @@ func (d *Device) MemPoolDestroy(dev int, h cudart.MemPool) error {
 		if p.refs--; p.refs > 0 {
 			return nil
 		}
-		exporterGone = p.reg.load(hExporterGone) != 0 || !ident(p.reg.load(hExporter)).alive()
+		exporterGone = p.exporterGone()
 		delete(d.importedByUID, p.uid)
 	}
 	delete(d.pools, h)

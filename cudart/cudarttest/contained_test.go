@@ -1,0 +1,68 @@
+package cudarttest
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+)
+
+// FACTS 14: once the exporter is gone, its memory is still read through the owner
+// device, a copy issued there into another device's memory still works, but a read
+// from a peer device is contained: it fails with cudaErrorContained and the
+// importer's context is lost for good, on every device.
+func TestPeerReadOfDeadExportersMemoryLosesTheContext(t *testing.T) {
+	s := newShared(t)
+	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}))
+	_, iptr := s.share(4096, []byte("before the exporter died"))
+	local := s.imp.pool(ipcProps(1))
+	replica, err := s.imp.MallocFromPoolAsync(1, 4096, local, 0)
+	require.NoError(t, err)
+	ok(t, s.imp.StreamSynchronize(1, 0))
+
+	ok(t, s.exp.Close())
+	require.NoError(t, s.imp.MemcpyDtoDAsync(0, replica, iptr, 4096, 0), "a copy through the owner device survives its exporter")
+	ok(t, s.imp.StreamSynchronize(0, 0))
+	got := make([]byte, 24)
+	require.NoError(t, s.imp.MemcpyDtoHAsync(1, got, replica, 0))
+	assert.Equal(t, "before the exporter died", string(got))
+	s.imp.wantBytes(iptr, []byte("before the exporter died"))
+	assert.False(t, s.imp.ContextLost())
+
+	err = s.imp.MemcpyDtoHAsync(1, got, iptr, 0)
+	require.ErrorIs(t, err, cudart.ErrContained)
+	assert.ErrorIs(t, err, cudart.ErrContextLost)
+	assert.True(t, s.imp.ContextLost())
+
+	_, err = s.imp.MallocFromPoolAsync(1, 4096, local, 0)
+	assert.ErrorIs(t, err, cudart.ErrContained, "sticky on the device that read")
+	assert.ErrorIs(t, err, cudart.ErrContextLost)
+	_, err = s.imp.StreamCreate(0, cudart.StreamNonBlocking)
+	assert.ErrorIs(t, err, cudart.ErrDevicesUnavailable, "another device of the process answers 46")
+	assert.ErrorIs(t, err, cudart.ErrContextLost)
+	_, err = s.imp.MemPoolCreate(ipcProps(0))
+	assert.ErrorIs(t, err, cudart.ErrContextLost)
+	_, err = s.imp.DeviceCount()
+	assert.ErrorIs(t, err, cudart.ErrContextLost)
+
+	// Other processes are unaffected (FACTS 14: a third process ran throughout).
+	other := newFx(t)
+	p := other.pool(ipcProps(1))
+	_, err = other.MallocFromPoolAsync(1, 4096, p, 0)
+	assert.NoError(t, err)
+}
+
+// A peer device reads a live exporter's memory, and the owner device a dead one's,
+// without losing anything: only the combination is contained.
+func TestPeerReadOfLiveExporterIsFine(t *testing.T) {
+	s := newShared(t)
+	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
+	_, iptr := s.share(512, []byte("alive"))
+	ok(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
+	got := make([]byte, 5)
+	require.NoError(t, s.imp.MemcpyDtoHAsync(1, got, iptr, 0))
+	assert.Equal(t, "alive", string(got))
+	assert.False(t, s.imp.ContextLost())
+}
