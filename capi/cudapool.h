@@ -156,8 +156,9 @@ int cudapool_exporter_listen(const char *path, const char *name, uint64_t *expor
 /* cudapool_exporter_publish makes the memory at [ptr, ptr+size) available under
  * name, ready once the work queued on stream before the call has completed. ptr must
  * lie in memory of a cudapool pool (cudapool_alloc, the PyTorch allocator);
- * size 0 means to the end of its buffer. Until the protocol has sub-range leases
- * (version 2), ptr must be a buffer's start and consumers map the whole buffer. meta (meta_len bytes, at most
+ * size 0 means to the end of its buffer. ptr may lie inside a buffer (a tensor that
+ * PyTorch carved out of a segment): consumers get that range, not aligned to anything.
+ * They can read the rest of the pool all the same: the pool is the unit of trust. meta (meta_len bytes, at most
  * CUDAPOOL_MAX_META) travels to every consumer. */
 #define CUDAPOOL_MAX_NAME 255
 #define CUDAPOOL_MAX_META 4096

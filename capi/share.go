@@ -23,7 +23,7 @@ var (
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = 4096
+const maxMeta = export.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {
@@ -87,15 +87,11 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 	if uint64(size) > b.Size()-off {
 		return fail(invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size()))
 	}
-	if off != 0 {
-		// From a buffer's start, a shorter size shares the whole buffer (PyTorch may
-		// have asked for more than the tensor holds); elsewhere it needs sub-ranges.
-		return fail(fmt.Errorf("%w: publishing memory %d bytes into a buffer needs sub-range leases, which export does not have yet", errNotSup, off))
-	}
+	opts := []export.PublishOption{export.Range(off, uint64(size))}
 	if metaLen > 0 {
-		return fail(fmt.Errorf("%w: metadata with a publish needs protocol version 2, which export does not speak yet", errNotSup))
+		opts = append(opts, export.WithMeta(C.GoBytes(meta, C.int(metaLen))))
 	}
-	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s)))
+	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s), opts...))
 }
 
 //export cpgo_exporter_unpublish
@@ -259,10 +255,11 @@ func cpgo_mapping_info(h C.uint64_t, ptr *C.uintptr_t, size *C.uint64_t) (rc C.i
 //export cpgo_mapping_meta
 func cpgo_mapping_meta(h C.uint64_t, buf unsafe.Pointer, capacity C.size_t, n *C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
-	if _, err := mappings.get(uint64(h)); err != nil {
+	m, err := mappings.get(uint64(h))
+	if err != nil {
 		return fail(err)
 	}
-	return result(writeOut(buf, capacity, n, nil, false))
+	return result(writeOut(buf, capacity, n, m.Meta(), false))
 }
 
 //export cpgo_mapping_release

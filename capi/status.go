@@ -47,7 +47,6 @@ var (
 	errHandle     = errors.New("cudapool: invalid handle")
 	errPointer    = errors.New("cudapool: not a pointer of a cudapool pool")
 	errRange      = errors.New("cudapool: output buffer too small")
-	errNotSup     = errors.New("cudapool: not supported")
 	errRuntimeSet = errors.New("cudapool: another runtime was chosen already")
 )
 
@@ -60,12 +59,13 @@ var statuses = []struct {
 	{errHandle, statusHandle},
 	{errPointer, statusPointer},
 	{errRange, statusRange},
-	{errNotSup, statusNotSup},
 	{errRuntimeSet, statusNoRuntime},
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
 	{export.ErrBadName, statusInval},
+	{export.ErrBadRange, statusInval},
+	{export.ErrMetaTooLong, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
 	{export.ErrReleased, statusHandle},

@@ -35,6 +35,17 @@
 // unmap both (FACTS 4). The exporter grants the second Open under the same lease id,
 // and only the last Release frees the import and returns every grant of the lease.
 //
+// # Ranges and metadata
+//
+// Publish with Range shares part of a buffer (a tensor inside a segment, a KV block
+// inside a slab) and WithMeta sends up to MaxMetaLen bytes of the producer's (a dtype
+// and shape) to every consumer with its lease (Mapping.Meta). A range has its own name,
+// ready event and lease grants, ordered as a whole buffer's are; the consumer's process
+// imports the whole buffer once, and each Mapping is a range of that import: Ptr is the
+// range's start, Size its length. The import is freed when the last Mapping of any of
+// its ranges is released. Ranges need not be aligned to anything; the buffer they lie
+// in is rounded to the granularity.
+//
 // # Glossary
 //
 // One word names one idea, in the API, the code and the messages:
@@ -52,7 +63,10 @@
 //     PeerState.Leases counts leases, PeerState.Grants the grants behind them.
 //   - release: an importer gives grants back (Mapping.Release, the Release frame);
 //     a lease ends with its last grant.
-//   - mapping: a buffer imported into the consumer's process (Mapping).
+//   - range: the part of a buffer a name is published for (Range), the whole buffer by
+//     default; metadata: the bytes published with it (WithMeta).
+//   - mapping: a published range imported into the consumer's process (Mapping); the
+//     import is of the whole buffer, shared by the Mappings of its ranges.
 //   - peer: the exporter's side of a connection that takes leases, an Importer's.
 //   - observer: a connection for State alone (QueryState's): it takes no leases, is
 //     no peer, and is neither listed nor pushed to.
@@ -118,7 +132,9 @@
 //
 // The pool is the unit of trust. An importer of one buffer can read every buffer of its
 // pool, published or not (FACTS 2). Never put data for different trust domains in one
-// exported pool; make a pool per domain.
+// exported pool; make a pool per domain. A range narrows what a consumer is told, not
+// what it can read: the consumer of one range can read the rest of its buffer and of
+// its pool. Ranges of one buffer, like buffers of one pool, are for one trust domain.
 //
 // Release mappings before the process exits. A mapping a live process never releases
 // holds its lease, and with it the buffer, until the Importer closes or the process

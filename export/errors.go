@@ -72,6 +72,10 @@ var (
 	// ErrReleased means a Mapping was released more times than it was opened, or
 	// after its Importer closed.
 	ErrReleased = errors.New("export: mapping already released")
+	// ErrBadRange means a range to publish is empty or does not lie within its buffer.
+	ErrBadRange = errors.New("export: range outside the buffer")
+	// ErrMetaTooLong means metadata to publish is longer than MaxMetaLen.
+	ErrMetaTooLong = errors.New("export: metadata too long")
 	// ErrNoLeases means the connection was made for State alone (QueryState's), so it
 	// cannot take leases.
 	ErrNoLeases = errors.New("export: connection cannot hold leases")

@@ -59,9 +59,11 @@ type Exporter struct {
 // publication is a buffer under a name, with the event consumers wait on for the
 // producer's writes.
 type publication struct {
-	name  string
-	buf   *pool.Buffer
-	ready *readyEvent
+	name           string
+	buf            *pool.Buffer
+	offset, length uint64 // the range of buf published
+	meta           []byte
+	ready          *readyEvent
 }
 
 // readyKey names the ready event of one producer stream.
@@ -177,13 +179,28 @@ func (ex *Exporter) accept(l net.Listener) {
 // A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
 // published under several names. To retire a published buffer, Free it: later Opens
 // fail with ErrBufferGone, and its memory returns to the pool once the consumers that
-// hold it released it.
-func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream) error {
+// hold it released it. Range publishes part of b, WithMeta sends metadata with it;
+// an empty range or one past b's end fails with ErrBadRange, metadata longer than
+// MaxMetaLen with ErrMetaTooLong.
+func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream, opts ...PublishOption) error {
 	if err := checkName(name); err != nil {
 		return err
 	}
 	if b == nil {
 		return fmt.Errorf("export: publish %q: nil buffer", name)
+	}
+	var o publishOptions
+	for _, opt := range opts {
+		opt.applyPublish(&o)
+	}
+	if o.length == 0 && o.offset <= b.Size() {
+		o.length = b.Size() - o.offset
+	}
+	if err := checkRange(b.Size(), o.offset, o.length); err != nil {
+		return fmt.Errorf("export: publish %q: %w", name, err)
+	}
+	if len(o.meta) > MaxMetaLen {
+		return fmt.Errorf("export: publish %q: %w: %d bytes, at most %d", name, ErrMetaTooLong, len(o.meta), MaxMetaLen)
 	}
 	if err := ctx.Err(); err != nil {
 		return err
@@ -218,7 +235,7 @@ func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, re
 		ex.lastPool++
 		ex.pools[b.Pool()] = ex.lastPool
 	}
-	ex.pubs[name] = &publication{name: name, buf: b, ready: re}
+	ex.pubs[name] = &publication{name: name, buf: b, offset: o.offset, length: o.length, meta: o.meta, ready: re}
 	return nil
 }
 

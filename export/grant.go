@@ -96,7 +96,8 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (leaseMsg, error) 
 	if err != nil {
 		return leaseMsg{}, err
 	}
-	msg := leaseMsg{PoolID: poolID, BufferID: b.ID(), Size: b.Size(), Record: rec}
+	msg := leaseMsg{PoolID: poolID, BufferID: b.ID(), Size: b.Size(), Offset: pub.offset, Length: pub.length,
+		Meta: pub.meta, Record: rec}
 	if p.remote() {
 		// IPC events do not cross hosts: the producer's writes are waited for here.
 		if err := p.ex.rt.EventSynchronize(pub.ready.dev, pub.ready.ev); err != nil {

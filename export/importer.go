@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"reflect"
+	"slices"
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -47,7 +49,8 @@ type Importer struct {
 	// mapMu serialises every import and free of a pointer with the table, so that a
 	// pointer is never imported again while its free may still be pending (FACTS 4).
 	mapMu    sync.Mutex
-	mappings map[cudart.PtrExportData]*Mapping
+	mappings map[rangeKey]*Mapping
+	imports  map[cudart.PtrExportData]*imported
 	freed    map[cudart.PtrExportData]struct{} // freed since relEvent last completed
 
 	pushDone chan struct{}
@@ -105,7 +108,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	imp := &Importer{
 		rt: rt, dev: device, log: o.log, opts: o,
 		pools: map[uint64]*importedPool{}, events: map[cudart.IpcEventHandle]cudart.Event{}, pushCue: make(chan struct{}, 1),
-		mappings: map[cudart.PtrExportData]*Mapping{}, freed: map[cudart.PtrExportData]struct{}{},
+		mappings: map[rangeKey]*Mapping{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
 		pushDone: make(chan struct{}),
 	}
 	_, isUnix := nc.(*net.UnixConn)
@@ -400,22 +403,30 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 	}
 	imp.mapMu.Lock()
 	defer imp.mapMu.Unlock()
-	if m := imp.mappings[l.Record]; m != nil {
+	key := rangeKey{record: l.Record, offset: l.Offset, length: l.Length}
+	if m := imp.mappings[key]; m != nil {
 		m.refs++
 		m.grants[l.LeaseID]++
 		return m, nil
 	}
-	if _, ok := imp.freed[l.Record]; ok {
-		if err := imp.settleFrees(true); err != nil {
-			return nil, err
+	buf := imp.imports[l.Record]
+	if buf == nil {
+		if _, ok := imp.freed[l.Record]; ok {
+			if err := imp.settleFrees(true); err != nil {
+				return nil, err
+			}
 		}
+		ptr, err := imp.rt.MemPoolImportPointer(imp.dev, ip.handle, l.Record)
+		if err != nil {
+			return nil, fmt.Errorf("import buffer %d: %w", l.BufferID, err)
+		}
+		buf = &imported{record: l.Record, ptr: ptr}
+		imp.imports[l.Record] = buf
 	}
-	ptr, err := imp.rt.MemPoolImportPointer(imp.dev, ip.handle, l.Record)
-	if err != nil {
-		return nil, fmt.Errorf("import buffer %d: %w", l.BufferID, err)
-	}
-	m := &Mapping{imp: imp, key: l.Record, ptr: ptr, size: l.Size, name: name, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}}
-	imp.mappings[l.Record] = m
+	buf.views++
+	m := &Mapping{imp: imp, key: key, buf: buf, ptr: buf.ptr + cudart.DevicePtr(l.Offset), size: l.Length,
+		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}}
+	imp.mappings[key] = m
 	return m, nil
 }
 
@@ -468,21 +479,24 @@ func (imp *Importer) Close(ctx context.Context) error {
 
 	var errs []error
 	imp.mapMu.Lock()
-	held := make([]*Mapping, 0, len(imp.mappings))
-	for _, m := range imp.mappings {
-		held = append(held, m)
+	kept := map[*imported]bool{} // imports whose free failed: their leases stay held
+	for _, buf := range slices.Collect(maps.Values(imp.imports)) {
+		if err := imp.unmap(buf, 0, false); err != nil {
+			errs = append(errs, fmt.Errorf("export: close: free an import: %w", err))
+			kept[buf] = imp.imports[buf.record] != nil
+		}
 	}
 	grants := map[uint64]uint32{}
-	for _, m := range held {
+	for _, m := range imp.mappings {
 		m.refs = 0
-		g, err := imp.unmap(m, 0, false)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("export: close: free %q: %w", m.name, err))
+		if !kept[m.buf] {
+			for id, n := range m.grants {
+				grants[id] += n
+			}
 		}
-		for id, n := range g {
-			grants[id] += n
-		}
+		m.grants = nil
 	}
+	clear(imp.mappings)
 	imp.mapMu.Unlock()
 	errs = append(errs, imp.returnGrants(ctx, "held at Close", grants))
 	if err := imp.cl.hangUp(ctx); err != nil {

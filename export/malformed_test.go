@@ -2,6 +2,7 @@ package export
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -90,15 +91,18 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 
 func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	pr := newProducer(t, nil, nil)
-	r := dialRaw(t, pr.path)
-	h := appendFrame(nil, leasingHello())
-	le.PutUint32(h[headerLen:], 7)
-	r.sendBytes(h)
-	ref, ok := r.recv().(*refusedMsg)
-	require.True(t, ok, "a version-7 Hello was not refused")
-	require.EqualValues(t, ProtocolVersion, ref.Version, "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
-	require.Contains(t, ref.Reason, "version 7", "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
-	require.Contains(t, ref.Reason, "speaks 1", "Refused(%d, %q) does not name versions 7 and 1", ref.Version, ref.Reason)
+	// A newer peer, and an old one (version 1: whole buffers, no metadata).
+	for _, v := range []uint32{7, 1} {
+		r := dialRaw(t, pr.path)
+		h := appendFrame(nil, leasingHello())
+		le.PutUint32(h[headerLen:], v)
+		r.sendBytes(h)
+		ref, ok := r.recv().(*refusedMsg)
+		require.True(t, ok, "a version-%d Hello was not refused", v)
+		want := fmt.Sprintf("version %d, this side speaks %d", v, ProtocolVersion)
+		require.EqualValues(t, ProtocolVersion, ref.Version, "Refused(%d, %q), want it to say %q", ref.Version, ref.Reason, want)
+		require.Contains(t, ref.Reason, want)
+	}
 
 	// And the importer's side: an exporter that speaks version 9.
 	fake := fakeExporter(t, func(c *conn) {
@@ -107,9 +111,9 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), fake, s.dev, 0)
-	require.ErrorIs(t, err, ErrVersionMismatch, "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
-	require.Contains(t, err.Error(), "version 9", "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
-	require.Contains(t, err.Error(), "speaks 1", "Dial = %v, want ErrVersionMismatch naming 9 and 1", err)
+	require.ErrorIs(t, err, ErrVersionMismatch, "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, ProtocolVersion)
+	require.Contains(t, err.Error(), "version 9", "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, ProtocolVersion)
+	require.Contains(t, err.Error(), fmt.Sprintf("speaks %d", ProtocolVersion), "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, ProtocolVersion)
 }
 
 // fakeExporter listens on a fresh socket and runs serve on the first connection.

@@ -74,6 +74,33 @@ func newOpenOptions(opts []OpenOption) openOptions {
 	return o
 }
 
+// PublishOption configures Exporter.Publish.
+type PublishOption interface{ applyPublish(*publishOptions) }
+
+type publishOptions struct {
+	offset, length uint64 // length 0: to the end of the buffer
+	meta           []byte
+}
+
+type publishOption func(*publishOptions)
+
+func (f publishOption) applyPublish(o *publishOptions) { f(o) }
+
+// Range publishes length bytes of the buffer from offset instead of all of it: a tensor
+// inside a segment, a block of a slab. Consumers map the whole buffer once per
+// process, and their Mapping is the range: Ptr is its start, Size its length. Ranges
+// are not rounded to the granularity (the buffer is). Everything in the buffer's pool
+// stays readable to them all the same: the pool is the unit of trust.
+func Range(offset, length uint64) PublishOption {
+	return publishOption(func(o *publishOptions) { o.offset, o.length = offset, length })
+}
+
+// WithMeta sends meta (at most MaxMetaLen bytes, copied) to every consumer of the
+// publication with its lease: Mapping.Meta. A dtype and shape, say.
+func WithMeta(meta []byte) PublishOption {
+	return publishOption(func(o *publishOptions) { o.meta = append([]byte(nil), meta...) })
+}
+
 // WaitForName makes Open wait, until its ctx ends, for the name to be published: it
 // asks again, with backoff from 1 ms up to 100 ms, while the exporter answers
 // ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error

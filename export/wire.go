@@ -12,8 +12,9 @@ import (
 )
 
 // ProtocolVersion is the version of the sharing protocol this package speaks. Both
-// sides must speak the same one.
-const ProtocolVersion = 1
+// sides must speak the same one. Version 2 leases a range of a buffer and carries the
+// publish's metadata with each lease.
+const ProtocolVersion = 2
 
 // The frame layout: [u32 little-endian payload length][u8 type][payload].
 const (
@@ -24,6 +25,8 @@ const (
 	maxPayload = maxFrame - headerLen
 	// MaxNameLen is the longest name a buffer can be published under, in bytes.
 	MaxNameLen = 255
+	// MaxMetaLen is the most metadata a publish can carry (WithMeta), in bytes.
+	MaxMetaLen = 4096
 	// maxDevices bounds the device UUIDs a Welcome lists.
 	maxDevices = 16
 	// maxStateBytes bounds the JSON a State reply may add up to across its frames.
@@ -132,13 +135,17 @@ type leaseMsg struct {
 	LeaseID  uint64
 	PoolID   uint64
 	BufferID uint64
-	Size     uint64
-	Flags    uint32
-	Record   cudart.PtrExportData
-	Ready    cudart.IpcEventHandle
+	Size     uint64 // the whole buffer's, which the importer maps
+	// Offset and Length are the range of the buffer the lease is for.
+	Offset, Length uint64
+	Flags          uint32
+	Record         cudart.PtrExportData
+	Ready          cudart.IpcEventHandle
+	Meta           []byte // at most MaxMetaLen; its length goes before Record
 }
 
-const leaseLen = 8*5 + 4 + 64 + 64
+// leaseLen is a Lease's fixed part; the metadata follows it.
+const leaseLen = 8*7 + 4 + 4 + 64 + 64
 
 // pushMsg is a lease the exporter sends unasked, with the name it was published under.
 type pushMsg struct {
@@ -291,9 +298,13 @@ func (m *leaseMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint64(b, m.PoolID)
 	b = le.AppendUint64(b, m.BufferID)
 	b = le.AppendUint64(b, m.Size)
+	b = le.AppendUint64(b, m.Offset)
+	b = le.AppendUint64(b, m.Length)
 	b = le.AppendUint32(b, m.Flags)
+	b = le.AppendUint32(b, uint32(len(m.Meta)))
 	b = append(b, m.Record[:]...)
-	return append(b, m.Ready[:]...)
+	b = append(b, m.Ready[:]...)
+	return append(b, m.Meta...)
 }
 
 func (m *pushMsg) appendPayload(b []byte) []byte {
@@ -365,11 +376,11 @@ var payloadLimits = [...]struct{ min, max int }{
 	msgRefused:      {4 + 1, maxPayload},
 	msgPoolHandle:   {poolHandleLen, poolHandleLen},
 	msgOpen:         {8 + 1, 8 + MaxNameLen},
-	msgLease:        {leaseLen, leaseLen},
+	msgLease:        {leaseLen, leaseLen + MaxMetaLen},
 	msgRelease:      {releaseLen, releaseLen},
 	msgReleased:     {releasedLen, releasedLen},
 	msgError:        {8 + 4 + 1, maxPayload},
-	msgPush:         {leaseLen + 1, leaseLen + MaxNameLen},
+	msgPush:         {leaseLen + 1, leaseLen + MaxMetaLen + MaxNameLen},
 	msgStateRequest: {8, 8},
 	msgState:        {8 + 4, maxPayload},
 	msgBye:          {0, 0},
@@ -444,7 +455,13 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		return m, err
 	case msgLease:
 		m := &leaseMsg{}
-		return m, r.lease(m)
+		if err := r.lease(m); err != nil {
+			return nil, err
+		}
+		if r.i != len(p) {
+			return nil, protocolErr("Lease has %d bytes after its metadata", len(p)-r.i)
+		}
+		return m, nil
 	case msgPush:
 		m := &pushMsg{}
 		if err := r.lease(&m.leaseMsg); err != nil {
@@ -499,7 +516,9 @@ func (r *reader) rest() []byte {
 
 func (r *reader) lease(m *leaseMsg) error {
 	m.ReqID, m.LeaseID, m.PoolID, m.BufferID, m.Size = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
+	m.Offset, m.Length = r.u64(), r.u64()
 	m.Flags = r.u32()
+	metaLen := r.u32()
 	r.bytes(m.Record[:])
 	r.bytes(m.Ready[:])
 	if err := checkFlags(msgLease, m.Flags, leaseKnown); err != nil {
@@ -507,6 +526,24 @@ func (r *reader) lease(m *leaseMsg) error {
 	}
 	if m.Flags&leaseReadyEvent == 0 && m.Ready != (cudart.IpcEventHandle{}) {
 		return protocolErr("Lease carries event bytes without the ready-event flag")
+	}
+	if err := checkRange(m.Size, m.Offset, m.Length); err != nil {
+		return protocolErr("Lease: %v", err)
+	}
+	if metaLen > MaxMetaLen || int(metaLen) > len(r.b)-r.i {
+		return protocolErr("Lease has %d bytes of metadata, %d are there and at most %d allowed", metaLen, len(r.b)-r.i, MaxMetaLen)
+	}
+	if metaLen > 0 {
+		m.Meta = bytes.Clone(r.b[r.i : r.i+int(metaLen)]) // the read buffer is reused
+		r.i += int(metaLen)
+	}
+	return nil
+}
+
+// checkRange says why length bytes at offset are not a range of a size-byte buffer.
+func checkRange(size, offset, length uint64) error {
+	if length == 0 || offset > size || length > size-offset {
+		return fmt.Errorf("%w: %d bytes at offset %d of a %d-byte buffer", ErrBadRange, length, offset, size)
 	}
 	return nil
 }

@@ -25,7 +25,8 @@ func sampleMessages() []message {
 	for i := range rec {
 		rec[i], ev[i], fab[i] = byte(i+1), byte(200-i), byte(i*3)
 	}
-	l := leaseMsg{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Flags: leaseReadyEvent, Record: rec, Ready: ev}
+	l := leaseMsg{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Offset: 4096, Length: 1000,
+		Flags: leaseReadyEvent, Record: rec, Ready: ev, Meta: []byte(`{"dtype":"float16","shape":[2,250]}`)}
 	return []message{
 		&helloMsg{Version: ProtocolVersion, PID: 4242, Flags: helloLeases | helloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
 		&welcomeMsg{Version: ProtocolVersion, PID: 17, Devices: []cudart.UUID{{9}, {8, 7}}},
@@ -34,7 +35,7 @@ func sampleMessages() []message {
 		&poolHandleMsg{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
 		&openMsg{ReqID: 1, Name: "kv/layer-0"},
 		&l,
-		&pushMsg{leaseMsg: leaseMsg{LeaseID: 5, PoolID: 3, BufferID: 2, Size: 512, Record: rec}, Name: "pushed"},
+		&pushMsg{leaseMsg: leaseMsg{LeaseID: 5, PoolID: 3, BufferID: 2, Size: 512, Length: 512, Record: rec, Meta: []byte{1, 2}}, Name: "pushed"},
 		&releaseMsg{ReqID: 8, LeaseID: 0xdeadbeefcafe, Count: 2, Flags: releaseNothingImported},
 		&releasedMsg{ReqID: 8, LeaseID: 0xdeadbeefcafe},
 		&errorMsg{ReqID: 1, Code: codeUnknownName, Text: "no buffer named \"x\""},
@@ -90,7 +91,7 @@ func malformedFrames() []malformedFrame {
 		{name: "type zero", b: frame(0, 0, nil), want: "unknown message type 0"},
 		{name: "oversized", b: frame(maxPayload+1, msgOpen, nil), want: "oversized frame"},
 		{name: "huge length", b: frame(0xffffffff, msgState, nil), want: "oversized frame"},
-		{name: "wrong length", b: frame(10, msgLease, make([]byte, 10)), want: "Lease payload is 10 bytes, want 172"},
+		{name: "wrong length", b: frame(10, msgLease, make([]byte, 10)), want: "Lease payload is 10 bytes, want 192 to 4288"},
 		{name: "bye with payload", b: frame(1, msgBye, []byte{0}), want: "Bye payload is 1 bytes, want 0"},
 		{name: "truncated payload", b: frame(8, msgStateRequest, []byte{1, 2}), want: "truncated StateRequest frame"},
 		{name: "open without name", b: frame(8, msgOpen, make([]byte, 8)), want: "Open payload is 8 bytes, want 9 to 263"},
@@ -99,9 +100,13 @@ func malformedFrames() []malformedFrame {
 		{name: "unknown hello flag", b: withField(goodHello, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
 		{name: "release event without leases", b: withField(goodHello, 8, []byte{byte(helloReleaseEvent)}), want: "takes no leases"},
 		{name: "hello short", b: frame(20, msgHello, le.AppendUint32(make([]byte, 0, 20), ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
-		{name: "unknown lease flag", b: withField(goodLease, 40, []byte{2}), want: "Lease has unknown flags 0x2"},
-		{name: "event bytes without flag", b: withField(goodLease, 40, []byte{0}), want: "without the ready-event flag"},
-		{name: "push with request id", b: appendFrame(nil, &pushMsg{leaseMsg: leaseMsg{ReqID: 3}, Name: "x"}), want: "Push has request id 3"},
+		{name: "unknown lease flag", b: withField(goodLease, 56, []byte{2}), want: "Lease has unknown flags 0x2"},
+		{name: "event bytes without flag", b: withField(goodLease, 56, []byte{0}), want: "without the ready-event flag"},
+		{name: "lease range past the end", b: withField(goodLease, 40, le.AppendUint64(nil, 1<<21)), want: "1000 bytes at offset 2097152 of a 2097152-byte buffer"},
+		{name: "lease empty range", b: withField(goodLease, 48, le.AppendUint64(nil, 0)), want: "0 bytes at offset 4096"},
+		{name: "lease metadata past the frame", b: withField(goodLease, 60, le.AppendUint32(nil, 100)), want: "100 bytes of metadata, 35 are there"},
+		{name: "lease bytes after metadata", b: withField(goodLease, 60, le.AppendUint32(nil, 3)), want: "Lease has 32 bytes after its metadata"},
+		{name: "push with request id", b: appendFrame(nil, &pushMsg{leaseMsg: leaseMsg{ReqID: 3, Size: 1, Length: 1}, Name: "x"}), want: "Push has request id 3"},
 		{name: "pool handle type none", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypeNone}), want: "handle type none"},
 		{name: "fd pool with fabric bytes", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypePosixFD, Fabric: cudart.FabricHandle{1}}), want: "carries fabric bytes"},
 		{name: "welcome too many devices", b: withField(good[1], 8, []byte{17}), want: "lists 17 devices"},
@@ -126,12 +131,15 @@ func TestDecoderRefusesMalformedFrames(t *testing.T) {
 }
 
 func TestDecoderNamesBothVersions(t *testing.T) {
-	// A version-2 Hello may be longer; the version is read first and named.
-	b := frame(200, msgHello, le.AppendUint32(make([]byte, 0, 200), 2)[:200])
-	_, _, err := decodeFrame(b)
-	require.ErrorIs(t, err, ErrVersionMismatch, "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
-	require.Contains(t, err.Error(), "version 2", "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
-	require.Contains(t, err.Error(), "speaks 1", "error %v, want ErrVersionMismatch naming versions 2 and 1", err)
+	// A Hello of a newer version may be longer, an old one shorter; the version is read
+	// first and named.
+	for _, c := range []struct{ version, length uint32 }{{ProtocolVersion + 1, 200}, {1, helloLen}} {
+		b := frame(c.length, msgHello, le.AppendUint32(make([]byte, 0, c.length), c.version)[:c.length])
+		_, _, err := decodeFrame(b)
+		want := fmt.Sprintf("version %d, this side speaks %d", c.version, ProtocolVersion)
+		require.ErrorIs(t, err, ErrVersionMismatch, "error %v, want ErrVersionMismatch saying %q", err, want)
+		require.ErrorContains(t, err, want)
+	}
 }
 
 func TestCodeOfMapsEverySentinel(t *testing.T) {
