@@ -28,13 +28,14 @@ const protocolDoc = "../docs/PROTOCOL.md"
 
 // protocolConstants are the spec's constants table, by the name it gives each.
 var protocolConstants = map[string]uint64{
-	"protocol version":    ProtocolVersion,
-	"frame header bytes":  headerLen,
-	"maximum frame bytes": maxFrame,
-	"maximum name bytes":  MaxNameLen,
-	"maximum devices":     maxDevices,
-	"maximum State bytes": maxStateBytes,
-	"connection id bits":  connIDBits,
+	"protocol version":       ProtocolVersion,
+	"frame header bytes":     headerLen,
+	"maximum frame bytes":    maxFrame,
+	"maximum name bytes":     MaxNameLen,
+	"maximum metadata bytes": MaxMetaLen,
+	"maximum devices":        maxDevices,
+	"maximum State bytes":    maxStateBytes,
+	"connection id bits":     connIDBits,
 }
 
 // protocolSamples has one message of every type, each field set to a value no other
@@ -46,8 +47,9 @@ func protocolSamples() map[msgType]message {
 		record = func(b byte) (r cudart.PtrExportData) { fill(r[:], b); return r }
 		fabric = func(b byte) (f cudart.FabricHandle) { fill(f[:], b); return f }
 	)
-	lease := leaseMsg{ReqID: 0x1101, LeaseID: 0x1102, PoolID: 0x1103, BufferID: 0x1104, Size: 0x1105,
-		Flags: leaseReadyEvent, Record: record(0x11), Ready: event(0x12)}
+	lease := leaseMsg{ReqID: 0x1101, LeaseID: 0x1102, PoolID: 0x1103, BufferID: 0x1104, Size: 0x110500,
+		Offset: 0x1106, Length: 0x1107, Flags: leaseReadyEvent, Record: record(0x11), Ready: event(0x12),
+		Meta: []byte(`{"dtype":"float16"}`)}
 	push := pushMsg{leaseMsg: lease, Name: "pushed"}
 	push.ReqID = 0
 	return map[msgType]message{
@@ -98,6 +100,8 @@ var protocolErrors = map[string]error{
 // message.
 var derivedFields = map[string]func(m message) uint64{
 	"Welcome device_count": func(m message) uint64 { return uint64(len(m.(*welcomeMsg).Devices)) },
+	"Lease meta_len":       func(m message) uint64 { return uint64(len(m.(*leaseMsg).Meta)) },
+	"Push meta_len":        func(m message) uint64 { return uint64(len(m.(*pushMsg).Meta)) },
 }
 
 // spec is what the tests read of docs/PROTOCOL.md.
@@ -246,8 +250,10 @@ func TestProtocolLayouts(t *testing.T) {
 			layout := *s.layouts[typ.String()]
 			payload := sample.appendPayload(nil)
 			off := 0
+			lengths := map[string]int{} // the length fields read so far, by name
+			fixed, sized := 0, ""       // the offset as the spec writes it: "192 + meta_len"
 			for i, f := range layout {
-				require.Equal(t, strconv.Itoa(off), f[0], "%s: %s field %s: offset, after the fields before it", protocolDoc, typ, f[2])
+				require.Equal(t, strconv.Itoa(fixed)+sized, f[0], "%s: %s field %s: offset, after the fields before it", protocolDoc, typ, f[2])
 				if f[1] == "rest" {
 					want := fieldBytes(t, sample, typ.String(), f[2], -1)
 					require.Equal(t, len(layout)-1, i, "%s: %s field %s takes the rest, so it must be last", protocolDoc, typ, f[2])
@@ -255,8 +261,18 @@ func TestProtocolLayouts(t *testing.T) {
 					off = len(payload)
 					break
 				}
-				size := int(number(t, f[1]))
+				// A size is a number of bytes, or the name of a length field before it.
+				size, isLength := lengths[f[1]]
+				if isLength {
+					sized += " + " + f[1]
+				} else {
+					size = int(number(t, f[1]))
+					fixed += size
+				}
 				want := fieldBytes(t, sample, typ.String(), f[2], size)
+				if _, ok := derivedFields[typ.String()+" "+f[2]]; ok {
+					lengths[f[2]] = int(derivedFields[typ.String()+" "+f[2]](sample))
+				}
 				require.Len(t, want, size, "%s: %s field %s: size, against the Go field", protocolDoc, typ, f[2])
 				require.LessOrEqual(t, off+size, len(payload), "%s: %s field %s runs past the encoded payload", protocolDoc, typ, f[2])
 				require.Equal(t, want, payload[off:off+size], "%s: %s field %s at offset %d", protocolDoc, typ, f[2], off)
