@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/cudapool/cudapool/export"
 )
@@ -67,8 +68,27 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 `, deadSocket, live.Socket, live.Socket)
 	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_exporter_up", "cudapool_exporter_peers"))
 
+	// Scrapes may overlap; each takes its own look.
+	client := &http.Client{Timeout: hangGuard}
+	var g errgroup.Group
+	for range 4 {
+		g.Go(func() error {
+			resp, err := client.Get(url)
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err == nil && (resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "cudapool_exporter_up")) {
+				err = fmt.Errorf("scrape answered %s:\n%s", resp.Status, body)
+			}
+			return err
+		})
+	}
+	require.NoError(t, g.Wait())
+
 	// Only /metrics is served.
-	resp, err := http.Get(strings.TrimSuffix(url, "/metrics") + "/other")
+	resp, err := client.Get(strings.TrimSuffix(url, "/metrics") + "/other")
 	require.NoError(t, err)
 	resp.Body.Close()
 	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
