@@ -30,6 +30,11 @@
 // Free a published buffer at any time; its memory goes back to the pool once the last
 // consumer released it, and Opens after the Free fail with ErrBufferGone.
 //
+// Replicas start together: WaitForExporter makes Dial wait for the exporter to listen,
+// and WaitForName makes Open wait for the name to be published, each with backoff
+// until its context ends. An unknown name's error lists a few names that are published.
+// The stream given to Open belongs to the Importer's device (ErrStreamDevice otherwise).
+//
 // Opening a buffer the Importer already holds returns the same *Mapping, counted once
 // more: the driver would return the same pointer, and freeing either import would
 // unmap both (FACTS 4). The exporter grants the second Open under the same lease id,
@@ -78,9 +83,11 @@
 //     release event: recorded after each of an importer's frees, waited on by the
 //     exporter's free.
 //
-// Options are typed by the side they configure: a ListenOption for Listen, a
-// DialOption for Dial and DialConn, a QueryOption for QueryState; a SharedOption
-// (WithLogger, WithHandshakeTimeout) is all three.
+// Options are typed by what they configure: a ListenOption for Listen, a DialOption
+// for Dial and DialConn, a QueryOption for QueryState, an OpenOption for
+// Importer.Open; a SharedOption (WithLogger, WithHandshakeTimeout) is a ListenOption,
+// a DialOption and a QueryOption. An option given where it does not apply does not
+// compile.
 //
 // # The connection
 //
