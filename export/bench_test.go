@@ -188,16 +188,13 @@ func newBenchEnv(b *testing.B) *benchEnv {
 	n, err := rt.DeviceCount()
 	require.NoError(b, err)
 	e := &benchEnv{rt: rt, onGPU: onGPU}
-	if e.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
-		b.Fatal(err)
-	}
-	if e.pool, err = pool.New(rt, 0); err != nil {
-		b.Fatal(err)
-	}
+	e.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(b, err)
+	e.pool, err = pool.New(rt, 0)
+	require.NoError(b, err)
 	path := filepath.Join(shortDir(b), "b.sock")
-	if e.ex, err = Listen(path, rt, WithoutAnnounce(), WithLogger(discardLogger)); err != nil {
-		b.Fatal(err)
-	}
+	e.ex, err = Listen(path, rt, WithoutAnnounce(), WithLogger(discardLogger))
+	require.NoError(b, err)
 	kind := "test"
 	if onGPU {
 		kind = "gpu"
@@ -337,8 +334,7 @@ func BenchmarkOpenExportedInProcess(b *testing.B) {
 	spent, err := benchOpen(ctx, c.imp, c.stream, "x", count, count)
 	require.NoError(b, err)
 	b.ResetTimer()
-	if spent, err = benchOpen(ctx, c.imp, c.stream, "x", count, b.N); err != nil {
-		b.Fatal(err)
-	}
+	spent, err = benchOpen(ctx, c.imp, c.stream, "x", count, b.N)
+	require.NoError(b, err)
 	b.ReportMetric(float64(spent.Nanoseconds())/float64(b.N), "ns/op")
 }

@@ -56,8 +56,7 @@ func TestOpensOfManyConsumersOverlap(t *testing.T) {
 		c := newConsumer(t, pr.path, 0)
 		wg.Go(func() {
 			m, err := c.imp.Open(ctx, "p", c.stream)
-			if err != nil {
-				t.Errorf("Open: %v", err)
+			if !assert.NoError(t, err, "Open") {
 				return
 			}
 			b := c.read(t, m)

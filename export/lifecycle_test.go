@@ -66,10 +66,12 @@ func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
 	require.Equal(t, "a", st.Published[0].Name)
 	require.EqualValues(t, 3<<20, st.Published[0].Size)
 	// The consumer; QueryState's own connection, which takes no leases, is left out.
-	if len(st.Peers) != 1 || st.Peers[0].Leases != 1 || st.Peers[0].BytesLeased != 3<<20 ||
-		st.Peers[0].Device != c.imp.devUUID.String() || st.Peers[0].AwaitingExit {
-		t.Fatalf("peers %+v, want the consumer alone", st.Peers)
-	}
+	require.Len(t, st.Peers, 1, "peers %+v, want the consumer alone", st.Peers)
+	peer := st.Peers[0]
+	require.Equal(t, 1, peer.Leases)
+	require.EqualValues(t, 3<<20, peer.BytesLeased)
+	require.Equal(t, c.imp.devUUID.String(), peer.Device)
+	require.False(t, peer.AwaitingExit)
 	m.Release(testCtx(t), c.stream)
 }
 
@@ -428,9 +430,8 @@ func TestPushCancelledBeforeSendHoldsNothing(t *testing.T) {
 		require.EqualValues(t, 0, p.Leases, "peer pid %d holds %d leases after a Push that sent nothing", p.PID, p.Leases)
 	}
 	// The connection is intact: nothing was written.
-	if m, err = c.imp.Open(ctx, "p", c.stream); err != nil {
-		t.Fatal(err)
-	}
+	m, err = c.imp.Open(ctx, "p", c.stream)
+	require.NoError(t, err)
 	require.NoError(t, m.Release(ctx, c.stream))
 	c.checkClean(t)
 }
@@ -603,9 +604,8 @@ func TestGrantBehindStuckPoolHandleHonoursContext(t *testing.T) {
 	p := peers[0]
 	require.NoError(t, c.send(testCtx(t), &openMsg{ReqID: 1, Name: "f"}, -1))
 	var first [1]byte
-	if _, err := io.ReadFull(c.nc, first[:]); err != nil { // the pool handle is on its way
-		t.Fatal(err)
-	}
+	_, err := io.ReadFull(c.nc, first[:]) // the pool handle is on its way
+	require.NoError(t, err)
 	pub, err := pr.ex.lookup("f")
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(testCtx(t))

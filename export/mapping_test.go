@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -125,7 +126,7 @@ func TestConcurrentOpensAndReleases(t *testing.T) {
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		t.Error(err)
+		assert.NoError(t, err)
 	}
 	n := pr.activeLeases(t)
 	require.EqualValues(t, 0, n, "%d pool leases after every release", n)

@@ -265,9 +265,9 @@ func TestProcessesShareBuffers(t *testing.T) {
 func killedBySIGKILL(t *testing.T, k *proctest.Child) {
 	t.Helper()
 	var exit *exec.ExitError
-	if err := k.Wait(); !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("reaping the killed child: %v, want killed by SIGKILL", err)
-	}
+	err := k.Wait()
+	require.ErrorAs(t, err, &exit, "reaping the killed child")
+	require.Equal(t, syscall.SIGKILL, exit.Sys().(syscall.WaitStatus).Signal(), "the killed child's end")
 }
 
 // poolBackTo fails the test unless pr's pool holds what it held when it showed before:

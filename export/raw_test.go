@@ -47,25 +47,20 @@ func admitted(t testing.TB, path string) *rawPeer {
 
 func (r *rawPeer) send(m message) {
 	r.t.Helper()
-	if err := r.c.send(context.Background(), m, -1); err != nil {
-		r.t.Fatal(err)
-	}
+	require.NoError(r.t, r.c.send(context.Background(), m, -1))
 }
 
 func (r *rawPeer) sendBytes(b []byte) {
 	r.t.Helper()
-	if _, err := r.nc.Write(b); err != nil {
-		r.t.Fatal(err)
-	}
+	_, err := r.nc.Write(b)
+	require.NoError(r.t, err)
 }
 
 // recv returns the next frame, closing any descriptor that came with it.
 func (r *rawPeer) recv() message {
 	r.t.Helper()
 	m, fd, err := r.c.recv()
-	if err != nil {
-		r.t.Fatalf("recv: %v", err)
-	}
+	require.NoError(r.t, err, "recv")
 	if fd >= 0 {
 		closeFDs([]int{fd})
 	}
