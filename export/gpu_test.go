@@ -30,6 +30,13 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 	imp, err := Dial(ctx, path, rt, 1)
 	require.NoError(t, err)
 	defer imp.Close(ctx)
+	// A stream of device 0 is refused at Open, not at Release (cudaStreamGetDevice,
+	// CUDA 12.8 and later; the GPU host has 13).
+	s0, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	defer rt.StreamDestroy(0, s0)
+	_, err = imp.Open(ctx, "big", s0)
+	require.ErrorIs(t, err, ErrStreamDevice, "a stream of device 0 given to an Importer on device 1")
 	m, err := imp.Open(ctx, "big", s)
 	require.NoError(t, err)
 	got := make([]byte, size)
