@@ -181,28 +181,44 @@ else
 			--ring "$dir/to-py,$dir/to-$(next_of py)" --ready "$dir/ready" --round "$r" \
 			--batches "${alloc_shape[0]}" --pairs "${alloc_shape[1]}" >"$dir/py.out" 2>"$logs/alloc-py.$r.err" &
 		pids+=($!)
-		local want=3 got=0 line
-		while [ $got -lt $want ] && read -r -t 90 line <&"$ready"; do
-			got=$((got + 1))
-			echo "  round $r: $line"
+		local want=3 got=0 line p ready_by=$((SECONDS + 90))
+		while [ $got -lt $want ] && [ $SECONDS -lt $ready_by ]; do
+			if read -r -t 1 line <&"$ready"; then
+				got=$((got + 1))
+				echo "  round $r: $line"
+				continue
+			fi
+			for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || ready_by=0; done # one died
 		done
 		if [ $got -lt $want ]; then
-			echo "fail suite alloc round $r: $got of $want participants said ready within 90s" >>"$raw"
+			echo "fail suite alloc round $r: $got of $want participants said ready (logs: alloc-*.$r.err)" >>"$raw"
 			rc=1
 		else
 			echo 0 >"$dir/to-${order[0]}" # the first turn
 		fi
-		# Each round has its own time limit; a participant that fails makes the others
-		# time out waiting for their turn (60 s), so the round always ends.
-		local deadline=$((SECONDS + 150)) p
-		for p in "${pids[@]}"; do
-			while kill -0 "$p" 2>/dev/null && [ $SECONDS -lt $deadline ] && [ $rc -eq 0 ]; do sleep 0.2; done
-			if kill -0 "$p" 2>/dev/null; then
-				kill "$p" 2>/dev/null
-				[ $rc -ne 0 ] || echo "fail suite alloc round $r: a participant ran past 150s" >>"$raw"
+		# The round ends when every participant has, or when one failed (the others
+		# would only wait for a turn that never comes), or after 150 s.
+		local deadline=$((SECONDS + 150)) p running
+		while [ $rc -eq 0 ]; do
+			running=0
+			for p in "${pids[@]}"; do
+				if kill -0 "$p" 2>/dev/null; then
+					running=1
+				elif ! wait "$p"; then
+					echo "fail suite alloc round $r: a participant failed (logs: alloc-*.$r.err)" >>"$raw"
+					rc=1
+				fi
+			done
+			[ $running = 1 ] || break
+			if [ $SECONDS -ge $deadline ]; then
+				echo "fail suite alloc round $r: a participant ran past 150s" >>"$raw"
 				rc=1
 			fi
-			wait "$p" || rc=1
+			[ $rc -ne 0 ] || sleep 0.2
+		done
+		for p in "${pids[@]}"; do
+			kill "$p" 2>/dev/null
+			wait "$p" 2>/dev/null
 		done
 		exec {ready}>&-
 		cat "$dir"/*.out >>"$raw"
@@ -243,6 +259,8 @@ export bin rt logs
 part validate 60 "${wide[@]}" bash -c validate
 part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "${pyquick[@]}" --runtime "$rt"
 
+# Any measurement that could not be taken fails the suite, whichever part said so.
+grep -q '^fail ' "$raw" && suite_failed=1
 echo
 echo "== bench-suite: parts ($((SECONDS - start))s)"
 printf '%s\n' "${parts[@]}"
