@@ -8,17 +8,25 @@
 //	NewPoolCollector(pools)   pools in this process, read through their Stats
 //	NewTargetCollector(fn)    exporters asked over their sockets, as poolstat -serve does
 //
-// Register them with a prometheus.Registerer and serve it with promhttp. They are
-// unchecked collectors (they describe no metric up front, as the series they yield
-// depend on what runs), so several share one registry, which still refuses, at each
-// scrape, a series collected twice: give all the pools of a process to one
-// NewPoolCollector. Metrics are
-// named cudapool_<subject>_<what>[_<unit>]: gauges for current values and high-water
-// marks, counters (_total) for the counts a pool accumulates over its life (its cache's
-// hits and misses). This package keeps no state: every value is the exporter's or the
-// pool's own. Series of one exporter carry its announced name and its socket (the
-// socket tells exporters of one host apart); a pool's also its id and device, a peer's
-// its pid.
+// Metrics are named cudapool_<subject>_<what>[_<unit>]: gauges for current values and
+// high-water marks, counters (_total) for the counts a pool accumulates over its life
+// (its cache's hits and misses). Every value is the exporter's or the pool's own; this
+// package keeps none. Series of one exporter carry its announced name and its socket
+// (the socket tells exporters of one host apart); a pool's also its id and device, a
+// peer's its pid. The metrics (their help text says what each holds):
+//
+//	cudapool_exporter_{up,info,start_time_seconds,published_buffers,published_bytes,peers}
+//	cudapool_pool_{info,max_bytes,reserved_bytes,reserved_high_water_bytes,used_bytes,
+//	  used_high_water_bytes,rounding_overhead_bytes,buffers,shared_buffers,leases,
+//	  deferred_frees,failed_frees,failed_free_bytes,cache_limit_bytes,cached_buffers,
+//	  cached_bytes,cache_hits_total,cache_misses_total}
+//	cudapool_peer_{info,leases,grants,leased_bytes,connect_time_seconds,awaiting_exit}
+//
+// Register the collectors with a prometheus.Registerer and serve it with promhttp.
+// They are unchecked collectors (they describe no metric up front, as the series they
+// yield depend on what runs), so several share one registry, which still refuses, at
+// each scrape, a series collected twice: give all the pools of a process to one
+// NewPoolCollector.
 //
 // A scrape reads each figure once, one exporter and pool after another, not at one
 // instant. A pool whose Stats fail (closed, or the driver would not answer) is left

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -155,12 +157,53 @@ func TestExporterCollector(t *testing.T) {
 	assert.Zero(t, got["cudapool_peer_awaiting_exit"])
 }
 
-// The names follow Prometheus's conventions, as its own linter reads them.
+// documentedNames are the metric names the package documentation lists, its
+// "cudapool_subject_{a,b,...}" lines expanded.
+func documentedNames(t *testing.T) []string {
+	t.Helper()
+	src, err := os.ReadFile("metrics.go")
+	require.NoError(t, err)
+	var names []string
+	prefix := ""
+	for _, line := range strings.Split(string(src), "\n") {
+		text, ok := strings.CutPrefix(line, "//\t")
+		if !ok {
+			prefix = ""
+			continue
+		}
+		if p, rest, ok := strings.Cut(text, "{"); ok && strings.HasPrefix(p, "cudapool_") {
+			prefix, text = p, rest
+		}
+		if prefix == "" {
+			continue
+		}
+		list, closed := strings.CutSuffix(strings.TrimSpace(text), "}")
+		for _, n := range strings.Split(list, ",") {
+			if n = strings.TrimSpace(n); n != "" {
+				names = append(names, prefix+n)
+			}
+		}
+		if closed {
+			prefix = ""
+		}
+	}
+	return names
+}
+
+// The names follow Prometheus's conventions, as its own linter reads them, and are the
+// ones the package documentation lists.
 func TestLint(t *testing.T) {
 	s := newSharing(t)
 	cached, err := pool.New(s.rt, 0, pool.WithName("cached"), pool.WithCache(8<<20))
 	require.NoError(t, err)
 	t.Cleanup(func() { cached.Close(context.Background()) })
+	// The cache counts a miss and a hit.
+	for range 2 {
+		buf, err := cached.Alloc(context.Background(), 2<<20, 0)
+		require.NoError(t, err)
+		require.NoError(t, buf.Free(0))
+	}
+	collected := map[string]bool{}
 	for _, c := range []prometheus.Collector{
 		metrics.NewExporterCollector(s.ex),
 		metrics.NewPoolCollector(s.pool, cached),
@@ -171,7 +214,17 @@ func TestLint(t *testing.T) {
 		problems, err := testutil.CollectAndLint(c)
 		require.NoError(t, err)
 		assert.Empty(t, problems)
+		reg := prometheus.NewPedanticRegistry()
+		require.NoError(t, reg.Register(c))
+		families, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range families {
+			collected[f.GetName()] = true
+		}
 	}
+	documented := documentedNames(t)
+	assert.ElementsMatch(t, documented, slices.Sorted(maps.Keys(collected)),
+		"the metrics collected and those the package documentation lists (metrics.go)")
 }
 
 func TestTargetCollector(t *testing.T) {
