@@ -3,12 +3,14 @@ package export
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -77,11 +79,13 @@ func TestPushAllSendsToEveryPeerAtOnce(t *testing.T) {
 	got := make(chan error, overlapPeers)
 	for range overlapPeers {
 		s := newSide(t, 0)
-		c := &consumer{side: s}
+		// The handler runs on the importer's goroutine: it reports to the test's
+		// goroutine, which fails the test, and never fails it itself.
 		imp, err := Dial(ctx, pr.path, s.dev, 0, WithLogger(discardLogger), WithPushes(s.stream, func(name string, m *Mapping) {
-			var err error
-			if b := c.read(t, m); name != "p" || !allAre(b, 0x31) {
-				err = errors.New("pushed mapping reads wrong bytes")
+			b := make([]byte, m.Size())
+			err := s.dev.MemcpyDtoHAsync(s.ord, b, m.Ptr(), s.stream)
+			if err == nil && (name != "p" || !allAre(b, 0x31)) {
+				err = fmt.Errorf("pushed mapping %q reads wrong bytes", name)
 			}
 			got <- errors.Join(err, m.Release(ctx, s.stream))
 		}))
@@ -91,7 +95,7 @@ func TestPushAllSendsToEveryPeerAtOnce(t *testing.T) {
 	// Every connection is this process's: one pid, pushed to on all of them at once.
 	require.NoError(t, pr.ex.PushAll(ctx, "p", os.Getpid()))
 	for range overlapPeers {
-		require.NoError(t, <-got)
+		require.NoError(t, testwait.Recv(t, got, "a push handler to read and release its mapping"))
 	}
 	waitFor(t, "the pushed leases to be released", func() bool { return pr.activeLeases(t) == 0 })
 	require.ErrorIs(t, pr.ex.PushAll(ctx, "p", impossiblePID(t)), ErrNoPeer, "PushAll to nobody, want ErrNoPeer")

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/stretchr/testify/require"
 )
 
@@ -25,7 +26,7 @@ func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 	_, err := io.ReadFull(b, first[:])
 	require.NoError(t, err)
 	cancel() // the frame's other bytes are still unread: the write is under way
-	require.ErrorIs(t, <-sent, context.Canceled, "send, want context.Canceled")
+	require.ErrorIs(t, testwait.Recv(t, sent, "the cancelled send to return"), context.Canceled, "send, want context.Canceled")
 	b.SetReadDeadline(time.Now().Add(hangGuard))
 	var rest [64]byte
 	n, err := b.Read(rest[:])

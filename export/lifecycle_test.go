@@ -15,6 +15,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -88,7 +89,7 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	defer imp.Close(context.Background())
 	ctx := testCtx(t)
 	require.NoError(t, pr.ex.Push(ctx, "p", os.Getpid()))
-	m := <-got
+	m := testwait.Recv(t, got, "the pushed mapping")
 	c := &consumer{side: s, imp: imp}
 	b := c.read(t, m)
 	require.True(t, allAre(b, 0x11), "pushed mapping reads wrong bytes")
@@ -302,7 +303,7 @@ func TestProducerCrashLeavesMappingsReadable(t *testing.T) {
 	for _, p := range pr.ex.peerList() {
 		p.c.close()
 	}
-	<-c.imp.cl.readerDone
+	testwait.Recv(t, c.imp.cl.readerDone, "the importer to see its connection end")
 	b := c.read(t, m)
 	require.True(t, allAre(b, 0x77), "mapping unreadable after the producer died")
 	_, err = c.imp.Open(ctx, "a", c.stream)
@@ -336,7 +337,7 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 	default:
 	}
 	require.NoError(t, m.Release(ctx, c.stream))
-	require.NoError(t, <-closed)
+	require.NoError(t, testwait.Recv(t, closed, "Close to return"))
 	require.NoError(t, c.imp.Close(ctx))
 	pr.checkClean(t)
 	c.checkClean(t)
@@ -587,7 +588,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 		return c.imp.cl.bye
 	})
 	require.NoError(t, m.Release(ctx, c.stream))
-	require.NoError(t, <-closed, "Close, want nil: every lease was released before its context ended")
+	require.NoError(t, testwait.Recv(t, closed, "Close to return"), "Close, want nil: every lease was released before its context ended")
 }
 
 // A grant waiting for another grant's pool handle to go out, to a peer that stopped

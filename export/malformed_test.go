@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/stretchr/testify/require"
 )
@@ -194,14 +195,14 @@ func TestMalformedExporterInput(t *testing.T) {
 			before := openFDs(t)
 			imp, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(lb.logger()))
 			require.NoError(t, err)
-			<-sent
-			<-imp.cl.readerDone
+			testwait.Recv(t, sent, "the malformed frame to go out")
+			testwait.Recv(t, imp.cl.readerDone, "the importer to drop the connection")
 			_, err = imp.Open(testCtx(t), "x", s.stream)
 			require.ErrorIs(t, err, ErrExporterGone, "Open = %v, want ErrExporterGone with the violation", err)
 			require.ErrorIs(t, err, ErrProtocol, "Open = %v, want ErrExporterGone with the violation", err)
 			require.Contains(t, lb.String(), tc.logged, "log does not say %q:\n%s", tc.logged, lb.String())
 			require.NoError(t, imp.Close(testCtx(t)), "Close =")
-			<-hungUp
+			testwait.Recv(t, hungUp, "the fake exporter to see the hang-up")
 			after := openFDs(t)
 			require.LessOrEqual(t, after, before, "%d descriptors open, %d before", after, before)
 			s.checkClean(t)
@@ -236,7 +237,7 @@ func TestHandleBeforeWelcomeIsRefused(t *testing.T) {
 	_, err := Dial(testCtx(t), path, s.dev, 0, WithLogger(discardLogger))
 	require.ErrorIs(t, err, ErrProtocol, "Dial = %v, want ErrProtocol", err)
 	require.ErrorContains(t, err, "answered Hello with PoolHandle", "Dial = %v, want ErrProtocol", err)
-	<-hungUp
+	testwait.Recv(t, hungUp, "the fake exporter to see the hang-up")
 	after := openFDs(t)
 	require.LessOrEqual(t, after, before, "%d descriptors open, %d before", after, before)
 	s.checkClean(t)

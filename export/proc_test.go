@@ -19,6 +19,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/stretchr/testify/require"
@@ -334,7 +335,7 @@ func TestProcessLostConsumerKeepsLeasesUntilExit(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- pr.ex.Close(testCtx(t)) }()
 	k.Kill()
-	require.NoError(t, <-closed, "Close, want nil: the lease ended when the consumer exited")
+	require.NoError(t, testwait.Recv(t, closed, "Close to return"), "Close, want nil: the lease ended when the consumer exited")
 	killedBySIGKILL(t, k)
 	require.Contains(t, pr.log.String(), "process exited; ending its leases", "the exit is not logged:\n%s", pr.log.String())
 	pr.poolBackTo(t, before)
@@ -405,7 +406,7 @@ func TestProcessProducerKilled(t *testing.T) {
 	require.NoError(t, err)
 	k.Kill()
 	killedBySIGKILL(t, k)
-	<-c.imp.cl.readerDone
+	testwait.Recv(t, c.imp.cl.readerDone, "the importer to see its connection end")
 	b := c.read(t, m)
 	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed")
 	_, err = c.imp.Open(ctx, "a", c.stream)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 // faultyRuntime fails the calls it is told to, and can misalign pointers.
@@ -240,13 +241,15 @@ func (r *blockingRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.Mem
 func TestCloseWaitsForCallsInFlight(t *testing.T) {
 	d := softDevice(t)
 	r := &blockingRuntime{Runtime: d, entered: make(chan struct{}), release: make(chan struct{})}
+	release := sync.OnceFunc(func() { close(r.release) })
+	t.Cleanup(release) // a failure before the release must not leave the call blocked
 	p := mustNew(t, r)
 	got := make(chan error, 1)
 	go func() {
 		_, err := p.Alloc(context.Background(), 1, 0)
 		got <- err
 	}()
-	<-r.entered
+	testwait.Recv(t, r.entered, "the Alloc to be in the driver")
 	_, err := p.Close(context.Background())
 	wantErr(t, "Close during an Alloc", err, ErrBusy)
 
@@ -257,8 +260,8 @@ func TestCloseWaitsForCallsInFlight(t *testing.T) {
 	_, err = p.Alloc(context.Background(), 1, 0)
 	wantErr(t, "Alloc while closing", err, ErrClosed)
 
-	close(r.release)
-	require.NoError(t, <-got, "Alloc in flight during Close")
+	release()
+	require.NoError(t, testwait.Recv(t, got, "the Alloc in flight to return"), "Alloc in flight during Close")
 	report, err := p.Close(context.Background())
 	require.NoError(t, err, "Close finishing the forced close")
 	require.Equal(t, 1, report.ReleasedBuffers, "Close finishing the forced close = %v; want the in-flight buffer released", report)
@@ -357,6 +360,8 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
 	r := &waitBlockingRuntime{Runtime: d, entered: make(chan struct{}), release: make(chan struct{})}
+	release := sync.OnceFunc(func() { close(r.release) })
+	t.Cleanup(release) // a failure before the release must not leave End blocked
 	p := mustNew(t, r)
 	b := mustAlloc(t, p, 1, e.stream)
 	first, other := mustLease(t, b), mustLease(t, b)
@@ -368,18 +373,18 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 
 	ended := make(chan error, 1)
 	go func() { ended <- first.End(completion) }()
-	<-r.entered
+	testwait.Recv(t, r.entered, "the first End to wait for its completion")
 	closed := make(chan error, 1)
 	go func() {
 		_, err := p.Close(context.Background(), Force())
 		closed <- err
 	}()
-	<-p.closing
+	testwait.Recv(t, p.closing, "Close(Force) to begin")
 	again := first.End(0)
-	close(r.release)
+	release()
 	wantErr(t, "End while the first End of the lease is in flight", again, ErrLeaseEnded)
-	require.NoError(t, <-ended, "first End")
-	require.NoError(t, <-closed, "Close(Force)")
+	require.NoError(t, testwait.Recv(t, ended, "the first End to return"), "first End")
+	require.NoError(t, testwait.Recv(t, closed, "Close(Force) to return"), "Close(Force)")
 	p.mu.Lock()
 	leases, state := b.leases, b.state
 	p.mu.Unlock()

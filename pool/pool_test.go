@@ -3,6 +3,7 @@ package pool
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"sync"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/granularity"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 func TestExportablePoolRoundsAndAligns(t *testing.T) {
@@ -147,18 +149,15 @@ func TestFullPool(t *testing.T) {
 			}
 		}()
 		g := p.Granularity()
-		for i := uint64(0); ; i++ {
-			require.LessOrEqual(t, i, p.MaxSize()/g, "allocated more granules than the pool's max size holds")
-			b, err := p.Alloc(context.Background(), g, e.stream)
-			if err != nil {
-				wantErr(t, "Alloc from a full pool", err, cudart.ErrOutOfMemory)
-				assert.Contains(t, err.Error(), "reserved", "the full-pool error says how much is reserved")
-				assert.Contains(t, err.Error(), "in use", "the full-pool error says how much is in use")
-				break
-			}
-			bufs = append(bufs, b)
+		fits := int(p.MaxSize() / g) // the pool keeps the bound itself, exactly
+		for range fits {
+			bufs = append(bufs, mustAlloc(t, p, g, e.stream))
 		}
-		require.NotEmpty(t, bufs, "not even one granule fit")
+		_, err := p.Alloc(context.Background(), g, e.stream)
+		wantErr(t, "Alloc from a full pool", err, cudart.ErrOutOfMemory)
+		assert.Contains(t, err.Error(), "reserved", "the full-pool error says how much is reserved")
+		assert.Contains(t, err.Error(), "in use", "the full-pool error says how much is in use")
+		assert.Contains(t, err.Error(), fmt.Sprintf("%d live buffers", fits), "the full-pool error counts the live buffers")
 		s := mustStats(t, p)
 		assert.Equal(t, len(bufs), s.LiveBuffers, "Stats of the full pool = %v", s)
 		assert.Equal(t, uint64(len(bufs))*g, s.UsedCurrent, "Stats of the full pool = %v", s)
@@ -179,7 +178,7 @@ func TestWaitingAllocGetsFreedMemory(t *testing.T) {
 		}()
 		blockedWaiting(t, p, got)
 		mustFree(t, bufs[0], e.stream)
-		require.NoError(t, <-got, "waiting Alloc after a Free")
+		require.NoError(t, testwait.Recv(t, got, "the waiting Alloc to return"), "waiting Alloc after a Free")
 		for _, b := range bufs[1:] {
 			mustFree(t, b, e.stream)
 		}
@@ -214,7 +213,7 @@ func TestWaitingAllocCancelled(t *testing.T) {
 		}()
 		blockedWaiting(t, p, got)
 		cancel()
-		wantErr(t, "cancelled waiting Alloc", <-got, context.Canceled, cudart.ErrOutOfMemory)
+		wantErr(t, "cancelled waiting Alloc", testwait.Recv(t, got, "the cancelled Alloc to return"), context.Canceled, cudart.ErrOutOfMemory)
 		_, err := p.Alloc(ctx, 1, e.stream)
 		wantErr(t, "Alloc with a cancelled context", err, context.Canceled)
 		assert.Equal(t, len(bufs), mustStats(t, p).LiveBuffers, "cancelled Allocs changed the pool")
@@ -236,7 +235,7 @@ func TestWaitingAllocEndsAtClose(t *testing.T) {
 	blockedWaiting(t, p, got)
 	_, err := p.Close(context.Background())
 	require.NoError(t, err, "Close")
-	wantErr(t, "Alloc waiting when the pool closed", <-got, ErrClosed)
+	wantErr(t, "Alloc waiting when the pool closed", testwait.Recv(t, got, "the waiting Alloc to return"), ErrClosed)
 }
 
 func TestConcurrentAllocFree(t *testing.T) {
@@ -289,7 +288,7 @@ func TestConcurrentDoubleFree(t *testing.T) {
 			}
 			ok := 0
 			for i := 0; i < cap(errs); i++ {
-				if err := <-errs; err == nil {
+				if err := testwait.Recv(t, errs, "a concurrent Free to return"); err == nil {
 					ok++
 				} else {
 					require.ErrorIs(t, err, ErrFreed, "concurrent Free: want nil or ErrFreed")
@@ -460,7 +459,7 @@ func TestConcurrentCloses(t *testing.T) {
 		}
 		closed := 0
 		for i := 0; i < cap(reports); i++ {
-			r, err := <-reports, <-errs
+			r, err := testwait.Recv(t, reports, "a concurrent Close to report"), testwait.Recv(t, errs, "a concurrent Close to return")
 			switch {
 			case err == nil:
 				closed++

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 // recorder is a testing.TB whose Skipf and Fatalf are recorded, not acted on: they end
@@ -40,7 +41,7 @@ func probe(t *testing.T, n int, required string) (*recorder, cudart.Runtime) {
 		defer close(done)
 		rt = Devices(r, n)
 	}()
-	<-done
+	testwait.Recv(t, done, "Devices to return")
 	return r, rt
 }
 
