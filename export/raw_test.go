@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/stretchr/testify/require"
@@ -26,6 +27,7 @@ func dialRaw(t testing.TB, path string) *rawPeer {
 	nc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
 	require.NoError(t, err)
 	t.Cleanup(func() { nc.Close() })
+	nc.SetDeadline(time.Now().Add(hangGuard)) // a frame that never comes fails the test
 	return &rawPeer{t: t, nc: nc, c: newConn(nc, true)}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -12,6 +13,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/gputest"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 const mib = 1 << 20
@@ -104,7 +106,9 @@ func mustStats(t testing.TB, p *Pool) Stats {
 // test fails. The test timeout guards against an Alloc that never gets there.
 func blockedWaiting(t testing.TB, p *Pool, got <-chan error) {
 	t.Helper()
+	deadline := time.Now().Add(testwait.Bound)
 	for {
+		require.False(t, time.Now().After(deadline), "no Alloc waited for memory within %v", testwait.Bound)
 		select {
 		case err := <-got:
 			require.FailNow(t, "Alloc did not wait for memory", "it returned %v", err)

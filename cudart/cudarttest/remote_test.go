@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -79,6 +80,7 @@ func (r *remote) call(req request, fds ...int) (reply, []int) {
 	r.t.Helper()
 	msg, err := json.Marshal(req)
 	ok(r.t, err)
+	ok(r.t, r.conn.SetDeadline(time.Now().Add(time.Minute))) // a child that never answers fails the test
 	ok(r.t, unixfd.Send(r.conn, msg, fds...))
 	buf := make([]byte, 1<<16)
 	n, got, err := unixfd.Recv(r.conn, buf, 1)
