@@ -73,16 +73,22 @@ def capsule(owner, ptr, device, dtype, shape, strides_bytes, itemsize):
     alive until the consumer is done with the capsule."""
     ndim = len(shape)
     shape_arr = (ctypes.c_int64 * ndim)(*shape)
-    strides_arr = None
-    if strides_bytes is not None:
-        strides_arr = (ctypes.c_int64 * ndim)(*(s // itemsize for s in strides_bytes))
+    if strides_bytes is None:  # C order, spelled out: not every consumer takes NULL
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        strides.reverse()
+    else:
+        strides = [s // itemsize for s in strides_bytes]
+    strides_arr = (ctypes.c_int64 * ndim)(*strides)
     m = DLManagedTensor()
     m.dl_tensor.data = ptr
     m.dl_tensor.device = DLDevice(KDL_CUDA, device)
     m.dl_tensor.ndim = ndim
     m.dl_tensor.dtype = dtype
     m.dl_tensor.shape = shape_arr
-    m.dl_tensor.strides = strides_arr if strides_arr is not None else None
+    m.dl_tensor.strides = strides_arr
     m.dl_tensor.byte_offset = 0
     m.deleter = _delete
     _alive[ctypes.addressof(m)] = (m, shape_arr, strides_arr, owner)

@@ -126,9 +126,10 @@ def _as_tensor(m, dtype, shape, dev):
     strides = None
     if m.meta:
         d = json.loads(m.meta)
+        if shape is None or tuple(shape) == tuple(d["shape"]):
+            strides = d.get("strides")  # the producer's, for the producer's shape only
         dtype = dtype or _BY_NAME[d["dtype"]]
         shape = shape or tuple(d["shape"])
-        strides = d.get("strides")
     if dtype is None or shape is None:
         raise ValueError("%r carries no metadata: give dtype and shape" % m.name)
     if dtype not in _TYPESTRS:

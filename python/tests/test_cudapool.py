@@ -165,6 +165,44 @@ class BadInputTest(unittest.TestCase):
         self.assertEqual(l.cudapool_protocol_version(ctypes.byref(v)), 0)
         self.assertEqual(l.cudapool_last_error(), b"")
 
+    def test_last_error_is_per_thread(self):
+        import threading
+        l = _lib.lib()
+        self.assertNotEqual(l.cudapool_free(None, None), 0)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(l.cudapool_last_error()))
+        t.start()
+        t.join(CHILD_TIMEOUT)
+        self.assertEqual(seen, [b""], "another thread's failure is not this one's")
+        self.assertIn(b"ptr is NULL", l.cudapool_last_error())
+
+    def test_torch_entry_points(self):
+        l = _lib.lib()
+        malloc, free = l.cudapool_torch_malloc, l.cudapool_torch_free
+        malloc.restype, malloc.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        free.restype, free.argtypes = None, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        ptr = malloc(MiB, 0, None)
+        self.assertTrue(ptr, l.cudapool_last_error())
+        h = ctypes.c_uint64()
+        _lib.call("cudapool_torch_pool", 0, ctypes.byref(h))
+        st = _lib.PoolStats()
+        _lib.call("cudapool_pool_stats_get", h, ctypes.byref(st))
+        self.assertGreaterEqual(st.live_buffers, 1)
+        self.assertEqual(l.cudapool_pool_close(h.value, 1, 0), 1, "the allocator's pool cannot be closed")
+        self.assertIn(b"serves the PyTorch allocator", l.cudapool_last_error())
+        free(ptr, MiB, 0, None)
+        free(ptr, MiB, 0, None)  # twice: an error to read, not a crash
+        self.assertIn(b"not a pointer of a cudapool pool", l.cudapool_last_error())
+        free(0xDEAD000, 16, 0, None)
+        self.assertIsNone(malloc(0, 0, None), "an empty tensor gets NULL")
+        self.assertIsNone(malloc(-1, 0, None))
+        self.assertIn(b"negative", l.cudapool_last_error())
+        self.assertIsNone(malloc(MiB, 64, None))
+        self.assertIn(b"device 64", l.cudapool_last_error())
+        # What the allocator gives, cudapool_free takes too (and publish finds).
+        ptr = malloc(MiB, 0, None)
+        cudapool.Pool.free(ptr)
+
     def test_pointer_no_pool_gave(self):
         with self.assertRaises(cudapool.ForeignPointer) as cm:
             cudapool.Pool.free(0x7F0000001000)
@@ -340,7 +378,8 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(r["cai"]["data"], (r["ptr"] + 64, False))
         self.assertEqual(r["device"], (2, 0))
         self.assertEqual(r["dl"], {"data": r["ptr"] + 64, "device": (2, 0), "ndim": 2,
-                                   "dtype": (2, 32, 1), "shape": [4, 8], "alive_after_delete": 0})
+                                   "dtype": (2, 32, 1), "shape": [4, 8], "strides": [8, 1],
+                                   "alive_after_delete": 0})
         cudapool.Pool.free(ptr)
 
     def test_state_query(self):
@@ -394,7 +433,8 @@ def dlpack_fields(q, path, name):
         mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
         t = mt.dl_tensor
         dl = {"data": t.data, "device": (t.device.device_type, t.device.device_id), "ndim": t.ndim,
-              "dtype": (t.dtype.code, t.dtype.bits, t.dtype.lanes), "shape": [t.shape[0], t.shape[1]]}
+              "dtype": (t.dtype.code, t.dtype.bits, t.dtype.lanes), "shape": [t.shape[0], t.shape[1]],
+              "strides": [t.strides[0], t.strides[1]]}
         mt.deleter(ctypes.pointer(mt))  # what a consumer does when done with it
         dl["alive_after_delete"] = len(_dlpack._alive)
         res = {"cai": v.__cuda_array_interface__, "ptr": m.ptr, "device": v.__dlpack_device__(), "dl": dl}
