@@ -92,8 +92,8 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	if cred == nil && h.Flags&helloReleaseEvent != 0 {
 		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", ErrProtocol))
 	}
-	welcome := func() error {
-		return c.send(context.Background(), &welcomeMsg{Version: ProtocolVersion, PID: uint32(os.Getpid()), Devices: ex.devices[:min(len(ex.devices), maxDevices)]}, -1)
+	welcome := func(flags uint32) error {
+		return c.send(context.Background(), &welcomeMsg{Version: ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), maxDevices)]}, -1)
 	}
 
 	if h.Flags&helloLeases == 0 {
@@ -105,7 +105,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		}
 		ex.observers[o] = struct{}{}
 		ex.mu.Unlock()
-		if err := welcome(); err != nil {
+		if err := welcome(0); err != nil {
 			o.leave()
 			return nil, nil, err
 		}
@@ -114,7 +114,10 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	}
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
-		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{}}
+		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
+		retained: map[cudart.PtrExportData]*retention{}}
+	// Retention needs the peer's release event to cover its work: a local peer's.
+	p.retains = ex.opts.retain && cred != nil && h.Flags&helloReleaseEvent != 0
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
 	id := ex.lastConnID.Add(1)
 	if id > maxConnID {
@@ -135,7 +138,11 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		// connected even if that pid is reused later.
 		p.proc, p.procErr = peercred.OpenProcess(p.cred.PID)
 	}
-	if err := welcome(); err != nil {
+	var flags uint32
+	if p.retains {
+		flags |= welcomeRetain
+	}
+	if err := welcome(flags); err != nil {
 		p.cleanup(false)
 		return nil, nil, err
 	}

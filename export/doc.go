@@ -72,6 +72,9 @@
 //     default; metadata: the bytes published with it (WithMeta).
 //   - mapping: a published range imported into the consumer's process (Mapping); the
 //     import is of the whole buffer, shared by the Mappings of its ranges.
+//   - retain: a consumer keeps a buffer's import after releasing its last lease on it
+//     (WithRetainedImports); revoke: the exporter asks for a retained import back
+//     (the Revoke frame), and the consumer frees it (Revoked).
 //   - peer: the exporter's side of a connection that takes leases, an Importer's.
 //   - observer: a connection for State alone (QueryState's): it takes no leases, is
 //     no peer, and is neither listed nor pushed to.
@@ -124,6 +127,26 @@
 // A producer that dies leaves its consumers' mappings readable (FACTS 7) until they
 // release them: Open then fails with ErrExporterGone, while Release and Close succeed,
 // as there is no one left to tell.
+//
+// # Retained imports
+//
+// With WithRetainedImports, a local consumer's Release ends its lease (the producer
+// may reuse the memory for new data once the consumer's release event has completed)
+// but keeps the import mapped. The exporter holds a pool.Retention for it, so the
+// memory never goes back to the driver under the mapping: it may only be recycled to a
+// new buffer of the same pool (pool.WithCache), and a lease on that buffer finds the
+// mapping in place, so Open costs a message and a stream wait, no import and no
+// export. When the pool wants the memory back (a free past its cache, Trim, a full
+// pool) or the exporter closes, the exporter revokes: the consumer frees the import
+// and says so, and the memory is freed after that free. A consumer that leaves ends
+// its retentions like its leases.
+//
+// No pointer is handed out without a live lease: a retained mapping is reached only
+// through Open. A kernel that kept the pointer of a released Mapping and runs later
+// reads and writes whatever the producer put in that memory since (another buffer's
+// data, or the same buffer's next contents), with no fault and no ordering; after a
+// revoke it faults. The pool, not the buffer, is the unit of trust (FACTS 2), and
+// retaining changes nothing there.
 //
 // # FABRIC
 //

@@ -470,7 +470,10 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		// others from being told nor the wait below from starting. A peer that cannot
 		// be told still holds what it holds: it is counted below, and cut with the
 		// others, which ends its Bye.
-		byes.Go(func() { p.c.send(ctx, &byeMsg{}, -1) })
+		byes.Go(func() {
+			p.c.send(ctx, &byeMsg{}, -1)
+			p.revokeAll(ctx)
+		})
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
@@ -511,6 +514,9 @@ func (ex *Exporter) waitReleased(ctx context.Context) error {
 				held = append(held, fmt.Sprintf("pid %d, its connection lost but its process alive, holds %d leases (%s)", i.PID, i.Leases, humanize.IBytes(i.BytesLeased)))
 			case i.Leases > 0:
 				held = append(held, fmt.Sprintf("pid %d holds %d leases (%s)", i.PID, i.Leases, humanize.IBytes(i.BytesLeased)))
+			}
+			if n := p.retainedCount(); n > 0 {
+				held = append(held, fmt.Sprintf("pid %d retains %d imports", i.PID, n))
 			}
 		}
 		if len(held) == 0 {

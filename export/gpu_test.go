@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/gputest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
@@ -61,6 +62,86 @@ func TestGPUOtherDeviceReadsAndOrderedRelease(t *testing.T) {
 	dst.Free(s)
 	k.Send("stats")
 	require.Equal(t, "stats 1 0 0", k.Next(), "producer: want the refilled buffer only, no lease, no deferred free")
+	require.NoError(t, imp.Close(ctx))
+	k.Send("quit")
+	k.Finish()
+}
+
+// On a GPU host: a producer process whose consumers retain their imports, this process
+// consuming on the same device. The producer recycles the buffer (same memory, from
+// its pool's cache) with new contents while copies this process queued before its
+// release still run: those copies see the old bytes, and the new lease sees the new
+// ones through the same mapping, never the old. Trimming the producer's cache revokes
+// the import: this process frees it and the producer's memory goes back to the driver.
+func TestGPURetainedImportOfRecycledBuffer(t *testing.T) {
+	retainedRecycle(t, gputest.Runtime(t), "gpu", 64<<20)
+}
+
+// TestProcessRetainedImportOfRecycledBuffer is the GPU test's protocol between two
+// processes on software devices.
+func TestProcessRetainedImportOfRecycledBuffer(t *testing.T) {
+	d := cudarttest.New()
+	defer d.Close()
+	retainedRecycle(t, d, "soft", 1<<20)
+	require.NoError(t, d.Err())
+}
+
+func retainedRecycle(t *testing.T, rt cudart.Runtime, kind string, size uint64) {
+	path := filepath.Join(shortDir(t), "r.sock")
+	k := proctest.Start(t, "producer", kind, path, "retain", fmt.Sprintf("kv=%d:17", size))
+	k.Expect("ready")
+	ctx := testCtx(t)
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	defer rt.StreamDestroy(0, s)
+	imp, err := Dial(ctx, path, rt, 0)
+	require.NoError(t, err)
+	defer imp.Close(ctx)
+	local, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypeNone))
+	require.NoError(t, err)
+	defer local.Close(ctx, pool.Force())
+	dst, err := local.Alloc(ctx, size, s)
+	require.NoError(t, err)
+	defer dst.Free(s)
+	got := make([]byte, size)
+
+	fill := byte(17)
+	var first cudart.DevicePtr
+	for round, next := range []byte{29, 41, 53} {
+		m, err := imp.Open(ctx, "kv", s)
+		require.NoError(t, err)
+		if round == 0 {
+			first = m.Ptr()
+		}
+		require.Equal(t, first, m.Ptr(), "round %d: the retained import was not reused", round)
+		for range 8 { // copies still queued at Release
+			require.NoError(t, rt.MemcpyDtoDAsync(0, dst.Ptr(), m.Ptr(), size, s))
+		}
+		require.NoError(t, m.Release(ctx, s))
+		k.Send(fmt.Sprintf("recycle kv %d", next))
+		require.Equal(t, "recycled same", k.Next(), "round %d: the producer did not recycle the buffer", round)
+		require.NoError(t, rt.MemcpyDtoHAsync(0, got, dst.Ptr(), s))
+		require.NoError(t, rt.StreamSynchronize(0, s))
+		require.True(t, allAre(got, fill), "round %d: a copy queued before Release saw the producer's later writes", round)
+		fill = next
+	}
+	m, err := imp.Open(ctx, "kv", s)
+	require.NoError(t, err)
+	require.NoError(t, rt.MemcpyDtoHAsync(0, got, m.Ptr(), s))
+	require.NoError(t, rt.StreamSynchronize(0, s))
+	require.True(t, allAre(got, fill), "the last lease did not read the recycled buffer's new contents")
+	require.NoError(t, m.Release(ctx, s))
+	k.Send("retained")
+	require.Equal(t, "retained 1 0", k.Next())
+
+	k.Send("free kv")
+	k.Expect("freed")
+	k.Send("trim")
+	k.Expect("trimmed")
+	waitFor(t, "the revoked import to be freed and the memory returned", func() bool {
+		k.Send("retained")
+		return k.Next() == "retained 0 0"
+	})
 	require.NoError(t, imp.Close(ctx))
 	k.Send("quit")
 	k.Finish()

@@ -62,7 +62,7 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 		p.byBuffer[b] = entry
 	}
 	entry.grants = append(entry.grants, pl)
-	entry.bytes = b.Size()
+	entry.bytes, entry.record = b.Size(), msg.Record
 	msg.LeaseID = entry.id
 	return msg, pl, nil
 }

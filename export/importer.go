@@ -25,6 +25,8 @@ type Importer struct {
 	cl     *client
 	log    *slog.Logger
 	remote bool // a byte stream: no descriptors, no IPC events
+	// retain: the exporter lets this Importer keep imports mapped past their leases.
+	retain bool
 	opts   dialOptions
 
 	devUUID   cudart.UUID
@@ -139,6 +141,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	if err != nil {
 		return nil, err
 	}
+	imp.retain = w.Flags&welcomeRetain != 0 && !imp.remote
 	imp.cl = newClient(c, o.log, int(w.PID))
 	imp.cl.handle = imp.handle
 	imp.cl.unclaimed = imp.giveBack
@@ -155,6 +158,9 @@ func (imp *Importer) handle(m message, fd int) error {
 	switch m := m.(type) {
 	case *poolHandleMsg:
 		imp.importPool(m, fd)
+	case *revokeMsg:
+		// Not answered from here: the reader must not block on a send.
+		go imp.answerRevoke(m.Record)
 	case *pushMsg:
 		imp.mu.Lock()
 		imp.pushes = append(imp.pushes, m)
@@ -498,7 +504,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 	}
 	clear(imp.mappings)
 	imp.mapMu.Unlock()
-	errs = append(errs, imp.returnGrants(ctx, "held at Close", grants))
+	errs = append(errs, imp.returnGrants(ctx, "held at Close", grants, 0, nil))
 	if err := imp.cl.hangUp(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("export: close: %w", err))
 	}

@@ -18,6 +18,7 @@ import (
 type lease struct {
 	id     uint64
 	buf    *pool.Buffer
+	record cudart.PtrExportData
 	grants []*pool.Lease
 	bytes  uint64
 }
@@ -77,6 +78,9 @@ func (p *peer) releaseLease(m *releaseMsg) error {
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
 		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
+	}
+	if err == nil && m.Flags&releaseRetain != 0 {
+		err = p.retainLocked(entry)
 	}
 	if err != nil {
 		p.mu.Unlock()
@@ -145,7 +149,18 @@ func (p *peer) cleanup(clean bool) {
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}
+	retained := p.retained
+	p.retained = map[cudart.PtrExportData]*retention{}
 	p.mu.Unlock()
+	for _, rt := range retained {
+		completion := cudart.Event(0)
+		if clean {
+			completion = release[rt.dev]
+		}
+		if err := rt.r.End(completion); err != nil {
+			p.ex.log.Error("export: ending a retained import of a departed peer", "pid", p.pid(), "err", err)
+		}
+	}
 	for _, entry := range held {
 		completion := cudart.Event(0)
 		if clean {

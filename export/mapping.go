@@ -37,6 +37,9 @@ type imported struct {
 	record cudart.PtrExportData
 	ptr    cudart.DevicePtr
 	views  int
+	// revoked: the exporter asked for the import back (Revoke) while a Mapping used
+	// it; the last Release frees it and says Revoked.
+	revoked bool
 }
 
 // Ptr is the range's address in this process.
@@ -90,12 +93,26 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		imp.mapMu.Unlock()
 		return nil
 	}
+	buf := m.buf
+	if imp.retain && buf.views == 1 && !buf.revoked {
+		grants, err := imp.keep(m, s)
+		imp.mapMu.Unlock()
+		if err != nil {
+			return fmt.Errorf("export: release %q: %w", m.name, err)
+		}
+		return imp.returnRetained(ctx, m.name, buf, grants)
+	}
+	revoked := buf.revoked && buf.views == 1
 	grants, err := imp.unview(m, s)
 	imp.mapMu.Unlock()
 	if err != nil {
 		return fmt.Errorf("export: release %q: %w", m.name, err)
 	}
-	return imp.returnGrants(ctx, m.name, grants)
+	err = imp.returnGrants(ctx, m.name, grants, 0, nil)
+	if revoked {
+		imp.sendRevoked(buf.record)
+	}
+	return err
 }
 
 // unview forgets m, whose last reference is gone, and returns the grants it answered
@@ -128,10 +145,7 @@ func (imp *Importer) unview(m *Mapping, s cudart.Stream) (map[uint64]uint32, err
 func (imp *Importer) unmap(buf *imported, s cudart.Stream, ordered bool) error {
 	rt, dev := imp.rt, imp.dev
 	if ordered {
-		if err := rt.EventRecord(dev, imp.orderEvent, s); err != nil {
-			return err
-		}
-		if err := rt.StreamWaitEvent(dev, imp.relStream, imp.orderEvent); err != nil {
+		if err := imp.orderRelease(s); err != nil {
 			return err
 		}
 	}
@@ -155,12 +169,91 @@ func (imp *Importer) unmap(buf *imported, s cudart.Stream, ordered bool) error {
 	return nil
 }
 
-// returnGrants tells the exporter that leases are released and waits for it to agree.
-// With the exporter gone there is nothing to tell, and that is not an error.
-func (imp *Importer) returnGrants(ctx context.Context, name string, grants map[uint64]uint32) error {
+// orderRelease makes the release stream wait for the work queued on s so far.
+func (imp *Importer) orderRelease(s cudart.Stream) error {
+	if err := imp.rt.EventRecord(imp.dev, imp.orderEvent, s); err != nil {
+		return err
+	}
+	return imp.rt.StreamWaitEvent(imp.dev, imp.relStream, imp.orderEvent)
+}
+
+// keep forgets m, the last Mapping of its buffer, without freeing the buffer's import:
+// the release event is recorded after the work queued on s, and m's grants are
+// returned for the caller to release with releaseRetain. The import stays in the
+// table, with no view, for the next lease on the same memory. Call with mapMu held.
+func (imp *Importer) keep(m *Mapping, s cudart.Stream) (map[uint64]uint32, error) {
+	if err := imp.orderRelease(s); err != nil {
+		return nil, err
+	}
+	if err := imp.rt.EventRecord(imp.dev, imp.relEvent, imp.relStream); err != nil {
+		return nil, err
+	}
+	m.buf.views = 0
+	delete(imp.mappings, m.key)
+	grants := m.grants
+	m.grants = nil
+	return grants, nil
+}
+
+// returnRetained releases grants with releaseRetain, buf's import kept. An exporter
+// that refuses to keep it still holds the grants: the import is then freed (unless a
+// new lease uses it meanwhile) and the grants released the usual way.
+func (imp *Importer) returnRetained(ctx context.Context, name string, buf *imported, grants map[uint64]uint32) error {
+	return imp.returnGrants(ctx, name, grants, releaseRetain, func(id uint64, n uint32, why error) error {
+		imp.log.Debug("export: the exporter would not keep an import; freeing it", "name", name, "err", why)
+		imp.mapMu.Lock()
+		if buf.views == 0 && imp.imports[buf.record] == buf {
+			// The release stream is ordered after the caller's stream already (keep).
+			if err := imp.unmap(buf, 0, false); err != nil {
+				imp.mapMu.Unlock()
+				return err
+			}
+		}
+		imp.mapMu.Unlock()
+		return imp.returnGrants(ctx, name, map[uint64]uint32{id: n}, 0, nil)
+	})
+}
+
+// answerRevoke frees the retained import of rec that the exporter asks back, and says
+// so; one a Mapping uses again is freed by the last Release. An import no longer held
+// was freed already, and that free is covered by the release event.
+func (imp *Importer) answerRevoke(rec cudart.PtrExportData) {
+	imp.mapMu.Lock()
+	buf := imp.imports[rec]
+	switch {
+	case buf != nil && buf.views > 0:
+		buf.revoked = true
+		imp.mapMu.Unlock()
+		return
+	case buf != nil:
+		if err := imp.unmap(buf, 0, false); err != nil {
+			imp.mapMu.Unlock()
+			// Still mapped: the exporter keeps waiting, and the import is freed at
+			// Close, whose Bye ends the retention.
+			imp.log.Error("export: freeing a revoked import", "err", err)
+			return
+		}
+	}
+	imp.mapMu.Unlock()
+	imp.sendRevoked(rec)
+}
+
+func (imp *Importer) sendRevoked(rec cudart.PtrExportData) {
+	if err := imp.cl.c.send(context.Background(), &revokedMsg{Record: rec}, -1); err != nil {
+		imp.log.Debug("export: could not say Revoked; the exporter ends the retention when the connection closes", "err", err)
+	}
+}
+
+// returnGrants tells the exporter that leases are released, with the Release flags
+// given, and waits for it to agree. With the exporter gone there is nothing to tell,
+// and that is not an error. refused, if not nil, handles a refusal instead.
+func (imp *Importer) returnGrants(ctx context.Context, name string, grants map[uint64]uint32, flags uint32,
+	refused func(id uint64, n uint32, why error) error) error {
 	var errs []error
 	for id, n := range grants {
-		reply, err := imp.cl.request(ctx, func(req uint64) message { return &releaseMsg{ReqID: req, LeaseID: id, Count: n} }, false)
+		reply, err := imp.cl.request(ctx, func(req uint64) message {
+			return &releaseMsg{ReqID: req, LeaseID: id, Count: n, Flags: flags}
+		}, false)
 		switch r := reply.(type) {
 		case nil:
 			if errors.Is(err, ErrExporterGone) {
@@ -170,6 +263,11 @@ func (imp *Importer) returnGrants(ctx context.Context, name string, grants map[u
 			continue
 		case *errorMsg:
 			err = replyErr(r)
+			if refused != nil {
+				if err = refused(id, n, err); err == nil {
+					continue
+				}
+			}
 		default:
 			err = fmt.Errorf("%w: Release answered with %s", ErrProtocol, r.kind())
 		}

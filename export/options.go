@@ -42,6 +42,7 @@ type listenOptions struct {
 	announceDir string // "" with announce false: none
 	announce    bool
 	name        string
+	retain      bool
 }
 
 type dialOptions struct {
@@ -169,6 +170,15 @@ func WithLogger(l *slog.Logger) SharedOption {
 // WithAnnounce makes Listen announce the exporter in dir instead of DefaultDir().
 func WithAnnounce(dir string) ListenOption {
 	return listenOption(func(o *listenOptions) { o.announce, o.announceDir = true, dir })
+}
+
+// WithRetainedImports lets local consumers keep a buffer's import mapped after they
+// release it, so that leasing the same memory again (a buffer recycled through its
+// pool's cache, pool.WithCache) costs a message and a stream wait: no import, no free.
+// The exporter revokes such imports (the consumer frees them) before their memory
+// goes back to the driver; see the package docs.
+func WithRetainedImports() ListenOption {
+	return listenOption(func(o *listenOptions) { o.retain = true })
 }
 
 // WithoutAnnounce makes Listen write no announcement.

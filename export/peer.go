@@ -54,6 +54,10 @@ type peer struct {
 	awaitingExit bool
 	// left: cleanup has run; a lease granted now would never be ended.
 	left bool
+	// retains: the peer may keep imports past their leases (WithRetainedImports);
+	// retained holds them by record.
+	retains  bool
+	retained map[cudart.PtrExportData]*retention
 }
 
 // remote reports whether the peer is on a byte stream: no descriptors, no IPC events.
@@ -64,7 +68,7 @@ func (p *peer) remote() bool { return p.cred == nil }
 func (p *peer) lost() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return !p.bye && !p.closing && len(p.leases) > 0
+	return !p.bye && !p.closing && (len(p.leases) > 0 || len(p.retained) > 0)
 }
 
 // awaitExit keeps a lost peer's leases until its process has exited: until then the
@@ -138,6 +142,8 @@ func (p *peer) serve() (reason error, clean bool) {
 			answer(p.c, m.ReqID, p.releaseLease(m))
 		case *stateRequestMsg:
 			answer(p.c, m.ReqID, p.ex.sendState(p.c, m.ReqID))
+		case *revokedMsg:
+			p.answerRevoked(m)
 		case *byeMsg:
 			p.mu.Lock()
 			p.bye = true

@@ -59,9 +59,15 @@ func runtimeErr(rt cudart.Runtime) error {
 //	free NAME         free the buffer (deferred while leased), say "freed"
 //	refill SIZE FILL  allocate SIZE bytes, fill them on the stream, synchronise, say "refilled"
 //	stats             say "stats LIVE LEASES DEFERRED"
+//	recycle NAME FILL unpublish NAME and free it, allocate its size again, fill it and
+//	                  publish it under NAME; say "recycled same" if the memory is the
+//	                  same (from the cache), else "recycled new"
+//	trim              trim the pool's cache, say "trimmed"
+//	retained          say "retained RETENTIONS REVOKING"
 //	quit              close the exporter (waiting for releases) and exit
 //
-// POLICY is "default" or "other-uid" (admit only a uid that is not ours).
+// POLICY is "default", "other-uid" (admit only a uid that is not ours) or "retain"
+// (a pool with a cache, an exporter WithRetainedImports).
 func roleProducer(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "producer:", err); return 1 }
 	if len(args) < 3 {
@@ -77,15 +83,22 @@ func roleProducer(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	p, err := pool.New(rt, 0)
+	var poolOpts []pool.Option
+	if args[2] == "retain" {
+		poolOpts = append(poolOpts, pool.WithCache(1<<30))
+	}
+	p, err := pool.New(rt, 0, poolOpts...)
 	if err != nil {
 		return fail(err)
 	}
 	// Refusals are this role's job in some tests: only errors are worth a line.
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	opts := []ListenOption{WithoutAnnounce(), WithLogger(quiet)}
-	if args[2] == "other-uid" {
+	switch args[2] {
+	case "other-uid":
 		opts = append(opts, WithPolicy(Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+	case "retain":
+		opts = append(opts, WithRetainedImports())
 	}
 	ex, err := Listen(args[1], rt, opts...)
 	if err != nil {
@@ -140,6 +153,43 @@ func roleProducer(args []string) int {
 				return fail(err)
 			}
 			fmt.Println("stats", s.LiveBuffers, s.ActiveLeases, s.DeferredFrees)
+		case len(f) == 3 && f[0] == "recycle":
+			old := bufs[f[1]]
+			fill, _ := strconv.ParseUint(f[2], 10, 8)
+			err := ex.Unpublish(f[1])
+			if err == nil {
+				err = old.Free(stream)
+			}
+			var b *pool.Buffer
+			if err == nil {
+				b, err = p.Alloc(ctx, old.Size(), stream)
+			}
+			if err == nil {
+				err = rt.MemsetAsync(0, b.Ptr(), byte(fill), b.Size(), stream)
+			}
+			if err == nil {
+				err = ex.Publish(ctx, f[1], b, stream)
+			}
+			if err != nil {
+				return fail(err)
+			}
+			bufs[f[1]] = b
+			if b.Ptr() == old.Ptr() {
+				fmt.Println("recycled same")
+			} else {
+				fmt.Println("recycled new")
+			}
+		case len(f) == 1 && f[0] == "trim":
+			if err := p.Trim(); err != nil {
+				return fail(err)
+			}
+			fmt.Println("trimmed")
+		case len(f) == 1 && f[0] == "retained":
+			s, err := p.Stats()
+			if err != nil {
+				return fail(err)
+			}
+			fmt.Println("retained", s.Retentions, s.RevokingBuffers)
 		case len(f) == 1 && f[0] == "quit":
 			if err := ex.Close(ctx); err != nil {
 				return fail(err)

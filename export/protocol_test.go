@@ -55,7 +55,7 @@ func protocolSamples() map[msgType]message {
 	return map[msgType]message{
 		msgHello: &helloMsg{Version: ProtocolVersion, PID: 0x0101, Flags: helloLeases | helloReleaseEvent,
 			HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: uuid(0x01), ReleaseEvent: event(0x02)},
-		msgWelcome:      &welcomeMsg{Version: ProtocolVersion, PID: 0x0201, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
+		msgWelcome:      &welcomeMsg{Version: ProtocolVersion, PID: 0x0201, Flags: welcomeRetain, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
 		msgRefused:      &refusedMsg{Version: ProtocolVersion, Reason: "not you"},
 		msgPoolHandle:   &poolHandleMsg{PoolID: 0x0401, HandleType: cudart.HandleTypeFabric, Device: uuid(0x41), MaxSize: 0x0402, Fabric: fabric(0x42)},
 		msgOpen:         &openMsg{ReqID: 0x0501, Name: "layer-0"},
@@ -67,6 +67,8 @@ func protocolSamples() map[msgType]message {
 		msgStateRequest: &stateRequestMsg{ReqID: 0x0b01},
 		msgState:        &stateMsg{ReqID: 0x0c01, Flags: stateMore, JSON: []byte(`{"schema":1}`)},
 		msgBye:          &byeMsg{},
+		msgRevoke:       &revokeMsg{Record: record(0x0e)},
+		msgRevoked:      &revokedMsg{Record: record(0x0f)},
 	}
 }
 
@@ -83,9 +85,11 @@ var (
 		"Hello leases": helloLeases, "Hello release event": helloReleaseEvent,
 		"Lease ready event":        leaseReadyEvent,
 		"Release nothing imported": releaseNothingImported,
+		"Release retain":           releaseRetain,
+		"Welcome retain":           welcomeRetain,
 		"State more":               stateMore,
 	}
-	protocolKnownFlags = map[string]uint32{"Hello": helloKnown, "Lease": leaseKnown, "Release": releaseKnown, "State": stateKnown}
+	protocolKnownFlags = map[string]uint32{"Hello": helloKnown, "Welcome": welcomeKnown, "Lease": leaseKnown, "Release": releaseKnown, "State": stateKnown}
 )
 
 // protocolErrors are the sentinels by the names the spec's error table gives them.

@@ -13,7 +13,8 @@ import (
 
 // ProtocolVersion is the version of the sharing protocol this package speaks. Both
 // sides must speak the same one. Version 2 leases a range of a buffer and carries the
-// publish's metadata with each lease.
+// publish's metadata with each lease, and adds retained imports: Welcome's flags,
+// Release's retain flag, Revoke and Revoked.
 const ProtocolVersion = 2
 
 // The frame layout: [u32 little-endian payload length][u8 type][payload].
@@ -50,12 +51,15 @@ const (
 	msgStateRequest msgType = 11 // importer: describe yourself
 	msgState        msgType = 12 // exporter: a chunk of the State JSON
 	msgBye          msgType = 13 // either: no more requests from me
+	msgRevoke       msgType = 14 // exporter: free your retained import of this record
+	msgRevoked      msgType = 15 // importer: freed it, as of my release event
 )
 
 var msgNames = [...]string{
 	msgHello: "Hello", msgWelcome: "Welcome", msgRefused: "Refused", msgPoolHandle: "PoolHandle",
 	msgOpen: "Open", msgLease: "Lease", msgRelease: "Release", msgReleased: "Released",
 	msgError: "Error", msgPush: "Push", msgStateRequest: "StateRequest", msgState: "State", msgBye: "Bye",
+	msgRevoke: "Revoke", msgRevoked: "Revoked",
 }
 
 func (t msgType) String() string {
@@ -94,13 +98,22 @@ type helloMsg struct {
 
 const helloLen = 4*4 + 16 + 64
 
+// Welcome flags.
+const (
+	// welcomeRetain: the exporter lets the importer keep its imports mapped past
+	// their leases (Release with releaseRetain), and revokes them with Revoke.
+	welcomeRetain uint32 = 1 << 0
+	welcomeKnown         = welcomeRetain
+)
+
 type welcomeMsg struct {
 	Version uint32
 	PID     uint32
+	Flags   uint32
 	Devices []cudart.UUID // at most maxDevices
 }
 
-const welcomeLen = 4*3 + maxDevices*16
+const welcomeLen = 4*4 + maxDevices*16
 
 type refusedMsg struct {
 	Version uint32
@@ -158,7 +171,11 @@ const (
 	// releaseNothingImported: the importer imported nothing under the lease (a push it
 	// did not want), so the exporter need not wait for any free of it.
 	releaseNothingImported uint32 = 1 << 0
-	releaseKnown                  = releaseNothingImported
+	// releaseRetain: the importer keeps its import mapped; its release event covers
+	// its work on the buffer, not a free. The exporter revokes it before the memory
+	// goes back to the driver. Only where the Welcome allowed it.
+	releaseRetain uint32 = 1 << 1
+	releaseKnown         = releaseNothingImported | releaseRetain
 )
 
 type releaseMsg struct {
@@ -239,6 +256,14 @@ type stateMsg struct {
 
 type byeMsg struct{}
 
+// revokeMsg asks the importer to free its retained import of Record, and revokedMsg
+// says it has, as of the importer's release event.
+type revokeMsg struct{ Record cudart.PtrExportData }
+
+type revokedMsg struct{ Record cudart.PtrExportData }
+
+const revokeLen = len(cudart.PtrExportData{})
+
 func (*helloMsg) kind() msgType        { return msgHello }
 func (*welcomeMsg) kind() msgType      { return msgWelcome }
 func (*refusedMsg) kind() msgType      { return msgRefused }
@@ -252,6 +277,8 @@ func (*errorMsg) kind() msgType        { return msgError }
 func (*stateRequestMsg) kind() msgType { return msgStateRequest }
 func (*stateMsg) kind() msgType        { return msgState }
 func (*byeMsg) kind() msgType          { return msgBye }
+func (*revokeMsg) kind() msgType       { return msgRevoke }
+func (*revokedMsg) kind() msgType      { return msgRevoked }
 
 var le = binary.LittleEndian
 
@@ -267,6 +294,7 @@ func (m *helloMsg) appendPayload(b []byte) []byte {
 func (m *welcomeMsg) appendPayload(b []byte) []byte {
 	b = le.AppendUint32(b, m.Version)
 	b = le.AppendUint32(b, m.PID)
+	b = le.AppendUint32(b, m.Flags)
 	b = le.AppendUint32(b, uint32(len(m.Devices)))
 	var slots [maxDevices]cudart.UUID
 	copy(slots[:], m.Devices)
@@ -336,6 +364,9 @@ func (m *stateMsg) appendPayload(b []byte) []byte {
 
 func (*byeMsg) appendPayload(b []byte) []byte { return b }
 
+func (m *revokeMsg) appendPayload(b []byte) []byte  { return append(b, m.Record[:]...) }
+func (m *revokedMsg) appendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
+
 // appendFrame appends m as one whole frame to b.
 func appendFrame(b []byte, m message) []byte {
 	start := len(b)
@@ -384,6 +415,8 @@ var payloadLimits = [...]struct{ min, max int }{
 	msgStateRequest: {8, 8},
 	msgState:        {8 + 4, maxPayload},
 	msgBye:          {0, 0},
+	msgRevoke:       {revokeLen, revokeLen},
+	msgRevoked:      {revokeLen, revokeLen},
 }
 
 // decodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -412,7 +445,10 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		}
 		return m, nil
 	case msgWelcome:
-		m := &welcomeMsg{Version: r.u32(), PID: r.u32()}
+		m := &welcomeMsg{Version: r.u32(), PID: r.u32(), Flags: r.u32()}
+		if err := checkFlags(t, m.Flags, welcomeKnown); err != nil {
+			return nil, err
+		}
 		n := r.u32()
 		if n > maxDevices {
 			return nil, protocolErr("Welcome lists %d devices, at most %d", n, maxDevices)
@@ -494,6 +530,14 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		return m, checkFlags(t, m.Flags, stateKnown)
 	case msgBye:
 		return &byeMsg{}, nil
+	case msgRevoke:
+		m := &revokeMsg{}
+		r.bytes(m.Record[:])
+		return m, nil
+	case msgRevoked:
+		m := &revokedMsg{}
+		r.bytes(m.Record[:])
+		return m, nil
 	}
 	return nil, protocolErr("unknown message type %d", uint8(t))
 }

@@ -29,7 +29,7 @@ func sampleMessages() []message {
 		Flags: leaseReadyEvent, Record: rec, Ready: ev, Meta: []byte(`{"dtype":"float16","shape":[2,250]}`)}
 	return []message{
 		&helloMsg{Version: ProtocolVersion, PID: 4242, Flags: helloLeases | helloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
-		&welcomeMsg{Version: ProtocolVersion, PID: 17, Devices: []cudart.UUID{{9}, {8, 7}}},
+		&welcomeMsg{Version: ProtocolVersion, PID: 17, Flags: welcomeRetain, Devices: []cudart.UUID{{9}, {8, 7}}},
 		&refusedMsg{Version: ProtocolVersion, Reason: "uid 1001 is not allowed"},
 		&poolHandleMsg{PoolID: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{5}, MaxSize: 64 << 20},
 		&poolHandleMsg{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
@@ -42,6 +42,8 @@ func sampleMessages() []message {
 		&stateRequestMsg{ReqID: 99},
 		&stateMsg{ReqID: 99, Flags: stateMore, JSON: []byte(`{"pid":1}`)},
 		&byeMsg{},
+		&revokeMsg{Record: rec},
+		&revokedMsg{Record: rec},
 	}
 }
 
@@ -109,8 +111,9 @@ func malformedFrames() []malformedFrame {
 		{name: "push with request id", b: appendFrame(nil, &pushMsg{leaseMsg: leaseMsg{ReqID: 3, Size: 1, Length: 1}, Name: "x"}), want: "Push has request id 3"},
 		{name: "pool handle type none", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypeNone}), want: "handle type none"},
 		{name: "fd pool with fabric bytes", b: appendFrame(nil, &poolHandleMsg{HandleType: cudart.HandleTypePosixFD, Fabric: cudart.FabricHandle{1}}), want: "carries fabric bytes"},
-		{name: "welcome too many devices", b: withField(good[1], 8, []byte{17}), want: "lists 17 devices"},
-		{name: "welcome unused slot", b: withField(good[1], 12+2*16, []byte{1}), want: "unused device slot 2"},
+		{name: "welcome unknown flag", b: withField(good[1], 8, []byte{2}), want: "Welcome has unknown flags 0x2"},
+		{name: "welcome too many devices", b: withField(good[1], 12, []byte{17}), want: "lists 17 devices"},
+		{name: "welcome unused slot", b: withField(good[1], 16+2*16, []byte{1}), want: "unused device slot 2"},
 		{name: "error code zero", b: withField(good[10], 8, []byte{0}), want: "unknown code 0"},
 		{name: "error code unknown", b: withField(good[10], 8, []byte{byte(codeLimit)}), want: "unknown code"},
 		{name: "error text not utf8", b: frame(13, msgError, append(le.AppendUint32(le.AppendUint64(nil, 1), 1), 0xc3)), want: "Error text is not UTF-8"},
@@ -185,10 +188,10 @@ func TestSeedCorpusCoversEveryType(t *testing.T) {
 			seen[m.kind()] = true
 		}
 	}
-	for typ := msgHello; typ <= msgBye; typ++ {
+	for typ := msgHello; typ <= msgRevoked; typ++ {
 		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
 	}
-	assert.GreaterOrEqual(t, len(entries), int(msgBye)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
+	assert.GreaterOrEqual(t, len(entries), int(msgRevoked)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
 }
 
 var writeCorpus = flag.Bool("write-corpus", false, "rewrite testdata/fuzz/FuzzDecodeFrame from sampleMessages and malformedFrames")

@@ -230,7 +230,9 @@ func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
 		p.cacheLocked(b, s, 0)
 		p.mu.Unlock()
 		return nil
-	case b.retained.holds():
+	case b.retained != nil:
+		// Retained once: its free follows the retentions' completions, which the
+		// release stream waited for.
 		b.state = bufFreeing
 		p.mu.Unlock()
 		return p.freeRetained(b, s)

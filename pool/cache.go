@@ -288,8 +288,8 @@ func (p *Pool) trim(match func(cudart.Stream) bool, closing bool) (freed, abando
 	}
 	p.mu.Unlock()
 	for _, e := range out {
-		if p.retainedEntry(e.c) {
-			if closing {
+		if e.c.retained != nil {
+			if closing && p.retainedEntry(e.c) {
 				abandoned.buffers++
 				abandoned.bytes += e.c.reserved
 				continue
@@ -323,8 +323,9 @@ func (p *Pool) retainedEntry(c cached) bool {
 	return c.retained.holds()
 }
 
-// retireCached returns cached memory that importers retain to the driver once they
-// let go, after the point its stream had reached.
+// retireCached returns cached memory that importers retain, or retained once, to the
+// driver on the release stream (which waited for their completions) after the point
+// its stream had reached, once they let go.
 func (p *Pool) retireCached(s cudart.Stream, c cached) error {
 	after := c.ready
 	if after == 0 {

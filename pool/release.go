@@ -191,8 +191,9 @@ func (p *Pool) retainedSet(b *Buffer) *retainSet {
 }
 
 // freeRetained frees a buffer that was never leased but whose memory importers
-// retain (it came from the cache): the memory goes back to the driver after the point
-// reached on s, once they let go. On failure b is live again. Call inside the gate
+// retain or retained (it came from the cache): the memory goes back to the driver on
+// the release stream, which waited for their completions, after the point reached on
+// s, once they let go. On failure b is live again. Call inside the gate
 // with b.state bufFreeing.
 func (p *Pool) freeRetained(b *Buffer, s cudart.Stream) error {
 	ev, err := p.recordOn(s)
