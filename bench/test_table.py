@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import table  # noqa: E402 (after the path)
@@ -146,7 +146,7 @@ class Readme(unittest.TestCase):
             f.write("\n".join(raw_lines) + "\n")
         with open(readme, "w") as f:
             f.write("# x\n\n## Performance\n\nold figures\n\n## Next\n\nkept\n")
-        with redirect_stdout(io.StringIO()):
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
             rc = table.main([raw, "--readme", readme])
         with open(readme) as f:
             return rc, f.read()
