@@ -156,6 +156,11 @@ func run() int {
 		return 0
 	case "alloc":
 		fmt.Printf("# gosuite alloc round %d: %s; GOMAXPROCS=%d\n", *round, why, runtime.GOMAXPROCS(0))
+		// The device's context, before saying ready, as cref and cudacore.py make theirs.
+		if _, _, err := rt.MemGetInfo(0); err != nil {
+			fmt.Fprintln(os.Stderr, "gosuite:", err)
+			return 1
+		}
 		if *ready != "" {
 			if err := sayReady(*ready); err != nil {
 				fmt.Fprintln(os.Stderr, "gosuite:", err)
