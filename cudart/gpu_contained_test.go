@@ -71,6 +71,9 @@ func TestGPUPeerConsumerOfKilledProducer(t *testing.T) {
 				if rest, ok := strings.CutPrefix(l, "assume "); ok {
 					assert.NotContains(t, rest, "FAILED", "an assumption the export package builds on")
 				}
+				// A probe that could not set itself up, or a consumer that failed, proved nothing.
+				assert.False(t, strings.HasPrefix(l, "setup: "), "the consumer's setup failed: %s", l)
+				assert.False(t, strings.HasPrefix(l, "(test) consumer exited: "), "the consumer failed: %s", l)
 				done = done || l == "done"
 			}
 			require.True(t, done, "the consumer ended without reporting done")
@@ -325,6 +328,12 @@ func (c *f14Consumer) setup(fd int, data cudart.PtrExportData) error {
 	}
 	if c.local, err = rt.MemPoolCreate(cudart.PoolProps{Location: cudart.DeviceLocation(1)}); err != nil {
 		return err
+	}
+	// The owner-stream cases copy into the replica on a stream of device 0, which must be
+	// granted access to the replica's pool first (pool memory is reachable only from the
+	// devices its pool grants; the copy is refused with invalid argument otherwise).
+	if err = rt.MemPoolSetAccess(1, c.local, []cudart.AccessDesc{{Location: cudart.DeviceLocation(0), Flags: cudart.AccessReadWrite}}); err != nil {
+		return fmt.Errorf("grant device 0 the replica's pool: %w", err)
 	}
 	if c.s0, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
 		return err
