@@ -414,13 +414,13 @@ def other_rows(run):
 
 
 def window_rows(run):
-    head = ["column", "window", "shares", "opens >= 1 ms", "ms in them", "ring turns", "settle waits (ms)"]
+    head = ["column", "operation", "window", "shares", "opens >= 1 ms", "ms in them", "turns", "settle waits (ms)"]
     rows = []
-    settles = {(s["impl"], s["round"]): s for s in run.settles}
+    settles = {(s["impl"], s["op"], s["round"]): s for s in run.settles}
     for w in run.windows:
-        s = settles.get((w["impl"], w["round"]))
-        rows.append([w["impl"], w["round"], num(w["shares"]), "%d" % w["slow"], num(w["slow_ms"]), num(w["turns"]),
-                     "%d (%s)" % (s["waits"], num(s["ms"])) if s else "-"])
+        s = settles.get((w["impl"], w["op"], w["round"]))
+        rows.append([w["impl"], w["op"], w["round"], num(w["shares"]), "%d" % w["slow"], num(w["slow_ms"]),
+                     num(w["turns"]), "%d (%s)" % (s["waits"], num(s["ms"])) if s else "-"])
     return head, rows
 
 
@@ -428,9 +428,11 @@ def window_rows(run):
 
 FEATURE_ROWS = (
     ("cudapool", "sustained/4/recycled", "sustained shares/s, recycled 2 MiB buffers, 4 consumers (issue 11)"),
-    ("cudapool", "block/64KiB/b1", "block shares/s, 64 KiB of a 1 GiB slab, batch 1, 4 consumers (issue 11)"),
+    ("cudapool", "block/64KiB/b1", "block shares/s, 64 KiB of a 1 GiB slab, batch 1, 4 consumers each holding "
+                                   "one block (issue 11)"),
     ("cudapool", "block/64KiB/b64", "block shares/s, 64 KiB of a 1 GiB slab, batch 64, 4 consumers (issue 11)"),
-    ("cudapool", "blocklease/64KiB", "block lease latency, 64 KiB (issue 11)"),
+    ("cudapool", "blocklease/64KiB", "block lease latency (open), 64 KiB, the consumer holding one block "
+                                     "(issue 11)"),
     ("torch", "alloc/1MiB/native", "torch alloc+free 1 MiB, native caching allocator (issue 10)"),
     ("torch", "alloc/1MiB/cudaMallocAsync", "torch alloc+free 1 MiB, backend:cudaMallocAsync (issue 10)"),
     ("torch", "alloc/1MiB/cudapool", "torch alloc+free 1 MiB, cudapool as the current allocator (issue 10)"),
@@ -581,8 +583,8 @@ SECTIONS = (
      DIFFERS["legacy"] + ". " + DIFFERS["cudacore"] + ". Figures as above."),
     ("Sustained windows", window_rows,
      "One line per 300 ms window: the consumers' shares, the Opens that took 1 ms or more and their time, how "
-     "often the consumers went round their 64-buffer rings, and (C) how often an Open had to wait for this "
-     "process's earlier free of the same record, and for how long."),
+     "often the consumers went round the names they cycle through (64 buffers; the slab's blocks), and (C) how "
+     "often an Open had to wait for this process's earlier free of the same record, and for how long."),
     ("Issues 10 and 11", feature_rows, ""),
 )
 

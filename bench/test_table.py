@@ -131,7 +131,8 @@ class Sharing(unittest.TestCase):
         rows = dict((r[0], r[2]) for r in table.feature_rows(run)[1])
         self.assertEqual(rows["block shares/s, 64 KiB of a 1 GiB slab, batch 64, 4 consumers (issue 11)"],
                          "not run (feature absent)")
-        self.assertEqual(rows["block lease latency, 64 KiB (issue 11)"], "not reported")
+        self.assertEqual(rows["block lease latency (open), 64 KiB, the consumer holding one block (issue 11)"],
+                         "not reported")
 
     def test_a_validating_run_that_missed_buffers_is_a_problem(self):
         run = table.Run(["meta suite 2", "validated cudapool all 10 12"])

@@ -7,9 +7,7 @@ import "fmt"
 // when a feature lands, its operations move from here to a measurement.
 var absent = []struct{ op, missing string }{
 	{"sustained/4/recycled", "retained imports and recycled exports (issue 11) are not on main"},
-	{"block/64KiB/b1", "sub-range and batched leases (issues 10, 11) are not on main"},
-	{"block/64KiB/b64", "sub-range and batched leases (issues 10, 11) are not on main"},
-	{"blocklease/64KiB", "sub-range leases (issue 10) are not on main"},
+	{"block/64KiB/b64", "batched leases (issue 11) are not on main"},
 }
 
 // absentRows says, for each operation of absent, that it was not run.

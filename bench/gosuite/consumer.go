@@ -34,6 +34,8 @@ import (
 //	sustain NAME COUNT MS     Open and Release NAME<i%COUNT> for MS ms: "count N SLOW SLOW_MS"
 //	                          (SLOW: the Opens that took slowOpen or more, SLOW_MS their time)
 //	read NAME N               Open NAME, copy it N times into own memory: "gbs R..."
+//	hold NAME 0               Open NAME and keep it until drop: "hold"
+//	drop NAME 0               Release what hold kept: "drop"
 //	checked - 0               "checked N": how many buffers this consumer validated
 //
 // A buffer the exporter pushes is held, "pushed NAME MONOTONIC-NS" said, and
@@ -131,6 +133,7 @@ type consumerState struct {
 
 	validate bool
 	checked  atomic.Int64 // buffers validated, by the command loop and the push handler
+	held     map[string]*export.Mapping
 }
 
 // check validates m's bytes when the consumer validates: every byte must be the
@@ -195,6 +198,20 @@ func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
 		return c.cycle(ctx, name, nums[0], nums[1], f[0])
 	case f[0] == "checked":
 		return fmt.Sprintf("checked %d", c.checked.Load()), nil
+	case f[0] == "hold" && c.held[name] == nil:
+		m, err := c.open(ctx, name)
+		if err != nil {
+			return "", err
+		}
+		if c.held == nil {
+			c.held = map[string]*export.Mapping{}
+		}
+		c.held[name] = m
+		return "hold", nil
+	case f[0] == "drop" && c.held[name] != nil:
+		m := c.held[name]
+		delete(c.held, name)
+		return "drop", m.Release(ctx, c.s)
 	case f[0] == "sustain" && len(nums) == 2:
 		return c.sustain(ctx, name, nums[0], time.Duration(nums[1])*time.Millisecond)
 	case f[0] == "read" && len(nums) == 1:

@@ -59,13 +59,14 @@ type shape struct {
 	window        time.Duration
 	copies        int
 	readSize      uint64
+	slabSize      uint64 // the slab of the block rows, cut in blocks of blockSize
 }
 
 var fullShape = shape{batches: 15, importBuffers: importBuffers, samples: 200, warmup: 20, fanoutReps: 50,
-	ring: 64, rounds: 5, window: 300 * time.Millisecond, copies: 20, readSize: 1 << 30}
+	ring: 64, rounds: 5, window: 300 * time.Millisecond, copies: 20, readSize: 1 << 30, slabSize: 1 << 30}
 
 var quickShape = shape{batches: 3, importBuffers: 8, samples: 10, warmup: 2, fanoutReps: 3, ring: 4,
-	rounds: 2, window: 50 * time.Millisecond, copies: 2, readSize: 8 << 20}
+	rounds: 2, window: 50 * time.Millisecond, copies: 2, readSize: 8 << 20, slabSize: 8 << 20}
 
 // shareSize is the size of every shared buffer: cudapool rounds buffers of an
 // exportable pool to the 2 MiB granularity, and cref and cuda.core share 2 MiB too.

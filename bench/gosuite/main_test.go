@@ -65,7 +65,8 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 	want := map[string]int{"cudart import/pair": sh.batches, "cudapool export/fresh": sh.samples,
 		"cudapool open/first": sh.samples, "cudapool open/exported": sh.samples, "cudapool release": sh.samples,
 		"cudapool open+release/exported": sh.samples, "cudapool sustained/4": sh.rounds,
-		"cudapool read/same-gpu": sh.copies, "cudapool read/other-gpu": sh.copies}
+		"cudapool read/same-gpu": sh.copies, "cudapool read/other-gpu": sh.copies,
+		"cudapool block/64KiB/b1": sh.rounds, "cudapool blocklease/64KiB": sh.samples}
 	for _, n := range fanouts {
 		want[fmt.Sprintf("cudapool fanout/%d", n)] = sh.fanoutReps
 	}
@@ -94,31 +95,40 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		}
 	}
 
-	// One window line per round, whose shares make the round's rate.
-	windows := by["window"]
-	require.Len(t, windows, sh.rounds)
-	rates := raws["cudapool sustained/4"]
-	var sum, rateSum float64
-	for i, f := range windows {
+	// One window line per round of each windowed operation, whose shares make the
+	// round's rate, going round the operation's names.
+	windows := map[string][][]string{}
+	for _, f := range by["window"] {
 		require.Len(t, f, 8, "window line %q", f)
-		assert.Equal(t, strconv.Itoa(i), f[3], "window rounds in order")
-		shares, _ := strconv.ParseFloat(f[4], 64)
-		turns, _ := strconv.ParseFloat(f[7], 64)
-		assert.Positive(t, shares)
-		assert.InDelta(t, shares/float64(sh.ring), turns, 0.01, "turns are shares over the ring")
-		sum += shares
+		windows[f[2]] = append(windows[f[2]], f)
 	}
-	for _, x := range rates {
-		v, _ := strconv.ParseFloat(x, 64)
-		rateSum += v
+	require.Len(t, windows, 2)
+	shares := map[string]float64{}
+	for op, names := range map[string]int{"sustained/4": sh.ring, "block/64KiB/b1": int(sh.slabSize / blockSize)} {
+		require.Len(t, windows[op], sh.rounds, op)
+		var rateSum float64
+		for i, f := range windows[op] {
+			assert.Equal(t, strconv.Itoa(i), f[3], "%s: window rounds in order", op)
+			n, _ := strconv.ParseFloat(f[4], 64)
+			turns, _ := strconv.ParseFloat(f[7], 64)
+			assert.Positive(t, n)
+			assert.InDelta(t, n/float64(names), turns, 0.01, "%s: turns are shares over the names", op)
+			shares[op] += n
+		}
+		for _, x := range raws["cudapool "+op] {
+			v, _ := strconv.ParseFloat(x, 64)
+			rateSum += v
+		}
+		assert.InDelta(t, shares[op]/sh.window.Seconds(), rateSum, 1, "%s: the windows' shares make the rates", op)
 	}
-	assert.InDelta(t, sum/sh.window.Seconds(), rateSum, 1, "the windows' shares make the rates")
 
 	// Every buffer given to a consumer was validated, and there were as many as the
 	// shape makes plus the sustained windows' shares.
 	require.Len(t, by["validated"], 1)
 	v := by["validated"][0]
-	given := 4*(sh.warmup+sh.samples) + 2 + int(sum)
+	// open/first, open/exported, release, open+release and the block lease: warm-up and
+	// samples each; the two reads; the windows' shares; the blocks held (4 + 1).
+	given := 5*(sh.warmup+sh.samples) + 2 + int(shares["sustained/4"]+shares["block/64KiB/b1"]) + 5
 	for _, n := range fanouts {
 		given += n * (sh.warmup + sh.fanoutReps)
 	}

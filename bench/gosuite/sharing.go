@@ -81,6 +81,8 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 		r.measure("cudapool", fmt.Sprintf("fanout/%d", n), "us", func() ([]float64, error) { return pr.fanOut(consumers[:n]) })
 	}
 	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(r, consumers[:sustainConsumers]) })
+	r.measure("cudapool", "block/64KiB/b1", "shares/s", func() ([]float64, error) { return pr.blockShares(r, consumers[:sustainConsumers]) })
+	r.measure("cudapool", "blocklease/64KiB", "us", func() ([]float64, error) { return pr.blockLease(c) })
 	r.measure("cudapool", "read/same-gpu", "GB/s", func() ([]float64, error) { return pr.read(c) })
 	n, err := rt.DeviceCount()
 	if err == nil && n < 2 {
@@ -347,23 +349,32 @@ func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
 const slowOpen = time.Millisecond
 
 // sustained: the consumers open and release buffers published before, each as fast
-// as it can, for a window; a round's rate is all their shares over the window. Each
-// window also gives a line
-//
-//	window cudapool sustained/4 ROUND SHARES SLOW SLOW_MS TURNS
-//
-// SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
-// how many times the consumers went round their ring (summed): the stall pattern.
+// as it can, for a window; a round's rate is all their shares over the window.
 func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 	retire, err := pr.shared("sus", pr.sh.ring, shareSize)
 	if err != nil {
 		return nil, err
 	}
 	defer retire()
+	rates, err := pr.windows(r, "sustained/4", cs, "sus", pr.sh.ring)
+	if err != nil {
+		return nil, err
+	}
+	return rates, retire()
+}
+
+// windows has the consumers open and release name<i % count> as fast as each can, for
+// pr.sh.rounds windows, and returns each window's rate. Each window also gives a line
+//
+//	window cudapool OP ROUND SHARES SLOW SLOW_MS TURNS
+//
+// SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
+// how many times the consumers went round the count names (summed): the stall pattern.
+func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count int) ([]float64, error) {
 	var rates []float64
 	for round := range pr.sh.rounds {
 		for _, c := range cs {
-			if err := c.say(fmt.Sprintf("sustain sus %d %d", pr.sh.ring, pr.sh.window.Milliseconds())); err != nil {
+			if err := c.say(fmt.Sprintf("sustain %s %d %d", name, count, pr.sh.window.Milliseconds())); err != nil {
 				return nil, err
 			}
 		}
@@ -379,13 +390,108 @@ func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 			total += v[0]
 			slow += v[1]
 			slowMS += v[2]
-			turns += v[0] / float64(pr.sh.ring)
+			turns += v[0] / float64(count)
 		}
 		pr.given += int(total)
-		fmt.Fprintf(r.w, "window cudapool sustained/4 %d %.0f %.0f %.3f %.2f\n", round, total, slow, slowMS, turns)
+		fmt.Fprintf(r.w, "window cudapool %s %d %.0f %.0f %.3f %.2f\n", op, round, total, slow, slowMS, turns)
 		rates = append(rates, total/pr.sh.window.Seconds())
 	}
+	return rates, nil
+}
+
+// blockSize is the size of a KV block of issue 11's block rows.
+const blockSize = 64 << 10
+
+// slab publishes the blocks of one slab of pr.sh.slabSize bytes as blk<i> (block i
+// written byte(i)) and returns the block count and the function that retires them.
+func (pr *producer) slab() (int, func() error, error) {
+	bufs, err := pr.alloc(1, pr.sh.slabSize)
+	if err != nil {
+		return 0, nil, err
+	}
+	b := bufs[0]
+	n := int(pr.sh.slabSize / blockSize)
+	ctx := context.Background()
+	retire := func(published int) error {
+		for i := range published {
+			pr.ex.Unpublish(fmt.Sprint("blk", i))
+		}
+		return b.Free(pr.stream)
+	}
+	for i := range n {
+		off := uint64(i) * blockSize
+		err := pr.rt.MemsetAsync(0, b.Ptr()+cudart.DevicePtr(off), byte(i), blockSize, pr.stream)
+		if err == nil {
+			err = pr.ex.Publish(ctx, fmt.Sprint("blk", i), b, pr.stream, export.Range(off, blockSize))
+		}
+		if err != nil {
+			retire(i)
+			return 0, nil, err
+		}
+	}
+	return n, func() error { return retire(n) }, nil
+}
+
+// hold has each consumer keep blk0 open (hold) or give it back (drop): a consumer that
+// serves from a slab holds some block of it at any time, so its import of the slab
+// stays mapped while it leases and returns the others.
+func hold(cs []*consumer, verb string) error {
+	for _, c := range cs {
+		if _, err := c.ask(verb+" blk0 0", verb); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// blockShares: the consumers, each holding one block, lease and return the slab's
+// blocks one at a time as fast as they can (batch 1).
+func (pr *producer) blockShares(r *reporter, cs []*consumer) ([]float64, error) {
+	n, retire, err := pr.slab()
+	if err != nil {
+		return nil, err
+	}
+	defer retire()
+	if err := hold(cs, "hold"); err != nil {
+		return nil, err
+	}
+	pr.given += len(cs)
+	rates, err := pr.windows(r, "block/64KiB/b1", cs, "blk", n)
+	if derr := hold(cs, "drop"); err == nil {
+		err = derr
+	}
+	if err != nil {
+		return nil, err
+	}
 	return rates, retire()
+}
+
+// blockLease: one consumer, holding one block, opens (timed) and releases the slab's
+// blocks in turn: the latency of a block lease.
+func (pr *producer) blockLease(c *consumer) ([]float64, error) {
+	n, retire, err := pr.slab()
+	if err != nil {
+		return nil, err
+	}
+	defer retire()
+	cs := []*consumer{c}
+	if err := hold(cs, "hold"); err != nil {
+		return nil, err
+	}
+	pr.given++
+	total := pr.sh.warmup + pr.sh.samples
+	us, err := c.ask(fmt.Sprintf("open blk %d %d", n, total), "us")
+	if derr := hold(cs, "drop"); err == nil {
+		err = derr
+	}
+	if err == nil && len(us) != total {
+		err = fmt.Errorf("consumer timed %d opens of %d", len(us), total)
+	}
+	if err != nil {
+		return nil, err
+	}
+	pr.given += total
+	return us[pr.sh.warmup:], retire()
 }
 
 // reportValidated asks each consumer how many buffers it checked, and says whether
