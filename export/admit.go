@@ -17,7 +17,8 @@ import (
 )
 
 // serveConn admits nc and serves it, as a peer or an observer, until it closes.
-func (ex *Exporter) serveConn(nc net.Conn) {
+// detach takes a peer's goroutine out of what Close waits for.
+func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 	p, o, err := ex.admit(nc)
 	if err != nil {
 		level := slog.LevelWarn
@@ -32,6 +33,7 @@ func (ex *Exporter) serveConn(nc net.Conn) {
 		o.serve()
 		return
 	}
+	p.detach = detach
 	ex.log.Debug("export: peer admitted", "pid", p.pid(), "remote", p.remote())
 	reason, clean := p.serve()
 	if reason != nil {
@@ -50,7 +52,10 @@ func (ex *Exporter) serveConn(nc net.Conn) {
 func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	defer func() {
 		ex.mu.Lock()
-		delete(ex.greeting, nc)
+		if uid, ok := ex.greeting[nc]; ok {
+			delete(ex.greeting, nc)
+			ex.handshakes.leave(uid)
+		}
 		ex.mu.Unlock()
 	}()
 	c := newConn(nc, false)
@@ -119,11 +124,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&helloReleaseEvent != 0
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
-	id := ex.lastConnID.Add(1)
-	if id > maxConnID {
-		return refuse("the exporter has run out of connection ids; restart it")
-	}
-	p.id = id
+	p.space, p.id = ex.connIDs.next()
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -35,7 +36,17 @@ type conn struct {
 	rbuf []byte
 	// rx keeps the control buffer between reads: recv runs per frame.
 	rx unixfd.Receiver
+
+	// draining: a write failed on the exporter's side, which now only reads what the
+	// peer sent, each frame within drainWindow of the last.
+	draining atomic.Bool
 }
+
+// drainWindow bounds how long the exporter goes on reading a connection it can no
+// longer write to: frames the peer sent before it stalled (a Release, a Bye) are
+// already in the socket and arrive at once; a peer that sends nothing more is given up
+// on after this.
+const drainWindow = 250 * time.Millisecond
 
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
 	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: semaphore.NewWeighted(1)}
@@ -49,7 +60,7 @@ func (c *conn) canPassFDs() bool { return c.uc != nil }
 // send writes m as one frame, with fd attached when fd >= 0. A context that ended
 // before the write began fails it with nothing written, the stream intact. A failed or
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
-// send then closes the connection, so the peer sees it end.
+// send then ends the connection (abort), so the peer sees it end.
 func (c *conn) send(ctx context.Context, m message, fd int) error {
 	if err := c.wlock.Acquire(ctx, 1); err != nil {
 		return fmt.Errorf("export: send %s: %w", m.kind(), err) // nothing written: the stream is intact
@@ -82,13 +93,30 @@ func (c *conn) send(ctx context.Context, m message, fd int) error {
 		_, err = c.nc.Write(c.wbuf)
 	}
 	if err != nil {
-		c.nc.Close()
+		c.abort()
 		if ctx.Err() != nil {
 			err = ctx.Err()
 		}
+		err = unaddressed(err)
 		return fmt.Errorf("export: send %s: %w", m.kind(), err)
 	}
 	return nil
+}
+
+// abort ends the connection after a failed write. The importer's side, and a byte
+// stream, close it. The exporter's side on a Unix socket only stops writing (the peer
+// reads the end of the stream) and drains: a peer that stalled may have sent a Release
+// or Bye before, and throwing them away would pin its leases until its process exits.
+func (c *conn) abort() {
+	if c.acceptsFDs || c.uc == nil {
+		c.nc.Close()
+		return
+	}
+	if c.draining.Swap(true) {
+		return
+	}
+	c.uc.CloseWrite()
+	c.nc.SetReadDeadline(time.Now().Add(drainWindow))
 }
 
 // recv reads the next frame. fd is the descriptor that came with a POSIX fd
@@ -138,6 +166,9 @@ func (c *conn) recv() (m message, fd int, err error) {
 	case wantFD == 1:
 		return m, fds[0], nil
 	}
+	if c.draining.Load() {
+		c.nc.SetReadDeadline(time.Now().Add(drainWindow))
+	}
 	return m, -1, nil
 }
 
@@ -164,13 +195,25 @@ func (c *conn) readFull(b []byte, fds *[]int) (int, error) {
 		}
 		got += n
 		if err != nil && got < len(b) {
-			return got, err
+			return got, unaddressed(err)
 		}
 	}
 	return got, nil
 }
 
 func (c *conn) close() error { return c.nc.Close() }
+
+// unaddressed is err without the addresses a *net.OpError names: an exporter's socket
+// is bound under a temporary name and then linked to its path (socket.go), and the
+// kernel reports the temporary name as the peer's address, which means nothing to
+// anyone. Errors name the path where they know it.
+func unaddressed(err error) error {
+	var op *net.OpError
+	if errors.As(err, &op) && op.Err != nil {
+		return fmt.Errorf("%s: %w", op.Op, op.Err)
+	}
+	return err
+}
 
 func closeFDs(fds []int) {
 	for _, fd := range fds {

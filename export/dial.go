@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
+	"os"
 	"syscall"
 	"time"
 )
@@ -16,6 +18,10 @@ func dialSocket(ctx context.Context, path string) (net.Conn, error) {
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+			// A connect to a file that is no socket is refused too: say what is there.
+			if info, serr := os.Stat(path); serr == nil && info.Mode().Type() != fs.ModeSocket {
+				return nil, fmt.Errorf("%w: %s (mode %v) is not an exporter's socket", ErrNotSocket, path, info.Mode())
+			}
 			return nil, fmt.Errorf("%w: nothing listens at %s: %w", ErrExporterGone, path, err)
 		}
 		return nil, fmt.Errorf("export: dial %s: %w", path, err)

@@ -2,6 +2,7 @@ package export
 
 import (
 	"errors"
+	"fmt"
 )
 
 // Errors of the sharing protocol. Every error export returns that is about one of these
@@ -12,8 +13,25 @@ var (
 	ErrClosed = errors.New("export: closed")
 	// ErrExporterGone means the exporter's connection ended (the producer exited,
 	// crashed or closed): no new buffer can be opened through this Importer. Mappings
-	// already open stay readable until released (FACTS 7).
+	// on the exporter's own GPU stay readable until released (FACTS 7); mappings on
+	// another GPU do not (ErrMappingLost).
 	ErrExporterGone = errors.New("export: exporter is gone")
+	// ErrMappingLost means a Mapping on another GPU than its exporter's must not be
+	// used any more: the exporter is gone, and a read of its memory from another GPU
+	// would lose this process's CUDA context (cudart.ErrContextLost, FACTS 14). Release
+	// it; WithReplica avoids it. It wraps ErrExporterGone.
+	ErrMappingLost = fmt.Errorf("%w: this mapping lives on another GPU than its exporter's, and reading it now would lose this process's CUDA context; release it", ErrExporterGone)
+	// ErrAbandoned means Exporter.Close ended while consumers still mapped buffers: their
+	// leases were kept, not ended, and each buffer is freed once its consumer releases
+	// it or exits.
+	ErrAbandoned = errors.New("export: leases abandoned at close: each buffer is freed once its consumer releases it or exits")
+	// ErrTooManyGrants means a peer asked for more grants than the exporter allows one
+	// connection (WithMaxGrants): release some first.
+	ErrTooManyGrants = errors.New("export: too many grants held by this connection")
+	// ErrSocketPath means a socket path cannot be used: it is longer than the kernel
+	// allows a Unix socket address (108 bytes, with the socket's temporary name in the
+	// same directory).
+	ErrSocketPath = errors.New("export: socket path too long for a Unix socket (the kernel allows 108 bytes)")
 	// ErrRefused means the exporter did not admit this process; the message carries
 	// the exporter's reason.
 	ErrRefused = errors.New("export: refused by exporter")
@@ -29,7 +47,8 @@ var (
 	// ErrNameInUse means a buffer is already published under that name.
 	ErrNameInUse = errors.New("export: name already published")
 	// ErrBadName means a name is empty, too long, not UTF-8 or holds control
-	// characters.
+	// characters, bidirectional controls (which make it display as another) or line
+	// separators.
 	ErrBadName = errors.New("export: invalid name")
 	// ErrStaleLease means the lease id was issued to this connection but has ended:
 	// a second release, or a replay.

@@ -13,10 +13,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/dustin/go-humanize"
 	"golang.org/x/sync/errgroup"
@@ -28,14 +28,13 @@ type Exporter struct {
 	rt      cudart.Runtime
 	opts    listenOptions
 	log     *slog.Logger
-	ids     leaseIDs
 	started time.Time
 	devices []cudart.UUID // by ordinal
 	sock    *socketFile
 	// announced is the announcement file, "" if none.
 	announced string
 
-	lastConnID atomic.Uint32
+	connIDs *connIDs
 
 	readyMu sync.Mutex
 	ready   map[readyKey]*readyEvent
@@ -48,9 +47,11 @@ type Exporter struct {
 	peers    map[*peer]struct{}
 	// observers are the connections made for State alone.
 	observers map[*observer]struct{}
-	// greeting holds the connections still in their handshake, for Close to cut.
-	greeting  map[net.Conn]struct{}
-	listeners []net.Listener
+	// greeting holds the connections still in their handshake, for Close to cut, with
+	// the uid each counts under in handshakes.
+	greeting   map[net.Conn]uint32
+	handshakes *handshakeLimit
+	listeners  []net.Listener
 	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
 	changed chan struct{}
 	wg      sync.WaitGroup
@@ -81,19 +82,24 @@ type readyEvent struct {
 	handle cudart.IpcEventHandle
 }
 
-// Listen creates an Exporter on a new Unix socket at path (mode 0600) and starts
-// accepting connections. A stale socket file at path is replaced; a live exporter's
-// gives ErrAddressInUse and a file that is not a socket ErrNotSocket. Unless
+// Listen creates an Exporter on a new Unix socket at path (mode 0600, or as
+// SocketFollowsPolicy makes it) and starts accepting connections. A stale socket file
+// at path is replaced; a live exporter's gives ErrAddressInUse, a file that is not a
+// socket ErrNotSocket, and a path longer than a socket address holds ErrSocketPath. Unless
 // WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
 // WithAnnounce directory, created private if missing). On failure nothing is left
 // behind: no socket, no announcement.
 func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, error) {
+	if rt == nil {
+		return nil, errors.New("export: Listen needs a runtime")
+	}
 	o := newListenOptions(opts)
 	ex := &Exporter{
-		rt: rt, opts: o, log: o.log, ids: newLeaseIDs(), started: time.Now(),
+		rt: rt, opts: o, log: o.log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
-		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]struct{}{},
-		changed: make(chan struct{}, 1),
+		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]uint32{},
+		handshakes: newHandshakeLimit(o.handshakesTotal, o.handshakesPerUID),
+		changed:    make(chan struct{}, 1),
 	}
 	var err error
 	if ex.devices, err = deviceUUIDs(rt); err != nil {
@@ -107,7 +113,11 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 			return nil, err
 		}
 	}
-	if ex.sock, err = listenSocket(path); err != nil {
+	access := privateSocket
+	if o.socketFollowsPolicy {
+		access = accessFor(o.policy)
+	}
+	if ex.sock, err = listenSocket(path, access); err != nil {
 		return nil, err
 	}
 	if o.announce {
@@ -143,33 +153,51 @@ func (ex *Exporter) Serve(l net.Listener) error {
 // Addr is the path of the exporter's socket.
 func (ex *Exporter) Addr() string { return ex.sock.path }
 
+// accept serves l's connections until l is closed (acceptLoop keeps it going through
+// a shortage of descriptors).
 func (ex *Exporter) accept(l net.Listener) {
 	defer ex.wg.Done()
-	for {
-		nc, err := l.Accept()
-		if err != nil {
-			ex.mu.Lock()
-			closed := ex.closed
-			ex.mu.Unlock()
-			if !closed {
-				ex.log.Error("export: accept failed; no more connections on this listener", "addr", l.Addr(), "err", err)
-			}
-			return
+	acceptLoop(l, ex.log, ex.isClosed, ex.greet)
+}
+
+func (ex *Exporter) isClosed() bool {
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	return ex.closed
+}
+
+// greet starts the handshake of a new connection on a goroutine of its own, unless the
+// handshakes in progress of its user, or of all, are at their cap.
+func (ex *Exporter) greet(nc net.Conn) {
+	uid := remoteUID
+	if uc, ok := nc.(*net.UnixConn); ok {
+		if cred, err := peercred.Get(uc); err == nil {
+			uid = cred.UID
 		}
-		ex.mu.Lock()
-		if ex.closed {
-			ex.mu.Unlock()
-			nc.Close()
-			return
-		}
-		ex.wg.Add(1)
-		ex.greeting[nc] = struct{}{}
-		ex.mu.Unlock()
-		go func() {
-			defer ex.wg.Done()
-			ex.serveConn(nc)
-		}()
 	}
+	if ok, full := ex.handshakes.enter(uid); !ok {
+		ex.log.Warn("export: too many handshakes in progress; connection closed", "uid", uid, "cap", full,
+			"total", ex.opts.handshakesTotal, "per_uid", ex.opts.handshakesPerUID)
+		nc.Close()
+		return
+	}
+	ex.mu.Lock()
+	if ex.closed {
+		ex.mu.Unlock()
+		ex.handshakes.leave(uid)
+		nc.Close()
+		return
+	}
+	ex.wg.Add(1)
+	ex.greeting[nc] = uid
+	ex.mu.Unlock()
+	go func() {
+		// Close waits for every connection, except a peer it abandons, which detaches
+		// itself and is served on until it has released all or exited.
+		detach := sync.OnceFunc(ex.wg.Done)
+		defer detach()
+		ex.serveConn(nc, detach)
+	}()
 }
 
 // Publish makes b available under name, ready once the work queued on stream ready
@@ -178,8 +206,8 @@ func (ex *Exporter) accept(l net.Listener) {
 // failure shows here: a FABRIC pool on a host without IMEX fails with ErrIMEXRequired.
 // A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
 // published under several names. To retire a published buffer, Free it: later Opens
-// fail with ErrBufferGone, and its memory returns to the pool once the consumers that
-// hold it released it. Range publishes part of b, WithMeta sends metadata with it;
+// fail with ErrBufferGone, its memory returns to the pool once the consumers that
+// hold it released it, and its names are free for Publish at once. Range publishes part of b, WithMeta sends metadata with it;
 // an empty range or one past b's end fails with ErrBadRange, metadata longer than
 // MaxMetaLen with ErrMetaTooLong.
 func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream, opts ...PublishOption) error {
@@ -223,7 +251,7 @@ func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, re
 	if ex.closed {
 		return ErrClosed
 	}
-	if _, ok := ex.pubs[name]; ok {
+	if old, ok := ex.pubs[name]; ok && !freed(old.buf) {
 		return fmt.Errorf("%w: %q", ErrNameInUse, name)
 	}
 	// Recorded under mu so that no Open can see the publication before its writes are
@@ -392,6 +420,12 @@ func (ex *Exporter) unknownName(name string) error {
 	return fmt.Errorf("%w: %q (published: %s%s)", ErrUnknownName, name, strings.Join(list, ", "), more)
 }
 
+// freed reports whether b was freed: its record may not be handed out any more.
+func freed(b *pool.Buffer) bool {
+	_, err := b.ExportRecord()
+	return errors.Is(err, pool.ErrFreed)
+}
+
 // retire drops pub if it is still published: its buffer was freed.
 func (ex *Exporter) retire(pub *publication) {
 	ex.mu.Lock()
@@ -430,10 +464,15 @@ func (ex *Exporter) Peers() []PeerState {
 // Close stops accepting connections, removes the socket and the announcement, and
 // tells every peer that no more buffers can be opened. It then waits, until ctx ends,
 // for the peers to release what they hold (and for the processes of peers lost without
-// Bye to exit), closes every connection and destroys the events it made. Leases still
-// held when ctx ends are ended as of the peers' last release and reported in the
-// error: a peer that still reads such a buffer may see it reused. Close leaves the
-// pools alone: they are the caller's. A second Close returns ErrClosed.
+// Bye to exit), closes every connection and destroys the events it made.
+//
+// Close never frees memory a living process maps. Leases still held when ctx ends are
+// abandoned, as pool.Close(Force) abandons buffers: the error wraps ErrAbandoned and
+// ctx's error and names each peer and what it holds; those peers are served on in the
+// background (they can Release and say Bye, nothing else) and each buffer goes back to
+// its pool once its consumer released it or its process exited. Close leaves the
+// pools alone: they are the caller's (closing one with Force abandons what is still
+// leased). A second Close returns ErrClosed.
 func (ex *Exporter) Close(ctx context.Context) error {
 	ex.mu.Lock()
 	if ex.closed {
@@ -477,6 +516,11 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
+		if ctx.Err() != nil && p.holdsLeases() {
+			ex.log.Warn("export: close: leases abandoned; the peer is served until it releases them or its process exits", "pid", p.pid())
+			p.detach()
+			continue
+		}
 		p.shut()
 	}
 	byes.Wait()
@@ -525,7 +569,7 @@ func (ex *Exporter) waitReleased(ctx context.Context) error {
 		select {
 		case <-ex.changed:
 		case <-ctx.Done():
-			return fmt.Errorf("export: close: %w while peers still held leases, which were ended: %v", ctx.Err(), held)
+			return fmt.Errorf("export: close: %w while peers still held leases: %w: %s", ctx.Err(), ErrAbandoned, strings.Join(held, "; "))
 		}
 	}
 }

@@ -54,15 +54,21 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (lease
 		pl.End(0) // the Lease message was not sent, so nothing was imported
 		return leaseMsg{}, nil, p.goneErr()
 	}
+	if p.grants >= p.ex.opts.maxGrants {
+		pl.End(0) // the Lease message was not sent, so nothing was imported
+		return leaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", ErrTooManyGrants, p.pid(), p.grants)
+	}
 	entry := p.byBuffer[b]
 	if entry == nil {
 		p.issued++
-		entry = &lease{id: p.ex.ids.seal(p.id, p.issued), buf: b}
+		p.space.noteIssued(p.issued)
+		entry = &lease{id: p.space.keys.seal(p.id, p.issued), buf: b}
 		p.leases[entry.id] = entry
 		p.byBuffer[b] = entry
 	}
 	entry.grants = append(entry.grants, pl)
 	entry.bytes, entry.record = b.Size(), msg.Record
+	p.grants++
 	msg.LeaseID = entry.id
 	return msg, pl, nil
 }

@@ -56,6 +56,10 @@ type Importer struct {
 	freed    map[cudart.PtrExportData]struct{} // freed since relEvent last completed
 
 	pushDone chan struct{}
+	// life ends when Close gives up on the exporter: sends that are the Importer's own
+	// business (give-backs), not a caller's, are bounded by it.
+	life    context.Context
+	endLife context.CancelFunc
 }
 
 type importedPool struct {
@@ -113,6 +117,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 		mappings: map[rangeKey]*Mapping{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
 		pushDone: make(chan struct{}),
 	}
+	imp.life, imp.endLife = context.WithCancel(context.Background())
 	_, isUnix := nc.(*net.UnixConn)
 	imp.remote = !isUnix
 	defer func() {
@@ -302,7 +307,7 @@ func cue(ch chan struct{}) {
 
 // giveBack returns a lease this process will not use, without waiting for the answer.
 func (imp *Importer) giveBack(l *leaseMsg) {
-	err := imp.cl.c.send(context.Background(), &releaseMsg{LeaseID: l.LeaseID, Count: 1, Flags: releaseNothingImported}, -1)
+	err := imp.cl.c.send(imp.life, &releaseMsg{LeaseID: l.LeaseID, Count: 1, Flags: releaseNothingImported}, -1)
 	if err != nil {
 		imp.log.Debug("export: could not give a lease back; the exporter ends it when the connection closes", "err", err)
 	}
@@ -480,10 +485,19 @@ func (imp *Importer) Close(ctx context.Context) error {
 	if !imp.cl.close() {
 		return ErrClosed
 	}
-	cue(imp.pushCue)
-	<-imp.pushDone
-
+	defer imp.endLife()
 	var errs []error
+	cue(imp.pushCue)
+	select {
+	case <-imp.pushDone:
+	case <-ctx.Done():
+		// Give-backs stuck on an exporter that stopped reading: the exporter ends
+		// those leases when the connection closes (nothing was imported under them).
+		imp.endLife()
+		<-imp.pushDone
+		errs = append(errs, fmt.Errorf("export: close: pushed leases not given back (the exporter ends them with the connection): %w", ctx.Err()))
+	}
+
 	imp.mapMu.Lock()
 	kept := map[*imported]bool{} // imports whose free failed: their leases stay held
 	for _, buf := range slices.Collect(maps.Values(imp.imports)) {

@@ -42,6 +42,7 @@ func (p *peer) withdraw(id uint64, pl *pool.Lease) {
 	}
 	if i >= 0 {
 		entry.grants = slices.Delete(entry.grants, i, i+1)
+		p.grants--
 		if len(entry.grants) == 0 {
 			delete(p.leases, entry.id)
 			delete(p.byBuffer, entry.buf)
@@ -63,11 +64,10 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 	if entry := p.leases[id]; entry != nil {
 		return entry, nil
 	}
-	conn, ctr := p.ex.ids.unseal(id)
-	switch {
-	case conn == p.id && ctr >= 1 && ctr <= p.issued:
+	if conn, ctr := p.space.keys.unseal(id); conn == p.id && ctr >= 1 && ctr <= p.issued {
 		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
-	case conn != p.id && conn >= 1 && conn <= p.ex.lastConnID.Load() && ctr >= 1:
+	}
+	if s, conn, _, ok := p.ex.connIDs.owner(id); ok && (s != p.space || conn != p.id) {
 		return nil, fmt.Errorf("%w: lease %#x", ErrForeignLease, id)
 	}
 	return nil, fmt.Errorf("%w: lease %#x", ErrForgedLease, id)
@@ -89,6 +89,7 @@ func (p *peer) releaseLease(m *releaseMsg) error {
 	n := len(entry.grants) - int(m.Count)
 	ending := entry.grants[n:]
 	entry.grants = entry.grants[:n:n]
+	p.grants -= len(ending)
 	if n == 0 {
 		delete(p.leases, entry.id)
 		delete(p.byBuffer, entry.buf)
@@ -123,6 +124,7 @@ func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion cudart.Event
 		if !errors.Is(err, pool.ErrFreeFailed) && !errors.Is(err, pool.ErrLeaseEnded) {
 			p.mu.Lock()
 			entry.grants = append(entry.grants, l)
+			p.grants++
 			p.leases[entry.id], p.byBuffer[entry.buf] = entry, entry
 			p.mu.Unlock()
 		}
@@ -146,6 +148,7 @@ func (p *peer) cleanup(clean bool) {
 		held = append(held, entry)
 	}
 	p.leases, p.byBuffer = map[uint64]*lease{}, map[*pool.Buffer]*lease{}
+	p.grants = 0
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}

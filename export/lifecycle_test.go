@@ -246,7 +246,7 @@ func TestProbeIsNotAWarning(t *testing.T) {
 // A consumer that closes its connection without Bye but lives on (here, the test's own
 // process) may still map what it holds: its lease, and the free waiting on it, stay
 // until its process exits, and no new lease reaches it. Close, whose ctx ends first,
-// reports the lease and ends it.
+// reports the lease and abandons it: the exporter cannot know the consumer released.
 func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	before, _ := pr.pool.Stats()
@@ -275,17 +275,17 @@ func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 
 	// The consumer releases, but cannot tell the exporter any more; the exporter sees
 	// nothing either, as the process lives on. Close, with its ctx ended, names the
-	// lease and ends it as of the consumer's last release, which covers this one.
+	// lease and abandons it: it ends when the process exits, never before.
 	require.NoError(t, m.Release(ctx, c.stream), "Release after hanging up, want nil: there is no one to tell")
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
 	err = pr.ex.Close(ended)
 	require.ErrorIs(t, err, context.Canceled, "Close = %v, want the lost consumer's lease reported", err)
+	require.ErrorIs(t, err, ErrAbandoned)
 	require.ErrorContains(t, err, fmt.Sprintf("pid %d, its connection lost but its process alive, holds 1 leases", os.Getpid()), "Close = %v, want the lost consumer's lease reported", err)
 	after, _ := pr.pool.Stats()
-	require.EqualValues(t, 0, after.ActiveLeases, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
-	require.EqualValues(t, 0, after.DeferredFrees, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
-	require.EqualValues(t, before.LiveBuffers+1, after.LiveBuffers, "pool after Close %+v, before the buffers %+v: want the lease ended and the free done", after, before)
+	require.EqualValues(t, 1, after.ActiveLeases, "pool after Close %+v, before the buffers %+v: want the lease kept and the free waiting", after, before)
+	require.EqualValues(t, 1, after.DeferredFrees, "pool after Close %+v, before the buffers %+v: want the lease kept and the free waiting", after, before)
 	pr.checkClean(t)
 }
 
@@ -343,19 +343,23 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 	c.checkClean(t)
 }
 
+// Close returns when its context ends, and abandons the leases still held: they are
+// kept (the consumer still maps the buffer) and end when the consumer releases.
 func TestExporterCloseGivesUpWhenContextEnds(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 1)
 	c := newConsumer(t, pr.path, 0)
-	_, err := c.imp.Open(testCtx(t), "a", c.stream)
+	m, err := c.imp.Open(testCtx(t), "a", c.stream)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	err = pr.ex.Close(ctx)
 	require.ErrorIs(t, err, context.Canceled, "Close with a held lease and an ended ctx = %v", err)
+	require.ErrorIs(t, err, ErrAbandoned)
 	require.ErrorContains(t, err, "holds 1 leases", "Close with a held lease and an ended ctx = %v", err)
-	n := pr.activeLeases(t)
-	require.EqualValues(t, 0, n, "%d leases left after Close ended them", n)
+	require.EqualValues(t, 1, pr.activeLeases(t), "the abandoned lease is kept")
+	require.NoError(t, m.Release(testCtx(t), c.stream))
+	waitFor(t, "the abandoned lease to end at its release", func() bool { return pr.activeLeases(t) == 0 })
 }
 
 // Many consumers come and go, some releasing and some not; afterwards no descriptor,

@@ -108,7 +108,7 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	// And the importer's side: an exporter that speaks version 9.
 	fake := fakeExporter(t, func(c *conn) {
 		c.recv()
-		c.send(context.Background(), &refusedMsg{Version: 9, Reason: "peer speaks protocol version 1, this side speaks 9"}, -1)
+		c.send(context.Background(), &refusedMsg{Version: 9, Reason: fmt.Sprintf("peer speaks protocol version %d, this side speaks 9", ProtocolVersion)}, -1)
 	})
 	s := newSide(t, 0)
 	_, err := Dial(testCtx(t), fake, s.dev, 0)

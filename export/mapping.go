@@ -96,6 +96,9 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	buf := m.buf
 	if imp.retain && buf.views == 1 && !buf.revoked {
 		grants, err := imp.keep(m, s)
+		if err != nil {
+			m.refs++ // nothing changed: Release can be tried again
+		}
 		imp.mapMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("export: release %q: %w", m.name, err)
@@ -104,6 +107,10 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	}
 	revoked := buf.revoked && buf.views == 1
 	grants, err := imp.unview(m, s)
+	if err != nil && imp.mappings[m.key] == m {
+		// Still mapped, its lease held: Release can be tried again.
+		m.refs++
+	}
 	imp.mapMu.Unlock()
 	if err != nil {
 		return fmt.Errorf("export: release %q: %w", m.name, err)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/pool"
 )
 
 // Each side takes options of its own type, as gRPC's ServerOption and DialOption: an
@@ -43,6 +44,13 @@ type listenOptions struct {
 	announce    bool
 	name        string
 	retain      bool
+	// socketFollowsPolicy: the socket's mode and group open it to whom the policy
+	// admits; otherwise it is 0600.
+	socketFollowsPolicy bool
+	// handshakesTotal and handshakesPerUID cap the connections in their handshake.
+	handshakesTotal, handshakesPerUID int
+	// maxGrants caps the grants one connection holds.
+	maxGrants int
 }
 
 type dialOptions struct {
@@ -61,6 +69,10 @@ type OpenOption interface{ applyOpen(*openOptions) }
 
 type openOptions struct {
 	waitForName bool
+	// replica: copy the buffer into memory of the Importer's device, from replicaAlloc
+	// (nil: the device's default pool), and give the lease back at once.
+	replica      bool
+	replicaAlloc pool.Allocator
 }
 
 type openOption func(*openOptions)
@@ -115,7 +127,8 @@ func defaultShared() sharedOptions {
 }
 
 func newListenOptions(opts []ListenOption) listenOptions {
-	o := listenOptions{sharedOptions: defaultShared(), announce: true, name: filepath.Base(os.Args[0])}
+	o := listenOptions{sharedOptions: defaultShared(), announce: true, name: filepath.Base(os.Args[0]),
+		handshakesTotal: defaultHandshakesTotal, handshakesPerUID: defaultHandshakesPerUID, maxGrants: defaultMaxGrants}
 	for _, opt := range opts {
 		opt.applyListen(&o)
 	}
@@ -220,4 +233,61 @@ func WaitForExporter() DialOption {
 // handed back at once.
 func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOption {
 	return dialOption(func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler })
+}
+
+// WithReplica makes Open copy the buffer into memory of the Importer's own device,
+// taken from a (nil: the device's default pool, cudaMallocAsync's), and give the lease
+// back as soon as the copy is queued: the Mapping then holds no lease and its memory
+// is this process's own, so it outlives its producer on any GPU. Use it for consumers
+// on another GPU than the producer's that read the buffer more than once: a local read
+// is about 5x faster than one over NVLink (FACTS), and such a consumer's mapping would
+// otherwise be lost with its producer (ErrMappingLost, FACTS 14). The copy is ordered
+// after the producer's writes; work queued on s after Open is ordered after the copy.
+// A replica is not shared: each Open with WithReplica makes its own, and its Release
+// frees it after the work queued on s.
+func WithReplica(a pool.Allocator) OpenOption {
+	return openOption(func(o *openOptions) { o.replica, o.replicaAlloc = true, a })
+}
+
+// SocketFollowsPolicy opens the socket to whom the Policy admits, instead of this user
+// alone (mode 0600): to one group, mode 0660 and that group (the exporter's process
+// must belong to it); to other users or several groups, mode 0666. The kernel's
+// credentials and the Policy still decide who is admitted: the mode only lets the
+// others connect to be asked. Without it, a Policy that admits others admits nobody
+// new, as they cannot open the socket.
+func SocketFollowsPolicy() ListenOption {
+	return listenOption(func(o *listenOptions) { o.socketFollowsPolicy = true })
+}
+
+// WithHandshakeLimit caps the connections still in their handshake (connected, not yet
+// admitted): total in all, perUID from any one user (peers on a byte stream count as
+// one user). A connection past a cap is closed at once, and the log says so, so that
+// no local user can hold all the handshakes. The defaults are 1024 and 128; a value
+// below 1 keeps the default.
+func WithHandshakeLimit(total, perUID int) ListenOption {
+	return listenOption(func(o *listenOptions) {
+		if total > 0 {
+			o.handshakesTotal = total
+		}
+		if perUID > 0 {
+			o.handshakesPerUID = perUID
+		}
+	})
+}
+
+// defaultMaxGrants is WithMaxGrants's default: far more than a consumer needs (one per
+// Open it has not released), few enough that one connection's bookkeeping stays a few
+// megabytes.
+const defaultMaxGrants = 1 << 16
+
+// WithMaxGrants caps the grants one connection may hold at once (each Open or Push of a
+// buffer is one, until released). An Open past it fails with ErrTooManyGrants and
+// holds nothing more; a Push past it fails the same way. The default is 65536; a value
+// below 1 keeps it.
+func WithMaxGrants(n int) ListenOption {
+	return listenOption(func(o *listenOptions) {
+		if n > 0 {
+			o.maxGrants = n
+		}
+	})
 }

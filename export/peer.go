@@ -17,8 +17,10 @@ import (
 // peer is the exporter's side of an admitted connection that takes leases: an
 // importer. Its lease ledger is in ledger.go, its granting in grant.go.
 type peer struct {
-	ex    *Exporter
-	c     *conn
+	ex *Exporter
+	c  *conn
+	// space and id name the connection in lease ids (connid.go).
+	space *idSpace
 	id    uint32
 	cred  *peercred.Cred // nil for a peer on a byte stream
 	hello helloMsg
@@ -40,6 +42,7 @@ type peer struct {
 
 	mu       sync.Mutex
 	issued   uint64 // lease counter: ids 1..issued were given out
+	grants   int    // grants held, over all leases (WithMaxGrants caps it)
 	leases   map[uint64]*lease
 	byBuffer map[*pool.Buffer]*lease
 	// releaseEvents holds the peer's release event opened on each device it leased from.
@@ -58,6 +61,10 @@ type peer struct {
 	// retained holds them by record.
 	retains  bool
 	retained map[cudart.PtrExportData]*retention
+
+	// detach takes this peer out of what Exporter.Close waits for: Close abandoned
+	// it, and it is served on, until it has released all or its process exited.
+	detach func()
 }
 
 // remote reports whether the peer is on a byte stream: no descriptors, no IPC events.
@@ -153,6 +160,13 @@ func (p *peer) serve() (reason error, clean bool) {
 			return protocolErr("unexpected %s from an importer", m.kind()), true
 		}
 	}
+}
+
+// holdsLeases reports whether the peer holds any lease.
+func (p *peer) holdsLeases() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.leases) > 0
 }
 
 // shut closes the connection from the exporter's side; serve then returns, and so does

@@ -124,6 +124,11 @@ func roleProducer(args []string) int {
 		}
 		bufs[name] = b
 	}
+	// Written before "ready": a test that kills the producer then kills it after its
+	// writes, not (on a deferred software device) before they ran.
+	if err := rt.StreamSynchronize(0, stream); err != nil {
+		return fail(err)
+	}
 	fmt.Println("ready")
 	for line := range proctest.Commands() {
 		f := strings.Fields(line)
@@ -458,7 +463,7 @@ func TestProcessProducerKilled(t *testing.T) {
 	killedBySIGKILL(t, k)
 	testwait.Recv(t, c.imp.cl.readerDone, "the importer to see its connection end")
 	b := c.read(t, m)
-	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed")
+	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed: %v ... %v", b[:8], b[len(b)-8:])
 	_, err = c.imp.Open(ctx, "a", c.stream)
 	require.ErrorIs(t, err, ErrExporterGone, "Open after the producer was killed = %v, want ErrExporterGone", err)
 	require.ErrorContains(t, err, "exporter is gone", "Open after the producer was killed = %v, want ErrExporterGone", err)

@@ -97,7 +97,7 @@ var protocolErrors = map[string]error{
 	"ErrExporter": ErrExporter, "ErrUnknownName": ErrUnknownName, "ErrStaleLease": ErrStaleLease,
 	"ErrForeignLease": ErrForeignLease, "ErrForgedLease": ErrForgedLease, "ErrBufferGone": ErrBufferGone,
 	"ErrExporterGone": ErrExporterGone, "ErrHandleType": ErrHandleType, "ErrIMEXRequired": ErrIMEXRequired,
-	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": ErrNoLeases,
+	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": ErrNoLeases, "ErrTooManyGrants": ErrTooManyGrants,
 }
 
 // derivedFields are spec fields with no Go field of their own: what they hold, from the

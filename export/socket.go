@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 )
@@ -26,23 +27,59 @@ type socketFile struct {
 	info os.FileInfo
 }
 
-// listenSocket creates a listening Unix socket at path with mode 0600 whatever the
-// umask. An existing socket file that refuses connections (its exporter died) is
-// removed; one that a live exporter answers gives ErrAddressInUse; a path that is not
-// a socket gives ErrNotSocket and is left alone. On failure nothing is left behind.
-func listenSocket(path string) (*socketFile, error) {
-	if err := clearStaleSocket(path); err != nil {
-		return nil, err
+// maxSocketPath is the longest path a Unix socket address holds: sun_path is 108
+// bytes, the last one the terminating NUL.
+const maxSocketPath = 107
+
+// socketAccess is who may open the socket file: its mode, and its group (-1: left as
+// created).
+type socketAccess struct {
+	mode fs.FileMode
+	gid  int
+}
+
+// privateSocket is this user's alone.
+var privateSocket = socketAccess{mode: 0o600, gid: -1}
+
+// accessFor opens the socket to whom p admits: one group alone gets the group and
+// 0660; any other uid or several groups, 0666 (the policy still decides).
+func accessFor(p Policy) socketAccess {
+	own := uint32(os.Getuid())
+	othersUIDs := slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
+	switch {
+	case !othersUIDs && len(p.AllowGIDs) == 0:
+		return privateSocket
+	case !othersUIDs && len(p.AllowGIDs) == 1:
+		return socketAccess{mode: 0o660, gid: int(p.AllowGIDs[0])}
 	}
+	return socketAccess{mode: 0o666, gid: -1}
+}
+
+// listenSocket creates a listening Unix socket at path with access's mode and group,
+// whatever the umask. An existing socket file that refuses connections (its exporter
+// died) is removed; one that a live exporter answers gives ErrAddressInUse; a path that
+// is not a socket gives ErrNotSocket and is left alone; a path too long for a socket
+// address gives ErrSocketPath. Errors name path, never the temporary name. On failure
+// nothing is left behind.
+func listenSocket(path string, access socketAccess) (*socketFile, error) {
 	// Bind under a random name in the same directory, restrict it, then link it to
 	// path: the socket is never reachable under path with the umask's mode, and the
 	// link fails rather than replace a socket that appeared since the check.
-	var r [8]byte
+	var r [6]byte
 	rand.Read(r[:])
-	tmp := filepath.Join(filepath.Dir(path), ".cudapool-"+hex.EncodeToString(r[:])+".sock")
+	tmp := filepath.Join(filepath.Dir(path), ".cudapool-"+hex.EncodeToString(r[:]))
+	switch {
+	case len(path) > maxSocketPath:
+		return nil, fmt.Errorf("%w: %s is %d bytes", ErrSocketPath, path, len(path))
+	case len(tmp) > maxSocketPath:
+		return nil, fmt.Errorf("%w: %s leaves no room for the socket's temporary name in its directory (%d bytes with it); use a shorter directory", ErrSocketPath, path, len(tmp))
+	}
+	if err := clearStaleSocket(path); err != nil {
+		return nil, err
+	}
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
 	if err != nil {
-		return nil, fmt.Errorf("export: listen on %s: %w", path, err)
+		return nil, fmt.Errorf("export: listen on %s: %w", path, syscallErr(err))
 	}
 	l.SetUnlinkOnClose(false)
 	defer os.Remove(tmp)
@@ -50,20 +87,35 @@ func listenSocket(path string) (*socketFile, error) {
 		l.Close()
 		return nil, err
 	}
-	if err := os.Chmod(tmp, 0o600); err != nil {
-		return fail(fmt.Errorf("export: restrict socket: %w", err))
+	if access.gid >= 0 {
+		if err := os.Chown(tmp, -1, access.gid); err != nil {
+			return fail(fmt.Errorf("export: give socket %s to group %d: %w", path, access.gid, syscallErr(err)))
+		}
+	}
+	if err := os.Chmod(tmp, access.mode); err != nil {
+		return fail(fmt.Errorf("export: set socket %s to mode %v: %w", path, access.mode, syscallErr(err)))
 	}
 	if err := os.Link(tmp, path); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fail(fmt.Errorf("%w: %s appeared while this exporter started", ErrAddressInUse, path))
 		}
-		return fail(fmt.Errorf("export: name socket %s: %w", path, err))
+		return fail(fmt.Errorf("export: name socket %s: %w", path, syscallErr(err)))
 	}
 	info, err := os.Lstat(path)
 	if err != nil {
 		return fail(fmt.Errorf("export: socket %s: %w", path, err))
 	}
 	return &socketFile{UnixListener: l, path: path, info: info}, nil
+}
+
+// syscallErr is the system's error inside err, without the path or address it names:
+// the temporary name means nothing to the caller, who is told the real path instead.
+func syscallErr(err error) error {
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		return errno
+	}
+	return err
 }
 
 // clearStaleSocket leaves path free for a new socket, or says why it cannot.

@@ -211,6 +211,7 @@ const (
 	codeIMEXRequired
 	codeBadRequest
 	codeNoLeases
+	codeTooManyGrants
 	codeLimit // one past the last code
 )
 
@@ -218,7 +219,7 @@ var codeErrs = [codeLimit]error{
 	codeExporter: ErrExporter, codeUnknownName: ErrUnknownName, codeStaleLease: ErrStaleLease,
 	codeForeignLease: ErrForeignLease, codeForgedLease: ErrForgedLease, codeBufferGone: ErrBufferGone,
 	codeClosed: ErrExporterGone, codeHandleType: ErrHandleType, codeIMEXRequired: ErrIMEXRequired,
-	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases,
+	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases, codeTooManyGrants: ErrTooManyGrants,
 }
 
 // codeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
@@ -619,8 +620,15 @@ func checkName(name string) error {
 		return fmt.Errorf("%w %q: not UTF-8", ErrBadName, name)
 	}
 	for _, c := range name {
-		if unicode.IsControl(c) {
+		switch {
+		case unicode.IsControl(c):
 			return fmt.Errorf("%w %q: control character %U", ErrBadName, name, c)
+		case unicode.Is(unicode.Bidi_Control, c):
+			// An override or isolate makes a name display as another (a log line, a
+			// poolstat table): "kv\u202egnp.exe" shows as "kvexe.png".
+			return fmt.Errorf("%w %q: bidirectional control character %U", ErrBadName, name, c)
+		case unicode.In(c, unicode.Zl, unicode.Zp):
+			return fmt.Errorf("%w %q: line or paragraph separator %U", ErrBadName, name, c)
 		}
 	}
 	return nil
