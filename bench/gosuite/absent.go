@@ -6,7 +6,6 @@ import "fmt"
 // 11), with what is missing. The table shows each as "not run (feature absent)";
 // when a feature lands, its operations move from here to a measurement.
 var absent = []struct{ op, missing string }{
-	{"sustained/4/recycled", "retained imports and recycled exports (issue 11) are not on main"},
 	{"block/64KiB/b64", "batched leases (issue 11) are not on main"},
 }
 

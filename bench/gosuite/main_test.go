@@ -66,7 +66,8 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		"cudapool open/first": sh.samples, "cudapool open/exported": sh.samples, "cudapool release": sh.samples,
 		"cudapool open+release/exported": sh.samples, "cudapool sustained/4": sh.rounds,
 		"cudapool read/same-gpu": sh.copies, "cudapool read/other-gpu": sh.copies,
-		"cudapool block/64KiB/b1": sh.rounds, "cudapool blocklease/64KiB": sh.samples}
+		"cudapool block/64KiB/b1": sh.rounds, "cudapool blocklease/64KiB": sh.samples,
+		"cudapool sustained/4/recycled": sh.rounds}
 	for _, n := range fanouts {
 		want[fmt.Sprintf("cudapool fanout/%d", n)] = sh.fanoutReps
 	}
@@ -102,9 +103,10 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		require.Len(t, f, 8, "window line %q", f)
 		windows[f[2]] = append(windows[f[2]], f)
 	}
-	require.Len(t, windows, 2)
+	require.Len(t, windows, 3)
 	shares := map[string]float64{}
-	for op, names := range map[string]int{"sustained/4": sh.ring, "block/64KiB/b1": int(sh.slabSize / blockSize)} {
+	for op, names := range map[string]int{"sustained/4": sh.ring, "sustained/4/recycled": sh.ring,
+		"block/64KiB/b1": int(sh.slabSize / blockSize)} {
 		require.Len(t, windows[op], sh.rounds, op)
 		var rateSum float64
 		for i, f := range windows[op] {
@@ -123,16 +125,17 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 	}
 
 	// Every buffer given to a consumer was validated, and there were as many as the
-	// shape makes plus the sustained windows' shares.
-	require.Len(t, by["validated"], 1)
-	v := by["validated"][0]
+	// shape makes plus the windows' shares, for each producer.
+	require.Len(t, by["validated"], 2, "the main producer's consumers and the recycled row's")
 	// open/first, open/exported, release, open+release and the block lease: warm-up and
 	// samples each; the two reads; the windows' shares; the blocks held (4 + 1).
 	given := 5*(sh.warmup+sh.samples) + 2 + int(shares["sustained/4"]+shares["block/64KiB/b1"]) + 5
 	for _, n := range fanouts {
 		given += n * (sh.warmup + sh.fanoutReps)
 	}
-	assert.Equal(t, []string{"validated", "cudapool", "all", strconv.Itoa(given), strconv.Itoa(given)}, v)
+	recycled := strconv.Itoa(int(shares["sustained/4/recycled"]))
+	assert.Equal(t, []string{"validated", "cudapool", "all", recycled, recycled}, by["validated"][0])
+	assert.Equal(t, []string{"validated", "cudapool", "all", strconv.Itoa(given), strconv.Itoa(given)}, by["validated"][1])
 
 	absentOps := map[string]bool{}
 	for _, f := range by["absent"] {

@@ -81,6 +81,7 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 		r.measure("cudapool", fmt.Sprintf("fanout/%d", n), "us", func() ([]float64, error) { return pr.fanOut(consumers[:n]) })
 	}
 	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(r, consumers[:sustainConsumers]) })
+	r.measure("cudapool", "sustained/4/recycled", "shares/s", func() ([]float64, error) { return pr.recycled(r) })
 	r.measure("cudapool", "block/64KiB/b1", "shares/s", func() ([]float64, error) { return pr.blockShares(r, consumers[:sustainConsumers]) })
 	r.measure("cudapool", "blocklease/64KiB", "us", func() ([]float64, error) { return pr.blockLease(c) })
 	r.measure("cudapool", "read/same-gpu", "GB/s", func() ([]float64, error) { return pr.read(c) })
@@ -102,6 +103,12 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 }
 
 func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*producer, error) {
+	return newProducerWith(rt, kind, sh, validate, "x.sock", nil, nil)
+}
+
+// newProducerWith is newProducer with options for its pool and its exporter, whose
+// socket is named sock.
+func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, sock string, poolOpts []pool.Option, listenOpts []export.ListenOption) (*producer, error) {
 	pr := &producer{rt: rt, kind: kind, sh: sh, validate: validate}
 	var err error
 	if pr.dir, err = os.MkdirTemp("", "gosuite"); err != nil {
@@ -111,13 +118,14 @@ func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*prod
 		os.RemoveAll(pr.dir)
 		return nil, err
 	}
-	if pr.pool, err = pool.New(rt, 0, pool.WithName("gosuite")); err != nil {
+	if pr.pool, err = pool.New(rt, 0, append([]pool.Option{pool.WithName("gosuite")}, poolOpts...)...); err != nil {
 		rt.StreamDestroy(0, pr.stream)
 		os.RemoveAll(pr.dir)
 		return nil, err
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	if pr.ex, err = export.Listen(filepath.Join(pr.dir, "x.sock"), rt, export.WithoutAnnounce(), export.WithLogger(quiet)); err != nil {
+	listenOpts = append([]export.ListenOption{export.WithoutAnnounce(), export.WithLogger(quiet)}, listenOpts...)
+	if pr.ex, err = export.Listen(filepath.Join(pr.dir, sock), rt, listenOpts...); err != nil {
 		pr.pool.Close(context.Background(), pool.Force())
 		rt.StreamDestroy(0, pr.stream)
 		os.RemoveAll(pr.dir)
@@ -364,39 +372,48 @@ func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 }
 
 // windows has the consumers open and release name<i % count> as fast as each can, for
-// pr.sh.rounds windows, and returns each window's rate. Each window also gives a line
+// pr.sh.rounds windows, and returns each window's rate.
+func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count int) ([]float64, error) {
+	var rates []float64
+	for round := range pr.sh.rounds {
+		rate, err := pr.window(r, op, cs, round, name, count)
+		if err != nil {
+			return nil, err
+		}
+		rates = append(rates, rate)
+	}
+	return rates, nil
+}
+
+// window is one window of windows, and returns its rate. It also gives a line
 //
 //	window cudapool OP ROUND SHARES SLOW SLOW_MS TURNS
 //
 // SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
 // how many times the consumers went round the count names (summed): the stall pattern.
-func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count int) ([]float64, error) {
-	var rates []float64
-	for round := range pr.sh.rounds {
-		for _, c := range cs {
-			if err := c.say(fmt.Sprintf("sustain %s %d %d", name, count, pr.sh.window.Milliseconds())); err != nil {
-				return nil, err
-			}
+func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, name string, count int) (float64, error) {
+	for _, c := range cs {
+		if err := c.say(fmt.Sprintf("sustain %s %d %d", name, count, pr.sh.window.Milliseconds())); err != nil {
+			return 0, err
 		}
-		var total, slow, slowMS, turns float64
-		for _, c := range cs {
-			v, err := c.await("count")
-			if err != nil {
-				return nil, err
-			}
-			if len(v) != 3 {
-				return nil, fmt.Errorf("consumer %d said %d numbers after count, want 3", c.pid, len(v))
-			}
-			total += v[0]
-			slow += v[1]
-			slowMS += v[2]
-			turns += v[0] / float64(count)
-		}
-		pr.given += int(total)
-		fmt.Fprintf(r.w, "window cudapool %s %d %.0f %.0f %.3f %.2f\n", op, round, total, slow, slowMS, turns)
-		rates = append(rates, total/pr.sh.window.Seconds())
 	}
-	return rates, nil
+	var total, slow, slowMS, turns float64
+	for _, c := range cs {
+		v, err := c.await("count")
+		if err != nil {
+			return 0, err
+		}
+		if len(v) != 3 {
+			return 0, fmt.Errorf("consumer %d said %d numbers after count, want 3", c.pid, len(v))
+		}
+		total += v[0]
+		slow += v[1]
+		slowMS += v[2]
+		turns += v[0] / float64(count)
+	}
+	pr.given += int(total)
+	fmt.Fprintf(r.w, "window cudapool %s %d %.0f %.0f %.3f %.2f\n", op, round, total, slow, slowMS, turns)
+	return total / pr.sh.window.Seconds(), nil
 }
 
 // blockSize is the size of a KV block of issue 11's block rows.
