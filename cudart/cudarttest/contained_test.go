@@ -15,16 +15,16 @@ import (
 // importer's context is lost for good, on every device.
 func TestPeerReadOfDeadExportersMemoryLosesTheContext(t *testing.T) {
 	s := newShared(t)
-	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}))
+	require.NoError(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}))
 	_, iptr := s.share(4096, []byte("before the exporter died"))
 	local := s.imp.pool(ipcProps(1))
 	replica, err := s.imp.MallocFromPoolAsync(1, 4096, local, 0)
 	require.NoError(t, err)
-	ok(t, s.imp.StreamSynchronize(1, 0))
+	require.NoError(t, s.imp.StreamSynchronize(1, 0))
 
-	ok(t, s.exp.Close())
+	require.NoError(t, s.exp.Close())
 	require.NoError(t, s.imp.MemcpyDtoDAsync(0, replica, iptr, 4096, 0), "a copy through the owner device survives its exporter")
-	ok(t, s.imp.StreamSynchronize(0, 0))
+	require.NoError(t, s.imp.StreamSynchronize(0, 0))
 	got := make([]byte, 24)
 	require.NoError(t, s.imp.MemcpyDtoHAsync(1, got, replica, 0))
 	assert.Equal(t, "before the exporter died", string(got))
@@ -58,9 +58,9 @@ func TestPeerReadOfDeadExportersMemoryLosesTheContext(t *testing.T) {
 // without losing anything: only the combination is contained.
 func TestPeerReadOfLiveExporterIsFine(t *testing.T) {
 	s := newShared(t)
-	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
+	require.NoError(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
 	_, iptr := s.share(512, []byte("alive"))
-	ok(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
+	require.NoError(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
 	got := make([]byte, 5)
 	require.NoError(t, s.imp.MemcpyDtoHAsync(1, got, iptr, 0))
 	assert.Equal(t, "alive", string(got))

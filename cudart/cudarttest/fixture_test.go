@@ -1,11 +1,10 @@
 package cudarttest
 
 import (
-	"bytes"
-	"errors"
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 // fx wraps a Device with helpers that fail the test on an unexpected error.
@@ -21,23 +20,12 @@ func newFx(t testing.TB, opts ...Option) fx {
 	return fx{t, d}
 }
 
-func ok(t testing.TB, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
 // wantErr fails unless err matches every target.
 func wantErr(t testing.TB, err error, targets ...error) {
 	t.Helper()
-	if err == nil {
-		t.Fatalf("got no error, want %v", targets)
-	}
+	require.Error(t, err, "want %v", targets)
 	for _, target := range targets {
-		if !errors.Is(err, target) {
-			t.Fatalf("error %v does not match %v", err, target)
-		}
+		require.ErrorIs(t, err, target)
 	}
 }
 
@@ -45,9 +33,8 @@ func wantErr(t testing.TB, err error, targets ...error) {
 func wantViolation(t testing.TB, err error, kind ViolationKind) {
 	t.Helper()
 	var v Violation
-	if !errors.As(err, &v) || v.Kind != kind {
-		t.Fatalf("error %v: want a %v violation", err, kind)
-	}
+	require.ErrorAs(t, err, &v, "want a %v violation", kind)
+	require.Equal(t, kind, v.Kind, "error %v: want a %v violation", err, kind)
 }
 
 func ipcProps(dev int) cudart.PoolProps {
@@ -57,34 +44,32 @@ func ipcProps(dev int) cudart.PoolProps {
 func (f fx) pool(props cudart.PoolProps) cudart.MemPool {
 	f.t.Helper()
 	p, err := f.MemPoolCreate(props)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return p
 }
 
 func (f fx) alloc(p cudart.MemPool, size uint64) cudart.DevicePtr {
 	f.t.Helper()
 	ptr, err := f.MallocFromPoolAsync(0, size, p, 0)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return ptr
 }
 
 func (f fx) write(ptr cudart.DevicePtr, data []byte) {
 	f.t.Helper()
-	ok(f.t, f.MemcpyHtoDAsync(0, ptr, data, 0))
+	require.NoError(f.t, f.MemcpyHtoDAsync(0, ptr, data, 0))
 }
 
 func (f fx) read(ptr cudart.DevicePtr, n int) []byte {
 	f.t.Helper()
 	buf := make([]byte, n)
-	ok(f.t, f.MemcpyDtoHAsync(0, buf, ptr, 0))
+	require.NoError(f.t, f.MemcpyDtoHAsync(0, buf, ptr, 0))
 	return buf
 }
 
 func (f fx) wantBytes(ptr cudart.DevicePtr, want []byte) {
 	f.t.Helper()
-	if got := f.read(ptr, len(want)); !bytes.Equal(got, want) {
-		f.t.Fatalf("read %#x: got %q, want %q", uint64(ptr), got, want)
-	}
+	require.Equal(f.t, string(want), string(f.read(ptr, len(want))), "read %#x", uint64(ptr))
 }
 
 // sync waits for the work queued on f's default stream of device 0 and returns
@@ -96,7 +81,7 @@ func (f fx) sync() error { return f.StreamSynchronize(0, 0) }
 func (f fx) stall() (resume func()) {
 	f.t.Helper()
 	resume, err := f.Stall(0, 0)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	f.t.Cleanup(resume)
 	return resume
 }
@@ -104,8 +89,16 @@ func (f fx) stall() (resume func()) {
 func (f fx) attr(p cudart.MemPool, a cudart.PoolAttr) uint64 {
 	f.t.Helper()
 	v, err := f.MemPoolGetAttribute(0, p, a)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return v
+}
+
+// free is MemGetInfo's free memory of dev.
+func (f fx) free(dev int) uint64 {
+	f.t.Helper()
+	free, _, err := f.MemGetInfo(dev)
+	require.NoError(f.t, err)
+	return free
 }
 
 // exported creates an IPC pool on device 0 and exports it; the caller owns the fd.
@@ -113,28 +106,28 @@ func (f fx) exported() (cudart.MemPool, int) {
 	f.t.Helper()
 	p := f.pool(ipcProps(0))
 	h, err := f.MemPoolExportToShareableHandle(0, p, cudart.HandleTypePosixFD)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return p, h.FD
 }
 
 func (f fx) importPool(fd int) cudart.MemPool {
 	f.t.Helper()
 	p, err := f.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd})
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return p
 }
 
 func (f fx) exportPtr(ptr cudart.DevicePtr) cudart.PtrExportData {
 	f.t.Helper()
 	data, err := f.MemPoolExportPointer(0, ptr)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return data
 }
 
 func (f fx) importPtr(p cudart.MemPool, data cudart.PtrExportData) cudart.DevicePtr {
 	f.t.Helper()
 	ptr, err := f.MemPoolImportPointer(0, p, data)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return ptr
 }
 
@@ -142,11 +135,11 @@ func (f fx) importPtr(p cudart.MemPool, data cudart.PtrExportData) cudart.Device
 func (f fx) ipcEvent(g fx) (mine, theirs cudart.Event) {
 	f.t.Helper()
 	e, err := f.EventCreate(0, cudart.EventIPC)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	h, err := f.IpcGetEventHandle(0, e)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	o, err := g.IpcOpenEventHandle(0, h)
-	ok(f.t, err)
+	require.NoError(f.t, err)
 	return e, o
 }
 
@@ -154,6 +147,6 @@ func (f fx) ipcEvent(g fx) (mine, theirs cudart.Event) {
 // importer do to order the importer's reads after the exporter's writes.
 func ready(f fx, e cudart.Event, g fx, o cudart.Event) {
 	f.t.Helper()
-	ok(f.t, f.EventRecord(0, e, 0))
-	ok(f.t, g.StreamWaitEvent(0, 0, o))
+	require.NoError(f.t, f.EventRecord(0, e, 0))
+	require.NoError(f.t, g.StreamWaitEvent(0, 0, o))
 }

@@ -1,13 +1,13 @@
 package cudarttest
 
 import (
-	"bytes"
 	"os"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 // shared is an exporter and an importer Device of one process with a pool exported
@@ -33,7 +33,7 @@ func newShared(t *testing.T) shared {
 func (s shared) share(n uint64, data []byte) (ptr, iptr cudart.DevicePtr) {
 	ptr = s.exp.alloc(s.pool, n)
 	s.exp.write(ptr, data)
-	ok(s.exp.t, s.exp.StreamSynchronize(0, 0))
+	require.NoError(s.exp.t, s.exp.StreamSynchronize(0, 0))
 	e, o := s.exp.ipcEvent(s.imp)
 	ready(s.exp, e, s.imp, o)
 	return ptr, s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
@@ -52,18 +52,16 @@ func TestTwoDevicesShareAPool(t *testing.T) {
 
 	ip := imp.importPool(fd)
 	iptr := imp.importPtr(ip, exp.exportPtr(ptr))
-	if iptr != ptr {
-		t.Fatalf("imported at %#x, exported at %#x: addresses must match", iptr, ptr)
-	}
+	require.Equal(t, ptr, iptr, "imported and exported addresses must match")
 	imp.wantBytes(iptr, []byte("from the exporter"))
 	imp.write(iptr+100, []byte("from the importer"))
 	ready(imp, o, exp, e)
 	exp.wantBytes(ptr+100, []byte("from the importer"))
-	ok(t, imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, imp.FreeAsync(0, iptr, 0))
 	ready(imp, o, exp, e)
-	ok(t, exp.FreeAsync(0, ptr, 0))
-	ok(t, imp.Err())
-	ok(t, exp.Err())
+	require.NoError(t, exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, imp.Err())
+	require.NoError(t, exp.Err())
 }
 
 // importerDone orders the exporter's default stream after everything the importer
@@ -81,23 +79,18 @@ func TestExportPointerNeedsExportedIPCPool(t *testing.T) {
 	_, err := d.MemPoolExportPointer(0, ptr)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	h, err := d.MemPoolExportToShareableHandle(0, p, cudart.HandleTypePosixFD)
-	ok(t, err)
+	require.NoError(t, err)
 	defer unix.Close(h.FD)
 	flags, err := unix.FcntlInt(uintptr(h.FD), unix.F_GETFD, 0)
-	if err != nil || flags&unix.FD_CLOEXEC == 0 {
-		t.Fatalf("exported descriptor not close-on-exec: %#x %v", flags, err)
-	}
+	require.NoError(t, err)
+	require.NotZero(t, flags&unix.FD_CLOEXEC, "exported descriptor not close-on-exec: %#x", flags)
 	first := d.exportPtr(ptr)
-	if again := d.exportPtr(ptr); again != first {
-		t.Fatal("exporting one pointer twice gave different records")
-	}
+	require.Equal(t, first, d.exportPtr(ptr), "exporting one pointer twice gave different records")
 	other := d.alloc(p, 1*mib)
-	if d.exportPtr(other) == first {
-		t.Fatal("two allocations share a record")
-	}
+	require.NotEqual(t, first, d.exportPtr(other), "two allocations share a record")
 	_, err = d.MemPoolExportPointer(0, ptr+512)
 	wantErr(t, err, cudart.ErrInvalidValue)
-	ok(t, d.FreeAsync(0, other, 0))
+	require.NoError(t, d.FreeAsync(0, other, 0))
 	_, err = d.MemPoolExportPointer(0, other)
 	wantErr(t, err, cudart.ErrInvalidValue)
 
@@ -120,19 +113,18 @@ func TestFabricExport(t *testing.T) {
 	exp, imp := newFx(t, WithFabric()), newFx(t, WithFabric())
 	p := exp.pool(fabricProps)
 	h, err := exp.MemPoolExportToShareableHandle(0, p, cudart.HandleTypeFabric)
-	ok(t, err)
-	if h.FD != -1 || h.Type != cudart.HandleTypeFabric {
-		t.Fatalf("fabric handle %+v", h)
-	}
+	require.NoError(t, err)
+	require.Equal(t, -1, h.FD, "fabric handle %+v", h)
+	require.Equal(t, cudart.HandleTypeFabric, h.Type, "fabric handle %+v", h)
 	ptr := exp.alloc(p, 100)
 	exp.write(ptr, []byte("over the fabric"))
 	ip, err := imp.MemPoolImportFromShareableHandle(0, h)
-	ok(t, err)
+	require.NoError(t, err)
 	e, o := exp.ipcEvent(imp)
 	ready(exp, e, imp, o)
 	iptr := imp.importPtr(ip, exp.exportPtr(ptr))
 	imp.wantBytes(iptr, []byte("over the fabric"))
-	ok(t, imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, imp.FreeAsync(0, iptr, 0))
 	ready(imp, o, exp, e)
 
 	_, err = plain.MemPoolImportFromShareableHandle(0, h)
@@ -141,9 +133,9 @@ func TestFabricExport(t *testing.T) {
 	junk.Fabric[20] ^= 1
 	_, err = imp.MemPoolImportFromShareableHandle(0, junk)
 	wantErr(t, err, cudart.ErrInvalidValue)
-	ok(t, exp.FreeAsync(0, ptr, 0))
-	ok(t, exp.sync())
-	ok(t, exp.MemPoolDestroy(0, p))
+	require.NoError(t, exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, exp.sync())
+	require.NoError(t, exp.MemPoolDestroy(0, p))
 	// The exporter's descriptor is gone: the handle names nothing now.
 	_, err = newFx(t, WithFabric()).MemPoolImportFromShareableHandle(0, h)
 	wantErr(t, err, cudart.ErrInvalidValue)
@@ -157,13 +149,13 @@ func TestImportPoolChecksItsHandle(t *testing.T) {
 		return cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd}
 	}
 	r, w, err := os.Pipe()
-	ok(t, err)
+	require.NoError(t, err)
 	defer r.Close()
 	defer w.Close()
 	junk, err := unix.MemfdCreate(poolMemfdName, unix.MFD_CLOEXEC) // our name, no header
-	ok(t, err)
+	require.NoError(t, err)
 	defer unix.Close(junk)
-	ok(t, unix.Ftruncate(junk, poolDataOffset))
+	require.NoError(t, unix.Ftruncate(junk, poolDataOffset))
 	for _, h := range []cudart.ShareableHandle{posix(-1), posix(int(r.Fd())), posix(junk), {Type: 0x2, FD: fd}} {
 		_, err := imp.MemPoolImportFromShareableHandle(0, h)
 		wantErr(t, err, cudart.ErrInvalidValue)
@@ -175,11 +167,9 @@ func TestImportPoolChecksItsHandle(t *testing.T) {
 
 	// Importing one pool twice gives one handle, undone by two destroys.
 	a, b := imp.importPool(fd), imp.importPool(fd)
-	if a != b {
-		t.Fatalf("one pool imported twice as %#x and %#x", a, b)
-	}
-	ok(t, imp.MemPoolDestroy(0, a))
-	ok(t, imp.MemPoolDestroy(0, a))
+	require.Equal(t, a, b, "one pool imported twice")
+	require.NoError(t, imp.MemPoolDestroy(0, a))
+	require.NoError(t, imp.MemPoolDestroy(0, a))
 	wantErr(t, imp.MemPoolDestroy(0, a), cudart.ErrInvalidValue)
 
 	// Destroyed with an import still live: the import stays usable, and importing
@@ -190,14 +180,14 @@ func TestImportPoolChecksItsHandle(t *testing.T) {
 	ready(exp, e, imp, o)
 	c := imp.importPool(fd)
 	iptr := imp.importPtr(c, exp.exportPtr(ptr))
-	ok(t, imp.MemPoolDestroy(0, c))
+	require.NoError(t, imp.MemPoolDestroy(0, c))
 	imp.wantBytes(iptr, []byte("kept"))
 	c = imp.importPool(fd)
 	_, err = imp.MemPoolImportPointer(0, c, exp.exportPtr(ptr))
-	ok(t, err)
-	ok(t, imp.FreeAsync(0, iptr, 0))
-	ok(t, imp.MemPoolDestroy(0, c))
-	ok(t, imp.Err())
+	require.NoError(t, err)
+	require.NoError(t, imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, imp.MemPoolDestroy(0, c))
+	require.NoError(t, imp.Err())
 }
 
 // FACTS 6: an imported pool cannot allocate.
@@ -209,9 +199,7 @@ func TestImportedPoolCannotAllocate(t *testing.T) {
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantErr(t, s.imp.MemPoolSetAttribute(0, s.ipool, cudart.PoolUsedMemHigh, 0), cudart.ErrInvalidValue)
 	s.exp.alloc(s.pool, 3*mib)
-	if r := s.imp.attr(s.ipool, cudart.PoolReservedMemCurrent); r != 4*mib {
-		t.Fatalf("importer sees reserved %d, want the exporter's 4 MiB", r)
-	}
+	require.EqualValues(t, 4*mib, s.imp.attr(s.ipool, cudart.PoolReservedMemCurrent), "the importer sees the exporter's reserved figure")
 }
 
 // FACTS 2: imports have the exporter's addresses; memcpy on a neighbour that was not
@@ -221,15 +209,13 @@ func TestImportKeepsAddressesAndHidesNeighbours(t *testing.T) {
 	ptr, iptr := s.share(1000, []byte("exported"))
 	secret := s.exp.alloc(s.pool, 1000)
 	s.exp.write(secret, []byte("not exported"))
-	if iptr != ptr {
-		t.Fatalf("imported at %#x, exported at %#x", iptr, ptr)
-	}
+	require.Equal(t, ptr, iptr, "imported and exported addresses")
 	s.imp.wantBytes(iptr, []byte("exported"))
 	_, err := s.imp.MemcpyDtoHAsyncN(secret, 4)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	_, err = s.imp.MemcpyDtoHAsyncN(iptr+1000, 100) // runs past the import
 	wantErr(t, err, cudart.ErrInvalidValue)
-	ok(t, s.imp.Err())
+	require.NoError(t, s.imp.Err())
 }
 
 // FACTS 5: junk records fail; so do records of another pool.
@@ -251,7 +237,7 @@ func TestJunkRecordsAreRefused(t *testing.T) {
 	}
 	_, err := s.exp.MemPoolImportPointer(0, s.pool, rec) // into the exporter's own pool
 	wantErr(t, err, cudart.ErrInvalidValue)
-	ok(t, s.imp.Err())
+	require.NoError(t, s.imp.Err())
 }
 
 // FACTS 3: a stale record imports fine; using it is the violation.
@@ -259,28 +245,26 @@ func TestStaleRecordImportsButCannotBeUsed(t *testing.T) {
 	s := newShared(t)
 	ptr := s.exp.alloc(s.pool, 512)
 	rec := s.exp.exportPtr(ptr)
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
-	ok(t, s.exp.sync()) // the free has run: the record is stale
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, s.exp.sync()) // the free has run: the record is stale
 	iptr, err := s.imp.MemPoolImportPointer(0, s.ipool, rec)
-	ok(t, err)
+	require.NoError(t, err)
 	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 8)
 	wantErr(t, err, ErrViolation)
 	wantViolation(t, err, ViolationUseAfterRelease)
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
-	ok(t, s.imp.sync())
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.imp.sync())
 
 	// Reused: the same entry's new allocation does not revive the old record.
 	again := s.exp.alloc(s.pool, 512)
-	if again != ptr {
-		t.Fatalf("reallocation at %#x, want the freed %#x", again, ptr)
-	}
+	require.Equal(t, ptr, again, "reallocation: want the freed address")
 	iptr, err = s.imp.MemPoolImportPointer(0, s.ipool, rec)
-	ok(t, err)
+	require.NoError(t, err)
 	err = s.imp.MemsetAsync(0, iptr, 0, 8, 0)
 	wantViolation(t, err, ViolationUseAfterRelease)
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
-	ok(t, s.exp.FreeAsync(0, again, 0)) // the stale import held no reference
-	ok(t, s.exp.Err())
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.exp.FreeAsync(0, again, 0)) // the stale import held no reference
+	require.NoError(t, s.exp.Err())
 }
 
 // FACTS 4: a second import of one record aliases the first; freeing either unmaps
@@ -289,10 +273,8 @@ func TestDoubleImportAliasesOneMapping(t *testing.T) {
 	s := newShared(t)
 	ptr, first := s.share(512, []byte("once"))
 	second := s.imp.importPtr(s.ipool, s.exp.exportPtr(ptr))
-	if first != second {
-		t.Fatalf("double import gave %#x and %#x", first, second)
-	}
-	ok(t, s.imp.FreeAsync(0, second, 0))
+	require.Equal(t, first, second, "a double import")
+	require.NoError(t, s.imp.FreeAsync(0, second, 0))
 	_, err := s.imp.MemcpyDtoHAsyncN(first, 4)
 	wantErr(t, err, cudart.ErrInvalidValue, ErrViolation)
 	wantViolation(t, err, ViolationUseAfterRelease)
@@ -300,8 +282,8 @@ func TestDoubleImportAliasesOneMapping(t *testing.T) {
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantViolation(t, err, ViolationUseAfterRelease)
 	s.importerDone()
-	ok(t, s.exp.FreeAsync(0, ptr, 0)) // the importer holds nothing any more
-	ok(t, s.exp.Err())
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0)) // the importer holds nothing any more
+	require.NoError(t, s.exp.Err())
 }
 
 // The importer's free must complete before the exporter's: an IPC event recorded
@@ -311,57 +293,51 @@ func TestExporterFreeMustFollowImportersFree(t *testing.T) {
 	// The importer's free has not run when the exporter's does.
 	ptr, iptr := s.share(512, []byte("x"))
 	resumeImp := s.imp.stall()
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
 	wantViolation(t, s.exp.sync(), ViolationExporterFreedWhileImported)
 	resumeImp()
-	ok(t, s.imp.sync())
+	require.NoError(t, s.imp.sync())
 
 	// The importer's free has run when the exporter's does, but only after the
 	// exporter's was queued: nothing ordered them.
 	ptr, iptr = s.share(512, []byte("x"))
 	resumeImp, resumeExp := s.imp.stall(), s.exp.stall()
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
 	resumeImp()
-	ok(t, s.imp.sync())
+	require.NoError(t, s.imp.sync())
 	resumeExp()
 	wantViolation(t, s.exp.sync(), ViolationExporterFreedWhileImported)
 
 	ptr, iptr = s.share(512, []byte("y"))
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
 	s.importerDone()
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
-	if n := len(s.exp.Violations()); n != 2 {
-		t.Fatalf("%d violations, want the first two frees' only", n)
-	}
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
+	require.Len(t, s.exp.Violations(), 2, "violations: want the first two frees' only")
 }
 
 func TestExporterFreeWhileImported(t *testing.T) {
 	s := newShared(t)
 	ptr, iptr := s.share(512, []byte("held"))
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
 	err := s.exp.sync()
 	wantErr(t, err, ErrViolation)
 	wantViolation(t, err, ViolationExporterFreedWhileImported)
-	if vs := s.exp.Violations(); len(vs) != 1 {
-		t.Fatalf("exporter violations %+v", vs)
-	}
+	require.Len(t, s.exp.Violations(), 1, "exporter violations")
 	// The free happened: the space is handed out again, and the import is dead.
-	if again := s.exp.alloc(s.pool, 512); again != ptr {
-		t.Fatalf("freed space not reused: %#x", again)
-	}
+	require.Equal(t, ptr, s.exp.alloc(s.pool, 512), "freed space not reused")
 	_, err = s.imp.MemcpyDtoHAsyncN(iptr, 4)
 	wantViolation(t, err, ViolationUseAfterRelease)
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
 }
 
 func TestClosedImporterHoldsNothing(t *testing.T) {
 	s := newShared(t)
 	ptr, _ := s.share(512, []byte("x"))
-	ok(t, s.imp.Close())
-	ok(t, s.exp.FreeAsync(0, ptr, 0))
-	ok(t, s.exp.Err())
+	require.NoError(t, s.imp.Close())
+	require.NoError(t, s.exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, s.exp.Err())
 }
 
 // FACTS 7: the importer outlives the exporter.
@@ -369,13 +345,13 @@ func TestExporterClosesFirst(t *testing.T) {
 	s := newShared(t)
 	ptr, iptr := s.share(512, []byte("survives"))
 	_ = ptr
-	ok(t, s.exp.Close())
+	require.NoError(t, s.exp.Close())
 	s.imp.wantBytes(iptr, []byte("survives"))
 	s.imp.write(iptr, []byte("still mapped"))
 	s.imp.wantBytes(iptr, []byte("still mapped"))
-	ok(t, s.imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
 	wantErr(t, s.imp.MemPoolDestroy(0, s.ipool), cudart.ErrInvalidValue)
-	ok(t, s.imp.Err())
+	require.NoError(t, s.imp.Err())
 }
 
 func TestUnorderedAccessIsReported(t *testing.T) {
@@ -392,16 +368,14 @@ func TestUnorderedAccessIsReported(t *testing.T) {
 
 	// Ordered by an event: the importer's stream waits for the record behind the stall.
 	s.exp.write(ptr, []byte("v1"))
-	ok(t, s.exp.EventRecord(0, e, 0))
-	ok(t, s.imp.StreamWaitEvent(0, 0, o))
-	if done, err := s.imp.EventQuery(0, o); err != nil || done {
-		t.Fatalf("EventQuery of a record behind a stall = %v, %v", done, err)
-	}
+	require.NoError(t, s.exp.EventRecord(0, e, 0))
+	require.NoError(t, s.imp.StreamWaitEvent(0, 0, o))
+	done, err := s.imp.EventQuery(0, o)
+	require.NoError(t, err)
+	require.False(t, done, "EventQuery of a record behind a stall")
 	resume()
 	s.imp.wantBytes(iptr, []byte("v1"))
-	if vs := s.imp.Violations(); len(vs) != 1 {
-		t.Fatalf("violations %v, want the first read's only", vs)
-	}
+	require.Len(t, s.imp.Violations(), 1, "violations: want the first read's only")
 
 	// A write queued before a read of another stream but run after it: the write is
 	// reported (it overwrote what was read), and the read saw the old bytes.
@@ -414,33 +388,31 @@ func TestUnorderedAccessIsReported(t *testing.T) {
 	// A read queued before a write of another stream ran, and run after it: the read
 	// is reported.
 	resumeImp := s.imp.stall()
-	ok(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, 0))
+	require.NoError(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, 0))
 	s.exp.write(ptr, []byte("v3"))
-	ok(t, s.exp.sync())
+	require.NoError(t, s.exp.sync())
 	resumeImp()
 	wantViolation(t, s.imp.sync(), ViolationUnorderedRead)
 
 	// A created stream is ordered only by what it waited on: a wait of the default
 	// stream does not cover it.
 	st, err := s.imp.StreamCreate(0, 0)
-	ok(t, err)
+	require.NoError(t, err)
 	resumeSt, err := s.imp.Stall(0, st)
-	ok(t, err)
+	require.NoError(t, err)
 	resume = s.exp.stall()
 	s.exp.write(ptr, []byte("v4"))
-	ok(t, s.exp.EventRecord(0, e, 0))
-	ok(t, s.imp.StreamWaitEvent(0, 0, o))
-	ok(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, st))
+	require.NoError(t, s.exp.EventRecord(0, e, 0))
+	require.NoError(t, s.imp.StreamWaitEvent(0, 0, o))
+	require.NoError(t, s.imp.MemcpyDtoDAsync(0, local, iptr, 2, st))
 	resume()
-	ok(t, s.exp.sync())
+	require.NoError(t, s.exp.sync())
 	resumeSt()
 	wantViolation(t, s.imp.StreamSynchronize(0, st), ViolationUnorderedRead)
-	ok(t, s.imp.StreamWaitEvent(0, st, o))
+	require.NoError(t, s.imp.StreamWaitEvent(0, st, o))
 	buf := make([]byte, 2)
-	ok(t, s.imp.MemcpyDtoHAsync(0, buf, iptr, st))
-	if string(buf) != "v4" {
-		t.Fatalf("read after the wait copied %q", buf)
-	}
+	require.NoError(t, s.imp.MemcpyDtoHAsync(0, buf, iptr, st))
+	require.Equal(t, "v4", string(buf), "read after the wait")
 }
 
 // FACTS 8 and the access rule: an imported pool is reachable from another device
@@ -448,31 +420,29 @@ func TestUnorderedAccessIsReported(t *testing.T) {
 func TestImportedPoolAccessFromAnotherDevice(t *testing.T) {
 	s := newShared(t)
 	rw := []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite}}
-	ok(t, s.exp.MemPoolSetAccess(0, s.pool, rw))
+	require.NoError(t, s.exp.MemPoolSetAccess(0, s.pool, rw))
 	_, iptr := s.share(512, []byte("peer"))
 	buf := make([]byte, 4)
 	err := s.imp.MemcpyDtoHAsync(1, buf, iptr, 0)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantViolation(t, err, ViolationAccessDenied)
 
-	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
-	ok(t, s.imp.StreamSynchronize(1, 0))
-	ok(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
-	ok(t, s.imp.MemcpyDtoHAsync(1, buf, iptr, 0))
-	if string(buf) != "peer" {
-		t.Fatalf("device 1 read %q", buf)
-	}
+	require.NoError(t, s.imp.MemPoolSetAccess(0, s.ipool, []cudart.AccessDesc{{Location: cudart.DeviceLocation(1), Flags: cudart.AccessRead}}))
+	require.NoError(t, s.imp.StreamSynchronize(1, 0))
+	require.NoError(t, s.imp.EventSynchronize(0, mustEvent(t, s)))
+	require.NoError(t, s.imp.MemcpyDtoHAsync(1, buf, iptr, 0))
+	require.Equal(t, "peer", string(buf), "device 1 read")
 	err = s.imp.MemsetAsync(1, iptr, 0, 1, 0)
 	wantViolation(t, err, ViolationAccessDenied)
-	ok(t, s.imp.MemPoolSetAccess(0, s.ipool, rw))
-	ok(t, s.imp.MemsetAsync(1, iptr, 'P', 1, 0))
+	require.NoError(t, s.imp.MemPoolSetAccess(0, s.ipool, rw))
+	require.NoError(t, s.imp.MemsetAsync(1, iptr, 'P', 1, 0))
 }
 
 // mustEvent records an IPC event of the exporter, opened in the importer, and returns
 // the importer's handle of it.
 func mustEvent(t *testing.T, s shared) cudart.Event {
 	e, o := s.exp.ipcEvent(s.imp)
-	ok(t, s.exp.EventRecord(0, e, 0))
+	require.NoError(t, s.exp.EventRecord(0, e, 0))
 	return o
 }
 
@@ -481,7 +451,7 @@ func TestImportersPerAllocationAreBounded(t *testing.T) {
 	ptr := s.exp.alloc(s.pool, 512)
 	rec := s.exp.exportPtr(ptr)
 	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
-	ok(t, err)
+	require.NoError(t, err)
 	defer unix.Close(h.FD)
 	s.imp.importPtr(s.ipool, rec)
 	var last fx
@@ -492,7 +462,7 @@ func TestImportersPerAllocationAreBounded(t *testing.T) {
 	extra := newFx(t)
 	_, err = extra.MemPoolImportPointer(0, extra.importPool(h.FD), rec)
 	wantErr(t, err, ErrCapacity, cudart.ErrOutOfMemory)
-	ok(t, last.Close()) // a closed importer's slot goes back
+	require.NoError(t, last.Close()) // a closed importer's slot goes back
 	extra.importPtr(extra.importPool(h.FD), rec)
 }
 
@@ -503,24 +473,24 @@ func TestIPCEvents(t *testing.T) {
 	_, err = a.EventCreate(0, 0x80)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	plain, err := a.EventCreate(0, cudart.EventDisableTiming)
-	ok(t, err)
+	require.NoError(t, err)
 	_, err = a.IpcGetEventHandle(0, plain)
 	wantErr(t, err, cudart.ErrInvalidValue)
 
 	e, o := a.ipcEvent(b)
 	h, err := a.IpcGetEventHandle(0, e)
-	ok(t, err)
+	require.NoError(t, err)
 	_, err = a.IpcOpenEventHandle(0, h)
 	wantErr(t, err, cudart.ErrInvalidValue) // its own
 	junk := h
 	junk[30] ^= 1
 	_, err = b.IpcOpenEventHandle(0, junk)
 	wantErr(t, err, cudart.ErrInvalidValue)
-	ok(t, b.EventRecord(0, o, 0)) // an opened event can be recorded
-	ok(t, a.EventSynchronize(0, e))
-	if done, err := a.EventQuery(0, e); err != nil || !done {
-		t.Fatalf("EventQuery = %v %v", done, err)
-	}
+	require.NoError(t, b.EventRecord(0, o, 0)) // an opened event can be recorded
+	require.NoError(t, a.EventSynchronize(0, e))
+	done, err := a.EventQuery(0, e)
+	require.NoError(t, err)
+	require.True(t, done, "EventQuery after EventSynchronize")
 
 	// Mismatched or unknown handles.
 	wantErr(t, a.EventRecord(1, e, 0), cudart.ErrInvalidResourceHandle) // event of device 0
@@ -530,22 +500,22 @@ func TestIPCEvents(t *testing.T) {
 	_, err = a.StreamCreate(0, 0x10)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	st, err := a.StreamCreate(0, cudart.StreamNonBlocking)
-	ok(t, err)
-	ok(t, a.StreamDestroy(0, st))
+	require.NoError(t, err)
+	require.NoError(t, a.StreamDestroy(0, st))
 	wantErr(t, a.StreamSynchronize(0, st), cudart.ErrInvalidResourceHandle)
 
 	// Destroyed by its owner: using it is a violation, and so is opening it.
-	ok(t, a.EventDestroy(0, e))
+	require.NoError(t, a.EventDestroy(0, e))
 	wantErr(t, a.EventDestroy(0, e), cudart.ErrInvalidResourceHandle)
 	wantViolation(t, b.StreamWaitEvent(0, 0, o), ViolationUseAfterRelease)
 	_, err = newFx(t).IpcOpenEventHandle(0, h)
 	wantViolation(t, err, ViolationUseAfterRelease)
-	ok(t, b.EventDestroy(0, o))
+	require.NoError(t, b.EventDestroy(0, o))
 
 	// Its owner closed: every opened event dies.
 	e2, o2 := a.ipcEvent(b)
 	_ = e2
-	ok(t, a.Close())
+	require.NoError(t, a.Close())
 	_, err = b.EventQuery(0, o2)
 	wantViolation(t, err, ViolationUseAfterRelease)
 	_, err = newFx(t).IpcOpenEventHandle(0, h)
@@ -556,7 +526,7 @@ func TestCopyBetweenTwoImportedPools(t *testing.T) {
 	s, u := newShared(t), newShared(t)
 	// u's importer imports s's pool too: one Device holding two imported pools.
 	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
-	ok(t, err)
+	require.NoError(t, err)
 	defer unix.Close(h.FD)
 	sp := u.imp.importPool(h.FD)
 	src := s.exp.alloc(s.pool, 64)
@@ -568,19 +538,17 @@ func TestCopyBetweenTwoImportedPools(t *testing.T) {
 	ready(u.exp, f, u.imp, q)
 	isrc := u.imp.importPtr(sp, s.exp.exportPtr(src))
 	idst := u.imp.importPtr(u.ipool, u.exp.exportPtr(dst))
-	ok(t, u.imp.MemcpyDtoDAsync(0, idst, isrc, 10, 0))
+	require.NoError(t, u.imp.MemcpyDtoDAsync(0, idst, isrc, 10, 0))
 	ready(u.imp, q, u.exp, f)
 	u.exp.wantBytes(dst, []byte("cross pool"))
-	if !bytes.Equal(u.imp.read(isrc, 10), []byte("cross pool")) {
-		t.Fatal("source changed")
-	}
+	require.Equal(t, "cross pool", string(u.imp.read(isrc, 10)), "the source changed")
 }
 
 // Every failed call and every finished Device gives its descriptors back.
 func TestNoDescriptorLeaks(t *testing.T) {
 	count := func() int {
 		ents, err := os.ReadDir("/proc/self/fd")
-		ok(t, err)
+		require.NoError(t, err)
 		return len(ents)
 	}
 	before := count()
@@ -591,12 +559,12 @@ func TestNoDescriptorLeaks(t *testing.T) {
 		f, g := fx{t, exp}, fx{t, imp}
 		p, fd := f.exported()
 		ip := g.importPool(fd)
-		ok(t, unix.Close(fd))
+		require.NoError(t, unix.Close(fd))
 		_, err := imp.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: 0})
 		wantErr(t, err, cudart.ErrInvalidValue)
 		fp := f.pool(cudart.PoolProps{HandleTypes: cudart.HandleTypeFabric, Location: cudart.DeviceLocation(0)})
 		h, err := exp.MemPoolExportToShareableHandle(0, fp, cudart.HandleTypeFabric)
-		ok(t, err)
+		require.NoError(t, err)
 		w, _ := unseal(h.Fabric, fabricMagic)
 		h.Fabric = sealed(w[0], w[1], w[2], w[3]^1, w[4]) // another pool's uid at that descriptor
 		_, err = imp.MemPoolImportFromShareableHandle(0, h)
@@ -604,9 +572,7 @@ func TestNoDescriptorLeaks(t *testing.T) {
 		f.ipcEvent(g)
 		ptr := f.alloc(p, 512)
 		g.importPtr(ip, f.exportPtr(ptr))
-		ok(t, imp.MemPoolDestroy(0, ip))
+		require.NoError(t, imp.MemPoolDestroy(0, ip))
 	}()
-	if after := count(); after != before {
-		t.Fatalf("%d descriptors open before, %d after", before, after)
-	}
+	require.Equal(t, before, count(), "descriptors open before and after")
 }

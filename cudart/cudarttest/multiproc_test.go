@@ -1,16 +1,14 @@
 package cudarttest
 
 import (
-	"bytes"
 	"fmt"
-	"slices"
-	"strings"
 	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 func TestChildImportsReadsAndWrites(t *testing.T) {
@@ -21,32 +19,26 @@ func TestChildImportsReadsAndWrites(t *testing.T) {
 	ptr := exp.alloc(p, 4096)
 	exp.write(ptr, []byte("parent wrote this"))
 	e, err := exp.EventCreate(0, cudart.EventIPC)
-	ok(t, err)
+	require.NoError(t, err)
 	h, err := exp.IpcGetEventHandle(0, e)
-	ok(t, err)
-	ok(t, exp.EventRecord(0, e, 0))
+	require.NoError(t, err)
+	require.NoError(t, exp.EventRecord(0, e, 0))
 
 	child.do(request{Op: "import-pool"}, fd)
 	child.do(request{Op: "open-event", Data: h[:]})
 	data := exp.exportPtr(ptr)
-	if got := child.do(request{Op: "import-ptr", Data: data[:]}).Ptr; got != uint64(ptr) {
-		t.Fatalf("child imported at %#x, parent allocated at %#x", got, uint64(ptr))
-	}
+	require.Equal(t, uint64(ptr), child.do(request{Op: "import-ptr", Data: data[:]}).Ptr, "the child's import is at the parent's address")
 	child.do(request{Op: "wait"})
-	if got := child.do(request{Op: "read", Ptr: uint64(ptr), N: 17}).Data; !bytes.Equal(got, []byte("parent wrote this")) {
-		t.Fatalf("child read %q", got)
-	}
+	require.Equal(t, "parent wrote this", string(child.do(request{Op: "read", Ptr: uint64(ptr), N: 17}).Data), "the child read")
 	child.do(request{Op: "write", Ptr: uint64(ptr) + 1000, Data: []byte("child wrote this")})
 	child.do(request{Op: "free", Ptr: uint64(ptr)})
 	child.do(request{Op: "record"})
-	ok(t, exp.StreamWaitEvent(0, 0, e))
+	require.NoError(t, exp.StreamWaitEvent(0, 0, e))
 	exp.wantBytes(ptr+1000, []byte("child wrote this"))
-	ok(t, exp.FreeAsync(0, ptr, 0))
-	if kinds := child.do(request{Op: "violations"}).Kinds; len(kinds) != 0 {
-		t.Fatalf("child saw violations %v", kinds)
-	}
+	require.NoError(t, exp.FreeAsync(0, ptr, 0))
+	require.Empty(t, child.do(request{Op: "violations"}).Kinds, "the child saw violations")
 	child.exit()
-	ok(t, exp.Err())
+	require.NoError(t, exp.Err())
 }
 
 // childImporter starts a child Device and gives it the exporter's pool.
@@ -67,9 +59,8 @@ func (r *remote) importPtr(data cudart.PtrExportData) uint64 {
 // wantKinds fails unless a failed remote call reported exactly kinds.
 func wantKinds(t *testing.T, rep reply, kinds ...ViolationKind) {
 	t.Helper()
-	if rep.Err == "" || !slices.Equal(rep.Kinds, kinds) {
-		t.Fatalf("remote reply %+v, want an error reporting %v", rep, kinds)
-	}
+	require.NotEmpty(t, rep.Err, "remote reply %+v, want an error reporting %v", rep, kinds)
+	require.Equal(t, kinds, rep.Kinds, "remote reply %+v", rep)
 }
 
 func TestChildStaleAndDoubleImports(t *testing.T) {
@@ -77,8 +68,8 @@ func TestChildStaleAndDoubleImports(t *testing.T) {
 	child, p := childImporter(t, exp)
 	ptr := exp.alloc(p, 512)
 	stale := exp.exportPtr(ptr)
-	ok(t, exp.FreeAsync(0, ptr, 0))
-	ok(t, exp.sync())
+	require.NoError(t, exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, exp.sync())
 	iptr := child.importPtr(stale) // FACTS 3: accepted
 	rep, _ := child.call(request{Op: "read", Ptr: iptr, N: 4})
 	wantKinds(t, rep, ViolationUseAfterRelease)
@@ -88,22 +79,19 @@ func TestChildStaleAndDoubleImports(t *testing.T) {
 	live := exp.alloc(p, 512)
 	rec := exp.exportPtr(live)
 	first, second := child.importPtr(rec), child.importPtr(rec)
-	if first != second || first != uint64(live) {
-		t.Fatalf("imports at %#x and %#x, allocation at %#x", first, second, uint64(live))
-	}
+	require.Equal(t, first, second, "two imports of one record")
+	require.Equal(t, uint64(live), first, "the import is at the allocation's address")
 	child.do(request{Op: "free", Ptr: second})
 	rep, _ = child.call(request{Op: "free", Ptr: first}) // FACTS 4
 	wantKinds(t, rep, ViolationUseAfterRelease)
-	if !strings.Contains(rep.Err, "invalid argument") {
-		t.Fatalf("second free: %s; want invalid argument too", rep.Err)
-	}
+	require.Contains(t, rep.Err, "invalid argument", "the second free fails as the driver's does")
 	h := child.do(request{Op: "create-event"}).Data
 	child.do(request{Op: "record"})
 	e, err := exp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
-	ok(t, err)
-	ok(t, exp.StreamWaitEvent(0, 0, e))
-	ok(t, exp.FreeAsync(0, live, 0))
-	ok(t, exp.Err())
+	require.NoError(t, err)
+	require.NoError(t, exp.StreamWaitEvent(0, 0, e))
+	require.NoError(t, exp.FreeAsync(0, live, 0))
+	require.NoError(t, exp.Err())
 	child.exit()
 }
 
@@ -112,12 +100,10 @@ func TestExporterFreesWhileChildHolds(t *testing.T) {
 	child, p := childImporter(t, exp)
 	ptr := exp.alloc(p, 512)
 	child.importPtr(exp.exportPtr(ptr))
-	ok(t, exp.FreeAsync(0, ptr, 0))
+	require.NoError(t, exp.FreeAsync(0, ptr, 0))
 	err := exp.sync()
 	wantViolation(t, err, ViolationExporterFreedWhileImported)
-	if !strings.Contains(err.Error(), fmt.Sprintf("pid %d ", child.pid)) {
-		t.Fatalf("violation %v does not name the importer, pid %d", err, child.pid)
-	}
+	require.Contains(t, err.Error(), fmt.Sprintf("pid %d ", child.pid), "the violation names the importer")
 	rep, _ := child.call(request{Op: "read", Ptr: uint64(ptr), N: 1})
 	wantKinds(t, rep, ViolationUseAfterRelease)
 	child.exit()
@@ -131,16 +117,16 @@ func TestKilledImporterHoldsNothing(t *testing.T) {
 		child, p := childImporter(t, exp)
 		ptr := exp.alloc(p, 512)
 		child.importPtr(exp.exportPtr(ptr))
-		ok(t, syscall.Kill(child.pid, syscall.SIGKILL))
+		require.NoError(t, syscall.Kill(child.pid, syscall.SIGKILL))
 		if reap {
 			child.cmd.Wait()
 		} else {
 			// Wait for it to be a zombie without reaping it.
 			var info unix.Siginfo
-			ok(t, unix.Waitid(unix.P_PID, child.pid, &info, unix.WEXITED|unix.WNOWAIT, nil))
+			require.NoError(t, unix.Waitid(unix.P_PID, child.pid, &info, unix.WEXITED|unix.WNOWAIT, nil))
 		}
-		ok(t, exp.FreeAsync(0, ptr, 0))
-		ok(t, exp.Err())
+		require.NoError(t, exp.FreeAsync(0, ptr, 0))
+		require.NoError(t, exp.Err())
 	}
 }
 
@@ -150,9 +136,8 @@ func TestExporterChildDiesFirst(t *testing.T) {
 	imp := newFx(t)
 	child := startRemote(t)
 	rep, fds := child.call(request{Op: "export-pool"})
-	if rep.Err != "" || len(fds) != 1 {
-		t.Fatalf("export-pool: %+v, %d descriptors", rep, len(fds))
-	}
+	require.Empty(t, rep.Err, "export-pool")
+	require.Len(t, fds, 1, "export-pool's descriptors")
 	p := imp.importPool(fds[0])
 	unix.Close(fds[0])
 	ptr := child.do(request{Op: "alloc", N: 1000}).Ptr
@@ -162,14 +147,14 @@ func TestExporterChildDiesFirst(t *testing.T) {
 	child.do(request{Op: "sync"}) // the write is done before the child dies
 	rec := child.do(request{Op: "export-ptr", Ptr: ptr}).Data
 	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
-	ok(t, err)
-	ok(t, imp.StreamWaitEvent(0, 0, e))
+	require.NoError(t, err)
+	require.NoError(t, imp.StreamWaitEvent(0, 0, e))
 	iptr := imp.importPtr(p, cudart.PtrExportData(rec))
 
-	ok(t, syscall.Kill(child.pid, syscall.SIGKILL))
+	require.NoError(t, syscall.Kill(child.pid, syscall.SIGKILL))
 	child.cmd.Wait()
 	imp.wantBytes(iptr, []byte("written by the dead"))
-	ok(t, imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, imp.FreeAsync(0, iptr, 0))
 	wantErr(t, imp.MemPoolDestroy(0, p), cudart.ErrInvalidValue)
 	_, err = imp.EventQuery(0, e) // its events died with it
 	wantViolation(t, err, ViolationUseAfterRelease)
@@ -186,21 +171,19 @@ func TestChildExportsAndParentImportsOverEvents(t *testing.T) {
 	iptr := imp.importPtr(p, cudart.PtrExportData(child.do(request{Op: "export-ptr", Ptr: ptr}).Data))
 	h := child.do(request{Op: "create-event"}).Data
 	e, err := imp.IpcOpenEventHandle(0, cudart.IpcEventHandle(h))
-	ok(t, err)
+	require.NoError(t, err)
 	child.do(request{Op: "write", Ptr: ptr, Data: []byte("round 1")})
 	_, err = imp.MemcpyDtoHAsyncN(iptr, 7) // not waited for: its allocation has not run
 	wantViolation(t, err, ViolationUnorderedRead)
 	child.do(request{Op: "record"})
 	child.do(request{Op: "resume"})
-	ok(t, imp.StreamWaitEvent(0, 0, e))
+	require.NoError(t, imp.StreamWaitEvent(0, 0, e))
 	imp.wantBytes(iptr, []byte("round 1"))
-	ok(t, imp.FreeAsync(0, iptr, 0))
-	ok(t, imp.EventRecord(0, e, 0)) // the importer's free is done: tell the exporter
+	require.NoError(t, imp.FreeAsync(0, iptr, 0))
+	require.NoError(t, imp.EventRecord(0, e, 0)) // the importer's free is done: tell the exporter
 	child.do(request{Op: "wait"})
 	child.do(request{Op: "free", Ptr: ptr})
-	if kinds := child.do(request{Op: "violations"}).Kinds; len(kinds) != 0 {
-		t.Fatalf("child saw %v", kinds)
-	}
+	require.Empty(t, child.do(request{Op: "violations"}).Kinds, "the child saw violations")
 	child.exit()
 	// A Device that closed while its process lives on cannot be destroyed from either.
 	wantErr(t, imp.MemPoolDestroy(0, p), cudart.ErrInvalidValue)

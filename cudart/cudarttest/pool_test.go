@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 const mib = 1 << 20
@@ -15,24 +16,16 @@ func TestSubAllocationPacksBelowGranularity(t *testing.T) {
 	p := d.pool(ipcProps(0))
 	base := d.alloc(p, mib)
 	for i := 1; i < 4; i++ {
-		if got := d.alloc(p, mib) - base; got != cudart.DevicePtr(i*mib) {
-			t.Fatalf("1 MiB buffer %d at offset %#x, want %#x", i, got, i*mib)
-		}
+		require.Equal(t, cudart.DevicePtr(i*mib), d.alloc(p, mib)-base, "offset of 1 MiB buffer %d", i)
 	}
 
 	q := d.pool(ipcProps(0))
 	first := d.alloc(q, 100)
-	if first%(2*mib) != 0 {
-		t.Fatalf("first allocation at %#x, not granule aligned", first)
-	}
+	require.Zero(t, first%(2*mib), "first allocation at %#x, not granule aligned", first)
 	for i := 1; i < 12; i++ {
-		if got := d.alloc(q, 512) - first; got != cudart.DevicePtr(i*512) {
-			t.Fatalf("small buffer %d at offset %d, want %d", i, got, i*512)
-		}
+		require.Equal(t, cudart.DevicePtr(i*512), d.alloc(q, 512)-first, "offset of small buffer %d", i)
 	}
-	if big := d.alloc(q, 3*mib); big%(2*mib) != 6144 {
-		t.Fatalf("3 MiB buffer %d bytes into its granule, want 6144", big%(2*mib))
-	}
+	require.EqualValues(t, 6144, d.alloc(q, 3*mib)%(2*mib), "bytes into its granule of a 3 MiB buffer")
 }
 
 func TestFirstFitReusesFreedSpace(t *testing.T) {
@@ -41,14 +34,10 @@ func TestFirstFitReusesFreedSpace(t *testing.T) {
 	a := d.alloc(p, 4096)
 	b := d.alloc(p, 4096)
 	d.alloc(p, 4096)
-	ok(t, d.FreeAsync(0, b, 0))
-	ok(t, d.sync()) // freed space comes back when the free has run
-	if got := d.alloc(p, 1000); got != b {
-		t.Fatalf("after freeing %#x, the next small allocation went to %#x", b, got)
-	}
-	if got := d.alloc(p, 8192); got != a+3*4096 {
-		t.Fatalf("an allocation too big for any hole went to %#x, want the end %#x", got, a+3*4096)
-	}
+	require.NoError(t, d.FreeAsync(0, b, 0))
+	require.NoError(t, d.sync()) // freed space comes back when the free has run
+	require.Equal(t, b, d.alloc(p, 1000), "the next small allocation after a free")
+	require.Equal(t, a+3*4096, d.alloc(p, 8192), "an allocation too big for any hole goes at the end")
 }
 
 func TestMemoryFiguresAndReservation(t *testing.T) {
@@ -56,52 +45,34 @@ func TestMemoryFiguresAndReservation(t *testing.T) {
 	p := d.pool(ipcProps(0))
 	a := d.alloc(p, 1000) // rounds to 1024
 	b := d.alloc(p, 3*mib)
-	if r, u := d.attr(p, cudart.PoolReservedMemCurrent), d.attr(p, cudart.PoolUsedMemCurrent); r != 4*mib || u != 3*mib+1024 {
-		t.Fatalf("reserved %d used %d, want 4 MiB and 3 MiB + 1024", r, u)
-	}
-	if free, _, _ := d.MemGetInfo(0); free != 60*mib {
-		t.Fatalf("MemGetInfo free = %d, want 60 MiB", free)
-	}
-	if free, _, _ := d.MemGetInfo(1); free != 64*mib {
-		t.Fatalf("device 1 free = %d, want all of it", free)
-	}
-	ok(t, d.FreeAsync(0, b, 0))
-	ok(t, d.sync())
-	if u, h := d.attr(p, cudart.PoolUsedMemCurrent), d.attr(p, cudart.PoolUsedMemHigh); u != 1024 || h != 3*mib+1024 {
-		t.Fatalf("after free: used %d high %d", u, h)
-	}
-	ok(t, d.MemPoolSetAttribute(0, p, cudart.PoolUsedMemHigh, 0))
-	if h := d.attr(p, cudart.PoolUsedMemHigh); h != 1024 {
-		t.Fatalf("used high after reset = %d, want the current 1024", h)
-	}
+	require.EqualValues(t, 4*mib, d.attr(p, cudart.PoolReservedMemCurrent), "reserved")
+	require.EqualValues(t, 3*mib+1024, d.attr(p, cudart.PoolUsedMemCurrent), "used")
+	require.EqualValues(t, 60*mib, d.free(0), "MemGetInfo free")
+	require.EqualValues(t, 64*mib, d.free(1), "device 1 free: all of it")
+	require.NoError(t, d.FreeAsync(0, b, 0))
+	require.NoError(t, d.sync())
+	require.EqualValues(t, 1024, d.attr(p, cudart.PoolUsedMemCurrent), "used after free")
+	require.EqualValues(t, 3*mib+1024, d.attr(p, cudart.PoolUsedMemHigh), "used high after free")
+	require.NoError(t, d.MemPoolSetAttribute(0, p, cudart.PoolUsedMemHigh, 0))
+	require.EqualValues(t, 1024, d.attr(p, cudart.PoolUsedMemHigh), "used high after reset: the current figure")
 	// IPC pools keep their reservation (FACTS: TrimTo has no effect on them).
-	ok(t, d.MemPoolTrimTo(0, p, 0))
-	if r := d.attr(p, cudart.PoolReservedMemCurrent); r != 4*mib {
-		t.Fatalf("IPC pool reserved after trim = %d, want 4 MiB kept", r)
-	}
-	ok(t, d.FreeAsync(0, a, 0))
+	require.NoError(t, d.MemPoolTrimTo(0, p, 0))
+	require.EqualValues(t, 4*mib, d.attr(p, cudart.PoolReservedMemCurrent), "IPC pool reserved after trim: all kept")
+	require.NoError(t, d.FreeAsync(0, a, 0))
 
 	// A pool that is not IPC capable gives memory back on TrimTo.
 	np := d.pool(cudart.PoolProps{Location: cudart.DeviceLocation(0)})
 	x := d.alloc(np, 5*mib)
-	ok(t, d.FreeAsync(0, x, 0))
-	ok(t, d.sync()) // memory whose free has not run is still in use
-	ok(t, d.MemPoolTrimTo(0, np, 2*mib))
-	if r := d.attr(np, cudart.PoolReservedMemCurrent); r != 2*mib {
-		t.Fatalf("non-IPC reserved after TrimTo(2 MiB) = %d", r)
-	}
-	if rh := d.attr(np, cudart.PoolReservedMemHigh); rh != 6*mib {
-		t.Fatalf("reserved high = %d, want 6 MiB", rh)
-	}
-	ok(t, d.MemPoolSetAttribute(0, np, cudart.PoolReservedMemHigh, 0))
-	if rh := d.attr(np, cudart.PoolReservedMemHigh); rh != 2*mib {
-		t.Fatalf("reserved high after reset = %d, want 2 MiB", rh)
-	}
-	ok(t, d.MemPoolDestroy(0, np))
-	ok(t, d.MemPoolDestroy(0, p))
-	if free, _, _ := d.MemGetInfo(0); free != 64*mib {
-		t.Fatalf("free after destroying every pool = %d, want 64 MiB", free)
-	}
+	require.NoError(t, d.FreeAsync(0, x, 0))
+	require.NoError(t, d.sync()) // memory whose free has not run is still in use
+	require.NoError(t, d.MemPoolTrimTo(0, np, 2*mib))
+	require.EqualValues(t, 2*mib, d.attr(np, cudart.PoolReservedMemCurrent), "non-IPC reserved after TrimTo(2 MiB)")
+	require.EqualValues(t, 6*mib, d.attr(np, cudart.PoolReservedMemHigh), "reserved high")
+	require.NoError(t, d.MemPoolSetAttribute(0, np, cudart.PoolReservedMemHigh, 0))
+	require.EqualValues(t, 2*mib, d.attr(np, cudart.PoolReservedMemHigh), "reserved high after reset")
+	require.NoError(t, d.MemPoolDestroy(0, np))
+	require.NoError(t, d.MemPoolDestroy(0, p))
+	require.EqualValues(t, 64*mib, d.free(0), "free after destroying every pool")
 }
 
 // FACTS 10: maxSize is honoured, and need not be a granularity multiple.
@@ -150,19 +121,13 @@ func TestPoolAttributesFollowCUDARules(t *testing.T) {
 	d := newFx(t)
 	p := d.pool(ipcProps(0))
 	for _, a := range []cudart.PoolAttr{cudart.PoolReuseFollowEventDependencies, cudart.PoolReuseAllowOpportunistic, cudart.PoolReuseAllowInternalDependencies} {
-		if v := d.attr(p, a); v != 1 {
-			t.Fatalf("attribute %d defaults to %d, want 1", a, v)
-		}
-		ok(t, d.MemPoolSetAttribute(0, p, a, 0))
-		if v := d.attr(p, a); v != 0 {
-			t.Fatalf("attribute %d = %d after setting 0", a, v)
-		}
+		require.EqualValues(t, 1, d.attr(p, a), "attribute %d by default", a)
+		require.NoError(t, d.MemPoolSetAttribute(0, p, a, 0))
+		require.Zero(t, d.attr(p, a), "attribute %d after setting 0", a)
 		wantErr(t, d.MemPoolSetAttribute(0, p, a, 2), cudart.ErrInvalidValue)
 	}
-	ok(t, d.MemPoolSetAttribute(0, p, cudart.PoolReleaseThreshold, 1<<40))
-	if v := d.attr(p, cudart.PoolReleaseThreshold); v != 1<<40 {
-		t.Fatalf("release threshold = %d", v)
-	}
+	require.NoError(t, d.MemPoolSetAttribute(0, p, cudart.PoolReleaseThreshold, 1<<40))
+	require.EqualValues(t, 1<<40, d.attr(p, cudart.PoolReleaseThreshold), "release threshold")
 	for _, a := range []cudart.PoolAttr{cudart.PoolReservedMemCurrent, cudart.PoolUsedMemCurrent, 99} {
 		wantErr(t, d.MemPoolSetAttribute(0, p, a, 0), cudart.ErrInvalidValue)
 	}
@@ -176,16 +141,16 @@ func TestPoolAttributesFollowCUDARules(t *testing.T) {
 func TestDefaultPool(t *testing.T) {
 	d := newFx(t)
 	p, err := d.DeviceGetDefaultMemPool(1)
-	ok(t, err)
-	if again, _ := d.DeviceGetDefaultMemPool(1); again != p {
-		t.Fatalf("default pool changed: %#x then %#x", p, again)
-	}
-	if other, _ := d.DeviceGetDefaultMemPool(0); other == p {
-		t.Fatal("devices 0 and 1 share a default pool")
-	}
+	require.NoError(t, err)
+	again, err := d.DeviceGetDefaultMemPool(1)
+	require.NoError(t, err)
+	require.Equal(t, p, again, "the default pool changed")
+	other, err := d.DeviceGetDefaultMemPool(0)
+	require.NoError(t, err)
+	require.NotEqual(t, p, other, "devices 0 and 1 share a default pool")
 	ptr, err := d.MallocFromPoolAsync(1, 100, p, 0)
-	ok(t, err)
-	ok(t, d.MemcpyHtoDAsync(1, ptr, []byte("x"), 0))
+	require.NoError(t, err)
+	require.NoError(t, d.MemcpyHtoDAsync(1, ptr, []byte("x"), 0))
 	// FACTS 9: not IPC capable.
 	_, err = d.MemPoolExportToShareableHandle(1, p, cudart.HandleTypePosixFD)
 	wantErr(t, err, cudart.ErrInvalidValue)
@@ -199,19 +164,15 @@ func TestDestroyWaitsForLiveAllocations(t *testing.T) {
 	p := d.pool(ipcProps(0))
 	ptr := d.alloc(p, 100)
 	d.write(ptr, []byte("still here"))
-	ok(t, d.MemPoolDestroy(0, p))
+	require.NoError(t, d.MemPoolDestroy(0, p))
 	_, err := d.MallocFromPoolAsync(0, 100, p, 0)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantErr(t, d.MemPoolDestroy(0, p), cudart.ErrInvalidValue)
 	d.wantBytes(ptr, []byte("still here"))
-	if free, _, _ := d.MemGetInfo(0); free != 62*mib {
-		t.Fatalf("free = %d while the destroyed pool still has an allocation", free)
-	}
-	ok(t, d.FreeAsync(0, ptr, 0))
-	ok(t, d.sync())
-	if free, _, _ := d.MemGetInfo(0); free != 64*mib {
-		t.Fatalf("free = %d after the last allocation of a destroyed pool went", free)
-	}
+	require.EqualValues(t, 62*mib, d.free(0), "free while the destroyed pool still has an allocation")
+	require.NoError(t, d.FreeAsync(0, ptr, 0))
+	require.NoError(t, d.sync())
+	require.EqualValues(t, 64*mib, d.free(0), "free after the last allocation of a destroyed pool went")
 	_, err = d.MemcpyDtoHAsyncN(ptr, 1)
 	wantErr(t, err, cudart.ErrInvalidValue)
 }
@@ -234,7 +195,7 @@ func TestBadAddressesAndSizes(t *testing.T) {
 	}
 
 	_, err = d.MemcpyDtoHAsyncN(ptr+1000, 24)
-	ok(t, err)
+	require.NoError(t, err)
 	_, err = d.MemcpyDtoHAsyncN(ptr+1000, 25)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	_, err = d.MemcpyDtoHAsyncN(ptr+4096, 1) // in the pool, never allocated
@@ -244,11 +205,11 @@ func TestBadAddressesAndSizes(t *testing.T) {
 	wantErr(t, d.FreeAsync(0, ptr+512, 0), cudart.ErrInvalidValue)
 	wantErr(t, d.FreeAsync(0, 12345, 0), cudart.ErrInvalidValue)
 	wantErr(t, d.MemsetAsync(0, ptr, 1, 2048, 0), cudart.ErrInvalidValue)
-	ok(t, d.MemsetAsync(0, ptr, 0, 0, 0))
-	ok(t, d.Err()) // wild addresses are errors, not violations
+	require.NoError(t, d.MemsetAsync(0, ptr, 0, 0, 0))
+	require.NoError(t, d.Err()) // wild addresses are errors, not violations
 
 	// A freed allocation is a use after release.
-	ok(t, d.FreeAsync(0, ptr, 0))
+	require.NoError(t, d.FreeAsync(0, ptr, 0))
 	_, err = d.MemcpyDtoHAsyncN(ptr, 1)
 	wantErr(t, err, cudart.ErrInvalidValue)
 	wantViolation(t, err, ViolationUseAfterRelease)
@@ -260,23 +221,21 @@ func TestCopiesAndSets(t *testing.T) {
 	d := newFx(t)
 	p := d.pool(ipcProps(0))
 	q, err := d.DeviceGetDefaultMemPool(1)
-	ok(t, err)
+	require.NoError(t, err)
 	a := d.alloc(p, 64)
 	b, err := d.MallocFromPoolAsync(1, 64, q, 0)
-	ok(t, err)
-	ok(t, d.StreamSynchronize(1, 0)) // the allocation has run: any stream may use it
-	ok(t, d.MemsetAsync(0, a, 'z', 64, 0))
+	require.NoError(t, err)
+	require.NoError(t, d.StreamSynchronize(1, 0)) // the allocation has run: any stream may use it
+	require.NoError(t, d.MemsetAsync(0, a, 'z', 64, 0))
 	d.write(a+8, []byte("hello"))
-	ok(t, d.MemcpyDtoDAsync(0, b, a, 64, 0)) // across devices, as cudaMemcpyDefault
-	ok(t, d.MemcpyDtoDAsync(0, a+1, a, 16, 0))
-	ok(t, d.sync()) // device 1's default stream is another stream
+	require.NoError(t, d.MemcpyDtoDAsync(0, b, a, 64, 0)) // across devices, as cudaMemcpyDefault
+	require.NoError(t, d.MemcpyDtoDAsync(0, a+1, a, 16, 0))
+	require.NoError(t, d.sync()) // device 1's default stream is another stream
 	got := make([]byte, 16)
-	ok(t, d.MemcpyDtoHAsync(1, got, b, 0))
-	if string(got) != "zzzzzzzzhellozzz" {
-		t.Fatalf("copy across devices read %q", got)
-	}
+	require.NoError(t, d.MemcpyDtoHAsync(1, got, b, 0))
+	require.Equal(t, "zzzzzzzzhellozzz", string(got), "copy across devices")
 	d.wantBytes(a, []byte("zzzzzzzzzhellozz")) // overlapping copies move
-	ok(t, d.StreamSynchronize(0, 0))
+	require.NoError(t, d.StreamSynchronize(0, 0))
 }
 
 func TestPoolAccess(t *testing.T) {
@@ -284,12 +243,11 @@ func TestPoolAccess(t *testing.T) {
 	p := d.pool(ipcProps(0))
 	get := func(dev int32) cudart.AccessFlags {
 		f, err := d.MemPoolGetAccess(0, p, cudart.DeviceLocation(int(dev)))
-		ok(t, err)
+		require.NoError(t, err)
 		return f
 	}
-	if get(0) != cudart.AccessReadWrite || get(1) != cudart.AccessNone {
-		t.Fatalf("default access: device 0 %d, device 1 %d", get(0), get(1))
-	}
+	require.Equal(t, cudart.AccessReadWrite, get(0), "default access of the resident device")
+	require.Equal(t, cudart.AccessNone, get(1), "default access of another device")
 	desc := func(dev int, f cudart.AccessFlags) []cudart.AccessDesc {
 		return []cudart.AccessDesc{{Location: cudart.DeviceLocation(dev), Flags: f}}
 	}
@@ -300,13 +258,9 @@ func TestPoolAccess(t *testing.T) {
 	// Checked as a whole: a bad descriptor applies none.
 	err := d.MemPoolSetAccess(0, p, append(desc(1, cudart.AccessRead), desc(1, 7)...))
 	wantErr(t, err, cudart.ErrInvalidValue)
-	if get(1) != cudart.AccessNone {
-		t.Fatal("a failed MemPoolSetAccess applied part of its descriptors")
-	}
-	ok(t, d.MemPoolSetAccess(0, p, desc(1, cudart.AccessRead)))
-	if get(1) != cudart.AccessRead {
-		t.Fatalf("device 1 access = %d after granting read", get(1))
-	}
+	require.Equal(t, cudart.AccessNone, get(1), "a failed MemPoolSetAccess applied part of its descriptors")
+	require.NoError(t, d.MemPoolSetAccess(0, p, desc(1, cudart.AccessRead)))
+	require.Equal(t, cudart.AccessRead, get(1), "device 1 access after granting read")
 	_, err = d.MemPoolGetAccess(0, p, cudart.Location{Type: cudart.LocationHost})
 	wantErr(t, err, cudart.ErrInvalidValue)
 

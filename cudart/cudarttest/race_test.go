@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/stretchr/testify/require"
 )
 
 // Many goroutines allocate, fill, check and free in one pool: overlapping allocations
@@ -56,13 +57,11 @@ func TestConcurrentAllocFree(t *testing.T) {
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		t.Fatal(err)
+		require.NoError(t, err)
 	}
-	ok(t, d.sync())
-	if used := d.attr(p, cudart.PoolUsedMemCurrent); used != 0 {
-		t.Fatalf("used %d after every allocation was freed", used)
-	}
-	ok(t, d.Err())
+	require.NoError(t, d.sync())
+	require.Zero(t, d.attr(p, cudart.PoolUsedMemCurrent), "used after every allocation was freed")
+	require.NoError(t, d.Err())
 }
 
 // An import racing the exporter's free of the same allocation must end one of two
@@ -79,20 +78,18 @@ func TestImportRacingExporterFree(t *testing.T) {
 		wg.Go(func() { freeErr = s.exp.FreeAsync(0, ptr, 0) })
 		wg.Go(func() { iptr, importErr = s.imp.MemPoolImportPointer(0, s.ipool, rec) })
 		wg.Wait()
-		ok(t, importErr)
+		require.NoError(t, importErr)
 		freeErr = errors.Join(freeErr, s.exp.sync())
-		if freeErr != nil && !errors.Is(freeErr, ErrViolation) {
-			t.Fatal(freeErr)
+		if freeErr != nil {
+			require.ErrorIs(t, freeErr, ErrViolation)
 		}
 		s.imp.mu.Lock()
 		p := s.imp.pools[s.ipool]
 		imp, _ := p.importAt(uint64(iptr)-p.base, 1)
 		stale := imp.stale
 		s.imp.mu.Unlock()
-		if !stale && freeErr == nil {
-			t.Fatal("an import outlived the exporter's free unnoticed")
-		}
-		ok(t, s.imp.FreeAsync(0, iptr, 0))
-		ok(t, s.imp.sync())
+		require.True(t, stale || freeErr != nil, "an import outlived the exporter's free unnoticed")
+		require.NoError(t, s.imp.FreeAsync(0, iptr, 0))
+		require.NoError(t, s.imp.sync())
 	}
 }

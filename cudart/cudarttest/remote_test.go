@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/unixfd"
+	"github.com/stretchr/testify/require"
 )
 
 func TestMain(m *testing.M) {
@@ -51,7 +52,7 @@ type reply struct {
 func startRemote(t testing.TB) *remote {
 	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	ok(t, err)
+	require.NoError(t, err)
 	mine, theirs := os.NewFile(uintptr(fds[0]), "parent"), os.NewFile(uintptr(fds[1]), "child")
 	defer theirs.Close()
 	conn := fileConn(t, mine)
@@ -61,16 +62,14 @@ func startRemote(t testing.TB) *remote {
 	// Under -race a process lingers a second at exit to let reports settle; a child
 	// that exits cleanly has nothing to report late.
 	cmd.Env = append(cmd.Env, "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
-	ok(t, cmd.Start())
+	require.NoError(t, cmd.Start())
 	return &remote{t: t, conn: conn, cmd: cmd, pid: cmd.Process.Pid}
 }
 
 func fileConn(t testing.TB, f *os.File) *net.UnixConn {
 	defer f.Close()
 	c, err := net.FileConn(f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	return c.(*net.UnixConn)
 }
 
@@ -79,14 +78,14 @@ func fileConn(t testing.TB, f *os.File) *net.UnixConn {
 func (r *remote) call(req request, fds ...int) (reply, []int) {
 	r.t.Helper()
 	msg, err := json.Marshal(req)
-	ok(r.t, err)
-	ok(r.t, r.conn.SetDeadline(time.Now().Add(time.Minute))) // a child that never answers fails the test
-	ok(r.t, unixfd.Send(r.conn, msg, fds...))
+	require.NoError(r.t, err)
+	require.NoError(r.t, r.conn.SetDeadline(time.Now().Add(time.Minute))) // a child that never answers fails the test
+	require.NoError(r.t, unixfd.Send(r.conn, msg, fds...))
 	buf := make([]byte, 1<<16)
 	n, got, err := unixfd.Recv(r.conn, buf, 1)
-	ok(r.t, err)
+	require.NoError(r.t, err)
 	var rep reply
-	ok(r.t, json.Unmarshal(buf[:n], &rep))
+	require.NoError(r.t, json.Unmarshal(buf[:n], &rep))
 	return rep, got
 }
 
@@ -97,9 +96,7 @@ func (r *remote) do(req request, fds ...int) reply {
 	for _, fd := range got {
 		unix.Close(fd)
 	}
-	if rep.Err != "" {
-		r.t.Fatalf("remote %s: %s", req.Op, rep.Err)
-	}
+	require.Empty(r.t, rep.Err, "remote %s", req.Op)
 	return rep
 }
 
@@ -107,7 +104,7 @@ func (r *remote) do(req request, fds ...int) reply {
 func (r *remote) exit() {
 	r.t.Helper()
 	r.do(request{Op: "exit"})
-	ok(r.t, r.cmd.Wait())
+	require.NoError(r.t, r.cmd.Wait())
 }
 
 // serveRemote is the child: one Device, one pool, one IPC event, driven by requests
