@@ -4,13 +4,14 @@ package cudart_test
 
 import (
 	"embed"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -38,12 +39,8 @@ func buildFake(t testing.TB, runtimeDefs, driverDefs []string) fakeLibs {
 	dir := t.TempDir()
 	for _, name := range []string{"fake.h", "fakecudart.c", "fakecuda.c"} {
 		src, err := fakeSources.ReadFile("testdata/" + name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, name), src, 0o644); err != nil {
-			t.Fatal(err)
-		}
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), src, 0o644))
 	}
 	compile := func(src, out string, defs []string) string {
 		args := []string{"-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", out, src, "-lpthread"}
@@ -52,9 +49,8 @@ func buildFake(t testing.TB, runtimeDefs, driverDefs []string) fakeLibs {
 		}
 		cmd := exec.Command(cc, args...)
 		cmd.Dir = dir
-		if msg, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("%s %s: %v\n%s", cc, strings.Join(args, " "), err, msg)
-		}
+		msg, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s %s\n%s", cc, strings.Join(args, " "), msg)
 		return filepath.Join(dir, out)
 	}
 	return fakeLibs{
@@ -66,9 +62,7 @@ func buildFake(t testing.TB, runtimeDefs, driverDefs []string) fakeLibs {
 func (f fakeLibs) load(t testing.TB) cudart.Runtime {
 	t.Helper()
 	rt, err := cudart.Load(cudart.WithLibrary(f.runtime), cudart.WithDriverLibrary(f.driver))
-	if err != nil {
-		t.Fatalf("loading the fake libraries: %v", err)
-	}
+	require.NoError(t, err, "loading the fake libraries")
 	return rt
 }
 
@@ -92,17 +86,14 @@ func poisonCode(fn string) cudart.Code {
 func wantError(t *testing.T, err error, op string, code cudart.Code) {
 	t.Helper()
 	var e *cudart.Error
-	if !errors.As(err, &e) {
-		t.Fatalf("want a *cudart.Error of %s with code %d, got %v", op, code, err)
-	}
-	if e.Op != op || e.Code != code || !errors.Is(err, code) {
-		t.Fatalf("want %s failing with code %d, got %v", op, code, err)
-	}
+	require.ErrorAs(t, err, &e, "want a *cudart.Error of %s with code %d", op, code)
+	require.Equal(t, op, e.Op, "want %s failing with code %d, got %v", op, code, err)
+	require.Equal(t, code, e.Code, "want %s failing with code %d, got %v", op, code, err)
+	require.ErrorIs(t, err, code)
 	name, text := fmt.Sprintf("fakeErrorName%d", code), fmt.Sprintf("fake error text %d", code)
 	if strings.HasPrefix(op, "cu") && !strings.HasPrefix(op, "cuda") {
 		name, text = fmt.Sprintf("FAKE_CU_NAME_%d", code), fmt.Sprintf("fake driver text %d", code)
 	}
-	if e.Name != name || e.Text != text {
-		t.Fatalf("want the library's name %q and text %q for %v", name, text, err)
-	}
+	require.Equal(t, name, e.Name, "the library's name for %v", err)
+	require.Equal(t, text, e.Text, "the library's text for %v", err)
 }

@@ -1,23 +1,23 @@
 package cudart_test
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
 
 // must returns a function that returns a call's value, failing t if the call failed.
 func must[T any](t testing.TB, what string) func(T, error) T {
 	return func(v T, err error) T {
 		t.Helper()
-		if err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
+		require.NoError(t, err, what)
 		return v
 	}
 }
 
 func noErr(t testing.TB, what string, err error) {
 	t.Helper()
-	if err != nil {
-		t.Fatalf("%s: %v", what, err)
-	}
+	require.NoError(t, err, what)
 }
 
 // pattern is n bytes that differ from seed to seed and from byte to nearby byte.

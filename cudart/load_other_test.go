@@ -3,9 +3,10 @@
 package cudart_test
 
 import (
-	"errors"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -13,10 +14,9 @@ import (
 func TestLoadFailsWithoutCgoBinding(t *testing.T) {
 	_, err := cudart.Load()
 	var le *cudart.LoadError
-	if !errors.As(err, &le) || !errors.Is(err, cudart.ErrNoRuntime) || len(le.Tried) != 1 {
-		t.Fatalf("want a *LoadError wrapping ErrNoRuntime with one reason, got %v", err)
-	}
-	if !strings.Contains(le.Tried[0], "cgo") && !strings.Contains(le.Tried[0], "only Linux") {
-		t.Fatalf("the reason %q says neither cgo nor the OS", le.Tried[0])
-	}
+	require.ErrorAs(t, err, &le)
+	require.ErrorIs(t, err, cudart.ErrNoRuntime)
+	require.Len(t, le.Tried, 1, "want one reason")
+	require.True(t, strings.Contains(le.Tried[0], "cgo") || strings.Contains(le.Tried[0], "only Linux"),
+		"the reason %q says neither cgo nor the OS", le.Tried[0])
 }

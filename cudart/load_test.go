@@ -3,37 +3,31 @@
 package cudart_test
 
 import (
-	"errors"
 	"strings"
 	"testing"
 
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
 )
 
 func loadError(t *testing.T, err error) *cudart.LoadError {
 	t.Helper()
 	var le *cudart.LoadError
-	if !errors.As(err, &le) || !errors.Is(err, cudart.ErrNoRuntime) {
-		t.Fatalf("want a *LoadError wrapping ErrNoRuntime, got %v", err)
-	}
+	require.ErrorAs(t, err, &le)
+	require.ErrorIs(t, err, cudart.ErrNoRuntime)
 	return le
 }
 
 // wantTried checks that the error names each library in order, each with a reason.
 func wantTried(t *testing.T, le *cudart.LoadError, libs ...string) {
 	t.Helper()
-	if len(le.Tried) != len(libs) {
-		t.Fatalf("tried %q, want one entry for each of %q", le.Tried, libs)
-	}
+	require.Len(t, le.Tried, len(libs), "want one entry for each of %q", libs)
 	for i, lib := range libs {
-		if !strings.HasPrefix(le.Tried[i], lib+": ") || len(le.Tried[i]) <= len(lib)+2 {
-			t.Errorf("entry %d is %q, want %q and why it failed", i, le.Tried[i], lib)
-		}
-		if !strings.Contains(le.Error(), le.Tried[i]) {
-			t.Errorf("error %q does not name %q", le.Error(), le.Tried[i])
-		}
+		assert.True(t, strings.HasPrefix(le.Tried[i], lib+": ") && len(le.Tried[i]) > len(lib)+2,
+			"entry %d is %q, want %q and why it failed", i, le.Tried[i], lib)
+		assert.Contains(t, le.Error(), le.Tried[i])
 	}
 }
 
@@ -43,9 +37,7 @@ func TestLoadDefaultSearch(t *testing.T) {
 	t.Setenv(cudart.LibraryEnv, "")
 	rt, err := cudart.Load()
 	if err == nil {
-		if !strings.HasPrefix(rt.Name(), "libcudart.so.1") {
-			t.Fatalf("loaded %q, not one of %q", rt.Name(), cudart.DefaultLibraries)
-		}
+		require.True(t, strings.HasPrefix(rt.Name(), "libcudart.so.1"), "loaded %q, not one of %q", rt.Name(), cudart.DefaultLibraries)
 		t.Logf("this machine has a CUDA runtime: %s", rt.Name())
 		return
 	}
@@ -57,9 +49,7 @@ func TestLoadNamesMissingFiles(t *testing.T) {
 	_, err := cudart.Load(cudart.WithLibrary("/nonexistent/libcudart.so.13"), cudart.WithDriverLibrary("/nonexistent/libcuda.so.1"))
 	le := loadError(t, err)
 	wantTried(t, le, "/nonexistent/libcudart.so.13", "/nonexistent/libcuda.so.1")
-	if !strings.Contains(le.Tried[0], "No such file") {
-		t.Errorf("want the loader's reason, got %q", le.Tried[0])
-	}
+	assert.Contains(t, le.Tried[0], "No such file", "want the loader's reason")
 }
 
 func TestLoadEnvironmentReplacesSearchAndOptionWins(t *testing.T) {
@@ -69,9 +59,7 @@ func TestLoadEnvironmentReplacesSearchAndOptionWins(t *testing.T) {
 
 	fake := buildFake(t, nil, nil)
 	rt := fake.load(t) // WithLibrary wins over the environment
-	if !strings.HasPrefix(rt.Name(), fake.runtime+" ") {
-		t.Fatalf("loaded %q, want %s", rt.Name(), fake.runtime)
-	}
+	require.True(t, strings.HasPrefix(rt.Name(), fake.runtime+" "), "loaded %q, want %s", rt.Name(), fake.runtime)
 }
 
 func TestLoadNamesEveryMissingSymbol(t *testing.T) {
@@ -81,19 +69,15 @@ func TestLoadNamesEveryMissingSymbol(t *testing.T) {
 	_, err := cudart.Load(cudart.WithLibrary(fake.runtime), cudart.WithDriverLibrary(fake.driver))
 	le := loadError(t, err)
 	wantTried(t, le, fake.runtime, fake.driver)
-	if want := ": missing symbols: cudaFreeAsync, cudaMemPoolExportPointer"; !strings.HasSuffix(le.Tried[0], want) {
-		t.Errorf("runtime entry %q, want it to end %q", le.Tried[0], want)
-	}
-	if want := ": missing symbols: cuMemGetAllocationGranularity"; !strings.HasSuffix(le.Tried[1], want) {
-		t.Errorf("driver entry %q, want it to end %q", le.Tried[1], want)
-	}
+	want := ": missing symbols: cudaFreeAsync, cudaMemPoolExportPointer"
+	assert.True(t, strings.HasSuffix(le.Tried[0], want), "runtime entry %q, want it to end %q", le.Tried[0], want)
+	want = ": missing symbols: cuMemGetAllocationGranularity"
+	assert.True(t, strings.HasSuffix(le.Tried[1], want), "driver entry %q, want it to end %q", le.Tried[1], want)
 }
 
 func TestLoadReturnsOneRuntimePerLibraries(t *testing.T) {
 	fake := buildFake(t, nil, nil)
-	if a, b := fake.load(t), fake.load(t); a != b {
-		t.Fatal("a second Load of the same libraries returned another Runtime")
-	}
+	require.Same(t, fake.load(t), fake.load(t), "a second Load of the same libraries returned another Runtime")
 }
 
 func TestLoadPrefersVersionedUUIDEntryPoint(t *testing.T) {
@@ -106,8 +90,9 @@ func TestLoadPrefersVersionedUUIDEntryPoint(t *testing.T) {
 	} {
 		rt := buildFake(t, nil, tc.defs).load(t)
 		u, err := rt.DeviceUUID(1)
-		if err != nil || u[0] != tc.first || u[15] != tc.first+15 {
-			t.Errorf("with %q: DeviceUUID(1) = %v, %v; want bytes from %#x", tc.defs, u, err, tc.first)
+		if assert.NoError(t, err, "with %q: DeviceUUID(1)", tc.defs) {
+			assert.Equal(t, tc.first, u[0], "with %q: DeviceUUID(1) = %v, want bytes from %#x", tc.defs, u, tc.first)
+			assert.Equal(t, tc.first+15, u[15], "with %q: DeviceUUID(1) = %v, want bytes from %#x", tc.defs, u, tc.first)
 		}
 	}
 }
