@@ -28,6 +28,9 @@ func (pr *producer) recycled(r *reporter) ([]float64, error) {
 		if rp.validate {
 			rp.reportValidated(r, cs)
 		}
+		// The exporter goes first: its Close revokes the imports the consumers retain
+		// while they are there to free them.
+		rp.closeExporter(r)
 		for _, c := range cs {
 			if err := c.quit(); err != nil {
 				r.fail("cudapool", "consumer", err)

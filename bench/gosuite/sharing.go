@@ -31,6 +31,7 @@ type producer struct {
 	stream cudart.Stream
 	dir    string
 
+	exClosed bool
 	validate bool
 	// given counts the buffers the consumers were given, each of which a validating
 	// consumer checks.
@@ -134,12 +135,23 @@ func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, so
 	return pr, nil
 }
 
-func (pr *producer) close(r *reporter) {
+// closeExporter closes the producer's exporter, once.
+func (pr *producer) closeExporter(r *reporter) {
+	if pr.exClosed {
+		return
+	}
+	pr.exClosed = true
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
 	if err := pr.ex.Close(ctx); err != nil {
 		r.fail("cudapool", "close", err)
 	}
+}
+
+func (pr *producer) close(r *reporter) {
+	pr.closeExporter(r)
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
 	pr.rt.StreamSynchronize(0, pr.stream)
 	pr.pool.Close(ctx, pool.Force())
 	pr.rt.StreamDestroy(0, pr.stream)
