@@ -70,10 +70,9 @@ type side struct {
 
 func newSide(t testing.TB, ord int, opts ...cudarttest.Option) *side {
 	t.Helper()
-	d := cudarttest.New(opts...)
+	d := cudarttest.ForTest(t, opts...) // logs the seed if the test fails
 	s, err := d.StreamCreate(ord, cudart.StreamNonBlocking)
 	require.NoError(t, err)
-	t.Cleanup(func() { d.Close() })
 	return &side{dev: d, ord: ord, stream: s}
 }
 

@@ -42,11 +42,8 @@ func onEachRuntime(t *testing.T, body func(t *testing.T, e testEnv)) {
 
 // softDevice is a software device that the test checks for violations and closes.
 func softDevice(t testing.TB, opts ...cudarttest.Option) *cudarttest.Device {
-	d := cudarttest.New(opts...)
-	t.Cleanup(func() {
-		assert.NoError(t, d.Err(), "software device saw rule violations")
-		d.Close()
-	})
+	d := cudarttest.ForTest(t, opts...) // logs the seed if the test fails
+	t.Cleanup(func() { assert.NoError(t, d.Err(), "software device saw rule violations") })
 	return d
 }
 

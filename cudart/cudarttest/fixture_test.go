@@ -15,8 +15,7 @@ type fx struct {
 
 func newFx(t testing.TB, opts ...Option) fx {
 	t.Helper()
-	d := New(opts...)
-	t.Cleanup(func() { d.Close() })
+	d := ForTest(t, opts...) // logs the seed if the test fails
 	return fx{t, d}
 }
 
