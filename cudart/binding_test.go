@@ -4,13 +4,13 @@ package cudart_test
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -19,31 +19,18 @@ import (
 func TestFakeVersionsAndDevices(t *testing.T) {
 	fake := buildFake(t, nil, nil)
 	rt := fake.load(t)
-	if want := fake.runtime + " (runtime 13000, driver 13010)"; rt.Name() != want {
-		t.Errorf("Name() = %q, want %q", rt.Name(), want)
-	}
-	if n := must[int](t, "DeviceCount")(rt.DeviceCount()); n != 4 {
-		t.Errorf("DeviceCount = %d, want 4", n)
-	}
-	if v := must[int](t, "DeviceAttribute")(rt.DeviceAttribute(2, cudart.DevAttrMemoryPoolsSupported)); v != 2115 {
-		t.Errorf("DeviceAttribute(2, 115) = %d, want 2115", v)
-	}
+	assert.Equal(t, fake.runtime+" (runtime 13000, driver 13010)", rt.Name())
+	assert.Equal(t, 4, must[int](t, "DeviceCount")(rt.DeviceCount()), "DeviceCount")
+	assert.Equal(t, 2115, must[int](t, "DeviceAttribute")(rt.DeviceAttribute(2, cudart.DevAttrMemoryPoolsSupported)), "DeviceAttribute(2, 115)")
 	u := must[cudart.UUID](t, "DeviceUUID")(rt.DeviceUUID(1))
-	if want := "GPU-90919293-9495-9697-9899-9a9b9c9d9e9f"; u.String() != want {
-		t.Errorf("DeviceUUID(1) = %s, want %s", u, want)
-	}
-	if id := must[string](t, "DevicePCIBusID")(rt.DevicePCIBusID(2)); id != "0000:12:00.0" {
-		t.Errorf("DevicePCIBusID(2) = %q", id)
-	}
-	if can := must[bool](t, "DeviceCanAccessPeer")(rt.DeviceCanAccessPeer(0, 1)); !can {
-		t.Error("DeviceCanAccessPeer(0, 1) = false, want true")
-	}
-	if can := must[bool](t, "DeviceCanAccessPeer")(rt.DeviceCanAccessPeer(1, 0)); can {
-		t.Error("DeviceCanAccessPeer(1, 0) = true, want false")
-	}
+	assert.Equal(t, "GPU-90919293-9495-9697-9899-9a9b9c9d9e9f", u.String(), "DeviceUUID(1)")
+	assert.Equal(t, "0000:12:00.0", must[string](t, "DevicePCIBusID")(rt.DevicePCIBusID(2)), "DevicePCIBusID(2)")
+	assert.True(t, must[bool](t, "DeviceCanAccessPeer")(rt.DeviceCanAccessPeer(0, 1)), "DeviceCanAccessPeer(0, 1)")
+	assert.False(t, must[bool](t, "DeviceCanAccessPeer")(rt.DeviceCanAccessPeer(1, 0)), "DeviceCanAccessPeer(1, 0)")
 	free, total, err := rt.MemGetInfo(2)
-	if err != nil || free != 3<<33 || total != 3<<34 {
-		t.Errorf("MemGetInfo(2) = %d, %d, %v; want %d, %d", free, total, err, uint64(3<<33), uint64(3<<34))
+	if assert.NoError(t, err, "MemGetInfo(2)") {
+		assert.Equal(t, uint64(3<<33), free, "MemGetInfo(2) free")
+		assert.Equal(t, uint64(3<<34), total, "MemGetInfo(2) total")
 	}
 	for _, tc := range []struct {
 		dev         int
@@ -55,8 +42,8 @@ func TestFakeVersionsAndDevices(t *testing.T) {
 		{2, cudart.HandleTypeFabric, true, 4<<20 + 8*4096 + 2*16},
 	} {
 		g, err := rt.AllocationGranularity(tc.dev, tc.ht, tc.recommended)
-		if err != nil || g != tc.want {
-			t.Errorf("AllocationGranularity(%d, %v, %v) = %d, %v; want %d", tc.dev, tc.ht, tc.recommended, g, err, tc.want)
+		if assert.NoError(t, err, "AllocationGranularity(%d, %v, %v)", tc.dev, tc.ht, tc.recommended) {
+			assert.Equal(t, tc.want, g, "AllocationGranularity(%d, %v, %v)", tc.dev, tc.ht, tc.recommended)
 		}
 	}
 }
@@ -74,51 +61,39 @@ func TestFakePoolPropertiesAttributesAndAccess(t *testing.T) {
 		t.Helper()
 		return must[uint64](t, fmt.Sprint("MemPoolGetAttribute ", a))(rt.MemPoolGetAttribute(dev, p, a))
 	}
-	if v := attr(cudart.PoolReleaseThreshold); v != 0x123456789abc {
-		t.Errorf("release threshold %#x, want 0x123456789abc", v)
-	}
-	if v := attr(cudart.PoolReuseAllowOpportunistic); v != 1 {
-		t.Errorf("an int attribute reads %d, want 1", v)
-	}
-	noErr(t, "set an int attribute", rt.MemPoolSetAttribute(dev, p, cudart.PoolReuseAllowOpportunistic, 0))
-	noErr(t, "set a uint64 attribute", rt.MemPoolSetAttribute(dev, p, cudart.PoolReleaseThreshold, 1<<40+5))
-	if a, b := attr(cudart.PoolReuseAllowOpportunistic), attr(cudart.PoolReleaseThreshold); a != 0 || b != 1<<40+5 {
-		t.Errorf("attributes read back %d and %#x, want 0 and %#x", a, b, uint64(1<<40+5))
-	}
+	assert.Equal(t, uint64(0x123456789abc), attr(cudart.PoolReleaseThreshold), "release threshold")
+	assert.Equal(t, uint64(1), attr(cudart.PoolReuseAllowOpportunistic), "an int attribute")
+	require.NoError(t, rt.MemPoolSetAttribute(dev, p, cudart.PoolReuseAllowOpportunistic, 0), "set an int attribute")
+	require.NoError(t, rt.MemPoolSetAttribute(dev, p, cudart.PoolReleaseThreshold, 1<<40+5), "set a uint64 attribute")
+	assert.Equal(t, uint64(0), attr(cudart.PoolReuseAllowOpportunistic), "the int attribute read back")
+	assert.Equal(t, uint64(1<<40+5), attr(cudart.PoolReleaseThreshold), "the uint64 attribute read back")
 	wantError(t, rt.MemPoolSetAttribute(dev, p, cudart.PoolReservedMemCurrent, 1), "cudaMemPoolSetAttribute", cudart.ErrInvalidValue)
 
 	// maxSize arrives: 2 MiB fits in 3 MiB, 2 MiB more does not.
 	ptr := must[cudart.DevicePtr](t, "MallocFromPoolAsync")(rt.MallocFromPoolAsync(dev, 2<<20, p, s))
 	_, err := rt.MallocFromPoolAsync(dev, 2<<20, p, s)
 	wantError(t, err, "cudaMallocFromPoolAsync", cudart.ErrOutOfMemory)
-	if used, high := attr(cudart.PoolUsedMemCurrent), attr(cudart.PoolUsedMemHigh); used != 2<<20 || high != 2<<20 {
-		t.Errorf("used %d, high %d; want 2 MiB each", used, high)
-	}
-	noErr(t, "FreeAsync", rt.FreeAsync(dev, ptr, s))
-	noErr(t, "MemPoolTrimTo", rt.MemPoolTrimTo(dev, p, 1<<20))
-	if r := attr(cudart.PoolReservedMemCurrent); r != 1<<20 {
-		t.Errorf("reserved %d after trimming to 1 MiB", r)
-	}
-	noErr(t, "reset the used high-water mark", rt.MemPoolSetAttribute(dev, p, cudart.PoolUsedMemHigh, 0))
-	if high := attr(cudart.PoolUsedMemHigh); high != 0 {
-		t.Errorf("used high %d after reset, want 0", high)
-	}
+	assert.Equal(t, uint64(2<<20), attr(cudart.PoolUsedMemCurrent), "used")
+	assert.Equal(t, uint64(2<<20), attr(cudart.PoolUsedMemHigh), "used high")
+	require.NoError(t, rt.FreeAsync(dev, ptr, s), "FreeAsync")
+	require.NoError(t, rt.MemPoolTrimTo(dev, p, 1<<20), "MemPoolTrimTo")
+	assert.Equal(t, uint64(1<<20), attr(cudart.PoolReservedMemCurrent), "reserved after trimming to 1 MiB")
+	require.NoError(t, rt.MemPoolSetAttribute(dev, p, cudart.PoolUsedMemHigh, 0), "reset the used high-water mark")
+	assert.Equal(t, uint64(0), attr(cudart.PoolUsedMemHigh), "used high after reset")
 
 	access := func(d int) cudart.AccessFlags {
 		t.Helper()
 		return must[cudart.AccessFlags](t, "MemPoolGetAccess")(rt.MemPoolGetAccess(dev, p, cudart.DeviceLocation(d)))
 	}
-	if a, b := access(dev), access(0); a != cudart.AccessReadWrite || b != cudart.AccessNone {
-		t.Errorf("access before SetAccess: own %d, device 0 %d", a, b)
-	}
-	noErr(t, "MemPoolSetAccess", rt.MemPoolSetAccess(dev, p, []cudart.AccessDesc{
+	assert.Equal(t, cudart.AccessReadWrite, access(dev), "own access before SetAccess")
+	assert.Equal(t, cudart.AccessNone, access(0), "device 0's access before SetAccess")
+	require.NoError(t, rt.MemPoolSetAccess(dev, p, []cudart.AccessDesc{
 		{Location: cudart.DeviceLocation(0), Flags: cudart.AccessRead},
 		{Location: cudart.DeviceLocation(1), Flags: cudart.AccessReadWrite},
-	}))
-	if a, b := access(0), access(1); a != cudart.AccessRead || b != cudart.AccessReadWrite {
-		t.Errorf("access after SetAccess: device 0 %d, device 1 %d", a, b)
-	}
-	noErr(t, "MemPoolSetAccess of nothing", rt.MemPoolSetAccess(dev, p, nil))
+	}), "MemPoolSetAccess")
+	assert.Equal(t, cudart.AccessRead, access(0), "device 0's access after SetAccess")
+	assert.Equal(t, cudart.AccessReadWrite, access(1), "device 1's access after SetAccess")
+	require.NoError(t, rt.MemPoolSetAccess(dev, p, nil), "MemPoolSetAccess of nothing")
 	err = rt.MemPoolSetAccess(dev, p, []cudart.AccessDesc{{Location: cudart.DeviceLocation(0), Flags: cudart.AccessNone}})
 	wantError(t, err, "cudaMemPoolSetAccess", cudart.ErrInvalidDevice)
 
@@ -128,9 +103,9 @@ func TestFakePoolPropertiesAttributesAndAccess(t *testing.T) {
 
 	def := must[cudart.MemPool](t, "DeviceGetDefaultMemPool")(rt.DeviceGetDefaultMemPool(1))
 	wantError(t, rt.MemPoolDestroy(1, def), "cudaMemPoolDestroy", cudart.ErrInvalidResourceHandle)
-	noErr(t, "MemPoolDestroy", rt.MemPoolDestroy(dev, p))
+	require.NoError(t, rt.MemPoolDestroy(dev, p), "MemPoolDestroy")
 	wantError(t, rt.MemPoolDestroy(dev, p), "cudaMemPoolDestroy", cudart.ErrInvalidResourceHandle)
-	noErr(t, "StreamDestroy", rt.StreamDestroy(dev, s))
+	require.NoError(t, rt.StreamDestroy(dev, s), "StreamDestroy")
 }
 
 // newPool is a pool on dev that can be shared as a POSIX fd or a fabric handle.
@@ -150,20 +125,18 @@ func TestFakeCopiesAndSetsMoveBytes(t *testing.T) {
 	b := must[cudart.DevicePtr](t, "MallocFromPoolAsync")(rt.MallocFromPoolAsync(1, 64, p1, 0))
 
 	src := pattern(64, 1)
-	noErr(t, "MemcpyHtoDAsync", rt.MemcpyHtoDAsync(0, a, src, s0))
-	noErr(t, "MemsetAsync", rt.MemsetAsync(1, b, 0x5a, 64, 0))
-	noErr(t, "MemcpyDtoDAsync", rt.MemcpyDtoDAsync(1, b+8, a+16, 32, 0))
+	require.NoError(t, rt.MemcpyHtoDAsync(0, a, src, s0), "MemcpyHtoDAsync")
+	require.NoError(t, rt.MemsetAsync(1, b, 0x5a, 64, 0), "MemsetAsync")
+	require.NoError(t, rt.MemcpyDtoDAsync(1, b+8, a+16, 32, 0), "MemcpyDtoDAsync")
 	got := make([]byte, 64)
-	noErr(t, "MemcpyDtoHAsync", rt.MemcpyDtoHAsync(1, got, b, 0))
+	require.NoError(t, rt.MemcpyDtoHAsync(1, got, b, 0), "MemcpyDtoHAsync")
 	want := bytes.Repeat([]byte{0x5a}, 64)
 	copy(want[8:40], src[16:48])
-	if !bytes.Equal(got, want) {
-		t.Fatalf("device bytes\n got %x\nwant %x", got, want)
-	}
+	require.Equal(t, want, got, "device bytes")
 	err := rt.MemcpyHtoDAsync(0, a+60, src[:8], s0) // past the end of a
 	wantError(t, err, "cudaMemcpyAsync", cudart.ErrInvalidValue)
-	noErr(t, "FreeAsync", rt.FreeAsync(0, a, s0))
-	noErr(t, "FreeAsync", rt.FreeAsync(1, b, 0))
+	require.NoError(t, rt.FreeAsync(0, a, s0), "FreeAsync")
+	require.NoError(t, rt.FreeAsync(1, b, 0), "FreeAsync")
 }
 
 func TestFakeStreamsAndEvents(t *testing.T) {
@@ -173,27 +146,25 @@ func TestFakeStreamsAndEvents(t *testing.T) {
 	e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(dev, cudart.EventDisableTiming))
 	query := func(want bool) {
 		t.Helper()
-		if done := must[bool](t, "EventQuery")(rt.EventQuery(dev, e)); done != want {
-			t.Fatalf("EventQuery = %v, want %v", done, want)
-		}
+		require.Equal(t, want, must[bool](t, "EventQuery")(rt.EventQuery(dev, e)), "EventQuery")
 	}
 	query(true)
-	noErr(t, "EventRecord", rt.EventRecord(dev, e, s))
+	require.NoError(t, rt.EventRecord(dev, e, s), "EventRecord")
 	query(false)
-	noErr(t, "StreamSynchronize", rt.StreamSynchronize(dev, s))
+	require.NoError(t, rt.StreamSynchronize(dev, s), "StreamSynchronize")
 	query(true)
-	noErr(t, "EventRecord", rt.EventRecord(dev, e, s))
+	require.NoError(t, rt.EventRecord(dev, e, s), "EventRecord")
 	query(false)
-	noErr(t, "EventSynchronize", rt.EventSynchronize(dev, e))
+	require.NoError(t, rt.EventSynchronize(dev, e), "EventSynchronize")
 	query(true)
-	noErr(t, "StreamWaitEvent", rt.StreamWaitEvent(dev, s, e))
+	require.NoError(t, rt.StreamWaitEvent(dev, s, e), "StreamWaitEvent")
 
 	_, err := rt.IpcGetEventHandle(dev, e)
 	wantError(t, err, "cudaIpcGetEventHandle", cudart.ErrInvalidValue) // not an IPC event
 	ipc := must[cudart.Event](t, "EventCreate")(rt.EventCreate(dev, cudart.EventIPC))
 	h := must[cudart.IpcEventHandle](t, "IpcGetEventHandle")(rt.IpcGetEventHandle(dev, ipc))
 	opened := must[cudart.Event](t, "IpcOpenEventHandle")(rt.IpcOpenEventHandle(2, h))
-	noErr(t, "EventRecord of the opened event on its device", rt.EventRecord(2, opened, 0))
+	require.NoError(t, rt.EventRecord(2, opened, 0), "EventRecord of the opened event on its device")
 	wantError(t, rt.EventRecord(dev, opened, 0), "cudaEventRecord", cudart.ErrInvalidResourceHandle)
 	h[63] ^= 1
 	_, err = rt.IpcOpenEventHandle(2, h)
@@ -203,10 +174,10 @@ func TestFakeStreamsAndEvents(t *testing.T) {
 		dev int
 		e   cudart.Event
 	}{{dev, e}, {dev, ipc}, {2, opened}} {
-		noErr(t, "EventDestroy", rt.EventDestroy(ev.dev, ev.e))
+		require.NoError(t, rt.EventDestroy(ev.dev, ev.e), "EventDestroy")
 	}
 	wantError(t, rt.EventDestroy(dev, e), "cudaEventDestroy", cudart.ErrInvalidResourceHandle)
-	noErr(t, "StreamDestroy", rt.StreamDestroy(dev, s))
+	require.NoError(t, rt.StreamDestroy(dev, s), "StreamDestroy")
 	wantError(t, rt.StreamDestroy(dev, s), "cudaStreamDestroy", cudart.ErrInvalidResourceHandle)
 }
 
@@ -216,34 +187,28 @@ func TestFakeSharingRoundTrips(t *testing.T) {
 	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(0, cudart.StreamDefault))
 	ptr := must[cudart.DevicePtr](t, "MallocFromPoolAsync")(rt.MallocFromPoolAsync(0, 4096, pool, s))
 	src := pattern(4096, 9)
-	noErr(t, "MemcpyHtoDAsync", rt.MemcpyHtoDAsync(0, ptr, src, s))
+	require.NoError(t, rt.MemcpyHtoDAsync(0, ptr, src, s), "MemcpyHtoDAsync")
 
 	_, err := rt.MemPoolExportPointer(0, ptr)
 	wantError(t, err, "cudaMemPoolExportPointer", cudart.ErrInvalidValue) // the pool is not exported yet
 
 	h := must[cudart.ShareableHandle](t, "export as POSIX fd")(rt.MemPoolExportToShareableHandle(0, pool, cudart.HandleTypePosixFD))
-	if h.Type != cudart.HandleTypePosixFD || h.FD < 0 || h.Fabric != (cudart.FabricHandle{}) {
-		t.Fatalf("exported handle %+v", h)
-	}
+	require.Equal(t, cudart.HandleTypePosixFD, h.Type, "exported handle %+v", h)
+	require.GreaterOrEqual(t, h.FD, 0, "exported handle %+v", h)
+	require.Zero(t, h.Fabric, "exported handle %+v", h)
 	imported := must[cudart.MemPool](t, "import from POSIX fd")(rt.MemPoolImportFromShareableHandle(1, h))
-	if _, err := unix.FcntlInt(uintptr(h.FD), unix.F_GETFD, 0); err != nil {
-		t.Fatalf("import closed the caller's fd: %v", err)
-	}
-	noErr(t, "close the exported fd", unix.Close(h.FD))
+	_, err = unix.FcntlInt(uintptr(h.FD), unix.F_GETFD, 0)
+	require.NoError(t, err, "import closed the caller's fd")
+	require.NoError(t, unix.Close(h.FD), "close the exported fd")
 
 	data := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, ptr))
-	if again := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, ptr)); again != data {
-		t.Fatal("exporting the same pointer twice gave different data")
-	}
+	again := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, ptr))
+	require.Equal(t, data, again, "exporting the same pointer twice gave different data")
 	got := must[cudart.DevicePtr](t, "MemPoolImportPointer")(rt.MemPoolImportPointer(1, imported, data))
-	if got != ptr {
-		t.Fatalf("imported %#x, want the exporter's address %#x", got, ptr)
-	}
+	require.Equal(t, ptr, got, "imported %#x, want the exporter's address %#x", got, ptr)
 	read := make([]byte, len(src))
-	noErr(t, "read the import", rt.MemcpyDtoHAsync(1, read, got, 0))
-	if !bytes.Equal(read, src) {
-		t.Fatal("the import reads other bytes than were written")
-	}
+	require.NoError(t, rt.MemcpyDtoHAsync(1, read, got, 0), "read the import")
+	require.True(t, bytes.Equal(read, src), "the import reads other bytes than were written")
 	var junk cudart.PtrExportData
 	for i := range junk {
 		junk[i] = 0x3c
@@ -252,16 +217,16 @@ func TestFakeSharingRoundTrips(t *testing.T) {
 	wantError(t, err, "cudaMemPoolImportPointer", cudart.ErrInvalidValue)
 	_, err = rt.MallocFromPoolAsync(1, 64, imported, 0)
 	wantError(t, err, "cudaMallocFromPoolAsync", cudart.ErrInvalidValue)
-	noErr(t, "free the import", rt.FreeAsync(1, got, 0))
-	noErr(t, "free the original", rt.FreeAsync(0, ptr, s))
+	require.NoError(t, rt.FreeAsync(1, got, 0), "free the import")
+	require.NoError(t, rt.FreeAsync(0, ptr, s), "free the original")
 	wantError(t, rt.FreeAsync(0, ptr, s), "cudaFreeAsync", cudart.ErrInvalidValue)
 
 	fh := must[cudart.ShareableHandle](t, "export as fabric")(rt.MemPoolExportToShareableHandle(0, pool, cudart.HandleTypeFabric))
-	if fh.Type != cudart.HandleTypeFabric || fh.FD != -1 || fh.Fabric == (cudart.FabricHandle{}) {
-		t.Fatalf("fabric handle %+v", fh)
-	}
+	require.Equal(t, cudart.HandleTypeFabric, fh.Type, "fabric handle %+v", fh)
+	require.Equal(t, -1, fh.FD, "fabric handle %+v", fh)
+	require.NotZero(t, fh.Fabric, "fabric handle %+v", fh)
 	fabricImport := must[cudart.MemPool](t, "import from fabric")(rt.MemPoolImportFromShareableHandle(2, fh))
-	noErr(t, "destroy the fabric import", rt.MemPoolDestroy(2, fabricImport))
+	require.NoError(t, rt.MemPoolDestroy(2, fabricImport), "destroy the fabric import")
 	fh.Fabric[40] ^= 1
 	_, err = rt.MemPoolImportFromShareableHandle(2, fh)
 	wantError(t, err, "cudaMemPoolImportFromShareableHandle", cudart.ErrInvalidValue)
@@ -272,9 +237,11 @@ func TestFakeSharingRoundTrips(t *testing.T) {
 func refused(t *testing.T, err error, op, reason string) {
 	t.Helper()
 	var e *cudart.Error
-	if !errors.As(err, &e) || e.Op != op || e.Code != cudart.ErrInvalidValue || e.Name != "cudaErrorInvalidValue" || !strings.Contains(e.Text, reason) {
-		t.Fatalf("want %s refused with %q, got %v", op, reason, err)
-	}
+	require.ErrorAs(t, err, &e, "want %s refused with %q", op, reason)
+	require.Equal(t, op, e.Op, "want %s refused with %q, got %v", op, reason, err)
+	require.Equal(t, cudart.ErrInvalidValue, e.Code, "want %s refused with %q, got %v", op, reason, err)
+	require.Equal(t, "cudaErrorInvalidValue", e.Name, "want %s refused with %q, got %v", op, reason, err)
+	require.Contains(t, e.Text, reason, "want %s refused with %q, got %v", op, reason, err)
 }
 
 func TestFakeBadArgumentsGetClearErrors(t *testing.T) {
@@ -437,12 +404,9 @@ func TestFakeEveryCallMakesItsDeviceCurrent(t *testing.T) {
 		{"EventDestroy", func() error { return rt.EventDestroy(dev, e) }},
 		{"StreamDestroy", func() error { return rt.StreamDestroy(dev, s) }},
 	} {
-		if _, _, err := rt.MemGetInfo(other); err != nil {
-			t.Fatalf("making device %d current: %v", other, err)
-		}
-		if err := step.call(); err != nil {
-			t.Fatalf("%s on device %d with device %d current: %v", step.name, dev, other, err)
-		}
+		_, _, err := rt.MemGetInfo(other)
+		require.NoError(t, err, "making device %d current", other)
+		require.NoError(t, step.call(), "%s on device %d with device %d current", step.name, dev, other)
 	}
 }
 
@@ -497,7 +461,7 @@ func TestFakeCurrentDeviceAcrossGoroutines(t *testing.T) {
 	wg.Wait()
 	close(errs)
 	for err := range errs {
-		t.Error(err)
+		assert.NoError(t, err)
 	}
 }
 
@@ -538,11 +502,9 @@ func TestFakeHotPathDoesNotAllocate(t *testing.T) {
 			keep(rt.StreamWaitEvent(0, s, e))
 		}},
 	} {
-		if n := testing.AllocsPerRun(200, tc.f); n != 0 {
-			t.Errorf("%s allocates %v times per run", tc.name, n)
-		}
+		assert.Zero(t, testing.AllocsPerRun(200, tc.f), "%s allocates per run", tc.name)
 	}
-	noErr(t, "hot path calls", failed)
+	require.NoError(t, failed, "hot path calls")
 }
 
 // BenchmarkFakeCall is the binding's own cost per call: one cgo crossing, the device
@@ -552,6 +514,7 @@ func BenchmarkFakeCall(b *testing.B) {
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventDisableTiming))
 	b.ReportAllocs()
 	for b.Loop() {
+		// Not require.NoError: its two t.Helper calls cost several times the call timed.
 		if _, err := rt.EventQuery(0, e); err != nil {
 			b.Fatal(err)
 		}
