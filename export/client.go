@@ -39,12 +39,14 @@ type client struct {
 	states  map[uint64][]byte // State replies being assembled
 
 	readerDone chan struct{}
+	// done is closed when the connection ends (down is set).
+	done chan struct{}
 }
 
 func newClient(c *conn, log *slog.Logger, exporterPID int) *client {
 	return &client{
 		c: c, log: log, exporterPID: exporterPID,
-		pending: map[uint64]chan message{}, states: map[uint64][]byte{}, readerDone: make(chan struct{}),
+		pending: map[uint64]chan message{}, states: map[uint64][]byte{}, readerDone: make(chan struct{}), done: make(chan struct{}),
 	}
 }
 
@@ -95,6 +97,9 @@ func (cl *client) fail(err error) {
 	cl.c.close()
 	cl.mu.Lock()
 	defer cl.mu.Unlock()
+	if cl.down == nil {
+		defer close(cl.done)
+	}
 	switch {
 	case cl.down != nil:
 	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed):

@@ -94,7 +94,8 @@
 //
 // # The connection
 //
-// The socket is created with mode 0600 whatever the umask. Each connecting process is
+// The socket is created with mode 0600 whatever the umask (SocketFollowsPolicy opens
+// it to a Policy's group or users, 0660 or 0666). Each connecting process is
 // identified by the kernel (SO_PEERCRED) and admitted by the Exporter's Policy: by
 // default only processes of the exporter's own user. A refused process gets the reason
 // and nothing else. The handshake carries the protocol version (ProtocolVersion; a
@@ -124,9 +125,17 @@
 // byte stream, a kernel without pidfds, a process gone before its handshake ended) the
 // leases end when the connection closes, and the log says why.
 //
-// A producer that dies leaves its consumers' mappings readable (FACTS 7) until they
-// release them: Open then fails with ErrExporterGone, while Release and Close succeed,
-// as there is no one left to tell.
+// A producer that dies leaves the mappings of its consumers on its own GPU readable
+// (FACTS 7) until they release them, but not those on another GPU: there the driver
+// contains the next read and the consumer's whole CUDA context is lost (FACTS 14,
+// cudart.ErrContextLost). So the Importer watches the exporter's process (a pidfd
+// where it can, else the connection) and tells at once: Done is closed, Err says why,
+// and each Mapping on another GPU ends its Context with ErrMappingLost, which its Err
+// returns too; stop the work that reads it and release it (Release frees the import
+// without touching the memory). WithReplica makes a local copy at Open instead, which
+// outlives its producer on any GPU. Opens fail with ErrExporterGone, including one in
+// flight as the producer dies: no stream is made to wait on a dead process's event.
+// Release and Close succeed, as there is no one left to tell.
 //
 // # Retained imports
 //
@@ -178,12 +187,21 @@
 // for its leases like any others, until its context ends.
 //
 // Exporter.Close waits for consumers to release until its context ends; leases still
-// held then are ended as of their consumers' last release, and a consumer that keeps
-// reading such a buffer may see it reused. Close the pools after the Exporter.
+// held then are abandoned, never ended under a living reader: their peers are served
+// on (Release and Bye) and each buffer is freed once its consumer released it or
+// exited. Close the pools after the Exporter; pool.Close(Force) abandons what is
+// still leased.
 //
 // One process holds one Importer per exporter and runtime: a second Dial fails with
 // ErrDuplicateImporter, because two would import the same pointers. Mappings are valid
-// on the Importer's device and any device the runtime can reach it from.
+// on the Importer's device and any device the runtime can reach it from, while the
+// exporter lives; after, only on the exporter's device (see Faults).
+//
+// A Policy that admits other users needs SocketFollowsPolicy too, or they cannot
+// open the socket. Names may not hold control characters, bidirectional controls or
+// line separators. Exporters cap the
+// handshakes in progress (WithHandshakeLimit) and the grants each connection holds
+// (WithMaxGrants), and keep accepting through a shortage of descriptors.
 //
 // An exporter waits for a consumer's free through an event of the consumer's process.
 // On the real driver an IPC event of a process that died mid-record may never

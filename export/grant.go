@@ -178,6 +178,14 @@ func (p *peer) releaseEvent(dev int) (cudart.Event, error) {
 		// peer's would never be destroyed.
 		return 0, p.goneErr()
 	}
+	if p.proc != nil {
+		// An event of a process that has exited is gone with it: opening it would use
+		// it after its owner's exit. Its socket may outlive it (a child holds it), so
+		// the connection alone does not tell; the process handle does.
+		if exited, err := p.proc.Exited(); exited || err != nil {
+			return 0, fmt.Errorf("%w: pid %d has exited", p.goneErr(), p.pid())
+		}
+	}
 	ev, err := p.ex.rt.IpcOpenEventHandle(dev, p.hello.ReleaseEvent)
 	if err != nil {
 		return 0, fmt.Errorf("export: open pid %d's release event: %w", p.pid(), err)

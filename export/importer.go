@@ -13,6 +13,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/pool"
 	"golang.org/x/sync/singleflight"
 )
 
@@ -56,6 +57,12 @@ type Importer struct {
 	freed    map[cudart.PtrExportData]struct{} // freed since relEvent last completed
 
 	pushDone chan struct{}
+	// watch tells when the exporter's process is gone (liveness.go).
+	watch exporterWatch
+	// localPool is the device's default pool, for replicas (WithReplica without an
+	// allocator); nil until the first. It is not closed with the Importer: replicas
+	// outlive it, and the device's default pool is the device's.
+	localPool *pool.Pool
 	// life ends when Close gives up on the exporter: sends that are the Importer's own
 	// business (give-backs), not a caller's, are bounded by it.
 	life    context.Context
@@ -63,6 +70,9 @@ type Importer struct {
 }
 
 type importedPool struct {
+	// onPeer: the pool lives on another GPU than the Importer's, so its memory is
+	// lost with the exporter (FACTS 14).
+	onPeer bool
 	handle cudart.MemPool
 	err    error // the import failed; leases on the pool fail with it
 }
@@ -154,6 +164,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 		return nil, err
 	}
 	imp.cl.start()
+	imp.watchExporter(nc)
 	go imp.deliverPushes()
 	return imp, nil
 }
@@ -275,7 +286,7 @@ func (imp *Importer) importPool(m *poolHandleMsg, fd int) {
 	if fd >= 0 {
 		defer closeFDs([]int{fd})
 	}
-	ip := &importedPool{}
+	ip := &importedPool{onPeer: m.Device != imp.devUUID}
 	ip.handle, ip.err = imp.rt.MemPoolImportFromShareableHandle(imp.dev, cudart.ShareableHandle{Type: m.HandleType, FD: fd, Fabric: m.Fabric})
 	if ip.err == nil && m.Device != imp.devUUID {
 		access := []cudart.AccessDesc{{Location: cudart.DeviceLocation(imp.dev), Flags: cudart.AccessReadWrite}}
@@ -340,7 +351,14 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 	if ctxErr != nil {
 		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)
 	}
-	return m, last
+	if last != nil || !o.replica {
+		return m, last
+	}
+	r, err := imp.replicate(ctx, m, s, o.replicaAlloc)
+	if err != nil {
+		return nil, fmt.Errorf("export: open %q: replica: %w", name, err)
+	}
+	return r, nil
 }
 
 // checkStream refuses a stream of another device: Release orders the import's free
@@ -402,11 +420,28 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 		return nil, ip.err
 	}
 	if l.Flags&leaseReadyEvent != 0 {
+		// The exporter's event is asked about, and waited on, only while its process
+		// lives: a dead process's event may never complete, and a stream left waiting
+		// on it would hold the caller's work for good. Each step asks the kernel first;
+		// a death between the last question and the wait is the one window left, as
+		// narrow as one CUDA call.
+		if imp.exporterDead() {
+			return nil, imp.goneErr("before the lease could be used")
+		}
 		ev, err := imp.readyEvent(l.Ready)
 		if err != nil {
+			if imp.exporterDead() {
+				return nil, imp.goneErr("as its ready event was opened")
+			}
 			return nil, err
 		}
+		if imp.exporterDead() {
+			return nil, imp.goneErr("before its ready event was waited on")
+		}
 		if !completed(imp.rt, imp.dev, ev) {
+			if imp.exporterDead() {
+				return nil, imp.goneErr("before its ready event was waited on")
+			}
 			if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
 				return nil, fmt.Errorf("wait for the producer's writes: %w", err)
 			}
@@ -436,8 +471,12 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 	}
 	buf.views++
 	m := &Mapping{imp: imp, key: key, buf: buf, ptr: buf.ptr + cudart.DevicePtr(l.Offset), size: l.Length,
-		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}}
+		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}, onPeer: ip.onPeer}
+	m.ctx, m.cancel = context.WithCancelCause(context.Background())
 	imp.mappings[key] = m
+	if m.onPeer && imp.exporterDead() {
+		m.end(ErrMappingLost) // died as it was mapped; the watcher may have looked already
+	}
 	return m, nil
 }
 
@@ -509,6 +548,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 	grants := map[uint64]uint32{}
 	for _, m := range imp.mappings {
 		m.refs = 0
+		m.end(errReleasedCause)
 		if !kept[m.buf] {
 			for id, n := range m.grants {
 				grants[id] += n
@@ -524,5 +564,9 @@ func (imp *Importer) Close(ctx context.Context) error {
 	}
 	imp.unregister()
 	imp.destroyResources(imp.cl.gone())
+	imp.endLife() // stops the watch on the exporter's process
+	if imp.watch.proc != nil {
+		imp.watch.proc.Close()
+	}
 	return errors.Join(errs...)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/pool"
 )
 
 // Mapping is a published range of another process's buffer, imported into this one.
@@ -20,6 +21,15 @@ type Mapping struct {
 	size uint64
 	name string
 	meta []byte
+	// onPeer: on another GPU than its exporter's, so lost with the exporter.
+	onPeer bool
+	// ctx ends when the Mapping must not be used any more (liveness.go).
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	// replica is the memory of a Mapping made WithReplica, this process's own, from
+	// replicaFrom; nil for an import.
+	replica     *pool.Buffer
+	replicaFrom pool.Allocator
 	// Guarded by imp.mapMu.
 	refs   int
 	grants map[uint64]uint32 // lease id -> grants of it this mapping answers for
@@ -93,12 +103,19 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		imp.mapMu.Unlock()
 		return nil
 	}
+	if m.replica != nil {
+		err := m.replicaFrom.Free(m.replica, s)
+		m.settle(err == nil)
+		imp.mapMu.Unlock()
+		if err != nil {
+			return fmt.Errorf("export: release %q: free the replica: %w", m.name, err)
+		}
+		return nil
+	}
 	buf := m.buf
 	if imp.retain && buf.views == 1 && !buf.revoked {
 		grants, err := imp.keep(m, s)
-		if err != nil {
-			m.refs++ // nothing changed: Release can be tried again
-		}
+		m.settle(err == nil)
 		imp.mapMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("export: release %q: %w", m.name, err)
@@ -107,10 +124,7 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	}
 	revoked := buf.revoked && buf.views == 1
 	grants, err := imp.unview(m, s)
-	if err != nil && imp.mappings[m.key] == m {
-		// Still mapped, its lease held: Release can be tried again.
-		m.refs++
-	}
+	m.settle(err == nil || imp.mappings[m.key] != m) // a failed free leaves m mapped
 	imp.mapMu.Unlock()
 	if err != nil {
 		return fmt.Errorf("export: release %q: %w", m.name, err)
@@ -120,6 +134,17 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		imp.sendRevoked(buf.record)
 	}
 	return err
+}
+
+// settle ends m's context after its last Release, if that let go of it; if it did
+// not (nothing was freed, the lease is held), it gives the reference back, so that
+// Release can be tried again. Call with mapMu held.
+func (m *Mapping) settle(released bool) {
+	if released {
+		m.end(errReleasedCause)
+		return
+	}
+	m.refs++
 }
 
 // unview forgets m, whose last reference is gone, and returns the grants it answered

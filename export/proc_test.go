@@ -27,10 +27,11 @@ import (
 
 func TestMain(m *testing.M) {
 	proctest.Main(m, map[string]func([]string) int{
-		"producer":       roleProducer,
-		"consumer":       roleConsumer,
-		"bench-consumer": roleBenchConsumer,
-		"connector":      roleConnector,
+		"producer":           roleProducer,
+		"consumer":           roleConsumer,
+		"bench-consumer":     roleBenchConsumer,
+		"connector":          roleConnector,
+		"lingering-consumer": roleLingeringConsumer,
 	})
 }
 
@@ -459,15 +460,18 @@ func TestProcessProducerKilled(t *testing.T) {
 	ctx := testCtx(t)
 	m, err := c.imp.Open(ctx, "a", c.stream)
 	require.NoError(t, err)
-	k.Kill()
-	killedBySIGKILL(t, k)
-	testwait.Recv(t, c.imp.cl.readerDone, "the importer to see its connection end")
+	killProducer(t, k)
+	testwait.Recv(t, c.imp.Done(), "the importer to see its connection end")
+	require.ErrorIs(t, c.imp.Err(), ErrExporterGone)
+	require.NoError(t, m.Err(), "a mapping on the owner GPU outlives its exporter")
+	require.NoError(t, m.Context().Err())
 	b := c.read(t, m)
 	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed: %v ... %v", b[:8], b[len(b)-8:])
 	_, err = c.imp.Open(ctx, "a", c.stream)
 	require.ErrorIs(t, err, ErrExporterGone, "Open after the producer was killed = %v, want ErrExporterGone", err)
 	require.ErrorContains(t, err, "exporter is gone", "Open after the producer was killed = %v, want ErrExporterGone", err)
 	require.NoError(t, m.Release(ctx, c.stream), "Release, want nil")
+	require.ErrorIs(t, context.Cause(m.Context()), ErrReleased)
 	require.NoError(t, c.imp.Close(ctx), "Close, want nil")
 	c.checkClean(t)
 }

@@ -63,6 +63,24 @@ func (p *Process) Wait(ctx context.Context) error {
 	return fmt.Errorf("peercred: wait for pid %d: %w", p.pid, err)
 }
 
+// Exited reports, without blocking, whether the process has exited (a zombie has). An
+// error says the handle cannot tell (it was closed, for instance).
+func (p *Process) Exited() (bool, error) {
+	rc, err := p.f.SyscallConn()
+	if err != nil {
+		return false, fmt.Errorf("peercred: pid %d: %w", p.pid, err)
+	}
+	var exited bool
+	var pollErr error
+	if err := rc.Control(func(fd uintptr) { exited, pollErr = hasExited(int(fd)) }); err != nil {
+		return false, fmt.Errorf("peercred: pid %d: %w", p.pid, err)
+	}
+	if pollErr != nil {
+		return false, fmt.Errorf("peercred: pid %d: %w", p.pid, pollErr)
+	}
+	return exited, nil
+}
+
 // hasExited asks the pidfd fd, without blocking, whether its process has exited: it
 // reads as ready from then on.
 func hasExited(fd int) (bool, error) {
