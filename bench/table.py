@@ -295,9 +295,12 @@ class AllocRow:
         return median([p[which] for p in got]) if got else None
 
     def fair(self):
-        """The fair pair: this column's and C's medians in C's fast state (or in its
-        one state), the state's name and how many pairs."""
-        state = "fast" if self.states else "one"
+        """The fair pair: this column's and C's medians in C's fast state (in its slow
+        state where no batch of this column had a fast neighbour; in its one state where
+        C showed one), the state's name and how many pairs."""
+        state = "one"
+        if self.states:
+            state = "fast" if self.by_state.get("fast") else "slow"
         n = len(self.by_state.get(state, []))
         return self.state_median(state, 0), self.state_median(state, 1), state, n
 

@@ -65,6 +65,16 @@ class AllocRing(unittest.TestCase):
         self.assertEqual(verdict, table.MISSED)
         self.assertIn("1.54 x C", figure)
 
+    def test_slow_against_slow_where_no_fast_neighbour(self):
+        # C shows both states (fast in odd batches), but Go ran only beside slow ones.
+        lines = ring(lambda r, b: 0.65 if b % 2 else 1.2, lambda c: 1.1 * c)
+        run = table.Run([l for l in lines if not (l.startswith("sample cudapool") and int(l.split()[5]) % 2)])
+        self.assertEqual(run.problems, [])
+        figure, verdict = alloc_target(run)
+        self.assertEqual(verdict, table.MET)
+        self.assertIn("1.10 x C", figure)
+        self.assertIn("slow state, 10 batch pairs", figure)
+
     def test_one_state_compares_neighbours(self):
         run = table.Run(ring(lambda r, b: 1.0 + 0.01 * b, lambda c: 1.2 * c))
         figure, verdict = alloc_target(run)
