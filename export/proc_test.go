@@ -32,6 +32,7 @@ func TestMain(m *testing.M) {
 		"bench-consumer":     roleBenchConsumer,
 		"connector":          roleConnector,
 		"lingering-consumer": roleLingeringConsumer,
+		"peer-consumer":      rolePeerConsumer,
 	})
 }
 
