@@ -8,7 +8,8 @@
 // Its consumers follow the protocol cudapool's export package follows, call for
 // call, so that a ratio between the two columns compares the same work (issue 13):
 // an Open checks that the stream is on the consumer's device (cudaStreamGetDevice),
-// asks whether the producer's ready event has completed and makes the stream
+// asks the kernel whether the producer lives (a pidfd polled) before each use of its
+// ready event, asks whether that event has completed and makes the stream
 // wait on it only if not; a record this process freed before is imported again only
 // once that free has completed (a second import would alias the first, FACTS 4): the
 // release event is asked, and the release stream synchronized only if it has not; a
@@ -45,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -57,6 +59,10 @@
 			exit(1); \
 		} \
 	} while (0)
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434 // Linux 5.3
+#endif
+
 #define CHECK_SYS(ok, what) \
 	do { \
 		if (!(ok)) { \
@@ -684,6 +690,7 @@ static struct {
 	// freed[i]: record i (of the command's count) was freed since the last settle.
 	unsigned char *freed;
 	int count;
+	int producer; // a pidfd of the producer's process: the Importer asks it before using its events
 	double settles, settle_ms; // settles that waited, and their time
 } cons;
 
@@ -702,9 +709,29 @@ static void *import_record(enum kind k, const record *r) {
 	return p;
 }
 
-// wait_ready makes s wait for the producer's writes unless they have completed.
+// check_producer asks the kernel, without blocking, whether the producer's process
+// has exited, as cudapool's Importer does before each use of the producer's event (a
+// dead process's event may never complete).
+static void check_producer(void) {
+	struct pollfd p = {cons.producer, POLLIN, 0};
+	int n = poll(&p, 1, 0);
+	CHECK_SYS(n >= 0, "poll the producer's pidfd");
+	if (n > 0) {
+		fprintf(stderr, "cref: consumer: the producer has exited\n");
+		exit(1);
+	}
+}
+
+// wait_ready makes s wait for the producer's writes unless they have completed, asking
+// first, as the Importer does, whether the producer lives: before the lease is used,
+// before the event is asked, and before the wait.
 static void wait_ready(cudaStream_t s) {
-	if (!completed(cons.ready)) CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+	check_producer();
+	check_producer();
+	if (!completed(cons.ready)) {
+		check_producer();
+		CHECK(cudaStreamWaitEvent(s, cons.ready, 0));
+	}
 }
 
 // settle: before record i, freed earlier by this process, is imported again, every
@@ -860,6 +887,8 @@ static void consume_legacy_pairs(int n) {
 // event, and obeys commands until CMD_QUIT.
 static int consumer(int sock) {
 	cons.sock = sock;
+	cons.producer = (int)syscall(SYS_pidfd_open, getppid(), 0);
+	CHECK_SYS(cons.producer >= 0, "pidfd_open of the producer");
 	int fd = receive_fd(sock);
 	cudaIpcEventHandle_t ready;
 	read_all(sock, &ready, sizeof ready);
