@@ -15,11 +15,6 @@ func must[T any](t testing.TB, what string) func(T, error) T {
 	}
 }
 
-func noErr(t testing.TB, what string, err error) {
-	t.Helper()
-	require.NoError(t, err, what)
-}
-
 // pattern is n bytes that differ from seed to seed and from byte to nearby byte.
 func pattern(n int, seed byte) []byte {
 	b := make([]byte, n)
