@@ -322,7 +322,8 @@ def alloc_rows(run):
         fast = [x for x in c if thr is None or x < thr]
         slow = [x for x in c if thr is not None and x >= thr]
         label = alloc_label(op) + " (%s B)" % num(run.bytes.get(op, {}).get("c")) if run.bytes.get(op) else alloc_label(op)
-        rows.append([label, "C", len(c), num(min(c)) if c else "-", num(median(c)),
+        rows.append([label, "C (states split at %s us)" % num(thr) if thr else "C (one state)", len(c),
+                     num(min(c)) if c else "-", num(median(c)),
                      "%s (%d)" % (num(median(fast)), len(fast)) if thr else "%s (one state)" % num(median(c)),
                      "%s (%d)" % (num(median(slow)), len(slow)) if thr else "-", "", "", "", "", ""])
         for impl, slot, what in RING_COLUMNS:
