@@ -601,14 +601,14 @@ def markdown(run, notes):
            "with like; absolute times drift between runs." % (
                m.get("date", "?"), m.get("gpu", "?"), m.get("driver", "?"), m.get("cuda", "?"),
                m.get("cudacore", "?"), m.get("torch", "?"), m.get("go", "Go ?"), m.get("commit", "?")), ""]
+    head, rows = targets(run)
+    out += ["### Targets", "", "Each verdict comes from the fair pair beside it, taken in this run; the tables "
+            "below give every figure, and the notes what each column does.", "", md_table(head, rows), ""]
     for title, rows_of, text in SECTIONS:
         head, rows = rows_of(run)
         if not rows:
             continue
         out += ["### " + title, ""] + ([text, ""] if text else []) + [md_table(head, rows), ""]
-    head, rows = targets(run)
-    out += ["### Targets", "", "Each verdict comes from the fair pair beside it, taken in this run.", "",
-            md_table(head, rows), ""]
     fl = failures(run)
     if fl or run.problems:
         out += ["### What failed in this run", ""] + ["- " + f for f in fl + run.problems] + [""]
