@@ -33,6 +33,7 @@ func TestMain(m *testing.M) {
 		"connector":          roleConnector,
 		"lingering-consumer": roleLingeringConsumer,
 		"peer-consumer":      rolePeerConsumer,
+		"dialer":             roleDialer,
 	})
 }
 
