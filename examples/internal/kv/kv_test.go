@@ -3,13 +3,15 @@ package kv
 import (
 	"bytes"
 	"context"
-	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
@@ -53,18 +55,14 @@ func startProducer(t *testing.T, seed uint64, notify func(string)) *producer {
 	select {
 	case p.pub = <-ready:
 	case err := <-p.done:
-		t.Fatalf("producer failed before publishing: %v", err)
+		require.Fail(t, "producer failed before publishing", "Produce returned %v", err)
 	case <-time.After(hangGuard):
-		t.Fatal("producer did not publish")
+		require.Fail(t, "producer did not publish", "within %v", hangGuard)
 	}
 	t.Cleanup(func() {
 		p.stop()
-		if err := p.wait(t); err != nil {
-			t.Errorf("producer: %v", err)
-		}
-		if err := p.dev.Err(); err != nil {
-			t.Errorf("producer's device saw broken rules: %v", err)
-		}
+		assert.NoError(t, p.wait(t), "producer")
+		assert.NoError(t, p.dev.Err(), "producer's device saw broken rules")
 	})
 	return p
 }
@@ -78,7 +76,7 @@ func (p *producer) wait(t *testing.T) error {
 		}
 		return err
 	case <-time.After(hangGuard):
-		t.Fatal("producer did not stop")
+		require.Fail(t, "producer did not stop", "within %v", hangGuard)
 		return nil
 	}
 }
@@ -87,11 +85,7 @@ func (p *producer) wait(t *testing.T) error {
 // checks that its device saw no broken rule.
 func consume(t *testing.T, ctx context.Context, p *producer, cfg ConsumerConfig) (Result, error) {
 	dev := cudarttest.New()
-	defer func() {
-		if err := dev.Err(); err != nil {
-			t.Errorf("consumer's device saw broken rules: %v", err)
-		}
-	}()
+	defer func() { assert.NoError(t, dev.Err(), "consumer's device saw broken rules") }()
 	cfg.Socket, cfg.Name = p.pub.Socket, p.pub.Name
 	if cfg.Reps == 0 {
 		cfg.Reps = 1
@@ -103,9 +97,7 @@ func consume(t *testing.T, ctx context.Context, p *producer, cfg ConsumerConfig)
 func (p *producer) leases(t *testing.T) int {
 	t.Helper()
 	st, err := export.QueryState(context.Background(), p.pub.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	n := 0
 	for _, ps := range st.Pools {
 		n += ps.ActiveLeases
@@ -115,9 +107,7 @@ func (p *producer) leases(t *testing.T) int {
 
 func TestShare(t *testing.T) {
 	p := startProducer(t, 1, nil)
-	if p.pub.Size != smallShape.Bytes() {
-		t.Fatalf("published %d bytes, want %d", p.pub.Size, smallShape.Bytes())
-	}
+	require.Equal(t, smallShape.Bytes(), p.pub.Size, "published bytes")
 	results := make([]Result, 3)
 	errs := make([]error, 3)
 	var wg sync.WaitGroup
@@ -129,39 +119,30 @@ func TestShare(t *testing.T) {
 	}
 	wg.Wait()
 	for i, r := range results {
-		if errs[i] != nil {
-			t.Errorf("consumer %d: %v", i, errs[i])
+		if !assert.NoError(t, errs[i], "consumer %d", i) {
 			continue
 		}
-		if r.Checksum != p.pub.Checksum || r.Size != p.pub.Size || r.Device != i%2 {
-			t.Errorf("consumer %d: %+v; producer published %+v", i, r, p.pub)
-		}
-		if r.ImportRead <= 0 || r.LocalCopy <= 0 {
-			t.Errorf("consumer %d measured nothing: %+v", i, r)
-		}
+		assert.Equal(t, p.pub.Checksum, r.Checksum, "consumer %d: %+v; producer published %+v", i, r, p.pub)
+		assert.Equal(t, p.pub.Size, r.Size, "consumer %d: %+v; producer published %+v", i, r, p.pub)
+		assert.Equal(t, i%2, r.Device, "consumer %d: %+v; producer published %+v", i, r, p.pub)
+		assert.Positive(t, r.ImportRead, "consumer %d measured nothing: %+v", i, r)
+		assert.Positive(t, r.LocalCopy, "consumer %d measured nothing: %+v", i, r)
 	}
-	if n := p.leases(t); n != 0 {
-		t.Errorf("%d leases still held after every consumer returned", n)
-	}
+	assert.Zero(t, p.leases(t), "leases still held after every consumer returned")
 }
 
 func TestWrongPatternIsCaught(t *testing.T) {
 	p := startProducer(t, 1, nil)
 	_, err := consume(t, context.Background(), p, ConsumerConfig{Seed: 2})
-	if err == nil || !strings.Contains(err.Error(), "differ from the pattern, the first at byte offset 0") {
-		t.Fatalf("consumer with another seed: %v, want every word to differ", err)
-	}
-	if n := p.leases(t); n != 0 {
-		t.Errorf("a failed consumer left %d leases", n)
-	}
+	require.ErrorContains(t, err, "differ from the pattern, the first at byte offset 0", "consumer with another seed: want every word to differ")
+	assert.Zero(t, p.leases(t), "leases a failed consumer left")
 }
 
 func TestUnknownName(t *testing.T) {
 	p := startProducer(t, 1, nil)
 	p.pub.Name = "no-such-cache"
-	if _, err := consume(t, context.Background(), p, ConsumerConfig{Seed: 1}); !errors.Is(err, export.ErrUnknownName) {
-		t.Fatalf("opening an unpublished name: %v, want ErrUnknownName", err)
-	}
+	_, err := consume(t, context.Background(), p, ConsumerConfig{Seed: 1})
+	require.ErrorIs(t, err, export.ErrUnknownName, "opening an unpublished name")
 }
 
 func TestConsumerInterrupted(t *testing.T) {
@@ -173,15 +154,9 @@ func TestConsumerInterrupted(t *testing.T) {
 		cancel() // Ctrl-C while the mapping is held
 		return ctx.Err()
 	}})
-	if !errors.Is(err, context.Canceled) {
-		t.Fatalf("interrupted consumer returned %v, want context.Canceled", err)
-	}
-	if held != 1 {
-		t.Errorf("while holding the mapping the producer counted %d leases, want 1", held)
-	}
-	if n := p.leases(t); n != 0 {
-		t.Errorf("the interrupted consumer left %d leases", n)
-	}
+	require.ErrorIs(t, err, context.Canceled, "interrupted consumer")
+	assert.Equal(t, 1, held, "leases the producer counted while the mapping was held")
+	assert.Zero(t, p.leases(t), "leases the interrupted consumer left")
 }
 
 func TestProducerStopsWhileHeld(t *testing.T) {
@@ -191,17 +166,14 @@ func TestProducerStopsWhileHeld(t *testing.T) {
 		p.stop() // Ctrl-C on the producer while this consumer holds the cache
 		select {
 		case note := <-notes:
-			if !strings.Contains(note, "waiting") || !strings.Contains(note, "release 1 lease") {
-				t.Errorf("the stopping producer says %q, want that it waits for 1 lease", note)
-			}
+			assert.Contains(t, note, "waiting", "the stopping producer should say it waits for 1 lease")
+			assert.Contains(t, note, "release 1 lease", "the stopping producer should say it waits for 1 lease")
 		case <-time.After(hangGuard):
-			t.Error("the producer never said it waits for the held lease")
+			assert.Fail(t, "the producer never said it waits for the held lease", "within %v", hangGuard)
 		}
 		return nil
 	}})
-	if err != nil {
-		t.Fatalf("consumer: %v", err)
-	}
+	require.NoError(t, err, "consumer")
 	// Cleanup checks the rest: the producer stopped cleanly once released, and neither
 	// device saw the cache freed while it was still mapped.
 }
@@ -210,31 +182,22 @@ func TestLaunch(t *testing.T) {
 	t.Setenv(export.DirEnv, t.TempDir())
 	// The runtime kvshare would pick: the software device here, the GPUs on a GPU host.
 	picked, err := choose.Runtime(choose.Auto)
-	why := picked.Why
-	if err != nil {
-		t.Fatal(err)
-	}
+	require.NoError(t, err)
 	var out, errOut bytes.Buffer
 	code := LaunchCommand(context.Background(), []string{"-consumers", "3", "-tokens", "64", "-reps", "1"}, nil, &out, &errOut)
-	if code != 0 {
-		t.Fatalf("kvshare exited %d\nstdout:\n%s\nstderr:\n%s", code, &out, &errOut)
-	}
+	require.Equal(t, 0, code, "kvshare's exit\nstdout:\n%s\nstderr:\n%s", &out, &errOut)
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
-	if lines[0] != "kvshare: "+why {
-		t.Errorf("first line %q, want %q", lines[0], "kvshare: "+why)
-	}
+	assert.Equal(t, "kvshare: "+picked.Why, lines[0], "first line")
 	rows := 0
 	for _, l := range lines {
 		if strings.HasSuffix(l, " ok") {
 			rows++
 		}
 	}
-	if rows != 3 || !strings.Contains(lines[len(lines)-1], "3 consumers read the producer's 8.0 MiB and checked every byte") {
-		t.Errorf("want 3 good rows and a closing line:\n%s", &out)
-	}
-	if entries, _ := os.ReadDir(os.Getenv(export.DirEnv)); len(entries) != 0 {
-		t.Errorf("kvshare left %v behind", entries)
-	}
+	assert.Equal(t, 3, rows, "want 3 good rows and a closing line:\n%s", &out)
+	assert.Contains(t, lines[len(lines)-1], "3 consumers read the producer's 8.0 MiB and checked every byte", "want 3 good rows and a closing line:\n%s", &out)
+	entries, _ := os.ReadDir(os.Getenv(export.DirEnv))
+	assert.Empty(t, entries, "kvshare left files behind")
 }
 
 func TestLaunchInterrupted(t *testing.T) {
@@ -245,24 +208,20 @@ func TestLaunchInterrupted(t *testing.T) {
 	defer func() { testHookPublished = func() {} }()
 	var out, errOut bytes.Buffer
 	code := LaunchCommand(ctx, []string{"-tokens", "64"}, nil, &out, &errOut)
-	if code != ExitInterrupted || !strings.Contains(out.String(), "interrupted; the producer and the consumers stopped") {
-		t.Errorf("interrupted kvshare exited %d\nstdout:\n%s\nstderr:\n%s", code, &out, &errOut)
-	}
-	if entries, _ := os.ReadDir(os.Getenv(export.DirEnv)); len(entries) != 0 {
-		t.Errorf("the interrupted run left %v behind", entries)
-	}
+	assert.Equal(t, ExitInterrupted, code, "interrupted kvshare's exit\nstdout:\n%s\nstderr:\n%s", &out, &errOut)
+	assert.Contains(t, out.String(), "interrupted; the producer and the consumers stopped", "stderr:\n%s", &errOut)
+	entries, _ := os.ReadDir(os.Getenv(export.DirEnv))
+	assert.Empty(t, entries, "the interrupted run left files behind")
 }
 
 func TestLaunchBadUsage(t *testing.T) {
 	for _, args := range [][]string{{"-consumers", "-1"}, {"-reps", "0"}, {"extra"}, {"-no-such-flag"}} {
 		var out, errOut bytes.Buffer
-		if code := LaunchCommand(context.Background(), args, nil, &out, &errOut); code != 2 {
-			t.Errorf("kvshare %q exited %d, want 2", args, code)
-		}
+		code := LaunchCommand(context.Background(), args, nil, &out, &errOut)
+		assert.Equal(t, 2, code, "kvshare %q's exit", args)
 	}
 	var out, errOut bytes.Buffer
-	if code := LaunchCommand(context.Background(), []string{"-runtime", "tpu"}, nil, &out, &errOut); code != 1 ||
-		!strings.Contains(errOut.String(), "unknown runtime preference") {
-		t.Errorf("kvshare -runtime tpu exited %d: %s", code, &errOut)
-	}
+	code := LaunchCommand(context.Background(), []string{"-runtime", "tpu"}, nil, &out, &errOut)
+	assert.Equal(t, 1, code, "kvshare -runtime tpu's exit: %s", &errOut)
+	assert.Contains(t, errOut.String(), "unknown runtime preference")
 }

@@ -1,20 +1,16 @@
 package kv
 
 import (
-	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestShapeBytes(t *testing.T) {
-	if got, want := GPUShape.Bytes(), uint64(4<<30); got != want {
-		t.Errorf("GPUShape.Bytes() = %d, want %d (4 GiB)", got, want)
-	}
-	if got, want := TestShape.Bytes(), uint64(64<<20); got != want {
-		t.Errorf("TestShape.Bytes() = %d, want %d (64 MiB)", got, want)
-	}
-	if got, want := TestShape.String(), "32 layers x 512 tokens x 8 heads x 128 dims x K,V fp16 = 64 MiB"; got != want {
-		t.Errorf("TestShape.String() = %q, want %q", got, want)
-	}
+	assert.Equal(t, uint64(4<<30), GPUShape.Bytes(), "GPUShape.Bytes(), 4 GiB")
+	assert.Equal(t, uint64(64<<20), TestShape.Bytes(), "TestShape.Bytes(), 64 MiB")
+	assert.Equal(t, "32 layers x 512 tokens x 8 heads x 128 dims x K,V fp16 = 64 MiB", TestShape.String())
 }
 
 func TestShapeValidate(t *testing.T) {
@@ -32,11 +28,10 @@ func TestShapeValidate(t *testing.T) {
 		{Shape{1 << 20, 1 << 20, 1 << 20, 1 << 10}, "overflows 64 bits"},
 	} {
 		err := tc.shape.Validate()
-		switch {
-		case tc.want == "" && err != nil:
-			t.Errorf("%+v: Validate() = %v, want nil", tc.shape, err)
-		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
-			t.Errorf("%+v: Validate() = %v, want an error containing %q", tc.shape, err, tc.want)
+		if tc.want == "" {
+			assert.NoError(t, err, "%+v: Validate()", tc.shape)
+		} else {
+			assert.ErrorContains(t, err, tc.want, "%+v: Validate()", tc.shape)
 		}
 	}
 }
@@ -53,17 +48,11 @@ func TestPatternRoundTrip(t *testing.T) {
 	c := newChecker(seed)
 	c.check(whole[:1000])
 	c.check(whole[1000:])
-	if err := c.err(); err != nil {
-		t.Fatalf("checker on the filled pattern: %v", err)
-	}
-	if c.sum != sum {
-		t.Errorf("checker sum %v, fill sum %v", c.sum, sum)
-	}
+	require.NoError(t, c.err(), "checker on the filled pattern")
+	assert.Equal(t, sum, c.sum, "the checker's sum against the fill's")
 	var other checksum = newChecksum()
 	fill(make([]byte, len(whole)), seed+1, 0, &other)
-	if other == sum {
-		t.Errorf("seeds %d and %d give the same checksum %v", seed, seed+1, sum)
-	}
+	assert.NotEqual(t, sum, other, "seeds %d and %d give the same checksum", seed, seed+1)
 }
 
 func TestCheckerFindsDamage(t *testing.T) {
@@ -85,15 +74,10 @@ func TestCheckerFindsDamage(t *testing.T) {
 			tc.damage(b)
 			c := newChecker(seed)
 			c.check(b)
-			if c.err() == nil {
-				t.Fatal("damaged cache passed the check")
-			}
-			if c.firstBad != tc.first || c.badWords != tc.words {
-				t.Errorf("first bad offset %d, %d bad words; want %d, %d", c.firstBad, c.badWords, tc.first, tc.words)
-			}
-			if c.sum == sum {
-				t.Errorf("damaged cache has the pattern's checksum %v", sum)
-			}
+			require.Error(t, c.err(), "damaged cache passed the check")
+			assert.Equal(t, tc.first, c.firstBad, "first bad offset")
+			assert.Equal(t, tc.words, c.badWords, "bad words")
+			assert.NotEqual(t, sum, c.sum, "damaged cache has the pattern's checksum")
 		})
 	}
 }
