@@ -329,10 +329,6 @@ func (c *f14Consumer) setup(fd int, data cudart.PtrExportData) error {
 	if c.local, err = rt.MemPoolCreate(cudart.PoolProps{Location: cudart.DeviceLocation(1)}); err != nil {
 		return err
 	}
-	// The owner-stream copies write the replica from device 0.
-	if err = rt.MemPoolSetAccess(1, c.local, []cudart.AccessDesc{{Location: cudart.DeviceLocation(0), Flags: cudart.AccessReadWrite}}); err != nil {
-		return fmt.Errorf("grant device 0 the replica's pool: %w", err)
-	}
 	// The owner-stream cases copy into the replica on a stream of device 0, which must be
 	// granted access to the replica's pool first (pool memory is reachable only from the
 	// devices its pool grants; the copy is refused with invalid argument otherwise).
