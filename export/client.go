@@ -36,7 +36,8 @@ type client struct {
 	down    error
 	nextReq uint64
 	pending map[uint64]chan message
-	states  map[uint64][]byte // State replies being assembled
+	states  map[uint64][]byte     // State replies being assembled
+	batches map[uint64][]leaseMsg // LeaseBatch replies being assembled
 
 	readerDone chan struct{}
 	// done is closed when the connection ends (down is set).
@@ -46,7 +47,8 @@ type client struct {
 func newClient(c *conn, log *slog.Logger, exporterPID int) *client {
 	return &client{
 		c: c, log: log, exporterPID: exporterPID,
-		pending: map[uint64]chan message{}, states: map[uint64][]byte{}, readerDone: make(chan struct{}), done: make(chan struct{}),
+		pending: map[uint64]chan message{}, states: map[uint64][]byte{}, batches: map[uint64][]leaseMsg{},
+		readerDone: make(chan struct{}), done: make(chan struct{}),
 	}
 }
 
@@ -75,6 +77,8 @@ func (cl *client) read() {
 			cl.deliver(m.ReqID, m)
 		case *stateMsg:
 			cl.assembleState(m)
+		case *leaseBatchMsg:
+			cl.assembleBatch(m)
 		case *byeMsg:
 			cl.mu.Lock()
 			cl.bye = true
@@ -112,6 +116,7 @@ func (cl *client) fail(err error) {
 		delete(cl.pending, id)
 	}
 	cl.states = map[uint64][]byte{}
+	cl.batches = map[uint64][]leaseMsg{}
 }
 
 // deliver hands a reply to its request; false if no request waits for it.
@@ -128,25 +133,74 @@ func (cl *client) deliver(reqID uint64, m message) bool {
 }
 
 func (cl *client) assembleState(m *stateMsg) {
-	cl.mu.Lock()
-	_, waiting := cl.pending[m.ReqID]
-	body := append(cl.states[m.ReqID], m.JSON...)
-	if !waiting || len(body) > maxStateBytes {
-		delete(cl.states, m.ReqID)
-		cl.mu.Unlock()
-		if waiting {
-			cl.deliver(m.ReqID, &errorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", ErrProtocol, humanize.IBytes(maxStateBytes))})
+	body, state := gather(cl, cl.states, m.ReqID, m.JSON, m.Flags&stateMore != 0, maxStateBytes)
+	switch state {
+	case gatherOver:
+		cl.deliver(m.ReqID, &errorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", ErrProtocol, humanize.IBytes(maxStateBytes))})
+	case gatherDone:
+		cl.deliver(m.ReqID, &stateMsg{ReqID: m.ReqID, JSON: body})
+	}
+}
+
+// assembleBatch collects the frames of a LeaseBatch reply and delivers them as one.
+// Leases of a request given up on go to unclaimed, as a lone Lease's do.
+func (cl *client) assembleBatch(m *leaseBatchMsg) {
+	all, state := gather(cl, cl.batches, m.ReqID, m.Leases, m.Flags&leaseBatchMore != 0, MaxBatch)
+	switch state {
+	case gatherOver:
+		cl.deliver(m.ReqID, &errorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: LeaseBatch of more than %d leases", ErrProtocol, MaxBatch)})
+		cl.giveBackAll(all)
+	case gatherUnwanted:
+		cl.giveBackAll(all)
+	case gatherDone:
+		if !cl.deliver(m.ReqID, &leaseBatchMsg{ReqID: m.ReqID, Leases: all}) {
+			cl.giveBackAll(all)
 		}
+	}
+}
+
+// gatherState says where a reply in parts stands.
+type gatherState int
+
+const (
+	gatherMore     gatherState = iota // more parts to come
+	gatherDone                        // the last part came: all is the reply
+	gatherOver                        // the reply grew past its limit: all is dropped
+	gatherUnwanted                    // no request waits for it: all is dropped
+)
+
+// gather adds part to the reply for reqID being assembled in parts (guarded by cl.mu),
+// at most limit elements in all.
+func gather[T any](cl *client, parts map[uint64][]T, reqID uint64, part []T, more bool, limit int) ([]T, gatherState) {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	_, waiting := cl.pending[reqID]
+	all := append(parts[reqID], part...)
+	switch {
+	case !waiting:
+		delete(parts, reqID)
+		return all, gatherUnwanted
+	case len(all) > limit:
+		delete(parts, reqID)
+		return all, gatherOver
+	case more:
+		parts[reqID] = all
+		return nil, gatherMore
+	}
+	delete(parts, reqID)
+	return all, gatherDone
+}
+
+// giveBackAll hands leases nobody waits for to unclaimed, off the reader.
+func (cl *client) giveBackAll(ls []leaseMsg) {
+	if cl.unclaimed == nil || len(ls) == 0 {
 		return
 	}
-	if m.Flags&stateMore != 0 {
-		cl.states[m.ReqID] = body
-		cl.mu.Unlock()
-		return
-	}
-	delete(cl.states, m.ReqID)
-	cl.mu.Unlock()
-	cl.deliver(m.ReqID, &stateMsg{ReqID: m.ReqID, JSON: body})
+	go func() {
+		for i := range ls {
+			cl.unclaimed(&ls[i])
+		}
+	}()
 }
 
 // request sends the message build makes for a fresh request id and waits for the
@@ -185,8 +239,13 @@ func (cl *client) request(ctx context.Context, build func(reqID uint64) message,
 		return m, nil
 	case <-ctx.Done():
 		if m, ok := cl.forget(id); ok {
-			if l, isLease := m.(*leaseMsg); isLease && cl.unclaimed != nil {
-				cl.unclaimed(l)
+			switch r := m.(type) {
+			case *leaseMsg:
+				if cl.unclaimed != nil {
+					cl.unclaimed(r)
+				}
+			case *leaseBatchMsg:
+				cl.giveBackAll(r.Leases)
 			}
 		}
 		return nil, ctx.Err()

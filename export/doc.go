@@ -72,6 +72,8 @@
 //     default; metadata: the bytes published with it (WithMeta).
 //   - mapping: a published range imported into the consumer's process (Mapping); the
 //     import is of the whole buffer, shared by the Mappings of its ranges.
+//   - batch: many opens or releases in one request and one answer (Importer.OpenAll,
+//     Importer.ReleaseAll; the OpenBatch, LeaseBatch and ReleaseBatch frames).
 //   - retain: a consumer keeps a buffer's import after releasing its last lease on it
 //     (WithRetainedImports); revoke: the exporter asks for a retained import back
 //     (the Revoke frame), and the consumer frees it (Revoked).

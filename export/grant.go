@@ -26,6 +26,48 @@ func (p *peer) answerOpen(m *openMsg) error {
 	return nil
 }
 
+// answerOpenBatch grants the buffers an OpenBatch asks for, all or none, and sends
+// them in as few LeaseBatch frames as they fit in.
+func (p *peer) answerOpenBatch(m *openBatchMsg) error {
+	leases := make([]leaseMsg, 0, len(m.Names))
+	granted := make([]*pool.Lease, 0, len(m.Names))
+	withdraw := func(from int) {
+		for i := from; i < len(leases); i++ {
+			p.withdraw(leases[i].LeaseID, granted[i])
+		}
+	}
+	for _, name := range m.Names {
+		pub, err := p.ex.lookup(name)
+		if err == nil {
+			var l leaseMsg
+			var pl *pool.Lease
+			if l, pl, err = p.grant(context.Background(), pub, m.ReqID); err == nil {
+				leases, granted = append(leases, l), append(granted, pl)
+				continue
+			}
+		}
+		withdraw(0)
+		return fmt.Errorf("open %q of a batch of %d: %w", name, len(m.Names), err)
+	}
+	for start := 0; start < len(leases); {
+		end, size := start, leaseBatchHeaderLen
+		for end < len(leases) && (end == start || size+leaseLen+len(leases[end].Meta) <= maxPayload) {
+			size += leaseLen + len(leases[end].Meta)
+			end++
+		}
+		frame := &leaseBatchMsg{ReqID: m.ReqID, Leases: leases[start:end]}
+		if end < len(leases) {
+			frame.Flags = leaseBatchMore
+		}
+		if err := p.c.send(context.Background(), frame, -1); err != nil {
+			withdraw(start)
+			return err
+		}
+		start = end
+	}
+	return nil
+}
+
 // grant leases pub's buffer to the peer and returns the Lease message, its pool handle
 // sent first if this peer has not had it. A buffer the peer already holds is granted
 // under the same id once more, to be released as many times. The pool lease it took

@@ -402,14 +402,17 @@ func (imp *Importer) open(ctx context.Context, name string, s cudart.Stream) (*M
 // pointer is imported unless this Importer holds it already. On failure the lease is
 // given back.
 func (imp *Importer) adopt(l *leaseMsg, name string, s cudart.Stream) (*Mapping, error) {
-	m, err := imp.adoptLease(l, name, s)
+	m, err := imp.adoptLease(l, name, s, nil)
 	if err != nil {
 		imp.giveBack(l)
 	}
 	return m, err
 }
 
-func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Mapping, error) {
+// adoptLease is adopt without the giving back. waited, when not nil, holds the ready
+// events s waited on already in this batch: one wait covers every lease that names
+// the same event.
+func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waited map[cudart.IpcEventHandle]bool) (*Mapping, error) {
 	imp.mu.Lock()
 	ip := imp.pools[l.PoolID]
 	imp.mu.Unlock()
@@ -419,7 +422,7 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 	if ip.err != nil {
 		return nil, ip.err
 	}
-	if l.Flags&leaseReadyEvent != 0 {
+	if l.Flags&leaseReadyEvent != 0 && !waited[l.Ready] {
 		// The exporter's event is asked about, and waited on, only while its process
 		// lives: a dead process's event may never complete, and a stream left waiting
 		// on it would hold the caller's work for good. Each step asks the kernel first;
@@ -445,6 +448,9 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream) (*Map
 			if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
 				return nil, fmt.Errorf("wait for the producer's writes: %w", err)
 			}
+		}
+		if waited != nil {
+			waited[l.Ready] = true
 		}
 	}
 	imp.mapMu.Lock()

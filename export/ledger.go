@@ -74,6 +74,33 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 }
 
 func (p *peer) releaseLease(m *releaseMsg) error {
+	if err := p.release(m, nil); err != nil {
+		return err
+	}
+	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
+}
+
+// releaseBatch releases every entry of a ReleaseBatch, and answers once. An entry that
+// fails changes nothing; the others are released all the same, and the answer is an
+// Error naming the failures.
+func (p *peer) releaseBatch(m *releaseBatchMsg) error {
+	var errs []error
+	waited := map[*pool.Pool]bool{}
+	for i := range m.Entries {
+		if err := p.release(&m.Entries[i], waited); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID}, -1)
+}
+
+// release ends the grants m returns. waited, when not nil, holds the pools whose
+// release stream waited for the peer's release event during this batch already: the
+// stream is in order, so later frees on it follow that wait without another.
+func (p *peer) release(m *releaseMsg, waited map[*pool.Pool]bool) error {
 	p.mu.Lock()
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
@@ -101,14 +128,20 @@ func (p *peer) releaseLease(m *releaseMsg) error {
 		// before it said Release.
 		completion = 0
 	}
+	if completion != 0 && waited[entry.buf.Pool()] {
+		completion = 0
+	}
 	if completion != 0 && completed(p.ex.rt, entry.buf.Device(), completion) {
 		completion = 0 // the free is known to be done: the pool's stream need not wait
 	}
 	if err := p.endGrants(entry, ending, completion); err != nil {
 		return err
 	}
+	if completion != 0 && waited != nil {
+		waited[entry.buf.Pool()] = true
+	}
 	p.ex.poke()
-	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
+	return nil
 }
 
 // endGrants ends grants of entry after completion. A grant whose end failed before it

@@ -123,7 +123,7 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		return imp.returnRetained(ctx, m.name, buf, grants)
 	}
 	revoked := buf.revoked && buf.views == 1
-	grants, err := imp.unview(m, s)
+	grants, err := imp.unview(m, s, true)
 	m.settle(err == nil || imp.mappings[m.key] != m) // a failed free leaves m mapped
 	imp.mapMu.Unlock()
 	if err != nil {
@@ -148,10 +148,11 @@ func (m *Mapping) settle(released bool) {
 }
 
 // unview forgets m, whose last reference is gone, and returns the grants it answered
-// for. The import of its buffer is freed after the work queued on s if no other
+// for. The import of its buffer is freed after the work queued on s (if ordered; else
+// the release stream is ordered already) if no other
 // Mapping of the buffer holds it; until then those Mappings' leases keep the buffer
 // alive. Call with mapMu held.
-func (imp *Importer) unview(m *Mapping, s cudart.Stream) (map[uint64]uint32, error) {
+func (imp *Importer) unview(m *Mapping, s cudart.Stream, ordered bool) (map[uint64]uint32, error) {
 	if m.buf.views > 1 {
 		m.buf.views--
 		delete(imp.mappings, m.key)
@@ -159,7 +160,7 @@ func (imp *Importer) unview(m *Mapping, s cudart.Stream) (map[uint64]uint32, err
 		m.grants = nil
 		return grants, nil
 	}
-	if err := imp.unmap(m.buf, s, true); err != nil {
+	if err := imp.unmap(m.buf, s, ordered); err != nil {
 		if imp.imports[m.buf.record] == nil {
 			delete(imp.mappings, m.key) // freed, but the exporter could not be told in order
 		}

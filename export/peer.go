@@ -151,6 +151,10 @@ func (p *peer) serve() (reason error, clean bool) {
 			answer(p.c, m.ReqID, p.ex.sendState(p.c, m.ReqID))
 		case *revokedMsg:
 			p.answerRevoked(m)
+		case *openBatchMsg:
+			answer(p.c, m.ReqID, p.answerOpenBatch(m))
+		case *releaseBatchMsg:
+			answer(p.c, m.ReqID, p.releaseBatch(m))
 		case *byeMsg:
 			p.mu.Lock()
 			p.bye = true

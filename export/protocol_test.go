@@ -67,6 +67,9 @@ func protocolSamples() map[msgType]message {
 		msgStateRequest: &stateRequestMsg{ReqID: 0x0b01},
 		msgState:        &stateMsg{ReqID: 0x0c01, Flags: stateMore, JSON: []byte(`{"schema":1}`)},
 		msgBye:          &byeMsg{},
+		msgOpenBatch:    &openBatchMsg{ReqID: 0x1001, Names: []string{"block-0", "block-1"}},
+		msgLeaseBatch:   &leaseBatchMsg{ReqID: 0x1101, Flags: leaseBatchMore, Leases: []leaseMsg{lease, lease}},
+		msgReleaseBatch: &releaseBatchMsg{ReqID: 0x1201, Entries: []releaseMsg{{LeaseID: 0x1202, Count: 0x1203, Flags: releaseRetain}, {LeaseID: 0x1204, Count: 1}}},
 		msgRevoke:       &revokeMsg{Record: record(0x0e)},
 		msgRevoked:      &revokedMsg{Record: record(0x0f)},
 	}
@@ -86,10 +89,11 @@ var (
 		"Lease ready event":        leaseReadyEvent,
 		"Release nothing imported": releaseNothingImported,
 		"Release retain":           releaseRetain,
+		"LeaseBatch more":          leaseBatchMore,
 		"Welcome retain":           welcomeRetain,
 		"State more":               stateMore,
 	}
-	protocolKnownFlags = map[string]uint32{"Hello": helloKnown, "Welcome": welcomeKnown, "Lease": leaseKnown, "Release": releaseKnown, "State": stateKnown}
+	protocolKnownFlags = map[string]uint32{"Hello": helloKnown, "Welcome": welcomeKnown, "Lease": leaseKnown, "Release": releaseKnown, "State": stateKnown, "LeaseBatch": leaseBatchKnown}
 )
 
 // protocolErrors are the sentinels by the names the spec's error table gives them.
@@ -106,6 +110,31 @@ var derivedFields = map[string]func(m message) uint64{
 	"Welcome device_count": func(m message) uint64 { return uint64(len(m.(*welcomeMsg).Devices)) },
 	"Lease meta_len":       func(m message) uint64 { return uint64(len(m.(*leaseMsg).Meta)) },
 	"Push meta_len":        func(m message) uint64 { return uint64(len(m.(*pushMsg).Meta)) },
+	"LeaseBatch count":     func(m message) uint64 { return uint64(len(m.(*leaseBatchMsg).Leases)) },
+	"ReleaseBatch count":   func(m message) uint64 { return uint64(len(m.(*releaseBatchMsg).Entries)) },
+}
+
+// listFields are spec fields that repeat a layout the spec gives in words: their
+// encoding, element by element.
+var listFields = map[string]func(m message) []byte{
+	"OpenBatch names": func(m message) (b []byte) {
+		for _, n := range m.(*openBatchMsg).Names {
+			b = append(append(b, byte(len(n))), n...)
+		}
+		return b
+	},
+	"LeaseBatch leases": func(m message) (b []byte) {
+		for _, l := range m.(*leaseBatchMsg).Leases {
+			b = l.appendPayload(b)
+		}
+		return b
+	},
+	"ReleaseBatch entries": func(m message) (b []byte) {
+		for _, e := range m.(*releaseBatchMsg).Entries {
+			b = binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(b, e.LeaseID), e.Count), e.Flags)
+		}
+		return b
+	},
 }
 
 // spec is what the tests read of docs/PROTOCOL.md.
@@ -297,6 +326,9 @@ func TestProtocolLayouts(t *testing.T) {
 // size is the spec's size, or -1 for the rest of the payload.
 func fieldBytes(t *testing.T, m message, msg, name string, size int) []byte {
 	t.Helper()
+	if enc, ok := listFields[msg+" "+name]; ok {
+		return enc(m)
+	}
 	if derive, ok := derivedFields[msg+" "+name]; ok {
 		return binary.LittleEndian.AppendUint32(nil, uint32(derive(m)))
 	}

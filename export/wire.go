@@ -53,6 +53,9 @@ const (
 	msgBye          msgType = 13 // either: no more requests from me
 	msgRevoke       msgType = 14 // exporter: free your retained import of this record
 	msgRevoked      msgType = 15 // importer: freed it, as of my release event
+	msgOpenBatch    msgType = 16 // importer: lease the buffers under these names
+	msgLeaseBatch   msgType = 17 // exporter: leases answering an OpenBatch, in one or more frames
+	msgReleaseBatch msgType = 18 // importer: give these leases back; answered by one Released
 )
 
 var msgNames = [...]string{
@@ -60,6 +63,7 @@ var msgNames = [...]string{
 	msgOpen: "Open", msgLease: "Lease", msgRelease: "Release", msgReleased: "Released",
 	msgError: "Error", msgPush: "Push", msgStateRequest: "StateRequest", msgState: "State", msgBye: "Bye",
 	msgRevoke: "Revoke", msgRevoked: "Revoked",
+	msgOpenBatch: "OpenBatch", msgLeaseBatch: "LeaseBatch", msgReleaseBatch: "ReleaseBatch",
 }
 
 func (t msgType) String() string {
@@ -265,6 +269,41 @@ type revokedMsg struct{ Record cudart.PtrExportData }
 
 const revokeLen = len(cudart.PtrExportData{})
 
+// MaxBatch is the most names an OpenBatch (Importer.OpenAll) and the most leases a
+// ReleaseBatch (Importer.ReleaseAll) may carry.
+const MaxBatch = 1024
+
+// openBatchMsg asks for many names at once: each is a u8 length and its bytes.
+type openBatchMsg struct {
+	ReqID uint64
+	Names []string
+}
+
+// LeaseBatch flags.
+const (
+	leaseBatchMore  uint32 = 1 << 0 // more LeaseBatch frames follow for this request
+	leaseBatchKnown        = leaseBatchMore
+)
+
+// leaseBatchMsg answers an OpenBatch: its leases, in the order of the names, over as
+// many frames as they need, each lease laid out as in Lease (with the batch's ReqID).
+type leaseBatchMsg struct {
+	ReqID  uint64
+	Flags  uint32
+	Leases []leaseMsg
+}
+
+const leaseBatchHeaderLen = 8 + 4 + 4
+
+// releaseBatchMsg gives back grants of many leases; each entry is a Release's lease
+// id, count and flags.
+type releaseBatchMsg struct {
+	ReqID   uint64
+	Entries []releaseMsg // ReqID unused
+}
+
+const releaseEntryLen = 8 + 4 + 4
+
 func (*helloMsg) kind() msgType        { return msgHello }
 func (*welcomeMsg) kind() msgType      { return msgWelcome }
 func (*refusedMsg) kind() msgType      { return msgRefused }
@@ -280,6 +319,9 @@ func (*stateMsg) kind() msgType        { return msgState }
 func (*byeMsg) kind() msgType          { return msgBye }
 func (*revokeMsg) kind() msgType       { return msgRevoke }
 func (*revokedMsg) kind() msgType      { return msgRevoked }
+func (*openBatchMsg) kind() msgType    { return msgOpenBatch }
+func (*leaseBatchMsg) kind() msgType   { return msgLeaseBatch }
+func (*releaseBatchMsg) kind() msgType { return msgReleaseBatch }
 
 var le = binary.LittleEndian
 
@@ -365,7 +407,31 @@ func (m *stateMsg) appendPayload(b []byte) []byte {
 
 func (*byeMsg) appendPayload(b []byte) []byte { return b }
 
-func (m *revokeMsg) appendPayload(b []byte) []byte  { return append(b, m.Record[:]...) }
+func (m *revokeMsg) appendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
+
+func (m *openBatchMsg) appendPayload(b []byte) []byte {
+	b = le.AppendUint64(b, m.ReqID)
+	for _, n := range m.Names {
+		b = append(append(b, byte(len(n))), n...)
+	}
+	return b
+}
+
+func (m *leaseBatchMsg) appendPayload(b []byte) []byte {
+	b = le.AppendUint32(le.AppendUint32(le.AppendUint64(b, m.ReqID), m.Flags), uint32(len(m.Leases)))
+	for i := range m.Leases {
+		b = m.Leases[i].appendPayload(b)
+	}
+	return b
+}
+
+func (m *releaseBatchMsg) appendPayload(b []byte) []byte {
+	b = le.AppendUint32(le.AppendUint64(b, m.ReqID), uint32(len(m.Entries)))
+	for _, e := range m.Entries {
+		b = le.AppendUint32(le.AppendUint32(le.AppendUint64(b, e.LeaseID), e.Count), e.Flags)
+	}
+	return b
+}
 func (m *revokedMsg) appendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
 
 // appendFrame appends m as one whole frame to b.
@@ -418,6 +484,9 @@ var payloadLimits = [...]struct{ min, max int }{
 	msgBye:          {0, 0},
 	msgRevoke:       {revokeLen, revokeLen},
 	msgRevoked:      {revokeLen, revokeLen},
+	msgOpenBatch:    {8 + 2, maxPayload},
+	msgLeaseBatch:   {leaseBatchHeaderLen + leaseLen, maxPayload},
+	msgReleaseBatch: {8 + 4 + releaseEntryLen, 8 + 4 + MaxBatch*releaseEntryLen},
 }
 
 // decodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -531,6 +600,65 @@ func decodePayload(t msgType, p []byte) (message, error) {
 		return m, checkFlags(t, m.Flags, stateKnown)
 	case msgBye:
 		return &byeMsg{}, nil
+	case msgOpenBatch:
+		m := &openBatchMsg{ReqID: r.u64()}
+		for r.i < len(p) {
+			n := int(p[r.i])
+			r.i++
+			if n > len(p)-r.i {
+				return nil, protocolErr("OpenBatch name %d runs past the frame", len(m.Names))
+			}
+			name := string(p[r.i : r.i+n])
+			r.i += n
+			if err := checkName(name); err != nil {
+				return nil, protocolErr("OpenBatch: %v", err)
+			}
+			m.Names = append(m.Names, name)
+		}
+		if len(m.Names) > MaxBatch {
+			return nil, protocolErr("OpenBatch has %d names, at most %d", len(m.Names), MaxBatch)
+		}
+		return m, nil
+	case msgLeaseBatch:
+		m := &leaseBatchMsg{ReqID: r.u64(), Flags: r.u32()}
+		n := r.u32()
+		if err := checkFlags(t, m.Flags, leaseBatchKnown); err != nil {
+			return nil, err
+		}
+		if n == 0 || n > MaxBatch {
+			return nil, protocolErr("LeaseBatch has %d leases, want 1 to %d", n, MaxBatch)
+		}
+		m.Leases = make([]leaseMsg, n)
+		for i := range m.Leases {
+			if len(p)-r.i < leaseLen {
+				return nil, protocolErr("LeaseBatch lease %d runs past the frame", i)
+			}
+			if err := r.lease(&m.Leases[i]); err != nil {
+				return nil, err
+			}
+			if m.Leases[i].ReqID != m.ReqID {
+				return nil, protocolErr("LeaseBatch lease %d has request id %d, want %d", i, m.Leases[i].ReqID, m.ReqID)
+			}
+		}
+		if r.i != len(p) {
+			return nil, protocolErr("LeaseBatch has %d bytes after its leases", len(p)-r.i)
+		}
+		return m, nil
+	case msgReleaseBatch:
+		m := &releaseBatchMsg{ReqID: r.u64()}
+		n := r.u32()
+		if n == 0 || int(n)*releaseEntryLen != len(p)-r.i {
+			return nil, protocolErr("ReleaseBatch says %d entries in %d bytes", n, len(p)-r.i)
+		}
+		m.Entries = make([]releaseMsg, n)
+		for i := range m.Entries {
+			e := &m.Entries[i]
+			e.LeaseID, e.Count, e.Flags = r.u64(), r.u32(), r.u32()
+			if err := checkFlags(msgRelease, e.Flags, releaseKnown); err != nil {
+				return nil, err
+			}
+		}
+		return m, nil
 	case msgRevoke:
 		m := &revokeMsg{}
 		r.bytes(m.Record[:])

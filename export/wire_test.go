@@ -44,6 +44,9 @@ func sampleMessages() []message {
 		&byeMsg{},
 		&revokeMsg{Record: rec},
 		&revokedMsg{Record: rec},
+		&openBatchMsg{ReqID: 3, Names: []string{"a", "kv/block-17"}},
+		&leaseBatchMsg{ReqID: 7, Flags: leaseBatchMore, Leases: []leaseMsg{l, l}},
+		&releaseBatchMsg{ReqID: 9, Entries: []releaseMsg{{LeaseID: 5, Count: 2, Flags: releaseRetain}, {LeaseID: 6, Count: 1}}},
 	}
 }
 
@@ -188,10 +191,10 @@ func TestSeedCorpusCoversEveryType(t *testing.T) {
 			seen[m.kind()] = true
 		}
 	}
-	for typ := msgHello; typ <= msgRevoked; typ++ {
+	for typ := msgHello; typ <= msgReleaseBatch; typ++ {
 		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
 	}
-	assert.GreaterOrEqual(t, len(entries), int(msgRevoked)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
+	assert.GreaterOrEqual(t, len(entries), int(msgReleaseBatch)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
 }
 
 var writeCorpus = flag.Bool("write-corpus", false, "rewrite testdata/fuzz/FuzzDecodeFrame from sampleMessages and malformedFrames")
