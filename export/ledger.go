@@ -170,6 +170,7 @@ func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion cudart.Event
 // it freed; otherwise its process is gone and its imports with it, so nothing is
 // waited for.
 func (p *peer) cleanup(clean bool) {
+	p.dropRetentions(clean)
 	p.c.close()
 	p.stopExitWait()
 	if p.proc != nil {
@@ -185,18 +186,7 @@ func (p *peer) cleanup(clean bool) {
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}
-	retained := p.retained
-	p.retained = map[cudart.PtrExportData]*retention{}
 	p.mu.Unlock()
-	for _, rt := range retained {
-		completion := cudart.Event(0)
-		if clean {
-			completion = release[rt.dev]
-		}
-		if err := rt.r.End(completion); err != nil {
-			p.ex.log.Error("export: ending a retained import of a departed peer", "pid", p.pid(), "err", err)
-		}
-	}
 	for _, entry := range held {
 		completion := cudart.Event(0)
 		if clean {

@@ -159,6 +159,9 @@ func (p *peer) serve() (reason error, clean bool) {
 			p.mu.Lock()
 			p.bye = true
 			p.mu.Unlock()
+			// Now, while the peer waits for the connection to close: it destroys its
+			// release event after that.
+			p.endRetentions()
 			return nil, true
 		default:
 			return protocolErr("unexpected %s from an importer", m.kind()), true

@@ -3,6 +3,7 @@ package export
 import (
 	"context"
 	"fmt"
+	"maps"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/pool"
@@ -83,6 +84,51 @@ func (p *peer) revokeAll(ctx context.Context) {
 	p.mu.Unlock()
 	for _, rec := range recs {
 		p.revoke(ctx, rec)
+	}
+}
+
+// endRetentions ends the retentions of a peer that said Bye, as of its release event:
+// an Importer frees what it retains before it says Bye.
+func (p *peer) endRetentions() {
+	p.mu.Lock()
+	retained := p.retained
+	p.retained = map[cudart.PtrExportData]*retention{}
+	release := maps.Clone(p.releaseEvents)
+	p.mu.Unlock()
+	p.endAll(retained, release)
+}
+
+// dropRetentions deals with what a departing peer still retains (one that said Bye
+// retains nothing any more). clean false: its process is gone and its imports with it,
+// so they end at once. clean true without Bye: the exporter cut a live peer, which
+// may still map them, and whose release event may be gone: they are left held, and
+// the memory stays reserved until its pool is closed with Force.
+func (p *peer) dropRetentions(clean bool) {
+	p.mu.Lock()
+	retained := p.retained
+	p.retained = map[cudart.PtrExportData]*retention{}
+	p.mu.Unlock()
+	if len(retained) == 0 {
+		return
+	}
+	if clean {
+		p.ex.log.Warn("export: a peer cut off while it may still map its retained imports; their memory stays reserved",
+			"pid", p.pid(), "imports", len(retained))
+		return
+	}
+	p.endAll(retained, nil)
+}
+
+// endAll ends retentions after the release events given (none: at once).
+func (p *peer) endAll(retained map[cudart.PtrExportData]*retention, release map[int]cudart.Event) {
+	for _, rt := range retained {
+		completion := release[rt.dev]
+		if completion != 0 && completed(p.ex.rt, rt.dev, completion) {
+			completion = 0
+		}
+		if err := rt.r.End(completion); err != nil {
+			p.ex.log.Error("export: ending a retained import of a departed peer", "pid", p.pid(), "err", err)
+		}
 	}
 }
 
