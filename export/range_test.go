@@ -24,6 +24,15 @@ func TestRangesOfOneBufferShareOneImport(t *testing.T) {
 	require.NoError(t, pr.ex.Publish(ctx, "mid", b, pr.stream, Range(1000, 3001), WithMeta([]byte("second"))))
 	require.NoError(t, pr.ex.Publish(ctx, "tail", b, pr.stream, Range(size-7, 0)))
 
+	st, err := pr.ex.State()
+	require.NoError(t, err)
+	byName := map[string]NameState{}
+	for _, ns := range st.Published {
+		byName[ns.Name] = ns
+	}
+	require.Equal(t, NameState{Name: "mid", Pool: 1, BufferID: b.ID(), Size: size, Offset: 1000, Length: 3001, MetaBytes: 6}, byName["mid"])
+	require.Equal(t, uint64(size-7), byName["tail"].Offset)
+
 	c := newConsumer(t, pr.path, 0)
 	head, err := c.imp.Open(ctx, "head", c.stream)
 	require.NoError(t, err)

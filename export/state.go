@@ -108,7 +108,12 @@ type NameState struct {
 	Name     string `json:"name"`
 	Pool     uint64 `json:"pool"`
 	BufferID uint64 `json:"buffer_id"`
-	Size     uint64 `json:"size"`
+	Size     uint64 `json:"size"` // the buffer's
+	// Offset and Length are the range published (Range), both 0 for the whole buffer.
+	Offset uint64 `json:"offset,omitempty"`
+	Length uint64 `json:"length,omitempty"`
+	// MetaBytes is the length of the metadata published with it (WithMeta).
+	MetaBytes int `json:"meta_bytes,omitempty"`
 }
 
 // PeerState is one peer, a connection that takes leases (Exporter.Peers, State.Peers).
@@ -147,7 +152,11 @@ func (ex *Exporter) State() (*State, error) {
 		pools[p] = id
 	}
 	for _, pub := range ex.pubs {
-		st.Published = append(st.Published, NameState{Name: pub.name, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size()})
+		ns := NameState{Name: pub.name, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size(), MetaBytes: len(pub.meta)}
+		if pub.offset != 0 || pub.length != pub.buf.Size() {
+			ns.Offset, ns.Length = pub.offset, pub.length
+		}
+		st.Published = append(st.Published, ns)
 	}
 	ex.mu.Unlock()
 	for p, id := range pools {
