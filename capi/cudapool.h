@@ -186,8 +186,9 @@ int cudapool_importer_open(uint64_t importer, const char *name, void *stream, in
 /* cudapool_importer_close frees what is still mapped (release first) and says goodbye. */
 int cudapool_importer_close(uint64_t importer, int64_t timeout_ms);
 
-/* cudapool_mapping_info: the mapped memory in this process. */
-int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size);
+/* cudapool_mapping_info: the mapped range's address in this process, its size and the
+ * length of its metadata; any output may be NULL. */
+int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size, size_t *meta_len);
 /* cudapool_mapping_meta copies the metadata published with the buffer. On
  * CUDAPOOL_ERANGE *len is the size needed. */
 int cudapool_mapping_meta(uint64_t mapping, void *buf, size_t cap, size_t *len);

@@ -163,8 +163,8 @@ int cudapool_importer_close(uint64_t importer, int64_t timeout_ms) {
 	CP_CALL(cpgo_importer_close(importer, timeout_ms));
 }
 
-int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size) {
-	CP_CALL(cpgo_mapping_info(mapping, (uintptr_t *)ptr, size));
+int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size, size_t *meta_len) {
+	CP_CALL(cpgo_mapping_info(mapping, (uintptr_t *)ptr, size, meta_len));
 }
 
 int cudapool_mapping_meta(uint64_t mapping, void *buf, size_t cap, size_t *len) {

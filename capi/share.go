@@ -237,7 +237,7 @@ func cpgo_importer_close(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
 }
 
 //export cpgo_mapping_info
-func cpgo_mapping_info(h C.uint64_t, ptr *C.uintptr_t, size *C.uint64_t) (rc C.int) {
+func cpgo_mapping_info(h C.uint64_t, ptr *C.uintptr_t, size *C.uint64_t, metaLen *C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
 	m, err := mappings.get(uint64(h))
 	if err != nil {
@@ -248,6 +248,9 @@ func cpgo_mapping_info(h C.uint64_t, ptr *C.uintptr_t, size *C.uint64_t) (rc C.i
 	}
 	if size != nil {
 		*size = C.uint64_t(m.Size())
+	}
+	if metaLen != nil {
+		*metaLen = C.size_t(len(m.Meta()))
 	}
 	return statusOK
 }

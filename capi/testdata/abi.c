@@ -141,7 +141,7 @@ int main(void) {
 	EXPECT(cudapool_importer_dial(sock, 0, -1, &imp), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, 1000, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_open(ex, "a", NULL, 1000, &m), CUDAPOOL_EHANDLE); // an exporter's handle
-	EXPECT(cudapool_mapping_info(0, &p, NULL), CUDAPOOL_EHANDLE);
+	EXPECT(cudapool_mapping_info(0, &p, NULL, NULL), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_mapping_meta(12345, buf, sizeof buf, &len), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_mapping_release(ex, NULL, 1000), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_importer_close(0, 1000), CUDAPOOL_EHANDLE);

@@ -37,7 +37,7 @@ static int consume(const char *socket) {
 	char got[sizeof greeting];
 	CHECK(cudapool_importer_dial(socket, 0, 10000, &imp));
 	CHECK(cudapool_importer_open(imp, "greeting", NULL, 10000, &m)); // NULL: the default stream
-	CHECK(cudapool_mapping_info(m, &ptr, &size));
+	CHECK(cudapool_mapping_info(m, &ptr, &size, NULL));
 	CHECK(cudapool_copy_from_device(0, got, ptr, sizeof got, NULL));
 	printf("consumer (pid %d): mapped %llu bytes, read \"%s\"\n", (int)getpid(), (unsigned long long)size, got);
 	CHECK(cudapool_mapping_release(m, NULL, 10000));

@@ -312,10 +312,11 @@ class Mapping(_Handle):
 
     def __init__(self, handle, name, device, stream):
         self._h, self.name, self.device, self.stream = handle, name, device, stream
-        p, n = ctypes.c_void_p(), ctypes.c_uint64()
-        _lib.call("cudapool_mapping_info", handle, ctypes.byref(p), ctypes.byref(n))
-        self.ptr, self.size = p.value, n.value
-        self.meta = _lib.call_sized("cudapool_mapping_meta", handle)
+        p, n, meta_len = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_size_t()
+        _lib.call("cudapool_mapping_info", handle, ctypes.byref(p), ctypes.byref(n), ctypes.byref(meta_len))
+        self.ptr, self.size, self.meta = p.value, n.value, b""
+        if meta_len.value:
+            self.meta = _lib.call_sized("cudapool_mapping_meta", handle, cap=meta_len.value)
 
     @property
     def __cuda_array_interface__(self):

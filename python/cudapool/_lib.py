@@ -84,7 +84,7 @@ _SIGNATURES = {
     "cudapool_importer_dial": (cstr, c_int, i64, ctypes.POINTER(u64)),
     "cudapool_importer_open": (u64, cstr, vp, i64, ctypes.POINTER(u64)),
     "cudapool_importer_close": (u64, i64),
-    "cudapool_mapping_info": (u64, ctypes.POINTER(vp), ctypes.POINTER(u64)),
+    "cudapool_mapping_info": (u64, ctypes.POINTER(vp), ctypes.POINTER(u64), ctypes.POINTER(size_t)),
     "cudapool_mapping_meta": (u64, ctypes.c_char_p, size_t, ctypes.POINTER(size_t)),
     "cudapool_mapping_release": (u64, vp, i64),
     "cudapool_torch_configure": (ctypes.POINTER(PoolOptions),),
@@ -229,10 +229,9 @@ def call(name, *args):
         raise error(status)
 
 
-def call_sized(name, *args):
+def call_sized(name, *args, cap=4096):
     """Calls a function that writes into (buf, cap, &len), growing the buffer until it
     fits, and returns the bytes."""
-    cap = 4096
     n = size_t()
     while True:
         buf = ctypes.create_string_buffer(cap)
