@@ -200,3 +200,34 @@ func BenchmarkRecycledSharesInProcess(b *testing.B) {
 		})
 	}
 }
+
+// PublishAll publishes every entry or none, ready after one record of the stream.
+func TestPublishAll(t *testing.T) {
+	rp := newRetainingPair(t)
+	ctx := testCtx(t)
+	pr := rp.pr
+	b, err := pr.pool.Alloc(ctx, 3*4096, pr.stream)
+	require.NoError(t, err)
+	for i := range 3 {
+		require.NoError(t, pr.dev.MemsetAsync(pr.ord, b.Ptr()+cudart.DevicePtr(i*4096), byte(0x70+i), 4096, pr.stream))
+	}
+	entry := func(name string, i int) Entry {
+		return Entry{Name: name, Buffer: b, Options: []PublishOption{Range(uint64(i)*4096, 4096), WithMeta([]byte{byte(i)})}}
+	}
+	err = pr.ex.PublishAll(ctx, pr.stream, entry("p0", 0), entry("p1", 1), entry("p0", 2))
+	require.ErrorIs(t, err, ErrNameInUse)
+	_, err = rp.c.imp.Open(ctx, "p1", rp.c.stream)
+	require.ErrorIs(t, err, ErrUnknownName, "a refused batch published a name")
+	require.ErrorIs(t, pr.ex.PublishAll(ctx, pr.stream, entry("q0", 0), Entry{Name: "q1"}), ErrBadRequest, "an entry without a buffer")
+
+	require.NoError(t, pr.ex.PublishAll(ctx, pr.stream, entry("p0", 0), entry("p1", 1), entry("p2", 2)))
+	ms, err := rp.c.imp.OpenAll(ctx, []string{"p0", "p1", "p2"}, rp.c.stream)
+	require.NoError(t, err)
+	for i, m := range ms {
+		require.True(t, allAre(rp.c.read(t, m), byte(0x70+i)), "entry %d", i)
+		require.Equal(t, []byte{byte(i)}, m.Meta())
+	}
+	require.NoError(t, rp.c.imp.ReleaseAll(ctx, ms, rp.c.stream))
+	rp.pr.checkClean(t)
+	rp.c.checkClean(t)
+}

@@ -211,24 +211,34 @@ func (ex *Exporter) greet(nc net.Conn) {
 // an empty range or one past b's end fails with ErrBadRange, metadata longer than
 // MaxMetaLen with ErrMetaTooLong.
 func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream, opts ...PublishOption) error {
-	if err := checkName(name); err != nil {
-		return err
+	return ex.PublishAll(ctx, ready, Entry{Name: name, Buffer: b, Options: opts})
+}
+
+// Entry is one name for PublishAll: what Publish takes besides the stream.
+type Entry struct {
+	Name    string
+	Buffer  *pool.Buffer
+	Options []PublishOption
+}
+
+// PublishAll is Publish of every entry at once, each ready once the work queued on
+// ready before the call has completed: the ready event is recorded once for all of
+// them. The buffers must be on one device. It publishes all the entries or, with the
+// error of the first that fails, none.
+func (ex *Exporter) PublishAll(ctx context.Context, ready cudart.Stream, entries ...Entry) error {
+	if len(entries) == 0 {
+		return nil
 	}
-	if b == nil {
-		return fmt.Errorf("export: publish %q: nil buffer", name)
-	}
-	var o publishOptions
-	for _, opt := range opts {
-		opt.applyPublish(&o)
-	}
-	if o.length == 0 && o.offset <= b.Size() {
-		o.length = b.Size() - o.offset
-	}
-	if err := checkRange(b.Size(), o.offset, o.length); err != nil {
-		return fmt.Errorf("export: publish %q: %w", name, err)
-	}
-	if len(o.meta) > MaxMetaLen {
-		return fmt.Errorf("export: publish %q: %w: %d bytes, at most %d", name, ErrMetaTooLong, len(o.meta), MaxMetaLen)
+	pubs := make([]*publication, len(entries))
+	for i, e := range entries {
+		pub, err := newPublication(e)
+		if err != nil {
+			return err
+		}
+		if i > 0 && pub.buf.Device() != pubs[0].buf.Device() {
+			return fmt.Errorf("export: publish %q: %w: on device %d, the batch's first on %d", e.Name, ErrBadRequest, pub.buf.Device(), pubs[0].buf.Device())
+		}
+		pubs[i] = pub
 	}
 	if err := ctx.Err(); err != nil {
 		return err
@@ -239,32 +249,67 @@ func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, re
 	if closed {
 		return ErrClosed
 	}
-	if _, err := b.ExportRecord(); err != nil {
-		return fmt.Errorf("export: publish %q: %w", name, fabricErr(b.Pool(), err))
+	for _, pub := range pubs {
+		if _, err := pub.buf.ExportRecord(); err != nil {
+			return fmt.Errorf("export: publish %q: %w", pub.name, fabricErr(pub.buf.Pool(), err))
+		}
 	}
-	re, err := ex.readyFor(b.Device(), ready)
+	re, err := ex.readyFor(pubs[0].buf.Device(), ready)
 	if err != nil {
-		return fmt.Errorf("export: publish %q: %w", name, err)
+		return fmt.Errorf("export: publish %q: %w", pubs[0].name, err)
 	}
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.closed {
 		return ErrClosed
 	}
-	if old, ok := ex.pubs[name]; ok && !freed(old.buf) {
-		return fmt.Errorf("%w: %q", ErrNameInUse, name)
+	seen := make(map[string]bool, len(pubs))
+	for _, pub := range pubs {
+		if old, ok := ex.pubs[pub.name]; (ok && !freed(old.buf)) || seen[pub.name] {
+			return fmt.Errorf("%w: %q", ErrNameInUse, pub.name)
+		}
+		seen[pub.name] = true
 	}
-	// Recorded under mu so that no Open can see the publication before its writes are
-	// captured.
+	// Recorded under mu so that no Open can see the publications before their writes
+	// are captured.
 	if err := ex.rt.EventRecord(re.dev, re.ev, ready); err != nil {
-		return fmt.Errorf("export: publish %q: record ready event: %w", name, err)
+		return fmt.Errorf("export: publish %q: record ready event: %w", pubs[0].name, err)
 	}
-	if _, ok := ex.pools[b.Pool()]; !ok {
-		ex.lastPool++
-		ex.pools[b.Pool()] = ex.lastPool
+	for _, pub := range pubs {
+		if _, ok := ex.pools[pub.buf.Pool()]; !ok {
+			ex.lastPool++
+			ex.pools[pub.buf.Pool()] = ex.lastPool
+		}
+		pub.ready = re
+		ex.pubs[pub.name] = pub
 	}
-	ex.pubs[name] = &publication{name: name, buf: b, offset: o.offset, length: o.length, meta: o.meta, ready: re}
 	return nil
+}
+
+// newPublication checks what Publish is asked for, and returns it without its ready
+// event.
+func newPublication(e Entry) (*publication, error) {
+	if err := checkName(e.Name); err != nil {
+		return nil, err
+	}
+	b := e.Buffer
+	if b == nil {
+		return nil, fmt.Errorf("export: publish %q: %w: nil buffer", e.Name, ErrBadRequest)
+	}
+	var o publishOptions
+	for _, opt := range e.Options {
+		opt.applyPublish(&o)
+	}
+	if o.length == 0 && o.offset <= b.Size() {
+		o.length = b.Size() - o.offset
+	}
+	if err := checkRange(b.Size(), o.offset, o.length); err != nil {
+		return nil, fmt.Errorf("export: publish %q: %w", e.Name, err)
+	}
+	if len(o.meta) > MaxMetaLen {
+		return nil, fmt.Errorf("export: publish %q: %w: %d bytes, at most %d", e.Name, ErrMetaTooLong, len(o.meta), MaxMetaLen)
+	}
+	return &publication{name: e.Name, buf: b, offset: o.offset, length: o.length, meta: o.meta}, nil
 }
 
 // Unpublish removes name. Leases already given out are unaffected. An unknown name
