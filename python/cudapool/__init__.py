@@ -237,21 +237,28 @@ class Exporter(_Handle):
         _lib.call("cudapool_exporter_listen", _lib.encode_name(path, "path"),
                   None if name is None else name.encode(), ctypes.byref(h))
         self._h, self.path = h.value, path
+        self._kept = {}  # name -> the array published under it, kept alive
 
     def publish(self, name, obj, size=0, stream=None, meta=b""):
         """Makes the memory at obj (an address in a cudapool pool, or an object with
         __cuda_array_interface__) available under name, ready once the work queued on
         stream before the call is done. size 0 is to the end of obj's buffer (or obj's
-        own size). meta (bytes or str, at most MAX_META bytes) goes to every consumer."""
+        own size). meta (bytes or str, at most MAX_META bytes) goes to every consumer.
+        An array obj is kept alive until unpublish or close: an allocator that caches
+        (torch's, in a MemPool) would otherwise give its memory to another array while
+        consumers still read it. Unpublish only once they have released it."""
         ptr, size = _pointer_and_size(obj, size)
         if isinstance(meta, str):
             meta = meta.encode()
         meta = bytes(meta)
         _lib.call("cudapool_exporter_publish", self._h, _lib.encode_name(name), ctypes.c_void_p(ptr),
                   size, _vp(stream), meta or None, len(meta))
+        if not isinstance(obj, int):
+            self._kept[name] = obj
 
     def unpublish(self, name):
         _lib.call("cudapool_exporter_unpublish", self._h, _lib.encode_name(name))
+        self._kept.pop(name, None)
 
     def push(self, pid, name, timeout=DEFAULT_TIMEOUT):
         _lib.call("cudapool_exporter_push", self._h, pid, _lib.encode_name(name), _lib.timeout_ms(timeout))
@@ -264,7 +271,10 @@ class Exporter(_Handle):
         """Stops sharing; waits (up to timeout) for consumers to release."""
         if self._h:
             h, self._h = self._h, 0
-            _lib.call("cudapool_exporter_close", h, _lib.timeout_ms(timeout))
+            try:
+                _lib.call("cudapool_exporter_close", h, _lib.timeout_ms(timeout))
+            finally:
+                self._kept.clear()
 
 
 def query_state(socket, timeout=DEFAULT_TIMEOUT):

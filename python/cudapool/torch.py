@@ -91,17 +91,28 @@ def describe(t):
 def publish(exporter, name, tensor, stream=None):
     """Publishes tensor's memory under name, ready once the work queued on stream
     (default: torch's current stream on the tensor's device) is done. The tensor must be
-    contiguous and allocated by cudapool (use_as_current or mem_pool). Where the protocol
-    carries metadata (version 2), consumers receive the dtype, shape and strides."""
+    contiguous and allocated by cudapool (use_as_current or mem_pool); it may lie inside a
+    larger cudapool buffer (a MemPool's segment). Consumers receive its dtype, shape and
+    strides. The exporter keeps the tensor until unpublish or close: in a MemPool, torch
+    would reuse its memory as soon as it is gone, consumers or not, so unpublish only
+    once they have released it. With use_as_current cudapool itself defers the free."""
     if not tensor.is_cuda:
         raise ValueError("publish wants a CUDA tensor")
     if not tensor.is_contiguous():
         raise ValueError("publish wants a contiguous tensor (call .contiguous())")
     if stream is None:
         stream = _current_stream(tensor.device)
-    meta = describe(tensor) if cudapool.protocol_version() >= 2 else b""
-    exporter.publish(name, tensor.data_ptr(), tensor.numel() * tensor.element_size(),
-                     stream=stream, meta=meta)
+    exporter.publish(name, _Kept(tensor), stream=stream, meta=describe(tensor))
+
+
+class _Kept:
+    """A tensor as Exporter.publish takes it: its bytes, and the tensor to keep alive."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.__cuda_array_interface__ = {
+            "shape": (tensor.numel() * tensor.element_size(),), "typestr": "|u1",
+            "data": (tensor.data_ptr(), False), "version": 3, "strides": None}
 
 
 def open(importer, name, dtype=None, shape=None, stream=None, timeout=cudapool.DEFAULT_TIMEOUT):

@@ -382,6 +382,28 @@ class SharingTest(unittest.TestCase):
                                    "alive_after_delete": 0})
         cudapool.Pool.free(ptr)
 
+    def test_publish_keeps_an_array_until_unpublish(self):
+        import gc
+        import weakref
+
+        class Array:
+            def __init__(self, ptr, n):
+                self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                                 "version": 3, "strides": None}
+
+        ptr = self.pool.alloc(MiB)
+        a = Array(ptr, MiB)
+        alive = weakref.ref(a)
+        self.ex.publish("kept", a)
+        del a
+        gc.collect()
+        self.assertIsNotNone(alive(), "a published array is kept")
+        self.assertEqual(self.ex.state()["published"][0]["size"], MiB)
+        self.ex.unpublish("kept")
+        gc.collect()
+        self.assertIsNone(alive(), "unpublish lets it go")
+        cudapool.Pool.free(ptr)
+
     def test_state_query(self):
         ptr = self.publish("seen", MiB, 1)
         st = cudapool.query_state(self.ex.path)
