@@ -160,6 +160,44 @@ def cudacore_consumer(q, path, _):
         fail_to(q)(e)
 
 
+def mempool_producer(q, path, go):
+    """Publishes two small tensors that torch carved out of one MemPool segment."""
+    try:
+        import torch
+        import cudapool.torch as cpt
+        cudapool.init("gpu")
+        pool = cpt.mem_pool()
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.arange(1000, dtype=torch.float32, device="cuda") * 3
+            b = torch.full((3, 5), 7, dtype=torch.float16, device="cuda")
+        ex = cudapool.Exporter(path)
+        cpt.publish(ex, "a", a)
+        cpt.publish(ex, "b", b)
+        q.put(("published", cpt.stats(0)["live_buffers"]))
+        go.wait(CHILD_TIMEOUT)
+        ex.close(timeout=CHILD_TIMEOUT)
+        q.put("closed")
+    except Exception as e:
+        fail_to(q)(e)
+
+
+def mempool_consumer(q, path):
+    try:
+        import torch
+        import cudapool.torch as cpt
+        cudapool.init("gpu")
+        imp = cudapool.Importer(path, device=0)
+        ma, mb = cpt.open(imp, "a"), cpt.open(imp, "b")  # dtype and shape from the metadata
+        a, b = ma.tensor.cpu(), mb.tensor.cpu()
+        q.put({"a": (str(a.dtype), tuple(a.shape), bool(torch.equal(a, torch.arange(1000.0) * 3))),
+               "b": (str(b.dtype), tuple(b.shape), bool((b == 7).all()))})
+        ma.release()
+        mb.release()
+        imp.close()
+    except Exception as e:
+        fail_to(q)(e)
+
+
 class TorchAllocatorTest(unittest.TestCase):
     def setUp(self):
         need("torch")
@@ -171,6 +209,21 @@ class TorchAllocatorTest(unittest.TestCase):
         self.assertTrue(r["close"], "a matmul on cudapool memory")
         self.assertGreaterEqual(r["live"], 1)
         print("\ntorch alloc+free of a 1 MiB tensor through cudapool: %.2f us" % r["pair_us"])
+
+    def test_tensors_inside_a_mem_pool_segment(self):
+        go = multiprocessing.get_context("spawn").Event()
+        path = socket_path("mempool")
+        p, q = spawn(mempool_producer, path, go)
+        try:
+            r = q.get(timeout=CHILD_TIMEOUT)
+            self.assertIsInstance(r, tuple, "producer: %s" % (r,))
+            self.assertEqual(r[1], 1, "both tensors lie in one segment, one cudapool buffer")
+            c, cq = spawn(mempool_consumer, path)
+            got = result_of(self, c, cq)
+        finally:
+            go.set()
+        self.assertEqual(result_of(self, p, q), "closed")
+        self.assertEqual(got, {"a": ("torch.float32", (1000,), True), "b": ("torch.float16", (3, 5), True)})
 
     def test_mem_pool(self):
         p, q = spawn(allocator_child, "mempool")
