@@ -146,3 +146,70 @@ func retainedRecycle(t *testing.T, rt cudart.Runtime, kind string, size uint64) 
 	k.Send("quit")
 	k.Finish()
 }
+
+// On a GPU host: a producer process publishes 64 blocks of a slab in one PublishAll;
+// this process, on the same device, leases them all in one OpenAll, reads the right
+// bytes in each, queues copies of every block and releases them all in one ReleaseAll.
+// The producer then frees the slab and overwrites its memory: the copies queued
+// before the release see the old bytes, block by block.
+func TestGPUBlockLeasesKeepOrdering(t *testing.T) {
+	blockLeases(t, gputest.Runtime(t), "gpu", 64<<20)
+}
+
+// TestProcessBlockLeasesKeepOrdering is the GPU test between two processes on
+// software devices.
+func TestProcessBlockLeasesKeepOrdering(t *testing.T) {
+	d := cudarttest.New()
+	defer d.Close()
+	blockLeases(t, d, "soft", 1<<20)
+	require.NoError(t, d.Err())
+}
+
+func blockLeases(t *testing.T, rt cudart.Runtime, kind string, size uint64) {
+	const n = 64
+	block := size / n
+	path := filepath.Join(shortDir(t), "b.sock")
+	k := proctest.Start(t, "producer", kind, path, "default", fmt.Sprintf("slab=%d:91", size))
+	k.Expect("ready")
+	k.Send(fmt.Sprintf("ranges slab %d", n))
+	k.Expect("ranged")
+	ctx := testCtx(t)
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	defer rt.StreamDestroy(0, s)
+	imp, err := Dial(ctx, path, rt, 0)
+	require.NoError(t, err)
+	defer imp.Close(ctx)
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("slab-%d", i)
+	}
+	ms, err := imp.OpenAll(ctx, names, s)
+	require.NoError(t, err)
+	local, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypeNone))
+	require.NoError(t, err)
+	defer local.Close(ctx, pool.Force())
+	dst, err := local.Alloc(ctx, size, s)
+	require.NoError(t, err)
+	defer dst.Free(s)
+	for round := range 4 { // copies still queued at the release
+		for i, m := range ms {
+			require.Equal(t, block, m.Size())
+			require.NoError(t, rt.MemcpyDtoDAsync(0, dst.Ptr()+cudart.DevicePtr(uint64(i)*block), m.Ptr(), block, s), "round %d block %d", round, i)
+		}
+	}
+	require.NoError(t, imp.ReleaseAll(ctx, ms, s))
+	k.Send("free slab")
+	k.Expect("freed")
+	k.Send(fmt.Sprintf("refill %d 92", size))
+	k.Expect("refilled")
+	got := make([]byte, size)
+	require.NoError(t, rt.MemcpyDtoHAsync(0, got, dst.Ptr(), s))
+	require.NoError(t, rt.StreamSynchronize(0, s))
+	for i := range n {
+		require.True(t, allAre(got[uint64(i)*block:uint64(i+1)*block], 91), "block %d: a copy queued before ReleaseAll saw the producer's later writes", i)
+	}
+	require.NoError(t, imp.Close(ctx))
+	k.Send("quit")
+	k.Finish()
+}

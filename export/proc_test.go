@@ -66,6 +66,8 @@ func runtimeErr(rt cudart.Runtime) error {
 //	                  publish it under NAME; say "recycled same" if the memory is the
 //	                  same (from the cache), else "recycled new"
 //	trim              trim the pool's cache, say "trimmed"
+//	ranges NAME N     publish N equal ranges of NAME as NAME-0..NAME-(N-1) in one
+//	                  PublishAll, say "ranged"
 //	retained          say "retained RETENTIONS REVOKING"
 //	quit              close the exporter (waiting for releases) and exit
 //
@@ -187,6 +189,21 @@ func roleProducer(args []string) int {
 			} else {
 				fmt.Println("recycled new")
 			}
+		case len(f) == 3 && f[0] == "ranges":
+			b := bufs[f[1]]
+			n, _ := strconv.ParseUint(f[2], 10, 32)
+			if n == 0 || b.Size()%n != 0 {
+				return fail(fmt.Errorf("%d ranges of %d bytes", n, b.Size()))
+			}
+			entries := make([]Entry, n)
+			for i := range entries {
+				size := b.Size() / n
+				entries[i] = Entry{Name: fmt.Sprintf("%s-%d", f[1], i), Buffer: b, Options: []PublishOption{Range(uint64(i)*size, size)}}
+			}
+			if err := ex.PublishAll(ctx, stream, entries...); err != nil {
+				return fail(err)
+			}
+			fmt.Println("ranged")
 		case len(f) == 1 && f[0] == "trim":
 			if err := p.Trim(); err != nil {
 				return fail(err)
