@@ -6,7 +6,6 @@ import "fmt"
 // 11), with what is missing. The table shows each as "not run (feature absent)";
 // when a feature lands, its operations move from here to a measurement.
 var absent = []struct{ op, missing string }{
-	{"block/64KiB/b64", "batched leases (issue 11) are not on main"},
 }
 
 // absentRows says, for each operation of absent, that it was not run.

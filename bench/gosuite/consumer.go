@@ -31,7 +31,8 @@ import (
 //	open NAME COUNT N         N times Open NAME<i%COUNT> (timed), Release: "us T..."
 //	release NAME COUNT N      N times Open NAME<i%COUNT>, Release (timed): "us T..."
 //	openrelease NAME COUNT N  N times Open and Release NAME<i%COUNT> (timed together): "us T..."
-//	sustain NAME COUNT MS     Open and Release NAME<i%COUNT> for MS ms: "count N SLOW SLOW_MS"
+//	sustain NAME COUNT MS B   Open and Release NAME<i%COUNT> for MS ms, B names at a time
+//	                          (OpenAll and ReleaseAll when B > 1): "count N SLOW SLOW_MS"
 //	                          (SLOW: the Opens that took slowOpen or more, SLOW_MS their time)
 //	read NAME N               Open NAME, copy it N times into own memory: "gbs R..."
 //	hold NAME 0               Open NAME and keep it until drop: "hold"
@@ -212,8 +213,8 @@ func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
 		m := c.held[name]
 		delete(c.held, name)
 		return "drop", m.Release(ctx, c.s)
-	case f[0] == "sustain" && len(nums) == 2:
-		return c.sustain(ctx, name, nums[0], time.Duration(nums[1])*time.Millisecond)
+	case f[0] == "sustain" && len(nums) == 3 && nums[2] >= 1:
+		return c.sustain(ctx, name, nums[0], time.Duration(nums[1])*time.Millisecond, nums[2])
 	case f[0] == "read" && len(nums) == 1:
 		return c.read(ctx, name, nums[0])
 	}
@@ -276,13 +277,17 @@ func (c *consumerState) cycle(ctx context.Context, name string, count, n int, ve
 	return samples("us", us), nil
 }
 
-func (c *consumerState) sustain(ctx context.Context, name string, count int, window time.Duration) (string, error) {
+func (c *consumerState) sustain(ctx context.Context, name string, count int, window time.Duration, batch int) (string, error) {
 	end := time.Now().Add(window)
 	n, slow := 0, 0
 	var stalled time.Duration
-	for ; time.Now().Before(end); n++ {
+	names := make([]string, batch)
+	for ; time.Now().Before(end); n += batch {
+		for j := range names {
+			names[j] = fmt.Sprint(name, (n+j)%count)
+		}
 		start := time.Now()
-		m, err := c.open(ctx, fmt.Sprint(name, n%count))
+		ms, err := c.openAll(ctx, names)
 		if err != nil {
 			return "", err
 		}
@@ -290,11 +295,39 @@ func (c *consumerState) sustain(ctx context.Context, name string, count int, win
 			slow++
 			stalled += took
 		}
-		if err := m.Release(ctx, c.s); err != nil {
+		if err := c.releaseAll(ctx, ms); err != nil {
 			return "", err
 		}
 	}
 	return fmt.Sprintf("count %d %d %.3f", n, slow, float64(stalled.Microseconds())/1e3), nil
+}
+
+// openAll opens names on c.s, one Open for one name and one OpenAll for more, and
+// validates each.
+func (c *consumerState) openAll(ctx context.Context, names []string) ([]*export.Mapping, error) {
+	if len(names) == 1 {
+		m, err := c.open(ctx, names[0])
+		return []*export.Mapping{m}, err
+	}
+	ms, err := c.imp.OpenAll(ctx, names, c.s)
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range ms {
+		if err := c.check(m, c.s); err != nil {
+			c.imp.ReleaseAll(ctx, ms, c.s)
+			return nil, err
+		}
+	}
+	return ms, nil
+}
+
+// releaseAll releases what openAll opened, the same way.
+func (c *consumerState) releaseAll(ctx context.Context, ms []*export.Mapping) error {
+	if len(ms) == 1 {
+		return ms[0].Release(ctx, c.s)
+	}
+	return c.imp.ReleaseAll(ctx, ms, c.s)
 }
 
 // read copies the mapping of name into a buffer of a local pool n times after one

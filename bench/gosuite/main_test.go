@@ -66,7 +66,7 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		"cudapool open/first": sh.samples, "cudapool open/exported": sh.samples, "cudapool release": sh.samples,
 		"cudapool open+release/exported": sh.samples, "cudapool sustained/4": sh.rounds,
 		"cudapool read/same-gpu": sh.copies, "cudapool read/other-gpu": sh.copies,
-		"cudapool block/64KiB/b1": sh.rounds, "cudapool blocklease/64KiB": sh.samples,
+		"cudapool block/64KiB/b1": sh.rounds, "cudapool block/64KiB/b64": sh.rounds, "cudapool blocklease/64KiB": sh.samples,
 		"cudapool sustained/4/recycled": sh.rounds}
 	for _, n := range fanouts {
 		want[fmt.Sprintf("cudapool fanout/%d", n)] = sh.fanoutReps
@@ -103,10 +103,11 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		require.Len(t, f, 8, "window line %q", f)
 		windows[f[2]] = append(windows[f[2]], f)
 	}
-	require.Len(t, windows, 3)
+	require.Len(t, windows, 4)
 	shares := map[string]float64{}
+	blocks := int(sh.slabSize / blockSize)
 	for op, names := range map[string]int{"sustained/4": sh.ring, "sustained/4/recycled": sh.ring,
-		"block/64KiB/b1": int(sh.slabSize / blockSize)} {
+		"block/64KiB/b1": blocks, "block/64KiB/b64": blocks} {
 		require.Len(t, windows[op], sh.rounds, op)
 		var rateSum float64
 		for i, f := range windows[op] {
@@ -114,6 +115,9 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 			n, _ := strconv.ParseFloat(f[4], 64)
 			turns, _ := strconv.ParseFloat(f[7], 64)
 			assert.Positive(t, n)
+			if op == "block/64KiB/b64" {
+				assert.Zero(t, int(n)%64, "%s: whole batches", op)
+			}
 			assert.InDelta(t, n/float64(names), turns, 0.01, "%s: turns are shares over the names", op)
 			shares[op] += n
 		}
@@ -128,8 +132,8 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 	// shape makes plus the windows' shares, for each producer.
 	require.Len(t, by["validated"], 2, "the main producer's consumers and the recycled row's")
 	// open/first, open/exported, release, open+release and the block lease: warm-up and
-	// samples each; the two reads; the windows' shares; the blocks held (4 + 1).
-	given := 5*(sh.warmup+sh.samples) + 2 + int(shares["sustained/4"]+shares["block/64KiB/b1"]) + 5
+	// samples each; the two reads; the windows' shares; the blocks held (4 + 4 + 1).
+	given := 5*(sh.warmup+sh.samples) + 2 + int(shares["sustained/4"]+shares["block/64KiB/b1"]+shares["block/64KiB/b64"]) + 9
 	for _, n := range fanouts {
 		given += n * (sh.warmup + sh.fanoutReps)
 	}

@@ -52,7 +52,7 @@ func (pr *producer) recycled(r *reporter) ([]float64, error) {
 		if err != nil {
 			return nil, err
 		}
-		rate, err := rp.window(r, "sustained/4/recycled", cs, round, name, pr.sh.ring)
+		rate, err := rp.window(r, "sustained/4/recycled", cs, round, name, pr.sh.ring, 1)
 		if rerr := retire(); err == nil {
 			err = rerr
 		}

@@ -83,7 +83,11 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 	}
 	r.measure("cudapool", "sustained/4", "shares/s", func() ([]float64, error) { return pr.sustained(r, consumers[:sustainConsumers]) })
 	r.measure("cudapool", "sustained/4/recycled", "shares/s", func() ([]float64, error) { return pr.recycled(r) })
-	r.measure("cudapool", "block/64KiB/b1", "shares/s", func() ([]float64, error) { return pr.blockShares(r, consumers[:sustainConsumers]) })
+	for _, batch := range []int{1, 64} {
+		r.measure("cudapool", fmt.Sprintf("block/64KiB/b%d", batch), "shares/s", func() ([]float64, error) {
+			return pr.blockShares(r, consumers[:sustainConsumers], batch)
+		})
+	}
 	r.measure("cudapool", "blocklease/64KiB", "us", func() ([]float64, error) { return pr.blockLease(c) })
 	r.measure("cudapool", "read/same-gpu", "GB/s", func() ([]float64, error) { return pr.read(c) })
 	n, err := rt.DeviceCount()
@@ -376,19 +380,19 @@ func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 		return nil, err
 	}
 	defer retire()
-	rates, err := pr.windows(r, "sustained/4", cs, "sus", pr.sh.ring)
+	rates, err := pr.windows(r, "sustained/4", cs, "sus", pr.sh.ring, 1)
 	if err != nil {
 		return nil, err
 	}
 	return rates, retire()
 }
 
-// windows has the consumers open and release name<i % count> as fast as each can, for
-// pr.sh.rounds windows, and returns each window's rate.
-func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count int) ([]float64, error) {
+// windows has the consumers open and release name<i % count>, batch names at a time, as
+// fast as each can, for pr.sh.rounds windows, and returns each window's rate.
+func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count, batch int) ([]float64, error) {
 	var rates []float64
 	for round := range pr.sh.rounds {
-		rate, err := pr.window(r, op, cs, round, name, count)
+		rate, err := pr.window(r, op, cs, round, name, count, batch)
 		if err != nil {
 			return nil, err
 		}
@@ -403,9 +407,9 @@ func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string,
 //
 // SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
 // how many times the consumers went round the count names (summed): the stall pattern.
-func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, name string, count int) (float64, error) {
+func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, name string, count, batch int) (float64, error) {
 	for _, c := range cs {
-		if err := c.say(fmt.Sprintf("sustain %s %d %d", name, count, pr.sh.window.Milliseconds())); err != nil {
+		if err := c.say(fmt.Sprintf("sustain %s %d %d %d", name, count, pr.sh.window.Milliseconds(), batch)); err != nil {
 			return 0, err
 		}
 	}
@@ -474,8 +478,9 @@ func hold(cs []*consumer, verb string) error {
 }
 
 // blockShares: the consumers, each holding one block, lease and return the slab's
-// blocks one at a time as fast as they can (batch 1).
-func (pr *producer) blockShares(r *reporter, cs []*consumer) ([]float64, error) {
+// blocks batch at a time as fast as they can (batch 1: Open and Release; more:
+// OpenAll and ReleaseAll).
+func (pr *producer) blockShares(r *reporter, cs []*consumer, batch int) ([]float64, error) {
 	n, retire, err := pr.slab()
 	if err != nil {
 		return nil, err
@@ -485,7 +490,7 @@ func (pr *producer) blockShares(r *reporter, cs []*consumer) ([]float64, error) 
 		return nil, err
 	}
 	pr.given += len(cs)
-	rates, err := pr.windows(r, "block/64KiB/b1", cs, "blk", n)
+	rates, err := pr.windows(r, fmt.Sprintf("block/64KiB/b%d", batch), cs, "blk", n, batch)
 	if derr := hold(cs, "drop"); err == nil {
 		err = derr
 	}
