@@ -11,7 +11,8 @@
  *  - Every function returns 0 (CUDAPOOL_OK) or a CUDAPOOL_E* code, except the PyTorch
  *    entry points, whose signatures are PyTorch's. After a failure,
  *    cudapool_last_error() returns a message saying what failed and why; it is per
- *    thread, and every call other than cudapool_last_error clears it.
+ *    thread, and every call that returns a status clears it first. The PyTorch entry
+ *    points set it when they fail (NULL from malloc) and leave it alone otherwise.
  *  - Objects are opaque 64-bit handles (never 0). A handle that was closed, released,
  *    belongs to another kind of object or was never issued fails with
  *    CUDAPOOL_EHANDLE; it never crashes the process.
