@@ -8,8 +8,7 @@
 //	result IMPL OP UNIT MEDIAN P90 N
 //	raw IMPL OP UNIT V1 V2 ...
 //
-// or "fail IMPL OP REASON" when it could not be taken, and "absent IMPL OP REASON"
-// for an operation whose feature is not in the library yet; the others still run.
+// or "fail IMPL OP REASON" when it could not be taken; the others still run.
 // IMPL is cudapool (the pool and export packages) or cudart (the bare binding).
 // Times are in microseconds from CLOCK_MONOTONIC, which every process of the host
 // shares, so a consumer's timestamp can be compared with the producer's.
@@ -183,7 +182,6 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
-		absentRows(r)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
