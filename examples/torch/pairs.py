@@ -51,7 +51,6 @@ def torch_producer(q, path, nbytes, go):
 def torch_consumer(q, path, device):
     """Opens NAME as int64 words on device and checks them against the pattern."""
     import torch
-    import cudapool.torch as cpt
     cudapool.init("gpu")
     torch.cuda.set_device(device)
     imp = cudapool.Importer(path, device=device)

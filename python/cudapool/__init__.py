@@ -35,7 +35,10 @@ from ._lib import (  # noqa: F401 (re-exported)
 __all__ = [
     "init", "runtime_info", "protocol_version", "stream_handle", "stream_wait", "Stream", "Pool",
     "Exporter", "Importer", "Mapping", "ArrayView", "query_state", "copy_to_device",
-    "copy_from_device", "CudapoolError", "MAX_META", "DEFAULT_TIMEOUT",
+    "copy_from_device", "library_path", "MAX_META", "DEFAULT_TIMEOUT",
+    "CudapoolError", "InvalidArgument", "InvalidHandle", "ForeignPointer", "Closed", "OutOfMemory",
+    "NotFound", "NameInUse", "Busy", "Gone", "Refused", "VersionMismatch", "ProtocolError", "Timeout",
+    "NoRuntime", "CudaError", "ForkedProcess", "NotSupported", "InternalError", "SystemFailure",
 ]
 
 MAX_META = 4096
