@@ -39,8 +39,8 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 	if reason != nil {
 		ex.log.Warn("export: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
-	p.c.close()
 	if p.lost() {
+		p.c.close()
 		clean = p.awaitExit(clean)
 	}
 	p.cleanup(clean)

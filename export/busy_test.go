@@ -5,6 +5,7 @@ import (
 	"net"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -259,5 +260,34 @@ func TestByteStreamReleaseSyncsTheFree(t *testing.T) {
 	require.Zero(t, pr.activeLeases(t), "leases after Release")
 	pr.checkClean(t) // the exporter's free ran: the import's must have run before
 	busy.end()
+	c.checkClean(t)
+}
+
+// slowWaits makes each StreamWaitEvent take a while, as on a loaded host.
+type slowWaits struct{ cudart.Runtime }
+
+func (r slowWaits) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	time.Sleep(20 * time.Millisecond)
+	return r.Runtime.StreamWaitEvent(dev, s, e)
+}
+
+// A consumer that closes destroys its release event once the exporter hangs up, so the
+// exporter hangs up only after the pool's streams were made to wait on that event for
+// what the consumer retained, however long that takes.
+func TestExporterHangsUpAfterUsingTheReleaseEvent(t *testing.T) {
+	pr := newProducerOn(t, func(rt cudart.Runtime) cudart.Runtime { return slowWaits{rt} },
+		[]pool.Option{pool.WithCache(64 << 20)}, []ListenOption{WithRetainedImports()})
+	c := newConsumer(t, pr.path, 0)
+	ctx := testCtx(t)
+	b := pr.publish(t, "kv", 2<<20, 0x11)
+	m, err := c.imp.Open(ctx, "kv", c.stream)
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.stream))
+	require.NoError(t, pr.ex.Unpublish("kv"))
+	require.NoError(t, b.Free(pr.stream))
+	require.Equal(t, 1, poolStats(t, pr.pool).Retentions, "the consumer retains its import")
+	require.NoError(t, c.imp.Close(ctx))
+	require.Zero(t, poolStats(t, pr.pool).Retentions, "the retention outlived the hang-up")
+	pr.checkClean(t)
 	c.checkClean(t)
 }

@@ -168,10 +168,10 @@ func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion cudart.Event
 // cleanup ends what the peer still holds once its connection is over, and forgets it.
 // clean: the peer said Bye or the exporter is closing, so its release event covers what
 // it freed; otherwise its process is gone and its imports with it, so nothing is
-// waited for.
+// waited for. It hangs up only once the pool's streams have been made to wait on the
+// peer's release event: a peer that said Bye takes the hang-up as leave to destroy it.
 func (p *peer) cleanup(clean bool) {
 	p.dropRetentions(clean)
-	p.c.close()
 	p.stopExitWait()
 	if p.proc != nil {
 		p.proc.Close()
@@ -198,6 +198,7 @@ func (p *peer) cleanup(clean bool) {
 			}
 		}
 	}
+	p.c.close()
 	for dev, ev := range release {
 		p.ex.rt.EventDestroy(dev, ev)
 	}

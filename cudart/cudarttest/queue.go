@@ -341,6 +341,7 @@ func ForTest(t TB, opts ...Option) *Device {
 	t.Helper()
 	d := New(opts...)
 	t.Cleanup(func() {
+		t.Helper()
 		if t.Failed() {
 			t.Logf("cudarttest: the software device ran with seed %d; replay with %s=%d", d.seed, SeedEnv, d.seed)
 		}
