@@ -7,4 +7,8 @@
 
 // cp_set_error sets this thread's last error message (copied, cut to fit).
 void cp_set_error(const char *msg, size_t n);
+
+// The process's environment as it is now: the Go runtime's copy is the one the
+// process started with.
+extern char **environ;
 #endif

@@ -153,7 +153,16 @@ int cudapool_free(void *ptr, void *stream);
 /* cudapool_exporter_listen creates an exporter on a new Unix socket at path (mode
  * 0600) and announces it for poolstat. name (may be NULL) is the process name it
  * gives. */
-int cudapool_exporter_listen(const char *path, const char *name, uint64_t *exporter);
+int cudapool_exporter_listen(const char *path, const char *name, int flags, uint64_t *exporter);
+/* The flags of cudapool_exporter_listen. */
+enum cudapool_listen_flags {
+	/* Consumers keep a buffer's import after they release it, so that leasing the same
+	 * memory again (a buffer recycled through a pool's cache) costs no import and no
+	 * free; the exporter revokes such imports before the memory goes back to the driver. */
+	CUDAPOOL_LISTEN_RETAIN_IMPORTS = 1,
+	/* No announcement for poolstat. */
+	CUDAPOOL_LISTEN_NO_ANNOUNCE = 2
+};
 /* cudapool_exporter_publish makes the memory at [ptr, ptr+size) available under
  * name, ready once the work queued on stream before the call has completed. ptr must
  * lie in memory of a cudapool pool (cudapool_alloc, the PyTorch allocator);

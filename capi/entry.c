@@ -120,8 +120,8 @@ int cudapool_free(void *ptr, void *stream) {
 	CP_CALL(cpgo_free((uintptr_t)ptr, (uintptr_t)stream));
 }
 
-int cudapool_exporter_listen(const char *path, const char *name, uint64_t *exporter) {
-	CP_CALL(cpgo_exporter_listen((char *)path, (char *)name, exporter));
+int cudapool_exporter_listen(const char *path, const char *name, int flags, uint64_t *exporter) {
+	CP_CALL(cpgo_exporter_listen((char *)path, (char *)name, flags, exporter));
 }
 
 int cudapool_exporter_publish(uint64_t exporter, const char *name, const void *ptr, uint64_t size,

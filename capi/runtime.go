@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,6 +43,7 @@ func choose(prefer string) (*chosen, error) {
 	}
 	chooseMu.Lock()
 	defer chooseMu.Unlock()
+	syncEnv()
 	if c := current.Load(); c != nil {
 		if c.prefer != prefer {
 			return nil, fmt.Errorf("%w: %q (%s), not %q", errRuntimeSet, c.prefer, c.why, prefer)
@@ -71,6 +73,36 @@ func runtimeNow() (cudart.Runtime, error) {
 }
 
 func msDuration(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond }
+
+// syncEnv brings the variables cudapool reads (CUDAPOOL_*, and XDG_RUNTIME_DIR and
+// TMPDIR for the announce directory) up to date from the process's environment. The Go
+// runtime of a shared library copies the environment the process started with, so a
+// variable a Python program set before its first call would go unseen. Called where
+// such a variable is read; never on the allocation path.
+func syncEnv() {
+	now := map[string]string{}
+	for p := C.environ; p != nil && *p != nil; p = (**C.char)(unsafe.Add(unsafe.Pointer(p), unsafe.Sizeof(*p))) {
+		if k, v, ok := strings.Cut(C.GoString(*p), "="); ok && readsEnv(k) {
+			now[k] = v
+		}
+	}
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); readsEnv(k) {
+			if _, ok := now[k]; !ok {
+				os.Unsetenv(k)
+			}
+		}
+	}
+	for k, v := range now {
+		if old, ok := os.LookupEnv(k); !ok || old != v {
+			os.Setenv(k, v)
+		}
+	}
+}
+
+func readsEnv(name string) bool {
+	return strings.HasPrefix(name, "CUDAPOOL_") || name == "XDG_RUNTIME_DIR" || name == "TMPDIR"
+}
 
 //export cpgo_init
 func cpgo_init(prefer *C.char, why *C.char, whyLen C.size_t) (rc C.int) {

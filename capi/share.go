@@ -22,6 +22,12 @@ var (
 	mappings  = newTable[*export.Mapping](kindMapping)
 )
 
+// The flags of cudapool_exporter_listen.
+const (
+	listenRetainImports = 1
+	listenNoAnnounce    = 2
+)
+
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
 const maxMeta = export.MaxMetaLen
 
@@ -36,7 +42,7 @@ func cpgo_protocol_version(out *C.int) (rc C.int) {
 }
 
 //export cpgo_exporter_listen
-func cpgo_exporter_listen(path, name *C.char, out *C.uint64_t) (rc C.int) {
+func cpgo_exporter_listen(path, name *C.char, flags C.int, out *C.uint64_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if out == nil {
 		return fail(invalid("exporter is NULL"))
@@ -45,9 +51,19 @@ func cpgo_exporter_listen(path, name *C.char, out *C.uint64_t) (rc C.int) {
 	if err != nil {
 		return fail(err)
 	}
+	syncEnv() // the announce directory
 	var opts []export.ListenOption
 	if name != nil {
 		opts = append(opts, export.WithName(C.GoString(name)))
+	}
+	if flags&^(listenRetainImports|listenNoAnnounce) != 0 {
+		return fail(invalid("unknown listen flags %#x", int(flags)&^(listenRetainImports|listenNoAnnounce)))
+	}
+	if flags&listenRetainImports != 0 {
+		opts = append(opts, export.WithRetainedImports())
+	}
+	if flags&listenNoAnnounce != 0 {
+		opts = append(opts, export.WithoutAnnounce())
 	}
 	rt, err := runtimeNow()
 	if err != nil {

@@ -64,6 +64,7 @@ func torchPool(device int) (*pool.Pool, error) {
 	}
 	opts := torch.opts
 	if !torch.set {
+		syncEnv()
 		var err error
 		if opts, err = torchEnvOptions(); err != nil {
 			return nil, err

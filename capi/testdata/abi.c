@@ -102,12 +102,13 @@ int main(void) {
 	EXPECT(cudapool_stream_destroy(0, NULL), CUDAPOOL_EINVAL);
 
 	// The exporter.
-	EXPECT(cudapool_exporter_listen(NULL, NULL, &ex), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_exporter_listen("/tmp/x.sock", NULL, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_listen(NULL, NULL, 0, &ex), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_listen("/tmp/x.sock", NULL, 0, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_listen("/tmp/x.sock", NULL, 0x100, &ex), CUDAPOOL_EINVAL);
 	char sock[64];
 	snprintf(sock, sizeof sock, "/tmp/cudapool-abi-%d.sock", (int)getpid());
-	EXPECT(cudapool_exporter_listen(sock, "abi", &ex), CUDAPOOL_OK);
-	EXPECT(cudapool_exporter_listen(sock, "abi", &imp), CUDAPOOL_EEXIST);
+	EXPECT(cudapool_exporter_listen(sock, "abi", CUDAPOOL_LISTEN_RETAIN_IMPORTS, &ex), CUDAPOOL_OK);
+	EXPECT(cudapool_exporter_listen(sock, "abi", 0, &imp), CUDAPOOL_EEXIST);
 	memset(name, 'x', 256);
 	name[256] = 0;
 	EXPECT(cudapool_exporter_publish(ex, name, p, 0, NULL, NULL, 0), CUDAPOOL_EINVAL);

@@ -63,7 +63,7 @@ int main(int argc, char **argv) {
 
 	char socket[64];
 	snprintf(socket, sizeof socket, "/tmp/cudapool-c-%d.sock", (int)getpid());
-	CHECK(cudapool_exporter_listen(socket, "share-c", &ex));
+	CHECK(cudapool_exporter_listen(socket, "share-c", 0, &ex));
 	CHECK(cudapool_exporter_publish(ex, "greeting", buf, sizeof greeting, NULL, "text/plain", 10));
 
 	fflush(stdout); // before the consumer's lines

@@ -233,12 +233,16 @@ def _pointer_and_size(obj, size):
 
 class Exporter(_Handle):
     """The producer's side: publishes memory of cudapool pools under names, on a Unix
-    socket at path (created 0600)."""
+    socket at path (created 0600). name is the process name poolstat shows; with
+    retain_imports consumers keep a buffer's import after releasing it, so that leasing
+    memory recycled through a pool's cache (cache_bytes) again costs no import; with
+    announce=False poolstat does not list the exporter."""
 
-    def __init__(self, path, name=None):
+    def __init__(self, path, name=None, retain_imports=False, announce=True):
         h = ctypes.c_uint64()
+        flags = (1 if retain_imports else 0) | (0 if announce else 2)
         _lib.call("cudapool_exporter_listen", _lib.encode_name(path, "path"),
-                  None if name is None else name.encode(), ctypes.byref(h))
+                  None if name is None else name.encode(), flags, ctypes.byref(h))
         self._h, self.path = h.value, path
         self._kept = {}  # name -> the array published under it, kept alive
 

@@ -74,7 +74,7 @@ _SIGNATURES = {
     "cudapool_pool_close": (u64, c_int, i64),
     "cudapool_alloc": (u64, u64, vp, ctypes.POINTER(vp)),
     "cudapool_free": (vp, vp),
-    "cudapool_exporter_listen": (cstr, cstr, ctypes.POINTER(u64)),
+    "cudapool_exporter_listen": (cstr, cstr, c_int, ctypes.POINTER(u64)),
     "cudapool_exporter_publish": (u64, cstr, vp, u64, vp, ctypes.c_char_p, size_t),
     "cudapool_exporter_unpublish": (u64, cstr),
     "cudapool_exporter_push": (u64, c_int, cstr, i64),

@@ -3,6 +3,7 @@ is (or on the GPU). Run: python3 -m pytest python/tests (or python3 -m unittest
 discover -s python/tests)."""
 
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
@@ -138,7 +139,7 @@ class BadInputTest(unittest.TestCase):
             ("cudapool_alloc", (1, MiB, None, None), "ptr is NULL"),
             ("cudapool_free", (None, None), "ptr is NULL"),
             ("cudapool_pool_create", (0, None, None), "pool is NULL"),
-            ("cudapool_exporter_listen", (None, None, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
+            ("cudapool_exporter_listen", (None, None, 0, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
             ("cudapool_importer_dial", (None, 0, 0, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
             ("cudapool_query_state", (None, 0, None, 0, None), "socket is NULL"),
             ("cudapool_protocol_version", (None,), "version is NULL"),
@@ -202,6 +203,10 @@ class BadInputTest(unittest.TestCase):
         # What the allocator gives, cudapool_free takes too (and publish finds).
         ptr = malloc(MiB, 0, None)
         cudapool.Pool.free(ptr)
+
+    def test_torch_pools_read_the_environment_at_first_use(self):
+        p, q = spawn(torch_env_child)
+        self.assertEqual(result_of(self, p, q), {"first": True, "second": False, "oom": True})
 
     def test_pointer_no_pool_gave(self):
         with self.assertRaises(cudapool.ForeignPointer) as cm:
@@ -332,6 +337,26 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(self.pool.stats()["active_leases"], 0, "the consumer released")
         cudapool.Pool.free(ptr)
 
+    def test_retained_imports_and_no_announcement(self):
+        with cudapool.Pool(0, cache_bytes=8 * MiB) as pool, \
+                cudapool.Exporter(socket_path("retain"), retain_imports=True, announce=False) as ex:
+            ptr = pool.alloc(MiB)
+            cudapool.copy_to_device(0, ptr, pattern(MiB, 3))
+            ex.publish("kept", ptr)
+            for _ in range(2):
+                p, q = spawn(consume, ex.path, "kept", MiB, 3, 0)
+                self.assertTrue(result_of(self, p, q)["ok"])
+            sockets = []
+            for f in os.listdir(os.environ["CUDAPOOL_DIR"]):
+                if f.endswith(".json"):
+                    with open(os.path.join(os.environ["CUDAPOOL_DIR"], f)) as a:
+                        sockets.append(json.load(a)["socket"])
+            self.assertIn(os.path.abspath(self.ex.path), sockets, "an exporter announces itself in $CUDAPOOL_DIR")
+            self.assertNotIn(os.path.abspath(ex.path), sockets, "announce=False writes no announcement")
+            pool.free(ptr)
+            ex.close()
+            pool.close(force=True)
+
     def test_free_while_consumer_holds_it_is_deferred(self):
         ptr = self.publish("held", MiB, 5)
         go = multiprocessing.get_context("spawn").Event()
@@ -410,6 +435,23 @@ class SharingTest(unittest.TestCase):
         self.assertEqual([n["name"] for n in st["published"]], ["seen"])
         self.assertEqual(st["pid"], os.getpid())
         cudapool.Pool.free(ptr)
+
+
+def torch_env_child(q):
+    """Sets the allocator's bound after the library loaded, as a Python program does, and
+    allocates past it."""
+    try:
+        l = _lib.lib()
+        cudapool.init("test")
+        os.environ["CUDAPOOL_TORCH_MAX_SIZE"] = str(4 * MiB)
+        malloc = l.cudapool_torch_malloc
+        malloc.restype, malloc.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        first = malloc(4 * MiB, 0, None)
+        second = malloc(MiB, 0, None)
+        q.put({"first": bool(first), "second": bool(second),
+               "oom": b"out of memory" in l.cudapool_last_error()})
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
 
 
 def hold_then_release(q, path, name, n, seed, go):
