@@ -31,7 +31,8 @@
 // order is a violation (ViolationUnorderedRead, ViolationUnorderedWrite,
 // ViolationUnorderedFree); so is touching memory whose free has run. A violation found
 // by work that ran after its call returned is kept in Violations and returned by the
-// next StreamSynchronize of that stream (as CUDA reports asynchronous errors).
+// next call that synchronises with that stream (StreamSynchronize, a copy to host
+// memory on it, Synchronize), as CUDA reports asynchronous errors.
 //
 // Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
 // violation names it, and ForTest logs it when a test fails. WithImmediate gives the

@@ -287,7 +287,7 @@ func (d *Device) Seed() uint64 { return d.seed }
 // Stall queues work on s that runs until resume is called: a long kernel, so that a
 // test can see what waits for it (events recorded after it stay incomplete, streams
 // waiting on them stay blocked, host calls that synchronise with it block). resume may
-// be called more than once; Close resumes every stall. It fails in immediate mode,
+// be called more than once; Close ends every stall, with the rest of the queued work. It fails in immediate mode,
 // where the call itself would wait for the stall.
 func (d *Device) Stall(dev int, s cudart.Stream) (resume func(), err error) {
 	const opName = "stall"
