@@ -118,7 +118,10 @@ func (d *Device) waitProgress(opName string) error {
 // pollInterval is how often a stream blocked on another Device's event looks again:
 // that event completes in another process or under another Device's lock, which do
 // not notify this one.
-const pollInterval = 200 * time.Microsecond
+const (
+	pollInterval    = 200 * time.Microsecond
+	maxPollInterval = 5 * time.Millisecond
+)
 
 func kick(ch chan struct{}) {
 	select {
@@ -134,6 +137,7 @@ func (d *Device) work() {
 	defer d.workers.Done()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	idle := pollInterval
 	for !d.closed {
 		st := d.pick()
 		if st == nil {
@@ -141,17 +145,22 @@ func (d *Device) work() {
 				d.working = false
 				return
 			}
+			// Blocked on stalls or on other Devices' events: look again after a while,
+			// longer each time nothing changes, sooner when kicked.
 			d.mu.Unlock()
-			t := time.NewTimer(pollInterval)
+			t := time.NewTimer(idle)
 			select {
 			case <-d.kick:
+				idle = pollInterval
 			case <-t.C:
+				idle = min(2*idle, maxPollInterval)
 			case <-d.stop:
 			}
 			t.Stop()
 			d.mu.Lock()
 			continue
 		}
+		idle = pollInterval
 		if d.lag() {
 			continue
 		}
