@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 
@@ -24,7 +25,11 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if built.lib != "" {
+		os.RemoveAll(filepath.Dir(built.lib)) // the library the tests built (cabi_test.go)
+	}
+	os.Exit(code)
 }
 
 func testPool(t *testing.T, opts ...pool.Option) *pool.Pool {
