@@ -9,6 +9,8 @@ bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
     bytes IMPL OP BYTES                       what each allocation of OP allocates
     window IMPL OP ROUND SHARES SLOW SLOW_MS TURNS   one window of a sustained rate
     settle IMPL OP ROUND WAITS WAIT_MS        C's waits for its own earlier frees there
+    calls IMPL OP ROUND SIDE CALL N MS MAX_MS  a window's runtime calls on one side (skipped:
+                                              read in the raw file, they say where a share's time went)
     validated IMPL all CHECKED GIVEN          buffers a validating run's consumers checked
     fail IMPL OP REASON...                    a measurement that could not be taken
     absent IMPL OP REASON...                  a measurement whose feature is not on main

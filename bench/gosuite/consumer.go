@@ -33,7 +33,8 @@ import (
 //	openrelease NAME COUNT N  N times Open and Release NAME<i%COUNT> (timed together): "us T..."
 //	sustain NAME COUNT MS B   Open and Release NAME<i%COUNT> for MS ms, B names at a time
 //	                          (OpenAll and ReleaseAll when B > 1): "count N SLOW SLOW_MS"
-//	                          (SLOW: the Opens that took slowOpen or more, SLOW_MS their time)
+//	                          (SLOW: the Opens that took slowOpen or more, SLOW_MS their time),
+//	                          then "calls" and the window's calls (callCounter's encode)
 //	read NAME N               Open NAME, copy it N times into own memory: "gbs R..."
 //	hold NAME 0               Open NAME and keep it until drop: "hold"
 //	drop NAME 0               Release what hold kept: "drop"
@@ -59,10 +60,11 @@ func consumerMain(args []string) int {
 		return fail(err)
 	}
 	picked, err := choose.Runtime(args[0])
-	rt := picked.Runtime
 	if err != nil {
 		return fail(err)
 	}
+	calls := newCallCounter(picked.Runtime)
+	rt := cudart.Runtime(calls)
 	ctx := context.Background()
 	s, err := rt.StreamCreate(dev, cudart.StreamNonBlocking)
 	if err != nil {
@@ -73,7 +75,7 @@ func consumerMain(args []string) int {
 		return fail(err)
 	}
 	out := &lineWriter{w: os.Stdout}
-	c := &consumerState{rt: rt, dev: dev, s: s, validate: validate}
+	c := &consumerState{rt: rt, calls: calls, dev: dev, s: s, validate: validate}
 	pushed := func(name string, m *export.Mapping) {
 		at := monotonic()
 		if err := c.check(m, pushStream); err != nil {
@@ -107,7 +109,7 @@ func consumerMain(args []string) int {
 	if err := imp.Close(closeCtx); err != nil {
 		return fail(err)
 	}
-	if err := choose.Violations(rt); err != nil {
+	if err := choose.Violations(picked.Runtime); err != nil {
 		return fail(err)
 	}
 	return 0
@@ -127,10 +129,11 @@ func (lw *lineWriter) say(line string) {
 }
 
 type consumerState struct {
-	rt  cudart.Runtime
-	dev int
-	imp *export.Importer
-	s   cudart.Stream
+	rt    cudart.Runtime
+	calls *callCounter // rt, counting
+	dev   int
+	imp   *export.Importer
+	s     cudart.Stream
 
 	validate bool
 	checked  atomic.Int64 // buffers validated, by the command loop and the push handler
@@ -282,6 +285,11 @@ func (c *consumerState) sustain(ctx context.Context, name string, count int, win
 	n, slow := 0, 0
 	var stalled time.Duration
 	names := make([]string, batch)
+	open, release := "Open", "Release"
+	if batch > 1 {
+		open, release = "OpenAll", "ReleaseAll"
+	}
+	c.calls.take()
 	for ; time.Now().Before(end); n += batch {
 		for j := range names {
 			names[j] = fmt.Sprint(name, (n+j)%count)
@@ -291,15 +299,18 @@ func (c *consumerState) sustain(ctx context.Context, name string, count int, win
 		if err != nil {
 			return "", err
 		}
+		c.calls.note(open, start)
 		if took := time.Since(start); took >= slowOpen {
 			slow++
 			stalled += took
 		}
+		start = time.Now()
 		if err := c.releaseAll(ctx, ms); err != nil {
 			return "", err
 		}
+		c.calls.note(release, start)
 	}
-	return fmt.Sprintf("count %d %d %.3f", n, slow, float64(stalled.Microseconds())/1e3), nil
+	return fmt.Sprintf("count %d %d %.3f\ncalls%s", n, slow, float64(stalled.Microseconds())/1e3, encode(c.calls.take())), nil
 }
 
 // openAll opens names on c.s, one Open for one name and one OpenAll for more, and

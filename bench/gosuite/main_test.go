@@ -127,6 +127,40 @@ func TestSuiteOnSoftwareDevice(t *testing.T) {
 		assert.InDelta(t, shares[op]/sh.window.Seconds(), rateSum, 1, "%s: the windows' shares make the rates", op)
 	}
 
+	// The calls lines of each window count the consumers' Opens and Releases (one per
+	// share, or per batch), and show the recycled path for what it is: its consumers
+	// import each buffer's memory once at most, in whichever window they first open it,
+	// and never free an import.
+	calls := map[string]map[string]int{} // "OP ROUND SIDE" -> call -> count
+	for _, f := range by["calls"] {
+		require.Len(t, f, 9, "calls line %q", f)
+		key := strings.Join(f[2:5], " ")
+		if calls[key] == nil {
+			calls[key] = map[string]int{}
+		}
+		n, err := strconv.Atoi(f[6])
+		require.NoError(t, err, "calls line %q", f)
+		calls[key][f[5]] = n
+	}
+	recycledImports := 0
+	for op, ws := range windows {
+		open, release, per := "Open", "Release", 1
+		if op == "block/64KiB/b64" {
+			open, release, per = "OpenAll", "ReleaseAll", 64
+		}
+		for _, w := range ws {
+			c := calls[op+" "+w[3]+" consumers"]
+			n, _ := strconv.Atoi(w[4])
+			assert.Equal(t, n/per, c[open], "%s window %s: %s calls", op, w[3], open)
+			assert.Equal(t, n/per, c[release], "%s window %s: %s calls", op, w[3], release)
+			if op == "sustained/4/recycled" {
+				recycledImports += c["MemPoolImportPointer"]
+				assert.Zero(t, c["FreeAsync"], "%s window %s: the consumers freed imports", op, w[3])
+			}
+		}
+	}
+	assert.LessOrEqual(t, recycledImports, sh.ring*sustainConsumers, "recycled: imports of memory the consumers had imported")
+
 	// Every buffer given to a consumer was validated, and there were as many as the
 	// shape makes plus the windows' shares, for each producer.
 	require.Len(t, by["validated"], 2, "the main producer's consumers and the recycled row's")

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,7 +24,8 @@ import (
 // producer is this process's side of the sharing measurements: a pool on device 0,
 // an exporter, and consumer processes (this program again, in consumerRole).
 type producer struct {
-	rt     cudart.Runtime
+	rt     cudart.Runtime // calls, for the pool and exporter too
+	calls  *callCounter
 	kind   string // the runtime the consumers load: gpu or test
 	sh     shape
 	pool   *pool.Pool
@@ -114,7 +116,9 @@ func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*prod
 // newProducerWith is newProducer with options for its pool and its exporter, whose
 // socket is named sock.
 func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, sock string, poolOpts []pool.Option, listenOpts []export.ListenOption) (*producer, error) {
-	pr := &producer{rt: rt, kind: kind, sh: sh, validate: validate}
+	calls := newCallCounter(rt)
+	pr := &producer{rt: calls, calls: calls, kind: kind, sh: sh, validate: validate}
+	rt = calls
 	var err error
 	if pr.dir, err = os.MkdirTemp("", "gosuite"); err != nil {
 		return nil, err
@@ -407,13 +411,16 @@ func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string,
 //
 // SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
 // how many times the consumers went round the count names (summed): the stall pattern.
+// The calls lines (callCounter) say what each side did for those shares.
 func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, name string, count, batch int) (float64, error) {
+	pr.calls.take()
 	for _, c := range cs {
 		if err := c.say(fmt.Sprintf("sustain %s %d %d %d", name, count, pr.sh.window.Milliseconds(), batch)); err != nil {
 			return 0, err
 		}
 	}
 	var total, slow, slowMS, turns float64
+	consumed := map[string]tally{}
 	for _, c := range cs {
 		v, err := c.await("count")
 		if err != nil {
@@ -426,9 +433,27 @@ func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, na
 		slow += v[1]
 		slowMS += v[2]
 		turns += v[0] / float64(count)
+		calls, err := c.awaitLine("calls")
+		if err == nil {
+			err = decode(strings.Fields(calls), consumed)
+		}
+		if err != nil {
+			return 0, fmt.Errorf("consumer %d: %w", c.pid, err)
+		}
 	}
+	produced := pr.calls.take()
 	pr.given += int(total)
 	fmt.Fprintf(r.w, "window cudapool %s %d %.0f %.0f %.3f %.2f\n", op, round, total, slow, slowMS, turns)
+	for _, side := range []struct {
+		name string
+		ts   map[string]tally
+	}{{"producer", produced}, {"consumers", consumed}} {
+		for _, call := range slices.Sorted(maps.Keys(side.ts)) {
+			t := side.ts[call]
+			fmt.Fprintf(r.w, "calls cudapool %s %d %s %s %d %.3f %.3f\n", op, round, side.name, call, t.n,
+				float64(t.total.Microseconds())/1e3, float64(t.max.Microseconds())/1e3)
+		}
+	}
 	return total / pr.sh.window.Seconds(), nil
 }
 
@@ -624,26 +649,36 @@ func (c *consumer) say(line string) error {
 // await waits for the consumer's next line, which must start with want, and
 // returns the numbers after it.
 func (c *consumer) await(want string) ([]float64, error) {
+	rest, err := c.awaitLine(want)
+	if err != nil {
+		return nil, err
+	}
+	var v []float64
+	for _, f := range strings.Fields(rest) {
+		x, err := strconv.ParseFloat(f, 64)
+		if err != nil {
+			return nil, fmt.Errorf("consumer %d said %q after %q: %v", c.pid, rest, want, err)
+		}
+		v = append(v, x)
+	}
+	return v, nil
+}
+
+// awaitLine waits for the consumer's next line, which must start with want, and
+// returns the rest of it.
+func (c *consumer) awaitLine(want string) (string, error) {
 	select {
 	case line, ok := <-c.lines:
 		if !ok {
-			return nil, fmt.Errorf("consumer %d ended before saying %q", c.pid, want)
+			return "", fmt.Errorf("consumer %d ended before saying %q", c.pid, want)
 		}
 		rest, found := strings.CutPrefix(line, want)
 		if !found {
-			return nil, fmt.Errorf("consumer %d said %q, want %q", c.pid, line, want)
+			return "", fmt.Errorf("consumer %d said %q, want %q", c.pid, line, want)
 		}
-		var v []float64
-		for _, f := range strings.Fields(rest) {
-			x, err := strconv.ParseFloat(f, 64)
-			if err != nil {
-				return nil, fmt.Errorf("consumer %d said %q: %v", c.pid, line, err)
-			}
-			v = append(v, x)
-		}
-		return v, nil
+		return rest, nil
 	case <-time.After(opTimeout):
-		return nil, fmt.Errorf("consumer %d said nothing for %v (want %q)", c.pid, opTimeout, want)
+		return "", fmt.Errorf("consumer %d said nothing for %v (want %q)", c.pid, opTimeout, want)
 	}
 }
 
