@@ -108,9 +108,9 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 			continue
 		}
 		if m.replica != nil {
-			if err := m.replicaFrom.Free(m.replica, s); err != nil {
+			if err := imp.freeReplica(m, s); err != nil {
 				m.refs += n
-				errs = append(errs, fmt.Errorf("export: release %q: free the replica: %w", m.name, err))
+				errs = append(errs, err)
 				continue
 			}
 			m.end(errReleasedCause)

@@ -139,6 +139,17 @@
 // flight as the producer dies: no stream is made to wait on a dead process's event.
 // Release and Close succeed, as there is no one left to tell.
 //
+// What the driver does to a consumer on GPU 1 of a producer on GPU 0 that is
+// SIGKILLed (measured on the GPU host, 2026-11-30, TestGPUPeerConsumerOfKilledProducer,
+// 2x H200, driver 580.159.04): copies of the mapping into GPU-1 memory on a stream of
+// GPU 0, the owner, all succeeded, the last ones after the producer was reaped, and
+// read the right bytes; the same copies on a stream of GPU 1 failed with
+// cudaErrorContained as the producer died, and every later call of the process failed
+// too. A stream waiting on the killed producer's IPC event was released at the kill
+// (no hang), and freeing the import of a dead producer from GPU 1 kept the context.
+// So a replica is copied through a stream of the exporter's device, never the
+// consumer's, and a copy that a producer's death interrupts still completes.
+//
 // # Retained imports
 //
 // With WithRetainedImports, a local consumer's Release ends its lease (the producer
@@ -198,6 +209,14 @@
 // ErrDuplicateImporter, because two would import the same pointers. Mappings are valid
 // on the Importer's device and any device the runtime can reach it from, while the
 // exporter lives; after, only on the exporter's device (see Faults).
+//
+// A consumer on another GPU than its producer's must never read a mapping from its
+// own device once the producer is gone, not even to copy it: the read is contained and
+// the whole process's CUDA context lost (cudart.ErrContextLost; restart the process).
+// Stop at ErrMappingLost, or open with WithReplica, whose copy runs on the exporter's
+// device and survives the producer's death (measured on the GPU host, 2026-11-30,
+// TestGPUPeerConsumerOfKilledProducer). A replica's allocator must let the exporter's
+// device write it (pool.WithPeerAccess).
 //
 // A Policy that admits other users needs SocketFollowsPolicy too, or they cannot
 // open the socket. Names may not hold control characters, bidirectional controls or

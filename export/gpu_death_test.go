@@ -4,7 +4,12 @@ package export
 // consumer process on GPU 1 holds its buffer (FACTS 14). With WithReplica the consumer
 // still reads the right bytes afterwards; without, it is told at once (its Mapping's
 // Context ends with ErrMappingLost) and releases without losing its CUDA context.
-// The consumers run as children: if one did lose its context, this process must not.
+// In "replica-kill", the producer is killed while the consumer makes replicas, four
+// copies at a time, so that the kill lands in a copy: every Open either succeeds with
+// a replica that reads right or fails with ErrExporterGone, and the consumer's context
+// survives on both GPUs (the copies run on a stream of GPU 0: on a GPU-1 stream they
+// were contained, TestGPUPeerConsumerOfKilledProducer). The consumers run as
+// children: if one did lose its context, this process must not.
 //
 //	cd export && CUDAPOOL_REQUIRE_GPU=1 ../bin/gpu/export.test -test.v -test.run TestGPUPeerConsumerSurvivesProducerKill
 
@@ -12,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -38,17 +44,24 @@ func TestProcessPeerConsumerSurvivesProducerKill(t *testing.T) {
 
 func peerConsumerSurvivesProducerKill(t *testing.T, kind string, size int) {
 	const fill = 77
-	for _, mode := range []string{"replica", "plain"} {
+	for _, mode := range []string{"replica", "plain", "replica-kill"} {
 		t.Run(mode, func(t *testing.T) {
 			path := filepath.Join(shortDir(t), "g.sock")
 			k := proctest.Start(t, "producer", kind, path, "default", fmt.Sprintf("a=%d:%d", size, fill))
 			k.Expect("ready")
 			c := proctest.Start(t, "peer-consumer", kind, path, mode, fmt.Sprint(fill))
 			c.Expect("opened")
+			if mode == "replica-kill" {
+				c.Send("loop")
+				c.Expect("looping")
+				time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // somewhere in a copy
+			}
 			start := time.Now()
 			killProducer(t, k)
 			t.Logf("producer on GPU 0 SIGKILLed and reaped in %v", time.Since(start).Round(time.Microsecond))
-			c.Send("check")
+			if mode != "replica-kill" {
+				c.Send("check")
+			}
 			var lines []string
 			for l := c.Next(); l != "done"; l = c.Next() {
 				t.Log(l)
@@ -63,11 +76,14 @@ func peerConsumerSurvivesProducerKill(t *testing.T, kind string, size int) {
 }
 
 // rolePeerConsumer: peer-consumer KIND SOCKET MODE FILL
-// It opens "a" on device 1 (MODE "replica": WithReplica), checks the bytes, says
-// "opened", and on "check" (the producer is dead by then) reports, line by line:
-// for a replica whether it still reads FILL, for a plain mapping whether its Context
-// ended with ErrMappingLost; then whether fresh work on device 1 still runs. It ends
-// with "done".
+// It opens "a" on device 1 (MODE "replica" or "replica-kill": WithReplica), checks
+// the bytes, says "opened", and on "check" (the producer is dead by then) reports,
+// line by line: for a replica whether it still reads FILL, for a plain mapping
+// whether its Context ended with ErrMappingLost; then whether fresh work on devices 1
+// and 0 still runs. On "loop" (MODE "replica-kill") it says "looping" and makes
+// replicas until an Open fails, as the producer is killed, and reports how many it
+// made, whether each read FILL, and how the Open failed; then the same as "check". It
+// ends with "done".
 func rolePeerConsumer(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "peer-consumer:", err); return 1 }
 	if len(args) != 4 {
@@ -91,7 +107,7 @@ func rolePeerConsumer(args []string) int {
 		return fail(err)
 	}
 	var opts []OpenOption
-	if args[2] == "replica" {
+	if args[2] != "plain" {
 		opts = append(opts, WithReplica(nil))
 	}
 	m, err := imp.Open(ctx, "a", s, opts...)
@@ -105,25 +121,20 @@ func rolePeerConsumer(args []string) int {
 			fmt.Printf("%s: ok\n", what)
 		}
 	}
-	readsFill := func() error {
-		got := make([]byte, m.Size())
-		if err := rt.MemcpyDtoHAsync(dev, got, m.Ptr(), s); err != nil {
-			return err
-		}
-		if !allAre(got, fill) {
-			return fmt.Errorf("bytes are not all %d", fill)
-		}
-		return nil
-	}
+	readsFill := func() error { return holds(rt, dev, m, fill, s) }
 	if err := readsFill(); err != nil {
 		return fail(err)
 	}
 	fmt.Println("opened")
 	for line := range proctest.Commands() {
-		if line != "check" {
+		switch {
+		case line == "loop" && args[2] == "replica-kill":
+			fmt.Println("looping")
+			replicateThroughKill(ctx, rt, imp, s, fill, check)
+		case line != "check":
 			return fail(fmt.Errorf("unknown command %q", line))
 		}
-		if args[2] == "replica" {
+		if args[2] != "plain" {
 			check("replica reads the right bytes after the producer died", readsFill())
 		} else {
 			start := time.Now()
@@ -140,10 +151,69 @@ func rolePeerConsumer(args []string) int {
 		check("release", m.Release(ctx, s))
 		check("close", imp.Close(ctx))
 		check("context ok (fresh work on device 1)", freshWork(rt, dev))
+		check("context ok (fresh work on device 0)", freshWork(rt, 0))
 		fmt.Println("done")
 		return 0
 	}
 	return 0
+}
+
+// holds checks m's first, middle and last MiB (at most) for fill, on s.
+func holds(rt cudart.Runtime, dev int, m *Mapping, fill byte, s cudart.Stream) error {
+	n := min(m.Size(), 1<<20)
+	got := make([]byte, n)
+	for _, off := range []uint64{0, (m.Size() - n) / 2, m.Size() - n} {
+		if err := rt.MemcpyDtoHAsync(dev, got, m.Ptr()+cudart.DevicePtr(off), s); err != nil {
+			return err
+		}
+		if !allAre(got, fill) {
+			return fmt.Errorf("bytes from %d on are not all %d", off, fill)
+		}
+	}
+	return nil
+}
+
+// replicateThroughKill makes replicas of "a", four copies queued at a time, until an
+// Open fails (the producer is killed meanwhile), and reports them: each must read
+// fill, and the failure must be ErrExporterGone.
+func replicateThroughKill(ctx context.Context, rt cudart.Runtime, imp *Importer, s cudart.Stream, fill byte, check func(string, error)) {
+	const dev = 1
+	var (
+		made    int
+		openErr error
+		bad     []error
+	)
+	deadline := time.Now().Add(10 * time.Second)
+	for openErr == nil && time.Now().Before(deadline) {
+		var batch []*Mapping
+		for range 4 {
+			r, err := imp.Open(ctx, "a", s, WithReplica(nil))
+			if err != nil {
+				openErr = err
+				break
+			}
+			batch = append(batch, r)
+		}
+		for _, r := range batch {
+			made++
+			if err := holds(rt, dev, r, fill, s); err != nil {
+				bad = append(bad, fmt.Errorf("replica %d: %w", made, err))
+			}
+			if err := r.Release(ctx, s); err != nil {
+				bad = append(bad, fmt.Errorf("release replica %d: %w", made, err))
+			}
+		}
+	}
+	fmt.Printf("replicas made as the producer was killed: %d\n", made)
+	check("every replica made around the kill reads the right bytes", errors.Join(bad...))
+	switch {
+	case openErr == nil:
+		check("an Open after the kill failed", errors.New("the Opens went on succeeding for 10 s"))
+	case !errors.Is(openErr, ErrExporterGone):
+		check("the Open after the kill failed with ErrExporterGone", openErr)
+	default:
+		fmt.Printf("the Open after the kill: %v\n", openErr)
+	}
 }
 
 // freshWork allocates, sets and reads back memory on dev: it fails once the process's

@@ -13,7 +13,6 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/pool"
 	"golang.org/x/sync/singleflight"
 )
 
@@ -59,10 +58,8 @@ type Importer struct {
 	pushDone chan struct{}
 	// watch tells when the exporter's process is gone (liveness.go).
 	watch exporterWatch
-	// localPool is the device's default pool, for replicas (WithReplica without an
-	// allocator); nil until the first. It is not closed with the Importer: replicas
-	// outlive it, and the device's default pool is the device's.
-	localPool *pool.Pool
+	// replicas copies buffers for WithReplica (replica.go).
+	replicas replicas
 	// life ends when Close gives up on the exporter: sends that are the Importer's own
 	// business (give-backs), not a caller's, are bounded by it.
 	life    context.Context
@@ -73,6 +70,9 @@ type importedPool struct {
 	// onPeer: the pool lives on another GPU than the Importer's, so its memory is
 	// lost with the exporter (FACTS 14).
 	onPeer bool
+	// owner is the ordinal of the pool's device in this process, -1 if it does not
+	// see it: replicas are copied through it.
+	owner  int
 	handle cudart.MemPool
 	err    error // the import failed; leases on the pool fail with it
 }
@@ -265,6 +265,7 @@ func (imp *Importer) destroyResources(gone bool) {
 		}
 		logErr("imported pool", err)
 	}
+	imp.closeReplicas()
 	if imp.relStream != 0 {
 		logErr("release stream sync", rt.StreamSynchronize(dev, imp.relStream))
 	}
@@ -286,7 +287,7 @@ func (imp *Importer) importPool(m *poolHandleMsg, fd int) {
 	if fd >= 0 {
 		defer closeFDs([]int{fd})
 	}
-	ip := &importedPool{onPeer: m.Device != imp.devUUID}
+	ip := &importedPool{onPeer: m.Device != imp.devUUID, owner: imp.ordinalOf(m.Device)}
 	ip.handle, ip.err = imp.rt.MemPoolImportFromShareableHandle(imp.dev, cudart.ShareableHandle{Type: m.HandleType, FD: fd, Fabric: m.Fabric})
 	if ip.err == nil && m.Device != imp.devUUID {
 		access := []cudart.AccessDesc{{Location: cudart.DeviceLocation(imp.dev), Flags: cudart.AccessReadWrite}}
@@ -477,7 +478,7 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waite
 	}
 	buf.views++
 	m := &Mapping{imp: imp, key: key, buf: buf, ptr: buf.ptr + cudart.DevicePtr(l.Offset), size: l.Length,
-		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}, onPeer: ip.onPeer}
+		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}, onPeer: ip.onPeer, owner: ip.owner}
 	m.ctx, m.cancel = context.WithCancelCause(context.Background())
 	imp.mappings[key] = m
 	if m.onPeer && imp.exporterDead() {

@@ -23,6 +23,8 @@ type Mapping struct {
 	meta []byte
 	// onPeer: on another GPU than its exporter's, so lost with the exporter.
 	onPeer bool
+	// owner is the exporter's device, as importedPool.owner.
+	owner int
 	// ctx ends when the Mapping must not be used any more (liveness.go).
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -104,13 +106,10 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		return nil
 	}
 	if m.replica != nil {
-		err := m.replicaFrom.Free(m.replica, s)
+		err := imp.freeReplica(m, s)
 		m.settle(err == nil)
 		imp.mapMu.Unlock()
-		if err != nil {
-			return fmt.Errorf("export: release %q: free the replica: %w", m.name, err)
-		}
-		return nil
+		return err
 	}
 	buf := m.buf
 	if imp.retain && buf.views == 1 && !buf.revoked {

@@ -235,16 +235,34 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 	return dialOption(func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler })
 }
 
-// WithReplica makes Open copy the buffer into memory of the Importer's own device,
-// taken from a (nil: the device's default pool, cudaMallocAsync's), and give the lease
-// back as soon as the copy is queued: the Mapping then holds no lease and its memory
-// is this process's own, so it outlives its producer on any GPU. Use it for consumers
-// on another GPU than the producer's that read the buffer more than once: a local read
-// is about 5x faster than one over NVLink (FACTS), and such a consumer's mapping would
-// otherwise be lost with its producer (ErrMappingLost, FACTS 14). The copy is ordered
-// after the producer's writes; work queued on s after Open is ordered after the copy.
-// A replica is not shared: each Open with WithReplica makes its own, and its Release
-// frees it after the work queued on s.
+// WithReplica makes Open copy the buffer into memory of the Importer's own device and
+// give the lease back as soon as the copy is queued: the Mapping then holds no lease
+// and its memory is this process's own, so it outlives its producer on any GPU. Use it
+// for consumers on another GPU than the producer's that read the buffer more than
+// once: a local read is about 5x faster than one over NVLink (FACTS), and such a
+// consumer's mapping would otherwise be lost with its producer (ErrMappingLost,
+// FACTS 14).
+//
+// The copy runs on a stream of the exporter's device, which the Importer keeps for
+// it, never on the consumer's: measured on the GPU host, 2026-11-30,
+// TestGPUPeerConsumerOfKilledProducer (2x H200), copies of a GPU-0 buffer into GPU-1
+// memory on a GPU-0 stream all succeeded while the producer was SIGKILLed, and read
+// the right bytes after its death; on a GPU-1 stream they failed with
+// cudaErrorContained and the consumer's whole context was lost. That stream waits
+// for the work queued on s before Open's return (the producer's writes, the
+// replica's allocation), and s waits for the copy: work queued on s after Open sees
+// the replica filled, and the import is freed after the copy. A producer killed
+// while the copy runs does not harm it. On the exporter's own device (or one this
+// process does not see: another host's, over FABRIC) the copy runs on s.
+//
+// The replica is taken from a (nil: a pool the Importer makes on its device, one per
+// exporter's device, which grants that device access and is destroyed with the last
+// replica once the Importer is closed). The exporter's device writes the replica, so
+// a's pool must grant it read-write access (pool.WithPeerAccess): a pool.Pool that
+// does not is refused with an error wrapping pool.ErrNoPeerAccess, before anything is
+// allocated; an allocator that does not say its pool (no Handle method) fails the
+// copy instead. A replica is not shared: each Open with WithReplica makes its own,
+// and its Release frees it after the work queued on s.
 func WithReplica(a pool.Allocator) OpenOption {
 	return openOption(func(o *openOptions) { o.replica, o.replicaAlloc = true, a })
 }

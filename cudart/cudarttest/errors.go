@@ -45,8 +45,9 @@ const (
 	// ViolationUnorderedWrite: the same for a write: memory another Device wrote or
 	// allocated was overwritten on a stream not ordered after that write.
 	ViolationUnorderedWrite
-	// ViolationAccessDenied: a device accessed an imported pool that the importer
-	// never granted it with MemPoolSetAccess (or granted read-only, for a write).
+	// ViolationAccessDenied: a device accessed a pool (own or imported) that this
+	// process never granted it with MemPoolSetAccess (or granted read-only, for a
+	// write).
 	ViolationAccessDenied
 	// ViolationUnorderedFree: memory was freed on a stream not ordered after another
 	// stream's access to it, so the free may run (and the memory be reused) before

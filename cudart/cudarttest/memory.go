@@ -27,8 +27,8 @@ func (s span) buf() []byte { return s.p.data(s.off, s.n) }
 // access resolves [ptr, ptr+n) for a read or write from dev, as the call is made. It
 // fails with ErrInvalidValue for memory outside every live allocation or import of
 // this Device (a ViolationUseAfterRelease too, if it was freed or unmapped), and with
-// a ViolationAccessDenied (and ErrInvalidValue) for an imported pool dev was not
-// granted; through a stale import it fails with a ViolationUseAfterRelease alone, as
+// a ViolationAccessDenied (and ErrInvalidValue) for a pool, own or imported, dev was
+// not granted; through a stale import it fails with a ViolationUseAfterRelease alone, as
 // the driver would read whatever is there now. d.mu is held.
 func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, write bool) (span, error) {
 	p := d.poolAt(ptr)
@@ -38,22 +38,22 @@ func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, writ
 	off := uint64(ptr) - p.base
 	verb := verbOf(write)
 	sp := span{p: p, off: off, n: n, ptr: ptr, write: write}
-	if p.imported {
-		if flags := p.accessOf(dev); flags == cudart.AccessNone || (write && flags != cudart.AccessReadWrite) {
-			return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationAccessDenied, op,
-				"device %d may not %s imported pool %#x of device %d (flags %d; MemPoolSetAccess in the importer grants it)",
-				dev, verb, uintptr(p.handle), p.dev, flags))
+	if flags := p.accessOf(dev); flags == cudart.AccessNone || (write && flags != cudart.AccessReadWrite) {
+		// The driver refuses it with invalid argument: pool memory is reachable only
+		// from the devices its pool grants, own pools as imported ones (the GPU probe
+		// of FACTS 14 copies into a peer's pool through the owner device only after
+		// granting it).
+		whose, grant := "pool", "MemPoolSetAccess grants it"
+		if p.imported {
+			whose, grant = "imported pool", "MemPoolSetAccess in the importer grants it"
 		}
-		if dev != p.dev && p.exporterGone() {
-			// The driver reaches a peer's memory over NVLink; once its owner died the
-			// access is contained and the context lost (FACTS 14). The owner device
-			// itself still reads it (FACTS 7).
-			d.lost, d.lostOn = true, dev
-			e := cudart.NewError(op, cudart.ErrContained)
-			e.ContextLost = true
-			return span{}, &detailError{cuda: e, detail: fmt.Sprintf(
-				"device %d %s %#x+%d of pool %#x on device %d, whose exporter has exited: the context is lost",
-				dev, verb, uint64(ptr), n, uintptr(p.handle), p.dev)}
+		return span{}, violationErr(op, cudart.ErrInvalidValue, d.violate(ViolationAccessDenied, op,
+			"device %d may not %s %s %#x of device %d (flags %d; %s)",
+			dev, verb, whose, uintptr(p.handle), p.dev, flags, grant))
+	}
+	if p.imported {
+		if err := d.contained(op, dev, sp); err != nil {
+			return span{}, err
 		}
 		imp, _ := p.importAt(off, n)
 		if imp == nil || imp.freeing {
@@ -79,6 +79,26 @@ func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, writ
 	}
 	sp.a, sp.entry = a, a.entry
 	return sp, nil
+}
+
+// contained fails an access of sp from dev, as the call is made or as its work runs,
+// if sp is imported memory of another device whose exporter has exited: the driver
+// reaches a peer's memory over NVLink, and once its owner died the access is contained
+// and the context lost (FACTS 14; on the GPU host, copies in flight on the peer's
+// stream failed so as the producer was killed). The owner device itself still reads
+// it (FACTS 7), and copies through it into a peer's memory all succeeded. d.mu is
+// held.
+func (d *Device) contained(op string, dev int, sp span) error {
+	p := sp.p
+	if !p.imported || dev == p.dev || !p.exporterGone() {
+		return nil
+	}
+	d.lost, d.lostOn = true, dev
+	e := cudart.NewError(op, cudart.ErrContained)
+	e.ContextLost = true
+	return &detailError{cuda: e, detail: fmt.Sprintf(
+		"device %d %s %#x+%d of pool %#x on device %d, whose exporter has exited: the context is lost",
+		dev, verbOf(sp.write), uint64(sp.ptr), sp.n, uintptr(p.handle), p.dev)}
 }
 
 func verbOf(write bool) string {
@@ -169,6 +189,11 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bo
 		return err
 	}
 	o := &task{pool: spans[0].p, run: func(st *stream, after uint64) error {
+		for _, sp := range spans {
+			if err := d.contained(op, st.dev, sp); err != nil {
+				return err
+			}
+		}
 		var vs []Violation
 		gone := false
 		for _, sp := range spans {

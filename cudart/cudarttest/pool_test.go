@@ -228,6 +228,10 @@ func TestCopiesAndSets(t *testing.T) {
 	require.NoError(t, d.StreamSynchronize(1, 0)) // the allocation has run: any stream may use it
 	require.NoError(t, d.MemsetAsync(0, a, 'z', 64, 0))
 	d.write(a+8, []byte("hello"))
+	err = d.MemcpyDtoDAsync(0, b, a, 64, 0)
+	wantViolation(t, err, ViolationAccessDenied) // device 0 was not granted device 1's pool
+	require.ErrorIs(t, err, cudart.ErrInvalidValue, "the driver's answer")
+	require.NoError(t, d.MemPoolSetAccess(1, q, []cudart.AccessDesc{{Location: cudart.DeviceLocation(0), Flags: cudart.AccessReadWrite}}))
 	require.NoError(t, d.MemcpyDtoDAsync(0, b, a, 64, 0)) // across devices, as cudaMemcpyDefault
 	require.NoError(t, d.MemcpyDtoDAsync(0, a+1, a, 16, 0))
 	require.NoError(t, d.sync()) // device 1's default stream is another stream
