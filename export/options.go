@@ -252,8 +252,10 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 // for the work queued on s before Open's return (the producer's writes, the
 // replica's allocation), and s waits for the copy: work queued on s after Open sees
 // the replica filled, and the import is freed after the copy. A producer killed
-// while the copy runs does not harm it. On the exporter's own device (or one this
-// process does not see: another host's, over FABRIC) the copy runs on s.
+// while the copy runs does not harm it; one killed before the writes Publish
+// ordered had completed leaves what it had written, as for any reader (a stream's
+// wait on a killed producer's event ends at the kill). On the exporter's own device
+// (or one this process does not see: another host's, over FABRIC) the copy runs on s.
 //
 // The replica is taken from a (nil: a pool the Importer makes on its device, one per
 // exporter's device, which grants that device access and is destroyed with the last
