@@ -183,6 +183,35 @@ typedef struct { cp_err err; int at; int64_t v; cp_blob64 blob; } cp_blob_res;
 		if (cur_ != (int)(dev) && ((r).err = (lib)->cudaSetDevice((int)(dev))) != 0) { (r).at = cp_at_set_device; return (r); } \
 	}
 
+// cp_thread_lib is the runtime in which the calling thread has a context current: set
+// once a call through a trampoline succeeded on the thread, as each needs a context
+// and either made its device current (cudaSetDevice makes the device's context) or
+// had CUDA make one. Other code on the thread (torch's, in libcudapool) may make
+// another device current after that, but never none, so the mark never goes stale.
+// It is kept per runtime, not as a flag, because a process (a test) may load several.
+static __thread const cp_lib *cp_thread_lib;
+
+// cp_current_stream reports whether s is one of the streams that CUDA resolves
+// through the current device: NULL (the legacy default), cudaStreamLegacy (0x1) and
+// cudaStreamPerThread (0x2).
+static inline int cp_current_stream(uintptr_t s) { return s <= 0x2; }
+
+// CP_ON_STREAM_DEVICE is CP_ON_DEVICE for a call that CUDA runs on the device of its
+// stream s whatever device is current: stream-ordered allocation and free ("ignores the
+// current device/context": the pool or the stream decides), copies, event records and
+// waits (the programming guide's multi-device rules). Once this thread has a context
+// of this runtime, such a call on a created stream neither reads nor changes the
+// current device: no cudaGetDevice, one C call. Without one, it sets dev as every
+// call does, so that CUDA never makes the default device's context on a thread that
+// works on another (it would take that device's memory); on a current-device stream
+// too, as that stream is the current device's.
+#define CP_ON_STREAM_DEVICE(r, lib, dev, s) \
+	if (cp_thread_lib != (lib) || cp_current_stream(s)) { \
+		CP_ON_DEVICE(r, lib, dev) \
+	} else { \
+		CP_DEVICE_ARG(r, dev) \
+	}
+
 #define CP_CU_INIT(r, lib) \
 	if (((r).err = (lib)->cuInit(0)) != 0) { (r).at = cp_at_cu_init; return (r); }
 
@@ -380,7 +409,19 @@ static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t 
 		type r = {0}; \
 		CP_ON_DEVICE(r, l, dev); \
 		void *out = 0; \
-		r.err = call; \
+		if ((r.err = call) == 0) cp_thread_lib = l; \
+		r.v = (uintptr_t)out; \
+		return r; \
+	}
+
+// CP_STREAM_CALL is CP_CALL for a call that runs on the device of its stream s (see
+// CP_ON_STREAM_DEVICE).
+#define CP_STREAM_CALL(name, params, s, call) \
+	static cp_res name params { \
+		cp_res r = {0}; \
+		CP_ON_STREAM_DEVICE(r, l, dev, s); \
+		void *out = 0; \
+		if ((r.err = call) == 0) cp_thread_lib = l; \
 		r.v = (uintptr_t)out; \
 		return r; \
 	}
@@ -391,7 +432,7 @@ enum { cp_memcpy_host_to_device = 1, cp_memcpy_device_to_host = 2, cp_memcpy_def
 CP_CALL(cp_res, cp_stream_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_stream_destroy, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_synchronize, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
-CP_CALL(cp_res, cp_stream_wait_event, (const cp_lib *l, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+CP_STREAM_CALL(cp_stream_wait_event, (const cp_lib *l, long long dev, uintptr_t s, uintptr_t e), s, l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
 enum { cp_not_supported = 801 }; // cudaErrorNotSupported
 
 static cp_res cp_stream_get_device(const cp_lib *l, long long dev, uintptr_t s) {
@@ -409,7 +450,7 @@ static cp_res cp_stream_get_device(const cp_lib *l, long long dev, uintptr_t s) 
 
 CP_CALL(cp_res, cp_event_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_event_destroy, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
-CP_CALL(cp_res, cp_event_record, (const cp_lib *l, long long dev, uintptr_t e, uintptr_t s), l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
+CP_STREAM_CALL(cp_event_record, (const cp_lib *l, long long dev, uintptr_t e, uintptr_t s), s, l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
 CP_CALL(cp_res, cp_event_synchronize, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventSynchronize(CP_PTR(e)))
 CP_CALL(cp_res, cp_event_query, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventQuery(CP_PTR(e)))
 CP_CALL(cp_blob_res, cp_ipc_get_event_handle, (const cp_lib *l, long long dev, uintptr_t e), l->cudaIpcGetEventHandle(&r.blob, CP_PTR(e)))
@@ -419,18 +460,28 @@ CP_CALL(cp_res, cp_mem_pool_import, (const cp_lib *l, long long dev, int handle_
 CP_CALL(cp_res, cp_mem_pool_destroy, (const cp_lib *l, long long dev, uintptr_t p), l->cudaMemPoolDestroy(CP_PTR(p)))
 CP_CALL(cp_res, cp_mem_pool_set_access, (const cp_lib *l, long long dev, uintptr_t p, const cp_access_desc *d, size_t n), l->cudaMemPoolSetAccess(CP_PTR(p), d, n))
 CP_CALL(cp_res, cp_mem_pool_trim_to, (const cp_lib *l, long long dev, uintptr_t p, uint64_t keep), l->cudaMemPoolTrimTo(CP_PTR(p), (size_t)keep))
-CP_CALL(cp_res, cp_malloc_from_pool_async, (const cp_lib *l, long long dev, uint64_t size, uintptr_t p, uintptr_t s),
+CP_STREAM_CALL(cp_malloc_from_pool_async, (const cp_lib *l, long long dev, uint64_t size, uintptr_t p, uintptr_t s), s,
 	l->cudaMallocFromPoolAsync(&out, (size_t)size, CP_PTR(p), CP_PTR(s)))
-CP_CALL(cp_res, cp_free_async, (const cp_lib *l, long long dev, uintptr_t ptr, uintptr_t s), l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
+CP_STREAM_CALL(cp_free_async, (const cp_lib *l, long long dev, uintptr_t ptr, uintptr_t s), s, l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
 CP_CALL(cp_blob_res, cp_mem_pool_export_pointer, (const cp_lib *l, long long dev, uintptr_t ptr), l->cudaMemPoolExportPointer(&r.blob, CP_PTR(ptr)))
 CP_CALL(cp_res, cp_mem_pool_import_pointer, (const cp_lib *l, long long dev, uintptr_t p, cp_blob64 data), l->cudaMemPoolImportPointer(&out, CP_PTR(p), &data))
-CP_CALL(cp_res, cp_memcpy_from_host, (const cp_lib *l, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s),
+CP_STREAM_CALL(cp_memcpy_from_host, (const cp_lib *l, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(CP_PTR(dst), src, (size_t)n, cp_memcpy_host_to_device, CP_PTR(s)))
-CP_CALL(cp_res, cp_memcpy_to_host, (const cp_lib *l, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s),
+CP_STREAM_CALL(cp_memcpy_to_host, (const cp_lib *l, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(dst, CP_PTR(src), (size_t)n, cp_memcpy_device_to_host, CP_PTR(s)))
-CP_CALL(cp_res, cp_memcpy_device, (const cp_lib *l, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s),
+CP_STREAM_CALL(cp_memcpy_device, (const cp_lib *l, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(CP_PTR(dst), CP_PTR(src), (size_t)n, cp_memcpy_default, CP_PTR(s)))
 CP_CALL(cp_res, cp_memset, (const cp_lib *l, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
 	l->cudaMemsetAsync(CP_PTR(dst), value, (size_t)n, CP_PTR(s)))
+
+// cp_current_device is the calling thread's current device, for tests of the rule
+// above.
+static cp_res cp_current_device(const cp_lib *l) {
+	cp_res r = {0};
+	int d = -1;
+	r.err = l->cudaGetDevice(&d);
+	r.v = (uint64_t)(int64_t)d;
+	return r;
+}
 
 #endif // CUDAPOOL_CUDART_BINDING_H

@@ -453,6 +453,13 @@ func (l *library) MemPoolImportPointer(dev int, p MemPool, data PtrExportData) (
 	return DevicePtr(r.v), nil
 }
 
+// currentDevice is the calling thread's current device; see CurrentDevice in
+// export_test.go.
+func (l *library) currentDevice() (int, error) {
+	r := C.cp_current_device(l.c)
+	return int(int64(r.v)), l.check("cudaGetDevice", r)
+}
+
 func (l *library) MemcpyHtoDAsync(dev int, dst DevicePtr, src []byte, s Stream) error {
 	r := C.cp_memcpy_from_host(l.c, C.longlong(dev), C.uintptr_t(dst), unsafe.Pointer(unsafe.SliceData(src)), C.uint64_t(len(src)), C.uintptr_t(s))
 	return l.check("cudaMemcpyAsync", r)

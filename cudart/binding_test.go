@@ -4,10 +4,12 @@ package cudart_test
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -334,9 +336,9 @@ func TestFakeErrorsNameTheFailingCall(t *testing.T) {
 	}
 }
 
-// Each call makes its own device current: on a thread where another device is
-// current, every device-dependent method still works on objects of its own device
-// (the fake refuses them otherwise), whatever the call before it left current.
+// Each call works on its own device: on a thread where another device is current,
+// every device-dependent method still works on objects of its own device (the fake
+// refuses them otherwise), whatever the call before it left current.
 func TestFakeEveryCallMakesItsDeviceCurrent(t *testing.T) {
 	rt := loadFake(t)
 	runtime.LockOSThread()
@@ -465,6 +467,93 @@ func TestFakeCurrentDeviceAcrossGoroutines(t *testing.T) {
 	}
 }
 
+// The fake's own device attributes (testdata/fake.h).
+const (
+	fakeAttrLazyContexts   cudart.DeviceAttr = 90001
+	fakeAttrGetDeviceCalls cudart.DeviceAttr = 90002
+)
+
+func fakeCount(t *testing.T, rt cudart.Runtime, dev int, attr cudart.DeviceAttr) int {
+	t.Helper()
+	return must[int](t, "the fake's count")(rt.DeviceAttribute(dev, attr))
+}
+
+// A call that CUDA runs on its stream's device neither reads nor changes the thread's
+// current device once the thread has a context: no cudaGetDevice, one C call. On the
+// current device's stream (NULL) a call still makes its device current.
+func TestFakeStreamCallsKeepTheCurrentDevice(t *testing.T) {
+	rt := loadFake(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	const dev, other = 1, 2
+	pool := newPool(t, rt, dev)
+	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(dev, cudart.EventDisableTiming))
+	_, _, err := rt.MemGetInfo(other)
+	require.NoError(t, err, "making device %d current", other)
+
+	want := pattern(64, 9)
+	got := make([]byte, len(want))
+	calls := fakeCount(t, rt, 0, fakeAttrGetDeviceCalls)
+	ptr, err := rt.MallocFromPoolAsync(dev, 64, pool, s)
+	require.NoError(t, err, "MallocFromPoolAsync")
+	require.NoError(t, rt.MemcpyHtoDAsync(dev, ptr, want, s), "MemcpyHtoDAsync")
+	require.NoError(t, rt.EventRecord(dev, e, s), "EventRecord")
+	require.NoError(t, rt.StreamWaitEvent(dev, s2, e), "StreamWaitEvent")
+	require.NoError(t, rt.MemcpyDtoDAsync(dev, ptr+32, ptr, 32, s2), "MemcpyDtoDAsync")
+	require.NoError(t, rt.MemcpyDtoHAsync(dev, got, ptr, s2), "MemcpyDtoHAsync")
+	require.NoError(t, rt.FreeAsync(dev, ptr, s2), "FreeAsync")
+	require.Equal(t, calls, fakeCount(t, rt, 0, fakeAttrGetDeviceCalls), "cudaGetDevice calls made by calls on a created stream")
+	require.Equal(t, append(want[:32:32], want[:32]...), got, "the bytes copied through device %d's streams", dev)
+	require.Equal(t, other, must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)), "the current device after calls on device %d's streams", dev)
+
+	ptr, err = rt.MallocFromPoolAsync(dev, 64, pool, 0)
+	require.NoError(t, err, "MallocFromPoolAsync on the legacy stream")
+	require.Equal(t, dev, must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)), "the current device after a call on the legacy stream")
+	require.NoError(t, rt.FreeAsync(dev, ptr, 0), "FreeAsync on the legacy stream")
+}
+
+// A thread that has no context yet gets its call's device made current before a call
+// on a stream, never the context CUDA would make for the default device 0: in a
+// process that only uses device 1, that would take device 0's memory.
+func TestFakeStreamCallsOnFreshThreadsMakeNoDefaultContext(t *testing.T) {
+	rt := loadFake(t) // its own library: no thread has a context of it yet
+	const dev, threads = 1, 6
+	pool := newPool(t, rt, dev)
+	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	// Each goroutine keeps its thread locked until the last one has called, so that
+	// they run on threads of their own, most of them never used with this library.
+	var called sync.WaitGroup
+	called.Add(threads)
+	errs := make(chan error, threads)
+	for range threads {
+		go func() {
+			runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+			ptr, err := rt.MallocFromPoolAsync(dev, 64, pool, s)
+			if err == nil {
+				err = rt.FreeAsync(dev, ptr, s)
+			}
+			cur, cerr := cudart.CurrentDevice(rt)
+			if err == nil && cerr == nil && cur != dev {
+				err = fmt.Errorf("device %d current after the calls, want %d", cur, dev)
+			}
+			errs <- errors.Join(err, cerr)
+			called.Done()
+			called.Wait()
+		}()
+	}
+	for range threads {
+		select {
+		case err := <-errs:
+			require.NoError(t, err)
+		case <-time.After(time.Minute):
+			t.Fatal("a goroutine's calls did not return within a minute")
+		}
+	}
+	require.Zero(t, fakeCount(t, rt, 0, fakeAttrLazyContexts), "contexts of device 0 made by calls on device %d's stream", dev)
+}
+
 // The calls a pool makes per buffer allocate nothing in Go.
 func TestFakeHotPathDoesNotAllocate(t *testing.T) {
 	rt := loadFake(t)
@@ -507,16 +596,29 @@ func TestFakeHotPathDoesNotAllocate(t *testing.T) {
 	require.NoError(t, failed, "hot path calls")
 }
 
-// BenchmarkFakeCall is the binding's own cost per call: one cgo crossing, the device
-// check and a trivial C function (EventQuery of a never recorded event).
+// BenchmarkFakeCall is the binding's own cost per call: one cgo crossing and a
+// trivial C function, with the device check ("device": EventQuery of a never recorded
+// event) and without it ("stream": StreamWaitEvent on a created stream, whose device
+// CUDA takes from the stream).
 func BenchmarkFakeCall(b *testing.B) {
 	rt := buildFake(b, nil, nil).load(b)
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventDisableTiming))
-	b.ReportAllocs()
-	for b.Loop() {
-		// Not require.NoError: its two t.Helper calls cost several times the call timed.
-		if _, err := rt.EventQuery(0, e); err != nil {
-			b.Fatal(err)
+	s := must[cudart.Stream](b, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
+	b.Run("device", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			// Not require.NoError: its two t.Helper calls cost several times the call timed.
+			if _, err := rt.EventQuery(0, e); err != nil {
+				b.Fatal(err)
+			}
 		}
-	}
+	})
+	b.Run("stream", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := rt.StreamWaitEvent(0, s, e); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }

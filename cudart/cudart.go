@@ -10,7 +10,12 @@
 // CUDA's current device is per OS thread and goroutines move between threads. Every
 // Runtime method whose meaning depends on the current device takes the device ordinal
 // and makes that device current on the very thread that makes the call, so goroutines
-// working on different devices never observe each other's choice.
+// working on different devices never observe each other's choice. The calls that CUDA
+// runs on the device of their stream whatever device is current (MallocFromPoolAsync,
+// FreeAsync, EventRecord, StreamWaitEvent and the copies, on a created stream) leave
+// the current device as it is once the thread has a context: they are the hot path, and
+// a cudaGetDevice per call is time the C caller does not spend. With the legacy or
+// per-thread stream, which are the current device's, they make dev current too.
 package cudart
 
 import "fmt"

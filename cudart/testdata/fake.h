@@ -11,6 +11,11 @@
 
 enum { NDEV = 4, POISONED = 3 };
 
+// Attributes of the fake's own, read with cudaDeviceGetAttribute: how many contexts
+// of the device calls made current on threads that had none, and how many
+// cudaGetDevice calls the process made.
+enum { FAKE_ATTR_LAZY_CONTEXTS = 90001, FAKE_ATTR_GET_DEVICE_CALLS = 90002 };
+
 // poison is the error code of function fn on the poisoned device: 10000 plus its
 // name's FNV-1a hash modulo 50000 (cudart's tests compute the same).
 static inline int poison(const char *fn) {

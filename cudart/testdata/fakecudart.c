@@ -8,7 +8,14 @@
 //     poisoned (fake.h);
 //   - a stream, event or pool must be used with its own device current, else
 //     cudaErrorInvalidResourceHandle (400): a binding that set the device on one
-//     thread and called on another fails here;
+//     thread and called on another fails here. The calls CUDA runs on their
+//     stream's device whatever device is current (stream-ordered allocation and
+//     free, copies, event records and waits on a created stream) follow CUDA's rule
+//     instead, so that a binding may leave the current device alone for them;
+//   - a thread has no context until cudaSetDevice, or until a call that needs one
+//     makes the current device's (0 unless set) current, as CUDA does: the fake
+//     counts those, so that a test sees a call that would have made the default
+//     device's context on a thread working on another;
 //   - device memory is host memory, so copies and sets really move bytes;
 //   - a memset to the value CONTAIN (226) stands for a read of a dead peer's memory
 //     over NVLink: it fails with cudaErrorContained, and from then on every call fails,
@@ -42,6 +49,12 @@ static int contained = -1;
 enum { STREAM_MAGIC = 0x57AEA111, EVENT_MAGIC = 0xE7E27222, POOL_MAGIC = 0x9001F333 };
 
 static __thread int cur;
+static __thread int has_context;
+// lazy[d] counts the contexts of device d made current by a call on a thread that
+// had none; get_device_calls counts cudaGetDevice calls. cudaDeviceGetAttribute reads
+// both (FAKE_ATTR_*, fake.h).
+static unsigned long lazy[NDEV];
+static unsigned long get_device_calls;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static void unlock(int *unused) {
 	(void)unused;
@@ -53,8 +66,17 @@ static void unlock(int *unused) {
 	__attribute__((cleanup(unlock))) int lock_guard_ = 0; \
 	(void)lock_guard_
 
+// NEED_CONTEXT makes the current device's context current on a thread that has
+// none, as CUDA's runtime does on the first call that needs one. Call it locked.
+#define NEED_CONTEXT() \
+	if (!has_context) { \
+		has_context = 1; \
+		lazy[cur]++; \
+	}
+
 #define ON_CURRENT() \
 	LOCK(); \
+	NEED_CONTEXT(); \
 	if (cur == POISONED) return poison(__func__); \
 	STICKY(cur)
 
@@ -125,19 +147,32 @@ int cudaGetDeviceCount(int *n) {
 }
 
 int cudaGetDevice(int *d) {
+	__atomic_fetch_add(&get_device_calls, 1, __ATOMIC_RELAXED);
 	*d = cur;
 	return SUCCESS;
 }
 
+// cudaSetDevice makes the device's context current, as CUDA 12 and later do.
 int cudaSetDevice(int d) {
 	if (d < 0 || d >= NDEV) return INVALID_DEVICE;
 	cur = d;
+	has_context = 1;
 	return SUCCESS;
 }
 
 int cudaDeviceGetAttribute(int *v, int attr, int dev) {
+	LOCK();
 	CHECK_DEVICE(dev);
-	*v = dev * 1000 + attr;
+	switch (attr) {
+	case FAKE_ATTR_LAZY_CONTEXTS:
+		*v = (int)lazy[dev];
+		break;
+	case FAKE_ATTR_GET_DEVICE_CALLS:
+		*v = (int)__atomic_load_n(&get_device_calls, __ATOMIC_RELAXED);
+		break;
+	default:
+		*v = dev * 1000 + attr;
+	}
 	return SUCCESS;
 }
 
@@ -171,6 +206,24 @@ static stream_t *as_stream(void *s) {
 	}
 	stream_t *st = s ? s : &legacy[cur];
 	return st->magic == STREAM_MAGIC && st->dev == cur ? st : NULL;
+}
+
+// ON_STREAM resolves s for a call that CUDA runs on its stream's device: a created
+// stream of any device, or the current device's legacy stream for NULL,
+// cudaStreamLegacy and cudaStreamPerThread. It declares st, NULL if s is no stream,
+// and fails the call as ON_CURRENT does on the poisoned or a lost device.
+#define ON_STREAM(s) \
+	LOCK(); \
+	NEED_CONTEXT(); \
+	stream_t *st = (uintptr_t)(s) <= 2 ? as_stream(NULL) : (s); \
+	if (st->magic != STREAM_MAGIC) st = NULL; \
+	if ((st ? st->dev : cur) == POISONED) return poison(__func__); \
+	STICKY(st ? st->dev : cur)
+
+// valid_event is e if it is an event of any device.
+static event_t *valid_event(void *e) {
+	event_t *ev = e;
+	return ev && ev->magic == EVENT_MAGIC ? ev : NULL;
 }
 
 static event_t *as_event(void *e) {
@@ -215,10 +268,11 @@ int cudaStreamSynchronize(void *s) {
 	return SUCCESS;
 }
 
+// The stream and the event may be of different devices.
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
-	ON_CURRENT();
+	ON_STREAM(s);
 	if (flags) return INVALID_VALUE;
-	if (!as_stream(s) || !as_event(e)) return INVALID_HANDLE;
+	if (!st || !valid_event(e)) return INVALID_HANDLE;
 	return SUCCESS;
 }
 
@@ -256,11 +310,11 @@ int cudaEventDestroy(void *e) {
 	return SUCCESS;
 }
 
+// The event and the stream must be of one device.
 int cudaEventRecord(void *e, void *s) {
-	ON_CURRENT();
-	event_t *ev = as_event(e);
-	stream_t *st = as_stream(s);
-	if (!ev || !st) return INVALID_HANDLE;
+	ON_STREAM(s);
+	event_t *ev = valid_event(e);
+	if (!ev || !st || ev->dev != st->dev) return INVALID_HANDLE;
 	ev->recorded_on = st;
 	ev->syncs_at_record = st->syncs;
 	ev->synchronized = 0;
@@ -439,10 +493,11 @@ int cudaMemPoolTrimTo(void *p, size_t keep) {
 	return SUCCESS;
 }
 
+// The pool may be of another device than the stream.
 int cudaMallocFromPoolAsync(void **out, size_t size, void *p, void *s) {
-	ON_CURRENT();
-	pool_t *pool = as_pool(p);
-	if (!pool || !as_stream(s)) return INVALID_HANDLE;
+	ON_STREAM(s);
+	pool_t *pool = p;
+	if (!pool || pool->magic != POOL_MAGIC || !st) return INVALID_HANDLE;
 	if (pool->origin || size == 0) return INVALID_VALUE; // imported pools cannot allocate
 	unsigned long long *u = pool->attr_u64;
 	if (pool->max_size && u[7] + size > pool->max_size) return OUT_OF_MEMORY;
@@ -463,8 +518,8 @@ int cudaMallocFromPoolAsync(void **out, size_t size, void *p, void *s) {
 #ifndef OMIT_cudaFreeAsync
 // Freeing an imported pointer drops one import; freeing the original frees it.
 int cudaFreeAsync(void *ptr, void *s) {
-	ON_CURRENT();
-	if (!as_stream(s)) return INVALID_HANDLE;
+	ON_STREAM(s);
+	if (!st) return INVALID_HANDLE;
 	for (alloc_t **pa = &allocs; *pa; pa = &(*pa)->next) {
 		alloc_t *a = *pa;
 		if (a->p != ptr) continue;
@@ -551,8 +606,8 @@ int cudaMemPoolImportPointer(void **out, void *p, const void *data) {
 // kind: 1 host to device, 2 device to host, 4 default (the binding uses it only
 // between device addresses).
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *s) {
-	ON_CURRENT();
-	if (!as_stream(s)) return INVALID_HANDLE;
+	ON_STREAM(s);
+	if (!st) return INVALID_HANDLE;
 	int dst_dev = find(dst, n) != NULL, src_dev = find(src, n) != NULL;
 	int ok = (kind == 1 && dst_dev && !src_dev) || (kind == 2 && !dst_dev && src_dev) ||
 		 (kind == 4 && dst_dev && src_dev);
