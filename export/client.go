@@ -229,6 +229,12 @@ func (cl *client) request(ctx context.Context, build func(reqID uint64) message,
 	cl.mu.Unlock()
 	if err := cl.c.send(ctx, build(id), -1); err != nil {
 		cl.forget(id) // send closed the connection if it wrote part of the frame
+		if ctx.Err() == nil {
+			// The write itself failed (the exporter closed its end, as when its
+			// process died): the connection is lost, whether or not the reader has
+			// seen the end of the stream yet.
+			cl.fail(err)
+		}
 		return nil, cl.goneOr(err)
 	}
 	select {
