@@ -21,6 +21,13 @@ import (
 // test depends on it passing.
 const hangGuard = 60 * time.Second
 
+// ended is a context that has ended already: a call given it must not wait.
+func ended() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}
+
 func testCtx(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	t.Cleanup(cancel)
@@ -116,10 +123,8 @@ func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolO
 	t.Cleanup(func() {
 		// Tests close what they check; this only cleans up after a failure, without
 		// waiting for consumers that will never release.
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		ex.Close(ctx)
-		p.Close(ctx, pool.Force())
+		ex.Close(ended())
+		p.Close(ended(), pool.Force())
 	})
 	return pr
 }

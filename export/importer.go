@@ -344,16 +344,14 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 	}
 	o := newOpenOptions(opts)
 	var m *Mapping
-	last, ctxErr := retry(ctx, openRetryFirst, openRetryMost, func() (bool, error) {
-		var err error
+	var err error
+	if o.waitForName {
+		m, err = imp.openWaiting(ctx, name, s)
+	} else {
 		m, err = imp.open(ctx, name, s)
-		return o.waitForName && errors.Is(err, ErrUnknownName), err
-	})
-	if ctxErr != nil {
-		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)
 	}
-	if last != nil || !o.replica {
-		return m, last
+	if err != nil || !o.replica {
+		return m, err
 	}
 	r, err := imp.replicate(ctx, m, s, o.replicaAlloc)
 	if err != nil {

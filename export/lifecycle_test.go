@@ -277,9 +277,7 @@ func TestLivePeerThatHangsUpKeepsItsLeases(t *testing.T) {
 	// nothing either, as the process lives on. Close, with its ctx ended, names the
 	// lease and abandons it: it ends when the process exits, never before.
 	require.NoError(t, m.Release(ctx, c.stream), "Release after hanging up, want nil: there is no one to tell")
-	ended, cancel := context.WithCancel(context.Background())
-	cancel()
-	err = pr.ex.Close(ended)
+	err = pr.ex.Close(ended())
 	require.ErrorIs(t, err, context.Canceled, "Close = %v, want the lost consumer's lease reported", err)
 	require.ErrorIs(t, err, ErrAbandoned)
 	require.ErrorContains(t, err, fmt.Sprintf("pid %d, its connection lost but its process alive, holds 1 leases", os.Getpid()), "Close = %v, want the lost consumer's lease reported", err)
@@ -351,9 +349,7 @@ func TestExporterCloseGivesUpWhenContextEnds(t *testing.T) {
 	c := newConsumer(t, pr.path, 0)
 	m, err := c.imp.Open(testCtx(t), "a", c.stream)
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	err = pr.ex.Close(ctx)
+	err = pr.ex.Close(ended())
 	require.ErrorIs(t, err, context.Canceled, "Close with a held lease and an ended ctx = %v", err)
 	require.ErrorIs(t, err, ErrAbandoned)
 	require.ErrorContains(t, err, "holds 1 leases", "Close with a held lease and an ended ctx = %v", err)

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"time"
+
+	"github.com/cudapool/cudapool/cudart"
 )
 
 // Replicas start together: a consumer may dial before its exporter listens, or open a
@@ -20,22 +22,25 @@ const (
 	openRetryMost  = 100 * time.Millisecond
 )
 
-// retry calls try until it returns false (done) or ctx ends, waiting between calls with
-// backoff from first to most. It returns try's last error, and ctx's error if ctx
-// ended while waiting. A try that fails as ctx ends (a dial cut short) counts as the
-// end of the wait, with the last error worth waiting on as try's.
-func retry(ctx context.Context, first, most time.Duration, try func() (again bool, err error)) (last, ctxErr error) {
+// retry calls try until it succeeds, fails with an error not worth waiting on (again
+// false), or ctx ends, waiting between calls with backoff from first to most. It
+// returns try's last error, or, once ctx has ended (while waiting, or cutting a try
+// short), the last error worth waiting on, and ctx's error. If ctx ended before any
+// try got as far as an error worth waiting on (a loaded machine can run the first try
+// after the deadline), that error is notYet: what the caller waited for never came,
+// which is all a caller can say, and all it needs to.
+func retry(ctx context.Context, first, most time.Duration, notYet error, try func() (again bool, err error)) (last, ctxErr error) {
 	delay := first
 	t := time.NewTimer(0)
 	<-t.C
 	defer t.Stop()
-	var waitedOn error // the last error a try asked to wait on
+	waitedOn := notYet
 	for {
 		again, err := try()
 		if again {
 			waitedOn = err
 		}
-		if err != nil && waitedOn != nil && ctx.Err() != nil {
+		if err != nil && ctx.Err() != nil {
 			return waitedOn, ctx.Err()
 		}
 		if !again {
@@ -45,7 +50,7 @@ func retry(ctx context.Context, first, most time.Duration, try func() (again boo
 		select {
 		case <-t.C:
 		case <-ctx.Done():
-			return err, ctx.Err()
+			return waitedOn, ctx.Err()
 		}
 		delay = min(2*delay, most)
 	}
@@ -53,14 +58,33 @@ func retry(ctx context.Context, first, most time.Duration, try func() (again boo
 
 // dialWaiting is dialSocket that, with wait, tries again while nothing listens at path.
 func dialWaiting(ctx context.Context, path string, wait bool) (net.Conn, error) {
+	if !wait {
+		return dialSocket(ctx, path)
+	}
 	var nc net.Conn
-	last, ctxErr := retry(ctx, dialRetryFirst, dialRetryMost, func() (bool, error) {
+	notYet := fmt.Errorf("%w: nothing answered at %s", ErrExporterGone, path)
+	last, ctxErr := retry(ctx, dialRetryFirst, dialRetryMost, notYet, func() (bool, error) {
 		var err error
 		nc, err = dialSocket(ctx, path)
-		return wait && errors.Is(err, ErrExporterGone), err
+		return errors.Is(err, ErrExporterGone), err
 	})
 	if ctxErr != nil {
 		return nil, fmt.Errorf("%w (waited for an exporter until %w)", last, ctxErr)
 	}
 	return nc, last
+}
+
+// openWaiting is open that tries again while the name is not published.
+func (imp *Importer) openWaiting(ctx context.Context, name string, s cudart.Stream) (*Mapping, error) {
+	var m *Mapping
+	notYet := fmt.Errorf("%w: %q: the exporter has not answered", ErrUnknownName, name)
+	last, ctxErr := retry(ctx, openRetryFirst, openRetryMost, notYet, func() (bool, error) {
+		var err error
+		m, err = imp.open(ctx, name, s)
+		return errors.Is(err, ErrUnknownName), err
+	})
+	if ctxErr != nil {
+		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)
+	}
+	return m, last
 }

@@ -52,13 +52,16 @@ func TestOpenWaitsForName(t *testing.T) {
 		t.Fatal("Open with WaitForName did not return after the name was published")
 	}
 
-	// The error wraps ErrUnknownName only once the exporter has answered at least once,
-	// so the deadline leaves room for a first answer on a loaded machine (200 ms failed
-	// twice in 40 runs under load).
-	ctx, cancel := context.WithTimeout(testCtx(t), time.Second)
+	// The error wraps ErrUnknownName whether or not the exporter answered before the
+	// deadline (on a loaded machine the first try may come after it), and even when
+	// ctx had ended before Open was called.
+	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
 	defer cancel()
 	_, err := c.imp.Open(ctx, "never", c.stream, WaitForName())
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorIs(t, err, ErrUnknownName)
+	_, err = c.imp.Open(ended(), "never", c.stream, WaitForName())
+	require.ErrorIs(t, err, context.Canceled)
 	require.ErrorIs(t, err, ErrUnknownName)
 
 	// Other errors end the wait at once.
@@ -80,6 +83,10 @@ func TestDialWaitsForExporter(t *testing.T) {
 	defer cancel()
 	_, err = Dial(ctx, path, s.dev, 0, WaitForExporter())
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorIs(t, err, ErrExporterGone)
+	// The same when ctx ends before the first try (as a loaded machine can make it).
+	_, err = Dial(ended(), path, s.dev, 0, WaitForExporter())
+	require.ErrorIs(t, err, context.Canceled)
 	require.ErrorIs(t, err, ErrExporterGone)
 
 	dialed := make(chan error, 1)
