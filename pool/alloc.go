@@ -9,20 +9,26 @@ import (
 	"github.com/cudapool/cudapool/internal/granularity"
 )
 
-// remember adds b to the live ring and the counts; forget takes it out. Call with
-// pool.mu held.
+// remember adds b to the live buffers and the counts, numbering it the first time;
+// forget takes it out, moving the last live buffer into its slot. Call with pool.mu
+// held.
 func (p *Pool) remember(b *Buffer) {
-	b.prev, b.next = &p.live, p.live.next
-	p.live.next.prev = b
-	p.live.next = b
+	if b.id == 0 {
+		b.id = p.ids.take()
+	}
+	b.slot = len(p.live)
+	p.live = append(p.live, b)
 	p.counts.liveBuffers++
 	p.counts.bytesRequested += b.size
 	p.counts.bytesReserved += b.reserved
 }
 
 func (p *Pool) forget(b *Buffer) {
-	b.prev.next, b.next.prev = b.next, b.prev
-	b.prev, b.next = nil, nil
+	last := len(p.live) - 1
+	moved := p.live[last]
+	p.live[b.slot], moved.slot = moved, b.slot
+	p.live[last] = nil
+	p.live = p.live[:last]
 	p.counts.liveBuffers--
 	p.counts.bytesRequested -= b.size
 	p.counts.bytesReserved -= b.reserved
@@ -52,9 +58,9 @@ func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer
 	if err != nil {
 		return nil, p.errorf("alloc %s: %w", human(size), err)
 	}
-	b := &Buffer{pool: p, owner: p, dev: p.dev, size: size, reserved: reserved, id: lastBufferID.Add(1)}
+	b := &Buffer{pool: p, dev: p.dev, size: size, reserved: reserved}
 	err = p.allocOnce(b, s)
-	if p.wait && errors.Is(err, cudart.ErrOutOfMemory) {
+	if err != nil && p.wait && errors.Is(err, cudart.ErrOutOfMemory) {
 		err = p.allocWaiting(ctx, b, s)
 	}
 	if err != nil {
@@ -76,7 +82,7 @@ func (p *Pool) allocOnce(b *Buffer, s cudart.Stream) error {
 		}
 	}
 	err := p.allocDriver(b, s)
-	if errors.Is(err, cudart.ErrOutOfMemory) && p.holdsCache() {
+	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) && p.holdsCache() {
 		_, _, _ = p.trim(func(cudart.Stream) bool { return true }, false) // failures are kept for Stats and Close
 		err = p.allocDriver(b, s)
 	}

@@ -9,7 +9,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 )
 
-type bufState int
+type bufState uint8
 
 const (
 	bufLive     bufState = iota
@@ -22,9 +22,14 @@ const (
 // Buffer is device memory from a Pool, or from another Allocator that made it with
 // NewBuffer. Its accessors are safe for concurrent use; it stays valid to read after
 // Free, but not to free, lease or export.
+//
+// Its layout is kept small: Alloc makes one per call, and that is the whole of what it
+// allocates.
 type Buffer struct {
-	pool     *Pool     // nil for a buffer made by NewBuffer
-	owner    Allocator // the allocator Free goes to; nil for a zero Buffer
+	pool *Pool // nil for a buffer made by NewBuffer
+	// owner is the allocator Free goes to for a buffer made by NewBuffer; nil for a
+	// pool's buffer, which its pool frees, and for a zero Buffer.
+	owner    Allocator
 	dev      int
 	ptr      cudart.DevicePtr
 	size     uint64
@@ -33,13 +38,13 @@ type Buffer struct {
 
 	// Guarded by pool.mu.
 	state      bufState
-	leases     int
 	shared     bool
 	abandoned  bool          // a lease ended after Close began: its completion was not waited on
+	leases     int32         // bounded by the leases a process can hold
 	freeEvent  cudart.Event  // recorded by a deferred Free; 0 until then
 	freeStream cudart.Stream // the stream a deferred Free was given
 	retained   *retainSet    // the memory's retentions; nil until its first
-	prev, next *Buffer       // in pool.live
+	slot       int           // its index in pool.live while in it
 
 	// record is set once, under pool.exportMu; atomic so that Free can carry it
 	// into the cache.
@@ -69,12 +74,15 @@ func (b *Buffer) Pool() *Pool { return b.pool }
 // Allocator that is not a Pool (a wrapper or a test double) to hand out. Its Free
 // calls owner.Free; it cannot be leased or exported (ErrNotShareable).
 func NewBuffer(owner Allocator, ptr cudart.DevicePtr, size uint64) *Buffer {
-	return &Buffer{owner: owner, dev: owner.Device(), ptr: ptr, size: size, reserved: size, id: lastBufferID.Add(1)}
+	return &Buffer{owner: owner, dev: owner.Device(), ptr: ptr, size: size, reserved: size, id: newIDs().next}
 }
 
 // Free is b's allocator's Free(b, s).
 func (b *Buffer) Free(s cudart.Stream) error {
-	if b.owner == nil {
+	switch {
+	case b.pool != nil:
+		return b.pool.Free(b, s)
+	case b.owner == nil:
 		return unpooled("free", b)
 	}
 	return b.owner.Free(b, s)
@@ -94,7 +102,7 @@ func (b *Buffer) String() string {
 	switch {
 	case b == nil:
 		return "nil buffer"
-	case b.owner == nil:
+	case b.pool == nil && b.owner == nil:
 		return "buffer not from an allocator"
 	case b.pool == nil:
 		return fmt.Sprintf("buffer %d (%s at %#x on device %d, not from a pool)", b.id, human(b.size), uintptr(b.ptr), b.dev)

@@ -53,8 +53,8 @@ type cache struct {
 	bytes        uint64 // cached, and claimed by frees on their way in
 	buffers      int
 	hits, misses uint64
-	streams      map[cudart.Stream]*streamCache
 	last         *streamCache // the stream used last, found without the map
+	streams      map[cudart.Stream]*streamCache
 }
 
 // stream returns s's lists, making them if create is set, and nil otherwise.

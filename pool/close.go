@@ -148,8 +148,8 @@ func (p *Pool) sortForClose() (r CloseReport, toFree []*Buffer, abandoned []cuda
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	r.Name = p.name
-	for b := p.live.next; b != &p.live; {
-		next := b.next
+	for i := len(p.live) - 1; i >= 0; i-- { // from the end, as forget moves the last
+		b := p.live[i]
 		switch {
 		case b.state == bufFailed:
 		case b.leases > 0 || b.abandoned || b.state == bufFreeing || b.retained.holds():
@@ -166,7 +166,6 @@ func (p *Pool) sortForClose() (r CloseReport, toFree []*Buffer, abandoned []cuda
 			b.state = bufReleased
 		}
 		p.forget(b)
-		b = next
 	}
 	// Memory waiting for its retainers is abandoned with the rest that importers hold.
 	for set := range p.parked {

@@ -388,7 +388,7 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	p.mu.Lock()
 	leases, state := b.leases, b.state
 	p.mu.Unlock()
-	require.Equal(t, 1, leases, "after one End of two leases: want the other lease live")
+	require.EqualValues(t, 1, leases, "after one End of two leases: want the other lease live")
 	require.NotEqual(t, bufFreed, state, "after one End of two leases: the buffer was freed")
 	require.NoError(t, other.End(0), "ending the other lease after Close")
 }

@@ -68,8 +68,35 @@ type Allocator interface {
 
 var _ Allocator = (*Pool)(nil)
 
-// lastBufferID and lastPoolID number buffers and unnamed pools across the process.
-var lastBufferID, lastPoolID atomic.Uint64
+// lastPoolID numbers unnamed pools across the process.
+var lastPoolID atomic.Uint64
+
+// idBlock is the buffer IDs a pool has left to hand out, [next, end): numbering a
+// buffer is then an increment under the pool's lock, not an atomic operation on a
+// counter that every Alloc in the process would share. IDs are unique in the process
+// and rise within a pool.
+type idBlock struct{ next, end uint64 }
+
+// idBlockSize is how many IDs a pool takes at a time from lastIDBlock.
+const idBlockSize = 1 << 16
+
+var lastIDBlock atomic.Uint64
+
+// newIDs takes the next block of IDs; ID 0 is never given.
+func newIDs() idBlock {
+	start := (lastIDBlock.Add(1) - 1) * idBlockSize
+	return idBlock{next: max(start, 1), end: start + idBlockSize}
+}
+
+// take returns the next ID, taking a new block when the pool's is used up.
+func (ids *idBlock) take() uint64 {
+	if ids.next == ids.end {
+		*ids = newIDs()
+	}
+	id := ids.next
+	ids.next++
+	return id
+}
 
 type poolState int
 
@@ -82,23 +109,30 @@ const (
 // Pool is a CUDA memory pool on one device, with the bookkeeping of its buffers. Its
 // methods are safe for concurrent use.
 type Pool struct {
-	rt         cudart.Runtime
-	dev        int
-	handle     cudart.MemPool
-	owned      bool // created by New, destroyed by Close
-	handleType cudart.HandleType
-	gran       uint64 // 1 for a local pool
-	maxSize    uint64
-	name       string
-	wait       bool
-	grans      *granularity.Cache // held until Close; nil for a local pool
-
-	gate gate
-
+	// What every Alloc and Free reads or writes comes first, so that a pair touches
+	// few cache lines: the driver calls between them evict the rest.
+	rt      cudart.Runtime
+	dev     int
+	handle  cudart.MemPool
+	gran    uint64 // 1 for a local pool
+	maxSize uint64
+	wait    bool
 	// waiting counts Allocs waiting for memory; freeGen counts frees seen by them.
 	// Both let Free skip the wake-up when nobody waits.
 	waiting atomic.Int32
-	freeGen atomic.Uint64
+	gate    gate
+	mu      sync.Mutex
+	// Guarded by mu.
+	cache  cache
+	live   []*Buffer // the buffers not yet returned to the driver, each at its slot
+	ids    idBlock
+	counts counts
+
+	owned      bool // created by New, destroyed by Close
+	handleType cudart.HandleType
+	name       string
+	grans      *granularity.Cache // held until Close; nil for a local pool
+	freeGen    atomic.Uint64
 
 	exportMu sync.Mutex // serialises exports (the driver does too) and guards exported
 	exported *cudart.ShareableHandle
@@ -111,14 +145,11 @@ type Pool struct {
 	closing chan struct{} // closed when Close begins; wakes waiting Allocs
 	closer  chan struct{} // holds a token while a Close runs
 
-	mu     sync.Mutex
+	// Guarded by mu.
 	state  poolState
-	live   Buffer // sentinel of the ring of buffers not yet returned to the driver
 	wake   chan struct{}
 	events []cudart.Event // idle events for ordering frees
 	failed []error        // deferred frees that failed
-	counts counts
-	cache  cache
 	// parked is the memory waiting for its retainers to let go (see Retain).
 	parked map[*retainSet]struct{}
 }
@@ -141,7 +172,6 @@ type counts struct {
 func newPool(rt cudart.Runtime, dev int, handle cudart.MemPool, name string) *Pool {
 	p := &Pool{rt: rt, dev: dev, handle: handle, name: name, gran: 1, gate: newGate(),
 		closing: make(chan struct{}), closer: make(chan struct{}, 1)}
-	p.live.next, p.live.prev = &p.live, &p.live
 	return p
 }
 

@@ -440,6 +440,29 @@ func TestIDsAreProcessUnique(t *testing.T) {
 	mustFree(t, b, 0)
 }
 
+// Each pool numbers its buffers from a block of IDs; one that used up its block takes
+// a new one, and no ID is given twice or is 0.
+func TestIDsStayUniqueAcrossBlocks(t *testing.T) {
+	p, err := New(&nullRuntime{}, 0)
+	require.NoError(t, err)
+	q, err := New(&nullRuntime{}, 0)
+	require.NoError(t, err)
+	seen := map[uint64]bool{NewBuffer(p, 1, 1).ID(): true}
+	for round := range 3 {
+		p.mu.Lock()
+		p.ids.next = p.ids.end - 2 // two left, then a new block
+		p.mu.Unlock()
+		for _, pool := range []*Pool{p, q, p, p, q} {
+			b, err := pool.Alloc(context.Background(), 1, 0)
+			require.NoError(t, err)
+			require.NotZero(t, b.ID(), "round %d", round)
+			require.False(t, seen[b.ID()], "round %d: ID %d given twice", round, b.ID())
+			seen[b.ID()] = true
+			require.NoError(t, pool.Free(b, 0))
+		}
+	}
+}
+
 func TestConcurrentCloses(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		p := mustNew(t, e.rt)

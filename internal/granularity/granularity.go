@@ -122,7 +122,7 @@ func RoundUp(n, g uint64) (uint64, error) {
 	if g == 0 {
 		return 0, ErrZeroGranularity
 	}
-	r := n % g
+	r := remainder(n, g)
 	if r == 0 {
 		return n, nil
 	}
@@ -144,5 +144,14 @@ func RoundDown(n, g uint64) (uint64, error) {
 
 // IsAligned reports whether v is a multiple of g. Nothing is aligned to 0.
 func IsAligned(v, g uint64) bool {
-	return g != 0 && v%g == 0
+	return g != 0 && remainder(v, g) == 0
+}
+
+// remainder is n % g for g > 0, without a division when g is a power of two, as
+// every granularity seen is: Alloc rounds and checks on every call.
+func remainder(n, g uint64) uint64 {
+	if g&(g-1) == 0 {
+		return n & (g - 1)
+	}
+	return n % g
 }
