@@ -37,9 +37,13 @@ type Buffer struct {
 	id       uint64
 
 	// Guarded by pool.mu.
-	state      bufState
-	shared     bool
-	abandoned  bool          // a lease ended after Close began: its completion was not waited on
+	state     bufState
+	shared    bool
+	abandoned bool // a lease ended after Close began: its completion was not waited on
+	// ordered: the release stream waited for a completion of one of its leases, so a
+	// reuse of its memory must follow the release stream (the completions its leases
+	// still owe, which EndAt left, are in pool.owed).
+	ordered    bool
 	leases     int32         // bounded by the leases a process can hold
 	freeEvent  cudart.Event  // recorded by a deferred Free; 0 until then
 	freeStream cudart.Stream // the stream a deferred Free was given

@@ -206,6 +206,13 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 func (p *Pool) cacheShared(b *Buffer, s cudart.Stream, now bool) bool {
 	p.mu.Lock()
 	ok := p.claimCacheLocked(s, b.reserved)
+	if ok && now && !b.ordered {
+		// Its leases' completions were all settled on s (or known done): the
+		// release stream holds nothing this buffer waits for.
+		p.cacheLocked(b, s, 0)
+		p.mu.Unlock()
+		return true
+	}
 	p.mu.Unlock()
 	if !ok {
 		return false

@@ -296,22 +296,47 @@ func TestRecycledBufferKeepsItsExportRecord(t *testing.T) {
 }
 
 // A buffer that was shared goes to the cache after its importers' completions: Free's
-// stream waits for them at once when no lease is live, and the taking stream waits
-// when the free was deferred until the last lease ended.
+// stream waits for them at once when no lease is live (for the release stream, which
+// waited for them, after End; for an EndAt's completion itself unless it is done; for
+// nothing after End(0)), and the taking stream waits when the free was deferred until
+// the last lease ended.
 func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		rt := &countingRuntime{Runtime: e.rt}
 		p := mustNew(t, rt, WithCache(64*mib))
+		done, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
+		require.NoError(t, err)
+		t.Cleanup(func() { e.rt.EventDestroy(0, done) })
+		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
+		c := p.NewCompletion(done)
+		t.Cleanup(func() { c.Close(false) })
 
+		for _, end := range []struct {
+			how   string
+			end   func(l *Lease) error
+			waits int64
+		}{
+			{"End", func(l *Lease) error { return l.End(done) }, 1},
+			{"End(0)", func(l *Lease) error { return l.End(0) }, 0},
+			{"EndAt of a completion done", func(l *Lease) error { return l.EndAt(c) }, 0},
+		} {
+			b := mustAlloc(t, p, mib, e.stream)
+			require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
+			if end.waits == 0 {
+				require.NoError(t, e.rt.EventSynchronize(0, done))
+			}
+			require.NoError(t, end.end(mustLease(t, b)), end.how)
+			before := rt.calls()
+			mustFree(t, b, e.stream)
+			assert.Equal(t, before.waits+end.waits, rt.waits.Load(), "%s: Free's stream waits", end.how)
+			assert.Equal(t, before.frees, rt.frees.Load(), end.how)
+			before = rt.calls()
+			again := mustAlloc(t, p, mib, e.stream)
+			assert.Equal(t, before, rt.calls(), "%s: a shared buffer freed with no lease live was not a plain hit", end.how)
+			assert.Equal(t, b.Ptr(), again.Ptr(), end.how)
+			mustFree(t, again, e.stream)
+		}
 		b := mustAlloc(t, p, mib, e.stream)
-		require.NoError(t, mustLease(t, b).End(0))
-		before := rt.calls()
-		mustFree(t, b, e.stream)
-		assert.Equal(t, before.waits+1, rt.waits.Load(), "Free's stream did not wait for the release stream")
-		assert.Equal(t, before.frees, rt.frees.Load())
-		before = rt.calls()
-		b = mustAlloc(t, p, mib, e.stream)
-		assert.Equal(t, before, rt.calls(), "a shared buffer freed with no lease live was not a plain hit")
 
 		l := mustLease(t, b)
 		mustFree(t, b, e.stream)
@@ -319,7 +344,7 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		require.NoError(t, l.End(0))
 		wantCounts(t, p, 0, 0, 0, 0)
 		require.Equal(t, 1, mustStats(t, p).CachedBuffers)
-		before = rt.calls()
+		before := rt.calls()
 		again := mustAlloc(t, p, mib, e.stream)
 		assert.Equal(t, b.Ptr(), again.Ptr())
 		assert.Equal(t, before.waits+1, rt.waits.Load(), "the taking stream did not wait for the deferred free's event")

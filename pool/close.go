@@ -189,7 +189,11 @@ func (p *Pool) releaseAll(bufs []*Buffer, r *CloseReport) []error {
 	s := p.relStream
 	p.relMu.Unlock()
 	for _, b := range bufs {
-		if err := p.rt.FreeAsync(p.dev, b.ptr, s); err != nil {
+		err := p.settleOwedOnRelease(b)
+		if err == nil {
+			err = p.rt.FreeAsync(p.dev, b.ptr, s)
+		}
+		if err != nil {
 			err = p.errorf("close: free %v: %w", b, err)
 			r.FailedFrees = append(r.FailedFrees, err)
 			errs = append(errs, err)

@@ -98,6 +98,7 @@ func (l *Lease) End(completion cudart.Event) error {
 	p.mu.Lock()
 	l.ending = false
 	p.dropLease(l)
+	b.ordered = b.ordered || completion != 0
 	ev := b.freeEvent
 	release := b.leases == 0 && b.state == bufFreeing && ev != 0
 	if release {

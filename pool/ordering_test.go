@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -25,16 +26,86 @@ func stall(t testing.TB, d *cudarttest.Device, s cudart.Stream) (resume func()) 
 
 // busyImporter leases b to an importer whose GPU is busy: its free of the import is
 // queued behind a stall, and the lease is ended with the completion recorded after
-// that free, as the sharing layer ends it. It returns the stall's resume.
+// that free, as the sharing layer ends it (End, or EndAt with endAt set). It returns
+// the stall's resume.
 func busyImporter(t *testing.T, b *Buffer) (resume func()) {
+	t.Helper()
+	resume, _ = busyImporterEnding(t, b, false)
+	return resume
+}
+
+func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *Completion) {
 	t.Helper()
 	l := mustLease(t, b)
 	im := importBuffer(t, b)
 	t.Cleanup(im.close)
 	resume = stall(t, im.d, im.stream)
 	done := im.freeImport(b.Pool().Runtime())
-	require.NoError(t, l.End(done))
-	return resume
+	if endAt {
+		c = b.Pool().NewCompletion(done)
+		t.Cleanup(func() { c.Close(false) })
+		require.NoError(t, l.EndAt(c))
+	} else {
+		require.NoError(t, l.End(done))
+	}
+	return resume, c
+}
+
+// A lease ended by EndAt leaves the wait for the importer's free to the buffer's free:
+// every way the memory goes back (a free with no lease live, the deferred free of the
+// last lease, the cache and its next Alloc, Close(Force)) follows the importer's free.
+func TestEndAtFreesFollowTheImportersFree(t *testing.T) {
+	for name, free := range map[string]func(t *testing.T, e testEnv, p *Pool, b *Buffer){
+		"free": func(t *testing.T, e testEnv, p *Pool, b *Buffer) {
+			mustFree(t, b, e.stream)
+			require.NoError(t, p.Trim()) // to the driver, not the cache's next Alloc
+		},
+		"cache": func(t *testing.T, e testEnv, p *Pool, b *Buffer) {
+			mustFree(t, b, e.stream)
+			again := mustAlloc(t, p, 1000, e.stream)
+			require.Equal(t, b.Ptr(), again.Ptr(), "not recycled")
+			require.NoError(t, e.rt.MemsetAsync(0, again.Ptr(), 0xcd, 1000, e.stream))
+			mustFree(t, again, e.stream)
+			require.NoError(t, p.Trim()) // on the stream that took it from the cache
+		},
+		"close": func(t *testing.T, e testEnv, p *Pool, b *Buffer) {
+			require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
+			r, err := p.Close(context.Background(), Force())
+			require.NoError(t, err)
+			require.Equal(t, 1, r.ReleasedBuffers, "Close(Force) = %v", r)
+		},
+	} {
+		for _, closing := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/closed=%v", name, closing), func(t *testing.T) {
+				exp := softDevice(t)
+				e := newTestEnv(t, exp, exp)
+				p := mustNew(t, exp, WithCache(64*mib))
+				b := mustAlloc(t, p, 1000, e.stream)
+				resume, c := busyImporterEnding(t, b, true)
+				if closing {
+					// The importer leaves: its event may go, the release stream waits for it.
+					require.NoError(t, c.Close(true))
+				}
+				free(t, e, p, b)
+				require.NoError(t, exp.Err(), "the memory went back before the importer's free of its import")
+				resume()
+				require.NoError(t, exp.Synchronize())
+			})
+		}
+	}
+	t.Run("deferred", func(t *testing.T) {
+		exp := softDevice(t)
+		e := newTestEnv(t, exp, exp)
+		p := mustNew(t, exp)
+		b := mustAlloc(t, p, 1000, e.stream)
+		l := mustLease(t, b) // keeps the free deferred until busyImporter's lease ended
+		resume, _ := busyImporterEnding(t, b, true)
+		mustFree(t, b, e.stream)
+		require.NoError(t, l.End(0), "the last lease, which issues the free")
+		require.NoError(t, exp.Err(), "the deferred free ran before the importer's free of its import")
+		resume()
+		require.NoError(t, exp.Synchronize())
+	})
 }
 
 // A deferred free follows the work queued on the freeing stream before Free, even

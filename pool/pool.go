@@ -152,6 +152,9 @@ type Pool struct {
 	failed []error        // deferred frees that failed
 	// parked is the memory waiting for its retainers to let go (see Retain).
 	parked map[*retainSet]struct{}
+	// owed is the completions that leases ended by EndAt left each buffer owing
+	// (completion.go).
+	owed map[*Buffer][]*Completion
 }
 
 // counts are the pool's own figures, guarded by Pool.mu.

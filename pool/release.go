@@ -92,6 +92,9 @@ func (p *Pool) deferFree(b *Buffer, s cudart.Stream) error {
 // memory stays reserved, Stats counts it and Close reports it. Call inside the gate.
 func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 	err := p.waitRelease(ev)
+	if err == nil {
+		err = p.settleOwedOnRelease(b)
+	}
 	if err == nil && p.cacheShared(b, b.freeStream, false) {
 		p.mu.Lock()
 		p.counts.deferredFrees--
@@ -129,6 +132,18 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 // release stream after the point reached on s. On failure b is live again. Call
 // inside the gate with b.state bufFreeing.
 func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
+	viaRelease, err := p.settleOwed(b, s)
+	if err != nil {
+		p.mu.Lock()
+		b.state = bufLive
+		p.mu.Unlock()
+		return err
+	}
+	if viaRelease {
+		p.mu.Lock()
+		b.ordered = true
+		p.mu.Unlock()
+	}
 	if p.cacheShared(b, s, true) {
 		return nil
 	}
@@ -156,6 +171,21 @@ func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
 	p.forget(b)
 	p.freedLocked()
 	return nil
+}
+
+// settleOwedOnRelease makes the release stream wait for the completions b still owes.
+func (p *Pool) settleOwedOnRelease(b *Buffer) error {
+	p.mu.Lock()
+	owes := len(p.owed[b]) > 0
+	p.mu.Unlock()
+	if !owes {
+		return nil
+	}
+	rel, err := p.releaseStream()
+	if err == nil {
+		_, err = p.settleOwed(b, rel)
+	}
+	return err
 }
 
 // waitRelease makes the release stream wait for ev, and gives ev back.
