@@ -120,7 +120,8 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
-		retained: map[cudart.PtrExportData]*retention{}}
+		completions: map[*pool.Pool]*pool.Completion{},
+		retained:    map[cudart.PtrExportData]*retention{}}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&helloReleaseEvent != 0
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())

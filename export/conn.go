@@ -40,6 +40,9 @@ type conn struct {
 	// draining: a write failed on the exporter's side, which now only reads what the
 	// peer sent, each frame within drainWindow of the last.
 	draining atomic.Bool
+
+	// sent and received count whole frames: what a share costs in messages.
+	sent, received atomic.Int64
 }
 
 // drainWindow bounds how long the exporter goes on reading a connection it can no
@@ -100,6 +103,7 @@ func (c *conn) send(ctx context.Context, m message, fd int) error {
 		err = unaddressed(err)
 		return fmt.Errorf("export: send %s: %w", m.kind(), err)
 	}
+	c.sent.Add(1)
 	return nil
 }
 
@@ -154,6 +158,7 @@ func (c *conn) recv() (m message, fd int, err error) {
 	if m, err = decodePayload(t, p); err != nil {
 		return nil, -1, err
 	}
+	c.received.Add(1)
 	wantFD := 0
 	if ph, ok := m.(*poolHandleMsg); ok && ph.HandleType == cudart.HandleTypePosixFD {
 		wantFD = 1

@@ -22,8 +22,10 @@
 // Open makes the consumer's stream wait on an IPC event that Publish recorded on the
 // producer's stream. Release frees the import on the Importer's release stream after
 // the caller's stream, records the Importer's release event there and tells the
-// exporter, which ends the lease with that event: the pool frees a buffer only after
-// every importer's free of it has completed (pool's ordered release). Either side first
+// exporter, which ends the lease at once: the pool frees or reuses a buffer only after
+// every importer's free of it has completed (pool's ordered release), waiting then for
+// the latest record of each releasing importer's event, which covers its earlier frees
+// (pool.Lease.EndAt), rather than at every Release. Either side first
 // asks whether the other process's event has completed already, and then leaves the
 // wait out: work that is done needs no ordering, and each wait left out is one less
 // dependency between two processes' GPU work. The producer may

@@ -74,7 +74,7 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 }
 
 func (p *peer) releaseLease(m *releaseMsg) error {
-	if err := p.release(m, nil); err != nil {
+	if err := p.release(m); err != nil {
 		return err
 	}
 	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
@@ -85,9 +85,8 @@ func (p *peer) releaseLease(m *releaseMsg) error {
 // Error naming the failures.
 func (p *peer) releaseBatch(m *releaseBatchMsg) error {
 	var errs []error
-	waited := map[*pool.Pool]bool{}
 	for i := range m.Entries {
-		if err := p.release(&m.Entries[i], waited); err != nil {
+		if err := p.release(&m.Entries[i]); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -97,10 +96,10 @@ func (p *peer) releaseBatch(m *releaseBatchMsg) error {
 	return p.c.send(context.Background(), &releasedMsg{ReqID: m.ReqID}, -1)
 }
 
-// release ends the grants m returns. waited, when not nil, holds the pools whose
-// release stream waited for the peer's release event during this batch already: the
-// stream is in order, so later frees on it follow that wait without another.
-func (p *peer) release(m *releaseMsg, waited map[*pool.Pool]bool) error {
+// release ends the grants m returns. A peer with a release event leaves the wait for
+// its free to the buffer's free or reuse (pool.Lease.EndAt): a release costs no CUDA
+// call here, and the free usually finds the event completed and waits for nothing.
+func (p *peer) release(m *releaseMsg) error {
 	p.mu.Lock()
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
@@ -121,35 +120,46 @@ func (p *peer) release(m *releaseMsg, waited map[*pool.Pool]bool) error {
 		delete(p.leases, entry.id)
 		delete(p.byBuffer, entry.buf)
 	}
-	completion := p.releaseEvents[entry.buf.Device()]
+	var completion *pool.Completion
+	if m.Flags&releaseNothingImported == 0 && p.hello.Flags&helloReleaseEvent != 0 {
+		// Otherwise nothing to wait for: nothing imported, or a peer that synchronised
+		// its free before it said Release.
+		completion = p.completionLocked(entry.buf)
+	}
 	p.mu.Unlock()
-	if m.Flags&releaseNothingImported != 0 || p.hello.Flags&helloReleaseEvent == 0 {
-		// Nothing to wait for: nothing imported, or a peer that synchronised its free
-		// before it said Release.
-		completion = 0
-	}
-	if completion != 0 && waited[entry.buf.Pool()] {
-		completion = 0
-	}
-	if completion != 0 && completed(p.ex.rt, entry.buf.Device(), completion) {
-		completion = 0 // the free is known to be done: the pool's stream need not wait
-	}
 	if err := p.endGrants(entry, ending, completion); err != nil {
 		return err
-	}
-	if completion != 0 && waited != nil {
-		waited[entry.buf.Pool()] = true
 	}
 	p.ex.poke()
 	return nil
 }
 
-// endGrants ends grants of entry after completion. A grant whose end failed before it
-// ended (waiting for completion failed) goes back to entry, so it can be ended later.
-func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion cudart.Event) error {
+// completionLocked returns the peer's release event on b's device as a Completion of
+// b's pool, nil if it has none there. Call with p.mu held.
+func (p *peer) completionLocked(b *pool.Buffer) *pool.Completion {
+	ev := p.releaseEvents[b.Device()]
+	if ev == 0 {
+		return nil
+	}
+	c := p.completions[b.Pool()]
+	if c == nil {
+		c = b.Pool().NewCompletion(ev)
+		p.completions[b.Pool()] = c
+	}
+	return c
+}
+
+// endGrants ends grants of entry, after completion if not nil. A grant whose end failed
+// before it ended goes back to entry, so it can be ended later.
+func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Completion) error {
 	var errs []error
 	for _, l := range ls {
-		err := l.End(completion)
+		var err error
+		if completion != nil {
+			err = l.EndAt(completion)
+		} else {
+			err = l.End(0)
+		}
 		if err == nil {
 			continue
 		}
@@ -186,6 +196,8 @@ func (p *peer) cleanup(clean bool) {
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}
+	completions := p.completions
+	p.completions = map[*pool.Pool]*pool.Completion{}
 	p.mu.Unlock()
 	for _, entry := range held {
 		completion := cudart.Event(0)
@@ -196,6 +208,13 @@ func (p *peer) cleanup(clean bool) {
 			if err := l.End(completion); err != nil {
 				p.ex.log.Error("export: ending a lease of a departed peer", "pid", p.pid(), "err", err)
 			}
+		}
+	}
+	// What the released leases left owed is settled before the events go: waited for
+	// on the pools' release streams, or, the process gone, dropped with its imports.
+	for _, c := range completions {
+		if err := c.Close(clean); err != nil {
+			p.ex.log.Error("export: settling the frees a departed peer's release event covers", "pid", p.pid(), "err", err)
 		}
 	}
 	p.c.close()

@@ -47,6 +47,9 @@ type peer struct {
 	byBuffer map[*pool.Buffer]*lease
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
+	// completions are those events as the pools they ended leases of know them
+	// (pool.Lease.EndAt); closed before the events are destroyed.
+	completions map[*pool.Pool]*pool.Completion
 	// bye: the peer said it is done and released all it wanted to; what it still
 	// holds is ended as of its release event.
 	bye bool

@@ -34,6 +34,12 @@
 // completion. Free on a leased buffer only marks it; the real cudaFreeAsync is issued
 // when the last lease ends, on the pool's release stream, which first waits for every
 // completion and for the work the freeing stream had queued before Free.
+//
+// End waits for the completion at once; EndAt (with a Completion: an importer's event
+// recorded in order on one stream) leaves the wait to the buffer's free or reuse,
+// which asks the event's latest record then and waits only if it has not completed.
+// A buffer shared many times between two frees then costs no wait per share, and
+// usually none at its free.
 package pool
 
 import (
