@@ -100,6 +100,7 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return fmt.Errorf("export: release %d mappings: %w", len(ms), err)
 	}
 	plain, kept := map[uint64]uint32{}, map[uint64]uint32{}
+	anyFreed := false
 	var keptBufs []*imported
 	var revoked []cudart.PtrExportData
 	var errs []error
@@ -131,25 +132,25 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		if buf.revoked && buf.views == 1 {
 			revoked = append(revoked, buf.record)
 		}
-		grants, err := imp.unview(m, 0, false)
-		if err != nil && imp.mappings[m.key] == m {
+		grants, freed, err := imp.unview(m, 0, false)
+		if err != nil {
 			// Still mapped, its lease held: it can be released again.
 			m.refs += n
 			errs = append(errs, fmt.Errorf("export: release %q: %w", m.name, err))
 			continue
 		}
+		anyFreed = anyFreed || freed
 		m.end(errReleasedCause)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("export: release %q: %w", m.name, err))
-			continue
-		}
 		for id, g := range grants {
 			plain[id] += g
 		}
 	}
-	if len(kept) > 0 {
-		if err := imp.rt.EventRecord(imp.dev, imp.relEvent, imp.relStream); err != nil {
-			errs = append(errs, fmt.Errorf("export: release %d mappings: %w", len(ms), err))
+	if len(kept) > 0 || anyFreed {
+		// One record covers every free of the batch, and the kept imports' last use.
+		if err := imp.recordFrees(); err != nil {
+			// The exporter is not told: without the event its free could come first.
+			imp.mapMu.Unlock()
+			return fmt.Errorf("export: release %d mappings: %w", len(ms), err)
 		}
 	}
 	imp.mapMu.Unlock()

@@ -228,3 +228,24 @@ func TestBlockBatchCosts(t *testing.T) {
 	cp.pr.checkClean(t)
 	cp.c.checkClean(t)
 }
+
+// ReleaseAll of whole buffers, whose imports it frees: the caller's stream ordered
+// once and the release event recorded once for all of them.
+func TestWholeBufferBatchCosts(t *testing.T) {
+	cp := newCountedPair(t, nil)
+	ctx := testCtx(t)
+	const n = 8
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("whole-%d", i)
+		cp.pr.publish(t, names[i], 2<<20, byte(i+1))
+	}
+	ms, err := cp.c.imp.OpenAll(ctx, names, cp.c.stream)
+	require.NoError(t, err)
+	cp.cCalls.take()
+	require.NoError(t, cp.c.imp.ReleaseAll(ctx, ms, cp.c.stream))
+	c := cp.cCalls.take()
+	assert.Equal(t, map[string]int{"EventRecord": 2, "StreamWaitEvent": 1, "FreeAsync": n}, c,
+		"the consumer's calls: one ordering of the release stream, %d frees, one release event", n)
+	cp.c.checkClean(t)
+}

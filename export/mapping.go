@@ -122,7 +122,10 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		return imp.returnRetained(ctx, m.name, buf, grants)
 	}
 	revoked := buf.revoked && buf.views == 1
-	grants, err := imp.unview(m, s, true)
+	grants, freed, err := imp.unview(m, s, true)
+	if err == nil && freed {
+		err = imp.recordFrees()
+	}
 	m.settle(err == nil || imp.mappings[m.key] != m) // a failed free leaves m mapped
 	imp.mapMu.Unlock()
 	if err != nil {
@@ -148,53 +151,70 @@ func (m *Mapping) settle(released bool) {
 
 // unview forgets m, whose last reference is gone, and returns the grants it answered
 // for. The import of its buffer is freed after the work queued on s (if ordered; else
-// the release stream is ordered already) if no other
-// Mapping of the buffer holds it; until then those Mappings' leases keep the buffer
-// alive. Call with mapMu held.
-func (imp *Importer) unview(m *Mapping, s cudart.Stream, ordered bool) (map[uint64]uint32, error) {
+// the release stream is ordered already) if no other Mapping of the buffer holds it
+// (freed says so: the caller then records the release event, recordFrees, before it
+// returns the grants); until then those Mappings' leases keep the buffer alive. Call
+// with mapMu held.
+func (imp *Importer) unview(m *Mapping, s cudart.Stream, ordered bool) (grants map[uint64]uint32, freed bool, err error) {
 	if m.buf.views > 1 {
 		m.buf.views--
 		delete(imp.mappings, m.key)
 		grants := m.grants
 		m.grants = nil
-		return grants, nil
+		return grants, false, nil
 	}
-	if err := imp.unmap(m.buf, s, ordered); err != nil {
-		if imp.imports[m.buf.record] == nil {
-			delete(imp.mappings, m.key) // freed, but the exporter could not be told in order
-		}
-		return nil, err
+	if err := imp.freeImport(m.buf, s, ordered); err != nil {
+		return nil, false, err
 	}
 	delete(imp.mappings, m.key)
-	grants := m.grants
+	grants = m.grants
 	m.grants = nil
-	return grants, nil
+	return grants, true, nil
 }
 
-// unmap frees the import of buf after the work queued on s (if ordered) and forgets
-// it. On failure buf stays mapped and the leases of its Mappings held, so the
-// exporter cannot free what this process may still map. Call with mapMu held.
+// unmap frees the import of buf after the work queued on s (if ordered), forgets it
+// and records the release event after the free. On failure buf stays mapped, or its
+// free is not covered by the release event; either way the leases of its Mappings stay
+// held, so the exporter cannot free what this process may still map. Call with mapMu
+// held.
 func (imp *Importer) unmap(buf *imported, s cudart.Stream, ordered bool) error {
-	rt, dev := imp.rt, imp.dev
+	if err := imp.freeImport(buf, s, ordered); err != nil {
+		return err
+	}
+	return imp.recordFrees()
+}
+
+// freeImport frees the import of buf after the work queued on s (if ordered) and
+// forgets it, without recording the release event: recordFrees, once for all the
+// frees a caller makes, does. On failure buf stays mapped. Call with mapMu held.
+func (imp *Importer) freeImport(buf *imported, s cudart.Stream, ordered bool) error {
 	if ordered {
 		if err := imp.orderRelease(s); err != nil {
 			return err
 		}
 	}
-	if err := rt.FreeAsync(dev, buf.ptr, imp.relStream); err != nil {
+	if err := imp.rt.FreeAsync(imp.dev, buf.ptr, imp.relStream); err != nil {
 		return err
 	}
 	buf.views = 0
 	delete(imp.imports, buf.record)
+	if imp.relEvent != 0 {
+		imp.freed[buf.record] = struct{}{}
+	}
+	return nil
+}
+
+// recordFrees records the release event after the frees issued so far, which it then
+// covers for the exporter; on a byte stream, where the exporter cannot wait on an
+// event of this host, it waits for them instead. Call with mapMu held.
+func (imp *Importer) recordFrees() error {
+	rt, dev := imp.rt, imp.dev
 	if imp.relEvent == 0 {
-		// The exporter cannot wait on an event of this host: the free must be done
-		// before it hears of it.
 		return rt.StreamSynchronize(dev, imp.relStream)
 	}
 	if err := rt.EventRecord(dev, imp.relEvent, imp.relStream); err != nil {
 		return err
 	}
-	imp.freed[buf.record] = struct{}{}
 	if len(imp.freed) > 256 {
 		imp.settleFrees(false)
 	}
