@@ -76,25 +76,31 @@ func (p *Pool) allocOnce(b *Buffer, s cudart.Stream) error {
 		return p.closedError("alloc " + human(b.size))
 	}
 	defer p.gate.leave()
-	if p.cache.limit != 0 {
+	// The cache holds no buffer above its limit: a larger one is a miss without a
+	// look (or a lock).
+	if b.reserved <= p.cache.limit {
 		if hit, err := p.allocCached(b, s); hit {
 			return err
 		}
 	}
-	err := p.allocDriver(b, s)
+	miss := p.cache.limit != 0
+	err := p.allocDriver(b, s, miss)
 	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) && p.holdsCache() {
 		_, _, _ = p.trim(func(cudart.Stream) bool { return true }, false) // failures are kept for Stats and Close
-		err = p.allocDriver(b, s)
+		err = p.allocDriver(b, s, false)
 	}
 	return err
 }
 
-// allocDriver asks the driver for b's memory. Call inside the gate.
-func (p *Pool) allocDriver(b *Buffer, s cudart.Stream) error {
+// allocDriver asks the driver for b's memory, counting a cache miss if miss is set
+// (under the lock it takes anyway). Call inside the gate.
+func (p *Pool) allocDriver(b *Buffer, s cudart.Stream, miss bool) error {
 	size, reserved := b.size, b.reserved
 	claimed := p.maxSize != 0
 	if claimed {
-		if err := p.claim(size, reserved); err != nil {
+		err := p.claim(size, reserved, miss)
+		miss = false // counted
+		if err != nil {
 			return err
 		}
 	}
@@ -112,31 +118,35 @@ func (p *Pool) allocDriver(b *Buffer, s cudart.Stream) error {
 			err = p.errorf("alloc %s: %w", human(reserved), err)
 		}
 	}
-	if err != nil {
+	if err == nil {
+		b.ptr = ptr
+	}
+	if err == nil || claimed || miss {
+		p.mu.Lock()
 		if claimed {
-			p.mu.Lock()
 			p.counts.bytesPending -= reserved
-			p.mu.Unlock()
 		}
-		return err
+		if miss {
+			p.cache.misses++
+		}
+		if err == nil {
+			p.remember(b)
+		}
+		p.mu.Unlock()
 	}
-	b.ptr = ptr
-	p.mu.Lock()
-	if claimed {
-		p.counts.bytesPending -= reserved
-	}
-	p.remember(b)
-	p.mu.Unlock()
-	return nil
+	return err
 }
 
 // claim counts reserved bytes against the pool's max size before the driver is asked.
 // The driver's own cap is looser than the maxSize it was given (on driver 580 a 16 MiB
 // pool handed out nine 2 MiB buffers), so the pool keeps the bound itself: its buffers
-// never hold more than MaxSize bytes. Call inside the gate; allocOnce gives the claim
-// back when the driver answered.
-func (p *Pool) claim(size, reserved uint64) error {
+// never hold more than MaxSize bytes. It counts a cache miss if miss is set. Call
+// inside the gate; allocDriver gives the claim back when the driver answered.
+func (p *Pool) claim(size, reserved uint64, miss bool) error {
 	p.mu.Lock()
+	if miss {
+		p.cache.misses++
+	}
 	held := p.counts.bytesReserved + p.counts.bytesPending + p.cache.bytes
 	fits := held <= p.maxSize && reserved <= p.maxSize-held
 	if fits {

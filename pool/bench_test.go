@@ -116,14 +116,18 @@ func (r *nullRuntime) StreamSynchronize(dev int, s cudart.Stream) error         
 
 // BenchmarkBookkeeping times an Alloc+Free pair on a runtime that does nothing: the
 // pool's own cost per pair, serial and from all Ps at once. The hit variants go
-// through the cache, which calls nothing.
+// through the cache, which calls nothing; miss is the suite's miss path, a cache too
+// small for the buffer.
 func BenchmarkBookkeeping(b *testing.B) {
 	p, err := New(&nullRuntime{}, 0)
 	require.NoError(b, err)
 	cached, err := New(&nullRuntime{}, 0, WithCache(64<<20))
 	require.NoError(b, err)
+	tooSmall, err := New(&nullRuntime{}, 0, WithCache(1))
+	require.NoError(b, err)
 	b.Run("serial", func(b *testing.B) { benchPairs(b, p, 1<<20, 0) })
 	b.Run("parallel", func(b *testing.B) { benchParallel(b, p) })
+	b.Run("miss/serial", func(b *testing.B) { benchPairs(b, tooSmall, 1<<20, 0) })
 	b.Run("hit/serial", func(b *testing.B) { benchPairs(b, cached, 1<<20, 0) })
 	b.Run("hit/parallel", func(b *testing.B) { benchParallel(b, cached) })
 }

@@ -163,9 +163,8 @@ func (p *Pool) allocCached(b *Buffer, s cudart.Stream) (bool, error) {
 		}
 	}
 	if !ok {
-		p.cache.misses++
 		p.mu.Unlock()
-		return false, nil
+		return false, nil // the driver's Alloc counts the miss
 	}
 	// Counted now, so that Stats never shows the cache short of a buffer without a
 	// hit to account for it; a failed wait below takes it back.

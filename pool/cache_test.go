@@ -117,6 +117,28 @@ func TestCacheOffByDefault(t *testing.T) {
 	assert.Zero(t, s.CacheMisses, "a pool without a cache counts no misses")
 }
 
+// A buffer above the cache's limit is never cached: each pair goes to the driver, and
+// each Alloc counts one miss, whether the driver answers or not.
+func TestCacheTooSmallCountsEveryMiss(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	rt := &countingRuntime{Runtime: d}
+	p := mustNew(t, rt, WithCache(1), WithMaxSize(2*mib))
+	const pairs = 3
+	for range pairs {
+		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
+	}
+	b := mustAlloc(t, p, mib, e.stream)
+	_, err := p.Alloc(context.Background(), 4*mib, e.stream)
+	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc past the max size")
+	mustFree(t, b, e.stream)
+	assert.Equal(t, int64(pairs+1), rt.frees.Load(), "frees that reached the driver")
+	s := mustStats(t, p)
+	assert.Zero(t, s.CacheHits)
+	assert.Equal(t, uint64(pairs+2), s.CacheMisses, "misses: %d pairs, one live buffer and one Alloc refused", pairs)
+	assert.Zero(t, s.CachedBuffers)
+}
+
 func TestCacheSizeClasses(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
