@@ -100,6 +100,10 @@ func (p *peer) releaseBatch(m *releaseBatchMsg) error {
 // its free to the buffer's free or reuse (pool.Lease.EndAt): a release costs no CUDA
 // call here, and the free usually finds the event completed and waits for nothing.
 func (p *peer) release(m *releaseMsg) error {
+	// Held (shared) until the grants have ended: shut settles the completions and
+	// hangs up, after which the peer may destroy its event, only once no End uses it.
+	p.ending.RLock()
+	defer p.ending.RUnlock()
 	p.mu.Lock()
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
@@ -120,25 +124,28 @@ func (p *peer) release(m *releaseMsg) error {
 		delete(p.leases, entry.id)
 		delete(p.byBuffer, entry.buf)
 	}
+	var ev cudart.Event
 	var completion *pool.Completion
 	if m.Flags&releaseNothingImported == 0 && p.hello.Flags&helloReleaseEvent != 0 {
 		// Otherwise nothing to wait for: nothing imported, or a peer that synchronised
 		// its free before it said Release.
-		completion = p.completionLocked(entry.buf)
+		ev = p.releaseEvents[entry.buf.Device()]
+		completion = p.completionLocked(entry.buf, ev)
 	}
 	p.mu.Unlock()
-	if err := p.endGrants(entry, ending, completion); err != nil {
+	if err := p.endGrants(entry, ending, completion, ev); err != nil {
 		return err
 	}
 	p.ex.poke()
 	return nil
 }
 
-// completionLocked returns the peer's release event on b's device as a Completion of
-// b's pool, nil if it has none there. Call with p.mu held.
-func (p *peer) completionLocked(b *pool.Buffer) *pool.Completion {
-	ev := p.releaseEvents[b.Device()]
-	if ev == 0 {
+// completionLocked returns the peer's release event ev on b's device as a Completion
+// of b's pool; nil if it has none there, or once the connection is being shut (the
+// grants then end waiting for ev at once, as the hang-up may take it away). Call with
+// p.mu held.
+func (p *peer) completionLocked(b *pool.Buffer, ev cudart.Event) *pool.Completion {
+	if ev == 0 || p.closing {
 		return nil
 	}
 	c := p.completions[b.Pool()]
@@ -149,16 +156,32 @@ func (p *peer) completionLocked(b *pool.Buffer) *pool.Completion {
 	return c
 }
 
-// endGrants ends grants of entry, after completion if not nil. A grant whose end failed
-// before it ended goes back to entry, so it can be ended later.
-func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Completion) error {
+// settleCompletions settles what the peer's released leases left the pools owing,
+// before its release events can go: waited for on the pools' release streams, or
+// (wait false: its process is gone, and its imports with it) dropped.
+func (p *peer) settleCompletions(wait bool) {
+	p.mu.Lock()
+	completions := p.completions
+	p.completions = map[*pool.Pool]*pool.Completion{}
+	p.mu.Unlock()
+	for _, c := range completions {
+		if err := c.Close(wait); err != nil {
+			p.ex.log.Error("export: settling the frees a peer's release event covers", "pid", p.pid(), "err", err)
+		}
+	}
+}
+
+// endGrants ends grants of entry, after completion if not nil, else after ev (0: at
+// once). A grant whose end failed before it ended goes back to entry, so it can be
+// ended later.
+func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Completion, ev cudart.Event) error {
 	var errs []error
 	for _, l := range ls {
 		var err error
 		if completion != nil {
 			err = l.EndAt(completion)
 		} else {
-			err = l.End(0)
+			err = l.End(ev)
 		}
 		if err == nil {
 			continue
@@ -196,8 +219,6 @@ func (p *peer) cleanup(clean bool) {
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}
-	completions := p.completions
-	p.completions = map[*pool.Pool]*pool.Completion{}
 	p.mu.Unlock()
 	for _, entry := range held {
 		completion := cudart.Event(0)
@@ -210,13 +231,7 @@ func (p *peer) cleanup(clean bool) {
 			}
 		}
 	}
-	// What the released leases left owed is settled before the events go: waited for
-	// on the pools' release streams, or, the process gone, dropped with its imports.
-	for _, c := range completions {
-		if err := c.Close(clean); err != nil {
-			p.ex.log.Error("export: settling the frees a departed peer's release event covers", "pid", p.pid(), "err", err)
-		}
-	}
+	p.settleCompletions(clean)
 	p.c.close()
 	for dev, ev := range release {
 		p.ex.rt.EventDestroy(dev, ev)

@@ -50,6 +50,9 @@ type peer struct {
 	// completions are those events as the pools they ended leases of know them
 	// (pool.Lease.EndAt); closed before the events are destroyed.
 	completions map[*pool.Pool]*pool.Completion
+	// ending is held (shared) by a release while it ends grants with the release
+	// event, and by shut while it settles the completions and hangs up.
+	ending sync.RWMutex
 	// bye: the peer said it is done and released all it wanted to; what it still
 	// holds is ended as of its release event.
 	bye bool
@@ -185,7 +188,12 @@ func (p *peer) shut() {
 	p.mu.Lock()
 	p.closing = true
 	p.mu.Unlock()
+	// The peer destroys its release event once hung up on: what its released leases
+	// left owed is settled first, and no End may be using the event meanwhile.
+	p.ending.Lock()
+	p.settleCompletions(true)
 	p.c.close()
+	p.ending.Unlock()
 	p.stopExitWait()
 }
 
