@@ -445,6 +445,9 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waite
 				return nil, imp.goneErr("before its ready event was waited on")
 			}
 			if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
+				if imp.exporterDead() { // it died in the window: say so, not what the driver made of it
+					return nil, errors.Join(imp.goneErr("as its ready event was waited on"), err)
+				}
 				return nil, fmt.Errorf("wait for the producer's writes: %w", err)
 			}
 		}

@@ -217,3 +217,61 @@ func TestReplicasOutliveTheirImporter(t *testing.T) {
 	require.NoError(t, s.dev.Synchronize())
 	s.checkClean(t)
 }
+
+// killAtReadyWait is a consumer runtime whose producer's ready events never report
+// completion, and that kills the producer as a stream is made to wait on one: the
+// producer dies in the one window Open cannot close, between its last look at the
+// process and the wait.
+type killAtReadyWait struct {
+	cudart.Runtime
+	mu    sync.Mutex
+	ready map[cudart.Event]bool
+	once  sync.Once
+	kill  func()
+}
+
+func (r *killAtReadyWait) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
+	ev, err := r.Runtime.IpcOpenEventHandle(dev, h)
+	if err == nil {
+		r.mu.Lock()
+		r.ready[ev] = true
+		r.mu.Unlock()
+	}
+	return ev, err
+}
+
+func (r *killAtReadyWait) isReady(ev cudart.Event) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.ready[ev]
+}
+
+func (r *killAtReadyWait) EventQuery(dev int, ev cudart.Event) (bool, error) {
+	if r.isReady(ev) {
+		return false, nil
+	}
+	return r.Runtime.EventQuery(dev, ev)
+}
+
+func (r *killAtReadyWait) StreamWaitEvent(dev int, s cudart.Stream, ev cudart.Event) error {
+	if r.isReady(ev) {
+		r.once.Do(r.kill)
+	}
+	return r.Runtime.StreamWaitEvent(dev, s, ev)
+}
+
+// A producer that dies as Open's stream is made to wait on its ready event: what
+// the driver makes of the wait, Open says ErrExporterGone (as for a death anywhere
+// else in Open), and the process keeps its context.
+func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
+	k, path := startProducerChild(t, 96)
+	s := newSide(t, 1)
+	rt := &killAtReadyWait{Runtime: s.dev, ready: map[cudart.Event]bool{}, kill: func() { killProducer(t, k) }}
+	ctx := testCtx(t)
+	imp, err := Dial(ctx, path, rt, 1, WithLogger(discardLogger))
+	require.NoError(t, err)
+	_, err = imp.Open(ctx, "a", s.stream, WithReplica(nil))
+	require.ErrorIs(t, err, ErrExporterGone)
+	require.NoError(t, imp.Close(ctx))
+	assert.False(t, s.dev.ContextLost())
+}
