@@ -65,7 +65,12 @@ func (id ident) alive() bool {
 	if i := bytes.LastIndexByte(stat, ')'); i >= 0 && i+2 < len(stat) {
 		switch stat[i+2] {
 		case 'Z', 'X', 'x':
-			return false
+			// The state is the leader thread's, a zombie as soon as that thread
+			// exits; the process has exited once its other threads have too, which
+			// is when its pidfd reads ready (how export watches a peer). Saying
+			// "exited" earlier would fail a use the watcher could not have foreseen.
+			tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", id.pid()))
+			return err == nil && len(tasks) > 1
 		}
 	}
 	return true
