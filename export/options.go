@@ -243,8 +243,9 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 // consumer's mapping would otherwise be lost with its producer (ErrMappingLost,
 // FACTS 14).
 //
-// The copy runs on a stream of the exporter's device, which the Importer keeps for
-// it, never on the consumer's: measured on the GPU host, 2026-11-30,
+// The copy runs on a stream of the exporter's device, which the Importer makes at the
+// first replica (and with it this process's CUDA context on that device, if it had
+// none) and keeps, never on the consumer's: measured on the GPU host, 2026-11-30,
 // TestGPUPeerConsumerOfKilledProducer (2x H200), copies of a GPU-0 buffer into GPU-1
 // memory on a GPU-0 stream all succeeded while the producer was SIGKILLed, and read
 // the right bytes after its death; on a GPU-1 stream they failed with
