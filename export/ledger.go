@@ -150,10 +150,19 @@ func (p *peer) completionLocked(b *pool.Buffer, ev cudart.Event) *pool.Completio
 	}
 	c := p.completions[b.Pool()]
 	if c == nil {
-		c = b.Pool().NewCompletion(ev)
+		c = b.Pool().NewCompletion(ev, p.exited)
 		p.completions[b.Pool()] = c
 	}
 	return c
+}
+
+// exited reports whether the peer's process is known to have exited.
+func (p *peer) exited() bool {
+	if p.proc == nil {
+		return false
+	}
+	gone, err := p.proc.Exited()
+	return gone && err == nil
 }
 
 // settleCompletions settles what the peer's released leases left the pools owing,

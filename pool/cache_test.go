@@ -330,7 +330,7 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(func() { e.rt.EventDestroy(0, done) })
 		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
-		c := p.NewCompletion(done)
+		c := p.NewCompletion(done, nil)
 		t.Cleanup(func() { c.Close(false) })
 
 		for _, end := range []struct {

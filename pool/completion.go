@@ -26,6 +26,9 @@ import (
 type Completion struct {
 	p  *Pool
 	ev cudart.Event
+	// gone, if not nil, reports that the importer's process has exited: its frees went
+	// with it, and its event is not to be used any more.
+	gone func() bool
 	// use is held (shared) by a free while it asks or waits on ev, and by Close
 	// (exclusively) while it settles what is owed, so ev outlives every use.
 	use sync.RWMutex
@@ -36,9 +39,11 @@ type Completion struct {
 
 // NewCompletion returns the Completion of ev, an event on the pool's device: for
 // Lease.EndAt. ev must be recorded only on one stream, in order, after each free it
-// stands for; Close it before destroying ev.
-func (p *Pool) NewCompletion(ev cudart.Event) *Completion {
-	return &Completion{p: p, ev: ev, owers: map[*Buffer]struct{}{}}
+// stands for; Close it before destroying ev. gone, if not nil, is asked before each use
+// of ev: once the importer's process has exited its imports are gone with it, and its
+// event (which it may have died recording) is waited for no more.
+func (p *Pool) NewCompletion(ev cudart.Event, gone func() bool) *Completion {
+	return &Completion{p: p, ev: ev, gone: gone, owers: map[*Buffer]struct{}{}}
 }
 
 // EndAt ends the lease now, as End does, but leaves the wait for the importer's free
@@ -141,6 +146,9 @@ func (c *Completion) waitOn(s cudart.Stream, viaRelease *bool) error {
 // wait makes s wait for c's latest record unless it has completed. Call with c.use
 // held.
 func (c *Completion) wait(s cudart.Stream) error {
+	if c.gone != nil && c.gone() {
+		return nil
+	}
 	rt, dev := c.p.rt, c.p.dev
 	if done, err := rt.EventQuery(dev, c.ev); err == nil && done {
 		return nil

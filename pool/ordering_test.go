@@ -42,7 +42,7 @@ func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *
 	resume = stall(t, im.d, im.stream)
 	done := im.freeImport(b.Pool().Runtime())
 	if endAt {
-		c = b.Pool().NewCompletion(done)
+		c = b.Pool().NewCompletion(done, nil)
 		t.Cleanup(func() { c.Close(false) })
 		require.NoError(t, l.EndAt(c))
 	} else {
