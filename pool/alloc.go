@@ -58,7 +58,7 @@ func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer
 	if err != nil {
 		return nil, p.errorf("alloc %s: %w", human(size), err)
 	}
-	b := &Buffer{pool: p, dev: p.dev, size: size, reserved: reserved}
+	b := &Buffer{pool: p, size: size, reserved: reserved}
 	err = p.allocOnce(b, s)
 	if err != nil && p.wait && errors.Is(err, cudart.ErrOutOfMemory) {
 		err = p.allocWaiting(ctx, b, s)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -151,6 +152,15 @@ func benchParallel(b *testing.B, p *Pool) {
 			}
 		}
 	})
+}
+
+// A Buffer is all that an Alloc allocates: it stays in Go's 96-byte size class on
+// 64-bit platforms (the next is 112), so that a pair allocates and collects less.
+func TestBufferStaysSmall(t *testing.T) {
+	if unsafe.Sizeof(uintptr(0)) != 8 {
+		t.Skip("the bound is for 64-bit platforms")
+	}
+	assert.LessOrEqual(t, unsafe.Sizeof(Buffer{}), uintptr(96), "Buffer's size")
 }
 
 // The pool's bookkeeping allocates nothing per pair beyond the *Buffer itself, through

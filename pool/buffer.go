@@ -23,14 +23,11 @@ const (
 // NewBuffer. Its accessors are safe for concurrent use; it stays valid to read after
 // Free, but not to free, lease or export.
 //
-// Its layout is kept small: Alloc makes one per call, and that is the whole of what it
-// allocates.
+// Its layout is kept within 96 bytes: Alloc makes one per call, and that is the whole
+// of what it allocates.
 type Buffer struct {
-	pool *Pool // nil for a buffer made by NewBuffer
-	// owner is the allocator Free goes to for a buffer made by NewBuffer; nil for a
-	// pool's buffer, which its pool frees, and for a zero Buffer.
-	owner    Allocator
-	dev      int
+	pool     *Pool    // nil for a buffer made by NewBuffer
+	foreign  *foreign // set for a buffer made by NewBuffer only
 	ptr      cudart.DevicePtr
 	size     uint64
 	reserved uint64
@@ -55,6 +52,13 @@ type Buffer struct {
 	record atomic.Pointer[cudart.PtrExportData]
 }
 
+// foreign is the allocator of a buffer made by NewBuffer, and its device: kept apart
+// from Buffer, whose pool gives both.
+type foreign struct {
+	owner Allocator
+	dev   int
+}
+
 // Ptr is the device address of the buffer.
 func (b *Buffer) Ptr() cudart.DevicePtr { return b.ptr }
 
@@ -66,7 +70,15 @@ func (b *Buffer) Size() uint64 { return b.size }
 func (b *Buffer) Reserved() uint64 { return b.reserved }
 
 // Device is the ordinal of the device the buffer is on.
-func (b *Buffer) Device() int { return b.dev }
+func (b *Buffer) Device() int {
+	switch {
+	case b.pool != nil:
+		return b.pool.dev
+	case b.foreign != nil:
+		return b.foreign.dev
+	}
+	return 0
+}
 
 // ID is unique among the buffers of this process.
 func (b *Buffer) ID() uint64 { return b.id }
@@ -78,7 +90,7 @@ func (b *Buffer) Pool() *Pool { return b.pool }
 // Allocator that is not a Pool (a wrapper or a test double) to hand out. Its Free
 // calls owner.Free; it cannot be leased or exported (ErrNotShareable).
 func NewBuffer(owner Allocator, ptr cudart.DevicePtr, size uint64) *Buffer {
-	return &Buffer{owner: owner, dev: owner.Device(), ptr: ptr, size: size, reserved: size, id: newIDs().next}
+	return &Buffer{foreign: &foreign{owner, owner.Device()}, ptr: ptr, size: size, reserved: size, id: newIDs().next}
 }
 
 // Free is b's allocator's Free(b, s).
@@ -86,10 +98,10 @@ func (b *Buffer) Free(s cudart.Stream) error {
 	switch {
 	case b.pool != nil:
 		return b.pool.Free(b, s)
-	case b.owner == nil:
+	case b.foreign == nil:
 		return unpooled("free", b)
 	}
-	return b.owner.Free(b, s)
+	return b.foreign.owner.Free(b, s)
 }
 
 // Shared reports whether the buffer has ever been leased.
@@ -106,18 +118,18 @@ func (b *Buffer) String() string {
 	switch {
 	case b == nil:
 		return "nil buffer"
-	case b.pool == nil && b.owner == nil:
+	case b.pool == nil && b.foreign == nil:
 		return "buffer not from an allocator"
 	case b.pool == nil:
-		return fmt.Sprintf("buffer %d (%s at %#x on device %d, not from a pool)", b.id, human(b.size), uintptr(b.ptr), b.dev)
+		return fmt.Sprintf("buffer %d (%s at %#x on device %d, not from a pool)", b.id, human(b.size), uintptr(b.ptr), b.foreign.dev)
 	}
-	return fmt.Sprintf("buffer %d (%s at %#x on device %d of pool %q)", b.id, human(b.size), uintptr(b.ptr), b.dev, b.pool.name)
+	return fmt.Sprintf("buffer %d (%s at %#x on device %d of pool %q)", b.id, human(b.size), uintptr(b.ptr), b.pool.dev, b.pool.name)
 }
 
 // unpooled is the error for a Buffer that no pool made: one from NewBuffer cannot be
 // shared, a zero Buffer belongs to nobody.
 func unpooled(op string, b *Buffer) error {
-	if b.owner != nil {
+	if b.foreign != nil {
 		return fmt.Errorf("pool: %s %v: %w", op, b, ErrNotShareable)
 	}
 	return fmt.Errorf("pool: %s %v: %w", op, b, ErrForeignBuffer)
