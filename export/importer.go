@@ -480,7 +480,6 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waite
 	buf.views++
 	m := &Mapping{imp: imp, key: key, buf: buf, ptr: buf.ptr + cudart.DevicePtr(l.Offset), size: l.Length,
 		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}, onPeer: ip.onPeer, owner: ip.owner}
-	m.ctx, m.cancel = context.WithCancelCause(context.Background())
 	imp.mappings[key] = m
 	if m.onPeer && imp.exporterDead() {
 		m.end(ErrMappingLost) // died as it was mapped; the watcher may have looked already

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 
 	"github.com/cudapool/cudapool/internal/peercred"
 )
@@ -114,21 +115,51 @@ func (imp *Importer) Err() error {
 // the moment the exporter's process is gone (the cause is ErrMappingLost: reading the
 // memory then would lose this process's CUDA context). Derive the contexts of work
 // that reads the Mapping from it; context.Cause says which.
-func (m *Mapping) Context() context.Context { return m.ctx }
+func (m *Mapping) Context() context.Context {
+	l := &m.life
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ctx == nil {
+		l.ctx, l.cancel = context.WithCancelCause(context.Background())
+		if l.cause != nil {
+			l.cancel(l.cause)
+		}
+	}
+	return l.ctx
+}
 
 // Err is nil while the Mapping may be used, and otherwise why not: ErrMappingLost
 // (wrapping ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
 // ErrReleased once it was released. A lost Mapping must still be released, which
 // frees its import without touching the memory.
 func (m *Mapping) Err() error {
-	if m.ctx.Err() == nil {
-		return nil
-	}
-	return context.Cause(m.ctx)
+	m.life.mu.Lock()
+	defer m.life.mu.Unlock()
+	return m.life.cause
+}
+
+// mappingLife is a Mapping's end and its cause. The context is made only for a caller
+// of Context: a Mapping is made per block of a batch, and most are never asked.
+type mappingLife struct {
+	mu     sync.Mutex
+	cause  error
+	ctx    context.Context
+	cancel context.CancelCauseFunc
 }
 
 // end ends the Mapping's context with cause, unless it has ended already.
-func (m *Mapping) end(cause error) { m.cancel(cause) }
+func (m *Mapping) end(cause error) {
+	l := &m.life
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.cause != nil {
+		return
+	}
+	l.cause = cause
+	if l.cancel != nil {
+		l.cancel(cause)
+	}
+}
 
 // errReleasedCause is the cause of a released Mapping's context.
 var errReleasedCause = fmt.Errorf("%w: the mapping was released", ErrReleased)

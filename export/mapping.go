@@ -25,9 +25,8 @@ type Mapping struct {
 	onPeer bool
 	// owner is the exporter's device, as importedPool.owner.
 	owner int
-	// ctx ends when the Mapping must not be used any more (liveness.go).
-	ctx    context.Context
-	cancel context.CancelCauseFunc
+	// life ends when the Mapping must not be used any more (liveness.go).
+	life mappingLife
 	// replica is the memory of a Mapping made WithReplica, this process's own, from
 	// replicaFrom; nil for an import.
 	replica     *pool.Buffer

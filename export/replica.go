@@ -69,7 +69,6 @@ func (imp *Importer) replicate(ctx context.Context, src *Mapping, s cudart.Strea
 		return nil, err
 	}
 	r := &Mapping{imp: imp, ptr: b.Ptr(), size: src.size, name: src.name, meta: src.meta, replica: b, replicaFrom: from, refs: 1}
-	r.ctx, r.cancel = context.WithCancelCause(context.Background())
 	return r, nil
 }
 
