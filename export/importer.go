@@ -35,8 +35,9 @@ type Importer struct {
 	// exporter before it frees; 0 on a byte stream, where frees are synchronised.
 	relEvent cudart.Event
 	relIPC   cudart.IpcEventHandle
-	// orderEvent carries the caller's stream, as of Release, over to relStream.
-	orderEvent cudart.Event
+	// orderEvents carry callers' streams, as of Release, over to relStream: one per
+	// stream (mapping.go, orderRelease). Guarded by mapMu.
+	orderEvents map[cudart.Stream]cudart.Event
 
 	registryKey any // the entry this Importer holds in importers, nil if none
 
@@ -124,7 +125,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	imp := &Importer{
 		rt: rt, dev: device, log: o.log, opts: o,
 		pools: map[uint64]*importedPool{}, events: map[cudart.IpcEventHandle]cudart.Event{}, pushCue: make(chan struct{}, 1),
-		mappings: map[rangeKey]*Mapping{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
+		mappings: map[rangeKey]*Mapping{}, orderEvents: map[cudart.Stream]cudart.Event{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
 		pushDone: make(chan struct{}),
 	}
 	imp.life, imp.endLife = context.WithCancel(context.Background())
@@ -217,9 +218,6 @@ func (imp *Importer) makeResources() error {
 	if imp.relStream, err = rt.StreamCreate(dev, cudart.StreamNonBlocking); err != nil {
 		return fmt.Errorf("export: release stream: %w", err)
 	}
-	if imp.orderEvent, err = rt.EventCreate(dev, cudart.EventDisableTiming); err != nil {
-		return fmt.Errorf("export: release ordering event: %w", err)
-	}
 	if imp.remote {
 		return nil
 	}
@@ -269,7 +267,11 @@ func (imp *Importer) destroyResources(gone bool) {
 	if imp.relStream != 0 {
 		logErr("release stream sync", rt.StreamSynchronize(dev, imp.relStream))
 	}
-	for _, ev := range []cudart.Event{imp.relEvent, imp.orderEvent} {
+	imp.mapMu.Lock()
+	orders := slices.Collect(maps.Values(imp.orderEvents))
+	clear(imp.orderEvents)
+	imp.mapMu.Unlock()
+	for _, ev := range append(orders, imp.relEvent) {
 		if ev != 0 {
 			logErr("event", rt.EventDestroy(dev, ev))
 		}
@@ -277,7 +279,7 @@ func (imp *Importer) destroyResources(gone bool) {
 	if imp.relStream != 0 {
 		logErr("release stream", rt.StreamDestroy(dev, imp.relStream))
 	}
-	imp.relEvent, imp.orderEvent, imp.relStream = 0, 0, 0
+	imp.relEvent, imp.relStream = 0, 0
 }
 
 // importPool imports a pool whose handle arrived, and grants this Importer's device

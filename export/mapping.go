@@ -220,12 +220,45 @@ func (imp *Importer) recordFrees() error {
 	return nil
 }
 
-// orderRelease makes the release stream wait for the work queued on s so far.
+// orderRelease makes the release stream wait for the work queued on s so far, through
+// an event of s's own: were one event recorded on several callers' streams, a later
+// record on another stream could run first and let the release stream's wait for
+// this one through (the software device holds the code to that, a stricter reading
+// than CUDA's docs give), freeing the import under the work on s. Call with mapMu
+// held.
 func (imp *Importer) orderRelease(s cudart.Stream) error {
-	if err := imp.rt.EventRecord(imp.dev, imp.orderEvent, s); err != nil {
+	ev, err := imp.orderEventOf(s)
+	if err != nil {
 		return err
 	}
-	return imp.rt.StreamWaitEvent(imp.dev, imp.relStream, imp.orderEvent)
+	if err := imp.rt.EventRecord(imp.dev, ev, s); err != nil {
+		return err
+	}
+	return imp.rt.StreamWaitEvent(imp.dev, imp.relStream, ev)
+}
+
+// maxIdleOrderEvents bounds the order events kept: past it, those of streams whose
+// last record has run are destroyed before another is made.
+const maxIdleOrderEvents = 64
+
+// orderEventOf returns s's order event, made on first use. Call with mapMu held.
+func (imp *Importer) orderEventOf(s cudart.Stream) (cudart.Event, error) {
+	if ev, ok := imp.orderEvents[s]; ok {
+		return ev, nil
+	}
+	if len(imp.orderEvents) >= maxIdleOrderEvents {
+		for st, ev := range imp.orderEvents {
+			if done, err := imp.rt.EventQuery(imp.dev, ev); err == nil && done && imp.rt.EventDestroy(imp.dev, ev) == nil {
+				delete(imp.orderEvents, st)
+			}
+		}
+	}
+	ev, err := imp.rt.EventCreate(imp.dev, cudart.EventDisableTiming)
+	if err != nil {
+		return 0, fmt.Errorf("release ordering event: %w", err)
+	}
+	imp.orderEvents[s] = ev
+	return ev, nil
 }
 
 // keep forgets m, the last Mapping of its buffer, without freeing the buffer's import:

@@ -24,11 +24,8 @@ import (
 type replicas struct {
 	mu      sync.Mutex
 	copiers map[int]*copier // by owner device
-	// queued carries the caller's stream, as of a copy, over to the owner device's
-	// stream; an event of the Importer's device.
-	queued cudart.Event
-	live   int  // replicas not yet freed
-	closed bool // the Importer closed: the pools go with the last replica
+	live    int             // replicas not yet freed
+	closed  bool            // the Importer closed: the pools go with the last replica
 }
 
 // copier copies memory of one owner device into replicas on the Importer's device.
@@ -108,17 +105,24 @@ func (imp *Importer) copyThrough(c *copier, dst, src cudart.DevicePtr, n uint64,
 		return ErrClosed
 	}
 	// The owner's stream waits for s: the producer's writes (Open's wait), the
-	// replica's allocation and whatever used its memory before.
-	if err := rt.EventRecord(imp.dev, rs.queued, s); err != nil {
+	// replica's allocation and whatever used its memory before. The event is this
+	// copy's own: one event recorded on several callers' streams could be reached
+	// by a later record on another stream before this one has run.
+	queued, err := rt.EventCreate(imp.dev, cudart.EventDisableTiming)
+	if err != nil {
 		return err
 	}
-	if err := rt.StreamWaitEvent(c.owner, c.stream, rs.queued); err != nil {
+	defer rt.EventDestroy(imp.dev, queued) // a wait queued on it holds it until done
+	if err := rt.EventRecord(imp.dev, queued, s); err != nil {
+		return err
+	}
+	if err := rt.StreamWaitEvent(c.owner, c.stream, queued); err != nil {
 		return err
 	}
 	if err := rt.MemcpyDtoDAsync(c.owner, dst, src, n, c.stream); err != nil {
 		return err
 	}
-	err := rt.EventRecord(c.owner, c.copied, c.stream)
+	err = rt.EventRecord(c.owner, c.copied, c.stream)
 	if err == nil {
 		err = rt.StreamWaitEvent(imp.dev, s, c.copied)
 	}
@@ -158,7 +162,7 @@ func (imp *Importer) claimCopier(owner int) (*copier, error) {
 // newCopier makes a copier of owner; on failure it leaves nothing behind. Call with
 // replicas.mu held.
 func (imp *Importer) newCopier(owner int) (_ *copier, err error) {
-	rt, rs := imp.rt, &imp.replicas
+	rt := imp.rt
 	c := &copier{owner: owner}
 	defer func() {
 		if err != nil {
@@ -168,11 +172,6 @@ func (imp *Importer) newCopier(owner int) (_ *copier, err error) {
 	opts := []pool.Option{pool.WithHandleType(cudart.HandleTypeNone), pool.WithName(fmt.Sprintf("export replicas of device %d", owner))}
 	if owner >= 0 && owner != imp.dev {
 		opts = append(opts, pool.WithPeerAccess(owner))
-		if rs.queued == 0 {
-			if rs.queued, err = rt.EventCreate(imp.dev, cudart.EventDisableTiming); err != nil {
-				return nil, fmt.Errorf("the replica copies' event: %w", err)
-			}
-		}
 		if c.stream, err = rt.StreamCreate(owner, cudart.StreamNonBlocking); err != nil {
 			return nil, fmt.Errorf("a stream of device %d, the exporter's, for replica copies: %w", owner, err)
 		}
@@ -241,10 +240,6 @@ func (imp *Importer) closeReplicas() {
 	rs.closed = true
 	for _, c := range rs.copiers {
 		imp.stopCopies(c)
-	}
-	if rs.queued != 0 {
-		imp.logCleanup("replica copies' event", imp.rt.EventDestroy(imp.dev, rs.queued))
-		rs.queued = 0
 	}
 	if rs.live == 0 {
 		imp.closeReplicaPools()

@@ -1,6 +1,7 @@
 package export
 
 import (
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -274,4 +275,41 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
 	require.ErrorIs(t, err, ErrExporterGone)
 	require.NoError(t, imp.Close(ctx))
 	assert.False(t, s.dev.ContextLost())
+}
+
+// Replicas made at once by many goroutines, each on its own stream, share the
+// Importer's stream on the exporter's device and its pool: each is filled from its
+// own buffer, in order.
+func TestConcurrentReplicas(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	const n = 8
+	for i := range n {
+		pr.publish(t, fmt.Sprint("b", i), 1<<20, byte(0x50+i))
+	}
+	c := newConsumer(t, pr.path, 1)
+	ctx := testCtx(t)
+	c.eachOnItsStream(t, n, func(i int, s cudart.Stream) error {
+		for range 5 {
+			m, err := c.imp.Open(ctx, fmt.Sprint("b", i), s, WithReplica(nil))
+			if err != nil {
+				return err
+			}
+			got := make([]byte, m.Size())
+			if err := c.dev.MemcpyDtoHAsync(1, got, m.Ptr(), s); err != nil {
+				return err
+			}
+			if !allAre(got, byte(0x50+i)) {
+				return fmt.Errorf("replica of b%d holds other bytes", i)
+			}
+			if err := m.Release(ctx, s); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	require.Eventually(t, func() bool { return pr.activeLeases(t) == 0 }, promptly, time.Millisecond)
+	require.NoError(t, c.imp.Close(ctx))
+	require.NoError(t, c.dev.Synchronize())
+	c.checkClean(t)
+	pr.checkClean(t)
 }
