@@ -249,3 +249,32 @@ func TestWholeBufferBatchCosts(t *testing.T) {
 		"the consumer's calls: one ordering of the release stream, %d frees, one release event", n)
 	cp.c.checkClean(t)
 }
+
+// A block released while another block of its slab keeps the import: its Release
+// still orders the release stream after the caller's stream (one record there, one
+// wait), so that the import's free, whichever Release issues it on whichever stream,
+// follows this block's use too. (It did not: a block read on a busy stream and
+// released, then another released on an idle stream, had the import freed under the
+// busy stream's read. The software device cannot show that one by the bytes: it
+// counts an event re-recorded on another stream as completing the earlier record,
+// where CUDA's waits keep the record they were given.)
+func TestRangeReleaseOrdersTheImportsFree(t *testing.T) {
+	cp := newCountedPair(t, nil)
+	ctx := testCtx(t)
+	rp := retainingPair{pr: cp.pr}
+	_, names := rp.slab(t, 2, 64<<10, 0)
+	other, err := cp.c.dev.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	first, err := cp.c.imp.Open(ctx, names[0], cp.c.stream)
+	require.NoError(t, err)
+	last, err := cp.c.imp.Open(ctx, names[1], other)
+	require.NoError(t, err)
+	cp.cCalls.take()
+	require.NoError(t, first.Release(ctx, cp.c.stream))
+	assert.Equal(t, map[string]int{"EventRecord": 1, "StreamWaitEvent": 1}, cp.cCalls.take(),
+		"a range released while its import lives on: the release stream ordered after the caller's")
+	require.NoError(t, last.Release(ctx, other))
+	assert.Equal(t, map[string]int{"EventRecord": 2, "StreamWaitEvent": 1, "FreeAsync": 1}, cp.cCalls.take(),
+		"the last range: ordered, the import freed, the release event recorded")
+	cp.c.checkClean(t)
+}

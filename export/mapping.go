@@ -149,13 +149,21 @@ func (m *Mapping) settle(released bool) {
 }
 
 // unview forgets m, whose last reference is gone, and returns the grants it answered
-// for. The import of its buffer is freed after the work queued on s (if ordered; else
-// the release stream is ordered already) if no other Mapping of the buffer holds it
+// for. The release stream is ordered after the work queued on s (if ordered; else it
+// is ordered already), and the import of its buffer freed there if no other Mapping
+// of the buffer holds it
 // (freed says so: the caller then records the release event, recordFrees, before it
 // returns the grants); until then those Mappings' leases keep the buffer alive. Call
 // with mapMu held.
 func (imp *Importer) unview(m *Mapping, s cudart.Stream, ordered bool) (grants map[uint64]uint32, freed bool, err error) {
 	if m.buf.views > 1 {
+		// The import lives on, but its free, whichever Release issues it, must follow
+		// this Mapping's use on s too.
+		if ordered {
+			if err := imp.orderRelease(s); err != nil {
+				return nil, false, err
+			}
+		}
 		m.buf.views--
 		delete(imp.mappings, m.key)
 		grants := m.grants
