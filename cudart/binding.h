@@ -117,6 +117,10 @@ typedef struct {
 #undef CP_FIELD
 } cp_lib;
 
+// Go holds the table as its address, an integer, and every trampoline takes it so:
+// cgo checks each pointer argument of every call for Go memory, and this one is C's.
+#define CP_LIB(addr) ((const cp_lib *)(addr))
+
 typedef struct { const char *name, *newer; size_t offset; } cp_symbol;
 #define CP_ENTRY(ret, name, params, newer) {#name, newer, offsetof(cp_lib, name)},
 static const cp_symbol cp_runtime_symbols[] = {CP_RUNTIME_SYMBOLS(CP_ENTRY){0}};
@@ -215,18 +219,21 @@ static inline int cp_current_stream(uintptr_t s) { return s <= 0x2; }
 #define CP_CU_INIT(r, lib) \
 	if (((r).err = (lib)->cuInit(0)) != 0) { (r).at = cp_at_cu_init; return (r); }
 
-static const char *cp_error_name(const cp_lib *l, cp_err e) { return l->cudaGetErrorName(e); }
-static const char *cp_error_string(const cp_lib *l, cp_err e) { return l->cudaGetErrorString(e); }
-static const char *cp_cu_error_name(const cp_lib *l, cp_err e) {
+static const char *cp_error_name(uintptr_t lib, cp_err e) { return CP_LIB(lib)->cudaGetErrorName(e); }
+static const char *cp_error_string(uintptr_t lib, cp_err e) { return CP_LIB(lib)->cudaGetErrorString(e); }
+static const char *cp_cu_error_name(uintptr_t lib, cp_err e) {
+	const cp_lib *l = CP_LIB(lib);
 	const char *s = 0;
 	return l->cuGetErrorName(e, &s) == 0 ? s : 0;
 }
-static const char *cp_cu_error_string(const cp_lib *l, cp_err e) {
+static const char *cp_cu_error_string(uintptr_t lib, cp_err e) {
+	const cp_lib *l = CP_LIB(lib);
 	const char *s = 0;
 	return l->cuGetErrorString(e, &s) == 0 ? s : 0;
 }
 
-static cp_res cp_driver_version(const cp_lib *l) {
+static cp_res cp_driver_version(uintptr_t lib) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	int v = 0;
 	r.err = l->cudaDriverGetVersion(&v);
@@ -234,7 +241,8 @@ static cp_res cp_driver_version(const cp_lib *l) {
 	return r;
 }
 
-static cp_res cp_runtime_version(const cp_lib *l) {
+static cp_res cp_runtime_version(uintptr_t lib) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	int v = 0;
 	r.err = l->cudaRuntimeGetVersion(&v);
@@ -242,7 +250,8 @@ static cp_res cp_runtime_version(const cp_lib *l) {
 	return r;
 }
 
-static cp_res cp_device_count(const cp_lib *l) {
+static cp_res cp_device_count(uintptr_t lib) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	int n = 0;
 	r.err = l->cudaGetDeviceCount(&n);
@@ -250,7 +259,8 @@ static cp_res cp_device_count(const cp_lib *l) {
 	return r;
 }
 
-static cp_res cp_device_attribute(const cp_lib *l, long long dev, int attr) {
+static cp_res cp_device_attribute(uintptr_t lib, long long dev, int attr) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	int v = 0;
@@ -259,7 +269,8 @@ static cp_res cp_device_attribute(const cp_lib *l, long long dev, int attr) {
 	return r;
 }
 
-static cp_blob_res cp_device_uuid(const cp_lib *l, long long dev) {
+static cp_blob_res cp_device_uuid(uintptr_t lib, long long dev) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_blob_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	CP_CU_INIT(r, l);
@@ -274,14 +285,16 @@ static cp_blob_res cp_device_uuid(const cp_lib *l, long long dev) {
 	return r;
 }
 
-static cp_blob_res cp_device_pci_bus_id(const cp_lib *l, long long dev) {
+static cp_blob_res cp_device_pci_bus_id(uintptr_t lib, long long dev) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_blob_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	r.err = l->cudaDeviceGetPCIBusId((char *)r.blob.b, (int)sizeof r.blob.b - 1, (int)dev);
 	return r;
 }
 
-static cp_res cp_device_can_access_peer(const cp_lib *l, long long dev, long long peer) {
+static cp_res cp_device_can_access_peer(uintptr_t lib, long long dev, long long peer) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	CP_DEVICE_ARG(r, peer);
@@ -291,7 +304,8 @@ static cp_res cp_device_can_access_peer(const cp_lib *l, long long dev, long lon
 	return r;
 }
 
-static cp_res cp_mem_get_info(const cp_lib *l, long long dev) {
+static cp_res cp_mem_get_info(uintptr_t lib, long long dev) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	size_t free = 0, total = 0;
@@ -301,7 +315,8 @@ static cp_res cp_mem_get_info(const cp_lib *l, long long dev) {
 	return r;
 }
 
-static cp_res cp_allocation_granularity(const cp_lib *l, long long dev, int handle_type, int recommended) {
+static cp_res cp_allocation_granularity(uintptr_t lib, long long dev, int handle_type, int recommended) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	CP_CU_INIT(r, l);
@@ -317,7 +332,8 @@ static cp_res cp_allocation_granularity(const cp_lib *l, long long dev, int hand
 	return r;
 }
 
-static cp_res cp_mem_pool_create(const cp_lib *l, int handle_types, int loc_type, int loc_id, unsigned long long max_size) {
+static cp_res cp_mem_pool_create(uintptr_t lib, int handle_types, int loc_type, int loc_id, unsigned long long max_size) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	if (loc_type == 1) { // a device pool: create it with its device current
 		CP_ON_DEVICE(r, l, loc_id);
@@ -335,7 +351,8 @@ static cp_res cp_mem_pool_create(const cp_lib *l, int handle_types, int loc_type
 	return r;
 }
 
-static cp_res cp_device_default_mem_pool(const cp_lib *l, long long dev) {
+static cp_res cp_device_default_mem_pool(uintptr_t lib, long long dev) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_DEVICE_ARG(r, dev);
 	void *p = 0;
@@ -346,7 +363,8 @@ static cp_res cp_device_default_mem_pool(const cp_lib *l, long long dev) {
 
 // The pool attributes 1-3 are C ints and 4-8 are uint64: the driver reads and writes
 // exactly that many bytes.
-static cp_res cp_mem_pool_get_attribute(const cp_lib *l, long long dev, uintptr_t p, int attr, int is_int) {
+static cp_res cp_mem_pool_get_attribute(uintptr_t lib, long long dev, uintptr_t p, int attr, int is_int) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	if (is_int) {
@@ -361,7 +379,8 @@ static cp_res cp_mem_pool_get_attribute(const cp_lib *l, long long dev, uintptr_
 	return r;
 }
 
-static cp_res cp_mem_pool_set_attribute(const cp_lib *l, long long dev, uintptr_t p, int attr, int is_int, uint64_t value) {
+static cp_res cp_mem_pool_set_attribute(uintptr_t lib, long long dev, uintptr_t p, int attr, int is_int, uint64_t value) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	if (is_int) {
@@ -374,7 +393,8 @@ static cp_res cp_mem_pool_set_attribute(const cp_lib *l, long long dev, uintptr_
 	return r;
 }
 
-static cp_res cp_mem_pool_get_access(const cp_lib *l, long long dev, uintptr_t p, int loc_type, int loc_id) {
+static cp_res cp_mem_pool_get_access(uintptr_t lib, long long dev, uintptr_t p, int loc_type, int loc_id) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	cp_location loc = {loc_type, loc_id};
@@ -388,7 +408,8 @@ static cp_res cp_mem_pool_get_access(const cp_lib *l, long long dev, uintptr_t p
 // to a pointer; a fabric handle travels as its 64 bytes both ways.
 enum { cp_handle_posix_fd = 0x1, cp_handle_fabric = 0x8 };
 
-static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t p, int handle_type) {
+static cp_blob_res cp_mem_pool_export(uintptr_t lib, long long dev, uintptr_t p, int handle_type) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_blob_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	if (handle_type == cp_handle_posix_fd) {
@@ -406,6 +427,7 @@ static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t 
 // then makes call; a call that yields a handle or pointer writes it to out.
 #define CP_CALL(type, name, params, call) \
 	static type name params { \
+		const cp_lib *l = CP_LIB(lib); \
 		type r = {0}; \
 		CP_ON_DEVICE(r, l, dev); \
 		void *out = 0; \
@@ -418,6 +440,7 @@ static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t 
 // CP_ON_STREAM_DEVICE).
 #define CP_STREAM_CALL(name, params, s, call) \
 	static cp_res name params { \
+		const cp_lib *l = CP_LIB(lib); \
 		cp_res r = {0}; \
 		CP_ON_STREAM_DEVICE(r, l, dev, s); \
 		void *out = 0; \
@@ -429,13 +452,14 @@ static cp_blob_res cp_mem_pool_export(const cp_lib *l, long long dev, uintptr_t 
 
 enum { cp_memcpy_host_to_device = 1, cp_memcpy_device_to_host = 2, cp_memcpy_default = 4 };
 
-CP_CALL(cp_res, cp_stream_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
-CP_CALL(cp_res, cp_stream_destroy, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
-CP_CALL(cp_res, cp_stream_synchronize, (const cp_lib *l, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
-CP_STREAM_CALL(cp_stream_wait_event, (const cp_lib *l, long long dev, uintptr_t s, uintptr_t e), s, l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+CP_CALL(cp_res, cp_stream_create, (uintptr_t lib, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
+CP_CALL(cp_res, cp_stream_destroy, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
+CP_CALL(cp_res, cp_stream_synchronize, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
+CP_STREAM_CALL(cp_stream_wait_event, (uintptr_t lib, long long dev, uintptr_t s, uintptr_t e), s, l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
 enum { cp_not_supported = 801 }; // cudaErrorNotSupported
 
-static cp_res cp_stream_get_device(const cp_lib *l, long long dev, uintptr_t s) {
+static cp_res cp_stream_get_device(uintptr_t lib, long long dev, uintptr_t s) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	CP_ON_DEVICE(r, l, dev);
 	if (!l->cudaStreamGetDevice) {
@@ -448,35 +472,36 @@ static cp_res cp_stream_get_device(const cp_lib *l, long long dev, uintptr_t s) 
 	return r;
 }
 
-CP_CALL(cp_res, cp_event_create, (const cp_lib *l, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
-CP_CALL(cp_res, cp_event_destroy, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
-CP_STREAM_CALL(cp_event_record, (const cp_lib *l, long long dev, uintptr_t e, uintptr_t s), s, l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
-CP_CALL(cp_res, cp_event_synchronize, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventSynchronize(CP_PTR(e)))
-CP_CALL(cp_res, cp_event_query, (const cp_lib *l, long long dev, uintptr_t e), l->cudaEventQuery(CP_PTR(e)))
-CP_CALL(cp_blob_res, cp_ipc_get_event_handle, (const cp_lib *l, long long dev, uintptr_t e), l->cudaIpcGetEventHandle(&r.blob, CP_PTR(e)))
-CP_CALL(cp_res, cp_ipc_open_event_handle, (const cp_lib *l, long long dev, cp_blob64 h), l->cudaIpcOpenEventHandle(&out, h))
-CP_CALL(cp_res, cp_mem_pool_import, (const cp_lib *l, long long dev, int handle_type, int fd, cp_blob64 fabric),
+CP_CALL(cp_res, cp_event_create, (uintptr_t lib, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
+CP_CALL(cp_res, cp_event_destroy, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
+CP_STREAM_CALL(cp_event_record, (uintptr_t lib, long long dev, uintptr_t e, uintptr_t s), s, l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
+CP_CALL(cp_res, cp_event_synchronize, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventSynchronize(CP_PTR(e)))
+CP_CALL(cp_res, cp_event_query, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventQuery(CP_PTR(e)))
+CP_CALL(cp_blob_res, cp_ipc_get_event_handle, (uintptr_t lib, long long dev, uintptr_t e), l->cudaIpcGetEventHandle(&r.blob, CP_PTR(e)))
+CP_CALL(cp_res, cp_ipc_open_event_handle, (uintptr_t lib, long long dev, cp_blob64 h), l->cudaIpcOpenEventHandle(&out, h))
+CP_CALL(cp_res, cp_mem_pool_import, (uintptr_t lib, long long dev, int handle_type, int fd, cp_blob64 fabric),
 	l->cudaMemPoolImportFromShareableHandle(&out, handle_type == cp_handle_posix_fd ? (void *)(intptr_t)fd : &fabric, handle_type, 0))
-CP_CALL(cp_res, cp_mem_pool_destroy, (const cp_lib *l, long long dev, uintptr_t p), l->cudaMemPoolDestroy(CP_PTR(p)))
-CP_CALL(cp_res, cp_mem_pool_set_access, (const cp_lib *l, long long dev, uintptr_t p, const cp_access_desc *d, size_t n), l->cudaMemPoolSetAccess(CP_PTR(p), d, n))
-CP_CALL(cp_res, cp_mem_pool_trim_to, (const cp_lib *l, long long dev, uintptr_t p, uint64_t keep), l->cudaMemPoolTrimTo(CP_PTR(p), (size_t)keep))
-CP_STREAM_CALL(cp_malloc_from_pool_async, (const cp_lib *l, long long dev, uint64_t size, uintptr_t p, uintptr_t s), s,
+CP_CALL(cp_res, cp_mem_pool_destroy, (uintptr_t lib, long long dev, uintptr_t p), l->cudaMemPoolDestroy(CP_PTR(p)))
+CP_CALL(cp_res, cp_mem_pool_set_access, (uintptr_t lib, long long dev, uintptr_t p, const cp_access_desc *d, size_t n), l->cudaMemPoolSetAccess(CP_PTR(p), d, n))
+CP_CALL(cp_res, cp_mem_pool_trim_to, (uintptr_t lib, long long dev, uintptr_t p, uint64_t keep), l->cudaMemPoolTrimTo(CP_PTR(p), (size_t)keep))
+CP_STREAM_CALL(cp_malloc_from_pool_async, (uintptr_t lib, long long dev, uint64_t size, uintptr_t p, uintptr_t s), s,
 	l->cudaMallocFromPoolAsync(&out, (size_t)size, CP_PTR(p), CP_PTR(s)))
-CP_STREAM_CALL(cp_free_async, (const cp_lib *l, long long dev, uintptr_t ptr, uintptr_t s), s, l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
-CP_CALL(cp_blob_res, cp_mem_pool_export_pointer, (const cp_lib *l, long long dev, uintptr_t ptr), l->cudaMemPoolExportPointer(&r.blob, CP_PTR(ptr)))
-CP_CALL(cp_res, cp_mem_pool_import_pointer, (const cp_lib *l, long long dev, uintptr_t p, cp_blob64 data), l->cudaMemPoolImportPointer(&out, CP_PTR(p), &data))
-CP_STREAM_CALL(cp_memcpy_from_host, (const cp_lib *l, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s), s,
+CP_STREAM_CALL(cp_free_async, (uintptr_t lib, long long dev, uintptr_t ptr, uintptr_t s), s, l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
+CP_CALL(cp_blob_res, cp_mem_pool_export_pointer, (uintptr_t lib, long long dev, uintptr_t ptr), l->cudaMemPoolExportPointer(&r.blob, CP_PTR(ptr)))
+CP_CALL(cp_res, cp_mem_pool_import_pointer, (uintptr_t lib, long long dev, uintptr_t p, cp_blob64 data), l->cudaMemPoolImportPointer(&out, CP_PTR(p), &data))
+CP_STREAM_CALL(cp_memcpy_from_host, (uintptr_t lib, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(CP_PTR(dst), src, (size_t)n, cp_memcpy_host_to_device, CP_PTR(s)))
-CP_STREAM_CALL(cp_memcpy_to_host, (const cp_lib *l, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s), s,
+CP_STREAM_CALL(cp_memcpy_to_host, (uintptr_t lib, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(dst, CP_PTR(src), (size_t)n, cp_memcpy_device_to_host, CP_PTR(s)))
-CP_STREAM_CALL(cp_memcpy_device, (const cp_lib *l, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s), s,
+CP_STREAM_CALL(cp_memcpy_device, (uintptr_t lib, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s), s,
 	l->cudaMemcpyAsync(CP_PTR(dst), CP_PTR(src), (size_t)n, cp_memcpy_default, CP_PTR(s)))
-CP_CALL(cp_res, cp_memset, (const cp_lib *l, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
+CP_CALL(cp_res, cp_memset, (uintptr_t lib, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
 	l->cudaMemsetAsync(CP_PTR(dst), value, (size_t)n, CP_PTR(s)))
 
 // cp_current_device is the calling thread's current device, for tests of the rule
 // above.
-static cp_res cp_current_device(const cp_lib *l) {
+static cp_res cp_current_device(uintptr_t lib) {
+	const cp_lib *l = CP_LIB(lib);
 	cp_res r = {0};
 	int d = -1;
 	r.err = l->cudaGetDevice(&d);

@@ -32,7 +32,9 @@ const (
 
 // library is a Runtime backed by a loaded libcudart and libcuda.
 type library struct {
-	c    *C.cp_lib
+	// c is the table of entry points, as every trampoline takes it: its address (see
+	// CP_LIB in binding.h). It is C memory, never freed.
+	c    C.uintptr_t
 	name string
 	// contained is set once a call returned ErrContained: the driver fails every call
 	// after it (FACTS 14), and each such error says the context is lost.
@@ -68,7 +70,7 @@ func load(c *loadConfig) (Runtime, error) {
 		C.free(unsafe.Pointer(lib))
 		return nil, &LoadError{Tried: tried}
 	}
-	l := &library{c: lib}
+	l := &library{c: C.uintptr_t(uintptr(unsafe.Pointer(lib)))}
 	l.name = fmt.Sprintf("%s (runtime %s, driver %s)", runtimePath, l.versionString(l.RuntimeVersion), l.versionString(l.DriverVersion))
 	return l, nil
 }
