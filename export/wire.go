@@ -748,6 +748,9 @@ func checkName(name string) error {
 		return fmt.Errorf("%w %q: not UTF-8", ErrBadName, name)
 	}
 	for _, c := range name {
+		if c < utf8.RuneSelf && c >= 0x20 && c != 0x7f {
+			continue // printable ASCII, what names are made of: the tables below are not
+		}
 		switch {
 		case unicode.IsControl(c):
 			return fmt.Errorf("%w %q: control character %U", ErrBadName, name, c)
