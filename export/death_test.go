@@ -20,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 // promptly bounds how long "at once" may take in these tests: a socket's end reaches
@@ -103,7 +104,7 @@ func TestReplicaSurvivesProducerDeath(t *testing.T) {
 	m, err := c.imp.Open(ctx, "a", c.stream, WithReplica(nil))
 	require.NoError(t, err)
 	killProducer(t, k)
-	<-c.imp.Done()
+	testwait.Recv(t, c.imp.Done(), "the Importer to see its producer die")
 	require.NoError(t, m.Err())
 	assert.True(t, allAre(c.read(t, m), 92))
 	assert.False(t, c.dev.ContextLost())
