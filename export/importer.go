@@ -474,6 +474,9 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waite
 		}
 		ptr, err := imp.rt.MemPoolImportPointer(imp.dev, ip.handle, l.Record)
 		if err != nil {
+			if imp.exporterDead() { // whatever the driver makes of a dead exporter's pool
+				return nil, errors.Join(imp.goneErr("as its buffer was imported"), err)
+			}
 			return nil, fmt.Errorf("import buffer %d: %w", l.BufferID, err)
 		}
 		buf = &imported{record: l.Record, ptr: ptr}

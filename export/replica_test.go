@@ -313,3 +313,32 @@ func TestConcurrentReplicas(t *testing.T) {
 	c.checkClean(t)
 	pr.checkClean(t)
 }
+
+// killAtImport is a consumer runtime that kills the producer as a buffer is imported,
+// and fails the import as a driver might for a dead process's pool.
+type killAtImport struct {
+	cudart.Runtime
+	kill func()
+}
+
+func (r *killAtImport) MemPoolImportPointer(dev int, p cudart.MemPool, data cudart.PtrExportData) (cudart.DevicePtr, error) {
+	r.kill()
+	return 0, cudart.NewError("cudaMemPoolImportPointer", cudart.ErrInvalidValue)
+}
+
+// A producer that dies as Open imports its buffer: whatever the driver answers, Open
+// says ErrExporterGone, as for a death anywhere else in Open.
+func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
+	k, path := startProducerChild(t, 97)
+	s := newSide(t, 1)
+	var once sync.Once
+	rt := &killAtImport{Runtime: s.dev, kill: func() { once.Do(func() { killProducer(t, k) }) }}
+	ctx := testCtx(t)
+	imp, err := Dial(ctx, path, rt, 1, WithLogger(discardLogger))
+	require.NoError(t, err)
+	_, err = imp.Open(ctx, "a", s.stream, WithReplica(nil))
+	require.ErrorIs(t, err, ErrExporterGone)
+	assert.ErrorIs(t, err, cudart.ErrInvalidValue, "and what the driver said")
+	require.NoError(t, imp.Close(ctx))
+	assert.False(t, s.dev.ContextLost())
+}
