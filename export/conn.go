@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -32,10 +34,18 @@ type conn struct {
 	wlock *semaphore.Weighted
 	wbuf  []byte
 
-	hdr  [headerLen]byte
-	rbuf []byte
-	// rx keeps the control buffer between reads: recv runs per frame.
+	// Frames in: in[lo:hi] holds bytes read and not yet taken, often several frames or
+	// part of one, so that a frame costs one read, not one for its header and one for
+	// its payload; inOff is the stream offset of in[lo]. arrived holds the descriptors
+	// that came with them.
+	in      []byte
+	lo, hi  int
+	inOff   uint64
+	arrived []arrivedFD
+	// rx keeps the control buffer between reads.
 	rx unixfd.Receiver
+	// raw reads the socket without waiting (poll); nil where it cannot.
+	raw syscall.RawConn
 
 	// draining: a write failed on the exporter's side, which now only reads what the
 	// peer sent, each frame within drainWindow of the last.
@@ -53,9 +63,31 @@ const drainWindow = 250 * time.Millisecond
 
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
 	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: semaphore.NewWeighted(1)}
-	c.uc, _ = nc.(*net.UnixConn)
+	if c.uc, _ = nc.(*net.UnixConn); c.uc != nil {
+		c.raw, _ = c.uc.SyscallConn()
+	}
 	return c
 }
+
+// arrivedFD is a descriptor that came with the bytes at stream offsets [from, to). It
+// belongs to the last frame that starts there: a sender attaches a frame's descriptor
+// to the frame's first byte, and the kernel ends a read after the bytes that carried
+// descriptors.
+type arrivedFD struct {
+	fd       int
+	from, to uint64
+	// err: what came was refused (and closed), fd is -1; the frame fails with err.
+	err error
+}
+
+// inSize is the read buffer's size to start with; a larger frame grows it.
+const inSize = 16 << 10
+
+// errRefusedFDs marks a read whose descriptors were refused (and closed).
+var errRefusedFDs = errors.New("descriptors refused")
+
+// errNoFrame: poll found no whole frame; what did arrive is kept for the next read.
+var errNoFrame = errors.New("export: no whole frame has arrived")
 
 // canPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *conn) canPassFDs() bool { return c.uc != nil }
@@ -123,53 +155,78 @@ func (c *conn) abort() {
 	c.nc.SetReadDeadline(time.Now().Add(drainWindow))
 }
 
-// recv reads the next frame. fd is the descriptor that came with a POSIX fd
-// PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on any other
-// frame, a PoolHandle without one, and every malformed frame are errors wrapping
-// ErrProtocol, after which the connection must be closed; the descriptors involved
-// have been closed. A peer that closed between frames gives io.EOF.
-func (c *conn) recv() (m message, fd int, err error) {
-	var fds []int
+// recv reads the next frame, waiting for it. fd is the descriptor that came with a
+// POSIX fd PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on
+// any other frame, a PoolHandle without one, and every malformed frame are errors
+// wrapping ErrProtocol, after which the connection must be closed; the descriptors
+// involved have been closed. A peer that closed between frames gives io.EOF. A read
+// cut short by a deadline loses nothing: the next recv or poll goes on from there.
+func (c *conn) recv() (message, int, error) { return c.next(true) }
+
+// poll is recv that does not wait: it fails with errNoFrame if no whole frame has
+// arrived. Only on a Unix socket (c.raw set).
+func (c *conn) poll() (message, int, error) { return c.next(false) }
+
+func (c *conn) next(wait bool) (m message, fd int, err error) {
 	defer func() {
-		if err != nil {
-			closeFDs(fds)
+		if err != nil && err != errNoFrame && !errors.Is(err, os.ErrDeadlineExceeded) {
+			c.dropFDs() // the connection ends: nothing will claim them
 		}
 	}()
-	if got, err := c.readFull(c.hdr[:], &fds); err != nil {
-		if errors.Is(err, io.EOF) && got > 0 {
-			err = protocolErr("truncated frame header: connection closed after %d of %d bytes", got, headerLen)
+	for {
+		need := headerLen
+		if c.hi-c.lo >= headerLen {
+			t, n, err := parseHeader(c.in[c.lo:c.hi])
+			if err != nil {
+				return nil, -1, err
+			}
+			if c.hi-c.lo >= headerLen+n {
+				return c.take(t, n)
+			}
+			need = headerLen + n
 		}
-		return nil, -1, err
+		if err := c.fill(need, wait); err != nil {
+			switch have := c.hi - c.lo; {
+			case !errors.Is(err, io.EOF) || have == 0:
+			case have < headerLen:
+				err = protocolErr("truncated frame header: connection closed after %d of %d bytes", have, headerLen)
+			default:
+				err = protocolErr("truncated %s frame: connection closed after %d of %d payload bytes", msgType(c.in[c.lo+4]), have-headerLen, need-headerLen)
+			}
+			return nil, -1, err
+		}
 	}
-	t, n, err := parseHeader(c.hdr[:])
+}
+
+// take decodes the whole frame at in[lo:] and gives it its descriptor, if it has one.
+func (c *conn) take(t msgType, n int) (message, int, error) {
+	at := c.inOff
+	p := c.in[c.lo+headerLen : c.lo+headerLen+n]
+	c.lo += headerLen + n
+	c.inOff += uint64(headerLen + n)
+	m, err := decodePayload(t, p)
 	if err != nil {
 		return nil, -1, err
 	}
-	if cap(c.rbuf) < n {
-		c.rbuf = make([]byte, n)
-	}
-	p := c.rbuf[:n]
-	if got, err := c.readFull(p, &fds); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = protocolErr("truncated %s frame: connection closed after %d of %d payload bytes", t, got, n)
-		}
-		return nil, -1, err
-	}
-	if m, err = decodePayload(t, p); err != nil {
-		return nil, -1, err
-	}
 	c.received.Add(1)
-	wantFD := 0
+	wantFD := false
 	if ph, ok := m.(*poolHandleMsg); ok && ph.HandleType == cudart.HandleTypePosixFD {
-		wantFD = 1
+		wantFD = true
 	}
+	// The next descriptor is this frame's if it came with the bytes where this frame
+	// starts and no later frame starts there (this one reaches the read's end).
+	owns := len(c.arrived) > 0 && c.arrived[0].from <= at && c.inOff >= c.arrived[0].to
 	switch {
-	case len(fds) != wantFD && wantFD == 1:
-		return nil, -1, protocolErr("POSIX fd PoolHandle arrived with %d descriptors, want 1", len(fds))
-	case len(fds) != wantFD:
-		return nil, -1, protocolErr("%s arrived with %d unexpected descriptors", t, len(fds))
-	case wantFD == 1:
-		return m, fds[0], nil
+	case owns && c.arrived[0].err != nil:
+		return nil, -1, c.arrived[0].err
+	case owns && wantFD:
+		fd := c.arrived[0].fd
+		c.arrived = c.arrived[1:]
+		return m, fd, nil
+	case owns:
+		return nil, -1, protocolErr("%s arrived with %d unexpected descriptors", t, 1)
+	case wantFD:
+		return nil, -1, protocolErr("POSIX fd PoolHandle arrived with 0 descriptors, want 1")
 	}
 	if c.draining.Load() {
 		c.nc.SetReadDeadline(time.Now().Add(drainWindow))
@@ -177,33 +234,72 @@ func (c *conn) recv() (m message, fd int, err error) {
 	return m, -1, nil
 }
 
-// readFull fills b, collecting the descriptors that arrive with its bytes, and says
-// how many bytes it read.
-func (c *conn) readFull(b []byte, fds *[]int) (int, error) {
-	got := 0
-	for got < len(b) {
-		var n int
-		var err error
-		if c.uc != nil {
-			maxFDs := 0
-			if c.acceptsFDs {
-				maxFDs = 1 // a frame carries at most one
-			}
-			var in []int
-			n, in, err = c.rx.Recv(c.uc, b[got:], maxFDs)
-			*fds = append(*fds, in...)
-			if errors.Is(err, unixfd.ErrUnexpectedFDs) {
-				return got + n, protocolErr("%v", err)
-			}
-		} else {
-			n, err = c.nc.Read(b[got:])
-		}
-		got += n
-		if err != nil && got < len(b) {
-			return got, unaddressed(err)
-		}
+// fill reads more bytes, with room for need bytes from in[lo].
+func (c *conn) fill(need int, wait bool) error {
+	if c.lo == c.hi {
+		c.lo, c.hi = 0, 0
 	}
-	return got, nil
+	if len(c.in)-c.lo < need {
+		if len(c.in) < need {
+			grown := make([]byte, max(need, inSize))
+			copy(grown, c.in[c.lo:c.hi])
+			c.in = grown
+		} else {
+			copy(c.in, c.in[c.lo:c.hi])
+		}
+		c.hi -= c.lo
+		c.lo = 0
+	}
+	n, fds, err := c.read(c.in[c.hi:], wait)
+	from := c.inOff + uint64(c.hi-c.lo)
+	for _, fd := range fds {
+		c.arrived = append(c.arrived, arrivedFD{fd: fd, from: from, to: from + uint64(n)})
+	}
+	if n > 0 && errors.Is(err, errRefusedFDs) {
+		// The frame they came with fails, not the ones before it in this read.
+		c.arrived = append(c.arrived, arrivedFD{fd: -1, from: from, to: from + uint64(n), err: err})
+	}
+	c.hi += n
+	if n > 0 {
+		return nil // any other error shows again at the next read
+	}
+	return err
+}
+
+// read reads what has arrived into b, waiting for something unless wait is false (then
+// errNoFrame says nothing had).
+func (c *conn) read(b []byte, wait bool) (int, []int, error) {
+	if c.uc == nil {
+		n, err := c.nc.Read(b)
+		return n, nil, unaddressed(err)
+	}
+	maxFDs := 0
+	if c.acceptsFDs {
+		maxFDs = 1 // a frame carries at most one
+	}
+	var n int
+	var fds []int
+	var err error
+	if wait {
+		n, fds, err = c.rx.Recv(c.uc, b, maxFDs)
+	} else {
+		n, fds, err = c.rx.TryRecv(c.raw, b, maxFDs)
+	}
+	switch {
+	case errors.Is(err, unixfd.ErrUnexpectedFDs):
+		return n, nil, fmt.Errorf("%w: %w", errRefusedFDs, protocolErr("%v", err))
+	case errors.Is(err, unixfd.ErrWouldBlock):
+		return 0, nil, errNoFrame
+	}
+	return n, fds, unaddressed(err)
+}
+
+// dropFDs closes the descriptors that arrived and were not taken.
+func (c *conn) dropFDs() {
+	for _, a := range c.arrived {
+		unix.Close(a.fd)
+	}
+	c.arrived = nil
 }
 
 func (c *conn) close() error { return c.nc.Close() }

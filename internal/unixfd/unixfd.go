@@ -7,10 +7,15 @@ package unixfd
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
+
+// ErrWouldBlock means TryRecv found nothing to read.
+var ErrWouldBlock = errors.New("unixfd: nothing to read now")
 
 // ErrUnexpectedFDs means a message carried more descriptors than the caller accepts,
 // or a truncated control message. The descriptors it carried have been closed.
@@ -56,20 +61,55 @@ type Receiver struct {
 
 // Recv is the package's Recv, with the same guarantees, using r's control buffer.
 func (r *Receiver) Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
-	// One spare slot lets an extra descriptor arrive whole (and be closed) rather than
-	// be dropped by the kernel with MSG_CTRUNC and nothing to close. The buffer is cut
-	// to exactly that size: a larger one would let more descriptors in.
-	size := unix.CmsgSpace((maxFDs + 1) * 4)
-	if cap(r.oob) < size {
-		r.oob = make([]byte, size)
-	}
-	oob := r.oob[:size]
+	oob := r.control(maxFDs)
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
 		return n, nil, err
 	}
-	if oobn > 0 {
-		fds, err = parseRights(oob[:oobn])
+	return r.finish(n, oob[:oobn], flags, maxFDs)
+}
+
+// TryRecv is Recv on the socket behind rc that does not wait for data: if none has
+// arrived it fails with ErrWouldBlock. A peer that closed gives io.EOF.
+func (r *Receiver) TryRecv(rc syscall.RawConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
+	oob := r.control(maxFDs)
+	var oobn, flags int
+	var rerr error
+	err = rc.Read(func(fd uintptr) bool {
+		n, oobn, flags, _, rerr = unix.Recvmsg(int(fd), buf, oob, unix.MSG_DONTWAIT|recvFlags)
+		return true // never wait
+	})
+	switch {
+	case err != nil:
+		return 0, nil, err
+	case errors.Is(rerr, unix.EAGAIN):
+		return 0, nil, ErrWouldBlock
+	case rerr != nil:
+		return 0, nil, rerr
+	case n == 0 && oobn == 0 && len(buf) > 0:
+		return 0, nil, io.EOF
+	}
+	return r.finish(n, oob[:oobn], flags, maxFDs)
+}
+
+// control returns the control buffer for maxFDs descriptors. One spare slot lets an
+// extra descriptor arrive whole (and be closed) rather than be dropped by the kernel
+// with MSG_CTRUNC and nothing to close. The buffer is cut to exactly that size: a
+// larger one would let more descriptors in.
+func (r *Receiver) control(maxFDs int) []byte {
+	size := unix.CmsgSpace((maxFDs + 1) * 4)
+	if cap(r.oob) < size {
+		r.oob = make([]byte, size)
+	}
+	return r.oob[:size]
+}
+
+// finish checks what a read brought: n bytes and the control data oob.
+func (r *Receiver) finish(n int, oob []byte, flags, maxFDs int) (int, []int, error) {
+	var fds []int
+	var err error
+	if len(oob) > 0 {
+		fds, err = parseRights(oob)
 	}
 	switch {
 	case err != nil:
