@@ -7,7 +7,10 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/dustin/go-humanize"
 )
@@ -35,61 +38,245 @@ type client struct {
 	// down says why the connection ended, nil while it carries requests.
 	down    error
 	nextReq uint64
-	pending map[uint64]chan message
+	pending map[uint64]chan delivery
 	states  map[uint64][]byte     // State replies being assembled
 	batches map[uint64][]leaseMsg // LeaseBatch replies being assembled
 
-	readerDone chan struct{}
+	// The reading role: one goroutine at a time reads the connection and hands each
+	// frame to whom it concerns. A request's caller takes it while it waits, so that
+	// its reply wakes it directly: a wake passed on through another goroutine costs
+	// more than the rest of a request. While no caller reads, the watcher goroutine
+	// does, woken by watch when something arrives. reading says who holds the role;
+	// leaders lists the requests waiting for it, oldest first.
+	reading  readRole
+	leaders  []uint64
+	watch    *idleWatch // nil: the watcher reads for good, and replies are handed over
+	watchOff bool       // watch is switched off; only the role's holder touches it
+
+	readerDone chan struct{} // closed when the watcher has returned
 	// done is closed when the connection ends (down is set).
 	done chan struct{}
+}
+
+// readRole says who holds the reading role.
+type readRole int
+
+const (
+	readerNone    readRole = iota // nobody: the watch is on
+	readerCaller                  // a request's caller, waiting for its reply
+	readerWatcher                 // the watcher goroutine
+)
+
+// delivery is what a waiting request is handed: its reply, or the reading role.
+type delivery struct {
+	m    message
+	lead bool
 }
 
 func newClient(c *conn, log *slog.Logger, exporterPID int) *client {
 	return &client{
 		c: c, log: log, exporterPID: exporterPID,
-		pending: map[uint64]chan message{}, states: map[uint64][]byte{}, batches: map[uint64][]leaseMsg{},
+		pending: map[uint64]chan delivery{}, states: map[uint64][]byte{}, batches: map[uint64][]leaseMsg{},
 		readerDone: make(chan struct{}), done: make(chan struct{}),
 	}
 }
 
-// start runs the reader; handle and unclaimed must be set before.
-func (cl *client) start() { go cl.read() }
+// start runs the watcher; handle and unclaimed must be set before. Where the
+// connection cannot be watched while idle (not a Unix socket, not Linux), the watcher
+// holds the reading role for good and hands every reply over.
+func (cl *client) start() {
+	if w, err := newIdleWatch(cl.c.raw); err == nil {
+		cl.watch = w
+		go cl.watchIdle()
+		return
+	}
+	cl.reading = readerWatcher
+	go cl.readAll()
+}
 
-// read is the connection's one reader.
-func (cl *client) read() {
+// readAll reads every frame, for a connection without an idle watch.
+func (cl *client) readAll() {
 	defer close(cl.readerDone)
 	for {
-		m, fd, err := cl.c.recv()
-		if err != nil {
+		if err := cl.handOn(cl.c.recv); err != nil {
 			cl.fail(err)
 			return
 		}
-		switch m := m.(type) {
-		case *leaseMsg:
-			if !cl.deliver(m.ReqID, m) && cl.unclaimed != nil {
-				// Not sent from here: a reader blocked on a full socket while the
-				// exporter blocks writing to it would deadlock.
-				go cl.unclaimed(m)
-			}
-		case *releasedMsg:
-			cl.deliver(m.ReqID, m)
-		case *errorMsg:
-			cl.deliver(m.ReqID, m)
-		case *stateMsg:
-			cl.assembleState(m)
-		case *leaseBatchMsg:
-			cl.assembleBatch(m)
-		case *byeMsg:
-			cl.mu.Lock()
-			cl.bye = true
-			cl.mu.Unlock()
-		default:
-			if err := cl.handle(m, fd); err != nil {
-				cl.fail(err)
+	}
+}
+
+// watchIdle reads what arrives while no caller does, until the connection ends. Its
+// first look is before any wake: the handshake's read may have brought more than the
+// Welcome.
+func (cl *client) watchIdle() {
+	defer close(cl.readerDone)
+	for first := true; ; first = false {
+		var watchErr error
+		if !first {
+			watchErr = cl.watch.wait()
+		}
+		if !cl.takeRole() {
+			if watchErr != nil {
+				<-cl.done // the watch closed with the connection; the reader sees its end
 				return
+			}
+			continue // a caller reads; its passRole switches the watch on again
+		}
+		if watchErr != nil {
+			cl.fail(watchErr)
+			cl.passRole()
+			return
+		}
+		for {
+			err := cl.handOn(cl.c.poll)
+			if err == errNoFrame {
+				break
+			}
+			if err != nil {
+				cl.fail(err)
+				cl.passRole()
+				return
+			}
+			if cl.leaderWaits() {
+				break // it reads the rest, its reply among it
+			}
+		}
+		cl.passRole()
+	}
+}
+
+// takeRole gives the watcher the reading role if nobody holds it.
+func (cl *client) takeRole() bool {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if cl.reading != readerNone {
+		return false
+	}
+	cl.reading = readerWatcher
+	return true
+}
+
+// leaderWaits reports whether a request waits for the reading role.
+func (cl *client) leaderWaits() bool {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	return len(cl.leaders) > 0
+}
+
+// passRole gives the reading role, which the caller holds, to the oldest request
+// waiting for it, or else to nobody, with the watch on.
+func (cl *client) passRole() {
+	cl.mu.Lock()
+	for len(cl.leaders) > 0 {
+		id := cl.leaders[0]
+		cl.leaders = cl.leaders[1:]
+		if w := cl.pending[id]; w != nil {
+			// Sent under mu, as every delivery, so that giveUp finds it.
+			select {
+			case w <- delivery{lead: true}:
+				cl.reading = readerCaller
+				cl.mu.Unlock()
+				return
+			default: // cannot happen: a waiting request has had nothing yet
 			}
 		}
 	}
+	cl.reading = readerNone
+	turnOn := cl.watch != nil && cl.watchOff
+	cl.watchOff = false
+	cl.mu.Unlock()
+	if turnOn {
+		// After the role is free: whatever arrived meanwhile wakes the watcher now.
+		// (Should the next holder's switching off come first, the watch is on while it
+		// reads: a wake to spare, nothing lost.)
+		cl.watch.set(true)
+	}
+}
+
+// lead reads the connection for the request whose reply comes on w, which holds the
+// reading role, until the reply is there or ctx ends, and then passes the role on.
+func (cl *client) lead(ctx context.Context, w chan delivery) (delivery, error) {
+	defer cl.passRole()
+	cl.mu.Lock()
+	turnOff := !cl.watchOff
+	cl.watchOff = true
+	cl.mu.Unlock()
+	if turnOff {
+		cl.watch.set(false) // this caller's reads alone wake it
+	}
+	if ctx.Done() != nil {
+		fired := make(chan struct{})
+		stop := context.AfterFunc(ctx, func() {
+			cl.c.nc.SetReadDeadline(time.Unix(1, 0))
+			close(fired)
+		})
+		defer func() {
+			if !stop() {
+				<-fired // or it could set the deadline after it is cleared
+				cl.c.nc.SetReadDeadline(time.Time{})
+			}
+		}()
+	}
+	for {
+		if err := cl.handOn(cl.c.recv); err != nil {
+			if ctx.Err() != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+				return delivery{}, ctx.Err() // nothing is lost: the next reader goes on
+			}
+			cl.fail(err)
+			return delivery{}, cl.goneOr(ErrExporterGone)
+		}
+		select {
+		case d, ok := <-w:
+			if !ok {
+				return delivery{}, cl.goneOr(ErrExporterGone)
+			}
+			// Frames read with the reply would wait for the next wake: take them now.
+			for cl.c.hasFrame() {
+				if err := cl.handOn(cl.c.recv); err != nil {
+					cl.fail(err)
+					break
+				}
+			}
+			return d, nil
+		default:
+		}
+	}
+}
+
+// handOn reads a frame with read and dispatches it.
+func (cl *client) handOn(read func() (message, int, error)) error {
+	m, fd, err := read()
+	if err != nil {
+		return err
+	}
+	return cl.dispatch(m, fd)
+}
+
+// dispatch hands a frame to whom it concerns. An error ends the connection.
+func (cl *client) dispatch(m message, fd int) error {
+	switch m := m.(type) {
+	case *leaseMsg:
+		if !cl.deliver(m.ReqID, m) && cl.unclaimed != nil {
+			// Not sent from here: a reader blocked on a full socket while the
+			// exporter blocks writing to it would deadlock.
+			go cl.unclaimed(m)
+		}
+	case *releasedMsg:
+		cl.deliver(m.ReqID, m)
+	case *errorMsg:
+		cl.deliver(m.ReqID, m)
+	case *stateMsg:
+		cl.assembleState(m)
+	case *leaseBatchMsg:
+		cl.assembleBatch(m)
+	case *byeMsg:
+		cl.mu.Lock()
+		cl.bye = true
+		cl.mu.Unlock()
+	default:
+		return cl.handle(m, fd)
+	}
+	return nil
 }
 
 // fail ends the connection: every waiting request and every later one fails with
@@ -98,7 +285,7 @@ func (cl *client) fail(err error) {
 	if errors.Is(err, ErrProtocol) {
 		cl.log.Warn("export: closing the exporter's connection", "exporter", cl.exporterPID, "reason", err)
 	}
-	cl.c.close()
+	cl.closeConn()
 	cl.mu.Lock()
 	defer cl.mu.Unlock()
 	if cl.down == nil {
@@ -119,16 +306,24 @@ func (cl *client) fail(err error) {
 	cl.batches = map[uint64][]leaseMsg{}
 }
 
+// closeConn closes the connection and its watch.
+func (cl *client) closeConn() {
+	cl.c.close()
+	if cl.watch != nil {
+		cl.watch.close()
+	}
+}
+
 // deliver hands a reply to its request; false if no request waits for it.
 func (cl *client) deliver(reqID uint64, m message) bool {
 	cl.mu.Lock()
-	ch := cl.pending[reqID]
-	delete(cl.pending, reqID)
-	cl.mu.Unlock()
-	if ch == nil {
+	defer cl.mu.Unlock()
+	w := cl.pending[reqID]
+	if w == nil {
 		return false
 	}
-	ch <- m
+	delete(cl.pending, reqID)
+	w <- delivery{m: m} // never blocks: it is the first, and under mu (see giveUp)
 	return true
 }
 
@@ -204,9 +399,10 @@ func (cl *client) giveBackAll(ls []leaseMsg) {
 }
 
 // request sends the message build makes for a fresh request id and waits for the
-// reply. A new request (Open, StateRequest) is refused once the client is closed or
-// the exporter said Bye; a Release only once the connection is down. A Lease that
-// arrives for a request given up on goes to unclaimed.
+// reply, reading it itself if nobody else reads the connection. A new request (Open,
+// StateRequest) is refused once the client is closed or the exporter said Bye; a
+// Release only once the connection is down. A Lease that arrives for a request given
+// up on goes to unclaimed.
 func (cl *client) request(ctx context.Context, build func(reqID uint64) message, isNew bool) (message, error) {
 	cl.mu.Lock()
 	var refuse error
@@ -224,11 +420,18 @@ func (cl *client) request(ctx context.Context, build func(reqID uint64) message,
 	}
 	cl.nextReq++
 	id := cl.nextReq
-	ch := make(chan message, 1)
-	cl.pending[id] = ch
+	w := make(chan delivery, 1)
+	cl.pending[id] = w
+	lead := false
+	switch {
+	case cl.reading == readerNone:
+		cl.reading, lead = readerCaller, true
+	case cl.watch != nil:
+		cl.leaders = append(cl.leaders, id)
+	}
 	cl.mu.Unlock()
 	if err := cl.c.send(ctx, build(id), -1); err != nil {
-		cl.forget(id) // send closed the connection if it wrote part of the frame
+		cl.giveUp(id, w, lead) // send closed the connection if it wrote part of the frame
 		if ctx.Err() == nil {
 			// The write itself failed (the exporter closed its end, as when its
 			// process died): the connection is lost, whether or not the reader has
@@ -237,41 +440,63 @@ func (cl *client) request(ctx context.Context, build func(reqID uint64) message,
 		}
 		return nil, cl.goneOr(err)
 	}
-	select {
-	case m, ok := <-ch:
-		if !ok {
-			return nil, cl.goneOr(ErrExporterGone)
-		}
-		return m, nil
-	case <-ctx.Done():
-		if m, ok := cl.forget(id); ok {
-			switch r := m.(type) {
-			case *leaseMsg:
-				if cl.unclaimed != nil {
-					cl.unclaimed(r)
+	for {
+		var d delivery
+		if lead {
+			var err error
+			if d, err = cl.lead(ctx, w); err != nil {
+				cl.giveUp(id, w, false)
+				return nil, err
+			}
+		} else {
+			select {
+			case got, ok := <-w:
+				if !ok {
+					return nil, cl.goneOr(ErrExporterGone)
 				}
-			case *leaseBatchMsg:
-				cl.giveBackAll(r.Leases)
+				d = got
+			case <-ctx.Done():
+				cl.giveUp(id, w, false)
+				return nil, ctx.Err()
 			}
 		}
-		return nil, ctx.Err()
+		if d.lead {
+			lead = true
+			continue
+		}
+		return d.m, nil
 	}
 }
 
-// forget drops the request id; if its reply had arrived meanwhile it is returned.
-func (cl *client) forget(id uint64) (message, bool) {
+// giveUp forgets request id, whose caller returns without its reply: a reply that
+// came meanwhile is given back, the reading role passed on if the caller holds it
+// (lead) or was handed it meanwhile.
+func (cl *client) giveUp(id uint64, w chan delivery, lead bool) {
 	cl.mu.Lock()
-	ch := cl.pending[id]
 	delete(cl.pending, id)
-	cl.mu.Unlock()
-	if ch == nil {
-		return nil, false
+	if i := slices.Index(cl.leaders, id); i >= 0 {
+		cl.leaders = slices.Delete(cl.leaders, i, i+1)
 	}
+	cl.mu.Unlock()
+	// Every delivery is made under mu while the request is pending: after the
+	// delete above none comes, and one made before is in w.
 	select {
-	case m, ok := <-ch:
-		return m, ok
+	case d := <-w: // a closed w gives the zero delivery: nothing to do
+		if d.lead {
+			lead = true
+		}
+		switch r := d.m.(type) {
+		case *leaseMsg:
+			if cl.unclaimed != nil {
+				cl.unclaimed(r)
+			}
+		case *leaseBatchMsg:
+			cl.giveBackAll(r.Leases)
+		}
 	default:
-		return nil, false
+	}
+	if lead {
+		cl.passRole()
 	}
 }
 
@@ -320,7 +545,7 @@ func (cl *client) hangUp(ctx context.Context) error {
 			err = fmt.Errorf("the exporter did not hang up: %w", ctx.Err())
 		}
 	}
-	cl.c.close()
+	cl.closeConn()
 	<-cl.readerDone
 	return err
 }

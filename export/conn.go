@@ -198,6 +198,16 @@ func (c *conn) next(wait bool) (m message, fd int, err error) {
 	}
 }
 
+// hasFrame reports whether a whole frame (or a malformed header) has been read and
+// not yet taken: recv returns it without reading.
+func (c *conn) hasFrame() bool {
+	if c.hi-c.lo < headerLen {
+		return false
+	}
+	_, n, err := parseHeader(c.in[c.lo:c.hi])
+	return err != nil || c.hi-c.lo >= headerLen+n
+}
+
 // take decodes the whole frame at in[lo:] and gives it its descriptor, if it has one.
 func (c *conn) take(t msgType, n int) (message, int, error) {
 	at := c.inOff
