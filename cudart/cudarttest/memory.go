@@ -140,7 +140,7 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 		return []Violation{d.violate(ViolationUseAfterRelease, op,
 			"%s of %#x+%d after its free ran", verb, uint64(sp.ptr), sp.n)}, true
 	}
-	m := sp.p.marks(sp.entry)
+	m := sp.p.marks(sp.entry, d.id)
 	if w := m.writer(); !w.is(d.id, st) && w.epoch > after {
 		kind := ViolationUnorderedRead
 		if write {
@@ -161,9 +161,9 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 					"write of %#x+%d on a stream not ordered after %v's read of it", uint64(sp.ptr), sp.n, r))
 			}
 		}
-		m.wrote(d.id, st, now())
+		m.wrote(st, now())
 	} else {
-		m.read(d.id, st, now())
+		m.read(st, now())
 	}
 	return vs, false
 }

@@ -478,8 +478,8 @@ func (d *Device) mallocOnce(op string, dev int, size uint64, h cudart.MemPool, s
 	gen := p.reg.load(eo+eState)>>2 + 1
 	p.reg.store(eo+eOffset, off)
 	p.reg.store(eo+eSize, size)
-	m := p.marks(entry)
-	m.wrote(d.id, st, pendingEpoch) // until it runs, no other stream may touch it
+	m := p.marks(entry, d.id)
+	m.wrote(st, pendingEpoch) // until it runs, no other stream may touch it
 	p.reg.store(eo+eReleased, 0)
 	p.reg.store(eo+eState, packState(gen, stateLive))
 	a := &alloc{off: off, size: size, entry: entry, gen: gen}
@@ -493,7 +493,7 @@ func (d *Device) mallocOnce(op string, dev int, size uint64, h cudart.MemPool, s
 	p.reg.storeMax(hUsedHigh, used)
 	err = d.submit(op, st, &task{pool: p, run: func(st *stream, _ uint64) error {
 		if cur, _ := p.allocAt(a.off, a.size); cur == a && m.writer().epoch == pendingEpoch {
-			m.wrote(d.id, st, now())
+			m.wrote(st, now())
 		}
 		return nil
 	}})
@@ -618,7 +618,7 @@ func (d *Device) runFree(op string, st *stream, after uint64, p *pool, a *alloc,
 // unorderedFree reports the accesses to an entry's memory, by the Devices whose
 // accesses count, that a free running on st is not ordered after.
 func (d *Device) unorderedFree(op string, p *pool, entry uint32, st *stream, after uint64, ptr cudart.DevicePtr, counts func(ident) bool) []Violation {
-	m := p.marks(entry)
+	m := p.marks(entry, d.id)
 	var vs []Violation
 	check := func(a accessor, verb string) {
 		if a.id != 0 && counts(a.id) && !a.is(d.id, st) && a.epoch > after {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"unsafe"
@@ -210,6 +211,7 @@ const (
 	eWriter       = 32  // ident of the Device that did it
 	eWriterStream = 40  // and its stream
 	eReleased     = 48  // epoch of the latest importer's free of this generation
+	eMarksLock    = 56  // ident of the Device reading or updating the marks, 0 if none
 	eReads        = 64  // maxReaders × (ident, stream, epoch): the latest reads, one per stream
 	eSlots        = 160 // maxImporters × (ident, gen): importers holding this allocation
 	maxReaders    = 4
@@ -231,14 +233,35 @@ func slotOff(i uint32, s int) uint64     { return entryOff(i) + eSlots + uint64(
 func packState(gen, state uint64) uint64 { return gen<<2 | state }
 
 // marks are the access marks of one allocation's entry, shared by every Device that
-// maps the pool. Each word is atomic; a mark of three words may be seen half updated
-// by another process, which at worst misnames an access.
+// maps the pool, in this process and others; me is the Device using them. A mark is
+// three words that each Device updates under its own lock only, so every reading and
+// update of them holds the entry's marks lock: a mark read half updated (one Device's
+// ident with the stream and epoch of another Device's later read) misnames an access
+// and makes a violation of an ordered one.
 type marks struct {
 	r  *region
 	eo uint64
+	me ident
 }
 
-func (p *pool) marks(entry uint32) marks { return marks{p.reg, entryOff(entry)} }
+func (p *pool) marks(entry uint32, me ident) marks { return marks{p.reg, entryOff(entry), me} }
+
+// locked runs f with the marks lock held. It is held for a few loads and stores,
+// never across a wait, so it is spun on; a holder whose process died holding it (a
+// child killed mid-update) is taken over.
+func (m marks) locked(f func()) {
+	off := m.eo + eMarksLock
+	for spins := 1; !m.r.cas(off, 0, uint64(m.me)); spins++ {
+		if spins%1024 == 0 {
+			if h := m.r.load(off); h != 0 && !ident(h).alive() && m.r.cas(off, h, uint64(m.me)) {
+				break
+			}
+		}
+		runtime.Gosched()
+	}
+	defer m.r.store(off, 0)
+	f()
+}
 
 // An accessor is a stream of a Device and when its access ran.
 type accessor struct {
@@ -251,51 +274,59 @@ func (a accessor) is(id ident, st *stream) bool { return a.id == id && a.stream 
 
 func (a accessor) String() string { return fmt.Sprintf("stream %#x of %v", a.stream, a.id) }
 
-func (m marks) writer() accessor {
-	return accessor{ident(m.r.load(m.eo + eWriter)), m.r.load(m.eo + eWriterStream), m.r.load(m.eo + eWriteEpoch)}
+func (m marks) writer() (w accessor) {
+	m.locked(func() {
+		w = accessor{ident(m.r.load(m.eo + eWriter)), m.r.load(m.eo + eWriterStream), m.r.load(m.eo + eWriteEpoch)}
+	})
+	return w
 }
 
-func (m marks) readers() []accessor {
-	var rs []accessor
-	for i := range uint64(maxReaders) {
-		ro := m.eo + eReads + i*readBytes
-		if id := ident(m.r.load(ro)); id != 0 {
-			rs = append(rs, accessor{id, m.r.load(ro + 8), m.r.load(ro + 16)})
+func (m marks) readers() (rs []accessor) {
+	m.locked(func() {
+		for i := range uint64(maxReaders) {
+			ro := m.eo + eReads + i*readBytes
+			if id := ident(m.r.load(ro)); id != 0 {
+				rs = append(rs, accessor{id, m.r.load(ro + 8), m.r.load(ro + 16)})
+			}
 		}
-	}
+	})
 	return rs
 }
 
-// wrote marks a write (or allocation) by stream st of Device id at epoch t; the reads
-// before it are forgotten, as they were checked to be ordered before it.
-func (m marks) wrote(id ident, st *stream, t uint64) {
-	m.r.store(m.eo+eWriter, uint64(id))
-	m.r.store(m.eo+eWriterStream, st.id)
-	m.r.store(m.eo+eWriteEpoch, t)
-	for i := range uint64(maxReaders) {
-		m.r.store(m.eo+eReads+i*readBytes, 0)
-	}
+// wrote marks a write (or allocation) by stream st of Device m.me at epoch t; the
+// reads before it are forgotten, as they were checked to be ordered before it.
+func (m marks) wrote(st *stream, t uint64) {
+	m.locked(func() {
+		m.r.store(m.eo+eWriter, uint64(m.me))
+		m.r.store(m.eo+eWriterStream, st.id)
+		m.r.store(m.eo+eWriteEpoch, t)
+		for i := range uint64(maxReaders) {
+			m.r.store(m.eo+eReads+i*readBytes, 0)
+		}
+	})
 }
 
-// read marks a read by stream st of Device id at epoch t, in that stream's slot, else
-// a free one, else the oldest.
-func (m marks) read(id ident, st *stream, t uint64) {
-	at, oldest := uint64(0), ^uint64(0)
-	for i := range uint64(maxReaders) {
-		ro := m.eo + eReads + i*readBytes
-		rid := ident(m.r.load(ro))
-		if rid == id && m.r.load(ro+8) == st.id {
-			at = ro
-			break
-		}
-		if e := m.r.load(ro + 16); rid == 0 || e < oldest {
-			if rid == 0 {
-				e = 0
+// read marks a read by stream st of Device m.me at epoch t, in that stream's slot,
+// else a free one, else the oldest.
+func (m marks) read(st *stream, t uint64) {
+	m.locked(func() {
+		at, oldest := uint64(0), ^uint64(0)
+		for i := range uint64(maxReaders) {
+			ro := m.eo + eReads + i*readBytes
+			rid := ident(m.r.load(ro))
+			if rid == m.me && m.r.load(ro+8) == st.id {
+				at = ro
+				break
 			}
-			at, oldest = ro, e
+			if e := m.r.load(ro + 16); rid == 0 || e < oldest {
+				if rid == 0 {
+					e = 0
+				}
+				at, oldest = ro, e
+			}
 		}
-	}
-	m.r.store(at, uint64(id))
-	m.r.store(at+8, st.id)
-	m.r.store(at+16, t)
+		m.r.store(at, uint64(m.me))
+		m.r.store(at+8, st.id)
+		m.r.store(at+16, t)
+	})
 }
