@@ -98,7 +98,7 @@ func (cl *client) start() {
 func (cl *client) readAll() {
 	defer close(cl.readerDone)
 	for {
-		if err := cl.handOn(cl.c.recv); err != nil {
+		if err := cl.handOn(true); err != nil {
 			cl.fail(err)
 			return
 		}
@@ -128,7 +128,7 @@ func (cl *client) watchIdle() {
 			return
 		}
 		for {
-			err := cl.handOn(cl.c.poll)
+			err := cl.handOn(false)
 			if err == errNoFrame {
 				break
 			}
@@ -218,7 +218,7 @@ func (cl *client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 		}()
 	}
 	for {
-		if err := cl.handOn(cl.c.recv); err != nil {
+		if err := cl.handOn(true); err != nil {
 			if ctx.Err() != nil && errors.Is(err, os.ErrDeadlineExceeded) {
 				return delivery{}, ctx.Err() // nothing is lost: the next reader goes on
 			}
@@ -232,7 +232,7 @@ func (cl *client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 			}
 			// Frames read with the reply would wait for the next wake: take them now.
 			for cl.c.hasFrame() {
-				if err := cl.handOn(cl.c.recv); err != nil {
+				if err := cl.handOn(true); err != nil {
 					cl.fail(err)
 					break
 				}
@@ -243,9 +243,9 @@ func (cl *client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 	}
 }
 
-// handOn reads a frame with read and dispatches it.
-func (cl *client) handOn(read func() (message, int, error)) error {
-	m, fd, err := read()
+// handOn reads a frame, waiting for it or not (errNoFrame), and dispatches it.
+func (cl *client) handOn(wait bool) error {
+	m, fd, err := cl.c.next(wait)
 	if err != nil {
 		return err
 	}

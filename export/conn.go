@@ -44,7 +44,7 @@ type conn struct {
 	arrived []arrivedFD
 	// rx keeps the control buffer between reads.
 	rx unixfd.Receiver
-	// raw reads the socket without waiting (poll); nil where it cannot.
+	// raw is the Unix socket's descriptor, which reads go through; nil on a byte stream.
 	raw syscall.RawConn
 
 	// draining: a write failed on the exporter's side, which now only reads what the
@@ -64,7 +64,10 @@ const drainWindow = 250 * time.Millisecond
 func newConn(nc net.Conn, acceptsFDs bool) *conn {
 	c := &conn{nc: nc, acceptsFDs: acceptsFDs, wlock: semaphore.NewWeighted(1)}
 	if c.uc, _ = nc.(*net.UnixConn); c.uc != nil {
-		c.raw, _ = c.uc.SyscallConn()
+		var err error
+		if c.raw, err = c.uc.SyscallConn(); err != nil {
+			c.uc = nil // closed already: reads fail as on any closed connection
+		}
 	}
 	return c
 }
@@ -164,7 +167,7 @@ func (c *conn) abort() {
 func (c *conn) recv() (message, int, error) { return c.next(true) }
 
 // poll is recv that does not wait: it fails with errNoFrame if no whole frame has
-// arrived. Only on a Unix socket (c.raw set).
+// arrived. Only on a Unix socket.
 func (c *conn) poll() (message, int, error) { return c.next(false) }
 
 func (c *conn) next(wait bool) (m message, fd int, err error) {
@@ -287,14 +290,7 @@ func (c *conn) read(b []byte, wait bool) (int, []int, error) {
 	if c.acceptsFDs {
 		maxFDs = 1 // a frame carries at most one
 	}
-	var n int
-	var fds []int
-	var err error
-	if wait {
-		n, fds, err = c.rx.Recv(c.uc, b, maxFDs)
-	} else {
-		n, fds, err = c.rx.TryRecv(c.raw, b, maxFDs)
-	}
+	n, fds, err := c.rx.RecvRaw(c.raw, b, maxFDs, wait)
 	switch {
 	case errors.Is(err, unixfd.ErrUnexpectedFDs):
 		return n, nil, fmt.Errorf("%w: %w", errRefusedFDs, protocolErr("%v", err))

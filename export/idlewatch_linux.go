@@ -3,6 +3,7 @@ package export
 import (
 	"errors"
 	"os"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -14,9 +15,16 @@ import (
 // which wakes whoever reads the socket, it can be switched off while a caller reads, so
 // that a reply wakes that caller alone, and on again after.
 type idleWatch struct {
-	ep     *os.File
-	epRaw  syscall.RawConn
-	sock   syscall.RawConn
+	ep    *os.File
+	epRaw syscall.RawConn
+	// mu orders set and close: no epoll_ctl after the epoll descriptor is closed, when
+	// its number could name another file. The socket's number may go stale under set
+	// (the connection closes): its registration then went with it, and the call only
+	// fails.
+	mu     sync.Mutex
+	closed bool
+	epfd   int
+	sockfd int
 	events [1]unix.EpollEvent
 }
 
@@ -31,8 +39,10 @@ func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
 	if err != nil {
 		return nil, os.NewSyscallError("epoll_create1", err)
 	}
+	sockfd := -1
 	var ctlErr error
 	err = sock.Control(func(fd uintptr) {
+		sockfd = int(fd)
 		ev := unix.EpollEvent{Events: idleEvents, Fd: int32(fd)}
 		ctlErr = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, int(fd), &ev)
 	})
@@ -46,7 +56,7 @@ func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
 		unix.Close(epfd)
 		return nil, err
 	}
-	w := &idleWatch{ep: os.NewFile(uintptr(epfd), "export idle watch"), sock: sock}
+	w := &idleWatch{ep: os.NewFile(uintptr(epfd), "export idle watch"), epfd: epfd, sockfd: sockfd}
 	if w.epRaw, err = w.ep.SyscallConn(); err != nil {
 		w.ep.Close()
 		return nil, err
@@ -73,21 +83,26 @@ func (w *idleWatch) wait() error {
 }
 
 // set switches the watch on or off. Switching it on reports what arrived meanwhile:
-// the kernel looks at the socket again.
+// the kernel looks at the socket again. Errors mean the connection or the watch is
+// closed: there is nothing left to watch.
 func (w *idleWatch) set(on bool) {
-	ev := unix.EpollEvent{}
+	ev := unix.EpollEvent{Fd: int32(w.sockfd)}
 	if on {
 		ev.Events = idleEvents
 	}
-	// Both descriptors are held for the call, so neither number can be reused under it
-	// by a close. Errors mean the connection or the watch is closed: nothing to watch.
-	w.epRaw.Control(func(ep uintptr) {
-		w.sock.Control(func(fd uintptr) {
-			ev.Fd = int32(fd)
-			unix.EpollCtl(int(ep), unix.EPOLL_CTL_MOD, int(fd), &ev)
-		})
-	})
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed {
+		unix.EpollCtl(w.epfd, unix.EPOLL_CTL_MOD, w.sockfd, &ev)
+	}
 }
 
 // close ends wait.
-func (w *idleWatch) close() { w.ep.Close() }
+func (w *idleWatch) close() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed {
+		w.closed = true
+		w.ep.Close()
+	}
+}

@@ -33,20 +33,24 @@ func newLeaseIDs() leaseIDs {
 	return leaseIDs{block}
 }
 
-func (k leaseIDs) round(i byte, x uint32) uint32 {
-	var in, out [aes.BlockSize]byte
+// round is the round function; b is scratch space for the block's input and output
+// (one allocation for the four rounds: Encrypt, through an interface, lets them escape).
+func (k leaseIDs) round(b *[2 * aes.BlockSize]byte, i byte, x uint32) uint32 {
+	in, out := b[:aes.BlockSize], b[aes.BlockSize:]
+	clear(in)
 	in[0] = i
 	binary.LittleEndian.PutUint32(in[1:], x)
-	k.block.Encrypt(out[:], in[:])
-	return binary.LittleEndian.Uint32(out[:])
+	k.block.Encrypt(out, in)
+	return binary.LittleEndian.Uint32(out)
 }
 
 // seal returns the lease id of counter ctr of connection conn.
 func (k leaseIDs) seal(conn uint32, ctr uint64) uint64 {
 	x := uint64(conn)<<counterBits | ctr&maxCounter
 	l, r := uint32(x>>32), uint32(x)
+	b := new([2 * aes.BlockSize]byte)
 	for i := range byte(4) {
-		l, r = r, l^k.round(i, r)
+		l, r = r, l^k.round(b, i, r)
 	}
 	return uint64(l)<<32 | uint64(r)
 }
@@ -54,8 +58,9 @@ func (k leaseIDs) seal(conn uint32, ctr uint64) uint64 {
 // unseal inverts seal.
 func (k leaseIDs) unseal(id uint64) (conn uint32, ctr uint64) {
 	l, r := uint32(id>>32), uint32(id)
+	b := new([2 * aes.BlockSize]byte)
 	for i := byte(4); i > 0; i-- {
-		l, r = r^k.round(i-1, l), l
+		l, r = r^k.round(b, i-1, l), l
 	}
 	x := uint64(l)<<32 | uint64(r)
 	return uint32(x >> counterBits), x & maxCounter

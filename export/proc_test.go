@@ -30,6 +30,7 @@ func TestMain(m *testing.M) {
 		"producer":           roleProducer,
 		"consumer":           roleConsumer,
 		"bench-consumer":     roleBenchConsumer,
+		"roundtrip-consumer": roleRoundTripConsumer,
 		"connector":          roleConnector,
 		"lingering-consumer": roleLingeringConsumer,
 		"peer-consumer":      rolePeerConsumer,

@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ErrWouldBlock means TryRecv found nothing to read.
+// ErrWouldBlock means RecvRaw, not waiting, found nothing to read.
 var ErrWouldBlock = errors.New("unixfd: nothing to read now")
 
 // ErrUnexpectedFDs means a message carried more descriptors than the caller accepts,
@@ -69,15 +69,16 @@ func (r *Receiver) Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []i
 	return r.finish(n, oob[:oobn], flags, maxFDs)
 }
 
-// TryRecv is Recv on the socket behind rc that does not wait for data: if none has
-// arrived it fails with ErrWouldBlock. A peer that closed gives io.EOF.
-func (r *Receiver) TryRecv(rc syscall.RawConn, buf []byte, maxFDs int) (n int, fds []int, err error) {
+// RecvRaw is Recv on the socket behind rc. It allocates nothing for a message without
+// descriptors. With wait false it does not wait for data: if none has arrived it
+// fails with ErrWouldBlock. A peer that closed gives io.EOF.
+func (r *Receiver) RecvRaw(rc syscall.RawConn, buf []byte, maxFDs int, wait bool) (n int, fds []int, err error) {
 	oob := r.control(maxFDs)
 	var oobn, flags int
 	var rerr error
 	err = rc.Read(func(fd uintptr) bool {
-		n, oobn, flags, _, rerr = unix.Recvmsg(int(fd), buf, oob, unix.MSG_DONTWAIT|recvFlags)
-		return true // never wait
+		n, oobn, flags, rerr = recvmsg(int(fd), buf, oob, unix.MSG_DONTWAIT|recvFlags)
+		return !wait || !errors.Is(rerr, unix.EAGAIN)
 	})
 	switch {
 	case err != nil:
