@@ -64,7 +64,7 @@ func (r *Receiver) Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []i
 	oob := r.control(maxFDs)
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return n, nil, err
+		return 0, nil, err // ReadMsgUnix passes on recvmsg's -1
 	}
 	return r.finish(n, oob[:oobn], flags, maxFDs)
 }

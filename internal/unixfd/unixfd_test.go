@@ -148,3 +148,17 @@ func TestReceiverAllocatesNothingForPlainMessages(t *testing.T) {
 	})
 	require.Zero(t, n, "allocations per plain message")
 }
+
+// A peer that closed with bytes of ours unread resets the connection: the read fails
+// with ECONNRESET and reports no bytes (the system call's -1 must not come through:
+// export's conn added it to its buffer's end and panicked when a producer was killed).
+func TestRecvOfAResetConnectionReadsNothing(t *testing.T) {
+	a, b := pair(t)
+	require.NoError(t, Send(a, []byte("never read")))
+	require.NoError(t, b.Close())
+	var rx Receiver
+	n, fds, err := rx.Recv(a, make([]byte, 8), 1)
+	require.ErrorIs(t, err, unix.ECONNRESET)
+	require.Zero(t, n)
+	require.Empty(t, fds)
+}
