@@ -428,16 +428,20 @@ func (imp *Importer) adoptLease(l *leaseMsg, name string, s cudart.Stream, waite
 		// lives: a dead process's event may never complete, and a stream left waiting
 		// on it would hold the caller's work for good. Each step asks the kernel first;
 		// a death between the last question and the wait is the one window left, as
-		// narrow as one CUDA call.
-		if imp.exporterDead() {
-			return nil, imp.goneErr("before the lease could be used")
-		}
-		ev, err := imp.readyEvent(l.Ready)
-		if err != nil {
+		// narrow as one CUDA call. (An event opened before needs one question: nothing
+		// but a lookup comes between the lease and the next step.)
+		ev, opened := imp.openedEvent(l.Ready)
+		if !opened {
 			if imp.exporterDead() {
-				return nil, imp.goneErr("as its ready event was opened")
+				return nil, imp.goneErr("before the lease could be used")
 			}
-			return nil, err
+			var err error
+			if ev, err = imp.readyEvent(l.Ready); err != nil {
+				if imp.exporterDead() {
+					return nil, imp.goneErr("as its ready event was opened")
+				}
+				return nil, err
+			}
 		}
 		if imp.exporterDead() {
 			return nil, imp.goneErr("before its ready event was waited on")

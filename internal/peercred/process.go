@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -16,6 +17,7 @@ import (
 type Process struct {
 	pid int
 	f   *os.File // a pidfd, non-blocking, so that the runtime's poller waits on it
+	rc  syscall.RawConn
 }
 
 // PID is the pid the process had when the handle was opened.
@@ -66,13 +68,9 @@ func (p *Process) Wait(ctx context.Context) error {
 // Exited reports, without blocking, whether the process has exited (a zombie has). An
 // error says the handle cannot tell (it was closed, for instance).
 func (p *Process) Exited() (bool, error) {
-	rc, err := p.f.SyscallConn()
-	if err != nil {
-		return false, fmt.Errorf("peercred: pid %d: %w", p.pid, err)
-	}
 	var exited bool
 	var pollErr error
-	if err := rc.Control(func(fd uintptr) { exited, pollErr = hasExited(int(fd)) }); err != nil {
+	if err := p.rc.Control(func(fd uintptr) { exited, pollErr = hasExited(int(fd)) }); err != nil {
 		return false, fmt.Errorf("peercred: pid %d: %w", p.pid, err)
 	}
 	if pollErr != nil {

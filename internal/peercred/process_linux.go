@@ -39,5 +39,10 @@ func OpenProcess(pid int) (*Process, error) {
 		f.Close() // not pollable: Wait could not be woken by ctx
 		return nil, fmt.Errorf("%w: the pidfd of %d cannot be polled: %w", ErrUnsupported, pid, err)
 	}
-	return &Process{pid: pid, f: f}, nil
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("peercred: pidfd of %d: %w", pid, err)
+	}
+	return &Process{pid: pid, f: f, rc: rc}, nil
 }
