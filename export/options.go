@@ -259,8 +259,10 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 // (or one this process does not see: another host's, over FABRIC) the copy runs on s.
 //
 // The replica is taken from a (nil: a pool the Importer makes on its device, one per
-// exporter's device, which grants that device access and is destroyed with the last
-// replica once the Importer is closed). The exporter's device writes the replica, so
+// exporter's device, which grants that device access, keeps the memory of released
+// replicas for the next ones, and is destroyed with the last replica once the
+// Importer is closed; pass an allocator to bound that memory). The exporter's device
+// writes the replica, so
 // a's pool must grant it read-write access (pool.WithPeerAccess): a pool.Pool that
 // does not is refused with an error wrapping pool.ErrNoPeerAccess, before anything is
 // allocated; an allocator that does not say its pool (no Handle method) fails the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -169,7 +170,14 @@ func (imp *Importer) newCopier(owner int) (_ *copier, err error) {
 			imp.stopCopies(c)
 		}
 	}()
-	opts := []pool.Option{pool.WithHandleType(cudart.HandleTypeNone), pool.WithName(fmt.Sprintf("export replicas of device %d", owner))}
+	// The pool keeps the memory of released replicas for the next ones: given back at
+	// each synchronisation, every replica maps its memory afresh (256 MiB on the GPU
+	// host, 2026-11-30: a replica took 2.0 ms, a read of the buffer over NVLink
+	// 0.69 ms). The memory goes with the pool, after the Importer and its replicas.
+	opts := []pool.Option{
+		pool.WithHandleType(cudart.HandleTypeNone), pool.WithReleaseThreshold(math.MaxUint64),
+		pool.WithName(fmt.Sprintf("export replicas of device %d", owner)),
+	}
 	if owner >= 0 && owner != imp.dev {
 		opts = append(opts, pool.WithPeerAccess(owner))
 		if c.stream, err = rt.StreamCreate(owner, cudart.StreamNonBlocking); err != nil {

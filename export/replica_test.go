@@ -2,6 +2,7 @@ package export
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -207,6 +208,12 @@ func TestReplicasOutliveTheirImporter(t *testing.T) {
 	require.NoError(t, err)
 	assert.NotEqual(t, m1.Ptr(), m2.Ptr(), "each Open makes its own replica")
 	assert.EqualValues(t, 1, rt.pools(), "one pool for the replicas of one exporter's device")
+	imp.replicas.mu.Lock()
+	replicaPool := imp.replicas.copiers[0].pool.Handle()
+	imp.replicas.mu.Unlock()
+	keep, err := s.dev.MemPoolGetAttribute(1, replicaPool, cudart.PoolReleaseThreshold)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(math.MaxUint64), keep, "released replicas' memory is kept, so that the next replica does not map its memory afresh")
 
 	require.NoError(t, m1.Release(ctx, s.stream))
 	require.NoError(t, imp.Close(ctx))
