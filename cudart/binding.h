@@ -201,14 +201,17 @@ static __thread const cp_lib *cp_thread_lib;
 static inline int cp_current_stream(uintptr_t s) { return s <= 0x2; }
 
 // CP_ON_STREAM_DEVICE is CP_ON_DEVICE for a call that CUDA runs on the device of its
-// stream s whatever device is current: stream-ordered allocation and free ("ignores the
-// current device/context": the pool or the stream decides), copies, event records and
-// waits (the programming guide's multi-device rules). Once this thread has a context
-// of this runtime, such a call on a created stream neither reads nor changes the
-// current device: no cudaGetDevice, one C call. Without one, it sets dev as every
-// call does, so that CUDA never makes the default device's context on a thread that
-// works on another (it would take that device's memory); on a current-device stream
-// too, as that stream is the current device's.
+// stream s whatever device is current: stream-ordered allocation ("cudaMallocAsync
+// ignores the current device/context": the pool or the stream decides; seen on 2xH200,
+// device 1's pool and stream with device 0 current). Once this thread has a context of
+// this runtime, such a call on a created stream neither reads nor changes the current
+// device: no cudaGetDevice, one C call. Without one, it sets dev as every call does,
+// so that CUDA never makes the default device's context on a thread that works on
+// another (it would take that device's memory); on a current-device stream too, as
+// that stream is the current device's. Calls that take a device pointer keep the rule:
+// the runtime checks the pointer against the current device (a copy into device 1's
+// pool on device 1's stream, with device 0 current, failed with cudaErrorInvalidValue
+// on 2xH200), and the free, record and wait are not shown safe on a GPU.
 #define CP_ON_STREAM_DEVICE(r, lib, dev, s) \
 	if (cp_thread_lib != (lib) || cp_current_stream(s)) { \
 		CP_ON_DEVICE(r, lib, dev) \
@@ -437,7 +440,7 @@ static cp_blob_res cp_mem_pool_export(uintptr_t lib, long long dev, uintptr_t p,
 	}
 
 // CP_STREAM_CALL is CP_CALL for a call that runs on the device of its stream s (see
-// CP_ON_STREAM_DEVICE).
+// CP_ON_STREAM_DEVICE): cudaMallocFromPoolAsync.
 #define CP_STREAM_CALL(name, params, s, call) \
 	static cp_res name params { \
 		const cp_lib *l = CP_LIB(lib); \
@@ -455,7 +458,7 @@ enum { cp_memcpy_host_to_device = 1, cp_memcpy_device_to_host = 2, cp_memcpy_def
 CP_CALL(cp_res, cp_stream_create, (uintptr_t lib, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_stream_destroy, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_synchronize, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
-CP_STREAM_CALL(cp_stream_wait_event, (uintptr_t lib, long long dev, uintptr_t s, uintptr_t e), s, l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+CP_CALL(cp_res, cp_stream_wait_event, (uintptr_t lib, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
 enum { cp_not_supported = 801 }; // cudaErrorNotSupported
 
 static cp_res cp_stream_get_device(uintptr_t lib, long long dev, uintptr_t s) {
@@ -474,7 +477,7 @@ static cp_res cp_stream_get_device(uintptr_t lib, long long dev, uintptr_t s) {
 
 CP_CALL(cp_res, cp_event_create, (uintptr_t lib, long long dev, unsigned flags), l->cudaEventCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_event_destroy, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventDestroy(CP_PTR(e)))
-CP_STREAM_CALL(cp_event_record, (uintptr_t lib, long long dev, uintptr_t e, uintptr_t s), s, l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
+CP_CALL(cp_res, cp_event_record, (uintptr_t lib, long long dev, uintptr_t e, uintptr_t s), l->cudaEventRecord(CP_PTR(e), CP_PTR(s)))
 CP_CALL(cp_res, cp_event_synchronize, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventSynchronize(CP_PTR(e)))
 CP_CALL(cp_res, cp_event_query, (uintptr_t lib, long long dev, uintptr_t e), l->cudaEventQuery(CP_PTR(e)))
 CP_CALL(cp_blob_res, cp_ipc_get_event_handle, (uintptr_t lib, long long dev, uintptr_t e), l->cudaIpcGetEventHandle(&r.blob, CP_PTR(e)))
@@ -486,14 +489,14 @@ CP_CALL(cp_res, cp_mem_pool_set_access, (uintptr_t lib, long long dev, uintptr_t
 CP_CALL(cp_res, cp_mem_pool_trim_to, (uintptr_t lib, long long dev, uintptr_t p, uint64_t keep), l->cudaMemPoolTrimTo(CP_PTR(p), (size_t)keep))
 CP_STREAM_CALL(cp_malloc_from_pool_async, (uintptr_t lib, long long dev, uint64_t size, uintptr_t p, uintptr_t s), s,
 	l->cudaMallocFromPoolAsync(&out, (size_t)size, CP_PTR(p), CP_PTR(s)))
-CP_STREAM_CALL(cp_free_async, (uintptr_t lib, long long dev, uintptr_t ptr, uintptr_t s), s, l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
+CP_CALL(cp_res, cp_free_async, (uintptr_t lib, long long dev, uintptr_t ptr, uintptr_t s), l->cudaFreeAsync(CP_PTR(ptr), CP_PTR(s)))
 CP_CALL(cp_blob_res, cp_mem_pool_export_pointer, (uintptr_t lib, long long dev, uintptr_t ptr), l->cudaMemPoolExportPointer(&r.blob, CP_PTR(ptr)))
 CP_CALL(cp_res, cp_mem_pool_import_pointer, (uintptr_t lib, long long dev, uintptr_t p, cp_blob64 data), l->cudaMemPoolImportPointer(&out, CP_PTR(p), &data))
-CP_STREAM_CALL(cp_memcpy_from_host, (uintptr_t lib, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s), s,
+CP_CALL(cp_res, cp_memcpy_from_host, (uintptr_t lib, long long dev, uintptr_t dst, const void *src, uint64_t n, uintptr_t s),
 	l->cudaMemcpyAsync(CP_PTR(dst), src, (size_t)n, cp_memcpy_host_to_device, CP_PTR(s)))
-CP_STREAM_CALL(cp_memcpy_to_host, (uintptr_t lib, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s), s,
+CP_CALL(cp_res, cp_memcpy_to_host, (uintptr_t lib, long long dev, void *dst, uintptr_t src, uint64_t n, uintptr_t s),
 	l->cudaMemcpyAsync(dst, CP_PTR(src), (size_t)n, cp_memcpy_device_to_host, CP_PTR(s)))
-CP_STREAM_CALL(cp_memcpy_device, (uintptr_t lib, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s), s,
+CP_CALL(cp_res, cp_memcpy_device, (uintptr_t lib, long long dev, uintptr_t dst, uintptr_t src, uint64_t n, uintptr_t s),
 	l->cudaMemcpyAsync(CP_PTR(dst), CP_PTR(src), (size_t)n, cp_memcpy_default, CP_PTR(s)))
 CP_CALL(cp_res, cp_memset, (uintptr_t lib, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
 	l->cudaMemsetAsync(CP_PTR(dst), value, (size_t)n, CP_PTR(s)))

@@ -336,9 +336,10 @@ func TestFakeErrorsNameTheFailingCall(t *testing.T) {
 	}
 }
 
-// Each call works on its own device: on a thread where another device is current,
-// every device-dependent method still works on objects of its own device (the fake
-// refuses them otherwise), whatever the call before it left current.
+// Each call makes its own device current, or works on its own device without it:
+// on a thread where another device is current, every device-dependent method still
+// works on objects of its own device (the fake refuses them otherwise), whatever the
+// call before it left current.
 func TestFakeEveryCallMakesItsDeviceCurrent(t *testing.T) {
 	rt := loadFake(t)
 	runtime.LockOSThread()
@@ -478,39 +479,34 @@ func fakeCount(t *testing.T, rt cudart.Runtime, dev int, attr cudart.DeviceAttr)
 	return must[int](t, "the fake's count")(rt.DeviceAttribute(dev, attr))
 }
 
-// A call that CUDA runs on its stream's device neither reads nor changes the thread's
-// current device once the thread has a context: no cudaGetDevice, one C call. On the
-// current device's stream (NULL) a call still makes its device current.
-func TestFakeStreamCallsKeepTheCurrentDevice(t *testing.T) {
+// MallocFromPoolAsync, which CUDA runs on its stream's device, neither reads nor
+// changes the thread's current device once the thread has a context: no
+// cudaGetDevice, one C call. On the current device's stream (NULL) it still makes its
+// device current, and every other call keeps the rule.
+func TestFakeStreamAllocKeepsTheCurrentDevice(t *testing.T) {
 	rt := loadFake(t)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	const dev, other = 1, 2
 	pool := newPool(t, rt, dev)
 	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
-	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
-	e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(dev, cudart.EventDisableTiming))
+	current := func() int { return must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)) }
 	_, _, err := rt.MemGetInfo(other)
 	require.NoError(t, err, "making device %d current", other)
 
-	want := pattern(64, 9)
-	got := make([]byte, len(want))
 	calls := fakeCount(t, rt, 0, fakeAttrGetDeviceCalls)
 	ptr, err := rt.MallocFromPoolAsync(dev, 64, pool, s)
 	require.NoError(t, err, "MallocFromPoolAsync")
-	require.NoError(t, rt.MemcpyHtoDAsync(dev, ptr, want, s), "MemcpyHtoDAsync")
-	require.NoError(t, rt.EventRecord(dev, e, s), "EventRecord")
-	require.NoError(t, rt.StreamWaitEvent(dev, s2, e), "StreamWaitEvent")
-	require.NoError(t, rt.MemcpyDtoDAsync(dev, ptr+32, ptr, 32, s2), "MemcpyDtoDAsync")
-	require.NoError(t, rt.MemcpyDtoHAsync(dev, got, ptr, s2), "MemcpyDtoHAsync")
-	require.NoError(t, rt.FreeAsync(dev, ptr, s2), "FreeAsync")
-	require.Equal(t, calls, fakeCount(t, rt, 0, fakeAttrGetDeviceCalls), "cudaGetDevice calls made by calls on a created stream")
-	require.Equal(t, append(want[:32:32], want[:32]...), got, "the bytes copied through device %d's streams", dev)
-	require.Equal(t, other, must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)), "the current device after calls on device %d's streams", dev)
+	require.Equal(t, calls, fakeCount(t, rt, 0, fakeAttrGetDeviceCalls), "cudaGetDevice calls made by MallocFromPoolAsync on a created stream")
+	require.Equal(t, other, current(), "the current device after MallocFromPoolAsync on device %d's stream", dev)
+	require.NoError(t, rt.FreeAsync(dev, ptr, s), "FreeAsync")
+	require.Equal(t, dev, current(), "the current device after FreeAsync, which keeps the rule")
 
+	_, _, err = rt.MemGetInfo(other)
+	require.NoError(t, err, "making device %d current", other)
 	ptr, err = rt.MallocFromPoolAsync(dev, 64, pool, 0)
 	require.NoError(t, err, "MallocFromPoolAsync on the legacy stream")
-	require.Equal(t, dev, must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)), "the current device after a call on the legacy stream")
+	require.Equal(t, dev, current(), "the current device after a call on the legacy stream")
 	require.NoError(t, rt.FreeAsync(dev, ptr, 0), "FreeAsync on the legacy stream")
 }
 
@@ -596,29 +592,16 @@ func TestFakeHotPathDoesNotAllocate(t *testing.T) {
 	require.NoError(t, failed, "hot path calls")
 }
 
-// BenchmarkFakeCall is the binding's own cost per call: one cgo crossing and a
-// trivial C function, with the device check ("device": EventQuery of a never recorded
-// event) and without it ("stream": StreamWaitEvent on a created stream, whose device
-// CUDA takes from the stream).
+// BenchmarkFakeCall is the binding's own cost per call: one cgo crossing, the device
+// check and a trivial C function (EventQuery of a never recorded event).
 func BenchmarkFakeCall(b *testing.B) {
 	rt := buildFake(b, nil, nil).load(b)
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventDisableTiming))
-	s := must[cudart.Stream](b, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
-	b.Run("device", func(b *testing.B) {
-		b.ReportAllocs()
-		for b.Loop() {
-			// Not require.NoError: its two t.Helper calls cost several times the call timed.
-			if _, err := rt.EventQuery(0, e); err != nil {
-				b.Fatal(err)
-			}
+	b.ReportAllocs()
+	for b.Loop() {
+		// Not require.NoError: its two t.Helper calls cost several times the call timed.
+		if _, err := rt.EventQuery(0, e); err != nil {
+			b.Fatal(err)
 		}
-	})
-	b.Run("stream", func(b *testing.B) {
-		b.ReportAllocs()
-		for b.Loop() {
-			if err := rt.StreamWaitEvent(0, s, e); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
+	}
 }

@@ -10,12 +10,13 @@
 // CUDA's current device is per OS thread and goroutines move between threads. Every
 // Runtime method whose meaning depends on the current device takes the device ordinal
 // and makes that device current on the very thread that makes the call, so goroutines
-// working on different devices never observe each other's choice. The calls that CUDA
-// runs on the device of their stream whatever device is current (MallocFromPoolAsync,
-// FreeAsync, EventRecord, StreamWaitEvent and the copies, on a created stream) leave
-// the current device as it is once the thread has a context: they are the hot path, and
-// a cudaGetDevice per call is time the C caller does not spend. With the legacy or
-// per-thread stream, which are the current device's, they make dev current too.
+// working on different devices never observe each other's choice. MallocFromPoolAsync
+// on a created stream, which CUDA runs on the device of its pool or stream whatever
+// device is current, leaves the current device as it is once the thread has a
+// context: it is half of every allocation pair, and a cudaGetDevice per call is time
+// the C caller does not spend. With the legacy or per-thread stream, which are the
+// current device's, it makes dev current too. The calls that take a device pointer
+// keep the rule: the runtime checks the pointer against the current device.
 package cudart
 
 import "fmt"

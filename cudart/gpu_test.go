@@ -249,51 +249,52 @@ func TestGPUStreamDevice(t *testing.T) {
 	}
 }
 
-// The calls that CUDA runs on their stream's device whatever device is current
-// (stream-ordered allocation "ignores the current device/context"; copies, event
-// records and waits follow the programming guide's multi-device rules) work on device
-// 1's streams from a thread where device 0 is current, and leave device 0 current: the
-// binding makes no cudaGetDevice or cudaSetDevice for them. On the legacy stream, the
-// current device's, a call still makes its device current.
-func TestGPUStreamCallsKeepTheCurrentDevice(t *testing.T) {
+// MallocFromPoolAsync, which CUDA runs on its stream's device whatever device is
+// current ("cudaMallocAsync ignores the current device/context"), works on device 1's
+// pool and stream from a thread where device 0 is current and leaves device 0 current:
+// the binding makes no cudaGetDevice or cudaSetDevice for it. The memory is device 1's
+// pool's, and usable. The calls after it keep the rule: FreeAsync makes device 1
+// current. On the legacy stream, the current device's, the allocation makes its device
+// current too.
+func TestGPUStreamAllocKeepsTheCurrentDevice(t *testing.T) {
 	rt := gputest.Devices(t, 2)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	const dev, other = 1, 0
 	f := newGPUFixture(t, rt, dev, ipcPool)
-	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
-	defer rt.StreamDestroy(dev, s2)
-	e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(dev, cudart.EventDisableTiming))
-	defer rt.EventDestroy(dev, e)
 	current := func() int { return must[int](t, "CurrentDevice")(cudart.CurrentDevice(rt)) }
-	_, _, err := rt.MemGetInfo(other)
-	require.NoError(t, err, "MemGetInfo, making device %d current", other)
-	require.Equal(t, other, current(), "the current device after MemGetInfo(%d)", other)
+	makeOtherCurrent := func() {
+		t.Helper()
+		_, _, err := rt.MemGetInfo(other)
+		require.NoError(t, err, "MemGetInfo, making device %d current", other)
+		require.Equal(t, other, current(), "the current device after MemGetInfo(%d)", other)
+	}
 
-	want := pattern(MiB, 5)
-	got := make([]byte, MiB)
-	half := uint64(MiB / 2)
+	makeOtherCurrent()
 	ptr, err := rt.MallocFromPoolAsync(dev, MiB, f.pool, f.stream)
 	require.NoError(t, err, "MallocFromPoolAsync on device %d's stream", dev)
+	t.Cleanup(func() { f.free(t, ptr) })
+	assert.Equal(t, other, current(), "the current device after MallocFromPoolAsync on device %d's stream", dev)
+	want := pattern(MiB, 5)
+	got := make([]byte, MiB)
 	require.NoError(t, rt.MemcpyHtoDAsync(dev, ptr, want, f.stream), "MemcpyHtoDAsync")
-	require.NoError(t, rt.EventRecord(dev, e, f.stream), "EventRecord")
-	require.NoError(t, rt.StreamWaitEvent(dev, s2, e), "StreamWaitEvent")
-	require.NoError(t, rt.MemcpyDtoDAsync(dev, ptr+cudart.DevicePtr(half), ptr, half, s2), "MemcpyDtoDAsync")
-	require.NoError(t, rt.MemcpyDtoHAsync(dev, got, ptr, s2), "MemcpyDtoHAsync")
-	require.NoError(t, rt.FreeAsync(dev, ptr, s2), "FreeAsync")
-	require.Equal(t, other, current(), "the current device after calls on device %d's streams", dev)
-	require.True(t, bytes.Equal(append(want[:half:half], want[:half]...), got), "the bytes copied through device %d's streams", dev)
-	require.NoError(t, rt.StreamSynchronize(dev, s2), "StreamSynchronize")
+	require.NoError(t, rt.MemcpyDtoHAsync(dev, got, ptr, f.stream), "MemcpyDtoHAsync")
+	assert.True(t, bytes.Equal(want, got), "the bytes through the allocation")
 	high := must[uint64](t, "MemPoolGetAttribute")(rt.MemPoolGetAttribute(dev, f.pool, cudart.PoolUsedMemHigh))
 	assert.GreaterOrEqual(t, high, uint64(MiB), "device %d's pool served the allocation", dev)
 
-	_, _, err = rt.MemGetInfo(other)
-	require.NoError(t, err, "MemGetInfo, making device %d current", other)
-	ptr, err = rt.MallocFromPoolAsync(dev, MiB, f.pool, 0)
+	makeOtherCurrent()
+	p2, err := rt.MallocFromPoolAsync(dev, MiB, f.pool, 0)
 	require.NoError(t, err, "MallocFromPoolAsync on the legacy stream")
-	require.Equal(t, dev, current(), "the current device after a call on the legacy stream")
-	require.NoError(t, rt.FreeAsync(dev, ptr, 0), "FreeAsync on the legacy stream")
+	assert.Equal(t, dev, current(), "the current device after an allocation on the legacy stream")
+	require.NoError(t, rt.FreeAsync(dev, p2, 0), "FreeAsync on the legacy stream")
 	require.NoError(t, rt.StreamSynchronize(dev, 0), "StreamSynchronize of the legacy stream")
+
+	makeOtherCurrent()
+	p3, err := rt.MallocFromPoolAsync(dev, MiB, f.pool, f.stream)
+	require.NoError(t, err, "MallocFromPoolAsync on device %d's stream", dev)
+	require.NoError(t, rt.FreeAsync(dev, p3, f.stream), "FreeAsync")
+	assert.Equal(t, dev, current(), "the current device after FreeAsync, which keeps the rule")
 }
 
 func TestGPUEvents(t *testing.T) {

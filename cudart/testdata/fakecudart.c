@@ -8,10 +8,9 @@
 //     poisoned (fake.h);
 //   - a stream, event or pool must be used with its own device current, else
 //     cudaErrorInvalidResourceHandle (400): a binding that set the device on one
-//     thread and called on another fails here. The calls CUDA runs on their
-//     stream's device whatever device is current (stream-ordered allocation and
-//     free, copies, event records and waits on a created stream) follow CUDA's rule
-//     instead, so that a binding may leave the current device alone for them;
+//     thread and called on another fails here. cudaMallocFromPoolAsync, which CUDA
+//     runs on its stream's device whatever device is current, follows CUDA's rule
+//     instead, so that a binding may leave the current device alone for it;
 //   - a thread has no context until cudaSetDevice, or until a call that needs one
 //     makes the current device's (0 unless set) current, as CUDA does: the fake
 //     counts those, so that a test sees a call that would have made the default
@@ -220,12 +219,6 @@ static stream_t *as_stream(void *s) {
 	if ((st ? st->dev : cur) == POISONED) return poison(__func__); \
 	STICKY(st ? st->dev : cur)
 
-// valid_event is e if it is an event of any device.
-static event_t *valid_event(void *e) {
-	event_t *ev = e;
-	return ev && ev->magic == EVENT_MAGIC ? ev : NULL;
-}
-
 static event_t *as_event(void *e) {
 	event_t *ev = e;
 	return ev && ev->magic == EVENT_MAGIC && ev->dev == cur ? ev : NULL;
@@ -268,11 +261,10 @@ int cudaStreamSynchronize(void *s) {
 	return SUCCESS;
 }
 
-// The stream and the event may be of different devices.
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
-	ON_STREAM(s);
+	ON_CURRENT();
 	if (flags) return INVALID_VALUE;
-	if (!st || !valid_event(e)) return INVALID_HANDLE;
+	if (!as_stream(s) || !as_event(e)) return INVALID_HANDLE;
 	return SUCCESS;
 }
 
@@ -310,11 +302,11 @@ int cudaEventDestroy(void *e) {
 	return SUCCESS;
 }
 
-// The event and the stream must be of one device.
 int cudaEventRecord(void *e, void *s) {
-	ON_STREAM(s);
-	event_t *ev = valid_event(e);
-	if (!ev || !st || ev->dev != st->dev) return INVALID_HANDLE;
+	ON_CURRENT();
+	event_t *ev = as_event(e);
+	stream_t *st = as_stream(s);
+	if (!ev || !st) return INVALID_HANDLE;
 	ev->recorded_on = st;
 	ev->syncs_at_record = st->syncs;
 	ev->synchronized = 0;
@@ -518,8 +510,8 @@ int cudaMallocFromPoolAsync(void **out, size_t size, void *p, void *s) {
 #ifndef OMIT_cudaFreeAsync
 // Freeing an imported pointer drops one import; freeing the original frees it.
 int cudaFreeAsync(void *ptr, void *s) {
-	ON_STREAM(s);
-	if (!st) return INVALID_HANDLE;
+	ON_CURRENT();
+	if (!as_stream(s)) return INVALID_HANDLE;
 	for (alloc_t **pa = &allocs; *pa; pa = &(*pa)->next) {
 		alloc_t *a = *pa;
 		if (a->p != ptr) continue;
@@ -606,8 +598,8 @@ int cudaMemPoolImportPointer(void **out, void *p, const void *data) {
 // kind: 1 host to device, 2 device to host, 4 default (the binding uses it only
 // between device addresses).
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *s) {
-	ON_STREAM(s);
-	if (!st) return INVALID_HANDLE;
+	ON_CURRENT();
+	if (!as_stream(s)) return INVALID_HANDLE;
 	int dst_dev = find(dst, n) != NULL, src_dev = find(src, n) != NULL;
 	int ok = (kind == 1 && dst_dev && !src_dev) || (kind == 2 && !dst_dev && src_dev) ||
 		 (kind == 4 && dst_dev && src_dev);
