@@ -19,8 +19,9 @@ import (
 //
 //	calls IMPL OP ROUND SIDE CALL COUNT MS MAX_MS
 //
-// SIDE is producer (the exporter's process: its pool and exporter) or consumers (all
-// of them, summed). CALL is a runtime call, EventQuery/pending for the queries that
+// SIDE is producer (the exporter's process: its pool and exporter), consumers (all
+// of them, summed), or recycling (the producer, retiring the last window's buffers and
+// recycling them for this one, before the window). CALL is a runtime call, EventQuery/pending for the queries that
 // found the work not done, or the consumer's own Open, Release, OpenAll and
 // ReleaseAll (their whole time, round trip included).
 type callCounter struct {

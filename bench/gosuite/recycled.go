@@ -52,7 +52,11 @@ func (pr *producer) recycled(r *reporter) ([]float64, error) {
 		if err != nil {
 			return nil, err
 		}
+		// What the producer called to retire the last window's buffers and recycle
+		// them into this one's.
+		recycling := rp.calls.take()
 		rate, err := rp.window(r, "sustained/4/recycled", cs, round, name, pr.sh.ring, 1)
+		printCalls(r, "sustained/4/recycled", round, "recycling", recycling)
 		if rerr := retire(); err == nil {
 			err = rerr
 		}

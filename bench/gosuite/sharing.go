@@ -444,17 +444,18 @@ func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, na
 	produced := pr.calls.take()
 	pr.given += int(total)
 	fmt.Fprintf(r.w, "window cudapool %s %d %.0f %.0f %.3f %.2f\n", op, round, total, slow, slowMS, turns)
-	for _, side := range []struct {
-		name string
-		ts   map[string]tally
-	}{{"producer", produced}, {"consumers", consumed}} {
-		for _, call := range slices.Sorted(maps.Keys(side.ts)) {
-			t := side.ts[call]
-			fmt.Fprintf(r.w, "calls cudapool %s %d %s %s %d %.3f %.3f\n", op, round, side.name, call, t.n,
-				float64(t.total.Microseconds())/1e3, float64(t.max.Microseconds())/1e3)
-		}
-	}
+	printCalls(r, op, round, "producer", produced)
+	printCalls(r, op, round, "consumers", consumed)
 	return total / pr.sh.window.Seconds(), nil
+}
+
+// printCalls prints the calls lines of one side of a window.
+func printCalls(r *reporter, op string, round int, side string, ts map[string]tally) {
+	for _, call := range slices.Sorted(maps.Keys(ts)) {
+		t := ts[call]
+		fmt.Fprintf(r.w, "calls cudapool %s %d %s %s %d %.3f %.3f\n", op, round, side, call, t.n,
+			float64(t.total.Microseconds())/1e3, float64(t.max.Microseconds())/1e3)
+	}
 }
 
 // blockSize is the size of a KV block of issue 11's block rows.
