@@ -39,7 +39,8 @@ func TestCInterface(t *testing.T) {
 
 func run(t *testing.T, name string, args ...string) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	// Inside .ci/run's go test -timeout, as in TestPythonPackage.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
 	require.NoError(t, err, "%s %v:\n%s", name, args, out)
@@ -56,7 +57,9 @@ func TestPythonPackage(t *testing.T) {
 		t.Skip("no python3 to run python/tests with")
 	}
 	lib := library(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	// Well inside .ci/run's go test -timeout (5 minutes for the whole package), so a
+	// hung Python test fails here, with its output, rather than killing the binary.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, py, "-m", "unittest", "discover", "-s", "tests", "-t", "tests")
 	cmd.Dir = filepath.Join("..", "python")
