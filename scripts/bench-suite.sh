@@ -99,7 +99,7 @@ meta gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort
 meta driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
 meta cpus "$(nproc)"
 [ -s "$bin/go-version.txt" ] && meta go "$(cat "$bin/go-version.txt")"
-git rev-parse --short HEAD >/dev/null 2>&1 && meta commit "$(git rev-parse --short HEAD)"
+[ -s "$bin/commit.txt" ] && meta commit "$(cat "$bin/commit.txt") (the build's, scripts/build-gpu.sh)"
 python3 -c 'import cuda.core as c; print("meta cudacore", getattr(c, "__version__", "unknown"))' >>"$raw" 2>/dev/null ||
 	meta cudacore "not importable"
 python3 -c 'import torch; print("meta torch", torch.__version__)' >>"$raw" 2>/dev/null || meta torch "not importable"

@@ -56,5 +56,11 @@ fi
 # and bench-suite.sh unpack them there.
 gzip -6 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f \( -perm -u+x -o -name '*.so' \) ! -name '*.test')
 go version >"$out/go-version.txt"
+# The commit the binaries were built from (the GPU host's copy of the tree has no
+# history of its own to ask): bench-suite.sh records it with the run.
+commit=$(git rev-parse --short HEAD 2>/dev/null) && {
+	git diff --quiet HEAD 2>/dev/null || commit="$commit+changes"
+	echo "$commit" >"$out/commit.txt"
+}
 du -sh "$out"
 exit $failed
