@@ -442,6 +442,8 @@ FEATURE_ROWS = (
     ("torch", "alloc/1MiB/native", "torch alloc+free 1 MiB, native caching allocator (issue 10)"),
     ("torch", "alloc/1MiB/cudaMallocAsync", "torch alloc+free 1 MiB, backend:cudaMallocAsync (issue 10)"),
     ("torch", "alloc/1MiB/cudapool", "torch alloc+free 1 MiB, cudapool as the current allocator (issue 10)"),
+    ("torch", "alloc/1MiB/cudapool-cache",
+     "torch alloc+free 1 MiB, cudapool as the current allocator, its pool's cache on (CUDAPOOL_TORCH_CACHE=64 MiB)"),
     ("python", "open+release/exported", "Python open+release, already exported (issue 10)"),
     ("torch", "read/own", "torch read of its own memory, same GPU (issue 10)"),
     ("torch", "read/mapping", "torch read of a cudapool mapping, same GPU (issue 10)"),

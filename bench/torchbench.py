@@ -14,6 +14,10 @@ could not be taken. The rows:
                                     (every tensor reaches the driver)
     torch alloc/1MiB/cudapool       the same, cudapool the current allocator
                                     (cudapool.torch.use_as_current: every tensor reaches it)
+    torch alloc/1MiB/cudapool-cache the same, its pools with a per-stream cache
+                                    (CUDAPOOL_TORCH_CACHE=64 MiB: a free on a stream serves
+                                    that stream's next allocation without the driver, as
+                                    torch's own caching allocator does)
     python open+release/exported    the Python package: Importer.open + Mapping.release of
                                     buffers published before (a ring of 64 of 2 MiB), as
                                     bench/gosuite's open+release/exported
@@ -178,7 +182,7 @@ def consumer(path, shape):
 def child(argv, shape, quick):
     """Runs in a child process: one measurement, printed."""
     what = argv[0]
-    if what == "alloc/1MiB/cudapool":
+    if what in ("alloc/1MiB/cudapool", "alloc/1MiB/cudapool-cache"):
         import cudapool
         import cudapool.torch as cpt
         cudapool.init(os.environ.get("TORCHBENCH_RUNTIME", "auto"))
@@ -239,18 +243,19 @@ def main(argv):
         run_child("alloc/1MiB/cudaMallocAsync", quick,
                   env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync"))
     if not os.path.isdir(os.path.join(ROOT, "python", "cudapool")):
-        for impl, op in (("torch", "alloc/1MiB/cudapool"), ("python", "open+release/exported"),
-                         ("torch", "read/own"), ("torch", "read/mapping")):
+        for impl, op in (("torch", "alloc/1MiB/cudapool"), ("torch", "alloc/1MiB/cudapool-cache"),
+                         ("python", "open+release/exported"), ("torch", "read/own"), ("torch", "read/mapping")):
             print("absent %s %s python/cudapool (issue 10) is not in this checkout" % (impl, op), flush=True)
         return 0
     env = cudapool_env(runtime)
     if "CUDAPOOL_LIB" not in env:
-        for impl, op in (("torch", "alloc/1MiB/cudapool"), ("python", "open+release/exported"),
-                         ("torch", "read/own"), ("torch", "read/mapping")):
+        for impl, op in (("torch", "alloc/1MiB/cudapool"), ("torch", "alloc/1MiB/cudapool-cache"),
+                         ("python", "open+release/exported"), ("torch", "read/own"), ("torch", "read/mapping")):
             fail(impl, op, "no libcudapool.so: set CUDAPOOL_LIB, or build bin/gpu/libcudapool.so (scripts/build-gpu.sh)")
         return 1
     if torch is not None:
         run_child("alloc/1MiB/cudapool", quick, env=env)
+        run_child("alloc/1MiB/cudapool-cache", quick, env=dict(env, CUDAPOOL_TORCH_CACHE=str(64 << 20)))
     run_child("producer", quick, env=env, ops=[("python", "open+release/exported"), ("torch", "read/own"),
                                                ("torch", "read/mapping")])
     return 1 if failed else 0
