@@ -169,6 +169,8 @@ func (p *peer) exited() bool {
 // before its release events can go: waited for on the pools' release streams, or
 // (wait false: its process is gone, and its imports with it) dropped.
 func (p *peer) settleCompletions(wait bool) {
+	p.settling.Lock()
+	defer p.settling.Unlock()
 	p.mu.Lock()
 	completions := p.completions
 	p.completions = map[*pool.Pool]*pool.Completion{}

@@ -50,6 +50,11 @@ type peer struct {
 	// completions are those events as the pools they ended leases of know them
 	// (pool.Lease.EndAt); closed before the events are destroyed.
 	completions map[*pool.Pool]*pool.Completion
+	// settling is held across a settleCompletions: the cleanup after the peer's Bye
+	// and the exporter's Close settle at once, and the one that finds nothing left
+	// must not hang up (the peer then destroys its event) while the other still
+	// waits on the event.
+	settling sync.Mutex
 	// ending is held (shared) by a release while it ends grants with the release
 	// event, and by shut while it settles the completions and hangs up.
 	ending sync.RWMutex
