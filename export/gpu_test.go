@@ -1,6 +1,7 @@
 package export
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 	"testing"
@@ -90,19 +91,7 @@ func retainedRecycle(t *testing.T, rt cudart.Runtime, kind string, size uint64) 
 	path := filepath.Join(shortDir(t), "r.sock")
 	k := proctest.Start(t, "producer", kind, path, "retain", fmt.Sprintf("kv=%d:17", size))
 	k.Expect("ready")
-	ctx := testCtx(t)
-	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
-	require.NoError(t, err)
-	defer rt.StreamDestroy(0, s)
-	imp, err := Dial(ctx, path, rt, 0)
-	require.NoError(t, err)
-	defer imp.Close(ctx)
-	local, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypeNone))
-	require.NoError(t, err)
-	defer local.Close(ctx, pool.Force())
-	dst, err := local.Alloc(ctx, size, s)
-	require.NoError(t, err)
-	defer dst.Free(s)
+	ctx, s, imp, dst := copyingConsumer(t, rt, path, size)
 	got := make([]byte, size)
 
 	fill := byte(17)
@@ -173,25 +162,13 @@ func blockLeases(t *testing.T, rt cudart.Runtime, kind string, size uint64) {
 	k.Expect("ready")
 	k.Send(fmt.Sprintf("ranges slab %d", n))
 	k.Expect("ranged")
-	ctx := testCtx(t)
-	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
-	require.NoError(t, err)
-	defer rt.StreamDestroy(0, s)
-	imp, err := Dial(ctx, path, rt, 0)
-	require.NoError(t, err)
-	defer imp.Close(ctx)
+	ctx, s, imp, dst := copyingConsumer(t, rt, path, size)
 	names := make([]string, n)
 	for i := range names {
 		names[i] = fmt.Sprintf("slab-%d", i)
 	}
 	ms, err := imp.OpenAll(ctx, names, s)
 	require.NoError(t, err)
-	local, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypeNone))
-	require.NoError(t, err)
-	defer local.Close(ctx, pool.Force())
-	dst, err := local.Alloc(ctx, size, s)
-	require.NoError(t, err)
-	defer dst.Free(s)
 	for round := range 4 { // copies still queued at the release
 		for i, m := range ms {
 			require.Equal(t, block, m.Size())
@@ -212,4 +189,25 @@ func blockLeases(t *testing.T, rt cudart.Runtime, kind string, size uint64) {
 	require.NoError(t, imp.Close(ctx))
 	k.Send("quit")
 	k.Finish()
+}
+
+// copyingConsumer is this process's side of the two-process GPU tests on device 0: a
+// stream, an Importer of the producer at path and a buffer of size bytes in a local
+// pool to copy mappings into, each undone when the test ends (the Importer first).
+func copyingConsumer(t *testing.T, rt cudart.Runtime, path string, size uint64) (context.Context, cudart.Stream, *Importer, *pool.Buffer) {
+	t.Helper()
+	ctx := testCtx(t)
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	t.Cleanup(func() { rt.StreamDestroy(0, s) })
+	local, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypeNone))
+	require.NoError(t, err)
+	t.Cleanup(func() { local.Close(ctx, pool.Force()) })
+	dst, err := local.Alloc(ctx, size, s)
+	require.NoError(t, err)
+	t.Cleanup(func() { dst.Free(s) })
+	imp, err := Dial(ctx, path, rt, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { imp.Close(ctx) })
+	return ctx, s, imp, dst
 }
