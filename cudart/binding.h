@@ -235,32 +235,20 @@ static const char *cp_cu_error_string(uintptr_t lib, cp_err e) {
 	return l->cuGetErrorString(e, &s) == 0 ? s : 0;
 }
 
-static cp_res cp_driver_version(uintptr_t lib) {
-	const cp_lib *l = CP_LIB(lib);
-	cp_res r = {0};
-	int v = 0;
-	r.err = l->cudaDriverGetVersion(&v);
-	r.v = (uint64_t)v;
-	return r;
-}
+// CP_INT_QUERY defines a query of the library as a whole (no device) that writes one
+// int: its value travels in r.v.
+#define CP_INT_QUERY(name, fn) \
+	static cp_res name(uintptr_t lib) { \
+		cp_res r = {0}; \
+		int v = 0; \
+		r.err = CP_LIB(lib)->fn(&v); \
+		r.v = (uint64_t)v; \
+		return r; \
+	}
 
-static cp_res cp_runtime_version(uintptr_t lib) {
-	const cp_lib *l = CP_LIB(lib);
-	cp_res r = {0};
-	int v = 0;
-	r.err = l->cudaRuntimeGetVersion(&v);
-	r.v = (uint64_t)v;
-	return r;
-}
-
-static cp_res cp_device_count(uintptr_t lib) {
-	const cp_lib *l = CP_LIB(lib);
-	cp_res r = {0};
-	int n = 0;
-	r.err = l->cudaGetDeviceCount(&n);
-	r.v = (uint64_t)n;
-	return r;
-}
+CP_INT_QUERY(cp_driver_version, cudaDriverGetVersion)
+CP_INT_QUERY(cp_runtime_version, cudaRuntimeGetVersion)
+CP_INT_QUERY(cp_device_count, cudaGetDeviceCount)
 
 static cp_res cp_device_attribute(uintptr_t lib, long long dev, int attr) {
 	const cp_lib *l = CP_LIB(lib);
