@@ -13,6 +13,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -86,6 +87,7 @@ var statuses = []struct {
 	{export.ErrHandleType, statusNotSup},
 	{export.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
+	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/stretchr/testify/assert"

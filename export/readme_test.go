@@ -15,6 +15,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"

@@ -21,6 +21,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
