@@ -12,10 +12,11 @@ import (
 	"runtime/debug"
 	"unsafe"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The status codes of cudapool.h.
@@ -64,28 +65,28 @@ var statuses = []struct {
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
-	{export.ErrBadName, statusInval},
-	{export.ErrBadRange, statusInval},
-	{export.ErrMetaTooLong, statusInval},
+	{consumer.ErrBadName, statusInval},
+	{consumer.ErrBadRange, statusInval},
+	{producer.ErrMetaTooLong, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
-	{export.ErrReleased, statusHandle},
+	{consumer.ErrReleased, statusHandle},
 	{pool.ErrBusy, statusBusy},
 	{pool.ErrClosed, statusClosed},
-	{export.ErrClosed, statusClosed},
+	{consumer.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
-	{export.ErrUnknownName, statusNotFound},
-	{export.ErrNameInUse, statusExist},
-	{export.ErrAddressInUse, statusExist},
-	{export.ErrExporterGone, statusGone},
-	{export.ErrBufferGone, statusGone},
-	{export.ErrNoPeer, statusNotFound},
-	{export.ErrRefused, statusRefused},
-	{export.ErrVersionMismatch, statusVersion},
-	{export.ErrProtocol, statusProtocol},
+	{consumer.ErrUnknownName, statusNotFound},
+	{producer.ErrNameInUse, statusExist},
+	{producer.ErrAddressInUse, statusExist},
+	{consumer.ErrExporterGone, statusGone},
+	{consumer.ErrBufferGone, statusGone},
+	{producer.ErrNoPeer, statusNotFound},
+	{consumer.ErrRefused, statusRefused},
+	{consumer.ErrVersionMismatch, statusVersion},
+	{consumer.ErrProtocol, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
-	{export.ErrHandleType, statusNotSup},
-	{export.ErrIMEXRequired, statusNotSup},
+	{consumer.ErrHandleType, statusNotSup},
+	{consumer.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
 	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 }
