@@ -19,6 +19,7 @@ hashes (Replica.hashes computes the same in Go). Only kv_caches imports torch.
 
 import ctypes
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -238,6 +239,7 @@ _SIGNATURES = {
     "cudapool_kv_done_fd": (_Replica, ctypes.POINTER(_lib.c_int)),
     "cudapool_kv_alive": (_Replica, ctypes.POINTER(_lib.c_int)),
     "cudapool_kv_error": (_Replica, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_stats": (_Replica, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_close": (_Replica, _lib.i64),
 }
 
@@ -456,6 +458,14 @@ class Replica:
             return
         arr = (_lib.u64 * len(ids))(*ids)
         self._call("cudapool_kv_release", arr, len(ids), _stream(stream), self._ms_of(timeout))
+
+    def stats(self, timeout=None):
+        """The owner's statistics: per device its pages by state (free, writing,
+        sealing, sealed, settling; leased, releasing) and counters (hits, misses,
+        evictions, seals, duplicates, copied), per replica its leases and pages."""
+        if not self._r.h:
+            raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
+        return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
 
     def slab_view(self, typestr, shape, offset=0):
         """A DLPack (and, but for bf16, __cuda_array_interface__) view of the slab's
