@@ -51,7 +51,8 @@ class Owner:
         self.log_path = os.path.join(self.dir, "kvpoold.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-runtime", runtime_flag()],
+            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
+             "-runtime", runtime_flag()],
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self):
