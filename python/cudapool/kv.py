@@ -54,9 +54,9 @@ class Hashes(list):
     __slots__ = ("raw",)
 
     def __init__(self, raw):
+        raw = bytes(raw)
         if len(raw) % HASH_BYTES:
             raise ValueError("%d bytes are not a whole number of %d-byte hashes" % (len(raw), HASH_BYTES))
-        raw = bytes(raw)
         super().__init__(raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES))
         self.raw = raw
 
