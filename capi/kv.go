@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"unsafe"
 
@@ -72,21 +73,20 @@ func (k *kvReplica) gone() error {
 func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	ls := make([]*replica.Lease, len(ids))
+	ls := make([]*replica.Lease, 0, len(ids))
 	for i, id := range ids {
 		l, ok := k.leases[id]
 		if !ok {
-			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
-		}
-		for _, prev := range ls[:i] {
-			if prev == l {
+			for _, l := range ls {
+				k.leases[l.ID()] = l
+			}
+			if slices.Contains(ids[:i], id) {
 				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
 			}
+			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
 		}
-		ls[i] = l
-	}
-	for _, id := range ids {
 		delete(k.leases, id)
+		ls = append(ls, l)
 	}
 	return ls, nil
 }
