@@ -307,9 +307,10 @@ class Replica:
     device: the owner's slab for that device mapped into this process, and page leases.
     namespace seeds the prefix hashes (replicas match only pages of their own
     namespace); timeout bounds the dial and is every call's default; wait_for_owner
-    waits (up to timeout) for an owner that has not started yet. Methods are safe for
-    concurrent use. Close it (or use it as a context manager): the slab is unmapped, and
-    tensors from kv_caches must not be used after."""
+    waits (up to timeout) for an owner that has not started yet (Gone without it, or
+    Timeout). Methods are safe for concurrent use. A process holds one Replica of an
+    owner at a time. Close it (or use it as a context manager): the slab is unmapped,
+    and tensors from kv_caches must not be used after."""
 
     def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False):
         path = os.fsencode(dir)
