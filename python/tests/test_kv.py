@@ -46,6 +46,7 @@ class Owner:
 
     def __init__(self, pages=64, layout=LAYOUT):
         need_kvpoold()
+        os.makedirs(os.environ["CUDAPOOL_DIR"], exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
         self.serve = os.path.join(self.dir, "owner")
         self.log_path = os.path.join(self.dir, "kvpoold.log")
