@@ -355,3 +355,34 @@ func TestOwnerKilled(t *testing.T) {
 	require.True(t, errors.Is(err, kv.ErrOwnerGone), "%v", err)
 	ow.Wait()
 }
+
+// TestCrossDeviceMatchCopies: a match on device 1 of pages visible only in device 0's
+// slab copies them into device 1's, where they read right and are then matched
+// without a copy.
+func TestCrossDeviceMatchCopies(t *testing.T) {
+	o, _, dir := startOwner(t, small, 0, 1)
+	w, wdev, ws := dial(t, dir, 0)
+	r, rdev, rs := dial(t, dir, 1)
+	ctx := bound(t)
+	require.NotEqual(t, w.Slab(), r.Slab(), "each device has its slab")
+	hashes := sealed(t, wdev, w, ws, 11, 6)
+	local := sealed(t, rdev, r, rs, 11, 2) // the first two are on device 1 already
+	require.Equal(t, hashes[:2], local)
+
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 6)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "the copies' bytes")
+	st := o.Stats().Devices
+	assert.Equal(t, uint64(4), st[1].Copied, "the four pages device 1 lacked")
+	assert.Equal(t, 6, st[1].Sealed)
+	assert.Equal(t, 6, st[0].Sealed)
+	assert.Zero(t, st[0].Leased, "the copy's hold on the sources ended")
+	require.NoError(t, r.Release(ctx, rs, m))
+
+	again, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	assert.Equal(t, m.Pages(), again.Pages(), "matched in device 1's slab")
+	assert.Equal(t, uint64(4), o.Stats().Devices[1].Copied, "no second copy")
+	require.NoError(t, r.Release(ctx, rs, again))
+}
