@@ -7,9 +7,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
@@ -385,4 +387,23 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 	assert.Equal(t, m.Pages(), again.Pages(), "matched in device 1's slab")
 	assert.Equal(t, uint64(4), o.Stats().Devices[1].Copied, "no second copy")
 	require.NoError(t, r.Release(ctx, rs, again))
+}
+
+// TestOwnerClosesWhileIdle: an idle replica learns at once that its owner closes, and
+// the owner's Close ends once the replica closed in turn.
+func TestOwnerClosesWhileIdle(t *testing.T) {
+	dir := shortDir(t)
+	odev := cudarttest.ForTest(t)
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true})
+	require.NoError(t, err)
+	r, _, _ := dial(t, dir, 0)
+	closed := make(chan error, 1)
+	go func() { closed <- o.Close(bound(t)) }()
+	testwait.Recv(t, r.Done(), "the idle replica's Done after its owner's Close")
+	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
+	_, err = r.Alloc(bound(t), 1)
+	require.ErrorIs(t, err, kv.ErrOwnerGone)
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, testwait.Recv(t, closed, "the owner's Close"), "the owner's Close, once the replica unmapped its slab")
+	require.NoError(t, odev.Err())
 }
