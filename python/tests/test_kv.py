@@ -431,6 +431,10 @@ class ReplicaTest(unittest.TestCase):
         for exc, f in cases:
             with self.subTest(i=cases.index((exc, f))), self.assertRaises(exc):
                 f()
+        st = self.r.stats()
+        self.assertEqual(st["devices"][0]["writing"], 4, "the write lease's pages, no more, no fewer")
+        mine = [x for x in st["replicas"] if x["pid"] == os.getpid()]
+        self.assertEqual([(x["leases"], x["pages"]) for x in mine], [(1, 4)])
         with self.assertRaises(cudapool.InvalidArgument, msg="a read lease is not sealed"):
             self._seal_read_lease()
         # The write lease survived every refusal: it seals whole.
