@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
 )
@@ -41,6 +42,8 @@ const (
 	statusNotSup    = 18
 	statusInternal  = 19
 	statusIO        = 20
+	statusNoSpace   = 21
+	statusStale     = 22
 )
 
 // The conditions the C layer itself finds, each with its status.
@@ -89,6 +92,12 @@ var statuses = []struct {
 	{consumer.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
 	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
+	{kv.ErrNoSpace, statusNoSpace},
+	{kv.ErrStaleLease, statusStale},
+	{kv.ErrOwnerGone, statusGone},
+	{kv.ErrClosed, statusClosed},
+	{kv.ErrGeometry, statusInval},
+	{kv.ErrTooLarge, statusInval},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

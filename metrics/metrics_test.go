@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/metrics"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
@@ -211,6 +212,7 @@ func TestLint(t *testing.T) {
 		metrics.NewTargetCollector(func() ([]metrics.Target, error) {
 			return []metrics.Target{{Name: "gone", Socket: "/nowhere"}}, nil
 		}),
+		metrics.NewKVCollector("/run/kv", func() (kv.Stats, error) { return kvStats, nil }),
 	} {
 		problems, err := testutil.CollectAndLint(c)
 		require.NoError(t, err)

@@ -4,7 +4,8 @@
 # producer, consumers on every GPU) and then the operator's view: a producer and two
 # holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
-# (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there), the mixed pairs
+# (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
+# get kvpoold), the KV page pool's costs from Python (bench/kvbench.py), the mixed pairs
 # (examples/torch/pairs.py) and the torch KV cache (examples/torch/kvcache.py). It
 # prints a short table last and exits non-zero if
 # a step failed. It changes no GPU setting.
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 bin=/tmp/cudapool-bin
 mkdir -p "$bin"
 src=${GPU_BIN:-bin/gpu}
-for c in kvshare producer consumer poolstat; do
+for c in kvshare producer consumer poolstat kvpoold; do
 	# build-gpu.sh gzips the commands; gpu-check.sh may have unpacked them already.
 	if [ -f "$src/$c.gz" ]; then
 		gunzip -c "$src/$c.gz" >"$bin/$c"
@@ -140,9 +141,11 @@ elif [ -f "$src/libcudapool.so" ]; then
 	cp "$src/libcudapool.so" "$lib"
 fi
 if [ -f "$lib" ]; then
-	export CUDAPOOL_LIB=$lib
+	export CUDAPOOL_LIB=$lib CUDAPOOL_KVPOOLD=$bin/kvpoold # the KV page pool's owner, for test_kv*.py
 	scripts/python-tests.sh
 	step python-tests $?
+	timeout 300 python3 bench/kvbench.py --runtime "$runtime" --kvpoold "$bin/kvpoold"
+	step kv-bench $?
 	if [ "$runtime" = test ]; then
 		echo "(the torch pairs and the torch KV cache need a GPU: not run with RUNTIME=test)"
 	else
