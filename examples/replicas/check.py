@@ -112,6 +112,8 @@ def check_requests(m, lengths, new, failures, results):
     eng = Engine(m, pool)
     eng.serve(tokens(99, 80), tokens(98, 8), 8, share=False)  # warm-up: compiles, graphs
     eng.serve(tokens(99, 80), tokens(98, 40), 8, share=False)
+    for L in lengths:  # the cuBLAS and SDPA plans of each length, outside the timings
+        eng.serve(tokens(-L, L), tokens(-L - 1, 16), 4, share=False)
     for L in lengths:
         prompt = tokens(L, L)
         sfx = [tokens(L + i + 1, 16) for i in range(2)]

@@ -45,13 +45,15 @@ class Engine:
         return torch.tensor(toks, dtype=torch.long, device=self.m.device)
 
     @torch.no_grad()
-    def serve(self, prompt, suffix, n_new, share=True, compare=False, time_pieces=False):
+    def serve(self, prompt, suffix, n_new, share=True, compare=False, time_pieces=False,
+              stop=None, on_decode=None):
         """Serves prompt + suffix and decodes n_new tokens (the first included). share:
         match and seal through the pool (else the prompt goes into private pages only,
         never sealed: the reference). compare: also match the sealed prompt pages and check
         their bytes equal the ones computed here (reference runs). time_pieces: decode
         again with attention outside the graphs, for the comparison with the contiguous
-        cache. Returns a dict of what happened."""
+        cache. stop: asked during decoding; true ends it early ("interrupted").
+        on_decode: called once decoding starts. Returns a dict of what happened."""
         stream = torch.cuda.current_stream()
         T = self.page
         hashes = self.pool.hashes(prompt)
@@ -105,8 +107,11 @@ class Engine:
                 out["kv_compared_pages"] = len(ref)
                 out["kv_equal"] = len(ref) == len(hashes) and bool(torch.equal(
                     kv.pages_bytes(prefix), kv.pages_bytes(ref.pages)))
-            toks, step_s = dec.run(first, len(prompt) + len(suffix), n_new, timed=True)
+            if on_decode is not None:
+                on_decode()
+            toks, step_s = dec.run(first, len(prompt) + len(suffix), n_new, timed=True, stop=stop)
             out["tokens"] = toks
+            out["interrupted"] = len(toks) < n_new
             out["decode_tok_s"] = 1.0 / step_s if step_s else 0.0
             if time_pieces:
                 pkv, pdec = self._kv(n_tok, "pieces")

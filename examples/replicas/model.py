@@ -326,10 +326,12 @@ class Decoder:
         self.graphs[n].replay()
 
     @torch.no_grad()
-    def run(self, first, start, n, timed=False):
+    def run(self, first, start, n, timed=False, stop=None):
         """Feeds token first at position start (the cache holds positions 0..start-1) and
         decodes greedily until n tokens (first included) are known. Returns the n tokens
-        as a list, and with timed also the seconds per step of the replayed steps."""
+        as a list, and with timed also the seconds per step of the replayed steps. stop,
+        if given, is asked every 16 steps; when it returns true decoding ends early and
+        fewer tokens come back."""
         assert start + n <= self.capacity
         self.tok.fill_(first)
         self.pos.fill_(start)
@@ -355,7 +357,11 @@ class Decoder:
             done = 0
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n - 1 - done):
+        steps = n - 1 - done
+        for i in range(n - 1 - done):
+            if stop is not None and i % 16 == 0 and stop():
+                steps = i
+                break
             if self.mode == "eager":
                 self._eager_step()
             else:
@@ -363,5 +369,5 @@ class Decoder:
             self.host_len += 1
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        toks = self.hist[:n].tolist()
-        return (toks, dt / max(n - 1 - done, 1)) if timed else toks
+        toks = self.hist[:1 + done + steps].tolist()
+        return (toks, dt / max(steps, 1)) if timed else toks
