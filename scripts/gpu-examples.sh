@@ -5,7 +5,8 @@
 # holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there), the mixed pairs
-# (examples/torch/pairs.py) and the torch KV cache (examples/torch/kvcache.py). It
+# (examples/torch/pairs.py), the torch KV cache (examples/torch/kvcache.py) and the KV
+# page pool under a model (examples/replicas/run.py: kvpoold and replica processes). It
 # prints a short table last and exits non-zero if
 # a step failed. It changes no GPU setting.
 set -uo pipefail
@@ -150,6 +151,22 @@ if [ -f "$lib" ]; then
 		step torch-pairs $?
 		timeout 600 python3 examples/torch/kvcache.py
 		step torch-kvcache $?
+		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama.
+		if [ -f "$src/kvpoold.gz" ]; then
+			gunzip -c "$src/kvpoold.gz" >"$bin/kvpoold"
+		elif [ -f "$src/kvpoold" ]; then
+			cp "$src/kvpoold" "$bin/kvpoold"
+		fi
+		if [ ! -f "$bin/kvpoold" ]; then
+			echo "no $src/kvpoold(.gz): run scripts/build-gpu.sh" >&2
+			step kv-replicas 1
+		elif ! python3 -c 'import torch, transformers, triton' 2>/dev/null; then
+			echo "(the KV replicas need torch, transformers and triton: not run)"
+		else
+			chmod +x "$bin/kvpoold"
+			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold"
+			step kv-replicas $?
+		fi
 	fi
 else
 	echo "no $src/libcudapool.so(.gz): run scripts/build-gpu.sh" >&2

@@ -114,6 +114,7 @@ def check_requests(m, lengths, new, failures, results):
     eng.serve(tokens(99, 80), tokens(98, 40), 8, share=False)
     for L in lengths:  # the cuBLAS and SDPA plans of each length, outside the timings
         eng.serve(tokens(-L, L), tokens(-L - 1, 16), 4, share=False)
+    eng.warm(lengths, 16, new)  # the graphs of the suffix's extend and of decode
     for L in lengths:
         prompt = tokens(L, L)
         sfx = [tokens(L + i + 1, 16) for i in range(2)]

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from model import ContigKV, Decoder, PagedKV
+from model import ContigKV, Decoder, Extender, PagedKV
 
 BUCKET = 4096  # decoders (and their CUDA graphs) are kept per capacity, a multiple of this
 
@@ -32,6 +32,7 @@ class Engine:
         self.caches = pool.kv_caches()
         self.page = self.caches[0][0].shape[1]
         self.kvs = {}
+        self.exts = {}
 
     def _kv(self, tokens, mode="graph"):
         cap = _ceil(tokens, BUCKET) * BUCKET
@@ -40,6 +41,30 @@ class Engine:
             kv = PagedKV(self.caches, [], capacity=cap)
             self.kvs[key] = (kv, Decoder(self.m, kv, cap, mode))
         return self.kvs[key]
+
+    def _extend(self, kv, ids, start):
+        """m.extend through a graph kept per (cache, number of tokens)."""
+        key = (id(kv), len(ids))
+        ext = self.exts.get(key)
+        if ext is None:
+            ext = self.exts[key] = Extender(self.m, kv, len(ids), kv.capacity())
+        return ext.run(ids, start)
+
+    @torch.no_grad()
+    def warm(self, lengths, suffix, n_new):
+        """Captures the graphs requests of these prompt lengths will replay (the suffix's
+        extend, the decode steps) on a few private pages at the start of a sequence."""
+        stream = torch.cuda.current_stream()
+        for L in lengths:
+            kv, dec = self._kv(L + suffix + n_new)
+            priv = self.pool.alloc(_ceil(suffix + n_new, self.page))
+            try:
+                kv.set_pages(list(priv.pages))
+                logits = self._extend(kv, [1] * suffix, 0)
+                logits = self._extend(kv, [1] * suffix, 0)
+                dec.run(int(torch.argmax(logits[-1])), suffix, n_new)
+            finally:
+                self.pool.release(priv, stream=stream)
 
     def _ids(self, toks):
         return torch.tensor(toks, dtype=torch.long, device=self.m.device)
@@ -56,15 +81,16 @@ class Engine:
         on_decode: called once decoding starts. Returns a dict of what happened."""
         stream = torch.cuda.current_stream()
         T = self.page
-        hashes = self.pool.hashes(prompt)
-        full = len(hashes) * T
+        full = len(prompt) // T * T
         n_tok = len(prompt) + len(suffix) + n_new
         kv, dec = self._kv(n_tok)
         held = []
-        out = {"prompt": len(prompt), "pages": len(hashes)}
+        out = {"prompt": len(prompt)}
         try:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            hashes = self.pool.hashes(prompt)
+            out["hash_s"] = time.perf_counter() - t0
             lease = self.pool.match(hashes, stream=stream) if share else None
             if lease is not None and len(lease):
                 held.append(lease)
@@ -78,14 +104,15 @@ class Engine:
             if matched:
                 prefix = list(lease.pages)
                 kv.set_pages(prefix + list(priv.pages))
-                logits = self.m.extend(self._ids(prompt[full:] + suffix), full, kv)
+                logits = self._extend(kv, prompt[full:] + suffix, full)
             else:
                 w = self.pool.alloc(len(hashes))
                 held.append(w)
                 prefix = list(w.pages)
                 kv.set_pages(prefix + list(priv.pages))
-                self.m.prefill(self._ids(prompt[:full]), kv)
-                logits = self.m.extend(self._ids(prompt[full:] + suffix), full, kv)
+                if full:
+                    self.m.prefill(self._ids(prompt[:full]), kv)
+                logits = self._extend(kv, prompt[full:] + suffix, full)
             first = int(torch.argmax(logits[-1]))  # a host sync: the first token is known
             out["ttft_s"] = time.perf_counter() - t0
             out["match_s"] = t_match

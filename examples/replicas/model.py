@@ -157,6 +157,58 @@ class Model:
         return self.logits(x if all_logits else x[-1:])
 
 
+class Extender:
+    """Model.extend of n tokens over a paged cache as one CUDA graph (the length of the
+    sequence, like the tokens, is an input in device memory): a suffix over a matched
+    prefix costs one launch instead of a thousand. The first run is eager (the warm-up),
+    the graph is captured after it."""
+
+    def __init__(self, model, kv, n, capacity):
+        assert kv.graph_safe
+        self.m, self.kv, self.n, self.capacity = model, kv, n, capacity
+        dev = model.device
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ar = torch.arange(n, device=dev)
+        self.ws = Workspace(capacity, n, model.heads, model.kv_heads, model.head_dim, dev)
+        self.graph = None
+
+    def _body(self):
+        m = self.m
+        pos = self.start + self.ar
+        ctx = (self.start + self.n).to(torch.int32)
+        cos, sin = m.cos[pos], m.sin[pos]
+        slots = self.kv.slots(pos)
+        x = m.embed(self.ids)
+        for i, layer in enumerate(m.layers):
+            q, k, v = m.qkv(layer, x, cos, sin)
+            self.kv.write(i, slots, k, v)
+            x = m.out(layer, x, self.kv.attend(i, q, ctx, self.capacity, self.ws))
+        self.logits = m.logits(x[-1:])
+
+    @torch.no_grad()
+    def run(self, ids, start):
+        """The logits [1, vocab] of the last of ids (n tokens at positions start..)."""
+        assert len(ids) == self.n and start + self.n <= self.capacity
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long))
+        self.start.fill_(start)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        out = self.logits.clone()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            self._body()
+        self.graph = g
+        return out
+
+
 class PagedKV:
     """A sequence's cache in pages: caches[l] = (K, V) of layer l, [pages, T, H, D] views
     of a slab; the block table (int32 on the GPU) names the sequence's pages in order."""
@@ -180,7 +232,8 @@ class PagedKV:
         self.n_pages = len(t)
 
     def capacity(self):
-        return self.n_pages * self.page
+        """The tokens the block table can name (its pages, set or not)."""
+        return self.block_table.numel() * self.page
 
     def slots(self, pos):
         """Flat slot indices (page * T + offset) of positions pos (int64 on the GPU)."""
@@ -359,9 +412,12 @@ class Decoder:
         t0 = time.perf_counter()
         steps = n - 1 - done
         for i in range(n - 1 - done):
-            if stop is not None and i % 16 == 0 and stop():
-                steps = i
-                break
+            if stop is not None and i % 16 == 0:
+                # the host runs ahead of the GPU by what it queued: keep it 16 steps close
+                torch.cuda.current_stream().synchronize()
+                if stop():
+                    steps = i
+                    break
             if self.mode == "eager":
                 self._eager_step()
             else:

@@ -97,11 +97,11 @@ def device_stats(st, device=0):
 
 # --- a replica process ---------------------------------------------------------------
 
-def replica(conn, name, device, dir, seed):
+def replica(conn, name, device, dir, seed, lens, n_new_max):
     """One replica: builds the model, warms up on private pages of its own, dials the
     owner, then serves the parent's commands until "quit"."""
     try:
-        _replica(conn, name, device, dir, seed)
+        _replica(conn, name, device, dir, seed, lens, n_new_max)
     except BaseException as e:
         try:
             conn.send({"error": "%s: %s" % (type(e).__name__, e), "trace": traceback.format_exc()[-3000:]})
@@ -109,7 +109,7 @@ def replica(conn, name, device, dir, seed):
             pass
 
 
-def _replica(conn, name, device, dir, seed):
+def _replica(conn, name, device, dir, seed, lens, n_new_max):
     import torch
     torch.cuda.set_device(device)
     import cudapool
@@ -126,7 +126,7 @@ def _replica(conn, name, device, dir, seed):
     # and SDPA plans of every length served, so that no timing below includes them.
     local = LocalPool(len(m.layers), m.kv_heads, m.head_dim, PAGE, 2048 + 512, m.device)
     warm = Engine(m, local)
-    for L in (8192, 32768):
+    for L in sorted(set(lens + [32768])):
         warm.serve(tokens(-L, L), tokens(-L - 1, 16), 4, share=False)
     warm.serve(tokens(-5, 80), tokens(-6, 40), 4, share=False)
     del warm, local
@@ -147,6 +147,7 @@ def _replica(conn, name, device, dir, seed):
 
     threading.Thread(target=watch, daemon=True).start()
     eng = Engine(m, r)
+    eng.warm(sorted(set(lens + [32768])), 16, n_new_max)
     refs = {}
     conn.send({"ready": name, "pid": os.getpid(), "device": device, "build_s": built,
                "fingerprint": m.fingerprint(), "params": m.params(),
@@ -157,7 +158,7 @@ def _replica(conn, name, device, dir, seed):
         op = cmd["op"]
         if op == "quit":
             try:
-                r.close()
+                r.close(timeout=10)
             except Exception:
                 pass
             conn.send({"bye": name})
@@ -236,7 +237,7 @@ def _replica(conn, name, device, dir, seed):
             torch.cuda.synchronize()
             res["cuda_ok"] = y == y
             try:
-                r.close()
+                r.close(timeout=5)
             except Exception as e:
                 res["close"] = "%s: %s" % (type(e).__name__, e)
             conn.send(res)
@@ -247,10 +248,10 @@ def _replica(conn, name, device, dir, seed):
 # --- the parent ------------------------------------------------------------------------
 
 class Proc:
-    def __init__(self, ctx, name, device, dir, seed):
+    def __init__(self, ctx, name, device, dir, seed, lens, n_new):
         self.name, self.device = name, device
         self.conn, child = ctx.Pipe()
-        self.p = ctx.Process(target=replica, args=(child, name, device, dir, seed), name=name)
+        self.p = ctx.Process(target=replica, args=(child, name, device, dir, seed, lens, n_new), name=name)
         self.p.start()
         child.close()
 
@@ -303,7 +304,8 @@ def main():
     work = tempfile.mkdtemp(prefix="cudapool-replicas-")
     dir = os.path.join(work, "kv")
     log = open(os.path.join(work, "kvpoold.log"), "w")
-    owner = subprocess.Popen([args.kvpoold, "-dir", dir, "-layout", "llama-0.85b", "-pages", str(args.pages),
+    owner = subprocess.Popen([args.kvpoold, "-dir", dir, "-runtime", "gpu", "-layout", "llama-0.85b",
+                              "-pages", str(args.pages),
                               "-devices", ",".join(map(str, range(gpus)))], stdout=log, stderr=subprocess.STDOUT)
     failures = []
 
@@ -327,10 +329,10 @@ def main():
         t0 = time.perf_counter()
         for d in range(gpus):
             for i in range(args.replicas):
-                procs.append(Proc(ctx, "replica %d/GPU %d" % (i, d), d, dir, args.seed))
+                procs.append(Proc(ctx, "replica %d/GPU %d" % (i, d), d, dir, args.seed, lengths, args.new))
         if not args.no_faults:
             for v in ("writer", "sealer", "reader"):
-                victims[v] = Proc(ctx, "victim %s" % v, 0, dir, args.seed)
+                victims[v] = Proc(ctx, "victim %s" % v, 0, dir, args.seed, lengths, args.new)
         ready = [p.get() for p in procs + list(victims.values())]
         fps = {r["fingerprint"] for r in ready}
         print("%d replica processes (+%d to kill) ready in %.1f s: %.3fB-parameter Llama, bf16, each built in "
