@@ -5,7 +5,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -63,7 +65,7 @@ func TestPythonPackage(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, py, "-m", "unittest", "discover", "-s", "tests", "-t", "tests")
 	cmd.Dir = filepath.Join("..", "python")
-	cmd.Env = append(os.Environ(), "CUDAPOOL_LIB="+lib, "CUDAPOOL_DIR="+t.TempDir())
+	cmd.Env = append(os.Environ(), "CUDAPOOL_LIB="+lib, "CUDAPOOL_DIR="+t.TempDir(), "CUDAPOOL_KVPOOLD="+kvpoold(t))
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, ctx.Err(), "python/tests ran past their bound:\n%s", out)
 	require.NoError(t, err, "python/tests:\n%s", out)
@@ -71,11 +73,88 @@ func TestPythonPackage(t *testing.T) {
 	t.Logf("python/tests:\n%s", out)
 }
 
+// TestKVCInterface runs testdata/kv.c, built against the library as TestCInterface
+// builds abi.c, against a kvpoold it starts on the software device: a replica in C
+// dials, allocs, writes a page, seals, matches, reads it back and releases, and every
+// stale lease and bad input comes back as the status it names.
+func TestKVCInterface(t *testing.T) {
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		t.Skip("no C compiler")
+	}
+	lib := library(t)
+	dir := filepath.Dir(lib)
+	prog := filepath.Join(t.TempDir(), "kv")
+	run(t, cc, "-Wall", "-Wextra", "-Werror", "-I.", "testdata/kv.c", "-L"+dir, "-lcudapool", "-Wl,-rpath,"+dir, "-o", prog)
+	serve := startKVPoold(t, 32)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, prog)
+	cmd.Env = append(os.Environ(), "CUDAPOOL_KV_DIR="+serve, "CUDAPOOL_DIR="+t.TempDir())
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, ctx.Err(), "testdata/kv.c ran past its bound:\n%s", out)
+	require.NoError(t, err, "testdata/kv.c:\n%s", out)
+	require.Contains(t, string(out), ", 0 failed")
+}
+
+// startKVPoold starts a kvpoold of pages pages (llama-0.85b) on the software device,
+// serving a new directory, which it returns; the test's cleanup stops it.
+func startKVPoold(t *testing.T, pages int) string {
+	t.Helper()
+	tmp := t.TempDir()
+	serve := filepath.Join(tmp, "kv")
+	log, err := os.Create(filepath.Join(tmp, "kvpoold.log"))
+	require.NoError(t, err)
+	defer log.Close() // the child has its own copy
+	cmd := exec.Command(kvpoold(t), "-dir", serve, "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-runtime", "test")
+	cmd.Stdout, cmd.Stderr = log, log
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(time.Minute):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			out, _ := os.ReadFile(log.Name())
+			t.Logf("kvpoold:\n%s", out)
+		}
+	})
+	return serve
+}
+
 var built struct {
 	once sync.Once
 	lib  string
 	err  error
 	out  []byte
+}
+
+var builtKVPoold struct {
+	once sync.Once
+	path string
+	err  error
+	out  []byte
+}
+
+// kvpoold builds cmd/kvpoold once per test binary, beside the library, and returns
+// its path (for the C and Python tests of the KV pages calls).
+func kvpoold(t *testing.T) string {
+	t.Helper()
+	lib := library(t)
+	builtKVPoold.once.Do(func() {
+		builtKVPoold.path = filepath.Join(filepath.Dir(lib), "kvpoold")
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		builtKVPoold.out, builtKVPoold.err = exec.CommandContext(ctx, "go", "build", "-o", builtKVPoold.path, "../cmd/kvpoold").CombinedOutput()
+	})
+	require.NoError(t, builtKVPoold.err, "go build ../cmd/kvpoold:\n%s", builtKVPoold.out)
+	return builtKVPoold.path
 }
 
 // library builds libcudapool once per test binary, with the command the README gives,

@@ -60,7 +60,9 @@ enum cudapool_status {
 	CUDAPOOL_EFORK = 17,     /* this process was forked after the library was loaded */
 	CUDAPOOL_ENOTSUP = 18,   /* the request is valid but not supported here */
 	CUDAPOOL_EINTERNAL = 19, /* a bug in cudapool: please report the message */
-	CUDAPOOL_EIO = 20        /* the system failed: a socket, a file, a process */
+	CUDAPOOL_EIO = 20,       /* the system failed: a socket, a file, a process */
+	CUDAPOOL_ENOSPACE = 21,  /* the KV pool has not enough free or evictable pages */
+	CUDAPOOL_ESTALE = 22     /* the KV owner holds no such lease for this replica */
 };
 
 /* cudapool_last_error is the message of this thread's last failed call, "" if the
@@ -219,6 +221,109 @@ void cudapool_torch_free(void *ptr, ssize_t size, int device, void *stream);
 int cudapool_torch_configure(const cudapool_pool_options *opts);
 /* cudapool_torch_pool returns the handle of device's pool (making it if need be). */
 int cudapool_torch_pool(int device, uint64_t *pool);
+
+/* ---- KV pages ----
+ * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,
+ * mapped once, and leases of its pages by index. The slab is
+ * [layers][2 (K, V)][pages][tokens_per_page][kv_heads][head_dim] elements, row-major:
+ * each layer's K (and V) is one [pages, tokens_per_page, kv_heads, head_dim] tensor,
+ * and a page index names the same block in every layer.
+ *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
+ *  - seal publishes written pages under their prefix hashes, visible to every replica
+ *    once the work queued on the stream before the seal has completed; the write
+ *    lease ends either way;
+ *  - match leases for reading the longest run of visible pages for a list of hashes;
+ *  - release gives leases back once the work queued on the stream before the call has
+ *    completed.
+ * A lease id the owner does not hold for this replica (released or sealed already,
+ * another replica's, never issued) fails with CUDAPOOL_ESTALE; once the owner is gone
+ * every call that needs it fails with CUDAPOOL_EGONE. Counts over
+ * CUDAPOOL_KV_MAX_BATCH, and requests that do not fit the geometry, fail with
+ * CUDAPOOL_EINVAL, as do NULL outputs; a failed call leases and releases nothing. */
+
+typedef struct { uint64_t h; } cudapool_kv_replica;
+
+#define CUDAPOOL_KV_HASH_BYTES 16  /* a prefix hash */
+#define CUDAPOOL_KV_MAX_BATCH 4096 /* pages, hashes or leases in one request */
+
+enum cudapool_kv_dtype {
+	CUDAPOOL_KV_BF16 = 1,
+	CUDAPOOL_KV_FP16 = 2,
+	CUDAPOOL_KV_FP32 = 3,
+	CUDAPOOL_KV_FP8E4M3 = 4
+};
+
+/* The flags of cudapool_kv_dial. */
+enum cudapool_kv_dial_flags {
+	/* Wait (up to timeout_ms) for an owner that is not listening yet. */
+	CUDAPOOL_KV_WAIT_FOR_OWNER = 1
+};
+
+/* The geometry of a replica's slab. Set size to sizeof(cudapool_kv_geometry) before the
+ * call: the library writes only the fields that fit in size, so that a program built
+ * against an older, shorter struct keeps working. */
+typedef struct {
+	size_t size;
+	int32_t layers, kv_heads, head_dim, tokens_per_page;
+	int32_t dtype;      /* enum cudapool_kv_dtype */
+	int32_t dtype_size; /* bytes per element */
+	int32_t pages;      /* pages per slab */
+	int32_t device;     /* the replica's device */
+	uint64_t page_bytes; /* one layer's K (or V) of one page */
+	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
+} cudapool_kv_geometry;
+
+/* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
+ * and maps its slab for device. ns (ns_len bytes, may be NULL when 0) is the namespace
+ * the prefix hashes start from. flags: CUDAPOOL_KV_*. */
+int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
+                     int64_t timeout_ms, cudapool_kv_replica *out);
+/* cudapool_kv_geometry_get: the geometry of the replica's slab. */
+int cudapool_kv_geometry_get(cudapool_kv_replica r, cudapool_kv_geometry *out);
+/* cudapool_kv_slab: the mapped slab's address in this process and its size. */
+int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
+/* cudapool_kv_hashes writes the prefix hash of each full page of tokens
+ * (n_tokens / tokens_per_page of them, CUDAPOOL_KV_HASH_BYTES each) into hashes_out,
+ * which has room for cap_hashes; *n_hashes is their number. On CUDAPOOL_ERANGE
+ * nothing is written and *n_hashes is the number needed. */
+int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,
+                       size_t cap_hashes, size_t *n_hashes);
+/* cudapool_kv_alloc leases n pages for writing: their indices go to pages (room for
+ * n) and the lease's id to *lease. */
+int cudapool_kv_alloc(cudapool_kv_replica r, uint32_t n, int64_t timeout_ms, uint64_t *lease,
+                      uint32_t *pages);
+/* cudapool_kv_seal publishes the first n pages of the write lease under hashes (n of
+ * them; fewer than the lease's pages frees the rest), visible once the work queued on
+ * stream before the call has completed. With wait it returns once they are visible.
+ * *visible is the number visible on return, *duplicates the number whose hash was
+ * visible already (those pages are freed); either may be NULL. */
+int cudapool_kv_seal(cudapool_kv_replica r, uint64_t lease, const uint8_t *hashes, size_t n, void *stream,
+                     int wait, int64_t timeout_ms, uint32_t *visible, uint32_t *duplicates);
+/* cudapool_kv_match leases for reading the longest run of visible pages under hashes[0],
+ * hashes[1], ...: *n_pages pages (room for n) and the lease's id in *lease, 0 when
+ * none is visible (no lease then). Work queued on stream after the call may read them. */
+int cudapool_kv_match(cudapool_kv_replica r, const uint8_t *hashes, size_t n, void *stream, int64_t timeout_ms,
+                      uint64_t *lease, uint32_t *pages, size_t *n_pages);
+/* cudapool_kv_release gives back n leases (write or read) once the work queued on
+ * stream before the call has completed. All or none: with one stale id, none is
+ * released. */
+int cudapool_kv_release(cudapool_kv_replica r, const uint64_t *leases, size_t n, void *stream,
+                        int64_t timeout_ms);
+/* cudapool_kv_done_fd: a file descriptor that becomes readable when the owner is gone
+ * (for poll or epoll). It belongs to the replica: do not read or close it. */
+int cudapool_kv_done_fd(cudapool_kv_replica r, int *fd);
+/* cudapool_kv_alive: *alive is 1 while the owner is there, 0 once it is gone. */
+int cudapool_kv_alive(cudapool_kv_replica r, int *alive);
+/* cudapool_kv_error writes why the owner is gone ("" while it is there), as text. On
+ * CUDAPOOL_ERANGE *len is the size needed. */
+int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len);
+/* cudapool_kv_stats writes the owner's statistics as JSON: per device its pages by
+ * state and its counters, per replica its leases. On CUDAPOOL_ERANGE *len is the size
+ * needed. */
+int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
+/* cudapool_kv_close gives back the replica's leases, unmaps the slab and hangs up. The
+ * handle is spent. */
+int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -54,7 +54,7 @@ const char *cudapool_status_name(int status) {
 		"CUDAPOOL_EBUSY", "CUDAPOOL_EGONE", "CUDAPOOL_EREFUSED", "CUDAPOOL_EVERSION",
 		"CUDAPOOL_EPROTOCOL", "CUDAPOOL_ETIMEOUT", "CUDAPOOL_ERANGE", "CUDAPOOL_ENORUNTIME",
 		"CUDAPOOL_ECUDA", "CUDAPOOL_EFORK", "CUDAPOOL_ENOTSUP", "CUDAPOOL_EINTERNAL",
-		"CUDAPOOL_EIO",
+		"CUDAPOOL_EIO", "CUDAPOOL_ENOSPACE", "CUDAPOOL_ESTALE",
 	};
 	if (status < 0 || status >= (int)(sizeof names / sizeof names[0])) return "CUDAPOOL_UNKNOWN";
 	return names[status];
@@ -201,3 +201,57 @@ int cudapool_torch_configure(const cudapool_pool_options *opts) {
 int cudapool_torch_pool(int device, uint64_t *pool) {
 	CP_CALL(cpgo_torch_pool(device, pool));
 }
+
+// KV pages: the replica handle travels by value as a struct; Go takes its 64 bits.
+int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
+                     int64_t timeout_ms, cudapool_kv_replica *out) {
+	CP_CALL(cpgo_kv_dial((char *)dir, device, (char *)ns, ns_len, flags, timeout_ms, out ? &out->h : NULL));
+}
+
+int cudapool_kv_geometry_get(cudapool_kv_replica r, cudapool_kv_geometry *out) {
+	CP_CALL(cpgo_kv_geometry(r.h, out));
+}
+
+int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes) {
+	CP_CALL(cpgo_kv_slab(r.h, (uintptr_t *)base, bytes));
+}
+
+int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,
+                       size_t cap_hashes, size_t *n_hashes) {
+	CP_CALL(cpgo_kv_hashes(r.h, (int32_t *)tokens, n_tokens, hashes_out, cap_hashes, n_hashes));
+}
+
+int cudapool_kv_alloc(cudapool_kv_replica r, uint32_t n, int64_t timeout_ms, uint64_t *lease,
+                      uint32_t *pages) {
+	CP_CALL(cpgo_kv_alloc(r.h, n, timeout_ms, lease, pages));
+}
+
+int cudapool_kv_seal(cudapool_kv_replica r, uint64_t lease, const uint8_t *hashes, size_t n, void *stream,
+                     int wait, int64_t timeout_ms, uint32_t *visible, uint32_t *duplicates) {
+	CP_CALL(cpgo_kv_seal(r.h, lease, (uint8_t *)hashes, n, (uintptr_t)stream, wait, timeout_ms, visible,
+	                     duplicates));
+}
+
+int cudapool_kv_match(cudapool_kv_replica r, const uint8_t *hashes, size_t n, void *stream, int64_t timeout_ms,
+                      uint64_t *lease, uint32_t *pages, size_t *n_pages) {
+	CP_CALL(cpgo_kv_match(r.h, (uint8_t *)hashes, n, (uintptr_t)stream, timeout_ms, lease, pages, n_pages));
+}
+
+int cudapool_kv_release(cudapool_kv_replica r, const uint64_t *leases, size_t n, void *stream,
+                        int64_t timeout_ms) {
+	CP_CALL(cpgo_kv_release(r.h, (uint64_t *)leases, n, (uintptr_t)stream, timeout_ms));
+}
+
+int cudapool_kv_done_fd(cudapool_kv_replica r, int *fd) { CP_CALL(cpgo_kv_done_fd(r.h, fd)); }
+
+int cudapool_kv_alive(cudapool_kv_replica r, int *alive) { CP_CALL(cpgo_kv_alive(r.h, alive)); }
+
+int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_kv_error(r.h, buf, cap, len));
+}
+
+int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_kv_stats(r.h, timeout_ms, buf, cap, len));
+}
+
+int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms) { CP_CALL(cpgo_kv_close(r.h, timeout_ms)); }

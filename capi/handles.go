@@ -14,6 +14,7 @@ const (
 	kindExporter
 	kindImporter
 	kindMapping
+	kindKVReplica
 )
 
 func (k kind) String() string {
@@ -26,6 +27,8 @@ func (k kind) String() string {
 		return "importer"
 	case kindMapping:
 		return "mapping"
+	case kindKVReplica:
+		return "kv replica"
 	}
 	return fmt.Sprintf("kind-%d", uint8(k))
 }
@@ -117,7 +120,7 @@ func (t *table[T]) slotLocked(h uint64) (*slot[T], error) {
 		return nil, fmt.Errorf("%w: %v handle 0", errHandle, t.kind)
 	}
 	if k := kind(h >> kindShift); k != t.kind {
-		if k >= kindPool && k <= kindMapping {
+		if k >= kindPool && k <= kindKVReplica {
 			return nil, fmt.Errorf("%w: %#x is the handle of %v, not of %v", errHandle, h, k.withArticle(), t.kind.withArticle())
 		}
 		return nil, fmt.Errorf("%w: %#x is not a cudapool handle", errHandle, h)

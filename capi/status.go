@@ -14,6 +14,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -39,6 +40,8 @@ const (
 	statusNotSup    = 18
 	statusInternal  = 19
 	statusIO        = 20
+	statusNoSpace   = 21
+	statusStale     = 22
 )
 
 // The conditions the C layer itself finds, each with its status.
@@ -86,6 +89,12 @@ var statuses = []struct {
 	{export.ErrHandleType, statusNotSup},
 	{export.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
+	{kv.ErrNoSpace, statusNoSpace},
+	{kv.ErrStaleLease, statusStale},
+	{kv.ErrOwnerGone, statusGone},
+	{kv.ErrClosed, statusClosed},
+	{kv.ErrGeometry, statusInval},
+	{kv.ErrTooLarge, statusInval},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

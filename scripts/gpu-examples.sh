@@ -4,7 +4,8 @@
 # producer, consumers on every GPU) and then the operator's view: a producer and two
 # holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
-# (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there), the mixed pairs
+# (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
+# get kvpoold), the KV page pool's costs from Python (bench/kvbench.py), the mixed pairs
 # (examples/torch/pairs.py), the torch KV cache (examples/torch/kvcache.py) and the KV
 # page pool under a model (examples/replicas/run.py: kvpoold and replica processes). It
 # prints a short table last and exits non-zero if
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 bin=/tmp/cudapool-bin
 mkdir -p "$bin"
 src=${GPU_BIN:-bin/gpu}
-for c in kvshare producer consumer poolstat; do
+for c in kvshare producer consumer poolstat kvpoold; do
 	# build-gpu.sh gzips the commands; gpu-check.sh may have unpacked them already.
 	if [ -f "$src/$c.gz" ]; then
 		gunzip -c "$src/$c.gz" >"$bin/$c"
@@ -141,9 +142,11 @@ elif [ -f "$src/libcudapool.so" ]; then
 	cp "$src/libcudapool.so" "$lib"
 fi
 if [ -f "$lib" ]; then
-	export CUDAPOOL_LIB=$lib
+	export CUDAPOOL_LIB=$lib CUDAPOOL_KVPOOLD=$bin/kvpoold # the KV page pool's owner, for test_kv*.py
 	scripts/python-tests.sh
 	step python-tests $?
+	timeout 300 python3 bench/kvbench.py --runtime "$runtime" --kvpoold "$bin/kvpoold"
+	step kv-bench $?
 	if [ "$runtime" = test ]; then
 		echo "(the torch pairs and the torch KV cache need a GPU: not run with RUNTIME=test)"
 	else
@@ -152,20 +155,11 @@ if [ -f "$lib" ]; then
 		timeout 600 python3 examples/torch/kvcache.py
 		step torch-kvcache $?
 		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama.
-		if [ -f "$src/kvpoold.gz" ]; then
-			gunzip -c "$src/kvpoold.gz" >"$bin/kvpoold"
-		elif [ -f "$src/kvpoold" ]; then
-			cp "$src/kvpoold" "$bin/kvpoold"
-		fi
-		if [ ! -f "$bin/kvpoold" ]; then
-			echo "no $src/kvpoold(.gz): run scripts/build-gpu.sh" >&2
-			step kv-replicas 1
-		elif ! python3 -c 'import torch, transformers, triton' 2>/dev/null; then
-			echo "(the KV replicas need torch, transformers and triton: not run)"
-		else
-			chmod +x "$bin/kvpoold"
+		if python3 -c 'import torch, transformers, triton' 2>/dev/null; then
 			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold"
 			step kv-replicas $?
+		else
+			echo "(the KV replicas need torch, transformers and triton: not run)"
 		fi
 	fi
 else

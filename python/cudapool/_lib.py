@@ -206,11 +206,21 @@ class SystemFailure(CudapoolError, OSError):
     """The system failed: a socket, a file, a process."""
 
 
+class NoSpace(CudapoolError):
+    """The KV page pool has not enough free or evictable pages: nothing was leased."""
+
+
+class StaleLease(CudapoolError):
+    """The KV owner holds no such lease for this replica: released or sealed already,
+    another replica's, or never issued."""
+
+
 _ERRORS = {
     1: InvalidArgument, 2: InvalidHandle, 3: ForeignPointer, 4: Closed, 5: OutOfMemory,
     6: NotFound, 7: NameInUse, 8: Busy, 9: Gone, 10: Refused, 11: VersionMismatch,
     12: ProtocolError, 13: Timeout, 14: InvalidArgument, 15: NoRuntime, 16: CudaError,
     17: ForkedProcess, 18: NotSupported, 19: InternalError, 20: SystemFailure,
+    21: NoSpace, 22: StaleLease,
 }
 
 ERANGE = 14

@@ -1,0 +1,524 @@
+package main
+
+/*
+#include "cp.h"
+*/
+import "C"
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// The KV pages section of cudapool.h: replicas of a KV page pool's owner (package
+// kv/replica), known to C by a handle, and their leases, known to C by their ids.
+
+var kvReplicas = newTable[*kvReplica](kindKVReplica)
+
+// The flags of cudapool_kv_dial.
+const kvDialWaitForOwner = 1
+
+// The C enum cudapool_kv_dtype, by kv.DType.
+var kvDTypes = map[kv.DType]C.int32_t{
+	kv.DTypeBF16:    C.CUDAPOOL_KV_BF16,
+	kv.DTypeFP16:    C.CUDAPOOL_KV_FP16,
+	kv.DTypeFP32:    C.CUDAPOOL_KV_FP32,
+	kv.DTypeFP8E4M3: C.CUDAPOOL_KV_FP8E4M3,
+}
+
+// kvReplica is a replica as C holds it: C names a lease by its id alone, so the
+// replica's live leases are kept here by id, from alloc or match to seal or release.
+type kvReplica struct {
+	r      *replica.Replica
+	ns     string
+	device int
+
+	mu     sync.Mutex
+	leases map[uint64]*replica.Lease
+
+	doneOnce sync.Once
+	doneR    *os.File // readable (at EOF) once the owner is gone
+	doneErr  error
+	closed   chan struct{} // closed by close, the handle's last use
+}
+
+// gone is why the replica cannot make requests (its owner is gone: an error wrapping
+// kv.ErrOwnerGone), or nil while it can: every call that needs the owner says so
+// first, before anything about the leases it names.
+func (k *kvReplica) gone() error {
+	select {
+	case <-k.r.Done():
+	default:
+		return nil
+	}
+	if err := k.r.Err(); err != nil {
+		return err
+	}
+	return kv.ErrOwnerGone
+}
+
+// take removes the leases ids names, all or none: an id the replica does not hold
+// (or one given twice) is an ErrStaleLease error and takes nothing.
+func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ls := make([]*replica.Lease, len(ids))
+	for i, id := range ids {
+		l, ok := k.leases[id]
+		if !ok {
+			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+		}
+		for _, prev := range ls[:i] {
+			if prev == l {
+				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
+			}
+		}
+		ls[i] = l
+	}
+	for _, id := range ids {
+		delete(k.leases, id)
+	}
+	return ls, nil
+}
+
+// put keeps leases (new ones, or ones a failed call gave back).
+func (k *kvReplica) put(ls ...*replica.Lease) {
+	k.mu.Lock()
+	for _, l := range ls {
+		k.leases[l.ID()] = l
+	}
+	k.mu.Unlock()
+}
+
+// doneFd is the read end of a pipe whose write end is closed once the owner is gone.
+func (k *kvReplica) doneFd() (int, error) {
+	k.doneOnce.Do(func() {
+		r, w, err := os.Pipe()
+		if err != nil {
+			k.doneErr = err
+			return
+		}
+		k.doneR = r
+		go func() {
+			select {
+			case <-k.r.Done():
+			case <-k.closed:
+			}
+			w.Close()
+		}()
+	})
+	if k.doneErr != nil {
+		return -1, k.doneErr
+	}
+	return int(k.doneR.Fd()), nil
+}
+
+func (k *kvReplica) close(ctx context.Context) error {
+	err := k.r.Close(ctx)
+	close(k.closed)
+	k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
+	if k.doneR != nil {
+		k.doneR.Close()
+	}
+	return err
+}
+
+func kvGet(h C.uint64_t) (*kvReplica, error) { return kvReplicas.get(uint64(h)) }
+
+// kvBegin is what every call to the owner checks first: the context for timeoutMs,
+// the replica h names, and that its owner is not gone. The caller calls cancel when err
+// is nil.
+func kvBegin(h C.uint64_t, timeoutMs C.int64_t) (*kvReplica, context.Context, context.CancelFunc, error) {
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	k, err := kvGet(h)
+	if err == nil {
+		err = k.gone()
+	}
+	if err != nil {
+		cancel()
+		return nil, nil, nil, err
+	}
+	return k, ctx, cancel, nil
+}
+
+// kvHashes copies n hashes from C (the replica may keep them past the call).
+func kvHashes(p *C.uint8_t, n C.size_t) ([]kv.Hash, error) {
+	switch {
+	case n > kv.MaxBatch:
+		return nil, fmt.Errorf("%w: %d hashes, over %d per request", kv.ErrTooLarge, uint64(n), kv.MaxBatch)
+	case n > 0 && p == nil:
+		return nil, invalid("hashes is NULL with n %d", uint64(n))
+	}
+	hs := make([]kv.Hash, int(n))
+	if n > 0 {
+		copy(hs, unsafe.Slice((*kv.Hash)(unsafe.Pointer(p)), int(n)))
+	}
+	return hs, nil
+}
+
+// writePages copies a lease's pages to C.
+func writePages(out *C.uint32_t, pages []uint32) {
+	if len(pages) > 0 {
+		copy(unsafe.Slice((*uint32)(unsafe.Pointer(out)), len(pages)), pages)
+	}
+}
+
+//export cpgo_kv_dial
+func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C.int, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("replica is NULL"))
+	}
+	if nsLen > 0 && ns == nil {
+		return fail(invalid("ns is NULL with ns_len %d", uint64(nsLen)))
+	}
+	if flags&^kvDialWaitForOwner != 0 {
+		return fail(invalid("unknown dial flags %#x", int(flags)&^kvDialWaitForOwner))
+	}
+	d, ctx, cancel, err := nameAndContext(dir, "dir", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	if d == "" {
+		return fail(invalid("dir is empty"))
+	}
+	if device < 0 {
+		return fail(invalid("device %d is negative", int(device)))
+	}
+	namespace := ""
+	if nsLen > 0 {
+		namespace = C.GoStringN(ns, C.int(nsLen))
+	}
+	rt, err := runtimeNow()
+	if err != nil {
+		return fail(err)
+	}
+	opts := []replica.Option{replica.WithNamespace(namespace)}
+	if flags&kvDialWaitForOwner != 0 {
+		opts = append(opts, replica.WithWaitForOwner())
+	}
+	r, err := replica.Dial(ctx, d, rt, int(device), opts...)
+	if err != nil {
+		return fail(err)
+	}
+	k := &kvReplica{r: r, ns: namespace, device: int(device), leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
+	*out = C.uint64_t(kvReplicas.add(k))
+	return statusOK
+}
+
+//export cpgo_kv_geometry
+func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("geometry is NULL"))
+	}
+	if out.size < C.size_t(unsafe.Sizeof(out.size)) {
+		return fail(invalid("geometry size %d is too small: set it to sizeof(cudapool_kv_geometry)", uint64(out.size)))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	g := k.r.Geometry()
+	full := C.cudapool_kv_geometry{
+		size:            out.size,
+		layers:          C.int32_t(g.Layers),
+		kv_heads:        C.int32_t(g.KVHeads),
+		head_dim:        C.int32_t(g.HeadDim),
+		tokens_per_page: C.int32_t(g.TokensPerPage),
+		dtype:           kvDTypes[g.DType],
+		dtype_size:      C.int32_t(g.DType.Size()),
+		pages:           C.int32_t(g.Pages),
+		device:          C.int32_t(k.device),
+		page_bytes:      C.uint64_t(g.PageBytes()),
+		slab_bytes:      C.uint64_t(g.SlabBytes()),
+	}
+	n := min(uintptr(out.size), unsafe.Sizeof(full))
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
+	return statusOK
+}
+
+//export cpgo_kv_slab
+func cpgo_kv_slab(h C.uint64_t, base *C.uintptr_t, bytes *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if base == nil && bytes == nil {
+		return fail(invalid("base and bytes are NULL"))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	if base != nil {
+		*base = C.uintptr_t(k.r.Slab())
+	}
+	if bytes != nil {
+		*bytes = C.uint64_t(k.r.Geometry().SlabBytes())
+	}
+	return statusOK
+}
+
+//export cpgo_kv_hashes
+func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.uint8_t, capHashes C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	switch {
+	case n == nil:
+		return fail(invalid("n_hashes is NULL"))
+	case nTokens > 0 && tokens == nil:
+		return fail(invalid("tokens is NULL with n_tokens %d", uint64(nTokens)))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	need := int(nTokens) / k.r.Geometry().TokensPerPage
+	*n = C.size_t(need)
+	if need == 0 {
+		return statusOK
+	}
+	if out == nil || int(capHashes) < need {
+		return fail(fmt.Errorf("%w: %d hashes needed, room for %d", errRange, need, uint64(capHashes)))
+	}
+	// The hashes go straight into the caller's buffer: it has room for them all.
+	dst := unsafe.Slice((*kv.Hash)(unsafe.Pointer(out)), need)[:0]
+	kv.AppendPrefixHashes(dst, k.ns, unsafe.Slice((*int32)(unsafe.Pointer(tokens)), int(nTokens)), k.r.Geometry().TokensPerPage)
+	return statusOK
+}
+
+//export cpgo_kv_alloc
+func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t) (rc C.int) {
+	defer recoverTo(&rc)
+	switch {
+	case lease == nil:
+		return fail(invalid("lease is NULL"))
+	case pages == nil:
+		return fail(invalid("pages is NULL"))
+	case n > kv.MaxBatch:
+		return fail(fmt.Errorf("%w: %d pages, over %d per request", kv.ErrTooLarge, uint32(n), kv.MaxBatch))
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	l, err := k.r.Alloc(ctx, int(n))
+	if err != nil {
+		return fail(err)
+	}
+	k.put(l)
+	writePages(pages, l.Pages())
+	*lease = C.uint64_t(l.ID())
+	return statusOK
+}
+
+//export cpgo_kv_seal
+func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, wait C.int, timeoutMs C.int64_t, visible, duplicates *C.uint32_t) (rc C.int) {
+	defer recoverTo(&rc)
+	hs, err := kvHashes(hashes, n)
+	if err != nil {
+		return fail(err)
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	ls, err := k.take([]uint64{uint64(id)})
+	if err != nil {
+		return fail(err)
+	}
+	l := ls[0]
+	if !l.Writable() {
+		k.put(l)
+		return fail(invalid("lease %#x is a read lease (from a match): only a write lease is sealed", uint64(id)))
+	}
+	if len(hs) > len(l.Pages()) {
+		k.put(l)
+		return fail(fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hs), len(l.Pages())))
+	}
+	var opts []replica.SealOption
+	if wait != 0 {
+		opts = append(opts, replica.WaitVisible())
+	}
+	res, err := k.r.Seal(ctx, l, hs, cudart.Stream(s), opts...)
+	if err != nil {
+		keepUnlessEnded(k, err, l)
+		return fail(err)
+	}
+	if visible != nil {
+		*visible = C.uint32_t(res.Visible)
+	}
+	if duplicates != nil {
+		*duplicates = C.uint32_t(res.Duplicates)
+	}
+	return statusOK
+}
+
+//export cpgo_kv_match
+func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t, nPages *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	switch {
+	case lease == nil:
+		return fail(invalid("lease is NULL"))
+	case nPages == nil:
+		return fail(invalid("n_pages is NULL"))
+	case n > 0 && pages == nil:
+		return fail(invalid("pages is NULL"))
+	}
+	hs, err := kvHashes(hashes, n)
+	if err != nil {
+		return fail(err)
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	l, err := k.r.Match(ctx, hs, cudart.Stream(s))
+	if err != nil {
+		return fail(err)
+	}
+	*lease, *nPages = 0, 0
+	if got := l.Pages(); len(got) > 0 {
+		k.put(l)
+		writePages(pages, got)
+		*lease, *nPages = C.uint64_t(l.ID()), C.size_t(len(got))
+	}
+	return statusOK
+}
+
+//export cpgo_kv_release
+func cpgo_kv_release(h C.uint64_t, leases *C.uint64_t, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	switch {
+	case n > kv.MaxBatch:
+		return fail(fmt.Errorf("%w: %d leases, over %d per request", kv.ErrTooLarge, uint64(n), kv.MaxBatch))
+	case n > 0 && leases == nil:
+		return fail(invalid("leases is NULL with n %d", uint64(n)))
+	case n == 0:
+		return statusOK
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	ls, err := k.take(unsafe.Slice((*uint64)(unsafe.Pointer(leases)), int(n)))
+	if err != nil {
+		return fail(err)
+	}
+	err = k.r.Release(ctx, cudart.Stream(s), ls...)
+	if err != nil {
+		keepUnlessEnded(k, err, ls...)
+	}
+	return result(err)
+}
+
+// keepUnlessEnded keeps the leases of a seal or release that failed, unless the owner
+// is gone: a seal that failed before it reached the owner (its event could not be
+// recorded) or a release refused whole (one stale lease among them) leaves them
+// held, and one the owner did end makes their next use fail as stale there.
+func keepUnlessEnded(k *kvReplica, err error, ls ...*replica.Lease) {
+	if errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed) {
+		return
+	}
+	k.put(ls...)
+}
+
+//export cpgo_kv_done_fd
+func cpgo_kv_done_fd(h C.uint64_t, fd *C.int) (rc C.int) {
+	defer recoverTo(&rc)
+	if fd == nil {
+		return fail(invalid("fd is NULL"))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	f, err := k.doneFd()
+	if err != nil {
+		return fail(err)
+	}
+	*fd = C.int(f)
+	return statusOK
+}
+
+//export cpgo_kv_alive
+func cpgo_kv_alive(h C.uint64_t, alive *C.int) (rc C.int) {
+	defer recoverTo(&rc)
+	if alive == nil {
+		return fail(invalid("alive is NULL"))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	*alive = 1
+	if k.gone() != nil {
+		*alive = 0
+	}
+	return statusOK
+}
+
+//export cpgo_kv_error
+func cpgo_kv_error(h C.uint64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	msg := ""
+	if err := k.gone(); err != nil {
+		msg = err.Error()
+	}
+	return result(writeOut(unsafe.Pointer(buf), capacity, n, []byte(msg), true))
+}
+
+//export cpgo_kv_close
+func cpgo_kv_close(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	k, err := kvReplicas.remove(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(k.close(ctx))
+}
+
+//export cpgo_kv_stats
+func cpgo_kv_stats(h C.uint64_t, timeoutMs C.int64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if n == nil {
+		return fail(invalid("len is NULL"))
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	st, err := k.r.Stats(ctx)
+	if err != nil {
+		return fail(err)
+	}
+	b, err := json.Marshal(st)
+	if err != nil {
+		return fail(err)
+	}
+	return result(writeOut(unsafe.Pointer(buf), capacity, n, b, true))
+}

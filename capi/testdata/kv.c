@@ -1,0 +1,180 @@
+// kv.c checks libcudapool's KV pages calls against a live owner, on the software
+// device: a replica dials the kvpoold serving $CUDAPOOL_KV_DIR (llama-0.85b, 32
+// pages), allocs, writes a page, seals, matches, reads the page back and releases;
+// stale leases, a full slab and bad input must come back as the status named, with a
+// message. capi's TestKVCInterface starts the owner, builds this program and runs it; it
+// prints one line per failed check and exits 1 if any failed.
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cudapool.h"
+
+static int checks, failures;
+
+static void expect(const char *what, int line, int got, int want) {
+	checks++;
+	const char *msg = cudapool_last_error();
+	if (got != want) {
+		fprintf(stderr, "line %d: %s = %s (%s), want %s\n", line, what, cudapool_status_name(got), msg,
+		        cudapool_status_name(want));
+		failures++;
+	} else if (want != CUDAPOOL_OK && msg[0] == 0) {
+		fprintf(stderr, "line %d: %s = %s without a message\n", line, what, cudapool_status_name(got));
+		failures++;
+	}
+}
+
+static void check(const char *what, int line, int ok) {
+	checks++;
+	if (!ok) {
+		fprintf(stderr, "line %d: %s is false\n", line, what);
+		failures++;
+	}
+}
+
+#define EXPECT(call, want) expect(#call, __LINE__, (call), (want))
+#define CHECK(cond) check(#cond, __LINE__, (cond))
+
+enum { PAGES = 32, T = 16, N = 3 };
+
+int main(void) {
+	const char *dir = getenv("CUDAPOOL_KV_DIR");
+	if (!dir) {
+		fprintf(stderr, "CUDAPOOL_KV_DIR is not set\n");
+		return 2;
+	}
+	char why[256];
+	EXPECT(cudapool_init("test", why, sizeof why), CUDAPOOL_OK);
+
+	cudapool_kv_replica r = {0}, bad = {0};
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, CUDAPOOL_KV_WAIT_FOR_OWNER, 60000, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(NULL, 0, "c", 1, 0, 60000, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, NULL, 1, 0, 60000, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0x10, 60000, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0, -1, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, CUDAPOOL_KV_WAIT_FOR_OWNER, 60000, &r), CUDAPOOL_OK);
+	if (r.h == 0) {
+		fprintf(stderr, "no replica: %s\n", cudapool_last_error());
+		return 1;
+	}
+
+	cudapool_kv_geometry g = {.size = sizeof g};
+	EXPECT(cudapool_kv_geometry_get(r, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_geometry_get(r, &g), CUDAPOOL_OK);
+	CHECK(g.size == sizeof g);
+	CHECK(g.layers == 16 && g.kv_heads == 8 && g.head_dim == 64 && g.tokens_per_page == T);
+	CHECK(g.dtype == CUDAPOOL_KV_BF16 && g.dtype_size == 2 && g.pages == PAGES && g.device == 0);
+	CHECK(g.page_bytes == (uint64_t)T * 8 * 64 * 2);
+	CHECK(g.slab_bytes == 16ull * 2 * PAGES * g.page_bytes);
+	void *base = NULL;
+	uint64_t bytes = 0;
+	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_OK);
+	CHECK(base != NULL && bytes == g.slab_bytes);
+
+	// Hashes: N full pages and a partial one.
+	int32_t tokens[N * T + 5];
+	for (int i = 0; i < N * T + 5; i++) tokens[i] = i * 7919 - 1000;
+	uint8_t hashes[N * CUDAPOOL_KV_HASH_BYTES];
+	size_t n = 0;
+	EXPECT(cudapool_kv_hashes(r, tokens, N * T + 5, hashes, N - 1, &n), CUDAPOOL_ERANGE);
+	CHECK(n == N);
+	EXPECT(cudapool_kv_hashes(r, NULL, 4, hashes, N, &n), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_hashes(r, tokens, N * T + 5, hashes, N, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_hashes(r, tokens, T - 1, NULL, 0, &n), CUDAPOOL_OK);
+	CHECK(n == 0);
+	EXPECT(cudapool_kv_hashes(r, tokens, N * T + 5, hashes, N, &n), CUDAPOOL_OK);
+	CHECK(n == N);
+
+	// Alloc, write layer 5's V of the first page, seal.
+	uint64_t w = 0, m = 0;
+	uint32_t pages[PAGES + 1], got[N];
+	EXPECT(cudapool_kv_alloc(r, N, 10000, NULL, pages), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_alloc(r, N, 10000, &w, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_alloc(r, CUDAPOOL_KV_MAX_BATCH + 1, 10000, &w, pages), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_alloc(r, N, 10000, &w, pages), CUDAPOOL_OK);
+	CHECK(w != 0);
+	for (int i = 0; i < N; i++) CHECK(pages[i] < PAGES);
+	char data[1024], back[1024];
+	for (size_t i = 0; i < sizeof data; i++) data[i] = (char)(i * 31 + 7);
+	char *page0 = (char *)base + (5 * 2 + 1) * PAGES * g.page_bytes + pages[0] * g.page_bytes;
+	EXPECT(cudapool_copy_to_device(0, page0, data, sizeof data, NULL), CUDAPOOL_OK);
+	uint32_t visible = 99, dup = 99;
+	EXPECT(cudapool_kv_seal(r, w, NULL, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_seal(r, w, hashes, CUDAPOOL_KV_MAX_BATCH + 1, NULL, 1, 10000, &visible, &dup),
+	       CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_seal(r, w + 1000, hashes, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_ESTALE);
+	EXPECT(cudapool_kv_seal(r, w, hashes, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_OK);
+	CHECK(visible == N && dup == 0);
+	EXPECT(cudapool_kv_seal(r, w, hashes, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_ESTALE);
+
+	// Match and read back.
+	EXPECT(cudapool_kv_match(r, hashes, N, NULL, 10000, &m, got, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_match(r, hashes, N, NULL, 10000, &m, got, &n), CUDAPOOL_OK);
+	CHECK(m != 0 && n == N);
+	CHECK(memcmp(got, pages, sizeof got) == 0);
+	EXPECT(cudapool_copy_from_device(0, back, page0, sizeof back, NULL), CUDAPOOL_OK);
+	CHECK(memcmp(back, data, sizeof data) == 0);
+	// A seal of a read lease is refused and keeps it.
+	EXPECT(cudapool_kv_seal(r, m, hashes, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_EINVAL);
+	// Release: all or none.
+	uint64_t two[2] = {m, 12345};
+	EXPECT(cudapool_kv_release(r, two, 2, NULL, 10000), CUDAPOOL_ESTALE);
+	two[1] = m;
+	EXPECT(cudapool_kv_release(r, two, 2, NULL, 10000), CUDAPOOL_ESTALE);
+	EXPECT(cudapool_kv_release(r, NULL, 1, NULL, 10000), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_ESTALE);
+	EXPECT(cudapool_kv_release(r, &w, 1, NULL, 10000), CUDAPOOL_ESTALE); // sealed: the lease ended
+
+	// A miss holds nothing.
+	uint8_t other[CUDAPOOL_KV_HASH_BYTES] = {1, 2, 3};
+	m = 77;
+	EXPECT(cudapool_kv_match(r, other, 1, NULL, 10000, &m, got, &n), CUDAPOOL_OK);
+	CHECK(m == 0 && n == 0);
+
+	// The whole slab, then one page too many. Visible pages are evicted for an alloc,
+	// so the slab is full only with every page leased.
+	uint64_t all = 0, more = 0;
+	int full = CUDAPOOL_ENOSPACE;
+	for (int i = 0; i < 30000 && full == CUDAPOOL_ENOSPACE; i++) { // 30 s: released pages settle first
+		full = cudapool_kv_alloc(r, PAGES, 10000, &all, pages);
+		struct timespec ts = {0, 1000 * 1000};
+		if (full == CUDAPOOL_ENOSPACE) nanosleep(&ts, NULL);
+	}
+	EXPECT(full, CUDAPOOL_OK);
+	EXPECT(cudapool_kv_alloc(r, 1, 10000, &more, pages), CUDAPOOL_ENOSPACE);
+	EXPECT(cudapool_kv_release(r, &all, 1, NULL, 10000), CUDAPOOL_OK);
+
+	// Liveness.
+	int alive = -1, fd = -1;
+	EXPECT(cudapool_kv_alive(r, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_alive(r, &alive), CUDAPOOL_OK);
+	CHECK(alive == 1);
+	EXPECT(cudapool_kv_done_fd(r, &fd), CUDAPOOL_OK);
+	struct pollfd p = {.fd = fd, .events = POLLIN};
+	CHECK(fd >= 0 && poll(&p, 1, 0) == 0);
+	char msg[256];
+	size_t len = 99;
+	EXPECT(cudapool_kv_error(r, msg, sizeof msg, &len), CUDAPOOL_OK);
+	CHECK(len == 0 && msg[0] == 0);
+
+	// Handles.
+	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
+	bad.h = 0xdeadbeefcafe;
+	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
+	uint64_t pool = 0;
+	EXPECT(cudapool_pool_create(0, NULL, &pool), CUDAPOOL_OK);
+	bad.h = pool;
+	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
+	EXPECT(cudapool_pool_close(pool, 1, 10000), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_close(r, -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_EHANDLE);
+	EXPECT(cudapool_kv_alloc(r, 1, 10000, &w, pages), CUDAPOOL_EHANDLE);
+
+	printf("kv.c: %d checks, %d failed\n", checks, failures);
+	return failures ? 1 : 0;
+}

@@ -1,0 +1,205 @@
+// Command kvpoold is the owner of a KV page pool: it keeps a slab of KV pages on each
+// GPU it serves and leases them to replica processes (package kv/replica, the C ABI in
+// libcudapool, Python's cudapool.kv) until SIGTERM or Ctrl-C.
+//
+//	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
+//	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
+//	        [-pages N | -bytes SIZE]
+//
+// It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
+// export), and prints one line saying where and on which runtime. -devices defaults to
+// every GPU, or device 0 on the software device. -bytes is each slab's size (64 MiB on
+// the software device and 4 GiB on a GPU by default), rounded down to whole pages;
+// -pages gives the page count instead. A second kvpoold on a DIR that a live one serves
+// fails, naming it. Exit status: 0 after a clean stop, 1 on failure, 2 for a bad command
+// line.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	context.AfterFunc(ctx, stop) // a second signal acts as usual: it stops at once
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// closeTimeout bounds the stop: how long kvpoold waits for replicas to unmap its slabs.
+const closeTimeout = 10 * time.Second
+
+// DefaultDir is where kvpoold serves without -dir: kv in export's announce directory.
+func DefaultDir() string { return filepath.Join(export.DefaultDir(), "kv") }
+
+// flags are kvpoold's command line.
+type flags struct {
+	dir, devices, runtime, layout, dtype, bytes string
+	layers, kvHeads, headDim, tokensPerPage     int
+	pages                                       int
+}
+
+func parse(args []string, stderr io.Writer) (flags, bool) {
+	var f flags
+	fs := flag.NewFlagSet("kvpoold", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&f.dir, "dir", DefaultDir(), "the directory to serve in (kv.sock, slab.sock)")
+	fs.StringVar(&f.devices, "devices", "", "the devices to serve, comma-separated (default: every GPU, or 0 on the software device)")
+	fs.StringVar(&f.runtime, "runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test")
+	fs.StringVar(&f.layout, "layout", "", "a named geometry ("+strings.Join(kv.LayoutNames(), ", ")+"), instead of the dimension flags")
+	fs.IntVar(&f.layers, "layers", 0, "model layers")
+	fs.IntVar(&f.kvHeads, "kv-heads", 0, "KV heads")
+	fs.IntVar(&f.headDim, "head-dim", 0, "elements per head")
+	fs.StringVar(&f.dtype, "dtype", "bf16", "element type: bf16, fp16, fp32 or fp8e4m3")
+	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
+	fs.IntVar(&f.pages, "pages", 0, "pages per slab (instead of -bytes)")
+	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
+	if err := fs.Parse(args); err != nil {
+		return f, false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "kvpoold: unexpected arguments %q\n", fs.Args())
+		return f, false
+	}
+	return f, true
+}
+
+// geometry is the geometry the flags describe; pages are left to slabPages.
+func (f flags) geometry() (kv.Geometry, error) {
+	if f.layout != "" {
+		if f.layers != 0 || f.kvHeads != 0 || f.headDim != 0 {
+			return kv.Geometry{}, errors.New("-layout and -layers/-kv-heads/-head-dim exclude each other")
+		}
+		return kv.Layout(f.layout)
+	}
+	if f.layers == 0 || f.kvHeads == 0 || f.headDim == 0 {
+		return kv.Geometry{}, errors.New("give -layout, or -layers, -kv-heads and -head-dim")
+	}
+	dt, err := kv.ParseDType(f.dtype)
+	if err != nil {
+		return kv.Geometry{}, err
+	}
+	return kv.Geometry{Layers: f.layers, KVHeads: f.kvHeads, HeadDim: f.headDim, TokensPerPage: f.tokensPerPage, DType: dt}, nil
+}
+
+// slabPages sets g.Pages from -pages or -bytes.
+func (f flags) slabPages(g kv.Geometry, onGPU bool) (kv.Geometry, error) {
+	if f.pages != 0 && f.bytes != "" {
+		return g, errors.New("-pages and -bytes exclude each other")
+	}
+	if f.pages != 0 {
+		g.Pages = f.pages
+		return g, g.Validate()
+	}
+	size := uint64(64 << 20)
+	if onGPU {
+		size = 4 << 30
+	}
+	if f.bytes != "" {
+		var err error
+		if size, err = humanize.ParseBytes(f.bytes); err != nil {
+			return g, fmt.Errorf("-bytes: %w", err)
+		}
+	}
+	g.Pages = 1
+	per := g.SlabBytes() // one page in every layer's K and V
+	if g.Validate() != nil || per == 0 {
+		return g, g.Validate()
+	}
+	g.Pages = int(size / per)
+	if g.Pages < 1 {
+		return g, fmt.Errorf("-bytes %s holds no page of %s", humanize.IBytes(size), humanize.IBytes(per))
+	}
+	return g, g.Validate()
+}
+
+// deviceList parses -devices; "" is every device of n.
+func deviceList(s string, n int, onGPU bool) ([]int, error) {
+	if s == "" {
+		if !onGPU {
+			return []int{0}, nil
+		}
+		all := make([]int, n)
+		for i := range all {
+			all[i] = i
+		}
+		return all, nil
+	}
+	var devs []int
+	for _, part := range strings.Split(s, ",") {
+		d, err := strconv.Atoi(strings.TrimSpace(part))
+		if err != nil {
+			return nil, fmt.Errorf("-devices %q: %w", s, err)
+		}
+		devs = append(devs, d)
+	}
+	return devs, nil
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	f, ok := parse(args, stderr)
+	if !ok {
+		return 2
+	}
+	g, err := f.geometry()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 2
+	}
+	picked, err := choose.Runtime(f.runtime)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 1
+	}
+	rt := picked.Runtime
+	if g, err = f.slabPages(g, picked.OnGPU); err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 2
+	}
+	n, err := rt.DeviceCount()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 1
+	}
+	devs, err := deviceList(f.devices, n, picked.OnGPU)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 2
+	}
+	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g})
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v, %d pages of %s per slab (%s): %s\n",
+		f.dir, devs, g.Pages, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), g, picked.Why)
+	<-ctx.Done()
+	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	err = errors.Join(o.Close(cctx), choose.Violations(rt))
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", err)
+		return 1
+	}
+	fmt.Fprintln(stdout, "kvpoold: stopped")
+	return 0
+}

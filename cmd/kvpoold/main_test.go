@@ -1,0 +1,183 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// syncBuffer is a bytes.Buffer for one writer and a reader on another goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// started runs kvpoold with args until the test stops it, once it has said where it
+// serves.
+func started(t *testing.T, args ...string) (stop func() (int, string, string)) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var out, errOut syncBuffer
+	done := make(chan int, 1)
+	go func() { done <- run(ctx, args, &out, &errOut) }()
+	deadline := time.Now().Add(testwait.Bound)
+	for !strings.Contains(out.String(), "serving") {
+		select {
+		case code := <-done:
+			cancel()
+			t.Fatalf("kvpoold exited with %d before serving\nstdout: %s\nstderr: %s", code, &out, &errOut)
+		case <-time.After(time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kvpoold did not serve within %v", testwait.Bound)
+		}
+	}
+	var once sync.Once
+	var code int
+	stop = func() (int, string, string) {
+		once.Do(func() {
+			cancel()
+			code = testwait.Recv(t, done, "kvpoold to stop")
+		})
+		return code, out.String(), errOut.String()
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}
+
+func shortDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "kvpoold")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func TestServesAndStops(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "32")
+
+	dev := cudarttest.ForTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, dev, 0)
+	require.NoError(t, err)
+	want, _ := kv.Layout("llama-0.85b")
+	want.Pages = 32
+	assert.Equal(t, want, r.Geometry())
+	l, err := r.Alloc(ctx, 4)
+	require.NoError(t, err)
+	require.NoError(t, r.Release(ctx, 0, l))
+	require.NoError(t, r.Close(ctx))
+
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0], 32 pages")
+	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
+	assert.Equal(t, "kvpoold: stopped", lines[1])
+	_, err = os.Stat(dir + "/kv.sock")
+	assert.ErrorIs(t, err, os.ErrNotExist, "the page socket is removed at the stop")
+}
+
+func TestSecondOwnerOnALiveDirFails(t *testing.T) {
+	dir := shortDir(t)
+	started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8")
+	var out, errOut bytes.Buffer
+	code := run(context.Background(), []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8"}, &out, &errOut)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, errOut.String(), "an owner already serves "+dir)
+	assert.Empty(t, out.String())
+}
+
+func TestBadCommandLines(t *testing.T) {
+	for _, args := range [][]string{
+		{"-runtime", "test"},                    // no geometry
+		{"-runtime", "test", "-layout", "nope"}, // unknown layout
+		{"-runtime", "test", "-layout", "llama-0.85b", "-layers", "2"},
+		{"-runtime", "test", "-layers", "2", "-kv-heads", "2", "-head-dim", "8", "-dtype", "int3"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-bytes", "1MiB"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1KiB"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
+	} {
+		var out, errOut bytes.Buffer
+		code := run(context.Background(), args, &out, &errOut)
+		assert.Equal(t, 2, code, "%q: stderr %s", args, &errOut)
+		assert.NotEmpty(t, errOut.String(), "%q says why", args)
+	}
+}
+
+func TestBytesMakesWholePages(t *testing.T) {
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(t, err)
+	got, err := flags{bytes: "8MiB"}.slabPages(g, false)
+	require.NoError(t, err)
+	// A page is 16 layers x K and V x 16 KiB = 512 KiB.
+	assert.Equal(t, 16, got.Pages)
+}
+
+func TestMain(m *testing.M) {
+	proctest.Main(m, map[string]func(args []string) int{
+		// kvpoold is this command as a process of its own, signals and all.
+		"kvpoold": func(args []string) int {
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return run(ctx, args, os.Stdout, os.Stderr)
+		},
+	})
+}
+
+func TestStopsOnSignals(t *testing.T) {
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT} {
+		t.Run(sig.String(), func(t *testing.T) {
+			dir := shortDir(t)
+			cmd := proctest.Command(t, "kvpoold", "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8")
+			stdout, err := cmd.StdoutPipe()
+			require.NoError(t, err)
+			require.NoError(t, cmd.Start())
+			lines := bufio.NewScanner(stdout)
+			first := make(chan string, 1)
+			go func() {
+				if lines.Scan() {
+					first <- lines.Text()
+				}
+				close(first)
+			}()
+			assert.Contains(t, testwait.Recv(t, first, "kvpoold's first line"), "kvpoold: serving "+dir)
+			require.NoError(t, cmd.Process.Signal(sig))
+			rest, _ := io.ReadAll(stdout)
+			require.NoError(t, cmd.Wait(), "kvpoold's exit after %v", sig)
+			assert.Equal(t, "kvpoold: stopped\n", string(rest))
+		})
+	}
+}

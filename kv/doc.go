@@ -1,0 +1,25 @@
+// Package kv owns what every side of cudapool's KV page pool agrees on: the geometry of
+// a slab and the layout of its pages, the prefix hashes that name pages, and the errors
+// the pool reports.
+//
+// One owner process (package kv/owner, cmd/kvpoold) owns one slab per GPU it serves:
+// one allocation of an IPC-capable pool carved into pages of one Geometry. Replicas
+// (package kv/replica) map the slab once and lease pages by index: alloc for writing,
+// seal to make written pages readable under their prefix hashes once the writer's work
+// has completed (visible), match to lease the longest run of visible pages for a list
+// of hashes, and release to give leases back after the caller's stream.
+//
+// # Layout
+//
+// A slab is [Layers][2 (K, V)][Pages][TokensPerPage][KVHeads][HeadDim], row-major:
+// each layer's K (and V) is one tensor [Pages, TokensPerPage, KVHeads, HeadDim], the
+// paged layout of FlashAttention and FlashInfer, and page p names the same block in
+// every layer: layer l's K of page p starts at KOffset(l) + p*PageBytes().
+//
+// # Prefix hashes
+//
+// Page i of a token list holds tokens [i*T, (i+1)*T) and is named by
+// h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... || le32(tok[i*T+T-1]))[:16], with
+// h_{-1} = Root(namespace); only full pages have a hash. A hash names the whole prefix,
+// so equal hashes mean equal token prefixes (within a namespace).
+package kv

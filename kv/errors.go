@@ -1,0 +1,37 @@
+package kv
+
+import "errors"
+
+// MaxBatch is the most pages (or hashes, or leases) one request may carry.
+const MaxBatch = 4096
+
+// Errors of the KV page pool. Every error the pool returns about one of these
+// conditions wraps the sentinel, so callers match with errors.Is.
+var (
+	// ErrNoSpace means an alloc found not enough free or evictable pages; nothing was
+	// leased.
+	ErrNoSpace = errors.New("kv: not enough free pages")
+	// ErrStaleLease means the owner holds no such lease for this connection: it was
+	// released already, belongs to another replica, or was never issued.
+	ErrStaleLease = errors.New("kv: stale lease")
+	// ErrOwnerGone means the owner's process died or its connection ended.
+	ErrOwnerGone = errors.New("kv: owner is gone")
+	// ErrClosed means the replica (or owner) was closed.
+	ErrClosed = errors.New("kv: closed")
+	// ErrGeometry means a request does not fit the geometry: a page count out of
+	// range, a hash count that does not match, a wrong device, an invalid geometry.
+	ErrGeometry = errors.New("kv: does not fit the geometry")
+	// ErrTooLarge means a batch is over MaxBatch (or a frame over the wire's limit).
+	ErrTooLarge = errors.New("kv: batch too large")
+)
+
+// RemoteError is a failure the owner reported with a message of its own. Err is the
+// sentinel it stands for where there is one (ErrNoSpace, ErrStaleLease, ...), else nil.
+type RemoteError struct {
+	Err  error
+	Text string
+}
+
+func (e *RemoteError) Error() string { return "kv: owner: " + e.Text }
+
+func (e *RemoteError) Unwrap() error { return e.Err }

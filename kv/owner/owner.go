@@ -1,0 +1,434 @@
+// Package owner owns the owner of a KV page pool: one slab per GPU, an allocation of
+// an IPC-capable pool published whole through package export, carved into pages of one
+// kv.Geometry, and the page server on dir/kv.sock that leases those pages to replicas
+// (package kv/replica) and keeps their states.
+//
+// # Pages
+//
+// A page is free, writing (under a write lease), sealing (sealed, its writer's event
+// still pending), sealed (visible: in the slab's hash index and its LRU list, read by
+// any number of read leases) or settling (to be freed once a release event has
+// completed). Alloc takes free pages first, then evicts the least recently used sealed
+// pages that no reader holds and whose releases have settled; match and seal touch a
+// run deepest page first, so that parents are more recent than their children and
+// eviction takes leaves first. A seal of a hash already visible frees its page
+// (a duplicate).
+//
+// # Events
+//
+// A replica records an IPC event of its stream's own at each seal and release and sends
+// its handle; the owner opens each handle once per connection and asks it with
+// EventQuery, on the host: nothing the owner exposes or reuses waits on a stream. A seal
+// asks at once and answers visible if the writer's work has completed; otherwise a
+// poller (backoff 10 µs to 1 ms, woken by new work) makes the pages visible later, and a
+// Seal with the wait flag is answered then. A release's pages are neither evicted nor
+// reused until its event has completed. Before each query the owner asks whether the
+// replica's process has exited (a pidfd): a dead writer's pending seals publish
+// nothing and their pages go back to free, a dead reader's leases end.
+//
+// # Connections
+//
+// The kernel names the process at the other end of each connection (SO_PEERCRED), and
+// an export.Policy admits it (the zero Policy: this user's processes). A connection
+// that ends without Bye keeps its leases until its process has exited (it may still
+// read or write the pages); one whose process cannot be watched ends them at once.
+// Bye ends the leases still held at once and closes the connection once the replica's
+// releases have settled, so that the replica may then destroy its events. Every
+// malformed frame closes the connection it came on, and only that one.
+//
+// # Devices
+//
+// A match on device B of hashes visible only in device A's slab allocates pages on B,
+// copies each page (every layer's K and V) with MemcpyDtoDAsync on a stream of device
+// A, the source (a copy through the source's stream outlives that device's failures,
+// FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+package owner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"syscall"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// The files an owner makes in its directory.
+const (
+	SlabSocket = kvwire.SlabSocket // export's socket: the slabs, published whole
+	PageSocket = kvwire.PageSocket // the page server
+)
+
+// SlabName is the name the slab of device dev is published under.
+func SlabName(dev int) string { return kvwire.SlabName(dev) }
+
+// Stats is a snapshot of an owner.
+type Stats = kv.Stats
+
+// Options configures Listen.
+type Options struct {
+	// Devices are the GPUs to serve, a slab on each; nil serves device 0.
+	Devices []int
+	// Geometry is every slab's, Pages included.
+	Geometry kv.Geometry
+	// Policy says which processes may connect, as export's does.
+	Policy export.Policy
+	// Logger gets what no call returns: connections refused or closed for malformed
+	// frames, cleanup that failed. nil: slog.Default().
+	Logger *slog.Logger
+	// AnnounceDir is where the slab exporter announces itself for cmd/poolstat;
+	// "" is export.DefaultDir(). NoAnnounce leaves the announcement out.
+	AnnounceDir string
+	NoAnnounce  bool
+}
+
+// Owner serves the pages of its slabs. Its methods are safe for concurrent use.
+type Owner struct {
+	dir  string
+	rt   cudart.Runtime
+	geo  kv.Geometry
+	opts Options
+	log  *slog.Logger
+	meta []byte // the geometry, encoded: every slab's metadata
+
+	ex    *export.Exporter
+	ln    *net.UnixListener
+	slabs []*slab
+	byDev map[int]*slab
+
+	mu        sync.Mutex
+	conns     map[*conn]struct{}
+	leases    map[uint64]*lease
+	nextLease uint64
+	polling   []*event
+	dead      []*event // events of ended connections, for the poller to destroy
+	closed    bool
+
+	wakeCh   chan struct{}
+	stop     context.CancelFunc
+	stopped  context.Context // ends when Close begins
+	pollDone chan struct{}
+	wg       sync.WaitGroup // the accept loop and the connections
+}
+
+// lease is a replica's hold on pages of one slab.
+type lease struct {
+	id    uint64
+	c     *conn
+	s     *slab
+	write bool
+	pages []uint32
+}
+
+// Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
+// slab on each device, an export.Exporter on dir/slab.sock publishing each slab whole
+// under SlabName(device) with the geometry as metadata, and the page server on
+// dir/kv.sock. A live owner on dir makes it fail with an error wrapping
+// export.ErrAddressInUse. On failure nothing is left behind.
+func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
+	if rt == nil {
+		return nil, errors.New("kv/owner: Listen needs a runtime")
+	}
+	if err := o.Geometry.Validate(); err != nil {
+		return nil, err
+	}
+	if len(o.Devices) == 0 {
+		o.Devices = []int{0}
+	}
+	n, err := rt.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	for i, d := range o.Devices {
+		if d < 0 || d >= n {
+			return nil, fmt.Errorf("%w: device %d: the runtime has %d", kv.ErrGeometry, d, n)
+		}
+		if slices.Contains(o.Devices[:i], d) {
+			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
+		}
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if err := makeDir(dir, opensToOthers(o.Policy)); err != nil {
+		return nil, err
+	}
+	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, opts: o, log: o.Logger, meta: kvwire.AppendGeometry(nil, o.Geometry),
+		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
+		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{})}
+	ow.stopped, ow.stop = context.WithCancel(context.Background())
+	defer func() {
+		if err != nil {
+			ow.teardown(context.Background())
+		}
+	}()
+	lopts := []export.ListenOption{export.WithPolicy(o.Policy), export.WithLogger(o.Logger), export.WithName(ownerName())}
+	if opensToOthers(o.Policy) {
+		lopts = append(lopts, export.SocketFollowsPolicy())
+	}
+	if o.NoAnnounce {
+		lopts = append(lopts, export.WithoutAnnounce())
+	} else if o.AnnounceDir != "" {
+		lopts = append(lopts, export.WithAnnounce(o.AnnounceDir))
+	}
+	// The exporter first: its socket tells a live owner from a dead one.
+	if ow.ex, err = export.Listen(filepath.Join(dir, SlabSocket), rt, lopts...); err != nil {
+		if errors.Is(err, export.ErrAddressInUse) {
+			return nil, fmt.Errorf("kv/owner: an owner already serves %s: %w", dir, err)
+		}
+		return nil, err
+	}
+	for _, d := range o.Devices {
+		s, err := ow.makeSlab(d)
+		if s != nil {
+			ow.slabs = append(ow.slabs, s)
+			ow.byDev[d] = s
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
+		return nil, err
+	}
+	go ow.poll(ow.stopped)
+	ow.wg.Add(1)
+	go ow.accept()
+	return ow, nil
+}
+
+// ownerName is the process name the exporter announces.
+func ownerName() string { return filepath.Base(os.Args[0]) }
+
+// makeSlab makes device d's pool, stream and slab, and publishes the slab. The slab's
+// allocation has completed when it returns, so that every replica's access is ordered
+// after it.
+func (o *Owner) makeSlab(d int) (*slab, error) {
+	s := newSlab(d, o.geo.Pages)
+	s.name = SlabName(d)
+	var peers []int
+	for _, other := range o.opts.Devices {
+		if other == d {
+			continue
+		}
+		if ok, err := o.rt.DeviceCanAccessPeer(other, d); err == nil && ok {
+			peers = append(peers, other)
+		}
+	}
+	popts := []pool.Option{pool.WithName(s.name)}
+	if len(peers) > 0 {
+		popts = append(popts, pool.WithPeerAccess(peers...))
+	}
+	var err error
+	if s.pool, err = pool.New(o.rt, d, popts...); err != nil {
+		return nil, fmt.Errorf("kv/owner: pool on device %d: %w", d, err)
+	}
+	if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
+		return s, fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
+	}
+	ctx := context.Background()
+	if s.buf, err = s.pool.Alloc(ctx, o.geo.SlabBytes(), s.stream); err != nil {
+		return s, fmt.Errorf("kv/owner: slab of %d bytes on device %d: %w", o.geo.SlabBytes(), d, err)
+	}
+	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
+		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
+	}
+	if err = o.ex.Publish(ctx, s.name, s.buf, s.stream, export.WithMeta(o.meta)); err != nil {
+		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
+	}
+	return s, nil
+}
+
+// opensToOthers says whether p admits anyone but this user.
+func opensToOthers(p export.Policy) bool {
+	own := uint32(os.Getuid())
+	return len(p.AllowGIDs) > 0 || slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
+}
+
+// makeDir creates dir if missing and checks that it is a directory of this user's that
+// no one else can write.
+func makeDir(dir string, open bool) error {
+	mode := os.FileMode(0o700)
+	if open {
+		mode = 0o711
+	}
+	if err := os.MkdirAll(dir, mode); err != nil {
+		return fmt.Errorf("kv/owner: %w", err)
+	}
+	info, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("kv/owner: %w", err)
+	}
+	st, ok := info.Sys().(*syscall.Stat_t)
+	switch {
+	case !info.IsDir():
+		return fmt.Errorf("kv/owner: %s is not a directory", dir)
+	case ok && int(st.Uid) != os.Getuid():
+		return fmt.Errorf("kv/owner: %s belongs to uid %d, not this user", dir, st.Uid)
+	case info.Mode().Perm()&0o022 != 0:
+		return fmt.Errorf("kv/owner: %s can be written by others (mode %v)", dir, info.Mode().Perm())
+	}
+	return nil
+}
+
+// listenPages listens on path, replacing a stale socket there (the caller holds the
+// slab socket, so no live owner uses it), with mode 0600 (0666 if open) whatever the
+// umask: it binds a temporary name, sets its mode and renames it.
+func listenPages(path string, open bool) (*net.UnixListener, error) {
+	if info, err := os.Lstat(path); err == nil {
+		if info.Mode().Type() != os.ModeSocket {
+			return nil, fmt.Errorf("kv/owner: %s exists and is not a socket; it is left alone", path)
+		}
+	}
+	tmp := path + ".new-" + strconv.Itoa(os.Getpid())
+	os.Remove(tmp)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("kv/owner: listen on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(false)
+	mode := os.FileMode(0o600)
+	if open {
+		mode = 0o666
+	}
+	if err := os.Chmod(tmp, mode); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("kv/owner: socket %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("kv/owner: socket %s: %w", path, err)
+	}
+	return l, nil
+}
+
+// Dir is the directory the owner serves in.
+func (o *Owner) Dir() string { return o.dir }
+
+// Geometry is every slab's geometry.
+func (o *Owner) Geometry() kv.Geometry { return o.geo }
+
+// accept serves each connection on a goroutine of its own.
+func (o *Owner) accept() {
+	defer o.wg.Done()
+	for {
+		nc, err := o.ln.AcceptUnix()
+		if err != nil {
+			if o.stopped.Err() == nil && !errors.Is(err, net.ErrClosed) {
+				o.log.Error("kv: accepting on the page socket failed; no more replicas are admitted", "err", err)
+			}
+			return
+		}
+		o.wg.Add(1)
+		go func() {
+			defer o.wg.Done()
+			o.serveConn(nc)
+		}()
+	}
+}
+
+// Stats is a snapshot of the owner's slabs and replicas.
+func (o *Owner) Stats() Stats {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.geo), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
+	for i, s := range o.slabs {
+		st.Devices[i] = s.snapshot()
+	}
+	byConn := map[*conn]*kv.ReplicaStats{}
+	for c := range o.conns {
+		if c.welcomed {
+			byConn[c] = &kv.ReplicaStats{PID: c.cred.PID, Device: c.s.dev, AwaitingExit: c.lost}
+		}
+	}
+	for _, l := range o.leases {
+		if r := byConn[l.c]; r != nil {
+			r.Leases++
+			r.Pages += len(l.pages)
+		}
+	}
+	for _, r := range byConn {
+		st.Replicas = append(st.Replicas, *r)
+	}
+	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
+	return st
+}
+
+// Close stops serving: it closes every replica's connection (their Done closes, and
+// their leases end), then closes the exporter, which waits, until ctx ends, for the
+// replicas to unmap their slabs, and frees the slabs. A second Close returns
+// kv.ErrClosed.
+func (o *Owner) Close(ctx context.Context) error {
+	o.mu.Lock()
+	if o.closed {
+		o.mu.Unlock()
+		return kv.ErrClosed
+	}
+	o.closed = true
+	o.mu.Unlock()
+	return o.teardown(ctx)
+}
+
+// teardown undoes what Listen made, whatever it got to.
+func (o *Owner) teardown(ctx context.Context) error {
+	o.stop()
+	if o.ln != nil {
+		o.ln.Close()
+		os.Remove(filepath.Join(o.dir, PageSocket))
+	}
+	o.mu.Lock()
+	o.closed = true
+	for c := range o.conns {
+		c.nc.Close()
+	}
+	o.mu.Unlock()
+	o.wg.Wait()
+	if o.ln != nil {
+		<-o.pollDone
+	}
+	o.mu.Lock()
+	o.destroyEvents()
+	o.mu.Unlock()
+	var errs []error
+	force := false
+	if o.ex != nil {
+		if err := o.ex.Close(ctx); err != nil {
+			errs = append(errs, err)
+			force = true
+		}
+	}
+	for _, s := range o.slabs {
+		if s.buf != nil {
+			if err := s.buf.Free(s.stream); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if s.pool != nil {
+			var copts []pool.CloseOption
+			if force {
+				copts = append(copts, pool.Force())
+			}
+			if _, err := s.pool.Close(ctx, copts...); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: closing the pool of device %d: %w", s.dev, err))
+			}
+		}
+		if s.stream != 0 {
+			o.rt.StreamSynchronize(s.dev, s.stream)
+			o.rt.StreamDestroy(s.dev, s.stream)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,205 @@
+package owner
+
+import (
+	"sync"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/pool"
+)
+
+// pageState is where a page is in its life: free → writing → sealing → sealed →
+// (evicted) free; an aborted write goes writing → settling → free.
+type pageState uint8
+
+const (
+	pageFree     pageState = iota
+	pageWriting            // under a write lease (the owner's own, for a copy)
+	pageSealing            // sealed by its writer, waiting for the writer's event
+	pageSealed             // visible: in the hash index and the LRU list
+	pageSettling           // to be freed once a release event has completed
+)
+
+// none marks the end of the LRU list.
+const none = ^uint32(0)
+
+// page is one entry of a slab's page table.
+type page struct {
+	hash       kv.Hash
+	prev, next uint32 // LRU neighbours, for a sealed page: prev is more recent
+	readers    uint32 // read leases holding it
+	releasing  uint32 // release records naming it that have not settled
+	state      pageState
+}
+
+// slab is one device's allocation and its page table. Everything but the fields set
+// at Listen is guarded by the Owner's mu.
+type slab struct {
+	dev    int
+	name   string
+	pool   *pool.Pool
+	buf    *pool.Buffer
+	stream cudart.Stream // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex    // one copy at a time on stream
+
+	pages      []page
+	free       []uint32 // a stack of free pages
+	index      map[kv.Hash]uint32
+	head, tail uint32 // LRU list of sealed pages: head most recent
+	stats      kv.DeviceStats
+}
+
+func newSlab(dev, pages int) *slab {
+	s := &slab{dev: dev, pages: make([]page, pages), free: make([]uint32, pages), index: make(map[kv.Hash]uint32, pages), head: none, tail: none}
+	for i := range s.free {
+		s.free[i] = uint32(pages - 1 - i) // page 0 on top
+	}
+	return s
+}
+
+// unlink takes sealed page p out of the LRU list.
+func (s *slab) unlink(p uint32) {
+	pg := &s.pages[p]
+	if pg.prev != none {
+		s.pages[pg.prev].next = pg.next
+	} else {
+		s.head = pg.next
+	}
+	if pg.next != none {
+		s.pages[pg.next].prev = pg.prev
+	} else {
+		s.tail = pg.prev
+	}
+	pg.prev, pg.next = none, none
+}
+
+// pushFront makes p the most recent page of the LRU list; p must not be in it.
+func (s *slab) pushFront(p uint32) {
+	pg := &s.pages[p]
+	pg.prev, pg.next = none, s.head
+	if s.head != none {
+		s.pages[s.head].prev = p
+	} else {
+		s.tail = p
+	}
+	s.head = p
+}
+
+// touch makes sealed pages ps the most recent, ps[0] first of all: callers pass a run
+// in prefix order, so that a parent is always more recent than its children and
+// eviction takes leaves first.
+func (s *slab) touch(ps []uint32) {
+	for i := len(ps) - 1; i >= 0; i-- {
+		if s.head == ps[i] {
+			continue
+		}
+		s.unlink(ps[i])
+		s.pushFront(ps[i])
+	}
+}
+
+// evictable says whether sealed page p may be evicted: no reader holds it and no
+// reader's release of it is still settling.
+func (s *slab) evictable(p uint32) bool {
+	pg := &s.pages[p]
+	return pg.readers == 0 && pg.releasing == 0
+}
+
+// take leases n pages for writing: free pages first, then the least recent evictable
+// sealed pages, evicted. It takes all n or, with ok false, none.
+func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
+	short := n - len(s.free)
+	var victims []uint32
+	if short > 0 {
+		victims = make([]uint32, 0, short)
+		for p := s.tail; p != none && len(victims) < short; p = s.pages[p].prev {
+			if s.evictable(p) {
+				victims = append(victims, p)
+			}
+		}
+		if len(victims) < short {
+			return dst, false
+		}
+		for _, p := range victims {
+			s.evict(p)
+		}
+	}
+	for range n {
+		p := s.free[len(s.free)-1]
+		s.free = s.free[:len(s.free)-1]
+		s.pages[p].state = pageWriting
+		dst = append(dst, p)
+	}
+	return dst, true
+}
+
+// evict takes sealed page p out of the index and the LRU list, to free.
+func (s *slab) evict(p uint32) {
+	pg := &s.pages[p]
+	delete(s.index, pg.hash)
+	s.unlink(p)
+	s.stats.Evictions++
+	s.release(p)
+}
+
+// release makes p free.
+func (s *slab) release(p uint32) {
+	s.pages[p] = page{prev: none, next: none}
+	s.free = append(s.free, p)
+}
+
+// publish makes sealing page p visible under its hash, or frees it if the hash is
+// visible already (a duplicate); it reports which.
+func (s *slab) publish(p uint32, h kv.Hash) (visible bool) {
+	if _, dup := s.index[h]; dup {
+		s.stats.Duplicates++
+		s.release(p)
+		return false
+	}
+	pg := &s.pages[p]
+	pg.state, pg.hash = pageSealed, h
+	s.index[h] = p
+	s.pushFront(p)
+	s.stats.Seals++
+	return true
+}
+
+// lookup is the longest run of hashes, from the first, visible in s, appended to dst.
+func (s *slab) lookup(hashes []kv.Hash, dst []uint32) []uint32 {
+	for _, h := range hashes {
+		p, ok := s.index[h]
+		if !ok {
+			break
+		}
+		dst = append(dst, p)
+	}
+	return dst
+}
+
+// snapshot counts s's pages by state.
+func (s *slab) snapshot() kv.DeviceStats {
+	st := s.stats
+	st.Device, st.Pages = s.dev, len(s.pages)
+	for i := range s.pages {
+		pg := &s.pages[i]
+		switch pg.state {
+		case pageFree:
+			st.Free++
+		case pageWriting:
+			st.Writing++
+		case pageSealing:
+			st.Sealing++
+		case pageSealed:
+			st.Sealed++
+			if pg.readers > 0 {
+				st.Leased++
+			}
+			if pg.releasing > 0 {
+				st.Releasing++
+			}
+		case pageSettling:
+			st.Settling++
+		}
+	}
+	return st
+}

@@ -1,0 +1,383 @@
+package replica
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
+
+// abandonTimeout bounds the release of a lease whose caller gave up before its reply.
+const abandonTimeout = 30 * time.Second
+
+// gone is the error of a request made once the replica stopped.
+func (r *Replica) gone() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.err
+}
+
+// roundTrip sends the request build makes under a fresh id and hands its reply to
+// handle. The caller that sent a request reads replies itself while no other caller
+// does (one reading role), delivering the others' replies to them, so that a reply
+// usually wakes the goroutine that waits for it directly. handle runs while the
+// payload is valid and must not block.
+func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle func(h kvwire.Header, p []byte) error) error {
+	id := r.nextID.Add(1)
+	if id == 0 {
+		id = r.nextID.Add(1)
+	}
+	c := calls.Get().(*call)
+	r.mu.Lock()
+	if r.err != nil {
+		r.mu.Unlock()
+		calls.Put(c)
+		return r.err
+	}
+	r.calls[id] = c
+	r.mu.Unlock()
+
+	r.wmu.Lock()
+	b, err := build(r.wbuf[:0], id)
+	if err == nil {
+		_, err = r.nc.Write(b)
+		if err != nil {
+			r.fail(err)
+		}
+	}
+	r.wbuf = b[:0]
+	r.wmu.Unlock()
+	if err != nil {
+		r.forget(id)
+		if gone := r.gone(); gone != nil {
+			return gone
+		}
+		return err
+	}
+
+	for {
+		select {
+		case <-c.ch:
+			err := handle(c.h, c.buf)
+			calls.Put(c)
+			return err
+		case r.role <- struct{}{}:
+			select {
+			case <-c.ch: // delivered while this caller waited for the role
+				<-r.role
+				err := handle(c.h, c.buf)
+				calls.Put(c)
+				return err
+			default:
+			}
+			h, p, mine, err := r.readFor(ctx, id)
+			if mine {
+				err = handle(h, p)
+				<-r.role
+				r.forget(id)
+				calls.Put(c)
+				return err
+			}
+			<-r.role
+			if err != nil && ctx.Err() == nil {
+				r.forget(id)
+				return err
+			}
+		case <-ctx.Done():
+		case <-r.done:
+		}
+		if ctx.Err() != nil || r.gone() != nil {
+			if r.forget(id) {
+				if gone := r.gone(); gone != nil {
+					return gone
+				}
+				return ctx.Err()
+			}
+			// The reply came meanwhile: take it, so that nothing it grants is lost.
+			<-c.ch
+			err := handle(c.h, c.buf)
+			calls.Put(c)
+			return err
+		}
+	}
+}
+
+// forget removes call id, and says whether it was still waiting (no reply delivered).
+func (r *Replica) forget(id uint32) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.calls[id]
+	delete(r.calls, id)
+	return ok
+}
+
+// readFor reads frames, with the reading role held, delivering those for other calls,
+// until the reply to id (mine), ctx's end or the connection's failure.
+func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []byte, mine bool, err error) {
+	if ctx.Done() != nil {
+		r.dlMu.Lock()
+		r.dlBy = id
+		r.dlMu.Unlock()
+		stop := context.AfterFunc(ctx, func() {
+			r.dlMu.Lock()
+			if r.dlBy == id {
+				r.nc.SetReadDeadline(time.Unix(1, 0))
+			}
+			r.dlMu.Unlock()
+		})
+		defer func() {
+			stop()
+			r.dlMu.Lock()
+			r.dlBy = 0
+			r.nc.SetReadDeadline(time.Time{})
+			r.dlMu.Unlock()
+		}()
+	}
+	for {
+		h, p, err := r.rd.Next(r.nc)
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
+				if ctx.Err() != nil {
+					return h, nil, false, ctx.Err()
+				}
+				r.nc.SetReadDeadline(time.Time{}) // a stale cut meant for an earlier reader
+				continue
+			}
+			r.fail(err)
+			return h, nil, false, r.gone()
+		}
+		if h.ID == id {
+			return h, p, true, nil
+		}
+		r.deliver(h, p)
+	}
+}
+
+// deliver hands a reply to its call; a reply nobody waits for any more gives back the
+// lease it grants.
+func (r *Replica) deliver(h kvwire.Header, p []byte) {
+	r.mu.Lock()
+	c, ok := r.calls[h.ID]
+	delete(r.calls, h.ID)
+	r.mu.Unlock()
+	if ok {
+		c.h, c.buf = h, append(c.buf[:0], p...)
+		c.ch <- struct{}{}
+		return
+	}
+	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
+		pr := kvwire.NewParser(h.Type, p)
+		if id := pr.U64(); id != 0 {
+			go r.releaseAbandoned(id)
+		}
+	}
+}
+
+// releaseAbandoned releases a lease whose caller gave up before its reply: nothing was
+// queued on its pages, so the release waits for no event.
+func (r *Replica) releaseAbandoned(id uint64) {
+	ctx, cancel := context.WithTimeout(context.Background(), abandonTimeout)
+	defer cancel()
+	var none [kvwire.EventLen]byte
+	if err := r.releaseIDs(ctx, &none, []uint64{id}); err != nil && r.gone() == nil {
+		r.log.Warn("kv: releasing a lease whose caller gave up", "lease", id, "err", err)
+	}
+}
+
+// replyErr is the error of a reply that is not of type want.
+func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
+	if h.Type == kvwire.TypeError {
+		pr := kvwire.NewParser(h.Type, p)
+		code := pr.U16()
+		msg := pr.Text()
+		if err := pr.Done(); err != nil {
+			return err
+		}
+		return kvwire.RemoteError(code, msg)
+	}
+	return fmt.Errorf("%w: the owner answered with %s, not %s", kvwire.ErrMalformed, h.Type, want)
+}
+
+// Alloc leases n free pages for writing, evicting the least recently used sealed pages
+// nobody reads where it must. It leases all n or none (kv.ErrNoSpace).
+func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
+	if n > kv.MaxBatch {
+		return nil, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch)
+	}
+	if n < 1 || n > r.geo.Pages {
+		return nil, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, r.geo.Pages)
+	}
+	l := &Lease{write: true}
+	err := r.roundTrip(ctx,
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
+		func(h kvwire.Header, p []byte) error { return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n)) })
+	if err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// parse fills l from a Leased or Matched reply.
+func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint32) error {
+	if h.Type != want {
+		return replyErr(h, p, want)
+	}
+	pr := kvwire.NewParser(h.Type, p)
+	l.id = pr.U64()
+	l.pages = pr.U32s(pages)
+	if err := pr.Done(); err != nil {
+		return err
+	}
+	if (l.id == 0) != (len(l.pages) == 0) {
+		return fmt.Errorf("%w: lease %d of %d pages", kvwire.ErrMalformed, l.id, len(l.pages))
+	}
+	return nil
+}
+
+// Seal ends write lease l: its first len(hashes) pages become visible under hashes
+// once the work queued on s before the call (their writes) has completed, and the
+// rest are freed then. A hash visible already makes its page a duplicate, freed.
+// Without WaitVisible it returns at once, with the pages still pending counted; with
+// it, once they are visible. At most kv.MaxBatch hashes.
+func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart.Stream, opts ...SealOption) (SealResult, error) {
+	var so sealOptions
+	for _, o := range opts {
+		o(&so)
+	}
+	switch {
+	case len(hashes) > kv.MaxBatch:
+		return SealResult{}, fmt.Errorf("%w: %d hashes, at most %d", kv.ErrTooLarge, len(hashes), kv.MaxBatch)
+	case l == nil || !l.write:
+		return SealResult{}, fmt.Errorf("%w: only a write lease is sealed", kv.ErrStaleLease)
+	case len(hashes) > len(l.pages):
+		return SealResult{}, fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
+	}
+	ev, err := r.record(s)
+	if err != nil {
+		return SealResult{}, err
+	}
+	var res SealResult
+	err = r.roundTrip(ctx,
+		func(b []byte, id uint32) ([]byte, error) {
+			return kvwire.AppendSeal(b, id, so.wait, l.id, &ev.h, hashes)
+		},
+		func(h kvwire.Header, p []byte) error {
+			if h.Type != kvwire.TypeSealed {
+				return replyErr(h, p, kvwire.TypeSealed)
+			}
+			pr := kvwire.NewParser(h.Type, p)
+			res = SealResult{Visible: int(pr.U32()), Duplicates: int(pr.U32()), Pending: int(pr.U32())}
+			return pr.Done()
+		})
+	return res, err
+}
+
+// Match leases for reading the longest run of hashes, from the first, that is visible
+// on the replica's device (copied there from another device's slab where only that
+// one has them). A Lease with no pages means none was visible; the owner holds nothing
+// for it. s is the stream the caller reads on: Match queues nothing on it, since the
+// pages' writes have completed before the owner made them visible.
+func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) (*Lease, error) {
+	if len(hashes) > kv.MaxBatch {
+		return nil, fmt.Errorf("%w: %d hashes, at most %d", kv.ErrTooLarge, len(hashes), kv.MaxBatch)
+	}
+	l := &Lease{}
+	if len(hashes) == 0 {
+		return l, nil
+	}
+	err := r.roundTrip(ctx,
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
+		func(h kvwire.Header, p []byte) error {
+			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)))
+		})
+	if err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// Release ends leases once the work queued on s before the call has completed: their
+// pages are not reused (nor, for read leases, evicted) before. A lease with no pages is
+// skipped. If the owner holds one of them no more for this replica (released already,
+// another replica's), it fails with kv.ErrStaleLease and ends none. At most
+// kv.MaxBatch leases.
+func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) error {
+	ids := make([]uint64, 0, len(ls))
+	for _, l := range ls {
+		if l != nil && l.id != 0 {
+			ids = append(ids, l.id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	if len(ids) > kv.MaxBatch {
+		return fmt.Errorf("%w: %d leases, at most %d", kv.ErrTooLarge, len(ids), kv.MaxBatch)
+	}
+	ev, err := r.record(s)
+	if err != nil {
+		return err
+	}
+	return r.releaseIDs(ctx, &ev.h, ids)
+}
+
+func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64) error {
+	return r.roundTrip(ctx,
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
+		func(h kvwire.Header, p []byte) error {
+			if h.Type != kvwire.TypeReleased {
+				return replyErr(h, p, kvwire.TypeReleased)
+			}
+			pr := kvwire.NewParser(h.Type, p)
+			pr.U32()
+			return pr.Done()
+		})
+}
+
+// Stats asks the owner for its Stats.
+func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
+	var st kv.Stats
+	err := r.roundTrip(ctx,
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeStats, id) },
+		func(h kvwire.Header, p []byte) error {
+			if h.Type != kvwire.TypeStatsReply {
+				return replyErr(h, p, kvwire.TypeStatsReply)
+			}
+			return json.Unmarshal(p, &st)
+		})
+	return st, err
+}
+
+// record records s's event on s, creating it the first time.
+func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	if r.evClosed {
+		return nil, kv.ErrClosed
+	}
+	e, ok := r.events[s]
+	if !ok {
+		ev, err := r.rt.EventCreate(r.dev, cudart.EventInterprocess|cudart.EventDisableTiming)
+		if err != nil {
+			return nil, err
+		}
+		h, err := r.rt.IpcGetEventHandle(r.dev, ev)
+		if err != nil {
+			r.rt.EventDestroy(r.dev, ev)
+			return nil, err
+		}
+		e = &streamEvent{ev: ev, h: h}
+		r.events[s] = e
+	}
+	if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
+		return nil, err
+	}
+	return e, nil
+}

@@ -1,0 +1,425 @@
+// Package replica owns a replica's side of a KV page pool: the connection to the owner
+// (package kv/owner, cmd/kvpoold), the slab of its device mapped once, and the leases
+// of pages by index.
+//
+//	r, err := replica.Dial(ctx, dir, rt, device, replica.WithWaitForOwner())
+//	hashes := r.Hashes(tokens)
+//	l, err := r.Match(ctx, hashes, s)    // the longest visible run, leased for reading
+//	// ... read pages l.Pages() of r.Slab() on s ...
+//	w, err := r.Alloc(ctx, n)            // pages to write the rest into
+//	// ... write w.Pages() on s ...
+//	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
+//	err = r.Release(ctx, s, l)           // pages are reused only after s's work so far
+//
+// Seal and Release record an IPC event of the stream's own (one per stream, reused)
+// on the stream they are given, and the owner waits for it on the host: the host of
+// the replica never waits for the GPU, and a Match needs no stream wait, as the owner
+// exposes only pages whose writes it has seen complete. Page p of layer l's K starts at
+// Slab() + Geometry().KOffset(l) + p*Geometry().PageBytes() (see package kv).
+package replica
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
+
+// Option configures Dial.
+type Option func(*options)
+
+type options struct {
+	ns   string
+	wait bool
+	log  *slog.Logger
+}
+
+// WithNamespace sets the namespace of the replica's prefix hashes (Hashes).
+func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
+
+// WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
+// directory, dialing again with backoff from 5 ms up to 500 ms.
+func WithWaitForOwner() Option { return func(o *options) { o.wait = true } }
+
+// WithLogger sets where events no call returns are logged. The default is
+// slog.Default().
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
+
+// SealOption configures Seal.
+type SealOption func(*sealOptions)
+
+type sealOptions struct{ wait bool }
+
+// WaitVisible makes Seal return only once the pages are visible (the writes queued on
+// its stream before it have completed), or with an error.
+func WaitVisible() SealOption { return func(o *sealOptions) { o.wait = true } }
+
+// SealResult says what became of a seal's pages: Visible are readable under their
+// hashes, Duplicates had a hash visible already (their pages are freed), and Pending
+// wait for the stream's work to complete (then they become visible, or duplicates).
+type SealResult struct{ Visible, Duplicates, Pending int }
+
+// Lease is a hold on pages of the replica's slab: a write lease (Alloc) or a read lease
+// (Match). A Match that found nothing returns a Lease with no pages, which the owner
+// does not hold.
+type Lease struct {
+	id    uint64
+	pages []uint32
+	write bool
+}
+
+// Pages are the leased pages' indices, in the order of the hashes (for a read lease).
+// They are the Lease's own: do not modify them.
+func (l *Lease) Pages() []uint32 { return l.pages }
+
+// ID is the owner's id of the lease; 0 for a lease with no pages.
+func (l *Lease) ID() uint64 { return l.id }
+
+// Writable says whether it is a write lease.
+func (l *Lease) Writable() bool { return l.write }
+
+func (l *Lease) String() string {
+	kind := "read"
+	if l.write {
+		kind = "write"
+	}
+	return fmt.Sprintf("%s lease %d of %d pages", kind, l.id, len(l.pages))
+}
+
+// Replica is a process's connection to the owner of one directory, for pages of one
+// device. Its methods are safe for concurrent use.
+type Replica struct {
+	rt     cudart.Runtime
+	dev    int
+	ns     string
+	geo    kv.Geometry
+	log    *slog.Logger
+	imp    *export.Importer
+	m      *export.Mapping
+	stream cudart.Stream // the replica's own: the slab's import and its free
+	nc     *net.UnixConn
+	owner  *peercred.Process // nil where the owner's process cannot be watched
+
+	nextID atomic.Uint32
+	wmu    sync.Mutex
+	wbuf   []byte
+
+	role chan struct{} // held (a value in it) by the one goroutine reading nc
+	rd   *kvwire.Reader
+	dlMu sync.Mutex
+	dlBy uint32 // the request whose ctx may cut the current read short; 0 none
+
+	mu    sync.Mutex
+	calls map[uint32]*call
+	err   error // why the replica stopped: ErrOwnerGone or ErrClosed
+	done  chan struct{}
+	stopW chan struct{} // stops the watcher
+
+	evMu     sync.Mutex
+	events   map[cudart.Stream]*streamEvent
+	evClosed bool
+}
+
+// streamEvent is the IPC event the replica records on one stream.
+type streamEvent struct {
+	ev cudart.Event
+	h  [kvwire.EventLen]byte
+}
+
+// call is a request waiting for its reply.
+type call struct {
+	ch  chan struct{}
+	h   kvwire.Header
+	buf []byte
+}
+
+var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
+
+// Dial connects to the owner serving dir and maps the slab of device. It fails with
+// an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
+// one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
+// refuses this process. On failure nothing is left behind.
+func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
+	o := options{log: slog.Default()}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
+	defer func() {
+		if err != nil {
+			r.teardown(context.Background())
+		}
+	}()
+	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
+		return nil, err
+	}
+	slabName, err := r.hello(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if cred, err := peercred.Get(r.nc); err == nil {
+		if r.owner, err = peercred.OpenProcess(cred.PID); err != nil {
+			r.log.Debug("kv: cannot watch the owner's process; its connection tells", "pid", cred.PID, "err", err)
+			r.owner = nil
+		}
+	}
+	if r.stream, err = rt.StreamCreate(device, cudart.StreamNonBlocking); err != nil {
+		return nil, err
+	}
+	if r.imp, err = export.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, export.WithLogger(o.log)); err != nil {
+		return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
+	}
+	if r.m, err = r.imp.Open(ctx, slabName, r.stream); err != nil {
+		return nil, fmt.Errorf("kv/replica: mapping %s: %w", slabName, err)
+	}
+	g, err := kvwire.ParseGeometry(r.m.Meta())
+	if err != nil {
+		return nil, fmt.Errorf("kv/replica: the slab's metadata: %w", err)
+	}
+	if g != r.geo || r.m.Size() < g.SlabBytes() {
+		return nil, fmt.Errorf("%w: the slab (%v, %d bytes) does not match the owner's geometry (%v)", kv.ErrGeometry, g, r.m.Size(), r.geo)
+	}
+	go r.watch()
+	return r, nil
+}
+
+// dialPages connects to the page socket, waiting for it if wait.
+func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
+	backoff := 5 * time.Millisecond
+	for {
+		var d net.Dialer
+		nc, err := d.DialContext(ctx, "unix", path)
+		if err == nil {
+			return nc.(*net.UnixConn), nil
+		}
+		if !wait || ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
+		}
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w: waiting for an owner at %s: %w", kv.ErrOwnerGone, filepath.Dir(path), ctx.Err())
+		}
+		backoff = min(2*backoff, 500*time.Millisecond)
+	}
+}
+
+// hello is the handshake: it learns the geometry and the slab's name.
+func (r *Replica) hello(ctx context.Context) (string, error) {
+	stop := context.AfterFunc(ctx, func() { r.nc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	b, err := kvwire.AppendHello(nil, 0, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid()), Device: uint32(r.dev), Namespace: r.ns})
+	if err != nil {
+		return "", err
+	}
+	if _, err := r.nc.Write(b); err != nil {
+		return "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+	}
+	h, p, err := r.rd.Next(r.nc)
+	if err != nil {
+		if ctx.Err() != nil {
+			return "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, ctx.Err())
+		}
+		return "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
+	}
+	pr := kvwire.NewParser(h.Type, p)
+	switch h.Type {
+	case kvwire.TypeWelcome:
+		r.geo = pr.Geometry()
+		slab := pr.Text()
+		if err := pr.Done(); err != nil {
+			return "", err
+		}
+		if err := r.geo.Validate(); err != nil {
+			return "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
+		}
+		return slab, nil
+	case kvwire.TypeRefused:
+		reason := pr.Text()
+		// A refusal for the device starts with kv.ErrGeometry's text.
+		rerr := &kv.RemoteError{Text: "refused: " + reason}
+		if strings.HasPrefix(reason, kv.ErrGeometry.Error()) {
+			rerr.Err = kv.ErrGeometry
+		}
+		return "", rerr
+	}
+	return "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
+}
+
+// watch marks the replica's owner gone when its process exits or its exporter's
+// connection ends, until Close.
+func (r *Replica) watch() {
+	exited := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	if r.owner != nil {
+		go func() {
+			if r.owner.Wait(ctx) == nil {
+				close(exited)
+			}
+		}()
+	}
+	select {
+	case <-exited:
+		r.fail(errors.New("its process exited"))
+	case <-r.imp.Done():
+		r.fail(r.imp.Err())
+	case <-r.stopW:
+	}
+}
+
+// fail marks the owner gone for why, once, and wakes every call.
+func (r *Replica) fail(why error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.err != nil {
+		return
+	}
+	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
+	close(r.done)
+	r.nc.Close()
+}
+
+// Geometry is the slab's geometry.
+func (r *Replica) Geometry() kv.Geometry { return r.geo }
+
+// Device is the device the replica's slab is on.
+func (r *Replica) Device() int { return r.dev }
+
+// Slab is the address of the slab in this process, on the replica's device.
+func (r *Replica) Slab() cudart.DevicePtr { return r.m.Ptr() }
+
+// Hashes is kv.PrefixHashes of tokens with the replica's namespace and page size.
+func (r *Replica) Hashes(tokens []int32) []kv.Hash {
+	return kv.PrefixHashes(r.ns, tokens, r.geo.TokensPerPage)
+}
+
+// Done is closed once the replica cannot make requests any more: the owner is gone
+// (Err wraps kv.ErrOwnerGone) or Close was called (kv.ErrClosed).
+func (r *Replica) Done() <-chan struct{} { return r.done }
+
+// Err is nil while the replica works, and afterwards says why it stopped.
+func (r *Replica) Err() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.err
+}
+
+// Close ends the replica: it tells the owner goodbye (leases still held end at once:
+// release them first, so that the owner waits for your streams) and waits, until ctx
+// ends, for the owner to close the connection, so that the owner is done with this
+// replica's events before they are destroyed. It then unmaps the slab after the last
+// records of those events and disconnects from the slab's exporter. With the owner gone
+// Close still completes, and returns nil. A second Close returns kv.ErrClosed.
+func (r *Replica) Close(ctx context.Context) error {
+	r.mu.Lock()
+	if errors.Is(r.err, kv.ErrClosed) {
+		r.mu.Unlock()
+		return kv.ErrClosed
+	}
+	alive := r.err == nil
+	if alive {
+		r.err = kv.ErrClosed
+		close(r.done)
+	}
+	r.mu.Unlock()
+	if alive {
+		r.bye(ctx)
+	}
+	r.mu.Lock()
+	r.err = kv.ErrClosed
+	r.mu.Unlock()
+	return r.teardown(ctx)
+}
+
+// bye sends Bye and reads, with the reading role, until the owner closes the
+// connection or ctx ends.
+func (r *Replica) bye(ctx context.Context) {
+	r.wmu.Lock()
+	b, _ := kvwire.AppendEmpty(r.wbuf[:0], kvwire.TypeBye, 0)
+	_, err := r.nc.Write(b)
+	r.wmu.Unlock()
+	if err != nil {
+		return
+	}
+	select {
+	case r.role <- struct{}{}:
+	case <-ctx.Done():
+		return
+	}
+	defer func() { <-r.role }()
+	stop := context.AfterFunc(ctx, func() { r.nc.SetReadDeadline(time.Unix(1, 0)) })
+	defer stop()
+	for {
+		h, p, err := r.rd.Next(r.nc)
+		if err != nil {
+			return
+		}
+		r.deliver(h, p)
+	}
+}
+
+// teardown undoes what Dial made, whatever it got to.
+func (r *Replica) teardown(ctx context.Context) error {
+	select {
+	case <-r.stopW:
+	default:
+		close(r.stopW)
+	}
+	if r.nc != nil {
+		r.nc.Close()
+	}
+	r.evMu.Lock()
+	r.evClosed = true
+	events := r.events
+	r.events = map[cudart.Stream]*streamEvent{}
+	r.evMu.Unlock()
+	var errs []error
+	if r.m != nil {
+		// The slab's import is freed after the last seal and release of every stream.
+		for _, e := range events {
+			if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if err := r.m.Release(ctx, r.stream); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if r.imp != nil {
+		if err := r.imp.Close(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if r.stream != 0 {
+		if err := r.rt.StreamSynchronize(r.dev, r.stream); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, e := range events {
+		if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if r.stream != 0 {
+		r.rt.StreamDestroy(r.dev, r.stream)
+	}
+	if r.owner != nil {
+		r.owner.Close()
+	}
+	return errors.Join(errs...)
+}

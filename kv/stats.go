@@ -1,0 +1,62 @@
+package kv
+
+// Stats is a snapshot of an owner: what its Stats frame answers, as JSON.
+type Stats struct {
+	PID      int            `json:"pid"`
+	Geometry StatsGeometry  `json:"geometry"`
+	Devices  []DeviceStats  `json:"devices"`
+	Replicas []ReplicaStats `json:"replicas"`
+}
+
+// StatsGeometry is the geometry in Stats' JSON.
+type StatsGeometry struct {
+	Layers        int    `json:"layers"`
+	KVHeads       int    `json:"kv_heads"`
+	HeadDim       int    `json:"head_dim"`
+	TokensPerPage int    `json:"tokens_per_page"`
+	DType         string `json:"dtype"`
+	Pages         int    `json:"pages"`
+	PageBytes     uint64 `json:"page_bytes"`
+	SlabBytes     uint64 `json:"slab_bytes"`
+}
+
+// StatsOf is g as Stats shows it.
+func StatsOf(g Geometry) StatsGeometry {
+	return StatsGeometry{Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim, TokensPerPage: g.TokensPerPage,
+		DType: g.DType.String(), Pages: g.Pages, PageBytes: g.PageBytes(), SlabBytes: g.SlabBytes()}
+}
+
+// DeviceStats is one slab's pages by state, and its counters since the owner started.
+// A page is in one of Free, Writing, Sealing, Sealed or Settling (which add up to the
+// slab's pages); Leased counts the sealed pages that readers hold, and Releasing the
+// sealed pages waiting for a reader's release event.
+type DeviceStats struct {
+	Device    int `json:"device"`
+	Pages     int `json:"pages"`
+	Free      int `json:"free"`
+	Writing   int `json:"writing"`
+	Sealing   int `json:"sealing"`
+	Sealed    int `json:"sealed"`
+	Settling  int `json:"settling"`
+	Leased    int `json:"leased"`
+	Releasing int `json:"releasing"`
+	// Hits and Misses count pages matched and hashes a match did not find.
+	Hits   uint64 `json:"hits"`
+	Misses uint64 `json:"misses"`
+	// Copied counts pages a match copied in from another device's slab.
+	Copied     uint64 `json:"copied"`
+	Evictions  uint64 `json:"evictions"`
+	Seals      uint64 `json:"seals"`
+	Duplicates uint64 `json:"duplicates"`
+}
+
+// ReplicaStats is one connected replica.
+type ReplicaStats struct {
+	PID    int `json:"pid"`
+	Device int `json:"device"`
+	Leases int `json:"leases"`
+	Pages  int `json:"pages"`
+	// AwaitingExit is set for a replica whose connection ended without Bye while its
+	// process lives on: its leases are kept until the process exits.
+	AwaitingExit bool `json:"awaiting_exit,omitempty"`
+}

@@ -1,0 +1,547 @@
+"""The KV page pool from Python: a replica of an owner (cmd/kvpoold) that maps the
+owner's slab once and leases its pages by index (ctypes over libcudapool's KV calls).
+
+    r = cudapool.kv.Replica("/run/kv", device=0, namespace="llama")
+    hashes = r.hashes(prompt_tokens)           # one prefix hash per full page
+    hit = r.match(hashes, stream=s)            # the longest visible run, leased for reading
+    ... attention reads pages hit.pages on s ...
+    new = r.alloc(len(hashes) - len(hit))      # a write lease
+    ... kernels on s write K and V of pages new.pages ...
+    r.seal(new, hashes[len(hit):], stream=s)   # visible once s's work so far is done
+    r.release(hit, stream=s)                   # after s's reads
+    caches = r.kv_caches()                     # per layer (K, V) torch tensors over the slab
+
+Each layer's K (and V) is one tensor [pages, tokens_per_page, kv_heads, head_dim] of
+the geometry's dtype (the FlashAttention / FlashInfer paged layout), and a page index
+names the same block in every layer. prefix_hashes is the pure-Python reference of the
+hashes (Replica.hashes computes the same in Go). Only kv_caches imports torch.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import threading
+from array import array
+from dataclasses import dataclass
+
+from . import _dlpack, _lib, stream_handle
+from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
+
+__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Replica", "prefix_hashes", "root",
+           "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "NoSpace", "StaleLease", "Gone", "Closed"]
+
+HASH_BYTES = 16
+MAX_BATCH = 4096  # pages (or hashes, or leases) per request
+DEFAULT_TIMEOUT = 30.0
+
+# dtype name: (C enum value, bytes per element).
+DTYPES = {"bf16": (1, 2), "fp16": (2, 2), "fp32": (3, 4), "fp8e4m3": (4, 1)}
+_DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+
+_ROOT_PREFIX = b"cudapool/kv/v1\x00"
+
+if array("i").itemsize != 4:  # pragma: no cover (no such CPython platform today)
+    raise ImportError("cudapool.kv needs a 4-byte C int for token ids")
+
+
+class Hashes(list):
+    """A list of 16-byte prefix hashes that cannot change, carrying them joined, so
+    that match and seal send them without joining and checking each one again.
+    prefix_hashes and Replica.hashes return one; any list of 16-byte bytes works too."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw):
+        if len(raw) % HASH_BYTES:
+            raise ValueError("%d bytes are not a whole number of %d-byte hashes" % (len(raw), HASH_BYTES))
+        raw = bytes(raw)
+        super().__init__(raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES))
+        self.raw = raw
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step == 1:
+                return Hashes(self.raw[start * HASH_BYTES:max(start, stop) * HASH_BYTES])
+            return Hashes(b"".join(list.__getitem__(self, i)))
+        return list.__getitem__(self, i)
+
+    def _frozen(self, *_, **__):
+        raise TypeError("Hashes cannot change: make a list of it (list(h)) to edit")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _frozen
+    append = extend = insert = pop = remove = clear = sort = reverse = _frozen
+
+    def __reduce__(self):
+        return (Hashes, (self.raw,))
+
+
+def root(namespace=""):
+    """The hash before a namespace's first page: SHA-256("cudapool/kv/v1\\0" + namespace)[:16]."""
+    return hashlib.sha256(_ROOT_PREFIX + _namespace_bytes(namespace)).digest()[:HASH_BYTES]
+
+
+def prefix_hashes(tokens, tokens_per_page, namespace=""):
+    """The prefix hash of each full page of tokens, in pure Python (hashlib), as
+    kv.PrefixHashes computes it: h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... ||
+    le32(tok[i*T+T-1]))[:16], h_{-1} = root(namespace). A trailing partial page gets
+    none. Token ids are int32 (their little-endian uint32 bits are hashed)."""
+    t = _page_size(tokens_per_page)
+    raw = _token_bytes(tokens)
+    h = root(namespace)
+    out = bytearray()
+    step = 4 * t
+    for i in range(0, len(raw) - step + 1, step):
+        h = hashlib.sha256(h + raw[i:i + step]).digest()[:HASH_BYTES]
+        out += h
+    return Hashes(out)
+
+
+def _namespace_bytes(namespace):
+    if isinstance(namespace, str):
+        return namespace.encode()
+    if isinstance(namespace, (bytes, bytearray)):
+        return bytes(namespace)
+    raise TypeError("namespace must be a str, not %s" % type(namespace).__name__)
+
+
+def _page_size(tokens_per_page):
+    if not isinstance(tokens_per_page, int) or isinstance(tokens_per_page, bool) or tokens_per_page <= 0:
+        raise ValueError("tokens_per_page must be a positive int, not %r" % (tokens_per_page,))
+    return tokens_per_page
+
+
+def _tokens(tokens):
+    """tokens as an array('i') of int32 token ids: itself if it is one, else a copy of
+    a buffer of 4-byte ints (numpy int32, ...) or of a sequence of ints."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError("tokens must be int32 token ids, not %s" % type(tokens).__name__)
+    try:
+        mv = memoryview(tokens)
+    except TypeError:
+        mv = None
+    if mv is not None:
+        if mv.itemsize != 4 or mv.format.lstrip("@=<" if sys.byteorder == "little" else "@=>") != "i":
+            raise TypeError("tokens must be int32 token ids, not a buffer of format %r" % mv.format)
+        if not mv.c_contiguous:
+            raise ValueError("a buffer of tokens must be C-contiguous")
+        a = array("i")
+        a.frombytes(mv.cast("B"))
+        return a
+    try:
+        return array("i", tokens)
+    except OverflowError:
+        raise ValueError("a token id does not fit int32") from None
+    except TypeError as e:
+        raise TypeError("tokens must be int32 token ids: %s" % e) from None
+
+
+def _token_bytes(tokens):
+    t = _tokens(tokens)
+    if sys.byteorder != "little":
+        t = array("i", t)
+        t.byteswap()
+    return t.tobytes()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The KV geometry of an owner's slab: per layer, K and V of pages pages of
+    tokens_per_page tokens of kv_heads x head_dim elements of dtype ("bf16", "fp16",
+    "fp32" or "fp8e4m3"). The slab is [layers][2 (K, V)][pages][tokens_per_page]
+    [kv_heads][head_dim], row-major."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_page: int
+    pages: int
+
+    @property
+    def dtype_size(self):
+        return DTYPES[self.dtype][1]
+
+    @property
+    def page_bytes(self):
+        """One layer's K (or V) of one page."""
+        return self.tokens_per_page * self.kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def slab_bytes(self):
+        return self.layers * 2 * self.pages * self.page_bytes
+
+    def k_offset(self, layer):
+        """The byte offset of layer's K tensor in the slab."""
+        return (layer * 2) * self.pages * self.page_bytes
+
+    def v_offset(self, layer):
+        return (layer * 2 + 1) * self.pages * self.page_bytes
+
+
+@dataclass(frozen=True)
+class SealResult:
+    """What a seal did: pages made visible now (all of them with wait) and pages whose
+    hash was visible already (freed, not indexed)."""
+
+    visible: int
+    duplicates: int
+
+
+class Lease:
+    """Pages leased from the owner: for writing (alloc) or reading (match). pages is an
+    array('I') of page indices; id is the owner's lease id (0 for a match that found
+    nothing, which holds no lease)."""
+
+    __slots__ = ("pages", "id", "writable")
+
+    def __init__(self, lease_id, pages, writable):
+        self.id, self.pages, self.writable = lease_id, pages, writable
+
+    def __len__(self):
+        return len(self.pages)
+
+    def __repr__(self):
+        shown = ", ".join(str(p) for p in self.pages[:8]) + (", ..." if len(self.pages) > 8 else "")
+        return "<cudapool.kv.Lease %s id=%#x pages=[%s] (%d)>" % (
+            "write" if self.writable else "read", self.id, shown, len(self.pages))
+
+
+class _Replica(ctypes.Structure):
+    _fields_ = [("h", _lib.u64)]
+
+
+class _Geometry(ctypes.Structure):
+    _fields_ = [("size", _lib.size_t)] + [
+        (name, ctypes.c_int32) for name in (
+            "layers", "kv_heads", "head_dim", "tokens_per_page", "dtype", "dtype_size", "pages", "device")
+    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64)]
+
+
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+_u64p = ctypes.POINTER(_lib.u64)
+_SIGNATURES = {
+    "cudapool_kv_dial": (_lib.cstr, _lib.c_int, ctypes.c_char_p, _lib.size_t, _lib.c_int, _lib.i64,
+                         ctypes.POINTER(_Replica)),
+    "cudapool_kv_geometry_get": (_Replica, ctypes.POINTER(_Geometry)),
+    "cudapool_kv_slab": (_Replica, ctypes.POINTER(_lib.vp), _u64p),
+    "cudapool_kv_hashes": (_Replica, _lib.vp, _lib.size_t, _lib.vp, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_alloc": (_Replica, ctypes.c_uint32, _lib.i64, _u64p, _u32p),
+    "cudapool_kv_seal": (_Replica, _lib.u64, ctypes.c_char_p, _lib.size_t, _lib.vp, _lib.c_int, _lib.i64,
+                         _u32p, _u32p),
+    "cudapool_kv_match": (_Replica, ctypes.c_char_p, _lib.size_t, _lib.vp, _lib.i64, _u64p, _u32p,
+                          ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_release": (_Replica, _u64p, _lib.size_t, _lib.vp, _lib.i64),
+    "cudapool_kv_done_fd": (_Replica, ctypes.POINTER(_lib.c_int)),
+    "cudapool_kv_alive": (_Replica, ctypes.POINTER(_lib.c_int)),
+    "cudapool_kv_error": (_Replica, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_stats": (_Replica, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_close": (_Replica, _lib.i64),
+}
+
+# The flags of cudapool_kv_dial.
+_DIAL_WAIT_FOR_OWNER = 1
+
+_lib_kv = None
+_load_lock = threading.Lock()
+
+
+def _kvlib():
+    """The library with the KV calls' prototypes set (once)."""
+    global _lib_kv
+    if _lib_kv is None:
+        with _load_lock:
+            if _lib_kv is None:
+                l = _lib.lib()
+                for name, args in _SIGNATURES.items():
+                    f = getattr(l, name)
+                    f.argtypes = args
+                    f.restype = _lib.c_int
+                _lib_kv = l
+    return _lib_kv
+
+
+def _stream(stream):
+    return stream_handle(stream) or None
+
+
+def _count(n, what):
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError("%s must be an int, not %s" % (what, type(n).__name__))
+    if n < 0:
+        raise ValueError("%s %d is negative" % (what, n))
+    if n > MAX_BATCH:
+        raise ValueError("%s %d is over MAX_BATCH (%d pages per request)" % (what, n, MAX_BATCH))
+    return n
+
+
+def _hash_bytes(hashes):
+    """hashes (a Hashes, a list of 16-byte bytes, or their bytes joined) as (bytes, n)."""
+    if isinstance(hashes, Hashes) and len(hashes.raw) == HASH_BYTES * len(hashes):
+        raw = hashes.raw
+    elif isinstance(hashes, (bytes, bytearray, memoryview)):
+        raw = bytes(hashes)
+        if len(raw) % HASH_BYTES:
+            raise ValueError("%d bytes of hashes are not a whole number of %d-byte hashes"
+                             % (len(raw), HASH_BYTES))
+    else:
+        hashes = list(hashes)
+        try:
+            raw = b"".join(hashes)
+        except TypeError:
+            raise TypeError("hashes must be bytes of %d each" % HASH_BYTES) from None
+        if len(raw) != HASH_BYTES * len(hashes) or (hashes and min(map(len, hashes)) != HASH_BYTES):
+            bad = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            raise ValueError("hash %d is %d bytes, not %d" % (bad, len(hashes[bad]), HASH_BYTES))
+    n = len(raw) // HASH_BYTES
+    _count(n, "the number of hashes")
+    return raw, n
+
+
+class Replica:
+    """A replica of the KV page pool's owner serving dir (its kv.sock and slab.sock), on
+    device: the owner's slab for that device mapped into this process, and page leases.
+    namespace seeds the prefix hashes (replicas match only pages of their own
+    namespace); timeout bounds the dial and is every call's default; wait_for_owner
+    waits (up to timeout) for an owner that has not started yet. Methods are safe for
+    concurrent use. Close it (or use it as a context manager): the slab is unmapped, and
+    tensors from kv_caches must not be used after."""
+
+    def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False):
+        path = os.fsencode(dir)
+        if b"\0" in path:
+            raise ValueError("dir %r has a NUL byte" % (dir,))
+        if not path:
+            raise ValueError("dir is empty")
+        if not isinstance(device, int) or device < 0:
+            raise ValueError("device must be a non-negative int, not %r" % (device,))
+        ns = _namespace_bytes(namespace)
+        self.timeout, self.device, self.namespace = timeout, device, namespace
+        self._ms = _lib.timeout_ms(timeout)
+        self._l = l = _kvlib()
+        self._r = _Replica()
+        status = l.cudapool_kv_dial(path, device, ns, len(ns), _DIAL_WAIT_FOR_OWNER if wait_for_owner else 0,
+                                    self._ms, ctypes.byref(self._r))
+        if status:
+            raise _lib.error(status)
+        try:
+            g = _Geometry(size=ctypes.sizeof(_Geometry))
+            self._call("cudapool_kv_geometry_get", ctypes.byref(g))
+            self.geometry = Geometry(g.layers, g.kv_heads, g.head_dim, _DTYPE_NAMES[g.dtype],
+                                     g.tokens_per_page, g.pages)
+            base, size = _lib.vp(), _lib.u64()
+            self._call("cudapool_kv_slab", ctypes.byref(base), ctypes.byref(size))
+            self.slab_ptr, self.slab_bytes = base.value, size.value
+        except BaseException:
+            self.close()
+            raise
+        # What one call at a time uses without allocating; a concurrent call makes its own.
+        self._busy = threading.Lock()
+        self._pages = (ctypes.c_uint32 * MAX_BATCH)()
+        self._pages_b = memoryview(self._pages).cast("B")
+        self._lease, self._n, self._u32a, self._u32b = _lib.u64(), _lib.size_t(), ctypes.c_uint32(), ctypes.c_uint32()
+        self._one = (_lib.u64 * 1)()
+
+    def _call(self, name, *args):
+        if not self._r.h:
+            raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
+        status = getattr(self._l, name)(self._r, *args)
+        if status:
+            raise _lib.error(status)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _ms_of(self, timeout):
+        return self._ms if timeout is None else _lib.timeout_ms(timeout)
+
+    @property
+    def alive(self):
+        """False once the owner is gone (its process died or the connection ended)."""
+        a = _lib.c_int()
+        self._call("cudapool_kv_alive", ctypes.byref(a))
+        return bool(a.value)
+
+    @property
+    def error(self):
+        """Why the owner is gone (a Gone exception), or None while it is there."""
+        msg = _lib.call_sized("cudapool_kv_error", self._r, cap=256) if self._r.h else b""
+        return Gone(9, msg.decode(errors="replace")) if msg else None
+
+    def fileno(self):
+        """A file descriptor that becomes readable when the owner is gone (for select,
+        poll or asyncio's add_reader); it stays the replica's, valid until close."""
+        fd = _lib.c_int()
+        self._call("cudapool_kv_done_fd", ctypes.byref(fd))
+        return fd.value
+
+    def hashes(self, tokens):
+        """The prefix hash of each full page of tokens (int32 ids) in this replica's
+        namespace, computed by the library (prefix_hashes computes the same)."""
+        t = _tokens(tokens)
+        cap = len(t) // self.geometry.tokens_per_page
+        out = ctypes.create_string_buffer(max(cap, 1) * HASH_BYTES)
+        n = _lib.size_t()
+        self._call("cudapool_kv_hashes", t.buffer_info()[0] if t else None, len(t), out, cap, ctypes.byref(n))
+        return Hashes(out.raw[:n.value * HASH_BYTES])
+
+    def alloc(self, n, timeout=None):
+        """Leases n free (or evicted) pages for writing: all of them or none (NoSpace)."""
+        n = _count(n, "n")
+        mine = self._busy.acquire(False)
+        try:
+            pages = self._pages if mine else (ctypes.c_uint32 * max(n, 1))()
+            lease = self._lease if mine else _lib.u64()
+            self._call("cudapool_kv_alloc", n, self._ms_of(timeout), ctypes.byref(lease), pages)
+            return Lease(lease.value, _page_array(pages, n), True)
+        finally:
+            if mine:
+                self._busy.release()
+
+    def seal(self, lease, hashes, stream=None, wait=False, timeout=None):
+        """Publishes the first len(hashes) pages of the write lease under hashes (the
+        rest are freed): they become visible to every replica once the work queued on
+        stream before the call has completed; with wait the call returns only then. The
+        write lease ends either way."""
+        if not isinstance(lease, Lease):
+            raise TypeError("seal wants a Lease, not %s" % type(lease).__name__)
+        raw, n = _hash_bytes(hashes)
+        visible, dup = ctypes.c_uint32(), ctypes.c_uint32()
+        self._call("cudapool_kv_seal", lease.id, raw, n, _stream(stream), 1 if wait else 0, self._ms_of(timeout),
+                   ctypes.byref(visible), ctypes.byref(dup))
+        return SealResult(visible.value, dup.value)
+
+    def match(self, hashes, stream=None, timeout=None):
+        """Leases for reading the longest run of visible pages under hashes from the
+        first: a Lease of len 0 (and id 0, holding nothing) if the first is not visible.
+        Work queued on stream after the call may read them; release them after it."""
+        raw, n = _hash_bytes(hashes)
+        if n == 0:
+            return Lease(0, array("I"), False)
+        mine = self._busy.acquire(False)
+        try:
+            pages = self._pages if mine else (ctypes.c_uint32 * n)()
+            lease, got = (self._lease, self._n) if mine else (_lib.u64(), _lib.size_t())
+            self._call("cudapool_kv_match", raw, n, _stream(stream), self._ms_of(timeout), ctypes.byref(lease),
+                       pages, ctypes.byref(got))
+            return Lease(lease.value, _page_array(pages, got.value), False)
+        finally:
+            if mine:
+                self._busy.release()
+
+    def release(self, *leases, stream=None, timeout=None):
+        """Gives leases back once the work queued on stream before the call has
+        completed: a page is not evicted or reused before. A lease already released,
+        sealed or another replica's raises StaleLease, and then none is released."""
+        ids = []
+        for l in leases:
+            if not isinstance(l, Lease):
+                raise TypeError("release wants Leases, not %s" % type(l).__name__)
+            if l.id:
+                ids.append(l.id)
+        if not ids:
+            return
+        _count(len(ids), "the number of leases")
+        if len(ids) == 1 and self._busy.acquire(False):
+            try:
+                self._one[0] = ids[0]
+                self._call("cudapool_kv_release", self._one, 1, _stream(stream), self._ms_of(timeout))
+            finally:
+                self._busy.release()
+            return
+        arr = (_lib.u64 * len(ids))(*ids)
+        self._call("cudapool_kv_release", arr, len(ids), _stream(stream), self._ms_of(timeout))
+
+    def stats(self, timeout=None):
+        """The owner's statistics: per device its pages by state (free, writing,
+        sealing, sealed, settling; leased, releasing) and counters (hits, misses,
+        evictions, seals, duplicates, copied), per replica its leases and pages."""
+        if not self._r.h:
+            raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
+        return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
+
+    def slab_view(self, typestr, shape, offset=0):
+        """A DLPack (and, but for bf16, __cuda_array_interface__) view of the slab's
+        memory from offset: typestr as cudapool.ArrayView takes it."""
+        return _SlabView(self, typestr, shape, offset)
+
+    def kv_caches(self):
+        """Per layer, (K, V) torch tensors [pages, tokens_per_page, kv_heads, head_dim]
+        of the geometry's dtype on this replica's device, views of the mapped slab (no
+        copy). Imports torch."""
+        import torch
+        g = self.geometry
+        dtype = getattr(torch, _TORCH_DTYPES[g.dtype])
+        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
+        whole = torch.from_dlpack(self.slab_view(_WORDS[g.dtype_size], shape))
+        if whole.dtype != dtype:
+            whole = whole.view(dtype)
+        return [(whole[i, 0], whole[i, 1]) for i in range(g.layers)]
+
+    def close(self, timeout=None):
+        """Gives every lease back, unmaps the slab and hangs up; a second close does
+        nothing."""
+        if self._r.h:
+            r = _Replica(self._r.h)
+            self._r.h = 0
+            status = self._l.cudapool_kv_close(r, self._ms_of(timeout))
+            if status:
+                raise _lib.error(status)
+
+    def __repr__(self):
+        return "<cudapool.kv.Replica device=%d namespace=%r %s>" % (
+            self.device, self.namespace, "open" if self._r.h else "closed")
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8e4m3": "float8_e4m3fn"}
+# The integer type string of each element size: the slab is handed over as integers of
+# the dtype's size and viewed as the dtype (DLPack consumers differ on bf16 and fp8).
+_WORDS = {1: "|u1", 2: "<i2", 4: "<i4"}
+
+
+def _page_array(pages, n):
+    a = array("I")
+    a.frombytes(memoryview(pages).cast("B")[:4 * n])
+    return a
+
+
+class _SlabView:
+    """A typed window on a replica's slab for DLPack and __cuda_array_interface__
+    consumers; it keeps the replica alive while a consumer holds it."""
+
+    def __init__(self, replica, typestr, shape, offset=0):
+        itemsize = 2 if typestr == "bf16" else int(typestr[2:])
+        n = itemsize
+        for d in shape:
+            n *= d
+        if offset < 0 or offset + n > replica.slab_bytes:
+            raise ValueError("%d bytes at offset %d do not fit the %d-byte slab" % (n, offset, replica.slab_bytes))
+        self.replica, self.typestr, self.shape, self.offset, self.itemsize = (
+            replica, typestr, tuple(shape), offset, itemsize)
+
+    def _ptr(self):
+        if not self.replica._r.h:
+            raise Closed(4, "cudapool: the kv replica is closed")
+        return self.replica.slab_ptr + self.offset
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.typestr == "bf16":
+            raise TypeError("__cuda_array_interface__ has no bfloat16: use DLPack")
+        # No stream: the slab's pages are ordered by the owner's leases, not by a stream.
+        return {"shape": self.shape, "typestr": self.typestr, "data": (self._ptr(), False), "version": 3,
+                "strides": None, "stream": None}
+
+    def __dlpack__(self, stream=None, **_):
+        return _dlpack.capsule(self, self._ptr(), self.replica.device, _dlpack.dtype_of(self.typestr),
+                               self.shape, None, self.itemsize)
+
+    def __dlpack_device__(self):
+        return (_dlpack.KDL_CUDA, self.replica.device)

@@ -1,0 +1,597 @@
+"""Tests of the KV page pool from Python (cudapool.kv): a kvpoold owner process started
+by each test ($CUDAPOOL_KVPOOLD, which capi's TestPythonPackage builds), replicas in
+this process and in spawned ones, on the software device where no GPU is."""
+
+import ctypes
+import json
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+from array import array
+
+from helpers import CHILD_TIMEOUT, HERE, REQUIRE_GPU, cudapool, result_of, spawn
+
+from cudapool import _lib, kv
+
+KVPOOLD = os.environ.get("CUDAPOOL_KVPOOLD")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LAYOUT = "llama-0.85b"  # 16 layers, 8 KV heads, head dim 64, bf16, 16 tokens per page
+T = 16
+
+
+def setUpModule():
+    cudapool.init(os.environ["CUDAPOOL_RUNTIME"])
+
+
+def need_kvpoold():
+    if not KVPOOLD:
+        if REQUIRE_GPU:
+            raise AssertionError("CUDAPOOL_REQUIRE_GPU=1 but CUDAPOOL_KVPOOLD is not set")
+        raise unittest.SkipTest("CUDAPOOL_KVPOOLD is not set (capi's TestPythonPackage sets it)")
+
+
+def runtime_flag():
+    """The runtime kvpoold runs on: the one this process chose."""
+    on_gpu, _, _ = cudapool.runtime_info()
+    return "gpu" if on_gpu else "test"
+
+
+class Owner:
+    """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log."""
+
+    def __init__(self, pages=64, layout=LAYOUT):
+        need_kvpoold()
+        self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
+        self.serve = os.path.join(self.dir, "owner")
+        self.log_path = os.path.join(self.dir, "kvpoold.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-runtime", runtime_flag()],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def replica(self, **kw):
+        kw.setdefault("wait_for_owner", True)
+        kw.setdefault("timeout", CHILD_TIMEOUT)
+        try:
+            return kv.Replica(self.serve, **kw)
+        except Exception as e:
+            raise AssertionError("dialing kvpoold: %s\nkvpoold's log:\n%s" % (e, self.output())) from e
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(CHILD_TIMEOUT)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(CHILD_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(CHILD_TIMEOUT)
+        self.log.close()
+
+
+def pattern(n, seed):
+    return bytes((i * 13 + seed * 7 + 1) & 0xFF for i in range(n))
+
+
+def page_addr(r, layer, kv_index, page):
+    g = r.geometry
+    off = g.k_offset(layer) if kv_index == 0 else g.v_offset(layer)
+    return r.slab_ptr + off + page * g.page_bytes
+
+
+# The bytes a test writes: a few blocks of a page, not all of it (the software device
+# copies byte by byte through memfds, and a page is 16 KiB per layer and K or V).
+SPOTS = [(0, 0), (0, 1), (7, 0), (15, 1)]  # (layer, 0 for K or 1 for V)
+SPOT = 512
+
+
+def write_pages(r, pages, seed, stream=None):
+    for i, p in enumerate(pages):
+        for layer, which in SPOTS:
+            cudapool.copy_to_device(r.device, page_addr(r, layer, which, p), pattern(SPOT, seed + i), stream)
+
+
+def read_pages(r, pages, seed):
+    """Whether pages hold what write_pages(seed) wrote, page by page."""
+    ok = []
+    for i, p in enumerate(pages):
+        ok.append(all(cudapool.copy_from_device(r.device, page_addr(r, layer, which, p), SPOT) ==
+                      pattern(SPOT, seed + i) for layer, which in SPOTS))
+    return ok
+
+
+def tokens(n, seed):
+    return [(seed * 1000003 + i * 7919) % 128000 for i in range(n)]
+
+
+def reader(q, serve, hashes, seed, namespace):
+    """A replica process: matches hashes, reads the pages back, releases."""
+    try:
+        with kv.Replica(serve, namespace=namespace, timeout=CHILD_TIMEOUT) as r:
+            l = r.match(hashes)
+            ok = read_pages(r, l.pages, seed)
+            r.release(l)
+            q.put({"n": len(l), "ok": ok, "pages": list(l.pages), "writable": l.writable,
+                   "own": r.hashes(tokens(len(hashes) * T, seed)) == hashes})
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def lease_holder(q, serve, n, go):
+    """A replica process that allocs n pages, says which, and holds them until go."""
+    try:
+        r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
+        l = r.alloc(n)
+        q.put({"id": l.id, "pages": list(l.pages)})
+        if not go.wait(CHILD_TIMEOUT):
+            raise TimeoutError("the parent never said go")
+        r.release(l)
+        r.close()
+        q.put("released")
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def close_holding(q, serve, n):
+    """A replica process that allocs n pages and closes without releasing them."""
+    try:
+        r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
+        r.alloc(n)
+        r.close()
+        r.close()
+        try:
+            r.alloc(1)
+            closed = "no error"
+        except cudapool.CudapoolError as e:
+            closed = type(e).__name__
+        q.put({"closed_alloc": closed, "error": r.error})
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def dying_writer(q, serve, n, seed):
+    """A replica process that allocs n pages, writes them and waits to be killed."""
+    try:
+        r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
+        l = r.alloc(n)
+        write_pages(r, l.pages, seed)
+        q.put("written")
+        time.sleep(CHILD_TIMEOUT)
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def eventually(test, what, f, timeout=CHILD_TIMEOUT):
+    """f()'s first true value, trying until timeout; fails test saying what it waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = f()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            test.fail("waited %d s for %s" % (timeout, what))
+        time.sleep(0.005)
+
+
+class PrefixHashTest(unittest.TestCase):
+    """The pure-Python reference of the prefix hashes; no owner needed."""
+
+    def test_fixed_vectors(self):
+        # Pinned here too, so that the reference and testdata cannot drift together.
+        self.assertEqual(kv.root("").hex(), "33fbf7215ae8bdbba6ff4b8fdd79c194")
+        h = kv.prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+        self.assertEqual([x.hex() for x in h], ["35b8a3bdb29162483d14958d09c9b648", "42de7ecc30277d5cb6586e5fb32b4cd5"])
+        h = kv.prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, "llama")
+        self.assertEqual([x.hex() for x in h], ["2c9c15a3101940859a7ed1fbb0d79a9f", "343f7461d259a2511a69e4a8645f3fdd"])
+
+    def test_testdata_vectors(self):
+        with open(os.path.join(ROOT, "kv", "testdata", "hashes.json")) as f:
+            v = json.load(f)
+        self.assertTrue(v["roots"] and v["cases"])
+        for r in v["roots"]:
+            self.assertEqual(kv.root(r["namespace"]).hex(), r["root"], r["namespace"])
+        for c in v["cases"]:
+            with self.subTest(ns=c["namespace"], t=c["tokens_per_page"], n=len(c["tokens"])):
+                got = kv.prefix_hashes(c["tokens"], c["tokens_per_page"], c["namespace"])
+                self.assertEqual([x.hex() for x in got], c["hashes"])
+                self.assertEqual(kv.prefix_hashes(array("i", c["tokens"]), c["tokens_per_page"], c["namespace"]),
+                                 got, "an array('i') of the tokens")
+
+    def test_partial_page_and_prefix(self):
+        t = tokens(5 * T + 3, 1)
+        h = kv.prefix_hashes(t, T)
+        self.assertEqual(len(h), 5, "the trailing partial page has no hash")
+        self.assertEqual(kv.prefix_hashes(t[:3 * T], T), h[:3], "a prefix's hashes are the prefix of the hashes")
+        self.assertNotEqual(kv.prefix_hashes(t, T, "other"), h, "another namespace")
+        self.assertEqual(kv.prefix_hashes([], T), [])
+
+    def test_bad_input(self):
+        for bad in (0, -1, 1.5, True):
+            with self.subTest(tokens_per_page=bad), self.assertRaises(ValueError):
+                kv.prefix_hashes([1] * 16, bad)
+        with self.assertRaises(ValueError):
+            kv.prefix_hashes([1 << 31] * 16, 16)
+        with self.assertRaises(TypeError):
+            kv.prefix_hashes("abcd", 2)
+        with self.assertRaises(TypeError):
+            kv.prefix_hashes([1, 2], 2, namespace=3)
+
+    def test_hashes_cannot_change(self):
+        h = kv.prefix_hashes(tokens(4 * T, 2), T)
+        self.assertIsInstance(h, list)
+        self.assertEqual(h.raw, b"".join(h))
+        for f in (lambda: h.append(b"x" * 16), lambda: h.__setitem__(0, b"x" * 16), h.sort, h.clear):
+            with self.assertRaises(TypeError):
+                f()
+        self.assertEqual(h[1:3].raw, b"".join(list(h)[1:3]), "a slice carries its own bytes")
+        self.assertEqual(h[::2], list(h)[::2])
+
+
+class ReplicaTest(unittest.TestCase):
+    """One owner of 64 pages per test; replicas here and in child processes."""
+
+    def setUp(self):
+        self.owner = Owner(pages=64)
+        self.addCleanup(self.owner.stop)
+        self.r = self.owner.replica()
+        self.addCleanup(self.r.close)
+
+    def test_geometry_and_slab(self):
+        g = self.r.geometry
+        self.assertEqual(g, kv.Geometry(layers=16, kv_heads=8, head_dim=64, dtype="bf16", tokens_per_page=16,
+                                        pages=64))
+        self.assertEqual(g.page_bytes, 16 * 8 * 64 * 2)
+        self.assertEqual(self.r.slab_bytes, g.slab_bytes)
+        self.assertEqual(g.v_offset(3) - g.k_offset(3), 64 * g.page_bytes)
+        self.assertTrue(self.r.slab_ptr)
+        self.assertTrue(self.r.alive)
+        self.assertIsNone(self.r.error)
+
+    def test_hashes_through_the_library_equal_the_reference(self):
+        self.r.close()  # one replica of an owner per process: one namespace at a time
+        for ns in ("", "llama", "名前"):
+            with self.subTest(ns=ns), self.owner.replica(namespace=ns) as r:
+                for n in (0, 15, 16, 17, 8 * T, 512 * T + 5):
+                    t = tokens(n, n)
+                    self.assertEqual(r.hashes(t), kv.prefix_hashes(t, T, ns), n)
+                self.assertEqual(r.hashes(array("i", [-1, 2147483647, -2147483648, 7] * 4)),
+                                 kv.prefix_hashes([-1, 2147483647, -2147483648, 7] * 4, T, ns))
+        with open(os.path.join(ROOT, "kv", "testdata", "hashes.json")) as f:
+            cases = [c for c in json.load(f)["cases"] if c["tokens_per_page"] == T]
+        self.assertTrue(cases, "testdata has a case of 16 tokens per page")
+        for c in cases:
+            with self.owner.replica(namespace=c["namespace"]) as r:
+                self.assertEqual([x.hex() for x in r.hashes(c["tokens"])], c["hashes"])
+
+    def test_write_seal_match_read_across_processes(self):
+        hs = self.r.hashes(tokens(3 * T, 5))
+        l = self.r.alloc(3)
+        self.assertTrue(l.writable)
+        self.assertEqual(len(l), 3)
+        self.assertIsInstance(l.pages, array)
+        self.assertTrue(all(0 <= p < 64 for p in l.pages))
+        write_pages(self.r, l.pages, 5)
+        res = self.r.seal(l, hs, wait=True)
+        self.assertEqual(res, kv.SealResult(visible=3, duplicates=0))
+
+        p, q = spawn(reader, self.owner.serve, hs, 5, "")
+        got = result_of(self, p, q)
+        self.assertEqual(got["n"], 3)
+        self.assertEqual(got["ok"], [True, True, True], "the reader read the writer's bytes")
+        self.assertEqual(got["pages"], list(l.pages), "the same pages of the one slab")
+        self.assertFalse(got["writable"])
+        self.assertTrue(got["own"], "the reader's hashes of the same tokens are the writer's")
+
+        # A longer prompt with the same prefix matches the prefix only.
+        longer = self.r.hashes(tokens(3 * T, 5) + tokens(2 * T, 6))
+        m = self.r.match(longer)
+        self.assertEqual(list(m.pages), list(l.pages))
+        self.r.release(m)
+        miss = self.r.match(self.r.hashes(tokens(2 * T, 99)))
+        self.assertEqual((len(miss), miss.id), (0, 0), "nothing visible: no lease")
+        self.r.release(miss)  # holds nothing: nothing to do
+
+    def test_seal_without_wait_becomes_visible(self):
+        hs = self.r.hashes(tokens(2 * T, 8))
+        with cudapool.Stream(0) as s:
+            l = self.r.alloc(2)
+            write_pages(self.r, l.pages, 8, s)
+            res = self.r.seal(l, hs, stream=s)
+            self.assertEqual(res.duplicates, 0)
+            m = eventually(self, "the sealed pages to be visible", lambda: self._match_all(hs))
+            self.assertEqual(read_pages(self.r, m.pages, 8), [True, True])
+            self.r.release(m, stream=s)
+
+    def _match_all(self, hs):
+        m = self.r.match(hs)
+        if len(m) == len(hs):
+            return m
+        self.r.release(m)
+        return None
+
+    def test_seal_fewer_hashes_frees_the_rest_and_duplicates(self):
+        hs = self.r.hashes(tokens(4 * T, 9))
+        l = self.r.alloc(4)
+        write_pages(self.r, l.pages, 9)
+        self.assertEqual(self.r.seal(l, hs[:2], wait=True).visible, 2)
+        again = self.r.alloc(2)
+        self.assertEqual(self.r.seal(again, hs[:2], wait=True), kv.SealResult(visible=0, duplicates=2))
+        m = self.r.match(hs)
+        self.assertEqual(list(m.pages), list(l.pages[:2]), "the first seal's pages stay the visible ones")
+        self.r.release(m)
+
+    def test_stale_leases(self):
+        l = self.r.alloc(2)
+        self.r.release(l)
+        with self.assertRaises(kv.StaleLease) as cm:
+            self.r.release(l)
+        self.assertEqual(cm.exception.status_name, "CUDAPOOL_ESTALE")
+        with self.assertRaises(kv.StaleLease):
+            self.r.seal(l, self.r.hashes(tokens(2 * T, 1)))
+        with self.assertRaises(kv.StaleLease):
+            self.r.release(kv.Lease(0x1234567, array("I", [1]), False))
+
+        sealed = self.r.alloc(1)
+        self.r.seal(sealed, self.r.hashes(tokens(T, 3)), wait=True)
+        with self.assertRaises(kv.StaleLease, msg="a sealed write lease has ended"):
+            self.r.release(sealed)
+
+        # Another replica's lease is not this one's to release, and stays its own.
+        go = multiprocessing.get_context("spawn").Event()
+        p, q = spawn(lease_holder, self.owner.serve, 3, go)
+        try:
+            theirs = q.get(timeout=CHILD_TIMEOUT)
+            self.assertIsInstance(theirs, dict, theirs)
+            forged = kv.Lease(theirs["id"], array("I", theirs["pages"]), True)
+            with self.assertRaises(kv.StaleLease):
+                self.r.release(forged)
+            with self.assertRaises(kv.StaleLease):
+                self.r.seal(forged, self.r.hashes(tokens(3 * T, 4)))
+            # All or none: a good lease beside a stale one is not released either.
+            mine = self.r.alloc(1)
+            with self.assertRaises(kv.StaleLease):
+                self.r.release(mine, l)
+            self.r.release(mine)
+        finally:
+            go.set()
+        self.assertEqual(result_of(self, p, q), "released", "the holder released its own lease")
+
+    def test_no_space(self):
+        a = self.r.alloc(60)
+        b = self.r.alloc(4)
+        with self.assertRaises(kv.NoSpace) as cm:
+            self.r.alloc(1)
+        self.assertEqual(cm.exception.status_name, "CUDAPOOL_ENOSPACE")
+        self.r.release(b)
+        with self.assertRaises(kv.NoSpace, msg="all or nothing: at most 4 free, 5 asked"):
+            self.r.alloc(5)
+        c = eventually(self, "the 4 released pages to be free", lambda: self._alloc_or_none(4))
+        self.r.release(a, c)
+        whole = eventually(self, "every page to be free", lambda: self._alloc_or_none(64))
+        self.assertEqual(sorted(whole.pages), list(range(64)))
+        self.r.release(whole)
+
+    def _alloc_or_none(self, n):
+        try:
+            return self.r.alloc(n)
+        except kv.NoSpace:
+            return None
+
+    def test_visible_pages_are_evicted_for_an_alloc(self):
+        hs = self.r.hashes(tokens(64 * T, 10))
+        l = self.r.alloc(64)
+        self.assertEqual(self.r.seal(l, hs, wait=True).visible, 64)
+        fresh = self.r.alloc(8)  # no free page: 8 visible, unread pages are evicted
+        self.assertEqual(len(fresh), 8)
+        self.r.release(fresh)
+        m = self.r.match(hs)
+        self.assertLess(len(m), 64, "evicted pages are no longer visible")
+        self.r.release(m)
+
+    def test_bad_inputs_lose_nothing(self):
+        hs = self.r.hashes(tokens(4 * T, 11))
+        l = self.r.alloc(4)
+        cases = [
+            (ValueError, lambda: self.r.seal(l, hs.raw[:-1])),
+            (ValueError, lambda: self.r.seal(l, list(hs[:3]) + [b"short"])),
+            (ValueError, lambda: self.r.seal(l, list(hs[:3]) + [b"x" * 17])),
+            (TypeError, lambda: self.r.seal(l, list(hs[:3]) + ["a str, not bytes"])),
+            (ValueError, lambda: self.r.seal(l, self.r.hashes(tokens(5 * T, 11)))),  # more hashes than pages
+            (ValueError, lambda: self.r.match([b"x" * 15])),
+            (ValueError, lambda: self.r.match(b"x" * 33)),
+            (ValueError, lambda: self.r.alloc(-1)),
+            (ValueError, lambda: self.r.alloc(kv.MAX_BATCH + 1)),
+            (ValueError, lambda: self.r.alloc(1 << 40)),
+            (ValueError, lambda: self.r.match([b"x" * 16] * (kv.MAX_BATCH + 1))),
+            (TypeError, lambda: self.r.alloc("3")),
+            (TypeError, lambda: self.r.seal(l.id, hs)),
+            (TypeError, lambda: self.r.release(l.id)),
+            (ValueError, lambda: self.r.alloc(2, timeout=-1)),
+            (ValueError, lambda: self.r.hashes([1 << 40] * 16)),
+            (TypeError, lambda: self.r.hashes(b"\x00" * 64)),
+            (ValueError, lambda: kv.Replica(self.owner.serve + "\0x")),
+            (ValueError, lambda: kv.Replica("")),
+            (ValueError, lambda: kv.Replica(self.owner.serve, device=-1)),
+            (TypeError, lambda: kv.Replica(self.owner.serve, namespace=5)),
+        ]
+        for exc, f in cases:
+            with self.subTest(i=cases.index((exc, f))), self.assertRaises(exc):
+                f()
+        with self.assertRaises(cudapool.InvalidArgument, msg="a read lease is not sealed"):
+            self._seal_read_lease()
+        # The write lease survived every refusal: it seals whole.
+        write_pages(self.r, l.pages, 11)
+        self.assertEqual(self.r.seal(l, hs, wait=True).visible, 4)
+        m = self.r.match(hs)
+        self.assertEqual(read_pages(self.r, m.pages, 11), [True] * 4)
+        self.r.release(m)
+        rest = self.r.alloc(60)
+        self.assertEqual(len(rest), 60, "every other page is still free")
+        self.r.release(rest)
+
+    def _seal_read_lease(self):
+        hs = self.r.hashes(tokens(T, 12))
+        w = self.r.alloc(1)
+        self.r.seal(w, hs, wait=True)
+        m = self.r.match(hs)
+        try:
+            self.r.seal(m, hs)
+        finally:
+            self.r.release(m)
+
+    def test_c_interface_bad_input(self):
+        l = _lib.lib()
+        r = self.r._r
+        lease, n = ctypes.c_uint64(), ctypes.c_size_t()
+        pages = (ctypes.c_uint32 * 8)()
+        cases = [
+            ("cudapool_kv_alloc", (r, kv.MAX_BATCH + 1, 0, ctypes.byref(lease), pages), 1, "over 4096"),
+            ("cudapool_kv_alloc", (r, 1, 0, None, pages), 1, "lease is NULL"),
+            ("cudapool_kv_alloc", (r, 1, 0, ctypes.byref(lease), None), 1, "pages is NULL"),
+            ("cudapool_kv_alloc", (r, 1, -1, ctypes.byref(lease), pages), 1, "negative"),
+            ("cudapool_kv_match", (r, None, 3, None, 0, ctypes.byref(lease), pages, ctypes.byref(n)), 1, "NULL"),
+            ("cudapool_kv_hashes", (r, None, 16, None, 0, ctypes.byref(n)), 1, "tokens is NULL"),
+            ("cudapool_kv_release", (r, None, 2, None, 0), 1, "leases is NULL"),
+            ("cudapool_kv_alive", (r, None), 1, "alive is NULL"),
+            ("cudapool_kv_alive", (kv._Replica(0), ctypes.byref(ctypes.c_int())), 2, "handle 0"),
+            ("cudapool_kv_alive", (kv._Replica(0xDEADBEEF), ctypes.byref(ctypes.c_int())), 2, "not a cudapool handle"),
+            ("cudapool_kv_dial", (b"/nonexistent", 0, None, 3, 0, 0, ctypes.byref(kv._Replica())), 1, "ns is NULL"),
+            ("cudapool_kv_dial", (b"/nonexistent", 0, None, 0, 8, 0, ctypes.byref(kv._Replica())), 1, "flags"),
+        ]
+        for name, args, status, text in cases:
+            with self.subTest(name=name, text=text):
+                self.assertEqual(getattr(l, name)(*args), status, l.cudapool_last_error())
+                self.assertIn(text, l.cudapool_last_error().decode())
+        with cudapool.Pool(0) as p:
+            self.assertEqual(l.cudapool_kv_alive(kv._Replica(p.handle), ctypes.byref(ctypes.c_int())), 2)
+            self.assertIn("is the handle of a pool, not of a kv replica", l.cudapool_last_error().decode())
+        toks = (ctypes.c_int32 * (3 * T))(*tokens(3 * T, 1))
+        out = ctypes.create_string_buffer(3 * 16)
+        self.assertEqual(l.cudapool_kv_hashes(r, toks, 3 * T, out, 2, ctypes.byref(n)), 14, "room for 2 of 3")
+        self.assertEqual(n.value, 3, "the number needed")
+        g = kv._Geometry(size=4)
+        self.assertEqual(l.cudapool_kv_geometry_get(r, ctypes.byref(g)), 1, "a size too small")
+        # A shorter struct (an older program's) gets the fields that fit and no more.
+        short = (ctypes.c_char * 40)()
+        ctypes.memmove(short, ctypes.byref(ctypes.c_size_t(24)), ctypes.sizeof(ctypes.c_size_t))
+        self.assertEqual(l.cudapool_kv_geometry_get(r, ctypes.cast(short, ctypes.POINTER(kv._Geometry))), 0)
+        layers = ctypes.c_int32.from_buffer(short, ctypes.sizeof(ctypes.c_size_t)).value
+        self.assertEqual(layers, 16)
+        self.assertEqual(bytes(short[24:40]), b"\0" * 16, "nothing written past size")
+        self.assertEqual(l.cudapool_status_name(21), b"CUDAPOOL_ENOSPACE")
+        self.assertEqual(l.cudapool_status_name(22), b"CUDAPOOL_ESTALE")
+        # Every refusal above kept what the replica holds.
+        every = self.r.alloc(64)
+        self.r.release(every)
+
+    def test_close_gives_leases_back(self):
+        p, q = spawn(close_holding, self.owner.serve, 64)
+        self.assertEqual(result_of(self, p, q), {"closed_alloc": "Closed", "error": None})
+        l = eventually(self, "the closed replica's pages to be free", lambda: self._alloc_or_none(64))
+        self.assertEqual(len(l), 64)
+        self.r.release(l)
+        self.r.close()
+        self.r.close()  # a second close does nothing
+        with self.assertRaises(cudapool.Closed):
+            self.r.match([b"x" * 16])
+
+    def test_dead_writer_publishes_nothing_and_loses_nothing(self):
+        p, q = spawn(dying_writer, self.owner.serve, 64, 13)
+        try:
+            self.assertEqual(q.get(timeout=CHILD_TIMEOUT), "written")
+            with self.assertRaises(kv.NoSpace):
+                self.r.alloc(1)
+        finally:
+            p.kill()
+            p.join(CHILD_TIMEOUT)
+        l = eventually(self, "the dead writer's pages to be free", lambda: self._alloc_or_none(64))
+        self.assertEqual(len(l), 64)
+        self.r.release(l)
+        self.assertEqual(len(self.r.match(self.r.hashes(tokens(2 * T, 13)))), 0, "it published nothing")
+
+    def test_owner_death(self):
+        hs = self.r.hashes(tokens(2 * T, 14))
+        held = self.r.alloc(2)
+        fd = self.r.fileno()
+        self.assertEqual(select.select([fd], [], [], 0)[0], [], "not readable while the owner lives")
+        self.owner.kill()
+        readable, _, _ = select.select([fd], [], [], CHILD_TIMEOUT)
+        self.assertEqual(readable, [fd], "the done fd became readable")
+        eventually(self, "alive to turn False", lambda: not self.r.alive)
+        self.assertIsInstance(self.r.error, cudapool.Gone)
+        self.assertTrue(str(self.r.error))
+        for i, f in enumerate((lambda: self.r.alloc(1), lambda: self.r.match(hs), lambda: self.r.seal(held, hs),
+                               lambda: self.r.release(held))):
+            with self.subTest(i=i), self.assertRaises(cudapool.Gone):
+                f()
+        self.r.close()
+
+    def test_concurrent_calls(self):
+        import threading
+        hs = [self.r.hashes(tokens(4 * T, 20 + i)) for i in range(4)]
+        errors = []
+
+        def work(h, seed):
+            try:
+                for _ in range(20):
+                    l = self.r.alloc(4)
+                    self.r.seal(l, h, wait=True)
+                    m = self.r.match(h)
+                    if len(m) != 4:
+                        errors.append("matched %d of 4" % len(m))
+                    self.r.release(m)
+            except Exception as e:
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=work, args=(h, i)) for i, h in enumerate(hs)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(CHILD_TIMEOUT)
+        self.assertFalse(any(t.is_alive() for t in ts), "a thread hung")
+        self.assertEqual(errors, [])
+
+
+class SlabViewTest(unittest.TestCase):
+    """What kv_caches hands torch, read back without torch."""
+
+    def test_dlpack_of_the_slab(self):
+        from cudapool import _dlpack
+        owner = Owner(pages=8)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        self.addCleanup(r.close)
+        g = r.geometry
+        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
+        v = r.slab_view("<i2", shape)
+        self.assertEqual(v.__dlpack_device__(), (2, 0))
+        cap = v.__dlpack__(stream=None)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+        mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
+        t = mt.dl_tensor
+        self.assertEqual(t.data, r.slab_ptr)
+        self.assertEqual((t.dtype.code, t.dtype.bits), (0, 16))
+        self.assertEqual([t.shape[i] for i in range(6)], list(shape))
+        self.assertEqual(t.strides[1] * 2, g.pages * g.page_bytes, "K to V of a layer: a slab of pages")
+        mt.deleter(ctypes.pointer(mt))
+        with self.assertRaises(ValueError):
+            r.slab_view("<i2", (g.slab_bytes // 2 + 1,))
+        with self.assertRaises(TypeError):
+            r.slab_view("bf16", (4,)).__cuda_array_interface__
+
+
+if __name__ == "__main__":
+    unittest.main()
