@@ -14,6 +14,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -131,6 +132,13 @@ func TestStatusOf(t *testing.T) {
 		{errRuntimeSet, statusNoRuntime},
 		{cudart.NewError("cudaStreamCreate", cudart.ErrInvalidValue), statusCUDA},
 		{errors.New("socket: permission denied"), statusIO},
+		{fmt.Errorf("alloc: %w", kv.ErrNoSpace), statusNoSpace},
+		{&kv.RemoteError{Err: kv.ErrStaleLease, Text: "no lease 7"}, statusStale},
+		{fmt.Errorf("%w: its process exited", kv.ErrOwnerGone), statusGone},
+		{kv.ErrClosed, statusClosed},
+		{kv.ErrGeometry, statusInval},
+		{kv.ErrTooLarge, statusInval},
+		{fmt.Errorf("%w: waiting for an owner: %w", kv.ErrOwnerGone, context.DeadlineExceeded), statusTimeout},
 	} {
 		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
 	}

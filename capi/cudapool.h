@@ -239,7 +239,8 @@ int cudapool_torch_pool(int device, uint64_t *pool);
  * another replica's, never issued) fails with CUDAPOOL_ESTALE; once the owner is gone
  * every call that needs it fails with CUDAPOOL_EGONE. Counts over
  * CUDAPOOL_KV_MAX_BATCH, and requests that do not fit the geometry, fail with
- * CUDAPOOL_EINVAL, as do NULL outputs; a failed call leases and releases nothing. */
+ * CUDAPOOL_EINVAL, as do NULL outputs; a call refused so leases and releases nothing,
+ * and a refused seal or release keeps its leases. */
 
 typedef struct { uint64_t h; } cudapool_kv_replica;
 
@@ -275,7 +276,9 @@ typedef struct {
 
 /* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
  * and maps its slab for device. ns (ns_len bytes, may be NULL when 0) is the namespace
- * the prefix hashes start from. flags: CUDAPOOL_KV_*. */
+ * the prefix hashes start from. flags: CUDAPOOL_KV_*. With no owner there it fails
+ * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). A process holds one replica of
+ * an owner at a time: close it before dialing the same owner again. */
 int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
                      int64_t timeout_ms, cudapool_kv_replica *out);
 /* cudapool_kv_geometry_get: the geometry of the replica's slab. */

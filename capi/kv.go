@@ -11,10 +11,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -71,23 +73,34 @@ func (k *kvReplica) gone() error {
 func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	ls := make([]*replica.Lease, len(ids))
+	ls := make([]*replica.Lease, 0, len(ids))
 	for i, id := range ids {
 		l, ok := k.leases[id]
 		if !ok {
-			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
-		}
-		for _, prev := range ls[:i] {
-			if prev == l {
+			for _, l := range ls {
+				k.leases[l.ID()] = l
+			}
+			if slices.Contains(ids[:i], id) {
 				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
 			}
+			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
 		}
-		ls[i] = l
-	}
-	for _, id := range ids {
 		delete(k.leases, id)
+		ls = append(ls, l)
 	}
 	return ls, nil
+}
+
+// fits checks that lease l has room in the caller's array of n pages (exactly n for
+// an alloc), so that no owner's answer writes past it; one that does not is given
+// back.
+func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact bool) error {
+	got := len(l.Pages())
+	if got == n || !exact && got < n {
+		return nil
+	}
+	err := fmt.Errorf("%w: the owner leased %d pages for a request of %d", export.ErrProtocol, got, n)
+	return errors.Join(err, k.r.Release(ctx, 0, l))
 }
 
 // put keeps leases (new ones, or ones a failed call gave back).
@@ -317,6 +330,9 @@ func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uin
 	if err != nil {
 		return fail(err)
 	}
+	if err := k.fits(ctx, l, int(n), true); err != nil {
+		return fail(err)
+	}
 	k.put(l)
 	writePages(pages, l.Pages())
 	*lease = C.uint64_t(l.ID())
@@ -388,6 +404,9 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 	defer cancel()
 	l, err := k.r.Match(ctx, hs, cudart.Stream(s))
 	if err != nil {
+		return fail(err)
+	}
+	if err := k.fits(ctx, l, len(hs), false); err != nil {
 		return fail(err)
 	}
 	*lease, *nPages = 0, 0

@@ -123,3 +123,15 @@ func TestRemoteError(t *testing.T) {
 	assert.True(t, errors.Is(err, ErrNoSpace))
 	assert.Contains(t, err.Error(), "12 pages asked")
 }
+
+func BenchmarkPrefixHashes512(b *testing.B) {
+	toks := make([]int32, 512*16)
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	dst := make([]Hash, 0, 512)
+	b.SetBytes(int64(4 * len(toks)))
+	for b.Loop() {
+		dst = AppendPrefixHashes(dst[:0], "ns", toks, 16)
+	}
+}

@@ -2,11 +2,13 @@
 // exporter's State (export.State) and a pool's figures (pool.Stats) into metrics named
 // by Prometheus's conventions, at each scrape, with no state of their own.
 //
-// Three collectors cover the three places the figures live:
+// Three collectors cover the three places the figures live, and a fourth a KV page
+// pool's:
 //
 //	NewExporterCollector(ex)  an Exporter in this process, read through ex.State
 //	NewPoolCollector(pools)   pools in this process, read through their Stats
 //	NewTargetCollector(fn)    exporters asked over their sockets, as poolstat -serve does
+//	NewKVCollector(dir, fn)   a KV page pool's owner (kv/owner), in this process or asked
 //
 // Metrics are named cudapool_<subject>_<what>[_<unit>]: gauges for current values and
 // high-water marks, counters (_total) for the counts a pool accumulates over its life
@@ -21,6 +23,9 @@
 //	  deferred_frees,failed_frees,failed_free_bytes,cache_limit_bytes,cached_buffers,
 //	  cached_bytes,cache_hits_total,cache_misses_total}
 //	cudapool_peer_{info,leases,grants,leased_bytes,connect_time_seconds,awaiting_exit}
+//	cudapool_kv_{up,info,slab_pages,slab_bytes,pages,leased_pages,releasing_pages,hits_total,
+//	  misses_total,copied_pages_total,evictions_total,seals_total,duplicate_seals_total,
+//	  replica_leases,replica_pages}
 //
 // Register the collectors with a prometheus.Registerer and serve it with promhttp.
 // They are unchecked collectors (they describe no metric up front, as the series they

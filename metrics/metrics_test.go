@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/metrics"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -210,6 +211,7 @@ func TestLint(t *testing.T) {
 		metrics.NewTargetCollector(func() ([]metrics.Target, error) {
 			return []metrics.Target{{Name: "gone", Socket: "/nowhere"}}, nil
 		}),
+		metrics.NewKVCollector("/run/kv", func() (kv.Stats, error) { return kvStats, nil }),
 	} {
 		problems, err := testutil.CollectAndLint(c)
 		require.NoError(t, err)

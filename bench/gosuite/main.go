@@ -18,8 +18,9 @@
 //	gosuite [-runtime auto|gpu|test] [-quick] [-validate] all
 //	gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc
 //	gosuite [-runtime ...] granularity
+//	gosuite [-runtime ...] [-quick] kv
 //
-// "all" runs the sharing operations and the import pair. "alloc" runs the allocation
+// "kv" runs the KV page pool's rows (kv.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
 // pairs as one participant of the ring that scripts/bench-suite.sh starts (see
 // alloc.go). "granularity" prints the bytes an exportable pool allocates for one
 // byte asked, which the script puts in the plan. -quick takes few samples, for a dry
@@ -92,6 +93,8 @@ func playRole() {
 			os.Exit(consumerMain(os.Args[2:]))
 		case exporterRole:
 			os.Exit(exporterMain(os.Args[2:]))
+		case kvReplicaRole:
+			os.Exit(kvReplicaMain(os.Args[2:]))
 		}
 	}
 }
@@ -112,7 +115,8 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "gosuite:", why)
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
-			"       gosuite [-runtime ...] granularity")
+			"       gosuite [-runtime ...] granularity\n"+
+			"       gosuite [-runtime ...] [-quick] kv")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -121,7 +125,7 @@ func run() int {
 	var plan []planEntry
 	var rg ring
 	switch mode {
-	case "all", "granularity":
+	case "all", "granularity", "kv":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -182,6 +186,13 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
+	case "kv":
+		fmt.Printf("# gosuite kv: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+		sh := fullShape
+		if *quick {
+			sh = quickShape
+		}
+		kvRows(r, rt, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)

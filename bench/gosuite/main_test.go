@@ -326,3 +326,32 @@ func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
 	assert.ErrorContains(t, checkCache(run(hit, 5), hit, 6), "did not take the path measured")
 	assert.ErrorContains(t, checkCache(run(miss, 5), plain, 5), "did not take the path measured")
 }
+
+// The kv rows, few samples, on the software device: each is reported once with the
+// samples its shape asks for, and nothing fails.
+func TestKVRowsOnSoftwareDevice(t *testing.T) {
+	picked, err := choose.Runtime(choose.Software)
+	require.NoError(t, err)
+	var out strings.Builder
+	r := &reporter{w: &out}
+	sh := quickShape
+	kvRows(r, picked.Runtime, false, sh)
+	require.NoError(t, choose.Violations(picked.Runtime), "the software device saw violations")
+	by := lines(t, out.String())
+	assert.Empty(t, by["fail"], "failures:\n%s", out.String())
+	want := map[string]int{"kv/match512": sh.samples, "kv/match512+hash": sh.samples,
+		"kv/pages/b64": sh.rounds, "kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds}
+	got := map[string]string{}
+	for _, f := range by["result"] {
+		require.Len(t, f, 7, "result line %q", f)
+		got[f[2]] = f[6]
+		median, err := strconv.ParseFloat(f[4], 64)
+		require.NoError(t, err)
+		assert.Positive(t, median, f[2])
+	}
+	assert.Len(t, got, len(want))
+	for op, n := range want {
+		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
+	}
+	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out.String())
+}

@@ -609,11 +609,16 @@ type consumer struct {
 }
 
 func (pr *producer) startConsumer(dev int) (*consumer, error) {
+	return startRole(consumerRole, pr.kind, pr.ex.Addr(), strconv.Itoa(dev), strconv.FormatBool(pr.validate))
+}
+
+// startRole starts this program as role with args, once it has said "ready".
+func startRole(role string, args ...string) (*consumer, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(self, consumerRole, pr.kind, pr.ex.Addr(), strconv.Itoa(dev), strconv.FormatBool(pr.validate))
+	cmd := exec.Command(self, append([]string{role}, args...)...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {

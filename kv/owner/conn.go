@@ -32,11 +32,11 @@ type conn struct {
 	// Guarded by Owner.mu.
 	welcomed bool
 	lost     bool          // the connection ended without Bye; the process may live on
-	gone     bool          // the process has exited, or the connection's leases ended
 	idle     chan struct{} // set while Bye waits for the releases to settle
 
+	// Written by the connection's goroutine under Owner.mu, read by it without.
+	events map[[kvwire.EventLen]byte]*event
 	// The connection's goroutine alone.
-	events  map[[kvwire.EventLen]byte]*event
 	scratch []uint32
 	leaseID []uint64
 
@@ -44,8 +44,8 @@ type conn struct {
 	wbuf []byte
 }
 
-// exited says whether the replica's process has exited (or its connection's leases
-// ended for another reason).
+// exited says whether the replica's process has exited; false where it cannot be
+// watched.
 func (c *conn) exited() bool {
 	if c.proc == nil {
 		return false
@@ -257,7 +257,9 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 		}
 		e.ev = ev
 	}
+	c.o.mu.Lock() // the poller reads c.events under it
 	c.events[*h] = e
+	c.o.mu.Unlock()
 	return e, nil
 }
 
@@ -503,15 +505,10 @@ func (c *conn) finish(bye bool) {
 	o.mu.Lock()
 	owed = o.exitedLocked(c, owed)
 	delete(o.conns, c)
-	for _, e := range c.events {
-		o.dead = append(o.dead, e)
-	}
+	o.dead = append(o.dead, c)
 	o.mu.Unlock()
 	o.send(owed)
 	o.wake()
-	if c.proc != nil {
-		c.proc.Close()
-	}
 }
 
 func (c *conn) isWelcomed() bool {
@@ -576,7 +573,6 @@ func (o *Owner) endLeasesLocked(c *conn) {
 // nothing and their pages are freed, its pending releases settle. It returns owed
 // with the answers to Seals that waited, marked dead (nobody to send them to).
 func (o *Owner) exitedLocked(c *conn, owed []answer) []answer {
-	c.gone = true
 	o.endLeasesLocked(c)
 	for _, e := range c.events {
 		owed = o.settleUpTo(e, e.appended, false, owed)

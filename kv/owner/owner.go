@@ -112,7 +112,7 @@ type Owner struct {
 	leases    map[uint64]*lease
 	nextLease uint64
 	polling   []*event
-	dead      []*event // events of ended connections, for the poller to destroy
+	dead      []*conn // ended connections, whose events the poller destroys
 	closed    bool
 
 	wakeCh   chan struct{}

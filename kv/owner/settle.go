@@ -2,6 +2,7 @@ package owner
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -36,7 +37,7 @@ type event struct {
 	appended uint64       // records ever appended; guarded by Owner.mu
 	settled  uint64       // records ever settled; guarded by Owner.mu
 	polled   bool         // in Owner.polling; guarded by Owner.mu
-	failed   bool         // a query failed, and that was logged
+	failed   atomic.Bool  // a query failed, and that was logged
 }
 
 // settle applies rec under o.mu: seal pages become visible if publish (else they are
@@ -127,8 +128,7 @@ func (o *Owner) query(e *event) (done, dead bool) {
 		if e.c.exited() {
 			return false, true
 		}
-		if !e.failed {
-			e.failed = true
+		if !e.failed.Swap(true) {
 			o.log.Warn("kv: querying a replica's event failed; its pages wait for the replica's exit", "pid", e.c.cred.PID, "err", err)
 		}
 		return false, false
@@ -233,14 +233,20 @@ func (o *Owner) enqueue(e *event) {
 	}
 }
 
-// destroyEvents destroys the events of connections that ended, under o.mu, from the
-// poller alone: no query of them is in flight then.
+// destroyEvents destroys the events of connections that ended and closes the handles
+// on their processes, under o.mu, from the poller alone (or once it has stopped): no
+// query of them is in flight then.
 func (o *Owner) destroyEvents() {
-	for _, e := range o.dead {
-		if e.ev != 0 {
-			if err := o.rt.EventDestroy(e.c.s.dev, e.ev); err != nil {
-				o.log.Debug("kv: destroying a replica's event", "pid", e.c.cred.PID, "err", err)
+	for _, c := range o.dead {
+		for _, e := range c.events {
+			if e.ev != 0 {
+				if err := o.rt.EventDestroy(c.s.dev, e.ev); err != nil {
+					o.log.Debug("kv: destroying a replica's event", "pid", c.cred.PID, "err", err)
+				}
 			}
+		}
+		if c.proc != nil {
+			c.proc.Close()
 		}
 	}
 	clear(o.dead)

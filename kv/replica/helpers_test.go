@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -104,14 +105,21 @@ func offset(g kv.Geometry, layer, kOrV int, p uint32) uint64 {
 // write queues the pattern of hashes[i] into page pages[i] on s, through r's mapping.
 func write(t testing.TB, rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint32, hashes []kv.Hash) {
 	t.Helper()
+	require.NoError(t, writeErr(rt, r, s, pages, hashes))
+}
+
+func writeErr(rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint32, hashes []kv.Hash) error {
 	g := r.Geometry()
 	for i, p := range pages {
 		for l := range g.Layers {
 			for kv := range 2 {
-				require.NoError(t, rt.MemcpyHtoDAsync(r.Device(), r.Slab()+cudart.DevicePtr(offset(g, l, kv, p)), pattern(g, hashes[i], l, kv), s))
+				if err := rt.MemcpyHtoDAsync(r.Device(), r.Slab()+cudart.DevicePtr(offset(g, l, kv, p)), pattern(g, hashes[i], l, kv), s); err != nil {
+					return err
+				}
 			}
 		}
 	}
+	return nil
 }
 
 // check reads pages[i] through r's mapping on s and says how the first that does not
@@ -134,4 +142,31 @@ func check(rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint3
 	return nil
 }
 
-func replicaWait() replica.SealOption { return replica.WaitVisible() }
+// eventually waits until cond holds, failing t with what after testwait.Bound.
+func eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(testwait.Bound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up after %v waiting for %s", testwait.Bound, what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// sealed writes and seals the chain of pages of seed through r, waiting until visible.
+func sealed(t testing.TB, rt cudart.Runtime, r *replica.Replica, s cudart.Stream, seed int32, pages int) []kv.Hash {
+	t.Helper()
+	ctx := bound(t)
+	hashes := r.Hashes(tokens(r.Geometry(), pages, seed))
+	l, err := r.Alloc(ctx, pages)
+	require.NoError(t, err)
+	write(t, rt, r, s, l.Pages(), hashes)
+	res, err := r.Seal(ctx, l, hashes, s, replica.WaitVisible())
+	require.NoError(t, err)
+	require.Equal(t, replica.SealResult{Visible: pages}, res)
+	return hashes
+}
+
+// device0 is the owner's first slab's figures.
+func device0(o *owner.Owner) kv.DeviceStats { return o.Stats().Devices[0] }

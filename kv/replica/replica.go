@@ -112,6 +112,7 @@ type Replica struct {
 	stream cudart.Stream // the replica's own: the slab's import and its free
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
+	hup    *hangup
 
 	nextID atomic.Uint32
 	wmu    sync.Mutex
@@ -192,6 +193,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 	}
 	if g != r.geo || r.m.Size() < g.SlabBytes() {
 		return nil, fmt.Errorf("%w: the slab (%v, %d bytes) does not match the owner's geometry (%v)", kv.ErrGeometry, g, r.m.Size(), r.geo)
+	}
+	if r.hup, err = watchHangup(r.nc, func() { r.fail(errors.New("it closed the connection")) }); err != nil {
+		return nil, err
 	}
 	go r.watch()
 	return r, nil
@@ -380,6 +384,9 @@ func (r *Replica) teardown(ctx context.Context) error {
 	default:
 		close(r.stopW)
 	}
+	if r.hup != nil {
+		r.hup.close()
+	}
 	if r.nc != nil {
 		r.nc.Close()
 	}
@@ -405,11 +412,8 @@ func (r *Replica) teardown(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
-	if r.stream != 0 {
-		if err := r.rt.StreamSynchronize(r.dev, r.stream); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	// A stream's wait on an event, and work queued on a stream, outlive their
+	// destruction: nothing here waits for the GPU.
 	for _, e := range events {
 		if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
 			errs = append(errs, err)

@@ -1,13 +1,21 @@
 package replica_test
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// roles are the processes the tests start (proctest).
+// roles are the processes the tests start (proctest); roles_test.go fills it.
 var roles = map[string]func(args []string) int{}
 
 // TestRoundTrip writes pages through one replica's mapping, seals them, and reads them
@@ -25,10 +33,9 @@ func TestRoundTrip(t *testing.T) {
 	require.True(t, l.Writable())
 	require.Len(t, l.Pages(), 5)
 	write(t, wdev, w, ws, l.Pages(), hashes)
-	res, err := w.Seal(ctx, l, hashes, ws, replicaWait())
+	res, err := w.Seal(ctx, l, hashes, ws, replica.WaitVisible())
 	require.NoError(t, err)
-	assert.Equal(t, 5, res.Visible)
-	assert.Zero(t, res.Pending)
+	assert.Equal(t, replica.SealResult{Visible: 5}, res)
 
 	m, err := r.Match(ctx, hashes, rs)
 	require.NoError(t, err)
@@ -45,6 +52,358 @@ func TestRoundTrip(t *testing.T) {
 	remote, err := r.Stats(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, small.Pages, remote.Geometry.Pages)
-	assert.Equal(t, 0, remote.Devices[0].Leased, "after the release")
 	assert.Equal(t, 5, remote.Devices[0].Sealed)
+	eventually(t, "the release to settle", func() bool { st := device0(o); return st.Leased == 0 && st.Releasing == 0 })
+}
+
+// TestRoundTripAcrossProcesses has a writer process and a reader process: the bytes
+// one wrote through its mapping are what the other reads through its own.
+func TestRoundTripAcrossProcesses(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	w := proctest.Start(t, "replica", dir, "0")
+	w.Send("write 7 6")
+	w.Expect("sealed 6 0")
+	rd := proctest.Start(t, "replica", dir, "0")
+	rd.Send("read 7 6")
+	rd.Expect("read 6")
+	assert.Equal(t, 6, device0(o).Leased)
+
+	// And the reader here reads what the writer there wrote.
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := r.Hashes(tokens(small, 6, 7))
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 6)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes))
+	require.NoError(t, r.Release(ctx, rs, m))
+
+	rd.Send("release")
+	rd.Expect("released")
+	rd.Finish()
+	w.Finish()
+	eventually(t, "the leases to end", func() bool { st := device0(o); return st.Leased == 0 && st.Releasing == 0 })
+	assert.Empty(t, o.Stats().Replicas[1:], "only this process's replica is left")
+}
+
+// TestMatchLongestRun: a match leases the longest run of visible hashes from the first.
+func TestMatchLongestRun(t *testing.T) {
+	o, dev, dir := startOwner(t, small)
+	_ = dev
+	w, wdev, ws := dial(t, dir, 0)
+	ctx := bound(t)
+	all := w.Hashes(tokens(small, 5, 2))
+	sealed(t, wdev, w, ws, 2, 3) // the first 3 pages of the same tokens
+	m, err := w.Match(ctx, all, ws)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 3, "3 of the 5 hashes are visible")
+	require.NoError(t, w.Release(ctx, ws, m))
+
+	gap := []kv.Hash{all[0], all[1], {9}, all[2]}
+	m, err = w.Match(ctx, gap, ws)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 2, "the run ends at the first hash not visible")
+	require.NoError(t, w.Release(ctx, ws, m))
+
+	none, err := w.Match(ctx, []kv.Hash{{1}, all[0]}, ws)
+	require.NoError(t, err)
+	assert.Empty(t, none.Pages())
+	assert.Zero(t, none.ID(), "no lease for an empty match")
+	require.NoError(t, w.Release(ctx, ws, none), "releasing an empty lease does nothing")
+
+	st := device0(o)
+	assert.Equal(t, uint64(3+2), st.Hits)
+	assert.Equal(t, uint64(2+2+2), st.Misses)
+}
+
+// TestStaleLeaseRefused: a lease released twice, another replica's, a forged one, a
+// read lease sealed: each is refused with kv.ErrStaleLease and changes nothing.
+func TestStaleLeaseRefused(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	a, adev, as := dial(t, dir, 0)
+	b, _, bs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, adev, a, as, 3, 4)
+
+	m, err := a.Match(ctx, hashes, as)
+	require.NoError(t, err)
+	held, err := a.Match(ctx, hashes, as)
+	require.NoError(t, err)
+	require.NoError(t, a.Release(ctx, as, m))
+	before := o.Stats()
+
+	err = a.Release(ctx, as, m)
+	require.ErrorIs(t, err, kv.ErrStaleLease, "released twice")
+	assert.Contains(t, err.Error(), "has ended")
+	err = b.Release(ctx, bs, held)
+	require.ErrorIs(t, err, kv.ErrStaleLease, "another replica's")
+	assert.Contains(t, err.Error(), "another replica")
+	err = a.Release(ctx, as, replica.ForgeLease(1<<40, false, 0))
+	require.ErrorIs(t, err, kv.ErrStaleLease, "never issued")
+	assert.Contains(t, err.Error(), "never issued")
+	require.ErrorIs(t, a.Release(ctx, as, held, m), kv.ErrStaleLease, "a valid lease beside a stale one")
+	_, err = a.Seal(ctx, replica.ForgeLease(held.ID(), true, held.Pages()...), hashes, as)
+	require.ErrorIs(t, err, kv.ErrStaleLease, "a read lease sealed")
+	_, err = b.Seal(ctx, replica.ForgeLease(held.ID(), true, held.Pages()...), hashes, bs)
+	require.ErrorIs(t, err, kv.ErrStaleLease, "another replica's lease sealed")
+	assert.Equal(t, before.Devices, o.Stats().Devices, "refusals change nothing")
+
+	require.NoError(t, a.Release(ctx, as, held), "the valid lease is still held")
+	w, err := a.Alloc(ctx, 2)
+	require.NoError(t, err)
+	_, err = a.Seal(ctx, w, nil, as)
+	require.NoError(t, err, "a seal of no hashes frees the pages")
+	_, err = a.Seal(ctx, w, nil, as)
+	require.ErrorIs(t, err, kv.ErrStaleLease, "a write lease sealed twice")
+	require.ErrorIs(t, a.Release(ctx, as, w), kv.ErrStaleLease, "a sealed write lease released")
+}
+
+// TestNoSpaceIsAllOrNothing: an alloc that cannot have every page it asks for leases
+// none, evicts nothing and changes nothing.
+func TestNoSpaceIsAllOrNothing(t *testing.T) {
+	g := small
+	g.Pages = 8
+	o, _, dir := startOwner(t, g)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, rdev, r, rs, 1, 3)
+	m, err := r.Match(ctx, hashes, rs) // 3 pages held
+	require.NoError(t, err)
+	w, err := r.Alloc(ctx, 4)
+	require.NoError(t, err)
+	before := device0(o)
+	_, err = r.Alloc(ctx, 2)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "1 page free, none evictable")
+	_, err = r.Alloc(ctx, 9)
+	require.ErrorIs(t, err, kv.ErrGeometry, "more pages than the slab has")
+	_, err = r.Alloc(ctx, kv.MaxBatch+1)
+	require.ErrorIs(t, err, kv.ErrTooLarge)
+	assert.Equal(t, before, device0(o), "a refused alloc changes nothing")
+	one, err := r.Alloc(ctx, 1)
+	require.NoError(t, err, "the free page")
+	require.NoError(t, r.Release(ctx, rs, m, w, one))
+}
+
+// TestEvictionLeavesFirst: alloc evicts the least recently used visible pages, a
+// chain's deepest first, and never a page a reader holds or whose release has not
+// settled.
+func TestEvictionLeavesFirst(t *testing.T) {
+	g := small
+	g.Pages = 8
+	o, _, dir := startOwner(t, g)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	a := sealed(t, rdev, r, rs, 1, 4)
+	b := sealed(t, rdev, r, rs, 2, 4)
+
+	w1, err := r.Alloc(ctx, 1)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(1), device0(o).Evictions)
+	ma, err := r.Match(ctx, a, rs)
+	require.NoError(t, err)
+	require.Len(t, ma.Pages(), 3, "a's leaf went first, the older chain's deepest page")
+
+	// a is held: the next evictions must take b, deepest first.
+	w2, err := r.Alloc(ctx, 2)
+	require.NoError(t, err)
+	mb, err := r.Match(ctx, b, rs)
+	require.NoError(t, err)
+	require.Len(t, mb.Pages(), 2, "b lost its two deepest pages")
+	_, err = r.Alloc(ctx, 3)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "every visible page is held")
+
+	// A release whose stream has not run yet keeps the pages from eviction.
+	resume, err := rdev.Stall(0, rs)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	require.NoError(t, r.Release(ctx, rs, mb))
+	assert.Equal(t, 2, device0(o).Releasing)
+	_, err = r.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "b's pages wait for their release event")
+	resume()
+	eventually(t, "b's release to settle", func() bool { return device0(o).Releasing == 0 })
+	w3, err := r.Alloc(ctx, 1)
+	require.NoError(t, err)
+	mb, err = r.Match(ctx, b, rs)
+	require.NoError(t, err)
+	assert.Len(t, mb.Pages(), 1, "b's deepest page left went")
+	require.NoError(t, r.Release(ctx, rs, ma, mb, w1, w2, w3))
+}
+
+// TestSealNotVisibleBeforeItsWork: pages sealed behind work that has not run are not
+// matched; they become visible once it has.
+func TestSealNotVisibleBeforeItsWork(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	w, wdev, ws := dial(t, dir, 0)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := w.Hashes(tokens(small, 4, 5))
+	resume, err := wdev.Stall(0, ws)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	l, err := w.Alloc(ctx, 4)
+	require.NoError(t, err)
+	write(t, wdev, w, ws, l.Pages(), hashes)
+	res, err := w.Seal(ctx, l, hashes, ws)
+	require.NoError(t, err)
+	assert.Equal(t, replica.SealResult{Pending: 4}, res)
+	assert.Equal(t, 4, device0(o).Sealing)
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	assert.Empty(t, m.Pages(), "pages whose writes have not run")
+
+	// A Seal that waits is answered once the writes have run.
+	hashes2 := w.Hashes(tokens(small, 2, 6))
+	l2, err := w.Alloc(ctx, 2)
+	require.NoError(t, err)
+	write(t, wdev, w, ws, l2.Pages(), hashes2)
+	waited := make(chan replica.SealResult, 1)
+	go func() {
+		res, err := w.Seal(ctx, l2, hashes2, ws, replica.WaitVisible())
+		assert.NoError(t, err)
+		waited <- res
+	}()
+	eventually(t, "the second seal to reach the owner", func() bool { return device0(o).Sealing == 6 })
+	select {
+	case <-waited:
+		t.Fatal("a Seal that waits was answered before its writes ran")
+	default:
+	}
+	resume()
+	assert.Equal(t, replica.SealResult{Visible: 2}, testwait.Recv(t, waited, "the waiting Seal's answer"))
+	eventually(t, "the first seal to become visible", func() bool { return device0(o).Sealed == 6 })
+	m, err = r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 4)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes))
+	require.NoError(t, r.Release(ctx, rs, m))
+}
+
+// TestDuplicateSeal: a second seal of hashes already visible frees its pages and
+// counts them as duplicates; fewer hashes than pages free the rest.
+func TestDuplicateSeal(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	a, adev, as := dial(t, dir, 0)
+	b, bdev, bs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, adev, a, as, 4, 3)
+	l, err := b.Alloc(ctx, 5)
+	require.NoError(t, err)
+	write(t, bdev, b, bs, l.Pages()[:3], hashes)
+	res, err := b.Seal(ctx, l, hashes, bs, replica.WaitVisible())
+	require.NoError(t, err)
+	assert.Equal(t, replica.SealResult{Duplicates: 3}, res)
+	st := device0(o)
+	assert.Equal(t, 3, st.Sealed)
+	assert.Equal(t, small.Pages-3, st.Free, "the duplicates and the pages without a hash are free")
+	assert.Equal(t, uint64(3), st.Duplicates)
+}
+
+// TestWriterKilledPublishesNothing: a writer killed before its writes ran publishes
+// nothing, and its pages go back to free.
+func TestWriterKilledPublishesNothing(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	w := proctest.Start(t, "replica", dir, "0")
+	w.Send("stallwrite 8 4")
+	w.Expect("pending 4")
+	assert.Equal(t, 4, device0(o).Sealing)
+	w.Kill()
+	eventually(t, "the dead writer's pages to be freed", func() bool { return device0(o).Free == small.Pages })
+	assert.Zero(t, device0(o).Sealed)
+	r, _, rs := dial(t, dir, 0)
+	m, err := r.Match(bound(t), r.Hashes(tokens(small, 4, 8)), rs)
+	require.NoError(t, err)
+	assert.Empty(t, m.Pages(), "nothing of the dead writer's is visible")
+	w.Wait()
+}
+
+// TestReaderKilledEndsItsLeases: a reader killed while it holds pages loses them, and
+// they can be evicted again.
+func TestReaderKilledEndsItsLeases(t *testing.T) {
+	g := small
+	g.Pages = 8
+	o, _, dir := startOwner(t, g)
+	w, wdev, ws := dial(t, dir, 0)
+	sealed(t, wdev, w, ws, 9, 8)
+	rd := proctest.Start(t, "replica", dir, "0")
+	rd.Send("read 9 8")
+	rd.Expect("read 8")
+	_, err := w.Alloc(bound(t), 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "every page is held by the reader")
+	rd.Kill()
+	eventually(t, "the dead reader's leases to end", func() bool { return device0(o).Leased == 0 })
+	l, err := w.Alloc(bound(t), 8)
+	require.NoError(t, err, "the pages are evictable again")
+	require.NoError(t, w.Release(bound(t), ws, l))
+	rd.Wait()
+}
+
+// TestOwnerKilled: a replica learns at once that its owner died.
+func TestOwnerKilled(t *testing.T) {
+	dir := shortDir(t)
+	ow := proctest.Start(t, "owner", dir)
+	ow.Expect("ready")
+	r, _, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	l, err := r.Alloc(ctx, 2)
+	require.NoError(t, err)
+	require.NoError(t, r.Err())
+	ow.Kill()
+	testwait.Recv(t, r.Done(), "the replica's Done after its owner's death")
+	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
+	_, err = r.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrOwnerGone)
+	err = r.Release(ctx, rs, l)
+	require.True(t, errors.Is(err, kv.ErrOwnerGone), "%v", err)
+	ow.Wait()
+}
+
+// TestCrossDeviceMatchCopies: a match on device 1 of pages visible only in device 0's
+// slab copies them into device 1's, where they read right and are then matched
+// without a copy.
+func TestCrossDeviceMatchCopies(t *testing.T) {
+	o, _, dir := startOwner(t, small, 0, 1)
+	w, wdev, ws := dial(t, dir, 0)
+	r, rdev, rs := dial(t, dir, 1)
+	ctx := bound(t)
+	require.NotEqual(t, w.Slab(), r.Slab(), "each device has its slab")
+	hashes := sealed(t, wdev, w, ws, 11, 6)
+	local := sealed(t, rdev, r, rs, 11, 2) // the first two are on device 1 already
+	require.Equal(t, hashes[:2], local)
+
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 6)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "the copies' bytes")
+	st := o.Stats().Devices
+	assert.Equal(t, uint64(4), st[1].Copied, "the four pages device 1 lacked")
+	assert.Equal(t, 6, st[1].Sealed)
+	assert.Equal(t, 6, st[0].Sealed)
+	assert.Zero(t, st[0].Leased, "the copy's hold on the sources ended")
+	require.NoError(t, r.Release(ctx, rs, m))
+
+	again, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	assert.Equal(t, m.Pages(), again.Pages(), "matched in device 1's slab")
+	assert.Equal(t, uint64(4), o.Stats().Devices[1].Copied, "no second copy")
+	require.NoError(t, r.Release(ctx, rs, again))
+}
+
+// TestOwnerClosesWhileIdle: an idle replica learns at once that its owner closes, and
+// the owner's Close ends once the replica closed in turn.
+func TestOwnerClosesWhileIdle(t *testing.T) {
+	dir := shortDir(t)
+	odev := cudarttest.ForTest(t)
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true})
+	require.NoError(t, err)
+	r, _, _ := dial(t, dir, 0)
+	closed := make(chan error, 1)
+	go func() { closed <- o.Close(bound(t)) }()
+	testwait.Recv(t, r.Done(), "the idle replica's Done after its owner's Close")
+	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
+	_, err = r.Alloc(bound(t), 1)
+	require.ErrorIs(t, err, kv.ErrOwnerGone)
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, testwait.Recv(t, closed, "the owner's Close"), "the owner's Close, once the replica unmapped its slab")
+	require.NoError(t, odev.Err())
 }

@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import json
 import os
+import struct
 import sys
 import threading
 from array import array
@@ -41,6 +42,7 @@ DTYPES = {"bf16": (1, 2), "fp16": (2, 2), "fp32": (3, 4), "fp8e4m3": (4, 1)}
 _DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
 
 _ROOT_PREFIX = b"cudapool/kv/v1\x00"
+_ONE_HASH = "%ds" % HASH_BYTES  # a struct format
 
 if array("i").itemsize != 4:  # pragma: no cover (no such CPython platform today)
     raise ImportError("cudapool.kv needs a 4-byte C int for token ids")
@@ -54,10 +56,10 @@ class Hashes(list):
     __slots__ = ("raw",)
 
     def __init__(self, raw):
+        raw = bytes(raw)
         if len(raw) % HASH_BYTES:
             raise ValueError("%d bytes are not a whole number of %d-byte hashes" % (len(raw), HASH_BYTES))
-        raw = bytes(raw)
-        super().__init__(raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES))
+        super().__init__(struct.unpack(_ONE_HASH * (len(raw) // HASH_BYTES), raw))  # split in C
         self.raw = raw
 
     def __getitem__(self, i):
@@ -113,39 +115,51 @@ def _page_size(tokens_per_page):
     return tokens_per_page
 
 
-def _tokens(tokens):
-    """tokens as an array('i') of int32 token ids: itself if it is one, else a copy of
-    a buffer of 4-byte ints (numpy int32, ...) or of a sequence of ints."""
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens
+def _token_bytes(tokens, order="<"):
+    """tokens, int32 token ids, as bytes in order ("<" little-endian, "=" native): from
+    a sequence of ints, an array('i') or a buffer of 4-byte ints (numpy int32, ...)."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise TypeError("tokens must be int32 token ids, not %s" % type(tokens).__name__)
-    try:
-        mv = memoryview(tokens)
-    except TypeError:
-        mv = None
-    if mv is not None:
-        if mv.itemsize != 4 or mv.format.lstrip("@=<" if sys.byteorder == "little" else "@=>") != "i":
-            raise TypeError("tokens must be int32 token ids, not a buffer of format %r" % mv.format)
-        if not mv.c_contiguous:
-            raise ValueError("a buffer of tokens must be C-contiguous")
-        a = array("i")
-        a.frombytes(mv.cast("B"))
-        return a
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        a = tokens
+    else:
+        try:
+            mv = memoryview(tokens)
+        except TypeError:
+            mv = None
+        if mv is not None:
+            a = _buffer_ints(mv)
+        else:
+            if not isinstance(tokens, (list, tuple)):
+                tokens = list(tokens)
+            try:
+                return struct.pack("%s%di" % (order, len(tokens)), *tokens)
+            except struct.error:
+                a = _array_ints(tokens)  # to say what is wrong
+    if order == "<" and sys.byteorder != "little":
+        a = array("i", a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _buffer_ints(mv):
+    native = "@=" + ("<" if sys.byteorder == "little" else ">")
+    if mv.itemsize != 4 or mv.format.lstrip(native) != "i":
+        raise TypeError("tokens must be int32 token ids, not a buffer of format %r" % mv.format)
+    if not mv.c_contiguous:
+        raise ValueError("a buffer of tokens must be C-contiguous")
+    a = array("i")
+    a.frombytes(mv.cast("B"))
+    return a
+
+
+def _array_ints(tokens):
     try:
         return array("i", tokens)
     except OverflowError:
         raise ValueError("a token id does not fit int32") from None
     except TypeError as e:
         raise TypeError("tokens must be int32 token ids: %s" % e) from None
-
-
-def _token_bytes(tokens):
-    t = _tokens(tokens)
-    if sys.byteorder != "little":
-        t = array("i", t)
-        t.byteswap()
-    return t.tobytes()
 
 
 @dataclass(frozen=True)
@@ -307,9 +321,10 @@ class Replica:
     device: the owner's slab for that device mapped into this process, and page leases.
     namespace seeds the prefix hashes (replicas match only pages of their own
     namespace); timeout bounds the dial and is every call's default; wait_for_owner
-    waits (up to timeout) for an owner that has not started yet. Methods are safe for
-    concurrent use. Close it (or use it as a context manager): the slab is unmapped, and
-    tensors from kv_caches must not be used after."""
+    waits (up to timeout) for an owner that has not started yet (Gone without it, or
+    Timeout). Methods are safe for concurrent use. A process holds one Replica of an
+    owner at a time. Close it (or use it as a context manager): the slab is unmapped,
+    and tensors from kv_caches must not be used after."""
 
     def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False):
         path = os.fsencode(dir)
@@ -385,11 +400,12 @@ class Replica:
     def hashes(self, tokens):
         """The prefix hash of each full page of tokens (int32 ids) in this replica's
         namespace, computed by the library (prefix_hashes computes the same)."""
-        t = _tokens(tokens)
-        cap = len(t) // self.geometry.tokens_per_page
+        raw = _token_bytes(tokens, "=")
+        n_tokens = len(raw) // 4
+        cap = n_tokens // self.geometry.tokens_per_page
         out = ctypes.create_string_buffer(max(cap, 1) * HASH_BYTES)
         n = _lib.size_t()
-        self._call("cudapool_kv_hashes", t.buffer_info()[0] if t else None, len(t), out, cap, ctypes.byref(n))
+        self._call("cudapool_kv_hashes", raw if n_tokens else None, n_tokens, out, cap, ctypes.byref(n))
         return Hashes(out.raw[:n.value * HASH_BYTES])
 
     def alloc(self, n, timeout=None):

@@ -46,12 +46,14 @@ class Owner:
 
     def __init__(self, pages=64, layout=LAYOUT):
         need_kvpoold()
+        os.makedirs(os.environ["CUDAPOOL_DIR"], exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
         self.serve = os.path.join(self.dir, "owner")
         self.log_path = os.path.join(self.dir, "kvpoold.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-runtime", runtime_flag()],
+            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
+             "-runtime", runtime_flag()],
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self):

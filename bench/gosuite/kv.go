@@ -1,0 +1,314 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// The KV page pool's rows ("gosuite kv"): an owner (kv/owner) in this process and
+// kvReplicas replica processes (kv/replica) on device 0, with the llama-0.85b layout.
+//
+//	kv/match512        one replica's Match of 512 visible pages (one round trip, the
+//	                   lease included), hashes computed beforehand; us per Match
+//	kv/match512+hash   the same with the 512 pages' prefix hashes computed in the loop
+//	kv/pages/bNNN      pages per second through alloc + seal (waiting until visible) +
+//	                   match + release of batches of NNN pages, by kvReplicas replicas
+//	                   at once, one window per sample; each batch has hashes of its own
+//	                   (counters, not SHA-256: the rate is the pool's, not the hash's)
+//
+// The latency rows print a "# pct" line with p50 and p99 beside the result line.
+const (
+	kvReplicaRole = "kvreplica"
+	kvReplicas    = 4
+	kvLatency     = 512
+)
+
+var kvBatches = []int{64, 256, 512}
+
+// kvRows measures the KV page pool's rows.
+func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
+	kind := choose.Software
+	if onGPU {
+		kind = choose.GPU
+	}
+	g, _ := kv.Layout("llama-0.85b")
+	// 8 GiB: room for every replica's batches in flight (written and read) four times
+	// over, so that no batch is evicted between its seal and its match. The software
+	// device's memory is sparse: pages never written cost nothing.
+	g.Pages = 16384
+	dir, err := os.MkdirTemp("", "gosuite-kv")
+	if err != nil {
+		r.fail("cudapool", "kv", err)
+		return
+	}
+	defer os.RemoveAll(dir)
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, Logger: quiet})
+	if err != nil {
+		r.fail("cudapool", "kv", err)
+		return
+	}
+	var cs []*consumer
+	defer func() {
+		for _, c := range cs {
+			if err := c.quit(); err != nil {
+				r.fail("cudapool", "kv/replica", err)
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+		defer cancel()
+		if err := o.Close(ctx); err != nil {
+			r.fail("cudapool", "kv/owner", err)
+		}
+	}()
+	for range kvReplicas {
+		c, err := startRole(kvReplicaRole, kind, dir)
+		if err != nil {
+			r.fail("cudapool", "kv/replica", err)
+			return
+		}
+		cs = append(cs, c)
+	}
+	if _, err := cs[0].ask(fmt.Sprintf("prepare %d", kvLatency), "prepared"); err != nil {
+		r.fail("cudapool", "kv/match512", err)
+		return
+	}
+	for _, hashing := range []int{0, 1} {
+		op := "kv/match512"
+		if hashing == 1 {
+			op += "+hash"
+		}
+		v, err := cs[0].ask(fmt.Sprintf("latency %d %d %d %d", kvLatency, sh.samples, sh.warmup, hashing), "samples")
+		if err != nil {
+			r.fail("cudapool", op, err)
+			continue
+		}
+		fmt.Fprintf(r.w, "# pct cudapool %s us p50 %.2f p99 %.2f\n", op, percentile(v, 0.5), percentile(v, 0.99))
+		r.result("cudapool", op, "us", v)
+	}
+	for _, b := range kvBatches {
+		op := fmt.Sprintf("kv/pages/b%d", b)
+		r.measure("cudapool", op, "pages/s", func() ([]float64, error) {
+			var rates []float64
+			for range sh.rounds {
+				for _, c := range cs {
+					if err := c.say(fmt.Sprintf("rate %d %d", b, sh.window.Microseconds())); err != nil {
+						return nil, err
+					}
+				}
+				total := 0.0
+				for _, c := range cs {
+					v, err := c.await("pages")
+					if err != nil {
+						return nil, err
+					}
+					if len(v) != 2 || v[1] <= 0 {
+						return nil, fmt.Errorf("replica %d said %v, want PAGES SECONDS", c.pid, v)
+					}
+					total += v[0] / v[1]
+				}
+				rates = append(rates, total)
+			}
+			return rates, nil
+		})
+	}
+	st := o.Stats().Devices[0]
+	fmt.Fprintf(r.w, "# kv owner: %d seals, %d hits, %d misses, %d evictions, %d duplicates\n", st.Seals, st.Hits, st.Misses, st.Evictions, st.Duplicates)
+}
+
+// percentile is the q-quantile of v (sorted in place).
+func percentile(v []float64, q float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	sorted := append([]float64(nil), v...)
+	slices.Sort(sorted)
+	return sorted[int(q*float64(len(sorted)-1)+0.5)]
+}
+
+// kvReplicaMain is a replica process of the kv rows, driven by lines on stdin:
+//
+//	prepare N                     seal a chain of N pages: "prepared"
+//	latency N SAMPLES WARMUP H    time Match (+ hashing if H is 1) of that chain and its
+//	                              release: "samples US..." (the Match alone, in us)
+//	rate B WINDOW-US              alloc+seal+match+release batches of B pages for the
+//	                              window: "pages N SECONDS"
+func kvReplicaMain(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvreplica:", err); return 1 }
+	if len(args) != 2 {
+		return fail(errors.New("want KIND DIR"))
+	}
+	picked, err := choose.Runtime(args[0])
+	if err != nil {
+		return fail(err)
+	}
+	rt := picked.Runtime
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	rp, err := replica.Dial(ctx, args[1], rt, 0, replica.WithNamespace(strconv.Itoa(os.Getpid())), replica.WithLogger(quiet))
+	if err != nil {
+		return fail(err)
+	}
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	if err != nil {
+		return fail(err)
+	}
+	k := &kvLoad{r: rp, s: s, seq: uint64(os.Getpid()) << 32}
+	out := &lineWriter{w: os.Stdout}
+	out.say("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		reply, err := k.obey(ctx, strings.Fields(in.Text()))
+		if err != nil {
+			rp.Close(ctx)
+			return fail(fmt.Errorf("%q: %w", in.Text(), err))
+		}
+		out.say(reply)
+	}
+	if err := rp.Close(ctx); err != nil {
+		return fail(err)
+	}
+	rt.StreamDestroy(0, s)
+	if err := choose.Violations(rt); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// kvLoad is a replica process's side of the kv rows.
+type kvLoad struct {
+	r      *replica.Replica
+	s      cudart.Stream
+	tokens []int32   // the prepared chain's
+	chain  []kv.Hash // its hashes
+	seq    uint64    // the counter the rate's hashes are made of
+}
+
+func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
+	nums := make([]int, len(f)-1)
+	for i, x := range f[1:] {
+		n, err := strconv.Atoi(x)
+		if err != nil {
+			return "", err
+		}
+		nums[i] = n
+	}
+	switch {
+	case f[0] == "prepare" && len(nums) == 1:
+		return "prepared", k.prepare(ctx, nums[0])
+	case f[0] == "latency" && len(nums) == 4:
+		return k.latency(ctx, nums[1], nums[2], nums[3] == 1)
+	case f[0] == "rate" && len(nums) == 2:
+		return k.rate(ctx, nums[0], time.Duration(nums[1])*time.Microsecond)
+	}
+	return "", fmt.Errorf("unknown command %q", f)
+}
+
+// prepare seals a chain of n pages, so that Match finds all of them.
+func (k *kvLoad) prepare(ctx context.Context, n int) error {
+	g := k.r.Geometry()
+	k.tokens = make([]int32, n*g.TokensPerPage)
+	for i := range k.tokens {
+		k.tokens[i] = int32(i*7919) + int32(k.seq>>32)
+	}
+	k.chain = k.r.Hashes(k.tokens)
+	l, err := k.r.Alloc(ctx, n)
+	if err != nil {
+		return err
+	}
+	res, err := k.r.Seal(ctx, l, k.chain, k.s, replica.WaitVisible())
+	if err != nil {
+		return err
+	}
+	if res.Visible != n {
+		return fmt.Errorf("sealed %+v, want %d visible", res, n)
+	}
+	return nil
+}
+
+func (k *kvLoad) latency(ctx context.Context, samples, warmup int, hashing bool) (string, error) {
+	v := make([]float64, 0, samples)
+	for i := range samples + warmup {
+		t0 := time.Now()
+		hashes := k.chain
+		if hashing {
+			hashes = k.r.Hashes(k.tokens)
+		}
+		l, err := k.r.Match(ctx, hashes, k.s)
+		d := time.Since(t0)
+		if err != nil {
+			return "", err
+		}
+		if len(l.Pages()) != len(k.chain) {
+			return "", fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(k.chain))
+		}
+		if err := k.r.Release(ctx, k.s, l); err != nil {
+			return "", err
+		}
+		if i >= warmup {
+			v = append(v, micros(d))
+		}
+	}
+	return samplesLine(v), nil
+}
+
+func samplesLine(v []float64) string {
+	var b strings.Builder
+	b.WriteString("samples")
+	for _, x := range v {
+		fmt.Fprintf(&b, " %.3f", x)
+	}
+	return b.String()
+}
+
+// rate runs alloc+seal+match+release of batches of b pages for window.
+func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string, error) {
+	hashes := make([]kv.Hash, b)
+	pages := 0
+	start := time.Now()
+	for time.Since(start) < window {
+		for i := range hashes {
+			k.seq++
+			binary.LittleEndian.PutUint64(hashes[i][:], k.seq)
+		}
+		w, err := k.r.Alloc(ctx, b)
+		if err != nil {
+			return "", err
+		}
+		res, err := k.r.Seal(ctx, w, hashes, k.s, replica.WaitVisible())
+		if err != nil {
+			return "", err
+		}
+		if res.Visible != b {
+			return "", fmt.Errorf("sealed %+v, want %d visible", res, b)
+		}
+		m, err := k.r.Match(ctx, hashes, k.s)
+		if err != nil {
+			return "", err
+		}
+		if len(m.Pages()) != b {
+			return "", fmt.Errorf("matched %d of %d pages", len(m.Pages()), b)
+		}
+		if err := k.r.Release(ctx, k.s, m); err != nil {
+			return "", err
+		}
+		pages += b
+	}
+	return fmt.Sprintf("pages %d %.6f", pages, time.Since(start).Seconds()), nil
+}

@@ -1,0 +1,37 @@
+package replica_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/kv"
+)
+
+// BenchmarkMatch512 is a Match of 512 visible pages and its Release, owner and replica
+// in one process (on software devices of their own).
+func BenchmarkMatch512(b *testing.B) {
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(b, err)
+	g.Pages = 1024
+	_, _, dir := startOwner(b, g)
+	r, rdev, rs := dial(b, dir, 0)
+	ctx := bound(b)
+	hashes := r.Hashes(tokens(g, 512, 1))
+	l, err := r.Alloc(ctx, 512)
+	require.NoError(b, err)
+	_, err = r.Seal(ctx, l, hashes, rs)
+	require.NoError(b, err)
+	_ = rdev
+	b.Run("match", func(b *testing.B) {
+		for b.Loop() {
+			m, err := r.Match(ctx, hashes, rs)
+			if err != nil || len(m.Pages()) != 512 {
+				b.Fatal(err, len(m.Pages()))
+			}
+			if err := r.Release(ctx, rs, m); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
