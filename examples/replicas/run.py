@@ -298,7 +298,7 @@ def main():
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
     # 6144 pages are 3 GiB: room for both prompts, the killed writers' pages and a
     # reference run at once. A 16384-page (8 GiB) slab crashed every replica's dial in
-    # cudaMemPoolImportPointer on the H200 host; 6144 did not.
+    # cudaMemPoolImportPointer on the H200 host; 6144 and 8192 (4 GiB) did not.
     ap.add_argument("--pages", type=int, default=6144, help="pages per slab (512 KiB each)")
     ap.add_argument("--kvpoold", default=os.environ.get("KVPOOLD", os.path.join(ROOT, "bin", "kvpoold")))
     ap.add_argument("--seed", type=int, default=1)
