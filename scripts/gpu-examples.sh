@@ -6,7 +6,8 @@
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
 # get kvpoold), the KV page pool's costs from Python (bench/kvbench.py), the mixed pairs
-# (examples/torch/pairs.py) and the torch KV cache (examples/torch/kvcache.py). It
+# (examples/torch/pairs.py), the torch KV cache (examples/torch/kvcache.py) and the KV
+# page pool under a model (examples/replicas/run.py: kvpoold and replica processes). It
 # prints a short table last and exits non-zero if
 # a step failed. It changes no GPU setting.
 set -uo pipefail
@@ -153,6 +154,13 @@ if [ -f "$lib" ]; then
 		step torch-pairs $?
 		timeout 600 python3 examples/torch/kvcache.py
 		step torch-kvcache $?
+		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama.
+		if python3 -c 'import torch, transformers, triton' 2>/dev/null; then
+			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold"
+			step kv-replicas $?
+		else
+			echo "(the KV replicas need torch, transformers and triton: not run)"
+		fi
 	fi
 else
 	echo "no $src/libcudapool.so(.gz): run scripts/build-gpu.sh" >&2
