@@ -136,6 +136,47 @@ func TestStatusOf(t *testing.T) {
 	}
 }
 
+// TestEverySentinelHasItsStatus checks that no sentinel of the packages the library
+// calls comes out as statusIO, the system's own failures, and that the ones that stand
+// for a condition of their own have its status, also wrapped as export's errors are.
+func TestEverySentinelHasItsStatus(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want int
+	}{
+		{export.ErrStreamDevice, statusStreamDevice},
+		{export.ErrDuplicateImporter, statusDuplicate},
+		{export.ErrTooManyGrants, statusTooMany},
+		{export.ErrMappingLost, statusLost},
+		{export.ErrExporterGone, statusGone},
+		{&export.RemoteError{Err: export.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
+		{&export.RemoteError{Err: export.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
+		{fmt.Errorf("%w: %w", export.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
+		{export.ErrStaleLease, statusLease},
+		{export.ErrForeignLease, statusLease},
+		{export.ErrForgedLease, statusLease},
+		{export.ErrBadDir, statusBadDir},
+		{export.ErrBadRequest, statusProtocol},
+		{export.ErrSocketPath, statusInval},
+		{export.ErrNotSocket, statusExist},
+		{export.ErrNoLeases, statusNotSup},
+		{pool.ErrNotShareable, statusNotSup},
+		{pool.ErrNoPeerAccess, statusNotSup},
+		{pool.ErrLeaseEnded, statusLease},
+		{pool.ErrNotLeased, statusLease},
+		{pool.ErrMisaligned, statusCUDA},
+		{pool.ErrFreeFailed, statusCUDA},
+		{cudart.ErrContextLost, statusCUDA},
+		{fmt.Errorf("%w: x", errOwnExport), statusNotSup},
+	} {
+		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
+	}
+	for _, s := range statuses {
+		assert.NotEqual(t, statusIO, s.status, "%v", s.err)
+		assert.Equal(t, s.status, statusOf(fmt.Errorf("wrapped: %w", s.err)), "%v", s.err)
+	}
+}
+
 func TestRuntimeIsChosenOnce(t *testing.T) {
 	c, err := choose("test")
 	require.NoError(t, err)

@@ -9,10 +9,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime/debug"
+	"strings"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -39,6 +42,15 @@ const (
 	statusNotSup    = 18
 	statusInternal  = 19
 	statusIO        = 20
+	// Those of the sentinels that no older code stood for.
+	statusStreamDevice = 21
+	statusDuplicate    = 22
+	statusTooMany      = 23
+	statusLost         = 24
+	statusExporter     = 25
+	statusAbandoned    = 26
+	statusLease        = 27
+	statusBadDir       = 28
 )
 
 // The conditions the C layer itself finds, each with its status.
@@ -48,9 +60,15 @@ var (
 	errPointer    = errors.New("cudapool: not a pointer of a cudapool pool")
 	errRange      = errors.New("cudapool: output buffer too small")
 	errRuntimeSet = errors.New("cudapool: another runtime was chosen already")
+	errNotSup     = errors.New("cudapool: not supported")
+	errOwnExport  = errors.New("cudapool: this process cannot import its own exports (the driver refuses a process's own IPC handles): use the buffer's pointer directly")
 )
 
-// statuses maps each condition an error can wrap to its status, first match wins.
+// statuses maps each condition an error can wrap to its status, first match wins:
+// every sentinel of cudart, choose, pool and export is here, so that none comes out as
+// statusIO, which is for the system's own failures. A sentinel that wraps another
+// (ErrMappingLost wraps ErrExporterGone) and an error that wraps two (ErrAbandoned
+// with the context's) come before what they wrap.
 var statuses = []struct {
 	err    error
 	status int
@@ -60,12 +78,17 @@ var statuses = []struct {
 	{errPointer, statusPointer},
 	{errRange, statusRange},
 	{errRuntimeSet, statusNoRuntime},
+	{errNotSup, statusNotSup},
+	{errOwnExport, statusNotSup},
+	{export.ErrAbandoned, statusAbandoned},
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
 	{export.ErrBadName, statusInval},
 	{export.ErrBadRange, statusInval},
 	{export.ErrMetaTooLong, statusInval},
+	{export.ErrSocketPath, statusInval},
+	{rtchoice.ErrUnknownPreference, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
 	{export.ErrReleased, statusHandle},
@@ -74,17 +97,36 @@ var statuses = []struct {
 	{export.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
 	{export.ErrUnknownName, statusNotFound},
+	{export.ErrNoPeer, statusNotFound},
 	{export.ErrNameInUse, statusExist},
 	{export.ErrAddressInUse, statusExist},
+	{export.ErrNotSocket, statusExist},
+	{export.ErrMappingLost, statusLost},
 	{export.ErrExporterGone, statusGone},
 	{export.ErrBufferGone, statusGone},
-	{export.ErrNoPeer, statusNotFound},
 	{export.ErrRefused, statusRefused},
 	{export.ErrVersionMismatch, statusVersion},
 	{export.ErrProtocol, statusProtocol},
+	{export.ErrBadRequest, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
+	{pool.ErrNotShareable, statusNotSup},
+	{pool.ErrNoPeerAccess, statusNotSup},
 	{export.ErrHandleType, statusNotSup},
 	{export.ErrIMEXRequired, statusNotSup},
+	{export.ErrNoLeases, statusNotSup},
+	{export.ErrStreamDevice, statusStreamDevice},
+	{export.ErrDuplicateImporter, statusDuplicate},
+	{export.ErrTooManyGrants, statusTooMany},
+	{export.ErrExporter, statusExporter},
+	{export.ErrStaleLease, statusLease},
+	{export.ErrForeignLease, statusLease},
+	{export.ErrForgedLease, statusLease},
+	{pool.ErrLeaseEnded, statusLease},
+	{pool.ErrNotLeased, statusLease},
+	{export.ErrBadDir, statusBadDir},
+	{pool.ErrMisaligned, statusCUDA},
+	{pool.ErrFreeFailed, statusCUDA},
+	{cudart.ErrContextLost, statusCUDA},
 	{cudart.ErrNoRuntime, statusNoRuntime},
 }
 
@@ -204,8 +246,8 @@ func writeOut(buf unsafe.Pointer, cap C.size_t, n *C.size_t, data []byte, text b
 	if need == 0 {
 		return nil
 	}
-	if buf == nil || int(cap) < need {
-		return fmt.Errorf("%w: %d bytes needed, %d given", errRange, need, int(cap))
+	if buf == nil || uint64(cap) < uint64(need) {
+		return fmt.Errorf("%w: %d bytes needed, %d given", errRange, need, uint64(cap))
 	}
 	out := unsafe.Slice((*byte)(buf), need)
 	copy(out, data)
@@ -220,7 +262,48 @@ func writeText(buf *C.char, cap C.size_t, s string) {
 	if buf == nil || cap == 0 {
 		return
 	}
-	out := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(cap))
-	n := copy(out[:len(out)-1], s)
+	n := uint64(len(s))
+	if n > uint64(cap)-1 {
+		n = uint64(cap) - 1
+	}
+	out := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n)+1)
+	copy(out, s[:n])
 	out[n] = 0
+}
+
+// maxLen bounds the lengths the library takes from C: a Go slice holds at most
+// math.MaxInt bytes, and no caller's buffer or copy comes near it.
+const maxLen = math.MaxInt32
+
+// checkLen fails for a length (called what) of n bytes that no caller's memory can
+// hold, such as SIZE_MAX: a negative int, were it converted.
+func checkLen(n C.size_t, what string) error {
+	if uint64(n) > maxLen {
+		return invalid("%s of %d bytes is larger than the %d the library takes", what, uint64(n), maxLen)
+	}
+	return nil
+}
+
+// options checks the size field that starts every options struct of cudapool.h, at p,
+// against the known bytes of the struct this library was built with. It fails for a
+// size of 0 (a struct not filled by its _default function) or below known (no older
+// version exists), and for a larger struct of a newer header unless the fields this
+// library does not know are zero, which keeps their defaults.
+func options(p unsafe.Pointer, known uintptr, what string) error {
+	size := *(*C.size_t)(p)
+	switch {
+	case size == 0:
+		return invalid("%s have size 0: fill them with cudapool_%s_default", what, strings.ReplaceAll(what, " ", "_"))
+	case uint64(size) < uint64(known):
+		return invalid("%s of %d bytes are smaller than this library's (%d): fill them with cudapool_%s_default", what, uint64(size), known, strings.ReplaceAll(what, " ", "_"))
+	case uint64(size) > 1<<16:
+		return invalid("%s of %d bytes: size is not set", what, uint64(size))
+	}
+	for i, b := range unsafe.Slice((*byte)(unsafe.Add(p, known)), uintptr(size)-known) {
+		if b != 0 {
+			return fmt.Errorf("%w: %s from a newer cudapool.h set a field at byte %d that this library (%d.%d) does not know",
+				errNotSup, what, known+uintptr(i), C.CUDAPOOL_VERSION_MAJOR, C.CUDAPOOL_VERSION_MINOR)
+		}
+	}
+	return nil
 }
