@@ -169,6 +169,25 @@ class ErrorsTest(unittest.TestCase):
             a.free()
             b.free()
 
+    def test_close_that_abandons_says_so(self):
+        pool = cudapool.Pool(0)
+        self.addCleanup(pool.close, True)
+        ex = cudapool.Exporter(socket_path("abandon"))
+        b = pool.alloc(MiB)
+        ex.publish("held", b)
+        go = multiprocessing.get_context("spawn").Event()
+        p, q = spawn(hold, ex.path, "held", go)
+        try:
+            self.assertEqual(result_of_queue(self, q), "mapped")
+            with self.assertRaises(cudapool.Abandoned) as cm:
+                ex.close(timeout=0.2)
+            self.assertNotIsInstance(cm.exception, cudapool.Timeout, "Timeout says the call holds nothing")
+            self.assertEqual(ex.handle, 0, "the exporter is closed all the same")
+        finally:
+            go.set()
+        self.assertEqual(result_of(self, p, q), "released")
+        b.free()
+
     def test_own_export_is_refused_plainly(self):
         with cudapool.Exporter(socket_path("own")) as ex:
             with self.assertRaises(cudapool.NotSupported) as cm:
@@ -185,6 +204,21 @@ class ErrorsTest(unittest.TestCase):
             self.assertEqual(os.stat(ex.path).st_mode & 0o777, 0o600)
             with self.assertRaises(cudapool.Refused):
                 cudapool.query_state(ex.path)
+
+
+def hold(q, path, name, go):
+    """Maps name, says so, and releases it once go is set."""
+    try:
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        q.put("mapped")
+        if not go.wait(CHILD_TIMEOUT):
+            raise TimeoutError("never told to go")
+        m.release()
+        imp.close()
+        q.put("released")
+    except Exception as e:
+        q.put("error: %s: %s" % (type(e).__name__, e))
 
 
 def open_two(q, path):
