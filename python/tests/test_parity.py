@@ -380,6 +380,29 @@ class ArgumentsTest(unittest.TestCase):
         cudapool.ArrayView(m, "|u1", (0, 5), offset=1024)  # empty: reaches nothing
 
 
+class DefaultRuntimeTest(unittest.TestCase):
+    def test_the_default_is_the_gpu_never_the_software_device(self):
+        """Without a preference the library runs on a GPU or fails: a broken CUDA install
+        must not run on the software device unnoticed."""
+        import subprocess
+        import sys
+        env = {k: v for k, v in os.environ.items() if k not in ("CUDAPOOL_RUNTIME", "CUDAPOOL_REQUIRE_GPU")}
+        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(cudapool.__file__))
+        code = ("import cudapool\n"
+                "try:\n"
+                "    cudapool.init()\n"
+                "    print('gpu' if cudapool.runtime_info().on_gpu else 'software')\n"
+                "except cudapool.NoRuntime as e:\n"
+                "    print('refused', e)\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotEqual(out.stdout.strip(), "software")
+        self.assertTrue(out.stdout.startswith(("gpu", "refused")), out.stdout)
+        if not cudapool.runtime_info().on_gpu:
+            self.assertTrue(out.stdout.startswith("refused"), out.stdout)
+
+
 class FeelTest(unittest.TestCase):
     def test_buffer(self):
         with cudapool.Pool(0, name="feel") as p, cudapool.Stream(0) as s:
