@@ -1,3 +1,5 @@
+//go:build cgo
+
 package main
 
 import (
@@ -12,9 +14,11 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The C entry points are exercised through the built library by python/tests; these
@@ -117,16 +121,16 @@ func TestStatusOf(t *testing.T) {
 		{nil, statusOK},
 		{invalid("x"), statusInval},
 		{fmt.Errorf("wrapped: %w", pool.ErrZeroSize), statusInval},
-		{export.ErrBadName, statusInval},
+		{consumer.ErrBadName, statusInval},
 		{fmt.Errorf("%w: x", errHandle), statusHandle},
 		{pool.ErrForeignBuffer, statusPointer},
 		{pool.ErrBusy, statusBusy},
 		{fmt.Errorf("pool: %w", pool.ErrClosed), statusClosed},
 		{cudart.NewError("cudaMallocFromPoolAsync", cudart.ErrOutOfMemory), statusNoMem},
-		{export.ErrUnknownName, statusNotFound},
-		{export.ErrNameInUse, statusExist},
-		{export.ErrExporterGone, statusGone},
-		{export.ErrVersionMismatch, statusVersion},
+		{consumer.ErrUnknownName, statusNotFound},
+		{producer.ErrNameInUse, statusExist},
+		{consumer.ErrExporterGone, statusGone},
+		{consumer.ErrVersionMismatch, statusVersion},
 		{context.DeadlineExceeded, statusTimeout},
 		{errRuntimeSet, statusNoRuntime},
 		{cudart.NewError("cudaStreamCreate", cudart.ErrInvalidValue), statusCUDA},
@@ -144,22 +148,22 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 		err  error
 		want int
 	}{
-		{export.ErrStreamDevice, statusStreamDevice},
-		{export.ErrDuplicateImporter, statusDuplicate},
-		{export.ErrTooManyGrants, statusTooMany},
-		{export.ErrMappingLost, statusLost},
-		{export.ErrExporterGone, statusGone},
-		{&export.RemoteError{Err: export.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
-		{&export.RemoteError{Err: export.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
-		{fmt.Errorf("%w: %w", export.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
-		{export.ErrStaleLease, statusLease},
-		{export.ErrForeignLease, statusLease},
-		{export.ErrForgedLease, statusLease},
-		{export.ErrBadDir, statusBadDir},
-		{export.ErrBadRequest, statusProtocol},
-		{export.ErrSocketPath, statusInval},
-		{export.ErrNotSocket, statusExist},
-		{export.ErrNoLeases, statusNotSup},
+		{consumer.ErrStreamDevice, statusStreamDevice},
+		{consumer.ErrDuplicateImporter, statusDuplicate},
+		{consumer.ErrTooManyGrants, statusTooMany},
+		{consumer.ErrMappingLost, statusLost},
+		{consumer.ErrExporterGone, statusGone},
+		{&consumer.RemoteError{Err: consumer.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
+		{&consumer.RemoteError{Err: consumer.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
+		{fmt.Errorf("%w: %w", producer.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
+		{consumer.ErrStaleLease, statusLease},
+		{consumer.ErrForeignLease, statusLease},
+		{consumer.ErrForgedLease, statusLease},
+		{discover.ErrBadDir, statusBadDir},
+		{consumer.ErrBadRequest, statusProtocol},
+		{producer.ErrSocketPath, statusInval},
+		{producer.ErrNotSocket, statusExist},
+		{consumer.ErrNoLeases, statusNotSup},
 		{pool.ErrNotShareable, statusNotSup},
 		{pool.ErrNoPeerAccess, statusNotSup},
 		{pool.ErrLeaseEnded, statusLease},

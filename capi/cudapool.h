@@ -137,8 +137,10 @@ int cudapool_set_log(int level, cudapool_log_fn fn, void *arg);
 /* cudapool_init chooses the runtime: prefer is "gpu" (the real runtime and a visible
  * GPU), "auto" (a GPU when a CUDA runtime loads and sees one, else the software device,
  * and why says so) or "test" (the software device). NULL is $CUDAPOOL_RUNTIME, else
- * "gpu". It writes a sentence saying which and why into why (if not NULL; cut to
- * why_len). A second call with the same preference succeeds; with another it fails with
+ * "gpu". The software device is in a library built with -tags cudapool_softdevice
+ * only; without it "test", and "auto" without a GPU, fail with CUDAPOOL_ENORUNTIME. It
+ * writes a sentence saying which and why into why (if not NULL; cut to why_len). A
+ * second call with the same preference succeeds; with another it fails with
  * CUDAPOOL_ENORUNTIME. */
 int cudapool_init(const char *prefer, char *why, size_t why_len);
 /* cudapool_runtime_info says which runtime is in use (choosing it if none is):

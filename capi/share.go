@@ -14,21 +14,23 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 var (
-	exporters = newTable[*export.Exporter](kindExporter)
+	exporters = newTable[*producer.Exporter](kindExporter)
 	importers = newTable[*importer](kindImporter)
-	mappings  = newTable[*export.Mapping](kindMapping)
+	mappings  = newTable[*consumer.Mapping](kindMapping)
 )
 
 // importer is an Importer with its death notice for C: a pipe whose write end is
 // closed when the Importer's Done is, made at the first cudapool_importer_done_fd.
 type importer struct {
-	*export.Importer
+	*consumer.Importer
 	mu    sync.Mutex
 	r     *os.File // nil until asked for
 	stop  chan struct{}
@@ -83,7 +85,7 @@ const (
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = export.MaxMetaLen
+const maxMeta = producer.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {
@@ -91,13 +93,13 @@ func cpgo_protocol_version(out *C.int) (rc C.int) {
 	if out == nil {
 		return fail(invalid("version is NULL"))
 	}
-	*out = C.int(export.ProtocolVersion)
+	*out = C.int(consumer.ProtocolVersion)
 	return statusOK
 }
 
 // listenOptions turns cudapool_listen_options into Listen's options.
-func listenOptions(o *C.cudapool_listen_options) ([]export.ListenOption, error) {
-	opts := []export.ListenOption{export.WithLogger(logger)}
+func listenOptions(o *C.cudapool_listen_options) ([]producer.ListenOption, error) {
+	opts := []producer.ListenOption{producer.WithLogger(logger)}
 	if o == nil {
 		return opts, nil
 	}
@@ -105,20 +107,20 @@ func listenOptions(o *C.cudapool_listen_options) ([]export.ListenOption, error) 
 		return nil, err
 	}
 	if o.name != nil {
-		opts = append(opts, export.WithName(C.GoString(o.name)))
+		opts = append(opts, producer.WithName(C.GoString(o.name)))
 	}
 	flags := int(o.flags)
 	if flags&^listenFlags != 0 {
 		return nil, invalid("unknown listen flags %#x", flags&^listenFlags)
 	}
 	if flags&listenRetainImports != 0 {
-		opts = append(opts, export.WithRetainedImports())
+		opts = append(opts, producer.WithRetainedImports())
 	}
 	if flags&listenNoAnnounce != 0 {
-		opts = append(opts, export.WithoutAnnounce())
+		opts = append(opts, producer.WithoutAnnounce())
 	}
 	if flags&listenSocketFollowsPolicy != 0 {
-		opts = append(opts, export.SocketFollowsPolicy())
+		opts = append(opts, producer.SocketFollowsPolicy())
 	}
 	uids, err := ids(o.allow_uids, o.uid_count, "allow_uids")
 	if err != nil {
@@ -129,13 +131,13 @@ func listenOptions(o *C.cudapool_listen_options) ([]export.ListenOption, error) 
 		return nil, err
 	}
 	if len(uids) > 0 || len(gids) > 0 {
-		opts = append(opts, export.WithPolicy(export.Policy{AllowUIDs: uids, AllowGIDs: gids}))
+		opts = append(opts, producer.WithPolicy(producer.Policy{AllowUIDs: uids, AllowGIDs: gids}))
 	}
 	switch n := int(o.max_grants); {
 	case n < 0:
 		return nil, invalid("max_grants %d is negative (0: the default)", n)
 	case n > 0:
-		opts = append(opts, export.WithMaxGrants(n))
+		opts = append(opts, producer.WithMaxGrants(n))
 	}
 	return opts, nil
 }
@@ -176,7 +178,7 @@ func cpgo_exporter_listen(path *C.char, o *C.cudapool_listen_options, out *C.uin
 	if err != nil {
 		return fail(err)
 	}
-	ex, err := export.Listen(p, rt, opts...)
+	ex, err := producer.Listen(p, rt, opts...)
 	if err != nil {
 		return fail(err)
 	}
@@ -204,7 +206,7 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 
 // publication finds the buffer that holds [ptr, ptr+size) and makes the options that
 // publish that range with meta.
-func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen C.size_t) (*pool.Buffer, []export.PublishOption, error) {
+func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen C.size_t) (*pool.Buffer, []producer.PublishOption, error) {
 	switch {
 	case ptr == 0:
 		return nil, nil, invalid("ptr is NULL")
@@ -220,9 +222,9 @@ func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen 
 	if uint64(size) > b.Size()-off {
 		return nil, nil, invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size())
 	}
-	opts := []export.PublishOption{export.Range(off, uint64(size))}
+	opts := []producer.PublishOption{producer.Range(off, uint64(size))}
 	if metaLen > 0 {
-		opts = append(opts, export.WithMeta(C.GoBytes(meta, C.int(metaLen))))
+		opts = append(opts, producer.WithMeta(C.GoBytes(meta, C.int(metaLen))))
 	}
 	return b, opts, nil
 }
@@ -232,8 +234,8 @@ func checkBatch(n C.size_t, p unsafe.Pointer, what string) error {
 	switch {
 	case n == 0:
 		return invalid("no %s", what)
-	case n > export.MaxBatch:
-		return invalid("%d %s: at most %d at once", uint64(n), what, export.MaxBatch)
+	case n > producer.MaxBatch:
+		return invalid("%d %s: at most %d at once", uint64(n), what, producer.MaxBatch)
 	case p == nil:
 		return invalid("%s is NULL", what)
 	}
@@ -250,7 +252,7 @@ func cpgo_exporter_publish_all(h C.uint64_t, entries *C.cudapool_publish_entry, 
 	if err != nil {
 		return fail(err)
 	}
-	es := make([]export.Entry, n)
+	es := make([]producer.Entry, n)
 	for i, e := range unsafe.Slice(entries, int(n)) {
 		name, err := goString(e.name, fmt.Sprintf("entries[%d].name", i))
 		if err != nil {
@@ -260,7 +262,7 @@ func cpgo_exporter_publish_all(h C.uint64_t, entries *C.cudapool_publish_entry, 
 		if err != nil {
 			return fail(fmt.Errorf("entries[%d] (%q): %w", i, name, err))
 		}
-		es[i] = export.Entry{Name: name, Buffer: b, Options: opts}
+		es[i] = producer.Entry{Name: name, Buffer: b, Options: opts}
 	}
 	return result(ex.PublishAll(context.Background(), cudart.Stream(s), es...))
 }
@@ -331,14 +333,14 @@ func cpgo_query_state(socket *C.char, timeoutMs C.int64_t, buf *C.char, capacity
 		return fail(err)
 	}
 	defer cancel()
-	st, err := export.QueryState(ctx, path, export.WithLogger(logger))
+	st, err := discover.QueryState(ctx, path, discover.WithLogger(logger))
 	if err != nil {
 		return fail(err)
 	}
 	return result(writeJSON(st, buf, capacity, n))
 }
 
-func writeJSON(st *export.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
+func writeJSON(st *discover.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
 	b, err := json.Marshal(st)
 	if err != nil {
 		return err
@@ -357,7 +359,7 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 		return fail(err)
 	}
 	defer cancel()
-	opts := []export.DialOption{export.WithLogger(logger)}
+	opts := []consumer.DialOption{consumer.WithLogger(logger)}
 	if o != nil {
 		if err := options(unsafe.Pointer(o), C.sizeof_cudapool_dial_options, "dial options"); err != nil {
 			return fail(err)
@@ -366,14 +368,14 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 		case f&^dialWaitForExporter != 0:
 			return fail(invalid("unknown dial flags %#x", f&^dialWaitForExporter))
 		case f&dialWaitForExporter != 0:
-			opts = append(opts, export.WaitForExporter())
+			opts = append(opts, consumer.WaitForExporter())
 		}
 	}
 	rt, err := runtimeNow()
 	if err != nil {
 		return fail(err)
 	}
-	imp, err := export.Dial(ctx, p, rt, int(device), opts...)
+	imp, err := consumer.Dial(ctx, p, rt, int(device), opts...)
 	if err != nil {
 		return fail(err)
 	}
@@ -386,7 +388,7 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 }
 
 // openOptions turns cudapool_open_options into Open's options.
-func openOptions(o *C.cudapool_open_options) ([]export.OpenOption, error) {
+func openOptions(o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
 	if o == nil {
 		return nil, nil
 	}
@@ -397,21 +399,21 @@ func openOptions(o *C.cudapool_open_options) ([]export.OpenOption, error) {
 	if f&^(openWaitForName|openReplica) != 0 {
 		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openReplica))
 	}
-	var opts []export.OpenOption
+	var opts []consumer.OpenOption
 	if f&openWaitForName != 0 {
-		opts = append(opts, export.WaitForName())
+		opts = append(opts, consumer.WaitForName())
 	}
 	switch {
 	case f&openReplica == 0 && o.replica_pool.h != 0:
 		return nil, invalid("replica_pool without CUDAPOOL_OPEN_REPLICA")
 	case f&openReplica != 0 && o.replica_pool.h == 0:
-		opts = append(opts, export.WithReplica(nil)) // the Importer's own pool
+		opts = append(opts, consumer.WithReplica(nil)) // the Importer's own pool
 	case f&openReplica != 0:
 		p, err := pools.get(uint64(o.replica_pool.h))
 		if err != nil {
 			return nil, fmt.Errorf("replica_pool: %w", err)
 		}
-		opts = append(opts, export.WithReplica(p))
+		opts = append(opts, consumer.WithReplica(p))
 	}
 	return opts, nil
 }
@@ -493,7 +495,7 @@ func cpgo_importer_release_all(h C.uint64_t, hs *C.uint64_t, n C.size_t, s C.uin
 		return fail(err)
 	}
 	handles := unsafe.Slice(hs, int(n))
-	ms := make([]*export.Mapping, n)
+	ms := make([]*consumer.Mapping, n)
 	seen := make(map[C.uint64_t]int, n)
 	for i, mh := range handles {
 		if j, ok := seen[mh]; ok {
@@ -505,7 +507,7 @@ func cpgo_importer_release_all(h C.uint64_t, hs *C.uint64_t, n C.size_t, s C.uin
 		}
 	}
 	err = imp.ReleaseAll(ctx, ms, cudart.Stream(s))
-	if errors.Is(err, export.ErrReleased) || errors.Is(err, export.ErrBadRequest) {
+	if errors.Is(err, consumer.ErrReleased) || errors.Is(err, consumer.ErrBadRequest) {
 		return fail(err) // refused before anything was released
 	}
 	for _, mh := range handles {
@@ -611,7 +613,7 @@ func cpgo_mapping_release(h C.uint64_t, s C.uintptr_t, timeoutMs C.int64_t) (rc 
 		return fail(err)
 	}
 	if err := m.Release(ctx, cudart.Stream(s)); err != nil {
-		if !errors.Is(err, export.ErrReleased) {
+		if !errors.Is(err, consumer.ErrReleased) {
 			return fail(err)
 		}
 		return fail(fmt.Errorf("%w: %w", errHandle, err))

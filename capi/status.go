@@ -14,10 +14,12 @@ import (
 	"strings"
 	"unsafe"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The status codes of cudapool.h.
@@ -65,7 +67,7 @@ var (
 )
 
 // statuses maps each condition an error can wrap to its status, first match wins:
-// every sentinel of cudart, choose, pool and export is here, so that none comes out as
+// every sentinel of cudart, choose, pool, producer, consumer and discover is here, so that none comes out as
 // statusIO, which is for the system's own failures. A sentinel that wraps another
 // (ErrMappingLost wraps ErrExporterGone) and an error that wraps two (ErrAbandoned
 // with the context's) come before what they wrap.
@@ -80,54 +82,55 @@ var statuses = []struct {
 	{errRuntimeSet, statusNoRuntime},
 	{errNotSup, statusNotSup},
 	{errOwnExport, statusNotSup},
-	{export.ErrAbandoned, statusAbandoned},
+	{producer.ErrAbandoned, statusAbandoned},
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
-	{export.ErrBadName, statusInval},
-	{export.ErrBadRange, statusInval},
-	{export.ErrMetaTooLong, statusInval},
-	{export.ErrSocketPath, statusInval},
+	{consumer.ErrBadName, statusInval},
+	{consumer.ErrBadRange, statusInval},
+	{producer.ErrMetaTooLong, statusInval},
+	{producer.ErrSocketPath, statusInval},
 	{rtchoice.ErrUnknownPreference, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
-	{export.ErrReleased, statusHandle},
+	{consumer.ErrReleased, statusHandle},
 	{pool.ErrBusy, statusBusy},
 	{pool.ErrClosed, statusClosed},
-	{export.ErrClosed, statusClosed},
+	{consumer.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
-	{export.ErrUnknownName, statusNotFound},
-	{export.ErrNoPeer, statusNotFound},
-	{export.ErrNameInUse, statusExist},
-	{export.ErrAddressInUse, statusExist},
-	{export.ErrNotSocket, statusExist},
-	{export.ErrMappingLost, statusLost},
-	{export.ErrExporterGone, statusGone},
-	{export.ErrBufferGone, statusGone},
-	{export.ErrRefused, statusRefused},
-	{export.ErrVersionMismatch, statusVersion},
-	{export.ErrProtocol, statusProtocol},
-	{export.ErrBadRequest, statusProtocol},
+	{consumer.ErrUnknownName, statusNotFound},
+	{producer.ErrNoPeer, statusNotFound},
+	{producer.ErrNameInUse, statusExist},
+	{producer.ErrAddressInUse, statusExist},
+	{producer.ErrNotSocket, statusExist},
+	{consumer.ErrMappingLost, statusLost},
+	{consumer.ErrExporterGone, statusGone},
+	{consumer.ErrBufferGone, statusGone},
+	{consumer.ErrRefused, statusRefused},
+	{consumer.ErrVersionMismatch, statusVersion},
+	{consumer.ErrProtocol, statusProtocol},
+	{consumer.ErrBadRequest, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
 	{pool.ErrNotShareable, statusNotSup},
 	{pool.ErrNoPeerAccess, statusNotSup},
-	{export.ErrHandleType, statusNotSup},
-	{export.ErrIMEXRequired, statusNotSup},
-	{export.ErrNoLeases, statusNotSup},
-	{export.ErrStreamDevice, statusStreamDevice},
-	{export.ErrDuplicateImporter, statusDuplicate},
-	{export.ErrTooManyGrants, statusTooMany},
-	{export.ErrExporter, statusExporter},
-	{export.ErrStaleLease, statusLease},
-	{export.ErrForeignLease, statusLease},
-	{export.ErrForgedLease, statusLease},
+	{consumer.ErrHandleType, statusNotSup},
+	{consumer.ErrIMEXRequired, statusNotSup},
+	{consumer.ErrNoLeases, statusNotSup},
+	{consumer.ErrStreamDevice, statusStreamDevice},
+	{consumer.ErrDuplicateImporter, statusDuplicate},
+	{consumer.ErrTooManyGrants, statusTooMany},
+	{consumer.ErrExporter, statusExporter},
+	{consumer.ErrStaleLease, statusLease},
+	{consumer.ErrForeignLease, statusLease},
+	{consumer.ErrForgedLease, statusLease},
 	{pool.ErrLeaseEnded, statusLease},
 	{pool.ErrNotLeased, statusLease},
-	{export.ErrBadDir, statusBadDir},
+	{discover.ErrBadDir, statusBadDir},
 	{pool.ErrMisaligned, statusCUDA},
 	{pool.ErrFreeFailed, statusCUDA},
 	{cudart.ErrContextLost, statusCUDA},
 	{cudart.ErrNoRuntime, statusNoRuntime},
+	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

@@ -19,12 +19,15 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata")
@@ -80,8 +83,8 @@ func onGPU(t *testing.T) bool {
 	return gpu
 }
 
-func peer(st *export.State, pid int) *export.PeerState {
-	if i := slices.IndexFunc(st.Peers, func(p export.PeerState) bool { return p.PID == pid }); i >= 0 {
+func peer(st *discover.State, pid int) *discover.PeerState {
+	if i := slices.IndexFunc(st.Peers, func(p discover.PeerState) bool { return p.PID == pid }); i >= 0 {
 		return &st.Peers[i]
 	}
 	return nil
@@ -93,7 +96,7 @@ func peer(st *export.State, pid int) *export.PeerState {
 // consumer releasing, the other killed, the exporter killed and its dead entry cleaned.
 func TestLifecycle(t *testing.T) {
 	dir := t.TempDir()
-	t.Setenv(export.DirEnv, dir) // the children announce here too
+	t.Setenv(discover.DirEnv, dir) // the children announce here too
 	sock := filepath.Join(dir, "test.sock")
 
 	code, out, _ := poolstat(t)
@@ -189,7 +192,7 @@ func golden(t *testing.T, r *Report, self string, pids map[int]int) {
 			p := &st.Peers[j]
 			p.PID, p.UID, p.GID, p.ConnectedSince = pids[p.PID], 0, 0, t0.Add(time.Minute)
 		}
-		slices.SortFunc(st.Peers, func(a, b export.PeerState) int { return a.PID - b.PID })
+		slices.SortFunc(st.Peers, func(a, b discover.PeerState) int { return a.PID - b.PID })
 		commands := map[int]string{}
 		for pid, c := range e.Processes {
 			if c == self {
@@ -221,12 +224,12 @@ func compare(t *testing.T, path string, got []byte) {
 
 // testExporter starts an exporter in this process on the software device, announced
 // in dir, with its socket there.
-func testExporter(t *testing.T, dir string, opts ...export.ListenOption) *export.Exporter {
+func testExporter(t *testing.T, dir string, opts ...producer.ListenOption) *producer.Exporter {
 	t.Helper()
 	picked, err := choose.Runtime(choose.Software)
 	rt := picked.Runtime
 	require.NoError(t, err)
-	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.ListenOption{export.WithAnnounce(dir)}, opts...)...)
+	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), rt, append([]producer.ListenOption{producer.WithAnnounce(dir)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { ex.Close(context.Background()) })
 	return ex
@@ -246,7 +249,7 @@ func shortDir(t *testing.T) string {
 // e.g. another user's exporter in a shared $CUDAPOOL_DIR.
 func TestRefused(t *testing.T) {
 	dir := shortDir(t)
-	testExporter(t, dir, export.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+	testExporter(t, dir, producer.WithPolicy(producer.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	code, out, _ := poolstat(t, "-dir", dir)
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "1 unreachable")
@@ -373,7 +376,7 @@ func TestHelp(t *testing.T) {
 func TestVersion(t *testing.T) {
 	code, out, _ := poolstat(t, "-version")
 	assert.Equal(t, 0, code)
-	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(export.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
+	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(consumer.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
 }
 
 // A -dir named on the command line must exist; the default one appears with the first
@@ -390,7 +393,7 @@ func TestDirMissing(t *testing.T) {
 	assert.Equal(t, 2, code)
 	assert.Contains(t, errOut, file+" is not a directory")
 
-	t.Setenv(export.DirEnv, missing)
+	t.Setenv(discover.DirEnv, missing)
 	code, out, _ = poolstat(t)
 	assert.Equal(t, 0, code, out)
 	assert.Contains(t, out, "No cudapool exporter is announced in "+missing)
@@ -402,15 +405,15 @@ func TestTableWidth(t *testing.T) {
 	const widest = 1023 << 20 // "1023 MiB"
 	long := strings.Repeat("n", 80)
 	now := time.Now()
-	st := &export.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
-		Devices: []export.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
+	st := &discover.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
+		Devices: []discover.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
 	for i := range 3 {
-		st.Pools = append(st.Pools, export.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
+		st.Pools = append(st.Pools, discover.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
 			MaxSize: widest, ReservedCurrent: widest, ReservedHigh: widest, UsedCurrent: widest, UsedHigh: widest,
 			BytesReserved: widest, LiveBuffers: 99999, SharedBuffers: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
 			FailedFrees: 99999}})
-		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
-		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
+		st.Published = append(st.Published, discover.NameState{Name: long, Pool: uint64(i), Size: widest})
+		st.Peers = append(st.Peers, discover.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
 			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
 	}
 	r := &Report{Dir: "/run/user/1000/cudapool", Exporters: []Exporter{
@@ -441,7 +444,7 @@ func TestCleanLeavesUnreadableAnnouncement(t *testing.T) {
 // announce writes an announcement for pid, its socket at socket, as an exporter would.
 func announce(t *testing.T, dir string, pid int, socket string, started time.Time) string {
 	t.Helper()
-	body, err := json.Marshal(export.Announcement{PID: pid, Socket: socket, Name: "planted", Started: started})
+	body, err := json.Marshal(discover.Announcement{PID: pid, Socket: socket, Name: "planted", Started: started})
 	require.NoError(t, err)
 	path := filepath.Join(dir, strconv.Itoa(pid)+".json")
 	require.NoError(t, os.WriteFile(path, body, 0o600))

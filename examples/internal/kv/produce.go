@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // ProducerConfig says what a producer builds and where it publishes it.
@@ -85,7 +85,7 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 		return err
 	}
 
-	ex, err := export.Listen(cfg.Socket, rt)
+	ex, err := producer.Listen(cfg.Socket, rt)
 	if err != nil {
 		return err
 	}
@@ -104,7 +104,7 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 	return nil
 }
 
-func leasesHeld(ex *export.Exporter) int {
+func leasesHeld(ex *producer.Exporter) int {
 	n := 0
 	for _, p := range ex.Peers() {
 		n += p.Leases
