@@ -43,8 +43,8 @@ func TestCInterface(t *testing.T) {
 
 // TestCHandleTypes checks that the handle types of cudapool.h are distinct: each case of
 // testdata/handles.c, which passes one kind of handle (or a bare integer) where another
-// is wanted, must fail to compile, and the file without a case must compile. It needs
-// only a C compiler.
+// is wanted, must fail to compile, and the file without a case must compile, as C and
+// (where there is a C++ compiler) as C++. It needs only a C compiler.
 func TestCHandleTypes(t *testing.T) {
 	cc, err := exec.LookPath("cc")
 	if err != nil {
@@ -62,6 +62,13 @@ func TestCHandleTypes(t *testing.T) {
 		out, err := compile(c)
 		require.Error(t, err, "case %d compiled: a handle of the wrong kind was taken", c)
 		assert.Contains(t, string(out), "incompatible", "case %d failed for another reason:\n%s", c, out)
+	}
+	// The header is C++'s too (extern "C", the inline _default functions).
+	if cxx, err := exec.LookPath("c++"); err == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, cxx, "-std=c++11", "-Wall", "-Werror", "-I.", "-DCASE=0", "-x", "c++", "-c", "testdata/handles.c", "-o", obj).CombinedOutput()
+		require.NoError(t, err, "testdata/handles.c as C++:\n%s", out)
 	}
 }
 

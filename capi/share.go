@@ -473,8 +473,9 @@ func cpgo_importer_open_all(h C.uint64_t, names **C.char, n C.size_t, s C.uintpt
 	if err != nil {
 		return fail(err)
 	}
+	hs := unsafe.Slice(out, int(n))
 	for i, m := range ms {
-		unsafe.Slice(out, int(n))[i] = C.uint64_t(mappings.add(m))
+		hs[i] = C.uint64_t(mappings.add(m))
 	}
 	return statusOK
 }
