@@ -442,7 +442,7 @@ def torch_env_child(q):
     allocates past it."""
     try:
         l = _lib.lib()
-        cudapool.init("test")
+        cudapool.init(os.environ["CUDAPOOL_RUNTIME"])
         os.environ["CUDAPOOL_TORCH_MAX_SIZE"] = str(4 * MiB)
         malloc = l.cudapool_torch_malloc
         malloc.restype, malloc.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)

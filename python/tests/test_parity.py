@@ -268,7 +268,7 @@ def probe_live_path(q, path, level):
 
         logging.getLogger("cudapool").addHandler(H())
         logging.getLogger("cudapool").setLevel(logging.DEBUG)
-        cudapool.init("test")
+        cudapool.init(os.environ["CUDAPOOL_RUNTIME"])
         cudapool.set_log_level(level)
         ex = cudapool.Exporter(path)
         try:
