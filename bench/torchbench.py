@@ -132,7 +132,7 @@ def producer(shape, quick):
     finally:
         ex.close()
         for b in bufs:
-            cudapool.Pool.free(b, s)
+            b.free(s)
         s.synchronize()
         pool.close(force=True)
     return 0

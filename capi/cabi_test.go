@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -39,6 +41,37 @@ func TestCInterface(t *testing.T) {
 	require.NoError(t, ctx.Err(), "testdata/abi.c ran past its bound:\n%s", out)
 	require.NoError(t, err, "testdata/abi.c:\n%s", out)
 	require.Contains(t, string(out), ", 0 failed")
+}
+
+// TestCHandleTypes checks that the handle types of cudapool.h are distinct: each case of
+// testdata/handles.c, which passes one kind of handle (or a bare integer) where another
+// is wanted, must fail to compile, and the file without a case must compile, as C and
+// (where there is a C++ compiler) as C++. It needs only a C compiler.
+func TestCHandleTypes(t *testing.T) {
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		t.Skip("no C compiler")
+	}
+	obj := filepath.Join(t.TempDir(), "handles.o")
+	compile := func(c int) ([]byte, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		return exec.CommandContext(ctx, cc, "-std=c11", "-Wall", "-Werror", "-I.", fmt.Sprintf("-DCASE=%d", c), "-c", "testdata/handles.c", "-o", obj).CombinedOutput()
+	}
+	out, err := compile(0)
+	require.NoError(t, err, "testdata/handles.c must compile without a case:\n%s", out)
+	for c := 1; c <= 6; c++ {
+		out, err := compile(c)
+		require.Error(t, err, "case %d compiled: a handle of the wrong kind was taken", c)
+		assert.Contains(t, string(out), "incompatible", "case %d failed for another reason:\n%s", c, out)
+	}
+	// The header is C++'s too (extern "C", the inline _default functions).
+	if cxx, err := exec.LookPath("c++"); err == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, cxx, "-std=c++11", "-Wall", "-Werror", "-I.", "-DCASE=0", "-x", "c++", "-c", "testdata/handles.c", "-o", obj).CombinedOutput()
+		require.NoError(t, err, "testdata/handles.c as C++:\n%s", out)
+	}
 }
 
 func run(t *testing.T, name string, args ...string) {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
@@ -144,6 +145,47 @@ func TestStatusOf(t *testing.T) {
 		{fmt.Errorf("%w: waiting for an owner: %w", kv.ErrOwnerGone, context.DeadlineExceeded), statusTimeout},
 	} {
 		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
+	}
+}
+
+// TestEverySentinelHasItsStatus checks that no sentinel of the packages the library
+// calls comes out as statusIO, the system's own failures, and that the ones that stand
+// for a condition of their own have its status, also wrapped as export's errors are.
+func TestEverySentinelHasItsStatus(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want int
+	}{
+		{consumer.ErrStreamDevice, statusStreamDevice},
+		{consumer.ErrDuplicateImporter, statusDuplicate},
+		{consumer.ErrTooManyGrants, statusTooMany},
+		{consumer.ErrMappingLost, statusLost},
+		{consumer.ErrExporterGone, statusGone},
+		{&consumer.RemoteError{Err: consumer.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
+		{&consumer.RemoteError{Err: consumer.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
+		{fmt.Errorf("%w: %w", producer.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
+		{consumer.ErrStaleLease, statusStale},
+		{consumer.ErrForeignLease, statusStale},
+		{consumer.ErrForgedLease, statusStale},
+		{discover.ErrBadDir, statusBadDir},
+		{consumer.ErrBadRequest, statusProtocol},
+		{producer.ErrSocketPath, statusInval},
+		{producer.ErrNotSocket, statusExist},
+		{consumer.ErrNoLeases, statusNotSup},
+		{pool.ErrNotShareable, statusNotSup},
+		{pool.ErrNoPeerAccess, statusNotSup},
+		{pool.ErrLeaseEnded, statusStale},
+		{pool.ErrNotLeased, statusStale},
+		{pool.ErrMisaligned, statusCUDA},
+		{pool.ErrFreeFailed, statusCUDA},
+		{cudart.ErrContextLost, statusCUDA},
+		{fmt.Errorf("%w: x", errOwnExport), statusNotSup},
+	} {
+		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
+	}
+	for _, s := range statuses {
+		assert.NotEqual(t, statusIO, s.status, "%v", s.err)
+		assert.Equal(t, s.status, statusOf(fmt.Errorf("wrapped: %w", s.err)), "%v", s.err)
 	}
 }
 

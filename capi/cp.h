@@ -8,6 +8,10 @@
 // cp_set_error sets this thread's last error message (copied, cut to fit).
 void cp_set_error(const char *msg, size_t n);
 
+// cp_log hands one message to the sink cudapool_set_log chose (its function, else
+// stderr).
+void cp_log(int level, const char *msg);
+
 // The process's environment as it is now: the Go runtime's copy is the one the
 // process started with.
 extern char **environ;

@@ -13,20 +13,35 @@
  *    cudapool_last_error() returns a message saying what failed and why; it is per
  *    thread, and every call that returns a status clears it first. The PyTorch entry
  *    points set it when they fail (NULL from malloc) and leave it alone otherwise.
- *  - Objects are opaque 64-bit handles (never 0). A handle that was closed, released,
- *    belongs to another kind of object or was never issued fails with
- *    CUDAPOOL_EHANDLE; it never crashes the process.
+ *  - Objects are handles: cudapool_pool, cudapool_exporter, cudapool_importer and
+ *    cudapool_mapping, each a struct of one opaque 64-bit value (never 0), passed by
+ *    value, returned through a pointer. Each kind is its own type, so passing one where
+ *    another is wanted does not compile. A handle that was closed, released or never
+ *    issued fails with CUDAPOOL_EHANDLE; it never crashes the process.
+ *  - Options are structs whose first field, size, is sizeof the struct the caller was
+ *    compiled with: fill one with its *_default function (a static inline here, which
+ *    sets size), then set what you need. The library reads only the fields that size
+ *    covers and refuses a size it cannot read, so a program built against an older
+ *    header keeps working with a newer library. NULL options are the defaults.
  *  - Device memory is a plain pointer (void *); streams are cudaStream_t passed as
  *    void * (NULL is the legacy default stream).
  *  - Calls that wait take timeout_ms: the most they wait, in milliseconds; 0 means no
- *    bound. A call that runs out of time fails with CUDAPOOL_ETIMEOUT and holds nothing.
+ *    bound (Python's timeout=None or 0). A call that runs out of time fails with
+ *    CUDAPOOL_ETIMEOUT and holds nothing; cudapool_exporter_close is the one exception,
+ *    CUDAPOOL_EABANDONED, which says what it left behind.
+ *  - Sizes and lengths are unsigned; one larger than the library can address (a
+ *    SIZE_MAX length) fails with CUDAPOOL_EINVAL.
+ *  - The library writes nothing to stderr or anywhere else unless asked: see
+ *    cudapool_set_log.
  *  - The library holds a Go runtime, which cannot survive fork(): in a child forked
  *    after the library was loaded every call fails with CUDAPOOL_EFORK (the PyTorch
  *    allocator returns NULL) instead of hanging. Start workers with spawn or
  *    fork+exec.
  *  - The runtime (a GPU through libcudart, or cudapool's software device) is chosen
  *    once per process: by cudapool_init, else at the first call that needs it from
- *    $CUDAPOOL_RUNTIME ("auto" when unset).
+ *    $CUDAPOOL_RUNTIME. Unless one of them asks for "auto" or "test", it is the GPU:
+ *    a broken CUDA install fails with CUDAPOOL_ENORUNTIME instead of running on the
+ *    software device unnoticed.
  */
 #ifndef CUDAPOOL_H
 #define CUDAPOOL_H
@@ -39,21 +54,26 @@
 extern "C" {
 #endif
 
+/* The version of this header. A library of the same major version and a minor version
+ * at least this one has every call declared here (cudapool_version). */
+#define CUDAPOOL_VERSION_MAJOR 1
+#define CUDAPOOL_VERSION_MINOR 0
+
 enum cudapool_status {
 	CUDAPOOL_OK = 0,
 	CUDAPOOL_EINVAL = 1,     /* a bad argument: NULL pointer, size 0, bad name, ... */
-	CUDAPOOL_EHANDLE = 2,    /* a handle that is closed, foreign or was never issued */
+	CUDAPOOL_EHANDLE = 2,    /* a handle that is closed, released or was never issued */
 	CUDAPOOL_EPOINTER = 3,   /* a device pointer no cudapool pool gave (or freed) */
 	CUDAPOOL_ECLOSED = 4,    /* the object is closed or closing */
 	CUDAPOOL_ENOMEM = 5,     /* the pool or device is out of memory */
-	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name */
-	CUDAPOOL_EEXIST = 7,     /* the name is published already */
+	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name (or no such peer) */
+	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
 	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
 	CUDAPOOL_EREFUSED = 10,  /* the exporter refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
-	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol */
-	CUDAPOOL_ETIMEOUT = 13,  /* timeout_ms ran out */
+	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */
+	CUDAPOOL_ETIMEOUT = 13,  /* timeout_ms ran out; the call holds nothing */
 	CUDAPOOL_ERANGE = 14,    /* an output buffer is too small; the size needed is given */
 	CUDAPOOL_ENORUNTIME = 15,/* no runtime: none loads, or another was chosen already */
 	CUDAPOOL_ECUDA = 16,     /* the CUDA runtime failed */
@@ -61,8 +81,18 @@ enum cudapool_status {
 	CUDAPOOL_ENOTSUP = 18,   /* the request is valid but not supported here */
 	CUDAPOOL_EINTERNAL = 19, /* a bug in cudapool: please report the message */
 	CUDAPOOL_EIO = 20,       /* the system failed: a socket, a file, a process */
-	CUDAPOOL_ENOSPACE = 21,  /* the KV pool has not enough free or evictable pages */
-	CUDAPOOL_ESTALE = 22     /* the KV owner holds no such lease for this replica */
+	CUDAPOOL_ESTREAMDEVICE = 21, /* a stream of another device than the importer's */
+	CUDAPOOL_EDUPLICATE = 22,    /* this process has an importer for that exporter already */
+	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows */
+	CUDAPOOL_ELOST = 24,         /* the mapping's exporter is gone and it lives on another GPU:
+	                              * reading it would lose this process's CUDA context */
+	CUDAPOOL_EEXPORTER = 25,     /* the exporter failed to serve the request (its message) */
+	CUDAPOOL_EABANDONED = 26,    /* exporter_close ran out of time: the exporter is closed, and
+	                              * each buffer still held is freed once its consumer lets go */
+	CUDAPOOL_ESTALE = 27,        /* a lease id the exporter or KV owner does not hold: released
+	                              * already, another's, or never issued */
+	CUDAPOOL_EBADDIR = 28,       /* the announce directory is not private to this user */
+	CUDAPOOL_ENOSPACE = 29       /* the KV pool has not enough free or evictable pages */
 };
 
 /* cudapool_last_error is the message of this thread's last failed call, "" if the
@@ -71,19 +101,49 @@ const char *cudapool_last_error(void);
 /* cudapool_status_name names a status code, e.g. "CUDAPOOL_EHANDLE". */
 const char *cudapool_status_name(int status);
 
+/* cudapool_version gives the library's version (CUDAPOOL_VERSION_* of the header it was
+ * built with); either output may be NULL. */
+int cudapool_version(int *major, int *minor);
 /* cudapool_protocol_version is the version of the sharing protocol this library speaks;
  * metadata travels with a publish from version 2 on. */
 int cudapool_protocol_version(int *version);
 
+/* ---- Handles ---- */
+
+typedef struct { uint64_t h; } cudapool_pool;
+typedef struct { uint64_t h; } cudapool_exporter;
+typedef struct { uint64_t h; } cudapool_importer;
+typedef struct { uint64_t h; } cudapool_mapping;
+
+/* ---- Logging ---- */
+
+/* The levels of the library's messages (slog's). */
+enum cudapool_log_level {
+	CUDAPOOL_LOG_DEBUG = -4,
+	CUDAPOOL_LOG_INFO = 0,
+	CUDAPOOL_LOG_WARN = 4,
+	CUDAPOOL_LOG_ERROR = 8,
+	CUDAPOOL_LOG_OFF = 127 /* the default: nothing is written */
+};
+/* A cudapool_log_fn receives one message (without a newline) and the arg it was set
+ * with. It may be called from any thread, also while a cudapool call runs on another;
+ * it must not call the library. */
+typedef void (*cudapool_log_fn)(int level, const char *msg, void *arg);
+/* cudapool_set_log sends the events no call returns (a connection refused or cut,
+ * cleanup that failed) at level or above to fn, or to stderr if fn is NULL.
+ * CUDAPOOL_LOG_OFF, the default, drops them. */
+int cudapool_set_log(int level, cudapool_log_fn fn, void *arg);
+
 /* ---- Runtime ---- */
 
-/* cudapool_init chooses the runtime: prefer is "auto" (or NULL: a GPU when a CUDA
- * runtime loads and sees one, else the software device), "gpu" or "test" (the
- * software device). The software device is in a library built with -tags
- * cudapool_softdevice only; without it "test", and "auto" without a GPU, fail with
- * CUDAPOOL_ENORUNTIME. It writes a sentence saying which and why into why (if not
- * NULL; cut to why_len). A second call with the same preference succeeds; with
- * another it fails with CUDAPOOL_ENORUNTIME. */
+/* cudapool_init chooses the runtime: prefer is "gpu" (the real runtime and a visible
+ * GPU), "auto" (a GPU when a CUDA runtime loads and sees one, else the software device,
+ * and why says so) or "test" (the software device). NULL is $CUDAPOOL_RUNTIME, else
+ * "gpu". The software device is in a library built with -tags cudapool_softdevice
+ * only; without it "test", and "auto" without a GPU, fail with CUDAPOOL_ENORUNTIME. It
+ * writes a sentence saying which and why into why (if not NULL; cut to why_len). A
+ * second call with the same preference succeeds; with another it fails with
+ * CUDAPOOL_ENORUNTIME. */
 int cudapool_init(const char *prefer, char *why, size_t why_len);
 /* cudapool_runtime_info says which runtime is in use (choosing it if none is):
  * *on_gpu is 1 for the real runtime, *devices the device count. */
@@ -109,23 +169,29 @@ enum cudapool_handle_type {
 	CUDAPOOL_HANDLE_FABRIC = 8
 };
 
-/* The options of pool.New. Zero-initialise and set what you need. */
+/* The options of pool.New. Fill with cudapool_pool_options_default (a zeroed struct has
+ * no size and is refused; its handle type would be NONE, a pool no one can share). */
 typedef struct {
+	size_t size;                /* sizeof(cudapool_pool_options), set by _default */
 	const char *name;           /* NULL: a made-up name */
-	int handle_type;            /* CUDAPOOL_HANDLE_*; 0 is NONE, so set it */
+	int handle_type;            /* CUDAPOOL_HANDLE_*; the default is POSIX_FD */
 	uint64_t max_size;          /* 0: the device's memory */
 	uint64_t release_threshold; /* used when has_release_threshold */
 	int has_release_threshold;
-	int wait_for_memory;        /* alloc on a full pool waits for a free */
+	int wait_for_memory;        /* alloc on a full pool waits for a free (up to its timeout) */
 	const int *peer_devices;    /* devices that may access the pool's memory */
 	int peer_count;
 	uint64_t cache_bytes;       /* freed buffers kept for reuse on their stream; 0: none */
 } cudapool_pool_options;
 
-/* cudapool_pool_options_default fills *o with pool.New's defaults (POSIX fd). */
-void cudapool_pool_options_default(cudapool_pool_options *o);
+/* cudapool_pool_options_init fills the size bytes at o with pool.New's defaults;
+ * call it through cudapool_pool_options_default. */
+int cudapool_pool_options_init(cudapool_pool_options *o, size_t size);
+static inline int cudapool_pool_options_default(cudapool_pool_options *o) {
+	return cudapool_pool_options_init(o, sizeof *o);
+}
 
-int cudapool_pool_create(int device, const cudapool_pool_options *opts, uint64_t *pool);
+int cudapool_pool_create(int device, const cudapool_pool_options *opts, cudapool_pool *pool);
 
 typedef struct {
 	int device;
@@ -137,16 +203,18 @@ typedef struct {
 	uint64_t cached_buffers, cached_bytes; /* kept for reuse (cache_bytes) */
 } cudapool_pool_stats;
 
-int cudapool_pool_stats_get(uint64_t pool, cudapool_pool_stats *stats);
+int cudapool_pool_stats_get(cudapool_pool pool, cudapool_pool_stats *stats);
 /* cudapool_pool_close destroys the pool. Without force it fails with CUDAPOOL_EBUSY
  * while buffers are live; with force it frees them (buffers other processes still hold
  * are left allocated until the process exits). The handle is spent either way but
  * for EBUSY and ETIMEOUT. */
-int cudapool_pool_close(uint64_t pool, int force, int64_t timeout_ms);
+int cudapool_pool_close(cudapool_pool pool, int force, int64_t timeout_ms);
 
 /* cudapool_alloc returns at least size bytes of the pool's device memory, ready for
- * work queued on stream after the call. */
-int cudapool_alloc(uint64_t pool, uint64_t size, void *stream, void **ptr);
+ * work queued on stream after the call. A pool with wait_for_memory waits up to
+ * timeout_ms for a free when it is full; a request larger than the pool's max_size
+ * fails at once with CUDAPOOL_ENOMEM. */
+int cudapool_alloc(cudapool_pool pool, uint64_t size, void *stream, int64_t timeout_ms, void **ptr);
 /* cudapool_free returns ptr (from cudapool_alloc or the PyTorch allocator) once the
  * work queued on stream before the call has completed; other processes' leases
  * defer the real free until they release. */
@@ -154,75 +222,186 @@ int cudapool_free(void *ptr, void *stream);
 
 /* ---- Exporter (producer) ---- */
 
-/* cudapool_exporter_listen creates an exporter on a new Unix socket at path (mode
- * 0600) and announces it for poolstat. name (may be NULL) is the process name it
- * gives. */
-int cudapool_exporter_listen(const char *path, const char *name, int flags, uint64_t *exporter);
-/* The flags of cudapool_exporter_listen. */
+/* The flags of cudapool_listen_options. */
 enum cudapool_listen_flags {
 	/* Consumers keep a buffer's import after they release it, so that leasing the same
 	 * memory again (a buffer recycled through a pool's cache) costs no import and no
 	 * free; the exporter revokes such imports before the memory goes back to the driver. */
 	CUDAPOOL_LISTEN_RETAIN_IMPORTS = 1,
 	/* No announcement for poolstat. */
-	CUDAPOOL_LISTEN_NO_ANNOUNCE = 2
+	CUDAPOOL_LISTEN_NO_ANNOUNCE = 2,
+	/* The socket admits whom the policy admits (mode 0660 with the one group, 0666 for
+	 * other users or several groups) instead of this user alone (0600). */
+	CUDAPOOL_LISTEN_SOCKET_FOLLOWS_POLICY = 4
 };
+
+/* The options of cudapool_exporter_listen. Fill with cudapool_listen_options_default. */
+typedef struct {
+	size_t size;             /* sizeof(cudapool_listen_options), set by _default */
+	const char *name;        /* the process name it gives poolstat; NULL: the program's */
+	int flags;               /* CUDAPOOL_LISTEN_* */
+	/* The policy: with neither list set, processes of this user; with one set, exactly
+	 * the processes whose uid or (primary) gid is listed. */
+	const uint32_t *allow_uids;
+	size_t uid_count;
+	const uint32_t *allow_gids;
+	size_t gid_count;
+	int max_grants;          /* grants one connection may hold; 0: the default, 65536 */
+} cudapool_listen_options;
+
+int cudapool_listen_options_init(cudapool_listen_options *o, size_t size);
+static inline int cudapool_listen_options_default(cudapool_listen_options *o) {
+	return cudapool_listen_options_init(o, sizeof *o);
+}
+
+/* cudapool_exporter_listen creates an exporter on a new Unix socket at path (mode
+ * 0600 unless the options say otherwise) and announces it for poolstat. */
+int cudapool_exporter_listen(const char *path, const cudapool_listen_options *opts,
+                             cudapool_exporter *exporter);
 /* cudapool_exporter_publish makes the memory at [ptr, ptr+size) available under
  * name, ready once the work queued on stream before the call has completed. ptr must
  * lie in memory of a cudapool pool (cudapool_alloc, the PyTorch allocator);
  * size 0 means to the end of its buffer. ptr may lie inside a buffer (a tensor that
  * PyTorch carved out of a segment): consumers get that range, not aligned to anything.
- * They can read the rest of the pool all the same: the pool is the unit of trust. meta (meta_len bytes, at most
- * CUDAPOOL_MAX_META) travels to every consumer. */
+ * They can read the rest of the pool all the same: the pool is the unit of trust. meta
+ * (meta_len bytes, at most CUDAPOOL_MAX_META) travels to every consumer. */
 #define CUDAPOOL_MAX_NAME 255
 #define CUDAPOOL_MAX_META 4096
-int cudapool_exporter_publish(uint64_t exporter, const char *name, const void *ptr, uint64_t size,
-                              void *stream, const void *meta, size_t meta_len);
-int cudapool_exporter_unpublish(uint64_t exporter, const char *name);
+int cudapool_exporter_publish(cudapool_exporter exporter, const char *name, const void *ptr,
+                              uint64_t size, void *stream, const void *meta, size_t meta_len);
+/* One name for cudapool_exporter_publish_all: what cudapool_exporter_publish takes besides
+ * the exporter and the stream. */
+typedef struct {
+	const char *name;
+	const void *ptr;
+	uint64_t size;
+	const void *meta;
+	size_t meta_len;
+} cudapool_publish_entry;
+/* cudapool_exporter_publish_all publishes n entries at once, each ready once the work
+ * queued on stream before the call has completed; their buffers are on one device. It
+ * publishes all of them or, with the error of the first that fails, none. At most
+ * CUDAPOOL_MAX_BATCH. */
+#define CUDAPOOL_MAX_BATCH 1024
+int cudapool_exporter_publish_all(cudapool_exporter exporter, const cudapool_publish_entry *entries,
+                                  size_t n, void *stream);
+int cudapool_exporter_unpublish(cudapool_exporter exporter, const char *name);
 /* cudapool_exporter_push leases the buffer published under name to process pid. */
-int cudapool_exporter_push(uint64_t exporter, int pid, const char *name, int64_t timeout_ms);
+int cudapool_exporter_push(cudapool_exporter exporter, int pid, const char *name, int64_t timeout_ms);
 /* cudapool_exporter_state writes the exporter's state as JSON (poolstat's schema). On
  * CUDAPOOL_ERANGE *len is the size needed. */
-int cudapool_exporter_state(uint64_t exporter, char *buf, size_t cap, size_t *len);
-int cudapool_exporter_close(uint64_t exporter, int64_t timeout_ms);
+int cudapool_exporter_state(cudapool_exporter exporter, char *buf, size_t cap, size_t *len);
+/* cudapool_exporter_close stops sharing and waits up to timeout_ms for consumers to
+ * release what they hold. If they do not, it fails with CUDAPOOL_EABANDONED: the
+ * exporter is closed all the same (the handle is spent), and each buffer still held goes
+ * back to its pool once its consumer releases it or exits. */
+int cudapool_exporter_close(cudapool_exporter exporter, int64_t timeout_ms);
 
 /* cudapool_query_state asks the exporter at socket for its state, as poolstat does. */
 int cudapool_query_state(const char *socket, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
 
 /* ---- Importer (consumer) ---- */
 
-int cudapool_importer_dial(const char *path, int device, int64_t timeout_ms, uint64_t *importer);
+/* The flags of cudapool_dial_options. */
+enum cudapool_dial_flags {
+	/* Wait (up to timeout_ms) for an exporter to listen at the path, instead of failing
+	 * with CUDAPOOL_EGONE: for replicas started before their producer. */
+	CUDAPOOL_DIAL_WAIT_FOR_EXPORTER = 1
+};
+typedef struct {
+	size_t size; /* sizeof(cudapool_dial_options), set by _default */
+	int flags;   /* CUDAPOOL_DIAL_* */
+} cudapool_dial_options;
+int cudapool_dial_options_init(cudapool_dial_options *o, size_t size);
+static inline int cudapool_dial_options_default(cudapool_dial_options *o) {
+	return cudapool_dial_options_init(o, sizeof *o);
+}
+
+/* cudapool_importer_dial connects to the exporter at path, for mappings on device. A
+ * process has one importer per exporter (CUDAPOOL_EDUPLICATE otherwise), and cannot
+ * import its own exports (CUDAPOOL_ENOTSUP: use the buffer's pointer). */
+int cudapool_importer_dial(const char *path, int device, const cudapool_dial_options *opts,
+                           int64_t timeout_ms, cudapool_importer *importer);
+
+/* The flags of cudapool_open_options. */
+enum cudapool_open_flags {
+	/* Wait (up to timeout_ms) for the name to be published, instead of failing with
+	 * CUDAPOOL_ENOTFOUND. */
+	CUDAPOOL_OPEN_WAIT_FOR_NAME = 1,
+	/* Copy the buffer into memory of the importer's own device and give the lease back
+	 * at once: the mapping then outlives its producer on any GPU (never CUDAPOOL_ELOST).
+	 * The copy comes from replica_pool, or (replica_pool.h 0) from a pool the importer
+	 * makes. replica_pool must let the exporter's device access it (peer_devices). */
+	CUDAPOOL_OPEN_REPLICA = 2
+};
+typedef struct {
+	size_t size;                /* sizeof(cudapool_open_options), set by _default */
+	int flags;                  /* CUDAPOOL_OPEN_* */
+	cudapool_pool replica_pool; /* with CUDAPOOL_OPEN_REPLICA; h 0: the importer's own */
+} cudapool_open_options;
+int cudapool_open_options_init(cudapool_open_options *o, size_t size);
+static inline int cudapool_open_options_default(cudapool_open_options *o) {
+	return cudapool_open_options_init(o, sizeof *o);
+}
+
 /* cudapool_importer_open leases the buffer published under name and maps it; work
- * queued on stream after the call sees the producer's writes. Each open needs its
- * release. */
-int cudapool_importer_open(uint64_t importer, const char *name, void *stream, int64_t timeout_ms,
-                           uint64_t *mapping);
+ * queued on stream (of the importer's device: CUDAPOOL_ESTREAMDEVICE otherwise) after
+ * the call sees the producer's writes. Each open needs its release. */
+int cudapool_importer_open(cudapool_importer importer, const char *name, void *stream,
+                           const cudapool_open_options *opts, int64_t timeout_ms,
+                           cudapool_mapping *mapping);
+/* cudapool_importer_open_all opens n names (at most CUDAPOOL_MAX_BATCH) in one round
+ * trip, into mappings[0..n): all of them, or none with the error of the first that
+ * failed. */
+int cudapool_importer_open_all(cudapool_importer importer, const char *const *names, size_t n,
+                               void *stream, int64_t timeout_ms, cudapool_mapping *mappings);
+/* cudapool_importer_release_all releases n mappings of the importer in one round trip,
+ * once the work queued on stream before the call has completed. A handle listed twice
+ * fails with CUDAPOOL_EINVAL and releases nothing. The handles are spent, also when
+ * the exporter refuses some (the others are released all the same). */
+int cudapool_importer_release_all(cudapool_importer importer, const cudapool_mapping *mappings,
+                                  size_t n, void *stream, int64_t timeout_ms);
+/* cudapool_importer_done_fd gives a file descriptor that becomes readable (poll, select,
+ * epoll: POLLIN, then end of file) once the connection to the exporter has ended: its
+ * process exited, crashed or closed. It is the importer's: do not close it, nor use it
+ * after cudapool_importer_close. */
+int cudapool_importer_done_fd(cudapool_importer importer, int *fd);
+/* cudapool_importer_err returns CUDAPOOL_OK while the exporter is there, and
+ * CUDAPOOL_EGONE, with why in cudapool_last_error, once it is gone. */
+int cudapool_importer_err(cudapool_importer importer);
 /* cudapool_importer_close frees what is still mapped (release first) and says goodbye. */
-int cudapool_importer_close(uint64_t importer, int64_t timeout_ms);
+int cudapool_importer_close(cudapool_importer importer, int64_t timeout_ms);
 
 /* cudapool_mapping_info: the mapped range's address in this process, its size and the
  * length of its metadata; any output may be NULL. */
-int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size, size_t *meta_len);
+int cudapool_mapping_info(cudapool_mapping mapping, void **ptr, uint64_t *size, size_t *meta_len);
 /* cudapool_mapping_meta copies the metadata published with the buffer. On
  * CUDAPOOL_ERANGE *len is the size needed. */
-int cudapool_mapping_meta(uint64_t mapping, void *buf, size_t cap, size_t *len);
+int cudapool_mapping_meta(cudapool_mapping mapping, void *buf, size_t cap, size_t *len);
+/* cudapool_mapping_err returns CUDAPOOL_OK while the mapping may be read, and
+ * CUDAPOOL_ELOST once it must not be: its exporter is gone and it lives on another GPU
+ * (stop the work that reads it, then release it: that frees the import without touching
+ * the memory). It turns ELOST once the kernel says the exporter's process exited, which
+ * can be a moment after the done descriptor turned readable: a consumer on another GPU
+ * stops reading at the first of the two. */
+int cudapool_mapping_err(cudapool_mapping mapping);
 /* cudapool_mapping_release gives the mapping back once the work queued on stream
  * before the call has completed. The handle is spent. */
-int cudapool_mapping_release(uint64_t mapping, void *stream, int64_t timeout_ms);
+int cudapool_mapping_release(cudapool_mapping mapping, void *stream, int64_t timeout_ms);
 
 /* ---- PyTorch allocator ----
  * The entry points torch.cuda.memory.CUDAPluggableAllocator loads. Each device's
  * memory comes from an exportable cudapool pool made at its first allocation, with the
  * options of cudapool_torch_configure (else from $CUDAPOOL_TORCH_MAX_SIZE,
  * $CUDAPOOL_TORCH_CACHE (bytes) and $CUDAPOOL_TORCH_HANDLE_TYPE: "posix-fd", "none" or
- * "fabric"). A tensor allocated
- * there can be published with cudapool_exporter_publish. */
+ * "fabric"). A tensor allocated there can be published with cudapool_exporter_publish.
+ * The allocator never waits for memory: a full pool returns NULL (torch raises). */
 void *cudapool_torch_malloc(ssize_t size, int device, void *stream);
 void cudapool_torch_free(void *ptr, ssize_t size, int device, void *stream);
 /* cudapool_torch_configure sets the options of the pools not yet made. */
 int cudapool_torch_configure(const cudapool_pool_options *opts);
 /* cudapool_torch_pool returns the handle of device's pool (making it if need be). */
-int cudapool_torch_pool(int device, uint64_t *pool);
+int cudapool_torch_pool(int device, cudapool_pool *pool);
 
 /* ---- KV pages ----
  * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,

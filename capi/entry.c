@@ -54,16 +54,90 @@ const char *cudapool_status_name(int status) {
 		"CUDAPOOL_EBUSY", "CUDAPOOL_EGONE", "CUDAPOOL_EREFUSED", "CUDAPOOL_EVERSION",
 		"CUDAPOOL_EPROTOCOL", "CUDAPOOL_ETIMEOUT", "CUDAPOOL_ERANGE", "CUDAPOOL_ENORUNTIME",
 		"CUDAPOOL_ECUDA", "CUDAPOOL_EFORK", "CUDAPOOL_ENOTSUP", "CUDAPOOL_EINTERNAL",
-		"CUDAPOOL_EIO", "CUDAPOOL_ENOSPACE", "CUDAPOOL_ESTALE",
+		"CUDAPOOL_EIO", "CUDAPOOL_ESTREAMDEVICE", "CUDAPOOL_EDUPLICATE", "CUDAPOOL_ETOOMANY",
+		"CUDAPOOL_ELOST", "CUDAPOOL_EEXPORTER", "CUDAPOOL_EABANDONED", "CUDAPOOL_ESTALE",
+		"CUDAPOOL_EBADDIR", "CUDAPOOL_ENOSPACE",
 	};
 	if (status < 0 || status >= (int)(sizeof names / sizeof names[0])) return "CUDAPOOL_UNKNOWN";
 	return names[status];
 }
 
-void cudapool_pool_options_default(cudapool_pool_options *o) {
-	if (!o) return;
-	memset(o, 0, sizeof *o);
-	o->handle_type = CUDAPOOL_HANDLE_POSIX_FD;
+int cudapool_version(int *major, int *minor) {
+	if (major) *major = CUDAPOOL_VERSION_MAJOR;
+	if (minor) *minor = CUDAPOOL_VERSION_MINOR;
+	cp_err[0] = 0;
+	return CUDAPOOL_OK;
+}
+
+// cp_options_init zeroes the size bytes at o and sets its size field, failing if size
+// cannot hold the first version of the struct (min bytes). It is the common half of
+// every *_options_init.
+static int cp_options_init(void *o, size_t size, size_t min, const char *what) {
+	if (cp_forked) return cp_fork_status();
+	cp_err[0] = 0;
+	if (!o) {
+		snprintf(cp_err, sizeof cp_err, "cudapool: invalid argument: %s is NULL", what);
+		return CUDAPOOL_EINVAL;
+	}
+	if (size < min) {
+		snprintf(cp_err, sizeof cp_err,
+		         "cudapool: invalid argument: %s of %zu bytes is smaller than its first version (%zu)", what,
+		         size, min);
+		return CUDAPOOL_EINVAL;
+	}
+	memset(o, 0, size);
+	*(size_t *)o = size;
+	return CUDAPOOL_OK;
+}
+
+int cudapool_pool_options_init(cudapool_pool_options *o, size_t size) {
+	int rc = cp_options_init(o, size, sizeof *o, "pool options");
+	if (rc == CUDAPOOL_OK) o->handle_type = CUDAPOOL_HANDLE_POSIX_FD;
+	return rc;
+}
+
+int cudapool_listen_options_init(cudapool_listen_options *o, size_t size) {
+	return cp_options_init(o, size, sizeof *o, "listen options");
+}
+
+int cudapool_dial_options_init(cudapool_dial_options *o, size_t size) {
+	return cp_options_init(o, size, sizeof *o, "dial options");
+}
+
+int cudapool_open_options_init(cudapool_open_options *o, size_t size) {
+	return cp_options_init(o, size, sizeof *o, "open options");
+}
+
+// cp_log is the log sink cudapool_set_log set: a function of the caller's, or stderr.
+static cudapool_log_fn cp_log_fn;
+static void *cp_log_arg;
+static pthread_mutex_t cp_log_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void cp_log(int level, const char *msg) {
+	pthread_mutex_lock(&cp_log_mu);
+	if (cp_log_fn) {
+		cp_log_fn(level, msg, cp_log_arg);
+	} else {
+		fprintf(stderr, "%s\n", msg);
+	}
+	pthread_mutex_unlock(&cp_log_mu);
+}
+
+int cudapool_set_log(int level, cudapool_log_fn fn, void *arg) {
+	if (cp_forked) return cp_fork_status();
+	cp_err[0] = 0;
+	if ((level < CUDAPOOL_LOG_DEBUG || level > CUDAPOOL_LOG_ERROR) && level != CUDAPOOL_LOG_OFF) {
+		snprintf(cp_err, sizeof cp_err,
+		         "cudapool: invalid argument: log level %d: want CUDAPOOL_LOG_DEBUG (-4) to "
+		         "CUDAPOOL_LOG_ERROR (8), or CUDAPOOL_LOG_OFF (127)",
+		         level);
+		return CUDAPOOL_EINVAL;
+	}
+	pthread_mutex_lock(&cp_log_mu);
+	cp_log_fn = fn;
+	cp_log_arg = arg;
+	pthread_mutex_unlock(&cp_log_mu);
+	return cpgo_set_log_level(level);
 }
 
 int cudapool_protocol_version(int *version) { CP_CALL(cpgo_protocol_version(version)); }
@@ -100,79 +174,110 @@ int cudapool_copy_from_device(int device, void *dst, const void *src, size_t n, 
 	CP_CALL(cpgo_copy_from_device(device, dst, (uintptr_t)src, n, (uintptr_t)stream));
 }
 
-int cudapool_pool_create(int device, const cudapool_pool_options *opts, uint64_t *pool) {
-	CP_CALL(cpgo_pool_create(device, (cudapool_pool_options *)opts, pool));
+// OUT is the address of the handle an out-parameter points to, NULL for NULL.
+#define OUT(p) ((p) ? &(p)->h : NULL)
+
+int cudapool_pool_create(int device, const cudapool_pool_options *opts, cudapool_pool *pool) {
+	CP_CALL(cpgo_pool_create(device, (cudapool_pool_options *)opts, OUT(pool)));
 }
 
-int cudapool_pool_stats_get(uint64_t pool, cudapool_pool_stats *stats) {
-	CP_CALL(cpgo_pool_stats(pool, stats));
+int cudapool_pool_stats_get(cudapool_pool pool, cudapool_pool_stats *stats) {
+	CP_CALL(cpgo_pool_stats(pool.h, stats));
 }
 
-int cudapool_pool_close(uint64_t pool, int force, int64_t timeout_ms) {
-	CP_CALL(cpgo_pool_close(pool, force, timeout_ms));
+int cudapool_pool_close(cudapool_pool pool, int force, int64_t timeout_ms) {
+	CP_CALL(cpgo_pool_close(pool.h, force, timeout_ms));
 }
 
-int cudapool_alloc(uint64_t pool, uint64_t size, void *stream, void **ptr) {
-	CP_CALL(cpgo_alloc(pool, size, (uintptr_t)stream, (uintptr_t *)ptr));
+int cudapool_alloc(cudapool_pool pool, uint64_t size, void *stream, int64_t timeout_ms, void **ptr) {
+	CP_CALL(cpgo_alloc(pool.h, size, (uintptr_t)stream, timeout_ms, (uintptr_t *)ptr));
 }
 
 int cudapool_free(void *ptr, void *stream) {
 	CP_CALL(cpgo_free((uintptr_t)ptr, (uintptr_t)stream));
 }
 
-int cudapool_exporter_listen(const char *path, const char *name, int flags, uint64_t *exporter) {
-	CP_CALL(cpgo_exporter_listen((char *)path, (char *)name, flags, exporter));
+int cudapool_exporter_listen(const char *path, const cudapool_listen_options *opts,
+                             cudapool_exporter *exporter) {
+	CP_CALL(cpgo_exporter_listen((char *)path, (cudapool_listen_options *)opts, OUT(exporter)));
 }
 
-int cudapool_exporter_publish(uint64_t exporter, const char *name, const void *ptr, uint64_t size,
-                              void *stream, const void *meta, size_t meta_len) {
-	CP_CALL(cpgo_exporter_publish(exporter, (char *)name, (uintptr_t)ptr, size, (uintptr_t)stream,
+int cudapool_exporter_publish(cudapool_exporter exporter, const char *name, const void *ptr,
+                              uint64_t size, void *stream, const void *meta, size_t meta_len) {
+	CP_CALL(cpgo_exporter_publish(exporter.h, (char *)name, (uintptr_t)ptr, size, (uintptr_t)stream,
 	                              (void *)meta, meta_len));
 }
 
-int cudapool_exporter_unpublish(uint64_t exporter, const char *name) {
-	CP_CALL(cpgo_exporter_unpublish(exporter, (char *)name));
+int cudapool_exporter_publish_all(cudapool_exporter exporter, const cudapool_publish_entry *entries,
+                                  size_t n, void *stream) {
+	CP_CALL(cpgo_exporter_publish_all(exporter.h, (cudapool_publish_entry *)entries, n, (uintptr_t)stream));
 }
 
-int cudapool_exporter_push(uint64_t exporter, int pid, const char *name, int64_t timeout_ms) {
-	CP_CALL(cpgo_exporter_push(exporter, pid, (char *)name, timeout_ms));
+int cudapool_exporter_unpublish(cudapool_exporter exporter, const char *name) {
+	CP_CALL(cpgo_exporter_unpublish(exporter.h, (char *)name));
 }
 
-int cudapool_exporter_state(uint64_t exporter, char *buf, size_t cap, size_t *len) {
-	CP_CALL(cpgo_exporter_state(exporter, buf, cap, len));
+int cudapool_exporter_push(cudapool_exporter exporter, int pid, const char *name, int64_t timeout_ms) {
+	CP_CALL(cpgo_exporter_push(exporter.h, pid, (char *)name, timeout_ms));
 }
 
-int cudapool_exporter_close(uint64_t exporter, int64_t timeout_ms) {
-	CP_CALL(cpgo_exporter_close(exporter, timeout_ms));
+int cudapool_exporter_state(cudapool_exporter exporter, char *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_exporter_state(exporter.h, buf, cap, len));
+}
+
+int cudapool_exporter_close(cudapool_exporter exporter, int64_t timeout_ms) {
+	CP_CALL(cpgo_exporter_close(exporter.h, timeout_ms));
 }
 
 int cudapool_query_state(const char *socket, int64_t timeout_ms, char *buf, size_t cap, size_t *len) {
 	CP_CALL(cpgo_query_state((char *)socket, timeout_ms, buf, cap, len));
 }
 
-int cudapool_importer_dial(const char *path, int device, int64_t timeout_ms, uint64_t *importer) {
-	CP_CALL(cpgo_importer_dial((char *)path, device, timeout_ms, importer));
+int cudapool_importer_dial(const char *path, int device, const cudapool_dial_options *opts,
+                           int64_t timeout_ms, cudapool_importer *importer) {
+	CP_CALL(cpgo_importer_dial((char *)path, device, (cudapool_dial_options *)opts, timeout_ms, OUT(importer)));
 }
 
-int cudapool_importer_open(uint64_t importer, const char *name, void *stream, int64_t timeout_ms,
-                           uint64_t *mapping) {
-	CP_CALL(cpgo_importer_open(importer, (char *)name, (uintptr_t)stream, timeout_ms, mapping));
+int cudapool_importer_open(cudapool_importer importer, const char *name, void *stream,
+                           const cudapool_open_options *opts, int64_t timeout_ms,
+                           cudapool_mapping *mapping) {
+	CP_CALL(cpgo_importer_open(importer.h, (char *)name, (uintptr_t)stream, (cudapool_open_options *)opts,
+	                           timeout_ms, OUT(mapping)));
 }
 
-int cudapool_importer_close(uint64_t importer, int64_t timeout_ms) {
-	CP_CALL(cpgo_importer_close(importer, timeout_ms));
+int cudapool_importer_open_all(cudapool_importer importer, const char *const *names, size_t n,
+                               void *stream, int64_t timeout_ms, cudapool_mapping *mappings) {
+	CP_CALL(cpgo_importer_open_all(importer.h, (char **)names, n, (uintptr_t)stream, timeout_ms,
+	                               (uint64_t *)mappings));
 }
 
-int cudapool_mapping_info(uint64_t mapping, void **ptr, uint64_t *size, size_t *meta_len) {
-	CP_CALL(cpgo_mapping_info(mapping, (uintptr_t *)ptr, size, meta_len));
+int cudapool_importer_release_all(cudapool_importer importer, const cudapool_mapping *mappings,
+                                  size_t n, void *stream, int64_t timeout_ms) {
+	CP_CALL(cpgo_importer_release_all(importer.h, (uint64_t *)mappings, n, (uintptr_t)stream, timeout_ms));
 }
 
-int cudapool_mapping_meta(uint64_t mapping, void *buf, size_t cap, size_t *len) {
-	CP_CALL(cpgo_mapping_meta(mapping, buf, cap, len));
+int cudapool_importer_done_fd(cudapool_importer importer, int *fd) {
+	CP_CALL(cpgo_importer_done_fd(importer.h, fd));
 }
 
-int cudapool_mapping_release(uint64_t mapping, void *stream, int64_t timeout_ms) {
-	CP_CALL(cpgo_mapping_release(mapping, (uintptr_t)stream, timeout_ms));
+int cudapool_importer_err(cudapool_importer importer) { CP_CALL(cpgo_importer_err(importer.h)); }
+
+int cudapool_importer_close(cudapool_importer importer, int64_t timeout_ms) {
+	CP_CALL(cpgo_importer_close(importer.h, timeout_ms));
+}
+
+int cudapool_mapping_info(cudapool_mapping mapping, void **ptr, uint64_t *size, size_t *meta_len) {
+	CP_CALL(cpgo_mapping_info(mapping.h, (uintptr_t *)ptr, size, meta_len));
+}
+
+int cudapool_mapping_meta(cudapool_mapping mapping, void *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_mapping_meta(mapping.h, buf, cap, len));
+}
+
+int cudapool_mapping_err(cudapool_mapping mapping) { CP_CALL(cpgo_mapping_err(mapping.h)); }
+
+int cudapool_mapping_release(cudapool_mapping mapping, void *stream, int64_t timeout_ms) {
+	CP_CALL(cpgo_mapping_release(mapping.h, (uintptr_t)stream, timeout_ms));
 }
 
 // The PyTorch entry points keep PyTorch's signatures: no status, NULL for a failed
@@ -198,8 +303,8 @@ int cudapool_torch_configure(const cudapool_pool_options *opts) {
 	CP_CALL(cpgo_torch_configure((cudapool_pool_options *)opts));
 }
 
-int cudapool_torch_pool(int device, uint64_t *pool) {
-	CP_CALL(cpgo_torch_pool(device, pool));
+int cudapool_torch_pool(int device, cudapool_pool *pool) {
+	CP_CALL(cpgo_torch_pool(device, OUT(pool)));
 }
 
 // KV pages: the replica handle travels by value as a struct; Go takes its 64 bits.

@@ -15,10 +15,11 @@
 //	go build -buildmode=c-shared -tags cudapool_softdevice -o bin/libcudapool.so ./capi
 //
 // The library owns the C side of cudapool: turning C arguments into Go calls, the
-// tables that give out opaque handles, the per-thread last-error message, and the
-// allocator behind PyTorch's CUDAPluggableAllocator. No Go value crosses to C: objects
-// are 64-bit handles looked up in a table, so a closed, foreign or made-up handle is an
-// error and never a crash, and device addresses are integers.
+// tables that give out opaque handles, the per-thread last-error message, the log sink,
+// and the allocator behind PyTorch's CUDAPluggableAllocator. No Go value crosses to C:
+// objects are handles (a struct of one 64-bit value, a type per kind) looked up in a
+// table, so a closed, foreign or made-up handle is an error and never a crash, and
+// device addresses are integers.
 //
 // The public entry points are C functions (entry.c) that check, before entering Go,
 // that the process was not forked since the library was loaded, because the Go

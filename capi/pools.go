@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -22,11 +23,19 @@ func poolOptions(o *C.cudapool_pool_options) ([]pool.Option, error) {
 	if o == nil {
 		return nil, nil
 	}
+	if err := options(unsafe.Pointer(o), C.sizeof_cudapool_pool_options, "pool options"); err != nil {
+		return nil, err
+	}
 	var opts []pool.Option
 	if o.name != nil {
 		opts = append(opts, pool.WithName(C.GoString(o.name)))
 	}
-	opts = append(opts, pool.WithHandleType(cudart.HandleType(o.handle_type)))
+	switch ht := cudart.HandleType(o.handle_type); ht {
+	case cudart.HandleTypeNone, cudart.HandleTypePosixFD, cudart.HandleTypeFabric:
+		opts = append(opts, pool.WithHandleType(ht))
+	default:
+		return nil, invalid("handle_type %d: want CUDAPOOL_HANDLE_NONE (0), _POSIX_FD (1) or _FABRIC (8)", int(o.handle_type))
+	}
 	if o.max_size != 0 {
 		opts = append(opts, pool.WithMaxSize(uint64(o.max_size)))
 	}
@@ -130,22 +139,48 @@ func cpgo_pool_close(h C.uint64_t, force C.int, timeoutMs C.int64_t) (rc C.int) 
 }
 
 //export cpgo_alloc
-func cpgo_alloc(h C.uint64_t, size C.uint64_t, s C.uintptr_t, out *C.uintptr_t) (rc C.int) {
+func cpgo_alloc(h C.uint64_t, size C.uint64_t, s C.uintptr_t, timeoutMs C.int64_t, out *C.uintptr_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if out == nil {
 		return fail(invalid("ptr is NULL"))
 	}
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
 	p, err := pools.get(uint64(h))
 	if err != nil {
 		return fail(err)
 	}
-	b, err := p.Alloc(context.Background(), uint64(size), cudart.Stream(s))
+	if err := checkAlloc(p, uint64(size)); err != nil {
+		return fail(err)
+	}
+	b, err := p.Alloc(ctx, uint64(size), cudart.Stream(s))
 	if err != nil {
 		return fail(err)
 	}
 	buffers.put(b)
 	*out = C.uintptr_t(b.Ptr())
 	return statusOK
+}
+
+// checkAlloc refuses, before the pool sees it, a size that cannot be rounded to p's
+// granularity, and one larger than p's bound, which would wait for a free for good on a
+// pool with wait_for_memory.
+func checkAlloc(p *pool.Pool, size uint64) error {
+	g := p.Granularity()
+	if g > 1 && size > math.MaxUint64-(g-1) {
+		return invalid("size %d cannot be rounded up to the pool's granularity (%d bytes)", size, g)
+	}
+	rounded := size
+	if g > 1 {
+		rounded = (size + g - 1) / g * g
+	}
+	if m := p.MaxSize(); m != 0 && rounded > m {
+		return fmt.Errorf("pool %q: %w: %d bytes (%d rounded) can never fit its max_size of %d", p.Name(), cudart.ErrOutOfMemory, size, rounded, m)
+	}
+	return nil
 }
 
 //export cpgo_free

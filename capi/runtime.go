@@ -35,11 +35,13 @@ var (
 	chooseMu sync.Mutex
 )
 
-// choose picks the runtime for prefer ("" means auto), once per process. A later call
-// with the same preference returns the first choice; with another it fails.
+// choose picks the runtime for prefer ("" means the GPU), once per process. A later
+// call with the same preference returns the first choice; with another it fails. The
+// software device is used only when asked for ("test", or "auto" without a GPU): a
+// library that fell back unasked would hide a broken CUDA install from its caller.
 func choose(prefer string) (*chosen, error) {
 	if prefer == "" {
-		prefer = rtchoice.Auto
+		prefer = rtchoice.GPU
 	}
 	chooseMu.Lock()
 	defer chooseMu.Unlock()
@@ -60,7 +62,8 @@ func choose(prefer string) (*chosen, error) {
 	return c, nil
 }
 
-// runtimeNow is the process's runtime, chosen from $CUDAPOOL_RUNTIME if none is yet.
+// runtimeNow is the process's runtime, chosen from $CUDAPOOL_RUNTIME (the GPU if unset)
+// if none is yet.
 func runtimeNow() (cudart.Runtime, error) {
 	if c := current.Load(); c != nil {
 		return c.rt, nil
@@ -107,9 +110,12 @@ func readsEnv(name string) bool {
 //export cpgo_init
 func cpgo_init(prefer *C.char, why *C.char, whyLen C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
-	p := ""
+	var p string
 	if prefer != nil {
 		p = C.GoString(prefer)
+	} else {
+		syncEnv()
+		p = os.Getenv(RuntimeEnv)
 	}
 	c, err := choose(p)
 	if err != nil {
@@ -246,5 +252,5 @@ func checkCopy(dev uintptr, host unsafe.Pointer, n C.size_t) error {
 	case n == 0:
 		return invalid("size is 0")
 	}
-	return nil
+	return checkLen(n, "a copy")
 }

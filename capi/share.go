@@ -10,28 +10,82 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"sync"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
 )
 
 var (
 	exporters = newTable[*producer.Exporter](kindExporter)
-	importers = newTable[*consumer.Importer](kindImporter)
+	importers = newTable[*importer](kindImporter)
 	mappings  = newTable[*consumer.Mapping](kindMapping)
 )
 
-// The flags of cudapool_exporter_listen.
+// importer is an Importer with its death notice for C: a pipe whose write end is
+// closed when the Importer's Done is, made at the first cudapool_importer_done_fd.
+type importer struct {
+	*consumer.Importer
+	mu    sync.Mutex
+	r     *os.File // nil until asked for
+	stop  chan struct{}
+	ended chan struct{} // closed once the goroutine closed the write end
+}
+
+// doneFD returns the read end of the death notice, making it the first time.
+func (imp *importer) doneFD() (int, error) {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	if imp.r == nil {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return -1, fmt.Errorf("cudapool: the importer's done descriptor: %w", err)
+		}
+		imp.r, imp.stop, imp.ended = r, make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(imp.ended)
+			select {
+			case <-imp.Done():
+			case <-imp.stop:
+			}
+			w.Close()
+		}()
+	}
+	return int(imp.r.Fd()), nil
+}
+
+// closeFD closes the death notice, once the Importer is closed.
+func (imp *importer) closeFD() {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	if imp.r != nil {
+		close(imp.stop)
+		<-imp.ended
+		imp.r.Close()
+		imp.r = nil
+	}
+}
+
+// The flags of cudapool_listen_options, cudapool_dial_options and cudapool_open_options.
 const (
-	listenRetainImports = 1
-	listenNoAnnounce    = 2
+	listenRetainImports       = C.CUDAPOOL_LISTEN_RETAIN_IMPORTS
+	listenNoAnnounce          = C.CUDAPOOL_LISTEN_NO_ANNOUNCE
+	listenSocketFollowsPolicy = C.CUDAPOOL_LISTEN_SOCKET_FOLLOWS_POLICY
+	listenFlags               = listenRetainImports | listenNoAnnounce | listenSocketFollowsPolicy
+
+	dialWaitForExporter = C.CUDAPOOL_DIAL_WAIT_FOR_EXPORTER
+
+	openWaitForName = C.CUDAPOOL_OPEN_WAIT_FOR_NAME
+	openReplica     = C.CUDAPOOL_OPEN_REPLICA
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = consumer.MaxMetaLen
+const maxMeta = producer.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {
@@ -43,8 +97,70 @@ func cpgo_protocol_version(out *C.int) (rc C.int) {
 	return statusOK
 }
 
+// listenOptions turns cudapool_listen_options into Listen's options.
+func listenOptions(o *C.cudapool_listen_options) ([]producer.ListenOption, error) {
+	opts := []producer.ListenOption{producer.WithLogger(logger)}
+	if o == nil {
+		return opts, nil
+	}
+	if err := options(unsafe.Pointer(o), C.sizeof_cudapool_listen_options, "listen options"); err != nil {
+		return nil, err
+	}
+	if o.name != nil {
+		opts = append(opts, producer.WithName(C.GoString(o.name)))
+	}
+	flags := int(o.flags)
+	if flags&^listenFlags != 0 {
+		return nil, invalid("unknown listen flags %#x", flags&^listenFlags)
+	}
+	if flags&listenRetainImports != 0 {
+		opts = append(opts, producer.WithRetainedImports())
+	}
+	if flags&listenNoAnnounce != 0 {
+		opts = append(opts, producer.WithoutAnnounce())
+	}
+	if flags&listenSocketFollowsPolicy != 0 {
+		opts = append(opts, producer.SocketFollowsPolicy())
+	}
+	uids, err := ids(o.allow_uids, o.uid_count, "allow_uids")
+	if err != nil {
+		return nil, err
+	}
+	gids, err := ids(o.allow_gids, o.gid_count, "allow_gids")
+	if err != nil {
+		return nil, err
+	}
+	if len(uids) > 0 || len(gids) > 0 {
+		opts = append(opts, producer.WithPolicy(producer.Policy{AllowUIDs: uids, AllowGIDs: gids}))
+	}
+	switch n := int(o.max_grants); {
+	case n < 0:
+		return nil, invalid("max_grants %d is negative (0: the default)", n)
+	case n > 0:
+		opts = append(opts, producer.WithMaxGrants(n))
+	}
+	return opts, nil
+}
+
+// ids copies a C array of n ids (called what).
+func ids(p *C.uint32_t, n C.size_t, what string) ([]uint32, error) {
+	switch {
+	case n == 0:
+		return nil, nil
+	case p == nil:
+		return nil, invalid("%s is NULL with a count of %d", what, uint64(n))
+	case n > 1<<16:
+		return nil, invalid("%d %s: at most %d", uint64(n), what, 1<<16)
+	}
+	out := make([]uint32, n)
+	for i, id := range unsafe.Slice(p, int(n)) {
+		out[i] = uint32(id)
+	}
+	return out, nil
+}
+
 //export cpgo_exporter_listen
-func cpgo_exporter_listen(path, name *C.char, flags C.int, out *C.uint64_t) (rc C.int) {
+func cpgo_exporter_listen(path *C.char, o *C.cudapool_listen_options, out *C.uint64_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if out == nil {
 		return fail(invalid("exporter is NULL"))
@@ -53,20 +169,11 @@ func cpgo_exporter_listen(path, name *C.char, flags C.int, out *C.uint64_t) (rc 
 	if err != nil {
 		return fail(err)
 	}
+	opts, err := listenOptions(o)
+	if err != nil {
+		return fail(err)
+	}
 	syncEnv() // the announce directory
-	var opts []producer.ListenOption
-	if name != nil {
-		opts = append(opts, producer.WithName(C.GoString(name)))
-	}
-	if flags&^(listenRetainImports|listenNoAnnounce) != 0 {
-		return fail(invalid("unknown listen flags %#x", int(flags)&^(listenRetainImports|listenNoAnnounce)))
-	}
-	if flags&listenRetainImports != 0 {
-		opts = append(opts, producer.WithRetainedImports())
-	}
-	if flags&listenNoAnnounce != 0 {
-		opts = append(opts, producer.WithoutAnnounce())
-	}
 	rt, err := runtimeNow()
 	if err != nil {
 		return fail(err)
@@ -86,30 +193,78 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 	if err != nil {
 		return fail(err)
 	}
-	switch {
-	case ptr == 0:
-		return fail(invalid("ptr is NULL"))
-	case metaLen > maxMeta:
-		return fail(invalid("metadata of %d bytes is longer than %d", int(metaLen), maxMeta))
-	case metaLen > 0 && meta == nil:
-		return fail(invalid("meta is NULL with meta_len %d", int(metaLen)))
+	b, opts, err := publication(ptr, size, meta, metaLen)
+	if err != nil {
+		return fail(err)
 	}
 	ex, err := exporters.get(uint64(h))
 	if err != nil {
 		return fail(err)
 	}
+	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s), opts...))
+}
+
+// publication finds the buffer that holds [ptr, ptr+size) and makes the options that
+// publish that range with meta.
+func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen C.size_t) (*pool.Buffer, []producer.PublishOption, error) {
+	switch {
+	case ptr == 0:
+		return nil, nil, invalid("ptr is NULL")
+	case metaLen > maxMeta:
+		return nil, nil, invalid("metadata of %d bytes is longer than %d", uint64(metaLen), maxMeta)
+	case metaLen > 0 && meta == nil:
+		return nil, nil, invalid("meta is NULL with meta_len %d", uint64(metaLen))
+	}
 	b, off, ok := buffers.containing(uintptr(ptr))
 	if !ok {
-		return fail(fmt.Errorf("%w: %#x lies in no buffer of a cudapool pool of this process", errPointer, uintptr(ptr)))
+		return nil, nil, fmt.Errorf("%w: %#x lies in no buffer of a cudapool pool of this process", errPointer, uintptr(ptr))
 	}
 	if uint64(size) > b.Size()-off {
-		return fail(invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size()))
+		return nil, nil, invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size())
 	}
 	opts := []producer.PublishOption{producer.Range(off, uint64(size))}
 	if metaLen > 0 {
 		opts = append(opts, producer.WithMeta(C.GoBytes(meta, C.int(metaLen))))
 	}
-	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s), opts...))
+	return b, opts, nil
+}
+
+// checkBatch checks the array of n items (called what) at p of a batch call.
+func checkBatch(n C.size_t, p unsafe.Pointer, what string) error {
+	switch {
+	case n == 0:
+		return invalid("no %s", what)
+	case n > producer.MaxBatch:
+		return invalid("%d %s: at most %d at once", uint64(n), what, producer.MaxBatch)
+	case p == nil:
+		return invalid("%s is NULL", what)
+	}
+	return nil
+}
+
+//export cpgo_exporter_publish_all
+func cpgo_exporter_publish_all(h C.uint64_t, entries *C.cudapool_publish_entry, n C.size_t, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if err := checkBatch(n, unsafe.Pointer(entries), "entries"); err != nil {
+		return fail(err)
+	}
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	es := make([]producer.Entry, n)
+	for i, e := range unsafe.Slice(entries, int(n)) {
+		name, err := goString(e.name, fmt.Sprintf("entries[%d].name", i))
+		if err != nil {
+			return fail(err)
+		}
+		b, opts, err := publication(C.uintptr_t(uintptr(e.ptr)), e.size, e.meta, e.meta_len)
+		if err != nil {
+			return fail(fmt.Errorf("entries[%d] (%q): %w", i, name, err))
+		}
+		es[i] = producer.Entry{Name: name, Buffer: b, Options: opts}
+	}
+	return result(ex.PublishAll(context.Background(), cudart.Stream(s), es...))
 }
 
 //export cpgo_exporter_unpublish
@@ -178,7 +333,7 @@ func cpgo_query_state(socket *C.char, timeoutMs C.int64_t, buf *C.char, capacity
 		return fail(err)
 	}
 	defer cancel()
-	st, err := discover.QueryState(ctx, path)
+	st, err := discover.QueryState(ctx, path, discover.WithLogger(logger))
 	if err != nil {
 		return fail(err)
 	}
@@ -194,7 +349,7 @@ func writeJSON(st *discover.State, buf *C.char, capacity C.size_t, n *C.size_t) 
 }
 
 //export cpgo_importer_dial
-func cpgo_importer_dial(path *C.char, device C.int, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if out == nil {
 		return fail(invalid("importer is NULL"))
@@ -204,20 +359,67 @@ func cpgo_importer_dial(path *C.char, device C.int, timeoutMs C.int64_t, out *C.
 		return fail(err)
 	}
 	defer cancel()
+	opts := []consumer.DialOption{consumer.WithLogger(logger)}
+	if o != nil {
+		if err := options(unsafe.Pointer(o), C.sizeof_cudapool_dial_options, "dial options"); err != nil {
+			return fail(err)
+		}
+		switch f := int(o.flags); {
+		case f&^dialWaitForExporter != 0:
+			return fail(invalid("unknown dial flags %#x", f&^dialWaitForExporter))
+		case f&dialWaitForExporter != 0:
+			opts = append(opts, consumer.WaitForExporter())
+		}
+	}
 	rt, err := runtimeNow()
 	if err != nil {
 		return fail(err)
 	}
-	imp, err := consumer.Dial(ctx, p, rt, int(device))
+	imp, err := consumer.Dial(ctx, p, rt, int(device), opts...)
 	if err != nil {
 		return fail(err)
 	}
-	*out = C.uint64_t(importers.add(imp))
+	if imp.ExporterPID() == os.Getpid() {
+		err := fmt.Errorf("%w: %s is this process's own exporter", errOwnExport, p)
+		return fail(errors.Join(err, imp.Close(ctx)))
+	}
+	*out = C.uint64_t(importers.add(&importer{Importer: imp}))
 	return statusOK
 }
 
+// openOptions turns cudapool_open_options into Open's options.
+func openOptions(o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
+	if o == nil {
+		return nil, nil
+	}
+	if err := options(unsafe.Pointer(o), C.sizeof_cudapool_open_options, "open options"); err != nil {
+		return nil, err
+	}
+	f := int(o.flags)
+	if f&^(openWaitForName|openReplica) != 0 {
+		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openReplica))
+	}
+	var opts []consumer.OpenOption
+	if f&openWaitForName != 0 {
+		opts = append(opts, consumer.WaitForName())
+	}
+	switch {
+	case f&openReplica == 0 && o.replica_pool.h != 0:
+		return nil, invalid("replica_pool without CUDAPOOL_OPEN_REPLICA")
+	case f&openReplica != 0 && o.replica_pool.h == 0:
+		opts = append(opts, consumer.WithReplica(nil)) // the Importer's own pool
+	case f&openReplica != 0:
+		p, err := pools.get(uint64(o.replica_pool.h))
+		if err != nil {
+			return nil, fmt.Errorf("replica_pool: %w", err)
+		}
+		opts = append(opts, consumer.WithReplica(p))
+	}
+	return opts, nil
+}
+
 //export cpgo_importer_open
-func cpgo_importer_open(h C.uint64_t, name *C.char, s C.uintptr_t, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+func cpgo_importer_open(h C.uint64_t, name *C.char, s C.uintptr_t, o *C.cudapool_open_options, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if out == nil {
 		return fail(invalid("mapping is NULL"))
@@ -227,16 +429,120 @@ func cpgo_importer_open(h C.uint64_t, name *C.char, s C.uintptr_t, timeoutMs C.i
 		return fail(err)
 	}
 	defer cancel()
+	opts, err := openOptions(o)
+	if err != nil {
+		return fail(err)
+	}
 	imp, err := importers.get(uint64(h))
 	if err != nil {
 		return fail(err)
 	}
-	m, err := imp.Open(ctx, n, cudart.Stream(s))
+	m, err := imp.Open(ctx, n, cudart.Stream(s), opts...)
 	if err != nil {
 		return fail(err)
 	}
 	*out = C.uint64_t(mappings.add(m))
 	return statusOK
+}
+
+//export cpgo_importer_open_all
+func cpgo_importer_open_all(h C.uint64_t, names **C.char, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t, out *C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if err := checkBatch(n, unsafe.Pointer(names), "names"); err != nil {
+		return fail(err)
+	}
+	if out == nil {
+		return fail(invalid("mappings is NULL"))
+	}
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	ns := make([]string, n)
+	for i, p := range unsafe.Slice(names, int(n)) {
+		if ns[i], err = goString(p, fmt.Sprintf("names[%d]", i)); err != nil {
+			return fail(err)
+		}
+	}
+	imp, err := importers.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	ms, err := imp.OpenAll(ctx, ns, cudart.Stream(s))
+	if err != nil {
+		return fail(err)
+	}
+	hs := unsafe.Slice(out, int(n))
+	for i, m := range ms {
+		hs[i] = C.uint64_t(mappings.add(m))
+	}
+	return statusOK
+}
+
+//export cpgo_importer_release_all
+func cpgo_importer_release_all(h C.uint64_t, hs *C.uint64_t, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if err := checkBatch(n, unsafe.Pointer(hs), "mappings"); err != nil {
+		return fail(err)
+	}
+	ctx, cancel, err := ctxFor(timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	imp, err := importers.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	handles := unsafe.Slice(hs, int(n))
+	ms := make([]*consumer.Mapping, n)
+	seen := make(map[C.uint64_t]int, n)
+	for i, mh := range handles {
+		if j, ok := seen[mh]; ok {
+			return fail(invalid("mappings[%d] and mappings[%d] are one handle, which holds one reference", j, i))
+		}
+		seen[mh] = i
+		if ms[i], err = mappings.get(uint64(mh)); err != nil {
+			return fail(fmt.Errorf("mappings[%d]: %w", i, err))
+		}
+	}
+	err = imp.ReleaseAll(ctx, ms, cudart.Stream(s))
+	if errors.Is(err, consumer.ErrReleased) || errors.Is(err, consumer.ErrBadRequest) {
+		return fail(err) // refused before anything was released
+	}
+	for _, mh := range handles {
+		mappings.remove(uint64(mh)) //nolint:errcheck // a concurrent release may have removed it
+	}
+	return result(err)
+}
+
+//export cpgo_importer_done_fd
+func cpgo_importer_done_fd(h C.uint64_t, out *C.int) (rc C.int) {
+	defer recoverTo(&rc)
+	if out == nil {
+		return fail(invalid("fd is NULL"))
+	}
+	imp, err := importers.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	fd, err := imp.doneFD()
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.int(fd)
+	return statusOK
+}
+
+//export cpgo_importer_err
+func cpgo_importer_err(h C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	imp, err := importers.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(imp.Err())
 }
 
 //export cpgo_importer_close
@@ -251,7 +557,9 @@ func cpgo_importer_close(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
 	if err != nil {
 		return fail(err)
 	}
-	return result(imp.Close(ctx))
+	err = imp.Close(ctx)
+	imp.closeFD()
+	return result(err)
 }
 
 //export cpgo_mapping_info
@@ -281,6 +589,16 @@ func cpgo_mapping_meta(h C.uint64_t, buf unsafe.Pointer, capacity C.size_t, n *C
 		return fail(err)
 	}
 	return result(writeOut(buf, capacity, n, m.Meta(), false))
+}
+
+//export cpgo_mapping_err
+func cpgo_mapping_err(h C.uint64_t) (rc C.int) {
+	defer recoverTo(&rc)
+	m, err := mappings.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(m.Err())
 }
 
 //export cpgo_mapping_release

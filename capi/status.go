@@ -9,12 +9,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime/debug"
+	"strings"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
@@ -42,8 +45,17 @@ const (
 	statusNotSup    = 18
 	statusInternal  = 19
 	statusIO        = 20
-	statusNoSpace   = 21
-	statusStale     = 22
+	// Those of the sentinels that no older code stood for.
+	statusStreamDevice = 21
+	statusDuplicate    = 22
+	statusTooMany      = 23
+	statusLost         = 24
+	statusExporter     = 25
+	statusAbandoned    = 26
+	statusStale        = 27
+	statusBadDir       = 28
+	// The KV page pool's.
+	statusNoSpace = 29
 )
 
 // The conditions the C layer itself finds, each with its status.
@@ -53,9 +65,15 @@ var (
 	errPointer    = errors.New("cudapool: not a pointer of a cudapool pool")
 	errRange      = errors.New("cudapool: output buffer too small")
 	errRuntimeSet = errors.New("cudapool: another runtime was chosen already")
+	errNotSup     = errors.New("cudapool: not supported")
+	errOwnExport  = errors.New("cudapool: this process cannot import its own exports (the driver refuses a process's own IPC handles): use the buffer's pointer directly")
 )
 
-// statuses maps each condition an error can wrap to its status, first match wins.
+// statuses maps each condition an error can wrap to its status, first match wins:
+// every sentinel of cudart, choose, pool, producer, consumer and discover is here, so that none comes out as
+// statusIO, which is for the system's own failures. A sentinel that wraps another
+// (ErrMappingLost wraps ErrExporterGone) and an error that wraps two (ErrAbandoned
+// with the context's) come before what they wrap.
 var statuses = []struct {
 	err    error
 	status int
@@ -65,12 +83,17 @@ var statuses = []struct {
 	{errPointer, statusPointer},
 	{errRange, statusRange},
 	{errRuntimeSet, statusNoRuntime},
+	{errNotSup, statusNotSup},
+	{errOwnExport, statusNotSup},
+	{producer.ErrAbandoned, statusAbandoned},
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
 	{consumer.ErrBadName, statusInval},
 	{consumer.ErrBadRange, statusInval},
 	{producer.ErrMetaTooLong, statusInval},
+	{producer.ErrSocketPath, statusInval},
+	{rtchoice.ErrUnknownPreference, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
 	{consumer.ErrReleased, statusHandle},
@@ -79,17 +102,36 @@ var statuses = []struct {
 	{consumer.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
 	{consumer.ErrUnknownName, statusNotFound},
+	{producer.ErrNoPeer, statusNotFound},
 	{producer.ErrNameInUse, statusExist},
 	{producer.ErrAddressInUse, statusExist},
+	{producer.ErrNotSocket, statusExist},
+	{consumer.ErrMappingLost, statusLost},
 	{consumer.ErrExporterGone, statusGone},
 	{consumer.ErrBufferGone, statusGone},
-	{producer.ErrNoPeer, statusNotFound},
 	{consumer.ErrRefused, statusRefused},
 	{consumer.ErrVersionMismatch, statusVersion},
 	{consumer.ErrProtocol, statusProtocol},
+	{consumer.ErrBadRequest, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
+	{pool.ErrNotShareable, statusNotSup},
+	{pool.ErrNoPeerAccess, statusNotSup},
 	{consumer.ErrHandleType, statusNotSup},
 	{consumer.ErrIMEXRequired, statusNotSup},
+	{consumer.ErrNoLeases, statusNotSup},
+	{consumer.ErrStreamDevice, statusStreamDevice},
+	{consumer.ErrDuplicateImporter, statusDuplicate},
+	{consumer.ErrTooManyGrants, statusTooMany},
+	{consumer.ErrExporter, statusExporter},
+	{consumer.ErrStaleLease, statusStale},
+	{consumer.ErrForeignLease, statusStale},
+	{consumer.ErrForgedLease, statusStale},
+	{pool.ErrLeaseEnded, statusStale},
+	{pool.ErrNotLeased, statusStale},
+	{discover.ErrBadDir, statusBadDir},
+	{pool.ErrMisaligned, statusCUDA},
+	{pool.ErrFreeFailed, statusCUDA},
+	{cudart.ErrContextLost, statusCUDA},
 	{cudart.ErrNoRuntime, statusNoRuntime},
 	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 	{kv.ErrNoSpace, statusNoSpace},
@@ -216,8 +258,8 @@ func writeOut(buf unsafe.Pointer, cap C.size_t, n *C.size_t, data []byte, text b
 	if need == 0 {
 		return nil
 	}
-	if buf == nil || int(cap) < need {
-		return fmt.Errorf("%w: %d bytes needed, %d given", errRange, need, int(cap))
+	if buf == nil || uint64(cap) < uint64(need) {
+		return fmt.Errorf("%w: %d bytes needed, %d given", errRange, need, uint64(cap))
 	}
 	out := unsafe.Slice((*byte)(buf), need)
 	copy(out, data)
@@ -232,7 +274,48 @@ func writeText(buf *C.char, cap C.size_t, s string) {
 	if buf == nil || cap == 0 {
 		return
 	}
-	out := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(cap))
-	n := copy(out[:len(out)-1], s)
+	n := uint64(len(s))
+	if n > uint64(cap)-1 {
+		n = uint64(cap) - 1
+	}
+	out := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n)+1)
+	copy(out, s[:n])
 	out[n] = 0
+}
+
+// maxLen bounds the lengths the library takes from C: a Go slice holds at most
+// math.MaxInt bytes, and no caller's buffer or copy comes near it.
+const maxLen = math.MaxInt32
+
+// checkLen fails for a length (called what) of n bytes that no caller's memory can
+// hold, such as SIZE_MAX: a negative int, were it converted.
+func checkLen(n C.size_t, what string) error {
+	if uint64(n) > maxLen {
+		return invalid("%s of %d bytes is larger than the %d the library takes", what, uint64(n), maxLen)
+	}
+	return nil
+}
+
+// options checks the size field that starts every options struct of cudapool.h, at p,
+// against the known bytes of the struct this library was built with. It fails for a
+// size of 0 (a struct not filled by its _default function) or below known (no older
+// version exists), and for a larger struct of a newer header unless the fields this
+// library does not know are zero, which keeps their defaults.
+func options(p unsafe.Pointer, known uintptr, what string) error {
+	size := *(*C.size_t)(p)
+	switch {
+	case size == 0:
+		return invalid("%s have size 0: fill them with cudapool_%s_default", what, strings.ReplaceAll(what, " ", "_"))
+	case uint64(size) < uint64(known):
+		return invalid("%s of %d bytes are smaller than this library's (%d): fill them with cudapool_%s_default", what, uint64(size), known, strings.ReplaceAll(what, " ", "_"))
+	case uint64(size) > 1<<16:
+		return invalid("%s of %d bytes: size is not set", what, uint64(size))
+	}
+	for i, b := range unsafe.Slice((*byte)(unsafe.Add(p, known)), uintptr(size)-known) {
+		if b != 0 {
+			return fmt.Errorf("%w: %s from a newer cudapool.h set a field at byte %d that this library (%d.%d) does not know",
+				errNotSup, what, known+uintptr(i), C.CUDAPOOL_VERSION_MAJOR, C.CUDAPOOL_VERSION_MINOR)
+		}
+	}
+	return nil
 }

@@ -130,6 +130,10 @@ func cpgo_torch_malloc(size C.ssize_t, device C.int, s C.uintptr_t) (ptr C.uintp
 		fail(err)
 		return 0
 	}
+	if err := checkAlloc(p, uint64(size)); err != nil {
+		fail(err)
+		return 0
+	}
 	b, err := p.Alloc(context.Background(), uint64(size), cudart.Stream(s))
 	if err != nil {
 		fail(err)
@@ -159,6 +163,9 @@ func cpgo_torch_configure(o *C.cudapool_pool_options) (rc C.int) {
 	opts, err := poolOptions(o)
 	if err != nil {
 		return fail(err)
+	}
+	if o.wait_for_memory != 0 {
+		return fail(invalid("wait_for_memory: the PyTorch allocator cannot wait (its malloc takes no timeout), and torch frees its cache and retries on a failed one"))
 	}
 	torch.mu.Lock()
 	defer torch.mu.Unlock()

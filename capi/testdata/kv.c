@@ -165,9 +165,9 @@ int main(void) {
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
 	bad.h = 0xdeadbeefcafe;
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
-	uint64_t pool = 0;
+	cudapool_pool pool = {0};
 	EXPECT(cudapool_pool_create(0, NULL, &pool), CUDAPOOL_OK);
-	bad.h = pool;
+	bad.h = pool.h; // a live handle of another kind
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_pool_close(pool, 1, 10000), CUDAPOOL_OK);
 	EXPECT(cudapool_kv_close(r, -1), CUDAPOOL_EINVAL);

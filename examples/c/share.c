@@ -31,12 +31,13 @@ extern char **environ;
 static const char greeting[] = "hello from a C producer";
 
 static int consume(const char *socket) {
-	uint64_t imp, m;
+	cudapool_importer imp;
+	cudapool_mapping m;
 	void *ptr;
 	uint64_t size;
 	char got[sizeof greeting];
-	CHECK(cudapool_importer_dial(socket, 0, 10000, &imp));
-	CHECK(cudapool_importer_open(imp, "greeting", NULL, 10000, &m)); // NULL: the default stream
+	CHECK(cudapool_importer_dial(socket, 0, NULL, 10000, &imp));          // NULL: the default options
+	CHECK(cudapool_importer_open(imp, "greeting", NULL, NULL, 10000, &m)); // NULL: the default stream
 	CHECK(cudapool_mapping_info(m, &ptr, &size, NULL));
 	CHECK(cudapool_copy_from_device(0, got, ptr, sizeof got, NULL));
 	printf("consumer (pid %d): mapped %llu bytes, read \"%s\"\n", (int)getpid(), (unsigned long long)size, got);
@@ -49,21 +50,25 @@ int main(int argc, char **argv) {
 	if (argc == 3 && strcmp(argv[1], "consume") == 0) return consume(argv[2]);
 
 	char why[256];
-	CHECK(cudapool_init(NULL, why, sizeof why));
+	CHECK(cudapool_init("auto", why, sizeof why)); // a GPU, else the software device, saying so
 	printf("%s\n", why);
 
 	cudapool_pool_options opts;
 	cudapool_pool_options_default(&opts);
 	opts.name = "c-example";
-	uint64_t pool, ex;
+	cudapool_pool pool;
+	cudapool_exporter ex;
 	void *buf;
 	CHECK(cudapool_pool_create(0, &opts, &pool));
-	CHECK(cudapool_alloc(pool, 1 << 20, NULL, &buf));
+	CHECK(cudapool_alloc(pool, 1 << 20, NULL, 10000, &buf));
 	CHECK(cudapool_copy_to_device(0, buf, greeting, sizeof greeting, NULL));
 
 	char socket[64];
 	snprintf(socket, sizeof socket, "/tmp/cudapool-c-%d.sock", (int)getpid());
-	CHECK(cudapool_exporter_listen(socket, "share-c", 0, &ex));
+	cudapool_listen_options lopts;
+	cudapool_listen_options_default(&lopts);
+	lopts.name = "share-c";
+	CHECK(cudapool_exporter_listen(socket, &lopts, &ex));
 	CHECK(cudapool_exporter_publish(ex, "greeting", buf, sizeof greeting, NULL, "text/plain", 10));
 
 	fflush(stdout); // before the consumer's lines

@@ -26,10 +26,10 @@ def consume(path, q):
 
 
 def main():
-    print(cudapool.init())
+    print(cudapool.init("auto"))  # a GPU, else the software device, saying so
     path = os.path.join(tempfile.mkdtemp(), "share.sock")
     with cudapool.Pool(0, name="py-example") as pool, cudapool.Exporter(path) as ex:
-        buf = pool.alloc(1 << 20)
+        buf = pool.alloc(1 << 20)  # a Buffer
         cudapool.copy_to_device(0, buf, GREETING)
         ex.publish("greeting", buf, len(GREETING), meta=json.dumps({"encoding": "ascii"}))
 
@@ -39,7 +39,7 @@ def main():
         consumer.start()
         got, meta = q.get(timeout=60)
         consumer.join(60)
-        pool.free(buf)
+        buf.free()
     print("consumer read %r (%s)" % (got.decode(meta["encoding"]), meta))
     return 0 if got == GREETING and consumer.exitcode == 0 else 1
 

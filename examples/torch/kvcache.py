@@ -76,7 +76,7 @@ def producer(q, path, shape, seed, done):
     ex = cudapool.Exporter(path, name="torch-kv-producer")
     cpt.publish(ex, "kv", kv)  # ready once the current stream's work (the build) is done
     q.put({"bytes": kv.numel() * kv.element_size(), "ref": ref.cpu(), "build_s": built,
-           "pool_reserved": cpt.stats(0)["bytes_reserved"]})
+           "pool_reserved": cpt.stats(0).bytes_reserved})
     done.wait(TIMEOUT)
     ex.close(timeout=TIMEOUT)
     q.put("closed")
@@ -106,7 +106,7 @@ def consumer(q, path, shape, seed, device, ref, quiet):
     with quiet:  # no other consumer allocates while the memory is counted
         free_before = torch.cuda.mem_get_info(device)[0]
         t0 = time.perf_counter()
-        m = cpt.open(imp, "kv", dtype=torch.float16, shape=(shape[0], 2) + tuple(shape[1:]))
+        m = cpt.open_tensor(imp, "kv", dtype=torch.float16, shape=(shape[0], 2) + tuple(shape[1:]))
         opened = time.perf_counter() - t0
         taken = free_before - torch.cuda.mem_get_info(device)[0]
     kv = m.tensor

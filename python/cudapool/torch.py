@@ -10,15 +10,19 @@ published names as tensors. Importing this module imports torch.
 
     # in another process (spawn), on any GPU:
     imp = cudapool.Importer(path, device=1)
-    m = cpt.open(imp, "kv")               # m.tensor: the producer's dtype and shape, no copy
+    m = cpt.open_tensor(imp, "kv")        # m.tensor: the producer's dtype and shape, no copy
     ... use m.tensor on torch's current stream ...
-    m.release()                           # after the current stream's work on it
+    m.release()                           # after the work queued so far on the stream it
+                                          # was opened on: torch's current stream then
 
 Or keep torch's caching for everything else and put a chosen set of tensors in cudapool
 with a MemPool: `with torch.cuda.use_mem_pool(cpt.mem_pool()): kv = torch.empty(...)`.
 """
 
+from __future__ import annotations
+
 import json
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -36,14 +40,14 @@ _BY_NAME = {str(d).removeprefix("torch."): d for d in _TYPESTRS}
 _allocator = None
 
 
-def configure(**pool_options):
+def configure(**pool_options: Any) -> None:
     """Sets the options of the allocator's pools not yet made (cudapool.Pool's keyword
     arguments: name, handle_type, max_size, ...). Call it before the first allocation."""
     o = cudapool._pool_options(**pool_options)
     _lib.call("cudapool_torch_configure", o)
 
 
-def allocator():
+def allocator() -> Any:
     """The torch.cuda.memory.CUDAPluggableAllocator over libcudapool (one per process)."""
     global _allocator
     if _allocator is None:
@@ -52,43 +56,41 @@ def allocator():
     return _allocator
 
 
-def use_as_current():
+def use_as_current() -> None:
     """Makes cudapool torch's allocator for every CUDA tensor of this process. Must come
     before the process's first CUDA allocation (torch refuses otherwise)."""
     torch.cuda.memory.change_current_allocator(allocator())
 
 
-def mem_pool():
+def mem_pool() -> Any:
     """A torch.cuda.MemPool whose segments come from cudapool: tensors allocated under
     torch.cuda.use_mem_pool(pool) live in exportable memory."""
     return torch.cuda.MemPool(allocator().allocator())
 
 
-def pool_handle(device=0):
+def pool_handle(device: int = 0) -> int:
     """The cudapool pool the allocator uses on device, as a handle for stats."""
-    h = _lib.u64()
-    _lib.call("cudapool_torch_pool", device, _lib.ctypes.byref(h))
-    return h.value
+    h = _lib.PoolH()
+    _lib.call("cudapool_torch_pool", _lib.device(device), _lib.ctypes.byref(h))
+    return h.h
 
 
-def stats(device=0):
+def stats(device: int = 0) -> cudapool.PoolStats:
     """The statistics of the allocator's pool on device (cudapool.Pool.stats's)."""
-    s = _lib.PoolStats()
-    _lib.call("cudapool_pool_stats_get", pool_handle(device), _lib.ctypes.byref(s))
-    return {name: getattr(s, name) for name, _ in s._fields_}
+    return cudapool.pool_stats(_lib.PoolH(pool_handle(device)))
 
 
 def _current_stream(device):
     return torch.cuda.current_stream(device)
 
 
-def describe(t):
+def describe(t: Any) -> bytes:
     """The metadata publish sends with a tensor: dtype, shape and strides, as JSON."""
     return json.dumps({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                        "strides": list(t.stride())}).encode()
 
 
-def publish(exporter, name, tensor, stream=None):
+def publish(exporter: cudapool.Exporter, name: str, tensor: Any, stream: Any = None) -> None:
     """Publishes tensor's memory under name, ready once the work queued on stream
     (default: torch's current stream on the tensor's device) is done. The tensor must be
     contiguous and allocated by cudapool (use_as_current or mem_pool); it may lie inside a
@@ -115,16 +117,19 @@ class _Kept:
             "data": (tensor.data_ptr(), False), "version": 3, "strides": None}
 
 
-def open(importer, name, dtype=None, shape=None, stream=None, timeout=cudapool.DEFAULT_TIMEOUT):
+def open_tensor(importer: cudapool.Importer, name: str, dtype: Any = None, shape: Optional[Sequence[int]] = None,
+                stream: Any = None, timeout: Optional[float] = cudapool.DEFAULT_TIMEOUT, *, wait: bool = False,
+                replica: Any = False) -> cudapool.Mapping:
     """Opens name as a tensor on the importer's device: returns the Mapping with
     .tensor set, a view of the mapped memory (no copy) of the producer's dtype and shape
     (from the metadata; dtype and shape given here win, and are needed where the
     protocol carries none). The tensor is usable on stream (default: torch's current
-    stream); release the Mapping when done with it."""
+    stream); release the Mapping when done with it (its release, by default, is ordered
+    after that stream). wait and replica are Importer.open's."""
     dev = torch.device("cuda", importer.device)
     if stream is None:
         stream = _current_stream(dev)
-    m = importer.open(name, stream=stream, timeout=timeout)
+    m = importer.open(name, stream=stream, timeout=timeout, wait=wait, replica=replica)
     try:
         m.tensor = _as_tensor(m, dtype, shape, dev)
     except BaseException:
@@ -133,7 +138,7 @@ def open(importer, name, dtype=None, shape=None, stream=None, timeout=cudapool.D
     return m
 
 
-def _as_tensor(m, dtype, shape, dev):
+def _as_tensor(m: cudapool.Mapping, dtype: Any, shape: Any, dev: Any) -> Any:
     strides = None
     if m.meta:
         d = json.loads(m.meta)

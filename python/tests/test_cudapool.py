@@ -84,37 +84,37 @@ class PoolTest(unittest.TestCase):
             cudapool.copy_to_device(0, ptr, data, s)
             self.assertEqual(cudapool.copy_from_device(0, ptr, len(data), s), data)
             st = p.stats()
-            self.assertEqual(st["live_buffers"], 1)
-            self.assertEqual(st["bytes_requested"], MiB)
-            self.assertGreaterEqual(st["bytes_reserved"], MiB)
-            p.free(ptr, s)
+            self.assertEqual(st.live_buffers, 1)
+            self.assertEqual(st.bytes_requested, MiB)
+            self.assertGreaterEqual(st.bytes_reserved, MiB)
+            cudapool.free(ptr, s)
             s.synchronize()
-            self.assertEqual(p.stats()["live_buffers"], 0)
+            self.assertEqual(p.stats().live_buffers, 0)
 
     def test_close_refuses_live_buffers_without_force(self):
         p = cudapool.Pool(0)
         ptr = p.alloc(MiB)
         with self.assertRaises(cudapool.Busy):
             p.close()
-        self.assertEqual(p.stats()["live_buffers"], 1, "a refused close changes nothing")
+        self.assertEqual(p.stats().live_buffers, 1, "a refused close changes nothing")
         p.close(force=True)
         with self.assertRaises(cudapool.ForeignPointer):
-            cudapool.Pool.free(ptr)  # force-closing released it
+            cudapool.free(ptr)  # force-closing released it
 
     def test_local_pool_does_not_round(self):
         with cudapool.Pool(0, handle_type="none") as p:
             ptr = p.alloc(1000)
-            self.assertEqual(p.stats()["granularity"], 1)
-            p.free(ptr)
+            self.assertEqual(p.stats().granularity, 1)
+            cudapool.free(ptr)
 
     def test_cache_serves_the_next_alloc_on_the_stream(self):
         with cudapool.Pool(0, cache_bytes=8 * MiB) as p, cudapool.Stream(0) as s:
             a = p.alloc(MiB, s)
-            p.free(a, s)
-            self.assertEqual(p.stats()["cached_buffers"], 1)
-            self.assertEqual(p.alloc(MiB, s), a, "the cached buffer came back")
-            self.assertEqual(p.stats()["cached_buffers"], 0)
-            p.free(a, s)
+            cudapool.free(a, s)
+            self.assertEqual(p.stats().cached_buffers, 1)
+            self.assertEqual(p.alloc(MiB, s).ptr, a.ptr, "the cached buffer came back")
+            self.assertEqual(p.stats().cached_buffers, 0)
+            cudapool.free(a, s)
             s.synchronize()
             p.close(force=True)  # before the stream goes: the cache frees on it
 
@@ -123,7 +123,7 @@ class PoolTest(unittest.TestCase):
             a = p.alloc(4 * MiB)
             with self.assertRaises(cudapool.OutOfMemory):
                 p.alloc(MiB)
-            p.free(a)
+            cudapool.free(a)
 
 
 class BadInputTest(unittest.TestCase):
@@ -136,11 +136,11 @@ class BadInputTest(unittest.TestCase):
     def test_null_pointers(self):
         l = _lib.lib()
         cases = [
-            ("cudapool_alloc", (1, MiB, None, None), "ptr is NULL"),
+            ("cudapool_alloc", (_lib.PoolH(1), MiB, None, 0, None), "ptr is NULL"),
             ("cudapool_free", (None, None), "ptr is NULL"),
             ("cudapool_pool_create", (0, None, None), "pool is NULL"),
-            ("cudapool_exporter_listen", (None, None, 0, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
-            ("cudapool_importer_dial", (None, 0, 0, ctypes.byref(ctypes.c_uint64())), "path is NULL"),
+            ("cudapool_exporter_listen", (None, None, ctypes.byref(_lib.ExporterH())), "path is NULL"),
+            ("cudapool_importer_dial", (None, 0, None, 0, ctypes.byref(_lib.ImporterH())), "path is NULL"),
             ("cudapool_query_state", (None, 0, None, 0, None), "socket is NULL"),
             ("cudapool_protocol_version", (None,), "version is NULL"),
             ("cudapool_copy_to_device", (0, None, None, 1, None), "NULL"),
@@ -152,9 +152,9 @@ class BadInputTest(unittest.TestCase):
         with cudapool.Pool(0) as p:
             ex = cudapool.Exporter(socket_path("null"))
             try:
-                self.assertEqual(l.cudapool_exporter_publish(ex.handle, None, 1, 0, None, None, 0), 1)
+                self.assertEqual(l.cudapool_exporter_publish(_lib.ExporterH(ex.handle), None, 1, 0, None, None, 0), 1)
                 self.assertIn("name is NULL", l.cudapool_last_error().decode())
-                self.assertEqual(l.cudapool_pool_stats_get(p.handle, None), 1)
+                self.assertEqual(l.cudapool_pool_stats_get(_lib.PoolH(p.handle), None), 1)
             finally:
                 ex.close()
 
@@ -184,12 +184,12 @@ class BadInputTest(unittest.TestCase):
         free.restype, free.argtypes = None, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
         ptr = malloc(MiB, 0, None)
         self.assertTrue(ptr, l.cudapool_last_error())
-        h = ctypes.c_uint64()
+        h = _lib.PoolH()
         _lib.call("cudapool_torch_pool", 0, ctypes.byref(h))
         st = _lib.PoolStats()
         _lib.call("cudapool_pool_stats_get", h, ctypes.byref(st))
         self.assertGreaterEqual(st.live_buffers, 1)
-        self.assertEqual(l.cudapool_pool_close(h.value, 1, 0), 1, "the allocator's pool cannot be closed")
+        self.assertEqual(l.cudapool_pool_close(h, 1, 0), 1, "the allocator's pool cannot be closed")
         self.assertIn(b"serves the PyTorch allocator", l.cudapool_last_error())
         free(ptr, MiB, 0, None)
         free(ptr, MiB, 0, None)  # twice: an error to read, not a crash
@@ -202,7 +202,7 @@ class BadInputTest(unittest.TestCase):
         self.assertIn(b"device 64", l.cudapool_last_error())
         # What the allocator gives, cudapool_free takes too (and publish finds).
         ptr = malloc(MiB, 0, None)
-        cudapool.Pool.free(ptr)
+        cudapool.free(ptr)
 
     def test_torch_pools_read_the_environment_at_first_use(self):
         p, q = spawn(torch_env_child)
@@ -210,22 +210,22 @@ class BadInputTest(unittest.TestCase):
 
     def test_pointer_no_pool_gave(self):
         with self.assertRaises(cudapool.ForeignPointer) as cm:
-            cudapool.Pool.free(0x7F0000001000)
+            cudapool.free(0x7F0000001000)
         self.assertIn("0x7f0000001000", str(cm.exception))
 
     def test_double_free(self):
         with cudapool.Pool(0) as p:
             ptr = p.alloc(MiB)
-            p.free(ptr)
+            cudapool.free(ptr)
             with self.assertRaises(cudapool.ForeignPointer):
-                p.free(ptr)
+                cudapool.free(ptr)
 
     def test_pointer_inside_a_buffer_is_not_freed(self):
         with cudapool.Pool(0) as p:
             ptr = p.alloc(MiB)
             with self.assertRaises(cudapool.ForeignPointer):
-                p.free(ptr + 4096)
-            p.free(ptr)
+                cudapool.free(ptr.ptr + 4096)
+            cudapool.free(ptr)
 
     def test_size_zero(self):
         with cudapool.Pool(0) as p:
@@ -243,12 +243,12 @@ class BadInputTest(unittest.TestCase):
             for handle, text in [(0, "handle 0"), (ex.handle, "is the handle of an exporter, not of a pool"),
                                  (0xDEADBEEF, "not a cudapool handle"), (h + (1 << 20), "never issued")]:
                 with self.subTest(hex(handle)):
-                    self.assertEqual(l.cudapool_pool_stats_get(handle, stats), 2)
+                    self.assertEqual(l.cudapool_pool_stats_get(_lib.PoolH(handle), stats), 2)
                     self.assertIn(text, l.cudapool_last_error().decode())
             p.close()
-            self.assertEqual(l.cudapool_pool_stats_get(h, stats), 2)
+            self.assertEqual(l.cudapool_pool_stats_get(_lib.PoolH(h), stats), 2)
             self.assertIn("closed or released", l.cudapool_last_error().decode())
-            self.assertEqual(l.cudapool_pool_close(h, 0, 0), 2, "a second close")
+            self.assertEqual(l.cudapool_pool_close(_lib.PoolH(h), 0, 0), 2, "a second close")
         finally:
             ex.close()
 
@@ -256,14 +256,14 @@ class BadInputTest(unittest.TestCase):
         ex = cudapool.Exporter(socket_path("after-close"))
         h = ex.handle
         ex.close()
-        self.assertEqual(_lib.lib().cudapool_exporter_unpublish(h, b"x"), 2)
+        self.assertEqual(_lib.lib().cudapool_exporter_unpublish(_lib.ExporterH(h), b"x"), 2)
         with cudapool.Pool(0) as p:
             ptr = p.alloc(MiB)
             ex._h = h
             with self.assertRaises(cudapool.InvalidHandle):
                 ex.publish("x", ptr)
             ex._h = 0
-            p.free(ptr)
+            cudapool.free(ptr)
 
     def test_names(self):
         with cudapool.Pool(0) as p, cudapool.Exporter(socket_path("names")) as ex:
@@ -278,7 +278,7 @@ class BadInputTest(unittest.TestCase):
             with self.assertRaises(cudapool.NotFound):
                 ex.unpublish("nope")
             ex.unpublish("x" * 255)
-            p.free(ptr)
+            cudapool.free(ptr)
 
     def test_publish_checks_the_range(self):
         with cudapool.Pool(0) as p, cudapool.Exporter(socket_path("range")) as ex:
@@ -289,13 +289,13 @@ class BadInputTest(unittest.TestCase):
                 ex.publish("x", ptr, MiB + 1)
             with self.assertRaises(cudapool.InvalidArgument):
                 ex.publish("x", ptr, meta=b"m" * (cudapool.MAX_META + 1))
-            p.free(ptr)
+            cudapool.free(ptr)
 
     def test_negative_timeout(self):
         with self.assertRaises(ValueError):
             cudapool.Importer(socket_path("none"), timeout=-1)
         l = _lib.lib()
-        self.assertEqual(l.cudapool_importer_dial(b"/nonexistent", 0, -5, ctypes.byref(ctypes.c_uint64())), 1)
+        self.assertEqual(l.cudapool_importer_dial(b"/nonexistent", 0, None, -5, ctypes.byref(_lib.ImporterH())), 1)
         self.assertIn("negative", l.cudapool_last_error().decode())
 
     def test_dial_nothing(self):
@@ -307,9 +307,9 @@ class BadInputTest(unittest.TestCase):
             n = ctypes.c_size_t()
             buf = ctypes.create_string_buffer(8)
             l = _lib.lib()
-            self.assertEqual(l.cudapool_exporter_state(ex.handle, buf, 8, ctypes.byref(n)), 14)
+            self.assertEqual(l.cudapool_exporter_state(_lib.ExporterH(ex.handle), buf, 8, ctypes.byref(n)), 14)
             self.assertGreater(n.value, 8, "the size needed")
-            self.assertEqual(ex.state()["name"], "small")
+            self.assertEqual(ex.state().name, "small")
 
 
 class SharingTest(unittest.TestCase):
@@ -334,8 +334,8 @@ class SharingTest(unittest.TestCase):
         self.assertTrue(r["ok"], "the consumer read the producer's bytes")
         self.assertEqual(r["size"], 2 * MiB)
         self.assertEqual(r["cai_stream"], 1, "the legacy default stream is 1 in the interface")
-        self.assertEqual(self.pool.stats()["active_leases"], 0, "the consumer released")
-        cudapool.Pool.free(ptr)
+        self.assertEqual(self.pool.stats().active_leases, 0, "the consumer released")
+        cudapool.free(ptr)
 
     def test_retained_imports_and_no_announcement(self):
         with cudapool.Pool(0, cache_bytes=8 * MiB) as pool, \
@@ -353,7 +353,7 @@ class SharingTest(unittest.TestCase):
                         sockets.append(json.load(a)["socket"])
             self.assertIn(os.path.abspath(self.ex.path), sockets, "an exporter announces itself in $CUDAPOOL_DIR")
             self.assertNotIn(os.path.abspath(ex.path), sockets, "announce=False writes no announcement")
-            pool.free(ptr)
+            cudapool.free(ptr)
             ex.close()
             pool.close(force=True)
 
@@ -363,35 +363,35 @@ class SharingTest(unittest.TestCase):
         p, q = spawn(hold_then_release, self.ex.path, "held", MiB, 5, go)
         try:
             self.assertEqual(q.get(timeout=CHILD_TIMEOUT), "mapped")
-            cudapool.Pool.free(ptr)  # deferred: the consumer still maps it
-            self.assertEqual(self.pool.stats()["deferred_frees"], 1)
+            cudapool.free(ptr)  # deferred: the consumer still maps it
+            self.assertEqual(self.pool.stats().deferred_frees, 1)
             o, oq = spawn(open_error, self.ex.path, "held")
             self.assertEqual(result_of(self, o, oq), "Gone", "an open after the free")
         finally:
             go.set()
         self.assertTrue(result_of(self, p, q)["ok"], "the mapping stayed readable")
         deadline = time.monotonic() + CHILD_TIMEOUT
-        while self.pool.stats()["live_buffers"] and time.monotonic() < deadline:
+        while self.pool.stats().live_buffers and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertEqual(self.pool.stats()["live_buffers"], 0, "the free ran after the release")
+        self.assertEqual(self.pool.stats().live_buffers, 0, "the free ran after the release")
 
     def test_metadata(self):
         meta = b'{"dtype": "float16", "shape": [4, 8]}'
         ptr = self.publish("meta", MiB, 2, meta=meta)
         p, q = spawn(consume, self.ex.path, "meta", MiB, 2, 0)
         self.assertEqual(result_of(self, p, q)["meta"], meta)
-        cudapool.Pool.free(ptr)
+        cudapool.free(ptr)
 
     def test_sub_range(self):
         ptr = self.publish("slab", 4 * MiB, 9)
         self.ex.unpublish("slab")
         # A block inside the buffer, found from its address alone, as a tensor's.
-        self.ex.publish("block", ptr + 1000, 3000)
+        self.ex.publish("block", ptr.ptr + 1000, 3000)
         p, q = spawn(consume_range, self.ex.path, "block", 1000, 3000, 9)
         r = result_of(self, p, q)
         self.assertTrue(r["ok"])
         self.assertEqual(r["size"], 3000)
-        cudapool.Pool.free(ptr)
+        cudapool.free(ptr)
 
     def test_dlpack_and_array_interface(self):
         ptr = self.publish("arr", MiB, 4)
@@ -405,7 +405,7 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(r["dl"], {"data": r["ptr"] + 64, "device": (2, 0), "ndim": 2,
                                    "dtype": (2, 32, 1), "shape": [4, 8], "strides": [8, 1],
                                    "alive_after_delete": 0})
-        cudapool.Pool.free(ptr)
+        cudapool.free(ptr)
 
     def test_publish_keeps_an_array_until_unpublish(self):
         import gc
@@ -423,18 +423,18 @@ class SharingTest(unittest.TestCase):
         del a
         gc.collect()
         self.assertIsNotNone(alive(), "a published array is kept")
-        self.assertEqual(self.ex.state()["published"][0]["size"], MiB)
+        self.assertEqual(self.ex.state().published[0].size, MiB)
         self.ex.unpublish("kept")
         gc.collect()
         self.assertIsNone(alive(), "unpublish lets it go")
-        cudapool.Pool.free(ptr)
+        cudapool.free(ptr)
 
     def test_state_query(self):
         ptr = self.publish("seen", MiB, 1)
         st = cudapool.query_state(self.ex.path)
-        self.assertEqual([n["name"] for n in st["published"]], ["seen"])
-        self.assertEqual(st["pid"], os.getpid())
-        cudapool.Pool.free(ptr)
+        self.assertEqual([n.name for n in st.published], ["seen"])
+        self.assertEqual(st.pid, os.getpid())
+        cudapool.free(ptr)
 
 
 def torch_env_child(q):
@@ -442,7 +442,7 @@ def torch_env_child(q):
     allocates past it."""
     try:
         l = _lib.lib()
-        cudapool.init("test")
+        cudapool.init(os.environ["CUDAPOOL_RUNTIME"])
         os.environ["CUDAPOOL_TORCH_MAX_SIZE"] = str(4 * MiB)
         malloc = l.cudapool_torch_malloc
         malloc.restype, malloc.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)

@@ -60,7 +60,7 @@ def allocator_child(q, mode):
                 a = torch.randn(512, 512, device="cuda")
         want = a.cpu() @ a.cpu()
         got = (a @ a).cpu()
-        live = cpt.stats(0)["live_buffers"]
+        live = cpt.stats(0).live_buffers
         pair_us = None
         if mode == "current":
             for _ in range(2000):  # warm-up: each tensor is freed as soon as it is made
@@ -101,7 +101,7 @@ def torch_consumer(q, path, want, device):
         cudapool.init("gpu")
         torch.cuda.set_device(device)
         imp = cudapool.Importer(path, device=device)
-        m = cpt.open(imp, "kv", dtype=torch.float16, shape=SHAPE)
+        m = cpt.open_tensor(imp, "kv", dtype=torch.float16, shape=SHAPE)
         t = m.tensor
         res = {"device": t.device.index, "ptr_is_mapping": t.data_ptr() == m.ptr,
                "equal": torch_checksum(torch, t) == want}
@@ -172,7 +172,7 @@ def mempool_producer(q, path, go):
         ex = cudapool.Exporter(path)
         cpt.publish(ex, "a", a)
         cpt.publish(ex, "b", b)
-        q.put(("published", cpt.stats(0)["live_buffers"]))
+        q.put(("published", cpt.stats(0).live_buffers))
         go.wait(CHILD_TIMEOUT)
         ex.close(timeout=CHILD_TIMEOUT)
         q.put("closed")
@@ -186,7 +186,7 @@ def mempool_consumer(q, path):
         import cudapool.torch as cpt
         cudapool.init("gpu")
         imp = cudapool.Importer(path, device=0)
-        ma, mb = cpt.open(imp, "a"), cpt.open(imp, "b")  # dtype and shape from the metadata
+        ma, mb = cpt.open_tensor(imp, "a"), cpt.open_tensor(imp, "b")  # dtype and shape from the metadata
         a, b = ma.tensor.cpu(), mb.tensor.cpu()
         q.put({"a": (str(a.dtype), tuple(a.shape), bool(torch.equal(a, torch.arange(1000.0) * 3))),
                "b": (str(b.dtype), tuple(b.shape), bool((b == 7).all()))})

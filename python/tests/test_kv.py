@@ -496,8 +496,8 @@ class ReplicaTest(unittest.TestCase):
         layers = ctypes.c_int32.from_buffer(short, ctypes.sizeof(ctypes.c_size_t)).value
         self.assertEqual(layers, 16)
         self.assertEqual(bytes(short[24:40]), b"\0" * 16, "nothing written past size")
-        self.assertEqual(l.cudapool_status_name(21), b"CUDAPOOL_ENOSPACE")
-        self.assertEqual(l.cudapool_status_name(22), b"CUDAPOOL_ESTALE")
+        self.assertEqual(l.cudapool_status_name(29), b"CUDAPOOL_ENOSPACE")
+        self.assertEqual(l.cudapool_status_name(27), b"CUDAPOOL_ESTALE")
         # Every refusal above kept what the replica holds.
         every = self.r.alloc(64)
         self.r.release(every)
