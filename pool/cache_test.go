@@ -129,8 +129,8 @@ func TestCacheTooSmallCountsEveryMiss(t *testing.T) {
 		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
 	}
 	b := mustAlloc(t, p, mib, e.stream)
-	_, err := p.Alloc(context.Background(), 4*mib, e.stream)
-	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc past the max size")
+	_, err := p.Alloc(context.Background(), 2*mib, e.stream)
+	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc of a full pool")
 	mustFree(t, b, e.stream)
 	assert.Equal(t, int64(pairs+1), rt.frees.Load(), "frees that reached the driver")
 	s := mustStats(t, p)

@@ -52,7 +52,9 @@ func WithName(name string) Option {
 }
 
 // WithWaitForMemory makes Alloc on a full pool wait for a Free in this process and
-// try again, until it succeeds or its context ends, instead of failing at once.
+// try again, until it succeeds or its context ends, instead of failing at once. A
+// request that can never fit (larger than WithMaxSize or the device) still fails at
+// once.
 func WithWaitForMemory() Option {
 	return func(c *config) { c.waitForMemory = true }
 }

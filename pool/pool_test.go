@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/granularity"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -226,16 +227,50 @@ func TestWaitingAllocCancelled(t *testing.T) {
 func TestWaitingAllocEndsAtClose(t *testing.T) {
 	d := softDevice(t)
 	p := mustNew(t, d, WithMaxSize(4*mib), WithWaitForMemory())
-	// Larger than the pool: only Close can end the wait.
+	fill(t, p, 0) // Close(Force) releases them
 	got := make(chan error, 1)
 	go func() {
-		_, err := p.Alloc(context.Background(), 8*mib, 0)
+		_, err := p.Alloc(context.Background(), p.Granularity(), 0)
 		got <- err
 	}()
 	blockedWaiting(t, p, got)
-	_, err := p.Close(context.Background())
+	_, err := p.Close(context.Background(), Force())
 	require.NoError(t, err, "Close")
 	wantErr(t, "Alloc waiting when the pool closed", testwait.Recv(t, got, "the waiting Alloc to return"), ErrClosed)
+}
+
+// A request that can never fit (larger than the pool's max size, or than the device's
+// memory) fails at once, also with WithWaitForMemory: no Free could ever end the wait.
+func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
+	d := softDevice(t, cudarttest.WithMemory(64*mib))
+	for _, c := range []struct {
+		name string
+		opts []Option
+		size uint64
+		says string
+	}{
+		{"larger than max size", []Option{WithMaxSize(4 * mib)}, 8 * mib, "larger than the pool's max size 4.0 MiB"},
+		{"larger than the device", nil, 128 * mib, "larger than the device's 64 MiB"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			for _, wait := range []bool{false, true} {
+				opts := c.opts
+				if wait {
+					opts = append(opts[:len(opts):len(opts)], WithWaitForMemory())
+				}
+				p := mustNew(t, d, opts...)
+				got := make(chan error, 1)
+				go func() {
+					_, err := p.Alloc(context.Background(), c.size, 0)
+					got <- err
+				}()
+				err := testwait.Recv(t, got, "an Alloc that can never fit to fail")
+				wantErr(t, "Alloc that can never fit", err, cudart.ErrOutOfMemory)
+				assert.Contains(t, err.Error(), c.says, "the error says why it can never fit")
+				assert.Zero(t, mustStats(t, p).LiveBuffers, "a failed Alloc allocated")
+			}
+		})
+	}
 }
 
 func TestConcurrentAllocFree(t *testing.T) {
