@@ -21,6 +21,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
@@ -74,10 +75,27 @@ func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 // onGPU reports whether the children run on the real runtime (a GPU host), where the
 // golden files, taken on the software device, do not apply.
 func onGPU(t *testing.T) bool {
-	picked, err := choose.Runtime(choose.Auto)
+	picked, err := testRuntime()
 	gpu := picked.OnGPU
 	require.NoError(t, err)
 	return gpu
+}
+
+// otherDevice is device 1 where the children's runtime has two devices or more, and
+// device 0 on a host with one.
+func otherDevice(t *testing.T) int {
+	picked, err := testRuntime()
+	require.NoError(t, err)
+	if d, ok := picked.Runtime.(*cudarttest.Device); ok {
+		defer d.Close()
+	}
+	n, err := picked.Runtime.DeviceCount()
+	require.NoError(t, err, "counting the devices")
+	if n < 2 {
+		t.Logf("one device (%s): both consumers on device 0", picked.Runtime.Name())
+		return 0
+	}
+	return 1
 }
 
 func peer(st *export.State, pid int) *export.PeerState {
@@ -92,6 +110,17 @@ func peer(st *export.State, pid int) *export.PeerState {
 // leases (table and JSON checked against golden files), a free that waits on them, one
 // consumer releasing, the other killed, the exporter killed and its dead entry cleaned.
 func TestLifecycle(t *testing.T) {
+	t.Run("the host's devices", func(t *testing.T) { lifecycle(t, true) })
+	t.Run("one device", func(t *testing.T) {
+		if onGPU(t) {
+			t.Skip("the software device is given one device; the GPU host has its own count")
+		}
+		t.Setenv(softDevicesEnv, "1") // the children's too
+		lifecycle(t, false)
+	})
+}
+
+func lifecycle(t *testing.T, compareGolden bool) {
 	dir := t.TempDir()
 	t.Setenv(export.DirEnv, dir) // the children announce here too
 	sock := filepath.Join(dir, "test.sock")
@@ -111,7 +140,7 @@ func TestLifecycle(t *testing.T) {
 
 	a := proctest.Start(t, "consumer", sock, "0", "alpha", "beta")
 	a.Expect("holding")
-	b := proctest.Start(t, "consumer", sock, "1", "alpha")
+	b := proctest.Start(t, "consumer", sock, strconv.Itoa(otherDevice(t)), "alpha")
 	b.Expect("holding")
 
 	r = report(t, 0)
@@ -129,7 +158,7 @@ func TestLifecycle(t *testing.T) {
 	me, err := peercred.Lookup(os.Getpid())
 	require.NoError(t, err)
 	assert.Equal(t, me.Command, r.Exporters[0].Processes[a.PID()])
-	if !onGPU(t) {
+	if compareGolden && !onGPU(t) {
 		golden(t, r, me.Command, map[int]int{ex.PID(): 100, a.PID(): 101, b.PID(): 102})
 	}
 	// -socket asks that one exporter, without the announce directory.
