@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -523,4 +525,43 @@ func TestDirNotPrivate(t *testing.T) {
 		assert.Contains(t, errOut, "announce directory is not private: "+dir+" has mode")
 	}
 	assert.FileExists(t, path, "-clean removed a file from a directory it does not trust")
+}
+
+// Every string another process sends (its names, published names, errors, device
+// UUIDs, command names, the socket it announced) reaches the terminal escaped and cut:
+// no control character, escape sequence or invalid UTF-8, no line longer than the
+// table's width plus what a cut socket path adds; a negative count says it is invalid.
+func TestTableEscapesWhatOthersSend(t *testing.T) {
+	hostile := []string{
+		"forged\nLIVE: root (pid 1)", "\x1b[2J\x1b[31mred", "\x1b]0;title\x07", "\x1b]8;;http://x\x1b\\link",
+		"bad\xff\xfeutf8", "\u202eevil", "tab\there", "\x9b31m", "\u009b32m", "del\x7f", strings.Repeat("\x1b[A", 70000),
+	}
+	now := time.Now()
+	var exporters []Exporter
+	for i, s := range hostile {
+		st := &export.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []export.DeviceState{{Ordinal: -3, UUID: s}}}
+		st.Pools = []export.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
+			SharedBuffers: -3, ActiveLeases: -4, DeferredFrees: -5, FailedFrees: -6}}}
+		st.Published = []export.NameState{{Name: s, Pool: 1, Size: 1}}
+		st.Peers = []export.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
+		exporters = append(exporters,
+			Exporter{Socket: s, Status: Live, State: st, Processes: map[int]string{200 + i: s}},
+			Exporter{PID: 300 + i, Name: s, Socket: s, Status: Dead, Error: s})
+	}
+	var b bytes.Buffer
+	render(&b, &Report{Dir: "/run/user/1000/cudapool", Exporters: exporters}, now)
+	out := b.String()
+	require.True(t, utf8.ValidString(out), "the table is not valid UTF-8")
+	for _, line := range strings.Split(out, "\n") {
+		for _, r := range line {
+			require.True(t, unicode.IsPrint(r), "the table printed %U in %q", r, line)
+		}
+		assert.LessOrEqual(t, len([]rune(line)), Width+maxText, "%q", line)
+		assert.False(t, strings.HasPrefix(line, "LIVE: root"), "a forged line: %q", line)
+	}
+	for _, want := range []string{`forged\nLIVE`, `\x1b[2J`, `\x1b]0;title\x07`, `bad\xff\xfeutf8`, `\u202eevil`, `tab\there`,
+		`\x9b31m`, `\u009b32m`, `del\x7f`, "invalid (-2)", "invalid (-7)", "…"} {
+		assert.Contains(t, out, want, "the table does not show %q", want)
+	}
+	assert.NotContains(t, out, "-2 buffers", "a negative count shown as a count")
 }
