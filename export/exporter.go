@@ -17,6 +17,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/dustin/go-humanize"
 	"golang.org/x/sync/errgroup"
@@ -94,6 +95,9 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 		return nil, errors.New("export: Listen needs a runtime")
 	}
 	o := newListenOptions(opts)
+	if err := printable.Check(o.name, MaxExporterNameLen); err != nil {
+		return nil, fmt.Errorf("export: listen: %w: exporter name %w", ErrBadName, err)
+	}
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -127,7 +128,7 @@ func defaultShared() sharedOptions {
 }
 
 func newListenOptions(opts []ListenOption) listenOptions {
-	o := listenOptions{sharedOptions: defaultShared(), announce: true, name: filepath.Base(os.Args[0]),
+	o := listenOptions{sharedOptions: defaultShared(), announce: true, name: printable.Clean(filepath.Base(os.Args[0]), MaxExporterNameLen),
 		handshakesTotal: defaultHandshakesTotal, handshakesPerUID: defaultHandshakesPerUID, maxGrants: defaultMaxGrants}
 	for _, opt := range opts {
 		opt.applyListen(&o)
@@ -199,8 +200,15 @@ func WithoutAnnounce() ListenOption {
 	return listenOption(func(o *listenOptions) { o.announce = false })
 }
 
+// MaxExporterNameLen is the longest exporter name (WithName), in bytes.
+const MaxExporterNameLen = 128
+
 // WithName sets the process name the exporter gives in its announcement and State.
-// The default is the program's base name.
+// The default is the program's base name, with each character that does not show as
+// itself replaced by '?' and cut to MaxExporterNameLen bytes. Listen refuses, with
+// ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
+// or holds a control or bidirectional control character or a line or paragraph
+// separator.
 func WithName(name string) ListenOption {
 	return listenOption(func(o *listenOptions) { o.name = name })
 }

@@ -5,10 +5,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"unicode"
 	"unicode/utf8"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/printable"
 )
 
 // ProtocolVersion is the version of the sharing protocol this package speaks. Both
@@ -739,28 +739,8 @@ func (r *reader) text(t msgType, field string) (string, error) {
 
 // checkName says why name cannot be published, or nil.
 func checkName(name string) error {
-	switch {
-	case name == "":
-		return fmt.Errorf("%w: empty", ErrBadName)
-	case len(name) > MaxNameLen:
-		return fmt.Errorf("%w: %d bytes, at most %d", ErrBadName, len(name), MaxNameLen)
-	case !utf8.ValidString(name):
-		return fmt.Errorf("%w %q: not UTF-8", ErrBadName, name)
-	}
-	for _, c := range name {
-		if c < utf8.RuneSelf && c >= 0x20 && c != 0x7f {
-			continue // printable ASCII, what names are made of: the tables below are not
-		}
-		switch {
-		case unicode.IsControl(c):
-			return fmt.Errorf("%w %q: control character %U", ErrBadName, name, c)
-		case unicode.Is(unicode.Bidi_Control, c):
-			// An override or isolate makes a name display as another (a log line, a
-			// poolstat table): "kv\u202egnp.exe" shows as "kvexe.png".
-			return fmt.Errorf("%w %q: bidirectional control character %U", ErrBadName, name, c)
-		case unicode.In(c, unicode.Zl, unicode.Zp):
-			return fmt.Errorf("%w %q: line or paragraph separator %U", ErrBadName, name, c)
-		}
+	if err := printable.Check(name, MaxNameLen); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadName, err)
 	}
 	return nil
 }

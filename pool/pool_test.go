@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 
@@ -120,6 +121,10 @@ func TestNewRefusesBadOptions(t *testing.T) {
 		{"own device as peer", 0, []Option{WithPeerAccess(1, 0)}, ErrInvalidOption},
 		{"max size overflows", 0, []Option{WithMaxSize(math.MaxUint64)}, granularity.ErrOverflow},
 		{"no such device", 7, nil, cudart.ErrInvalidDevice},
+		{"name with a newline", 0, []Option{WithName("kv\nforged")}, ErrInvalidOption},
+		{"name with an escape sequence", 0, []Option{WithName("\x1b]0;title\x07")}, ErrInvalidOption},
+		{"name of invalid UTF-8", 0, []Option{WithName("kv\xff")}, ErrInvalidOption},
+		{"name too long", 0, []Option{WithName(strings.Repeat("n", MaxNameLen+1))}, ErrInvalidOption},
 	}
 	for _, c := range cases {
 		p, err := New(d, c.dev, c.opts...)
@@ -130,6 +135,11 @@ func TestNewRefusesBadOptions(t *testing.T) {
 	}
 	_, err := New(nil, 0)
 	assert.ErrorIs(t, err, ErrInvalidOption, "New(nil)")
+	_, err = New(d, 0, WithName("kv\x1b[2J"))
+	assert.NotContains(t, err.Error(), "\x1b", "the error prints the name raw")
+	p, err := New(d, 0, WithName(strings.Repeat("n", MaxNameLen)))
+	require.NoError(t, err, "a name of MaxNameLen bytes")
+	closeAtEnd(t, p)
 }
 
 func TestPeerAccess(t *testing.T) {
