@@ -124,7 +124,7 @@ func WaitForName() OpenOption {
 }
 
 func defaultShared() sharedOptions {
-	return sharedOptions{log: slog.Default(), handshakeTimeout: 30 * time.Second}
+	return sharedOptions{log: slog.New(slog.DiscardHandler), handshakeTimeout: 30 * time.Second}
 }
 
 func newListenOptions(opts []ListenOption) listenOptions {
@@ -172,7 +172,9 @@ func WithPolicy(p Policy) ListenOption {
 }
 
 // WithLogger sets where events no call returns are logged: connections refused or
-// closed for malformed input, cleanup that failed. The default is slog.Default().
+// closed for malformed input, cleanup that failed. The default discards them: the
+// library writes nothing to its process's stderr unless given a logger
+// (slog.Default() logs where the program's log package does).
 func WithLogger(l *slog.Logger) SharedOption {
 	return sharedOption(func(o *sharedOptions) {
 		if l != nil {

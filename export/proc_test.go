@@ -35,6 +35,7 @@ func TestMain(m *testing.M) {
 		"lingering-consumer": roleLingeringConsumer,
 		"peer-consumer":      rolePeerConsumer,
 		"dialer":             roleDialer,
+		"quiet":              roleQuiet,
 	})
 }
 

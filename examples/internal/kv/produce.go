@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"time"
 
@@ -85,7 +86,8 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 		return err
 	}
 
-	ex, err := export.Listen(cfg.Socket, rt)
+	// A program asks for the library's log: peers lost or refused, on its stderr.
+	ex, err := export.Listen(cfg.Socket, rt, export.WithLogger(slog.Default()))
 	if err != nil {
 		return err
 	}
