@@ -157,6 +157,13 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
+	if len(plain) == 0 && len(kept) == 0 {
+		// Every Mapping is still referenced (or a replica): no grant to give back.
+		for _, rec := range revoked {
+			imp.sendRevoked(rec)
+		}
+		return nil
+	}
 	err := imp.returnBatch(ctx, plain, kept, keptBufs)
 	for _, rec := range revoked {
 		imp.sendRevoked(rec)

@@ -231,3 +231,48 @@ func TestPublishAll(t *testing.T) {
 	rp.pr.checkClean(t)
 	rp.c.checkClean(t)
 }
+
+// A ReleaseAll of Mappings that all stay referenced (each opened by two batches)
+// releases no grant: it asks the exporter nothing, and the connection serves on.
+func TestReleaseAllOfMappingsStillReferenced(t *testing.T) {
+	for _, retain := range []bool{false, true} {
+		t.Run(fmt.Sprintf("retain=%v", retain), func(t *testing.T) {
+			var opts []ListenOption
+			if retain {
+				opts = append(opts, WithRetainedImports())
+			}
+			rp := newRetainingPair(t, opts...)
+			ctx := testCtx(t)
+			_, names := rp.slab(t, 4, 4096, 0)
+			first, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+			require.NoError(t, err)
+			second, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+			require.NoError(t, err)
+			held := poolStats(t, rp.pr.pool).ActiveLeases
+			require.NoError(t, rp.c.imp.ReleaseAll(ctx, first, rp.c.stream))
+			assert.Equal(t, held, poolStats(t, rp.pr.pool).ActiveLeases, "grants ended while their Mappings are referenced")
+			m, err := rp.c.imp.Open(ctx, names[0], rp.c.stream)
+			require.NoError(t, err, "an Open after a ReleaseAll that released no grant")
+			require.NoError(t, m.Release(ctx, rp.c.stream))
+			require.NoError(t, rp.c.imp.ReleaseAll(ctx, second, rp.c.stream))
+			assert.Zero(t, poolStats(t, rp.pr.pool).ActiveLeases)
+			assert.NotContains(t, rp.pr.log.String(), "closing peer connection", "the exporter cut the connection")
+			rp.pr.checkClean(t)
+			rp.c.checkClean(t)
+		})
+	}
+}
+
+// A ReleaseBatch of no entries is a bad request, answered with an Error; the
+// connection serves on.
+func TestEmptyReleaseBatchIsABadRequest(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	r := admitted(t, pr.path)
+	r.send(&releaseBatchMsg{ReqID: 5})
+	wantError(t, r.recv(), 5, ErrBadRequest)
+	l, ok := r.open(6, "a").(*leaseMsg)
+	require.True(t, ok, "the connection did not serve an Open after the empty ReleaseBatch")
+	_, ok = r.release(7, l.LeaseID, 1).(*releasedMsg)
+	require.True(t, ok, "the release after the empty ReleaseBatch")
+}

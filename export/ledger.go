@@ -84,6 +84,9 @@ func (p *peer) releaseLease(m *releaseMsg) error {
 // fails changes nothing; the others are released all the same, and the answer is an
 // Error naming the failures.
 func (p *peer) releaseBatch(m *releaseBatchMsg) error {
+	if len(m.Entries) == 0 {
+		return fmt.Errorf("%w: a ReleaseBatch of no entries", ErrBadRequest)
+	}
 	var errs []error
 	for i := range m.Entries {
 		if err := p.release(&m.Entries[i]); err != nil {

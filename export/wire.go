@@ -486,7 +486,7 @@ var payloadLimits = [...]struct{ min, max int }{
 	msgRevoked:      {revokeLen, revokeLen},
 	msgOpenBatch:    {8 + 2, maxPayload},
 	msgLeaseBatch:   {leaseBatchHeaderLen + leaseLen, maxPayload},
-	msgReleaseBatch: {8 + 4 + releaseEntryLen, 8 + 4 + MaxBatch*releaseEntryLen},
+	msgReleaseBatch: {8 + 4, 8 + 4 + MaxBatch*releaseEntryLen},
 }
 
 // decodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -647,7 +647,7 @@ func decodePayload(t msgType, p []byte) (message, error) {
 	case msgReleaseBatch:
 		m := &releaseBatchMsg{ReqID: r.u64()}
 		n := r.u32()
-		if n == 0 || int(n)*releaseEntryLen != len(p)-r.i {
+		if int(n)*releaseEntryLen != len(p)-r.i { // no entries: a bad request, answered
 			return nil, protocolErr("ReleaseBatch says %d entries in %d bytes", n, len(p)-r.i)
 		}
 		m.Entries = make([]releaseMsg, n)
