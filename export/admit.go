@@ -76,7 +76,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return int(h.PID) // what a remote peer says: not checked
 	}
 	refuse := func(reason string) (*peer, *observer, error) {
-		c.send(context.Background(), &refusedMsg{Version: ProtocolVersion, Reason: reason}, -1)
+		c.send(context.Background(), &refusedMsg{Version: ProtocolVersion, Reason: fitText(reason, maxPayload-4)}, -1)
 		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
 	}
 	m, _, err := c.recv()

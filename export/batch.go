@@ -13,8 +13,9 @@ import (
 // and order the caller's stream once for all of them, which is what sharing many small
 // blocks at a time needs.
 
-// OpenAll is Open of every name at once: one request, one answer, and s waits once
-// for each distinct producer stream the buffers were published on. It returns the
+// OpenAll is Open of every name at once: one request and one answer (a few, for
+// names too long to fit one frame together), and s waits once for each distinct
+// producer stream the buffers were published on. It returns the
 // Mappings in the order of names, all or none: on failure nothing is held, and the
 // error names the first name that failed. At most MaxBatch names.
 func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Stream) ([]*Mapping, error) {
@@ -32,23 +33,53 @@ func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Strea
 	if err := imp.checkStream(s); err != nil {
 		return nil, fmt.Errorf("export: open %d names: %w", len(names), err)
 	}
+	// Names too long to fit one frame together go in several requests, in order.
+	var leases []leaseMsg
+	for _, chunk := range openChunks(names) {
+		got, err := imp.openChunk(ctx, chunk)
+		if err != nil {
+			imp.cl.giveBackAll(leases)
+			return nil, fmt.Errorf("export: open %d names: %w", len(names), err)
+		}
+		leases = append(leases, got...)
+	}
+	return imp.adoptAll(ctx, leases, names, s)
+}
+
+// openChunk asks for the leases of names in one OpenBatch, which fits a frame.
+func (imp *Importer) openChunk(ctx context.Context, names []string) ([]leaseMsg, error) {
 	reply, err := imp.cl.request(ctx, func(id uint64) message { return &openBatchMsg{ReqID: id, Names: names} }, true)
 	if err != nil {
-		return nil, fmt.Errorf("export: open %d names: %w", len(names), err)
+		return nil, err
 	}
 	switch r := reply.(type) {
 	case *leaseBatchMsg:
 		if len(r.Leases) != len(names) {
 			imp.cl.giveBackAll(r.Leases)
 			imp.cl.fail(protocolErr("OpenBatch of %d names answered with %d leases", len(names), len(r.Leases)))
-			return nil, fmt.Errorf("export: open %d names: %w", len(names), imp.cl.goneOr(ErrProtocol))
+			return nil, imp.cl.goneOr(ErrProtocol)
 		}
-		return imp.adoptAll(ctx, r.Leases, names, s)
+		return r.Leases, nil
 	case *errorMsg:
-		return nil, fmt.Errorf("export: %w", replyErr(r))
+		return nil, replyErr(r)
 	}
 	imp.cl.fail(protocolErr("OpenBatch answered with %s", reply.kind()))
-	return nil, fmt.Errorf("export: open %d names: %w", len(names), imp.cl.goneOr(ErrProtocol))
+	return nil, imp.cl.goneOr(ErrProtocol)
+}
+
+// openChunks splits names, in order, into the OpenBatch requests that each fit a
+// frame: a request id, then a length byte and the bytes of each name.
+func openChunks(names []string) [][]string {
+	var chunks [][]string
+	start, size := 0, 8
+	for i, name := range names {
+		if size+1+len(name) > maxPayload {
+			chunks = append(chunks, names[start:i])
+			start, size = i, 8
+		}
+		size += 1 + len(name)
+	}
+	return append(chunks, names[start:])
 }
 
 // adoptAll turns a batch of leases into Mappings, or gives every one back.

@@ -276,3 +276,71 @@ func TestEmptyReleaseBatchIsABadRequest(t *testing.T) {
 	_, ok = r.release(7, l.LeaseID, 1).(*releasedMsg)
 	require.True(t, ok, "the release after the empty ReleaseBatch")
 }
+
+// OpenAll of MaxBatch names of 64 bytes (SHA-256 in hex), within every documented
+// limit, goes out in requests that each fit a frame, and is all or none still.
+func TestOpenAllOfLongNames(t *testing.T) {
+	rp := newRetainingPair(t)
+	ctx := testCtx(t)
+	const block = 4096
+	b, err := rp.pr.pool.Alloc(ctx, MaxBatch*block, rp.pr.stream)
+	require.NoError(t, err)
+	entries := make([]Entry, MaxBatch)
+	names := make([]string, MaxBatch)
+	for i := range entries {
+		names[i] = fmt.Sprintf("%064x", i)
+		entries[i] = Entry{Name: names[i], Buffer: b, Options: []PublishOption{Range(uint64(i)*block, block)}}
+	}
+	require.NoError(t, rp.pr.ex.PublishAll(ctx, rp.pr.stream, entries...))
+	ms, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+	require.NoError(t, err, "OpenAll of %d names of 64 bytes", MaxBatch)
+	require.Len(t, ms, MaxBatch)
+	for i, m := range ms {
+		require.Equal(t, ms[0].Ptr()+cudart.DevicePtr(uint64(i)*block), m.Ptr(), "block %d", i)
+	}
+	assert.Equal(t, MaxBatch, poolStats(t, rp.pr.pool).ActiveLeases)
+	require.NoError(t, rp.c.imp.ReleaseAll(ctx, ms, rp.c.stream))
+
+	// A name that fails in the last request gives back what the earlier ones leased.
+	_, err = rp.c.imp.OpenAll(ctx, append(names[:MaxBatch-1:MaxBatch-1], "nope"), rp.c.stream)
+	require.ErrorIs(t, err, ErrUnknownName)
+	waitFor(t, "the earlier requests' leases to be given back", func() bool { return poolStats(t, rp.pr.pool).ActiveLeases == 0 })
+	assert.NotContains(t, rp.pr.log.String(), "closing peer connection", "the exporter cut the connection")
+	rp.pr.checkClean(t)
+	rp.c.checkClean(t)
+}
+
+// A ReleaseBatch of MaxBatch forged entries is refused with one Error frame that fits
+// the frame limit; the connection serves on.
+func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	r := admitted(t, pr.path)
+	entries := make([]releaseMsg, MaxBatch)
+	for i := range entries {
+		entries[i] = releaseMsg{LeaseID: 0xdead0000 + uint64(i), Count: 1}
+	}
+	r.send(&releaseBatchMsg{ReqID: 5, Entries: entries})
+	m := r.recv()
+	wantError(t, m, 5, ErrForgedLease)
+	assert.Contains(t, m.(*errorMsg).Text, fmt.Sprintf("%d of %d entries refused", MaxBatch, MaxBatch))
+	_, ok := r.open(6, "a").(*leaseMsg)
+	require.True(t, ok, "the connection did not serve an Open after the refused batch")
+}
+
+// No frame larger than the limit is ever written: send refuses it, writing nothing,
+// and the connection stays usable.
+func TestSendRefusesAnOversizedFrame(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	r := admitted(t, pr.path)
+	names := make([]string, MaxBatch)
+	for i := range names {
+		names[i] = fmt.Sprintf("%064x", i)
+	}
+	err := r.c.send(context.Background(), &openBatchMsg{ReqID: 5, Names: names}, -1)
+	require.ErrorIs(t, err, ErrBadRequest, "an OpenBatch of %d names of 64 bytes", MaxBatch)
+	assert.Contains(t, err.Error(), "frame limit")
+	_, ok := r.open(6, "a").(*leaseMsg)
+	require.True(t, ok, "the connection did not serve an Open after the refused send")
+}

@@ -121,6 +121,10 @@ func (c *conn) send(ctx context.Context, m message, fd int) error {
 		}()
 	}
 	c.wbuf = appendFrame(c.wbuf[:0], m)
+	if len(c.wbuf) > maxFrame {
+		// Nothing written: the other side would cut the connection for it.
+		return fmt.Errorf("export: send %s: %w: a frame of %d bytes, past the frame limit of %d", m.kind(), ErrBadRequest, len(c.wbuf), maxFrame)
+	}
 	var err error
 	switch {
 	case fd >= 0 && c.uc != nil:

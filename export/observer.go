@@ -58,5 +58,5 @@ func answer(c *conn, reqID uint64, err error) {
 	if err == nil {
 		return
 	}
-	c.send(context.Background(), &errorMsg{ReqID: reqID, Code: codeOf(err), Text: err.Error()}, -1)
+	c.send(context.Background(), errorFor(reqID, err), -1)
 }

@@ -245,6 +245,26 @@ type errorMsg struct {
 	Text  string
 }
 
+// errorFor is the Error frame answering request reqID with err, its text cut to fit
+// the frame.
+func errorFor(reqID uint64, err error) *errorMsg {
+	return &errorMsg{ReqID: reqID, Code: codeOf(err), Text: fitText(err.Error(), maxPayload-8-4)}
+}
+
+// fitText is s cut to at most n bytes on a character boundary, the cut marked with an
+// ellipsis.
+func fitText(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
 type stateRequestMsg struct{ ReqID uint64 }
 
 // State flags.
