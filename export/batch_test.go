@@ -266,15 +266,10 @@ func TestReleaseAllOfMappingsStillReferenced(t *testing.T) {
 // A ReleaseBatch of no entries is a bad request, answered with an Error; the
 // connection serves on.
 func TestEmptyReleaseBatchIsABadRequest(t *testing.T) {
-	pr := newProducer(t, nil, nil)
-	pr.publish(t, "a", 1<<20, 1)
-	r := admitted(t, pr.path)
+	r := admittedToA(t)
 	r.send(&releaseBatchMsg{ReqID: 5})
 	wantError(t, r.recv(), 5, ErrBadRequest)
-	l, ok := r.open(6, "a").(*leaseMsg)
-	require.True(t, ok, "the connection did not serve an Open after the empty ReleaseBatch")
-	_, ok = r.release(7, l.LeaseID, 1).(*releasedMsg)
-	require.True(t, ok, "the release after the empty ReleaseBatch")
+	r.servesOn(6)
 }
 
 // OpenAll of MaxBatch names of 64 bytes (SHA-256 in hex), within every documented
@@ -313,9 +308,7 @@ func TestOpenAllOfLongNames(t *testing.T) {
 // A ReleaseBatch of MaxBatch forged entries is refused with one Error frame that fits
 // the frame limit; the connection serves on.
 func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
-	pr := newProducer(t, nil, nil)
-	pr.publish(t, "a", 1<<20, 1)
-	r := admitted(t, pr.path)
+	r := admittedToA(t)
 	entries := make([]releaseMsg, MaxBatch)
 	for i := range entries {
 		entries[i] = releaseMsg{LeaseID: 0xdead0000 + uint64(i), Count: 1}
@@ -324,16 +317,13 @@ func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
 	m := r.recv()
 	wantError(t, m, 5, ErrForgedLease)
 	assert.Contains(t, m.(*errorMsg).Text, fmt.Sprintf("%d of %d entries refused", MaxBatch, MaxBatch))
-	_, ok := r.open(6, "a").(*leaseMsg)
-	require.True(t, ok, "the connection did not serve an Open after the refused batch")
+	r.servesOn(6)
 }
 
 // No frame larger than the limit is ever written: send refuses it, writing nothing,
 // and the connection stays usable.
 func TestSendRefusesAnOversizedFrame(t *testing.T) {
-	pr := newProducer(t, nil, nil)
-	pr.publish(t, "a", 1<<20, 1)
-	r := admitted(t, pr.path)
+	r := admittedToA(t)
 	names := make([]string, MaxBatch)
 	for i := range names {
 		names[i] = fmt.Sprintf("%064x", i)
@@ -341,6 +331,23 @@ func TestSendRefusesAnOversizedFrame(t *testing.T) {
 	err := r.c.send(context.Background(), &openBatchMsg{ReqID: 5, Names: names}, -1)
 	require.ErrorIs(t, err, ErrBadRequest, "an OpenBatch of %d names of 64 bytes", MaxBatch)
 	assert.Contains(t, err.Error(), "frame limit")
-	_, ok := r.open(6, "a").(*leaseMsg)
-	require.True(t, ok, "the connection did not serve an Open after the refused send")
+	r.servesOn(6)
+}
+
+// admittedToA is a raw peer admitted by an exporter that publishes "a".
+func admittedToA(t *testing.T) *rawPeer {
+	t.Helper()
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	return admitted(t, pr.path)
+}
+
+// servesOn checks that the connection still serves: "a" is leased (request reqID)
+// and released (reqID+1).
+func (r *rawPeer) servesOn(reqID uint64) {
+	r.t.Helper()
+	l, ok := r.open(reqID, "a").(*leaseMsg)
+	require.True(r.t, ok, "the connection did not serve an Open")
+	_, ok = r.release(reqID+1, l.LeaseID, 1).(*releasedMsg)
+	require.True(r.t, ok, "the connection did not serve a Release")
 }
