@@ -1,3 +1,5 @@
+//go:build cgo
+
 package main
 
 import (
@@ -71,6 +73,9 @@ func TestPythonPackage(t *testing.T) {
 	t.Logf("python/tests:\n%s", out)
 }
 
+// softDeviceTag builds libcudapool with the software device linked in (softdevice.go).
+const softDeviceTag = "cudapool_softdevice"
+
 var built struct {
 	once sync.Once
 	lib  string
@@ -78,8 +83,9 @@ var built struct {
 	out  []byte
 }
 
-// library builds libcudapool once per test binary, with the command the README gives,
-// and returns its path. Tests that need it skip where there is no go command (the GPU
+// library builds libcudapool once per test binary, with the command the README gives
+// plus its test mode's tag (softdevice.go), so that the C and Python tests run on the
+// software device where there is no GPU, and returns its path. Tests that need it skip where there is no go command (the GPU
 // host runs test binaries without Go).
 func library(t *testing.T) string {
 	t.Helper()
@@ -96,7 +102,7 @@ func library(t *testing.T) string {
 		built.lib = filepath.Join(dir, "libcudapool.so")
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
-		built.out, built.err = exec.CommandContext(ctx, goCmd, "build", "-buildmode=c-shared", "-o", built.lib, ".").CombinedOutput()
+		built.out, built.err = exec.CommandContext(ctx, goCmd, "build", "-buildmode=c-shared", "-tags", softDeviceTag, "-o", built.lib, ".").CombinedOutput()
 	})
 	require.NoError(t, built.err, "go build -buildmode=c-shared:\n%s", built.out)
 	return built.lib

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package main
 
 import (
@@ -12,9 +14,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The C entry points are exercised through the built library by python/tests; these
@@ -117,16 +120,16 @@ func TestStatusOf(t *testing.T) {
 		{nil, statusOK},
 		{invalid("x"), statusInval},
 		{fmt.Errorf("wrapped: %w", pool.ErrZeroSize), statusInval},
-		{export.ErrBadName, statusInval},
+		{consumer.ErrBadName, statusInval},
 		{fmt.Errorf("%w: x", errHandle), statusHandle},
 		{pool.ErrForeignBuffer, statusPointer},
 		{pool.ErrBusy, statusBusy},
 		{fmt.Errorf("pool: %w", pool.ErrClosed), statusClosed},
 		{cudart.NewError("cudaMallocFromPoolAsync", cudart.ErrOutOfMemory), statusNoMem},
-		{export.ErrUnknownName, statusNotFound},
-		{export.ErrNameInUse, statusExist},
-		{export.ErrExporterGone, statusGone},
-		{export.ErrVersionMismatch, statusVersion},
+		{consumer.ErrUnknownName, statusNotFound},
+		{producer.ErrNameInUse, statusExist},
+		{consumer.ErrExporterGone, statusGone},
+		{consumer.ErrVersionMismatch, statusVersion},
 		{context.DeadlineExceeded, statusTimeout},
 		{errRuntimeSet, statusNoRuntime},
 		{cudart.NewError("cudaStreamCreate", cudart.ErrInvalidValue), statusCUDA},

@@ -77,7 +77,9 @@ int cudapool_protocol_version(int *version);
 
 /* cudapool_init chooses the runtime: prefer is "auto" (or NULL: a GPU when a CUDA
  * runtime loads and sees one, else the software device), "gpu" or "test" (the
- * software device). It writes a sentence saying which and why into why (if not
+ * software device). The software device is in a library built with -tags
+ * cudapool_softdevice only; without it "test", and "auto" without a GPU, fail with
+ * CUDAPOOL_ENORUNTIME. It writes a sentence saying which and why into why (if not
  * NULL; cut to why_len). A second call with the same preference succeeds; with
  * another it fails with CUDAPOOL_ENORUNTIME. */
 int cudapool_init(const char *prefer, char *why, size_t why_len);

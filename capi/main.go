@@ -1,3 +1,5 @@
+//go:build cgo
+
 // Command capi is libcudapool: cudapool's pools, sharing protocol and PyTorch
 // allocator as a C shared library, for C, C++ and Python (python/cudapool) programs.
 // Build it from the repository root with
@@ -5,6 +7,12 @@
 //	go build -buildmode=c-shared -o bin/libcudapool.so ./capi
 //
 // and compile against capi/cudapool.h, the interface, which says what each call does.
+//
+// So built, the library offers the GPU only. Its test mode, where cudapool_init("test")
+// and "auto" on a machine without a GPU run on cudapool's software device, is a build
+// tag:
+//
+//	go build -buildmode=c-shared -tags cudapool_softdevice -o bin/libcudapool.so ./capi
 //
 // The library owns the C side of cudapool: turning C arguments into Go calls, the
 // tables that give out opaque handles, the per-thread last-error message, and the

@@ -12,14 +12,16 @@ import (
 	"fmt"
 	"unsafe"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/producer"
 )
 
 var (
-	exporters = newTable[*export.Exporter](kindExporter)
-	importers = newTable[*export.Importer](kindImporter)
-	mappings  = newTable[*export.Mapping](kindMapping)
+	exporters = newTable[*producer.Exporter](kindExporter)
+	importers = newTable[*consumer.Importer](kindImporter)
+	mappings  = newTable[*consumer.Mapping](kindMapping)
 )
 
 // The flags of cudapool_exporter_listen.
@@ -29,7 +31,7 @@ const (
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = export.MaxMetaLen
+const maxMeta = consumer.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {
@@ -37,7 +39,7 @@ func cpgo_protocol_version(out *C.int) (rc C.int) {
 	if out == nil {
 		return fail(invalid("version is NULL"))
 	}
-	*out = C.int(export.ProtocolVersion)
+	*out = C.int(consumer.ProtocolVersion)
 	return statusOK
 }
 
@@ -52,24 +54,24 @@ func cpgo_exporter_listen(path, name *C.char, flags C.int, out *C.uint64_t) (rc 
 		return fail(err)
 	}
 	syncEnv() // the announce directory
-	var opts []export.ListenOption
+	var opts []producer.ListenOption
 	if name != nil {
-		opts = append(opts, export.WithName(C.GoString(name)))
+		opts = append(opts, producer.WithName(C.GoString(name)))
 	}
 	if flags&^(listenRetainImports|listenNoAnnounce) != 0 {
 		return fail(invalid("unknown listen flags %#x", int(flags)&^(listenRetainImports|listenNoAnnounce)))
 	}
 	if flags&listenRetainImports != 0 {
-		opts = append(opts, export.WithRetainedImports())
+		opts = append(opts, producer.WithRetainedImports())
 	}
 	if flags&listenNoAnnounce != 0 {
-		opts = append(opts, export.WithoutAnnounce())
+		opts = append(opts, producer.WithoutAnnounce())
 	}
 	rt, err := runtimeNow()
 	if err != nil {
 		return fail(err)
 	}
-	ex, err := export.Listen(p, rt, opts...)
+	ex, err := producer.Listen(p, rt, opts...)
 	if err != nil {
 		return fail(err)
 	}
@@ -103,9 +105,9 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 	if uint64(size) > b.Size()-off {
 		return fail(invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size()))
 	}
-	opts := []export.PublishOption{export.Range(off, uint64(size))}
+	opts := []producer.PublishOption{producer.Range(off, uint64(size))}
 	if metaLen > 0 {
-		opts = append(opts, export.WithMeta(C.GoBytes(meta, C.int(metaLen))))
+		opts = append(opts, producer.WithMeta(C.GoBytes(meta, C.int(metaLen))))
 	}
 	return result(ex.Publish(context.Background(), n, b, cudart.Stream(s), opts...))
 }
@@ -176,14 +178,14 @@ func cpgo_query_state(socket *C.char, timeoutMs C.int64_t, buf *C.char, capacity
 		return fail(err)
 	}
 	defer cancel()
-	st, err := export.QueryState(ctx, path)
+	st, err := discover.QueryState(ctx, path)
 	if err != nil {
 		return fail(err)
 	}
 	return result(writeJSON(st, buf, capacity, n))
 }
 
-func writeJSON(st *export.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
+func writeJSON(st *discover.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
 	b, err := json.Marshal(st)
 	if err != nil {
 		return err
@@ -206,7 +208,7 @@ func cpgo_importer_dial(path *C.char, device C.int, timeoutMs C.int64_t, out *C.
 	if err != nil {
 		return fail(err)
 	}
-	imp, err := export.Dial(ctx, p, rt, int(device))
+	imp, err := consumer.Dial(ctx, p, rt, int(device))
 	if err != nil {
 		return fail(err)
 	}
@@ -294,7 +296,7 @@ func cpgo_mapping_release(h C.uint64_t, s C.uintptr_t, timeoutMs C.int64_t) (rc 
 		return fail(err)
 	}
 	if err := m.Release(ctx, cudart.Stream(s)); err != nil {
-		if !errors.Is(err, export.ErrReleased) {
+		if !errors.Is(err, consumer.ErrReleased) {
 			return fail(err)
 		}
 		return fail(fmt.Errorf("%w: %w", errHandle, err))

@@ -12,9 +12,11 @@ import (
 	"runtime/debug"
 	"unsafe"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The status codes of cudapool.h.
@@ -63,29 +65,30 @@ var statuses = []struct {
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
-	{export.ErrBadName, statusInval},
-	{export.ErrBadRange, statusInval},
-	{export.ErrMetaTooLong, statusInval},
+	{consumer.ErrBadName, statusInval},
+	{consumer.ErrBadRange, statusInval},
+	{producer.ErrMetaTooLong, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
-	{export.ErrReleased, statusHandle},
+	{consumer.ErrReleased, statusHandle},
 	{pool.ErrBusy, statusBusy},
 	{pool.ErrClosed, statusClosed},
-	{export.ErrClosed, statusClosed},
+	{consumer.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
-	{export.ErrUnknownName, statusNotFound},
-	{export.ErrNameInUse, statusExist},
-	{export.ErrAddressInUse, statusExist},
-	{export.ErrExporterGone, statusGone},
-	{export.ErrBufferGone, statusGone},
-	{export.ErrNoPeer, statusNotFound},
-	{export.ErrRefused, statusRefused},
-	{export.ErrVersionMismatch, statusVersion},
-	{export.ErrProtocol, statusProtocol},
+	{consumer.ErrUnknownName, statusNotFound},
+	{producer.ErrNameInUse, statusExist},
+	{producer.ErrAddressInUse, statusExist},
+	{consumer.ErrExporterGone, statusGone},
+	{consumer.ErrBufferGone, statusGone},
+	{producer.ErrNoPeer, statusNotFound},
+	{consumer.ErrRefused, statusRefused},
+	{consumer.ErrVersionMismatch, statusVersion},
+	{consumer.ErrProtocol, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
-	{export.ErrHandleType, statusNotSup},
-	{export.ErrIMEXRequired, statusNotSup},
+	{consumer.ErrHandleType, statusNotSup},
+	{consumer.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
+	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

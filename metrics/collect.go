@@ -6,17 +6,18 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // NewExporterCollector returns a collector of ex's State at each scrape: the exporter,
 // the pools it publishes buffers of and its peers. A State that fails is a collection
 // error of that scrape.
-func NewExporterCollector(ex *export.Exporter) prometheus.Collector { return exporterCollector{ex} }
+func NewExporterCollector(ex *producer.Exporter) prometheus.Collector { return exporterCollector{ex} }
 
-type exporterCollector struct{ ex *export.Exporter }
+type exporterCollector struct{ ex *producer.Exporter }
 
 // Describe describes nothing: the collector is unchecked (see the package docs).
 func (c exporterCollector) Describe(chan<- *prometheus.Desc) {}
@@ -35,7 +36,7 @@ func (c exporterCollector) Collect(ch chan<- prometheus.Metric) {
 type Target struct {
 	Name   string // the name it announced
 	Socket string // where it was asked: its identity, whatever its State says
-	State  *export.State
+	State  *discover.State
 }
 
 // NewTargetCollector returns a collector that calls targets at each scrape and reports
@@ -110,7 +111,7 @@ func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 // The State comes from another process: a pool id or a peer pid it lists twice (two
 // Importers of one process are two peers of one pid) is reported once, not as series
 // that would fail the scrape.
-func collectState(ch chan<- prometheus.Metric, name, socket string, st *export.State) {
+func collectState(ch chan<- prometheus.Metric, name, socket string, st *discover.State) {
 	ex := []string{name, socket}
 	var publishedBytes uint64
 	for _, n := range st.Published {
@@ -158,8 +159,8 @@ func collectState(ch chan<- prometheus.Metric, name, socket string, st *export.S
 
 // peersByPID sums the peers of one pid into one, in the order of their first
 // appearance: the earliest connection, and awaiting its exit if any is.
-func peersByPID(peers []export.PeerState) []export.PeerState {
-	var out []export.PeerState
+func peersByPID(peers []discover.PeerState) []discover.PeerState {
+	var out []discover.PeerState
 	at := map[int]int{}
 	for _, p := range peers {
 		i, ok := at[p.PID]

@@ -12,9 +12,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/metrics"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // A producer serves its own figures: its Exporter's (with the pools it publishes from)
@@ -37,7 +37,7 @@ func ExampleNewExporterCollector() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	ex, err := export.Listen(filepath.Join(dir, "kv.sock"), rt, export.WithoutAnnounce(), export.WithName("producer"))
+	ex, err := producer.Listen(filepath.Join(dir, "kv.sock"), rt, producer.WithoutAnnounce(), producer.WithName("producer"))
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -17,12 +17,13 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/metrics"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // sharing is an exporter publishing two buffers of one pool, and a consumer (a second
@@ -30,9 +31,9 @@ import (
 type sharing struct {
 	rt     *cudarttest.Device
 	pool   *pool.Pool
-	ex     *export.Exporter
+	ex     *producer.Exporter
 	socket string
-	imp    *export.Importer
+	imp    *consumer.Importer
 }
 
 func newSharing(t *testing.T) *sharing {
@@ -48,7 +49,7 @@ func newSharing(t *testing.T) *sharing {
 	p, err := pool.New(rt, 0, pool.WithName("kv"), pool.WithMaxSize(16<<20))
 	require.NoError(t, err)
 	socket := filepath.Join(dir, "x.sock")
-	ex, err := export.Listen(socket, rt, export.WithoutAnnounce(), export.WithName("test-exporter"))
+	ex, err := producer.Listen(socket, rt, producer.WithoutAnnounce(), producer.WithName("test-exporter"))
 	require.NoError(t, err)
 	t.Cleanup(func() { ex.Close(ctx); p.Close(ctx) })
 	// 3 MiB rounds up to 4 MiB in a 2 MiB-granular pool: 1 MiB of rounding overhead.
@@ -58,9 +59,9 @@ func newSharing(t *testing.T) *sharing {
 		require.NoError(t, ex.Publish(ctx, name, buf, 0))
 	}
 
-	consumer := cudarttest.New()
-	t.Cleanup(func() { consumer.Close() })
-	imp, err := export.Dial(ctx, socket, consumer, 0)
+	consDev := cudarttest.New()
+	t.Cleanup(func() { consDev.Close() })
+	imp, err := consumer.Dial(ctx, socket, consDev, 0)
 	require.NoError(t, err)
 	t.Cleanup(func() { imp.Close(ctx) })
 	_, err = imp.Open(ctx, "alpha", 0)

@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export CUDAPOOL_LIB=${CUDAPOOL_LIB:-$PWD/bin/libcudapool.so}
 if [ ! -f "$CUDAPOOL_LIB" ]; then
-	echo "python-tests: no $CUDAPOOL_LIB: go build -buildmode=c-shared -o bin/libcudapool.so ./capi" >&2
+	echo "python-tests: no $CUDAPOOL_LIB: go build -buildmode=c-shared -o bin/libcudapool.so ./capi (add -tags cudapool_softdevice to run on the software device)" >&2
 	exit 2
 fi
 py=${PYTHON:-python3}

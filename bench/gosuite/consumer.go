@@ -14,9 +14,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -76,7 +76,7 @@ func consumerMain(args []string) int {
 	}
 	out := &lineWriter{w: os.Stdout}
 	c := &consumerState{rt: rt, calls: calls, dev: dev, s: s, validate: validate}
-	pushed := func(name string, m *export.Mapping) {
+	pushed := func(name string, m *consumer.Mapping) {
 		at := monotonic()
 		if err := c.check(m, pushStream); err != nil {
 			// The producer waits for "pushed": say what went wrong instead.
@@ -89,7 +89,7 @@ func consumerMain(args []string) int {
 		}
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	imp, err := export.Dial(ctx, args[1], rt, dev, export.WithPushes(pushStream, pushed), export.WithLogger(quiet))
+	imp, err := consumer.Dial(ctx, args[1], rt, dev, consumer.WithPushes(pushStream, pushed), consumer.WithLogger(quiet))
 	if err != nil {
 		return fail(err)
 	}
@@ -132,18 +132,18 @@ type consumerState struct {
 	rt    cudart.Runtime
 	calls *callCounter // rt, counting
 	dev   int
-	imp   *export.Importer
+	imp   *consumer.Importer
 	s     cudart.Stream
 
 	validate bool
 	checked  atomic.Int64 // buffers validated, by the command loop and the push handler
-	held     map[string]*export.Mapping
+	held     map[string]*consumer.Mapping
 }
 
 // check validates m's bytes when the consumer validates: every byte must be the
 // number that ends m's name, as the producer wrote it. The copy is queued on s after
 // Open's wait for the producer's writes, so it reads what they wrote.
-func (c *consumerState) check(m *export.Mapping, s cudart.Stream) error {
+func (c *consumerState) check(m *consumer.Mapping, s cudart.Stream) error {
 	if !c.validate {
 		return nil
 	}
@@ -170,7 +170,7 @@ func (c *consumerState) check(m *export.Mapping, s cudart.Stream) error {
 }
 
 // open opens name on c.s and validates it.
-func (c *consumerState) open(ctx context.Context, name string) (*export.Mapping, error) {
+func (c *consumerState) open(ctx context.Context, name string) (*consumer.Mapping, error) {
 	m, err := c.imp.Open(ctx, name, c.s)
 	if err != nil {
 		return nil, err
@@ -208,7 +208,7 @@ func (c *consumerState) obey(ctx context.Context, f []string) (string, error) {
 			return "", err
 		}
 		if c.held == nil {
-			c.held = map[string]*export.Mapping{}
+			c.held = map[string]*consumer.Mapping{}
 		}
 		c.held[name] = m
 		return "hold", nil
@@ -235,7 +235,7 @@ func samples(word string, v []float64) string {
 
 func (c *consumerState) fresh(ctx context.Context, name string, n int) (string, error) {
 	us := make([]float64, n)
-	var ms []*export.Mapping
+	var ms []*consumer.Mapping
 	defer func() {
 		for _, m := range ms {
 			m.Release(ctx, c.s)
@@ -315,10 +315,10 @@ func (c *consumerState) sustain(ctx context.Context, name string, count int, win
 
 // openAll opens names on c.s, one Open for one name and one OpenAll for more, and
 // validates each.
-func (c *consumerState) openAll(ctx context.Context, names []string) ([]*export.Mapping, error) {
+func (c *consumerState) openAll(ctx context.Context, names []string) ([]*consumer.Mapping, error) {
 	if len(names) == 1 {
 		m, err := c.open(ctx, names[0])
-		return []*export.Mapping{m}, err
+		return []*consumer.Mapping{m}, err
 	}
 	ms, err := c.imp.OpenAll(ctx, names, c.s)
 	if err != nil {
@@ -334,7 +334,7 @@ func (c *consumerState) openAll(ctx context.Context, names []string) ([]*export.
 }
 
 // releaseAll releases what openAll opened, the same way.
-func (c *consumerState) releaseAll(ctx context.Context, ms []*export.Mapping) error {
+func (c *consumerState) releaseAll(ctx context.Context, ms []*consumer.Mapping) error {
 	if len(ms) == 1 {
 		return ms[0].Release(ctx, c.s)
 	}

@@ -3,27 +3,27 @@ package main
 import (
 	"fmt"
 
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // recycled: issue 11's sustained rate on recycled buffers. A producer of its own, with
 // a pool that caches freed buffers (pool.WithCache) and an exporter that lets its
-// consumers retain imports (export.WithRetainedImports), and sustainConsumers consumers
+// consumers retain imports (producer.WithRetainedImports), and sustainConsumers consumers
 // of its own. Before each window the producer writes and publishes a ring of 2 MiB
 // buffers under the window's names (rcy<round>-<i>), and after it retires them: the
 // next window's buffers are the same memory, recycled through the cache, which the
 // consumers find still mapped. In each window the consumers open and release the ring
 // as fast as they can, as in sustained. It fails unless every buffer after the first
 // window came from the cache: otherwise the row would not be the recycled path.
-func (pr *producer) recycled(r *reporter) ([]float64, error) {
+func (pr *producerSide) recycled(r *reporter) ([]float64, error) {
 	cache := uint64(2 * pr.sh.ring * shareSize)
 	rp, err := newProducerWith(pr.rt, pr.kind, pr.sh, pr.validate, "recycled.sock",
-		[]pool.Option{pool.WithCache(cache)}, []export.ListenOption{export.WithRetainedImports()})
+		[]pool.Option{pool.WithCache(cache)}, []producer.ListenOption{producer.WithRetainedImports()})
 	if err != nil {
 		return nil, err
 	}
-	var cs []*consumer
+	var cs []*consumerSide
 	defer func() {
 		if rp.validate {
 			rp.reportValidated(r, cs)

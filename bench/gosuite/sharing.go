@@ -17,19 +17,19 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // producer is this process's side of the sharing measurements: a pool on device 0,
 // an exporter, and consumer processes (this program again, in consumerRole).
-type producer struct {
+type producerSide struct {
 	rt     cudart.Runtime // calls, for the pool and exporter too
 	calls  *callCounter
 	kind   string // the runtime the consumers load: gpu or test
 	sh     shape
 	pool   *pool.Pool
-	ex     *export.Exporter
+	ex     *producer.Exporter
 	stream cudart.Stream
 	dir    string
 
@@ -61,7 +61,7 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 	r.measure("cudapool", "open/exported", "us", func() ([]float64, error) { return pr.openExported(c) })
 	r.measure("cudapool", "release", "us", func() ([]float64, error) { return pr.release(c) })
 	r.measure("cudapool", "open+release/exported", "us", func() ([]float64, error) { return pr.onRing(c, "openrelease") })
-	consumers := []*consumer{c}
+	consumers := []*consumerSide{c}
 	defer func() {
 		if validate {
 			pr.reportValidated(r, consumers)
@@ -110,15 +110,15 @@ func sharing(r *reporter, rt cudart.Runtime, kind string, sh shape, validate boo
 	r.measure("cudapool", "read/other-gpu", "GB/s", func() ([]float64, error) { return pr.read(other) })
 }
 
-func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*producer, error) {
+func newProducer(rt cudart.Runtime, kind string, sh shape, validate bool) (*producerSide, error) {
 	return newProducerWith(rt, kind, sh, validate, "x.sock", nil, nil)
 }
 
 // newProducerWith is newProducer with options for its pool and its exporter, whose
 // socket is named sock.
-func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, sock string, poolOpts []pool.Option, listenOpts []export.ListenOption) (*producer, error) {
+func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, sock string, poolOpts []pool.Option, listenOpts []producer.ListenOption) (*producerSide, error) {
 	calls := newCallCounter(rt)
-	pr := &producer{rt: calls, calls: calls, kind: kind, sh: sh, validate: validate}
+	pr := &producerSide{rt: calls, calls: calls, kind: kind, sh: sh, validate: validate}
 	rt = calls
 	var err error
 	if pr.dir, err = os.MkdirTemp("", "gosuite"); err != nil {
@@ -134,8 +134,8 @@ func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, so
 		return nil, err
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	listenOpts = append([]export.ListenOption{export.WithoutAnnounce(), export.WithLogger(quiet)}, listenOpts...)
-	if pr.ex, err = export.Listen(filepath.Join(pr.dir, sock), rt, listenOpts...); err != nil {
+	listenOpts = append([]producer.ListenOption{producer.WithoutAnnounce(), producer.WithLogger(quiet)}, listenOpts...)
+	if pr.ex, err = producer.Listen(filepath.Join(pr.dir, sock), rt, listenOpts...); err != nil {
 		pr.pool.Close(context.Background(), pool.Force())
 		rt.StreamDestroy(0, pr.stream)
 		os.RemoveAll(pr.dir)
@@ -145,7 +145,7 @@ func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, so
 }
 
 // closeExporter closes the producer's exporter, once.
-func (pr *producer) closeExporter(r *reporter) {
+func (pr *producerSide) closeExporter(r *reporter) {
 	if pr.exClosed {
 		return
 	}
@@ -157,7 +157,7 @@ func (pr *producer) closeExporter(r *reporter) {
 	}
 }
 
-func (pr *producer) close(r *reporter) {
+func (pr *producerSide) close(r *reporter) {
 	pr.closeExporter(r)
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
@@ -170,7 +170,7 @@ func (pr *producer) close(r *reporter) {
 // alloc returns n buffers of size bytes, written on the producer's stream: every byte
 // of buffer i is byte(i), which is what a consumer validates against the number that
 // ends the buffer's name.
-func (pr *producer) alloc(n int, size uint64) ([]*pool.Buffer, error) {
+func (pr *producerSide) alloc(n int, size uint64) ([]*pool.Buffer, error) {
 	var bufs []*pool.Buffer
 	for i := range n {
 		b, err := pr.pool.Alloc(context.Background(), size, pr.stream)
@@ -187,7 +187,7 @@ func (pr *producer) alloc(n int, size uint64) ([]*pool.Buffer, error) {
 }
 
 // publish publishes bufs as name<i> and returns the time each Publish took.
-func (pr *producer) publish(name string, bufs []*pool.Buffer) ([]time.Duration, error) {
+func (pr *producerSide) publish(name string, bufs []*pool.Buffer) ([]time.Duration, error) {
 	took := make([]time.Duration, len(bufs))
 	for i, b := range bufs {
 		start := time.Now()
@@ -202,7 +202,7 @@ func (pr *producer) publish(name string, bufs []*pool.Buffer) ([]time.Duration, 
 
 // retire unpublishes name<i> (when name is set) and frees bufs; a buffer still
 // leased is freed when its leases end.
-func (pr *producer) retire(name string, bufs []*pool.Buffer) error {
+func (pr *producerSide) retire(name string, bufs []*pool.Buffer) error {
 	var errs []error
 	for i, b := range bufs {
 		if name != "" {
@@ -215,7 +215,7 @@ func (pr *producer) retire(name string, bufs []*pool.Buffer) error {
 
 // shared publishes n buffers as name<i> for a measurement, and returns the function
 // that retires them.
-func (pr *producer) shared(name string, n int, size uint64) (func() error, error) {
+func (pr *producerSide) shared(name string, n int, size uint64) (func() error, error) {
 	bufs, err := pr.alloc(n, size)
 	if err != nil {
 		return nil, err
@@ -229,7 +229,7 @@ func (pr *producer) shared(name string, n int, size uint64) (func() error, error
 
 // exportFresh times Publish of buffers never exported (the pool itself was, by a
 // warm-up Publish): cudapool's export of a fresh buffer.
-func (pr *producer) exportFresh() ([]float64, error) {
+func (pr *producerSide) exportFresh() ([]float64, error) {
 	warm, err := pr.shared("warm", pr.sh.warmup, shareSize)
 	if err != nil {
 		return nil, err
@@ -257,7 +257,7 @@ func (pr *producer) exportFresh() ([]float64, error) {
 
 // openFirst: a buffer never exported is published and opened by the consumer,
 // Publish (timed here) plus Open (timed there) for each buffer.
-func (pr *producer) openFirst(c *consumer) ([]float64, error) {
+func (pr *producerSide) openFirst(c *consumerSide) ([]float64, error) {
 	var us []float64
 	total := pr.sh.warmup + pr.sh.samples
 	for done := 0; done < total; {
@@ -294,18 +294,18 @@ func (pr *producer) openFirst(c *consumer) ([]float64, error) {
 }
 
 // openExported: the consumer opens (timed) and releases buffers published before.
-func (pr *producer) openExported(c *consumer) ([]float64, error) {
+func (pr *producerSide) openExported(c *consumerSide) ([]float64, error) {
 	return pr.onRing(c, "open")
 }
 
 // release: the consumer opens and releases (timed) buffers published before.
-func (pr *producer) release(c *consumer) ([]float64, error) {
+func (pr *producerSide) release(c *consumerSide) ([]float64, error) {
 	return pr.onRing(c, "release")
 }
 
 // onRing has the consumer cycle through a ring of buffers published before, timing
 // verb's part of each cycle: open, release, or openrelease (both).
-func (pr *producer) onRing(c *consumer, verb string) ([]float64, error) {
+func (pr *producerSide) onRing(c *consumerSide, verb string) ([]float64, error) {
 	retire, err := pr.shared("ring", pr.sh.ring, shareSize)
 	if err != nil {
 		return nil, err
@@ -328,7 +328,7 @@ func (pr *producer) onRing(c *consumer, verb string) ([]float64, error) {
 // fanOut: a fresh buffer is published and pushed to every consumer at once
 // (PushAll); latency from Publish until the last consumer's push handler holds a
 // usable mapping.
-func (pr *producer) fanOut(cs []*consumer) ([]float64, error) {
+func (pr *producerSide) fanOut(cs []*consumerSide) ([]float64, error) {
 	var us []float64
 	for rep := range pr.sh.warmup + pr.sh.fanoutReps {
 		bufs, err := pr.alloc(1, shareSize)
@@ -379,7 +379,7 @@ const slowOpen = time.Millisecond
 
 // sustained: the consumers open and release buffers published before, each as fast
 // as it can, for a window; a round's rate is all their shares over the window.
-func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
+func (pr *producerSide) sustained(r *reporter, cs []*consumerSide) ([]float64, error) {
 	retire, err := pr.shared("sus", pr.sh.ring, shareSize)
 	if err != nil {
 		return nil, err
@@ -394,7 +394,7 @@ func (pr *producer) sustained(r *reporter, cs []*consumer) ([]float64, error) {
 
 // windows has the consumers open and release name<i % count>, batch names at a time, as
 // fast as each can, for pr.sh.rounds windows, and returns each window's rate.
-func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string, count, batch int) ([]float64, error) {
+func (pr *producerSide) windows(r *reporter, op string, cs []*consumerSide, name string, count, batch int) ([]float64, error) {
 	var rates []float64
 	for round := range pr.sh.rounds {
 		rate, err := pr.window(r, op, cs, round, name, count, batch)
@@ -413,7 +413,7 @@ func (pr *producer) windows(r *reporter, op string, cs []*consumer, name string,
 // SLOW is how many Opens took slowOpen or more, SLOW_MS their time in all, and TURNS
 // how many times the consumers went round the count names (summed): the stall pattern.
 // The calls lines (callCounter) say what each side did for those shares.
-func (pr *producer) window(r *reporter, op string, cs []*consumer, round int, name string, count, batch int) (float64, error) {
+func (pr *producerSide) window(r *reporter, op string, cs []*consumerSide, round int, name string, count, batch int) (float64, error) {
 	pr.calls.take()
 	for _, c := range cs {
 		if err := c.say(fmt.Sprintf("sustain %s %d %d %d", name, count, pr.sh.window.Milliseconds(), batch)); err != nil {
@@ -464,7 +464,7 @@ const blockSize = 64 << 10
 
 // slab publishes the blocks of one slab of pr.sh.slabSize bytes as blk<i> (block i
 // written byte(i)) and returns the block count and the function that retires them.
-func (pr *producer) slab() (int, func() error, error) {
+func (pr *producerSide) slab() (int, func() error, error) {
 	bufs, err := pr.alloc(1, pr.sh.slabSize)
 	if err != nil {
 		return 0, nil, err
@@ -482,7 +482,7 @@ func (pr *producer) slab() (int, func() error, error) {
 		off := uint64(i) * blockSize
 		err := pr.rt.MemsetAsync(0, b.Ptr()+cudart.DevicePtr(off), byte(i), blockSize, pr.stream)
 		if err == nil {
-			err = pr.ex.Publish(ctx, fmt.Sprint("blk", i), b, pr.stream, export.Range(off, blockSize))
+			err = pr.ex.Publish(ctx, fmt.Sprint("blk", i), b, pr.stream, producer.Range(off, blockSize))
 		}
 		if err != nil {
 			retire(i)
@@ -495,7 +495,7 @@ func (pr *producer) slab() (int, func() error, error) {
 // hold has each consumer keep blk0 open (hold) or give it back (drop): a consumer that
 // serves from a slab holds some block of it at any time, so its import of the slab
 // stays mapped while it leases and returns the others.
-func hold(cs []*consumer, verb string) error {
+func hold(cs []*consumerSide, verb string) error {
 	for _, c := range cs {
 		if _, err := c.ask(verb+" blk0 0", verb); err != nil {
 			return err
@@ -507,7 +507,7 @@ func hold(cs []*consumer, verb string) error {
 // blockShares: the consumers, each holding one block, lease and return the slab's
 // blocks batch at a time as fast as they can (batch 1: Open and Release; more:
 // OpenAll and ReleaseAll).
-func (pr *producer) blockShares(r *reporter, cs []*consumer, batch int) ([]float64, error) {
+func (pr *producerSide) blockShares(r *reporter, cs []*consumerSide, batch int) ([]float64, error) {
 	n, retire, err := pr.slab()
 	if err != nil {
 		return nil, err
@@ -529,13 +529,13 @@ func (pr *producer) blockShares(r *reporter, cs []*consumer, batch int) ([]float
 
 // blockLease: one consumer, holding one block, opens (timed) and releases the slab's
 // blocks in turn: the latency of a block lease.
-func (pr *producer) blockLease(c *consumer) ([]float64, error) {
+func (pr *producerSide) blockLease(c *consumerSide) ([]float64, error) {
 	n, retire, err := pr.slab()
 	if err != nil {
 		return nil, err
 	}
 	defer retire()
-	cs := []*consumer{c}
+	cs := []*consumerSide{c}
 	if err := hold(cs, "hold"); err != nil {
 		return nil, err
 	}
@@ -559,7 +559,7 @@ func (pr *producer) blockLease(c *consumer) ([]float64, error) {
 // that is every buffer they were given:
 //
 //	validated cudapool all CHECKED GIVEN
-func (pr *producer) reportValidated(r *reporter, cs []*consumer) {
+func (pr *producerSide) reportValidated(r *reporter, cs []*consumerSide) {
 	checked := 0
 	for _, c := range cs {
 		v, err := c.ask("checked - 0", "checked")
@@ -577,7 +577,7 @@ func (pr *producer) reportValidated(r *reporter, cs []*consumer) {
 
 // read: the consumer copies an imported buffer into its own memory, each copy
 // timed on the host around a synchronize (cudart has no timing events).
-func (pr *producer) read(c *consumer) ([]float64, error) {
+func (pr *producerSide) read(c *consumerSide) ([]float64, error) {
 	retire, err := pr.shared("big", 1, pr.sh.readSize)
 	if err != nil {
 		return nil, err
@@ -602,14 +602,14 @@ func durations(ds []time.Duration) []float64 {
 
 // consumer is a consumer process, driven by lines on its stdin; its stdout lines
 // are read by a goroutine, so that every wait has a hang guard.
-type consumer struct {
+type consumerSide struct {
 	cmd   *exec.Cmd
 	pid   int
 	in    io.WriteCloser
 	lines chan string
 }
 
-func (pr *producer) startConsumer(dev int) (*consumer, error) {
+func (pr *producerSide) startConsumer(dev int) (*consumerSide, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -627,7 +627,7 @@ func (pr *producer) startConsumer(dev int) (*consumer, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	c := &consumer{cmd: cmd, pid: cmd.Process.Pid, in: in, lines: make(chan string, 16)}
+	c := &consumerSide{cmd: cmd, pid: cmd.Process.Pid, in: in, lines: make(chan string, 16)}
 	go func() {
 		sc := bufio.NewScanner(out)
 		sc.Buffer(nil, 1<<20)
@@ -643,14 +643,14 @@ func (pr *producer) startConsumer(dev int) (*consumer, error) {
 	return c, nil
 }
 
-func (c *consumer) say(line string) error {
+func (c *consumerSide) say(line string) error {
 	_, err := io.WriteString(c.in, line+"\n")
 	return err
 }
 
 // await waits for the consumer's next line, which must start with want, and
 // returns the numbers after it.
-func (c *consumer) await(want string) ([]float64, error) {
+func (c *consumerSide) await(want string) ([]float64, error) {
 	rest, err := c.awaitLine(want)
 	if err != nil {
 		return nil, err
@@ -668,7 +668,7 @@ func (c *consumer) await(want string) ([]float64, error) {
 
 // awaitLine waits for the consumer's next line, which must start with want, and
 // returns the rest of it.
-func (c *consumer) awaitLine(want string) (string, error) {
+func (c *consumerSide) awaitLine(want string) (string, error) {
 	select {
 	case line, ok := <-c.lines:
 		if !ok {
@@ -684,7 +684,7 @@ func (c *consumer) awaitLine(want string) (string, error) {
 	}
 }
 
-func (c *consumer) ask(cmd, want string) ([]float64, error) {
+func (c *consumerSide) ask(cmd, want string) ([]float64, error) {
 	if err := c.say(cmd); err != nil {
 		return nil, err
 	}
@@ -692,7 +692,7 @@ func (c *consumer) ask(cmd, want string) ([]float64, error) {
 }
 
 // quit tells the consumer to close its importer and waits for it to exit.
-func (c *consumer) quit() error {
+func (c *consumerSide) quit() error {
 	c.in.Close()
 	go func() { // lines no one waits for must not block the consumer's exit
 		for range c.lines {
@@ -712,7 +712,7 @@ func (c *consumer) quit() error {
 	}
 }
 
-func (c *consumer) kill() {
+func (c *consumerSide) kill() {
 	c.cmd.Process.Kill()
 	c.cmd.Wait()
 }

@@ -51,7 +51,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 )
 
 func main() {
@@ -68,7 +68,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	flags.Usage = func() {} // printed below, to stdout when asked for with -h
 	var l looker
 	every := interval(0)
-	flags.StringVar(&l.dir, "dir", export.DefaultDir(), "the announce directory to look in")
+	flags.StringVar(&l.dir, "dir", discover.DefaultDir(), "the announce directory to look in")
 	flags.StringVar(&l.socket, "socket", "", "ask only the exporter on this Unix socket")
 	flags.BoolVar(&l.clean, "clean", false, "remove the announcements of exporters that are provably dead")
 	flags.DurationVar(&l.timeout, "timeout", 5*time.Second, "how long to wait for each exporter's answer")
@@ -185,7 +185,7 @@ func version() string {
 		}
 	}
 	return fmt.Sprintf("poolstat %s%s%s; protocol %d, report schema %d, state schema %d; %s",
-		v, rev, modified, export.ProtocolVersion, ReportSchema, export.StateSchema, runtime.Version())
+		v, rev, modified, discover.ProtocolVersion, ReportSchema, discover.StateSchema, runtime.Version())
 }
 
 // isDir says why dir cannot be looked in, or nil.

@@ -21,13 +21,16 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata")
@@ -100,8 +103,8 @@ func otherDevice(t *testing.T) int {
 	return 1
 }
 
-func peer(st *export.State, pid int) *export.PeerState {
-	if i := slices.IndexFunc(st.Peers, func(p export.PeerState) bool { return p.PID == pid }); i >= 0 {
+func peer(st *discover.State, pid int) *discover.PeerState {
+	if i := slices.IndexFunc(st.Peers, func(p discover.PeerState) bool { return p.PID == pid }); i >= 0 {
 		return &st.Peers[i]
 	}
 	return nil
@@ -124,7 +127,7 @@ func TestLifecycle(t *testing.T) {
 
 func lifecycle(t *testing.T, compareGolden bool) {
 	dir := t.TempDir()
-	t.Setenv(export.DirEnv, dir) // the children announce here too
+	t.Setenv(discover.DirEnv, dir) // the children announce here too
 	sock := filepath.Join(dir, "test.sock")
 
 	code, out, _ := poolstat(t)
@@ -220,7 +223,7 @@ func golden(t *testing.T, r *Report, self string, pids map[int]int) {
 			p := &st.Peers[j]
 			p.PID, p.UID, p.GID, p.ConnectedSince = pids[p.PID], 0, 0, t0.Add(time.Minute)
 		}
-		slices.SortFunc(st.Peers, func(a, b export.PeerState) int { return a.PID - b.PID })
+		slices.SortFunc(st.Peers, func(a, b discover.PeerState) int { return a.PID - b.PID })
 		commands := map[int]string{}
 		for pid, c := range e.Processes {
 			if c == self {
@@ -252,12 +255,12 @@ func compare(t *testing.T, path string, got []byte) {
 
 // testExporter starts an exporter in this process on the software device, announced
 // in dir, with its socket there.
-func testExporter(t *testing.T, dir string, opts ...export.ListenOption) *export.Exporter {
+func testExporter(t *testing.T, dir string, opts ...producer.ListenOption) *producer.Exporter {
 	t.Helper()
 	picked, err := choose.Runtime(choose.Software)
 	rt := picked.Runtime
 	require.NoError(t, err)
-	ex, err := export.Listen(filepath.Join(dir, "x.sock"), rt, append([]export.ListenOption{export.WithAnnounce(dir)}, opts...)...)
+	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), rt, append([]producer.ListenOption{producer.WithAnnounce(dir)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { ex.Close(context.Background()) })
 	return ex
@@ -277,7 +280,7 @@ func shortDir(t *testing.T) string {
 // e.g. another user's exporter in a shared $CUDAPOOL_DIR.
 func TestRefused(t *testing.T) {
 	dir := shortDir(t)
-	testExporter(t, dir, export.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+	testExporter(t, dir, producer.WithPolicy(producer.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	code, out, _ := poolstat(t, "-dir", dir)
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "1 unreachable")
@@ -404,7 +407,7 @@ func TestHelp(t *testing.T) {
 func TestVersion(t *testing.T) {
 	code, out, _ := poolstat(t, "-version")
 	assert.Equal(t, 0, code)
-	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(export.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
+	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(consumer.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
 }
 
 // A -dir named on the command line must exist; the default one appears with the first
@@ -421,7 +424,7 @@ func TestDirMissing(t *testing.T) {
 	assert.Equal(t, 2, code)
 	assert.Contains(t, errOut, file+" is not a directory")
 
-	t.Setenv(export.DirEnv, missing)
+	t.Setenv(discover.DirEnv, missing)
 	code, out, _ = poolstat(t)
 	assert.Equal(t, 0, code, out)
 	assert.Contains(t, out, "No cudapool exporter is announced in "+missing)
@@ -433,15 +436,15 @@ func TestTableWidth(t *testing.T) {
 	const widest = 1023 << 20 // "1023 MiB"
 	long := strings.Repeat("n", 80)
 	now := time.Now()
-	st := &export.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
-		Devices: []export.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
+	st := &discover.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
+		Devices: []discover.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
 	for i := range 3 {
-		st.Pools = append(st.Pools, export.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
+		st.Pools = append(st.Pools, discover.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
 			MaxSize: widest, ReservedCurrent: widest, ReservedHigh: widest, UsedCurrent: widest, UsedHigh: widest,
 			BytesReserved: widest, LiveBuffers: 99999, SharedBuffers: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
 			FailedFrees: 99999}})
-		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
-		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
+		st.Published = append(st.Published, discover.NameState{Name: long, Pool: uint64(i), Size: widest})
+		st.Peers = append(st.Peers, discover.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
 			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
 	}
 	r := &Report{Dir: "/run/user/1000/cudapool", Exporters: []Exporter{
@@ -472,7 +475,7 @@ func TestCleanLeavesUnreadableAnnouncement(t *testing.T) {
 // announce writes an announcement for pid, its socket at socket, as an exporter would.
 func announce(t *testing.T, dir string, pid int, socket string, started time.Time) string {
 	t.Helper()
-	body, err := json.Marshal(export.Announcement{PID: pid, Socket: socket, Name: "planted", Started: started})
+	body, err := json.Marshal(discover.Announcement{PID: pid, Socket: socket, Name: "planted", Started: started})
 	require.NoError(t, err)
 	path := filepath.Join(dir, strconv.Itoa(pid)+".json")
 	require.NoError(t, os.WriteFile(path, body, 0o600))
@@ -539,11 +542,11 @@ func TestTableEscapesWhatOthersSend(t *testing.T) {
 	now := time.Now()
 	var exporters []Exporter
 	for i, s := range hostile {
-		st := &export.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []export.DeviceState{{Ordinal: -3, UUID: s}}}
-		st.Pools = []export.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
+		st := &discover.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []discover.DeviceState{{Ordinal: -3, UUID: s}}}
+		st.Pools = []discover.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
 			SharedBuffers: -3, ActiveLeases: -4, DeferredFrees: -5, FailedFrees: -6}}}
-		st.Published = []export.NameState{{Name: s, Pool: 1, Size: 1}}
-		st.Peers = []export.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
+		st.Published = []discover.NameState{{Name: s, Pool: 1, Size: 1}}
+		st.Peers = []discover.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
 		exporters = append(exporters,
 			Exporter{Socket: s, Status: Live, State: st, Processes: map[int]string{200 + i: s}},
 			Exporter{PID: 300 + i, Name: s, Socket: s, Status: Dead, Error: s})

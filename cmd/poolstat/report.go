@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/privdir"
 )
@@ -40,7 +40,7 @@ const ReportSchema = 1
 //	  error    string   why, for every status but "live"
 //	  processes object  the command names of the state's peers (and of the exporter), by pid, as
 //	                    this host's /proc shows them; a pid it does not show is left out
-//	  state    object   the exporter's own description, export.State (schema export.StateSchema):
+//	  state    object   the exporter's own description, discover.State (schema discover.StateSchema):
 //	                    process, devices, pools with their figures, published names, peers with
 //	                    their leases
 //
@@ -54,12 +54,12 @@ type Report struct {
 
 // Exporter is one exporter in a Report.
 type Exporter struct {
-	PID    int           `json:"pid"`
-	Socket string        `json:"socket"`
-	Name   string        `json:"name,omitempty"`
-	Status Status        `json:"status"`
-	Error  string        `json:"error,omitempty"`
-	State  *export.State `json:"state,omitempty"`
+	PID    int             `json:"pid"`
+	Socket string          `json:"socket"`
+	Name   string          `json:"name,omitempty"`
+	Status Status          `json:"status"`
+	Error  string          `json:"error,omitempty"`
+	State  *discover.State `json:"state,omitempty"`
 	// Processes are the command names of the pids in State, by pid.
 	Processes map[int]string `json:"processes,omitempty"`
 }
@@ -112,7 +112,7 @@ func (l *looker) look(ctx context.Context) (*Report, error) {
 		r.Exporters = []Exporter{{Socket: l.socket, Status: Live}}
 	} else {
 		r.Dir = l.dir
-		anns, err := export.Discover(l.dir)
+		anns, err := discover.Discover(l.dir)
 		if err != nil {
 			return nil, err
 		}
@@ -148,7 +148,7 @@ const maxQueries = 16
 func (l *looker) query(ctx context.Context, e *Exporter) {
 	ctx, cancel := context.WithTimeout(ctx, l.timeout)
 	defer cancel()
-	st, err := export.QueryState(ctx, e.Socket)
+	st, err := discover.QueryState(ctx, e.Socket)
 	if err != nil {
 		e.Status, e.Error = Unreachable, explain(err, e.Socket)
 		return
@@ -163,7 +163,7 @@ func (l *looker) query(ctx context.Context, e *Exporter) {
 // commands returns the command names of the exporter's and its peers' pids, as far as
 // this host shows them: a peer on another host, in another pid namespace or gone since
 // the state was taken has none.
-func commands(st *export.State) map[int]string {
+func commands(st *discover.State) map[int]string {
 	names := map[int]string{}
 	for _, pid := range append([]int{st.PID}, peerPIDs(st)...) {
 		if info, err := peercred.Lookup(pid); err == nil {
@@ -176,7 +176,7 @@ func commands(st *export.State) map[int]string {
 	return names
 }
 
-func peerPIDs(st *export.State) []int {
+func peerPIDs(st *discover.State) []int {
 	var pids []int
 	for _, p := range st.Peers {
 		if !p.Remote {
@@ -247,7 +247,7 @@ func fileKind(m fs.FileMode) string {
 // that Discover found not live may still be a live process's. It checks first that the
 // file still holds the same announcement, so that an exporter that has just started
 // with a recycled pid keeps its own.
-func (l *looker) remove(e *Exporter, a export.Announcement) {
+func (l *looker) remove(e *Exporter, a discover.Announcement) {
 	if a.PID <= 0 {
 		e.Error += fmt.Sprintf(" (not removed: unreadable, so poolstat cannot tell whether it is stale; if it is, remove %s by hand)", a.Path)
 		return
@@ -256,8 +256,8 @@ func (l *looker) remove(e *Exporter, a export.Announcement) {
 		e.Error += fmt.Sprintf(" (not removed: %v)", err)
 		return
 	}
-	var now export.Announcement
-	body, regular, err := privdir.ReadRegular(a.Path, 64<<10)
+	var now discover.Announcement
+	body, regular, err := privdir.ReadRegular(a.Path, discover.MaxAnnouncement)
 	if err == nil && !regular {
 		err = errors.New("no longer a regular file")
 	}
@@ -287,7 +287,7 @@ const startSlack = time.Second
 // started after the announcement was written (the pid was reused). Otherwise it says
 // what may still be alive. A socket that cannot be checked (a path too long to dial, a
 // full backlog) or a process that cannot be looked up proves nothing.
-func provenDead(a export.Announcement) error {
+func provenDead(a discover.Announcement) error {
 	c, err := net.DialTimeout("unix", a.Socket, time.Second)
 	switch {
 	case err == nil:

@@ -9,11 +9,12 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // The processes poolstat is tested against: an exporter and consumers that do what the
@@ -42,7 +43,7 @@ func exporterRole(args []string) int {
 		if err != nil {
 			return err
 		}
-		ex, err := export.Listen(args[0], rt, export.WithName("test-exporter"))
+		ex, err := producer.Listen(args[0], rt, producer.WithName("test-exporter"))
 		if err != nil {
 			return err
 		}
@@ -90,11 +91,11 @@ func consumerRole(args []string) int {
 		if err != nil {
 			return err
 		}
-		imp, err := export.Dial(ctx, args[0], rt, dev)
+		imp, err := consumer.Dial(ctx, args[0], rt, dev)
 		if err != nil {
 			return err
 		}
-		var maps []*export.Mapping
+		var maps []*consumer.Mapping
 		for _, name := range args[2:] {
 			m, err := imp.Open(ctx, name, 0)
 			if err != nil {

@@ -18,14 +18,14 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // TestServe scrapes poolstat -serve over loopback: a live exporter with a published
 // buffer, and a dead one, announced by a process that has exited.
 func TestServe(t *testing.T) {
 	dir := shortDir(t)
-	ex := testExporter(t, dir, export.WithName("served"))
+	ex := testExporter(t, dir, producer.WithName("served"))
 	live, err := ex.State()
 	require.NoError(t, err)
 	gone := exec.Command("true")

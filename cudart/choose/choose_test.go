@@ -1,14 +1,20 @@
 package choose_test
 
 import (
+	"context"
 	"fmt"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 )
 
@@ -114,4 +120,30 @@ func ExampleRuntime() {
 	// Output:
 	// running on the cudarttest software device, as asked
 	// GPU: false devices: 2
+}
+
+// TestLinkedOnlyWhereAskedFor checks, with the go command, that the production
+// binaries (poolstat, and libcudapool built without its test tag) do not depend on the
+// software device, and that libcudapool's test mode and the examples do.
+func TestLinkedOnlyWhereAskedFor(t *testing.T) {
+	goCmd, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go command")
+	}
+	deps := func(t *testing.T, args ...string) []string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, goCmd, append([]string{"list", "-deps", "-f", "{{.ImportPath}}"}, args...)...)
+		cmd.Dir = filepath.Join("..", "..")
+		out, err := cmd.Output()
+		require.NoError(t, err, "go list %v", args)
+		return strings.Fields(string(out))
+	}
+	const soft = "github.com/cudapool/cudapool/cudart/cudarttest"
+	for _, pkg := range []string{"./cmd/poolstat", "./capi", "./metrics", "./cudart/choose"} {
+		assert.NotContains(t, deps(t, pkg), soft, "%s links the software device", pkg)
+	}
+	assert.Contains(t, deps(t, "-tags", "cudapool_softdevice", "./capi"), soft, "libcudapool's test mode")
+	assert.Contains(t, deps(t, "./examples/kvshare"), soft, "the examples' -runtime test")
 }

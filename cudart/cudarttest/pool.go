@@ -4,8 +4,6 @@ import (
 	"slices"
 	"sort"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/cudapool/cudapool/cudart"
 )
 
@@ -409,8 +407,7 @@ func (d *Device) MemPoolTrimTo(dev int, h cudart.MemPool, minBytesToKeep uint64)
 		return nil
 	}
 	// Give the pages back, as the driver unmaps the physical memory.
-	unix.Fallocate(p.reg.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE,
-		int64(poolDataOffset+keep), int64(reserved-keep))
+	punchHole(p.reg.fd, int64(poolDataOffset+keep), int64(reserved-keep))
 	p.reg.store(hReserved, keep)
 	d.devs[p.dev].reserved -= reserved - keep
 	return nil

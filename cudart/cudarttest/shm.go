@@ -24,9 +24,9 @@ type region struct {
 // newRegion creates a memfd of size bytes (sparse: only touched pages cost memory)
 // and maps it. On failure nothing is left open.
 func newRegion(name string, size uint64) (*region, error) {
-	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
+	fd, err := memfdCreate(name)
 	if err != nil {
-		return nil, fmt.Errorf("memfd_create: %w", err)
+		return nil, err
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		unix.Close(fd)

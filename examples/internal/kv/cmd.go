@@ -17,7 +17,8 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
+	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the software device, for -runtime test and where there is no GPU
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/privdir"
 )
 
@@ -248,7 +249,7 @@ func waitLine(ctx context.Context, r io.Reader) error {
 // announcements, in the private announce directory (created if missing), so that no
 // other user can take its place.
 func DefaultSocket() (string, error) {
-	dir := export.DefaultDir()
+	dir := discover.DefaultDir()
 	if err := privdir.Ensure(dir); err != nil {
 		return "", err
 	}

@@ -7,8 +7,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -68,7 +68,7 @@ func Consume(ctx context.Context, rt cudart.Runtime, cfg ConsumerConfig) (res Re
 	}
 	defer func() { err = errors.Join(err, rt.StreamDestroy(cfg.Device, stream)) }()
 
-	imp, err := export.Dial(ctx, cfg.Socket, rt, cfg.Device)
+	imp, err := consumer.Dial(ctx, cfg.Socket, rt, cfg.Device)
 	if err != nil {
 		return res, err
 	}

@@ -13,9 +13,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 )
 
 // TestMain lets the launcher test re-execute this binary as "producer" and "consumer",
@@ -37,18 +38,18 @@ const hangGuard = time.Minute
 // producer runs Produce on its own software device, as a separate process would, and
 // stops it at the end of the test, checking that it stopped cleanly and that its device
 // saw no broken rule.
-type producer struct {
+type producerSide struct {
 	pub  Published
 	dev  *cudarttest.Device
 	stop context.CancelFunc
 	done chan error
 }
 
-func startProducer(t *testing.T, seed uint64, notify func(string)) *producer {
+func startProducer(t *testing.T, seed uint64, notify func(string)) *producerSide {
 	t.Helper()
-	t.Setenv(export.DirEnv, t.TempDir())
+	t.Setenv(discover.DirEnv, t.TempDir())
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &producer{dev: cudarttest.New(), stop: cancel, done: make(chan error, 1)}
+	p := &producerSide{dev: cudarttest.New(), stop: cancel, done: make(chan error, 1)}
 	ready := make(chan Published, 1)
 	cfg := ProducerConfig{Socket: filepath.Join(t.TempDir(), "kv.sock"), Name: "kv", Shape: smallShape, Seed: seed, Notify: notify}
 	go func() { p.done <- Produce(ctx, p.dev, cfg, func(pub Published) { ready <- pub }) }()
@@ -68,7 +69,7 @@ func startProducer(t *testing.T, seed uint64, notify func(string)) *producer {
 }
 
 // wait returns what Produce returned, once; later calls return nil.
-func (p *producer) wait(t *testing.T) error {
+func (p *producerSide) wait(t *testing.T) error {
 	select {
 	case err, ok := <-p.done:
 		if ok {
@@ -83,7 +84,7 @@ func (p *producer) wait(t *testing.T) error {
 
 // consume runs Consume on a software device of its own, as a separate process would, and
 // checks that its device saw no broken rule.
-func consume(t *testing.T, ctx context.Context, p *producer, cfg ConsumerConfig) (Result, error) {
+func consume(t *testing.T, ctx context.Context, p *producerSide, cfg ConsumerConfig) (Result, error) {
 	dev := cudarttest.New()
 	defer func() { assert.NoError(t, dev.Err(), "consumer's device saw broken rules") }()
 	cfg.Socket, cfg.Name = p.pub.Socket, p.pub.Name
@@ -94,9 +95,9 @@ func consume(t *testing.T, ctx context.Context, p *producer, cfg ConsumerConfig)
 }
 
 // leases returns the leases the producer's pool holds now, asking as poolstat does.
-func (p *producer) leases(t *testing.T) int {
+func (p *producerSide) leases(t *testing.T) int {
 	t.Helper()
-	st, err := export.QueryState(context.Background(), p.pub.Socket)
+	st, err := discover.QueryState(context.Background(), p.pub.Socket)
 	require.NoError(t, err)
 	n := 0
 	for _, ps := range st.Pools {
@@ -142,7 +143,7 @@ func TestUnknownName(t *testing.T) {
 	p := startProducer(t, 1, nil)
 	p.pub.Name = "no-such-cache"
 	_, err := consume(t, context.Background(), p, ConsumerConfig{Seed: 1})
-	require.ErrorIs(t, err, export.ErrUnknownName, "opening an unpublished name")
+	require.ErrorIs(t, err, consumer.ErrUnknownName, "opening an unpublished name")
 }
 
 func TestConsumerInterrupted(t *testing.T) {
@@ -179,7 +180,7 @@ func TestProducerStopsWhileHeld(t *testing.T) {
 }
 
 func TestLaunch(t *testing.T) {
-	t.Setenv(export.DirEnv, t.TempDir())
+	t.Setenv(discover.DirEnv, t.TempDir())
 	// The runtime kvshare would pick: the software device here, the GPUs on a GPU host.
 	picked, err := choose.Runtime(choose.Auto)
 	require.NoError(t, err)
@@ -196,12 +197,12 @@ func TestLaunch(t *testing.T) {
 	}
 	assert.Equal(t, 3, rows, "want 3 good rows and a closing line:\n%s", &out)
 	assert.Contains(t, lines[len(lines)-1], "3 consumers read the producer's 8.0 MiB and checked every byte", "want 3 good rows and a closing line:\n%s", &out)
-	entries, _ := os.ReadDir(os.Getenv(export.DirEnv))
+	entries, _ := os.ReadDir(os.Getenv(discover.DirEnv))
 	assert.Empty(t, entries, "kvshare left files behind")
 }
 
 func TestLaunchInterrupted(t *testing.T) {
-	t.Setenv(export.DirEnv, t.TempDir())
+	t.Setenv(discover.DirEnv, t.TempDir())
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	testHookPublished = cancel // Ctrl-C once the producer serves the cache
@@ -210,7 +211,7 @@ func TestLaunchInterrupted(t *testing.T) {
 	code := LaunchCommand(ctx, []string{"-tokens", "64"}, nil, &out, &errOut)
 	assert.Equal(t, ExitInterrupted, code, "interrupted kvshare's exit\nstdout:\n%s\nstderr:\n%s", &out, &errOut)
 	assert.Contains(t, out.String(), "interrupted; the producer and the consumers stopped", "stderr:\n%s", &errOut)
-	entries, _ := os.ReadDir(os.Getenv(export.DirEnv))
+	entries, _ := os.ReadDir(os.Getenv(discover.DirEnv))
 	assert.Empty(t, entries, "the interrupted run left files behind")
 }
 

@@ -20,7 +20,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/privdir"
 )
 
@@ -114,7 +114,7 @@ func (l *launch) run(ctx context.Context) error {
 	}
 	// The socket goes in the private announce directory, which the producer removes it
 	// from when it stops, so that even a killed launcher leaves nothing behind.
-	dir := export.DefaultDir()
+	dir := discover.DefaultDir()
 	if err := privdir.Ensure(dir); err != nil {
 		return err
 	}

@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/producer"
 )
 
 // ProducerConfig says what a producer builds and where it publishes it.
@@ -87,7 +87,7 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 	}
 
 	// A program asks for the library's log: peers lost or refused, on its stderr.
-	ex, err := export.Listen(cfg.Socket, rt, export.WithLogger(slog.Default()))
+	ex, err := producer.Listen(cfg.Socket, rt, producer.WithLogger(slog.Default()))
 	if err != nil {
 		return err
 	}
@@ -106,7 +106,7 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 	return nil
 }
 
-func leasesHeld(ex *export.Exporter) int {
+func leasesHeld(ex *producer.Exporter) int {
 	n := 0
 	for _, p := range ex.Peers() {
 		n += p.Leases

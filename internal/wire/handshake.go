@@ -1,0 +1,82 @@
+package wire
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"syscall"
+	"time"
+)
+
+// dialSocket connects to the exporter's socket at path.
+func DialSocket(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+			// A connect to a file that is no socket is refused too: say what is there.
+			if info, serr := os.Stat(path); serr == nil && info.Mode().Type() != fs.ModeSocket {
+				return nil, fmt.Errorf("%w: %s (mode %v) is not an exporter's socket", ErrNotSocket, path, info.Mode())
+			}
+			return nil, fmt.Errorf("%w: nothing listens at %s: %w", ErrExporterGone, path, err)
+		}
+		return nil, fmt.Errorf("cudapool: dial %s: %w", path, err)
+	}
+	return nc, nil
+}
+
+// handshake is the connecting side's half of the handshake: it says h and reads the
+// exporter's Welcome, within timeout unless ctx ends first. It fails with ErrRefused
+// and the exporter's reason, ErrVersionMismatch, ErrExporterGone if the exporter hung
+// up, or ctx's error. The caller closes nc on failure.
+func Handshake(ctx context.Context, nc net.Conn, h *HelloMsg, timeout time.Duration) (*Conn, *WelcomeMsg, error) {
+	c := NewConn(nc, true)
+	deadline := time.Now().Add(timeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	nc.SetDeadline(deadline)
+	stop := context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if err := c.Send(ctx, h, -1); err != nil {
+		return nil, nil, ctxOr(ctx, err)
+	}
+	m, fd, err := c.Recv()
+	if fd >= 0 {
+		CloseFDs([]int{fd}) // a pool handle before Welcome: refused below
+	}
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, nil, fmt.Errorf("%w: the exporter closed the connection during the handshake", ErrExporterGone)
+		}
+		return nil, nil, ctxOr(ctx, fmt.Errorf("cudapool: handshake: %w", err))
+	}
+	switch m := m.(type) {
+	case *RefusedMsg:
+		if m.Version != ProtocolVersion {
+			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d: %s", ErrVersionMismatch, m.Version, ProtocolVersion, m.Reason)
+		}
+		return nil, nil, fmt.Errorf("%w: %s", ErrRefused, m.Reason)
+	case *WelcomeMsg:
+		if m.Version != ProtocolVersion {
+			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d", ErrVersionMismatch, m.Version, ProtocolVersion)
+		}
+		if !stop() {
+			return nil, nil, fmt.Errorf("cudapool: handshake: %w", ctx.Err())
+		}
+		nc.SetDeadline(time.Time{})
+		return c, m, nil
+	}
+	return nil, nil, fmt.Errorf("%w: the exporter answered Hello with %s", ErrProtocol, m.Kind())
+}
+
+func ctxOr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("cudapool: handshake: %w", ctx.Err())
+	}
+	return err
+}

@@ -1,0 +1,19 @@
+//go:build !linux
+
+package wire
+
+import (
+	"errors"
+	"syscall"
+)
+
+// idleWatch is Linux's (epoll); elsewhere the client's watcher reads for good.
+type idleWatch struct{}
+
+func newIdleWatch(syscall.RawConn) (*idleWatch, error) {
+	return nil, errors.New("no idle watch on this system")
+}
+
+func (*idleWatch) wait() error { return errors.New("no idle watch") }
+func (*idleWatch) set(bool)    {}
+func (*idleWatch) Close()      {}

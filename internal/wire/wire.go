@@ -1,0 +1,802 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/printable"
+)
+
+// ProtocolVersion is the version of the sharing protocol this package speaks. Both
+// sides must speak the same one. Version 2 leases a range of a buffer and carries the
+// publish's metadata with each lease, and adds retained imports: Welcome's flags,
+// Release's retain flag, Revoke and Revoked.
+const ProtocolVersion = 2
+
+// The frame layout: [u32 little-endian payload length][u8 type][payload].
+const (
+	HeaderLen = 5
+	// maxFrame bounds a whole frame, header included, so a peer cannot make the other
+	// side allocate more than this for one message.
+	MaxFrame   = 64 << 10
+	MaxPayload = MaxFrame - HeaderLen
+	// MaxNameLen is the longest name a buffer can be published under, in bytes.
+	MaxNameLen = 255
+	// MaxMetaLen is the most metadata a publish can carry (WithMeta), in bytes.
+	MaxMetaLen = 4096
+	// maxDevices bounds the device UUIDs a Welcome lists.
+	MaxDevices = 16
+	// maxStateBytes bounds the JSON a State reply may add up to across its frames.
+	MaxStateBytes = 16 << 20
+)
+
+// msgType is a frame's type byte.
+type MsgType uint8
+
+const (
+	MsgHello        MsgType = 1  // importer: version, pid, device, release event
+	MsgWelcome      MsgType = 2  // exporter: admitted
+	MsgRefused      MsgType = 3  // exporter: not admitted, and why; then close
+	MsgPoolHandle   MsgType = 4  // exporter: a pool's handle (fd attached for POSIX fd)
+	MsgOpen         MsgType = 5  // importer: lease the buffer under a name
+	MsgLease        MsgType = 6  // exporter: the lease answering an Open
+	MsgRelease      MsgType = 7  // importer: give a lease back
+	MsgReleased     MsgType = 8  // exporter: the lease has ended
+	MsgError        MsgType = 9  // exporter: a request failed
+	MsgPush         MsgType = 10 // exporter: a lease nobody asked for
+	MsgStateRequest MsgType = 11 // importer: describe yourself
+	MsgState        MsgType = 12 // exporter: a chunk of the State JSON
+	MsgBye          MsgType = 13 // either: no more requests from me
+	MsgRevoke       MsgType = 14 // exporter: free your retained import of this record
+	MsgRevoked      MsgType = 15 // importer: freed it, as of my release event
+	MsgOpenBatch    MsgType = 16 // importer: lease the buffers under these names
+	MsgLeaseBatch   MsgType = 17 // exporter: leases answering an OpenBatch, in one or more frames
+	MsgReleaseBatch MsgType = 18 // importer: give these leases back; answered by one Released
+)
+
+var msgNames = [...]string{
+	MsgHello: "Hello", MsgWelcome: "Welcome", MsgRefused: "Refused", MsgPoolHandle: "PoolHandle",
+	MsgOpen: "Open", MsgLease: "Lease", MsgRelease: "Release", MsgReleased: "Released",
+	MsgError: "Error", MsgPush: "Push", MsgStateRequest: "StateRequest", MsgState: "State", MsgBye: "Bye",
+	MsgRevoke: "Revoke", MsgRevoked: "Revoked",
+	MsgOpenBatch: "OpenBatch", MsgLeaseBatch: "LeaseBatch", MsgReleaseBatch: "ReleaseBatch",
+}
+
+func (t MsgType) String() string {
+	if int(t) < len(msgNames) && msgNames[t] != "" {
+		return msgNames[t]
+	}
+	return fmt.Sprintf("type %d", uint8(t))
+}
+
+// message is one decoded frame.
+type Message interface {
+	Kind() MsgType
+	// appendPayload appends the payload's fixed binary layout to b.
+	AppendPayload(b []byte) []byte
+}
+
+// Hello flags.
+const (
+	// helloLeases: the peer takes leases; Device and HandleTypes are meaningful.
+	HelloLeases uint32 = 1 << 0
+	// helloReleaseEvent: ReleaseEvent is an IPC event recorded after each of the
+	// peer's frees. A leasing peer without one synchronises its frees before it
+	// sends Release (a peer on another host, where IPC events cannot travel).
+	HelloReleaseEvent uint32 = 1 << 1
+	HelloKnown               = HelloLeases | HelloReleaseEvent
+)
+
+type HelloMsg struct {
+	Version      uint32
+	PID          uint32
+	Flags        uint32
+	HandleTypes  uint32 // the cudart.HandleType bits the peer can import
+	Device       cudart.UUID
+	ReleaseEvent cudart.IpcEventHandle
+}
+
+const helloLen = 4*4 + 16 + 64
+
+// Welcome flags.
+const (
+	// welcomeRetain: the exporter lets the importer keep its imports mapped past
+	// their leases (Release with releaseRetain), and revokes them with Revoke.
+	WelcomeRetain uint32 = 1 << 0
+	WelcomeKnown         = WelcomeRetain
+)
+
+type WelcomeMsg struct {
+	Version uint32
+	PID     uint32
+	Flags   uint32
+	Devices []cudart.UUID // at most maxDevices
+}
+
+const welcomeLen = 4*4 + MaxDevices*16
+
+type RefusedMsg struct {
+	Version uint32
+	Reason  string
+}
+
+type PoolHandleMsg struct {
+	PoolID     uint64
+	HandleType cudart.HandleType
+	Device     cudart.UUID
+	MaxSize    uint64
+	Fabric     cudart.FabricHandle // zero unless HandleType is FABRIC
+}
+
+const poolHandleLen = 8 + 4 + 16 + 8 + 64
+
+type OpenMsg struct {
+	ReqID uint64
+	Name  string
+}
+
+// Lease flags.
+const (
+	// leaseReadyEvent: Ready is an IPC event the consumer's stream must wait on.
+	// Without it the exporter waited for the producer's writes before it answered.
+	LeaseReadyEvent uint32 = 1 << 0
+	LeaseKnown             = LeaseReadyEvent
+)
+
+type LeaseMsg struct {
+	ReqID    uint64
+	LeaseID  uint64
+	PoolID   uint64
+	BufferID uint64
+	Size     uint64 // the whole buffer's, which the importer maps
+	// Offset and Length are the range of the buffer the lease is for.
+	Offset, Length uint64
+	Flags          uint32
+	Record         cudart.PtrExportData
+	Ready          cudart.IpcEventHandle
+	Meta           []byte // at most MaxMetaLen; its length goes before Record
+}
+
+// leaseLen is a Lease's fixed part; the metadata follows it.
+const LeaseLen = 8*7 + 4 + 4 + 64 + 64
+
+// pushMsg is a lease the exporter sends unasked, with the name it was published under.
+type PushMsg struct {
+	LeaseMsg
+	Name string
+}
+
+// Release flags.
+const (
+	// releaseNothingImported: the importer imported nothing under the lease (a push it
+	// did not want), so the exporter need not wait for any free of it.
+	ReleaseNothingImported uint32 = 1 << 0
+	// releaseRetain: the importer keeps its import mapped; its release event covers
+	// its work on the buffer, not a free. The exporter revokes it before the memory
+	// goes back to the driver. Only where the Welcome allowed it.
+	ReleaseRetain uint32 = 1 << 1
+	ReleaseKnown         = ReleaseNothingImported | ReleaseRetain
+)
+
+type ReleaseMsg struct {
+	ReqID   uint64
+	LeaseID uint64
+	// Count is how many grants of the lease the importer returns: an exporter asked
+	// twice for a buffer a connection already holds grants the same lease again.
+	Count uint32
+	Flags uint32
+}
+
+const releaseLen = 8 + 8 + 4 + 4
+
+type ReleasedMsg struct {
+	ReqID   uint64
+	LeaseID uint64
+}
+
+const releasedLen = 8 + 8
+
+// errCode says on the wire which sentinel an Error frame stands for.
+type ErrCode uint32
+
+const (
+	codeExporter ErrCode = iota + 1
+	codeUnknownName
+	codeStaleLease
+	codeForeignLease
+	codeForgedLease
+	CodeBufferGone
+	codeClosed
+	codeHandleType
+	codeIMEXRequired
+	codeBadRequest
+	codeNoLeases
+	codeTooManyGrants
+	CodeLimit // one past the last code
+)
+
+var CodeErrs = [CodeLimit]error{
+	codeExporter: ErrExporter, codeUnknownName: ErrUnknownName, codeStaleLease: ErrStaleLease,
+	codeForeignLease: ErrForeignLease, codeForgedLease: ErrForgedLease, CodeBufferGone: ErrBufferGone,
+	codeClosed: ErrExporterGone, codeHandleType: ErrHandleType, codeIMEXRequired: ErrIMEXRequired,
+	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases, codeTooManyGrants: ErrTooManyGrants,
+}
+
+// codeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
+func CodeOf(err error) ErrCode {
+	if errors.Is(err, ErrClosed) {
+		return codeClosed
+	}
+	for c := codeExporter + 1; c < CodeLimit; c++ {
+		if errors.Is(err, CodeErrs[c]) {
+			return c
+		}
+	}
+	return codeExporter
+}
+
+type ErrorMsg struct {
+	ReqID uint64
+	Code  ErrCode
+	Text  string
+}
+
+// ErrorFor is the Error frame answering request reqID with err, its text cut to fit
+// the frame.
+func ErrorFor(reqID uint64, err error) *ErrorMsg {
+	return &ErrorMsg{ReqID: reqID, Code: CodeOf(err), Text: FitText(err.Error(), MaxPayload-8-4)}
+}
+
+// FitText is s cut to at most n bytes on a character boundary, the cut marked with an
+// ellipsis.
+func FitText(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
+type StateRequestMsg struct{ ReqID uint64 }
+
+// State flags.
+const (
+	StateMore  uint32 = 1 << 0 // more State frames follow for this request
+	StateKnown        = StateMore
+)
+
+type StateMsg struct {
+	ReqID uint64
+	Flags uint32
+	JSON  []byte
+}
+
+type ByeMsg struct{}
+
+// revokeMsg asks the importer to free its retained import of Record, and revokedMsg
+// says it has, as of the importer's release event.
+type RevokeMsg struct{ Record cudart.PtrExportData }
+
+type RevokedMsg struct{ Record cudart.PtrExportData }
+
+const revokeLen = len(cudart.PtrExportData{})
+
+// MaxBatch is the most names an OpenBatch (Importer.OpenAll) and the most leases a
+// ReleaseBatch (Importer.ReleaseAll) may carry.
+const MaxBatch = 1024
+
+// openBatchMsg asks for many names at once: each is a u8 length and its bytes.
+type OpenBatchMsg struct {
+	ReqID uint64
+	Names []string
+}
+
+// LeaseBatch flags.
+const (
+	LeaseBatchMore  uint32 = 1 << 0 // more LeaseBatch frames follow for this request
+	LeaseBatchKnown        = LeaseBatchMore
+)
+
+// leaseBatchMsg answers an OpenBatch: its leases, in the order of the names, over as
+// many frames as they need, each lease laid out as in Lease (with the batch's ReqID).
+type LeaseBatchMsg struct {
+	ReqID  uint64
+	Flags  uint32
+	Leases []LeaseMsg
+}
+
+const LeaseBatchHeaderLen = 8 + 4 + 4
+
+// releaseBatchMsg gives back grants of many leases; each entry is a Release's lease
+// id, count and flags.
+type ReleaseBatchMsg struct {
+	ReqID   uint64
+	Entries []ReleaseMsg // ReqID unused
+}
+
+const releaseEntryLen = 8 + 4 + 4
+
+func (*HelloMsg) Kind() MsgType { return MsgHello }
+
+func (*WelcomeMsg) Kind() MsgType { return MsgWelcome }
+
+func (*RefusedMsg) Kind() MsgType { return MsgRefused }
+
+func (*PoolHandleMsg) Kind() MsgType { return MsgPoolHandle }
+
+func (*OpenMsg) Kind() MsgType { return MsgOpen }
+
+func (*LeaseMsg) Kind() MsgType { return MsgLease }
+
+func (*PushMsg) Kind() MsgType { return MsgPush }
+
+func (*ReleaseMsg) Kind() MsgType { return MsgRelease }
+
+func (*ReleasedMsg) Kind() MsgType { return MsgReleased }
+
+func (*ErrorMsg) Kind() MsgType { return MsgError }
+
+func (*StateRequestMsg) Kind() MsgType { return MsgStateRequest }
+
+func (*StateMsg) Kind() MsgType { return MsgState }
+
+func (*ByeMsg) Kind() MsgType { return MsgBye }
+
+func (*RevokeMsg) Kind() MsgType { return MsgRevoke }
+
+func (*RevokedMsg) Kind() MsgType { return MsgRevoked }
+
+func (*OpenBatchMsg) Kind() MsgType { return MsgOpenBatch }
+
+func (*LeaseBatchMsg) Kind() MsgType { return MsgLeaseBatch }
+
+func (*ReleaseBatchMsg) Kind() MsgType { return MsgReleaseBatch }
+
+var Le = binary.LittleEndian
+
+func (m *HelloMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint32(b, m.Version)
+	b = Le.AppendUint32(b, m.PID)
+	b = Le.AppendUint32(b, m.Flags)
+	b = Le.AppendUint32(b, m.HandleTypes)
+	b = append(b, m.Device[:]...)
+	return append(b, m.ReleaseEvent[:]...)
+}
+
+func (m *WelcomeMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint32(b, m.Version)
+	b = Le.AppendUint32(b, m.PID)
+	b = Le.AppendUint32(b, m.Flags)
+	b = Le.AppendUint32(b, uint32(len(m.Devices)))
+	var slots [MaxDevices]cudart.UUID
+	copy(slots[:], m.Devices)
+	for _, u := range slots {
+		b = append(b, u[:]...)
+	}
+	return b
+}
+
+func (m *RefusedMsg) AppendPayload(b []byte) []byte {
+	return append(Le.AppendUint32(b, m.Version), m.Reason...)
+}
+
+func (m *PoolHandleMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.PoolID)
+	b = Le.AppendUint32(b, uint32(m.HandleType))
+	b = append(b, m.Device[:]...)
+	b = Le.AppendUint64(b, m.MaxSize)
+	return append(b, m.Fabric[:]...)
+}
+
+func (m *OpenMsg) AppendPayload(b []byte) []byte {
+	return append(Le.AppendUint64(b, m.ReqID), m.Name...)
+}
+
+func (m *LeaseMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.ReqID)
+	b = Le.AppendUint64(b, m.LeaseID)
+	b = Le.AppendUint64(b, m.PoolID)
+	b = Le.AppendUint64(b, m.BufferID)
+	b = Le.AppendUint64(b, m.Size)
+	b = Le.AppendUint64(b, m.Offset)
+	b = Le.AppendUint64(b, m.Length)
+	b = Le.AppendUint32(b, m.Flags)
+	b = Le.AppendUint32(b, uint32(len(m.Meta)))
+	b = append(b, m.Record[:]...)
+	b = append(b, m.Ready[:]...)
+	return append(b, m.Meta...)
+}
+
+func (m *PushMsg) AppendPayload(b []byte) []byte {
+	return append(m.LeaseMsg.AppendPayload(b), m.Name...)
+}
+
+func (m *ReleaseMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.ReqID)
+	b = Le.AppendUint64(b, m.LeaseID)
+	b = Le.AppendUint32(b, m.Count)
+	return Le.AppendUint32(b, m.Flags)
+}
+
+func (m *ReleasedMsg) AppendPayload(b []byte) []byte {
+	return Le.AppendUint64(Le.AppendUint64(b, m.ReqID), m.LeaseID)
+}
+
+func (m *ErrorMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.ReqID)
+	b = Le.AppendUint32(b, uint32(m.Code))
+	return append(b, m.Text...)
+}
+
+func (m *StateRequestMsg) AppendPayload(b []byte) []byte { return Le.AppendUint64(b, m.ReqID) }
+
+func (m *StateMsg) AppendPayload(b []byte) []byte {
+	return append(Le.AppendUint32(Le.AppendUint64(b, m.ReqID), m.Flags), m.JSON...)
+}
+
+func (*ByeMsg) AppendPayload(b []byte) []byte { return b }
+
+func (m *RevokeMsg) AppendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
+
+func (m *OpenBatchMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.ReqID)
+	for _, n := range m.Names {
+		b = append(append(b, byte(len(n))), n...)
+	}
+	return b
+}
+
+func (m *LeaseBatchMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint32(Le.AppendUint32(Le.AppendUint64(b, m.ReqID), m.Flags), uint32(len(m.Leases)))
+	for i := range m.Leases {
+		b = m.Leases[i].AppendPayload(b)
+	}
+	return b
+}
+
+func (m *ReleaseBatchMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint32(Le.AppendUint64(b, m.ReqID), uint32(len(m.Entries)))
+	for _, e := range m.Entries {
+		b = Le.AppendUint32(Le.AppendUint32(Le.AppendUint64(b, e.LeaseID), e.Count), e.Flags)
+	}
+	return b
+}
+
+func (m *RevokedMsg) AppendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
+
+// appendFrame appends m as one whole frame to b.
+func AppendFrame(b []byte, m Message) []byte {
+	start := len(b)
+	b = append(b, 0, 0, 0, 0, byte(m.Kind()))
+	b = m.AppendPayload(b)
+	Le.PutUint32(b[start:], uint32(len(b)-start-HeaderLen))
+	return b
+}
+
+// parseHeader checks a frame header and returns the payload length it announces.
+// A header is refused before its payload is read: an unknown type, or a length the type
+// cannot have (an oversized frame among them).
+func parseHeader(h []byte) (MsgType, int, error) {
+	n := Le.Uint32(h)
+	t := MsgType(h[4])
+	if n > MaxPayload {
+		return t, 0, ProtocolErr("oversized frame: %s payload of %d bytes, the limit is %d", t, n, MaxPayload)
+	}
+	if int(t) >= len(PayloadLimits) || PayloadLimits[t].Max == 0 && t != MsgBye {
+		return t, 0, ProtocolErr("unknown message type %d", uint8(t))
+	}
+	lim := PayloadLimits[t]
+	if int(n) < lim.Min || int(n) > lim.Max {
+		if lim.Min == lim.Max {
+			return t, 0, ProtocolErr("%s payload is %d bytes, want %d", t, n, lim.Min)
+		}
+		return t, 0, ProtocolErr("%s payload is %d bytes, want %d to %d", t, n, lim.Min, lim.Max)
+	}
+	return t, int(n), nil
+}
+
+// payloadLimits gives each type's smallest and largest payload length.
+var PayloadLimits = [...]struct{ Min, Max int }{
+	// A Hello of another protocol version may have another length: its version,
+	// first, is read before the length is held to this version's.
+	MsgHello:        {4, MaxPayload},
+	MsgWelcome:      {welcomeLen, welcomeLen},
+	MsgRefused:      {4 + 1, MaxPayload},
+	MsgPoolHandle:   {poolHandleLen, poolHandleLen},
+	MsgOpen:         {8 + 1, 8 + MaxNameLen},
+	MsgLease:        {LeaseLen, LeaseLen + MaxMetaLen},
+	MsgRelease:      {releaseLen, releaseLen},
+	MsgReleased:     {releasedLen, releasedLen},
+	MsgError:        {8 + 4 + 1, MaxPayload},
+	MsgPush:         {LeaseLen + 1, LeaseLen + MaxMetaLen + MaxNameLen},
+	MsgStateRequest: {8, 8},
+	MsgState:        {8 + 4, MaxPayload},
+	MsgBye:          {0, 0},
+	MsgRevoke:       {revokeLen, revokeLen},
+	MsgRevoked:      {revokeLen, revokeLen},
+	MsgOpenBatch:    {8 + 2, MaxPayload},
+	MsgLeaseBatch:   {LeaseBatchHeaderLen + LeaseLen, MaxPayload},
+	MsgReleaseBatch: {8 + 4, 8 + 4 + MaxBatch*releaseEntryLen},
+}
+
+// decodePayload decodes the payload of a frame whose header parseHeader accepted.
+// Every field is checked: unknown flag bits, out-of-range counts, names and texts that
+// are not clean UTF-8, and non-zero padding are all refused, so that a frame decodes
+// only if encoding what it decoded to gives the same bytes.
+func DecodePayload(t MsgType, p []byte) (Message, error) {
+	r := reader{b: p}
+	switch t {
+	case MsgHello:
+		m := &HelloMsg{Version: r.u32()}
+		if m.Version != ProtocolVersion {
+			return nil, versionErr(m.Version)
+		}
+		if len(p) != helloLen {
+			return nil, ProtocolErr("%s payload is %d bytes, want %d", t, len(p), helloLen)
+		}
+		m.PID, m.Flags, m.HandleTypes = r.u32(), r.u32(), r.u32()
+		r.bytes(m.Device[:])
+		r.bytes(m.ReleaseEvent[:])
+		if err := checkFlags(t, m.Flags, HelloKnown); err != nil {
+			return nil, err
+		}
+		if m.Flags&HelloReleaseEvent != 0 && m.Flags&HelloLeases == 0 {
+			return nil, ProtocolErr("Hello has a release event but takes no leases")
+		}
+		return m, nil
+	case MsgWelcome:
+		m := &WelcomeMsg{Version: r.u32(), PID: r.u32(), Flags: r.u32()}
+		if err := checkFlags(t, m.Flags, WelcomeKnown); err != nil {
+			return nil, err
+		}
+		n := r.u32()
+		if n > MaxDevices {
+			return nil, ProtocolErr("Welcome lists %d devices, at most %d", n, MaxDevices)
+		}
+		m.Devices = make([]cudart.UUID, n)
+		for i := range MaxDevices {
+			var u cudart.UUID
+			r.bytes(u[:])
+			if uint32(i) < n {
+				m.Devices[i] = u
+			} else if u != (cudart.UUID{}) {
+				return nil, ProtocolErr("Welcome has bytes in unused device slot %d", i)
+			}
+		}
+		return m, nil
+	case MsgRefused:
+		m := &RefusedMsg{Version: r.u32()}
+		var err error
+		m.Reason, err = r.text(t, "reason")
+		return m, err
+	case MsgPoolHandle:
+		m := &PoolHandleMsg{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
+		r.bytes(m.Device[:])
+		m.MaxSize = r.u64()
+		r.bytes(m.Fabric[:])
+		switch m.HandleType {
+		case cudart.HandleTypePosixFD:
+			if m.Fabric != (cudart.FabricHandle{}) {
+				return nil, ProtocolErr("POSIX fd PoolHandle carries fabric bytes")
+			}
+		case cudart.HandleTypeFabric:
+		default:
+			return nil, ProtocolErr("PoolHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+		}
+		return m, nil
+	case MsgOpen:
+		m := &OpenMsg{ReqID: r.u64()}
+		var err error
+		m.Name, err = r.name(t)
+		return m, err
+	case MsgLease:
+		m := &LeaseMsg{}
+		if err := r.lease(m); err != nil {
+			return nil, err
+		}
+		if r.i != len(p) {
+			return nil, ProtocolErr("Lease has %d bytes after its metadata", len(p)-r.i)
+		}
+		return m, nil
+	case MsgPush:
+		m := &PushMsg{}
+		if err := r.lease(&m.LeaseMsg); err != nil {
+			return nil, err
+		}
+		if m.ReqID != 0 {
+			return nil, ProtocolErr("Push has request id %d, want 0", m.ReqID)
+		}
+		var err error
+		m.Name, err = r.name(t)
+		return m, err
+	case MsgRelease:
+		m := &ReleaseMsg{ReqID: r.u64(), LeaseID: r.u64(), Count: r.u32(), Flags: r.u32()}
+		return m, checkFlags(t, m.Flags, ReleaseKnown)
+	case MsgReleased:
+		return &ReleasedMsg{ReqID: r.u64(), LeaseID: r.u64()}, nil
+	case MsgError:
+		m := &ErrorMsg{ReqID: r.u64(), Code: ErrCode(r.u32())}
+		if m.Code == 0 || m.Code >= CodeLimit {
+			return nil, ProtocolErr("Error has unknown code %d", m.Code)
+		}
+		var err error
+		m.Text, err = r.text(t, "text")
+		return m, err
+	case MsgStateRequest:
+		return &StateRequestMsg{ReqID: r.u64()}, nil
+	case MsgState:
+		m := &StateMsg{ReqID: r.u64(), Flags: r.u32()}
+		m.JSON = bytes.Clone(r.rest()) // the read buffer is reused for the next frame
+		return m, checkFlags(t, m.Flags, StateKnown)
+	case MsgBye:
+		return &ByeMsg{}, nil
+	case MsgOpenBatch:
+		m := &OpenBatchMsg{ReqID: r.u64()}
+		for r.i < len(p) {
+			n := int(p[r.i])
+			r.i++
+			if n > len(p)-r.i {
+				return nil, ProtocolErr("OpenBatch name %d runs past the frame", len(m.Names))
+			}
+			name := string(p[r.i : r.i+n])
+			r.i += n
+			if err := CheckName(name); err != nil {
+				return nil, ProtocolErr("OpenBatch: %v", err)
+			}
+			m.Names = append(m.Names, name)
+		}
+		if len(m.Names) > MaxBatch {
+			return nil, ProtocolErr("OpenBatch has %d names, at most %d", len(m.Names), MaxBatch)
+		}
+		return m, nil
+	case MsgLeaseBatch:
+		m := &LeaseBatchMsg{ReqID: r.u64(), Flags: r.u32()}
+		n := r.u32()
+		if err := checkFlags(t, m.Flags, LeaseBatchKnown); err != nil {
+			return nil, err
+		}
+		if n == 0 || n > MaxBatch {
+			return nil, ProtocolErr("LeaseBatch has %d leases, want 1 to %d", n, MaxBatch)
+		}
+		m.Leases = make([]LeaseMsg, n)
+		for i := range m.Leases {
+			if len(p)-r.i < LeaseLen {
+				return nil, ProtocolErr("LeaseBatch lease %d runs past the frame", i)
+			}
+			if err := r.lease(&m.Leases[i]); err != nil {
+				return nil, err
+			}
+			if m.Leases[i].ReqID != m.ReqID {
+				return nil, ProtocolErr("LeaseBatch lease %d has request id %d, want %d", i, m.Leases[i].ReqID, m.ReqID)
+			}
+		}
+		if r.i != len(p) {
+			return nil, ProtocolErr("LeaseBatch has %d bytes after its leases", len(p)-r.i)
+		}
+		return m, nil
+	case MsgReleaseBatch:
+		m := &ReleaseBatchMsg{ReqID: r.u64()}
+		n := r.u32()
+		if int(n)*releaseEntryLen != len(p)-r.i { // no entries: a bad request, answered
+			return nil, ProtocolErr("ReleaseBatch says %d entries in %d bytes", n, len(p)-r.i)
+		}
+		m.Entries = make([]ReleaseMsg, n)
+		for i := range m.Entries {
+			e := &m.Entries[i]
+			e.LeaseID, e.Count, e.Flags = r.u64(), r.u32(), r.u32()
+			if err := checkFlags(MsgRelease, e.Flags, ReleaseKnown); err != nil {
+				return nil, err
+			}
+		}
+		return m, nil
+	case MsgRevoke:
+		m := &RevokeMsg{}
+		r.bytes(m.Record[:])
+		return m, nil
+	case MsgRevoked:
+		m := &RevokedMsg{}
+		r.bytes(m.Record[:])
+		return m, nil
+	}
+	return nil, ProtocolErr("unknown message type %d", uint8(t))
+}
+
+// reader reads fixed fields from a payload whose length parseHeader has checked, so
+// the fixed part is always there.
+type reader struct {
+	b []byte
+	i int
+}
+
+func (r *reader) u32() uint32 { v := Le.Uint32(r.b[r.i:]); r.i += 4; return v }
+
+func (r *reader) u64() uint64 { v := Le.Uint64(r.b[r.i:]); r.i += 8; return v }
+
+func (r *reader) bytes(dst []byte) { r.i += copy(dst, r.b[r.i:]) }
+
+func (r *reader) rest() []byte {
+	v := r.b[r.i:]
+	r.i = len(r.b)
+	return v
+}
+
+func (r *reader) lease(m *LeaseMsg) error {
+	m.ReqID, m.LeaseID, m.PoolID, m.BufferID, m.Size = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
+	m.Offset, m.Length = r.u64(), r.u64()
+	m.Flags = r.u32()
+	metaLen := r.u32()
+	r.bytes(m.Record[:])
+	r.bytes(m.Ready[:])
+	if err := checkFlags(MsgLease, m.Flags, LeaseKnown); err != nil {
+		return err
+	}
+	if m.Flags&LeaseReadyEvent == 0 && m.Ready != (cudart.IpcEventHandle{}) {
+		return ProtocolErr("Lease carries event bytes without the ready-event flag")
+	}
+	if err := CheckRange(m.Size, m.Offset, m.Length); err != nil {
+		return ProtocolErr("Lease: %v", err)
+	}
+	if metaLen > MaxMetaLen || int(metaLen) > len(r.b)-r.i {
+		return ProtocolErr("Lease has %d bytes of metadata, %d are there and at most %d allowed", metaLen, len(r.b)-r.i, MaxMetaLen)
+	}
+	if metaLen > 0 {
+		m.Meta = bytes.Clone(r.b[r.i : r.i+int(metaLen)]) // the read buffer is reused
+		r.i += int(metaLen)
+	}
+	return nil
+}
+
+// checkRange says why length bytes at offset are not a range of a size-byte buffer.
+func CheckRange(size, offset, length uint64) error {
+	if length == 0 || offset > size || length > size-offset {
+		return fmt.Errorf("%w: %d bytes at offset %d of a %d-byte buffer", ErrBadRange, length, offset, size)
+	}
+	return nil
+}
+
+func (r *reader) name(t MsgType) (string, error) {
+	name := string(r.rest())
+	if err := CheckName(name); err != nil {
+		return "", ProtocolErr("%s: %v", t, err)
+	}
+	return name, nil
+}
+
+func (r *reader) text(t MsgType, field string) (string, error) {
+	s := r.rest()
+	if !utf8.Valid(s) {
+		return "", ProtocolErr("%s %s is not UTF-8", t, field)
+	}
+	return string(s), nil
+}
+
+// CheckName says why name cannot be published, or nil.
+func CheckName(name string) error {
+	if err := printable.Check(name, MaxNameLen); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadName, err)
+	}
+	return nil
+}
+
+func checkFlags(t MsgType, flags, known uint32) error {
+	if flags&^known != 0 {
+		return ProtocolErr("%s has unknown flags %#x", t, flags&^known)
+	}
+	return nil
+}
+
+func ProtocolErr(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+func versionErr(peer uint32) error {
+	return fmt.Errorf("%w: peer speaks protocol version %d, this side speaks %d", ErrVersionMismatch, peer, ProtocolVersion)
+}
