@@ -110,6 +110,9 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 	case len(ms) > wire.MaxBatch:
 		return fmt.Errorf("consumer: release %d mappings: %w: at most %d at once", len(ms), ErrBadRequest, wire.MaxBatch)
 	}
+	if err := imp.checkStream(s); err != nil {
+		return fmt.Errorf("consumer: release %d mappings: %w", len(ms), err)
+	}
 	imp.mapMu.Lock()
 	drops := map[*Mapping]int{}
 	for _, m := range ms {

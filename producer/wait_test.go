@@ -138,3 +138,28 @@ func TestOpenRefusesStreamOfAnotherDevice(t *testing.T) {
 	c.checkClean(t)
 	pr.checkClean(t)
 }
+
+// Release and ReleaseAll refuse a stream of another device than the Importer's with
+// ErrStreamDevice, as Open does, and release nothing: the Mapping can be released
+// after with a right stream.
+func TestReleaseRefusesStreamOfAnotherDevice(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	c := newConsumer(t, pr.path, 0)
+	other, err := c.dev.StreamCreate(1, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "a", c.stream)
+	require.NoError(t, err)
+	err = m.Release(ctx, other)
+	require.ErrorIs(t, err, consumer.ErrStreamDevice, "Release")
+	assert.ErrorContains(t, err, "is on device 1, the Importer on device 0")
+	err = c.imp.ReleaseAll(ctx, []*consumer.Mapping{m}, other)
+	require.ErrorIs(t, err, consumer.ErrStreamDevice, "ReleaseAll")
+	assert.Equal(t, 1, pr.activeLeases(t), "a refused Release ended the lease")
+	require.NoError(t, m.Release(ctx, c.stream), "Release after the refusals")
+	assert.Zero(t, pr.activeLeases(t))
+	require.NoError(t, c.dev.StreamDestroy(1, other))
+	c.checkClean(t)
+	pr.checkClean(t)
+}
