@@ -35,11 +35,15 @@ func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Strea
 		got, err := imp.openChunk(ctx, chunk)
 		if err != nil {
 			imp.cl.GiveBackAll(leases)
-			return nil, fmt.Errorf("consumer: open %d names: %w", len(names), err)
+			return nil, imp.closedOr(fmt.Sprintf("open %d names", len(names)), fmt.Errorf("consumer: open %d names: %w", len(names), err))
 		}
 		leases = append(leases, got...)
 	}
-	return imp.adoptAll(ctx, leases, names, s)
+	ms, err := imp.adoptAll(ctx, leases, names, s)
+	if err != nil || imp.closing.Load() {
+		return nil, imp.closedOr(fmt.Sprintf("open %d names", len(names)), err)
+	}
+	return ms, nil
 }
 
 // openChunk asks for the leases of names in one OpenBatch, which fits a frame.
