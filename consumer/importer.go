@@ -102,8 +102,10 @@ type importerKey struct {
 // of rt. It fails with ErrRefused (and the exporter's reason) if the exporter does not
 // admit this process, ErrVersionMismatch if it speaks another protocol version, and
 // ErrExporterGone if nothing listens at path. One process should hold one Importer per
-// exporter and runtime: a second fails with ErrDuplicateImporter. On failure nothing
-// is left behind.
+// exporter and runtime: a second fails with ErrDuplicateImporter. An exporter of this
+// very process on the same runtime is refused at once with ErrOwnExporter: its buffers
+// are this process's already (use their pointers), and CUDA imports none of a
+// process's own pools or events. On failure nothing is left behind.
 func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts ...DialOption) (*Importer, error) {
 	if rt == nil {
 		return nil, errors.New("consumer: Dial needs a runtime")
@@ -112,6 +114,10 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 	nc, err := dialWaiting(ctx, path, o.waitForExporter)
 	if err != nil {
 		return nil, err
+	}
+	if wire.IsLocal(path, rt) {
+		nc.Close()
+		return nil, fmt.Errorf("consumer: dial %s: %w", path, ErrOwnExporter)
 	}
 	return newImporter(ctx, nc, rt, device, o)
 }

@@ -127,6 +127,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	if ex.sock, err = listenSocket(path, access); err != nil {
 		return nil, err
 	}
+	ex.sock.unlocal = wire.AddLocal(ex.sock.info, rt) // consumer.Dial refuses this process's own
 	if o.announce {
 		a := discover.Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
 		if ex.announced, err = announce(o.announceDir, a); err != nil {

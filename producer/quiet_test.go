@@ -60,12 +60,14 @@ func roleQuiet(args []string) int {
 		_, err = nc.Read(make([]byte, 1<<16))
 	}
 	nc.Close()
-	imp, err := consumer.Dial(ctx, args[0], d, 0)
+	other := cudarttest.New() // a process of its own: this one's own exporter is refused
+	defer other.Close()
+	imp, err := consumer.Dial(ctx, args[0], other, 0)
 	if err != nil {
 		return fail(err)
 	}
 	defer imp.Close(ctx)
-	if _, err := consumer.Dial(ctx, args[0], d, 0); !errors.Is(err, consumer.ErrDuplicateImporter) {
+	if _, err := consumer.Dial(ctx, args[0], other, 0); !errors.Is(err, consumer.ErrDuplicateImporter) {
 		return fail(fmt.Errorf("second Dial: %v, want ErrDuplicateImporter", err))
 	}
 	return 0
