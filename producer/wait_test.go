@@ -101,7 +101,7 @@ func TestDialWaitsForExporter(t *testing.T) {
 		dialed <- err
 	}()
 	time.Sleep(20 * time.Millisecond) // as in TestOpenWaitsForName; either order holds
-	exporting := newSide(t, 0) // a process of its own: this one's would be refused
+	exporting := newSide(t, 0)        // a process of its own: this one's would be refused
 	ex, err := Listen(path, exporting.dev, WithoutAnnounce(), WithLogger(discardLogger))
 	require.NoError(t, err)
 	select {
