@@ -569,8 +569,10 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
-		if ctx.Err() != nil && p.holdsLeases() {
-			ex.log.Warn("producer: close: leases abandoned; the peer is served until it releases them or its process exits", "pid", p.pid())
+		if ctx.Err() != nil && (p.holdsLeases() || p.retainedCount() > 0) {
+			// Cut, a live peer's retained imports would stay reserved for good; served
+			// on, they end with its revokes, or when its process exits.
+			ex.log.Warn("producer: close: leases or retained imports abandoned; the peer is served until it releases them or its process exits", "pid", p.pid())
 			p.detach()
 			continue
 		}
