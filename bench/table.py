@@ -14,6 +14,7 @@ bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
     validated IMPL all CHECKED GIVEN          buffers a validating run's consumers checked
     fail IMPL OP REASON...                    a measurement that could not be taken
     absent IMPL OP REASON...                  a measurement whose feature is not on main
+    needs IMPL OP GPUS                        a measurement this host has too few GPUs for
     meta KEY VALUE...
 
 (anything else is skipped), and prints, the targets last:
@@ -28,6 +29,8 @@ bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
     protocols: figures for orientation, never a verdict;
   - the sustained windows: shares, the Opens that stalled and their time;
   - the rows of issues 10 and 11, "not run (feature absent)" where so;
+  - a row that needs more GPUs than the host has (a needs line), "not run (needs 2
+    GPUs)", which is no failure;
   - the targets, each verdict computed from one fair pair of this run.
 
 The raw file is checked first: a result whose samples do not give its median or
@@ -56,6 +59,7 @@ SUITE = "2"
 class Run:
     def __init__(self, lines):
         self.results, self.raws, self.fails, self.absent, self.meta = {}, {}, {}, {}, {}
+        self.needs = {}  # (impl, op): the GPUs it needs
         self.samples, self.bytes, self.windows, self.settles, self.validated = [], {}, [], [], []
         self.problems = []
         for n, line in enumerate(lines, 1):
@@ -101,6 +105,12 @@ class Run:
             if len(f) < 3:
                 raise ValueError("a %s line without an operation" % kind)
             (self.fails if kind == "fail" else self.absent)[(f[1], f[2])] = " ".join(f[3:])
+        elif kind == "needs":
+            need(f, 4)
+            gpus = int(f[3])
+            if gpus < 2:
+                raise ValueError("a needs line for %d GPUs" % gpus)
+            self.needs[(f[1], f[2])] = gpus
         elif kind == "meta" and len(f) >= 2:
             self.meta[f[1]] = " ".join(f[2:])
         elif f[:2] == ["cref", "runtime"] and len(f) == 5:
@@ -373,6 +383,8 @@ def cell(run, impl, op):
         return st.cells(), st
     if (impl, op) in run.absent:
         return "not run (feature absent)", None
+    if (impl, op) in run.needs:
+        return "not run (needs %d GPUs)" % run.needs[(impl, op)], None
     return ("FAIL" if run.failed(impl, op) else "-"), None
 
 
@@ -469,6 +481,7 @@ def feature_rows(run):
 # ---- Targets.
 
 MET, MISSED, NOT_RUN, FAILED, NO_PAIR = "met", "MISSED", "NOT RUN (feature absent)", "FAIL (not measured)", "NO FAIR PAIR"
+NEEDS_GPUS = "NOT RUN (too few GPUs)"
 
 
 def targets(run):
@@ -479,6 +492,8 @@ def targets(run):
         if value is None:
             if absent_key and absent_key in run.absent:
                 out.append((name, run.absent[absent_key], NOT_RUN))
+            elif absent_key and absent_key in run.needs:
+                out.append((name, "needs %d GPUs" % run.needs[absent_key], NEEDS_GPUS))
             else:
                 out.append((name, figure or "not measured", FAILED))
         else:
@@ -533,7 +548,7 @@ def targets(run):
     g, c = run.stats("cudapool", "read/other-gpu"), run.stats("c", "read/other-gpu")
     r = ratio(g.median, c.median) if g and c else None
     judge("other-GPU read at least 95% of C (issue 6)", r, lambda x: x >= 0.95,
-          "%.1f%% of C" % (100 * r) if r else "")
+          "%.1f%% of C" % (100 * r) if r else "", ("cudapool", "read/other-gpu"))
     t, a = run.stats("torch", "alloc/1MiB/cudapool"), run.stats("torch", "alloc/1MiB/cudaMallocAsync")
     r = ratio(t.median, a.median) if t and a else None
     judge("torch alloc+free 1 MiB through cudapool within 1.5x backend:cudaMallocAsync (issue 10)", r,

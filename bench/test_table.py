@@ -144,6 +144,22 @@ class Sharing(unittest.TestCase):
         self.assertEqual(rows["block lease latency (open), 64 KiB, the consumer holding one block (issue 11)"],
                          "not reported")
 
+    def test_a_one_gpu_host_does_not_run_the_other_gpu_rows(self):
+        run = table.Run(["meta suite 2", "needs cudapool read/other-gpu 2", "needs c read/other-gpu 2",
+                         "needs c copy/other-gpu 2"] + result("c", "read/same-gpu", "GB/s", [1.0] * 3))
+        self.assertEqual(run.problems, [])
+        figure, verdict = verdicts(run)["other-GPU read at least 95% of C (issue 6)"]
+        self.assertEqual((figure, verdict), ("needs 2 GPUs", table.NEEDS_GPUS))
+        rows = dict((r[0], (r[2], r[3])) for r in table.sharing_rows(run)[1])
+        self.assertEqual(rows["read of an imported buffer, other GPU"],
+                         ("not run (needs 2 GPUs)", "not run (needs 2 GPUs)"))
+        self.assertEqual(rows["plain device copy, other GPU"][1], "not run (needs 2 GPUs)")
+        self.assertEqual(table.failures(run), [], "a row not run is no failure")
+
+    def test_a_needs_line_without_a_count_is_a_problem(self):
+        run = table.Run(["meta suite 2", "needs cudapool read/other-gpu two"])
+        self.assertEqual(len(run.problems), 1, run.problems)
+
     def test_a_validating_run_that_missed_buffers_is_a_problem(self):
         run = table.Run(["meta suite 2", "validated cudapool all 10 12"])
         self.assertEqual(run.problems, ["cudapool's consumers validated 10 of the 12 buffers they were given"])

@@ -9,10 +9,11 @@ import (
 	"github.com/cudapool/cudapool/internal/wire"
 )
 
-// OpenAll is Open of every name at once: one request, one answer, and s waits once
-// for each distinct producer stream the buffers were published on. It returns the
-// Mappings in the order of names, all or none: on failure nothing is held, and the
-// error names the first name that failed. At most MaxBatch names.
+// OpenAll is Open of every name at once: one request and one answer (a few, for
+// names too long to fit one frame together), and s waits once for each distinct
+// producer stream the buffers were published on. It returns the Mappings in the order
+// of names, all or none: on failure nothing is held, and the error names the first
+// name that failed. At most MaxBatch names.
 func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Stream) ([]*Mapping, error) {
 	switch {
 	case len(names) == 0:
@@ -28,23 +29,57 @@ func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Strea
 	if err := imp.checkStream(s); err != nil {
 		return nil, fmt.Errorf("consumer: open %d names: %w", len(names), err)
 	}
+	// Names too long to fit one frame together go in several requests, in order.
+	var leases []wire.LeaseMsg
+	for _, chunk := range openChunks(names) {
+		got, err := imp.openChunk(ctx, chunk)
+		if err != nil {
+			imp.cl.GiveBackAll(leases)
+			return nil, imp.closedOr(fmt.Sprintf("open %d names", len(names)), fmt.Errorf("consumer: open %d names: %w", len(names), err))
+		}
+		leases = append(leases, got...)
+	}
+	ms, err := imp.adoptAll(ctx, leases, names, s)
+	if err != nil || imp.closing.Load() {
+		return nil, imp.closedOr(fmt.Sprintf("open %d names", len(names)), err)
+	}
+	return ms, nil
+}
+
+// openChunk asks for the leases of names in one OpenBatch, which fits a frame.
+func (imp *Importer) openChunk(ctx context.Context, names []string) ([]wire.LeaseMsg, error) {
 	reply, err := imp.cl.Request(ctx, func(id uint64) wire.Message { return &wire.OpenBatchMsg{ReqID: id, Names: names} }, true)
 	if err != nil {
-		return nil, fmt.Errorf("consumer: open %d names: %w", len(names), err)
+		return nil, err
 	}
 	switch r := reply.(type) {
 	case *wire.LeaseBatchMsg:
 		if len(r.Leases) != len(names) {
 			imp.cl.GiveBackAll(r.Leases)
 			imp.cl.Fail(wire.ProtocolErr("OpenBatch of %d names answered with %d leases", len(names), len(r.Leases)))
-			return nil, fmt.Errorf("consumer: open %d names: %w", len(names), imp.cl.GoneOr(ErrProtocol))
+			return nil, imp.cl.GoneOr(ErrProtocol)
 		}
-		return imp.adoptAll(ctx, r.Leases, names, s)
+		return r.Leases, nil
 	case *wire.ErrorMsg:
-		return nil, fmt.Errorf("consumer: %w", wire.ReplyErr(r))
+		return nil, wire.ReplyErr(r)
 	}
 	imp.cl.Fail(wire.ProtocolErr("OpenBatch answered with %s", reply.Kind()))
-	return nil, fmt.Errorf("consumer: open %d names: %w", len(names), imp.cl.GoneOr(ErrProtocol))
+	return nil, imp.cl.GoneOr(ErrProtocol)
+}
+
+// openChunks splits names, in order, into the OpenBatch requests that each fit a
+// frame: a request id, then a length byte and the bytes of each name.
+func openChunks(names []string) [][]string {
+	var chunks [][]string
+	start, size := 0, 8
+	for i, name := range names {
+		if size+1+len(name) > wire.MaxPayload {
+			chunks = append(chunks, names[start:i])
+			start, size = i, 8
+		}
+		size += 1 + len(name)
+	}
+	return append(chunks, names[start:])
 }
 
 // adoptAll turns a batch of leases into Mappings, or gives every one back.
@@ -78,6 +113,9 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return nil
 	case len(ms) > wire.MaxBatch:
 		return fmt.Errorf("consumer: release %d mappings: %w: at most %d at once", len(ms), ErrBadRequest, wire.MaxBatch)
+	}
+	if err := imp.checkStream(s); err != nil {
+		return fmt.Errorf("consumer: release %d mappings: %w", len(ms), err)
 	}
 	imp.mapMu.Lock()
 	drops := map[*Mapping]int{}
@@ -152,6 +190,13 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 	imp.mapMu.Unlock()
 	if err := errors.Join(errs...); err != nil {
 		return err
+	}
+	if len(plain) == 0 && len(kept) == 0 {
+		// Every Mapping is still referenced (or a replica): no grant to give back.
+		for _, rec := range revoked {
+			imp.sendRevoked(rec)
+		}
+		return nil
 	}
 	err := imp.returnBatch(ctx, plain, kept, keptBufs)
 	for _, rec := range revoked {

@@ -24,6 +24,10 @@ var (
 	// ErrStreamDevice means a stream given to Open (or WithPushes) belongs to another
 	// device than the Importer's: the import's free could not be ordered after it.
 	ErrStreamDevice = errors.New("consumer: stream is on another device than the Importer's")
+	// ErrOwnExporter means Dial was asked for an exporter of this very process on the
+	// same runtime: its buffers are already this process's, and CUDA imports none of
+	// its own pools or events. Use the buffer (its Ptr) directly.
+	ErrOwnExporter = errors.New("consumer: the exporter is this process: use its buffers directly, they need no import")
 	// ErrReleased means a Mapping was released more times than it was opened, or
 	// after its Importer closed.
 	ErrReleased = errors.New("consumer: mapping already released")

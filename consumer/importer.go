@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sync/singleflight"
 
@@ -50,6 +51,13 @@ type Importer struct {
 	eventOpens singleflight.Group
 	pushes     []*wire.PushMsg
 	pushCue    chan struct{}
+
+	// closing is set when Close begins; adopting is held (shared) by each adoption of
+	// a lease (adoptLease) and taken by Close before it frees anything, so an Open in
+	// flight either finished adopting before Close began, or fails with ErrClosed and
+	// imports nothing into what Close tears down.
+	closing  atomic.Bool
+	adopting sync.RWMutex
 
 	// mapMu serialises every import and free of a pointer with the table, so that a
 	// pointer is never imported again while its free may still be pending (FACTS 4).
@@ -94,8 +102,10 @@ type importerKey struct {
 // of rt. It fails with ErrRefused (and the exporter's reason) if the exporter does not
 // admit this process, ErrVersionMismatch if it speaks another protocol version, and
 // ErrExporterGone if nothing listens at path. One process should hold one Importer per
-// exporter and runtime: a second fails with ErrDuplicateImporter. On failure nothing
-// is left behind.
+// exporter and runtime: a second fails with ErrDuplicateImporter. An exporter of this
+// very process on the same runtime is refused at once with ErrOwnExporter: its buffers
+// are this process's already (use their pointers), and CUDA imports none of a
+// process's own pools or events. On failure nothing is left behind.
 func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts ...DialOption) (*Importer, error) {
 	if rt == nil {
 		return nil, errors.New("consumer: Dial needs a runtime")
@@ -104,6 +114,10 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 	nc, err := dialWaiting(ctx, path, o.waitForExporter)
 	if err != nil {
 		return nil, err
+	}
+	if wire.IsLocal(path, rt) {
+		nc.Close()
+		return nil, fmt.Errorf("consumer: dial %s: %w", path, ErrOwnExporter)
 	}
 	return newImporter(ctx, nc, rt, device, o)
 }
@@ -354,14 +368,30 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 	} else {
 		m, err = imp.open(ctx, name, s)
 	}
-	if err != nil || !o.replica {
-		return m, err
+	if err != nil || imp.closing.Load() {
+		return nil, imp.closedOr(fmt.Sprintf("open %q", name), err)
+	}
+	if !o.replica {
+		return m, nil
 	}
 	r, err := imp.replicate(ctx, m, s, o.replicaAlloc)
 	if err != nil {
 		return nil, fmt.Errorf("consumer: open %q: replica: %w", name, err)
 	}
 	return r, nil
+}
+
+// closedOr is err of op, or ErrClosed (with err's text) if Close has begun: an Open
+// in flight then fails for that reason, whatever its request or adoption ran into. Its
+// Mapping, if it got one, is Close's to free.
+func (imp *Importer) closedOr(op string, err error) error {
+	switch {
+	case !imp.closing.Load() || errors.Is(err, ErrClosed):
+		return err
+	case err == nil:
+		return fmt.Errorf("consumer: %s: %w", op, ErrClosed)
+	}
+	return fmt.Errorf("consumer: %s: %w (%v)", op, ErrClosed, err)
 }
 
 // checkStream refuses a stream of another device: Release orders the import's free
@@ -416,6 +446,11 @@ func (imp *Importer) adopt(l *wire.LeaseMsg, name string, s cudart.Stream) (*Map
 // events s waited on already in this batch: one wait covers every lease that names
 // the same event.
 func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, waited map[cudart.IpcEventHandle]bool) (*Mapping, error) {
+	imp.adopting.RLock()
+	defer imp.adopting.RUnlock()
+	if imp.closing.Load() {
+		return nil, ErrClosed
+	}
 	imp.mu.Lock()
 	ip := imp.pools[l.PoolID]
 	imp.mu.Unlock()
@@ -542,6 +577,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 	if !imp.cl.Close() {
 		return ErrClosed
 	}
+	imp.closing.Store(true)
 	defer imp.endLife()
 	var errs []error
 	cue(imp.pushCue)
@@ -554,6 +590,9 @@ func (imp *Importer) Close(ctx context.Context) error {
 		<-imp.pushDone
 		errs = append(errs, fmt.Errorf("consumer: close: pushed leases not given back (the exporter ends them with the connection): %w", ctx.Err()))
 	}
+	// Adoptions under way finish first (a few CUDA calls); later ones fail.
+	imp.adopting.Lock()
+	defer imp.adopting.Unlock()
 
 	imp.mapMu.Lock()
 	kept := map[*imported]bool{} // imports whose free failed: their leases stay held

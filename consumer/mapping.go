@@ -94,9 +94,13 @@ func (imp *Importer) settleFrees(wait bool) error {
 // the GPU. After Release the pointer must not be used by work queued
 // later. If the exporter is gone, the import is freed all the same and Release
 // returns nil: there is no one to tell. Releasing more often than opening fails with
-// ErrReleased.
+// ErrReleased, and a stream of another device than the Importer's with
+// ErrStreamDevice, as Open does; neither releases anything.
 func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	imp := m.imp
+	if err := imp.checkStream(s); err != nil {
+		return fmt.Errorf("consumer: release %q: %w", m.name, err)
+	}
 	imp.mapMu.Lock()
 	if m.refs == 0 {
 		imp.mapMu.Unlock()

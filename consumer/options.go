@@ -109,7 +109,9 @@ func WithReplica(a pool.Allocator) OpenOption {
 }
 
 // WithLogger sets where events no call returns are logged: connections closed for
-// malformed input, cleanup that failed. The default is slog.Default().
+// malformed input, cleanup that failed. The default discards them: the
+// library writes nothing to its process's stderr unless given a logger
+// (slog.Default() logs where the program's log package does).
 func WithLogger(l *slog.Logger) DialOption {
 	return dialOption(func(o *dialOptions) { o.SetLogger(l) })
 }

@@ -33,6 +33,9 @@ func DefaultDir() string {
 	return filepath.Join(os.TempDir(), "cudapool-"+strconv.Itoa(os.Getuid()))
 }
 
+// MaxAnnouncement bounds an announcement file, in bytes: a larger one is not read.
+const MaxAnnouncement = 64 << 10
+
 // Announcement is what an exporter writes to <dir>/<pid>.json while it listens, so
 // that tools can find it. Its JSON form is a stable schema.
 type Announcement struct {
@@ -54,7 +57,9 @@ type Announcement struct {
 // its file. Each is marked Live only if its process exists and its socket accepts a
 // connection; any other, or one that could not be checked, is marked dead with the
 // reason, never live. A file that is not a readable announcement is listed with PID 0
-// and the reason in Dead. A missing dir lists nothing.
+// and the reason in Dead. Only regular files are read, opened without following a
+// link and without blocking: a link, FIFO or device named N.json is skipped. A missing
+// dir lists nothing.
 //
 // dir must be private to this user, as Listen requires of the directory it announces
 // in: a directory that another user owns, that group or others can write, or that is a
@@ -78,18 +83,26 @@ func Discover(dir string) ([]Announcement, error) {
 	var out []Announcement
 	for _, e := range entries {
 		name := e.Name()
-		if !strings.HasSuffix(name, ".json") || strings.HasPrefix(name, ".") {
+		if !strings.HasSuffix(name, ".json") || strings.HasPrefix(name, ".") || !e.Type().IsRegular() {
 			continue
 		}
-		out = append(out, readAnnouncement(filepath.Join(dir, name)))
+		if a, ok := readAnnouncement(filepath.Join(dir, name)); ok {
+			out = append(out, a)
+		}
 	}
 	slices.SortFunc(out, func(a, b Announcement) int { return a.PID - b.PID })
 	return out, nil
 }
 
-func readAnnouncement(path string) Announcement {
+// readAnnouncement reads the announcement at path. It reports false for what is not
+// a regular file (a link, a FIFO, a device), which it opens without following or
+// blocking and does not read.
+func readAnnouncement(path string) (Announcement, bool) {
 	var a Announcement
-	body, err := os.ReadFile(path)
+	body, regular, err := privdir.ReadRegular(path, MaxAnnouncement)
+	if !regular {
+		return a, false
+	}
 	if err == nil {
 		err = json.Unmarshal(body, &a)
 	}
@@ -97,12 +110,12 @@ func readAnnouncement(path string) Announcement {
 		err = fmt.Errorf("pid %d", a.PID)
 	}
 	if err != nil {
-		return Announcement{Socket: a.Socket, Path: path, Dead: fmt.Sprintf("unreadable announcement %s: %v", path, err)}
+		return Announcement{Socket: a.Socket, Path: path, Dead: fmt.Sprintf("unreadable announcement %s: %v", path, err)}, true
 	}
 	a.Path = path
 	a.Dead = liveness(a)
 	a.Live = a.Dead == ""
-	return a
+	return a, true
 }
 
 // liveness says why the announced exporter is not live, or "".

@@ -26,8 +26,8 @@ func newQueryOptions(opts []QueryOption) queryOptions {
 	return o
 }
 
-// WithLogger sets where QueryState logs what no call returns. The default is
-// slog.Default().
+// WithLogger sets where QueryState logs what no call returns. The default discards
+// it: the library writes nothing to its process's stderr unless given a logger.
 func WithLogger(l *slog.Logger) QueryOption {
 	return queryOption(func(o *queryOptions) { o.SetLogger(l) })
 }

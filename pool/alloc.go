@@ -45,7 +45,9 @@ func (p *Pool) forget(b *Buffer) {
 // the pool has reserved and in use, after it returned its cache to the driver and
 // tried again; with WithWaitForMemory, Alloc instead waits for a Free in this process
 // and tries again until ctx ends (the error then wraps both ctx's error and
-// cudart.ErrOutOfMemory). A pointer that is not aligned to the granularity is freed
+// cudart.ErrOutOfMemory). A request that can never fit, larger than WithMaxSize or
+// than the device's memory, fails at once with cudart.ErrOutOfMemory, waiting or not.
+// A pointer that is not aligned to the granularity is freed
 // and reported with ErrMisaligned.
 func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
@@ -58,10 +60,19 @@ func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer
 	if err != nil {
 		return nil, p.errorf("alloc %s: %w", human(size), err)
 	}
+	if p.maxSize != 0 && reserved > p.maxSize {
+		return nil, p.errorf("alloc %s (%s after rounding): %w: larger than the pool's max size %s",
+			human(size), human(reserved), cudart.ErrOutOfMemory, human(p.maxSize))
+	}
 	b := &Buffer{pool: p, size: size, reserved: reserved}
 	err = p.allocOnce(b, s)
-	if err != nil && p.wait && errors.Is(err, cudart.ErrOutOfMemory) {
-		err = p.allocWaiting(ctx, b, s)
+	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) {
+		if never := p.neverFits(size, reserved); never != nil {
+			return nil, never
+		}
+		if p.wait {
+			err = p.allocWaiting(ctx, b, s)
+		}
 	}
 	if err != nil {
 		return nil, err
@@ -176,6 +187,18 @@ func (p *Pool) fullError(size, reserved uint64, cause error) error {
 	}
 	return p.errorf("alloc %s (%s after rounding): pool full (%s; %s; %d live buffers hold %s): %w",
 		human(size), human(reserved), driver, limit, c.liveBuffers, human(c.bytesReserved), cause)
+}
+
+// neverFits says, after the driver refused reserved bytes, whether no Free could ever
+// make room: the request is larger than the device's memory. It returns nil where it
+// might fit later (or the device's size is not known).
+func (p *Pool) neverFits(size, reserved uint64) error {
+	_, total, err := p.rt.MemGetInfo(p.dev)
+	if err != nil || reserved <= total {
+		return nil
+	}
+	return p.errorf("alloc %s (%s after rounding): %w: larger than the device's %s",
+		human(size), human(reserved), cudart.ErrOutOfMemory, human(total))
 }
 
 // allocWaiting retries a full pool's allocation of b after each Free until it

@@ -129,8 +129,8 @@ func TestCacheTooSmallCountsEveryMiss(t *testing.T) {
 		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
 	}
 	b := mustAlloc(t, p, mib, e.stream)
-	_, err := p.Alloc(context.Background(), 4*mib, e.stream)
-	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc past the max size")
+	_, err := p.Alloc(context.Background(), 2*mib, e.stream)
+	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc of a full pool")
 	mustFree(t, b, e.stream)
 	assert.Equal(t, int64(pairs+1), rt.frees.Load(), "frees that reached the driver")
 	s := mustStats(t, p)
@@ -170,6 +170,36 @@ func TestCacheSizeClasses(t *testing.T) {
 		mustFree(t, b, e.stream)
 		require.NoError(t, p.Trim())
 	})
+}
+
+// A cached buffer of a request's size class but a smaller reservation never serves
+// it: the newest one, and those the scan looks at behind it.
+func TestCacheNeverServesASmallerReservation(t *testing.T) {
+	d := softDevice(t)
+	e := newTestEnv(t, d, d)
+	p := mustNew(t, d, WithHandleType(cudart.HandleTypeNone), WithCache(mib))
+	require.Equal(t, sizeClass(1000), sizeClass(1024), "the sizes share a class")
+	mustFree(t, mustAlloc(t, p, 1000, e.stream), e.stream)
+	b := mustAlloc(t, p, 1024, e.stream)
+	assert.Equal(t, uint64(1024), b.Reserved(), "1,024 bytes were served by a cached 1,000")
+	assert.Zero(t, mustStats(t, p).CacheHits)
+
+	// Behind the newest, the scan looks at older buffers: the cache holds 1,000,
+	// 1,024 and 1,001 (the newest), and of them only the 1,024 serves 1,024.
+	c := mustAlloc(t, p, 1001, e.stream)
+	mustFree(t, b, e.stream)
+	mustFree(t, c, e.stream)
+	var bufs []*Buffer
+	for range 2 {
+		b := mustAlloc(t, p, 1024, e.stream)
+		assert.Equal(t, uint64(1024), b.Reserved(), "1,024 bytes were served by a smaller cached buffer")
+		bufs = append(bufs, b)
+	}
+	assert.Equal(t, uint64(1), mustStats(t, p).CacheHits, "the cached 1,024 served one of them")
+	for _, b := range bufs {
+		mustFree(t, b, e.stream)
+	}
+	require.NoError(t, p.Trim())
 }
 
 func TestSizeClass(t *testing.T) {

@@ -46,13 +46,22 @@ func WithReleaseThreshold(bytes uint64) Option {
 	return func(c *config) { c.releaseThreshold = &bytes }
 }
 
-// WithName names the pool in errors, Stats and CloseReport.
+// MaxNameLen is the longest pool name, in bytes.
+const MaxNameLen = 128
+
+// WithName names the pool in errors, Stats and CloseReport, and so in what other
+// processes show of it (poolstat, metrics): New refuses, with ErrInvalidOption, a name
+// of more than MaxNameLen bytes, or one that is not UTF-8 or holds a character that
+// does not show as itself (a control or bidirectional control character, a line or
+// paragraph separator).
 func WithName(name string) Option {
 	return func(c *config) { c.name = name }
 }
 
 // WithWaitForMemory makes Alloc on a full pool wait for a Free in this process and
-// try again, until it succeeds or its context ends, instead of failing at once.
+// try again, until it succeeds or its context ends, instead of failing at once. A
+// request that can never fit (larger than WithMaxSize or the device) still fails at
+// once.
 func WithWaitForMemory() Option {
 	return func(c *config) { c.waitForMemory = true }
 }

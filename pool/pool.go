@@ -52,6 +52,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/granularity"
+	"github.com/cudapool/cudapool/internal/printable"
 )
 
 // Allocator is what code that needs device memory accepts: a *Pool of any kind,
@@ -199,6 +200,9 @@ func New(rt cudart.Runtime, device int, opts ...Option) (*Pool, error) {
 	}
 	if cfg.name == "" {
 		cfg.name = fmt.Sprintf("pool-%d", lastPoolID.Add(1))
+	}
+	if err := printable.Check(cfg.name, MaxNameLen); err != nil {
+		return nil, fmt.Errorf("pool.New: %w: name %w", ErrInvalidOption, err)
 	}
 	peers, err := checkConfig(&cfg, device)
 	if err != nil {

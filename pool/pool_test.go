@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/granularity"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -119,6 +121,10 @@ func TestNewRefusesBadOptions(t *testing.T) {
 		{"own device as peer", 0, []Option{WithPeerAccess(1, 0)}, ErrInvalidOption},
 		{"max size overflows", 0, []Option{WithMaxSize(math.MaxUint64)}, granularity.ErrOverflow},
 		{"no such device", 7, nil, cudart.ErrInvalidDevice},
+		{"name with a newline", 0, []Option{WithName("kv\nforged")}, ErrInvalidOption},
+		{"name with an escape sequence", 0, []Option{WithName("\x1b]0;title\x07")}, ErrInvalidOption},
+		{"name of invalid UTF-8", 0, []Option{WithName("kv\xff")}, ErrInvalidOption},
+		{"name too long", 0, []Option{WithName(strings.Repeat("n", MaxNameLen+1))}, ErrInvalidOption},
 	}
 	for _, c := range cases {
 		p, err := New(d, c.dev, c.opts...)
@@ -129,6 +135,11 @@ func TestNewRefusesBadOptions(t *testing.T) {
 	}
 	_, err := New(nil, 0)
 	assert.ErrorIs(t, err, ErrInvalidOption, "New(nil)")
+	_, err = New(d, 0, WithName("kv\x1b[2J"))
+	assert.NotContains(t, err.Error(), "\x1b", "the error prints the name raw")
+	p, err := New(d, 0, WithName(strings.Repeat("n", MaxNameLen)))
+	require.NoError(t, err, "a name of MaxNameLen bytes")
+	closeAtEnd(t, p)
 }
 
 func TestPeerAccess(t *testing.T) {
@@ -226,16 +237,50 @@ func TestWaitingAllocCancelled(t *testing.T) {
 func TestWaitingAllocEndsAtClose(t *testing.T) {
 	d := softDevice(t)
 	p := mustNew(t, d, WithMaxSize(4*mib), WithWaitForMemory())
-	// Larger than the pool: only Close can end the wait.
+	fill(t, p, 0) // Close(Force) releases them
 	got := make(chan error, 1)
 	go func() {
-		_, err := p.Alloc(context.Background(), 8*mib, 0)
+		_, err := p.Alloc(context.Background(), p.Granularity(), 0)
 		got <- err
 	}()
 	blockedWaiting(t, p, got)
-	_, err := p.Close(context.Background())
+	_, err := p.Close(context.Background(), Force())
 	require.NoError(t, err, "Close")
 	wantErr(t, "Alloc waiting when the pool closed", testwait.Recv(t, got, "the waiting Alloc to return"), ErrClosed)
+}
+
+// A request that can never fit (larger than the pool's max size, or than the device's
+// memory) fails at once, also with WithWaitForMemory: no Free could ever end the wait.
+func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
+	d := softDevice(t, cudarttest.WithMemory(64*mib))
+	for _, c := range []struct {
+		name string
+		opts []Option
+		size uint64
+		says string
+	}{
+		{"larger than max size", []Option{WithMaxSize(4 * mib)}, 8 * mib, "larger than the pool's max size 4.0 MiB"},
+		{"larger than the device", nil, 128 * mib, "larger than the device's 64 MiB"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			for _, wait := range []bool{false, true} {
+				opts := c.opts
+				if wait {
+					opts = append(opts[:len(opts):len(opts)], WithWaitForMemory())
+				}
+				p := mustNew(t, d, opts...)
+				got := make(chan error, 1)
+				go func() {
+					_, err := p.Alloc(context.Background(), c.size, 0)
+					got <- err
+				}()
+				err := testwait.Recv(t, got, "an Alloc that can never fit to fail")
+				wantErr(t, "Alloc that can never fit", err, cudart.ErrOutOfMemory)
+				assert.Contains(t, err.Error(), c.says, "the error says why it can never fit")
+				assert.Zero(t, mustStats(t, p).LiveBuffers, "a failed Alloc allocated")
+			}
+		})
+	}
 }
 
 func TestConcurrentAllocFree(t *testing.T) {

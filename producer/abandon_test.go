@@ -2,14 +2,19 @@ package producer
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/wire"
+	"github.com/cudapool/cudapool/pool"
 )
 
 // Close whose context ends while a live consumer maps a buffer abandons it: nothing is
@@ -92,5 +97,42 @@ func TestReleaseAndByeBehindAFailedSendAreRead(t *testing.T) {
 	require.Eventually(t, func() bool { return len(pr.ex.Peers()) == 0 }, 5*time.Second, time.Millisecond,
 		"the peer's Release and Bye were read: it holds nothing and is gone, %+v", pr.ex.Peers())
 	assert.NotContains(t, pr.log.String(), "held until its process exits")
+	pr.checkClean(t)
+}
+
+// A consumer process that retains imports and stops answering keeps them through a
+// Close that runs out of time; once its process is killed they end and their memory
+// goes back, as they do without the Close.
+func TestRetentionsEndWhenAbandonedConsumerIsKilled(t *testing.T) {
+	pr := newProducer(t, []pool.Option{pool.WithCache(64 << 20)}, []ListenOption{WithRetainedImports()})
+	const n = 16
+	var names []string
+	var bufs []*pool.Buffer
+	for i := range n {
+		name := fmt.Sprintf("b%d", i)
+		names = append(names, name)
+		bufs = append(bufs, pr.publish(t, name, 1<<20, 7))
+	}
+	c := proctest.Start(t, "consumer", "test", pr.path, "0", strings.Join(names, ","), "7", "retain")
+	c.Expect("retained")
+	require.Equal(t, n, poolStats(t, pr.pool).Retentions, "the consumer's retained imports")
+	require.NoError(t, syscall.Kill(c.PID(), syscall.SIGSTOP)) // it answers no revoke now
+	for i, b := range bufs {
+		require.NoError(t, pr.ex.Unpublish(names[i]))
+		require.NoError(t, b.Free(pr.stream))
+	}
+	require.NoError(t, pr.pool.Trim()) // revokes: they wait for the stopped consumer
+	ctx, cancel := context.WithTimeout(testCtx(t), 100*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, pr.ex.Close(ctx), ErrAbandoned, "Close of an exporter whose consumer retains imports")
+	assert.Equal(t, n, poolStats(t, pr.pool).Retentions, "retentions ended under a living consumer")
+	c.Kill()
+	c.Wait()
+	waitFor(t, "the killed consumer's retentions to end", func() bool { return poolStats(t, pr.pool).Retentions == 0 })
+	require.NoError(t, pr.pool.Trim())
+	waitFor(t, "their memory to go back", func() bool {
+		s := poolStats(t, pr.pool)
+		return s.UsedCurrent == 0 && s.CachedBytes == 0
+	})
 	pr.checkClean(t)
 }

@@ -78,7 +78,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return int(h.PID) // what a remote peer says: not checked
 	}
 	refuse := func(reason string) (*peer, *observer, error) {
-		c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: reason}, -1)
+		c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1)
 		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
 	}
 	m, _, err := c.Recv()

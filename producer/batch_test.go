@@ -233,3 +233,123 @@ func TestPublishAll(t *testing.T) {
 	rp.pr.checkClean(t)
 	rp.c.checkClean(t)
 }
+
+// A ReleaseAll of Mappings that all stay referenced (each opened by two batches)
+// releases no grant: it asks the exporter nothing, and the connection serves on.
+func TestReleaseAllOfMappingsStillReferenced(t *testing.T) {
+	for _, retain := range []bool{false, true} {
+		t.Run(fmt.Sprintf("retain=%v", retain), func(t *testing.T) {
+			var opts []ListenOption
+			if retain {
+				opts = append(opts, WithRetainedImports())
+			}
+			rp := newRetainingPair(t, opts...)
+			ctx := testCtx(t)
+			_, names := rp.slab(t, 4, 4096, 0)
+			first, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+			require.NoError(t, err)
+			second, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+			require.NoError(t, err)
+			held := poolStats(t, rp.pr.pool).ActiveLeases
+			require.NoError(t, rp.c.imp.ReleaseAll(ctx, first, rp.c.stream))
+			assert.Equal(t, held, poolStats(t, rp.pr.pool).ActiveLeases, "grants ended while their Mappings are referenced")
+			m, err := rp.c.imp.Open(ctx, names[0], rp.c.stream)
+			require.NoError(t, err, "an Open after a ReleaseAll that released no grant")
+			require.NoError(t, m.Release(ctx, rp.c.stream))
+			require.NoError(t, rp.c.imp.ReleaseAll(ctx, second, rp.c.stream))
+			assert.Zero(t, poolStats(t, rp.pr.pool).ActiveLeases)
+			assert.NotContains(t, rp.pr.log.String(), "closing peer connection", "the exporter cut the connection")
+			rp.pr.checkClean(t)
+			rp.c.checkClean(t)
+		})
+	}
+}
+
+// A ReleaseBatch of no entries is a bad request, answered with an Error; the
+// connection serves on.
+func TestEmptyReleaseBatchIsABadRequest(t *testing.T) {
+	r := admittedToA(t)
+	r.send(&wire.ReleaseBatchMsg{ReqID: 5})
+	wantError(t, r.recv(), 5, ErrBadRequest)
+	r.servesOn(6)
+}
+
+// OpenAll of MaxBatch names of 64 bytes (SHA-256 in hex), within every documented
+// limit, goes out in requests that each fit a frame, and is all or none still.
+func TestOpenAllOfLongNames(t *testing.T) {
+	rp := newRetainingPair(t)
+	ctx := testCtx(t)
+	const block = 4096
+	b, err := rp.pr.pool.Alloc(ctx, MaxBatch*block, rp.pr.stream)
+	require.NoError(t, err)
+	entries := make([]Entry, MaxBatch)
+	names := make([]string, MaxBatch)
+	for i := range entries {
+		names[i] = fmt.Sprintf("%064x", i)
+		entries[i] = Entry{Name: names[i], Buffer: b, Options: []PublishOption{Range(uint64(i)*block, block)}}
+	}
+	require.NoError(t, rp.pr.ex.PublishAll(ctx, rp.pr.stream, entries...))
+	ms, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
+	require.NoError(t, err, "OpenAll of %d names of 64 bytes", MaxBatch)
+	require.Len(t, ms, MaxBatch)
+	for i, m := range ms {
+		require.Equal(t, ms[0].Ptr()+cudart.DevicePtr(uint64(i)*block), m.Ptr(), "block %d", i)
+	}
+	assert.Equal(t, MaxBatch, poolStats(t, rp.pr.pool).ActiveLeases)
+	require.NoError(t, rp.c.imp.ReleaseAll(ctx, ms, rp.c.stream))
+
+	// A name that fails in the last request gives back what the earlier ones leased.
+	_, err = rp.c.imp.OpenAll(ctx, append(names[:MaxBatch-1:MaxBatch-1], "nope"), rp.c.stream)
+	require.ErrorIs(t, err, ErrUnknownName)
+	waitFor(t, "the earlier requests' leases to be given back", func() bool { return poolStats(t, rp.pr.pool).ActiveLeases == 0 })
+	assert.NotContains(t, rp.pr.log.String(), "closing peer connection", "the exporter cut the connection")
+	rp.pr.checkClean(t)
+	rp.c.checkClean(t)
+}
+
+// A ReleaseBatch of MaxBatch forged entries is refused with one Error frame that fits
+// the frame limit; the connection serves on.
+func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
+	r := admittedToA(t)
+	entries := make([]wire.ReleaseMsg, MaxBatch)
+	for i := range entries {
+		entries[i] = wire.ReleaseMsg{LeaseID: 0xdead0000 + uint64(i), Count: 1}
+	}
+	r.send(&wire.ReleaseBatchMsg{ReqID: 5, Entries: entries})
+	m := r.recv()
+	wantError(t, m, 5, ErrForgedLease)
+	assert.Contains(t, m.(*wire.ErrorMsg).Text, fmt.Sprintf("%d of %d entries refused", MaxBatch, MaxBatch))
+	r.servesOn(6)
+}
+
+// No frame larger than the limit is ever written: send refuses it, writing nothing,
+// and the connection stays usable.
+func TestSendRefusesAnOversizedFrame(t *testing.T) {
+	r := admittedToA(t)
+	names := make([]string, MaxBatch)
+	for i := range names {
+		names[i] = fmt.Sprintf("%064x", i)
+	}
+	err := r.c.Send(context.Background(), &wire.OpenBatchMsg{ReqID: 5, Names: names}, -1)
+	require.ErrorIs(t, err, ErrBadRequest, "an OpenBatch of %d names of 64 bytes", MaxBatch)
+	assert.Contains(t, err.Error(), "frame limit")
+	r.servesOn(6)
+}
+
+// admittedToA is a raw peer admitted by an exporter that publishes "a".
+func admittedToA(t *testing.T) *rawPeer {
+	t.Helper()
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	return admitted(t, pr.path)
+}
+
+// servesOn checks that the connection still serves: "a" is leased (request reqID)
+// and released (reqID+1).
+func (r *rawPeer) servesOn(reqID uint64) {
+	r.t.Helper()
+	l, ok := r.open(reqID, "a").(*wire.LeaseMsg)
+	require.True(r.t, ok, "the connection did not serve an Open")
+	_, ok = r.release(reqID+1, l.LeaseID, 1).(*wire.ReleasedMsg)
+	require.True(r.t, ok, "the connection did not serve a Release")
+}

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -11,6 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/internal/privdir"
+	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 // plantAnnouncement writes an announcement of this process into dir, as another
@@ -85,4 +88,53 @@ func TestListenRefusesAnAnnounceDirectoryOthersControl(t *testing.T) {
 	entries, err := os.ReadDir(open)
 	require.NoError(t, err)
 	assert.Empty(t, entries, "Listen wrote into a directory it does not trust")
+}
+
+// Discover reads only regular files, without following links and without blocking: a
+// FIFO named N.json (whose open would wait for a writer) and a symbolic link named
+// N.json are skipped, and a file too large to be an announcement is listed as
+// unreadable. Discover returns at once either way.
+func TestDiscoverReadsOnlyRegularFiles(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "ann")
+	require.NoError(t, ensureDir(dir))
+	plantAnnouncement(t, dir)
+	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "123.json"), 0o600))
+	elsewhere := t.TempDir()
+	plantAnnouncement(t, elsewhere)
+	require.NoError(t, os.Symlink(filepath.Join(elsewhere, strconv.Itoa(os.Getpid())+".json"), filepath.Join(dir, "124.json")))
+	big := filepath.Join(dir, "125.json")
+	require.NoError(t, os.WriteFile(big, make([]byte, discover.MaxAnnouncement+1), 0o600))
+
+	type result struct {
+		anns []discover.Announcement
+		err  error
+	}
+	got := make(chan result, 1)
+	go func() {
+		anns, err := discover.Discover(dir)
+		got <- result{anns, err}
+	}()
+	r := testwait.Recv(t, got, "Discover to return past a FIFO")
+	require.NoError(t, r.err)
+	var paths []string
+	for _, a := range r.anns {
+		paths = append(paths, filepath.Base(a.Path))
+	}
+	assert.ElementsMatch(t, []string{strconv.Itoa(os.Getpid()) + ".json", "125.json"}, paths, "what Discover listed")
+	for _, a := range r.anns {
+		if a.Path == big {
+			assert.Contains(t, a.Dead, "unreadable announcement", "the oversized file")
+		}
+	}
+	// A file replaced by a FIFO or a link after the directory was listed: the open
+	// itself neither blocks nor follows.
+	for _, name := range []string{"123.json", "124.json"} {
+		done := make(chan bool, 1)
+		go func() {
+			_, regular, err := privdir.ReadRegular(filepath.Join(dir, name), discover.MaxAnnouncement)
+			assert.NoError(t, err, name)
+			done <- regular
+		}()
+		assert.False(t, testwait.Recv(t, done, "readRegular of "+name), "%s read as a regular file", name)
+	}
 }

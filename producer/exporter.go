@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -97,6 +98,9 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 		return nil, errors.New("producer: Listen needs a runtime")
 	}
 	o := newListenOptions(opts)
+	if err := printable.Check(o.name, MaxExporterNameLen); err != nil {
+		return nil, fmt.Errorf("producer: listen: %w: exporter name %w", ErrBadName, err)
+	}
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.Log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
@@ -123,6 +127,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	if ex.sock, err = listenSocket(path, access); err != nil {
 		return nil, err
 	}
+	ex.sock.unlocal = wire.AddLocal(ex.sock.info, rt) // consumer.Dial refuses this process's own
 	if o.announce {
 		a := discover.Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
 		if ex.announced, err = announce(o.announceDir, a); err != nil {
@@ -564,8 +569,10 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	}
 	errs = append(errs, ex.waitReleased(ctx))
 	for _, p := range ex.peerList() {
-		if ctx.Err() != nil && p.holdsLeases() {
-			ex.log.Warn("producer: close: leases abandoned; the peer is served until it releases them or its process exits", "pid", p.pid())
+		if ctx.Err() != nil && (p.holdsLeases() || p.retainedCount() > 0) {
+			// Cut, a live peer's retained imports would stay reserved for good; served
+			// on, they end with its revokes, or when its process exits.
+			ex.log.Warn("producer: close: leases or retained imports abandoned; the peer is served until it releases them or its process exits", "pid", p.pid())
 			p.detach()
 			continue
 		}

@@ -83,16 +83,33 @@ func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
 // fails changes nothing; the others are released all the same, and the answer is an
 // Error naming the failures.
 func (p *peer) releaseBatch(m *wire.ReleaseBatchMsg) error {
+	if len(m.Entries) == 0 {
+		return fmt.Errorf("%w: a ReleaseBatch of no entries", ErrBadRequest)
+	}
 	var errs []error
 	for i := range m.Entries {
 		if err := p.release(&m.Entries[i]); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	if err := errors.Join(errs...); err != nil {
-		return err
+	if len(errs) > 0 {
+		return batchError(errs, len(m.Entries))
 	}
 	return p.c.Send(context.Background(), &wire.ReleasedMsg{ReqID: m.ReqID}, -1)
+}
+
+// batchShown is how many of a batch's failures its Error names.
+const batchShown = 8
+
+// batchError says which entries of a batch of n failed: how many, and the first few.
+// It wraps every failure, so the Error's code is the first's.
+func batchError(errs []error, n int) error {
+	shown := errs[:min(len(errs), batchShown)]
+	more := ""
+	if len(errs) > len(shown) {
+		more = fmt.Sprintf("\n(and %d more)", len(errs)-len(shown))
+	}
+	return fmt.Errorf("%d of %d entries refused:\n%w%s", len(errs), n, errors.Join(shown...), more)
 }
 
 // release ends the grants m returns. A peer with a release event leaves the wait for

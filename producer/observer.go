@@ -60,5 +60,5 @@ func answer(c *wire.Conn, reqID uint64, err error) {
 	if err == nil {
 		return
 	}
-	c.Send(context.Background(), &wire.ErrorMsg{ReqID: reqID, Code: wire.CodeOf(err), Text: err.Error()}, -1)
+	c.Send(context.Background(), wire.ErrorFor(reqID, err), -1)
 }

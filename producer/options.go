@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/wire"
 )
 
@@ -56,7 +57,7 @@ func WithMeta(meta []byte) PublishOption {
 }
 
 func newListenOptions(opts []ListenOption) listenOptions {
-	o := listenOptions{SharedOptions: wire.DefaultShared(), announce: true, name: filepath.Base(os.Args[0]),
+	o := listenOptions{SharedOptions: wire.DefaultShared(), announce: true, name: printable.Clean(filepath.Base(os.Args[0]), MaxExporterNameLen),
 		handshakesTotal: defaultHandshakesTotal, handshakesPerUID: defaultHandshakesPerUID, maxGrants: defaultMaxGrants}
 	for _, opt := range opts {
 		opt.applyListen(&o)
@@ -74,7 +75,9 @@ func WithPolicy(p Policy) ListenOption {
 }
 
 // WithLogger sets where events no call returns are logged: connections refused or
-// closed for malformed input, cleanup that failed. The default is slog.Default().
+// closed for malformed input, cleanup that failed. The default discards them: the
+// library writes nothing to its process's stderr unless given a logger
+// (slog.Default() logs where the program's log package does).
 func WithLogger(l *slog.Logger) ListenOption {
 	return listenOption(func(o *listenOptions) { o.SetLogger(l) })
 }
@@ -98,8 +101,15 @@ func WithoutAnnounce() ListenOption {
 	return listenOption(func(o *listenOptions) { o.announce = false })
 }
 
+// MaxExporterNameLen is the longest exporter name (WithName), in bytes.
+const MaxExporterNameLen = 128
+
 // WithName sets the process name the exporter gives in its announcement and State.
-// The default is the program's base name.
+// The default is the program's base name, with each character that does not show as
+// itself replaced by '?' and cut to MaxExporterNameLen bytes. Listen refuses, with
+// ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
+// or holds a control or bidirectional control character or a line or paragraph
+// separator.
 func WithName(name string) ListenOption {
 	return listenOption(func(o *listenOptions) { o.name = name })
 }

@@ -39,6 +39,7 @@ func TestMain(m *testing.M) {
 		"lingering-consumer": roleLingeringConsumer,
 		"peer-consumer":      rolePeerConsumer,
 		"dialer":             roleDialer,
+		"quiet":              roleQuiet,
 	})
 }
 
@@ -241,6 +242,10 @@ func roleProducer(args []string) int {
 // killed, obeying stdin meanwhile:
 //
 //	hang-up  close the connection without Bye, keeping the mapping; say "hung up"
+//
+// For MODE "retain", NAME is a comma-separated list: it opens, checks and releases each
+// (an exporter WithRetainedImports retains their imports), says "retained" and waits,
+// its Importer open, until killed or its stdin ends.
 func roleConsumer(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "consumer:", err); return 1 }
 	if len(args) != 6 {
@@ -261,6 +266,21 @@ func roleConsumer(args []string) int {
 	imp, err := consumer.Dial(ctx, args[1], rt, dev)
 	if err != nil {
 		return fail(err)
+	}
+	if args[5] == "retain" {
+		for _, name := range strings.Split(args[3], ",") {
+			m, err := imp.Open(ctx, name, stream)
+			if err == nil {
+				err = m.Release(ctx, stream)
+			}
+			if err != nil {
+				return fail(err)
+			}
+		}
+		fmt.Println("retained")
+		for range proctest.Commands() {
+		}
+		return 0
 	}
 	m, err := imp.Open(ctx, args[3], stream)
 	if err != nil {

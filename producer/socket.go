@@ -21,6 +21,8 @@ type socketFile struct {
 	*net.UnixListener
 	path string
 	info os.FileInfo
+	// unlocal takes the socket out of wire's record of this process's exporters.
+	unlocal func()
 }
 
 // maxSocketPath is the longest path a Unix socket address holds: sun_path is 108
@@ -132,6 +134,9 @@ func clearStaleSocket(path string) error {
 // remove closes the listener and removes the socket file if it is still the one this
 // listener created.
 func (s *socketFile) remove() error {
+	if s.unlocal != nil {
+		s.unlocal()
+	}
 	err := s.UnixListener.Close()
 	if info, lerr := os.Lstat(s.path); lerr == nil && os.SameFile(info, s.info) {
 		if rerr := os.Remove(s.path); rerr != nil {

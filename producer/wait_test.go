@@ -101,7 +101,8 @@ func TestDialWaitsForExporter(t *testing.T) {
 		dialed <- err
 	}()
 	time.Sleep(20 * time.Millisecond) // as in TestOpenWaitsForName; either order holds
-	ex, err := Listen(path, s.dev, WithoutAnnounce(), WithLogger(discardLogger))
+	exporting := newSide(t, 0)        // a process of its own: this one's would be refused
+	ex, err := Listen(path, exporting.dev, WithoutAnnounce(), WithLogger(discardLogger))
 	require.NoError(t, err)
 	select {
 	case err := <-dialed:
@@ -137,4 +138,48 @@ func TestOpenRefusesStreamOfAnotherDevice(t *testing.T) {
 	require.NoError(t, c.dev.StreamDestroy(1, other))
 	c.checkClean(t)
 	pr.checkClean(t)
+}
+
+// Release and ReleaseAll refuse a stream of another device than the Importer's with
+// ErrStreamDevice, as Open does, and release nothing: the Mapping can be released
+// after with a right stream.
+func TestReleaseRefusesStreamOfAnotherDevice(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	c := newConsumer(t, pr.path, 0)
+	other, err := c.dev.StreamCreate(1, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	ctx := testCtx(t)
+	m, err := c.imp.Open(ctx, "a", c.stream)
+	require.NoError(t, err)
+	err = m.Release(ctx, other)
+	require.ErrorIs(t, err, consumer.ErrStreamDevice, "Release")
+	assert.ErrorContains(t, err, "is on device 1, the Importer on device 0")
+	err = c.imp.ReleaseAll(ctx, []*consumer.Mapping{m}, other)
+	require.ErrorIs(t, err, consumer.ErrStreamDevice, "ReleaseAll")
+	assert.Equal(t, 1, pr.activeLeases(t), "a refused Release ended the lease")
+	require.NoError(t, m.Release(ctx, c.stream), "Release after the refusals")
+	assert.Zero(t, pr.activeLeases(t))
+	require.NoError(t, c.dev.StreamDestroy(1, other))
+	c.checkClean(t)
+	pr.checkClean(t)
+}
+
+// Dialing an exporter of this very process on the same runtime is refused at once,
+// saying so: its pools and events cannot be imported by the process that made them,
+// and its buffers need no import. A consumer on another runtime (a simulated process
+// of its own) is served as before.
+func TestDialOfOwnExporterIsRefused(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	pr.publish(t, "a", 1<<20, 1)
+	_, err := consumer.Dial(testCtx(t), pr.path, pr.dev, 0, consumer.WithLogger(discardLogger))
+	require.ErrorIs(t, err, consumer.ErrOwnExporter)
+	assert.ErrorContains(t, err, "use its buffers directly")
+	c := newConsumer(t, pr.path, 0)
+	m, err := c.imp.Open(testCtx(t), "a", c.stream)
+	require.NoError(t, err, "an Open from another runtime")
+	require.NoError(t, m.Release(testCtx(t), c.stream))
+	require.NoError(t, pr.ex.Close(testCtx(t)))
+	_, err = consumer.Dial(testCtx(t), pr.path, pr.dev, 0)
+	require.NotErrorIs(t, err, consumer.ErrOwnExporter, "a closed exporter is no longer this process's")
 }

@@ -20,7 +20,9 @@
 # It prints LAST the tables bench/table.py makes. Every sample goes to the raw file
 # it names, and the README's performance section to RESULTS.md beside it. A part
 # that fails or runs out of time shows as FAIL in the tables and makes the script
-# exit non-zero; the rest still runs. It changes no GPU setting.
+# exit non-zero; the rest still runs. On a host with one GPU the other-GPU rows are
+# "not run (needs 2 GPUs)", which fails nothing; CUDAPOOL_REQUIRE_GPUS=2 demands two
+# GPUs and fails them instead. It changes no GPU setting.
 #
 # Environment: SUITE_BUDGET (default 330) seconds after which no part starts and
 # running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and the

@@ -8,6 +8,10 @@
 # binary PASS or FAIL, and each benchmark's Go ns/op beside C's and their ratio.
 # It exits non-zero if anything failed. It changes no GPU setting.
 #
+# On a host with one GPU the tests that need two are skipped and listed as "not run
+# (needs 2 GPUs)" beside their binary's PASS; CUDAPOOL_REQUIRE_GPUS=2 in the
+# environment demands two GPUs and fails them instead (internal/gputest).
+#
 # Environment: BENCH=0 runs the tests alone (scripts/gpu-run.sh runs the benchmark
 # suite after them instead); BENCHTIME (default 1s) and BENCHCOUNT (default 3) for the Go
 # benchmarks, whose ns/op is the median of the counts; TEST_TIMEOUT (default 90s) per
@@ -65,8 +69,15 @@ while read -r name dir; do
 	log=$logs/$name.test.log
 	(cd "$root/$dir" && "$bin/$name.test" -test.v -test.count=1 -test.timeout="$test_timeout") >"$log" 2>&1
 	rc=$?
+	# The tests skipped for want of GPUs, by name: the last test that the log said ran
+	# when the skip's line came (go test -v streams each test's output).
+	notrun=$(awk '
+		/^=== (RUN|CONT|NAME) / { test = $3 }
+		match($0, /not run \(needs [0-9]+ GPUs\)/) { need[substr($0, RSTART, RLENGTH)] = need[substr($0, RSTART, RLENGTH)] " " test }
+		END { for (n in need) printf "%s:%s; ", n, need[n] }
+	' "$log")
 	if [ $rc -eq 0 ]; then
-		results+=("$name PASS")
+		results+=("$name PASS${notrun:+, ${notrun%; }}")
 	else
 		results+=("$name FAIL(rc=$rc)")
 		failed=1
@@ -127,7 +138,7 @@ fi
 
 echo
 echo "== summary (${SECONDS}s)"
-printf '%s\n' "${results[@]}" | awk '{ printf "%-28s %s\n", $1, $2 }'
+printf '%s\n' "${results[@]}" | awk '{ name = $1; sub(/^[^ ]+ /, ""); printf "%-28s %s\n", name, $0 }'
 if [ "$run_benches" = 1 ]; then
 echo
 # Go lines: "PKG NAME-PROCS N NS ns/op [LATE late-ns/op] ..."; C lines: "cref NAME NS".

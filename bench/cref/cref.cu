@@ -980,6 +980,10 @@ static void sharing(const int *socks) {
 		plain_copy(dev);
 		for (int k = POOL; k <= LEGACY; k++) read_imported(socks[dev == 0 ? 0 : OTHER], (enum kind)k, dev);
 	}
+	if (prod.ndev < 2) { // bench/table.py: not run, needs 2 GPUs
+		printf("needs c copy/other-gpu 2\n");
+		for (int k = POOL; k <= LEGACY; k++) printf("needs %s read/other-gpu 2\n", impl_name[k]);
+	}
 	for (int c = 0; c <= OTHER; c++) send_command(socks[c], CMD_QUIT, POOL, 0, 1);
 }
 

@@ -8,7 +8,9 @@
 //	result IMPL OP UNIT MEDIAN P90 N
 //	raw IMPL OP UNIT V1 V2 ...
 //
-// or "fail IMPL OP REASON" when it could not be taken; the others still run.
+// or "fail IMPL OP REASON" when it could not be taken, or "needs IMPL OP GPUS" where
+// the host has too few GPUs for it (unless CUDAPOOL_REQUIRE_GPUS demands them); the
+// others still run.
 // IMPL is cudapool (the pool and export packages) or cudart (the bare binding).
 // Times are in microseconds from CLOCK_MONOTONIC, which every process of the host
 // shares, so a consumer's timestamp can be compared with the producer's.
@@ -37,6 +39,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -232,6 +235,16 @@ func (r *reporter) result(impl, op, unit string, v []float64) {
 func (r *reporter) fail(impl, op string, err error) {
 	r.failed = true
 	fmt.Fprintf(r.w, "fail %s %s%s %s\n", impl, r.prefix, op, strings.ReplaceAll(err.Error(), "\n", " "))
+}
+
+// needs reports that op needs gpus GPUs where the host has n: not run, or a failure
+// where CUDAPOOL_REQUIRE_GPUS demands them.
+func (r *reporter) needs(impl, op string, gpus, n int) {
+	if demanded, err := strconv.Atoi(os.Getenv("CUDAPOOL_REQUIRE_GPUS")); err == nil && demanded >= gpus {
+		r.fail(impl, op, fmt.Errorf("%d GPU(s) here; CUDAPOOL_REQUIRE_GPUS=%d demands %d", n, demanded, gpus))
+		return
+	}
+	fmt.Fprintf(r.w, "needs %s %s%s %d\n", impl, r.prefix, op, gpus)
 }
 
 // measure reports what f measured, or its failure.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -354,4 +355,24 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
 	}
 	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out.String())
+}
+
+// A measurement the host has too few GPUs for is not run, and says so, unless
+// CUDAPOOL_REQUIRE_GPUS demands them: then it fails.
+func TestNeedsMoreGPUs(t *testing.T) {
+	for _, c := range []struct {
+		demanded, want string
+		failed         bool
+	}{
+		{"", "needs cudapool read/other-gpu 2\n", false},
+		{"1", "needs cudapool read/other-gpu 2\n", false},
+		{"2", "fail cudapool read/other-gpu 1 GPU(s) here; CUDAPOOL_REQUIRE_GPUS=2 demands 2\n", true},
+	} {
+		t.Setenv("CUDAPOOL_REQUIRE_GPUS", c.demanded)
+		var out bytes.Buffer
+		r := &reporter{w: &out}
+		r.needs("cudapool", "read/other-gpu", 2, 1)
+		assert.Equal(t, c.want, out.String(), "CUDAPOOL_REQUIRE_GPUS=%q", c.demanded)
+		assert.Equal(t, c.failed, r.failed, "CUDAPOOL_REQUIRE_GPUS=%q", c.demanded)
+	}
 }

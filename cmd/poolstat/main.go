@@ -213,7 +213,7 @@ func once(ctx context.Context, l *looker, show func(*Report) error, stderr io.Wr
 		err = show(r)
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "poolstat: %v\n", err)
+		fmt.Fprintf(stderr, "poolstat: %s\n", text(err.Error(), maxText))
 		return 1
 	}
 	if !r.reached() {

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -23,6 +25,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
@@ -77,10 +80,27 @@ func eventually(t *testing.T, what string, cond func(*Report) bool) *Report {
 // onGPU reports whether the children run on the real runtime (a GPU host), where the
 // golden files, taken on the software device, do not apply.
 func onGPU(t *testing.T) bool {
-	picked, err := choose.Runtime(choose.Auto)
+	picked, err := testRuntime()
 	gpu := picked.OnGPU
 	require.NoError(t, err)
 	return gpu
+}
+
+// otherDevice is device 1 where the children's runtime has two devices or more, and
+// device 0 on a host with one.
+func otherDevice(t *testing.T) int {
+	picked, err := testRuntime()
+	require.NoError(t, err)
+	if d, ok := picked.Runtime.(*cudarttest.Device); ok {
+		defer d.Close()
+	}
+	n, err := picked.Runtime.DeviceCount()
+	require.NoError(t, err, "counting the devices")
+	if n < 2 {
+		t.Logf("one device (%s): both consumers on device 0", picked.Runtime.Name())
+		return 0
+	}
+	return 1
 }
 
 func peer(st *discover.State, pid int) *discover.PeerState {
@@ -95,6 +115,17 @@ func peer(st *discover.State, pid int) *discover.PeerState {
 // leases (table and JSON checked against golden files), a free that waits on them, one
 // consumer releasing, the other killed, the exporter killed and its dead entry cleaned.
 func TestLifecycle(t *testing.T) {
+	t.Run("the host's devices", func(t *testing.T) { lifecycle(t, true) })
+	t.Run("one device", func(t *testing.T) {
+		if onGPU(t) {
+			t.Skip("the software device is given one device; the GPU host has its own count")
+		}
+		t.Setenv(softDevicesEnv, "1") // the children's too
+		lifecycle(t, false)
+	})
+}
+
+func lifecycle(t *testing.T, compareGolden bool) {
 	dir := t.TempDir()
 	t.Setenv(discover.DirEnv, dir) // the children announce here too
 	sock := filepath.Join(dir, "test.sock")
@@ -114,7 +145,7 @@ func TestLifecycle(t *testing.T) {
 
 	a := proctest.Start(t, "consumer", sock, "0", "alpha", "beta")
 	a.Expect("holding")
-	b := proctest.Start(t, "consumer", sock, "1", "alpha")
+	b := proctest.Start(t, "consumer", sock, strconv.Itoa(otherDevice(t)), "alpha")
 	b.Expect("holding")
 
 	r = report(t, 0)
@@ -132,7 +163,7 @@ func TestLifecycle(t *testing.T) {
 	me, err := peercred.Lookup(os.Getpid())
 	require.NoError(t, err)
 	assert.Equal(t, me.Command, r.Exporters[0].Processes[a.PID()])
-	if !onGPU(t) {
+	if compareGolden && !onGPU(t) {
 		golden(t, r, me.Command, map[int]int{ex.PID(): 100, a.PID(): 101, b.PID(): 102})
 	}
 	// -socket asks that one exporter, without the announce directory.
@@ -497,4 +528,43 @@ func TestDirNotPrivate(t *testing.T) {
 		assert.Contains(t, errOut, "announce directory is not private: "+dir+" has mode")
 	}
 	assert.FileExists(t, path, "-clean removed a file from a directory it does not trust")
+}
+
+// Every string another process sends (its names, published names, errors, device
+// UUIDs, command names, the socket it announced) reaches the terminal escaped and cut:
+// no control character, escape sequence or invalid UTF-8, no line longer than the
+// table's width plus what a cut socket path adds; a negative count says it is invalid.
+func TestTableEscapesWhatOthersSend(t *testing.T) {
+	hostile := []string{
+		"forged\nLIVE: root (pid 1)", "\x1b[2J\x1b[31mred", "\x1b]0;title\x07", "\x1b]8;;http://x\x1b\\link",
+		"bad\xff\xfeutf8", "\u202eevil", "tab\there", "\x9b31m", "\u009b32m", "del\x7f", strings.Repeat("\x1b[A", 70000),
+	}
+	now := time.Now()
+	var exporters []Exporter
+	for i, s := range hostile {
+		st := &discover.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []discover.DeviceState{{Ordinal: -3, UUID: s}}}
+		st.Pools = []discover.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
+			SharedBuffers: -3, ActiveLeases: -4, DeferredFrees: -5, FailedFrees: -6}}}
+		st.Published = []discover.NameState{{Name: s, Pool: 1, Size: 1}}
+		st.Peers = []discover.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
+		exporters = append(exporters,
+			Exporter{Socket: s, Status: Live, State: st, Processes: map[int]string{200 + i: s}},
+			Exporter{PID: 300 + i, Name: s, Socket: s, Status: Dead, Error: s})
+	}
+	var b bytes.Buffer
+	render(&b, &Report{Dir: "/run/user/1000/cudapool", Exporters: exporters}, now)
+	out := b.String()
+	require.True(t, utf8.ValidString(out), "the table is not valid UTF-8")
+	for _, line := range strings.Split(out, "\n") {
+		for _, r := range line {
+			require.True(t, unicode.IsPrint(r), "the table printed %U in %q", r, line)
+		}
+		assert.LessOrEqual(t, len([]rune(line)), Width+maxText, "%q", line)
+		assert.False(t, strings.HasPrefix(line, "LIVE: root"), "a forged line: %q", line)
+	}
+	for _, want := range []string{`forged\nLIVE`, `\x1b[2J`, `\x1b]0;title\x07`, `bad\xff\xfeutf8`, `\u202eevil`, `tab\there`,
+		`\x9b31m`, `\u009b32m`, `del\x7f`, "invalid (-2)", "invalid (-7)", "…"} {
+		assert.Contains(t, out, want, "the table does not show %q", want)
+	}
+	assert.NotContains(t, out, "-2 buffers", "a negative count shown as a count")
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/dustin/go-humanize"
 
@@ -26,6 +28,7 @@ const (
 	maxProcessName = 32
 	maxCommand     = 15 // what the kernel keeps of a command name
 	maxPublished   = 48
+	maxText        = 200 // a socket path, an error
 )
 
 // render writes r as the operator's table, with ages counted up to now.
@@ -39,9 +42,10 @@ func render(w io.Writer, r *Report, now time.Time) {
 		}
 		who := "unknown process"
 		if e.PID > 0 {
-			who = fmt.Sprintf("%s (pid %d)", cut(orDash(e.Name), maxProcessName), e.PID)
+			who = fmt.Sprintf("%s (pid %d)", text(orDash(e.Name), maxProcessName), e.PID)
 		}
-		fmt.Fprintf(w, "%s: %s\n  socket %s\n  %s\n", strings.ToUpper(string(e.Status)), who, e.Socket, e.Error)
+		fmt.Fprintf(w, "%s: %s\n  socket %s\n  %s\n", strings.ToUpper(text(string(e.Status), maxPoolName)), who,
+			text(e.Socket, maxText), text(e.Error, maxText))
 		if e.Status == Dead {
 			fmt.Fprintln(w, "  poolstat -clean removes its announcement")
 		}
@@ -51,11 +55,11 @@ func render(w io.Writer, r *Report, now time.Time) {
 // summary is the table's first line: where poolstat looked and what it found.
 func summary(r *Report) string {
 	if r.Dir == "" {
-		return fmt.Sprintf("Exporter at %s: %s", r.Exporters[0].Socket, r.Exporters[0].Status)
+		return fmt.Sprintf("Exporter at %s: %s", text(r.Exporters[0].Socket, maxText), text(string(r.Exporters[0].Status), maxPoolName))
 	}
 	if len(r.Exporters) == 0 {
 		return fmt.Sprintf("No cudapool exporter is announced in %s: none runs as this user, or it announces elsewhere ($%s, -dir)",
-			r.Dir, discover.DirEnv)
+			text(r.Dir, maxText), discover.DirEnv)
 	}
 	var parts []string
 	for _, s := range []Status{Live, Unreachable, Dead, Removed} {
@@ -63,14 +67,14 @@ func summary(r *Report) string {
 			parts = append(parts, fmt.Sprintf("%d %s", n, s))
 		}
 	}
-	return fmt.Sprintf("Exporters announced in %s: %s", r.Dir, strings.Join(parts, ", "))
+	return fmt.Sprintf("Exporters announced in %s: %s", text(r.Dir, maxText), strings.Join(parts, ", "))
 }
 
 func renderLive(w io.Writer, e Exporter, now time.Time) {
 	st := e.State
-	fmt.Fprintf(w, "%s (pid %d)%s, up %s, %s, %s\n", cut(orDash(st.Name), maxProcessName), st.PID, poolDevices(st.Pools),
+	fmt.Fprintf(w, "%s (pid %s)%s, up %s, %s, %s\n", text(orDash(st.Name), maxProcessName), count(st.PID), poolDevices(st.Pools),
 		age(st.Started, now), plural(len(st.Pools), "pool"), plural(len(st.Peers), "peer"))
-	fmt.Fprintf(w, "  socket %s\n", e.Socket)
+	fmt.Fprintf(w, "  socket %s\n", text(e.Socket, maxText))
 
 	if len(st.Pools) > 0 {
 		tw := table(w)
@@ -80,20 +84,20 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 			if p.MaxSize > 0 {
 				maxSize = size(p.MaxSize)
 			}
-			fmt.Fprintf(tw, "  %s\t%d\t%s\t%s\t%s\t(%s)\t%s\t(%s)\t%s\n", cut(p.Name, maxPoolName), p.Device,
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t(%s)\t%s\t(%s)\t%s\n", text(p.Name, maxPoolName), count(p.Device),
 				p.HandleType, maxSize, size(p.ReservedCurrent), size(p.ReservedHigh), size(p.UsedCurrent),
 				size(p.UsedHigh), size(p.RoundingOverhead()))
 		}
 		tw.Flush()
 		for _, p := range st.Pools {
-			fmt.Fprintf(w, "  %s: %s live, %d shared, %s; %s waiting on importers\n", cut(p.Name, maxPoolName),
-				plural(p.LiveBuffers, "buffer"), p.SharedBuffers, plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
+			fmt.Fprintf(w, "  %s: %s live, %s shared, %s; %s waiting on importers\n", text(p.Name, maxPoolName),
+				plural(p.LiveBuffers, "buffer"), count(p.SharedBuffers), plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
 			if p.FailedFrees > 0 {
-				fmt.Fprintf(w, "  %s: %s failed and hold memory until the pool closes\n", cut(p.Name, maxPoolName),
+				fmt.Fprintf(w, "  %s: %s failed and hold memory until the pool closes\n", text(p.Name, maxPoolName),
 					plural(p.FailedFrees, "deferred free"))
 			}
 			if p.Error != "" {
-				fmt.Fprintf(w, "  %s: %s\n", cut(p.Name, maxPoolName), p.Error)
+				fmt.Fprintf(w, "  %s: %s\n", text(p.Name, maxPoolName), text(p.Error, maxText))
 			}
 		}
 	}
@@ -106,7 +110,7 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 		tw := table(w)
 		fmt.Fprintln(tw, "  PUBLISHED\tSIZE\tPOOL")
 		for _, n := range st.Published {
-			fmt.Fprintf(tw, "  %s\t%s\t%s\n", cut(n.Name, maxPublished), size(n.Size), cut(names[n.Pool], maxPoolName))
+			fmt.Fprintf(tw, "  %s\t%s\t%s\n", text(n.Name, maxPublished), size(n.Size), text(names[n.Pool], maxPoolName))
 		}
 		tw.Flush()
 	}
@@ -120,8 +124,8 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 	var awaiting []string
 	for _, p := range st.Peers {
 		name := peerName(p, e.Processes)
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%s\t%s (%s ago)\n", name, userName(p.UID), peerDevice(p, st.Devices),
-			p.Leases, size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s (%s ago)\n", name, userName(p.UID), peerDevice(p, st.Devices),
+			count(p.Leases), size(p.BytesLeased), p.ConnectedSince.In(now.Location()).Format(time.TimeOnly), age(p.ConnectedSince, now))
 		if p.AwaitingExit {
 			awaiting = append(awaiting, name)
 		}
@@ -145,7 +149,7 @@ func poolDevices(pools []discover.PoolState) string {
 	devs = slices.Compact(devs)
 	strs := make([]string, len(devs))
 	for i, d := range devs {
-		strs[i] = strconv.Itoa(d)
+		strs[i] = count(d)
 	}
 	switch len(devs) {
 	case 0:
@@ -173,9 +177,9 @@ func age(t, now time.Time) string {
 // host shows one; a remote peer's pid is another host's, so it has none.
 func peerName(p discover.PeerState, commands map[int]string) string {
 	if c, ok := commands[p.PID]; ok && !p.Remote {
-		return fmt.Sprintf("%d %s", p.PID, cut(c, maxCommand))
+		return fmt.Sprintf("%s %s", count(p.PID), text(c, maxCommand))
 	}
-	return strconv.Itoa(p.PID)
+	return count(p.PID)
 }
 
 // peerDevice names the peer's device as the exporter knows it ("GPU 1") when it is one of
@@ -188,27 +192,71 @@ func peerDevice(p discover.PeerState, devices []discover.DeviceState) string {
 		return "-"
 	}
 	if i := slices.IndexFunc(devices, func(d discover.DeviceState) bool { return d.UUID == p.Device }); i >= 0 {
-		return "GPU " + strconv.Itoa(devices[i].Ordinal)
+		return "GPU " + count(devices[i].Ordinal)
 	}
-	return cut(p.Device, 16)
+	return text(p.Device, 16)
 }
 
 // userName is the login name of uid, or the number when it has none.
 func userName(uid uint32) string {
 	id := strconv.FormatUint(uint64(uid), 10)
 	if u, err := user.LookupId(id); err == nil {
-		return cut(u.Username, maxUserName)
+		return text(u.Username, maxUserName)
 	}
 	return id
 }
 
-// cut shortens s to n characters, marking the cut with an ellipsis.
-func cut(s string, n int) string {
-	r := []rune(s)
-	if len(r) <= n {
-		return s
+// text is s, which another process sent, made safe for a terminal and cut to n
+// characters: a character that does not print (C0 and C1 controls, so ESC and OSC
+// sequences, DEL, bidirectional overrides, any space but ' ') is escaped as \n, \t,
+// \r, \xNN, \uNNNN or \UNNNNNNNN, a byte of invalid UTF-8 as \xNN and a backslash as \\, so
+// that nothing it holds can move the cursor, forge a line or look like another string.
+// A cut is marked with an ellipsis.
+func text(s string, n int) string {
+	var b strings.Builder
+	shown := 0
+	for i := 0; i < len(s); {
+		r, width := utf8.DecodeRuneInString(s[i:])
+		var esc string
+		switch {
+		case r == utf8.RuneError && width == 1:
+			esc = fmt.Sprintf(`\x%02x`, s[i])
+		case r == '\\':
+			esc = `\\`
+		case r == '\n':
+			esc = `\n`
+		case r == '\t':
+			esc = `\t`
+		case r == '\r':
+			esc = `\r`
+		case unicode.IsPrint(r):
+			esc = s[i : i+width]
+		case r < 0x80:
+			esc = fmt.Sprintf(`\x%02x`, r)
+		case r < 0x10000:
+			esc = fmt.Sprintf(`\u%04x`, r)
+		default:
+			esc = fmt.Sprintf(`\U%08x`, r)
+		}
+		i += width
+		chars := utf8.RuneCountInString(esc)
+		if shown+chars > n || (shown+chars == n && i < len(s)) {
+			b.WriteString("…")
+			break
+		}
+		b.WriteString(esc)
+		shown += chars
 	}
-	return string(r[:n-1]) + "…"
+	return b.String()
+}
+
+// count is n, a count or an ordinal another process sent, or "invalid (n)" where it
+// is negative.
+func count(n int) string {
+	if n < 0 {
+		return "invalid (" + strconv.Itoa(n) + ")"
+	}
+	return strconv.Itoa(n)
 }
 
 func orDash(s string) string {
@@ -219,6 +267,9 @@ func orDash(s string) string {
 }
 
 func plural(n int, noun string) string {
+	if n < 0 {
+		return count(n) + " " + noun + "s"
+	}
 	if n == 1 {
 		return "1 " + noun
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/privdir"
 )
 
 // ReportSchema is the version of the -json schema. Fields may be added within a
@@ -256,7 +257,10 @@ func (l *looker) remove(e *Exporter, a discover.Announcement) {
 		return
 	}
 	var now discover.Announcement
-	body, err := os.ReadFile(a.Path)
+	body, regular, err := privdir.ReadRegular(a.Path, discover.MaxAnnouncement)
+	if err == nil && !regular {
+		err = errors.New("no longer a regular file")
+	}
 	if err == nil {
 		err = json.Unmarshal(body, &now)
 	}

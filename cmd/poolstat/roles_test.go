@@ -12,6 +12,7 @@ import (
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
 )
@@ -118,7 +119,7 @@ func consumerRole(args []string) int {
 // roleMain runs body on the runtime the test runs on, and fails on any error or any rule
 // the software device saw broken.
 func roleMain(role string, body func(ctx context.Context, rt cudart.Runtime) error) int {
-	picked, err := choose.Runtime(choose.Auto)
+	picked, err := testRuntime()
 	rt := picked.Runtime
 	if err == nil {
 		err = errors.Join(body(context.Background(), rt), choose.Violations(rt))
@@ -128,4 +129,23 @@ func roleMain(role string, body func(ctx context.Context, rt cudart.Runtime) err
 		return 1
 	}
 	return 0
+}
+
+// softDevicesEnv, set by a test, gives the software device of the test and of its
+// children that many devices, as a host with fewer GPUs has.
+const softDevicesEnv = "POOLSTAT_TEST_DEVICES"
+
+// testRuntime is the runtime the tests and their children run on: choose.Auto's, with
+// the software device's devices counted by softDevicesEnv where it is set.
+func testRuntime() (choose.Choice, error) {
+	picked, err := choose.Runtime(choose.Auto)
+	n, nerr := strconv.Atoi(os.Getenv(softDevicesEnv))
+	if err != nil || picked.OnGPU || nerr != nil {
+		return picked, err
+	}
+	if err := picked.Runtime.(*cudarttest.Device).Close(); err != nil {
+		return choose.Choice{}, err
+	}
+	picked.Runtime = cudarttest.New(cudarttest.WithDevices(n))
+	return picked, nil
 }

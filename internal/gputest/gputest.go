@@ -5,12 +5,16 @@
 // Tests that need a GPU call Runtime or Devices first. Where no runtime loads or no
 // device answers, the test is skipped with the reason, so CI without a GPU passes;
 // with CUDAPOOL_REQUIRE_GPU=1 (set by scripts/gpu-check.sh on the GPU host) the same
-// test fails instead, so a broken install cannot pass as skipped.
+// test fails instead, so a broken install cannot pass as skipped. A test that needs
+// more GPUs than the host has is skipped as "not run (needs N GPUs)", so a one-GPU
+// host passes; CUDAPOOL_REQUIRE_GPUS=N demands N GPUs and fails such a test instead.
 package gputest
 
 import (
 	"errors"
+	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"testing"
 
@@ -21,6 +25,9 @@ import (
 // failure when it is "1".
 const RequireEnv = "CUDAPOOL_REQUIRE_GPU"
 
+// RequireCountEnv names the variable that demands that many GPUs.
+const RequireCountEnv = "CUDAPOOL_REQUIRE_GPUS"
+
 var (
 	once     sync.Once
 	loaded   cudart.Runtime
@@ -29,8 +36,8 @@ var (
 	countErr error
 )
 
-// Required reports whether CUDAPOOL_REQUIRE_GPU=1, that is whether a missing GPU is a
-// failure rather than a skip.
+// Required reports whether CUDAPOOL_REQUIRE_GPU=1, that is whether a host without a
+// GPU fails the GPU tests rather than skips them.
 func Required() bool { return os.Getenv(RequireEnv) == "1" }
 
 // Runtime returns the real CUDA runtime with at least one device. Otherwise it skips
@@ -51,23 +58,68 @@ func Devices(t testing.TB, n int) cudart.Runtime {
 			count, countErr = loaded.DeviceCount()
 		}
 	})
-	switch {
-	case loadErr != nil && !errors.Is(loadErr, cudart.ErrNoRuntime):
-		t.Fatalf("gputest: loading the CUDA runtime: %v", loadErr)
-	case loadErr != nil:
-		unavailable(t, "no CUDA runtime: %v", loadErr)
-	case countErr != nil:
-		unavailable(t, "%s counts no devices: %v", loaded.Name(), countErr)
-	case count < n:
-		unavailable(t, "%s has %d CUDA devices, the test needs %d", loaded.Name(), count, n)
-	}
+	check(t, n, host{loaded, loadErr, count, countErr})
 	return loaded
 }
 
-func unavailable(t testing.TB, format string, args ...any) {
+// host is what loading the runtime found.
+type host struct {
+	rt       cudart.Runtime
+	loadErr  error
+	count    int
+	countErr error
+}
+
+// check skips or fails t unless h has n devices.
+func check(t testing.TB, n int, h host) {
 	t.Helper()
-	if Required() {
-		t.Fatalf("gputest: "+format+" (and "+RequireEnv+"=1)", args...)
+	demanded, err := RequiredDevices()
+	if err != nil {
+		t.Fatalf("gputest: %v", err)
 	}
-	t.Skipf("gputest: "+format, args...)
+	var why string
+	have := 0
+	switch {
+	case h.loadErr != nil && !errors.Is(h.loadErr, cudart.ErrNoRuntime):
+		t.Fatalf("gputest: loading the CUDA runtime: %v", h.loadErr)
+	case h.loadErr != nil:
+		why = fmt.Sprintf("no CUDA runtime: %v", h.loadErr)
+	case h.countErr != nil:
+		why = fmt.Sprintf("%s counts no devices: %v", h.rt.Name(), h.countErr)
+	case h.count >= n:
+		return
+	case h.count > 0:
+		have = h.count
+		why = fmt.Sprintf("not run (needs %d GPUs): %s has %d", n, h.rt.Name(), h.count)
+	default:
+		why = fmt.Sprintf("%s has no CUDA devices", h.rt.Name())
+	}
+	// The host fails if it has fewer GPUs than demanded and than the test needs.
+	switch {
+	case have >= min(n, demanded):
+		t.Skipf("gputest: %s", why)
+	case os.Getenv(RequireCountEnv) != "":
+		t.Fatalf("gputest: %s (and %s=%d)", why, RequireCountEnv, demanded)
+	default:
+		t.Fatalf("gputest: %s (and %s=1)", why, RequireEnv)
+	}
+}
+
+// RequiredDevices is how many GPUs a missing one fails a test for: the count in
+// CUDAPOOL_REQUIRE_GPUS, else 1 with CUDAPOOL_REQUIRE_GPU=1, else 0. A test that needs
+// more than that on a host with fewer is skipped, as not run. It fails for a count
+// that is not a positive number.
+func RequiredDevices() (int, error) {
+	v := os.Getenv(RequireCountEnv)
+	if v == "" {
+		if Required() {
+			return 1, nil
+		}
+		return 0, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("%s=%q: want a positive number of GPUs", RequireCountEnv, v)
+	}
+	return n, nil
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
@@ -77,5 +78,59 @@ func TestDevicesSkipsOrFailsWithoutEnoughGPUs(t *testing.T) {
 		if loadErr != nil {
 			assert.Contains(t, r.skipped+r.failed, loadErr.Error(), "the reason does not carry Load's error")
 		}
+	}
+}
+
+// checkOn runs check(n) for host h against a recorder, with CUDAPOOL_REQUIRE_GPU and
+// CUDAPOOL_REQUIRE_GPUS set as given.
+func checkOn(t *testing.T, n int, h host, required, requiredGPUs string) *recorder {
+	t.Setenv(RequireEnv, required)
+	t.Setenv(RequireCountEnv, requiredGPUs)
+	r := &recorder{TB: t}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		check(r, n, h)
+	}()
+	testwait.Recv(t, done, "check to return")
+	return r
+}
+
+// On a host with one GPU, CUDAPOOL_REQUIRE_GPU=1 runs the one-GPU tests and reports a
+// two-GPU test as not run, skipping it; CUDAPOOL_REQUIRE_GPUS=2 demands two and fails
+// it. Without a GPU, either variable fails every GPU test.
+func TestOneGPUHost(t *testing.T) {
+	one := host{rt: cudarttest.New(cudarttest.WithDevices(1)), count: 1}
+	none := host{loadErr: fmt.Errorf("dlopen libcudart.so.13: %w", cudart.ErrNoRuntime)}
+	for _, c := range []struct {
+		name                   string
+		h                      host
+		n                      int
+		required, requiredGPUs string
+		skip, fail             string
+	}{
+		{"one GPU, one needed", one, 1, "1", "", "", ""},
+		{"one GPU, two needed", one, 2, "1", "", "not run (needs 2 GPUs)", ""},
+		{"one GPU, two needed, two demanded", one, 2, "1", "2", "", RequireCountEnv + "=2"},
+		{"one GPU, two demanded alone", one, 2, "", "2", "", RequireCountEnv + "=2"},
+		{"one GPU, two needed, none required", one, 2, "", "", "not run (needs 2 GPUs)", ""},
+		{"no GPU, required", none, 1, "1", "", "", RequireEnv + "=1"},
+		{"no GPU, two demanded", none, 2, "", "2", "", RequireCountEnv + "=2"},
+		{"no GPU, none required", none, 1, "", "", "no CUDA runtime", ""},
+		{"a bad count", one, 1, "1", "two", "", RequireCountEnv},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := checkOn(t, c.n, c.h, c.required, c.requiredGPUs)
+			if c.skip == "" {
+				assert.Empty(t, r.skipped, "skipped")
+			} else {
+				assert.Contains(t, r.skipped, c.skip, "the skip")
+			}
+			if c.fail == "" {
+				assert.Empty(t, r.failed, "failed")
+			} else {
+				assert.Contains(t, r.failed, c.fail, "the failure")
+			}
+		})
 	}
 }

@@ -3,14 +3,18 @@
 // export applies it to its announce directory, when it writes there (Check) and when it
 // reads there (Inspect: a directory another user made first, under a name this user
 // would have used, is theirs to fill); the examples, to the directory they put their
-// sockets in.
+// sockets in. ReadRegular reads a file found in such a directory without following a
+// link or blocking on a FIFO another process put there.
 package privdir
 
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Check creates dir with mode 0700 if it is missing, and checks that it is a directory
@@ -49,4 +53,33 @@ func Ensure(dir string) error {
 		err = errors.New("directory is not private: " + reason)
 	}
 	return err
+}
+
+// ReadRegular reads the file at path if it is a regular file of at most limit bytes.
+// It opens path without following a link and without blocking (a FIFO would wait for
+// a writer), and reports false, reading nothing, for anything but a regular file.
+func ReadRegular(path string, limit int64) ([]byte, bool, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	switch {
+	case errors.Is(err, unix.ELOOP):
+		return nil, false, nil // a symbolic link
+	case err != nil:
+		return nil, true, err
+	}
+	f := os.NewFile(uintptr(fd), path)
+	defer f.Close()
+	info, err := f.Stat()
+	switch {
+	case err != nil:
+		return nil, true, err
+	case !info.Mode().IsRegular():
+		return nil, false, nil
+	case info.Size() > limit:
+		return nil, true, fmt.Errorf("%d bytes, more than %d", info.Size(), limit)
+	}
+	body, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(body)) > limit {
+		err = fmt.Errorf("more than %d bytes", limit)
+	}
+	return body, true, err
 }

@@ -122,6 +122,10 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 		}()
 	}
 	c.wbuf = AppendFrame(c.wbuf[:0], m)
+	if len(c.wbuf) > MaxFrame {
+		// Nothing written: the other side would cut the connection for it.
+		return fmt.Errorf("cudapool: send %s: %w: a frame of %d bytes, past the frame limit of %d", m.Kind(), ErrBadRequest, len(c.wbuf), MaxFrame)
+	}
 	var err error
 	switch {
 	case fd >= 0 && c.Uc != nil:

@@ -12,9 +12,10 @@ type SharedOptions struct {
 	HandshakeTimeout time.Duration
 }
 
-// DefaultShared is every side's default: slog.Default() and 30 s.
+// DefaultShared is every side's default: a logger that discards (the library writes
+// nothing to its process's stderr unless given one) and 30 s.
 func DefaultShared() SharedOptions {
-	return SharedOptions{Log: slog.Default(), HandshakeTimeout: 30 * time.Second}
+	return SharedOptions{Log: slog.New(slog.DiscardHandler), HandshakeTimeout: 30 * time.Second}
 }
 
 // SetLogger sets o's logger; nil keeps it.

@@ -5,10 +5,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"unicode"
 	"unicode/utf8"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/printable"
 )
 
 // ProtocolVersion is the version of the sharing protocol this package speaks. Both
@@ -243,6 +243,26 @@ type ErrorMsg struct {
 	ReqID uint64
 	Code  ErrCode
 	Text  string
+}
+
+// ErrorFor is the Error frame answering request reqID with err, its text cut to fit
+// the frame.
+func ErrorFor(reqID uint64, err error) *ErrorMsg {
+	return &ErrorMsg{ReqID: reqID, Code: CodeOf(err), Text: FitText(err.Error(), MaxPayload-8-4)}
+}
+
+// FitText is s cut to at most n bytes on a character boundary, the cut marked with an
+// ellipsis.
+func FitText(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
 }
 
 type StateRequestMsg struct{ ReqID uint64 }
@@ -504,7 +524,7 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgRevoked:      {revokeLen, revokeLen},
 	MsgOpenBatch:    {8 + 2, MaxPayload},
 	MsgLeaseBatch:   {LeaseBatchHeaderLen + LeaseLen, MaxPayload},
-	MsgReleaseBatch: {8 + 4 + releaseEntryLen, 8 + 4 + MaxBatch*releaseEntryLen},
+	MsgReleaseBatch: {8 + 4, 8 + 4 + MaxBatch*releaseEntryLen},
 }
 
 // decodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -665,7 +685,7 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 	case MsgReleaseBatch:
 		m := &ReleaseBatchMsg{ReqID: r.u64()}
 		n := r.u32()
-		if n == 0 || int(n)*releaseEntryLen != len(p)-r.i {
+		if int(n)*releaseEntryLen != len(p)-r.i { // no entries: a bad request, answered
 			return nil, ProtocolErr("ReleaseBatch says %d entries in %d bytes", n, len(p)-r.i)
 		}
 		m.Entries = make([]ReleaseMsg, n)
@@ -758,30 +778,10 @@ func (r *reader) text(t MsgType, field string) (string, error) {
 	return string(s), nil
 }
 
-// checkName says why name cannot be published, or nil.
+// CheckName says why name cannot be published, or nil.
 func CheckName(name string) error {
-	switch {
-	case name == "":
-		return fmt.Errorf("%w: empty", ErrBadName)
-	case len(name) > MaxNameLen:
-		return fmt.Errorf("%w: %d bytes, at most %d", ErrBadName, len(name), MaxNameLen)
-	case !utf8.ValidString(name):
-		return fmt.Errorf("%w %q: not UTF-8", ErrBadName, name)
-	}
-	for _, c := range name {
-		if c < utf8.RuneSelf && c >= 0x20 && c != 0x7f {
-			continue // printable ASCII, what names are made of: the tables below are not
-		}
-		switch {
-		case unicode.IsControl(c):
-			return fmt.Errorf("%w %q: control character %U", ErrBadName, name, c)
-		case unicode.Is(unicode.Bidi_Control, c):
-			// An override or isolate makes a name display as another (a log line, a
-			// poolstat table): "kv\u202egnp.exe" shows as "kvexe.png".
-			return fmt.Errorf("%w %q: bidirectional control character %U", ErrBadName, name, c)
-		case unicode.In(c, unicode.Zl, unicode.Zp):
-			return fmt.Errorf("%w %q: line or paragraph separator %U", ErrBadName, name, c)
-		}
+	if err := printable.Check(name, MaxNameLen); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadName, err)
 	}
 	return nil
 }

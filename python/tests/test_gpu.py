@@ -260,9 +260,9 @@ class PairsTest(unittest.TestCase):
 
     def test_torch_other_gpu(self):
         if self.gpus < 2:
-            if os.environ.get("CUDAPOOL_REQUIRE_GPU") == "1":
-                self.fail("CUDAPOOL_REQUIRE_GPU=1 wants two GPUs for this test")
-            self.skipTest("one GPU")
+            if os.environ.get("CUDAPOOL_REQUIRE_GPUS", "1") != "1":
+                self.fail("CUDAPOOL_REQUIRE_GPUS=%s demands two GPUs for this test" % os.environ["CUDAPOOL_REQUIRE_GPUS"])
+            self.skipTest("not run (needs 2 GPUs)")
         r = self.consume(torch_consumer, 1)
         self.assertEqual(r, {"device": 1, "ptr_is_mapping": True, "equal": True})
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"time"
 
@@ -85,7 +86,8 @@ func Produce(ctx context.Context, rt cudart.Runtime, cfg ProducerConfig, ready f
 		return err
 	}
 
-	ex, err := producer.Listen(cfg.Socket, rt)
+	// A program asks for the library's log: peers lost or refused, on its stderr.
+	ex, err := producer.Listen(cfg.Socket, rt, producer.WithLogger(slog.Default()))
 	if err != nil {
 		return err
 	}
