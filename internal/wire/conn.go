@@ -18,11 +18,11 @@ import (
 	"github.com/cudapool/cudapool/internal/unixfd"
 )
 
-// conn is one side of a protocol connection: whole frames out one at a time, so that
+// Conn is one side of a protocol connection: whole frames out one at a time, so that
 // many goroutines can send on it, and frames in from the one goroutine that reads it.
 type Conn struct {
 	Nc net.Conn
-	// uc is nc as a Unix socket, which can carry descriptors; nil on a byte stream
+	// Uc is nc as a Unix socket, which can carry descriptors; nil on a byte stream
 	// such as TCP, where only FABRIC handles can travel.
 	Uc *net.UnixConn
 	// acceptsFDs: frames in may carry a pool's descriptor (the importer's side). On the
@@ -52,7 +52,7 @@ type Conn struct {
 	// peer sent, each frame within drainWindow of the last.
 	draining atomic.Bool
 
-	// sent and received count whole frames: what a share costs in messages.
+	// Sent and received count whole frames: what a share costs in messages.
 	Sent, Received atomic.Int64
 }
 
@@ -90,16 +90,17 @@ const inSize = 16 << 10
 // errRefusedFDs marks a read whose descriptors were refused (and closed).
 var errRefusedFDs = errors.New("descriptors refused")
 
-// errNoFrame: poll found no whole frame; what did arrive is kept for the next read.
+// errNoFrame: a read that does not wait (next(false)) found no whole frame; what did
+// arrive is kept for the next read.
 var errNoFrame = errors.New("cudapool: no whole frame has arrived")
 
-// canPassFDs reports whether this connection can carry a POSIX fd pool handle.
+// CanPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *Conn) CanPassFDs() bool { return c.Uc != nil }
 
-// send writes m as one frame, with fd attached when fd >= 0. A context that ended
+// Send writes m as one frame, with fd attached when fd >= 0. A context that ended
 // before the write began fails it with nothing written, the stream intact. A failed or
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
-// send then ends the connection (abort), so the peer sees it end.
+// Send then ends the connection (abort), so the peer sees it end.
 func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	if err := c.wlock.Acquire(ctx, 1); err != nil {
 		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err) // nothing written: the stream is intact
@@ -159,17 +160,13 @@ func (c *Conn) abort() {
 	c.Nc.SetReadDeadline(time.Now().Add(drainWindow))
 }
 
-// recv reads the next frame, waiting for it. fd is the descriptor that came with a
+// Recv reads the next frame, waiting for it. fd is the descriptor that came with a
 // POSIX fd PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on
 // any other frame, a PoolHandle without one, and every malformed frame are errors
 // wrapping ErrProtocol, after which the connection must be closed; the descriptors
 // involved have been closed. A peer that closed between frames gives io.EOF. A read
-// cut short by a deadline loses nothing: the next recv or poll goes on from there.
+// cut short by a deadline loses nothing: the next read goes on from there.
 func (c *Conn) Recv() (Message, int, error) { return c.next(true) }
-
-// poll is recv that does not wait: it fails with errNoFrame if no whole frame has
-// arrived. Only on a Unix socket.
-func (c *Conn) poll() (Message, int, error) { return c.next(false) }
 
 func (c *Conn) next(wait bool) (m Message, fd int, err error) {
 	defer func() {

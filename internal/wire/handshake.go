@@ -12,7 +12,7 @@ import (
 	"time"
 )
 
-// dialSocket connects to the exporter's socket at path.
+// DialSocket connects to the exporter's socket at path.
 func DialSocket(ctx context.Context, path string) (net.Conn, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
@@ -29,7 +29,7 @@ func DialSocket(ctx context.Context, path string) (net.Conn, error) {
 	return nc, nil
 }
 
-// handshake is the connecting side's half of the handshake: it says h and reads the
+// Handshake is the connecting side's half of the handshake: it says h and reads the
 // exporter's Welcome, within timeout unless ctx ends first. It fails with ErrRefused
 // and the exporter's reason, ErrVersionMismatch, ErrExporterGone if the exporter hung
 // up, or ctx's error. The caller closes nc on failure.

@@ -17,7 +17,7 @@ import (
 type idleWatch struct {
 	ep    *os.File
 	epRaw syscall.RawConn
-	// mu orders set and close: no epoll_ctl after the epoll descriptor is closed, when
+	// Mu orders set and close: no epoll_ctl after the epoll descriptor is closed, when
 	// its number could name another file. The socket's number may go stale under set
 	// (the connection closes): its registration then went with it, and the call only
 	// fails.
@@ -97,7 +97,7 @@ func (w *idleWatch) set(on bool) {
 	}
 }
 
-// close ends wait.
+// Close ends wait.
 func (w *idleWatch) Close() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
