@@ -88,18 +88,18 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	}
 	msg, err := p.prepare(ctx, pub)
 	if err != nil {
-		pl.End(0) // nothing was sent, so nothing was imported
+		_ = pl.End(0) // nothing was sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, err
 	}
 	msg.ReqID = reqID
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.left || p.awaitingExit {
-		pl.End(0) // the Lease message was not sent, so nothing was imported
+		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, p.goneErr()
 	}
 	if p.grants >= p.ex.opts.maxGrants {
-		pl.End(0) // the Lease message was not sent, so nothing was imported
+		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", ErrTooManyGrants, p.pid(), p.grants)
 	}
 	entry := p.byBuffer[b]

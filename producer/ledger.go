@@ -218,7 +218,7 @@ func (p *peer) cleanup(clean bool) {
 	p.dropRetentions(clean)
 	p.stopExitWait()
 	if p.proc != nil {
-		p.proc.Close()
+		_ = p.proc.Close() // cleanup: nothing is left to do if closing fails
 	}
 	p.mu.Lock()
 	held := make([]*lease, 0, len(p.leases))
@@ -243,9 +243,9 @@ func (p *peer) cleanup(clean bool) {
 		}
 	}
 	p.settleCompletions(clean)
-	p.c.Close()
+	_ = p.c.Close() // cleanup: nothing is left to do if closing fails
 	for dev, ev := range release {
-		p.ex.rt.EventDestroy(dev, ev)
+		_ = p.ex.rt.EventDestroy(dev, ev) // cleanup: nothing is left to undo if it fails
 	}
 	p.ex.mu.Lock()
 	delete(p.ex.peers, p)

@@ -201,7 +201,7 @@ func (p *peer) shut() {
 	// left owed is settled first, and no End may be using the event meanwhile.
 	p.ending.Lock()
 	p.settleCompletions(true)
-	p.c.Close()
+	_ = p.c.Close() // cleanup: nothing is left to do if closing fails
 	p.ending.Unlock()
 	p.stopExitWait()
 }

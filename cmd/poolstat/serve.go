@@ -49,7 +49,7 @@ func serve(ctx context.Context, l *looker, addr string, stdout, stderr io.Writer
 	if err := srv.Shutdown(shutdown); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		fmt.Fprintf(stderr, "poolstat: -serve: %v\n", err)
 	}
-	<-served
+	_ = <-served // only that it ended matters here
 	return 0
 }
 

@@ -207,13 +207,13 @@ func (cl *Client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {
-			cl.C.Nc.SetReadDeadline(time.Unix(1, 0))
+			_ = cl.C.Nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
 			close(fired)
 		})
 		defer func() {
 			if !stop() {
-				<-fired // or it could set the deadline after it is cleared
-				cl.C.Nc.SetReadDeadline(time.Time{})
+				<-fired                                  // or it could set the deadline after it is cleared
+				_ = cl.C.Nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			}
 		}()
 	}
@@ -308,7 +308,7 @@ func (cl *Client) Fail(err error) {
 
 // closeConn closes the connection and its watch.
 func (cl *Client) closeConn() {
-	cl.C.Close()
+	_ = cl.C.Close() // cleanup: nothing is left to do if closing fails
 	if cl.watch != nil {
 		cl.watch.Close()
 	}

@@ -112,13 +112,13 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {
-			c.Nc.SetWriteDeadline(time.Unix(1, 0))
+			_ = c.Nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
 			close(fired)
 		})
 		defer func() {
 			if !stop() {
-				<-fired // or it could set the deadline after it is cleared
-				c.Nc.SetWriteDeadline(time.Time{})
+				<-fired                                // or it could set the deadline after it is cleared
+				_ = c.Nc.SetWriteDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			}
 		}()
 	}
@@ -150,14 +150,14 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 // or Bye before, and throwing them away would pin its leases until its process exits.
 func (c *Conn) abort() {
 	if c.acceptsFDs || c.Uc == nil {
-		c.Nc.Close()
+		_ = c.Nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	if c.draining.Swap(true) {
 		return
 	}
-	c.Uc.CloseWrite()
-	c.Nc.SetReadDeadline(time.Now().Add(drainWindow))
+	_ = c.Uc.CloseWrite()                                 // a courtesy to the peer; Close follows
+	_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports
 }
 
 // Recv reads the next frame, waiting for it. fd is the descriptor that came with a
@@ -240,7 +240,7 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 		return nil, -1, ProtocolErr("POSIX fd PoolHandle arrived with 0 descriptors, want 1")
 	}
 	if c.draining.Load() {
-		c.Nc.SetReadDeadline(time.Now().Add(drainWindow))
+		_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports
 	}
 	return m, -1, nil
 }
@@ -301,7 +301,7 @@ func (c *Conn) read(b []byte, wait bool) (int, []int, error) {
 // dropFDs closes the descriptors that arrived and were not taken.
 func (c *Conn) dropFDs() {
 	for _, a := range c.arrived {
-		unix.Close(a.fd)
+		_ = unix.Close(a.fd) // cleanup: the descriptor is ours and unused
 	}
 	c.arrived = nil
 }
@@ -322,6 +322,6 @@ func unaddressed(err error) error {
 
 func CloseFDs(fds []int) {
 	for _, fd := range fds {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 	}
 }

@@ -27,7 +27,7 @@ func SyscallErr(err error) error {
 func SocketAnswers(path string) (bool, error) {
 	c, err := net.DialTimeout("unix", path, staleProbeTimeout)
 	if err == nil {
-		c.Close()
+		_ = c.Close() // cleanup: nothing is left to do if closing fails
 		return true, nil
 	}
 	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, fs.ErrNotExist) {

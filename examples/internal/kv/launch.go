@@ -225,7 +225,7 @@ func (l *launch) summarise(pub Published, outcomes []outcome) (failed int) {
 		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%.1f GB/s\t%.1f GB/s\t%.2f\t%s ok\n", i+1, o.res.PID, o.device, from,
 			o.res.ImportGBps(), o.res.LocalGBps(), o.res.ImportGBps()/o.res.LocalGBps(), o.res.Checksum)
 	}
-	tw.Flush()
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 	if !l.onGPU {
 		fmt.Fprintln(l.stdout, "kvshare: IMPORT READ, LOCAL COPY and RATIO are not meaningful on the software device: its device memory is host memory, copied by the CPU")
 	}
