@@ -124,8 +124,7 @@ func importPairs(rt cudart.Runtime, kind string, sh shape) ([]float64, error) {
 	c, err := net.FileConn(mine)
 	_ = mine.Close() // cleanup: nothing is left to do if closing fails
 	if err != nil {
-		_ = cmd.Process.Kill() // the child may have exited already
-		_ = <-wait             // only that it ended matters here
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, err
 	}
 	conn := c.(*net.UnixConn)
@@ -136,8 +135,7 @@ func importPairs(rt cudart.Runtime, kind string, sh shape) ([]float64, error) {
 		_, err = conn.Write([]byte{'k'}) // every import is freed: the exporter may exit
 	}
 	if err != nil {
-		_ = cmd.Process.Kill() // the child may have exited already
-		_ = <-wait             // only that it ended matters here
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, err
 	}
 	select {
@@ -146,11 +144,16 @@ func importPairs(rt cudart.Runtime, kind string, sh shape) ([]float64, error) {
 			return nil, fmt.Errorf("exporter: %w", err)
 		}
 	case <-time.After(opTimeout):
-		_ = cmd.Process.Kill() // the child may have exited already
-		_ = <-wait             // only that it ended matters here
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, fmt.Errorf("the exporter did not exit within %v", opTimeout)
 	}
 	return us, nil
+}
+
+// kill stops a child that the run gave up on and returns its exit, once reaped.
+func kill(cmd *exec.Cmd, wait <-chan error) error {
+	_ = cmd.Process.Kill() // the child may have exited already
+	return <-wait
 }
 
 func waitFor(cmd *exec.Cmd) <-chan error {
