@@ -17,6 +17,7 @@ import (
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
@@ -174,8 +175,8 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 		{consumer.ErrNoLeases, statusNotSup},
 		{pool.ErrNotShareable, statusNotSup},
 		{pool.ErrNoPeerAccess, statusNotSup},
-		{pool.ErrLeaseEnded, statusStale},
-		{pool.ErrNotLeased, statusStale},
+		{poolshare.ErrLeaseEnded, statusStale},
+		{poolshare.ErrNotLeased, statusStale},
 		{pool.ErrMisaligned, statusCUDA},
 		{pool.ErrFreeFailed, statusCUDA},
 		{cudart.ErrContextLost, statusCUDA},

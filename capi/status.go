@@ -18,6 +18,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
@@ -126,8 +127,8 @@ var statuses = []struct {
 	{consumer.ErrStaleLease, statusStale},
 	{consumer.ErrForeignLease, statusStale},
 	{consumer.ErrForgedLease, statusStale},
-	{pool.ErrLeaseEnded, statusStale},
-	{pool.ErrNotLeased, statusStale},
+	{poolshare.ErrLeaseEnded, statusStale},
+	{poolshare.ErrNotLeased, statusStale},
 	{discover.ErrBadDir, statusBadDir},
 	{pool.ErrMisaligned, statusCUDA},
 	{pool.ErrFreeFailed, statusCUDA},
