@@ -11,7 +11,11 @@ package cudart_test
 //
 // A crash or an error is a finding, logged in the table; the test fails only where a
 // size could not be measured (a child that failed to set up) or where an import read
-// bytes other than the exporter's.
+// bytes other than the exporter's. The table has a row per size: "import" is imported,
+// error (the driver's error in the detail), crashed (the signal and the call it
+// interrupted in the detail), skipped (not enough free memory) or unmeasured; "read"
+// is ok (every marker, the last byte included, read back right), WRONG, crashed or not
+// read; the stack column is the second run's import and read, after a crash.
 //
 // On the GPU host:
 //
@@ -278,7 +282,9 @@ func raiseStackLimit(t *testing.T) func() {
 	return func() { unix.Setrlimit(unix.RLIMIT_STACK, &old) }
 }
 
+// exitOf is how cmd ended, killing it first if it is still running (hung in a call).
 func exitOf(cmd *exec.Cmd) string {
+	cmd.Process.Kill()
 	if err := cmd.Wait(); err != nil {
 		return "exited: " + err.Error()
 	}
