@@ -67,28 +67,28 @@ func TestBigImportReport(t *testing.T) {
 
 // TestBigMarkers checks that every marker lies inside its allocation, that the last
 // one ends at its last byte, that 4 GiB boundaries are covered on both sides and that
-// no two markers of one size or of two sizes share a seed.
+// no two markers of a size share a seed.
 func TestBigMarkers(t *testing.T) {
-	seeds := map[byte]uint64{}
 	for _, size := range bigSizes {
+		seeds := map[byte]uint64{}
 		ms := bigMarkers(size)
-		assert.Equal(t, size, ms[len(ms)-1].off+bigChunk, "%d GiB: the last marker ends at the last byte", size>>30)
+		assert.Equal(t, size, ms[len(ms)-1].off+bigChunk, "%s: the last marker ends at the last byte", sizeString(size))
 		for i, m := range ms {
 			assert.LessOrEqual(t, m.off+bigChunk, size)
 			if i > 0 {
-				assert.GreaterOrEqual(t, m.off, ms[i-1].off+bigChunk, "%d GiB: markers overlap", size>>30)
+				assert.GreaterOrEqual(t, m.off, ms[i-1].off+bigChunk, "%s: markers overlap", sizeString(size))
 			}
 			if other, dup := seeds[m.seed]; dup {
-				t.Errorf("seed %#x of %d GiB at %#x is also %d GiB's", m.seed, size>>30, m.off, other>>30)
+				t.Errorf("%s: seed %#x at %#x is also at %#x", sizeString(size), m.seed, m.off, other)
 			}
-			seeds[m.seed] = size
+			seeds[m.seed] = m.off
 		}
 		offs := map[uint64]bool{}
 		for _, m := range ms {
 			offs[m.off] = true
 		}
 		for b := uint64(4 * GiB); b < size; b += 4 * GiB {
-			assert.True(t, offs[b-bigChunk] && offs[b], "%d GiB: markers on both sides of %d GiB", size>>30, b>>30)
+			assert.True(t, offs[b-bigChunk] && offs[b], "%s: markers on both sides of %d GiB", sizeString(size), b>>30)
 		}
 	}
 }

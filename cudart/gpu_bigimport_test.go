@@ -67,8 +67,17 @@ const (
 	bigStack = 256 * MiB
 )
 
-// bigSizes are the sizes probed.
-var bigSizes = []uint64{2 * GiB, 4 * GiB, 6 * GiB, 8 * GiB, 12 * GiB}
+// bigSizes are the sizes probed; 4 GiB and one granule tells whether a limit lies at
+// 2^32.
+var bigSizes = []uint64{2 * GiB, 4 * GiB, 4*GiB + 2*MiB, 6 * GiB, 8 * GiB, 12 * GiB}
+
+// sizeString is size in GiB, and the MiB beyond them if any.
+func sizeString(size uint64) string {
+	if mib := size % GiB >> 20; mib != 0 {
+		return fmt.Sprintf("%d GiB + %d MiB", size>>30, mib)
+	}
+	return fmt.Sprintf("%d GiB", size>>30)
+}
 
 // bigMarker is a range the exporter fills with a pattern of seed.
 type bigMarker struct {
@@ -78,8 +87,8 @@ type bigMarker struct {
 
 // bigMarkers are the ranges of an allocation of size that hold a pattern: its start,
 // both sides of every 4 GiB boundary in it, and its end (the last byte included).
-// Every range has a seed of its own, so that an import that reads one range where
-// another lies (an offset wrapped at 2^32) reads wrong bytes.
+// Every range of a size has a seed of its own, so that an import that reads one range
+// where another lies (an offset wrapped at 2^32) reads wrong bytes.
 func bigMarkers(size uint64) []bigMarker {
 	seed := byte(size>>30) * 16
 	ms := []bigMarker{{0, seed + 1}}
@@ -110,22 +119,22 @@ func TestGPUBigImport(t *testing.T) {
 		}
 		if size+bigMargin > free {
 			results = append(results, bigResult{size: size, outcome: "skipped", read: "-",
-				detail: fmt.Sprintf("%d GiB free of %d GiB, needs %d GiB and a margin", free>>30, total>>30, size>>30)})
+				detail: fmt.Sprintf("%d GiB free of %d GiB, needs %s and a margin", free>>30, total>>30, sizeString(size))})
 			continue
 		}
 		r := probeBigImport(t, size)
 		results = append(results, r)
-		t.Logf("%d GiB: import %s, read %s: %s", size>>30, r.outcome, r.read, r.detail)
+		t.Logf("%s: import %s, read %s: %s", sizeString(size), r.outcome, r.read, r.detail)
 	}
 	var tab strings.Builder
-	fmt.Fprintf(&tab, "\n%-7s  %-16s  %-8s  %-28s  %s\n", "size", "import", "read", "with a 256 MiB stack", "detail")
+	fmt.Fprintf(&tab, "\n%-15s  %-16s  %-8s  %-28s  %s\n", "size", "import", "read", "with a 256 MiB stack", "detail")
 	for _, r := range results {
-		fmt.Fprintf(&tab, "%3d GiB  %-16s  %-8s  %-28s  %s\n", r.size>>30, r.outcome, r.read, orDash(r.retry), r.detail)
+		fmt.Fprintf(&tab, "%-15s  %-16s  %-8s  %-28s  %s\n", sizeString(r.size), r.outcome, r.read, orDash(r.retry), r.detail)
 	}
 	t.Log(tab.String())
 	for _, r := range results {
-		assert.NotEqual(t, "WRONG", r.read, "%d GiB: the import read other bytes than the exporter wrote: %s", r.size>>30, r.detail)
-		assert.NotEqual(t, "unmeasured", r.outcome, "%d GiB: not measured: %s", r.size>>30, r.detail)
+		assert.NotEqual(t, "WRONG", r.read, "%s: the import read other bytes than the exporter wrote: %s", sizeString(r.size), r.detail)
+		assert.NotEqual(t, "unmeasured", r.outcome, "%s: not measured: %s", sizeString(r.size), r.detail)
 	}
 }
 
@@ -326,7 +335,7 @@ func bigExporterMain(args []string) int {
 	}
 	ptr, err := rt.MallocFromPoolAsync(0, size, pool, s)
 	if err != nil {
-		return fail(fmt.Sprintf("MallocFromPoolAsync %d GiB", size>>30), err)
+		return fail("MallocFromPoolAsync "+sizeString(size), err)
 	}
 	if err := rt.MemsetAsync(0, ptr, 0, size, s); err != nil {
 		return fail("MemsetAsync", err)
