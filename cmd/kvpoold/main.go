@@ -10,7 +10,8 @@
 // export), and prints one line saying where and on which runtime. -devices defaults to
 // every GPU, or device 0 on the software device. -bytes is each slab's size (64 MiB on
 // the software device and 4 GiB on a GPU by default), rounded down to whole pages;
-// -pages gives the page count instead. A second kvpoold on a DIR that a live one serves
+// -pages gives the page count instead; a slab is at most 4 GiB (owner.MaxSlabBytes), and a
+// larger one is refused at start. A second kvpoold on a DIR that a live one serves
 // fails, naming it. Exit status: 0 after a clean stop, 1 on failure, 2 for a bad command
 // line.
 package main

@@ -57,12 +57,21 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/dustin/go-humanize"
+
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/producer"
 )
+
+// MaxSlabBytes is the largest slab Listen makes. Every replica imports its device's
+// slab as one allocation (cudaMemPoolImportPointer), and on driver 580 that import
+// crashed the importing process for an 8 GiB allocation where 4 GiB ones imported
+// and read right (docs/FACTS.md, item 17; cudart's TestGPUBigImport measures the
+// sizes between). Serve more pages with more devices, or a smaller geometry.
+const MaxSlabBytes uint64 = 4 << 30
 
 // The files an owner makes in its directory.
 const (
@@ -135,13 +144,19 @@ type lease struct {
 // slab on each device, an producer.Exporter on dir/slab.sock publishing each slab whole
 // under SlabName(device) with the geometry as metadata, and the page server on
 // dir/kv.sock. A live owner on dir makes it fail with an error wrapping
-// producer.ErrAddressInUse. On failure nothing is left behind.
+// producer.ErrAddressInUse, and a slab over MaxSlabBytes with one wrapping
+// kv.ErrGeometry. On failure nothing is left behind.
 func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
 	if err := o.Geometry.Validate(); err != nil {
 		return nil, err
+	}
+	if n := o.Geometry.SlabBytes(); n > MaxSlabBytes {
+		perPage := n / uint64(o.Geometry.Pages)
+		return nil, fmt.Errorf("%w: a slab of %d bytes (%d pages of %s) is over the %d GiB a replica can import as one allocation (owner.MaxSlabBytes): at most %d pages",
+			kv.ErrGeometry, n, o.Geometry.Pages, humanize.IBytes(perPage), MaxSlabBytes>>30, MaxSlabBytes/perPage)
 	}
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
