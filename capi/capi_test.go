@@ -180,7 +180,7 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 		{pool.ErrMisaligned, statusCUDA},
 		{pool.ErrFreeFailed, statusCUDA},
 		{cudart.ErrContextLost, statusCUDA},
-		{fmt.Errorf("%w: x", errOwnExport), statusNotSup},
+		{fmt.Errorf("%w: x", consumer.ErrOwnExporter), statusNotSup},
 	} {
 		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
 	}

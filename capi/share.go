@@ -379,10 +379,6 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 	if err != nil {
 		return fail(err)
 	}
-	if imp.ExporterPID() == os.Getpid() {
-		err := fmt.Errorf("%w: %s is this process's own exporter", errOwnExport, p)
-		return fail(errors.Join(err, imp.Close(ctx)))
-	}
 	*out = C.uint64_t(importers.add(&importer{Importer: imp}))
 	return statusOK
 }

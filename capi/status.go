@@ -67,7 +67,6 @@ var (
 	errRange      = errors.New("cudapool: output buffer too small")
 	errRuntimeSet = errors.New("cudapool: another runtime was chosen already")
 	errNotSup     = errors.New("cudapool: not supported")
-	errOwnExport  = errors.New("cudapool: this process cannot import its own exports (the driver refuses a process's own IPC handles): use the buffer's pointer directly")
 )
 
 // statuses maps each condition an error can wrap to its status, first match wins:
@@ -85,7 +84,7 @@ var statuses = []struct {
 	{errRange, statusRange},
 	{errRuntimeSet, statusNoRuntime},
 	{errNotSup, statusNotSup},
-	{errOwnExport, statusNotSup},
+	{consumer.ErrOwnExporter, statusNotSup},
 	{producer.ErrAbandoned, statusAbandoned},
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},

@@ -27,7 +27,7 @@ var (
 	// ErrOwnExporter means Dial was asked for an exporter of this very process on the
 	// same runtime: its buffers are already this process's, and CUDA imports none of
 	// its own pools or events. Use the buffer (its Ptr) directly.
-	ErrOwnExporter = errors.New("consumer: the exporter is this process: use its buffers directly, they need no import")
+	ErrOwnExporter = errors.New("consumer: the exporter is this process's own: use its buffers' pointers directly, they need no import")
 	// ErrReleased means a Mapping was released more times than it was opened, or
 	// after its Importer closed.
 	ErrReleased = errors.New("consumer: mapping already released")
