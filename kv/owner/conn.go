@@ -88,7 +88,9 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 	o.mu.Unlock()
 	rd := kvwire.NewReader()
 	bye, err := c.admit(rd)
-	if err == nil {
+	if errors.Is(err, errObserved) {
+		err = nil
+	} else if err == nil {
 		bye, err = c.serve(rd)
 	}
 	if err != nil && o.stopped.Err() == nil {
@@ -126,6 +128,15 @@ func (c *conn) admit(rd *kvwire.Reader) (bye bool, err error) {
 	if hello.Version != kvwire.Version {
 		return false, refuse(fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
 	}
+	if hello.Device == kvwire.Observer {
+		if err := c.write(func(b []byte) ([]byte, error) {
+			return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo})
+		}); err != nil {
+			return false, err
+		}
+		c.nc.SetDeadline(time.Time{})
+		return false, c.observe(rd)
+	}
 	s := o.byDev[int(hello.Device)]
 	if s == nil {
 		return false, refuse(fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
@@ -147,6 +158,31 @@ func (c *conn) admit(rd *kvwire.Reader) (bye bool, err error) {
 	c.welcomed = true
 	o.mu.Unlock()
 	return false, nil
+}
+
+// errObserved ends an observer's connection: it is served, and no replica.
+var errObserved = errors.New("observed")
+
+// observe serves an observer (cmd/poolstat, metrics): Stats until Bye or the end of
+// the connection. Anything else closes it.
+func (c *conn) observe(rd *kvwire.Reader) error {
+	for {
+		h, p, err := rd.Next(c.nc)
+		switch {
+		case err != nil && (errors.Is(err, net.ErrClosed) || isEOF(err)):
+			return errObserved
+		case err != nil:
+			return err
+		case h.Type == kvwire.TypeStats:
+			if err := c.stats(h, p); err != nil {
+				return err
+			}
+		case h.Type == kvwire.TypeBye:
+			return errObserved
+		default:
+			return fmt.Errorf("%w: an observer sent %s", kvwire.ErrMalformed, h.Type)
+		}
+	}
 }
 
 // serve answers requests until the connection ends; bye says it ended with Bye.

@@ -115,7 +115,11 @@ func (o *Owner) send(owed []answer) {
 
 // query says whether e's latest record has completed, or its replica's process has
 // exited (dead): it asks the process first, so that no event of a dead process is
-// used. A query that fails says neither; it is logged once per event.
+// used. (A process that dies between the two answers has its event queried after its
+// exit: the driver answers such a query, never completing it, and the software device
+// reports it. The poller leaves alone the events of connections that hung up, which a
+// dying process's do first.) A query that fails says neither; it is logged once per
+// event.
 func (o *Owner) query(e *event) (done, dead bool) {
 	if e.ev == 0 {
 		return true, false
@@ -174,6 +178,12 @@ func (o *Owner) poll(ctx context.Context) {
 				continue
 			}
 			kept = append(kept, e)
+			if e.c.lost {
+				// Its process is exiting or gone: its records wait for the exit,
+				// which drops them, instead of a query of an event that may die
+				// between the pidfd's answer and the query's.
+				continue
+			}
 			targets = append(targets, target{e, e.appended})
 		}
 		clear(o.polling[len(kept):])

@@ -295,6 +295,7 @@ func (r *Replica) fail(why error) {
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
 	close(r.done)
+	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
 	r.nc.Close()
 }
 

@@ -2,6 +2,7 @@ package replica_test
 
 import (
 	"errors"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -130,6 +131,7 @@ func TestStaleLeaseRefused(t *testing.T) {
 	held, err := a.Match(ctx, hashes, as)
 	require.NoError(t, err)
 	require.NoError(t, a.Release(ctx, as, m))
+	eventually(t, "the release to settle", func() bool { return device0(o).Releasing == 0 })
 	before := o.Stats()
 
 	err = a.Release(ctx, as, m)
@@ -300,13 +302,25 @@ func TestDuplicateSeal(t *testing.T) {
 }
 
 // TestWriterKilledPublishesNothing: a writer killed before its writes ran publishes
-// nothing, and its pages go back to free.
+// nothing, and its pages go back to free: killed with its seal pending (after its
+// connection hung up, as a dying process's does first), or with its write lease.
 func TestWriterKilledPublishesNothing(t *testing.T) {
 	o, _, dir := startOwner(t, small)
 	w := proctest.Start(t, "replica", dir, "0")
 	w.Send("stallwrite 8 4")
 	w.Expect("pending 4")
 	assert.Equal(t, 4, device0(o).Sealing)
+	w.Send("hangup")
+	w.Expect("hung up")
+	eventually(t, "the owner to see the writer hang up", func() bool {
+		for _, r := range o.Stats().Replicas {
+			if r.PID == w.PID() {
+				return r.AwaitingExit
+			}
+		}
+		return false
+	})
+	assert.Equal(t, 4, device0(o).Sealing, "a seal pending for a process that lives on")
 	w.Kill()
 	eventually(t, "the dead writer's pages to be freed", func() bool { return device0(o).Free == small.Pages })
 	assert.Zero(t, device0(o).Sealed)
@@ -314,6 +328,14 @@ func TestWriterKilledPublishesNothing(t *testing.T) {
 	m, err := r.Match(bound(t), r.Hashes(tokens(small, 4, 8)), rs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "nothing of the dead writer's is visible")
+	w.Wait()
+
+	w = proctest.Start(t, "replica", dir, "0")
+	w.Send("allocwrite 8 5")
+	w.Expect("allocated 5")
+	assert.Equal(t, 5, device0(o).Writing)
+	w.Kill()
+	eventually(t, "the dead writer's write lease to end", func() bool { return device0(o).Free == small.Pages })
 	w.Wait()
 }
 
@@ -406,4 +428,24 @@ func TestOwnerClosesWhileIdle(t *testing.T) {
 	require.NoError(t, r.Close(bound(t)))
 	require.NoError(t, testwait.Recv(t, closed, "the owner's Close"), "the owner's Close, once the replica unmapped its slab")
 	require.NoError(t, odev.Err())
+}
+
+// TestQueryStats: an observer, with no runtime, reads the owner's Stats; it is no
+// replica of the owner's.
+func TestQueryStats(t *testing.T) {
+	_, _, dir := startOwner(t, small)
+	r, rdev, rs := dial(t, dir, 0)
+	sealed(t, rdev, r, rs, 1, 3)
+	m, err := r.Match(bound(t), r.Hashes(tokens(small, 3, 1)), rs)
+	require.NoError(t, err)
+	st, err := replica.QueryStats(bound(t), dir)
+	require.NoError(t, err)
+	require.Len(t, st.Devices, 1)
+	assert.Equal(t, 3, st.Devices[0].Leased)
+	require.Len(t, st.Replicas, 1, "the observer is not listed")
+	assert.Equal(t, kv.ReplicaStats{PID: os.Getpid(), Device: 0, Leases: 1, Pages: 3}, st.Replicas[0])
+	require.NoError(t, r.Release(bound(t), rs, m))
+
+	_, err = replica.QueryStats(bound(t), shortDir(t))
+	require.ErrorIs(t, err, kv.ErrOwnerGone, "a directory no owner serves")
 }

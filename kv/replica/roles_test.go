@@ -57,6 +57,8 @@ func ownerRole(args []string) int {
 //	stallwrite SEED PAGES  the same behind a stalled stream, without waiting: "pending N"
 //	read SEED PAGES        match SEED's hashes, check the bytes, hold the lease: "read N"
 //	release                release the leases held: "released"
+//	allocwrite SEED PAGES  alloc and write SEED's pattern behind a stalled stream: "allocated N"
+//	hangup                 close the page connection without Bye: "hung up"
 //
 // A failure is answered "error: ..." and ends the role.
 func replicaRole(args []string) int {
@@ -125,6 +127,21 @@ func replicaRole(args []string) int {
 			}
 			held = append(held, l)
 			fmt.Println("read", len(l.Pages()))
+		case "allocwrite":
+			if _, err := dev.Stall(device, s); err != nil {
+				return fail(err)
+			}
+			l, err := r.Alloc(ctx, pages)
+			if err != nil {
+				return fail(err)
+			}
+			if err := writeErr(dev, r, s, l.Pages(), hashes); err != nil {
+				return fail(err)
+			}
+			fmt.Println("allocated", len(l.Pages()))
+		case "hangup":
+			replica.HangUp(r)
+			fmt.Println("hung up")
 		case "release":
 			if err := r.Release(ctx, s, held...); err != nil {
 				return fail(err)
