@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -201,4 +202,41 @@ func TestBatchOverTheLimitIsAnswered(t *testing.T) {
 	h, _, err = r.next()
 	require.NoError(t, err)
 	assert.Equal(t, kvwire.TypeLeased, h.Type, "the connection goes on")
+}
+
+// TestPolicyRefuses: a process the policy does not admit is refused with the reason,
+// and an admitted one is served.
+func TestPolicyRefuses(t *testing.T) {
+	own := uint32(os.Getuid())
+	for _, c := range []struct {
+		name   string
+		policy export.Policy
+		reason string
+	}{
+		{"another uid", export.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
+		{"another gid", export.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
+		{"this uid", export.Policy{AllowUIDs: []uint32{own}}, ""},
+		{"the zero policy", export.Policy{}, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir, err := os.MkdirTemp("", "kvp")
+			require.NoError(t, err)
+			t.Cleanup(func() { os.RemoveAll(dir) })
+			dev := cudarttest.ForTest(t)
+			o, err := owner.Listen(dir, dev, owner.Options{Geometry: small, Policy: c.policy, NoAnnounce: true})
+			require.NoError(t, err)
+			t.Cleanup(func() { o.Close(bound(t)) })
+			r := dialRaw(t, dir)
+			r.send(kvwire.AppendHello(nil, 1, kvwire.Hello{Version: kvwire.Version}))
+			h, p, err := r.next()
+			require.NoError(t, err)
+			if c.reason == "" {
+				assert.Equal(t, kvwire.TypeWelcome, h.Type)
+				return
+			}
+			require.Equal(t, kvwire.TypeRefused, h.Type)
+			assert.Contains(t, kvwire.NewParser(h.Type, p).Text(), c.reason)
+			r.closed(c.name)
+		})
+	}
 }
