@@ -72,10 +72,12 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s)\n",
 		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "DEVICE\tFREE\tWRITING\tSEALING\tSEALED\tLEASED\tSETTLING\tHITS\tMISSES\tCOPIED\tEVICTED\tSEALS\tDUPLICATES\t")
+	// LEASED and RELEASING are sealed pages that readers hold, or whose release has
+	// not settled.
+	fmt.Fprintln(tw, "DEVICE\tFREE\tWRITING\tSEALING\tSEALED\tLEASED\tRELEASING\tSETTLING\tHITS\tMISSES\tCOPIED\tEVICTED\tSEALS\tDUPLICATES\t")
 	for _, d := range st.Devices {
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
-			d.Settling+d.Releasing, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
+			d.Releasing, d.Settling, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
 	}
 	tw.Flush()
 	if len(st.Replicas) == 0 {

@@ -54,7 +54,7 @@ func TestKV(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 5, "a summary, the devices' header and row, the replicas' header and row:\n%s", out)
 	assert.Contains(t, lines[0], fmt.Sprintf("KV page pool at %s, owner pid %d: 2 layers", dir, os.Getpid()))
-	assert.Equal(t, strings.Fields("0 13 0 0 3 3 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 13 free, 3 sealed and leased, 3 hits, 3 seals")
+	assert.Equal(t, strings.Fields("0 13 0 0 3 3 0 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 13 free, 3 sealed and leased, 3 hits, 3 seals")
 	assert.Equal(t, []string{fmt.Sprint(os.Getpid()), "0", "1", "3"}, dropCommand(strings.Fields(lines[4])), "the replica: device 0, 1 lease, 3 pages")
 
 	code, out, errOut = poolstat(t, "-kv", dir, "-json")

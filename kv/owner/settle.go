@@ -2,6 +2,7 @@ package owner
 
 import (
 	"context"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -165,7 +166,9 @@ func (o *Owner) poll(ctx context.Context) {
 		e    *event
 		upTo uint64
 	}
+	type result struct{ done, dead bool }
 	var targets []target
+	var results []result
 	var owed []answer
 	for {
 		o.mu.Lock()
@@ -200,8 +203,7 @@ func (o *Owner) poll(ctx context.Context) {
 			}
 		}
 		progress := false
-		type result struct{ done, dead bool }
-		results := make([]result, len(targets))
+		results = slices.Grow(results[:0], len(targets))[:len(targets)]
 		for i, t := range targets {
 			results[i].done, results[i].dead = o.query(t.e)
 		}
