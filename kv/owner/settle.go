@@ -106,10 +106,12 @@ type answer struct {
 	dead   bool // the writer died: nobody to answer
 }
 
+// send sends owed, each on a goroutine of its own: the poller never waits for a
+// replica that does not read.
 func (o *Owner) send(owed []answer) {
 	for _, a := range owed {
 		if !a.dead {
-			a.c.sendSealed(a.id, a.sealed)
+			go a.c.sendSealed(a.id, a.sealed)
 		}
 	}
 }
