@@ -449,3 +449,35 @@ func TestQueryStats(t *testing.T) {
 	_, err = replica.QueryStats(bound(t), shortDir(t))
 	require.ErrorIs(t, err, kv.ErrOwnerGone, "a directory no owner serves")
 }
+
+// TestCloseWaitsForReleases: Close ends the leases still held at once, and returns
+// once the owner has settled the releases that wait for its streams, so that the
+// replica destroys no event the owner still asks.
+func TestCloseWaitsForReleases(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, rdev, r, rs, 3, 4)
+	_, err := r.Match(ctx, hashes, rs) // held at Close
+	require.NoError(t, err)
+	m, err := r.Match(ctx, hashes[:2], rs)
+	require.NoError(t, err)
+	resume, err := rdev.Stall(0, rs)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	require.NoError(t, r.Release(ctx, rs, m))
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close(ctx) }()
+	eventually(t, "the held lease to end at Bye", func() bool { return device0(o).Leased == 0 })
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while a release waited for its stream", err)
+	default:
+	}
+	assert.Equal(t, 2, device0(o).Releasing)
+	resume()
+	require.NoError(t, testwait.Recv(t, closed, "Close, once the release settled"))
+	st := o.Stats()
+	assert.Empty(t, st.Replicas)
+	assert.Zero(t, st.Devices[0].Releasing)
+}
