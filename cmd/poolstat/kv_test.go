@@ -1,15 +1,12 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
@@ -80,29 +77,7 @@ func dropCommand(f []string) []string {
 
 func TestServeKV(t *testing.T) {
 	dir := kvOwner(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	out, w := io.Pipe()
-	done := make(chan int, 1)
-	go func() {
-		done <- run(ctx, []string{"-serve", "127.0.0.1:0", "-dir", shortDir(t), "-kv", dir}, w, os.Stderr)
-		w.Close()
-	}()
-	first := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(out).ReadString('\n')
-		first <- line
-		io.Copy(io.Discard, out)
-	}()
-	var url string
-	select {
-	case line := <-first:
-		_, rest, ok := strings.Cut(line, "serving metrics at ")
-		require.True(t, ok, "poolstat -serve said %q", line)
-		url, _, _ = strings.Cut(rest, " ")
-	case <-time.After(hangGuard):
-		t.Fatal("poolstat -serve never said where it serves")
-	}
+	url, stop := serving(t, "-dir", shortDir(t), "-kv", dir)
 	want := fmt.Sprintf(`
 # HELP cudapool_kv_leased_pages Sealed pages that read leases hold.
 # TYPE cudapool_kv_leased_pages gauge
@@ -112,11 +87,5 @@ cudapool_kv_leased_pages{device="0",kv_dir=%q} 3
 cudapool_kv_up{kv_dir=%q} 1
 `, dir, dir)
 	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_kv_leased_pages", "cudapool_kv_up"))
-	cancel()
-	select {
-	case code := <-done:
-		assert.Equal(t, 0, code)
-	case <-time.After(hangGuard):
-		t.Fatal("poolstat -serve did not stop after Ctrl-C")
-	}
+	assert.Equal(t, 0, stop())
 }

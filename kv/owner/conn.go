@@ -352,15 +352,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
-	pending := !rec.done
-	if pending {
-		o.enqueue(e)
-	}
-	o.mu.Unlock()
-	o.send(owed)
-	if pending {
-		o.wake()
-	}
+	o.unlockAfterSubmit(e, rec, owed)
 	if wait {
 		return nil
 	}
@@ -414,15 +406,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		rec.released = append(rec.released, l.pages...)
 	}
 	owed := c.submitLocked(e, rec)
-	pending := !rec.done
-	if pending {
-		o.enqueue(e)
-	}
-	o.mu.Unlock()
-	o.send(owed)
-	if pending {
-		o.wake()
-	}
+	o.unlockAfterSubmit(e, rec, owed)
 	n := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
 }
@@ -443,6 +427,20 @@ func (c *conn) submitLocked(e *event, rec *record) []answer {
 		return o.settleUpTo(e, upTo, true, nil)
 	}
 	return nil
+}
+
+// unlockAfterSubmit leaves rec, submitted, to the poller if it has not settled,
+// releases o.mu and sends owed.
+func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
+	pending := !rec.done
+	if pending {
+		o.enqueue(e)
+	}
+	o.mu.Unlock()
+	o.send(owed)
+	if pending {
+		o.wake()
+	}
 }
 
 func slicesContains(s []uint64, v uint64) bool {
