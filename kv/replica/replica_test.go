@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
@@ -480,4 +481,14 @@ func TestCloseWaitsForReleases(t *testing.T) {
 	st := o.Stats()
 	assert.Empty(t, st.Replicas)
 	assert.Zero(t, st.Devices[0].Releasing)
+}
+
+// TestOneReplicaPerRuntime: a second Replica of one runtime fails, and says why.
+func TestOneReplicaPerRuntime(t *testing.T) {
+	o, _, dir := startOwner(t, small, 0, 1)
+	_, dev, _ := dial(t, dir, 0)
+	_, err := replica.Dial(bound(t), dir, dev, 1)
+	require.ErrorIs(t, err, export.ErrDuplicateImporter)
+	assert.NotErrorIs(t, err, kv.ErrOwnerGone)
+	eventually(t, "the failed replica's connection to end", func() bool { return len(o.Stats().Replicas) == 1 })
 }
