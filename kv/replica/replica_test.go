@@ -1,8 +1,10 @@
 package replica_test
 
 import (
+	"context"
 	"errors"
 	"os"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -491,4 +493,51 @@ func TestOneReplicaPerRuntime(t *testing.T) {
 	require.ErrorIs(t, err, export.ErrDuplicateImporter)
 	assert.NotErrorIs(t, err, kv.ErrOwnerGone)
 	eventually(t, "the failed replica's connection to end", func() bool { return len(o.Stats().Replicas) == 1 })
+}
+
+// TestConcurrentCalls: many goroutines share one replica, some of them giving up on
+// their requests at once; every lease a call gave up on is given back.
+func TestConcurrentCalls(t *testing.T) {
+	g := small
+	g.Pages = 512
+	o, _, dir := startOwner(t, g)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	shared := sealed(t, rdev, r, rs, 1, 8)
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := range 30 {
+				hashes := r.Hashes(tokens(g, 4, int32(100+w*1000+i)))
+				l, err := r.Alloc(ctx, 4)
+				if !assert.NoError(t, err) {
+					return
+				}
+				_, err = r.Seal(ctx, l, hashes, rs, replica.WaitVisible())
+				assert.NoError(t, err)
+				m, err := r.Match(ctx, shared, rs)
+				assert.NoError(t, err)
+				assert.Len(t, m.Pages(), 8)
+				assert.NoError(t, r.Release(ctx, rs, m))
+				// A caller that gives up at once: the owner's answer grants a lease
+				// nobody takes, which the replica gives back.
+				gone, cancel := context.WithCancel(ctx)
+				cancel()
+				late, err := r.Match(gone, shared, rs)
+				if err != nil {
+					assert.ErrorIs(t, err, context.Canceled)
+				} else { // the answer came first: the lease is the caller's
+					assert.NoError(t, r.Release(ctx, rs, late))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	eventually(t, "every lease to end", func() bool {
+		st := o.Stats()
+		return st.Devices[0].Leased == 0 && st.Replicas[0].Leases == 0
+	})
+	st := device0(o)
+	assert.Equal(t, uint64(8+8*30*4), st.Seals)
+	assert.Equal(t, st.Seals-st.Evictions, uint64(st.Sealed))
 }
