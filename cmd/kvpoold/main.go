@@ -191,8 +191,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v, %d pages of %s per slab (%s): %s\n",
-		f.dir, devs, g.Pages, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), g, picked.Why)
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why)
 	<-ctx.Done()
 	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()

@@ -3,9 +3,14 @@
 // it publishes, and each consumer process (pid and command name) with the leases it holds.
 //
 //	poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]
-//	poolstat -serve ADDR [-dir DIR | -socket PATH] [-timeout D]
+//	poolstat -kv DIR [-json] [-watch INTERVAL] [-timeout D]
+//	poolstat -serve ADDR [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]
 //	poolstat -version
 //
+// -kv shows the KV page pool whose owner (cmd/kvpoold) serves DIR: each slab's pages by
+// state and its counters, and each replica with the leases it holds; -json prints the
+// owner's Stats (kv.Stats) instead. With -serve, the pool's metrics are served beside
+// the exporters' (package metrics, cudapool_kv_*).
 // Exporters announce themselves in one directory ($CUDAPOOL_DIR, else
 // $XDG_RUNTIME_DIR/cudapool, else cudapool-<uid> in the system temp directory); -dir
 // looks elsewhere (it must exist) and -socket asks one exporter only, saying what is
@@ -75,6 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	asJSON := flags.Bool("json", false, "print a JSON report (schema: cmd/poolstat/report.schema.json) instead of the table")
 	flags.Var(&every, "watch", "redraw every `INTERVAL` (2s, 500ms, or a number of seconds) until Ctrl-C")
 	serveAddr := flags.String("serve", "", "serve Prometheus metrics of every exporter at http://`ADDR`/metrics until Ctrl-C")
+	flags.StringVar(&l.kv, "kv", "", "show the KV page pool whose owner (kvpoold) serves `DIR`, instead of the exporters; with -serve, beside them")
 	showVersion := flags.Bool("version", false, "print poolstat's version and the protocol and schema versions it speaks")
 	if err := flags.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -92,6 +98,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 0
 	case flags.NArg() > 0:
 		fmt.Fprintf(stderr, "poolstat: unexpected arguments %q\n", flags.Args())
+		return 2
+	case l.kv != "" && (l.socket != "" || l.clean):
+		fmt.Fprintln(stderr, "poolstat: -kv shows a KV page pool; it cannot be used with -socket or -clean")
 		return 2
 	case l.socket != "" && l.clean:
 		fmt.Fprintln(stderr, "poolstat: -clean works on the announce directory; it cannot be used with -socket")
@@ -116,6 +125,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *serveAddr != "" {
 		return serve(ctx, &l, *serveAddr, stdout, stderr)
 	}
+	if l.kv != "" {
+		if every > 0 {
+			return kvWatch(ctx, l.kv, l.timeout, time.Duration(every), *asJSON, stdout, stderr)
+		}
+		return kvOnce(ctx, l.kv, l.timeout, *asJSON, true, stdout, stderr)
+	}
 	show := func(r *Report) error { return writeTable(stdout, r) }
 	switch {
 	case *asJSON:
@@ -139,7 +154,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 // usage prints the synopsis and the flags.
 func usage(w io.Writer, flags *flag.FlagSet) {
 	fmt.Fprintln(w, "usage: poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]")
-	fmt.Fprintln(w, "       poolstat -serve ADDR [-dir DIR | -socket PATH] [-timeout D]")
+	fmt.Fprintln(w, "       poolstat -kv DIR [-json] [-watch INTERVAL] [-timeout D]")
+	fmt.Fprintln(w, "       poolstat -serve ADDR [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]")
 	fmt.Fprintln(w, "       poolstat -version")
 	fmt.Fprintln(w, "\nShows the cudapool exporters of this host: their pools, published names and peers.")
 	flags.SetOutput(w)

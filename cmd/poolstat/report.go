@@ -101,6 +101,7 @@ type looker struct {
 	dir     string // the announce directory; unused when socket is set
 	socket  string // -socket: the one exporter to ask
 	clean   bool   // -clean: remove the announcements of dead exporters
+	kv      string // -kv: the directory of a KV page pool's owner
 	timeout time.Duration
 }
 

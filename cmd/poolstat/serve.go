@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/metrics"
 )
 
@@ -28,6 +29,9 @@ func serve(ctx context.Context, l *looker, addr string, stdout, stderr io.Writer
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(metrics.NewTargetCollector(func() ([]metrics.Target, error) { return l.targets(ctx) }))
+	if l.kv != "" {
+		reg.MustRegister(metrics.NewKVCollector(l.kv, func() (kv.Stats, error) { return kvLook(ctx, l.kv, l.timeout) }))
+	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
 		ErrorLog:      log.New(stderr, "poolstat: ", 0),

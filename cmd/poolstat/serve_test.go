@@ -33,29 +33,7 @@ func TestServe(t *testing.T) {
 	deadSocket := filepath.Join(dir, "dead.sock")
 	announce(t, dir, gone.Process.Pid, deadSocket, time.Now())
 
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	out, w := io.Pipe()
-	done := make(chan int, 1)
-	go func() {
-		done <- run(ctx, []string{"-serve", "127.0.0.1:0", "-dir", dir}, w, os.Stderr)
-		w.Close()
-	}()
-	first := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(out).ReadString('\n')
-		first <- line
-		io.Copy(io.Discard, out)
-	}()
-	var url string
-	select {
-	case line := <-first:
-		_, rest, ok := strings.Cut(line, "serving metrics at ")
-		require.True(t, ok, "poolstat -serve said %q", line)
-		url, _, _ = strings.Cut(rest, " ")
-	case <-time.After(hangGuard):
-		t.Fatal("poolstat -serve never said where it serves")
-	}
+	url, stop := serving(t, "-dir", dir)
 
 	want := fmt.Sprintf(`
 # HELP cudapool_exporter_up 1 when the exporter answered its state at this scrape, 0 when it is announced but dead or did not answer.
@@ -93,12 +71,44 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 	resp.Body.Close()
 	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
 
-	cancel() // Ctrl-C
+	assert.Equal(t, 0, stop(), "poolstat -serve exited after Ctrl-C")
+}
+
+// serving runs poolstat -serve on a loopback port with args, and returns the URL it
+// serves metrics at and a stop (Ctrl-C) that returns its exit status.
+func serving(t *testing.T, args ...string) (url string, stop func() int) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	out, w := io.Pipe()
+	done := make(chan int, 1)
+	go func() {
+		done <- run(ctx, append([]string{"-serve", "127.0.0.1:0"}, args...), w, os.Stderr)
+		w.Close()
+	}()
+	first := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(out).ReadString('\n')
+		first <- line
+		io.Copy(io.Discard, out)
+	}()
 	select {
-	case code := <-done:
-		assert.Equal(t, 0, code, "poolstat -serve exited after Ctrl-C")
+	case line := <-first:
+		_, rest, ok := strings.Cut(line, "serving metrics at ")
+		require.True(t, ok, "poolstat -serve said %q", line)
+		url, _, _ = strings.Cut(rest, " ")
 	case <-time.After(hangGuard):
-		t.Fatal("poolstat -serve did not stop after Ctrl-C")
+		t.Fatal("poolstat -serve never said where it serves")
+	}
+	return url, func() int {
+		cancel()
+		select {
+		case code := <-done:
+			return code
+		case <-time.After(hangGuard):
+			t.Fatal("poolstat -serve did not stop after Ctrl-C")
+			return -1
+		}
 	}
 }
 

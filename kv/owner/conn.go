@@ -20,6 +20,10 @@ import (
 // handshakeTimeout bounds how long a connecting process may take to say Hello.
 const handshakeTimeout = 10 * time.Second
 
+// writeTimeout bounds a write to a replica that does not read its answers: past it,
+// the connection is closed.
+const writeTimeout = 10 * time.Second
+
 // conn is one replica's connection.
 type conn struct {
 	o    *Owner
@@ -63,12 +67,16 @@ func (c *conn) write(fill func([]byte) ([]byte, error)) error {
 	if err != nil {
 		return err
 	}
+	c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
 	_, err = c.nc.Write(b)
 	return err
 }
 
+// sendSealed answers a Seal that waited; a replica that cannot be answered is cut off.
 func (c *conn) sendSealed(id uint32, m kvwire.Sealed) {
-	c.write(func(b []byte) ([]byte, error) { return kvwire.AppendSealed(b, id, m) })
+	if err := c.write(func(b []byte) ([]byte, error) { return kvwire.AppendSealed(b, id, m) }); err != nil {
+		c.nc.Close()
+	}
 }
 
 func (c *conn) sendError(id uint32, err error) error {
@@ -87,8 +95,11 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 	o.conns[c] = struct{}{}
 	o.mu.Unlock()
 	rd := kvwire.NewReader()
-	bye, err := c.admit(rd)
-	if err == nil {
+	bye := false
+	err := c.admit(rd)
+	if errors.Is(err, errObserved) {
+		err = nil
+	} else if err == nil {
 		bye, err = c.serve(rd)
 	}
 	if err != nil && o.stopped.Err() == nil {
@@ -98,11 +109,11 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 }
 
 // admit reads the Hello, applies the policy and answers Welcome or Refused.
-func (c *conn) admit(rd *kvwire.Reader) (bye bool, err error) {
+func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	o := c.o
 	c.nc.SetDeadline(time.Now().Add(handshakeTimeout))
 	if c.cred, err = peercred.Get(c.nc); err != nil {
-		return false, err
+		return err
 	}
 	refuse := func(reason string) error {
 		c.write(func(b []byte) ([]byte, error) { return kvwire.AppendText(b, kvwire.TypeRefused, 0, reason) })
@@ -110,25 +121,34 @@ func (c *conn) admit(rd *kvwire.Reader) (bye bool, err error) {
 	}
 	h, p, err := rd.Next(c.nc)
 	if err != nil {
-		return false, fmt.Errorf("before Hello: %w", err)
+		return fmt.Errorf("before Hello: %w", err)
 	}
 	if h.Type != kvwire.TypeHello {
-		return false, refuse(fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
+		return refuse(fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
 	}
 	pr := kvwire.NewParser(h.Type, p)
 	hello := kvwire.Hello{Version: pr.U32(), PID: pr.U32(), Device: pr.U32(), Namespace: pr.Text()}
 	if err := pr.Done(); err != nil {
-		return false, refuse(err.Error())
+		return refuse(err.Error())
 	}
 	if reason := admits(o.opts.Policy, c.cred); reason != "" {
-		return false, refuse(reason)
+		return refuse(reason)
 	}
 	if hello.Version != kvwire.Version {
-		return false, refuse(fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+		return refuse(fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+	}
+	if hello.Device == kvwire.Observer {
+		if err := c.write(func(b []byte) ([]byte, error) {
+			return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo})
+		}); err != nil {
+			return err
+		}
+		c.nc.SetDeadline(time.Time{})
+		return c.observe(rd)
 	}
 	s := o.byDev[int(hello.Device)]
 	if s == nil {
-		return false, refuse(fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
+		return refuse(fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
 	}
 	c.s, c.ns = s, hello.Namespace
 	// Opened while the replica is connected, so that it names the process that
@@ -140,13 +160,38 @@ func (c *conn) admit(rd *kvwire.Reader) (bye bool, err error) {
 	if err := c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo, Slab: s.name})
 	}); err != nil {
-		return false, err
+		return err
 	}
 	c.nc.SetDeadline(time.Time{})
 	o.mu.Lock()
 	c.welcomed = true
 	o.mu.Unlock()
-	return false, nil
+	return nil
+}
+
+// errObserved ends an observer's connection: it is served, and no replica.
+var errObserved = errors.New("observed")
+
+// observe serves an observer (cmd/poolstat, metrics): Stats until Bye or the end of
+// the connection. Anything else closes it.
+func (c *conn) observe(rd *kvwire.Reader) error {
+	for {
+		h, p, err := rd.Next(c.nc)
+		switch {
+		case err != nil && (errors.Is(err, net.ErrClosed) || isEOF(err)):
+			return errObserved
+		case err != nil:
+			return err
+		case h.Type == kvwire.TypeStats:
+			if err := c.stats(h, p); err != nil {
+				return err
+			}
+		case h.Type == kvwire.TypeBye:
+			return errObserved
+		default:
+			return fmt.Errorf("%w: an observer sent %s", kvwire.ErrMalformed, h.Type)
+		}
+	}
 }
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
@@ -307,14 +352,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
-	if !rec.done {
-		o.enqueue(e)
-	}
-	o.mu.Unlock()
-	o.send(owed)
-	if !rec.done {
-		o.wake()
-	}
+	o.unlockAfterSubmit(e, rec, owed)
 	if wait {
 		return nil
 	}
@@ -368,14 +406,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		rec.released = append(rec.released, l.pages...)
 	}
 	owed := c.submitLocked(e, rec)
-	if !rec.done {
-		o.enqueue(e)
-	}
-	o.mu.Unlock()
-	o.send(owed)
-	if !rec.done {
-		o.wake()
-	}
+	o.unlockAfterSubmit(e, rec, owed)
 	n := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
 }
@@ -396,6 +427,20 @@ func (c *conn) submitLocked(e *event, rec *record) []answer {
 		return o.settleUpTo(e, upTo, true, nil)
 	}
 	return nil
+}
+
+// unlockAfterSubmit leaves rec, submitted, to the poller if it has not settled,
+// releases o.mu and sends owed.
+func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
+	pending := !rec.done
+	if pending {
+		o.enqueue(e)
+	}
+	o.mu.Unlock()
+	o.send(owed)
+	if pending {
+		o.wake()
+	}
 }
 
 func slicesContains(s []uint64, v uint64) bool {

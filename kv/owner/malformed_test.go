@@ -20,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
+	"github.com/cudapool/cudapool/producer"
 )
 
 var small = kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 64}
@@ -201,4 +202,41 @@ func TestBatchOverTheLimitIsAnswered(t *testing.T) {
 	h, _, err = r.next()
 	require.NoError(t, err)
 	assert.Equal(t, kvwire.TypeLeased, h.Type, "the connection goes on")
+}
+
+// TestPolicyRefuses: a process the policy does not admit is refused with the reason,
+// and an admitted one is served.
+func TestPolicyRefuses(t *testing.T) {
+	own := uint32(os.Getuid())
+	for _, c := range []struct {
+		name   string
+		policy producer.Policy
+		reason string
+	}{
+		{"another uid", producer.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
+		{"another gid", producer.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
+		{"this uid", producer.Policy{AllowUIDs: []uint32{own}}, ""},
+		{"the zero policy", producer.Policy{}, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir, err := os.MkdirTemp("", "kvp")
+			require.NoError(t, err)
+			t.Cleanup(func() { os.RemoveAll(dir) })
+			dev := cudarttest.ForTest(t)
+			o, err := owner.Listen(dir, dev, owner.Options{Geometry: small, Policy: c.policy, NoAnnounce: true})
+			require.NoError(t, err)
+			t.Cleanup(func() { o.Close(bound(t)) })
+			r := dialRaw(t, dir)
+			r.send(kvwire.AppendHello(nil, 1, kvwire.Hello{Version: kvwire.Version}))
+			h, p, err := r.next()
+			require.NoError(t, err)
+			if c.reason == "" {
+				assert.Equal(t, kvwire.TypeWelcome, h.Type)
+				return
+			}
+			require.Equal(t, kvwire.TypeRefused, h.Type)
+			assert.Contains(t, kvwire.NewParser(h.Type, p).Text(), c.reason)
+			r.closed(c.name)
+		})
+	}
 }

@@ -2,6 +2,7 @@ package owner
 
 import (
 	"context"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -105,17 +106,23 @@ type answer struct {
 	dead   bool // the writer died: nobody to answer
 }
 
+// send sends owed, each on a goroutine of its own: the poller never waits for a
+// replica that does not read.
 func (o *Owner) send(owed []answer) {
 	for _, a := range owed {
 		if !a.dead {
-			a.c.sendSealed(a.id, a.sealed)
+			go a.c.sendSealed(a.id, a.sealed)
 		}
 	}
 }
 
 // query says whether e's latest record has completed, or its replica's process has
 // exited (dead): it asks the process first, so that no event of a dead process is
-// used. A query that fails says neither; it is logged once per event.
+// used. (A process that dies between the two answers has its event queried after its
+// exit: the driver answers such a query, never completing it, and the software device
+// reports it. The poller leaves alone the events of connections that hung up, which a
+// dying process's do first.) A query that fails says neither; it is logged once per
+// event.
 func (o *Owner) query(e *event) (done, dead bool) {
 	if e.ev == 0 {
 		return true, false
@@ -161,7 +168,9 @@ func (o *Owner) poll(ctx context.Context) {
 		e    *event
 		upTo uint64
 	}
+	type result struct{ done, dead bool }
 	var targets []target
+	var results []result
 	var owed []answer
 	for {
 		o.mu.Lock()
@@ -174,6 +183,12 @@ func (o *Owner) poll(ctx context.Context) {
 				continue
 			}
 			kept = append(kept, e)
+			if e.c.lost {
+				// Its process is exiting or gone: its records wait for the exit,
+				// which drops them, instead of a query of an event that may die
+				// between the pidfd's answer and the query's.
+				continue
+			}
 			targets = append(targets, target{e, e.appended})
 		}
 		clear(o.polling[len(kept):])
@@ -190,8 +205,7 @@ func (o *Owner) poll(ctx context.Context) {
 			}
 		}
 		progress := false
-		type result struct{ done, dead bool }
-		results := make([]result, len(targets))
+		results = slices.Grow(results[:0], len(targets))[:len(targets)]
 		for i, t := range targets {
 			results[i].done, results[i].dead = o.query(t.e)
 		}

@@ -1,11 +1,13 @@
 package replica_test
 
 import (
+	"encoding/binary"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/replica"
 )
 
 // BenchmarkMatch512 is a Match of 512 visible pages and its Release, owner and replica
@@ -34,4 +36,39 @@ func BenchmarkMatch512(b *testing.B) {
 			}
 		}
 	})
+}
+
+// BenchmarkCycle256 is alloc + seal (waiting until visible) + match + release of 256
+// pages, owner and replica in one process; pages/s is the rate of one replica.
+func BenchmarkCycle256(b *testing.B) {
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(b, err)
+	g.Pages = 4096
+	_, _, dir := startOwner(b, g)
+	r, _, rs := dial(b, dir, 0)
+	ctx := bound(b)
+	const n = 256
+	hashes := make([]kv.Hash, n)
+	var seq uint64
+	for b.Loop() {
+		for i := range hashes {
+			seq++
+			binary.LittleEndian.PutUint64(hashes[i][:], seq)
+		}
+		w, err := r.Alloc(ctx, n)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := r.Seal(ctx, w, hashes, rs, replica.WaitVisible()); err != nil {
+			b.Fatal(err)
+		}
+		m, err := r.Match(ctx, hashes, rs)
+		if err != nil || len(m.Pages()) != n {
+			b.Fatal(err)
+		}
+		if err := r.Release(ctx, rs, m); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(n*b.N)/b.Elapsed().Seconds(), "pages/s")
 }

@@ -61,6 +61,31 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		return err
 	}
 
+	err = r.wait(ctx, id, c, handle)
+	if errors.Is(err, errGaveUp) {
+		// Someone must still read the answer, which may grant a lease: a waiter of
+		// its own takes it and gives the lease back.
+		go func() {
+			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
+			defer cancel()
+			if errors.Is(r.wait(bg, id, c, r.giveBack), errGaveUp) && !r.forget(id) {
+				<-c.ch // delivered as this wait gave up
+				r.giveBack(c.h, c.buf)
+			}
+		}()
+		return ctx.Err()
+	}
+	return err
+}
+
+// errGaveUp says that wait's ctx ended before the answer came; the call is still
+// registered, for another wait to take over.
+var errGaveUp = errors.New("kv/replica: gave up waiting")
+
+// wait waits for call id's answer and hands it to handle: it reads answers itself
+// while no other caller does, delivering the others'. If ctx ends first it returns
+// errGaveUp, leaving the call registered; if the replica stops, its error.
+func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kvwire.Header, p []byte) error) error {
 	for {
 		select {
 		case <-c.ch:
@@ -92,20 +117,31 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		case <-ctx.Done():
 		case <-r.done:
 		}
-		if ctx.Err() != nil || r.gone() != nil {
+		if gone := r.gone(); gone != nil {
 			if r.forget(id) {
-				if gone := r.gone(); gone != nil {
-					return gone
-				}
-				return ctx.Err()
+				return gone
 			}
-			// The reply came meanwhile: take it, so that nothing it grants is lost.
+			// The answer came meanwhile: take it, so that nothing it grants is lost.
 			<-c.ch
 			err := handle(c.h, c.buf)
 			calls.Put(c)
 			return err
 		}
+		if ctx.Err() != nil {
+			return errGaveUp
+		}
 	}
+}
+
+// giveBack handles an answer whose caller gave up: a lease it grants is released.
+func (r *Replica) giveBack(h kvwire.Header, p []byte) error {
+	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
+		pr := kvwire.NewParser(h.Type, p)
+		if id := pr.U64(); id != 0 {
+			go r.releaseAbandoned(id)
+		}
+	}
+	return nil
 }
 
 // forget removes call id, and says whether it was still waiting (no reply delivered).
@@ -172,12 +208,7 @@ func (r *Replica) deliver(h kvwire.Header, p []byte) {
 		c.ch <- struct{}{}
 		return
 	}
-	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		pr := kvwire.NewParser(h.Type, p)
-		if id := pr.U64(); id != 0 {
-			go r.releaseAbandoned(id)
-		}
-	}
+	r.giveBack(h, p)
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was

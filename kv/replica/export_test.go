@@ -4,3 +4,9 @@ package replica
 func ForgeLease(id uint64, write bool, pages ...uint32) *Lease {
 	return &Lease{id: id, write: write, pages: pages}
 }
+
+// HangUp closes r's page connection without Bye, as a process does as it dies.
+func HangUp(r *Replica) {
+	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
+	r.nc.Close()
+}

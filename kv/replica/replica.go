@@ -152,7 +152,9 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 // Dial connects to the owner serving dir and maps the slab of device. It fails with
 // an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
 // one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
-// refuses this process. On failure nothing is left behind.
+// refuses this process. A process holds one Replica per owner and runtime: the slab is
+// imported through an export.Importer, and a second Dial fails with an error wrapping
+// export.ErrDuplicateImporter. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.Default()}
 	for _, opt := range opts {
@@ -162,6 +164,10 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
 	defer func() {
 		if err != nil {
+			if r.nc != nil { // a Bye, so that the owner does not wait for this process's exit
+				b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
+				r.nc.Write(b)
+			}
 			r.teardown(context.Background())
 		}
 	}()
@@ -182,7 +188,11 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, err
 	}
 	if r.imp, err = consumer.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, consumer.WithLogger(o.log)); err != nil {
-		return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
+		if errors.Is(err, consumer.ErrExporterGone) {
+			return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
+		}
+		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.
+		return nil, fmt.Errorf("kv/replica: the slab exporter: %w", err)
 	}
 	if r.m, err = r.imp.Open(ctx, slabName, r.stream); err != nil {
 		return nil, fmt.Errorf("kv/replica: mapping %s: %w", slabName, err)
@@ -295,6 +305,7 @@ func (r *Replica) fail(why error) {
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
 	close(r.done)
+	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
 	r.nc.Close()
 }
 

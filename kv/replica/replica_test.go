@@ -1,12 +1,16 @@
 package replica_test
 
 import (
+	"context"
 	"errors"
+	"os"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
@@ -130,6 +134,7 @@ func TestStaleLeaseRefused(t *testing.T) {
 	held, err := a.Match(ctx, hashes, as)
 	require.NoError(t, err)
 	require.NoError(t, a.Release(ctx, as, m))
+	eventually(t, "the release to settle", func() bool { return device0(o).Releasing == 0 })
 	before := o.Stats()
 
 	err = a.Release(ctx, as, m)
@@ -300,13 +305,25 @@ func TestDuplicateSeal(t *testing.T) {
 }
 
 // TestWriterKilledPublishesNothing: a writer killed before its writes ran publishes
-// nothing, and its pages go back to free.
+// nothing, and its pages go back to free: killed with its seal pending (after its
+// connection hung up, as a dying process's does first), or with its write lease.
 func TestWriterKilledPublishesNothing(t *testing.T) {
 	o, _, dir := startOwner(t, small)
 	w := proctest.Start(t, "replica", dir, "0")
 	w.Send("stallwrite 8 4")
 	w.Expect("pending 4")
 	assert.Equal(t, 4, device0(o).Sealing)
+	w.Send("hangup")
+	w.Expect("hung up")
+	eventually(t, "the owner to see the writer hang up", func() bool {
+		for _, r := range o.Stats().Replicas {
+			if r.PID == w.PID() {
+				return r.AwaitingExit
+			}
+		}
+		return false
+	})
+	assert.Equal(t, 4, device0(o).Sealing, "a seal pending for a process that lives on")
 	w.Kill()
 	eventually(t, "the dead writer's pages to be freed", func() bool { return device0(o).Free == small.Pages })
 	assert.Zero(t, device0(o).Sealed)
@@ -314,6 +331,14 @@ func TestWriterKilledPublishesNothing(t *testing.T) {
 	m, err := r.Match(bound(t), r.Hashes(tokens(small, 4, 8)), rs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "nothing of the dead writer's is visible")
+	w.Wait()
+
+	w = proctest.Start(t, "replica", dir, "0")
+	w.Send("allocwrite 8 5")
+	w.Expect("allocated 5")
+	assert.Equal(t, 5, device0(o).Writing)
+	w.Kill()
+	eventually(t, "the dead writer's write lease to end", func() bool { return device0(o).Free == small.Pages })
 	w.Wait()
 }
 
@@ -406,4 +431,113 @@ func TestOwnerClosesWhileIdle(t *testing.T) {
 	require.NoError(t, r.Close(bound(t)))
 	require.NoError(t, testwait.Recv(t, closed, "the owner's Close"), "the owner's Close, once the replica unmapped its slab")
 	require.NoError(t, odev.Err())
+}
+
+// TestQueryStats: an observer, with no runtime, reads the owner's Stats; it is no
+// replica of the owner's.
+func TestQueryStats(t *testing.T) {
+	_, _, dir := startOwner(t, small)
+	r, rdev, rs := dial(t, dir, 0)
+	sealed(t, rdev, r, rs, 1, 3)
+	m, err := r.Match(bound(t), r.Hashes(tokens(small, 3, 1)), rs)
+	require.NoError(t, err)
+	st, err := replica.QueryStats(bound(t), dir)
+	require.NoError(t, err)
+	require.Len(t, st.Devices, 1)
+	assert.Equal(t, 3, st.Devices[0].Leased)
+	require.Len(t, st.Replicas, 1, "the observer is not listed")
+	assert.Equal(t, kv.ReplicaStats{PID: os.Getpid(), Device: 0, Leases: 1, Pages: 3}, st.Replicas[0])
+	require.NoError(t, r.Release(bound(t), rs, m))
+
+	_, err = replica.QueryStats(bound(t), shortDir(t))
+	require.ErrorIs(t, err, kv.ErrOwnerGone, "a directory no owner serves")
+}
+
+// TestCloseWaitsForReleases: Close ends the leases still held at once, and returns
+// once the owner has settled the releases that wait for its streams, so that the
+// replica destroys no event the owner still asks.
+func TestCloseWaitsForReleases(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, rdev, r, rs, 3, 4)
+	_, err := r.Match(ctx, hashes, rs) // held at Close
+	require.NoError(t, err)
+	m, err := r.Match(ctx, hashes[:2], rs)
+	require.NoError(t, err)
+	resume, err := rdev.Stall(0, rs)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	require.NoError(t, r.Release(ctx, rs, m))
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close(ctx) }()
+	eventually(t, "the held lease to end at Bye", func() bool { return device0(o).Leased == 0 })
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while a release waited for its stream", err)
+	default:
+	}
+	assert.Equal(t, 2, device0(o).Releasing)
+	resume()
+	require.NoError(t, testwait.Recv(t, closed, "Close, once the release settled"))
+	st := o.Stats()
+	assert.Empty(t, st.Replicas)
+	assert.Zero(t, st.Devices[0].Releasing)
+}
+
+// TestOneReplicaPerRuntime: a second Replica of one runtime fails, and says why.
+func TestOneReplicaPerRuntime(t *testing.T) {
+	o, _, dir := startOwner(t, small, 0, 1)
+	_, dev, _ := dial(t, dir, 0)
+	_, err := replica.Dial(bound(t), dir, dev, 1)
+	require.ErrorIs(t, err, consumer.ErrDuplicateImporter)
+	assert.NotErrorIs(t, err, kv.ErrOwnerGone)
+	eventually(t, "the failed replica's connection to end", func() bool { return len(o.Stats().Replicas) == 1 })
+}
+
+// TestConcurrentCalls: many goroutines share one replica, some of them giving up on
+// their requests at once; every lease a call gave up on is given back.
+func TestConcurrentCalls(t *testing.T) {
+	g := small
+	g.Pages = 512
+	o, _, dir := startOwner(t, g)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	shared := sealed(t, rdev, r, rs, 1, 8)
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := range 30 {
+				hashes := r.Hashes(tokens(g, 4, int32(100+w*1000+i)))
+				l, err := r.Alloc(ctx, 4)
+				if !assert.NoError(t, err) {
+					return
+				}
+				_, err = r.Seal(ctx, l, hashes, rs, replica.WaitVisible())
+				assert.NoError(t, err)
+				m, err := r.Match(ctx, shared, rs)
+				assert.NoError(t, err)
+				assert.Len(t, m.Pages(), 8)
+				assert.NoError(t, r.Release(ctx, rs, m))
+				// A caller that gives up at once: the owner's answer grants a lease
+				// nobody takes, which the replica gives back.
+				gone, cancel := context.WithCancel(ctx)
+				cancel()
+				late, err := r.Match(gone, shared, rs)
+				if err != nil {
+					assert.ErrorIs(t, err, context.Canceled)
+				} else { // the answer came first: the lease is the caller's
+					assert.NoError(t, r.Release(ctx, rs, late))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	eventually(t, "every lease to end", func() bool {
+		st := o.Stats()
+		return st.Devices[0].Leased == 0 && st.Replicas[0].Leases == 0
+	})
+	st := device0(o)
+	assert.Equal(t, uint64(8+8*30*4), st.Seals)
+	assert.Equal(t, st.Seals-st.Evictions, uint64(st.Sealed))
 }

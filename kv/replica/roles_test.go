@@ -57,6 +57,8 @@ func ownerRole(args []string) int {
 //	stallwrite SEED PAGES  the same behind a stalled stream, without waiting: "pending N"
 //	read SEED PAGES        match SEED's hashes, check the bytes, hold the lease: "read N"
 //	release                release the leases held: "released"
+//	allocwrite SEED PAGES  alloc and write SEED's pattern behind a stalled stream: "allocated N"
+//	hangup                 close the page connection without Bye: "hung up"
 //
 // A failure is answered "error: ..." and ends the role.
 func replicaRole(args []string) int {
@@ -90,16 +92,8 @@ func replicaRole(args []string) int {
 		hashes := r.Hashes(tokens(r.Geometry(), pages, int32(seed)))
 		switch f[0] {
 		case "write", "stallwrite":
-			if f[0] == "stallwrite" {
-				if _, err := dev.Stall(device, s); err != nil {
-					return fail(err)
-				}
-			}
-			l, err := r.Alloc(ctx, pages)
+			l, err := allocWrite(dev, r, s, hashes, f[0] == "stallwrite")
 			if err != nil {
-				return fail(err)
-			}
-			if err := writeErr(dev, r, s, l.Pages(), hashes); err != nil {
 				return fail(err)
 			}
 			var opts []replica.SealOption
@@ -125,6 +119,15 @@ func replicaRole(args []string) int {
 			}
 			held = append(held, l)
 			fmt.Println("read", len(l.Pages()))
+		case "allocwrite":
+			l, err := allocWrite(dev, r, s, hashes, true)
+			if err != nil {
+				return fail(err)
+			}
+			fmt.Println("allocated", len(l.Pages()))
+		case "hangup":
+			replica.HangUp(r)
+			fmt.Println("hung up")
 		case "release":
 			if err := r.Release(ctx, s, held...); err != nil {
 				return fail(err)
@@ -144,4 +147,21 @@ func replicaRole(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// allocWrite allocs a page for each hash and queues their patterns on s, behind a
+// stall of s if stall.
+func allocWrite(dev *cudarttest.Device, r *replica.Replica, s cudart.Stream, hashes []kv.Hash, stall bool) (*replica.Lease, error) {
+	if stall {
+		if _, err := dev.Stall(r.Device(), s); err != nil {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	l, err := r.Alloc(ctx, len(hashes))
+	if err != nil {
+		return nil, err
+	}
+	return l, writeErr(dev, r, s, l.Pages(), hashes)
 }

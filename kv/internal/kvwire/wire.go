@@ -72,6 +72,10 @@ func (t Type) String() string {
 	return fmt.Sprintf("type(%d)", uint8(t))
 }
 
+// Observer is the device of a Hello that asks for Stats alone: such a connection maps
+// no slab, takes no leases and is no replica.
+const Observer = ^uint32(0)
+
 // FlagWait on a Seal asks for the answer only once the pages are visible.
 const FlagWait = 1
 

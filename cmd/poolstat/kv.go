@@ -1,0 +1,104 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// kvLook asks the KV page pool's owner serving dir for its Stats, within timeout.
+func kvLook(ctx context.Context, dir string, timeout time.Duration) (kv.Stats, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return replica.QueryStats(ctx, dir)
+}
+
+// kvOnce shows the KV page pool at dir once: a table, or its Stats as JSON. It
+// returns the exit status: 1 when the owner could not be asked.
+func kvOnce(ctx context.Context, dir string, timeout time.Duration, asJSON, indent bool, stdout, stderr io.Writer) int {
+	st, err := kvLook(ctx, dir, timeout)
+	if err != nil {
+		fmt.Fprintf(stderr, "poolstat: -kv %s: %v\n", dir, err)
+		return 1
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		if indent {
+			enc.SetIndent("", "  ")
+		}
+		if err := enc.Encode(st); err != nil {
+			fmt.Fprintf(stderr, "poolstat: %v\n", err)
+			return 1
+		}
+		return 0
+	}
+	renderKV(stdout, dir, st)
+	return 0
+}
+
+// kvWatch shows the KV page pool at dir every interval until ctx ends.
+func kvWatch(ctx context.Context, dir string, timeout, every time.Duration, asJSON bool, stdout, stderr io.Writer) int {
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	code := 1
+	clear := isTerminal(stdout) && !asJSON
+	for {
+		if clear {
+			fmt.Fprint(stdout, "\x1b[H\x1b[2J")
+		}
+		if c := kvOnce(ctx, dir, timeout, asJSON, false, stdout, stderr); ctx.Err() == nil {
+			code = c
+		}
+		select {
+		case <-ctx.Done():
+			return code
+		case <-tick.C:
+		}
+	}
+}
+
+// renderKV writes the owner's Stats as the operator's table.
+func renderKV(w io.Writer, dir string, st kv.Stats) {
+	g := st.Geometry
+	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s)\n",
+		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	// LEASED and RELEASING are sealed pages that readers hold, or whose release has
+	// not settled.
+	fmt.Fprintln(tw, "DEVICE\tFREE\tWRITING\tSEALING\tSEALED\tLEASED\tRELEASING\tSETTLING\tHITS\tMISSES\tCOPIED\tEVICTED\tSEALS\tDUPLICATES\t")
+	for _, d := range st.Devices {
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
+			d.Releasing, d.Settling, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
+	}
+	tw.Flush()
+	if len(st.Replicas) == 0 {
+		fmt.Fprintln(w, "no replica is connected")
+		return
+	}
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "REPLICA\tCOMMAND\tDEVICE\tLEASES\tPAGES\t")
+	for _, r := range st.Replicas {
+		command := "-"
+		if info, err := peercred.Lookup(r.PID); err == nil {
+			command = info.Command
+		}
+		state := ""
+		if r.AwaitingExit {
+			state = "hung up, awaiting its exit"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%s\n", r.PID, text(command, maxCommand), r.Device, r.Leases, r.Pages, state)
+	}
+	tw.Flush()
+}
+
+// pageAll is one page's bytes in every layer's K and V.
+func pageAll(g kv.StatsGeometry) uint64 { return g.PageBytes * 2 * uint64(g.Layers) }

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// kvOwner serves a KV page pool in dir, with a replica of this process holding a read
+// lease of 3 pages.
+func kvOwner(t *testing.T) string {
+	t.Helper()
+	dir := shortDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	t.Cleanup(cancel)
+	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
+	odev := cudarttest.ForTest(t)
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true})
+	require.NoError(t, err)
+	t.Cleanup(func() { o.Close(ctx) })
+	rdev := cudarttest.ForTest(t)
+	r, err := replica.Dial(ctx, dir, rdev, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(ctx) })
+	hashes := r.Hashes(make([]int32, 12))
+	w, err := r.Alloc(ctx, 3)
+	require.NoError(t, err)
+	_, err = r.Seal(ctx, w, hashes, 0, replica.WaitVisible())
+	require.NoError(t, err)
+	_, err = r.Match(ctx, hashes, 0)
+	require.NoError(t, err)
+	return dir
+}
+
+func TestKV(t *testing.T) {
+	dir := kvOwner(t)
+	code, out, errOut := poolstat(t, "-kv", dir)
+	require.Equal(t, 0, code, "stderr: %s", errOut)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 5, "a summary, the devices' header and row, the replicas' header and row:\n%s", out)
+	assert.Contains(t, lines[0], fmt.Sprintf("KV page pool at %s, owner pid %d: 2 layers", dir, os.Getpid()))
+	assert.Equal(t, strings.Fields("0 13 0 0 3 3 0 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 13 free, 3 sealed and leased, 3 hits, 3 seals")
+	assert.Equal(t, []string{fmt.Sprint(os.Getpid()), "0", "1", "3"}, dropCommand(strings.Fields(lines[4])), "the replica: device 0, 1 lease, 3 pages")
+
+	code, out, errOut = poolstat(t, "-kv", dir, "-json")
+	require.Equal(t, 0, code, "stderr: %s", errOut)
+	var st kv.Stats
+	require.NoError(t, json.Unmarshal([]byte(out), &st))
+	assert.Equal(t, 3, st.Devices[0].Leased)
+
+	code, _, errOut = poolstat(t, "-kv", shortDir(t))
+	assert.Equal(t, 1, code)
+	assert.Contains(t, errOut, "owner is gone")
+	code, _, _ = poolstat(t, "-kv", dir, "-clean")
+	assert.Equal(t, 2, code)
+}
+
+// dropCommand leaves out the command column of a replica row (the test binary's name).
+func dropCommand(f []string) []string {
+	if len(f) < 2 {
+		return f
+	}
+	return append(f[:1:1], f[2:]...)
+}
+
+func TestServeKV(t *testing.T) {
+	dir := kvOwner(t)
+	url, stop := serving(t, "-dir", shortDir(t), "-kv", dir)
+	want := fmt.Sprintf(`
+# HELP cudapool_kv_leased_pages Sealed pages that read leases hold.
+# TYPE cudapool_kv_leased_pages gauge
+cudapool_kv_leased_pages{device="0",kv_dir=%q} 3
+# HELP cudapool_kv_up 1 when the KV page pool's owner answered its stats at this scrape, 0 when it did not.
+# TYPE cudapool_kv_up gauge
+cudapool_kv_up{kv_dir=%q} 1
+`, dir, dir)
+	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_kv_leased_pages", "cudapool_kv_up"))
+	assert.Equal(t, 0, stop())
+}

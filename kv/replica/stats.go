@@ -1,0 +1,65 @@
+package replica
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
+
+// QueryStats asks the owner serving dir for its Stats, as an observer: a connection
+// that maps no slab and takes no leases, so it needs no CUDA runtime (cmd/poolstat's).
+// The owner's policy admits it as any replica. It fails with an error wrapping
+// kv.ErrOwnerGone if no owner serves dir.
+func QueryStats(ctx context.Context, dir string) (kv.Stats, error) {
+	var st kv.Stats
+	nc, err := dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), false)
+	if err != nil {
+		return st, err
+	}
+	defer nc.Close()
+	stop := context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	gone := func(err error) error {
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
+		return fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+	}
+	b, err := kvwire.AppendHello(nil, 1, kvwire.Hello{Version: kvwire.Version, Device: kvwire.Observer})
+	if err != nil {
+		return st, err
+	}
+	b, err = kvwire.AppendEmpty(b, kvwire.TypeStats, 2)
+	if err != nil {
+		return st, err
+	}
+	if _, err := nc.Write(b); err != nil {
+		return st, gone(err)
+	}
+	rd := kvwire.NewReader()
+	for {
+		h, p, err := rd.Next(nc)
+		if err != nil {
+			return st, gone(err)
+		}
+		switch h.Type {
+		case kvwire.TypeWelcome:
+			continue
+		case kvwire.TypeRefused:
+			return st, &kv.RemoteError{Text: "refused: " + kvwire.NewParser(h.Type, p).Text()}
+		case kvwire.TypeStatsReply:
+			if err := json.Unmarshal(p, &st); err != nil {
+				return st, fmt.Errorf("kv/replica: the owner's stats: %w", err)
+			}
+			b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
+			nc.Write(b)
+			return st, nil
+		}
+		return st, replyErr(h, p, kvwire.TypeStatsReply)
+	}
+}
