@@ -165,8 +165,6 @@ if [ -f "$lib" ]; then
 	export CUDAPOOL_LIB=$lib CUDAPOOL_KVPOOLD=$bin/kvpoold # the KV page pool's owner, for test_kv*.py
 	scripts/python-tests.sh
 	step python-tests $?
-	timeout 300 python3 bench/kvbench.py --runtime "$runtime" --kvpoold "$bin/kvpoold"
-	step kv-bench $?
 	if [ "$runtime" = test ]; then
 		echo "(the torch pairs and the torch KV cache need a GPU: not run with RUNTIME=test)"
 	else
