@@ -1,4 +1,4 @@
-"""run.py's figures as the benchmark suite's lines (bench/table.py's format), with no
+"""run.py's figures as the benchmark suite's lines (bench/suitelines.py), with no
 torch, so that they are tested anywhere (test_rawlines.py). Every line is of impl
 "replicas":
 
@@ -22,17 +22,18 @@ torch, so that they are tested anywhere (test_rawlines.py). Every line is of imp
     fail replicas all WHAT                 the run stopped before its figures
 """
 
+import os
+import sys
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+import suitelines  # noqa: E402 (after the path)
+
 IMPL = "replicas"
 
 
 def summary(op, unit, v):
-    """The result and raw lines of op's samples v (bench/suitelines.py's format)."""
-    if not v:
-        return ["fail %s %s no samples" % (IMPL, op)]
-    v = sorted(float(x) for x in v)
-    p90 = v[int(0.9 * (len(v) - 1) + 0.5)]
-    return ["result %s %s %s %.4f %.4f %d" % (IMPL, op, unit, v[len(v) // 2], p90, len(v)),
-            "raw %s %s %s %s" % (IMPL, op, unit, " ".join("%.4f" % x for x in v))]
+    """The result and raw lines of op's samples v."""
+    return suitelines.lines(IMPL, op, unit, [float(x) for x in v])
 
 
 def one_line(text):
