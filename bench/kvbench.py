@@ -2,18 +2,24 @@
 
     kv match+release/512            match of 512 visible pages (hashes computed before) and
                                     the release of their read lease: two round trips
-    kv match/512                    the match alone (its release untimed)
-    kv hashes+match+release/512     the same with the hashes of the 8192 tokens computed by
-                                    Replica.hashes (in the library) each time
+    kv match/512                    the match alone, as gosuite's kv/match512 times it: one
+                                    round trip, the read lease included (its release untimed)
+    kv hashes+match/512             the same with the hashes of the 8192 tokens computed by
+                                    Replica.hashes (in the library) in the loop
+    kv hashes+match+release/512     hashes, match and release
     kv prefix_hashes/512            the pure-Python reference of those hashes (hashlib)
     kv alloc+release/64             a write lease of 64 pages given back unwritten
 
-Each line is "ROW: p50 X us, p99 Y us, N samples". It starts a kvpoold of its own
-(--kvpoold, else $CUDAPOOL_KVPOOLD, else bin/kvpoold) serving a temporary directory
-on the runtime given (auto: a GPU where there is one, else the software device), and
-runs the replica in this process.
+Each row prints "# ROW: p50 X us, p99 Y us, N samples"; kv match/512 and kv
+hashes+match/512 also print the benchmark suite's lines "result python kv/match512 us
+MEDIAN P90 N" and "raw python kv/match512 us V..." (kv/match512+hash for the other;
+bench/suitelines.py, read by bench/table.py), so that scripts/bench-suite.sh sets them
+beside gosuite's rows of the same names. It starts a kvpoold of its own (--kvpoold,
+else $CUDAPOOL_KVPOOLD, else bin/kvpoold) serving a temporary directory on the runtime
+given (auto: a GPU where there is one, else the software device), and runs the replica
+in this process; libcudapool is $CUDAPOOL_LIB (python/cudapool/_lib.py).
 
-Usage: python3 bench/kvbench.py [--runtime auto|gpu|test] [--samples N] [--kvpoold PATH]
+Usage: python3 bench/kvbench.py [--runtime auto|gpu|test] [--samples N | --quick] [--kvpoold PATH]
 """
 
 import argparse
@@ -31,14 +37,19 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import cudapool  # noqa: E402
 from cudapool import kv  # noqa: E402
+from suitelines import summarize  # noqa: E402
 
 PAGES = 512
 
 
-def row(name, samples):
+def row(name, samples, op=None):
+    """Prints name's p50 and p99 as a comment, and with op the suite's result and raw
+    lines of impl python (in us)."""
     v = sorted(samples)
     p50, p99 = v[len(v) // 2], v[min(len(v) - 1, int(0.99 * (len(v) - 1) + 0.5))]
-    print("%s: p50 %.1f us, p99 %.1f us, %d samples" % (name, p50 * 1e6, p99 * 1e6, len(v)), flush=True)
+    print("# %s: p50 %.1f us, p99 %.1f us, %d samples" % (name, p50 * 1e6, p99 * 1e6, len(v)), flush=True)
+    if op:
+        summarize("python", op, "us", [x * 1e6 for x in v])
 
 
 def timed(n, warmup, f):
@@ -57,9 +68,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runtime", default="auto", choices=("auto", "gpu", "test"))
     ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--quick", action="store_true", help="few samples (200), for a dry run")
     ap.add_argument("--kvpoold", default=os.environ.get("CUDAPOOL_KVPOOLD") or os.path.join(ROOT, "bin", "kvpoold"))
     ap.add_argument("--device", type=int, default=0)
     a = ap.parse_args()
+    if a.quick:
+        a.samples = 200
     why = cudapool.init(a.runtime)
     print("# " + why, flush=True)
     on_gpu, _, _ = cudapool.runtime_info()
@@ -115,7 +129,17 @@ def run(r, n):
         samples += timed(100, 0, match_only)
         r.release(*held)
         held.clear()
-    row("kv match/%d" % PAGES, samples)
+    row("kv match/%d" % PAGES, samples, "kv/match%d" % PAGES)
+
+    def hash_match():
+        held.append(r.match(r.hashes(toks)))
+
+    samples = []
+    for _ in range(max(1, n // 400)):
+        samples += timed(100, 0, hash_match)
+        r.release(*held)
+        held.clear()
+    row("kv hashes+match/%d" % PAGES, samples, "kv/match%d+hash" % PAGES)
 
     def hash_match_release():
         r.release(r.match(r.hashes(toks)))

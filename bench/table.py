@@ -1,7 +1,9 @@
 """Turns one run of cudapool's benchmark suite into its tables.
 
-Reads the lines that bench/cref, bench/gosuite, bench/cudacore.py,
-bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
+Reads the lines that bench/cref, bench/gosuite, bench/cudacore.py, bench/torchbench.py,
+bench/kvbench.py and scripts/bench-suite.sh print into one raw file, and those of
+examples/replicas/run.py --raw (scripts/gpu-examples.sh's replicas-raw.txt), given as a
+second raw file or concatenated with the first:
 
     result IMPL OP UNIT MEDIAN P90 N          a measurement's summary
     raw IMPL OP UNIT V1 V2 ...                its samples (every statistic comes from these)
@@ -31,6 +33,9 @@ bench/torchbench.py and scripts/bench-suite.sh print into one raw file:
   - the rows of issues 10 and 11, "not run (feature absent)" where so;
   - a row that needs more GPUs than the host has (a needs line), "not run (needs 2
     GPUs)", which is no failure;
+  - the KV page pool (issue 18): match + lease of 512 pages from Go and Python, pages/s
+    by 4 replicas, and the replicas example's time to first token, decode rate and KV
+    bytes, each with the reference of the same run ("not run" where no line says it);
   - the targets, each verdict computed from one fair pair of this run.
 
 The raw file is checked first: a result whose samples do not give its median or
@@ -39,10 +44,9 @@ without its C neighbour, a malformed line. Each such problem is printed, the
 tables still come, and the exit status is 1.
 
 With --md the same goes, as Markdown, to FILE (bench/RESULTS.md), with the text of
---notes under its own heading; with --readme the README's "## Performance" section
-(up to the next "## " heading) is replaced by it.
+--notes under its own heading, the targets first.
 
-Usage: python3 bench/table.py RAW [--md FILE] [--notes FILE] [--readme README.md]
+Usage: python3 bench/table.py RAW [RAW...] [--md FILE] [--notes FILE]
 """
 
 import math
@@ -50,7 +54,7 @@ import sys
 
 # ---- Reading the raw file.
 
-RATES = ("GB/s", "shares/s")
+RATES = ("GB/s", "shares/s", "pages/s", "tok/s")
 # The version of the suite's lines and protocols: scripts/bench-suite.sh says it in a
 # "meta suite" line; a raw file of another version compared other work.
 SUITE = "2"
@@ -167,6 +171,8 @@ class Run:
                 "cudacore": "cudacore", "torch": "torch", "python": "torch"}.get(impl)
         if op.startswith("alloc/"):
             part = "alloc"
+        if op.startswith("kv/"):
+            part = {"cudapool": "gosuite-kv", "python": "kvbench"}.get(impl)
         return self.fails.get(("suite", part)) if part else None
 
 
@@ -478,10 +484,125 @@ def feature_rows(run):
     return head, rows
 
 
+# ---- The KV page pool (issue 18).
+
+KV_MATCH = (("kv/match512", "match + lease of 512 pages (8,192 tokens), one round trip"),
+            ("kv/match512+hash", "the same, the 512 prefix hashes computed each time"))
+KV_IMPLS = (("cudapool", "Go"), ("python", "Python"))
+KV_BATCHES = (64, 256, 512)
+KV_LENGTHS = (8192, 32768)
+GIB = float(1 << 30)
+
+
+def kv_stats(run, impl, op):
+    """impl's op as Stats, or None and why there is none: FAIL and its reason, or not run."""
+    st = run.stats(impl, op)
+    if st:
+        return st, ""
+    why = run.failed(impl, op)
+    return None, ("FAIL: " + why[:120]) if why else "not run (no line in the raw files)"
+
+
+def kv_pair(run, op, ref_op, unit, scale=1.0):
+    """The cells of replicas' op against ref_op (medians, scaled) and their ratio."""
+    a, why_a = kv_stats(run, "replicas", op)
+    b, why_b = kv_stats(run, "replicas", ref_op)
+    fa = "%s %s (n=%d)" % (num(a.median / scale), unit, a.n) if a else why_a
+    fb = "%s %s (n=%d)" % (num(b.median / scale), unit, b.n) if b else why_b
+    r = ratio(a.median, b.median) if a and b else None
+    return fa, fb, "-" if r is None else "%.1f%%" % (100 * r)
+
+
+def kv_rows(run):
+    head = ["row", "figure", "against (same run)", "ratio"]
+    rows = []
+    for impl, lang in KV_IMPLS:
+        for op, what in KV_MATCH:
+            st, why = kv_stats(run, impl, op)
+            rows.append(["%s, %s" % (what, lang),
+                         "p50 %s us, p99 %s us (n=%d)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
+    for b in KV_BATCHES:
+        st, why = kv_stats(run, "cudapool", "kv/pages/b%d" % b)
+        rows.append(["pages/s through alloc + seal + match + release, batch %d, 4 replicas, Go" % b,
+                     "%s pages/s (median / p10 / min of %d windows)" % (st.cells(), st.n) if st else why, "-", "-"])
+    for L in KV_LENGTHS:
+        rows.append(["time to first token, %s-token prompt: matched vs computed" % num(L)] +
+                     list(kv_pair(run, "ttft/matched/%d" % L, "ttft/computed/%d" % L, "ms")))
+    for L in KV_LENGTHS:
+        rows.append(["decode tokens/s, %s-token prompt: pool pages vs the private contiguous cache" % num(L)] +
+                     list(kv_pair(run, "decode/pool/%d" % L, "decode/private/%d" % L, "tok/s")))
+    rows.append(["KV bytes of the replicas: with the pool (prompts once, own suffix pages) vs N private copies"] +
+                list(kv_pair(run, "kv-bytes/pool", "kv-bytes/private", "GiB", GIB)))
+    rows.append(["the prompts' KV the owner holds sealed vs one copy of it"] +
+                list(kv_pair(run, "kv-bytes/sealed", "kv-bytes/one-copy", "GiB", GIB)))
+    counts = [kv_stats(run, "replicas", "pages/" + k)[0] for k in ("matched", "sealed", "evicted")]
+    rows.append(["the owner's pages matched / sealed / evicted",
+                 " / ".join("%d" % c.median if c else "-" for c in counts) if any(counts)
+                 else kv_stats(run, "replicas", "pages/matched")[1], "-", "-"])
+    rows.append(["greedy tokens of every request equal to the reference run's",
+                 run.meta.get("replicas-greedy", kv_stats(run, "replicas", "greedy")[1]),
+                 run.meta.get("replicas-checks", "-"), "-"])
+    return head, rows
+
+
+def kv_targets(run):
+    """Issue 18's targets: (target, the figure of this run, verdict)."""
+    out = []
+
+    def judge(name, value, ok, figure, why):
+        if value is None:
+            out.append((name, why, FAILED if why.startswith("FAIL") else NO_LINES))
+        else:
+            out.append((name, figure, MET if ok(value) else MISSED))
+
+    for impl, lang, bar in (("cudapool", "Go", 100), ("python", "Python", 150)):
+        st, why = kv_stats(run, impl, "kv/match512")
+        fig = "p50 %s us, p99 %s us (n=%d)" % (num(st.median), num(st.p99), st.n) if st else ""
+        judge("KV match + lease of 512 pages from %s, p50 at most %d us (issue 18)" % (lang, bar),
+              st and st.median, lambda x, bar=bar: x <= bar, fig, why)
+        judge("KV match + lease of 512 pages from %s, p99 at most 500 us (issue 18)" % lang,
+              st and st.p99, lambda x: x <= 500, fig, why)
+    for b in KV_BATCHES:
+        st, why = kv_stats(run, "cudapool", "kv/pages/b%d" % b)
+        judge("KV pages/s through alloc + seal + match + release, batch %d, 4 replicas, at least 1,000,000 "
+              "(issue 18)" % b, st and st.median, lambda x: x >= 1e6,
+              "%s pages/s (median of %d windows)" % (num(st.median), st.n) if st else "", why)
+
+    def pair(op, ref_op):
+        a, why = kv_stats(run, "replicas", op)
+        b, why_b = kv_stats(run, "replicas", ref_op)
+        return (ratio(a.median, b.median) if a and b else None), a, b, why or why_b
+
+    r8, m8, c8, _ = pair("ttft/matched/8192", "ttft/computed/8192")
+    r, m, c, why = pair("ttft/matched/32768", "ttft/computed/32768")
+    judge("time to first token of a matched 32,768-token prompt at most 10% of computing it (issue 18)", r,
+          lambda x: x <= 0.10, "%.1f%% (%s ms vs %s ms); at 8,192 tokens %s" % (
+              100 * r, num(m.median), num(c.median), "%.1f%% (%s ms vs %s ms)" % (
+                  100 * r8, num(m8.median), num(c8.median)) if r8 else "not measured") if r else "", why)
+    for L in KV_LENGTHS:
+        r, p, q, why = pair("decode/pool/%d" % L, "decode/private/%d" % L)
+        judge("decode tokens/s over pool pages at least 90%% of the private cache, %s tokens (issue 18)" % num(L),
+              r, lambda x: x >= 0.9, "%.1f%% (%s vs %s tok/s)" % (100 * r, num(p.median), num(q.median)) if r else "",
+              why)
+    r, sealed, one, why = pair("kv-bytes/sealed", "kv-bytes/one-copy")
+    pool, _ = kv_stats(run, "replicas", "kv-bytes/pool")
+    private, _ = kv_stats(run, "replicas", "kv-bytes/private")
+    judge("the shared prompts' KV held once, whatever N: the pool's sealed bytes are one copy (issue 18)", r,
+          lambda x: close(x, 1.0), "%.2f GiB sealed vs %.2f GiB one copy; %s" % (
+              sealed.median / GIB, one.median / GIB, "the replicas hold %.2f GiB with the pool vs %.2f GiB in "
+              "private copies" % (pool.median / GIB, private.median / GIB) if pool and private else "") if r else "",
+          why)
+    g = run.meta.get("replicas-greedy")
+    judge("every request's greedy tokens equal the reference run's (issue 18)", g, lambda x: x.startswith("all "),
+          g, kv_stats(run, "replicas", "greedy")[1])
+    return out
+
+
 # ---- Targets.
 
 MET, MISSED, NOT_RUN, FAILED, NO_PAIR = "met", "MISSED", "NOT RUN (feature absent)", "FAIL (not measured)", "NO FAIR PAIR"
 NEEDS_GPUS = "NOT RUN (too few GPUs)"
+NO_LINES = "NOT RUN (no lines)"
 
 
 def targets(run):
@@ -563,6 +684,7 @@ def targets(run):
     r = ratio(m.median, own.median) if m and own else None
     judge("torch read of a mapping at least 95% of its own memory (issue 10)", r, lambda x: x >= 0.95,
           "%.1f%%" % (100 * r) if r else "", ("torch", "read/mapping"))
+    out += kv_targets(run)
     return ["target", "the fair pair in this run", "verdict"], out
 
 
@@ -609,37 +731,51 @@ SECTIONS = (
      "often the consumers went round the names they cycle through (64 buffers; the slab's blocks), and (C) how "
      "often an Open had to wait for this process's earlier free of the same record, and for how long."),
     ("Issues 10 and 11", feature_rows, ""),
+    ("KV page pool (issue 18)", kv_rows,
+     "Go: bin/gpu/gosuite kv, an owner in its process and 4 replica processes on GPU 0 (llama-0.85b pages of "
+     "16 tokens); Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. The match rows time the "
+     "Match alone (the read lease included, its release untimed). The rates are the 4 replicas' pages per "
+     "second together, one window per sample, each batch with hashes of its own. The model rows come from "
+     "examples/replicas/run.py --raw (scripts/gpu-examples.sh): a 0.85B Llama, N replica processes a GPU and "
+     "kvpoold; computed TTFT is the first replica's prefill and every reference run's, matched TTFT the other "
+     "replicas'; decode is the same replica over pool pages (Triton paged kernel) and over a private "
+     "contiguous cache."),
 )
 
 
 def markdown(run, notes):
     m = run.meta
-    out = ["## Performance", "",
+    out = ["# Performance", "",
            "Measured %s on %s, driver %s, CUDA runtime %s; cuda.core %s; torch %s; %s; commit %s. Every figure "
            "below comes from that one run of scripts/bench-suite.sh on that one host, so the ratios compare like "
            "with like; absolute times drift between runs." % (
                m.get("date", "?"), m.get("gpu", "?"), m.get("driver", "?"), m.get("cuda", "?"),
                m.get("cudacore", "?"), m.get("torch", "?"), m.get("go", "Go ?"), m.get("commit", "?")), ""]
+    if "replicas-run" in m:
+        out += ["The KV page pool's model rows come from one run of examples/replicas/run.py "
+                "(scripts/gpu-examples.sh) on the same build: %s." % m["replicas-run"], ""]
     head, rows = targets(run)
-    out += ["### Targets", "", "Each verdict comes from the fair pair beside it, taken in this run; the tables "
+    out += ["## Targets", "", "Each verdict comes from the fair pair beside it, taken in this run; the tables "
             "below give every figure, and the notes what each column does.", "", md_table(head, rows), ""]
     for title, rows_of, text in SECTIONS:
         head, rows = rows_of(run)
         if not rows:
             continue
-        out += ["### " + title, ""] + ([text, ""] if text else []) + [md_table(head, rows), ""]
+        out += ["## " + title, ""] + ([text, ""] if text else []) + [md_table(head, rows), ""]
     fl = failures(run)
     if fl or run.problems:
-        out += ["### What failed in this run", ""] + ["- " + f for f in fl + run.problems] + [""]
+        out += ["## What failed in this run", ""] + ["- " + f for f in fl + run.problems] + [""]
     if notes.strip():
-        out += ["### Notes", "", notes.strip(), ""]
-    out += ["### Reproducing", "",
-            "    scripts/build-gpu.sh                     # where Go is: test binaries, commands, bin/gpu/gosuite",
-            "    OUT=/tmp/out bash scripts/gpu-run.sh     # on the GPU host: the GPU tests, then the suite",
-            "    python3 bench/table.py /tmp/out/bench-raw.txt --md bench/RESULTS.md --notes bench/NOTES.md",
+        out += ["## Notes", "", notes.strip(), ""]
+    out += ["## Reproducing", "",
+            "    scripts/build-gpu.sh                          # where Go is: test binaries, commands, libcudapool",
+            "    OUT=/tmp/out bash scripts/gpu-run.sh          # on the GPU host: the GPU tests, then the suite",
+            "    OUT=/tmp/out bash scripts/gpu-examples.sh     # on the GPU host: the examples, the replicas' lines",
+            "    python3 bench/table.py /tmp/out/bench-raw.txt /tmp/out/replicas-raw.txt \\",
+            "        --md bench/RESULTS.md --notes bench/NOTES.md",
             "",
-            "The suite prints these tables last and writes every sample to bench-raw.txt and this section to "
-            "RESULTS.md in $OUT; the README's performance section is RESULTS.md.", ""]
+            "The suite prints these tables last and writes every sample to bench-raw.txt and these tables to "
+            "RESULTS.md in $OUT; examples/replicas/run.py --raw writes replicas-raw.txt there.", ""]
     return "\n".join(out)
 
 
@@ -648,14 +784,27 @@ def failures(run):
 
 
 def main(argv):
-    if not argv or argv[0].startswith("-"):
+    raws, opts = [], {"--md": None, "--notes": None}
+    it = iter(argv)
+    for arg in it:
+        if arg in opts:
+            opts[arg] = next(it, None)
+            if opts[arg] is None:
+                print("%s needs a file" % arg, file=sys.stderr)
+                return 2
+        elif arg.startswith("-"):
+            print("unknown option %s\n%s" % (arg, __doc__.strip().splitlines()[-1]), file=sys.stderr)
+            return 2
+        else:
+            raws.append(arg)
+    if not raws:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    md, notes, readme = option(argv, "--md"), option(argv, "--notes"), option(argv, "--readme")
-    if md is False or notes is False or readme is False:
-        return 2
-    with open(argv[0]) as f:
-        run = Run(f)
+    lines = []
+    for path in raws:
+        with open(path) as f:
+            lines += f.read().splitlines()
+    run = Run(lines)
     for p in run.problems:
         print("PROBLEM: " + p)
     for title, rows_of, _ in SECTIONS:
@@ -675,49 +824,13 @@ def main(argv):
         print("\n%d problems in the raw file (PROBLEM lines above): the tables are not to be trusted" %
               len(run.problems))
     text = ""
-    if notes:
-        with open(notes) as f:
+    if opts["--notes"]:
+        with open(opts["--notes"]) as f:
             text = f.read()
-    section = markdown(run, text)
-    if md:
-        with open(md, "w") as f:
-            f.write(section)
-    if readme:
-        if run.problems:
-            print("table: %s left as it was: the raw file has problems" % readme, file=sys.stderr)
-            return 1
-        with open(readme) as f:
-            old = f.read()
-        new = replace_section(old, section)
-        if new is None:
-            print("table: %s has no \"## Performance\" section to replace" % readme, file=sys.stderr)
-            return 1
-        with open(readme, "w") as f:
-            f.write(new)
+    if opts["--md"]:
+        with open(opts["--md"], "w") as f:
+            f.write(markdown(run, text))
     return 1 if run.problems else 0
-
-
-def replace_section(text, section):
-    """text with its "## Performance" section (to the next "## " heading or the end)
-    replaced by section, or None if it has none."""
-    lines = text.split("\n")
-    try:
-        start = lines.index("## Performance")
-    except ValueError:
-        return None
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "\n".join(lines[:start] + section.rstrip("\n").split("\n") + [""] + lines[end:])
-
-
-def option(argv, name):
-    """The value after name in argv: None if name is absent, False if it has none."""
-    if name not in argv:
-        return None
-    i = argv.index(name)
-    if i + 1 >= len(argv):
-        print("%s needs a file" % name, file=sys.stderr)
-        return False
-    return argv[i + 1]
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ import tempfile
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import table  # noqa: E402 (after the path)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "replicas"))
+import rawlines  # noqa: E402 (after the path)
+import table  # noqa: E402
 
 OP = "alloc/ipc/1MiB"
 
@@ -165,31 +168,148 @@ class Sharing(unittest.TestCase):
         self.assertEqual(run.problems, ["cudapool's consumers validated 10 of the 12 buffers they were given"])
 
 
-class Readme(unittest.TestCase):
-    def readme(self, raw_lines):
+def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6):
+    """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail) and Go's
+    rates."""
+    lines = []
+    for impl, p50 in (("cudapool", go_p50), ("python", py_p50)):
+        for op in ("kv/match512", "kv/match512+hash"):
+            lines += result(impl, op, "us", [p50] * 95 + [tail] * 5)
+    for b in (64, 256, 512):
+        lines += result("cudapool", "kv/pages/b%d" % b, "pages/s", [rate, rate * 1.1, rate * 0.9])
+    return lines
+
+
+def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, private=9500.0, sealed_pages=2560, greedy=(6, 6)):
+    """run.py's figures as rawlines.lines takes them (seconds, tok/s, bytes)."""
+    kv_per_token = 32768
+    return {"run": "3 replicas a GPU on 1 GPU(s)",
+            "lengths": {L: {"ttft_matched_s": [matched / 1e3 * L / 32768] * 2,
+                            "ttft_computed_s": [computed / 1e3 * L / 32768] * 4,
+                            "decode_pool_tok_s": pool, "decode_private_tok_s": private} for L in (8192, 32768)},
+            "bytes": {"sealed": sealed_pages * 16 * kv_per_token, "one-copy": (8192 + 32768) * kv_per_token,
+                      "pool": 1.3 * GIB, "private": 3.8 * GIB},
+            "pages": {"matched": 5120, "sealed": 2560, "evicted": 0},
+            "greedy": greedy, "checks": 20, "failures": []}
+
+
+GIB = float(1 << 30)
+
+
+def kv_verdicts(run):
+    return {name: verdict for name, _, verdict in table.kv_targets(run)}
+
+
+class KVPool(unittest.TestCase):
+    def run_of(self, suite, fig=None):
+        return table.Run(["meta suite 2"] + suite + (rawlines.lines(fig) if fig else []))
+
+    def test_every_target_met(self):
+        run = self.run_of(kv_suite(), replicas_fig())
+        self.assertEqual(run.problems, [])
+        got = kv_verdicts(run)
+        self.assertEqual(len(got), 12)
+        self.assertEqual(set(got.values()), {table.MET}, got)
+        rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
+        self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
+                         "p50 60.00 us, p99 300.0 us (n=100)")
+        self.assertEqual(rows["time to first token, 32,768-token prompt: matched vs computed"],
+                         ["3.00 ms (n=2)", "283.0 ms (n=4)", "1.1%"])
+        self.assertEqual(rows["time to first token, 8,192-token prompt: matched vs computed"][2], "1.1%")
+        self.assertEqual(rows["decode tokens/s, 8,192-token prompt: pool pages vs the private contiguous cache"][2],
+                         "94.7%")
+        self.assertEqual(rows["the prompts' KV the owner holds sealed vs one copy of it"][2], "100.0%")
+        self.assertEqual(rows["the owner's pages matched / sealed / evicted"][0], "5120 / 2560 / 0")
+        self.assertEqual(rows["greedy tokens of every request equal to the reference run's"][:2],
+                         ["all 6 equal", "all 20 checks passed"])
+        names = [n for n, _, _ in table.targets(run)[1]]
+        self.assertTrue(set(got) <= set(names), "the KV targets are in the targets list")
+
+    def test_missed(self):
+        run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6),
+                          replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
+        got = kv_verdicts(run)
+        self.assertEqual(set(got.values()), {table.MISSED}, got)
+        figure = {n: f for n, f, _ in table.kv_targets(run)}[
+            "time to first token of a matched 32,768-token prompt at most 10% of computing it (issue 18)"]
+        self.assertEqual(figure, "10.6% (30.00 ms vs 283.0 ms); at 8,192 tokens 10.6% (7.50 ms vs 70.75 ms)")
+
+    def test_not_run_without_the_replicas_lines(self):
+        run = self.run_of(kv_suite())
+        got = kv_verdicts(run)
+        model = [n for n in got if "KV match" not in n and "pages/s" not in n]
+        self.assertEqual(len(model), 5)
+        for n in model:
+            self.assertEqual(got[n], table.NO_LINES, n)
+        for n in set(got) - set(model):
+            self.assertEqual(got[n], table.MET, n)
+        rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
+        self.assertTrue(rows["time to first token, 32,768-token prompt: matched vs computed"][0].startswith("not run"))
+
+    def test_a_failed_part_is_a_failure_not_a_row_not_run(self):
+        run = self.run_of(["fail suite kvbench exit status 1: no kvpoold", "fail cudapool kv owner did not start"])
+        got = kv_verdicts(run)
+        self.assertEqual(got["KV match + lease of 512 pages from Python, p50 at most 150 us (issue 18)"], table.FAILED)
+        self.assertEqual(got["KV match + lease of 512 pages from Go, p99 at most 500 us (issue 18)"], table.FAILED)
+        self.assertEqual(got["KV pages/s through alloc + seal + match + release, batch 64, 4 replicas, at least "
+                             "1,000,000 (issue 18)"], table.FAILED)
+        rows = {r[0]: r[1] for r in table.kv_rows(run)[1]}
+        self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Python"],
+                         "FAIL: exit status 1: no kvpoold")
+
+    def test_a_replicas_run_that_stopped_fails_its_rows(self):
+        run = self.run_of(kv_suite(), {"run": "x", "checks": 1, "failures": [], "stopped": "RuntimeError: no answer"})
+        got = kv_verdicts(run)
+        self.assertEqual(got["decode tokens/s over pool pages at least 90% of the private cache, 8,192 tokens "
+                             "(issue 18)"], table.FAILED)
+        self.assertIn("replicas all: RuntimeError: no answer", table.failures(run))
+
+
+class Markdown(unittest.TestCase):
+    def main(self, files, *args):
         d = tempfile.mkdtemp()
-        raw, readme = os.path.join(d, "raw"), os.path.join(d, "README.md")
-        with open(raw, "w") as f:
-            f.write("\n".join(raw_lines) + "\n")
-        with open(readme, "w") as f:
-            f.write("# x\n\n## Performance\n\nold figures\n\n## Next\n\nkept\n")
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            rc = table.main([raw, "--readme", readme])
-        with open(readme) as f:
-            return rc, f.read()
+        paths = []
+        for i, lines in enumerate(files):
+            paths.append(os.path.join(d, "raw%d" % i))
+            with open(paths[-1], "w") as f:
+                f.write("\n".join(lines) + "\n")
+        md = os.path.join(d, "RESULTS.md")
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            rc = table.main(paths + ["--md", md] + list(args))
+        text = None
+        if os.path.exists(md):
+            with open(md) as f:
+                text = f.read()
+        return rc, text, out.getvalue(), err.getvalue()
 
-    def test_the_section_is_replaced(self):
-        rc, text = self.readme(ring(lambda r, b: 0.65, lambda c: 0.7))
-        self.assertEqual(rc, 0)
-        self.assertNotIn("old figures", text)
-        self.assertIn("### Targets", text)
-        self.assertTrue(text.startswith("# x\n\n## Performance\n"))
-        self.assertIn("\n## Next\n\nkept\n", text)
+    def test_two_raw_files_make_one_results_file(self):
+        suite = ["meta suite 2", "meta date 2026-12-01 21:00 UTC"] + kv_suite()
+        rc, text, out, _ = self.main([suite, rawlines.lines(replicas_fig())])
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(text.startswith("# Performance\n"))
+        self.assertIn("## KV page pool (issue 18)", text)
+        self.assertIn("| time to first token, 32,768-token prompt: matched vs computed | 3.00 ms (n=2) | "
+                      "283.0 ms (n=4) | 1.1% |", text)
+        self.assertIn("same build: 3 replicas a GPU on 1 GPU(s).", text)
+        self.assertNotIn(table.NO_LINES, text)
+        self.assertIn("== KV page pool (issue 18)", out)
 
-    def test_a_raw_file_with_problems_leaves_the_readme(self):
-        rc, text = self.readme(ring(lambda r, b: 0.65, lambda c: 0.7, go_bytes=1))
+    def test_one_concatenated_file_is_the_same(self):
+        suite = ["meta suite 2"] + kv_suite()
+        _, two, _, _ = self.main([suite, rawlines.lines(replicas_fig())])
+        _, one, _, _ = self.main([suite + rawlines.lines(replicas_fig())])
+        self.assertEqual(one, two)
+
+    def test_the_readme_option_is_gone(self):
+        rc, text, _, err = self.main([["meta suite 2"]], "--readme", "README.md")
+        self.assertEqual((rc, text), (2, None))
+        self.assertIn("unknown option --readme", err)
+
+    def test_a_raw_file_with_problems_exits_1(self):
+        rc, text, _, _ = self.main([ring(lambda r, b: 0.65, lambda c: 0.7, go_bytes=1)])
         self.assertEqual(rc, 1)
-        self.assertIn("old figures", text)
+        self.assertIn("## What failed in this run", text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench-suite.sh runs cudapool's benchmark suite (issues 6, 10, 11, 13) on a GPU host,
+# bench-suite.sh runs cudapool's benchmark suite (issues 6, 10, 11, 13, 18) on a GPU host,
 # from the repository root, with what scripts/build-gpu.sh built elsewhere in bin/gpu
 # (the host needs no Go; it needs nvcc and python3 with cuda.core, and torch for the
 # torch rows). In one run on one host it takes every operation from:
@@ -10,15 +10,20 @@
 #	legacy IPC bench/cref: cudaMalloc and cudaIpc{Get,Open,Close}MemHandle
 #	cuda.core  bench/cudacore.py (orders nothing between processes)
 #	torch      bench/torchbench.py (issue 10's rows)
+#	KV pool    bin/gpu/gosuite kv (Go) and bench/kvbench.py (Python, over
+#	           bin/gpu/libcudapool.so and a bin/gpu/kvpoold of its own): issue 18's
+#	           match and page-rate rows
 #
 # First, with nothing else of the suite running, the allocation ring: C, Go and
 # cuda.core in one process each, pinned to the same CPU (ALLOC_CPU), taking turns one
 # batch each, ALLOC_ROUNDS times with fresh processes and the order rotated, every
 # column allocating the same bytes from the same kind of pool (bench/gosuite/alloc.go
 # says why). Then the sharing operations, one implementation after another, a short
-# validating run of the Go suite (its consumers check every byte), and the torch rows.
-# It prints LAST the tables bench/table.py makes. Every sample goes to the raw file
-# it names, and the README's performance section to RESULTS.md beside it. A part
+# validating run of the Go suite (its consumers check every byte), the torch rows and
+# the KV page pool's rows. It prints LAST the tables bench/table.py makes. Every sample
+# goes to the raw file it names, and the tables as Markdown to RESULTS.md beside it
+# (bench/RESULTS.md in the repository; examples/replicas/run.py's raw file, from
+# scripts/gpu-examples.sh, joins it there: bench/table.py takes both). A part
 # that fails or runs out of time shows as FAIL in the tables and makes the script
 # exit non-zero; the rest still runs. On a host with one GPU the other-GPU rows are
 # "not run (needs 2 GPUs)", which fails nothing; CUDAPOOL_REQUIRE_GPUS=2 demands two
@@ -27,8 +32,10 @@
 # Environment: SUITE_BUDGET (default 330) seconds after which no part starts and
 # running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and the
 # logs go, else /tmp/bench-suite; ALLOC_CPU (default 3) and ALLOC_ROUNDS (default 3).
-# For a dry run of the script itself where there is no GPU: GOSUITE_RUNTIME=test
-# (the software device) and SUITE_QUICK=1 (few samples).
+# CUDAPOOL_LIB and CUDAPOOL_KVPOOLD (when set) are the libcudapool.so and kvpoold the
+# Python parts use, else bin/gpu's. For a dry run of the script itself where there is
+# no GPU: GOSUITE_RUNTIME=test (the software device) and SUITE_QUICK=1 (few samples),
+# with a libcudapool and a kvpoold built with -tags cudapool_softdevice in those two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -260,6 +267,11 @@ export -f validate
 export bin rt logs
 part validate 60 "${wide[@]}" bash -c validate
 part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "${pyquick[@]}" --runtime "$rt"
+# The KV page pool: the same rows (kv/match512, kv/match512+hash) from Go and from
+# Python, each with an owner of its own, one after the other.
+part gosuite-kv 90 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kv
+part kvbench 120 "${wide[@]}" env PYTHONUNBUFFERED=1 CUDAPOOL_LIB="${CUDAPOOL_LIB:-$bin/libcudapool.so}" \
+	python3 bench/kvbench.py "${pyquick[@]}" --runtime "$rt" --kvpoold "${CUDAPOOL_KVPOOLD:-$bin/kvpoold}"
 
 # Any measurement that could not be taken fails the suite, whichever part said so.
 grep -q '^fail ' "$raw" && suite_failed=1
@@ -271,6 +283,6 @@ if [ -n "${OUT:-}" ]; then
 	tar czf "$OUT/bench-logs.tgz" -C /tmp bench-suite-logs
 fi
 echo
-echo "== bench-suite: raw samples in $raw; README section in $dest/RESULTS.md"
+echo "== bench-suite: raw samples in $raw; the tables in $dest/RESULTS.md"
 python3 bench/table.py "$raw" --md "$dest/RESULTS.md" --notes bench/NOTES.md || suite_failed=1
 exit $suite_failed

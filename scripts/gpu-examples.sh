@@ -5,11 +5,13 @@
 # holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
-# get kvpoold), the KV page pool's costs from Python (bench/kvbench.py), the mixed pairs
-# (examples/torch/pairs.py), the torch KV cache (examples/torch/kvcache.py) and the KV
-# page pool under a model (examples/replicas/run.py: kvpoold and replica processes). It
-# prints a short table last and exits non-zero if
-# a step failed. It changes no GPU setting.
+# get kvpoold), the mixed pairs (examples/torch/pairs.py), the torch KV cache
+# (examples/torch/kvcache.py) and the KV page pool under a model (examples/replicas/run.py:
+# kvpoold and replica processes), whose figures go as the benchmark suite's lines to
+# $OUT/replicas-raw.txt (OUT unset: /tmp) for bench/table.py to join with the suite's
+# bench-raw.txt. (The KV page pool's costs from Python, bench/kvbench.py, are a part of
+# scripts/bench-suite.sh.) It prints a short table last and exits non-zero if a step
+# failed. It changes no GPU setting.
 #
 # On a host with one GPU the second consumer runs on GPU 0 too and the steps that need
 # two GPUs are reported "not run (needs 2 GPUs)"; CUDAPOOL_REQUIRE_GPUS=2 demands two
@@ -165,8 +167,6 @@ if [ -f "$lib" ]; then
 	export CUDAPOOL_LIB=$lib CUDAPOOL_KVPOOLD=$bin/kvpoold # the KV page pool's owner, for test_kv*.py
 	scripts/python-tests.sh
 	step python-tests $?
-	timeout 300 python3 bench/kvbench.py --runtime "$runtime" --kvpoold "$bin/kvpoold"
-	step kv-bench $?
 	if [ "$runtime" = test ]; then
 		echo "(the torch pairs and the torch KV cache need a GPU: not run with RUNTIME=test)"
 	else
@@ -176,7 +176,9 @@ if [ -f "$lib" ]; then
 		step torch-kvcache $?
 		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama.
 		if python3 -c 'import torch, transformers, triton' 2>/dev/null; then
-			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold"
+			replicas_raw=${OUT:-/tmp}/replicas-raw.txt # run.py appends: a fresh file each run
+			rm -f "$replicas_raw"
+			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold" --raw "$replicas_raw"
 			step kv-replicas $?
 		else
 			echo "(the KV replicas need torch, transformers and triton: not run)"

@@ -5,7 +5,7 @@
 # last (the targets at the very end). The suite gets what is left of RUN_BUDGET
 # (default 420) seconds, so the call ends within about eight minutes. Everything it
 # prints is also in $OUT/gpu-run.txt, and the suite's raw samples are in
-# $OUT/bench-raw.txt and its README section in $OUT/RESULTS.md, when OUT is set. It
+# $OUT/bench-raw.txt and its tables in $OUT/RESULTS.md, when OUT is set. It
 # exits non-zero if the tests or the suite failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."

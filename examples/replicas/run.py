@@ -11,7 +11,9 @@ the same replica computing the whole prompt alone into private pages: greedy tok
 the prompt's KV bytes must be equal. Then the faults: a replica SIGKILLed while it writes
 pages (before and after its seal), one SIGKILLed while it reads, and the owner SIGKILLed
 while every replica decodes (each must notice, finish by recomputing, and keep its CUDA
-context). Prints a table; exits 1 if any check fails, 2 if it could not run.
+context). Prints a table; exits 1 if any check fails, 2 if it could not run. With --raw
+FILE it also appends its figures to FILE as the benchmark suite's lines (rawlines.py),
+which bench/table.py reads with the suite's raw file.
 """
 
 import argparse
@@ -36,6 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 os.environ.setdefault("CUDAPOOL_LIB", os.path.join(ROOT, "bin", "libcudapool.so"))
+
+import rawlines  # noqa: E402 (after the path)
 
 NAMESPACE = "llama-0.85b/seed1"
 PAGE = 16
@@ -303,6 +307,7 @@ def main():
     ap.add_argument("--kvpoold", default=os.environ.get("KVPOOLD", os.path.join(ROOT, "bin", "kvpoold")))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--raw", metavar="FILE", help="append the figures to FILE as the benchmark suite's lines")
     args = ap.parse_args()
     if args.replicas < 3:
         ap.error("--replicas must be at least 3")
@@ -319,8 +324,10 @@ def main():
                               "-pages", str(args.pages),
                               "-devices", ",".join(map(str, range(gpus)))], stdout=log, stderr=subprocess.STDOUT)
     failures = []
+    fig = {"lengths": {}, "checks": 0, "failures": failures}
 
     def check(ok, what):
+        fig["checks"] += 1
         if not ok:
             failures.append(what)
         return ok
@@ -353,6 +360,9 @@ def main():
               % (len(procs), len(victims), time.perf_counter() - t0, ready[0]["params"] / 1e9,
                  min(r["build_s"] for r in ready), max(r["build_s"] for r in ready), len(fps) == 1))
         check(len(fps) == 1, "replicas built different weights")
+        fig["run"] = "%d replicas a GPU on %d GPU(s), %.3fB-parameter Llama bf16, prompts of %s tokens, %d decoded; " \
+            "attention over pool pages: Triton paged kernel" % (args.replicas, gpus, ready[0]["params"] / 1e9,
+                                                                 ",".join(map(str, lengths)), args.new)
         idle = device_stats(owner_stats(dir))
 
         rows, perf = [], {}
@@ -371,6 +381,7 @@ def main():
                 check(same, "%s, %d tokens: greedy tokens differ from the reference" % (p.name, L))
                 check(ref["kv_equal"], "%s, %d tokens: prompt KV bytes differ from its own" % (p.name, L))
                 rows.append((L, p.name, r, ref, same))
+            fig["greedy"] = (sum(1 for row in rows if row[4]), len(rows))
             con = procs[1].call(op="contiguous", seed=pseed, length=L, suffix=served[1][2], new=args.new)
             perf[L] = (served, con)
 
@@ -393,6 +404,7 @@ def main():
                    [ref["ttft_s"] for LL, _, _, ref, _ in rows if LL == L]
             mat = sorted(r["ttft_s"] for _, r, _ in served if not r["computed"])
             comp.sort()
+            fig["lengths"].setdefault(L, {}).update(ttft_matched_s=mat, ttft_computed_s=comp)
             if mat:
                 ratio = mat[len(mat) // 2] / comp[len(comp) // 2]
                 print("%6d tokens: time to first token matched %.2f ms vs computed %.1f ms (medians): %.1f%%%s"
@@ -402,6 +414,8 @@ def main():
                     check(ratio <= 0.10, "%d tokens: matched TTFT is %.0f%% of computing it" % (L, 100 * ratio))
             r1 = served[1][1]
             ratio = r1["decode_pieces_tok_s"] / con["decode_tok_s"]
+            fig["lengths"][L].update(decode_pool_tok_s=r1["decode_pieces_tok_s"],
+                                     decode_private_tok_s=con["decode_tok_s"])
             print("%6d tokens: decode %.0f tok/s over pool pages (graphs between attention, Triton paged kernel) vs "
                   "%.0f tok/s private contiguous cache (same graphs, SDPA flash): %.0f%% (goal >= 90%%); "
                   "whole-step graph over pool pages %.0f tok/s"
@@ -415,6 +429,9 @@ def main():
               "suffix pages) vs %.2f GiB for %d private copies"
               % (n, shared / GiB, sum(L // PAGE for L in lengths), dev["sealed"], private / GiB, n))
         check(dev["sealed"] == sum(L // PAGE for L in lengths) * 1, "the owner holds %d sealed pages" % dev["sealed"])
+        fig["bytes"] = {"sealed": dev["sealed"] * PAGE * KV_PER_TOKEN, "one-copy": sum(lengths) * KV_PER_TOKEN,
+                        "pool": shared, "private": private}
+        fig["pages"] = {"matched": dev["hits"], "sealed": dev["seals"], "evicted": dev["evictions"]}
         print("owner pages: free %d, sealed %d, leased %d; matched (hits) %d, misses %d, seals %d, duplicates %d, "
               "evictions %d" % (dev["free"], dev["sealed"], dev["leased"], dev["hits"], dev["misses"], dev["seals"],
                                 dev["duplicates"], dev["evictions"]))
@@ -423,7 +440,7 @@ def main():
             faults(args, dir, owner, procs, victims, lengths, check)
     except Exception as e:
         traceback.print_exc()
-        failures.append("%s: %s" % (type(e).__name__, e))
+        fig["stopped"] = "%s: %s" % (type(e).__name__, e)
     finally:
         for p in procs:
             try:
@@ -444,6 +461,10 @@ def main():
         print("== kvpoold log (last lines)")
         print(open(log.name).read()[-2000:])
         shutil.rmtree(work, ignore_errors=True)
+    if args.raw:
+        rawlines.append(args.raw, fig)
+    if fig.get("stopped"):
+        failures.append(fig["stopped"])
     for f in failures:
         print("FAIL:", f)
     print("replicas: %s" % ("PASS" if not failures else "FAIL"))
