@@ -90,7 +90,7 @@ var statuses = []struct {
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
 	{consumer.ErrBadName, statusInval},
-	{consumer.ErrBadRange, statusInval},
+	{producer.ErrBadRange, statusInval},
 	{producer.ErrMetaTooLong, statusInval},
 	{producer.ErrSocketPath, statusInval},
 	{rtchoice.ErrUnknownPreference, statusInval},

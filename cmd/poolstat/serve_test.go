@@ -55,7 +55,7 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 			if err != nil {
 				return err
 			}
-			defer resp.Body.Close()
+			defer func() { _ = resp.Body.Close() }() // test cleanup
 			body, err := io.ReadAll(resp.Body)
 			if err == nil && (resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "cudapool_exporter_up")) {
 				err = fmt.Errorf("scrape answered %s:\n%s", resp.Status, body)
@@ -68,7 +68,7 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 	// Only /metrics is served.
 	resp, err := client.Get(strings.TrimSuffix(url, "/metrics") + "/other")
 	require.NoError(t, err)
-	resp.Body.Close()
+	_ = resp.Body.Close() // test cleanup
 	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
 
 	assert.Equal(t, 0, stop(), "poolstat -serve exited after Ctrl-C")
