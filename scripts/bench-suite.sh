@@ -96,11 +96,9 @@ part() {
 	fi
 }
 
-# build-gpu.sh gzips the binaries for the journey; unpack them once.
-for z in "$bin"/*.gz; do
-	[ -e "$z" ] || continue
-	gunzip -f "$z" && chmod +x "${z%.gz}" || { echo "cannot unpack $z" >&2; exit 2; }
-done
+# build-gpu.sh compresses the binaries for the journey; unpack them once.
+. scripts/unpack.sh
+unpack "$bin" || exit 2
 echo "== bench-suite: host"
 meta suite 2 # bench/table.py's SUITE: the version of these lines and of what each column does
 meta date "$(date -u '+%Y-%m-%d %H:%M UTC')"

@@ -4,7 +4,7 @@
 # with the package's folder, in bin/gpu/tests.txt, as a test binary runs in its
 # package's folder), and the commands under cmd/, examples/ and bench/ (the
 # benchmark suite's bin/gpu/gosuite) when there are any, and libcudapool.so, each
-# gzipped.
+# compressed with xz.
 # It builds every package it can, and exits non-zero if any build failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +52,10 @@ else
 	failed=1
 fi
 # What travels to the GPU host is capped (64 MiB with the working tree), and Go
-# binaries shrink to about 40% in gzip: they travel compressed, and gpu-check.sh
-# and bench-suite.sh unpack them there.
-gzip -6 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f \( -perm -u+x -o -name '*.so' \) ! -name '*.test')
+# binaries shrink to about 30% in xz (a quarter less than in gzip, which no longer
+# fitted): they travel compressed, and the host's scripts unpack them there
+# (scripts/unpack.sh).
+xz -6 -T0 -f "$out"/*.test $(find "$out" -maxdepth 1 -type f \( -perm -u+x -o -name '*.so' \) ! -name '*.test')
 go version >"$out/go-version.txt"
 # The commit the binaries were built from (the GPU host's copy of the tree has no
 # history of its own to ask): bench-suite.sh records it with the run.

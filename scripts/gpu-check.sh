@@ -36,11 +36,9 @@ export CUDAPOOL_REQUIRE_GPU=1
 failed=0
 results=()
 
-# build-gpu.sh gzips the binaries for the journey; unpack them once.
-for z in "$bin"/*.gz; do
-	[ -e "$z" ] || continue
-	gunzip -f "$z" && chmod +x "${z%.gz}" || { echo "cannot unpack $z" >&2; exit 2; }
-done
+# build-gpu.sh compresses the binaries for the journey; unpack them once.
+. scripts/unpack.sh
+unpack "$bin" || exit 2
 if [ ! -s "$bin/tests.txt" ]; then
 	echo "gpu-check: no $bin/tests.txt; run scripts/build-gpu.sh first" >&2
 	exit 2

@@ -21,16 +21,15 @@ cd "$(dirname "$0")/.."
 bin=/tmp/cudapool-bin
 mkdir -p "$bin"
 src=${GPU_BIN:-bin/gpu}
+# build-gpu.sh compresses the commands; gpu-check.sh may have unpacked them already.
+. scripts/unpack.sh
+unpack "$src" || exit 2
 for c in kvshare producer consumer poolstat kvpoold; do
-	# build-gpu.sh gzips the commands; gpu-check.sh may have unpacked them already.
-	if [ -f "$src/$c.gz" ]; then
-		gunzip -c "$src/$c.gz" >"$bin/$c"
-	elif [ -f "$src/$c" ]; then
-		cp "$src/$c" "$bin/$c"
-	else
-		echo "no $src/$c(.gz): run scripts/build-gpu.sh" >&2
+	if [ ! -f "$src/$c" ]; then
+		echo "no $src/$c: run scripts/build-gpu.sh" >&2
 		exit 2
 	fi
+	cp "$src/$c" "$bin/$c"
 	chmod +x "$bin/$c"
 done
 # RUNTIME=test CUDAPOOL_REQUIRE_GPU=0 dry-runs it here on the software device.
@@ -158,9 +157,7 @@ cat "$work/producer.log"
 
 echo "== Python and PyTorch: the package's tests, the mixed pairs, the torch KV cache"
 lib=$bin/libcudapool.so
-if [ -f "$src/libcudapool.so.gz" ]; then
-	gunzip -c "$src/libcudapool.so.gz" >"$lib"
-elif [ -f "$src/libcudapool.so" ]; then
+if [ -f "$src/libcudapool.so" ]; then
 	cp "$src/libcudapool.so" "$lib"
 fi
 if [ -f "$lib" ]; then
@@ -185,7 +182,7 @@ if [ -f "$lib" ]; then
 		fi
 	fi
 else
-	echo "no $src/libcudapool.so(.gz): run scripts/build-gpu.sh" >&2
+	echo "no $src/libcudapool.so: run scripts/build-gpu.sh" >&2
 	step libcudapool 1
 fi
 
