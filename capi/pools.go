@@ -124,7 +124,7 @@ func cpgo_pool_close(h C.uint64_t, force C.int, timeoutMs C.int64_t) (rc C.int) 
 	if errors.Is(err, pool.ErrBusy) || errors.Is(err, context.DeadlineExceeded) {
 		return fail(err) // nothing changed, or Close may be called again to finish
 	}
-	pools.remove(uint64(h)) //nolint:errcheck // a concurrent close may have removed it
+	_, _ = pools.remove(uint64(h)) // a concurrent close may have removed it
 	buffers.forgetPool(p)
 	return result(err)
 }

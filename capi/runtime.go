@@ -89,13 +89,13 @@ func syncEnv() {
 	for _, kv := range os.Environ() {
 		if k, _, _ := strings.Cut(kv, "="); readsEnv(k) {
 			if _, ok := now[k]; !ok {
-				os.Unsetenv(k)
+				_ = os.Unsetenv(k) // names from the environment itself: a failure keeps the old value
 			}
 		}
 	}
 	for k, v := range now {
 		if old, ok := os.LookupEnv(k); !ok || old != v {
-			os.Setenv(k, v)
+			_ = os.Setenv(k, v) // names from the environment itself: a failure keeps the old value
 		}
 	}
 }

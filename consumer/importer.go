@@ -116,7 +116,7 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 		return nil, err
 	}
 	if wire.IsLocal(path, rt) {
-		nc.Close()
+		_ = nc.Close() // nothing was said on it
 		return nil, fmt.Errorf("consumer: dial %s: %w", path, ErrOwnExporter)
 	}
 	return newImporter(ctx, nc, rt, device, o)
@@ -129,7 +129,7 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 // hosts. DialConn owns nc from the call on, and closes it on failure.
 func DialConn(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int, opts ...DialOption) (*Importer, error) {
 	if rt == nil {
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return nil, errors.New("consumer: DialConn needs a runtime")
 	}
 	return newImporter(ctx, nc, rt, device, newDialOptions(opts))
@@ -149,7 +149,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	imp.remote = !isUnix
 	defer func() {
 		if err != nil {
-			nc.Close()
+			_ = nc.Close() // cleanup: nothing is left to do if closing fails
 			imp.unregister()
 			imp.destroyResources(false)
 		}
@@ -310,7 +310,7 @@ func (imp *Importer) importPool(m *wire.PoolHandleMsg, fd int) {
 	if ip.err == nil && m.Device != imp.devUUID {
 		access := []cudart.AccessDesc{{Location: cudart.DeviceLocation(imp.dev), Flags: cudart.AccessReadWrite}}
 		if err := imp.rt.MemPoolSetAccess(imp.dev, ip.handle, access); err != nil {
-			imp.rt.MemPoolDestroy(imp.dev, ip.handle)
+			_ = imp.rt.MemPoolDestroy(imp.dev, ip.handle) // cleanup: nothing is left to undo if it fails
 			ip.err = fmt.Errorf("give device %d access to the pool on %v: %w", imp.dev, m.Device, err)
 		}
 	}
@@ -324,7 +324,7 @@ func (imp *Importer) importPool(m *wire.PoolHandleMsg, fd int) {
 	if old != nil && old.err == nil {
 		// The exporter sends each pool once; a second handle replaces the first.
 		imp.log.Warn("consumer: exporter sent a pool handle twice", "pool", m.PoolID)
-		imp.rt.MemPoolDestroy(imp.dev, old.handle)
+		_ = imp.rt.MemPoolDestroy(imp.dev, old.handle) // cleanup: nothing is left to undo if it fails
 	}
 }
 
@@ -623,7 +623,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 	imp.destroyResources(imp.cl.Gone())
 	imp.endLife() // stops the watch on the exporter's process
 	if imp.watch.proc != nil {
-		imp.watch.proc.Close()
+		_ = imp.watch.proc.Close() // cleanup: nothing is left to do if closing fails
 	}
 	return errors.Join(errs...)
 }

@@ -229,7 +229,7 @@ func (imp *Importer) recordFrees() error {
 		return err
 	}
 	if len(imp.freed) > 256 {
-		imp.settleFrees(false)
+		_ = imp.settleFrees(false) // a trim only: a failed query keeps the frees, and the next Open that needs one asks again
 	}
 	return nil
 }

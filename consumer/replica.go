@@ -105,7 +105,7 @@ func (imp *Importer) copyThrough(c *copier, dst, src cudart.DevicePtr, n uint64,
 	if err != nil {
 		return err
 	}
-	defer rt.EventDestroy(imp.dev, queued) // a wait queued on it holds it until done
+	defer func() { _ = rt.EventDestroy(imp.dev, queued) }() // a wait queued on it holds it until done
 	if err := rt.EventRecord(imp.dev, queued, s); err != nil {
 		return err
 	}

@@ -20,7 +20,7 @@ func QueryState(ctx context.Context, socketPath string, opts ...QueryOption) (*S
 	}
 	c, w, err := wire.Handshake(ctx, nc, &wire.HelloMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid())}, o.HandshakeTimeout)
 	if err != nil {
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
 	}
 	cl := wire.NewClient(c, o.Log, int(w.PID))
@@ -28,7 +28,7 @@ func QueryState(ctx context.Context, socketPath string, opts ...QueryOption) (*S
 		return wire.ProtocolErr("unexpected %s on a connection for State alone", m.Kind())
 	}
 	cl.Start()
-	defer cl.HangUp(ctx)
+	defer func() { _ = cl.HangUp(ctx) }() // the State is read; an exporter that does not answer the Bye is its own business
 	body, err := cl.QueryState(ctx)
 	if err != nil {
 		return nil, err

@@ -266,7 +266,7 @@ func (p *Pool) TrimStream(s cudart.Stream) error {
 }
 
 // trim frees the cached buffers of the streams that match, and returns what it freed.
-// Memory that importers retain goes back once they let go (see Retain); closing, it
+// Memory that importers retain goes back once they let go (see retain); closing, it
 // is abandoned instead, as there is no one left to wait for them. Call inside the
 // gate, or from Close once no call can be inside.
 func (p *Pool) trim(match func(cudart.Stream) bool, closing bool) (freed, abandoned cacheFigures, errs []error) {

@@ -360,17 +360,17 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(func() { e.rt.EventDestroy(0, done) })
 		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
-		c := p.NewCompletion(done, nil)
+		c := p.newCompletion(done, nil)
 		t.Cleanup(func() { c.Close(false) })
 
 		for _, end := range []struct {
 			how   string
-			end   func(l *Lease) error
+			end   func(l *lease) error
 			waits int64
 		}{
-			{"End", func(l *Lease) error { return l.End(done) }, 1},
-			{"End(0)", func(l *Lease) error { return l.End(0) }, 0},
-			{"EndAt of a completion done", func(l *Lease) error { return l.EndAt(c) }, 0},
+			{"End", func(l *lease) error { return l.End(done) }, 1},
+			{"End(0)", func(l *lease) error { return l.End(0) }, 0},
+			{"EndAt of a completion done", func(l *lease) error { return l.EndAt(c) }, 0},
 		} {
 			b := mustAlloc(t, p, mib, e.stream)
 			require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
@@ -473,7 +473,7 @@ type sharing struct {
 	e   testEnv
 	p   *Pool
 	b   *Buffer
-	l   *Lease
+	l   *lease
 	im  *importer
 }
 

@@ -9,24 +9,25 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
-// Completions let a lease end without a stream wait. Lease.End makes the release
+// Completions let a lease end without a stream wait. lease.End makes the release
 // stream wait for the importer's event at once, for every lease: one wait on another
 // process's work per share, each a dependency between two processes' GPU work that
 // the GPU may have to switch contexts to resolve. But the wait only matters once the
 // buffer's memory is freed or reused, which most leases never see: a buffer is shared
 // many times between two frees. So a Completion stands for an importer's event whose
-// every record follows the one before on one stream; Lease.EndAt ends the lease at
-// once and leaves the buffer owing the Completion, and the free that needs it asks the
+// every record follows the one before on one stream; lease.EndAt ends the lease at
+// once and leaves the buffer owing the completion, and the free that needs it asks the
 // event then (usually done by then: no wait) and waits for its latest record only if
 // it has not completed. A later record covers the importer's free all the same: it
 // comes after it on the same stream.
 
-// Completion is an importer's event, recorded after each of its frees, always on one
+// completion is an importer's event, recorded after each of its frees, always on one
 // in-order stream, so that its latest record covers every earlier one. Its owner keeps
 // the event alive until Close has returned.
-type Completion struct {
+type completion struct {
 	p  *Pool
 	ev cudart.Event
 	// gone, if not nil, reports that the importer's process has exited: its frees went
@@ -42,27 +43,28 @@ type Completion struct {
 	owers  map[*Buffer]struct{} // buffers whose ended leases ev must still cover
 }
 
-// NewCompletion returns the Completion of ev, an event on the pool's device: for
-// Lease.EndAt. ev must be recorded only on one stream, in order, after each free it
+// newCompletion returns the completion of ev, an event on the pool's device: for
+// lease.EndAt. ev must be recorded only on one stream, in order, after each free it
 // stands for; Close it before destroying ev. gone, if not nil, is asked before each use
 // of ev: once the importer's process has exited its imports are gone with it, and its
 // event (which it may have died recording) is waited for no more.
-func (p *Pool) NewCompletion(ev cudart.Event, gone func() bool) *Completion {
-	return &Completion{p: p, ev: ev, gone: gone, owers: map[*Buffer]struct{}{}}
+func (p *Pool) newCompletion(ev cudart.Event, gone func() bool) *completion {
+	return &completion{p: p, ev: ev, gone: gone, owers: map[*Buffer]struct{}{}}
 }
 
 // EndAt ends the lease now, as End does, but leaves the wait for the importer's free
 // to the buffer's own free or reuse: it waits for c's latest record then, if that has
-// not completed. It fails with ErrLeaseEnded if the lease has ended, and with
+// not completed. It fails with poolshare.ErrLeaseEnded if the lease has ended, and with
 // ErrInvalidOption if c belongs to another pool or was closed. If this was the last
 // lease of a buffer that Free was called on, EndAt issues the deferred free as End
 // does, after c.
-func (l *Lease) EndAt(c *Completion) error {
+func (l *lease) EndAt(pc poolshare.Completion) error {
 	if l.b == nil {
-		return fmt.Errorf("pool: end a lease that Buffer.Lease did not make: %w", ErrLeaseEnded)
+		return fmt.Errorf("pool: end a lease that takeLease did not make: %w", poolshare.ErrLeaseEnded)
 	}
 	b := l.b
 	p := b.pool
+	c, _ := pc.(*completion)
 	if c == nil || c.p != p {
 		return p.errorf("end lease on %v: %w: a completion of another pool", b, ErrInvalidOption)
 	}
@@ -74,7 +76,7 @@ func (l *Lease) EndAt(c *Completion) error {
 	switch {
 	case l.ended || l.ending:
 		p.mu.Unlock()
-		return p.errorf("end lease on %v: %w", b, ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", b, poolshare.ErrLeaseEnded)
 	case c.closed:
 		p.mu.Unlock()
 		return p.errorf("end lease on %v: %w: its completion was closed", b, ErrInvalidOption)
@@ -83,24 +85,14 @@ func (l *Lease) EndAt(c *Completion) error {
 		c.owers[b] = struct{}{}
 		p.owe(b, c)
 	}
-	p.dropLease(l)
-	ev := b.freeEvent
-	release := b.leases == 0 && b.state == bufFreeing && ev != 0
-	if release {
-		b.freeEvent = 0
-	}
-	p.mu.Unlock()
-	if release {
-		return p.releaseDeferred(b, ev)
-	}
-	return nil
+	return p.endLeaseLocked(l)
 }
 
 // owe records that b's memory must not be reused or freed before c. Call with p.mu
 // held.
-func (p *Pool) owe(b *Buffer, c *Completion) {
+func (p *Pool) owe(b *Buffer, c *completion) {
 	if p.owed == nil {
-		p.owed = map[*Buffer][]*Completion{}
+		p.owed = map[*Buffer][]*completion{}
 	}
 	p.owed[b] = append(p.owed[b], c)
 }
@@ -135,7 +127,7 @@ func (p *Pool) settleOwed(b *Buffer, s cudart.Stream) (viaRelease bool, err erro
 
 // waitOn makes s wait for c's latest record unless it has completed; once c is
 // closed it sets viaRelease instead (Close had the release stream wait for it).
-func (c *Completion) waitOn(s cudart.Stream, viaRelease *bool) error {
+func (c *completion) waitOn(s cudart.Stream, viaRelease *bool) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	c.p.mu.Lock()
@@ -150,7 +142,7 @@ func (c *Completion) waitOn(s cudart.Stream, viaRelease *bool) error {
 
 // wait makes s wait for c's latest record unless it has completed. Call with c.use
 // held.
-func (c *Completion) wait(s cudart.Stream) error {
+func (c *completion) wait(s cudart.Stream) error {
 	if c.gone != nil && c.gone() {
 		return nil
 	}
@@ -176,7 +168,7 @@ const (
 
 // doneSoon reports whether c's latest record completes within settleSpin (at once,
 // within settleRespite of a spin that ended pending). Call with c.use held.
-func (c *Completion) doneSoon() bool {
+func (c *completion) doneSoon() bool {
 	rt, dev := c.p.rt, c.p.dev
 	now := time.Now()
 	spin := now.Sub(time.Unix(0, c.spunOut.Load())) > settleRespite
@@ -201,7 +193,7 @@ func (c *Completion) doneSoon() bool {
 // without (the importer's process has exited, and its frees with it), they owe it
 // nothing any more. Close waits for the frees using the event to finish with it. A
 // second Close does nothing.
-func (c *Completion) Close(wait bool) error {
+func (c *completion) Close(wait bool) error {
 	c.use.Lock()
 	defer c.use.Unlock()
 	p := c.p

@@ -17,11 +17,6 @@ var (
 	// ErrNotShareable means the pool has handle type none (or is a device's default
 	// pool) and cannot be exported or leased.
 	ErrNotShareable = errors.New("pool: not shareable")
-	// ErrLeaseEnded means Lease.End (or Retention.End) was called on a lease that
-	// has already ended.
-	ErrLeaseEnded = errors.New("pool: lease already ended")
-	// ErrNotLeased means Retain was called on a buffer without a live lease.
-	ErrNotLeased = errors.New("pool: buffer not leased")
 	// ErrUnsupportedHandleType means the device cannot share pools that way.
 	ErrUnsupportedHandleType = errors.New("pool: handle type not supported by the device")
 	// ErrMisaligned means the driver returned a pointer of an exportable pool that does

@@ -84,46 +84,6 @@ func ExampleAllocator() {
 	// device 0: 4096 bytes
 }
 
-// A buffer shared with another process: Free while it is leased only marks it, and
-// the memory goes back to the pool when the last lease ends.
-func ExampleBuffer_Lease() {
-	rt := cudarttest.New()
-	defer rt.Close()
-	ctx := context.Background()
-	p, err := pool.New(rt, 0)
-	if err != nil {
-		log.Fatal(err)
-	}
-	b, err := p.Alloc(ctx, 1<<20, 0)
-	if err != nil {
-		log.Fatal(err)
-	}
-	lease, err := b.Lease() // before the record leaves the process
-	if err != nil {
-		log.Fatal(err)
-	}
-	if _, err := b.ExportRecord(); err != nil { // the 64 bytes an importer needs
-		log.Fatal(err)
-	}
-	if err := b.Free(0); err != nil {
-		log.Fatal(err)
-	}
-	st, _ := p.Stats()
-	fmt.Println("after Free:", st.LiveBuffers, "live,", st.DeferredFrees, "deferred")
-	// The importer freed its import and synchronized: no event to wait for.
-	if err := lease.End(0); err != nil {
-		log.Fatal(err)
-	}
-	st, _ = p.Stats()
-	fmt.Println("after End:", st.LiveBuffers, "live,", st.DeferredFrees, "deferred")
-	if _, err := p.Close(ctx); err != nil {
-		log.Fatal(err)
-	}
-	// Output:
-	// after Free: 1 live, 1 deferred
-	// after End: 0 live, 0 deferred
-}
-
 // countingAllocator is an Allocator of host-side fake addresses, as a test double for
 // code that takes an Allocator: it hands out buffers made with pool.NewBuffer.
 type countingAllocator struct {

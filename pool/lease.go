@@ -4,24 +4,25 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
-// Lease keeps a shared buffer from going back to the pool: while any lease on a
+// lease keeps a shared buffer from going back to the pool: while any lease on a
 // buffer lives, Free only marks it. The sharing layer takes one per importer.
-type Lease struct {
+type lease struct {
 	b *Buffer
 	// Guarded by the pool's mu.
 	ending, ended bool
 }
 
 // Buffer is the leased buffer.
-func (l *Lease) Buffer() *Buffer { return l.b }
+func (l *lease) Buffer() *Buffer { return l.b }
 
-// Lease takes a lease on b, to be ended with the importer's completion. It fails with
+// takeLease takes a lease on b, to be ended with the importer's completion. It fails with
 // ErrNotShareable on a local pool, and with ErrFreed once Free was called or the pool
 // closed (the error then wraps ErrClosed too). Take the lease before exporting the
 // buffer's record, so it cannot be freed while being shared.
-func (b *Buffer) Lease() (*Lease, error) {
+func (b *Buffer) takeLease() (*lease, error) {
 	p := b.pool
 	if p == nil {
 		return nil, unpooled("lease", b)
@@ -48,7 +49,7 @@ func (b *Buffer) Lease() (*Lease, error) {
 	}
 	b.shared = true
 	p.counts.activeLeases++
-	return &Lease{b: b}, nil
+	return &lease{b: b}, nil
 }
 
 // End ends the lease. completion is an event on the pool's device, owned by the
@@ -61,12 +62,12 @@ func (b *Buffer) Lease() (*Lease, error) {
 // deferred free; if that fails, the lease has still ended, and the error wraps
 // ErrFreeFailed (the failure is also kept for Stats and Close).
 //
-// Ending a lease twice fails with ErrLeaseEnded. If waiting for completion fails, the
+// Ending a lease twice fails with poolshare.ErrLeaseEnded. If waiting for completion fails, the
 // lease is still live and End may be called again. After Close began, End only ends
 // the lease: the buffer has been abandoned and will not be freed.
-func (l *Lease) End(completion cudart.Event) error {
+func (l *lease) End(completion cudart.Event) error {
 	if l.b == nil {
-		return fmt.Errorf("pool: end a lease that Buffer.Lease did not make: %w", ErrLeaseEnded)
+		return fmt.Errorf("pool: end a lease that takeLease did not make: %w", poolshare.ErrLeaseEnded)
 	}
 	b := l.b
 	p := b.pool
@@ -77,28 +78,30 @@ func (l *Lease) End(completion cudart.Event) error {
 	p.mu.Lock()
 	if l.ended || l.ending {
 		p.mu.Unlock()
-		return p.errorf("end lease on %v: %w", b, ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", b, poolshare.ErrLeaseEnded)
 	}
 	l.ending = true
 	p.mu.Unlock()
 	if completion != 0 {
-		rel, err := p.releaseStream()
-		if err == nil {
-			if err = p.rt.StreamWaitEvent(p.dev, rel, completion); err != nil {
-				err = p.errorf("end lease on %v: waiting for the completion event: %w", b, err)
-			}
-		}
-		if err != nil {
+		if err := p.releaseWaitsFor(completion); err != nil {
 			p.mu.Lock()
 			l.ending = false
 			p.mu.Unlock()
-			return err
+			return p.errorf("end lease on %v: waiting for the completion event: %w", b, err)
 		}
 	}
 	p.mu.Lock()
 	l.ending = false
-	p.dropLease(l)
 	b.ordered = b.ordered || completion != 0
+	return p.endLeaseLocked(l)
+}
+
+// endLeaseLocked ends l and, if that was the last lease of a buffer that Free was
+// called on, issues its deferred free. Call inside the gate with pool.mu held; it
+// returns with pool.mu released.
+func (p *Pool) endLeaseLocked(l *lease) error {
+	b := l.b
+	p.dropLease(l)
 	ev := b.freeEvent
 	release := b.leases == 0 && b.state == bufFreeing && ev != 0
 	if release {
@@ -112,7 +115,7 @@ func (l *Lease) End(completion cudart.Event) error {
 }
 
 // dropLease ends l in the counts. Call with pool.mu held.
-func (p *Pool) dropLease(l *Lease) {
+func (p *Pool) dropLease(l *lease) {
 	l.ended = true
 	l.b.leases--
 	if l.b.leases == 0 {
@@ -125,12 +128,12 @@ func (p *Pool) dropLease(l *Lease) {
 // waited for, so the buffer is abandoned rather than freed. A lease whose End is still
 // in flight (inside the gate, which Close waits for) is that End's to end: ending it
 // here too would drop another lease of the buffer.
-func (l *Lease) endAfterClose() error {
+func (l *lease) endAfterClose() error {
 	p := l.b.pool
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if l.ended || l.ending {
-		return p.errorf("end lease on %v: %w", l.b, ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", l.b, poolshare.ErrLeaseEnded)
 	}
 	p.dropLease(l)
 	l.b.abandoned = true

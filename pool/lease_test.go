@@ -11,6 +11,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // importer is a second software device standing for another process that imported
@@ -67,9 +68,9 @@ func (im *importer) close() {
 	assert.NoError(im.t, im.d.MemPoolDestroy(0, im.pool), "importer MemPoolDestroy")
 }
 
-func mustLease(t testing.TB, b *Buffer) *Lease {
+func mustLease(t testing.TB, b *Buffer) *lease {
 	t.Helper()
-	l, err := b.Lease()
+	l, err := b.takeLease()
 	require.NoError(t, err, "Lease")
 	return l
 }
@@ -105,7 +106,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	mustFree(t, b, e.stream)
 	wantCounts(t, p, 1, 1, 1, 1)
 	wantErr(t, "Free while the free is deferred", b.Free(e.stream), ErrFreed)
-	_, err = b.Lease()
+	_, err = b.takeLease()
 	wantErr(t, "Lease while the free is deferred", err, ErrFreed)
 	require.Equal(t, bytes.Repeat([]byte{0xab}, 1000), im.read(1000), "importer read other bytes than the exporter wrote")
 
@@ -113,7 +114,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	require.NoError(t, l.End(done), "End")
 	exp.EventDestroy(0, done)
 	wantCounts(t, p, 0, 0, 0, 0)
-	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
+	wantErr(t, "second End", l.End(0), poolshare.ErrLeaseEnded)
 	assert.True(t, b.Shared(), "Shared() = false for a buffer that was leased")
 }
 
@@ -203,7 +204,7 @@ func TestLeaseMisuse(t *testing.T) {
 	wantErr(t, "End with a bogus event", l.End(0xbad), cudart.ErrInvalidResourceHandle)
 	wantCounts(t, p, 1, 1, 1, 0)
 	require.NoError(t, l.End(0), "End after a failed End")
-	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
+	wantErr(t, "second End", l.End(0), poolshare.ErrLeaseEnded)
 	wantCounts(t, p, 1, 0, 0, 0)
 	mustFree(t, b, 0)
 }
@@ -222,9 +223,9 @@ func TestConcurrentLeases(t *testing.T) {
 					if !assert.NoError(t, err) {
 						return
 					}
-					var ls []*Lease
+					var ls []*lease
 					for j := 0; j < leases; j++ {
-						l, err := b.Lease()
+						l, err := b.takeLease()
 						if !assert.NoError(t, err) {
 							return
 						}

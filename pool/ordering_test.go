@@ -34,7 +34,7 @@ func busyImporter(t *testing.T, b *Buffer) (resume func()) {
 	return resume
 }
 
-func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *Completion) {
+func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *completion) {
 	t.Helper()
 	l := mustLease(t, b)
 	im := importBuffer(t, b)
@@ -42,7 +42,7 @@ func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *
 	resume = stall(t, im.d, im.stream)
 	done := im.freeImport(b.Pool().Runtime())
 	if endAt {
-		c = b.Pool().NewCompletion(done, nil)
+		c = b.Pool().newCompletion(done, nil)
 		t.Cleanup(func() { c.Close(false) })
 		require.NoError(t, l.EndAt(c))
 	} else {

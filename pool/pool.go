@@ -29,17 +29,16 @@
 // # Ordered release
 //
 // A buffer that other processes imported must not go back to the pool before every
-// importer has freed its import and that free has completed. The sharing layer takes a
-// Lease on a buffer before it shares it, and ends the lease with the importer's
-// completion. Free on a leased buffer only marks it; the real cudaFreeAsync is issued
-// when the last lease ends, on the pool's release stream, which first waits for every
-// completion and for the work the freeing stream had queued before Free.
-//
-// End waits for the completion at once; EndAt (with a Completion: an importer's event
-// recorded in order on one stream) leaves the wait to the buffer's free or reuse,
-// which asks the event's latest record then and waits only if it has not completed.
-// A buffer shared many times between two frees then costs no wait per share, and
-// usually none at its free.
+// importer has freed its import and that free has completed. The sharing layer
+// (package producer) takes a lease on a buffer before it shares it, and ends the
+// lease with the importer's completion event. Free on a leased buffer only marks it
+// (Shared reports it); the real cudaFreeAsync is issued when the last lease ends, on
+// the pool's release stream, which first waits for every completion and for the work
+// the freeing stream had queued before Free. A lease may leave that wait to the
+// buffer's free or reuse, which asks the importer's event then and waits only if it
+// has not completed: a buffer shared many times between two frees costs no wait per
+// share, and usually none at its free. The leases themselves are not part of this
+// package's API.
 package pool
 
 import (
@@ -157,11 +156,11 @@ type Pool struct {
 	wake   chan struct{}
 	events []cudart.Event // idle events for ordering frees
 	failed []error        // deferred frees that failed
-	// parked is the memory waiting for its retainers to let go (see Retain).
+	// parked is the memory waiting for its retainers to let go (see retain).
 	parked map[*retainSet]struct{}
 	// owed is the completions that leases ended by EndAt left each buffer owing
 	// (completion.go).
-	owed map[*Buffer][]*Completion
+	owed map[*Buffer][]*completion
 }
 
 // counts are the pool's own figures, guarded by Pool.mu.

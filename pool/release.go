@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -95,43 +96,40 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 	if err == nil {
 		err = p.settleOwedOnRelease(b)
 	}
-	if err == nil && p.cacheShared(b, b.freeStream, false) {
-		p.mu.Lock()
+	settle := func(err error) error {
 		p.counts.deferredFrees--
-		p.mu.Unlock()
-		return nil
-	}
-	if set := p.retainedSet(b); err == nil && set != nil {
-		p.mu.Lock()
-		p.counts.deferredFrees--
-		b.state = bufFreed
-		p.forget(b)
-		p.mu.Unlock()
-		return p.retire(set, b.ptr, b.reserved, 0)
-	}
-	if err == nil {
-		err = p.freeOnRelease(b)
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.counts.deferredFrees--
-	if err != nil {
-		b.state = bufFailed
-		err = p.errorf("%w: %v: %w", ErrFreeFailed, b, err)
-		p.failed = append(p.failed, err)
-		p.counts.failedFreeBytes += b.reserved
+		if err != nil {
+			b.state = bufFailed
+			err = p.errorf("%w: %v: %w", ErrFreeFailed, b, err)
+			p.failed = append(p.failed, err)
+			p.counts.failedFreeBytes += b.reserved
+		}
 		return err
 	}
-	b.state = bufFreed
-	p.forget(b)
-	p.freedLocked()
-	return nil
+	if err != nil {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return settle(err)
+	}
+	if p.cacheShared(b, b.freeStream, false) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return settle(nil)
+	}
+	return p.giveBack(b, settle)
 }
 
 // freeShared frees a buffer that was leased before and has no live leases, on the
 // release stream after the point reached on s. On failure b is live again. Call
 // inside the gate with b.state bufFreeing.
 func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
+	settle := func(err error) error {
+		if err != nil {
+			b.state = bufLive
+			return p.errorf("free %v: %w", b, err)
+		}
+		return nil
+	}
 	viaRelease, err := p.settleOwed(b, s)
 	if err != nil {
 		p.mu.Lock()
@@ -151,26 +149,39 @@ func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
 	if err == nil {
 		err = p.waitRelease(ev)
 	}
-	if set := p.retainedSet(b); err == nil && set != nil {
+	if err != nil {
 		p.mu.Lock()
+		defer p.mu.Unlock()
+		return settle(err)
+	}
+	return p.giveBack(b, settle)
+}
+
+// giveBack returns b's memory once the release stream is ordered after every use of
+// it: to the importers that retain it, until they let go (retire), else to the driver
+// on the release stream. settle runs under pool.mu with nil as b is marked freed, or
+// with the driver's error (b is then left as settle makes it), and says what to
+// return. This is the one tail of every deferred free. Call inside the gate.
+func (p *Pool) giveBack(b *Buffer, settle func(error) error) error {
+	if set := p.retainedSet(b); set != nil {
+		p.mu.Lock()
+		err := settle(nil)
 		b.state = bufFreed
 		p.forget(b)
 		p.mu.Unlock()
-		return p.retire(set, b.ptr, b.reserved, 0)
+		return errors.Join(err, p.retire(set, b.ptr, b.reserved, 0))
 	}
-	if err == nil {
-		err = p.freeOnRelease(b)
-	}
+	err := p.freeOnRelease(b)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err != nil {
-		b.state = bufLive
-		return p.errorf("free %v: %w", b, err)
+		return settle(err)
 	}
+	err = settle(nil)
 	b.state = bufFreed
 	p.forget(b)
 	p.freedLocked()
-	return nil
+	return err
 }
 
 // settleOwedOnRelease makes the release stream wait for the completions b still owes.
@@ -190,15 +201,21 @@ func (p *Pool) settleOwedOnRelease(b *Buffer) error {
 
 // waitRelease makes the release stream wait for ev, and gives ev back.
 func (p *Pool) waitRelease(ev cudart.Event) error {
-	rel, err := p.releaseStream()
-	if err == nil {
-		err = p.rt.StreamWaitEvent(p.dev, rel, ev)
-	}
+	err := p.releaseWaitsFor(ev)
 	p.putEvent(ev)
 	if err != nil {
 		return fmt.Errorf("release stream waiting for the free's stream: %w", err)
 	}
 	return nil
+}
+
+// releaseWaitsFor makes the release stream wait for ev as it is now.
+func (p *Pool) releaseWaitsFor(ev cudart.Event) error {
+	rel, err := p.releaseStream()
+	if err == nil {
+		err = p.rt.StreamWaitEvent(p.dev, rel, ev)
+	}
+	return err
 }
 
 // freeOnRelease frees b on the release stream, which exists once b was leased.

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // retainer counts the revocations of a Retention that a test holds.
@@ -21,11 +22,11 @@ func (r *retainer) revoke() { r.revoked.Add(1) }
 
 // retain leases b, retains its memory and ends the lease, as a sharing layer does
 // when an importer releases but keeps its mapping.
-func retain(t testing.TB, b *Buffer, completion cudart.Event) (*Retention, *retainer) {
+func retain(t testing.TB, b *Buffer, completion cudart.Event) (*retention, *retainer) {
 	t.Helper()
 	l := mustLease(t, b)
 	rr := &retainer{}
-	r, err := b.Retain(rr.revoke)
+	r, err := b.retain(rr.revoke)
 	require.NoError(t, err, "Retain")
 	require.NoError(t, l.End(completion))
 	return r, rr
@@ -36,15 +37,15 @@ func TestRetainNeedsALease(t *testing.T) {
 	e := newTestEnv(t, d, d)
 	p := mustNew(t, d)
 	b := mustAlloc(t, p, mib, e.stream)
-	_, err := b.Retain(func() {})
-	require.ErrorIs(t, err, ErrNotLeased)
-	_, err = b.Retain(nil)
+	_, err := b.retain(func() {})
+	require.ErrorIs(t, err, poolshare.ErrNotLeased)
+	_, err = b.retain(nil)
 	require.ErrorIs(t, err, ErrInvalidOption)
 	mustFree(t, b, e.stream)
 
 	local := mustNew(t, d, WithHandleType(cudart.HandleTypeNone))
 	b = mustAlloc(t, local, mib, e.stream)
-	_, err = b.Retain(func() {})
+	_, err = b.retain(func() {})
 	require.ErrorIs(t, err, ErrNotShareable)
 	mustFree(t, b, e.stream)
 }
@@ -76,7 +77,7 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 		assert.Equal(t, frees+1, rt.frees.Load(), "the last retention's end did not free the memory")
 		s = mustStats(t, p)
 		assert.Zero(t, s.RevokingBuffers+s.Retentions)
-		require.ErrorIs(t, r.End(0), ErrLeaseEnded)
+		require.ErrorIs(t, r.End(0), poolshare.ErrLeaseEnded)
 		assert.Equal(t, int32(1), rr.revoked.Load(), "revoked twice")
 	})
 }
@@ -90,7 +91,7 @@ func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 			b := mustAlloc(t, p, mib, e.stream)
 			l := mustLease(t, b)
 			rr := &retainer{}
-			r, err := b.Retain(rr.revoke)
+			r, err := b.retain(rr.revoke)
 			require.NoError(t, err)
 			frees := rt.frees.Load()
 			if deferred {
@@ -117,7 +118,7 @@ func TestRevokedImportIsFreedBeforeTheMemory(t *testing.T) {
 	exp, e, p, b, l, im := sh.exp, sh.e, sh.p, sh.b, sh.l, sh.im
 	const n = shareSize
 	rr := &retainer{}
-	r, err := b.Retain(rr.revoke)
+	r, err := b.retain(rr.revoke)
 	require.NoError(t, err)
 	require.NoError(t, l.End(im.recordDone(exp)))
 	mustFree(t, b, e.stream)

@@ -44,7 +44,7 @@ type Stats struct {
 	CachedBytes            uint64
 	CacheHits, CacheMisses uint64
 
-	// Retentions counts importers' mappings kept past their leases (Retain);
+	// Retentions counts importers' mappings kept past their leases (retained imports);
 	// RevokingBuffers and RevokingBytes are the memory waiting for its retainers to
 	// let go before it goes back to the driver.
 	Retentions      int

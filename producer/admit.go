@@ -14,6 +14,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -28,7 +29,7 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 			level = slog.LevelDebug // a liveness probe (Discover) hangs up without a word
 		}
 		ex.log.Log(context.Background(), level, "producer: connection not admitted", "err", err)
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	if o != nil {
@@ -42,7 +43,7 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
 	if p.lost() {
-		p.c.Close()
+		_ = p.c.Close() // cleanup: nothing is left to do if closing fails
 		clean = p.awaitExit(clean)
 	}
 	p.cleanup(clean)
@@ -61,8 +62,8 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		ex.mu.Unlock()
 	}()
 	c := wire.NewConn(nc, false)
-	nc.SetDeadline(time.Now().Add(ex.opts.HandshakeTimeout))
-	var cred *peercred.Cred // nil on a byte stream
+	_ = nc.SetDeadline(time.Now().Add(ex.opts.HandshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
+	var cred *peercred.Cred                                      // nil on a byte stream
 	if c.Uc != nil {
 		cr, err := peercred.Get(c.Uc)
 		if err != nil {
@@ -78,7 +79,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return int(h.PID) // what a remote peer says: not checked
 	}
 	refuse := func(reason string) (*peer, *observer, error) {
-		c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1)
+		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
 		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
 	}
 	m, _, err := c.Recv()
@@ -116,13 +117,13 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 			o.leave()
 			return nil, nil, err
 		}
-		nc.SetDeadline(time.Time{})
+		_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return nil, o, nil
 	}
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
-		completions: map[*pool.Pool]*pool.Completion{},
+		completions: map[*pool.Pool]poolshare.Completion{},
 		retained:    map[cudart.PtrExportData]*retention{}}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&wire.HelloReleaseEvent != 0
@@ -150,6 +151,6 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		p.cleanup(false)
 		return nil, nil, err
 	}
-	nc.SetDeadline(time.Time{})
+	_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	return p, nil, nil
 }

@@ -44,7 +44,7 @@ func announce(dir string, a discover.Announcement) (string, error) {
 		err = os.Rename(tmp.Name(), path)
 	}
 	if err != nil {
-		os.Remove(tmp.Name())
+		_ = os.Remove(tmp.Name()) // best effort: a leftover file is harmless, and the first error is the one returned
 		return "", fmt.Errorf("producer: announce: %w", err)
 	}
 	return path, nil

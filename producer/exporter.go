@@ -131,7 +131,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	if o.announce {
 		a := discover.Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
 		if ex.announced, err = announce(o.announceDir, a); err != nil {
-			ex.sock.remove()
+			_ = ex.sock.remove() // the announce error is the one returned
 			return nil, err
 		}
 	}
@@ -186,14 +186,14 @@ func (ex *Exporter) greet(nc net.Conn) {
 	if ok, full := ex.handshakes.enter(uid); !ok {
 		ex.log.Warn("producer: too many handshakes in progress; connection closed", "uid", uid, "cap", full,
 			"total", ex.opts.handshakesTotal, "per_uid", ex.opts.handshakesPerUID)
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
 		ex.handshakes.leave(uid)
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	ex.wg.Add(1)
@@ -353,7 +353,7 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 	}
 	h, err := ex.rt.IpcGetEventHandle(dev, ev)
 	if err != nil {
-		ex.rt.EventDestroy(dev, ev)
+		_ = ex.rt.EventDestroy(dev, ev) // cleanup: nothing is left to undo if it fails
 		return nil, fmt.Errorf("ready event handle: %w", err)
 	}
 	re := &readyEvent{dev: dev, ev: ev, handle: h}
@@ -434,7 +434,7 @@ func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error
 			return nil
 		})
 	}
-	g.Wait()
+	_ = g.Wait() // only its exit matters here
 	return errors.Join(append(errs, sendErrs...)...)
 }
 
@@ -536,10 +536,10 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	listeners := ex.listeners
 	ex.pubs = map[string]*publication{}
 	for nc := range ex.greeting {
-		nc.Close() // a peer not yet admitted holds nothing
+		_ = nc.Close() // a peer not yet admitted holds nothing
 	}
 	for o := range ex.observers {
-		o.c.Close() // an observer holds nothing either
+		_ = o.c.Close() // an observer holds nothing either
 	}
 	ex.mu.Unlock()
 
@@ -548,7 +548,7 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		if l == net.Listener(ex.sock) {
 			errs = append(errs, ex.sock.remove())
 		} else {
-			l.Close()
+			_ = l.Close() // cleanup: nothing is left to do if closing fails
 		}
 	}
 	if ex.announced != "" {
@@ -563,7 +563,7 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		// be told still holds what it holds: it is counted below, and cut with the
 		// others, which ends its Bye.
 		byes.Go(func() {
-			p.c.Send(ctx, &wire.ByeMsg{}, -1)
+			_ = p.c.Send(ctx, &wire.ByeMsg{}, -1) // the peer may be gone already; the connection closes next
 			p.revokeAll(ctx)
 		})
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -31,7 +32,7 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 // them in as few LeaseBatch frames as they fit in.
 func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 	leases := make([]wire.LeaseMsg, 0, len(m.Names))
-	granted := make([]*pool.Lease, 0, len(m.Names))
+	granted := make([]poolshare.Lease, 0, len(m.Names))
 	withdraw := func(from int) {
 		for i := from; i < len(leases); i++ {
 			p.withdraw(leases[i].LeaseID, granted[i])
@@ -41,7 +42,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 		pub, err := p.ex.lookup(name)
 		if err == nil {
 			var l wire.LeaseMsg
-			var pl *pool.Lease
+			var pl poolshare.Lease
 			if l, pl, err = p.grant(context.Background(), pub, m.ReqID); err == nil {
 				leases, granted = append(leases, l), append(granted, pl)
 				continue
@@ -73,11 +74,11 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 // sent first if this peer has not had it. A buffer the peer already holds is granted
 // under the same id once more, to be released as many times. The pool lease it took
 // is returned for withdraw, should the message fail to go out.
-func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
+func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, poolshare.Lease, error) {
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
 	// freed, so a freed buffer's record is never handed out (FACTS 3).
-	pl, err := b.Lease()
+	pl, err := poolshare.Take(b)
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
 			p.ex.retire(pub)
@@ -87,18 +88,18 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	}
 	msg, err := p.prepare(ctx, pub)
 	if err != nil {
-		pl.End(0) // nothing was sent, so nothing was imported
+		_ = pl.End(0) // nothing was sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, err
 	}
 	msg.ReqID = reqID
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.left || p.awaitingExit {
-		pl.End(0) // the Lease message was not sent, so nothing was imported
+		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, p.goneErr()
 	}
 	if p.grants >= p.ex.opts.maxGrants {
-		pl.End(0) // the Lease message was not sent, so nothing was imported
+		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
 		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", ErrTooManyGrants, p.pid(), p.grants)
 	}
 	entry := p.byBuffer[b]

@@ -13,6 +13,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -51,8 +52,8 @@ type peer struct {
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them
-	// (pool.Lease.EndAt); closed before the events are destroyed.
-	completions map[*pool.Pool]*pool.Completion
+	// (poolshare.Lease.EndAt); closed before the events are destroyed.
+	completions map[*pool.Pool]poolshare.Completion
 	// settling is held across a settleCompletions: the cleanup after the peer's Bye
 	// and the exporter's Close settle at once, and the one that finds nothing left
 	// must not hang up (the peer then destroys its event) while the other still
@@ -200,7 +201,7 @@ func (p *peer) shut() {
 	// left owed is settled first, and no End may be using the event meanwhile.
 	p.ending.Lock()
 	p.settleCompletions(true)
-	p.c.Close()
+	_ = p.c.Close() // cleanup: nothing is left to do if closing fails
 	p.ending.Unlock()
 	p.stopExitWait()
 }

@@ -6,13 +6,13 @@ import (
 	"maps"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/wire"
-	"github.com/cudapool/cudapool/pool"
 )
 
 // retention is a peer's retained import of one piece of memory.
 type retention struct {
-	r   *pool.Retention
+	r   poolshare.Retention
 	dev int
 }
 
@@ -26,7 +26,7 @@ func (p *peer) retainLocked(entry *lease) error {
 		return nil
 	}
 	rec := entry.record
-	r, err := entry.buf.Retain(func() { go p.revoke(context.Background(), rec) })
+	r, err := poolshare.Retain(entry.buf, func() { go p.revoke(context.Background(), rec) })
 	if err != nil {
 		return fmt.Errorf("producer: retain lease %#x: %w", entry.id, err)
 	}

@@ -80,9 +80,9 @@ func listenSocket(path string, access socketAccess) (*socketFile, error) {
 		return nil, fmt.Errorf("producer: listen on %s: %w", path, wire.SyscallErr(err))
 	}
 	l.SetUnlinkOnClose(false)
-	defer os.Remove(tmp)
+	defer func() { _ = os.Remove(tmp) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	fail := func(err error) (*socketFile, error) {
-		l.Close()
+		_ = l.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
 	}
 	if access.gid >= 0 {

@@ -99,7 +99,7 @@ func consumerMain(args []string) int {
 	for in.Scan() {
 		reply, err := c.obey(ctx, strings.Fields(in.Text()))
 		if err != nil {
-			imp.Close(ctx)
+			_ = imp.Close(ctx) // cleanup: nothing is left to do if closing fails
 			return fail(fmt.Errorf("%q: %w", in.Text(), err))
 		}
 		out.say(reply)
@@ -176,7 +176,7 @@ func (c *consumerState) open(ctx context.Context, name string) (*consumer.Mappin
 		return nil, err
 	}
 	if err := c.check(m, c.s); err != nil {
-		m.Release(ctx, c.s)
+		_ = m.Release(ctx, c.s) // cleanup: the measurement is over
 		return nil, err
 	}
 	return m, nil
@@ -238,7 +238,7 @@ func (c *consumerState) fresh(ctx context.Context, name string, n int) (string, 
 	var ms []*consumer.Mapping
 	defer func() {
 		for _, m := range ms {
-			m.Release(ctx, c.s)
+			_ = m.Release(ctx, c.s) // cleanup: the measurement is over
 		}
 	}()
 	for i := range n {
@@ -326,7 +326,7 @@ func (c *consumerState) openAll(ctx context.Context, names []string) ([]*consume
 	}
 	for _, m := range ms {
 		if err := c.check(m, c.s); err != nil {
-			c.imp.ReleaseAll(ctx, ms, c.s)
+			_ = c.imp.ReleaseAll(ctx, ms, c.s) // cleanup: the measurement is over
 			return nil, err
 		}
 	}
@@ -349,17 +349,17 @@ func (c *consumerState) read(ctx context.Context, name string, n int) (string, e
 	if err != nil {
 		return "", err
 	}
-	defer m.Release(ctx, c.s)
+	defer func() { _ = m.Release(ctx, c.s) }() // cleanup: the measurement is over
 	local, err := pool.New(c.rt, c.dev, pool.WithHandleType(cudart.HandleTypeNone))
 	if err != nil {
 		return "", err
 	}
-	defer local.Close(ctx, pool.Force())
+	defer func() { _, _ = local.Close(ctx, pool.Force()) }() // cleanup: nothing is left to do if closing fails
 	dst, err := local.Alloc(ctx, m.Size(), c.s)
 	if err != nil {
 		return "", err
 	}
-	defer dst.Free(c.s)
+	defer func() { _ = dst.Free(c.s) }() // cleanup: the measurement is over
 	copyOnce := func() error {
 		if err := c.rt.MemcpyDtoDAsync(c.dev, dst.Ptr(), m.Ptr(), m.Size(), c.s); err != nil {
 			return err

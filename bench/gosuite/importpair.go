@@ -49,22 +49,22 @@ func exporterMain(args []string) int {
 	}
 	f := os.NewFile(3, "parent")
 	c, err := net.FileConn(f)
-	f.Close()
+	_ = f.Close() // cleanup: nothing is left to do if closing fails
 	if err != nil {
 		return fail(err)
 	}
 	conn := c.(*net.UnixConn)
-	defer conn.Close()
+	defer func() { _ = conn.Close() }() // cleanup: nothing is left to do if closing fails
 	p, err := pool.New(rt, 0, pool.WithHandleType(cudart.HandleTypePosixFD))
 	if err != nil {
 		return fail(err)
 	}
-	defer p.Close(context.Background(), pool.Force())
+	defer func() { _, _ = p.Close(context.Background(), pool.Force()) }() // cleanup: nothing is left to do if closing fails
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
 	if err != nil {
 		return fail(err)
 	}
-	defer rt.StreamDestroy(0, s)
+	defer func() { _ = rt.StreamDestroy(0, s) }() // cleanup: nothing is left to undo if it fails
 	h, err := p.ExportHandle()
 	if err != nil {
 		return fail(err)
@@ -107,37 +107,35 @@ func importPairs(rt cudart.Runtime, kind string, sh shape) ([]float64, error) {
 	mine, theirs := os.NewFile(uintptr(fds[0]), "exporter"), os.NewFile(uintptr(fds[1]), "parent")
 	self, err := os.Executable()
 	if err != nil {
-		mine.Close()
-		theirs.Close()
+		_ = mine.Close()   // cleanup: nothing is left to do if closing fails
+		_ = theirs.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
 	}
 	cmd := exec.Command(self, exporterRole, kind, strconv.Itoa(n))
 	cmd.ExtraFiles = []*os.File{theirs}
 	cmd.Stderr = os.Stderr
 	err = cmd.Start()
-	theirs.Close()
+	_ = theirs.Close() // cleanup: nothing is left to do if closing fails
 	if err != nil {
-		mine.Close()
+		_ = mine.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
 	}
 	wait := waitFor(cmd)
 	c, err := net.FileConn(mine)
-	mine.Close()
+	_ = mine.Close() // cleanup: nothing is left to do if closing fails
 	if err != nil {
-		cmd.Process.Kill()
-		<-wait
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, err
 	}
 	conn := c.(*net.UnixConn)
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(opTimeout))
+	defer func() { _ = conn.Close() }()             // cleanup: nothing is left to do if closing fails
+	_ = conn.SetDeadline(time.Now().Add(opTimeout)) // it fails only on a closed connection, which the next read or write reports
 	us, err := importLoop(rt, conn, n, sh.batches)
 	if err == nil {
 		_, err = conn.Write([]byte{'k'}) // every import is freed: the exporter may exit
 	}
 	if err != nil {
-		cmd.Process.Kill()
-		<-wait
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, err
 	}
 	select {
@@ -146,11 +144,16 @@ func importPairs(rt cudart.Runtime, kind string, sh shape) ([]float64, error) {
 			return nil, fmt.Errorf("exporter: %w", err)
 		}
 	case <-time.After(opTimeout):
-		cmd.Process.Kill()
-		<-wait
+		_ = kill(cmd, wait) // its exit is the kill's; the error returned says why
 		return nil, fmt.Errorf("the exporter did not exit within %v", opTimeout)
 	}
 	return us, nil
+}
+
+// kill stops a child that the run gave up on and returns its exit, once reaped.
+func kill(cmd *exec.Cmd, wait <-chan error) error {
+	_ = cmd.Process.Kill() // the child may have exited already
+	return <-wait
 }
 
 func waitFor(cmd *exec.Cmd) <-chan error {
@@ -167,12 +170,12 @@ func importLoop(rt cudart.Runtime, conn *net.UnixConn, n, batches int) ([]float6
 	}
 	if got != 8 || len(fds) != 1 || binary.LittleEndian.Uint64(head) != uint64(n) {
 		for _, fd := range fds {
-			syscall.Close(fd)
+			_ = syscall.Close(fd) // cleanup: the descriptor is ours and unused
 		}
 		return nil, fmt.Errorf("the exporter sent %d bytes and %d descriptors, not its count and pool", got, len(fds))
 	}
 	imported, err := rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fds[0]})
-	syscall.Close(fds[0])
+	_ = syscall.Close(fds[0]) // cleanup: the descriptor is ours and unused
 	if err != nil {
 		return nil, err
 	}
@@ -184,7 +187,7 @@ func importLoop(rt cudart.Runtime, conn *net.UnixConn, n, batches int) ([]float6
 	if err != nil {
 		return nil, err
 	}
-	defer rt.StreamDestroy(0, s)
+	defer func() { _ = rt.StreamDestroy(0, s) }() // cleanup: nothing is left to undo if it fails
 	var us []float64
 	for b := -1; b < batches; b++ {
 		start := monotonic()

@@ -266,12 +266,12 @@ func freshPool(rt cudart.Runtime, opts ...pool.Option) (*pool.Pool, cudart.Strea
 	}
 	p, err := pool.New(rt, 0, opts...)
 	if err != nil {
-		rt.StreamDestroy(0, s)
+		_ = rt.StreamDestroy(0, s) // cleanup: nothing is left to undo if it fails
 		return nil, 0, nil, err
 	}
 	return p, s, func() {
-		rt.StreamSynchronize(0, s)
-		p.Close(context.Background(), pool.Force())
-		rt.StreamDestroy(0, s)
+		_ = rt.StreamSynchronize(0, s)                     // cleanup: the measurement is over
+		_, _ = p.Close(context.Background(), pool.Force()) // cleanup: nothing is left to do if closing fails
+		_ = rt.StreamDestroy(0, s)                         // cleanup: nothing is left to undo if it fails
 	}, nil
 }

@@ -125,20 +125,20 @@ func newProducerWith(rt cudart.Runtime, kind string, sh shape, validate bool, so
 		return nil, err
 	}
 	if pr.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
-		os.RemoveAll(pr.dir)
+		_ = os.RemoveAll(pr.dir) // best effort: a leftover file is harmless, and the first error is the one returned
 		return nil, err
 	}
 	if pr.pool, err = pool.New(rt, 0, append([]pool.Option{pool.WithName("gosuite")}, poolOpts...)...); err != nil {
-		rt.StreamDestroy(0, pr.stream)
-		os.RemoveAll(pr.dir)
+		_ = rt.StreamDestroy(0, pr.stream) // cleanup: nothing is left to undo if it fails
+		_ = os.RemoveAll(pr.dir)           // best effort: a leftover file is harmless, and the first error is the one returned
 		return nil, err
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	listenOpts = append([]producer.ListenOption{producer.WithoutAnnounce(), producer.WithLogger(quiet)}, listenOpts...)
 	if pr.ex, err = producer.Listen(filepath.Join(pr.dir, sock), rt, listenOpts...); err != nil {
-		pr.pool.Close(context.Background(), pool.Force())
-		rt.StreamDestroy(0, pr.stream)
-		os.RemoveAll(pr.dir)
+		_, _ = pr.pool.Close(context.Background(), pool.Force()) // cleanup: nothing is left to do if closing fails
+		_ = rt.StreamDestroy(0, pr.stream)                       // cleanup: nothing is left to undo if it fails
+		_ = os.RemoveAll(pr.dir)                                 // best effort: a leftover file is harmless, and the first error is the one returned
 		return nil, err
 	}
 	return pr, nil
@@ -161,10 +161,10 @@ func (pr *producerSide) close(r *reporter) {
 	pr.closeExporter(r)
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
-	pr.rt.StreamSynchronize(0, pr.stream)
-	pr.pool.Close(ctx, pool.Force())
-	pr.rt.StreamDestroy(0, pr.stream)
-	os.RemoveAll(pr.dir)
+	_ = pr.rt.StreamSynchronize(0, pr.stream) // cleanup: the measurement is over
+	_, _ = pr.pool.Close(ctx, pool.Force())   // cleanup: nothing is left to do if closing fails
+	_ = pr.rt.StreamDestroy(0, pr.stream)     // cleanup: nothing is left to undo if it fails
+	_ = os.RemoveAll(pr.dir)                  // best effort: a leftover file is harmless, and the first error is the one returned
 }
 
 // alloc returns n buffers of size bytes, written on the producer's stream: every byte
@@ -178,7 +178,7 @@ func (pr *producerSide) alloc(n int, size uint64) ([]*pool.Buffer, error) {
 			err = pr.rt.MemsetAsync(0, b.Ptr(), byte(i), size, pr.stream)
 		}
 		if err != nil {
-			pr.retire("", bufs)
+			_ = pr.retire("", bufs) // cleanup: the measurement is over
 			return nil, err
 		}
 		bufs = append(bufs, b)
@@ -206,7 +206,7 @@ func (pr *producerSide) retire(name string, bufs []*pool.Buffer) error {
 	var errs []error
 	for i, b := range bufs {
 		if name != "" {
-			pr.ex.Unpublish(fmt.Sprint(name, i))
+			_ = pr.ex.Unpublish(fmt.Sprint(name, i)) // cleanup: the name may be gone already
 		}
 		errs = append(errs, b.Free(pr.stream))
 	}
@@ -221,7 +221,7 @@ func (pr *producerSide) shared(name string, n int, size uint64) (func() error, e
 		return nil, err
 	}
 	if _, err := pr.publish(name, bufs); err != nil {
-		pr.retire(name, bufs)
+		_ = pr.retire(name, bufs) // cleanup: the measurement is over
 		return nil, err
 	}
 	return func() error { return pr.retire(name, bufs) }, nil
@@ -242,7 +242,7 @@ func (pr *producerSide) exportFresh() ([]float64, error) {
 		return nil, err
 	}
 	if err := pr.rt.StreamSynchronize(0, pr.stream); err != nil {
-		pr.retire("", bufs)
+		_ = pr.retire("", bufs) // cleanup: the measurement is over
 		return nil, err
 	}
 	took, err := pr.publish("fresh", bufs)
@@ -384,7 +384,7 @@ func (pr *producerSide) sustained(r *reporter, cs []*consumerSide) ([]float64, e
 	if err != nil {
 		return nil, err
 	}
-	defer retire()
+	defer func() { _ = retire() }() // cleanup: the measurement is over
 	rates, err := pr.windows(r, "sustained/4", cs, "sus", pr.sh.ring, 1)
 	if err != nil {
 		return nil, err
@@ -474,7 +474,7 @@ func (pr *producerSide) slab() (int, func() error, error) {
 	ctx := context.Background()
 	retire := func(published int) error {
 		for i := range published {
-			pr.ex.Unpublish(fmt.Sprint("blk", i))
+			_ = pr.ex.Unpublish(fmt.Sprint("blk", i)) // cleanup: the name may be gone already
 		}
 		return b.Free(pr.stream)
 	}
@@ -485,7 +485,7 @@ func (pr *producerSide) slab() (int, func() error, error) {
 			err = pr.ex.Publish(ctx, fmt.Sprint("blk", i), b, pr.stream, producer.Range(off, blockSize))
 		}
 		if err != nil {
-			retire(i)
+			_ = retire(i) // cleanup: the measurement is over
 			return 0, nil, err
 		}
 	}
@@ -512,7 +512,7 @@ func (pr *producerSide) blockShares(r *reporter, cs []*consumerSide, batch int) 
 	if err != nil {
 		return nil, err
 	}
-	defer retire()
+	defer func() { _ = retire() }() // cleanup: the measurement is over
 	if err := hold(cs, "hold"); err != nil {
 		return nil, err
 	}
@@ -534,7 +534,7 @@ func (pr *producerSide) blockLease(c *consumerSide) ([]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer retire()
+	defer func() { _ = retire() }() // cleanup: the measurement is over
 	cs := []*consumerSide{c}
 	if err := hold(cs, "hold"); err != nil {
 		return nil, err
@@ -693,8 +693,8 @@ func (c *consumerSide) ask(cmd, want string) ([]float64, error) {
 
 // quit tells the consumer to close its importer and waits for it to exit.
 func (c *consumerSide) quit() error {
-	c.in.Close()
-	go func() { // lines no one waits for must not block the consumer's exit
+	_ = c.in.Close() // cleanup: nothing is left to do if closing fails
+	go func() {      // lines no one waits for must not block the consumer's exit
 		for range c.lines {
 		}
 	}()
@@ -713,6 +713,6 @@ func (c *consumerSide) quit() error {
 }
 
 func (c *consumerSide) kill() {
-	c.cmd.Process.Kill()
-	c.cmd.Wait()
+	_ = c.cmd.Process.Kill() // the child may have exited already
+	_ = c.cmd.Wait()         // only its exit matters here
 }

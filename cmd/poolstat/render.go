@@ -88,7 +88,7 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 				p.HandleType, maxSize, size(p.ReservedCurrent), size(p.ReservedHigh), size(p.UsedCurrent),
 				size(p.UsedHigh), size(p.RoundingOverhead()))
 		}
-		tw.Flush()
+		_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 		for _, p := range st.Pools {
 			fmt.Fprintf(w, "  %s: %s live, %s shared, %s; %s waiting on importers\n", text(p.Name, maxPoolName),
 				plural(p.LiveBuffers, "buffer"), count(p.SharedBuffers), plural(p.ActiveLeases, "lease"), plural(p.DeferredFrees, "free"))
@@ -112,7 +112,7 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 		for _, n := range st.Published {
 			fmt.Fprintf(tw, "  %s\t%s\t%s\n", text(n.Name, maxPublished), size(n.Size), text(names[n.Pool], maxPoolName))
 		}
-		tw.Flush()
+		_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 	}
 
 	if len(st.Peers) == 0 {
@@ -130,7 +130,7 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 			awaiting = append(awaiting, name)
 		}
 	}
-	tw.Flush()
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 	// A peer that hung up while alive keeps its leases until it exits: its imports may
 	// still be mapped.
 	for _, name := range awaiting {

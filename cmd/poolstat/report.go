@@ -137,7 +137,7 @@ func (l *looker) look(ctx context.Context) (*Report, error) {
 			g.Go(func() error { l.query(ctx, e); return nil })
 		}
 	}
-	g.Wait() // a query's failure is a fact of the report, not an error
+	_ = g.Wait() // a query's failure is a fact of the report, not an error
 	return r, nil
 }
 
@@ -291,7 +291,7 @@ func provenDead(a discover.Announcement) error {
 	c, err := net.DialTimeout("unix", a.Socket, time.Second)
 	switch {
 	case err == nil:
-		c.Close()
+		_ = c.Close() // cleanup: nothing is left to do if closing fails
 		return fmt.Errorf("its socket %s accepts connections", a.Socket)
 	case !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, fs.ErrNotExist):
 		return fmt.Errorf("its socket %s could not be checked: %w", a.Socket, err)

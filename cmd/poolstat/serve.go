@@ -49,7 +49,10 @@ func serve(ctx context.Context, l *looker, addr string, stdout, stderr io.Writer
 	if err := srv.Shutdown(shutdown); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		fmt.Fprintf(stderr, "poolstat: -serve: %v\n", err)
 	}
-	<-served
+	if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+		fmt.Fprintf(stderr, "poolstat: -serve: %v\n", err)
+		return 1
+	}
 	return 0
 }
 

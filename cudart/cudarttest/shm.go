@@ -29,12 +29,12 @@ func newRegion(name string, size uint64) (*region, error) {
 		return nil, err
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 		return nil, fmt.Errorf("ftruncate memfd to %d: %w", size, err)
 	}
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 		return nil, fmt.Errorf("mmap memfd of %d bytes: %w", size, err)
 	}
 	return &region{mem: mem, fd: fd}, nil
@@ -95,7 +95,7 @@ func mapProcRegion(pid, fd int, name string, minSize, uidOff uint64, want uid) (
 	if err != nil {
 		return nil, err
 	}
-	defer unix.Close(nfd)
+	defer func() { _ = unix.Close(nfd) }() // cleanup: the descriptor is ours and unused
 	reg, err := mapRegion(nfd, name, minSize)
 	if err != nil {
 		return nil, err
@@ -110,11 +110,11 @@ func mapProcRegion(pid, fd int, name string, minSize, uidOff uint64, want uid) (
 // release unmaps the region and closes its descriptor, if kept.
 func (r *region) release() {
 	if r.mem != nil {
-		unix.Munmap(r.mem)
+		_ = unix.Munmap(r.mem) // cleanup: nothing is left to use the mapping
 		r.mem = nil
 	}
 	if r.fd >= 0 {
-		unix.Close(r.fd)
+		_ = unix.Close(r.fd) // cleanup: the descriptor is ours and unused
 		r.fd = -1
 	}
 }

@@ -39,13 +39,13 @@ func (p *Process) Wait(ctx context.Context) error {
 	}
 	fired := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
-		p.f.SetReadDeadline(time.Unix(1, 0)) // wakes the wait below
+		_ = p.f.SetReadDeadline(time.Unix(1, 0)) // wakes the wait below
 		close(fired)
 	})
 	defer func() {
 		if !stop() {
-			<-fired // else it could set the deadline after it is cleared
-			p.f.SetReadDeadline(time.Time{})
+			<-fired                              // else it could set the deadline after it is cleared
+			_ = p.f.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		}
 	}()
 	var exited bool

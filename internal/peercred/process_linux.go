@@ -31,17 +31,17 @@ func OpenProcess(pid int) (*Process, error) {
 	// Non-blocking, so that os.NewFile hands the pidfd to the runtime's poller, which
 	// reports it readable when the process exits.
 	if err := unix.SetNonblock(fd, true); err != nil {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 		return nil, fmt.Errorf("peercred: pidfd of %d: %w", pid, err)
 	}
 	f := os.NewFile(uintptr(fd), "pidfd:"+strconv.Itoa(pid))
 	if err := f.SetReadDeadline(time.Time{}); err != nil {
-		f.Close() // not pollable: Wait could not be woken by ctx
+		_ = f.Close() // not pollable: Wait could not be woken by ctx
 		return nil, fmt.Errorf("%w: the pidfd of %d cannot be polled: %w", ErrUnsupported, pid, err)
 	}
 	rc, err := f.SyscallConn()
 	if err != nil {
-		f.Close()
+		_ = f.Close() // cleanup: nothing is left to do if closing fails
 		return nil, fmt.Errorf("peercred: pidfd of %d: %w", pid, err)
 	}
 	return &Process{pid: pid, f: f, rc: rc}, nil

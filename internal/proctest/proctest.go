@@ -23,7 +23,7 @@ func Main(m *testing.M, roles map[string]func(args []string) int) {
 	}
 	run, ok := roles[role]
 	if !ok {
-		os.Stderr.WriteString("proctest: unknown role " + role + "\n")
+		_, _ = os.Stderr.WriteString("proctest: unknown role " + role + "\n") // nowhere else to report it
 		os.Exit(2)
 	}
 	os.Exit(run(os.Args[1:]))
@@ -52,8 +52,8 @@ func Command(t testing.TB, role string, args ...string) *exec.Cmd {
 	cmd.Stderr = os.Stderr
 	t.Cleanup(func() {
 		if cmd.Process != nil && cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			cmd.Wait()
+			_ = cmd.Process.Kill() // the child may have exited already
+			_ = cmd.Wait()         // only its exit matters here
 		}
 	})
 	return cmd

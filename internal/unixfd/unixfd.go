@@ -153,6 +153,6 @@ func parseRights(oob []byte) ([]int, error) {
 
 func closeAll(fds []int) {
 	for _, fd := range fds {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 	}
 }

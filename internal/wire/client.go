@@ -15,25 +15,25 @@ import (
 	"github.com/dustin/go-humanize"
 )
 
-// client is the requesting side of an admitted connection: it numbers requests, sends
+// Client is the requesting side of an admitted connection: it numbers requests, sends
 // them, and hands each reply to the request waiting for it. Its one reader also hands
 // the frames that answer no request (pool handles, pushes) to the connection's owner.
 // Both the Importer and QueryState talk to an exporter through one.
 type Client struct {
 	C   *Conn
 	log *slog.Logger
-	// exporterPID is what the exporter said in Welcome.
+	// ExporterPID is what the exporter said in Welcome.
 	ExporterPID int
-	// handle takes the frames that are not replies, with the descriptor that came with
+	// Handle takes the frames that are not replies, with the descriptor that came with
 	// one, which it owns. An error ends the connection.
 	Handle func(m Message, fd int) error
-	// unclaimed takes a Lease whose request was given up on; nil drops it.
+	// Unclaimed takes a Lease whose request was given up on; nil drops it.
 	Unclaimed func(l *LeaseMsg)
 
 	Mu sync.Mutex
 	// closed: the owner is closing; no new requests.
 	closed bool
-	// bye: the exporter is closing; it takes no new requests but still ends leases.
+	// Bye: the exporter is closing; it takes no new requests but still ends leases.
 	Bye bool
 	// down says why the connection ended, nil while it carries requests.
 	down    error
@@ -54,7 +54,7 @@ type Client struct {
 	watchOff bool       // watch is switched off; only the role's holder touches it
 
 	ReaderDone chan struct{} // closed when the watcher has returned
-	// done is closed when the connection ends (down is set).
+	// Done is closed when the connection ends (down is set).
 	Done chan struct{}
 }
 
@@ -81,7 +81,7 @@ func NewClient(c *Conn, log *slog.Logger, exporterPID int) *Client {
 	}
 }
 
-// start runs the watcher; handle and unclaimed must be set before. Where the
+// Start runs the watcher; handle and unclaimed must be set before. Where the
 // connection cannot be watched while idle (not a Unix socket, not Linux), the watcher
 // holds the reading role for good and hands every reply over.
 func (cl *Client) Start() {
@@ -207,13 +207,13 @@ func (cl *Client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {
-			cl.C.Nc.SetReadDeadline(time.Unix(1, 0))
+			_ = cl.C.Nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
 			close(fired)
 		})
 		defer func() {
 			if !stop() {
-				<-fired // or it could set the deadline after it is cleared
-				cl.C.Nc.SetReadDeadline(time.Time{})
+				<-fired                                  // or it could set the deadline after it is cleared
+				_ = cl.C.Nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			}
 		}()
 	}
@@ -279,7 +279,7 @@ func (cl *Client) dispatch(m Message, fd int) error {
 	return nil
 }
 
-// fail ends the connection: every waiting request and every later one fails with
+// Fail ends the connection: every waiting request and every later one fails with
 // ErrExporterGone.
 func (cl *Client) Fail(err error) {
 	if errors.Is(err, ErrProtocol) {
@@ -308,7 +308,7 @@ func (cl *Client) Fail(err error) {
 
 // closeConn closes the connection and its watch.
 func (cl *Client) closeConn() {
-	cl.C.Close()
+	_ = cl.C.Close() // cleanup: nothing is left to do if closing fails
 	if cl.watch != nil {
 		cl.watch.Close()
 	}
@@ -386,7 +386,7 @@ func gather[T any](cl *Client, parts map[uint64][]T, reqID uint64, part []T, mor
 	return all, gatherDone
 }
 
-// giveBackAll hands leases nobody waits for to unclaimed, off the reader.
+// GiveBackAll hands leases nobody waits for to unclaimed, off the reader.
 func (cl *Client) GiveBackAll(ls []LeaseMsg) {
 	if cl.Unclaimed == nil || len(ls) == 0 {
 		return
@@ -398,7 +398,7 @@ func (cl *Client) GiveBackAll(ls []LeaseMsg) {
 	}()
 }
 
-// request sends the message build makes for a fresh request id and waits for the
+// Request sends the message build makes for a fresh request id and waits for the
 // reply, reading it itself if nobody else reads the connection. A new request (Open,
 // StateRequest) is refused once the client is closed or the exporter said Bye; a
 // Release only once the connection is down. A Lease that arrives for a request given
@@ -500,7 +500,7 @@ func (cl *Client) giveUp(id uint64, w chan delivery, lead bool) {
 	}
 }
 
-// goneOr is why the connection ended, or err while it carries requests.
+// GoneOr is why the connection ended, or err while it carries requests.
 func (cl *Client) GoneOr(err error) error {
 	cl.Mu.Lock()
 	defer cl.Mu.Unlock()
@@ -510,7 +510,7 @@ func (cl *Client) GoneOr(err error) error {
 	return err
 }
 
-// close refuses new requests from now on; it reports whether this call closed it.
+// Close refuses new requests from now on; it reports whether this call closed it.
 func (cl *Client) Close() bool {
 	cl.Mu.Lock()
 	defer cl.Mu.Unlock()
@@ -519,21 +519,21 @@ func (cl *Client) Close() bool {
 	return !was
 }
 
-// isClosed reports whether close was called.
+// IsClosed reports whether close was called.
 func (cl *Client) IsClosed() bool {
 	cl.Mu.Lock()
 	defer cl.Mu.Unlock()
 	return cl.closed
 }
 
-// gone reports whether the connection ended or the exporter said Bye.
+// Gone reports whether the connection ended or the exporter said Bye.
 func (cl *Client) Gone() bool {
 	cl.Mu.Lock()
 	defer cl.Mu.Unlock()
 	return cl.down != nil || cl.Bye
 }
 
-// hangUp says Bye and waits, until ctx ends, for the exporter to close the connection
+// HangUp says Bye and waits, until ctx ends, for the exporter to close the connection
 // (it may still be ending leases as of this side's release event), then closes it and
 // waits for the reader.
 func (cl *Client) HangUp(ctx context.Context) error {
@@ -550,7 +550,7 @@ func (cl *Client) HangUp(ctx context.Context) error {
 	return err
 }
 
-// queryState asks for the exporter's State and returns its JSON.
+// QueryState asks for the exporter's State and returns its JSON.
 func (cl *Client) QueryState(ctx context.Context) ([]byte, error) {
 	reply, err := cl.Request(ctx, func(id uint64) Message { return &StateRequestMsg{ReqID: id} }, true)
 	if err != nil {

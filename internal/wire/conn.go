@@ -18,11 +18,11 @@ import (
 	"github.com/cudapool/cudapool/internal/unixfd"
 )
 
-// conn is one side of a protocol connection: whole frames out one at a time, so that
+// Conn is one side of a protocol connection: whole frames out one at a time, so that
 // many goroutines can send on it, and frames in from the one goroutine that reads it.
 type Conn struct {
 	Nc net.Conn
-	// uc is nc as a Unix socket, which can carry descriptors; nil on a byte stream
+	// Uc is nc as a Unix socket, which can carry descriptors; nil on a byte stream
 	// such as TCP, where only FABRIC handles can travel.
 	Uc *net.UnixConn
 	// acceptsFDs: frames in may carry a pool's descriptor (the importer's side). On the
@@ -52,7 +52,7 @@ type Conn struct {
 	// peer sent, each frame within drainWindow of the last.
 	draining atomic.Bool
 
-	// sent and received count whole frames: what a share costs in messages.
+	// Sent and received count whole frames: what a share costs in messages.
 	Sent, Received atomic.Int64
 }
 
@@ -90,16 +90,17 @@ const inSize = 16 << 10
 // errRefusedFDs marks a read whose descriptors were refused (and closed).
 var errRefusedFDs = errors.New("descriptors refused")
 
-// errNoFrame: poll found no whole frame; what did arrive is kept for the next read.
+// errNoFrame: a read that does not wait (next(false)) found no whole frame; what did
+// arrive is kept for the next read.
 var errNoFrame = errors.New("cudapool: no whole frame has arrived")
 
-// canPassFDs reports whether this connection can carry a POSIX fd pool handle.
+// CanPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *Conn) CanPassFDs() bool { return c.Uc != nil }
 
-// send writes m as one frame, with fd attached when fd >= 0. A context that ended
+// Send writes m as one frame, with fd attached when fd >= 0. A context that ended
 // before the write began fails it with nothing written, the stream intact. A failed or
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
-// send then ends the connection (abort), so the peer sees it end.
+// Send then ends the connection (abort), so the peer sees it end.
 func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	if err := c.wlock.Acquire(ctx, 1); err != nil {
 		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err) // nothing written: the stream is intact
@@ -111,13 +112,13 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
 		stop := context.AfterFunc(ctx, func() {
-			c.Nc.SetWriteDeadline(time.Unix(1, 0))
+			_ = c.Nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
 			close(fired)
 		})
 		defer func() {
 			if !stop() {
-				<-fired // or it could set the deadline after it is cleared
-				c.Nc.SetWriteDeadline(time.Time{})
+				<-fired                                // or it could set the deadline after it is cleared
+				_ = c.Nc.SetWriteDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			}
 		}()
 	}
@@ -153,27 +154,23 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 // or Bye before, and throwing them away would pin its leases until its process exits.
 func (c *Conn) abort() {
 	if c.acceptsFDs || c.Uc == nil {
-		c.Nc.Close()
+		_ = c.Nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	if c.draining.Swap(true) {
 		return
 	}
-	c.Uc.CloseWrite()
-	c.Nc.SetReadDeadline(time.Now().Add(drainWindow))
+	_ = c.Uc.CloseWrite()                                 // a courtesy to the peer; Close follows
+	_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports
 }
 
-// recv reads the next frame, waiting for it. fd is the descriptor that came with a
+// Recv reads the next frame, waiting for it. fd is the descriptor that came with a
 // POSIX fd PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on
 // any other frame, a PoolHandle without one, and every malformed frame are errors
 // wrapping ErrProtocol, after which the connection must be closed; the descriptors
 // involved have been closed. A peer that closed between frames gives io.EOF. A read
-// cut short by a deadline loses nothing: the next recv or poll goes on from there.
+// cut short by a deadline loses nothing: the next read goes on from there.
 func (c *Conn) Recv() (Message, int, error) { return c.next(true) }
-
-// poll is recv that does not wait: it fails with errNoFrame if no whole frame has
-// arrived. Only on a Unix socket.
-func (c *Conn) poll() (Message, int, error) { return c.next(false) }
 
 func (c *Conn) next(wait bool) (m Message, fd int, err error) {
 	defer func() {
@@ -247,7 +244,7 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 		return nil, -1, ProtocolErr("POSIX fd PoolHandle arrived with 0 descriptors, want 1")
 	}
 	if c.draining.Load() {
-		c.Nc.SetReadDeadline(time.Now().Add(drainWindow))
+		_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports
 	}
 	return m, -1, nil
 }
@@ -308,7 +305,7 @@ func (c *Conn) read(b []byte, wait bool) (int, []int, error) {
 // dropFDs closes the descriptors that arrived and were not taken.
 func (c *Conn) dropFDs() {
 	for _, a := range c.arrived {
-		unix.Close(a.fd)
+		_ = unix.Close(a.fd) // cleanup: the descriptor is ours and unused
 	}
 	c.arrived = nil
 }
@@ -329,6 +326,6 @@ func unaddressed(err error) error {
 
 func CloseFDs(fds []int) {
 	for _, fd := range fds {
-		unix.Close(fd)
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 	}
 }

@@ -24,7 +24,7 @@ var (
 	// the exporter's reason.
 	ErrRefused = errors.New("cudapool: refused by exporter")
 	// ErrVersionMismatch means the two sides speak different protocol versions; the
-	// message names both.
+	// Message names both.
 	ErrVersionMismatch = errors.New("cudapool: protocol version mismatch")
 	// ErrProtocol means a peer sent something the protocol does not allow: a malformed,
 	// oversized or unexpected frame, or an unexpected file descriptor. The connection
@@ -77,7 +77,7 @@ func (e *RemoteError) Error() string { return "exporter: " + e.Text }
 
 func (e *RemoteError) Unwrap() error { return e.Err }
 
-// replyErr turns an Error frame into the error it stands for.
+// ReplyErr turns an Error frame into the error it stands for.
 func ReplyErr(m *ErrorMsg) error {
 	return &RemoteError{Err: CodeErrs[m.Code], Text: m.Text}
 }

@@ -2,7 +2,7 @@ package wire
 
 import "github.com/cudapool/cudapool/cudart"
 
-// completed reports whether the work captured by e, an event of this process or an
+// Completed reports whether the work captured by e, an event of this process or an
 // IPC event of another, has completed already. Both sides ask before making a stream
 // wait on the other process's event: the wait is then needless, and each one left out
 // is a dependency between two processes' GPU work that the driver would otherwise have

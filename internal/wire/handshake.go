@@ -12,7 +12,7 @@ import (
 	"time"
 )
 
-// dialSocket connects to the exporter's socket at path.
+// DialSocket connects to the exporter's socket at path.
 func DialSocket(ctx context.Context, path string) (net.Conn, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
@@ -29,7 +29,7 @@ func DialSocket(ctx context.Context, path string) (net.Conn, error) {
 	return nc, nil
 }
 
-// handshake is the connecting side's half of the handshake: it says h and reads the
+// Handshake is the connecting side's half of the handshake: it says h and reads the
 // exporter's Welcome, within timeout unless ctx ends first. It fails with ErrRefused
 // and the exporter's reason, ErrVersionMismatch, ErrExporterGone if the exporter hung
 // up, or ctx's error. The caller closes nc on failure.
@@ -39,8 +39,8 @@ func Handshake(ctx context.Context, nc net.Conn, h *HelloMsg, timeout time.Durat
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
 	}
-	nc.SetDeadline(deadline)
-	stop := context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+	_ = nc.SetDeadline(deadline)                                                   // it fails only on a closed connection, which the next read or write reports
+	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes a blocked call; it fails only on a closed connection
 	defer stop()
 	if err := c.Send(ctx, h, -1); err != nil {
 		return nil, nil, ctxOr(ctx, err)
@@ -68,7 +68,7 @@ func Handshake(ctx context.Context, nc net.Conn, h *HelloMsg, timeout time.Durat
 		if !stop() {
 			return nil, nil, fmt.Errorf("cudapool: handshake: %w", ctx.Err())
 		}
-		nc.SetDeadline(time.Time{})
+		_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return c, m, nil
 	}
 	return nil, nil, fmt.Errorf("%w: the exporter answered Hello with %s", ErrProtocol, m.Kind())

@@ -17,7 +17,7 @@ import (
 type idleWatch struct {
 	ep    *os.File
 	epRaw syscall.RawConn
-	// mu orders set and close: no epoll_ctl after the epoll descriptor is closed, when
+	// Mu orders set and close: no epoll_ctl after the epoll descriptor is closed, when
 	// its number could name another file. The socket's number may go stale under set
 	// (the connection closes): its registration then went with it, and the call only
 	// fails.
@@ -53,12 +53,12 @@ func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
 		err = unix.SetNonblock(epfd, true) // so that the runtime's poller waits on it
 	}
 	if err != nil {
-		unix.Close(epfd)
+		_ = unix.Close(epfd) // cleanup: the descriptor is ours and unused
 		return nil, err
 	}
 	w := &idleWatch{ep: os.NewFile(uintptr(epfd), "export idle watch"), epfd: epfd, sockfd: sockfd}
 	if w.epRaw, err = w.ep.SyscallConn(); err != nil {
-		w.ep.Close()
+		_ = w.ep.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
 	}
 	return w, nil
@@ -93,16 +93,16 @@ func (w *idleWatch) set(on bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if !w.closed {
-		unix.EpollCtl(w.epfd, unix.EPOLL_CTL_MOD, w.sockfd, &ev)
+		_ = unix.EpollCtl(w.epfd, unix.EPOLL_CTL_MOD, w.sockfd, &ev) // a watch that cannot be changed reads for good, which the client copes with
 	}
 }
 
-// close ends wait.
+// Close ends wait.
 func (w *idleWatch) Close() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if !w.closed {
 		w.closed = true
-		w.ep.Close()
+		_ = w.ep.Close() // cleanup: nothing is left to do if closing fails
 	}
 }

@@ -20,7 +20,7 @@ const ProtocolVersion = 2
 // The frame layout: [u32 little-endian payload length][u8 type][payload].
 const (
 	HeaderLen = 5
-	// maxFrame bounds a whole frame, header included, so a peer cannot make the other
+	// MaxFrame bounds a whole frame, header included, so a peer cannot make the other
 	// side allocate more than this for one message.
 	MaxFrame   = 64 << 10
 	MaxPayload = MaxFrame - HeaderLen
@@ -28,13 +28,13 @@ const (
 	MaxNameLen = 255
 	// MaxMetaLen is the most metadata a publish can carry (WithMeta), in bytes.
 	MaxMetaLen = 4096
-	// maxDevices bounds the device UUIDs a Welcome lists.
+	// MaxDevices bounds the device UUIDs a Welcome lists.
 	MaxDevices = 16
-	// maxStateBytes bounds the JSON a State reply may add up to across its frames.
+	// MaxStateBytes bounds the JSON a State reply may add up to across its frames.
 	MaxStateBytes = 16 << 20
 )
 
-// msgType is a frame's type byte.
+// MsgType is a frame's type byte.
 type MsgType uint8
 
 const (
@@ -73,18 +73,18 @@ func (t MsgType) String() string {
 	return fmt.Sprintf("type %d", uint8(t))
 }
 
-// message is one decoded frame.
+// Message is one decoded frame.
 type Message interface {
 	Kind() MsgType
-	// appendPayload appends the payload's fixed binary layout to b.
+	// AppendPayload appends the payload's fixed binary layout to b.
 	AppendPayload(b []byte) []byte
 }
 
 // Hello flags.
 const (
-	// helloLeases: the peer takes leases; Device and HandleTypes are meaningful.
+	// HelloLeases: the peer takes leases; Device and HandleTypes are meaningful.
 	HelloLeases uint32 = 1 << 0
-	// helloReleaseEvent: ReleaseEvent is an IPC event recorded after each of the
+	// HelloReleaseEvent: ReleaseEvent is an IPC event recorded after each of the
 	// peer's frees. A leasing peer without one synchronises its frees before it
 	// sends Release (a peer on another host, where IPC events cannot travel).
 	HelloReleaseEvent uint32 = 1 << 1
@@ -104,7 +104,7 @@ const helloLen = 4*4 + 16 + 64
 
 // Welcome flags.
 const (
-	// welcomeRetain: the exporter lets the importer keep its imports mapped past
+	// WelcomeRetain: the exporter lets the importer keep its imports mapped past
 	// their leases (Release with releaseRetain), and revokes them with Revoke.
 	WelcomeRetain uint32 = 1 << 0
 	WelcomeKnown         = WelcomeRetain
@@ -141,7 +141,7 @@ type OpenMsg struct {
 
 // Lease flags.
 const (
-	// leaseReadyEvent: Ready is an IPC event the consumer's stream must wait on.
+	// LeaseReadyEvent: Ready is an IPC event the consumer's stream must wait on.
 	// Without it the exporter waited for the producer's writes before it answered.
 	LeaseReadyEvent uint32 = 1 << 0
 	LeaseKnown             = LeaseReadyEvent
@@ -161,10 +161,10 @@ type LeaseMsg struct {
 	Meta           []byte // at most MaxMetaLen; its length goes before Record
 }
 
-// leaseLen is a Lease's fixed part; the metadata follows it.
+// LeaseLen is a Lease's fixed part; the metadata follows it.
 const LeaseLen = 8*7 + 4 + 4 + 64 + 64
 
-// pushMsg is a lease the exporter sends unasked, with the name it was published under.
+// PushMsg is a lease the exporter sends unasked, with the name it was published under.
 type PushMsg struct {
 	LeaseMsg
 	Name string
@@ -172,10 +172,10 @@ type PushMsg struct {
 
 // Release flags.
 const (
-	// releaseNothingImported: the importer imported nothing under the lease (a push it
+	// ReleaseNothingImported: the importer imported nothing under the lease (a push it
 	// did not want), so the exporter need not wait for any free of it.
 	ReleaseNothingImported uint32 = 1 << 0
-	// releaseRetain: the importer keeps its import mapped; its release event covers
+	// ReleaseRetain: the importer keeps its import mapped; its release event covers
 	// its work on the buffer, not a free. The exporter revokes it before the memory
 	// goes back to the driver. Only where the Welcome allowed it.
 	ReleaseRetain uint32 = 1 << 1
@@ -200,7 +200,7 @@ type ReleasedMsg struct {
 
 const releasedLen = 8 + 8
 
-// errCode says on the wire which sentinel an Error frame stands for.
+// ErrCode says on the wire which sentinel an Error frame stands for.
 type ErrCode uint32
 
 const (
@@ -226,7 +226,7 @@ var CodeErrs = [CodeLimit]error{
 	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases, codeTooManyGrants: ErrTooManyGrants,
 }
 
-// codeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
+// CodeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
 func CodeOf(err error) ErrCode {
 	if errors.Is(err, ErrClosed) {
 		return codeClosed
@@ -281,7 +281,7 @@ type StateMsg struct {
 
 type ByeMsg struct{}
 
-// revokeMsg asks the importer to free its retained import of Record, and revokedMsg
+// RevokeMsg asks the importer to free its retained import of Record, and revokedMsg
 // says it has, as of the importer's release event.
 type RevokeMsg struct{ Record cudart.PtrExportData }
 
@@ -293,7 +293,7 @@ const revokeLen = len(cudart.PtrExportData{})
 // ReleaseBatch (Importer.ReleaseAll) may carry.
 const MaxBatch = 1024
 
-// openBatchMsg asks for many names at once: each is a u8 length and its bytes.
+// OpenBatchMsg asks for many names at once: each is a u8 length and its bytes.
 type OpenBatchMsg struct {
 	ReqID uint64
 	Names []string
@@ -305,7 +305,7 @@ const (
 	LeaseBatchKnown        = LeaseBatchMore
 )
 
-// leaseBatchMsg answers an OpenBatch: its leases, in the order of the names, over as
+// LeaseBatchMsg answers an OpenBatch: its leases, in the order of the names, over as
 // many frames as they need, each lease laid out as in Lease (with the batch's ReqID).
 type LeaseBatchMsg struct {
 	ReqID  uint64
@@ -315,7 +315,7 @@ type LeaseBatchMsg struct {
 
 const LeaseBatchHeaderLen = 8 + 4 + 4
 
-// releaseBatchMsg gives back grants of many leases; each entry is a Release's lease
+// ReleaseBatchMsg gives back grants of many leases; each entry is a Release's lease
 // id, count and flags.
 type ReleaseBatchMsg struct {
 	ReqID   uint64
@@ -472,7 +472,7 @@ func (m *ReleaseBatchMsg) AppendPayload(b []byte) []byte {
 
 func (m *RevokedMsg) AppendPayload(b []byte) []byte { return append(b, m.Record[:]...) }
 
-// appendFrame appends m as one whole frame to b.
+// AppendFrame appends m as one whole frame to b.
 func AppendFrame(b []byte, m Message) []byte {
 	start := len(b)
 	b = append(b, 0, 0, 0, 0, byte(m.Kind()))
@@ -503,7 +503,7 @@ func parseHeader(h []byte) (MsgType, int, error) {
 	return t, int(n), nil
 }
 
-// payloadLimits gives each type's smallest and largest payload length.
+// PayloadLimits gives each type's smallest and largest payload length.
 var PayloadLimits = [...]struct{ Min, Max int }{
 	// A Hello of another protocol version may have another length: its version,
 	// first, is read before the length is held to this version's.
@@ -527,7 +527,7 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgReleaseBatch: {8 + 4, 8 + 4 + MaxBatch*releaseEntryLen},
 }
 
-// decodePayload decodes the payload of a frame whose header parseHeader accepted.
+// DecodePayload decodes the payload of a frame whose header parseHeader accepted.
 // Every field is checked: unknown flag bits, out-of-range counts, names and texts that
 // are not clean UTF-8, and non-zero padding are all refused, so that a frame decodes
 // only if encoding what it decoded to gives the same bytes.
@@ -754,7 +754,7 @@ func (r *reader) lease(m *LeaseMsg) error {
 	return nil
 }
 
-// checkRange says why length bytes at offset are not a range of a size-byte buffer.
+// CheckRange says why length bytes at offset are not a range of a size-byte buffer.
 func CheckRange(size, offset, length uint64) error {
 	if length == 0 || offset > size || length > size-offset {
 		return fmt.Errorf("%w: %d bytes at offset %d of a %d-byte buffer", ErrBadRange, length, offset, size)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 
 	"github.com/dustin/go-humanize"
@@ -132,11 +133,41 @@ func finish(ctx context.Context, role string, rt cudart.Runtime, stderr io.Write
 // value from GPUShape or TestShape, whichever fits the runtime: see Resolve.
 func ShapeFlags(fs *flag.FlagSet) *Shape {
 	var s Shape
-	fs.IntVar(&s.Layers, "layers", 0, "model layers (default 32)")
-	fs.IntVar(&s.Tokens, "tokens", 0, "tokens in the shared prompt (default 32768 on a GPU, 512 on the software device)")
-	fs.IntVar(&s.Heads, "heads", 0, "KV heads (default 8)")
-	fs.IntVar(&s.HeadDim, "head-dim", 0, "elements per head (default 128)")
+	countVar(fs, &s.Layers, "layers", 0, "`N` model layers (default 32)")
+	countVar(fs, &s.Tokens, "tokens", 0, "`N` tokens in the shared prompt (default 32768 on a GPU, 512 on the software device)")
+	countVar(fs, &s.Heads, "heads", 0, "`N` KV heads (default 8)")
+	countVar(fs, &s.HeadDim, "head-dim", 0, "`N` elements per head (default 128)")
 	return &s
+}
+
+// countVar defines an int flag that, when given, must be positive: 0 is as wrong as -5.
+// Left out, it keeps def (0 where the default depends on the runtime, as its usage
+// says).
+func countVar(fs *flag.FlagSet, p *int, name string, def int, usage string) {
+	*p = def
+	fs.Var(count{p}, name, usage)
+}
+
+// count is countVar's flag.Value.
+type count struct{ n *int }
+
+func (c count) String() string {
+	if c.n == nil {
+		return "0"
+	}
+	return strconv.Itoa(*c.n)
+}
+
+func (c count) Set(s string) error {
+	n, err := strconv.Atoi(s)
+	switch {
+	case err != nil:
+		return errors.New("not a whole number")
+	case n < 1:
+		return errors.New("must be positive")
+	}
+	*c.n = n
+	return nil
 }
 
 // Resolve fills the dimensions left at 0 from GPUShape on a GPU and TestShape otherwise.
@@ -176,7 +207,7 @@ func ProducerCommand(ctx context.Context, args []string, _ io.Reader, stdout, st
 		}}
 	err = Produce(ctx, rt, cfg, func(p Published) {
 		if c.json {
-			json.NewEncoder(stdout).Encode(p)
+			_ = json.NewEncoder(stdout).Encode(p) // a reader that misses the line sees the producer fail to publish
 			return
 		}
 		fmt.Fprintf(stdout, "%s: published %q, %s, on device %d at %s (checksum %s)\n",
@@ -217,7 +248,7 @@ func ConsumerCommand(ctx context.Context, args []string, stdin io.Reader, stdout
 	res, err := Consume(ctx, rt, cfg)
 	if err == nil {
 		if c.json {
-			json.NewEncoder(stdout).Encode(res)
+			err = json.NewEncoder(stdout).Encode(res)
 		} else {
 			fmt.Fprintf(stdout, "%s: device %d read %q (%s) at %.1f GB/s; a local copy runs at %.1f GB/s; checksum %s matches the pattern; released\n",
 				role, res.Device, res.Name, humanize.IBytes(res.Size), res.ImportGBps(), res.LocalGBps(), res.Checksum)

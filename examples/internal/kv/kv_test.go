@@ -197,8 +197,30 @@ func TestLaunch(t *testing.T) {
 	}
 	assert.Equal(t, 3, rows, "want 3 good rows and a closing line:\n%s", &out)
 	assert.Contains(t, lines[len(lines)-1], "3 consumers read the producer's 8.0 MiB and checked every byte", "want 3 good rows and a closing line:\n%s", &out)
+	if !picked.OnGPU {
+		assert.Contains(t, out.String(), "not meaningful on the software device", "the software device's timings are not the GPU's:\n%s", &out)
+	}
 	entries, _ := os.ReadDir(os.Getenv(discover.DirEnv))
 	assert.Empty(t, entries, "kvshare left files behind")
+}
+
+func TestLaunchOneConsumer(t *testing.T) {
+	t.Setenv(discover.DirEnv, t.TempDir())
+	var out, errOut bytes.Buffer
+	code := LaunchCommand(context.Background(), []string{"-consumers", "1", "-tokens", "64", "-reps", "1"}, nil, &out, &errOut)
+	require.Equal(t, 0, code, "kvshare's exit\nstdout:\n%s\nstderr:\n%s", &out, &errOut)
+	assert.NotContains(t, out.String(), "1 consumers", "grammar:\n%s", &out)
+	assert.Contains(t, out.String(), "1 consumer maps it instead", "grammar:\n%s", &out)
+	assert.Contains(t, out.String(), "1 consumer read the producer's", "grammar:\n%s", &out)
+}
+
+func TestCacheSentence(t *testing.T) {
+	// The software device's default is small; the sentence says what a GPU gets with
+	// the same flags, and nothing when the flags fix every dimension.
+	assert.Equal(t, "a 64 MiB KV cache (small for the software device; a GPU gets 4.0 GiB)", cacheSentence(Shape{}, false))
+	assert.Equal(t, "a 32 MiB KV cache (small for the software device; a GPU gets 2.0 GiB)", cacheSentence(Shape{Heads: 4}, false))
+	assert.Equal(t, "a 4.0 MiB KV cache", cacheSentence(Shape{Tokens: 64, Heads: 4}, false))
+	assert.Equal(t, "a 4.0 GiB KV cache", cacheSentence(Shape{}, true))
 }
 
 func TestLaunchInterrupted(t *testing.T) {
@@ -220,6 +242,18 @@ func TestLaunchBadUsage(t *testing.T) {
 		var out, errOut bytes.Buffer
 		code := LaunchCommand(context.Background(), args, nil, &out, &errOut)
 		assert.Equal(t, 2, code, "kvshare %q's exit", args)
+	}
+	// A count given as 0 is as wrong as one given as -5, and the message names the flag
+	// given; left out, each has its default.
+	for _, args := range [][]string{
+		{"-consumers", "0"}, {"-consumers", "-5"}, {"-reps", "0"}, {"-tokens", "0"}, {"-tokens", "-5"},
+		{"-layers", "0"}, {"-heads", "0"}, {"-head-dim", "-1"},
+	} {
+		var out, errOut bytes.Buffer
+		code := LaunchCommand(context.Background(), args, nil, &out, &errOut)
+		assert.Equal(t, 2, code, "kvshare %q's exit", args)
+		assert.Contains(t, errOut.String(), "flag "+args[0]+": must be positive", "kvshare %q names its flag", args)
+		assert.Equal(t, 1, strings.Count(errOut.String(), " must be"), "kvshare %q names only the flag given: %s", args, &errOut)
 	}
 	var out, errOut bytes.Buffer
 	code := LaunchCommand(context.Background(), []string{"-runtime", "tpu"}, nil, &out, &errOut)

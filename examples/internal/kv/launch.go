@@ -40,15 +40,12 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 	}
 	const role = "kvshare"
 	fs := flag.NewFlagSet(role, flag.ContinueOnError)
-	consumers := fs.Int("consumers", 0, "consumer processes (default: one per visible device, at least 2)")
+	var consumers, reps int
+	countVar(fs, &consumers, "consumers", 0, "`N` consumer processes (default: one per visible device, at least 2)")
 	prefer := fs.String("runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test")
-	reps := fs.Int("reps", 3, "how many times each consumer times each copy (the best counts)")
+	countVar(fs, &reps, "reps", 3, "`N`: how many times each consumer times each copy (the best counts)")
 	shapeFlags := ShapeFlags(fs)
 	if !parse(fs, args, stderr) {
-		return 2
-	}
-	if *consumers < 0 || *reps < 1 {
-		fmt.Fprintf(stderr, "%s: -consumers must be positive and -reps at least 1\n", role)
 		return 2
 	}
 	picked, err := choose.Runtime(*prefer)
@@ -61,8 +58,8 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 		return fail(role, stderr, err)
 	}
 	l := launch{
-		shape: shapeFlags.Resolve(onGPU), devices: devices, consumers: *consumers, reps: *reps,
-		runtime: choose.Software, stdout: stdout, stderr: stderr,
+		shape: shapeFlags.Resolve(onGPU), devices: devices, consumers: consumers, reps: reps,
+		runtime: choose.Software, onGPU: onGPU, stdout: stdout, stderr: stderr,
 	}
 	if onGPU {
 		l.runtime = choose.GPU
@@ -74,11 +71,8 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 		return fail(role, stderr, err)
 	}
 	fmt.Fprintf(stdout, "%s: %s\n", role, why)
-	size := "a " + humanize.IBytes(l.shape.Bytes()) + " KV cache"
-	if !onGPU {
-		size += " (small for the software device; a GPU gets " + humanize.IBytes(GPUShape.Bytes()) + ")"
-	}
-	fmt.Fprintf(stdout, "%s: one producer on device 0 computes %s once; %d consumers map it instead\n", role, size, l.consumers)
+	size := cacheSentence(*shapeFlags, onGPU)
+	fmt.Fprintf(stdout, "%s: one producer on device 0 computes %s once; %s instead\n", role, size, plural(l.consumers, "consumer maps it", "consumers map it"))
 	switch err := l.run(ctx); {
 	case errors.Is(err, errInterrupted):
 		fmt.Fprintf(stdout, "%s: interrupted; the producer and the consumers stopped and released what they held\n", role)
@@ -89,6 +83,24 @@ func LaunchCommand(ctx context.Context, args []string, stdin io.Reader, stdout, 
 	return 0
 }
 
+// cacheSentence says how big the cache of flags is on this runtime, and on the software
+// device what a GPU gets with the same flags, where that differs.
+func cacheSentence(flags Shape, onGPU bool) string {
+	size := "a " + humanize.IBytes(flags.Resolve(onGPU).Bytes()) + " KV cache"
+	if gpu := flags.Resolve(true); !onGPU && gpu != flags.Resolve(false) {
+		size += " (small for the software device; a GPU gets " + humanize.IBytes(gpu.Bytes()) + ")"
+	}
+	return size
+}
+
+// plural is one or many, with n in front.
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return strconv.Itoa(n) + " " + many
+}
+
 // launch is one run of the main job.
 type launch struct {
 	shape     Shape
@@ -96,6 +108,7 @@ type launch struct {
 	consumers int
 	reps      int
 	runtime   string // what the children are told, so that all of them agree with the launcher
+	onGPU     bool
 	stdout    io.Writer
 	stderr    io.Writer
 }
@@ -164,13 +177,13 @@ func (l *launch) run(ctx context.Context) error {
 	}
 	failed := l.summarise(pub, outcomes)
 	if failed > 0 {
-		return errors.Join(fmt.Errorf("%d of %d consumers failed", failed, len(outcomes)), stopErr)
+		return errors.Join(fmt.Errorf("%d of %s failed", failed, plural(len(outcomes), "consumer", "consumers")), stopErr)
 	}
 	if stopErr != nil {
 		return stopErr
 	}
-	fmt.Fprintf(l.stdout, "kvshare: %d consumers read the producer's %s and checked every byte; the producer stopped cleanly\n",
-		len(outcomes), humanize.IBytes(pub.Size))
+	fmt.Fprintf(l.stdout, "kvshare: %s read the producer's %s and checked every byte; the producer stopped cleanly\n",
+		plural(len(outcomes), "consumer", "consumers"), humanize.IBytes(pub.Size))
 	return nil
 }
 
@@ -212,7 +225,10 @@ func (l *launch) summarise(pub Published, outcomes []outcome) (failed int) {
 		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%.1f GB/s\t%.1f GB/s\t%.2f\t%s ok\n", i+1, o.res.PID, o.device, from,
 			o.res.ImportGBps(), o.res.LocalGBps(), o.res.ImportGBps()/o.res.LocalGBps(), o.res.Checksum)
 	}
-	tw.Flush()
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
+	if !l.onGPU {
+		fmt.Fprintln(l.stdout, "kvshare: IMPORT READ, LOCAL COPY and RATIO are not meaningful on the software device: its device memory is host memory, copied by the CPU")
+	}
 	for _, w := range why {
 		fmt.Fprintln(l.stdout, w)
 	}
