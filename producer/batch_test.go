@@ -3,6 +3,7 @@ package producer
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -352,4 +353,72 @@ func (r *rawPeer) servesOn(reqID uint64) {
 	require.True(r.t, ok, "the connection did not serve an Open")
 	_, ok = r.release(reqID+1, l.LeaseID, 1).(*wire.ReleasedMsg)
 	require.True(r.t, ok, "the connection did not serve a Release")
+}
+
+// waitCounter counts the distinct events each stream was made to wait on.
+type waitCounter struct {
+	cudart.Runtime
+	mu    sync.Mutex
+	waits map[cudart.Stream]map[cudart.Event]bool
+}
+
+func (w *waitCounter) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	w.mu.Lock()
+	if w.waits[s] == nil {
+		w.waits[s] = map[cudart.Event]bool{}
+	}
+	w.waits[s][e] = true
+	w.mu.Unlock()
+	return w.Runtime.StreamWaitEvent(dev, s, e)
+}
+
+func (w *waitCounter) waited(s cudart.Stream) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.waits[s])
+}
+
+// OpenAll of buffers published on two producer streams, both stalled before their
+// writes, makes the consumer's stream wait on the ready event of each (and on one
+// only for two buffers of one stream); reads on the consumer's stream see the writes.
+func TestOpenAllWaitsForEveryProducerStream(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	ctx := testCtx(t)
+	second, err := pr.dev.StreamCreate(pr.ord, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	names := []string{"first", "second", "first-too"}
+	var resumes []func()
+	for i, s := range []cudart.Stream{pr.stream, second, pr.stream} {
+		b, err := pr.pool.Alloc(ctx, 1<<20, s)
+		require.NoError(t, err)
+		if i < 2 {
+			require.NoError(t, pr.dev.StreamSynchronize(pr.ord, s))
+			resume, err := pr.dev.Stall(pr.ord, s)
+			require.NoError(t, err)
+			t.Cleanup(resume)
+			resumes = append(resumes, resume)
+		}
+		require.NoError(t, pr.dev.MemsetAsync(pr.ord, b.Ptr(), byte(i+1), 1<<20, s)) // held by the stall
+		require.NoError(t, pr.ex.Publish(ctx, names[i], b, s))
+	}
+
+	side := newSide(t, 0)
+	rt := &waitCounter{Runtime: side.dev, waits: map[cudart.Stream]map[cudart.Event]bool{}}
+	imp, err := consumer.Dial(ctx, pr.path, rt, 0, consumer.WithLogger(discardLogger))
+	require.NoError(t, err)
+	c := &testConsumer{side: side, imp: imp}
+	t.Cleanup(func() { imp.Close(context.Background()) })
+	ms, err := c.imp.OpenAll(ctx, names, c.stream)
+	require.NoError(t, err)
+	assert.Equal(t, 2, rt.waited(c.stream), "the producer streams the consumer's stream waits for")
+	for _, resume := range resumes {
+		resume()
+	}
+	for i, m := range ms {
+		require.True(t, allAre(c.read(t, m), byte(i+1)), "the consumer read %s before its producer's writes", names[i])
+	}
+	require.NoError(t, c.imp.ReleaseAll(ctx, ms, c.stream))
+	require.NoError(t, pr.dev.StreamSynchronize(pr.ord, second))
+	c.checkClean(t)
+	pr.checkClean(t)
 }
