@@ -422,3 +422,41 @@ func TestOpenAllWaitsForEveryProducerStream(t *testing.T) {
 	c.checkClean(t)
 	pr.checkClean(t)
 }
+
+// ReleaseAll with the imports retained still orders the release after the caller's
+// pending work: the producer's next use of the recycled memory waits for a copy the
+// consumer queued (on a stalled stream) before it released.
+func TestReleaseAllWithRetentionOrdersAfterPendingWork(t *testing.T) {
+	rp := newRetainingPair(t, WithRetainedImports())
+	ctx := testCtx(t)
+	pr, c := rp.pr, rp.c
+	b, names := rp.slab(t, 2, 1<<20, 0)
+	ms, err := c.imp.OpenAll(ctx, names, c.stream)
+	require.NoError(t, err)
+	dp, err := c.dev.DeviceGetDefaultMemPool(c.ord)
+	require.NoError(t, err)
+	local, err := c.dev.MallocFromPoolAsync(c.ord, 1<<20, dp, c.stream)
+	require.NoError(t, err, "the consumer's own buffer")
+	require.NoError(t, c.dev.StreamSynchronize(c.ord, c.stream))
+	resume := stall(t, c.side)
+	require.NoError(t, c.dev.MemcpyDtoDAsync(c.ord, local, ms[1].Ptr(), 1<<20, c.stream)) // pending
+	require.NoError(t, c.imp.ReleaseAll(ctx, ms, c.stream))
+	assert.Equal(t, 1, poolStats(t, pr.pool).Retentions, "the slab's import is retained")
+	for _, name := range names {
+		require.NoError(t, pr.ex.Unpublish(name))
+	}
+	require.NoError(t, b.Free(pr.stream))
+	again, err := pr.pool.Alloc(ctx, 2<<20, pr.stream) // the recycled slab
+	require.NoError(t, err)
+	require.Equal(t, b.Ptr(), again.Ptr(), "the slab's memory was recycled")
+	require.NoError(t, pr.dev.MemsetAsync(pr.ord, again.Ptr(), 0xee, 2<<20, pr.stream)) // must wait for the copy
+	resume()
+	out := make([]byte, 1<<20)
+	require.NoError(t, c.dev.MemcpyDtoHAsync(c.ord, out, local, c.stream))
+	assert.True(t, allAre(out, 2), "the consumer's pending copy read the producer's next data")
+	require.NoError(t, pr.dev.StreamSynchronize(pr.ord, pr.stream))
+	require.NoError(t, c.dev.FreeAsync(c.ord, local, c.stream))
+	require.NoError(t, again.Free(pr.stream))
+	pr.checkClean(t)
+	c.checkClean(t)
+}
