@@ -31,7 +31,7 @@ const (
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = consumer.MaxMetaLen
+const maxMeta = producer.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {

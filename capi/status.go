@@ -66,7 +66,7 @@ var statuses = []struct {
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
 	{consumer.ErrBadName, statusInval},
-	{consumer.ErrBadRange, statusInval},
+	{producer.ErrBadRange, statusInval},
 	{producer.ErrMetaTooLong, statusInval},
 	{pool.ErrForeignBuffer, statusPointer},
 	{pool.ErrFreed, statusPointer},
@@ -86,7 +86,7 @@ var statuses = []struct {
 	{consumer.ErrProtocol, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
 	{consumer.ErrHandleType, statusNotSup},
-	{consumer.ErrIMEXRequired, statusNotSup},
+	{producer.ErrIMEXRequired, statusNotSup},
 	{cudart.ErrNoRuntime, statusNoRuntime},
 	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 }

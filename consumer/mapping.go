@@ -64,7 +64,7 @@ func (m *Mapping) Size() uint64 { return m.size }
 // Name is the name the range was first opened (or pushed) under.
 func (m *Mapping) Name() string { return m.name }
 
-// Meta is the metadata published with the range (WithMeta), nil if none. It is the
+// Meta is the metadata published with the range (producer.WithMeta), nil if none. It is the
 // Mapping's own: do not modify it.
 func (m *Mapping) Meta() []byte { return m.meta }
 

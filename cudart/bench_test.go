@@ -73,7 +73,7 @@ func BenchmarkExportPointer(b *testing.B) {
 	rt := gputest.Runtime(b)
 	f := newGPUFixture(b, rt, 0, ipcPool)
 	h := must[cudart.ShareableHandle](b, "MemPoolExportToShareableHandle")(rt.MemPoolExportToShareableHandle(0, f.pool, cudart.HandleTypePosixFD))
-	unix.Close(h.FD)
+	_ = unix.Close(h.FD) // test cleanup
 	p := f.malloc(b, MiB)
 	defer f.free(b, p)
 	require.NoError(b, rt.StreamSynchronize(0, f.stream), "StreamSynchronize")
@@ -98,12 +98,12 @@ func BenchmarkImportPointer(b *testing.B) {
 	_, fd, err := recvWithFD(conn, 8)
 	require.NoError(b, err, "from the exporter")
 	pool, err := rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd})
-	unix.Close(fd)
+	_ = unix.Close(fd) // test cleanup
 	require.NoError(b, err)
 	data := make([]cudart.PtrExportData, importBuffers)
 	require.NoError(b, binary.Read(conn, binary.LittleEndian, data), "export data from the exporter")
 	s := must[cudart.Stream](b, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
-	defer rt.StreamDestroy(0, s)
+	defer func() { _ = rt.StreamDestroy(0, s) }() // test cleanup
 
 	b.ReportAllocs()
 	bt := gputest.NewBatches(importBuffers)
@@ -148,7 +148,7 @@ func benchExporterMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }() // test cleanup
 	h, data, err := exportBuffers(rt, n, nil)
 	if err != nil {
 		return fail(err)
@@ -171,9 +171,9 @@ func BenchmarkEventRecordWait(b *testing.B) {
 	rt := gputest.Runtime(b)
 	f := newGPUFixture(b, rt, 0, ipcPool)
 	waiter := must[cudart.Stream](b, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
-	defer rt.StreamDestroy(0, waiter)
+	defer func() { _ = rt.StreamDestroy(0, waiter) }() // test cleanup
 	e := must[cudart.Event](b, "EventCreate")(rt.EventCreate(0, cudart.EventIPC))
-	defer rt.EventDestroy(0, e)
+	defer func() { _ = rt.EventDestroy(0, e) }() // test cleanup
 	b.ReportAllocs()
 	bt := gputest.NewBatches(syncEvery)
 	for b.Loop() {

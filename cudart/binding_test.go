@@ -282,7 +282,7 @@ func TestFakeErrorsNameTheFailingCall(t *testing.T) {
 	rt := loadFake(t)
 	const d = poisonedDevice
 	h := must[cudart.ShareableHandle](t, "export")(rt.MemPoolExportToShareableHandle(0, newPool(t, rt, 0), cudart.HandleTypePosixFD))
-	t.Cleanup(func() { unix.Close(h.FD) })
+	t.Cleanup(func() { _ = unix.Close(h.FD) }) // test cleanup
 	buf := make([]byte, 8)
 	discard := func(_ any, err error) error { return err }
 	for _, tc := range []struct {
@@ -397,7 +397,7 @@ func TestFakeEveryCallMakesItsDeviceCurrent(t *testing.T) {
 			h, err = rt.MemPoolExportToShareableHandle(dev, pool, cudart.HandleTypePosixFD)
 			return err
 		}},
-		{"MemPoolImportFromShareableHandle", func() error { imp, err = rt.MemPoolImportFromShareableHandle(dev, h); unix.Close(h.FD); return err }},
+		{"MemPoolImportFromShareableHandle", func() error { imp, err = rt.MemPoolImportFromShareableHandle(dev, h); _ = unix.Close(h.FD); return err }}, // test cleanup
 		{"MemPoolExportPointer", func() error { data, err = rt.MemPoolExportPointer(dev, ptr); return err }},
 		{"MemPoolImportPointer", func() error { got, err = rt.MemPoolImportPointer(dev, imp, data); return err }},
 		{"FreeAsync of the import", func() error { return rt.FreeAsync(dev, got, s) }},
@@ -559,7 +559,7 @@ func TestFakeHotPathDoesNotAllocate(t *testing.T) {
 	ptr := must[cudart.DevicePtr](t, "MallocFromPoolAsync")(rt.MallocFromPoolAsync(0, 256, pool, s))
 	h := must[cudart.ShareableHandle](t, "export")(rt.MemPoolExportToShareableHandle(0, pool, cudart.HandleTypePosixFD))
 	imported := must[cudart.MemPool](t, "import")(rt.MemPoolImportFromShareableHandle(1, h))
-	unix.Close(h.FD)
+	_ = unix.Close(h.FD) // test cleanup
 	data := must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, ptr))
 
 	var failed error

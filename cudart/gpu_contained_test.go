@@ -88,7 +88,7 @@ func runF14(t *testing.T, name string) []string {
 	require.NoError(t, err, "from the producer")
 	cons, cconn := startChild(t, "f14-consumer", name)
 	err = sendWithFD(cconn, msg, fd)
-	unix.Close(fd)
+	_ = unix.Close(fd) // test cleanup
 	require.NoError(t, err, "to the consumer")
 
 	var lines []string
@@ -102,7 +102,7 @@ func runF14(t *testing.T, name string) []string {
 			}
 			start := time.Now()
 			require.NoError(t, prod.Process.Kill())
-			prod.Wait()
+			_ = prod.Wait() // test cleanup
 			lines = append(lines, fmt.Sprintf("(test) producer SIGKILLed and reaped in %v", time.Since(start).Round(time.Microsecond)))
 			_, err := cconn.Write([]byte{'k'})
 			require.NoError(t, err)
@@ -114,8 +114,8 @@ func runF14(t *testing.T, name string) []string {
 	if err := cons.Wait(); err != nil {
 		lines = append(lines, fmt.Sprintf("(test) consumer exited: %v", err))
 	}
-	prod.Process.Kill()
-	prod.Wait()
+	_ = prod.Process.Kill() // test cleanup
+	_ = prod.Wait()         // test cleanup
 	return lines
 }
 
@@ -128,7 +128,7 @@ func f14ProducerMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	conn.SetDeadline(time.Time{})
+	_ = conn.SetDeadline(time.Time{}) // test cleanup
 	pool, err := rt.MemPoolCreate(cudart.PoolProps{HandleTypes: cudart.HandleTypePosixFD, Location: cudart.DeviceLocation(0)})
 	if err != nil {
 		return fail(err)
@@ -178,7 +178,7 @@ func f14ProducerMain(args []string) int {
 	if err := sendWithFD(conn, append(data[:], eh[:]...), h.FD); err != nil {
 		return fail(err)
 	}
-	io.ReadFull(conn, make([]byte, 1)) // until killed
+	_, _ = io.ReadFull(conn, make([]byte, 1)) // until killed
 	return 0
 }
 
@@ -239,12 +239,12 @@ func (c *f14Consumer) contextWorks() {
 			if err != nil {
 				return err
 			}
-			defer c.rt.MemPoolDestroy(dev, p)
+			defer func() { _ = c.rt.MemPoolDestroy(dev, p) }() // test cleanup
 			s, err := c.rt.StreamCreate(dev, cudart.StreamNonBlocking)
 			if err != nil {
 				return err
 			}
-			defer c.rt.StreamDestroy(dev, s)
+			defer func() { _ = c.rt.StreamDestroy(dev, s) }() // test cleanup
 			ptr, err := c.rt.MallocFromPoolAsync(dev, 1<<20, p, s)
 			if err != nil {
 				return err
@@ -281,12 +281,12 @@ func f14ConsumerMain(args []string) int {
 		fmt.Fprintln(os.Stderr, "f14 consumer:", err)
 		return 1
 	}
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(hangGuard))
+	defer func() { _ = conn.Close() }()             // test cleanup
+	_ = conn.SetDeadline(time.Now().Add(hangGuard)) // test cleanup
 	c := &f14Consumer{rt: rt, conn: conn, killed: make(chan struct{})}
 	defer c.say("done")
 	err = c.setup(fd, cudart.PtrExportData(raw[:64]))
-	unix.Close(fd)
+	_ = unix.Close(fd) // test cleanup
 	if err != nil {
 		c.say("setup: %v", err)
 		return 1

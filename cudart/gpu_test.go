@@ -301,7 +301,7 @@ func TestGPUEvents(t *testing.T) {
 	rt := gputest.Runtime(t)
 	f := newGPUFixture(t, rt, 0, ipcPool)
 	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
-	defer rt.StreamDestroy(0, s2)
+	defer func() { _ = rt.StreamDestroy(0, s2) }() // test cleanup
 	for _, flags := range []cudart.EventFlags{cudart.EventDisableTiming, cudart.EventIPC} {
 		e := must[cudart.Event](t, "EventCreate")(rt.EventCreate(0, flags))
 		assert.True(t, must[bool](t, "EventQuery")(rt.EventQuery(0, e)), "flags %#x: an event never recorded is not complete", flags)
@@ -418,7 +418,7 @@ func exportRuleMain(args []string) int {
 		c.check(errors.Is(err, cudart.ErrInvalidValue), "exporting a pointer before its pool: %v, want invalid value", err)
 		h, err := rt.MemPoolExportToShareableHandle(0, pool, cudart.HandleTypePosixFD)
 		if c.check(err == nil, "exporting the pool: %v", err) {
-			unix.Close(h.FD)
+			_ = unix.Close(h.FD) // test cleanup
 			first, err1 := rt.MemPoolExportPointer(0, q)
 			again, err2 := rt.MemPoolExportPointer(0, q)
 			c.check(err1 == nil && err2 == nil && first == again, "exporting the pointer twice: %v, %v, same bytes %v", err1, err2, first == again)
@@ -473,14 +473,14 @@ func startChild(t testing.TB, role string, args ...string) (*exec.Cmd, *net.Unix
 	unix.CloseOnExec(fds[0]) // the child gets its end as fd 3 through ExtraFiles
 	unix.CloseOnExec(fds[1])
 	child := os.NewFile(uintptr(fds[1]), "child socket")
-	defer child.Close()
+	defer func() { _ = child.Close() }() // test cleanup
 	parent := os.NewFile(uintptr(fds[0]), "parent socket")
-	defer parent.Close()
+	defer func() { _ = parent.Close() }() // test cleanup
 	c, err := net.FileConn(parent)
 	require.NoError(t, err)
 	conn := c.(*net.UnixConn)
-	t.Cleanup(func() { conn.Close() })
-	conn.SetDeadline(time.Now().Add(hangGuard))
+	t.Cleanup(func() { _ = conn.Close() })          // test cleanup
+	_ = conn.SetDeadline(time.Now().Add(hangGuard)) // test cleanup
 	cmd := proctest.Command(t, role, args...)
 	cmd.ExtraFiles = []*os.File{child}
 	require.NoError(t, cmd.Start())
@@ -490,12 +490,12 @@ func startChild(t testing.TB, role string, args ...string) (*exec.Cmd, *net.Unix
 // parentConn is a child's end of the socket startChild made.
 func parentConn() (*net.UnixConn, error) {
 	f := os.NewFile(3, "parent socket")
-	defer f.Close()
+	defer func() { _ = f.Close() }() // test cleanup
 	c, err := net.FileConn(f)
 	if err != nil {
 		return nil, err
 	}
-	c.SetDeadline(time.Now().Add(hangGuard))
+	_ = c.SetDeadline(time.Now().Add(hangGuard)) // test cleanup
 	return c.(*net.UnixConn), nil
 }
 
@@ -513,7 +513,7 @@ func recvWithFD(c *net.UnixConn, size int) ([]byte, int, error) {
 		return nil, -1, fmt.Errorf("got %d descriptors, want 1", len(fds))
 	}
 	if _, err := io.ReadFull(c, msg[n:]); err != nil {
-		unix.Close(fds[0])
+		_ = unix.Close(fds[0]) // test cleanup
 		return nil, -1, err
 	}
 	return msg, fds[0], nil
@@ -536,7 +536,7 @@ func TestGPUTwoProcessSharing(t *testing.T) {
 	rt := gputest.Runtime(t)
 	f := newGPUFixture(t, rt, 0, ipcPool)
 	h := must[cudart.ShareableHandle](t, "MemPoolExportToShareableHandle")(rt.MemPoolExportToShareableHandle(0, f.pool, cudart.HandleTypePosixFD))
-	defer unix.Close(h.FD)
+	defer func() { _ = unix.Close(h.FD) }() // test cleanup
 	buf, neighbour := f.malloc(t, MiB), f.malloc(t, MiB)
 	f.write(t, buf, pattern(MiB, 1))
 	f.write(t, neighbour, pattern(MiB, 2))
@@ -546,13 +546,13 @@ func TestGPUTwoProcessSharing(t *testing.T) {
 	f.free(t, stale)
 	m.Data = must[cudart.PtrExportData](t, "MemPoolExportPointer")(rt.MemPoolExportPointer(0, buf))
 	ev := must[cudart.Event](t, "EventCreate")(rt.EventCreate(0, cudart.EventIPC))
-	defer rt.EventDestroy(0, ev)
+	defer func() { _ = rt.EventDestroy(0, ev) }() // test cleanup
 	require.NoError(t, rt.EventRecord(0, ev, f.stream), "EventRecord")
 	m.Event = must[cudart.IpcEventHandle](t, "IpcGetEventHandle")(rt.IpcGetEventHandle(0, ev))
 
 	cmd, conn := startChild(t, "importer")
 	var msg bytes.Buffer
-	binary.Write(&msg, binary.LittleEndian, &m)
+	_ = binary.Write(&msg, binary.LittleEndian, &m) // test cleanup
 	require.NoError(t, sendWithFD(conn, msg.Bytes(), h.FD), "send to the importer")
 	// The importer acknowledges once it has freed every import, as CUDA requires
 	// before the exporter frees.
@@ -605,7 +605,7 @@ func childSetup(msgSize int) (cudart.Runtime, *net.UnixConn, []byte, int, error)
 	}
 	msg, fd, err := recvWithFD(conn, msgSize)
 	if err != nil {
-		conn.Close()
+		_ = conn.Close() // test cleanup
 		return nil, nil, nil, -1, err
 	}
 	return rt, conn, msg, fd, nil
@@ -617,13 +617,13 @@ func importerMain([]string) int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 1
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }() // test cleanup
 	var m importerMsg
-	binary.Read(bytes.NewReader(raw), binary.LittleEndian, &m)
+	_ = binary.Read(bytes.NewReader(raw), binary.LittleEndian, &m) // test cleanup
 	c := &childChecks{}
-	defer conn.Write([]byte{'k'}) // after every import is freed, failed or not
+	defer func() { _, _ = conn.Write([]byte{'k'}) }() // after every import is freed, failed or not
 	pool, err := rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd})
-	unix.Close(fd)
+	_ = unix.Close(fd) // test cleanup
 	if !c.check(err == nil, "importing the pool: %v", err) {
 		return 1
 	}
@@ -664,7 +664,7 @@ func importerMain([]string) int {
 	c.check(rt.StreamSynchronize(0, s) == nil, "StreamSynchronize after the free")
 	err = rt.FreeAsync(0, p2, s)
 	c.check(errors.Is(err, cudart.ErrInvalidValue), "freeing the second import after the first: %v, want invalid value", err)
-	rt.StreamSynchronize(0, s)
+	_ = rt.StreamSynchronize(0, s) // test cleanup
 
 	sp, err := rt.MemPoolImportPointer(0, pool, m.Stale)
 	c.check(err == nil, "importing the export data of a freed buffer: %v, want success (the driver cannot tell)", err)
@@ -691,12 +691,12 @@ func readOnOtherDevice(rt cudart.Runtime, c *childChecks, pool cudart.MemPool, p
 	if !c.check(err == nil, "a pool on device 1: %v", err) {
 		return
 	}
-	defer rt.MemPoolDestroy(1, local)
+	defer func() { _ = rt.MemPoolDestroy(1, local) }() // test cleanup
 	s1, err := rt.StreamCreate(1, cudart.StreamNonBlocking)
 	if !c.check(err == nil, "a stream on device 1: %v", err) {
 		return
 	}
-	defer rt.StreamDestroy(1, s1)
+	defer func() { _ = rt.StreamDestroy(1, s1) }() // test cleanup
 	dst, err := rt.MallocFromPoolAsync(1, MiB, local, s1)
 	if !c.check(err == nil, "allocating on device 1: %v", err) {
 		return
@@ -719,7 +719,7 @@ func TestGPUExporterDiesFirst(t *testing.T) {
 	msg, fd, err := recvWithFD(conn, 64)
 	require.NoError(t, err, "from the exporter")
 	pool, err := rt.MemPoolImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd})
-	unix.Close(fd)
+	_ = unix.Close(fd) // test cleanup
 	require.NoError(t, err, "importing the pool")
 	p := must[cudart.DevicePtr](t, "MemPoolImportPointer")(rt.MemPoolImportPointer(0, pool, cudart.PtrExportData(msg)))
 	_, err = conn.Write([]byte{'x'})
@@ -743,7 +743,7 @@ func dyingExporterMain([]string) int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 1
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }() // test cleanup
 	h, data, err := exportBuffers(rt, 1, func(p cudart.DevicePtr, s cudart.Stream) error {
 		return rt.MemcpyHtoDAsync(0, p, pattern(MiB, 5), s)
 	})

@@ -21,13 +21,13 @@ import (
 // and those of a pool it keeps to itself.
 func ExampleNewExporterCollector() {
 	ctx := context.Background()
-	rt := cudarttest.New() // cudart.Load() on a GPU host
-	defer rt.Close()
+	rt := cudarttest.New()            // cudart.Load() on a GPU host
+	defer func() { _ = rt.Close() }() // the example's cleanup
 	dir, err := os.MkdirTemp("", "example")
 	if err != nil {
 		log.Fatal(err)
 	}
-	defer os.RemoveAll(dir)
+	defer func() { _ = os.RemoveAll(dir) }() // the example's cleanup
 
 	shared, err := pool.New(rt, 0, pool.WithName("kv"))
 	if err != nil {
@@ -71,10 +71,10 @@ func ExampleNewExporterCollector() {
 		}
 	}
 
-	ex.Close(ctx)
-	buf.Free(0)
-	shared.Close(ctx)
-	scratch.Close(ctx)
+	_ = ex.Close(ctx)         // the example's cleanup
+	_ = buf.Free(0)           // the example's cleanup
+	_, _ = shared.Close(ctx)  // the example's cleanup
+	_, _ = scratch.Close(ctx) // the example's cleanup
 	// Output:
 	// cudapool_pool_buffers scratch: 0
 	// cudapool_pool_buffers kv: 1

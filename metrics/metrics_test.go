@@ -42,16 +42,16 @@ func newSharing(t *testing.T) *sharing {
 	t.Cleanup(cancel)
 	dir, err := os.MkdirTemp("", "cpm") // short: a socket path must fit in 108 bytes
 	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	t.Cleanup(func() { _ = os.RemoveAll(dir) }) // test cleanup
 
 	rt := cudarttest.New()
-	t.Cleanup(func() { rt.Close() })
+	t.Cleanup(func() { _ = rt.Close() }) // test cleanup
 	p, err := pool.New(rt, 0, pool.WithName("kv"), pool.WithMaxSize(16<<20))
 	require.NoError(t, err)
 	socket := filepath.Join(dir, "x.sock")
 	ex, err := producer.Listen(socket, rt, producer.WithoutAnnounce(), producer.WithName("test-exporter"))
 	require.NoError(t, err)
-	t.Cleanup(func() { ex.Close(ctx); p.Close(ctx) })
+	t.Cleanup(func() { _ = ex.Close(ctx); _, _ = p.Close(ctx) }) // test cleanup
 	// 3 MiB rounds up to 4 MiB in a 2 MiB-granular pool: 1 MiB of rounding overhead.
 	for name, size := range map[string]uint64{"alpha": 4 << 20, "beta": 3 << 20} {
 		buf, err := p.Alloc(ctx, size, 0)
@@ -60,10 +60,10 @@ func newSharing(t *testing.T) *sharing {
 	}
 
 	consDev := cudarttest.New()
-	t.Cleanup(func() { consDev.Close() })
+	t.Cleanup(func() { _ = consDev.Close() }) // test cleanup
 	imp, err := consumer.Dial(ctx, socket, consDev, 0)
 	require.NoError(t, err)
-	t.Cleanup(func() { imp.Close(ctx) })
+	t.Cleanup(func() { _ = imp.Close(ctx) }) // test cleanup
 	_, err = imp.Open(ctx, "alpha", 0)
 	require.NoError(t, err)
 	return &sharing{rt: rt, pool: p, ex: ex, socket: socket, imp: imp}
@@ -197,7 +197,7 @@ func TestLint(t *testing.T) {
 	s := newSharing(t)
 	cached, err := pool.New(s.rt, 0, pool.WithName("cached"), pool.WithCache(8<<20))
 	require.NoError(t, err)
-	t.Cleanup(func() { cached.Close(context.Background()) })
+	t.Cleanup(func() { _, _ = cached.Close(context.Background()) }) // test cleanup
 	// The cache counts a miss and a hit.
 	for range 2 {
 		buf, err := cached.Alloc(context.Background(), 2<<20, 0)

@@ -358,10 +358,10 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		p := mustNew(t, rt, WithCache(64*mib))
 		done, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
 		require.NoError(t, err)
-		t.Cleanup(func() { e.rt.EventDestroy(0, done) })
+		t.Cleanup(func() { _ = e.rt.EventDestroy(0, done) }) // test cleanup
 		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
 		c := p.newCompletion(done, nil)
-		t.Cleanup(func() { c.Close(false) })
+		t.Cleanup(func() { _ = c.Close(false) }) // test cleanup
 
 		for _, end := range []struct {
 			how   string

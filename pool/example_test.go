@@ -16,7 +16,7 @@ import (
 // On a GPU the runtime comes from cudart.Load(); here it is the software device.
 func Example() {
 	rt := cudarttest.New()
-	defer rt.Close()
+	defer func() { _ = rt.Close() }() // test cleanup
 	ctx := context.Background()
 
 	p, err := pool.New(rt, 0, pool.WithName("activations"), pool.WithMaxSize(64<<20))
@@ -55,7 +55,7 @@ func scratch(ctx context.Context, a pool.Allocator, s cudart.Stream) error {
 // pool.
 func ExampleAllocator() {
 	rt := cudarttest.New()
-	defer rt.Close()
+	defer func() { _ = rt.Close() }() // test cleanup
 	ctx := context.Background()
 
 	shared, err := pool.New(rt, 0)
@@ -124,7 +124,7 @@ func ExampleNewBuffer() {
 // stream without calling the driver, export record included.
 func ExampleWithCache() {
 	rt := cudarttest.New()
-	defer rt.Close()
+	defer func() { _ = rt.Close() }() // test cleanup
 	ctx := context.Background()
 	p, err := pool.New(rt, 0, pool.WithName("kv"), pool.WithCache(256<<20))
 	if err != nil {

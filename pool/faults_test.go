@@ -369,7 +369,7 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	mustFree(t, b, e.stream)
 	completion, err := d.EventCreate(0, cudart.EventDisableTiming)
 	require.NoError(t, err)
-	defer d.EventDestroy(0, completion)
+	defer func() { _ = d.EventDestroy(0, completion) }() // test cleanup
 	require.NoError(t, d.EventRecord(0, completion, e.stream))
 
 	ended := make(chan error, 1)

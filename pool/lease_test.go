@@ -55,7 +55,7 @@ func (im *importer) freeImport(exporter cudart.Runtime) cudart.Event {
 	require.NoError(t, im.d.FreeAsync(0, im.ptr, im.stream), "importer FreeAsync")
 	ev, err := im.d.EventCreate(0, cudart.EventIPC)
 	require.NoError(t, err, "importer EventCreate")
-	t.Cleanup(func() { im.d.EventDestroy(0, ev) })
+	t.Cleanup(func() { _ = im.d.EventDestroy(0, ev) }) // test cleanup
 	require.NoError(t, im.d.EventRecord(0, ev, im.stream), "importer EventRecord")
 	h, err := im.d.IpcGetEventHandle(0, ev)
 	require.NoError(t, err, "IpcGetEventHandle")
@@ -92,7 +92,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	require.NoError(t, exp.MemsetAsync(0, b.Ptr(), 0xab, 1000, e.stream))
 	ready, err := exp.EventCreate(0, cudart.EventIPC)
 	require.NoError(t, err)
-	defer exp.EventDestroy(0, ready)
+	defer func() { _ = exp.EventDestroy(0, ready) }() // test cleanup
 	require.NoError(t, exp.EventRecord(0, ready, e.stream))
 	l := mustLease(t, b)
 	im := importBuffer(t, b)
@@ -112,7 +112,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 
 	done := im.freeImport(exp)
 	require.NoError(t, l.End(done), "End")
-	exp.EventDestroy(0, done)
+	_ = exp.EventDestroy(0, done) // test cleanup
 	wantCounts(t, p, 0, 0, 0, 0)
 	wantErr(t, "second End", l.End(0), poolshare.ErrLeaseEnded)
 	assert.True(t, b.Shared(), "Shared() = false for a buffer that was leased")
@@ -122,7 +122,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 // catch it, or the test above proves nothing.
 func TestUnleasedSharedFreeIsCaught(t *testing.T) {
 	exp := cudarttest.New()
-	defer exp.Close()
+	defer func() { _ = exp.Close() }() // test cleanup
 	p, err := New(exp, 0)
 	require.NoError(t, err)
 	b, err := p.Alloc(context.Background(), 1000, 0)
@@ -151,7 +151,7 @@ func TestLastLeaseReleases(t *testing.T) {
 		// on a stream of our own.
 		ev, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
 		require.NoError(t, err)
-		defer e.rt.EventDestroy(0, ev)
+		defer func() { _ = e.rt.EventDestroy(0, ev) }() // test cleanup
 		require.NoError(t, e.rt.EventRecord(0, ev, e.stream))
 		require.NoError(t, l1.End(ev), "End")
 		wantCounts(t, p, 1, 1, 1, 1)

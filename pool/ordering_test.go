@@ -43,7 +43,7 @@ func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *
 	done := im.freeImport(b.Pool().Runtime())
 	if endAt {
 		c = b.Pool().newCompletion(done, nil)
-		t.Cleanup(func() { c.Close(false) })
+		t.Cleanup(func() { _ = c.Close(false) }) // test cleanup
 		require.NoError(t, l.EndAt(c))
 	} else {
 		require.NoError(t, l.End(done))

@@ -362,7 +362,7 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 }
 
 // Push leases the buffer published under name to every connection of process pid,
-// without being asked; the importer there hands it to its WithPushes handler (or gives
+// without being asked; the importer there hands it to its consumer.WithPushes handler (or gives
 // it back at once if it has none). It returns once the lease is sent. No connected
 // process pid gives ErrNoPeer.
 func (ex *Exporter) Push(ctx context.Context, name string, pid int) error {

@@ -51,7 +51,7 @@ func Range(offset, length uint64) PublishOption {
 }
 
 // WithMeta sends meta (at most MaxMetaLen bytes, copied) to every consumer of the
-// publication with its lease: Mapping.Meta. A dtype and shape, say.
+// publication with its lease: consumer.Mapping.Meta. A dtype and shape, say.
 func WithMeta(meta []byte) PublishOption {
 	return publishOption(func(o *publishOptions) { o.meta = append([]byte(nil), meta...) })
 }

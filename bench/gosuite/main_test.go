@@ -203,9 +203,9 @@ func TestAllocRingRunsThePlan(t *testing.T) {
 	p := fifo(t, dir, "turn")
 	rg, err := openRing(p, p)
 	require.NoError(t, err)
-	defer rg.in.Close()
-	defer rg.out.Close()
-	require.NoError(t, rg.pass(-1)) // turn 0 to start
+	defer func() { _ = rg.in.Close() }()  // test cleanup
+	defer func() { _ = rg.out.Close() }() // test cleanup
+	require.NoError(t, rg.pass(-1))       // turn 0 to start
 	var out strings.Builder
 	const batches = 3
 	require.NoError(t, allocRing(&reporter{w: &out}, rt, plan, rg, 7, batches, 10))
@@ -262,8 +262,8 @@ func TestAllocRingRefusesUnequalBytes(t *testing.T) {
 	p := fifo(t, t.TempDir(), "turn")
 	rg, err := openRing(p, p)
 	require.NoError(t, err)
-	defer rg.in.Close()
-	defer rg.out.Close()
+	defer func() { _ = rg.in.Close() }()  // test cleanup
+	defer func() { _ = rg.out.Close() }() // test cleanup
 	require.NoError(t, rg.pass(-1))
 	var out strings.Builder
 	err = allocRing(&reporter{w: &out}, rt, plan, rg, 0, 2, 10)
@@ -276,8 +276,8 @@ func TestAllocRingGivesUpWithoutATurn(t *testing.T) {
 	p := fifo(t, t.TempDir(), "turn")
 	rg, err := openRing(p, p)
 	require.NoError(t, err)
-	defer rg.in.Close()
-	defer rg.out.Close()
+	defer func() { _ = rg.in.Close() }()  // test cleanup
+	defer func() { _ = rg.out.Close() }() // test cleanup
 	rg.timeout = 50 * time.Millisecond
 	start := time.Now()
 	_, err = rg.take()

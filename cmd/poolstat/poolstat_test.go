@@ -195,7 +195,7 @@ func lifecycle(t *testing.T, compareGolden bool) {
 	assert.Equal(t, 0, p.SharedBuffers, "after the killed consumer's lease ended: %+v", p)
 
 	ex.Kill()
-	ex.Wait()
+	_ = ex.Wait() // test cleanup
 	code, out, _ = poolstat(t)
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "1 dead")
@@ -262,7 +262,7 @@ func testExporter(t *testing.T, dir string, opts ...producer.ListenOption) *prod
 	require.NoError(t, err)
 	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), rt, append([]producer.ListenOption{producer.WithAnnounce(dir)}, opts...)...)
 	require.NoError(t, err)
-	t.Cleanup(func() { ex.Close(context.Background()) })
+	t.Cleanup(func() { _ = ex.Close(context.Background()) }) // test cleanup
 	return ex
 }
 
@@ -272,7 +272,7 @@ func shortDir(t *testing.T) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "cps")
 	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	t.Cleanup(func() { _ = os.RemoveAll(dir) }) // test cleanup
 	return dir
 }
 
@@ -328,7 +328,7 @@ func TestExplainPermission(t *testing.T) {
 	sock := filepath.Join(dir, "s.sock")
 	ln, err := net.Listen("unix", sock)
 	require.NoError(t, err)
-	defer ln.Close()
+	defer func() { _ = ln.Close() }() // test cleanup
 	require.NoError(t, os.Chown(sock, 4242, 4242))
 	got := explain(&os.SyscallError{Syscall: "connect", Err: syscall.EACCES}, sock)
 	assert.Contains(t, got, "permission denied on "+sock+": it belongs to uid 4242, another user's exporter")

@@ -39,13 +39,13 @@ func TestServe(t *testing.T) {
 	done := make(chan int, 1)
 	go func() {
 		done <- run(ctx, []string{"-serve", "127.0.0.1:0", "-dir", dir}, w, os.Stderr)
-		w.Close()
+		_ = w.Close() // test cleanup
 	}()
 	first := make(chan string, 1)
 	go func() {
 		line, _ := bufio.NewReader(out).ReadString('\n')
 		first <- line
-		io.Copy(io.Discard, out)
+		_, _ = io.Copy(io.Discard, out) // test cleanup
 	}()
 	var url string
 	select {
@@ -77,7 +77,7 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 			if err != nil {
 				return err
 			}
-			defer resp.Body.Close()
+			defer func() { _ = resp.Body.Close() }() // test cleanup
 			body, err := io.ReadAll(resp.Body)
 			if err == nil && (resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "cudapool_exporter_up")) {
 				err = fmt.Errorf("scrape answered %s:\n%s", resp.Status, body)
@@ -90,7 +90,7 @@ cudapool_exporter_peers{exporter="served",socket=%q} 0
 	// Only /metrics is served.
 	resp, err := client.Get(strings.TrimSuffix(url, "/metrics") + "/other")
 	require.NoError(t, err)
-	resp.Body.Close()
+	_ = resp.Body.Close() // test cleanup
 	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
 
 	cancel() // Ctrl-C

@@ -190,7 +190,7 @@ func TestImmediateMode(t *testing.T) {
 	require.True(t, done, "an immediate Device's event is complete once recorded")
 
 	p, fd := exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	ptr := exp.alloc(p, 512)
 	imp.importPtr(imp.importPool(fd), exp.exportPtr(ptr))
 	wantViolation(t, exp.FreeAsync(0, ptr, 0), ViolationExporterFreedWhileImported)

@@ -25,7 +25,7 @@ func newShared(t *testing.T) shared {
 	s := shared{exp: newFx(t), imp: newFx(t)}
 	var fd int
 	s.pool, fd = s.exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	s.ipool = s.imp.importPool(fd)
 	return s
 }
@@ -46,7 +46,7 @@ func (s shared) share(n uint64, data []byte) (ptr, iptr cudart.DevicePtr) {
 func TestTwoDevicesShareAPool(t *testing.T) {
 	exp, imp := newFx(t), newFx(t)
 	p, fd := exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	ptr := exp.alloc(p, 1000)
 	exp.write(ptr, []byte("from the exporter"))
 	e, o := exp.ipcEvent(imp)
@@ -82,7 +82,7 @@ func TestExportPointerNeedsExportedIPCPool(t *testing.T) {
 	wantErr(t, err, cudart.ErrInvalidValue)
 	h, err := d.MemPoolExportToShareableHandle(0, p, cudart.HandleTypePosixFD)
 	require.NoError(t, err)
-	defer unix.Close(h.FD)
+	defer func() { _ = unix.Close(h.FD) }() // test cleanup
 	flags, err := unix.FcntlInt(uintptr(h.FD), unix.F_GETFD, 0)
 	require.NoError(t, err)
 	require.NotZero(t, flags&unix.FD_CLOEXEC, "exported descriptor not close-on-exec: %#x", flags)
@@ -146,17 +146,17 @@ func TestFabricExport(t *testing.T) {
 func TestImportPoolChecksItsHandle(t *testing.T) {
 	exp, imp := newFx(t), newFx(t)
 	p, fd := exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	posix := func(fd int) cudart.ShareableHandle {
 		return cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: fd}
 	}
 	r, w, err := os.Pipe()
 	require.NoError(t, err)
-	defer r.Close()
-	defer w.Close()
+	defer func() { _ = r.Close() }()                               // test cleanup
+	defer func() { _ = w.Close() }()                               // test cleanup
 	junk, err := unix.MemfdCreate(poolMemfdName, unix.MFD_CLOEXEC) // our name, no header
 	require.NoError(t, err)
-	defer unix.Close(junk)
+	defer func() { _ = unix.Close(junk) }() // test cleanup
 	require.NoError(t, unix.Ftruncate(junk, poolDataOffset))
 	for _, h := range []cudart.ShareableHandle{posix(-1), posix(int(r.Fd())), posix(junk), {Type: 0x2, FD: fd}} {
 		_, err := imp.MemPoolImportFromShareableHandle(0, h)
@@ -454,7 +454,7 @@ func TestImportersPerAllocationAreBounded(t *testing.T) {
 	rec := s.exp.exportPtr(ptr)
 	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
 	require.NoError(t, err)
-	defer unix.Close(h.FD)
+	defer func() { _ = unix.Close(h.FD) }() // test cleanup
 	s.imp.importPtr(s.ipool, rec)
 	var last fx
 	for range maxImporters - 1 {
@@ -529,7 +529,7 @@ func TestCopyBetweenTwoImportedPools(t *testing.T) {
 	// u's importer imports s's pool too: one Device holding two imported pools.
 	h, err := s.exp.MemPoolExportToShareableHandle(0, s.pool, cudart.HandleTypePosixFD)
 	require.NoError(t, err)
-	defer unix.Close(h.FD)
+	defer func() { _ = unix.Close(h.FD) }() // test cleanup
 	sp := u.imp.importPool(h.FD)
 	src := s.exp.alloc(s.pool, 64)
 	s.exp.write(src, []byte("cross pool"))
@@ -556,8 +556,8 @@ func TestNoDescriptorLeaks(t *testing.T) {
 	before := count()
 	func() {
 		exp, imp := New(WithFabric()), New(WithFabric())
-		defer exp.Close()
-		defer imp.Close()
+		defer func() { _ = exp.Close() }() // test cleanup
+		defer func() { _ = imp.Close() }() // test cleanup
 		f, g := fx{t, exp}, fx{t, imp}
 		p, fd := f.exported()
 		ip := g.importPool(fd)

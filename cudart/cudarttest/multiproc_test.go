@@ -17,7 +17,7 @@ func TestChildImportsReadsAndWrites(t *testing.T) {
 	exp := newFx(t)
 	child := startRemote(t)
 	p, fd := exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	ptr := exp.alloc(p, 4096)
 	exp.write(ptr, []byte("parent wrote this"))
 	e, err := exp.EventCreate(0, cudart.EventIPC)
@@ -48,7 +48,7 @@ func childImporter(t *testing.T, exp fx) (*remote, cudart.MemPool) {
 	t.Helper()
 	child := startRemote(t)
 	p, fd := exp.exported()
-	defer unix.Close(fd)
+	defer func() { _ = unix.Close(fd) }() // test cleanup
 	child.do(request{Op: "import-pool"}, fd)
 	return child, p
 }
@@ -121,7 +121,7 @@ func TestKilledImporterHoldsNothing(t *testing.T) {
 		child.importPtr(exp.exportPtr(ptr))
 		require.NoError(t, syscall.Kill(child.pid, syscall.SIGKILL))
 		if reap {
-			child.cmd.Wait()
+			_ = child.cmd.Wait() // test cleanup
 		} else {
 			// Wait for it to be a zombie without reaping it.
 			var info unix.Siginfo
@@ -141,7 +141,7 @@ func TestExporterChildDiesFirst(t *testing.T) {
 	require.Empty(t, rep.Err, "export-pool")
 	require.Len(t, fds, 1, "export-pool's descriptors")
 	p := imp.importPool(fds[0])
-	unix.Close(fds[0])
+	_ = unix.Close(fds[0]) // test cleanup
 	ptr := child.do(request{Op: "alloc", N: 1000}).Ptr
 	child.do(request{Op: "write", Ptr: ptr, Data: []byte("written by the dead")})
 	h := child.do(request{Op: "create-event"}).Data
@@ -154,7 +154,7 @@ func TestExporterChildDiesFirst(t *testing.T) {
 	iptr := imp.importPtr(p, cudart.PtrExportData(rec))
 
 	require.NoError(t, syscall.Kill(child.pid, syscall.SIGKILL))
-	child.cmd.Wait()
+	_ = child.cmd.Wait() // test cleanup
 	imp.wantBytes(iptr, []byte("written by the dead"))
 	require.NoError(t, imp.FreeAsync(0, iptr, 0))
 	wantErr(t, imp.MemPoolDestroy(0, p), cudart.ErrInvalidValue)
@@ -167,7 +167,7 @@ func TestChildExportsAndParentImportsOverEvents(t *testing.T) {
 	child := startRemote(t)
 	_, fds := child.call(request{Op: "export-pool"})
 	p := imp.importPool(fds[0])
-	unix.Close(fds[0])
+	_ = unix.Close(fds[0])         // test cleanup
 	child.do(request{Op: "stall"}) // the child's GPU is busy
 	ptr := child.do(request{Op: "alloc", N: 64}).Ptr
 	iptr := imp.importPtr(p, cudart.PtrExportData(child.do(request{Op: "export-ptr", Ptr: ptr}).Data))

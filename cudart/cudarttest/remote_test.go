@@ -56,9 +56,9 @@ func startRemote(t testing.TB) *remote {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
 	mine, theirs := os.NewFile(uintptr(fds[0]), "parent"), os.NewFile(uintptr(fds[1]), "child")
-	defer theirs.Close()
+	defer func() { _ = theirs.Close() }() // test cleanup
 	conn := fileConn(t, mine)
-	t.Cleanup(func() { conn.Close() })
+	t.Cleanup(func() { _ = conn.Close() }) // test cleanup
 	cmd := proctest.Command(t, "remote")
 	cmd.ExtraFiles = []*os.File{theirs}
 	// Under -race a process lingers a second at exit to let reports settle; a child
@@ -69,7 +69,7 @@ func startRemote(t testing.TB) *remote {
 }
 
 func fileConn(t testing.TB, f *os.File) *net.UnixConn {
-	defer f.Close()
+	defer func() { _ = f.Close() }() // test cleanup
 	c, err := net.FileConn(f)
 	require.NoError(t, err)
 	return c.(*net.UnixConn)
@@ -96,7 +96,7 @@ func (r *remote) do(req request, fds ...int) reply {
 	r.t.Helper()
 	rep, got := r.call(req, fds...)
 	for _, fd := range got {
-		unix.Close(fd)
+		_ = unix.Close(fd) // test cleanup
 	}
 	require.Empty(r.t, rep.Err, "remote %s", req.Op)
 	return rep
@@ -131,7 +131,7 @@ func serveRemote([]string) int {
 		}
 		rep, out := s.serve(req, fds)
 		for _, fd := range fds {
-			unix.Close(fd)
+			_ = unix.Close(fd) // test cleanup
 		}
 		msg, _ := json.Marshal(rep)
 		var send []int
@@ -143,10 +143,10 @@ func serveRemote([]string) int {
 			return 1
 		}
 		if out >= 0 {
-			unix.Close(out)
+			_ = unix.Close(out) // test cleanup
 		}
 		if req.Op == "exit" {
-			s.d.Close()
+			_ = s.d.Close() // test cleanup
 			return 0
 		}
 	}

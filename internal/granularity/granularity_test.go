@@ -162,8 +162,8 @@ func TestCacheAsksOncePerDeviceAndHandleType(t *testing.T) {
 	g, err := c.Get(0, cudart.HandleTypeFabric)
 	require.NoError(t, err, "Get(0, fabric)")
 	require.Equal(t, uint64(4*mib), g, "Get(0, fabric)")
-	c.Get(0, cudart.HandleTypeFabric)
-	c.Get(1, cudart.HandleTypePosixFD)
+	_, _ = c.Get(0, cudart.HandleTypeFabric)  // test cleanup
+	_, _ = c.Get(1, cudart.HandleTypePosixFD) // test cleanup
 	require.Equal(t, first+1, q.asked.Load(), "times asked")
 }
 
@@ -187,8 +187,8 @@ func TestAcquireSharesUntilReleased(t *testing.T) {
 	q := &countingQuerier{answers: map[cudart.HandleType]uint64{cudart.HandleTypePosixFD: 2 * mib}}
 	a, b := Acquire(q), Acquire(q)
 	require.Same(t, a, b, "two Acquires of one Querier returned different caches")
-	a.Get(0, cudart.HandleTypePosixFD)
-	b.Get(0, cudart.HandleTypePosixFD)
+	_, _ = a.Get(0, cudart.HandleTypePosixFD) // test cleanup
+	_, _ = b.Get(0, cudart.HandleTypePosixFD) // test cleanup
 	require.Equal(t, int32(1), q.asked.Load(), "times asked through a shared cache")
 	other := Acquire(&countingQuerier{})
 	require.NotSame(t, a, other, "different Queriers share a cache")

@@ -23,7 +23,7 @@ func TestExitedAsksWithoutBlocking(t *testing.T) {
 	exited, err = p.Exited()
 	require.NoError(t, err)
 	require.True(t, exited, "a killed process, not reaped")
-	c.Wait()
+	_ = c.Wait() // test cleanup
 	require.NoError(t, p.Close())
 	_, err = p.Exited()
 	require.Error(t, err, "a closed handle cannot tell")

@@ -14,7 +14,7 @@ func TestLookupShowsCommandAndStart(t *testing.T) {
 	cmd := exec.Command("sleep", "60")
 	require.NoError(t, cmd.Start())
 	after := time.Now()
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }) // test cleanup
 
 	info, err := Lookup(cmd.Process.Pid)
 	require.NoError(t, err)
@@ -23,7 +23,7 @@ func TestLookupShowsCommandAndStart(t *testing.T) {
 	assert.WithinRange(t, info.Started, before.Add(-time.Second-10*time.Millisecond), after.Add(time.Second+10*time.Millisecond))
 
 	require.NoError(t, cmd.Process.Kill())
-	cmd.Wait() // reaped: the pid names nothing
+	_ = cmd.Wait() // reaped: the pid names nothing
 	_, err = Lookup(cmd.Process.Pid)
 	assert.ErrorIs(t, err, ErrGone)
 }

@@ -16,13 +16,13 @@ func listenAndDial(t *testing.T) (server, client *net.UnixConn) {
 	addr := &net.UnixAddr{Name: filepath.Join(t.TempDir(), "s"), Net: "unix"}
 	l, err := net.ListenUnix("unix", addr)
 	require.NoError(t, err)
-	defer l.Close()
+	defer func() { _ = l.Close() }() // test cleanup
 	client, err = net.DialUnix("unix", nil, addr)
 	require.NoError(t, err)
-	t.Cleanup(func() { client.Close() })
+	t.Cleanup(func() { _ = client.Close() }) // test cleanup
 	server, err = l.AcceptUnix()
 	require.NoError(t, err)
-	t.Cleanup(func() { server.Close() })
+	t.Cleanup(func() { _ = server.Close() }) // test cleanup
 	return server, client
 }
 
@@ -38,7 +38,7 @@ func TestGetIdentifiesConnectingProcess(t *testing.T) {
 
 func TestGetOnClosedConnFails(t *testing.T) {
 	_, client := listenAndDial(t)
-	client.Close()
+	_ = client.Close() // test cleanup
 	cred, err := Get(client)
 	require.Error(t, err, "Get on a closed conn = %+v", cred)
 }

@@ -37,7 +37,7 @@ func openProcess(t *testing.T, pid int) *Process {
 		t.Skip(err)
 	}
 	require.NoError(t, err)
-	t.Cleanup(func() { p.Close() })
+	t.Cleanup(func() { _ = p.Close() }) // test cleanup
 	return p
 }
 
@@ -87,7 +87,7 @@ func TestCloseEndsAWait(t *testing.T) {
 	p := openProcess(t, os.Getpid())
 	waited := make(chan error, 1)
 	go func() { waited <- p.Wait(context.Background()) }()
-	p.Close()
+	_ = p.Close() // test cleanup
 	require.Error(t, receive(t, waited), "Wait on our own process returned nil after Close")
 }
 

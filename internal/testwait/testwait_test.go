@@ -23,7 +23,7 @@ func TestRecvFailsSaying(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		defer func() { recover() }() // Fatalf's stand-in stops the goroutine with a panic
+		defer func() { _ = recover() }() // Fatalf's stand-in stops the goroutine with a panic
 		recvWithin(ft, make(chan int), "the answer", 0)
 	}()
 	Recv(t, done, "the failing wait to end")

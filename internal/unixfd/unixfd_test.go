@@ -16,10 +16,10 @@ func pair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
 	require.NoError(t, err)
 	conn := func(fd int) *net.UnixConn {
 		f := os.NewFile(uintptr(fd), "sock")
-		defer f.Close()
+		defer func() { _ = f.Close() }() // test cleanup
 		c, err := net.FileConn(f)
 		require.NoError(t, err)
-		t.Cleanup(func() { c.Close() })
+		t.Cleanup(func() { _ = c.Close() }) // test cleanup
 		return c.(*net.UnixConn)
 	}
 	return conn(fds[0]), conn(fds[1])
@@ -29,7 +29,7 @@ func pipeFD(t *testing.T) (r *os.File, w *os.File) {
 	t.Helper()
 	r, w, err := os.Pipe()
 	require.NoError(t, err)
-	t.Cleanup(func() { r.Close(); w.Close() })
+	t.Cleanup(func() { _ = r.Close(); _ = w.Close() }) // test cleanup
 	return r, w
 }
 
@@ -52,7 +52,7 @@ func TestSendRecvPassesWorkingDescriptor(t *testing.T) {
 	require.Len(t, fds, 1)
 	requireCloseOnExec(t, fds[0], "received fd not close-on-exec")
 	got := os.NewFile(uintptr(fds[0]), "w")
-	defer got.Close()
+	defer func() { _ = got.Close() }() // test cleanup
 	_, err = got.Write([]byte("x"))
 	require.NoError(t, err)
 	one := make([]byte, 1)
@@ -126,7 +126,7 @@ func TestReceiverReusedKeepsGuarantees(t *testing.T) {
 		}
 		for _, fd := range fds {
 			requireCloseOnExec(t, fd, "step %d: received fd not close-on-exec", i)
-			unix.Close(fd)
+			_ = unix.Close(fd) // test cleanup
 		}
 	}
 	assert.Equal(t, before, openFDs(t), "open descriptors before and after: some leaked")

@@ -17,7 +17,7 @@ import (
 // next frame's bytes as the rest of this one.
 func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 	a, b := net.Pipe()
-	defer b.Close()
+	defer func() { _ = b.Close() }() // test cleanup
 	c := NewConn(a, false)
 	ctx, cancel := context.WithCancel(testCtx(t))
 	defer cancel()
@@ -28,7 +28,7 @@ func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 	require.NoError(t, err)
 	cancel() // the frame's other bytes are still unread: the write is under way
 	require.ErrorIs(t, testwait.Recv(t, sent, "the cancelled send to return"), context.Canceled, "send, want context.Canceled")
-	b.SetReadDeadline(time.Now().Add(hangGuard))
+	_ = b.SetReadDeadline(time.Now().Add(hangGuard)) // test cleanup
 	var rest [64]byte
 	n, err := b.Read(rest[:])
 	require.EqualValues(t, io.EOF, err, "after an interrupted send the peer read %d bytes, err %v; want the connection closed (io.EOF)", n, err)
@@ -38,13 +38,13 @@ func TestSendInterruptedMidFrameClosesConnection(t *testing.T) {
 // usable.
 func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 	a, b := net.Pipe()
-	defer b.Close()
+	defer func() { _ = b.Close() }() // test cleanup
 	c := NewConn(a, false)
-	defer c.Close()
+	defer func() { _ = c.Close() }() // test cleanup
 	ctx, cancel := context.WithCancel(testCtx(t))
 	cancel()
 	require.ErrorIs(t, c.Send(ctx, &StateRequestMsg{ReqID: 1}, -1), context.Canceled, "send, want context.Canceled")
-	go c.Send(context.Background(), &StateRequestMsg{ReqID: 2}, -1)
+	go func() { _ = c.Send(context.Background(), &StateRequestMsg{ReqID: 2}, -1) }() // test cleanup
 	got := make([]byte, HeaderLen+8)
 	_, err := io.ReadFull(b, got)
 	require.NoError(t, err)
@@ -58,10 +58,10 @@ func TestSendWithEndedContextKeepsConnection(t *testing.T) {
 // gives up when its context ends, as a blocking call should.
 func TestSendQueuedBehindStuckWriteHonoursContext(t *testing.T) {
 	a, b := net.Pipe()
-	defer b.Close()
+	defer func() { _ = b.Close() }() // test cleanup
 	c := NewConn(a, false)
-	defer c.Close()
-	go c.Send(context.Background(), &StateRequestMsg{ReqID: 1}, -1)
+	defer func() { _ = c.Close() }()                                                 // test cleanup
+	go func() { _ = c.Send(context.Background(), &StateRequestMsg{ReqID: 1}, -1) }() // test cleanup
 	var first [1]byte
 	_, err := io.ReadFull(b, first[:])
 	require.NoError(t, err)
