@@ -116,7 +116,7 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 		return nil, err
 	}
 	if wire.IsLocal(path, rt) {
-		nc.Close()
+		_ = nc.Close() // nothing was said on it
 		return nil, fmt.Errorf("consumer: dial %s: %w", path, ErrOwnExporter)
 	}
 	return newImporter(ctx, nc, rt, device, o)

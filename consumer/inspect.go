@@ -28,6 +28,18 @@ func init() {
 		defer i.mapMu.Unlock()
 		return len(i.orderEvents)
 	}
+	inspect.RevokedMapped = func(imp any) int {
+		i := imp.(*Importer)
+		i.mapMu.Lock()
+		defer i.mapMu.Unlock()
+		n := 0
+		for _, buf := range i.imports {
+			if buf.revoked && buf.views > 0 {
+				n++
+			}
+		}
+		return n
+	}
 	inspect.MaxIdleOrderEvents = maxIdleOrderEvents
 	inspect.ReplicaPool = func(imp any) cudart.MemPool {
 		i := imp.(*Importer)

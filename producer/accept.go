@@ -44,8 +44,9 @@ func resourceShortage(err error) bool {
 // acceptLoop accepts on l and hands each connection to serve (which runs it on a
 // goroutine of its own, or closes it), until l is closed or fails for good. A failure
 // for want of a resource is logged once per episode and retried with a growing
-// backoff; the recovery is logged with how long it took.
-func acceptLoop(l net.Listener, log *slog.Logger, closed func() bool, serve func(net.Conn)) {
+// backoff, waited with sleep (time.Sleep); the recovery is logged with how long it
+// took.
+func acceptLoop(l net.Listener, log *slog.Logger, closed func() bool, serve func(net.Conn), sleep func(time.Duration)) {
 	var backoff time.Duration
 	var since time.Time
 	failures := 0
@@ -72,7 +73,7 @@ func acceptLoop(l net.Listener, log *slog.Logger, closed func() bool, serve func
 		}
 		failures++
 		backoff = min(max(2*backoff, acceptBackoffMin), acceptBackoffMax)
-		time.Sleep(backoff)
+		sleep(backoff)
 	}
 }
 

@@ -3,6 +3,7 @@ package producer
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -352,4 +353,110 @@ func (r *rawPeer) servesOn(reqID uint64) {
 	require.True(r.t, ok, "the connection did not serve an Open")
 	_, ok = r.release(reqID+1, l.LeaseID, 1).(*wire.ReleasedMsg)
 	require.True(r.t, ok, "the connection did not serve a Release")
+}
+
+// waitCounter counts the distinct events each stream was made to wait on.
+type waitCounter struct {
+	cudart.Runtime
+	mu    sync.Mutex
+	waits map[cudart.Stream]map[cudart.Event]bool
+}
+
+func (w *waitCounter) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	w.mu.Lock()
+	if w.waits[s] == nil {
+		w.waits[s] = map[cudart.Event]bool{}
+	}
+	w.waits[s][e] = true
+	w.mu.Unlock()
+	return w.Runtime.StreamWaitEvent(dev, s, e)
+}
+
+func (w *waitCounter) waited(s cudart.Stream) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.waits[s])
+}
+
+// OpenAll of buffers published on two producer streams, both stalled before their
+// writes, makes the consumer's stream wait on the ready event of each (and on one
+// only for two buffers of one stream); reads on the consumer's stream see the writes.
+func TestOpenAllWaitsForEveryProducerStream(t *testing.T) {
+	pr := newProducer(t, nil, nil)
+	ctx := testCtx(t)
+	second, err := pr.dev.StreamCreate(pr.ord, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	names := []string{"first", "second", "first-too"}
+	var resumes []func()
+	for i, s := range []cudart.Stream{pr.stream, second, pr.stream} {
+		b, err := pr.pool.Alloc(ctx, 1<<20, s)
+		require.NoError(t, err)
+		if i < 2 {
+			require.NoError(t, pr.dev.StreamSynchronize(pr.ord, s))
+			resume, err := pr.dev.Stall(pr.ord, s)
+			require.NoError(t, err)
+			t.Cleanup(resume)
+			resumes = append(resumes, resume)
+		}
+		require.NoError(t, pr.dev.MemsetAsync(pr.ord, b.Ptr(), byte(i+1), 1<<20, s)) // held by the stall
+		require.NoError(t, pr.ex.Publish(ctx, names[i], b, s))
+	}
+
+	side := newSide(t, 0)
+	rt := &waitCounter{Runtime: side.dev, waits: map[cudart.Stream]map[cudart.Event]bool{}}
+	imp, err := consumer.Dial(ctx, pr.path, rt, 0, consumer.WithLogger(discardLogger))
+	require.NoError(t, err)
+	c := &testConsumer{side: side, imp: imp}
+	t.Cleanup(func() { imp.Close(context.Background()) })
+	ms, err := c.imp.OpenAll(ctx, names, c.stream)
+	require.NoError(t, err)
+	assert.Equal(t, 2, rt.waited(c.stream), "the producer streams the consumer's stream waits for")
+	for _, resume := range resumes {
+		resume()
+	}
+	for i, m := range ms {
+		require.True(t, allAre(c.read(t, m), byte(i+1)), "the consumer read %s before its producer's writes", names[i])
+	}
+	require.NoError(t, c.imp.ReleaseAll(ctx, ms, c.stream))
+	require.NoError(t, pr.dev.StreamSynchronize(pr.ord, second))
+	c.checkClean(t)
+	pr.checkClean(t)
+}
+
+// ReleaseAll with the imports retained still orders the release after the caller's
+// pending work: the producer's next use of the recycled memory waits for a copy the
+// consumer queued (on a stalled stream) before it released.
+func TestReleaseAllWithRetentionOrdersAfterPendingWork(t *testing.T) {
+	rp := newRetainingPair(t, WithRetainedImports())
+	ctx := testCtx(t)
+	pr, c := rp.pr, rp.c
+	b, names := rp.slab(t, 2, 1<<20, 0)
+	ms, err := c.imp.OpenAll(ctx, names, c.stream)
+	require.NoError(t, err)
+	dp, err := c.dev.DeviceGetDefaultMemPool(c.ord)
+	require.NoError(t, err)
+	local, err := c.dev.MallocFromPoolAsync(c.ord, 1<<20, dp, c.stream)
+	require.NoError(t, err, "the consumer's own buffer")
+	require.NoError(t, c.dev.StreamSynchronize(c.ord, c.stream))
+	resume := stall(t, c.side)
+	require.NoError(t, c.dev.MemcpyDtoDAsync(c.ord, local, ms[1].Ptr(), 1<<20, c.stream)) // pending
+	require.NoError(t, c.imp.ReleaseAll(ctx, ms, c.stream))
+	assert.Equal(t, 1, poolStats(t, pr.pool).Retentions, "the slab's import is retained")
+	for _, name := range names {
+		require.NoError(t, pr.ex.Unpublish(name))
+	}
+	require.NoError(t, b.Free(pr.stream))
+	again, err := pr.pool.Alloc(ctx, 2<<20, pr.stream) // the recycled slab
+	require.NoError(t, err)
+	require.Equal(t, b.Ptr(), again.Ptr(), "the slab's memory was recycled")
+	require.NoError(t, pr.dev.MemsetAsync(pr.ord, again.Ptr(), 0xee, 2<<20, pr.stream)) // must wait for the copy
+	resume()
+	out := make([]byte, 1<<20)
+	require.NoError(t, c.dev.MemcpyDtoHAsync(c.ord, out, local, c.stream))
+	assert.True(t, allAre(out, 2), "the consumer's pending copy read the producer's next data")
+	require.NoError(t, pr.dev.StreamSynchronize(pr.ord, pr.stream))
+	require.NoError(t, c.dev.FreeAsync(c.ord, local, c.stream))
+	require.NoError(t, again.Free(pr.stream))
+	pr.checkClean(t)
+	c.checkClean(t)
 }

@@ -165,7 +165,7 @@ func (ex *Exporter) Addr() string { return ex.sock.path }
 // a shortage of descriptors).
 func (ex *Exporter) accept(l net.Listener) {
 	defer ex.wg.Done()
-	acceptLoop(l, ex.log, ex.isClosed, ex.greet)
+	acceptLoop(l, ex.log, ex.isClosed, ex.greet, time.Sleep)
 }
 
 func (ex *Exporter) isClosed() bool {

@@ -10,6 +10,8 @@ import (
 
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/inspect"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -204,6 +206,52 @@ func TestRetainedImportOfRanges(t *testing.T) {
 	assert.Zero(t, rp.cCalls.frees.Load(), "consumer frees")
 	require.NoError(t, rp.pr.pool.Trim())
 	waitFor(t, "the revoke", func() bool { return poolStats(t, rp.pr.pool).Retentions == 0 })
+	rp.pr.checkClean(t)
+	rp.c.checkClean(t)
+}
+
+// A revoked retention ends only after the consumer's free of the import has run: with
+// the Importer's release stream stalled across the Trim, the pool frees the memory
+// after that free, and the software device sees no memory freed under an import.
+func TestRevokedRetentionWaitsForTheConsumersFree(t *testing.T) {
+	rp := newRetainingPair(t, WithRetainedImports())
+	rp.cycle(t, "kv", 0x11)
+	require.Equal(t, 1, poolStats(t, rp.pr.pool).Retentions)
+	resume, err := rp.c.dev.Stall(rp.c.ord, inspect.ReleaseStream(rp.c.imp))
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	require.NoError(t, rp.pr.pool.Trim()) // revokes; the consumer's free waits for the stall
+	waitFor(t, "the revoke to be answered", func() bool { return poolStats(t, rp.pr.pool).Retentions == 0 })
+	resume()
+	waitFor(t, "the memory to go back", func() bool {
+		s := poolStats(t, rp.pr.pool)
+		return s.RevokingBuffers == 0 && s.UsedCurrent == 0
+	})
+	require.NoError(t, rp.pr.dev.StreamSynchronize(rp.pr.ord, 0))
+	rp.pr.checkClean(t)
+	rp.c.checkClean(t)
+}
+
+// A revoke that arrives while the retained import is mapped again (leased anew) is
+// answered once that mapping is released: Exporter.Close, which revokes, returns then.
+func TestRevokeWhileMappedAgainIsAnsweredAtRelease(t *testing.T) {
+	rp := newRetainingPair(t, WithRetainedImports())
+	ctx := testCtx(t)
+	rp.cycle(t, "kv", 0x11)
+	b := rp.pr.publish(t, "kv", 2<<20, 0x22) // the recycled memory
+	m, err := rp.c.imp.Open(ctx, "kv", rp.c.stream)
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), rp.cCalls.imports.Load(), "the retained import mapped again")
+	require.NoError(t, rp.pr.ex.Unpublish("kv"))
+	require.NoError(t, b.Free(rp.pr.stream))
+	closed := make(chan error, 1)
+	go func() { closed <- rp.pr.ex.Close(ctx) }()
+	waitFor(t, "the revoke to reach the mapped import", func() bool { return inspect.RevokedMapped(rp.c.imp) == 1 })
+	assert.Equal(t, 1, poolStats(t, rp.pr.pool).Retentions, "the retention, held while mapped")
+	require.NoError(t, m.Release(ctx, rp.c.stream))
+	require.NoError(t, testwait.Recv(t, closed, "Close to return once the mapping was released"))
+	assert.Zero(t, poolStats(t, rp.pr.pool).Retentions)
+	assert.Equal(t, int64(1), rp.cCalls.frees.Load(), "the consumer freed its import at the release")
 	rp.pr.checkClean(t)
 	rp.c.checkClean(t)
 }

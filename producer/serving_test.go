@@ -2,6 +2,7 @@ package producer
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -215,4 +216,38 @@ func setConnIDLimit(t *testing.T, n uint32) {
 	old := connIDLimit
 	connIDLimit = n
 	t.Cleanup(func() { connIDLimit = old })
+}
+
+// The same connection number in a later id space (here the 4th connection, number 1
+// of the second space of 3) issues lease ids apart from the earlier space's number 1:
+// ids never collide, and each connection's lease is foreign to the other.
+func TestLeaseIDsOfAReusedConnectionNumberNeverCollide(t *testing.T) {
+	setConnIDLimit(t, 3)
+	pr := newProducer(t, nil, nil)
+	for i := range 3 {
+		pr.publish(t, fmt.Sprintf("buf%d", i), 1<<20, 1)
+	}
+	first := admitted(t, pr.path) // space 1, number 1
+	for range 2 {
+		admitted(t, pr.path) // numbers 2 and 3
+	}
+	again := admitted(t, pr.path) // space 2, number 1
+	ids := map[uint64]string{}
+	for i := range 3 {
+		for _, r := range []*rawPeer{first, again} {
+			l, ok := r.open(uint64(10+i), fmt.Sprintf("buf%d", i)).(*wire.LeaseMsg)
+			require.True(t, ok)
+			_, seen := ids[l.LeaseID]
+			require.False(t, seen, "lease id %#x issued twice", l.LeaseID)
+			ids[l.LeaseID] = fmt.Sprintf("%p", r)
+		}
+	}
+	for id, owner := range ids {
+		mine, other := first, again
+		if owner != fmt.Sprintf("%p", first) {
+			mine, other = again, first
+		}
+		wantError(t, other.release(20, id, 1), 20, ErrForeignLease)
+		assert.Equal(t, wire.MsgReleased, mine.release(21, id, 1).Kind(), "lease %#x released by its own connection", id)
+	}
 }

@@ -22,6 +22,8 @@ var (
 	Imports func(imp any) int
 	// OrderEvents counts the events kept to order releases after callers' streams.
 	OrderEvents func(imp any) int
+	// RevokedMapped counts the imports revoked while mapped, freed at their release.
+	RevokedMapped func(imp any) int
 	// MaxIdleOrderEvents is the bound OrderEvents keeps to once idle events are reaped.
 	MaxIdleOrderEvents int
 	// ReplicaPool is the pool the first replica copier of the Importer allocates from.

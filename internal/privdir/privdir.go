@@ -67,7 +67,7 @@ func ReadRegular(path string, limit int64) ([]byte, bool, error) {
 		return nil, true, err
 	}
 	f := os.NewFile(uintptr(fd), path)
-	defer f.Close()
+	defer func() { _ = f.Close() }() // read only: a failed close loses nothing
 	info, err := f.Stat()
 	switch {
 	case err != nil:
