@@ -15,12 +15,15 @@ func init() {
 	childRoles["exit-as"] = exitAsMain
 }
 
-// exitAsMain ends the way args[0] says: "ok", "fail" (status 1) or "killed" (SIGKILL,
-// a signal as a crash in the driver gives).
+// exitAsMain ends the way args[0] says: "ok", "fail" (status 1), "fault" (status 2, as
+// the Go runtime exits when a SIGSEGV arrives during a cgo call) or "killed" (SIGKILL,
+// a signal as a crash in the driver that nothing catches gives).
 func exitAsMain(args []string) int {
 	switch args[0] {
 	case "fail":
 		return 1
+	case "fault":
+		return 2
 	case "killed":
 		unix.Kill(os.Getpid(), unix.SIGKILL)
 		select {}
@@ -40,6 +43,7 @@ func exitOfChild(t *testing.T, how string) error {
 // a wrong read stays wrong, and a child that reported nothing is unmeasured.
 func TestBigImportReport(t *testing.T) {
 	ok, fail, killed := exitOfChild(t, "ok"), exitOfChild(t, "fail"), exitOfChild(t, "killed")
+	fault := exitOfChild(t, "fault")
 	require.NoError(t, ok)
 	for _, c := range []struct {
 		name          string
@@ -53,6 +57,7 @@ func TestBigImportReport(t *testing.T) {
 		{"crash in a read", []string{"stage MemPoolImportPointer", "imported at 0x1", "read ok at 0x0", "stage read at 0x100000000"}, killed, "imported", "crashed", `during "read at 0x100000000"`},
 		{"wrong, then a crash", []string{"imported at 0x1", "read WRONG at 0x0: byte 0x0 is 0x0, want 0x21", "read ok at 0x1000"}, killed, "imported", "WRONG", "read WRONG at 0x0"},
 		{"an error", []string{"stage MemPoolImportPointer", "error MemPoolImportPointer: invalid argument"}, ok, "error", "not read", "MemPoolImportPointer: invalid argument"},
+		{"a fault in the driver, caught by the Go runtime", []string{"stage MemPoolImportPointer"}, fault, "crashed", "not read", `status 2; its trace is in the test's output) during "MemPoolImportPointer"`},
 		{"set-up failed", nil, fail, "unmeasured", "not read", "exit status 1"},
 		{"said nothing", []string{"stage MemPoolImportFromShareableHandle"}, ok, "unmeasured", "not read", "importer exited"},
 	} {

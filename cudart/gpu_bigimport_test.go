@@ -263,6 +263,11 @@ func bigReport(lines []string, werr error) bigResult {
 			res.outcome = "crashed"
 		}
 		reads = append(reads, fmt.Sprintf("%v (signal %d) during %q", sig, int(sig), stage))
+	case errors.As(werr, &ee) && ee.ExitCode() == 2 && stage != "" && res.outcome == "":
+		// The Go runtime exits 2 when a signal arrives during a cgo call (a SIGSEGV in
+		// the driver): its trace goes to the child's stderr, which is the test's.
+		res.outcome = "crashed"
+		reads = append(reads, fmt.Sprintf("a fault in C code (the Go runtime's exit status 2; its trace is in the test's output) during %q", stage))
 	case werr != nil || res.outcome == "":
 		res.outcome = "unmeasured"
 		reads = append(reads, fmt.Sprintf("importer exited: %v during %q", werr, stage))

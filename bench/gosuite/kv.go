@@ -47,10 +47,11 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		kind = choose.GPU
 	}
 	g, _ := kv.Layout("llama-0.85b")
-	// 8 GiB: room for every replica's batches in flight (written and read) four times
-	// over, so that no batch is evicted between its seal and its match. The software
-	// device's memory is sparse: pages never written cost nothing.
-	g.Pages = 16384
+	// 4 GiB, the largest slab owner.Listen serves (MaxSlabBytes): room for every
+	// replica's largest batch in flight (written and read) twice over, and eviction
+	// takes the least recently used, so no batch is evicted between its seal and its
+	// match. The software device's memory is sparse: pages never written cost nothing.
+	g.Pages = 8192
 	dir, err := os.MkdirTemp("", "gosuite-kv")
 	if err != nil {
 		r.fail("cudapool", "kv", err)
