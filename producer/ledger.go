@@ -68,9 +68,9 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
 	}
 	if s, conn, _, ok := p.ex.connIDs.owner(id); ok && (s != p.space || conn != p.id) {
-		return nil, fmt.Errorf("%w: lease %#x", ErrForeignLease, id)
+		return nil, fmt.Errorf("%w: lease %#x is another connection's", ErrStaleLease, id)
 	}
-	return nil, fmt.Errorf("%w: lease %#x", ErrForgedLease, id)
+	return nil, fmt.Errorf("%w: lease %#x was never issued", ErrStaleLease, id)
 }
 
 func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
