@@ -166,8 +166,6 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 		{&consumer.RemoteError{Err: consumer.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
 		{fmt.Errorf("%w: %w", producer.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
 		{consumer.ErrStaleLease, statusStale},
-		{consumer.ErrForeignLease, statusStale},
-		{consumer.ErrForgedLease, statusStale},
 		{discover.ErrBadDir, statusBadDir},
 		{consumer.ErrBadRequest, statusProtocol},
 		{producer.ErrSocketPath, statusInval},

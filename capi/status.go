@@ -124,8 +124,6 @@ var statuses = []struct {
 	{consumer.ErrTooManyGrants, statusTooMany},
 	{consumer.ErrExporter, statusExporter},
 	{consumer.ErrStaleLease, statusStale},
-	{consumer.ErrForeignLease, statusStale},
-	{consumer.ErrForgedLease, statusStale},
 	{poolshare.ErrLeaseEnded, statusStale},
 	{poolshare.ErrNotLeased, statusStale},
 	{discover.ErrBadDir, statusBadDir},

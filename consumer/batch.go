@@ -82,7 +82,7 @@ func openChunks(names []string) [][]string {
 	return append(chunks, names[start:])
 }
 
-// adoptAll turns a batch of leases into Mappings, or gives every one back.
+// adoptAll turns a batch of leases into Mappings, or releases every one.
 func (imp *Importer) adoptAll(ctx context.Context, leases []wire.LeaseMsg, names []string, s cudart.Stream) ([]*Mapping, error) {
 	waited := map[cudart.IpcEventHandle]bool{}
 	out := make([]*Mapping, 0, len(leases))
@@ -192,25 +192,25 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return err
 	}
 	if len(plain) == 0 && len(kept) == 0 {
-		// Every Mapping is still referenced (or a replica): no grant to give back.
+		// Every Mapping is still referenced (or a replica): no grant to release.
 		for _, rec := range revoked {
 			imp.sendRevoked(rec)
 		}
 		return nil
 	}
-	err := imp.returnBatch(ctx, plain, kept, keptBufs)
+	err := imp.releaseBatch(ctx, plain, kept, keptBufs)
 	for _, rec := range revoked {
 		imp.sendRevoked(rec)
 	}
 	return err
 }
 
-// returnBatch tells the exporter in one request that plain grants are released and
+// releaseBatch tells the exporter in one request that plain grants are released and
 // kept ones released with their imports retained. If the exporter refuses, the kept
-// imports are freed (those no new lease uses) and every grant is returned one lease at
+// imports are freed (those no new lease uses) and every grant is released one lease at
 // a time, as Release does; grants it had released already are refused as stale, which
 // changes nothing.
-func (imp *Importer) returnBatch(ctx context.Context, plain, kept map[uint64]uint32, keptBufs []*imported) error {
+func (imp *Importer) releaseBatch(ctx context.Context, plain, kept map[uint64]uint32, keptBufs []*imported) error {
 	entries := make([]wire.ReleaseMsg, 0, len(plain)+len(kept))
 	for id, n := range plain {
 		entries = append(entries, wire.ReleaseMsg{LeaseID: id, Count: n})
@@ -247,7 +247,7 @@ func (imp *Importer) returnBatch(ctx context.Context, plain, kept map[uint64]uin
 	}
 	var errs []error
 	for id, n := range all {
-		if err := imp.returnGrants(ctx, "a batch", map[uint64]uint32{id: n}, 0, nil); err != nil && !errors.Is(err, ErrStaleLease) {
+		if err := imp.releaseGrants(ctx, "a batch", map[uint64]uint32{id: n}, 0, nil); err != nil && !errors.Is(err, ErrStaleLease) {
 			errs = append(errs, err)
 		}
 	}

@@ -25,7 +25,7 @@
 // (FACTS 7); on another GPU the next read would lose this process's CUDA context
 // (FACTS 14), so each such Mapping's Context ends with ErrMappingLost at once. Release
 // them: that is safe. WithReplica copies the buffer at Open into this process's own
-// memory, through a stream of the exporter's device (FACTS 14), and gives the lease back:
+// memory, through a stream of the exporter's device (FACTS 14), and releases the lease:
 // the copy outlives its producer on any GPU.
 //
 // # Caveats

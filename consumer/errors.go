@@ -58,13 +58,10 @@ var (
 	// characters, bidirectional controls (which make it display as another) or line
 	// separators.
 	ErrBadName = wire.ErrBadName
-	// ErrStaleLease means the lease id was issued to this connection but has ended:
-	// a second release, or a replay.
+	// ErrStaleLease means the exporter holds no such lease for this connection: it
+	// was released already, it is another connection's, or it was never issued. The
+	// message says which.
 	ErrStaleLease = wire.ErrStaleLease
-	// ErrForeignLease means the lease id was issued to another connection.
-	ErrForeignLease = wire.ErrForeignLease
-	// ErrForgedLease means the exporter never issued the lease id.
-	ErrForgedLease = wire.ErrForgedLease
 	// ErrBufferGone means the buffer was freed (or its pool closed) before it could be
 	// leased: the library never hands out export data of a freed buffer (FACTS 3).
 	ErrBufferGone = wire.ErrBufferGone

@@ -72,7 +72,7 @@ type Importer struct {
 	// replicas copies buffers for WithReplica (replica.go).
 	replicas replicas
 	// life ends when Close gives up on the exporter: sends that are the Importer's own
-	// business (give-backs), not a caller's, are bounded by it.
+	// business (releases of unused leases), not a caller's, are bounded by it.
 	life    context.Context
 	endLife context.CancelFunc
 }
@@ -176,7 +176,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 	imp.retain = w.Flags&wire.WelcomeRetain != 0 && !imp.remote
 	imp.cl = wire.NewClient(c, o.Log, int(w.PID))
 	imp.cl.Handle = imp.handle
-	imp.cl.Unclaimed = imp.giveBack
+	imp.cl.Unclaimed = imp.releaseUnused
 	if err := imp.register(); err != nil {
 		return nil, err
 	}
@@ -335,11 +335,11 @@ func cue(ch chan struct{}) {
 	}
 }
 
-// giveBack returns a lease this process will not use, without waiting for the answer.
-func (imp *Importer) giveBack(l *wire.LeaseMsg) {
+// releaseUnused releases a lease this process will not use, without waiting for the answer.
+func (imp *Importer) releaseUnused(l *wire.LeaseMsg) {
 	err := imp.cl.C.Send(imp.life, &wire.ReleaseMsg{LeaseID: l.LeaseID, Count: 1, Flags: wire.ReleaseNothingImported}, -1)
 	if err != nil {
-		imp.log.Debug("consumer: could not give a lease back; the exporter ends it when the connection closes", "err", err)
+		imp.log.Debug("consumer: could not release an unused lease; the exporter ends it when the connection closes", "err", err)
 	}
 }
 
@@ -433,11 +433,11 @@ func (imp *Importer) open(ctx context.Context, name string, s cudart.Stream) (*M
 
 // adopt turns a lease into a Mapping: s waits for the producer's writes, and the
 // pointer is imported unless this Importer holds it already. On failure the lease is
-// given back.
+// released.
 func (imp *Importer) adopt(l *wire.LeaseMsg, name string, s cudart.Stream) (*Mapping, error) {
 	m, err := imp.adoptLease(l, name, s, nil)
 	if err != nil {
-		imp.giveBack(l)
+		imp.releaseUnused(l)
 	}
 	return m, err
 }
@@ -509,7 +509,7 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	buf := imp.imports[l.Record]
 	if buf == nil {
 		if _, ok := imp.freed[l.Record]; ok {
-			if err := imp.settleFrees(true); err != nil {
+			if err := imp.awaitFrees(true); err != nil {
 				return nil, err
 			}
 		}
@@ -588,7 +588,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 		// those leases when the connection closes (nothing was imported under them).
 		imp.endLife()
 		<-imp.pushDone
-		errs = append(errs, fmt.Errorf("consumer: close: pushed leases not given back (the exporter ends them with the connection): %w", ctx.Err()))
+		errs = append(errs, fmt.Errorf("consumer: close: pushed leases not released (the exporter ends them with the connection): %w", ctx.Err()))
 	}
 	// Adoptions under way finish first (a few CUDA calls); later ones fail.
 	imp.adopting.Lock()
@@ -615,7 +615,7 @@ func (imp *Importer) Close(ctx context.Context) error {
 	}
 	clear(imp.mappings)
 	imp.mapMu.Unlock()
-	errs = append(errs, imp.returnGrants(ctx, "held at Close", grants, 0, nil))
+	errs = append(errs, imp.releaseGrants(ctx, "held at Close", grants, 0, nil))
 	if err := imp.cl.HangUp(ctx); err != nil {
 		errs = append(errs, fmt.Errorf("consumer: close: %w", err))
 	}

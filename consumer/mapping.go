@@ -68,11 +68,11 @@ func (m *Mapping) Name() string { return m.name }
 // Mapping's own: do not modify it.
 func (m *Mapping) Meta() []byte { return m.meta }
 
-// settleFrees makes sure every free issued so far has completed, so that a pointer
+// awaitFrees makes sure every free issued so far has completed, so that a pointer
 // freed by this process can be imported again without the pending free unmapping the
 // new import. wait: block until it has; otherwise only forget them if they have.
 // Call with mapMu held.
-func (imp *Importer) settleFrees(wait bool) error {
+func (imp *Importer) awaitFrees(wait bool) error {
 	done, err := imp.rt.EventQuery(imp.dev, imp.relEvent)
 	if err == nil && !done && wait {
 		err = imp.rt.StreamSynchronize(imp.dev, imp.relStream)
@@ -112,41 +112,41 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	}
 	if m.replica != nil {
 		err := imp.freeReplica(m, s)
-		m.settle(err == nil)
+		m.finishRelease(err == nil)
 		imp.mapMu.Unlock()
 		return err
 	}
 	buf := m.buf
 	if imp.retain && buf.views == 1 && !buf.revoked {
 		grants, err := imp.keep(m, s)
-		m.settle(err == nil)
+		m.finishRelease(err == nil)
 		imp.mapMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("consumer: release %q: %w", m.name, err)
 		}
-		return imp.returnRetained(ctx, m.name, buf, grants)
+		return imp.releaseRetained(ctx, m.name, buf, grants)
 	}
 	revoked := buf.revoked && buf.views == 1
 	grants, freed, err := imp.unview(m, s, true)
 	if err == nil && freed {
 		err = imp.recordFrees()
 	}
-	m.settle(err == nil || imp.mappings[m.key] != m) // a failed free leaves m mapped
+	m.finishRelease(err == nil || imp.mappings[m.key] != m) // a failed free leaves m mapped
 	imp.mapMu.Unlock()
 	if err != nil {
 		return fmt.Errorf("consumer: release %q: %w", m.name, err)
 	}
-	err = imp.returnGrants(ctx, m.name, grants, 0, nil)
+	err = imp.releaseGrants(ctx, m.name, grants, 0, nil)
 	if revoked {
 		imp.sendRevoked(buf.record)
 	}
 	return err
 }
 
-// settle ends m's context after its last Release, if that let go of it; if it did
+// finishRelease ends m's context after its last Release, if that let go of it; if it did
 // not (nothing was freed, the lease is held), it gives the reference back, so that
 // Release can be tried again. Call with mapMu held.
-func (m *Mapping) settle(released bool) {
+func (m *Mapping) finishRelease(released bool) {
 	if released {
 		m.end(errReleasedCause)
 		return
@@ -229,7 +229,7 @@ func (imp *Importer) recordFrees() error {
 		return err
 	}
 	if len(imp.freed) > 256 {
-		_ = imp.settleFrees(false) // a trim only: a failed query keeps the frees, and the next Open that needs one asks again
+		_ = imp.awaitFrees(false) // a trim only: a failed query keeps the frees, and the next Open that needs one asks again
 	}
 	return nil
 }
@@ -293,11 +293,11 @@ func (imp *Importer) keep(m *Mapping, s cudart.Stream) (map[uint64]uint32, error
 	return grants, nil
 }
 
-// returnRetained releases grants with releaseRetain, buf's import kept. An exporter
+// releaseRetained releases grants with releaseRetain, buf's import kept. An exporter
 // that refuses to keep it still holds the grants: the import is then freed (unless a
 // new lease uses it meanwhile) and the grants released the usual way.
-func (imp *Importer) returnRetained(ctx context.Context, name string, buf *imported, grants map[uint64]uint32) error {
-	return imp.returnGrants(ctx, name, grants, wire.ReleaseRetain, func(id uint64, n uint32, why error) error {
+func (imp *Importer) releaseRetained(ctx context.Context, name string, buf *imported, grants map[uint64]uint32) error {
+	return imp.releaseGrants(ctx, name, grants, wire.ReleaseRetain, func(id uint64, n uint32, why error) error {
 		imp.log.Debug("consumer: the exporter would not keep an import; freeing it", "name", name, "err", why)
 		imp.mapMu.Lock()
 		if buf.views == 0 && imp.imports[buf.record] == buf {
@@ -308,7 +308,7 @@ func (imp *Importer) returnRetained(ctx context.Context, name string, buf *impor
 			}
 		}
 		imp.mapMu.Unlock()
-		return imp.returnGrants(ctx, name, map[uint64]uint32{id: n}, 0, nil)
+		return imp.releaseGrants(ctx, name, map[uint64]uint32{id: n}, 0, nil)
 	})
 }
 
@@ -342,10 +342,10 @@ func (imp *Importer) sendRevoked(rec cudart.PtrExportData) {
 	}
 }
 
-// returnGrants tells the exporter that leases are released, with the Release flags
+// releaseGrants tells the exporter that leases are released, with the Release flags
 // given, and waits for it to agree. With the exporter gone there is nothing to tell,
 // and that is not an error. refused, if not nil, handles a refusal instead.
-func (imp *Importer) returnGrants(ctx context.Context, name string, grants map[uint64]uint32, flags uint32,
+func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[uint64]uint32, flags uint32,
 	refused func(id uint64, n uint32, why error) error) error {
 	var errs []error
 	for id, n := range grants {

@@ -25,7 +25,7 @@ type OpenOption interface{ applyOpen(*openOptions) }
 type openOptions struct {
 	waitForName bool
 	// replica: copy the buffer into memory of the Importer's device, from replicaAlloc
-	// (nil: the device's default pool), and give the lease back at once.
+	// (nil: the device's default pool), and release the lease at once.
 	replica      bool
 	replicaAlloc pool.Allocator
 }
@@ -81,7 +81,7 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 }
 
 // WithReplica makes Open copy the buffer into memory of the Importer's own device and
-// give the lease back as soon as the copy is queued: the Mapping then holds no lease
+// release the lease as soon as the copy is queued: the Mapping then holds no lease
 // and its memory is this process's own, so it outlives its producer on any GPU. Use it
 // for consumers on another GPU than the producer's that read the buffer more than
 // once: a local read is faster than one over NVLink, and such a consumer's mapping

@@ -12,7 +12,7 @@ func (imp *Importer) deliverPushes() {
 		imp.mu.Unlock()
 		for _, p := range batch {
 			if closed || imp.opts.pushHandler == nil {
-				imp.giveBack(&p.LeaseMsg)
+				imp.releaseUnused(&p.LeaseMsg)
 				continue
 			}
 			m, err := imp.adopt(&p.LeaseMsg, p.Name, imp.opts.pushStream)

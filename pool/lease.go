@@ -52,20 +52,20 @@ func (b *Buffer) takeLease() (*lease, error) {
 	return &lease{b: b}, nil
 }
 
-// End ends the lease. completion is an event on the pool's device, owned by the
+// End ends the lease. releaseEvent is an event on the pool's device, owned by the
 // caller, whose last record covers the importer's free of its import; 0 means that
 // free is known to have completed (the importer synchronized, or exited). The release
-// stream waits for completion as it is now, so the caller may destroy or re-record it
+// stream waits for releaseEvent as it is now, so the caller may destroy or re-record it
 // as soon as End returns.
 //
 // If this was the last lease of a buffer that Free was called on, End issues the
 // deferred free; if that fails, the lease has still ended, and the error wraps
 // ErrFreeFailed (the failure is also kept for Stats and Close).
 //
-// Ending a lease twice fails with poolshare.ErrLeaseEnded. If waiting for completion fails, the
+// Ending a lease twice fails with poolshare.ErrLeaseEnded. If waiting for releaseEvent fails, the
 // lease is still live and End may be called again. After Close began, End only ends
 // the lease: the buffer has been abandoned and will not be freed.
-func (l *lease) End(completion cudart.Event) error {
+func (l *lease) End(releaseEvent cudart.Event) error {
 	if l.b == nil {
 		return fmt.Errorf("pool: end a lease that takeLease did not make: %w", poolshare.ErrLeaseEnded)
 	}
@@ -82,17 +82,17 @@ func (l *lease) End(completion cudart.Event) error {
 	}
 	l.ending = true
 	p.mu.Unlock()
-	if completion != 0 {
-		if err := p.releaseWaitsFor(completion); err != nil {
+	if releaseEvent != 0 {
+		if err := p.releaseWaitsFor(releaseEvent); err != nil {
 			p.mu.Lock()
 			l.ending = false
 			p.mu.Unlock()
-			return p.errorf("end lease on %v: waiting for the completion event: %w", b, err)
+			return p.errorf("end lease on %v: waiting for the importer's release event: %w", b, err)
 		}
 	}
 	p.mu.Lock()
 	l.ending = false
-	b.ordered = b.ordered || completion != 0
+	b.ordered = b.ordered || releaseEvent != 0
 	return p.endLeaseLocked(l)
 }
 

@@ -147,7 +147,7 @@ func TestLastLeaseReleases(t *testing.T) {
 		wantCounts(t, p, 1, 1, 2, 0)
 		mustFree(t, b, e.stream)
 		wantCounts(t, p, 1, 1, 2, 1)
-		// A completion event on the pool's device: the importer's free, here work
+		// A release event on the pool's device: the importer's free, here work
 		// on a stream of our own.
 		ev, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
 		require.NoError(t, err)

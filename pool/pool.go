@@ -31,7 +31,7 @@
 // A buffer that other processes imported must not go back to the pool before every
 // importer has freed its import and that free has completed. The sharing layer
 // (package producer) takes a lease on a buffer before it shares it, and ends the
-// lease with the importer's completion event. Free on a leased buffer only marks it
+// lease with the importer's release event. Free on a leased buffer only marks it
 // (Shared reports it); the real cudaFreeAsync is issued when the last lease ends, on
 // the pool's release stream, which first waits for every completion and for the work
 // the freeing stream had queued before Free. A lease may leave that wait to the

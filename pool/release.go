@@ -96,7 +96,7 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 	if err == nil {
 		err = p.settleOwedOnRelease(b)
 	}
-	settle := func(err error) error {
+	done := func(err error) error {
 		p.counts.deferredFrees--
 		if err != nil {
 			b.state = bufFailed
@@ -109,21 +109,21 @@ func (p *Pool) releaseDeferred(b *Buffer, ev cudart.Event) error {
 	if err != nil {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return settle(err)
+		return done(err)
 	}
 	if p.cacheShared(b, b.freeStream, false) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return settle(nil)
+		return done(nil)
 	}
-	return p.giveBack(b, settle)
+	return p.finishFree(b, done)
 }
 
 // freeShared frees a buffer that was leased before and has no live leases, on the
 // release stream after the point reached on s. On failure b is live again. Call
 // inside the gate with b.state bufFreeing.
 func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
-	settle := func(err error) error {
+	done := func(err error) error {
 		if err != nil {
 			b.state = bufLive
 			return p.errorf("free %v: %w", b, err)
@@ -152,20 +152,20 @@ func (p *Pool) freeShared(b *Buffer, s cudart.Stream) error {
 	if err != nil {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return settle(err)
+		return done(err)
 	}
-	return p.giveBack(b, settle)
+	return p.finishFree(b, done)
 }
 
-// giveBack returns b's memory once the release stream is ordered after every use of
-// it: to the importers that retain it, until they let go (retire), else to the driver
-// on the release stream. settle runs under pool.mu with nil as b is marked freed, or
-// with the driver's error (b is then left as settle makes it), and says what to
+// finishFree returns b's memory once the release stream is ordered after every use of
+// it: to the driver once the importers that retain it let go (retire), else to the
+// driver on the release stream at once. done runs under pool.mu with nil as b is marked freed, or
+// with the driver's error (b is then left as done makes it), and says what to
 // return. This is the one tail of every deferred free. Call inside the gate.
-func (p *Pool) giveBack(b *Buffer, settle func(error) error) error {
+func (p *Pool) finishFree(b *Buffer, done func(error) error) error {
 	if set := p.retainedSet(b); set != nil {
 		p.mu.Lock()
-		err := settle(nil)
+		err := done(nil)
 		b.state = bufFreed
 		p.forget(b)
 		p.mu.Unlock()
@@ -175,9 +175,9 @@ func (p *Pool) giveBack(b *Buffer, settle func(error) error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err != nil {
-		return settle(err)
+		return done(err)
 	}
-	err = settle(nil)
+	err = done(nil)
 	b.state = bufFreed
 	p.forget(b)
 	p.freedLocked()

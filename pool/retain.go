@@ -76,16 +76,16 @@ func (b *Buffer) retain(revoke func()) (*retention, error) {
 	return r, nil
 }
 
-// End ends the retention once the importer has freed its mapping. completion is an
+// End ends the retention once the importer has freed its mapping. releaseEvent is an
 // event on the pool's device whose last record covers that free, or 0 if it is known
 // to have completed; the release stream waits for it as it is now. If this was the
 // last retention of memory the pool is taking back, End frees it; a failure there is
 // reported as for lease.End (ErrFreeFailed) and the retention has still ended.
 //
-// Ending a retention twice fails with poolshare.ErrLeaseEnded. If waiting for completion fails,
+// Ending a retention twice fails with poolshare.ErrLeaseEnded. If waiting for releaseEvent fails,
 // the retention lives on and End may be called again. After Close began, End only
 // ends the retention.
-func (r *retention) End(completion cudart.Event) error {
+func (r *retention) End(releaseEvent cudart.Event) error {
 	p := r.p
 	if !p.gate.enter() {
 		p.mu.Lock()
@@ -104,12 +104,12 @@ func (r *retention) End(completion cudart.Event) error {
 	}
 	r.ending = true
 	p.mu.Unlock()
-	if completion != 0 {
-		if err := p.releaseWaitsFor(completion); err != nil {
+	if releaseEvent != 0 {
+		if err := p.releaseWaitsFor(releaseEvent); err != nil {
 			p.mu.Lock()
 			r.ending = false
 			p.mu.Unlock()
-			return p.errorf("end retention: waiting for the completion event: %w", err)
+			return p.errorf("end retention: waiting for the importer's release event: %w", err)
 		}
 	}
 	p.mu.Lock()

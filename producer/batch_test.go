@@ -318,7 +318,7 @@ func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
 	}
 	r.send(&wire.ReleaseBatchMsg{ReqID: 5, Entries: entries})
 	m := r.recv()
-	wantError(t, m, 5, ErrForgedLease)
+	wantStale(t, m, 5, staleForged)
 	assert.Contains(t, m.(*wire.ErrorMsg).Text, fmt.Sprintf("%d of %d entries refused", MaxBatch, MaxBatch))
 	r.servesOn(6)
 }

@@ -227,7 +227,7 @@ func (e *benchEnv) publish(b *testing.B, name string, from, to int, size uint64)
 	return bufs, spent
 }
 
-func (e *benchEnv) retire(b *testing.B, name string, from int, bufs []*pool.Buffer) {
+func (e *benchEnv) unpublishAndFree(b *testing.B, name string, from int, bufs []*pool.Buffer) {
 	b.Helper()
 	for i, buf := range bufs {
 		e.ex.Unpublish(fmt.Sprint(name, from+i))
@@ -254,7 +254,7 @@ func BenchmarkShareFresh(b *testing.B) {
 	// The pool's handle travels once per consumer; that is not what is measured.
 	warm, _ := e.publish(b, "warm", 0, 1, 1<<20)
 	e.ask(b, "open warm 1 1")
-	e.retire(b, "warm", 0, warm)
+	e.unpublishAndFree(b, "warm", 0, warm)
 	var publish, open time.Duration
 	b.ResetTimer()
 	for done := 0; done < b.N; {
@@ -262,7 +262,7 @@ func BenchmarkShareFresh(b *testing.B) {
 		bufs, p := e.publish(b, "fresh", done, done+n, 1<<20)
 		publish += p
 		open += e.ask(b, fmt.Sprintf("fresh fresh %d %d", done, done+n))
-		e.retire(b, "fresh", done, bufs)
+		e.unpublishAndFree(b, "fresh", done, bufs)
 		done += n
 	}
 	b.ReportMetric(float64(publish.Nanoseconds())/float64(b.N), "publish-ns/op")
@@ -281,7 +281,7 @@ func BenchmarkOpenExported(b *testing.B) {
 	spent := e.ask(b, fmt.Sprintf("open x %d %d", count, b.N))
 	b.ReportMetric(float64(spent.Nanoseconds())/float64(b.N), "ns/op")
 	b.StopTimer()
-	e.retire(b, "x", 0, bufs)
+	e.unpublishAndFree(b, "x", 0, bufs)
 }
 
 // BenchmarkReleaseRoundTrip: Release of a mapping, from the call to the exporter's
@@ -294,7 +294,7 @@ func BenchmarkReleaseRoundTrip(b *testing.B) {
 	spent := e.ask(b, fmt.Sprintf("release r0 %d", b.N))
 	b.ReportMetric(float64(spent.Nanoseconds())/float64(b.N), "ns/op")
 	b.StopTimer()
-	e.retire(b, "r", 0, bufs)
+	e.unpublishAndFree(b, "r", 0, bufs)
 }
 
 // BenchmarkReadImported: copies of an imported buffer into the consumer's own memory,
@@ -314,7 +314,7 @@ func BenchmarkReadImported(b *testing.B) {
 	b.ReportMetric(float64(size)*float64(b.N)/spent.Seconds()/1e9, "GB/s")
 	b.SetBytes(int64(size))
 	b.StopTimer()
-	e.retire(b, "big", 0, bufs)
+	e.unpublishAndFree(b, "big", 0, bufs)
 }
 
 // BenchmarkOpenExportedInProcess is BenchmarkOpenExported with the consumer in this

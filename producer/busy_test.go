@@ -137,7 +137,7 @@ func TestReleaseFreesAfterTheCallersWork(t *testing.T) {
 // A record released a moment ago is imported again only once its free has run: the
 // pending free would otherwise unmap the new import, which has the same address
 // (FACTS 4).
-func TestReopenAfterReleaseSettlesTheFree(t *testing.T) {
+func TestReopenAfterReleaseAwaitsTheFree(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 5)
 	c, busy := newBusyConsumer(t, pr.path)

@@ -113,9 +113,9 @@ func (cp countedPair) frames() (received, sent int64) {
 	return c.Sent.Load(), c.Received.Load()
 }
 
-// settle waits until the consumer's frees and releases so far have completed, as they
+// awaitFrees waits until the consumer's frees and releases so far have completed, as they
 // have long before a producer recycles a buffer in steady state.
-func (cp countedPair) settle(t *testing.T) {
+func (cp countedPair) awaitFrees(t *testing.T) {
 	t.Helper()
 	require.NoError(t, cp.c.dev.StreamSynchronize(0, inspect.ReleaseStream(cp.c.imp)))
 	require.NoError(t, cp.c.dev.StreamSynchronize(0, cp.c.stream))
@@ -166,7 +166,7 @@ func TestRecycledShareCosts(t *testing.T) {
 			assert.Equal(t, 2*shares, c["EventRecord"], "round %d: the consumer's records (release ordering, release event)", round)
 		}
 
-		cp.settle(t)
+		cp.awaitFrees(t)
 		for i, b := range bufs {
 			require.NoError(t, cp.pr.ex.Unpublish(fmt.Sprintf("r%d-%d", round, i)))
 			require.NoError(t, b.Free(cp.pr.stream))
@@ -195,7 +195,7 @@ func TestBlockBatchCosts(t *testing.T) {
 	slab, names := rp.slab(t, n, block, 0)
 	held, err := cp.c.imp.Open(ctx, names[n-1], cp.c.stream)
 	require.NoError(t, err)
-	cp.settle(t)
+	cp.awaitFrees(t)
 	for round := range 3 {
 		cp.prCalls.take()
 		cp.cCalls.take()

@@ -31,7 +31,7 @@
 // malformed, oversized or unexpected frame closes the connection it came on, with the
 // reason logged, and touches no other peer. Lease ids are unguessable: a Release of a
 // lease that ended, belongs to another connection or was never issued is refused
-// (ErrStaleLease, ErrForeignLease, ErrForgedLease) and changes nothing. Listen announces
+// (ErrStaleLease, its message saying which) and changes nothing. Listen announces
 // the exporter for package discover (cmd/poolstat), whose observers are admitted by
 // the same policy.
 //

@@ -55,13 +55,10 @@ var (
 	// ErrTooManyGrants means a peer asked for more grants than the exporter allows one
 	// connection (WithMaxGrants): release some first.
 	ErrTooManyGrants = wire.ErrTooManyGrants
-	// ErrStaleLease means the lease id was issued to this connection but has ended:
-	// a second release, or a replay.
+	// ErrStaleLease means the exporter holds no such lease for this connection: it
+	// was released already, it is another connection's, or it was never issued. The
+	// message says which.
 	ErrStaleLease = wire.ErrStaleLease
-	// ErrForeignLease means the lease id was issued to another connection.
-	ErrForeignLease = wire.ErrForeignLease
-	// ErrForgedLease means the exporter never issued the lease id.
-	ErrForgedLease = wire.ErrForgedLease
 	// ErrProtocol means a peer sent something the protocol does not allow: a malformed,
 	// oversized or unexpected frame, or an unexpected file descriptor. The connection
 	// it came on is closed.

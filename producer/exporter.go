@@ -208,18 +208,18 @@ func (ex *Exporter) greet(nc net.Conn) {
 	}()
 }
 
-// Publish makes b available under name, ready once the work queued on stream ready
+// Publish makes b available under name, ready once the work queued on stream after
 // before the call (the producer's writes) has completed: consumers' streams wait for
 // that, the host does not. It exports b's pool and b now, so that Open is quick and a
 // failure shows here: a FABRIC pool on a host without IMEX fails with ErrIMEXRequired.
 // A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
-// published under several names. To retire a published buffer, Free it: later Opens
+// published under several names. To end every publication of a buffer, Free it: later Opens
 // fail with ErrBufferGone, its memory returns to the pool once the consumers that
 // hold it released it, and its names are free for Publish at once. Range publishes part of b, WithMeta sends metadata with it;
 // an empty range or one past b's end fails with ErrBadRange, metadata longer than
 // MaxMetaLen with ErrMetaTooLong.
-func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, ready cudart.Stream, opts ...PublishOption) error {
-	return ex.PublishAll(ctx, ready, Entry{Name: name, Buffer: b, Options: opts})
+func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, after cudart.Stream, opts ...PublishOption) error {
+	return ex.PublishAll(ctx, after, Entry{Name: name, Buffer: b, Options: opts})
 }
 
 // Entry is one name for PublishAll: what Publish takes besides the stream.
@@ -230,10 +230,10 @@ type Entry struct {
 }
 
 // PublishAll is Publish of every entry at once, each ready once the work queued on
-// ready before the call has completed: the ready event is recorded once for all of
+// after before the call has completed: the ready event is recorded once for all of
 // them. The buffers must be on one device. It publishes all the entries or, with the
 // error of the first that fails, none.
-func (ex *Exporter) PublishAll(ctx context.Context, ready cudart.Stream, entries ...Entry) error {
+func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries ...Entry) error {
 	if len(entries) == 0 {
 		return nil
 	}
@@ -262,7 +262,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, ready cudart.Stream, entries
 			return fmt.Errorf("producer: publish %q: %w", pub.name, fabricErr(pub.buf.Pool(), err))
 		}
 	}
-	re, err := ex.readyFor(pubs[0].buf.Device(), ready)
+	re, err := ex.readyFor(pubs[0].buf.Device(), after)
 	if err != nil {
 		return fmt.Errorf("producer: publish %q: %w", pubs[0].name, err)
 	}
@@ -280,7 +280,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, ready cudart.Stream, entries
 	}
 	// Recorded under mu so that no Open can see the publications before their writes
 	// are captured.
-	if err := ex.rt.EventRecord(re.dev, re.ev, ready); err != nil {
+	if err := ex.rt.EventRecord(re.dev, re.ev, after); err != nil {
 		return fmt.Errorf("producer: publish %q: record ready event: %w", pubs[0].name, err)
 	}
 	for _, pub := range pubs {
@@ -479,8 +479,8 @@ func freed(b *pool.Buffer) bool {
 	return errors.Is(err, pool.ErrFreed)
 }
 
-// retire drops pub if it is still published: its buffer was freed.
-func (ex *Exporter) retire(pub *publication) {
+// dropFreed drops pub if it is still published: its buffer was freed.
+func (ex *Exporter) dropFreed(pub *publication) {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.pubs[pub.name] == pub {

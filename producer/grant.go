@@ -22,7 +22,7 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 		return err
 	}
 	if err := p.c.Send(context.Background(), &l, -1); err != nil {
-		p.withdraw(l.LeaseID, pl)
+		p.releaseUnsent(l.LeaseID, pl)
 		return err
 	}
 	return nil
@@ -33,9 +33,9 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 	leases := make([]wire.LeaseMsg, 0, len(m.Names))
 	granted := make([]poolshare.Lease, 0, len(m.Names))
-	withdraw := func(from int) {
+	releaseFrom := func(from int) {
 		for i := from; i < len(leases); i++ {
-			p.withdraw(leases[i].LeaseID, granted[i])
+			p.releaseUnsent(leases[i].LeaseID, granted[i])
 		}
 	}
 	for _, name := range m.Names {
@@ -48,7 +48,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 				continue
 			}
 		}
-		withdraw(0)
+		releaseFrom(0)
 		return fmt.Errorf("open %q of a batch of %d: %w", name, len(m.Names), err)
 	}
 	for start := 0; start < len(leases); {
@@ -62,7 +62,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 			frame.Flags = wire.LeaseBatchMore
 		}
 		if err := p.c.Send(context.Background(), frame, -1); err != nil {
-			withdraw(start)
+			releaseFrom(start)
 			return err
 		}
 		start = end
@@ -73,7 +73,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 // grant leases pub's buffer to the peer and returns the Lease message, its pool handle
 // sent first if this peer has not had it. A buffer the peer already holds is granted
 // under the same id once more, to be released as many times. The pool lease it took
-// is returned for withdraw, should the message fail to go out.
+// is returned for releaseUnsent, should the message fail to go out.
 func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, poolshare.Lease, error) {
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
@@ -81,7 +81,7 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	pl, err := poolshare.Take(b)
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
-			p.ex.retire(pub)
+			p.ex.dropFreed(pub)
 			return wire.LeaseMsg{}, nil, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
 		}
 		return wire.LeaseMsg{}, nil, fmt.Errorf("producer: lease %q: %w", pub.name, err)
@@ -124,7 +124,7 @@ func (p *peer) push(ctx context.Context, pub *publication) error {
 		return err
 	}
 	if err := p.c.Send(ctx, &wire.PushMsg{LeaseMsg: l, Name: pub.name}, -1); err != nil {
-		p.withdraw(l.LeaseID, pl)
+		p.releaseUnsent(l.LeaseID, pl)
 		return err
 	}
 	return nil

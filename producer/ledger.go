@@ -23,13 +23,13 @@ type lease struct {
 	bytes  uint64
 }
 
-// withdraw takes back pl, granted under lease id but whose message did not go out
+// releaseUnsent ends pl, granted under lease id but whose message did not go out
 // whole: the peer never learnt of it, so it will never release it, and imported
 // nothing under it. Once cleanup has run it ended pl already. A peer that held the
 // buffer under id before may have released, meanwhile, as many grants as it knew of,
 // and releaseLease ends the newest, pl among them: then one of those the peer knew of
 // is left, and goes instead, so that the lease keeps exactly the grants the peer holds.
-func (p *peer) withdraw(id uint64, pl poolshare.Lease) {
+func (p *peer) releaseUnsent(id uint64, pl poolshare.Lease) {
 	p.mu.Lock()
 	entry := p.leases[id]
 	i := -1
@@ -68,9 +68,9 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
 	}
 	if s, conn, _, ok := p.ex.connIDs.owner(id); ok && (s != p.space || conn != p.id) {
-		return nil, fmt.Errorf("%w: lease %#x", ErrForeignLease, id)
+		return nil, fmt.Errorf("%w: lease %#x is another connection's", ErrStaleLease, id)
 	}
-	return nil, fmt.Errorf("%w: lease %#x", ErrForgedLease, id)
+	return nil, fmt.Errorf("%w: lease %#x was never issued", ErrStaleLease, id)
 }
 
 func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
@@ -249,12 +249,12 @@ func (p *peer) cleanup(clean bool) {
 	p.releaseEvents = map[int]cudart.Event{}
 	p.mu.Unlock()
 	for _, entry := range held {
-		completion := cudart.Event(0)
+		releaseEvent := cudart.Event(0)
 		if clean {
-			completion = release[entry.buf.Device()]
+			releaseEvent = release[entry.buf.Device()]
 		}
 		for _, l := range entry.grants {
-			if err := l.End(completion); err != nil {
+			if err := l.End(releaseEvent); err != nil {
 				p.ex.log.Error("producer: ending a lease of a departed peer", "pid", p.pid(), "err", err)
 			}
 		}

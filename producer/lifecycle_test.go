@@ -500,10 +500,10 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 	require.EqualValues(t, 0, n, "%d of the departed peer's events left open", n)
 }
 
-// A grant withdrawn after the peer released the lease it shares (the peer, holding
+// An unsent grant released after the peer released the lease it shares (the peer, holding
 // the buffer already, released as many grants as it knew of, and the release took the
 // newest) still leaves the lease with exactly the grants the peer knows of: none.
-func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
+func TestUnsentGrantAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "buf", 1<<20, 1)
 	a := admitted(t, pr.path)
@@ -520,7 +520,7 @@ func TestWithdrawAfterOverlappingReleaseLeavesNothing(t *testing.T) {
 	require.EqualValues(t, l.LeaseID, pushed.LeaseID, "a second grant of a held buffer got another lease id")
 	m := a.release(2, l.LeaseID, 1)
 	require.EqualValues(t, wire.MsgReleased, m.Kind(), "release answered %s", m.Kind())
-	p.withdraw(pushed.LeaseID, pl) // the Push's frame failed to go out
+	p.releaseUnsent(pushed.LeaseID, pl) // the Push's frame failed to go out
 	n := pr.activeLeases(t)
 	require.EqualValues(t, 0, n, "%d pool leases held, though the peer released the one grant it knew of", n)
 	i := p.state()

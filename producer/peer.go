@@ -55,7 +55,7 @@ type peer struct {
 	// (poolshare.Lease.EndAt); closed before the events are destroyed.
 	completions map[*pool.Pool]poolshare.Completion
 	// settling is held across a settleCompletions: the cleanup after the peer's Bye
-	// and the exporter's Close settle at once, and the one that finds nothing left
+	// and the exporter's Close may run it at once, and the one that finds nothing left
 	// must not hang up (the peer then destroys its event) while the other still
 	// waits on the event.
 	settling sync.Mutex

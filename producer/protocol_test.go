@@ -94,7 +94,7 @@ var (
 // protocolErrors are the sentinels by the names the spec's error table gives them.
 var protocolErrors = map[string]error{
 	"ErrExporter": wire.ErrExporter, "ErrUnknownName": ErrUnknownName, "ErrStaleLease": ErrStaleLease,
-	"ErrForeignLease": ErrForeignLease, "ErrForgedLease": ErrForgedLease, "ErrBufferGone": ErrBufferGone,
+	"ErrBufferGone":   ErrBufferGone,
 	"ErrExporterGone": wire.ErrExporterGone, "ErrHandleType": ErrHandleType, "ErrIMEXRequired": ErrIMEXRequired,
 	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": wire.ErrNoLeases, "ErrTooManyGrants": ErrTooManyGrants,
 }

@@ -116,3 +116,18 @@ func wantError(t testing.TB, m wire.Message, reqID uint64, target error) {
 	require.EqualValues(t, reqID, e.ReqID, "got Error(req %d, %v: %q), want req %d and %v", e.ReqID, wire.CodeErrs[e.Code], e.Text, reqID, target)
 	require.ErrorIs(t, wire.ReplyErr(e), target, "got Error(req %d, %v: %q), want req %d and %v", e.ReqID, wire.CodeErrs[e.Code], e.Text, reqID, target)
 }
+
+// The cases of ErrStaleLease, as its message names them.
+const (
+	staleReleased = "was released already"
+	staleForeign  = "is another connection's"
+	staleForged   = "was never issued"
+)
+
+// wantStale checks that m is an Error frame for reqID standing for ErrStaleLease, its
+// text naming the case (staleReleased, staleForeign or staleForged).
+func wantStale(t testing.TB, m wire.Message, reqID uint64, why string) {
+	t.Helper()
+	wantError(t, m, reqID, ErrStaleLease)
+	require.Contains(t, m.(*wire.ErrorMsg).Text, why, "the stale lease's message names the case")
+}

@@ -48,19 +48,19 @@ func (p *peer) answerRevoked(m *wire.RevokedMsg) {
 	p.mu.Lock()
 	rt := p.retained[m.Record]
 	delete(p.retained, m.Record)
-	completion := cudart.Event(0)
+	releaseEvent := cudart.Event(0)
 	if rt != nil {
-		completion = p.releaseEvents[rt.dev]
+		releaseEvent = p.releaseEvents[rt.dev]
 	}
 	p.mu.Unlock()
 	if rt == nil {
 		p.ex.log.Warn("producer: peer revoked an import it did not retain", "pid", p.pid())
 		return
 	}
-	if completion != 0 && wire.Completed(p.ex.rt, rt.dev, completion) {
-		completion = 0
+	if releaseEvent != 0 && wire.Completed(p.ex.rt, rt.dev, releaseEvent) {
+		releaseEvent = 0
 	}
-	if err := rt.r.End(completion); err != nil {
+	if err := rt.r.End(releaseEvent); err != nil {
 		p.ex.log.Error("producer: ending a revoked import", "pid", p.pid(), "err", err)
 	}
 	p.ex.poke()
@@ -114,11 +114,11 @@ func (p *peer) dropRetentions(clean bool) {
 // endAll ends retentions after the release events given (none: at once).
 func (p *peer) endAll(retained map[cudart.PtrExportData]*retention, release map[int]cudart.Event) {
 	for _, rt := range retained {
-		completion := release[rt.dev]
-		if completion != 0 && wire.Completed(p.ex.rt, rt.dev, completion) {
-			completion = 0
+		releaseEvent := release[rt.dev]
+		if releaseEvent != 0 && wire.Completed(p.ex.rt, rt.dev, releaseEvent) {
+			releaseEvent = 0
 		}
-		if err := rt.r.End(completion); err != nil {
+		if err := rt.r.End(releaseEvent); err != nil {
 			p.ex.log.Error("producer: ending a retained import of a departed peer", "pid", p.pid(), "err", err)
 		}
 	}

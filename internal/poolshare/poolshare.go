@@ -22,19 +22,19 @@ var (
 // Lease keeps a shared buffer from going back to its pool: while any lease on a buffer
 // lives, Free only marks it. The sharing layer takes one per grant.
 type Lease interface {
-	// End ends the lease. completion is an event on the pool's device, owned by the
+	// End ends the lease. releaseEvent is an event on the pool's device, owned by the
 	// caller, whose last record covers the importer's free of its import; 0 means that
 	// free is known to have completed (the importer synchronized, or exited). The
-	// release stream waits for completion as it is now, so the caller may destroy or
+	// release stream waits for releaseEvent as it is now, so the caller may destroy or
 	// re-record it as soon as End returns.
 	//
 	// If this was the last lease of a buffer that Free was called on, End issues the
 	// deferred free; if that fails, the lease has still ended, and the error wraps
 	// pool.ErrFreeFailed. Ending a lease twice fails with ErrLeaseEnded. If
-	// waiting for completion fails, the lease is still live and End may be called
+	// waiting for releaseEvent fails, the lease is still live and End may be called
 	// again. After the pool's Close began, End only ends the lease: the buffer has been
 	// abandoned and will not be freed.
-	End(completion cudart.Event) error
+	End(releaseEvent cudart.Event) error
 	// EndAt ends the lease now, as End does, but leaves the wait for the importer's
 	// free to the buffer's own free or reuse: it waits for c's latest record then, if
 	// that has not completed. It fails with ErrLeaseEnded if the lease has ended,
@@ -55,12 +55,12 @@ type Completion interface {
 
 // Retention is one importer's hold on a buffer's memory past the buffer's leases.
 type Retention interface {
-	// End ends the retention once the importer has freed its mapping. completion is an
+	// End ends the retention once the importer has freed its mapping. releaseEvent is an
 	// event on the pool's device whose last record covers that free, or 0 if it is
 	// known to have completed. If this was the last retention of memory the pool is
 	// taking back, End frees it (a failure wraps pool.ErrFreeFailed). Ending a
 	// retention twice fails with ErrLeaseEnded.
-	End(completion cudart.Event) error
+	End(releaseEvent cudart.Event) error
 }
 
 var (

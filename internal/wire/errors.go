@@ -36,13 +36,10 @@ var (
 	// characters, bidirectional controls (which make it display as another) or line
 	// separators.
 	ErrBadName = errors.New("cudapool: invalid name")
-	// ErrStaleLease means the lease id was issued to this connection but has ended:
-	// a second release, or a replay.
+	// ErrStaleLease means the exporter holds no such lease for this connection: it
+	// was released already (a second release, a replay), it is another connection's,
+	// or it was never issued. The message says which.
 	ErrStaleLease = errors.New("cudapool: stale lease")
-	// ErrForeignLease means the lease id was issued to another connection.
-	ErrForeignLease = errors.New("cudapool: lease belongs to another connection")
-	// ErrForgedLease means the exporter never issued the lease id.
-	ErrForgedLease = errors.New("cudapool: lease id was never issued")
 	// ErrBufferGone means the buffer was freed (or its pool closed) before it could be
 	// leased: the library never hands out export data of a freed buffer (FACTS 3).
 	ErrBufferGone = errors.New("cudapool: buffer freed")

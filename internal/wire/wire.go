@@ -207,8 +207,8 @@ const (
 	codeExporter ErrCode = iota + 1
 	codeUnknownName
 	codeStaleLease
-	codeForeignLease
-	codeForgedLease
+	codeForeignLease // read as ErrStaleLease; exporters send codeStaleLease for every case
+	codeForgedLease  // read as ErrStaleLease; exporters send codeStaleLease for every case
 	CodeBufferGone
 	codeClosed
 	codeHandleType
@@ -221,7 +221,7 @@ const (
 
 var CodeErrs = [CodeLimit]error{
 	codeExporter: ErrExporter, codeUnknownName: ErrUnknownName, codeStaleLease: ErrStaleLease,
-	codeForeignLease: ErrForeignLease, codeForgedLease: ErrForgedLease, CodeBufferGone: ErrBufferGone,
+	codeForeignLease: ErrStaleLease, codeForgedLease: ErrStaleLease, CodeBufferGone: ErrBufferGone,
 	codeClosed: ErrExporterGone, codeHandleType: ErrHandleType, codeIMEXRequired: ErrIMEXRequired,
 	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases, codeTooManyGrants: ErrTooManyGrants,
 }
