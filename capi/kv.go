@@ -126,7 +126,7 @@ func (k *kvReplica) doneFd() (int, error) {
 			case <-k.r.Done():
 			case <-k.closed:
 			}
-			w.Close()
+			_ = w.Close() // the signal: the descriptor is closed even when close reports an error
 		}()
 	})
 	if k.doneErr != nil {
@@ -140,7 +140,7 @@ func (k *kvReplica) close(ctx context.Context) error {
 	close(k.closed)
 	k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
 	if k.doneR != nil {
-		k.doneR.Close()
+		_ = k.doneR.Close() // cleanup: nothing is left to do if closing fails
 	}
 	return err
 }

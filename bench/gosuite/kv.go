@@ -57,7 +57,7 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		r.fail("cudapool", "kv", err)
 		return
 	}
-	defer os.RemoveAll(dir)
+	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, Logger: quiet})
 	if err != nil {
@@ -177,7 +177,7 @@ func kvReplicaMain(args []string) int {
 	for in.Scan() {
 		reply, err := k.obey(ctx, strings.Fields(in.Text()))
 		if err != nil {
-			rp.Close(ctx)
+			_ = rp.Close(ctx) // cleanup: the command's error is the one returned
 			return fail(fmt.Errorf("%q: %w", in.Text(), err))
 		}
 		out.say(reply)
@@ -185,7 +185,9 @@ func kvReplicaMain(args []string) int {
 	if err := rp.Close(ctx); err != nil {
 		return fail(err)
 	}
-	rt.StreamDestroy(0, s)
+	if err := rt.StreamDestroy(0, s); err != nil {
+		return fail(err)
+	}
 	if err := choose.Violations(rt); err != nil {
 		return fail(err)
 	}

@@ -79,7 +79,7 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
 			d.Releasing, d.Settling, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
 	}
-	tw.Flush()
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 	if len(st.Replicas) == 0 {
 		fmt.Fprintln(w, "no replica is connected")
 		return
@@ -97,7 +97,7 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%s\n", r.PID, text(command, maxCommand), r.Device, r.Leases, r.Pages, state)
 	}
-	tw.Flush()
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 }
 
 // pageAll is one page's bytes in every layer's K and V.

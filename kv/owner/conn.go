@@ -67,7 +67,7 @@ func (c *conn) write(fill func([]byte) ([]byte, error)) error {
 	if err != nil {
 		return err
 	}
-	c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
+	_ = c.nc.SetWriteDeadline(time.Now().Add(writeTimeout)) // it fails only on a closed connection, which the next read or write reports
 	_, err = c.nc.Write(b)
 	return err
 }
@@ -75,7 +75,7 @@ func (c *conn) write(fill func([]byte) ([]byte, error)) error {
 // sendSealed answers a Seal that waited; a replica that cannot be answered is cut off.
 func (c *conn) sendSealed(id uint32, m kvwire.Sealed) {
 	if err := c.write(func(b []byte) ([]byte, error) { return kvwire.AppendSealed(b, id, m) }); err != nil {
-		c.nc.Close()
+		_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
 	}
 }
 
@@ -89,7 +89,7 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 	o.mu.Lock()
 	if o.closed {
 		o.mu.Unlock()
-		nc.Close()
+		_ = nc.Close() // cleanup: nothing was said on it
 		return
 	}
 	o.conns[c] = struct{}{}
@@ -111,12 +111,12 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 // admit reads the Hello, applies the policy and answers Welcome or Refused.
 func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	o := c.o
-	c.nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	_ = c.nc.SetDeadline(time.Now().Add(handshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
 	if c.cred, err = peercred.Get(c.nc); err != nil {
 		return err
 	}
 	refuse := func(reason string) error {
-		c.write(func(b []byte) ([]byte, error) { return kvwire.AppendText(b, kvwire.TypeRefused, 0, reason) })
+		_ = c.write(func(b []byte) ([]byte, error) { return kvwire.AppendText(b, kvwire.TypeRefused, 0, reason) }) // the replica may be gone already; the refusal is the error returned
 		return fmt.Errorf("refused pid %d: %s", c.cred.PID, reason)
 	}
 	h, p, err := rd.Next(c.nc)
@@ -143,7 +143,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		}); err != nil {
 			return err
 		}
-		c.nc.SetDeadline(time.Time{})
+		_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return c.observe(rd)
 	}
 	s := o.byDev[int(hello.Device)]
@@ -162,7 +162,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}); err != nil {
 		return err
 	}
-	c.nc.SetDeadline(time.Time{})
+	_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	o.mu.Lock()
 	c.welcomed = true
 	o.mu.Unlock()
@@ -540,12 +540,12 @@ func (c *conn) finish(bye bool) {
 		o.mu.Lock()
 		c.lost = true
 		o.mu.Unlock()
-		c.nc.Close()
+		_ = c.nc.Close() // cleanup: the connection is lost already
 		ctx, stop := context.WithCancel(o.stopped)
-		c.proc.Wait(ctx)
+		c.awaitExit(ctx)
 		stop()
 	}
-	c.nc.Close()
+	_ = c.nc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
 	o.mu.Lock()
 	owed = o.exitedLocked(c, owed)
@@ -572,9 +572,17 @@ func (c *conn) waitExit(ctx context.Context) <-chan struct{} {
 	}
 	go func() {
 		defer close(ch)
-		c.proc.Wait(ctx)
+		c.awaitExit(ctx)
 	}()
 	return ch
+}
+
+// awaitExit waits until c's process has exited or ctx has ended; a wait that fails
+// otherwise is logged, and returns as if the process had exited.
+func (c *conn) awaitExit(ctx context.Context) {
+	if err := c.proc.Wait(ctx); err != nil && ctx.Err() == nil {
+		c.o.log.Warn("kv: cannot wait for a replica's process; its connection ends now", "pid", c.cred.PID, "err", err)
+	}
 }
 
 // pendingLocked says whether records wait for any of c's events, under o.mu.

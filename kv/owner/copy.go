@@ -1,6 +1,7 @@
 package owner
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -177,8 +178,7 @@ func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
 				from := srcBase + cudart.DevicePtr(off+uint64(pieces[i].from)*pb)
 				to := dstBase + cudart.DevicePtr(off+uint64(pieces[i].dst)*pb)
 				if err := o.rt.MemcpyDtoDAsync(src.dev, to, from, n, src.stream); err != nil {
-					o.rt.StreamSynchronize(src.dev, src.stream)
-					return err
+					return errors.Join(err, o.rt.StreamSynchronize(src.dev, src.stream)) // the copies queued before it end first
 				}
 			}
 		}

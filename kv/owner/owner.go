@@ -185,7 +185,7 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
-			ow.teardown(context.Background())
+			_ = ow.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
 	lopts := []producer.ListenOption{producer.WithPolicy(o.Policy), producer.WithLogger(o.Logger), producer.WithName(ownerName())}
@@ -307,7 +307,7 @@ func listenPages(path string, open bool) (*net.UnixListener, error) {
 		}
 	}
 	tmp := path + ".new-" + strconv.Itoa(os.Getpid())
-	os.Remove(tmp)
+	_ = os.Remove(tmp) // a stale one from a pid before us; if it stays, the listen says why
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("kv/owner: listen on %s: %w", path, err)
@@ -318,13 +318,13 @@ func listenPages(path string, open bool) (*net.UnixListener, error) {
 		mode = 0o666
 	}
 	if err := os.Chmod(tmp, mode); err != nil {
-		l.Close()
-		os.Remove(tmp)
+		_ = l.Close()      // cleanup: nothing is left to do if closing fails
+		_ = os.Remove(tmp) // best effort: a leftover file is harmless, and the first error is the one returned
 		return nil, fmt.Errorf("kv/owner: socket %s: %w", path, err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
-		l.Close()
-		os.Remove(tmp)
+		_ = l.Close()      // cleanup: nothing is left to do if closing fails
+		_ = os.Remove(tmp) // best effort: a leftover file is harmless, and the first error is the one returned
 		return nil, fmt.Errorf("kv/owner: socket %s: %w", path, err)
 	}
 	return l, nil
@@ -401,13 +401,13 @@ func (o *Owner) Close(ctx context.Context) error {
 func (o *Owner) teardown(ctx context.Context) error {
 	o.stop()
 	if o.ln != nil {
-		o.ln.Close()
-		os.Remove(filepath.Join(o.dir, PageSocket))
+		_ = o.ln.Close()                                // cleanup: nothing is left to do if closing fails
+		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
 	}
 	o.mu.Lock()
 	o.closed = true
 	for c := range o.conns {
-		c.nc.Close()
+		_ = c.nc.Close() // cleanup: closing it is what ends its service
 	}
 	o.mu.Unlock()
 	o.wg.Wait()
@@ -441,8 +441,12 @@ func (o *Owner) teardown(ctx context.Context) error {
 			}
 		}
 		if s.stream != 0 {
-			o.rt.StreamSynchronize(s.dev, s.stream)
-			o.rt.StreamDestroy(s.dev, s.stream)
+			if err := o.rt.StreamSynchronize(s.dev, s.stream); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: the stream of device %d: %w", s.dev, err))
+			}
+			if err := o.rt.StreamDestroy(s.dev, s.stream); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: destroying the stream of device %d: %w", s.dev, err))
+			}
 		}
 	}
 	return errors.Join(errs...)

@@ -260,7 +260,7 @@ func (o *Owner) destroyEvents() {
 			}
 		}
 		if c.proc != nil {
-			c.proc.Close()
+			_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
 		}
 	}
 	clear(o.dead)

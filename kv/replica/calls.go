@@ -68,7 +68,8 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		go func() {
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
-			if errors.Is(r.wait(bg, id, c, r.giveBack), errGaveUp) && !r.forget(id) {
+			giveBack := func(h kvwire.Header, p []byte) error { r.giveBack(h, p); return nil }
+			if errors.Is(r.wait(bg, id, c, giveBack), errGaveUp) && !r.forget(id) {
 				<-c.ch // delivered as this wait gave up
 				r.giveBack(c.h, c.buf)
 			}
@@ -134,14 +135,13 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 }
 
 // giveBack handles an answer whose caller gave up: a lease it grants is released.
-func (r *Replica) giveBack(h kvwire.Header, p []byte) error {
+func (r *Replica) giveBack(h kvwire.Header, p []byte) {
 	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
 		pr := kvwire.NewParser(h.Type, p)
 		if id := pr.U64(); id != 0 {
 			go r.releaseAbandoned(id)
 		}
 	}
-	return nil
 }
 
 // forget removes call id, and says whether it was still waiting (no reply delivered).
@@ -163,7 +163,7 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 		stop := context.AfterFunc(ctx, func() {
 			r.dlMu.Lock()
 			if r.dlBy == id {
-				r.nc.SetReadDeadline(time.Unix(1, 0))
+				_ = r.nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
 			}
 			r.dlMu.Unlock()
 		})
@@ -171,7 +171,7 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 			stop()
 			r.dlMu.Lock()
 			r.dlBy = 0
-			r.nc.SetReadDeadline(time.Time{})
+			_ = r.nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			r.dlMu.Unlock()
 		}()
 	}
@@ -183,7 +183,9 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 				if ctx.Err() != nil {
 					return h, nil, false, ctx.Err()
 				}
-				r.nc.SetReadDeadline(time.Time{}) // a stale cut meant for an earlier reader
+				// A stale cut meant for an earlier reader. Clearing it fails only on a
+				// closed connection, which the next read reports.
+				_ = r.nc.SetReadDeadline(time.Time{})
 				continue
 			}
 			r.fail(err)
@@ -401,7 +403,7 @@ func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
 		}
 		h, err := r.rt.IpcGetEventHandle(r.dev, ev)
 		if err != nil {
-			r.rt.EventDestroy(r.dev, ev)
+			_ = r.rt.EventDestroy(r.dev, ev) // cleanup: the handle's error is the one returned
 			return nil, err
 		}
 		e = &streamEvent{ev: ev, h: h}

@@ -23,13 +23,13 @@ func watchHangup(nc *net.UnixConn, fired func()) (*hangup, error) {
 		return nil, err
 	}
 	sock, err := unix.Dup(int(f.Fd()))
-	f.Close()
+	_ = f.Close() // cleanup: sock is a duplicate of its descriptor
 	if err != nil {
 		return nil, fmt.Errorf("kv/replica: %w", err)
 	}
 	stop, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
 	if err != nil {
-		unix.Close(sock)
+		_ = unix.Close(sock) // cleanup: the descriptor is ours and unused
 		return nil, fmt.Errorf("kv/replica: %w", err)
 	}
 	h := &hangup{sock: sock, stop: stop, done: make(chan struct{})}
@@ -53,12 +53,16 @@ func watchHangup(nc *net.UnixConn, fired func()) (*hangup, error) {
 	return h, nil
 }
 
-// close stops the watch and waits for it.
-func (h *hangup) close() {
+// close stops the watch and waits for it. If it cannot wake the watch, it returns why
+// without waiting, and the watch keeps its descriptors until the owner hangs up.
+func (h *hangup) close() error {
 	var one [8]byte
 	one[0] = 1
-	unix.Write(h.stop, one[:])
+	if _, err := unix.Write(h.stop, one[:]); err != nil {
+		return fmt.Errorf("kv/replica: stopping the hang-up watch: %w", err)
+	}
 	<-h.done
-	unix.Close(h.sock)
-	unix.Close(h.stop)
+	_ = unix.Close(h.sock) // cleanup: the descriptor is ours and unused
+	_ = unix.Close(h.stop) // cleanup: the descriptor is ours and unused
+	return nil
 }

@@ -10,4 +10,4 @@ type hangup struct{}
 
 func watchHangup(nc *net.UnixConn, fired func()) (*hangup, error) { return &hangup{}, nil }
 
-func (h *hangup) close() {}
+func (h *hangup) close() error { return nil }

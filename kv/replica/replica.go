@@ -166,9 +166,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		if err != nil {
 			if r.nc != nil { // a Bye, so that the owner does not wait for this process's exit
 				b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
-				r.nc.Write(b)
+				_, _ = r.nc.Write(b) // best effort: an owner that misses it waits for this process's exit
 			}
-			r.teardown(context.Background())
+			_ = r.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
 	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
@@ -234,7 +234,7 @@ func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, erro
 
 // hello is the handshake: it learns the geometry and the slab's name.
 func (r *Replica) hello(ctx context.Context) (string, error) {
-	stop := context.AfterFunc(ctx, func() { r.nc.SetDeadline(time.Unix(1, 0)) })
+	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
 	b, err := kvwire.AppendHello(nil, 0, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid()), Device: uint32(r.dev), Namespace: r.ns})
 	if err != nil {
@@ -305,8 +305,8 @@ func (r *Replica) fail(why error) {
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
 	close(r.done)
-	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
-	r.nc.Close()
+	_ = r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
+	_ = r.nc.Close()      // cleanup: the owner is gone already
 }
 
 // Geometry is the slab's geometry.
@@ -377,7 +377,7 @@ func (r *Replica) bye(ctx context.Context) {
 		return
 	}
 	defer func() { <-r.role }()
-	stop := context.AfterFunc(ctx, func() { r.nc.SetReadDeadline(time.Unix(1, 0)) })
+	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
 	for {
 		h, p, err := r.rd.Next(r.nc)
@@ -395,18 +395,20 @@ func (r *Replica) teardown(ctx context.Context) error {
 	default:
 		close(r.stopW)
 	}
+	var errs []error
 	if r.hup != nil {
-		r.hup.close()
+		if err := r.hup.close(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if r.nc != nil {
-		r.nc.Close()
+		_ = r.nc.Close() // cleanup: nothing is left to do if closing fails
 	}
 	r.evMu.Lock()
 	r.evClosed = true
 	events := r.events
 	r.events = map[cudart.Stream]*streamEvent{}
 	r.evMu.Unlock()
-	var errs []error
 	if r.m != nil {
 		// The slab's import is freed after the last seal and release of every stream.
 		for _, e := range events {
@@ -431,10 +433,12 @@ func (r *Replica) teardown(ctx context.Context) error {
 		}
 	}
 	if r.stream != 0 {
-		r.rt.StreamDestroy(r.dev, r.stream)
+		if err := r.rt.StreamDestroy(r.dev, r.stream); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if r.owner != nil {
-		r.owner.Close()
+		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
 	}
 	return errors.Join(errs...)
 }
