@@ -128,7 +128,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	})
 }
 
-// unholdLocked gives back the readers matchAcross took on run, under o.mu.
+// unholdLocked drops the readers matchAcross took on run, under o.mu.
 func (o *Owner) unholdLocked(s *slab, run []piece) {
 	for _, pc := range run {
 		if pc.src == nil {

@@ -68,10 +68,10 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		go func() {
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
-			giveBack := func(h kvwire.Header, p []byte) error { r.giveBack(h, p); return nil }
-			if errors.Is(r.wait(bg, id, c, giveBack), errGaveUp) && !r.forget(id) {
+			releaseUnclaimed := func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
+			if errors.Is(r.wait(bg, id, c, releaseUnclaimed), errGaveUp) && !r.forget(id) {
 				<-c.ch // delivered as this wait gave up
-				r.giveBack(c.h, c.buf)
+				r.releaseUnclaimed(c.h, c.buf)
 			}
 		}()
 		return ctx.Err()
@@ -134,8 +134,8 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 	}
 }
 
-// giveBack handles an answer whose caller gave up: a lease it grants is released.
-func (r *Replica) giveBack(h kvwire.Header, p []byte) {
+// releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
+func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
 	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
 		pr := kvwire.NewParser(h.Type, p)
 		if id := pr.U64(); id != 0 {
@@ -198,7 +198,7 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 	}
 }
 
-// deliver hands a reply to its call; a reply nobody waits for any more gives back the
+// deliver hands a reply to its call; a reply nobody waits for any more releases the
 // lease it grants.
 func (r *Replica) deliver(h kvwire.Header, p []byte) {
 	r.mu.Lock()
@@ -210,7 +210,7 @@ func (r *Replica) deliver(h kvwire.Header, p []byte) {
 		c.ch <- struct{}{}
 		return
 	}
-	r.giveBack(h, p)
+	r.releaseUnclaimed(h, p)
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was

@@ -520,7 +520,7 @@ func TestConcurrentCalls(t *testing.T) {
 				assert.Len(t, m.Pages(), 8)
 				assert.NoError(t, r.Release(ctx, rs, m))
 				// A caller that gives up at once: the owner's answer grants a lease
-				// nobody takes, which the replica gives back.
+				// nobody takes, which the replica releases.
 				gone, cancel := context.WithCancel(ctx)
 				cancel()
 				late, err := r.Match(gone, shared, rs)
