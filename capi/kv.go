@@ -181,6 +181,17 @@ func kvHashes(p *C.uint8_t, n C.size_t) ([]kv.Hash, error) {
 	return hs, nil
 }
 
+// kvBeginHashes is kvBegin for a call that carries the n hashes at p: they are copied
+// and checked first.
+func kvBeginHashes(h C.uint64_t, timeoutMs C.int64_t, p *C.uint8_t, n C.size_t) (*kvReplica, context.Context, context.CancelFunc, []kv.Hash, error) {
+	hs, err := kvHashes(p, n)
+	if err != nil {
+		return nil, nil, nil, nil, err
+	}
+	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	return k, ctx, cancel, hs, err
+}
+
 // writePages copies a lease's pages to C.
 func writePages(out *C.uint32_t, pages []uint32) {
 	if len(pages) > 0 {
@@ -342,11 +353,7 @@ func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uin
 //export cpgo_kv_seal
 func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, wait C.int, timeoutMs C.int64_t, visible, duplicates *C.uint32_t) (rc C.int) {
 	defer recoverTo(&rc)
-	hs, err := kvHashes(hashes, n)
-	if err != nil {
-		return fail(err)
-	}
-	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	k, ctx, cancel, hs, err := kvBeginHashes(h, timeoutMs, hashes, n)
 	if err != nil {
 		return fail(err)
 	}
@@ -393,11 +400,7 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 	case n > 0 && pages == nil:
 		return fail(invalid("pages is NULL"))
 	}
-	hs, err := kvHashes(hashes, n)
-	if err != nil {
-		return fail(err)
-	}
-	k, ctx, cancel, err := kvBegin(h, timeoutMs)
+	k, ctx, cancel, hs, err := kvBeginHashes(h, timeoutMs, hashes, n)
 	if err != nil {
 		return fail(err)
 	}

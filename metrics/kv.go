@@ -21,10 +21,6 @@ var (
 	kvReplicaLabels = []string{labelKVDir, labelReplica, labelDevice}
 )
 
-func counter(name, help string, labels []string) *prometheus.Desc {
-	return prometheus.NewDesc("cudapool_"+name, help, labels, nil)
-}
-
 // KV page pool metrics.
 var (
 	kvUp = gauge("kv_up",

@@ -67,9 +67,13 @@ var (
 	peerLabels     = []string{labelExporter, labelSocket, labelPeer}
 )
 
+// gauge describes the series cudapool_name, labelled labels and then extra.
 func gauge(name, help string, labels []string, extra ...string) *prometheus.Desc {
 	return prometheus.NewDesc("cudapool_"+name, help, append(labels[:len(labels):len(labels)], extra...), nil)
 }
+
+// counter is gauge for a series sent as a counter (sendCounter).
+func counter(name, help string, labels []string) *prometheus.Desc { return gauge(name, help, labels) }
 
 // Exporter metrics.
 var (
@@ -121,10 +125,10 @@ var (
 		"Freed buffers the pool's cache holds for reuse (reserved in the driver, not live).", poolLabels)
 	poolCachedBytes = gauge("pool_cached_bytes",
 		"Memory the pool's cache holds.", poolLabels)
-	poolCacheHits = prometheus.NewDesc("cudapool_pool_cache_hits_total",
-		"Allocations the pool's cache served.", poolLabels, nil)
-	poolCacheMisses = prometheus.NewDesc("cudapool_pool_cache_misses_total",
-		"Allocations that went to the driver while the pool's cache was on.", poolLabels, nil)
+	poolCacheHits = counter("pool_cache_hits_total",
+		"Allocations the pool's cache served.", poolLabels)
+	poolCacheMisses = counter("pool_cache_misses_total",
+		"Allocations that went to the driver while the pool's cache was on.", poolLabels)
 )
 
 // Peer metrics.

@@ -14,35 +14,7 @@
 #include <unistd.h>
 
 #include "cudapool.h"
-
-static int checks, failures;
-
-static void expect(const char *what, int line, int got, int want) {
-	checks++;
-	const char *msg = cudapool_last_error();
-	if (got != want) {
-		fprintf(stderr, "line %d: %s = %s (%s), want %s\n", line, what, cudapool_status_name(got), msg,
-		        cudapool_status_name(want));
-		failures++;
-	} else if (want != CUDAPOOL_OK && msg[0] == 0) {
-		fprintf(stderr, "line %d: %s = %s without a message\n", line, what, cudapool_status_name(got));
-		failures++;
-	}
-}
-
-#define EXPECT(call, want) expect(#call, __LINE__, (call), (want))
-
-// CHECK counts a check of a condition.
-#define CHECK(cond, ...) \
-	do { \
-		checks++; \
-		if (!(cond)) { \
-			fprintf(stderr, "line %d: ", __LINE__); \
-			fprintf(stderr, __VA_ARGS__); \
-			fprintf(stderr, "\n"); \
-			failures++; \
-		} \
-	} while (0)
+#include "expect.h"
 
 extern char **environ;
 
@@ -86,7 +58,7 @@ static void live(char *self) {
 	pid_t pid;
 	char *args[] = {self, "produce", sock, NULL};
 	if (posix_spawn(&pid, "/proc/self/exe", NULL, NULL, args, environ) != 0) {
-		CHECK(0, "posix_spawn failed");
+		CHECKF(0, "posix_spawn failed");
 		return;
 	}
 	cudapool_importer imp;
@@ -103,7 +75,7 @@ static void live(char *self) {
 	EXPECT(cudapool_importer_open_all(imp, names, 2, NULL, 10000, m), CUDAPOOL_OK);
 	uint64_t size = 0;
 	EXPECT(cudapool_mapping_info(m[1], NULL, &size, NULL), CUDAPOOL_OK);
-	CHECK(size == 4096, "mapping b has %llu bytes, want 4096", (unsigned long long)size);
+	CHECKF(size == 4096, "mapping b has %llu bytes, want 4096", (unsigned long long)size);
 	cudapool_mapping dup[2] = {m[0], m[0]};
 	EXPECT(cudapool_importer_release_all(imp, dup, 2, NULL, 10000), CUDAPOOL_EINVAL);
 	oo.flags = CUDAPOOL_OPEN_REPLICA;
@@ -114,15 +86,15 @@ static void live(char *self) {
 	EXPECT(cudapool_importer_done_fd(imp, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_done_fd(imp, &fd), CUDAPOOL_OK);
 	struct pollfd pfd = {fd, POLLIN, 0};
-	CHECK(poll(&pfd, 1, 0) == 0, "the done descriptor is readable while the exporter lives");
+	CHECKF(poll(&pfd, 1, 0) == 0, "the done descriptor is readable while the exporter lives");
 	EXPECT(cudapool_importer_err(imp), CUDAPOOL_OK);
 	EXPECT(cudapool_mapping_err(m[0]), CUDAPOOL_OK);
 
 	kill(pid, SIGKILL);
 	int status;
 	waitpid(pid, &status, 0);
-	CHECK(poll(&pfd, 1, 30000) == 1 && (pfd.revents & (POLLIN | POLLHUP)),
-	      "the done descriptor did not become readable in 30 s after the exporter died");
+	CHECKF(poll(&pfd, 1, 30000) == 1 && (pfd.revents & (POLLIN | POLLHUP)),
+	       "the done descriptor did not become readable in 30 s after the exporter died");
 	EXPECT(cudapool_importer_err(imp), CUDAPOOL_EGONE);
 	// The loss follows the kernel's word that the process exited, which may come a
 	// moment after the connection's end.
@@ -188,9 +160,9 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_set_log(99, NULL, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_set_log(CUDAPOOL_LOG_DEBUG, count_log, &logged), CUDAPOOL_OK);
 	EXPECT(cudapool_version(&v, &minor), CUDAPOOL_OK);
-	CHECK(v == CUDAPOOL_VERSION_MAJOR && minor == CUDAPOOL_VERSION_MINOR, "version %d.%d", v, minor);
-	CHECK(strcmp(cudapool_status_name(CUDAPOOL_ENOSPACE), "CUDAPOOL_ENOSPACE") == 0, "the last status has no name");
-	CHECK(strcmp(cudapool_status_name(CUDAPOOL_ENOSPACE + 1), "CUDAPOOL_UNKNOWN") == 0, "a status past the last has a name");
+	CHECKF(v == CUDAPOOL_VERSION_MAJOR && minor == CUDAPOOL_VERSION_MINOR, "version %d.%d", v, minor);
+	CHECKF(strcmp(cudapool_status_name(CUDAPOOL_ENOSPACE), "CUDAPOOL_ENOSPACE") == 0, "the last status has no name");
+	CHECKF(strcmp(cudapool_status_name(CUDAPOOL_ENOSPACE + 1), "CUDAPOOL_UNKNOWN") == 0, "a status past the last has a name");
 	EXPECT(cudapool_init("test", why, SIZE_MAX), CUDAPOOL_OK); // a length larger than the buffer is the caller's word
 	EXPECT(cudapool_init("test", why, sizeof why), CUDAPOOL_OK);
 	EXPECT(cudapool_init("gpu", why, sizeof why), CUDAPOOL_ENORUNTIME);
@@ -207,13 +179,13 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_pool_options_init(NULL, sizeof o), CUDAPOOL_EINVAL);
 	memset(&o, 0, sizeof o); // zeroed: no size
 	EXPECT(cudapool_pool_create(0, &o, &pool), CUDAPOOL_EINVAL);
-	CHECK(strstr(cudapool_last_error(), "cudapool_pool_options_default") != NULL, "a zeroed struct's message: %s", cudapool_last_error());
+	CHECKF(strstr(cudapool_last_error(), "cudapool_pool_options_default") != NULL, "a zeroed struct's message: %s", cudapool_last_error());
 	struct {
 		cudapool_pool_options o;
 		uint64_t newer;
 	} grown;
 	EXPECT(cudapool_pool_options_init(&grown.o, sizeof grown), CUDAPOOL_OK);
-	CHECK(grown.o.size == sizeof grown && grown.o.handle_type == CUDAPOOL_HANDLE_POSIX_FD, "a larger struct's defaults");
+	CHECKF(grown.o.size == sizeof grown && grown.o.handle_type == CUDAPOOL_HANDLE_POSIX_FD, "a larger struct's defaults");
 	EXPECT(cudapool_pool_create(0, &grown.o, &pool), CUDAPOOL_OK); // a newer field left zero: its default
 	EXPECT(cudapool_pool_close(pool, 0, 1000), CUDAPOOL_OK);
 	grown.newer = 1;
@@ -246,7 +218,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_alloc(small, 1 << 20, NULL, 50, &q), CUDAPOOL_ETIMEOUT); // full: waits 50 ms
 	EXPECT(cudapool_free(p, NULL), CUDAPOOL_OK);
 	EXPECT(cudapool_alloc(small, UINT64_MAX - 5, NULL, 0, &p), CUDAPOOL_EINVAL); // rounding overflows
-	CHECK(strstr(cudapool_last_error(), "18446744073709551610") != NULL, "the size unsigned: %s", cudapool_last_error());
+	CHECKF(strstr(cudapool_last_error(), "18446744073709551610") != NULL, "the size unsigned: %s", cudapool_last_error());
 	EXPECT(cudapool_pool_close(small, 0, 1000), CUDAPOOL_OK);
 	EXPECT(cudapool_pool_create(0, NULL, &pool), CUDAPOOL_OK);
 	EXPECT(cudapool_alloc(pool, 0, NULL, 0, &p), CUDAPOOL_EINVAL);
@@ -268,7 +240,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_copy_from_device(0, buf, p, 0, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_copy_to_device(0, p, buf, SIZE_MAX, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_copy_from_device(0, buf, p, SIZE_MAX, NULL), CUDAPOOL_EINVAL);
-	CHECK(strstr(cudapool_last_error(), "18446744073709551615") != NULL, "the size unsigned: %s", cudapool_last_error());
+	CHECKF(strstr(cudapool_last_error(), "18446744073709551615") != NULL, "the size unsigned: %s", cudapool_last_error());
 	EXPECT(cudapool_stream_destroy(0, NULL), CUDAPOOL_EINVAL);
 
 	// The exporter.
@@ -306,7 +278,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_exporter_publish(ex, "a", p, 0, NULL, NULL, 4097), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_exporter_publish(ex, "a", p, 0, NULL, buf, CUDAPOOL_MAX_META + 1), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_exporter_publish(ex, "a", p, 0, NULL, buf, SIZE_MAX), CUDAPOOL_EINVAL);
-	CHECK(strstr(cudapool_last_error(), "18446744073709551615") != NULL, "the size unsigned: %s", cudapool_last_error());
+	CHECKF(strstr(cudapool_last_error(), "18446744073709551615") != NULL, "the size unsigned: %s", cudapool_last_error());
 	EXPECT(cudapool_exporter_publish_all(ex, NULL, 1, NULL), CUDAPOOL_EINVAL);
 	cudapool_publish_entry es[2] = {{"pa", p, 0, NULL, 0}, {"pb", (void *)0x1234, 0, NULL, 0}};
 	EXPECT(cudapool_exporter_publish_all(ex, es, 0, NULL), CUDAPOOL_EINVAL);
@@ -341,7 +313,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, -1, &imp), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 1000, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 5000, &imp), CUDAPOOL_ENOTSUP); // its own export
-	CHECK(strstr(cudapool_last_error(), "own") != NULL, "own export: %s", cudapool_last_error());
+	CHECKF(strstr(cudapool_last_error(), "own") != NULL, "own export: %s", cudapool_last_error());
 	EXPECT(cudapool_importer_open((cudapool_importer){ex.h}, "a", NULL, NULL, 1000, &m), CUDAPOOL_EHANDLE); // an exporter's handle
 	EXPECT(cudapool_mapping_info((cudapool_mapping){0}, &p, NULL, NULL), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_mapping_meta((cudapool_mapping){12345}, buf, sizeof buf, &len), CUDAPOOL_EHANDLE);
@@ -377,7 +349,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_free(p, NULL), CUDAPOOL_EPOINTER);
 
-	CHECK(logged > 0, "nothing came to the log function (the probe of a live path, the producer's death)");
+	CHECKF(logged > 0, "nothing came to the log function (the probe of a live path, the producer's death)");
 	EXPECT(cudapool_set_log(CUDAPOOL_LOG_OFF, NULL, NULL), CUDAPOOL_OK);
 
 	printf("%d checks, %d failed\n", checks, failures);

@@ -11,32 +11,7 @@
 #include <time.h>
 
 #include "cudapool.h"
-
-static int checks, failures;
-
-static void expect(const char *what, int line, int got, int want) {
-	checks++;
-	const char *msg = cudapool_last_error();
-	if (got != want) {
-		fprintf(stderr, "line %d: %s = %s (%s), want %s\n", line, what, cudapool_status_name(got), msg,
-		        cudapool_status_name(want));
-		failures++;
-	} else if (want != CUDAPOOL_OK && msg[0] == 0) {
-		fprintf(stderr, "line %d: %s = %s without a message\n", line, what, cudapool_status_name(got));
-		failures++;
-	}
-}
-
-static void check(const char *what, int line, int ok) {
-	checks++;
-	if (!ok) {
-		fprintf(stderr, "line %d: %s is false\n", line, what);
-		failures++;
-	}
-}
-
-#define EXPECT(call, want) expect(#call, __LINE__, (call), (want))
-#define CHECK(cond) check(#cond, __LINE__, (cond))
+#include "expect.h"
 
 enum { PAGES = 32, T = 16, N = 3 };
 

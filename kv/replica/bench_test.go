@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -13,18 +14,13 @@ import (
 // BenchmarkMatch512 is a Match of 512 visible pages and its Release, owner and replica
 // in one process (on software devices of their own).
 func BenchmarkMatch512(b *testing.B) {
-	g, err := kv.Layout("llama-0.85b")
-	require.NoError(b, err)
-	g.Pages = 1024
-	_, _, dir := startOwner(b, g)
-	r, rdev, rs := dial(b, dir, 0)
+	r, rs := benchReplica(b, 1024)
 	ctx := bound(b)
-	hashes := r.Hashes(tokens(g, 512, 1))
+	hashes := r.Hashes(tokens(r.Geometry(), 512, 1))
 	l, err := r.Alloc(ctx, 512)
 	require.NoError(b, err)
 	_, err = r.Seal(ctx, l, hashes, rs)
 	require.NoError(b, err)
-	_ = rdev
 	b.Run("match", func(b *testing.B) {
 		for b.Loop() {
 			m, err := r.Match(ctx, hashes, rs)
@@ -41,11 +37,7 @@ func BenchmarkMatch512(b *testing.B) {
 // BenchmarkCycle256 is alloc + seal (waiting until visible) + match + release of 256
 // pages, owner and replica in one process; pages/s is the rate of one replica.
 func BenchmarkCycle256(b *testing.B) {
-	g, err := kv.Layout("llama-0.85b")
-	require.NoError(b, err)
-	g.Pages = 4096
-	_, _, dir := startOwner(b, g)
-	r, _, rs := dial(b, dir, 0)
+	r, rs := benchReplica(b, 4096)
 	ctx := bound(b)
 	const n = 256
 	hashes := make([]kv.Hash, n)
@@ -71,4 +63,15 @@ func BenchmarkCycle256(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(n*b.N)/b.Elapsed().Seconds(), "pages/s")
+}
+
+// benchReplica starts an owner of llama-0.85b slabs of pages pages and dials a replica
+// of it, in this process (on software devices of their own).
+func benchReplica(b *testing.B, pages int) (*replica.Replica, cudart.Stream) {
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(b, err)
+	g.Pages = pages
+	_, _, dir := startOwner(b, g)
+	r, _, rs := dial(b, dir, 0)
+	return r, rs
 }

@@ -154,15 +154,21 @@ func eventually(t testing.TB, what string, cond func() bool) {
 	}
 }
 
+// written allocs pages pages through r and writes the chain of seed into them, unsealed.
+func written(t testing.TB, rt cudart.Runtime, r *replica.Replica, s cudart.Stream, seed int32, pages int) (*replica.Lease, []kv.Hash) {
+	t.Helper()
+	hashes := r.Hashes(tokens(r.Geometry(), pages, seed))
+	l, err := r.Alloc(bound(t), pages)
+	require.NoError(t, err)
+	write(t, rt, r, s, l.Pages(), hashes)
+	return l, hashes
+}
+
 // sealed writes and seals the chain of pages of seed through r, waiting until visible.
 func sealed(t testing.TB, rt cudart.Runtime, r *replica.Replica, s cudart.Stream, seed int32, pages int) []kv.Hash {
 	t.Helper()
-	ctx := bound(t)
-	hashes := r.Hashes(tokens(r.Geometry(), pages, seed))
-	l, err := r.Alloc(ctx, pages)
-	require.NoError(t, err)
-	write(t, rt, r, s, l.Pages(), hashes)
-	res, err := r.Seal(ctx, l, hashes, s, replica.WaitVisible())
+	l, hashes := written(t, rt, r, s, seed, pages)
+	res, err := r.Seal(bound(t), l, hashes, s, replica.WaitVisible())
 	require.NoError(t, err)
 	require.Equal(t, replica.SealResult{Visible: pages}, res)
 	return hashes

@@ -33,6 +33,17 @@ def spawn(target, *args):
     return p, q
 
 
+def wait_go(go):
+    """Waits in a child until the parent sets the event go, at most CHILD_TIMEOUT."""
+    if not go.wait(CHILD_TIMEOUT):
+        raise TimeoutError("the parent never said go")
+
+
+def failure(e):
+    """What a child puts on its queue for the exception e: result_of fails on it."""
+    return "error: %s: %s" % (type(e).__name__, e)
+
+
 def result_of(test, p, q):
     """The one result p put on q, failing test if none came in time or p failed."""
     try:

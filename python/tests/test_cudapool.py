@@ -10,7 +10,7 @@ import signal
 import time
 import unittest
 
-from helpers import CHILD_TIMEOUT, cudapool, result_of, socket_path, spawn
+from helpers import CHILD_TIMEOUT, cudapool, failure, result_of, socket_path, spawn, wait_go
 
 from cudapool import _lib
 
@@ -37,7 +37,7 @@ def consume(q, path, name, n, seed, device):
         q.put({"ok": got == pattern(n, seed), "size": m.size, "meta": m.meta,
                "cai_stream": cai["stream"], "pid": os.getpid()})
     except Exception as e:  # the parent reports it
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class RuntimeTest(unittest.TestCase):
@@ -451,7 +451,7 @@ def torch_env_child(q):
         q.put({"first": bool(first), "second": bool(second),
                "oom": b"out of memory" in l.cudapool_last_error()})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def hold_then_release(q, path, name, n, seed, go):
@@ -460,14 +460,13 @@ def hold_then_release(q, path, name, n, seed, go):
         imp = cudapool.Importer(path, device=0)
         m = imp.open(name)
         q.put("mapped")
-        if not go.wait(CHILD_TIMEOUT):
-            raise TimeoutError("the parent never said go")
+        wait_go(go)
         got = cudapool.copy_from_device(0, m.ptr, n)
         m.release()
         imp.close()
         q.put({"ok": got == pattern(n, seed)})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def open_error(q, path, name):
@@ -481,7 +480,7 @@ def open_error(q, path, name):
             q.put(type(e).__name__)
         imp.close()
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def dlpack_fields(q, path, name):
@@ -506,7 +505,7 @@ def dlpack_fields(q, path, name):
         imp.close()
         q.put(res)
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def consume_range(q, path, name, offset, n, seed):
@@ -518,7 +517,7 @@ def consume_range(q, path, name, offset, n, seed):
         imp.close()
         q.put({"ok": got == pattern(offset + n, seed)[offset:], "size": m.size})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class ForkTest(unittest.TestCase):

@@ -8,7 +8,7 @@ import os
 import time
 import unittest
 
-from helpers import CHILD_TIMEOUT, cudapool, need, need_gpu, result_of, socket_path, spawn
+from helpers import CHILD_TIMEOUT, cudapool, failure, need, need_gpu, result_of, socket_path, spawn
 
 SEED = 1234
 SHAPE = (4, 256, 8, 64)  # layers x tokens x heads x head_dim
@@ -41,7 +41,7 @@ def cupy_checksum(cupy, a):
 
 def fail_to(q):
     def report(e):
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
     return report
 
 

@@ -14,7 +14,7 @@ import time
 import unittest
 from array import array
 
-from helpers import CHILD_TIMEOUT, HERE, REQUIRE_GPU, cudapool, result_of, spawn
+from helpers import CHILD_TIMEOUT, HERE, REQUIRE_GPU, cudapool, failure, result_of, spawn, wait_go
 
 from cudapool import _lib, kv
 
@@ -128,7 +128,7 @@ def reader(q, serve, hashes, seed, namespace):
             q.put({"n": len(l), "ok": ok, "pages": list(l.pages), "writable": l.writable,
                    "own": r.hashes(tokens(len(hashes) * T, seed)) == hashes})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def lease_holder(q, serve, n, go):
@@ -137,13 +137,12 @@ def lease_holder(q, serve, n, go):
         r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
         l = r.alloc(n)
         q.put({"id": l.id, "pages": list(l.pages)})
-        if not go.wait(CHILD_TIMEOUT):
-            raise TimeoutError("the parent never said go")
+        wait_go(go)
         r.release(l)
         r.close()
         q.put("released")
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def close_holding(q, serve, n):
@@ -160,7 +159,7 @@ def close_holding(q, serve, n):
             closed = type(e).__name__
         q.put({"closed_alloc": closed, "error": r.error})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def dying_writer(q, serve, n, seed):
@@ -172,7 +171,7 @@ def dying_writer(q, serve, n, seed):
         q.put("written")
         time.sleep(CHILD_TIMEOUT)
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def eventually(test, what, f, timeout=CHILD_TIMEOUT):

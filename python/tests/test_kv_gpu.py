@@ -10,7 +10,7 @@ import multiprocessing
 import time
 import unittest
 
-from helpers import CHILD_TIMEOUT, cudapool, need, need_gpu, result_of, spawn
+from helpers import CHILD_TIMEOUT, cudapool, failure, need, need_gpu, result_of, spawn, wait_go
 from test_kv import Owner, need_kvpoold, tokens
 
 from cudapool import kv
@@ -49,13 +49,12 @@ def writer(q, serve, go):
                "k0": caches[0][0].data_ptr() == r.slab_ptr,
                "v3": caches[3][1].data_ptr() == r.slab_ptr + g.v_offset(3),
                "shape": tuple(caches[0][0].shape), "dtype": str(caches[0][0].dtype)})
-        if not go.wait(CHILD_TIMEOUT):
-            raise TimeoutError("the parent never said go")
+        wait_go(go)
         s.synchronize()
         r.close()
         q.put("closed")
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def reader(q, serve):
@@ -91,7 +90,7 @@ def reader(q, serve):
         r.close()
         q.put({"pages": list(lease.pages), "wrong": wrong, "tries": tries})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class KVTorchTest(unittest.TestCase):

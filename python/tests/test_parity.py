@@ -12,7 +12,7 @@ import signal
 import time
 import unittest
 
-from helpers import CHILD_TIMEOUT, cudapool, result_of, socket_path, spawn
+from helpers import CHILD_TIMEOUT, cudapool, failure, result_of, socket_path, spawn, wait_go
 
 from cudapool import _lib
 
@@ -27,8 +27,7 @@ def produce(q, path, names, go):
     """A producer process: after go, listens at path, publishes names (1 MiB each, from
     device 0, in one batch), says so and waits to be killed."""
     try:
-        if not go.wait(CHILD_TIMEOUT):
-            raise TimeoutError("never told to go")
+        wait_go(go)
         pool = cudapool.Pool(0)
         bufs = [pool.alloc(MiB) for _ in names]
         for i, b in enumerate(bufs):
@@ -39,7 +38,7 @@ def produce(q, path, names, go):
         q.put("published")
         time.sleep(CHILD_TIMEOUT * 2)
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class LivenessTest(unittest.TestCase):
@@ -212,13 +211,12 @@ def hold(q, path, name, go):
         imp = cudapool.Importer(path, device=0)
         m = imp.open(name)
         q.put("mapped")
-        if not go.wait(CHILD_TIMEOUT):
-            raise TimeoutError("never told to go")
+        wait_go(go)
         m.release()
         imp.close()
         q.put("released")
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 def open_two(q, path):
@@ -233,7 +231,7 @@ def open_two(q, path):
         m.release()
         imp.close()
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class LogTest(unittest.TestCase):
@@ -283,7 +281,7 @@ def probe_live_path(q, path, level):
         err.seek(0)
         q.put({"stderr": err.read().decode(errors="replace"), "records": records})
     except Exception as e:
-        q.put("error: %s: %s" % (type(e).__name__, e))
+        q.put(failure(e))
 
 
 class ArgumentsTest(unittest.TestCase):
