@@ -76,14 +76,16 @@ func TestReleaseAndByeBehindAFailedSendAreRead(t *testing.T) {
 	for stall := false; !stall; {
 		done := make(chan error, 1)
 		go func() {
-			pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			defer cancel()
 			done <- pr.ex.Push(pctx, "c", os.Getpid()) // r is this process's one peer
 		}()
 		select {
 		case err := <-done:
 			require.NoError(t, err)
-		case <-time.After(100 * time.Millisecond):
+		case <-time.After(time.Second):
+			// A push that has not returned in a second waits on the full socket: a
+			// push that merely ran slowly (a loaded host) returns in milliseconds.
 			stall = true
 			go func() { stalled <- <-done }()
 		}
