@@ -18,12 +18,17 @@ type hangup struct {
 
 // watchHangup starts watching nc; fired is closed when the owner hangs up.
 func watchHangup(nc *net.UnixConn, fired func()) (*hangup, error) {
-	f, err := nc.File() // a duplicate: nc keeps its own descriptor and mode
+	// A duplicate made without nc.File, whose Fd would put the socket (the open file
+	// both descriptors share) into blocking mode, where deadlines no longer cut nc's
+	// reads short.
+	rc, err := nc.SyscallConn()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("kv/replica: %w", err)
 	}
-	sock, err := unix.Dup(int(f.Fd()))
-	_ = f.Close() // cleanup: sock is a duplicate of its descriptor
+	sock := -1
+	if cerr := rc.Control(func(fd uintptr) { sock, err = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); cerr != nil {
+		err = cerr
+	}
 	if err != nil {
 		return nil, fmt.Errorf("kv/replica: %w", err)
 	}
