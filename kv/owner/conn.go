@@ -302,7 +302,7 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 		}
 		e.ev = ev
 	}
-	c.o.mu.Lock() // the poller reads c.events under it
+	c.o.mu.Lock() // destroyEvents reads c.events under it
 	c.events[*h] = e
 	c.o.mu.Unlock()
 	return e, nil
@@ -429,7 +429,7 @@ func (c *conn) submitLocked(e *event, rec *record) []answer {
 	return nil
 }
 
-// unlockAfterSubmit leaves rec, submitted, to the poller if it has not settled,
+// unlockAfterSubmit leaves rec, submitted, to e's waiter if it has not settled,
 // releases o.mu and sends owed.
 func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
 	pending := !rec.done
@@ -438,9 +438,6 @@ func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
 	}
 	o.mu.Unlock()
 	o.send(owed)
-	if pending {
-		o.wake()
-	}
 }
 
 func slicesContains(s []uint64, v uint64) bool {
@@ -551,9 +548,9 @@ func (c *conn) finish(bye bool) {
 	owed = o.exitedLocked(c, owed)
 	delete(o.conns, c)
 	o.dead = append(o.dead, c)
+	o.destroyEvents()
 	o.mu.Unlock()
 	o.send(owed)
-	o.wake()
 }
 
 func (c *conn) isWelcomed() bool {

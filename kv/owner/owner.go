@@ -17,13 +17,16 @@
 // # Events
 //
 // A replica records an IPC event of its stream's own at each seal and release and sends
-// its handle; the owner opens each handle once per connection and asks it with
-// EventQuery, on the host: nothing the owner exposes or reuses waits on a stream. A seal
-// asks at once and answers visible if the writer's work has completed; otherwise a
-// poller (backoff 10 µs to 1 ms, woken by new work) makes the pages visible later, and a
-// Seal with the wait flag is answered then. A release's pages are neither evicted nor
-// reused until its event has completed. Before each query the owner asks whether the
-// replica's process has exited (a pidfd): a dead writer's pending seals publish
+// its handle (created with cudart.EventBlockingSync); the owner opens each handle once
+// per connection and asks it with EventQuery, on the host: nothing the owner exposes or
+// reuses waits on a stream. A seal asks at once and answers visible if the writer's
+// work has completed; otherwise a goroutine of that event's waits in the driver
+// (EventSynchronize, which sleeps) and makes the pages visible as soon as the work has
+// completed, and a Seal with the wait flag is answered then. An owner with nothing
+// pending makes no call at all (Owner.Pace counts them). A release's pages are neither
+// evicted nor reused until its event has completed. Before and after each query or
+// wait the owner asks whether the replica's process has exited (a pidfd), and uses an
+// answer only if the process was alive after it: a dead writer's pending seals publish
 // nothing and their pages go back to free, a dead reader's leases end.
 //
 // # Connections
@@ -55,6 +58,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/dustin/go-humanize"
@@ -120,15 +124,16 @@ type Owner struct {
 	conns     map[*conn]struct{}
 	leases    map[uint64]*lease
 	nextLease uint64
-	polling   []*event
-	dead      []*conn // ended connections, whose events the poller destroys
+	dead      []*conn // ended connections, whose events destroyEvents destroys
 	closed    bool
+	waiting   int // waiters in the driver's wait or about to be
 
-	wakeCh   chan struct{}
-	stop     context.CancelFunc
-	stopped  context.Context // ends when Close begins
-	pollDone chan struct{}
-	wg       sync.WaitGroup // the accept loop and the connections
+	queries, waits atomic.Uint64  // Pace's
+	waiters        sync.WaitGroup // the events' waiters (waitFor)
+
+	stop    context.CancelFunc
+	stopped context.Context // ends when Close begins
+	wg      sync.WaitGroup  // the accept loop and the connections
 }
 
 // lease is a replica's hold on pages of one slab.
@@ -180,8 +185,7 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		return nil, err
 	}
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, opts: o, log: o.Logger, meta: kvwire.AppendGeometry(nil, o.Geometry),
-		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{})}
+		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{}}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -217,7 +221,6 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
-	go ow.poll(ow.stopped)
 	ow.wg.Add(1)
 	go ow.accept()
 	return ow, nil
@@ -411,8 +414,16 @@ func (o *Owner) teardown(ctx context.Context) error {
 	}
 	o.mu.Unlock()
 	o.wg.Wait()
-	if o.ln != nil {
-		<-o.pollDone
+	// The waiters return once their waits do; one whose replica's stream never
+	// completes keeps its event, which the process's exit frees.
+	waited := make(chan struct{})
+	go func() {
+		o.waiters.Wait()
+		close(waited)
+	}()
+	select {
+	case <-waited:
+	case <-ctx.Done():
 	}
 	o.mu.Lock()
 	o.destroyEvents()

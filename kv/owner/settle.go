@@ -1,10 +1,7 @@
 package owner
 
 import (
-	"context"
-	"slices"
 	"sync/atomic"
-	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
@@ -37,7 +34,8 @@ type event struct {
 	pending  []*record    // guarded by Owner.mu
 	appended uint64       // records ever appended; guarded by Owner.mu
 	settled  uint64       // records ever settled; guarded by Owner.mu
-	polled   bool         // in Owner.polling; guarded by Owner.mu
+	watched  bool         // its waiter runs (Owner.waitFor); guarded by Owner.mu
+	orphan   bool         // its connection ended while its waiter ran; guarded by Owner.mu
 	failed   atomic.Bool  // a query failed, and that was logged
 }
 
@@ -106,7 +104,7 @@ type answer struct {
 	dead   bool // the writer died: nobody to answer
 }
 
-// send sends owed, each on a goroutine of its own: the poller never waits for a
+// send sends owed, each on a goroutine of its own: a waiter never waits for a
 // replica that does not read.
 func (o *Owner) send(owed []answer) {
 	for _, a := range owed {
@@ -117,12 +115,12 @@ func (o *Owner) send(owed []answer) {
 }
 
 // query says whether e's latest record has completed, or its replica's process has
-// exited (dead): it asks the process first, so that no event of a dead process is
-// used. (A process that dies between the two answers has its event queried after its
-// exit: the driver answers such a query, never completing it, and the software device
-// reports it. The poller leaves alone the events of connections that hung up, which a
-// dying process's do first.) A query that fails says neither; it is logged once per
-// event.
+// exited (dead). It asks the process before and after the query: a query's answer
+// counts only if the process was alive after it, so that no answer about an event
+// whose process had died is used, and a process seen dead before is not queried at
+// all. (Between the two answers the process may die; the query is then of a dying
+// process's event, and its answer is dropped. docs/FACTS.md says what the driver does
+// with such a query.) A query that fails says neither; it is logged once per event.
 func (o *Owner) query(e *event) (done, dead bool) {
 	if e.ev == 0 {
 		return true, false
@@ -130,11 +128,12 @@ func (o *Owner) query(e *event) (done, dead bool) {
 	if e.c.exited() {
 		return false, true
 	}
+	o.queries.Add(1)
 	ok, err := o.rt.EventQuery(e.c.s.dev, e.ev)
+	if e.c.exited() {
+		return false, true
+	}
 	if err != nil {
-		if e.c.exited() {
-			return false, true
-		}
 		if !e.failed.Swap(true) {
 			o.log.Warn("kv: querying a replica's event failed; its pages wait for the replica's exit", "pid", e.c.cred.PID, "err", err)
 		}
@@ -143,121 +142,119 @@ func (o *Owner) query(e *event) (done, dead bool) {
 	return ok, false
 }
 
-// wake tells the poller that there is new work.
-func (o *Owner) wake() {
-	select {
-	case o.wakeCh <- struct{}{}:
-	default:
+// sync waits, on the host, until e's latest record has completed, or reports that its
+// replica's process has exited (dead), with the same checks of the process as query.
+// The replica creates its events with cudart.EventBlockingSync, so that the wait
+// sleeps in the driver instead of spinning. A wait that fails says neither; it is
+// logged once per event.
+func (o *Owner) sync(e *event) (done, dead bool) {
+	if e.ev == 0 {
+		return true, false
 	}
+	if e.c.exited() {
+		return false, true
+	}
+	o.waits.Add(1)
+	err := o.rt.EventSynchronize(e.c.s.dev, e.ev)
+	if e.c.exited() {
+		return false, true
+	}
+	if err != nil {
+		if !e.failed.Swap(true) {
+			o.log.Warn("kv: waiting for a replica's event failed; its pages wait for the replica's exit", "pid", e.c.cred.PID, "err", err)
+		}
+		return false, false
+	}
+	return true, false
 }
 
-// Poller backoff: it asks the pending events again after 10 µs, doubling to 1 ms while
-// nothing completes.
-const (
-	pollMin = 10 * time.Microsecond
-	pollMax = time.Millisecond
-)
-
-// poll settles the records that wait for events, until ctx ends.
-func (o *Owner) poll(ctx context.Context) {
-	defer close(o.pollDone)
-	backoff := pollMin
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	type target struct {
-		e    *event
-		upTo uint64
-	}
-	type result struct{ done, dead bool }
-	var targets []target
-	var results []result
+// waitFor settles e's records as e's records complete: one goroutine per event with
+// records pending, blocked in the driver's wait (sync) while the replica's work runs,
+// so that pages become visible as soon as the writer's work has completed and an owner
+// with nothing pending runs nothing. It returns once e has no records pending, its
+// connection was lost (its records then wait for the process's exit), a wait failed,
+// or the owner closes; the event is destroyed here if its connection ended meanwhile.
+func (o *Owner) waitFor(e *event) {
+	defer o.waiters.Done()
 	var owed []answer
 	for {
 		o.mu.Lock()
-		o.destroyEvents()
-		targets = targets[:0]
-		kept := o.polling[:0]
-		for _, e := range o.polling {
-			if len(e.pending) == 0 {
-				e.polled = false
-				continue
-			}
-			kept = append(kept, e)
-			if e.c.lost {
-				// Its process is exiting or gone: its records wait for the exit,
-				// which drops them, instead of a query of an event that may die
-				// between the pidfd's answer and the query's.
-				continue
-			}
-			targets = append(targets, target{e, e.appended})
+		if len(e.pending) == 0 || e.c.lost || o.closed || e.failed.Load() {
+			e.watched = false
+			o.destroyOrphanLocked(e)
+			o.mu.Unlock()
+			return
 		}
-		clear(o.polling[len(kept):])
-		o.polling = kept
+		upTo := e.appended
 		o.mu.Unlock()
-
-		if len(targets) == 0 {
-			backoff = pollMin
-			select {
-			case <-o.wakeCh:
-				continue
-			case <-ctx.Done():
-				return
-			}
-		}
-		progress := false
-		results = slices.Grow(results[:0], len(targets))[:len(targets)]
-		for i, t := range targets {
-			results[i].done, results[i].dead = o.query(t.e)
-		}
+		done, dead := o.sync(e)
 		o.mu.Lock()
-		for i, t := range targets {
-			switch r := results[i]; {
-			case r.dead:
-				owed = o.exitedLocked(t.e.c, owed)
-				progress = true
-			case r.done:
-				owed = o.settleUpTo(t.e, t.upTo, true, owed)
-				progress = true
-			}
+		switch {
+		case dead:
+			owed = o.exitedLocked(e.c, owed)
+		case done:
+			owed = o.settleUpTo(e, upTo, true, owed)
 		}
 		o.mu.Unlock()
 		o.send(owed)
 		clear(owed)
 		owed = owed[:0]
-		if progress {
-			backoff = pollMin
-		} else {
-			backoff = min(2*backoff, pollMax)
-		}
-		timer.Reset(backoff)
-		select {
-		case <-timer.C:
-		case <-o.wakeCh:
-		case <-ctx.Done():
-			return
-		}
 	}
 }
 
-// enqueue puts e on the poller's list, under o.mu.
+// destroyOrphanLocked destroys e, under o.mu, if its connection has ended while e's
+// waiter was in the driver's wait (destroyEvents left it to the waiter).
+func (o *Owner) destroyOrphanLocked(e *event) {
+	if e.orphan {
+		e.orphan = false
+		o.destroyEvent(e)
+	}
+}
+
+// Pace counts the owner's calls about replicas' events since it started: Queries
+// (cudaEventQuery, one at each seal and release) and Waits (cudaEventSynchronize, one
+// per event for each run of records that was pending when the wait began), and how
+// many waits are in flight now (Waiting). An owner with nothing pending makes none.
+type Pace struct {
+	Queries, Waits uint64
+	Waiting        int
+}
+
+// Pace is a snapshot of the owner's event calls.
+func (o *Owner) Pace() Pace {
+	o.mu.Lock()
+	n := o.waiting
+	o.mu.Unlock()
+	return Pace{Queries: o.queries.Load(), Waits: o.waits.Load(), Waiting: n}
+}
+
+// enqueue starts e's waiter (waitFor) if it has none, under o.mu.
 func (o *Owner) enqueue(e *event) {
-	if !e.polled {
-		e.polled = true
-		o.polling = append(o.polling, e)
+	if !e.watched && !o.closed {
+		e.watched = true
+		o.waiting++
+		o.waiters.Add(1)
+		go func() {
+			o.waitFor(e)
+			o.mu.Lock()
+			o.waiting--
+			o.mu.Unlock()
+		}()
 	}
 }
 
 // destroyEvents destroys the events of connections that ended and closes the handles
-// on their processes, under o.mu, from the poller alone (or once it has stopped): no
-// query of them is in flight then.
+// on their processes, under o.mu. An event whose waiter is in the driver's wait is
+// left to the waiter, which destroys it when the wait returns: no event is destroyed
+// while a call uses it.
 func (o *Owner) destroyEvents() {
 	for _, c := range o.dead {
 		for _, e := range c.events {
-			if e.ev != 0 {
-				if err := o.rt.EventDestroy(c.s.dev, e.ev); err != nil {
-					o.log.Debug("kv: destroying a replica's event", "pid", c.cred.PID, "err", err)
-				}
+			if e.watched {
+				e.orphan = true
+				continue
 			}
+			o.destroyEvent(e)
 		}
 		if c.proc != nil {
 			_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
@@ -265,4 +262,14 @@ func (o *Owner) destroyEvents() {
 	}
 	clear(o.dead)
 	o.dead = o.dead[:0]
+}
+
+// destroyEvent destroys e's driver event, if it has one.
+func (o *Owner) destroyEvent(e *event) {
+	if e.ev != 0 {
+		if err := o.rt.EventDestroy(e.c.s.dev, e.ev); err != nil {
+			o.log.Debug("kv: destroying a replica's event", "pid", e.c.cred.PID, "err", err)
+		}
+		e.ev = 0
+	}
 }

@@ -397,7 +397,7 @@ func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
 	}
 	e, ok := r.events[s]
 	if !ok {
-		ev, err := r.rt.EventCreate(r.dev, cudart.EventInterprocess|cudart.EventDisableTiming)
+		ev, err := r.rt.EventCreate(r.dev, cudart.EventIPC|cudart.EventBlockingSync) // the owner sleeps in its waits
 		if err != nil {
 			return nil, err
 		}
