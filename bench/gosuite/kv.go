@@ -26,10 +26,22 @@ import (
 //	kv/match512        one replica's Match of 512 visible pages (one round trip, the
 //	                   lease included), hashes computed beforehand; us per Match
 //	kv/match512+hash   the same with the 512 pages' prefix hashes computed in the loop
+//	kv/hash512         the 512 prefix hashes of 8,192 tokens alone (kv.AppendPrefixHashes
+//	                   into a reused slice); us per call
+//	kv/visible         seal -> visible after the writer's work has completed: a replica
+//	                   seals a page behind memsets still running on its stream (the
+//	                   seal answers pending), waits for its stream, then Matches the
+//	                   page until it is visible; us from the stream's completion to the
+//	                   end of the first Match that finds it (one Match's round trip is
+//	                   in it)
 //	kv/pages/bNNN      pages per second through alloc + seal (waiting until visible) +
 //	                   match + release of batches of NNN pages, by kvReplicas replicas
 //	                   at once, one window per sample; each batch has hashes of its own
-//	                   (counters, not SHA-256: the rate is the pool's, not the hash's)
+//	                   (counters, not SHA-256: the rate is the pool's, not the hash's).
+//	                   A "# kv cycle" line gives the mean time of each step of a cycle.
+//	kv/idle-cpu        the owner's process (the page server and its slab exporter, with
+//	                   kvReplicas replicas connected and idle): % of one CPU over the
+//	                   idle window (10 s; 1 s -quick), from /proc/self/stat
 //
 // The latency rows print a "# pct" line with p50 and p99 beside the result line.
 const (
@@ -38,7 +50,7 @@ const (
 	kvLatency     = 512
 )
 
-var kvBatches = []int{64, 256, 512}
+var kvBatches = []int{16, 64, 256, 512}
 
 // kvRows measures the KV page pool's rows.
 func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
@@ -102,8 +114,21 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		fmt.Fprintf(r.w, "# pct cudapool %s us p50 %.2f p99 %.2f\n", op, percentile(v, 0.5), percentile(v, 0.99))
 		r.result("cudapool", op, "us", v)
 	}
+	r.measure("cudapool", "kv/hash512", "us", func() ([]float64, error) { return hashSamples(g, sh), nil })
+	scratch := 1 << 20 // the software device writes every byte of a memset
+	if onGPU {
+		scratch = 256 << 20
+	}
+	if v, err := cs[1].ask(fmt.Sprintf("visible %d %d %d", sh.samples, sh.warmup, scratch), "samples"); err != nil {
+		r.fail("cudapool", "kv/visible", err)
+	} else {
+		fmt.Fprintf(r.w, "# pct cudapool kv/visible us p50 %.2f p99 %.2f\n", percentile(v, 0.5), percentile(v, 0.99))
+		r.result("cudapool", "kv/visible", "us", v)
+	}
 	for _, b := range kvBatches {
 		op := fmt.Sprintf("kv/pages/b%d", b)
+		var steps [4]float64 // us, summed over the replicas' cycles
+		cycles := 0.0
 		r.measure("cudapool", op, "pages/s", func() ([]float64, error) {
 			var rates []float64
 			for range sh.rounds {
@@ -118,18 +143,96 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 					if err != nil {
 						return nil, err
 					}
-					if len(v) != 2 || v[1] <= 0 {
-						return nil, fmt.Errorf("replica %d said %v, want PAGES SECONDS", c.pid, v)
+					if len(v) != 7 || v[1] <= 0 {
+						return nil, fmt.Errorf("replica %d said %v, want PAGES SECONDS CYCLES ALLOC SEAL MATCH RELEASE", c.pid, v)
 					}
 					total += v[0] / v[1]
+					cycles += v[2]
+					for i := range steps {
+						steps[i] += v[3+i]
+					}
 				}
 				rates = append(rates, total)
 			}
 			return rates, nil
 		})
+		if cycles > 0 {
+			fmt.Fprintf(r.w, "# kv cycle b%d us per cycle: alloc %.1f seal %.1f match %.1f release %.1f (%d cycles of %d replicas)\n",
+				b, steps[0]/cycles, steps[1]/cycles, steps[2]/cycles, steps[3]/cycles, int(cycles), kvReplicas)
+		}
 	}
+	idle := 10 * time.Second
+	if sh.samples < fullShape.samples {
+		idle = time.Second
+	}
+	r.measure("cudapool", "kv/idle-cpu", "%cpu", func() ([]float64, error) {
+		pct, err := idleCPU(idle)
+		return []float64{pct}, err
+	})
 	st := o.Stats().Devices[0]
 	fmt.Fprintf(r.w, "# kv owner: %d seals, %d hits, %d misses, %d evictions, %d duplicates\n", st.Seals, st.Hits, st.Misses, st.Evictions, st.Duplicates)
+}
+
+// hashSamples times kv.AppendPrefixHashes of 8,192 tokens in pages of g, into a
+// reused slice: us per call.
+func hashSamples(g kv.Geometry, sh shape) []float64 {
+	toks := make([]int32, 8192)
+	for i := range toks {
+		toks[i] = int32(i * 7919 % 128000)
+	}
+	dst := make([]kv.Hash, 0, len(toks)/g.TokensPerPage)
+	v := make([]float64, 0, sh.samples)
+	for i := range sh.samples + sh.warmup {
+		t0 := time.Now()
+		dst = kv.AppendPrefixHashes(dst[:0], "gosuite", toks, g.TokensPerPage)
+		if d := time.Since(t0); i >= sh.warmup {
+			v = append(v, micros(d))
+		}
+	}
+	return v
+}
+
+// idleCPU is the share of one CPU (%) that this process used over window, from the
+// utime and stime fields of /proc/self/stat.
+func idleCPU(window time.Duration) (float64, error) {
+	t0, err := cpuTicks()
+	if err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	time.Sleep(window)
+	t1, err := cpuTicks()
+	if err != nil {
+		return 0, err
+	}
+	const hz = 100 // USER_HZ, the unit of /proc's times on Linux
+	return 100 * float64(t1-t0) / hz / time.Since(start).Seconds(), nil
+}
+
+// cpuTicks is this process's utime + stime, in clock ticks.
+func cpuTicks() (uint64, error) {
+	b, err := os.ReadFile("/proc/self/stat")
+	if err != nil {
+		return 0, err
+	}
+	// The command name, in parentheses, may hold spaces: the fields count from after it.
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0, errors.New("/proc/self/stat: no command name")
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/self/stat: %d fields after the name", len(f))
+	}
+	var total uint64
+	for _, x := range f[11:13] { // utime, stime: fields 14 and 15 of proc(5)
+		n, err := strconv.ParseUint(x, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/self/stat: %w", err)
+		}
+		total += n
+	}
+	return total, nil
 }
 
 // percentile is the q-quantile of v (sorted in place).
@@ -147,8 +250,11 @@ func percentile(v []float64, q float64) float64 {
 //	prepare N                     seal a chain of N pages: "prepared"
 //	latency N SAMPLES WARMUP H    time Match (+ hashing if H is 1) of that chain and its
 //	                              release: "samples US..." (the Match alone, in us)
+//	visible SAMPLES WARMUP BYTES  time seal -> visible after the stream's work completed,
+//	                              behind memsets of BYTES: "samples US..."
 //	rate B WINDOW-US              alloc+seal+match+release batches of B pages for the
-//	                              window: "pages N SECONDS"
+//	                              window: "pages N SECONDS CYCLES ALLOC SEAL MATCH
+//	                              RELEASE" (the steps' time summed, in us)
 func kvReplicaMain(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvreplica:", err); return 1 }
 	if len(args) != 2 {
@@ -170,7 +276,7 @@ func kvReplicaMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvLoad{r: rp, s: s, seq: uint64(os.Getpid()) << 32}
+	k := &kvLoad{r: rp, rt: rt, s: s, seq: uint64(os.Getpid()) << 32}
 	out := &lineWriter{w: os.Stdout}
 	out.say("ready")
 	in := bufio.NewScanner(os.Stdin)
@@ -197,6 +303,7 @@ func kvReplicaMain(args []string) int {
 // kvLoad is a replica process's side of the kv rows.
 type kvLoad struct {
 	r      *replica.Replica
+	rt     cudart.Runtime
 	s      cudart.Stream
 	tokens []int32   // the prepared chain's
 	chain  []kv.Hash // its hashes
@@ -217,6 +324,8 @@ func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
 		return "prepared", k.prepare(ctx, nums[0])
 	case f[0] == "latency" && len(nums) == 4:
 		return k.latency(ctx, nums[1], nums[2], nums[3] == 1)
+	case f[0] == "visible" && len(nums) == 3:
+		return k.visible(ctx, nums[0], nums[1], uint64(nums[2]))
 	case f[0] == "rate" && len(nums) == 2:
 		return k.rate(ctx, nums[0], time.Duration(nums[1])*time.Microsecond)
 	}
@@ -283,17 +392,20 @@ func samplesLine(v []float64) string {
 // rate runs alloc+seal+match+release of batches of b pages for window.
 func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string, error) {
 	hashes := make([]kv.Hash, b)
-	pages := 0
+	pages, cycles := 0, 0
+	var steps [4]time.Duration // alloc, seal, match, release
 	start := time.Now()
 	for time.Since(start) < window {
 		for i := range hashes {
 			k.seq++
 			binary.LittleEndian.PutUint64(hashes[i][:], k.seq)
 		}
+		t0 := time.Now()
 		w, err := k.r.Alloc(ctx, b)
 		if err != nil {
 			return "", err
 		}
+		t1 := time.Now()
 		res, err := k.r.Seal(ctx, w, hashes, k.s, replica.WaitVisible())
 		if err != nil {
 			return "", err
@@ -301,6 +413,7 @@ func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string,
 		if res.Visible != b {
 			return "", fmt.Errorf("sealed %+v, want %d visible", res, b)
 		}
+		t2 := time.Now()
 		m, err := k.r.Match(ctx, hashes, k.s)
 		if err != nil {
 			return "", err
@@ -308,10 +421,101 @@ func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string,
 		if len(m.Pages()) != b {
 			return "", fmt.Errorf("matched %d of %d pages", len(m.Pages()), b)
 		}
+		t3 := time.Now()
 		if err := k.r.Release(ctx, k.s, m); err != nil {
 			return "", err
 		}
+		t4 := time.Now()
+		for i, d := range []time.Duration{t1.Sub(t0), t2.Sub(t1), t3.Sub(t2), t4.Sub(t3)} {
+			steps[i] += d
+		}
 		pages += b
+		cycles++
 	}
-	return fmt.Sprintf("pages %d %.6f", pages, time.Since(start).Seconds()), nil
+	return fmt.Sprintf("pages %d %.6f %d %.1f %.1f %.1f %.1f", pages, time.Since(start).Seconds(), cycles,
+		micros(steps[0]), micros(steps[1]), micros(steps[2]), micros(steps[3])), nil
+}
+
+// visibleMemsets is how many memsets of its scratch buffer a visible sample queues
+// before its page's write and seal: enough work (on the GPU, 8 x 256 MiB, about half
+// a millisecond) that the seal reaches the owner before it has run.
+const visibleMemsets = 8
+
+// visible times seal -> visible after the writer's work completed: the seal of a page
+// written behind memsets of a scratch buffer of scratch bytes still running answers
+// pending; the stream's completion is awaited on the host, and then Match asks for the
+// page until it is visible. A sample whose seal was not pending (the work ran first)
+// is taken again, up to 10 times each.
+func (k *kvLoad) visible(ctx context.Context, samples, warmup int, scratch uint64) (_ string, err error) {
+	rt := k.rt
+	mp, err := rt.DeviceGetDefaultMemPool(0)
+	if err != nil {
+		return "", err
+	}
+	buf, err := rt.MallocFromPoolAsync(0, scratch, mp, k.s)
+	if err != nil {
+		return "", err
+	}
+	defer func() {
+		if ferr := rt.FreeAsync(0, buf, k.s); err == nil {
+			err = ferr
+		}
+	}()
+	g := k.r.Geometry()
+	hash := make([]kv.Hash, 1)
+	v := make([]float64, 0, samples)
+	missed := 0
+	for i := 0; i < samples+warmup; {
+		k.seq++
+		binary.LittleEndian.PutUint64(hash[0][:], k.seq)
+		w, err := k.r.Alloc(ctx, 1)
+		if err != nil {
+			return "", err
+		}
+		for range visibleMemsets {
+			if err := rt.MemsetAsync(0, buf, byte(i), scratch, k.s); err != nil {
+				return "", err
+			}
+		}
+		page := k.r.Slab() + cudart.DevicePtr(g.KOffset(0)+uint64(w.Pages()[0])*g.PageBytes())
+		if err := rt.MemsetAsync(0, page, byte(i), g.PageBytes(), k.s); err != nil {
+			return "", err
+		}
+		res, err := k.r.Seal(ctx, w, hash, k.s)
+		if err != nil {
+			return "", err
+		}
+		if err := rt.StreamSynchronize(0, k.s); err != nil {
+			return "", err
+		}
+		done := time.Now()
+		var d time.Duration
+		for {
+			m, err := k.r.Match(ctx, hash, k.s)
+			if err != nil {
+				return "", err
+			}
+			if len(m.Pages()) == 1 {
+				d = time.Since(done)
+				if err := k.r.Release(ctx, k.s, m); err != nil {
+					return "", err
+				}
+				break
+			}
+			if err := ctx.Err(); err != nil {
+				return "", err
+			}
+		}
+		if res.Pending == 0 {
+			if missed++; missed > 10*(samples+warmup) {
+				return "", fmt.Errorf("%d seals answered visible at once: the work ran before the seal arrived", missed)
+			}
+			continue
+		}
+		if i >= warmup {
+			v = append(v, micros(d))
+		}
+		i++
+	}
+	return samplesLine(v), nil
 }
