@@ -119,10 +119,15 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 	if onGPU {
 		scratch = 256 << 20
 	}
+	c0, _ := cpuTicks()
+	t0 := time.Now()
 	if v, err := cs[1].ask(fmt.Sprintf("visible %d %d %d", sh.samples, sh.warmup, scratch), "samples"); err != nil {
 		r.fail("cudapool", "kv/visible", err)
 	} else {
-		fmt.Fprintf(r.w, "# pct cudapool kv/visible us p50 %.2f p99 %.2f\n", percentile(v, 0.5), percentile(v, 0.99))
+		// How much CPU the owner spent while seals were pending: its waits sleep, or spin.
+		c1, _ := cpuTicks()
+		fmt.Fprintf(r.w, "# pct cudapool kv/visible us p50 %.2f p99 %.2f; the owner used %.0f%% of a CPU meanwhile\n",
+			percentile(v, 0.5), percentile(v, 0.99), float64(c1-c0)/clockTicks/time.Since(t0).Seconds()*100)
 		r.result("cudapool", "kv/visible", "us", v)
 	}
 	for _, b := range kvBatches {
@@ -205,9 +210,11 @@ func idleCPU(window time.Duration) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	const hz = 100 // USER_HZ, the unit of /proc's times on Linux
-	return 100 * float64(t1-t0) / hz / time.Since(start).Seconds(), nil
+	return 100 * float64(t1-t0) / clockTicks / time.Since(start).Seconds(), nil
 }
+
+// clockTicks is USER_HZ, the unit of /proc's times on Linux.
+const clockTicks = 100
 
 // cpuTicks is this process's utime + stime, in clock ticks.
 func cpuTicks() (uint64, error) {
