@@ -70,6 +70,7 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 	X(cp_err, cudaStreamCreateWithFlags, (void **, unsigned), 0) \
 	X(cp_err, cudaStreamDestroy, (void *), 0) \
 	X(cp_err, cudaStreamSynchronize, (void *), 0) \
+	X(cp_err, cudaStreamQuery, (void *), 0) \
 	X(cp_err, cudaStreamWaitEvent, (void *, void *, unsigned), 0) \
 	X(cp_err, cudaEventCreateWithFlags, (void **, unsigned), 0) \
 	X(cp_err, cudaEventDestroy, (void *), 0) \
@@ -446,6 +447,7 @@ enum { cp_memcpy_host_to_device = 1, cp_memcpy_device_to_host = 2, cp_memcpy_def
 CP_CALL(cp_res, cp_stream_create, (uintptr_t lib, long long dev, unsigned flags), l->cudaStreamCreateWithFlags(&out, flags))
 CP_CALL(cp_res, cp_stream_destroy, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamDestroy(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_synchronize, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
+CP_CALL(cp_res, cp_stream_query, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamQuery(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_wait_event, (uintptr_t lib, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
 enum { cp_not_supported = 801 }; // cudaErrorNotSupported
 

@@ -260,6 +260,17 @@ func (l *library) StreamSynchronize(dev int, s Stream) error {
 	return l.check("cudaStreamSynchronize", C.cp_stream_synchronize(l.c, C.longlong(dev), C.uintptr_t(s)))
 }
 
+func (l *library) StreamQuery(dev int, s Stream) (bool, error) {
+	r := C.cp_stream_query(l.c, C.longlong(dev), C.uintptr_t(s))
+	if Code(r.err) == ErrNotReady && r.at == C.cp_at_call {
+		return false, nil
+	}
+	if err := l.check("cudaStreamQuery", r); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
 func (l *library) StreamDevice(dev int, s Stream) (int, error) {
 	r := C.cp_stream_get_device(l.c, C.longlong(dev), C.uintptr_t(s))
 	return int(int64(r.v)), l.check("cudaStreamGetDevice", r)

@@ -197,6 +197,15 @@ const (
 // Runtime is the CUDA runtime subset cudapool uses. Load returns the real one; package
 // cudarttest returns a software device. Methods are safe for concurrent use.
 //
+// StreamQuerier is a Runtime that can tell whether a stream's work has completed
+// without queueing anything on it (cudaStreamQuery): the cudart library and the
+// software device are. It is an interface of its own so that a Runtime wrapping another
+// need not have it; callers fall back to recording an event.
+type StreamQuerier interface {
+	// StreamQuery reports whether all the work queued on s so far has completed.
+	StreamQuery(dev int, s Stream) (bool, error)
+}
+
 // Every error a Runtime method returns wraps a Code, so errors.Is(err, ErrOutOfMemory)
 // and friends work; failures that are not CUDA's own (no runtime, a missing symbol)
 // wrap ErrNoRuntime.

@@ -82,6 +82,23 @@ func (d *Device) StreamSynchronize(dev int, s cudart.Stream) error {
 	return faultsOf(st)
 }
 
+// StreamQuery reports whether the work queued on s so far has run, queueing nothing:
+// work queued after it answers true is ordered after that work, as any call made
+// after the host has seen the work complete.
+func (d *Device) StreamQuery(dev int, s cudart.Stream) (bool, error) {
+	const opName = "cudaStreamQuery"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(opName, dev); err != nil {
+		return false, err
+	}
+	st, err := d.stream(opName, dev, s)
+	if err != nil {
+		return false, err
+	}
+	return len(st.queue) == 0, nil
+}
+
 // StreamDevice is the device s was created on; the default streams are dev's. Unlike
 // the other stream calls it takes a stream of any device, as the driver's does.
 func (d *Device) StreamDevice(dev int, s cudart.Stream) (int, error) {

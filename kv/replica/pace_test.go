@@ -55,3 +55,22 @@ func TestOwnerPace(t *testing.T) {
 	assert.Equal(t, settled, o.Pace(), "an owner with nothing pending makes no call")
 	require.NoError(t, r.Release(ctx, rs, held...))
 }
+
+// A seal and a release from a stream whose work has all completed carry no event: the
+// owner makes them visible (settled) at once, with no query of the replica's event.
+func TestIdleStreamNeedsNoEvent(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	w, wdev, ws := dial(t, dir, 0)
+	ctx := bound(t)
+	l, hashes := written(t, wdev, w, ws, 12, 4)
+	require.NoError(t, wdev.StreamSynchronize(0, ws))
+	before := o.Pace()
+	res, err := w.Seal(ctx, l, hashes, ws)
+	require.NoError(t, err)
+	assert.Equal(t, replica.SealResult{Visible: 4}, res, "visible at once: the writes had completed")
+	m, err := w.Match(ctx, hashes, ws)
+	require.NoError(t, err)
+	require.NoError(t, w.Release(ctx, ws, m))
+	assert.Zero(t, device0(o).Releasing, "settled at once: nothing was queued on the stream")
+	assert.Equal(t, before, o.Pace(), "no event was queried or waited for")
+}
