@@ -43,6 +43,13 @@ type conn struct {
 	// The connection's goroutine alone.
 	scratch []uint32
 	leaseID []uint64
+	// tip is where the latest Match's run ended short of the hashes asked: the first
+	// hash it did not find, which a Seal of the rest names first, and the run's last
+	// page, that Seal's parent. Guarded by Owner.mu.
+	tip struct {
+		next kv.Hash
+		last link
+	}
 
 	wmu  sync.Mutex
 	wbuf []byte
@@ -86,6 +93,7 @@ func (c *conn) sendError(id uint32, err error) error {
 // serveConn admits nc and serves it until it ends, then ends what it held.
 func (o *Owner) serveConn(nc *net.UnixConn) {
 	c := &conn{o: o, nc: nc, events: map[[kvwire.EventLen]byte]*event{}}
+	c.tip.last = noLink
 	o.mu.Lock()
 	if o.closed {
 		o.mu.Unlock()
@@ -336,7 +344,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		return c.sendError(h.ID, err)
 	}
 	delete(o.leases, id)
-	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):]}
+	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes)}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
 	}
@@ -466,10 +474,29 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 		return c.matchAcross(h, hashes)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
+	c.noteTipLocked(hashes, pages)
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
 	})
+}
+
+// noteTipLocked remembers where a match of hashes that found the run pages ended, under
+// o.mu: a run short of the hashes is usually continued by a Seal of the rest.
+func (c *conn) noteTipLocked(hashes []kv.Hash, pages []uint32) {
+	c.tip.last = noLink
+	if len(pages) > 0 && len(pages) < len(hashes) {
+		c.tip.next, c.tip.last = hashes[len(pages)], c.s.linkOf(pages[len(pages)-1])
+	}
+}
+
+// parentLocked is the page that a seal of hashes continues, if it continues the latest
+// match's run, under o.mu.
+func (c *conn) parentLocked(hashes []kv.Hash) link {
+	if len(hashes) > 0 && c.tip.last.page != none && hashes[0] == c.tip.next {
+		return c.tip.last
+	}
+	return noLink
 }
 
 // leaseRunLocked leases sealed pages of c's slab for reading (no lease if none), under

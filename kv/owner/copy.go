@@ -106,7 +106,11 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 			pages = append(pages, p)
 			continue
 		}
-		s.publish(pc.dst, hashes[i])
+		parent := noLink
+		if len(pages) > 0 {
+			parent = s.linkOf(pages[len(pages)-1])
+		}
+		s.publish(pc.dst, hashes[i], parent)
 		s.pages[pc.dst].readers++
 		s.stats.Copied++
 		pages = append(pages, pc.dst)
@@ -122,6 +126,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 		s.pages[p].readers-- // leaseRunLocked takes the reader back
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
+	c.noteTipLocked(hashes, pages)
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)

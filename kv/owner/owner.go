@@ -11,8 +11,11 @@
 // completed). Alloc takes free pages first, then evicts the least recently used sealed
 // pages that no reader holds and whose releases have settled; match and seal touch a
 // run deepest page first, so that parents are more recent than their children and
-// eviction takes leaves first. A seal of a hash already visible frees its page
-// (a duplicate).
+// eviction takes leaves first. A seal that continues the run of the connection's latest
+// match (its first hash is the first one that match did not find) links its first page
+// to that run's last, and makes the chain's ancestors more recent than the pages it
+// seals: a chain grown by match and seal is evicted leaf first too. A seal of a hash
+// already visible frees its page (a duplicate).
 //
 // # Events
 //
@@ -126,7 +129,8 @@ type Owner struct {
 	nextLease uint64
 	dead      []*conn // ended connections, whose events destroyEvents destroys
 	closed    bool
-	waiting   int // waiters in the driver's wait or about to be
+	waiting   int      // waiters in the driver's wait or about to be
+	ancestors []uint32 // touchAncestors' scratch
 
 	queries, waits atomic.Uint64  // Pace's
 	waiters        sync.WaitGroup // the events' waiters (waitFor)

@@ -15,6 +15,7 @@ type record struct {
 	s        *slab
 	seal     []uint32 // pages to publish under hashes
 	hashes   []kv.Hash
+	parent   link     // the sealed page seal[0] continues, if the owner knows it
 	free     []uint32 // pages to free
 	released []uint32 // sealed pages whose release settles
 	// wait is the request to answer once the seal is settled (a Seal with FlagWait).
@@ -44,13 +45,21 @@ type event struct {
 func (o *Owner) settle(rec *record, publish bool) {
 	s := rec.s
 	if publish {
-		// Deepest first, so that the parent is the more recent in the LRU list.
+		// Deepest first, so that the parent is the more recent in the LRU list, and
+		// then the chain's known ancestors, more recent still.
 		for i := len(rec.seal) - 1; i >= 0; i-- {
-			if s.publish(rec.seal[i], rec.hashes[i]) {
+			parent := rec.parent
+			if i > 0 {
+				parent = s.linkOf(rec.seal[i-1])
+			}
+			if s.publish(rec.seal[i], rec.hashes[i], parent) {
 				rec.visible++
 			} else {
 				rec.duplicate++
 			}
+		}
+		if len(rec.seal) > 0 {
+			o.ancestors = s.touchAncestors(rec.parent, o.ancestors)
 		}
 	} else {
 		for _, p := range rec.seal {

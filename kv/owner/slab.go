@@ -30,7 +30,18 @@ type page struct {
 	readers    uint32 // read leases holding it
 	releasing  uint32 // release records naming it that have not settled
 	state      pageState
+	// parent is the sealed page before this one in its chain, where the owner knows it
+	// (none otherwise), as it was at generation parentGen.
+	parent    uint32
+	parentGen uint32
+	gen       uint32 // how many times the page was freed: a link to it names one life
 }
+
+// link names page p in its current life, for a child's parent link.
+type link struct{ page, gen uint32 }
+
+// noLink is no known parent.
+var noLink = link{page: none}
 
 // slab is one device's allocation and its page table. Everything but the fields set
 // at Listen is guarded by the Owner's mu.
@@ -53,6 +64,7 @@ func newSlab(dev, pages int) *slab {
 	s := &slab{dev: dev, pages: make([]page, pages), free: make([]uint32, pages), index: make(map[kv.Hash]uint32, pages), head: none, tail: none}
 	for i := range s.free {
 		s.free[i] = uint32(pages - 1 - i) // page 0 on top
+		s.pages[i].parent = none
 	}
 	return s
 }
@@ -144,13 +156,44 @@ func (s *slab) evict(p uint32) {
 
 // release makes p free.
 func (s *slab) release(p uint32) {
-	s.pages[p] = page{prev: none, next: none}
+	s.pages[p] = page{prev: none, next: none, parent: none, gen: s.pages[p].gen + 1}
 	s.free = append(s.free, p)
+}
+
+// linkOf is page p's link in its current life.
+func (s *slab) linkOf(p uint32) link { return link{p, s.pages[p].gen} }
+
+// alive says whether l still names a sealed page in the life it was made in.
+func (s *slab) alive(l link) bool {
+	return l.page != none && s.pages[l.page].gen == l.gen && s.pages[l.page].state == pageSealed
+}
+
+// maxAncestors bounds the walk of touchAncestors: the longest chain whose parents a
+// seal keeps more recent than it.
+const maxAncestors = 1 << 16
+
+// touchAncestors makes the known ancestors of a chain, from its page at parent up,
+// more recent than everything else, the root most recent: after a seal of pages that
+// continue a matched prefix, so that eviction still takes the chain's leaves first.
+func (s *slab) touchAncestors(parent link, scratch []uint32) []uint32 {
+	chain := scratch[:0]
+	for l := parent; s.alive(l) && len(chain) < maxAncestors; {
+		chain = append(chain, l.page)
+		pg := &s.pages[l.page]
+		l = link{pg.parent, pg.parentGen}
+	}
+	for _, p := range chain { // deepest first: the root ends up at the head
+		if s.head != p {
+			s.unlink(p)
+			s.pushFront(p)
+		}
+	}
+	return chain
 }
 
 // publish makes sealing page p visible under its hash, or frees it if the hash is
 // visible already (a duplicate); it reports which.
-func (s *slab) publish(p uint32, h kv.Hash) (visible bool) {
+func (s *slab) publish(p uint32, h kv.Hash, parent link) (visible bool) {
 	if _, dup := s.index[h]; dup {
 		s.stats.Duplicates++
 		s.release(p)
@@ -158,6 +201,7 @@ func (s *slab) publish(p uint32, h kv.Hash) (visible bool) {
 	}
 	pg := &s.pages[p]
 	pg.state, pg.hash = pageSealed, h
+	pg.parent, pg.parentGen = parent.page, parent.gen
 	s.index[h] = p
 	s.pushFront(p)
 	s.stats.Seals++
