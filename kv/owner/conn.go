@@ -35,6 +35,7 @@ type conn struct {
 
 	// Guarded by Owner.mu.
 	welcomed bool
+	ended    bool          // finish has begun ending its leases: no new lease is made
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 
@@ -266,13 +267,88 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o.mu.Lock()
 	pages, ok := s.take(n, make([]uint32, 0, n))
 	if !ok {
-		free := len(s.free)
+		if s.settlingLocked() > 0 && s.reachableLocked() >= n && !c.ended && !o.closed {
+			// Pages that settle will do: wait for them off the connection's
+			// goroutine, which serves the replica's other requests meanwhile.
+			o.allocWaits.Add(1)
+			o.wg.Add(1)
+			go func() {
+				defer o.wg.Done()
+				c.allocLater(h.ID, n)
+			}()
+			o.mu.Unlock()
+			return nil
+		}
+		err := c.noSpaceLocked(n)
 		o.mu.Unlock()
-		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, %d free and not enough evictable (device %d)", kv.ErrNoSpace, n, free, s.dev))
+		return c.refuse(h.ID, err)
 	}
 	l := o.newLeaseLocked(c, true, pages)
 	o.mu.Unlock()
-	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, h.ID, l.id, l.pages) })
+	return c.sendLeased(h.ID, l)
+}
+
+// AllocWait bounds how long an Alloc waits for pages that settle (released pages whose
+// release events have not completed) before it answers kv.ErrNoSpace.
+const AllocWait = 10 * time.Second
+
+// allocLater answers Alloc id of n pages once enough pages have settled, or with
+// kv.ErrNoSpace once no settling page is left that could make up the difference, after
+// AllocWait, or when the owner closes; a connection that ends meanwhile gets nothing.
+func (c *conn) allocLater(id uint32, n int) {
+	o, s := c.o, c.s
+	timer := time.NewTimer(AllocWait)
+	defer timer.Stop()
+	for {
+		o.mu.Lock()
+		if c.ended || o.closed {
+			o.mu.Unlock()
+			return
+		}
+		pages, ok := s.take(n, make([]uint32, 0, n))
+		if ok {
+			l := o.newLeaseLocked(c, true, pages)
+			o.mu.Unlock()
+			if err := c.sendLeased(id, l); err != nil {
+				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+			}
+			return
+		}
+		if s.settlingLocked() == 0 || s.reachableLocked() < n {
+			err := c.noSpaceLocked(n)
+			o.mu.Unlock()
+			if err := c.sendError(id, err); err != nil {
+				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+			}
+			return
+		}
+		space := s.space
+		o.mu.Unlock()
+		select {
+		case <-space:
+		case <-timer.C:
+			o.mu.Lock()
+			err := c.noSpaceLocked(n)
+			o.mu.Unlock()
+			if err := c.sendError(id, fmt.Errorf("%w, after waiting %v for pages to settle", err, AllocWait)); err != nil {
+				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+			}
+			return
+		case <-o.stopped.Done():
+			return
+		}
+	}
+}
+
+// noSpaceLocked is the refusal of an Alloc of n pages, under o.mu.
+func (c *conn) noSpaceLocked(n int) error {
+	s := c.s
+	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), s.dev)
+}
+
+// sendLeased answers Alloc id with write lease l.
+func (c *conn) sendLeased(id uint32, l *lease) error {
+	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, id, l.id, l.pages) })
 }
 
 // newLeaseLocked makes a lease of pages for c, under o.mu.
@@ -572,6 +648,7 @@ func (c *conn) finish(bye bool) {
 	_ = c.nc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
 	o.mu.Lock()
+	c.ended = true
 	owed = o.exitedLocked(c, owed)
 	delete(o.conns, c)
 	o.dead = append(o.dead, c)
@@ -634,6 +711,7 @@ func (o *Owner) endLeasesLocked(c *conn) {
 		if l.c != c {
 			continue
 		}
+		l.s.spaceLocked()
 		delete(o.leases, id)
 		for _, pg := range l.pages {
 			if l.write {

@@ -9,7 +9,9 @@
 // still pending), sealed (visible: in the slab's hash index and its LRU list, read by
 // any number of read leases) or settling (to be freed once a release event has
 // completed). Alloc takes free pages first, then evicts the least recently used sealed
-// pages that no reader holds and whose releases have settled; match and seal touch a
+// pages that no reader holds and whose releases have settled; where that is not enough
+// and settling pages would make up the rest, it waits for them (up to AllocWait) off
+// the connection's goroutine, and answers NoSpace only when none is left to wait for; match and seal touch a
 // run deepest page first, so that parents are more recent than their children and
 // eviction takes leaves first. A seal that continues the run of the connection's latest
 // match (its first hash is the first one that match did not find) links its first page
@@ -133,6 +135,7 @@ type Owner struct {
 	ancestors []uint32 // touchAncestors' scratch
 
 	queries, waits atomic.Uint64  // Pace's
+	allocWaits     atomic.Uint64  // Pace's
 	waiters        sync.WaitGroup // the events' waiters (waitFor)
 
 	stop    context.CancelFunc

@@ -73,6 +73,7 @@ func (o *Owner) settle(rec *record, publish bool) {
 		s.pages[p].releasing--
 	}
 	rec.done = true
+	s.spaceLocked()
 }
 
 // append queues rec behind e, under o.mu, and returns how many records e will have had
@@ -227,6 +228,8 @@ func (o *Owner) destroyOrphanLocked(e *event) {
 type Pace struct {
 	Queries, Waits uint64
 	Waiting        int
+	// AllocWaits counts the Allocs that waited for pages to settle.
+	AllocWaits uint64
 }
 
 // Pace is a snapshot of the owner's event calls.
@@ -234,7 +237,7 @@ func (o *Owner) Pace() Pace {
 	o.mu.Lock()
 	n := o.waiting
 	o.mu.Unlock()
-	return Pace{Queries: o.queries.Load(), Waits: o.waits.Load(), Waiting: n}
+	return Pace{Queries: o.queries.Load(), Waits: o.waits.Load(), Waiting: n, AllocWaits: o.allocWaits.Load()}
 }
 
 // enqueue starts e's waiter (waitFor) if it has none, under o.mu.

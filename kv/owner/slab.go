@@ -58,10 +58,46 @@ type slab struct {
 	index      map[kv.Hash]uint32
 	head, tail uint32 // LRU list of sealed pages: head most recent
 	stats      kv.DeviceStats
+	// space is closed (and replaced) whenever pages may have become free or
+	// evictable: the Allocs that wait for settling pages look again.
+	space chan struct{}
+}
+
+// spaceLocked wakes the Allocs that wait for pages to settle.
+func (s *slab) spaceLocked() {
+	close(s.space)
+	s.space = make(chan struct{})
+}
+
+// settlingLocked counts the pages that will be free or evictable once release events
+// complete: aborted writes that settle, and sealed pages no reader holds whose
+// releases are settling.
+func (s *slab) settlingLocked() int {
+	n := 0
+	for i := range s.pages {
+		pg := &s.pages[i]
+		if pg.state == pageSettling || (pg.state == pageSealed && pg.readers == 0 && pg.releasing > 0) {
+			n++
+		}
+	}
+	return n
+}
+
+// reachableLocked counts the pages an Alloc could get without any lease ending: free,
+// evictable, and settling.
+func (s *slab) reachableLocked() int {
+	n := len(s.free)
+	for i := range s.pages {
+		pg := &s.pages[i]
+		if pg.state == pageSettling || (pg.state == pageSealed && pg.readers == 0) {
+			n++
+		}
+	}
+	return n
 }
 
 func newSlab(dev, pages int) *slab {
-	s := &slab{dev: dev, pages: make([]page, pages), free: make([]uint32, pages), index: make(map[kv.Hash]uint32, pages), head: none, tail: none}
+	s := &slab{dev: dev, pages: make([]page, pages), free: make([]uint32, pages), index: make(map[kv.Hash]uint32, pages), head: none, tail: none, space: make(chan struct{})}
 	for i := range s.free {
 		s.free[i] = uint32(pages - 1 - i) // page 0 on top
 		s.pages[i].parent = none

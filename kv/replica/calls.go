@@ -239,7 +239,10 @@ func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 }
 
 // Alloc leases n free pages for writing, evicting the least recently used sealed pages
-// nobody reads where it must. It leases all n or none (kv.ErrNoSpace).
+// nobody reads where it must. It leases all n or none (kv.ErrNoSpace). Where pages
+// still settle (released, their release events not yet complete) and would make up
+// the difference, the owner waits for them (up to owner.AllocWait), and so does
+// Alloc, until ctx ends.
 func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	if n > kv.MaxBatch {
 		return nil, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch)

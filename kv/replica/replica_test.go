@@ -220,12 +220,18 @@ func TestEvictionLeavesFirst(t *testing.T) {
 	t.Cleanup(resume)
 	require.NoError(t, r.Release(ctx, rs, mb))
 	assert.Equal(t, 2, device0(o).Releasing)
-	_, err = r.Alloc(ctx, 1)
-	require.ErrorIs(t, err, kv.ErrNoSpace, "b's pages wait for their release event")
+	// The Alloc waits for b's pages to settle (no eviction before), then takes one.
+	got := make(chan error, 1)
+	var w3 *replica.Lease
+	go func() {
+		var err error
+		w3, err = r.Alloc(ctx, 1)
+		got <- err
+	}()
+	eventually(t, "the Alloc to wait for b's release", func() bool { return o.Pace().AllocWaits == 1 })
+	assert.Equal(t, uint64(3), device0(o).Evictions, "b's pages wait for their release event")
 	resume()
-	eventually(t, "b's release to settle", func() bool { return device0(o).Releasing == 0 })
-	w3, err := r.Alloc(ctx, 1)
-	require.NoError(t, err)
+	require.NoError(t, testwait.Recv(t, got, "the Alloc, once b's release settled"))
 	mb, err = r.Match(ctx, b, rs)
 	require.NoError(t, err)
 	assert.Len(t, mb.Pages(), 1, "b's deepest page left went")
