@@ -261,6 +261,13 @@ int cudaStreamSynchronize(void *s) {
 	return SUCCESS;
 }
 
+// The fake's work completes as it is queued: a stream has nothing pending.
+int cudaStreamQuery(void *s) {
+	ON_CURRENT();
+	if (!as_stream(s)) return INVALID_HANDLE;
+	return SUCCESS;
+}
+
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
 	ON_CURRENT();
 	if (flags) return INVALID_VALUE;
