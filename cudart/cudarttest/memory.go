@@ -141,29 +141,31 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 			"%s of %#x+%d after its free ran", verb, uint64(sp.ptr), sp.n)}, true
 	}
 	m := sp.p.marks(sp.entry, d.id)
-	if w := m.writer(); !w.is(d.id, st) && w.epoch > after {
-		kind := ViolationUnorderedRead
-		if write {
-			kind = ViolationUnorderedWrite
+	lo, hi := sp.off, sp.off+sp.n
+	for _, k := range m.overlapping(lo, hi) {
+		switch {
+		case k.is(d.id, st) || k.epoch <= after:
+		case k.write:
+			kind := ViolationUnorderedRead
+			if write {
+				kind = ViolationUnorderedWrite
+			}
+			what := "write or allocation"
+			if k.epoch == pendingEpoch {
+				what = "allocation, which had not run yet"
+			}
+			vs = append(vs, d.violate(kind, op,
+				"%s of %#x+%d on a stream not ordered after %v's %s of it (wait on an event recorded after it)",
+				verb, uint64(sp.ptr), sp.n, k.accessor, what))
+		case write:
+			vs = append(vs, d.violate(ViolationUnorderedWrite, op,
+				"write of %#x+%d on a stream not ordered after %v's read of it", uint64(sp.ptr), sp.n, k.accessor))
 		}
-		what := "write or allocation"
-		if w.epoch == pendingEpoch {
-			what = "allocation, which had not run yet"
-		}
-		vs = append(vs, d.violate(kind, op,
-			"%s of %#x+%d on a stream not ordered after %v's %s of it (wait on an event recorded after it)",
-			verb, uint64(sp.ptr), sp.n, w, what))
 	}
 	if write {
-		for _, r := range m.readers() {
-			if !r.is(d.id, st) && r.epoch > after {
-				vs = append(vs, d.violate(ViolationUnorderedWrite, op,
-					"write of %#x+%d on a stream not ordered after %v's read of it", uint64(sp.ptr), sp.n, r))
-			}
-		}
-		m.wrote(st, now())
+		m.wrote(st, now(), lo, hi)
 	} else {
-		m.read(st, now())
+		m.read(st, now(), lo, hi)
 	}
 	return vs, false
 }

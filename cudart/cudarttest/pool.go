@@ -476,7 +476,7 @@ func (d *Device) mallocOnce(op string, dev int, size uint64, h cudart.MemPool, s
 	p.reg.store(eo+eOffset, off)
 	p.reg.store(eo+eSize, size)
 	m := p.marks(entry, d.id)
-	m.wrote(st, pendingEpoch) // until it runs, no other stream may touch it
+	m.reset(st, pendingEpoch, off, off+size) // until it runs, no other stream may touch it
 	p.reg.store(eo+eReleased, 0)
 	p.reg.store(eo+eState, packState(gen, stateLive))
 	a := &alloc{off: off, size: size, entry: entry, gen: gen}
@@ -489,8 +489,8 @@ func (d *Device) mallocOnce(op string, dev int, size uint64, h cudart.MemPool, s
 	p.reg.store(hUsed, used)
 	p.reg.storeMax(hUsedHigh, used)
 	err = d.submit(op, st, &task{pool: p, run: func(st *stream, _ uint64) error {
-		if cur, _ := p.allocAt(a.off, a.size); cur == a && m.writer().epoch == pendingEpoch {
-			m.wrote(st, now())
+		if cur, _ := p.allocAt(a.off, a.size); cur == a {
+			m.ran(now())
 		}
 		return nil
 	}})
@@ -617,15 +617,11 @@ func (d *Device) runFree(op string, st *stream, after uint64, p *pool, a *alloc,
 func (d *Device) unorderedFree(op string, p *pool, entry uint32, st *stream, after uint64, ptr cudart.DevicePtr, counts func(ident) bool) []Violation {
 	m := p.marks(entry, d.id)
 	var vs []Violation
-	check := func(a accessor, verb string) {
-		if a.id != 0 && counts(a.id) && !a.is(d.id, st) && a.epoch > after {
+	for _, k := range m.overlapping(0, ^uint64(0)) {
+		if counts(k.id) && !k.is(d.id, st) && k.epoch > after {
 			vs = append(vs, d.violate(ViolationUnorderedFree, op,
-				"%#x freed on a stream not ordered after %v's %s of it", uint64(ptr), a, verb))
+				"%#x freed on a stream not ordered after %v's %s of it", uint64(ptr), k.accessor, verbOf(k.write)))
 		}
-	}
-	check(m.writer(), "write")
-	for _, r := range m.readers() {
-		check(r, "read")
 	}
 	return vs
 }

@@ -179,7 +179,7 @@ func roundUp(n, m uint64) uint64 { return (n + m - 1) / m * m }
 // allocates; importers read entries to validate records and register themselves.
 const (
 	poolMemfdName = "cudarttest-pool"
-	poolMagic     = 0x325f4c4f4f504443 // "CDPOOL_2"
+	poolMagic     = 0x335f4c4f4f504443 // "CDPOOL_3"
 
 	hMagic        = 0   // poolMagic
 	hUID          = 8   // 2 words
@@ -202,24 +202,20 @@ const (
 
 	// An entry: one allocation slot. eState is gen<<2 | state; offset and size are
 	// written before it, so a reader that sees the same eState before and after
-	// reading them has a consistent triple. The marks say who last wrote the memory
-	// (or allocated it) and read it, on which stream and when the work ran.
+	// reading them has a consistent triple. Its marks (marks) say who last wrote
+	// (or allocated) and read which bytes of the memory, on which stream and when the
+	// work ran.
 	eState        = 0
 	eOffset       = 8
 	eSize         = 16
-	eWriteEpoch   = 24  // when the last write (or the allocation) ran; pendingEpoch until then
-	eWriter       = 32  // ident of the Device that did it
-	eWriterStream = 40  // and its stream
 	eReleased     = 48  // epoch of the latest importer's free of this generation
 	eMarksLock    = 56  // ident of the Device reading or updating the marks, 0 if none
-	eReads        = 64  // maxReaders × (ident, stream, epoch): the latest reads, one per stream
 	eSlots        = 160 // maxImporters × (ident, gen): importers holding this allocation
-	maxReaders    = 4
-	readBytes     = 24
 	slotBytes     = 16
 	entryBytes    = eSlots + maxImporters*slotBytes
 
-	poolDataOffset = (headerBytes + maxEntries*entryBytes + 4095) / 4096 * 4096
+	// The marks of each entry (marks) follow the entry table.
+	poolDataOffset = (headerBytes + maxEntries*entryBytes + maxEntries*maxMarks*markBytes + 4095) / 4096 * 4096
 )
 
 const (
@@ -233,18 +229,41 @@ func slotOff(i uint32, s int) uint64     { return entryOff(i) + eSlots + uint64(
 func packState(gen, state uint64) uint64 { return gen<<2 | state }
 
 // marks are the access marks of one allocation's entry, shared by every Device that
-// maps the pool, in this process and others; me is the Device using them. A mark is
-// three words that each Device updates under its own lock only, so every reading and
-// update of them holds the entry's marks lock: a mark read half updated (one Device's
-// ident with the stream and epoch of another Device's later read) misnames an access
-// and makes a violation of an ordered one.
+// maps the pool, in this process and others; me is the Device using them. A mark says
+// which stream of which Device last wrote (or allocated) or read a byte range of the
+// allocation, and when that work ran: accesses to different ranges of one allocation
+// (two replicas' pages of one slab) are not ordered against each other. An entry holds
+// maxMarks of them; a write replaces the marks of the bytes it covers (they were
+// checked to be ordered before it), a read those of its own stream's earlier reads,
+// and where the table is full the oldest mark is forgotten. A mark is six words that
+// each Device updates under its own lock only, so every reading and update of them
+// holds the entry's marks lock: a mark read half updated (one Device's ident with the
+// stream and epoch of another Device's later read) misnames an access and makes a
+// violation of an ordered one.
 type marks struct {
 	r  *region
-	eo uint64
+	eo uint64 // the entry's offset, for its lock
+	mo uint64 // the entry's marks
 	me ident
 }
 
-func (p *pool) marks(entry uint32, me ident) marks { return marks{p.reg, entryOff(entry), me} }
+func (p *pool) marks(entry uint32, me ident) marks {
+	return marks{p.reg, entryOff(entry), marksOff(entry), me}
+}
+
+// The range marks: maxMarks per entry of (ident, stream, epoch, lo, hi, write), in the
+// area after the entry table; ident 0 is an empty slot. lo and hi are offsets in the
+// pool's data area.
+const (
+	maxMarks  = 32
+	markBytes = 48
+
+	mIdent, mStream, mEpoch, mLo, mHi, mWrite = 0, 8, 16, 24, 32, 40
+)
+
+func marksOff(entry uint32) uint64 {
+	return headerBytes + maxEntries*entryBytes + uint64(entry)*maxMarks*markBytes
+}
 
 // locked runs f with the marks lock held. It is held for a few loads and stores,
 // never across a wait, so it is spun on; a holder whose process died holding it (a
@@ -274,59 +293,137 @@ func (a accessor) is(id ident, st *stream) bool { return a.id == id && a.stream 
 
 func (a accessor) String() string { return fmt.Sprintf("stream %#x of %v", a.stream, a.id) }
 
-func (m marks) writer() (w accessor) {
-	m.locked(func() {
-		w = accessor{ident(m.r.load(m.eo + eWriter)), m.r.load(m.eo + eWriterStream), m.r.load(m.eo + eWriteEpoch)}
-	})
-	return w
+// A mark is an accessor's write or read of the bytes [lo, hi).
+type mark struct {
+	accessor
+	lo, hi uint64
+	write  bool
 }
 
-func (m marks) readers() (rs []accessor) {
+func (m marks) at(i uint64) uint64 { return m.mo + i*markBytes }
+
+func (m marks) load(i uint64) mark {
+	o := m.at(i)
+	return mark{accessor{ident(m.r.load(o + mIdent)), m.r.load(o + mStream), m.r.load(o + mEpoch)},
+		m.r.load(o + mLo), m.r.load(o + mHi), m.r.load(o+mWrite) != 0}
+}
+
+func (m marks) put(i uint64, k mark) {
+	o := m.at(i)
+	w := uint64(0)
+	if k.write {
+		w = 1
+	}
+	m.r.store(o+mStream, k.stream)
+	m.r.store(o+mEpoch, k.epoch)
+	m.r.store(o+mLo, k.lo)
+	m.r.store(o+mHi, k.hi)
+	m.r.store(o+mWrite, w)
+	m.r.store(o+mIdent, uint64(k.id))
+}
+
+func (m marks) clear(i uint64) { m.r.store(m.at(i)+mIdent, 0) }
+
+// overlapping lists the marks of bytes in [lo, hi); all of them for lo 0, hi ^0.
+func (m marks) overlapping(lo, hi uint64) (ks []mark) {
 	m.locked(func() {
-		for i := range uint64(maxReaders) {
-			ro := m.eo + eReads + i*readBytes
-			if id := ident(m.r.load(ro)); id != 0 {
-				rs = append(rs, accessor{id, m.r.load(ro + 8), m.r.load(ro + 16)})
+		for i := range uint64(maxMarks) {
+			if k := m.load(i); k.id != 0 && k.lo < hi && lo < k.hi {
+				ks = append(ks, k)
 			}
 		}
 	})
-	return rs
+	return ks
 }
 
-// wrote marks a write (or allocation) by stream st of Device m.me at epoch t; the
-// reads before it are forgotten, as they were checked to be ordered before it.
-func (m marks) wrote(st *stream, t uint64) {
-	m.locked(func() {
-		m.r.store(m.eo+eWriter, uint64(m.me))
-		m.r.store(m.eo+eWriterStream, st.id)
-		m.r.store(m.eo+eWriteEpoch, t)
-		for i := range uint64(maxReaders) {
-			m.r.store(m.eo+eReads+i*readBytes, 0)
+// slot is an empty slot, else the one of the oldest mark (forgotten). The lock is held.
+func (m marks) slot() uint64 {
+	at, oldest := uint64(0), ^uint64(0)
+	for i := range uint64(maxMarks) {
+		k := m.load(i)
+		if k.id == 0 {
+			return i
 		}
+		if k.epoch < oldest {
+			at, oldest = i, k.epoch
+		}
+	}
+	return at
+}
+
+// cut takes [lo, hi) out of the marks that replaced says it replaces, splitting one
+// that covers both sides. The lock is held.
+func (m marks) cut(lo, hi uint64, replaced func(mark) bool) {
+	for i := range uint64(maxMarks) {
+		k := m.load(i)
+		if k.id == 0 || k.hi <= lo || hi <= k.lo || !replaced(k) {
+			continue
+		}
+		switch {
+		case lo <= k.lo && k.hi <= hi:
+			m.clear(i)
+		case k.lo < lo && hi < k.hi:
+			j := m.slot()
+			if j == i { // the table is full and k is the oldest: forget it
+				m.clear(i)
+				continue
+			}
+			right := k
+			right.lo = hi
+			k.hi = lo
+			m.put(i, k)
+			m.put(j, right)
+		case k.lo < lo:
+			k.hi = lo
+			m.put(i, k)
+		default:
+			k.lo = hi
+			m.put(i, k)
+		}
+	}
+}
+
+// wrote marks a write (or allocation) of [lo, hi) by stream st of Device m.me at epoch
+// t; the marks of those bytes before it are forgotten, as they were checked to be
+// ordered before it.
+func (m marks) wrote(st *stream, t, lo, hi uint64) {
+	m.locked(func() {
+		m.cut(lo, hi, func(mark) bool { return true })
+		m.put(m.slot(), mark{accessor{m.me, st.id, t}, lo, hi, true})
 	})
 }
 
-// read marks a read by stream st of Device m.me at epoch t, in that stream's slot,
-// else a free one, else the oldest.
-func (m marks) read(st *stream, t uint64) {
+// read marks a read of [lo, hi) by stream st of Device m.me at epoch t: it replaces the
+// marks of that stream's earlier reads of those bytes (what is ordered after it is
+// ordered after them).
+func (m marks) read(st *stream, t, lo, hi uint64) {
 	m.locked(func() {
-		at, oldest := uint64(0), ^uint64(0)
-		for i := range uint64(maxReaders) {
-			ro := m.eo + eReads + i*readBytes
-			rid := ident(m.r.load(ro))
-			if rid == m.me && m.r.load(ro+8) == st.id {
-				at = ro
-				break
-			}
-			if e := m.r.load(ro + 16); rid == 0 || e < oldest {
-				if rid == 0 {
-					e = 0
-				}
-				at, oldest = ro, e
+		m.cut(lo, hi, func(k mark) bool { return !k.write && k.id == m.me && k.stream == st.id })
+		m.put(m.slot(), mark{accessor{m.me, st.id, t}, lo, hi, false})
+	})
+}
+
+// reset forgets every mark and marks the allocation [lo, hi) as written by st at t.
+func (m marks) reset(st *stream, t, lo, hi uint64) {
+	m.locked(func() {
+		for i := range uint64(maxMarks) {
+			m.clear(i)
+		}
+		m.put(0, mark{accessor{m.me, st.id, t}, lo, hi, true})
+	})
+}
+
+// ran marks the allocation whose mark is at pendingEpoch as written at t, when it
+// runs: as a write, it replaces the marks of the accesses before it.
+func (m marks) ran(t uint64) {
+	m.locked(func() {
+		for i := range uint64(maxMarks) {
+			if k := m.load(i); k.id != 0 && k.epoch == pendingEpoch {
+				m.cut(k.lo, k.hi, func(mark) bool { return true })
+				k.epoch = t
+				m.put(m.slot(), k)
+				return
 			}
 		}
-		m.r.store(at, uint64(m.me))
-		m.r.store(at+8, st.id)
-		m.r.store(at+16, t)
 	})
 }
