@@ -124,17 +124,3 @@ func LayoutNames() []string {
 	slices.Sort(names)
 	return names
 }
-
-// KOffset is the byte offset of layer's K tensor in a slab of one segment.
-//
-// Deprecated: a slab is several segments; use Segments.Tensor.
-func (g Geometry) KOffset(layer int) uint64 {
-	return uint64(layer*2) * uint64(g.Pages) * g.PageBytes()
-}
-
-// VOffset is the byte offset of layer's V tensor in a slab of one segment.
-//
-// Deprecated: a slab is several segments; use Segments.Tensor.
-func (g Geometry) VOffset(layer int) uint64 {
-	return uint64(layer*2+1) * uint64(g.Pages) * g.PageBytes()
-}

@@ -1,0 +1,82 @@
+package replica_test
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// wide is a geometry of 3 layers, whose slab startOwner makes 2 segments of 3 tensors:
+// layer 1's K ends segment 0 and its V begins segment 1.
+var wide = kv.Geometry{Layers: 3, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP16, Pages: 32}
+
+// TestLayerPointersAcrossSegments writes pages through one replica's per-layer
+// pointers (Layer, then page*PageBytes) and reads them back byte-exact through
+// another's, on both sides of a segment boundary, the first and last page of every
+// tensor included.
+func TestLayerPointersAcrossSegments(t *testing.T) {
+	o, _, dir := startOwner(t, wide)
+	w, wdev, ws := dial(t, dir, 0)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	g, pb := wide, wide.PageBytes()
+
+	segs := r.Segments()
+	require.Equal(t, 2, segs.Count())
+	assert.Equal(t, o.Segments(), segs, "the replica's segment map is the owner's")
+	require.Len(t, r.SegmentPtrs(), 2)
+	assert.Equal(t, kv.Place{Segment: 0, Offset: 2 * g.TensorBytes()}, segs.Tensor(1, kv.K))
+	assert.Equal(t, kv.Place{Segment: 1, Offset: 0}, segs.Tensor(1, kv.V))
+	for l := range g.Layers {
+		k, v := r.Layer(l)
+		for part, ptr := range [2]cudart.DevicePtr{k, v} {
+			pl := segs.Tensor(l, kv.Part(part))
+			assert.Equal(t, r.SegmentPtrs()[pl.Segment]+cudart.DevicePtr(pl.Offset), ptr, "layer %d %v", l, kv.Part(part))
+		}
+	}
+
+	l, err := w.Alloc(ctx, g.Pages) // every page: the first and the last of each tensor
+	require.NoError(t, err)
+	hashes := w.Hashes(tokens(g, g.Pages, 7))
+	fill := func(page, layer, part int) []byte {
+		b := make([]byte, pb)
+		for i := range b {
+			b[i] = byte(page*7 + layer*31 + part*101 + i)
+		}
+		return b
+	}
+	for i, p := range l.Pages() {
+		for layer := range g.Layers {
+			k, v := w.Layer(layer)
+			for part, base := range [2]cudart.DevicePtr{k, v} {
+				require.NoError(t, wdev.MemcpyHtoDAsync(0, base+cudart.DevicePtr(uint64(p)*pb), fill(i, layer, part), ws))
+			}
+		}
+	}
+	_, err = w.Seal(ctx, l, hashes, ws, replica.WaitVisible())
+	require.NoError(t, err)
+
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), g.Pages)
+	got := make([]byte, pb)
+	for i, p := range m.Pages() {
+		for layer := range g.Layers {
+			k, v := r.Layer(layer)
+			for part, base := range [2]cudart.DevicePtr{k, v} {
+				require.NoError(t, rdev.MemcpyDtoHAsync(0, got, base+cudart.DevicePtr(uint64(p)*pb), rs))
+				require.NoError(t, rdev.StreamSynchronize(0, rs))
+				if !bytes.Equal(fill(i, layer, part), got) {
+					t.Fatalf("page %d, layer %d %v: the bytes differ from what the writer wrote", p, layer, kv.Part(part))
+				}
+			}
+		}
+	}
+	require.NoError(t, r.Release(ctx, rs, m))
+}
