@@ -123,16 +123,24 @@ func (s Segments) Addr(bases []cudart.DevicePtr, layer int, p Part, page int) cu
 	return bases[pl.Segment] + cudart.DevicePtr(pl.Offset)
 }
 
-func (s Segments) String() string {
-	if s.count == 0 {
+func (s Segments) String() string { return SegmentsString(s.Sizes()) }
+
+// SegmentsString says how a slab lies in segments of sizes, as Segments.String does:
+// "32 segments of 3.1 GiB", "5 segments of 3.8 GiB and 1 of 1.3 GiB".
+func SegmentsString(sizes []uint64) string {
+	switch len(sizes) {
+	case 0:
 		return "no segments"
+	case 1:
+		return "1 segment of " + humanize.IBytes(sizes[0])
 	}
-	first, last := s.Bytes(0), s.Bytes(s.count-1)
-	switch {
-	case s.count == 1:
-		return "1 segment of " + humanize.IBytes(first)
-	case last == first:
-		return fmt.Sprintf("%d segments of %s", s.count, humanize.IBytes(first))
+	first, last := sizes[0], sizes[len(sizes)-1]
+	if first == last {
+		return fmt.Sprintf("%d segments of %s", len(sizes), humanize.IBytes(first))
 	}
-	return fmt.Sprintf("%d segments of %s and 1 of %s", s.count-1, humanize.IBytes(first), humanize.IBytes(last))
+	many := "segments"
+	if len(sizes) == 2 {
+		many = "segment"
+	}
+	return fmt.Sprintf("%d %s of %s and 1 of %s", len(sizes)-1, many, humanize.IBytes(first), humanize.IBytes(last))
 }
