@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -79,4 +80,25 @@ func TestLayerPointersAcrossSegments(t *testing.T) {
 		}
 	}
 	require.NoError(t, r.Release(ctx, rs, m))
+}
+
+// A slab whose segments' metadata names another geometry than the owner's Welcome is
+// refused at Dial, saying both, and nothing of the refused Dial stays.
+func TestDialRefusesSegmentsOfAnotherGeometry(t *testing.T) {
+	o, _, realDir := startOwner(t, wide)
+	other := wide
+	other.Pages = 16
+	dir, hangUp := welcomingOwner(t, realDir, other)
+	dev := cudarttest.ForTest(t)
+	_, err := replica.Dial(bound(t), dir, dev, 0)
+	hangUp()
+	require.ErrorIs(t, err, kv.ErrGeometry)
+	assert.ErrorContains(t, err, "the slab's geometry (3 layers x 2 kv heads x 8 head dim, fp16, 4 tokens/page, 32 pages) is not the owner's (3 layers x 2 kv heads x 8 head dim, fp16, 4 tokens/page, 16 pages)")
+	// Nothing of it is left: the same runtime dials the real owner (a second importer
+	// of one exporter in a runtime is refused).
+	r, err := replica.Dial(bound(t), realDir, dev, 0)
+	require.NoError(t, err)
+	assert.Equal(t, o.Segments(), r.Segments())
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, dev.Err())
 }
