@@ -405,10 +405,11 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
 
 /* ---- KV pages ----
  * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,
- * mapped once, and leases of its pages by index. The slab is
- * [layers][2 (K, V)][pages][tokens_per_page][kv_heads][head_dim] elements, row-major:
- * each layer's K (and V) is one [pages, tokens_per_page, kv_heads, head_dim] tensor,
- * and a page index names the same block in every layer.
+ * mapped once, and leases of its pages by index. Each layer's K (and V) is one
+ * [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and contiguous, and a
+ * page index names the same block in every layer. The slab is several allocations
+ * (segments, at most 4 GiB each: a process cannot import larger ones), each tensor
+ * whole in one of them: cudapool_kv_layer_ptrs says where each layer's K and V begin.
  *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
  *  - seal publishes written pages under their prefix hashes, visible to every replica
  *    once the work queued on the stream before the seal has completed; the write
@@ -453,7 +454,7 @@ typedef struct {
 	int32_t device;     /* the replica's device */
 	uint64_t page_bytes; /* one layer's K (or V) of one page */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
-	/* Since 1.1: the slab is segments allocations (cudapool_kv_segments) of at most
+	/* Since 1.1: the slab is `segments` allocations (cudapool_kv_segments) of at most
 	 * segment_bound bytes each; each layer's K and V lies whole in one of them. */
 	uint64_t segment_bound;
 	int32_t segments;
