@@ -46,6 +46,11 @@ func TestListenRefusesATensorOverTheSegmentBound(t *testing.T) {
 	require.ErrorIs(t, err, kv.ErrGeometry, "a smaller bound")
 	assert.ErrorContains(t, err, "at most 63 pages")
 	nothingLeft(t, dir, dev)
+
+	_, err = owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true, SegmentBytes: kv.MaxSegmentBytes + 1})
+	require.ErrorIs(t, err, kv.ErrGeometry, "a bound over what a replica imports")
+	assert.ErrorContains(t, err, "segments of 4294967297 bytes: a replica can import at most 4294967296 (4.0 GiB) as one allocation")
+	nothingLeft(t, dir, dev)
 }
 
 // A slab larger than the device's free memory is refused at Listen, naming both

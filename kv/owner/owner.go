@@ -85,8 +85,8 @@ type Options struct {
 	// Geometry is every slab's, Pages included.
 	Geometry kv.Geometry
 	// SegmentBytes bounds each of a slab's allocations (kv.Geometry.Segments); 0 is
-	// kv.MaxSegmentBytes, the most a replica can import. Tests make it small, so that
-	// small geometries have several segments.
+	// kv.MaxSegmentBytes, the most a replica can import, and more is refused. Tests
+	// make it small, so that small geometries have several segments.
 	SegmentBytes uint64
 	// Policy says which processes may connect, as export's does.
 	Policy producer.Policy
@@ -150,8 +150,12 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
-	if o.SegmentBytes == 0 {
+	switch {
+	case o.SegmentBytes == 0:
 		o.SegmentBytes = kv.MaxSegmentBytes
+	case o.SegmentBytes > kv.MaxSegmentBytes:
+		return nil, fmt.Errorf("%w: segments of %d bytes: a replica can import at most %d (%s) as one allocation (kv.MaxSegmentBytes)",
+			kv.ErrGeometry, o.SegmentBytes, kv.MaxSegmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
 	}
 	segs, err := o.Geometry.Segments(o.SegmentBytes)
 	if err != nil {
