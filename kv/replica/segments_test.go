@@ -10,6 +10,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
@@ -101,4 +102,33 @@ func TestDialRefusesSegmentsOfAnotherGeometry(t *testing.T) {
 	assert.Equal(t, o.Segments(), r.Segments())
 	require.NoError(t, r.Close(bound(t)))
 	require.NoError(t, dev.Err())
+}
+
+// A 100 GiB slab of the example's geometry (32 segments of 3.1 GiB; the software
+// device's memory is sparse) is mapped whole by each of 3 replicas at its dial, and
+// pages written through one read back through another in the first and last segment.
+func TestDialMapsA100GiBSlab(t *testing.T) {
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(t, err)
+	g.Pages = 204800
+	dir := shortDir(t)
+	odev := cudarttest.ForTest(t, cudarttest.WithMemory(128<<30))
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		require.NoError(t, o.Close(bound(t)))
+		require.NoError(t, odev.Err(), "the owner's device saw broken rules")
+	})
+	require.Equal(t, "32 segments of 3.1 GiB", o.Segments().String())
+	w, wdev, ws := dial(t, dir, 0)
+	r, rdev, rs := dial(t, dir, 0)
+	third, _, _ := dial(t, dir, 0)
+	for _, rp := range []*replica.Replica{w, r, third} {
+		require.Len(t, rp.SegmentPtrs(), 32)
+	}
+	hashes := sealed(t, wdev, w, ws, 5, 2)
+	m, err := r.Match(bound(t), hashes, rs)
+	require.NoError(t, err)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "every layer's K and V: all 32 segments")
+	require.NoError(t, r.Release(bound(t), rs, m))
 }
