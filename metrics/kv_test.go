@@ -16,8 +16,7 @@ import (
 // device 1 and one on device 0.
 var kvStats = kv.Stats{
 	PID:      77,
-	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960,
-		Segments: []uint64{30720, 10240}},
+	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960, Segments: []uint64{30720, 10240}},
 	Devices: []kv.DeviceStats{
 		{Device: 0, Pages: 10, Free: 4, Writing: 1, Sealing: 2, Sealed: 2, Settling: 1, Leased: 1, Releasing: 1, Hits: 5, Misses: 6, Copied: 0, Evictions: 7, Seals: 8, Duplicates: 9},
 		{Device: 1, Pages: 10, Free: 10, Copied: 3, Seals: 3},
