@@ -205,14 +205,14 @@ const (
 	// reading them has a consistent triple. Its marks (marks) say who last wrote
 	// (or allocated) and read which bytes of the memory, on which stream and when the
 	// work ran.
-	eState        = 0
-	eOffset       = 8
-	eSize         = 16
-	eReleased     = 48  // epoch of the latest importer's free of this generation
-	eMarksLock    = 56  // ident of the Device reading or updating the marks, 0 if none
-	eSlots        = 160 // maxImporters × (ident, gen): importers holding this allocation
-	slotBytes     = 16
-	entryBytes    = eSlots + maxImporters*slotBytes
+	eState     = 0
+	eOffset    = 8
+	eSize      = 16
+	eReleased  = 48  // epoch of the latest importer's free of this generation
+	eMarksLock = 56  // ident of the Device reading or updating the marks, 0 if none
+	eSlots     = 160 // maxImporters × (ident, gen): importers holding this allocation
+	slotBytes  = 16
+	entryBytes = eSlots + maxImporters*slotBytes
 
 	// The marks of each entry (marks) follow the entry table.
 	poolDataOffset = (headerBytes + maxEntries*entryBytes + maxEntries*maxMarks*markBytes + 4095) / 4096 * 4096
