@@ -526,6 +526,18 @@ int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size
  * handle is spent. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
 
+#ifdef CUDAPOOL_SOFTDEVICE_TESTING
+/* Test-only, and only in a library built with -tags cudapool_softdevice (capi/
+ * softdevice.go): cudapool_test_stall_stream holds stream s of device dev of the
+ * software device, so that work queued on it afterwards does not run, until
+ * cudapool_test_resume(*token). It fails with CUDAPOOL_EINVAL where the library does
+ * not run on the software device. A test sees by it that a call put its work on the
+ * stream it was given, as Go tests do with cudarttest's Stall. No API for anything
+ * else. */
+int cudapool_test_stall_stream(int dev, uintptr_t s, uint64_t *token);
+int cudapool_test_resume(uint64_t token);
+#endif
+
 #ifdef __cplusplus
 }
 #endif

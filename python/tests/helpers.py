@@ -20,6 +20,37 @@ import cudapool  # noqa: E402
 CHILD_TIMEOUT = 60  # seconds any child process may take
 
 
+def stall_stream(test, stream):
+    """Holds stream (a cudapool.Stream) of the software device, as Go's cudarttest Stall
+    does, through libcudapool's test-only cudapool_test_stall_stream: work queued on it
+    afterwards does not run until the returned resume is called (or the test ends).
+    Skips the test where the library has no such call (built without the software
+    device)."""
+    import ctypes
+    from cudapool import _lib
+    lib = _lib.lib()
+    try:
+        stall, resume = lib.cudapool_test_stall_stream, lib.cudapool_test_resume
+    except AttributeError:
+        test.skipTest("libcudapool was built without the software device: nothing can hold a stream")
+    stall.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+    resume.argtypes = [ctypes.c_uint64]
+    token = ctypes.c_uint64()
+    status = stall(stream.device, stream.handle, ctypes.byref(token))
+    if status != 0:
+        raise _lib.error(status)
+    done = []
+
+    def go():
+        if not done:
+            done.append(True)
+            status = resume(token.value)
+            if status != 0:
+                raise _lib.error(status)
+    test.addCleanup(go)
+    return go
+
+
 def socket_path(tag):
     return os.path.join(os.environ["CUDAPOOL_DIR"], "%s-%d.sock" % (tag, os.getpid()))
 

@@ -14,7 +14,7 @@ import time
 import unittest
 from array import array
 
-from helpers import CHILD_TIMEOUT, HERE, REQUIRE_GPU, cudapool, failure, result_of, spawn, wait_go
+from helpers import CHILD_TIMEOUT, HERE, REQUIRE_GPU, cudapool, failure, result_of, spawn, stall_stream, wait_go
 
 from cudapool import _lib, kv
 
@@ -326,6 +326,25 @@ class ReplicaTest(unittest.TestCase):
             self.assertEqual(res.duplicates, 0)
             m = eventually(self, "the sealed pages to be visible", lambda: self._match_all(hs))
             self.assertEqual(read_pages(self.r, m.pages, 8), [True, True])
+            self.r.release(m, stream=s)
+
+    def test_seal_goes_onto_its_stream(self):
+        # The writes and the seal wait behind a hold of s: the seal stays pending until
+        # s runs (a seal recorded on another stream, or none, would be visible at once).
+        hs = self.r.hashes(tokens(2 * T, 31))
+        with cudapool.Stream(0) as s, cudapool.Stream(0) as other:
+            l = self.r.alloc(2)
+            resume = stall_stream(self, s)
+            write_pages(self.r, l.pages, 31, s)
+            res = self.r.seal(l, hs, stream=s)
+            self.assertEqual(res, kv.SealResult(visible=0, duplicates=0), "pending: its stream is held")
+            other.synchronize()
+            for _ in range(20):
+                m = self.r.match(hs)
+                self.assertEqual(len(m), 0, "visible while the stream of its writes was held")
+            resume()
+            m = eventually(self, "the sealed pages to be visible", lambda: self._match_all(hs))
+            self.assertEqual(read_pages(self.r, m.pages, 31), [True, True])
             self.r.release(m, stream=s)
 
     def _match_all(self, hs):
