@@ -22,8 +22,8 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/cudart/cudarttest"
 	_ "github.com/cudapool/cudapool/cudart/choose/softdevice"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 )
 
 var stalls struct {
@@ -80,4 +80,3 @@ func cudapool_test_resume(token C.uint64_t) (rc C.int) {
 	resume()
 	return statusOK
 }
-
