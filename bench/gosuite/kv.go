@@ -61,8 +61,15 @@ var kvBatches = []int{16, 64, 256, 512}
 
 // defaultKVSlab is the kv rows' slab without -kv-bytes: room for every replica's
 // largest batch in flight (written and read) twice over, and eviction takes the least
-// recently used, so no batch is evicted between its seal and its match. The software
-// device's memory is sparse: pages never written cost nothing.
+// recently used, so no batch is evicted between its seal and its match. That holds by
+// count, not by luck: a replica pins at most 3 batches at any instant (its write
+// lease, its read lease and its latest release while it settles; with nothing queued
+// on the stream a release settles at once), so 4 replicas pin at most 6,144 of the
+// 8,192 pages of 512 KiB and an Alloc finds older evictable pages before a batch just
+// sealed (the owner may evict that one, kv/owner's doc says). With the owner's 1 ms
+// poller releases settled late and piled up: TestKVRowsOnSoftwareDevice then failed in
+// 8 of 79 runs under load ("matched 0 of 512 pages"). The software device's memory is
+// sparse: pages never written cost nothing.
 const defaultKVSlab = 4 << 30
 
 // kvRows measures the KV page pool's rows on a slab of slabBytes (rounded down to

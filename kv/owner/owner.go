@@ -11,9 +11,13 @@
 // completed). Alloc takes free pages first, then evicts the least recently used sealed
 // pages that no reader holds and whose releases have settled; where that is not enough
 // and settling pages would make up the rest, it waits for them (up to AllocWait) off
-// the connection's goroutine, and answers NoSpace only when none is left to wait for; match and seal touch a
-// run deepest page first, so that parents are more recent than their children and
-// eviction takes leaves first. A seal that continues the run of the connection's latest
+// the connection's goroutine, and answers NoSpace only when none is left to wait for.
+// A sealed page that no lease holds may be evicted at once, a batch just sealed and
+// not yet matched included, when it is the least recently used evictable page: pages
+// that settle are never evicted, and waited for only where eviction cannot cover the
+// Alloc. A replica that must read what it sealed holds it by a match first. Match and
+// seal touch a run deepest page first, so that parents are more recent than their
+// children and eviction takes leaves first. A seal that continues the run of the connection's latest
 // match (its first hash is the first one that match did not find) links its first page
 // to that run's last, and makes the chain's ancestors more recent than the pages it
 // seals: a chain grown by match and seal is evicted leaf first too. A seal of a hash
@@ -26,8 +30,8 @@
 // per connection and asks it with EventQuery, on the host: nothing the owner exposes or
 // reuses waits on a stream. A seal asks at once and answers visible if the writer's
 // work has completed; otherwise a goroutine of that event's waits in the driver
-// (EventSynchronize, which sleeps) and makes the pages visible as soon as the work has
-// completed, and a Seal with the wait flag is answered then. An owner with nothing
+// (EventSynchronize; it spins on driver 580, docs/FACTS.md 23) and makes the pages
+// visible as soon as the work has completed, and a Seal with the wait flag is answered then. An owner with nothing
 // pending makes no call at all (Owner.Pace counts them). A release's pages are neither
 // evicted nor reused until its event has completed. Before and after each query or
 // wait the owner asks whether the replica's process has exited (a pidfd), and uses an

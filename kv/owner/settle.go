@@ -154,8 +154,10 @@ func (o *Owner) query(e *event) (done, dead bool) {
 
 // sync waits, on the host, until e's latest record has completed, or reports that its
 // replica's process has exited (dead), with the same checks of the process as query.
-// The replica creates its events with cudart.EventBlockingSync, so that the wait
-// sleeps in the driver instead of spinning. A wait that fails says neither; it is
+// On driver 580 the wait spins a CPU for as long as the replica's work runs, although
+// the replica creates its events with cudart.EventBlockingSync (docs/FACTS.md 23): an
+// owner spends a CPU per event with records pending, none when idle. A wait that fails
+// says neither; it is
 // logged once per event.
 func (o *Owner) sync(e *event) (done, dead bool) {
 	if e.ev == 0 {
