@@ -14,6 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "replicas"))
 import rawlines  # noqa: E402 (after the path)
+import suitelines  # noqa: E402
 import table  # noqa: E402
 
 OP = "alloc/ipc/1MiB"
@@ -282,6 +283,58 @@ class KVPool(unittest.TestCase):
         self.assertIn("replicas all: RuntimeError: no answer", table.failures(run))
 
 
+def hf_lines(matched=6.0, computed=280.0, pool=400.0, compiled=200.0, equal=(1, 1, 1, 1)):
+    """examples/hf/check.py's lines for both architectures (ms, tok/s, steps)."""
+    out = ["meta hf-run transformers 5.17.0 on 1x NVIDIA H200", "meta hf-new 64", "meta hf-checks all 50 checks passed"]
+    k = 0
+    for arch in ("llama", "qwen3"):
+        for L in (8192, 32768):
+            out += suitelines.lines("hf", "ttft/matched/%s/%d" % (arch, L), "ms", [matched * L / 32768])
+            out += suitelines.lines("hf", "ttft/computed/%s/%d" % (arch, L), "ms", [computed * L / 32768])
+            out += suitelines.lines("hf", "decode/pool/%s/%d" % (arch, L), "tok/s", [pool])
+            out += suitelines.lines("hf", "decode/transformers/%s/%d/dynamic" % (arch, L), "tok/s", [15.0])
+            out += suitelines.lines("hf", "greedy-equal/%s/%d" % (arch, L), "bool", [float(equal[k])])
+            out += suitelines.lines("hf", "argmax-equal/%s/%d" % (arch, L), "steps", [64.0 if equal[k] else 50.0])
+            k += 1
+        out += suitelines.lines("hf", "decode/transformers/%s/32768/static-compiled" % arch, "tok/s", [compiled])
+    return out
+
+
+def hf_verdicts(run):
+    return {name: (figure, verdict) for name, figure, verdict in table.hf_targets(run)}
+
+
+class HF(unittest.TestCase):
+    def test_every_target_met(self):
+        run = table.Run(["meta suite 2"] + hf_lines())
+        self.assertEqual(run.problems, [])
+        got = hf_verdicts(run)
+        self.assertEqual(len(got), 5)
+        self.assertEqual({v for _, v in got.values()}, {table.MET}, got)
+        fig, _ = got["Llama 0.85B: decode tokens/s over pool pages at 32k at least transformers' fastest own path "
+                     "(issue 26)"]
+        self.assertEqual(fig, "200.0% (400.0 vs 200.0 tok/s, StaticCache + torch.compile; measured: DynamicCache, "
+                              "sdpa 15.00; StaticCache + torch.compile 200.0)")
+        rows = {r[0]: r[1:] for r in table.hf_rows(run)[1]}
+        self.assertEqual(rows["Qwen3-like 1.1B: time to first token, 32,768-token prompt: matched vs computed"],
+                         ["6.00 ms", "280.0 ms", "2.1%"])
+        self.assertEqual(rows["Llama 0.85B: greedy tokens, 8,192-token prompt, against transformers' generate "
+                              "(DynamicCache)"], ["equal", "fed its tokens, argmax equal at 64 of 64 steps, the "
+                                                  "others near-ties", "-"])
+
+    def test_missed(self):
+        run = table.Run(["meta suite 2"] + hf_lines(matched=20.0, pool=150.0, equal=(1, 0, 1, 1)))
+        got = hf_verdicts(run)
+        self.assertEqual({v for _, v in got.values()}, {table.MISSED}, got)
+        fig, _ = got["greedy tokens equal to transformers' generate, both architectures, 8k and 32k (issue 26)"]
+        self.assertTrue(fig.startswith("equal in 3 of 4; fed transformers' tokens, argmax equal at 64 of 64, "
+                                       "50 of 64, 64 of 64, 64 of 64 steps"), fig)
+
+    def test_not_run_without_its_lines(self):
+        got = hf_verdicts(table.Run(["meta suite 2"]))
+        self.assertEqual({v for _, v in got.values()}, {table.NO_LINES}, got)
+
+
 class Markdown(unittest.TestCase):
     def main(self, files, *args):
         d = tempfile.mkdtemp()
@@ -302,9 +355,11 @@ class Markdown(unittest.TestCase):
 
     def test_two_raw_files_make_one_results_file(self):
         suite = ["meta suite 2", "meta date 2026-12-01 21:00 UTC"] + kv_suite()
-        rc, text, out, _ = self.main([suite, rawlines.lines(replicas_fig())])
+        rc, text, out, _ = self.main([suite, rawlines.lines(replicas_fig()), hf_lines()])
         self.assertEqual(rc, 0, out)
         self.assertTrue(text.startswith("# Performance\n"))
+        self.assertIn("## Stock transformers models over the pool (issue 26)", text)
+        self.assertIn("come from one run of examples/hf/check.py (scripts/gpu-examples.sh): transformers 5.17.0", text)
         self.assertIn("## KV page pool (issue 18)", text)
         self.assertIn("| time to first token, 32,768-token prompt: matched vs computed | 3.00 ms (n=2) | "
                       "283.0 ms (n=4) | 1.1% |", text)

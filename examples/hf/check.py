@@ -416,6 +416,11 @@ def main():
     print("\n== hf summary")
     for k, v in summary.items():
         print("  %s: %s" % (k, v))
+    import transformers
+    c.raw[:0] = ["meta hf-run %s on %s, transformers %s, torch %s: %s; prompts of %s tokens, %d decoded" % (
+        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch.cuda.get_device_name(), transformers.__version__,
+        torch.__version__, ", ".join(v for k, v in summary.items() if k.startswith("model/")),
+        ",".join(map(str, sorted(set(args.lengths + args.ttft_lengths)))), args.new), "meta hf-new %d" % args.new]
     c.raw.append("meta hf-checks " + ("all %d checks passed" % c.n if not c.failures else
                                       "%d of %d checks FAILED" % (len(c.failures), c.n)))
     for k, f in enumerate(c.failures, 1):
