@@ -463,7 +463,7 @@ def _build():
                 stream = torch.cuda.current_stream(model.device)
             pages = Pages(pool, tokens, max_new_tokens, shared=shared, share=share, stream=stream)
             try:
-                c = cls(_caches_of(pool), pages.capacity, device=model.device)
+                c = cls(pool.kv_caches(), pages.capacity, device=model.device)
                 c.reset(pages.block_table, pages.start)
             except BaseException:
                 pages.release()
@@ -603,16 +603,6 @@ def _one_sequence(input_ids):
     return [int(t) for t in input_ids]
 
 
-_caches = {}  # id(pool) -> (pool, its kv_caches())
-
-
-def _caches_of(pool):
-    got = _caches.get(id(pool))
-    if got is None or got[0] is not pool:
-        got = _caches[id(pool)] = (pool, pool.kv_caches())
-    return got[1]
-
-
 class Generator:
     """Greedy generation of a model over a pool's pages, keeping per capacity (a
     multiple of BUCKET tokens) one PoolCache and one CUDA graph of a whole decode step
@@ -629,7 +619,7 @@ class Generator:
             raise Unsupported("the model attends with %r: load it with attn_implementation=cudapool.hf.register() "
                               "(or call model.set_attn_implementation(cudapool.hf.register()))" % (impl,))
         self.model, self.pool = model, pool
-        self.caches = _caches_of(pool)
+        self.caches = pool.kv_caches()
         self.device = self.caches[0][0].device
         if model.device != self.device:
             raise ValueError("the model is on %s, the pool's pages on %s" % (model.device, self.device))
@@ -909,16 +899,20 @@ class _Decoder:
         return self.hist[:k].tolist(), dt / max(steps, 1)
 
 
-_generators = {}  # (id(model), id(pool)) -> (model, pool, Generator)
+_GENERATORS = "_cudapool_generators"  # the model's attribute: {id(pool): Generator}
 
 
 def generator(model, pool):
-    """The Generator of (model, pool), made at the first call."""
-    key = (id(model), id(pool))
-    got = _generators.get(key)
-    if got is None or got[0] is not model or got[1] is not pool:
-        got = _generators[key] = (model, pool, Generator(model, pool))
-    return got[2]
+    """The Generator of (model, pool), made at the first call and kept by the model (it
+    goes with the model; make a new one, or call this again, for a new pool)."""
+    gens = getattr(model, _GENERATORS, None)
+    if gens is None:
+        gens = {}
+        setattr(model, _GENERATORS, gens)
+    gen = gens.get(id(pool))
+    if gen is None or gen.pool is not pool:
+        gen = gens[id(pool)] = Generator(model, pool)
+    return gen
 
 
 def cudapool_generate(model, pool, input_ids, max_new_tokens=32, **kwargs):

@@ -330,6 +330,10 @@ class TinyModelTest(unittest.TestCase):
                     out = m.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
             self.assertEqual(out[0].tolist(), ref, arch)
             self.assertEqual(pool.leases, {})
+            # the five-line use: one Generator per (model, pool), kept by the model
+            self.assertIs(hf.generator(m, pool), hf.generator(m, pool))
+            self.assertEqual(hf.cudapool_generate(m, pool, ids, max_new_tokens=12)[0].tolist(), ref, arch)
+            self.assertEqual(pool.leases, {})
             with self.assertRaises(hf.GeometryMismatch):
                 hf.Generator(m, FakePool(layers=c.num_hidden_layers + 1, kv_heads=c.num_key_value_heads,
                                          head_dim=c.head_dim))
