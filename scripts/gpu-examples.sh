@@ -186,6 +186,7 @@ if [ -f "$lib" ]; then
 			rm -f "$hf_raw"
 			timeout 600 python3 examples/hf/check.py --kvpoold "$bin/kvpoold" --raw "$hf_raw" --compile
 			step hf-models $?
+			python3 bench/ttft.py "$hf_raw" --out "${OUT:-/tmp}/ttft.png" # bench/ttft.png's chart of this run
 		else
 			echo "(the KV replicas need torch, transformers and triton: not run)"
 		fi
