@@ -316,8 +316,9 @@ _TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", 
 
 def register():
     """Registers cudapool.hf's attention in transformers' AttentionInterface (once) and
-    returns its name, for attn_implementation=. A model attending with it over any
-    cache but a PoolCache attends exactly as with "sdpa"."""
+    returns its name, for attn_implementation=. Over any cache but a PoolCache it
+    attends as "sdpa" does for one sequence without padding (transformers makes no mask
+    for it); a batch is refused (Unsupported)."""
     _torch_parts()
     return ATTENTION
 
@@ -359,6 +360,9 @@ def _build():
         transformers' own SDPA, unchanged."""
         step = getattr(_active, "step", None)
         if step is None or step[1] is not key or step[2] != getattr(module, "layer_idx", None):
+            if query.shape[0] != 1:  # transformers makes no padding mask for an attention it has no mask for
+                raise Unsupported("cudapool.hf's attention serves one sequence, not a batch of %d: use sdpa for "
+                                  "batches" % query.shape[0])
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
         _active.step = None

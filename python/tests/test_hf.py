@@ -337,6 +337,11 @@ class TinyModelTest(unittest.TestCase):
             with self.assertRaises(hf.GeometryMismatch):
                 hf.Generator(m, FakePool(layers=c.num_hidden_layers + 1, kv_heads=c.num_key_value_heads,
                                          head_dim=c.head_dim))
+            # over transformers' own cache it attends as sdpa for one sequence, and refuses batches
+            with torch.no_grad():
+                self.assertEqual(m.generate(ids, max_new_tokens=12, do_sample=False)[0].tolist(), ref, arch)
+                with self.assertRaisesRegex(hf.Unsupported, "batch of 2"):
+                    m(input_ids=ids.repeat(2, 1))
 
     def test_sliding_window_model_is_refused(self):
         import torch
