@@ -36,6 +36,7 @@ type conn struct {
 	// Guarded by Owner.mu.
 	welcomed bool
 	ended    bool          // finish has begun ending its leases: no new lease is made
+	orphans  int           // its events left to their waiters by destroyEvents
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 

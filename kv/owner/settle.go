@@ -129,8 +129,9 @@ func (o *Owner) send(owed []answer) {
 // counts only if the process was alive after it, so that no answer about an event
 // whose process had died is used, and a process seen dead before is not queried at
 // all. (Between the two answers the process may die; the query is then of a dying
-// process's event, and its answer is dropped. docs/FACTS.md says what the driver does
-// with such a query.) A query that fails says neither; it is logged once per event.
+// process's event, and its answer is dropped. What the driver does with such a query
+// is not measured, docs/FACTS.md 23.) A query that fails says neither; it is logged
+// once per event.
 func (o *Owner) query(e *event) (done, dead bool) {
 	if e.ev == 0 {
 		return true, false
@@ -157,8 +158,7 @@ func (o *Owner) query(e *event) (done, dead bool) {
 // On driver 580 the wait spins a CPU for as long as the replica's work runs, although
 // the replica creates its events with cudart.EventBlockingSync (docs/FACTS.md 23): an
 // owner spends a CPU per event with records pending, none when idle. A wait that fails
-// says neither; it is
-// logged once per event.
+// says neither; it is logged once per event.
 func (o *Owner) sync(e *event) (done, dead bool) {
 	if e.ev == 0 {
 		return true, false
@@ -215,11 +215,15 @@ func (o *Owner) waitFor(e *event) {
 }
 
 // destroyOrphanLocked destroys e, under o.mu, if its connection has ended while e's
-// waiter was in the driver's wait (destroyEvents left it to the waiter).
+// waiter was in the driver's wait (destroyEvents left it to the waiter), and closes the
+// handle on the connection's process after its last such event.
 func (o *Owner) destroyOrphanLocked(e *event) {
 	if e.orphan {
 		e.orphan = false
 		o.destroyEvent(e)
+		if e.c.orphans--; e.c.orphans == 0 && e.c.proc != nil {
+			_ = e.c.proc.Close() // cleanup: nothing is left to do if closing fails
+		}
 	}
 }
 
@@ -259,18 +263,20 @@ func (o *Owner) enqueue(e *event) {
 
 // destroyEvents destroys the events of connections that ended and closes the handles
 // on their processes, under o.mu. An event whose waiter is in the driver's wait is
-// left to the waiter, which destroys it when the wait returns: no event is destroyed
-// while a call uses it.
+// left to the waiter, which destroys it when the wait returns (and the process handle,
+// which the waiter asks, after the last): no event or handle is closed while a call
+// uses it.
 func (o *Owner) destroyEvents() {
 	for _, c := range o.dead {
 		for _, e := range c.events {
 			if e.watched {
 				e.orphan = true
+				c.orphans++
 				continue
 			}
 			o.destroyEvent(e)
 		}
-		if c.proc != nil {
+		if c.proc != nil && c.orphans == 0 {
 			_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
 		}
 	}
