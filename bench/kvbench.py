@@ -7,7 +7,10 @@
     kv hashes+match/512             the same with the hashes of the 8192 tokens computed by
                                     Replica.hashes (in the library) in the loop
     kv hashes+match+release/512     hashes, match and release
-    kv prefix_hashes/512            the pure-Python reference of those hashes (hashlib)
+    kv prefix_hashes/512            those hashes by kv.prefix_hashes (the library's
+                                    cudapool_kv_prefix_hashes), from a list of ints and
+                                    from an array('i') ("kv prefix_hashes array/512")
+    kv prefix_hashes reference/512  the pure-Python reference of them (hashlib)
     kv alloc+release/64             a write lease of 64 pages given back unwritten
 
 Each row prints "# ROW: p50 X us, p99 Y us, N samples"; kv match/512 and kv
@@ -23,6 +26,7 @@ Usage: python3 bench/kvbench.py [--runtime auto|gpu|test] [--samples N | --quick
 """
 
 import argparse
+from array import array
 import os
 import shutil
 import signal
@@ -107,7 +111,7 @@ def run(r, n):
     g = r.geometry
     toks = [(i * 7919) % 128000 for i in range(PAGES * g.tokens_per_page)]
     hs = r.hashes(toks)
-    assert hs == kv.prefix_hashes(toks, g.tokens_per_page), "the library's hashes are the reference's"
+    assert hs == kv.prefix_hashes(toks, g.tokens_per_page, reference=True), "the library's hashes are the reference's"
     l = r.alloc(PAGES)
     r.seal(l, hs, wait=True)
     m = r.match(hs)
@@ -145,7 +149,11 @@ def run(r, n):
         r.release(r.match(r.hashes(toks)))
 
     row("kv hashes+match+release/%d" % PAGES, timed(max(1, n // 4), 10, hash_match_release))
-    row("kv prefix_hashes/%d" % PAGES, timed(max(1, n // 20), 2, lambda: kv.prefix_hashes(toks, g.tokens_per_page)))
+    row("kv prefix_hashes/%d" % PAGES, timed(max(1, n // 4), 10, lambda: kv.prefix_hashes(toks, g.tokens_per_page)))
+    arr = array("i", toks)
+    row("kv prefix_hashes array/%d" % PAGES, timed(max(1, n // 4), 10, lambda: kv.prefix_hashes(arr, g.tokens_per_page)))
+    row("kv prefix_hashes reference/%d" % PAGES,
+        timed(max(1, n // 20), 2, lambda: kv.prefix_hashes(toks, g.tokens_per_page, reference=True)))
 
     def alloc_release():
         r.release(r.alloc(64))

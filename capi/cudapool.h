@@ -489,6 +489,11 @@ int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
  * nothing is written and *n_hashes is the number needed. */
 int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,
                        size_t cap_hashes, size_t *n_hashes);
+/* cudapool_kv_prefix_hashes is cudapool_kv_hashes without a replica: the prefix hashes
+ * of namespace ns (ns_len bytes, at most 65,536) for pages of tokens_per_page tokens
+ * (n_tokens at most 2^32). It needs no runtime and no owner. */
+int cudapool_kv_prefix_hashes(const char *ns, size_t ns_len, const int32_t *tokens, size_t n_tokens,
+                              uint32_t tokens_per_page, uint8_t *hashes_out, size_t cap_hashes, size_t *n_hashes);
 /* cudapool_kv_alloc leases n pages for writing: their indices go to pages (room for
  * n) and the lease's id to *lease. */
 int cudapool_kv_alloc(cudapool_kv_replica r, uint32_t n, int64_t timeout_ms, uint64_t *lease,

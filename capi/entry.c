@@ -334,6 +334,12 @@ int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_to
 	CP_CALL(cpgo_kv_hashes(r.h, (int32_t *)tokens, n_tokens, hashes_out, cap_hashes, n_hashes));
 }
 
+int cudapool_kv_prefix_hashes(const char *ns, size_t ns_len, const int32_t *tokens, size_t n_tokens,
+                              uint32_t tokens_per_page, uint8_t *hashes_out, size_t cap_hashes, size_t *n_hashes) {
+	CP_CALL(cpgo_kv_prefix_hashes((char *)ns, ns_len, (int32_t *)tokens, n_tokens, tokens_per_page, hashes_out,
+	                              cap_hashes, n_hashes));
+}
+
 int cudapool_kv_alloc(cudapool_kv_replica r, uint32_t n, int64_t timeout_ms, uint64_t *lease,
                       uint32_t *pages) {
 	CP_CALL(cpgo_kv_alloc(r.h, n, timeout_ms, lease, pages));

@@ -376,6 +376,47 @@ func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.ui
 	return statusOK
 }
 
+// maxPrefixNamespace bounds the namespace cudapool_kv_prefix_hashes takes, and
+// maxPrefixTokens its tokens: lengths past them are refused, never cut.
+const (
+	maxPrefixNamespace = 1 << 16
+	maxPrefixTokens    = 1 << 32
+)
+
+//export cpgo_kv_prefix_hashes
+func cpgo_kv_prefix_hashes(ns *C.char, nsLen C.size_t, tokens *C.int32_t, nTokens C.size_t, tokensPerPage C.uint32_t, out *C.uint8_t, capHashes C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	switch {
+	case n == nil:
+		return fail(invalid("n_hashes is NULL"))
+	case nsLen > maxPrefixNamespace:
+		return fail(invalid("a namespace of %d bytes, at most %d", uint64(nsLen), maxPrefixNamespace))
+	case nsLen > 0 && ns == nil:
+		return fail(invalid("namespace is NULL with ns_len %d", uint64(nsLen)))
+	case nTokens > maxPrefixTokens:
+		return fail(invalid("%d tokens, at most %d", uint64(nTokens), uint64(maxPrefixTokens)))
+	case nTokens > 0 && tokens == nil:
+		return fail(invalid("tokens is NULL with n_tokens %d", uint64(nTokens)))
+	case tokensPerPage < 1:
+		return fail(invalid("tokens_per_page is 0"))
+	}
+	need := int(nTokens) / int(tokensPerPage)
+	*n = C.size_t(need)
+	if need == 0 {
+		return statusOK
+	}
+	if out == nil || int(capHashes) < need {
+		return fail(fmt.Errorf("%w: %d hashes needed, room for %d", errRange, need, uint64(capHashes)))
+	}
+	namespace := ""
+	if nsLen > 0 {
+		namespace = C.GoStringN(ns, C.int(nsLen))
+	}
+	dst := unsafe.Slice((*kv.Hash)(unsafe.Pointer(out)), need)[:0]
+	kv.AppendPrefixHashes(dst, namespace, unsafe.Slice((*int32)(unsafe.Pointer(tokens)), int(nTokens)), int(tokensPerPage))
+	return statusOK
+}
+
 //export cpgo_kv_alloc
 func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t) (rc C.int) {
 	defer recoverTo(&rc)

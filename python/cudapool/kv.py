@@ -90,12 +90,18 @@ def root(namespace=""):
     return hashlib.sha256(_ROOT_PREFIX + _namespace_bytes(namespace)).digest()[:HASH_BYTES]
 
 
-def prefix_hashes(tokens, tokens_per_page, namespace=""):
-    """The prefix hash of each full page of tokens, in pure Python (hashlib), as
-    kv.PrefixHashes computes it: h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... ||
-    le32(tok[i*T+T-1]))[:16], h_{-1} = root(namespace). A trailing partial page gets
-    none. Token ids are int32 (their little-endian uint32 bits are hashed)."""
+def prefix_hashes(tokens, tokens_per_page, namespace="", reference=False):
+    """The prefix hash of each full page of tokens, as kv.PrefixHashes computes it:
+    h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... || le32(tok[i*T+T-1]))[:16],
+    h_{-1} = root(namespace). A trailing partial page gets none. Token ids are int32
+    (their little-endian uint32 bits are hashed). The library computes them where it
+    loads (cudapool_kv_prefix_hashes: no runtime, no owner needed), else hashlib does;
+    reference=True always takes hashlib, the pure-Python reference."""
     t = _page_size(tokens_per_page)
+    if not reference:
+        fast = _library_hashes(tokens, t, _namespace_bytes(namespace))
+        if fast is not None:
+            return fast
     raw = _token_bytes(tokens)
     h = root(namespace)
     out = bytearray()
@@ -104,6 +110,36 @@ def prefix_hashes(tokens, tokens_per_page, namespace=""):
         h = hashlib.sha256(h + raw[i:i + step]).digest()[:HASH_BYTES]
         out += h
     return Hashes(out)
+
+
+_prefix_fn = None  # the library's cudapool_kv_prefix_hashes, False if it has none
+
+
+def _library_hashes(tokens, t, ns):
+    """prefix_hashes through the library, or None where it does not load or lacks the
+    call (or t is past its uint32)."""
+    global _prefix_fn
+    if _prefix_fn is None:
+        try:
+            f = _lib.lib().cudapool_kv_prefix_hashes
+        except (OSError, AttributeError, _lib.CudapoolError):
+            f = False
+        else:
+            f.argtypes = (ctypes.c_char_p, _lib.size_t, _lib.vp, _lib.size_t, ctypes.c_uint32, _lib.vp, _lib.size_t,
+                          ctypes.POINTER(_lib.size_t))
+            f.restype = _lib.c_int
+        _prefix_fn = f
+    if not _prefix_fn or t >= 1 << 32:
+        return None
+    raw = _token_bytes(tokens, "=")
+    n_tokens = len(raw) // 4
+    cap = n_tokens // t
+    out = ctypes.create_string_buffer(max(cap, 1) * HASH_BYTES)
+    n = _lib.size_t()
+    status = _prefix_fn(ns, len(ns), raw if n_tokens else None, n_tokens, t, out, cap, ctypes.byref(n))
+    if status != 0:
+        raise _lib.error(status)
+    return Hashes(out.raw[:n.value * HASH_BYTES])
 
 
 def _namespace_bytes(namespace):

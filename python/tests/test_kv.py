@@ -208,6 +208,8 @@ class PrefixHashTest(unittest.TestCase):
                 self.assertEqual([x.hex() for x in got], c["hashes"])
                 self.assertEqual(kv.prefix_hashes(array("i", c["tokens"]), c["tokens_per_page"], c["namespace"]),
                                  got, "an array('i') of the tokens")
+                ref = kv.prefix_hashes(c["tokens"], c["tokens_per_page"], c["namespace"], reference=True)
+                self.assertEqual([x.hex() for x in ref], c["hashes"], "the hashlib reference")
 
     def test_partial_page_and_prefix(self):
         t = tokens(5 * T + 3, 1)
