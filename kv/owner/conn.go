@@ -453,7 +453,8 @@ func slicesContains(s []uint64, v uint64) bool {
 }
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
-// from another device's slab where only that one has them, leased for reading.
+// from another device's slab where only that one has them, or restored from the
+// device's host tier (restore.go), leased for reading.
 func (c *conn) match(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -467,6 +468,10 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
 		o.mu.Unlock()
 		return c.matchAcross(h, hashes)
+	}
+	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
+		o.mu.Unlock()
+		return c.matchRestore(h, hashes)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()

@@ -100,6 +100,10 @@ type Options struct {
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
 	AnnounceDir string
 	NoAnnounce  bool
+	// HostBytes gives each device a host tier of that many bytes of pinned host
+	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
+	// every device, than the host's available memory are refused.
+	HostBytes uint64
 }
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -113,6 +117,7 @@ type Owner struct {
 
 	ex    *producer.Exporter
 	ln    *net.UnixListener
+	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	slabs []*slab
 	byDev map[int]*slab
 
@@ -160,6 +165,9 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	}
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
+	}
+	if err := checkHostBytes(o); err != nil {
+		return nil, err
 	}
 	n, err := rt.DeviceCount()
 	if err != nil {
@@ -213,6 +221,9 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		if err != nil {
 			return nil, err
 		}
+	}
+	if err := ow.startTiers(); err != nil {
+		return nil, err
 	}
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
@@ -362,6 +373,9 @@ func (o *Owner) Stats() Stats {
 	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.geo), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
 		st.Devices[i] = s.snapshot()
+		if s.tier != nil {
+			st.Devices[i].Host = s.tier.snapshot()
+		}
 	}
 	byConn := map[*conn]*kv.ReplicaStats{}
 	for c := range o.conns {
@@ -417,7 +431,7 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Lock()
 	o.destroyEvents()
 	o.mu.Unlock()
-	var errs []error
+	errs := o.stopTiers()
 	force := false
 	if o.ex != nil {
 		if err := o.ex.Close(ctx); err != nil {

@@ -113,6 +113,7 @@ type Replica struct {
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
 	hup    *hangup
+	host   *HostTier // the device's host tier, mapped (hosttier.go); nil: none
 
 	nextID atomic.Uint32
 	wmu    sync.Mutex
@@ -183,6 +184,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			r.log.Debug("kv: cannot watch the owner's process; its connection tells", "pid", cred.PID, "err", err)
 			r.owner = nil
 		}
+	}
+	if r.host, err = dialHostTier(ctx, dir, device); err != nil {
+		return nil, err
 	}
 	if r.stream, err = rt.StreamCreate(device, cudart.StreamNonBlocking); err != nil {
 		return nil, err
@@ -439,6 +443,9 @@ func (r *Replica) teardown(ctx context.Context) error {
 	}
 	if r.owner != nil {
 		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
+	}
+	if err := r.host.unmap(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
