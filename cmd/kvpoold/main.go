@@ -55,6 +55,7 @@ func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
 // flags are kvpoold's command line.
 type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
+	hostBytes                                   string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
 }
@@ -74,6 +75,7 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (instead of -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
+	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
 	if err := fs.Parse(args); err != nil {
 		return f, false
 	}
@@ -186,13 +188,24 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 2
 	}
-	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g})
+	var hostBytes uint64
+	if f.hostBytes != "" {
+		if hostBytes, err = humanize.ParseBytes(f.hostBytes); err != nil {
+			fmt.Fprintf(stderr, "kvpoold: -host-bytes: %v\n", err)
+			return 2
+		}
+	}
+	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, HostBytes: hostBytes})
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why)
+	tier := "no host tier"
+	if h := o.Stats().Devices[0].Host; h != nil {
+		tier = fmt.Sprintf("a host tier of %s (%d pages) a device, copies by %s", humanize.IBytes(h.Bytes), h.Pages, h.CopyPath)
+	}
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab, %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), tier, picked.Why)
 	<-ctx.Done()
 	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()

@@ -102,7 +102,7 @@ func TestServesAndStops(t *testing.T) {
 	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
-	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab;")
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab, no host tier;")
 	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
 	assert.Equal(t, "kvpoold: stopped", lines[1])
 	_, err = os.Stat(dir + "/kv.sock")
@@ -129,12 +129,37 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1KiB"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-host-bytes", "lots"},
 	} {
 		var out, errOut bytes.Buffer
 		code := run(context.Background(), args, &out, &errOut)
 		assert.Equal(t, 2, code, "%q: stderr %s", args, &errOut)
 		assert.NotEmpty(t, errOut.String(), "%q says why", args)
 	}
+}
+
+// -host-bytes gives the device a host tier, which replicas get at dial; one larger
+// than the host's memory is refused at start, saying so.
+func TestHostBytes(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "8MiB")
+	dev := cudarttest.ForTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, dev, 0)
+	require.NoError(t, err)
+	tier, ok := r.HostTier()
+	require.True(t, ok, "the replica got no host tier")
+	assert.Equal(t, 16, tier.Pages)
+	require.NoError(t, r.Close(ctx))
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "a host tier of 8.0 MiB (16 pages) a device, copies by kernel;")
+
+	var o, e bytes.Buffer
+	code = run(context.Background(), []string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "1EiB"}, &o, &e)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, e.String(), "larger than the host's available memory")
 }
 
 func TestBytesMakesWholePages(t *testing.T) {
