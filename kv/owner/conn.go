@@ -241,7 +241,8 @@ func (c *conn) refuse(id uint32, err error) error {
 	return c.sendError(id, err)
 }
 
-// alloc answers Alloc: n pages for writing, all or none.
+// alloc answers Alloc: n pages for writing, all or none. Sealed pages it evicts that
+// the device's host tier has no copy of yet are copied there before the answer.
 func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -256,7 +257,7 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
 	}
 	o.mu.Lock()
-	pages, ok := s.take(n, make([]uint32, 0, n))
+	pages, ok, evicted := o.takeLocked(s, n)
 	if !ok {
 		free := len(s.free)
 		o.mu.Unlock()
@@ -264,6 +265,10 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	}
 	l := o.newLeaseLocked(c, true, pages)
 	o.mu.Unlock()
+	// Evicted pages the host tier has no copy of go there before they are written.
+	if err := o.copyEvicted(s, evicted, nil); err != nil {
+		o.log.Error("kv: spilling evicted pages to the host tier failed; they are gone", "device", s.dev, "err", err)
+	}
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, h.ID, l.id, l.pages) })
 }
 

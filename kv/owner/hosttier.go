@@ -42,8 +42,10 @@ import (
 // bytes are in the host tier (its twin) is evicted for free: its host page stays. The
 // spill is never on the path of a match or an alloc: they only read the index, and a
 // GPU page being copied out is held (as a reader holds it) until the copy has
-// completed, so it is never reused before. A GPU page evicted before the spiller got
-// to it is gone.
+// completed, so it is never reused before. A page an alloc or a restore evicts before
+// the spiller got to it is copied out by that call, before the page is written (the
+// alloc answers after the copy; the restore queues it ahead of its own copy on the
+// tier's stream); one evicted otherwise (by a copy from another device) is gone.
 //
 // Restore: a match whose run goes on in the host tier takes GPU pages for those
 // hashes, copies the host pages into them in one MemcpyBatchAsync on the tier's
@@ -74,10 +76,16 @@ type hostTier struct {
 	pages      []hostPage
 	free       []uint32
 	index      map[kv.Hash]uint32
-	head, tail uint32   // LRU of sealed host pages: head most recent
-	twin       []uint32 // by GPU page: the host page holding its bytes, none, or filling
-	restoreEvs []cudart.Event
+	head, tail uint32         // LRU of sealed host pages: head most recent
+	twin       []uint32       // by GPU page: the host page holding its bytes, none, or filling
+	events     []cudart.Event // spare, for copies other than the spiller's
 	stats      kv.HostStats
+
+	// capture is set while a caller that copies them takes slab pages (takeLocked):
+	// sealed pages without a host copy that it evicts are put in evictedNow, each with
+	// a host page, instead of being lost.
+	capture    bool
+	evictedNow spillTask
 
 	kick chan struct{}
 	want bool // pages were sealed since the spiller last looked for pages to copy
@@ -237,7 +245,7 @@ func (o *Owner) closeTier(t *hostTier) error {
 			errs = append(errs, fmt.Errorf("kv/owner: the host tier's stream of device %d: %w", dev, err))
 		}
 	}
-	for _, ev := range append(t.restoreEvs, t.spillEv) {
+	for _, ev := range append(t.events, t.spillEv) {
 		if ev != 0 {
 			if err := o.rt.EventDestroy(dev, ev); err != nil {
 				errs = append(errs, err)
@@ -356,18 +364,112 @@ func (t *hostTier) link(gp, hp uint32) {
 func (t *hostTier) evicted(gp uint32, h kv.Hash) {
 	hp := t.twin[gp]
 	t.twin[gp] = none
-	switch hp {
-	case none, filling:
-		// filling cannot happen: a page being copied out is held. Without a twin the
-		// page is gone from both tiers.
-		if _, ok := t.index[h]; !ok {
-			t.stats.Lost++
-		}
+	if hp != none && hp != filling { // filling cannot be: a page being copied out is held
+		t.pages[hp].gpu = none
+		t.touch(hp)
+		t.stats.Spilled++
 		return
 	}
-	t.pages[hp].gpu = none
-	t.touch(hp)
-	t.stats.Spilled++
+	if _, ok := t.index[h]; ok {
+		return // the host tier holds the hash already
+	}
+	if t.capture {
+		if hp, ok := t.take(); ok {
+			e := &t.evictedNow
+			e.gpu, e.host, e.hashes = append(e.gpu, gp), append(e.host, hp), append(e.hashes, h)
+			return
+		}
+	}
+	t.stats.Lost++
+}
+
+// takeLocked is s.take for a caller that will write the pages it gets: sealed pages it
+// evicts that the host tier holds no copy of are given host pages, and returned, to be
+// copied out (copyEvicted) before the pages are written. Under o.mu.
+func (o *Owner) takeLocked(s *slab, n int) ([]uint32, bool, spillTask) {
+	t := s.tier
+	if t == nil {
+		pages, ok := s.take(n, make([]uint32, 0, n))
+		return pages, ok, spillTask{}
+	}
+	t.capture = true
+	pages, ok := s.take(n, make([]uint32, 0, n))
+	t.capture = false
+	task := t.evictedNow
+	t.evictedNow = spillTask{}
+	return pages, ok, task
+}
+
+// copyEvicted copies the pages takeLocked evicted into their host pages, on the tier's
+// stream, then more: restore (nil: none) is queued behind it, in the same stream
+// order, so that a restore into pages just evicted reads nothing overwritten. It
+// waits for both on the host, then seals the host pages (their slab pages are reused:
+// no twins). On failure the host pages are freed, and the error returned.
+func (o *Owner) copyEvicted(s *slab, task spillTask, restore []cudart.CopyPiece) error {
+	t := s.tier
+	if t == nil || (len(task.gpu) == 0 && len(restore) == 0) {
+		return nil
+	}
+	o.mu.Lock()
+	ev, err := t.eventLocked(o)
+	o.mu.Unlock()
+	start := time.Now()
+	if err == nil && len(task.gpu) > 0 {
+		err = o.rt.MemcpyBatchAsync(s.dev, o.tierPieces(t, task.gpu, task.host, false), t.stream)
+	}
+	spilled := time.Since(start)
+	if err == nil && len(restore) > 0 {
+		err = o.rt.MemcpyBatchAsync(s.dev, restore, t.stream)
+	}
+	if err == nil {
+		err = o.rt.EventRecord(s.dev, ev, t.stream)
+	}
+	if err == nil {
+		err = o.waitEvent(o.stopped, s.dev, ev)
+	} else {
+		err = fmt.Errorf("%w (and the stream: %w)", err, o.rt.StreamSynchronize(s.dev, t.stream))
+	}
+	took := time.Since(start)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if ev != 0 {
+		t.events = append(t.events, ev)
+	}
+	for i, hp := range task.host {
+		if err != nil {
+			t.release(hp)
+			t.stats.Lost++
+			continue
+		}
+		t.seal(hp, task.hashes[i], none)
+		t.stats.Spilled++
+	}
+	if err != nil {
+		return err
+	}
+	if n := uint64(len(task.gpu)); n > 0 {
+		t.stats.Spills += n
+		t.stats.SpillBytes += n * t.pageBytes
+		if len(restore) == 0 {
+			spilled = took
+		}
+		t.stats.SpillNanos += uint64(spilled) // with a restore behind it: its submission, a bound below
+	}
+	if len(restore) > 0 {
+		t.stats.RestoreNanos += uint64(took)
+	}
+	return nil
+}
+
+// eventLocked is an event for one copy: a spare one, or a new one. The caller puts it
+// back in events when done. Under o.mu.
+func (t *hostTier) eventLocked(o *Owner) (cudart.Event, error) {
+	if n := len(t.events); n > 0 {
+		ev := t.events[n-1]
+		t.events = t.events[:n-1]
+		return ev, nil
+	}
+	return o.rt.EventCreate(t.s.dev, cudart.EventDisableTiming)
 }
 
 // wake tells the spiller that the slab has new sealed pages, under o.mu. Evictions do

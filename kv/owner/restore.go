@@ -1,10 +1,6 @@
 package owner
 
 import (
-	"fmt"
-	"time"
-
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -22,9 +18,10 @@ func (c *conn) inHostLocked(h kv.Hash) bool {
 
 // matchRestore answers a Match whose run goes on in the host tier: the run is the
 // hashes visible in the slab or held by the host tier, from the first, until one is in
-// neither. It takes GPU pages for the host tier's (evicting as alloc does; if the slab
-// has no room the run ends before the first), copies them back in one batch on the
-// tier's stream, waits for the copy on the host, publishes them in the slab's index
+// neither. It takes GPU pages for the host tier's (evicting as alloc does, pages
+// evicted without a host copy copied out first; if the slab has no room the run ends
+// before the first), copies them back in one batch on the tier's stream, waits for
+// the copy on the host, publishes them in the slab's index
 // (their host pages stay, as their twins) and leases the whole run: the reply names
 // GPU pages only, readable once it has come. If the copy fails, the run ends before
 // the first restored page and the error is logged.
@@ -52,7 +49,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 		t.pages[hp].pins++
 		restores++
 	}
-	dsts, ok := s.take(restores, make([]uint32, 0, restores))
+	dsts, ok, evicted := o.takeLocked(s, restores)
 	if !ok {
 		dsts, restores = nil, 0
 	}
@@ -76,7 +73,6 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 		}
 	}
 	run = run[:cut]
-	ev, err := t.restoreEventLocked(o)
 	o.mu.Unlock()
 
 	gpu, host := make([]uint32, 0, restores), make([]uint32, 0, restores)
@@ -85,29 +81,15 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 			gpu, host = append(gpu, st.gpu), append(host, st.host)
 		}
 	}
-	start := time.Now()
-	if err == nil && len(gpu) > 0 {
-		err = o.rt.MemcpyBatchAsync(s.dev, o.tierPieces(t, gpu, host, true), t.stream)
-		if err == nil {
-			err = o.rt.EventRecord(s.dev, ev, t.stream)
-		}
-		if err == nil {
-			err = o.waitEvent(o.stopped, s.dev, ev)
-		} else {
-			err = fmt.Errorf("%w (and the stream: %w)", err, o.rt.StreamSynchronize(s.dev, t.stream))
-		}
-	}
-
+	// The pages taken are copied out first where they held pages the host tier has
+	// no copy of, then the restore, in one stream order.
+	err := o.copyEvicted(s, evicted, o.tierPieces(t, gpu, host, true))
 	o.mu.Lock()
-	if ev != 0 {
-		t.restoreEvs = append(t.restoreEvs, ev)
-	}
 	if err != nil {
 		o.log.Error("kv: restoring pages from the host tier failed; the match ends before them", "device", s.dev, "err", err)
-	} else if len(gpu) > 0 {
+	} else {
 		t.stats.Restores += uint64(len(gpu))
 		t.stats.RestoreBytes += uint64(len(gpu)) * t.pageBytes
-		t.stats.RestoreNanos += uint64(time.Since(start))
 	}
 	firstHost := len(run)
 	for i, st := range run {
@@ -146,15 +128,4 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
 	})
-}
-
-// restoreEventLocked is an event for one restore: a spare one, or a new one. The
-// caller puts it back in restoreEvs when done. Under o.mu.
-func (t *hostTier) restoreEventLocked(o *Owner) (cudart.Event, error) {
-	if n := len(t.restoreEvs); n > 0 {
-		ev := t.restoreEvs[n-1]
-		t.restoreEvs = t.restoreEvs[:n-1]
-		return ev, nil
-	}
-	return o.rt.EventCreate(t.s.dev, cudart.EventDisableTiming)
 }

@@ -262,3 +262,29 @@ func TestHostTierRefused(t *testing.T) {
 	require.NoError(t, o.Close(bound(t)))
 	require.NoError(t, rt.Err())
 }
+
+// Pages an alloc evicts before the spiller copied them ahead are copied to the host
+// tier before the alloc's answer, so a whole slab evicted at once loses nothing.
+func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
+	rt := newTierRuntime(t)
+	o, dir := startTierOwner(t, rt, small, 64) // 8 pages copied ahead
+	w, wdev, ws := dial(t, dir, 0)
+	chain := sealedSpilled(t, o, wdev, w, ws, 64, 1)[1]
+	require.Equal(t, uint64(8), host0(t, o).Spills)
+	l, err := w.Alloc(bound(t), 64) // evicts the whole chain
+	require.NoError(t, err)
+	h := host0(t, o)
+	require.Equal(t, uint64(64), h.Spills, "%+v", h)
+	require.Equal(t, uint64(64), h.Spilled)
+	require.Zero(t, h.Lost)
+	require.NoError(t, w.Release(bound(t), ws, l))
+
+	r, rdev, rs := dial(t, dir, 0)
+	eventually(t, "the aborted write's pages to settle", func() bool { return device0(o).Free == 64 })
+	m, err := r.Match(bound(t), chain, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 64)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), chain), "restored bytes differ from what was sealed")
+	require.NoError(t, r.Release(bound(t), rs, m))
+	require.Equal(t, uint64(64), host0(t, o).Restores)
+}
