@@ -120,7 +120,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] kv")
+			"       gosuite [-runtime ...] [-quick] kv|kvtier   (kvtier: the host tier's rows of kv alone)")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -129,7 +129,7 @@ func run() int {
 	var plan []planEntry
 	var rg ring
 	switch mode {
-	case "all", "granularity", "kv":
+	case "all", "granularity", "kv", "kvtier":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -190,13 +190,16 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
-	case "kv":
-		fmt.Printf("# gosuite kv: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+	case "kv", "kvtier":
+		fmt.Printf("# gosuite %s: %s; GOMAXPROCS=%d\n", mode, why, runtime.GOMAXPROCS(0))
 		sh := fullShape
 		if *quick {
 			sh = quickShape
 		}
-		kvRows(r, rt, picked.OnGPU, sh)
+		if mode == "kv" {
+			kvRows(r, rt, picked.OnGPU, sh)
+		}
+		kvTierRows(r, rt, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
