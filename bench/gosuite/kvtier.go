@@ -100,8 +100,8 @@ func kvTierRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		}
 	}
 	h := o.Stats().Devices[0].Host
-	fmt.Fprintf(r.w, "# kv host tier: %d pages of %d bytes, copies by %s: %d spills, %d restores, %d spilled, %d lost, %d evicted\n",
-		h.Pages, h.PageBytes, h.CopyPath, h.Spills, h.Restores, h.Spilled, h.Lost, h.Evictions)
+	fmt.Fprintf(r.w, "# kv host tier: %d pages of %d bytes, copies by %s: %d spills, %d restores (their copies alone %.1f GB/s), %d spilled, %d lost, %d evicted\n",
+		h.Pages, h.PageBytes, h.CopyPath, h.Spills, h.Restores, float64(h.RestoreBytes)/float64(max(h.RestoreNanos, 1)), h.Spilled, h.Lost, h.Evictions)
 	r.result("cudapool", "kv/host/restore32k", "GB/s", restore)
 	r.result("cudapool", "kv/host/spill", "GB/s", spill)
 }
