@@ -655,7 +655,7 @@ func (o *Owner) WaitSpills(ctx context.Context) error {
 }
 
 // waitEvent waits on the host until ev has completed or ctx has ended: it asks at once,
-// then yields a while, then sleeps, 20 µs up to 1 ms.
+// then yields a while, then sleeps, 20 µs up to 100 µs: a restore is a reply waited on.
 func (o *Owner) waitEvent(ctx context.Context, dev int, ev cudart.Event) error {
 	sleep := 20 * time.Microsecond
 	for i := 0; ; i++ {
@@ -674,6 +674,6 @@ func (o *Owner) waitEvent(ctx context.Context, dev int, ev cudart.Event) error {
 			t.Stop()
 			return ctx.Err()
 		}
-		sleep = min(2*sleep, time.Millisecond)
+		sleep = min(2*sleep, 100*time.Microsecond)
 	}
 }
