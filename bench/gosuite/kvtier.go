@@ -189,12 +189,7 @@ func (k *kvLoad) tierMatch(ctx context.Context) (string, error) {
 
 // piece is layer's K (v 0) or V piece of slab page p.
 func (k *kvLoad) piece(layer, v int, p uint32) cudart.DevicePtr {
-	g := k.r.Geometry()
-	off := g.KOffset(layer)
-	if v == 1 {
-		off = g.VOffset(layer)
-	}
-	return k.r.Slab() + cudart.DevicePtr(off+uint64(p)*g.PageBytes())
+	return k.r.Addr(layer, kv.Part(v), int(p))
 }
 
 // tierPattern fills b with the bytes of layer's K (v 0) or V piece of the page of h.

@@ -333,14 +333,17 @@ func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
 // samples its shape asks for, and nothing fails.
 func TestKVRowsOnSoftwareDevice(t *testing.T) {
 	sh := quickShape
-	by, got, out := softwareRows(t, kvRows, sh)
-	want := map[string]int{"kv/match512": sh.samples, "kv/match512+hash": sh.samples,
+	by, got, out := softwareRows(t, func(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
+		kvRows(r, rt, onGPU, sh, 8<<30) // 2 segments
+	}, sh)
+	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
 		"kv/pages/b64": sh.rounds, "kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds}
 	assert.Len(t, got, len(want))
 	for op, n := range want {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
 	}
 	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out)
+	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 2 segments of 4.0 GiB) on device 0, mapped by 4 replica processes")}, by["meta"])
 }
 
 // softwareRows runs rows with shape sh on the software device and returns the lines

@@ -111,20 +111,17 @@ type hostPage struct {
 	state      hostPageState
 }
 
-// piece is the device address of layer's K (v false) or V piece of page p of s: the
-// one function that knows where a page lies in the slab.
-func (s *slab) piece(g kv.Geometry, layer int, v bool, p uint32) cudart.DevicePtr {
-	off := g.KOffset(layer)
-	if v {
-		off = g.VOffset(layer)
-	}
-	return s.buf.Ptr() + cudart.DevicePtr(off+uint64(p)*g.PageBytes())
+// piece is the device address of layer's part (K or V) of page p of s: where a
+// page's pieces lie in the slab's segments is segs' to say.
+func (s *slab) piece(segs kv.Segments, layer int, part kv.Part, p uint32) cudart.DevicePtr {
+	return segs.Addr(s.bases, layer, part, int(p))
 }
 
-// hostOffset is where layer's K (v false) or V piece lies in a host page.
-func hostOffset(g kv.Geometry, layer int, v bool) uint64 {
+// hostOffset is where layer's part (K or V) lies in a host page: K then V, layer by
+// layer.
+func hostOffset(g kv.Geometry, layer int, part kv.Part) uint64 {
 	i := uint64(2 * layer)
-	if v {
+	if part == kv.V {
 		i++
 	}
 	return i * g.PageBytes()
@@ -615,8 +612,8 @@ func (o *Owner) tierPieces(t *hostTier, gpu, host []uint32, restore bool) []cuda
 	for i, gp := range gpu {
 		base := t.dptr + cudart.DevicePtr(uint64(host[i])*t.pageBytes)
 		for l := range g.Layers {
-			for _, v := range [2]bool{false, true} {
-				pc := cudart.CopyPiece{Dst: base + cudart.DevicePtr(hostOffset(g, l, v)), Src: t.s.piece(g, l, v, gp), Size: g.PageBytes()}
+			for _, part := range [2]kv.Part{kv.K, kv.V} {
+				pc := cudart.CopyPiece{Dst: base + cudart.DevicePtr(hostOffset(g, l, part)), Src: t.s.piece(o.segs, l, part, gp), Size: g.PageBytes()}
 				if restore {
 					pc.Dst, pc.Src = pc.Src, pc.Dst
 				}
