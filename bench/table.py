@@ -174,6 +174,8 @@ class Run:
             part = "alloc"
         if op.startswith("kv/"):
             part = {"cudapool": "gosuite-kv", "python": "kvbench"}.get(impl)
+        if op.startswith("kv/host/"):
+            part = "gosuite-kvtier"
         return self.fails.get(("suite", part)) if part else None
 
 
@@ -772,7 +774,11 @@ SECTIONS = (
     ("KV page pool (issue 18)", kv_rows,
      "Go: bin/gpu/gosuite -kv-bytes SIZE kv, an owner in its process and 4 replica processes on GPU 0 "
      "(llama-0.85b pages of 16 tokens), its slab of SIZE (100 GiB in the suite) in segments of at most 4 GiB, "
-     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. The match rows time the "
+     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. "
+     "The host tier rows: bin/gpu/gosuite kvtier, an owner with a host tier and one replica process; each cycle a "
+     "2,048-page prompt (1 GiB) is sealed, evicted by an alloc of the whole slab and matched again, every restored "
+     "byte checked; restore is its bytes over the Match, spill the bytes copied to the host tier over those "
+     "copies' time. The match rows time the "
      "Match alone (the read lease included, its release untimed). The rates are the 4 replicas' pages per "
      "second together, one window per sample, each batch with hashes of its own. The model rows come from "
      "examples/replicas/run.py --raw (scripts/gpu-examples.sh): a 0.85B Llama, N replica processes a GPU and "

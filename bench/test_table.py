@@ -269,6 +269,13 @@ class KVPool(unittest.TestCase):
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertTrue(rows["time to first token, 32,768-token prompt: matched vs computed"][0].startswith("not run"))
 
+    def test_a_failed_host_tier_part_fails_its_rows(self):
+        run = self.run_of(["fail suite gosuite-kvtier timed out after 90s: "])
+        got = kv_verdicts(run)
+        self.assertEqual(got["spill to the host tier at least 45 GB/s (issue 24)"], table.FAILED)
+        self.assertEqual(got["restore of a 32,768-token prompt from the host tier (2,048 pages, 1 GiB), bytes checked "
+                             "at least 45 GB/s (issue 24)"], table.FAILED)
+
     def test_a_failed_part_is_a_failure_not_a_row_not_run(self):
         run = self.run_of(["fail suite kvbench exit status 1: no kvpoold", "fail cudapool kv owner did not start"])
         got = kv_verdicts(run)

@@ -15,7 +15,7 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// The host tier's rows ("gosuite kv", after the others): an owner in this process
+// The host tier's rows ("gosuite kvtier"): an owner in this process
 // with a host tier (owner.Options.HostBytes) and one replica process, the llama-0.85b
 // layout. Each cycle the replica seals a prompt of its own (distinct bytes in every
 // piece of every page), allocs the whole slab, which evicts it to the host tier, gives

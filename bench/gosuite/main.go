@@ -122,7 +122,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier   (kvtier: the host tier's rows of kv alone)")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier   (kvtier: the host tier's rows)")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -204,8 +204,9 @@ func run() int {
 		}
 		if mode == "kv" {
 			kvRows(r, rt, picked.OnGPU, sh, slab)
+		} else {
+			kvTierRows(r, rt, picked.OnGPU, sh)
 		}
-		kvTierRows(r, rt, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
