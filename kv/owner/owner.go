@@ -42,6 +42,14 @@
 // copies each page (every layer's K and V, one copy per tensor for a run of pages that
 // follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the source (a copy through the source's stream outlives that device's failures,
 // FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+//
+// # Host tiers
+//
+// With Options.HostBytes each device also has a host tier (hosttier.go): pinned host
+// memory, a memfd handed to every replica on dir/host.sock, that keeps the sealed pages
+// the slab evicts. A spiller copies the least recently used pages there ahead of their
+// eviction; a match that runs into the host tier gets its pages back into the slab in
+// the same reply. LRU runs across both tiers, and a leased page leaves neither.
 package owner
 
 import (

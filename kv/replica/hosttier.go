@@ -30,8 +30,8 @@ type HostTier struct {
 	PageBytes uint64
 }
 
-// HostTier is the device's host tier, mapped at Dial; ok is false where the owner has
-// none.
+// HostTier is the device's host tier, mapped at Dial until Close; ok is false where
+// the owner has none.
 func (r *Replica) HostTier() (t HostTier, ok bool) {
 	if r.host == nil {
 		return HostTier{}, false
