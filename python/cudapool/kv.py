@@ -510,7 +510,9 @@ class Replica:
     def stats(self, timeout=None):
         """The owner's statistics: per device its pages by state (free, writing,
         sealing, sealed, settling; leased, releasing) and counters (hits, misses,
-        evictions, seals, duplicates, copied), per replica its leases and pages."""
+        evictions, seals, duplicates, copied) and, where kvpoold runs with
+        -host-bytes, its host tier under "host" (pages by state, spills, restores and
+        their bytes, pages lost and evicted), per replica its leases and pages."""
         if not self._r.h:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
         return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
