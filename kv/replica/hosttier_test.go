@@ -2,6 +2,8 @@ package replica_test
 
 import (
 	"errors"
+	"fmt"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -11,6 +13,8 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/gputest"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
@@ -287,4 +291,41 @@ func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain), "restored bytes differ from what was sealed")
 	require.NoError(t, r.Release(bound(t), rs, m))
 	require.Equal(t, uint64(64), host0(t, o).Restores)
+}
+
+// TestGPUHostTier serves a slab of 64 llama-0.85b pages with a host tier on GPU 0: a
+// writer process seals 64 pages, another evicts them all by an alloc of the whole slab,
+// and a reader process's match restores them from the host tier, every byte of every
+// piece read back exact, through the batch copy kernel.
+//
+// On the GPU host:
+//
+//	cd kv/replica && CUDAPOOL_REQUIRE_GPU=1 ../../bin/gpu/kv_replica.test -test.v -test.run TestGPUHostTier
+func TestGPUHostTier(t *testing.T) {
+	rt := gputest.Runtime(t)
+	g, err := kv.Layout("llama-0.85b")
+	require.NoError(t, err)
+	g.Pages = 64
+	dir := shortDir(t)
+	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, HostBytes: 96 * owner.HostPageBytes(g)})
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	require.Equal(t, "kernel", host0(t, o).CopyPath, "the batch copy kernel did not load")
+
+	const pages = 64
+	run := func(mode, want string) {
+		p := proctest.Start(t, "gpureplica", dir, mode, strconv.Itoa(pages))
+		p.Next() // dialed
+		p.Expect(fmt.Sprintf("%s %d", want, pages))
+		p.Finish()
+		require.NoError(t, o.WaitSpills(bound(t)))
+	}
+	run("write", "sealed")
+	run("evict", "evicted")
+	h := host0(t, o)
+	require.Equal(t, uint64(pages), h.Spilled, "%+v", h)
+	require.Zero(t, h.Lost)
+	eventually(t, "the evicting alloc's pages to settle", func() bool { return device0(o).Free == pages })
+	run("read", "read")
+	require.Equal(t, uint64(pages), host0(t, o).Restores)
 }
