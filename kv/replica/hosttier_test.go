@@ -54,11 +54,12 @@ func (r *tierRuntime) MemcpyBatchAsync(dev int, pieces []cudart.CopyPiece, s cud
 	return r.Device.MemcpyBatchAsync(dev, pieces, s)
 }
 
-// startTierOwner serves dir on rt's device with a host tier of hostPages pages.
-func startTierOwner(t *testing.T, rt *tierRuntime, g kv.Geometry, hostPages int) (*owner.Owner, string) {
+// startTierOwner serves dir on rt's devices (nil: device 0) with a host tier of
+// hostPages pages on each.
+func startTierOwner(t *testing.T, rt *tierRuntime, g kv.Geometry, hostPages int, devices ...int) (*owner.Owner, string) {
 	t.Helper()
 	dir := shortDir(t)
-	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, HostBytes: uint64(hostPages) * owner.HostPageBytes(g)})
+	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, Devices: devices, NoAnnounce: true, HostBytes: uint64(hostPages) * owner.HostPageBytes(g)})
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, o.Close(bound(t)))
@@ -291,6 +292,32 @@ func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain), "restored bytes differ from what was sealed")
 	require.NoError(t, r.Release(bound(t), rs, m))
 	require.Equal(t, uint64(64), host0(t, o).Restores)
+}
+
+// Each device has a host tier of its own: a replica of device 1 gets device 1's, and
+// device 1's evicted pages are restored there and counted there.
+func TestHostTierPerDevice(t *testing.T) {
+	rt := newTierRuntime(t)
+	o, dir := startTierOwner(t, rt, small, 64, 0, 1)
+	w, wdev, ws := dial(t, dir, 1)
+	tier, ok := w.HostTier()
+	require.True(t, ok)
+	require.Equal(t, 64, tier.Pages)
+	chain := sealedSpilled(t, o, wdev, w, ws, 64, 1)[1]
+	l, err := w.Alloc(bound(t), 64) // evicts the chain from device 1's slab
+	require.NoError(t, err)
+	require.NoError(t, w.Release(bound(t), ws, l))
+	r, rdev, rs := dial(t, dir, 1)
+	eventually(t, "the aborted write's pages to settle", func() bool { return o.Stats().Devices[1].Free == 64 })
+	m, err := r.Match(bound(t), chain, rs)
+	require.NoError(t, err)
+	require.Len(t, m.Pages(), 64)
+	require.NoError(t, check(rdev, r, rs, m.Pages(), chain))
+	require.NoError(t, r.Release(bound(t), rs, m))
+	st := o.Stats()
+	require.Equal(t, uint64(64), st.Devices[1].Host.Restores)
+	require.Zero(t, st.Devices[0].Host.Restores)
+	require.Zero(t, st.Devices[0].Host.Spills)
 }
 
 // TestGPUHostTier serves a slab of 64 llama-0.85b pages with a host tier on GPU 0: a
