@@ -164,10 +164,10 @@ func checkHostBytes(o Options) error {
 	if err != nil {
 		return fmt.Errorf("kv/owner: cannot size the host tier: %w", err)
 	}
-	total := o.HostBytes * uint64(max(len(o.Devices), 1))
-	if total > avail {
-		return fmt.Errorf("%w: host tiers of %s (%s on each of %d devices) are larger than the host's available memory, %s (MemAvailable)",
-			kv.ErrGeometry, humanize.IBytes(total), humanize.IBytes(o.HostBytes), max(len(o.Devices), 1), humanize.IBytes(avail))
+	devs := uint64(max(len(o.Devices), 1))
+	if o.HostBytes > avail/devs { // not o.HostBytes*devs > avail: that may overflow
+		return fmt.Errorf("%w: host tiers of %s on each of %d devices are larger than the host's available memory, %s (MemAvailable)",
+			kv.ErrGeometry, humanize.IBytes(o.HostBytes), devs, humanize.IBytes(avail))
 	}
 	return nil
 }

@@ -245,11 +245,16 @@ func TestSpillDoesNotBlockAMatch(t *testing.T) {
 func TestHostTierRefused(t *testing.T) {
 	rt := newTierRuntime(t)
 	dir := shortDir(t)
-	_, err := owner.Listen(dir, rt, owner.Options{Geometry: small, NoAnnounce: true, HostBytes: 1 << 60})
-	require.ErrorIs(t, err, kv.ErrGeometry)
-	require.ErrorContains(t, err, "larger than the host's available memory")
-	require.ErrorContains(t, err, "MemAvailable")
-	_, err = owner.Listen(dir, rt, owner.Options{Geometry: small, NoAnnounce: true, HostBytes: 100})
+	for _, c := range []struct {
+		bytes   uint64
+		devices []int
+	}{{1 << 60, nil}, {1 << 63, []int{0, 1}}} { // the second's total overflows a uint64
+		_, err := owner.Listen(dir, rt, owner.Options{Geometry: small, NoAnnounce: true, HostBytes: c.bytes, Devices: c.devices})
+		require.ErrorIs(t, err, kv.ErrGeometry, "%d bytes on %v", c.bytes, c.devices)
+		require.ErrorContains(t, err, "larger than the host's available memory")
+		require.ErrorContains(t, err, "MemAvailable")
+	}
+	_, err := owner.Listen(dir, rt, owner.Options{Geometry: small, NoAnnounce: true, HostBytes: 100})
 	require.ErrorIs(t, err, kv.ErrGeometry)
 	require.ErrorContains(t, err, "holds no page")
 
