@@ -60,6 +60,9 @@ const spillBatch = 512
 // slab and an eighth of the tier bound it too: the copies ahead hold host pages twice.
 const maxAhead = 8192
 
+// rescanEvery is how often a pick starts from the LRU tail however far the mark got.
+const rescanEvery = 64
+
 // hostTier is one device's host tier. Everything but the fields set at Listen is
 // guarded by the Owner's mu.
 type hostTier struct {
@@ -86,6 +89,10 @@ type hostTier struct {
 	// a host page, instead of being lost.
 	capture    bool
 	evictedNow spillTask
+
+	mark     uint32 // the most recent slab page a pick examined, or none (pickSpillLocked)
+	markSeen int    // the evictable pages from the tail to the mark, when examined
+	picks    uint64 // picks made
 
 	kick chan struct{}
 	want bool // pages were sealed since the spiller last looked for pages to copy
@@ -181,7 +188,7 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 	if n > uint64(none-2) {
 		n = uint64(none - 2)
 	}
-	t := &hostTier{s: s, fd: -1, pageBytes: pb, index: make(map[kv.Hash]uint32), head: none, tail: none,
+	t := &hostTier{s: s, fd: -1, pageBytes: pb, index: make(map[kv.Hash]uint32), head: none, tail: none, mark: none,
 		pages: make([]hostPage, n), free: make([]uint32, n), twin: make([]uint32, len(s.pages)),
 		kick: make(chan struct{}, 1)}
 	for i := range t.free {
@@ -361,6 +368,9 @@ func (t *hostTier) link(gp, hp uint32) {
 func (t *hostTier) evicted(gp uint32, h kv.Hash) {
 	hp := t.twin[gp]
 	t.twin[gp] = none
+	if t.markSeen > 0 {
+		t.markSeen-- // evictions take the tail, below the mark
+	}
 	if hp != none && hp != filling { // filling cannot be: a page being copied out is held
 		t.pages[hp].gpu = none
 		t.touch(hp)
@@ -556,33 +566,58 @@ func (o *Owner) spiller(ctx context.Context, t *hostTier) {
 }
 
 // pickSpillLocked fills task with up to spillBatch sealed GPU pages without a host
-// copy among the t.ahead least recent evictable ones, and host pages for them, under o.mu. Each GPU
-// page is held (a reader) until its copy has completed. A page whose hash the host
-// tier holds already is linked to it, without a copy.
+// copy among the t.ahead least recent evictable ones, and host pages for them, under
+// o.mu. Each GPU page is held (a reader) until its copy has completed. A page whose
+// hash the host tier holds already is linked to it, without a copy.
+//
+// It goes on from t.mark, the most recent page an earlier pick examined, rather than
+// from the LRU tail: pages enter the list at its head only, so what lies below the
+// mark was examined, and a pick costs the pages it adds, not a walk of the whole
+// window under o.mu at every seal (BenchmarkPickSpill). The mark is dropped when its page leaves the list, and the next pick starts
+// from the tail, as does every rescanEvery'th: markSeen only guesses once pages below
+// the mark leave the list other than by eviction, and a page below the mark that
+// becomes evictable again (its readers gone) is not copied ahead until then (its
+// eviction copies it meanwhile, takeLocked).
 func (o *Owner) pickSpillLocked(t *hostTier, task *spillTask) {
 	s := t.s
 	task.gpu, task.host, task.hashes = task.gpu[:0], task.host[:0], task.hashes[:0]
-	seen := 0
-	for p := s.tail; p != none && seen < t.ahead && len(task.gpu) < spillBatch; p = s.pages[p].prev {
+	t.picks++
+	if t.picks%rescanEvery == 0 {
+		t.mark, t.markSeen = none, 0
+	}
+	p, seen := s.tail, 0
+	if t.mark != none {
+		p, seen = s.pages[t.mark].prev, t.markSeen
+	}
+	for ; p != none && seen < t.ahead && len(task.gpu) < spillBatch; p = s.pages[p].prev {
 		if !s.evictable(p) {
+			t.mark = p
 			continue // leased: it stays in the slab, and so does its copy, if any
 		}
+		if t.twin[p] == none {
+			h := s.pages[p].hash
+			if hp, ok := t.index[h]; ok {
+				t.link(p, hp)
+			} else {
+				hp, ok := t.take()
+				if !ok {
+					return
+				}
+				t.twin[p] = filling
+				s.pages[p].readers++
+				task.gpu, task.host, task.hashes = append(task.gpu, p), append(task.host, hp), append(task.hashes, h)
+			}
+		}
 		seen++
-		if t.twin[p] != none {
-			continue
-		}
-		h := s.pages[p].hash
-		if hp, ok := t.index[h]; ok {
-			t.link(p, hp)
-			continue
-		}
-		hp, ok := t.take()
-		if !ok {
-			return
-		}
-		t.twin[p] = filling
-		s.pages[p].readers++
-		task.gpu, task.host, task.hashes = append(task.gpu, p), append(task.host, hp), append(task.hashes, h)
+		t.mark, t.markSeen = p, seen
+	}
+}
+
+// unlinked is told that the slab takes page p out of its LRU list (evicted, or
+// touched to its head): if p is the mark, the next pick starts from the tail.
+func (t *hostTier) unlinked(p uint32) {
+	if p == t.mark {
+		t.mark, t.markSeen = none, 0
 	}
 }
 

@@ -60,7 +60,12 @@ func newSlab(dev, pages int) *slab {
 }
 
 // unlink takes sealed page p out of the LRU list.
-func (s *slab) unlink(p uint32) { lruRemove(&s.head, &s.tail, p, s.links) }
+func (s *slab) unlink(p uint32) {
+	if s.tier != nil {
+		s.tier.unlinked(p)
+	}
+	lruRemove(&s.head, &s.tail, p, s.links)
+}
 
 // pushFront makes p the most recent page of the LRU list; p must not be in it.
 func (s *slab) pushFront(p uint32) { lruPushFront(&s.head, &s.tail, p, s.links) }
