@@ -295,15 +295,24 @@ def _pool_options(name: Optional[str] = None, handle_type: str = "posix-fd", max
 
 
 class _Handle:
-    """An object of the library, known by its handle; 0 once closed."""
+    """An object of the library, known by its handle; 0 once closed. As a context
+    manager it is closed at the end of the with block; a block that raised keeps its
+    own exception: a close that fails then (a Pool whose buffers are still live is
+    Busy) leaves the object open instead of hiding the cause."""
 
     _h = 0
 
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CudapoolError:
+            pass  # the block's exception is the one to see; this object stays open
 
     def close(self) -> None:
         raise NotImplementedError

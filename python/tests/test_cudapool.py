@@ -101,6 +101,18 @@ class PoolTest(unittest.TestCase):
         with self.assertRaises(cudapool.ForeignPointer):
             cudapool.free(ptr)  # force-closing released it
 
+    def test_an_error_inside_with_is_not_hidden_by_busy(self):
+        """A with block that fails with a buffer still live raises its own error, not
+        the Busy of the close that __exit__ could not do (the README's example once
+        showed Busy where its consumer had died)."""
+        p = None
+        with self.assertRaises(KeyError):
+            with cudapool.Pool(0) as p:
+                p.alloc(MiB)
+                raise KeyError("the cause")
+        self.assertEqual(p.stats().live_buffers, 1, "the pool is left open with its buffer")
+        p.close(force=True)
+
     def test_local_pool_does_not_round(self):
         with cudapool.Pool(0, handle_type="none") as p:
             ptr = p.alloc(1000)
