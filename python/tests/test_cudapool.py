@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 import unittest
 
@@ -74,6 +76,43 @@ class RuntimeTest(unittest.TestCase):
             cudapool.stream_handle("stream")
         with self.assertRaises(ValueError):
             cudapool.stream_handle(-1)
+
+
+def fresh_python(test, code, **env):
+    """Runs code in a new Python process whose environment has none of the helpers'
+    settings (CUDAPOOL_RUNTIME, CUDAPOOL_DIR) plus env; returns its stdout."""
+    e = {k: v for k, v in os.environ.items() if k not in ("CUDAPOOL_RUNTIME", "CUDAPOOL_DIR")}
+    e["PYTHONPATH"] = os.path.dirname(os.path.dirname(cudapool.__file__))
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    test.assertEqual(out.returncode, 0, "child failed:\n%s%s" % (out.stdout, out.stderr))
+    return out
+
+
+class RuntimeChoiceTest(unittest.TestCase):
+    def test_environment_set_before_the_first_call_is_read(self):
+        """N11: CUDAPOOL_RUNTIME set in os.environ before the first call chooses the
+        runtime, whatever that call is, not only cudapool.init()."""
+        for first in ("cudapool.runtime_info()", "cudapool.Pool(0).close()", "cudapool.Stream(0).close()"):
+            out = fresh_python(self, "import os, cudapool\n"
+                                     "os.environ['CUDAPOOL_RUNTIME'] = 'test'\n"
+                                     "%s\n"
+                                     "print(cudapool.runtime_info().on_gpu)\n" % first)
+            self.assertEqual(out.stdout.strip(), "False", "first call %s" % first)
+
+    def test_no_runtime_gives_python_advice(self):
+        """Without a GPU, NoRuntime says what a Python caller can do (cudapool.init,
+        $CUDAPOOL_RUNTIME), not what a Go program would."""
+        out = fresh_python(self, "import cudapool\n"
+                                 "try:\n"
+                                 "    print('gpu', cudapool.runtime_info().on_gpu)\n"
+                                 "except cudapool.NoRuntime as e:\n"
+                                 "    print(e)\n")
+        if out.stdout.startswith("gpu True"):
+            self.skipTest("a GPU is there: no NoRuntime to read")
+        self.assertIn('cudapool.init("auto")', out.stdout)
+        self.assertIn("CUDAPOOL_RUNTIME=auto", out.stdout)
+        self.assertNotIn("import github.com", out.stdout)
 
 
 class PoolTest(unittest.TestCase):
