@@ -29,8 +29,11 @@
  *    bound (Python's timeout=None or 0). A call that runs out of time fails with
  *    CUDAPOOL_ETIMEOUT and holds nothing; cudapool_exporter_close is the one exception,
  *    CUDAPOOL_EABANDONED, which says what it left behind.
- *  - Sizes and lengths are unsigned; one larger than the library can address (a
- *    SIZE_MAX length) fails with CUDAPOOL_EINVAL.
+ *  - Sizes, lengths and counts are unsigned and checked before anything is read: one
+ *    over the call's limit (CUDAPOOL_MAX_BATCH, CUDAPOOL_KV_MAX_BATCH,
+ *    CUDAPOOL_KV_MAX_NAMESPACE, CUDAPOOL_MAX_META, ...) or larger than the library can
+ *    address (a SIZE_MAX length) fails with CUDAPOOL_EINVAL, and outputs are left as
+ *    they were. An output's capacity larger than its buffer is the caller's word.
  *  - The library writes nothing to stderr or anywhere else unless asked: see
  *    cudapool_set_log.
  *  - The library holds a Go runtime, which cannot survive fork(): in a child forked
@@ -427,6 +430,7 @@ typedef struct { uint64_t h; } cudapool_kv_replica;
 
 #define CUDAPOOL_KV_HASH_BYTES 16  /* a prefix hash */
 #define CUDAPOOL_KV_MAX_BATCH 4096 /* pages, hashes or leases in one request */
+#define CUDAPOOL_KV_MAX_NAMESPACE 4096 /* bytes of a namespace (ns_len) */
 
 enum cudapool_kv_dtype {
 	CUDAPOOL_KV_BF16 = 1,
@@ -456,8 +460,8 @@ typedef struct {
 } cudapool_kv_geometry;
 
 /* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
- * and maps its slab for device. ns (ns_len bytes, may be NULL when 0) is the namespace
- * the prefix hashes start from. flags: CUDAPOOL_KV_*. With no owner there it fails
+ * and maps its slab for device. ns (ns_len bytes, at most CUDAPOOL_KV_MAX_NAMESPACE;
+ * may be NULL when 0) is the namespace the prefix hashes start from. flags: CUDAPOOL_KV_*. With no owner there it fails
  * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). A process holds one replica of
  * an owner at a time: close it before dialing the same owner again. */
 int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
@@ -469,7 +473,8 @@ int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
 /* cudapool_kv_hashes writes the prefix hash of each full page of tokens
  * (n_tokens / tokens_per_page of them, CUDAPOOL_KV_HASH_BYTES each) into hashes_out,
  * which has room for cap_hashes; *n_hashes is their number. On CUDAPOOL_ERANGE
- * nothing is written and *n_hashes is the number needed. */
+ * nothing is written and *n_hashes is the number needed. n_tokens of 2^29 or more (2 GiB of
+ * tokens) fails with CUDAPOOL_EINVAL, *n_hashes untouched. */
 int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,
                        size_t cap_hashes, size_t *n_hashes);
 /* cudapool_kv_alloc leases n pages for writing: their indices go to pages (room for

@@ -205,7 +205,10 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if out == nil {
 		return fail(invalid("replica is NULL"))
 	}
-	if nsLen > 0 && ns == nil {
+	switch {
+	case nsLen > C.CUDAPOOL_KV_MAX_NAMESPACE:
+		return fail(invalid("ns_len %d is over CUDAPOOL_KV_MAX_NAMESPACE (%d bytes)", uint64(nsLen), C.CUDAPOOL_KV_MAX_NAMESPACE))
+	case nsLen > 0 && ns == nil:
 		return fail(invalid("ns is NULL with ns_len %d", uint64(nsLen)))
 	}
 	if flags&^kvDialWaitForOwner != 0 {
@@ -302,6 +305,8 @@ func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.ui
 		return fail(invalid("n_hashes is NULL"))
 	case nTokens > 0 && tokens == nil:
 		return fail(invalid("tokens is NULL with n_tokens %d", uint64(nTokens)))
+	case uint64(nTokens) > maxLen/4:
+		return fail(invalid("n_tokens %d is more than the %d tokens the library takes", uint64(nTokens), maxLen/4))
 	}
 	k, err := kvGet(h)
 	if err != nil {
@@ -312,7 +317,7 @@ func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.ui
 	if need == 0 {
 		return statusOK
 	}
-	if out == nil || int(capHashes) < need {
+	if out == nil || uint64(capHashes) < uint64(need) {
 		return fail(fmt.Errorf("%w: %d hashes needed, room for %d", errRange, need, uint64(capHashes)))
 	}
 	// The hashes go straight into the caller's buffer: it has room for them all.
