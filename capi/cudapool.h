@@ -424,7 +424,10 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
  * every call that needs it fails with CUDAPOOL_EGONE. Counts over
  * CUDAPOOL_KV_MAX_BATCH, and requests that do not fit the geometry, fail with
  * CUDAPOOL_EINVAL, as do NULL outputs; a call refused so leases and releases nothing,
- * and a refused seal or release keeps its leases. */
+ * and a refused seal or release keeps its leases. A seal or release that ran out of
+ * time (CUDAPOOL_ETIMEOUT) holds nothing: its leases are given back (after the
+ * stream's work so far) whether or not the owner saw the call, and naming them again
+ * fails with CUDAPOOL_ESTALE. */
 
 typedef struct { uint64_t h; } cudapool_kv_replica;
 

@@ -13,6 +13,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/consumer"
@@ -51,6 +52,10 @@ type kvReplica struct {
 	doneR    *os.File // readable (at EOF) once the owner is gone
 	doneErr  error
 	closed   chan struct{} // closed by close, the handle's last use
+}
+
+func newKVReplica(r *replica.Replica, ns string, device int) *kvReplica {
+	return &kvReplica{r: r, ns: ns, device: device, leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
 }
 
 // gone is why the replica cannot make requests (its owner is gone: an error wrapping
@@ -241,8 +246,7 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvReplica{r: r, ns: namespace, device: int(device), leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
-	*out = C.uint64_t(kvReplicas.add(k))
+	*out = C.uint64_t(kvReplicas.add(newKVReplica(r, namespace, int(device))))
 	return statusOK
 }
 
@@ -363,26 +367,8 @@ func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s 
 		return fail(err)
 	}
 	defer cancel()
-	ls, err := k.take([]uint64{uint64(id)})
+	res, err := k.seal(ctx, uint64(id), hs, cudart.Stream(s), wait != 0)
 	if err != nil {
-		return fail(err)
-	}
-	l := ls[0]
-	if !l.Writable() {
-		k.put(l)
-		return fail(invalid("lease %#x is a read lease (from a match): only a write lease is sealed", uint64(id)))
-	}
-	if len(hs) > len(l.Pages()) {
-		k.put(l)
-		return fail(fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hs), len(l.Pages())))
-	}
-	var opts []replica.SealOption
-	if wait != 0 {
-		opts = append(opts, replica.WaitVisible())
-	}
-	res, err := k.r.Seal(ctx, l, hs, cudart.Stream(s), opts...)
-	if err != nil {
-		keepUnlessEnded(k, err, l)
 		return fail(err)
 	}
 	if visible != nil {
@@ -392,6 +378,32 @@ func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s 
 		*duplicates = C.uint32_t(res.Duplicates)
 	}
 	return statusOK
+}
+
+// seal seals the write lease id under hs after s's work (cudapool_kv_seal).
+func (k *kvReplica) seal(ctx context.Context, id uint64, hs []kv.Hash, s cudart.Stream, wait bool) (replica.SealResult, error) {
+	ls, err := k.take([]uint64{id})
+	if err != nil {
+		return replica.SealResult{}, err
+	}
+	l := ls[0]
+	if !l.Writable() {
+		k.put(l)
+		return replica.SealResult{}, invalid("lease %#x is a read lease (from a match): only a write lease is sealed", id)
+	}
+	if len(hs) > len(l.Pages()) {
+		k.put(l)
+		return replica.SealResult{}, fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hs), len(l.Pages()))
+	}
+	var opts []replica.SealOption
+	if wait {
+		opts = append(opts, replica.WaitVisible())
+	}
+	res, err := k.r.Seal(ctx, l, hs, s, opts...)
+	if err != nil {
+		k.afterFailure(err, s, l)
+	}
+	return res, err
 }
 
 //export cpgo_kv_match
@@ -442,27 +454,46 @@ func cpgo_kv_release(h C.uint64_t, leases *C.uint64_t, n C.size_t, s C.uintptr_t
 		return fail(err)
 	}
 	defer cancel()
-	ls, err := k.take(unsafe.Slice((*uint64)(unsafe.Pointer(leases)), int(n)))
-	if err != nil {
-		return fail(err)
-	}
-	err = k.r.Release(ctx, cudart.Stream(s), ls...)
-	if err != nil {
-		keepUnlessEnded(k, err, ls...)
-	}
-	return result(err)
+	return result(k.release(ctx, unsafe.Slice((*uint64)(unsafe.Pointer(leases)), int(n)), cudart.Stream(s)))
 }
 
-// keepUnlessEnded keeps the leases of a seal or release that failed, unless the owner
-// is gone: a seal that failed before it reached the owner (its event could not be
-// recorded) or a release refused whole (one stale lease among them) leaves them
-// held, and one the owner did end makes their next use fail as stale there.
-func keepUnlessEnded(k *kvReplica, err error, ls ...*replica.Lease) {
-	if errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed) {
-		return
+// release gives back the leases ids names after s's work (cudapool_kv_release).
+func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) error {
+	ls, err := k.take(ids)
+	if err != nil {
+		return err
 	}
-	k.put(ls...)
+	err = k.r.Release(ctx, s, ls...)
+	if err != nil {
+		k.afterFailure(err, s, ls...)
+	}
+	return err
 }
+
+// afterFailure settles the leases of a seal or release that failed with err:
+//   - the owner is gone or the replica closed: they are gone with it;
+//   - the call ran out of time: it may have reached the owner, which then ended them,
+//     or not. The C call holds nothing either way (CUDAPOOL_ETIMEOUT's promise), so
+//     the table forgets them and they are released again after s, with a bound of
+//     their own: the owner ends those it still holds and refuses the rest as stale,
+//     an answer no one needs;
+//   - else (the seal's event could not be recorded, a release refused whole for one
+//     stale lease among them) the owner ended none: they are kept.
+func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Lease) {
+	switch {
+	case errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed):
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
+		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
+		defer cancel()
+		_ = k.r.Release(ctx, s, ls...) // the usual answer is stale: the owner had ended them
+	default:
+		k.put(ls...)
+	}
+}
+
+// giveBackTimeout bounds the release that follows a seal or release that ran out of
+// time: its answer is waited for no longer (it is read and dropped later).
+const giveBackTimeout = 100 * time.Millisecond
 
 //export cpgo_kv_done_fd
 func cpgo_kv_done_fd(h C.uint64_t, fd *C.int) (rc C.int) {
