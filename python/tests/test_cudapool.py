@@ -115,6 +115,52 @@ class RuntimeChoiceTest(unittest.TestCase):
         self.assertNotIn("import github.com", out.stdout)
 
 
+DLPACK_CONSUMER = """
+import ctypes, sys
+from cudapool import _dlpack
+
+get = ctypes.pythonapi.PyCapsule_GetPointer
+get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+
+
+class Consumer:
+    # What torch.from_dlpack keeps of a capsule: the managed tensor, whose deleter it
+    # calls when the tensor goes, which at exit can be after cudapool's modules went.
+    def __init__(self, cap):
+        self.m = ctypes.cast(get(cap, b"dltensor"), ctypes.POINTER(_dlpack.DLManagedTensor))
+
+    def __del__(self):
+        self.m.contents.deleter(self.m)
+
+
+class Owner:
+    pass
+
+
+held = [Consumer(_dlpack.capsule(Owner(), 0x1000, 0, _dlpack.dtype_of("<f4"), (4,), None, 4)) for _ in range(3)]
+if sys.argv[1:] == ["torn-down"]:
+    # As the interpreter's exit tears a module down: its globals go first.
+    _dlpack.__dict__.clear()
+    held.clear()
+print("ok")
+"""
+
+
+class DLPackExitTest(unittest.TestCase):
+    def test_deleter_after_the_module_is_gone_is_silent(self):
+        """A DLPack consumer that frees its tensors at exit calls the capsules' deleter
+        after cudapool's module globals are gone: it printed "Exception ignored on
+        calling ctypes callback function: _delete ... NameError: name '_alive' is not
+        defined" once per capsule. stderr must stay clean."""
+        for how in ("exit", "torn-down"):
+            e = {k: v for k, v in os.environ.items() if k not in ("CUDAPOOL_RUNTIME", "CUDAPOOL_DIR")}
+            e["PYTHONPATH"] = os.path.dirname(os.path.dirname(cudapool.__file__))
+            out = subprocess.run([sys.executable, "-c", DLPACK_CONSUMER, how], env=e, capture_output=True,
+                                 text=True, timeout=CHILD_TIMEOUT)
+            self.assertEqual((out.returncode, out.stdout.strip()), (0, "ok"), out.stderr)
+            self.assertEqual(out.stderr, "", how)
+
+
 class PoolTest(unittest.TestCase):
     def test_alloc_copy_free_stats(self):
         with cudapool.Pool(0, name="py-pool") as p, cudapool.Stream(0) as s:
