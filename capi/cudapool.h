@@ -25,10 +25,16 @@
  *    header keeps working with a newer library. NULL options are the defaults.
  *  - Device memory is a plain pointer (void *); streams are cudaStream_t passed as
  *    void * (NULL is the legacy default stream).
- *  - Calls that wait take timeout_ms: the most they wait, in milliseconds; 0 means no
- *    bound (Python's timeout=None or 0). A call that runs out of time fails with
- *    CUDAPOOL_ETIMEOUT and holds nothing; cudapool_exporter_close is the one exception,
- *    CUDAPOOL_EABANDONED, which says what it left behind.
+ *  - Calls that wait take timeout_ms: the most they wait, in milliseconds. 0 means no
+ *    bound (Python's timeout=None). CUDAPOOL_NO_WAIT (-1) means do not wait for
+ *    anything to change (Python's timeout=0): the wait flags are off for the call
+ *    (CUDAPOOL_DIAL_WAIT_FOR_EXPORTER, CUDAPOOL_OPEN_WAIT_FOR_NAME,
+ *    CUDAPOOL_KV_WAIT_FOR_OWNER), so what is not there fails at once as without them,
+ *    and the rest, a live peer's answer or a free a wait_for_memory pool waits for, is
+ *    bounded by one second. Other negative values fail with CUDAPOOL_EINVAL. A
+ *    call that runs out of time fails with CUDAPOOL_ETIMEOUT and holds nothing;
+ *    cudapool_exporter_close is the one exception, CUDAPOOL_EABANDONED, which says
+ *    what it left behind.
  *  - Sizes, lengths and counts are unsigned and checked before anything is read: one
  *    over the call's limit (CUDAPOOL_MAX_BATCH, CUDAPOOL_KV_MAX_BATCH,
  *    CUDAPOOL_KV_MAX_NAMESPACE, CUDAPOOL_MAX_META, ...) or larger than the library can
@@ -56,6 +62,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* timeout_ms: do not wait (see the conventions above). */
+#define CUDAPOOL_NO_WAIT (-1)
 
 /* The version of this header. A library of the same major version and a minor version
  * at least this one has every call declared here (cudapool_version). */

@@ -239,7 +239,7 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 		return fail(err)
 	}
 	opts := []replica.Option{replica.WithNamespace(namespace)}
-	if flags&kvDialWaitForOwner != 0 {
+	if flags&kvDialWaitForOwner != 0 && !noWait(ctx) {
 		opts = append(opts, replica.WithWaitForOwner())
 	}
 	r, err := replica.Dial(ctx, d, rt, int(device), opts...)

@@ -235,7 +235,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_alloc((cudapool_pool){0}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_alloc((cudapool_pool){0xdeadbeefcafe}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_alloc((cudapool_pool){pool.h + 1}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
-	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, -1, &p), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, -2, &p), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, 0, &p), CUDAPOOL_OK);
 	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, 0, &q), CUDAPOOL_OK);
 	EXPECT(cudapool_free(NULL, NULL), CUDAPOOL_EINVAL);
@@ -305,7 +305,15 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_exporter_publish(ex, "a", p, 0, NULL, NULL, 0), CUDAPOOL_EEXIST);
 	EXPECT(cudapool_exporter_unpublish(ex, "nope"), CUDAPOOL_ENOTFOUND);
 	EXPECT(cudapool_exporter_push(ex, 1, "a", 1000), CUDAPOOL_ENOTFOUND); // no such peer
-	EXPECT(cudapool_exporter_push(ex, 1, "a", -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_push(ex, 1, "a", -2), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_push(ex, 1, "a", INT64_MIN), CUDAPOOL_EINVAL);
+	// CUDAPOOL_NO_WAIT: the wait flag is off, so an exporter not there yet is EGONE at once.
+	cudapool_dial_options wait_opts;
+	cudapool_dial_options_default(&wait_opts);
+	wait_opts.flags = CUDAPOOL_DIAL_WAIT_FOR_EXPORTER;
+	cudapool_importer nobody;
+	EXPECT(cudapool_importer_dial("/tmp/cudapool-abi-nobody.sock", 0, &wait_opts, CUDAPOOL_NO_WAIT, &nobody),
+	       CUDAPOOL_EGONE);
 	EXPECT(cudapool_exporter_state(ex, buf, 4, &len), CUDAPOOL_ERANGE);
 	checks++;
 	if (len <= 4) {
@@ -325,7 +333,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_importer_dial("/nonexistent/x.sock", 0, &dopts, 100, &imp), CUDAPOOL_ETIMEOUT);
 	dopts.flags = 0x40;
 	EXPECT(cudapool_importer_dial(sock, 0, &dopts, 1000, &imp), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_importer_dial(sock, 0, NULL, -1, &imp), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_importer_dial(sock, 0, NULL, -2, &imp), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 1000, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 5000, &imp), CUDAPOOL_ENOTSUP); // its own export
 	CHECKF(strstr(cudapool_last_error(), "own") != NULL, "own export: %s", cudapool_last_error());

@@ -29,7 +29,7 @@ int main(void) {
 	EXPECT(cudapool_kv_dial(NULL, 0, "c", 1, 0, 60000, &r), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_dial(dir, 0, NULL, 1, 0, 60000, &r), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0x10, 60000, &r), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0, -1, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0, -2, &r), CUDAPOOL_EINVAL);
 	// N6: lengths are checked before anything is read (SIZE_MAX aborted the process,
 	// 2^32+3 cut the namespace to 3 bytes).
 	EXPECT(cudapool_kv_dial(dir, 0, "c", SIZE_MAX, 0, 60000, &r), CUDAPOOL_EINVAL);
@@ -163,7 +163,7 @@ int main(void) {
 	bad.h = pool.h; // a live handle of another kind
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_pool_close(pool, 1, 10000), CUDAPOOL_OK);
-	EXPECT(cudapool_kv_close(r, -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_close(r, -2), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_OK);
 	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_kv_alloc(r, 1, 10000, &w, pages), CUDAPOOL_EHANDLE);

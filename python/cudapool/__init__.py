@@ -16,8 +16,10 @@ StridedMemoryView):
 
 Every call that takes a stream takes the caller's: an int (cudaStream_t), a torch,
 CuPy or cuda.core stream, or anything with __cuda_stream__; None is the legacy default
-stream. Every call that waits takes a timeout in seconds (None or 0: no bound, as 0 is
-in C). Only the standard library is needed; cudapool.torch holds the PyTorch helpers.
+stream. Every call that waits takes a timeout in seconds, by Python's convention:
+None is no bound, and 0 is do not wait, as in threading and queue: what is not there
+yet (an exporter, a name) fails at once as without wait=True, and a live exporter's
+answer is waited for at most a second. Only the standard library is needed; cudapool.torch holds the PyTorch helpers.
 
 The runtime is the GPU unless asked otherwise: init("auto") falls back to cudapool's
 software device where no GPU is (and says so), init("test") always uses it, and so does

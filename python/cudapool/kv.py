@@ -31,7 +31,7 @@ from . import _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
 __all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Replica", "prefix_hashes", "root",
-           "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "NoSpace", "StaleLease", "Gone", "Closed"]
+           "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "REPLICA_TIMEOUT", "NoSpace", "StaleLease", "Gone", "Closed"]
 
 HASH_BYTES = 16
 MAX_BATCH = 4096  # pages (or hashes, or leases) per request
@@ -264,6 +264,17 @@ _lib_kv = None
 _load_lock = threading.Lock()
 
 
+class _ReplicaTimeout:
+    """The default of every Replica call's timeout: the Replica's own (its constructor's
+    timeout). None is no bound and 0 do not wait, as everywhere in cudapool."""
+
+    def __repr__(self):
+        return "<the replica's timeout>"
+
+
+REPLICA_TIMEOUT = _ReplicaTimeout()
+
+
 def _kvlib():
     """The library with the KV calls' prototypes set (once)."""
     global _lib_kv
@@ -320,7 +331,8 @@ class Replica:
     """A replica of the KV page pool's owner serving dir (its kv.sock and slab.sock), on
     device: the owner's slab for that device mapped into this process, and page leases.
     namespace seeds the prefix hashes (replicas match only pages of their own
-    namespace); timeout bounds the dial and is every call's default; wait_for_owner
+    namespace); timeout (seconds; None: no bound, 0: do not wait) bounds the dial and
+    is every call's default (REPLICA_TIMEOUT); wait_for_owner
     waits (up to timeout) for an owner that has not started yet (Gone without it, or
     Timeout). Methods are safe for concurrent use. A process holds one Replica of an
     owner at a time. Close it (or use it as a context manager): the slab is unmapped,
@@ -375,7 +387,7 @@ class Replica:
         self.close()
 
     def _ms_of(self, timeout):
-        return self._ms if timeout is None else _lib.timeout_ms(timeout)
+        return self._ms if timeout is REPLICA_TIMEOUT else _lib.timeout_ms(timeout)
 
     @property
     def alive(self):
@@ -408,7 +420,7 @@ class Replica:
         self._call("cudapool_kv_hashes", raw if n_tokens else None, n_tokens, out, cap, ctypes.byref(n))
         return Hashes(out.raw[:n.value * HASH_BYTES])
 
-    def alloc(self, n, timeout=None):
+    def alloc(self, n, timeout=REPLICA_TIMEOUT):
         """Leases n free (or evicted) pages for writing: all of them or none (NoSpace)."""
         n = _count(n, "n")
         mine = self._busy.acquire(False)
@@ -421,7 +433,7 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def seal(self, lease, hashes, stream=None, wait=False, timeout=None):
+    def seal(self, lease, hashes, stream=None, wait=False, timeout=REPLICA_TIMEOUT):
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
@@ -434,7 +446,7 @@ class Replica:
                    ctypes.byref(visible), ctypes.byref(dup))
         return SealResult(visible.value, dup.value)
 
-    def match(self, hashes, stream=None, timeout=None):
+    def match(self, hashes, stream=None, timeout=REPLICA_TIMEOUT):
         """Leases for reading the longest run of visible pages under hashes from the
         first: a Lease of len 0 (and id 0, holding nothing) if the first is not visible.
         Work queued on stream after the call may read them; release them after it."""
@@ -452,7 +464,7 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def release(self, *leases, stream=None, timeout=None):
+    def release(self, *leases, stream=None, timeout=REPLICA_TIMEOUT):
         """Gives leases back once the work queued on stream before the call has
         completed: a page is not evicted or reused before. A lease already released,
         sealed or another replica's raises StaleLease, and then none is released."""
@@ -475,7 +487,7 @@ class Replica:
         arr = (_lib.u64 * len(ids))(*ids)
         self._call("cudapool_kv_release", arr, len(ids), _stream(stream), self._ms_of(timeout))
 
-    def stats(self, timeout=None):
+    def stats(self, timeout=REPLICA_TIMEOUT):
         """The owner's statistics: per device its pages by state (free, writing,
         sealing, sealed, settling; leased, releasing) and counters (hits, misses,
         evictions, seals, duplicates, copied), per replica its leases and pages."""
@@ -501,7 +513,7 @@ class Replica:
             whole = whole.view(dtype)
         return [(whole[i, 0], whole[i, 1]) for i in range(g.layers)]
 
-    def close(self, timeout=None):
+    def close(self, timeout=REPLICA_TIMEOUT):
         """Gives every lease back, unmaps the slab and hangs up; a second close does
         nothing."""
         if self._r.h:

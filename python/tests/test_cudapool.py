@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import unittest
 
@@ -409,6 +410,58 @@ class BadInputTest(unittest.TestCase):
             self.assertEqual(ex.state().name, "small")
 
 
+def bounded(test, call, bound=10):
+    """Runs call in a thread; returns the exception it raised (None if none), failing
+    test if it has not returned within bound seconds."""
+    got = []
+
+    def run():
+        try:
+            call()
+            got.append(None)
+        except BaseException as e:  # noqa: B902 (handed to the test)
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    test.assertFalse(t.is_alive(), "the call still waits after %d s" % bound)
+    return got[0]
+
+
+class TimeoutConventionTest(unittest.TestCase):
+    """Python's convention: timeout=0 is "do not wait" (threading.Event.wait(0),
+    queue.get(timeout=0)): what is not there fails at once, as without wait=True; None
+    is no bound. The C ABI's 0 is no bound and CUDAPOOL_NO_WAIT (-1) is Python's 0."""
+
+    def test_conversion(self):
+        self.assertEqual(_lib.timeout_ms(None), 0)
+        self.assertEqual(_lib.timeout_ms(0), -1)
+        self.assertEqual(_lib.timeout_ms(0.0), -1)
+        self.assertEqual(_lib.timeout_ms(0.0001), 1)
+        self.assertEqual(_lib.timeout_ms(2.5), 2500)
+        with self.assertRaises(ValueError):
+            _lib.timeout_ms(-1)
+
+    def test_zero_does_not_wait_for_an_exporter(self):
+        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait=True))
+        self.assertIsInstance(e, cudapool.Gone, "no exporter is there: at once, as without wait")
+
+    def test_zero_does_not_wait_for_a_name(self):
+        path = socket_path("noname")
+        with cudapool.Exporter(path) as ex:
+            p, q = spawn(open_with_timeout_zero, path)
+            self.assertEqual(result_of(self, p, q), "NotFound")
+            del ex
+
+    def test_zero_does_not_wait_for_memory(self):
+        with cudapool.Pool(0, max_size=4 * MiB, wait_for_memory=True) as p:
+            a = p.alloc(4 * MiB)
+            e = bounded(self, lambda: p.alloc(MiB, timeout=0))
+            self.assertIsInstance(e, (cudapool.Timeout, cudapool.OutOfMemory))
+            cudapool.free(a)
+
+
 class SharingTest(unittest.TestCase):
     """A producer here, consumers in spawned processes."""
 
@@ -532,6 +585,18 @@ class SharingTest(unittest.TestCase):
         self.assertEqual([n.name for n in st.published], ["seen"])
         self.assertEqual(st.pid, os.getpid())
         cudapool.free(ptr)
+
+
+def open_with_timeout_zero(q, path):
+    try:
+        with cudapool.Importer(path, timeout=10) as imp:
+            try:
+                imp.open("never", timeout=0, wait=True).release()
+                q.put("opened")
+            except cudapool.NotFound:
+                q.put("NotFound")
+    except Exception as e:
+        q.put(failure(e))
 
 
 def torch_env_child(q):

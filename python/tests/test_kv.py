@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 from array import array
@@ -240,6 +241,30 @@ class PrefixHashTest(unittest.TestCase):
         self.assertEqual(h[::2], list(h)[::2])
 
 
+class TimeoutTest(unittest.TestCase):
+    def test_zero_does_not_wait_for_an_owner(self):
+        """timeout=0 is "do not wait" (Python's convention), not "no bound"."""
+        d = tempfile.mkdtemp(prefix="kv-nobody-")
+        got = []
+
+        def dial():
+            try:
+                kv.Replica(d, wait_for_owner=True, timeout=0).close()
+                got.append("dialed")
+            except Exception as e:
+                got.append(e)
+
+        t = threading.Thread(target=dial, daemon=True)
+        t.start()
+        t.join(10)
+        self.assertFalse(t.is_alive(), "timeout=0 waited for an owner 10 s")
+        self.assertIsInstance(got[0], cudapool.Gone, "no owner is there: at once, as without wait_for_owner")
+
+    def test_calls_default_to_the_replicas_timeout(self):
+        self.assertIs(kv.Replica.alloc.__defaults__[-1], kv.REPLICA_TIMEOUT)
+        self.assertIn("replica's timeout", repr(kv.REPLICA_TIMEOUT))
+
+
 class ReplicaTest(unittest.TestCase):
     """One owner of 64 pages per test; replicas here and in child processes."""
 
@@ -465,7 +490,7 @@ class ReplicaTest(unittest.TestCase):
             ("cudapool_kv_alloc", (r, kv.MAX_BATCH + 1, 0, ctypes.byref(lease), pages), 1, "over 4096"),
             ("cudapool_kv_alloc", (r, 1, 0, None, pages), 1, "lease is NULL"),
             ("cudapool_kv_alloc", (r, 1, 0, ctypes.byref(lease), None), 1, "pages is NULL"),
-            ("cudapool_kv_alloc", (r, 1, -1, ctypes.byref(lease), pages), 1, "negative"),
+            ("cudapool_kv_alloc", (r, 1, -2, ctypes.byref(lease), pages), 1, "negative"),
             ("cudapool_kv_match", (r, None, 3, None, 0, ctypes.byref(lease), pages, ctypes.byref(n)), 1, "NULL"),
             ("cudapool_kv_hashes", (r, None, 16, None, 0, ctypes.byref(n)), 1, "tokens is NULL"),
             ("cudapool_kv_release", (r, None, 2, None, 0), 1, "leases is NULL"),
