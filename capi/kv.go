@@ -16,8 +16,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
