@@ -11,9 +11,21 @@
 // every GPU, or device 0 on the software device. -bytes is each slab's size (64 MiB on
 // the software device and 4 GiB on a GPU by default), rounded down to whole pages;
 // -pages gives the page count instead; a slab is at most 4 GiB (owner.MaxSlabBytes), and a
-// larger one is refused at start. A second kvpoold on a DIR that a live one serves
-// fails, naming it. Exit status: 0 after a clean stop, 1 on failure, 2 for a bad command
-// line.
+// larger one is refused at start; -pages 0 is refused. A second kvpoold on a DIR that a
+// live one serves fails, naming it.
+//
+// SIGTERM or Ctrl-C stops it: every replica is told at once (its Done closes, Python's
+// alive turns False), and kvpoold waits up to -stop-wait (default 10s) for them to unmap
+// its slabs; a second signal stops it at once. Exit status:
+//
+//	0  a clean stop: every replica let go of the slabs within -stop-wait
+//	1  a failure (at start, or the runtime reported broken rules at the stop)
+//	2  a bad command line
+//	3  stopped, but replicas still mapped a slab when -stop-wait ended: each slab's
+//	   memory goes back to the driver once its last replica unmaps it or exits
+//
+// A replica that is told of the stop should close (release, unmap); one that keeps
+// the mapping past the wait makes the stop status 3, not 1: kvpoold did its part.
 package main
 
 import (
@@ -34,8 +46,10 @@ import (
 
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/pool"
 )
 
 func main() {
@@ -46,8 +60,17 @@ func main() {
 	os.Exit(code)
 }
 
-// closeTimeout bounds the stop: how long kvpoold waits for replicas to unmap its slabs.
-const closeTimeout = 10 * time.Second
+// defaultStopWait is -stop-wait's default: how long a stop waits for replicas to
+// unmap the slabs.
+const defaultStopWait = 10 * time.Second
+
+// The exit statuses (the command's doc).
+const (
+	exitOK        = 0
+	exitFailed    = 1
+	exitUsage     = 2
+	exitAbandoned = 3
+)
 
 // DefaultDir is where kvpoold serves without -dir: kv in export's announce directory.
 func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
@@ -57,6 +80,8 @@ type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
+	pagesSet                                    bool // -pages was given, 0 included
+	stopWait                                    time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (flags, bool) {
@@ -74,7 +99,17 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (instead of -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
+	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for replicas to unmap the slabs (exit status 3 if some still do)")
 	if err := fs.Parse(args); err != nil {
+		return f, false
+	}
+	fs.Visit(func(fl *flag.Flag) { f.pagesSet = f.pagesSet || fl.Name == "pages" })
+	switch {
+	case f.pagesSet && f.pages < 1:
+		fmt.Fprintf(stderr, "kvpoold: -pages %d: want at least 1 page (leave it out for the default slab size)\n", f.pages)
+		return f, false
+	case f.stopWait < 0:
+		fmt.Fprintf(stderr, "kvpoold: -stop-wait %v is negative\n", f.stopWait)
 		return f, false
 	}
 	if fs.NArg() > 0 {
@@ -104,10 +139,10 @@ func (f flags) geometry() (kv.Geometry, error) {
 
 // slabPages sets g.Pages from -pages or -bytes.
 func (f flags) slabPages(g kv.Geometry, onGPU bool) (kv.Geometry, error) {
-	if f.pages != 0 && f.bytes != "" {
+	if f.pagesSet && f.bytes != "" {
 		return g, errors.New("-pages and -bytes exclude each other")
 	}
-	if f.pages != 0 {
+	if f.pagesSet {
 		g.Pages = f.pages
 		return g, g.Validate()
 	}
@@ -159,48 +194,68 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	f, ok := parse(args, stderr)
 	if !ok {
-		return 2
+		return exitUsage
 	}
 	g, err := f.geometry()
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	picked, err := choose.Runtime(f.runtime)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	rt := picked.Runtime
 	if g, err = f.slabPages(g, picked.OnGPU); err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	n, err := rt.DeviceCount()
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	devs, err := deviceList(f.devices, n, picked.OnGPU)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g})
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s\n",
 		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why)
 	<-ctx.Done()
-	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
-	err = errors.Join(o.Close(cctx), choose.Violations(rt))
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", err)
-		return 1
+	closeErr, broken := o.Close(cctx), choose.Violations(rt)
+	switch {
+	case closeErr == nil && broken == nil:
+		fmt.Fprintln(stdout, "kvpoold: stopped")
+		return exitOK
+	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
+		fmt.Fprintf(stderr, "kvpoold: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
+		return exitAbandoned
 	}
-	fmt.Fprintln(stdout, "kvpoold: stopped")
-	return 0
+	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
+}
+
+// onlyAbandoned says whether every error joined in err is the abandoned leases of a
+// stop that ran out of -stop-wait (with the context's end and what the pools' close
+// says of the memory still mapped), and no other failure.
+func onlyAbandoned(err error) bool {
+	var joined interface{ Unwrap() []error }
+	if !errors.As(err, &joined) {
+		return errors.Is(err, producer.ErrAbandoned)
+	}
+	for _, e := range joined.Unwrap() {
+		if !errors.Is(e, producer.ErrAbandoned) && !errors.Is(e, context.DeadlineExceeded) && !errors.Is(e, pool.ErrBusy) {
+			return false
+		}
+	}
+	return true
 }

@@ -129,10 +129,16 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1KiB"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "0"}, // was taken as not given: a 64 MiB slab
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "-3"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-stop-wait", "-1s"},
 	} {
 		var out, errOut bytes.Buffer
-		code := run(context.Background(), args, &out, &errOut)
-		assert.Equal(t, 2, code, "%q: stderr %s", args, &errOut)
+		// Bounded: a command line taken as good serves until the context ends.
+		ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+		code := run(ctx, append(args, "-dir", shortDir(t)), &out, &errOut)
+		cancel()
+		assert.Equal(t, 2, code, "%q: stdout %s, stderr %s", args, &out, &errOut)
 		assert.NotEmpty(t, errOut.String(), "%q says why", args)
 	}
 }
@@ -180,4 +186,53 @@ func TestStopsOnSignals(t *testing.T) {
 			assert.Equal(t, "kvpoold: stopped\n", string(rest))
 		})
 	}
+}
+
+// TestStopWaitsForReplicasToLetGo: at a stop kvpoold tells its replicas at once and
+// waits up to -stop-wait for them to unmap its slabs. Replicas that close when told
+// make a clean stop, exit status 0.
+func TestStopWaitsForReplicasToLetGo(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8")
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	var closed []chan error
+	for range 2 {
+		r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0) // a runtime each, as two processes
+		require.NoError(t, err)
+		l, err := r.Alloc(ctx, 1)
+		require.NoError(t, err)
+		_ = l // held at the stop: the owner ends it
+		c := make(chan error, 1)
+		go func() {
+			<-r.Done() // told the owner stops
+			c <- r.Close(ctx)
+		}()
+		closed = append(closed, c)
+	}
+	code, out, errOut := stop()
+	for _, c := range closed {
+		_ = testwait.Recv(t, c, "a replica to close once told") // told a stop, Close reports the owner gone
+	}
+	assert.Equal(t, 0, code, "a clean stop\nstdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "kvpoold: stopped")
+	assert.Empty(t, errOut)
+}
+
+// TestStopWithReplicasHoldingOn: replicas that still map a slab when -stop-wait ends
+// leave it to them: kvpoold says how many it left and exits 3, which is neither a
+// clean stop (0) nor a failure (1).
+func TestStopWithReplicasHoldingOn(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-stop-wait", "100ms")
+	dev := cudarttest.ForTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, dev, 0)
+	require.NoError(t, err)
+	code, out, errOut := stop()
+	assert.Equal(t, exitAbandoned, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, errOut, "-stop-wait")
+	assert.Contains(t, errOut, "still mapped")
+	_ = r.Close(ctx) // the owner is gone: Close says so
 }
