@@ -69,7 +69,7 @@ extern "C" {
 /* The version of this header. A library of the same major version and a minor version
  * at least this one has every call declared here (cudapool_version). */
 #define CUDAPOOL_VERSION_MAJOR 1
-#define CUDAPOOL_VERSION_MINOR 0
+#define CUDAPOOL_VERSION_MINOR 1
 
 enum cudapool_status {
 	CUDAPOOL_OK = 0,
@@ -417,7 +417,8 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
 
 /* ---- KV pages ----
  * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,
- * mapped once, and leases of its pages by index. The slab is
+ * mapped once, and leases of its pages by index. The slab is the unit of trust: every
+ * replica can read and write all of it (see cudapool_kv_dial). The slab is
  * [layers][2 (K, V)][pages][tokens_per_page][kv_heads][head_dim] elements, row-major:
  * each layer's K (and V) is one [pages, tokens_per_page, kv_heads, head_dim] tensor,
  * and a page index names the same block in every layer.
@@ -467,13 +468,17 @@ typedef struct {
 	int32_t dtype_size; /* bytes per element */
 	int32_t pages;      /* pages per slab */
 	int32_t device;     /* the replica's device */
-	uint64_t page_bytes; /* one layer's K (or V) of one page */
+	uint64_t page_bytes; /* one layer's K (or V) of one page: the block a page index names */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
+	uint64_t page_span_bytes; /* one page in every layer's K and V: layers * 2 * page_bytes
+	                           * (kvpoold's "page span"; since 1.1) */
 } cudapool_kv_geometry;
 
 /* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
  * and maps its slab for device. ns (ns_len bytes, at most CUDAPOOL_KV_MAX_NAMESPACE;
- * may be NULL when 0) is the namespace the prefix hashes start from. flags: CUDAPOOL_KV_*. With no owner there it fails
+ * may be NULL when 0) is the namespace the prefix hashes start from. It is no
+ * boundary: the slab is the unit of trust, and every replica maps it whole, read-write,
+ * whatever its namespace; run one owner (one dir) per trust domain. flags: CUDAPOOL_KV_*. With no owner there it fails
  * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). A process holds one replica of
  * an owner at a time: close it before dialing the same owner again. */
 int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,

@@ -276,6 +276,7 @@ func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
 		device:          C.int32_t(k.device),
 		page_bytes:      C.uint64_t(g.PageBytes()),
 		slab_bytes:      C.uint64_t(g.SlabBytes()),
+		page_span_bytes: C.uint64_t(g.PageSpanBytes()),
 	}
 	n := min(uintptr(out.size), unsafe.Sizeof(full))
 	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))

@@ -50,6 +50,8 @@ int main(void) {
 	CHECK(g.dtype == CUDAPOOL_KV_BF16 && g.dtype_size == 2 && g.pages == PAGES && g.device == 0);
 	CHECK(g.page_bytes == (uint64_t)T * 8 * 64 * 2);
 	CHECK(g.slab_bytes == 16ull * 2 * PAGES * g.page_bytes);
+	CHECK(g.page_span_bytes == 16ull * 2 * g.page_bytes);
+	CHECK(g.slab_bytes == PAGES * g.page_span_bytes);
 	void *base = NULL;
 	uint64_t bytes = 0;
 	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_OK);

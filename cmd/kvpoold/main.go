@@ -157,7 +157,7 @@ func (f flags) slabPages(g kv.Geometry, onGPU bool) (kv.Geometry, error) {
 		}
 	}
 	g.Pages = 1
-	per := g.SlabBytes() // one page in every layer's K and V
+	per := g.PageSpanBytes()
 	if g.Validate() != nil || per == 0 {
 		return g, g.Validate()
 	}
@@ -226,8 +226,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitFailed
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why)
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), picked.Why)
 	<-ctx.Done()
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()

@@ -15,6 +15,18 @@ Each layer's K (and V) is one tensor [pages, tokens_per_page, kv_heads, head_dim
 the geometry's dtype (the FlashAttention / FlashInfer paged layout), and a page index
 names the same block in every layer. prefix_hashes is the pure-Python reference of the
 hashes (Replica.hashes computes the same in Go). Only kv_caches imports torch.
+
+The slab is the unit of trust, as the pool is for shared buffers: every replica maps
+its owner's whole slab read-write and can read or overwrite any page, whatever its
+namespace. The namespace only seeds the prefix hashes (two models' equal tokens hash
+apart); the owner does not enforce it. Run one owner (one kvpoold -dir) per trust
+domain.
+
+Timeouts are seconds: None is no bound, 0 is do not wait (an owner that is not there
+fails at once), and a Replica's calls default to its own timeout (REPLICA_TIMEOUT).
+Every call may raise Gone once the owner is gone, Closed after close, Timeout when its
+timeout ran out (the call then holds nothing), TypeError and ValueError for bad
+arguments before the library sees them, and InvalidArgument for those it refuses.
 """
 
 import ctypes
@@ -182,8 +194,15 @@ class Geometry:
 
     @property
     def page_bytes(self):
-        """One layer's K (or V) of one page."""
+        """One layer's K (or V) of one page: the block a page index names in each of the
+        layers * 2 tensors."""
         return self.tokens_per_page * self.kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def page_span_bytes(self):
+        """One page in every layer's K and V (layers * 2 * page_bytes): what a page
+        holds of the slab, kvpoold's "page span"."""
+        return self.layers * 2 * self.page_bytes
 
     @property
     def slab_bytes(self):
@@ -233,7 +252,7 @@ class _Geometry(ctypes.Structure):
     _fields_ = [("size", _lib.size_t)] + [
         (name, ctypes.c_int32) for name in (
             "layers", "kv_heads", "head_dim", "tokens_per_page", "dtype", "dtype_size", "pages", "device")
-    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64)]
+    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64), ("page_span_bytes", _lib.u64)]
 
 
 _u32p = ctypes.POINTER(ctypes.c_uint32)
@@ -330,13 +349,59 @@ def _hash_bytes(hashes):
 class Replica:
     """A replica of the KV page pool's owner serving dir (its kv.sock and slab.sock), on
     device: the owner's slab for that device mapped into this process, and page leases.
-    namespace seeds the prefix hashes (replicas match only pages of their own
-    namespace); timeout (seconds; None: no bound, 0: do not wait) bounds the dial and
-    is every call's default (REPLICA_TIMEOUT); wait_for_owner
-    waits (up to timeout) for an owner that has not started yet (Gone without it, or
-    Timeout). Methods are safe for concurrent use. A process holds one Replica of an
-    owner at a time. Close it (or use it as a context manager): the slab is unmapped,
-    and tensors from kv_caches must not be used after."""
+
+    Methods are safe for concurrent use. A process holds one Replica of an owner at a
+    time. Close it (or use it as a context manager): the slab is unmapped, and tensors
+    from kv_caches must not be used after.
+
+    Parameters
+    ----------
+    dir : str or os.PathLike
+        The directory the owner serves (kvpoold -dir).
+    device : int
+        The device whose slab this replica maps.
+    namespace : str or bytes
+        Seeds the prefix hashes (hashes, prefix_hashes). It is no boundary: any
+        replica of the owner maps the whole slab, read-write, whatever its namespace;
+        one owner per trust domain is.
+    timeout : float or None
+        Seconds the dial may take, and every call's default: None is no bound, 0 is do
+        not wait.
+    wait_for_owner : bool
+        Wait (up to timeout) for an owner that has not started yet.
+
+    Attributes
+    ----------
+    geometry : Geometry
+        The slab's geometry: layers, kv_heads, head_dim, dtype, tokens_per_page,
+        pages, and the byte offsets of each layer's K and V (k_offset, v_offset).
+    slab_ptr : int
+        The mapped slab's device address in this process: layer l's K of page p
+        starts at slab_ptr + geometry.k_offset(l) + p * geometry.page_bytes. Without
+        torch, this is how kernels address pages.
+    slab_bytes : int
+        The slab's size, geometry.slab_bytes.
+    device : int
+        The device given.
+    namespace : str or bytes
+        The namespace given.
+    timeout : float or None
+        The timeout given: every call's default.
+
+    Raises
+    ------
+    Gone
+        No owner serves dir (without wait_for_owner, or with timeout 0).
+    Timeout
+        wait_for_owner waited timeout seconds for none.
+    Refused, VersionMismatch, ProtocolError
+        The owner did not admit this process, speaks another version, or broke the
+        protocol.
+    DuplicateImporter
+        This process holds a Replica of that owner already.
+    ValueError, TypeError
+        A bad dir, device, namespace or timeout.
+    """
 
     def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False):
         path = os.fsencode(dir)
@@ -411,7 +476,14 @@ class Replica:
 
     def hashes(self, tokens):
         """The prefix hash of each full page of tokens (int32 ids) in this replica's
-        namespace, computed by the library (prefix_hashes computes the same)."""
+        namespace, computed by the library (prefix_hashes computes the same).
+
+        Raises
+        ------
+        TypeError, ValueError
+            tokens are not int32 token ids (a sequence of ints, array('i') or a
+            C-contiguous buffer of 4-byte ints).
+        """
         raw = _token_bytes(tokens, "=")
         n_tokens = len(raw) // 4
         cap = n_tokens // self.geometry.tokens_per_page
@@ -421,7 +493,23 @@ class Replica:
         return Hashes(out.raw[:n.value * HASH_BYTES])
 
     def alloc(self, n, timeout=REPLICA_TIMEOUT):
-        """Leases n free (or evicted) pages for writing: all of them or none (NoSpace)."""
+        """Leases n free (or evicted) pages for writing: all of them or none.
+
+        Returns
+        -------
+        Lease
+            A write lease of n pages, to seal or release.
+
+        Raises
+        ------
+        NoSpace
+            Not n pages are free or evictable (pages being released may be free a
+            moment later); nothing is leased.
+        ValueError
+            n is negative or over MAX_BATCH.
+        InvalidArgument
+            n is 0, or more than the slab's pages.
+        """
         n = _count(n, "n")
         mine = self._busy.acquire(False)
         try:
@@ -437,7 +525,25 @@ class Replica:
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
-        write lease ends either way."""
+        write lease ends either way, also when the call times out.
+
+        Returns
+        -------
+        SealResult
+            visible: pages visible on return (all with wait); duplicates: pages whose
+            hash was visible already (freed).
+
+        Raises
+        ------
+        StaleLease
+            The lease is not this replica's write lease any more (sealed or released
+            already, or never issued); nothing changed.
+        InvalidArgument
+            A read lease (from match), or more hashes than the lease has pages; the
+            lease is kept.
+        TypeError, ValueError
+            lease is not a Lease, or hashes are not 16-byte hashes (or over MAX_BATCH).
+        """
         if not isinstance(lease, Lease):
             raise TypeError("seal wants a Lease, not %s" % type(lease).__name__)
         raw, n = _hash_bytes(hashes)
@@ -448,8 +554,21 @@ class Replica:
 
     def match(self, hashes, stream=None, timeout=REPLICA_TIMEOUT):
         """Leases for reading the longest run of visible pages under hashes from the
-        first: a Lease of len 0 (and id 0, holding nothing) if the first is not visible.
-        Work queued on stream after the call may read them; release them after it."""
+        first. Work queued on stream after the call may read them; release them after
+        it.
+
+        Returns
+        -------
+        Lease
+            A read lease of the run's pages, in the order of hashes. If the first hash
+            is not visible, or hashes is empty (match([]) asks the owner nothing), a
+            Lease of len 0 and id 0, which holds nothing: releasing it is skipped.
+
+        Raises
+        ------
+        TypeError, ValueError
+            hashes are not 16-byte hashes, or over MAX_BATCH.
+        """
         raw, n = _hash_bytes(hashes)
         if n == 0:
             return Lease(0, array("I"), False)
@@ -466,8 +585,21 @@ class Replica:
 
     def release(self, *leases, stream=None, timeout=REPLICA_TIMEOUT):
         """Gives leases back once the work queued on stream before the call has
-        completed: a page is not evicted or reused before. A lease already released,
-        sealed or another replica's raises StaleLease, and then none is released."""
+        completed: a page is not evicted or reused before. A Lease of len 0 (id 0, from
+        a match that found nothing) holds nothing and is skipped: with only such leases
+        the call asks the owner nothing. All or none.
+
+        Raises
+        ------
+        StaleLease
+            A lease was released or sealed already, or is another replica's: none is
+            released.
+        TypeError, ValueError
+            Not Leases, or more than MAX_BATCH of them.
+        Timeout
+            The owner did not answer in time: the leases are given back all the same
+            (after stream's work) and must not be used again.
+        """
         ids = []
         for l in leases:
             if not isinstance(l, Lease):

@@ -279,6 +279,8 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g, kv.Geometry(layers=16, kv_heads=8, head_dim=64, dtype="bf16", tokens_per_page=16,
                                         pages=64))
         self.assertEqual(g.page_bytes, 16 * 8 * 64 * 2)
+        self.assertEqual(g.page_span_bytes, 16 * 2 * g.page_bytes, "a page in every layer's K and V")
+        self.assertEqual(g.slab_bytes, g.pages * g.page_span_bytes)
         self.assertEqual(self.r.slab_bytes, g.slab_bytes)
         self.assertEqual(g.v_offset(3) - g.k_offset(3), 64 * g.page_bytes)
         self.assertTrue(self.r.slab_ptr)
