@@ -102,7 +102,7 @@ func TestServesAndStops(t *testing.T) {
 	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
-	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab;")
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, pages of 16 KiB per layer's K or V (a page span of 512 KiB, all layers' K and V), 16 MiB a slab;")
 	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
 	assert.Equal(t, "kvpoold: stopped", lines[1])
 	_, err = os.Stat(dir + "/kv.sock")
@@ -235,4 +235,47 @@ func TestStopWithReplicasHoldingOn(t *testing.T) {
 	assert.Contains(t, errOut, "-stop-wait")
 	assert.Contains(t, errOut, "still mapped")
 	_ = r.Close(ctx) // the owner is gone: Close says so
+}
+
+// TestOwnersPerTrustDomain: the slab, not the namespace, is the unit of trust (every
+// replica maps its owner's slab read-write), so trust domains are separated by one
+// owner directory each. Two kvpoolds in two directories on one device serve side by
+// side, and pages sealed through one are not seen through the other.
+func TestOwnersPerTrustDomain(t *testing.T) {
+	dirs := []string{shortDir(t), shortDir(t)}
+	for _, dir := range dirs {
+		started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-devices", "0")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	var rs []*replica.Replica
+	for _, dir := range dirs {
+		r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0)
+		require.NoError(t, err)
+		t.Cleanup(func() { // before the owners stop: they wait for it
+			cctx, ccancel := context.WithTimeout(context.Background(), testwait.Bound)
+			defer ccancel()
+			assert.NoError(t, r.Close(cctx))
+		})
+		rs = append(rs, r)
+	}
+	toks := make([]int32, 2*rs[0].Geometry().TokensPerPage)
+	hs := rs[0].Hashes(toks)
+	for i, r := range rs {
+		l, err := r.Alloc(ctx, 2)
+		require.NoError(t, err, "owner %d", i)
+		if i == 0 {
+			_, err = r.Seal(ctx, l, hs, 0, replica.WaitVisible())
+			require.NoError(t, err)
+		} else {
+			require.NoError(t, r.Release(ctx, 0, l))
+		}
+	}
+	m, err := rs[0].Match(ctx, hs, 0)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 2, "the owner that sealed them shows them")
+	require.NoError(t, rs[0].Release(ctx, 0, m))
+	m, err = rs[1].Match(ctx, hs, 0)
+	require.NoError(t, err)
+	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")
 }

@@ -29,6 +29,33 @@ through the logging module's "cudapool" logger.
 The library runs a Go runtime, which does not survive fork(): a process forked after
 it was loaded gets ForkedProcess from every call. Use multiprocessing's "spawn" start
 method.
+
+Errors: every failure is a CudapoolError subclass carrying the library's message (and
+the standard exception it is, where one fits: ValueError, LookupError, TimeoutError,
+MemoryError, PermissionError, OSError). Arguments Python can check raise TypeError or
+ValueError before the library sees them. Besides those, and Timeout (a call that waited
+its timeout out holds nothing) and ForkedProcess anywhere:
+
+    init, runtime_info, Stream    NoRuntime (no GPU, or another runtime chosen already)
+    Pool, Pool.alloc              OutOfMemory, Timeout (wait_for_memory), InvalidArgument
+    Pool.close                    Busy (live buffers, without force)
+    free, Buffer.free             ForeignPointer (no pool's pointer, or freed already)
+    Exporter                      NameInUse (a live exporter there), InvalidArgument (path),
+                                  BadDirectory (the announce directory)
+    Exporter.publish              NameInUse, ForeignPointer, InvalidArgument (range, meta)
+    Exporter.push                 NotFound (no such peer or name)
+    Exporter.close                Abandoned (consumers still held buffers: closed anyway)
+    Importer                      Gone (no exporter: without wait, or with timeout 0),
+                                  Refused, VersionMismatch, DuplicateImporter,
+                                  NotSupported (this process's own exporter)
+    Importer.open, open_all       NotFound (without wait), Gone, StreamDevice,
+                                  TooManyGrants, ExporterFailed
+    Mapping (ptr, view, DLPack)   MappingLost (exporter gone, another GPU), InvalidHandle
+                                  (released)
+    release, release_all          InvalidHandle, StaleLease
+    closed objects                Closed or InvalidHandle
+
+cudapool.kv's calls say theirs (NoSpace, StaleLease, Gone, Closed).
 """
 
 from __future__ import annotations
