@@ -164,15 +164,32 @@ def close_holding(q, serve, n):
 
 
 def dying_writer(q, serve, n, seed):
-    """A replica process that allocs n pages, writes them and waits to be killed."""
+    """A replica process that allocs n pages, writes them, seals the first half (seed's
+    tokens) and waits to be killed holding the rest unsealed."""
     try:
         r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
         l = r.alloc(n)
         write_pages(r, l.pages, seed)
+        sealed = kv.Lease(l.id, l.pages, True)
+        half = r.hashes(tokens(n // 2 * T, seed))
+        rest = r.alloc(n - n // 2)
+        write_pages(r, rest.pages, seed + 1000)
+        r.seal(sealed, half, wait=True)  # frees nothing: the lease had n pages, half sealed
         q.put("written")
         time.sleep(CHILD_TIMEOUT)
     except Exception as e:
         q.put(failure(e))
+
+
+def result_of_put(test, p, q):
+    """The first thing p put on q, failing test if none came in time or it failed."""
+    try:
+        r = q.get(timeout=CHILD_TIMEOUT)
+    except Exception:
+        test.fail("child process gave no result in %d s (exit code %s)" % (CHILD_TIMEOUT, p.exitcode))
+    if isinstance(r, str) and r.startswith("error:"):
+        test.fail("child process failed: " + r)
+    return r
 
 
 def eventually(test, what, f, timeout=CHILD_TIMEOUT):
@@ -423,9 +440,11 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(self.r.seal(l, hs, wait=True).visible, 64)
         fresh = self.r.alloc(8)  # no free page: 8 visible, unread pages are evicted
         self.assertEqual(len(fresh), 8)
+        self.assertEqual(sorted(fresh.pages), sorted(l.pages[56:]),
+                         "eviction takes the chain's leaves first: its last 8 pages")
         self.r.release(fresh)
         m = self.r.match(hs)
-        self.assertLess(len(m), 64, "evicted pages are no longer visible")
+        self.assertEqual(list(m.pages), list(l.pages[:56]), "the first 56 pages stay visible, in order")
         self.r.release(m)
 
     def test_bad_inputs_lose_nothing(self):
@@ -540,18 +559,30 @@ class ReplicaTest(unittest.TestCase):
             self.r.match([b"x" * 16])
 
     def test_dead_writer_publishes_nothing_and_loses_nothing(self):
-        p, q = spawn(dying_writer, self.owner.serve, 64, 13)
+        """A writer killed holding written pages publishes none of them and loses none;
+        what it sealed before (its work complete) stays visible, byte for byte."""
+        p, q = spawn(dying_writer, self.owner.serve, 32, 13)
         try:
-            self.assertEqual(q.get(timeout=CHILD_TIMEOUT), "written")
+            self.assertEqual(result_of_put(self, p, q), "written")
+            dev = self.r.stats()["devices"][0]
+            self.assertEqual((dev["sealed"], dev["writing"], dev["free"]), (16, 16, 32), dev)
             with self.assertRaises(kv.NoSpace):
-                self.r.alloc(1)
+                self.r.alloc(64 - 16 + 1)  # 16 pages held unsealed: 48 can be had (16 by eviction)
         finally:
             p.kill()
             p.join(CHILD_TIMEOUT)
-        l = eventually(self, "the dead writer's pages to be free", lambda: self._alloc_or_none(64))
-        self.assertEqual(len(l), 64)
-        self.r.release(l)
-        self.assertEqual(len(self.r.match(self.r.hashes(tokens(2 * T, 13)))), 0, "it published nothing")
+        # The 16 unsealed of the first lease were freed by its seal; the second lease's
+        # 16 are freed once the owner sees the writer die.
+        eventually(self, "the dead writer's unsealed pages to be free",
+                   lambda: self.r.stats()["devices"][0]["free"] == 48)
+        dev = self.r.stats()["devices"][0]
+        self.assertEqual((dev["sealed"], dev["writing"], dev["sealing"]), (16, 0, 0), dev)
+        half = self.r.hashes(tokens(16 * T, 13))
+        m = self.r.match(half)
+        self.assertEqual(len(m), 16, "what it sealed with its work complete stays visible")
+        self.assertTrue(all(read_pages(self.r, m.pages, 13)), "and holds its bytes")
+        self.r.release(m)
+        self.assertEqual(len(self.r.match(self.r.hashes(tokens(32 * T, 13)))), 16, "nothing more was published")
 
     def test_owner_death(self):
         hs = self.r.hashes(tokens(2 * T, 14))
