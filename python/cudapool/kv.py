@@ -639,11 +639,10 @@ class Replica:
         import torch
         g = self.geometry
         dtype = getattr(torch, _TORCH_DTYPES[g.dtype])
-        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
-        whole = torch.from_dlpack(self.slab_view(_WORDS[g.dtype_size], shape))
+        whole = torch.from_dlpack(self.slab_view(_WORDS[g.dtype_size], _slab_shape(g)))
         if whole.dtype != dtype:
             whole = whole.view(dtype)
-        return [(whole[i, 0], whole[i, 1]) for i in range(g.layers)]
+        return _layer_caches(whole, g.layers)
 
     def close(self, timeout=REPLICA_TIMEOUT):
         """Gives every lease back, unmaps the slab and hangs up; a second close does
@@ -664,6 +663,18 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8e
 # The integer type string of each element size: the slab is handed over as integers of
 # the dtype's size and viewed as the dtype (DLPack consumers differ on bf16 and fp8).
 _WORDS = {1: "|u1", 2: "<i2", 4: "<i4"}
+
+
+def _slab_shape(g):
+    """The slab as kv_caches hands it to torch: [layers, 2 (K, V), pages,
+    tokens_per_page, kv_heads, head_dim], row-major."""
+    return (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
+
+
+def _layer_caches(whole, layers):
+    """Per layer, (K, V) of whole, an array of _slab_shape: K is whole[l, 0] and V
+    whole[l, 1], each [pages, tokens_per_page, kv_heads, head_dim]."""
+    return [(whole[l, 0], whole[l, 1]) for l in range(layers)]
 
 
 def _page_array(pages, n):

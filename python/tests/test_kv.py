@@ -656,5 +656,93 @@ class SlabViewTest(unittest.TestCase):
             r.slab_view("bf16", (4,)).__cuda_array_interface__
 
 
+class Strided:
+    """An array known by its addresses alone: base, shape and byte strides; indexing
+    with ints takes the leading dimensions off, as torch and numpy do."""
+
+    def __init__(self, base, shape, strides):
+        self.base, self.shape, self.strides = base, tuple(shape), tuple(strides)
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        for i, d in zip(idx, self.shape):
+            if not 0 <= i < d:
+                raise IndexError(i)
+        off = sum(i * s for i, s in zip(idx, self.strides))
+        return Strided(self.base + off, self.shape[len(idx):], self.strides[len(idx):])
+
+    def addr(self, *idx):
+        return self[idx].base
+
+
+def element_offset(g, layer, which, page, token, head, d):
+    """Where the docs (kv.py's module docstring, cudapool.h) put an element: in layer's
+    K (which 0) or V (which 1) tensor [pages, tokens_per_page, kv_heads, head_dim]."""
+    base = g.k_offset(layer) if which == 0 else g.v_offset(layer)
+    return base + page * g.page_bytes + ((token * g.kv_heads + head) * g.head_dim + d) * g.dtype_size
+
+
+def samples(g):
+    """A few indices (layer, K or V, page, token, head, element) in every corner."""
+    for layer in sorted({0, 1, g.layers - 1}):
+        for which in (0, 1):
+            for page in sorted({0, g.pages - 1}):
+                for token, head, d in ((0, 0, 0), (g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1),
+                                       (1 % g.tokens_per_page, g.kv_heads // 2, 3 % g.head_dim)):
+                    yield layer, which, page, token, head, d
+
+
+class KVCachesLayoutTest(unittest.TestCase):
+    """kv_caches' K/V order, shape and strides, checked where CI runs: by the addresses
+    of the DLPack capsule it hands torch (no torch), and with CPU torch where it
+    imports (the GPU tests check the rest)."""
+
+    def test_by_addresses(self):
+        from cudapool import _dlpack
+        owner = Owner(pages=8)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        self.addCleanup(r.close)
+        g = r.geometry
+        cap = r.slab_view(kv._WORDS[g.dtype_size], kv._slab_shape(g)).__dlpack__(stream=None)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+        mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
+        t = mt.dl_tensor
+        self.assertEqual((t.dtype.bits // 8, t.device.device_id), (g.dtype_size, r.device))
+        shape = [t.shape[i] for i in range(t.ndim)]
+        whole = Strided(t.data + t.byte_offset, shape, [t.strides[i] * g.dtype_size for i in range(t.ndim)])
+        mt.deleter(ctypes.pointer(mt))
+        caches = kv._layer_caches(whole, g.layers)
+        self.assertEqual(len(caches), g.layers)
+        for k, v in caches:
+            for x in (k, v):
+                self.assertEqual(x.shape, (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
+        for layer, which, page, token, head, d in samples(g):
+            got = caches[layer][which].addr(page, token, head, d) - r.slab_ptr
+            self.assertEqual(got, element_offset(g, layer, which, page, token, head, d),
+                             "layer %d %s page %d" % (layer, "KV"[which], page))
+        last = caches[-1][1].addr(g.pages - 1, g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1)
+        self.assertEqual(last + g.dtype_size - r.slab_ptr, g.slab_bytes, "the last V ends at the slab's end")
+
+    def test_with_cpu_torch(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("torch is not installed (the address test stands in)")
+        g = kv.Geometry(layers=3, kv_heads=2, head_dim=4, dtype="fp16", tokens_per_page=4, pages=5)
+        n = g.slab_bytes // g.dtype_size
+        whole = torch.arange(n, dtype=torch.int64).reshape(kv._slab_shape(g))
+        caches = kv._layer_caches(whole, g.layers)
+        for k, v in caches:
+            for x in (k, v):
+                self.assertEqual(tuple(x.shape), (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
+                self.assertEqual(x.stride(), (g.tokens_per_page * g.kv_heads * g.head_dim,
+                                              g.kv_heads * g.head_dim, g.head_dim, 1))
+        for layer, which, page, token, head, d in samples(g):
+            self.assertEqual(int(caches[layer][which][page, token, head, d]) * g.dtype_size,
+                             element_offset(g, layer, which, page, token, head, d))
+
+
 if __name__ == "__main__":
     unittest.main()
