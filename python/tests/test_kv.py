@@ -43,9 +43,10 @@ def runtime_flag():
 
 
 class Owner:
-    """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log."""
+    """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log. Its
+    slab is segments of at most segment_bytes (3 tensors of 64 pages of the layout)."""
 
-    def __init__(self, pages=64, layout=LAYOUT):
+    def __init__(self, pages=64, layout=LAYOUT, segment_bytes="3MiB"):
         need_kvpoold()
         os.makedirs(os.environ["CUDAPOOL_DIR"], exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
@@ -54,7 +55,7 @@ class Owner:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
-             "-runtime", runtime_flag()],
+             "-segment-bytes", segment_bytes, "-runtime", runtime_flag()],
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self):
@@ -89,9 +90,7 @@ def pattern(n, seed):
 
 
 def page_addr(r, layer, kv_index, page):
-    g = r.geometry
-    off = g.k_offset(layer) if kv_index == 0 else g.v_offset(layer)
-    return r.slab_ptr + off + page * g.page_bytes
+    return r.layer_ptrs(layer)[kv_index] + page * r.geometry.page_bytes
 
 
 # The bytes a test writes: a few blocks of a page, not all of it (the software device
@@ -298,9 +297,23 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g.page_bytes, 16 * 8 * 64 * 2)
         self.assertEqual(g.page_span_bytes, 16 * 2 * g.page_bytes, "a page in every layer's K and V")
         self.assertEqual(g.slab_bytes, g.pages * g.page_span_bytes)
-        self.assertEqual(self.r.slab_bytes, g.slab_bytes)
-        self.assertEqual(g.v_offset(3) - g.k_offset(3), 64 * g.page_bytes)
-        self.assertTrue(self.r.slab_ptr)
+        self.assertEqual(g.tensor_bytes, 64 * g.page_bytes)
+        # 32 tensors of 1 MiB, 3 to a segment of at most 3 MiB: 10 of 3 MiB and 1 of 2.
+        segs = self.r.segments
+        self.assertEqual([s.size for s in segs], [3 << 20] * 10 + [2 << 20])
+        self.assertEqual(sum(s.size for s in segs), g.slab_bytes)
+        self.assertTrue(all(s.ptr for s in segs))
+        for layer in range(g.layers):
+            for part in (0, 1):
+                t = 2 * layer + part
+                want = segs[t // 3].ptr + (t % 3) * g.tensor_bytes
+                self.assertEqual(self.r.layer_ptrs(layer)[part], want, "layer %d part %d" % (layer, part))
+        with self.assertRaises(IndexError):
+            self.r.layer_ptrs(16)
+        with self.assertRaises(IndexError):
+            self.r.layer_ptrs(-1)
+        with self.assertRaises(TypeError):
+            self.r.layer_ptrs(1.0)
         self.assertTrue(self.r.alive)
         self.assertIsNone(self.r.error)
 
@@ -627,33 +640,35 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(errors, [])
 
 
-class SlabViewTest(unittest.TestCase):
+class TensorViewTest(unittest.TestCase):
     """What kv_caches hands torch, read back without torch."""
 
-    def test_dlpack_of_the_slab(self):
+    def test_dlpack_of_a_tensor(self):
         from cudapool import _dlpack
         owner = Owner(pages=8)
         self.addCleanup(owner.stop)
         r = owner.replica()
         self.addCleanup(r.close)
         g = r.geometry
-        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
-        v = r.slab_view("<i2", shape)
+        shape = (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
+        v = r.tensor_view(3, 1)
         self.assertEqual(v.__dlpack_device__(), (2, 0))
         cap = v.__dlpack__(stream=None)
         get = ctypes.pythonapi.PyCapsule_GetPointer
         get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
         mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
         t = mt.dl_tensor
-        self.assertEqual(t.data, r.slab_ptr)
+        self.assertEqual(t.data, r.layer_ptrs(3)[1])
         self.assertEqual((t.dtype.code, t.dtype.bits), (0, 16))
-        self.assertEqual([t.shape[i] for i in range(6)], list(shape))
-        self.assertEqual(t.strides[1] * 2, g.pages * g.page_bytes, "K to V of a layer: a slab of pages")
+        self.assertEqual(t.ndim, 4)
+        self.assertEqual([t.shape[i] for i in range(4)], list(shape))
         mt.deleter(ctypes.pointer(mt))
+        cai = r.tensor_view(15, 0).__cuda_array_interface__
+        self.assertEqual((cai["shape"], cai["typestr"], cai["data"][0]), (shape, "<i2", r.layer_ptrs(15)[0]))
         with self.assertRaises(ValueError):
-            r.slab_view("<i2", (g.slab_bytes // 2 + 1,))
-        with self.assertRaises(TypeError):
-            r.slab_view("bf16", (4,)).__cuda_array_interface__
+            r.tensor_view(0, 2)
+        with self.assertRaises(IndexError):
+            r.tensor_view(16, 0)
 
 
 class Strided:
@@ -675,73 +690,90 @@ class Strided:
         return self[idx].base
 
 
-def element_offset(g, layer, which, page, token, head, d):
-    """Where the docs (kv.py's module docstring, cudapool.h) put an element: in layer's
-    K (which 0) or V (which 1) tensor [pages, tokens_per_page, kv_heads, head_dim]."""
-    base = g.k_offset(layer) if which == 0 else g.v_offset(layer)
-    return base + page * g.page_bytes + ((token * g.kv_heads + head) * g.head_dim + d) * g.dtype_size
+def element_offset(g, page, token, head, d):
+    """Where the docs (kv.py's module docstring, cudapool.h) put an element of one
+    [pages, tokens_per_page, kv_heads, head_dim] tensor, from the tensor's start."""
+    return page * g.page_bytes + ((token * g.kv_heads + head) * g.head_dim + d) * g.dtype_size
 
 
 def samples(g):
-    """A few indices (layer, K or V, page, token, head, element) in every corner."""
-    for layer in sorted({0, 1, g.layers - 1}):
-        for which in (0, 1):
-            for page in sorted({0, g.pages - 1}):
-                for token, head, d in ((0, 0, 0), (g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1),
-                                       (1 % g.tokens_per_page, g.kv_heads // 2, 3 % g.head_dim)):
-                    yield layer, which, page, token, head, d
+    """A few indices (page, token, head, element) in every corner of a tensor."""
+    for page in sorted({0, g.pages - 1}):
+        for token, head, d in ((0, 0, 0), (g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1),
+                               (1 % g.tokens_per_page, g.kv_heads // 2, 3 % g.head_dim)):
+            yield page, token, head, d
+
+
+def capsule_array(cap, itemsize):
+    """The Strided array a "dltensor" capsule describes, and the capsule's consumer
+    done (its deleter called)."""
+    from cudapool import _dlpack
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+    mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
+    t = mt.dl_tensor
+    a = Strided(t.data + t.byte_offset, [t.shape[i] for i in range(t.ndim)],
+                [t.strides[i] * itemsize for i in range(t.ndim)])
+    bits, dev = t.dtype.bits, (t.device.device_type, t.device.device_id)
+    mt.deleter(ctypes.pointer(mt))
+    return a, bits, dev
 
 
 class KVCachesLayoutTest(unittest.TestCase):
     """kv_caches' K/V order, shape and strides, checked where CI runs: by the addresses
-    of the DLPack capsule it hands torch (no torch), and with CPU torch where it
+    of the DLPack capsules it hands torch (no torch), and with CPU torch where it
     imports (the GPU tests check the rest)."""
 
     def test_by_addresses(self):
-        from cudapool import _dlpack
         owner = Owner(pages=8)
         self.addCleanup(owner.stop)
         r = owner.replica()
         self.addCleanup(r.close)
         g = r.geometry
-        cap = r.slab_view(kv._WORDS[g.dtype_size], kv._slab_shape(g)).__dlpack__(stream=None)
-        get = ctypes.pythonapi.PyCapsule_GetPointer
-        get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
-        mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
-        t = mt.dl_tensor
-        self.assertEqual((t.dtype.bits // 8, t.device.device_id), (g.dtype_size, r.device))
-        shape = [t.shape[i] for i in range(t.ndim)]
-        whole = Strided(t.data + t.byte_offset, shape, [t.strides[i] * g.dtype_size for i in range(t.ndim)])
-        mt.deleter(ctypes.pointer(mt))
-        caches = kv._layer_caches(whole, g.layers)
+        seen = {}
+
+        def tensor(layer, part):  # what kv_caches does, but for torch.from_dlpack
+            a, bits, dev = capsule_array(r.tensor_view(layer, part).__dlpack__(stream=None), g.dtype_size)
+            self.assertEqual((bits // 8, dev), (g.dtype_size, (2, r.device)))
+            seen[layer, part] = a
+            return a
+
+        caches = kv._layer_caches(tensor, g.layers)
         self.assertEqual(len(caches), g.layers)
-        for k, v in caches:
+        ends = []
+        for layer, (k, v) in enumerate(caches):
+            self.assertEqual((k.base, v.base), r.layer_ptrs(layer), "layer %d: (K, V) in that order" % layer)
             for x in (k, v):
                 self.assertEqual(x.shape, (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
-        for layer, which, page, token, head, d in samples(g):
-            got = caches[layer][which].addr(page, token, head, d) - r.slab_ptr
-            self.assertEqual(got, element_offset(g, layer, which, page, token, head, d),
-                             "layer %d %s page %d" % (layer, "KV"[which], page))
-        last = caches[-1][1].addr(g.pages - 1, g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1)
-        self.assertEqual(last + g.dtype_size - r.slab_ptr, g.slab_bytes, "the last V ends at the slab's end")
+                for page, token, head, d in samples(g):
+                    self.assertEqual(x.addr(page, token, head, d) - x.base, element_offset(g, page, token, head, d))
+                last = x.addr(g.pages - 1, g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1)
+                self.assertEqual(last + g.dtype_size - x.base, g.tensor_bytes, "a tensor is contiguous")
+                ends.append((x.base, x.base + g.tensor_bytes))
+        for (lo, hi) in ends:
+            self.assertTrue(any(s.ptr <= lo and hi <= s.ptr + s.size for s in r.segments),
+                            "each tensor lies whole in one segment")
+        ends.sort()
+        self.assertTrue(all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "no two tensors overlap")
 
     def test_with_cpu_torch(self):
+        """torch reads the shape and strides of kv_caches' capsules as the docs say."""
         try:
             import torch
         except ImportError:
             self.skipTest("torch is not installed (the address test stands in)")
-        g = kv.Geometry(layers=3, kv_heads=2, head_dim=4, dtype="fp16", tokens_per_page=4, pages=5)
-        n = g.slab_bytes // g.dtype_size
-        whole = torch.arange(n, dtype=torch.int64).reshape(kv._slab_shape(g))
-        caches = kv._layer_caches(whole, g.layers)
-        for k, v in caches:
-            for x in (k, v):
-                self.assertEqual(tuple(x.shape), (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
-                self.assertEqual(x.stride(), (g.tokens_per_page * g.kv_heads * g.head_dim,
-                                              g.kv_heads * g.head_dim, g.head_dim, 1))
-        for layer, which, page, token, head, d in samples(g):
-            self.assertEqual(int(caches[layer][which][page, token, head, d]) * g.dtype_size,
-                             element_offset(g, layer, which, page, token, head, d))
+        owner = Owner(pages=8)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        self.addCleanup(r.close)
+        g = r.geometry
+        a, _, _ = capsule_array(r.tensor_view(3, 1).__dlpack__(stream=None), g.dtype_size)
+        elems = torch.arange(g.tensor_bytes // g.dtype_size, dtype=torch.int64)
+        t = torch.as_strided(elems, a.shape, [s // g.dtype_size for s in a.strides])
+        self.assertEqual(tuple(t.shape), (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
+        self.assertTrue(t.is_contiguous())
+        for page, token, head, d in samples(g):
+            self.assertEqual(int(t[page, token, head, d]) * g.dtype_size, element_offset(g, page, token, head, d))
 
 
 if __name__ == "__main__":
