@@ -435,7 +435,9 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
  * another replica's, never issued) fails with CUDAPOOL_ESTALE; once the owner is gone
  * every call that needs it fails with CUDAPOOL_EGONE. Counts over
  * CUDAPOOL_KV_MAX_BATCH, and requests that do not fit the geometry, fail with
- * CUDAPOOL_EINVAL, as do NULL outputs; a call refused so leases and releases nothing,
+ * CUDAPOOL_EINVAL, as do NULL outputs; an owner's reply with more pages than asked for,
+ * or a page the slab does not have, fails with CUDAPOOL_EPROTOCOL (nothing is written to
+ * pages, and the lease goes back to the owner); a call refused so leases and releases nothing,
  * and a refused seal or release keeps its leases. A seal or release that ran out of
  * time (CUDAPOOL_ETIMEOUT) holds nothing: its leases are given back (after the
  * stream's work so far) whether or not the owner saw the call, and naming them again

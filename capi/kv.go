@@ -97,14 +97,26 @@ func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 }
 
 // fits checks that lease l has room in the caller's array of n pages (exactly n for
-// an alloc), so that no owner's answer writes past it; one that does not is given
-// back.
+// an alloc), so that no owner's answer writes past it, and that each of its pages is
+// one of the slab's; a lease that does not is given back and the call fails as the
+// owner's breach of the protocol.
 func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact bool) error {
 	got := len(l.Pages())
-	if got == n || !exact && got < n {
+	var err error
+	switch pages := k.r.Geometry().Pages; {
+	case got > n || exact && got < n:
+		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
+	default:
+		for _, p := range l.Pages() {
+			if int64(p) >= int64(pages) {
+				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", consumer.ErrProtocol, p, pages)
+				break
+			}
+		}
+	}
+	if err == nil {
 		return nil
 	}
-	err := fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
 	return errors.Join(err, k.r.Release(ctx, 0, l))
 }
 
@@ -402,17 +414,42 @@ func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uin
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.r.Alloc(ctx, int(n))
+	l, err := k.alloc(ctx, int(n))
 	if err != nil {
 		return fail(err)
 	}
-	if err := k.fits(ctx, l, int(n), true); err != nil {
-		return fail(err)
-	}
-	k.put(l)
 	writePages(pages, l.Pages())
 	*lease = C.uint64_t(l.ID())
 	return statusOK
+}
+
+// alloc leases n pages for writing and keeps the lease (cudapool_kv_alloc).
+func (k *kvReplica) alloc(ctx context.Context, n int) (*replica.Lease, error) {
+	l, err := k.r.Alloc(ctx, n)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.fits(ctx, l, n, true); err != nil {
+		return nil, err
+	}
+	k.put(l)
+	return l, nil
+}
+
+// match leases the longest visible run of hs for reading and keeps the lease if it
+// has pages (cudapool_kv_match).
+func (k *kvReplica) match(ctx context.Context, hs []kv.Hash, s cudart.Stream) (*replica.Lease, error) {
+	l, err := k.r.Match(ctx, hs, s)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.fits(ctx, l, len(hs), false); err != nil {
+		return nil, err
+	}
+	if len(l.Pages()) > 0 {
+		k.put(l)
+	}
+	return l, nil
 }
 
 //export cpgo_kv_seal
@@ -478,16 +515,12 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.r.Match(ctx, hs, cudart.Stream(s))
+	l, err := k.match(ctx, hs, cudart.Stream(s))
 	if err != nil {
-		return fail(err)
-	}
-	if err := k.fits(ctx, l, len(hs), false); err != nil {
 		return fail(err)
 	}
 	*lease, *nPages = 0, 0
 	if got := l.Pages(); len(got) > 0 {
-		k.put(l)
 		writePages(pages, got)
 		*lease, *nPages = C.uint64_t(l.ID()), C.size_t(len(got))
 	}

@@ -4,7 +4,12 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
+	"io"
+	"net"
 	"os"
+	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -110,5 +115,119 @@ func TestTimedOutSealOrReleaseHoldsNothing(t *testing.T) {
 		// A batch naming the other lease alone is released: nothing stale lingers.
 		require.NoError(t, k.release(ctx, []uint64{keep.ID()}, s), how)
 		require.Equal(t, 0, ownerLeases(o), how)
+	}
+}
+
+// The frames of kv.sock that the lying owner below rewrites (docs/PROTOCOL.md, package
+// kv/internal/kvwire): u32 len | u8 type | u8 flags | u16 0 | u32 id | payload, and a
+// Leased (5) or Matched (9) payload is u64 lease | u32 n | n x u32 page.
+const (
+	frameHeader  = 12
+	frameLeased  = 5
+	frameMatched = 9
+)
+
+// lyingOwner serves a new directory whose slab.sock is the real owner's at dir and
+// whose kv.sock passes every frame through, but for the lease replies, which lie
+// rewrites (given the pages, it returns the pages to claim).
+func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) string {
+	t.Helper()
+	fake, err := os.MkdirTemp("", "capilie")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(fake) })
+	require.NoError(t, os.Symlink(filepath.Join(dir, "slab.sock"), filepath.Join(fake, "slab.sock")))
+	ln, err := net.Listen("unix", filepath.Join(fake, "kv.sock"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() }) // the test's end
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			out, err := net.Dial("unix", filepath.Join(dir, "kv.sock"))
+			if err != nil {
+				_ = in.Close() // the replica sees the owner gone
+				continue
+			}
+			go func() { _, _ = io.Copy(out, in); _ = out.Close() }() // requests as they are
+			go func() {
+				defer in.Close()
+				for {
+					var h [frameHeader]byte
+					if _, err := io.ReadFull(out, h[:]); err != nil {
+						return
+					}
+					p := make([]byte, binary.LittleEndian.Uint32(h[:4])+4-frameHeader)
+					if _, err := io.ReadFull(out, p); err != nil {
+						return
+					}
+					if (h[4] == frameLeased || h[4] == frameMatched) && len(p) >= 12 {
+						pages := make([]uint32, binary.LittleEndian.Uint32(p[8:12]))
+						for i := range pages {
+							pages[i] = binary.LittleEndian.Uint32(p[12+4*i:])
+						}
+						if len(pages) > 0 {
+							pages = lie(pages)
+						}
+						p = binary.LittleEndian.AppendUint32(p[:8], uint32(len(pages)))
+						for _, pg := range pages {
+							p = binary.LittleEndian.AppendUint32(p, pg)
+						}
+						binary.LittleEndian.PutUint32(h[:4], uint32(len(p)+frameHeader-4))
+					}
+					if _, err := in.Write(append(h[:], p...)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return fake
+}
+
+// TestOwnerRepliesBeyondTheRequestAreRefused: an owner's lease reply with more pages
+// than were asked for (which would write past the caller's array), or with a page the
+// slab does not have, fails the C call with EPROTOCOL; capi keeps no such lease and
+// gives it back to the owner.
+func TestOwnerRepliesBeyondTheRequestAreRefused(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		lie  func([]uint32) []uint32
+	}{
+		{"one page more", func(p []uint32) []uint32 { return append(p, p[0]) }},
+		{"a page past the slab", func(p []uint32) []uint32 { p[len(p)-1] = uint32(kvSmall.Pages) + 5; return p }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir, o := kvOwner(t)
+			var lying atomic.Bool
+			fake := lyingOwner(t, dir, func(p []uint32) []uint32 {
+				if lying.Load() {
+					return c.lie(p)
+				}
+				return p
+			})
+			k, s := kvDial(t, fake)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+			defer cancel()
+			hs := kv.PrefixHashes("", []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
+			w, err := k.alloc(ctx, 2) // the truth, to have pages to match
+			require.NoError(t, err)
+			_, err = k.seal(ctx, w.ID(), hs, s, true)
+			require.NoError(t, err)
+
+			lying.Store(true)
+			_, err = k.alloc(ctx, 2)
+			require.Error(t, err, "alloc")
+			assert.Equal(t, statusProtocol, statusOf(err), "alloc: %v", err)
+			_, err = k.match(ctx, hs, s)
+			require.Error(t, err, "match")
+			assert.Equal(t, statusProtocol, statusOf(err), "match: %v", err)
+			k.mu.Lock()
+			kept := len(k.leases)
+			k.mu.Unlock()
+			assert.Zero(t, kept, "capi keeps no lease of a lying reply")
+			assert.Zero(t, ownerLeases(o), "and the owner got them back")
+		})
 	}
 }
