@@ -19,7 +19,10 @@ CuPy or cuda.core stream, or anything with __cuda_stream__; None is the legacy d
 stream. Every call that waits takes a timeout in seconds, by Python's convention:
 None is no bound, and 0 is do not wait, as in threading and queue: what is not there
 yet (an exporter, a name) fails at once as without wait=True, and a live exporter's
-answer is waited for at most a second. Only the standard library is needed; cudapool.torch holds the PyTorch helpers.
+answer is waited for at most a second. Only the standard library is needed;
+cudapool.torch holds the PyTorch helpers, cudapool.kv the KV page pool (torch only for
+kv_caches), and cudapool.hf runs stock transformers models over its pages (torch and
+transformers imported at first use).
 
 The runtime is the GPU unless asked otherwise: init("auto") falls back to cudapool's
 software device where no GPU is (and says so), init("test") always uses it, and so does
