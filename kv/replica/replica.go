@@ -49,7 +49,9 @@ type options struct {
 	log  *slog.Logger
 }
 
-// WithNamespace sets the namespace of the replica's prefix hashes (Hashes).
+// WithNamespace sets the namespace of the replica's prefix hashes (Hashes). It is no
+// boundary: every replica maps the whole slab read-write, whatever its namespace; one
+// owner directory per trust domain is (package kv, Trust).
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
 // WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
