@@ -16,7 +16,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -99,7 +99,7 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	if got == n || !exact && got < n {
 		return nil
 	}
-	err := fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
+	err := fmt.Errorf("%w: the owner leased %d pages for a request of %d", export.ErrProtocol, got, n)
 	return errors.Join(err, k.r.Release(ctx, 0, l))
 }
 

@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -354,7 +355,7 @@ func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[
 		}, false)
 		switch r := reply.(type) {
 		case nil:
-			if errors.Is(err, ErrExporterGone) {
+			if errors.Is(err, export.ErrExporterGone) {
 				continue
 			}
 		case *wire.ReleasedMsg:
@@ -367,7 +368,7 @@ func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[
 				}
 			}
 		default:
-			err = fmt.Errorf("%w: Release answered with %s", ErrProtocol, r.Kind())
+			err = fmt.Errorf("%w: Release answered with %s", export.ErrProtocol, r.Kind())
 		}
 		errs = append(errs, fmt.Errorf("consumer: release %q: %w", name, err))
 	}
@@ -393,7 +394,7 @@ func (m *Mapping) Context() context.Context {
 }
 
 // Err is nil while the Mapping may be used, and otherwise why not: ErrMappingLost
-// (wrapping ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
+// (wrapping export.ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
 // ErrReleased once it was released. A lost Mapping must still be released, which
 // frees its import without touching the memory.
 func (m *Mapping) Err() error {

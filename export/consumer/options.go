@@ -44,8 +44,8 @@ func newOpenOptions(opts []OpenOption) openOptions {
 
 // WaitForName makes Open wait, until its ctx ends, for the name to be published: it
 // asks again, with backoff from 1 ms up to 100 ms, while the exporter answers
-// ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error
-// wraps ctx's error and ErrUnknownName.
+// export.ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error
+// wraps ctx's error and export.ErrUnknownName.
 func WaitForName() OpenOption {
 	return openOption(func(o *openOptions) { o.waitForName = true })
 }
@@ -66,7 +66,7 @@ func (f dialOption) applyDial(o *dialOptions) { f(o) }
 // path: it dials again, with backoff from 5 ms up to 500 ms, while nothing listens
 // there (a missing socket, or one nobody accepts on). A refusal or a failed handshake
 // ends the wait at once. When ctx ends first, the error wraps ctx's error and
-// ErrExporterGone. DialConn, given a connection made already, has nothing to wait for.
+// export.ErrExporterGone. DialConn, given a connection made already, has nothing to wait for.
 func WaitForExporter() DialOption {
 	return dialOption(func(o *dialOptions) { o.waitForExporter = true })
 }

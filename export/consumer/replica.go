@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -95,7 +96,7 @@ func (imp *Importer) copyThrough(c *copier, dst, src cudart.DevicePtr, n uint64,
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
-		return ErrClosed
+		return export.ErrClosed
 	}
 	// The owner's stream waits for s: the producer's writes (Open's wait), the
 	// replica's allocation and whatever used its memory before. The event is this
@@ -135,7 +136,7 @@ func (imp *Importer) claimCopier(owner int) (*copier, error) {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
-		return nil, ErrClosed
+		return nil, export.ErrClosed
 	}
 	c := rs.copiers[owner]
 	if c == nil {

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/poolshare"
@@ -79,11 +80,11 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return int(h.PID) // what a remote peer says: not checked
 	}
 	refuse := func(reason string) (*peer, *observer, error) {
-		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
-		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
+		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
+		return nil, nil, fmt.Errorf("%w: pid %d: %s", export.ErrRefused, pid(), reason)
 	}
 	m, _, err := c.Recv()
-	if errors.Is(err, ErrVersionMismatch) {
+	if errors.Is(err, export.ErrVersionMismatch) {
 		return refuse(err.Error())
 	}
 	if err != nil {
@@ -91,17 +92,17 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	}
 	hm, ok := m.(*wire.HelloMsg)
 	if !ok {
-		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", ErrProtocol, m.Kind()))
+		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
 	}
 	h = *hm
-	if reason := ex.opts.policy.admit(cred); reason != "" {
+	if reason := admit(ex.opts.policy, cred); reason != "" {
 		return refuse(reason)
 	}
 	if cred == nil && h.Flags&wire.HelloReleaseEvent != 0 {
-		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", ErrProtocol))
+		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
 	}
 	welcome := func(flags uint32) error {
-		return c.Send(context.Background(), &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
+		return c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
 	}
 
 	if h.Flags&wire.HelloLeases == 0 {

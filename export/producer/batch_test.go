@@ -11,6 +11,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
@@ -42,7 +43,7 @@ func (rp retainingPair) slab(t *testing.T, n int, block uint64, meta int) (*pool
 // Many blocks of one slab in one request and one answer, each block its own Mapping
 // over one import; released in one request.
 func TestOpenAllAndReleaseAll(t *testing.T) {
-	for _, meta := range []int{0, wire.MaxMetaLen} { // with metadata the answer spans frames
+	for _, meta := range []int{0, export.MaxMetaLen} { // with metadata the answer spans frames
 		t.Run(fmt.Sprintf("meta=%d", meta), func(t *testing.T) {
 			rp := newRetainingPair(t)
 			ctx := testCtx(t)
@@ -75,12 +76,12 @@ func TestOpenAllIsAllOrNothing(t *testing.T) {
 	ctx := testCtx(t)
 	_, names := rp.slab(t, 4, 4096, 0)
 	_, err := rp.c.imp.OpenAll(ctx, append(names, "nope"), rp.c.stream)
-	require.ErrorIs(t, err, ErrUnknownName)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 	assert.Contains(t, err.Error(), `"nope"`)
 	assert.Zero(t, poolStats(t, rp.pr.pool).ActiveLeases, "a failed batch left leases")
 	assert.Zero(t, rp.cCalls.imports.Load())
-	_, err = rp.c.imp.OpenAll(ctx, make([]string, wire.MaxBatch+1), rp.c.stream)
-	require.ErrorIs(t, err, ErrBadRequest)
+	_, err = rp.c.imp.OpenAll(ctx, make([]string, export.MaxBatch+1), rp.c.stream)
+	require.ErrorIs(t, err, export.ErrBadRequest)
 	ms, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
 	require.NoError(t, err)
 	require.ErrorIs(t, rp.c.imp.ReleaseAll(ctx, append(ms, ms[0]), rp.c.stream), consumer.ErrReleased, "a Mapping listed twice with one reference")
@@ -220,8 +221,8 @@ func TestPublishAll(t *testing.T) {
 	err = pr.ex.PublishAll(ctx, pr.stream, entry("p0", 0), entry("p1", 1), entry("p0", 2))
 	require.ErrorIs(t, err, ErrNameInUse)
 	_, err = rp.c.imp.Open(ctx, "p1", rp.c.stream)
-	require.ErrorIs(t, err, ErrUnknownName, "a refused batch published a name")
-	require.ErrorIs(t, pr.ex.PublishAll(ctx, pr.stream, entry("q0", 0), Entry{Name: "q1"}), ErrBadRequest, "an entry without a buffer")
+	require.ErrorIs(t, err, export.ErrUnknownName, "a refused batch published a name")
+	require.ErrorIs(t, pr.ex.PublishAll(ctx, pr.stream, entry("q0", 0), Entry{Name: "q1"}), export.ErrBadRequest, "an entry without a buffer")
 
 	require.NoError(t, pr.ex.PublishAll(ctx, pr.stream, entry("p0", 0), entry("p1", 1), entry("p2", 2)))
 	ms, err := rp.c.imp.OpenAll(ctx, []string{"p0", "p1", "p2"}, rp.c.stream)
@@ -271,55 +272,55 @@ func TestReleaseAllOfMappingsStillReferenced(t *testing.T) {
 func TestEmptyReleaseBatchIsABadRequest(t *testing.T) {
 	r := admittedToA(t)
 	r.send(&wire.ReleaseBatchMsg{ReqID: 5})
-	wantError(t, r.recv(), 5, ErrBadRequest)
+	wantError(t, r.recv(), 5, export.ErrBadRequest)
 	r.servesOn(6)
 }
 
-// OpenAll of MaxBatch names of 64 bytes (SHA-256 in hex), within every documented
+// OpenAll of export.MaxBatch names of 64 bytes (SHA-256 in hex), within every documented
 // limit, goes out in requests that each fit a frame, and is all or none still.
 func TestOpenAllOfLongNames(t *testing.T) {
 	rp := newRetainingPair(t)
 	ctx := testCtx(t)
 	const block = 4096
-	b, err := rp.pr.pool.Alloc(ctx, MaxBatch*block, rp.pr.stream)
+	b, err := rp.pr.pool.Alloc(ctx, export.MaxBatch*block, rp.pr.stream)
 	require.NoError(t, err)
-	entries := make([]Entry, MaxBatch)
-	names := make([]string, MaxBatch)
+	entries := make([]Entry, export.MaxBatch)
+	names := make([]string, export.MaxBatch)
 	for i := range entries {
 		names[i] = fmt.Sprintf("%064x", i)
 		entries[i] = Entry{Name: names[i], Buffer: b, Options: []PublishOption{Range(uint64(i)*block, block)}}
 	}
 	require.NoError(t, rp.pr.ex.PublishAll(ctx, rp.pr.stream, entries...))
 	ms, err := rp.c.imp.OpenAll(ctx, names, rp.c.stream)
-	require.NoError(t, err, "OpenAll of %d names of 64 bytes", MaxBatch)
-	require.Len(t, ms, MaxBatch)
+	require.NoError(t, err, "OpenAll of %d names of 64 bytes", export.MaxBatch)
+	require.Len(t, ms, export.MaxBatch)
 	for i, m := range ms {
 		require.Equal(t, ms[0].Ptr()+cudart.DevicePtr(uint64(i)*block), m.Ptr(), "block %d", i)
 	}
-	assert.Equal(t, MaxBatch, poolStats(t, rp.pr.pool).ActiveLeases)
+	assert.Equal(t, export.MaxBatch, poolStats(t, rp.pr.pool).ActiveLeases)
 	require.NoError(t, rp.c.imp.ReleaseAll(ctx, ms, rp.c.stream))
 
 	// A name that fails in the last request gives back what the earlier ones leased.
-	_, err = rp.c.imp.OpenAll(ctx, append(names[:MaxBatch-1:MaxBatch-1], "nope"), rp.c.stream)
-	require.ErrorIs(t, err, ErrUnknownName)
+	_, err = rp.c.imp.OpenAll(ctx, append(names[:export.MaxBatch-1:export.MaxBatch-1], "nope"), rp.c.stream)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 	waitFor(t, "the earlier requests' leases to be given back", func() bool { return poolStats(t, rp.pr.pool).ActiveLeases == 0 })
 	assert.NotContains(t, rp.pr.log.String(), "closing peer connection", "the exporter cut the connection")
 	rp.pr.checkClean(t)
 	rp.c.checkClean(t)
 }
 
-// A ReleaseBatch of MaxBatch forged entries is refused with one Error frame that fits
+// A ReleaseBatch of export.MaxBatch forged entries is refused with one Error frame that fits
 // the frame limit; the connection serves on.
 func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
 	r := admittedToA(t)
-	entries := make([]wire.ReleaseMsg, MaxBatch)
+	entries := make([]wire.ReleaseMsg, export.MaxBatch)
 	for i := range entries {
 		entries[i] = wire.ReleaseMsg{LeaseID: 0xdead0000 + uint64(i), Count: 1}
 	}
 	r.send(&wire.ReleaseBatchMsg{ReqID: 5, Entries: entries})
 	m := r.recv()
 	wantStale(t, m, 5, staleForged)
-	assert.Contains(t, m.(*wire.ErrorMsg).Text, fmt.Sprintf("%d of %d entries refused", MaxBatch, MaxBatch))
+	assert.Contains(t, m.(*wire.ErrorMsg).Text, fmt.Sprintf("%d of %d entries refused", export.MaxBatch, export.MaxBatch))
 	r.servesOn(6)
 }
 
@@ -327,12 +328,12 @@ func TestReleaseBatchOfBadEntriesAnswerFits(t *testing.T) {
 // and the connection stays usable.
 func TestSendRefusesAnOversizedFrame(t *testing.T) {
 	r := admittedToA(t)
-	names := make([]string, MaxBatch)
+	names := make([]string, export.MaxBatch)
 	for i := range names {
 		names[i] = fmt.Sprintf("%064x", i)
 	}
 	err := r.c.Send(context.Background(), &wire.OpenBatchMsg{ReqID: 5, Names: names}, -1)
-	require.ErrorIs(t, err, ErrBadRequest, "an OpenBatch of %d names of 64 bytes", MaxBatch)
+	require.ErrorIs(t, err, export.ErrBadRequest, "an OpenBatch of %d names of 64 bytes", export.MaxBatch)
 	assert.Contains(t, err.Error(), "frame limit")
 	r.servesOn(6)
 }

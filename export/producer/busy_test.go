@@ -11,6 +11,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/inspect"
 	"github.com/cudapool/cudapool/pool"
@@ -208,7 +209,7 @@ func serveTCP(t testing.TB, pr *producer) net.Conn {
 
 func fabricProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime) *producer {
 	return newProducerOn(t, wrap, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
-		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+		[]ListenOption{WithPolicy(export.Policy{AllowRemote: true})}, cudarttest.WithFabric())
 }
 
 // No event crosses a byte stream: the exporter itself waits for the producer's writes

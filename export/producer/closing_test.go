@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -29,7 +30,7 @@ func (r *stalledImports) MemPoolImportPointer(dev int, p cudart.MemPool, d cudar
 }
 
 // An Open in flight when Importer.Close begins (here, inside its import) fails with
-// ErrClosed, and what it leased is given back; Close frees nothing under it.
+// export.ErrClosed, and what it leased is given back; Close frees nothing under it.
 func TestOpenInFlightDuringCloseFailsClosed(t *testing.T) {
 	for _, batch := range []bool{false, true} {
 		name := "Open"
@@ -59,10 +60,10 @@ func TestOpenInFlightDuringCloseFailsClosed(t *testing.T) {
 			go func() { closed <- imp.Close(ctx) }()
 			waitFor(t, "Close to begin", func() bool {
 				_, err := imp.Open(ctx, "nope", s.stream) // unknown until Close begins, then refused at once
-				return errors.Is(err, consumer.ErrClosed)
+				return errors.Is(err, export.ErrClosed)
 			})
 			close(rt.release)
-			require.ErrorIs(t, testwait.Recv(t, opened, "the Open in flight to return"), consumer.ErrClosed, "the Open in flight")
+			require.ErrorIs(t, testwait.Recv(t, opened, "the Open in flight to return"), export.ErrClosed, "the Open in flight")
 			require.NoError(t, testwait.Recv(t, closed, "Close to return"))
 			waitFor(t, "the lease to end", func() bool { return pr.activeLeases(t) == 0 })
 			s.checkClean(t)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -102,6 +103,6 @@ func TestPushAllSendsToEveryPeerAtOnce(t *testing.T) {
 	waitFor(t, "the pushed leases to be released", func() bool { return pr.activeLeases(t) == 0 })
 	require.ErrorIs(t, pr.ex.PushAll(ctx, "p", impossiblePID(t)), ErrNoPeer, "PushAll to nobody, want ErrNoPeer")
 	require.Error(t, pr.ex.PushAll(ctx, "p"), "PushAll without pids succeeded")
-	require.ErrorIs(t, pr.ex.PushAll(ctx, "nope", os.Getpid()), ErrUnknownName, "PushAll of an unknown name, want ErrUnknownName")
+	require.ErrorIs(t, pr.ex.PushAll(ctx, "nope", os.Getpid()), export.ErrUnknownName, "PushAll of an unknown name, want export.ErrUnknownName")
 	pr.checkClean(t)
 }

@@ -19,9 +19,9 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/inspect"
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -64,7 +64,7 @@ func TestImporterDoneWhenExporterDies(t *testing.T) {
 	case <-time.After(promptly):
 		t.Fatal("the Importer did not learn of its exporter's death")
 	}
-	assert.ErrorIs(t, c.imp.Err(), wire.ErrExporterGone)
+	assert.ErrorIs(t, c.imp.Err(), export.ErrExporterGone)
 }
 
 // A mapping on another GPU than its exporter's must not be touched once the exporter
@@ -90,7 +90,7 @@ func TestPeerMappingRefusedOnceExporterGone(t *testing.T) {
 	}
 	assert.ErrorIs(t, context.Cause(m.Context()), consumer.ErrMappingLost)
 	require.ErrorIs(t, m.Err(), consumer.ErrMappingLost)
-	assert.ErrorIs(t, m.Err(), wire.ErrExporterGone)
+	assert.ErrorIs(t, m.Err(), export.ErrExporterGone)
 	assert.Contains(t, m.Err().Error(), "another GPU")
 	require.NoError(t, m.Release(ctx, peerSide.stream))
 	require.NoError(t, peerSide.imp.Close(ctx))
@@ -149,7 +149,7 @@ func (r *killAtEventOpen) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (
 }
 
 // A producer that dies while an Open is in flight: the Open fails with
-// ErrExporterGone, and no stream is left waiting on (nor queries) the dead process's
+// export.ErrExporterGone, and no stream is left waiting on (nor queries) the dead process's
 // ready event, which the driver may never complete.
 func TestOpenInFlightWhenProducerDies(t *testing.T) {
 	k, path := startProducerChild(t, 93)
@@ -160,7 +160,7 @@ func TestOpenInFlightWhenProducerDies(t *testing.T) {
 	require.NoError(t, err)
 	defer imp.Close(ctx)
 	_, err = imp.Open(ctx, "a", s.stream)
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 	s.checkClean(t)
 }
 

@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
 func TestListenWithoutRuntimeIsAnError(t *testing.T) {
@@ -59,8 +59,8 @@ func TestDialRegularFileSaysItIsNotASocket(t *testing.T) {
 	require.NoError(t, os.WriteFile(path, []byte("not a socket"), 0o600))
 	s := newSide(t, 0)
 	_, err := consumer.Dial(testCtx(t), path, s.dev, 0)
-	require.ErrorIs(t, err, ErrNotSocket)
-	assert.NotErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrNotSocket)
+	assert.NotErrorIs(t, err, export.ErrExporterGone)
 	assert.Contains(t, err.Error(), path)
 }
 
@@ -77,11 +77,11 @@ func TestSocketModeFollowsPolicy(t *testing.T) {
 		require.NoError(t, err)
 		return info.Mode().Perm()
 	}
-	wide := Policy{AllowUIDs: []uint32{uint32(os.Getuid()), 4242}}
+	wide := export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()), 4242}}
 	assert.Equal(t, os.FileMode(0o600), mode(WithPolicy(wide)), "the Policy alone leaves the socket private")
 	assert.Equal(t, os.FileMode(0o600), mode(SocketFollowsPolicy()))
 	assert.Equal(t, os.FileMode(0o666), mode(WithPolicy(wide), SocketFollowsPolicy()))
-	group := Policy{AllowGIDs: []uint32{uint32(os.Getgid())}}
+	group := export.Policy{AllowGIDs: []uint32{uint32(os.Getgid())}}
 	assert.Equal(t, os.FileMode(0o660), mode(WithPolicy(group), SocketFollowsPolicy()))
 }
 
@@ -107,7 +107,7 @@ func TestNamesRejectBidiAndControlCharacters(t *testing.T) {
 	require.NoError(t, err)
 	for _, name := range []string{"kv\u202egnp.exe", "a\u2066b", "a\u200fb", "line\u2028break", "tab\tname", "nul\x00"} {
 		err := pr.ex.Publish(testCtx(t), name, b, pr.stream)
-		assert.ErrorIs(t, err, ErrBadName, "%q", name)
+		assert.ErrorIs(t, err, export.ErrBadName, "%q", name)
 	}
 	assert.NoError(t, pr.ex.Publish(testCtx(t), "layer-0/κv 😀", b, pr.stream))
 }

@@ -15,8 +15,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/gputest"
 	"github.com/cudapool/cudapool/internal/proctest"
 )
@@ -164,7 +164,7 @@ func holds(rt cudart.Runtime, dev int, m *consumer.Mapping, fill byte, s cudart.
 
 // replicateThroughKill makes replicas of "a", four copies queued at a time, until an
 // Open fails (the producer is killed meanwhile), and reports them: each must read
-// fill, and the failure must be ErrExporterGone.
+// fill, and the failure must be export.ErrExporterGone.
 func replicateThroughKill(ctx context.Context, rt cudart.Runtime, imp *consumer.Importer, s cudart.Stream, fill byte, check func(string, error)) {
 	const dev = 1
 	var (
@@ -198,8 +198,8 @@ func replicateThroughKill(ctx context.Context, rt cudart.Runtime, imp *consumer.
 	switch {
 	case openErr == nil:
 		check("an Open after the kill failed", errors.New("the Opens went on succeeding for 10 s"))
-	case !errors.Is(openErr, wire.ErrExporterGone):
-		check("the Open after the kill failed with ErrExporterGone", openErr)
+	case !errors.Is(openErr, export.ErrExporterGone):
+		check("the Open after the kill failed with export.ErrExporterGone", openErr)
 	default:
 		fmt.Printf("the Open after the kill: %v\n", openErr)
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
@@ -82,7 +83,7 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
 			p.ex.dropFreed(pub)
-			return wire.LeaseMsg{}, nil, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
+			return wire.LeaseMsg{}, nil, fmt.Errorf("%w: %q: %w", export.ErrBufferGone, pub.name, err)
 		}
 		return wire.LeaseMsg{}, nil, fmt.Errorf("producer: lease %q: %w", pub.name, err)
 	}
@@ -100,7 +101,7 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	}
 	if p.grants >= p.ex.opts.maxGrants {
 		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
-		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", ErrTooManyGrants, p.pid(), p.grants)
+		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", export.ErrTooManyGrants, p.pid(), p.grants)
 	}
 	entry := p.byBuffer[b]
 	if entry == nil {
@@ -138,7 +139,7 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (wire.LeaseMsg, er
 	rec, err := b.ExportRecord()
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
-			return wire.LeaseMsg{}, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
+			return wire.LeaseMsg{}, fmt.Errorf("%w: %q: %w", export.ErrBufferGone, pub.name, err)
 		}
 		return wire.LeaseMsg{}, fmt.Errorf("producer: %q: %w", pub.name, fabricErr(b.Pool(), err))
 	}
@@ -179,9 +180,9 @@ func (p *peer) sendPool(ctx context.Context, pl *pool.Pool) (uint64, error) {
 	ht := pl.HandleType()
 	switch {
 	case ht == cudart.HandleTypePosixFD && !p.c.CanPassFDs():
-		return 0, fmt.Errorf("%w: a POSIX fd pool cannot travel on a byte stream; use a FABRIC pool", ErrHandleType)
+		return 0, fmt.Errorf("%w: a POSIX fd pool cannot travel on a byte stream; use a FABRIC pool", export.ErrHandleType)
 	case p.hello.HandleTypes&uint32(ht) == 0:
-		return 0, fmt.Errorf("%w: the peer imports %#x, the pool is %v", ErrHandleType, p.hello.HandleTypes, ht)
+		return 0, fmt.Errorf("%w: the peer imports %#x, the pool is %v", export.ErrHandleType, p.hello.HandleTypes, ht)
 	}
 	h, err := pl.ExportHandle()
 	if err != nil {

@@ -10,11 +10,12 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
 // A request whose send fails because the exporter's end is closed says
-// ErrExporterGone even before the reader has seen the end (Release relies on it to
+// export.ErrExporterGone even before the reader has seen the end (Release relies on it to
 // succeed once the exporter is gone): the exporter's end is closed here and no reader
 // runs, as when the send wins the race with the reader.
 func TestSendToAClosedExporterSaysGone(t *testing.T) {
@@ -30,6 +31,6 @@ func TestSendToAClosedExporterSaysGone(t *testing.T) {
 	_, err = cl.Request(context.Background(), func(id uint64) wire.Message {
 		return &wire.ReleaseMsg{ReqID: id, LeaseID: 1, Count: 1}
 	}, false)
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 	assert.ErrorIs(t, err, unix.EPIPE, "and says why")
 }

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -31,7 +32,7 @@ func TestStaleLeasesAreRefusedSayingWhy(t *testing.T) {
 	wantStale(t, b.release(2, l.LeaseID, 1), 2, staleForeign)
 	wantStale(t, a.release(3, l.LeaseID^1<<63, 1), 3, staleForged)
 	wantStale(t, a.release(4, rand.Uint64(), 1), 4, staleForged)
-	wantError(t, a.release(5, l.LeaseID, 2), 5, ErrBadRequest)
+	wantError(t, a.release(5, l.LeaseID, 2), 5, export.ErrBadRequest)
 	n = pr.activeLeases(t)
 	require.EqualValues(t, 1, n, "refused releases changed the lease count to %d", n)
 
@@ -72,20 +73,20 @@ func TestFreedBufferIsNeverHandedOut(t *testing.T) {
 	b := pr.publish(t, "buf", 1<<20, 1)
 	require.NoError(t, b.Free(pr.stream))
 	a := admitted(t, pr.path)
-	wantError(t, a.open(1, "buf"), 1, ErrBufferGone)
+	wantError(t, a.open(1, "buf"), 1, export.ErrBufferGone)
 	// Retired: the name is gone now.
-	wantError(t, a.open(2, "buf"), 2, ErrUnknownName)
-	wantError(t, a.open(3, "never"), 3, ErrUnknownName)
+	wantError(t, a.open(2, "buf"), 2, export.ErrUnknownName)
+	wantError(t, a.open(3, "never"), 3, export.ErrUnknownName)
 }
 
 func TestStateOnlyConnectionCannotLease(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "buf", 1<<20, 1)
 	r := dialRaw(t, pr.path)
-	r.send(&wire.HelloMsg{Version: wire.ProtocolVersion, PID: 1})
+	r.send(&wire.HelloMsg{Version: export.ProtocolVersion, PID: 1})
 	m := r.recv()
 	require.EqualValues(t, wire.MsgWelcome, m.Kind(), "handshake answered %s", m.Kind())
-	wantError(t, r.open(1, "buf"), 1, wire.ErrNoLeases)
+	wantError(t, r.open(1, "buf"), 1, export.ErrNoLeases)
 }
 
 // A violation must be seen: here the exporter is made to end a lease while the

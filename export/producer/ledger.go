@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
@@ -65,12 +66,12 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 		return entry, nil
 	}
 	if conn, ctr := p.space.keys.unseal(id); conn == p.id && ctr >= 1 && ctr <= p.issued {
-		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
+		return nil, fmt.Errorf("%w: lease %#x was released already", export.ErrStaleLease, id)
 	}
 	if s, conn, _, ok := p.ex.connIDs.owner(id); ok && (s != p.space || conn != p.id) {
-		return nil, fmt.Errorf("%w: lease %#x is another connection's", ErrStaleLease, id)
+		return nil, fmt.Errorf("%w: lease %#x is another connection's", export.ErrStaleLease, id)
 	}
-	return nil, fmt.Errorf("%w: lease %#x was never issued", ErrStaleLease, id)
+	return nil, fmt.Errorf("%w: lease %#x was never issued", export.ErrStaleLease, id)
 }
 
 func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
@@ -85,7 +86,7 @@ func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
 // Error naming the failures.
 func (p *peer) releaseBatch(m *wire.ReleaseBatchMsg) error {
 	if len(m.Entries) == 0 {
-		return fmt.Errorf("%w: a ReleaseBatch of no entries", ErrBadRequest)
+		return fmt.Errorf("%w: a ReleaseBatch of no entries", export.ErrBadRequest)
 	}
 	var errs []error
 	for i := range m.Entries {
@@ -124,7 +125,7 @@ func (p *peer) release(m *wire.ReleaseMsg) error {
 	p.mu.Lock()
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
-		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
+		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", export.ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
 	}
 	if err == nil && m.Flags&wire.ReleaseRetain != 0 {
 		err = p.retainLocked(entry)

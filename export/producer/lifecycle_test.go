@@ -18,6 +18,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/internal/inspect"
@@ -28,13 +29,13 @@ import (
 
 func TestPolicyRefusesWithReason(t *testing.T) {
 	other := uint32(os.Getuid()) + 1
-	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowUIDs: []uint32{other}})})
+	pr := newProducer(t, nil, []ListenOption{WithPolicy(export.Policy{AllowUIDs: []uint32{other}})})
 	s := newSide(t, 0)
 	_, err := consumer.Dial(testCtx(t), pr.path, s.dev, 0)
-	require.ErrorIs(t, err, ErrRefused, "Dial = %v, want ErrRefused with the reason", err)
-	require.ErrorContains(t, err, "is not allowed", "Dial = %v, want ErrRefused with the reason", err)
+	require.ErrorIs(t, err, export.ErrRefused, "Dial = %v, want export.ErrRefused with the reason", err)
+	require.ErrorContains(t, err, "is not allowed", "Dial = %v, want export.ErrRefused with the reason", err)
 	_, err = discover.QueryState(testCtx(t), pr.path)
-	require.ErrorIs(t, err, ErrRefused, "QueryState, want ErrRefused: the same policy applies")
+	require.ErrorIs(t, err, export.ErrRefused, "QueryState, want export.ErrRefused: the same policy applies")
 	require.Contains(t, pr.log.String(), "level=WARN msg=\"producer: connection not admitted\"", "refusal not logged as a warning:\n%s", pr.log.String())
 	n := len(pr.ex.Peers())
 	require.EqualValues(t, 0, n, "%d peers after refusals", n)
@@ -43,7 +44,7 @@ func TestPolicyRefusesWithReason(t *testing.T) {
 
 func TestPolicyAdmits(t *testing.T) {
 	uid, gid := uint32(os.Getuid()), uint32(os.Getgid())
-	for _, p := range []Policy{{}, {AllowUIDs: []uint32{uid}}, {AllowGIDs: []uint32{gid}}, {AllowUIDs: []uint32{uid + 1}, AllowGIDs: []uint32{gid}}} {
+	for _, p := range []export.Policy{{}, {AllowUIDs: []uint32{uid}}, {AllowGIDs: []uint32{gid}}, {AllowUIDs: []uint32{uid + 1}, AllowGIDs: []uint32{gid}}} {
 		pr := newProducer(t, nil, []ListenOption{WithPolicy(p)})
 		newConsumer(t, pr.path, 0)
 	}
@@ -57,7 +58,7 @@ func TestQueryStateDescribesPoolsAndPeers(t *testing.T) {
 	require.NoError(t, err)
 	st, err := discover.QueryState(testCtx(t), pr.path)
 	require.NoError(t, err)
-	require.Equal(t, discover.StateSchema, st.Schema)
+	require.Equal(t, export.StateSchema, st.Schema)
 	require.Equal(t, "unit-producer", st.Name)
 	require.Equal(t, os.Getpid(), st.PID)
 	require.Len(t, st.Devices, 2, "state header %+v", st)
@@ -102,7 +103,7 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	n := pr.activeLeases(t)
 	require.EqualValues(t, 0, n, "%d leases after the pushed mapping was released", n)
 	require.ErrorIs(t, pr.ex.Push(ctx, "p", impossiblePID(t)), ErrNoPeer, "Push to nobody, want ErrNoPeer")
-	require.ErrorIs(t, pr.ex.Push(ctx, "nope", os.Getpid()), ErrUnknownName, "Push of an unknown name, want ErrUnknownName")
+	require.ErrorIs(t, pr.ex.Push(ctx, "nope", os.Getpid()), export.ErrUnknownName, "Push of an unknown name, want export.ErrUnknownName")
 	pr.checkClean(t)
 	s.checkClean(t)
 }
@@ -121,11 +122,11 @@ func TestPublishChecks(t *testing.T) {
 	b := pr.publish(t, "a", 1<<20, 1)
 	ctx := testCtx(t)
 	require.ErrorIs(t, pr.ex.Publish(ctx, "a", b, pr.stream), ErrNameInUse, "Publish twice, want ErrNameInUse")
-	for _, name := range []string{"", strings.Repeat("x", wire.MaxNameLen+1), "a\nb", "\xff"} {
-		require.ErrorIs(t, pr.ex.Publish(ctx, name, b, pr.stream), ErrBadName, "Publish(%q), want ErrBadName", name)
+	for _, name := range []string{"", strings.Repeat("x", export.MaxNameLen+1), "a\nb", "\xff"} {
+		require.ErrorIs(t, pr.ex.Publish(ctx, name, b, pr.stream), export.ErrBadName, "Publish(%q), want export.ErrBadName", name)
 	}
 	require.NoError(t, pr.ex.Unpublish("a"))
-	require.ErrorIs(t, pr.ex.Unpublish("a"), ErrUnknownName, "Unpublish twice, want ErrUnknownName")
+	require.ErrorIs(t, pr.ex.Unpublish("a"), export.ErrUnknownName, "Unpublish twice, want export.ErrUnknownName")
 	local, err := pool.New(pr.dev, 0, pool.WithHandleType(cudart.HandleTypeNone))
 	require.NoError(t, err)
 	defer local.Close(ctx, pool.Force())
@@ -140,16 +141,16 @@ func TestFabricWithoutIMEXIsReported(t *testing.T) {
 	b, err := pr.pool.Alloc(ctx, 1<<20, pr.stream)
 	require.NoError(t, err)
 	err = pr.ex.Publish(ctx, "f", b, pr.stream)
-	require.ErrorIs(t, err, ErrIMEXRequired, "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
-	require.ErrorIs(t, err, cudart.ErrNotPermitted, "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
-	require.Contains(t, err.Error(), "IMEX channel", "Publish of a FABRIC buffer without IMEX = %v, want ErrIMEXRequired", err)
+	require.ErrorIs(t, err, export.ErrIMEXRequired, "Publish of a FABRIC buffer without IMEX = %v, want export.ErrIMEXRequired", err)
+	require.ErrorIs(t, err, cudart.ErrNotPermitted, "Publish of a FABRIC buffer without IMEX = %v, want export.ErrIMEXRequired", err)
+	require.Contains(t, err.Error(), "IMEX channel", "Publish of a FABRIC buffer without IMEX = %v, want export.ErrIMEXRequired", err)
 }
 
 // FABRIC handles travel on a plain byte stream (TCP here), with no descriptors: the
 // way between nodes of one NVLink domain.
 func TestFabricOverTCP(t *testing.T) {
 	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
-		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+		[]ListenOption{WithPolicy(export.Policy{AllowRemote: true})}, cudarttest.WithFabric())
 	pr.publish(t, "f", 2<<20, 0xfa)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -184,7 +185,7 @@ func TestByteStreamPeers(t *testing.T) {
 	// POSIX fd pools cannot travel on a byte stream; and a byte-stream peer needs
 	// AllowRemote.
 	for _, remote := range []bool{false, true} {
-		pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowRemote: remote})})
+		pr := newProducer(t, nil, []ListenOption{WithPolicy(export.Policy{AllowRemote: remote})})
 		pr.publish(t, "a", 1<<20, 1)
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
@@ -196,13 +197,13 @@ func TestByteStreamPeers(t *testing.T) {
 		s := newSide(t, 0)
 		imp, err := consumer.DialConn(testCtx(t), nc, s.dev, 0, consumer.WithLogger(discardLogger))
 		if !remote {
-			require.ErrorIs(t, err, ErrRefused, "DialConn without AllowRemote = %v, want ErrRefused naming AllowRemote", err)
-			require.ErrorContains(t, err, "AllowRemote", "DialConn without AllowRemote = %v, want ErrRefused naming AllowRemote", err)
+			require.ErrorIs(t, err, export.ErrRefused, "DialConn without AllowRemote = %v, want export.ErrRefused naming AllowRemote", err)
+			require.ErrorContains(t, err, "AllowRemote", "DialConn without AllowRemote = %v, want export.ErrRefused naming AllowRemote", err)
 			continue
 		}
 		require.NoError(t, err)
 		_, err = imp.Open(testCtx(t), "a", s.stream)
-		require.ErrorIs(t, err, ErrHandleType, "Open of a POSIX fd pool over TCP, want ErrHandleType")
+		require.ErrorIs(t, err, export.ErrHandleType, "Open of a POSIX fd pool over TCP, want export.ErrHandleType")
 		n := pr.activeLeases(t)
 		require.EqualValues(t, 0, n, "%d leases after a refused open", n)
 		imp.Close(testCtx(t))
@@ -226,15 +227,15 @@ func TestDialNothingListening(t *testing.T) {
 	s := newSide(t, 0)
 	dir := shortDir(t)
 	_, err := consumer.Dial(testCtx(t), dir+"/none.sock", s.dev, 0)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
-	require.ErrorIs(t, err, fs.ErrNotExist, "Dial of a missing socket = %v, want ErrExporterGone and fs.ErrNotExist", err)
+	require.ErrorIs(t, err, export.ErrExporterGone, "Dial of a missing socket = %v, want export.ErrExporterGone and fs.ErrNotExist", err)
+	require.ErrorIs(t, err, fs.ErrNotExist, "Dial of a missing socket = %v, want export.ErrExporterGone and fs.ErrNotExist", err)
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: dir + "/dead.sock", Net: "unix"})
 	require.NoError(t, err)
 	l.SetUnlinkOnClose(false)
 	l.Close()
 	_, err = consumer.Dial(testCtx(t), dir+"/dead.sock", s.dev, 0)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
-	require.ErrorIs(t, err, syscall.ECONNREFUSED, "Dial of a socket nobody serves = %v, want ErrExporterGone and ECONNREFUSED", err)
+	require.ErrorIs(t, err, export.ErrExporterGone, "Dial of a socket nobody serves = %v, want export.ErrExporterGone and ECONNREFUSED", err)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "Dial of a socket nobody serves = %v, want export.ErrExporterGone and ECONNREFUSED", err)
 }
 
 // A liveness probe (Discover's) connects and hangs up without a word: that is logged
@@ -310,14 +311,14 @@ func TestProducerCrashLeavesMappingsReadable(t *testing.T) {
 	b := c.read(t, m)
 	require.True(t, allAre(b, 0x77), "mapping unreadable after the producer died")
 	_, err = c.imp.Open(ctx, "a", c.stream)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "Open after the producer died, want ErrExporterGone")
+	require.ErrorIs(t, err, export.ErrExporterGone, "Open after the producer died, want export.ErrExporterGone")
 	require.NoError(t, m.Release(ctx, c.stream), "Release after the producer died, want nil")
 	require.NoError(t, c.imp.Close(ctx), "Close after the producer died, want nil")
 	c.checkClean(t)
 }
 
 // Exporter.Close waits for consumers to release what they hold; Opens after it
-// began fail with ErrExporterGone.
+// began fail with export.ErrExporterGone.
 func TestExporterCloseWaitsForReleases(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	pr.publish(t, "a", 1<<20, 1)
@@ -333,7 +334,7 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 		return inspect.Client(c.imp).Bye
 	})
 	_, err = c.imp.Open(ctx, "a", c.stream)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "Open during Close, want ErrExporterGone")
+	require.ErrorIs(t, err, export.ErrExporterGone, "Open during Close, want export.ErrExporterGone")
 	select {
 	case err := <-closed:
 		t.Fatalf("Close returned %v while a lease was held", err)
@@ -411,7 +412,7 @@ func TestCloseCutsSilentPeers(t *testing.T) {
 	require.True(t, r.closedByExporter(), "the silent peer's connection stayed open")
 	b, err := pr.pool.Alloc(testCtx(t), 4096, pr.stream)
 	require.NoError(t, err)
-	require.ErrorIs(t, pr.ex.Publish(testCtx(t), "late", b, pr.stream), ErrClosed, "Publish after Close, want ErrClosed")
+	require.ErrorIs(t, pr.ex.Publish(testCtx(t), "late", b, pr.stream), export.ErrClosed, "Publish after Close, want export.ErrClosed")
 }
 
 // A Push whose context has ended before its Lease frame went out leaves the peer
@@ -573,13 +574,13 @@ func (l *pipeListener) dial(t *testing.T, h *wire.HelloMsg) *wire.Conn {
 // Peers that stopped reading keep neither Close's Bye from the others nor Close from
 // waiting for the others' releases.
 func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
-	pr := newProducer(t, nil, []ListenOption{WithPolicy(Policy{AllowRemote: true})})
+	pr := newProducer(t, nil, []ListenOption{WithPolicy(export.Policy{AllowRemote: true})})
 	pr.publish(t, "p", 1<<20, 1)
 	l := newPipeListener()
 	require.NoError(t, pr.ex.Serve(l))
 	// Several, so that the one reading peer is unlikely to be told first by chance.
 	for range 4 {
-		l.dial(t, &wire.HelloMsg{Version: wire.ProtocolVersion}) // and never read from again
+		l.dial(t, &wire.HelloMsg{Version: export.ProtocolVersion}) // and never read from again
 	}
 	c := newConsumer(t, pr.path, 0)
 	ctx := testCtx(t)
@@ -600,11 +601,11 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 // reading, gives up when its context ends.
 func TestGrantBehindStuckPoolHandleHonoursContext(t *testing.T) {
 	pr := newProducer(t, []pool.Option{pool.WithHandleType(cudart.HandleTypeFabric)},
-		[]ListenOption{WithPolicy(Policy{AllowRemote: true})}, cudarttest.WithFabric())
+		[]ListenOption{WithPolicy(export.Policy{AllowRemote: true})}, cudarttest.WithFabric())
 	pr.publish(t, "f", 2<<20, 1)
 	l := newPipeListener()
 	require.NoError(t, pr.ex.Serve(l))
-	c := l.dial(t, &wire.HelloMsg{Version: wire.ProtocolVersion, Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
+	c := l.dial(t, &wire.HelloMsg{Version: export.ProtocolVersion, Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)})
 	peers := pr.ex.peerList()
 	require.Len(t, peers, 1, "%d peers, want 1", len(peers))
 	p := peers[0]

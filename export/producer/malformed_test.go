@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/inspect"
 	"github.com/cudapool/cudapool/export/internal/wire"
@@ -58,7 +59,7 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 		{"unknown flags", true, func(t *testing.T, r *rawPeer) {
 			r.send(&wire.ReleaseMsg{ReqID: 1, LeaseID: 2, Count: 1, Flags: 1 << 9})
 		}, "Release has unknown flags"},
-		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&wire.WelcomeMsg{Version: wire.ProtocolVersion}) }, "unexpected Welcome from an importer"},
+		{"exporter's message", true, func(t *testing.T, r *rawPeer) { r.send(&wire.WelcomeMsg{Version: export.ProtocolVersion}) }, "unexpected Welcome from an importer"},
 		{"descriptor attached", true, func(t *testing.T, r *rawPeer) {
 			pr, pw, err := os.Pipe()
 			require.NoError(t, err)
@@ -111,21 +112,21 @@ func TestVersionMismatchNamesBothVersions(t *testing.T) {
 		r.sendBytes(h)
 		ref, ok := r.recv().(*wire.RefusedMsg)
 		require.True(t, ok, "a version-%d Hello was not refused", v)
-		want := fmt.Sprintf("version %d, this side speaks %d", v, wire.ProtocolVersion)
-		require.EqualValues(t, wire.ProtocolVersion, ref.Version, "Refused(%d, %q), want it to say %q", ref.Version, ref.Reason, want)
+		want := fmt.Sprintf("version %d, this side speaks %d", v, export.ProtocolVersion)
+		require.EqualValues(t, export.ProtocolVersion, ref.Version, "Refused(%d, %q), want it to say %q", ref.Version, ref.Reason, want)
 		require.Contains(t, ref.Reason, want)
 	}
 
 	// And the importer's side: an exporter that speaks version 9.
 	fake := fakeExporter(t, func(c *wire.Conn) {
 		c.Recv()
-		c.Send(context.Background(), &wire.RefusedMsg{Version: 9, Reason: fmt.Sprintf("peer speaks protocol version %d, this side speaks 9", wire.ProtocolVersion)}, -1)
+		c.Send(context.Background(), &wire.RefusedMsg{Version: 9, Reason: fmt.Sprintf("peer speaks protocol version %d, this side speaks 9", export.ProtocolVersion)}, -1)
 	})
 	s := newSide(t, 0)
 	_, err := consumer.Dial(testCtx(t), fake, s.dev, 0)
-	require.ErrorIs(t, err, ErrVersionMismatch, "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, wire.ProtocolVersion)
-	require.Contains(t, err.Error(), "version 9", "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, wire.ProtocolVersion)
-	require.Contains(t, err.Error(), fmt.Sprintf("speaks %d", wire.ProtocolVersion), "Dial = %v, want ErrVersionMismatch naming 9 and %d", err, wire.ProtocolVersion)
+	require.ErrorIs(t, err, export.ErrVersionMismatch, "Dial = %v, want export.ErrVersionMismatch naming 9 and %d", err, export.ProtocolVersion)
+	require.Contains(t, err.Error(), "version 9", "Dial = %v, want export.ErrVersionMismatch naming 9 and %d", err, export.ProtocolVersion)
+	require.Contains(t, err.Error(), fmt.Sprintf("speaks %d", export.ProtocolVersion), "Dial = %v, want export.ErrVersionMismatch naming 9 and %d", err, export.ProtocolVersion)
 }
 
 // fakeExporter listens on a fresh socket and runs serve on the first connection.
@@ -160,13 +161,13 @@ func welcomeThen(next func(c *wire.Conn)) func(c *wire.Conn) {
 		if _, _, err := c.Recv(); err != nil {
 			return
 		}
-		c.Send(context.Background(), &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: 1}, -1)
+		c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: 1}, -1)
 		next(c)
 	}
 }
 
 // An exporter that breaks the protocol loses its importer: the reason is logged,
-// opens fail with ErrExporterGone, and Close completes.
+// opens fail with export.ErrExporterGone, and Close completes.
 func TestMalformedExporterInput(t *testing.T) {
 	cases := []struct {
 		name   string
@@ -209,8 +210,8 @@ func TestMalformedExporterInput(t *testing.T) {
 			testwait.Recv(t, sent, "the malformed frame to go out")
 			testwait.Recv(t, inspect.Client(imp).ReaderDone, "the importer to drop the connection")
 			_, err = imp.Open(testCtx(t), "x", s.stream)
-			require.ErrorIs(t, err, wire.ErrExporterGone, "Open = %v, want ErrExporterGone with the violation", err)
-			require.ErrorIs(t, err, ErrProtocol, "Open = %v, want ErrExporterGone with the violation", err)
+			require.ErrorIs(t, err, export.ErrExporterGone, "Open = %v, want export.ErrExporterGone with the violation", err)
+			require.ErrorIs(t, err, export.ErrProtocol, "Open = %v, want export.ErrExporterGone with the violation", err)
 			require.Contains(t, lb.String(), tc.logged, "log does not say %q:\n%s", tc.logged, lb.String())
 			require.NoError(t, imp.Close(testCtx(t)), "Close =")
 			testwait.Recv(t, hungUp, "the fake exporter to see the hang-up")
@@ -246,8 +247,8 @@ func TestHandleBeforeWelcomeIsRefused(t *testing.T) {
 	})
 	before := openFDs(t)
 	_, err := consumer.Dial(testCtx(t), path, s.dev, 0, consumer.WithLogger(discardLogger))
-	require.ErrorIs(t, err, ErrProtocol, "Dial = %v, want ErrProtocol", err)
-	require.ErrorContains(t, err, "answered Hello with PoolHandle", "Dial = %v, want ErrProtocol", err)
+	require.ErrorIs(t, err, export.ErrProtocol, "Dial = %v, want export.ErrProtocol", err)
+	require.ErrorContains(t, err, "answered Hello with PoolHandle", "Dial = %v, want export.ErrProtocol", err)
 	testwait.Recv(t, hungUp, "the fake exporter to see the hang-up")
 	after := openFDs(t)
 	require.LessOrEqual(t, after, before, "%d descriptors open, %d before", after, before)

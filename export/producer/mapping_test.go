@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 )
 
@@ -68,7 +69,7 @@ func TestFreeWhileLeasedWaitsForRelease(t *testing.T) {
 	require.True(t, allAre(got, 1), "leased buffer changed after the producer freed it")
 	// A new open must not get the freed buffer.
 	_, err = c.imp.Open(ctx, "a", c.stream)
-	require.ErrorIs(t, err, ErrBufferGone, "open of a freed buffer, want ErrBufferGone")
+	require.ErrorIs(t, err, export.ErrBufferGone, "open of a freed buffer, want export.ErrBufferGone")
 	require.NoError(t, m.Release(ctx, c.stream))
 	s, _ = pr.pool.Stats()
 	require.EqualValues(t, 0, s.DeferredFrees, "after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/printable"
 )
@@ -15,7 +16,7 @@ type ListenOption interface{ applyListen(*listenOptions) }
 
 type listenOptions struct {
 	wire.SharedOptions
-	policy      Policy
+	policy      export.Policy
 	announceDir string // "" with announce false: none
 	announce    bool
 	name        string
@@ -50,7 +51,7 @@ func Range(offset, length uint64) PublishOption {
 	return publishOption(func(o *publishOptions) { o.offset, o.length = offset, length })
 }
 
-// WithMeta sends meta (at most MaxMetaLen bytes, copied) to every consumer of the
+// WithMeta sends meta (at most export.MaxMetaLen bytes, copied) to every consumer of the
 // publication with its lease: consumer.Mapping.Meta. A dtype and shape, say.
 func WithMeta(meta []byte) PublishOption {
 	return publishOption(func(o *publishOptions) { o.meta = append([]byte(nil), meta...) })
@@ -70,7 +71,7 @@ type listenOption func(*listenOptions)
 func (f listenOption) applyListen(o *listenOptions) { f(o) }
 
 // WithPolicy sets who may connect. The default admits this user's processes.
-func WithPolicy(p Policy) ListenOption {
+func WithPolicy(p export.Policy) ListenOption {
 	return listenOption(func(o *listenOptions) { o.policy = p })
 }
 
@@ -107,7 +108,7 @@ const MaxExporterNameLen = 128
 // WithName sets the process name the exporter gives in its announcement and State.
 // The default is the program's base name, with each character that does not show as
 // itself replaced by '?' and cut to MaxExporterNameLen bytes. Listen refuses, with
-// ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
+// export.ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
 // or holds a control or bidirectional control character or a line or paragraph
 // separator.
 func WithName(name string) ListenOption {
@@ -152,7 +153,7 @@ func WithHandshakeLimit(total, perUID int) ListenOption {
 const defaultMaxGrants = 1 << 16
 
 // WithMaxGrants caps the grants one connection may hold at once (each Open or Push of a
-// buffer is one, until released). An Open past it fails with ErrTooManyGrants and
+// buffer is one, until released). An Open past it fails with export.ErrTooManyGrants and
 // holds nothing more; a Push past it fails the same way. The default is 65536; a value
 // below 1 keeps it.
 func WithMaxGrants(n int) ListenOption {

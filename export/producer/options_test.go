@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 )
@@ -23,7 +24,7 @@ func TestOptionsBelongToTheirSides(t *testing.T) {
 		opt                 any
 		listen, dial, query bool
 	}{
-		{"WithPolicy", WithPolicy(Policy{}), true, false, false},
+		{"WithPolicy", WithPolicy(export.Policy{}), true, false, false},
 		{"WithAnnounce", WithAnnounce("/x"), true, false, false},
 		{"WithoutAnnounce", WithoutAnnounce(), true, false, false},
 		{"WithName", WithName("x"), true, false, false},
@@ -60,7 +61,7 @@ func TestListenRefusesBadExporterNames(t *testing.T) {
 		if ex != nil {
 			ex.Close(ended())
 		}
-		require.ErrorIs(t, err, ErrBadName, "Listen WithName(%q)", name)
+		require.ErrorIs(t, err, export.ErrBadName, "Listen WithName(%q)", name)
 		assert.NotContains(t, err.Error(), "\x1b", "the error prints the name raw")
 		assert.NoFileExists(t, path, "a refused Listen made its socket")
 	}

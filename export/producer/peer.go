@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/poolshare"
@@ -152,7 +152,7 @@ func (p *peer) serve() (reason error, clean bool) {
 				// Without Bye the peer exited, crashed or hung up; which, its process
 				// tells (awaitExit).
 				return errors.New("connection closed without Bye"), false
-			case errors.Is(err, ErrProtocol):
+			case errors.Is(err, export.ErrProtocol):
 				return err, true
 			}
 			return err, false
@@ -207,8 +207,8 @@ func (p *peer) shut() {
 }
 
 // state describes the peer for Exporter.Peers and State.
-func (p *peer) state() discover.PeerState {
-	s := discover.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
+func (p *peer) state() export.PeerState {
+	s := export.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
 	if p.cred != nil {
 		s.UID, s.GID = p.cred.UID, p.cred.GID
 	}

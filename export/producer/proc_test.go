@@ -20,9 +20,9 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/inspect"
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/internal/unixfd"
@@ -107,7 +107,7 @@ func roleProducer(args []string) int {
 	opts := []ListenOption{WithoutAnnounce(), WithLogger(quiet)}
 	switch args[2] {
 	case "other-uid":
-		opts = append(opts, WithPolicy(Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+		opts = append(opts, WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	case "retain":
 		opts = append(opts, WithRetainedImports())
 	}
@@ -506,14 +506,14 @@ func TestProcessProducerKilled(t *testing.T) {
 	require.NoError(t, err)
 	killProducer(t, k)
 	testwait.Recv(t, c.imp.Done(), "the importer to see its connection end")
-	require.ErrorIs(t, c.imp.Err(), wire.ErrExporterGone)
+	require.ErrorIs(t, c.imp.Err(), export.ErrExporterGone)
 	require.NoError(t, m.Err(), "a mapping on the owner GPU outlives its exporter")
 	require.NoError(t, m.Context().Err())
 	b := c.read(t, m)
 	require.True(t, allAre(b, 90), "mapping unreadable after the producer was killed: %v ... %v", b[:8], b[len(b)-8:])
 	_, err = c.imp.Open(ctx, "a", c.stream)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "Open after the producer was killed = %v, want ErrExporterGone", err)
-	require.ErrorContains(t, err, "exporter is gone", "Open after the producer was killed = %v, want ErrExporterGone", err)
+	require.ErrorIs(t, err, export.ErrExporterGone, "Open after the producer was killed = %v, want export.ErrExporterGone", err)
+	require.ErrorContains(t, err, "exporter is gone", "Open after the producer was killed = %v, want export.ErrExporterGone", err)
 	require.NoError(t, m.Release(ctx, c.stream), "Release, want nil")
 	require.ErrorIs(t, context.Cause(m.Context()), consumer.ErrReleased)
 	require.NoError(t, c.imp.Close(ctx), "Close, want nil")
@@ -528,8 +528,8 @@ func TestProcessPolicyRefusal(t *testing.T) {
 	k.Expect("ready")
 	s := newSide(t, 0)
 	_, err := consumer.Dial(testCtx(t), path, s.dev, 0)
-	require.ErrorIs(t, err, ErrRefused, "Dial = %v, want ErrRefused naming our uid", err)
-	require.ErrorContains(t, err, fmt.Sprintf("uid %d gid %d is not allowed", os.Getuid(), os.Getgid()), "Dial = %v, want ErrRefused naming our uid", err)
+	require.ErrorIs(t, err, export.ErrRefused, "Dial = %v, want export.ErrRefused naming our uid", err)
+	require.ErrorContains(t, err, fmt.Sprintf("uid %d gid %d is not allowed", os.Getuid(), os.Getgid()), "Dial = %v, want export.ErrRefused naming our uid", err)
 	k.Send("quit")
 	k.Finish()
 }

@@ -7,10 +7,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/internal/inspect"
-	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
 func TestRangesOfOneBufferShareOneImport(t *testing.T) {
@@ -31,11 +30,11 @@ func TestRangesOfOneBufferShareOneImport(t *testing.T) {
 
 	st, err := pr.ex.State()
 	require.NoError(t, err)
-	byName := map[string]discover.NameState{}
+	byName := map[string]export.NameState{}
 	for _, ns := range st.Published {
 		byName[ns.Name] = ns
 	}
-	require.Equal(t, discover.NameState{Name: "mid", Pool: 1, BufferID: b.ID(), Size: size, Offset: 1000, Length: 3001, MetaBytes: 6}, byName["mid"])
+	require.Equal(t, export.NameState{Name: "mid", Pool: 1, BufferID: b.ID(), Size: size, Offset: 1000, Length: 3001, MetaBytes: 6}, byName["mid"])
 	require.Equal(t, uint64(size-7), byName["tail"].Offset)
 
 	c := newConsumer(t, pr.path, 0)
@@ -91,12 +90,12 @@ func TestPublishRefusesBadRangesAndMetadata(t *testing.T) {
 	require.NoError(t, err)
 	for _, r := range [][2]uint64{{1 << 20, 0}, {1 << 20, 1}, {0, 1<<20 + 1}, {5, 1 << 20}, {1<<64 - 1, 2}} {
 		err := pr.ex.Publish(ctx, "x", b, pr.stream, Range(r[0], r[1]))
-		require.ErrorIs(t, err, ErrBadRange, "Range(%d, %d)", r[0], r[1])
+		require.ErrorIs(t, err, export.ErrBadRange, "Range(%d, %d)", r[0], r[1])
 	}
-	err = pr.ex.Publish(ctx, "x", b, pr.stream, WithMeta(bytes.Repeat([]byte{1}, wire.MaxMetaLen+1)))
+	err = pr.ex.Publish(ctx, "x", b, pr.stream, WithMeta(bytes.Repeat([]byte{1}, export.MaxMetaLen+1)))
 	require.ErrorIs(t, err, ErrMetaTooLong)
 	require.Empty(t, pr.ex.pubs, "nothing was published")
-	require.NoError(t, pr.ex.Publish(ctx, "x", b, pr.stream, WithMeta(bytes.Repeat([]byte{1}, wire.MaxMetaLen))))
+	require.NoError(t, pr.ex.Publish(ctx, "x", b, pr.stream, WithMeta(bytes.Repeat([]byte{1}, export.MaxMetaLen))))
 }
 
 func TestPushedRangeCarriesItsMetadata(t *testing.T) {

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -36,7 +37,7 @@ func dialRaw(t testing.TB, path string) *rawPeer {
 // leasingHello is the Hello of a peer that takes leases of POSIX fd pools and offers
 // no release event (so the exporter ends its leases without waiting).
 func leasingHello() *wire.HelloMsg {
-	return &wire.HelloMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid()), Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypePosixFD)}
+	return &wire.HelloMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypePosixFD)}
 }
 
 // admitted dials path and completes a handshake as a leasing peer.
@@ -100,7 +101,7 @@ func (r *rawPeer) closedByExporter() bool {
 			wire.CloseFDs([]int{fd})
 		}
 		if err != nil {
-			return errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) || strings.Contains(err.Error(), "reset")
+			return errors.Is(err, io.EOF) || errors.Is(err, export.ErrProtocol) || strings.Contains(err.Error(), "reset")
 		}
 		if m.Kind() == wire.MsgRefused || m.Kind() == wire.MsgError {
 			continue
@@ -117,17 +118,17 @@ func wantError(t testing.TB, m wire.Message, reqID uint64, target error) {
 	require.ErrorIs(t, wire.ReplyErr(e), target, "got Error(req %d, %v: %q), want req %d and %v", e.ReqID, wire.CodeErrs[e.Code], e.Text, reqID, target)
 }
 
-// The cases of ErrStaleLease, as its message names them.
+// The cases of export.ErrStaleLease, as its message names them.
 const (
 	staleReleased = "was released already"
 	staleForeign  = "is another connection's"
 	staleForged   = "was never issued"
 )
 
-// wantStale checks that m is an Error frame for reqID standing for ErrStaleLease, its
+// wantStale checks that m is an Error frame for reqID standing for export.ErrStaleLease, its
 // text naming the case (staleReleased, staleForeign or staleForged).
 func wantStale(t testing.TB, m wire.Message, reqID uint64, why string) {
 	t.Helper()
-	wantError(t, m, reqID, ErrStaleLease)
+	wantError(t, m, reqID, export.ErrStaleLease)
 	require.Contains(t, m.(*wire.ErrorMsg).Text, why, "the stale lease's message names the case")
 }

@@ -13,9 +13,9 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/inspect"
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -270,7 +270,7 @@ func (r *killAtReadyWait) StreamWaitEvent(dev int, s cudart.Stream, ev cudart.Ev
 }
 
 // A producer that dies as Open's stream is made to wait on its ready event: what
-// the driver makes of the wait, Open says ErrExporterGone (as for a death anywhere
+// the driver makes of the wait, Open says export.ErrExporterGone (as for a death anywhere
 // else in Open), and the process keeps its context.
 func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
 	k, path := startProducerChild(t, 96)
@@ -280,7 +280,7 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(discardLogger))
 	require.NoError(t, err)
 	_, err = imp.Open(ctx, "a", s.stream, consumer.WithReplica(nil))
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 	require.NoError(t, imp.Close(ctx))
 	assert.False(t, s.dev.ContextLost())
 }
@@ -335,7 +335,7 @@ func (r *killAtImport) MemPoolImportPointer(dev int, p cudart.MemPool, data cuda
 }
 
 // A producer that dies as Open imports its buffer: whatever the driver answers, Open
-// says ErrExporterGone, as for a death anywhere else in Open.
+// says export.ErrExporterGone, as for a death anywhere else in Open.
 func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
 	k, path := startProducerChild(t, 97)
 	s := newSide(t, 1)
@@ -345,7 +345,7 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(discardLogger))
 	require.NoError(t, err)
 	_, err = imp.Open(ctx, "a", s.stream, consumer.WithReplica(nil))
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 	assert.ErrorIs(t, err, cudart.ErrInvalidValue, "and what the driver said")
 	require.NoError(t, imp.Close(ctx))
 	assert.False(t, s.dev.ContextLost())

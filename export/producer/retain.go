@@ -6,6 +6,7 @@ import (
 	"maps"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/poolshare"
 )
@@ -20,7 +21,7 @@ type retention struct {
 // that there is no moment when neither holds it. Call with p.mu held.
 func (p *peer) retainLocked(entry *lease) error {
 	if !p.retains {
-		return fmt.Errorf("%w: release retaining lease %#x: this exporter does not keep imports", ErrBadRequest, entry.id)
+		return fmt.Errorf("%w: release retaining lease %#x: this exporter does not keep imports", export.ErrBadRequest, entry.id)
 	}
 	if p.retained[entry.record] != nil {
 		return nil

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
@@ -153,7 +154,7 @@ func TestGrantsPerPeerAreCapped(t *testing.T) {
 		require.True(t, ok, "grant %d", i+1)
 		l = m
 	}
-	wantError(t, r.open(6, "buf"), 6, ErrTooManyGrants)
+	wantError(t, r.open(6, "buf"), 6, export.ErrTooManyGrants)
 	assert.Equal(t, 5, pr.ex.Peers()[0].Grants)
 	assert.Equal(t, wire.MsgReleased, r.release(7, l.LeaseID, 5).Kind())
 	_, ok := r.open(8, "buf").(*wire.LeaseMsg)
@@ -179,7 +180,7 @@ func TestImporterCloseBoundedWhenGiveBacksAreStuck(t *testing.T) {
 			return
 		}
 		ctx := context.Background()
-		c.Send(ctx, &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid())}, -1)
+		c.Send(ctx, &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid())}, -1)
 		for i := range 100000 { // each is given back; nobody reads the give-backs
 			if c.Send(ctx, &wire.PushMsg{LeaseMsg: wire.LeaseMsg{PoolID: 1, LeaseID: uint64(i + 1), Size: 1, Length: 1}, Name: "p"}, -1) != nil {
 				return

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 )
 
@@ -37,7 +38,7 @@ func TestListenCreatesPrivateSocketWhateverTheUmask(t *testing.T) {
 	require.NoError(t, ex.Close(context.Background()))
 	_, err = os.Lstat(path)
 	require.ErrorIs(t, err, fs.ErrNotExist, "socket left behind after Close")
-	require.ErrorIs(t, ex.Close(context.Background()), ErrClosed, "second Close, want ErrClosed")
+	require.ErrorIs(t, ex.Close(context.Background()), export.ErrClosed, "second Close, want export.ErrClosed")
 }
 
 func TestListenHandlesExistingPaths(t *testing.T) {
@@ -66,7 +67,7 @@ func TestListenHandlesExistingPaths(t *testing.T) {
 	regular := filepath.Join(dir, "file")
 	require.NoError(t, os.WriteFile(regular, []byte("keep me"), 0o600))
 	_, err = listen(regular)
-	require.ErrorIs(t, err, ErrNotSocket, "Listen on a regular file, want ErrNotSocket")
+	require.ErrorIs(t, err, export.ErrNotSocket, "Listen on a regular file, want export.ErrNotSocket")
 	b, err := os.ReadFile(regular)
 	require.False(t, err != nil || string(b) != "keep me", "regular file changed: %q %v", b, err)
 	ents, _ := os.ReadDir(dir)

@@ -11,22 +11,22 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
 func TestUnknownNameListsPublishedNames(t *testing.T) {
 	pr := newProducer(t, nil, nil)
 	c := newConsumer(t, pr.path, 0)
 	_, err := c.imp.Open(testCtx(t), "kv", c.stream)
-	require.ErrorIs(t, err, ErrUnknownName)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 	assert.ErrorContains(t, err, `"kv" (nothing is published)`)
 
 	for i := range 7 {
 		pr.publish(t, fmt.Sprintf("layer-%d", i), 1<<20, byte(i))
 	}
 	_, err = c.imp.Open(testCtx(t), "layer-9", c.stream)
-	require.ErrorIs(t, err, ErrUnknownName)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 	assert.ErrorContains(t, err, `"layer-9" (published: "layer-0", "layer-1", "layer-2", "layer-3", "layer-4" and 2 more)`)
 	assert.ErrorContains(t, pr.ex.Unpublish("layer-9"), `published: "layer-0"`)
 	assert.ErrorContains(t, pr.ex.Push(testCtx(t), "layer-9", 1), `published: "layer-0"`)
@@ -55,23 +55,23 @@ func TestOpenWaitsForName(t *testing.T) {
 		t.Fatal("Open with WaitForName did not return after the name was published")
 	}
 
-	// The error wraps ErrUnknownName whether or not the exporter answered before the
+	// The error wraps export.ErrUnknownName whether or not the exporter answered before the
 	// deadline (on a loaded machine the first try may come after it), and even when
 	// ctx had ended before Open was called.
 	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
 	defer cancel()
 	_, err := c.imp.Open(ctx, "never", c.stream, consumer.WaitForName())
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.ErrorIs(t, err, ErrUnknownName)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 	_, err = c.imp.Open(ended(), "never", c.stream, consumer.WaitForName())
 	require.ErrorIs(t, err, context.Canceled)
-	require.ErrorIs(t, err, ErrUnknownName)
+	require.ErrorIs(t, err, export.ErrUnknownName)
 
 	// Other errors end the wait at once.
 	b := pr.publish(t, "freed", 1<<20, 6)
 	require.NoError(t, b.Free(pr.stream))
 	_, err = c.imp.Open(testCtx(t), "freed", c.stream, consumer.WaitForName())
-	require.ErrorIs(t, err, ErrBufferGone)
+	require.ErrorIs(t, err, export.ErrBufferGone)
 	pr.checkClean(t)
 }
 
@@ -80,17 +80,17 @@ func TestDialWaitsForExporter(t *testing.T) {
 	s := newSide(t, 0)
 
 	_, err := consumer.Dial(testCtx(t), path, s.dev, 0)
-	require.ErrorIs(t, err, wire.ErrExporterGone, "without WaitForExporter Dial does not wait")
+	require.ErrorIs(t, err, export.ErrExporterGone, "without WaitForExporter Dial does not wait")
 
 	ctx, cancel := context.WithTimeout(testCtx(t), 200*time.Millisecond)
 	defer cancel()
 	_, err = consumer.Dial(ctx, path, s.dev, 0, consumer.WaitForExporter())
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 	// The same when ctx ends before the first try (as a loaded machine can make it).
 	_, err = consumer.Dial(ended(), path, s.dev, 0, consumer.WaitForExporter())
 	require.ErrorIs(t, err, context.Canceled)
-	require.ErrorIs(t, err, wire.ErrExporterGone)
+	require.ErrorIs(t, err, export.ErrExporterGone)
 
 	dialed := make(chan error, 1)
 	go func() {
@@ -114,10 +114,10 @@ func TestDialWaitsForExporter(t *testing.T) {
 
 	// A refusal ends the wait at once.
 	other := newSide(t, 0)
-	ex, err = Listen(path, other.dev, WithoutAnnounce(), WithLogger(discardLogger), WithPolicy(Policy{AllowUIDs: []uint32{1 << 30}}))
+	ex, err = Listen(path, other.dev, WithoutAnnounce(), WithLogger(discardLogger), WithPolicy(export.Policy{AllowUIDs: []uint32{1 << 30}}))
 	require.NoError(t, err)
 	_, err = consumer.Dial(testCtx(t), path, s.dev, 0, consumer.WaitForExporter())
-	require.ErrorIs(t, err, ErrRefused)
+	require.ErrorIs(t, err, export.ErrRefused)
 	require.NoError(t, ex.Close(testCtx(t)))
 	s.checkClean(t)
 }

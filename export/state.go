@@ -1,4 +1,4 @@
-package discover
+package export
 
 import (
 	"encoding/json"
