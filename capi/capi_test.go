@@ -19,7 +19,6 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -174,8 +173,8 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 		{export.ErrNoLeases, statusNotSup},
 		{pool.ErrNotShareable, statusNotSup},
 		{pool.ErrNoPeerAccess, statusNotSup},
-		{poolshare.ErrLeaseEnded, statusStale},
-		{poolshare.ErrNotLeased, statusStale},
+		{pool.ErrLeaseEnded, statusStale},
+		{pool.ErrNotLeased, statusStale},
 		{pool.ErrMisaligned, statusCUDA},
 		{pool.ErrFreeFailed, statusCUDA},
 		{cudart.ErrContextLost, statusCUDA},

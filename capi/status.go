@@ -20,7 +20,6 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -125,8 +124,8 @@ var statuses = []struct {
 	{export.ErrTooManyGrants, statusTooMany},
 	{export.ErrExporter, statusExporter},
 	{export.ErrStaleLease, statusStale},
-	{poolshare.ErrLeaseEnded, statusStale},
-	{poolshare.ErrNotLeased, statusStale},
+	{pool.ErrLeaseEnded, statusStale},
+	{pool.ErrNotLeased, statusStale},
 	{discover.ErrBadDir, statusBadDir},
 	{pool.ErrMisaligned, statusCUDA},
 	{pool.ErrFreeFailed, statusCUDA},

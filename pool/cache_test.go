@@ -360,17 +360,17 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = e.rt.EventDestroy(0, done) }) // test cleanup
 		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
-		c := p.newCompletion(done, nil)
+		c := p.NewCompletion(done, nil)
 		t.Cleanup(func() { _ = c.Close(false) }) // test cleanup
 
 		for _, end := range []struct {
 			how   string
-			end   func(l *lease) error
+			end   func(l *Lease) error
 			waits int64
 		}{
-			{"End", func(l *lease) error { return l.End(done) }, 1},
-			{"End(0)", func(l *lease) error { return l.End(0) }, 0},
-			{"EndAt of a completion done", func(l *lease) error { return l.EndAt(c) }, 0},
+			{"End", func(l *Lease) error { return l.End(done) }, 1},
+			{"End(0)", func(l *Lease) error { return l.End(0) }, 0},
+			{"EndAt of a completion done", func(l *Lease) error { return l.EndAt(c) }, 0},
 		} {
 			b := mustAlloc(t, p, mib, e.stream)
 			require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
@@ -473,7 +473,7 @@ type sharing struct {
 	e   testEnv
 	p   *Pool
 	b   *Buffer
-	l   *lease
+	l   *Lease
 	im  *importer
 }
 

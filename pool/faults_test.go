@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
@@ -198,7 +197,7 @@ func TestFailedDeferredFreeIsReported(t *testing.T) {
 	r.failNext("FreeAsync", 1)
 	err := l.End(0)
 	wantErr(t, "End issuing a failing deferred free", err, ErrFreeFailed, errInjected)
-	wantErr(t, "End again", l.End(0), poolshare.ErrLeaseEnded)
+	wantErr(t, "End again", l.End(0), ErrLeaseEnded)
 	s := mustStats(t, p)
 	require.Equal(t, [4]uint64{1, b.Reserved(), 1, 0}, [4]uint64{uint64(s.FailedFrees), s.FailedFreeBytes, uint64(s.LiveBuffers), uint64(s.DeferredFrees)},
 		"failed frees, their bytes, live buffers, deferred frees: want the failed free counted (%v)", s)
@@ -217,7 +216,7 @@ func TestReleaseStreamFailure(t *testing.T) {
 	p := mustNew(t, r)
 	b := mustAlloc(t, p, 1, e.stream)
 	r.failNext("StreamCreate", 1)
-	_, err := b.takeLease()
+	_, err := b.Lease()
 	wantErr(t, "Lease without a release stream", err, errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
 	require.False(t, b.Shared(), "a failed Lease marked the buffer shared")
@@ -383,7 +382,7 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	testwait.Recv(t, p.closing, "Close(Force) to begin")
 	again := first.End(0)
 	release()
-	wantErr(t, "End while the first End of the lease is in flight", again, poolshare.ErrLeaseEnded)
+	wantErr(t, "End while the first End of the lease is in flight", again, ErrLeaseEnded)
 	require.NoError(t, testwait.Recv(t, ended, "the first End to return"), "first End")
 	require.NoError(t, testwait.Recv(t, closed, "Close(Force) to return"), "Close(Force)")
 	p.mu.Lock()

@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // retainer counts the revocations of a Retention that a test holds.
@@ -22,11 +21,11 @@ func (r *retainer) revoke() { r.revoked.Add(1) }
 
 // retain leases b, retains its memory and ends the lease, as a sharing layer does
 // when an importer releases but keeps its mapping.
-func retain(t testing.TB, b *Buffer, completion cudart.Event) (*retention, *retainer) {
+func retain(t testing.TB, b *Buffer, completion cudart.Event) (*Retention, *retainer) {
 	t.Helper()
 	l := mustLease(t, b)
 	rr := &retainer{}
-	r, err := b.retain(rr.revoke)
+	r, err := b.Retain(rr.revoke)
 	require.NoError(t, err, "Retain")
 	require.NoError(t, l.End(completion))
 	return r, rr
@@ -37,15 +36,15 @@ func TestRetainNeedsALease(t *testing.T) {
 	e := newTestEnv(t, d, d)
 	p := mustNew(t, d)
 	b := mustAlloc(t, p, mib, e.stream)
-	_, err := b.retain(func() {})
-	require.ErrorIs(t, err, poolshare.ErrNotLeased)
-	_, err = b.retain(nil)
+	_, err := b.Retain(func() {})
+	require.ErrorIs(t, err, ErrNotLeased)
+	_, err = b.Retain(nil)
 	require.ErrorIs(t, err, ErrInvalidOption)
 	mustFree(t, b, e.stream)
 
 	local := mustNew(t, d, WithHandleType(cudart.HandleTypeNone))
 	b = mustAlloc(t, local, mib, e.stream)
-	_, err = b.retain(func() {})
+	_, err = b.Retain(func() {})
 	require.ErrorIs(t, err, ErrNotShareable)
 	mustFree(t, b, e.stream)
 }
@@ -77,7 +76,7 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 		assert.Equal(t, frees+1, rt.frees.Load(), "the last retention's end did not free the memory")
 		s = mustStats(t, p)
 		assert.Zero(t, s.RevokingBuffers+s.Retentions)
-		require.ErrorIs(t, r.End(0), poolshare.ErrLeaseEnded)
+		require.ErrorIs(t, r.End(0), ErrLeaseEnded)
 		assert.Equal(t, int32(1), rr.revoked.Load(), "revoked twice")
 	})
 }
@@ -91,7 +90,7 @@ func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 			b := mustAlloc(t, p, mib, e.stream)
 			l := mustLease(t, b)
 			rr := &retainer{}
-			r, err := b.retain(rr.revoke)
+			r, err := b.Retain(rr.revoke)
 			require.NoError(t, err)
 			frees := rt.frees.Load()
 			if deferred {
@@ -118,7 +117,7 @@ func TestRevokedImportIsFreedBeforeTheMemory(t *testing.T) {
 	exp, e, p, b, l, im := sh.exp, sh.e, sh.p, sh.b, sh.l, sh.im
 	const n = shareSize
 	rr := &retainer{}
-	r, err := b.retain(rr.revoke)
+	r, err := b.Retain(rr.revoke)
 	require.NoError(t, err)
 	require.NoError(t, l.End(im.recordDone(exp)))
 	mustFree(t, b, e.stream)

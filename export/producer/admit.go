@@ -16,7 +16,6 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -124,7 +123,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
-		completions: map[*pool.Pool]poolshare.Completion{},
+		completions: map[*pool.Pool]*pool.Completion{},
 		retained:    map[cudart.PtrExportData]*retention{}}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&wire.HelloReleaseEvent != 0

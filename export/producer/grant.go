@@ -8,7 +8,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -33,7 +32,7 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 // them in as few LeaseBatch frames as they fit in.
 func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 	leases := make([]wire.LeaseMsg, 0, len(m.Names))
-	granted := make([]poolshare.Lease, 0, len(m.Names))
+	granted := make([]*pool.Lease, 0, len(m.Names))
 	releaseFrom := func(from int) {
 		for i := from; i < len(leases); i++ {
 			p.releaseUnsent(leases[i].LeaseID, granted[i])
@@ -43,7 +42,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 		pub, err := p.ex.lookup(name)
 		if err == nil {
 			var l wire.LeaseMsg
-			var pl poolshare.Lease
+			var pl *pool.Lease
 			if l, pl, err = p.grant(context.Background(), pub, m.ReqID); err == nil {
 				leases, granted = append(leases, l), append(granted, pl)
 				continue
@@ -75,11 +74,11 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 // sent first if this peer has not had it. A buffer the peer already holds is granted
 // under the same id once more, to be released as many times. The pool lease it took
 // is returned for releaseUnsent, should the message fail to go out.
-func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, poolshare.Lease, error) {
+func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
 	// freed, so a freed buffer's record is never handed out (FACTS 3).
-	pl, err := poolshare.Take(b)
+	pl, err := b.Lease()
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
 			p.ex.dropFreed(pub)

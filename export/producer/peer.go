@@ -14,7 +14,6 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -52,8 +51,8 @@ type peer struct {
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them
-	// (poolshare.Lease.EndAt); closed before the events are destroyed.
-	completions map[*pool.Pool]poolshare.Completion
+	// (*pool.Lease.EndAt); closed before the events are destroyed.
+	completions map[*pool.Pool]*pool.Completion
 	// settling is held across a settleCompletions: the cleanup after the peer's Bye
 	// and the exporter's Close may run it at once, and the one that finds nothing left
 	// must not hang up (the peer then destroys its event) while the other still

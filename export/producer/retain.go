@@ -3,17 +3,17 @@ package producer
 import (
 	"context"
 	"fmt"
+	"github.com/cudapool/cudapool/pool"
 	"maps"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // retention is a peer's retained import of one piece of memory.
 type retention struct {
-	r   poolshare.Retention
+	r   *pool.Retention
 	dev int
 }
 
@@ -27,7 +27,7 @@ func (p *peer) retainLocked(entry *lease) error {
 		return nil
 	}
 	rec := entry.record
-	r, err := poolshare.Retain(entry.buf, func() { go p.revoke(context.Background(), rec) })
+	r, err := entry.buf.Retain(func() { go p.revoke(context.Background(), rec) })
 	if err != nil {
 		return fmt.Errorf("producer: retain lease %#x: %w", entry.id, err)
 	}
