@@ -3,6 +3,7 @@ package producer
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,7 +22,6 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/internal/inspect"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -212,12 +212,15 @@ func TestReleaseEventOfExitedConsumerIsNotOpened(t *testing.T) {
 func roleLingeringConsumer(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "lingering-consumer:", err); return 1 }
 	d := cudarttest.New()
-	imp, err := consumer.Dial(context.Background(), args[0], d, 0)
+	nc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: args[0], Net: "unix"})
 	if err != nil {
 		return fail(err)
 	}
-	f, err := inspect.Client(imp).C.Nc.(interface{ File() (*os.File, error) }).File()
+	f, err := nc.File() // the duplicate the holder keeps
 	if err != nil {
+		return fail(err)
+	}
+	if _, err := consumer.DialConn(context.Background(), nc, d, 0); err != nil {
 		return fail(err)
 	}
 	holder := exec.Command("sleep", "600")

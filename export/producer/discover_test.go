@@ -20,7 +20,7 @@ import (
 // user squatting the directory could.
 func plantAnnouncement(t *testing.T, dir string) {
 	t.Helper()
-	_, err := announce(dir, discover.Announcement{PID: os.Getpid(), Socket: filepath.Join(dir, "planted.sock"), Name: "planted", Started: time.Now()})
+	_, err := discover.Announce(dir, discover.Announcement{PID: os.Getpid(), Socket: filepath.Join(dir, "planted.sock"), Name: "planted", Started: time.Now()})
 	require.NoError(t, err)
 }
 
@@ -30,14 +30,14 @@ func TestDiscoverRefusesDirectoriesOthersControl(t *testing.T) {
 	base := t.TempDir()
 
 	private := filepath.Join(base, "private")
-	require.NoError(t, ensureDir(private))
+	require.NoError(t, discover.EnsureDir(private))
 	plantAnnouncement(t, private)
 	anns, err := discover.Discover(private)
 	require.NoError(t, err)
 	require.Len(t, anns, 1, "the announcement in a private directory")
 
 	open := filepath.Join(base, "open")
-	require.NoError(t, ensureDir(open))
+	require.NoError(t, discover.EnsureDir(open))
 	plantAnnouncement(t, open)
 	require.NoError(t, os.Chmod(open, 0o777))
 	anns, err = discover.Discover(open)
@@ -63,14 +63,14 @@ func TestDiscoverRefusesAnotherUsersDirectory(t *testing.T) {
 		t.Skip("giving a directory to another user needs root")
 	}
 	squatted := filepath.Join(t.TempDir(), "cudapool-"+strconv.Itoa(os.Getuid()))
-	require.NoError(t, ensureDir(squatted))
+	require.NoError(t, discover.EnsureDir(squatted))
 	plantAnnouncement(t, squatted)
 	require.NoError(t, os.Chown(squatted, 4242, 4242))
 	_, err := discover.Discover(squatted)
 	require.ErrorIs(t, err, discover.ErrBadDir)
 	assert.ErrorContains(t, err, "owned by uid 4242")
 	// The exporter, too, refuses to announce there.
-	require.ErrorIs(t, ensureDir(squatted), discover.ErrBadDir)
+	require.ErrorIs(t, discover.EnsureDir(squatted), discover.ErrBadDir)
 }
 
 // Listen announces only in a private directory: one others can write to is refused
@@ -96,7 +96,7 @@ func TestListenRefusesAnAnnounceDirectoryOthersControl(t *testing.T) {
 // unreadable. Discover returns at once either way.
 func TestDiscoverReadsOnlyRegularFiles(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "ann")
-	require.NoError(t, ensureDir(dir))
+	require.NoError(t, discover.EnsureDir(dir))
 	plantAnnouncement(t, dir)
 	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "123.json"), 0o600))
 	elsewhere := t.TempDir()

@@ -117,7 +117,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 		if o.announceDir == "" {
 			o.announceDir = discover.DefaultDir()
 		}
-		if err := ensureDir(o.announceDir); err != nil {
+		if err := discover.EnsureDir(o.announceDir); err != nil {
 			return nil, err
 		}
 	}
@@ -131,7 +131,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	ex.sock.unlocal = wire.AddLocal(ex.sock.info, rt) // consumer.Dial refuses this process's own
 	if o.announce {
 		a := discover.Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
-		if ex.announced, err = announce(o.announceDir, a); err != nil {
+		if ex.announced, err = discover.Announce(o.announceDir, a); err != nil {
 			_ = ex.sock.remove() // the announce error is the one returned
 			return nil, err
 		}

@@ -307,7 +307,7 @@ func TestProducerCrashLeavesMappingsReadable(t *testing.T) {
 	for _, p := range pr.ex.peerList() {
 		p.c.Close()
 	}
-	testwait.Recv(t, inspect.Client(c.imp).ReaderDone, "the importer to see its connection end")
+	testwait.Recv(t, c.imp.Done(), "the importer to see its connection end")
 	b := c.read(t, m)
 	require.True(t, allAre(b, 0x77), "mapping unreadable after the producer died")
 	_, err = c.imp.Open(ctx, "a", c.stream)

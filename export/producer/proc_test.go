@@ -263,7 +263,12 @@ func roleConsumer(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	imp, err := consumer.Dial(ctx, args[1], rt, dev)
+	// DialConn over a connection of its own, to hang up without Bye ("hang-up").
+	nc, err := net.Dial("unix", args[1])
+	if err != nil {
+		return fail(err)
+	}
+	imp, err := consumer.DialConn(ctx, nc, rt, dev)
 	if err != nil {
 		return fail(err)
 	}
@@ -299,7 +304,9 @@ func roleConsumer(args []string) int {
 			if line != "hang-up" {
 				return fail(fmt.Errorf("unknown command %q", line))
 			}
-			inspect.Client(imp).C.Close()
+			if err := nc.Close(); err != nil {
+				return fail(err)
+			}
 			fmt.Println("hung up")
 		}
 		return 0

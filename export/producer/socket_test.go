@@ -112,7 +112,7 @@ func TestAnnounceAndDiscover(t *testing.T) {
 		{PID: impossiblePID(t), Socket: path, Name: "gone"},
 		{PID: os.Getppid(), Socket: deadSock, Name: "stale"},
 	} {
-		_, err := announce(dir, a)
+		_, err := discover.Announce(dir, a)
 		require.NoError(t, err)
 	}
 	os.WriteFile(filepath.Join(dir, "junk.json"), []byte("{"), 0o600)
@@ -157,11 +157,11 @@ func TestEnsureDirRefusesSharedDirectories(t *testing.T) {
 	open := filepath.Join(base, "open")
 	require.NoError(t, os.Mkdir(open, 0o700))
 	os.Chmod(open, 0o777)
-	require.ErrorIs(t, ensureDir(open), discover.ErrBadDir, "ensureDir(world-writable), want ErrBadDir")
+	require.ErrorIs(t, discover.EnsureDir(open), discover.ErrBadDir, "discover.EnsureDir(world-writable), want ErrBadDir")
 	link := filepath.Join(base, "link")
 	os.Symlink(base, link)
-	require.ErrorIs(t, ensureDir(link), discover.ErrBadDir, "ensureDir(symlink), want ErrBadDir")
-	require.NoError(t, ensureDir(filepath.Join(base, "new", "deep")))
+	require.ErrorIs(t, discover.EnsureDir(link), discover.ErrBadDir, "discover.EnsureDir(symlink), want ErrBadDir")
+	require.NoError(t, discover.EnsureDir(filepath.Join(base, "new", "deep")))
 }
 
 func TestDefaultDir(t *testing.T) {
