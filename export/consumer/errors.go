@@ -3,6 +3,7 @@ package consumer
 import (
 	"errors"
 	"fmt"
+
 	"github.com/cudapool/cudapool/export"
 )
 

@@ -1,4 +1,4 @@
-package producer
+package producer_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -27,7 +28,7 @@ func TestSendToAClosedExporterSaysGone(t *testing.T) {
 	require.NoError(t, err)
 	defer nc.Close()
 	require.NoError(t, unix.Close(fds[1]), "the exporter's end")
-	cl := wire.NewClient(wire.NewConn(nc, true), discardLogger, 1)
+	cl := wire.NewClient(wire.NewConn(nc, true), exporttest.DiscardLogger, 1)
 	_, err = cl.Request(context.Background(), func(id uint64) wire.Message {
 		return &wire.ReleaseMsg{ReqID: id, LeaseID: 1, Count: 1}
 	}, false)

@@ -1,4 +1,4 @@
-package producer
+package producer_test
 
 import (
 	"bufio"
@@ -18,6 +18,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/export/producer"
 )
 
 const protocolDoc = "../../docs/PROTOCOL.md"
@@ -31,7 +32,7 @@ var protocolConstants = map[string]uint64{
 	"maximum metadata bytes": export.MaxMetaLen,
 	"maximum devices":        wire.MaxDevices,
 	"maximum State bytes":    wire.MaxStateBytes,
-	"connection id bits":     connIDBits,
+	"connection id bits":     producer.ConnIDBits,
 }
 
 // protocolSamples has one message of every type, each field set to a value no other

@@ -3,8 +3,9 @@ package producer
 import (
 	"context"
 	"fmt"
-	"github.com/cudapool/cudapool/pool"
 	"maps"
+
+	"github.com/cudapool/cudapool/pool"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"

@@ -12,8 +12,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/cudapool/cudapool/export"
 	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/export"
 )
 
 // Client is the requesting side of an admitted connection: it numbers requests, sends

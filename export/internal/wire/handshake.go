@@ -4,13 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/cudapool/cudapool/export"
 	"io"
 	"io/fs"
 	"net"
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/cudapool/cudapool/export"
 )
 
 // DialSocket connects to the exporter's socket at path.
