@@ -195,7 +195,9 @@ func New(rt cudart.Runtime, device int, opts ...Option) (*Pool, error) {
 	}
 	cfg := config{handleType: cudart.HandleTypePosixFD}
 	for _, o := range opts {
-		o(&cfg)
+		if o != nil {
+			o(&cfg)
+		}
 	}
 	if cfg.name == "" {
 		cfg.name = fmt.Sprintf("pool-%d", lastPoolID.Add(1))

@@ -541,3 +541,13 @@ func TestConcurrentCloses(t *testing.T) {
 		require.Equal(t, 1, closed, "concurrent Closes that succeeded")
 	})
 }
+
+// A nil option is no option: New and Close ignore it rather than crash.
+func TestNilOptionsAreIgnored(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	p, err := New(d, 0, nil, WithName("nil-options"))
+	require.NoError(t, err)
+	assert.Equal(t, "nil-options", p.Name())
+	_, err = p.Close(context.Background(), nil)
+	require.NoError(t, err)
+}

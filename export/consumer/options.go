@@ -10,7 +10,7 @@ import (
 )
 
 // DialOption configures Dial and DialConn.
-type DialOption interface{ applyDial(*dialOptions) }
+type DialOption func(*dialOptions)
 
 type dialOptions struct {
 	wire.SharedOptions
@@ -20,7 +20,7 @@ type dialOptions struct {
 }
 
 // OpenOption configures Importer.Open.
-type OpenOption interface{ applyOpen(*openOptions) }
+type OpenOption func(*openOptions)
 
 type openOptions struct {
 	waitForName bool
@@ -30,14 +30,12 @@ type openOptions struct {
 	replicaAlloc pool.Allocator
 }
 
-type openOption func(*openOptions)
-
-func (f openOption) applyOpen(o *openOptions) { f(o) }
-
 func newOpenOptions(opts []OpenOption) openOptions {
 	var o openOptions
 	for _, opt := range opts {
-		opt.applyOpen(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	return o
 }
@@ -47,20 +45,18 @@ func newOpenOptions(opts []OpenOption) openOptions {
 // export.ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error
 // wraps ctx's error and export.ErrUnknownName.
 func WaitForName() OpenOption {
-	return openOption(func(o *openOptions) { o.waitForName = true })
+	return func(o *openOptions) { o.waitForName = true }
 }
 
 func newDialOptions(opts []DialOption) dialOptions {
 	o := dialOptions{SharedOptions: wire.DefaultShared()}
 	for _, opt := range opts {
-		opt.applyDial(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	return o
 }
-
-type dialOption func(*dialOptions)
-
-func (f dialOption) applyDial(o *dialOptions) { f(o) }
 
 // WaitForExporter makes Dial wait, until its ctx ends, for an exporter to listen at the
 // path: it dials again, with backoff from 5 ms up to 500 ms, while nothing listens
@@ -68,7 +64,7 @@ func (f dialOption) applyDial(o *dialOptions) { f(o) }
 // ends the wait at once. When ctx ends first, the error wraps ctx's error and
 // export.ErrExporterGone. DialConn, given a connection made already, has nothing to wait for.
 func WaitForExporter() DialOption {
-	return dialOption(func(o *dialOptions) { o.waitForExporter = true })
+	return func(o *dialOptions) { o.waitForExporter = true }
 }
 
 // WithPushes accepts buffers the exporter pushes: each is imported, s is made to wait
@@ -77,7 +73,7 @@ func WaitForExporter() DialOption {
 // goroutine of their own, so they may call Open. Without WithPushes, pushed leases are
 // handed back at once.
 func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOption {
-	return dialOption(func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler })
+	return func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler }
 }
 
 // WithReplica makes Open copy the buffer into memory of the Importer's own device and
@@ -105,7 +101,7 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 // WithReplica makes its own replica, and its Release frees it after the work queued on
 // s.
 func WithReplica(a pool.Allocator) OpenOption {
-	return openOption(func(o *openOptions) { o.replica, o.replicaAlloc = true, a })
+	return func(o *openOptions) { o.replica, o.replicaAlloc = true, a }
 }
 
 // WithLogger sets where events no call returns are logged: connections closed for
@@ -113,12 +109,12 @@ func WithReplica(a pool.Allocator) OpenOption {
 // library writes nothing to its process's stderr unless given a logger
 // (slog.Default() logs where the program's log package does).
 func WithLogger(l *slog.Logger) DialOption {
-	return dialOption(func(o *dialOptions) { o.SetLogger(l) })
+	return func(o *dialOptions) { o.SetLogger(l) }
 }
 
 // WithHandshakeTimeout bounds how long Dial and DialConn wait for the exporter's
 // answer when ctx has no earlier deadline. It only guards against exporters that hang;
 // the default is 30 s.
 func WithHandshakeTimeout(d time.Duration) DialOption {
-	return dialOption(func(o *dialOptions) { o.SetHandshakeTimeout(d) })
+	return func(o *dialOptions) { o.SetHandshakeTimeout(d) }
 }

@@ -307,7 +307,9 @@ func newPublication(e Entry) (*publication, error) {
 	}
 	var o publishOptions
 	for _, opt := range e.Options {
-		opt.applyPublish(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	if o.length == 0 && o.offset <= b.Size() {
 		o.length = b.Size() - o.offset

@@ -51,3 +51,19 @@ func TestListenRefusesBadExporterNames(t *testing.T) {
 	require.Len(t, anns, 1)
 	assert.Equal(t, "?[2Jprog?", anns[0].Name, "the announced default name")
 }
+
+// A nil option is no option: Listen, Publish, Dial, Open and QueryState ignore it
+// rather than crash (an option built conditionally, left nil, is an easy slip).
+func TestNilOptionsAreIgnored(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{nil})
+	ctx := exporttest.Ctx(t)
+	b, err := pr.Pool.Alloc(ctx, 1<<20, pr.Stream)
+	require.NoError(t, err)
+	require.NoError(t, pr.Ex.Publish(ctx, "a", b, pr.Stream, nil))
+	c := exporttest.NewConsumer(t, pr.Path, 0, nil)
+	m, err := c.Imp.Open(ctx, "a", c.Stream, nil)
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.Stream))
+	_, err = discover.QueryState(ctx, pr.Path, nil)
+	require.NoError(t, err)
+}
