@@ -2,33 +2,16 @@ package e2e_test
 
 import (
 	"errors"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
-
-// stalledImports holds the first MemPoolImportPointer until release is closed, saying
-// on entered that it is inside.
-type stalledImports struct {
-	cudart.Runtime
-	once             sync.Once
-	entered, release chan struct{}
-}
-
-func (r *stalledImports) MemPoolImportPointer(dev int, p cudart.MemPool, d cudart.PtrExportData) (cudart.DevicePtr, error) {
-	r.once.Do(func() {
-		close(r.entered)
-		<-r.release
-	})
-	return r.Runtime.MemPoolImportPointer(dev, p, d)
-}
 
 // An Open in flight when Importer.Close begins (here, inside its import) fails with
 // export.ErrClosed, and what it leased is given back; Close frees nothing under it.
@@ -42,7 +25,14 @@ func TestOpenInFlightDuringCloseFailsClosed(t *testing.T) {
 			pr := exporttest.NewProducer(t, nil, nil)
 			pr.Publish(t, "a", 1<<20, 1)
 			s := exporttest.NewSide(t, 0)
-			rt := &stalledImports{Runtime: s.Dev, entered: make(chan struct{}), release: make(chan struct{})}
+			// The first import is held until release is closed, saying on entered
+			// that it is inside.
+			entered, release := make(chan struct{}), make(chan struct{})
+			rt := intercept.Wrap(s.Dev)
+			rt.Before("MemPoolImportPointer", intercept.Once(func() {
+				close(entered)
+				<-release
+			}))
 			ctx := exporttest.Ctx(t)
 			imp, err := consumer.Dial(ctx, pr.Path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 			require.NoError(t, err)
@@ -56,14 +46,14 @@ func TestOpenInFlightDuringCloseFailsClosed(t *testing.T) {
 				}
 				opened <- err
 			}()
-			testwait.Recv(t, rt.entered, "the Open to reach its import")
+			testwait.Recv(t, entered, "the Open to reach its import")
 			closed := make(chan error, 1)
 			go func() { closed <- imp.Close(ctx) }()
 			exporttest.WaitFor(t, "Close to begin", func() bool {
 				_, err := imp.Open(ctx, "nope", s.Stream) // unknown until Close begins, then refused at once
 				return errors.Is(err, export.ErrClosed)
 			})
-			close(rt.release)
+			close(release)
 			require.ErrorIs(t, testwait.Recv(t, opened, "the Open in flight to return"), export.ErrClosed, "the Open in flight")
 			require.NoError(t, testwait.Recv(t, closed, "Close to return"))
 			exporttest.WaitFor(t, "the lease to end", func() bool { return pr.ActiveLeases(t) == 0 })

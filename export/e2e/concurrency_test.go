@@ -17,38 +17,32 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
-// rendezvousRuntime makes the exporter's first use of each peer's release event
-// (IpcOpenEventHandle, in the peer's first grant) wait until n grants are in it at
-// once. Grants to different peers that were served one after another would never
-// all be there: the first fails after hangGuard instead, and so does the test.
-type rendezvousRuntime struct {
-	cudart.Runtime
-	n       int
-	mu      sync.Mutex
-	arrived int
-	all     chan struct{}
-}
-
-func (r *rendezvousRuntime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
-	r.mu.Lock()
-	if r.arrived++; r.arrived == r.n {
-		close(r.all)
-	}
-	r.mu.Unlock()
-	select {
-	case <-r.all:
-	case <-time.After(exporttest.HangGuard):
-		return 0, errors.New("test: the other peers' grants never came while this one waited")
-	}
-	return r.Runtime.IpcOpenEventHandle(dev, h)
-}
-
+// newRendezvousProducer is a producer whose first use of each peer's release event
+// (IpcOpenEventHandle, in the peer's first grant) waits until n grants are in it at
+// once. Grants to different peers that were served one after another would never all
+// be there: the first fails after HangGuard instead, and so does the test.
 func newRendezvousProducer(t *testing.T, n int) *exporttest.Producer {
-	return exporttest.NewProducerOn(t, func(rt cudart.Runtime) cudart.Runtime {
-		return &rendezvousRuntime{Runtime: rt, n: n, all: make(chan struct{})}
+	return exporttest.NewProducerOn(t, func(r cudart.Runtime) cudart.Runtime {
+		rt := intercept.Wrap(r)
+		var mu sync.Mutex
+		arrived, all := 0, make(chan struct{})
+		rt.Before("IpcOpenEventHandle", func(c *intercept.Call) {
+			mu.Lock()
+			if arrived++; arrived == n {
+				close(all)
+			}
+			mu.Unlock()
+			select {
+			case <-all:
+			case <-time.After(exporttest.HangGuard):
+				c.Err = errors.New("test: the other peers' grants never came while this one waited")
+			}
+		})
+		return rt
 	}, nil, nil)
 }
 

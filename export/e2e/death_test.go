@@ -4,17 +4,16 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
@@ -117,26 +116,16 @@ func TestReplicaReturnsTheLeaseAtOnce(t *testing.T) {
 	c.CheckClean(t)
 }
 
-// killAtEventOpen is a consumer runtime that kills the producer the moment the
-// Importer opens the producer's ready event: the producer dies with an Open in flight.
-type killAtEventOpen struct {
-	cudart.Runtime
-	once sync.Once
-	kill func()
-}
-
-func (r *killAtEventOpen) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
-	r.once.Do(r.kill)
-	return r.Runtime.IpcOpenEventHandle(dev, h)
-}
-
 // A producer that dies while an Open is in flight: the Open fails with
 // export.ErrExporterGone, and no stream is left waiting on (nor queries) the dead process's
 // ready event, which the driver may never complete.
 func TestOpenInFlightWhenProducerDies(t *testing.T) {
 	k, path := startProducerChild(t, 93)
 	s := exporttest.NewSide(t, 0)
-	rt := &killAtEventOpen{Runtime: s.Dev, kill: func() { exporttest.KillProducer(t, k) }}
+	// The producer dies the moment the Importer opens its ready event: with an Open
+	// in flight.
+	rt := intercept.Wrap(s.Dev)
+	rt.Before("IpcOpenEventHandle", intercept.Once(func() { exporttest.KillProducer(t, k) }))
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

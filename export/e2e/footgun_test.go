@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"path/filepath"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/internal/intercept"
 )
 
 // Dialing a path that is a regular file says so, not that the exporter is gone.
@@ -42,19 +42,6 @@ func TestFreeRetiresTheNameAtOnce(t *testing.T) {
 	require.NoError(t, m.Release(exporttest.Ctx(t), c.Stream))
 }
 
-// failFreeOnce fails the next FreeAsync of an imported pointer.
-type failFreeOnce struct {
-	cudart.Runtime
-	armed atomic.Bool
-}
-
-func (f *failFreeOnce) FreeAsync(dev int, p cudart.DevicePtr, s cudart.Stream) error {
-	if f.armed.CompareAndSwap(true, false) {
-		return cudart.NewError("cudaFreeAsync", cudart.ErrUnknown)
-	}
-	return f.Runtime.FreeAsync(dev, p, s)
-}
-
 // A final Release whose free fails leaves the Mapping as it was: still mapped, its
 // lease held, and a retry works (it used to say "already released" and keep the lease
 // for good).
@@ -62,14 +49,14 @@ func TestFailedReleaseCanBeRetried(t *testing.T) {
 	pr := exporttest.NewProducer(t, nil, nil)
 	pr.Publish(t, "a", 1<<20, 5)
 	s := exporttest.NewSide(t, 0)
-	rt := &failFreeOnce{Runtime: s.Dev}
+	rt := intercept.Wrap(s.Dev)
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, pr.Path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
 	defer imp.Close(context.Background())
 	m, err := imp.Open(ctx, "a", s.Stream)
 	require.NoError(t, err)
-	rt.armed.Store(true)
+	rt.Fail("FreeAsync", 1, cudart.NewError("cudaFreeAsync", cudart.ErrUnknown)) // the next free, the import's
 	err = m.Release(ctx, s.Stream)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, consumer.ErrReleased)

@@ -14,21 +14,9 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/pool"
 )
-
-// killAtCopy is a consumer runtime that kills the producer as the first
-// device-to-device copy is queued: the replica's copy, made as its producer dies.
-type killAtCopy struct {
-	cudart.Runtime
-	once sync.Once
-	kill func()
-}
-
-func (r *killAtCopy) MemcpyDtoDAsync(dev int, dst, src cudart.DevicePtr, n uint64, s cudart.Stream) error {
-	r.once.Do(r.kill)
-	return r.Runtime.MemcpyDtoDAsync(dev, dst, src, n, s)
-}
 
 // A replica on another GPU is copied through the exporter's device: a read of a dead
 // exporter's memory from the consumer's own device is contained and loses the whole
@@ -39,7 +27,10 @@ func TestReplicaMadeAsItsProducerDies(t *testing.T) {
 	t.Run("killed as the copy is queued", func(t *testing.T) {
 		k, path := startProducerChild(t, 94)
 		s := exporttest.NewSide(t, 1)
-		rt := &killAtCopy{Runtime: s.Dev, kill: func() { exporttest.KillProducer(t, k) }}
+		// The producer dies as the first device-to-device copy is queued: the
+		// replica's copy, made as its producer dies.
+		rt := intercept.Wrap(s.Dev)
+		rt.Before("MemcpyDtoDAsync", intercept.Once(func() { exporttest.KillProducer(t, k) }))
 		ctx := exporttest.Ctx(t)
 		imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 		require.NoError(t, err)
@@ -242,25 +233,16 @@ func TestConcurrentReplicas(t *testing.T) {
 	pr.CheckClean(t)
 }
 
-// killAtImport is a consumer runtime that kills the producer as a buffer is imported,
-// and fails the import as a driver might for a dead process's pool.
-type killAtImport struct {
-	cudart.Runtime
-	kill func()
-}
-
-func (r *killAtImport) MemPoolImportPointer(dev int, p cudart.MemPool, data cudart.PtrExportData) (cudart.DevicePtr, error) {
-	r.kill()
-	return 0, cudart.NewError("cudaMemPoolImportPointer", cudart.ErrInvalidValue)
-}
-
 // A producer that dies as Open imports its buffer: whatever the driver answers, Open
 // says export.ErrExporterGone, as for a death anywhere else in Open.
 func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
 	k, path := startProducerChild(t, 97)
 	s := exporttest.NewSide(t, 1)
-	var once sync.Once
-	rt := &killAtImport{Runtime: s.Dev, kill: func() { once.Do(func() { exporttest.KillProducer(t, k) }) }}
+	// The producer is killed as a buffer is imported, and the import fails as a
+	// driver might for a dead process's pool.
+	rt := intercept.Wrap(s.Dev)
+	rt.Before("MemPoolImportPointer", intercept.Once(func() { exporttest.KillProducer(t, k) }))
+	rt.Fail("MemPoolImportPointer", -1, cudart.NewError("cudaMemPoolImportPointer", cudart.ErrInvalidValue))
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

@@ -1,0 +1,97 @@
+package intercept_test
+
+import (
+	"errors"
+	"reflect"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/intercept"
+)
+
+var errInjected = errors.New("injected")
+
+// call calls method m of rt with zero arguments and returns its results.
+func call(rt cudart.Runtime, m reflect.Method) []reflect.Value {
+	f := reflect.ValueOf(rt).MethodByName(m.Name)
+	args := make([]reflect.Value, f.Type().NumIn())
+	for i := range args {
+		args[i] = reflect.Zero(f.Type().In(i))
+	}
+	return f.Call(args)
+}
+
+// Every method of cudart.Runtime goes through the hooks, with its arguments: a method
+// added to the interface and not to Runtime fails here by name (Runtime would still
+// compile, through nothing, if it embedded the interface; it does not).
+func TestEveryMethodIsIntercepted(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	rt := intercept.Wrap(d)
+	iface := reflect.TypeFor[cudart.Runtime]()
+	seen := map[string]int{}
+	rt.Before(intercept.Any, func(c *intercept.Call) {
+		seen[c.Method] = len(c.Args)
+		if c.Method != "Name" {
+			c.Err = errInjected
+		}
+	})
+	for i := range iface.NumMethod() {
+		m := iface.Method(i)
+		out := call(rt, m)
+		require.Contains(t, seen, m.Name, "%s is not intercepted", m.Name)
+		assert.Equal(t, m.Type.NumIn(), seen[m.Name], "%s: the hook saw %d arguments", m.Name, seen[m.Name])
+		if m.Name == "Name" {
+			assert.Equal(t, d.Name(), out[0].Interface(), "Name goes through")
+			continue
+		}
+		last := out[len(out)-1].Interface()
+		assert.ErrorIs(t, last.(error), errInjected, "%s: the Before hook's error is not returned", m.Name)
+		for _, v := range out[:len(out)-1] {
+			assert.True(t, v.IsZero(), "%s: a failed call returned a non-zero result", m.Name)
+		}
+		assert.EqualValues(t, 1, rt.Calls(m.Name), "%s: calls counted", m.Name)
+	}
+	assert.Len(t, seen, iface.NumMethod())
+}
+
+// Fail fails the next n calls of one method only, then lets them through; After sees
+// and may change what the runtime returned; unwatched calls are counted too.
+func TestFailAfterAndCalls(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	rt := intercept.Wrap(d)
+	left := rt.Fail("StreamCreate", 2, errInjected)
+	for range 2 {
+		_, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+		require.ErrorIs(t, err, errInjected)
+	}
+	assert.Zero(t, left())
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err, "the third StreamCreate goes through")
+	assert.EqualValues(t, 3, rt.Calls("StreamCreate"))
+
+	n, err := rt.DeviceCount()
+	require.NoError(t, err)
+	rt.After("DeviceCount", func(c *intercept.Call) { c.Results[0] = c.Results[0].(int) + 1 })
+	m, err := rt.DeviceCount()
+	require.NoError(t, err)
+	assert.Equal(t, n+1, m, "After changed the result")
+	assert.EqualValues(t, 2, rt.Calls("DeviceCount"), "the unwatched call is counted too")
+
+	var runtimeErr error
+	rt.After("StreamDestroy", func(c *intercept.Call) { runtimeErr = c.Err })
+	require.NoError(t, rt.StreamDestroy(0, s))
+	require.Error(t, rt.StreamDestroy(0, s), "a second destroy fails in the runtime")
+	assert.Error(t, runtimeErr, "After sees the runtime's own error")
+	require.NoError(t, d.Err())
+}
+
+// A hook on a method cudart.Runtime does not have would never run: it panics at once.
+func TestUnknownMethodPanics(t *testing.T) {
+	rt := intercept.Wrap(cudarttest.ForTest(t))
+	assert.Panics(t, func() { rt.Before("FreeAsnyc", func(*intercept.Call) {}) })
+	assert.Panics(t, func() { rt.Calls("FreeAsnyc") })
+}

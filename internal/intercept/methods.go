@@ -1,0 +1,638 @@
+package intercept
+
+// Every method of cudart.Runtime, each of one shape: a call nobody watches goes
+// straight through; a watched one is a Call for the Before hooks, then (unless one set
+// Err) the runtime's, then the After hooks. TestEveryMethodIsIntercepted fails when
+// cudart.Runtime gains a method this file does not have.
+
+import "github.com/cudapool/cudapool/cudart"
+
+// The Runtime methods, by name.
+const (
+	mName                             = "Name"
+	mDriverVersion                    = "DriverVersion"
+	mRuntimeVersion                   = "RuntimeVersion"
+	mDeviceCount                      = "DeviceCount"
+	mDeviceAttribute                  = "DeviceAttribute"
+	mDeviceUUID                       = "DeviceUUID"
+	mDevicePCIBusID                   = "DevicePCIBusID"
+	mDeviceCanAccessPeer              = "DeviceCanAccessPeer"
+	mMemGetInfo                       = "MemGetInfo"
+	mAllocationGranularity            = "AllocationGranularity"
+	mStreamCreate                     = "StreamCreate"
+	mStreamDestroy                    = "StreamDestroy"
+	mStreamSynchronize                = "StreamSynchronize"
+	mStreamDevice                     = "StreamDevice"
+	mStreamWaitEvent                  = "StreamWaitEvent"
+	mEventCreate                      = "EventCreate"
+	mEventDestroy                     = "EventDestroy"
+	mEventRecord                      = "EventRecord"
+	mEventSynchronize                 = "EventSynchronize"
+	mEventQuery                       = "EventQuery"
+	mIpcGetEventHandle                = "IpcGetEventHandle"
+	mIpcOpenEventHandle               = "IpcOpenEventHandle"
+	mMemPoolCreate                    = "MemPoolCreate"
+	mMemPoolDestroy                   = "MemPoolDestroy"
+	mDeviceGetDefaultMemPool          = "DeviceGetDefaultMemPool"
+	mMemPoolGetAttribute              = "MemPoolGetAttribute"
+	mMemPoolSetAttribute              = "MemPoolSetAttribute"
+	mMemPoolSetAccess                 = "MemPoolSetAccess"
+	mMemPoolGetAccess                 = "MemPoolGetAccess"
+	mMemPoolTrimTo                    = "MemPoolTrimTo"
+	mMallocFromPoolAsync              = "MallocFromPoolAsync"
+	mFreeAsync                        = "FreeAsync"
+	mMemPoolExportToShareableHandle   = "MemPoolExportToShareableHandle"
+	mMemPoolImportFromShareableHandle = "MemPoolImportFromShareableHandle"
+	mMemPoolExportPointer             = "MemPoolExportPointer"
+	mMemPoolImportPointer             = "MemPoolImportPointer"
+	mMemcpyHtoDAsync                  = "MemcpyHtoDAsync"
+	mMemcpyDtoHAsync                  = "MemcpyDtoHAsync"
+	mMemcpyDtoDAsync                  = "MemcpyDtoDAsync"
+	mMemsetAsync                      = "MemsetAsync"
+)
+
+// methods is every Runtime method Runtime intercepts, in cudart.Runtime's order.
+var methods = [...]string{mName, mDriverVersion, mRuntimeVersion, mDeviceCount, mDeviceAttribute, mDeviceUUID, mDevicePCIBusID, mDeviceCanAccessPeer, mMemGetInfo, mAllocationGranularity, mStreamCreate, mStreamDestroy, mStreamSynchronize, mStreamDevice, mStreamWaitEvent, mEventCreate, mEventDestroy, mEventRecord, mEventSynchronize, mEventQuery, mIpcGetEventHandle, mIpcOpenEventHandle, mMemPoolCreate, mMemPoolDestroy, mDeviceGetDefaultMemPool, mMemPoolGetAttribute, mMemPoolSetAttribute, mMemPoolSetAccess, mMemPoolGetAccess, mMemPoolTrimTo, mMallocFromPoolAsync, mFreeAsync, mMemPoolExportToShareableHandle, mMemPoolImportFromShareableHandle, mMemPoolExportPointer, mMemPoolImportPointer, mMemcpyHtoDAsync, mMemcpyDtoHAsync, mMemcpyDtoDAsync, mMemsetAsync}
+
+// Name intercepts cudart.Runtime.Name.
+func (r *Runtime) Name() string {
+	if !r.watches(mName) {
+		return r.rt.Name()
+	}
+	c := r.call(mName)
+	v0 := r.rt.Name()
+	c.Results = []any{v0}
+	c.ran = true
+	r.done(c)
+	return result[string](c, 0)
+}
+
+// DriverVersion intercepts cudart.Runtime.DriverVersion.
+func (r *Runtime) DriverVersion() (int, error) {
+	if !r.watches(mDriverVersion) {
+		return r.rt.DriverVersion()
+	}
+	c := r.call(mDriverVersion)
+	if c.Err == nil {
+		v0, err := r.rt.DriverVersion()
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[int](c, 0), c.Err
+}
+
+// RuntimeVersion intercepts cudart.Runtime.RuntimeVersion.
+func (r *Runtime) RuntimeVersion() (int, error) {
+	if !r.watches(mRuntimeVersion) {
+		return r.rt.RuntimeVersion()
+	}
+	c := r.call(mRuntimeVersion)
+	if c.Err == nil {
+		v0, err := r.rt.RuntimeVersion()
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[int](c, 0), c.Err
+}
+
+// DeviceCount intercepts cudart.Runtime.DeviceCount.
+func (r *Runtime) DeviceCount() (int, error) {
+	if !r.watches(mDeviceCount) {
+		return r.rt.DeviceCount()
+	}
+	c := r.call(mDeviceCount)
+	if c.Err == nil {
+		v0, err := r.rt.DeviceCount()
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[int](c, 0), c.Err
+}
+
+// DeviceAttribute intercepts cudart.Runtime.DeviceAttribute.
+func (r *Runtime) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) {
+	if !r.watches(mDeviceAttribute) {
+		return r.rt.DeviceAttribute(dev, attr)
+	}
+	c := r.call(mDeviceAttribute, dev, attr)
+	if c.Err == nil {
+		v0, err := r.rt.DeviceAttribute(dev, attr)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[int](c, 0), c.Err
+}
+
+// DeviceUUID intercepts cudart.Runtime.DeviceUUID.
+func (r *Runtime) DeviceUUID(dev int) (cudart.UUID, error) {
+	if !r.watches(mDeviceUUID) {
+		return r.rt.DeviceUUID(dev)
+	}
+	c := r.call(mDeviceUUID, dev)
+	if c.Err == nil {
+		v0, err := r.rt.DeviceUUID(dev)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.UUID](c, 0), c.Err
+}
+
+// DevicePCIBusID intercepts cudart.Runtime.DevicePCIBusID.
+func (r *Runtime) DevicePCIBusID(dev int) (string, error) {
+	if !r.watches(mDevicePCIBusID) {
+		return r.rt.DevicePCIBusID(dev)
+	}
+	c := r.call(mDevicePCIBusID, dev)
+	if c.Err == nil {
+		v0, err := r.rt.DevicePCIBusID(dev)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[string](c, 0), c.Err
+}
+
+// DeviceCanAccessPeer intercepts cudart.Runtime.DeviceCanAccessPeer.
+func (r *Runtime) DeviceCanAccessPeer(dev int, peer int) (bool, error) {
+	if !r.watches(mDeviceCanAccessPeer) {
+		return r.rt.DeviceCanAccessPeer(dev, peer)
+	}
+	c := r.call(mDeviceCanAccessPeer, dev, peer)
+	if c.Err == nil {
+		v0, err := r.rt.DeviceCanAccessPeer(dev, peer)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[bool](c, 0), c.Err
+}
+
+// MemGetInfo intercepts cudart.Runtime.MemGetInfo.
+func (r *Runtime) MemGetInfo(dev int) (uint64, uint64, error) {
+	if !r.watches(mMemGetInfo) {
+		return r.rt.MemGetInfo(dev)
+	}
+	c := r.call(mMemGetInfo, dev)
+	if c.Err == nil {
+		v0, v1, err := r.rt.MemGetInfo(dev)
+		c.Results, c.Err = []any{v0, v1}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[uint64](c, 0), result[uint64](c, 1), c.Err
+}
+
+// AllocationGranularity intercepts cudart.Runtime.AllocationGranularity.
+func (r *Runtime) AllocationGranularity(dev int, ht cudart.HandleType, recommended bool) (uint64, error) {
+	if !r.watches(mAllocationGranularity) {
+		return r.rt.AllocationGranularity(dev, ht, recommended)
+	}
+	c := r.call(mAllocationGranularity, dev, ht, recommended)
+	if c.Err == nil {
+		v0, err := r.rt.AllocationGranularity(dev, ht, recommended)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[uint64](c, 0), c.Err
+}
+
+// StreamCreate intercepts cudart.Runtime.StreamCreate.
+func (r *Runtime) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream, error) {
+	if !r.watches(mStreamCreate) {
+		return r.rt.StreamCreate(dev, flags)
+	}
+	c := r.call(mStreamCreate, dev, flags)
+	if c.Err == nil {
+		v0, err := r.rt.StreamCreate(dev, flags)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.Stream](c, 0), c.Err
+}
+
+// StreamDestroy intercepts cudart.Runtime.StreamDestroy.
+func (r *Runtime) StreamDestroy(dev int, s cudart.Stream) error {
+	if !r.watches(mStreamDestroy) {
+		return r.rt.StreamDestroy(dev, s)
+	}
+	c := r.call(mStreamDestroy, dev, s)
+	if c.Err == nil {
+		c.Err = r.rt.StreamDestroy(dev, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// StreamSynchronize intercepts cudart.Runtime.StreamSynchronize.
+func (r *Runtime) StreamSynchronize(dev int, s cudart.Stream) error {
+	if !r.watches(mStreamSynchronize) {
+		return r.rt.StreamSynchronize(dev, s)
+	}
+	c := r.call(mStreamSynchronize, dev, s)
+	if c.Err == nil {
+		c.Err = r.rt.StreamSynchronize(dev, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// StreamDevice intercepts cudart.Runtime.StreamDevice.
+func (r *Runtime) StreamDevice(dev int, s cudart.Stream) (int, error) {
+	if !r.watches(mStreamDevice) {
+		return r.rt.StreamDevice(dev, s)
+	}
+	c := r.call(mStreamDevice, dev, s)
+	if c.Err == nil {
+		v0, err := r.rt.StreamDevice(dev, s)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[int](c, 0), c.Err
+}
+
+// StreamWaitEvent intercepts cudart.Runtime.StreamWaitEvent.
+func (r *Runtime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
+	if !r.watches(mStreamWaitEvent) {
+		return r.rt.StreamWaitEvent(dev, s, e)
+	}
+	c := r.call(mStreamWaitEvent, dev, s, e)
+	if c.Err == nil {
+		c.Err = r.rt.StreamWaitEvent(dev, s, e)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// EventCreate intercepts cudart.Runtime.EventCreate.
+func (r *Runtime) EventCreate(dev int, flags cudart.EventFlags) (cudart.Event, error) {
+	if !r.watches(mEventCreate) {
+		return r.rt.EventCreate(dev, flags)
+	}
+	c := r.call(mEventCreate, dev, flags)
+	if c.Err == nil {
+		v0, err := r.rt.EventCreate(dev, flags)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.Event](c, 0), c.Err
+}
+
+// EventDestroy intercepts cudart.Runtime.EventDestroy.
+func (r *Runtime) EventDestroy(dev int, e cudart.Event) error {
+	if !r.watches(mEventDestroy) {
+		return r.rt.EventDestroy(dev, e)
+	}
+	c := r.call(mEventDestroy, dev, e)
+	if c.Err == nil {
+		c.Err = r.rt.EventDestroy(dev, e)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// EventRecord intercepts cudart.Runtime.EventRecord.
+func (r *Runtime) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
+	if !r.watches(mEventRecord) {
+		return r.rt.EventRecord(dev, e, s)
+	}
+	c := r.call(mEventRecord, dev, e, s)
+	if c.Err == nil {
+		c.Err = r.rt.EventRecord(dev, e, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// EventSynchronize intercepts cudart.Runtime.EventSynchronize.
+func (r *Runtime) EventSynchronize(dev int, e cudart.Event) error {
+	if !r.watches(mEventSynchronize) {
+		return r.rt.EventSynchronize(dev, e)
+	}
+	c := r.call(mEventSynchronize, dev, e)
+	if c.Err == nil {
+		c.Err = r.rt.EventSynchronize(dev, e)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// EventQuery intercepts cudart.Runtime.EventQuery.
+func (r *Runtime) EventQuery(dev int, e cudart.Event) (bool, error) {
+	if !r.watches(mEventQuery) {
+		return r.rt.EventQuery(dev, e)
+	}
+	c := r.call(mEventQuery, dev, e)
+	if c.Err == nil {
+		v0, err := r.rt.EventQuery(dev, e)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[bool](c, 0), c.Err
+}
+
+// IpcGetEventHandle intercepts cudart.Runtime.IpcGetEventHandle.
+func (r *Runtime) IpcGetEventHandle(dev int, e cudart.Event) (cudart.IpcEventHandle, error) {
+	if !r.watches(mIpcGetEventHandle) {
+		return r.rt.IpcGetEventHandle(dev, e)
+	}
+	c := r.call(mIpcGetEventHandle, dev, e)
+	if c.Err == nil {
+		v0, err := r.rt.IpcGetEventHandle(dev, e)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.IpcEventHandle](c, 0), c.Err
+}
+
+// IpcOpenEventHandle intercepts cudart.Runtime.IpcOpenEventHandle.
+func (r *Runtime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
+	if !r.watches(mIpcOpenEventHandle) {
+		return r.rt.IpcOpenEventHandle(dev, h)
+	}
+	c := r.call(mIpcOpenEventHandle, dev, h)
+	if c.Err == nil {
+		v0, err := r.rt.IpcOpenEventHandle(dev, h)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.Event](c, 0), c.Err
+}
+
+// MemPoolCreate intercepts cudart.Runtime.MemPoolCreate.
+func (r *Runtime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) {
+	if !r.watches(mMemPoolCreate) {
+		return r.rt.MemPoolCreate(props)
+	}
+	c := r.call(mMemPoolCreate, props)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolCreate(props)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.MemPool](c, 0), c.Err
+}
+
+// MemPoolDestroy intercepts cudart.Runtime.MemPoolDestroy.
+func (r *Runtime) MemPoolDestroy(dev int, p cudart.MemPool) error {
+	if !r.watches(mMemPoolDestroy) {
+		return r.rt.MemPoolDestroy(dev, p)
+	}
+	c := r.call(mMemPoolDestroy, dev, p)
+	if c.Err == nil {
+		c.Err = r.rt.MemPoolDestroy(dev, p)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// DeviceGetDefaultMemPool intercepts cudart.Runtime.DeviceGetDefaultMemPool.
+func (r *Runtime) DeviceGetDefaultMemPool(dev int) (cudart.MemPool, error) {
+	if !r.watches(mDeviceGetDefaultMemPool) {
+		return r.rt.DeviceGetDefaultMemPool(dev)
+	}
+	c := r.call(mDeviceGetDefaultMemPool, dev)
+	if c.Err == nil {
+		v0, err := r.rt.DeviceGetDefaultMemPool(dev)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.MemPool](c, 0), c.Err
+}
+
+// MemPoolGetAttribute intercepts cudart.Runtime.MemPoolGetAttribute.
+func (r *Runtime) MemPoolGetAttribute(dev int, p cudart.MemPool, attr cudart.PoolAttr) (uint64, error) {
+	if !r.watches(mMemPoolGetAttribute) {
+		return r.rt.MemPoolGetAttribute(dev, p, attr)
+	}
+	c := r.call(mMemPoolGetAttribute, dev, p, attr)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolGetAttribute(dev, p, attr)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[uint64](c, 0), c.Err
+}
+
+// MemPoolSetAttribute intercepts cudart.Runtime.MemPoolSetAttribute.
+func (r *Runtime) MemPoolSetAttribute(dev int, p cudart.MemPool, attr cudart.PoolAttr, value uint64) error {
+	if !r.watches(mMemPoolSetAttribute) {
+		return r.rt.MemPoolSetAttribute(dev, p, attr, value)
+	}
+	c := r.call(mMemPoolSetAttribute, dev, p, attr, value)
+	if c.Err == nil {
+		c.Err = r.rt.MemPoolSetAttribute(dev, p, attr, value)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemPoolSetAccess intercepts cudart.Runtime.MemPoolSetAccess.
+func (r *Runtime) MemPoolSetAccess(dev int, p cudart.MemPool, descs []cudart.AccessDesc) error {
+	if !r.watches(mMemPoolSetAccess) {
+		return r.rt.MemPoolSetAccess(dev, p, descs)
+	}
+	c := r.call(mMemPoolSetAccess, dev, p, descs)
+	if c.Err == nil {
+		c.Err = r.rt.MemPoolSetAccess(dev, p, descs)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemPoolGetAccess intercepts cudart.Runtime.MemPoolGetAccess.
+func (r *Runtime) MemPoolGetAccess(dev int, p cudart.MemPool, loc cudart.Location) (cudart.AccessFlags, error) {
+	if !r.watches(mMemPoolGetAccess) {
+		return r.rt.MemPoolGetAccess(dev, p, loc)
+	}
+	c := r.call(mMemPoolGetAccess, dev, p, loc)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolGetAccess(dev, p, loc)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.AccessFlags](c, 0), c.Err
+}
+
+// MemPoolTrimTo intercepts cudart.Runtime.MemPoolTrimTo.
+func (r *Runtime) MemPoolTrimTo(dev int, p cudart.MemPool, minBytesToKeep uint64) error {
+	if !r.watches(mMemPoolTrimTo) {
+		return r.rt.MemPoolTrimTo(dev, p, minBytesToKeep)
+	}
+	c := r.call(mMemPoolTrimTo, dev, p, minBytesToKeep)
+	if c.Err == nil {
+		c.Err = r.rt.MemPoolTrimTo(dev, p, minBytesToKeep)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MallocFromPoolAsync intercepts cudart.Runtime.MallocFromPoolAsync.
+func (r *Runtime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
+	if !r.watches(mMallocFromPoolAsync) {
+		return r.rt.MallocFromPoolAsync(dev, size, p, s)
+	}
+	c := r.call(mMallocFromPoolAsync, dev, size, p, s)
+	if c.Err == nil {
+		v0, err := r.rt.MallocFromPoolAsync(dev, size, p, s)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.DevicePtr](c, 0), c.Err
+}
+
+// FreeAsync intercepts cudart.Runtime.FreeAsync.
+func (r *Runtime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
+	if !r.watches(mFreeAsync) {
+		return r.rt.FreeAsync(dev, ptr, s)
+	}
+	c := r.call(mFreeAsync, dev, ptr, s)
+	if c.Err == nil {
+		c.Err = r.rt.FreeAsync(dev, ptr, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemPoolExportToShareableHandle intercepts cudart.Runtime.MemPoolExportToShareableHandle.
+func (r *Runtime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht cudart.HandleType) (cudart.ShareableHandle, error) {
+	if !r.watches(mMemPoolExportToShareableHandle) {
+		return r.rt.MemPoolExportToShareableHandle(dev, p, ht)
+	}
+	c := r.call(mMemPoolExportToShareableHandle, dev, p, ht)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolExportToShareableHandle(dev, p, ht)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.ShareableHandle](c, 0), c.Err
+}
+
+// MemPoolImportFromShareableHandle intercepts cudart.Runtime.MemPoolImportFromShareableHandle.
+func (r *Runtime) MemPoolImportFromShareableHandle(dev int, h cudart.ShareableHandle) (cudart.MemPool, error) {
+	if !r.watches(mMemPoolImportFromShareableHandle) {
+		return r.rt.MemPoolImportFromShareableHandle(dev, h)
+	}
+	c := r.call(mMemPoolImportFromShareableHandle, dev, h)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolImportFromShareableHandle(dev, h)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.MemPool](c, 0), c.Err
+}
+
+// MemPoolExportPointer intercepts cudart.Runtime.MemPoolExportPointer.
+func (r *Runtime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
+	if !r.watches(mMemPoolExportPointer) {
+		return r.rt.MemPoolExportPointer(dev, ptr)
+	}
+	c := r.call(mMemPoolExportPointer, dev, ptr)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolExportPointer(dev, ptr)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.PtrExportData](c, 0), c.Err
+}
+
+// MemPoolImportPointer intercepts cudart.Runtime.MemPoolImportPointer.
+func (r *Runtime) MemPoolImportPointer(dev int, p cudart.MemPool, data cudart.PtrExportData) (cudart.DevicePtr, error) {
+	if !r.watches(mMemPoolImportPointer) {
+		return r.rt.MemPoolImportPointer(dev, p, data)
+	}
+	c := r.call(mMemPoolImportPointer, dev, p, data)
+	if c.Err == nil {
+		v0, err := r.rt.MemPoolImportPointer(dev, p, data)
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.DevicePtr](c, 0), c.Err
+}
+
+// MemcpyHtoDAsync intercepts cudart.Runtime.MemcpyHtoDAsync.
+func (r *Runtime) MemcpyHtoDAsync(dev int, dst cudart.DevicePtr, src []byte, s cudart.Stream) error {
+	if !r.watches(mMemcpyHtoDAsync) {
+		return r.rt.MemcpyHtoDAsync(dev, dst, src, s)
+	}
+	c := r.call(mMemcpyHtoDAsync, dev, dst, src, s)
+	if c.Err == nil {
+		c.Err = r.rt.MemcpyHtoDAsync(dev, dst, src, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemcpyDtoHAsync intercepts cudart.Runtime.MemcpyDtoHAsync.
+func (r *Runtime) MemcpyDtoHAsync(dev int, dst []byte, src cudart.DevicePtr, s cudart.Stream) error {
+	if !r.watches(mMemcpyDtoHAsync) {
+		return r.rt.MemcpyDtoHAsync(dev, dst, src, s)
+	}
+	c := r.call(mMemcpyDtoHAsync, dev, dst, src, s)
+	if c.Err == nil {
+		c.Err = r.rt.MemcpyDtoHAsync(dev, dst, src, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemcpyDtoDAsync intercepts cudart.Runtime.MemcpyDtoDAsync.
+func (r *Runtime) MemcpyDtoDAsync(dev int, dst cudart.DevicePtr, src cudart.DevicePtr, n uint64, s cudart.Stream) error {
+	if !r.watches(mMemcpyDtoDAsync) {
+		return r.rt.MemcpyDtoDAsync(dev, dst, src, n, s)
+	}
+	c := r.call(mMemcpyDtoDAsync, dev, dst, src, n, s)
+	if c.Err == nil {
+		c.Err = r.rt.MemcpyDtoDAsync(dev, dst, src, n, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// MemsetAsync intercepts cudart.Runtime.MemsetAsync.
+func (r *Runtime) MemsetAsync(dev int, dst cudart.DevicePtr, value byte, n uint64, s cudart.Stream) error {
+	if !r.watches(mMemsetAsync) {
+		return r.rt.MemsetAsync(dev, dst, value, n, s)
+	}
+	c := r.call(mMemsetAsync, dev, dst, value, n, s)
+	if c.Err == nil {
+		c.Err = r.rt.MemsetAsync(dev, dst, value, n, s)
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
