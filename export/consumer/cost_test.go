@@ -3,8 +3,6 @@ package consumer_test
 import (
 	"context"
 	"fmt"
-	"maps"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -14,73 +12,34 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/pool"
 )
 
-// callCounts is a runtime that counts the calls a share may make, by name.
+// callCounts counts the calls a share may make, by name.
 type callCounts struct {
-	cudart.Runtime
-	mu sync.Mutex
-	n  map[string]int
+	*intercept.Runtime
+	last map[string]int64
 }
 
 func newCallCounts(rt cudart.Runtime) *callCounts {
-	return &callCounts{Runtime: rt, n: map[string]int{}}
+	return &callCounts{Runtime: intercept.Wrap(rt), last: map[string]int64{}}
 }
 
-func (r *callCounts) count(call string) {
-	r.mu.Lock()
-	r.n[call]++
-	r.mu.Unlock()
-}
+// counted are the calls callCounts reports.
+var counted = []string{"StreamWaitEvent", "EventRecord", "EventQuery", "StreamSynchronize", "FreeAsync", "MemPoolImportPointer", "MemPoolExportPointer", "MallocFromPoolAsync"}
 
-// take returns the counts since the last take.
+// take returns the counts since the last take, of the calls made.
 func (r *callCounts) take() map[string]int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	n := maps.Clone(r.n)
-	clear(r.n)
+	n := map[string]int{}
+	for _, m := range counted {
+		c := r.Calls(m)
+		if d := c - r.last[m]; d > 0 {
+			n[m] = int(d)
+		}
+		r.last[m] = c
+	}
 	return n
-}
-
-func (r *callCounts) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
-	r.count("StreamWaitEvent")
-	return r.Runtime.StreamWaitEvent(dev, s, e)
-}
-
-func (r *callCounts) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
-	r.count("EventRecord")
-	return r.Runtime.EventRecord(dev, e, s)
-}
-
-func (r *callCounts) EventQuery(dev int, e cudart.Event) (bool, error) {
-	r.count("EventQuery")
-	return r.Runtime.EventQuery(dev, e)
-}
-
-func (r *callCounts) StreamSynchronize(dev int, s cudart.Stream) error {
-	r.count("StreamSynchronize")
-	return r.Runtime.StreamSynchronize(dev, s)
-}
-
-func (r *callCounts) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
-	r.count("FreeAsync")
-	return r.Runtime.FreeAsync(dev, ptr, s)
-}
-
-func (r *callCounts) MemPoolImportPointer(dev int, p cudart.MemPool, d cudart.PtrExportData) (cudart.DevicePtr, error) {
-	r.count("MemPoolImportPointer")
-	return r.Runtime.MemPoolImportPointer(dev, p, d)
-}
-
-func (r *callCounts) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
-	r.count("MemPoolExportPointer")
-	return r.Runtime.MemPoolExportPointer(dev, ptr)
-}
-
-func (r *callCounts) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
-	r.count("MallocFromPoolAsync")
-	return r.Runtime.MallocFromPoolAsync(dev, size, p, s)
 }
 
 // countedPair is a producer and a consumer whose runtimes count their calls.

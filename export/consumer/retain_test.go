@@ -43,7 +43,7 @@ func TestRevokeWhileMappedAgainIsAnsweredAtRelease(t *testing.T) {
 	b := rp.Pr.Publish(t, "kv", 2<<20, 0x22) // the recycled memory
 	m, err := rp.C.Imp.Open(ctx, "kv", rp.C.Stream)
 	require.NoError(t, err)
-	assert.Equal(t, int64(1), rp.CCalls.Imports.Load(), "the retained import mapped again")
+	assert.Equal(t, int64(1), rp.CCalls.Imports(), "the retained import mapped again")
 	require.NoError(t, rp.Pr.Ex.Unpublish("kv"))
 	require.NoError(t, b.Free(rp.Pr.Stream))
 	closed := make(chan error, 1)
@@ -53,7 +53,7 @@ func TestRevokeWhileMappedAgainIsAnsweredAtRelease(t *testing.T) {
 	require.NoError(t, m.Release(ctx, rp.C.Stream))
 	require.NoError(t, testwait.Recv(t, closed, "Close to return once the mapping was released"))
 	assert.Zero(t, exporttest.PoolStats(t, rp.Pr.Pool).Retentions)
-	assert.Equal(t, int64(1), rp.CCalls.Frees.Load(), "the consumer freed its import at the release")
+	assert.Equal(t, int64(1), rp.CCalls.Frees(), "the consumer freed its import at the release")
 	rp.Pr.CheckClean(t)
 	rp.C.CheckClean(t)
 }

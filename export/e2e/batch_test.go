@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -35,12 +36,12 @@ func TestOpenAllAndReleaseAll(t *testing.T) {
 				require.True(t, exporttest.AllAre(rp.C.Read(t, m), byte(i+1)), "block %d read other bytes", i)
 				require.Len(t, m.Meta(), meta)
 			}
-			assert.Equal(t, int64(1), rp.CCalls.Imports.Load(), "one import for the slab")
+			assert.Equal(t, int64(1), rp.CCalls.Imports(), "one import for the slab")
 			s := exporttest.PoolStats(t, rp.Pr.Pool)
 			assert.Equal(t, n, s.ActiveLeases)
 			require.NoError(t, rp.C.Imp.ReleaseAll(ctx, ms, rp.C.Stream))
 			assert.Zero(t, exporttest.PoolStats(t, rp.Pr.Pool).ActiveLeases)
-			assert.Equal(t, int64(1), rp.CCalls.Frees.Load())
+			assert.Equal(t, int64(1), rp.CCalls.Frees())
 			require.ErrorIs(t, rp.C.Imp.ReleaseAll(ctx, ms[:1], rp.C.Stream), consumer.ErrReleased)
 			rp.Pr.CheckClean(t)
 			rp.C.CheckClean(t)
@@ -57,7 +58,7 @@ func TestOpenAllIsAllOrNothing(t *testing.T) {
 	require.ErrorIs(t, err, export.ErrUnknownName)
 	assert.Contains(t, err.Error(), `"nope"`)
 	assert.Zero(t, exporttest.PoolStats(t, rp.Pr.Pool).ActiveLeases, "a failed batch left leases")
-	assert.Zero(t, rp.CCalls.Imports.Load())
+	assert.Zero(t, rp.CCalls.Imports())
 	_, err = rp.C.Imp.OpenAll(ctx, make([]string, export.MaxBatch+1), rp.C.Stream)
 	require.ErrorIs(t, err, export.ErrBadRequest)
 	ms, err := rp.C.Imp.OpenAll(ctx, names, rp.C.Stream)
@@ -89,8 +90,8 @@ func TestBatchesWithRetainedImports(t *testing.T) {
 		}
 		require.NoError(t, b.Free(rp.Pr.Stream))
 	}
-	assert.Equal(t, int64(1), rp.CCalls.Imports.Load())
-	assert.Zero(t, rp.CCalls.Frees.Load())
+	assert.Equal(t, int64(1), rp.CCalls.Imports())
+	assert.Zero(t, rp.CCalls.Frees())
 	require.NoError(t, rp.Pr.Pool.Trim())
 	exporttest.WaitFor(t, "the revoke", func() bool { return exporttest.PoolStats(t, rp.Pr.Pool).Retentions == 0 })
 	rp.Pr.CheckClean(t)
@@ -278,27 +279,24 @@ func TestOpenAllOfLongNames(t *testing.T) {
 	rp.C.CheckClean(t)
 }
 
-// waitCounter counts the distinct events each stream was made to wait on.
-type waitCounter struct {
-	cudart.Runtime
-	mu    sync.Mutex
-	waits map[cudart.Stream]map[cudart.Event]bool
-}
-
-func (w *waitCounter) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
-	w.mu.Lock()
-	if w.waits[s] == nil {
-		w.waits[s] = map[cudart.Event]bool{}
+// countWaits counts the distinct events each stream of rt is made to wait on.
+func countWaits(rt *intercept.Runtime) (waited func(cudart.Stream) int) {
+	var mu sync.Mutex
+	waits := map[cudart.Stream]map[cudart.Event]bool{}
+	rt.Before("StreamWaitEvent", func(c *intercept.Call) {
+		s, e := c.Args[1].(cudart.Stream), c.Args[2].(cudart.Event)
+		mu.Lock()
+		defer mu.Unlock()
+		if waits[s] == nil {
+			waits[s] = map[cudart.Event]bool{}
+		}
+		waits[s][e] = true
+	})
+	return func(s cudart.Stream) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(waits[s])
 	}
-	w.waits[s][e] = true
-	w.mu.Unlock()
-	return w.Runtime.StreamWaitEvent(dev, s, e)
-}
-
-func (w *waitCounter) waited(s cudart.Stream) int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.waits[s])
 }
 
 // OpenAll of buffers published on two producer streams, both stalled before their
@@ -326,14 +324,15 @@ func TestOpenAllWaitsForEveryProducerStream(t *testing.T) {
 	}
 
 	side := exporttest.NewSide(t, 0)
-	rt := &waitCounter{Runtime: side.Dev, waits: map[cudart.Stream]map[cudart.Event]bool{}}
+	rt := intercept.Wrap(side.Dev)
+	waited := countWaits(rt)
 	imp, err := consumer.Dial(ctx, pr.Path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
 	c := &exporttest.Consumer{Side: side, Imp: imp}
 	t.Cleanup(func() { imp.Close(context.Background()) })
 	ms, err := c.Imp.OpenAll(ctx, names, c.Stream)
 	require.NoError(t, err)
-	assert.Equal(t, 2, rt.waited(c.Stream), "the producer streams the consumer's stream waits for")
+	assert.Equal(t, 2, waited(c.Stream), "the producer streams the consumer's stream waits for")
 	for _, resume := range resumes {
 		resume()
 	}

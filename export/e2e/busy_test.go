@@ -114,7 +114,7 @@ func fabricProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime) *e
 func TestByteStreamExporterWaitsForTheProducer(t *testing.T) {
 	var busy *exporttest.BusyGPU
 	pr := fabricProducerOn(t, func(rt cudart.Runtime) cudart.Runtime {
-		busy = &exporttest.BusyGPU{Runtime: rt}
+		busy = exporttest.NewBusyGPU(rt)
 		return busy
 	})
 	busy.Stall(t, pr.Side) // ended only by a host wait of the exporter
@@ -139,7 +139,7 @@ func TestByteStreamReleaseSyncsTheFree(t *testing.T) {
 	pr := fabricProducerOn(t, nil)
 	b := pr.Publish(t, "f", 2<<20, 0xfb)
 	s := exporttest.NewSide(t, 1, cudarttest.WithFabric())
-	busy := &exporttest.BusyGPU{Runtime: s.Dev}
+	busy := exporttest.NewBusyGPU(s.Dev)
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.DialConn(ctx, serveTCP(t, pr), busy, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

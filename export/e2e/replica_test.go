@@ -138,46 +138,35 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 	require.NoError(t, c.Imp.Close(ctx))
 }
 
-// killAtReadyWait is a consumer runtime whose producer's ready events never report
-// completion, and that kills the producer as a stream is made to wait on one: the
-// producer dies in the one window Open cannot close, between its last look at the
-// process and the wait.
-type killAtReadyWait struct {
-	cudart.Runtime
-	mu    sync.Mutex
-	ready map[cudart.Event]bool
-	once  sync.Once
-	kill  func()
-}
-
-func (r *killAtReadyWait) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
-	ev, err := r.Runtime.IpcOpenEventHandle(dev, h)
-	if err == nil {
-		r.mu.Lock()
-		r.ready[ev] = true
-		r.mu.Unlock()
+// killAtReadyWait makes rt's producer's ready events never report completion, and
+// kills the producer as a stream is made to wait on one: the producer dies in the one
+// window Open cannot close, between its last look at the process and the wait.
+func killAtReadyWait(rt *intercept.Runtime, kill func()) {
+	var mu sync.Mutex
+	ready := map[cudart.Event]bool{}
+	isReady := func(c *intercept.Call) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return ready[c.Args[len(c.Args)-1].(cudart.Event)]
 	}
-	return ev, err
-}
-
-func (r *killAtReadyWait) isReady(ev cudart.Event) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.ready[ev]
-}
-
-func (r *killAtReadyWait) EventQuery(dev int, ev cudart.Event) (bool, error) {
-	if r.isReady(ev) {
-		return false, nil
-	}
-	return r.Runtime.EventQuery(dev, ev)
-}
-
-func (r *killAtReadyWait) StreamWaitEvent(dev int, s cudart.Stream, ev cudart.Event) error {
-	if r.isReady(ev) {
-		r.once.Do(r.kill)
-	}
-	return r.Runtime.StreamWaitEvent(dev, s, ev)
+	rt.After("IpcOpenEventHandle", func(c *intercept.Call) {
+		if c.Err == nil {
+			mu.Lock()
+			ready[c.Results[0].(cudart.Event)] = true
+			mu.Unlock()
+		}
+	})
+	rt.Before("EventQuery", func(c *intercept.Call) {
+		if isReady(c) {
+			c.Answer(false)
+		}
+	})
+	var once sync.Once
+	rt.Before("StreamWaitEvent", func(c *intercept.Call) {
+		if isReady(c) {
+			once.Do(kill)
+		}
+	})
 }
 
 // A producer that dies as Open's stream is made to wait on its ready event: what
@@ -186,7 +175,8 @@ func (r *killAtReadyWait) StreamWaitEvent(dev int, s cudart.Stream, ev cudart.Ev
 func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
 	k, path := startProducerChild(t, 96)
 	s := exporttest.NewSide(t, 1)
-	rt := &killAtReadyWait{Runtime: s.Dev, ready: map[cudart.Event]bool{}, kill: func() { exporttest.KillProducer(t, k) }}
+	rt := intercept.Wrap(s.Dev)
+	killAtReadyWait(rt, func() { exporttest.KillProducer(t, k) })
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

@@ -20,9 +20,9 @@ func TestRetainedImportServesRecycledBuffers(t *testing.T) {
 		b := rp.Cycle(t, "kv", fill)
 		require.Equal(t, first.Ptr(), b.Ptr(), "round %d: the buffer was not recycled", i)
 	}
-	assert.Equal(t, int64(1), rp.PrCalls.Exports.Load(), "pointer exports")
-	assert.Equal(t, int64(1), rp.CCalls.Imports.Load(), "consumer imports")
-	assert.Zero(t, rp.CCalls.Frees.Load(), "consumer frees before the revoke")
+	assert.Equal(t, int64(1), rp.PrCalls.Exports(), "pointer exports")
+	assert.Equal(t, int64(1), rp.CCalls.Imports(), "consumer imports")
+	assert.Zero(t, rp.CCalls.Frees(), "consumer frees before the revoke")
 	s := exporttest.PoolStats(t, rp.Pr.Pool)
 	assert.Equal(t, 1, s.Retentions)
 	assert.Equal(t, 1, s.CachedBuffers)
@@ -33,7 +33,7 @@ func TestRetainedImportServesRecycledBuffers(t *testing.T) {
 		s := exporttest.PoolStats(t, rp.Pr.Pool)
 		return s.Retentions == 0 && s.RevokingBuffers == 0
 	})
-	assert.Equal(t, int64(1), rp.CCalls.Frees.Load(), "consumer frees after the revoke")
+	assert.Equal(t, int64(1), rp.CCalls.Frees(), "consumer frees after the revoke")
 	rp.Pr.CheckClean(t)
 	rp.C.CheckClean(t)
 	require.NoError(t, rp.C.Imp.Close(exporttest.Ctx(t)))
@@ -47,8 +47,8 @@ func TestImportsAreNotRetainedUnlessAllowed(t *testing.T) {
 	rp := exporttest.NewRetainingPair(t)
 	rp.Cycle(t, "kv", 0x11)
 	rp.Cycle(t, "kv", 0x22)
-	assert.Equal(t, int64(2), rp.CCalls.Imports.Load(), "consumer imports")
-	assert.Equal(t, int64(2), rp.CCalls.Frees.Load(), "consumer frees")
+	assert.Equal(t, int64(2), rp.CCalls.Imports(), "consumer imports")
+	assert.Equal(t, int64(2), rp.CCalls.Frees(), "consumer frees")
 	assert.Zero(t, exporttest.PoolStats(t, rp.Pr.Pool).Retentions)
 	rp.C.CheckClean(t)
 }
@@ -60,7 +60,7 @@ func TestExporterCloseRevokesRetainedImports(t *testing.T) {
 	require.Equal(t, 1, exporttest.PoolStats(t, rp.Pr.Pool).Retentions)
 	require.NoError(t, rp.Pr.Ex.Close(exporttest.Ctx(t)))
 	assert.Zero(t, exporttest.PoolStats(t, rp.Pr.Pool).Retentions)
-	assert.Equal(t, int64(1), rp.CCalls.Frees.Load(), "the consumer did not free its retained import")
+	assert.Equal(t, int64(1), rp.CCalls.Frees(), "the consumer did not free its retained import")
 	_, err := rp.Pr.Pool.Close(exporttest.Ctx(t))
 	require.NoError(t, err)
 	rp.Pr.CheckClean(t)
@@ -97,7 +97,7 @@ func TestRetainedBufferFreedPastTheCache(t *testing.T) {
 		s := exporttest.PoolStats(t, rp.Pr.Pool)
 		return s.Retentions == 0 && s.RevokingBuffers == 0 && s.CachedBuffers == 0
 	})
-	assert.Equal(t, int64(1), rp.CCalls.Frees.Load())
+	assert.Equal(t, int64(1), rp.CCalls.Frees())
 	rp.Pr.CheckClean(t)
 	rp.C.CheckClean(t)
 }
@@ -128,8 +128,8 @@ func TestRetainedImportOfRanges(t *testing.T) {
 		require.NoError(t, rp.Pr.Ex.Unpublish("hi"))
 		require.NoError(t, b.Free(rp.Pr.Stream))
 	}
-	assert.Equal(t, int64(1), rp.CCalls.Imports.Load(), "consumer imports")
-	assert.Zero(t, rp.CCalls.Frees.Load(), "consumer frees")
+	assert.Equal(t, int64(1), rp.CCalls.Imports(), "consumer imports")
+	assert.Zero(t, rp.CCalls.Frees(), "consumer frees")
 	require.NoError(t, rp.Pr.Pool.Trim())
 	exporttest.WaitFor(t, "the revoke", func() bool { return exporttest.PoolStats(t, rp.Pr.Pool).Retentions == 0 })
 	rp.Pr.CheckClean(t)

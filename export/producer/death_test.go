@@ -3,7 +3,6 @@ package producer_test
 import (
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -13,27 +12,17 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/proctest"
 )
-
-// countEventOpens counts the IPC events the exporter opens.
-type countEventOpens struct {
-	cudart.Runtime
-	opens atomic.Int32
-}
-
-func (r *countEventOpens) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
-	r.opens.Add(1)
-	return r.Runtime.IpcOpenEventHandle(dev, h)
-}
 
 // The exporter opens a consumer's release event on its first grant; a consumer whose
 // process has exited by then (its socket kept open by another process) must not have
 // its event opened: the exporter asks the process handle it holds first.
 func TestReleaseEventOfExitedConsumerIsNotOpened(t *testing.T) {
-	var counter *countEventOpens
+	var counter *intercept.Runtime // counts the IPC events the exporter opens
 	pr := exporttest.NewProducerOn(t, func(rt cudart.Runtime) cudart.Runtime {
-		counter = &countEventOpens{Runtime: rt}
+		counter = intercept.Wrap(rt)
 		return counter
 	}, nil, nil)
 	pr.Publish(t, "a", 1<<20, 1)
@@ -53,6 +42,6 @@ func TestReleaseEventOfExitedConsumerIsNotOpened(t *testing.T) {
 	err = pr.Ex.Push(exporttest.Ctx(t), "a", k.PID())
 	require.Error(t, err)
 	assert.ErrorIs(t, err, producer.ErrNoPeer)
-	assert.Zero(t, counter.opens.Load(), "the release event of an exited process was opened")
+	assert.Zero(t, counter.Calls("IpcOpenEventHandle"), "the release event of an exited process was opened")
 	pr.CheckClean(t)
 }

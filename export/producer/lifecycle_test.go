@@ -16,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -99,42 +100,36 @@ func TestCloseCutsSilentPeers(t *testing.T) {
 	require.ErrorIs(t, pr.Ex.Publish(exporttest.Ctx(t), "late", b, pr.Stream), export.ErrClosed, "Publish after Close, want export.ErrClosed")
 }
 
-// eventTrackingRuntime tracks the IPC events opened from handles and not yet destroyed.
-type eventTrackingRuntime struct {
-	cudart.Runtime
-	mu   sync.Mutex
-	open map[cudart.Event]bool
-}
-
-func (r *eventTrackingRuntime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Event, error) {
-	ev, err := r.Runtime.IpcOpenEventHandle(dev, h)
-	if err == nil {
-		r.mu.Lock()
-		r.open[ev] = true
-		r.mu.Unlock()
+// trackEvents tracks the IPC events rt opens from handles and has not destroyed.
+func trackEvents(rt *intercept.Runtime) (stillOpen func() int) {
+	var mu sync.Mutex
+	open := map[cudart.Event]bool{}
+	rt.After("IpcOpenEventHandle", func(c *intercept.Call) {
+		if c.Err == nil {
+			mu.Lock()
+			open[c.Results[0].(cudart.Event)] = true
+			mu.Unlock()
+		}
+	})
+	rt.Before("EventDestroy", func(c *intercept.Call) {
+		mu.Lock()
+		delete(open, c.Args[1].(cudart.Event))
+		mu.Unlock()
+	})
+	return func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(open)
 	}
-	return ev, err
-}
-
-func (r *eventTrackingRuntime) EventDestroy(dev int, ev cudart.Event) error {
-	r.mu.Lock()
-	delete(r.open, ev)
-	r.mu.Unlock()
-	return r.Runtime.EventDestroy(dev, ev)
-}
-
-func (r *eventTrackingRuntime) stillOpen() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return len(r.open)
 }
 
 // A grant that reaches a peer after it left (PushAll picked it, then it hung up)
 // fails, and opens nothing on its behalf that no one would destroy.
 func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
-	var rt *eventTrackingRuntime
+	var stillOpen func() int
 	pr := exporttest.NewProducerOn(t, func(r cudart.Runtime) cudart.Runtime {
-		rt = &eventTrackingRuntime{Runtime: r, open: map[cudart.Event]bool{}}
+		rt := intercept.Wrap(r)
+		stillOpen = trackEvents(rt)
 		return rt
 	}, nil, nil)
 	pr.Publish(t, "p", 1<<20, 1)
@@ -153,7 +148,7 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 	require.ErrorIs(t, p.Push(ctx, pub), producer.ErrNoPeer, "push to a departed peer, want ErrNoPeer")
 	n := pr.ActiveLeases(t)
 	require.EqualValues(t, 0, n, "%d pool leases held after a push to a departed peer", n)
-	n = rt.stillOpen()
+	n = stillOpen()
 	require.EqualValues(t, 0, n, "%d of the departed peer's events left open", n)
 }
 

@@ -31,7 +31,17 @@ type Call struct {
 	// running it; an After hook sees the runtime's and may replace it. Name, which
 	// returns no error, ignores it.
 	Err error
-	ran bool // the wrapped runtime was called
+
+	ran      bool // the wrapped runtime was called
+	answered bool // a Before hook answered for the runtime (Answer)
+}
+
+// Answer, from a Before hook, answers the call instead of the runtime: it is not run,
+// and returns results (of the method's types, in order; fewer leave zero values) with
+// c.Err.
+func (c *Call) Answer(results ...any) {
+	c.answered = true
+	c.Results = results
 }
 
 // Dev is the call's first argument as a device ordinal, -1 if it has none.
@@ -44,7 +54,7 @@ func (c *Call) Dev() int {
 	return -1
 }
 
-// Hook is run for a call; see Call for what it may change.
+// Hook is run for a call; see Call for what it may change (Err, Results, Answer).
 type Hook func(c *Call)
 
 // Runtime is a cudart.Runtime whose calls go through hooks. Its zero value is not

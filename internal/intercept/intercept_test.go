@@ -95,3 +95,20 @@ func TestUnknownMethodPanics(t *testing.T) {
 	assert.Panics(t, func() { rt.Before("FreeAsnyc", func(*intercept.Call) {}) })
 	assert.Panics(t, func() { rt.Calls("FreeAsnyc") })
 }
+
+// A Before hook may answer for the runtime: the call is not run, and returns what the
+// hook said.
+func TestBeforeMayAnswer(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	rt := intercept.Wrap(d)
+	ev, err := d.EventCreate(0, cudart.EventDisableTiming)
+	require.NoError(t, err)
+	rt.Before("EventQuery", func(c *intercept.Call) { c.Answer(false) })
+	ran := false
+	rt.After("EventQuery", func(*intercept.Call) { ran = true })
+	done, err := rt.EventQuery(0, ev)
+	require.NoError(t, err)
+	assert.False(t, done, "the answer, not the device's (an event never recorded is done)")
+	assert.False(t, ran, "After runs only for calls that ran")
+	require.NoError(t, d.EventDestroy(0, ev))
+}

@@ -73,7 +73,7 @@ func (r *Runtime) DriverVersion() (int, error) {
 		return r.rt.DriverVersion()
 	}
 	c := r.call(mDriverVersion)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DriverVersion()
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -88,7 +88,7 @@ func (r *Runtime) RuntimeVersion() (int, error) {
 		return r.rt.RuntimeVersion()
 	}
 	c := r.call(mRuntimeVersion)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.RuntimeVersion()
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -103,7 +103,7 @@ func (r *Runtime) DeviceCount() (int, error) {
 		return r.rt.DeviceCount()
 	}
 	c := r.call(mDeviceCount)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DeviceCount()
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -118,7 +118,7 @@ func (r *Runtime) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) 
 		return r.rt.DeviceAttribute(dev, attr)
 	}
 	c := r.call(mDeviceAttribute, dev, attr)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DeviceAttribute(dev, attr)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -133,7 +133,7 @@ func (r *Runtime) DeviceUUID(dev int) (cudart.UUID, error) {
 		return r.rt.DeviceUUID(dev)
 	}
 	c := r.call(mDeviceUUID, dev)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DeviceUUID(dev)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -148,7 +148,7 @@ func (r *Runtime) DevicePCIBusID(dev int) (string, error) {
 		return r.rt.DevicePCIBusID(dev)
 	}
 	c := r.call(mDevicePCIBusID, dev)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DevicePCIBusID(dev)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -163,7 +163,7 @@ func (r *Runtime) DeviceCanAccessPeer(dev int, peer int) (bool, error) {
 		return r.rt.DeviceCanAccessPeer(dev, peer)
 	}
 	c := r.call(mDeviceCanAccessPeer, dev, peer)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DeviceCanAccessPeer(dev, peer)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -178,7 +178,7 @@ func (r *Runtime) MemGetInfo(dev int) (uint64, uint64, error) {
 		return r.rt.MemGetInfo(dev)
 	}
 	c := r.call(mMemGetInfo, dev)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, v1, err := r.rt.MemGetInfo(dev)
 		c.Results, c.Err = []any{v0, v1}, err
 		c.ran = true
@@ -193,7 +193,7 @@ func (r *Runtime) AllocationGranularity(dev int, ht cudart.HandleType, recommend
 		return r.rt.AllocationGranularity(dev, ht, recommended)
 	}
 	c := r.call(mAllocationGranularity, dev, ht, recommended)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.AllocationGranularity(dev, ht, recommended)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -208,7 +208,7 @@ func (r *Runtime) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream
 		return r.rt.StreamCreate(dev, flags)
 	}
 	c := r.call(mStreamCreate, dev, flags)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.StreamCreate(dev, flags)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -223,7 +223,7 @@ func (r *Runtime) StreamDestroy(dev int, s cudart.Stream) error {
 		return r.rt.StreamDestroy(dev, s)
 	}
 	c := r.call(mStreamDestroy, dev, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.StreamDestroy(dev, s)
 		c.ran = true
 	}
@@ -237,7 +237,7 @@ func (r *Runtime) StreamSynchronize(dev int, s cudart.Stream) error {
 		return r.rt.StreamSynchronize(dev, s)
 	}
 	c := r.call(mStreamSynchronize, dev, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.StreamSynchronize(dev, s)
 		c.ran = true
 	}
@@ -251,7 +251,7 @@ func (r *Runtime) StreamDevice(dev int, s cudart.Stream) (int, error) {
 		return r.rt.StreamDevice(dev, s)
 	}
 	c := r.call(mStreamDevice, dev, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.StreamDevice(dev, s)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -266,7 +266,7 @@ func (r *Runtime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) erro
 		return r.rt.StreamWaitEvent(dev, s, e)
 	}
 	c := r.call(mStreamWaitEvent, dev, s, e)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.StreamWaitEvent(dev, s, e)
 		c.ran = true
 	}
@@ -280,7 +280,7 @@ func (r *Runtime) EventCreate(dev int, flags cudart.EventFlags) (cudart.Event, e
 		return r.rt.EventCreate(dev, flags)
 	}
 	c := r.call(mEventCreate, dev, flags)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.EventCreate(dev, flags)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -295,7 +295,7 @@ func (r *Runtime) EventDestroy(dev int, e cudart.Event) error {
 		return r.rt.EventDestroy(dev, e)
 	}
 	c := r.call(mEventDestroy, dev, e)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.EventDestroy(dev, e)
 		c.ran = true
 	}
@@ -309,7 +309,7 @@ func (r *Runtime) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
 		return r.rt.EventRecord(dev, e, s)
 	}
 	c := r.call(mEventRecord, dev, e, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.EventRecord(dev, e, s)
 		c.ran = true
 	}
@@ -323,7 +323,7 @@ func (r *Runtime) EventSynchronize(dev int, e cudart.Event) error {
 		return r.rt.EventSynchronize(dev, e)
 	}
 	c := r.call(mEventSynchronize, dev, e)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.EventSynchronize(dev, e)
 		c.ran = true
 	}
@@ -337,7 +337,7 @@ func (r *Runtime) EventQuery(dev int, e cudart.Event) (bool, error) {
 		return r.rt.EventQuery(dev, e)
 	}
 	c := r.call(mEventQuery, dev, e)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.EventQuery(dev, e)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -352,7 +352,7 @@ func (r *Runtime) IpcGetEventHandle(dev int, e cudart.Event) (cudart.IpcEventHan
 		return r.rt.IpcGetEventHandle(dev, e)
 	}
 	c := r.call(mIpcGetEventHandle, dev, e)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.IpcGetEventHandle(dev, e)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -367,7 +367,7 @@ func (r *Runtime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.E
 		return r.rt.IpcOpenEventHandle(dev, h)
 	}
 	c := r.call(mIpcOpenEventHandle, dev, h)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.IpcOpenEventHandle(dev, h)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -382,7 +382,7 @@ func (r *Runtime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) 
 		return r.rt.MemPoolCreate(props)
 	}
 	c := r.call(mMemPoolCreate, props)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolCreate(props)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -397,7 +397,7 @@ func (r *Runtime) MemPoolDestroy(dev int, p cudart.MemPool) error {
 		return r.rt.MemPoolDestroy(dev, p)
 	}
 	c := r.call(mMemPoolDestroy, dev, p)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemPoolDestroy(dev, p)
 		c.ran = true
 	}
@@ -411,7 +411,7 @@ func (r *Runtime) DeviceGetDefaultMemPool(dev int) (cudart.MemPool, error) {
 		return r.rt.DeviceGetDefaultMemPool(dev)
 	}
 	c := r.call(mDeviceGetDefaultMemPool, dev)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.DeviceGetDefaultMemPool(dev)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -426,7 +426,7 @@ func (r *Runtime) MemPoolGetAttribute(dev int, p cudart.MemPool, attr cudart.Poo
 		return r.rt.MemPoolGetAttribute(dev, p, attr)
 	}
 	c := r.call(mMemPoolGetAttribute, dev, p, attr)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolGetAttribute(dev, p, attr)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -441,7 +441,7 @@ func (r *Runtime) MemPoolSetAttribute(dev int, p cudart.MemPool, attr cudart.Poo
 		return r.rt.MemPoolSetAttribute(dev, p, attr, value)
 	}
 	c := r.call(mMemPoolSetAttribute, dev, p, attr, value)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemPoolSetAttribute(dev, p, attr, value)
 		c.ran = true
 	}
@@ -455,7 +455,7 @@ func (r *Runtime) MemPoolSetAccess(dev int, p cudart.MemPool, descs []cudart.Acc
 		return r.rt.MemPoolSetAccess(dev, p, descs)
 	}
 	c := r.call(mMemPoolSetAccess, dev, p, descs)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemPoolSetAccess(dev, p, descs)
 		c.ran = true
 	}
@@ -469,7 +469,7 @@ func (r *Runtime) MemPoolGetAccess(dev int, p cudart.MemPool, loc cudart.Locatio
 		return r.rt.MemPoolGetAccess(dev, p, loc)
 	}
 	c := r.call(mMemPoolGetAccess, dev, p, loc)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolGetAccess(dev, p, loc)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -484,7 +484,7 @@ func (r *Runtime) MemPoolTrimTo(dev int, p cudart.MemPool, minBytesToKeep uint64
 		return r.rt.MemPoolTrimTo(dev, p, minBytesToKeep)
 	}
 	c := r.call(mMemPoolTrimTo, dev, p, minBytesToKeep)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemPoolTrimTo(dev, p, minBytesToKeep)
 		c.ran = true
 	}
@@ -498,7 +498,7 @@ func (r *Runtime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s 
 		return r.rt.MallocFromPoolAsync(dev, size, p, s)
 	}
 	c := r.call(mMallocFromPoolAsync, dev, size, p, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MallocFromPoolAsync(dev, size, p, s)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -513,7 +513,7 @@ func (r *Runtime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) erro
 		return r.rt.FreeAsync(dev, ptr, s)
 	}
 	c := r.call(mFreeAsync, dev, ptr, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.FreeAsync(dev, ptr, s)
 		c.ran = true
 	}
@@ -527,7 +527,7 @@ func (r *Runtime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht c
 		return r.rt.MemPoolExportToShareableHandle(dev, p, ht)
 	}
 	c := r.call(mMemPoolExportToShareableHandle, dev, p, ht)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolExportToShareableHandle(dev, p, ht)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -542,7 +542,7 @@ func (r *Runtime) MemPoolImportFromShareableHandle(dev int, h cudart.ShareableHa
 		return r.rt.MemPoolImportFromShareableHandle(dev, h)
 	}
 	c := r.call(mMemPoolImportFromShareableHandle, dev, h)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolImportFromShareableHandle(dev, h)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -557,7 +557,7 @@ func (r *Runtime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.Pt
 		return r.rt.MemPoolExportPointer(dev, ptr)
 	}
 	c := r.call(mMemPoolExportPointer, dev, ptr)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolExportPointer(dev, ptr)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -572,7 +572,7 @@ func (r *Runtime) MemPoolImportPointer(dev int, p cudart.MemPool, data cudart.Pt
 		return r.rt.MemPoolImportPointer(dev, p, data)
 	}
 	c := r.call(mMemPoolImportPointer, dev, p, data)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		v0, err := r.rt.MemPoolImportPointer(dev, p, data)
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
@@ -587,7 +587,7 @@ func (r *Runtime) MemcpyHtoDAsync(dev int, dst cudart.DevicePtr, src []byte, s c
 		return r.rt.MemcpyHtoDAsync(dev, dst, src, s)
 	}
 	c := r.call(mMemcpyHtoDAsync, dev, dst, src, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemcpyHtoDAsync(dev, dst, src, s)
 		c.ran = true
 	}
@@ -601,7 +601,7 @@ func (r *Runtime) MemcpyDtoHAsync(dev int, dst []byte, src cudart.DevicePtr, s c
 		return r.rt.MemcpyDtoHAsync(dev, dst, src, s)
 	}
 	c := r.call(mMemcpyDtoHAsync, dev, dst, src, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemcpyDtoHAsync(dev, dst, src, s)
 		c.ran = true
 	}
@@ -615,7 +615,7 @@ func (r *Runtime) MemcpyDtoDAsync(dev int, dst cudart.DevicePtr, src cudart.Devi
 		return r.rt.MemcpyDtoDAsync(dev, dst, src, n, s)
 	}
 	c := r.call(mMemcpyDtoDAsync, dev, dst, src, n, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemcpyDtoDAsync(dev, dst, src, n, s)
 		c.ran = true
 	}
@@ -629,7 +629,7 @@ func (r *Runtime) MemsetAsync(dev int, dst cudart.DevicePtr, value byte, n uint6
 		return r.rt.MemsetAsync(dev, dst, value, n, s)
 	}
 	c := r.call(mMemsetAsync, dev, dst, value, n, s)
-	if c.Err == nil {
+	if c.Err == nil && !c.answered {
 		c.Err = r.rt.MemsetAsync(dev, dst, value, n, s)
 		c.ran = true
 	}

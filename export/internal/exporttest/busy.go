@@ -9,6 +9,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/internal/intercept"
 )
 
 // Stall holds side's stream until the returned resume is called (or the test ends).
@@ -21,49 +22,48 @@ func Stall(t testing.TB, s *Side) (resume func()) {
 }
 
 // BusyGPU is a runtime whose stream is held by a stall until the host waits for the
-// GPU: the first synchronising call ends the stall, as the long kernel would end while
-// the host waits. Work that needs the stall to end and makes no host wait stays
-// blocked, so a test can tell the two apart.
+// GPU: the first synchronising call (StreamSynchronize, EventSynchronize) ends the
+// stall, as the long kernel would end while the host waits. Work that needs the stall
+// to end and makes no host wait stays blocked, so a test can tell the two apart.
 type BusyGPU struct {
-	cudart.Runtime
-	Mu     sync.Mutex
-	Resume func()
+	*intercept.Runtime
+	mu     sync.Mutex
+	resume func()
 }
 
+// NewBusyGPU is rt, busy as BusyGPU says once Stall is called.
+func NewBusyGPU(rt cudart.Runtime) *BusyGPU {
+	b := &BusyGPU{Runtime: intercept.Wrap(rt)}
+	b.Before("StreamSynchronize", func(*intercept.Call) { b.End() })
+	b.Before("EventSynchronize", func(*intercept.Call) { b.End() })
+	return b
+}
+
+// Stall holds s's stream until the next host wait (or End).
 func (b *BusyGPU) Stall(t testing.TB, s *Side) {
 	t.Helper()
 	resume := Stall(t, s)
-	b.Mu.Lock()
-	b.Resume = resume
-	b.Mu.Unlock()
+	b.mu.Lock()
+	b.resume = resume
+	b.mu.Unlock()
 }
 
 // End ends the stall, if any.
 func (b *BusyGPU) End() {
-	b.Mu.Lock()
-	resume := b.Resume
-	b.Resume = nil
-	b.Mu.Unlock()
+	b.mu.Lock()
+	resume := b.resume
+	b.resume = nil
+	b.mu.Unlock()
 	if resume != nil {
 		resume()
 	}
 }
 
-func (b *BusyGPU) StreamSynchronize(dev int, s cudart.Stream) error {
-	b.End()
-	return b.Runtime.StreamSynchronize(dev, s)
-}
-
-func (b *BusyGPU) EventSynchronize(dev int, e cudart.Event) error {
-	b.End()
-	return b.Runtime.EventSynchronize(dev, e)
-}
-
-// NewBusyConsumer is newConsumer whose importer calls the device through a busyGPU.
+// NewBusyConsumer is NewConsumer whose importer calls the device through a BusyGPU.
 func NewBusyConsumer(t testing.TB, path string) (*Consumer, *BusyGPU) {
 	t.Helper()
 	s := NewSide(t, 0)
-	busy := &BusyGPU{Runtime: s.Dev}
+	busy := NewBusyGPU(s.Dev)
 	imp, err := consumer.Dial(Ctx(t), path, busy, 0, consumer.WithLogger(DiscardLogger))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = imp.Close(context.Background()) }) // cleanup: what is tested is above

@@ -2,7 +2,6 @@ package exporttest
 
 import (
 	"context"
-	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -10,30 +9,22 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/pool"
 )
 
 // ImportCounter counts the calls that a retained import saves: imports and frees of
 // pointers, and exports of them.
-type ImportCounter struct {
-	cudart.Runtime
-	Imports, Frees, Exports atomic.Int64
-}
+type ImportCounter struct{ *intercept.Runtime }
 
-func (r *ImportCounter) MemPoolImportPointer(dev int, p cudart.MemPool, d cudart.PtrExportData) (cudart.DevicePtr, error) {
-	r.Imports.Add(1)
-	return r.Runtime.MemPoolImportPointer(dev, p, d)
-}
+// Imports counts MemPoolImportPointer calls.
+func (r ImportCounter) Imports() int64 { return r.Calls("MemPoolImportPointer") }
 
-func (r *ImportCounter) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
-	r.Frees.Add(1)
-	return r.Runtime.FreeAsync(dev, ptr, s)
-}
+// Frees counts FreeAsync calls.
+func (r ImportCounter) Frees() int64 { return r.Calls("FreeAsync") }
 
-func (r *ImportCounter) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
-	r.Exports.Add(1)
-	return r.Runtime.MemPoolExportPointer(dev, ptr)
-}
+// Exports counts MemPoolExportPointer calls.
+func (r ImportCounter) Exports() int64 { return r.Calls("MemPoolExportPointer") }
 
 // RetainingPair is a producer whose pool caches and whose exporter lets consumers
 // retain imports, and a consumer whose runtime counts imports and frees.
@@ -48,12 +39,12 @@ func NewRetainingPair(t *testing.T, exOpts ...producer.ListenOption) RetainingPa
 	t.Helper()
 	var prCalls *ImportCounter
 	wrap := func(rt cudart.Runtime) cudart.Runtime {
-		prCalls = &ImportCounter{Runtime: rt}
+		prCalls = &ImportCounter{intercept.Wrap(rt)}
 		return prCalls
 	}
 	pr := NewProducerOn(t, wrap, []pool.Option{pool.WithCache(64 << 20)}, exOpts)
 	s := NewSide(t, 0)
-	cCalls := &ImportCounter{Runtime: s.Dev}
+	cCalls := &ImportCounter{intercept.Wrap(s.Dev)}
 	imp, err := consumer.Dial(Ctx(t), pr.Path, cCalls, 0, consumer.WithLogger(DiscardLogger))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = imp.Close(context.Background()) }) // cleanup: what is tested is above
