@@ -175,7 +175,7 @@ func TestFreeAfterLeasesEnded(t *testing.T) {
 
 func TestExportRecordIsCached(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt)
 		b := mustAlloc(t, p, 10, e.stream)
 		l := mustLease(t, b)
@@ -187,8 +187,8 @@ func TestExportRecordIsCached(t *testing.T) {
 		h1, _ := p.ExportHandle()
 		h2, _ := p.ExportHandle()
 		require.Equal(t, h1, h2)
-		require.Equal(t, int64(1), rt.poolExports.Load(), "pool exports")
-		require.Equal(t, int64(1), rt.ptrExports.Load(), "pointer exports")
+		require.Equal(t, int64(1), rt.poolExports(), "pool exports")
+		require.Equal(t, int64(1), rt.ptrExports(), "pointer exports")
 		mustFree(t, b, e.stream)
 		require.NoError(t, l.End(0))
 	})

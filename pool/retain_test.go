@@ -53,7 +53,7 @@ func TestRetainNeedsALease(t *testing.T) {
 // Trim asks the retainer to let go and frees the memory only once it has.
 func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		b := mustAlloc(t, p, mib, e.stream)
 		r, rr := retain(t, b, 0)
@@ -63,17 +63,17 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 		assert.Equal(t, 1, mustStats(t, p).Retentions)
 		mustFree(t, again, e.stream)
 
-		frees := rt.frees.Load()
+		frees := rt.frees()
 		require.NoError(t, p.Trim())
 		assert.Equal(t, int32(1), rr.revoked.Load(), "Trim did not revoke the retention")
-		assert.Equal(t, frees, rt.frees.Load(), "retained memory went back to the driver before its retainer let go")
+		assert.Equal(t, frees, rt.frees(), "retained memory went back to the driver before its retainer let go")
 		s := mustStats(t, p)
 		assert.Equal(t, 1, s.RevokingBuffers)
 		assert.Equal(t, p.Granularity(), s.RevokingBytes)
 		assert.Zero(t, s.CachedBuffers)
 
 		require.NoError(t, r.End(0))
-		assert.Equal(t, frees+1, rt.frees.Load(), "the last retention's end did not free the memory")
+		assert.Equal(t, frees+1, rt.frees(), "the last retention's end did not free the memory")
 		s = mustStats(t, p)
 		assert.Zero(t, s.RevokingBuffers+s.Retentions)
 		require.ErrorIs(t, r.End(0), ErrLeaseEnded)
@@ -84,7 +84,7 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 // Without a cache, and through a deferred free, retained memory is revoked at once.
 func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt)
 		for _, deferred := range []bool{false, true} {
 			b := mustAlloc(t, p, mib, e.stream)
@@ -92,7 +92,7 @@ func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 			rr := &retainer{}
 			r, err := b.Retain(rr.revoke)
 			require.NoError(t, err)
-			frees := rt.frees.Load()
+			frees := rt.frees()
 			if deferred {
 				mustFree(t, b, e.stream)
 				require.NoError(t, l.End(0))
@@ -101,10 +101,10 @@ func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 				mustFree(t, b, e.stream)
 			}
 			assert.Equal(t, int32(1), rr.revoked.Load(), "deferred %v: not revoked", deferred)
-			assert.Equal(t, frees, rt.frees.Load(), "deferred %v: freed before the retainer let go", deferred)
+			assert.Equal(t, frees, rt.frees(), "deferred %v: freed before the retainer let go", deferred)
 			wantCounts(t, p, 0, 0, 0, 0)
 			require.NoError(t, r.End(0))
-			assert.Equal(t, frees+1, rt.frees.Load(), "deferred %v: not freed", deferred)
+			assert.Equal(t, frees+1, rt.frees(), "deferred %v: not freed", deferred)
 		}
 	})
 }

@@ -22,6 +22,8 @@ type Call struct {
 	// Method is the cudart.Runtime method's name ("FreeAsync").
 	Method string
 	// Args are the call's arguments, in order (a Runtime's dev first where it has one).
+	// A Before hook may replace them (with values of the same types): the runtime is
+	// called with what they are after the Before hooks.
 	Args []any
 	// Results are the wrapped runtime's results but the error, in order; nil when a
 	// Before hook's Err kept the call from running. An After hook may replace them
@@ -169,6 +171,12 @@ func (r *Runtime) done(c *Call) {
 	for _, h := range r.hooks(r.post, c.Method) {
 		h(c)
 	}
+}
+
+// arg is c's i-th argument as a T (a Before hook may have replaced it).
+func arg[T any](c *Call, i int) T {
+	v, _ := c.Args[i].(T)
+	return v
 }
 
 // result is c's i-th result as a T: the zero T when the call did not run.

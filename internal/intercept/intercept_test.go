@@ -1,6 +1,7 @@
 package intercept_test
 
 import (
+	"bytes"
 	"errors"
 	"reflect"
 	"testing"
@@ -111,4 +112,25 @@ func TestBeforeMayAnswer(t *testing.T) {
 	assert.False(t, done, "the answer, not the device's (an event never recorded is done)")
 	assert.False(t, ran, "After runs only for calls that ran")
 	require.NoError(t, d.EventDestroy(0, ev))
+}
+
+// A Before hook may change the arguments the runtime is called with.
+func TestBeforeMayChangeArguments(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	rt := intercept.Wrap(d)
+	s, err := d.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	rt.Before("MemsetAsync", func(c *intercept.Call) { c.Args[2] = byte(0x5a) })
+	p, err := d.DeviceGetDefaultMemPool(0)
+	require.NoError(t, err)
+	ptr, err := d.MallocFromPoolAsync(0, 64, p, s)
+	require.NoError(t, err)
+	require.NoError(t, rt.MemsetAsync(0, ptr, 0x11, 64, s))
+	got := make([]byte, 64)
+	require.NoError(t, d.MemcpyDtoHAsync(0, got, ptr, s))
+	require.NoError(t, d.StreamSynchronize(0, s))
+	assert.Equal(t, bytes.Repeat([]byte{0x5a}, 64), got, "the hook's value was set")
+	require.NoError(t, d.FreeAsync(0, ptr, s))
+	require.NoError(t, d.StreamSynchronize(0, s))
+	require.NoError(t, d.Err())
 }

@@ -2,8 +2,9 @@ package intercept
 
 // Every method of cudart.Runtime, each of one shape: a call nobody watches goes
 // straight through; a watched one is a Call for the Before hooks, then (unless one set
-// Err) the runtime's, then the After hooks. TestEveryMethodIsIntercepted fails when
-// cudart.Runtime gains a method this file does not have.
+// Err or answered) the runtime's, with the Call's Args, then the After hooks.
+// TestEveryMethodIsIntercepted fails when a method here skips the hooks, and this
+// package stops compiling when cudart.Runtime gains a method this file lacks.
 
 import "github.com/cudapool/cudapool/cudart"
 
@@ -119,7 +120,7 @@ func (r *Runtime) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) 
 	}
 	c := r.call(mDeviceAttribute, dev, attr)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.DeviceAttribute(dev, attr)
+		v0, err := r.rt.DeviceAttribute(arg[int](c, 0), arg[cudart.DeviceAttr](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -134,7 +135,7 @@ func (r *Runtime) DeviceUUID(dev int) (cudart.UUID, error) {
 	}
 	c := r.call(mDeviceUUID, dev)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.DeviceUUID(dev)
+		v0, err := r.rt.DeviceUUID(arg[int](c, 0))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -149,7 +150,7 @@ func (r *Runtime) DevicePCIBusID(dev int) (string, error) {
 	}
 	c := r.call(mDevicePCIBusID, dev)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.DevicePCIBusID(dev)
+		v0, err := r.rt.DevicePCIBusID(arg[int](c, 0))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -164,7 +165,7 @@ func (r *Runtime) DeviceCanAccessPeer(dev int, peer int) (bool, error) {
 	}
 	c := r.call(mDeviceCanAccessPeer, dev, peer)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.DeviceCanAccessPeer(dev, peer)
+		v0, err := r.rt.DeviceCanAccessPeer(arg[int](c, 0), arg[int](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -179,7 +180,7 @@ func (r *Runtime) MemGetInfo(dev int) (uint64, uint64, error) {
 	}
 	c := r.call(mMemGetInfo, dev)
 	if c.Err == nil && !c.answered {
-		v0, v1, err := r.rt.MemGetInfo(dev)
+		v0, v1, err := r.rt.MemGetInfo(arg[int](c, 0))
 		c.Results, c.Err = []any{v0, v1}, err
 		c.ran = true
 	}
@@ -194,7 +195,7 @@ func (r *Runtime) AllocationGranularity(dev int, ht cudart.HandleType, recommend
 	}
 	c := r.call(mAllocationGranularity, dev, ht, recommended)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.AllocationGranularity(dev, ht, recommended)
+		v0, err := r.rt.AllocationGranularity(arg[int](c, 0), arg[cudart.HandleType](c, 1), arg[bool](c, 2))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -209,7 +210,7 @@ func (r *Runtime) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream
 	}
 	c := r.call(mStreamCreate, dev, flags)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.StreamCreate(dev, flags)
+		v0, err := r.rt.StreamCreate(arg[int](c, 0), arg[cudart.StreamFlags](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -224,7 +225,7 @@ func (r *Runtime) StreamDestroy(dev int, s cudart.Stream) error {
 	}
 	c := r.call(mStreamDestroy, dev, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.StreamDestroy(dev, s)
+		c.Err = r.rt.StreamDestroy(arg[int](c, 0), arg[cudart.Stream](c, 1))
 		c.ran = true
 	}
 	r.done(c)
@@ -238,7 +239,7 @@ func (r *Runtime) StreamSynchronize(dev int, s cudart.Stream) error {
 	}
 	c := r.call(mStreamSynchronize, dev, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.StreamSynchronize(dev, s)
+		c.Err = r.rt.StreamSynchronize(arg[int](c, 0), arg[cudart.Stream](c, 1))
 		c.ran = true
 	}
 	r.done(c)
@@ -252,7 +253,7 @@ func (r *Runtime) StreamDevice(dev int, s cudart.Stream) (int, error) {
 	}
 	c := r.call(mStreamDevice, dev, s)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.StreamDevice(dev, s)
+		v0, err := r.rt.StreamDevice(arg[int](c, 0), arg[cudart.Stream](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -267,7 +268,7 @@ func (r *Runtime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) erro
 	}
 	c := r.call(mStreamWaitEvent, dev, s, e)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.StreamWaitEvent(dev, s, e)
+		c.Err = r.rt.StreamWaitEvent(arg[int](c, 0), arg[cudart.Stream](c, 1), arg[cudart.Event](c, 2))
 		c.ran = true
 	}
 	r.done(c)
@@ -281,7 +282,7 @@ func (r *Runtime) EventCreate(dev int, flags cudart.EventFlags) (cudart.Event, e
 	}
 	c := r.call(mEventCreate, dev, flags)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.EventCreate(dev, flags)
+		v0, err := r.rt.EventCreate(arg[int](c, 0), arg[cudart.EventFlags](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -296,7 +297,7 @@ func (r *Runtime) EventDestroy(dev int, e cudart.Event) error {
 	}
 	c := r.call(mEventDestroy, dev, e)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.EventDestroy(dev, e)
+		c.Err = r.rt.EventDestroy(arg[int](c, 0), arg[cudart.Event](c, 1))
 		c.ran = true
 	}
 	r.done(c)
@@ -310,7 +311,7 @@ func (r *Runtime) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
 	}
 	c := r.call(mEventRecord, dev, e, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.EventRecord(dev, e, s)
+		c.Err = r.rt.EventRecord(arg[int](c, 0), arg[cudart.Event](c, 1), arg[cudart.Stream](c, 2))
 		c.ran = true
 	}
 	r.done(c)
@@ -324,7 +325,7 @@ func (r *Runtime) EventSynchronize(dev int, e cudart.Event) error {
 	}
 	c := r.call(mEventSynchronize, dev, e)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.EventSynchronize(dev, e)
+		c.Err = r.rt.EventSynchronize(arg[int](c, 0), arg[cudart.Event](c, 1))
 		c.ran = true
 	}
 	r.done(c)
@@ -338,7 +339,7 @@ func (r *Runtime) EventQuery(dev int, e cudart.Event) (bool, error) {
 	}
 	c := r.call(mEventQuery, dev, e)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.EventQuery(dev, e)
+		v0, err := r.rt.EventQuery(arg[int](c, 0), arg[cudart.Event](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -353,7 +354,7 @@ func (r *Runtime) IpcGetEventHandle(dev int, e cudart.Event) (cudart.IpcEventHan
 	}
 	c := r.call(mIpcGetEventHandle, dev, e)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.IpcGetEventHandle(dev, e)
+		v0, err := r.rt.IpcGetEventHandle(arg[int](c, 0), arg[cudart.Event](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -368,7 +369,7 @@ func (r *Runtime) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.E
 	}
 	c := r.call(mIpcOpenEventHandle, dev, h)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.IpcOpenEventHandle(dev, h)
+		v0, err := r.rt.IpcOpenEventHandle(arg[int](c, 0), arg[cudart.IpcEventHandle](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -383,7 +384,7 @@ func (r *Runtime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) 
 	}
 	c := r.call(mMemPoolCreate, props)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolCreate(props)
+		v0, err := r.rt.MemPoolCreate(arg[cudart.PoolProps](c, 0))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -398,7 +399,7 @@ func (r *Runtime) MemPoolDestroy(dev int, p cudart.MemPool) error {
 	}
 	c := r.call(mMemPoolDestroy, dev, p)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemPoolDestroy(dev, p)
+		c.Err = r.rt.MemPoolDestroy(arg[int](c, 0), arg[cudart.MemPool](c, 1))
 		c.ran = true
 	}
 	r.done(c)
@@ -412,7 +413,7 @@ func (r *Runtime) DeviceGetDefaultMemPool(dev int) (cudart.MemPool, error) {
 	}
 	c := r.call(mDeviceGetDefaultMemPool, dev)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.DeviceGetDefaultMemPool(dev)
+		v0, err := r.rt.DeviceGetDefaultMemPool(arg[int](c, 0))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -427,7 +428,7 @@ func (r *Runtime) MemPoolGetAttribute(dev int, p cudart.MemPool, attr cudart.Poo
 	}
 	c := r.call(mMemPoolGetAttribute, dev, p, attr)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolGetAttribute(dev, p, attr)
+		v0, err := r.rt.MemPoolGetAttribute(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[cudart.PoolAttr](c, 2))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -442,7 +443,7 @@ func (r *Runtime) MemPoolSetAttribute(dev int, p cudart.MemPool, attr cudart.Poo
 	}
 	c := r.call(mMemPoolSetAttribute, dev, p, attr, value)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemPoolSetAttribute(dev, p, attr, value)
+		c.Err = r.rt.MemPoolSetAttribute(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[cudart.PoolAttr](c, 2), arg[uint64](c, 3))
 		c.ran = true
 	}
 	r.done(c)
@@ -456,7 +457,7 @@ func (r *Runtime) MemPoolSetAccess(dev int, p cudart.MemPool, descs []cudart.Acc
 	}
 	c := r.call(mMemPoolSetAccess, dev, p, descs)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemPoolSetAccess(dev, p, descs)
+		c.Err = r.rt.MemPoolSetAccess(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[[]cudart.AccessDesc](c, 2))
 		c.ran = true
 	}
 	r.done(c)
@@ -470,7 +471,7 @@ func (r *Runtime) MemPoolGetAccess(dev int, p cudart.MemPool, loc cudart.Locatio
 	}
 	c := r.call(mMemPoolGetAccess, dev, p, loc)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolGetAccess(dev, p, loc)
+		v0, err := r.rt.MemPoolGetAccess(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[cudart.Location](c, 2))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -485,7 +486,7 @@ func (r *Runtime) MemPoolTrimTo(dev int, p cudart.MemPool, minBytesToKeep uint64
 	}
 	c := r.call(mMemPoolTrimTo, dev, p, minBytesToKeep)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemPoolTrimTo(dev, p, minBytesToKeep)
+		c.Err = r.rt.MemPoolTrimTo(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[uint64](c, 2))
 		c.ran = true
 	}
 	r.done(c)
@@ -499,7 +500,7 @@ func (r *Runtime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s 
 	}
 	c := r.call(mMallocFromPoolAsync, dev, size, p, s)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MallocFromPoolAsync(dev, size, p, s)
+		v0, err := r.rt.MallocFromPoolAsync(arg[int](c, 0), arg[uint64](c, 1), arg[cudart.MemPool](c, 2), arg[cudart.Stream](c, 3))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -514,7 +515,7 @@ func (r *Runtime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) erro
 	}
 	c := r.call(mFreeAsync, dev, ptr, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.FreeAsync(dev, ptr, s)
+		c.Err = r.rt.FreeAsync(arg[int](c, 0), arg[cudart.DevicePtr](c, 1), arg[cudart.Stream](c, 2))
 		c.ran = true
 	}
 	r.done(c)
@@ -528,7 +529,7 @@ func (r *Runtime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht c
 	}
 	c := r.call(mMemPoolExportToShareableHandle, dev, p, ht)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolExportToShareableHandle(dev, p, ht)
+		v0, err := r.rt.MemPoolExportToShareableHandle(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[cudart.HandleType](c, 2))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -543,7 +544,7 @@ func (r *Runtime) MemPoolImportFromShareableHandle(dev int, h cudart.ShareableHa
 	}
 	c := r.call(mMemPoolImportFromShareableHandle, dev, h)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolImportFromShareableHandle(dev, h)
+		v0, err := r.rt.MemPoolImportFromShareableHandle(arg[int](c, 0), arg[cudart.ShareableHandle](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -558,7 +559,7 @@ func (r *Runtime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.Pt
 	}
 	c := r.call(mMemPoolExportPointer, dev, ptr)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolExportPointer(dev, ptr)
+		v0, err := r.rt.MemPoolExportPointer(arg[int](c, 0), arg[cudart.DevicePtr](c, 1))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -573,7 +574,7 @@ func (r *Runtime) MemPoolImportPointer(dev int, p cudart.MemPool, data cudart.Pt
 	}
 	c := r.call(mMemPoolImportPointer, dev, p, data)
 	if c.Err == nil && !c.answered {
-		v0, err := r.rt.MemPoolImportPointer(dev, p, data)
+		v0, err := r.rt.MemPoolImportPointer(arg[int](c, 0), arg[cudart.MemPool](c, 1), arg[cudart.PtrExportData](c, 2))
 		c.Results, c.Err = []any{v0}, err
 		c.ran = true
 	}
@@ -588,7 +589,7 @@ func (r *Runtime) MemcpyHtoDAsync(dev int, dst cudart.DevicePtr, src []byte, s c
 	}
 	c := r.call(mMemcpyHtoDAsync, dev, dst, src, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemcpyHtoDAsync(dev, dst, src, s)
+		c.Err = r.rt.MemcpyHtoDAsync(arg[int](c, 0), arg[cudart.DevicePtr](c, 1), arg[[]byte](c, 2), arg[cudart.Stream](c, 3))
 		c.ran = true
 	}
 	r.done(c)
@@ -602,7 +603,7 @@ func (r *Runtime) MemcpyDtoHAsync(dev int, dst []byte, src cudart.DevicePtr, s c
 	}
 	c := r.call(mMemcpyDtoHAsync, dev, dst, src, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemcpyDtoHAsync(dev, dst, src, s)
+		c.Err = r.rt.MemcpyDtoHAsync(arg[int](c, 0), arg[[]byte](c, 1), arg[cudart.DevicePtr](c, 2), arg[cudart.Stream](c, 3))
 		c.ran = true
 	}
 	r.done(c)
@@ -616,7 +617,7 @@ func (r *Runtime) MemcpyDtoDAsync(dev int, dst cudart.DevicePtr, src cudart.Devi
 	}
 	c := r.call(mMemcpyDtoDAsync, dev, dst, src, n, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemcpyDtoDAsync(dev, dst, src, n, s)
+		c.Err = r.rt.MemcpyDtoDAsync(arg[int](c, 0), arg[cudart.DevicePtr](c, 1), arg[cudart.DevicePtr](c, 2), arg[uint64](c, 3), arg[cudart.Stream](c, 4))
 		c.ran = true
 	}
 	r.done(c)
@@ -630,7 +631,7 @@ func (r *Runtime) MemsetAsync(dev int, dst cudart.DevicePtr, value byte, n uint6
 	}
 	c := r.call(mMemsetAsync, dev, dst, value, n, s)
 	if c.Err == nil && !c.answered {
-		c.Err = r.rt.MemsetAsync(dev, dst, value, n, s)
+		c.Err = r.rt.MemsetAsync(arg[int](c, 0), arg[cudart.DevicePtr](c, 1), arg[byte](c, 2), arg[uint64](c, 3), arg[cudart.Stream](c, 4))
 		c.ran = true
 	}
 	r.done(c)
