@@ -82,7 +82,7 @@ const (
 	dialWaitForExporter = C.CUDAPOOL_DIAL_WAIT_FOR_EXPORTER
 
 	openWaitForName = C.CUDAPOOL_OPEN_WAIT_FOR_NAME
-	openReplica     = C.CUDAPOOL_OPEN_REPLICA
+	openLocalCopy   = C.CUDAPOOL_OPEN_LOCAL_COPY
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
@@ -393,24 +393,24 @@ func openOptions(o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
 		return nil, err
 	}
 	f := int(o.flags)
-	if f&^(openWaitForName|openReplica) != 0 {
-		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openReplica))
+	if f&^(openWaitForName|openLocalCopy) != 0 {
+		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openLocalCopy))
 	}
 	var opts []consumer.OpenOption
 	if f&openWaitForName != 0 {
 		opts = append(opts, consumer.WaitForName())
 	}
 	switch {
-	case f&openReplica == 0 && o.replica_pool.h != 0:
-		return nil, invalid("replica_pool without CUDAPOOL_OPEN_REPLICA")
-	case f&openReplica != 0 && o.replica_pool.h == 0:
-		opts = append(opts, consumer.WithReplica(nil)) // the Importer's own pool
-	case f&openReplica != 0:
+	case f&openLocalCopy == 0 && o.replica_pool.h != 0:
+		return nil, invalid("replica_pool without CUDAPOOL_OPEN_LOCAL_COPY")
+	case f&openLocalCopy != 0 && o.replica_pool.h == 0:
+		opts = append(opts, consumer.WithLocalCopy(nil)) // the Importer's own pool
+	case f&openLocalCopy != 0:
 		p, err := pools.get(uint64(o.replica_pool.h))
 		if err != nil {
 			return nil, fmt.Errorf("replica_pool: %w", err)
 		}
-		opts = append(opts, consumer.WithReplica(p))
+		opts = append(opts, consumer.WithLocalCopy(p))
 	}
 	return opts, nil
 }

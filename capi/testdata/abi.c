@@ -78,7 +78,7 @@ static void live(char *self) {
 	CHECKF(size == 4096, "mapping b has %llu bytes, want 4096", (unsigned long long)size);
 	cudapool_mapping dup[2] = {m[0], m[0]};
 	EXPECT(cudapool_importer_release_all(imp, dup, 2, NULL, 10000), CUDAPOOL_EINVAL);
-	oo.flags = CUDAPOOL_OPEN_REPLICA;
+	oo.flags = CUDAPOOL_OPEN_LOCAL_COPY;
 	EXPECT(cudapool_importer_open(imp, "a", NULL, &oo, 10000, &replica), CUDAPOOL_OK);
 	EXPECT(cudapool_importer_open(imp, "a", NULL, NULL, 10000, NULL), CUDAPOOL_EINVAL);
 

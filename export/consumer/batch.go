@@ -143,8 +143,8 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		if m.refs -= n; m.refs > 0 {
 			continue
 		}
-		if m.replica != nil {
-			if err := imp.freeReplica(m, s); err != nil {
+		if m.localCopy != nil {
+			if err := imp.freeLocalCopy(m, s); err != nil {
 				m.refs += n
 				errs = append(errs, err)
 				continue
@@ -193,7 +193,7 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return err
 	}
 	if len(plain) == 0 && len(kept) == 0 {
-		// Every Mapping is still referenced (or a replica): no grant to release.
+		// Every Mapping is still referenced (or a local copy): no grant to release.
 		for _, rec := range revoked {
 			imp.sendRevoked(rec)
 		}

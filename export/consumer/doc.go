@@ -24,7 +24,7 @@
 // export.ErrExporterGone. Mappings on the exporter's own GPU stay readable until released
 // (FACTS 7); on another GPU the next read would lose this process's CUDA context
 // (FACTS 14), so each such Mapping's Context ends with ErrMappingLost at once. Release
-// them: that is safe. WithReplica copies the buffer at Open into this process's own
+// them: that is safe. WithLocalCopy copies the buffer at Open into this process's own
 // memory, through a stream of the exporter's device (FACTS 14), and releases the lease:
 // the copy outlives its producer on any GPU.
 //
@@ -39,7 +39,7 @@
 //
 // A consumer on another GPU than its producer's must never read a mapping from its own
 // device once the producer is gone, not even to copy it (cudart.ErrContextLost; restart
-// the process). Stop at ErrMappingLost, or open with WithReplica, whose allocator must
+// the process). Stop at ErrMappingLost, or open with WithLocalCopy, whose allocator must
 // let the exporter's device write it (pool.WithPeerAccess).
 //
 // The pool is the unit of trust: a Mapping exposes its whole pool to this process, not

@@ -16,7 +16,7 @@ var (
 	// ErrMappingLost means a Mapping on another GPU than its exporter's must not be
 	// used any more: the exporter is gone, and a read of its memory from another GPU
 	// would lose this process's CUDA context (cudart.ErrContextLost, FACTS 14). Release
-	// it; WithReplica avoids it. It wraps export.ErrExporterGone.
+	// it; WithLocalCopy avoids it. It wraps export.ErrExporterGone.
 	ErrMappingLost = fmt.Errorf("%w: this mapping lives on another GPU than its exporter's, and reading it now would lose this process's CUDA context; release it", export.ErrExporterGone)
 	// ErrDuplicateImporter means this process already has an Importer connected to
 	// the same exporter on the same runtime: two would import the same pointers and

@@ -53,11 +53,11 @@ func RevokedMapped(imp *Importer) int {
 // MaxIdleOrderEvents is the bound OrderEvents keeps to once idle events are reaped.
 const MaxIdleOrderEvents = maxIdleOrderEvents
 
-// ReplicaPool is the pool the first replica copier of the Importer allocates from.
-func ReplicaPool(imp *Importer) cudart.MemPool {
-	imp.replicas.mu.Lock()
-	defer imp.replicas.mu.Unlock()
-	for _, c := range imp.replicas.copiers {
+// ReplicaPool is the pool the first local copy copier of the Importer allocates from.
+func LocalCopyPool(imp *Importer) cudart.MemPool {
+	imp.localCopies.mu.Lock()
+	defer imp.localCopies.mu.Unlock()
+	for _, c := range imp.localCopies.copiers {
 		return c.pool.Handle()
 	}
 	return 0

@@ -70,8 +70,8 @@ type Importer struct {
 	pushDone chan struct{}
 	// watch tells when the exporter's process is gone (liveness.go).
 	watch exporterWatch
-	// replicas copies buffers for WithReplica (replica.go).
-	replicas replicas
+	// local copies copies buffers for WithLocalCopy (local copy.go).
+	localCopies localCopies
 	// life ends when Close gives up on the exporter: sends that are the Importer's own
 	// business (releases of unused leases), not a caller's, are bounded by it.
 	life    context.Context
@@ -83,7 +83,7 @@ type importedPool struct {
 	// lost with the exporter (FACTS 14).
 	onPeer bool
 	// owner is the ordinal of the pool's device in this process, -1 if it does not
-	// see it: replicas are copied through it.
+	// see it: local copies are copied through it.
 	owner  int
 	handle cudart.MemPool
 	err    error // the import failed; leases on the pool fail with it
@@ -280,7 +280,7 @@ func (imp *Importer) destroyResources(gone bool) {
 		}
 		logErr("imported pool", err)
 	}
-	imp.closeReplicas()
+	imp.closeLocalCopies()
 	if imp.relStream != 0 {
 		logErr("release stream sync", rt.StreamSynchronize(dev, imp.relStream))
 	}
@@ -372,12 +372,12 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 	if err != nil || imp.closing.Load() {
 		return nil, imp.closedOr(fmt.Sprintf("open %q", name), err)
 	}
-	if !o.replica {
+	if !o.localCopy {
 		return m, nil
 	}
-	r, err := imp.replicate(ctx, m, s, o.replicaAlloc)
+	r, err := imp.copyLocally(ctx, m, s, o.localCopyAlloc)
 	if err != nil {
-		return nil, fmt.Errorf("consumer: open %q: replica: %w", name, err)
+		return nil, fmt.Errorf("consumer: open %q: local copy: %w", name, err)
 	}
 	return r, nil
 }

@@ -30,10 +30,10 @@ type Mapping struct {
 	owner int
 	// life ends when the Mapping must not be used any more (liveness.go).
 	life mappingLife
-	// replica is the memory of a Mapping made WithReplica, this process's own, from
-	// replicaFrom; nil for an import.
-	replica     *pool.Buffer
-	replicaFrom pool.Allocator
+	// local copy is the memory of a Mapping made WithLocalCopy, this process's own, from
+	// localCopyFrom; nil for an import.
+	localCopy     *pool.Buffer
+	localCopyFrom pool.Allocator
 	// Guarded by imp.mapMu.
 	refs   int
 	grants map[uint64]uint32 // lease id -> grants of it this mapping answers for
@@ -111,8 +111,8 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		imp.mapMu.Unlock()
 		return nil
 	}
-	if m.replica != nil {
-		err := imp.freeReplica(m, s)
+	if m.localCopy != nil {
+		err := imp.freeLocalCopy(m, s)
 		m.finishRelease(err == nil)
 		imp.mapMu.Unlock()
 		return err

@@ -24,10 +24,10 @@ type OpenOption func(*openOptions)
 
 type openOptions struct {
 	waitForName bool
-	// replica: copy the buffer into memory of the Importer's device, from replicaAlloc
+	// local copy: copy the buffer into memory of the Importer's device, from localCopyAlloc
 	// (nil: the device's default pool), and release the lease at once.
-	replica      bool
-	replicaAlloc pool.Allocator
+	localCopy      bool
+	localCopyAlloc pool.Allocator
 }
 
 func newOpenOptions(opts []OpenOption) openOptions {
@@ -76,7 +76,7 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 	return func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler }
 }
 
-// WithReplica makes Open copy the buffer into memory of the Importer's own device and
+// WithLocalCopy makes Open copy the buffer into memory of the Importer's own device and
 // release the lease as soon as the copy is queued: the Mapping then holds no lease
 // and its memory is this process's own, so it outlives its producer on any GPU. Use it
 // for consumers on another GPU than the producer's that read the buffer more than
@@ -84,24 +84,24 @@ func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOpti
 // would otherwise be lost with its producer (ErrMappingLost, FACTS 14).
 //
 // The copy runs on a stream of the exporter's device, never the consumer's (FACTS 14):
-// the Importer makes it at the first replica (and with it this process's CUDA context
+// the Importer makes it at the first local copy (and with it this process's CUDA context
 // on that device, if it had none) and keeps it. That stream waits for the work queued
-// on s before Open's return (the producer's writes, the replica's allocation), and s
-// waits for the copy: work queued on s after Open sees the replica filled, and the
+// on s before Open's return (the producer's writes, the local copy's allocation), and s
+// waits for the copy: work queued on s after Open sees the local copy filled, and the
 // import is freed after the copy. On the exporter's own device (or one this process
 // does not see: another host's, over FABRIC) the copy runs on s.
 //
-// The replica is taken from a; nil is a pool the Importer makes on its device, one per
-// exporter's device, which keeps the memory of released replicas for the next ones and
-// is destroyed with the last replica once the Importer is closed (pass an allocator to
-// bound that memory). The exporter's device writes the replica, so a's pool must grant
+// The local copy is taken from a; nil is a pool the Importer makes on its device, one per
+// exporter's device, which keeps the memory of released local copies for the next ones and
+// is destroyed with the last local copy once the Importer is closed (pass an allocator to
+// bound that memory). The exporter's device writes the local copy, so a's pool must grant
 // it read-write access (pool.WithPeerAccess): a pool.Pool that does not is refused with
 // an error wrapping pool.ErrNoPeerAccess, before anything is allocated; an allocator
 // that does not say its pool (no Handle method) fails the copy instead. Each Open with
-// WithReplica makes its own replica, and its Release frees it after the work queued on
+// WithLocalCopy makes its own local copy, and its Release frees it after the work queued on
 // s.
-func WithReplica(a pool.Allocator) OpenOption {
-	return func(o *openOptions) { o.replica, o.replicaAlloc = true, a }
+func WithLocalCopy(a pool.Allocator) OpenOption {
+	return func(o *openOptions) { o.localCopy, o.localCopyAlloc = true, a }
 }
 
 // WithLogger sets where events no call returns are logged: connections closed for

@@ -79,13 +79,13 @@ func TestPeerMappingRefusedOnceExporterGone(t *testing.T) {
 	peerSide.CheckClean(t)
 }
 
-// WithReplica makes a local copy on the Importer's device and gives the lease back at
+// WithLocalCopy makes a local copy on the Importer's device and gives the lease back at
 // once: the replica outlives its producer on any GPU, and reads the right bytes.
 func TestReplicaSurvivesProducerDeath(t *testing.T) {
 	k, path := startProducerChild(t, 92)
 	c := exporttest.NewConsumer(t, path, 1)
 	ctx := exporttest.Ctx(t)
-	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(nil))
+	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(nil))
 	require.NoError(t, err)
 	exporttest.KillProducer(t, k)
 	testwait.Recv(t, c.Imp.Done(), "the Importer to see its producer die")
@@ -102,7 +102,7 @@ func TestReplicaReturnsTheLeaseAtOnce(t *testing.T) {
 	b := pr.Publish(t, "a", 3<<20, 0x33)
 	c := exporttest.NewConsumer(t, pr.Path, 1)
 	ctx := exporttest.Ctx(t)
-	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(nil))
+	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(nil))
 	require.NoError(t, err)
 	assert.NotEqual(t, b.Ptr(), m.Ptr(), "a replica lives at an address of its own")
 	assert.Equal(t, uint64(3<<20), m.Size())

@@ -69,12 +69,12 @@ func TestGPUReplicaCost(t *testing.T) {
 		return func() error { return rt.MemcpyDtoDAsync(dev, dst.Ptr(), m.Ptr(), size, s) }
 	}
 	_, plainOpen := timed(open())
-	firstReplica, replicaOpen := timed(open(consumer.WithReplica(nil)))
+	firstReplica, replicaOpen := timed(open(consumer.WithLocalCopy(nil)))
 
 	m, err := imp.Open(ctx, "a", s)
 	require.NoError(t, err)
 	_, overNVLink := timed(read(m))
-	r, err := imp.Open(ctx, "a", s, consumer.WithReplica(nil))
+	r, err := imp.Open(ctx, "a", s, consumer.WithLocalCopy(nil))
 	require.NoError(t, err)
 	require.NoError(t, exporttest.Holds(rt, dev, r, fill, s), "the replica's bytes")
 	_, fromReplica := timed(read(r))
@@ -84,7 +84,7 @@ func TestGPUReplicaCost(t *testing.T) {
 	gbps := func(d time.Duration) float64 { return float64(size) / max(d, 1).Seconds() / 1e9 }
 	t.Logf("%d MiB, consumer on GPU 1, producer on GPU 0, best of %d:", size>>20, tries-1)
 	t.Logf("  Open + Release, plain:          %v", plainOpen)
-	t.Logf("  Open + Release, WithReplica:    %v (the copy through GPU 0 included: %.0f GB/s); the first: %v", replicaOpen, gbps(replicaOpen-plainOpen), firstReplica)
+	t.Logf("  Open + Release, WithLocalCopy:    %v (the copy through GPU 0 included: %.0f GB/s); the first: %v", replicaOpen, gbps(replicaOpen-plainOpen), firstReplica)
 	t.Logf("  one read of the mapping (NVLink): %v (%.0f GB/s)", overNVLink, gbps(overNVLink))
 	t.Logf("  one read of the replica (local):  %v (%.0f GB/s)", fromReplica, gbps(fromReplica))
 	require.NoError(t, imp.Close(ctx))

@@ -34,7 +34,7 @@ func TestReplicaMadeAsItsProducerDies(t *testing.T) {
 		ctx := exporttest.Ctx(t)
 		imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 		require.NoError(t, err)
-		m, err := imp.Open(ctx, "a", s.Stream, consumer.WithReplica(nil))
+		m, err := imp.Open(ctx, "a", s.Stream, consumer.WithLocalCopy(nil))
 		require.NoError(t, err, "a replica whose producer died as it was copied")
 		c := &exporttest.Consumer{Side: s, Imp: imp}
 		assert.True(t, exporttest.AllAre(c.Read(t, m), 94), "the replica holds the producer's bytes")
@@ -51,7 +51,7 @@ func TestReplicaMadeAsItsProducerDies(t *testing.T) {
 		// death, as a copy in flight did on the GPU host.
 		resume, err := c.Dev.Stall(1, c.Stream)
 		require.NoError(t, err)
-		m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(nil))
+		m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(nil))
 		if err != nil {
 			resume()
 		}
@@ -79,7 +79,7 @@ func TestReplicaCopyIsOrdered(t *testing.T) {
 			b := pr.Publish(t, "a", 1<<20, byte(i))
 			resume, err := c.Dev.Stall(dev, c.Stream)
 			require.NoError(t, err)
-			m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(nil))
+			m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(nil))
 			resume()
 			require.NoError(t, err)
 			assert.True(t, exporttest.AllAre(c.Read(t, m), byte(i)), "replica %d on device %d", i, dev)
@@ -107,7 +107,7 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 	private, err := pool.New(c.Dev, 1, pool.WithHandleType(cudart.HandleTypeNone))
 	require.NoError(t, err)
 	defer private.Close(ctx)
-	_, err = c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(private))
+	_, err = c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(private))
 	require.ErrorIs(t, err, pool.ErrNoPeerAccess)
 	assert.Contains(t, err.Error(), "pool.WithPeerAccess(0)")
 	require.Eventually(t, func() bool { return pr.ActiveLeases(t) == 0 }, exporttest.Promptly, time.Millisecond, "the lease was not given back")
@@ -117,7 +117,7 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 
 	// One that cannot be asked fails at the copy, which the driver refuses, and says why.
 	hidden := struct{ pool.Allocator }{private}
-	_, err = c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(hidden))
+	_, err = c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(hidden))
 	require.ErrorIs(t, err, cudart.ErrInvalidValue)
 	assert.Contains(t, err.Error(), "pool.WithPeerAccess(0)")
 	require.Eventually(t, func() bool { return pr.ActiveLeases(t) == 0 }, exporttest.Promptly, time.Millisecond, "the lease was not given back")
@@ -131,7 +131,7 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 	granted, err := pool.New(c.Dev, 1, pool.WithHandleType(cudart.HandleTypeNone), pool.WithPeerAccess(0))
 	require.NoError(t, err)
 	defer granted.Close(ctx)
-	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithReplica(granted))
+	m, err := c.Imp.Open(ctx, "a", c.Stream, consumer.WithLocalCopy(granted))
 	require.NoError(t, err)
 	assert.True(t, exporttest.AllAre(c.Read(t, m), 0x21))
 	require.NoError(t, m.Release(ctx, c.Stream))
@@ -180,7 +180,7 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheWait(t *testing.T) {
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
-	_, err = imp.Open(ctx, "a", s.Stream, consumer.WithReplica(nil))
+	_, err = imp.Open(ctx, "a", s.Stream, consumer.WithLocalCopy(nil))
 	require.ErrorIs(t, err, export.ErrExporterGone)
 	require.NoError(t, imp.Close(ctx))
 	assert.False(t, s.Dev.ContextLost())
@@ -199,7 +199,7 @@ func TestConcurrentReplicas(t *testing.T) {
 	ctx := exporttest.Ctx(t)
 	c.EachOnItsStream(t, n, func(i int, s cudart.Stream) error {
 		for range 5 {
-			m, err := c.Imp.Open(ctx, fmt.Sprint("b", i), s, consumer.WithReplica(nil))
+			m, err := c.Imp.Open(ctx, fmt.Sprint("b", i), s, consumer.WithLocalCopy(nil))
 			if err != nil {
 				return err
 			}
@@ -236,7 +236,7 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
-	_, err = imp.Open(ctx, "a", s.Stream, consumer.WithReplica(nil))
+	_, err = imp.Open(ctx, "a", s.Stream, consumer.WithLocalCopy(nil))
 	require.ErrorIs(t, err, export.ErrExporterGone)
 	assert.ErrorIs(t, err, cudart.ErrInvalidValue, "and what the driver said")
 	require.NoError(t, imp.Close(ctx))

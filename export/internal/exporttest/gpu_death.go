@@ -14,7 +14,7 @@ import (
 )
 
 // RolePeerConsumer: peer-consumer KIND SOCKET MODE FILL
-// It opens "a" on device 1 (MODE "replica" or "replica-kill": WithReplica), checks
+// It opens "a" on device 1 (MODE "replica" or "replica-kill": WithLocalCopy), checks
 // the bytes, says "opened", and on "check" (the producer is dead by then) reports,
 // line by line: for a replica whether it still reads FILL, for a plain mapping
 // whether its Context ended with ErrMappingLost; then whether fresh work on devices 1
@@ -46,7 +46,7 @@ func RolePeerConsumer(args []string) int {
 	}
 	var opts []consumer.OpenOption
 	if args[2] != "plain" {
-		opts = append(opts, consumer.WithReplica(nil))
+		opts = append(opts, consumer.WithLocalCopy(nil))
 	}
 	m, err := imp.Open(ctx, "a", s, opts...)
 	if err != nil {
@@ -125,7 +125,7 @@ func ReplicateThroughKill(ctx context.Context, rt cudart.Runtime, imp *consumer.
 	for openErr == nil && time.Now().Before(deadline) {
 		var batch []*consumer.Mapping
 		for range 4 {
-			r, err := imp.Open(ctx, "a", s, consumer.WithReplica(nil))
+			r, err := imp.Open(ctx, "a", s, consumer.WithLocalCopy(nil))
 			if err != nil {
 				openErr = err
 				break

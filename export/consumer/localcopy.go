@@ -12,17 +12,17 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// replicas is what an Importer keeps for WithReplica, made at the first replica: a
-// copier per device whose memory it copies, and the count of replicas not yet freed,
+// local copies is what an Importer keeps for WithLocalCopy, made at the first local copy: a
+// copier per device whose memory it copies, and the count of local copies not yet freed,
 // so that the pools it made outlive the Importer until the last one is released.
-type replicas struct {
+type localCopies struct {
 	mu      sync.Mutex
 	copiers map[int]*copier // by owner device
-	live    int             // replicas not yet freed
-	closed  bool            // the Importer closed: the pools go with the last replica
+	live    int             // local copies not yet freed
+	closed  bool            // the Importer closed: the pools go with the last local copy
 }
 
-// copier copies memory of one owner device into replicas on the Importer's device.
+// copier copies memory of one owner device into local copies on the Importer's device.
 type copier struct {
 	owner int // the owner device's ordinal here; -1 if this process does not see it
 	// stream is a stream of the owner device, and copied an event of it recorded
@@ -30,7 +30,7 @@ type copier struct {
 	// runs on the caller's stream: the owner is the Importer's device (or unseen).
 	stream cudart.Stream
 	copied cudart.Event
-	// pool is where WithReplica(nil) takes replicas from: this Importer's, on its
+	// pool is where WithLocalCopy(nil) takes local copies from: this Importer's, on its
 	// device, granting the owner device access, so that no user's pool changes.
 	pool *pool.Pool
 }
@@ -39,47 +39,47 @@ type copier struct {
 // the caller's.
 func (c *copier) onOwner() bool { return c.stream != 0 }
 
-// replicate turns src, a Mapping just opened (s waits for the producer's writes
-// already), into a replica: memory of the Importer's device from a (nil: the
+// copyLocally turns src, a Mapping just opened (s waits for the producer's writes
+// already), into a local copy: memory of the Importer's device from a (nil: the
 // copier's pool), filled from src through the owner device, and src released after
-// the copy. The replica holds no lease, and outlives its producer on any GPU.
-func (imp *Importer) replicate(ctx context.Context, src *Mapping, s cudart.Stream, a pool.Allocator) (*Mapping, error) {
+// the copy. The local copy holds no lease, and outlives its producer on any GPU.
+func (imp *Importer) copyLocally(ctx context.Context, src *Mapping, s cudart.Stream, a pool.Allocator) (*Mapping, error) {
 	c, err := imp.claimCopier(src.owner)
 	if err != nil {
 		return nil, errors.Join(err, src.Release(ctx, s))
 	}
 	b, from, err := imp.fill(ctx, c, src, s, a)
 	if err != nil {
-		imp.dropReplica()
+		imp.dropLocalCopy()
 		return nil, errors.Join(err, src.Release(ctx, s))
 	}
 	// s is ordered after the copy, and Release frees the import after s.
 	if err := src.Release(ctx, s); err != nil {
 		err = errors.Join(err, from.Free(b, s))
-		imp.dropReplica()
+		imp.dropLocalCopy()
 		return nil, err
 	}
-	r := &Mapping{imp: imp, ptr: b.Ptr(), size: src.size, name: src.name, meta: src.meta, replica: b, replicaFrom: from, refs: 1}
+	r := &Mapping{imp: imp, ptr: b.Ptr(), size: src.size, name: src.name, meta: src.meta, localCopy: b, localCopyFrom: from, refs: 1}
 	return r, nil
 }
 
-// fill allocates the replica on s and copies src into it through c, ordered after the
+// fill allocates the local copy on s and copies src into it through c, ordered after the
 // work queued on s so far and before the work queued on s after it returns.
 func (imp *Importer) fill(ctx context.Context, c *copier, src *Mapping, s cudart.Stream, a pool.Allocator) (*pool.Buffer, pool.Allocator, error) {
 	if a == nil {
 		a = c.pool
-	} else if err := imp.checkReplicaAllocator(a, c); err != nil {
+	} else if err := imp.checkLocalCopyAllocator(a, c); err != nil {
 		return nil, nil, err
 	}
 	b, err := a.Alloc(ctx, src.size, s)
 	if err != nil {
-		return nil, nil, fmt.Errorf("allocate the replica: %w", err)
+		return nil, nil, fmt.Errorf("allocate the local copy: %w", err)
 	}
 	if err := imp.copyThrough(c, b.Ptr(), src.ptr, src.size, s); err != nil {
 		if c.onOwner() && errors.Is(err, cudart.ErrInvalidValue) {
-			err = fmt.Errorf("through device %d, the exporter's (the replica's allocator must let it write: pool.WithPeerAccess(%d)): %w", c.owner, c.owner, err)
+			err = fmt.Errorf("through device %d, the exporter's (the local copy's allocator must let it write: pool.WithPeerAccess(%d)): %w", c.owner, c.owner, err)
 		}
-		return nil, nil, errors.Join(fmt.Errorf("copy into the replica: %w", err), a.Free(b, s))
+		return nil, nil, errors.Join(fmt.Errorf("copy into the local copy: %w", err), a.Free(b, s))
 	}
 	return b, a, nil
 }
@@ -92,14 +92,14 @@ func (imp *Importer) copyThrough(c *copier, dst, src cudart.DevicePtr, n uint64,
 	if !c.onOwner() {
 		return rt.MemcpyDtoDAsync(imp.dev, dst, src, n, s)
 	}
-	rs := &imp.replicas
+	rs := &imp.localCopies
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
 		return export.ErrClosed
 	}
 	// The owner's stream waits for s: the producer's writes (Open's wait), the
-	// replica's allocation and whatever used its memory before. The event is this
+	// local copy's allocation and whatever used its memory before. The event is this
 	// copy's own: one event recorded on several callers' streams could be reached
 	// by a later record on another stream before this one has run.
 	queued, err := rt.EventCreate(imp.dev, cudart.EventDisableTiming)
@@ -121,18 +121,18 @@ func (imp *Importer) copyThrough(c *copier, dst, src cudart.DevicePtr, n uint64,
 		err = rt.StreamWaitEvent(imp.dev, s, c.copied)
 	}
 	if err != nil {
-		// s is not ordered after the copy, and the replica and the import are freed
+		// s is not ordered after the copy, and the local copy and the import are freed
 		// after s: wait for the copy here.
 		return errors.Join(err, rt.StreamSynchronize(c.owner, c.stream))
 	}
 	return nil
 }
 
-// claimCopier returns the copier of owner, made on first use, and counts one replica
-// more, which dropReplica (or freeReplica) takes back: the copiers' pools stay open
+// claimCopier returns the copier of owner, made on first use, and counts one local copy
+// more, which dropLocalCopy (or freeLocalCopy) takes back: the copiers' pools stay open
 // while any is counted.
 func (imp *Importer) claimCopier(owner int) (*copier, error) {
-	rs := &imp.replicas
+	rs := &imp.localCopies
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
@@ -154,7 +154,7 @@ func (imp *Importer) claimCopier(owner int) (*copier, error) {
 }
 
 // newCopier makes a copier of owner; on failure it leaves nothing behind. Call with
-// replicas.mu held.
+// local copies.mu held.
 func (imp *Importer) newCopier(owner int) (_ *copier, err error) {
 	rt := imp.rt
 	c := &copier{owner: owner}
@@ -163,35 +163,35 @@ func (imp *Importer) newCopier(owner int) (_ *copier, err error) {
 			imp.stopCopies(c)
 		}
 	}()
-	// The pool keeps the memory of released replicas for the next ones: given back at
-	// each synchronisation, every replica maps its memory afresh (256 MiB on the GPU
-	// host, 2026-11-30: a replica took 2.0 ms, a read of the buffer over NVLink
-	// 0.69 ms). The memory goes with the pool, after the Importer and its replicas.
+	// The pool keeps the memory of released local copies for the next ones: given back at
+	// each synchronisation, every local copy maps its memory afresh (256 MiB on the GPU
+	// host, 2026-11-30: a local copy took 2.0 ms, a read of the buffer over NVLink
+	// 0.69 ms). The memory goes with the pool, after the Importer and its local copies.
 	opts := []pool.Option{
 		pool.WithHandleType(cudart.HandleTypeNone), pool.WithReleaseThreshold(math.MaxUint64),
-		pool.WithName(fmt.Sprintf("export replicas of device %d", owner)),
+		pool.WithName(fmt.Sprintf("export local copies of device %d", owner)),
 	}
 	if owner >= 0 && owner != imp.dev {
 		opts = append(opts, pool.WithPeerAccess(owner))
 		if c.stream, err = rt.StreamCreate(owner, cudart.StreamNonBlocking); err != nil {
-			return nil, fmt.Errorf("a stream of device %d, the exporter's, for replica copies: %w", owner, err)
+			return nil, fmt.Errorf("a stream of device %d, the exporter's, for local copy copies: %w", owner, err)
 		}
 		if c.copied, err = rt.EventCreate(owner, cudart.EventDisableTiming); err != nil {
-			return nil, fmt.Errorf("the replica copies' event on device %d: %w", owner, err)
+			return nil, fmt.Errorf("the local copy copies' event on device %d: %w", owner, err)
 		}
 	}
 	if c.pool, err = pool.New(rt, imp.dev, opts...); err != nil {
-		return nil, fmt.Errorf("the replicas' pool: %w", err)
+		return nil, fmt.Errorf("the local copies' pool: %w", err)
 	}
 	return c, nil
 }
 
-// checkReplicaAllocator refuses an allocator of another device, or one whose pool does
+// checkLocalCopyAllocator refuses an allocator of another device, or one whose pool does
 // not let the owner device write it (the copy runs there). An allocator that does not
 // say its pool (no Handle method) is taken at its word: the copy fails if it lied.
-func (imp *Importer) checkReplicaAllocator(a pool.Allocator, c *copier) error {
+func (imp *Importer) checkLocalCopyAllocator(a pool.Allocator, c *copier) error {
 	if a.Device() != imp.dev {
-		return fmt.Errorf("the replica's allocator is on device %d, the Importer on %d", a.Device(), imp.dev)
+		return fmt.Errorf("the local copy's allocator is on device %d, the Importer on %d", a.Device(), imp.dev)
 	}
 	h, ok := a.(interface{ Handle() cudart.MemPool })
 	if !c.onOwner() || !ok {
@@ -199,40 +199,40 @@ func (imp *Importer) checkReplicaAllocator(a pool.Allocator, c *copier) error {
 	}
 	flags, err := imp.rt.MemPoolGetAccess(imp.dev, h.Handle(), cudart.DeviceLocation(c.owner))
 	if err != nil {
-		return fmt.Errorf("ask whether device %d may write the replica's pool: %w", c.owner, err)
+		return fmt.Errorf("ask whether device %d may write the local copy's pool: %w", c.owner, err)
 	}
 	if flags != cudart.AccessReadWrite {
-		return fmt.Errorf("%w: the replica is copied through device %d, the exporter's, which its pool does not let write it: make the pool with pool.WithPeerAccess(%d)",
+		return fmt.Errorf("%w: the local copy is copied through device %d, the exporter's, which its pool does not let write it: make the pool with pool.WithPeerAccess(%d)",
 			pool.ErrNoPeerAccess, c.owner, c.owner)
 	}
 	return nil
 }
 
-// freeReplica frees m's replica after the work queued on s. Call with mapMu held.
-func (imp *Importer) freeReplica(m *Mapping, s cudart.Stream) error {
-	if err := m.replicaFrom.Free(m.replica, s); err != nil {
-		return fmt.Errorf("consumer: release %q: free the replica: %w", m.name, err)
+// freeLocalCopy frees m's local copy after the work queued on s. Call with mapMu held.
+func (imp *Importer) freeLocalCopy(m *Mapping, s cudart.Stream) error {
+	if err := m.localCopyFrom.Free(m.localCopy, s); err != nil {
+		return fmt.Errorf("consumer: release %q: free the local copy: %w", m.name, err)
 	}
-	imp.dropReplica()
+	imp.dropLocalCopy()
 	return nil
 }
 
-// dropReplica counts one replica less; the last of a closed Importer closes the
+// dropLocalCopy counts one local copy less; the last of a closed Importer closes the
 // copiers' pools.
-func (imp *Importer) dropReplica() {
-	rs := &imp.replicas
+func (imp *Importer) dropLocalCopy() {
+	rs := &imp.localCopies
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.live--; rs.live == 0 && rs.closed {
-		imp.closeReplicaPools()
+		imp.closeLocalCopyPools()
 	}
 }
 
-// closeReplicas destroys the copiers' streams and events once their copies are done,
-// and their pools now if no replica is left (else with the last one). Errors are
+// closeLocalCopies destroys the copiers' streams and events once their copies are done,
+// and their pools now if no local copy is left (else with the last one). Errors are
 // logged: they leave nothing the caller could act on.
-func (imp *Importer) closeReplicas() {
-	rs := &imp.replicas
+func (imp *Importer) closeLocalCopies() {
+	rs := &imp.localCopies
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
@@ -243,39 +243,39 @@ func (imp *Importer) closeReplicas() {
 		imp.stopCopies(c)
 	}
 	if rs.live == 0 {
-		imp.closeReplicaPools()
+		imp.closeLocalCopyPools()
 	}
 }
 
 // stopCopies destroys c's stream and event once its copies are done. Call with
-// replicas.mu held.
+// local copies.mu held.
 func (imp *Importer) stopCopies(c *copier) {
 	rt := imp.rt
 	if c.stream != 0 {
-		imp.logCleanup("replica copies' stream sync", rt.StreamSynchronize(c.owner, c.stream))
+		imp.logCleanup("local copy copies' stream sync", rt.StreamSynchronize(c.owner, c.stream))
 	}
 	if c.copied != 0 {
-		imp.logCleanup("replica copies' event", rt.EventDestroy(c.owner, c.copied))
+		imp.logCleanup("local copy copies' event", rt.EventDestroy(c.owner, c.copied))
 	}
 	if c.stream != 0 {
-		imp.logCleanup("replica copies' stream", rt.StreamDestroy(c.owner, c.stream))
+		imp.logCleanup("local copy copies' stream", rt.StreamDestroy(c.owner, c.stream))
 	}
 	c.stream, c.copied = 0, 0
 }
 
-// closeReplicaPools closes the copiers' pools, which hold no replica any more. Call
-// with replicas.mu held.
-func (imp *Importer) closeReplicaPools() {
-	for _, c := range imp.replicas.copiers {
+// closeLocalCopyPools closes the copiers' pools, which hold no local copy any more. Call
+// with local copies.mu held.
+func (imp *Importer) closeLocalCopyPools() {
+	for _, c := range imp.localCopies.copiers {
 		imp.closePool(c)
 	}
-	imp.replicas.copiers = nil
+	imp.localCopies.copiers = nil
 }
 
 func (imp *Importer) closePool(c *copier) {
 	if c.pool != nil {
 		_, err := c.pool.Close(context.Background())
-		imp.logCleanup("replicas' pool", err)
+		imp.logCleanup("local copies' pool", err)
 		c.pool = nil
 	}
 }
