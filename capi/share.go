@@ -265,7 +265,7 @@ func cpgo_exporter_publish_all(h C.uint64_t, entries *C.cudapool_publish_entry, 
 		}
 		es[i] = producer.Entry{Name: name, Buffer: b, Options: opts}
 	}
-	return result(ex.PublishAll(context.Background(), cudart.Stream(s), es...))
+	return result(ex.PublishAll(context.Background(), es, cudart.Stream(s)))
 }
 
 //export cpgo_exporter_unpublish

@@ -272,7 +272,7 @@ func TestFullPoolTrimsTheCache(t *testing.T) {
 func TestWaitingAllocTrimsTheCache(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	p := mustNew(t, d, WithMaxSize(4*mib), WithCache(4*mib), WithWaitForMemory())
+	p := mustNew(t, d, WithMaxSize(4*mib), WithCache(4*mib), WaitForMemory())
 	a, b := mustAlloc(t, p, 2*mib, e.stream), mustAlloc(t, p, 2*mib, e.stream)
 	other := newStream(t, d)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -177,7 +177,7 @@ func TestFullPool(t *testing.T) {
 
 func TestWaitingAllocGetsFreedMemory(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WaitForMemory())
 		bufs := fill(t, p, e.stream)
 		got := make(chan error, 1)
 		go func() {
@@ -214,7 +214,7 @@ func fill(t testing.TB, p *Pool, s cudart.Stream) []*Buffer {
 
 func TestWaitingAllocCancelled(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WaitForMemory())
 		bufs := fill(t, p, e.stream)
 		ctx, cancel := context.WithCancel(context.Background())
 		got := make(chan error, 1)
@@ -236,7 +236,7 @@ func TestWaitingAllocCancelled(t *testing.T) {
 
 func TestWaitingAllocEndsAtClose(t *testing.T) {
 	d := softDevice(t)
-	p := mustNew(t, d, WithMaxSize(4*mib), WithWaitForMemory())
+	p := mustNew(t, d, WithMaxSize(4*mib), WaitForMemory())
 	fill(t, p, 0) // Close(Force) releases them
 	got := make(chan error, 1)
 	go func() {
@@ -250,7 +250,7 @@ func TestWaitingAllocEndsAtClose(t *testing.T) {
 }
 
 // A request that can never fit (larger than the pool's max size, or than the device's
-// memory) fails at once, also with WithWaitForMemory: no Free could ever end the wait.
+// memory) fails at once, also with WaitForMemory: no Free could ever end the wait.
 func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
 	d := softDevice(t, cudarttest.WithMemory(64*mib))
 	for _, c := range []struct {
@@ -266,7 +266,7 @@ func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
 			for _, wait := range []bool{false, true} {
 				opts := c.opts
 				if wait {
-					opts = append(opts[:len(opts):len(opts)], WithWaitForMemory())
+					opts = append(opts[:len(opts):len(opts)], WaitForMemory())
 				}
 				p := mustNew(t, d, opts...)
 				got := make(chan error, 1)

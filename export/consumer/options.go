@@ -72,7 +72,7 @@ func WaitForExporter() DialOption {
 // which it owns and must Release. Handlers run one at a time, in arrival order, on a
 // goroutine of their own, so they may call Open. Without WithPushes, pushed leases are
 // handed back at once.
-func WithPushes(s cudart.Stream, handler func(name string, m *Mapping)) DialOption {
+func WithPushes(handler func(name string, m *Mapping), s cudart.Stream) DialOption {
 	return func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler }
 }
 

@@ -197,13 +197,13 @@ func TestPublishAll(t *testing.T) {
 	entry := func(name string, i int) producer.Entry {
 		return producer.Entry{Name: name, Buffer: b, Options: []producer.PublishOption{producer.Range(uint64(i)*4096, 4096), producer.WithMeta([]byte{byte(i)})}}
 	}
-	err = pr.Ex.PublishAll(ctx, pr.Stream, entry("p0", 0), entry("p1", 1), entry("p0", 2))
+	err = pr.Ex.PublishAll(ctx, []producer.Entry{entry("p0", 0), entry("p1", 1), entry("p0", 2)}, pr.Stream)
 	require.ErrorIs(t, err, producer.ErrNameInUse)
 	_, err = rp.C.Imp.Open(ctx, "p1", rp.C.Stream)
 	require.ErrorIs(t, err, export.ErrUnknownName, "a refused batch published a name")
-	require.ErrorIs(t, pr.Ex.PublishAll(ctx, pr.Stream, entry("q0", 0), producer.Entry{Name: "q1"}), export.ErrBadRequest, "an entry without a buffer")
+	require.ErrorIs(t, pr.Ex.PublishAll(ctx, []producer.Entry{entry("q0", 0), producer.Entry{Name: "q1"}}, pr.Stream), export.ErrBadRequest, "an entry without a buffer")
 
-	require.NoError(t, pr.Ex.PublishAll(ctx, pr.Stream, entry("p0", 0), entry("p1", 1), entry("p2", 2)))
+	require.NoError(t, pr.Ex.PublishAll(ctx, []producer.Entry{entry("p0", 0), entry("p1", 1), entry("p2", 2)}, pr.Stream))
 	ms, err := rp.C.Imp.OpenAll(ctx, []string{"p0", "p1", "p2"}, rp.C.Stream)
 	require.NoError(t, err)
 	for i, m := range ms {
@@ -260,7 +260,7 @@ func TestOpenAllOfLongNames(t *testing.T) {
 		names[i] = fmt.Sprintf("%064x", i)
 		entries[i] = producer.Entry{Name: names[i], Buffer: b, Options: []producer.PublishOption{producer.Range(uint64(i)*block, block)}}
 	}
-	require.NoError(t, rp.Pr.Ex.PublishAll(ctx, rp.Pr.Stream, entries...))
+	require.NoError(t, rp.Pr.Ex.PublishAll(ctx, entries, rp.Pr.Stream))
 	ms, err := rp.C.Imp.OpenAll(ctx, names, rp.C.Stream)
 	require.NoError(t, err, "OpenAll of %d names of 64 bytes", export.MaxBatch)
 	require.Len(t, ms, export.MaxBatch)

@@ -80,14 +80,14 @@ func TestPushAllSendsToEveryPeerAtOnce(t *testing.T) {
 		s := exporttest.NewSide(t, 0)
 		// The handler runs on the importer's goroutine: it reports to the test's
 		// goroutine, which fails the test, and never fails it itself.
-		imp, err := consumer.Dial(ctx, pr.Path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(s.Stream, func(name string, m *consumer.Mapping) {
+		imp, err := consumer.Dial(ctx, pr.Path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(func(name string, m *consumer.Mapping) {
 			b := make([]byte, m.Size())
 			err := s.Dev.MemcpyDtoHAsync(s.Ord, b, m.Ptr(), s.Stream)
 			if err == nil && (name != "p" || !exporttest.AllAre(b, 0x31)) {
 				err = fmt.Errorf("pushed mapping %q reads wrong bytes", name)
 			}
 			got <- errors.Join(err, m.Release(ctx, s.Stream))
-		}))
+		}, s.Stream))
 		require.NoError(t, err)
 		t.Cleanup(func() { imp.Close(context.Background()) })
 	}

@@ -50,10 +50,10 @@ func TestPushHandsBufferToHandler(t *testing.T) {
 	pr.Publish(t, "p", 1<<20, 0x11)
 	got := make(chan *consumer.Mapping, 1)
 	s := exporttest.NewSide(t, 0)
-	imp, err := consumer.Dial(exporttest.Ctx(t), pr.Path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(s.Stream, func(name string, m *consumer.Mapping) {
+	imp, err := consumer.Dial(exporttest.Ctx(t), pr.Path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(func(name string, m *consumer.Mapping) {
 		assert.EqualValues(t, "p", name, "pushed name %q", name)
 		got <- m
-	}))
+	}, s.Stream))
 	require.NoError(t, err)
 	defer imp.Close(context.Background())
 	ctx := exporttest.Ctx(t)

@@ -25,7 +25,7 @@ func TestOptionsBelongToTheirSides(t *testing.T) {
 		{"WithAnnounce", producer.WithAnnounce("/x"), true, false, false},
 		{"WithoutAnnounce", producer.WithoutAnnounce(), true, false, false},
 		{"WithName", producer.WithName("x"), true, false, false},
-		{"WithPushes", consumer.WithPushes(0, nil), false, true, false},
+		{"WithPushes", consumer.WithPushes(nil, 0), false, true, false},
 		{"WithLogger", producer.WithLogger(nil), true, false, false},
 		{"consumer.WithLogger", consumer.WithLogger(nil), false, true, false},
 		{"discover.WithLogger", discover.WithLogger(nil), false, false, true},

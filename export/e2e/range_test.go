@@ -18,7 +18,7 @@ func TestPushedRangeCarriesItsMetadata(t *testing.T) {
 	require.NoError(t, pr.Ex.Publish(ctx, "block", b, pr.Stream, producer.Range(4096, 512), producer.WithMeta([]byte(`{"block":1}`))))
 	got := make(chan *consumer.Mapping, 1)
 	d := exporttest.NewSide(t, 0)
-	imp, err := consumer.Dial(ctx, pr.Path, d.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(d.Stream, func(name string, m *consumer.Mapping) { got <- m }))
+	imp, err := consumer.Dial(ctx, pr.Path, d.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger), consumer.WithPushes(func(name string, m *consumer.Mapping) { got <- m }, d.Stream))
 	require.NoError(t, err)
 	t.Cleanup(func() { imp.Close(ctx) })
 	require.NoError(t, pr.Ex.Push(ctx, "block", os.Getpid()))

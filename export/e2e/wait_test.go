@@ -135,7 +135,7 @@ func TestOpenRefusesStreamOfAnotherDevice(t *testing.T) {
 	assert.ErrorContains(t, err, "is on device 1, the Importer on device 0")
 	assert.Zero(t, pr.ActiveLeases(t), "a refused Open took a lease")
 
-	_, err = consumer.Dial(exporttest.Ctx(t), pr.Path, c.Dev, 0, consumer.WithPushes(other, func(string, *consumer.Mapping) {}))
+	_, err = consumer.Dial(exporttest.Ctx(t), pr.Path, c.Dev, 0, consumer.WithPushes(func(string, *consumer.Mapping) {}, other))
 	require.ErrorIs(t, err, consumer.ErrStreamDevice)
 	require.NoError(t, c.Dev.StreamDestroy(1, other))
 	c.CheckClean(t)

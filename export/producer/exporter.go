@@ -209,8 +209,8 @@ func (ex *Exporter) greet(nc net.Conn) {
 	}()
 }
 
-// Publish makes b available under name, ready once the work queued on stream after
-// before the call (the producer's writes) has completed: consumers' streams wait for
+// Publish makes b available under name, ready once the work queued on s before the
+// call (the producer's writes) has completed: consumers' streams wait for
 // that, the host does not. It exports b's pool and b now, so that Open is quick and a
 // failure shows here: a FABRIC pool on a host without IMEX fails with export.ErrIMEXRequired.
 // A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
@@ -219,8 +219,8 @@ func (ex *Exporter) greet(nc net.Conn) {
 // hold it released it, and its names are free for Publish at once. Range publishes part of b, WithMeta sends metadata with it;
 // an empty range or one past b's end fails with export.ErrBadRange, metadata longer than
 // export.MaxMetaLen with ErrMetaTooLong.
-func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, after cudart.Stream, opts ...PublishOption) error {
-	return ex.PublishAll(ctx, after, Entry{Name: name, Buffer: b, Options: opts})
+func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, s cudart.Stream, opts ...PublishOption) error {
+	return ex.PublishAll(ctx, []Entry{{Name: name, Buffer: b, Options: opts}}, s)
 }
 
 // Entry is one name for PublishAll: what Publish takes besides the stream.
@@ -230,11 +230,11 @@ type Entry struct {
 	Options []PublishOption
 }
 
-// PublishAll is Publish of every entry at once, each ready once the work queued on
-// after before the call has completed: the ready event is recorded once for all of
+// PublishAll is Publish of every entry at once, each ready once the work queued on s
+// before the call has completed: the ready event is recorded once for all of
 // them. The buffers must be on one device. It publishes all the entries or, with the
 // error of the first that fails, none.
-func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries ...Entry) error {
+func (ex *Exporter) PublishAll(ctx context.Context, entries []Entry, s cudart.Stream) error {
 	if len(entries) == 0 {
 		return nil
 	}
@@ -263,7 +263,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries
 			return fmt.Errorf("producer: publish %q: %w", pub.name, fabricErr(pub.buf.Pool(), err))
 		}
 	}
-	re, err := ex.readyFor(pubs[0].buf.Device(), after)
+	re, err := ex.readyFor(pubs[0].buf.Device(), s)
 	if err != nil {
 		return fmt.Errorf("producer: publish %q: %w", pubs[0].name, err)
 	}
@@ -281,7 +281,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries
 	}
 	// Recorded under mu so that no Open can see the publications before their writes
 	// are captured.
-	if err := ex.rt.EventRecord(re.dev, re.ev, after); err != nil {
+	if err := ex.rt.EventRecord(re.dev, re.ev, s); err != nil {
 		return fmt.Errorf("producer: publish %q: record ready event: %w", pubs[0].name, err)
 	}
 	for _, pub := range pubs {

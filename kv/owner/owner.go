@@ -280,7 +280,7 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
 	}
-	if err = o.ex.PublishAll(ctx, s.stream, entries...); err != nil {
+	if err = o.ex.PublishAll(ctx, entries, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
 	}
 	return s, nil

@@ -188,7 +188,7 @@ func RoleProducer(args []string) int {
 				size := b.Size() / n
 				entries[i] = producer.Entry{Name: fmt.Sprintf("%s-%d", f[1], i), Buffer: b, Options: []producer.PublishOption{producer.Range(uint64(i)*size, size)}}
 			}
-			if err := ex.PublishAll(ctx, stream, entries...); err != nil {
+			if err := ex.PublishAll(ctx, entries, stream); err != nil {
 				return fail(err)
 			}
 			fmt.Println("ranged")
