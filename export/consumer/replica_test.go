@@ -2,8 +2,6 @@ package consumer_test
 
 import (
 	"math"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -15,36 +13,6 @@ import (
 	"github.com/cudapool/cudapool/internal/intercept"
 )
 
-// countPools counts the pools and streams rt creates and has not destroyed.
-func countPools(rt *intercept.Runtime) (pools func() int, streams *atomic.Int32) {
-	var mu sync.Mutex
-	created := map[cudart.MemPool]bool{}
-	streams = new(atomic.Int32)
-	rt.After("MemPoolCreate", func(c *intercept.Call) {
-		if c.Err == nil {
-			mu.Lock()
-			created[c.Results[0].(cudart.MemPool)] = true
-			mu.Unlock()
-		}
-	})
-	rt.Before("MemPoolDestroy", func(c *intercept.Call) {
-		mu.Lock()
-		delete(created, c.Args[1].(cudart.MemPool))
-		mu.Unlock()
-	})
-	rt.After("StreamCreate", func(c *intercept.Call) {
-		if c.Err == nil {
-			streams.Add(1)
-		}
-	})
-	rt.Before("StreamDestroy", func(*intercept.Call) { streams.Add(-1) })
-	return func() int {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(created)
-	}, streams
-}
-
 // Replicas outlive their Importer: the pool they come from is the Importer's, and is
 // destroyed with the last of them, whichever comes last.
 func TestReplicasOutliveTheirImporter(t *testing.T) {
@@ -52,7 +20,8 @@ func TestReplicasOutliveTheirImporter(t *testing.T) {
 	pr.Publish(t, "a", 1<<20, 0x42)
 	s := exporttest.NewSide(t, 1)
 	rt := intercept.Wrap(s.Dev)
-	pools, streams := countPools(rt)
+	pools := intercept.TrackLive[cudart.MemPool](rt, "MemPoolCreate", "MemPoolDestroy")
+	streams := intercept.TrackLive[cudart.Stream](rt, "StreamCreate", "StreamDestroy")
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, pr.Path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
@@ -62,7 +31,7 @@ func TestReplicasOutliveTheirImporter(t *testing.T) {
 	m2, err := imp.Open(ctx, "a", s.Stream, consumer.WithLocalCopy(nil))
 	require.NoError(t, err)
 	assert.NotEqual(t, m1.Ptr(), m2.Ptr(), "each Open makes its own replica")
-	assert.EqualValues(t, 1, pools(), "one pool for the replicas of one exporter's device")
+	assert.EqualValues(t, 1, pools.Len(), "one pool for the replicas of one exporter's device")
 	replicaPool := consumer.LocalCopyPool(imp)
 	keep, err := s.Dev.MemPoolGetAttribute(1, replicaPool, cudart.PoolReleaseThreshold)
 	require.NoError(t, err)
@@ -70,11 +39,11 @@ func TestReplicasOutliveTheirImporter(t *testing.T) {
 
 	require.NoError(t, m1.Release(ctx, s.Stream))
 	require.NoError(t, imp.Close(ctx))
-	assert.EqualValues(t, 1, pools(), "the pool went before its last replica")
-	assert.Zero(t, streams.Load(), "the Importer's streams outlived it")
+	assert.EqualValues(t, 1, pools.Len(), "the pool went before its last replica")
+	assert.Zero(t, streams.Len(), "the Importer's streams outlived it")
 	assert.True(t, exporttest.AllAre(c.Read(t, m2), 0x42), "a replica reads right after its Importer closed")
 	require.NoError(t, m2.Release(ctx, s.Stream))
-	assert.Zero(t, pools(), "the replicas' pool outlived the last replica")
+	assert.Zero(t, pools.Len(), "the replicas' pool outlived the last replica")
 	require.NoError(t, s.Dev.Synchronize())
 	s.CheckClean(t)
 }

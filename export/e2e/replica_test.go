@@ -142,20 +142,8 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 // kills the producer as a stream is made to wait on one: the producer dies in the one
 // window Open cannot close, between its last look at the process and the wait.
 func killAtReadyWait(rt *intercept.Runtime, kill func()) {
-	var mu sync.Mutex
-	ready := map[cudart.Event]bool{}
-	isReady := func(c *intercept.Call) bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return ready[c.Args[len(c.Args)-1].(cudart.Event)]
-	}
-	rt.After("IpcOpenEventHandle", func(c *intercept.Call) {
-		if c.Err == nil {
-			mu.Lock()
-			ready[c.Results[0].(cudart.Event)] = true
-			mu.Unlock()
-		}
-	})
+	ready := intercept.TrackLive[cudart.Event](rt, "IpcOpenEventHandle", "")
+	isReady := func(c *intercept.Call) bool { return ready.Has(c.Args[len(c.Args)-1].(cudart.Event)) }
 	rt.Before("EventQuery", func(c *intercept.Call) {
 		if isReady(c) {
 			c.Answer(false)

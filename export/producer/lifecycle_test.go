@@ -4,7 +4,6 @@ import (
 	"context"
 	"io"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -100,36 +99,13 @@ func TestCloseCutsSilentPeers(t *testing.T) {
 	require.ErrorIs(t, pr.Ex.Publish(exporttest.Ctx(t), "late", b, pr.Stream), export.ErrClosed, "Publish after Close, want export.ErrClosed")
 }
 
-// trackEvents tracks the IPC events rt opens from handles and has not destroyed.
-func trackEvents(rt *intercept.Runtime) (stillOpen func() int) {
-	var mu sync.Mutex
-	open := map[cudart.Event]bool{}
-	rt.After("IpcOpenEventHandle", func(c *intercept.Call) {
-		if c.Err == nil {
-			mu.Lock()
-			open[c.Results[0].(cudart.Event)] = true
-			mu.Unlock()
-		}
-	})
-	rt.Before("EventDestroy", func(c *intercept.Call) {
-		mu.Lock()
-		delete(open, c.Args[1].(cudart.Event))
-		mu.Unlock()
-	})
-	return func() int {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(open)
-	}
-}
-
 // A grant that reaches a peer after it left (PushAll picked it, then it hung up)
 // fails, and opens nothing on its behalf that no one would destroy.
 func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
-	var stillOpen func() int
+	var opened *intercept.Live[cudart.Event] // the IPC events opened and not destroyed
 	pr := exporttest.NewProducerOn(t, func(r cudart.Runtime) cudart.Runtime {
 		rt := intercept.Wrap(r)
-		stillOpen = trackEvents(rt)
+		opened = intercept.TrackLive[cudart.Event](rt, "IpcOpenEventHandle", "EventDestroy")
 		return rt
 	}, nil, nil)
 	pr.Publish(t, "p", 1<<20, 1)
@@ -148,7 +124,7 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 	require.ErrorIs(t, p.Push(ctx, pub), producer.ErrNoPeer, "push to a departed peer, want ErrNoPeer")
 	n := pr.ActiveLeases(t)
 	require.EqualValues(t, 0, n, "%d pool leases held after a push to a departed peer", n)
-	n = stillOpen()
+	n = opened.Len()
 	require.EqualValues(t, 0, n, "%d of the departed peer's events left open", n)
 }
 

@@ -196,3 +196,48 @@ func Once(f func()) Hook {
 	var once sync.Once
 	return func(*Call) { once.Do(f) }
 }
+
+// Live is the set of handles (streams, events, pools) a runtime made and has not
+// destroyed, as TrackLive follows them.
+type Live[H comparable] struct {
+	mu  sync.Mutex
+	set map[H]bool
+}
+
+// TrackLive follows the handles that rt's create method returns (its first result, on
+// success) until its destroy method is called with one (as its second argument, after
+// the device); destroy "" keeps every handle made.
+func TrackLive[H comparable](rt *Runtime, create, destroy string) *Live[H] {
+	l := &Live[H]{set: map[H]bool{}}
+	rt.After(create, func(c *Call) {
+		if h, ok := c.Results[0].(H); ok && c.Err == nil {
+			l.mu.Lock()
+			l.set[h] = true
+			l.mu.Unlock()
+		}
+	})
+	if destroy != "" {
+		rt.Before(destroy, func(c *Call) {
+			if h, ok := c.Args[1].(H); ok {
+				l.mu.Lock()
+				delete(l.set, h)
+				l.mu.Unlock()
+			}
+		})
+	}
+	return l
+}
+
+// Len is how many handles are live.
+func (l *Live[H]) Len() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.set)
+}
+
+// Has reports whether h is live.
+func (l *Live[H]) Has(h H) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.set[h]
+}

@@ -134,3 +134,27 @@ func TestBeforeMayChangeArguments(t *testing.T) {
 	require.NoError(t, d.StreamSynchronize(0, s))
 	require.NoError(t, d.Err())
 }
+
+// TrackLive follows what a create method made until its destroy method takes it.
+func TestTrackLive(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	rt := intercept.Wrap(d)
+	streams := intercept.TrackLive[cudart.Stream](rt, "StreamCreate", "StreamDestroy")
+	made := intercept.TrackLive[cudart.Stream](rt, "StreamCreate", "")
+	a, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	b, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	assert.Equal(t, 2, streams.Len())
+	require.NoError(t, rt.StreamDestroy(0, a))
+	assert.Equal(t, 1, streams.Len())
+	assert.False(t, streams.Has(a))
+	assert.True(t, streams.Has(b))
+	assert.True(t, made.Has(a), "without a destroy method every handle made is kept")
+	rt.Fail("StreamCreate", 1, errInjected)
+	_, err = rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.ErrorIs(t, err, errInjected)
+	assert.Equal(t, 1, streams.Len(), "a failed create adds nothing")
+	require.NoError(t, rt.StreamDestroy(0, b))
+	assert.Zero(t, streams.Len())
+}
