@@ -106,7 +106,7 @@ func NewProducer(t testing.TB, poolOpts []pool.Option, exOpts []producer.ListenO
 	return NewProducerOn(t, nil, poolOpts, exOpts, devOpts...)
 }
 
-// NewProducerOn is newProducer whose pool and exporter call the runtime wrap makes of
+// NewProducerOn is NewProducer whose pool and exporter call the runtime wrap makes of
 // the software device (the device itself when wrap is nil), for tests that watch or
 // steer the calls.
 func NewProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolOpts []pool.Option, exOpts []producer.ListenOption, devOpts ...cudarttest.Option) *Producer {
@@ -173,7 +173,7 @@ func AllAre(b []byte, v byte) bool {
 }
 
 // WaitFor polls cond until it holds. The polling is a hang guard's loop, not a timing
-// assumption: the test fails only if cond never holds within hangGuard.
+// assumption: the test fails only if cond never holds within HangGuard.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(HangGuard)
