@@ -27,8 +27,8 @@ func call(rt cudart.Runtime, m reflect.Method) []reflect.Value {
 }
 
 // Every method of cudart.Runtime goes through the hooks, with its arguments: a method
-// added to the interface and not to Runtime fails here by name (Runtime would still
-// compile, through nothing, if it embedded the interface; it does not).
+// added to the interface and not to intercept's fails here by name (it still compiles,
+// and reaches the wrapped runtime unseen, through the embedded interface).
 func TestEveryMethodIsIntercepted(t *testing.T) {
 	d := cudarttest.ForTest(t)
 	rt := intercept.Wrap(d)
