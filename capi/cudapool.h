@@ -340,16 +340,21 @@ enum cudapool_open_flags {
 	/* Wait (up to timeout_ms) for the name to be published, instead of failing with
 	 * CUDAPOOL_ENOTFOUND. */
 	CUDAPOOL_OPEN_WAIT_FOR_NAME = 1,
-	/* Copy the buffer into memory of the importer's own device and give the lease back
-	 * at once: the mapping then outlives its producer on any GPU (never CUDAPOOL_ELOST).
-	 * The copy comes from replica_pool, or (replica_pool.h 0) from a pool the importer
-	 * makes. replica_pool must let the exporter's device access it (peer_devices). */
-	CUDAPOOL_OPEN_REPLICA = 2
+	/* Copy the buffer into memory of the importer's own device (a local copy) and give
+	 * the lease back at once: the mapping then outlives its producer on any GPU (never
+	 * CUDAPOOL_ELOST). The copy comes from replica_pool, or (replica_pool.h 0) from a
+	 * pool the importer makes. replica_pool must let the exporter's device access it
+	 * (peer_devices). */
+	CUDAPOOL_OPEN_LOCAL_COPY = 2,
+	/* CUDAPOOL_OPEN_LOCAL_COPY's former name, kept for existing sources ("replica" now
+	 * names only the KV pool's processes). */
+	CUDAPOOL_OPEN_REPLICA = CUDAPOOL_OPEN_LOCAL_COPY
 };
 typedef struct {
 	size_t size;                /* sizeof(cudapool_open_options), set by _default */
 	int flags;                  /* CUDAPOOL_OPEN_* */
-	cudapool_pool replica_pool; /* with CUDAPOOL_OPEN_REPLICA; h 0: the importer's own */
+	cudapool_pool replica_pool; /* the local copy's pool, with CUDAPOOL_OPEN_LOCAL_COPY (the
+	                             * field keeps its name for the ABI); h 0: the importer's own */
 } cudapool_open_options;
 int cudapool_open_options_init(cudapool_open_options *o, size_t size);
 static inline int cudapool_open_options_default(cudapool_open_options *o) {

@@ -17,7 +17,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -105,11 +105,11 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	var err error
 	switch pages := k.r.Geometry().Pages; {
 	case got > n || exact && got < n:
-		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
+		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", export.ErrProtocol, got, n)
 	default:
 		for _, p := range l.Pages() {
 			if int64(p) >= int64(pages) {
-				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", consumer.ErrProtocol, p, pages)
+				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", export.ErrProtocol, p, pages)
 				break
 			}
 		}

@@ -29,7 +29,7 @@
 // # Connections
 //
 // The kernel names the process at the other end of each connection (SO_PEERCRED), and
-// an producer.Policy admits it (the zero Policy: this user's processes). A connection
+// an export.Policy admits it (the zero Policy: this user's processes). A connection
 // that ends without Bye keeps its leases until its process has exited (it may still
 // read or write the pages); one whose process cannot be watched ends them at once.
 // Bye ends the leases still held at once and closes the connection once the replica's
@@ -68,6 +68,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -97,7 +98,7 @@ type Options struct {
 	// make it small, so that small geometries have several segments.
 	SegmentBytes uint64
 	// Policy says which processes may connect, as export's does.
-	Policy producer.Policy
+	Policy export.Policy
 	// Logger gets what no call returns: connections refused or closed for malformed
 	// frames, cleanup that failed. nil: slog.Default().
 	Logger *slog.Logger
@@ -298,14 +299,14 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
 	}
-	if err = o.ex.PublishAll(ctx, s.stream, entries...); err != nil {
+	if err = o.ex.PublishAll(ctx, entries, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
 	}
 	return s, nil
 }
 
 // opensToOthers says whether p admits anyone but this user.
-func opensToOthers(p producer.Policy) bool {
+func opensToOthers(p export.Policy) bool {
 	own := uint32(os.Getuid())
 	return len(p.AllowGIDs) > 0 || slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
 }

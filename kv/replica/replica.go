@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
@@ -200,7 +201,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, err
 	}
 	if r.imp, err = consumer.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, consumer.WithLogger(o.log)); err != nil {
-		if errors.Is(err, consumer.ErrExporterGone) {
+		if errors.Is(err, export.ErrExporterGone) {
 			return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
 		}
 		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.

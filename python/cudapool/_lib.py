@@ -298,7 +298,7 @@ class TooManyGrants(CudapoolError):
 class MappingLost(Gone):
     """The mapping's exporter is gone and the mapping lives on another GPU: reading it
     would lose this process's CUDA context. Stop the work that reads it and release it
-    (or open with replica=True)."""
+    (or open with local_copy=True)."""
 
 
 class ExporterFailed(CudapoolError):
