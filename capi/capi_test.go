@@ -15,10 +15,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -123,16 +124,16 @@ func TestStatusOf(t *testing.T) {
 		{nil, statusOK},
 		{invalid("x"), statusInval},
 		{fmt.Errorf("wrapped: %w", pool.ErrZeroSize), statusInval},
-		{consumer.ErrBadName, statusInval},
+		{export.ErrBadName, statusInval},
 		{fmt.Errorf("%w: x", errHandle), statusHandle},
 		{pool.ErrForeignBuffer, statusPointer},
 		{pool.ErrBusy, statusBusy},
 		{fmt.Errorf("pool: %w", pool.ErrClosed), statusClosed},
 		{cudart.NewError("cudaMallocFromPoolAsync", cudart.ErrOutOfMemory), statusNoMem},
-		{consumer.ErrUnknownName, statusNotFound},
+		{export.ErrUnknownName, statusNotFound},
 		{producer.ErrNameInUse, statusExist},
-		{consumer.ErrExporterGone, statusGone},
-		{consumer.ErrVersionMismatch, statusVersion},
+		{export.ErrExporterGone, statusGone},
+		{export.ErrVersionMismatch, statusVersion},
 		{context.DeadlineExceeded, statusTimeout},
 		{errRuntimeSet, statusNoRuntime},
 		{cudart.NewError("cudaStreamCreate", cudart.ErrInvalidValue), statusCUDA},
@@ -159,22 +160,22 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 	}{
 		{consumer.ErrStreamDevice, statusStreamDevice},
 		{consumer.ErrDuplicateImporter, statusDuplicate},
-		{consumer.ErrTooManyGrants, statusTooMany},
+		{export.ErrTooManyGrants, statusTooMany},
 		{consumer.ErrMappingLost, statusLost},
-		{consumer.ErrExporterGone, statusGone},
-		{&consumer.RemoteError{Err: consumer.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
-		{&consumer.RemoteError{Err: consumer.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
+		{export.ErrExporterGone, statusGone},
+		{&export.RemoteError{Err: export.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
+		{&export.RemoteError{Err: export.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
 		{fmt.Errorf("%w: %w", producer.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
-		{consumer.ErrStaleLease, statusStale},
+		{export.ErrStaleLease, statusStale},
 		{discover.ErrBadDir, statusBadDir},
-		{consumer.ErrBadRequest, statusProtocol},
+		{export.ErrBadRequest, statusProtocol},
 		{producer.ErrSocketPath, statusInval},
-		{producer.ErrNotSocket, statusExist},
-		{consumer.ErrNoLeases, statusNotSup},
+		{export.ErrNotSocket, statusExist},
+		{export.ErrNoLeases, statusNotSup},
 		{pool.ErrNotShareable, statusNotSup},
 		{pool.ErrNoPeerAccess, statusNotSup},
-		{poolshare.ErrLeaseEnded, statusStale},
-		{poolshare.ErrNotLeased, statusStale},
+		{pool.ErrLeaseEnded, statusStale},
+		{pool.ErrNotLeased, statusStale},
 		{pool.ErrMisaligned, statusCUDA},
 		{pool.ErrFreeFailed, statusCUDA},
 		{cudart.ErrContextLost, statusCUDA},
@@ -195,6 +196,34 @@ func TestRuntimeIsChosenOnce(t *testing.T) {
 	_, err = choose("gpu")
 	require.ErrorIs(t, err, errRuntimeSet)
 	assert.Contains(t, err.Error(), `"test"`)
+}
+
+// TestNoRuntimeAdvisesCAndPythonCallers checks what a C or Python caller reads when no
+// runtime can be chosen: how to fix it from there (cudapool_init, cudapool.init,
+// $CUDAPOOL_RUNTIME, rebuilding libcudapool with the software device), never Go's
+// advice to import a package, and the status stays ENORUNTIME.
+func TestNoRuntimeAdvisesCAndPythonCallers(t *testing.T) {
+	noGPU := fmt.Errorf("choose: a GPU was asked for: %w", cudart.ErrNoRuntime)
+	noSoft := fmt.Errorf("choose: no CUDA runtime loaded, and %w: %w", rtchoice.ErrNoSoftwareDevice, cudart.ErrNoRuntime)
+	askedSoft := fmt.Errorf("choose: the software device was asked for, but %w", rtchoice.ErrNoSoftwareDevice)
+	for _, c := range []struct {
+		prefer string
+		err    error
+		want   []string
+	}{
+		{"gpu", noGPU, []string{`cudapool_init("auto")`, `cudapool.init("auto")`, "CUDAPOOL_RUNTIME=auto"}},
+		{"auto", noSoft, []string{"-tags cudapool_softdevice", "go build -buildmode=c-shared"}},
+		{"test", askedSoft, []string{"-tags cudapool_softdevice", "rebuild libcudapool"}},
+	} {
+		err := chooseFailed(c.prefer, c.err)
+		msg := err.Error()
+		assert.NotContains(t, msg, "import github.com", "%s: Go advice for a C or Python caller: %s", c.prefer, msg)
+		for _, w := range c.want {
+			assert.Contains(t, msg, w, "%s", c.prefer)
+		}
+		assert.ErrorIs(t, err, c.err)
+		assert.Equal(t, statusNoRuntime, statusOf(err), "%s", c.prefer)
+	}
 }
 
 func TestBufferTableFindsAddressesInsideBuffers(t *testing.T) {

@@ -80,3 +80,5 @@ func cudapool_test_resume(token C.uint64_t) (rc C.int) {
 	resume()
 	return statusOK
 }
+
+func init() { softDeviceLinked = true }

@@ -12,14 +12,15 @@ import (
 	"math"
 	"runtime/debug"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -89,8 +90,8 @@ var statuses = []struct {
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
-	{consumer.ErrBadName, statusInval},
-	{producer.ErrBadRange, statusInval},
+	{export.ErrBadName, statusInval},
+	{export.ErrBadRange, statusInval},
 	{producer.ErrMetaTooLong, statusInval},
 	{producer.ErrSocketPath, statusInval},
 	{rtchoice.ErrUnknownPreference, statusInval},
@@ -99,33 +100,33 @@ var statuses = []struct {
 	{consumer.ErrReleased, statusHandle},
 	{pool.ErrBusy, statusBusy},
 	{pool.ErrClosed, statusClosed},
-	{consumer.ErrClosed, statusClosed},
+	{export.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
-	{consumer.ErrUnknownName, statusNotFound},
+	{export.ErrUnknownName, statusNotFound},
 	{producer.ErrNoPeer, statusNotFound},
 	{producer.ErrNameInUse, statusExist},
 	{producer.ErrAddressInUse, statusExist},
-	{producer.ErrNotSocket, statusExist},
+	{export.ErrNotSocket, statusExist},
 	{consumer.ErrMappingLost, statusLost},
-	{consumer.ErrExporterGone, statusGone},
-	{consumer.ErrBufferGone, statusGone},
-	{consumer.ErrRefused, statusRefused},
-	{consumer.ErrVersionMismatch, statusVersion},
-	{consumer.ErrProtocol, statusProtocol},
-	{consumer.ErrBadRequest, statusProtocol},
+	{export.ErrExporterGone, statusGone},
+	{export.ErrBufferGone, statusGone},
+	{export.ErrRefused, statusRefused},
+	{export.ErrVersionMismatch, statusVersion},
+	{export.ErrProtocol, statusProtocol},
+	{export.ErrBadRequest, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
 	{pool.ErrNotShareable, statusNotSup},
 	{pool.ErrNoPeerAccess, statusNotSup},
-	{consumer.ErrHandleType, statusNotSup},
-	{consumer.ErrIMEXRequired, statusNotSup},
-	{consumer.ErrNoLeases, statusNotSup},
+	{export.ErrHandleType, statusNotSup},
+	{export.ErrIMEXRequired, statusNotSup},
+	{export.ErrNoLeases, statusNotSup},
 	{consumer.ErrStreamDevice, statusStreamDevice},
 	{consumer.ErrDuplicateImporter, statusDuplicate},
-	{consumer.ErrTooManyGrants, statusTooMany},
-	{consumer.ErrExporter, statusExporter},
-	{consumer.ErrStaleLease, statusStale},
-	{poolshare.ErrLeaseEnded, statusStale},
-	{poolshare.ErrNotLeased, statusStale},
+	{export.ErrTooManyGrants, statusTooMany},
+	{export.ErrExporter, statusExporter},
+	{export.ErrStaleLease, statusStale},
+	{pool.ErrLeaseEnded, statusStale},
+	{pool.ErrNotLeased, statusStale},
 	{discover.ErrBadDir, statusBadDir},
 	{pool.ErrMisaligned, statusCUDA},
 	{pool.ErrFreeFailed, statusCUDA},
@@ -208,11 +209,25 @@ func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{errInvalid}, args...)...)
 }
 
-// ctxFor is the context for a call bounded by timeoutMs (0: no bound).
+// noWaitKey marks the context of a CUDAPOOL_NO_WAIT call (noWait).
+type noWaitKey struct{}
+
+// noWaitBound bounds a CUDAPOOL_NO_WAIT call: it waits for nothing to change, but a
+// live exporter's or owner's answer takes a round trip.
+const noWaitBound = time.Second
+
+// noWait says whether ctx is a CUDAPOOL_NO_WAIT call's: its wait flags are off.
+func noWait(ctx context.Context) bool { return ctx.Value(noWaitKey{}) != nil }
+
+// ctxFor is the context for a call bounded by timeoutMs: 0 is no bound, and
+// CUDAPOOL_NO_WAIT (Python's timeout=0) the noWaitBound of a call marked noWait.
 func ctxFor(timeoutMs C.int64_t) (context.Context, context.CancelFunc, error) {
 	switch {
+	case timeoutMs == C.CUDAPOOL_NO_WAIT:
+		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), noWaitKey{}, true), noWaitBound)
+		return ctx, cancel, nil
 	case timeoutMs < 0:
-		return nil, nil, invalid("timeout_ms %d is negative (0 means no bound)", int64(timeoutMs))
+		return nil, nil, invalid("timeout_ms %d is negative (0 means no bound, CUDAPOOL_NO_WAIT (-1) no wait)", int64(timeoutMs))
 	case timeoutMs == 0:
 		ctx, cancel := context.WithCancel(context.Background())
 		return ctx, cancel, nil

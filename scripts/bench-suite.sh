@@ -12,7 +12,7 @@
 #	torch      bench/torchbench.py (issue 10's rows)
 #	KV pool    bin/gpu/gosuite kv (Go) and bench/kvbench.py (Python, over
 #	           bin/gpu/libcudapool.so and a bin/gpu/kvpoold of its own): issue 18's
-#	           match and page-rate rows
+#	           match and page-rate rows; bin/gpu/gosuite kvtier: issue 24's host tier
 #
 # First, with nothing else of the suite running, the allocation ring: C, Go and
 # cuda.core in one process each, pinned to the same CPU (ALLOC_CPU), taking turns one
@@ -273,6 +273,9 @@ part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "
 kv_slab=${KV_SLAB:-100GiB}
 [ "$rt" = test ] && kv_slab=${KV_SLAB:-4GiB}
 part gosuite-kv 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -kv-bytes "$kv_slab" kv
+# The host tier (issue 24): a 32,768-token prompt evicted to it and restored, bytes
+# checked (kv/host/restore32k), and the spills' GB/s (kv/host/spill).
+part gosuite-kvtier 90 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kvtier
 part kvbench 120 "${wide[@]}" env PYTHONUNBUFFERED=1 CUDAPOOL_LIB="${CUDAPOOL_LIB:-$bin/libcudapool.so}" \
 	python3 bench/kvbench.py "${pyquick[@]}" --runtime "$rt" --kvpoold "${CUDAPOOL_KVPOOLD:-$bin/kvpoold}"
 

@@ -122,7 +122,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier   (kvtier: the host tier's rows)")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -135,7 +135,7 @@ func run() int {
 		return usage(fmt.Sprintf("-kv-bytes %q: want a size such as 100GiB", *kvBytes))
 	}
 	switch mode {
-	case "all", "granularity", "kv":
+	case "all", "granularity", "kv", "kvtier":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -196,13 +196,17 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
-	case "kv":
-		fmt.Printf("# gosuite kv: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+	case "kv", "kvtier":
+		fmt.Printf("# gosuite %s: %s; GOMAXPROCS=%d\n", mode, why, runtime.GOMAXPROCS(0))
 		sh := fullShape
 		if *quick {
 			sh = quickShape
 		}
-		kvRows(r, rt, picked.OnGPU, sh, slab)
+		if mode == "kv" {
+			kvRows(r, rt, picked.OnGPU, sh, slab)
+		} else {
+			kvTierRows(r, rt, picked.OnGPU, sh)
+		}
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -59,11 +60,11 @@ func dialWaiting(ctx context.Context, path string, wait bool) (net.Conn, error) 
 		return wire.DialSocket(ctx, path)
 	}
 	var nc net.Conn
-	notYet := fmt.Errorf("%w: nothing answered at %s", ErrExporterGone, path)
+	notYet := fmt.Errorf("%w: nothing answered at %s", export.ErrExporterGone, path)
 	last, ctxErr := retry(ctx, dialRetryFirst, dialRetryMost, notYet, func() (bool, error) {
 		var err error
 		nc, err = wire.DialSocket(ctx, path)
-		return errors.Is(err, ErrExporterGone), err
+		return errors.Is(err, export.ErrExporterGone), err
 	})
 	if ctxErr != nil {
 		return nil, fmt.Errorf("%w (waited for an exporter until %w)", last, ctxErr)
@@ -74,11 +75,11 @@ func dialWaiting(ctx context.Context, path string, wait bool) (net.Conn, error) 
 // openWaiting is open that tries again while the name is not published.
 func (imp *Importer) openWaiting(ctx context.Context, name string, s cudart.Stream) (*Mapping, error) {
 	var m *Mapping
-	notYet := fmt.Errorf("%w: %q: the exporter has not answered", ErrUnknownName, name)
+	notYet := fmt.Errorf("%w: %q: the exporter has not answered", export.ErrUnknownName, name)
 	last, ctxErr := retry(ctx, openRetryFirst, openRetryMost, notYet, func() (bool, error) {
 		var err error
 		m, err = imp.open(ctx, name, s)
-		return errors.Is(err, ErrUnknownName), err
+		return errors.Is(err, export.ErrUnknownName), err
 	})
 	if ctxErr != nil {
 		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)

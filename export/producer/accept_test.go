@@ -1,4 +1,4 @@
-package producer
+package producer_test
 
 import (
 	"net"
@@ -9,6 +9,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/export/producer"
 )
 
 // shortListener fails its Accepts with EMFILE, as a process out of descriptors does,
@@ -48,7 +51,7 @@ func TestAcceptBackoffIsBounded(t *testing.T) {
 	l := &shortListener{ok: map[int]bool{20: true}, limit: 30}
 	var waits []time.Duration
 	served := 0
-	acceptLoop(l, discardLogger, func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
+	producer.AcceptLoop(l, exporttest.DiscardLogger, func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
 		func(d time.Duration) { waits = append(waits, d) })
 	require.Equal(t, 1, served)
 	require.Len(t, waits, l.limit-1, "a wait after every failed accept, none after the success")
@@ -57,9 +60,9 @@ func TestAcceptBackoffIsBounded(t *testing.T) {
 		if i == 19 { // the first failure after the success at call 20
 			want = 0
 		}
-		want = min(max(2*want, acceptBackoffMin), acceptBackoffMax)
+		want = min(max(2*want, producer.AcceptBackoffMin), producer.AcceptBackoffMax)
 		assert.Equal(t, want, d, "wait %d", i)
 	}
-	assert.Equal(t, acceptBackoffMax, waits[18], "the backoff reached its bound")
-	assert.LessOrEqual(t, acceptBackoffMax, time.Second, "at most about one accept a second")
+	assert.Equal(t, producer.AcceptBackoffMax, waits[18], "the backoff reached its bound")
+	assert.LessOrEqual(t, producer.AcceptBackoffMax, time.Second, "at most about one accept a second")
 }

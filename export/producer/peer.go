@@ -11,10 +11,9 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -52,8 +51,8 @@ type peer struct {
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them
-	// (poolshare.Lease.EndAt); closed before the events are destroyed.
-	completions map[*pool.Pool]poolshare.Completion
+	// (*pool.Lease.EndAt); closed before the events are destroyed.
+	completions map[*pool.Pool]*pool.Completion
 	// settling is held across a settleCompletions: the cleanup after the peer's Bye
 	// and the exporter's Close may run it at once, and the one that finds nothing left
 	// must not hang up (the peer then destroys its event) while the other still
@@ -152,7 +151,7 @@ func (p *peer) serve() (reason error, clean bool) {
 				// Without Bye the peer exited, crashed or hung up; which, its process
 				// tells (awaitExit).
 				return errors.New("connection closed without Bye"), false
-			case errors.Is(err, ErrProtocol):
+			case errors.Is(err, export.ErrProtocol):
 				return err, true
 			}
 			return err, false
@@ -207,8 +206,8 @@ func (p *peer) shut() {
 }
 
 // state describes the peer for Exporter.Peers and State.
-func (p *peer) state() discover.PeerState {
-	s := discover.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
+func (p *peer) state() export.PeerState {
+	s := export.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
 	if p.cred != nil {
 		s.UID, s.GID = p.cred.UID, p.cred.GID
 	}

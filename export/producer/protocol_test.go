@@ -1,4 +1,4 @@
-package producer
+package producer_test
 
 import (
 	"bufio"
@@ -16,21 +16,23 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/export/producer"
 )
 
 const protocolDoc = "../../docs/PROTOCOL.md"
 
 // protocolConstants are the spec's constants table, by the name it gives each.
 var protocolConstants = map[string]uint64{
-	"protocol version":       wire.ProtocolVersion,
+	"protocol version":       export.ProtocolVersion,
 	"frame header bytes":     wire.HeaderLen,
 	"maximum frame bytes":    wire.MaxFrame,
-	"maximum name bytes":     wire.MaxNameLen,
-	"maximum metadata bytes": wire.MaxMetaLen,
+	"maximum name bytes":     export.MaxNameLen,
+	"maximum metadata bytes": export.MaxMetaLen,
 	"maximum devices":        wire.MaxDevices,
 	"maximum State bytes":    wire.MaxStateBytes,
-	"connection id bits":     connIDBits,
+	"connection id bits":     producer.ConnIDBits,
 }
 
 // protocolSamples has one message of every type, each field set to a value no other
@@ -48,10 +50,10 @@ func protocolSamples() map[wire.MsgType]wire.Message {
 	push := wire.PushMsg{LeaseMsg: lease, Name: "pushed"}
 	push.ReqID = 0
 	return map[wire.MsgType]wire.Message{
-		wire.MsgHello: &wire.HelloMsg{Version: wire.ProtocolVersion, PID: 0x0101, Flags: wire.HelloLeases | wire.HelloReleaseEvent,
+		wire.MsgHello: &wire.HelloMsg{Version: export.ProtocolVersion, PID: 0x0101, Flags: wire.HelloLeases | wire.HelloReleaseEvent,
 			HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: uuid(0x01), ReleaseEvent: event(0x02)},
-		wire.MsgWelcome:      &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: 0x0201, Flags: wire.WelcomeRetain, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
-		wire.MsgRefused:      &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: "not you"},
+		wire.MsgWelcome:      &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: 0x0201, Flags: wire.WelcomeRetain, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
+		wire.MsgRefused:      &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: "not you"},
 		wire.MsgPoolHandle:   &wire.PoolHandleMsg{PoolID: 0x0401, HandleType: cudart.HandleTypeFabric, Device: uuid(0x41), MaxSize: 0x0402, Fabric: fabric(0x42)},
 		wire.MsgOpen:         &wire.OpenMsg{ReqID: 0x0501, Name: "layer-0"},
 		wire.MsgLease:        &lease,
@@ -93,10 +95,10 @@ var (
 
 // protocolErrors are the sentinels by the names the spec's error table gives them.
 var protocolErrors = map[string]error{
-	"ErrExporter": wire.ErrExporter, "ErrUnknownName": ErrUnknownName, "ErrStaleLease": ErrStaleLease,
-	"ErrBufferGone":   ErrBufferGone,
-	"ErrExporterGone": wire.ErrExporterGone, "ErrHandleType": ErrHandleType, "ErrIMEXRequired": ErrIMEXRequired,
-	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": wire.ErrNoLeases, "ErrTooManyGrants": ErrTooManyGrants,
+	"ErrExporter": export.ErrExporter, "ErrUnknownName": export.ErrUnknownName, "ErrStaleLease": export.ErrStaleLease,
+	"ErrBufferGone":   export.ErrBufferGone,
+	"ErrExporterGone": export.ErrExporterGone, "ErrHandleType": export.ErrHandleType, "ErrIMEXRequired": export.ErrIMEXRequired,
+	"ErrBadRequest": export.ErrBadRequest, "ErrNoLeases": export.ErrNoLeases, "ErrTooManyGrants": export.ErrTooManyGrants,
 }
 
 // derivedFields are spec fields with no Go field of their own: what they hold, from the
@@ -228,8 +230,8 @@ func TestProtocolVersions(t *testing.T) {
 		assert.Equal(t, uint64(i+1), number(t, row[0]), "%s: the versions table goes 1, 2, 3...", protocolDoc)
 		assert.NotEmpty(t, row[1], "%s: version %s says nothing of what changed", protocolDoc, row[0])
 	}
-	assert.Equal(t, strconv.Itoa(wire.ProtocolVersion), s.versions[len(s.versions)-1][0],
-		"%s: the last version in its versions table is not ProtocolVersion", protocolDoc)
+	assert.Equal(t, strconv.Itoa(export.ProtocolVersion), s.versions[len(s.versions)-1][0],
+		"%s: the last version in its versions table is not export.ProtocolVersion", protocolDoc)
 }
 
 // Every message type the code decodes is in the messages table, with its name and the

@@ -251,7 +251,8 @@ func (c *conn) refuse(id uint32, err error) error {
 	return c.sendError(id, err)
 }
 
-// alloc answers Alloc: n pages for writing, all or none.
+// alloc answers Alloc: n pages for writing, all or none. Sealed pages it evicts that
+// the device's host tier has no copy of yet are copied there before the answer.
 func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -266,7 +267,7 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
 	}
 	o.mu.Lock()
-	pages, ok := s.take(n, make([]uint32, 0, n))
+	pages, ok, evicted := o.takeLocked(s, n)
 	if !ok {
 		if s.settlingLocked() > 0 && s.reachableLocked() >= n && !c.ended && !o.closed {
 			// Pages that settle will do: wait for them off the connection's
@@ -286,7 +287,16 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	}
 	l := o.newLeaseLocked(c, true, pages)
 	o.mu.Unlock()
+	c.spillEvicted(evicted)
 	return c.sendLeased(h.ID, l)
+}
+
+// spillEvicted sends the evicted pages the host tier has no copy of there before they
+// are written.
+func (c *conn) spillEvicted(evicted spillTask) {
+	if err := c.o.copyEvicted(c.s, evicted, nil); err != nil {
+		c.o.log.Error("kv: spilling evicted pages to the host tier failed; they are gone", "device", c.s.dev, "err", err)
+	}
 }
 
 // AllocWait bounds how long an Alloc waits for pages that settle (released pages whose
@@ -306,10 +316,11 @@ func (c *conn) allocLater(id uint32, n int) {
 			o.mu.Unlock()
 			return
 		}
-		pages, ok := s.take(n, make([]uint32, 0, n))
+		pages, ok, evicted := o.takeLocked(s, n)
 		if ok {
 			l := o.newLeaseLocked(c, true, pages)
 			o.mu.Unlock()
+			c.spillEvicted(evicted)
 			if err := c.sendLeased(id, l); err != nil {
 				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
 			}
@@ -535,7 +546,8 @@ func slicesContains(s []uint64, v uint64) bool {
 }
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
-// from another device's slab where only that one has them, leased for reading.
+// from another device's slab where only that one has them, or restored from the
+// device's host tier (restore.go), leased for reading.
 func (c *conn) match(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -549,6 +561,10 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
 		o.mu.Unlock()
 		return c.matchAcross(h, hashes)
+	}
+	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
+		o.mu.Unlock()
+		return c.matchRestore(h, hashes)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	c.noteTipLocked(hashes, pages)

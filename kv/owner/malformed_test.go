@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -210,13 +210,13 @@ func TestPolicyRefuses(t *testing.T) {
 	own := uint32(os.Getuid())
 	for _, c := range []struct {
 		name   string
-		policy producer.Policy
+		policy export.Policy
 		reason string
 	}{
-		{"another uid", producer.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
-		{"another gid", producer.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
-		{"this uid", producer.Policy{AllowUIDs: []uint32{own}}, ""},
-		{"the zero policy", producer.Policy{}, ""},
+		{"another uid", export.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
+		{"another gid", export.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
+		{"this uid", export.Policy{AllowUIDs: []uint32{own}}, ""},
+		{"the zero policy", export.Policy{}, ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir, err := os.MkdirTemp("", "kvp")

@@ -30,7 +30,7 @@
 // per connection and asks it with EventQuery, on the host: nothing the owner exposes or
 // reuses waits on a stream. A seal asks at once and answers visible if the writer's
 // work has completed; otherwise a goroutine of that event's waits in the driver
-// (EventSynchronize; it spins on driver 580, docs/FACTS.md 23) and makes the pages
+// (EventSynchronize; it spins on driver 580, docs/FACTS.md 24) and makes the pages
 // visible as soon as the work has completed, and a Seal with the wait flag is answered then. An owner with nothing
 // pending makes no call at all (Owner.Pace counts them). A release's pages are neither
 // evicted nor reused until its event has completed. Before and after each query or
@@ -41,7 +41,7 @@
 // # Connections
 //
 // The kernel names the process at the other end of each connection (SO_PEERCRED), and
-// an producer.Policy admits it (the zero Policy: this user's processes). A connection
+// an export.Policy admits it (the zero Policy: this user's processes). A connection
 // that ends without Bye keeps its leases until its process has exited (it may still
 // read or write the pages); one whose process cannot be watched ends them at once.
 // Bye ends the leases still held at once and closes the connection once the replica's
@@ -54,6 +54,14 @@
 // copies each page (every layer's K and V, one copy per tensor for a run of pages that
 // follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the source (a copy through the source's stream outlives that device's failures,
 // FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+//
+// # Host tiers
+//
+// With Options.HostBytes each device also has a host tier (hosttier.go): pinned host
+// memory, a memfd handed to every replica on dir/host.sock, that keeps the sealed pages
+// the slab evicts. A spiller copies the least recently used pages there ahead of their
+// eviction; a match that runs into the host tier gets its pages back into the slab in
+// the same reply. LRU runs across both tiers, and a leased page leaves neither.
 package owner
 
 import (
@@ -73,6 +81,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -102,7 +111,7 @@ type Options struct {
 	// make it small, so that small geometries have several segments.
 	SegmentBytes uint64
 	// Policy says which processes may connect, as export's does.
-	Policy producer.Policy
+	Policy export.Policy
 	// Logger gets what no call returns: connections refused or closed for malformed
 	// frames, cleanup that failed. nil: slog.Default().
 	Logger *slog.Logger
@@ -110,6 +119,10 @@ type Options struct {
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
 	AnnounceDir string
 	NoAnnounce  bool
+	// HostBytes gives each device a host tier of that many bytes of pinned host
+	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
+	// every device, than the host's available memory are refused.
+	HostBytes uint64
 }
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -123,6 +136,7 @@ type Owner struct {
 
 	ex    *producer.Exporter
 	ln    *net.UnixListener
+	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	slabs []*slab
 	byDev map[int]*slab
 
@@ -179,6 +193,9 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	}
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
+	}
+	if err := checkHostBytes(o); err != nil {
+		return nil, err
 	}
 	n, err := rt.DeviceCount()
 	if err != nil {
@@ -240,6 +257,9 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 			return nil, err
 		}
 	}
+	if err := ow.startTiers(); err != nil {
+		return nil, err
+	}
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
@@ -293,14 +313,14 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
 	}
-	if err = o.ex.PublishAll(ctx, s.stream, entries...); err != nil {
+	if err = o.ex.PublishAll(ctx, entries, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
 	}
 	return s, nil
 }
 
 // opensToOthers says whether p admits anyone but this user.
-func opensToOthers(p producer.Policy) bool {
+func opensToOthers(p export.Policy) bool {
 	own := uint32(os.Getuid())
 	return len(p.AllowGIDs) > 0 || slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
 }
@@ -399,6 +419,9 @@ func (o *Owner) Stats() Stats {
 	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.segs), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
 		st.Devices[i] = s.snapshot()
+		if s.tier != nil {
+			st.Devices[i].Host = s.tier.snapshot()
+		}
 	}
 	byConn := map[*conn]*kv.ReplicaStats{}
 	for c := range o.conns {
@@ -462,7 +485,7 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Lock()
 	o.destroyEvents()
 	o.mu.Unlock()
-	var errs []error
+	errs := o.stopTiers()
 	force := false
 	if o.ex != nil {
 		if err := o.ex.Close(ctx); err != nil {

@@ -130,7 +130,7 @@ func (o *Owner) send(owed []answer) {
 // whose process had died is used, and a process seen dead before is not queried at
 // all. (Between the two answers the process may die; the query is then of a dying
 // process's event, and its answer is dropped. What the driver does with such a query
-// is not measured, docs/FACTS.md 23.) A query that fails says neither; it is logged
+// is not measured, docs/FACTS.md 24.) A query that fails says neither; it is logged
 // once per event.
 func (o *Owner) query(e *event) (done, dead bool) {
 	if e.ev == 0 {
@@ -156,7 +156,7 @@ func (o *Owner) query(e *event) (done, dead bool) {
 // sync waits, on the host, until e's latest record has completed, or reports that its
 // replica's process has exited (dead), with the same checks of the process as query.
 // On driver 580 the wait spins a CPU for as long as the replica's work runs, although
-// the replica creates its events with cudart.EventBlockingSync (docs/FACTS.md 23): an
+// the replica creates its events with cudart.EventBlockingSync (docs/FACTS.md 24): an
 // owner spends a CPU per event with records pending, none when idle. A wait that fails
 // says neither; it is logged once per event.
 func (o *Owner) sync(e *event) (done, dead bool) {

@@ -412,7 +412,7 @@ func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
 	}
 	e, ok := r.events[s]
 	if !ok {
-		ev, err := r.rt.EventCreate(r.dev, cudart.EventIPC|cudart.EventBlockingSync) // for a driver that lets the owner's waits sleep (FACTS 23)
+		ev, err := r.rt.EventCreate(r.dev, cudart.EventIPC|cudart.EventBlockingSync) // for a driver that lets the owner's waits sleep (FACTS 24)
 		if err != nil {
 			return nil, err
 		}

@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
@@ -49,7 +50,9 @@ type options struct {
 	log  *slog.Logger
 }
 
-// WithNamespace sets the namespace of the replica's prefix hashes (Hashes).
+// WithNamespace sets the namespace of the replica's prefix hashes (Hashes). It is no
+// boundary: every replica maps the whole slab read-write, whatever its namespace; one
+// owner directory per trust domain is (package kv, Trust).
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
 // WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
@@ -117,6 +120,7 @@ type Replica struct {
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
 	hup    *hangup
+	host   *HostTier // the device's host tier, mapped (hosttier.go); nil: none
 
 	nextID atomic.Uint32
 	wmu    sync.Mutex
@@ -190,11 +194,14 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			r.owner = nil
 		}
 	}
+	if r.host, err = dialHostTier(ctx, dir, device); err != nil {
+		return nil, err
+	}
 	if r.stream, err = rt.StreamCreate(device, cudart.StreamNonBlocking); err != nil {
 		return nil, err
 	}
 	if r.imp, err = consumer.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, consumer.WithLogger(o.log)); err != nil {
-		if errors.Is(err, consumer.ErrExporterGone) {
+		if errors.Is(err, export.ErrExporterGone) {
 			return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
 		}
 		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.
@@ -495,6 +502,9 @@ func (r *Replica) teardown(ctx context.Context) error {
 	}
 	if r.owner != nil {
 		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
+	}
+	if err := r.host.unmap(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
