@@ -57,7 +57,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		ex.mu.Lock()
 		if uid, ok := ex.greeting[nc]; ok {
 			delete(ex.greeting, nc)
-			ex.handshakes.leave(uid)
+			ex.handshakes.Leave(uid)
 		}
 		ex.mu.Unlock()
 	}()

@@ -1,11 +1,8 @@
 package producer
 
 import (
-	"fmt"
-	"os"
-	"slices"
-
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // Policy says which local processes an Exporter admits, by the uid and gid the kernel
@@ -34,15 +31,5 @@ func (p Policy) admit(cred *peercred.Cred) string {
 		}
 		return "peers without credentials (not on a Unix socket) are not allowed: the exporter's policy does not set AllowRemote"
 	}
-	if len(p.AllowUIDs) == 0 && len(p.AllowGIDs) == 0 {
-		own := uint32(os.Getuid())
-		if cred.UID == own {
-			return ""
-		}
-		return fmt.Sprintf("uid %d is not allowed: the exporter admits only its own uid %d", cred.UID, own)
-	}
-	if slices.Contains(p.AllowUIDs, cred.UID) || slices.Contains(p.AllowGIDs, cred.GID) {
-		return ""
-	}
-	return fmt.Sprintf("uid %d gid %d is not allowed: the exporter admits uids %v and gids %v", cred.UID, cred.GID, p.AllowUIDs, p.AllowGIDs)
+	return session.Admits(p.AllowUIDs, p.AllowGIDs, *cred, "the exporter")
 }

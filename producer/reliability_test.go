@@ -20,6 +20,7 @@ import (
 
 	"github.com/cudapool/cudapool/discover"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/internal/wire"
 )
 
@@ -96,7 +97,7 @@ func reliabilityFDExhaustion(t *testing.T, r *reliabilityReport) {
 	require.NoError(t, err)
 	dialer.Finish()
 	assert.Equal(t, attempts, after, "every handshake after the recovery is admitted")
-	assert.Less(t, recovered, 2*acceptBackoffMax, "recovery within the accept backoff")
+	assert.Less(t, recovered, 2*session.AcceptBackoffMax, "recovery within the accept backoff")
 	r.add(t, fmt.Sprintf("%d handshakes from another process while the exporter had no free descriptor (100 ms each)", attempts),
 		fmt.Sprintf("%d admitted, %d timed out (waiting in the backlog)", admitted, failed))
 	r.add(t, "descriptors freed: first handshake admitted after", recovered.Round(time.Millisecond).String())

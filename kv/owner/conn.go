@@ -8,17 +8,14 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
-
-// handshakeTimeout bounds how long a connecting process may take to say Hello.
-const handshakeTimeout = 10 * time.Second
 
 // writeTimeout bounds a write to a replica that does not read its answers: past it,
 // the connection is closed.
@@ -27,7 +24,9 @@ const writeTimeout = 10 * time.Second
 // conn is one replica's connection.
 type conn struct {
 	o    *Owner
+	sc   *session.Conn
 	nc   *net.UnixConn
+	w    *session.Writer
 	cred peercred.Cred
 	proc *peercred.Process // nil where the process cannot be watched
 	s    *slab             // the slab of the replica's device
@@ -38,14 +37,14 @@ type conn struct {
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 
+	held    map[uint64]*lease // the connection's leases
+	heldPgs int               // the pages of held
+
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	events map[[kvwire.EventLen]byte]*event
 	// The connection's goroutine alone.
 	scratch []uint32
 	leaseID []uint64
-
-	wmu  sync.Mutex
-	wbuf []byte
 }
 
 // exited says whether the replica's process has exited; false where it cannot be
@@ -58,18 +57,9 @@ func (c *conn) exited() bool {
 	return err == nil && ok
 }
 
-// write sends the frame in c.wbuf (filled by fill, under wmu).
+// write sends the frame fill makes, within writeTimeout.
 func (c *conn) write(fill func([]byte) ([]byte, error)) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	b, err := fill(c.wbuf[:0])
-	c.wbuf = b[:0]
-	if err != nil {
-		return err
-	}
-	_ = c.nc.SetWriteDeadline(time.Now().Add(writeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	_, err = c.nc.Write(b)
-	return err
+	return c.w.Write(context.Background(), fill)
 }
 
 // sendSealed answers a Seal that waited; a replica that cannot be answered is cut off.
@@ -80,22 +70,27 @@ func (c *conn) sendSealed(id uint32, m kvwire.Sealed) {
 }
 
 func (c *conn) sendError(id uint32, err error) error {
-	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendError(b, id, kvwire.Code(err), err.Error()) })
+	return c.write(func(b []byte) ([]byte, error) {
+		return kvwire.AppendError(b, kvwire.TypeError, id, kvwire.Code(err), err.Error())
+	})
 }
 
-// serveConn admits nc and serves it until it ends, then ends what it held.
-func (o *Owner) serveConn(nc *net.UnixConn) {
-	c := &conn{o: o, nc: nc, events: map[[kvwire.EventLen]byte]*event{}}
+// serveConn admits sc and serves it until it ends, then ends what it held: the
+// session server's handler. A panic while serving ends what the connection held as
+// if it had hung up, and the server logs it.
+func (o *Owner) serveConn(sc *session.Conn) {
+	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
+		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
 	o.mu.Lock()
 	if o.closed {
 		o.mu.Unlock()
-		_ = nc.Close() // cleanup: nothing was said on it
 		return
 	}
 	o.conns[c] = struct{}{}
 	o.mu.Unlock()
-	rd := kvwire.NewReader()
+	rd := kvwire.NewHandshakeReader()
 	bye := false
+	defer func() { c.finish(bye) }()
 	err := c.admit(rd)
 	if errors.Is(err, errObserved) {
 		err = nil
@@ -105,18 +100,14 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 	if err != nil && o.stopped.Err() == nil {
 		o.log.Warn("kv: closing a replica's connection", "pid", c.cred.PID, "reason", err)
 	}
-	c.finish(bye)
 }
 
 // admit reads the Hello, applies the policy and answers Welcome or Refused.
 func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	o := c.o
-	_ = c.nc.SetDeadline(time.Now().Add(handshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	if c.cred, err = peercred.Get(c.nc); err != nil {
-		return err
-	}
-	refuse := func(reason string) error {
-		_ = c.write(func(b []byte) ([]byte, error) { return kvwire.AppendText(b, kvwire.TypeRefused, 0, reason) }) // the replica may be gone already; the refusal is the error returned
+	var h kvwire.Header
+	refuse := func(code uint16, reason string) error {
+		_ = c.write(func(b []byte) ([]byte, error) { return kvwire.AppendError(b, kvwire.TypeRefused, h.ID, code, reason) }) // the replica may be gone already; the refusal is the error returned
 		return fmt.Errorf("refused pid %d: %s", c.cred.PID, reason)
 	}
 	h, p, err := rd.Next(c.nc)
@@ -124,31 +115,34 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return fmt.Errorf("before Hello: %w", err)
 	}
 	if h.Type != kvwire.TypeHello {
-		return refuse(fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
+		return refuse(kvwire.CodeRefused, fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
 	}
 	pr := kvwire.NewParser(h.Type, p)
 	hello := kvwire.Hello{Version: pr.U32(), PID: pr.U32(), Device: pr.U32(), Namespace: pr.Text()}
 	if err := pr.Done(); err != nil {
-		return refuse(err.Error())
+		return refuse(kvwire.CodeRefused, err.Error())
 	}
-	if reason := admits(o.opts.Policy, c.cred); reason != "" {
-		return refuse(reason)
+	if reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, c.cred, "the owner"); reason != "" {
+		return refuse(kvwire.CodeRefused, reason)
 	}
 	if hello.Version != kvwire.Version {
-		return refuse(fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+		return refuse(kvwire.CodeRefused, fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
 	}
+	if err := c.sc.Admit(); err != nil {
+		return refuse(kvwire.CodeLimit, err.Error())
+	}
+	rd.Grow()
 	if hello.Device == kvwire.Observer {
 		if err := c.write(func(b []byte) ([]byte, error) {
 			return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo})
 		}); err != nil {
 			return err
 		}
-		_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return c.observe(rd)
 	}
 	s := o.byDev[int(hello.Device)]
 	if s == nil {
-		return refuse(fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
+		return refuse(kvwire.CodeGeometry, fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
 	}
 	c.s, c.ns = s, hello.Namespace
 	// Opened while the replica is connected, so that it names the process that
@@ -162,12 +156,14 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}); err != nil {
 		return err
 	}
-	_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	o.mu.Lock()
 	c.welcomed = true
 	o.mu.Unlock()
 	return nil
 }
+
+// frameHook, set by tests alone, sees each request's type before it is served.
+var frameHook func(kvwire.Type)
 
 // errObserved ends an observer's connection: it is served, and no replica.
 var errObserved = errors.New("observed")
@@ -203,6 +199,9 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 				return false, nil
 			}
 			return false, err
+		}
+		if frameHook != nil {
+			frameHook(h.Type)
 		}
 		switch h.Type {
 		case kvwire.TypeAlloc:
@@ -272,7 +271,16 @@ func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 	o.nextLease++
 	l := &lease{id: o.nextLease, c: c, s: c.s, write: write, pages: pages}
 	o.leases[l.id] = l
+	c.held[l.id] = l
+	c.heldPgs += len(pages)
 	return l
+}
+
+// dropLocked removes lease l from the books, under o.mu; its pages are the caller's.
+func (o *Owner) dropLocked(l *lease) {
+	delete(o.leases, l.id)
+	delete(l.c.held, l.id)
+	l.c.heldPgs -= len(l.pages)
 }
 
 // findLocked returns c's lease id, or why there is none, under o.mu.
@@ -335,7 +343,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		o.mu.Unlock()
 		return c.sendError(h.ID, err)
 	}
-	delete(o.leases, id)
+	o.dropLocked(l)
 	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):]}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
@@ -390,7 +398,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	rec := &record{s: c.s}
 	for _, id := range c.leaseID {
 		l := o.leases[id]
-		delete(o.leases, id)
+		o.dropLocked(l)
 		if l.write {
 			for _, pg := range l.pages {
 				l.s.pages[pg].state = pageSettling
@@ -511,12 +519,14 @@ func (c *conn) stats(h kvwire.Header, p []byte) error {
 
 // finish ends the connection. After Bye the leases still held end at once, and the
 // connection closes once its releases have settled. A connection lost without Bye
-// keeps its leases until its process has exited; one whose process cannot be watched,
-// or whose owner is closing, ends them at once.
+// that holds leases, or releases still to settle, keeps them until its process has
+// exited (it may still use the pages); one that holds nothing ends at once, and so
+// does one whose process cannot be watched, or whose owner is closing.
 func (c *conn) finish(bye bool) {
 	o := c.o
 	switch {
 	case !c.isWelcomed():
+	case !bye && c.holdsNothing():
 	case bye:
 		o.mu.Lock()
 		o.endLeasesLocked(c)
@@ -545,7 +555,7 @@ func (c *conn) finish(bye bool) {
 		c.awaitExit(ctx)
 		stop()
 	}
-	_ = c.nc.Close() // cleanup: nothing is left to do if closing fails
+	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
 	o.mu.Lock()
 	owed = o.exitedLocked(c, owed)
@@ -554,6 +564,13 @@ func (c *conn) finish(bye bool) {
 	o.mu.Unlock()
 	o.send(owed)
 	o.wake()
+}
+
+// holdsNothing says whether c holds no lease and no record waits for its events.
+func (c *conn) holdsNothing() bool {
+	c.o.mu.Lock()
+	defer c.o.mu.Unlock()
+	return len(c.held) == 0 && !c.pendingLocked()
 }
 
 func (c *conn) isWelcomed() bool {
@@ -606,11 +623,8 @@ func (o *Owner) signalIdle(c *conn) {
 // endLeasesLocked ends c's leases at once, under o.mu: write-leased pages are freed,
 // read-leased pages lose a reader.
 func (o *Owner) endLeasesLocked(c *conn) {
-	for id, l := range o.leases {
-		if l.c != c {
-			continue
-		}
-		delete(o.leases, id)
+	for _, l := range c.held {
+		o.dropLocked(l)
 		for _, pg := range l.pages {
 			if l.write {
 				l.s.release(pg)

@@ -60,6 +60,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
@@ -100,7 +101,17 @@ type Options struct {
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
 	AnnounceDir string
 	NoAnnounce  bool
+	// Limits bound the page socket's connections: the handshake's timeout, the
+	// connections in their handshake and the admitted connections, in all and per
+	// user or process. A zero field takes its default (session's Default values:
+	// 10 s, 1024 handshakes and 128 per uid, 4096 connections and 64 per process). A
+	// connection past a connection cap is refused with an error wrapping kv.ErrLimit
+	// that names the cap; one past a handshake cap is closed, and logged.
+	Limits Limits
 }
+
+// Limits bound the page socket's connections (Options.Limits).
+type Limits = session.Limits
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
 type Owner struct {
@@ -113,6 +124,7 @@ type Owner struct {
 
 	ex    *producer.Exporter
 	ln    *net.UnixListener
+	srv   *session.Server
 	slabs []*slab
 	byDev map[int]*slab
 
@@ -128,7 +140,6 @@ type Owner struct {
 	stop     context.CancelFunc
 	stopped  context.Context // ends when Close begins
 	pollDone chan struct{}
-	wg       sync.WaitGroup // the accept loop and the connections
 }
 
 // lease is a replica's hold on pages of one slab.
@@ -218,8 +229,11 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		return nil, err
 	}
 	go ow.poll(ow.stopped)
-	ow.wg.Add(1)
-	go ow.accept()
+	var ln net.Listener = ow.ln
+	if wrapListener != nil {
+		ln = wrapListener(ln)
+	}
+	ow.srv = session.Serve(ln, o.Logger, "kv/owner", o.Limits, ow.serveConn)
 	return ow, nil
 }
 
@@ -266,10 +280,10 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 }
 
 // opensToOthers says whether p admits anyone but this user.
-func opensToOthers(p producer.Policy) bool {
-	own := uint32(os.Getuid())
-	return len(p.AllowGIDs) > 0 || slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
-}
+func opensToOthers(p producer.Policy) bool { return session.OpensToOthers(p.AllowUIDs, p.AllowGIDs) }
+
+// wrapListener, set by tests alone, wraps the page socket's listener.
+var wrapListener func(net.Listener) net.Listener
 
 // makeDir creates dir if missing and checks that it is a directory of this user's that
 // no one else can write.
@@ -336,25 +350,6 @@ func (o *Owner) Dir() string { return o.dir }
 // Geometry is every slab's geometry.
 func (o *Owner) Geometry() kv.Geometry { return o.geo }
 
-// accept serves each connection on a goroutine of its own.
-func (o *Owner) accept() {
-	defer o.wg.Done()
-	for {
-		nc, err := o.ln.AcceptUnix()
-		if err != nil {
-			if o.stopped.Err() == nil && !errors.Is(err, net.ErrClosed) {
-				o.log.Error("kv: accepting on the page socket failed; no more replicas are admitted", "err", err)
-			}
-			return
-		}
-		o.wg.Add(1)
-		go func() {
-			defer o.wg.Done()
-			o.serveConn(nc)
-		}()
-	}
-}
-
 // Stats is a snapshot of the owner's slabs and replicas.
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
@@ -363,20 +358,10 @@ func (o *Owner) Stats() Stats {
 	for i, s := range o.slabs {
 		st.Devices[i] = s.snapshot()
 	}
-	byConn := map[*conn]*kv.ReplicaStats{}
 	for c := range o.conns {
 		if c.welcomed {
-			byConn[c] = &kv.ReplicaStats{PID: c.cred.PID, Device: c.s.dev, AwaitingExit: c.lost}
+			st.Replicas = append(st.Replicas, kv.ReplicaStats{PID: c.cred.PID, Device: c.s.dev, Leases: len(c.held), Pages: c.heldPgs, AwaitingExit: c.lost})
 		}
-	}
-	for _, l := range o.leases {
-		if r := byConn[l.c]; r != nil {
-			r.Leases++
-			r.Pages += len(l.pages)
-		}
-	}
-	for _, r := range byConn {
-		st.Replicas = append(st.Replicas, *r)
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
 	return st
@@ -400,18 +385,16 @@ func (o *Owner) Close(ctx context.Context) error {
 // teardown undoes what Listen made, whatever it got to.
 func (o *Owner) teardown(ctx context.Context) error {
 	o.stop()
-	if o.ln != nil {
-		_ = o.ln.Close()                                // cleanup: nothing is left to do if closing fails
-		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
-	}
 	o.mu.Lock()
 	o.closed = true
-	for c := range o.conns {
-		_ = c.nc.Close() // cleanup: closing it is what ends its service
-	}
 	o.mu.Unlock()
-	o.wg.Wait()
+	if o.srv != nil {
+		o.srv.Close() // the listener, and every connection: closing it is what ends its service
+	} else if o.ln != nil {
+		_ = o.ln.Close() // cleanup: nothing is left to do if closing fails
+	}
 	if o.ln != nil {
+		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
 		<-o.pollDone
 	}
 	o.mu.Lock()

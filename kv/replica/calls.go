@@ -227,13 +227,7 @@ func (r *Replica) releaseAbandoned(id uint64) {
 // replyErr is the error of a reply that is not of type want.
 func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 	if h.Type == kvwire.TypeError {
-		pr := kvwire.NewParser(h.Type, p)
-		code := pr.U16()
-		msg := pr.Text()
-		if err := pr.Done(); err != nil {
-			return err
-		}
-		return kvwire.RemoteError(code, msg)
+		return kvwire.ParseError(h.Type, p)
 	}
 	return fmt.Errorf("%w: the owner answered with %s, not %s", kvwire.ErrMalformed, h.Type, want)
 }

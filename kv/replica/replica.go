@@ -26,7 +26,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -263,13 +262,8 @@ func (r *Replica) hello(ctx context.Context) (string, error) {
 		}
 		return slab, nil
 	case kvwire.TypeRefused:
-		reason := pr.Text()
-		// A refusal for the device starts with kv.ErrGeometry's text.
-		rerr := &kv.RemoteError{Text: "refused: " + reason}
-		if strings.HasPrefix(reason, kv.ErrGeometry.Error()) {
-			rerr.Err = kv.ErrGeometry
-		}
-		return "", rerr
+		// Its code says why: kv.ErrRefused, kv.ErrGeometry (the device), kv.ErrLimit.
+		return "", kvwire.ParseError(h.Type, p)
 	}
 	return "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
 }

@@ -1,6 +1,7 @@
-package producer
+package session
 
 import (
+	"log/slog"
 	"net"
 	"sync"
 	"syscall"
@@ -41,14 +42,14 @@ func (l *shortListener) Accept() (net.Conn, error) {
 func (l *shortListener) Addr() net.Addr { return &net.UnixAddr{Name: "short", Net: "unix"} }
 
 // While accepts fail for want of descriptors, each retry waits: from
-// acceptBackoffMin, doubling, to acceptBackoffMax and no more, so an exhaustion costs
+// AcceptBackoffMin, doubling, to AcceptBackoffMax and no more, so an exhaustion costs
 // at most about one accept a second, not a spinning core; an accept that succeeds
 // starts the backoff over.
 func TestAcceptBackoffIsBounded(t *testing.T) {
 	l := &shortListener{ok: map[int]bool{20: true}, limit: 30}
 	var waits []time.Duration
 	served := 0
-	acceptLoop(l, discardLogger, func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
+	AcceptLoop(l, slog.New(slog.DiscardHandler), "test", func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
 		func(d time.Duration) { waits = append(waits, d) })
 	require.Equal(t, 1, served)
 	require.Len(t, waits, l.limit-1, "a wait after every failed accept, none after the success")
@@ -57,9 +58,9 @@ func TestAcceptBackoffIsBounded(t *testing.T) {
 		if i == 19 { // the first failure after the success at call 20
 			want = 0
 		}
-		want = min(max(2*want, acceptBackoffMin), acceptBackoffMax)
+		want = min(max(2*want, AcceptBackoffMin), AcceptBackoffMax)
 		assert.Equal(t, want, d, "wait %d", i)
 	}
-	assert.Equal(t, acceptBackoffMax, waits[18], "the backoff reached its bound")
-	assert.LessOrEqual(t, acceptBackoffMax, time.Second, "at most about one accept a second")
+	assert.Equal(t, AcceptBackoffMax, waits[18], "the backoff reached its bound")
+	assert.LessOrEqual(t, AcceptBackoffMax, time.Second, "at most about one accept a second")
 }

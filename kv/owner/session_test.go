@@ -1,0 +1,162 @@
+package owner_test
+
+import (
+	"errors"
+	"net"
+	"os"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// listenWith starts an owner of small on device 0 with o (Geometry and NoAnnounce set).
+func listenWith(t *testing.T, o owner.Options) (*owner.Owner, string) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvs")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	dev := cudarttest.ForTest(t)
+	o.Geometry, o.NoAnnounce = small, true
+	ow, err := owner.Listen(dir, dev, o)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		assert.NoError(t, ow.Close(bound(t)))
+		assert.NoError(t, dev.Err(), "the owner's device saw broken rules")
+	})
+	return ow, dir
+}
+
+// failingOnce is a listener whose first Accept fails with EMFILE.
+type failingOnce struct {
+	net.Listener
+	failed atomic.Bool
+}
+
+func (l *failingOnce) Accept() (net.Conn, error) {
+	if !l.failed.Swap(true) {
+		return nil, &net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept", syscall.EMFILE)}
+	}
+	return l.Listener.Accept()
+}
+
+// N1: one accept that fails for want of descriptors does not stop admission: the
+// owner backs off and accepts again.
+func TestAcceptOutlastsEMFILE(t *testing.T) {
+	l := &failingOnce{}
+	defer owner.SetWrapListener(func(in net.Listener) net.Listener { l.Listener = in; return l })()
+	_, dir := listenWith(t, owner.Options{})
+	r := dialRaw(t, dir)
+	r.hello()
+	assert.True(t, l.failed.Load(), "the first accept failed")
+}
+
+// N3: connections in their handshake are capped per uid; one past the cap is closed
+// at once, without a word, while those within it wait for their Hello; the handshake
+// timeout is the owner's to set.
+func TestHandshakesAreCapped(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}})
+	var silent []*raw
+	for range 3 {
+		silent = append(silent, dialRaw(t, dir))
+	}
+	over := dialRaw(t, dir)
+	over.closed("a connection past the handshake cap")
+	for i, r := range silent {
+		_ = r.nc.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+		_, _, err := r.next()
+		var ne net.Error
+		require.True(t, errors.As(err, &ne) && ne.Timeout(), "connection %d within the cap was closed: %v", i, err)
+		_ = r.nc.SetDeadline(time.Now().Add(testwait.Bound))
+	}
+	silent[0].hello() // within its hour; then its slot is free
+	late := dialRaw(t, dir)
+	late.hello()
+}
+
+// N3: the handshake timeout is configurable: a connection that says nothing is
+// closed once it has passed.
+func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakeTimeout: 20 * time.Millisecond}})
+	r := dialRaw(t, dir)
+	r.closed("a connection silent past the handshake timeout")
+}
+
+// N2: admitted connections are capped per process: one past the cap is refused
+// with kv.ErrLimit naming the cap, and the owner serves the others on.
+func TestConnectionsPerProcessAreCapped(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{ConnsPerProcess: 2}})
+	a, b := dialRaw(t, dir), dialRaw(t, dir)
+	a.hello()
+	b.hello()
+	c := dialRaw(t, dir)
+	c.send(kvwire.AppendHello(nil, 4, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid())}))
+	h, p, err := c.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeRefused, h.Type)
+	err = kvwire.ParseError(h.Type, p)
+	assert.ErrorIs(t, err, kv.ErrLimit)
+	assert.ErrorContains(t, err, "ConnsPerProcess")
+	c.closed("a connection past the cap")
+	a.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
+	h, _, err = a.next()
+	require.NoError(t, err)
+	assert.Equal(t, kvwire.TypeLeased, h.Type, "the others are served on")
+	b.send(kvwire.AppendEmpty(nil, kvwire.TypeBye, 0))
+	b.closed("after Bye")
+	d := dialRaw(t, dir)
+	d.hello() // b's slot is free again
+}
+
+// N2: a connection that hangs up without Bye and holds nothing ends at once, though
+// its process lives on: its goroutine, descriptor and pidfd are not kept for the
+// process's exit. One that holds a lease waits for the exit.
+func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
+	o, dir := listenWith(t, owner.Options{})
+	for range 20 {
+		r := dialRaw(t, dir)
+		r.hello()
+		require.NoError(t, r.nc.Close())
+	}
+	holder := dialRaw(t, dir)
+	holder.hello()
+	holder.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
+	h, _, err := holder.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeLeased, h.Type)
+	require.NoError(t, holder.nc.Close())
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && st.Replicas[0].AwaitingExit && st.Replicas[0].Leases == 1
+	}, testwait.Bound, time.Millisecond, "the lease-less lost connections end, and the holder awaits its exit: %+v", o.Stats().Replicas)
+}
+
+// A panic while serving one connection's request ends that connection alone: the
+// owner serves the others on and admits new ones.
+func TestPanicEndsOnlyItsConnection(t *testing.T) {
+	defer owner.PanicOn(kvwire.TypeStats)()
+	_, dir := listenWith(t, owner.Options{})
+	dev := cudarttest.ForTest(t)
+	good, err := replica.Dial(bound(t), dir, dev, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { good.Close(bound(t)) })
+	bad := dialRaw(t, dir)
+	bad.hello()
+	bad.send(kvwire.AppendEmpty(nil, kvwire.TypeStats, 3))
+	bad.closed("the connection whose request panicked")
+	l, err := good.Alloc(bound(t), 2)
+	require.NoError(t, err, "the other replica is served on")
+	require.NoError(t, good.Release(bound(t), 0, l))
+	again := dialRaw(t, dir)
+	again.hello()
+}
