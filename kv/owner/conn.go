@@ -504,17 +504,35 @@ func (c *conn) stats(h kvwire.Header, p []byte) error {
 	if len(p) != 0 {
 		return fmt.Errorf("%w: Stats with %d bytes of payload", kvwire.ErrMalformed, len(p))
 	}
-	js, err := json.Marshal(c.o.Stats())
+	js, err := encodeStats(c.o.Stats())
 	if err != nil {
 		return c.sendError(h.ID, err)
-	}
-	if len(js) > kvwire.MaxFrame-kvwire.HeaderLen {
-		return c.sendError(h.ID, fmt.Errorf("%w: the stats take %d bytes", kv.ErrTooLarge, len(js)))
 	}
 	return c.write(func(b []byte) ([]byte, error) {
 		start := len(b)
 		return kvwire.End(append(kvwire.Begin(b, kvwire.TypeStatsReply, 0, h.ID), js...), start)
 	})
+}
+
+// encodeStats is st as the JSON of a Stats frame: at most kv.MaxListed replicas
+// listed, fewer where their entries would not fit the frame, ReplicasOmitted counting
+// the rest.
+func encodeStats(st Stats) ([]byte, error) {
+	all := st.Replicas
+	n := min(len(all), kv.MaxListed)
+	for {
+		st.Replicas, st.ReplicasOmitted = all[:n], len(all)-n
+		js, err := json.Marshal(st)
+		switch {
+		case err != nil:
+			return nil, err
+		case len(js) <= kvwire.MaxFrame-kvwire.HeaderLen:
+			return js, nil
+		case n == 0:
+			return nil, fmt.Errorf("%w: the stats take %d bytes without replicas", kv.ErrTooLarge, len(js))
+		}
+		n /= 2
+	}
 }
 
 // finish ends the connection. After Bye the leases still held end at once, and the

@@ -23,3 +23,6 @@ func PanicOn(t kvwire.Type) (undo func()) {
 	}
 	return func() { frameHook = nil }
 }
+
+// EncodeStats is the JSON of the Stats frame answering st.
+var EncodeStats = encodeStats

@@ -364,6 +364,7 @@ func (o *Owner) Stats() Stats {
 		}
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
+	st.ReplicaCount = len(st.Replicas)
 	return st
 }
 

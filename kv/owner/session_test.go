@@ -1,6 +1,7 @@
 package owner_test
 
 import (
+	"encoding/json"
 	"errors"
 	"net"
 	"os"
@@ -159,4 +160,27 @@ func TestPanicEndsOnlyItsConnection(t *testing.T) {
 	require.NoError(t, good.Release(bound(t), 0, l))
 	again := dialRaw(t, dir)
 	again.hello()
+}
+
+// N5: the Stats frame fits one frame however many replicas are connected: the list
+// is cut, and the count of those left out says so. (3,000 replicas made a frame of
+// 138 KB, over the 128 KiB limit, and stats failed for everyone.)
+func TestStatsFitOneFrameForAnyNumberOfReplicas(t *testing.T) {
+	for _, n := range []int{0, 10, kv.MaxListed, 3000, 100000} {
+		st := owner.Stats{PID: 1, Devices: []kv.DeviceStats{{Device: 0}}, Replicas: make([]kv.ReplicaStats, n), ReplicaCount: n}
+		for i := range st.Replicas {
+			st.Replicas[i] = kv.ReplicaStats{PID: 4000000 + i, Device: 7, Leases: 1 << 20, Pages: 1 << 30, AwaitingExit: true}
+		}
+		js, err := owner.EncodeStats(st)
+		require.NoError(t, err, "%d replicas", n)
+		assert.LessOrEqual(t, len(js), kvwire.MaxFrame-kvwire.HeaderLen, "%d replicas", n)
+		var got kv.Stats
+		require.NoError(t, json.Unmarshal(js, &got))
+		assert.Equal(t, n, got.ReplicaCount)
+		assert.Equal(t, n, len(got.Replicas)+got.ReplicasOmitted, "%d replicas: listed or counted", n)
+		assert.LessOrEqual(t, len(got.Replicas), kv.MaxListed)
+		if n <= kv.MaxListed {
+			assert.Zero(t, got.ReplicasOmitted, "%d replicas all listed", n)
+		}
+	}
 }
