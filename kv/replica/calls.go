@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -43,16 +44,10 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 	r.calls[id] = c
 	r.mu.Unlock()
 
-	r.wmu.Lock()
-	b, err := build(r.wbuf[:0], id)
-	if err == nil {
-		_, err = r.nc.Write(b)
-		if err != nil {
-			r.fail(err)
-		}
+	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return build(b, id) })
+	if errors.Is(err, session.ErrBroken) {
+		r.fail(err) // a frame cut short: the owner cannot read on
 	}
-	r.wbuf = b[:0]
-	r.wmu.Unlock()
 	if err != nil {
 		r.forget(id)
 		if gone := r.gone(); gone != nil {

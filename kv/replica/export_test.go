@@ -10,3 +10,10 @@ func HangUp(r *Replica) {
 	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
 	r.nc.Close()
 }
+
+// OpenEvents counts the events r created and has not destroyed.
+func OpenEvents(r *Replica) int {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	return len(r.events) + len(r.leftEvents)
+}

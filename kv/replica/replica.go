@@ -33,6 +33,7 @@ import (
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -114,8 +115,7 @@ type Replica struct {
 	hup    *hangup
 
 	nextID atomic.Uint32
-	wmu    sync.Mutex
-	wbuf   []byte
+	w      *session.Writer // every write bounded by its caller's ctx
 
 	role chan struct{} // held (a value in it) by the one goroutine reading nc
 	rd   *kvwire.Reader
@@ -128,9 +128,10 @@ type Replica struct {
 	done  chan struct{}
 	stopW chan struct{} // stops the watcher
 
-	evMu     sync.Mutex
-	events   map[cudart.Stream]*streamEvent
-	evClosed bool
+	evMu       sync.Mutex
+	events     map[cudart.Stream]*streamEvent
+	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
+	evClosed   bool
 }
 
 // streamEvent is the IPC event the replica records on one stream.
@@ -163,16 +164,16 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
 	defer func() {
 		if err != nil {
-			if r.nc != nil { // a Bye, so that the owner does not wait for this process's exit
-				b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
-				_, _ = r.nc.Write(b) // best effort: an owner that misses it waits for this process's exit
+			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
+				_ = r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) }) // best effort: an owner that misses it waits for this process's exit
 			}
-			_ = r.teardown(context.Background()) // cleanup: the first error is the one returned
+			_ = r.teardown(context.Background(), true) // cleanup: the first error is the one returned
 		}
 	}()
 	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
 		return nil, err
 	}
+	r.w = session.NewWriter(r.nc, 0)
 	slabName, err := r.hello(ctx)
 	if err != nil {
 		return nil, err
@@ -212,23 +213,14 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 
 // dialPages connects to the page socket, waiting for it if wait.
 func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
-	backoff := 5 * time.Millisecond
-	for {
-		var d net.Dialer
-		nc, err := d.DialContext(ctx, "unix", path)
-		if err == nil {
-			return nc.(*net.UnixConn), nil
-		}
-		if !wait || ctx.Err() != nil {
-			return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
-		}
-		select {
-		case <-time.After(backoff):
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w: waiting for an owner at %s: %w", kv.ErrOwnerGone, filepath.Dir(path), ctx.Err())
-		}
-		backoff = min(2*backoff, 500*time.Millisecond)
+	nc, err := session.Dial(ctx, path, wait)
+	switch {
+	case err == nil:
+		return nc, nil
+	case wait && ctx.Err() != nil:
+		return nil, fmt.Errorf("%w: waiting for an owner at %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
 	}
+	return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
 }
 
 // hello is the handshake: it learns the geometry and the slab's name.
@@ -332,8 +324,15 @@ func (r *Replica) Err() error {
 // release them first, so that the owner waits for your streams) and waits, until ctx
 // ends, for the owner to close the connection, so that the owner is done with this
 // replica's events before they are destroyed. It then unmaps the slab after the last
-// records of those events and disconnects from the slab's exporter. With the owner gone
-// Close still completes, and returns nil. A second Close returns kv.ErrClosed.
+// records of those events and disconnects from the slab's exporter. If ctx ends before
+// the owner has closed the connection (a release still waits for a busy stream, or the
+// owner does not read), Close gives up on it and returns, and leaves the events
+// undestroyed, as the owner may still query them: they go with the process's exit.
+// The slab is unmapped after the work queued on the streams the replica used; if ctx
+// ends while that waits (a stream that does not run), Close returns an error wrapping
+// ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
+// more for what waits on the slab's exporter). With the owner gone Close still
+// completes, and returns nil. A second Close returns kv.ErrClosed.
 func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Lock()
 	if errors.Is(r.err, kv.ErrClosed) {
@@ -346,29 +345,38 @@ func (r *Replica) Close(ctx context.Context) error {
 		close(r.done)
 	}
 	r.mu.Unlock()
+	ownerDone := true
 	if alive {
-		r.bye(ctx)
+		ownerDone = r.bye(ctx)
 	}
 	r.mu.Lock()
 	r.err = kv.ErrClosed
 	r.mu.Unlock()
-	return r.teardown(ctx)
+	done := make(chan error, 1)
+	go func() {
+		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
+		defer cancel()
+		done <- r.teardown(bg, ownerDone)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("kv/replica: close: the slab's unmapping waits for the streams' work, and completes once it has run: %w", ctx.Err())
+	}
 }
 
 // bye sends Bye and reads, with the reading role, until the owner closes the
-// connection or ctx ends.
-func (r *Replica) bye(ctx context.Context) {
-	r.wmu.Lock()
-	b, _ := kvwire.AppendEmpty(r.wbuf[:0], kvwire.TypeBye, 0)
-	_, err := r.nc.Write(b)
-	r.wmu.Unlock()
+// connection or ctx ends; it says whether the owner closed it (or is gone).
+func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
+	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) })
 	if err != nil {
-		return
+		return ctx.Err() == nil && !errors.Is(err, session.ErrBroken) // the owner hung up already
 	}
 	select {
 	case r.role <- struct{}{}:
 	case <-ctx.Done():
-		return
+		return false
 	}
 	defer func() { <-r.role }()
 	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
@@ -376,14 +384,16 @@ func (r *Replica) bye(ctx context.Context) {
 	for {
 		h, p, err := r.rd.Next(r.nc)
 		if err != nil {
-			return
+			return ctx.Err() == nil
 		}
 		r.deliver(h, p)
 	}
 }
 
-// teardown undoes what Dial made, whatever it got to.
-func (r *Replica) teardown(ctx context.Context) error {
+// teardown undoes what Dial made, whatever it got to; it destroys the events only if
+// destroyEvents (the owner is done with them), and otherwise leaves them to the
+// process's exit.
+func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	select {
 	case <-r.stopW:
 	default:
@@ -402,6 +412,11 @@ func (r *Replica) teardown(ctx context.Context) error {
 	r.evClosed = true
 	events := r.events
 	r.events = map[cudart.Stream]*streamEvent{}
+	if !destroyEvents {
+		for _, e := range events {
+			r.leftEvents = append(r.leftEvents, e.ev)
+		}
+	}
 	r.evMu.Unlock()
 	if r.m != nil {
 		// The slab's import is freed after the last seal and release of every stream.
@@ -422,9 +437,14 @@ func (r *Replica) teardown(ctx context.Context) error {
 	// A stream's wait on an event, and work queued on a stream, outlive their
 	// destruction: nothing here waits for the GPU.
 	for _, e := range events {
-		if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
-			errs = append(errs, err)
+		if destroyEvents {
+			if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
+				errs = append(errs, err)
+			}
 		}
+	}
+	if !destroyEvents && len(events) > 0 {
+		r.log.Debug("kv: Close gave up on the owner; its events are left to the process's exit", "events", len(events))
 	}
 	if r.stream != 0 {
 		if err := r.rt.StreamDestroy(r.dev, r.stream); err != nil {

@@ -2,12 +2,15 @@ package replica_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
@@ -64,4 +67,78 @@ func TestRequestToAStalledOwnerEndsWithItsContext(t *testing.T) {
 	}()
 	err = testwait.Recv(t, done, "a Match that its owner does not answer")
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+}
+
+// Requests to an owner that reads nothing end with their contexts, the writes
+// included: with the socket's buffer full, each Match with a 300 ms context returns
+// (with its ctx's error, or kv.ErrOwnerGone once a write cut inside a frame has ended
+// the connection), and so does Close with its ctx.
+func TestWritesToAnOwnerNotReadingEndWithTheirContexts(t *testing.T) {
+	o, _, realDir := startOwner(t, small)
+	dir, hangUp := stalledOwner(t, o, realDir)
+	dev := cudarttest.ForTest(t)
+	r, err := replica.Dial(bound(t), dir, dev, 0)
+	require.NoError(t, err)
+	t.Cleanup(hangUp)
+	big := make([]kv.Hash, kv.MaxBatch) // 64 KiB a Match: a few fill the socket's buffer
+	for i := range big {
+		big[i][0], big[i][1] = byte(i), byte(i>>8)
+	}
+	const callers = 8
+	done := make(chan error, callers)
+	for range callers {
+		go func() {
+			for {
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				_, err := r.Match(ctx, big, 0)
+				cancel()
+				if err == nil {
+					continue
+				}
+				done <- err
+				return
+			}
+		}()
+	}
+	for i := range callers {
+		err := testwait.Recv(t, done, fmt.Sprintf("Match %d of %d to an owner that reads nothing", i+1, callers))
+		if !errors.Is(err, context.DeadlineExceeded) {
+			require.ErrorIs(t, err, kv.ErrOwnerGone, "Match %d", i+1)
+		}
+	}
+	closed := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		closed <- r.Close(ctx)
+	}()
+	testwait.Recv(t, closed, "Close of a replica whose owner reads nothing")
+}
+
+// N9: Close gives up on the owner when its ctx ends, behind a stream whose release
+// has not run, and then destroys no event the owner may still query: the events are
+// left to the process's exit, and the owner's device sees no broken rule.
+func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
+	o, _, dir := startOwner(t, small)
+	r, rdev, rs := dial(t, dir, 0)
+	ctx := bound(t)
+	hashes := sealed(t, rdev, r, rs, 3, 4)
+	m, err := r.Match(ctx, hashes, rs)
+	require.NoError(t, err)
+	resume, err := rdev.Stall(0, rs)
+	require.NoError(t, err)
+	require.NoError(t, r.Release(ctx, rs, m))
+	closed := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		defer cancel()
+		closed <- r.Close(ctx)
+	}()
+	err = testwait.Recv(t, closed, "Close(200 ms) behind a stalled stream")
+	t.Logf("Close took %v: %v", time.Since(start), err)
+	assert.Equal(t, 4, device0(o).Releasing, "the release still waits for its stream")
+	assert.Equal(t, 1, replica.OpenEvents(r), "the stream's event is left to the process's exit")
+	resume()
+	eventually(t, "the release to settle once the stream runs", func() bool { return device0(o).Releasing == 0 })
 }
