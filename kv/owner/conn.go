@@ -12,6 +12,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -45,6 +46,7 @@ type conn struct {
 	// The connection's goroutine alone.
 	scratch []uint32
 	leaseID []uint64
+	seen    map[kv.Hash]int
 }
 
 // exited says whether the replica's process has exited; false where it cannot be
@@ -121,6 +123,11 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	hello := kvwire.Hello{Version: pr.U32(), PID: pr.U32(), Device: pr.U32(), Namespace: pr.Text()}
 	if err := pr.Done(); err != nil {
 		return refuse(kvwire.CodeRefused, err.Error())
+	}
+	if hello.Namespace != "" {
+		if err := printable.Check(hello.Namespace, kvwire.MaxNamespace); err != nil {
+			return refuse(kvwire.CodeRefused, fmt.Sprintf("the namespace: %v", err))
+		}
 	}
 	if reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, c.cred, "the owner"); reason != "" {
 		return refuse(kvwire.CodeRefused, reason)
@@ -203,6 +210,9 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 		if frameHook != nil {
 			frameHook(h.Type)
 		}
+		if unknown := h.Flags &^ knownFlags(h.Type); unknown != 0 {
+			return false, fmt.Errorf("%w: %s with unknown flags %#x", kvwire.ErrMalformed, h.Type, unknown)
+		}
 		switch h.Type {
 		case kvwire.TypeAlloc:
 			err = c.alloc(h, p)
@@ -226,6 +236,14 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 			return false, err
 		}
 	}
+}
+
+// knownFlags are the flag bits a request of type t may carry.
+func knownFlags(t kvwire.Type) uint8 {
+	if t == kvwire.TypeSeal {
+		return kvwire.FlagWait
+	}
+	return 0
 }
 
 func isEOF(err error) bool { return errors.Is(err, io.EOF) || errors.Is(err, os.ErrClosed) }
@@ -469,6 +487,9 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if err := pr.Done(); err != nil {
 		return c.refuse(h.ID, err)
 	}
+	if err := c.distinct(hashes); err != nil {
+		return c.sendError(h.ID, err)
+	}
 	o.mu.Lock()
 	pages := s.lookup(hashes, c.scratch[:0])
 	c.scratch = pages[:0]
@@ -481,6 +502,24 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
 	})
+}
+
+// distinct says which hash of hashes repeats an earlier one, if one does.
+func (c *conn) distinct(hashes []kv.Hash) error {
+	if len(hashes) < 2 {
+		return nil
+	}
+	if c.seen == nil {
+		c.seen = make(map[kv.Hash]int, len(hashes))
+	}
+	defer clear(c.seen)
+	for i, h := range hashes {
+		if j, ok := c.seen[h]; ok {
+			return fmt.Errorf("%w: hash %d repeats hash %d: a prefix's hashes are distinct", kv.ErrGeometry, i, j)
+		}
+		c.seen[h] = i
+	}
+	return nil
 }
 
 // leaseRunLocked leases sealed pages of c's slab for reading (no lease if none), under

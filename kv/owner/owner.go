@@ -187,9 +187,15 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	if err := makeDir(dir, opensToOthers(o.Policy)); err != nil {
+	made, err := makeDir(dir, opensToOthers(o.Policy))
+	if err != nil {
 		return nil, err
 	}
+	defer func() {
+		if err != nil && made != "" {
+			_ = os.RemoveAll(made) // cleanup: what Listen made goes; the first error is the one returned
+		}
+	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, opts: o, log: o.Logger, meta: kvwire.AppendGeometry(nil, o.Geometry),
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
 		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{})}
@@ -286,29 +292,36 @@ func opensToOthers(p producer.Policy) bool { return session.OpensToOthers(p.Allo
 var wrapListener func(net.Listener) net.Listener
 
 // makeDir creates dir if missing and checks that it is a directory of this user's that
-// no one else can write.
-func makeDir(dir string, open bool) error {
+// no one else can write. made is the topmost directory it created ("" if none), for
+// a Listen that fails to remove.
+func makeDir(dir string, open bool) (made string, err error) {
 	mode := os.FileMode(0o700)
 	if open {
 		mode = 0o711
 	}
+	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || filepath.Dir(d) == d {
+			break
+		}
+		made = d
+	}
 	if err := os.MkdirAll(dir, mode); err != nil {
-		return fmt.Errorf("kv/owner: %w", err)
+		return "", fmt.Errorf("kv/owner: %w", err)
 	}
 	info, err := os.Lstat(dir)
 	if err != nil {
-		return fmt.Errorf("kv/owner: %w", err)
+		return made, fmt.Errorf("kv/owner: %w", err)
 	}
 	st, ok := info.Sys().(*syscall.Stat_t)
 	switch {
 	case !info.IsDir():
-		return fmt.Errorf("kv/owner: %s is not a directory", dir)
+		return made, fmt.Errorf("kv/owner: %s is not a directory", dir)
 	case ok && int(st.Uid) != os.Getuid():
-		return fmt.Errorf("kv/owner: %s belongs to uid %d, not this user", dir, st.Uid)
+		return made, fmt.Errorf("kv/owner: %s belongs to uid %d, not this user", dir, st.Uid)
 	case info.Mode().Perm()&0o022 != 0:
-		return fmt.Errorf("kv/owner: %s can be written by others (mode %v)", dir, info.Mode().Perm())
+		return made, fmt.Errorf("kv/owner: %s can be written by others (mode %v)", dir, info.Mode().Perm())
 	}
-	return nil
+	return made, nil
 }
 
 // listenPages listens on path, replacing a stale socket there (the caller holds the

@@ -47,7 +47,9 @@ type options struct {
 	log  *slog.Logger
 }
 
-// WithNamespace sets the namespace of the replica's prefix hashes (Hashes).
+// WithNamespace sets the namespace of the replica's prefix hashes (Hashes). A
+// namespace other than "" is printable (no control or bidirectional character) and at
+// most 256 bytes; the owner refuses another with kv.ErrRefused.
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
 // WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
