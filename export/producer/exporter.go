@@ -162,8 +162,8 @@ func (ex *Exporter) Serve(l net.Listener) error {
 // Addr is the path of the exporter's socket.
 func (ex *Exporter) Addr() string { return ex.sock.path }
 
-// accept serves l's connections until l is closed (acceptLoop keeps it going through
-// a shortage of descriptors).
+// accept serves l's connections until l is closed (session.AcceptLoop keeps it going
+// through a shortage of descriptors).
 func (ex *Exporter) accept(l net.Listener) {
 	defer ex.wg.Done()
 	session.AcceptLoop(l, ex.log, "producer", ex.isClosed, ex.greet, time.Sleep)

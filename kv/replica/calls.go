@@ -239,15 +239,18 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
-		func(h kvwire.Header, p []byte) error { return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n)) })
+		func(h kvwire.Header, p []byte) error {
+			return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages)
+		})
 	if err != nil {
 		return nil, err
 	}
 	return l, nil
 }
 
-// parse fills l from a Leased or Matched reply.
-func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint32) error {
+// parse fills l from a Leased or Matched reply to a request of asked pages (a Leased
+// one has all of them) on a slab of slabPages.
+func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint32, asked, slabPages int) error {
 	if h.Type != want {
 		return replyErr(h, p, want)
 	}
@@ -259,6 +262,14 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 	}
 	if (l.id == 0) != (len(l.pages) == 0) {
 		return fmt.Errorf("%w: lease %d of %d pages", kvwire.ErrMalformed, l.id, len(l.pages))
+	}
+	if len(l.pages) > asked || (want == kvwire.TypeLeased && len(l.pages) != asked) {
+		return fmt.Errorf("%w: %s of %d pages for a request of %d", kvwire.ErrMalformed, want, len(l.pages), asked)
+	}
+	for i, pg := range l.pages {
+		if int64(pg) >= int64(slabPages) {
+			return fmt.Errorf("%w: %s page %d is %d, past the slab's %d pages", kvwire.ErrMalformed, want, i, pg, slabPages)
+		}
 	}
 	return nil
 }
@@ -317,7 +328,7 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) 
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
 		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)))
+			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages)
 		})
 	if err != nil {
 		return nil, err

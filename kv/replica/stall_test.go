@@ -142,3 +142,75 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	resume()
 	eventually(t, "the release to settle once the stream runs", func() bool { return device0(o).Releasing == 0 })
 }
+
+// fakeOwner serves a directory whose slab socket is o's and whose page socket answers
+// Hello, then each request with answer(request's header).
+func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header) []byte) string {
+	dir := shortDir(t)
+	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
+	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
+	require.NoError(t, err)
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		nc, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		rd := kvwire.NewReader()
+		if _, _, err := rd.Next(nc); err != nil {
+			return
+		}
+		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), Slab: kvwire.SlabName(0)})
+		if _, err := nc.Write(b); err != nil {
+			return
+		}
+		for {
+			h, _, err := rd.Next(nc)
+			if err != nil || h.Type == kvwire.TypeBye {
+				return
+			}
+			if _, err := nc.Write(answer(h)); err != nil {
+				return
+			}
+		}
+	}()
+	return dir
+}
+
+// Lease replies are checked: a page index past the slab, more pages than asked, or an
+// Alloc answered with fewer pages makes the reply malformed, and the call fails.
+func TestLeaseRepliesAreRangeChecked(t *testing.T) {
+	o, _, realDir := startOwner(t, small)
+	for _, c := range []struct {
+		name  string
+		pages []uint32
+		alloc bool
+	}{
+		{"a match's page past the slab", []uint32{uint32(small.Pages)}, false},
+		{"a match of more pages than hashes", []uint32{1, 2, 3}, false},
+		{"an alloc's page past the slab", []uint32{1, 1 << 31}, true},
+		{"an alloc of fewer pages than asked", []uint32{1}, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := fakeOwner(t, o, realDir, func(h kvwire.Header) []byte {
+				typ := kvwire.TypeMatched
+				if h.Type == kvwire.TypeAlloc {
+					typ = kvwire.TypeLeased
+				}
+				b, _ := kvwire.AppendLease(nil, typ, h.ID, 7, c.pages)
+				return b
+			})
+			dev := cudarttest.ForTest(t)
+			r, err := replica.Dial(bound(t), dir, dev, 0)
+			require.NoError(t, err)
+			t.Cleanup(func() { r.Close(bound(t)) })
+			if c.alloc {
+				_, err = r.Alloc(bound(t), 2)
+			} else {
+				_, err = r.Match(bound(t), []kv.Hash{{1}, {2}}, 0)
+			}
+			require.ErrorIs(t, err, kvwire.ErrMalformed, c.name)
+		})
+	}
+}
