@@ -47,6 +47,7 @@ type conn struct {
 	scratch []uint32
 	leaseID []uint64
 	seen    map[kv.Hash]int
+	seenIDs map[uint64]struct{}
 }
 
 // exited says whether the replica's process has exited; false where it cannot be
@@ -273,6 +274,10 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
 	}
 	o.mu.Lock()
+	if err := c.roomLocked(n); err != nil {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	pages, ok := s.take(n, make([]uint32, 0, n))
 	if !ok {
 		free := len(s.free)
@@ -292,6 +297,17 @@ func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 	c.held[l.id] = l
 	c.heldPgs += len(pages)
 	return l
+}
+
+// roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
+func (c *conn) roomLocked(n int) error {
+	if max := c.o.opts.MaxLeases; len(c.held) >= max {
+		return fmt.Errorf("%w: the connection holds %d leases, the most one may (Options.MaxLeases)", kv.ErrLimit, max)
+	}
+	if max := c.o.opts.MaxLeasedPages; c.heldPgs+n > max {
+		return fmt.Errorf("%w: the connection holds leases of %d pages; %d more is over the most one may (Options.MaxLeasedPages, %d)", kv.ErrLimit, c.heldPgs, n, max)
+	}
+	return nil
 }
 
 // dropLocked removes lease l from the books, under o.mu; its pages are the caller's.
@@ -320,6 +336,9 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 	if e, ok := c.events[*h]; ok {
 		return e, nil
 	}
+	if max := c.o.opts.MaxEvents; len(c.events) >= max {
+		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (Options.MaxEvents): record one event per stream", kv.ErrLimit, max)
+	}
 	e := &event{c: c}
 	if *h != ([kvwire.EventLen]byte{}) {
 		ev, err := c.o.rt.IpcOpenEventHandle(c.s.dev, cudart.IpcEventHandle(*h))
@@ -345,18 +364,30 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if err := pr.Done(); err != nil {
 		return c.refuse(h.ID, err)
 	}
+	check := func() (*lease, error) {
+		l, err := o.findLocked(c, id)
+		if err == nil && !l.write {
+			err = fmt.Errorf("%w: lease %d is a read lease; only a write lease is sealed", kv.ErrStaleLease, id)
+		}
+		if err == nil && len(hashes) > len(l.pages) {
+			err = fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
+		}
+		return l, err
+	}
+	// The lease is checked before the event is opened, so that a refused seal opens
+	// nothing, and again after, the lock let go meanwhile.
+	o.mu.Lock()
+	_, err := check()
+	o.mu.Unlock()
+	if err != nil {
+		return c.sendError(h.ID, err)
+	}
 	e, err := c.event(&evh)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
 	o.mu.Lock()
-	l, err := o.findLocked(c, id)
-	if err == nil && !l.write {
-		err = fmt.Errorf("%w: lease %d is a read lease; only a write lease is sealed", kv.ErrStaleLease, id)
-	}
-	if err == nil && len(hashes) > len(l.pages) {
-		err = fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
-	}
+	l, err := check()
 	if err != nil {
 		o.mu.Unlock()
 		return c.sendError(h.ID, err)
@@ -398,20 +429,25 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	if len(c.leaseID) == 0 {
 		return c.sendError(h.ID, fmt.Errorf("%w: a release of no lease", kv.ErrGeometry))
 	}
+	if err := c.distinctIDs(c.leaseID); err != nil { // outside the lock: O(n), with a map
+		return c.sendError(h.ID, err)
+	}
+	// The leases are checked before the event is opened, so that a refused release
+	// opens nothing, and again after, the lock let go meanwhile.
+	o.mu.Lock()
+	err := o.ownsLocked(c, c.leaseID)
+	o.mu.Unlock()
+	if err != nil {
+		return c.sendError(h.ID, err)
+	}
 	e, err := c.event(&evh)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
 	o.mu.Lock()
-	for i, id := range c.leaseID {
-		_, err := o.findLocked(c, id)
-		if err == nil && slicesContains(c.leaseID[:i], id) {
-			err = fmt.Errorf("%w: lease %d is listed twice", kv.ErrStaleLease, id)
-		}
-		if err != nil {
-			o.mu.Unlock()
-			return c.sendError(h.ID, err)
-		}
+	if err := o.ownsLocked(c, c.leaseID); err != nil {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
 	}
 	rec := &record{s: c.s}
 	for _, id := range c.leaseID {
@@ -469,13 +505,32 @@ func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
 	}
 }
 
-func slicesContains(s []uint64, v uint64) bool {
-	for _, x := range s {
-		if x == v {
-			return true
+// distinctIDs says which lease of ids is listed twice, if one is.
+func (c *conn) distinctIDs(ids []uint64) error {
+	if len(ids) < 2 {
+		return nil
+	}
+	if c.seenIDs == nil {
+		c.seenIDs = make(map[uint64]struct{}, len(ids))
+	}
+	defer clear(c.seenIDs)
+	for _, id := range ids {
+		if _, ok := c.seenIDs[id]; ok {
+			return fmt.Errorf("%w: lease %d is listed twice", kv.ErrStaleLease, id)
+		}
+		c.seenIDs[id] = struct{}{}
+	}
+	return nil
+}
+
+// ownsLocked says why one of ids is not c's lease, under o.mu, or nil.
+func (o *Owner) ownsLocked(c *conn, ids []uint64) error {
+	for _, id := range ids {
+		if _, err := o.findLocked(c, id); err != nil {
+			return err
 		}
 	}
-	return false
+	return nil
 }
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
@@ -496,6 +551,10 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
 		o.mu.Unlock()
 		return c.matchAcross(h, hashes)
+	}
+	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()

@@ -121,6 +121,10 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	for _, p := range pages {
 		s.pages[p].readers-- // leaseRunLocked takes the reader back
 	}
+	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {

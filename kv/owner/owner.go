@@ -108,7 +108,22 @@ type Options struct {
 	// connection past a connection cap is refused with an error wrapping kv.ErrLimit
 	// that names the cap; one past a handshake cap is closed, and logged.
 	Limits Limits
+	// MaxLeases, MaxLeasedPages and MaxEvents cap what one connection holds: its
+	// leases, the pages of its leases (a page counted once a lease), and the
+	// distinct event handles it has sent (each opened once and kept until the
+	// connection ends). A request past a cap is refused with an error wrapping
+	// kv.ErrLimit that names it, and changes nothing. Zero takes the default:
+	// DefaultMaxLeases, DefaultMaxLeasedPages, DefaultMaxEvents. With the
+	// connection caps they bound a page's reader count, which cannot wrap.
+	MaxLeases, MaxLeasedPages, MaxEvents int
 }
+
+// Defaults of Options' per-connection caps.
+const (
+	DefaultMaxLeases      = 16384
+	DefaultMaxLeasedPages = 1 << 20
+	DefaultMaxEvents      = 256
+)
 
 // Limits bound the page socket's connections (Options.Limits).
 type Limits = session.Limits
@@ -186,6 +201,14 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
+	}
+	for _, c := range []struct {
+		v   *int
+		def int
+	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxEvents, DefaultMaxEvents}} {
+		if *c.v <= 0 {
+			*c.v = c.def
+		}
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {
@@ -412,8 +435,10 @@ func (o *Owner) teardown(ctx context.Context) error {
 		<-o.pollDone
 	}
 	o.mu.Lock()
-	o.destroyEvents()
+	dead := o.dead
+	o.dead = nil
 	o.mu.Unlock()
+	o.destroyEvents(dead)
 	var errs []error
 	force := false
 	if o.ex != nil {

@@ -17,3 +17,7 @@ func OpenEvents(r *Replica) int {
 	defer r.evMu.Unlock()
 	return len(r.events) + len(r.leftEvents)
 }
+
+// TornDown is closed once r's Close has completed its teardown, in the background
+// where Close gave up waiting.
+func TornDown(r *Replica) <-chan struct{} { return r.tornDown }

@@ -129,6 +129,8 @@ type Replica struct {
 	err   error // why the replica stopped: ErrOwnerGone or ErrClosed
 	done  chan struct{}
 	stopW chan struct{} // stops the watcher
+	// tornDown is closed once Close's teardown has completed.
+	tornDown chan struct{}
 
 	evMu       sync.Mutex
 	events     map[cudart.Stream]*streamEvent
@@ -163,7 +165,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		opt(&o)
 	}
 	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
 	defer func() {
 		if err != nil {
 			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
@@ -356,6 +358,7 @@ func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Unlock()
 	done := make(chan error, 1)
 	go func() {
+		defer close(r.tornDown)
 		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
 		defer cancel()
 		done <- r.teardown(bg, ownerDone)

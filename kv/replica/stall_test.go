@@ -141,6 +141,10 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	assert.Equal(t, 1, replica.OpenEvents(r), "the stream's event is left to the process's exit")
 	resume()
 	eventually(t, "the release to settle once the stream runs", func() bool { return device0(o).Releasing == 0 })
+	testwait.Recv(t, replica.TornDown(r), "the closed replica's teardown, once its stream ran")
+	// The replica's device stands for its process: it is closed with the test, and
+	// the owner must be done with its events by then, as it is at a process's exit.
+	eventually(t, "the owner to drop the closed replica", func() bool { return len(o.Stats().Replicas) == 0 })
 }
 
 // fakeOwner serves a directory whose slab socket is o's and whose page socket answers
