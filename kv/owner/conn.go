@@ -120,9 +120,11 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	if h.Type != kvwire.TypeHello {
 		return refuse(kvwire.CodeRefused, fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
 	}
-	pr := kvwire.NewParser(h.Type, p)
-	hello := kvwire.Hello{Version: pr.U32(), PID: pr.U32(), Device: pr.U32(), Namespace: pr.Text()}
-	if err := pr.Done(); err != nil {
+	hello, err := kvwire.DecodeHello(p)
+	if err == nil {
+		err = kvwire.CheckFlags(h)
+	}
+	if err != nil {
 		return refuse(kvwire.CodeRefused, err.Error())
 	}
 	if hello.Namespace != "" {
@@ -211,8 +213,8 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 		if frameHook != nil {
 			frameHook(h.Type)
 		}
-		if unknown := h.Flags &^ knownFlags(h.Type); unknown != 0 {
-			return false, fmt.Errorf("%w: %s with unknown flags %#x", kvwire.ErrMalformed, h.Type, unknown)
+		if err := kvwire.CheckFlags(h); err != nil {
+			return false, err
 		}
 		switch h.Type {
 		case kvwire.TypeAlloc:
@@ -239,14 +241,6 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 	}
 }
 
-// knownFlags are the flag bits a request of type t may carry.
-func knownFlags(t kvwire.Type) uint8 {
-	if t == kvwire.TypeSeal {
-		return kvwire.FlagWait
-	}
-	return 0
-}
-
 func isEOF(err error) bool { return errors.Is(err, io.EOF) || errors.Is(err, os.ErrClosed) }
 
 // refuse answers a request that fails for err: an error the frame layout cannot show
@@ -262,11 +256,11 @@ func (c *conn) refuse(id uint32, err error) error {
 // alloc answers Alloc: n pages for writing, all or none.
 func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
-	pr := kvwire.NewParser(h.Type, p)
-	n := int(pr.U32())
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeAlloc(p)
+	if err != nil {
 		return err
 	}
+	n := int(m.Pages)
 	switch {
 	case n > kv.MaxBatch:
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
@@ -357,13 +351,11 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 // hashes once the writer's event has completed, the rest are freed then.
 func (c *conn) seal(h kvwire.Header, p []byte) error {
 	o := c.o
-	pr := kvwire.NewParser(h.Type, p)
-	id := pr.U64()
-	evh := pr.Event()
-	hashes := pr.Hashes()
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeSeal(h, p)
+	if err != nil {
 		return c.refuse(h.ID, err)
 	}
+	id, evh, hashes := m.Lease, m.Event, m.Hashes
 	check := func() (*lease, error) {
 		l, err := o.findLocked(c, id)
 		if err == nil && !l.write {
@@ -377,7 +369,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	// The lease is checked before the event is opened, so that a refused seal opens
 	// nothing, and again after, the lock let go meanwhile.
 	o.mu.Lock()
-	_, err := check()
+	_, err = check()
 	o.mu.Unlock()
 	if err != nil {
 		return c.sendError(h.ID, err)
@@ -420,12 +412,12 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 // its pages settling until the event has completed.
 func (c *conn) release(h kvwire.Header, p []byte) error {
 	o := c.o
-	pr := kvwire.NewParser(h.Type, p)
-	evh := pr.Event()
-	c.leaseID = pr.U64s(c.leaseID[:0])
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeRelease(p, c.leaseID[:0])
+	c.leaseID = m.Leases
+	if err != nil {
 		return c.refuse(h.ID, err)
 	}
+	evh := m.Event
 	if len(c.leaseID) == 0 {
 		return c.sendError(h.ID, fmt.Errorf("%w: a release of no lease", kv.ErrGeometry))
 	}
@@ -435,7 +427,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	// The leases are checked before the event is opened, so that a refused release
 	// opens nothing, and again after, the lock let go meanwhile.
 	o.mu.Lock()
-	err := o.ownsLocked(c, c.leaseID)
+	err = o.ownsLocked(c, c.leaseID)
 	o.mu.Unlock()
 	if err != nil {
 		return c.sendError(h.ID, err)
@@ -537,11 +529,11 @@ func (o *Owner) ownsLocked(c *conn, ids []uint64) error {
 // from another device's slab where only that one has them, leased for reading.
 func (c *conn) match(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
-	pr := kvwire.NewParser(h.Type, p)
-	hashes := pr.Hashes()
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeMatch(p)
+	if err != nil {
 		return c.refuse(h.ID, err)
 	}
+	hashes := m.Hashes
 	if err := c.distinct(hashes); err != nil {
 		return c.sendError(h.ID, err)
 	}

@@ -132,9 +132,8 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 // releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
 func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
 	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		pr := kvwire.NewParser(h.Type, p)
-		if id := pr.U64(); id != 0 {
-			go r.releaseAbandoned(id)
+		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
+			go r.releaseAbandoned(m.ID)
 		}
 	}
 }
@@ -254,12 +253,11 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 	if h.Type != want {
 		return replyErr(h, p, want)
 	}
-	pr := kvwire.NewParser(h.Type, p)
-	l.id = pr.U64()
-	l.pages = pr.U32s(pages)
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeLease(h.Type, p, pages)
+	if err != nil {
 		return err
 	}
+	l.id, l.pages = m.ID, m.Pages
 	if (l.id == 0) != (len(l.pages) == 0) {
 		return fmt.Errorf("%w: lease %d of %d pages", kvwire.ErrMalformed, l.id, len(l.pages))
 	}
@@ -305,9 +303,9 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 			if h.Type != kvwire.TypeSealed {
 				return replyErr(h, p, kvwire.TypeSealed)
 			}
-			pr := kvwire.NewParser(h.Type, p)
-			res = SealResult{Visible: int(pr.U32()), Duplicates: int(pr.U32()), Pending: int(pr.U32())}
-			return pr.Done()
+			m, err := kvwire.DecodeSealed(p)
+			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
+			return err
 		})
 	return res, err
 }
@@ -368,9 +366,8 @@ func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
 			}
-			pr := kvwire.NewParser(h.Type, p)
-			pr.U32()
-			return pr.Done()
+			_, err := kvwire.DecodeReleased(p)
+			return err
 		})
 }
 

@@ -245,18 +245,17 @@ func (r *Replica) hello(ctx context.Context) (string, error) {
 		}
 		return "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
 	}
-	pr := kvwire.NewParser(h.Type, p)
 	switch h.Type {
 	case kvwire.TypeWelcome:
-		r.geo = pr.Geometry()
-		slab := pr.Text()
-		if err := pr.Done(); err != nil {
+		m, err := kvwire.DecodeWelcome(p)
+		if err != nil {
 			return "", err
 		}
+		r.geo = m.Geometry
 		if err := r.geo.Validate(); err != nil {
 			return "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
 		}
-		return slab, nil
+		return m.Slab, nil
 	case kvwire.TypeRefused:
 		// Its code says why: kv.ErrRefused, kv.ErrGeometry (the device), kv.ErrLimit.
 		return "", kvwire.ParseError(h.Type, p)

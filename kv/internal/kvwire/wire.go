@@ -202,16 +202,14 @@ func AppendError(b []byte, t Type, id uint32, code uint16, msg string) ([]byte, 
 
 // ParseError reads the payload of an Error or Refused frame as the error it stands for.
 func ParseError(t Type, p []byte) error {
-	pr := NewParser(t, p)
-	code := pr.U16()
-	msg := pr.Text()
-	if err := pr.Done(); err != nil {
+	pm, err := DecodeProblem(t, p)
+	if err != nil {
 		return err
 	}
 	if t == TypeRefused {
-		msg = "refused: " + msg
+		pm.Text = "refused: " + pm.Text
 	}
-	return RemoteError(code, msg)
+	return RemoteError(pm.Code, pm.Text)
 }
 
 // AppendEmpty appends a frame without payload: Stats, Bye.
@@ -413,6 +411,9 @@ func (r *Parser) Geometry() kv.Geometry {
 	g.Layers, g.KVHeads, g.HeadDim, g.TokensPerPage, g.Pages = int(r.U32()), int(r.U32()), int(r.U32()), int(r.U32()), int(r.U32())
 	if b := r.take(4); b != nil {
 		g.DType = kv.DType(b[0])
+		if r.err == nil && (b[1] != 0 || b[2] != 0 || b[3] != 0) {
+			r.err = fmt.Errorf("%w: %s geometry's reserved bytes are not zero", ErrMalformed, r.t)
+		}
 	}
 	return g
 }
