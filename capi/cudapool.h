@@ -506,7 +506,12 @@ int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len)
  * needed. */
 int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_close gives back the replica's leases, unmaps the slab and hangs up. The
- * handle is spent. */
+ * handle is spent. The leases still held end after the work queued so far on every
+ * stream the replica has sealed or released on (as a release on those streams would),
+ * so pages a kernel still writes are not given to another replica; work on a stream
+ * the replica never sealed or released on is not covered: release such leases first.
+ * If timeout_ms passes while that work is still queued, it returns CUDAPOOL_ETIMEOUT
+ * and the rest completes once the work has run. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
 
 #ifdef __cplusplus

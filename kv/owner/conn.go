@@ -92,7 +92,7 @@ func (o *Owner) serveConn(sc *session.Conn) {
 	o.conns[c] = struct{}{}
 	o.mu.Unlock()
 	rd := kvwire.NewHandshakeReader()
-	bye := false
+	var bye *kvwire.Bye
 	defer func() { c.finish(bye) }()
 	err := c.admit(rd)
 	if errors.Is(err, errObserved) {
@@ -201,20 +201,20 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 }
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
-func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
+func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 	for {
 		h, p, err := rd.Next(c.nc)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
-				return false, nil
+				return nil, nil
 			}
-			return false, err
+			return nil, err
 		}
 		if frameHook != nil {
 			frameHook(h.Type)
 		}
 		if err := kvwire.CheckFlags(h); err != nil {
-			return false, err
+			return nil, err
 		}
 		switch h.Type {
 		case kvwire.TypeAlloc:
@@ -228,15 +228,16 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 		case kvwire.TypeStats:
 			err = c.stats(h, p)
 		case kvwire.TypeBye:
-			if len(p) != 0 {
-				return false, fmt.Errorf("%w: Bye with %d bytes of payload", kvwire.ErrMalformed, len(p))
+			m, err := kvwire.DecodeBye(p)
+			if err != nil {
+				return nil, err
 			}
-			return true, nil
+			return &m, nil
 		default:
-			return false, fmt.Errorf("%w: unexpected %s frame", kvwire.ErrMalformed, h.Type)
+			return nil, fmt.Errorf("%w: unexpected %s frame", kvwire.ErrMalformed, h.Type)
 		}
 		if err != nil {
-			return false, err
+			return nil, err
 		}
 	}
 }
@@ -443,26 +444,55 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	}
 	rec := &record{s: c.s}
 	for _, id := range c.leaseID {
-		l := o.leases[id]
-		o.dropLocked(l)
-		if l.write {
-			for _, pg := range l.pages {
-				l.s.pages[pg].state = pageSettling
-			}
-			rec.free = append(rec.free, l.pages...)
-			continue
-		}
-		for _, pg := range l.pages {
-			pp := &l.s.pages[pg]
-			pp.readers--
-			pp.releasing++
-		}
-		rec.released = append(rec.released, l.pages...)
+		o.endBehindLocked(rec, o.leases[id])
 	}
 	owed := c.submitLocked(e, rec)
 	o.unlockAfterSubmit(e, rec, owed)
 	n := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
+}
+
+// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's event
+// has completed (write-leased pages are then freed, read-leased ones lose a reader
+// now and are evictable then).
+func (o *Owner) endBehindLocked(rec *record, l *lease) {
+	o.dropLocked(l)
+	if l.write {
+		for _, pg := range l.pages {
+			l.s.pages[pg].state = pageSettling
+		}
+		rec.free = append(rec.free, l.pages...)
+		return
+	}
+	for _, pg := range l.pages {
+		pp := &l.s.pages[pg]
+		pp.readers--
+		pp.releasing++
+	}
+	rec.released = append(rec.released, l.pages...)
+}
+
+// releaseHeld ends c's leases after its final event ev (a Bye's), as a Release of all
+// of them would; if the event cannot be opened, they are left for finish to end at
+// once, logged.
+func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
+	o := c.o
+	e, err := c.event(ev)
+	if err != nil {
+		o.log.Warn("kv: a replica's final event; its leases end at once", "pid", c.cred.PID, "err", err)
+		return
+	}
+	o.mu.Lock()
+	if len(c.held) == 0 {
+		o.mu.Unlock()
+		return
+	}
+	rec := &record{s: c.s}
+	for _, l := range c.held {
+		o.endBehindLocked(rec, l)
+	}
+	owed := c.submitLocked(e, rec)
+	o.unlockAfterSubmit(e, rec, owed)
 }
 
 // submitLocked queues rec behind e and asks e at once, with o.mu held on entry and
@@ -630,12 +660,15 @@ func encodeStats(st Stats) ([]byte, error) {
 // that holds leases, or releases still to settle, keeps them until its process has
 // exited (it may still use the pages); one that holds nothing ends at once, and so
 // does one whose process cannot be watched, or whose owner is closing.
-func (c *conn) finish(bye bool) {
+func (c *conn) finish(bye *kvwire.Bye) {
 	o := c.o
 	switch {
 	case !c.isWelcomed():
-	case !bye && c.holdsNothing():
-	case bye:
+	case bye == nil && c.holdsNothing():
+	case bye != nil:
+		if bye.Final {
+			c.releaseHeld(&bye.Event)
+		}
 		o.mu.Lock()
 		o.endLeasesLocked(c)
 		idle := make(chan struct{})

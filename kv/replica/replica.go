@@ -323,9 +323,12 @@ func (r *Replica) Err() error {
 	return r.err
 }
 
-// Close ends the replica: it tells the owner goodbye (leases still held end at once:
-// release them first, so that the owner waits for your streams) and waits, until ctx
-// ends, for the owner to close the connection, so that the owner is done with this
+// Close ends the replica: it tells the owner goodbye, the leases still held ending
+// after the work queued so far on every stream the replica has sealed or released on
+// (Bye carries an event recorded after it), so that no page a kernel still writes goes
+// to another replica; work on a stream never given to Seal or Release is not covered:
+// release such leases first. It then waits, until ctx ends, for the owner to close
+// the connection, so that the owner is done with this
 // replica's events before they are destroyed. It then unmaps the slab after the last
 // records of those events and disconnects from the slab's exporter. If ctx ends before
 // the owner has closed the connection (a release still waits for a busy stream, or the
@@ -373,7 +376,14 @@ func (r *Replica) Close(ctx context.Context) error {
 // bye sends Bye and reads, with the reading role, until the owner closes the
 // connection or ctx ends; it says whether the owner closed it (or is gone).
 func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
-	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) })
+	final := kvwire.Bye{Final: true}
+	if ev, err := r.finalEvent(); err == nil {
+		final.Event = ev
+	} else {
+		final.Final = false
+		r.log.Warn("kv: recording the final event of Close; the leases still held end at once", "err", err)
+	}
+	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.Append(b, kvwire.TypeBye, 0, final) })
 	if err != nil {
 		return ctx.Err() == nil && !errors.Is(err, session.ErrBroken) // the owner hung up already
 	}
@@ -392,6 +402,31 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 		}
 		r.deliver(h, p)
 	}
+}
+
+// finalEvent records the event Close's Bye carries: on the replica's own stream, after
+// the work queued so far on every stream the replica has sealed or released on.
+func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
+	r.evMu.Lock()
+	for s, e := range r.events {
+		if s == r.stream {
+			continue
+		}
+		if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+	}
+	r.evMu.Unlock()
+	e, err := r.record(r.stream)
+	if err != nil {
+		return [kvwire.EventLen]byte{}, err
+	}
+	return e.h, nil
 }
 
 // teardown undoes what Dial made, whatever it got to; it destroys the events only if

@@ -462,13 +462,13 @@ func TestCloseWaitsForReleases(t *testing.T) {
 	require.NoError(t, r.Release(ctx, rs, m))
 	closed := make(chan error, 1)
 	go func() { closed <- r.Close(ctx) }()
-	eventually(t, "the held lease to end at Bye", func() bool { return device0(o).Leased == 0 })
+	eventually(t, "the held lease to end at Bye, behind its final event", func() bool { return device0(o).Leased == 0 })
 	select {
 	case err := <-closed:
 		t.Fatalf("Close returned (%v) while a release waited for its stream", err)
 	default:
 	}
-	assert.Equal(t, 2, device0(o).Releasing)
+	assert.Equal(t, 4, device0(o).Releasing, "m's 2 pages, and the held lease's 4 behind Close's final event")
 	resume()
 	require.NoError(t, testwait.Recv(t, closed, "Close, once the release settled"))
 	assert.Zero(t, device0(o).Releasing, "Close returned before the release settled")

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
@@ -138,7 +139,7 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	err = testwait.Recv(t, closed, "Close(200 ms) behind a stalled stream")
 	t.Logf("Close took %v: %v", time.Since(start), err)
 	assert.Equal(t, 4, device0(o).Releasing, "the release still waits for its stream")
-	assert.Equal(t, 1, replica.OpenEvents(r), "the stream's event is left to the process's exit")
+	assert.Equal(t, 2, replica.OpenEvents(r), "the events of rs and of the replica's own stream (Close's final one) are left to the process's exit")
 	resume()
 	eventually(t, "the release to settle once the stream runs", func() bool { return device0(o).Releasing == 0 })
 	testwait.Recv(t, replica.TornDown(r), "the closed replica's teardown, once its stream ran")
@@ -217,4 +218,41 @@ func TestLeaseRepliesAreRangeChecked(t *testing.T) {
 			require.ErrorIs(t, err, kvwire.ErrMalformed, c.name)
 		})
 	}
+}
+
+// N4: Close ends the leases it still holds after the work queued on the replica's
+// streams, not at once: a write lease's pages are not given to another replica while
+// the closing one's kernels may still write them.
+func TestCloseEndsHeldLeasesAfterItsStreams(t *testing.T) {
+	g := small
+	g.Pages = 8
+	o, _, dir := startOwner(t, g)
+	a, adev, as := dial(t, dir, 0)
+	b, _, _ := dial(t, dir, 0)
+	ctx := bound(t)
+	first, err := a.Alloc(ctx, 1)
+	require.NoError(t, err)
+	require.NoError(t, a.Release(ctx, as, first)) // as is a stream a has used
+	eventually(t, "the first release to settle", func() bool { return device0(o).Free == g.Pages })
+	w, err := a.Alloc(ctx, g.Pages) // the whole slab, held at Close
+	require.NoError(t, err)
+	resume, err := adev.Stall(0, as)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	pb := g.PageBytes()
+	for _, p := range w.Pages() { // late writes, queued behind the stall
+		require.NoError(t, adev.MemsetAsync(0, a.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*pb), 0x5a, pb, as))
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close(ctx) }()
+	eventually(t, "the Bye to reach the owner", func() bool { return device0(o).Writing == 0 })
+	_, err = b.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "a page of the closing replica's write lease, its writes still queued, went to another replica")
+	assert.Equal(t, g.Pages, device0(o).Settling, "the held write lease's pages settle after a's stream")
+	resume()
+	require.NoError(t, testwait.Recv(t, closed, "Close, once its stream ran"))
+	eventually(t, "the pages to be free", func() bool { return device0(o).Free == g.Pages })
+	l, err := b.Alloc(ctx, g.Pages)
+	require.NoError(t, err)
+	require.NoError(t, b.Release(ctx, 0, l))
 }

@@ -42,8 +42,14 @@ type (
 	}
 	// StatsReply is the owner's Stats as JSON.
 	StatsReply struct{ JSON []byte }
-	// Empty is the payload of Stats and Bye.
+	// Empty is the payload of Stats.
 	Empty struct{}
+	// Bye ends a connection; with Final, the leases still held end after Event
+	// (a replica's Close), else at once.
+	Bye struct {
+		Final bool
+		Event [EventLen]byte
+	}
 )
 
 // Limit is the smallest and largest payload a frame type has.
@@ -66,7 +72,7 @@ var PayloadLimits = map[Type]Limit{
 	TypeStats:      {0, 0},
 	TypeStatsReply: {0, MaxFrame - HeaderLen},
 	TypeError:      {4, 4 + MaxText},
-	TypeBye:        {0, 0},
+	TypeBye:        {0, EventLen},
 }
 
 // KnownFlags are the flag bits a frame of type t may carry.
@@ -110,8 +116,10 @@ func Decode(h Header, p []byte) (any, error) {
 		return DecodeReleased(p)
 	case TypeStatsReply:
 		return StatsReply{JSON: p}, nil
-	case TypeStats, TypeBye:
+	case TypeStats:
 		return Empty{}, NewParser(h.Type, p).Done()
+	case TypeBye:
+		return DecodeBye(p)
 	}
 	return nil, fmt.Errorf("%w: unknown frame type %s", ErrMalformed, h.Type)
 }
@@ -188,6 +196,16 @@ func DecodeRelease(p []byte, dst []uint64) (Release, error) {
 	return m, r.Done()
 }
 
+// DecodeBye decodes a Bye's payload: empty, or a final event.
+func DecodeBye(p []byte) (Bye, error) {
+	if len(p) == 0 {
+		return Bye{}, nil
+	}
+	r := NewParser(TypeBye, p)
+	m := Bye{Final: true, Event: r.Event()}
+	return m, r.Done()
+}
+
 // DecodeReleased decodes a Released's payload.
 func DecodeReleased(p []byte) (Released, error) {
 	r := NewParser(TypeReleased, p)
@@ -224,6 +242,11 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 		return End(append(Begin(b, TypeStatsReply, 0, id), m.JSON...), start)
 	case Empty:
 		return AppendEmpty(b, t, id)
+	case Bye:
+		if !m.Final {
+			return AppendEmpty(b, TypeBye, id)
+		}
+		return frame(b, TypeBye, 0, id, func(b []byte) []byte { return append(b, m.Event[:]...) })
 	}
 	return b, fmt.Errorf("kvwire: no frame carries a %T", m)
 }

@@ -87,7 +87,7 @@ func protocolSamples() []sample {
 		{TypeStats, Empty{}},
 		{TypeStatsReply, StatsReply{JSON: []byte(`{"pid":1}`)}},
 		{TypeError, Problem{Code: 0x0e01, Text: "no room"}},
-		{TypeBye, Empty{}},
+		{TypeBye, Bye{Final: true, Event: ev}},
 	}
 }
 

@@ -67,7 +67,7 @@ const (
 	TypeStats      Type = 12 // replica: the owner's Stats
 	TypeStatsReply Type = 13 // owner: Stats as JSON
 	TypeError      Type = 14 // owner: a request failed
-	TypeBye        Type = 15 // replica: no more requests from me
+	TypeBye        Type = 15 // replica: no more requests from me; held leases end after the event if it carries one
 )
 
 func (t Type) String() string {
