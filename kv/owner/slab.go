@@ -32,15 +32,16 @@ type page struct {
 	state      pageState
 }
 
-// slab is one device's allocation and its page table. Everything but the fields set
+// slab is one device's allocations (segments) and its page table. Everything but the fields set
 // at Listen is guarded by the Owner's mu.
 type slab struct {
 	dev    int
-	name   string
+	name   string // the slab's name (kvwire.SlabName); its segments' are SlabName(dev, i)
 	pool   *pool.Pool
-	buf    *pool.Buffer
-	stream cudart.Stream // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex    // one copy at a time on stream
+	bufs   []*pool.Buffer     // the segments, in order
+	bases  []cudart.DevicePtr // their addresses
+	stream cudart.Stream      // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex         // one copy at a time on stream
 
 	pages      []page
 	free       []uint32 // a stack of free pages

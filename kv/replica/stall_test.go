@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
@@ -26,6 +25,11 @@ import (
 // answers Hello and then reads nothing more, as an owner whose connection's goroutine
 // is stuck would; hangUp closes that page connection.
 func stalledOwner(t *testing.T, o *owner.Owner, realDir string) (dir string, hangUp func()) {
+	return welcomingOwner(t, realDir, o.Geometry())
+}
+
+// welcomingOwner is stalledOwner with the geometry its Welcome says.
+func welcomingOwner(t *testing.T, realDir string, g kv.Geometry) (dir string, hangUp func()) {
 	dir = shortDir(t)
 	accepted := make(chan net.Conn, 1)
 	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
@@ -41,7 +45,7 @@ func stalledOwner(t *testing.T, o *owner.Owner, realDir string) (dir string, han
 		if _, _, err := kvwire.NewReader().Next(nc); err != nil {
 			return
 		}
-		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), Slab: kvwire.SlabName(0)})
+		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: g, Slab: kvwire.SlabName(0)})
 		nc.Write(b) // the test's Dial fails if it does not arrive
 	}()
 	return dir, func() { testwait.Recv(t, accepted, "the replica's page connection").Close() }
@@ -239,9 +243,8 @@ func TestCloseEndsHeldLeasesAfterItsStreams(t *testing.T) {
 	resume, err := adev.Stall(0, as)
 	require.NoError(t, err)
 	t.Cleanup(resume)
-	pb := g.PageBytes()
 	for _, p := range w.Pages() { // late writes, queued behind the stall
-		require.NoError(t, adev.MemsetAsync(0, a.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*pb), 0x5a, pb, as))
+		require.NoError(t, adev.MemsetAsync(0, a.Addr(0, kv.K, int(p)), 0x5a, g.PageBytes(), as))
 	}
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close(ctx) }()
