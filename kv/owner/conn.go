@@ -37,6 +37,7 @@ type conn struct {
 	welcomed bool
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
+	stopWait func()        // ends a lost connection's wait for its process's exit
 
 	held    map[uint64]*lease // the connection's leases
 	heldPgs int               // the pages of held
@@ -318,12 +319,34 @@ func (o *Owner) findLocked(c *conn, id uint64) (*lease, error) {
 	switch {
 	case ok && l.c == c:
 		return l, nil
+	case ok && o.adoptLocked(c, l):
+		return l, nil
 	case ok:
 		return nil, fmt.Errorf("%w: lease %d belongs to another replica", kv.ErrStaleLease, id)
 	case id == 0 || id > o.nextLease:
 		return nil, fmt.Errorf("%w: lease %d was never issued", kv.ErrStaleLease, id)
 	}
 	return nil, fmt.Errorf("%w: lease %d has ended", kv.ErrStaleLease, id)
+}
+
+// adoptLocked moves lease l to c, under o.mu, if l's connection was lost (cut off,
+// or hung up without Bye) while its process, which is c's, lives on: a replica the
+// owner cut off redials and releases (or seals) the leases it held, instead of their
+// pinning pages until its exit. A lost connection left holding nothing ends then.
+func (o *Owner) adoptLocked(c *conn, l *lease) bool {
+	old := l.c
+	if !old.lost || old.cred.PID != c.cred.PID || old.s != c.s || c.proc == nil || old.exited() {
+		return false
+	}
+	delete(old.held, l.id)
+	old.heldPgs -= len(l.pages)
+	l.c = c
+	c.held[l.id] = l
+	c.heldPgs += len(l.pages)
+	if len(old.held) == 0 && !old.pendingLocked() && old.stopWait != nil {
+		old.stopWait()
+	}
+	return true
 }
 
 // event returns c's event for handle h, opening it the first time.
@@ -688,11 +711,11 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		stop()
 		<-exited
 	case c.proc != nil && o.stopped.Err() == nil:
+		ctx, stop := context.WithCancel(o.stopped)
 		o.mu.Lock()
-		c.lost = true
+		c.lost, c.stopWait = true, stop
 		o.mu.Unlock()
 		_ = c.nc.Close() // cleanup: the connection is lost already
-		ctx, stop := context.WithCancel(o.stopped)
 		c.awaitExit(ctx)
 		stop()
 	}

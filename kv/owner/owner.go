@@ -31,7 +31,9 @@
 // The kernel names the process at the other end of each connection (SO_PEERCRED), and
 // an producer.Policy admits it (the zero Policy: this user's processes). A connection
 // that ends without Bye keeps its leases until its process has exited (it may still
-// read or write the pages); one whose process cannot be watched ends them at once.
+// read or write the pages), or until a new connection of that process releases or
+// seals them (a replica the owner cut off, redialled); one that holds nothing ends at
+// once, and so does one whose process cannot be watched.
 // Bye ends the leases still held at once and closes the connection once the replica's
 // releases have settled, so that the replica may then destroy its events. Every
 // malformed frame closes the connection it came on, and only that one.

@@ -184,3 +184,31 @@ func TestStatsFitOneFrameForAnyNumberOfReplicas(t *testing.T) {
 		}
 	}
 }
+
+// N12: a replica whose connection was lost (cut off as a slow reader, or hung up
+// without Bye) while its process lives on can release its leases on a new
+// connection: they no longer pin their pages until the process exits, and the lost
+// connection, left holding nothing, ends.
+func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
+	o, dir := listenWith(t, owner.Options{})
+	lost := dialRaw(t, dir)
+	lost.hello()
+	l := lost.alloc(2, 3)
+	require.NoError(t, lost.nc.Close())
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && st.Replicas[0].AwaitingExit
+	}, testwait.Bound, time.Millisecond, "the owner to see the connection lost")
+
+	again := dialRaw(t, dir)
+	again.hello()
+	var none [kvwire.EventLen]byte
+	again.send(kvwire.AppendRelease(nil, 4, &none, []uint64{l}))
+	h, p, err := again.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeReleased, h.Type, "the lost connection's lease, released on a new one: %v", kvwire.ParseError(h.Type, p))
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && !st.Replicas[0].AwaitingExit && st.Devices[0].Free == small.Pages
+	}, testwait.Bound, time.Millisecond, "the lost connection to end and its pages to be free: %+v", o.Stats())
+}
