@@ -3,6 +3,7 @@ package owner
 import (
 	"net"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -26,3 +27,7 @@ func PanicOn(t kvwire.Type) (undo func()) {
 
 // EncodeStats is the JSON of the Stats frame answering st.
 var EncodeStats = encodeStats
+
+// SlabStream is the owner's stream of device dev's slab: its set-up and the copies
+// out of it.
+func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }

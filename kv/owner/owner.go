@@ -43,7 +43,9 @@
 // A match on device B of hashes visible only in device A's slab allocates pages on B,
 // copies each page (every layer's K and V, one copy per tensor for a run of pages that
 // follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the source (a copy through the source's stream outlives that device's failures,
-// FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+// FACTS 14), waits for it on the host (asking an event it records after the copies,
+// without holding the source's copy lock, and no longer than until the owner closes),
+// seals the pages in B's index and then answers.
 package owner
 
 import (
@@ -308,6 +310,9 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
 		return s, fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 	}
+	if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
+		return s, fmt.Errorf("kv/owner: event on device %d: %w", d, err)
+	}
 	ctx := context.Background()
 	entries := make([]producer.Entry, o.segs.Count())
 	for i := range entries {
@@ -487,10 +492,17 @@ func (o *Owner) teardown(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("kv/owner: closing the pool of device %d: %w", s.dev, err))
 			}
 		}
-		if s.stream != 0 {
-			if err := o.rt.StreamSynchronize(s.dev, s.stream); err != nil {
+		if s.stream != 0 && s.done != 0 {
+			if err := o.waitStream(ctx, s); err != nil {
 				errs = append(errs, fmt.Errorf("kv/owner: the stream of device %d: %w", s.dev, err))
 			}
+		}
+		if s.done != 0 {
+			if err := o.rt.EventDestroy(s.dev, s.done); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: destroying the event of device %d: %w", s.dev, err))
+			}
+		}
+		if s.stream != 0 {
 			if err := o.rt.StreamDestroy(s.dev, s.stream); err != nil {
 				errs = append(errs, fmt.Errorf("kv/owner: destroying the stream of device %d: %w", s.dev, err))
 			}
