@@ -502,7 +502,9 @@ int cudapool_kv_seal(cudapool_kv_replica r, uint64_t lease, const uint8_t *hashe
                      int wait, int64_t timeout_ms, uint32_t *visible, uint32_t *duplicates);
 /* cudapool_kv_match leases for reading the longest run of visible pages under hashes[0],
  * hashes[1], ...: *n_pages pages (room for n) and the lease's id in *lease, 0 when
- * none is visible (no lease then). Work queued on stream after the call may read them. */
+ * none is visible (no lease then). Work queued on any stream after the call may read
+ * them. stream is not used (the match queues nothing: the pages' writes completed
+ * before they became visible); it is kept so that the ABI stays, and may be NULL. */
 int cudapool_kv_match(cudapool_kv_replica r, const uint8_t *hashes, size_t n, void *stream, int64_t timeout_ms,
                       uint64_t *lease, uint32_t *pages, size_t *n_pages);
 /* cudapool_kv_release gives back n leases (write or read) once the work queued on

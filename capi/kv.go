@@ -445,7 +445,7 @@ func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s 
 }
 
 //export cpgo_kv_match
-func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t, nPages *C.size_t) (rc C.int) {
+func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, _ C.uintptr_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t, nPages *C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
 	switch {
 	case lease == nil:
@@ -460,7 +460,7 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.r.Match(ctx, hs, cudart.Stream(s))
+	l, err := k.r.Match(ctx, hs)
 	if err != nil {
 		return fail(err)
 	}

@@ -39,7 +39,7 @@ func kvOwner(t *testing.T) string {
 	require.NoError(t, err)
 	_, err = r.Seal(ctx, w, hashes, 0, replica.WaitVisible())
 	require.NoError(t, err)
-	_, err = r.Match(ctx, hashes, 0)
+	_, err = r.Match(ctx, hashes)
 	require.NoError(t, err)
 	return dir
 }

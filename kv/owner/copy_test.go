@@ -41,7 +41,7 @@ func TestCloseEndsAHungCrossDeviceCopy(t *testing.T) {
 	defer resume()
 	matched := make(chan error, 1)
 	go func() {
-		_, err := r.Match(ctx, hashes, 0)
+		_, err := r.Match(ctx, hashes)
 		matched <- err
 	}()
 	require.Eventually(t, func() bool { return o.Stats().Devices[1].Writing == 2 }, testwait.Bound, time.Millisecond, "the copy to start")

@@ -313,9 +313,10 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 // Match leases for reading the longest run of hashes, from the first, that is visible
 // on the replica's device (copied there from another device's slab where only that
 // one has them). A Lease with no pages means none was visible; the owner holds nothing
-// for it. s is the stream the caller reads on: Match queues nothing on it, since the
-// pages' writes have completed before the owner made them visible.
-func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) (*Lease, error) {
+// for it. Match takes no stream: it queues nothing, since the pages' writes have
+// completed before the owner made them visible; the stream the caller reads on is the
+// one it gives Release.
+func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	if len(hashes) > kv.MaxBatch {
 		return nil, fmt.Errorf("%w: %d hashes, at most %d", kv.ErrTooLarge, len(hashes), kv.MaxBatch)
 	}

@@ -4,7 +4,7 @@
 //
 //	r, err := replica.Dial(ctx, dir, rt, device, replica.WithWaitForOwner())
 //	hashes := r.Hashes(tokens)
-//	l, err := r.Match(ctx, hashes, s)    // the longest visible run, leased for reading
+//	l, err := r.Match(ctx, hashes)    // the longest visible run, leased for reading
 //	k, v := r.Layer(0)                   // layer 0's K and V tensors, [pages, tokens, heads, dim]
 //	// ... read pages l.Pages() of every layer on s ...
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into

@@ -67,7 +67,7 @@ func TestRequestToAStalledOwnerEndsWithItsContext(t *testing.T) {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
 		defer cancel()
-		_, err := r.Match(ctx, []kv.Hash{{1}}, 0)
+		_, err := r.Match(ctx, []kv.Hash{{1}})
 		done <- err
 	}()
 	err = testwait.Recv(t, done, "a Match that its owner does not answer")
@@ -95,7 +95,7 @@ func TestWritesToAnOwnerNotReadingEndWithTheirContexts(t *testing.T) {
 		go func() {
 			for {
 				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-				_, err := r.Match(ctx, big, 0)
+				_, err := r.Match(ctx, big)
 				cancel()
 				if err == nil {
 					continue
@@ -128,7 +128,7 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	r, rdev, rs := dial(t, dir, 0)
 	ctx := bound(t)
 	hashes := sealed(t, rdev, r, rs, 3, 4)
-	m, err := r.Match(ctx, hashes, rs)
+	m, err := r.Match(ctx, hashes)
 	require.NoError(t, err)
 	resume, err := rdev.Stall(0, rs)
 	require.NoError(t, err)
@@ -217,7 +217,7 @@ func TestLeaseRepliesAreRangeChecked(t *testing.T) {
 			if c.alloc {
 				_, err = r.Alloc(bound(t), 2)
 			} else {
-				_, err = r.Match(bound(t), []kv.Hash{{1}, {2}}, 0)
+				_, err = r.Match(bound(t), []kv.Hash{{1}, {2}})
 			}
 			require.ErrorIs(t, err, kvwire.ErrMalformed, c.name)
 		})

@@ -469,7 +469,9 @@ class Replica:
     def match(self, hashes, stream=None, timeout=None):
         """Leases for reading the longest run of visible pages under hashes from the
         first: a Lease of len 0 (and id 0, holding nothing) if the first is not visible.
-        Work queued on stream after the call may read them; release them after it."""
+        Work queued on any stream after the call may read them; release them after it,
+        on that stream. ``stream`` is not used (the match queues nothing: the pages'
+        writes completed before they became visible) and is kept for compatibility."""
         raw, n = _hash_bytes(hashes)
         if n == 0:
             return Lease(0, array("I"), False)
