@@ -24,6 +24,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -215,7 +216,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 2
 	}
-	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound})
+	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
+	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, Logger: logger})
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 1

@@ -96,7 +96,8 @@ type Options struct {
 	// Policy says which processes may connect, as export's does.
 	Policy producer.Policy
 	// Logger gets what no call returns: connections refused or closed for malformed
-	// frames, cleanup that failed. nil: slog.Default().
+	// frames, a handler's panic, cleanup that failed. nil logs nothing (as producer
+	// and consumer do).
 	Logger *slog.Logger
 	// AnnounceDir is where the slab exporter announces itself for cmd/poolstat;
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
@@ -215,7 +216,7 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		}
 	}
 	if o.Logger == nil {
-		o.Logger = slog.Default()
+		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	for _, c := range []struct {
 		v   *int

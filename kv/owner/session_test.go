@@ -1,10 +1,13 @@
 package owner_test
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -211,4 +214,42 @@ func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
 		st := o.Stats()
 		return len(st.Replicas) == 1 && !st.Replicas[0].AwaitingExit && st.Devices[0].Free == small.Pages
 	}, testwait.Bound, time.Millisecond, "the lost connection to end and its pages to be free: %+v", o.Stats())
+}
+
+// The owner logs nothing unless given a Logger (like producer and consumer): a
+// connection closed for a malformed frame is logged to the Logger given, never to
+// slog's default.
+func TestOwnerIsSilentByDefault(t *testing.T) {
+	var def, given lockedBuffer
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(&def, nil)))
+	defer slog.SetDefault(prev)
+	for _, logger := range []*slog.Logger{nil, slog.New(slog.NewTextHandler(&given, nil))} {
+		o, dir := listenWith(t, owner.Options{Logger: logger})
+		r := dialRaw(t, dir)
+		r.hello()
+		r.send(header(8, 99, 0), nil)
+		r.closed("a frame of an unknown type")
+		require.Eventually(t, func() bool { return len(o.Stats().Replicas) == 0 }, testwait.Bound, time.Millisecond, "the connection to end")
+	}
+	assert.Empty(t, def.String(), "the owner logged to slog's default")
+	assert.Contains(t, given.String(), "closing a replica's connection", "the owner logs to the Logger given")
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent use.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

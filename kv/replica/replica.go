@@ -58,8 +58,8 @@ func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 // directory, dialing again with backoff from 5 ms up to 500 ms.
 func WithWaitForOwner() Option { return func(o *options) { o.wait = true } }
 
-// WithLogger sets where events no call returns are logged. The default is
-// slog.Default().
+// WithLogger sets where events no call returns are logged. The default logs nothing
+// (as producer and consumer do).
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // SealOption configures Seal.
@@ -166,7 +166,7 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 // imported through a consumer.Importer, and a second Dial fails with an error wrapping
 // consumer.ErrDuplicateImporter. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
-	o := options{log: slog.Default()}
+	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
 		opt(&o)
 	}
