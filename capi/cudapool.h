@@ -70,7 +70,7 @@ enum cudapool_status {
 	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
 	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
-	CUDAPOOL_EREFUSED = 10,  /* the exporter refused this process */
+	CUDAPOOL_EREFUSED = 10,  /* the exporter (or KV owner) refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
 	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */
 	CUDAPOOL_ETIMEOUT = 13,  /* timeout_ms ran out; the call holds nothing */
@@ -83,7 +83,8 @@ enum cudapool_status {
 	CUDAPOOL_EIO = 20,       /* the system failed: a socket, a file, a process */
 	CUDAPOOL_ESTREAMDEVICE = 21, /* a stream of another device than the importer's */
 	CUDAPOOL_EDUPLICATE = 22,    /* this process has an importer for that exporter already */
-	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows */
+	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows,
+	                              * or a KV owner's cap is full (connections, leases, events) */
 	CUDAPOOL_ELOST = 24,         /* the mapping's exporter is gone and it lives on another GPU:
 	                              * reading it would lose this process's CUDA context */
 	CUDAPOOL_EEXPORTER = 25,     /* the exporter failed to serve the request (its message) */
