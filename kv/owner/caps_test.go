@@ -81,3 +81,12 @@ func TestLeasesPerConnectionAreCapped(t *testing.T) {
 	require.Equal(t, kvwire.TypeReleased, h.Type)
 	r.alloc(7, 1)
 }
+
+// A page's reader count cannot wrap: Listen refuses caps whose product (leases a
+// connection may hold × connections) reaches 2^32.
+func TestListenRefusesCapsThatCouldWrapAReaderCount(t *testing.T) {
+	dev := cudarttest.ForTest(t)
+	_, err := owner.Listen(t.TempDir(), dev, owner.Options{Geometry: small, NoAnnounce: true, MaxLeases: 1 << 20, Limits: owner.Limits{Conns: 1 << 12}})
+	require.Error(t, err)
+	assert.ErrorContains(t, err, "could wrap")
+}

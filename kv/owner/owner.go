@@ -53,6 +53,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -116,7 +117,8 @@ type Options struct {
 	// connection ends). A request past a cap is refused with an error wrapping
 	// kv.ErrLimit that names it, and changes nothing. Zero takes the default:
 	// DefaultMaxLeases, DefaultMaxLeasedPages, DefaultMaxEvents. With the
-	// connection caps they bound a page's reader count, which cannot wrap.
+	// connection caps they bound a page's reader count, which cannot wrap: Listen
+	// refuses a MaxLeases × Limits.Conns of 2^32 or more.
 	MaxLeases, MaxLeasedPages, MaxEvents int
 }
 
@@ -225,6 +227,13 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		if *c.v <= 0 {
 			*c.v = c.def
 		}
+	}
+	conns := o.Limits.Conns
+	if conns <= 0 {
+		conns = session.DefaultConns
+	}
+	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
+		return nil, fmt.Errorf("kv/owner: Options.MaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {
