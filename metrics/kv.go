@@ -51,6 +51,8 @@ var (
 		"Pages made visible by seals (and copies).", kvDeviceLabels)
 	kvDuplicates = counter("kv_duplicate_seals_total",
 		"Pages sealed under a hash that was visible already, and freed.", kvDeviceLabels)
+	kvReplicas = gauge("kv_replicas",
+		"Replicas connected, all of them: the per-replica series cover at most the 1024 a stats answer lists.", kvLabels)
 	kvReplicaLeases = gauge("kv_replica_leases",
 		"Leases a replica holds.", kvReplicaLabels)
 	kvReplicaPages = gauge("kv_replica_pages",
@@ -81,6 +83,7 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	send(ch, kvUp, 1, labels)
+	send(ch, kvReplicas, float64(st.ReplicaCount), labels)
 	g := st.Geometry
 	send(ch, kvInfo, 1, labels, strconv.Itoa(st.PID), strconv.Itoa(g.Layers), strconv.Itoa(g.KVHeads), strconv.Itoa(g.HeadDim), g.DType, strconv.Itoa(g.TokensPerPage))
 	seen := map[int]bool{}

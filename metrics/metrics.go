@@ -25,7 +25,7 @@
 //	cudapool_peer_{info,leases,grants,leased_bytes,connect_time_seconds,awaiting_exit}
 //	cudapool_kv_{up,info,slab_pages,slab_bytes,slab_segments,pages,leased_pages,releasing_pages,hits_total,
 //	  misses_total,copied_pages_total,evictions_total,seals_total,duplicate_seals_total,
-//	  replica_leases,replica_pages}
+//	  replicas,replica_leases,replica_pages}
 //
 // Register the collectors with a prometheus.Registerer and serve it with promhttp.
 // They are unchecked collectors (they describe no metric up front, as the series they
