@@ -118,9 +118,10 @@ func (w *Writer) Write(ctx context.Context, fill func([]byte) ([]byte, error)) e
 		return err
 	}
 	deadline, has := ctx.Deadline()
+	ctxDeadline := has // the deadline in effect is ctx's
 	if w.timeout > 0 {
 		if d := time.Now().Add(w.timeout); !has || d.Before(deadline) {
-			deadline, has = d, true
+			deadline, has, ctxDeadline = d, true, false
 		}
 	}
 	if !has {
@@ -147,8 +148,11 @@ func (w *Writer) Write(ctx context.Context, fill func([]byte) ([]byte, error)) e
 		return nil
 	}
 	if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
-		if ctx.Err() != nil {
+		switch {
+		case ctx.Err() != nil:
 			return ctx.Err()
+		case ctxDeadline: // the socket's timer can fire before ctx's
+			return context.DeadlineExceeded
 		}
 		return fmt.Errorf("the write did not start within %v: %w", w.timeout, err)
 	}
