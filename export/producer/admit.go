@@ -38,7 +38,7 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 	}
 	p.detach = detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
-	reason, clean := p.serve()
+	reason, clean := p.serveContained()
 	if reason != nil {
 		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
 	}

@@ -154,7 +154,7 @@ func (s *Server) run(c *Conn) {
 	defer s.wg.Done()
 	defer func() {
 		if p := recover(); p != nil {
-			s.log.Error(s.who+": panic serving a connection; it is closed", "pid", c.Cred.PID, "panic", p, "stack", string(debug.Stack()))
+			_ = Recovered(s.log, s.who, c.Cred.PID, p) // logged; the connection closes next
 		}
 		_ = c.UnixConn.Close() // cleanup: the connection's service is over
 		c.leave()
@@ -170,6 +170,14 @@ func (s *Server) run(c *Conn) {
 func (c *Conn) Close() error {
 	c.leave()
 	return c.UnixConn.Close()
+}
+
+// Recovered logs v, a panic recovered while serving pid's connection, with its stack
+// (log, under who's name), as net/http does, and returns it as an error: the caller
+// closes that connection alone and serves on.
+func Recovered(log *slog.Logger, who string, pid int, v any) error {
+	log.Error(who+": panic serving a connection; it is closed", "pid", pid, "panic", v, "stack", string(debug.Stack()))
+	return fmt.Errorf("%s: panic serving the connection: %v", who, v)
 }
 
 // leave gives back c's slots.

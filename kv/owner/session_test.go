@@ -148,7 +148,7 @@ func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
 // A panic while serving one connection's request ends that connection alone: the
 // owner serves the others on and admits new ones.
 func TestPanicEndsOnlyItsConnection(t *testing.T) {
-	defer owner.PanicOn(kvwire.TypeStats)()
+	t.Cleanup(owner.PanicOn(kvwire.TypeStats)) // after the cleanups below, which end the connections
 	_, dir := listenWith(t, owner.Options{})
 	dev := cudarttest.ForTest(t)
 	good, err := replica.Dial(bound(t), dir, dev, 0)
