@@ -34,9 +34,13 @@
 // read or write the pages), or until a new connection of that process releases or
 // seals them (a replica the owner cut off, redialled); one that holds nothing ends at
 // once, and so does one whose process cannot be watched.
-// Bye ends the leases still held at once and closes the connection once the replica's
-// releases have settled, so that the replica may then destroy its events. Every
-// malformed frame closes the connection it came on, and only that one.
+// Bye ends the leases still held after the event it carries (a replica's Close
+// records one after its streams' work; at once if it carries none) and closes the
+// connection once the replica's releases have settled, so that the replica may then
+// destroy its events. Every malformed frame closes the connection it came on, and only
+// that one; so does a panic while serving it. The connections are served by
+// internal/session, within Options.Limits, and what one holds within MaxLeases,
+// MaxLeasedPages and MaxEvents.
 //
 // # Devices
 //
