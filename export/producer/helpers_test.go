@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -47,26 +47,7 @@ func shortDir(t testing.TB) string {
 }
 
 // logBuffer collects log records for a test to check, safe for concurrent writers.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logBuffer) logger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
+type logBuffer = testlog.Buffer
 
 var discardLogger = slog.New(slog.NewTextHandler(io.Discard, nil))
 
@@ -119,7 +100,7 @@ func newProducerOn(t testing.TB, wrap func(cudart.Runtime) cudart.Runtime, poolO
 	require.NoError(t, err)
 	lb := &logBuffer{}
 	path := filepath.Join(shortDir(t), "x.sock")
-	ex, err := Listen(path, rt, append([]ListenOption{WithoutAnnounce(), WithLogger(lb.logger())}, exOpts...)...)
+	ex, err := Listen(path, rt, append([]ListenOption{WithoutAnnounce(), WithLogger(lb.Logger())}, exOpts...)...)
 	require.NoError(t, err)
 	pr := &producer{side: s, pool: p, ex: ex, path: path, log: lb}
 	t.Cleanup(func() {

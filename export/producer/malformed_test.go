@@ -204,7 +204,7 @@ func TestMalformedExporterInput(t *testing.T) {
 			warmEventArena(t, s)
 			lb := &logBuffer{}
 			before := openFDs(t)
-			imp, err := consumer.Dial(testCtx(t), path, s.dev, 0, consumer.WithLogger(lb.logger()))
+			imp, err := consumer.Dial(testCtx(t), path, s.dev, 0, consumer.WithLogger(lb.Logger()))
 			require.NoError(t, err)
 			testwait.Recv(t, sent, "the malformed frame to go out")
 			testwait.Recv(t, inspect.Client(imp).ReaderDone, "the importer to drop the connection")

@@ -1,13 +1,11 @@
 package owner_test
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"log/slog"
 	"net"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -17,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -220,7 +219,7 @@ func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
 // connection closed for a malformed frame is logged to the Logger given, never to
 // slog's default.
 func TestOwnerIsSilentByDefault(t *testing.T) {
-	var def, given lockedBuffer
+	var def, given testlog.Buffer
 	prev := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(&def, nil)))
 	defer slog.SetDefault(prev)
@@ -234,22 +233,4 @@ func TestOwnerIsSilentByDefault(t *testing.T) {
 	}
 	assert.Empty(t, def.String(), "the owner logged to slog's default")
 	assert.Contains(t, given.String(), "closing a replica's connection", "the owner logs to the Logger given")
-}
-
-// lockedBuffer is a bytes.Buffer safe for concurrent use.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
