@@ -232,7 +232,7 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	}
 	opts := []replica.Option{replica.WithNamespace(namespace)}
 	if flags&kvDialWaitForOwner != 0 {
-		opts = append(opts, replica.WithWaitForOwner())
+		opts = append(opts, replica.WaitForOwner())
 	}
 	r, err := replica.Dial(ctx, d, rt, int(device), opts...)
 	if err != nil {

@@ -280,7 +280,9 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart.Stream, opts ...SealOption) (SealResult, error) {
 	var so sealOptions
 	for _, o := range opts {
-		o(&so)
+		if o != nil {
+			o(&so)
+		}
 	}
 	switch {
 	case len(hashes) > kv.MaxBatch:

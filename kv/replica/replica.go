@@ -2,7 +2,7 @@
 // (package kv/owner, cmd/kvpoold), the segments of its device's slab mapped once, and
 // the leases of pages by index.
 //
-//	r, err := replica.Dial(ctx, dir, rt, device, replica.WithWaitForOwner())
+//	r, err := replica.Dial(ctx, dir, rt, device, replica.WaitForOwner())
 //	hashes := r.Hashes(tokens)
 //	l, err := r.Match(ctx, hashes)    // the longest visible run, leased for reading
 //	k, v := r.Layer(0)                   // layer 0's K and V tensors, [pages, tokens, heads, dim]
@@ -54,9 +54,9 @@ type options struct {
 // most 256 bytes; the owner refuses another with kv.ErrRefused.
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
-// WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
+// WaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
 // directory, dialing again with backoff from 5 ms up to 500 ms.
-func WithWaitForOwner() Option { return func(o *options) { o.wait = true } }
+func WaitForOwner() Option { return func(o *options) { o.wait = true } }
 
 // WithLogger sets where events no call returns are logged. The default logs nothing
 // (as producer and consumer do).
@@ -160,7 +160,7 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
 // there are, then the rest at once). It fails with
-// an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
+// an error wrapping kv.ErrOwnerGone if no owner serves dir (WaitForOwner waits for
 // one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
 // refuses this process. A process holds one Replica per owner and runtime: the slab is
 // imported through a consumer.Importer, and a second Dial fails with an error wrapping
@@ -168,7 +168,9 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
-		opt(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
 		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}

@@ -259,3 +259,26 @@ func TestCloseEndsHeldLeasesAfterItsStreams(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, b.Release(ctx, 0, l))
 }
+
+// WaitForOwner makes Dial wait for an owner that starts later; a nil option is
+// skipped.
+func TestDialWaitsForOwner(t *testing.T) {
+	dir := shortDir(t)
+	dev := cudarttest.ForTest(t)
+	_, err := replica.Dial(bound(t), dir, dev, 0, nil)
+	require.ErrorIs(t, err, kv.ErrOwnerGone, "no owner, no wait")
+	dialed := make(chan error, 1)
+	go func() {
+		r, err := replica.Dial(bound(t), dir, dev, 0, replica.WaitForOwner(), nil)
+		if err == nil {
+			err = r.Close(bound(t))
+		}
+		dialed <- err
+	}()
+	odev := cudarttest.ForTest(t)
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true})
+	require.NoError(t, err)
+	require.NoError(t, testwait.Recv(t, dialed, "a Dial waiting for the owner"))
+	require.NoError(t, o.Close(bound(t)))
+	require.NoError(t, odev.Err())
+}
