@@ -144,6 +144,8 @@ func TestStatusOf(t *testing.T) {
 		{kv.ErrClosed, statusClosed},
 		{kv.ErrGeometry, statusInval},
 		{kv.ErrTooLarge, statusInval},
+		{&kv.RemoteError{Err: kv.ErrRefused, Text: "refused: uid 7"}, statusRefused},
+		{&kv.RemoteError{Err: kv.ErrLimit, Text: "MaxLeases"}, statusTooMany},
 		{fmt.Errorf("%w: waiting for an owner: %w", kv.ErrOwnerGone, context.DeadlineExceeded), statusTimeout},
 	} {
 		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)

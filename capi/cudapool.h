@@ -82,7 +82,7 @@ enum cudapool_status {
 	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
 	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
-	CUDAPOOL_EREFUSED = 10,  /* the exporter refused this process */
+	CUDAPOOL_EREFUSED = 10,  /* the exporter (or KV owner) refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
 	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */
 	CUDAPOOL_ETIMEOUT = 13,  /* timeout_ms ran out; the call holds nothing */
@@ -95,7 +95,8 @@ enum cudapool_status {
 	CUDAPOOL_EIO = 20,       /* the system failed: a socket, a file, a process */
 	CUDAPOOL_ESTREAMDEVICE = 21, /* a stream of another device than the importer's */
 	CUDAPOOL_EDUPLICATE = 22,    /* this process has an importer for that exporter already */
-	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows */
+	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows,
+	                              * or a KV owner's cap is full (connections, leases, events) */
 	CUDAPOOL_ELOST = 24,         /* the mapping's exporter is gone and it lives on another GPU:
 	                              * reading it would lose this process's CUDA context */
 	CUDAPOOL_EEXPORTER = 25,     /* the exporter failed to serve the request (its message) */
@@ -538,7 +539,9 @@ int cudapool_kv_seal(cudapool_kv_replica r, uint64_t lease, const uint8_t *hashe
                      int wait, int64_t timeout_ms, uint32_t *visible, uint32_t *duplicates);
 /* cudapool_kv_match leases for reading the longest run of visible pages under hashes[0],
  * hashes[1], ...: *n_pages pages (room for n) and the lease's id in *lease, 0 when
- * none is visible (no lease then). Work queued on stream after the call may read them. */
+ * none is visible (no lease then). Work queued on any stream after the call may read
+ * them. stream is not used (the match queues nothing: the pages' writes completed
+ * before they became visible); it is kept so that the ABI stays, and may be NULL. */
 int cudapool_kv_match(cudapool_kv_replica r, const uint8_t *hashes, size_t n, void *stream, int64_t timeout_ms,
                       uint64_t *lease, uint32_t *pages, size_t *n_pages);
 /* cudapool_kv_release gives back n leases (write or read) once the work queued on
@@ -559,7 +562,12 @@ int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len)
  * needed. */
 int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_close gives back the replica's leases, unmaps the slab and hangs up. The
- * handle is spent. */
+ * handle is spent. The leases still held end after the work queued so far on every
+ * stream the replica has sealed or released on (as a release on those streams would),
+ * so pages a kernel still writes are not given to another replica; work on a stream
+ * the replica never sealed or released on is not covered: release such leases first.
+ * If timeout_ms passes while that work is still queued, it returns CUDAPOOL_ETIMEOUT
+ * and the rest completes once the work has run. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
 
 #ifdef CUDAPOOL_SOFTDEVICE_TESTING

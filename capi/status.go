@@ -139,6 +139,8 @@ var statuses = []struct {
 	{kv.ErrClosed, statusClosed},
 	{kv.ErrGeometry, statusInval},
 	{kv.ErrTooLarge, statusInval},
+	{kv.ErrRefused, statusRefused},
+	{kv.ErrLimit, statusTooMany},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

@@ -23,6 +23,12 @@ var (
 	ErrGeometry = errors.New("kv: does not fit the geometry")
 	// ErrTooLarge means a batch is over MaxBatch (or a frame over the wire's limit).
 	ErrTooLarge = errors.New("kv: batch too large")
+	// ErrRefused means the owner did not admit the replica: its policy, the protocol
+	// version or the Hello.
+	ErrRefused = errors.New("kv: refused")
+	// ErrLimit means a cap of the owner's is full (connections, leases or event
+	// handles of one connection); the error names the cap. Nothing was granted.
+	ErrLimit = errors.New("kv: limit reached")
 )
 
 // RemoteError is a failure the owner reported with a message of its own. Err is the

@@ -426,7 +426,7 @@ func (k *kvLoad) latency(ctx context.Context, samples, warmup int, hashing bool)
 		if hashing {
 			hashes = k.r.Hashes(k.tokens)
 		}
-		l, err := k.r.Match(ctx, hashes, k.s)
+		l, err := k.r.Match(ctx, hashes)
 		d := time.Since(t0)
 		if err != nil {
 			return "", err
@@ -478,7 +478,7 @@ func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string,
 			return "", fmt.Errorf("sealed %+v, want %d visible", res, b)
 		}
 		t2 := time.Now()
-		m, err := k.r.Match(ctx, hashes, k.s)
+		m, err := k.r.Match(ctx, hashes)
 		if err != nil {
 			return "", err
 		}
@@ -555,7 +555,7 @@ func (k *kvLoad) visible(ctx context.Context, samples, warmup int, scratch uint6
 		done := time.Now()
 		var d time.Duration
 		for {
-			m, err := k.r.Match(ctx, hash, k.s)
+			m, err := k.r.Match(ctx, hash)
 			if err != nil {
 				return "", err
 			}

@@ -37,6 +37,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -254,7 +255,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitUsage
 		}
 	}
-	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes})
+	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
+	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes, Logger: logger})
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitFailed

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -39,7 +40,7 @@ func kvOwner(t *testing.T) string {
 	require.NoError(t, err)
 	_, err = r.Seal(ctx, w, hashes, 0, replica.WaitVisible())
 	require.NoError(t, err)
-	_, err = r.Match(ctx, hashes, 0)
+	_, err = r.Match(ctx, hashes)
 	require.NoError(t, err)
 	return dir
 }
@@ -107,4 +108,12 @@ cudapool_kv_up{kv_dir=%q} 1
 `, dir, dir)
 	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_kv_leased_pages", "cudapool_kv_up"))
 	assert.Equal(t, 0, stop())
+}
+
+// A Stats frame that left replicas out says how many, and how many are connected.
+func TestRenderKVSaysWhatItLeftOut(t *testing.T) {
+	var b bytes.Buffer
+	st := kv.Stats{Devices: []kv.DeviceStats{{Device: 0}}, Replicas: []kv.ReplicaStats{{PID: 1}}, ReplicaCount: 3000, ReplicasOmitted: 2999}
+	renderKV(&b, "/run/kv", st)
+	assert.Contains(t, b.String(), "2999 more replicas not listed (3000 connected)")
 }

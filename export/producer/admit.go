@@ -38,7 +38,7 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 	}
 	p.detach = detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
-	reason, clean := p.serve()
+	reason, clean := p.serveContained()
 	if reason != nil {
 		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
@@ -57,7 +57,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		ex.mu.Lock()
 		if uid, ok := ex.greeting[nc]; ok {
 			delete(ex.greeting, nc)
-			ex.handshakes.leave(uid)
+			ex.handshakes.Leave(uid)
 		}
 		ex.mu.Unlock()
 	}()

@@ -24,14 +24,12 @@ func SetConnIDLimit(t *testing.T, n uint32) {
 	t.Cleanup(func() { connIDLimit = old })
 }
 
-// The accept loop and its backoff bounds, for the tests of package producer_test.
-const (
-	AcceptBackoffMin = acceptBackoffMin
-	AcceptBackoffMax = acceptBackoffMax
-)
-
-// AcceptLoop is the Exporter's accept loop.
-var AcceptLoop = acceptLoop
+// SetFrameHook makes hook see every frame a peer sends before it is handled, until
+// the test ends: a hook that panics stands for a handler that does.
+func SetFrameHook(t *testing.T, hook func(wire.Message)) {
+	frameHook = hook
+	t.Cleanup(func() { frameHook = nil })
+}
 
 // ConnIDBits is the width of a connection's number in its lease ids.
 const ConnIDBits = connIDBits

@@ -24,6 +24,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -55,7 +56,7 @@ type Exporter struct {
 	// greeting holds the connections still in their handshake, for Close to cut, with
 	// the uid each counts under in handshakes.
 	greeting   map[net.Conn]uint32
-	handshakes *handshakeLimit
+	handshakes *session.Counter
 	listeners  []net.Listener
 	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
 	changed chan struct{}
@@ -106,7 +107,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 		rt: rt, opts: o, log: o.Log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
 		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]uint32{},
-		handshakes: newHandshakeLimit(o.handshakesTotal, o.handshakesPerUID),
+		handshakes: session.NewCounter(o.handshakesTotal, o.handshakesPerUID),
 		changed:    make(chan struct{}, 1),
 	}
 	var err error
@@ -162,11 +163,11 @@ func (ex *Exporter) Serve(l net.Listener) error {
 // Addr is the path of the exporter's socket.
 func (ex *Exporter) Addr() string { return ex.sock.path }
 
-// accept serves l's connections until l is closed (acceptLoop keeps it going through
-// a shortage of descriptors).
+// accept serves l's connections until l is closed (session.AcceptLoop keeps it going
+// through a shortage of descriptors).
 func (ex *Exporter) accept(l net.Listener) {
 	defer ex.wg.Done()
-	acceptLoop(l, ex.log, ex.isClosed, ex.greet, time.Sleep)
+	session.AcceptLoop(l, ex.log, "producer", ex.isClosed, ex.greet, time.Sleep)
 }
 
 func (ex *Exporter) isClosed() bool {
@@ -184,7 +185,7 @@ func (ex *Exporter) greet(nc net.Conn) {
 			uid = cred.UID
 		}
 	}
-	if ok, full := ex.handshakes.enter(uid); !ok {
+	if ok, full := ex.handshakes.Enter(uid); !ok {
 		ex.log.Warn("producer: too many handshakes in progress; connection closed", "uid", uid, "cap", full,
 			"total", ex.opts.handshakesTotal, "per_uid", ex.opts.handshakesPerUID)
 		_ = nc.Close() // cleanup: nothing is left to do if closing fails
@@ -193,7 +194,7 @@ func (ex *Exporter) greet(nc net.Conn) {
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
-		ex.handshakes.leave(uid)
+		ex.handshakes.Leave(uid)
 		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}

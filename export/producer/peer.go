@@ -14,6 +14,7 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -137,6 +138,22 @@ func (p *peer) pid() int {
 // serve answers the peer's requests in order until the connection ends. reason says
 // why, nil for a peer that said Bye or an exporter that is closing; clean reports
 // whether the peer's release event covers all it freed.
+// serveContained is serve with a panic contained: it is logged with its stack, the
+// connection is closed, and the peer is then ended as one that hung up (its leases
+// kept until its process exits).
+func (p *peer) serveContained() (reason error, clean bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			reason, clean = session.Recovered(p.ex.log, "producer", p.pid(), v), false
+			_ = p.c.Close() // cleanup: the panic is what ends the connection
+		}
+	}()
+	return p.serve()
+}
+
+// frameHook, set by tests alone, sees each request before it is served.
+var frameHook func(wire.Message)
+
 func (p *peer) serve() (reason error, clean bool) {
 	for {
 		m, _, err := p.c.Recv()
@@ -155,6 +172,9 @@ func (p *peer) serve() (reason error, clean bool) {
 				return err, true
 			}
 			return err, false
+		}
+		if frameHook != nil {
+			frameHook(m)
 		}
 		switch m := m.(type) {
 		case *wire.OpenMsg:

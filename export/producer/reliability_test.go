@@ -23,6 +23,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // reliabilityReport collects the run's rows: what was done, and what came of it.
@@ -98,7 +99,7 @@ func reliabilityFDExhaustion(t *testing.T, r *reliabilityReport) {
 	require.NoError(t, err)
 	dialer.Finish()
 	assert.Equal(t, attempts, after, "every handshake after the recovery is admitted")
-	assert.Less(t, recovered, 2*producer.AcceptBackoffMax, "recovery within the accept backoff")
+	assert.Less(t, recovered, 2*session.AcceptBackoffMax, "recovery within the accept backoff")
 	r.add(t, fmt.Sprintf("%d handshakes from another process while the exporter had no free descriptor (100 ms each)", attempts),
 		fmt.Sprintf("%d admitted, %d timed out (waiting in the backlog)", admitted, failed))
 	r.add(t, "descriptors freed: first handshake admitted after", recovered.Round(time.Millisecond).String())

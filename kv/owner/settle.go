@@ -261,27 +261,49 @@ func (o *Owner) enqueue(e *event) {
 	}
 }
 
-// destroyEvents destroys the events of connections that ended and closes the handles
-// on their processes, under o.mu. An event whose waiter is in the driver's wait is
-// left to the waiter, which destroys it when the wait returns (and the process handle,
-// which the waiter asks, after the last): no event or handle is closed while a call
-// uses it.
-func (o *Owner) destroyEvents() {
+// takeDeadLocked takes the connections that ended off o.dead, under o.mu, with what
+// destroyEvents is to destroy of each: an event whose waiter is in the driver's wait is
+// left to the waiter, which destroys it when the wait returns (and the handle on the
+// process, which the waiter asks, after the last such event): no event or handle is
+// closed while a call uses it.
+func (o *Owner) takeDeadLocked() []doomed {
+	var ds []doomed
 	for _, c := range o.dead {
+		d := doomed{c: c}
 		for _, e := range c.events {
 			if e.watched {
 				e.orphan = true
 				c.orphans++
 				continue
 			}
-			o.destroyEvent(e)
+			d.events = append(d.events, e)
 		}
-		if c.proc != nil && c.orphans == 0 {
-			_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
-		}
+		d.closeProc = c.proc != nil && c.orphans == 0
+		ds = append(ds, d)
 	}
 	clear(o.dead)
 	o.dead = o.dead[:0]
+	return ds
+}
+
+// doomed is what destroyEvents destroys of a connection that ended.
+type doomed struct {
+	c         *conn
+	events    []*event
+	closeProc bool
+}
+
+// destroyEvents destroys what takeDeadLocked took, without o.mu, so that thousands of
+// events stall nobody: nothing else uses those events or handles any more.
+func (o *Owner) destroyEvents(ds []doomed) {
+	for _, d := range ds {
+		for _, e := range d.events {
+			o.destroyEvent(e)
+		}
+		if d.closeProc {
+			_ = d.c.proc.Close() // cleanup: nothing is left to do if closing fails
+		}
+	}
 }
 
 // destroyEvent destroys e's driver event, if it has one.

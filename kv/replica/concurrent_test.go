@@ -49,7 +49,7 @@ func (sd side) readEach(ctx context.Context, chains ...[]kv.Hash) error {
 		if len(chain) == 0 {
 			continue
 		}
-		m, err := sd.r.Match(ctx, chain, sd.s)
+		m, err := sd.r.Match(ctx, chain)
 		if err != nil {
 			return fmt.Errorf("match: %w", err)
 		}

@@ -20,9 +20,9 @@ func TestCrossDeviceCopyLandsInTheLeasedPages(t *testing.T) {
 	hold, err := r.Alloc(ctx, 5) // device 1's pages 0-4, as device 0's chain has
 	require.NoError(t, err)
 	hashes := sealed(t, wdev, w, ws, 13, 5)
-	src, err := w.Match(ctx, hashes, ws)
+	src, err := w.Match(ctx, hashes)
 	require.NoError(t, err)
-	m, err := r.Match(ctx, hashes, rs)
+	m, err := r.Match(ctx, hashes)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 5)
 	for i, p := range m.Pages() {

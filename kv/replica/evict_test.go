@@ -28,7 +28,7 @@ func TestEvictionLeavesFirstAfterAGrownChain(t *testing.T) {
 	require.Equal(t, 3, res.Visible)
 
 	// Grow it: the prefix matched, the rest written and sealed.
-	m, err := r.Match(ctx, all, rs)
+	m, err := r.Match(ctx, all)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 3)
 	w, err := r.Alloc(ctx, 3)
@@ -44,7 +44,7 @@ func TestEvictionLeavesFirstAfterAGrownChain(t *testing.T) {
 	hold, err := r.Alloc(ctx, 3)
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1), device0(o).Evictions)
-	got, err := r.Match(ctx, all, rs)
+	got, err := r.Match(ctx, all)
 	require.NoError(t, err)
 	assert.Len(t, got.Pages(), 5, "the chain lost its leaf; a parent evicted first leaves the rest unmatched")
 	require.NoError(t, r.Release(ctx, rs, got, hold))

@@ -32,7 +32,7 @@ func TestOwnerPace(t *testing.T) {
 	waiting := o.Pace()
 	assert.Equal(t, before.Queries+1, waiting.Queries, "one query, at the seal")
 	for range 50 {
-		m, err := r.Match(ctx, hashes, rs)
+		m, err := r.Match(ctx, hashes)
 		require.NoError(t, err)
 		require.Empty(t, m.Pages(), "the writer's work has not run")
 		_, err = r.Stats(ctx)
@@ -47,7 +47,7 @@ func TestOwnerPace(t *testing.T) {
 	assert.Equal(t, owner.Pace{Queries: waiting.Queries, Waits: waiting.Waits}, settled, "one wait made the run visible")
 	var held []*replica.Lease
 	for range 50 {
-		m, err := r.Match(ctx, hashes, rs)
+		m, err := r.Match(ctx, hashes)
 		require.NoError(t, err)
 		require.Len(t, m.Pages(), 4)
 		held = append(held, m)
@@ -68,7 +68,7 @@ func TestIdleStreamNeedsNoEvent(t *testing.T) {
 	res, err := w.Seal(ctx, l, hashes, ws)
 	require.NoError(t, err)
 	assert.Equal(t, replica.SealResult{Visible: 4}, res, "visible at once: the writes had completed")
-	m, err := w.Match(ctx, hashes, ws)
+	m, err := w.Match(ctx, hashes)
 	require.NoError(t, err)
 	require.NoError(t, w.Release(ctx, ws, m))
 	assert.Zero(t, device0(o).Releasing, "settled at once: nothing was queued on the stream")

@@ -3,11 +3,11 @@ package exporttest
 import (
 	"bytes"
 	"context"
+	"github.com/cudapool/cudapool/internal/testlog"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -48,26 +48,7 @@ func ShortDir(t testing.TB) string {
 }
 
 // LogBuffer collects log records for a test to check, safe for concurrent writers.
-type LogBuffer struct {
-	Mu  sync.Mutex
-	Buf bytes.Buffer
-}
-
-func (l *LogBuffer) Write(p []byte) (int, error) {
-	l.Mu.Lock()
-	defer l.Mu.Unlock()
-	return l.Buf.Write(p)
-}
-
-func (l *LogBuffer) String() string {
-	l.Mu.Lock()
-	defer l.Mu.Unlock()
-	return l.Buf.String()
-}
-
-func (l *LogBuffer) Logger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
+type LogBuffer = testlog.Buffer
 
 var DiscardLogger = slog.New(slog.NewTextHandler(io.Discard, nil))
 

@@ -1,6 +1,7 @@
-package producer_test
+package session
 
 import (
+	"log/slog"
 	"net"
 	"sync"
 	"syscall"
@@ -9,9 +10,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/cudapool/cudapool/export/internal/exporttest"
-	"github.com/cudapool/cudapool/export/producer"
 )
 
 // shortListener fails its Accepts with EMFILE, as a process out of descriptors does,
@@ -44,14 +42,14 @@ func (l *shortListener) Accept() (net.Conn, error) {
 func (l *shortListener) Addr() net.Addr { return &net.UnixAddr{Name: "short", Net: "unix"} }
 
 // While accepts fail for want of descriptors, each retry waits: from
-// acceptBackoffMin, doubling, to acceptBackoffMax and no more, so an exhaustion costs
+// AcceptBackoffMin, doubling, to AcceptBackoffMax and no more, so an exhaustion costs
 // at most about one accept a second, not a spinning core; an accept that succeeds
 // starts the backoff over.
 func TestAcceptBackoffIsBounded(t *testing.T) {
 	l := &shortListener{ok: map[int]bool{20: true}, limit: 30}
 	var waits []time.Duration
 	served := 0
-	producer.AcceptLoop(l, exporttest.DiscardLogger, func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
+	AcceptLoop(l, slog.New(slog.DiscardHandler), "test", func() bool { return false }, func(nc net.Conn) { served++; nc.Close() },
 		func(d time.Duration) { waits = append(waits, d) })
 	require.Equal(t, 1, served)
 	require.Len(t, waits, l.limit-1, "a wait after every failed accept, none after the success")
@@ -60,9 +58,9 @@ func TestAcceptBackoffIsBounded(t *testing.T) {
 		if i == 19 { // the first failure after the success at call 20
 			want = 0
 		}
-		want = min(max(2*want, producer.AcceptBackoffMin), producer.AcceptBackoffMax)
+		want = min(max(2*want, AcceptBackoffMin), AcceptBackoffMax)
 		assert.Equal(t, want, d, "wait %d", i)
 	}
-	assert.Equal(t, producer.AcceptBackoffMax, waits[18], "the backoff reached its bound")
-	assert.LessOrEqual(t, producer.AcceptBackoffMax, time.Second, "at most about one accept a second")
+	assert.Equal(t, AcceptBackoffMax, waits[18], "the backoff reached its bound")
+	assert.LessOrEqual(t, AcceptBackoffMax, time.Second, "at most about one accept a second")
 }
