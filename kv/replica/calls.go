@@ -395,20 +395,16 @@ func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 // the owner needs no wait for.
 var idle = &streamEvent{}
 
-// record records s's event on s, creating it the first time; where the runtime says
-// that s's work has all completed (cudart.StreamQuerier), it records nothing and
-// returns idle: an event record costs a turn of the GPU for this process's context
-// (docs/FACTS.md 16), and the owner's query or wait of it more.
+// record records s's event on s, creating it the first time (so that Close's final
+// event covers s too); where the runtime says that s's work has all completed
+// (cudart.StreamQuerier), it records nothing and returns idle: an event record costs a
+// turn of the GPU for this process's context (docs/FACTS.md 23), and the owner's query
+// or wait of it more.
 func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
 	r.evMu.Lock()
 	defer r.evMu.Unlock()
 	if r.evClosed {
 		return nil, kv.ErrClosed
-	}
-	if q, ok := r.rt.(cudart.StreamQuerier); ok {
-		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
-			return idle, nil
-		}
 	}
 	e, ok := r.events[s]
 	if !ok {
@@ -423,6 +419,11 @@ func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
 		}
 		e = &streamEvent{ev: ev, h: h}
 		r.events[s] = e
+	}
+	if q, ok := r.rt.(cudart.StreamQuerier); ok {
+		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
+			return idle, nil
+		}
 	}
 	if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
 		return nil, err

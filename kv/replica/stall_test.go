@@ -249,11 +249,28 @@ func TestCloseEndsHeldLeasesAfterItsStreams(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close(ctx) }()
 	eventually(t, "the Bye to reach the owner", func() bool { return device0(o).Writing == 0 })
-	_, err = b.Alloc(ctx, 1)
-	require.ErrorIs(t, err, kv.ErrNoSpace, "a page of the closing replica's write lease, its writes still queued, went to another replica")
+	// Another replica's Alloc waits for those pages to settle (owner.AllocWait), and
+	// gets none before a's stream has run.
+	got := make(chan error, 1)
+	var one *replica.Lease
+	go func() {
+		var err error
+		one, err = b.Alloc(ctx, 1)
+		got <- err
+	}()
+	eventually(t, "b's Alloc to wait for the settling pages", func() bool {
+		select {
+		case err := <-got:
+			t.Fatalf("a page of the closing replica's write lease, its writes still queued, went to another replica (%v)", err)
+		default:
+		}
+		return o.Pace().AllocWaits == 1
+	})
 	assert.Equal(t, g.Pages, device0(o).Settling, "the held write lease's pages settle after a's stream")
 	resume()
 	require.NoError(t, testwait.Recv(t, closed, "Close, once its stream ran"))
+	require.NoError(t, testwait.Recv(t, got, "b's Alloc, once the pages settled"))
+	require.NoError(t, b.Release(ctx, 0, one))
 	eventually(t, "the pages to be free", func() bool { return device0(o).Free == g.Pages })
 	l, err := b.Alloc(ctx, g.Pages)
 	require.NoError(t, err)
