@@ -23,6 +23,10 @@ var (
 	ErrGeometry = errors.New("kv: does not fit the geometry")
 	// ErrTooLarge means a batch is over MaxBatch (or a frame over the wire's limit).
 	ErrTooLarge = errors.New("kv: batch too large")
+	// ErrLeaseLost means a lease held when the owner died was not re-established by
+	// the owner that took its place: its pages may have been reused, so nothing read
+	// from or written to them since can be trusted.
+	ErrLeaseLost = errors.New("kv: lease lost in an owner's restart")
 )
 
 // RemoteError is a failure the owner reported with a message of its own. Err is the

@@ -57,6 +57,8 @@ type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
+	oneProcess, leaveKeeper                     bool
+	grace                                       time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (flags, bool) {
@@ -74,6 +76,9 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (instead of -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
+	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
+	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
+	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	if err := fs.Parse(args); err != nil {
 		return f, false
 	}
@@ -157,6 +162,9 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "keeper" {
+		return runKeeper(ctx, args[1:], stderr)
+	}
 	f, ok := parse(args, stderr)
 	if !ok {
 		return 2
@@ -186,21 +194,41 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 2
 	}
-	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g})
+	opts := owner.Options{Devices: devs, Geometry: g}
+	if !f.oneProcess {
+		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs))
+		opts.Index, opts.ReattachGrace = filepath.Join(f.dir, owner.IndexFile), f.grace
+	}
+	o, err := owner.Listen(f.dir, rt, opts)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why)
-	<-ctx.Done()
+	cache := "slabs in this process (-one-process)"
+	if !f.oneProcess {
+		cache = o.Recovery().String()
+	}
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why, cache)
+	code := 0
+	select {
+	case <-ctx.Done():
+	case <-o.KeeperGone():
+		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
+		code = 1
+	}
 	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	err = errors.Join(o.Close(cctx), choose.Violations(rt))
+	if opts.Keeper && !f.leaveKeeper && code == 0 {
+		err = errors.Join(err, owner.StopKeeper(cctx, o.Recovery().KeeperPID))
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", err)
 		return 1
 	}
-	fmt.Fprintln(stdout, "kvpoold: stopped")
-	return 0
+	if code == 0 {
+		fmt.Fprintln(stdout, "kvpoold: stopped")
+	}
+	return code
 }

@@ -32,6 +32,7 @@ type conn struct {
 	proc *peercred.Process // nil where the process cannot be watched
 	s    *slab             // the slab of the replica's device
 	ns   string
+	id   procID // the replica's process, as the index names it; zero if unknown
 
 	// Guarded by Owner.mu.
 	welcomed bool
@@ -165,6 +166,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	o.mu.Lock()
 	c.welcomed = true
+	o.attachedLocked(c)
 	o.mu.Unlock()
 	return nil
 }
@@ -215,6 +217,8 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 			err = c.release(h, p)
 		case kvwire.TypeStats:
 			err = c.stats(h, p)
+		case kvwire.TypeReattach:
+			err = c.reattach(h, p)
 		case kvwire.TypeBye:
 			if len(p) != 0 {
 				return false, fmt.Errorf("%w: Bye with %d bytes of payload", kvwire.ErrMalformed, len(p))
@@ -254,6 +258,9 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
 	case n < 1 || n > len(s.pages):
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
+	}
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
 	o.mu.Lock()
 	pages, ok := s.take(n, make([]uint32, 0, n))
@@ -549,6 +556,9 @@ func (c *conn) finish(bye bool) {
 	var owed []answer
 	o.mu.Lock()
 	owed = o.exitedLocked(c, owed)
+	if c.welcomed {
+		o.detachedLocked(c)
+	}
 	delete(o.conns, c)
 	o.dead = append(o.dead, c)
 	o.mu.Unlock()

@@ -36,6 +36,9 @@ type piece struct {
 // If the replica's slab has no room for the copies, the run ends before the first.
 func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	o, s := c.o, c.s
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
+	}
 	o.mu.Lock()
 	run := make([]piece, 0, len(hashes))
 	copies := 0
@@ -164,7 +167,7 @@ func (o *Owner) copyRun(s *slab, run []piece) error {
 // copyFrom copies pieces, all from src, into dst on src's stream and waits for them.
 func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
 	g, pb := o.geo, o.geo.PageBytes()
-	srcBase, dstBase := src.buf.Ptr(), dst.buf.Ptr()
+	srcBase, dstBase := src.base(), dst.base()
 	src.copyMu.Lock()
 	defer src.copyMu.Unlock()
 	for i := 0; i < len(pieces); {

@@ -56,9 +56,11 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -100,6 +102,23 @@ type Options struct {
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
 	AnnounceDir string
 	NoAnnounce  bool
+
+	// Keeper makes Listen serve the pages of the slabs a keeper (Keep) publishes on
+	// dir/slab.sock instead of making slabs of its own: they outlive this owner, and
+	// the next one adopts them. Listen then holds dir/owner.lock (another owner on dir
+	// fails), and starts a keeper with StartKeeper where none is alive, or where the
+	// live one keeps slabs of another geometry or other devices (it is stopped first,
+	// SIGTERM).
+	Keeper      bool
+	StartKeeper func(ctx context.Context) error
+	// Index is the file the visible pages are journaled in; "" keeps no index. A
+	// Listen finding one of the same slabs (their keeper, geometry and devices) makes
+	// its pages visible again; any other, or a corrupt one, is dropped, and Recovery
+	// says why.
+	Index string
+	// ReattachGrace bounds how long allocations wait, after a restart, for the replicas
+	// attached before to re-declare their leases; 0 is DefaultReattachGrace.
+	ReattachGrace time.Duration
 }
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -112,6 +131,8 @@ type Owner struct {
 	meta []byte // the geometry, encoded: every slab's metadata
 
 	ex    *producer.Exporter
+	imp   *consumer.Importer // the keeper's, for adopted slabs (Options.Keeper)
+	lock  *os.File           // dir/owner.lock, held (Options.Keeper)
 	ln    *net.UnixListener
 	slabs []*slab
 	byDev map[int]*slab
@@ -123,6 +144,14 @@ type Owner struct {
 	polling   []*event
 	dead      []*conn // ended connections, whose events the poller destroys
 	closed    bool
+
+	// A cache that survives its owner (restart.go).
+	j        *journal          // nil: no index
+	keeperID procID            // the process whose slabs these are
+	epoch    uint64            // the index's epoch: lease ids start at epoch<<40
+	recovery Recovery          // set by Listen
+	expected map[uint32]procID // replicas of before a restart not yet reattached
+	resumed  chan struct{}     // closed once allocations may go on
 
 	wakeCh   chan struct{}
 	stop     context.CancelFunc
@@ -146,7 +175,15 @@ type lease struct {
 // dir/kv.sock. A live owner on dir makes it fail with an error wrapping
 // producer.ErrAddressInUse, and a slab over MaxSlabBytes with one wrapping
 // kv.ErrGeometry. On failure nothing is left behind.
-func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
+func Listen(dir string, rt cudart.Runtime, o Options) (*Owner, error) {
+	r := roleWhole
+	if o.Keeper {
+		r = rolePages
+	}
+	return listen(dir, rt, o, r)
+}
+
+func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
@@ -181,39 +218,38 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	}
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, opts: o, log: o.Logger, meta: kvwire.AppendGeometry(nil, o.Geometry),
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{})}
+		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{}), expected: map[uint32]procID{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
 			_ = ow.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
-	lopts := []producer.ListenOption{producer.WithPolicy(o.Policy), producer.WithLogger(o.Logger), producer.WithName(ownerName())}
-	if opensToOthers(o.Policy) {
-		lopts = append(lopts, producer.SocketFollowsPolicy())
-	}
-	if o.NoAnnounce {
-		lopts = append(lopts, producer.WithoutAnnounce())
-	} else if o.AnnounceDir != "" {
-		lopts = append(lopts, producer.WithAnnounce(o.AnnounceDir))
-	}
-	// The exporter first: its socket tells a live owner from a dead one.
-	if ow.ex, err = producer.Listen(filepath.Join(dir, SlabSocket), rt, lopts...); err != nil {
-		if errors.Is(err, producer.ErrAddressInUse) {
-			return nil, fmt.Errorf("kv/owner: an owner already serves %s: %w", dir, err)
+	if r == rolePages {
+		if ow.lock, err = lockDir(dir); err != nil {
+			return nil, err
 		}
+		if err = ow.adoptSlabs(); err != nil {
+			return nil, err
+		}
+		if ow.keeperID, err = procOf(ow.imp.ExporterPID()); err != nil {
+			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.imp.ExporterPID(), err)
+		}
+	} else if err = ow.makeSlabs(); err != nil {
 		return nil, err
 	}
-	for _, d := range o.Devices {
-		s, err := ow.makeSlab(d)
-		if s != nil {
-			ow.slabs = append(ow.slabs, s)
-			ow.byDev[d] = s
-		}
-		if err != nil {
+	if r == roleKeeper {
+		return ow, nil
+	}
+	if r == roleWhole {
+		ow.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
+	}
+	if o.Index != "" {
+		if err = ow.restore(); err != nil {
 			return nil, err
 		}
 	}
+	ow.holdAllocs()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
@@ -221,6 +257,37 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	ow.wg.Add(1)
 	go ow.accept()
 	return ow, nil
+}
+
+// makeSlabs makes the exporter on dir/slab.sock and each device's slab.
+func (o *Owner) makeSlabs() (err error) {
+	lopts := []producer.ListenOption{producer.WithPolicy(o.opts.Policy), producer.WithLogger(o.log), producer.WithName(ownerName())}
+	if opensToOthers(o.opts.Policy) {
+		lopts = append(lopts, producer.SocketFollowsPolicy())
+	}
+	if o.opts.NoAnnounce {
+		lopts = append(lopts, producer.WithoutAnnounce())
+	} else if o.opts.AnnounceDir != "" {
+		lopts = append(lopts, producer.WithAnnounce(o.opts.AnnounceDir))
+	}
+	// The exporter first: its socket tells a live owner from a dead one.
+	if o.ex, err = producer.Listen(filepath.Join(o.dir, SlabSocket), o.rt, lopts...); err != nil {
+		if errors.Is(err, producer.ErrAddressInUse) {
+			return fmt.Errorf("kv/owner: an owner already serves %s: %w", o.dir, err)
+		}
+		return err
+	}
+	for _, d := range o.opts.Devices {
+		s, err := o.makeSlab(d)
+		if s != nil {
+			o.slabs = append(o.slabs, s)
+			o.byDev[d] = s
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // ownerName is the process name the exporter announces.
@@ -418,6 +485,19 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.destroyEvents()
 	o.mu.Unlock()
 	var errs []error
+	o.mu.Lock()
+	if err := o.j.close(); err != nil {
+		errs = append(errs, err)
+	}
+	o.mu.Unlock()
+	if o.imp != nil {
+		if err := o.closeImport(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if o.lock != nil {
+		_ = o.lock.Close() // cleanup: closing it is what lets the lock go
+	}
 	force := false
 	if o.ex != nil {
 		if err := o.ex.Close(ctx); err != nil {

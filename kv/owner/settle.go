@@ -65,6 +65,7 @@ func (o *Owner) settle(rec *record, publish bool) {
 	for _, p := range rec.released {
 		s.pages[p].releasing--
 	}
+	s.j.flush()
 	rec.done = true
 }
 

@@ -3,6 +3,7 @@ package owner
 import (
 	"sync"
 
+	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
@@ -38,9 +39,11 @@ type slab struct {
 	dev    int
 	name   string
 	pool   *pool.Pool
-	buf    *pool.Buffer
-	stream cudart.Stream // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex    // one copy at a time on stream
+	buf    *pool.Buffer      // the slab, where this process made it (nil where it adopted one)
+	m      *consumer.Mapping // the slab, where it was adopted from a keeper (Options.Keeper)
+	j      *journal          // the index file; nil: none
+	stream cudart.Stream     // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex        // one copy at a time on stream
 
 	pages      []page
 	free       []uint32 // a stack of free pages
@@ -55,6 +58,14 @@ func newSlab(dev, pages int) *slab {
 		s.free[i] = uint32(pages - 1 - i) // page 0 on top
 	}
 	return s
+}
+
+// base is the slab's address in this process.
+func (s *slab) base() cudart.DevicePtr {
+	if s.m != nil {
+		return s.m.Ptr()
+	}
+	return s.buf.Ptr()
 }
 
 // unlink takes sealed page p out of the LRU list.
@@ -124,6 +135,7 @@ func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
 			s.evict(p)
 		}
 	}
+	s.j.flush() // the evictions are in the index before the pages are written
 	for range n {
 		p := s.free[len(s.free)-1]
 		s.free = s.free[:len(s.free)-1]
@@ -138,6 +150,7 @@ func (s *slab) evict(p uint32) {
 	pg := &s.pages[p]
 	delete(s.index, pg.hash)
 	s.unlink(p)
+	s.j.free(s.dev, p)
 	s.stats.Evictions++
 	s.release(p)
 }
@@ -161,6 +174,7 @@ func (s *slab) publish(p uint32, h kv.Hash) (visible bool) {
 	s.index[h] = p
 	s.pushFront(p)
 	s.stats.Seals++
+	s.j.seal(s.dev, p, h)
 	return true
 }
 

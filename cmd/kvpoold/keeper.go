@@ -1,0 +1,136 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+)
+
+// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs
+// (owner.Keep) and nothing else, in a session of its own, so that kvpoold's death
+// (SIGKILL, a crash, an upgrade) leaves the slabs and every replica's mapping of them
+// alone, and the next kvpoold on the directory adopts them. kvpoold starts it where
+// none is alive and, on a clean stop, stops it (unless -leave-keeper). It stops on
+// SIGTERM or SIGINT.
+
+// keeperCloseTimeout bounds how long a stopping keeper waits for the replicas to unmap
+// its slabs. It is short: the slab a replica still maps stays until it unmaps it
+// (producer's Close frees nothing a consumer holds), and the kvpoold that stops a keeper
+// of another geometry waits for it.
+const keeperCloseTimeout = 2 * time.Second
+
+// keeperCommand makes the command that runs `kvpoold keeper ARGS`: this executable.
+// The tests replace it.
+var keeperCommand = func(args []string) (*exec.Cmd, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	return exec.Command(exe, args...), nil
+}
+
+// keeperArgs is the keeper's command line for a slab of g on devs.
+func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
+	ds := make([]string, len(devs))
+	for i, d := range devs {
+		ds[i] = strconv.Itoa(d)
+	}
+	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
+		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
+		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages)}
+}
+
+// startKeeper starts the keeper in a session of its own and waits, until ctx ends, for
+// it to say it keeps the slabs (a line on its fd 3).
+func startKeeper(stderr io.Writer, args []string) func(ctx context.Context) error {
+	return func(ctx context.Context) error {
+		cmd, err := keeperCommand(args)
+		if err != nil {
+			return err
+		}
+		rd, wr, err := os.Pipe()
+		if err != nil {
+			return err
+		}
+		defer func() { _ = rd.Close() }() // cleanup: the line was read, or will not be
+		cmd.ExtraFiles = []*os.File{wr}
+		cmd.Stderr = stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		err = cmd.Start()
+		_ = wr.Close() // the keeper holds its end; this one must not keep the pipe open
+		if err != nil {
+			return err
+		}
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }() // reaps it if it ends before this process
+		line := make(chan string, 1)
+		go func() {
+			s, _ := bufio.NewReader(rd).ReadString('\n') // an early end is told by the exit below
+			line <- strings.TrimSpace(s)
+		}()
+		select {
+		case l := <-line:
+			if l == "ready" {
+				return nil
+			}
+			return fmt.Errorf("the keeper (pid %d) exited before keeping the slabs: %v", cmd.Process.Pid, <-exited)
+		case <-ctx.Done():
+			_ = cmd.Process.Kill() // cleanup: the wait's end is the error returned
+			return fmt.Errorf("the keeper (pid %d) did not start: %w", cmd.Process.Pid, ctx.Err())
+		}
+	}
+}
+
+// runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
+func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
+	f, ok := parse(args, stderr)
+	if !ok {
+		return 2
+	}
+	g, err := f.geometry()
+	if err == nil {
+		g, err = f.slabPages(g, false)
+	}
+	var devs []int
+	if err == nil {
+		devs, err = deviceList(f.devices, 0, false)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 2
+	}
+	picked, err := choose.Runtime(f.runtime)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 1
+	}
+	k, err := owner.Keep(f.dir, picked.Runtime, owner.Options{Devices: devs, Geometry: g})
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 1
+	}
+	if ready := os.NewFile(3, "ready"); ready != nil {
+		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
+		_ = ready.Close()                   // cleanup: it was written
+	}
+	<-ctx.Done()
+	cctx, cancel := context.WithTimeout(context.Background(), keeperCloseTimeout)
+	defer cancel()
+	if err := errors.Join(k.Close(cctx), choose.Violations(picked.Runtime)); err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", err)
+		return 1
+	}
+	return 0
+}

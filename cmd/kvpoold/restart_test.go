@@ -1,0 +1,303 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// restartArgs serve a small llama-0.85b slab on the software device.
+func restartArgs(dir string, pages int) []string {
+	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-reattach-grace", "30s"}
+}
+
+var keeperPID = regexp.MustCompile(`keeper pid (\d+)`)
+
+// daemon is kvpoold as a process of its own, started and read to its first line. The
+// keeper it names is stopped when the test ends.
+func daemon(t *testing.T, args ...string) (*exec.Cmd, string) {
+	t.Helper()
+	cmd := proctest.Command(t, "kvpoold", args...)
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	first := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		if sc.Scan() {
+			first <- sc.Text()
+		}
+		close(first)
+		for sc.Scan() { // the rest: kvpoold must not block on its stdout
+		}
+	}()
+	line := testwait.Recv(t, first, "kvpoold's first line")
+	require.Contains(t, line, "kvpoold: serving", "kvpoold's first line")
+	if m := keeperPID.FindStringSubmatch(line); m != nil {
+		pid, _ := strconv.Atoi(m[1])
+		t.Cleanup(func() { killKeeper(t, pid) })
+	}
+	return cmd, line
+}
+
+// killKeeper SIGKILLs the keeper pid and waits for it to be gone.
+func killKeeper(t *testing.T, pid int) {
+	p, err := peercred.OpenProcess(pid)
+	if err != nil {
+		return
+	}
+	defer p.Close()
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	assert.NoError(t, p.Wait(ctx), "the keeper's exit")
+}
+
+// sigkill kills kvpoold and reaps it.
+func sigkill(t *testing.T, cmd *exec.Cmd) {
+	require.NoError(t, cmd.Process.Kill())
+	_ = cmd.Wait() // killed: its status says so
+}
+
+// attach dials dir with WithReconnect on a software device of the test's, with a
+// stream; both are closed at the test's end.
+func attach(t *testing.T, dir string) (*cudarttest.Device, *replica.Replica, cudart.Stream) {
+	dev := cudarttest.ForTest(t)
+	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		assert.NoError(t, dev.StreamSynchronize(0, s))
+		assert.NoError(t, dev.StreamDestroy(0, s))
+	})
+	return dev, r, s
+}
+
+// pattern is what page p of layer l's K (and V, negated) holds in these tests.
+func pattern(g kv.Geometry, p uint32, l int, v bool) []byte {
+	b := make([]byte, g.PageBytes())
+	for i := range b {
+		b[i] = byte(int(p)*7 + l*3 + i)
+		if v {
+			b[i] = ^b[i]
+		}
+	}
+	return b
+}
+
+// writePages fills pages with pattern on s.
+func writePages(t *testing.T, dev cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint32) {
+	g := r.Geometry()
+	for _, p := range pages {
+		for l := range g.Layers {
+			k := r.Slab() + cudart.DevicePtr(g.KOffset(l)+uint64(p)*g.PageBytes())
+			v := r.Slab() + cudart.DevicePtr(g.VOffset(l)+uint64(p)*g.PageBytes())
+			require.NoError(t, dev.MemcpyHtoDAsync(0, k, pattern(g, p, l, false), s))
+			require.NoError(t, dev.MemcpyHtoDAsync(0, v, pattern(g, p, l, true), s))
+		}
+	}
+}
+
+// checkPages reads pages back and compares them with pattern of the pages they were
+// written as (want[i] for pages[i]).
+func checkPages(t *testing.T, dev cudart.Runtime, r *replica.Replica, s cudart.Stream, pages, want []uint32) {
+	g := r.Geometry()
+	for i, p := range pages {
+		for l := range g.Layers {
+			got := make([]byte, g.PageBytes())
+			require.NoError(t, dev.MemcpyDtoHAsync(0, got, r.Slab()+cudart.DevicePtr(g.KOffset(l)+uint64(p)*g.PageBytes()), s))
+			require.NoError(t, dev.StreamSynchronize(0, s))
+			require.True(t, bytes.Equal(pattern(g, want[i], l, false), got), "page %d layer %d K", p, l)
+		}
+	}
+}
+
+func tokens(n, seed int) []int32 {
+	ts := make([]int32, n)
+	for i := range ts {
+		ts[i] = int32(seed*100000 + i)
+	}
+	return ts
+}
+
+// sealed writes and seals n pages of a fresh prompt, visible when it returns.
+func sealed(t *testing.T, ctx context.Context, dev cudart.Runtime, r *replica.Replica, s cudart.Stream, n, seed int) ([]kv.Hash, []uint32) {
+	hashes := r.Hashes(tokens(n*r.Geometry().TokensPerPage, seed))
+	w, err := r.Alloc(ctx, n)
+	require.NoError(t, err)
+	writePages(t, dev, r, s, w.Pages())
+	res, err := r.Seal(ctx, w, hashes, s, replica.WaitVisible())
+	require.NoError(t, err)
+	require.Equal(t, n, res.Visible)
+	return hashes, w.Pages()
+}
+
+// kvpoold SIGKILLed and started again on its directory adopts the slab from the
+// keeper and the visible pages from the index; a replica attached throughout
+// reattaches by itself, its read and write leases re-established, and matches hit
+// every page sealed before, with the bytes written then.
+func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
+	dir := shortDir(t)
+	first, line := daemon(t, restartArgs(dir, 64)...)
+	assert.Contains(t, line, "new cache in keeper pid")
+	pid := keeperPID.FindStringSubmatch(line)[1]
+
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	hashes, pages := sealed(t, ctx, dev, r, s, 12, 1)
+	read, err := r.Match(ctx, hashes[:4], s)
+	require.NoError(t, err)
+	require.Len(t, read.Pages(), 4)
+	write, err := r.Alloc(ctx, 3)
+	require.NoError(t, err)
+	done := r.Done()
+
+	sigkill(t, first)
+	testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
+
+	_, line = daemon(t, restartArgs(dir, 64)...)
+	assert.Contains(t, line, "cache adopted from keeper pid "+pid+": 12 visible pages restored, 1 replicas to reattach")
+	require.NoError(t, r.WaitAttached(ctx))
+	assert.Equal(t, uint64(1), r.Reattaches())
+	require.NoError(t, r.Err())
+	assert.NoError(t, read.Lost(), "the read lease is re-established")
+	assert.NoError(t, write.Lost(), "the write lease is re-established")
+
+	got, err := r.Match(ctx, hashes, s)
+	require.NoError(t, err)
+	require.Equal(t, pages, got.Pages(), "every page sealed before the restart matches, where it was")
+	checkPages(t, dev, r, s, got.Pages(), pages)
+
+	// The leases from before work as any: the write lease seals, the reads release.
+	more := r.Hashes(tokens(3*r.Geometry().TokensPerPage, 2))
+	writePages(t, dev, r, s, write.Pages())
+	res, err := r.Seal(ctx, write, more, s, replica.WaitVisible())
+	require.NoError(t, err)
+	assert.Equal(t, 3, res.Visible)
+	require.NoError(t, r.Release(ctx, s, read, got))
+	st, err := r.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 15, st.Devices[0].Sealed)
+	assert.Equal(t, 0, st.Devices[0].Leased)
+}
+
+// An index whose bytes were changed, or cut short, is detected by its checksums and
+// dropped: the owner says so in its first line and starts with no visible page; a read
+// lease from before is lost (kv.ErrLeaseLost), never served from a page it cannot
+// vouch for.
+func TestCorruptIndexIsDropped(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		spoil func(b []byte) []byte
+		why   string
+	}{
+		{"flipped", func(b []byte) []byte { b[indexHeaderBytes+12] ^= 0x40; return b }, "checksum is wrong"},
+		{"truncated", func(b []byte) []byte { return b[:len(b)-3] }, "truncated"},
+		{"header", func(b []byte) []byte { b[6] ^= 1; return b }, "the header"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := shortDir(t)
+			first, _ := daemon(t, restartArgs(dir, 32)...)
+			dev, r, s := attach(t, dir)
+			ctx := bound(t)
+			hashes, _ := sealed(t, ctx, dev, r, s, 6, 3)
+			read, err := r.Match(ctx, hashes, s)
+			require.NoError(t, err)
+			done := r.Done()
+			sigkill(t, first)
+			testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+
+			path := filepath.Join(dir, owner.IndexFile)
+			b, err := os.ReadFile(path)
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(path, tc.spoil(b), 0o600))
+
+			_, line := daemon(t, restartArgs(dir, 32)...)
+			assert.Contains(t, line, "0 visible pages restored")
+			assert.Contains(t, line, "is corrupt")
+			assert.Contains(t, line, tc.why)
+			require.NoError(t, r.WaitAttached(ctx))
+			require.ErrorIs(t, read.Lost(), kv.ErrLeaseLost)
+			require.ErrorIs(t, r.Release(ctx, s, read), kv.ErrLeaseLost)
+			got, err := r.Match(ctx, hashes, s)
+			require.NoError(t, err)
+			assert.Empty(t, got.Pages(), "no page of a dropped index is visible")
+		})
+	}
+}
+
+// A kvpoold started with another geometry refuses the live keeper's slabs and the
+// index: it stops that keeper, starts one of its own and says why in its first line.
+// A replica of the old slabs is told, and stays stopped.
+func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
+	dir := shortDir(t)
+	first, line := daemon(t, restartArgs(dir, 32)...)
+	old := keeperPID.FindStringSubmatch(line)[1]
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	sealed(t, ctx, dev, r, s, 4, 4)
+	sigkill(t, first)
+	testwait.Recv(t, r.Done(), "the replica's Done after kvpoold's death")
+
+	// The old keeper waits for its importers to unmap the slab: the replica goes.
+	closed := make(chan error, 1)
+	go func() {
+		if err := r.WaitAttached(ctx); !errors.Is(err, kv.ErrOwnerGone) {
+			closed <- fmt.Errorf("WaitAttached on a gone slab: %v", err)
+			return
+		}
+		closed <- r.Close(ctx)
+	}()
+	_, line = daemon(t, restartArgs(dir, 16)...)
+	assert.Contains(t, line, "keeps slabs of 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, this owner serves")
+	assert.Contains(t, line, "the old slabs and index are dropped")
+	assert.Contains(t, line, "new cache in keeper pid")
+	assert.NotContains(t, line, "keeper pid "+old+" ")
+	require.NoError(t, testwait.Recv(t, closed, "the old slab's replica to close"))
+}
+
+// Two kvpoolds on one directory: the second refuses to start, naming the first.
+func TestSecondKvpooldOnADirRefuses(t *testing.T) {
+	dir := shortDir(t)
+	daemon(t, restartArgs(dir, 8)...)
+	var out, errOut bytes.Buffer
+	code := run(context.Background(), restartArgs(dir, 8), &out, &errOut)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, errOut.String(), "an owner already serves "+dir)
+	assert.Contains(t, errOut.String(), owner.LockFile)
+}
+
+// indexHeaderBytes is the length of the index's header record for one device: u32
+// length | magic, version, epoch, keeper pid and start, geometry, devices | u32 CRC.
+const indexHeaderBytes = 4 + 8 + 4 + 8 + 4 + 8 + 24 + 4 + 4 + 4
+
+// bound is the context of waits that only a bug makes long.
+func bound(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	t.Cleanup(cancel)
+	return ctx
+}
