@@ -301,3 +301,69 @@ func bound(t testing.TB) context.Context {
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// midSealWriter is a replica process that seals 8 pages behind a stalled stream, says
+// "sealed", and waits to be killed: its writes never complete.
+func midSealWriter(args []string) int {
+	dev := cudarttest.New()
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, args[0], dev, 0)
+	if err != nil {
+		fmt.Println("dial:", err)
+		return 1
+	}
+	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
+	if err != nil {
+		fmt.Println("stream:", err)
+		return 1
+	}
+	w, err := r.Alloc(ctx, 8)
+	if err != nil {
+		fmt.Println("alloc:", err)
+		return 1
+	}
+	if _, err := dev.Stall(0, s); err != nil {
+		fmt.Println("stall:", err)
+		return 1
+	}
+	g := r.Geometry()
+	for _, p := range w.Pages() {
+		if err := dev.MemsetAsync(0, r.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*g.PageBytes()), 0xee, g.PageBytes(), s); err != nil {
+			fmt.Println("write:", err)
+			return 1
+		}
+	}
+	res, err := r.Seal(ctx, w, r.Hashes(tokens(8*g.TokensPerPage, 9)), s)
+	if err != nil || res.Pending != 8 {
+		fmt.Println("seal:", res, err)
+		return 1
+	}
+	fmt.Println("sealed")
+	<-ctx.Done()
+	return 1
+}
+
+// A writer SIGKILLed while its seal waits for its writes, across kvpoold's SIGKILL and
+// restart: none of its pages is ever visible.
+func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
+	dir := shortDir(t)
+	first, _ := daemon(t, restartArgs(dir, 32)...)
+	w := proctest.Start(t, "midseal", dir)
+	w.Expect("sealed")
+	sigkill(t, first)
+	w.Kill()
+
+	_, line := daemon(t, restartArgs(dir, 32)...)
+	assert.Contains(t, line, "cache adopted from keeper pid")
+	assert.Contains(t, line, "0 visible pages restored, 0 replicas to reattach")
+	_, r, s := attach(t, dir)
+	ctx := bound(t)
+	got, err := r.Match(ctx, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 9)), s)
+	require.NoError(t, err)
+	assert.Empty(t, got.Pages(), "no page of the writer killed mid-seal is visible")
+	st, err := r.Stats(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 0, st.Devices[0].Sealed)
+	assert.Equal(t, 32, st.Devices[0].Free, "its pages are free again")
+}

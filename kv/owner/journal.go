@@ -60,7 +60,7 @@ type procID struct {
 
 func (p procID) String() string { return fmt.Sprintf("pid %d (start %d)", p.PID, p.Start) }
 
-// procStart is pid's start time, or an error if it has no process.
+// procStart is pid's start time, or an error if it has no live process.
 func procStart(pid int) (uint64, error) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
@@ -74,6 +74,9 @@ func procStart(pid int) (uint64, error) {
 	fields := strings.Fields(string(b[i+1:]))
 	if len(fields) < 20 {
 		return 0, fmt.Errorf("kv/owner: /proc/%d/stat: %d fields", pid, len(fields)+2)
+	}
+	if fields[0] == "Z" || fields[0] == "X" { // exited, not reaped yet
+		return 0, fmt.Errorf("kv/owner: pid %d has exited", pid)
 	}
 	return strconv.ParseUint(fields[19], 10, 64) // field 22
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -378,7 +379,10 @@ func (o *Owner) snapshotLocked(b []byte) []byte {
 // its leases (or exited), or the grace has passed, so that no page a replica still
 // holds from before is handed to another.
 func (o *Owner) holdAllocs() {
-	if len(o.expected) == 0 {
+	o.mu.Lock()
+	none := len(o.expected) == 0
+	o.mu.Unlock()
+	if none {
 		close(o.resumed)
 		return
 	}
@@ -400,7 +404,10 @@ func (o *Owner) holdAllocs() {
 		}
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
-	for _, id := range o.expected {
+	o.mu.Lock()
+	ids := slices.Collect(maps.Values(o.expected))
+	o.mu.Unlock()
+	for _, id := range ids {
 		p, err := peercred.OpenProcess(int(id.PID))
 		if err != nil {
 			continue // the grace ends the wait
