@@ -14,14 +14,14 @@ import (
 	"strings"
 	"unsafe"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // The status codes of cudapool.h.

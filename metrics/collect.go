@@ -6,10 +6,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // NewExporterCollector returns a collector of ex's State at each scrape: the exporter,

@@ -1,5 +1,5 @@
 // Package metrics owns cudapool's Prometheus metrics: collectors that turn an
-// exporter's State (export.State) and a pool's figures (pool.Stats) into metrics named
+// exporter's State (discover.State) and a pool's figures (pool.Stats) into metrics named
 // by Prometheus's conventions, at each scrape, with no state of their own.
 //
 // Three collectors cover the three places the figures live, and a fourth a KV page

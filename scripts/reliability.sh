@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 CUDAPOOL_RELIABILITY=1 CUDAPOOL_RELIABILITY_REPORT=$report \
-	go test -count=1 -run '^TestReliability$' -timeout 5m ./producer/ >/dev/null
+	go test -count=1 -run '^TestReliability$' -timeout 5m ./export/producer/ >/dev/null
 echo "Reliability run, $(date -u '+%Y-%m-%d %H:%M UTC'), $(go version | cut -d' ' -f3), $(nproc) CPUs:"
 cat "$report"
 if [ -n "${OUT:-}" ]; then

@@ -14,9 +14,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/pool"
 )
 

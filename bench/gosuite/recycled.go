@@ -3,8 +3,8 @@ package main
 import (
 	"fmt"
 
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/pool"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // recycled: issue 11's sustained rate on recycled buffers. A producer of its own, with

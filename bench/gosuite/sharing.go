@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/pool"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // producer is this process's side of the sharing measurements: a pool on device 0,

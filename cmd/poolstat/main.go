@@ -56,7 +56,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/discover"
 )
 
 func main() {

@@ -14,7 +14,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/discover"
 )
 
 // Width is what the table fits in, socket paths aside.

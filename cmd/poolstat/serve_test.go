@@ -18,7 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/cudapool/cudapool/producer"
+	"github.com/cudapool/cudapool/export/producer"
 )
 
 // TestServe scrapes poolstat -serve over loopback: a live exporter with a published

@@ -62,10 +62,10 @@ import (
 
 	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // MaxSlabBytes is the largest slab Listen makes. Every replica imports its device's

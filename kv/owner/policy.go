@@ -5,8 +5,8 @@ import (
 	"os"
 	"slices"
 
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // admits says why p does not admit cred, or "" if it does, by producer.Policy's rule:

@@ -31,8 +31,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -179,8 +179,8 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 // an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
 // one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
 // refuses this process. A process holds one Replica per owner and runtime: the slab is
-// imported through an export.Importer, and a second Dial fails with an error wrapping
-// export.ErrDuplicateImporter. On failure nothing is left behind.
+// imported through a consumer.Importer, and a second Dial fails with an error wrapping
+// consumer.ErrDuplicateImporter. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.Default()}
 	for _, opt := range opts {

@@ -19,7 +19,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the software device, for -runtime test and where there is no GPU
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/privdir"
 )
 

@@ -7,8 +7,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/pool"
 )
 

@@ -13,10 +13,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export/discover"
 )
 
 // TestMain lets the launcher test re-execute this binary as "producer" and "consumer",

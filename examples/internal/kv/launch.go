@@ -20,7 +20,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/discover"
+	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/privdir"
 )
 
