@@ -60,8 +60,8 @@ import (
 
 	"github.com/dustin/go-humanize"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"

@@ -14,11 +14,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
-	"github.com/cudapool/cudapool/producer"
 )
 
 // A cache that survives its owner. The slabs live in a keeper process (Keep: the

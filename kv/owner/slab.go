@@ -3,8 +3,8 @@ package owner
 import (
 	"sync"
 
-	"github.com/cudapool/cudapool/consumer"
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
