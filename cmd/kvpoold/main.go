@@ -4,7 +4,8 @@
 //
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
-//	        [-pages N | -bytes SIZE]
+//	        [-pages N | -bytes SIZE] [-reattach-grace 5s] [-leave-keeper | -one-process]
+//	kvpoold keeper [the same flags]
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
 // export), and prints one line saying where and on which runtime. -devices defaults to
@@ -12,8 +13,19 @@
 // the software device and 4 GiB on a GPU by default), rounded down to whole pages;
 // -pages gives the page count instead; a slab is at most 4 GiB (owner.MaxSlabBytes), and a
 // larger one is refused at start. A second kvpoold on a DIR that a live one serves
-// fails, naming it. Exit status: 0 after a clean stop, 1 on failure, 2 for a bad command
-// line.
+// fails, naming it. Exit status: 0 after a clean stop, 1 on failure (also when the
+// keeper died: the cache is gone, and a supervisor should start kvpoold again), 2 for a
+// bad command line.
+//
+// The slabs live in a keeper, `kvpoold keeper` (the same flags), which kvpoold starts
+// in a session of its own where none serves DIR, so that they outlive kvpoold: a
+// kvpoold started again on DIR adopts them, makes the pages journaled in DIR/index
+// visible again, and waits up to -reattach-grace for the replicas attached before
+// (replica.WithReconnect) to re-declare their leases. Its first line says what it took
+// back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
+// fails. A clean stop stops the keeper too, unless -leave-keeper; -one-process makes
+// the slabs in kvpoold itself, gone with it. docs/kvpoold.service runs it under
+// systemd.
 package main
 
 import (

@@ -42,6 +42,16 @@
 // copies each page (every layer's K and V) with MemcpyDtoDAsync on a stream of device
 // A, the source (a copy through the source's stream outlives that device's failures,
 // FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+//
+// # Restarts
+//
+// Keep makes a keeper: the slabs and their exporter alone, in a process of their own.
+// Listen with Options.Keeper serves the pages of a keeper's slabs, journals the visible
+// pages in Options.Index, and, started again after its predecessor died, adopts the
+// live keeper's slabs, makes the journaled pages visible again and takes back the
+// leases that replicas re-declare (Reattach) before it allocates any page
+// (Options.ReattachGrace). Recovery says what it took back, and why not what it
+// dropped. See restart.go and journal.go.
 package owner
 
 import (
