@@ -40,9 +40,10 @@ var kvDTypes = map[kv.DType]C.int32_t{
 // kvReplica is a replica as C holds it: C names a lease by its id alone, so the
 // replica's live leases are kept here by id, from alloc or match to seal or release.
 type kvReplica struct {
-	r      *replica.Replica
-	ns     string
-	device int
+	r         *replica.Replica
+	ns        string
+	device    int
+	reconnect bool // CUDAPOOL_KV_RECONNECT
 
 	mu     sync.Mutex
 	leases map[uint64]*replica.Lease
@@ -208,8 +209,8 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if nsLen > 0 && ns == nil {
 		return fail(invalid("ns is NULL with ns_len %d", uint64(nsLen)))
 	}
-	if flags&^kvDialWaitForOwner != 0 {
-		return fail(invalid("unknown dial flags %#x", int(flags)&^kvDialWaitForOwner))
+	if known := C.int(kvDialWaitForOwner | kvDialReconnect); flags&^known != 0 {
+		return fail(invalid("unknown dial flags %#x", int(flags&^known)))
 	}
 	d, ctx, cancel, err := nameAndContext(dir, "dir", timeoutMs)
 	if err != nil {
@@ -234,11 +235,14 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if flags&kvDialWaitForOwner != 0 {
 		opts = append(opts, replica.WithWaitForOwner())
 	}
+	if flags&kvDialReconnect != 0 {
+		opts = append(opts, replica.WithReconnect())
+	}
 	r, err := replica.Dial(ctx, d, rt, int(device), opts...)
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvReplica{r: r, ns: namespace, device: int(device), leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
+	k := &kvReplica{r: r, ns: namespace, device: int(device), reconnect: flags&kvDialReconnect != 0, leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
 	*out = C.uint64_t(kvReplicas.add(k))
 	return statusOK
 }
@@ -453,7 +457,7 @@ func cpgo_kv_release(h C.uint64_t, leases *C.uint64_t, n C.size_t, s C.uintptr_t
 // recorded) or a release refused whole (one stale lease among them) leaves them
 // held, and one the owner did end makes their next use fail as stale there.
 func keepUnlessEnded(k *kvReplica, err error, ls ...*replica.Lease) {
-	if errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed) {
+	if (errors.Is(err, kv.ErrOwnerGone) && !k.keepsLeasesWhenGone(err)) || errors.Is(err, kv.ErrClosed) || errors.Is(err, kv.ErrLeaseLost) {
 		return
 	}
 	k.put(ls...)

@@ -23,7 +23,7 @@ import (
 // (SIGKILL, a crash, an upgrade) leaves the slabs and every replica's mapping of them
 // alone, and the next kvpoold on the directory adopts them. kvpoold starts it where
 // none is alive and, on a clean stop, stops it (unless -leave-keeper). It stops on
-// SIGTERM or SIGINT.
+// SIGTERM or SIGINT, or once no process has mapped the slabs for -keeper-idle.
 
 // keeperCloseTimeout bounds how long a stopping keeper waits for the replicas to unmap
 // its slabs. It is short: the slab a replica still maps stays until it unmaps it
@@ -49,7 +49,8 @@ func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
 	}
 	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
 		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
-		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages)}
+		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
+		"-keeper-idle", f.keeperIdle.String()}
 }
 
 // startKeeper starts the keeper in a session of its own and waits, until ctx ends, for
@@ -93,6 +94,30 @@ func startKeeper(stderr io.Writer, args []string) func(ctx context.Context) erro
 	}
 }
 
+// idleFor waits until ctx ends or, true, no process has mapped k's slabs for idle: a
+// keeper whose kvpoold died for good, and its replicas with it, frees the GPU memory.
+// It looks once a second (a tenth of idle if shorter).
+func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
+	tick := time.NewTicker(min(time.Second, max(idle/10, time.Millisecond)))
+	defer tick.Stop()
+	var since time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case now := <-tick.C:
+			switch {
+			case k.Importers() > 0:
+				since = time.Time{}
+			case since.IsZero():
+				since = now
+			case now.Sub(since) >= idle:
+				return true
+			}
+		}
+	}
+}
+
 // runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
 func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 	f, ok := parse(args, stderr)
@@ -125,7 +150,9 @@ func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
 		_ = ready.Close()                   // cleanup: it was written
 	}
-	<-ctx.Done()
+	if idleFor(ctx, k, f.keeperIdle) {
+		fmt.Fprintf(stderr, "kvpoold keeper: no process has mapped the slabs of %s for %v: they are freed\n", f.dir, f.keeperIdle)
+	}
 	cctx, cancel := context.WithTimeout(context.Background(), keeperCloseTimeout)
 	defer cancel()
 	if err := errors.Join(k.Close(cctx), choose.Violations(picked.Runtime)); err != nil {

@@ -70,7 +70,7 @@ type flags struct {
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
 	oneProcess, leaveKeeper                     bool
-	grace                                       time.Duration
+	grace, keeperIdle                           time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (flags, bool) {
@@ -90,6 +90,7 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", time.Minute, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	if err := fs.Parse(args); err != nil {
 		return f, false

@@ -367,3 +367,17 @@ func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
 	assert.Equal(t, 0, st.Devices[0].Sealed)
 	assert.Equal(t, 32, st.Devices[0].Free, "its pages are free again")
 }
+
+// A keeper whose kvpoold died, with no replica mapping its slabs, frees them and
+// exits once -keeper-idle has passed.
+func TestKeeperOfADeadKvpooldExitsWhenIdle(t *testing.T) {
+	dir := shortDir(t)
+	first, line := daemon(t, append(restartArgs(dir, 8), "-keeper-idle", "50ms")...)
+	pid, err := strconv.Atoi(keeperPID.FindStringSubmatch(line)[1])
+	require.NoError(t, err)
+	p, err := peercred.OpenProcess(pid)
+	require.NoError(t, err)
+	defer p.Close()
+	sigkill(t, first)
+	require.NoError(t, p.Wait(bound(t)), "the idle keeper's exit")
+}

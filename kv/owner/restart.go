@@ -90,7 +90,9 @@ func (o *Owner) KeeperGone() <-chan struct{} {
 
 // Keeper holds the slabs of a directory for the page servers that come and go: it
 // makes a pool and a slab on each device and publishes them on dir/slab.sock, as
-// Listen does, and serves no pages.
+// Listen does, and serves no pages. The host tier's memory (a memfd shared with every
+// replica) belongs here too, made by Keep, so that it outlives the page server as the
+// slabs do.
 type Keeper struct{ o *Owner }
 
 // Keep makes a Keeper on dir with o's devices, geometry, policy and announcement. A
@@ -103,6 +105,10 @@ func Keep(dir string, rt cudart.Runtime, o Options) (*Keeper, error) {
 	}
 	return &Keeper{o: ow}, nil
 }
+
+// Importers counts the processes that map the keeper's slabs (page servers and
+// replicas).
+func (k *Keeper) Importers() int { return len(k.o.ex.Peers()) }
 
 // Close ends the slabs: the exporter waits, until ctx ends, for the importers to
 // unmap them, and frees them. A second Close returns kv.ErrClosed.
