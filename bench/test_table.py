@@ -168,15 +168,16 @@ class Sharing(unittest.TestCase):
         self.assertEqual(run.problems, ["cudapool's consumers validated 10 of the 12 buffers they were given"])
 
 
-def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6):
-    """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail) and Go's
-    rates."""
+def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, restart=120.0):
+    """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail), Go's
+    rates and its restarts (ms)."""
     lines = []
     for impl, p50 in (("cudapool", go_p50), ("python", py_p50)):
         for op in ("kv/match512", "kv/match512+hash"):
             lines += result(impl, op, "us", [p50] * 95 + [tail] * 5)
     for b in (64, 256, 512):
         lines += result("cudapool", "kv/pages/b%d" % b, "pages/s", [rate, rate * 1.1, rate * 0.9])
+    lines += result("cudapool", "kv/restart", "ms", [restart, restart * 1.1, restart * 0.9])
     return lines
 
 
@@ -208,7 +209,7 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite(), replicas_fig())
         self.assertEqual(run.problems, [])
         got = kv_verdicts(run)
-        self.assertEqual(len(got), 12)
+        self.assertEqual(len(got), 13)
         self.assertEqual(set(got.values()), {table.MET}, got)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
@@ -226,7 +227,7 @@ class KVPool(unittest.TestCase):
         self.assertTrue(set(got) <= set(names), "the KV targets are in the targets list")
 
     def test_missed(self):
-        run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6),
+        run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, restart=1001.0),
                           replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
         got = kv_verdicts(run)
         self.assertEqual(set(got.values()), {table.MISSED}, got)
@@ -237,7 +238,7 @@ class KVPool(unittest.TestCase):
     def test_not_run_without_the_replicas_lines(self):
         run = self.run_of(kv_suite())
         got = kv_verdicts(run)
-        model = [n for n in got if "KV match" not in n and "pages/s" not in n]
+        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "restarted" not in n]
         self.assertEqual(len(model), 5)
         for n in model:
             self.assertEqual(got[n], table.NO_LINES, n)

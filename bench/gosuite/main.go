@@ -99,6 +99,12 @@ func playRole() {
 			os.Exit(exporterMain(os.Args[2:]))
 		case kvReplicaRole:
 			os.Exit(kvReplicaMain(os.Args[2:]))
+		case kvKeeperRole:
+			os.Exit(kvKeeperMain(os.Args[2:]))
+		case kvOwnerRole:
+			os.Exit(kvOwnerMain(os.Args[2:]))
+		case kvRestartRole:
+			os.Exit(kvRestartMain(os.Args[2:]))
 		}
 	}
 }
@@ -197,6 +203,7 @@ func run() int {
 			sh = quickShape
 		}
 		kvRows(r, rt, picked.OnGPU, sh)
+		kvRestartRow(r, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)
