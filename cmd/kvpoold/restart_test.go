@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -380,4 +381,61 @@ func TestKeeperOfADeadKvpooldExitsWhenIdle(t *testing.T) {
 	defer p.Close()
 	sigkill(t, first)
 	require.NoError(t, p.Wait(bound(t)), "the idle keeper's exit")
+}
+
+// A replica reconnecting to an owner that does not come back closes at once, and
+// WaitAttached ends with its context or the Close.
+func TestCloseWhileReconnecting(t *testing.T) {
+	dir := shortDir(t)
+	first, _ := daemon(t, restartArgs(dir, 8)...)
+	_, r, _ := attach(t, dir)
+	done := r.Done()
+	sigkill(t, first)
+	testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+	short, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, r.WaitAttached(short), context.DeadlineExceeded, "no owner: no reattach")
+	waited := make(chan error, 1)
+	go func() { waited <- r.WaitAttached(context.Background()) }()
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close(bound(t)) }()
+	require.NoError(t, testwait.Recv(t, closed, "Close while reconnecting"))
+	require.ErrorIs(t, testwait.Recv(t, waited, "WaitAttached ended by Close"), kv.ErrClosed)
+}
+
+// The index is compacted as it grows: after 1,600 seals and as many evictions in a
+// slab of 8 pages, the restarted owner restores the 8 pages visible last, each with
+// its bytes.
+func TestIndexCompactsAndRestores(t *testing.T) {
+	dir := shortDir(t)
+	first, _ := daemon(t, restartArgs(dir, 8)...)
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	var hashes []kv.Hash
+	var pages []uint32
+	for round := range 200 { // 2 records a page a round past the first: over the 1,040 that compact, twice
+		if round < 199 { // pages of no bytes: only the index is looked at
+			w, err := r.Alloc(ctx, 8)
+			require.NoError(t, err)
+			_, err = r.Seal(ctx, w, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 100+round)), s, replica.WaitVisible())
+			require.NoError(t, err)
+			continue
+		}
+		hashes, pages = sealed(t, ctx, dev, r, s, 8, 100+round)
+	}
+	info, err := os.Stat(path)
+	require.NoError(t, err)
+	assert.Less(t, info.Size(), int64(1100*33), "the journal was compacted")
+	done := r.Done()
+	sigkill(t, first)
+	testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+	_, line := daemon(t, restartArgs(dir, 8)...)
+	assert.Contains(t, line, "8 visible pages restored")
+	require.NoError(t, r.WaitAttached(ctx))
+	got, err := r.Match(ctx, hashes, s)
+	require.NoError(t, err)
+	require.Equal(t, pages, got.Pages())
+	checkPages(t, dev, r, s, got.Pages(), pages)
+	require.NoError(t, r.Release(ctx, s, got))
 }

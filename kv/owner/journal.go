@@ -31,7 +31,7 @@ import (
 //
 // Only visible pages are ever written, so a page whose writer had not finished never
 // becomes visible, also across a restart. Once the journal holds more records than
-// twice the pages (and some), it is rewritten as a snapshot: the header with the next
+// twice the pages (and 1,024), it is rewritten as a snapshot: the header with the next
 // epoch and one record per visible page, least recent first, and the replicas attached.
 // A record whose checksum or length is wrong, anywhere, drops the whole index: the
 // owner starts empty and says why, rather than serve a page it cannot vouch for.
@@ -316,7 +316,7 @@ type journal struct {
 // newJournal writes a fresh index at path (the header with hdr and what snapshot
 // appends) and opens it for appending.
 func newJournal(path string, hdr indexHeader, log *slog.Logger, snapshot func([]byte) []byte) (*journal, error) {
-	j := &journal{path: path, log: log, hdr: hdr, snapshot: snapshot, limit: 2*hdr.Geometry.Pages*len(hdr.Devices) + 4096}
+	j := &journal{path: path, log: log, hdr: hdr, snapshot: snapshot, limit: 2*hdr.Geometry.Pages*len(hdr.Devices) + 1024}
 	if err := j.compact(); err != nil {
 		return nil, err
 	}
