@@ -33,9 +33,10 @@ second raw file or concatenated with the first:
   - the rows of issues 10 and 11, "not run (feature absent)" where so;
   - a row that needs more GPUs than the host has (a needs line), "not run (needs 2
     GPUs)", which is no failure;
-  - the KV page pool (issue 18): match + lease of 512 pages from Go and Python, pages/s
-    by 4 replicas, and the replicas example's time to first token, decode rate and KV
-    bytes, each with the reference of the same run ("not run" where no line says it);
+  - the KV page pool (issues 18 and 24): match + lease of 512 pages from Go and Python,
+    pages/s by 4 replicas, the Go rows' slab and each replica's dial, and the replicas
+    example's dials, time to first token, decode rate and KV bytes, each with the
+    reference of the same run ("not run" where no line says it);
   - the targets, each verdict computed from one fair pair of this run.
 
 The raw file is checked first: a result whose samples do not give its median or
@@ -521,6 +522,17 @@ def kv_rows(run):
             st, why = kv_stats(run, impl, op)
             rows.append(["%s, %s" % (what, lang),
                          "p50 %s us, p99 %s us (n=%d)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
+    slab, why = kv_stats(run, "cudapool", "kv/slab")
+    dial, why_d = kv_stats(run, "cudapool", "kv/dial")
+    rows.append(["the Go rows' slab: %s" % run.meta.get("kv-slab", "-"),
+                 "%s GiB" % num(slab.median / GIB) if slab else why, "-", "-"])
+    rows.append(["dial of a replica process, every segment of that slab mapped, Go",
+                 "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
+                 "-", "-"])
+    dial, why_d = kv_stats(run, "replicas", "dial")
+    rows.append(["dial of a replicas example process (Python): %s" % run.meta.get("replicas-slab", "-"),
+                 "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
+                 "-", "-"])
     for b in KV_BATCHES:
         st, why = kv_stats(run, "cudapool", "kv/pages/b%d" % b)
         rows.append(["pages/s through alloc + seal + match + release, batch %d, 4 replicas, Go" % b,
@@ -566,6 +578,19 @@ def kv_targets(run):
               st and st.median, lambda x, bar=bar: x <= bar, fig, why)
         judge("KV match + lease of 512 pages from %s, p99 at most 500 us (issue 18)" % lang,
               st and st.p99, lambda x: x <= 500, fig, why)
+    slab, why_s = kv_stats(run, "cudapool", "kv/slab")
+    dial, why_d = kv_stats(run, "cudapool", "kv/dial")
+    big = slab is not None and slab.median >= 100 * GIB
+    judge("one GPU's slab of at least 100 GiB mapped by 3 replicas, each dial at most 1 s (issue 24)",
+          dial and slab and (slab.median, dial.n, dial.max),
+          lambda x: x[0] >= 100 * GIB and x[1] >= 3 and x[2] <= 1000,
+          "%s GiB mapped by %d replica processes, dial median %s ms, max %s ms" % (
+              num(slab.median / GIB), dial.n, num(dial.median), num(dial.max)) if dial and slab else "",
+          why_d or why_s)
+    st, why = kv_stats(run, "cudapool", "kv/match512")
+    judge("KV match + lease of 512 pages from Go, p50 at most 100 us on the 100 GiB slab (issue 24)",
+          st and slab and (st.median, big), lambda x: x[1] and x[0] <= 100,
+          "p50 %s us on %s GiB" % (num(st.median), num(slab.median / GIB)) if st and slab else "", why or why_s)
     for b in KV_BATCHES:
         st, why = kv_stats(run, "cudapool", "kv/pages/b%d" % b)
         judge("KV pages/s through alloc + seal + match + release, batch %d, 4 replicas, at least 1,000,000 "
@@ -740,8 +765,9 @@ SECTIONS = (
      "often an Open had to wait for this process's earlier free of the same record, and for how long."),
     ("Issues 10 and 11", feature_rows, ""),
     ("KV page pool (issue 18)", kv_rows,
-     "Go: bin/gpu/gosuite kv, an owner in its process and 4 replica processes on GPU 0 (llama-0.85b pages of "
-     "16 tokens); Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. The match rows time the "
+     "Go: bin/gpu/gosuite -kv-bytes SIZE kv, an owner in its process and 4 replica processes on GPU 0 "
+     "(llama-0.85b pages of 16 tokens), its slab of SIZE (100 GiB in the suite) in segments of at most 4 GiB, "
+     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. The match rows time the "
      "Match alone (the read lease included, its release untimed). The rates are the 4 replicas' pages per "
      "second together, one window per sample, each batch with hashes of its own. The model rows come from "
      "examples/replicas/run.py --raw (scripts/gpu-examples.sh): a 0.85B Llama, N replica processes a GPU and "

@@ -22,6 +22,7 @@ def fig():
                         8192: {"ttft_matched_s": [0.001], "ttft_computed_s": [0.044]}},
             "bytes": {"sealed": 1 << 30, "one-copy": 1 << 30, "pool": 3 << 29, "private": 3 << 30},
             "pages": {"matched": 4096, "sealed": 2560, "evicted": 7},
+            "dial_ms": [120.0, 140.0, 130.0], "slab": "64.0 GiB in 21 segments, mapped by 3\nreplica processes a GPU",
             "greedy": (6, 6), "checks": 9, "failures": []}
 
 
@@ -40,6 +41,8 @@ class Lines(unittest.TestCase):
         self.assertEqual(run.stats("replicas", "kv-bytes/private").v, [float(3 << 30)])
         self.assertEqual(run.stats("replicas", "pages/evicted").v, [7.0])
         self.assertEqual(run.meta["replicas-run"], "3 replicas a GPU on 1 GPU(s)")
+        self.assertEqual(run.stats("replicas", "dial").v, [120.0, 130.0, 140.0])
+        self.assertEqual(run.meta["replicas-slab"], "64.0 GiB in 21 segments, mapped by 3 replica processes a GPU")
         self.assertEqual(run.meta["replicas-greedy"], "all 6 equal")
         self.assertEqual(run.meta["replicas-checks"], "all 9 checks passed")
         self.assertEqual(run.fails, {})

@@ -168,10 +168,13 @@ class Sharing(unittest.TestCase):
         self.assertEqual(run.problems, ["cudapool's consumers validated 10 of the 12 buffers they were given"])
 
 
-def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, restart=120.0):
+def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, dial_ms=(180.0, 200.0, 210.0, 190.0),
+             restart=120.0):
     """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail), Go's
-    rates and its restarts (ms)."""
-    lines = []
+    rates, its slab, its replicas' dials and its restarts (ms)."""
+    lines = ["meta kv-slab %d GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 replica processes" % slab_gib]
+    lines += result("cudapool", "kv/slab", "B", [slab_gib * (1 << 30)])
+    lines += result("cudapool", "kv/dial", "ms", list(dial_ms))
     for impl, p50 in (("cudapool", go_p50), ("python", py_p50)):
         for op in ("kv/match512", "kv/match512+hash"):
             lines += result(impl, op, "us", [p50] * 95 + [tail] * 5)
@@ -209,11 +212,15 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite(), replicas_fig())
         self.assertEqual(run.problems, [])
         got = kv_verdicts(run)
-        self.assertEqual(len(got), 13)
+        self.assertEqual(len(got), 15)
         self.assertEqual(set(got.values()), {table.MET}, got)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
                          "p50 60.00 us, p99 300.0 us (n=100)")
+        self.assertEqual(rows["dial of a replica process, every segment of that slab mapped, Go"][0],
+                         "median 200.0 ms, max 210.0 ms (n=4)")
+        self.assertEqual(rows["the Go rows' slab: 100 GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 "
+                              "replica processes"][0], "100.0 GiB")
         self.assertEqual(rows["time to first token, 32,768-token prompt: matched vs computed"],
                          ["3.00 ms (n=2)", "283.0 ms (n=4)", "1.1%"])
         self.assertEqual(rows["time to first token, 8,192-token prompt: matched vs computed"][2], "1.1%")
@@ -227,7 +234,8 @@ class KVPool(unittest.TestCase):
         self.assertTrue(set(got) <= set(names), "the KV targets are in the targets list")
 
     def test_missed(self):
-        run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, restart=1001.0),
+        run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, dial_ms=(900, 1001, 950),
+                                   restart=1001.0),
                           replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
         got = kv_verdicts(run)
         self.assertEqual(set(got.values()), {table.MISSED}, got)
@@ -235,10 +243,22 @@ class KVPool(unittest.TestCase):
             "time to first token of a matched 32,768-token prompt at most 10% of computing it (issue 18)"]
         self.assertEqual(figure, "10.6% (30.00 ms vs 283.0 ms); at 8,192 tokens 10.6% (7.50 ms vs 70.75 ms)")
 
+    def test_a_small_slab_misses_the_slab_targets(self):
+        got = kv_verdicts(self.run_of(kv_suite(slab_gib=4), replicas_fig()))
+        self.assertEqual(got["one GPU's slab of at least 100 GiB mapped by 3 replicas, each dial at most 1 s "
+                             "(issue 24)"], table.MISSED)
+        self.assertEqual(got["KV match + lease of 512 pages from Go, p50 at most 100 us on the 100 GiB slab "
+                             "(issue 24)"], table.MISSED)
+        self.assertEqual(got["KV match + lease of 512 pages from Go, p50 at most 100 us (issue 18)"], table.MET)
+        got = kv_verdicts(self.run_of(kv_suite(dial_ms=(100.0, 120.0)), replicas_fig()))
+        self.assertEqual(got["one GPU's slab of at least 100 GiB mapped by 3 replicas, each dial at most 1 s "
+                             "(issue 24)"], table.MISSED, "2 replicas")
+
     def test_not_run_without_the_replicas_lines(self):
         run = self.run_of(kv_suite())
         got = kv_verdicts(run)
-        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "restarted" not in n]
+        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "slab" not in n
+                 and "restarted" not in n]
         self.assertEqual(len(model), 5)
         for n in model:
             self.assertEqual(got[n], table.NO_LINES, n)

@@ -57,7 +57,7 @@ extern "C" {
 /* The version of this header. A library of the same major version and a minor version
  * at least this one has every call declared here (cudapool_version). */
 #define CUDAPOOL_VERSION_MAJOR 1
-#define CUDAPOOL_VERSION_MINOR 0
+#define CUDAPOOL_VERSION_MINOR 1
 
 enum cudapool_status {
 	CUDAPOOL_OK = 0,
@@ -405,10 +405,11 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
 
 /* ---- KV pages ----
  * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,
- * mapped once, and leases of its pages by index. The slab is
- * [layers][2 (K, V)][pages][tokens_per_page][kv_heads][head_dim] elements, row-major:
- * each layer's K (and V) is one [pages, tokens_per_page, kv_heads, head_dim] tensor,
- * and a page index names the same block in every layer.
+ * mapped once, and leases of its pages by index. Each layer's K (and V) is one
+ * [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and contiguous, and a
+ * page index names the same block in every layer. The slab is several allocations
+ * (segments, at most 4 GiB each: a process cannot import larger ones), each tensor
+ * whole in one of them: cudapool_kv_layer_ptrs says where each layer's K and V begin.
  *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
  *  - seal publishes written pages under their prefix hashes, visible to every replica
  *    once the work queued on the stream before the seal has completed; the write
@@ -460,6 +461,10 @@ typedef struct {
 	int32_t device;     /* the replica's device */
 	uint64_t page_bytes; /* one layer's K (or V) of one page */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
+	/* Since 1.1: the slab is `segments` allocations (cudapool_kv_segments) of at most
+	 * segment_bound bytes each; each layer's K and V lies whole in one of them. */
+	uint64_t segment_bound;
+	int32_t segments;
 } cudapool_kv_geometry;
 
 /* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
@@ -471,7 +476,19 @@ int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len,
                      int64_t timeout_ms, cudapool_kv_replica *out);
 /* cudapool_kv_geometry_get: the geometry of the replica's slab. */
 int cudapool_kv_geometry_get(cudapool_kv_replica r, cudapool_kv_geometry *out);
-/* cudapool_kv_slab: the mapped slab's address in this process and its size. */
+/* cudapool_kv_layer_ptrs (since 1.1): where layer's K and V tensors begin in this
+ * process, on the replica's device: each [pages][tokens_per_page][kv_heads][head_dim] of
+ * the geometry's dtype, contiguous, page p of it page_bytes * p further on. Either
+ * output may be NULL. A layer outside [0, layers) is CUDAPOOL_EINVAL. */
+int cudapool_kv_layer_ptrs(cudapool_kv_replica r, int32_t layer, void **k, void **v);
+/* cudapool_kv_segments (since 1.1): the slab's allocations (segments) in this process,
+ * in order: their addresses into ptrs and their sizes into bytes (either may be NULL),
+ * which have room for cap; *n is their number. On CUDAPOOL_ERANGE nothing is written
+ * and *n is the number needed. */
+int cudapool_kv_segments(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n);
+/* cudapool_kv_slab: the mapped slab's address in this process and its size, for a
+ * slab of one segment; for more it fails with CUDAPOOL_ENOTSUP.
+ * Deprecated since 1.1: a slab is several segments; use cudapool_kv_layer_ptrs. */
 int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
 /* cudapool_kv_hashes writes the prefix hash of each full page of tokens
  * (n_tokens / tokens_per_page of them, CUDAPOOL_KV_HASH_BYTES each) into hashes_out,

@@ -273,6 +273,8 @@ func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
 		device:          C.int32_t(k.device),
 		page_bytes:      C.uint64_t(g.PageBytes()),
 		slab_bytes:      C.uint64_t(g.SlabBytes()),
+		segment_bound:   C.uint64_t(k.r.Segments().Bound()),
+		segments:        C.int32_t(k.r.Segments().Count()),
 	}
 	n := min(uintptr(out.size), unsafe.Sizeof(full))
 	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
@@ -289,11 +291,64 @@ func cpgo_kv_slab(h C.uint64_t, base *C.uintptr_t, bytes *C.uint64_t) (rc C.int)
 	if err != nil {
 		return fail(err)
 	}
+	if n := k.r.Segments().Count(); n != 1 {
+		return fail(fmt.Errorf("%w: the slab is %v, not one allocation: use cudapool_kv_layer_ptrs (or cudapool_kv_segments)", errNotSup, k.r.Segments()))
+	}
 	if base != nil {
-		*base = C.uintptr_t(k.r.Slab())
+		*base = C.uintptr_t(k.r.SegmentPtrs()[0])
 	}
 	if bytes != nil {
 		*bytes = C.uint64_t(k.r.Geometry().SlabBytes())
+	}
+	return statusOK
+}
+
+//export cpgo_kv_layer_ptrs
+func cpgo_kv_layer_ptrs(h C.uint64_t, layer C.int32_t, kp, vp *C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	if n := k.r.Geometry().Layers; layer < 0 || int(layer) >= n {
+		return fail(invalid("layer %d is outside [0, %d)", int(layer), n))
+	}
+	kb, vb := k.r.Layer(int(layer))
+	if kp != nil {
+		*kp = C.uintptr_t(kb)
+	}
+	if vp != nil {
+		*vp = C.uintptr_t(vb)
+	}
+	return statusOK
+}
+
+//export cpgo_kv_segments
+func cpgo_kv_segments(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capSegs C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if n == nil {
+		return fail(invalid("n is NULL"))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	segs, addrs := k.r.Segments(), k.r.SegmentPtrs()
+	*n = C.size_t(segs.Count())
+	if int(capSegs) < segs.Count() && (ptrs != nil || bytes != nil) {
+		return fail(fmt.Errorf("%w: room for %d segments, the slab has %d", errRange, uint64(capSegs), segs.Count()))
+	}
+	if ptrs != nil {
+		out := unsafe.Slice(ptrs, len(addrs))
+		for i, a := range addrs {
+			out[i] = C.uintptr_t(a)
+		}
+	}
+	if bytes != nil {
+		out := unsafe.Slice(bytes, segs.Count())
+		for i := range out {
+			out[i] = C.uint64_t(segs.Bytes(i))
+		}
 	}
 	return statusOK
 }

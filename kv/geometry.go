@@ -97,16 +97,6 @@ func (g Geometry) SlabBytes() uint64 {
 	return uint64(g.Layers) * 2 * uint64(g.Pages) * g.PageBytes()
 }
 
-// KOffset is the byte offset of layer's K tensor in the slab.
-func (g Geometry) KOffset(layer int) uint64 {
-	return uint64(layer*2) * uint64(g.Pages) * g.PageBytes()
-}
-
-// VOffset is the byte offset of layer's V tensor in the slab.
-func (g Geometry) VOffset(layer int) uint64 {
-	return uint64(layer*2+1) * uint64(g.Pages) * g.PageBytes()
-}
-
 func (g Geometry) String() string {
 	return fmt.Sprintf("%d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages", g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages)
 }

@@ -18,12 +18,15 @@ type StatsGeometry struct {
 	Pages         int    `json:"pages"`
 	PageBytes     uint64 `json:"page_bytes"`
 	SlabBytes     uint64 `json:"slab_bytes"`
+	// Segments are the sizes of the allocations each slab is made of, in order.
+	Segments []uint64 `json:"segments"`
 }
 
-// StatsOf is g as Stats shows it.
-func StatsOf(g Geometry) StatsGeometry {
+// StatsOf is the geometry of s, and its segments, as Stats shows them.
+func StatsOf(s Segments) StatsGeometry {
+	g := s.Geometry()
 	return StatsGeometry{Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim, TokensPerPage: g.TokensPerPage,
-		DType: g.DType.String(), Pages: g.Pages, PageBytes: g.PageBytes(), SlabBytes: g.SlabBytes()}
+		DType: g.DType.String(), Pages: g.Pages, PageBytes: g.PageBytes(), SlabBytes: g.SlabBytes(), Segments: s.Sizes()}
 }
 
 // DeviceStats is one slab's pages by state, and its counters since the owner started.

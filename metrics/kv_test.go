@@ -16,7 +16,7 @@ import (
 // device 1 and one on device 0.
 var kvStats = kv.Stats{
 	PID:      77,
-	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960},
+	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960, Segments: []uint64{30720, 10240}},
 	Devices: []kv.DeviceStats{
 		{Device: 0, Pages: 10, Free: 4, Writing: 1, Sealing: 2, Sealed: 2, Settling: 1, Leased: 1, Releasing: 1, Hits: 5, Misses: 6, Copied: 0, Evictions: 7, Seals: 8, Duplicates: 9},
 		{Device: 1, Pages: 10, Free: 10, Copied: 3, Seals: 3},
@@ -47,12 +47,20 @@ cudapool_kv_evictions_total{device="1",kv_dir="/run/kv"} 0
 # TYPE cudapool_kv_replica_pages gauge
 cudapool_kv_replica_pages{device="0",kv_dir="/run/kv",replica="101"} 1
 cudapool_kv_replica_pages{device="1",kv_dir="/run/kv",replica="100"} 5
+# HELP cudapool_kv_slab_bytes Size of each slab (every layer's K and V of every page).
+# TYPE cudapool_kv_slab_bytes gauge
+cudapool_kv_slab_bytes{device="0",kv_dir="/run/kv"} 40960
+cudapool_kv_slab_bytes{device="1",kv_dir="/run/kv"} 40960
+# HELP cudapool_kv_slab_segments Allocations each slab is made of (each at most 4 GiB, each layer's K and V whole in one).
+# TYPE cudapool_kv_slab_segments gauge
+cudapool_kv_slab_segments{device="0",kv_dir="/run/kv"} 2
+cudapool_kv_slab_segments{device="1",kv_dir="/run/kv"} 2
 # HELP cudapool_kv_up 1 when the KV page pool's owner answered its stats at this scrape, 0 when it did not.
 # TYPE cudapool_kv_up gauge
 cudapool_kv_up{kv_dir="/run/kv"} 1
 `
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want),
-		"cudapool_kv_pages", "cudapool_kv_evictions_total", "cudapool_kv_replica_pages", "cudapool_kv_up"))
+		"cudapool_kv_pages", "cudapool_kv_evictions_total", "cudapool_kv_replica_pages", "cudapool_kv_slab_bytes", "cudapool_kv_slab_segments", "cudapool_kv_up"))
 
 	down := metrics.NewKVCollector("/run/kv", func() (kv.Stats, error) { return kv.Stats{}, errors.New("no owner") })
 	require.NoError(t, testutil.CollectAndCompare(down, strings.NewReader(`

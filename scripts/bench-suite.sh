@@ -31,7 +31,8 @@
 #
 # Environment: SUITE_BUDGET (default 330) seconds after which no part starts and
 # running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and the
-# logs go, else /tmp/bench-suite; ALLOC_CPU (default 3) and ALLOC_ROUNDS (default 3).
+# logs go, else /tmp/bench-suite; ALLOC_CPU (default 3) and ALLOC_ROUNDS (default 3);
+# KV_SLAB the Go KV rows' slab (default 100GiB on a GPU).
 # CUDAPOOL_LIB and CUDAPOOL_KVPOOLD (when set) are the libcudapool.so and kvpoold the
 # Python parts use, else bin/gpu's. For a dry run of the script itself where there is
 # no GPU: GOSUITE_RUNTIME=test (the software device) and SUITE_QUICK=1 (few samples),
@@ -266,8 +267,12 @@ export bin rt logs
 part validate 60 "${wide[@]}" bash -c validate
 part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "${pyquick[@]}" --runtime "$rt"
 # The KV page pool: the same rows (kv/match512, kv/match512+hash) from Go and from
-# Python, each with an owner of its own, one after the other.
-part gosuite-kv 90 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kv
+# Python, each with an owner of its own, one after the other. Go's slab is KV_SLAB
+# (default 100 GiB on a GPU, issue 24's target; 4 GiB on the software device), in
+# segments of at most 4 GiB, and its replicas' dials are timed (kv/dial).
+kv_slab=${KV_SLAB:-100GiB}
+[ "$rt" = test ] && kv_slab=${KV_SLAB:-4GiB}
+part gosuite-kv 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -kv-bytes "$kv_slab" kv
 part kvbench 120 "${wide[@]}" env PYTHONUNBUFFERED=1 CUDAPOOL_LIB="${CUDAPOOL_LIB:-$bin/libcudapool.so}" \
 	python3 bench/kvbench.py "${pyquick[@]}" --runtime "$rt" --kvpoold "${CUDAPOOL_KVPOOLD:-$bin/kvpoold}"
 

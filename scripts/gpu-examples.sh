@@ -171,11 +171,13 @@ if [ -f "$lib" ]; then
 		step torch-pairs $?
 		timeout 600 python3 examples/torch/kvcache.py
 		step torch-kvcache $?
-		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama.
+		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama,
+		# over a slab of REPLICAS_SLAB (default 64GiB: 16 segments), each replica's dial timed.
 		if python3 -c 'import torch, transformers, triton' 2>/dev/null; then
 			replicas_raw=${OUT:-/tmp}/replicas-raw.txt # run.py appends: a fresh file each run
 			rm -f "$replicas_raw"
-			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold" --raw "$replicas_raw"
+			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold" --bytes "${REPLICAS_SLAB:-64GiB}" \
+				--raw "$replicas_raw"
 			step kv-replicas $?
 		else
 			echo "(the KV replicas need torch, transformers and triton: not run)"

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/dustin/go-humanize"
+
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/kv"
@@ -20,9 +22,14 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// The KV page pool's rows ("gosuite kv"): an owner (kv/owner) in this process and
-// kvReplicas replica processes (kv/replica) on device 0, with the llama-0.85b layout.
+// The KV page pool's rows ("gosuite [-kv-bytes SIZE] kv"): an owner (kv/owner) in this
+// process, its slab of SIZE (default 4 GiB) on device 0 with the llama-0.85b layout, and
+// kvReplicas replica processes (kv/replica). A "meta kv-slab" line says the slab's size,
+// segments and replicas.
 //
+//	kv/dial            ms per replica process: its Dial, every segment of the slab
+//	                   mapped (one sample a replica)
+//	kv/slab            the slab's bytes (one sample), for the table's verdicts
 //	kv/match512        one replica's Match of 512 visible pages (one round trip, the
 //	                   lease included), hashes computed beforehand; us per Match
 //	kv/match512+hash   the same with the 512 pages' prefix hashes computed in the loop
@@ -40,18 +47,22 @@ const (
 
 var kvBatches = []int{64, 256, 512}
 
-// kvRows measures the KV page pool's rows.
-func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
+// defaultKVSlab is the kv rows' slab without -kv-bytes: room for every replica's
+// largest batch in flight (written and read) twice over, and eviction takes the least
+// recently used, so no batch is evicted between its seal and its match. The software
+// device's memory is sparse: pages never written cost nothing.
+const defaultKVSlab = 4 << 30
+
+// kvRows measures the KV page pool's rows on a slab of slabBytes (rounded down to
+// whole pages).
+func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint64) {
 	kind := choose.Software
 	if onGPU {
 		kind = choose.GPU
 	}
 	g, _ := kv.Layout("llama-0.85b")
-	// 4 GiB, the largest slab owner.Listen serves (MaxSlabBytes): room for every
-	// replica's largest batch in flight (written and read) twice over, and eviction
-	// takes the least recently used, so no batch is evicted between its seal and its
-	// match. The software device's memory is sparse: pages never written cost nothing.
-	g.Pages = 8192
+	g.Pages = 1
+	g.Pages = int(slabBytes / g.SlabBytes())
 	dir, err := os.MkdirTemp("", "gosuite-kv")
 	if err != nil {
 		r.fail("cudapool", "kv", err)
@@ -64,6 +75,8 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		r.fail("cudapool", "kv", err)
 		return
 	}
+	fmt.Fprintf(r.w, "meta kv-slab %s (%d pages, %v) on device 0, mapped by %d replica processes\n",
+		humanize.IBytes(g.SlabBytes()), g.Pages, o.Segments(), kvReplicas)
 	var cs []*consumerSide
 	defer func() {
 		for _, c := range cs {
@@ -85,6 +98,17 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 		}
 		cs = append(cs, c)
 	}
+	var dials []float64
+	for _, c := range cs {
+		v, err := c.ask("dial", "dialed")
+		if err != nil || len(v) != 1 {
+			r.fail("cudapool", "kv/dial", fmt.Errorf("replica %d: %v %w", c.pid, v, err))
+			return
+		}
+		dials = append(dials, v[0])
+	}
+	r.result("cudapool", "kv/dial", "ms", dials)
+	r.result("cudapool", "kv/slab", "B", []float64{float64(g.SlabBytes())})
 	if _, err := cs[0].ask(fmt.Sprintf("prepare %d", kvLatency), "prepared"); err != nil {
 		r.fail("cudapool", "kv/match512", err)
 		return
@@ -144,6 +168,7 @@ func percentile(v []float64, q float64) float64 {
 
 // kvReplicaMain is a replica process of the kv rows, driven by lines on stdin:
 //
+//	dial                          how long its Dial took: "dialed MS"
 //	prepare N                     seal a chain of N pages: "prepared"
 //	latency N SAMPLES WARMUP H    time Match (+ hashing if H is 1) of that chain and its
 //	                              release: "samples US..." (the Match alone, in us)
@@ -162,15 +187,17 @@ func kvReplicaMain(args []string) int {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	t0 := time.Now()
 	rp, err := replica.Dial(ctx, args[1], rt, 0, replica.WithNamespace(strconv.Itoa(os.Getpid())), replica.WithLogger(quiet))
 	if err != nil {
 		return fail(err)
 	}
+	dialed := time.Since(t0)
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvLoad{r: rp, s: s, seq: uint64(os.Getpid()) << 32}
+	k := &kvLoad{r: rp, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed}
 	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return k.obey(ctx, strings.Fields(line)) }, fail)
 }
 
@@ -207,6 +234,7 @@ type kvLoad struct {
 	tokens []int32   // the prepared chain's
 	chain  []kv.Hash // its hashes
 	seq    uint64    // the counter the rate's hashes are made of
+	dialed time.Duration
 }
 
 func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
@@ -219,6 +247,8 @@ func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
 		nums[i] = n
 	}
 	switch {
+	case f[0] == "dial" && len(nums) == 0:
+		return fmt.Sprintf("dialed %.3f", float64(k.dialed.Microseconds())/1e3), nil
 	case f[0] == "prepare" && len(nums) == 1:
 		return "prepared", k.prepare(ctx, nums[0])
 	case f[0] == "latency" && len(nums) == 4:

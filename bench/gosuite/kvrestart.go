@@ -255,7 +255,7 @@ func kvRestartMain(args []string) int {
 				return "", err
 			}
 			for _, p := range w.Pages() {
-				if err := rt.MemsetAsync(0, rp.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*g.PageBytes()), byte(p%251+1), g.PageBytes(), s); err != nil {
+				if err := rt.MemsetAsync(0, rp.Addr(0, kv.K, int(p)), byte(p%251+1), g.PageBytes(), s); err != nil {
 					return "", err
 				}
 			}
@@ -298,7 +298,7 @@ func kvRestartMain(args []string) int {
 				if p != sealedAs[i] {
 					return "", fmt.Errorf("page %d of the prompt is page %d, was %d", i, p, sealedAs[i])
 				}
-				if err := rt.MemcpyDtoHAsync(0, got, rp.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*g.PageBytes()+g.PageBytes()-4), s); err != nil {
+				if err := rt.MemcpyDtoHAsync(0, got, rp.Addr(0, kv.K, int(p))+cudart.DevicePtr(g.PageBytes()-4), s); err != nil {
 					return "", err
 				}
 				if err := rt.StreamSynchronize(0, s); err != nil {

@@ -20,7 +20,7 @@
 //	gosuite [-runtime auto|gpu|test] [-quick] [-validate] all
 //	gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc
 //	gosuite [-runtime ...] granularity
-//	gosuite [-runtime ...] [-quick] kv
+//	gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv
 //
 // "kv" runs the KV page pool's rows (kv.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
 // pairs as one participant of the ring that scripts/bench-suite.sh starts (see
@@ -43,6 +43,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/dustin/go-humanize"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -119,6 +120,7 @@ func run() int {
 	round := flag.Int("round", 0, "alloc: the round's number, for the sample lines")
 	batches := flag.Int("batches", 15, "alloc: measured batches per plan entry and slot")
 	pairs := flag.Int("pairs", 10000, "alloc: pairs per batch")
+	kvBytes := flag.String("kv-bytes", humanize.IBytes(defaultKVSlab), "kv: the slab's size, e.g. 100GiB")
 	flag.Parse()
 	mode := flag.Arg(0)
 	usage := func(why string) int {
@@ -126,7 +128,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] kv")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -134,6 +136,10 @@ func run() int {
 	}
 	var plan []planEntry
 	var rg ring
+	slab, err := humanize.ParseBytes(*kvBytes)
+	if err != nil || slab == 0 {
+		return usage(fmt.Sprintf("-kv-bytes %q: want a size such as 100GiB", *kvBytes))
+	}
 	switch mode {
 	case "all", "granularity", "kv":
 	case "alloc":
@@ -202,7 +208,7 @@ func run() int {
 		if *quick {
 			sh = quickShape
 		}
-		kvRows(r, rt, picked.OnGPU, sh)
+		kvRows(r, rt, picked.OnGPU, sh, slab)
 		kvRestartRow(r, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {

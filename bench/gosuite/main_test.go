@@ -336,11 +336,11 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 	var out strings.Builder
 	r := &reporter{w: &out}
 	sh := quickShape
-	kvRows(r, picked.Runtime, false, sh)
+	kvRows(r, picked.Runtime, false, sh, 8<<30) // 2 segments
 	require.NoError(t, choose.Violations(picked.Runtime), "the software device saw violations")
 	by := lines(t, out.String())
 	assert.Empty(t, by["fail"], "failures:\n%s", out.String())
-	want := map[string]int{"kv/match512": sh.samples, "kv/match512+hash": sh.samples,
+	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
 		"kv/pages/b64": sh.rounds, "kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds}
 	got := map[string]string{}
 	for _, f := range by["result"] {
@@ -355,6 +355,7 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
 	}
 	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out.String())
+	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 2 segments of 4.0 GiB) on device 0, mapped by 4 replica processes")}, by["meta"])
 }
 
 // A measurement the host has too few GPUs for is not run, and says so, unless

@@ -44,10 +44,41 @@ int main(void) {
 	CHECK(g.dtype == CUDAPOOL_KV_BF16 && g.dtype_size == 2 && g.pages == PAGES && g.device == 0);
 	CHECK(g.page_bytes == (uint64_t)T * 8 * 64 * 2);
 	CHECK(g.slab_bytes == 16ull * 2 * PAGES * g.page_bytes);
+	// The slab is 6 segments (kvpoold -segment-bytes 3MiB): 6 tensors of 512 KiB each,
+	// but the last, of 2.
+	CHECK(g.segments == 6 && g.segment_bound == 3u << 20);
+	void *segs[6] = {0};
+	uint64_t seg_bytes[6] = {0};
+	size_t nsegs = 0;
+	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 5, &nsegs), CUDAPOOL_ERANGE);
+	CHECK(nsegs == 6 && segs[0] == NULL);
+	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, &nsegs), CUDAPOOL_OK);
+	CHECK(nsegs == 6);
+	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 6, &nsegs), CUDAPOOL_OK);
+	uint64_t total = 0;
+	for (int i = 0; i < 6; i++) {
+		CHECK(segs[i] != NULL);
+		CHECK(seg_bytes[i] == (i < 5 ? 3u << 20 : 1u << 20));
+		total += seg_bytes[i];
+	}
+	CHECK(total == g.slab_bytes);
+	void *k5 = NULL, *v5 = NULL, *k15 = NULL;
+	EXPECT(cudapool_kv_layer_ptrs(r, 16, &k5, &v5), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_layer_ptrs(r, -1, &k5, &v5), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_layer_ptrs(r, 15, &k15, NULL), CUDAPOOL_OK);
+	CHECK(k15 == (char *)segs[5]); // tensor 30 begins the last segment
+	EXPECT(cudapool_kv_layer_ptrs(r, 5, &k5, &v5), CUDAPOOL_OK);
+	// Layer 5's K and V are tensors 10 and 11: the last two of segment 1; layer 6's K
+	// begins segment 2.
+	CHECK(k5 == (char *)segs[1] + 4 * PAGES * g.page_bytes);
+	CHECK(v5 == (char *)segs[1] + 5 * PAGES * g.page_bytes);
+	void *k6 = NULL;
+	EXPECT(cudapool_kv_layer_ptrs(r, 6, &k6, NULL), CUDAPOOL_OK);
+	CHECK(k6 == (char *)segs[2]);
 	void *base = NULL;
 	uint64_t bytes = 0;
-	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_OK);
-	CHECK(base != NULL && bytes == g.slab_bytes);
+	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_ENOTSUP); // deprecated: one segment only
 
 	// Hashes: N full pages and a partial one.
 	int32_t tokens[N * T + 5];
@@ -74,7 +105,7 @@ int main(void) {
 	for (int i = 0; i < N; i++) CHECK(pages[i] < PAGES);
 	char data[1024], back[1024];
 	for (size_t i = 0; i < sizeof data; i++) data[i] = (char)(i * 31 + 7);
-	char *page0 = (char *)base + (5 * 2 + 1) * PAGES * g.page_bytes + pages[0] * g.page_bytes;
+	char *page0 = (char *)v5 + pages[0] * g.page_bytes;
 	EXPECT(cudapool_copy_to_device(0, page0, data, sizeof data, NULL), CUDAPOOL_OK);
 	uint32_t visible = 99, dup = 99;
 	EXPECT(cudapool_kv_seal(r, w, NULL, N, NULL, 1, 10000, &visible, &dup), CUDAPOOL_EINVAL);

@@ -50,7 +50,7 @@ func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
 	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
 		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
 		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
-		"-keeper-idle", f.keeperIdle.String()}
+		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String()}
 }
 
 // startKeeper starts the keeper in a session of its own and waits, until ctx ends, for
@@ -126,7 +126,11 @@ func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	g, err := f.geometry()
 	if err == nil {
-		g, err = f.slabPages(g, false)
+		g, err = f.slabPages(g)
+	}
+	var bound uint64
+	if err == nil {
+		bound, err = f.segmentBound()
 	}
 	var devs []int
 	if err == nil {
@@ -141,7 +145,7 @@ func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1
 	}
-	k, err := owner.Keep(f.dir, picked.Runtime, owner.Options{Devices: devs, Geometry: g})
+	k, err := owner.Keep(f.dir, picked.Runtime, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound})
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1

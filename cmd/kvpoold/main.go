@@ -4,18 +4,21 @@
 //
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
-//	        [-pages N | -bytes SIZE] [-reattach-grace 5s] [-leave-keeper | -one-process]
+//	        (-pages N | -bytes SIZE) [-segment-bytes SIZE]
+//	        [-reattach-grace 5s] [-keeper-idle 1m] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
 // export), and prints one line saying where and on which runtime. -devices defaults to
-// every GPU, or device 0 on the software device. -bytes is each slab's size (64 MiB on
-// the software device and 4 GiB on a GPU by default), rounded down to whole pages;
-// -pages gives the page count instead; a slab is at most 4 GiB (owner.MaxSlabBytes), and a
-// larger one is refused at start. A second kvpoold on a DIR that a live one serves
-// fails, naming it. Exit status: 0 after a clean stop, 1 on failure (also when the
-// keeper died: the cache is gone, and a supervisor should start kvpoold again), 2 for a
-// bad command line.
+// every GPU, or device 0 on the software device. Exactly one of -pages (the page count)
+// and -bytes (each slab's size, e.g. 100GiB, rounded down to whole pages) says how much
+// it serves. A slab is several allocations (segments) of at most -segment-bytes each
+// (default and most 4 GiB, kv.MaxSegmentBytes: a replica cannot import larger ones; a
+// smaller bound is for tests), each layer's K and V whole in one of them; a geometry
+// whose one tensor is larger than that, or a slab larger than a device's free memory, is
+// refused at start. A second kvpoold on a DIR that a live one serves fails, naming it.
+// Exit status: 0 after a clean stop, 1 on failure (also when the keeper died: the cache
+// is gone, and a supervisor should start kvpoold again), 2 for a bad command line.
 //
 // The slabs live in a keeper, `kvpoold keeper` (the same flags), which kvpoold starts
 // in a session of its own where none serves DIR, so that they outlive kvpoold: a
@@ -23,9 +26,9 @@
 // visible again, and waits up to -reattach-grace for the replicas attached before
 // (replica.WithReconnect) to re-declare their leases. Its first line says what it took
 // back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
-// fails. A clean stop stops the keeper too, unless -leave-keeper; -one-process makes
-// the slabs in kvpoold itself, gone with it. docs/kvpoold.service runs it under
-// systemd.
+// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no process
+// has mapped for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
+// gone with it. docs/kvpoold.service runs it under systemd.
 package main
 
 import (
@@ -69,6 +72,8 @@ type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
+	segmentBytes                                string
+	set                                         map[string]bool // the flags given
 	oneProcess, leaveKeeper                     bool
 	grace, keeperIdle                           time.Duration
 }
@@ -86,8 +91,9 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.IntVar(&f.headDim, "head-dim", 0, "elements per head")
 	fs.StringVar(&f.dtype, "dtype", "bf16", "element type: bf16, fp16, fp32 or fp8e4m3")
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
-	fs.IntVar(&f.pages, "pages", 0, "pages per slab (instead of -bytes)")
-	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 4GiB (default 64 MiB on the software device, 4 GiB on a GPU)")
+	fs.IntVar(&f.pages, "pages", 0, "pages per slab (or -bytes)")
+	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 100GiB, rounded down to whole pages (or -pages)")
+	fs.StringVar(&f.segmentBytes, "segment-bytes", "4GiB", "the most bytes one allocation of a slab holds (at most 4GiB; smaller for tests)")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
 	fs.DurationVar(&f.keeperIdle, "keeper-idle", time.Minute, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
@@ -95,6 +101,8 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	if err := fs.Parse(args); err != nil {
 		return f, false
 	}
+	f.set = map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvpoold: unexpected arguments %q\n", fs.Args())
 		return f, false
@@ -120,35 +128,49 @@ func (f flags) geometry() (kv.Geometry, error) {
 	return kv.Geometry{Layers: f.layers, KVHeads: f.kvHeads, HeadDim: f.headDim, TokensPerPage: f.tokensPerPage, DType: dt}, nil
 }
 
-// slabPages sets g.Pages from -pages or -bytes.
-func (f flags) slabPages(g kv.Geometry, onGPU bool) (kv.Geometry, error) {
-	if f.pages != 0 && f.bytes != "" {
+// slabPages sets g.Pages from -pages or -bytes, exactly one of which is given.
+func (f flags) slabPages(g kv.Geometry) (kv.Geometry, error) {
+	switch {
+	case f.set["pages"] && f.set["bytes"]:
 		return g, errors.New("-pages and -bytes exclude each other")
-	}
-	if f.pages != 0 {
+	case f.set["pages"]:
+		if f.pages < 1 {
+			return g, fmt.Errorf("-pages %d: a slab needs at least one page", f.pages)
+		}
 		g.Pages = f.pages
 		return g, g.Validate()
+	case !f.set["bytes"]:
+		return g, errors.New("give -pages or -bytes: how much each slab serves")
 	}
-	size := uint64(64 << 20)
-	if onGPU {
-		size = 4 << 30
-	}
-	if f.bytes != "" {
-		var err error
-		if size, err = humanize.ParseBytes(f.bytes); err != nil {
-			return g, fmt.Errorf("-bytes: %w", err)
-		}
+	size, err := humanize.ParseBytes(f.bytes)
+	if err != nil {
+		return g, fmt.Errorf("-bytes: %w", err)
 	}
 	g.Pages = 1
-	per := g.SlabBytes() // one page in every layer's K and V
-	if g.Validate() != nil || per == 0 {
-		return g, g.Validate()
+	if err := g.Validate(); err != nil {
+		return g, err
 	}
-	g.Pages = int(size / per)
-	if g.Pages < 1 {
+	per := g.SlabBytes() // one page in every layer's K and V
+	if size/per < 1 {
 		return g, fmt.Errorf("-bytes %s holds no page of %s", humanize.IBytes(size), humanize.IBytes(per))
 	}
+	if size/per > 1<<20 {
+		return g, fmt.Errorf("-bytes %s is %d pages of %s: more than the %d a slab may have", humanize.IBytes(size), size/per, humanize.IBytes(per), 1<<20)
+	}
+	g.Pages = int(size / per)
 	return g, g.Validate()
+}
+
+// segmentBound is -segment-bytes.
+func (f flags) segmentBound() (uint64, error) {
+	n, err := humanize.ParseBytes(f.segmentBytes)
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("-segment-bytes: %w", err)
+	case n == 0 || n > kv.MaxSegmentBytes:
+		return 0, fmt.Errorf("-segment-bytes %s: want 1 B to %s (the most a replica can import as one allocation)", f.segmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
+	}
+	return n, nil
 }
 
 // deviceList parses -devices; "" is every device of n.
@@ -193,7 +215,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	rt := picked.Runtime
-	if g, err = f.slabPages(g, picked.OnGPU); err != nil {
+	if g, err = f.slabPages(g); err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return 2
+	}
+	bound, err := f.segmentBound()
+	if err == nil {
+		_, err = g.Segments(bound)
+	}
+	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 2
 	}
@@ -207,7 +237,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return 2
 	}
-	opts := owner.Options{Devices: devs, Geometry: g}
+	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound}
 	if !f.oneProcess {
 		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs))
 		opts.Index, opts.ReattachGrace = filepath.Join(f.dir, owner.IndexFile), f.grace
@@ -221,8 +251,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if !f.oneProcess {
 		cache = o.Recovery().String()
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab; %s; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), picked.Why, cache)
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab (%v); %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), o.Segments(), picked.Why, cache)
 	code := 0
 	select {
 	case <-ctx.Done():

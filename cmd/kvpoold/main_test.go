@@ -84,7 +84,7 @@ func shortDir(t *testing.T) string {
 
 func TestServesAndStops(t *testing.T) {
 	dir := shortDir(t)
-	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "32")
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "32", "-segment-bytes", "3MiB")
 
 	dev := cudarttest.ForTest(t)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
@@ -94,6 +94,7 @@ func TestServesAndStops(t *testing.T) {
 	want, _ := kv.Layout("llama-0.85b")
 	want.Pages = 32
 	assert.Equal(t, want, r.Geometry())
+	assert.Equal(t, []uint64{3 << 20, 3 << 20, 3 << 20, 3 << 20, 3 << 20, 1 << 20}, r.Segments().Sizes(), "6 tensors of 512 KiB to a segment")
 	l, err := r.Alloc(ctx, 4)
 	require.NoError(t, err)
 	require.NoError(t, r.Release(ctx, 0, l))
@@ -103,7 +104,7 @@ func TestServesAndStops(t *testing.T) {
 	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
-	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab;")
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab (5 segments of 3.0 MiB and 1 of 1.0 MiB);")
 	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
 	assert.Equal(t, "kvpoold: stopped", lines[1])
 	_, err = os.Stat(dir + "/kv.sock")
@@ -130,6 +131,15 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1KiB"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
+		{"-runtime", "test", "-layout", "llama-0.85b"},                                              // neither -pages nor -bytes
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "0"},                               // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "-3"},                              // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "0"},                               // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "lots"},                            // no size
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1TiB"},                            // over the most pages a slab has
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "64", "-segment-bytes", "1000KiB"}, // a tensor over the bound
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "0"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "8GiB"}, // more than a replica imports
 	} {
 		var out, errOut bytes.Buffer
 		code := run(context.Background(), args, &out, &errOut)
@@ -141,10 +151,35 @@ func TestBadCommandLines(t *testing.T) {
 func TestBytesMakesWholePages(t *testing.T) {
 	g, err := kv.Layout("llama-0.85b")
 	require.NoError(t, err)
-	got, err := flags{bytes: "8MiB"}.slabPages(g, false)
+	got, err := flags{bytes: "8MiB", set: map[string]bool{"bytes": true}}.slabPages(g)
 	require.NoError(t, err)
 	// A page is 16 layers x K and V x 16 KiB = 512 KiB.
 	assert.Equal(t, 16, got.Pages)
+	got, err = flags{bytes: "100GiB", set: map[string]bool{"bytes": true}}.slabPages(g)
+	require.NoError(t, err)
+	assert.Equal(t, 204800, got.Pages)
+	assert.Equal(t, uint64(100<<30), got.SlabBytes())
+}
+
+// A slab larger than the device's free memory is refused at start (status 1), the
+// message naming both sizes; a geometry whose one tensor is over the segment bound is
+// a bad command line (status 2), the message naming the most pages that fit.
+func TestRefusedAtStart(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"-bytes", "100GiB"}, 1, "a slab of 100 GiB (107374182400 bytes, 204800 pages) is larger than device 0's free memory, 16 GiB (17179869184 bytes, of 16 GiB)"},
+		{[]string{"-pages", "64", "-segment-bytes", "1000KiB"}, 2, "tensor of 1.0 MiB (64 pages of 16 KiB) is over the 1000 KiB one segment may hold (an allocation a replica can import): at most 62 pages"},
+	} {
+		var out, errOut bytes.Buffer
+		args := append([]string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b"}, c.args...)
+		code := run(context.Background(), args, &out, &errOut)
+		assert.Equal(t, c.code, code, "%q", c.args)
+		assert.Contains(t, errOut.String(), c.want)
+		assert.Empty(t, out.String())
+	}
 }
 
 func TestMain(m *testing.M) {

@@ -28,9 +28,10 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// restartArgs serve a small llama-0.85b slab on the software device.
+// restartArgs serve a small llama-0.85b slab on the software device, in segments of
+// 3 MiB (several).
 func restartArgs(dir string, pages int) []string {
-	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-reattach-grace", "30s"}
+	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-reattach-grace", "30s"}
 }
 
 var keeperPID = regexp.MustCompile(`keeper pid (\d+)`)
@@ -114,8 +115,7 @@ func writePages(t *testing.T, dev cudart.Runtime, r *replica.Replica, s cudart.S
 	g := r.Geometry()
 	for _, p := range pages {
 		for l := range g.Layers {
-			k := r.Slab() + cudart.DevicePtr(g.KOffset(l)+uint64(p)*g.PageBytes())
-			v := r.Slab() + cudart.DevicePtr(g.VOffset(l)+uint64(p)*g.PageBytes())
+			k, v := r.Addr(l, kv.K, int(p)), r.Addr(l, kv.V, int(p))
 			require.NoError(t, dev.MemcpyHtoDAsync(0, k, pattern(g, p, l, false), s))
 			require.NoError(t, dev.MemcpyHtoDAsync(0, v, pattern(g, p, l, true), s))
 		}
@@ -129,7 +129,7 @@ func checkPages(t *testing.T, dev cudart.Runtime, r *replica.Replica, s cudart.S
 	for i, p := range pages {
 		for l := range g.Layers {
 			got := make([]byte, g.PageBytes())
-			require.NoError(t, dev.MemcpyDtoHAsync(0, got, r.Slab()+cudart.DevicePtr(g.KOffset(l)+uint64(p)*g.PageBytes()), s))
+			require.NoError(t, dev.MemcpyDtoHAsync(0, got, r.Addr(l, kv.K, int(p)), s))
 			require.NoError(t, dev.StreamSynchronize(0, s))
 			require.True(t, bytes.Equal(pattern(g, want[i], l, false), got), "page %d layer %d K", p, l)
 		}
@@ -274,7 +274,7 @@ func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
 		closed <- r.Close(ctx)
 	}()
 	_, line = daemon(t, restartArgs(dir, 16)...)
-	assert.Contains(t, line, "keeps slabs of 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, this owner serves")
+	assert.Contains(t, line, "keeps slabs of 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages in segments of 3.0 MiB, this owner serves")
 	assert.Contains(t, line, "the old slabs and index are dropped")
 	assert.Contains(t, line, "new cache in keeper pid")
 	assert.NotContains(t, line, "keeper pid "+old+" ")
@@ -330,7 +330,7 @@ func midSealWriter(args []string) int {
 	}
 	g := r.Geometry()
 	for _, p := range w.Pages() {
-		if err := dev.MemsetAsync(0, r.Slab()+cudart.DevicePtr(g.KOffset(0)+uint64(p)*g.PageBytes()), 0xee, g.PageBytes(), s); err != nil {
+		if err := dev.MemsetAsync(0, r.Addr(0, kv.K, int(p)), 0xee, g.PageBytes(), s); err != nil {
 			fmt.Println("write:", err)
 			return 1
 		}

@@ -69,8 +69,8 @@ func kvWatch(ctx context.Context, dir string, timeout, every time.Duration, asJS
 // renderKV writes the owner's Stats as the operator's table.
 func renderKV(w io.Writer, dir string, st kv.Stats) {
 	g := st.Geometry
-	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s)\n",
-		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes))
+	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s in %s)\n",
+		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes), kv.SegmentsString(g.Segments))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	// LEASED and RELEASING are sealed pages that readers hold, or whose release has
 	// not settled.

@@ -27,7 +27,7 @@ func kvOwner(t *testing.T) string {
 	t.Cleanup(cancel)
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true})
+	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true, SegmentBytes: 3 * g.TensorBytes()})
 	require.NoError(t, err)
 	t.Cleanup(func() { o.Close(ctx) })
 	rdev := cudarttest.ForTest(t)
@@ -51,6 +51,7 @@ func TestKV(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 5, "a summary, the devices' header and row, the replicas' header and row:\n%s", out)
 	assert.Contains(t, lines[0], fmt.Sprintf("KV page pool at %s, owner pid %d: 2 layers", dir, os.Getpid()))
+	assert.Contains(t, lines[0], "16 pages of 512 B per slab (8.0 KiB in 1 segment of 6.0 KiB and 1 of 2.0 KiB)")
 	assert.Equal(t, strings.Fields("0 13 0 0 3 3 0 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 13 free, 3 sealed and leased, 3 hits, 3 seals")
 	assert.Equal(t, []string{fmt.Sprint(os.Getpid()), "0", "1", "3"}, dropCommand(strings.Fields(lines[4])), "the replica: device 0, 1 lease, 3 pages")
 
@@ -59,6 +60,7 @@ func TestKV(t *testing.T) {
 	var st kv.Stats
 	require.NoError(t, json.Unmarshal([]byte(out), &st))
 	assert.Equal(t, 3, st.Devices[0].Leased)
+	assert.Equal(t, []uint64{6144, 2048}, st.Geometry.Segments)
 
 	code, _, errOut = poolstat(t, "-kv", shortDir(t))
 	assert.Equal(t, 1, code)

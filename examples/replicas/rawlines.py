@@ -14,7 +14,10 @@ torch, so that they are tested anywhere (test_rawlines.py). Every line is of imp
                                            prompts once and each request's own pages
         kv-bytes/private                   the KV of N private copies
         pages/matched, pages/sealed, pages/evicted   the owner's counts
+        dial                               ms, each replica process's dial (every
+                                           segment of the slab mapped)
     meta replicas-run TEXT                 what ran (replicas, GPUs, lengths, attention)
+    meta replicas-slab TEXT                the slab: its size, segments, replicas
     meta replicas-greedy TEXT              how many requests' greedy tokens equal the
                                            reference's: "all N equal" or "K of N equal"
     meta replicas-checks TEXT              "all N checks passed", or how many failed
@@ -49,6 +52,8 @@ def lines(fig):
                        "decode_pool_tok_s": x, "decode_private_tok_s": y}}
         bytes     {"sealed", "one-copy", "pool", "private": bytes}
         pages     {"matched", "sealed", "evicted": count}
+        dial_ms   [ms]: each replica process's dial
+        slab      str: the slab's size, segments and replicas
         greedy    (equal, requests): the requests whose greedy tokens equal the reference
         checks    int: how many checks ran (the greedy ones, the KV bytes, the targets, the faults)
         failures  [str]: the failed ones
@@ -72,6 +77,10 @@ def lines(fig):
     for k in ("matched", "sealed", "evicted"):
         if k in fig.get("pages", {}):
             out += summary("pages/" + k, "pages", [fig["pages"][k]])
+    if fig.get("dial_ms"):
+        out += summary("dial", "ms", fig["dial_ms"])
+    if fig.get("slab"):
+        out.append("meta replicas-slab " + one_line(fig["slab"]))
     if "greedy" in fig:
         eq, n = fig["greedy"]
         out.append("meta replicas-greedy " + ("all %d equal" % n if eq == n else "%d of %d equal" % (eq, n)))

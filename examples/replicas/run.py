@@ -129,8 +129,9 @@ def _replica(conn, name, device, dir, seed, lens, n_new_max):
     why = cudapool.init("gpu")
     if conn.recv()["op"] != "dial":  # one replica maps the slab at a time
         raise RuntimeError("expected the dial command")
+    t0 = time.perf_counter()
     r = ckv.Replica(dir, device, namespace=NAMESPACE, timeout=60, wait_for_owner=True)
-    conn.send({"dialed": name})
+    conn.send({"dialed": name, "dial_s": time.perf_counter() - t0, "segments": len(r.segments)})
     t0 = time.perf_counter()
     m = Model.build(seed=seed)
     torch.cuda.synchronize()
@@ -162,7 +163,7 @@ def _replica(conn, name, device, dir, seed, lens, n_new_max):
     refs = {}
     conn.send({"ready": name, "pid": os.getpid(), "device": device, "build_s": built, "runtime": why,
                "fingerprint": m.fingerprint(), "params": m.params(),
-               "slab_bytes": r.slab_bytes, "geometry": repr(r.geometry)})
+               "slab_bytes": r.geometry.slab_bytes, "geometry": repr(r.geometry)})
     s = torch.cuda.current_stream()
     while True:
         cmd = conn.recv()
@@ -300,10 +301,10 @@ def main():
     ap.add_argument("--replicas", type=int, default=3, help="replicas per GPU (at least 3)")
     ap.add_argument("--lengths", default="8192,32768", help="system prompt lengths (multiples of 16)")
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
-    # 6144 pages are 3 GiB: room for both prompts, the killed writers' pages and a
-    # reference run at once. A 16384-page (8 GiB) slab crashed every replica's dial in
-    # cudaMemPoolImportPointer on the H200 host; 6144 and 8192 (4 GiB) did not.
-    ap.add_argument("--pages", type=int, default=6144, help="pages per slab (512 KiB each)")
+    # A slab is segments of at most 4 GiB (a replica cannot import larger allocations,
+    # docs/FACTS.md 17), so it may take most of the GPU: 64 GiB by default.
+    ap.add_argument("--bytes", default="64GiB", help="bytes per slab, as kvpoold -bytes takes them")
+    ap.add_argument("--pages", type=int, help="pages per slab (512 KiB each), instead of --bytes")
     ap.add_argument("--kvpoold", default=os.environ.get("KVPOOLD", os.path.join(ROOT, "bin", "kvpoold")))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-faults", action="store_true")
@@ -321,7 +322,7 @@ def main():
     dir = os.path.join(work, "kv")
     log = open(os.path.join(work, "kvpoold.log"), "w")
     owner = subprocess.Popen([args.kvpoold, "-dir", dir, "-runtime", "gpu", "-layout", "llama-0.85b",
-                              "-pages", str(args.pages),
+                              *(["-pages", str(args.pages)] if args.pages else ["-bytes", args.bytes]),
                               "-devices", ",".join(map(str, range(gpus)))], stdout=log, stderr=subprocess.STDOUT)
     failures = []
     fig = {"lengths": {}, "checks": 0, "failures": failures}
@@ -351,8 +352,13 @@ def main():
         if not args.no_faults:
             for v in ("writer", "sealer", "reader"):
                 victims[v] = Proc(ctx, "victim %s" % v, 0, dir, args.seed, lengths, args.new)
-        for p in procs + list(victims.values()):
-            p.call(op="dial", timeout=120)
+        dials = [p.call(op="dial", timeout=120) for p in procs + list(victims.values())]
+        fig["dial_ms"] = [1e3 * d["dial_s"] for d in dials]
+        fig["slab"] = "%.1f GiB in %d segments, mapped by %d replica processes a GPU" % (
+            g["slab_bytes"] / GiB, len(g.get("segments", [])), len(dials) // gpus)
+        print("each replica mapped the whole slab (%d segments) at its dial in %.0f-%.0f ms (median %.0f)" % (
+            dials[0]["segments"], min(fig["dial_ms"]), max(fig["dial_ms"]), sorted(fig["dial_ms"])[len(dials) // 2]))
+        check(max(fig["dial_ms"]) <= 1000, "a dial took %.0f ms, over the 1 s target" % max(fig["dial_ms"]))
         ready = [p.get() for p in procs + list(victims.values())]
         fps = {r["fingerprint"] for r in ready}
         print("%d replica processes (+%d to kill) ready in %.1f s: %.3fB-parameter Llama, bf16, each built in "

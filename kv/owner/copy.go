@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -164,10 +163,10 @@ func (o *Owner) copyRun(s *slab, run []piece) error {
 	return nil
 }
 
-// copyFrom copies pieces, all from src, into dst on src's stream and waits for them.
+// copyFrom copies pieces, all from src, into dst on src's stream and waits for them:
+// for each run of pages that follow each other in both slabs, one copy per tensor.
 func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
-	g, pb := o.geo, o.geo.PageBytes()
-	srcBase, dstBase := src.base(), dst.base()
+	g, segs := o.geo, o.segs
 	src.copyMu.Lock()
 	defer src.copyMu.Unlock()
 	for i := 0; i < len(pieces); {
@@ -175,11 +174,11 @@ func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
 		for j < len(pieces) && pieces[j].from == pieces[j-1].from+1 && pieces[j].dst == pieces[j-1].dst+1 {
 			j++
 		}
-		n := uint64(j-i) * pb
+		n := uint64(j-i) * g.PageBytes()
 		for l := range g.Layers {
-			for _, off := range [2]uint64{g.KOffset(l), g.VOffset(l)} {
-				from := srcBase + cudart.DevicePtr(off+uint64(pieces[i].from)*pb)
-				to := dstBase + cudart.DevicePtr(off+uint64(pieces[i].dst)*pb)
+			for _, part := range [2]kv.Part{kv.K, kv.V} {
+				from := segs.Addr(src.bases, l, part, int(pieces[i].from))
+				to := segs.Addr(dst.bases, l, part, int(pieces[i].dst))
 				if err := o.rt.MemcpyDtoDAsync(src.dev, to, from, n, src.stream); err != nil {
 					return errors.Join(err, o.rt.StreamSynchronize(src.dev, src.stream)) // the copies queued before it end first
 				}

@@ -1,7 +1,7 @@
-// Package owner owns the owner of a KV page pool: one slab per GPU, an allocation of
-// an IPC-capable pool published whole through package export, carved into pages of one
-// kv.Geometry, and the page server on dir/kv.sock that leases those pages to replicas
-// (package kv/replica) and keeps their states.
+// Package owner owns the owner of a KV page pool: one slab per GPU, allocations
+// (segments, kv.Segments) of an IPC-capable pool each published whole through package
+// export, carved into pages of one kv.Geometry, and the page server on dir/kv.sock that
+// leases those pages to replicas (package kv/replica) and keeps their states.
 //
 // # Pages
 //
@@ -39,8 +39,8 @@
 // # Devices
 //
 // A match on device B of hashes visible only in device A's slab allocates pages on B,
-// copies each page (every layer's K and V) with MemcpyDtoDAsync on a stream of device
-// A, the source (a copy through the source's stream outlives that device's failures,
+// copies each page (every layer's K and V, one copy per tensor for a run of pages that
+// follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the source (a copy through the source's stream outlives that device's failures,
 // FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
 //
 // # Restarts
@@ -78,21 +78,14 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// MaxSlabBytes is the largest slab Listen makes. Every replica imports its device's
-// slab as one allocation (cudaMemPoolImportPointer), and on driver 580 that import
-// crashed the importing process for an 8 GiB allocation where 4 GiB ones imported
-// and read right (docs/FACTS.md, item 17; cudart's TestGPUBigImport measures the
-// sizes between). Serve more pages with more devices, or a smaller geometry.
-const MaxSlabBytes uint64 = 4 << 30
-
 // The files an owner makes in its directory.
 const (
 	SlabSocket = kvwire.SlabSocket // export's socket: the slabs, published whole
 	PageSocket = kvwire.PageSocket // the page server
 )
 
-// SlabName is the name the slab of device dev is published under.
-func SlabName(dev int) string { return kvwire.SlabName(dev) }
+// SlabName is the name segment seg of device dev's slab is published under.
+func SlabName(dev, seg int) string { return kvwire.SegmentName(kvwire.SlabName(dev), seg) }
 
 // Stats is a snapshot of an owner.
 type Stats = kv.Stats
@@ -103,6 +96,10 @@ type Options struct {
 	Devices []int
 	// Geometry is every slab's, Pages included.
 	Geometry kv.Geometry
+	// SegmentBytes bounds each of a slab's allocations (kv.Geometry.Segments); 0 is
+	// kv.MaxSegmentBytes, the most a replica can import, and more is refused. Tests
+	// make it small, so that small geometries have several segments.
+	SegmentBytes uint64
 	// Policy says which processes may connect, as export's does.
 	Policy producer.Policy
 	// Logger gets what no call returns: connections refused or closed for malformed
@@ -136,9 +133,9 @@ type Owner struct {
 	dir  string
 	rt   cudart.Runtime
 	geo  kv.Geometry
+	segs kv.Segments
 	opts Options
 	log  *slog.Logger
-	meta []byte // the geometry, encoded: every slab's metadata
 
 	ex    *producer.Exporter
 	imp   *consumer.Importer // the keeper's, for adopted slabs (Options.Keeper)
@@ -180,11 +177,14 @@ type lease struct {
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
-// slab on each device, an producer.Exporter on dir/slab.sock publishing each slab whole
-// under SlabName(device) with the geometry as metadata, and the page server on
-// dir/kv.sock. A live owner on dir makes it fail with an error wrapping
-// producer.ErrAddressInUse, and a slab over MaxSlabBytes with one wrapping
-// kv.ErrGeometry. On failure nothing is left behind.
+// slab on each device, an producer.Exporter on dir/slab.sock publishing each segment
+// of each slab whole under SlabName(device, segment) with kvwire.SegmentMeta as
+// metadata (the geometry and the segment map), and the page server on dir/kv.sock.
+// A live owner on dir makes it fail with an error wrapping producer.ErrAddressInUse;
+// a geometry one of whose tensors is over the segment bound, with one wrapping
+// kv.ErrGeometry; a slab larger than a device's free memory (MemGetInfo), with one
+// wrapping cudart.ErrOutOfMemory that names both sizes. On failure nothing is left
+// behind.
 func Listen(dir string, rt cudart.Runtime, o Options) (*Owner, error) {
 	r := roleWhole
 	if o.Keeper {
@@ -197,13 +197,16 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
-	if err := o.Geometry.Validate(); err != nil {
-		return nil, err
+	switch {
+	case o.SegmentBytes == 0:
+		o.SegmentBytes = kv.MaxSegmentBytes
+	case o.SegmentBytes > kv.MaxSegmentBytes:
+		return nil, fmt.Errorf("%w: segments of %d bytes: a replica can import at most %d (%s) as one allocation (kv.MaxSegmentBytes)",
+			kv.ErrGeometry, o.SegmentBytes, kv.MaxSegmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
 	}
-	if n := o.Geometry.SlabBytes(); n > MaxSlabBytes {
-		perPage := n / uint64(o.Geometry.Pages)
-		return nil, fmt.Errorf("%w: a slab of %d bytes (%d pages of %s) is over the %d GiB a replica can import as one allocation (owner.MaxSlabBytes): at most %d pages",
-			kv.ErrGeometry, n, o.Geometry.Pages, humanize.IBytes(perPage), MaxSlabBytes>>30, MaxSlabBytes/perPage)
+	segs, err := o.Geometry.Segments(o.SegmentBytes)
+	if err != nil {
+		return nil, err
 	}
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
@@ -219,6 +222,14 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 		if slices.Contains(o.Devices[:i], d) {
 			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
 		}
+		free, total, err := rt.MemGetInfo(d)
+		if err != nil {
+			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
+		}
+		if n := o.Geometry.SlabBytes(); n > free {
+			return nil, fmt.Errorf("kv/owner: %w: a slab of %s (%d bytes, %d pages) is larger than device %d's free memory, %s (%d bytes, of %s)",
+				cudart.ErrOutOfMemory, humanize.IBytes(n), n, o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
+		}
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
@@ -226,7 +237,7 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 	if err := makeDir(dir, opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
-	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, opts: o, log: o.Logger, meta: kvwire.AppendGeometry(nil, o.Geometry),
+	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
 		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{}), expected: map[uint32]procID{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
@@ -303,12 +314,12 @@ func (o *Owner) makeSlabs() (err error) {
 // ownerName is the process name the exporter announces.
 func ownerName() string { return filepath.Base(os.Args[0]) }
 
-// makeSlab makes device d's pool, stream and slab, and publishes the slab. The slab's
-// allocation has completed when it returns, so that every replica's access is ordered
-// after it.
+// makeSlab makes device d's pool, stream and slab, and publishes its segments. The
+// segments' allocations have completed when it returns, so that every replica's
+// access is ordered after them.
 func (o *Owner) makeSlab(d int) (*slab, error) {
 	s := newSlab(d, o.geo.Pages)
-	s.name = SlabName(d)
+	s.name = kvwire.SlabName(d)
 	var peers []int
 	for _, other := range o.opts.Devices {
 		if other == d {
@@ -330,13 +341,22 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 		return s, fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 	}
 	ctx := context.Background()
-	if s.buf, err = s.pool.Alloc(ctx, o.geo.SlabBytes(), s.stream); err != nil {
-		return s, fmt.Errorf("kv/owner: slab of %d bytes on device %d: %w", o.geo.SlabBytes(), d, err)
+	entries := make([]producer.Entry, o.segs.Count())
+	for i := range entries {
+		n := o.segs.Bytes(i)
+		b, err := s.pool.Alloc(ctx, n, s.stream)
+		if err != nil {
+			return s, fmt.Errorf("kv/owner: segment %d of the slab of device %d (%s of %s): %w", i, d, humanize.IBytes(n), humanize.IBytes(o.geo.SlabBytes()), err)
+		}
+		s.bufs = append(s.bufs, b)
+		s.bases = append(s.bases, b.Ptr())
+		meta := kvwire.AppendSegmentMeta(nil, kvwire.SegmentMeta{Geometry: o.geo, Bound: o.segs.Bound(), Count: o.segs.Count(), Index: i})
+		entries[i] = producer.Entry{Name: SlabName(d, i), Buffer: b, Options: []producer.PublishOption{producer.WithMeta(meta)}}
 	}
 	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
 	}
-	if err = o.ex.Publish(ctx, s.name, s.buf, s.stream, producer.WithMeta(o.meta)); err != nil {
+	if err = o.ex.PublishAll(ctx, s.stream, entries...); err != nil {
 		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
 	}
 	return s, nil
@@ -413,6 +433,9 @@ func (o *Owner) Dir() string { return o.dir }
 // Geometry is every slab's geometry.
 func (o *Owner) Geometry() kv.Geometry { return o.geo }
 
+// Segments is how every slab lies in its allocations.
+func (o *Owner) Segments() kv.Segments { return o.segs }
+
 // accept serves each connection on a goroutine of its own.
 func (o *Owner) accept() {
 	defer o.wg.Done()
@@ -436,7 +459,7 @@ func (o *Owner) accept() {
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.geo), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
+	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.segs), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
 		st.Devices[i] = s.snapshot()
 	}
@@ -516,8 +539,8 @@ func (o *Owner) teardown(ctx context.Context) error {
 		}
 	}
 	for _, s := range o.slabs {
-		if s.buf != nil {
-			if err := s.buf.Free(s.stream); err != nil {
+		for _, b := range s.bufs {
+			if err := b.Free(s.stream); err != nil {
 				errs = append(errs, err)
 			}
 		}

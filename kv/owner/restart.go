@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/dustin/go-humanize"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -210,31 +211,38 @@ func (o *Owner) adoptSlabs() error {
 	}
 }
 
-// openSlabs maps each device's slab through o.imp; why says what does not fit.
+// openSlabs maps each device's slab, segment by segment, through o.imp; why says what
+// does not fit.
 func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
 	for _, d := range o.opts.Devices {
 		s := newSlab(d, o.geo.Pages)
-		s.name = SlabName(d)
+		s.name = kvwire.SlabName(d)
 		o.slabs = append(o.slabs, s)
 		o.byDev[d] = s
 		if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
 			return "", fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 		}
-		// The stream of the Importer's device maps every slab; copies run on each
-		// slab's own stream, on its device.
-		s.m, err = o.imp.Open(ctx, s.name, o.slabs[0].stream)
-		if errors.Is(err, consumer.ErrUnknownName) {
-			return fmt.Sprintf("the keeper (pid %d) keeps no slab for device %d", o.imp.ExporterPID(), d), nil
-		}
-		if err != nil {
-			return "", fmt.Errorf("kv/owner: mapping the kept slab of device %d: %w", d, err)
-		}
-		g, err := kvwire.ParseGeometry(s.m.Meta())
-		if err != nil {
-			return "", fmt.Errorf("kv/owner: the kept slab of device %d: %w", d, err)
-		}
-		if g != o.geo || s.m.Size() < g.SlabBytes() {
-			return fmt.Sprintf("the keeper (pid %d) keeps slabs of %v, this owner serves %v", o.imp.ExporterPID(), g, o.geo), nil
+		for i := range o.segs.Count() {
+			// The stream of the Importer's device maps every segment; copies run on
+			// each slab's own stream, on its device.
+			m, err := o.imp.Open(ctx, SlabName(d, i), o.slabs[0].stream)
+			if errors.Is(err, consumer.ErrUnknownName) {
+				return fmt.Sprintf("the keeper (pid %d) keeps no segment %d for device %d", o.imp.ExporterPID(), i, d), nil
+			}
+			if err != nil {
+				return "", fmt.Errorf("kv/owner: mapping the kept segment %d of device %d: %w", i, d, err)
+			}
+			s.ms = append(s.ms, m)
+			got, _, err := kvwire.ParseSegmentMeta(m.Meta())
+			if err != nil {
+				return "", fmt.Errorf("kv/owner: the kept segment %d of device %d: %w", i, d, err)
+			}
+			want := kvwire.SegmentMeta{Geometry: o.geo, Bound: o.segs.Bound(), Count: o.segs.Count(), Index: i}
+			if got != want || m.Size() < o.segs.Bytes(i) {
+				return fmt.Sprintf("the keeper (pid %d) keeps slabs of %v in segments of %s, this owner serves %v in segments of %s",
+					o.imp.ExporterPID(), got.Geometry, humanize.IBytes(got.Bound), o.geo, humanize.IBytes(o.segs.Bound())), nil
+			}
+			s.bases = append(s.bases, m.Ptr())
 		}
 	}
 	return "", nil
@@ -244,12 +252,12 @@ func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
 func (o *Owner) closeImport(ctx context.Context) error {
 	var errs []error
 	for _, s := range o.slabs {
-		if s.m != nil {
-			if err := s.m.Release(ctx, o.slabs[0].stream); err != nil {
+		for _, m := range s.ms {
+			if err := m.Release(ctx, o.slabs[0].stream); err != nil {
 				errs = append(errs, err)
 			}
-			s.m = nil
 		}
+		s.ms, s.bases = nil, nil
 	}
 	if o.imp != nil {
 		if err := o.imp.Close(ctx); err != nil {

@@ -33,17 +33,18 @@ type page struct {
 	state      pageState
 }
 
-// slab is one device's allocation and its page table. Everything but the fields set
+// slab is one device's allocations (segments) and its page table. Everything but the fields set
 // at Listen is guarded by the Owner's mu.
 type slab struct {
 	dev    int
-	name   string
+	name   string // the slab's name (kvwire.SlabName); its segments' are SlabName(dev, i)
 	pool   *pool.Pool
-	buf    *pool.Buffer      // the slab, where this process made it (nil where it adopted one)
-	m      *consumer.Mapping // the slab, where it was adopted from a keeper (Options.Keeper)
-	j      *journal          // the index file; nil: none
-	stream cudart.Stream     // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex        // one copy at a time on stream
+	bufs   []*pool.Buffer      // the segments, in order, where this process made them
+	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (Options.Keeper)
+	bases  []cudart.DevicePtr  // their addresses
+	j      *journal            // the index file; nil: none
+	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex          // one copy at a time on stream
 
 	pages      []page
 	free       []uint32 // a stack of free pages
@@ -58,14 +59,6 @@ func newSlab(dev, pages int) *slab {
 		s.free[i] = uint32(pages - 1 - i) // page 0 on top
 	}
 	return s
-}
-
-// base is the slab's address in this process.
-func (s *slab) base() cudart.DevicePtr {
-	if s.m != nil {
-		return s.m.Ptr()
-	}
-	return s.buf.Ptr()
 }
 
 // unlink takes sealed page p out of the LRU list.

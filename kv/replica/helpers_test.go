@@ -35,12 +35,13 @@ func bound(t testing.TB) context.Context {
 }
 
 // startOwner serves dir on a software device of its own (as a process of its own
-// would), checked for broken rules at the end.
+// would), checked for broken rules at the end. Its segments hold three tensors each,
+// so that every slab is several segments of two sizes.
 func startOwner(t testing.TB, g kv.Geometry, devices ...int) (*owner.Owner, *cudarttest.Device, string) {
 	t.Helper()
 	dir := shortDir(t)
 	dev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, dev, owner.Options{Geometry: g, Devices: devices, NoAnnounce: true})
+	o, err := owner.Listen(dir, dev, owner.Options{Geometry: g, Devices: devices, NoAnnounce: true, SegmentBytes: 3 * g.TensorBytes()})
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		o.Close(bound(t))
@@ -93,15 +94,6 @@ func pattern(g kv.Geometry, h kv.Hash, layer, kOrV int) []byte {
 	return b
 }
 
-// offset is the address of layer's K (kOrV 0) or V (1) of page p.
-func offset(g kv.Geometry, layer, kOrV int, p uint32) uint64 {
-	off := g.KOffset(layer)
-	if kOrV == 1 {
-		off = g.VOffset(layer)
-	}
-	return off + uint64(p)*g.PageBytes()
-}
-
 // write queues the pattern of hashes[i] into page pages[i] on s, through r's mapping.
 func write(t testing.TB, rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint32, hashes []kv.Hash) {
 	t.Helper()
@@ -112,8 +104,8 @@ func writeErr(rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []ui
 	g := r.Geometry()
 	for i, p := range pages {
 		for l := range g.Layers {
-			for kv := range 2 {
-				if err := rt.MemcpyHtoDAsync(r.Device(), r.Slab()+cudart.DevicePtr(offset(g, l, kv, p)), pattern(g, hashes[i], l, kv), s); err != nil {
+			for part := range 2 {
+				if err := rt.MemcpyHtoDAsync(r.Device(), r.Addr(l, kv.Part(part), int(p)), pattern(g, hashes[i], l, part), s); err != nil {
 					return err
 				}
 			}
@@ -129,12 +121,12 @@ func check(rt cudart.Runtime, r *replica.Replica, s cudart.Stream, pages []uint3
 	got := make([]byte, g.PageBytes())
 	for i, p := range pages {
 		for l := range g.Layers {
-			for kv := range 2 {
-				if err := rt.MemcpyDtoHAsync(r.Device(), got, r.Slab()+cudart.DevicePtr(offset(g, l, kv, p)), s); err != nil {
+			for part := range 2 {
+				if err := rt.MemcpyDtoHAsync(r.Device(), got, r.Addr(l, kv.Part(part), int(p)), s); err != nil {
 					return err
 				}
-				if want := pattern(g, hashes[i], l, kv); !bytes.Equal(got, want) {
-					return fmt.Errorf("page %d (hash %d), layer %d, %s: bytes differ from the pattern", p, i, l, [2]string{"K", "V"}[kv])
+				if want := pattern(g, hashes[i], l, part); !bytes.Equal(got, want) {
+					return fmt.Errorf("page %d (hash %d), layer %d, %s: bytes differ from the pattern", p, i, l, kv.Part(part))
 				}
 			}
 		}

@@ -1,11 +1,12 @@
 // Package replica owns a replica's side of a KV page pool: the connection to the owner
-// (package kv/owner, cmd/kvpoold), the slab of its device mapped once, and the leases
-// of pages by index.
+// (package kv/owner, cmd/kvpoold), the segments of its device's slab mapped once, and
+// the leases of pages by index.
 //
 //	r, err := replica.Dial(ctx, dir, rt, device, replica.WithWaitForOwner())
 //	hashes := r.Hashes(tokens)
 //	l, err := r.Match(ctx, hashes, s)    // the longest visible run, leased for reading
-//	// ... read pages l.Pages() of r.Slab() on s ...
+//	k, v := r.Layer(0)                   // layer 0's K and V tensors, [pages, tokens, heads, dim]
+//	// ... read pages l.Pages() of every layer on s ...
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into
 //	// ... write w.Pages() on s ...
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
@@ -14,8 +15,9 @@
 // Seal and Release record an IPC event of the stream's own (one per stream, reused)
 // on the stream they are given, and the owner waits for it on the host: the host of
 // the replica never waits for the GPU, and a Match needs no stream wait, as the owner
-// exposes only pages whose writes it has seen complete. Page p of layer l's K starts at
-// Slab() + Geometry().KOffset(l) + p*Geometry().PageBytes() (see package kv).
+// exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
+// the first address Layer(l) returns, and page p of it PageBytes() * p further on
+// (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
 package replica
 
 import (
@@ -124,8 +126,10 @@ type Replica struct {
 	slab   string // the slab's name
 	opts   options
 	imp    *consumer.Importer
-	m      *consumer.Mapping
-	stream cudart.Stream // the replica's own: the slab's import and its free
+	segs   kv.Segments
+	ms     []*consumer.Mapping // the slab's segments, in order
+	ptrs   []cudart.DevicePtr  // their addresses
+	stream cudart.Stream       // the replica's own: the slab's import and its free
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
 	hup    *hangup
@@ -175,7 +179,9 @@ type call struct {
 
 var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
 
-// Dial connects to the owner serving dir and maps the slab of device. It fails with
+// Dial connects to the owner serving dir and maps every segment of the slab of device
+// (two requests to the slab exporter: the first segment, whose metadata says how many
+// there are, then the rest at once). It fails with
 // an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
 // one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
 // refuses this process. A process holds one Replica per owner and runtime: the slab is
@@ -223,15 +229,8 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.
 		return nil, fmt.Errorf("kv/replica: the slab exporter: %w", err)
 	}
-	if r.m, err = r.imp.Open(ctx, slabName, r.stream); err != nil {
-		return nil, fmt.Errorf("kv/replica: mapping %s: %w", slabName, err)
-	}
-	g, err := kvwire.ParseGeometry(r.m.Meta())
-	if err != nil {
-		return nil, fmt.Errorf("kv/replica: the slab's metadata: %w", err)
-	}
-	if g != r.geo || r.m.Size() < g.SlabBytes() {
-		return nil, fmt.Errorf("%w: the slab (%v, %d bytes) does not match the owner's geometry (%v)", kv.ErrGeometry, g, r.m.Size(), r.geo)
+	if err := r.mapSegments(ctx, slabName); err != nil {
+		return nil, err
 	}
 	nc := r.nc
 	if r.hup, err = watchHangup(nc, func() { r.failConn(nc, errors.New("it closed the connection")) }); err != nil {
@@ -239,6 +238,46 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 	}
 	go r.watch(nc, r.owner, r.stopW)
 	return r, nil
+}
+
+// mapSegments maps the segments of the slab published as slab: the first, whose
+// metadata names the segment map, then the others in one batch, checking each one's
+// metadata and size against the owner's geometry.
+func (r *Replica) mapSegments(ctx context.Context, slab string) error {
+	first, err := r.imp.Open(ctx, kvwire.SegmentName(slab, 0), r.stream)
+	if err != nil {
+		return fmt.Errorf("kv/replica: mapping %s: %w", kvwire.SegmentName(slab, 0), err)
+	}
+	r.ms = append(r.ms, first)
+	meta, segs, err := kvwire.ParseSegmentMeta(first.Meta())
+	if err != nil {
+		return fmt.Errorf("kv/replica: the metadata of %s: %w", kvwire.SegmentName(slab, 0), err)
+	}
+	if meta.Geometry != r.geo {
+		return fmt.Errorf("%w: the slab's geometry (%v) is not the owner's (%v)", kv.ErrGeometry, meta.Geometry, r.geo)
+	}
+	names := make([]string, 0, segs.Count()-1)
+	for i := 1; i < segs.Count(); i++ {
+		names = append(names, kvwire.SegmentName(slab, i))
+	}
+	rest, err := r.imp.OpenAll(ctx, names, r.stream)
+	if err != nil {
+		return fmt.Errorf("kv/replica: mapping the %d other segments of %s: %w", len(names), slab, err)
+	}
+	r.ms = append(r.ms, rest...)
+	r.segs = segs
+	for i, m := range r.ms {
+		got, _, err := kvwire.ParseSegmentMeta(m.Meta())
+		want := kvwire.SegmentMeta{Geometry: r.geo, Bound: segs.Bound(), Count: segs.Count(), Index: i}
+		switch {
+		case err != nil:
+			return fmt.Errorf("kv/replica: the metadata of %s: %w", kvwire.SegmentName(slab, i), err)
+		case got != want || m.Size() < segs.Bytes(i):
+			return fmt.Errorf("%w: %s (%+v, %d bytes) is not segment %d of the slab (%v)", kv.ErrGeometry, kvwire.SegmentName(slab, i), got, m.Size(), i, segs)
+		}
+		r.ptrs = append(r.ptrs, m.Ptr())
+	}
+	return nil
 }
 
 // dialPages connects to the page socket, waiting for it if wait.
@@ -356,8 +395,25 @@ func (r *Replica) Geometry() kv.Geometry { return r.geo }
 // Device is the device the replica's slab is on.
 func (r *Replica) Device() int { return r.dev }
 
-// Slab is the address of the slab in this process, on the replica's device.
-func (r *Replica) Slab() cudart.DevicePtr { return r.m.Ptr() }
+// Segments is how the slab lies in its allocations.
+func (r *Replica) Segments() kv.Segments { return r.segs }
+
+// SegmentPtrs are the addresses of the slab's segments in this process, on the
+// replica's device, in order. They are the Replica's own: do not modify them.
+func (r *Replica) SegmentPtrs() []cudart.DevicePtr { return r.ptrs }
+
+// Layer is where layer's K and V tensors begin in this process, on the replica's
+// device: each [Pages, TokensPerPage, KVHeads, HeadDim], contiguous. layer must be in
+// [0, Geometry().Layers).
+func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
+	return r.Addr(layer, kv.K, 0), r.Addr(layer, kv.V, 0)
+}
+
+// Addr is the address of page's block of layer's part in this process (PageBytes()
+// bytes). layer and page must be in range.
+func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
+	return r.segs.Addr(r.ptrs, layer, p, page)
+}
 
 // Hashes is kv.PrefixHashes of tokens with the replica's namespace and page size.
 func (r *Replica) Hashes(tokens []int32) []kv.Hash {
@@ -461,14 +517,14 @@ func (r *Replica) teardown(ctx context.Context) error {
 	events := r.events
 	r.events = map[cudart.Stream]*streamEvent{}
 	r.evMu.Unlock()
-	if r.m != nil {
-		// The slab's import is freed after the last seal and release of every stream.
+	if len(r.ms) > 0 {
+		// The segments' imports are freed after the last seal and release of every stream.
 		for _, e := range events {
 			if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
 				errs = append(errs, err)
 			}
 		}
-		if err := r.m.Release(ctx, r.stream); err != nil {
+		if err := r.imp.ReleaseAll(ctx, r.ms, r.stream); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -382,7 +382,7 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 	w, wdev, ws := dial(t, dir, 0)
 	r, rdev, rs := dial(t, dir, 1)
 	ctx := bound(t)
-	require.NotEqual(t, w.Slab(), r.Slab(), "each device has its slab")
+	require.NotEqual(t, w.SegmentPtrs(), r.SegmentPtrs(), "each device has its slab")
 	hashes := sealed(t, wdev, w, ws, 11, 6)
 	local := sealed(t, rdev, r, rs, 11, 2) // the first two are on device 1 already
 	require.Equal(t, hashes[:2], local)

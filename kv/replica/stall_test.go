@@ -22,6 +22,11 @@ import (
 // answers Hello and then reads nothing more, as an owner whose connection's goroutine
 // is stuck would; hangUp closes that page connection.
 func stalledOwner(t *testing.T, o *owner.Owner, realDir string) (dir string, hangUp func()) {
+	return welcomingOwner(t, realDir, o.Geometry())
+}
+
+// welcomingOwner is stalledOwner with the geometry its Welcome says.
+func welcomingOwner(t *testing.T, realDir string, g kv.Geometry) (dir string, hangUp func()) {
 	dir = shortDir(t)
 	accepted := make(chan net.Conn, 1)
 	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
@@ -37,7 +42,7 @@ func stalledOwner(t *testing.T, o *owner.Owner, realDir string) (dir string, han
 		if _, _, err := kvwire.NewReader().Next(nc); err != nil {
 			return
 		}
-		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), Slab: kvwire.SlabName(0)})
+		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: g, Slab: kvwire.SlabName(0)})
 		nc.Write(b) // the test's Dial fails if it does not arrive
 	}()
 	return dir, func() { testwait.Recv(t, accepted, "the replica's page connection").Close() }

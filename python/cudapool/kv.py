@@ -1,5 +1,6 @@
 """The KV page pool from Python: a replica of an owner (cmd/kvpoold) that maps the
-owner's slab once and leases its pages by index (ctypes over libcudapool's KV calls).
+owner's slab (its segments) once and leases its pages by index (ctypes over
+libcudapool's KV calls).
 
     r = cudapool.kv.Replica("/run/kv", device=0, namespace="llama")
     hashes = r.hashes(prompt_tokens)           # one prefix hash per full page
@@ -10,11 +11,15 @@ owner's slab once and leases its pages by index (ctypes over libcudapool's KV ca
     r.seal(new, hashes[len(hit):], stream=s)   # visible once s's work so far is done
     r.release(hit, stream=s)                   # after s's reads
     caches = r.kv_caches()                     # per layer (K, V) torch tensors over the slab
+    k, v = r.layer_ptrs(0)                     # or layer 0's K and V device addresses
 
 Each layer's K (and V) is one tensor [pages, tokens_per_page, kv_heads, head_dim] of
-the geometry's dtype (the FlashAttention / FlashInfer paged layout), and a page index
-names the same block in every layer. prefix_hashes is the pure-Python reference of the
-hashes (Replica.hashes computes the same in Go). Only kv_caches imports torch.
+the geometry's dtype (the FlashAttention / FlashInfer paged layout), contiguous, and a
+page index names the same block in every layer. The slab is several allocations
+(Replica.segments, each at most 4 GiB: a process cannot import larger ones), each
+tensor whole in one of them, so there is no one slab address: use layer_ptrs or
+kv_caches. prefix_hashes is the pure-Python reference of the hashes (Replica.hashes
+computes the same in Go). Only kv_caches imports torch.
 """
 
 import ctypes
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from . import _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
-__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Replica", "prefix_hashes", "root",
+__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "root",
            "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "NoSpace", "StaleLease", "Gone", "Closed"]
 
 HASH_BYTES = 16
@@ -166,8 +171,9 @@ def _array_ints(tokens):
 class Geometry:
     """The KV geometry of an owner's slab: per layer, K and V of pages pages of
     tokens_per_page tokens of kv_heads x head_dim elements of dtype ("bf16", "fp16",
-    "fp32" or "fp8e4m3"). The slab is [layers][2 (K, V)][pages][tokens_per_page]
-    [kv_heads][head_dim], row-major."""
+    "fp32" or "fp8e4m3"). Each layer's K (and V) is one tensor [pages]
+    [tokens_per_page][kv_heads][head_dim], row-major, in one of the slab's segments
+    (Replica.layer_ptrs says where)."""
 
     layers: int
     kv_heads: int
@@ -186,15 +192,23 @@ class Geometry:
         return self.tokens_per_page * self.kv_heads * self.head_dim * self.dtype_size
 
     @property
+    def tensor_bytes(self):
+        """One layer's K (or V) tensor: pages * page_bytes."""
+        return self.pages * self.page_bytes
+
+    @property
     def slab_bytes(self):
-        return self.layers * 2 * self.pages * self.page_bytes
+        """The whole slab, every segment: layers * 2 * tensor_bytes."""
+        return self.layers * 2 * self.tensor_bytes
 
-    def k_offset(self, layer):
-        """The byte offset of layer's K tensor in the slab."""
-        return (layer * 2) * self.pages * self.page_bytes
 
-    def v_offset(self, layer):
-        return (layer * 2 + 1) * self.pages * self.page_bytes
+@dataclass(frozen=True)
+class Segment:
+    """One allocation of a replica's slab, mapped in this process: its device address
+    ptr and its size in bytes."""
+
+    ptr: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -233,7 +247,8 @@ class _Geometry(ctypes.Structure):
     _fields_ = [("size", _lib.size_t)] + [
         (name, ctypes.c_int32) for name in (
             "layers", "kv_heads", "head_dim", "tokens_per_page", "dtype", "dtype_size", "pages", "device")
-    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64)]
+    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64), ("segment_bound", _lib.u64),
+         ("segments", ctypes.c_int32)]
 
 
 _u32p = ctypes.POINTER(ctypes.c_uint32)
@@ -242,7 +257,8 @@ _SIGNATURES = {
     "cudapool_kv_dial": (_lib.cstr, _lib.c_int, ctypes.c_char_p, _lib.size_t, _lib.c_int, _lib.i64,
                          ctypes.POINTER(_Replica)),
     "cudapool_kv_geometry_get": (_Replica, ctypes.POINTER(_Geometry)),
-    "cudapool_kv_slab": (_Replica, ctypes.POINTER(_lib.vp), _u64p),
+    "cudapool_kv_layer_ptrs": (_Replica, ctypes.c_int32, ctypes.POINTER(_lib.vp), ctypes.POINTER(_lib.vp)),
+    "cudapool_kv_segments": (_Replica, ctypes.POINTER(_lib.vp), _u64p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_hashes": (_Replica, _lib.vp, _lib.size_t, _lib.vp, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_alloc": (_Replica, ctypes.c_uint32, _lib.i64, _u64p, _u32p),
     "cudapool_kv_seal": (_Replica, _lib.u64, ctypes.c_char_p, _lib.size_t, _lib.vp, _lib.c_int, _lib.i64,
@@ -333,7 +349,16 @@ class Replica:
     Gone is still held, to be released again once attached. Methods are safe for
     concurrent use. A process holds one Replica of an
     owner at a time. Close it (or use it as a context manager): the slab is unmapped,
-    and tensors from kv_caches must not be used after."""
+    and tensors from kv_caches must not be used after.
+
+    Attributes
+    ----------
+    geometry : Geometry
+        The slab's geometry.
+    segments : tuple of Segment
+        The slab's allocations in this process, in order: each layer's K and V lies
+        whole in one of them (layer_ptrs says where).
+    """
 
     def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False,
                  reconnect=False):
@@ -358,9 +383,16 @@ class Replica:
             self._call("cudapool_kv_geometry_get", ctypes.byref(g))
             self.geometry = Geometry(g.layers, g.kv_heads, g.head_dim, _DTYPE_NAMES[g.dtype],
                                      g.tokens_per_page, g.pages)
-            base, size = _lib.vp(), _lib.u64()
-            self._call("cudapool_kv_slab", ctypes.byref(base), ctypes.byref(size))
-            self.slab_ptr, self.slab_bytes = base.value, size.value
+            n = g.segments
+            ptrs, sizes, got = (_lib.vp * n)(), (_lib.u64 * n)(), _lib.size_t()
+            self._call("cudapool_kv_segments", ptrs, sizes, n, ctypes.byref(got))
+            self.segments = tuple(Segment(ptrs[i] or 0, sizes[i]) for i in range(got.value))
+            k, v = _lib.vp(), _lib.vp()
+            layers = []
+            for layer in range(g.layers):
+                self._call("cudapool_kv_layer_ptrs", layer, ctypes.byref(k), ctypes.byref(v))
+                layers.append((k.value or 0, v.value or 0))
+            self._layers = tuple(layers)
         except BaseException:
             self.close()
             raise
@@ -518,23 +550,49 @@ class Replica:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
         return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
 
-    def slab_view(self, typestr, shape, offset=0):
-        """A DLPack (and, but for bf16, __cuda_array_interface__) view of the slab's
-        memory from offset: typestr as cudapool.ArrayView takes it."""
-        return _SlabView(self, typestr, shape, offset)
+    def layer_ptrs(self, layer):
+        """Where layer's K and V tensors begin in this process, on the replica's
+        device, as (k, v) addresses: each [pages, tokens_per_page, kv_heads, head_dim]
+        of the geometry's dtype, contiguous, page p of it p * geometry.page_bytes
+        further on.
+
+        Raises
+        ------
+        IndexError
+            For a layer outside [0, geometry.layers).
+        """
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError("layer must be an int, not %s" % type(layer).__name__)
+        if not 0 <= layer < self.geometry.layers:
+            raise IndexError("layer %d is outside [0, %d)" % (layer, self.geometry.layers))
+        if not self._r.h:
+            raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
+        return self._layers[layer]
+
+    def tensor_view(self, layer, part):
+        """A DLPack and __cuda_array_interface__ view of layer's K (part 0) or V
+        (part 1): [pages, tokens_per_page, kv_heads, head_dim] integers of the dtype's
+        size (DLPack consumers differ on bf16 and fp8: view them as the dtype). It
+        keeps the replica alive while a consumer holds it."""
+        if part not in (0, 1):
+            raise ValueError("part must be 0 (K) or 1 (V), not %r" % (part,))
+        g = self.geometry
+        return _TensorView(self, self.layer_ptrs(layer)[part], _WORDS[g.dtype_size],
+                           (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
 
     def kv_caches(self):
         """Per layer, (K, V) torch tensors [pages, tokens_per_page, kv_heads, head_dim]
-        of the geometry's dtype on this replica's device, views of the mapped slab (no
-        copy). Imports torch."""
+        of the geometry's dtype on this replica's device, views of the mapped slab's
+        segments (no copy), built from layer_ptrs. Imports torch."""
         import torch
         g = self.geometry
         dtype = getattr(torch, _TORCH_DTYPES[g.dtype])
-        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
-        whole = torch.from_dlpack(self.slab_view(_WORDS[g.dtype_size], shape))
-        if whole.dtype != dtype:
-            whole = whole.view(dtype)
-        return [(whole[i, 0], whole[i, 1]) for i in range(g.layers)]
+
+        def tensor(layer, part):
+            t = torch.from_dlpack(self.tensor_view(layer, part))
+            return t if t.dtype == dtype else t.view(dtype)
+
+        return [(tensor(l, 0), tensor(l, 1)) for l in range(g.layers)]
 
     def close(self, timeout=None):
         """Gives every lease back, unmaps the slab and hangs up; a second close does
@@ -563,24 +621,25 @@ def _page_array(pages, n):
     return a
 
 
-class _SlabView:
-    """A typed window on a replica's slab for DLPack and __cuda_array_interface__
-    consumers; it keeps the replica alive while a consumer holds it."""
+class _TensorView:
+    """A typed window on one tensor of a replica's slab for DLPack and
+    __cuda_array_interface__ consumers; it keeps the replica alive while a consumer
+    holds it."""
 
-    def __init__(self, replica, typestr, shape, offset=0):
+    def __init__(self, replica, ptr, typestr, shape):
         itemsize = 2 if typestr == "bf16" else int(typestr[2:])
         n = itemsize
         for d in shape:
             n *= d
-        if offset < 0 or offset + n > replica.slab_bytes:
-            raise ValueError("%d bytes at offset %d do not fit the %d-byte slab" % (n, offset, replica.slab_bytes))
-        self.replica, self.typestr, self.shape, self.offset, self.itemsize = (
-            replica, typestr, tuple(shape), offset, itemsize)
+        if n != replica.geometry.tensor_bytes:
+            raise ValueError("a view of %d bytes of a %d-byte tensor" % (n, replica.geometry.tensor_bytes))
+        self.replica, self.ptr, self.typestr, self.shape, self.itemsize = (
+            replica, ptr, typestr, tuple(shape), itemsize)
 
     def _ptr(self):
         if not self.replica._r.h:
             raise Closed(4, "cudapool: the kv replica is closed")
-        return self.replica.slab_ptr + self.offset
+        return self.ptr
 
     @property
     def __cuda_array_interface__(self):

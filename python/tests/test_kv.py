@@ -42,9 +42,10 @@ def runtime_flag():
 
 
 class Owner:
-    """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log."""
+    """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log. Its
+    slab is segments of at most segment_bytes (3 tensors of 64 pages of the layout)."""
 
-    def __init__(self, pages=64, layout=LAYOUT):
+    def __init__(self, pages=64, layout=LAYOUT, segment_bytes="3MiB"):
         need_kvpoold()
         os.makedirs(os.environ["CUDAPOOL_DIR"], exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
@@ -52,7 +53,7 @@ class Owner:
         self.log_path = os.path.join(self.dir, "kvpoold.log")
         self.log = open(self.log_path, "wb")
         self.args = [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
-                     "-runtime", runtime_flag()]
+                     "-segment-bytes", segment_bytes, "-runtime", runtime_flag()]
         self.keepers = set()
         self.start()
 
@@ -127,9 +128,7 @@ def pattern(n, seed):
 
 
 def page_addr(r, layer, kv_index, page):
-    g = r.geometry
-    off = g.k_offset(layer) if kv_index == 0 else g.v_offset(layer)
-    return r.slab_ptr + off + page * g.page_bytes
+    return r.layer_ptrs(layer)[kv_index] + page * r.geometry.page_bytes
 
 
 # The bytes a test writes: a few blocks of a page, not all of it (the software device
@@ -293,9 +292,23 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g, kv.Geometry(layers=16, kv_heads=8, head_dim=64, dtype="bf16", tokens_per_page=16,
                                         pages=64))
         self.assertEqual(g.page_bytes, 16 * 8 * 64 * 2)
-        self.assertEqual(self.r.slab_bytes, g.slab_bytes)
-        self.assertEqual(g.v_offset(3) - g.k_offset(3), 64 * g.page_bytes)
-        self.assertTrue(self.r.slab_ptr)
+        self.assertEqual(g.tensor_bytes, 64 * g.page_bytes)
+        # 32 tensors of 1 MiB, 3 to a segment of at most 3 MiB: 10 of 3 MiB and 1 of 2.
+        segs = self.r.segments
+        self.assertEqual([s.size for s in segs], [3 << 20] * 10 + [2 << 20])
+        self.assertEqual(sum(s.size for s in segs), g.slab_bytes)
+        self.assertTrue(all(s.ptr for s in segs))
+        for layer in range(g.layers):
+            for part in (0, 1):
+                t = 2 * layer + part
+                want = segs[t // 3].ptr + (t % 3) * g.tensor_bytes
+                self.assertEqual(self.r.layer_ptrs(layer)[part], want, "layer %d part %d" % (layer, part))
+        with self.assertRaises(IndexError):
+            self.r.layer_ptrs(16)
+        with self.assertRaises(IndexError):
+            self.r.layer_ptrs(-1)
+        with self.assertRaises(TypeError):
+            self.r.layer_ptrs(1.0)
         self.assertTrue(self.r.alive)
         self.assertIsNone(self.r.error)
 
@@ -640,33 +653,35 @@ class RestartTest(unittest.TestCase):
         r.release(m, held)
 
 
-class SlabViewTest(unittest.TestCase):
+class TensorViewTest(unittest.TestCase):
     """What kv_caches hands torch, read back without torch."""
 
-    def test_dlpack_of_the_slab(self):
+    def test_dlpack_of_a_tensor(self):
         from cudapool import _dlpack
         owner = Owner(pages=8)
         self.addCleanup(owner.stop)
         r = owner.replica()
         self.addCleanup(r.close)
         g = r.geometry
-        shape = (g.layers, 2, g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
-        v = r.slab_view("<i2", shape)
+        shape = (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim)
+        v = r.tensor_view(3, 1)
         self.assertEqual(v.__dlpack_device__(), (2, 0))
         cap = v.__dlpack__(stream=None)
         get = ctypes.pythonapi.PyCapsule_GetPointer
         get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
         mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
         t = mt.dl_tensor
-        self.assertEqual(t.data, r.slab_ptr)
+        self.assertEqual(t.data, r.layer_ptrs(3)[1])
         self.assertEqual((t.dtype.code, t.dtype.bits), (0, 16))
-        self.assertEqual([t.shape[i] for i in range(6)], list(shape))
-        self.assertEqual(t.strides[1] * 2, g.pages * g.page_bytes, "K to V of a layer: a slab of pages")
+        self.assertEqual(t.ndim, 4)
+        self.assertEqual([t.shape[i] for i in range(4)], list(shape))
         mt.deleter(ctypes.pointer(mt))
+        cai = r.tensor_view(15, 0).__cuda_array_interface__
+        self.assertEqual((cai["shape"], cai["typestr"], cai["data"][0]), (shape, "<i2", r.layer_ptrs(15)[0]))
         with self.assertRaises(ValueError):
-            r.slab_view("<i2", (g.slab_bytes // 2 + 1,))
-        with self.assertRaises(TypeError):
-            r.slab_view("bf16", (4,)).__cuda_array_interface__
+            r.tensor_view(0, 2)
+        with self.assertRaises(IndexError):
+            r.tensor_view(16, 0)
 
 
 if __name__ == "__main__":

@@ -431,7 +431,7 @@ class FeelTest(unittest.TestCase):
             b.free()
 
     def test_version(self):
-        self.assertEqual(cudapool.version(), (1, 0))
+        self.assertEqual(cudapool.version(), (1, 1))
 
     def test_typed(self):
         import cudapool as pkg
