@@ -5,7 +5,7 @@
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
 //	        (-pages N | -bytes SIZE) [-segment-bytes SIZE]
-//	        [-reattach-grace 5s] [-keeper-idle 1m] [-leave-keeper | -one-process]
+//	        [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
@@ -96,7 +96,7 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.StringVar(&f.segmentBytes, "segment-bytes", "4GiB", "the most bytes one allocation of a slab holds (at most 4GiB; smaller for tests)")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
-	fs.DurationVar(&f.keeperIdle, "keeper-idle", time.Minute, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	if err := fs.Parse(args); err != nil {
 		return f, false

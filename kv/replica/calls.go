@@ -368,7 +368,8 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) 
 // pages are not reused (nor, for read leases, evicted) before. A lease with no pages is
 // skipped. If the owner holds one of them no more for this replica (released already,
 // another replica's), it fails with kv.ErrStaleLease and ends none. At most
-// kv.MaxBatch leases.
+// kv.MaxBatch leases. A lease lost in an owner's restart (WithReconnect) is skipped:
+// the others are released, and the error wraps kv.ErrLeaseLost.
 func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) error {
 	ids := make([]uint64, 0, len(ls))
 	var lost []error
