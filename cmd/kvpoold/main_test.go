@@ -202,6 +202,7 @@ func TestMain(m *testing.M) {
 			return run(ctx, args, os.Stdout, os.Stderr)
 		},
 		"midseal": midSealWriter,
+		"reattacher": reattacher,
 	})
 }
 

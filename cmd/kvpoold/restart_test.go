@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -169,6 +170,15 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	dev, r, s := attach(t, dir)
 	ctx := bound(t)
 	hashes, pages := sealed(t, ctx, dev, r, s, 12, 1)
+	// Two more replicas, processes of their own, each holding a read lease of the
+	// prompt across the restart.
+	var others []*proctest.Child
+	for range 2 {
+		c := proctest.Start(t, "reattacher", dir)
+		c.Send("match 1 12")
+		c.Expect("matched 12 bytes true reattaches 0 held true")
+		others = append(others, c)
+	}
 	read, err := r.Match(ctx, hashes[:4], s)
 	require.NoError(t, err)
 	require.Len(t, read.Pages(), 4)
@@ -181,7 +191,11 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
 
 	_, line = daemon(t, restartArgs(dir, 64)...)
-	assert.Contains(t, line, "cache adopted from keeper pid "+pid+": 12 visible pages restored, 1 replicas to reattach")
+	assert.Contains(t, line, "cache adopted from keeper pid "+pid+": 12 visible pages restored, 3 replicas to reattach")
+	for _, c := range others {
+		c.Send("await 1 12")
+		c.Expect("matched 12 bytes true reattaches 1 held true")
+	}
 	require.NoError(t, r.WaitAttached(ctx))
 	assert.Equal(t, uint64(1), r.Reattaches())
 	require.NoError(t, r.Err())
@@ -204,6 +218,9 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 15, st.Devices[0].Sealed)
 	assert.Equal(t, 0, st.Devices[0].Leased)
+	for _, c := range others {
+		c.Finish()
+	}
 }
 
 // An index whose bytes were changed, or cut short, is detected by its checksums and
@@ -438,4 +455,74 @@ func TestIndexCompactsAndRestores(t *testing.T) {
 	require.Equal(t, pages, got.Pages())
 	checkPages(t, dev, r, s, got.Pages(), pages)
 	require.NoError(t, r.Release(ctx, s, got))
+}
+
+// reattacher is a replica process dialed WithReconnect, driven by lines:
+//
+//	match SEED N   match the N pages of tokens(SEED), check their bytes, and hold the
+//	               read lease
+//	await SEED N   wait until reattached, then match and check them again and release
+//	               both leases
+//
+// each answered "matched K bytes OK reattaches R held H" (H: the held lease is not lost).
+func reattacher(args []string) int {
+	dev := cudarttest.New()
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, args[0], dev, 0, replica.WithReconnect())
+	if err != nil {
+		fmt.Println("dial:", err)
+		return 1
+	}
+	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
+	if err != nil {
+		fmt.Println("stream:", err)
+		return 1
+	}
+	g := r.Geometry()
+	var held *replica.Lease
+	for line := range proctest.Commands() {
+		f := strings.Fields(line)
+		seed, _ := strconv.Atoi(f[1])
+		n, _ := strconv.Atoi(f[2])
+		if f[0] == "await" {
+			if err := r.WaitAttached(ctx); err != nil {
+				fmt.Println("wait:", err)
+				return 1
+			}
+		}
+		l, err := r.Match(ctx, r.Hashes(tokens(n*g.TokensPerPage, seed)), s)
+		if err != nil {
+			fmt.Println("match:", err)
+			return 1
+		}
+		ok := true
+		got := make([]byte, g.PageBytes())
+		for _, p := range l.Pages() {
+			if err := dev.MemcpyDtoHAsync(0, got, r.Addr(g.Layers-1, kv.V, int(p)), s); err != nil {
+				fmt.Println("read:", err)
+				return 1
+			}
+			if err := dev.StreamSynchronize(0, s); err != nil {
+				fmt.Println("read:", err)
+				return 1
+			}
+			ok = ok && bytes.Equal(got, pattern(g, p, g.Layers-1, true))
+		}
+		if held == nil {
+			held = l
+		}
+		fmt.Println("matched", len(l.Pages()), "bytes", ok, "reattaches", r.Reattaches(), "held", held.Lost() == nil)
+		if f[0] == "await" {
+			if err := r.Release(ctx, s, l, held); err != nil {
+				fmt.Println("release:", err)
+				return 1
+			}
+		}
+	}
+	if err := r.Close(ctx); err != nil {
+		fmt.Println("close:", err)
+		return 1
+	}
+	return 0
 }
