@@ -201,7 +201,7 @@ func TestMain(m *testing.M) {
 			defer stop()
 			return run(ctx, args, os.Stdout, os.Stderr)
 		},
-		"midseal": midSealWriter,
+		"midseal":    midSealWriter,
 		"reattacher": reattacher,
 	})
 }

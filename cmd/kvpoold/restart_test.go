@@ -320,20 +320,29 @@ func bound(t testing.TB) context.Context {
 	return ctx
 }
 
-// midSealWriter is a replica process that seals 8 pages behind a stalled stream, says
-// "sealed", and waits to be killed: its writes never complete.
-func midSealWriter(args []string) int {
+// childReplica dials dir from a replica process of the tests, on a software device of
+// its own, with a stream; cancel ends its context (bounded).
+func childReplica(dir string, opts ...replica.Option) (*cudarttest.Device, *replica.Replica, cudart.Stream, context.Context, context.CancelFunc, error) {
 	dev := cudarttest.New()
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
-	defer cancel()
-	r, err := replica.Dial(ctx, args[0], dev, 0)
+	r, err := replica.Dial(ctx, dir, dev, 0, opts...)
 	if err != nil {
-		fmt.Println("dial:", err)
-		return 1
+		return nil, nil, 0, ctx, cancel, fmt.Errorf("dial: %w", err)
 	}
 	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
 	if err != nil {
-		fmt.Println("stream:", err)
+		return nil, nil, 0, ctx, cancel, fmt.Errorf("stream: %w", err)
+	}
+	return dev, r, s, ctx, cancel, nil
+}
+
+// midSealWriter is a replica process that seals 8 pages behind a stalled stream, says
+// "sealed", and waits to be killed: its writes never complete.
+func midSealWriter(args []string) int {
+	dev, r, s, ctx, cancel, err := childReplica(args[0])
+	defer cancel()
+	if err != nil {
+		fmt.Println(err)
 		return 1
 	}
 	w, err := r.Alloc(ctx, 8)
@@ -466,17 +475,10 @@ func TestIndexCompactsAndRestores(t *testing.T) {
 //
 // each answered "matched K bytes OK reattaches R held H" (H: the held lease is not lost).
 func reattacher(args []string) int {
-	dev := cudarttest.New()
-	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	dev, r, s, ctx, cancel, err := childReplica(args[0], replica.WithReconnect())
 	defer cancel()
-	r, err := replica.Dial(ctx, args[0], dev, 0, replica.WithReconnect())
 	if err != nil {
-		fmt.Println("dial:", err)
-		return 1
-	}
-	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
-	if err != nil {
-		fmt.Println("stream:", err)
+		fmt.Println(err)
 		return 1
 	}
 	g := r.Geometry()
