@@ -528,3 +528,42 @@ func reattacher(args []string) int {
 	}
 	return 0
 }
+
+// With two devices, the page server copies a prompt across them through the slabs it
+// adopted, and after its restart both devices' pages are back.
+func TestRestartTwoDevices(t *testing.T) {
+	dir := shortDir(t)
+	first, _ := daemon(t, append(restartArgs(dir, 16), "-devices", "0,1")...)
+	dev, r0, s := attach(t, dir)
+	ctx := bound(t)
+	hashes, pages := sealed(t, ctx, dev, r0, s, 4, 21)
+	dev1 := cudarttest.ForTest(t)
+	r1, err := replica.Dial(ctx, dir, dev1, 1, replica.WithReconnect())
+	require.NoError(t, err)
+	t.Cleanup(func() { r1.Close(bound(t)) })
+	s1, err := dev1.StreamCreate(1, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	copied, err := r1.Match(ctx, hashes, s1)
+	require.NoError(t, err)
+	require.Len(t, copied.Pages(), 4, "copied from device 0's slab")
+	require.NoError(t, r1.Release(ctx, s1, copied))
+	done0, done1 := r0.Done(), r1.Done()
+	sigkill(t, first)
+	testwait.Recv(t, done0, "device 0's replica told")
+	testwait.Recv(t, done1, "device 1's replica told")
+	_, line := daemon(t, append(restartArgs(dir, 16), "-devices", "0,1")...)
+	assert.Contains(t, line, "8 visible pages restored, 2 replicas to reattach")
+	require.NoError(t, r0.WaitAttached(ctx))
+	require.NoError(t, r1.WaitAttached(ctx))
+	got0, err := r0.Match(ctx, hashes, s)
+	require.NoError(t, err)
+	assert.Equal(t, pages, got0.Pages())
+	checkPages(t, dev, r0, s, got0.Pages(), pages)
+	got1, err := r1.Match(ctx, hashes, s1)
+	require.NoError(t, err)
+	assert.Equal(t, copied.Pages(), got1.Pages(), "device 1's copies are back where they were")
+	require.NoError(t, r0.Release(ctx, s, got0))
+	require.NoError(t, r1.Release(ctx, s1, got1))
+	require.NoError(t, dev1.StreamSynchronize(1, s1))
+	require.NoError(t, dev1.StreamDestroy(1, s1))
+}

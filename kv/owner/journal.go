@@ -105,7 +105,7 @@ type sealedPage struct {
 type recovered struct {
 	hdr      indexHeader
 	sealed   map[int][]sealedPage // by device, least recent first
-	attached []procID             // replicas admitted and not gone
+	attached []procID             // replicas admitted and not gone, one per connection
 }
 
 // errNoIndex says there is no index file: a first start.
@@ -218,8 +218,10 @@ func loadIndex(path string) (*recovered, error) {
 			rec.sealed[dev] = append(rec.sealed[dev], o.sealedPage)
 		}
 	}
-	for id := range attached {
-		rec.attached = append(rec.attached, id)
+	for id, n := range attached {
+		for range n { // one per connection: a process may hold several replicas
+			rec.attached = append(rec.attached, id)
+		}
 	}
 	slices.SortFunc(rec.attached, func(a, b procID) int { return int(a.PID) - int(b.PID) })
 	return rec, nil

@@ -153,12 +153,12 @@ type Owner struct {
 	closed    bool
 
 	// A cache that survives its owner (restart.go).
-	j        *journal          // nil: no index
-	keeperID procID            // the process whose slabs these are
-	epoch    uint64            // the index's epoch: lease ids start at epoch<<40
-	recovery Recovery          // set by Listen
-	expected map[uint32]procID // replicas of before a restart not yet reattached
-	resumed  chan struct{}     // closed once allocations may go on
+	j        *journal                // nil: no index
+	keeperID procID                  // the process whose slabs these are
+	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
+	recovery Recovery                // set by Listen
+	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
+	resumed  chan struct{}           // closed once allocations may go on
 
 	wakeCh   chan struct{}
 	stop     context.CancelFunc
@@ -239,7 +239,7 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 	}
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{}), expected: map[uint32]procID{}, resumed: make(chan struct{})}
+		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{}), expected: map[uint32]*expectation{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -364,11 +363,22 @@ func (o *Owner) apply(rec *recovered) {
 		o.recovery.Pages += len(sealed)
 	}
 	for _, id := range rec.attached {
-		if now, err := procOf(int(id.PID)); err == nil && now == id {
-			o.expected[id.PID] = id
+		if e := o.expected[id.PID]; e != nil && e.id == id {
+			e.n++
+		} else if now, err := procOf(int(id.PID)); err == nil && now == id {
+			o.expected[id.PID] = &expectation{id: id, n: 1}
 		}
 	}
-	o.recovery.Replicas = len(o.expected)
+	for _, e := range o.expected {
+		o.recovery.Replicas += e.n
+	}
+}
+
+// expectation is a process whose replicas (n of them, one per connection) attached to
+// the owner before a restart and have not reattached yet.
+type expectation struct {
+	id procID
+	n  int
 }
 
 // snapshotLocked appends the records of the present state, under o.mu.
@@ -378,8 +388,10 @@ func (o *Owner) snapshotLocked(b []byte) []byte {
 			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
 		}
 	}
-	for _, id := range o.expected {
-		b = appendProcRecord(b, recAttach, id)
+	for _, e := range o.expected {
+		for range e.n {
+			b = appendProcRecord(b, recAttach, e.id)
+		}
 	}
 	for c := range o.conns {
 		if c.welcomed && c.id.PID != 0 {
@@ -409,8 +421,8 @@ func (o *Owner) holdAllocs() {
 		defer o.mu.Unlock()
 		if len(o.expected) > 0 {
 			var late []string
-			for _, id := range o.expected {
-				late = append(late, id.String())
+			for _, e := range o.expected {
+				late = append(late, e.id.String())
 			}
 			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases are lost", "grace", grace, "replicas", late)
 			clear(o.expected)
@@ -419,7 +431,10 @@ func (o *Owner) holdAllocs() {
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
 	o.mu.Lock()
-	ids := slices.Collect(maps.Values(o.expected))
+	var ids []procID
+	for _, e := range o.expected {
+		ids = append(ids, e.id)
+	}
 	o.mu.Unlock()
 	for _, id := range ids {
 		p, err := peercred.OpenProcess(int(id.PID))
@@ -431,16 +446,19 @@ func (o *Owner) holdAllocs() {
 			if p.Wait(o.stopped) == nil {
 				o.mu.Lock()
 				defer o.mu.Unlock()
-				o.returnedLocked(id.PID)
+				delete(o.expected, id.PID)
+				o.resumeLocked()
 			}
 		}()
 	}
 }
 
-// returnedLocked takes pid off the replicas waited for, under o.mu.
+// returnedLocked takes one of pid's replicas off those waited for, under o.mu.
 func (o *Owner) returnedLocked(pid uint32) {
-	if _, ok := o.expected[pid]; ok {
-		delete(o.expected, pid)
+	if e := o.expected[pid]; e != nil {
+		if e.n--; e.n <= 0 {
+			delete(o.expected, pid)
+		}
 		o.resumeLocked()
 	}
 }
