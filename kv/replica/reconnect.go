@@ -31,6 +31,11 @@ import (
 // returns. A Seal or Release that failed with kv.ErrOwnerGone left its lease held:
 // it may be made again once attached.
 //
+// The restarted owner lets pages be allocated once every replica attached before has
+// re-declared its leases, or after its grace (owner.Options.ReattachGrace, kvpoold's
+// -reattach-grace): a replica whose streams still run work on pages past it (a stream
+// stalled that long) may find them reused, its leases lost.
+//
 // When the slab's keeper is gone, the slab is gone: the replica stays stopped.
 func WithReconnect() Option { return func(o *options) { o.reconnect = true } }
 
