@@ -113,6 +113,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 		s.stats.Copied++
 		pages = append(pages, pc.dst)
 	}
+	s.j.flush() // the copies are in the index before the replica reads them
 	if err != nil {
 		for _, p := range pages {
 			s.pages[p].readers--

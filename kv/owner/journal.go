@@ -112,7 +112,7 @@ type recovered struct {
 var errNoIndex = errors.New("no index")
 
 // loadIndex reads the index at path. Any fault in it is an error saying what: the
-// caller drops the index.
+// caller drops the index (with the error, the header, if it was read).
 func loadIndex(path string) (*recovered, error) {
 	b, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
@@ -157,10 +157,10 @@ func loadIndex(path string) (*recovered, error) {
 	for seq := 0; len(b) > 0; seq++ {
 		p, err := next()
 		if err != nil {
-			return nil, fmt.Errorf("record %d: %w", seq+1, err)
+			return &recovered{hdr: hdr}, fmt.Errorf("record %d: %w", seq+1, err)
 		}
 		if len(p) == 0 {
-			return nil, fmt.Errorf("record %d is empty", seq+1)
+			return &recovered{hdr: hdr}, fmt.Errorf("record %d is empty", seq+1)
 		}
 		typ, p := p[0], p[1:]
 		switch typ {
@@ -170,15 +170,15 @@ func loadIndex(path string) (*recovered, error) {
 				want += len(kv.Hash{})
 			}
 			if len(p) != want {
-				return nil, fmt.Errorf("record %d: %d bytes for a page record", seq+1, len(p))
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: %d bytes for a page record", seq+1, len(p))
 			}
 			dev, pg := int(binary.LittleEndian.Uint32(p)), binary.LittleEndian.Uint32(p[4:])
 			m, ok := pages[dev]
 			switch {
 			case !ok:
-				return nil, fmt.Errorf("record %d: device %d is not one of %v", seq+1, dev, hdr.Devices)
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: device %d is not one of %v", seq+1, dev, hdr.Devices)
 			case int(pg) >= hdr.Geometry.Pages:
-				return nil, fmt.Errorf("record %d: page %d of %d", seq+1, pg, hdr.Geometry.Pages)
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: page %d of %d", seq+1, pg, hdr.Geometry.Pages)
 			}
 			if typ == recFree {
 				delete(m, pg)
@@ -187,7 +187,7 @@ func loadIndex(path string) (*recovered, error) {
 			m[pg] = live{hash: kv.Hash(p[8:]), seq: seq}
 		case recAttach, recDetach:
 			if len(p) != 12 {
-				return nil, fmt.Errorf("record %d: %d bytes for a replica record", seq+1, len(p))
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: %d bytes for a replica record", seq+1, len(p))
 			}
 			id := procID{PID: binary.LittleEndian.Uint32(p), Start: binary.LittleEndian.Uint64(p[4:])}
 			if typ == recAttach {
@@ -196,7 +196,7 @@ func loadIndex(path string) (*recovered, error) {
 				delete(attached, id)
 			}
 		default:
-			return nil, fmt.Errorf("record %d has unknown type %d", seq+1, typ)
+			return &recovered{hdr: hdr}, fmt.Errorf("record %d has unknown type %d", seq+1, typ)
 		}
 	}
 	for dev, m := range pages {
@@ -208,7 +208,7 @@ func loadIndex(path string) (*recovered, error) {
 		all := make([]ordered, 0, len(m))
 		for pg, l := range m {
 			if other, dup := seen[l.hash]; dup {
-				return nil, fmt.Errorf("device %d: pages %d and %d are visible under one hash", dev, other, pg)
+				return &recovered{hdr: hdr}, fmt.Errorf("device %d: pages %d and %d are visible under one hash", dev, other, pg)
 			}
 			seen[l.hash] = pg
 			all = append(all, ordered{sealedPage{pg, l.hash}, l.seq})

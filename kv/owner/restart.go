@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -299,6 +300,12 @@ func (o *Owner) restore() error {
 	case errors.Is(err, errNoIndex):
 	case err != nil:
 		o.dropIndex(fmt.Sprintf("the index %s is corrupt (%v)", o.opts.Index, err))
+		// Past the epochs a readable header names; a random one where it is not, so
+		// that no lease id of the owner before is likely issued again.
+		hdr.Epoch = 1<<22 | rand.Uint64N(1<<22)
+		if rec != nil {
+			hdr.Epoch = rec.hdr.Epoch + 1
+		}
 	default:
 		hdr.Epoch = rec.hdr.Epoch + 1
 		switch {
