@@ -459,7 +459,9 @@ class Replica:
 
     def fileno(self):
         """A file descriptor that becomes readable when the owner is gone (for select,
-        poll or asyncio's add_reader); it stays the replica's, valid until close."""
+        poll or asyncio's add_reader); it stays the replica's, valid until close. With
+        reconnect it tells the first loss only, and stays readable: after it, poll
+        alive or wait_attached."""
         fd = _lib.c_int()
         self._call("cudapool_kv_done_fd", ctypes.byref(fd))
         return fd.value
