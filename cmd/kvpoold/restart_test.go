@@ -218,6 +218,8 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 15, st.Devices[0].Sealed)
 	assert.Equal(t, 0, st.Devices[0].Leased)
+	require.NotNil(t, st.Restart)
+	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12}, *st.Restart)
 	for _, c := range others {
 		c.Finish()
 	}

@@ -479,6 +479,14 @@ func (o *Owner) Stats() Stats {
 		st.Replicas = append(st.Replicas, *r)
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
+	if o.j != nil {
+		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
+			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
+		for _, e := range o.expected {
+			rs.Awaiting += e.n
+		}
+		st.Restart = rs
+	}
 	return st
 }
 
