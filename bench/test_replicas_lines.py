@@ -18,7 +18,7 @@ import table  # noqa: E402
 def fig():
     return {"run": "3 replicas a GPU\non 1 GPU(s)",
             "lengths": {32768: {"ttft_matched_s": [0.004, 0.002], "ttft_computed_s": [0.283, 0.290, 0.280],
-                                "decode_pool_tok_s": 450.0, "decode_private_tok_s": 480.0},
+                                "decode_pool_tok_s": 450.0, "decode_transformers_tok_s": 480.0},
                         8192: {"ttft_matched_s": [0.001], "ttft_computed_s": [0.044]}},
             "bytes": {"sealed": 1 << 30, "one-copy": 1 << 30, "pool": 3 << 29, "private": 3 << 30},
             "pages": {"matched": 4096, "sealed": 2560, "evicted": 7},
@@ -36,7 +36,7 @@ class Lines(unittest.TestCase):
         self.assertEqual(run.stats("replicas", "ttft/computed/32768").median, 283.0)
         self.assertEqual(run.stats("replicas", "ttft/computed/8192").v, [44.0])
         self.assertEqual(run.stats("replicas", "decode/pool/32768").v, [450.0])
-        self.assertEqual(run.stats("replicas", "decode/private/32768").unit, "tok/s")
+        self.assertEqual(run.stats("replicas", "decode/transformers/32768").unit, "tok/s")
         self.assertIsNone(run.stats("replicas", "decode/pool/8192"), "a length without decode figures has no row")
         self.assertEqual(run.stats("replicas", "kv-bytes/private").v, [float(3 << 30)])
         self.assertEqual(run.stats("replicas", "pages/evicted").v, [7.0])

@@ -14,6 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "replicas"))
 import rawlines  # noqa: E402 (after the path)
+import suitelines  # noqa: E402
 import table  # noqa: E402
 
 OP = "alloc/ipc/1MiB"
@@ -184,13 +185,13 @@ def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, di
     return lines
 
 
-def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, private=9500.0, sealed_pages=2560, greedy=(6, 6)):
+def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, transformers=8500.0, sealed_pages=2560, greedy=(6, 6)):
     """run.py's figures as rawlines.lines takes them (seconds, tok/s, bytes)."""
     kv_per_token = 32768
     return {"run": "3 replicas a GPU on 1 GPU(s)",
             "lengths": {L: {"ttft_matched_s": [matched / 1e3 * L / 32768] * 2,
                             "ttft_computed_s": [computed / 1e3 * L / 32768] * 4,
-                            "decode_pool_tok_s": pool, "decode_private_tok_s": private} for L in (8192, 32768)},
+                            "decode_pool_tok_s": pool, "decode_transformers_tok_s": transformers} for L in (8192, 32768)},
             "bytes": {"sealed": sealed_pages * 16 * kv_per_token, "one-copy": (8192 + 32768) * kv_per_token,
                       "pool": 1.3 * GIB, "private": 3.8 * GIB},
             "pages": {"matched": 5120, "sealed": 2560, "evicted": 0},
@@ -224,8 +225,8 @@ class KVPool(unittest.TestCase):
         self.assertEqual(rows["time to first token, 32,768-token prompt: matched vs computed"],
                          ["3.00 ms (n=2)", "283.0 ms (n=4)", "1.1%"])
         self.assertEqual(rows["time to first token, 8,192-token prompt: matched vs computed"][2], "1.1%")
-        self.assertEqual(rows["decode tokens/s, 8,192-token prompt: pool pages vs the private contiguous cache"][2],
-                         "94.7%")
+        self.assertEqual(rows["decode tokens/s, 8,192-token prompt: pool pages vs transformers' generate "
+                              "(DynamicCache)"][2], "105.9%")
         self.assertEqual(rows["the prompts' KV the owner holds sealed vs one copy of it"][2], "100.0%")
         self.assertEqual(rows["the owner's pages matched / sealed / evicted"][0], "5120 / 2560 / 0")
         self.assertEqual(rows["greedy tokens of every request equal to the reference run's"][:2],
@@ -281,9 +282,61 @@ class KVPool(unittest.TestCase):
     def test_a_replicas_run_that_stopped_fails_its_rows(self):
         run = self.run_of(kv_suite(), {"run": "x", "checks": 1, "failures": [], "stopped": "RuntimeError: no answer"})
         got = kv_verdicts(run)
-        self.assertEqual(got["decode tokens/s over pool pages at least 90% of the private cache, 8,192 tokens "
-                             "(issue 18)"], table.FAILED)
+        self.assertEqual(got["decode tokens/s over pool pages at least transformers' own generate (DynamicCache), "
+                             "8,192 tokens (issues 18, 26)"], table.FAILED)
         self.assertIn("replicas all: RuntimeError: no answer", table.failures(run))
+
+
+def hf_lines(matched=6.0, computed=280.0, pool=400.0, compiled=200.0, equal=(1, 1, 1, 1)):
+    """examples/hf/check.py's lines for both architectures (ms, tok/s, steps)."""
+    out = ["meta hf-run transformers 5.17.0 on 1x NVIDIA H200", "meta hf-new 64", "meta hf-checks all 50 checks passed"]
+    k = 0
+    for arch in ("llama", "qwen3"):
+        for L in (8192, 32768):
+            out += suitelines.lines("hf", "ttft/matched/%s/%d" % (arch, L), "ms", [matched * L / 32768])
+            out += suitelines.lines("hf", "ttft/computed/%s/%d" % (arch, L), "ms", [computed * L / 32768])
+            out += suitelines.lines("hf", "decode/pool/%s/%d" % (arch, L), "tok/s", [pool])
+            out += suitelines.lines("hf", "decode/transformers/%s/%d/dynamic" % (arch, L), "tok/s", [15.0])
+            out += suitelines.lines("hf", "greedy-equal/%s/%d" % (arch, L), "bool", [float(equal[k])])
+            out += suitelines.lines("hf", "argmax-equal/%s/%d" % (arch, L), "steps", [64.0 if equal[k] else 50.0])
+            k += 1
+        out += suitelines.lines("hf", "decode/transformers/%s/32768/static-compiled" % arch, "tok/s", [compiled])
+    return out
+
+
+def hf_verdicts(run):
+    return {name: (figure, verdict) for name, figure, verdict in table.hf_targets(run)}
+
+
+class HF(unittest.TestCase):
+    def test_every_target_met(self):
+        run = table.Run(["meta suite 2"] + hf_lines())
+        self.assertEqual(run.problems, [])
+        got = hf_verdicts(run)
+        self.assertEqual(len(got), 5)
+        self.assertEqual({v for _, v in got.values()}, {table.MET}, got)
+        fig, _ = got["Llama 0.85B: decode tokens/s over pool pages at 32k at least transformers' fastest own path "
+                     "(issue 26)"]
+        self.assertEqual(fig, "200.0% (400.0 vs 200.0 tok/s, StaticCache + torch.compile; measured: DynamicCache, "
+                              "sdpa 15.00; StaticCache + torch.compile 200.0)")
+        rows = {r[0]: r[1:] for r in table.hf_rows(run)[1]}
+        self.assertEqual(rows["Qwen3-like 1.1B: time to first token, 32,768-token prompt: matched vs computed"],
+                         ["6.00 ms", "280.0 ms", "2.1%"])
+        self.assertEqual(rows["Llama 0.85B: greedy tokens, 8,192-token prompt, against transformers' generate "
+                              "(DynamicCache)"], ["equal", "fed its tokens, argmax equal at 64 of 64 steps, the "
+                                                  "others near-ties", "-"])
+
+    def test_missed(self):
+        run = table.Run(["meta suite 2"] + hf_lines(matched=20.0, pool=150.0, equal=(1, 0, 1, 1)))
+        got = hf_verdicts(run)
+        self.assertEqual({v for _, v in got.values()}, {table.MISSED}, got)
+        fig, _ = got["greedy tokens equal to transformers' generate, both architectures, 8k and 32k (issue 26)"]
+        self.assertTrue(fig.startswith("equal in 3 of 4; fed transformers' tokens, argmax equal at 64 of 64, "
+                                       "50 of 64, 64 of 64, 64 of 64 steps"), fig)
+
+    def test_not_run_without_its_lines(self):
+        got = hf_verdicts(table.Run(["meta suite 2"]))
+        self.assertEqual({v for _, v in got.values()}, {table.NO_LINES}, got)
 
 
 class Markdown(unittest.TestCase):
@@ -306,9 +359,11 @@ class Markdown(unittest.TestCase):
 
     def test_two_raw_files_make_one_results_file(self):
         suite = ["meta suite 2", "meta date 2026-12-01 21:00 UTC"] + kv_suite()
-        rc, text, out, _ = self.main([suite, rawlines.lines(replicas_fig())])
+        rc, text, out, _ = self.main([suite, rawlines.lines(replicas_fig()), hf_lines()])
         self.assertEqual(rc, 0, out)
         self.assertTrue(text.startswith("# Performance\n"))
+        self.assertIn("## Stock transformers models over the pool (issue 26)", text)
+        self.assertIn("come from one run of examples/hf/check.py (scripts/gpu-examples.sh): transformers 5.17.0", text)
         self.assertIn("## KV page pool (issue 18)", text)
         self.assertIn("| time to first token, 32,768-token prompt: matched vs computed | 3.00 ms (n=2) | "
                       "283.0 ms (n=4) | 1.1% |", text)

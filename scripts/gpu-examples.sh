@@ -6,10 +6,11 @@
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
 # get kvpoold), the mixed pairs (examples/torch/pairs.py), the torch KV cache
-# (examples/torch/kvcache.py) and the KV page pool under a model (examples/replicas/run.py:
-# kvpoold and replica processes), whose figures go as the benchmark suite's lines to
-# $OUT/replicas-raw.txt (OUT unset: /tmp) for bench/table.py to join with the suite's
-# bench-raw.txt. (The KV page pool's costs from Python, bench/kvbench.py, are a part of
+# (examples/torch/kvcache.py), the KV page pool under a model (examples/replicas/run.py:
+# kvpoold and replica processes) and stock transformers models over it
+# (examples/hf/check.py), whose figures go as the benchmark suite's lines to
+# $OUT/replicas-raw.txt and $OUT/hf-raw.txt (OUT unset: /tmp) for bench/table.py to join
+# with the suite's bench-raw.txt. (The KV page pool's costs from Python, bench/kvbench.py, are a part of
 # scripts/bench-suite.sh.) It prints a short table last and exits non-zero if a step
 # failed. It changes no GPU setting.
 #
@@ -179,6 +180,13 @@ if [ -f "$lib" ]; then
 			timeout 600 python3 examples/replicas/run.py --kvpoold "$bin/kvpoold" --bytes "${REPLICAS_SLAB:-64GiB}" \
 				--raw "$replicas_raw"
 			step kv-replicas $?
+			# Stock transformers models over the pool (cudapool.hf), two architectures,
+			# against transformers' own generate; figures to $OUT/hf-raw.txt.
+			hf_raw=${OUT:-/tmp}/hf-raw.txt
+			rm -f "$hf_raw"
+			timeout 600 python3 examples/hf/check.py --kvpoold "$bin/kvpoold" --raw "$hf_raw" --compile
+			step hf-models $?
+			python3 bench/ttft.py "$hf_raw" --out "${OUT:-/tmp}/ttft.png" # bench/ttft.png's chart of this run
 		else
 			echo "(the KV replicas need torch, transformers and triton: not run)"
 		fi

@@ -6,8 +6,9 @@ torch, so that they are tested anywhere (test_rawlines.py). Every line is of imp
         ttft/matched/L, ttft/computed/L    time to first token, ms, of the requests
                                            that matched the L-token prompt and of
                                            those that computed it (references included)
-        decode/pool/L, decode/private/L    decode tokens/s over pool pages and over
-                                           the private contiguous cache, same replica
+        decode/pool/L, decode/transformers/L   decode tokens/s over pool pages
+                                           (cudapool.hf) and through transformers'
+                                           own generate (DynamicCache), same replica
         kv-bytes/sealed                    the bytes of the pages the owner holds sealed
         kv-bytes/one-copy                  the bytes of one copy of every prompt's KV
         kv-bytes/pool                      the KV of the N replicas with the pool: the
@@ -49,7 +50,7 @@ def lines(fig):
 
         run       str: what ran
         lengths   {L: {"ttft_matched_s": [...], "ttft_computed_s": [...],
-                       "decode_pool_tok_s": x, "decode_private_tok_s": y}}
+                       "decode_pool_tok_s": x, "decode_transformers_tok_s": y}}
         bytes     {"sealed", "one-copy", "pool", "private": bytes}
         pages     {"matched", "sealed", "evicted": count}
         dial_ms   [ms]: each replica process's dial
@@ -69,8 +70,8 @@ def lines(fig):
             out += summary("ttft/computed/%d" % L, "ms", [1e3 * x for x in f["ttft_computed_s"]])
         if "decode_pool_tok_s" in f:
             out += summary("decode/pool/%d" % L, "tok/s", [f["decode_pool_tok_s"]])
-        if "decode_private_tok_s" in f:
-            out += summary("decode/private/%d" % L, "tok/s", [f["decode_private_tok_s"]])
+        if "decode_transformers_tok_s" in f:
+            out += summary("decode/transformers/%d" % L, "tok/s", [f["decode_transformers_tok_s"]])
     for k in ("sealed", "one-copy", "pool", "private"):
         if k in fig.get("bytes", {}):
             out += summary("kv-bytes/" + k, "B", [fig["bytes"][k]])

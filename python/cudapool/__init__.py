@@ -17,7 +17,9 @@ StridedMemoryView):
 Every call that takes a stream takes the caller's: an int (cudaStream_t), a torch,
 CuPy or cuda.core stream, or anything with __cuda_stream__; None is the legacy default
 stream. Every call that waits takes a timeout in seconds (None or 0: no bound, as 0 is
-in C). Only the standard library is needed; cudapool.torch holds the PyTorch helpers.
+in C). Only the standard library is needed; cudapool.torch holds the PyTorch helpers,
+cudapool.kv the KV page pool (torch only for kv_caches), and cudapool.hf runs stock
+transformers models over its pages (torch and transformers imported at first use).
 
 The runtime is the GPU unless asked otherwise: init("auto") falls back to cudapool's
 software device where no GPU is (and says so), init("test") always uses it, and so does

@@ -1,7 +1,9 @@
-"""Attention that reads a KV page pool in place, through a block table (Triton).
+"""Attention that reads a KV page pool in place, through a block table (Triton); it
+owns the paged kernel cudapool.hf decodes with. It imports torch and Triton, so the
+package imports it only when a model attends over pages.
 
 The cache of one layer is K and V tensors of shape [pages, tokens_per_page, kv_heads,
-head_dim] (KV-SPEC.md's layout: one layer's half of the slab). A sequence's tokens live
+head_dim] (the layout of Replica.kv_caches: one layer's half of the slab). A sequence's tokens live
 in the pages its block table names, in order: token t is slot t % tokens_per_page of page
 block_table[t // tokens_per_page]. Pages are never gathered into a contiguous copy.
 
@@ -121,11 +123,12 @@ class Workspace:
         self.ml = torch.empty(2, self.splits, n_q, heads, dtype=torch.float32, device=device)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None, ws=None):
-    """softmax(q K^T / sqrt(d)) V of q [q_len, heads, head_dim] over the ctx_len tokens
-    (a device int tensor of one element, ctx_len >= q_len, <= max_ctx) the block table
-    (int32, at least ceil(max_ctx / page) entries) names. Returns [q_len, heads, head_dim]
-    in q's dtype (into out when given)."""
+def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None, ws=None, scale=None):
+    """softmax(scale q K^T) V of q [q_len, heads, head_dim] over the ctx_len tokens (a
+    device int tensor of one element, ctx_len >= q_len, <= max_ctx) the block table
+    (int32, at least ceil(max_ctx / page) entries) names; scale defaults to
+    1/sqrt(head_dim). Returns [q_len, heads, head_dim] in q's dtype (into out when
+    given)."""
     n_q, heads, d = q.shape
     pages, page, kv_heads, d2 = k_cache.shape
     assert d == d2 and heads % kv_heads == 0 and q.stride(-1) == 1
@@ -141,7 +144,7 @@ def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        n_q, ws.splits, LOG2E / math.sqrt(d), ws.split,
+        n_q, ws.splits, LOG2E * (1.0 / math.sqrt(d) if scale is None else scale), ws.split,
         H=heads, G=g, PAGE=page, D=d, BLOCK_M=ws.block_m, BLOCK_N=64,
         num_warps=4, num_stages=2)
     _combine[(n_q * heads,)](ws.o, ws.ml, out, n_q * heads, ws.splits, D=d,
@@ -149,9 +152,10 @@ def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None
     return out
 
 
-def reference(q, k_cache, v_cache, block_table, ctx):
+def reference(q, k_cache, v_cache, block_table, ctx, scale=None):
     """The same attention with SDPA over K and V gathered from the pages (a copy), in
-    float32; ctx a host int."""
+    float32; ctx a host int. Where no GPU (or no Triton) is, cudapool.hf attends with
+    this."""
     n_q, heads, d = q.shape
     page = k_cache.shape[1]
     kv_heads = k_cache.shape[2]
@@ -165,5 +169,5 @@ def reference(q, k_cache, v_cache, block_table, ctx):
     qpos = ctx - n_q + torch.arange(n_q, device=q.device)
     mask = t[None, :] <= qpos[:, None]  # [n_q, ctx]
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None])
+        q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)
     return o[0].transpose(0, 1)
