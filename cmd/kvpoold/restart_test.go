@@ -569,3 +569,36 @@ func TestRestartTwoDevices(t *testing.T) {
 	require.NoError(t, dev1.StreamSynchronize(1, s1))
 	require.NoError(t, dev1.StreamDestroy(1, s1))
 }
+
+// When the keeper dies too, the slabs are gone: the next kvpoold starts a new keeper
+// and says in its first line that the cache, and the index's pages, are gone; a
+// replica of the old slabs stays stopped.
+func TestKeeperDeathEndsTheCache(t *testing.T) {
+	dir := shortDir(t)
+	first, line := daemon(t, restartArgs(dir, 16)...)
+	pid, err := strconv.Atoi(keeperPID.FindStringSubmatch(line)[1])
+	require.NoError(t, err)
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	sealed(t, ctx, dev, r, s, 5, 31)
+	sigkill(t, first)
+	killKeeper(t, pid)
+	require.ErrorIs(t, r.WaitAttached(ctx), kv.ErrOwnerGone, "no reattach to slabs that are gone")
+
+	_, line = daemon(t, restartArgs(dir, 16)...)
+	assert.Contains(t, line, "new cache in keeper pid")
+	assert.Contains(t, line, "no keeper was alive")
+	assert.Contains(t, line, "the 5 visible pages of the index with them")
+}
+
+// -one-process makes the slabs in kvpoold itself: no keeper, and its first line says so.
+func TestOneProcess(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, append(restartArgs(dir, 8), "-one-process")...)
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stderr: %s", errOut)
+	assert.Contains(t, out, "slabs in this process (-one-process)")
+	assert.NotContains(t, out, "keeper pid")
+	_, err := os.Stat(filepath.Join(dir, owner.IndexFile))
+	assert.ErrorIs(t, err, os.ErrNotExist, "no index")
+}
