@@ -602,3 +602,27 @@ func TestOneProcess(t *testing.T) {
 	_, err := os.Stat(filepath.Join(dir, owner.IndexFile))
 	assert.ErrorIs(t, err, os.ErrNotExist, "no index")
 }
+
+// Two restarts in a row: each waits for the one replica attached before, reattached
+// once more each time, and the pages stay.
+func TestTwoRestarts(t *testing.T) {
+	dir := shortDir(t)
+	cmd, _ := daemon(t, restartArgs(dir, 16)...)
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	hashes, pages := sealed(t, ctx, dev, r, s, 3, 41)
+	for i := range 2 {
+		done := r.Done()
+		sigkill(t, cmd)
+		testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+		var line string
+		cmd, line = daemon(t, restartArgs(dir, 16)...)
+		assert.Contains(t, line, "3 visible pages restored, 1 replicas to reattach", "restart %d", i+1)
+		require.NoError(t, r.WaitAttached(ctx))
+		assert.Equal(t, uint64(i+1), r.Reattaches())
+		got, err := r.Match(ctx, hashes, s)
+		require.NoError(t, err)
+		assert.Equal(t, pages, got.Pages())
+		require.NoError(t, r.Release(ctx, s, got))
+	}
+}

@@ -432,7 +432,9 @@ func (o *Owner) holdAllocs() {
 				late = append(late, e.id.String())
 			}
 			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases are lost", "grace", grace, "replicas", late)
-			clear(o.expected)
+			for pid := range o.expected {
+				o.forgetLocked(pid, o.expected[pid].n)
+			}
 			o.resumeLocked()
 		}
 	})
@@ -453,20 +455,32 @@ func (o *Owner) holdAllocs() {
 			if p.Wait(o.stopped) == nil {
 				o.mu.Lock()
 				defer o.mu.Unlock()
-				delete(o.expected, id.PID)
+				if e := o.expected[id.PID]; e != nil && e.id == id {
+					o.forgetLocked(id.PID, e.n)
+				}
 				o.resumeLocked()
 			}
 		}()
 	}
 }
 
-// returnedLocked takes one of pid's replicas off those waited for, under o.mu.
+// returnedLocked takes one of pid's replicas off those waited for, under o.mu: its
+// connection now is journaled as attached.
 func (o *Owner) returnedLocked(pid uint32) {
-	if e := o.expected[pid]; e != nil {
-		if e.n--; e.n <= 0 {
-			delete(o.expected, pid)
-		}
+	if o.expected[pid] != nil {
+		o.forgetLocked(pid, 1)
 		o.resumeLocked()
+	}
+}
+
+// forgetLocked stops waiting for n of pid's replicas, and journals it, under o.mu.
+func (o *Owner) forgetLocked(pid uint32, n int) {
+	e := o.expected[pid]
+	for range n {
+		o.j.replica(recDetach, e.id)
+	}
+	if e.n -= n; e.n <= 0 {
+		delete(o.expected, pid)
 	}
 }
 
