@@ -203,6 +203,7 @@ func TestMain(m *testing.M) {
 		},
 		"midseal":    midSealWriter,
 		"reattacher": reattacher,
+		"holder":     holder,
 	})
 }
 

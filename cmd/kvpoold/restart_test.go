@@ -626,3 +626,46 @@ func TestTwoRestarts(t *testing.T) {
 		require.NoError(t, r.Release(ctx, s, got))
 	}
 }
+
+// holder is a replica process that does not reconnect: it allocs 8 pages, says
+// "held", and holds them until it is killed.
+func holder(args []string) int {
+	_, r, _, ctx, cancel, err := childReplica(args[0])
+	defer cancel()
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	if _, err := r.Alloc(ctx, 8); err != nil {
+		fmt.Println("alloc:", err)
+		return 1
+	}
+	fmt.Println("held")
+	<-ctx.Done()
+	return 1
+}
+
+// A restarted kvpoold allocates no page while a replica attached before may still
+// write its pages: an Alloc waits until that replica reattaches or, here, exits.
+func TestAllocsWaitForTheReplicasOfBefore(t *testing.T) {
+	dir := shortDir(t)
+	first, _ := daemon(t, restartArgs(dir, 16)...)
+	h := proctest.Start(t, "holder", dir)
+	h.Expect("held")
+	sigkill(t, first)
+	_, line := daemon(t, restartArgs(dir, 16)...)
+	assert.Contains(t, line, "1 replicas to reattach")
+
+	_, r, _ := attach(t, dir)
+	short, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err := r.Alloc(short, 1)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "no page is handed out while the holder may write")
+	h.Kill()
+	_ = h.Wait() // killed: its status says so
+	// The Alloc that gave up is answered once allocations go on, and its page given
+	// back after: 15 pages are the holder's 8 and 7 more.
+	w, err := r.Alloc(bound(t), 15)
+	require.NoError(t, err, "the holder's pages too, once it has exited")
+	require.NoError(t, r.Release(bound(t), 0, w))
+}
