@@ -377,10 +377,7 @@ func midSealWriter(args []string) int {
 // restart: none of its pages is ever visible.
 func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
 	dir := shortDir(t)
-	first, _ := daemon(t, restartArgs(dir, 32)...)
-	w := proctest.Start(t, "midseal", dir)
-	w.Expect("sealed")
-	sigkill(t, first)
+	w := childThenKill(t, dir, 32, "midseal", "sealed")
 	w.Kill()
 
 	_, line := daemon(t, restartArgs(dir, 32)...)
@@ -627,6 +624,16 @@ func TestTwoRestarts(t *testing.T) {
 	}
 }
 
+// childThenKill serves dir with kvpoold, starts a replica process in role that says
+// said, and SIGKILLs kvpoold.
+func childThenKill(t *testing.T, dir string, pages int, role, said string) *proctest.Child {
+	first, _ := daemon(t, restartArgs(dir, pages)...)
+	c := proctest.Start(t, role, dir)
+	c.Expect(said)
+	sigkill(t, first)
+	return c
+}
+
 // holder is a replica process that does not reconnect: it allocs 8 pages, says
 // "held", and holds them until it is killed.
 func holder(args []string) int {
@@ -649,10 +656,7 @@ func holder(args []string) int {
 // write its pages: an Alloc waits until that replica reattaches or, here, exits.
 func TestAllocsWaitForTheReplicasOfBefore(t *testing.T) {
 	dir := shortDir(t)
-	first, _ := daemon(t, restartArgs(dir, 16)...)
-	h := proctest.Start(t, "holder", dir)
-	h.Expect("held")
-	sigkill(t, first)
+	h := childThenKill(t, dir, 16, "holder", "held")
 	_, line := daemon(t, restartArgs(dir, 16)...)
 	assert.Contains(t, line, "1 replicas to reattach")
 
