@@ -18,7 +18,7 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// The restart row ("gosuite kv"): a keeper (owner.Keep) of a 4 GiB llama-0.85b slab, a
+// The restart row ("gosuite kv-restart"): a keeper (owner.Keep) of a 4 GiB llama-0.85b slab, a
 // page server over it (owner.Listen with Keeper and an index) and kvRestartReplicas
 // replica processes dialed WithReconnect, each a process of its own. One replica seals
 // a 32,768-token prompt (2,048 pages); every replica matches it. Then, per sample, the
@@ -99,7 +99,7 @@ func kvRestartRow(r *reporter, onGPU bool, sh shape) {
 	}
 	r.measure("cudapool", op, "ms", func() ([]float64, error) {
 		var v []float64
-		for range sh.rounds {
+		for range min(sh.rounds, 3) { // each round starts a process: CUDA's start is most of it
 			own.kill() // SIGKILL, and reaped
 			for _, c := range reps {
 				if err := c.say("await"); err != nil {

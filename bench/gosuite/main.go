@@ -21,8 +21,9 @@
 //	gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc
 //	gosuite [-runtime ...] granularity
 //	gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv
+//	gosuite [-runtime ...] [-quick] kv-restart
 //
-// "kv" runs the KV page pool's rows (kv.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
+// "kv" runs the KV page pool's rows (kv.go), "kv-restart" its restart row (kvrestart.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
 // pairs as one participant of the ring that scripts/bench-suite.sh starts (see
 // alloc.go). "granularity" prints the bytes an exportable pool allocates for one
 // byte asked, which the script puts in the plan. -quick takes few samples, for a dry
@@ -128,7 +129,8 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv\n"+
+			"       gosuite [-runtime ...] [-quick] kv-restart")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -141,7 +143,7 @@ func run() int {
 		return usage(fmt.Sprintf("-kv-bytes %q: want a size such as 100GiB", *kvBytes))
 	}
 	switch mode {
-	case "all", "granularity", "kv":
+	case "all", "granularity", "kv", "kv-restart":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -209,6 +211,12 @@ func run() int {
 			sh = quickShape
 		}
 		kvRows(r, rt, picked.OnGPU, sh, slab)
+	case "kv-restart":
+		fmt.Printf("# gosuite kv-restart: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+		sh := fullShape
+		if *quick {
+			sh = quickShape
+		}
 		kvRestartRow(r, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
