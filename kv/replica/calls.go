@@ -313,6 +313,9 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 	if err := l.Lost(); err != nil {
 		return SealResult{}, err
 	}
+	if err := r.gone(); err != nil {
+		return SealResult{}, err // no record while the owner is gone: a reconnection waits for the last one
+	}
 	ev, err := r.record(s)
 	if err != nil {
 		return SealResult{}, err
@@ -387,6 +390,9 @@ func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) er
 	}
 	if len(ids) > kv.MaxBatch {
 		return fmt.Errorf("%w: %d leases, at most %d", kv.ErrTooLarge, len(ids), kv.MaxBatch)
+	}
+	if err := r.gone(); err != nil {
+		return err // no record while the owner is gone: a reconnection waits for the last one
 	}
 	ev, err := r.record(s)
 	if err != nil {
