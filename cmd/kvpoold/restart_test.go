@@ -673,3 +673,43 @@ func TestAllocsWaitForTheReplicasOfBefore(t *testing.T) {
 	require.NoError(t, err, "the holder's pages too, once it has exited")
 	require.NoError(t, r.Release(bound(t), 0, w))
 }
+
+// A clean stop stops the keeper too; with -leave-keeper it leaves it, and the next
+// kvpoold adopts its slabs and the pages.
+func TestCleanStopAndLeaveKeeper(t *testing.T) {
+	for _, leave := range []bool{false, true} {
+		t.Run(fmt.Sprintf("leave=%v", leave), func(t *testing.T) {
+			dir := shortDir(t)
+			args := restartArgs(dir, 8)
+			if leave {
+				args = append(args, "-leave-keeper")
+			}
+			stop := started(t, args...)
+			dev, r, s := attach(t, dir)
+			ctx := bound(t)
+			hashes, pages := sealed(t, ctx, dev, r, s, 2, 51)
+			require.NoError(t, r.Close(ctx))
+			code, out, errOut := stop()
+			require.Equal(t, 0, code, "stderr: %s", errOut)
+			pid, err := strconv.Atoi(keeperPID.FindStringSubmatch(out)[1])
+			require.NoError(t, err)
+			if !leave {
+				if p, err := peercred.OpenProcess(pid); err == nil { // a zombie not reaped yet is one
+					exited, err := p.Exited()
+					require.NoError(t, err)
+					assert.True(t, exited, "the keeper stopped with kvpoold")
+					p.Close()
+				}
+				return
+			}
+			t.Cleanup(func() { killKeeper(t, pid) })
+			_, line := daemon(t, restartArgs(dir, 8)...)
+			assert.Contains(t, line, fmt.Sprintf("cache adopted from keeper pid %d: 2 visible pages restored, 0 replicas", pid))
+			_, r2, s2 := attach(t, dir)
+			got, err := r2.Match(ctx, hashes, s2)
+			require.NoError(t, err)
+			assert.Equal(t, pages, got.Pages())
+			require.NoError(t, r2.Release(ctx, s2, got))
+		})
+	}
+}
