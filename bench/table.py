@@ -177,6 +177,8 @@ class Run:
             part = "alloc"
         if op.startswith("kv/"):
             part = {"cudapool": "gosuite-kv", "python": "kvbench"}.get(impl)
+        if op.startswith("kv/host/"):
+            part = "gosuite-kvtier"
         return self.fails.get(("suite", part)) if part else None
 
 
@@ -495,6 +497,9 @@ KV_MATCH = (("kv/match512", "match + lease of 512 pages (8,192 tokens), one roun
 KV_IMPLS = (("cudapool", "Go"), ("python", "Python"))
 KV_BATCHES = (64, 256, 512)
 KV_LENGTHS = (8192, 32768)
+KV_HOST = (("kv/host/restore32k", "restore of a 32,768-token prompt from the host tier (2,048 pages, 1 GiB), "
+                                  "effective over the match, bytes checked"),
+           ("kv/host/spill", "spill of pages to the host tier, over its copies"))
 GIB = float(1 << 30)
 
 
@@ -540,6 +545,9 @@ def kv_rows(run):
         st, why = kv_stats(run, "cudapool", "kv/pages/b%d" % b)
         rows.append(["pages/s through alloc + seal + match + release, batch %d, 4 replicas, Go" % b,
                      "%s pages/s (median / p10 / min of %d windows)" % (st.cells(), st.n) if st else why, "-", "-"])
+    for op, what in KV_HOST:
+        st, why = kv_stats(run, "cudapool", op)
+        rows.append([what + ", Go", "%s GB/s (median / p10 / min of %d)" % (st.cells(), st.n) if st else why, "-", "-"])
     for L in KV_LENGTHS:
         rows.append(["time to first token, %s-token prompt: matched vs computed" % num(L)] +
                      list(kv_pair(run, "ttft/matched/%d" % L, "ttft/computed/%d" % L, "ms")))
@@ -565,7 +573,7 @@ def kv_rows(run):
 
 
 def kv_targets(run):
-    """Issue 18's targets: (target, the figure of this run, verdict)."""
+    """Issues 18's and 24's targets: (target, the figure of this run, verdict)."""
     out = []
 
     def judge(name, value, ok, figure, why):
@@ -599,6 +607,13 @@ def kv_targets(run):
         judge("KV pages/s through alloc + seal + match + release, batch %d, 4 replicas, at least 1,000,000 "
               "(issue 18)" % b, st and st.median, lambda x: x >= 1e6,
               "%s pages/s (median of %d windows)" % (num(st.median), st.n) if st else "", why)
+
+    for op, what in (("kv/host/restore32k", "restore of a 32,768-token prompt from the host tier (2,048 pages, "
+                                            "1 GiB), bytes checked"),
+                     ("kv/host/spill", "spill to the host tier")):
+        st, why = kv_stats(run, "cudapool", op)
+        judge("%s at least 45 GB/s (issue 24)" % what, st and st.median, lambda x: x >= 45,
+              "%s GB/s (median of %d)" % (num(st.median), st.n) if st else "", why)
 
     def pair(op, ref_op):
         a, why = kv_stats(run, "replicas", op)
@@ -876,7 +891,11 @@ SECTIONS = (
     ("KV page pool (issue 18)", kv_rows,
      "Go: bin/gpu/gosuite -kv-bytes SIZE kv, an owner in its process and 4 replica processes on GPU 0 "
      "(llama-0.85b pages of 16 tokens), its slab of SIZE (100 GiB in the suite) in segments of at most 4 GiB, "
-     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. The match rows time the "
+     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. "
+     "The host tier rows: bin/gpu/gosuite kvtier, an owner with a host tier and one replica process; each cycle a "
+     "2,048-page prompt (1 GiB) is sealed, evicted by an alloc of the whole slab and matched again, every restored "
+     "byte checked; restore is its bytes over the Match, spill the bytes copied to the host tier over those "
+     "copies' time. The match rows time the "
      "Match alone (the read lease included, its release untimed). The rates are the 4 replicas' pages per "
      "second together, one window per sample, each batch with hashes of its own. The model rows come from "
      "examples/replicas/run.py --raw (scripts/gpu-examples.sh): a 0.85B Llama, N replica processes a GPU and "

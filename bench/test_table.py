@@ -170,12 +170,14 @@ class Sharing(unittest.TestCase):
 
 
 def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, dial_ms=(180.0, 200.0, 210.0, 190.0),
-             restart=120.0):
+             host=50.0, restart=120.0):
     """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail), Go's
-    rates, its slab, its replicas' dials and its restarts (ms)."""
+    rates, its slab and its replicas' dials, the host tier's GB/s and the restarts (ms)."""
     lines = ["meta kv-slab %d GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 replica processes" % slab_gib]
     lines += result("cudapool", "kv/slab", "B", [slab_gib * (1 << 30)])
     lines += result("cudapool", "kv/dial", "ms", list(dial_ms))
+    for op in ("kv/host/restore32k", "kv/host/spill"):
+        lines += result("cudapool", op, "GB/s", [host, host * 1.02, host * 0.98])
     for impl, p50 in (("cudapool", go_p50), ("python", py_p50)):
         for op in ("kv/match512", "kv/match512+hash"):
             lines += result(impl, op, "us", [p50] * 95 + [tail] * 5)
@@ -213,7 +215,7 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite(), replicas_fig())
         self.assertEqual(run.problems, [])
         got = kv_verdicts(run)
-        self.assertEqual(len(got), 15)
+        self.assertEqual(len(got), 17)
         self.assertEqual(set(got.values()), {table.MET}, got)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
@@ -229,6 +231,8 @@ class KVPool(unittest.TestCase):
                               "(DynamicCache)"][2], "105.9%")
         self.assertEqual(rows["the prompts' KV the owner holds sealed vs one copy of it"][2], "100.0%")
         self.assertEqual(rows["the owner's pages matched / sealed / evicted"][0], "5120 / 2560 / 0")
+        self.assertEqual(rows["spill of pages to the host tier, over its copies, Go"][0],
+                         "50.00 / 49.00 / 49.00 GB/s (median / p10 / min of 3)")
         self.assertEqual(rows["greedy tokens of every request equal to the reference run's"][:2],
                          ["all 6 equal", "all 20 checks passed"])
         names = [n for n, _, _ in table.targets(run)[1]]
@@ -236,7 +240,7 @@ class KVPool(unittest.TestCase):
 
     def test_missed(self):
         run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, dial_ms=(900, 1001, 950),
-                                   restart=1001.0),
+                                   host=40.0, restart=1001.0),
                           replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
         got = kv_verdicts(run)
         self.assertEqual(set(got.values()), {table.MISSED}, got)
@@ -258,7 +262,7 @@ class KVPool(unittest.TestCase):
     def test_not_run_without_the_replicas_lines(self):
         run = self.run_of(kv_suite())
         got = kv_verdicts(run)
-        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "slab" not in n
+        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "slab" not in n and "GB/s" not in n
                  and "restarted" not in n]
         self.assertEqual(len(model), 5)
         for n in model:
@@ -267,6 +271,13 @@ class KVPool(unittest.TestCase):
             self.assertEqual(got[n], table.MET, n)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertTrue(rows["time to first token, 32,768-token prompt: matched vs computed"][0].startswith("not run"))
+
+    def test_a_failed_host_tier_part_fails_its_rows(self):
+        run = self.run_of(["fail suite gosuite-kvtier timed out after 90s: "])
+        got = kv_verdicts(run)
+        self.assertEqual(got["spill to the host tier at least 45 GB/s (issue 24)"], table.FAILED)
+        self.assertEqual(got["restore of a 32,768-token prompt from the host tier (2,048 pages, 1 GiB), bytes checked "
+                             "at least 45 GB/s (issue 24)"], table.FAILED)
 
     def test_a_failed_part_is_a_failure_not_a_row_not_run(self):
         run = self.run_of(["fail suite kvbench exit status 1: no kvpoold", "fail cudapool kv owner did not start"])

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	rtchoice "github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
@@ -195,6 +196,34 @@ func TestRuntimeIsChosenOnce(t *testing.T) {
 	_, err = choose("gpu")
 	require.ErrorIs(t, err, errRuntimeSet)
 	assert.Contains(t, err.Error(), `"test"`)
+}
+
+// TestNoRuntimeAdvisesCAndPythonCallers checks what a C or Python caller reads when no
+// runtime can be chosen: how to fix it from there (cudapool_init, cudapool.init,
+// $CUDAPOOL_RUNTIME, rebuilding libcudapool with the software device), never Go's
+// advice to import a package, and the status stays ENORUNTIME.
+func TestNoRuntimeAdvisesCAndPythonCallers(t *testing.T) {
+	noGPU := fmt.Errorf("choose: a GPU was asked for: %w", cudart.ErrNoRuntime)
+	noSoft := fmt.Errorf("choose: no CUDA runtime loaded, and %w: %w", rtchoice.ErrNoSoftwareDevice, cudart.ErrNoRuntime)
+	askedSoft := fmt.Errorf("choose: the software device was asked for, but %w", rtchoice.ErrNoSoftwareDevice)
+	for _, c := range []struct {
+		prefer string
+		err    error
+		want   []string
+	}{
+		{"gpu", noGPU, []string{`cudapool_init("auto")`, `cudapool.init("auto")`, "CUDAPOOL_RUNTIME=auto"}},
+		{"auto", noSoft, []string{"-tags cudapool_softdevice", "go build -buildmode=c-shared"}},
+		{"test", askedSoft, []string{"-tags cudapool_softdevice", "rebuild libcudapool"}},
+	} {
+		err := chooseFailed(c.prefer, c.err)
+		msg := err.Error()
+		assert.NotContains(t, msg, "import github.com", "%s: Go advice for a C or Python caller: %s", c.prefer, msg)
+		for _, w := range c.want {
+			assert.Contains(t, msg, w, "%s", c.prefer)
+		}
+		assert.ErrorIs(t, err, c.err)
+		assert.Equal(t, statusNoRuntime, statusOf(err), "%s", c.prefer)
+	}
 }
 
 func TestBufferTableFindsAddressesInsideBuffers(t *testing.T) {

@@ -25,12 +25,21 @@
  *    header keeps working with a newer library. NULL options are the defaults.
  *  - Device memory is a plain pointer (void *); streams are cudaStream_t passed as
  *    void * (NULL is the legacy default stream).
- *  - Calls that wait take timeout_ms: the most they wait, in milliseconds; 0 means no
- *    bound (Python's timeout=None or 0). A call that runs out of time fails with
- *    CUDAPOOL_ETIMEOUT and holds nothing; cudapool_exporter_close is the one exception,
- *    CUDAPOOL_EABANDONED, which says what it left behind.
- *  - Sizes and lengths are unsigned; one larger than the library can address (a
- *    SIZE_MAX length) fails with CUDAPOOL_EINVAL.
+ *  - Calls that wait take timeout_ms: the most they wait, in milliseconds. 0 means no
+ *    bound (Python's timeout=None). CUDAPOOL_NO_WAIT (-1) means do not wait for
+ *    anything to change (Python's timeout=0): the wait flags are off for the call
+ *    (CUDAPOOL_DIAL_WAIT_FOR_EXPORTER, CUDAPOOL_OPEN_WAIT_FOR_NAME,
+ *    CUDAPOOL_KV_WAIT_FOR_OWNER), so what is not there fails at once as without them,
+ *    and the rest, a live peer's answer or a free a wait_for_memory pool waits for, is
+ *    bounded by one second. Other negative values fail with CUDAPOOL_EINVAL. A
+ *    call that runs out of time fails with CUDAPOOL_ETIMEOUT and holds nothing;
+ *    cudapool_exporter_close is the one exception, CUDAPOOL_EABANDONED, which says
+ *    what it left behind.
+ *  - Sizes, lengths and counts are unsigned and checked before anything is read: one
+ *    over the call's limit (CUDAPOOL_MAX_BATCH, CUDAPOOL_KV_MAX_BATCH,
+ *    CUDAPOOL_KV_MAX_NAMESPACE, CUDAPOOL_MAX_META, ...) or larger than the library can
+ *    address (a SIZE_MAX length) fails with CUDAPOOL_EINVAL, and outputs are left as
+ *    they were. An output's capacity larger than its buffer is the caller's word.
  *  - The library writes nothing to stderr or anywhere else unless asked: see
  *    cudapool_set_log.
  *  - The library holds a Go runtime, which cannot survive fork(): in a child forked
@@ -53,6 +62,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* timeout_ms: do not wait (see the conventions above). */
+#define CUDAPOOL_NO_WAIT (-1)
 
 /* The version of this header. A library of the same major version and a minor version
  * at least this one has every call declared here (cudapool_version). */
@@ -405,11 +417,13 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
 
 /* ---- KV pages ----
  * A replica of a KV page pool's owner (cmd/kvpoold): the owner's slab for one device,
- * mapped once, and leases of its pages by index. Each layer's K (and V) is one
- * [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and contiguous, and a
- * page index names the same block in every layer. The slab is several allocations
- * (segments, at most 4 GiB each: a process cannot import larger ones), each tensor
- * whole in one of them: cudapool_kv_layer_ptrs says where each layer's K and V begin.
+ * mapped once, and leases of its pages by index. The slab is the unit of trust: every
+ * replica can read and write all of it (see cudapool_kv_dial). Each layer's K (and V)
+ * is one [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and
+ * contiguous, and a page index names the same block in every layer. The slab is
+ * several allocations (segments, at most 4 GiB each: a process cannot import larger
+ * ones), each tensor whole in one of them: cudapool_kv_layer_ptrs says where each
+ * layer's K and V begin.
  *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
  *  - seal publishes written pages under their prefix hashes, visible to every replica
  *    once the work queued on the stream before the seal has completed; the write
@@ -421,13 +435,19 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
  * another replica's, never issued) fails with CUDAPOOL_ESTALE; once the owner is gone
  * every call that needs it fails with CUDAPOOL_EGONE. Counts over
  * CUDAPOOL_KV_MAX_BATCH, and requests that do not fit the geometry, fail with
- * CUDAPOOL_EINVAL, as do NULL outputs; a call refused so leases and releases nothing,
- * and a refused seal or release keeps its leases. */
+ * CUDAPOOL_EINVAL, as do NULL outputs; an owner's reply with more pages than asked for,
+ * or a page the slab does not have, fails with CUDAPOOL_EPROTOCOL (nothing is written to
+ * pages, and the lease goes back to the owner); a call refused so leases and releases nothing,
+ * and a refused seal or release keeps its leases. A seal or release that ran out of
+ * time (CUDAPOOL_ETIMEOUT) holds nothing: its leases are given back (after the
+ * stream's work so far) whether or not the owner saw the call, and naming them again
+ * fails with CUDAPOOL_ESTALE. */
 
 typedef struct { uint64_t h; } cudapool_kv_replica;
 
 #define CUDAPOOL_KV_HASH_BYTES 16  /* a prefix hash */
 #define CUDAPOOL_KV_MAX_BATCH 4096 /* pages, hashes or leases in one request */
+#define CUDAPOOL_KV_MAX_NAMESPACE 4096 /* bytes of a namespace (ns_len) */
 
 enum cudapool_kv_dtype {
 	CUDAPOOL_KV_BF16 = 1,
@@ -459,17 +479,22 @@ typedef struct {
 	int32_t dtype_size; /* bytes per element */
 	int32_t pages;      /* pages per slab */
 	int32_t device;     /* the replica's device */
-	uint64_t page_bytes; /* one layer's K (or V) of one page */
+	uint64_t page_bytes; /* one layer's K (or V) of one page: the block a page index names */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
 	/* Since 1.1: the slab is `segments` allocations (cudapool_kv_segments) of at most
 	 * segment_bound bytes each; each layer's K and V lies whole in one of them. */
 	uint64_t segment_bound;
 	int32_t segments;
+	/* Since 1.1: one page in every layer's K and V, layers * 2 * page_bytes (kvpoold's
+	 * "page span"). */
+	uint64_t page_span_bytes;
 } cudapool_kv_geometry;
 
 /* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
- * and maps its slab for device. ns (ns_len bytes, may be NULL when 0) is the namespace
- * the prefix hashes start from. flags: CUDAPOOL_KV_*. With no owner there it fails
+ * and maps its slab for device. ns (ns_len bytes, at most CUDAPOOL_KV_MAX_NAMESPACE;
+ * may be NULL when 0) is the namespace the prefix hashes start from. It is no
+ * boundary: the slab is the unit of trust, and every replica maps it whole, read-write,
+ * whatever its namespace; run one owner (one dir) per trust domain. flags: CUDAPOOL_KV_*. With no owner there it fails
  * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). A process holds one replica of
  * an owner at a time: close it before dialing the same owner again. */
 int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
@@ -493,7 +518,8 @@ int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
 /* cudapool_kv_hashes writes the prefix hash of each full page of tokens
  * (n_tokens / tokens_per_page of them, CUDAPOOL_KV_HASH_BYTES each) into hashes_out,
  * which has room for cap_hashes; *n_hashes is their number. On CUDAPOOL_ERANGE
- * nothing is written and *n_hashes is the number needed. */
+ * nothing is written and *n_hashes is the number needed. n_tokens of 2^29 or more (2 GiB of
+ * tokens) fails with CUDAPOOL_EINVAL, *n_hashes untouched. */
 int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,
                        size_t cap_hashes, size_t *n_hashes);
 /* cudapool_kv_alloc leases n pages for writing: their indices go to pages (room for
@@ -526,7 +552,8 @@ int cudapool_kv_alive(cudapool_kv_replica r, int *alive);
 /* cudapool_kv_reattaches: *n counts the times the replica reattached to a restarted
  * owner (CUDAPOOL_KV_RECONNECT). */
 int cudapool_kv_reattaches(cudapool_kv_replica r, uint64_t *n);
-/* cudapool_kv_wait_attached waits, up to timeout_ms (0: no bound), until the replica is attached to
+/* cudapool_kv_wait_attached waits, up to timeout_ms (0: no bound; CUDAPOOL_NO_WAIT: not
+ * at all), until the replica is attached to
  * a live owner: CUDAPOOL_OK (at once while it is), CUDAPOOL_ETIMEOUT, or CUDAPOOL_EGONE
  * where no reattach can come (no CUDAPOOL_KV_RECONNECT, or the slab's keeper is gone). */
 int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms);

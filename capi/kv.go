@@ -13,6 +13,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -54,6 +55,10 @@ type kvReplica struct {
 	closed   chan struct{} // closed by close, the handle's last use
 }
 
+func newKVReplica(r *replica.Replica, ns string, device int) *kvReplica {
+	return &kvReplica{r: r, ns: ns, device: device, leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
+}
+
 // gone is why the replica cannot make requests (its owner is gone: an error wrapping
 // kv.ErrOwnerGone), or nil while it can: every call that needs the owner says so
 // first, before anything about the leases it names.
@@ -93,14 +98,26 @@ func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 }
 
 // fits checks that lease l has room in the caller's array of n pages (exactly n for
-// an alloc), so that no owner's answer writes past it; one that does not is given
-// back.
+// an alloc), so that no owner's answer writes past it, and that each of its pages is
+// one of the slab's; a lease that does not is given back and the call fails as the
+// owner's breach of the protocol.
 func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact bool) error {
 	got := len(l.Pages())
-	if got == n || !exact && got < n {
+	var err error
+	switch pages := k.r.Geometry().Pages; {
+	case got > n || exact && got < n:
+		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
+	default:
+		for _, p := range l.Pages() {
+			if int64(p) >= int64(pages) {
+				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", consumer.ErrProtocol, p, pages)
+				break
+			}
+		}
+	}
+	if err == nil {
 		return nil
 	}
-	err := fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
 	return errors.Join(err, k.r.Release(ctx, 0, l))
 }
 
@@ -206,7 +223,10 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if out == nil {
 		return fail(invalid("replica is NULL"))
 	}
-	if nsLen > 0 && ns == nil {
+	switch {
+	case nsLen > C.CUDAPOOL_KV_MAX_NAMESPACE:
+		return fail(invalid("ns_len %d is over CUDAPOOL_KV_MAX_NAMESPACE (%d bytes)", uint64(nsLen), C.CUDAPOOL_KV_MAX_NAMESPACE))
+	case nsLen > 0 && ns == nil:
 		return fail(invalid("ns is NULL with ns_len %d", uint64(nsLen)))
 	}
 	if known := C.int(kvDialWaitForOwner | kvDialReconnect); flags&^known != 0 {
@@ -232,7 +252,7 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 		return fail(err)
 	}
 	opts := []replica.Option{replica.WithNamespace(namespace)}
-	if flags&kvDialWaitForOwner != 0 {
+	if flags&kvDialWaitForOwner != 0 && !noWait(ctx) {
 		opts = append(opts, replica.WithWaitForOwner())
 	}
 	if flags&kvDialReconnect != 0 {
@@ -242,7 +262,8 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvReplica{r: r, ns: namespace, device: int(device), reconnect: flags&kvDialReconnect != 0, leases: map[uint64]*replica.Lease{}, closed: make(chan struct{})}
+	k := newKVReplica(r, namespace, int(device))
+	k.reconnect = flags&kvDialReconnect != 0
 	*out = C.uint64_t(kvReplicas.add(k))
 	return statusOK
 }
@@ -275,6 +296,7 @@ func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
 		slab_bytes:      C.uint64_t(g.SlabBytes()),
 		segment_bound:   C.uint64_t(k.r.Segments().Bound()),
 		segments:        C.int32_t(k.r.Segments().Count()),
+		page_span_bytes: C.uint64_t(g.PageSpanBytes()),
 	}
 	n := min(uintptr(out.size), unsafe.Sizeof(full))
 	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
@@ -361,6 +383,8 @@ func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.ui
 		return fail(invalid("n_hashes is NULL"))
 	case nTokens > 0 && tokens == nil:
 		return fail(invalid("tokens is NULL with n_tokens %d", uint64(nTokens)))
+	case uint64(nTokens) > maxLen/4:
+		return fail(invalid("n_tokens %d is more than the %d tokens the library takes", uint64(nTokens), maxLen/4))
 	}
 	k, err := kvGet(h)
 	if err != nil {
@@ -371,7 +395,7 @@ func cpgo_kv_hashes(h C.uint64_t, tokens *C.int32_t, nTokens C.size_t, out *C.ui
 	if need == 0 {
 		return statusOK
 	}
-	if out == nil || int(capHashes) < need {
+	if out == nil || uint64(capHashes) < uint64(need) {
 		return fail(fmt.Errorf("%w: %d hashes needed, room for %d", errRange, need, uint64(capHashes)))
 	}
 	// The hashes go straight into the caller's buffer: it has room for them all.
@@ -396,17 +420,42 @@ func cpgo_kv_alloc(h C.uint64_t, n C.uint32_t, timeoutMs C.int64_t, lease *C.uin
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.r.Alloc(ctx, int(n))
+	l, err := k.alloc(ctx, int(n))
 	if err != nil {
 		return fail(err)
 	}
-	if err := k.fits(ctx, l, int(n), true); err != nil {
-		return fail(err)
-	}
-	k.put(l)
 	writePages(pages, l.Pages())
 	*lease = C.uint64_t(l.ID())
 	return statusOK
+}
+
+// alloc leases n pages for writing and keeps the lease (cudapool_kv_alloc).
+func (k *kvReplica) alloc(ctx context.Context, n int) (*replica.Lease, error) {
+	l, err := k.r.Alloc(ctx, n)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.fits(ctx, l, n, true); err != nil {
+		return nil, err
+	}
+	k.put(l)
+	return l, nil
+}
+
+// match leases the longest visible run of hs for reading and keeps the lease if it
+// has pages (cudapool_kv_match).
+func (k *kvReplica) match(ctx context.Context, hs []kv.Hash, s cudart.Stream) (*replica.Lease, error) {
+	l, err := k.r.Match(ctx, hs, s)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.fits(ctx, l, len(hs), false); err != nil {
+		return nil, err
+	}
+	if len(l.Pages()) > 0 {
+		k.put(l)
+	}
+	return l, nil
 }
 
 //export cpgo_kv_seal
@@ -417,26 +466,8 @@ func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s 
 		return fail(err)
 	}
 	defer cancel()
-	ls, err := k.take([]uint64{uint64(id)})
+	res, err := k.seal(ctx, uint64(id), hs, cudart.Stream(s), wait != 0)
 	if err != nil {
-		return fail(err)
-	}
-	l := ls[0]
-	if !l.Writable() {
-		k.put(l)
-		return fail(invalid("lease %#x is a read lease (from a match): only a write lease is sealed", uint64(id)))
-	}
-	if len(hs) > len(l.Pages()) {
-		k.put(l)
-		return fail(fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hs), len(l.Pages())))
-	}
-	var opts []replica.SealOption
-	if wait != 0 {
-		opts = append(opts, replica.WaitVisible())
-	}
-	res, err := k.r.Seal(ctx, l, hs, cudart.Stream(s), opts...)
-	if err != nil {
-		keepUnlessEnded(k, err, l)
 		return fail(err)
 	}
 	if visible != nil {
@@ -446,6 +477,32 @@ func cpgo_kv_seal(h C.uint64_t, id C.uint64_t, hashes *C.uint8_t, n C.size_t, s 
 		*duplicates = C.uint32_t(res.Duplicates)
 	}
 	return statusOK
+}
+
+// seal seals the write lease id under hs after s's work (cudapool_kv_seal).
+func (k *kvReplica) seal(ctx context.Context, id uint64, hs []kv.Hash, s cudart.Stream, wait bool) (replica.SealResult, error) {
+	ls, err := k.take([]uint64{id})
+	if err != nil {
+		return replica.SealResult{}, err
+	}
+	l := ls[0]
+	if !l.Writable() {
+		k.put(l)
+		return replica.SealResult{}, invalid("lease %#x is a read lease (from a match): only a write lease is sealed", id)
+	}
+	if len(hs) > len(l.Pages()) {
+		k.put(l)
+		return replica.SealResult{}, fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hs), len(l.Pages()))
+	}
+	var opts []replica.SealOption
+	if wait {
+		opts = append(opts, replica.WaitVisible())
+	}
+	res, err := k.r.Seal(ctx, l, hs, s, opts...)
+	if err != nil {
+		k.afterFailure(err, s, l)
+	}
+	return res, err
 }
 
 //export cpgo_kv_match
@@ -464,16 +521,12 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.r.Match(ctx, hs, cudart.Stream(s))
+	l, err := k.match(ctx, hs, cudart.Stream(s))
 	if err != nil {
-		return fail(err)
-	}
-	if err := k.fits(ctx, l, len(hs), false); err != nil {
 		return fail(err)
 	}
 	*lease, *nPages = 0, 0
 	if got := l.Pages(); len(got) > 0 {
-		k.put(l)
 		writePages(pages, got)
 		*lease, *nPages = C.uint64_t(l.ID()), C.size_t(len(got))
 	}
@@ -496,27 +549,50 @@ func cpgo_kv_release(h C.uint64_t, leases *C.uint64_t, n C.size_t, s C.uintptr_t
 		return fail(err)
 	}
 	defer cancel()
-	ls, err := k.take(unsafe.Slice((*uint64)(unsafe.Pointer(leases)), int(n)))
-	if err != nil {
-		return fail(err)
-	}
-	err = k.r.Release(ctx, cudart.Stream(s), ls...)
-	if err != nil {
-		keepUnlessEnded(k, err, ls...)
-	}
-	return result(err)
+	return result(k.release(ctx, unsafe.Slice((*uint64)(unsafe.Pointer(leases)), int(n)), cudart.Stream(s)))
 }
 
-// keepUnlessEnded keeps the leases of a seal or release that failed, unless the owner
-// is gone: a seal that failed before it reached the owner (its event could not be
-// recorded) or a release refused whole (one stale lease among them) leaves them
-// held, and one the owner did end makes their next use fail as stale there.
-func keepUnlessEnded(k *kvReplica, err error, ls ...*replica.Lease) {
-	if (errors.Is(err, kv.ErrOwnerGone) && !k.keepsLeasesWhenGone(err)) || errors.Is(err, kv.ErrClosed) || errors.Is(err, kv.ErrLeaseLost) {
-		return
+// release gives back the leases ids names after s's work (cudapool_kv_release).
+func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) error {
+	ls, err := k.take(ids)
+	if err != nil {
+		return err
 	}
-	k.put(ls...)
+	err = k.r.Release(ctx, s, ls...)
+	if err != nil {
+		k.afterFailure(err, s, ls...)
+	}
+	return err
 }
+
+// afterFailure settles the leases of a seal or release that failed with err:
+//   - the owner is gone and the replica reconnects (CUDAPOOL_KV_RECONNECT): they are
+//     kept, to be re-declared to the restarted owner and made again;
+//   - the owner is gone or the replica closed, or a restart lost them: they are gone;
+//   - the call ran out of time: it may have reached the owner, which then ended them,
+//     or not. The C call holds nothing either way (CUDAPOOL_ETIMEOUT's promise), so
+//     the table forgets them and they are released again after s, with a bound of
+//     their own: the owner ends those it still holds and refuses the rest as stale,
+//     an answer no one needs;
+//   - else (the seal's event could not be recorded, a release refused whole for one
+//     stale lease among them) the owner ended none: they are kept.
+func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Lease) {
+	switch {
+	case k.keepsLeasesWhenGone(err):
+		k.put(ls...) // still held, to be re-declared to the restarted owner
+	case errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed) || errors.Is(err, kv.ErrLeaseLost):
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
+		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
+		defer cancel()
+		_ = k.r.Release(ctx, s, ls...) // the usual answer is stale: the owner had ended them
+	default:
+		k.put(ls...)
+	}
+}
+
+// giveBackTimeout bounds the release that follows a seal or release that ran out of
+// time: its answer is waited for no longer (it is read and dropped later).
+const giveBackTimeout = 100 * time.Millisecond
 
 //export cpgo_kv_done_fd
 func cpgo_kv_done_fd(h C.uint64_t, fd *C.int) (rc C.int) {

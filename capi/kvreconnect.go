@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"context"
 	"errors"
 
 	"github.com/cudapool/cudapool/kv"
@@ -46,6 +47,11 @@ func cpgo_kv_wait_attached(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
 	k, err := kvGet(h)
 	if err != nil {
 		return fail(err)
+	}
+	if noWait(ctx) { // CUDAPOOL_NO_WAIT: attached now, or CUDAPOOL_ETIMEOUT
+		var now context.CancelFunc
+		ctx, now = context.WithTimeout(ctx, 0)
+		defer now()
 	}
 	return result(k.r.WaitAttached(ctx))
 }

@@ -51,6 +51,8 @@ func poolOptions(o *C.cudapool_pool_options) ([]pool.Option, error) {
 	switch n := int(o.peer_count); {
 	case n < 0:
 		return nil, invalid("peer_count %d is negative", n)
+	case n > maxPeers:
+		return nil, invalid("peer_count %d is over the %d devices a pool may name", n, maxPeers)
 	case n > 0 && o.peer_devices == nil:
 		return nil, invalid("peer_devices is NULL with peer_count %d", n)
 	case n > 0:
@@ -62,6 +64,10 @@ func poolOptions(o *C.cudapool_pool_options) ([]pool.Option, error) {
 	}
 	return opts, nil
 }
+
+// maxPeers bounds peer_count: more devices than any host has, so that a count no
+// array holds is refused before the array is read.
+const maxPeers = 1 << 10
 
 //export cpgo_pool_create
 func cpgo_pool_create(device C.int, o *C.cudapool_pool_options, out *C.uint64_t) (rc C.int) {

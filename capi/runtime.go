@@ -55,11 +55,44 @@ func choose(prefer string) (*chosen, error) {
 	picked, err := rtchoice.Runtime(prefer)
 	rt, onGPU, why := picked.Runtime, picked.OnGPU, picked.Why
 	if err != nil {
-		return nil, fmt.Errorf("cudapool: choosing the runtime %q: %w", prefer, err)
+		return nil, chooseFailed(prefer, err)
 	}
 	c := &chosen{rt: rt, prefer: prefer, onGPU: onGPU, why: why}
 	current.Store(c)
 	return c, nil
+}
+
+// softDeviceLinked says whether this library was built with the software device
+// (softdevice.go, -tags cudapool_softdevice).
+var softDeviceLinked bool
+
+// rebuildAdvice is how a C or Python caller gets a library with the software device.
+const rebuildAdvice = "rebuild libcudapool with the software device: go build -buildmode=c-shared -tags cudapool_softdevice -o bin/libcudapool.so ./capi"
+
+// adviceError is an error whose message is written for the library's callers, C and
+// Python programs, while errors.Is still sees what it wraps.
+type adviceError struct {
+	msg string
+	err error
+}
+
+func (e *adviceError) Error() string { return e.msg }
+func (e *adviceError) Unwrap() error { return e.err }
+
+// chooseFailed is the error of choosing the runtime prefer, which failed with err,
+// saying what a C or Python caller can do: choose's own words tell a Go program to
+// import a package, which they cannot.
+func chooseFailed(prefer string, err error) error {
+	msg := fmt.Sprintf("cudapool: choosing the runtime %q: %v", prefer, err)
+	if errors.Is(err, rtchoice.ErrNoSoftwareDevice) {
+		msg = strings.ReplaceAll(msg, rtchoice.ErrNoSoftwareDevice.Error(), "no software device is in this libcudapool ("+rebuildAdvice+")")
+	} else if prefer == rtchoice.GPU && errors.Is(err, cudart.ErrNoRuntime) {
+		msg += `; to run on cudapool's software device instead, call cudapool_init("auto") (Python: cudapool.init("auto")) or set ` + RuntimeEnv + `=auto, in every process, before the first call`
+		if !softDeviceLinked {
+			msg += ", and " + rebuildAdvice
+		}
+	}
+	return &adviceError{msg: msg, err: err}
 }
 
 // runtimeNow is the process's runtime, chosen from $CUDAPOOL_RUNTIME (the GPU if unset)
@@ -68,6 +101,9 @@ func runtimeNow() (cudart.Runtime, error) {
 	if c := current.Load(); c != nil {
 		return c.rt, nil
 	}
+	// The variable as the process has it now, not as it started: a Python program
+	// sets it in os.environ before its first call, which need not be cudapool.init.
+	syncEnv()
 	c, err := choose(os.Getenv(RuntimeEnv))
 	if err != nil {
 		return nil, err

@@ -367,7 +367,7 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 		switch f := int(o.flags); {
 		case f&^dialWaitForExporter != 0:
 			return fail(invalid("unknown dial flags %#x", f&^dialWaitForExporter))
-		case f&dialWaitForExporter != 0:
+		case f&dialWaitForExporter != 0 && !noWait(ctx):
 			opts = append(opts, consumer.WaitForExporter())
 		}
 	}
@@ -384,7 +384,7 @@ func cpgo_importer_dial(path *C.char, device C.int, o *C.cudapool_dial_options, 
 }
 
 // openOptions turns cudapool_open_options into Open's options.
-func openOptions(o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
+func openOptions(ctx context.Context, o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
 	if o == nil {
 		return nil, nil
 	}
@@ -396,7 +396,7 @@ func openOptions(o *C.cudapool_open_options) ([]consumer.OpenOption, error) {
 		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openReplica))
 	}
 	var opts []consumer.OpenOption
-	if f&openWaitForName != 0 {
+	if f&openWaitForName != 0 && !noWait(ctx) {
 		opts = append(opts, consumer.WaitForName())
 	}
 	switch {
@@ -425,7 +425,7 @@ func cpgo_importer_open(h C.uint64_t, name *C.char, s C.uintptr_t, o *C.cudapool
 		return fail(err)
 	}
 	defer cancel()
-	opts, err := openOptions(o)
+	opts, err := openOptions(ctx, o)
 	if err != nil {
 		return fail(err)
 	}

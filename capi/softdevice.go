@@ -6,3 +6,5 @@ package main
 // its test mode: cudapool_init("test"), and "auto" where there is no GPU, run on it.
 // Without the tag the library offers the GPU only.
 import _ "github.com/cudapool/cudapool/cudart/choose/softdevice"
+
+func init() { softDeviceLinked = true }

@@ -12,6 +12,7 @@ import (
 	"math"
 	"runtime/debug"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -209,11 +210,25 @@ func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{errInvalid}, args...)...)
 }
 
-// ctxFor is the context for a call bounded by timeoutMs (0: no bound).
+// noWaitKey marks the context of a CUDAPOOL_NO_WAIT call (noWait).
+type noWaitKey struct{}
+
+// noWaitBound bounds a CUDAPOOL_NO_WAIT call: it waits for nothing to change, but a
+// live exporter's or owner's answer takes a round trip.
+const noWaitBound = time.Second
+
+// noWait says whether ctx is a CUDAPOOL_NO_WAIT call's: its wait flags are off.
+func noWait(ctx context.Context) bool { return ctx.Value(noWaitKey{}) != nil }
+
+// ctxFor is the context for a call bounded by timeoutMs: 0 is no bound, and
+// CUDAPOOL_NO_WAIT (Python's timeout=0) the noWaitBound of a call marked noWait.
 func ctxFor(timeoutMs C.int64_t) (context.Context, context.CancelFunc, error) {
 	switch {
+	case timeoutMs == C.CUDAPOOL_NO_WAIT:
+		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), noWaitKey{}, true), noWaitBound)
+		return ctx, cancel, nil
 	case timeoutMs < 0:
-		return nil, nil, invalid("timeout_ms %d is negative (0 means no bound)", int64(timeoutMs))
+		return nil, nil, invalid("timeout_ms %d is negative (0 means no bound, CUDAPOOL_NO_WAIT (-1) no wait)", int64(timeoutMs))
 	case timeoutMs == 0:
 		ctx, cancel := context.WithCancel(context.Background())
 		return ctx, cancel, nil

@@ -48,6 +48,15 @@ typedef struct { // CUmemAllocationProp
 } cp_alloc_prop;
 _Static_assert(sizeof(cp_alloc_prop) == 32, "CUmemAllocationProp is 32 bytes");
 
+typedef struct { unsigned x, y, z; } cp_dim3; // dim3
+
+typedef struct { // cudaMemcpyAttributes
+	int srcAccessOrder;
+	cp_location srcLocHint, dstLocHint;
+	unsigned flags;
+} cp_memcpy_attrs;
+_Static_assert(sizeof(cp_memcpy_attrs) == 24, "cudaMemcpyAttributes is 24 bytes");
+
 // cudaMemPoolPtrExportData, cudaIpcEventHandle_t and cudaMemFabricHandle_t are each 64
 // opaque bytes; CUuuid is 16.
 typedef struct { unsigned char b[64]; } cp_blob64;
@@ -98,7 +107,15 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 // Entry points newer runtimes have and older ones lack: a library without one still
 // loads, and the call fails with cudaErrorNotSupported (801).
 #define CP_RUNTIME_OPTIONAL_SYMBOLS(X) \
-	X(cp_err, cudaStreamGetDevice, (void *, int *), 0) // CUDA 12.8
+	X(cp_err, cudaStreamGetDevice, (void *, int *), 0) /* CUDA 12.8 */ \
+	X(cp_err, cudaHostRegister, (void *, size_t, unsigned), 0) \
+	X(cp_err, cudaHostUnregister, (void *), 0) \
+	X(cp_err, cudaHostGetDevicePointer, (void **, void *, unsigned), 0) \
+	X(cp_err, cudaMallocAsync, (void **, size_t, void *), 0) \
+	X(cp_err, cudaLaunchKernel, (const void *, cp_dim3, cp_dim3, void **, size_t, void *), 0) \
+	X(cp_err, cudaLibraryLoadData, (void **, const void *, void *, void **, unsigned, void *, void **, unsigned), 0) /* CUDA 12.0 */ \
+	X(cp_err, cudaLibraryGetKernel, (void **, void *, const char *), 0) \
+	X(cp_err, cudaMemcpyBatchAsync, (void *const *, const void *const *, const size_t *, size_t, cp_memcpy_attrs *, size_t *, size_t, void *), 0) /* CUDA 13.0's signature; 12.8's differs */
 
 #define CP_DRIVER_SYMBOLS(X) \
 	X(cp_err, cuGetErrorName, (cp_err, const char **), 0) \
@@ -488,6 +505,127 @@ CP_CALL(cp_res, cp_memcpy_device, (uintptr_t lib, long long dev, uintptr_t dst, 
 	l->cudaMemcpyAsync(CP_PTR(dst), CP_PTR(src), (size_t)n, cp_memcpy_default, CP_PTR(s)))
 CP_CALL(cp_res, cp_memset, (uintptr_t lib, long long dev, uintptr_t dst, int value, uint64_t n, uintptr_t s),
 	l->cudaMemsetAsync(CP_PTR(dst), value, (size_t)n, CP_PTR(s)))
+
+// The host tier: registered host memory and batch copies (cudart.MemcpyBatchAsync).
+
+// CP_OPTIONAL fails the trampoline with cudaErrorNotSupported where the runtime lacks
+// the entry point fn.
+#define CP_OPTIONAL(r, lib, fn) \
+	if (!(lib)->fn) { (r).err = cp_not_supported; return (r); }
+
+static cp_res cp_host_register(uintptr_t lib, long long dev, uintptr_t p, uint64_t n, unsigned flags) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cudaHostRegister);
+	CP_ON_DEVICE(r, l, dev);
+	r.err = l->cudaHostRegister(CP_PTR(p), (size_t)n, flags);
+	return r;
+}
+
+static cp_res cp_host_unregister(uintptr_t lib, long long dev, uintptr_t p) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cudaHostUnregister);
+	CP_ON_DEVICE(r, l, dev);
+	r.err = l->cudaHostUnregister(CP_PTR(p));
+	return r;
+}
+
+static cp_res cp_host_device_pointer(uintptr_t lib, long long dev, uintptr_t p) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cudaHostGetDevicePointer);
+	CP_ON_DEVICE(r, l, dev);
+	void *out = 0;
+	r.err = l->cudaHostGetDevicePointer(&out, CP_PTR(p), 0);
+	r.v = (uintptr_t)out;
+	return r;
+}
+
+// cp_piece is cudart.CopyPiece, and the batch copy kernel's struct (kernels/batchcopy.cu).
+typedef struct { uint64_t dst, src, size; } cp_piece;
+
+// cp_load_batch_kernel loads the PTX (NUL-terminated) and finds the batch copy kernel
+// in it; r.v is the library, r.w the kernel. It needs dev current, as any call.
+static cp_res cp_load_batch_kernel(uintptr_t lib, long long dev, const char *ptx) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cudaLibraryLoadData);
+	CP_OPTIONAL(r, l, cudaLibraryGetKernel);
+	CP_OPTIONAL(r, l, cudaLaunchKernel);
+	CP_OPTIONAL(r, l, cudaMallocAsync);
+	CP_ON_DEVICE(r, l, dev);
+	void *library = 0, *kernel = 0;
+	if ((r.err = l->cudaLibraryLoadData(&library, ptx, 0, 0, 0, 0, 0, 0)) != 0) return r;
+	r.err = l->cudaLibraryGetKernel(&kernel, library, "cudapool_batch_copy");
+	r.v = (uintptr_t)library;
+	r.w = (uintptr_t)kernel;
+	return r;
+}
+
+// cp_batch_kernel copies n pieces with one launch of kernel on s: the pieces go to a
+// stream-ordered device allocation (copied from pageable memory, which the runtime
+// stages before it returns), the kernel reads them there, and the allocation is freed
+// behind it on s. blocks is the grid.
+static cp_res cp_batch_kernel(uintptr_t lib, long long dev, uintptr_t kernel, const cp_piece *pieces, uint64_t n, unsigned blocks, uintptr_t s) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	void *d = 0;
+	size_t bytes = (size_t)n * sizeof *pieces;
+	if ((r.err = l->cudaMallocAsync(&d, bytes, CP_PTR(s))) != 0) return r;
+	if ((r.err = l->cudaMemcpyAsync(d, pieces, bytes, cp_memcpy_host_to_device, CP_PTR(s))) == 0) {
+		unsigned long long count = n;
+		void *args[] = {&d, &count};
+		cp_dim3 grid = {blocks, 1, 1}, block = {256, 1, 1};
+		r.err = l->cudaLaunchKernel(CP_PTR(kernel), grid, block, args, 0, CP_PTR(s));
+	}
+	cp_err f = l->cudaFreeAsync(d, CP_PTR(s));
+	if (r.err == 0) r.err = f;
+	return r;
+}
+
+// cp_batch_memcpy copies n pieces with cudaMemcpyBatchAsync, in calls of at most 4,096
+// (FACTS 21: faster than one call of all of them), each ordered on s.
+static cp_res cp_batch_memcpy(uintptr_t lib, long long dev, const cp_piece *pieces, uint64_t n, uintptr_t s) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cudaMemcpyBatchAsync);
+	CP_ON_DEVICE(r, l, dev);
+	enum { chunk = 4096 };
+	void **dsts = malloc(chunk * sizeof *dsts);
+	const void **srcs = malloc(chunk * sizeof *srcs);
+	size_t *sizes = malloc(chunk * sizeof *sizes);
+	if (!dsts || !srcs || !sizes) {
+		free(dsts), free(srcs), free(sizes);
+		r.err = 2; // cudaErrorMemoryAllocation
+		return r;
+	}
+	cp_memcpy_attrs attrs = {1 /* cudaMemcpySrcAccessOrderStream */, {0, 0}, {0, 0}, 0};
+	size_t idx = 0;
+	for (uint64_t at = 0; at < n; at += chunk) {
+		size_t k = n - at < chunk ? (size_t)(n - at) : chunk;
+		for (size_t i = 0; i < k; i++) {
+			dsts[i] = CP_PTR(pieces[at + i].dst);
+			srcs[i] = CP_PTR(pieces[at + i].src);
+			sizes[i] = (size_t)pieces[at + i].size;
+		}
+		if ((r.err = l->cudaMemcpyBatchAsync(dsts, srcs, sizes, k, &attrs, &idx, 1, CP_PTR(s))) != 0) break;
+	}
+	free(dsts), free(srcs), free(sizes);
+	return r;
+}
+
+// cp_batch_pieces copies n pieces with one cudaMemcpyAsync each.
+static cp_res cp_batch_pieces(uintptr_t lib, long long dev, const cp_piece *pieces, uint64_t n, uintptr_t s) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_ON_DEVICE(r, l, dev);
+	for (uint64_t i = 0; i < n; i++) {
+		if ((r.err = l->cudaMemcpyAsync(CP_PTR(pieces[i].dst), CP_PTR(pieces[i].src), (size_t)pieces[i].size, cp_memcpy_default, CP_PTR(s))) != 0) return r;
+	}
+	return r;
+}
 
 // cp_current_device is the calling thread's current device, for tests of the rule
 // above.

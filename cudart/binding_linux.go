@@ -8,6 +8,10 @@ package cudart
 #cgo noescape cp_memcpy_to_host
 #cgo noescape cp_mem_pool_set_access
 #cgo noescape cp_open
+#cgo noescape cp_batch_kernel
+#cgo noescape cp_batch_memcpy
+#cgo noescape cp_batch_pieces
+#cgo nocallback cp_batch_kernel
 #include "binding.h"
 */
 import "C"
@@ -17,6 +21,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 )
@@ -39,6 +44,12 @@ type library struct {
 	// contained is set once a call returned ErrContained: the driver fails every call
 	// after it (FACTS 14), and each such error says the context is lost.
 	contained atomic.Bool
+
+	batchMu   sync.Mutex
+	batch     map[int]*batchCopy // by device, chosen on first use
+	kernel    uintptr            // the batch copy kernel, once loaded
+	kernelErr error              // why it did not load
+	forcePath CopyPath           // a test's choice of path (export_test.go), 0: the best
 }
 
 func load(c *loadConfig) (Runtime, error) {
@@ -480,4 +491,136 @@ func (l *library) MemcpyDtoDAsync(dev int, dst, src DevicePtr, n uint64, s Strea
 func (l *library) MemsetAsync(dev int, dst DevicePtr, value byte, n uint64, s Stream) error {
 	r := C.cp_memset(l.c, C.longlong(dev), C.uintptr_t(dst), C.int(value), C.uint64_t(n), C.uintptr_t(s))
 	return l.check("cudaMemsetAsync", r)
+}
+
+// hostArg is mem's address and length for a trampoline: mem is not Go's memory (see
+// HostRegister), so it travels as an integer.
+func hostArg(op string, mem []byte) (C.uintptr_t, C.uint64_t, error) {
+	if len(mem) == 0 {
+		return 0, 0, invalidArgument(op, "no host memory")
+	}
+	return C.uintptr_t(uintptr(unsafe.Pointer(unsafe.SliceData(mem)))), C.uint64_t(len(mem)), nil
+}
+
+func (l *library) HostRegister(dev int, mem []byte, flags HostRegisterFlags) error {
+	const op = "cudaHostRegister"
+	p, n, err := hostArg(op, mem)
+	if err != nil {
+		return err
+	}
+	return l.check(op, C.cp_host_register(l.c, C.longlong(dev), p, n, C.uint(flags)))
+}
+
+func (l *library) HostUnregister(dev int, mem []byte) error {
+	const op = "cudaHostUnregister"
+	p, _, err := hostArg(op, mem)
+	if err != nil {
+		return err
+	}
+	return l.check(op, C.cp_host_unregister(l.c, C.longlong(dev), p))
+}
+
+func (l *library) HostDevicePointer(dev int, mem []byte) (DevicePtr, error) {
+	const op = "cudaHostGetDevicePointer"
+	p, _, err := hostArg(op, mem)
+	if err != nil {
+		return 0, err
+	}
+	r := C.cp_host_device_pointer(l.c, C.longlong(dev), p)
+	if err := l.check(op, r); err != nil {
+		return 0, err
+	}
+	return DevicePtr(r.v), nil
+}
+
+// CopyPiece slices are handed to the trampolines as they lie in Go memory, so their
+// layout must be cp_piece's.
+const (
+	_ = uint(unsafe.Sizeof(CopyPiece{}) - C.sizeof_cp_piece)
+	_ = uint(C.sizeof_cp_piece - unsafe.Sizeof(CopyPiece{}))
+)
+
+func (l *library) MemcpyBatchAsync(dev int, pieces []CopyPiece, s Stream) error {
+	const op = "MemcpyBatchAsync"
+	if len(pieces) == 0 {
+		return nil
+	}
+	b, err := l.batchOn(dev)
+	if err != nil {
+		return err
+	}
+	ps := (*C.cp_piece)(unsafe.Pointer(unsafe.SliceData(pieces)))
+	n := C.uint64_t(len(pieces))
+	switch b.path {
+	case CopyPathKernel:
+		return l.check("cudaLaunchKernel (batch copy)", C.cp_batch_kernel(l.c, C.longlong(dev), C.uintptr_t(b.kernel), ps, n, C.uint(min(uint64(len(pieces)), b.blocks)), C.uintptr_t(s)))
+	case CopyPathBatch:
+		if s > 2 { // cudaMemcpyBatchAsync refuses the legacy and per-thread streams
+			return l.check("cudaMemcpyBatchAsync", C.cp_batch_memcpy(l.c, C.longlong(dev), ps, n, C.uintptr_t(s)))
+		}
+	}
+	return l.check("cudaMemcpyAsync (batch copy, one per piece)", C.cp_batch_pieces(l.c, C.longlong(dev), ps, n, C.uintptr_t(s)))
+}
+
+func (l *library) BatchCopyPath(dev int) (CopyPath, error) {
+	b, err := l.batchOn(dev)
+	if err != nil {
+		return 0, err
+	}
+	return b.path, nil
+}
+
+// batchCopy is how MemcpyBatchAsync copies on one device.
+type batchCopy struct {
+	path   CopyPath
+	kernel uintptr // the kernel's cudaKernel_t, for CopyPathKernel
+	blocks uint64  // the kernel's grid: 8 blocks of 256 threads per multiprocessor
+	why    string  // why the kernel is not used, where it is not
+}
+
+// batchOn is dev's batch copy, chosen on first use: the kernel if its library loads
+// (once per process: a library is loaded into every context), else
+// cudaMemcpyBatchAsync on a CUDA 13 runtime, else one copy per piece.
+func (l *library) batchOn(dev int) (*batchCopy, error) {
+	l.batchMu.Lock()
+	defer l.batchMu.Unlock()
+	if b, ok := l.batch[dev]; ok {
+		return b, nil
+	}
+	if dev < 0 || dev > math.MaxInt32 {
+		return nil, NewError("MemcpyBatchAsync", ErrInvalidDevice)
+	}
+	b := &batchCopy{path: CopyPathKernel}
+	if l.forcePath != 0 {
+		b.path = l.forcePath
+	}
+	if b.path == CopyPathKernel {
+		if l.kernel == 0 && l.kernelErr == nil {
+			ptx := C.CString(batchCopyPTX)
+			r := C.cp_load_batch_kernel(l.c, C.longlong(dev), ptx)
+			C.free(unsafe.Pointer(ptx))
+			if l.kernelErr = l.check("cudaLibraryLoadData (batch copy kernel)", r); l.kernelErr == nil {
+				l.kernel = uintptr(r.w)
+			}
+		}
+		sms, err := l.DeviceAttribute(dev, DevAttrMultiProcessorCount)
+		switch {
+		case l.kernelErr != nil:
+			b.path, b.why = CopyPathBatch, l.kernelErr.Error()
+		case err != nil:
+			return nil, err
+		default:
+			b.kernel, b.blocks = l.kernel, 8*uint64(max(sms, 1))
+		}
+	}
+	if b.path == CopyPathBatch {
+		if v, err := l.RuntimeVersion(); err != nil || v < 13000 {
+			b.path = CopyPathPieces // 12.8's cudaMemcpyBatchAsync takes another argument
+		}
+	}
+	if l.batch == nil {
+		l.batch = map[int]*batchCopy{}
+	}
+	l.batch[dev] = b
+	return b, nil
 }

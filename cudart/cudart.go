@@ -169,6 +169,7 @@ const (
 	DevAttrPciBusID                   DeviceAttr = 33
 	DevAttrPciDeviceID                DeviceAttr = 34
 	DevAttrPciDomainID                DeviceAttr = 50
+	DevAttrMultiProcessorCount        DeviceAttr = 16
 	DevAttrComputeCapabilityMajor     DeviceAttr = 75
 	DevAttrComputeCapabilityMinor     DeviceAttr = 76
 	DevAttrMemoryPoolsSupported       DeviceAttr = 115
@@ -271,4 +272,68 @@ type Runtime interface {
 	// (cudaMemcpyDefault through unified addressing).
 	MemcpyDtoDAsync(dev int, dst, src DevicePtr, n uint64, s Stream) error
 	MemsetAsync(dev int, dst DevicePtr, value byte, n uint64, s Stream) error
+
+	// HostRegister page-locks mem and maps it into the device address space
+	// (cudaHostRegister), for every device with HostRegisterPortable. mem must not be
+	// Go's memory (the garbage collector may free it): an mmap of a file or memfd. It
+	// stays registered until HostUnregister, which must not run before the work that
+	// touches it has. On failure nothing is registered.
+	HostRegister(dev int, mem []byte, flags HostRegisterFlags) error
+	// HostUnregister undoes HostRegister of the same mem.
+	HostUnregister(dev int, mem []byte) error
+	// HostDevicePointer is the device address of mem[0], which lies in memory
+	// registered with HostRegisterMapped (cudaHostGetDevicePointer).
+	HostDevicePointer(dev int, mem []byte) (DevicePtr, error)
+	// MemcpyBatchAsync queues every piece's copy on s in one call: on a GPU one launch
+	// of a gather/scatter kernel, else cudaMemcpyBatchAsync, else one copy per piece
+	// (BatchCopyPath says which). Each address is device memory or the device pointer
+	// of registered host memory; the pieces must not overlap where one writes, as they
+	// run in any order. The pieces slice may be reused once it returns. On failure,
+	// pieces of a call on the fallback paths may have been queued before it.
+	MemcpyBatchAsync(dev int, pieces []CopyPiece, s Stream) error
+	// BatchCopyPath says how MemcpyBatchAsync copies on dev, loading the kernel there
+	// on first use.
+	BatchCopyPath(dev int) (CopyPath, error)
+}
+
+// HostRegisterFlags is the flags argument of cudaHostRegister.
+type HostRegisterFlags uint32
+
+const (
+	HostRegisterDefault  HostRegisterFlags = 0x0
+	HostRegisterPortable HostRegisterFlags = 0x1 // pinned for every device, not only the current one
+	HostRegisterMapped   HostRegisterFlags = 0x2 // mapped into the device address space (HostDevicePointer)
+)
+
+// CopyPiece is one copy of a batch: Size bytes from Src to Dst, device addresses.
+type CopyPiece struct {
+	Dst, Src DevicePtr
+	Size     uint64
+}
+
+// CopyPath is how MemcpyBatchAsync copies.
+type CopyPath int
+
+const (
+	// CopyPathKernel: one launch of cudapool's batch copy kernel (cudart/kernels),
+	// loaded from PTX at run time. The software device's batches are one op, as
+	// this kernel's.
+	CopyPathKernel CopyPath = iota + 1
+	// CopyPathBatch: cudaMemcpyBatchAsync (CUDA 13), 4,096 pieces a call, where the
+	// kernel did not load.
+	CopyPathBatch
+	// CopyPathPieces: one cudaMemcpyAsync per piece, where neither is available.
+	CopyPathPieces
+)
+
+func (p CopyPath) String() string {
+	switch p {
+	case CopyPathKernel:
+		return "kernel"
+	case CopyPathBatch:
+		return "cudaMemcpyBatchAsync"
+	case CopyPathPieces:
+		return "one cudaMemcpyAsync per piece"
+	}
+	return fmt.Sprintf("CopyPath(%d)", int(p))
 }

@@ -23,6 +23,8 @@ const (
 	ErrInvalidResourceHandle Code = 400
 	ErrNotReady              Code = 600
 	ErrIllegalAddress        Code = 700
+	ErrHostAlreadyRegistered Code = 712
+	ErrHostNotRegistered     Code = 713
 	ErrNotPermitted          Code = 800
 	ErrNotSupported          Code = 801
 	ErrUnknown               Code = 999
@@ -41,6 +43,8 @@ var codeNames = map[Code][2]string{
 	ErrInvalidResourceHandle: {"cudaErrorInvalidResourceHandle", "invalid resource handle"},
 	ErrNotReady:              {"cudaErrorNotReady", "device not ready"},
 	ErrIllegalAddress:        {"cudaErrorIllegalAddress", "an illegal memory access was encountered"},
+	ErrHostAlreadyRegistered: {"cudaErrorHostMemoryAlreadyRegistered", "part or all of the requested memory range is already mapped"},
+	ErrHostNotRegistered:     {"cudaErrorHostMemoryNotRegistered", "pointer does not correspond to a registered memory region"},
 	ErrNotPermitted:          {"cudaErrorNotPermitted", "operation not permitted"},
 	ErrNotSupported:          {"cudaErrorNotSupported", "operation not supported"},
 	ErrUnknown:               {"cudaErrorUnknown", "unknown error"},

@@ -12,3 +12,16 @@ func CurrentDevice(rt Runtime) (int, error) {
 	}
 	return l.currentDevice()
 }
+
+// ForceBatchPath makes MemcpyBatchAsync of rt, a loaded runtime, copy by path p on
+// every device, so that a test can check each fallback on a GPU.
+func ForceBatchPath(rt Runtime, p CopyPath) error {
+	l, ok := rt.(*library)
+	if !ok {
+		return errors.New("cudart: ForceBatchPath needs a loaded runtime")
+	}
+	l.batchMu.Lock()
+	defer l.batchMu.Unlock()
+	l.forcePath, l.batch = p, nil
+	return nil
+}

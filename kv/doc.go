@@ -25,4 +25,14 @@
 // h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... || le32(tok[i*T+T-1]))[:16], with
 // h_{-1} = Root(namespace); only full pages have a hash. A hash names the whole prefix,
 // so equal hashes mean equal token prefixes (within a namespace).
+//
+// # Trust
+//
+// The slab is the unit of trust, as the pool is for shared buffers (docs/FACTS.md 2):
+// every replica of an owner maps that owner's whole slab read-write, and can read and
+// overwrite any page, sealed or not, of any namespace. The namespace only seeds the
+// prefix hashes, so that two models' equal tokens get different hashes; the owner does
+// not enforce it. Separate trust domains (tenants, models one must not corrupt the
+// other's cache) by running one owner per domain, each with a directory of its own
+// (kvpoold -dir) whose socket admits only that domain's processes.
 package kv

@@ -92,6 +92,12 @@ func (g Geometry) PageBytes() uint64 {
 	return uint64(g.TokensPerPage) * uint64(g.KVHeads) * uint64(g.HeadDim) * uint64(g.DType.Size())
 }
 
+// PageSpanBytes is one page in every layer's K and V, Layers*2*PageBytes(): what a
+// page holds of the slab (the page bytes of the API are one layer's K or V).
+func (g Geometry) PageSpanBytes() uint64 {
+	return uint64(g.Layers) * 2 * g.PageBytes()
+}
+
 // SlabBytes is the whole slab: Layers*2*Pages*PageBytes().
 func (g Geometry) SlabBytes() uint64 {
 	return uint64(g.Layers) * 2 * uint64(g.Pages) * g.PageBytes()
@@ -102,6 +108,8 @@ func (g Geometry) String() string {
 }
 
 // layouts are the named geometries, Pages left to the caller.
+// llama-0.85b: 16 layers, 8 KV heads of 64 elements, bf16, 16 tokens a page: a page's
+// bytes are 16 KiB (one layer's K), its span 512 KiB (every layer's K and V).
 var layouts = map[string]Geometry{
 	"llama-0.85b": {Layers: 16, KVHeads: 8, HeadDim: 64, TokensPerPage: 16, DType: DTypeBF16},
 }

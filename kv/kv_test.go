@@ -85,6 +85,7 @@ func TestGeometry(t *testing.T) {
 	g.Pages = 1000
 	require.NoError(t, g.Validate())
 	assert.Equal(t, uint64(16*8*64*2), g.PageBytes())
+	assert.Equal(t, 16*2*g.PageBytes(), g.PageSpanBytes(), "a page in every layer's K and V")
 	assert.Equal(t, uint64(16*2*1000*16384), g.SlabBytes())
 	s, err := g.Segments(MaxSegmentBytes)
 	require.NoError(t, err)

@@ -64,6 +64,40 @@ type DeviceStats struct {
 	Evictions  uint64 `json:"evictions"`
 	Seals      uint64 `json:"seals"`
 	Duplicates uint64 `json:"duplicates"`
+	// Host is the device's host tier; nil without one.
+	Host *HostStats `json:"host,omitempty"`
+}
+
+// HostStats is one device's host tier: pinned host memory holding sealed pages the
+// slab evicted (or is about to), and its counters since the owner started. A host page
+// is Free, Filling (a spill copy in flight into it) or Sealed; Twins counts the sealed
+// ones whose page is still visible in the slab too (copied ahead, or restored).
+type HostStats struct {
+	Bytes     uint64 `json:"bytes"`
+	Pages     int    `json:"pages"`
+	PageBytes uint64 `json:"page_bytes"` // one page: every layer's K and V
+	Free      int    `json:"free"`
+	Filling   int    `json:"filling"`
+	Sealed    int    `json:"sealed"`
+	Twins     int    `json:"twins"`
+	// Spills counts pages copied into the host tier, SpillBytes their bytes and
+	// SpillNanos the time from each batch's submission to its completion.
+	Spills     uint64 `json:"spills"`
+	SpillBytes uint64 `json:"spill_bytes"`
+	SpillNanos uint64 `json:"spill_ns"`
+	// Restores counts pages a match copied back into the slab, with their bytes and
+	// time likewise.
+	Restores     uint64 `json:"restores"`
+	RestoreBytes uint64 `json:"restore_bytes"`
+	RestoreNanos uint64 `json:"restore_ns"`
+	// Spilled counts pages the slab evicted whose bytes the host tier kept; Lost those
+	// it evicted with no copy there (gone from both tiers); Evictions the host pages
+	// evicted (gone).
+	Spilled   uint64 `json:"spilled"`
+	Lost      uint64 `json:"lost"`
+	Evictions uint64 `json:"evictions"`
+	// CopyPath is how the copies run (cudart.CopyPath): "kernel" on a GPU.
+	CopyPath string `json:"copy_path"`
 }
 
 // ReplicaStats is one connected replica.

@@ -51,6 +51,30 @@ var (
 		"Pages made visible by seals (and copies).", kvDeviceLabels)
 	kvDuplicates = counter("kv_duplicate_seals_total",
 		"Pages sealed under a hash that was visible already, and freed.", kvDeviceLabels)
+	kvHostPages = gauge("kv_host_pages",
+		"The host tier's pages by state: free, filling (a spill copy in flight into it), sealed (holding a page the slab evicted or is about to).", kvDeviceLabels, labelPageState)
+	kvHostBytes = gauge("kv_host_bytes",
+		"Size of each device's host tier of pinned host memory.", kvDeviceLabels)
+	kvHostTwins = gauge("kv_host_twin_pages",
+		"Sealed host pages whose page the slab still holds too (copied ahead, or restored).", kvDeviceLabels)
+	kvSpills = counter("kv_host_spills_total",
+		"Pages copied from the slab into the host tier.", kvDeviceLabels)
+	kvSpillBytes = counter("kv_host_spill_bytes_total",
+		"Bytes copied from the slab into the host tier.", kvDeviceLabels)
+	kvSpillSeconds = counter("kv_host_spill_seconds_total",
+		"Time the spill copies took, from each batch's submission to its completion.", kvDeviceLabels)
+	kvRestores = counter("kv_host_restores_total",
+		"Pages matches copied back from the host tier into the slab.", kvDeviceLabels)
+	kvRestoreBytes = counter("kv_host_restore_bytes_total",
+		"Bytes matches copied back from the host tier into the slab.", kvDeviceLabels)
+	kvRestoreSeconds = counter("kv_host_restore_seconds_total",
+		"Time the restore copies took, from each batch's submission to its completion.", kvDeviceLabels)
+	kvSpilled = counter("kv_host_spilled_total",
+		"Pages the slab evicted whose bytes the host tier kept.", kvDeviceLabels)
+	kvLost = counter("kv_host_lost_total",
+		"Pages the slab evicted with no copy in the host tier: gone from both tiers.", kvDeviceLabels)
+	kvHostEvictions = counter("kv_host_evictions_total",
+		"Host pages evicted to make room: gone.", kvDeviceLabels)
 	kvReplicaLeases = gauge("kv_replica_leases",
 		"Leases a replica holds.", kvReplicaLabels)
 	kvReplicaPages = gauge("kv_replica_pages",
@@ -107,6 +131,9 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		}{{kvHits, d.Hits}, {kvMisses, d.Misses}, {kvCopied, d.Copied}, {kvEvictions, d.Evictions}, {kvSeals, d.Seals}, {kvDuplicates, d.Duplicates}} {
 			sendCounter(ch, cn.desc, float64(cn.v), dl)
 		}
+		if h := d.Host; h != nil {
+			collectHostTier(ch, h, dl)
+		}
 	}
 	// A process may hold a replica per device, or several on one (one series each
 	// pid and device, summed).
@@ -127,5 +154,25 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		rl := []string{c.dir, strconv.Itoa(k.pid), strconv.Itoa(k.dev)}
 		send(ch, kvReplicaLeases, float64(sums[k].Leases), rl)
 		send(ch, kvReplicaPages, float64(sums[k].Pages), rl)
+	}
+}
+
+// collectHostTier sends the series of one device's host tier, labelled dl.
+func collectHostTier(ch chan<- prometheus.Metric, h *kv.HostStats, dl []string) {
+	send(ch, kvHostBytes, float64(h.Bytes), dl)
+	for _, s := range []struct {
+		state string
+		n     int
+	}{{"free", h.Free}, {"filling", h.Filling}, {"sealed", h.Sealed}} {
+		send(ch, kvHostPages, float64(s.n), dl, s.state)
+	}
+	send(ch, kvHostTwins, float64(h.Twins), dl)
+	for _, cn := range []struct {
+		desc *prometheus.Desc
+		v    float64
+	}{{kvSpills, float64(h.Spills)}, {kvSpillBytes, float64(h.SpillBytes)}, {kvSpillSeconds, float64(h.SpillNanos) / 1e9},
+		{kvRestores, float64(h.Restores)}, {kvRestoreBytes, float64(h.RestoreBytes)}, {kvRestoreSeconds, float64(h.RestoreNanos) / 1e9},
+		{kvSpilled, float64(h.Spilled)}, {kvLost, float64(h.Lost)}, {kvHostEvictions, float64(h.Evictions)}} {
+		sendCounter(ch, cn.desc, cn.v, dl)
 	}
 }

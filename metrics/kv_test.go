@@ -19,7 +19,8 @@ var kvStats = kv.Stats{
 	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960, Segments: []uint64{30720, 10240}},
 	Devices: []kv.DeviceStats{
 		{Device: 0, Pages: 10, Free: 4, Writing: 1, Sealing: 2, Sealed: 2, Settling: 1, Leased: 1, Releasing: 1, Hits: 5, Misses: 6, Copied: 0, Evictions: 7, Seals: 8, Duplicates: 9},
-		{Device: 1, Pages: 10, Free: 10, Copied: 3, Seals: 3},
+		{Device: 1, Pages: 10, Free: 10, Copied: 3, Seals: 3, Host: &kv.HostStats{Bytes: 1 << 20, Pages: 4, Free: 1, Filling: 1, Sealed: 2, Twins: 1,
+			Spills: 3, SpillBytes: 3 << 18, SpillNanos: 2e9, Restores: 1, RestoreBytes: 1 << 18, RestoreNanos: 5e8, Spilled: 2, Lost: 1, Evictions: 1}},
 	},
 	Replicas: []kv.ReplicaStats{{PID: 100, Device: 1, Leases: 1, Pages: 2}, {PID: 100, Device: 1, Leases: 2, Pages: 3}, {PID: 101, Device: 0, Leases: 1, Pages: 1}},
 }
@@ -61,6 +62,24 @@ cudapool_kv_up{kv_dir="/run/kv"} 1
 `
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want),
 		"cudapool_kv_pages", "cudapool_kv_evictions_total", "cudapool_kv_replica_pages", "cudapool_kv_slab_bytes", "cudapool_kv_slab_segments", "cudapool_kv_up"))
+
+	// Only device 1 has a host tier.
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(`
+# HELP cudapool_kv_host_pages The host tier's pages by state: free, filling (a spill copy in flight into it), sealed (holding a page the slab evicted or is about to).
+# TYPE cudapool_kv_host_pages gauge
+cudapool_kv_host_pages{device="1",kv_dir="/run/kv",state="filling"} 1
+cudapool_kv_host_pages{device="1",kv_dir="/run/kv",state="free"} 1
+cudapool_kv_host_pages{device="1",kv_dir="/run/kv",state="sealed"} 2
+# HELP cudapool_kv_host_spill_seconds_total Time the spill copies took, from each batch's submission to its completion.
+# TYPE cudapool_kv_host_spill_seconds_total counter
+cudapool_kv_host_spill_seconds_total{device="1",kv_dir="/run/kv"} 2
+# HELP cudapool_kv_host_restores_total Pages matches copied back from the host tier into the slab.
+# TYPE cudapool_kv_host_restores_total counter
+cudapool_kv_host_restores_total{device="1",kv_dir="/run/kv"} 1
+# HELP cudapool_kv_host_evictions_total Host pages evicted to make room: gone.
+# TYPE cudapool_kv_host_evictions_total counter
+cudapool_kv_host_evictions_total{device="1",kv_dir="/run/kv"} 1
+`), "cudapool_kv_host_pages", "cudapool_kv_host_spill_seconds_total", "cudapool_kv_host_restores_total", "cudapool_kv_host_evictions_total"))
 
 	down := metrics.NewKVCollector("/run/kv", func() (kv.Stats, error) { return kv.Stats{}, errors.New("no owner") })
 	require.NoError(t, testutil.CollectAndCompare(down, strings.NewReader(`

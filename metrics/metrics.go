@@ -25,6 +25,9 @@
 //	cudapool_peer_{info,leases,grants,leased_bytes,connect_time_seconds,awaiting_exit}
 //	cudapool_kv_{up,info,slab_pages,slab_bytes,slab_segments,pages,leased_pages,releasing_pages,hits_total,
 //	  misses_total,copied_pages_total,evictions_total,seals_total,duplicate_seals_total,
+//	  host_bytes,host_pages,host_twin_pages,host_spills_total,host_spill_bytes_total,
+//	  host_spill_seconds_total,host_restores_total,host_restore_bytes_total,
+//	  host_restore_seconds_total,host_spilled_total,host_lost_total,host_evictions_total,
 //	  replica_leases,replica_pages}
 //
 // Register the collectors with a prometheus.Registerer and serve it with promhttp.

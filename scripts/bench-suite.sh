@@ -12,7 +12,7 @@
 #	torch      bench/torchbench.py (issue 10's rows)
 #	KV pool    bin/gpu/gosuite kv and kv-restart (Go) and bench/kvbench.py (Python, over
 #	           bin/gpu/libcudapool.so and a bin/gpu/kvpoold of its own): issue 18's
-#	           match and page-rate rows
+#	           match and page-rate rows; bin/gpu/gosuite kvtier: issue 24's host tier
 #
 # First, with nothing else of the suite running, the allocation ring: C, Go and
 # cuda.core in one process each, pinned to the same CPU (ALLOC_CPU), taking turns one
@@ -277,6 +277,9 @@ part gosuite-kv 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -kv
 # 32k prompt (issue 24): a part of its own, so that its processes' starts do not eat
 # the kv rows' time.
 part gosuite-kv-restart 45 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kv-restart
+# The host tier (issue 24): a 32,768-token prompt evicted to it and restored, bytes
+# checked (kv/host/restore32k), and the spills' GB/s (kv/host/spill).
+part gosuite-kvtier 90 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kvtier
 part kvbench 120 "${wide[@]}" env PYTHONUNBUFFERED=1 CUDAPOOL_LIB="${CUDAPOOL_LIB:-$bin/libcudapool.so}" \
 	python3 bench/kvbench.py "${pyquick[@]}" --runtime "$rt" --kvpoold "${CUDAPOOL_KVPOOLD:-$bin/kvpoold}"
 

@@ -25,7 +25,7 @@ src=${GPU_BIN:-bin/gpu}
 # build-gpu.sh compresses the commands; gpu-check.sh may have unpacked them already.
 . scripts/unpack.sh
 unpack "$src" || exit 2
-for c in kvshare producer consumer poolstat kvpoold; do
+for c in kvshare poolstat kvpoold; do
 	if [ ! -f "$src/$c" ]; then
 		echo "no $src/$c: run scripts/build-gpu.sh" >&2
 		exit 2
@@ -83,15 +83,15 @@ wait_for() {
 
 echo "== poolstat: a producer and two holding consumers (GPU 0 and GPU $other)"
 sock=$CUDAPOOL_DIR/kv.sock
-"$bin/producer" -runtime "$runtime" -socket "$sock" -tokens 4096 >"$work/producer.log" 2>&1 &
+"$bin/kvshare" producer -runtime "$runtime" -socket "$sock" -tokens 4096 >"$work/producer.log" 2>&1 &
 producer=$!
 wait_for "the producer's socket" test -S "$sock"
 step producer-up $?
 mkfifo "$work/a.in" "$work/b.in"
-"$bin/consumer" -runtime "$runtime" -socket "$sock" -hold -device 0 <"$work/a.in" >"$work/a.log" 2>&1 &
+"$bin/kvshare" consumer -runtime "$runtime" -socket "$sock" -hold -device 0 <"$work/a.in" >"$work/a.log" 2>&1 &
 a=$!
 exec 7>"$work/a.in"
-"$bin/consumer" -runtime "$runtime" -socket "$sock" -hold -device "$other" <"$work/b.in" >"$work/b.log" 2>&1 &
+"$bin/kvshare" consumer -runtime "$runtime" -socket "$sock" -hold -device "$other" <"$work/b.in" >"$work/b.log" 2>&1 &
 b=$!
 exec 8>"$work/b.in"
 wait_for "both consumers' leases" bash -c "[ \"\$(leases_of $a)\" = 1 ] && [ \"\$(leases_of $b)\" = 1 ]"

@@ -174,6 +174,7 @@ func percentile(v []float64, q float64) float64 {
 //	                              release: "samples US..." (the Match alone, in us)
 //	rate B WINDOW-US              alloc+seal+match+release batches of B pages for the
 //	                              window: "pages N SECONDS"
+//	tierprep N SEED, tierevict N, tiermatch   the host tier's rows (kvtier.go)
 func kvReplicaMain(args []string) int {
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvreplica:", err); return 1 }
 	if len(args) != 2 {
@@ -197,7 +198,7 @@ func kvReplicaMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvLoad{r: rp, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed}
+	k := &kvLoad{r: rp, rt: rt, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed}
 	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return k.obey(ctx, strings.Fields(line)) }, fail)
 }
 
@@ -230,11 +231,14 @@ func serveReplica(ctx context.Context, rp *replica.Replica, rt cudart.Runtime, s
 // kvLoad is a replica process's side of the kv rows.
 type kvLoad struct {
 	r      *replica.Replica
+	rt     cudart.Runtime
 	s      cudart.Stream
 	tokens []int32   // the prepared chain's
 	chain  []kv.Hash // its hashes
 	seq    uint64    // the counter the rate's hashes are made of
 	dialed time.Duration
+
+	tierChain []kv.Hash // the host tier rows' prompt (kvtier.go)
 }
 
 func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
@@ -255,6 +259,12 @@ func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
 		return k.latency(ctx, nums[1], nums[2], nums[3] == 1)
 	case f[0] == "rate" && len(nums) == 2:
 		return k.rate(ctx, nums[0], time.Duration(nums[1])*time.Microsecond)
+	case f[0] == "tierprep" && len(nums) == 2:
+		return "prepared", k.tierPrep(ctx, nums[0], nums[1])
+	case f[0] == "tierevict" && len(nums) == 1:
+		return "evicted", k.tierEvict(ctx, nums[0])
+	case f[0] == "tiermatch" && len(nums) == 0:
+		return k.tierMatch(ctx)
 	}
 	return "", fmt.Errorf("unknown command %q", f)
 }
@@ -267,16 +277,27 @@ func (k *kvLoad) prepare(ctx context.Context, n int) error {
 		k.tokens[i] = int32(i*7919) + int32(k.seq>>32)
 	}
 	k.chain = k.r.Hashes(k.tokens)
-	l, err := k.r.Alloc(ctx, n)
+	return k.sealed(ctx, k.chain, nil)
+}
+
+// sealed allocs a page for each hash, has write queue their bytes on k.s (nil: none),
+// and seals them, waiting until all are visible.
+func (k *kvLoad) sealed(ctx context.Context, hashes []kv.Hash, write func(pages []uint32) error) error {
+	l, err := k.r.Alloc(ctx, len(hashes))
 	if err != nil {
 		return err
 	}
-	res, err := k.r.Seal(ctx, l, k.chain, k.s, replica.WaitVisible())
+	if write != nil {
+		if err := write(l.Pages()); err != nil {
+			return err
+		}
+	}
+	res, err := k.r.Seal(ctx, l, hashes, k.s, replica.WaitVisible())
 	if err != nil {
 		return err
 	}
-	if res.Visible != n {
-		return fmt.Errorf("sealed %+v, want %d visible", res, n)
+	if res.Visible != len(hashes) {
+		return fmt.Errorf("sealed %+v, want %d visible", res, len(hashes))
 	}
 	return nil
 }

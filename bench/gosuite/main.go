@@ -129,8 +129,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv\n"+
-			"       gosuite [-runtime ...] [-quick] kv-restart")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier|kv-restart   (kvtier: the host tier's rows; kv-restart: the page server's restart)")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -143,7 +142,7 @@ func run() int {
 		return usage(fmt.Sprintf("-kv-bytes %q: want a size such as 100GiB", *kvBytes))
 	}
 	switch mode {
-	case "all", "granularity", "kv", "kv-restart":
+	case "all", "granularity", "kv", "kvtier", "kv-restart":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -204,20 +203,20 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
-	case "kv":
-		fmt.Printf("# gosuite kv: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
+	case "kv", "kvtier", "kv-restart":
+		fmt.Printf("# gosuite %s: %s; GOMAXPROCS=%d\n", mode, why, runtime.GOMAXPROCS(0))
 		sh := fullShape
 		if *quick {
 			sh = quickShape
 		}
-		kvRows(r, rt, picked.OnGPU, sh, slab)
-	case "kv-restart":
-		fmt.Printf("# gosuite kv-restart: %s; GOMAXPROCS=%d\n", why, runtime.GOMAXPROCS(0))
-		sh := fullShape
-		if *quick {
-			sh = quickShape
+		switch mode {
+		case "kv":
+			kvRows(r, rt, picked.OnGPU, sh, slab)
+		case "kvtier":
+			kvTierRows(r, rt, picked.OnGPU, sh)
+		default:
+			kvRestartRow(r, picked.OnGPU, sh)
 		}
-		kvRestartRow(r, picked.OnGPU, sh)
 	}
 	if err := choose.Violations(rt); err != nil {
 		fmt.Fprintln(os.Stderr, "gosuite: the software device saw rule violations:", err)

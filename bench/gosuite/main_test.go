@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -331,17 +332,33 @@ func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
 // The kv rows, few samples, on the software device: each is reported once with the
 // samples its shape asks for, and nothing fails.
 func TestKVRowsOnSoftwareDevice(t *testing.T) {
+	sh := quickShape
+	by, got, out := softwareRows(t, func(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
+		kvRows(r, rt, onGPU, sh, 8<<30) // 2 segments
+	}, sh)
+	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
+		"kv/pages/b64": sh.rounds, "kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds}
+	assert.Len(t, got, len(want))
+	for op, n := range want {
+		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
+	}
+	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out)
+	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 2 segments of 4.0 GiB) on device 0, mapped by 4 replica processes")}, by["meta"])
+}
+
+// softwareRows runs rows with shape sh on the software device and returns the lines
+// by kind, each result's sample count by op, and the whole output, once it has
+// checked that no row failed, every median is positive and no rule was broken.
+func softwareRows(t *testing.T, rows func(*reporter, cudart.Runtime, bool, shape), sh shape) (map[string][][]string, map[string]string, string) {
+	t.Helper()
 	picked, err := choose.Runtime(choose.Software)
 	require.NoError(t, err)
 	var out strings.Builder
 	r := &reporter{w: &out}
-	sh := quickShape
-	kvRows(r, picked.Runtime, false, sh, 8<<30) // 2 segments
+	rows(r, picked.Runtime, false, sh)
 	require.NoError(t, choose.Violations(picked.Runtime), "the software device saw violations")
 	by := lines(t, out.String())
-	assert.Empty(t, by["fail"], "failures:\n%s", out.String())
-	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
-		"kv/pages/b64": sh.rounds, "kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds}
+	require.Empty(t, by["fail"], "failures:\n%s", out.String())
 	got := map[string]string{}
 	for _, f := range by["result"] {
 		require.Len(t, f, 7, "result line %q", f)
@@ -350,12 +367,17 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 		require.NoError(t, err)
 		assert.Positive(t, median, f[2])
 	}
-	assert.Len(t, got, len(want))
-	for op, n := range want {
-		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
-	}
-	assert.Len(t, by["#"], 3, "two percentile lines and the owner's figures:\n%s", out.String())
-	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 2 segments of 4.0 GiB) on device 0, mapped by 4 replica processes")}, by["meta"])
+	return by, got, out.String()
+}
+
+// The host tier's rows, on the software device: each cycle's prompt is evicted,
+// restored byte-exact and reported, and nothing fails.
+func TestKVTierRowsOnSoftwareDevice(t *testing.T) {
+	sh := quickShape
+	by, got, out := softwareRows(t, kvTierRows, sh)
+	assert.Equal(t, map[string]string{"kv/host/restore32k": strconv.Itoa(sh.rounds), "kv/host/spill": strconv.Itoa(sh.rounds)}, got)
+	require.Len(t, by["#"], 1, "the host tier's figures:\n%s", out)
+	assert.Contains(t, strings.Join(by["#"][0], " "), "0 lost", "a page was lost:\n%s", out)
 }
 
 // A measurement the host has too few GPUs for is not run, and says so, unless

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <stdint.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +79,8 @@ static void live(char *self) {
 	CHECKF(size == 4096, "mapping b has %llu bytes, want 4096", (unsigned long long)size);
 	cudapool_mapping dup[2] = {m[0], m[0]};
 	EXPECT(cudapool_importer_release_all(imp, dup, 2, NULL, 10000), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_importer_release_all(imp, dup, SIZE_MAX, NULL, 10000), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_importer_open_all(imp, names, SIZE_MAX, NULL, 10000, m), CUDAPOOL_EINVAL);
 	oo.flags = CUDAPOOL_OPEN_REPLICA;
 	EXPECT(cudapool_importer_open(imp, "a", NULL, &oo, 10000, &replica), CUDAPOOL_OK);
 	EXPECT(cudapool_importer_open(imp, "a", NULL, NULL, 10000, NULL), CUDAPOOL_EINVAL);
@@ -204,6 +207,12 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_pool_create(0, &o, &pool), CUDAPOOL_EINVAL);
 	o.peer_count = -1;
 	EXPECT(cudapool_pool_create(0, &o, &pool), CUDAPOOL_EINVAL);
+	int one_peer[1] = {0};
+	o.peer_devices = one_peer;
+	o.peer_count = INT_MAX; // N6: a count no device list has, checked before it is read
+	EXPECT(cudapool_pool_create(0, &o, &pool), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_torch_configure(&o), CUDAPOOL_EINVAL);
+	o.peer_devices = NULL;
 	o.peer_count = 0;
 	o.handle_type = 77;
 	EXPECT(cudapool_pool_create(0, &o, &pool), CUDAPOOL_EINVAL);
@@ -226,7 +235,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_alloc((cudapool_pool){0}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_alloc((cudapool_pool){0xdeadbeefcafe}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_alloc((cudapool_pool){pool.h + 1}, 1 << 20, NULL, 0, &p), CUDAPOOL_EHANDLE);
-	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, -1, &p), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, -2, &p), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, 0, &p), CUDAPOOL_OK);
 	EXPECT(cudapool_alloc(pool, 1 << 20, NULL, 0, &q), CUDAPOOL_OK);
 	EXPECT(cudapool_free(NULL, NULL), CUDAPOOL_EINVAL);
@@ -253,6 +262,11 @@ int main(int argc, char **argv) {
 	lo.flags = 0;
 	lo.uid_count = 2; // with no allow_uids
 	EXPECT(cudapool_exporter_listen("/tmp/x.sock", &lo, &ex), CUDAPOOL_EINVAL);
+	uint32_t one_uid[1] = {0};
+	lo.allow_uids = one_uid;
+	lo.uid_count = SIZE_MAX;
+	EXPECT(cudapool_exporter_listen("/tmp/x.sock", &lo, &ex), CUDAPOOL_EINVAL);
+	lo.allow_uids = NULL;
 	lo.uid_count = 0;
 	lo.max_grants = -1;
 	EXPECT(cudapool_exporter_listen("/tmp/x.sock", &lo, &ex), CUDAPOOL_EINVAL);
@@ -283,6 +297,7 @@ int main(int argc, char **argv) {
 	cudapool_publish_entry es[2] = {{"pa", p, 0, NULL, 0}, {"pb", (void *)0x1234, 0, NULL, 0}};
 	EXPECT(cudapool_exporter_publish_all(ex, es, 0, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_exporter_publish_all(ex, es, CUDAPOOL_MAX_BATCH + 1, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_publish_all(ex, es, SIZE_MAX, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_exporter_publish_all(ex, es, 2, NULL), CUDAPOOL_EPOINTER);
 	EXPECT(cudapool_exporter_unpublish(ex, "pa"), CUDAPOOL_ENOTFOUND); // all or none
 	EXPECT(cudapool_exporter_publish((cudapool_exporter){pool.h}, "a", p, 0, NULL, NULL, 0), CUDAPOOL_EHANDLE); // a pool's handle
@@ -290,7 +305,15 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_exporter_publish(ex, "a", p, 0, NULL, NULL, 0), CUDAPOOL_EEXIST);
 	EXPECT(cudapool_exporter_unpublish(ex, "nope"), CUDAPOOL_ENOTFOUND);
 	EXPECT(cudapool_exporter_push(ex, 1, "a", 1000), CUDAPOOL_ENOTFOUND); // no such peer
-	EXPECT(cudapool_exporter_push(ex, 1, "a", -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_push(ex, 1, "a", -2), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_push(ex, 1, "a", INT64_MIN), CUDAPOOL_EINVAL);
+	// CUDAPOOL_NO_WAIT: the wait flag is off, so an exporter not there yet is EGONE at once.
+	cudapool_dial_options wait_opts;
+	cudapool_dial_options_default(&wait_opts);
+	wait_opts.flags = CUDAPOOL_DIAL_WAIT_FOR_EXPORTER;
+	cudapool_importer nobody;
+	EXPECT(cudapool_importer_dial("/tmp/cudapool-abi-nobody.sock", 0, &wait_opts, CUDAPOOL_NO_WAIT, &nobody),
+	       CUDAPOOL_EGONE);
 	EXPECT(cudapool_exporter_state(ex, buf, 4, &len), CUDAPOOL_ERANGE);
 	checks++;
 	if (len <= 4) {
@@ -310,7 +333,7 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_importer_dial("/nonexistent/x.sock", 0, &dopts, 100, &imp), CUDAPOOL_ETIMEOUT);
 	dopts.flags = 0x40;
 	EXPECT(cudapool_importer_dial(sock, 0, &dopts, 1000, &imp), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_importer_dial(sock, 0, NULL, -1, &imp), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_importer_dial(sock, 0, NULL, -2, &imp), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 1000, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_dial(sock, 0, NULL, 5000, &imp), CUDAPOOL_ENOTSUP); // its own export
 	CHECKF(strstr(cudapool_last_error(), "own") != NULL, "own export: %s", cudapool_last_error());

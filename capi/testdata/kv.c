@@ -29,7 +29,13 @@ int main(void) {
 	EXPECT(cudapool_kv_dial(NULL, 0, "c", 1, 0, 60000, &r), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_dial(dir, 0, NULL, 1, 0, 60000, &r), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0x10, 60000, &r), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0, -1, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, 0, -2, &r), CUDAPOOL_EINVAL);
+	// N6: lengths are checked before anything is read (SIZE_MAX aborted the process,
+	// 2^32+3 cut the namespace to 3 bytes).
+	EXPECT(cudapool_kv_dial(dir, 0, "c", SIZE_MAX, 0, 60000, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "abc", ((size_t)1 << 32) + 3, 0, 60000, &r), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_dial(dir, 0, "c", CUDAPOOL_KV_MAX_NAMESPACE + 1, 0, 60000, &r), CUDAPOOL_EINVAL);
+	CHECK(r.h == 0);
 	EXPECT(cudapool_kv_dial(dir, 0, "c", 1, CUDAPOOL_KV_WAIT_FOR_OWNER, 60000, &r), CUDAPOOL_OK);
 	if (r.h == 0) {
 		fprintf(stderr, "no replica: %s\n", cudapool_last_error());
@@ -44,6 +50,8 @@ int main(void) {
 	CHECK(g.dtype == CUDAPOOL_KV_BF16 && g.dtype_size == 2 && g.pages == PAGES && g.device == 0);
 	CHECK(g.page_bytes == (uint64_t)T * 8 * 64 * 2);
 	CHECK(g.slab_bytes == 16ull * 2 * PAGES * g.page_bytes);
+	CHECK(g.page_span_bytes == 16ull * 2 * g.page_bytes);
+	CHECK(g.slab_bytes == PAGES * g.page_span_bytes);
 	// The slab is 6 segments (kvpoold -segment-bytes 3MiB): 6 tensors of 512 KiB each,
 	// but the last, of 2.
 	CHECK(g.segments == 6 && g.segment_bound == 3u << 20);
@@ -93,6 +101,15 @@ int main(void) {
 	CHECK(n == 0);
 	EXPECT(cudapool_kv_hashes(r, tokens, N * T + 5, hashes, N, &n), CUDAPOOL_OK);
 	CHECK(n == N);
+	// N6: a token count no memory holds is refused, *n_hashes untouched (SIZE_MAX gave
+	// OK with 0 hashes, 2^63+64 EINTERNAL and garbage).
+	n = 12345;
+	EXPECT(cudapool_kv_hashes(r, tokens, SIZE_MAX, hashes, N, &n), CUDAPOOL_EINVAL);
+	CHECK(n == 12345);
+	EXPECT(cudapool_kv_hashes(r, tokens, ((size_t)1 << 63) + 64, hashes, N, &n), CUDAPOOL_EINVAL);
+	CHECK(n == 12345);
+	EXPECT(cudapool_kv_hashes(r, tokens, N * T + 5, hashes, SIZE_MAX, &n), CUDAPOOL_OK); // room is the caller's word
+	CHECK(n == N);
 
 	// Alloc, write layer 5's V of the first page, seal.
 	uint64_t w = 0, m = 0;
@@ -131,6 +148,9 @@ int main(void) {
 	two[1] = m;
 	EXPECT(cudapool_kv_release(r, two, 2, NULL, 10000), CUDAPOOL_ESTALE);
 	EXPECT(cudapool_kv_release(r, NULL, 1, NULL, 10000), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_release(r, &m, SIZE_MAX, NULL, 10000), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_match(r, hashes, SIZE_MAX, NULL, 10000, &m, got, &n), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_seal(r, m, hashes, SIZE_MAX, NULL, 1, 10000, &visible, &dup), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_OK);
 	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_ESTALE);
 	EXPECT(cudapool_kv_release(r, &w, 1, NULL, 10000), CUDAPOOL_ESTALE); // sealed: the lease ended
@@ -171,7 +191,8 @@ int main(void) {
 	EXPECT(cudapool_kv_reattaches(r, &reattaches), CUDAPOOL_OK);
 	CHECK(reattaches == 0);
 	EXPECT(cudapool_kv_wait_attached(r, 0), CUDAPOOL_OK); // attached: at once
-	EXPECT(cudapool_kv_wait_attached(r, -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_wait_attached(r, CUDAPOOL_NO_WAIT), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_wait_attached(r, -2), CUDAPOOL_EINVAL);
 
 	// Handles.
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
@@ -182,7 +203,7 @@ int main(void) {
 	bad.h = pool.h; // a live handle of another kind
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_pool_close(pool, 1, 10000), CUDAPOOL_OK);
-	EXPECT(cudapool_kv_close(r, -1), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_close(r, -2), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_OK);
 	EXPECT(cudapool_kv_close(r, 10000), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_kv_alloc(r, 1, 10000, &w, pages), CUDAPOOL_EHANDLE);

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 )
@@ -25,11 +26,9 @@ import (
 // none is alive and, on a clean stop, stops it (unless -leave-keeper). It stops on
 // SIGTERM or SIGINT, or once no process has mapped the slabs for -keeper-idle.
 
-// keeperCloseTimeout bounds how long a stopping keeper waits for the replicas to unmap
-// its slabs. It is short: the slab a replica still maps stays until it unmaps it
-// (producer's Close frees nothing a consumer holds), and the kvpoold that stops a keeper
-// of another geometry waits for it.
-const keeperCloseTimeout = 2 * time.Second
+// keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
+// stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
+const keeperStopMargin = 5 * time.Second
 
 // keeperCommand makes the command that runs `kvpoold keeper ARGS`: this executable.
 // The tests replace it.
@@ -50,12 +49,32 @@ func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
 	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
 		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
 		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
-		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String()}
+		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
+}
+
+// keeperChild is the keeper this kvpoold started: its exit status is known here once
+// it has exited (exitAbandoned: replicas still mapped the slabs when it stopped).
+type keeperChild struct {
+	pid    int
+	exited chan struct{}
+	err    error // cmd.Wait's, once exited is closed
+}
+
+// status is the keeper's exit status once it has exited (-1 for a signal).
+func (k *keeperChild) status() int {
+	var ee *exec.ExitError
+	if errors.As(k.err, &ee) {
+		return ee.ExitCode()
+	}
+	if k.err != nil {
+		return -1
+	}
+	return 0
 }
 
 // startKeeper starts the keeper in a session of its own and waits, until ctx ends, for
-// it to say it keeps the slabs (a line on its fd 3).
-func startKeeper(stderr io.Writer, args []string) func(ctx context.Context) error {
+// it to say it keeps the slabs (a line on its fd 3); started is the last it started.
+func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ctx context.Context) error {
 	return func(ctx context.Context) error {
 		cmd, err := keeperCommand(args)
 		if err != nil {
@@ -74,8 +93,12 @@ func startKeeper(stderr io.Writer, args []string) func(ctx context.Context) erro
 		if err != nil {
 			return err
 		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }() // reaps it if it ends before this process
+		kc := &keeperChild{pid: cmd.Process.Pid, exited: make(chan struct{})}
+		*started = kc
+		go func() { // reaps it if it ends before this process
+			kc.err = cmd.Wait()
+			close(kc.exited)
+		}()
 		line := make(chan string, 1)
 		go func() {
 			s, _ := bufio.NewReader(rd).ReadString('\n') // an early end is told by the exit below
@@ -86,7 +109,8 @@ func startKeeper(stderr io.Writer, args []string) func(ctx context.Context) erro
 			if l == "ready" {
 				return nil
 			}
-			return fmt.Errorf("the keeper (pid %d) exited before keeping the slabs: %v", cmd.Process.Pid, <-exited)
+			<-kc.exited
+			return fmt.Errorf("the keeper (pid %d) exited before keeping the slabs: %v", cmd.Process.Pid, kc.err)
 		case <-ctx.Done():
 			_ = cmd.Process.Kill() // cleanup: the wait's end is the error returned
 			return fmt.Errorf("the keeper (pid %d) did not start: %w", cmd.Process.Pid, ctx.Err())
@@ -157,11 +181,16 @@ func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 	if idleFor(ctx, k, f.keeperIdle) {
 		fmt.Fprintf(stderr, "kvpoold keeper: no process has mapped the slabs of %s for %v: they are freed\n", f.dir, f.keeperIdle)
 	}
-	cctx, cancel := context.WithTimeout(context.Background(), keeperCloseTimeout)
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
-	if err := errors.Join(k.Close(cctx), choose.Violations(picked.Runtime)); err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", err)
-		return 1
+	closeErr, broken := k.Close(cctx), choose.Violations(picked.Runtime)
+	switch {
+	case closeErr == nil && broken == nil:
+		return exitOK
+	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
+		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
+		return exitAbandoned
 	}
-	return 0
+	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
 }

@@ -10,15 +10,27 @@
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
 // export), and prints one line saying where and on which runtime. -devices defaults to
-// every GPU, or device 0 on the software device. Exactly one of -pages (the page count)
-// and -bytes (each slab's size, e.g. 100GiB, rounded down to whole pages) says how much
-// it serves. A slab is several allocations (segments) of at most -segment-bytes each
-// (default and most 4 GiB, kv.MaxSegmentBytes: a replica cannot import larger ones; a
-// smaller bound is for tests), each layer's K and V whole in one of them; a geometry
-// whose one tensor is larger than that, or a slab larger than a device's free memory, is
-// refused at start. A second kvpoold on a DIR that a live one serves fails, naming it.
-// Exit status: 0 after a clean stop, 1 on failure (also when the keeper died: the cache
-// is gone, and a supervisor should start kvpoold again), 2 for a bad command line.
+// every GPU, or device 0 on the software device. Exactly one of -pages (the page count,
+// at least 1) and -bytes (each slab's size, e.g. 100GiB, rounded down to whole pages)
+// says how much it serves. A slab is several allocations (segments) of at most
+// -segment-bytes each (default and most 4 GiB, kv.MaxSegmentBytes: a replica cannot
+// import larger ones; a smaller bound is for tests), each layer's K and V whole in one
+// of them; a geometry whose one tensor is larger than that, or a slab larger than a
+// device's free memory, is refused at start. A second kvpoold on a DIR that a live one
+// serves fails, naming it.
+//
+// SIGTERM or Ctrl-C stops it: every replica is told at once (its Done closes, Python's
+// alive turns False), and kvpoold waits up to -stop-wait (default 10s) for them to unmap
+// its slabs; a second signal stops it at once. Exit status:
+//
+//	0  a clean stop: every replica let go of the slabs within -stop-wait
+//	1  a failure (at start, or the runtime reported broken rules at the stop)
+//	2  a bad command line
+//	3  stopped, but replicas still mapped a slab when -stop-wait ended: each slab's
+//	   memory goes back to the driver once its last replica unmaps it or exits
+//
+// A replica that is told of the stop should close (release, unmap); one that keeps
+// the mapping past the wait makes the stop status 3, not 1: kvpoold did its part.
 //
 // The slabs live in a keeper, `kvpoold keeper` (the same flags), which kvpoold starts
 // in a session of its own where none serves DIR, so that they outlive kvpoold: a
@@ -28,7 +40,8 @@
 // back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
 // fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no process
 // has mapped for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
-// gone with it. docs/kvpoold.service runs it under systemd.
+// gone with it. When the keeper dies, kvpoold exits with status 1: the cache is gone,
+// and a supervisor should start it again (docs/kvpoold.service runs it under systemd).
 package main
 
 import (
@@ -49,8 +62,10 @@ import (
 
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/pool"
 )
 
 func main() {
@@ -61,8 +76,17 @@ func main() {
 	os.Exit(code)
 }
 
-// closeTimeout bounds the stop: how long kvpoold waits for replicas to unmap its slabs.
-const closeTimeout = 10 * time.Second
+// defaultStopWait is -stop-wait's default: how long a stop waits for replicas to
+// unmap the slabs.
+const defaultStopWait = 10 * time.Second
+
+// The exit statuses (the command's doc).
+const (
+	exitOK        = 0
+	exitFailed    = 1
+	exitUsage     = 2
+	exitAbandoned = 3
+)
 
 // DefaultDir is where kvpoold serves without -dir: kv in export's announce directory.
 func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
@@ -70,10 +94,12 @@ func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
 // flags are kvpoold's command line.
 type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
+	hostBytes                                   string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
 	segmentBytes                                string
 	set                                         map[string]bool // the flags given
+	stopWait                                    time.Duration
 	oneProcess, leaveKeeper                     bool
 	grace, keeperIdle                           time.Duration
 }
@@ -94,6 +120,8 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (or -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 100GiB, rounded down to whole pages (or -pages)")
 	fs.StringVar(&f.segmentBytes, "segment-bytes", "4GiB", "the most bytes one allocation of a slab holds (at most 4GiB; smaller for tests)")
+	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
+	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for replicas to unmap the slabs (exit status 3 if some still do)")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
 	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
@@ -103,6 +131,10 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	}
 	f.set = map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
+	if f.stopWait < 0 {
+		fmt.Fprintf(stderr, "kvpoold: -stop-wait %v is negative\n", f.stopWait)
+		return f, false
+	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvpoold: unexpected arguments %q\n", fs.Args())
 		return f, false
@@ -150,7 +182,7 @@ func (f flags) slabPages(g kv.Geometry) (kv.Geometry, error) {
 	if err := g.Validate(); err != nil {
 		return g, err
 	}
-	per := g.SlabBytes() // one page in every layer's K and V
+	per := g.PageSpanBytes()
 	if size/per < 1 {
 		return g, fmt.Errorf("-bytes %s holds no page of %s", humanize.IBytes(size), humanize.IBytes(per))
 	}
@@ -202,22 +234,22 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	f, ok := parse(args, stderr)
 	if !ok {
-		return 2
+		return exitUsage
 	}
 	g, err := f.geometry()
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	picked, err := choose.Runtime(f.runtime)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	rt := picked.Runtime
 	if g, err = f.slabPages(g); err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	bound, err := f.segmentBound()
 	if err == nil {
@@ -225,53 +257,103 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
 	n, err := rt.DeviceCount()
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	devs, err := deviceList(f.devices, n, picked.OnGPU)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 2
+		return exitUsage
 	}
-	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound}
+	var hostBytes uint64
+	if f.hostBytes != "" {
+		if hostBytes, err = humanize.ParseBytes(f.hostBytes); err != nil {
+			fmt.Fprintf(stderr, "kvpoold: -host-bytes: %v\n", err)
+			return exitUsage
+		}
+	}
+	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes}
+	var child *keeperChild // the keeper this kvpoold started, if it did
 	if !f.oneProcess {
-		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs))
+		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs), &child)
 		opts.Index, opts.ReattachGrace = filepath.Join(f.dir, owner.IndexFile), f.grace
 	}
 	o, err := owner.Listen(f.dir, rt, opts)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return 1
+		return exitFailed
+	}
+	tier := "no host tier"
+	if h := o.Stats().Devices[0].Host; h != nil {
+		tier = fmt.Sprintf("a host tier of %s (%d pages) a device, copies by %s", humanize.IBytes(h.Bytes), h.Pages, h.CopyPath)
 	}
 	cache := "slabs in this process (-one-process)"
 	if !f.oneProcess {
 		cache = o.Recovery().String()
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, %s a page, %s a slab (%v); %s; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.SlabBytes()/uint64(g.Pages)), humanize.IBytes(g.SlabBytes()), o.Segments(), picked.Why, cache)
-	code := 0
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab (%v), %s; %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Segments(), tier, picked.Why, cache)
+	keeperGone := false
 	select {
 	case <-ctx.Done():
 	case <-o.KeeperGone():
 		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
-		code = 1
+		keeperGone = true
 	}
-	cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
-	err = errors.Join(o.Close(cctx), choose.Violations(rt))
-	if opts.Keeper && !f.leaveKeeper && code == 0 {
-		err = errors.Join(err, owner.StopKeeper(cctx, o.Recovery().KeeperPID))
+	closeErr, broken := o.Close(cctx), choose.Violations(rt)
+	if opts.Keeper && !f.leaveKeeper && !keeperGone {
+		// The keeper's close waits -stop-wait for the replicas to unmap the slabs, and
+		// says so on stderr where they did not: its status 3 is this stop's.
+		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
+		defer kcancel()
+		pid := o.Recovery().KeeperPID
+		if err := owner.StopKeeper(kctx, pid); err != nil {
+			closeErr = errors.Join(closeErr, err)
+		} else if child != nil && child.pid == pid {
+			<-child.exited
+			switch child.status() {
+			case exitOK:
+			case exitAbandoned:
+				if closeErr == nil && broken == nil {
+					return exitAbandoned
+				}
+			default:
+				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
+			}
+		}
 	}
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", err)
-		return 1
-	}
-	if code == 0 {
+	switch {
+	case keeperGone:
+		return exitFailed
+	case closeErr == nil && broken == nil:
 		fmt.Fprintln(stdout, "kvpoold: stopped")
+		return exitOK
+	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
+		fmt.Fprintf(stderr, "kvpoold: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
+		return exitAbandoned
 	}
-	return code
+	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
+}
+
+// onlyAbandoned says whether every error joined in err is the abandoned leases of a
+// stop that ran out of -stop-wait (with the context's end and what the pools' close
+// says of the memory still mapped), and no other failure.
+func onlyAbandoned(err error) bool {
+	var joined interface{ Unwrap() []error }
+	if !errors.As(err, &joined) {
+		return errors.Is(err, producer.ErrAbandoned)
+	}
+	for _, e := range joined.Unwrap() {
+		if !errors.Is(e, producer.ErrAbandoned) && !errors.Is(e, context.DeadlineExceeded) && !errors.Is(e, pool.ErrBusy) {
+			return false
+		}
+	}
+	return true
 }

@@ -104,7 +104,7 @@ func TestServesAndStops(t *testing.T) {
 	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
-	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, 512 KiB a page, 16 MiB a slab (5 segments of 3.0 MiB and 1 of 1.0 MiB);")
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, pages of 16 KiB per layer's K or V (a page span of 512 KiB, all layers' K and V), 16 MiB a slab (5 segments of 3.0 MiB and 1 of 1.0 MiB), no host tier;")
 	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
 	assert.Equal(t, "kvpoold: stopped", lines[1])
 	_, err = os.Stat(dir + "/kv.sock")
@@ -131,6 +131,7 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1KiB"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-host-bytes", "lots"},
 		{"-runtime", "test", "-layout", "llama-0.85b"},                                              // neither -pages nor -bytes
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "0"},                               // no page
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "-3"},                              // no page
@@ -140,12 +141,40 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "64", "-segment-bytes", "1000KiB"}, // a tensor over the bound
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "0"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "8GiB"}, // more than a replica imports
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-stop-wait", "-1s"},
 	} {
 		var out, errOut bytes.Buffer
-		code := run(context.Background(), args, &out, &errOut)
-		assert.Equal(t, 2, code, "%q: stderr %s", args, &errOut)
+		// Bounded: a command line taken as good serves until the context ends.
+		ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+		code := run(ctx, append(args, "-dir", shortDir(t)), &out, &errOut)
+		cancel()
+		assert.Equal(t, 2, code, "%q: stdout %s, stderr %s", args, &out, &errOut)
 		assert.NotEmpty(t, errOut.String(), "%q says why", args)
 	}
+}
+
+// -host-bytes gives the device a host tier, which replicas get at dial; one larger
+// than the host's memory is refused at start, saying so.
+func TestHostBytes(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "8MiB")
+	dev := cudarttest.ForTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, dev, 0)
+	require.NoError(t, err)
+	tier, ok := r.HostTier()
+	require.True(t, ok, "the replica got no host tier")
+	assert.Equal(t, 16, tier.Pages)
+	require.NoError(t, r.Close(ctx))
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "a host tier of 8.0 MiB (16 pages) a device, copies by kernel;")
+
+	var o, e bytes.Buffer
+	code = run(context.Background(), []string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "1EiB"}, &o, &e)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, e.String(), "larger than the host's available memory")
 }
 
 func TestBytesMakesWholePages(t *testing.T) {
@@ -230,4 +259,96 @@ func TestStopsOnSignals(t *testing.T) {
 			assert.Equal(t, "kvpoold: stopped\n", string(rest))
 		})
 	}
+}
+
+// TestStopWaitsForReplicasToLetGo: at a stop kvpoold tells its replicas at once and
+// waits up to -stop-wait for them to unmap its slabs. Replicas that close when told
+// make a clean stop, exit status 0.
+func TestStopWaitsForReplicasToLetGo(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8")
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	var closed []chan error
+	for range 2 {
+		r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0) // a runtime each, as two processes
+		require.NoError(t, err)
+		l, err := r.Alloc(ctx, 1)
+		require.NoError(t, err)
+		_ = l // held at the stop: the owner ends it
+		c := make(chan error, 1)
+		go func() {
+			<-r.Done() // told the owner stops
+			c <- r.Close(ctx)
+		}()
+		closed = append(closed, c)
+	}
+	code, out, errOut := stop()
+	for _, c := range closed {
+		_ = testwait.Recv(t, c, "a replica to close once told") // told a stop, Close reports the owner gone
+	}
+	assert.Equal(t, 0, code, "a clean stop\nstdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "kvpoold: stopped")
+	assert.Empty(t, errOut)
+}
+
+// TestStopWithReplicasHoldingOn: replicas that still map a slab when -stop-wait ends
+// leave it to them: kvpoold says how many it left and exits 3, which is neither a
+// clean stop (0) nor a failure (1).
+func TestStopWithReplicasHoldingOn(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-stop-wait", "100ms")
+	dev := cudarttest.ForTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, dev, 0)
+	require.NoError(t, err)
+	code, out, errOut := stop()
+	assert.Equal(t, exitAbandoned, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, errOut, "-stop-wait")
+	assert.Contains(t, errOut, "still mapped")
+	_ = r.Close(ctx) // the owner is gone: Close says so
+}
+
+// TestOwnersPerTrustDomain: the slab, not the namespace, is the unit of trust (every
+// replica maps its owner's slab read-write), so trust domains are separated by one
+// owner directory each. Two kvpoolds in two directories on one device serve side by
+// side, and pages sealed through one are not seen through the other.
+func TestOwnersPerTrustDomain(t *testing.T) {
+	dirs := []string{shortDir(t), shortDir(t)}
+	for _, dir := range dirs {
+		started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-devices", "0")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	var rs []*replica.Replica
+	for _, dir := range dirs {
+		r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0)
+		require.NoError(t, err)
+		t.Cleanup(func() { // before the owners stop: they wait for it
+			cctx, ccancel := context.WithTimeout(context.Background(), testwait.Bound)
+			defer ccancel()
+			assert.NoError(t, r.Close(cctx))
+		})
+		rs = append(rs, r)
+	}
+	toks := make([]int32, 2*rs[0].Geometry().TokensPerPage)
+	hs := rs[0].Hashes(toks)
+	for i, r := range rs {
+		l, err := r.Alloc(ctx, 2)
+		require.NoError(t, err, "owner %d", i)
+		if i == 0 {
+			_, err = r.Seal(ctx, l, hs, 0, replica.WaitVisible())
+			require.NoError(t, err)
+		} else {
+			require.NoError(t, r.Release(ctx, 0, l))
+		}
+	}
+	m, err := rs[0].Match(ctx, hs, 0)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 2, "the owner that sealed them shows them")
+	require.NoError(t, rs[0].Release(ctx, 0, m))
+	m, err = rs[1].Match(ctx, hs, 0)
+	require.NoError(t, err)
+	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")
 }

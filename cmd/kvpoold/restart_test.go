@@ -32,7 +32,7 @@ import (
 // restartArgs serve a small llama-0.85b slab on the software device, in segments of
 // 3 MiB (several).
 func restartArgs(dir string, pages int) []string {
-	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-reattach-grace", "30s"}
+	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-reattach-grace", "30s", "-stop-wait", "1s"}
 }
 
 var keeperPID = regexp.MustCompile(`keeper pid (\d+)`)

@@ -91,6 +91,7 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 			d.Releasing, d.Settling, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
 	}
 	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
+	renderHostTiers(w, st.Devices)
 	if len(st.Replicas) == 0 {
 		fmt.Fprintln(w, "no replica is connected")
 		return
@@ -113,3 +114,32 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 
 // pageAll is one page's bytes in every layer's K and V.
 func pageAll(g kv.StatsGeometry) uint64 { return g.PageBytes * 2 * uint64(g.Layers) }
+
+// renderHostTiers writes the devices' host tiers, if any, as a table: pages by state,
+// the pages copied each way with their rates, and the pages evicted from the host
+// tier (gone) or lost by the slab with no copy there.
+func renderHostTiers(w io.Writer, devices []kv.DeviceStats) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	any := false
+	for _, d := range devices {
+		h := d.Host
+		if h == nil {
+			continue
+		}
+		if !any {
+			fmt.Fprintln(tw, "HOST TIER\tSIZE\tFREE\tFILLING\tSEALED\tTWINS\tSPILLS\tSPILL GB/s\tRESTORES\tRESTORE GB/s\tSPILLED\tLOST\tEVICTED\tCOPIES BY\t")
+			any = true
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\t%d\t%d\t%d\t%s\t\n", d.Device, humanize.IBytes(h.Bytes), h.Free, h.Filling, h.Sealed, h.Twins,
+			h.Spills, rate(h.SpillBytes, h.SpillNanos), h.Restores, rate(h.RestoreBytes, h.RestoreNanos), h.Spilled, h.Lost, h.Evictions, h.CopyPath)
+	}
+	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
+}
+
+// rate is bytes over nanos in GB/s, "-" for none.
+func rate(bytes, nanos uint64) string {
+	if nanos == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f", float64(bytes)/float64(nanos))
+}

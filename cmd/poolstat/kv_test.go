@@ -69,6 +69,23 @@ func TestKV(t *testing.T) {
 	assert.Equal(t, 2, code)
 }
 
+// A device's host tier is a table of its own.
+func TestKVHostTier(t *testing.T) {
+	dir := shortDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	t.Cleanup(cancel)
+	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), owner.Options{Geometry: g, NoAnnounce: true, HostBytes: 8 * owner.HostPageBytes(g)})
+	require.NoError(t, err)
+	t.Cleanup(func() { o.Close(ctx) })
+	code, out, errOut := poolstat(t, "-kv", dir)
+	require.Equal(t, 0, code, "stderr: %s", errOut)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 6, "a summary, the devices' header and row, the host tiers' header and row, no replica:\n%s", out)
+	assert.Equal(t, strings.Fields("HOST TIER SIZE FREE FILLING SEALED TWINS SPILLS SPILL GB/s RESTORES RESTORE GB/s SPILLED LOST EVICTED COPIES BY"), strings.Fields(lines[3]))
+	assert.Equal(t, strings.Fields("0 4.0 KiB 8 0 0 0 0 - 0 - 0 0 0 kernel"), strings.Fields(lines[4]), "device 0: 8 free host pages")
+}
+
 // dropCommand leaves out the command column of a replica row (the test binary's name).
 func dropCommand(f []string) []string {
 	if len(f) < 2 {

@@ -34,6 +34,12 @@
 // next call that synchronises with that stream (StreamSynchronize, a copy to host
 // memory on it, Synchronize), as CUDA reports asynchronous errors.
 //
+// Host memory registered with HostRegister is addressed at its own address, as the
+// driver maps it with unified addressing, and its accesses by streams are checked as
+// device memory's are, within the Device that registered it. MemcpyBatchAsync runs a
+// batch as one op, as the GPU runs it as one kernel launch, and refuses pieces that
+// overlap where one writes.
+//
 // Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
 // violation names it, and ForTest logs it when a test fails. WithImmediate gives the
 // old behaviour, for the few tests that need it: every call's work runs before the call
@@ -116,6 +122,7 @@ type Device struct {
 	arena         *arena         // this Device's IPC events, created on first use
 	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
 	violations    []Violation
+	hosts         []*hostReg // registered host memory, by address (host.go)
 
 	// Deferred execution (queue.go).
 	seed     uint64

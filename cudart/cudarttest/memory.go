@@ -20,9 +20,24 @@ type span struct {
 	imp   *importRec // imported memory
 	entry uint32
 	write bool
+	h     *hostReg // registered host memory (host.go), instead of p
 }
 
-func (s span) buf() []byte { return s.p.data(s.off, s.n) }
+func (s span) buf() []byte {
+	if s.h != nil {
+		return s.h.mem[s.off : s.off+s.n : s.off+s.n]
+	}
+	return s.p.data(s.off, s.n)
+}
+
+// markSet is what touch checks and updates: the marks of an allocation's entry,
+// shared by every Device that maps it, or those of registered host memory.
+type markSet interface {
+	writer() accessor
+	readers() []accessor
+	wrote(st *stream, t uint64)
+	read(st *stream, t uint64)
+}
 
 // access resolves [ptr, ptr+n) for a read or write from dev, as the call is made. It
 // fails with ErrInvalidValue for memory outside every live allocation or import of
@@ -128,7 +143,14 @@ func (d *Device) staleImport(op string, imp *importRec, sp span, verb string) (V
 func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Violation, bad bool) {
 	write := sp.write
 	verb := verbOf(write)
-	if sp.imp != nil {
+	var m markSet
+	if sp.h != nil {
+		if sp.h.gone {
+			return []Violation{d.violate(ViolationUseAfterRelease, op,
+				"%s of host memory %#x+%d after its cudaHostUnregister", verb, uint64(sp.ptr), sp.n)}, true
+		}
+		m = sp.h
+	} else if sp.imp != nil {
 		if cur, _ := sp.p.importAt(sp.off, sp.n); cur != sp.imp {
 			return []Violation{d.violate(ViolationUseAfterRelease, op,
 				"%s of %#x+%d through an import that was unmapped before the work ran", verb, uint64(sp.ptr), sp.n)}, true
@@ -140,7 +162,9 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 		return []Violation{d.violate(ViolationUseAfterRelease, op,
 			"%s of %#x+%d after its free ran", verb, uint64(sp.ptr), sp.n)}, true
 	}
-	m := sp.p.marks(sp.entry, d.id)
+	if m == nil {
+		m = sp.p.marks(sp.entry, d.id)
+	}
 	if w := m.writer(); !w.is(d.id, st) && w.epoch > after {
 		kind := ViolationUnorderedRead
 		if write {
@@ -189,25 +213,7 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bo
 		return err
 	}
 	o := &task{pool: spans[0].p, run: func(st *stream, after uint64) error {
-		for _, sp := range spans {
-			if err := d.contained(op, st.dev, sp); err != nil {
-				return err
-			}
-		}
-		var vs []Violation
-		gone := false
-		for _, sp := range spans {
-			v, bad := d.touch(op, sp, st, after)
-			vs = append(vs, v...)
-			gone = gone || bad
-		}
-		if !gone {
-			work(spans)
-		}
-		if len(vs) > 0 {
-			return violationErr(op, 0, vs...)
-		}
-		return nil
+		return d.runSpans(op, spans, st, after, work)
 	}}
 	if len(spans) > 1 && spans[1].p != spans[0].p {
 		other := spans[1].p // kept mapped by its own count
@@ -226,6 +232,34 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bo
 		return err
 	}
 	return errors.Join(err, faultsOf(st))
+}
+
+// runSpans is the work of a copy or set as it runs on st: it checks each span
+// (contained, then touch) and, unless one's memory is gone, calls work. It returns the
+// violations found. d.mu is held.
+func (d *Device) runSpans(op string, spans []span, st *stream, after uint64, work func(spans []span)) error {
+	for _, sp := range spans {
+		if sp.h != nil {
+			continue // host memory: nothing of another process's to contain
+		}
+		if err := d.contained(op, st.dev, sp); err != nil {
+			return err
+		}
+	}
+	var vs []Violation
+	gone := false
+	for _, sp := range spans {
+		v, bad := d.touch(op, sp, st, after)
+		vs = append(vs, v...)
+		gone = gone || bad
+	}
+	if !gone {
+		work(spans)
+	}
+	if len(vs) > 0 {
+		return violationErr(op, 0, vs...)
+	}
+	return nil
 }
 
 // MemcpyHtoDAsync takes a copy of src at once (so src may be reused when it returns,

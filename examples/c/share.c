@@ -1,7 +1,8 @@
 // share.c: a C producer shares a buffer with a C consumer process through libcudapool.
-// It runs on the GPU, or on cudapool's software device where there is none.
+// It runs on the GPU, or on cudapool's software device where there is none (a library
+// built with -tags cudapool_softdevice, as below, has it).
 //
-//     go build -buildmode=c-shared -o bin/libcudapool.so ./capi
+//     go build -buildmode=c-shared -tags cudapool_softdevice -o bin/libcudapool.so ./capi
 //     cc -Icapi examples/c/share.c -Lbin -lcudapool -Wl,-rpath,"$PWD/bin" -o bin/share-c
 //     bin/share-c
 //
@@ -36,6 +37,8 @@ static int consume(const char *socket) {
 	void *ptr;
 	uint64_t size;
 	char got[sizeof greeting];
+	// A new process chooses its runtime again: without this it asks for a GPU.
+	CHECK(cudapool_init("auto", NULL, 0));
 	CHECK(cudapool_importer_dial(socket, 0, NULL, 10000, &imp));          // NULL: the default options
 	CHECK(cudapool_importer_open(imp, "greeting", NULL, NULL, 10000, &m)); // NULL: the default stream
 	CHECK(cudapool_mapping_info(m, &ptr, &size, NULL));

@@ -1,13 +1,15 @@
 """A Python producer shares a buffer, with metadata, with a Python consumer process
 through cudapool. It runs on the GPU, or on cudapool's software device where there is
-none; torch, CuPy and cuda.core are not needed (see examples/torch for them).
+none (a library built with -tags cudapool_softdevice, as below, has it); torch, CuPy
+and cuda.core are not needed (see examples/torch for them).
 
-    go build -buildmode=c-shared -o bin/libcudapool.so ./capi
+    go build -buildmode=c-shared -tags cudapool_softdevice -o bin/libcudapool.so ./capi
     PYTHONPATH=python python3 examples/python/share.py
 """
 
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import tempfile
@@ -17,12 +19,13 @@ import cudapool
 GREETING = b"hello from a Python producer"
 
 
-def consume(path, q):
-    imp = cudapool.Importer(path, device=0)
-    with imp.open("greeting") as m:  # the default stream waits for the producer's writes
+def consume(path, conn):
+    # A spawned process chooses its runtime again: without this it asks for a GPU.
+    cudapool.init("auto")
+    with cudapool.Importer(path, device=0) as imp, imp.open("greeting") as m:
+        # The default stream waits for the producer's writes.
         got = cudapool.copy_from_device(0, m.ptr, m.size)
-        q.put((got, json.loads(m.meta)))
-    imp.close()
+        conn.send((got, json.loads(m.meta)))
 
 
 def main():
@@ -34,12 +37,20 @@ def main():
         ex.publish("greeting", buf, len(GREETING), meta=json.dumps({"encoding": "ascii"}))
 
         ctx = multiprocessing.get_context("spawn")  # never fork: the library cannot survive it
-        q = ctx.Queue()
-        consumer = ctx.Process(target=consume, args=(path, q))
+        mine, theirs = ctx.Pipe()
+        consumer = ctx.Process(target=consume, args=(path, theirs))
         consumer.start()
-        got, meta = q.get(timeout=60)
-        consumer.join(60)
-        buf.free()
+        theirs.close()
+        try:
+            # Its answer, or its end: a consumer that fails says so at once.
+            multiprocessing.connection.wait([mine, consumer.sentinel], timeout=60)
+            got, meta = mine.recv() if mine.poll() else (None, None)
+            consumer.join(60)
+        finally:
+            buf.free()
+    if got is None:
+        print("the consumer failed (exit code %s): see its error above" % consumer.exitcode, file=sys.stderr)
+        return 1
     print("consumer read %r (%s)" % (got.decode(meta["encoding"]), meta))
     return 0 if got == GREETING and consumer.exitcode == 0 else 1
 

@@ -1,5 +1,5 @@
 """What the torch examples share: finding the cudapool package, the splitmix64 pattern
-the Go examples fill and check (examples/internal/kv), computed with torch or CuPy ops,
+the Go examples fill and check (examples/kvshare), computed with torch or CuPy ops,
 and bounded waits on child processes."""
 
 import functools

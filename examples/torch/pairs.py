@@ -1,6 +1,6 @@
 """The mixed pairs on a GPU host: a buffer shared between every kind of process cudapool
 serves, each consumer checking every byte against the splitmix64 pattern of the Go
-examples (examples/internal/kv) without a copy of its own.
+examples (examples/kvshare) without a copy of its own.
 
     go producer  -> torch consumer (GPU 0)
     torch producer -> go consumer (GPU 0, and GPU 1 where there is one)

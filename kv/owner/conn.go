@@ -245,7 +245,8 @@ func (c *conn) refuse(id uint32, err error) error {
 	return c.sendError(id, err)
 }
 
-// alloc answers Alloc: n pages for writing, all or none.
+// alloc answers Alloc: n pages for writing, all or none. Sealed pages it evicts that
+// the device's host tier has no copy of yet are copied there before the answer.
 func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -263,7 +264,7 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
 	o.mu.Lock()
-	pages, ok := s.take(n, make([]uint32, 0, n))
+	pages, ok, evicted := o.takeLocked(s, n)
 	if !ok {
 		free := len(s.free)
 		o.mu.Unlock()
@@ -271,6 +272,10 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	}
 	l := o.newLeaseLocked(c, true, pages)
 	o.mu.Unlock()
+	// Evicted pages the host tier has no copy of go there before they are written.
+	if err := o.copyEvicted(s, evicted, nil); err != nil {
+		o.log.Error("kv: spilling evicted pages to the host tier failed; they are gone", "device", s.dev, "err", err)
+	}
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, h.ID, l.id, l.pages) })
 }
 
@@ -460,7 +465,8 @@ func slicesContains(s []uint64, v uint64) bool {
 }
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
-// from another device's slab where only that one has them, leased for reading.
+// from another device's slab where only that one has them, or restored from the
+// device's host tier (restore.go), leased for reading.
 func (c *conn) match(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	pr := kvwire.NewParser(h.Type, p)
@@ -474,6 +480,10 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
 		o.mu.Unlock()
 		return c.matchAcross(h, hashes)
+	}
+	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
+		o.mu.Unlock()
+		return c.matchRestore(h, hashes)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()

@@ -52,6 +52,14 @@
 // leases that replicas re-declare (Reattach) before it allocates any page
 // (Options.ReattachGrace). Recovery says what it took back, and why not what it
 // dropped. See restart.go and journal.go.
+//
+// # Host tiers
+//
+// With Options.HostBytes each device also has a host tier (hosttier.go): pinned host
+// memory, a memfd handed to every replica on dir/host.sock, that keeps the sealed pages
+// the slab evicts. A spiller copies the least recently used pages there ahead of their
+// eviction; a match that runs into the host tier gets its pages back into the slab in
+// the same reply. LRU runs across both tiers, and a leased page leaves neither.
 package owner
 
 import (
@@ -126,6 +134,10 @@ type Options struct {
 	// ReattachGrace bounds how long allocations wait, after a restart, for the replicas
 	// attached before to re-declare their leases; 0 is DefaultReattachGrace.
 	ReattachGrace time.Duration
+	// HostBytes gives each device a host tier of that many bytes of pinned host
+	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
+	// every device, than the host's available memory are refused.
+	HostBytes uint64
 }
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -141,6 +153,7 @@ type Owner struct {
 	imp   *consumer.Importer // the keeper's, for adopted slabs (Options.Keeper)
 	lock  *os.File           // dir/owner.lock, held (Options.Keeper)
 	ln    *net.UnixListener
+	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	slabs []*slab
 	byDev map[int]*slab
 
@@ -211,6 +224,9 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
 	}
+	if err := checkHostBytes(o); err != nil {
+		return nil, err
+	}
 	n, err := rt.DeviceCount()
 	if err != nil {
 		return nil, err
@@ -269,6 +285,9 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 		if err = ow.restore(); err != nil {
 			return nil, err
 		}
+	}
+	if err := ow.startTiers(); err != nil {
+		return nil, err
 	}
 	ow.holdAllocs()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
@@ -462,6 +481,9 @@ func (o *Owner) Stats() Stats {
 	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.segs), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
 		st.Devices[i] = s.snapshot()
+		if s.tier != nil {
+			st.Devices[i].Host = s.tier.snapshot()
+		}
 	}
 	byConn := map[*conn]*kv.ReplicaStats{}
 	for c := range o.conns {
@@ -525,7 +547,7 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Lock()
 	o.destroyEvents()
 	o.mu.Unlock()
-	var errs []error
+	errs := o.stopTiers()
 	o.mu.Lock()
 	if err := o.j.close(); err != nil {
 		errs = append(errs, err)

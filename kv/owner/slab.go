@@ -51,6 +51,7 @@ type slab struct {
 	index      map[kv.Hash]uint32
 	head, tail uint32 // LRU list of sealed pages: head most recent
 	stats      kv.DeviceStats
+	tier       *hostTier // the device's host tier (hosttier.go), nil without one
 }
 
 func newSlab(dev, pages int) *slab {
@@ -63,31 +64,17 @@ func newSlab(dev, pages int) *slab {
 
 // unlink takes sealed page p out of the LRU list.
 func (s *slab) unlink(p uint32) {
-	pg := &s.pages[p]
-	if pg.prev != none {
-		s.pages[pg.prev].next = pg.next
-	} else {
-		s.head = pg.next
+	if s.tier != nil {
+		s.tier.unlinked(p)
 	}
-	if pg.next != none {
-		s.pages[pg.next].prev = pg.prev
-	} else {
-		s.tail = pg.prev
-	}
-	pg.prev, pg.next = none, none
+	lruRemove(&s.head, &s.tail, p, s.links)
 }
 
 // pushFront makes p the most recent page of the LRU list; p must not be in it.
-func (s *slab) pushFront(p uint32) {
-	pg := &s.pages[p]
-	pg.prev, pg.next = none, s.head
-	if s.head != none {
-		s.pages[s.head].prev = p
-	} else {
-		s.tail = p
-	}
-	s.head = p
-}
+func (s *slab) pushFront(p uint32) { lruPushFront(&s.head, &s.tail, p, s.links) }
+
+// links are page p's LRU neighbours.
+func (s *slab) links(p uint32) (prev, next *uint32) { return &s.pages[p].prev, &s.pages[p].next }
 
 // touch makes sealed pages ps the most recent, ps[0] first of all: callers pass a run
 // in prefix order, so that a parent is always more recent than its children and
@@ -141,6 +128,9 @@ func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
 // evict takes sealed page p out of the index and the LRU list, to free.
 func (s *slab) evict(p uint32) {
 	pg := &s.pages[p]
+	if s.tier != nil {
+		s.tier.evicted(p, pg.hash)
+	}
 	delete(s.index, pg.hash)
 	s.unlink(p)
 	s.j.free(s.dev, p)
@@ -168,6 +158,9 @@ func (s *slab) publish(p uint32, h kv.Hash) (visible bool) {
 	s.pushFront(p)
 	s.stats.Seals++
 	s.j.seal(s.dev, p, h)
+	if s.tier != nil {
+		s.tier.wake()
+	}
 	return true
 }
 

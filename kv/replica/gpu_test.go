@@ -67,7 +67,8 @@ func TestGPUSlabOfSegments(t *testing.T) {
 
 // gpuReplicaRole is a replica on GPU 0 of dir (args[0]): "write N" allocs N pages,
 // writes their pattern through every segment and seals them ("sealed N"); "read N"
-// matches them and checks every byte ("read N"). First it says "dialed MS".
+// matches them and checks every byte ("read N"); "evict N" allocs N pages and gives
+// them back ("evicted N"). First it says "dialed MS".
 func gpuReplicaRole(args []string) int {
 	fail := func(err error) int { fmt.Println("error:", err); return 1 }
 	rt, err := cudart.Load()
@@ -119,6 +120,15 @@ func gpuReplicaRole(args []string) int {
 			return fail(err)
 		}
 		fmt.Println("read", len(m.Pages()))
+	case "evict": // the host tier's test (hosttier_test.go)
+		l, err := r.Alloc(ctx, n)
+		if err != nil {
+			return fail(err)
+		}
+		if err := r.Release(ctx, s, l); err != nil {
+			return fail(err)
+		}
+		fmt.Println("evicted", n)
 	default:
 		return fail(fmt.Errorf("unknown mode %q", strings.Join(args[1:], " ")))
 	}

@@ -50,7 +50,9 @@ type options struct {
 	log       *slog.Logger
 }
 
-// WithNamespace sets the namespace of the replica's prefix hashes (Hashes).
+// WithNamespace sets the namespace of the replica's prefix hashes (Hashes). It is no
+// boundary: every replica maps the whole slab read-write, whatever its namespace; one
+// owner directory per trust domain is (package kv, Trust).
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
 // WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
@@ -133,6 +135,7 @@ type Replica struct {
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
 	hup    *hangup
+	host   *HostTier // the device's host tier, mapped (hosttier.go); nil: none
 
 	nextID atomic.Uint32
 	wmu    sync.Mutex
@@ -218,6 +221,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			r.log.Debug("kv: cannot watch the owner's process; its connection tells", "pid", cred.PID, "err", err)
 			r.owner = nil
 		}
+	}
+	if r.host, err = dialHostTier(ctx, dir, device); err != nil {
+		return nil, err
 	}
 	if r.stream, err = rt.StreamCreate(device, cudart.StreamNonBlocking); err != nil {
 		return nil, err
@@ -547,6 +553,9 @@ func (r *Replica) teardown(ctx context.Context) error {
 	}
 	if r.owner != nil {
 		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
+	}
+	if err := r.host.unmap(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }

@@ -16,10 +16,13 @@ StridedMemoryView):
 
 Every call that takes a stream takes the caller's: an int (cudaStream_t), a torch,
 CuPy or cuda.core stream, or anything with __cuda_stream__; None is the legacy default
-stream. Every call that waits takes a timeout in seconds (None or 0: no bound, as 0 is
-in C). Only the standard library is needed; cudapool.torch holds the PyTorch helpers,
-cudapool.kv the KV page pool (torch only for kv_caches), and cudapool.hf runs stock
-transformers models over its pages (torch and transformers imported at first use).
+stream. Every call that waits takes a timeout in seconds, by Python's convention:
+None is no bound, and 0 is do not wait, as in threading and queue: what is not there
+yet (an exporter, a name) fails at once as without wait=True, and a live exporter's
+answer is waited for at most a second. Only the standard library is needed;
+cudapool.torch holds the PyTorch helpers, cudapool.kv the KV page pool (torch only for
+kv_caches), and cudapool.hf runs stock transformers models over its pages (torch and
+transformers imported at first use).
 
 The runtime is the GPU unless asked otherwise: init("auto") falls back to cudapool's
 software device where no GPU is (and says so), init("test") always uses it, and so does
@@ -29,6 +32,33 @@ through the logging module's "cudapool" logger.
 The library runs a Go runtime, which does not survive fork(): a process forked after
 it was loaded gets ForkedProcess from every call. Use multiprocessing's "spawn" start
 method.
+
+Errors: every failure is a CudapoolError subclass carrying the library's message (and
+the standard exception it is, where one fits: ValueError, LookupError, TimeoutError,
+MemoryError, PermissionError, OSError). Arguments Python can check raise TypeError or
+ValueError before the library sees them. Besides those, and Timeout (a call that waited
+its timeout out holds nothing) and ForkedProcess anywhere:
+
+    init, runtime_info, Stream    NoRuntime (no GPU, or another runtime chosen already)
+    Pool, Pool.alloc              OutOfMemory, Timeout (wait_for_memory), InvalidArgument
+    Pool.close                    Busy (live buffers, without force)
+    free, Buffer.free             ForeignPointer (no pool's pointer, or freed already)
+    Exporter                      NameInUse (a live exporter there), InvalidArgument (path),
+                                  BadDirectory (the announce directory)
+    Exporter.publish              NameInUse, ForeignPointer, InvalidArgument (range, meta)
+    Exporter.push                 NotFound (no such peer or name)
+    Exporter.close                Abandoned (consumers still held buffers: closed anyway)
+    Importer                      Gone (no exporter: without wait, or with timeout 0),
+                                  Refused, VersionMismatch, DuplicateImporter,
+                                  NotSupported (this process's own exporter)
+    Importer.open, open_all       NotFound (without wait), Gone, StreamDevice,
+                                  TooManyGrants, ExporterFailed
+    Mapping (ptr, view, DLPack)   MappingLost (exporter gone, another GPU), InvalidHandle
+                                  (released)
+    release, release_all          InvalidHandle, StaleLease
+    closed objects                Closed or InvalidHandle
+
+cudapool.kv's calls say theirs (NoSpace, StaleLease, Gone, Closed).
 """
 
 from __future__ import annotations
@@ -297,15 +327,24 @@ def _pool_options(name: Optional[str] = None, handle_type: str = "posix-fd", max
 
 
 class _Handle:
-    """An object of the library, known by its handle; 0 once closed."""
+    """An object of the library, known by its handle; 0 once closed. As a context
+    manager it is closed at the end of the with block; a block that raised keeps its
+    own exception: a close that fails then (a Pool whose buffers are still live is
+    Busy) leaves the object open instead of hiding the cause."""
 
     _h = 0
 
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CudapoolError:
+            pass  # the block's exception is the one to see; this object stays open
 
     def close(self) -> None:
         raise NotImplementedError

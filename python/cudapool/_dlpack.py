@@ -43,14 +43,31 @@ class DLManagedTensor(ctypes.Structure):
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
 DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
 
-# What each capsule's memory and owner are, by the address of its DLManagedTensor, until
-# its consumer calls the deleter.
-_alive = {}
 
 
-@_Deleter
-def _delete(managed):
-    _alive.pop(ctypes.addressof(managed.contents), None)
+def _deleter():
+    """The capsules' deleter and what it keeps: each capsule's memory and owner, by the
+    address of its DLManagedTensor, until its consumer calls the deleter.
+
+    A consumer may call it at the interpreter's exit, after this module's globals are
+    gone (torch frees its tensors late): so it reads only its closure, never a global,
+    and the C function itself is never freed (one reference is leaked on purpose), as a
+    consumer holds its address where Python cannot see it."""
+    alive = {}
+    addressof = ctypes.addressof
+
+    def delete(managed):
+        try:
+            alive.pop(addressof(managed.contents), None)
+        except Exception:  # pragma: no cover (nothing to report to at exit)
+            pass
+
+    fn = _Deleter(delete)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(fn))
+    return alive, fn
+
+
+_alive, _delete = _deleter()
 
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New

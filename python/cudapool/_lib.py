@@ -336,6 +336,7 @@ _ERRORS = {
 }
 
 ERANGE = 14
+NO_WAIT = -1  # CUDAPOOL_NO_WAIT
 CLOSED = 4
 LOST = 24
 
@@ -368,16 +369,18 @@ def call_sized(name: str, *args: Any, cap: int = 4096) -> bytes:
 
 
 def timeout_ms(timeout: Optional[float]) -> int:
-    """timeout in seconds as the library's milliseconds. None and 0 are no bound, as 0
-    is in C; a negative timeout is refused."""
+    """timeout in seconds as the library's timeout_ms, by Python's convention: None is
+    no bound (the C ABI's 0), 0 is do not wait (CUDAPOOL_NO_WAIT, -1: the wait flags
+    are off and an answer is waited for at most a second); a negative timeout is
+    refused."""
     if timeout is None:
         return 0
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError("timeout must be seconds (a number) or None, not %s" % type(timeout).__name__)
     if timeout < 0 or timeout != timeout:
-        raise ValueError("timeout %r: want seconds >= 0 (0 or None: no bound)" % timeout)
+        raise ValueError("timeout %r: want seconds >= 0 (0: do not wait; None: no bound)" % timeout)
     if timeout == 0:
-        return 0
+        return NO_WAIT
     return min(max(1, int(timeout * 1000)), (1 << 63) - 1)
 
 

@@ -20,6 +20,18 @@ page index names the same block in every layer. The slab is several allocations
 tensor whole in one of them, so there is no one slab address: use layer_ptrs or
 kv_caches. prefix_hashes is the pure-Python reference of the hashes (Replica.hashes
 computes the same in Go). Only kv_caches imports torch.
+
+The slab is the unit of trust, as the pool is for shared buffers: every replica maps
+its owner's whole slab read-write and can read or overwrite any page, whatever its
+namespace. The namespace only seeds the prefix hashes (two models' equal tokens hash
+apart); the owner does not enforce it. Run one owner (one kvpoold -dir) per trust
+domain.
+
+Timeouts are seconds: None is no bound, 0 is do not wait (an owner that is not there
+fails at once), and a Replica's calls default to its own timeout (REPLICA_TIMEOUT).
+Every call may raise Gone once the owner is gone, Closed after close, Timeout when its
+timeout ran out (the call then holds nothing), TypeError and ValueError for bad
+arguments before the library sees them, and InvalidArgument for those it refuses.
 """
 
 import ctypes
@@ -36,7 +48,8 @@ from . import _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
 __all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "root",
-           "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "NoSpace", "StaleLease", "Gone", "Closed"]
+           "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "REPLICA_TIMEOUT", "NoSpace", "StaleLease", "Gone",
+           "Closed"]
 
 HASH_BYTES = 16
 MAX_BATCH = 4096  # pages (or hashes, or leases) per request
@@ -188,13 +201,20 @@ class Geometry:
 
     @property
     def page_bytes(self):
-        """One layer's K (or V) of one page."""
+        """One layer's K (or V) of one page: the block a page index names in each of the
+        layers * 2 tensors."""
         return self.tokens_per_page * self.kv_heads * self.head_dim * self.dtype_size
 
     @property
     def tensor_bytes(self):
         """One layer's K (or V) tensor: pages * page_bytes."""
         return self.pages * self.page_bytes
+
+    @property
+    def page_span_bytes(self):
+        """One page in every layer's K and V (layers * 2 * page_bytes): what a page
+        holds of the slab, kvpoold's "page span"."""
+        return self.layers * 2 * self.page_bytes
 
     @property
     def slab_bytes(self):
@@ -248,7 +268,7 @@ class _Geometry(ctypes.Structure):
         (name, ctypes.c_int32) for name in (
             "layers", "kv_heads", "head_dim", "tokens_per_page", "dtype", "dtype_size", "pages", "device")
     ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64), ("segment_bound", _lib.u64),
-         ("segments", ctypes.c_int32)]
+         ("segments", ctypes.c_int32), ("page_span_bytes", _lib.u64)]
 
 
 _u32p = ctypes.POINTER(ctypes.c_uint32)
@@ -281,6 +301,17 @@ _DIAL_RECONNECT = 2
 
 _lib_kv = None
 _load_lock = threading.Lock()
+
+
+class _ReplicaTimeout:
+    """The default of every Replica call's timeout: the Replica's own (its constructor's
+    timeout). None is no bound and 0 do not wait, as everywhere in cudapool."""
+
+    def __repr__(self):
+        return "<the replica's timeout>"
+
+
+REPLICA_TIMEOUT = _ReplicaTimeout()
 
 
 def _kvlib():
@@ -338,26 +369,64 @@ def _hash_bytes(hashes):
 class Replica:
     """A replica of the KV page pool's owner serving dir (its kv.sock and slab.sock), on
     device: the owner's slab for that device mapped into this process, and page leases.
-    namespace seeds the prefix hashes (replicas match only pages of their own
-    namespace); timeout bounds the dial and is every call's default; wait_for_owner
-    waits (up to timeout) for an owner that has not started yet (Gone without it, or
-    Timeout). reconnect reattaches by itself to an owner restarted on dir (kvpoold over
-    its keeper), without a new process or CUDA context: once the owner is lost, alive is
-    False and calls raise Gone while it redials and re-declares its leases; then they
-    work again (wait_attached, reattaches). A lease the new owner did not take back
-    raises StaleLease ("lost") when released or sealed; one whose release or seal raised
-    Gone is still held, to be released again once attached. Methods are safe for
-    concurrent use. A process holds one Replica of an
-    owner at a time. Close it (or use it as a context manager): the slab is unmapped,
-    and tensors from kv_caches must not be used after.
+
+    Methods are safe for concurrent use. A process holds one Replica of an owner at a
+    time. Close it (or use it as a context manager): the slab is unmapped, and tensors
+    from kv_caches must not be used after.
+
+    Parameters
+    ----------
+    dir : str or os.PathLike
+        The directory the owner serves (kvpoold -dir).
+    device : int
+        The device whose slab this replica maps.
+    namespace : str or bytes
+        Seeds the prefix hashes (hashes, prefix_hashes). It is no boundary: any
+        replica of the owner maps the whole slab, read-write, whatever its namespace;
+        one owner per trust domain is.
+    timeout : float or None
+        Seconds the dial may take, and every call's default: None is no bound, 0 is do
+        not wait.
+    wait_for_owner : bool
+        Wait (up to timeout) for an owner that has not started yet.
+    reconnect : bool
+        Reattach by itself to an owner restarted on dir (kvpoold over its keeper),
+        without a new process or CUDA context: once the owner is lost, alive is False
+        and calls raise Gone while it redials and re-declares its leases; then they
+        work again (wait_attached, reattaches). A lease the new owner did not take
+        back raises StaleLease ("lost") when released or sealed; one whose release or
+        seal raised Gone is still held, to be released again once attached.
 
     Attributes
     ----------
     geometry : Geometry
-        The slab's geometry.
+        The slab's geometry: layers, kv_heads, head_dim, dtype, tokens_per_page,
+        pages, and the sizes of a page (page_bytes, page_span_bytes) and a tensor.
     segments : tuple of Segment
         The slab's allocations in this process, in order: each layer's K and V lies
-        whole in one of them (layer_ptrs says where).
+        whole in one of them (layer_ptrs says where). Without torch, layer_ptrs is how
+        kernels address pages: page p of layer l's K starts at layer_ptrs(l)[0] +
+        p * geometry.page_bytes.
+    device : int
+        The device given.
+    namespace : str or bytes
+        The namespace given.
+    timeout : float or None
+        The timeout given: every call's default.
+
+    Raises
+    ------
+    Gone
+        No owner serves dir (without wait_for_owner, or with timeout 0).
+    Timeout
+        wait_for_owner waited timeout seconds for none.
+    Refused, VersionMismatch, ProtocolError
+        The owner did not admit this process, speaks another version, or broke the
+        protocol.
+    DuplicateImporter
+        This process holds a Replica of that owner already.
+    ValueError, TypeError
+        A bad dir, device, namespace or timeout.
     """
 
     def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False,
@@ -417,7 +486,7 @@ class Replica:
         self.close()
 
     def _ms_of(self, timeout):
-        return self._ms if timeout is None else _lib.timeout_ms(timeout)
+        return self._ms if timeout is REPLICA_TIMEOUT else _lib.timeout_ms(timeout)
 
     @property
     def alive(self):
@@ -433,13 +502,14 @@ class Replica:
         self._call("cudapool_kv_reattaches", ctypes.byref(n))
         return n.value
 
-    def wait_attached(self, timeout=None):
+    def wait_attached(self, timeout=REPLICA_TIMEOUT):
         """Wait until the replica is attached to a live owner: at once while it is.
 
         Parameters
         ----------
         timeout : float or None
-            Seconds to wait, as every call's timeout: None is the replica's.
+            Seconds to wait: the replica's timeout by default, None no bound, 0 do not
+            wait (Timeout unless attached).
 
         Raises
         ------
@@ -468,7 +538,14 @@ class Replica:
 
     def hashes(self, tokens):
         """The prefix hash of each full page of tokens (int32 ids) in this replica's
-        namespace, computed by the library (prefix_hashes computes the same)."""
+        namespace, computed by the library (prefix_hashes computes the same).
+
+        Raises
+        ------
+        TypeError, ValueError
+            tokens are not int32 token ids (a sequence of ints, array('i') or a
+            C-contiguous buffer of 4-byte ints).
+        """
         raw = _token_bytes(tokens, "=")
         n_tokens = len(raw) // 4
         cap = n_tokens // self.geometry.tokens_per_page
@@ -477,8 +554,24 @@ class Replica:
         self._call("cudapool_kv_hashes", raw if n_tokens else None, n_tokens, out, cap, ctypes.byref(n))
         return Hashes(out.raw[:n.value * HASH_BYTES])
 
-    def alloc(self, n, timeout=None):
-        """Leases n free (or evicted) pages for writing: all of them or none (NoSpace)."""
+    def alloc(self, n, timeout=REPLICA_TIMEOUT):
+        """Leases n free (or evicted) pages for writing: all of them or none.
+
+        Returns
+        -------
+        Lease
+            A write lease of n pages, to seal or release.
+
+        Raises
+        ------
+        NoSpace
+            Not n pages are free or evictable (pages being released may be free a
+            moment later); nothing is leased.
+        ValueError
+            n is negative or over MAX_BATCH.
+        InvalidArgument
+            n is 0, or more than the slab's pages.
+        """
         n = _count(n, "n")
         mine = self._busy.acquire(False)
         try:
@@ -490,11 +583,29 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def seal(self, lease, hashes, stream=None, wait=False, timeout=None):
+    def seal(self, lease, hashes, stream=None, wait=False, timeout=REPLICA_TIMEOUT):
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
-        write lease ends either way."""
+        write lease ends either way, also when the call times out.
+
+        Returns
+        -------
+        SealResult
+            visible: pages visible on return (all with wait); duplicates: pages whose
+            hash was visible already (freed).
+
+        Raises
+        ------
+        StaleLease
+            The lease is not this replica's write lease any more (sealed or released
+            already, or never issued); nothing changed.
+        InvalidArgument
+            A read lease (from match), or more hashes than the lease has pages; the
+            lease is kept.
+        TypeError, ValueError
+            lease is not a Lease, or hashes are not 16-byte hashes (or over MAX_BATCH).
+        """
         if not isinstance(lease, Lease):
             raise TypeError("seal wants a Lease, not %s" % type(lease).__name__)
         raw, n = _hash_bytes(hashes)
@@ -503,10 +614,23 @@ class Replica:
                    ctypes.byref(visible), ctypes.byref(dup))
         return SealResult(visible.value, dup.value)
 
-    def match(self, hashes, stream=None, timeout=None):
+    def match(self, hashes, stream=None, timeout=REPLICA_TIMEOUT):
         """Leases for reading the longest run of visible pages under hashes from the
-        first: a Lease of len 0 (and id 0, holding nothing) if the first is not visible.
-        Work queued on stream after the call may read them; release them after it."""
+        first. Work queued on stream after the call may read them; release them after
+        it.
+
+        Returns
+        -------
+        Lease
+            A read lease of the run's pages, in the order of hashes. If the first hash
+            is not visible, or hashes is empty (match([]) asks the owner nothing), a
+            Lease of len 0 and id 0, which holds nothing: releasing it is skipped.
+
+        Raises
+        ------
+        TypeError, ValueError
+            hashes are not 16-byte hashes, or over MAX_BATCH.
+        """
         raw, n = _hash_bytes(hashes)
         if n == 0:
             return Lease(0, array("I"), False)
@@ -521,10 +645,23 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def release(self, *leases, stream=None, timeout=None):
+    def release(self, *leases, stream=None, timeout=REPLICA_TIMEOUT):
         """Gives leases back once the work queued on stream before the call has
-        completed: a page is not evicted or reused before. A lease already released,
-        sealed or another replica's raises StaleLease, and then none is released."""
+        completed: a page is not evicted or reused before. A Lease of len 0 (id 0, from
+        a match that found nothing) holds nothing and is skipped: with only such leases
+        the call asks the owner nothing. All or none.
+
+        Raises
+        ------
+        StaleLease
+            A lease was released or sealed already, or is another replica's: none is
+            released.
+        TypeError, ValueError
+            Not Leases, or more than MAX_BATCH of them.
+        Timeout
+            The owner did not answer in time: the leases are given back all the same
+            (after stream's work) and must not be used again.
+        """
         ids = []
         for l in leases:
             if not isinstance(l, Lease):
@@ -544,10 +681,12 @@ class Replica:
         arr = (_lib.u64 * len(ids))(*ids)
         self._call("cudapool_kv_release", arr, len(ids), _stream(stream), self._ms_of(timeout))
 
-    def stats(self, timeout=None):
+    def stats(self, timeout=REPLICA_TIMEOUT):
         """The owner's statistics: per device its pages by state (free, writing,
         sealing, sealed, settling; leased, releasing) and counters (hits, misses,
-        evictions, seals, duplicates, copied), per replica its leases and pages."""
+        evictions, seals, duplicates, copied) and, where kvpoold runs with
+        -host-bytes, its host tier under "host" (pages by state, spills, restores and
+        their bytes, pages lost and evicted), per replica its leases and pages."""
         if not self._r.h:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
         return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
@@ -594,9 +733,9 @@ class Replica:
             t = torch.from_dlpack(self.tensor_view(layer, part))
             return t if t.dtype == dtype else t.view(dtype)
 
-        return [(tensor(l, 0), tensor(l, 1)) for l in range(g.layers)]
+        return _layer_caches(tensor, g.layers)
 
-    def close(self, timeout=None):
+    def close(self, timeout=REPLICA_TIMEOUT):
         """Gives every lease back, unmaps the slab and hangs up; a second close does
         nothing."""
         if self._r.h:
@@ -615,6 +754,11 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8e
 # The integer type string of each element size: the slab is handed over as integers of
 # the dtype's size and viewed as the dtype (DLPack consumers differ on bf16 and fp8).
 _WORDS = {1: "|u1", 2: "<i2", 4: "<i4"}
+
+
+def _layer_caches(tensor, layers):
+    """Per layer, (K, V): tensor(layer, 0) and tensor(layer, 1)."""
+    return [(tensor(l, 0), tensor(l, 1)) for l in range(layers)]
 
 
 def _page_array(pages, n):

@@ -7,6 +7,9 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import unittest
 
@@ -76,6 +79,94 @@ class RuntimeTest(unittest.TestCase):
             cudapool.stream_handle(-1)
 
 
+def fresh_python(test, code, **env):
+    """Runs code in a new Python process whose environment has none of the helpers'
+    settings (CUDAPOOL_RUNTIME, CUDAPOOL_DIR) plus env; returns its stdout."""
+    e = {k: v for k, v in os.environ.items() if k not in ("CUDAPOOL_RUNTIME", "CUDAPOOL_DIR")}
+    e["PYTHONPATH"] = os.path.dirname(os.path.dirname(cudapool.__file__))
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    test.assertEqual(out.returncode, 0, "child failed:\n%s%s" % (out.stdout, out.stderr))
+    return out
+
+
+class RuntimeChoiceTest(unittest.TestCase):
+    def test_environment_set_before_the_first_call_is_read(self):
+        """N11: CUDAPOOL_RUNTIME set in os.environ before the first call chooses the
+        runtime, whatever that call is, not only cudapool.init(). A preference no build
+        knows tells, on every host, whether it was read."""
+        for first in ("cudapool.runtime_info()", "cudapool.Pool(0).close()", "cudapool.Stream(0).close()"):
+            out = fresh_python(self, "import os, cudapool\n"
+                                     "os.environ['CUDAPOOL_RUNTIME'] = 'nonsense'\n"
+                                     "try:\n"
+                                     "    %s\n"
+                                     "    print('chose a runtime')\n"
+                                     "except cudapool.CudapoolError as e:\n"
+                                     "    print(type(e).__name__, e)\n" % first)
+            self.assertIn("InvalidArgument", out.stdout, "first call %s" % first)
+            self.assertIn("nonsense", out.stdout, "first call %s" % first)
+
+    def test_no_runtime_gives_python_advice(self):
+        """Without a GPU, NoRuntime says what a Python caller can do (cudapool.init,
+        $CUDAPOOL_RUNTIME), not what a Go program would."""
+        out = fresh_python(self, "import cudapool\n"
+                                 "try:\n"
+                                 "    print('gpu', cudapool.runtime_info().on_gpu)\n"
+                                 "except cudapool.NoRuntime as e:\n"
+                                 "    print(e)\n")
+        if out.stdout.startswith("gpu True"):
+            self.skipTest("a GPU is there: no NoRuntime to read")
+        self.assertIn('cudapool.init("auto")', out.stdout)
+        self.assertIn("CUDAPOOL_RUNTIME=auto", out.stdout)
+        self.assertNotIn("import github.com", out.stdout)
+
+
+DLPACK_CONSUMER = """
+import ctypes, sys
+from cudapool import _dlpack
+
+get = ctypes.pythonapi.PyCapsule_GetPointer
+get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+
+
+class Consumer:
+    # What torch.from_dlpack keeps of a capsule: the managed tensor, whose deleter it
+    # calls when the tensor goes, which at exit can be after cudapool's modules went.
+    def __init__(self, cap):
+        self.m = ctypes.cast(get(cap, b"dltensor"), ctypes.POINTER(_dlpack.DLManagedTensor))
+
+    def __del__(self):
+        self.m.contents.deleter(self.m)
+
+
+class Owner:
+    pass
+
+
+held = [Consumer(_dlpack.capsule(Owner(), 0x1000, 0, _dlpack.dtype_of("<f4"), (4,), None, 4)) for _ in range(3)]
+if sys.argv[1:] == ["torn-down"]:
+    # As the interpreter's exit tears a module down: its globals go first.
+    _dlpack.__dict__.clear()
+    held.clear()
+print("ok")
+"""
+
+
+class DLPackExitTest(unittest.TestCase):
+    def test_deleter_after_the_module_is_gone_is_silent(self):
+        """A DLPack consumer that frees its tensors at exit calls the capsules' deleter
+        after cudapool's module globals are gone: it printed "Exception ignored on
+        calling ctypes callback function: _delete ... NameError: name '_alive' is not
+        defined" once per capsule. stderr must stay clean."""
+        for how in ("exit", "torn-down"):
+            e = {k: v for k, v in os.environ.items() if k not in ("CUDAPOOL_RUNTIME", "CUDAPOOL_DIR")}
+            e["PYTHONPATH"] = os.path.dirname(os.path.dirname(cudapool.__file__))
+            out = subprocess.run([sys.executable, "-c", DLPACK_CONSUMER, how], env=e, capture_output=True,
+                                 text=True, timeout=CHILD_TIMEOUT)
+            self.assertEqual((out.returncode, out.stdout.strip()), (0, "ok"), out.stderr)
+            self.assertEqual(out.stderr, "", how)
+
+
 class PoolTest(unittest.TestCase):
     def test_alloc_copy_free_stats(self):
         with cudapool.Pool(0, name="py-pool") as p, cudapool.Stream(0) as s:
@@ -100,6 +191,18 @@ class PoolTest(unittest.TestCase):
         p.close(force=True)
         with self.assertRaises(cudapool.ForeignPointer):
             cudapool.free(ptr)  # force-closing released it
+
+    def test_an_error_inside_with_is_not_hidden_by_busy(self):
+        """A with block that fails with a buffer still live raises its own error, not
+        the Busy of the close that __exit__ could not do (the README's example once
+        showed Busy where its consumer had died)."""
+        p = None
+        with self.assertRaises(KeyError):
+            with cudapool.Pool(0) as p:
+                p.alloc(MiB)
+                raise KeyError("the cause")
+        self.assertEqual(p.stats().live_buffers, 1, "the pool is left open with its buffer")
+        p.close(force=True)
 
     def test_local_pool_does_not_round(self):
         with cudapool.Pool(0, handle_type="none") as p:
@@ -312,6 +415,58 @@ class BadInputTest(unittest.TestCase):
             self.assertEqual(ex.state().name, "small")
 
 
+def bounded(test, call, bound=10):
+    """Runs call in a thread; returns the exception it raised (None if none), failing
+    test if it has not returned within bound seconds."""
+    got = []
+
+    def run():
+        try:
+            call()
+            got.append(None)
+        except BaseException as e:  # noqa: B902 (handed to the test)
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    test.assertFalse(t.is_alive(), "the call still waits after %d s" % bound)
+    return got[0]
+
+
+class TimeoutConventionTest(unittest.TestCase):
+    """Python's convention: timeout=0 is "do not wait" (threading.Event.wait(0),
+    queue.get(timeout=0)): what is not there fails at once, as without wait=True; None
+    is no bound. The C ABI's 0 is no bound and CUDAPOOL_NO_WAIT (-1) is Python's 0."""
+
+    def test_conversion(self):
+        self.assertEqual(_lib.timeout_ms(None), 0)
+        self.assertEqual(_lib.timeout_ms(0), -1)
+        self.assertEqual(_lib.timeout_ms(0.0), -1)
+        self.assertEqual(_lib.timeout_ms(0.0001), 1)
+        self.assertEqual(_lib.timeout_ms(2.5), 2500)
+        with self.assertRaises(ValueError):
+            _lib.timeout_ms(-1)
+
+    def test_zero_does_not_wait_for_an_exporter(self):
+        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait=True))
+        self.assertIsInstance(e, cudapool.Gone, "no exporter is there: at once, as without wait")
+
+    def test_zero_does_not_wait_for_a_name(self):
+        path = socket_path("noname")
+        with cudapool.Exporter(path) as ex:
+            p, q = spawn(open_with_timeout_zero, path)
+            self.assertEqual(result_of(self, p, q), "NotFound")
+            del ex
+
+    def test_zero_does_not_wait_for_memory(self):
+        with cudapool.Pool(0, max_size=4 * MiB, wait_for_memory=True) as p:
+            a = p.alloc(4 * MiB)
+            e = bounded(self, lambda: p.alloc(MiB, timeout=0))
+            self.assertIsInstance(e, (cudapool.Timeout, cudapool.OutOfMemory))
+            cudapool.free(a)
+
+
 class SharingTest(unittest.TestCase):
     """A producer here, consumers in spawned processes."""
 
@@ -435,6 +590,18 @@ class SharingTest(unittest.TestCase):
         self.assertEqual([n.name for n in st.published], ["seen"])
         self.assertEqual(st.pid, os.getpid())
         cudapool.free(ptr)
+
+
+def open_with_timeout_zero(q, path):
+    try:
+        with cudapool.Importer(path, timeout=10) as imp:
+            try:
+                imp.open("never", timeout=0, wait=True).release()
+                q.put("opened")
+            except cudapool.NotFound:
+                q.put("NotFound")
+    except Exception as e:
+        q.put(failure(e))
 
 
 def torch_env_child(q):

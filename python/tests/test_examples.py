@@ -15,14 +15,25 @@ from cudapool import _lib
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+# What the test helpers set for every child (helpers.py) and a newcomer's shell has not:
+# the README's examples must run without them.
+HELPER_ENV = ("CUDAPOOL_RUNTIME", "CUDAPOOL_DIR")
+
+
 def run(test, argv, **env):
-    e = dict(os.environ, **env)
+    e = {k: v for k, v in os.environ.items() if k not in HELPER_ENV}
+    e.update(env)
     out = subprocess.run(argv, cwd=ROOT, env=e, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
     test.assertEqual(out.returncode, 0, "%s failed:\n%s%s" % (argv, out.stdout, out.stderr))
     return out.stdout
 
 
 class ExamplesTest(unittest.TestCase):
+    """The examples run as a newcomer runs them on a machine without a GPU: against the
+    library built with -tags cudapool_softdevice (as the tests' is), without the
+    helpers' CUDAPOOL_RUNTIME=auto, so that a child that forgets to choose its runtime
+    fails here as it does for them."""
+
     def test_python_example(self):
         out = run(self, [sys.executable, "examples/python/share.py"], PYTHONPATH=os.path.join(ROOT, "python"))
         self.assertIn("consumer read 'hello from a Python producer'", out)

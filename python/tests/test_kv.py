@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 from array import array
@@ -201,15 +202,32 @@ def close_holding(q, serve, n):
 
 
 def dying_writer(q, serve, n, seed):
-    """A replica process that allocs n pages, writes them and waits to be killed."""
+    """A replica process that allocs n pages, writes them, seals the first half (seed's
+    tokens) and waits to be killed holding the rest unsealed."""
     try:
         r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
         l = r.alloc(n)
         write_pages(r, l.pages, seed)
+        sealed = kv.Lease(l.id, l.pages, True)
+        half = r.hashes(tokens(n // 2 * T, seed))
+        rest = r.alloc(n - n // 2)
+        write_pages(r, rest.pages, seed + 1000)
+        r.seal(sealed, half, wait=True)  # frees nothing: the lease had n pages, half sealed
         q.put("written")
         time.sleep(CHILD_TIMEOUT)
     except Exception as e:
         q.put(failure(e))
+
+
+def result_of_put(test, p, q):
+    """The first thing p put on q, failing test if none came in time or it failed."""
+    try:
+        r = q.get(timeout=CHILD_TIMEOUT)
+    except Exception:
+        test.fail("child process gave no result in %d s (exit code %s)" % (CHILD_TIMEOUT, p.exitcode))
+    if isinstance(r, str) and r.startswith("error:"):
+        test.fail("child process failed: " + r)
+    return r
 
 
 def eventually(test, what, f, timeout=CHILD_TIMEOUT):
@@ -278,6 +296,30 @@ class PrefixHashTest(unittest.TestCase):
         self.assertEqual(h[::2], list(h)[::2])
 
 
+class TimeoutTest(unittest.TestCase):
+    def test_zero_does_not_wait_for_an_owner(self):
+        """timeout=0 is "do not wait" (Python's convention), not "no bound"."""
+        d = tempfile.mkdtemp(prefix="kv-nobody-")
+        got = []
+
+        def dial():
+            try:
+                kv.Replica(d, wait_for_owner=True, timeout=0).close()
+                got.append("dialed")
+            except Exception as e:
+                got.append(e)
+
+        t = threading.Thread(target=dial, daemon=True)
+        t.start()
+        t.join(10)
+        self.assertFalse(t.is_alive(), "timeout=0 waited for an owner 10 s")
+        self.assertIsInstance(got[0], cudapool.Gone, "no owner is there: at once, as without wait_for_owner")
+
+    def test_calls_default_to_the_replicas_timeout(self):
+        self.assertIs(kv.Replica.alloc.__defaults__[-1], kv.REPLICA_TIMEOUT)
+        self.assertIn("replica's timeout", repr(kv.REPLICA_TIMEOUT))
+
+
 class ReplicaTest(unittest.TestCase):
     """One owner of 64 pages per test; replicas here and in child processes."""
 
@@ -292,6 +334,8 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g, kv.Geometry(layers=16, kv_heads=8, head_dim=64, dtype="bf16", tokens_per_page=16,
                                         pages=64))
         self.assertEqual(g.page_bytes, 16 * 8 * 64 * 2)
+        self.assertEqual(g.page_span_bytes, 16 * 2 * g.page_bytes, "a page in every layer's K and V")
+        self.assertEqual(g.slab_bytes, g.pages * g.page_span_bytes)
         self.assertEqual(g.tensor_bytes, 64 * g.page_bytes)
         # 32 tensors of 1 MiB, 3 to a segment of at most 3 MiB: 10 of 3 MiB and 1 of 2.
         segs = self.r.segments
@@ -448,9 +492,11 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(self.r.seal(l, hs, wait=True).visible, 64)
         fresh = self.r.alloc(8)  # no free page: 8 visible, unread pages are evicted
         self.assertEqual(len(fresh), 8)
+        self.assertEqual(sorted(fresh.pages), sorted(l.pages[56:]),
+                         "eviction takes the chain's leaves first: its last 8 pages")
         self.r.release(fresh)
         m = self.r.match(hs)
-        self.assertLess(len(m), 64, "evicted pages are no longer visible")
+        self.assertEqual(list(m.pages), list(l.pages[:56]), "the first 56 pages stay visible, in order")
         self.r.release(m)
 
     def test_bad_inputs_lose_nothing(self):
@@ -517,7 +563,7 @@ class ReplicaTest(unittest.TestCase):
             ("cudapool_kv_alloc", (r, kv.MAX_BATCH + 1, 0, ctypes.byref(lease), pages), 1, "over 4096"),
             ("cudapool_kv_alloc", (r, 1, 0, None, pages), 1, "lease is NULL"),
             ("cudapool_kv_alloc", (r, 1, 0, ctypes.byref(lease), None), 1, "pages is NULL"),
-            ("cudapool_kv_alloc", (r, 1, -1, ctypes.byref(lease), pages), 1, "negative"),
+            ("cudapool_kv_alloc", (r, 1, -2, ctypes.byref(lease), pages), 1, "negative"),
             ("cudapool_kv_match", (r, None, 3, None, 0, ctypes.byref(lease), pages, ctypes.byref(n)), 1, "NULL"),
             ("cudapool_kv_hashes", (r, None, 16, None, 0, ctypes.byref(n)), 1, "tokens is NULL"),
             ("cudapool_kv_release", (r, None, 2, None, 0), 1, "leases is NULL"),
@@ -565,18 +611,30 @@ class ReplicaTest(unittest.TestCase):
             self.r.match([b"x" * 16])
 
     def test_dead_writer_publishes_nothing_and_loses_nothing(self):
-        p, q = spawn(dying_writer, self.owner.serve, 64, 13)
+        """A writer killed holding written pages publishes none of them and loses none;
+        what it sealed before (its work complete) stays visible, byte for byte."""
+        p, q = spawn(dying_writer, self.owner.serve, 32, 13)
         try:
-            self.assertEqual(q.get(timeout=CHILD_TIMEOUT), "written")
+            self.assertEqual(result_of_put(self, p, q), "written")
+            dev = self.r.stats()["devices"][0]
+            self.assertEqual((dev["sealed"], dev["writing"], dev["free"]), (16, 16, 32), dev)
             with self.assertRaises(kv.NoSpace):
-                self.r.alloc(1)
+                self.r.alloc(64 - 16 + 1)  # 16 pages held unsealed: 48 can be had (16 by eviction)
         finally:
             p.kill()
             p.join(CHILD_TIMEOUT)
-        l = eventually(self, "the dead writer's pages to be free", lambda: self._alloc_or_none(64))
-        self.assertEqual(len(l), 64)
-        self.r.release(l)
-        self.assertEqual(len(self.r.match(self.r.hashes(tokens(2 * T, 13)))), 0, "it published nothing")
+        # The 16 unsealed of the first lease were freed by its seal; the second lease's
+        # 16 are freed once the owner sees the writer die.
+        eventually(self, "the dead writer's unsealed pages to be free",
+                   lambda: self.r.stats()["devices"][0]["free"] == 48)
+        dev = self.r.stats()["devices"][0]
+        self.assertEqual((dev["sealed"], dev["writing"], dev["sealing"]), (16, 0, 0), dev)
+        half = self.r.hashes(tokens(16 * T, 13))
+        m = self.r.match(half)
+        self.assertEqual(len(m), 16, "what it sealed with its work complete stays visible")
+        self.assertTrue(all(read_pages(self.r, m.pages, 13)), "and holds its bytes")
+        self.r.release(m)
+        self.assertEqual(len(self.r.match(self.r.hashes(tokens(32 * T, 13)))), 16, "nothing more was published")
 
     def test_owner_death(self):
         hs = self.r.hashes(tokens(2 * T, 14))
@@ -682,6 +740,111 @@ class TensorViewTest(unittest.TestCase):
             r.tensor_view(0, 2)
         with self.assertRaises(IndexError):
             r.tensor_view(16, 0)
+
+
+class Strided:
+    """An array known by its addresses alone: base, shape and byte strides; indexing
+    with ints takes the leading dimensions off, as torch and numpy do."""
+
+    def __init__(self, base, shape, strides):
+        self.base, self.shape, self.strides = base, tuple(shape), tuple(strides)
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        for i, d in zip(idx, self.shape):
+            if not 0 <= i < d:
+                raise IndexError(i)
+        off = sum(i * s for i, s in zip(idx, self.strides))
+        return Strided(self.base + off, self.shape[len(idx):], self.strides[len(idx):])
+
+    def addr(self, *idx):
+        return self[idx].base
+
+
+def element_offset(g, page, token, head, d):
+    """Where the docs (kv.py's module docstring, cudapool.h) put an element of one
+    [pages, tokens_per_page, kv_heads, head_dim] tensor, from the tensor's start."""
+    return page * g.page_bytes + ((token * g.kv_heads + head) * g.head_dim + d) * g.dtype_size
+
+
+def samples(g):
+    """A few indices (page, token, head, element) in every corner of a tensor."""
+    for page in sorted({0, g.pages - 1}):
+        for token, head, d in ((0, 0, 0), (g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1),
+                               (1 % g.tokens_per_page, g.kv_heads // 2, 3 % g.head_dim)):
+            yield page, token, head, d
+
+
+def capsule_array(cap, itemsize):
+    """The Strided array a "dltensor" capsule describes, and the capsule's consumer
+    done (its deleter called)."""
+    from cudapool import _dlpack
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+    mt = _dlpack.DLManagedTensor.from_address(get(cap, b"dltensor"))
+    t = mt.dl_tensor
+    a = Strided(t.data + t.byte_offset, [t.shape[i] for i in range(t.ndim)],
+                [t.strides[i] * itemsize for i in range(t.ndim)])
+    bits, dev = t.dtype.bits, (t.device.device_type, t.device.device_id)
+    mt.deleter(ctypes.pointer(mt))
+    return a, bits, dev
+
+
+class KVCachesLayoutTest(unittest.TestCase):
+    """kv_caches' K/V order, shape and strides, checked where CI runs: by the addresses
+    of the DLPack capsules it hands torch (no torch), and with CPU torch where it
+    imports (the GPU tests check the rest)."""
+
+    def test_by_addresses(self):
+        owner = Owner(pages=8)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        self.addCleanup(r.close)
+        g = r.geometry
+        seen = {}
+
+        def tensor(layer, part):  # what kv_caches does, but for torch.from_dlpack
+            a, bits, dev = capsule_array(r.tensor_view(layer, part).__dlpack__(stream=None), g.dtype_size)
+            self.assertEqual((bits // 8, dev), (g.dtype_size, (2, r.device)))
+            seen[layer, part] = a
+            return a
+
+        caches = kv._layer_caches(tensor, g.layers)
+        self.assertEqual(len(caches), g.layers)
+        ends = []
+        for layer, (k, v) in enumerate(caches):
+            self.assertEqual((k.base, v.base), r.layer_ptrs(layer), "layer %d: (K, V) in that order" % layer)
+            for x in (k, v):
+                self.assertEqual(x.shape, (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
+                for page, token, head, d in samples(g):
+                    self.assertEqual(x.addr(page, token, head, d) - x.base, element_offset(g, page, token, head, d))
+                last = x.addr(g.pages - 1, g.tokens_per_page - 1, g.kv_heads - 1, g.head_dim - 1)
+                self.assertEqual(last + g.dtype_size - x.base, g.tensor_bytes, "a tensor is contiguous")
+                ends.append((x.base, x.base + g.tensor_bytes))
+        for (lo, hi) in ends:
+            self.assertTrue(any(s.ptr <= lo and hi <= s.ptr + s.size for s in r.segments),
+                            "each tensor lies whole in one segment")
+        ends.sort()
+        self.assertTrue(all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "no two tensors overlap")
+
+    def test_with_cpu_torch(self):
+        """torch reads the shape and strides of kv_caches' capsules as the docs say."""
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("torch is not installed (the address test stands in)")
+        owner = Owner(pages=8)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        self.addCleanup(r.close)
+        g = r.geometry
+        a, _, _ = capsule_array(r.tensor_view(3, 1).__dlpack__(stream=None), g.dtype_size)
+        elems = torch.arange(g.tensor_bytes // g.dtype_size, dtype=torch.int64)
+        t = torch.as_strided(elems, a.shape, [s // g.dtype_size for s in a.strides])
+        self.assertEqual(tuple(t.shape), (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
+        self.assertTrue(t.is_contiguous())
+        for page, token, head, d in samples(g):
+            self.assertEqual(int(t[page, token, head, d]) * g.dtype_size, element_offset(g, page, token, head, d))
 
 
 if __name__ == "__main__":

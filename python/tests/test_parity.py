@@ -344,7 +344,9 @@ class ArgumentsTest(unittest.TestCase):
 
     def test_timeouts(self):
         with cudapool.Exporter(socket_path("t0")) as ex:
-            self.assertEqual(cudapool.query_state(ex.path, timeout=0).pid, os.getpid(), "0: no bound, as in C")
+            self.assertEqual(cudapool.query_state(ex.path, timeout=None).pid, os.getpid(), "None: no bound")
+            self.assertEqual(cudapool.query_state(ex.path, timeout=0).pid, os.getpid(),
+                             "0: no wait, but a live exporter's answer is read")
             with self.assertRaises(ValueError):
                 cudapool.query_state(ex.path, timeout=-1)
             with self.assertRaises(TypeError):

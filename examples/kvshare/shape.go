@@ -1,13 +1,4 @@
-// Package kv owns the KV-cache sharing example: the shape of a cache, the deterministic
-// pattern that fills it and checks it, and the producer and consumer that share it
-// through cudapool. examples/producer, examples/consumer and examples/kvshare are thin
-// commands over it.
-//
-// The problem it shows: eight inference replicas each compute the same KV cache for one
-// long system prompt. Better: one computes it once, the others map it. The producer
-// stands for the replica that computes it; each consumer maps it, checks every byte from
-// its own device and measures how fast it reads it.
-package kv
+package main
 
 import (
 	"errors"

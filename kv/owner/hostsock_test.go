@@ -1,0 +1,65 @@
+package owner_test
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/internal/unixfd"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+)
+
+// The host tier's socket answers a device it serves with the tier's memfd, one it
+// does not with a reason and no descriptor, and a connection that says nothing, or
+// too little, with nothing; none of them stops it serving the next.
+func TestHostSocketAnswers(t *testing.T) {
+	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
+	dir := filepath.Join(t.TempDir(), "kv")
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), owner.Options{Geometry: g, NoAnnounce: true, HostBytes: 4 * owner.HostPageBytes(g)})
+	require.NoError(t, err)
+	defer func() { assert.NoError(t, o.Close(t.Context())) }()
+	sock := filepath.Join(dir, kv.HostSocket)
+	ask := func(req []byte) (kv.HostTierInfo, []int, error) {
+		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+		require.NoError(t, err)
+		defer c.Close()
+		require.NoError(t, c.SetDeadline(time.Now().Add(testwait.Bound)))
+		_, err = c.Write(req)
+		require.NoError(t, err)
+		require.NoError(t, c.CloseWrite())
+		buf := make([]byte, 4096)
+		n, fds, err := unixfd.Recv(c, buf, 1)
+		var info kv.HostTierInfo
+		if err == nil {
+			err = json.Unmarshal(buf[:n], &info)
+		}
+		return info, fds, err
+	}
+	dev := func(d uint32) []byte { return binary.LittleEndian.AppendUint32(nil, d) }
+
+	_, fds, err := ask([]byte{1, 2}) // too short: no answer
+	assert.Error(t, err)
+	assert.Empty(t, fds)
+	info, fds, err := ask(dev(7))
+	require.NoError(t, err)
+	assert.Empty(t, fds)
+	assert.Equal(t, kv.HostTierInfo{Device: 7, Error: "device 7 has no host tier here"}, info)
+	info, fds, err = ask(dev(0))
+	require.NoError(t, err)
+	require.Len(t, fds, 1)
+	defer unix.Close(fds[0])
+	assert.Equal(t, kv.HostTierInfo{Device: 0, Bytes: 4 * owner.HostPageBytes(g), Pages: 4, PageBytes: owner.HostPageBytes(g)}, info)
+	seals, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GET_SEALS, 0)
+	require.NoError(t, err)
+	assert.NotZero(t, seals&unix.F_SEAL_SHRINK, "the memfd can shrink under a replica's mapping")
+}
