@@ -16,10 +16,10 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -124,16 +124,16 @@ func TestStatusOf(t *testing.T) {
 		{nil, statusOK},
 		{invalid("x"), statusInval},
 		{fmt.Errorf("wrapped: %w", pool.ErrZeroSize), statusInval},
-		{consumer.ErrBadName, statusInval},
+		{export.ErrBadName, statusInval},
 		{fmt.Errorf("%w: x", errHandle), statusHandle},
 		{pool.ErrForeignBuffer, statusPointer},
 		{pool.ErrBusy, statusBusy},
 		{fmt.Errorf("pool: %w", pool.ErrClosed), statusClosed},
 		{cudart.NewError("cudaMallocFromPoolAsync", cudart.ErrOutOfMemory), statusNoMem},
-		{consumer.ErrUnknownName, statusNotFound},
+		{export.ErrUnknownName, statusNotFound},
 		{producer.ErrNameInUse, statusExist},
-		{consumer.ErrExporterGone, statusGone},
-		{consumer.ErrVersionMismatch, statusVersion},
+		{export.ErrExporterGone, statusGone},
+		{export.ErrVersionMismatch, statusVersion},
 		{context.DeadlineExceeded, statusTimeout},
 		{errRuntimeSet, statusNoRuntime},
 		{cudart.NewError("cudaStreamCreate", cudart.ErrInvalidValue), statusCUDA},
@@ -144,6 +144,8 @@ func TestStatusOf(t *testing.T) {
 		{kv.ErrClosed, statusClosed},
 		{kv.ErrGeometry, statusInval},
 		{kv.ErrTooLarge, statusInval},
+		{&kv.RemoteError{Err: kv.ErrRefused, Text: "refused: uid 7"}, statusRefused},
+		{&kv.RemoteError{Err: kv.ErrLimit, Text: "MaxLeases"}, statusTooMany},
 		{fmt.Errorf("%w: waiting for an owner: %w", kv.ErrOwnerGone, context.DeadlineExceeded), statusTimeout},
 	} {
 		assert.Equal(t, c.want, statusOf(c.err), "%v", c.err)
@@ -160,22 +162,22 @@ func TestEverySentinelHasItsStatus(t *testing.T) {
 	}{
 		{consumer.ErrStreamDevice, statusStreamDevice},
 		{consumer.ErrDuplicateImporter, statusDuplicate},
-		{consumer.ErrTooManyGrants, statusTooMany},
+		{export.ErrTooManyGrants, statusTooMany},
 		{consumer.ErrMappingLost, statusLost},
-		{consumer.ErrExporterGone, statusGone},
-		{&consumer.RemoteError{Err: consumer.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
-		{&consumer.RemoteError{Err: consumer.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
+		{export.ErrExporterGone, statusGone},
+		{&export.RemoteError{Err: export.ErrExporter, Text: "cudaMemPoolExportPointer failed"}, statusExporter},
+		{&export.RemoteError{Err: export.ErrTooManyGrants, Text: "65536 held"}, statusTooMany},
 		{fmt.Errorf("%w: %w", producer.ErrAbandoned, context.DeadlineExceeded), statusAbandoned},
-		{consumer.ErrStaleLease, statusStale},
+		{export.ErrStaleLease, statusStale},
 		{discover.ErrBadDir, statusBadDir},
-		{consumer.ErrBadRequest, statusProtocol},
+		{export.ErrBadRequest, statusProtocol},
 		{producer.ErrSocketPath, statusInval},
-		{producer.ErrNotSocket, statusExist},
-		{consumer.ErrNoLeases, statusNotSup},
+		{export.ErrNotSocket, statusExist},
+		{export.ErrNoLeases, statusNotSup},
 		{pool.ErrNotShareable, statusNotSup},
 		{pool.ErrNoPeerAccess, statusNotSup},
-		{poolshare.ErrLeaseEnded, statusStale},
-		{poolshare.ErrNotLeased, statusStale},
+		{pool.ErrLeaseEnded, statusStale},
+		{pool.ErrNotLeased, statusStale},
 		{pool.ErrMisaligned, statusCUDA},
 		{pool.ErrFreeFailed, statusCUDA},
 		{cudart.ErrContextLost, statusCUDA},

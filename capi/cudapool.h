@@ -82,7 +82,7 @@ enum cudapool_status {
 	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
 	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
-	CUDAPOOL_EREFUSED = 10,  /* the exporter refused this process */
+	CUDAPOOL_EREFUSED = 10,  /* the exporter (or KV owner) refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
 	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */
 	CUDAPOOL_ETIMEOUT = 13,  /* timeout_ms ran out; the call holds nothing */
@@ -95,7 +95,8 @@ enum cudapool_status {
 	CUDAPOOL_EIO = 20,       /* the system failed: a socket, a file, a process */
 	CUDAPOOL_ESTREAMDEVICE = 21, /* a stream of another device than the importer's */
 	CUDAPOOL_EDUPLICATE = 22,    /* this process has an importer for that exporter already */
-	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows */
+	CUDAPOOL_ETOOMANY = 23,      /* the connection holds as many grants as the exporter allows,
+	                              * or a KV owner's cap is full (connections, leases, events) */
 	CUDAPOOL_ELOST = 24,         /* the mapping's exporter is gone and it lives on another GPU:
 	                              * reading it would lose this process's CUDA context */
 	CUDAPOOL_EEXPORTER = 25,     /* the exporter failed to serve the request (its message) */
@@ -340,16 +341,21 @@ enum cudapool_open_flags {
 	/* Wait (up to timeout_ms) for the name to be published, instead of failing with
 	 * CUDAPOOL_ENOTFOUND. */
 	CUDAPOOL_OPEN_WAIT_FOR_NAME = 1,
-	/* Copy the buffer into memory of the importer's own device and give the lease back
-	 * at once: the mapping then outlives its producer on any GPU (never CUDAPOOL_ELOST).
-	 * The copy comes from replica_pool, or (replica_pool.h 0) from a pool the importer
-	 * makes. replica_pool must let the exporter's device access it (peer_devices). */
-	CUDAPOOL_OPEN_REPLICA = 2
+	/* Copy the buffer into memory of the importer's own device (a local copy) and give
+	 * the lease back at once: the mapping then outlives its producer on any GPU (never
+	 * CUDAPOOL_ELOST). The copy comes from replica_pool, or (replica_pool.h 0) from a
+	 * pool the importer makes. replica_pool must let the exporter's device access it
+	 * (peer_devices). */
+	CUDAPOOL_OPEN_LOCAL_COPY = 2,
+	/* CUDAPOOL_OPEN_LOCAL_COPY's former name, kept for existing sources ("replica" now
+	 * names only the KV pool's processes). */
+	CUDAPOOL_OPEN_REPLICA = CUDAPOOL_OPEN_LOCAL_COPY
 };
 typedef struct {
 	size_t size;                /* sizeof(cudapool_open_options), set by _default */
 	int flags;                  /* CUDAPOOL_OPEN_* */
-	cudapool_pool replica_pool; /* with CUDAPOOL_OPEN_REPLICA; h 0: the importer's own */
+	cudapool_pool replica_pool; /* the local copy's pool, with CUDAPOOL_OPEN_LOCAL_COPY (the
+	                             * field keeps its name for the ABI); h 0: the importer's own */
 } cudapool_open_options;
 int cudapool_open_options_init(cudapool_open_options *o, size_t size);
 static inline int cudapool_open_options_default(cudapool_open_options *o) {
@@ -535,7 +541,9 @@ int cudapool_kv_seal(cudapool_kv_replica r, uint64_t lease, const uint8_t *hashe
                      int wait, int64_t timeout_ms, uint32_t *visible, uint32_t *duplicates);
 /* cudapool_kv_match leases for reading the longest run of visible pages under hashes[0],
  * hashes[1], ...: *n_pages pages (room for n) and the lease's id in *lease, 0 when
- * none is visible (no lease then). Work queued on stream after the call may read them. */
+ * none is visible (no lease then). Work queued on any stream after the call may read
+ * them. stream is not used (the match queues nothing: the pages' writes completed
+ * before they became visible); it is kept so that the ABI stays, and may be NULL. */
 int cudapool_kv_match(cudapool_kv_replica r, const uint8_t *hashes, size_t n, void *stream, int64_t timeout_ms,
                       uint64_t *lease, uint32_t *pages, size_t *n_pages);
 /* cudapool_kv_release gives back n leases (write or read) once the work queued on
@@ -565,7 +573,12 @@ int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len)
  * needed. */
 int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_close gives back the replica's leases, unmaps the slab and hangs up. The
- * handle is spent. */
+ * handle is spent. The leases still held end after the work queued so far on every
+ * stream the replica has sealed or released on (as a release on those streams would),
+ * so pages a kernel still writes are not given to another replica; work on a stream
+ * the replica never sealed or released on is not covered: release such leases first.
+ * If timeout_ms passes while that work is still queued, it returns CUDAPOOL_ETIMEOUT
+ * and the rest completes once the work has run. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
 
 #ifdef __cplusplus

@@ -17,7 +17,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -106,11 +106,11 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	var err error
 	switch pages := k.r.Geometry().Pages; {
 	case got > n || exact && got < n:
-		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", consumer.ErrProtocol, got, n)
+		err = fmt.Errorf("%w: the owner leased %d pages for a request of %d", export.ErrProtocol, got, n)
 	default:
 		for _, p := range l.Pages() {
 			if int64(p) >= int64(pages) {
-				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", consumer.ErrProtocol, p, pages)
+				err = fmt.Errorf("%w: the owner leased page %d of a slab of %d", export.ErrProtocol, p, pages)
 				break
 			}
 		}
@@ -253,7 +253,7 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	}
 	opts := []replica.Option{replica.WithNamespace(namespace)}
 	if flags&kvDialWaitForOwner != 0 && !noWait(ctx) {
-		opts = append(opts, replica.WithWaitForOwner())
+		opts = append(opts, replica.WaitForOwner())
 	}
 	if flags&kvDialReconnect != 0 {
 		opts = append(opts, replica.WithReconnect())
@@ -444,8 +444,8 @@ func (k *kvReplica) alloc(ctx context.Context, n int) (*replica.Lease, error) {
 
 // match leases the longest visible run of hs for reading and keeps the lease if it
 // has pages (cudapool_kv_match).
-func (k *kvReplica) match(ctx context.Context, hs []kv.Hash, s cudart.Stream) (*replica.Lease, error) {
-	l, err := k.r.Match(ctx, hs, s)
+func (k *kvReplica) match(ctx context.Context, hs []kv.Hash) (*replica.Lease, error) {
+	l, err := k.r.Match(ctx, hs)
 	if err != nil {
 		return nil, err
 	}
@@ -506,7 +506,7 @@ func (k *kvReplica) seal(ctx context.Context, id uint64, hs []kv.Hash, s cudart.
 }
 
 //export cpgo_kv_match
-func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t, nPages *C.size_t) (rc C.int) {
+func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, _ C.uintptr_t, timeoutMs C.int64_t, lease *C.uint64_t, pages *C.uint32_t, nPages *C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
 	switch {
 	case lease == nil:
@@ -521,7 +521,7 @@ func cpgo_kv_match(h C.uint64_t, hashes *C.uint8_t, n C.size_t, s C.uintptr_t, t
 		return fail(err)
 	}
 	defer cancel()
-	l, err := k.match(ctx, hs, cudart.Stream(s))
+	l, err := k.match(ctx, hs)
 	if err != nil {
 		return fail(err)
 	}

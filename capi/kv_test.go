@@ -220,7 +220,7 @@ func TestOwnerRepliesBeyondTheRequestAreRefused(t *testing.T) {
 			_, err = k.alloc(ctx, 2)
 			require.Error(t, err, "alloc")
 			assert.Equal(t, statusProtocol, statusOf(err), "alloc: %v", err)
-			_, err = k.match(ctx, hs, s)
+			_, err = k.match(ctx, hs)
 			require.Error(t, err, "match")
 			assert.Equal(t, statusProtocol, statusOf(err), "match: %v", err)
 			k.mu.Lock()

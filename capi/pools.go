@@ -43,7 +43,7 @@ func poolOptions(o *C.cudapool_pool_options) ([]pool.Option, error) {
 		opts = append(opts, pool.WithReleaseThreshold(uint64(o.release_threshold)))
 	}
 	if o.wait_for_memory != 0 {
-		opts = append(opts, pool.WithWaitForMemory())
+		opts = append(opts, pool.WaitForMemory())
 	}
 	if o.cache_bytes != 0 {
 		opts = append(opts, pool.WithCache(uint64(o.cache_bytes)))

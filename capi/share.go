@@ -15,6 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
@@ -81,11 +82,11 @@ const (
 	dialWaitForExporter = C.CUDAPOOL_DIAL_WAIT_FOR_EXPORTER
 
 	openWaitForName = C.CUDAPOOL_OPEN_WAIT_FOR_NAME
-	openReplica     = C.CUDAPOOL_OPEN_REPLICA
+	openLocalCopy   = C.CUDAPOOL_OPEN_LOCAL_COPY
 )
 
 // maxMeta bounds the metadata a publish carries (CUDAPOOL_MAX_META).
-const maxMeta = producer.MaxMetaLen
+const maxMeta = export.MaxMetaLen
 
 //export cpgo_protocol_version
 func cpgo_protocol_version(out *C.int) (rc C.int) {
@@ -93,7 +94,7 @@ func cpgo_protocol_version(out *C.int) (rc C.int) {
 	if out == nil {
 		return fail(invalid("version is NULL"))
 	}
-	*out = C.int(consumer.ProtocolVersion)
+	*out = C.int(export.ProtocolVersion)
 	return statusOK
 }
 
@@ -131,7 +132,7 @@ func listenOptions(o *C.cudapool_listen_options) ([]producer.ListenOption, error
 		return nil, err
 	}
 	if len(uids) > 0 || len(gids) > 0 {
-		opts = append(opts, producer.WithPolicy(producer.Policy{AllowUIDs: uids, AllowGIDs: gids}))
+		opts = append(opts, producer.WithPolicy(export.Policy{AllowUIDs: uids, AllowGIDs: gids}))
 	}
 	switch n := int(o.max_grants); {
 	case n < 0:
@@ -234,8 +235,8 @@ func checkBatch(n C.size_t, p unsafe.Pointer, what string) error {
 	switch {
 	case n == 0:
 		return invalid("no %s", what)
-	case n > producer.MaxBatch:
-		return invalid("%d %s: at most %d at once", uint64(n), what, producer.MaxBatch)
+	case n > export.MaxBatch:
+		return invalid("%d %s: at most %d at once", uint64(n), what, export.MaxBatch)
 	case p == nil:
 		return invalid("%s is NULL", what)
 	}
@@ -264,7 +265,7 @@ func cpgo_exporter_publish_all(h C.uint64_t, entries *C.cudapool_publish_entry, 
 		}
 		es[i] = producer.Entry{Name: name, Buffer: b, Options: opts}
 	}
-	return result(ex.PublishAll(context.Background(), cudart.Stream(s), es...))
+	return result(ex.PublishAll(context.Background(), es, cudart.Stream(s)))
 }
 
 //export cpgo_exporter_unpublish
@@ -340,7 +341,7 @@ func cpgo_query_state(socket *C.char, timeoutMs C.int64_t, buf *C.char, capacity
 	return result(writeJSON(st, buf, capacity, n))
 }
 
-func writeJSON(st *discover.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
+func writeJSON(st *export.State, buf *C.char, capacity C.size_t, n *C.size_t) error {
 	b, err := json.Marshal(st)
 	if err != nil {
 		return err
@@ -392,24 +393,24 @@ func openOptions(ctx context.Context, o *C.cudapool_open_options) ([]consumer.Op
 		return nil, err
 	}
 	f := int(o.flags)
-	if f&^(openWaitForName|openReplica) != 0 {
-		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openReplica))
+	if f&^(openWaitForName|openLocalCopy) != 0 {
+		return nil, invalid("unknown open flags %#x", f&^(openWaitForName|openLocalCopy))
 	}
 	var opts []consumer.OpenOption
 	if f&openWaitForName != 0 && !noWait(ctx) {
 		opts = append(opts, consumer.WaitForName())
 	}
 	switch {
-	case f&openReplica == 0 && o.replica_pool.h != 0:
-		return nil, invalid("replica_pool without CUDAPOOL_OPEN_REPLICA")
-	case f&openReplica != 0 && o.replica_pool.h == 0:
-		opts = append(opts, consumer.WithReplica(nil)) // the Importer's own pool
-	case f&openReplica != 0:
+	case f&openLocalCopy == 0 && o.replica_pool.h != 0:
+		return nil, invalid("replica_pool without CUDAPOOL_OPEN_LOCAL_COPY")
+	case f&openLocalCopy != 0 && o.replica_pool.h == 0:
+		opts = append(opts, consumer.WithLocalCopy(nil)) // the Importer's own pool
+	case f&openLocalCopy != 0:
 		p, err := pools.get(uint64(o.replica_pool.h))
 		if err != nil {
 			return nil, fmt.Errorf("replica_pool: %w", err)
 		}
-		opts = append(opts, consumer.WithReplica(p))
+		opts = append(opts, consumer.WithLocalCopy(p))
 	}
 	return opts, nil
 }
@@ -504,7 +505,7 @@ func cpgo_importer_release_all(h C.uint64_t, hs *C.uint64_t, n C.size_t, s C.uin
 		}
 	}
 	err = imp.ReleaseAll(ctx, ms, cudart.Stream(s))
-	if errors.Is(err, consumer.ErrReleased) || errors.Is(err, consumer.ErrBadRequest) {
+	if errors.Is(err, consumer.ErrReleased) || errors.Is(err, export.ErrBadRequest) {
 		return fail(err) // refused before anything was released
 	}
 	for _, mh := range handles {

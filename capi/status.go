@@ -17,10 +17,10 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	rtchoice "github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -90,8 +90,8 @@ var statuses = []struct {
 	{context.DeadlineExceeded, statusTimeout},
 	{pool.ErrZeroSize, statusInval},
 	{pool.ErrInvalidOption, statusInval},
-	{consumer.ErrBadName, statusInval},
-	{producer.ErrBadRange, statusInval},
+	{export.ErrBadName, statusInval},
+	{export.ErrBadRange, statusInval},
 	{producer.ErrMetaTooLong, statusInval},
 	{producer.ErrSocketPath, statusInval},
 	{rtchoice.ErrUnknownPreference, statusInval},
@@ -100,33 +100,33 @@ var statuses = []struct {
 	{consumer.ErrReleased, statusHandle},
 	{pool.ErrBusy, statusBusy},
 	{pool.ErrClosed, statusClosed},
-	{consumer.ErrClosed, statusClosed},
+	{export.ErrClosed, statusClosed},
 	{cudart.ErrOutOfMemory, statusNoMem},
-	{consumer.ErrUnknownName, statusNotFound},
+	{export.ErrUnknownName, statusNotFound},
 	{producer.ErrNoPeer, statusNotFound},
 	{producer.ErrNameInUse, statusExist},
 	{producer.ErrAddressInUse, statusExist},
-	{producer.ErrNotSocket, statusExist},
+	{export.ErrNotSocket, statusExist},
 	{consumer.ErrMappingLost, statusLost},
-	{consumer.ErrExporterGone, statusGone},
-	{consumer.ErrBufferGone, statusGone},
-	{consumer.ErrRefused, statusRefused},
-	{consumer.ErrVersionMismatch, statusVersion},
-	{consumer.ErrProtocol, statusProtocol},
-	{consumer.ErrBadRequest, statusProtocol},
+	{export.ErrExporterGone, statusGone},
+	{export.ErrBufferGone, statusGone},
+	{export.ErrRefused, statusRefused},
+	{export.ErrVersionMismatch, statusVersion},
+	{export.ErrProtocol, statusProtocol},
+	{export.ErrBadRequest, statusProtocol},
 	{pool.ErrUnsupportedHandleType, statusNotSup},
 	{pool.ErrNotShareable, statusNotSup},
 	{pool.ErrNoPeerAccess, statusNotSup},
-	{consumer.ErrHandleType, statusNotSup},
-	{consumer.ErrIMEXRequired, statusNotSup},
-	{consumer.ErrNoLeases, statusNotSup},
+	{export.ErrHandleType, statusNotSup},
+	{export.ErrIMEXRequired, statusNotSup},
+	{export.ErrNoLeases, statusNotSup},
 	{consumer.ErrStreamDevice, statusStreamDevice},
 	{consumer.ErrDuplicateImporter, statusDuplicate},
-	{consumer.ErrTooManyGrants, statusTooMany},
-	{consumer.ErrExporter, statusExporter},
-	{consumer.ErrStaleLease, statusStale},
-	{poolshare.ErrLeaseEnded, statusStale},
-	{poolshare.ErrNotLeased, statusStale},
+	{export.ErrTooManyGrants, statusTooMany},
+	{export.ErrExporter, statusExporter},
+	{export.ErrStaleLease, statusStale},
+	{pool.ErrLeaseEnded, statusStale},
+	{pool.ErrNotLeased, statusStale},
 	{discover.ErrBadDir, statusBadDir},
 	{pool.ErrMisaligned, statusCUDA},
 	{pool.ErrFreeFailed, statusCUDA},
@@ -140,6 +140,8 @@ var statuses = []struct {
 	{kv.ErrClosed, statusClosed},
 	{kv.ErrGeometry, statusInval},
 	{kv.ErrTooLarge, statusInval},
+	{kv.ErrRefused, statusRefused},
+	{kv.ErrLimit, statusTooMany},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

@@ -406,7 +406,7 @@ func (c *f14Consumer) copyThroughKill(dev int, s cudart.Stream) {
 		c.say("copies on device %d's stream: all %d batches succeeded, the last ones after the producer was reaped", dev, batches)
 	}
 	if dev == 0 {
-		// export's WithReplica copies through the owner device for this (2026-11-30:
+		// export's WithLocalCopy copies through the owner device for this (2026-11-30:
 		// all 16 batches succeeded; on the peer's stream, batch 6 was contained).
 		c.assume("copies through the owner device survive a kill mid-copy", firstErr)
 	}

@@ -76,7 +76,9 @@ func (c *loadConfig) driverCandidate() string {
 func Load(opts ...LoadOption) (Runtime, error) {
 	var c loadConfig
 	for _, o := range opts {
-		o(&c)
+		if o != nil {
+			o(&c)
+		}
 	}
 	key := strings.Join(c.runtimeCandidates(), "\x00") + "\x00\x00" + c.driverCandidate()
 	v, _ := loads.LoadOrStore(key, new(loadOnce))

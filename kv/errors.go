@@ -23,6 +23,12 @@ var (
 	ErrGeometry = errors.New("kv: does not fit the geometry")
 	// ErrTooLarge means a batch is over MaxBatch (or a frame over the wire's limit).
 	ErrTooLarge = errors.New("kv: batch too large")
+	// ErrRefused means the owner did not admit the replica: its policy, the protocol
+	// version or the Hello.
+	ErrRefused = errors.New("kv: refused")
+	// ErrLimit means a cap of the owner's is full (connections, leases or event
+	// handles of one connection); the error names the cap. Nothing was granted.
+	ErrLimit = errors.New("kv: limit reached")
 	// ErrLeaseLost means a lease held when the owner died was not re-established by
 	// the owner that took its place: its pages may have been reused, so nothing read
 	// from or written to them since can be trusted.

@@ -1,11 +1,16 @@
 package kv
 
-// Stats is a snapshot of an owner: what its Stats frame answers, as JSON.
+// Stats is a snapshot of an owner: what its Stats frame answers, as JSON. Replicas
+// lists the connected replicas by pid; the Stats frame lists at most MaxListed
+// (ReplicasOmitted counts those left out), so that it fits one frame however many
+// replicas are connected. ReplicaCount counts them all.
 type Stats struct {
-	PID      int            `json:"pid"`
-	Geometry StatsGeometry  `json:"geometry"`
-	Devices  []DeviceStats  `json:"devices"`
-	Replicas []ReplicaStats `json:"replicas"`
+	PID             int            `json:"pid"`
+	Geometry        StatsGeometry  `json:"geometry"`
+	Devices         []DeviceStats  `json:"devices"`
+	Replicas        []ReplicaStats `json:"replicas"`
+	ReplicaCount    int            `json:"replica_count"`
+	ReplicasOmitted int            `json:"replicas_omitted,omitempty"`
 	// Restart says what the owner took back at its start (kv/owner.Recovery); absent
 	// for an owner that keeps no index.
 	Restart *RestartStats `json:"restart,omitempty"`
@@ -20,6 +25,9 @@ type RestartStats struct {
 	Awaiting int    `json:"awaiting"` // replicas of before not reattached yet
 	Dropped  string `json:"dropped,omitempty"`
 }
+
+// MaxListed is the most replicas a Stats frame lists.
+const MaxListed = 1024
 
 // StatsGeometry is the geometry in Stats' JSON.
 type StatsGeometry struct {

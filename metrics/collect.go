@@ -6,7 +6,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/pool"
@@ -36,7 +36,7 @@ func (c exporterCollector) Collect(ch chan<- prometheus.Metric) {
 type Target struct {
 	Name   string // the name it announced
 	Socket string // where it was asked: its identity, whatever its State says
-	State  *discover.State
+	State  *export.State
 }
 
 // NewTargetCollector returns a collector that calls targets at each scrape and reports
@@ -111,7 +111,7 @@ func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
 // The State comes from another process: a pool id or a peer pid it lists twice (two
 // Importers of one process are two peers of one pid) is reported once, not as series
 // that would fail the scrape.
-func collectState(ch chan<- prometheus.Metric, name, socket string, st *discover.State) {
+func collectState(ch chan<- prometheus.Metric, name, socket string, st *export.State) {
 	ex := []string{name, socket}
 	var publishedBytes uint64
 	for _, n := range st.Published {
@@ -159,8 +159,8 @@ func collectState(ch chan<- prometheus.Metric, name, socket string, st *discover
 
 // peersByPID sums the peers of one pid into one, in the order of their first
 // appearance: the earliest connection, and awaiting its exit if any is.
-func peersByPID(peers []discover.PeerState) []discover.PeerState {
-	var out []discover.PeerState
+func peersByPID(peers []export.PeerState) []export.PeerState {
+	var out []export.PeerState
 	at := map[int]int{}
 	for _, p := range peers {
 		i, ok := at[p.PID]

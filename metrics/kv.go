@@ -75,6 +75,8 @@ var (
 		"Pages the slab evicted with no copy in the host tier: gone from both tiers.", kvDeviceLabels)
 	kvHostEvictions = counter("kv_host_evictions_total",
 		"Host pages evicted to make room: gone.", kvDeviceLabels)
+	kvReplicas = gauge("kv_replicas",
+		"Replicas connected, all of them: the per-replica series cover at most the 1024 a stats answer lists.", kvLabels)
 	kvReplicaLeases = gauge("kv_replica_leases",
 		"Leases a replica holds.", kvReplicaLabels)
 	kvReplicaPages = gauge("kv_replica_pages",
@@ -105,6 +107,7 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	send(ch, kvUp, 1, labels)
+	send(ch, kvReplicas, float64(st.ReplicaCount), labels)
 	g := st.Geometry
 	send(ch, kvInfo, 1, labels, strconv.Itoa(st.PID), strconv.Itoa(g.Layers), strconv.Itoa(g.KVHeads), strconv.Itoa(g.HeadDim), g.DType, strconv.Itoa(g.TokensPerPage))
 	seen := map[int]bool{}

@@ -1,5 +1,5 @@
 // Package metrics owns cudapool's Prometheus metrics: collectors that turn an
-// exporter's State (discover.State) and a pool's figures (pool.Stats) into metrics named
+// exporter's State (export.State) and a pool's figures (pool.Stats) into metrics named
 // by Prometheus's conventions, at each scrape, with no state of their own.
 //
 // Three collectors cover the three places the figures live, and a fourth a KV page
@@ -28,7 +28,7 @@
 //	  host_bytes,host_pages,host_twin_pages,host_spills_total,host_spill_bytes_total,
 //	  host_spill_seconds_total,host_restores_total,host_restore_bytes_total,
 //	  host_restore_seconds_total,host_spilled_total,host_lost_total,host_evictions_total,
-//	  replica_leases,replica_pages}
+//	  replicas,replica_leases,replica_pages}
 //
 // Register the collectors with a prometheus.Registerer and serve it with promhttp.
 // They are unchecked collectors (they describe no metric up front, as the series they

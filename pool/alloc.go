@@ -43,7 +43,7 @@ func (p *Pool) forget(b *Buffer) {
 //
 // A full pool fails with an error that wraps cudart.ErrOutOfMemory and says how much
 // the pool has reserved and in use, after it returned its cache to the driver and
-// tried again; with WithWaitForMemory, Alloc instead waits for a Free in this process
+// tried again; with WaitForMemory, Alloc instead waits for a Free in this process
 // and tries again until ctx ends (the error then wraps both ctx's error and
 // cudart.ErrOutOfMemory). A request that can never fit, larger than WithMaxSize or
 // than the device's memory, fails at once with cudart.ErrOutOfMemory, waiting or not.

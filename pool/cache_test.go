@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,45 +12,26 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/intercept"
 )
 
 // countingRuntime counts the calls that exports make and that the cache exists to
 // save.
-type countingRuntime struct {
-	cudart.Runtime
-	mallocs, frees, poolExports, ptrExports, waits atomic.Int64
-}
+type countingRuntime struct{ *intercept.Runtime }
 
-func (r *countingRuntime) MemPoolExportToShareableHandle(dev int, p cudart.MemPool, ht cudart.HandleType) (cudart.ShareableHandle, error) {
-	r.poolExports.Add(1)
-	return r.Runtime.MemPoolExportToShareableHandle(dev, p, ht)
-}
+func newCounting(rt cudart.Runtime) countingRuntime { return countingRuntime{intercept.Wrap(rt)} }
 
-func (r *countingRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
-	r.mallocs.Add(1)
-	return r.Runtime.MallocFromPoolAsync(dev, size, p, s)
-}
-
-func (r *countingRuntime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
-	r.frees.Add(1)
-	return r.Runtime.FreeAsync(dev, ptr, s)
-}
-
-func (r *countingRuntime) MemPoolExportPointer(dev int, ptr cudart.DevicePtr) (cudart.PtrExportData, error) {
-	r.ptrExports.Add(1)
-	return r.Runtime.MemPoolExportPointer(dev, ptr)
-}
-
-func (r *countingRuntime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
-	r.waits.Add(1)
-	return r.Runtime.StreamWaitEvent(dev, s, e)
-}
+func (r countingRuntime) mallocs() int64     { return r.Calls("MallocFromPoolAsync") }
+func (r countingRuntime) frees() int64       { return r.Calls("FreeAsync") }
+func (r countingRuntime) poolExports() int64 { return r.Calls("MemPoolExportToShareableHandle") }
+func (r countingRuntime) ptrExports() int64  { return r.Calls("MemPoolExportPointer") }
+func (r countingRuntime) waits() int64       { return r.Calls("StreamWaitEvent") }
 
 // calls is what the counting runtime has seen so far.
 type calls struct{ mallocs, frees, ptrExports, waits int64 }
 
-func (r *countingRuntime) calls() calls {
-	return calls{r.mallocs.Load(), r.frees.Load(), r.ptrExports.Load(), r.waits.Load()}
+func (r countingRuntime) calls() calls {
+	return calls{r.mallocs(), r.frees(), r.ptrExports(), r.waits()}
 }
 
 func newStream(t testing.TB, rt cudart.Runtime) cudart.Stream {
@@ -61,7 +41,7 @@ func newStream(t testing.TB, rt cudart.Runtime) cudart.Stream {
 
 func TestCacheServesTheSameStreamWithoutTheDriver(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		b := mustAlloc(t, p, mib, e.stream)
 		mustFree(t, b, e.stream)
@@ -90,13 +70,13 @@ func TestCacheServesTheSameStreamWithoutTheDriver(t *testing.T) {
 
 func TestCacheLeavesOtherStreamsToTheDriver(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
 		other := newStream(t, e.rt)
 		before := rt.calls()
 		b := mustAlloc(t, p, mib, other)
-		assert.Equal(t, before.mallocs+1, rt.mallocs.Load(), "Alloc on another stream did not go to the driver")
+		assert.Equal(t, before.mallocs+1, rt.mallocs(), "Alloc on another stream did not go to the driver")
 		s := mustStats(t, p)
 		assert.Equal(t, 1, s.CachedBuffers, "Alloc on another stream took the cached buffer")
 		mustFree(t, b, other)
@@ -107,10 +87,10 @@ func TestCacheLeavesOtherStreamsToTheDriver(t *testing.T) {
 func TestCacheOffByDefault(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	rt := &countingRuntime{Runtime: d}
+	rt := newCounting(d)
 	p := mustNew(t, rt)
 	mustFree(t, mustAlloc(t, p, mib, e.stream), e.stream)
-	assert.Equal(t, int64(1), rt.frees.Load())
+	assert.Equal(t, int64(1), rt.frees())
 	s := mustStats(t, p)
 	assert.Zero(t, s.CacheLimit)
 	assert.Zero(t, s.CachedBuffers)
@@ -122,7 +102,7 @@ func TestCacheOffByDefault(t *testing.T) {
 func TestCacheTooSmallCountsEveryMiss(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	rt := &countingRuntime{Runtime: d}
+	rt := newCounting(d)
 	p := mustNew(t, rt, WithCache(1), WithMaxSize(2*mib))
 	const pairs = 3
 	for range pairs {
@@ -132,7 +112,7 @@ func TestCacheTooSmallCountsEveryMiss(t *testing.T) {
 	_, err := p.Alloc(context.Background(), 2*mib, e.stream)
 	require.ErrorIs(t, err, cudart.ErrOutOfMemory, "an Alloc of a full pool")
 	mustFree(t, b, e.stream)
-	assert.Equal(t, int64(pairs+1), rt.frees.Load(), "frees that reached the driver")
+	assert.Equal(t, int64(pairs+1), rt.frees(), "frees that reached the driver")
 	s := mustStats(t, p)
 	assert.Zero(t, s.CacheHits)
 	assert.Equal(t, uint64(pairs+2), s.CacheMisses, "misses: %d pairs, one live buffer and one Alloc refused", pairs)
@@ -218,7 +198,7 @@ func TestSizeClass(t *testing.T) {
 func TestCacheLimit(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	rt := &countingRuntime{Runtime: d}
+	rt := newCounting(d)
 	p := mustNew(t, rt, WithCache(5*mib))
 	bufs := []*Buffer{mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream)}
 	for _, b := range bufs {
@@ -228,13 +208,13 @@ func TestCacheLimit(t *testing.T) {
 	assert.Equal(t, 2, s.CachedBuffers)
 	assert.Equal(t, uint64(4*mib), s.CachedBytes)
 	assert.Equal(t, uint64(5*mib), s.CacheLimit)
-	assert.Equal(t, int64(1), rt.frees.Load(), "the buffer past the limit did not go to the driver")
+	assert.Equal(t, int64(1), rt.frees(), "the buffer past the limit did not go to the driver")
 	require.NoError(t, p.Trim())
 }
 
 func TestTrim(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		other := newStream(t, e.rt)
 		a, b, c := mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, e.stream), mustAlloc(t, p, mib, other)
@@ -244,13 +224,13 @@ func TestTrim(t *testing.T) {
 		require.Equal(t, 3, mustStats(t, p).CachedBuffers)
 
 		require.NoError(t, p.TrimStream(e.stream))
-		assert.Equal(t, int64(2), rt.frees.Load())
+		assert.Equal(t, int64(2), rt.frees())
 		s := mustStats(t, p)
 		assert.Equal(t, 1, s.CachedBuffers)
 		assert.Equal(t, p.Granularity(), s.CachedBytes)
 
 		require.NoError(t, p.Trim())
-		assert.Equal(t, int64(3), rt.frees.Load())
+		assert.Equal(t, int64(3), rt.frees())
 		s = mustStats(t, p)
 		assert.Zero(t, s.CachedBuffers)
 		assert.Zero(t, s.CachedBytes)
@@ -266,7 +246,7 @@ func TestTrim(t *testing.T) {
 // A full pool returns the cache to the driver and tries again before it fails.
 func TestFullPoolTrimsTheCache(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		gran := mustNew(t, e.rt).Granularity()
 		p := mustNew(t, rt, WithMaxSize(4*gran), WithCache(4*gran))
 		var bufs []*Buffer
@@ -281,7 +261,7 @@ func TestFullPoolTrimsTheCache(t *testing.T) {
 		b := mustAlloc(t, p, 2*gran, other)
 		s := mustStats(t, p)
 		assert.Zero(t, s.CachedBuffers, "the cache was not trimmed")
-		assert.Equal(t, int64(4), rt.frees.Load())
+		assert.Equal(t, int64(4), rt.frees())
 		mustFree(t, b, other)
 		require.NoError(t, p.Trim())
 	})
@@ -292,7 +272,7 @@ func TestFullPoolTrimsTheCache(t *testing.T) {
 func TestWaitingAllocTrimsTheCache(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	p := mustNew(t, d, WithMaxSize(4*mib), WithCache(4*mib), WithWaitForMemory())
+	p := mustNew(t, d, WithMaxSize(4*mib), WithCache(4*mib), WaitForMemory())
 	a, b := mustAlloc(t, p, 2*mib, e.stream), mustAlloc(t, p, 2*mib, e.stream)
 	other := newStream(t, d)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -332,7 +312,7 @@ func TestCloseReturnsTheCache(t *testing.T) {
 
 func TestRecycledBufferKeepsItsExportRecord(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		b := mustAlloc(t, p, mib, e.stream)
 		rec, err := b.ExportRecord()
@@ -342,7 +322,7 @@ func TestRecycledBufferKeepsItsExportRecord(t *testing.T) {
 		rec2, err := again.ExportRecord()
 		require.NoError(t, err)
 		assert.Equal(t, rec, rec2)
-		assert.Equal(t, int64(1), rt.ptrExports.Load(), "a recycled buffer was exported again")
+		assert.Equal(t, int64(1), rt.ptrExports(), "a recycled buffer was exported again")
 		mustFree(t, again, e.stream)
 	})
 }
@@ -354,23 +334,23 @@ func TestRecycledBufferKeepsItsExportRecord(t *testing.T) {
 // the last lease ended.
 func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		done, err := e.rt.EventCreate(0, cudart.EventDisableTiming)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = e.rt.EventDestroy(0, done) }) // test cleanup
 		require.NoError(t, e.rt.EventRecord(0, done, newStream(t, e.rt)))
-		c := p.newCompletion(done, nil)
+		c := p.NewCompletion(done, nil)
 		t.Cleanup(func() { _ = c.Close(false) }) // test cleanup
 
 		for _, end := range []struct {
 			how   string
-			end   func(l *lease) error
+			end   func(l *Lease) error
 			waits int64
 		}{
-			{"End", func(l *lease) error { return l.End(done) }, 1},
-			{"End(0)", func(l *lease) error { return l.End(0) }, 0},
-			{"EndAt of a completion done", func(l *lease) error { return l.EndAt(c) }, 0},
+			{"End", func(l *Lease) error { return l.End(done) }, 1},
+			{"End(0)", func(l *Lease) error { return l.End(0) }, 0},
+			{"EndAt of a completion done", func(l *Lease) error { return l.EndAt(c) }, 0},
 		} {
 			b := mustAlloc(t, p, mib, e.stream)
 			require.NoError(t, e.rt.StreamSynchronize(0, e.stream))
@@ -380,8 +360,8 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 			require.NoError(t, end.end(mustLease(t, b)), end.how)
 			before := rt.calls()
 			mustFree(t, b, e.stream)
-			assert.Equal(t, before.waits+end.waits, rt.waits.Load(), "%s: Free's stream waits", end.how)
-			assert.Equal(t, before.frees, rt.frees.Load(), end.how)
+			assert.Equal(t, before.waits+end.waits, rt.waits(), "%s: Free's stream waits", end.how)
+			assert.Equal(t, before.frees, rt.frees(), end.how)
 			before = rt.calls()
 			again := mustAlloc(t, p, mib, e.stream)
 			assert.Equal(t, before, rt.calls(), "%s: a shared buffer freed with no lease live was not a plain hit", end.how)
@@ -399,8 +379,8 @@ func TestSharedBufferIsRecycledAfterItsLeases(t *testing.T) {
 		before := rt.calls()
 		again := mustAlloc(t, p, mib, e.stream)
 		assert.Equal(t, b.Ptr(), again.Ptr())
-		assert.Equal(t, before.waits+1, rt.waits.Load(), "the taking stream did not wait for the deferred free's event")
-		assert.Equal(t, before.mallocs, rt.mallocs.Load())
+		assert.Equal(t, before.waits+1, rt.waits(), "the taking stream did not wait for the deferred free's event")
+		assert.Equal(t, before.mallocs, rt.mallocs())
 		mustFree(t, again, e.stream)
 		assert.Zero(t, mustStats(t, p).CacheMisses-1, "only the first Alloc missed")
 	})
@@ -473,7 +453,7 @@ type sharing struct {
 	e   testEnv
 	p   *Pool
 	b   *Buffer
-	l   *lease
+	l   *Lease
 	im  *importer
 }
 

@@ -68,7 +68,9 @@ func (r CloseReport) String() string {
 func (p *Pool) Close(ctx context.Context, opts ...CloseOption) (CloseReport, error) {
 	var cfg closeConfig
 	for _, o := range opts {
-		o(&cfg)
+		if o != nil {
+			o(&cfg)
+		}
 	}
 	if err := p.takeCloser(ctx); err != nil {
 		return CloseReport{}, err

@@ -9,25 +9,24 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
-// Completions let a lease end without a stream wait. lease.End makes the release
+// Completions let a lease end without a stream wait. Lease.End makes the release
 // stream wait for the importer's event at once, for every lease: one wait on another
 // process's work per share, each a dependency between two processes' GPU work that
 // the GPU may have to switch contexts to resolve. But the wait only matters once the
 // buffer's memory is freed or reused, which most leases never see: a buffer is shared
 // many times between two frees. So a Completion stands for an importer's event whose
-// every record follows the one before on one stream; lease.EndAt ends the lease at
+// every record follows the one before on one stream; Lease.EndAt ends the lease at
 // once and leaves the buffer owing the completion, and the free that needs it asks the
 // event then (usually done by then: no wait) and waits for its latest record only if
 // it has not completed. A later record covers the importer's free all the same: it
 // comes after it on the same stream.
 
-// completion is an importer's event, recorded after each of its frees, always on one
+// Completion is an importer's event, recorded after each of its frees, always on one
 // in-order stream, so that its latest record covers every earlier one. Its owner keeps
 // the event alive until Close has returned.
-type completion struct {
+type Completion struct {
 	p  *Pool
 	ev cudart.Event
 	// gone, if not nil, reports that the importer's process has exited: its frees went
@@ -43,28 +42,27 @@ type completion struct {
 	owers  map[*Buffer]struct{} // buffers whose ended leases ev must still cover
 }
 
-// newCompletion returns the completion of ev, an event on the pool's device: for
-// lease.EndAt. ev must be recorded only on one stream, in order, after each free it
+// NewCompletion returns the Completion of ev, an event on the pool's device, for
+// Lease.EndAt. ev must be recorded only on one stream, in order, after each free it
 // stands for; Close it before destroying ev. gone, if not nil, is asked before each use
 // of ev: once the importer's process has exited its imports are gone with it, and its
 // event (which it may have died recording) is waited for no more.
-func (p *Pool) newCompletion(ev cudart.Event, gone func() bool) *completion {
-	return &completion{p: p, ev: ev, gone: gone, owers: map[*Buffer]struct{}{}}
+func (p *Pool) NewCompletion(ev cudart.Event, gone func() bool) *Completion {
+	return &Completion{p: p, ev: ev, gone: gone, owers: map[*Buffer]struct{}{}}
 }
 
 // EndAt ends the lease now, as End does, but leaves the wait for the importer's free
 // to the buffer's own free or reuse: it waits for c's latest record then, if that has
-// not completed. It fails with poolshare.ErrLeaseEnded if the lease has ended, and with
+// not completed. It fails with ErrLeaseEnded if the lease has ended, and with
 // ErrInvalidOption if c belongs to another pool or was closed. If this was the last
 // lease of a buffer that Free was called on, EndAt issues the deferred free as End
 // does, after c.
-func (l *lease) EndAt(pc poolshare.Completion) error {
+func (l *Lease) EndAt(c *Completion) error {
 	if l.b == nil {
-		return fmt.Errorf("pool: end a lease that takeLease did not make: %w", poolshare.ErrLeaseEnded)
+		return fmt.Errorf("pool: end a lease that Buffer.Lease did not make: %w", ErrLeaseEnded)
 	}
 	b := l.b
 	p := b.pool
-	c, _ := pc.(*completion)
 	if c == nil || c.p != p {
 		return p.errorf("end lease on %v: %w: a completion of another pool", b, ErrInvalidOption)
 	}
@@ -76,7 +74,7 @@ func (l *lease) EndAt(pc poolshare.Completion) error {
 	switch {
 	case l.ended || l.ending:
 		p.mu.Unlock()
-		return p.errorf("end lease on %v: %w", b, poolshare.ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", b, ErrLeaseEnded)
 	case c.closed:
 		p.mu.Unlock()
 		return p.errorf("end lease on %v: %w: its completion was closed", b, ErrInvalidOption)
@@ -90,9 +88,9 @@ func (l *lease) EndAt(pc poolshare.Completion) error {
 
 // owe records that b's memory must not be reused or freed before c. Call with p.mu
 // held.
-func (p *Pool) owe(b *Buffer, c *completion) {
+func (p *Pool) owe(b *Buffer, c *Completion) {
 	if p.owed == nil {
-		p.owed = map[*Buffer][]*completion{}
+		p.owed = map[*Buffer][]*Completion{}
 	}
 	p.owed[b] = append(p.owed[b], c)
 }
@@ -127,7 +125,7 @@ func (p *Pool) settleOwed(b *Buffer, s cudart.Stream) (viaRelease bool, err erro
 
 // waitOn makes s wait for c's latest record unless it has completed; once c is
 // closed it sets viaRelease instead (Close had the release stream wait for it).
-func (c *completion) waitOn(s cudart.Stream, viaRelease *bool) error {
+func (c *Completion) waitOn(s cudart.Stream, viaRelease *bool) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	c.p.mu.Lock()
@@ -142,7 +140,7 @@ func (c *completion) waitOn(s cudart.Stream, viaRelease *bool) error {
 
 // wait makes s wait for c's latest record unless it has completed. Call with c.use
 // held.
-func (c *completion) wait(s cudart.Stream) error {
+func (c *Completion) wait(s cudart.Stream) error {
 	if c.gone != nil && c.gone() {
 		return nil
 	}
@@ -168,7 +166,7 @@ const (
 
 // doneSoon reports whether c's latest record completes within settleSpin (at once,
 // within settleRespite of a spin that ended pending). Call with c.use held.
-func (c *completion) doneSoon() bool {
+func (c *Completion) doneSoon() bool {
 	rt, dev := c.p.rt, c.p.dev
 	now := time.Now()
 	spin := now.Sub(time.Unix(0, c.spunOut.Load())) > settleRespite
@@ -193,7 +191,7 @@ func (c *completion) doneSoon() bool {
 // without (the importer's process has exited, and its frees with it), they owe it
 // nothing any more. Close waits for the frees using the event to finish with it. A
 // second Close does nothing.
-func (c *completion) Close(wait bool) error {
+func (c *Completion) Close(wait bool) error {
 	c.use.Lock()
 	defer c.use.Unlock()
 	p := c.p

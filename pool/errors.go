@@ -33,4 +33,8 @@ var (
 	// failed when it was finally issued. The buffer's memory stays reserved; Stats
 	// counts it and Close reports it.
 	ErrFreeFailed = errors.New("pool: deferred free failed")
+	// ErrLeaseEnded means a Lease or Retention was ended again.
+	ErrLeaseEnded = errors.New("pool: lease already ended")
+	// ErrNotLeased means Retain was given a buffer without a live Lease.
+	ErrNotLeased = errors.New("pool: buffer not leased")
 )

@@ -4,20 +4,19 @@ import (
 	"context"
 	"errors"
 	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
+	"github.com/cudapool/cudapool/internal/intercept"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
 // faultyRuntime fails the calls it is told to, and can misalign pointers.
 type faultyRuntime struct {
-	cudart.Runtime
+	*intercept.Runtime
 	mu    sync.Mutex
 	fail  map[string]int // call name -> how many more calls fail
 	shift cudart.DevicePtr
@@ -30,9 +29,6 @@ var errInjected = cudart.NewError("injected", cudart.ErrUnknown)
 func (r *faultyRuntime) failNext(call string, n int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.fail == nil {
-		r.fail = map[string]int{}
-	}
 	r.fail[call] = n
 }
 
@@ -46,72 +42,33 @@ func (r *faultyRuntime) fails(call string) bool {
 	return false
 }
 
-func (r *faultyRuntime) DeviceAttribute(dev int, attr cudart.DeviceAttr) (int, error) {
-	if v, ok := r.attrs[attr]; ok {
-		return v, nil
-	}
-	if r.fails("DeviceAttribute") {
-		return 0, errInjected
-	}
-	return r.Runtime.DeviceAttribute(dev, attr)
-}
-
-func (r *faultyRuntime) MemPoolCreate(props cudart.PoolProps) (cudart.MemPool, error) {
-	h, err := r.Runtime.MemPoolCreate(props)
-	if err == nil {
-		r.mu.Lock()
-		r.pools++
-		r.mu.Unlock()
-	}
-	return h, err
-}
-
-func (r *faultyRuntime) MemPoolDestroy(dev int, p cudart.MemPool) error {
-	err := r.Runtime.MemPoolDestroy(dev, p)
-	if err == nil {
-		r.mu.Lock()
-		r.pools--
-		r.mu.Unlock()
-	}
-	return err
-}
-
-func (r *faultyRuntime) MemPoolSetAccess(dev int, p cudart.MemPool, descs []cudart.AccessDesc) error {
-	if r.fails("MemPoolSetAccess") {
-		return errInjected
-	}
-	return r.Runtime.MemPoolSetAccess(dev, p, descs)
-}
-
-func (r *faultyRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
-	ptr, err := r.Runtime.MallocFromPoolAsync(dev, size, p, s)
-	return ptr + r.shift, err
-}
-
-func (r *faultyRuntime) FreeAsync(dev int, ptr cudart.DevicePtr, s cudart.Stream) error {
-	if r.fails("FreeAsync") {
-		return errInjected
-	}
-	return r.Runtime.FreeAsync(dev, ptr-r.shift, s)
-}
-
-func (r *faultyRuntime) EventRecord(dev int, e cudart.Event, s cudart.Stream) error {
-	if r.fails("EventRecord") {
-		return errInjected
-	}
-	return r.Runtime.EventRecord(dev, e, s)
-}
-
-func (r *faultyRuntime) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream, error) {
-	if r.fails("StreamCreate") {
-		return 0, errInjected
-	}
-	return r.Runtime.StreamCreate(dev, flags)
-}
-
 func newFaulty(t testing.TB) (*faultyRuntime, testEnv) {
 	d := softDevice(t)
-	r := &faultyRuntime{Runtime: d, attrs: map[cudart.DeviceAttr]int{}}
+	r := &faultyRuntime{Runtime: intercept.Wrap(d), fail: map[string]int{}, attrs: map[cudart.DeviceAttr]int{}}
+	r.Before(intercept.Any, func(c *intercept.Call) {
+		if c.Method == "DeviceAttribute" {
+			if v, ok := r.attrs[c.Args[1].(cudart.DeviceAttr)]; ok {
+				c.Answer(v)
+				return
+			}
+		}
+		if r.fails(c.Method) {
+			c.Err = errInjected
+		}
+	})
+	r.After("MallocFromPoolAsync", func(c *intercept.Call) { c.Results[0] = c.Results[0].(cudart.DevicePtr) + r.shift })
+	r.Before("FreeAsync", func(c *intercept.Call) { c.Args[1] = c.Args[1].(cudart.DevicePtr) - r.shift })
+	count := func(d int) intercept.Hook {
+		return func(c *intercept.Call) {
+			if c.Err == nil {
+				r.mu.Lock()
+				r.pools += d
+				r.mu.Unlock()
+			}
+		}
+	}
+	r.After("MemPoolCreate", count(1))
+	r.After("MemPoolDestroy", count(-1))
 	return r, newTestEnv(t, d, d)
 }
 
@@ -198,7 +155,7 @@ func TestFailedDeferredFreeIsReported(t *testing.T) {
 	r.failNext("FreeAsync", 1)
 	err := l.End(0)
 	wantErr(t, "End issuing a failing deferred free", err, ErrFreeFailed, errInjected)
-	wantErr(t, "End again", l.End(0), poolshare.ErrLeaseEnded)
+	wantErr(t, "End again", l.End(0), ErrLeaseEnded)
 	s := mustStats(t, p)
 	require.Equal(t, [4]uint64{1, b.Reserved(), 1, 0}, [4]uint64{uint64(s.FailedFrees), s.FailedFreeBytes, uint64(s.LiveBuffers), uint64(s.DeferredFrees)},
 		"failed frees, their bytes, live buffers, deferred frees: want the failed free counted (%v)", s)
@@ -217,31 +174,32 @@ func TestReleaseStreamFailure(t *testing.T) {
 	p := mustNew(t, r)
 	b := mustAlloc(t, p, 1, e.stream)
 	r.failNext("StreamCreate", 1)
-	_, err := b.takeLease()
+	_, err := b.Lease()
 	wantErr(t, "Lease without a release stream", err, errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
 	require.False(t, b.Shared(), "a failed Lease marked the buffer shared")
 	mustFree(t, b, e.stream)
 }
 
-// blockingRuntime holds the first MallocFromPoolAsync until released.
+// blockingRuntime holds the first call of one method until release is closed, saying
+// on entered that it is inside.
 type blockingRuntime struct {
-	cudart.Runtime
+	*intercept.Runtime
 	entered, release chan struct{}
-	blocked          atomic.Bool
 }
 
-func (r *blockingRuntime) MallocFromPoolAsync(dev int, size uint64, p cudart.MemPool, s cudart.Stream) (cudart.DevicePtr, error) {
-	if r.blocked.CompareAndSwap(false, true) {
+func newBlocking(rt cudart.Runtime, method string) *blockingRuntime {
+	r := &blockingRuntime{Runtime: intercept.Wrap(rt), entered: make(chan struct{}), release: make(chan struct{})}
+	r.Before(method, intercept.Once(func() {
 		close(r.entered)
 		<-r.release
-	}
-	return r.Runtime.MallocFromPoolAsync(dev, size, p, s)
+	}))
+	return r
 }
 
 func TestCloseWaitsForCallsInFlight(t *testing.T) {
 	d := softDevice(t)
-	r := &blockingRuntime{Runtime: d, entered: make(chan struct{}), release: make(chan struct{})}
+	r := newBlocking(d, "MallocFromPoolAsync")
 	release := sync.OnceFunc(func() { close(r.release) })
 	t.Cleanup(release) // a failure before the release must not leave the call blocked
 	p := mustNew(t, r)
@@ -299,23 +257,12 @@ func TestMaxSizeHeldByThePoolWhateverTheDriver(t *testing.T) {
 	require.Zero(t, s.BytesReserved, "after freeing everything: %v", s)
 }
 
-// destroyCounter counts MemPoolDestroy calls.
-type destroyCounter struct {
-	cudart.Runtime
-	destroys atomic.Int32
-}
-
-func (r *destroyCounter) MemPoolDestroy(dev int, p cudart.MemPool) error {
-	r.destroys.Add(1)
-	return r.Runtime.MemPoolDestroy(dev, p)
-}
-
 // On the GPU host (no IMEX channel) the driver refuses the export, and destroying the
 // pool afterwards crashed the process: this test is the proof that Close does not.
 func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
 		for _, export := range []bool{false, true} {
-			r := &destroyCounter{Runtime: e.rt}
+			r := intercept.Wrap(e.rt) // counts MemPoolDestroy calls
 			p := mustNew(t, r, WithHandleType(cudart.HandleTypeFabric))
 			refused := false
 			if export {
@@ -331,27 +278,12 @@ func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 			require.NoError(t, err)
 			want := !refused
 			assert.Equal(t, want, report.Destroyed, "export refused %v: Close destroyed", refused)
-			assert.Equal(t, map[bool]int32{true: 1}[want], r.destroys.Load(), "export refused %v: MemPoolDestroy calls", refused)
+			assert.Equal(t, map[bool]int64{true: 1}[want], r.Calls("MemPoolDestroy"), "export refused %v: MemPoolDestroy calls", refused)
 			if e.soft != nil && export {
 				assert.True(t, refused, "the software device without WithFabric let a FABRIC pool be exported")
 			}
 		}
 	})
-}
-
-// waitBlockingRuntime holds the first StreamWaitEvent until released.
-type waitBlockingRuntime struct {
-	cudart.Runtime
-	entered, release chan struct{}
-	blocked          atomic.Bool
-}
-
-func (r *waitBlockingRuntime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
-	if r.blocked.CompareAndSwap(false, true) {
-		close(r.entered)
-		<-r.release
-	}
-	return r.Runtime.StreamWaitEvent(dev, s, e)
 }
 
 // A second End of a lease whose first End is still waiting for its completion, made
@@ -360,7 +292,7 @@ func (r *waitBlockingRuntime) StreamWaitEvent(dev int, s cudart.Stream, e cudart
 func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	r := &waitBlockingRuntime{Runtime: d, entered: make(chan struct{}), release: make(chan struct{})}
+	r := newBlocking(d, "StreamWaitEvent")
 	release := sync.OnceFunc(func() { close(r.release) })
 	t.Cleanup(release) // a failure before the release must not leave End blocked
 	p := mustNew(t, r)
@@ -383,7 +315,7 @@ func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	testwait.Recv(t, p.closing, "Close(Force) to begin")
 	again := first.End(0)
 	release()
-	wantErr(t, "End while the first End of the lease is in flight", again, poolshare.ErrLeaseEnded)
+	wantErr(t, "End while the first End of the lease is in flight", again, ErrLeaseEnded)
 	require.NoError(t, testwait.Recv(t, ended, "the first End to return"), "first End")
 	require.NoError(t, testwait.Recv(t, closed, "Close(Force) to return"), "Close(Force)")
 	p.mu.Lock()

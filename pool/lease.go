@@ -4,25 +4,27 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
-// lease keeps a shared buffer from going back to the pool: while any lease on a
-// buffer lives, Free only marks it. The sharing layer takes one per importer.
-type lease struct {
+// Lease keeps a shared buffer from going back to the pool: while any lease on a
+// buffer lives, Free only marks it. The sharing layer (package producer) takes one per
+// grant, before it exports the buffer's record, and ends it with End or EndAt once the
+// importer has released its mapping (see "Ordered release" in the package
+// documentation). The zero Lease is ended already.
+type Lease struct {
 	b *Buffer
 	// Guarded by the pool's mu.
 	ending, ended bool
 }
 
 // Buffer is the leased buffer.
-func (l *lease) Buffer() *Buffer { return l.b }
+func (l *Lease) Buffer() *Buffer { return l.b }
 
-// takeLease takes a lease on b, to be ended with the importer's completion. It fails with
+// Lease takes a lease on b, to be ended with the importer's completion. It fails with
 // ErrNotShareable on a local pool, and with ErrFreed once Free was called or the pool
 // closed (the error then wraps ErrClosed too). Take the lease before exporting the
 // buffer's record, so it cannot be freed while being shared.
-func (b *Buffer) takeLease() (*lease, error) {
+func (b *Buffer) Lease() (*Lease, error) {
 	p := b.pool
 	if p == nil {
 		return nil, unpooled("lease", b)
@@ -49,7 +51,7 @@ func (b *Buffer) takeLease() (*lease, error) {
 	}
 	b.shared = true
 	p.counts.activeLeases++
-	return &lease{b: b}, nil
+	return &Lease{b: b}, nil
 }
 
 // End ends the lease. releaseEvent is an event on the pool's device, owned by the
@@ -62,12 +64,12 @@ func (b *Buffer) takeLease() (*lease, error) {
 // deferred free; if that fails, the lease has still ended, and the error wraps
 // ErrFreeFailed (the failure is also kept for Stats and Close).
 //
-// Ending a lease twice fails with poolshare.ErrLeaseEnded. If waiting for releaseEvent fails, the
+// Ending a lease twice fails with ErrLeaseEnded. If waiting for releaseEvent fails, the
 // lease is still live and End may be called again. After Close began, End only ends
 // the lease: the buffer has been abandoned and will not be freed.
-func (l *lease) End(releaseEvent cudart.Event) error {
+func (l *Lease) End(releaseEvent cudart.Event) error {
 	if l.b == nil {
-		return fmt.Errorf("pool: end a lease that takeLease did not make: %w", poolshare.ErrLeaseEnded)
+		return fmt.Errorf("pool: end a lease that Buffer.Lease did not make: %w", ErrLeaseEnded)
 	}
 	b := l.b
 	p := b.pool
@@ -78,7 +80,7 @@ func (l *lease) End(releaseEvent cudart.Event) error {
 	p.mu.Lock()
 	if l.ended || l.ending {
 		p.mu.Unlock()
-		return p.errorf("end lease on %v: %w", b, poolshare.ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", b, ErrLeaseEnded)
 	}
 	l.ending = true
 	p.mu.Unlock()
@@ -99,7 +101,7 @@ func (l *lease) End(releaseEvent cudart.Event) error {
 // endLeaseLocked ends l and, if that was the last lease of a buffer that Free was
 // called on, issues its deferred free. Call inside the gate with pool.mu held; it
 // returns with pool.mu released.
-func (p *Pool) endLeaseLocked(l *lease) error {
+func (p *Pool) endLeaseLocked(l *Lease) error {
 	b := l.b
 	p.dropLease(l)
 	ev := b.freeEvent
@@ -115,7 +117,7 @@ func (p *Pool) endLeaseLocked(l *lease) error {
 }
 
 // dropLease ends l in the counts. Call with pool.mu held.
-func (p *Pool) dropLease(l *lease) {
+func (p *Pool) dropLease(l *Lease) {
 	l.ended = true
 	l.b.leases--
 	if l.b.leases == 0 {
@@ -128,12 +130,12 @@ func (p *Pool) dropLease(l *lease) {
 // waited for, so the buffer is abandoned rather than freed. A lease whose End is still
 // in flight (inside the gate, which Close waits for) is that End's to end: ending it
 // here too would drop another lease of the buffer.
-func (l *lease) endAfterClose() error {
+func (l *Lease) endAfterClose() error {
 	p := l.b.pool
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if l.ended || l.ending {
-		return p.errorf("end lease on %v: %w", l.b, poolshare.ErrLeaseEnded)
+		return p.errorf("end lease on %v: %w", l.b, ErrLeaseEnded)
 	}
 	p.dropLease(l)
 	l.b.abandoned = true

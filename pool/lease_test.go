@@ -11,7 +11,6 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // importer is a second software device standing for another process that imported
@@ -68,9 +67,9 @@ func (im *importer) close() {
 	assert.NoError(im.t, im.d.MemPoolDestroy(0, im.pool), "importer MemPoolDestroy")
 }
 
-func mustLease(t testing.TB, b *Buffer) *lease {
+func mustLease(t testing.TB, b *Buffer) *Lease {
 	t.Helper()
-	l, err := b.takeLease()
+	l, err := b.Lease()
 	require.NoError(t, err, "Lease")
 	return l
 }
@@ -106,7 +105,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	mustFree(t, b, e.stream)
 	wantCounts(t, p, 1, 1, 1, 1)
 	wantErr(t, "Free while the free is deferred", b.Free(e.stream), ErrFreed)
-	_, err = b.takeLease()
+	_, err = b.Lease()
 	wantErr(t, "Lease while the free is deferred", err, ErrFreed)
 	require.Equal(t, bytes.Repeat([]byte{0xab}, 1000), im.read(1000), "importer read other bytes than the exporter wrote")
 
@@ -114,7 +113,7 @@ func TestLeasedFreeWaitsForImporter(t *testing.T) {
 	require.NoError(t, l.End(done), "End")
 	_ = exp.EventDestroy(0, done) // test cleanup
 	wantCounts(t, p, 0, 0, 0, 0)
-	wantErr(t, "second End", l.End(0), poolshare.ErrLeaseEnded)
+	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
 	assert.True(t, b.Shared(), "Shared() = false for a buffer that was leased")
 }
 
@@ -176,7 +175,7 @@ func TestFreeAfterLeasesEnded(t *testing.T) {
 
 func TestExportRecordIsCached(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt)
 		b := mustAlloc(t, p, 10, e.stream)
 		l := mustLease(t, b)
@@ -188,8 +187,8 @@ func TestExportRecordIsCached(t *testing.T) {
 		h1, _ := p.ExportHandle()
 		h2, _ := p.ExportHandle()
 		require.Equal(t, h1, h2)
-		require.Equal(t, int64(1), rt.poolExports.Load(), "pool exports")
-		require.Equal(t, int64(1), rt.ptrExports.Load(), "pointer exports")
+		require.Equal(t, int64(1), rt.poolExports(), "pool exports")
+		require.Equal(t, int64(1), rt.ptrExports(), "pointer exports")
 		mustFree(t, b, e.stream)
 		require.NoError(t, l.End(0))
 	})
@@ -204,7 +203,7 @@ func TestLeaseMisuse(t *testing.T) {
 	wantErr(t, "End with a bogus event", l.End(0xbad), cudart.ErrInvalidResourceHandle)
 	wantCounts(t, p, 1, 1, 1, 0)
 	require.NoError(t, l.End(0), "End after a failed End")
-	wantErr(t, "second End", l.End(0), poolshare.ErrLeaseEnded)
+	wantErr(t, "second End", l.End(0), ErrLeaseEnded)
 	wantCounts(t, p, 1, 0, 0, 0)
 	mustFree(t, b, 0)
 }
@@ -223,9 +222,9 @@ func TestConcurrentLeases(t *testing.T) {
 					if !assert.NoError(t, err) {
 						return
 					}
-					var ls []*lease
+					var ls []*Lease
 					for j := 0; j < leases; j++ {
-						l, err := b.takeLease()
+						l, err := b.Lease()
 						if !assert.NoError(t, err) {
 							return
 						}

@@ -26,7 +26,7 @@ func WithHandleType(ht cudart.HandleType) Option {
 // WithMaxSize bounds the memory the pool's buffers may hold. An exportable pool rounds
 // it up to the allocation granularity. The pool keeps the bound itself, since the
 // driver's cap is looser than the maxSize it is given; an Alloc past it fails with
-// cudart.ErrOutOfMemory (or waits, with WithWaitForMemory). 0, the default, leaves the
+// cudart.ErrOutOfMemory (or waits, with WaitForMemory). 0, the default, leaves the
 // driver's bound: the device's memory.
 func WithMaxSize(bytes uint64) Option {
 	return func(c *config) { c.maxSize = bytes }
@@ -58,11 +58,11 @@ func WithName(name string) Option {
 	return func(c *config) { c.name = name }
 }
 
-// WithWaitForMemory makes Alloc on a full pool wait for a Free in this process and
+// WaitForMemory makes Alloc on a full pool wait for a Free in this process and
 // try again, until it succeeds or its context ends, instead of failing at once. A
 // request that can never fit (larger than WithMaxSize or the device) still fails at
 // once.
-func WithWaitForMemory() Option {
+func WaitForMemory() Option {
 	return func(c *config) { c.waitForMemory = true }
 }
 

@@ -34,7 +34,7 @@ func busyImporter(t *testing.T, b *Buffer) (resume func()) {
 	return resume
 }
 
-func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *completion) {
+func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *Completion) {
 	t.Helper()
 	l := mustLease(t, b)
 	im := importBuffer(t, b)
@@ -42,7 +42,7 @@ func busyImporterEnding(t *testing.T, b *Buffer, endAt bool) (resume func(), c *
 	resume = stall(t, im.d, im.stream)
 	done := im.freeImport(b.Pool().Runtime())
 	if endAt {
-		c = b.Pool().newCompletion(done, nil)
+		c = b.Pool().NewCompletion(done, nil)
 		t.Cleanup(func() { _ = c.Close(false) }) // test cleanup
 		require.NoError(t, l.EndAt(c))
 	} else {

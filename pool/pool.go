@@ -30,8 +30,8 @@
 //
 // A buffer that other processes imported must not go back to the pool before every
 // importer has freed its import and that free has completed. The sharing layer
-// (package producer) takes a lease on a buffer before it shares it, and ends the
-// lease with the importer's release event. Free on a leased buffer only marks it
+// (package producer) takes a Lease on a buffer (Buffer.Lease) before it shares it, and
+// ends the lease with the importer's release event (Lease.End). Free on a leased buffer only marks it
 // (Shared reports it); the real cudaFreeAsync is issued when the last lease ends, on
 // the pool's release stream, which first waits for every completion and for the work
 // the freeing stream had queued before Free. A lease may leave that wait to the
@@ -159,8 +159,8 @@ type Pool struct {
 	// parked is the memory waiting for its retainers to let go (see retain).
 	parked map[*retainSet]struct{}
 	// owed is the completions that leases ended by EndAt left each buffer owing
-	// (completion.go).
-	owed map[*Buffer][]*completion
+	// (Completion.go).
+	owed map[*Buffer][]*Completion
 }
 
 // counts are the pool's own figures, guarded by Pool.mu.
@@ -195,7 +195,9 @@ func New(rt cudart.Runtime, device int, opts ...Option) (*Pool, error) {
 	}
 	cfg := config{handleType: cudart.HandleTypePosixFD}
 	for _, o := range opts {
-		o(&cfg)
+		if o != nil {
+			o(&cfg)
+		}
 	}
 	if cfg.name == "" {
 		cfg.name = fmt.Sprintf("pool-%d", lastPoolID.Add(1))

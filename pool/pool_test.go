@@ -15,7 +15,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/granularity"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
@@ -80,7 +79,7 @@ func TestLocalPoolDoesNotRound(t *testing.T) {
 		s := mustStats(t, p)
 		assert.Zero(t, s.RoundingOverhead(), "Stats = %v", s)
 		assert.Equal(t, uint64(1000), s.BytesReserved, "Stats = %v", s)
-		_, err := b.takeLease()
+		_, err := b.Lease()
 		wantErr(t, "Lease on a local pool", err, ErrNotShareable)
 		_, err = b.ExportRecord()
 		wantErr(t, "ExportRecord on a local pool", err, ErrNotShareable)
@@ -178,7 +177,7 @@ func TestFullPool(t *testing.T) {
 
 func TestWaitingAllocGetsFreedMemory(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WaitForMemory())
 		bufs := fill(t, p, e.stream)
 		got := make(chan error, 1)
 		go func() {
@@ -215,7 +214,7 @@ func fill(t testing.TB, p *Pool, s cudart.Stream) []*Buffer {
 
 func TestWaitingAllocCancelled(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		p := mustNew(t, e.rt, WithMaxSize(8*mib), WithWaitForMemory())
+		p := mustNew(t, e.rt, WithMaxSize(8*mib), WaitForMemory())
 		bufs := fill(t, p, e.stream)
 		ctx, cancel := context.WithCancel(context.Background())
 		got := make(chan error, 1)
@@ -237,7 +236,7 @@ func TestWaitingAllocCancelled(t *testing.T) {
 
 func TestWaitingAllocEndsAtClose(t *testing.T) {
 	d := softDevice(t)
-	p := mustNew(t, d, WithMaxSize(4*mib), WithWaitForMemory())
+	p := mustNew(t, d, WithMaxSize(4*mib), WaitForMemory())
 	fill(t, p, 0) // Close(Force) releases them
 	got := make(chan error, 1)
 	go func() {
@@ -251,7 +250,7 @@ func TestWaitingAllocEndsAtClose(t *testing.T) {
 }
 
 // A request that can never fit (larger than the pool's max size, or than the device's
-// memory) fails at once, also with WithWaitForMemory: no Free could ever end the wait.
+// memory) fails at once, also with WaitForMemory: no Free could ever end the wait.
 func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
 	d := softDevice(t, cudarttest.WithMemory(64*mib))
 	for _, c := range []struct {
@@ -267,7 +266,7 @@ func TestAllocThatNeverFitsFailsAtOnce(t *testing.T) {
 			for _, wait := range []bool{false, true} {
 				opts := c.opts
 				if wait {
-					opts = append(opts[:len(opts):len(opts)], WithWaitForMemory())
+					opts = append(opts[:len(opts):len(opts)], WaitForMemory())
 				}
 				p := mustNew(t, d, opts...)
 				got := make(chan error, 1)
@@ -358,11 +357,11 @@ func TestMisuseChangesNothing(t *testing.T) {
 		var zero Buffer
 		wantErr(t, "Pool.Free of a zero Buffer", p.Free(&zero, e.stream), ErrForeignBuffer)
 		wantErr(t, "Free of a zero Buffer", zero.Free(e.stream), ErrForeignBuffer)
-		_, err := zero.takeLease()
+		_, err := zero.Lease()
 		wantErr(t, "Lease of a zero Buffer", err, ErrForeignBuffer)
 		_, err = zero.ExportRecord()
 		wantErr(t, "ExportRecord of a zero Buffer", err, ErrForeignBuffer)
-		wantErr(t, "End of a zero Lease", new(lease).End(0), poolshare.ErrLeaseEnded)
+		wantErr(t, "End of a zero Lease", new(Lease).End(0), ErrLeaseEnded)
 		_, err = p.Alloc(context.Background(), 0, e.stream)
 		wantErr(t, "Alloc(0)", err, ErrZeroSize)
 		_, err = p.Alloc(context.Background(), math.MaxUint64, e.stream)
@@ -375,7 +374,7 @@ func TestMisuseChangesNothing(t *testing.T) {
 		mustFree(t, b, e.stream)
 		freed := mustStats(t, p)
 		wantErr(t, "second Free", b.Free(e.stream), ErrFreed)
-		_, err = b.takeLease()
+		_, err = b.Lease()
 		wantErr(t, "Lease of a freed buffer", err, ErrFreed)
 		_, err = b.ExportRecord()
 		wantErr(t, "ExportRecord of a freed buffer", err, ErrFreed)
@@ -419,12 +418,12 @@ func TestCloseWithForce(t *testing.T) {
 		a := mustAlloc(t, p, 10, e.stream)
 		b := mustAlloc(t, p, 3*mib, e.stream)
 		shared := mustAlloc(t, p, 1, e.stream)
-		l, err := shared.takeLease()
+		l, err := shared.Lease()
 		require.NoError(t, err, "Lease")
 		require.NoError(t, l.End(0), "End")
 		// Leased and freed: the free waits for the lease, so Close abandons it.
 		held := mustAlloc(t, p, 1, e.stream)
-		hl, err := held.takeLease()
+		hl, err := held.Lease()
 		require.NoError(t, err, "Lease")
 		mustFree(t, held, e.stream)
 		// Leased and not freed: an importer may still read it, so Close abandons it.
@@ -446,10 +445,10 @@ func TestCloseWithForce(t *testing.T) {
 		require.Empty(t, r.FailedFrees, "Close(Force) = %v", r)
 		assert.Contains(t, r.String(), "released 3 buffers", "the report says what it released")
 		wantErr(t, "Free of a released buffer", a.Free(e.stream), ErrClosed)
-		_, err = a.takeLease()
+		_, err = a.Lease()
 		wantErr(t, "Lease after Close", err, ErrFreed, ErrClosed)
 		require.NoError(t, hl.End(0), "End after Close")
-		wantErr(t, "second End after Close", hl.End(0), poolshare.ErrLeaseEnded)
+		wantErr(t, "second End after Close", hl.End(0), ErrLeaseEnded)
 		require.NoError(t, ll.End(0), "End after Close of a lease on a buffer never freed")
 	})
 }
@@ -541,4 +540,14 @@ func TestConcurrentCloses(t *testing.T) {
 		}
 		require.Equal(t, 1, closed, "concurrent Closes that succeeded")
 	})
+}
+
+// A nil option is no option: New and Close ignore it rather than crash.
+func TestNilOptionsAreIgnored(t *testing.T) {
+	d := cudarttest.ForTest(t)
+	p, err := New(d, 0, nil, WithName("nil-options"))
+	require.NoError(t, err)
+	assert.Equal(t, "nil-options", p.Name())
+	_, err = p.Close(context.Background(), nil)
+	require.NoError(t, err)
 }

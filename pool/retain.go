@@ -2,7 +2,6 @@ package pool
 
 import (
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // Retentions: an importer may keep a buffer's memory mapped after its lease ended, so
@@ -13,8 +12,8 @@ import (
 // function given to Retain, and frees the memory once the last retention has ended,
 // after the importers' completions.
 
-// retention is one importer's hold on a buffer's memory past the buffer's leases.
-type retention struct {
+// Retention is one importer's hold on a buffer's memory past the buffer's leases.
+type Retention struct {
 	p      *Pool
 	set    *retainSet
 	revoke func()
@@ -25,7 +24,7 @@ type retention struct {
 // retainSet is the retentions of one piece of memory, moving with it from buffer to
 // buffer. Guarded by Pool.mu.
 type retainSet struct {
-	list []*retention
+	list []*Retention
 	// Once revoking, the memory belongs to no buffer and is freed when list empties:
 	// ptr and reserved say what, after is 0 or a pool event the release stream waits
 	// for first.
@@ -38,16 +37,16 @@ type retainSet struct {
 // holds reports whether s has a retention.
 func (s *retainSet) holds() bool { return s != nil && len(s.list) > 0 }
 
-// retain keeps b's memory from going back to the driver until the retention ends,
+// Retain keeps b's memory from going back to the driver until the retention ends,
 // across the buffers the memory passes to. It needs a live lease on b: take it before
 // ending the lease that the importer's mapping came with. revoke is called (without
 // the pool's locks held, and never twice) when the pool wants the memory back: the
 // caller then has the importer free its mapping and ends the retention with the
 // importer's completion. revoke must not block.
 //
-// It fails with ErrNotShareable on a local pool, poolshare.ErrNotLeased without a live lease,
+// It fails with ErrNotShareable on a local pool, ErrNotLeased without a live lease,
 // and ErrClosed after Close.
-func (b *Buffer) retain(revoke func()) (*retention, error) {
+func (b *Buffer) Retain(revoke func()) (*Retention, error) {
 	p := b.pool
 	if p == nil {
 		return nil, unpooled("retain", b)
@@ -65,12 +64,12 @@ func (b *Buffer) retain(revoke func()) (*retention, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if b.leases == 0 {
-		return nil, p.errorf("retain %v: %w", b, poolshare.ErrNotLeased)
+		return nil, p.errorf("retain %v: %w", b, ErrNotLeased)
 	}
 	if b.retained == nil {
 		b.retained = &retainSet{}
 	}
-	r := &retention{p: p, set: b.retained, revoke: revoke}
+	r := &Retention{p: p, set: b.retained, revoke: revoke}
 	b.retained.list = append(b.retained.list, r)
 	p.counts.retentions++
 	return r, nil
@@ -80,18 +79,18 @@ func (b *Buffer) retain(revoke func()) (*retention, error) {
 // event on the pool's device whose last record covers that free, or 0 if it is known
 // to have completed; the release stream waits for it as it is now. If this was the
 // last retention of memory the pool is taking back, End frees it; a failure there is
-// reported as for lease.End (ErrFreeFailed) and the retention has still ended.
+// reported as for Lease.End (ErrFreeFailed) and the retention has still ended.
 //
-// Ending a retention twice fails with poolshare.ErrLeaseEnded. If waiting for releaseEvent fails,
+// Ending a retention twice fails with ErrLeaseEnded. If waiting for releaseEvent fails,
 // the retention lives on and End may be called again. After Close began, End only
 // ends the retention.
-func (r *retention) End(releaseEvent cudart.Event) error {
+func (r *Retention) End(releaseEvent cudart.Event) error {
 	p := r.p
 	if !p.gate.enter() {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		if r.ended || r.ending {
-			return p.errorf("end retention: %w", poolshare.ErrLeaseEnded)
+			return p.errorf("end retention: %w", ErrLeaseEnded)
 		}
 		p.dropRetentionLocked(r)
 		return nil
@@ -100,7 +99,7 @@ func (r *retention) End(releaseEvent cudart.Event) error {
 	p.mu.Lock()
 	if r.ended || r.ending {
 		p.mu.Unlock()
-		return p.errorf("end retention: %w", poolshare.ErrLeaseEnded)
+		return p.errorf("end retention: %w", ErrLeaseEnded)
 	}
 	r.ending = true
 	p.mu.Unlock()
@@ -127,7 +126,7 @@ func (r *retention) End(releaseEvent cudart.Event) error {
 	return nil
 }
 
-func (p *Pool) dropRetentionLocked(r *retention) {
+func (p *Pool) dropRetentionLocked(r *Retention) {
 	r.ended = true
 	for i, x := range r.set.list {
 		if x == r {

@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // retainer counts the revocations of a Retention that a test holds.
@@ -22,11 +21,11 @@ func (r *retainer) revoke() { r.revoked.Add(1) }
 
 // retain leases b, retains its memory and ends the lease, as a sharing layer does
 // when an importer releases but keeps its mapping.
-func retain(t testing.TB, b *Buffer, completion cudart.Event) (*retention, *retainer) {
+func retain(t testing.TB, b *Buffer, completion cudart.Event) (*Retention, *retainer) {
 	t.Helper()
 	l := mustLease(t, b)
 	rr := &retainer{}
-	r, err := b.retain(rr.revoke)
+	r, err := b.Retain(rr.revoke)
 	require.NoError(t, err, "Retain")
 	require.NoError(t, l.End(completion))
 	return r, rr
@@ -37,15 +36,15 @@ func TestRetainNeedsALease(t *testing.T) {
 	e := newTestEnv(t, d, d)
 	p := mustNew(t, d)
 	b := mustAlloc(t, p, mib, e.stream)
-	_, err := b.retain(func() {})
-	require.ErrorIs(t, err, poolshare.ErrNotLeased)
-	_, err = b.retain(nil)
+	_, err := b.Retain(func() {})
+	require.ErrorIs(t, err, ErrNotLeased)
+	_, err = b.Retain(nil)
 	require.ErrorIs(t, err, ErrInvalidOption)
 	mustFree(t, b, e.stream)
 
 	local := mustNew(t, d, WithHandleType(cudart.HandleTypeNone))
 	b = mustAlloc(t, local, mib, e.stream)
-	_, err = b.retain(func() {})
+	_, err = b.Retain(func() {})
 	require.ErrorIs(t, err, ErrNotShareable)
 	mustFree(t, b, e.stream)
 }
@@ -54,7 +53,7 @@ func TestRetainNeedsALease(t *testing.T) {
 // Trim asks the retainer to let go and frees the memory only once it has.
 func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt, WithCache(64*mib))
 		b := mustAlloc(t, p, mib, e.stream)
 		r, rr := retain(t, b, 0)
@@ -64,20 +63,20 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 		assert.Equal(t, 1, mustStats(t, p).Retentions)
 		mustFree(t, again, e.stream)
 
-		frees := rt.frees.Load()
+		frees := rt.frees()
 		require.NoError(t, p.Trim())
 		assert.Equal(t, int32(1), rr.revoked.Load(), "Trim did not revoke the retention")
-		assert.Equal(t, frees, rt.frees.Load(), "retained memory went back to the driver before its retainer let go")
+		assert.Equal(t, frees, rt.frees(), "retained memory went back to the driver before its retainer let go")
 		s := mustStats(t, p)
 		assert.Equal(t, 1, s.RevokingBuffers)
 		assert.Equal(t, p.Granularity(), s.RevokingBytes)
 		assert.Zero(t, s.CachedBuffers)
 
 		require.NoError(t, r.End(0))
-		assert.Equal(t, frees+1, rt.frees.Load(), "the last retention's end did not free the memory")
+		assert.Equal(t, frees+1, rt.frees(), "the last retention's end did not free the memory")
 		s = mustStats(t, p)
 		assert.Zero(t, s.RevokingBuffers+s.Retentions)
-		require.ErrorIs(t, r.End(0), poolshare.ErrLeaseEnded)
+		require.ErrorIs(t, r.End(0), ErrLeaseEnded)
 		assert.Equal(t, int32(1), rr.revoked.Load(), "revoked twice")
 	})
 }
@@ -85,15 +84,15 @@ func TestRetainedMemoryIsRecycledAndRevokedBeforeItIsFreed(t *testing.T) {
 // Without a cache, and through a deferred free, retained memory is revoked at once.
 func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 	onEachRuntime(t, func(t *testing.T, e testEnv) {
-		rt := &countingRuntime{Runtime: e.rt}
+		rt := newCounting(e.rt)
 		p := mustNew(t, rt)
 		for _, deferred := range []bool{false, true} {
 			b := mustAlloc(t, p, mib, e.stream)
 			l := mustLease(t, b)
 			rr := &retainer{}
-			r, err := b.retain(rr.revoke)
+			r, err := b.Retain(rr.revoke)
 			require.NoError(t, err)
-			frees := rt.frees.Load()
+			frees := rt.frees()
 			if deferred {
 				mustFree(t, b, e.stream)
 				require.NoError(t, l.End(0))
@@ -102,10 +101,10 @@ func TestRetainedMemoryFreedPastTheCache(t *testing.T) {
 				mustFree(t, b, e.stream)
 			}
 			assert.Equal(t, int32(1), rr.revoked.Load(), "deferred %v: not revoked", deferred)
-			assert.Equal(t, frees, rt.frees.Load(), "deferred %v: freed before the retainer let go", deferred)
+			assert.Equal(t, frees, rt.frees(), "deferred %v: freed before the retainer let go", deferred)
 			wantCounts(t, p, 0, 0, 0, 0)
 			require.NoError(t, r.End(0))
-			assert.Equal(t, frees+1, rt.frees.Load(), "deferred %v: not freed", deferred)
+			assert.Equal(t, frees+1, rt.frees(), "deferred %v: not freed", deferred)
 		}
 	})
 }
@@ -118,7 +117,7 @@ func TestRevokedImportIsFreedBeforeTheMemory(t *testing.T) {
 	exp, e, p, b, l, im := sh.exp, sh.e, sh.p, sh.b, sh.l, sh.im
 	const n = shareSize
 	rr := &retainer{}
-	r, err := b.retain(rr.revoke)
+	r, err := b.Retain(rr.revoke)
 	require.NoError(t, err)
 	require.NoError(t, l.End(im.recordDone(exp)))
 	mustFree(t, b, e.stream)

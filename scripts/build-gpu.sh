@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # build-gpu.sh runs where Go is, and builds what scripts/gpu-check.sh runs on a GPU
-# host that has no Go: bin/gpu/<package>.test for every package with tests (listed,
-# with the package's folder, in bin/gpu/tests.txt, as a test binary runs in its
-# package's folder), and the commands under cmd/, examples/ and bench/ (the
-# benchmark suite's bin/gpu/gosuite) when there are any, and libcudapool.so, each
-# compressed with xz.
+# host that has no Go: bin/gpu/<package>.test for every package whose tests can reach
+# a GPU, those that import internal/gputest or cudart/choose (or a package under it),
+# listed with the package's folder in bin/gpu/tests.txt, as a test binary runs in its
+# package's folder (the others run on the software device alone, here and in CI, and
+# are not carried: what travels to the host is capped); the commands under cmd/,
+# examples/ and bench/ (the benchmark suite's bin/gpu/gosuite) when there are any; and
+# libcudapool.so; each compressed with xz.
 # It builds every package it can, and exits non-zero if any build failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,8 @@ while read -r pkg dir; do
 		echo "build-gpu: FAILED to build the tests of $pkg" >&2
 		failed=1
 	fi
-done < <(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}' ./...)
+done < <(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}} {{join .TestImports " "}} {{join .XTestImports " "}}{{end}}' ./... |
+	awk -v m="$module" '{ for (i = 3; i <= NF; i++) if ($i == m "/internal/gputest" || index($i, m "/cudart/choose") == 1) { print $1, $2; next } }')
 
 mains=$(go list -f '{{if eq .Name "main"}}{{.ImportPath}}{{end}}' ./cmd/... ./examples/... ./bench/... 2>/dev/null)
 if [ -n "$mains" ]; then

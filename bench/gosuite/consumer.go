@@ -89,7 +89,7 @@ func consumerMain(args []string) int {
 		}
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	imp, err := consumer.Dial(ctx, args[1], rt, dev, consumer.WithPushes(pushStream, pushed), consumer.WithLogger(quiet))
+	imp, err := consumer.Dial(ctx, args[1], rt, dev, consumer.WithPushes(pushed, pushStream), consumer.WithLogger(quiet))
 	if err != nil {
 		return fail(err)
 	}

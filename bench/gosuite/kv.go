@@ -310,7 +310,7 @@ func (k *kvLoad) latency(ctx context.Context, samples, warmup int, hashing bool)
 		if hashing {
 			hashes = k.r.Hashes(k.tokens)
 		}
-		l, err := k.r.Match(ctx, hashes, k.s)
+		l, err := k.r.Match(ctx, hashes)
 		d := time.Since(t0)
 		if err != nil {
 			return "", err
@@ -358,7 +358,7 @@ func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string,
 		if res.Visible != b {
 			return "", fmt.Errorf("sealed %+v, want %d visible", res, b)
 		}
-		m, err := k.r.Match(ctx, hashes, k.s)
+		m, err := k.r.Match(ctx, hashes)
 		if err != nil {
 			return "", err
 		}

@@ -237,7 +237,7 @@ func kvRestartMain(args []string) int {
 	hashes := rp.Hashes(toks)
 	var sealedAs []uint32 // the pages as sealed: what each holds
 	match := func() (*replica.Lease, error) {
-		l, err := rp.Match(ctx, hashes, s)
+		l, err := rp.Match(ctx, hashes)
 		if err != nil {
 			return nil, err
 		}

@@ -150,7 +150,7 @@ func (k *kvLoad) tierMatch(ctx context.Context) (string, error) {
 	// the restore finds no room and the run ends short; try again then.
 	for {
 		t0 = time.Now()
-		if m, err = k.r.Match(ctx, k.tierChain, k.s); err != nil {
+		if m, err = k.r.Match(ctx, k.tierChain); err != nil {
 			return "", err
 		}
 		if len(m.Pages()) == len(k.tierChain) {

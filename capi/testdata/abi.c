@@ -81,7 +81,7 @@ static void live(char *self) {
 	EXPECT(cudapool_importer_release_all(imp, dup, 2, NULL, 10000), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_release_all(imp, dup, SIZE_MAX, NULL, 10000), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_importer_open_all(imp, names, SIZE_MAX, NULL, 10000, m), CUDAPOOL_EINVAL);
-	oo.flags = CUDAPOOL_OPEN_REPLICA;
+	oo.flags = CUDAPOOL_OPEN_LOCAL_COPY;
 	EXPECT(cudapool_importer_open(imp, "a", NULL, &oo, 10000, &replica), CUDAPOOL_OK);
 	EXPECT(cudapool_importer_open(imp, "a", NULL, NULL, 10000, NULL), CUDAPOOL_EINVAL);
 

@@ -50,6 +50,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -276,7 +277,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitUsage
 		}
 	}
-	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes}
+	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
+	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes, Logger: logger}
 	var child *keeperChild // the keeper this kvpoold started, if it did
 	if !f.oneProcess {
 		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs), &child)

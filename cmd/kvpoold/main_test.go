@@ -19,35 +19,18 @@ import (
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/replica"
 )
-
-// syncBuffer is a bytes.Buffer for one writer and a reader on another goroutine.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // started runs kvpoold with args until the test stops it, once it has said where it
 // serves.
 func started(t *testing.T, args ...string) (stop func() (int, string, string)) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	var out, errOut syncBuffer
+	var out, errOut testlog.Buffer
 	done := make(chan int, 1)
 	go func() { done <- run(ctx, args, &out, &errOut) }()
 	deadline := time.Now().Add(testwait.Bound)
@@ -344,11 +327,11 @@ func TestOwnersPerTrustDomain(t *testing.T) {
 			require.NoError(t, r.Release(ctx, 0, l))
 		}
 	}
-	m, err := rs[0].Match(ctx, hs, 0)
+	m, err := rs[0].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 2, "the owner that sealed them shows them")
 	require.NoError(t, rs[0].Release(ctx, 0, m))
-	m, err = rs[1].Match(ctx, hs, 0)
+	m, err = rs[1].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")
 }

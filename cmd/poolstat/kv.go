@@ -110,6 +110,9 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%s\n", r.PID, text(command, maxCommand), r.Device, r.Leases, r.Pages, state)
 	}
 	_ = tw.Flush() // output to the terminal: nowhere else to report its failure
+	if st.ReplicasOmitted > 0 {
+		fmt.Fprintf(w, "%d more replicas not listed (%d connected)\n", st.ReplicasOmitted, st.ReplicaCount)
+	}
 }
 
 // pageAll is one page's bytes in every layer's K and V.

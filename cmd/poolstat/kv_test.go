@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -39,7 +40,7 @@ func kvOwner(t *testing.T) string {
 	require.NoError(t, err)
 	_, err = r.Seal(ctx, w, hashes, 0, replica.WaitVisible())
 	require.NoError(t, err)
-	_, err = r.Match(ctx, hashes, 0)
+	_, err = r.Match(ctx, hashes)
 	require.NoError(t, err)
 	return dir
 }
@@ -118,4 +119,12 @@ func TestKVShowsTheRestart(t *testing.T) {
 	lines := strings.Split(b.String(), "\n")
 	require.Greater(t, len(lines), 2, b.String())
 	assert.Equal(t, "start 3 over keeper pid 42: slabs adopted, 2048 visible pages restored, 1 replicas of before awaited", lines[1])
+}
+
+// A Stats frame that left replicas out says how many, and how many are connected.
+func TestRenderKVSaysWhatItLeftOut(t *testing.T) {
+	var b bytes.Buffer
+	st := kv.Stats{Devices: []kv.DeviceStats{{Device: 0}}, Replicas: []kv.ReplicaStats{{PID: 1}}, ReplicaCount: 3000, ReplicasOmitted: 2999}
+	renderKV(&b, "/run/kv", st)
+	assert.Contains(t, b.String(), "2999 more replicas not listed (3000 connected)")
 }

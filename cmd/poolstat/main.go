@@ -56,6 +56,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 )
 
@@ -201,7 +202,7 @@ func version() string {
 		}
 	}
 	return fmt.Sprintf("poolstat %s%s%s; protocol %d, report schema %d, state schema %d; %s",
-		v, rev, modified, discover.ProtocolVersion, ReportSchema, discover.StateSchema, runtime.Version())
+		v, rev, modified, export.ProtocolVersion, ReportSchema, export.StateSchema, runtime.Version())
 }
 
 // isDir says why dir cannot be looked in, or nil.

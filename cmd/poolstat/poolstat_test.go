@@ -25,7 +25,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/choose"
 	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
@@ -103,8 +103,8 @@ func otherDevice(t *testing.T) int {
 	return 1
 }
 
-func peer(st *discover.State, pid int) *discover.PeerState {
-	if i := slices.IndexFunc(st.Peers, func(p discover.PeerState) bool { return p.PID == pid }); i >= 0 {
+func peer(st *export.State, pid int) *export.PeerState {
+	if i := slices.IndexFunc(st.Peers, func(p export.PeerState) bool { return p.PID == pid }); i >= 0 {
 		return &st.Peers[i]
 	}
 	return nil
@@ -223,7 +223,7 @@ func golden(t *testing.T, r *Report, self string, pids map[int]int) {
 			p := &st.Peers[j]
 			p.PID, p.UID, p.GID, p.ConnectedSince = pids[p.PID], 0, 0, t0.Add(time.Minute)
 		}
-		slices.SortFunc(st.Peers, func(a, b discover.PeerState) int { return a.PID - b.PID })
+		slices.SortFunc(st.Peers, func(a, b export.PeerState) int { return a.PID - b.PID })
 		commands := map[int]string{}
 		for pid, c := range e.Processes {
 			if c == self {
@@ -280,7 +280,7 @@ func shortDir(t *testing.T) string {
 // e.g. another user's exporter in a shared $CUDAPOOL_DIR.
 func TestRefused(t *testing.T) {
 	dir := shortDir(t)
-	testExporter(t, dir, producer.WithPolicy(producer.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+	testExporter(t, dir, producer.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
 	code, out, _ := poolstat(t, "-dir", dir)
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "1 unreachable")
@@ -407,7 +407,7 @@ func TestHelp(t *testing.T) {
 func TestVersion(t *testing.T) {
 	code, out, _ := poolstat(t, "-version")
 	assert.Equal(t, 0, code)
-	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(consumer.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
+	assert.Regexp(t, `^poolstat \S+.*; protocol `+strconv.Itoa(export.ProtocolVersion)+`, report schema 1, state schema 1; go\S+\n$`, out)
 }
 
 // A -dir named on the command line must exist; the default one appears with the first
@@ -436,15 +436,15 @@ func TestTableWidth(t *testing.T) {
 	const widest = 1023 << 20 // "1023 MiB"
 	long := strings.Repeat("n", 80)
 	now := time.Now()
-	st := &discover.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
-		Devices: []discover.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
+	st := &export.State{Name: long, PID: 4194304, Started: now.Add(-1000 * time.Hour),
+		Devices: []export.DeviceState{{Ordinal: 7, UUID: "GPU-x"}}}
 	for i := range 3 {
-		st.Pools = append(st.Pools, discover.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
+		st.Pools = append(st.Pools, export.PoolState{ID: uint64(i), Stats: pool.Stats{Name: long, Device: 15, HandleType: cudart.HandleTypePosixFD,
 			MaxSize: widest, ReservedCurrent: widest, ReservedHigh: widest, UsedCurrent: widest, UsedHigh: widest,
 			BytesReserved: widest, LiveBuffers: 99999, SharedBuffers: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
 			FailedFrees: 99999}})
-		st.Published = append(st.Published, discover.NameState{Name: long, Pool: uint64(i), Size: widest})
-		st.Peers = append(st.Peers, discover.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
+		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
+		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
 			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
 	}
 	r := &Report{Dir: "/run/user/1000/cudapool", Exporters: []Exporter{
@@ -542,11 +542,11 @@ func TestTableEscapesWhatOthersSend(t *testing.T) {
 	now := time.Now()
 	var exporters []Exporter
 	for i, s := range hostile {
-		st := &discover.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []discover.DeviceState{{Ordinal: -3, UUID: s}}}
-		st.Pools = []discover.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
+		st := &export.State{Name: s, PID: 100 + i, Socket: s, Started: now, Devices: []export.DeviceState{{Ordinal: -3, UUID: s}}}
+		st.Pools = []export.PoolState{{ID: 1, Error: s, Stats: pool.Stats{Name: s, Device: -1, LiveBuffers: -2,
 			SharedBuffers: -3, ActiveLeases: -4, DeferredFrees: -5, FailedFrees: -6}}}
-		st.Published = []discover.NameState{{Name: s, Pool: 1, Size: 1}}
-		st.Peers = []discover.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
+		st.Published = []export.NameState{{Name: s, Pool: 1, Size: 1}}
+		st.Peers = []export.PeerState{{PID: 200 + i, Device: s, Leases: -7, ConnectedSince: now, AwaitingExit: true}}
 		exporters = append(exporters,
 			Exporter{Socket: s, Status: Live, State: st, Processes: map[int]string{200 + i: s}},
 			Exporter{PID: 300 + i, Name: s, Socket: s, Status: Dead, Error: s})

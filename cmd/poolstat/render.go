@@ -14,6 +14,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 )
 
@@ -140,7 +141,7 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 
 // poolDevices says which devices the exporter's pools are on: " on device 0", " on
 // devices 0,1", or nothing without pools.
-func poolDevices(pools []discover.PoolState) string {
+func poolDevices(pools []export.PoolState) string {
 	var devs []int
 	for _, p := range pools {
 		devs = append(devs, p.Device)
@@ -175,7 +176,7 @@ func age(t, now time.Time) string {
 
 // peerName is the peer's pid with its command name beside it ("4242 python3") when this
 // host shows one; a remote peer's pid is another host's, so it has none.
-func peerName(p discover.PeerState, commands map[int]string) string {
+func peerName(p export.PeerState, commands map[int]string) string {
 	if c, ok := commands[p.PID]; ok && !p.Remote {
 		return fmt.Sprintf("%s %s", count(p.PID), text(c, maxCommand))
 	}
@@ -184,14 +185,14 @@ func peerName(p discover.PeerState, commands map[int]string) string {
 
 // peerDevice names the peer's device as the exporter knows it ("GPU 1") when it is one of
 // the exporter's, by UUID otherwise; "-" for a connection without a device.
-func peerDevice(p discover.PeerState, devices []discover.DeviceState) string {
+func peerDevice(p export.PeerState, devices []export.DeviceState) string {
 	if p.Device == "" {
 		if p.Remote {
 			return "remote"
 		}
 		return "-"
 	}
-	if i := slices.IndexFunc(devices, func(d discover.DeviceState) bool { return d.UUID == p.Device }); i >= 0 {
+	if i := slices.IndexFunc(devices, func(d export.DeviceState) bool { return d.UUID == p.Device }); i >= 0 {
 		return "GPU " + count(devices[i].Ordinal)
 	}
 	return text(p.Device, 16)

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/privdir"
@@ -40,7 +41,7 @@ const ReportSchema = 1
 //	  error    string   why, for every status but "live"
 //	  processes object  the command names of the state's peers (and of the exporter), by pid, as
 //	                    this host's /proc shows them; a pid it does not show is left out
-//	  state    object   the exporter's own description, discover.State (schema discover.StateSchema):
+//	  state    object   the exporter's own description, export.State (schema export.StateSchema):
 //	                    process, devices, pools with their figures, published names, peers with
 //	                    their leases
 //
@@ -54,12 +55,12 @@ type Report struct {
 
 // Exporter is one exporter in a Report.
 type Exporter struct {
-	PID    int             `json:"pid"`
-	Socket string          `json:"socket"`
-	Name   string          `json:"name,omitempty"`
-	Status Status          `json:"status"`
-	Error  string          `json:"error,omitempty"`
-	State  *discover.State `json:"state,omitempty"`
+	PID    int           `json:"pid"`
+	Socket string        `json:"socket"`
+	Name   string        `json:"name,omitempty"`
+	Status Status        `json:"status"`
+	Error  string        `json:"error,omitempty"`
+	State  *export.State `json:"state,omitempty"`
 	// Processes are the command names of the pids in State, by pid.
 	Processes map[int]string `json:"processes,omitempty"`
 }
@@ -164,7 +165,7 @@ func (l *looker) query(ctx context.Context, e *Exporter) {
 // commands returns the command names of the exporter's and its peers' pids, as far as
 // this host shows them: a peer on another host, in another pid namespace or gone since
 // the state was taken has none.
-func commands(st *discover.State) map[int]string {
+func commands(st *export.State) map[int]string {
 	names := map[int]string{}
 	for _, pid := range append([]int{st.PID}, peerPIDs(st)...) {
 		if info, err := peercred.Lookup(pid); err == nil {
@@ -177,7 +178,7 @@ func commands(st *discover.State) map[int]string {
 	return names
 }
 
-func peerPIDs(st *discover.State) []int {
+func peerPIDs(st *export.State) []int {
 	var pids []int
 	for _, p := range st.Peers {
 		if !p.Remote {

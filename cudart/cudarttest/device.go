@@ -149,7 +149,9 @@ var _ cudart.Runtime = (*Device)(nil)
 func New(opts ...Option) *Device {
 	cfg := config{devices: 2, granularity: 2 << 20, memory: 16 << 30, peerAccess: true}
 	for _, o := range opts {
-		o(&cfg)
+		if o != nil {
+			o(&cfg)
+		}
 	}
 	seed := seedFrom(cfg)
 	d := &Device{

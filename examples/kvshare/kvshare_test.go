@@ -15,7 +15,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 )
 
@@ -143,7 +143,7 @@ func TestUnknownName(t *testing.T) {
 	p := startProducer(t, 1, nil)
 	p.pub.Name = "no-such-cache"
 	_, err := consume(t, context.Background(), p, ConsumerConfig{Seed: 1})
-	require.ErrorIs(t, err, consumer.ErrUnknownName, "opening an unpublished name")
+	require.ErrorIs(t, err, export.ErrUnknownName, "opening an unpublished name")
 }
 
 func TestConsumerInterrupted(t *testing.T) {

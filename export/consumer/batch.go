@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -13,13 +14,13 @@ import (
 // names too long to fit one frame together), and s waits once for each distinct
 // producer stream the buffers were published on. It returns the Mappings in the order
 // of names, all or none: on failure nothing is held, and the error names the first
-// name that failed. At most MaxBatch names.
+// name that failed. At most export.MaxBatch names.
 func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Stream) ([]*Mapping, error) {
 	switch {
 	case len(names) == 0:
 		return nil, nil
-	case len(names) > wire.MaxBatch:
-		return nil, fmt.Errorf("consumer: open %d names: %w: at most %d at once", len(names), ErrBadRequest, wire.MaxBatch)
+	case len(names) > export.MaxBatch:
+		return nil, fmt.Errorf("consumer: open %d names: %w: at most %d at once", len(names), export.ErrBadRequest, export.MaxBatch)
 	}
 	for _, name := range names {
 		if err := wire.CheckName(name); err != nil {
@@ -57,14 +58,14 @@ func (imp *Importer) openChunk(ctx context.Context, names []string) ([]wire.Leas
 		if len(r.Leases) != len(names) {
 			imp.cl.GiveBackAll(r.Leases)
 			imp.cl.Fail(wire.ProtocolErr("OpenBatch of %d names answered with %d leases", len(names), len(r.Leases)))
-			return nil, imp.cl.GoneOr(ErrProtocol)
+			return nil, imp.cl.GoneOr(export.ErrProtocol)
 		}
 		return r.Leases, nil
 	case *wire.ErrorMsg:
 		return nil, wire.ReplyErr(r)
 	}
 	imp.cl.Fail(wire.ProtocolErr("OpenBatch answered with %s", reply.Kind()))
-	return nil, imp.cl.GoneOr(ErrProtocol)
+	return nil, imp.cl.GoneOr(export.ErrProtocol)
 }
 
 // openChunks splits names, in order, into the OpenBatch requests that each fit a
@@ -106,13 +107,13 @@ func (imp *Importer) adoptAll(ctx context.Context, leases []wire.LeaseMsg, names
 // exporter retains them) and the release event recorded once, and the exporter is told
 // in one request. A Mapping listed twice is released twice. It fails with ErrReleased,
 // releasing nothing, if one of them has no reference left; if the exporter refuses
-// some of the leases, the others are released all the same. At most MaxBatch Mappings.
+// some of the leases, the others are released all the same. At most export.MaxBatch Mappings.
 func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Stream) error {
 	switch {
 	case len(ms) == 0:
 		return nil
-	case len(ms) > wire.MaxBatch:
-		return fmt.Errorf("consumer: release %d mappings: %w: at most %d at once", len(ms), ErrBadRequest, wire.MaxBatch)
+	case len(ms) > export.MaxBatch:
+		return fmt.Errorf("consumer: release %d mappings: %w: at most %d at once", len(ms), export.ErrBadRequest, export.MaxBatch)
 	}
 	if err := imp.checkStream(s); err != nil {
 		return fmt.Errorf("consumer: release %d mappings: %w", len(ms), err)
@@ -122,7 +123,7 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 	for _, m := range ms {
 		if m.imp != imp {
 			imp.mapMu.Unlock()
-			return fmt.Errorf("consumer: release %q: %w: a Mapping of another Importer", m.name, ErrBadRequest)
+			return fmt.Errorf("consumer: release %q: %w: a Mapping of another Importer", m.name, export.ErrBadRequest)
 		}
 		if drops[m]++; drops[m] > m.refs {
 			imp.mapMu.Unlock()
@@ -142,8 +143,8 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		if m.refs -= n; m.refs > 0 {
 			continue
 		}
-		if m.replica != nil {
-			if err := imp.freeReplica(m, s); err != nil {
+		if m.localCopy != nil {
+			if err := imp.freeLocalCopy(m, s); err != nil {
 				m.refs += n
 				errs = append(errs, err)
 				continue
@@ -192,7 +193,7 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return err
 	}
 	if len(plain) == 0 && len(kept) == 0 {
-		// Every Mapping is still referenced (or a replica): no grant to release.
+		// Every Mapping is still referenced (or a local copy): no grant to release.
 		for _, rec := range revoked {
 			imp.sendRevoked(rec)
 		}
@@ -221,7 +222,7 @@ func (imp *Importer) releaseBatch(ctx context.Context, plain, kept map[uint64]ui
 	reply, err := imp.cl.Request(ctx, func(req uint64) wire.Message { return &wire.ReleaseBatchMsg{ReqID: req, Entries: entries} }, false)
 	switch r := reply.(type) {
 	case nil:
-		if errors.Is(err, ErrExporterGone) {
+		if errors.Is(err, export.ErrExporterGone) {
 			return nil
 		}
 		return fmt.Errorf("consumer: release %d leases: %w", len(entries), err)
@@ -230,7 +231,7 @@ func (imp *Importer) releaseBatch(ctx context.Context, plain, kept map[uint64]ui
 	case *wire.ErrorMsg:
 		imp.log.Debug("consumer: a batch release was refused in part; releasing one lease at a time", "err", wire.ReplyErr(r))
 	default:
-		return fmt.Errorf("consumer: release %d leases: %w: ReleaseBatch answered with %s", len(entries), ErrProtocol, r.Kind())
+		return fmt.Errorf("consumer: release %d leases: %w: ReleaseBatch answered with %s", len(entries), export.ErrProtocol, r.Kind())
 	}
 	imp.mapMu.Lock()
 	for _, buf := range keptBufs {
@@ -247,7 +248,7 @@ func (imp *Importer) releaseBatch(ctx context.Context, plain, kept map[uint64]ui
 	}
 	var errs []error
 	for id, n := range all {
-		if err := imp.releaseGrants(ctx, "a batch", map[uint64]uint32{id: n}, 0, nil); err != nil && !errors.Is(err, ErrStaleLease) {
+		if err := imp.releaseGrants(ctx, "a batch", map[uint64]uint32{id: n}, 0, nil); err != nil && !errors.Is(err, export.ErrStaleLease) {
 			errs = append(errs, err)
 		}
 	}

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/singleflight"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -54,7 +55,7 @@ type Importer struct {
 
 	// closing is set when Close begins; adopting is held (shared) by each adoption of
 	// a lease (adoptLease) and taken by Close before it frees anything, so an Open in
-	// flight either finished adopting before Close began, or fails with ErrClosed and
+	// flight either finished adopting before Close began, or fails with export.ErrClosed and
 	// imports nothing into what Close tears down.
 	closing  atomic.Bool
 	adopting sync.RWMutex
@@ -69,8 +70,8 @@ type Importer struct {
 	pushDone chan struct{}
 	// watch tells when the exporter's process is gone (liveness.go).
 	watch exporterWatch
-	// replicas copies buffers for WithReplica (replica.go).
-	replicas replicas
+	// local copies copies buffers for WithLocalCopy (local copy.go).
+	localCopies localCopies
 	// life ends when Close gives up on the exporter: sends that are the Importer's own
 	// business (releases of unused leases), not a caller's, are bounded by it.
 	life    context.Context
@@ -82,7 +83,7 @@ type importedPool struct {
 	// lost with the exporter (FACTS 14).
 	onPeer bool
 	// owner is the ordinal of the pool's device in this process, -1 if it does not
-	// see it: replicas are copied through it.
+	// see it: local copies are copied through it.
 	owner  int
 	handle cudart.MemPool
 	err    error // the import failed; leases on the pool fail with it
@@ -99,9 +100,9 @@ type importerKey struct {
 }
 
 // Dial connects to the exporter listening at path, for buffers to be used on device
-// of rt. It fails with ErrRefused (and the exporter's reason) if the exporter does not
-// admit this process, ErrVersionMismatch if it speaks another protocol version, and
-// ErrExporterGone if nothing listens at path. One process should hold one Importer per
+// of rt. It fails with export.ErrRefused (and the exporter's reason) if the exporter does not
+// admit this process, export.ErrVersionMismatch if it speaks another protocol version, and
+// export.ErrExporterGone if nothing listens at path. One process should hold one Importer per
 // exporter and runtime: a second fails with ErrDuplicateImporter. An exporter of this
 // very process on the same runtime is refused at once with ErrOwnExporter: its buffers
 // are this process's already (use their pointers), and CUDA imports none of a
@@ -162,7 +163,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 			return nil, fmt.Errorf("consumer: WithPushes: %w", err)
 		}
 	}
-	h := &wire.HelloMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid()), Flags: wire.HelloLeases, Device: imp.devUUID,
+	h := &wire.HelloMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: wire.HelloLeases, Device: imp.devUUID,
 		HandleTypes: uint32(cudart.HandleTypeFabric)}
 	if !imp.remote {
 		h.HandleTypes |= uint32(cudart.HandleTypePosixFD)
@@ -279,7 +280,7 @@ func (imp *Importer) destroyResources(gone bool) {
 		}
 		logErr("imported pool", err)
 	}
-	imp.closeReplicas()
+	imp.closeLocalCopies()
 	if imp.relStream != 0 {
 		logErr("release stream sync", rt.StreamSynchronize(dev, imp.relStream))
 	}
@@ -349,9 +350,9 @@ func (imp *Importer) releaseUnused(l *wire.LeaseMsg) {
 // returns the same Mapping, counted once more; each Open needs its Release.
 //
 // s must belong to the Importer's device, else Open fails with ErrStreamDevice. It
-// fails with ErrUnknownName (whose message lists a few names that are published;
-// WaitForName waits for the name instead), ErrBufferGone (the producer freed it),
-// ErrHandleType, ErrExporterGone once the exporter left, ErrClosed after Close, or
+// fails with export.ErrUnknownName (whose message lists a few names that are published;
+// WaitForName waits for the name instead), export.ErrBufferGone (the producer freed it),
+// export.ErrHandleType, export.ErrExporterGone once the exporter left, export.ErrClosed after Close, or
 // ctx's error. On failure nothing is held.
 func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opts ...OpenOption) (*Mapping, error) {
 	if err := wire.CheckName(name); err != nil {
@@ -371,27 +372,27 @@ func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opt
 	if err != nil || imp.closing.Load() {
 		return nil, imp.closedOr(fmt.Sprintf("open %q", name), err)
 	}
-	if !o.replica {
+	if !o.localCopy {
 		return m, nil
 	}
-	r, err := imp.replicate(ctx, m, s, o.replicaAlloc)
+	r, err := imp.copyLocally(ctx, m, s, o.localCopyAlloc)
 	if err != nil {
-		return nil, fmt.Errorf("consumer: open %q: replica: %w", name, err)
+		return nil, fmt.Errorf("consumer: open %q: local copy: %w", name, err)
 	}
 	return r, nil
 }
 
-// closedOr is err of op, or ErrClosed (with err's text) if Close has begun: an Open
+// closedOr is err of op, or export.ErrClosed (with err's text) if Close has begun: an Open
 // in flight then fails for that reason, whatever its request or adoption ran into. Its
 // Mapping, if it got one, is Close's to free.
 func (imp *Importer) closedOr(op string, err error) error {
 	switch {
-	case !imp.closing.Load() || errors.Is(err, ErrClosed):
+	case !imp.closing.Load() || errors.Is(err, export.ErrClosed):
 		return err
 	case err == nil:
-		return fmt.Errorf("consumer: %s: %w", op, ErrClosed)
+		return fmt.Errorf("consumer: %s: %w", op, export.ErrClosed)
 	}
-	return fmt.Errorf("consumer: %s: %w (%v)", op, ErrClosed, err)
+	return fmt.Errorf("consumer: %s: %w (%v)", op, export.ErrClosed, err)
 }
 
 // checkStream refuses a stream of another device: Release orders the import's free
@@ -428,7 +429,7 @@ func (imp *Importer) open(ctx context.Context, name string, s cudart.Stream) (*M
 		return nil, fmt.Errorf("consumer: open %q: %w", name, wire.ReplyErr(r))
 	}
 	imp.cl.Fail(wire.ProtocolErr("Open answered with %s", reply.Kind()))
-	return nil, fmt.Errorf("consumer: open %q: %w", name, imp.cl.GoneOr(ErrProtocol))
+	return nil, fmt.Errorf("consumer: open %q: %w", name, imp.cl.GoneOr(export.ErrProtocol))
 }
 
 // adopt turns a lease into a Mapping: s waits for the producer's writes, and the
@@ -449,13 +450,13 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	imp.adopting.RLock()
 	defer imp.adopting.RUnlock()
 	if imp.closing.Load() {
-		return nil, ErrClosed
+		return nil, export.ErrClosed
 	}
 	imp.mu.Lock()
 	ip := imp.pools[l.PoolID]
 	imp.mu.Unlock()
 	if ip == nil {
-		return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", ErrProtocol, l.PoolID)
+		return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", export.ErrProtocol, l.PoolID)
 	}
 	if ip.err != nil {
 		return nil, ip.err
@@ -572,10 +573,10 @@ func (imp *Importer) ExporterPID() int { return imp.cl.ExporterPID }
 // connection, so that it is done with this process's release event before that is
 // destroyed. It then destroys the events, stream and imported pools it made. With the
 // exporter gone Close still completes, and returns nil. A second Close returns
-// ErrClosed.
+// export.ErrClosed.
 func (imp *Importer) Close(ctx context.Context) error {
 	if !imp.cl.Close() {
-		return ErrClosed
+		return export.ErrClosed
 	}
 	imp.closing.Store(true)
 	defer imp.endLife()

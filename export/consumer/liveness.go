@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/peercred"
 )
 
@@ -67,7 +68,7 @@ func (imp *Importer) exporterDead() bool {
 
 // goneErr is the error of a request made as the exporter died.
 func (imp *Importer) goneErr(what string) error {
-	return fmt.Errorf("%w: its process exited %s", ErrExporterGone, what)
+	return fmt.Errorf("%w: its process exited %s", export.ErrExporterGone, what)
 }
 
 // loseMappings ends the contexts of the mappings on another GPU than the exporter's:
@@ -89,7 +90,7 @@ func (imp *Importer) loseMappings() {
 func (imp *Importer) Done() <-chan struct{} { return imp.cl.Done }
 
 // Err is nil while the connection to the exporter carries requests, and afterwards
-// says why it ended; it wraps ErrExporterGone.
+// says why it ended; it wraps export.ErrExporterGone.
 func (imp *Importer) Err() error {
 	select {
 	case <-imp.cl.Done:

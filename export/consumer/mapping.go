@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -29,10 +30,10 @@ type Mapping struct {
 	owner int
 	// life ends when the Mapping must not be used any more (liveness.go).
 	life mappingLife
-	// replica is the memory of a Mapping made WithReplica, this process's own, from
-	// replicaFrom; nil for an import.
-	replica     *pool.Buffer
-	replicaFrom pool.Allocator
+	// local copy is the memory of a Mapping made WithLocalCopy, this process's own, from
+	// localCopyFrom; nil for an import.
+	localCopy     *pool.Buffer
+	localCopyFrom pool.Allocator
 	// Guarded by imp.mapMu.
 	refs   int
 	grants map[uint64]uint32 // lease id -> grants of it this mapping answers for
@@ -110,8 +111,8 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		imp.mapMu.Unlock()
 		return nil
 	}
-	if m.replica != nil {
-		err := imp.freeReplica(m, s)
+	if m.localCopy != nil {
+		err := imp.freeLocalCopy(m, s)
 		m.finishRelease(err == nil)
 		imp.mapMu.Unlock()
 		return err
@@ -354,7 +355,7 @@ func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[
 		}, false)
 		switch r := reply.(type) {
 		case nil:
-			if errors.Is(err, ErrExporterGone) {
+			if errors.Is(err, export.ErrExporterGone) {
 				continue
 			}
 		case *wire.ReleasedMsg:
@@ -367,7 +368,7 @@ func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[
 				}
 			}
 		default:
-			err = fmt.Errorf("%w: Release answered with %s", ErrProtocol, r.Kind())
+			err = fmt.Errorf("%w: Release answered with %s", export.ErrProtocol, r.Kind())
 		}
 		errs = append(errs, fmt.Errorf("consumer: release %q: %w", name, err))
 	}
@@ -393,7 +394,7 @@ func (m *Mapping) Context() context.Context {
 }
 
 // Err is nil while the Mapping may be used, and otherwise why not: ErrMappingLost
-// (wrapping ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
+// (wrapping export.ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
 // ErrReleased once it was released. A lost Mapping must still be released, which
 // frees its import without touching the memory.
 func (m *Mapping) Err() error {

@@ -132,3 +132,42 @@ func liveness(a Announcement) string {
 	}
 	return ""
 }
+
+// EnsureDir creates dir with mode 0700 if it is missing, and checks that it is
+// private to this user (privdir.Check). On failure the error wraps ErrBadDir, or says
+// why dir could not be created.
+func EnsureDir(dir string) error {
+	reason, err := privdir.Check(dir)
+	if err != nil {
+		return fmt.Errorf("discover: %w", err)
+	}
+	if reason != "" {
+		return fmt.Errorf("%w: %s", ErrBadDir, reason)
+	}
+	return nil
+}
+
+// Announce writes a's file, <dir>/<a.PID>.json, into dir atomically (a reader sees all
+// of it or none) and returns its path: what producer.Listen does while it listens.
+// Check dir with EnsureDir first. On failure no file is left behind.
+func Announce(dir string, a Announcement) (string, error) {
+	body, err := json.Marshal(a)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, strconv.Itoa(a.PID)+".json")
+	tmp, err := os.CreateTemp(dir, ".announce-*")
+	if err != nil {
+		return "", fmt.Errorf("discover: announce: %w", err)
+	}
+	_, err = tmp.Write(append(body, '\n'))
+	err = errors.Join(err, tmp.Close())
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp.Name()) // best effort: a leftover file is harmless, and the first error is the one returned
+		return "", fmt.Errorf("discover: announce: %w", err)
+	}
+	return path, nil
+}

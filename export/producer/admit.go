@@ -13,9 +13,9 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -38,7 +38,7 @@ func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
 	}
 	p.detach = detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
-	reason, clean := p.serve()
+	reason, clean := p.serveContained()
 	if reason != nil {
 		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
 	}
@@ -57,7 +57,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		ex.mu.Lock()
 		if uid, ok := ex.greeting[nc]; ok {
 			delete(ex.greeting, nc)
-			ex.handshakes.leave(uid)
+			ex.handshakes.Leave(uid)
 		}
 		ex.mu.Unlock()
 	}()
@@ -79,11 +79,11 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return int(h.PID) // what a remote peer says: not checked
 	}
 	refuse := func(reason string) (*peer, *observer, error) {
-		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
-		return nil, nil, fmt.Errorf("%w: pid %d: %s", ErrRefused, pid(), reason)
+		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
+		return nil, nil, fmt.Errorf("%w: pid %d: %s", export.ErrRefused, pid(), reason)
 	}
 	m, _, err := c.Recv()
-	if errors.Is(err, ErrVersionMismatch) {
+	if errors.Is(err, export.ErrVersionMismatch) {
 		return refuse(err.Error())
 	}
 	if err != nil {
@@ -91,17 +91,17 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	}
 	hm, ok := m.(*wire.HelloMsg)
 	if !ok {
-		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", ErrProtocol, m.Kind()))
+		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
 	}
 	h = *hm
-	if reason := ex.opts.policy.admit(cred); reason != "" {
+	if reason := admit(ex.opts.policy, cred); reason != "" {
 		return refuse(reason)
 	}
 	if cred == nil && h.Flags&wire.HelloReleaseEvent != 0 {
-		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", ErrProtocol))
+		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
 	}
 	welcome := func(flags uint32) error {
-		return c.Send(context.Background(), &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
+		return c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
 	}
 
 	if h.Flags&wire.HelloLeases == 0 {
@@ -123,7 +123,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
-		completions: map[*pool.Pool]poolshare.Completion{},
+		completions: map[*pool.Pool]*pool.Completion{},
 		retained:    map[cudart.PtrExportData]*retention{}}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&wire.HelloReleaseEvent != 0

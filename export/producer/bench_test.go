@@ -1,8 +1,7 @@
-package producer
+package producer_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -16,8 +15,8 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
-	_ "github.com/cudapool/cudapool/cudart/choose/softdevice" // the tests run on the software device
-	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export/internal/exporttest"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -25,154 +24,12 @@ import (
 // benchBatch bounds the buffers a benchmark has published at once.
 const benchBatch = 256
 
-// roleBenchConsumer: bench-consumer KIND SOCKET DEVICE, then commands on stdin, each
-// answered with "ns TOTAL" (nanoseconds the consumer spent on the timed part):
-//
-//	open NAME COUNT N     N times: Open NAME<i%COUNT> (timed), Release
-//	fresh NAME FROM TO    Open NAME<i> for i in [FROM,TO) (timed), then Release each
-//	release NAME N        N times: Open NAME, Release (timed)
-//	read NAME N           Open NAME, then N copies of it into a local buffer (timed)
-func roleBenchConsumer(args []string) int {
-	fail := func(err error) int { fmt.Fprintln(os.Stderr, "bench-consumer:", err); return 1 }
-	if len(args) != 3 {
-		return fail(errors.New("want KIND SOCKET DEVICE"))
-	}
-	rt, done, err := childRuntime(args[0])
-	if err != nil {
-		return fail(err)
-	}
-	defer done()
-	dev, _ := strconv.Atoi(args[2])
-	ctx := context.Background()
-	s, err := rt.StreamCreate(dev, cudart.StreamNonBlocking)
-	if err != nil {
-		return fail(err)
-	}
-	imp, err := consumer.Dial(ctx, args[1], rt, dev)
-	if err != nil {
-		return fail(err)
-	}
-	defer imp.Close(ctx)
-	for line := range proctest.Commands() {
-		f := strings.Fields(line)
-		if len(f) == 0 {
-			continue
-		}
-		num := func(i int) int { n, _ := strconv.Atoi(f[i]); return n }
-		var spent time.Duration
-		var err error
-		switch f[0] {
-		case "open":
-			spent, err = benchOpen(ctx, imp, s, f[1], num(2), num(3))
-		case "fresh":
-			spent, err = benchFresh(ctx, imp, s, f[1], num(2), num(3))
-		case "release":
-			spent, err = benchRelease(ctx, imp, s, f[1], num(2))
-		case "read":
-			spent, err = benchRead(ctx, rt, dev, imp, s, f[1], num(2))
-		default:
-			err = fmt.Errorf("unknown command %q", line)
-		}
-		if err != nil {
-			return fail(err)
-		}
-		fmt.Println("ns", spent.Nanoseconds())
-	}
-	return 0
-}
-
-func benchOpen(ctx context.Context, imp *consumer.Importer, s cudart.Stream, name string, count, n int) (time.Duration, error) {
-	var spent time.Duration
-	for i := range n {
-		start := time.Now()
-		m, err := imp.Open(ctx, fmt.Sprint(name, i%count), s)
-		spent += time.Since(start)
-		if err != nil {
-			return 0, err
-		}
-		if err := m.Release(ctx, s); err != nil {
-			return 0, err
-		}
-	}
-	return spent, nil
-}
-
-func benchFresh(ctx context.Context, imp *consumer.Importer, s cudart.Stream, name string, from, to int) (time.Duration, error) {
-	ms := make([]*consumer.Mapping, 0, to-from)
-	start := time.Now()
-	for i := from; i < to; i++ {
-		m, err := imp.Open(ctx, fmt.Sprint(name, i), s)
-		if err != nil {
-			return 0, err
-		}
-		ms = append(ms, m)
-	}
-	spent := time.Since(start)
-	for _, m := range ms {
-		if err := m.Release(ctx, s); err != nil {
-			return 0, err
-		}
-	}
-	return spent, nil
-}
-
-func benchRelease(ctx context.Context, imp *consumer.Importer, s cudart.Stream, name string, n int) (time.Duration, error) {
-	var spent time.Duration
-	for range n {
-		m, err := imp.Open(ctx, name, s)
-		if err != nil {
-			return 0, err
-		}
-		start := time.Now()
-		err = m.Release(ctx, s)
-		spent += time.Since(start)
-		if err != nil {
-			return 0, err
-		}
-	}
-	return spent, nil
-}
-
-func benchRead(ctx context.Context, rt cudart.Runtime, dev int, imp *consumer.Importer, s cudart.Stream, name string, n int) (time.Duration, error) {
-	m, err := imp.Open(ctx, name, s)
-	if err != nil {
-		return 0, err
-	}
-	defer m.Release(ctx, s)
-	local, err := pool.New(rt, dev, pool.WithHandleType(cudart.HandleTypeNone))
-	if err != nil {
-		return 0, err
-	}
-	defer local.Close(ctx, pool.Force())
-	dst, err := local.Alloc(ctx, m.Size(), s)
-	if err != nil {
-		return 0, err
-	}
-	// One untimed copy first, so that first-touch costs are not counted.
-	if err := rt.MemcpyDtoDAsync(dev, dst.Ptr(), m.Ptr(), m.Size(), s); err != nil {
-		return 0, err
-	}
-	if err := rt.StreamSynchronize(dev, s); err != nil {
-		return 0, err
-	}
-	start := time.Now()
-	for range n {
-		if err := rt.MemcpyDtoDAsync(dev, dst.Ptr(), m.Ptr(), m.Size(), s); err != nil {
-			return 0, err
-		}
-	}
-	err = rt.StreamSynchronize(dev, s)
-	spent := time.Since(start)
-	dst.Free(s)
-	return spent, err
-}
-
 // benchEnv is a producer in the benchmark's process and a consumer child.
 type benchEnv struct {
 	rt     cudart.Runtime
 	onGPU  bool
 	pool   *pool.Pool
-	ex     *Exporter
+	ex     *producer.Exporter
 	stream cudart.Stream
 	kid    *proctest.Child
 }
@@ -190,8 +47,8 @@ func newBenchEnv(b *testing.B) *benchEnv {
 	require.NoError(b, err)
 	e.pool, err = pool.New(rt, 0)
 	require.NoError(b, err)
-	path := filepath.Join(shortDir(b), "b.sock")
-	e.ex, err = Listen(path, rt, WithoutAnnounce(), WithLogger(discardLogger))
+	path := filepath.Join(exporttest.ShortDir(b), "b.sock")
+	e.ex, err = producer.Listen(path, rt, producer.WithoutAnnounce(), producer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(b, err)
 	kind := "test"
 	if onGPU {
@@ -315,24 +172,4 @@ func BenchmarkReadImported(b *testing.B) {
 	b.SetBytes(int64(size))
 	b.StopTimer()
 	e.unpublishAndFree(b, "big", 0, bufs)
-}
-
-// BenchmarkOpenExportedInProcess is BenchmarkOpenExported with the consumer in this
-// process on a second software device: the protocol's own cost, without a second
-// process to schedule. The software device only: real CUDA cannot import a pool into
-// the process that exported it.
-func BenchmarkOpenExportedInProcess(b *testing.B) {
-	pr := newProducer(b, nil, nil)
-	const count = 64
-	for i := range count {
-		pr.publish(b, fmt.Sprint("x", i), 1<<20, 1)
-	}
-	c := newConsumer(b, pr.path, 1)
-	ctx := testCtx(b)
-	_, err := benchOpen(ctx, c.imp, c.stream, "x", count, count) // warm up, untimed
-	require.NoError(b, err)
-	b.ResetTimer()
-	spent, err := benchOpen(ctx, c.imp, c.stream, "x", count, b.N)
-	require.NoError(b, err)
-	b.ReportMetric(float64(spent.Nanoseconds())/float64(b.N), "ns/op")
 }

@@ -31,7 +31,7 @@
 // malformed, oversized or unexpected frame closes the connection it came on, with the
 // reason logged, and touches no other peer. Lease ids are unguessable: a Release of a
 // lease that ended, belongs to another connection or was never issued is refused
-// (ErrStaleLease, its message saying which) and changes nothing. Listen announces
+// (export.ErrStaleLease, its message saying which) and changes nothing. Listen announces
 // the exporter for package discover (cmd/poolstat), whose observers are admitted by
 // the same policy.
 //
@@ -49,7 +49,7 @@
 // FABRIC pools travel as 64 inline bytes, so Serve accepts on any byte stream (TCP
 // between the nodes of one NVLink domain, IMEX authorising each import); the Policy
 // must set AllowRemote, and Publish on a host without an IMEX channel fails with
-// ErrIMEXRequired.
+// export.ErrIMEXRequired.
 //
 // # Caveats
 //

@@ -19,10 +19,12 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -54,7 +56,7 @@ type Exporter struct {
 	// greeting holds the connections still in their handshake, for Close to cut, with
 	// the uid each counts under in handshakes.
 	greeting   map[net.Conn]uint32
-	handshakes *handshakeLimit
+	handshakes *session.Counter
 	listeners  []net.Listener
 	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
 	changed chan struct{}
@@ -89,7 +91,7 @@ type readyEvent struct {
 // Listen creates an Exporter on a new Unix socket at path (mode 0600, or as
 // SocketFollowsPolicy makes it) and starts accepting connections. A stale socket file
 // at path is replaced; a live exporter's gives ErrAddressInUse, a file that is not a
-// socket ErrNotSocket, and a path longer than a socket address holds ErrSocketPath. Unless
+// socket export.ErrNotSocket, and a path longer than a socket address holds ErrSocketPath. Unless
 // WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
 // WithAnnounce directory, created private if missing). On failure nothing is left
 // behind: no socket, no announcement.
@@ -99,13 +101,13 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	}
 	o := newListenOptions(opts)
 	if err := printable.Check(o.name, MaxExporterNameLen); err != nil {
-		return nil, fmt.Errorf("producer: listen: %w: exporter name %w", ErrBadName, err)
+		return nil, fmt.Errorf("producer: listen: %w: exporter name %w", export.ErrBadName, err)
 	}
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.Log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
 		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]uint32{},
-		handshakes: newHandshakeLimit(o.handshakesTotal, o.handshakesPerUID),
+		handshakes: session.NewCounter(o.handshakesTotal, o.handshakesPerUID),
 		changed:    make(chan struct{}, 1),
 	}
 	var err error
@@ -116,7 +118,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 		if o.announceDir == "" {
 			o.announceDir = discover.DefaultDir()
 		}
-		if err := ensureDir(o.announceDir); err != nil {
+		if err := discover.EnsureDir(o.announceDir); err != nil {
 			return nil, err
 		}
 	}
@@ -130,7 +132,7 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	ex.sock.unlocal = wire.AddLocal(ex.sock.info, rt) // consumer.Dial refuses this process's own
 	if o.announce {
 		a := discover.Announcement{PID: os.Getpid(), Socket: absPath(path), Name: o.name, Started: ex.started}
-		if ex.announced, err = announce(o.announceDir, a); err != nil {
+		if ex.announced, err = discover.Announce(o.announceDir, a); err != nil {
 			_ = ex.sock.remove() // the announce error is the one returned
 			return nil, err
 		}
@@ -144,13 +146,13 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 // Serve accepts connections on l too, until l fails or the Exporter closes (which
 // closes l). It is for byte streams such as TCP between the nodes of one NVLink domain:
 // peers there have no credentials, so the Policy must set AllowRemote, and only FABRIC
-// pools can be shared with them. Serve returns at once; it fails with ErrClosed after
+// pools can be shared with them. Serve returns at once; it fails with export.ErrClosed after
 // Close.
 func (ex *Exporter) Serve(l net.Listener) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.closed {
-		return ErrClosed
+		return export.ErrClosed
 	}
 	ex.listeners = append(ex.listeners, l)
 	ex.wg.Add(1)
@@ -161,11 +163,11 @@ func (ex *Exporter) Serve(l net.Listener) error {
 // Addr is the path of the exporter's socket.
 func (ex *Exporter) Addr() string { return ex.sock.path }
 
-// accept serves l's connections until l is closed (acceptLoop keeps it going through
-// a shortage of descriptors).
+// accept serves l's connections until l is closed (session.AcceptLoop keeps it going
+// through a shortage of descriptors).
 func (ex *Exporter) accept(l net.Listener) {
 	defer ex.wg.Done()
-	acceptLoop(l, ex.log, ex.isClosed, ex.greet, time.Sleep)
+	session.AcceptLoop(l, ex.log, "producer", ex.isClosed, ex.greet, time.Sleep)
 }
 
 func (ex *Exporter) isClosed() bool {
@@ -183,7 +185,7 @@ func (ex *Exporter) greet(nc net.Conn) {
 			uid = cred.UID
 		}
 	}
-	if ok, full := ex.handshakes.enter(uid); !ok {
+	if ok, full := ex.handshakes.Enter(uid); !ok {
 		ex.log.Warn("producer: too many handshakes in progress; connection closed", "uid", uid, "cap", full,
 			"total", ex.opts.handshakesTotal, "per_uid", ex.opts.handshakesPerUID)
 		_ = nc.Close() // cleanup: nothing is left to do if closing fails
@@ -192,7 +194,7 @@ func (ex *Exporter) greet(nc net.Conn) {
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
-		ex.handshakes.leave(uid)
+		ex.handshakes.Leave(uid)
 		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
@@ -208,18 +210,18 @@ func (ex *Exporter) greet(nc net.Conn) {
 	}()
 }
 
-// Publish makes b available under name, ready once the work queued on stream after
-// before the call (the producer's writes) has completed: consumers' streams wait for
+// Publish makes b available under name, ready once the work queued on s before the
+// call (the producer's writes) has completed: consumers' streams wait for
 // that, the host does not. It exports b's pool and b now, so that Open is quick and a
-// failure shows here: a FABRIC pool on a host without IMEX fails with ErrIMEXRequired.
+// failure shows here: a FABRIC pool on a host without IMEX fails with export.ErrIMEXRequired.
 // A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
 // published under several names. To end every publication of a buffer, Free it: later Opens
-// fail with ErrBufferGone, its memory returns to the pool once the consumers that
+// fail with export.ErrBufferGone, its memory returns to the pool once the consumers that
 // hold it released it, and its names are free for Publish at once. Range publishes part of b, WithMeta sends metadata with it;
-// an empty range or one past b's end fails with ErrBadRange, metadata longer than
-// MaxMetaLen with ErrMetaTooLong.
-func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, after cudart.Stream, opts ...PublishOption) error {
-	return ex.PublishAll(ctx, after, Entry{Name: name, Buffer: b, Options: opts})
+// an empty range or one past b's end fails with export.ErrBadRange, metadata longer than
+// export.MaxMetaLen with ErrMetaTooLong.
+func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, s cudart.Stream, opts ...PublishOption) error {
+	return ex.PublishAll(ctx, []Entry{{Name: name, Buffer: b, Options: opts}}, s)
 }
 
 // Entry is one name for PublishAll: what Publish takes besides the stream.
@@ -229,11 +231,11 @@ type Entry struct {
 	Options []PublishOption
 }
 
-// PublishAll is Publish of every entry at once, each ready once the work queued on
-// after before the call has completed: the ready event is recorded once for all of
+// PublishAll is Publish of every entry at once, each ready once the work queued on s
+// before the call has completed: the ready event is recorded once for all of
 // them. The buffers must be on one device. It publishes all the entries or, with the
 // error of the first that fails, none.
-func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries ...Entry) error {
+func (ex *Exporter) PublishAll(ctx context.Context, entries []Entry, s cudart.Stream) error {
 	if len(entries) == 0 {
 		return nil
 	}
@@ -244,7 +246,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries
 			return err
 		}
 		if i > 0 && pub.buf.Device() != pubs[0].buf.Device() {
-			return fmt.Errorf("producer: publish %q: %w: on device %d, the batch's first on %d", e.Name, ErrBadRequest, pub.buf.Device(), pubs[0].buf.Device())
+			return fmt.Errorf("producer: publish %q: %w: on device %d, the batch's first on %d", e.Name, export.ErrBadRequest, pub.buf.Device(), pubs[0].buf.Device())
 		}
 		pubs[i] = pub
 	}
@@ -255,21 +257,21 @@ func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries
 	closed := ex.closed
 	ex.mu.Unlock()
 	if closed {
-		return ErrClosed
+		return export.ErrClosed
 	}
 	for _, pub := range pubs {
 		if _, err := pub.buf.ExportRecord(); err != nil {
 			return fmt.Errorf("producer: publish %q: %w", pub.name, fabricErr(pub.buf.Pool(), err))
 		}
 	}
-	re, err := ex.readyFor(pubs[0].buf.Device(), after)
+	re, err := ex.readyFor(pubs[0].buf.Device(), s)
 	if err != nil {
 		return fmt.Errorf("producer: publish %q: %w", pubs[0].name, err)
 	}
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.closed {
-		return ErrClosed
+		return export.ErrClosed
 	}
 	seen := make(map[string]bool, len(pubs))
 	for _, pub := range pubs {
@@ -280,7 +282,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, after cudart.Stream, entries
 	}
 	// Recorded under mu so that no Open can see the publications before their writes
 	// are captured.
-	if err := ex.rt.EventRecord(re.dev, re.ev, after); err != nil {
+	if err := ex.rt.EventRecord(re.dev, re.ev, s); err != nil {
 		return fmt.Errorf("producer: publish %q: record ready event: %w", pubs[0].name, err)
 	}
 	for _, pub := range pubs {
@@ -302,11 +304,13 @@ func newPublication(e Entry) (*publication, error) {
 	}
 	b := e.Buffer
 	if b == nil {
-		return nil, fmt.Errorf("producer: publish %q: %w: nil buffer", e.Name, ErrBadRequest)
+		return nil, fmt.Errorf("producer: publish %q: %w: nil buffer", e.Name, export.ErrBadRequest)
 	}
 	var o publishOptions
 	for _, opt := range e.Options {
-		opt.applyPublish(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	if o.length == 0 && o.offset <= b.Size() {
 		o.length = b.Size() - o.offset
@@ -314,14 +318,14 @@ func newPublication(e Entry) (*publication, error) {
 	if err := wire.CheckRange(b.Size(), o.offset, o.length); err != nil {
 		return nil, fmt.Errorf("producer: publish %q: %w", e.Name, err)
 	}
-	if len(o.meta) > wire.MaxMetaLen {
-		return nil, fmt.Errorf("producer: publish %q: %w: %d bytes, at most %d", e.Name, ErrMetaTooLong, len(o.meta), wire.MaxMetaLen)
+	if len(o.meta) > export.MaxMetaLen {
+		return nil, fmt.Errorf("producer: publish %q: %w: %d bytes, at most %d", e.Name, ErrMetaTooLong, len(o.meta), export.MaxMetaLen)
 	}
 	return &publication{name: e.Name, buf: b, offset: o.offset, length: o.length, meta: o.meta}, nil
 }
 
 // Unpublish removes name. Leases already given out are unaffected. An unknown name
-// fails with ErrUnknownName.
+// fails with export.ErrUnknownName.
 func (ex *Exporter) Unpublish(name string) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
@@ -341,7 +345,7 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 	closed := ex.closed
 	ex.mu.Unlock()
 	if closed {
-		return nil, ErrClosed
+		return nil, export.ErrClosed
 	}
 	k := readyKey{dev, s}
 	if re := ex.ready[k]; re != nil {
@@ -403,7 +407,7 @@ func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error
 	ex.mu.Unlock()
 	switch {
 	case closed:
-		return ErrClosed
+		return export.ErrClosed
 	case pub == nil:
 		return unknown
 	}
@@ -443,7 +447,7 @@ func (ex *Exporter) lookup(name string) (*publication, error) {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.closed {
-		return nil, ErrClosed
+		return nil, export.ErrClosed
 	}
 	pub := ex.pubs[name]
 	if pub == nil {
@@ -459,7 +463,7 @@ const namesInError = 5
 // a misspelt name shows at once. Call with mu held.
 func (ex *Exporter) unknownName(name string) error {
 	if len(ex.pubs) == 0 {
-		return fmt.Errorf("%w: %q (nothing is published)", ErrUnknownName, name)
+		return fmt.Errorf("%w: %q (nothing is published)", export.ErrUnknownName, name)
 	}
 	names := slices.Sorted(maps.Keys(ex.pubs))
 	list := make([]string, 0, namesInError)
@@ -470,7 +474,7 @@ func (ex *Exporter) unknownName(name string) error {
 	if extra := len(names) - namesInError; extra > 0 {
 		more = fmt.Sprintf(" and %d more", extra)
 	}
-	return fmt.Errorf("%w: %q (published: %s%s)", ErrUnknownName, name, strings.Join(list, ", "), more)
+	return fmt.Errorf("%w: %q (published: %s%s)", export.ErrUnknownName, name, strings.Join(list, ", "), more)
 }
 
 // freed reports whether b was freed: its record may not be handed out any more.
@@ -505,9 +509,9 @@ func (ex *Exporter) poke() {
 // Peers lists the peers, the connections that take leases: the connected ones and
 // those awaiting their process's exit. Connections made for State alone (QueryState's,
 // cmd/poolstat's) hold nothing and are left out.
-func (ex *Exporter) Peers() []discover.PeerState {
+func (ex *Exporter) Peers() []export.PeerState {
 	peers := ex.peerList()
-	out := make([]discover.PeerState, 0, len(peers))
+	out := make([]export.PeerState, 0, len(peers))
 	for _, p := range peers {
 		out = append(out, p.state())
 	}
@@ -525,12 +529,12 @@ func (ex *Exporter) Peers() []discover.PeerState {
 // background (they can Release and say Bye, nothing else) and each buffer goes back to
 // its pool once its consumer released it or its process exited. Close leaves the
 // pools alone: they are the caller's (closing one with Force abandons what is still
-// leased). A second Close returns ErrClosed.
+// leased). A second Close returns export.ErrClosed.
 func (ex *Exporter) Close(ctx context.Context) error {
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
-		return ErrClosed
+		return export.ErrClosed
 	}
 	ex.closed = true
 	listeners := ex.listeners
@@ -647,7 +651,7 @@ func deviceUUIDs(rt cudart.Runtime) ([]cudart.UUID, error) {
 // fabricErr explains the driver's refusal to export a FABRIC pool (FACTS 11).
 func fabricErr(p *pool.Pool, err error) error {
 	if p.HandleType() == cudart.HandleTypeFabric && errors.Is(err, cudart.ErrNotPermitted) {
-		return fmt.Errorf("%w: %w", ErrIMEXRequired, err)
+		return fmt.Errorf("%w: %w", export.ErrIMEXRequired, err)
 	}
 	return err
 }

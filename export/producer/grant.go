@@ -6,8 +6,8 @@ import (
 	"fmt"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -32,7 +32,7 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 // them in as few LeaseBatch frames as they fit in.
 func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 	leases := make([]wire.LeaseMsg, 0, len(m.Names))
-	granted := make([]poolshare.Lease, 0, len(m.Names))
+	granted := make([]*pool.Lease, 0, len(m.Names))
 	releaseFrom := func(from int) {
 		for i := from; i < len(leases); i++ {
 			p.releaseUnsent(leases[i].LeaseID, granted[i])
@@ -42,7 +42,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 		pub, err := p.ex.lookup(name)
 		if err == nil {
 			var l wire.LeaseMsg
-			var pl poolshare.Lease
+			var pl *pool.Lease
 			if l, pl, err = p.grant(context.Background(), pub, m.ReqID); err == nil {
 				leases, granted = append(leases, l), append(granted, pl)
 				continue
@@ -74,15 +74,15 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 // sent first if this peer has not had it. A buffer the peer already holds is granted
 // under the same id once more, to be released as many times. The pool lease it took
 // is returned for releaseUnsent, should the message fail to go out.
-func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, poolshare.Lease, error) {
+func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
 	// freed, so a freed buffer's record is never handed out (FACTS 3).
-	pl, err := poolshare.Take(b)
+	pl, err := b.Lease()
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
 			p.ex.dropFreed(pub)
-			return wire.LeaseMsg{}, nil, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
+			return wire.LeaseMsg{}, nil, fmt.Errorf("%w: %q: %w", export.ErrBufferGone, pub.name, err)
 		}
 		return wire.LeaseMsg{}, nil, fmt.Errorf("producer: lease %q: %w", pub.name, err)
 	}
@@ -100,7 +100,7 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	}
 	if p.grants >= p.ex.opts.maxGrants {
 		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
-		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", ErrTooManyGrants, p.pid(), p.grants)
+		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", export.ErrTooManyGrants, p.pid(), p.grants)
 	}
 	entry := p.byBuffer[b]
 	if entry == nil {
@@ -138,7 +138,7 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (wire.LeaseMsg, er
 	rec, err := b.ExportRecord()
 	if err != nil {
 		if errors.Is(err, pool.ErrFreed) {
-			return wire.LeaseMsg{}, fmt.Errorf("%w: %q: %w", ErrBufferGone, pub.name, err)
+			return wire.LeaseMsg{}, fmt.Errorf("%w: %q: %w", export.ErrBufferGone, pub.name, err)
 		}
 		return wire.LeaseMsg{}, fmt.Errorf("producer: %q: %w", pub.name, fabricErr(b.Pool(), err))
 	}
@@ -179,9 +179,9 @@ func (p *peer) sendPool(ctx context.Context, pl *pool.Pool) (uint64, error) {
 	ht := pl.HandleType()
 	switch {
 	case ht == cudart.HandleTypePosixFD && !p.c.CanPassFDs():
-		return 0, fmt.Errorf("%w: a POSIX fd pool cannot travel on a byte stream; use a FABRIC pool", ErrHandleType)
+		return 0, fmt.Errorf("%w: a POSIX fd pool cannot travel on a byte stream; use a FABRIC pool", export.ErrHandleType)
 	case p.hello.HandleTypes&uint32(ht) == 0:
-		return 0, fmt.Errorf("%w: the peer imports %#x, the pool is %v", ErrHandleType, p.hello.HandleTypes, ht)
+		return 0, fmt.Errorf("%w: the peer imports %#x, the pool is %v", export.ErrHandleType, p.hello.HandleTypes, ht)
 	}
 	h, err := pl.ExportHandle()
 	if err != nil {

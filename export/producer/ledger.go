@@ -7,8 +7,8 @@ import (
 	"slices"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/poolshare"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -19,7 +19,7 @@ type lease struct {
 	id     uint64
 	buf    *pool.Buffer
 	record cudart.PtrExportData
-	grants []poolshare.Lease
+	grants []*pool.Lease
 	bytes  uint64
 }
 
@@ -29,7 +29,7 @@ type lease struct {
 // buffer under id before may have released, meanwhile, as many grants as it knew of,
 // and releaseLease ends the newest, pl among them: then one of those the peer knew of
 // is left, and goes instead, so that the lease keeps exactly the grants the peer holds.
-func (p *peer) releaseUnsent(id uint64, pl poolshare.Lease) {
+func (p *peer) releaseUnsent(id uint64, pl *pool.Lease) {
 	p.mu.Lock()
 	entry := p.leases[id]
 	i := -1
@@ -65,12 +65,12 @@ func (p *peer) lookupLease(id uint64) (*lease, error) {
 		return entry, nil
 	}
 	if conn, ctr := p.space.keys.unseal(id); conn == p.id && ctr >= 1 && ctr <= p.issued {
-		return nil, fmt.Errorf("%w: lease %#x was released already", ErrStaleLease, id)
+		return nil, fmt.Errorf("%w: lease %#x was released already", export.ErrStaleLease, id)
 	}
 	if s, conn, _, ok := p.ex.connIDs.owner(id); ok && (s != p.space || conn != p.id) {
-		return nil, fmt.Errorf("%w: lease %#x is another connection's", ErrStaleLease, id)
+		return nil, fmt.Errorf("%w: lease %#x is another connection's", export.ErrStaleLease, id)
 	}
-	return nil, fmt.Errorf("%w: lease %#x was never issued", ErrStaleLease, id)
+	return nil, fmt.Errorf("%w: lease %#x was never issued", export.ErrStaleLease, id)
 }
 
 func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
@@ -85,7 +85,7 @@ func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
 // Error naming the failures.
 func (p *peer) releaseBatch(m *wire.ReleaseBatchMsg) error {
 	if len(m.Entries) == 0 {
-		return fmt.Errorf("%w: a ReleaseBatch of no entries", ErrBadRequest)
+		return fmt.Errorf("%w: a ReleaseBatch of no entries", export.ErrBadRequest)
 	}
 	var errs []error
 	for i := range m.Entries {
@@ -114,7 +114,7 @@ func batchError(errs []error, n int) error {
 }
 
 // release ends the grants m returns. A peer with a release event leaves the wait for
-// its free to the buffer's free or reuse (poolshare.Lease.EndAt): a release costs no CUDA
+// its free to the buffer's free or reuse (*pool.Lease.EndAt): a release costs no CUDA
 // call here, and the free usually finds the event completed and waits for nothing.
 func (p *peer) release(m *wire.ReleaseMsg) error {
 	// Held (shared) until the grants have ended: shut settles the completions and
@@ -124,7 +124,7 @@ func (p *peer) release(m *wire.ReleaseMsg) error {
 	p.mu.Lock()
 	entry, err := p.lookupLease(m.LeaseID)
 	if err == nil && (m.Count == 0 || int(m.Count) > len(entry.grants)) {
-		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
+		err = fmt.Errorf("%w: release of %d grants of lease %#x, which has %d", export.ErrBadRequest, m.Count, m.LeaseID, len(entry.grants))
 	}
 	if err == nil && m.Flags&wire.ReleaseRetain != 0 {
 		err = p.retainLocked(entry)
@@ -142,7 +142,7 @@ func (p *peer) release(m *wire.ReleaseMsg) error {
 		delete(p.byBuffer, entry.buf)
 	}
 	var ev cudart.Event
-	var completion poolshare.Completion
+	var completion *pool.Completion
 	if m.Flags&wire.ReleaseNothingImported == 0 && p.hello.Flags&wire.HelloReleaseEvent != 0 {
 		// Otherwise nothing to wait for: nothing imported, or a peer that synchronised
 		// its free before it said Release.
@@ -161,13 +161,13 @@ func (p *peer) release(m *wire.ReleaseMsg) error {
 // of b's pool; nil if it has none there, or once the connection is being shut (the
 // grants then end waiting for ev at once, as the hang-up may take it away). Call with
 // p.mu held.
-func (p *peer) completionLocked(b *pool.Buffer, ev cudart.Event) poolshare.Completion {
+func (p *peer) completionLocked(b *pool.Buffer, ev cudart.Event) *pool.Completion {
 	if ev == 0 || p.closing {
 		return nil
 	}
 	c := p.completions[b.Pool()]
 	if c == nil {
-		c = poolshare.NewCompletion(b.Pool(), ev, p.exited)
+		c = b.Pool().NewCompletion(ev, p.exited)
 		p.completions[b.Pool()] = c
 	}
 	return c
@@ -190,7 +190,7 @@ func (p *peer) settleCompletions(wait bool) {
 	defer p.settling.Unlock()
 	p.mu.Lock()
 	completions := p.completions
-	p.completions = map[*pool.Pool]poolshare.Completion{}
+	p.completions = map[*pool.Pool]*pool.Completion{}
 	p.mu.Unlock()
 	for _, c := range completions {
 		if err := c.Close(wait); err != nil {
@@ -202,7 +202,7 @@ func (p *peer) settleCompletions(wait bool) {
 // endGrants ends grants of entry, after completion if not nil, else after ev (0: at
 // once). A grant whose end failed before it ended goes back to entry, so it can be
 // ended later.
-func (p *peer) endGrants(entry *lease, ls []poolshare.Lease, completion poolshare.Completion, ev cudart.Event) error {
+func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Completion, ev cudart.Event) error {
 	var errs []error
 	for _, l := range ls {
 		var err error
@@ -215,7 +215,7 @@ func (p *peer) endGrants(entry *lease, ls []poolshare.Lease, completion poolshar
 			continue
 		}
 		errs = append(errs, err)
-		if !errors.Is(err, pool.ErrFreeFailed) && !errors.Is(err, poolshare.ErrLeaseEnded) {
+		if !errors.Is(err, pool.ErrFreeFailed) && !errors.Is(err, pool.ErrLeaseEnded) {
 			p.mu.Lock()
 			entry.grants = append(entry.grants, l)
 			p.grants++

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -34,9 +35,9 @@ func (o *observer) serve() {
 		case *wire.StateRequestMsg:
 			answer(o.c, m.ReqID, o.ex.sendState(o.c, m.ReqID))
 		case *wire.OpenMsg:
-			answer(o.c, m.ReqID, fmt.Errorf("%w: open %q", wire.ErrNoLeases, m.Name))
+			answer(o.c, m.ReqID, fmt.Errorf("%w: open %q", export.ErrNoLeases, m.Name))
 		case *wire.ReleaseMsg:
-			answer(o.c, m.ReqID, fmt.Errorf("%w: release of lease %#x", wire.ErrNoLeases, m.LeaseID))
+			answer(o.c, m.ReqID, fmt.Errorf("%w: release of lease %#x", export.ErrNoLeases, m.LeaseID))
 		case *wire.ByeMsg:
 			return
 		default:

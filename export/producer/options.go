@@ -6,16 +6,17 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/printable"
 )
 
 // ListenOption configures Listen.
-type ListenOption interface{ applyListen(*listenOptions) }
+type ListenOption func(*listenOptions)
 
 type listenOptions struct {
 	wire.SharedOptions
-	policy      Policy
+	policy      export.Policy
 	announceDir string // "" with announce false: none
 	announce    bool
 	name        string
@@ -30,16 +31,12 @@ type listenOptions struct {
 }
 
 // PublishOption configures Exporter.Publish.
-type PublishOption interface{ applyPublish(*publishOptions) }
+type PublishOption func(*publishOptions)
 
 type publishOptions struct {
 	offset, length uint64 // length 0: to the end of the buffer
 	meta           []byte
 }
-
-type publishOption func(*publishOptions)
-
-func (f publishOption) applyPublish(o *publishOptions) { f(o) }
 
 // Range publishes length bytes of the buffer from offset instead of all of it: a tensor
 // inside a segment, a block of a slab. Consumers map the whole buffer once per
@@ -47,31 +44,29 @@ func (f publishOption) applyPublish(o *publishOptions) { f(o) }
 // are not rounded to the granularity (the buffer is). Everything in the buffer's pool
 // stays readable to them all the same: the pool is the unit of trust.
 func Range(offset, length uint64) PublishOption {
-	return publishOption(func(o *publishOptions) { o.offset, o.length = offset, length })
+	return func(o *publishOptions) { o.offset, o.length = offset, length }
 }
 
-// WithMeta sends meta (at most MaxMetaLen bytes, copied) to every consumer of the
+// WithMeta sends meta (at most export.MaxMetaLen bytes, copied) to every consumer of the
 // publication with its lease: consumer.Mapping.Meta. A dtype and shape, say.
 func WithMeta(meta []byte) PublishOption {
-	return publishOption(func(o *publishOptions) { o.meta = append([]byte(nil), meta...) })
+	return func(o *publishOptions) { o.meta = append([]byte(nil), meta...) }
 }
 
 func newListenOptions(opts []ListenOption) listenOptions {
 	o := listenOptions{SharedOptions: wire.DefaultShared(), announce: true, name: printable.Clean(filepath.Base(os.Args[0]), MaxExporterNameLen),
 		handshakesTotal: defaultHandshakesTotal, handshakesPerUID: defaultHandshakesPerUID, maxGrants: defaultMaxGrants}
 	for _, opt := range opts {
-		opt.applyListen(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
 	return o
 }
 
-type listenOption func(*listenOptions)
-
-func (f listenOption) applyListen(o *listenOptions) { f(o) }
-
 // WithPolicy sets who may connect. The default admits this user's processes.
-func WithPolicy(p Policy) ListenOption {
-	return listenOption(func(o *listenOptions) { o.policy = p })
+func WithPolicy(p export.Policy) ListenOption {
+	return func(o *listenOptions) { o.policy = p }
 }
 
 // WithLogger sets where events no call returns are logged: connections refused or
@@ -79,12 +74,12 @@ func WithPolicy(p Policy) ListenOption {
 // library writes nothing to its process's stderr unless given a logger
 // (slog.Default() logs where the program's log package does).
 func WithLogger(l *slog.Logger) ListenOption {
-	return listenOption(func(o *listenOptions) { o.SetLogger(l) })
+	return func(o *listenOptions) { o.SetLogger(l) }
 }
 
 // WithAnnounce makes Listen announce the exporter in dir instead of DefaultDir().
 func WithAnnounce(dir string) ListenOption {
-	return listenOption(func(o *listenOptions) { o.announce, o.announceDir = true, dir })
+	return func(o *listenOptions) { o.announce, o.announceDir = true, dir }
 }
 
 // WithRetainedImports lets local consumers keep a buffer's import mapped after they
@@ -93,12 +88,12 @@ func WithAnnounce(dir string) ListenOption {
 // The exporter revokes such imports (the consumer frees them) before their memory
 // goes back to the driver; see the package docs.
 func WithRetainedImports() ListenOption {
-	return listenOption(func(o *listenOptions) { o.retain = true })
+	return func(o *listenOptions) { o.retain = true }
 }
 
 // WithoutAnnounce makes Listen write no announcement.
 func WithoutAnnounce() ListenOption {
-	return listenOption(func(o *listenOptions) { o.announce = false })
+	return func(o *listenOptions) { o.announce = false }
 }
 
 // MaxExporterNameLen is the longest exporter name (WithName), in bytes.
@@ -107,17 +102,17 @@ const MaxExporterNameLen = 128
 // WithName sets the process name the exporter gives in its announcement and State.
 // The default is the program's base name, with each character that does not show as
 // itself replaced by '?' and cut to MaxExporterNameLen bytes. Listen refuses, with
-// ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
+// export.ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
 // or holds a control or bidirectional control character or a line or paragraph
 // separator.
 func WithName(name string) ListenOption {
-	return listenOption(func(o *listenOptions) { o.name = name })
+	return func(o *listenOptions) { o.name = name }
 }
 
 // WithHandshakeTimeout bounds how long a connecting peer may take to say Hello. It
 // only guards against peers that hang; the default is 30 s.
 func WithHandshakeTimeout(d time.Duration) ListenOption {
-	return listenOption(func(o *listenOptions) { o.SetHandshakeTimeout(d) })
+	return func(o *listenOptions) { o.SetHandshakeTimeout(d) }
 }
 
 // SocketFollowsPolicy opens the socket to whom the Policy admits, instead of this user
@@ -127,7 +122,7 @@ func WithHandshakeTimeout(d time.Duration) ListenOption {
 // others connect to be asked. Without it, a Policy that admits others admits nobody
 // new, as they cannot open the socket.
 func SocketFollowsPolicy() ListenOption {
-	return listenOption(func(o *listenOptions) { o.socketFollowsPolicy = true })
+	return func(o *listenOptions) { o.socketFollowsPolicy = true }
 }
 
 // WithHandshakeLimit caps the connections still in their handshake (connected, not yet
@@ -136,14 +131,14 @@ func SocketFollowsPolicy() ListenOption {
 // no local user can hold all the handshakes. The defaults are 1024 and 128; a value
 // below 1 keeps the default.
 func WithHandshakeLimit(total, perUID int) ListenOption {
-	return listenOption(func(o *listenOptions) {
+	return func(o *listenOptions) {
 		if total > 0 {
 			o.handshakesTotal = total
 		}
 		if perUID > 0 {
 			o.handshakesPerUID = perUID
 		}
-	})
+	}
 }
 
 // defaultMaxGrants is WithMaxGrants's default: far more than a consumer needs (one per
@@ -152,13 +147,13 @@ func WithHandshakeLimit(total, perUID int) ListenOption {
 const defaultMaxGrants = 1 << 16
 
 // WithMaxGrants caps the grants one connection may hold at once (each Open or Push of a
-// buffer is one, until released). An Open past it fails with ErrTooManyGrants and
+// buffer is one, until released). An Open past it fails with export.ErrTooManyGrants and
 // holds nothing more; a Push past it fails the same way. The default is 65536; a value
 // below 1 keeps it.
 func WithMaxGrants(n int) ListenOption {
-	return listenOption(func(o *listenOptions) {
+	return func(o *listenOptions) {
 		if n > 0 {
 			o.maxGrants = n
 		}
-	})
+	}
 }

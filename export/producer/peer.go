@@ -11,10 +11,10 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/poolshare"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -52,8 +52,8 @@ type peer struct {
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them
-	// (poolshare.Lease.EndAt); closed before the events are destroyed.
-	completions map[*pool.Pool]poolshare.Completion
+	// (*pool.Lease.EndAt); closed before the events are destroyed.
+	completions map[*pool.Pool]*pool.Completion
 	// settling is held across a settleCompletions: the cleanup after the peer's Bye
 	// and the exporter's Close may run it at once, and the one that finds nothing left
 	// must not hang up (the peer then destroys its event) while the other still
@@ -138,6 +138,22 @@ func (p *peer) pid() int {
 // serve answers the peer's requests in order until the connection ends. reason says
 // why, nil for a peer that said Bye or an exporter that is closing; clean reports
 // whether the peer's release event covers all it freed.
+// serveContained is serve with a panic contained: it is logged with its stack, the
+// connection is closed, and the peer is then ended as one that hung up (its leases
+// kept until its process exits).
+func (p *peer) serveContained() (reason error, clean bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			reason, clean = session.Recovered(p.ex.log, "producer", p.pid(), v), false
+			_ = p.c.Close() // cleanup: the panic is what ends the connection
+		}
+	}()
+	return p.serve()
+}
+
+// frameHook, set by tests alone, sees each request before it is served.
+var frameHook func(wire.Message)
+
 func (p *peer) serve() (reason error, clean bool) {
 	for {
 		m, _, err := p.c.Recv()
@@ -152,10 +168,13 @@ func (p *peer) serve() (reason error, clean bool) {
 				// Without Bye the peer exited, crashed or hung up; which, its process
 				// tells (awaitExit).
 				return errors.New("connection closed without Bye"), false
-			case errors.Is(err, ErrProtocol):
+			case errors.Is(err, export.ErrProtocol):
 				return err, true
 			}
 			return err, false
+		}
+		if frameHook != nil {
+			frameHook(m)
 		}
 		switch m := m.(type) {
 		case *wire.OpenMsg:
@@ -207,8 +226,8 @@ func (p *peer) shut() {
 }
 
 // state describes the peer for Exporter.Peers and State.
-func (p *peer) state() discover.PeerState {
-	s := discover.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
+func (p *peer) state() export.PeerState {
+	s := export.PeerState{PID: p.pid(), Remote: p.remote(), Device: p.hello.Device.String(), ConnectedSince: p.since}
 	if p.cred != nil {
 		s.UID, s.GID = p.cred.UID, p.cred.GID
 	}

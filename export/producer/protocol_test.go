@@ -1,13 +1,9 @@
-package producer
+package producer_test
 
 import (
-	"bufio"
 	"encoding/binary"
 	"fmt"
-	"os"
 	"reflect"
-	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -16,21 +12,24 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/protospec"
 )
 
 const protocolDoc = "../../docs/PROTOCOL.md"
 
 // protocolConstants are the spec's constants table, by the name it gives each.
 var protocolConstants = map[string]uint64{
-	"protocol version":       wire.ProtocolVersion,
+	"protocol version":       export.ProtocolVersion,
 	"frame header bytes":     wire.HeaderLen,
 	"maximum frame bytes":    wire.MaxFrame,
-	"maximum name bytes":     wire.MaxNameLen,
-	"maximum metadata bytes": wire.MaxMetaLen,
+	"maximum name bytes":     export.MaxNameLen,
+	"maximum metadata bytes": export.MaxMetaLen,
 	"maximum devices":        wire.MaxDevices,
 	"maximum State bytes":    wire.MaxStateBytes,
-	"connection id bits":     connIDBits,
+	"connection id bits":     producer.ConnIDBits,
 }
 
 // protocolSamples has one message of every type, each field set to a value no other
@@ -48,10 +47,10 @@ func protocolSamples() map[wire.MsgType]wire.Message {
 	push := wire.PushMsg{LeaseMsg: lease, Name: "pushed"}
 	push.ReqID = 0
 	return map[wire.MsgType]wire.Message{
-		wire.MsgHello: &wire.HelloMsg{Version: wire.ProtocolVersion, PID: 0x0101, Flags: wire.HelloLeases | wire.HelloReleaseEvent,
+		wire.MsgHello: &wire.HelloMsg{Version: export.ProtocolVersion, PID: 0x0101, Flags: wire.HelloLeases | wire.HelloReleaseEvent,
 			HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: uuid(0x01), ReleaseEvent: event(0x02)},
-		wire.MsgWelcome:      &wire.WelcomeMsg{Version: wire.ProtocolVersion, PID: 0x0201, Flags: wire.WelcomeRetain, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
-		wire.MsgRefused:      &wire.RefusedMsg{Version: wire.ProtocolVersion, Reason: "not you"},
+		wire.MsgWelcome:      &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: 0x0201, Flags: wire.WelcomeRetain, Devices: []cudart.UUID{uuid(0x21), uuid(0x22)}},
+		wire.MsgRefused:      &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: "not you"},
 		wire.MsgPoolHandle:   &wire.PoolHandleMsg{PoolID: 0x0401, HandleType: cudart.HandleTypeFabric, Device: uuid(0x41), MaxSize: 0x0402, Fabric: fabric(0x42)},
 		wire.MsgOpen:         &wire.OpenMsg{ReqID: 0x0501, Name: "layer-0"},
 		wire.MsgLease:        &lease,
@@ -93,10 +92,10 @@ var (
 
 // protocolErrors are the sentinels by the names the spec's error table gives them.
 var protocolErrors = map[string]error{
-	"ErrExporter": wire.ErrExporter, "ErrUnknownName": ErrUnknownName, "ErrStaleLease": ErrStaleLease,
-	"ErrBufferGone":   ErrBufferGone,
-	"ErrExporterGone": wire.ErrExporterGone, "ErrHandleType": ErrHandleType, "ErrIMEXRequired": ErrIMEXRequired,
-	"ErrBadRequest": ErrBadRequest, "ErrNoLeases": wire.ErrNoLeases, "ErrTooManyGrants": ErrTooManyGrants,
+	"ErrExporter": export.ErrExporter, "ErrUnknownName": export.ErrUnknownName, "ErrStaleLease": export.ErrStaleLease,
+	"ErrBufferGone":   export.ErrBufferGone,
+	"ErrExporterGone": export.ErrExporterGone, "ErrHandleType": export.ErrHandleType, "ErrIMEXRequired": export.ErrIMEXRequired,
+	"ErrBadRequest": export.ErrBadRequest, "ErrNoLeases": export.ErrNoLeases, "ErrTooManyGrants": export.ErrTooManyGrants,
 }
 
 // derivedFields are spec fields with no Go field of their own: what they hold, from the
@@ -132,112 +131,29 @@ var listFields = map[string]func(m wire.Message) []byte{
 	},
 }
 
-// spec is what the tests read of docs/PROTOCOL.md.
-type spec struct {
-	constants [][]string             // constant, value, meaning
-	messages  [][]string             // type, message, from, payload bytes
-	layouts   map[string]*[][]string // by message name: offset, size, field, meaning
-	flags     [][]string             // message, bit, flag, meaning
-	errors    [][]string             // code, error, meaning
-	versions  [][]string             // version, changes
-}
-
-var layoutHeading = regexp.MustCompile(`^### (\d+) (\w+)$`)
-
-// readSpec reads the tables of docs/PROTOCOL.md: each table goes where the header row
-// that starts it says.
-func readSpec(t *testing.T) *spec {
+// readSpec reads the export protocol's tables of docs/PROTOCOL.md.
+func readSpec(t *testing.T) *protospec.Spec {
 	t.Helper()
-	f, err := os.Open(protocolDoc)
-	require.NoError(t, err)
-	defer f.Close()
-	s := &spec{layouts: map[string]*[][]string{}}
-	var rows *[][]string // the table being read
-	heading := ""
-	in := bufio.NewScanner(f)
-	for in.Scan() {
-		line := strings.TrimSpace(in.Text())
-		if strings.HasPrefix(line, "#") {
-			heading, rows = line, nil
-			continue
-		}
-		if !strings.HasPrefix(line, "|") {
-			rows = nil
-			continue
-		}
-		cells := strings.Split(strings.Trim(line, "|"), "|")
-		for i := range cells {
-			cells[i] = strings.Trim(strings.TrimSpace(cells[i]), "`")
-		}
-		switch {
-		case rows != nil:
-			if !strings.HasPrefix(cells[0], "---") {
-				*rows = append(*rows, cells)
-			}
-		case slices.Equal(cells, []string{"constant", "value", "meaning"}):
-			rows = &s.constants
-		case slices.Equal(cells, []string{"type", "message", "from", "payload bytes"}):
-			rows = &s.messages
-		case slices.Equal(cells, []string{"message", "bit", "flag", "meaning"}):
-			rows = &s.flags
-		case slices.Equal(cells, []string{"code", "error", "meaning"}):
-			rows = &s.errors
-		case slices.Equal(cells, []string{"version", "changes"}):
-			rows = &s.versions
-		case slices.Equal(cells, []string{"offset", "size", "field", "meaning"}):
-			m := layoutHeading.FindStringSubmatch(heading)
-			require.NotNil(t, m, "%s: a layout table under %q, want a heading \"### TYPE Name\"", protocolDoc, heading)
-			require.NotContains(t, s.layouts, m[2], "%s: two layout tables of %s", protocolDoc, m[2])
-			rows = new([][]string)
-			s.layouts[m[2]] = rows
-		}
-	}
-	require.NoError(t, in.Err())
-	return s
+	return protospec.Read(t, protocolDoc, "The cudapool wire protocol")
 }
 
 // number reads a decimal or 0x-hexadecimal cell.
 func number(t *testing.T, cell string) uint64 {
 	t.Helper()
-	n, err := strconv.ParseUint(cell, 0, 64)
-	require.NoError(t, err, "%s: %q is not a number", protocolDoc, cell)
-	return n
+	return protospec.Number(t, protocolDoc, cell)
 }
 
-func TestProtocolConstants(t *testing.T) {
-	s := readSpec(t)
-	seen := map[string]bool{}
-	for _, row := range s.constants {
-		want, ok := protocolConstants[row[0]]
-		if !assert.True(t, ok, "%s names constant %q, which protocolConstants (protocol_test.go) does not know", protocolDoc, row[0]) {
-			continue
-		}
-		seen[row[0]] = true
-		assert.Equal(t, want, number(t, row[1]), "%s: constant %q differs from the code", protocolDoc, row[0])
-	}
-	for name := range protocolConstants {
-		assert.True(t, seen[name], "%s's constants table has no row %q", protocolDoc, name)
-	}
-}
+func TestProtocolConstants(t *testing.T) { readSpec(t).CheckConstants(t, protocolConstants) }
 
 // The versions table ends with the version the code speaks: a bump says what changed.
-func TestProtocolVersions(t *testing.T) {
-	s := readSpec(t)
-	require.NotEmpty(t, s.versions, "%s has no versions table", protocolDoc)
-	for i, row := range s.versions {
-		assert.Equal(t, uint64(i+1), number(t, row[0]), "%s: the versions table goes 1, 2, 3...", protocolDoc)
-		assert.NotEmpty(t, row[1], "%s: version %s says nothing of what changed", protocolDoc, row[0])
-	}
-	assert.Equal(t, strconv.Itoa(wire.ProtocolVersion), s.versions[len(s.versions)-1][0],
-		"%s: the last version in its versions table is not ProtocolVersion", protocolDoc)
-}
+func TestProtocolVersions(t *testing.T) { readSpec(t).CheckVersions(t, export.ProtocolVersion) }
 
 // Every message type the code decodes is in the messages table, with its name and the
 // payload lengths it accepts, and the table lists no other.
 func TestProtocolMessages(t *testing.T) {
 	s := readSpec(t)
 	inSpec := map[wire.MsgType]bool{}
-	for _, row := range s.messages {
+	for _, row := range s.Messages {
 		typ := wire.MsgType(number(t, row[0]))
 		inSpec[typ] = true
 		assert.Equal(t, typ.String(), row[1], "%s: message type %d", protocolDoc, typ)
@@ -269,13 +185,13 @@ func known(t wire.MsgType) bool {
 func TestProtocolLayouts(t *testing.T) {
 	s := readSpec(t)
 	samples := protocolSamples()
-	for _, row := range s.messages {
+	for _, row := range s.Messages {
 		typ := wire.MsgType(number(t, row[0]))
 		t.Run(typ.String(), func(t *testing.T) {
 			sample, ok := samples[typ]
 			require.True(t, ok, "no sample of %s in protocolSamples (protocol_test.go)", typ)
-			require.Contains(t, s.layouts, typ.String(), "%s has no layout table under \"### %d %s\"", protocolDoc, typ, typ)
-			layout := *s.layouts[typ.String()]
+			require.Contains(t, s.Layouts, typ.String(), "%s has no layout table under \"### %d %s\"", protocolDoc, typ, typ)
+			layout := *s.Layouts[typ.String()]
 			payload := sample.AppendPayload(nil)
 			off := 0
 			lengths := map[string]int{} // the length fields read so far, by name
@@ -368,19 +284,13 @@ func fieldBytes(t *testing.T, m wire.Message, msg, name string, size int) []byte
 
 // The flags table lists every flag bit each message accepts, and no other.
 func TestProtocolFlags(t *testing.T) {
-	s := readSpec(t)
-	masks := map[string]uint32{}
-	for _, row := range s.flags {
-		name := row[0] + " " + row[2]
-		want, ok := protocolFlags[name]
-		if !assert.True(t, ok, "%s lists flag %q, which protocolFlags (protocol_test.go) does not know", protocolDoc, name) {
-			continue
-		}
-		assert.Equal(t, want, uint32(number(t, row[1])), "%s: bit of flag %q", protocolDoc, name)
-		masks[row[0]] |= want
+	flags := map[string]uint64{}
+	for name, bit := range protocolFlags {
+		flags[name] = uint64(bit)
 	}
+	masks := readSpec(t).FlagMasks(t, flags)
 	for msg, known := range protocolKnownFlags {
-		assert.Equal(t, known, masks[msg], "%s: the flags of %s differ from those the code accepts (%#x)", protocolDoc, msg, known)
+		assert.Equal(t, uint64(known), masks[msg], "%s: the flags of %s differ from those the code accepts (%#x)", protocolDoc, msg, known)
 	}
 	for name := range protocolFlags {
 		msg, _, _ := strings.Cut(name, " ")
@@ -392,7 +302,7 @@ func TestProtocolFlags(t *testing.T) {
 func TestProtocolErrorCodes(t *testing.T) {
 	s := readSpec(t)
 	inSpec := map[wire.ErrCode]bool{}
-	for _, row := range s.errors {
+	for _, row := range s.Errors {
 		code := wire.ErrCode(number(t, row[0]))
 		inSpec[code] = true
 		want, ok := protocolErrors[row[1]]

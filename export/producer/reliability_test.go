@@ -1,10 +1,10 @@
-package producer
+package producer_test
 
 import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
+	rand "math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -19,8 +19,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // reliabilityReport collects the run's rows: what was done, and what came of it.
@@ -66,13 +69,13 @@ func TestReliability(t *testing.T) {
 // backlog (none is admitted: there is no descriptor to accept them with), and the
 // exporter accepts again within its backoff once descriptors are free.
 func reliabilityFDExhaustion(t *testing.T, r *reliabilityReport) {
-	pr := newProducer(t, nil, nil)
-	pr.publish(t, "a", 1<<20, 7)
+	pr := exporttest.NewProducer(t, nil, nil)
+	pr.Publish(t, "a", 1<<20, 7)
 	const attempts = 20
-	dialer := proctest.Start(t, "dialer", pr.path, strconv.Itoa(attempts), "100")
+	dialer := proctest.Start(t, "dialer", pr.Path, strconv.Itoa(attempts), "100")
 	dialer.Expect("ready")
-	lowerFDLimit(t, 64)
-	release := exhaustFDs(t, 0)
+	exporttest.LowerFDLimit(t, 64)
+	release := exporttest.ExhaustFDs(t, 0)
 	dialer.Send("go")
 	var admitted, failed int
 	_, err := fmt.Sscanf(dialer.Next(), "admitted %d failed %d", &admitted, &failed)
@@ -82,7 +85,7 @@ func reliabilityFDExhaustion(t *testing.T, r *reliabilityReport) {
 	var recovered time.Duration
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_, err := discover.QueryState(ctx, pr.path, discover.WithLogger(discardLogger))
+		_, err := discover.QueryState(ctx, pr.Path, discover.WithLogger(exporttest.DiscardLogger))
 		cancel()
 		if err == nil {
 			recovered = time.Since(freed)
@@ -96,34 +99,11 @@ func reliabilityFDExhaustion(t *testing.T, r *reliabilityReport) {
 	require.NoError(t, err)
 	dialer.Finish()
 	assert.Equal(t, attempts, after, "every handshake after the recovery is admitted")
-	assert.Less(t, recovered, 2*acceptBackoffMax, "recovery within the accept backoff")
+	assert.Less(t, recovered, 2*session.AcceptBackoffMax, "recovery within the accept backoff")
 	r.add(t, fmt.Sprintf("%d handshakes from another process while the exporter had no free descriptor (100 ms each)", attempts),
 		fmt.Sprintf("%d admitted, %d timed out (waiting in the backlog)", admitted, failed))
 	r.add(t, "descriptors freed: first handshake admitted after", recovered.Round(time.Millisecond).String())
 	r.add(t, fmt.Sprintf("%d handshakes from the other process after recovery", attempts), fmt.Sprintf("%d admitted", after))
-}
-
-// roleDialer: dialer SOCKET N TIMEOUT_MS
-// It says "ready"; at each "go" it makes N handshakes (QueryState, each bounded by
-// TIMEOUT_MS) one after another and says "admitted A failed F".
-func roleDialer(args []string) int {
-	n, _ := strconv.Atoi(args[1])
-	ms, _ := strconv.Atoi(args[2])
-	fmt.Println("ready")
-	for range proctest.Commands() {
-		var admitted, failed int
-		for range n {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Duration(ms)*time.Millisecond)
-			if _, err := discover.QueryState(ctx, args[0], discover.WithLogger(discardLogger)); err == nil {
-				admitted++
-			} else {
-				failed++
-			}
-			cancel()
-		}
-		fmt.Printf("admitted %d failed %d\n", admitted, failed)
-	}
-	return 0
 }
 
 // Handshakes as fast as four connectors go, for a few seconds, with id spaces of
@@ -131,11 +111,11 @@ func roleDialer(args []string) int {
 // rate must not drop past the first space, and leases of every space stay apart.
 func reliabilityHandshakes(t *testing.T, r *reliabilityReport) {
 	const space = 1024
-	setConnIDLimit(t, space)
-	pr := newProducer(t, nil, nil)
-	pr.publish(t, "a", 1<<20, 1)
-	first := admitted(t, pr.path)
-	l, ok := first.open(1, "a").(*wire.LeaseMsg)
+	producer.SetConnIDLimit(t, space)
+	pr := exporttest.NewProducer(t, nil, nil)
+	pr.Publish(t, "a", 1<<20, 1)
+	first := admitted(t, pr.Path)
+	l, ok := first.Open(1, "a").(*wire.LeaseMsg)
 	require.True(t, ok)
 	var count atomic.Int64
 	var firstSpace time.Duration
@@ -145,13 +125,13 @@ func reliabilityHandshakes(t *testing.T, r *reliabilityReport) {
 	for range 4 {
 		wg.Go(func() {
 			for time.Now().Before(deadline) {
-				nc, err := net.Dial("unix", pr.path)
+				nc, err := net.Dial("unix", pr.Path)
 				if err != nil {
 					t.Errorf("dial: %v", err)
 					return
 				}
 				c := wire.NewConn(nc, true)
-				err = c.Send(context.Background(), leasingHello(), -1)
+				err = c.Send(context.Background(), exporttest.LeasingHello(), -1)
 				var m wire.Message
 				if err == nil {
 					m, _, err = c.Recv()
@@ -171,9 +151,9 @@ func reliabilityHandshakes(t *testing.T, r *reliabilityReport) {
 	total := time.Since(start)
 	n := count.Load()
 	require.Greater(t, n, int64(3*space), "the run crossed at least three id spaces")
-	last := admitted(t, pr.path)
-	wantStale(t, last.release(1, l.LeaseID, 1), 1, staleForeign)
-	assert.Equal(t, wire.MsgReleased, first.release(2, l.LeaseID, 1).Kind(), "a lease of the first id space is still its connection's")
+	last := admitted(t, pr.Path)
+	wantStale(t, last.Release(1, l.LeaseID, 1), 1, staleForeign)
+	assert.Equal(t, wire.MsgReleased, first.Release(2, l.LeaseID, 1).Kind(), "a lease of the first id space is still its connection's")
 	rateFirst := float64(space) / firstSpace.Seconds()
 	rateAll := float64(n) / total.Seconds()
 	assert.Greater(t, rateAll, rateFirst/2, "the rate held past the first id space")
@@ -185,28 +165,28 @@ func reliabilityHandshakes(t *testing.T, r *reliabilityReport) {
 // producer frees the buffer they hold: no byte is freed while a living process maps
 // it, and every buffer goes back.
 func reliabilityConsumerKills(t *testing.T, r *reliabilityReport) {
-	pr := newProducer(t, nil, nil)
-	before, err := pr.pool.Stats()
+	pr := exporttest.NewProducer(t, nil, nil)
+	before, err := pr.Pool.Stats()
 	require.NoError(t, err)
 	const rounds, perRound = 8, 4
 	start := time.Now()
 	for i := range rounds {
 		name := fmt.Sprint("r", i)
-		b := pr.publish(t, name, 1<<20, byte(i+1))
+		b := pr.Publish(t, name, 1<<20, byte(i+1))
 		var kids []*proctest.Child
 		for range perRound {
-			kids = append(kids, proctest.Start(t, "consumer", "test", pr.path, "0", name, strconv.Itoa(i+1), "hold"))
+			kids = append(kids, proctest.Start(t, "consumer", "test", pr.Path, "0", name, strconv.Itoa(i+1), "hold"))
 		}
-		require.NoError(t, b.Free(pr.stream))
+		require.NoError(t, b.Free(pr.Stream))
 		for _, k := range kids {
 			time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
 			k.Kill()
 			k.Wait()
 		}
-		waitFor(t, "the killed consumers' leases to end", func() bool { return len(pr.ex.Peers()) == 0 })
+		exporttest.WaitFor(t, "the killed consumers' leases to end", func() bool { return len(pr.Ex.Peers()) == 0 })
 	}
-	pr.poolBackTo(t, before)
-	violations := len(pr.dev.Violations())
+	pr.PoolBackTo(t, before)
+	violations := len(pr.Dev.Violations())
 	assert.Zero(t, violations)
 	r.add(t, fmt.Sprintf("%d consumer processes SIGKILLed at random (opening or holding) while the producer freed their buffer", rounds*perRound),
 		fmt.Sprintf("bytes freed under a living reader: %d violations; %d buffers all back in the pool, no lease left (%v)", violations, rounds, time.Since(start).Round(time.Millisecond)))
@@ -220,39 +200,39 @@ func reliabilityProducerKills(t *testing.T, r *reliabilityReport) {
 	var reads, wrong, told, lost, violations int
 	var toldIn time.Duration
 	for i := range rounds {
-		path := filepath.Join(shortDir(t), "p.sock")
+		path := filepath.Join(exporttest.ShortDir(t), "p.sock")
 		fill := 100 + i
 		k := proctest.Start(t, "producer", "test", path, "default", fmt.Sprintf("a=1048576:%d", fill))
 		k.Expect("ready")
-		owner, peer := newConsumer(t, path, 0), newConsumer(t, path, 1)
-		ctx := testCtx(t)
-		mo, err := owner.imp.Open(ctx, "a", owner.stream)
+		owner, peer := exporttest.NewConsumer(t, path, 0), exporttest.NewConsumer(t, path, 1)
+		ctx := exporttest.Ctx(t)
+		mo, err := owner.Imp.Open(ctx, "a", owner.Stream)
 		require.NoError(t, err)
-		mp, err := peer.imp.Open(ctx, "a", peer.stream)
+		mp, err := peer.Imp.Open(ctx, "a", peer.Stream)
 		require.NoError(t, err)
 		time.Sleep(time.Duration(rand.IntN(10)) * time.Millisecond)
 		killed := time.Now()
-		killProducer(t, k)
+		exporttest.KillProducer(t, k)
 		select {
 		case <-mp.Context().Done():
 			told++
 			toldIn = max(toldIn, time.Since(killed))
-		case <-time.After(promptly):
+		case <-time.After(exporttest.Promptly):
 		}
 		for range 10 {
 			reads++
-			if !allAre(owner.read(t, mo), byte(fill)) {
+			if !exporttest.AllAre(owner.Read(t, mo), byte(fill)) {
 				wrong++
 			}
 		}
-		require.NoError(t, mo.Release(ctx, owner.stream))
-		require.NoError(t, mp.Release(ctx, peer.stream))
-		require.NoError(t, owner.imp.Close(ctx))
-		require.NoError(t, peer.imp.Close(ctx))
-		if peer.dev.ContextLost() {
+		require.NoError(t, mo.Release(ctx, owner.Stream))
+		require.NoError(t, mp.Release(ctx, peer.Stream))
+		require.NoError(t, owner.Imp.Close(ctx))
+		require.NoError(t, peer.Imp.Close(ctx))
+		if peer.Dev.ContextLost() {
 			lost++
 		}
-		violations += len(owner.dev.Violations()) + len(peer.dev.Violations())
+		violations += len(owner.Dev.Violations()) + len(peer.Dev.Violations())
 	}
 	assert.Zero(t, wrong)
 	assert.Equal(t, rounds, told)
@@ -267,40 +247,40 @@ func reliabilityProducerKills(t *testing.T, r *reliabilityReport) {
 // stopped reading (their sockets full of pushes): it returns by its context, frees
 // nothing under them, and says what it abandoned.
 func reliabilityHostileClose(t *testing.T, r *reliabilityReport) {
-	pr := newProducer(t, nil, nil)
-	b := pr.publish(t, "a", 1<<20, 1)
+	pr := exporttest.NewProducer(t, nil, nil)
+	b := pr.Publish(t, "a", 1<<20, 1)
 	const silent, stalled = 20, 10
 	for range silent {
-		nc, err := net.Dial("unix", pr.path)
+		nc, err := net.Dial("unix", pr.Path)
 		require.NoError(t, err)
 		t.Cleanup(func() { nc.Close() })
 	}
 	for range stalled {
-		p := admitted(t, pr.path)
-		_, ok := p.open(1, "a").(*wire.LeaseMsg)
+		p := admitted(t, pr.Path)
+		_, ok := p.Open(1, "a").(*wire.LeaseMsg)
 		require.True(t, ok)
 	}
 	// They read nothing: fill their sockets with pushes until they stall.
 	for i := range 2000 {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-		err := pr.ex.Push(ctx, "a", os.Getpid())
+		err := pr.Ex.Push(ctx, "a", os.Getpid())
 		cancel()
 		if errors.Is(err, context.DeadlineExceeded) {
 			t.Logf("a push stalled after %d", i)
 			break
 		}
 	}
-	require.NoError(t, b.Free(pr.stream))
+	require.NoError(t, b.Free(pr.Stream))
 	const budget = 300 * time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 	start := time.Now()
-	err := pr.ex.Close(ctx)
+	err := pr.Ex.Close(ctx)
 	took := time.Since(start)
-	require.ErrorIs(t, err, ErrAbandoned)
+	require.ErrorIs(t, err, producer.ErrAbandoned)
 	assert.Less(t, took, budget+500*time.Millisecond, "Close returns by its context")
-	s, _ := pr.pool.Stats()
-	pr.checkClean(t)
+	s, _ := pr.Pool.Stats()
+	pr.CheckClean(t)
 	r.add(t, fmt.Sprintf("Close (ctx %v) with %d peers silent before Hello and %d holding leases, never releasing and not reading (sockets full)", budget, silent, stalled),
 		fmt.Sprintf("returned in %v; the peers' %d grants abandoned, their buffer kept (%d free deferred), 0 bytes freed under them", took.Round(time.Millisecond), s.ActiveLeases, s.DeferredFrees))
 }

@@ -5,14 +5,16 @@ import (
 	"fmt"
 	"maps"
 
+	"github.com/cudapool/cudapool/pool"
+
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/poolshare"
 )
 
 // retention is a peer's retained import of one piece of memory.
 type retention struct {
-	r   poolshare.Retention
+	r   *pool.Retention
 	dev int
 }
 
@@ -20,13 +22,13 @@ type retention struct {
 // that there is no moment when neither holds it. Call with p.mu held.
 func (p *peer) retainLocked(entry *lease) error {
 	if !p.retains {
-		return fmt.Errorf("%w: release retaining lease %#x: this exporter does not keep imports", ErrBadRequest, entry.id)
+		return fmt.Errorf("%w: release retaining lease %#x: this exporter does not keep imports", export.ErrBadRequest, entry.id)
 	}
 	if p.retained[entry.record] != nil {
 		return nil
 	}
 	rec := entry.record
-	r, err := poolshare.Retain(entry.buf, func() { go p.revoke(context.Background(), rec) })
+	r, err := entry.buf.Retain(func() { go p.revoke(context.Background(), rec) })
 	if err != nil {
 		return fmt.Errorf("producer: retain lease %#x: %w", entry.id, err)
 	}

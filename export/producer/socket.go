@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
@@ -41,7 +42,7 @@ var privateSocket = socketAccess{mode: 0o600, gid: -1}
 
 // accessFor opens the socket to whom p admits: one group alone gets the group and
 // 0660; any other uid or several groups, 0666 (the policy still decides).
-func accessFor(p Policy) socketAccess {
+func accessFor(p export.Policy) socketAccess {
 	own := uint32(os.Getuid())
 	othersUIDs := slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
 	switch {
@@ -56,7 +57,7 @@ func accessFor(p Policy) socketAccess {
 // listenSocket creates a listening Unix socket at path with access's mode and group,
 // whatever the umask. An existing socket file that refuses connections (its exporter
 // died) is removed; one that a live exporter answers gives ErrAddressInUse; a path that
-// is not a socket gives ErrNotSocket and is left alone; a path too long for a socket
+// is not a socket gives export.ErrNotSocket and is left alone; a path too long for a socket
 // address gives ErrSocketPath. Errors name path, never the temporary name. On failure
 // nothing is left behind.
 func listenSocket(path string, access socketAccess) (*socketFile, error) {
@@ -116,7 +117,7 @@ func clearStaleSocket(path string) error {
 		return fmt.Errorf("producer: socket path %s: %w", path, err)
 	}
 	if info.Mode().Type() != fs.ModeSocket {
-		return fmt.Errorf("%w: %s is a %v", ErrNotSocket, path, info.Mode().Type())
+		return fmt.Errorf("%w: %s is a %v", export.ErrNotSocket, path, info.Mode().Type())
 	}
 	live, err := wire.SocketAnswers(path)
 	if err != nil {

@@ -8,18 +8,18 @@ import (
 	"os"
 	"slices"
 
-	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
 
 // State returns a snapshot of the exporter. Figures of different pools and peers are
 // read one after another, not at one instant.
-func (ex *Exporter) State() (*discover.State, error) {
-	st := &discover.State{Schema: discover.StateSchema, Name: ex.opts.name, PID: os.Getpid(), Socket: absPath(ex.sock.path),
-		Started: ex.started, Devices: []discover.DeviceState{}, Pools: []discover.PoolState{}, Published: []discover.NameState{}, Peers: []discover.PeerState{}}
+func (ex *Exporter) State() (*export.State, error) {
+	st := &export.State{Schema: export.StateSchema, Name: ex.opts.name, PID: os.Getpid(), Socket: absPath(ex.sock.path),
+		Started: ex.started, Devices: []export.DeviceState{}, Pools: []export.PoolState{}, Published: []export.NameState{}, Peers: []export.PeerState{}}
 	for i, u := range ex.devices {
-		st.Devices = append(st.Devices, discover.DeviceState{Ordinal: i, UUID: u.String()})
+		st.Devices = append(st.Devices, export.DeviceState{Ordinal: i, UUID: u.String()})
 	}
 	ex.mu.Lock()
 	pools := make(map[*pool.Pool]uint64, len(ex.pools))
@@ -27,7 +27,7 @@ func (ex *Exporter) State() (*discover.State, error) {
 		pools[p] = id
 	}
 	for _, pub := range ex.pubs {
-		ns := discover.NameState{Name: pub.name, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size(), MetaBytes: len(pub.meta)}
+		ns := export.NameState{Name: pub.name, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size(), MetaBytes: len(pub.meta)}
 		if pub.offset != 0 || pub.length != pub.buf.Size() {
 			ns.Offset, ns.Length = pub.offset, pub.length
 		}
@@ -38,15 +38,15 @@ func (ex *Exporter) State() (*discover.State, error) {
 		st.Pools = append(st.Pools, poolState(p, id))
 	}
 	st.Peers = append(st.Peers, ex.Peers()...)
-	slices.SortFunc(st.Pools, func(a, b discover.PoolState) int { return cmp.Compare(a.ID, b.ID) })
-	slices.SortFunc(st.Published, func(a, b discover.NameState) int { return cmp.Compare(a.Name, b.Name) })
-	slices.SortFunc(st.Peers, func(a, b discover.PeerState) int { return cmp.Compare(a.PID, b.PID) })
+	slices.SortFunc(st.Pools, func(a, b export.PoolState) int { return cmp.Compare(a.ID, b.ID) })
+	slices.SortFunc(st.Published, func(a, b export.NameState) int { return cmp.Compare(a.Name, b.Name) })
+	slices.SortFunc(st.Peers, func(a, b export.PeerState) int { return cmp.Compare(a.PID, b.PID) })
 	return st, nil
 }
 
-func poolState(p *pool.Pool, id uint64) discover.PoolState {
+func poolState(p *pool.Pool, id uint64) export.PoolState {
 	s, err := p.Stats()
-	ps := discover.PoolState{ID: id, Stats: s}
+	ps := export.PoolState{ID: id, Stats: s}
 	if err != nil {
 		ps.Error = err.Error()
 	}

@@ -8,17 +8,15 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/printable"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
-
-// handshakeTimeout bounds how long a connecting process may take to say Hello.
-const handshakeTimeout = 10 * time.Second
 
 // writeTimeout bounds a write to a replica that does not read its answers: past it,
 // the connection is closed.
@@ -27,7 +25,9 @@ const writeTimeout = 10 * time.Second
 // conn is one replica's connection.
 type conn struct {
 	o    *Owner
+	sc   *session.Conn
 	nc   *net.UnixConn
+	w    *session.Writer
 	cred peercred.Cred
 	proc *peercred.Process // nil where the process cannot be watched
 	s    *slab             // the slab of the replica's device
@@ -38,15 +38,18 @@ type conn struct {
 	welcomed bool
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
+	stopWait func()        // ends a lost connection's wait for its process's exit
+
+	held    map[uint64]*lease // the connection's leases
+	heldPgs int               // the pages of held
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	events map[[kvwire.EventLen]byte]*event
 	// The connection's goroutine alone.
 	scratch []uint32
 	leaseID []uint64
-
-	wmu  sync.Mutex
-	wbuf []byte
+	seen    map[kv.Hash]int
+	seenIDs map[uint64]struct{}
 }
 
 // exited says whether the replica's process has exited; false where it cannot be
@@ -59,18 +62,9 @@ func (c *conn) exited() bool {
 	return err == nil && ok
 }
 
-// write sends the frame in c.wbuf (filled by fill, under wmu).
+// write sends the frame fill makes, within writeTimeout.
 func (c *conn) write(fill func([]byte) ([]byte, error)) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	b, err := fill(c.wbuf[:0])
-	c.wbuf = b[:0]
-	if err != nil {
-		return err
-	}
-	_ = c.nc.SetWriteDeadline(time.Now().Add(writeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	_, err = c.nc.Write(b)
-	return err
+	return c.w.Write(context.Background(), fill)
 }
 
 // sendSealed answers a Seal that waited; a replica that cannot be answered is cut off.
@@ -81,22 +75,27 @@ func (c *conn) sendSealed(id uint32, m kvwire.Sealed) {
 }
 
 func (c *conn) sendError(id uint32, err error) error {
-	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendError(b, id, kvwire.Code(err), err.Error()) })
+	return c.write(func(b []byte) ([]byte, error) {
+		return kvwire.AppendError(b, kvwire.TypeError, id, kvwire.Code(err), err.Error())
+	})
 }
 
-// serveConn admits nc and serves it until it ends, then ends what it held.
-func (o *Owner) serveConn(nc *net.UnixConn) {
-	c := &conn{o: o, nc: nc, events: map[[kvwire.EventLen]byte]*event{}}
+// serveConn admits sc and serves it until it ends, then ends what it held: the
+// session server's handler. A panic while serving ends what the connection held as
+// if it had hung up, and the server logs it.
+func (o *Owner) serveConn(sc *session.Conn) {
+	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
+		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
 	o.mu.Lock()
 	if o.closed {
 		o.mu.Unlock()
-		_ = nc.Close() // cleanup: nothing was said on it
 		return
 	}
 	o.conns[c] = struct{}{}
 	o.mu.Unlock()
-	rd := kvwire.NewReader()
-	bye := false
+	rd := kvwire.NewHandshakeReader()
+	var bye *kvwire.Bye
+	defer func() { c.finish(bye) }()
 	err := c.admit(rd)
 	if errors.Is(err, errObserved) {
 		err = nil
@@ -106,18 +105,14 @@ func (o *Owner) serveConn(nc *net.UnixConn) {
 	if err != nil && o.stopped.Err() == nil {
 		o.log.Warn("kv: closing a replica's connection", "pid", c.cred.PID, "reason", err)
 	}
-	c.finish(bye)
 }
 
 // admit reads the Hello, applies the policy and answers Welcome or Refused.
 func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	o := c.o
-	_ = c.nc.SetDeadline(time.Now().Add(handshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	if c.cred, err = peercred.Get(c.nc); err != nil {
-		return err
-	}
-	refuse := func(reason string) error {
-		_ = c.write(func(b []byte) ([]byte, error) { return kvwire.AppendText(b, kvwire.TypeRefused, 0, reason) }) // the replica may be gone already; the refusal is the error returned
+	var h kvwire.Header
+	refuse := func(code uint16, reason string) error {
+		_ = c.write(func(b []byte) ([]byte, error) { return kvwire.AppendError(b, kvwire.TypeRefused, h.ID, code, reason) }) // the replica may be gone already; the refusal is the error returned
 		return fmt.Errorf("refused pid %d: %s", c.cred.PID, reason)
 	}
 	h, p, err := rd.Next(c.nc)
@@ -125,31 +120,41 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return fmt.Errorf("before Hello: %w", err)
 	}
 	if h.Type != kvwire.TypeHello {
-		return refuse(fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
+		return refuse(kvwire.CodeRefused, fmt.Sprintf("the first frame must be Hello, got %s", h.Type))
 	}
-	pr := kvwire.NewParser(h.Type, p)
-	hello := kvwire.Hello{Version: pr.U32(), PID: pr.U32(), Device: pr.U32(), Namespace: pr.Text()}
-	if err := pr.Done(); err != nil {
-		return refuse(err.Error())
+	hello, err := kvwire.DecodeHello(p)
+	if err == nil {
+		err = kvwire.CheckFlags(h)
 	}
-	if reason := admits(o.opts.Policy, c.cred); reason != "" {
-		return refuse(reason)
+	if err != nil {
+		return refuse(kvwire.CodeRefused, err.Error())
+	}
+	if hello.Namespace != "" {
+		if err := printable.Check(hello.Namespace, kvwire.MaxNamespace); err != nil {
+			return refuse(kvwire.CodeRefused, fmt.Sprintf("the namespace: %v", err))
+		}
+	}
+	if reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, c.cred, "the owner"); reason != "" {
+		return refuse(kvwire.CodeRefused, reason)
 	}
 	if hello.Version != kvwire.Version {
-		return refuse(fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+		return refuse(kvwire.CodeRefused, fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
 	}
+	if err := c.sc.Admit(); err != nil {
+		return refuse(kvwire.CodeLimit, err.Error())
+	}
+	rd.Grow()
 	if hello.Device == kvwire.Observer {
 		if err := c.write(func(b []byte) ([]byte, error) {
 			return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo})
 		}); err != nil {
 			return err
 		}
-		_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return c.observe(rd)
 	}
 	s := o.byDev[int(hello.Device)]
 	if s == nil {
-		return refuse(fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
+		return refuse(kvwire.CodeGeometry, fmt.Sprintf("%v: device %d is not served here (devices %v)", kv.ErrGeometry, hello.Device, o.opts.Devices))
 	}
 	c.s, c.ns = s, hello.Namespace
 	// Opened while the replica is connected, so that it names the process that
@@ -163,13 +168,15 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}); err != nil {
 		return err
 	}
-	_ = c.nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	o.mu.Lock()
 	c.welcomed = true
 	o.attachedLocked(c)
 	o.mu.Unlock()
 	return nil
 }
+
+// frameHook, set by tests alone, sees each request's type before it is served.
+var frameHook func(kvwire.Type)
 
 // errObserved ends an observer's connection: it is served, and no replica.
 var errObserved = errors.New("observed")
@@ -197,14 +204,20 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 }
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
-func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
+func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 	for {
 		h, p, err := rd.Next(c.nc)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
-				return false, nil
+				return nil, nil
 			}
-			return false, err
+			return nil, err
+		}
+		if frameHook != nil {
+			frameHook(h.Type)
+		}
+		if err := kvwire.CheckFlags(h); err != nil {
+			return nil, err
 		}
 		switch h.Type {
 		case kvwire.TypeAlloc:
@@ -220,15 +233,16 @@ func (c *conn) serve(rd *kvwire.Reader) (bye bool, err error) {
 		case kvwire.TypeReattach:
 			err = c.reattach(h, p)
 		case kvwire.TypeBye:
-			if len(p) != 0 {
-				return false, fmt.Errorf("%w: Bye with %d bytes of payload", kvwire.ErrMalformed, len(p))
+			m, err := kvwire.DecodeBye(p)
+			if err != nil {
+				return nil, err
 			}
-			return true, nil
+			return &m, nil
 		default:
-			return false, fmt.Errorf("%w: unexpected %s frame", kvwire.ErrMalformed, h.Type)
+			return nil, fmt.Errorf("%w: unexpected %s frame", kvwire.ErrMalformed, h.Type)
 		}
 		if err != nil {
-			return false, err
+			return nil, err
 		}
 	}
 }
@@ -249,11 +263,11 @@ func (c *conn) refuse(id uint32, err error) error {
 // the device's host tier has no copy of yet are copied there before the answer.
 func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
-	pr := kvwire.NewParser(h.Type, p)
-	n := int(pr.U32())
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeAlloc(p)
+	if err != nil {
 		return err
 	}
+	n := int(m.Pages)
 	switch {
 	case n > kv.MaxBatch:
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
@@ -264,6 +278,10 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
 	o.mu.Lock()
+	if err := c.roomLocked(n); err != nil {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	pages, ok, evicted := o.takeLocked(s, n)
 	if !ok {
 		free := len(s.free)
@@ -284,7 +302,27 @@ func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 	o.nextLease++
 	l := &lease{id: o.nextLease, c: c, s: c.s, write: write, pages: pages}
 	o.leases[l.id] = l
+	c.held[l.id] = l
+	c.heldPgs += len(pages)
 	return l
+}
+
+// roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
+func (c *conn) roomLocked(n int) error {
+	if max := c.o.opts.MaxLeases; len(c.held) >= max {
+		return fmt.Errorf("%w: the connection holds %d leases, the most one may (Options.MaxLeases)", kv.ErrLimit, max)
+	}
+	if max := c.o.opts.MaxLeasedPages; c.heldPgs+n > max {
+		return fmt.Errorf("%w: the connection holds leases of %d pages; %d more is over the most one may (Options.MaxLeasedPages, %d)", kv.ErrLimit, c.heldPgs, n, max)
+	}
+	return nil
+}
+
+// dropLocked removes lease l from the books, under o.mu; its pages are the caller's.
+func (o *Owner) dropLocked(l *lease) {
+	delete(o.leases, l.id)
+	delete(l.c.held, l.id)
+	l.c.heldPgs -= len(l.pages)
 }
 
 // findLocked returns c's lease id, or why there is none, under o.mu.
@@ -292,6 +330,8 @@ func (o *Owner) findLocked(c *conn, id uint64) (*lease, error) {
 	l, ok := o.leases[id]
 	switch {
 	case ok && l.c == c:
+		return l, nil
+	case ok && o.adoptLocked(c, l):
 		return l, nil
 	case ok:
 		return nil, fmt.Errorf("%w: lease %d belongs to another replica", kv.ErrStaleLease, id)
@@ -301,10 +341,33 @@ func (o *Owner) findLocked(c *conn, id uint64) (*lease, error) {
 	return nil, fmt.Errorf("%w: lease %d has ended", kv.ErrStaleLease, id)
 }
 
+// adoptLocked moves lease l to c, under o.mu, if l's connection was lost (cut off,
+// or hung up without Bye) while its process, which is c's, lives on: a replica the
+// owner cut off redials and releases (or seals) the leases it held, instead of their
+// pinning pages until its exit. A lost connection left holding nothing ends then.
+func (o *Owner) adoptLocked(c *conn, l *lease) bool {
+	old := l.c
+	if !old.lost || old.cred.PID != c.cred.PID || old.s != c.s || c.proc == nil || old.exited() {
+		return false
+	}
+	delete(old.held, l.id)
+	old.heldPgs -= len(l.pages)
+	l.c = c
+	c.held[l.id] = l
+	c.heldPgs += len(l.pages)
+	if len(old.held) == 0 && !old.pendingLocked() && old.stopWait != nil {
+		old.stopWait()
+	}
+	return true
+}
+
 // event returns c's event for handle h, opening it the first time.
 func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 	if e, ok := c.events[*h]; ok {
 		return e, nil
+	}
+	if max := c.o.opts.MaxEvents; len(c.events) >= max {
+		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (Options.MaxEvents): record one event per stream", kv.ErrLimit, max)
 	}
 	e := &event{c: c}
 	if *h != ([kvwire.EventLen]byte{}) {
@@ -324,30 +387,40 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 // hashes once the writer's event has completed, the rest are freed then.
 func (c *conn) seal(h kvwire.Header, p []byte) error {
 	o := c.o
-	pr := kvwire.NewParser(h.Type, p)
-	id := pr.U64()
-	evh := pr.Event()
-	hashes := pr.Hashes()
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeSeal(h, p)
+	if err != nil {
 		return c.refuse(h.ID, err)
+	}
+	id, evh, hashes := m.Lease, m.Event, m.Hashes
+	check := func() (*lease, error) {
+		l, err := o.findLocked(c, id)
+		if err == nil && !l.write {
+			err = fmt.Errorf("%w: lease %d is a read lease; only a write lease is sealed", kv.ErrStaleLease, id)
+		}
+		if err == nil && len(hashes) > len(l.pages) {
+			err = fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
+		}
+		return l, err
+	}
+	// The lease is checked before the event is opened, so that a refused seal opens
+	// nothing, and again after, the lock let go meanwhile.
+	o.mu.Lock()
+	_, err = check()
+	o.mu.Unlock()
+	if err != nil {
+		return c.sendError(h.ID, err)
 	}
 	e, err := c.event(&evh)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
 	o.mu.Lock()
-	l, err := o.findLocked(c, id)
-	if err == nil && !l.write {
-		err = fmt.Errorf("%w: lease %d is a read lease; only a write lease is sealed", kv.ErrStaleLease, id)
-	}
-	if err == nil && len(hashes) > len(l.pages) {
-		err = fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
-	}
+	l, err := check()
 	if err != nil {
 		o.mu.Unlock()
 		return c.sendError(h.ID, err)
 	}
-	delete(o.leases, id)
+	o.dropLocked(l)
 	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):]}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
@@ -375,52 +448,86 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 // its pages settling until the event has completed.
 func (c *conn) release(h kvwire.Header, p []byte) error {
 	o := c.o
-	pr := kvwire.NewParser(h.Type, p)
-	evh := pr.Event()
-	c.leaseID = pr.U64s(c.leaseID[:0])
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeRelease(p, c.leaseID[:0])
+	c.leaseID = m.Leases
+	if err != nil {
 		return c.refuse(h.ID, err)
 	}
+	evh := m.Event
 	if len(c.leaseID) == 0 {
 		return c.sendError(h.ID, fmt.Errorf("%w: a release of no lease", kv.ErrGeometry))
+	}
+	if err := c.distinctIDs(c.leaseID); err != nil { // outside the lock: O(n), with a map
+		return c.sendError(h.ID, err)
+	}
+	// The leases are checked before the event is opened, so that a refused release
+	// opens nothing, and again after, the lock let go meanwhile.
+	o.mu.Lock()
+	err = o.ownsLocked(c, c.leaseID)
+	o.mu.Unlock()
+	if err != nil {
+		return c.sendError(h.ID, err)
 	}
 	e, err := c.event(&evh)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
 	o.mu.Lock()
-	for i, id := range c.leaseID {
-		_, err := o.findLocked(c, id)
-		if err == nil && slicesContains(c.leaseID[:i], id) {
-			err = fmt.Errorf("%w: lease %d is listed twice", kv.ErrStaleLease, id)
-		}
-		if err != nil {
-			o.mu.Unlock()
-			return c.sendError(h.ID, err)
-		}
+	if err := o.ownsLocked(c, c.leaseID); err != nil {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
 	}
 	rec := &record{s: c.s}
 	for _, id := range c.leaseID {
-		l := o.leases[id]
-		delete(o.leases, id)
-		if l.write {
-			for _, pg := range l.pages {
-				l.s.pages[pg].state = pageSettling
-			}
-			rec.free = append(rec.free, l.pages...)
-			continue
-		}
-		for _, pg := range l.pages {
-			pp := &l.s.pages[pg]
-			pp.readers--
-			pp.releasing++
-		}
-		rec.released = append(rec.released, l.pages...)
+		o.endBehindLocked(rec, o.leases[id])
 	}
 	owed := c.submitLocked(e, rec)
 	o.unlockAfterSubmit(e, rec, owed)
 	n := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
+}
+
+// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's event
+// has completed (write-leased pages are then freed, read-leased ones lose a reader
+// now and are evictable then).
+func (o *Owner) endBehindLocked(rec *record, l *lease) {
+	o.dropLocked(l)
+	if l.write {
+		for _, pg := range l.pages {
+			l.s.pages[pg].state = pageSettling
+		}
+		rec.free = append(rec.free, l.pages...)
+		return
+	}
+	for _, pg := range l.pages {
+		pp := &l.s.pages[pg]
+		pp.readers--
+		pp.releasing++
+	}
+	rec.released = append(rec.released, l.pages...)
+}
+
+// releaseHeld ends c's leases after its final event ev (a Bye's), as a Release of all
+// of them would; if the event cannot be opened, they are left for finish to end at
+// once, logged.
+func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
+	o := c.o
+	e, err := c.event(ev)
+	if err != nil {
+		o.log.Warn("kv: a replica's final event; its leases end at once", "pid", c.cred.PID, "err", err)
+		return
+	}
+	o.mu.Lock()
+	if len(c.held) == 0 {
+		o.mu.Unlock()
+		return
+	}
+	rec := &record{s: c.s}
+	for _, l := range c.held {
+		o.endBehindLocked(rec, l)
+	}
+	owed := c.submitLocked(e, rec)
+	o.unlockAfterSubmit(e, rec, owed)
 }
 
 // submitLocked queues rec behind e and asks e at once, with o.mu held on entry and
@@ -455,13 +562,32 @@ func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
 	}
 }
 
-func slicesContains(s []uint64, v uint64) bool {
-	for _, x := range s {
-		if x == v {
-			return true
+// distinctIDs says which lease of ids is listed twice, if one is.
+func (c *conn) distinctIDs(ids []uint64) error {
+	if len(ids) < 2 {
+		return nil
+	}
+	if c.seenIDs == nil {
+		c.seenIDs = make(map[uint64]struct{}, len(ids))
+	}
+	defer clear(c.seenIDs)
+	for _, id := range ids {
+		if _, ok := c.seenIDs[id]; ok {
+			return fmt.Errorf("%w: lease %d is listed twice", kv.ErrStaleLease, id)
+		}
+		c.seenIDs[id] = struct{}{}
+	}
+	return nil
+}
+
+// ownsLocked says why one of ids is not c's lease, under o.mu, or nil.
+func (o *Owner) ownsLocked(c *conn, ids []uint64) error {
+	for _, id := range ids {
+		if _, err := o.findLocked(c, id); err != nil {
+			return err
 		}
 	}
-	return false
+	return nil
 }
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
@@ -469,10 +595,13 @@ func slicesContains(s []uint64, v uint64) bool {
 // device's host tier (restore.go), leased for reading.
 func (c *conn) match(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
-	pr := kvwire.NewParser(h.Type, p)
-	hashes := pr.Hashes()
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeMatch(p)
+	if err != nil {
 		return c.refuse(h.ID, err)
+	}
+	hashes := m.Hashes
+	if err := c.distinct(hashes); err != nil {
+		return c.sendError(h.ID, err)
 	}
 	o.mu.Lock()
 	pages := s.lookup(hashes, c.scratch[:0])
@@ -485,11 +614,33 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 		o.mu.Unlock()
 		return c.matchRestore(h, hashes)
 	}
+	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
 	})
+}
+
+// distinct says which hash of hashes repeats an earlier one, if one does.
+func (c *conn) distinct(hashes []kv.Hash) error {
+	if len(hashes) < 2 {
+		return nil
+	}
+	if c.seen == nil {
+		c.seen = make(map[kv.Hash]int, len(hashes))
+	}
+	defer clear(c.seen)
+	for i, h := range hashes {
+		if j, ok := c.seen[h]; ok {
+			return fmt.Errorf("%w: hash %d repeats hash %d: a prefix's hashes are distinct", kv.ErrGeometry, i, j)
+		}
+		c.seen[h] = i
+	}
+	return nil
 }
 
 // leaseRunLocked leases sealed pages of c's slab for reading (no lease if none), under
@@ -513,12 +664,9 @@ func (c *conn) stats(h kvwire.Header, p []byte) error {
 	if len(p) != 0 {
 		return fmt.Errorf("%w: Stats with %d bytes of payload", kvwire.ErrMalformed, len(p))
 	}
-	js, err := json.Marshal(c.o.Stats())
+	js, err := encodeStats(c.o.Stats())
 	if err != nil {
 		return c.sendError(h.ID, err)
-	}
-	if len(js) > kvwire.MaxFrame-kvwire.HeaderLen {
-		return c.sendError(h.ID, fmt.Errorf("%w: the stats take %d bytes", kv.ErrTooLarge, len(js)))
 	}
 	return c.write(func(b []byte) ([]byte, error) {
 		start := len(b)
@@ -526,15 +674,41 @@ func (c *conn) stats(h kvwire.Header, p []byte) error {
 	})
 }
 
+// encodeStats is st as the JSON of a Stats frame: at most kv.MaxListed replicas
+// listed, fewer where their entries would not fit the frame, ReplicasOmitted counting
+// the rest.
+func encodeStats(st Stats) ([]byte, error) {
+	all := st.Replicas
+	n := min(len(all), kv.MaxListed)
+	for {
+		st.Replicas, st.ReplicasOmitted = all[:n], len(all)-n
+		js, err := json.Marshal(st)
+		switch {
+		case err != nil:
+			return nil, err
+		case len(js) <= kvwire.MaxFrame-kvwire.HeaderLen:
+			return js, nil
+		case n == 0:
+			return nil, fmt.Errorf("%w: the stats take %d bytes without replicas", kv.ErrTooLarge, len(js))
+		}
+		n /= 2
+	}
+}
+
 // finish ends the connection. After Bye the leases still held end at once, and the
 // connection closes once its releases have settled. A connection lost without Bye
-// keeps its leases until its process has exited; one whose process cannot be watched,
-// or whose owner is closing, ends them at once.
-func (c *conn) finish(bye bool) {
+// that holds leases, or releases still to settle, keeps them until its process has
+// exited (it may still use the pages); one that holds nothing ends at once, and so
+// does one whose process cannot be watched, or whose owner is closing.
+func (c *conn) finish(bye *kvwire.Bye) {
 	o := c.o
 	switch {
 	case !c.isWelcomed():
-	case bye:
+	case bye == nil && c.holdsNothing():
+	case bye != nil:
+		if bye.Final {
+			c.releaseHeld(&bye.Event)
+		}
 		o.mu.Lock()
 		o.endLeasesLocked(c)
 		idle := make(chan struct{})
@@ -554,15 +728,15 @@ func (c *conn) finish(bye bool) {
 		stop()
 		<-exited
 	case c.proc != nil && o.stopped.Err() == nil:
+		ctx, stop := context.WithCancel(o.stopped)
 		o.mu.Lock()
-		c.lost = true
+		c.lost, c.stopWait = true, stop
 		o.mu.Unlock()
 		_ = c.nc.Close() // cleanup: the connection is lost already
-		ctx, stop := context.WithCancel(o.stopped)
 		c.awaitExit(ctx)
 		stop()
 	}
-	_ = c.nc.Close() // cleanup: nothing is left to do if closing fails
+	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
 	o.mu.Lock()
 	owed = o.exitedLocked(c, owed)
@@ -574,6 +748,13 @@ func (c *conn) finish(bye bool) {
 	o.mu.Unlock()
 	o.send(owed)
 	o.wake()
+}
+
+// holdsNothing says whether c holds no lease and no record waits for its events.
+func (c *conn) holdsNothing() bool {
+	c.o.mu.Lock()
+	defer c.o.mu.Unlock()
+	return len(c.held) == 0 && !c.pendingLocked()
 }
 
 func (c *conn) isWelcomed() bool {
@@ -626,11 +807,8 @@ func (o *Owner) signalIdle(c *conn) {
 // endLeasesLocked ends c's leases at once, under o.mu: write-leased pages are freed,
 // read-leased pages lose a reader.
 func (o *Owner) endLeasesLocked(c *conn) {
-	for id, l := range o.leases {
-		if l.c != c {
-			continue
-		}
-		delete(o.leases, id)
+	for _, l := range c.held {
+		o.dropLocked(l)
 		for _, pg := range l.pages {
 			if l.write {
 				l.s.release(pg)

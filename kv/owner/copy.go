@@ -1,6 +1,7 @@
 package owner
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -124,6 +125,10 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	for _, p := range pages {
 		s.pages[p].readers-- // leaseRunLocked takes the reader back
 	}
+	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {
@@ -164,12 +169,46 @@ func (o *Owner) copyRun(s *slab, run []piece) error {
 	return nil
 }
 
-// copyFrom copies pieces, all from src, into dst on src's stream and waits for them:
-// for each run of pages that follow each other in both slabs, one copy per tensor.
+// copyFrom copies pieces, all from src, into dst on src's stream and waits for them,
+// until the owner closes: for each run of pages that follow each other in both slabs,
+// one copy per tensor. The copy lock is held while the copies are queued, not while
+// they run.
 func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
-	g, segs := o.geo, o.segs
 	src.copyMu.Lock()
-	defer src.copyMu.Unlock()
+	err := o.queueCopies(src, dst, pieces)
+	if rerr := o.rt.EventRecord(src.dev, src.done, src.stream); rerr != nil {
+		src.copyMu.Unlock()
+		return errors.Join(err, rerr)
+	}
+	src.copyMu.Unlock()
+	return errors.Join(err, o.waitDone(o.stopped, src)) // the copies queued before a failure end first
+}
+
+// waitStream waits, until ctx ends, for the work queued so far on s's stream.
+func (o *Owner) waitStream(ctx context.Context, s *slab) error {
+	s.copyMu.Lock()
+	err := o.rt.EventRecord(s.dev, s.done, s.stream)
+	s.copyMu.Unlock()
+	if err != nil {
+		return err
+	}
+	return o.waitDone(ctx, s)
+}
+
+// waitDone waits on the host until s's done event has completed or ctx ends (a later
+// record of it, covering more, is waited for too).
+func (o *Owner) waitDone(ctx context.Context, s *slab) error {
+	err := o.waitEvent(ctx, s.dev, s.done)
+	if err != nil && ctx.Err() != nil {
+		return fmt.Errorf("%w: the owner's stream of device %d has not run: %w", kv.ErrClosed, s.dev, ctx.Err())
+	}
+	return err
+}
+
+// queueCopies queues the copies of pieces from src into dst on src's stream, under
+// src's copy lock.
+func (o *Owner) queueCopies(src, dst *slab, pieces []piece) error {
+	g, segs := o.geo, o.segs
 	for i := 0; i < len(pieces); {
 		j := i + 1
 		for j < len(pieces) && pieces[j].from == pieces[j-1].from+1 && pieces[j].dst == pieces[j-1].dst+1 {
@@ -181,11 +220,11 @@ func (o *Owner) copyFrom(src, dst *slab, pieces []piece) error {
 				from := segs.Addr(src.bases, l, part, int(pieces[i].from))
 				to := segs.Addr(dst.bases, l, part, int(pieces[i].dst))
 				if err := o.rt.MemcpyDtoDAsync(src.dev, to, from, n, src.stream); err != nil {
-					return errors.Join(err, o.rt.StreamSynchronize(src.dev, src.stream)) // the copies queued before it end first
+					return err
 				}
 			}
 		}
 		i = j
 	}
-	return o.rt.StreamSynchronize(src.dev, src.stream)
+	return nil
 }

@@ -10,9 +10,9 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"time"
 
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 )
@@ -20,8 +20,7 @@ import (
 // hostSide is what the host tiers run besides the slabs: a spiller per tier and the
 // socket that hands their memfds to replicas (kv.HostSocket).
 type hostSide struct {
-	ln       *net.UnixListener
-	serving  sync.WaitGroup // the accept loop and its connections
+	srv      *session.Server // dir/host.sock
 	spillers sync.WaitGroup
 }
 
@@ -51,27 +50,13 @@ func (o *Owner) startTiers() error {
 	if err != nil {
 		return err
 	}
-	o.host.ln = ln
-	o.host.serving.Add(1)
-	go func() {
-		defer o.host.serving.Done()
-		for {
-			nc, err := ln.AcceptUnix()
-			if err != nil {
-				if o.stopped.Err() == nil && !errors.Is(err, net.ErrClosed) {
-					o.log.Error("kv: accepting on the host tier's socket failed; replicas get no host tier", "err", err)
-				}
-				return
-			}
-			o.host.serving.Add(1)
-			go func() {
-				defer o.host.serving.Done()
-				if err := o.handOutTier(nc); err != nil && o.stopped.Err() == nil {
-					o.log.Warn("kv: handing out a host tier", "err", err)
-				}
-			}()
+	// Served like the page socket: accept errors backed off, handshakes and connections
+	// capped by Options.Limits, a panic contained to its connection.
+	o.host.srv = session.Serve(ln, o.log, "kv/owner: host tier", o.opts.Limits, func(c *session.Conn) {
+		if err := o.handOutTier(c.UnixConn, c.Cred); err != nil && o.stopped.Err() == nil {
+			o.log.Warn("kv: handing out a host tier", "err", err)
 		}
-	}()
+	})
 	return nil
 }
 
@@ -79,11 +64,10 @@ func (o *Owner) startTiers() error {
 // the socket, the spillers, then each tier's memory. It returns what failed.
 func (o *Owner) stopTiers() []error {
 	var errs []error
-	if o.host.ln != nil {
-		_ = o.host.ln.Close()                              // cleanup: nothing is left to do if closing fails
+	if o.host.srv != nil {
+		o.host.srv.Close()                                 // the listener and every connection
 		_ = os.Remove(filepath.Join(o.dir, kv.HostSocket)) // best effort: the next Listen replaces a stale socket
 	}
-	o.host.serving.Wait()
 	o.host.spillers.Wait()
 	for _, s := range o.slabs {
 		if s.tier != nil {
@@ -98,13 +82,8 @@ func (o *Owner) stopTiers() []error {
 
 // handOutTier answers one connection of the host tier's socket: the policy admits the
 // process, which names its device, and gets that device's tier's memfd.
-func (o *Owner) handOutTier(nc *net.UnixConn) error {
-	defer func() { _ = nc.Close() }()                    // cleanup: one answer per connection
-	_ = nc.SetDeadline(time.Now().Add(handshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	cred, err := peercred.Get(nc)
-	if err != nil {
-		return err
-	}
+// It runs within the server's handshake timeout: one answer per connection.
+func (o *Owner) handOutTier(nc *net.UnixConn, cred peercred.Cred) error {
 	var req [4]byte
 	if _, err := io.ReadFull(nc, req[:]); err != nil {
 		return fmt.Errorf("pid %d sent no device: %w", cred.PID, err)
@@ -114,7 +93,7 @@ func (o *Owner) handOutTier(nc *net.UnixConn) error {
 	fd := -1
 	o.mu.Lock()
 	s := o.byDev[dev]
-	switch reason := admits(o.opts.Policy, cred); {
+	switch reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, cred, "the owner"); {
 	case reason != "":
 		info.Error = reason
 	case s == nil || s.tier == nil:

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -148,19 +148,21 @@ func TestMalformedFramesCloseOnlyTheirConnection(t *testing.T) {
 }
 
 // TestHandshakeRefusals: a first frame other than Hello, another protocol version, a
-// device not served: each is refused with the reason, and the connection closed.
+// device not served: each is refused with the reason, its code and the first frame's
+// id, and the connection closed.
 func TestHandshakeRefusals(t *testing.T) {
 	_, dir := listen(t, small)
 	for _, c := range []struct {
 		name, reason string
+		code         error
 		frame        func() ([]byte, error)
 	}{
-		{"not Hello", "must be Hello", func() ([]byte, error) { return kvwire.AppendU32(nil, kvwire.TypeAlloc, 1, 1) }},
-		{"version", "protocol version 99", func() ([]byte, error) {
-			return kvwire.AppendHello(nil, 1, kvwire.Hello{Version: 99})
+		{"not Hello", "must be Hello", kv.ErrRefused, func() ([]byte, error) { return kvwire.AppendU32(nil, kvwire.TypeAlloc, 7, 1) }},
+		{"version", "protocol version 99", kv.ErrRefused, func() ([]byte, error) {
+			return kvwire.AppendHello(nil, 7, kvwire.Hello{Version: 99})
 		}},
-		{"device", "device 1 is not served", func() ([]byte, error) {
-			return kvwire.AppendHello(nil, 1, kvwire.Hello{Version: kvwire.Version, Device: 1})
+		{"device", "device 1 is not served", kv.ErrGeometry, func() ([]byte, error) {
+			return kvwire.AppendHello(nil, 7, kvwire.Hello{Version: kvwire.Version, Device: 1})
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -169,8 +171,10 @@ func TestHandshakeRefusals(t *testing.T) {
 			h, p, err := r.next()
 			require.NoError(t, err)
 			require.Equal(t, kvwire.TypeRefused, h.Type)
-			pr := kvwire.NewParser(h.Type, p)
-			assert.Contains(t, pr.Text(), c.reason)
+			assert.Equal(t, uint32(7), h.ID, "Refused carries the first frame's id")
+			err = kvwire.ParseError(h.Type, p)
+			assert.ErrorContains(t, err, c.reason)
+			assert.ErrorIs(t, err, c.code)
 			r.closed(c.name)
 		})
 	}
@@ -210,13 +214,13 @@ func TestPolicyRefuses(t *testing.T) {
 	own := uint32(os.Getuid())
 	for _, c := range []struct {
 		name   string
-		policy producer.Policy
+		policy export.Policy
 		reason string
 	}{
-		{"another uid", producer.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
-		{"another gid", producer.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
-		{"this uid", producer.Policy{AllowUIDs: []uint32{own}}, ""},
-		{"the zero policy", producer.Policy{}, ""},
+		{"another uid", export.Policy{AllowUIDs: []uint32{own + 1}}, "is not allowed"},
+		{"another gid", export.Policy{AllowGIDs: []uint32{uint32(os.Getgid()) + 1}}, "is not allowed"},
+		{"this uid", export.Policy{AllowUIDs: []uint32{own}}, ""},
+		{"the zero policy", export.Policy{}, ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir, err := os.MkdirTemp("", "kvp")
@@ -235,7 +239,9 @@ func TestPolicyRefuses(t *testing.T) {
 				return
 			}
 			require.Equal(t, kvwire.TypeRefused, h.Type)
-			assert.Contains(t, kvwire.NewParser(h.Type, p).Text(), c.reason)
+			err = kvwire.ParseError(h.Type, p)
+			assert.ErrorContains(t, err, c.reason)
+			assert.ErrorIs(t, err, kv.ErrRefused)
 			r.closed(c.name)
 		})
 	}

@@ -29,19 +29,28 @@
 // # Connections
 //
 // The kernel names the process at the other end of each connection (SO_PEERCRED), and
-// an producer.Policy admits it (the zero Policy: this user's processes). A connection
+// an export.Policy admits it (the zero Policy: this user's processes). A connection
 // that ends without Bye keeps its leases until its process has exited (it may still
-// read or write the pages); one whose process cannot be watched ends them at once.
-// Bye ends the leases still held at once and closes the connection once the replica's
-// releases have settled, so that the replica may then destroy its events. Every
-// malformed frame closes the connection it came on, and only that one.
+// read or write the pages), or until a new connection of that process releases or
+// seals them (a replica the owner cut off, redialled); one that holds nothing ends at
+// once, and so does one whose process cannot be watched.
+// Bye ends the leases still held after the event it carries (a replica's Close
+// records one after its streams' work; at once if it carries none) and closes the
+// connection once the replica's releases have settled, so that the replica may then
+// destroy its events. Every malformed frame closes the connection it came on, and only
+// that one; so does a panic while serving it. The connections are served by
+// internal/session, within Options.Limits, and what one holds within MaxLeases,
+// MaxLeasedPages and MaxEvents.
 //
 // # Devices
 //
 // A match on device B of hashes visible only in device A's slab allocates pages on B,
 // copies each page (every layer's K and V, one copy per tensor for a run of pages that
-// follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the source (a copy through the source's stream outlives that device's failures,
-// FACTS 14), waits for it on the host, seals the pages in B's index and then answers.
+// follow each other in both slabs) with MemcpyDtoDAsync on a stream of device A, the
+// source (a copy through the source's stream outlives that device's failures, FACTS
+// 14), waits for it on the host (asking an event it records after the copies,
+// without holding the source's copy lock, and no longer than until the owner closes),
+// seals the pages in B's index and then answers.
 //
 // # Restarts
 //
@@ -67,6 +76,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -79,8 +89,10 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
@@ -109,9 +121,10 @@ type Options struct {
 	// make it small, so that small geometries have several segments.
 	SegmentBytes uint64
 	// Policy says which processes may connect, as export's does.
-	Policy producer.Policy
+	Policy export.Policy
 	// Logger gets what no call returns: connections refused or closed for malformed
-	// frames, cleanup that failed. nil: slog.Default().
+	// frames, a handler's panic, cleanup that failed. nil logs nothing (as producer
+	// and consumer do).
 	Logger *slog.Logger
 	// AnnounceDir is where the slab exporter announces itself for cmd/poolstat;
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
@@ -138,7 +151,33 @@ type Options struct {
 	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
 	// every device, than the host's available memory are refused.
 	HostBytes uint64
+	// Limits bound the page socket's connections: the handshake's timeout, the
+	// connections in their handshake and the admitted connections, in all and per
+	// user or process. A zero field takes its default (session's Default values:
+	// 10 s, 1024 handshakes and 128 per uid, 4096 connections and 64 per process). A
+	// connection past a connection cap is refused with an error wrapping kv.ErrLimit
+	// that names the cap; one past a handshake cap is closed, and logged.
+	Limits Limits
+	// MaxLeases, MaxLeasedPages and MaxEvents cap what one connection holds: its
+	// leases, the pages of its leases (a page counted once a lease), and the
+	// distinct event handles it has sent (each opened once and kept until the
+	// connection ends). A request past a cap is refused with an error wrapping
+	// kv.ErrLimit that names it, and changes nothing. Zero takes the default:
+	// DefaultMaxLeases, DefaultMaxLeasedPages, DefaultMaxEvents. With the
+	// connection caps they bound a page's reader count, which cannot wrap: Listen
+	// refuses a MaxLeases × Limits.Conns of 2^32 or more.
+	MaxLeases, MaxLeasedPages, MaxEvents int
 }
+
+// Defaults of Options' per-connection caps.
+const (
+	DefaultMaxLeases      = 16384
+	DefaultMaxLeasedPages = 1 << 20
+	DefaultMaxEvents      = 256
+)
+
+// Limits bound the page socket's connections (Options.Limits).
+type Limits = session.Limits
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
 type Owner struct {
@@ -154,6 +193,7 @@ type Owner struct {
 	lock  *os.File           // dir/owner.lock, held (Options.Keeper)
 	ln    *net.UnixListener
 	host  hostSide // the host tiers' spillers and socket (hostsock.go)
+	srv   *session.Server
 	slabs []*slab
 	byDev map[int]*slab
 
@@ -177,7 +217,6 @@ type Owner struct {
 	stop     context.CancelFunc
 	stopped  context.Context // ends when Close begins
 	pollDone chan struct{}
-	wg       sync.WaitGroup // the accept loop and the connections
 }
 
 // lease is a replica's hold on pages of one slab.
@@ -248,11 +287,32 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 		}
 	}
 	if o.Logger == nil {
-		o.Logger = slog.Default()
+		o.Logger = slog.New(slog.DiscardHandler)
 	}
-	if err := makeDir(dir, opensToOthers(o.Policy)); err != nil {
+	for _, c := range []struct {
+		v   *int
+		def int
+	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxEvents, DefaultMaxEvents}} {
+		if *c.v <= 0 {
+			*c.v = c.def
+		}
+	}
+	conns := o.Limits.Conns
+	if conns <= 0 {
+		conns = session.DefaultConns
+	}
+	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
+		return nil, fmt.Errorf("kv/owner: Options.MaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+	}
+	made, err := makeDir(dir, opensToOthers(o.Policy))
+	if err != nil {
 		return nil, err
 	}
+	defer func() {
+		if err != nil && made != "" {
+			_ = os.RemoveAll(made) // cleanup: what Listen made goes; the first error is the one returned
+		}
+	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
 		wakeCh: make(chan struct{}, 1), pollDone: make(chan struct{}), expected: map[uint32]*expectation{}, resumed: make(chan struct{})}
@@ -294,8 +354,11 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 		return nil, err
 	}
 	go ow.poll(ow.stopped)
-	ow.wg.Add(1)
-	go ow.accept()
+	var ln net.Listener = ow.ln
+	if wrapListener != nil {
+		ln = wrapListener(ln)
+	}
+	ow.srv = session.Serve(ln, o.Logger, "kv/owner", o.Limits, ow.serveConn)
 	return ow, nil
 }
 
@@ -359,6 +422,9 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
 		return s, fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 	}
+	if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
+		return s, fmt.Errorf("kv/owner: event on device %d: %w", d, err)
+	}
 	ctx := context.Background()
 	entries := make([]producer.Entry, o.segs.Count())
 	for i := range entries {
@@ -375,42 +441,49 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
 	}
-	if err = o.ex.PublishAll(ctx, s.stream, entries...); err != nil {
+	if err = o.ex.PublishAll(ctx, entries, s.stream); err != nil {
 		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
 	}
 	return s, nil
 }
 
 // opensToOthers says whether p admits anyone but this user.
-func opensToOthers(p producer.Policy) bool {
-	own := uint32(os.Getuid())
-	return len(p.AllowGIDs) > 0 || slices.ContainsFunc(p.AllowUIDs, func(u uint32) bool { return u != own })
-}
+func opensToOthers(p export.Policy) bool { return session.OpensToOthers(p.AllowUIDs, p.AllowGIDs) }
+
+// wrapListener, set by tests alone, wraps the page socket's listener.
+var wrapListener func(net.Listener) net.Listener
 
 // makeDir creates dir if missing and checks that it is a directory of this user's that
-// no one else can write.
-func makeDir(dir string, open bool) error {
+// no one else can write. made is the topmost directory it created ("" if none), for
+// a Listen that fails to remove.
+func makeDir(dir string, open bool) (made string, err error) {
 	mode := os.FileMode(0o700)
 	if open {
 		mode = 0o711
 	}
+	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || filepath.Dir(d) == d {
+			break
+		}
+		made = d
+	}
 	if err := os.MkdirAll(dir, mode); err != nil {
-		return fmt.Errorf("kv/owner: %w", err)
+		return "", fmt.Errorf("kv/owner: %w", err)
 	}
 	info, err := os.Lstat(dir)
 	if err != nil {
-		return fmt.Errorf("kv/owner: %w", err)
+		return made, fmt.Errorf("kv/owner: %w", err)
 	}
 	st, ok := info.Sys().(*syscall.Stat_t)
 	switch {
 	case !info.IsDir():
-		return fmt.Errorf("kv/owner: %s is not a directory", dir)
+		return made, fmt.Errorf("kv/owner: %s is not a directory", dir)
 	case ok && int(st.Uid) != os.Getuid():
-		return fmt.Errorf("kv/owner: %s belongs to uid %d, not this user", dir, st.Uid)
+		return made, fmt.Errorf("kv/owner: %s belongs to uid %d, not this user", dir, st.Uid)
 	case info.Mode().Perm()&0o022 != 0:
-		return fmt.Errorf("kv/owner: %s can be written by others (mode %v)", dir, info.Mode().Perm())
+		return made, fmt.Errorf("kv/owner: %s can be written by others (mode %v)", dir, info.Mode().Perm())
 	}
-	return nil
+	return made, nil
 }
 
 // listenPages listens on path, replacing a stale socket there (the caller holds the
@@ -455,25 +528,6 @@ func (o *Owner) Geometry() kv.Geometry { return o.geo }
 // Segments is how every slab lies in its allocations.
 func (o *Owner) Segments() kv.Segments { return o.segs }
 
-// accept serves each connection on a goroutine of its own.
-func (o *Owner) accept() {
-	defer o.wg.Done()
-	for {
-		nc, err := o.ln.AcceptUnix()
-		if err != nil {
-			if o.stopped.Err() == nil && !errors.Is(err, net.ErrClosed) {
-				o.log.Error("kv: accepting on the page socket failed; no more replicas are admitted", "err", err)
-			}
-			return
-		}
-		o.wg.Add(1)
-		go func() {
-			defer o.wg.Done()
-			o.serveConn(nc)
-		}()
-	}
-}
-
 // Stats is a snapshot of the owner's slabs and replicas.
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
@@ -485,22 +539,13 @@ func (o *Owner) Stats() Stats {
 			st.Devices[i].Host = s.tier.snapshot()
 		}
 	}
-	byConn := map[*conn]*kv.ReplicaStats{}
 	for c := range o.conns {
 		if c.welcomed {
-			byConn[c] = &kv.ReplicaStats{PID: c.cred.PID, Device: c.s.dev, AwaitingExit: c.lost}
+			st.Replicas = append(st.Replicas, kv.ReplicaStats{PID: c.cred.PID, Device: c.s.dev, Leases: len(c.held), Pages: c.heldPgs, AwaitingExit: c.lost})
 		}
-	}
-	for _, l := range o.leases {
-		if r := byConn[l.c]; r != nil {
-			r.Leases++
-			r.Pages += len(l.pages)
-		}
-	}
-	for _, r := range byConn {
-		st.Replicas = append(st.Replicas, *r)
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
+	st.ReplicaCount = len(st.Replicas)
 	if o.j != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
 			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
@@ -530,23 +575,23 @@ func (o *Owner) Close(ctx context.Context) error {
 // teardown undoes what Listen made, whatever it got to.
 func (o *Owner) teardown(ctx context.Context) error {
 	o.stop()
-	if o.ln != nil {
-		_ = o.ln.Close()                                // cleanup: nothing is left to do if closing fails
-		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
-	}
 	o.mu.Lock()
 	o.closed = true
-	for c := range o.conns {
-		_ = c.nc.Close() // cleanup: closing it is what ends its service
-	}
 	o.mu.Unlock()
-	o.wg.Wait()
+	if o.srv != nil {
+		o.srv.Close() // the listener, and every connection: closing it is what ends its service
+	} else if o.ln != nil {
+		_ = o.ln.Close() // cleanup: nothing is left to do if closing fails
+	}
 	if o.ln != nil {
+		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
 		<-o.pollDone
 	}
 	o.mu.Lock()
-	o.destroyEvents()
+	dead := o.dead
+	o.dead = nil
 	o.mu.Unlock()
+	o.destroyEvents(dead)
 	errs := o.stopTiers()
 	o.mu.Lock()
 	if err := o.j.close(); err != nil {
@@ -583,10 +628,17 @@ func (o *Owner) teardown(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("kv/owner: closing the pool of device %d: %w", s.dev, err))
 			}
 		}
-		if s.stream != 0 {
-			if err := o.rt.StreamSynchronize(s.dev, s.stream); err != nil {
+		if s.stream != 0 && s.done != 0 {
+			if err := o.waitStream(ctx, s); err != nil {
 				errs = append(errs, fmt.Errorf("kv/owner: the stream of device %d: %w", s.dev, err))
 			}
+		}
+		if s.done != 0 {
+			if err := o.rt.EventDestroy(s.dev, s.done); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: destroying the event of device %d: %w", s.dev, err))
+			}
+		}
+		if s.stream != 0 {
 			if err := o.rt.StreamDestroy(s.dev, s.stream); err != nil {
 				errs = append(errs, fmt.Errorf("kv/owner: destroying the stream of device %d: %w", s.dev, err))
 			}

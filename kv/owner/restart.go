@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
@@ -173,7 +174,7 @@ func (o *Owner) adoptSlabs() error {
 			dopts = append(dopts, consumer.WaitForExporter())
 		}
 		imp, err := consumer.Dial(ctx, path, o.rt, o.opts.Devices[0], append(dopts, consumer.WithLogger(o.log))...)
-		if errors.Is(err, consumer.ErrExporterGone) && !started {
+		if errors.Is(err, export.ErrExporterGone) && !started {
 			if err := start(); err != nil {
 				return err
 			}
@@ -222,11 +223,14 @@ func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
 		if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
 			return "", fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 		}
+		if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
+			return "", fmt.Errorf("kv/owner: event on device %d: %w", d, err)
+		}
 		for i := range o.segs.Count() {
 			// The stream of the Importer's device maps every segment; copies run on
 			// each slab's own stream, on its device.
 			m, err := o.imp.Open(ctx, SlabName(d, i), o.slabs[0].stream)
-			if errors.Is(err, consumer.ErrUnknownName) {
+			if errors.Is(err, export.ErrUnknownName) {
 				return fmt.Sprintf("the keeper (pid %d) keeps no segment %d for device %d", o.imp.ExporterPID(), i, d), nil
 			}
 			if err != nil {
@@ -267,7 +271,13 @@ func (o *Owner) closeImport(ctx context.Context) error {
 	}
 	for _, s := range o.slabs {
 		if s.stream != 0 {
-			errs = append(errs, o.rt.StreamSynchronize(s.dev, s.stream), o.rt.StreamDestroy(s.dev, s.stream))
+			errs = append(errs, o.rt.StreamSynchronize(s.dev, s.stream))
+		}
+		if s.done != 0 {
+			errs = append(errs, o.rt.EventDestroy(s.dev, s.done))
+		}
+		if s.stream != 0 {
+			errs = append(errs, o.rt.StreamDestroy(s.dev, s.stream))
 		}
 	}
 	o.slabs, o.byDev = nil, map[int]*slab{}

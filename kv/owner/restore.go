@@ -123,6 +123,10 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 			pages = append(pages, st.gpu)
 		}
 	}
+	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+		o.mu.Unlock()
+		return c.sendError(h.ID, err)
+	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {

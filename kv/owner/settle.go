@@ -173,9 +173,12 @@ func (o *Owner) poll(ctx context.Context) {
 	var targets []target
 	var results []result
 	var owed []answer
+	var dead []*conn
 	for {
 		o.mu.Lock()
-		o.destroyEvents()
+		dead = append(dead[:0], o.dead...)
+		clear(o.dead)
+		o.dead = o.dead[:0]
 		targets = targets[:0]
 		kept := o.polling[:0]
 		for _, e := range o.polling {
@@ -195,6 +198,8 @@ func (o *Owner) poll(ctx context.Context) {
 		clear(o.polling[len(kept):])
 		o.polling = kept
 		o.mu.Unlock()
+		o.destroyEvents(dead)
+		clear(dead)
 
 		if len(targets) == 0 {
 			backoff = pollMin
@@ -248,11 +253,12 @@ func (o *Owner) enqueue(e *event) {
 	}
 }
 
-// destroyEvents destroys the events of connections that ended and closes the handles
-// on their processes, under o.mu, from the poller alone (or once it has stopped): no
-// query of them is in flight then.
-func (o *Owner) destroyEvents() {
-	for _, c := range o.dead {
+// destroyEvents destroys the events of connections that ended (taken off o.dead) and
+// closes the handles on their processes, without o.mu (so that thousands of events
+// stall nobody), from the poller alone (or once it has stopped): no query of them is
+// in flight then, and none comes, as they have nothing pending.
+func (o *Owner) destroyEvents(dead []*conn) {
+	for _, c := range dead {
 		for _, e := range c.events {
 			if e.ev != 0 {
 				if err := o.rt.EventDestroy(c.s.dev, e.ev); err != nil {
@@ -264,6 +270,4 @@ func (o *Owner) destroyEvents() {
 			_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
 		}
 	}
-	clear(o.dead)
-	o.dead = o.dead[:0]
 }

@@ -44,7 +44,8 @@ type slab struct {
 	bases  []cudart.DevicePtr  // their addresses
 	j      *journal            // the index file; nil: none
 	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex          // one copy at a time on stream
+	copyMu sync.Mutex          // one copy at a time queued on stream
+	done   cudart.Event        // recorded on stream after a copy (or at Close), asked until it completes
 
 	pages      []page
 	free       []uint32 // a stack of free pages

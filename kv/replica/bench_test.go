@@ -23,7 +23,7 @@ func BenchmarkMatch512(b *testing.B) {
 	require.NoError(b, err)
 	b.Run("match", func(b *testing.B) {
 		for b.Loop() {
-			m, err := r.Match(ctx, hashes, rs)
+			m, err := r.Match(ctx, hashes)
 			if err != nil || len(m.Pages()) != 512 {
 				b.Fatal(err, len(m.Pages()))
 			}
@@ -54,7 +54,7 @@ func BenchmarkCycle256(b *testing.B) {
 		if _, err := r.Seal(ctx, w, hashes, rs, replica.WaitVisible()); err != nil {
 			b.Fatal(err)
 		}
-		m, err := r.Match(ctx, hashes, rs)
+		m, err := r.Match(ctx, hashes)
 		if err != nil || len(m.Pages()) != n {
 			b.Fatal(err)
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -42,19 +43,13 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		return r.err
 	}
 	r.calls[id] = c
+	w, nc := r.w, r.nc // the connection the call is made on
 	r.mu.Unlock()
 
-	r.wmu.Lock()
-	b, err := build(r.wbuf[:0], id)
-	if err == nil {
-		nc := r.nc
-		_, err = nc.Write(b)
-		if err != nil {
-			r.failConn(nc, err)
-		}
+	err := w.Write(ctx, func(b []byte) ([]byte, error) { return build(b, id) })
+	if errors.Is(err, session.ErrBroken) {
+		r.failConn(nc, err) // a frame cut short: the owner cannot read on
 	}
-	r.wbuf = b[:0]
-	r.wmu.Unlock()
 	if err != nil {
 		r.forget(id)
 		if gone := r.gone(); gone != nil {
@@ -148,9 +143,8 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 // releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
 func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
 	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		pr := kvwire.NewParser(h.Type, p)
-		if id := pr.U64(); id != 0 {
-			go r.releaseAbandoned(id)
+		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
+			go r.releaseAbandoned(m.ID)
 		}
 	}
 }
@@ -242,13 +236,7 @@ func (r *Replica) releaseAbandoned(id uint64) {
 // replyErr is the error of a reply that is not of type want.
 func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 	if h.Type == kvwire.TypeError {
-		pr := kvwire.NewParser(h.Type, p)
-		code := pr.U16()
-		msg := pr.Text()
-		if err := pr.Done(); err != nil {
-			return err
-		}
-		return kvwire.RemoteError(code, msg)
+		return kvwire.ParseError(h.Type, p)
 	}
 	return fmt.Errorf("%w: the owner answered with %s, not %s", kvwire.ErrMalformed, h.Type, want)
 }
@@ -265,7 +253,9 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
-		func(h kvwire.Header, p []byte) error { return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n)) })
+		func(h kvwire.Header, p []byte) error {
+			return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages)
+		})
 	if err != nil {
 		return nil, err
 	}
@@ -275,19 +265,27 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	return l, nil
 }
 
-// parse fills l from a Leased or Matched reply.
-func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint32) error {
+// parse fills l from a Leased or Matched reply to a request of asked pages (a Leased
+// one has all of them) on a slab of slabPages.
+func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint32, asked, slabPages int) error {
 	if h.Type != want {
 		return replyErr(h, p, want)
 	}
-	pr := kvwire.NewParser(h.Type, p)
-	l.id = pr.U64()
-	l.pages = pr.U32s(pages)
-	if err := pr.Done(); err != nil {
+	m, err := kvwire.DecodeLease(h.Type, p, pages)
+	if err != nil {
 		return err
 	}
+	l.id, l.pages = m.ID, m.Pages
 	if (l.id == 0) != (len(l.pages) == 0) {
 		return fmt.Errorf("%w: lease %d of %d pages", kvwire.ErrMalformed, l.id, len(l.pages))
+	}
+	if len(l.pages) > asked || (want == kvwire.TypeLeased && len(l.pages) != asked) {
+		return fmt.Errorf("%w: %s of %d pages for a request of %d", kvwire.ErrMalformed, want, len(l.pages), asked)
+	}
+	for i, pg := range l.pages {
+		if int64(pg) >= int64(slabPages) {
+			return fmt.Errorf("%w: %s page %d is %d, past the slab's %d pages", kvwire.ErrMalformed, want, i, pg, slabPages)
+		}
 	}
 	return nil
 }
@@ -300,7 +298,9 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart.Stream, opts ...SealOption) (SealResult, error) {
 	var so sealOptions
 	for _, o := range opts {
-		o(&so)
+		if o != nil {
+			o(&so)
+		}
 	}
 	switch {
 	case len(hashes) > kv.MaxBatch:
@@ -329,9 +329,9 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 			if h.Type != kvwire.TypeSealed {
 				return replyErr(h, p, kvwire.TypeSealed)
 			}
-			pr := kvwire.NewParser(h.Type, p)
-			res = SealResult{Visible: int(pr.U32()), Duplicates: int(pr.U32()), Pending: int(pr.U32())}
-			return pr.Done()
+			m, err := kvwire.DecodeSealed(p)
+			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
+			return err
 		})
 	if r.opts.reconnect && (err == nil || errors.Is(err, kv.ErrStaleLease)) {
 		r.untrack(l)
@@ -342,9 +342,10 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 // Match leases for reading the longest run of hashes, from the first, that is visible
 // on the replica's device (copied there from another device's slab where only that
 // one has them). A Lease with no pages means none was visible; the owner holds nothing
-// for it. s is the stream the caller reads on: Match queues nothing on it, since the
-// pages' writes have completed before the owner made them visible.
-func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) (*Lease, error) {
+// for it. Match takes no stream: it queues nothing, since the pages' writes have
+// completed before the owner made them visible; the stream the caller reads on is the
+// one it gives Release.
+func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	if len(hashes) > kv.MaxBatch {
 		return nil, fmt.Errorf("%w: %d hashes, at most %d", kv.ErrTooLarge, len(hashes), kv.MaxBatch)
 	}
@@ -355,7 +356,7 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash, s cudart.Stream) 
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
 		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)))
+			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages)
 		})
 	if err != nil {
 		return nil, err
@@ -414,9 +415,8 @@ func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
 			}
-			pr := kvwire.NewParser(h.Type, p)
-			pr.U32()
-			return pr.Done()
+			_, err := kvwire.DecodeReleased(p)
+			return err
 		})
 }
 

@@ -10,3 +10,14 @@ func HangUp(r *Replica) {
 	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
 	r.nc.Close()
 }
+
+// OpenEvents counts the events r created and has not destroyed.
+func OpenEvents(r *Replica) int {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	return len(r.events) + len(r.leftEvents)
+}
+
+// TornDown is closed once r's Close has completed its teardown, in the background
+// where Close gave up waiting.
+func TornDown(r *Replica) <-chan struct{} { return r.tornDown }

@@ -106,7 +106,7 @@ func gpuReplicaRole(args []string) int {
 		}
 		fmt.Println("sealed", res.Visible)
 	case "read":
-		m, err := r.Match(ctx, hashes, s)
+		m, err := r.Match(ctx, hashes)
 		if err != nil {
 			return fail(err)
 		}

@@ -115,7 +115,7 @@ func TestHostTierEvictsAndRestores(t *testing.T) {
 	require.Zero(t, d.Host.Lost)
 
 	rd, rdev, rs := dial(t, dir, 0)
-	l, err := rd.Match(bound(t), chains[1], rs)
+	l, err := rd.Match(bound(t), chains[1])
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 16, "the match did not restore chain 1 from the host tier")
 	require.NoError(t, check(rdev, rd, rs, l.Pages(), chains[1]), "restored bytes differ from what was sealed")
@@ -127,7 +127,7 @@ func TestHostTierEvictsAndRestores(t *testing.T) {
 
 	// The restored pages are visible in the slab again, and a match of them copies
 	// nothing more.
-	l, err = w.Match(bound(t), chains[1], ws)
+	l, err = w.Match(bound(t), chains[1])
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 16)
 	require.NoError(t, w.Release(bound(t), ws, l))
@@ -153,15 +153,15 @@ func TestHostTierLRUAcrossTiers(t *testing.T) {
 	require.NotZero(t, d.Host.Evictions, "the host tier evicted nothing: %+v", d.Host)
 
 	r, rdev, rs := dial(t, dir, 0)
-	l, err := r.Match(bound(t), chains[1], rs) // the least recent: gone from both
+	l, err := r.Match(bound(t), chains[1]) // the least recent: gone from both
 	require.NoError(t, err)
 	require.Empty(t, l.Pages(), "the least recent chain is still held")
-	l, err = r.Match(bound(t), chains[17], rs) // the most recent: in the slab
+	l, err = r.Match(bound(t), chains[17]) // the most recent: in the slab
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 8)
 	require.NoError(t, r.Release(bound(t), rs, l))
 	require.Zero(t, host0(t, o).Restores)
-	l, err = r.Match(bound(t), chains[9], rs) // the most recent the slab evicted: in the host tier
+	l, err = r.Match(bound(t), chains[9]) // the most recent the slab evicted: in the host tier
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 8)
 	require.NoError(t, check(rdev, r, rs, l.Pages(), chains[9]))
@@ -176,7 +176,7 @@ func TestHostTierNeverEvictsLeasedPages(t *testing.T) {
 	w, wdev, ws := dial(t, dir, 0)
 	first := sealedSpilled(t, o, wdev, w, ws, 8, 1)[1]
 	r, rdev, rs := dial(t, dir, 0)
-	held, err := r.Match(bound(t), first, rs)
+	held, err := r.Match(bound(t), first)
 	require.NoError(t, err)
 	require.Len(t, held.Pages(), 8)
 	seeds := make([]int32, 20)
@@ -186,7 +186,7 @@ func TestHostTierNeverEvictsLeasedPages(t *testing.T) {
 	sealedSpilled(t, o, wdev, w, ws, 8, seeds...)
 	require.NotZero(t, host0(t, o).Evictions, "the host tier was under no pressure")
 	require.NoError(t, check(rdev, r, rs, held.Pages(), first), "a leased page changed")
-	l, err := w.Match(bound(t), first, ws)
+	l, err := w.Match(bound(t), first)
 	require.NoError(t, err)
 	require.Equal(t, held.Pages(), l.Pages(), "the leased pages left the slab")
 	require.NoError(t, w.Release(bound(t), ws, l))
@@ -219,7 +219,7 @@ func TestSpillDoesNotBlockAMatch(t *testing.T) {
 
 	matched := make(chan error, 1)
 	go func() {
-		l, err := r.Match(bound(t), chain, rs)
+		l, err := r.Match(bound(t), chain)
 		if err == nil && len(l.Pages()) != 8 {
 			err = errors.New("a short match")
 		}
@@ -291,7 +291,7 @@ func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
 
 	r, rdev, rs := dial(t, dir, 0)
 	eventually(t, "the aborted write's pages to settle", func() bool { return device0(o).Free == 64 })
-	m, err := r.Match(bound(t), chain, rs)
+	m, err := r.Match(bound(t), chain)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 64)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain), "restored bytes differ from what was sealed")
@@ -314,7 +314,7 @@ func TestHostTierPerDevice(t *testing.T) {
 	require.NoError(t, w.Release(bound(t), ws, l))
 	r, rdev, rs := dial(t, dir, 1)
 	eventually(t, "the aborted write's pages to settle", func() bool { return o.Stats().Devices[1].Free == 64 })
-	m, err := r.Match(bound(t), chain, rs)
+	m, err := r.Match(bound(t), chain)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 64)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain))

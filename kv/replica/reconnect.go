@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -300,8 +301,6 @@ func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.P
 		return kv.ErrClosed
 	}
 	defer func() { <-r.role }()
-	r.wmu.Lock()
-	defer r.wmu.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -317,7 +316,7 @@ func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.P
 		delete(r.leases, l.id)
 		r.log.Warn("kv: a lease was lost in the owner's restart", "lease", l.String(), "why", why)
 	}
-	r.nc, r.rd, r.owner, r.hup, r.stopW = nc, rd, owner, hup, stopW
+	r.nc, r.w, r.rd, r.owner, r.hup, r.stopW = nc, session.NewWriter(nc, 0), rd, owner, hup, stopW
 	r.err = nil
 	r.done = make(chan struct{})
 	r.reattaches++

@@ -2,9 +2,9 @@
 // (package kv/owner, cmd/kvpoold), the segments of its device's slab mapped once, and
 // the leases of pages by index.
 //
-//	r, err := replica.Dial(ctx, dir, rt, device, replica.WithWaitForOwner())
+//	r, err := replica.Dial(ctx, dir, rt, device, replica.WaitForOwner())
 //	hashes := r.Hashes(tokens)
-//	l, err := r.Match(ctx, hashes, s)    // the longest visible run, leased for reading
+//	l, err := r.Match(ctx, hashes)    // the longest visible run, leased for reading
 //	k, v := r.Layer(0)                   // layer 0's K and V tensors, [pages, tokens, heads, dim]
 //	// ... read pages l.Pages() of every layer on s ...
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into
@@ -28,14 +28,15 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -52,15 +53,17 @@ type options struct {
 
 // WithNamespace sets the namespace of the replica's prefix hashes (Hashes). It is no
 // boundary: every replica maps the whole slab read-write, whatever its namespace; one
-// owner directory per trust domain is (package kv, Trust).
+// owner directory per trust domain is (package kv, Trust). A namespace other than ""
+// is printable (no control or bidirectional character) and at most 256 bytes; the
+// owner refuses another with kv.ErrRefused.
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
-// WithWaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
+// WaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
 // directory, dialing again with backoff from 5 ms up to 500 ms.
-func WithWaitForOwner() Option { return func(o *options) { o.wait = true } }
+func WaitForOwner() Option { return func(o *options) { o.wait = true } }
 
-// WithLogger sets where events no call returns are logged. The default is
-// slog.Default().
+// WithLogger sets where events no call returns are logged. The default logs nothing
+// (as producer and consumer do).
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // SealOption configures Seal.
@@ -138,8 +141,7 @@ type Replica struct {
 	host   *HostTier // the device's host tier, mapped (hosttier.go); nil: none
 
 	nextID atomic.Uint32
-	wmu    sync.Mutex
-	wbuf   []byte
+	w      *session.Writer // every write bounded by its caller's ctx
 
 	role chan struct{} // held (a value in it) by the one goroutine reading nc
 	rd   *kvwire.Reader
@@ -151,6 +153,8 @@ type Replica struct {
 	err   error // why the replica stopped: ErrOwnerGone or ErrClosed
 	done  chan struct{}
 	stopW chan struct{} // stops the watcher
+	// tornDown is closed once Close's teardown has completed.
+	tornDown chan struct{}
 
 	// Reconnecting (reconnect.go), guarded by mu.
 	leases     map[uint64]*Lease // the leases held, to re-declare
@@ -161,9 +165,10 @@ type Replica struct {
 	attached   chan struct{} // closed while attached; replaced when the owner is lost
 	reconnWG   sync.WaitGroup
 
-	evMu     sync.Mutex
-	events   map[cudart.Stream]*streamEvent
-	evClosed bool
+	evMu       sync.Mutex
+	events     map[cudart.Stream]*streamEvent
+	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
+	evClosed   bool
 }
 
 // streamEvent is the IPC event the replica records on one stream.
@@ -185,37 +190,39 @@ var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)}
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
 // there are, then the rest at once). It fails with
-// an error wrapping kv.ErrOwnerGone if no owner serves dir (WithWaitForOwner waits for
+// an error wrapping kv.ErrOwnerGone if no owner serves dir (WaitForOwner waits for
 // one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
 // refuses this process. A process holds one Replica per owner and runtime: the slab is
 // imported through a consumer.Importer, and a second Dial fails with an error wrapping
 // consumer.ErrDuplicateImporter. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
-	o := options{log: slog.Default()}
+	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
-		opt(&o)
+		if opt != nil {
+			opt(&o)
+		}
 	}
-	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, dir: dir, opts: o, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), events: map[cudart.Stream]*streamEvent{},
-		leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
+	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{},
+		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
 	close(r.attached)
 	defer func() {
 		if err != nil {
-			if r.nc != nil { // a Bye, so that the owner does not wait for this process's exit
-				b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
-				_, _ = r.nc.Write(b) // best effort: an owner that misses it waits for this process's exit
+			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
+				_ = r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) }) // best effort: an owner that misses it waits for this process's exit
 			}
-			_ = r.teardown(context.Background()) // cleanup: the first error is the one returned
+			_ = r.teardown(context.Background(), true) // cleanup: the first error is the one returned
 		}
 	}()
 	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
 		return nil, err
 	}
+	r.w = session.NewWriter(r.nc, 0)
 	r.geo, r.slab, err = r.hello(ctx, r.nc, r.rd)
+	slabName := r.slab
 	if err != nil {
 		return nil, err
 	}
-	slabName := r.slab
 	if cred, err := peercred.Get(r.nc); err == nil {
 		if r.owner, err = peercred.OpenProcess(cred.PID); err != nil {
 			r.log.Debug("kv: cannot watch the owner's process; its connection tells", "pid", cred.PID, "err", err)
@@ -229,7 +236,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, err
 	}
 	if r.imp, err = consumer.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, consumer.WithLogger(o.log)); err != nil {
-		if errors.Is(err, consumer.ErrExporterGone) {
+		if errors.Is(err, export.ErrExporterGone) {
 			return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
 		}
 		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.
@@ -288,26 +295,17 @@ func (r *Replica) mapSegments(ctx context.Context, slab string) error {
 
 // dialPages connects to the page socket, waiting for it if wait.
 func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
-	backoff := 5 * time.Millisecond
-	for {
-		var d net.Dialer
-		nc, err := d.DialContext(ctx, "unix", path)
-		if err == nil {
-			return nc.(*net.UnixConn), nil
-		}
-		if !wait || ctx.Err() != nil {
-			return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
-		}
-		select {
-		case <-time.After(backoff):
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w: waiting for an owner at %s: %w", kv.ErrOwnerGone, filepath.Dir(path), ctx.Err())
-		}
-		backoff = min(2*backoff, 500*time.Millisecond)
+	nc, err := session.Dial(ctx, path, wait)
+	switch {
+	case err == nil:
+		return nc, nil
+	case wait && ctx.Err() != nil:
+		return nil, fmt.Errorf("%w: waiting for an owner at %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
 	}
+	return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
 }
 
-// hello is the handshake on nc: it learns the geometry and the slab's name.
+// hello is the handshake: it learns the geometry and the slab's name.
 func (r *Replica) hello(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader) (kv.Geometry, string, error) {
 	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
@@ -325,26 +323,19 @@ func (r *Replica) hello(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader
 		}
 		return kv.Geometry{}, "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
 	}
-	pr := kvwire.NewParser(h.Type, p)
 	switch h.Type {
 	case kvwire.TypeWelcome:
-		geo := pr.Geometry()
-		slab := pr.Text()
-		if err := pr.Done(); err != nil {
+		m, err := kvwire.DecodeWelcome(p)
+		if err != nil {
 			return kv.Geometry{}, "", err
 		}
-		if err := geo.Validate(); err != nil {
+		if err := m.Geometry.Validate(); err != nil {
 			return kv.Geometry{}, "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
 		}
-		return geo, slab, nil
+		return m.Geometry, m.Slab, nil
 	case kvwire.TypeRefused:
-		reason := pr.Text()
-		// A refusal for the device starts with kv.ErrGeometry's text.
-		rerr := &kv.RemoteError{Text: "refused: " + reason}
-		if strings.HasPrefix(reason, kv.ErrGeometry.Error()) {
-			rerr.Err = kv.ErrGeometry
-		}
-		return kv.Geometry{}, "", rerr
+		// Its code says why: kv.ErrRefused, kv.ErrGeometry (the device), kv.ErrLimit.
+		return kv.Geometry{}, "", kvwire.ParseError(h.Type, p)
 	}
 	return kv.Geometry{}, "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
 }
@@ -443,12 +434,22 @@ func (r *Replica) Err() error {
 	return r.err
 }
 
-// Close ends the replica: it tells the owner goodbye (leases still held end at once:
-// release them first, so that the owner waits for your streams) and waits, until ctx
-// ends, for the owner to close the connection, so that the owner is done with this
+// Close ends the replica: it tells the owner goodbye, the leases still held ending
+// after the work queued so far on every stream the replica has sealed or released on
+// (Bye carries an event recorded after it), so that no page a kernel still writes goes
+// to another replica; work on a stream never given to Seal or Release is not covered:
+// release such leases first. It then waits, until ctx ends, for the owner to close
+// the connection, so that the owner is done with this
 // replica's events before they are destroyed. It then unmaps the slab after the last
-// records of those events and disconnects from the slab's exporter. With the owner gone
-// Close still completes, and returns nil. A second Close returns kv.ErrClosed.
+// records of those events and disconnects from the slab's exporter. If ctx ends before
+// the owner has closed the connection (a release still waits for a busy stream, or the
+// owner does not read), Close gives up on it and returns, and leaves the events
+// undestroyed, as the owner may still query them: they go with the process's exit.
+// The slab is unmapped after the work queued on the streams the replica used; if ctx
+// ends while that waits (a stream that does not run), Close returns an error wrapping
+// ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
+// more for what waits on the slab's exporter). With the owner gone Close still
+// completes, and returns nil. A second Close returns kv.ErrClosed.
 func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
@@ -466,29 +467,46 @@ func (r *Replica) Close(ctx context.Context) error {
 		close(r.done)
 	}
 	r.mu.Unlock()
+	ownerDone := true
 	if alive {
-		r.bye(ctx)
+		ownerDone = r.bye(ctx)
 	}
 	r.mu.Lock()
 	r.err = kv.ErrClosed
 	r.mu.Unlock()
-	return r.teardown(ctx)
+	done := make(chan error, 1)
+	go func() {
+		defer close(r.tornDown)
+		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
+		defer cancel()
+		done <- r.teardown(bg, ownerDone)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("kv/replica: close: the slab's unmapping waits for the streams' work, and completes once it has run: %w", ctx.Err())
+	}
 }
 
 // bye sends Bye and reads, with the reading role, until the owner closes the
-// connection or ctx ends.
-func (r *Replica) bye(ctx context.Context) {
-	r.wmu.Lock()
-	b, _ := kvwire.AppendEmpty(r.wbuf[:0], kvwire.TypeBye, 0)
-	_, err := r.nc.Write(b)
-	r.wmu.Unlock()
+// connection or ctx ends; it says whether the owner closed it (or is gone).
+func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
+	final := kvwire.Bye{Final: true}
+	if ev, err := r.finalEvent(); err == nil {
+		final.Event = ev
+	} else {
+		final.Final = false
+		r.log.Warn("kv: recording the final event of Close; the leases still held end at once", "err", err)
+	}
+	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.Append(b, kvwire.TypeBye, 0, final) })
 	if err != nil {
-		return
+		return ctx.Err() == nil && !errors.Is(err, session.ErrBroken) // the owner hung up already
 	}
 	select {
 	case r.role <- struct{}{}:
 	case <-ctx.Done():
-		return
+		return false
 	}
 	defer func() { <-r.role }()
 	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
@@ -496,14 +514,41 @@ func (r *Replica) bye(ctx context.Context) {
 	for {
 		h, p, err := r.rd.Next(r.nc)
 		if err != nil {
-			return
+			return ctx.Err() == nil
 		}
 		r.deliver(h, p)
 	}
 }
 
-// teardown undoes what Dial made, whatever it got to.
-func (r *Replica) teardown(ctx context.Context) error {
+// finalEvent records the event Close's Bye carries: on the replica's own stream, after
+// the work queued so far on every stream the replica has sealed or released on.
+func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
+	r.evMu.Lock()
+	for s, e := range r.events {
+		if s == r.stream {
+			continue
+		}
+		if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+	}
+	r.evMu.Unlock()
+	e, err := r.record(r.stream)
+	if err != nil {
+		return [kvwire.EventLen]byte{}, err
+	}
+	return e.h, nil
+}
+
+// teardown undoes what Dial made, whatever it got to; it destroys the events only if
+// destroyEvents (the owner is done with them), and otherwise leaves them to the
+// process's exit.
+func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	select {
 	case <-r.stopW:
 	default:
@@ -522,6 +567,11 @@ func (r *Replica) teardown(ctx context.Context) error {
 	r.evClosed = true
 	events := r.events
 	r.events = map[cudart.Stream]*streamEvent{}
+	if !destroyEvents {
+		for _, e := range events {
+			r.leftEvents = append(r.leftEvents, e.ev)
+		}
+	}
 	r.evMu.Unlock()
 	if len(r.ms) > 0 {
 		// The segments' imports are freed after the last seal and release of every stream.
@@ -542,9 +592,14 @@ func (r *Replica) teardown(ctx context.Context) error {
 	// A stream's wait on an event, and work queued on a stream, outlive their
 	// destruction: nothing here waits for the GPU.
 	for _, e := range events {
-		if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
-			errs = append(errs, err)
+		if destroyEvents {
+			if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
+				errs = append(errs, err)
+			}
 		}
+	}
+	if !destroyEvents && len(events) > 0 {
+		r.log.Debug("kv: Close gave up on the owner; its events are left to the process's exit", "events", len(events))
 	}
 	if r.stream != 0 {
 		if err := r.rt.StreamDestroy(r.dev, r.stream); err != nil {

@@ -110,7 +110,7 @@ func replicaRole(args []string) int {
 				fmt.Println("pending", res.Pending)
 			}
 		case "read":
-			l, err := r.Match(ctx, hashes, s)
+			l, err := r.Match(ctx, hashes)
 			if err != nil {
 				return fail(err)
 			}

@@ -64,7 +64,7 @@ func TestLayerPointersAcrossSegments(t *testing.T) {
 	_, err = w.Seal(ctx, l, hashes, ws, replica.WaitVisible())
 	require.NoError(t, err)
 
-	m, err := r.Match(ctx, hashes, rs)
+	m, err := r.Match(ctx, hashes)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), g.Pages)
 	got := make([]byte, pb)
@@ -127,7 +127,7 @@ func TestDialMapsA100GiBSlab(t *testing.T) {
 		require.Len(t, rp.SegmentPtrs(), 32)
 	}
 	hashes := sealed(t, wdev, w, ws, 5, 2)
-	m, err := r.Match(bound(t), hashes, rs)
+	m, err := r.Match(bound(t), hashes)
 	require.NoError(t, err)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "every layer's K and V: all 32 segments")
 	require.NoError(t, r.Release(bound(t), rs, m))

@@ -52,7 +52,7 @@ func QueryStats(ctx context.Context, dir string) (kv.Stats, error) {
 		case kvwire.TypeWelcome:
 			continue
 		case kvwire.TypeRefused:
-			return st, &kv.RemoteError{Text: "refused: " + kvwire.NewParser(h.Type, p).Text()}
+			return st, kvwire.ParseError(h.Type, p)
 		case kvwire.TypeStatsReply:
 			if err := json.Unmarshal(p, &st); err != nil {
 				return st, fmt.Errorf("kv/replica: the owner's stats: %w", err)

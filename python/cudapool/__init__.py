@@ -644,19 +644,23 @@ class Importer(_Handle):
         return _lib.ImporterH(self._h)
 
     def open(self, name: str, stream: StreamLike = None, timeout: Timeout_ = DEFAULT_TIMEOUT, *,
-             wait: bool = False, replica: Union[bool, Pool] = False) -> "Mapping":
+             wait: bool = False, local_copy: Union[bool, Pool] = False,
+             replica: Union[bool, Pool, None] = None) -> "Mapping":
         """Leases the buffer published under name and maps it. Work queued on stream (of
         this importer's device) after the call sees the producer's writes. With wait, it
-        waits (up to timeout) for the name to be published. With replica (True, or a
+        waits (up to timeout) for the name to be published. With local_copy (True, or a
         Pool that grants the exporter's device access) it copies the buffer into memory of
         this device and gives the lease back: the Mapping then outlives its producer on
-        any GPU. Release the Mapping when done."""
+        any GPU. replica is local_copy's former name, still accepted. Release the Mapping
+        when done."""
+        if replica is not None:
+            local_copy = replica
         o = _lib.options(_lib.OpenOptions)
-        o.flags = (1 if wait else 0) | (2 if replica is not False and replica is not None else 0)
-        if isinstance(replica, Pool):
-            o.replica_pool = _lib.PoolH(replica.handle)
-        elif not isinstance(replica, bool) and replica is not None:
-            raise TypeError("replica must be a bool or a Pool, not %s" % type(replica).__name__)
+        o.flags = (1 if wait else 0) | (2 if local_copy is not False and local_copy is not None else 0)
+        if isinstance(local_copy, Pool):
+            o.replica_pool = _lib.PoolH(local_copy.handle)
+        elif not isinstance(local_copy, bool) and local_copy is not None:
+            raise TypeError("local_copy must be a bool or a Pool, not %s" % type(local_copy).__name__)
         h = _lib.MappingH()
         s = stream_handle(stream)
         _lib.call("cudapool_importer_open", self._ch, _lib.encode_name(name), ctypes.c_void_p(s or None),

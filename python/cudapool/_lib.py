@@ -243,7 +243,7 @@ class Gone(CudapoolError):
 
 
 class Refused(CudapoolError, PermissionError):
-    """The exporter did not admit this process."""
+    """The exporter (or the KV owner) did not admit this process."""
 
 
 class VersionMismatch(CudapoolError):
@@ -292,13 +292,15 @@ class DuplicateImporter(CudapoolError):
 
 
 class TooManyGrants(CudapoolError):
-    """The connection holds as many grants as the exporter allows: release some."""
+    """The connection holds as many grants as the exporter allows, or a KV owner's cap
+    (connections, leases, leased pages, event handles) is full: the message names it.
+    Release some."""
 
 
 class MappingLost(Gone):
     """The mapping's exporter is gone and the mapping lives on another GPU: reading it
     would lose this process's CUDA context. Stop the work that reads it and release it
-    (or open with replica=True)."""
+    (or open with local_copy=True)."""
 
 
 class ExporterFailed(CudapoolError):

@@ -616,8 +616,9 @@ class Replica:
 
     def match(self, hashes, stream=None, timeout=REPLICA_TIMEOUT):
         """Leases for reading the longest run of visible pages under hashes from the
-        first. Work queued on stream after the call may read them; release them after
-        it.
+        first. Work queued on any stream after the call may read them; release them after
+        it, on that stream. ``stream`` is not used (the match queues nothing: the pages'
+        writes completed before they became visible) and is kept for compatibility.
 
         Returns
         -------
@@ -737,7 +738,20 @@ class Replica:
 
     def close(self, timeout=REPLICA_TIMEOUT):
         """Gives every lease back, unmaps the slab and hangs up; a second close does
-        nothing."""
+        nothing.
+
+        The leases still held end after the work queued so far on every stream the
+        replica has sealed or released on, as a release on those streams would: pages
+        a kernel still writes are not given to another replica. Work on a stream never
+        passed to ``seal`` or ``release`` is not covered; release such leases first.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds to wait for that work and for the owner; None means no bound. If it
+            passes, close raises the timeout error, and the unmapping completes on its
+            own once the work has run.
+        """
         if self._r.h:
             r = _Replica(self._r.h)
             self._r.h = 0

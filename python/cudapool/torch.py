@@ -119,17 +119,18 @@ class _Kept:
 
 def open_tensor(importer: cudapool.Importer, name: str, dtype: Any = None, shape: Optional[Sequence[int]] = None,
                 stream: Any = None, timeout: Optional[float] = cudapool.DEFAULT_TIMEOUT, *, wait: bool = False,
-                replica: Any = False) -> cudapool.Mapping:
+                local_copy: Any = False, replica: Any = None) -> cudapool.Mapping:
     """Opens name as a tensor on the importer's device: returns the Mapping with
     .tensor set, a view of the mapped memory (no copy) of the producer's dtype and shape
     (from the metadata; dtype and shape given here win, and are needed where the
     protocol carries none). The tensor is usable on stream (default: torch's current
     stream); release the Mapping when done with it (its release, by default, is ordered
-    after that stream). wait and replica are Importer.open's."""
+    after that stream). wait, local_copy and replica (local_copy's former name) are
+    Importer.open's."""
     dev = torch.device("cuda", importer.device)
     if stream is None:
         stream = _current_stream(dev)
-    m = importer.open(name, stream=stream, timeout=timeout, wait=wait, replica=replica)
+    m = importer.open(name, stream=stream, timeout=timeout, wait=wait, local_copy=local_copy, replica=replica)
     try:
         m.tensor = _as_tensor(m, dtype, shape, dev)
     except BaseException:

@@ -66,7 +66,7 @@ class LivenessTest(unittest.TestCase):
         self.assertEqual(result_of_queue(self, self.q), "published")
         ms = imp.open_all(["b", "c"])
         self.assertEqual([m.meta for m in ms], [b"b", b"c"])
-        replica = imp.open("a", replica=True)
+        replica = imp.open("a", local_copy=True)
         self.assertNotEqual(replica.ptr, first.ptr, "a replica is this process's own memory")
         self.assertEqual(cudapool.copy_from_device(1, replica.ptr, 16), b"\x01" * 16)
         self.assertTrue(imp.alive)

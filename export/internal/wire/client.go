@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/dustin/go-humanize"
+
+	"github.com/cudapool/cudapool/export"
 )
 
 // Client is the requesting side of an admitted connection: it numbers requests, sends
@@ -223,12 +225,12 @@ func (cl *Client) lead(ctx context.Context, w chan delivery) (delivery, error) {
 				return delivery{}, ctx.Err() // nothing is lost: the next reader goes on
 			}
 			cl.Fail(err)
-			return delivery{}, cl.GoneOr(ErrExporterGone)
+			return delivery{}, cl.GoneOr(export.ErrExporterGone)
 		}
 		select {
 		case d, ok := <-w:
 			if !ok {
-				return delivery{}, cl.GoneOr(ErrExporterGone)
+				return delivery{}, cl.GoneOr(export.ErrExporterGone)
 			}
 			// Frames read with the reply would wait for the next wake: take them now.
 			for cl.C.hasFrame() {
@@ -282,7 +284,7 @@ func (cl *Client) dispatch(m Message, fd int) error {
 // Fail ends the connection: every waiting request and every later one fails with
 // ErrExporterGone.
 func (cl *Client) Fail(err error) {
-	if errors.Is(err, ErrProtocol) {
+	if errors.Is(err, export.ErrProtocol) {
 		cl.log.Warn("cudapool: closing the exporter's connection", "exporter", cl.ExporterPID, "reason", err)
 	}
 	cl.closeConn()
@@ -294,9 +296,9 @@ func (cl *Client) Fail(err error) {
 	switch {
 	case cl.down != nil:
 	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed):
-		cl.down = fmt.Errorf("%w: the connection closed", ErrExporterGone)
+		cl.down = fmt.Errorf("%w: the connection closed", export.ErrExporterGone)
 	default:
-		cl.down = fmt.Errorf("%w: %w", ErrExporterGone, err)
+		cl.down = fmt.Errorf("%w: %w", export.ErrExporterGone, err)
 	}
 	for id, ch := range cl.pending {
 		close(ch)
@@ -331,7 +333,7 @@ func (cl *Client) assembleState(m *StateMsg) {
 	body, state := gather(cl, cl.states, m.ReqID, m.JSON, m.Flags&StateMore != 0, MaxStateBytes)
 	switch state {
 	case gatherOver:
-		cl.deliver(m.ReqID, &ErrorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", ErrProtocol, humanize.IBytes(MaxStateBytes))})
+		cl.deliver(m.ReqID, &ErrorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", export.ErrProtocol, humanize.IBytes(MaxStateBytes))})
 	case gatherDone:
 		cl.deliver(m.ReqID, &StateMsg{ReqID: m.ReqID, JSON: body})
 	}
@@ -340,10 +342,10 @@ func (cl *Client) assembleState(m *StateMsg) {
 // assembleBatch collects the frames of a LeaseBatch reply and delivers them as one.
 // Leases of a request given up on go to unclaimed, as a lone Lease's do.
 func (cl *Client) assembleBatch(m *LeaseBatchMsg) {
-	all, state := gather(cl, cl.batches, m.ReqID, m.Leases, m.Flags&LeaseBatchMore != 0, MaxBatch)
+	all, state := gather(cl, cl.batches, m.ReqID, m.Leases, m.Flags&LeaseBatchMore != 0, export.MaxBatch)
 	switch state {
 	case gatherOver:
-		cl.deliver(m.ReqID, &ErrorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: LeaseBatch of more than %d leases", ErrProtocol, MaxBatch)})
+		cl.deliver(m.ReqID, &ErrorMsg{Code: codeExporter, Text: fmt.Sprintf("%v: LeaseBatch of more than %d leases", export.ErrProtocol, export.MaxBatch)})
 		cl.GiveBackAll(all)
 	case gatherUnwanted:
 		cl.GiveBackAll(all)
@@ -410,9 +412,9 @@ func (cl *Client) Request(ctx context.Context, build func(reqID uint64) Message,
 	case cl.down != nil:
 		refuse = cl.down
 	case isNew && cl.closed:
-		refuse = ErrClosed
+		refuse = export.ErrClosed
 	case isNew && cl.Bye:
-		refuse = fmt.Errorf("%w: it is closing", ErrExporterGone)
+		refuse = fmt.Errorf("%w: it is closing", export.ErrExporterGone)
 	}
 	if refuse != nil {
 		cl.Mu.Unlock()
@@ -452,7 +454,7 @@ func (cl *Client) Request(ctx context.Context, build func(reqID uint64) Message,
 			select {
 			case got, ok := <-w:
 				if !ok {
-					return nil, cl.GoneOr(ErrExporterGone)
+					return nil, cl.GoneOr(export.ErrExporterGone)
 				}
 				d = got
 			case <-ctx.Done():
@@ -562,5 +564,5 @@ func (cl *Client) QueryState(ctx context.Context) ([]byte, error) {
 	case *ErrorMsg:
 		return nil, fmt.Errorf("cudapool: state: %w", ReplyErr(r))
 	}
-	return nil, fmt.Errorf("%w: StateRequest answered with %s", ErrProtocol, reply.Kind())
+	return nil, fmt.Errorf("%w: StateRequest answered with %s", export.ErrProtocol, reply.Kind())
 }

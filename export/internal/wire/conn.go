@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/unixfd"
 )
 
@@ -125,7 +126,7 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	c.wbuf = AppendFrame(c.wbuf[:0], m)
 	if len(c.wbuf) > MaxFrame {
 		// Nothing written: the other side would cut the connection for it.
-		return fmt.Errorf("cudapool: send %s: %w: a frame of %d bytes, past the frame limit of %d", m.Kind(), ErrBadRequest, len(c.wbuf), MaxFrame)
+		return fmt.Errorf("cudapool: send %s: %w: a frame of %d bytes, past the frame limit of %d", m.Kind(), export.ErrBadRequest, len(c.wbuf), MaxFrame)
 	}
 	var err error
 	switch {

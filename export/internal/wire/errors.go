@@ -1,80 +1,10 @@
 package wire
 
 import (
-	"errors"
+	"github.com/cudapool/cudapool/export"
 )
-
-// The errors both sides meet: those that travel as the protocol's error codes (CodeErrs)
-// and those of the handshake. Package producer and package consumer give them out
-// under the same names, as the same values, so errors.Is matches either.
-var (
-	// ErrNotSocket means the socket path exists and is not a socket; it is left alone.
-	ErrNotSocket = errors.New("cudapool: path exists and is not a socket")
-	// ErrClosed means the Exporter or Importer was closed, or is closing.
-	ErrClosed = errors.New("cudapool: closed")
-	// ErrExporterGone means the exporter's connection ended (the producer exited,
-	// crashed or closed): no new buffer can be opened through this Importer. Mappings
-	// on the exporter's own GPU stay readable until released (FACTS 7); mappings on
-	// another GPU do not (ErrMappingLost).
-	ErrExporterGone = errors.New("cudapool: exporter is gone")
-	// ErrTooManyGrants means a peer asked for more grants than the exporter allows one
-	// connection (WithMaxGrants): release some first.
-	ErrTooManyGrants = errors.New("cudapool: too many grants held by this connection")
-	// ErrRefused means the exporter did not admit this process; the message carries
-	// the exporter's reason.
-	ErrRefused = errors.New("cudapool: refused by exporter")
-	// ErrVersionMismatch means the two sides speak different protocol versions; the
-	// Message names both.
-	ErrVersionMismatch = errors.New("cudapool: protocol version mismatch")
-	// ErrProtocol means a peer sent something the protocol does not allow: a malformed,
-	// oversized or unexpected frame, or an unexpected file descriptor. The connection
-	// it came on is closed.
-	ErrProtocol = errors.New("cudapool: protocol violation")
-	// ErrUnknownName means no buffer is published under the name asked for.
-	ErrUnknownName = errors.New("cudapool: no buffer published under that name")
-	// ErrBadName means a name is empty, too long, not UTF-8 or holds control
-	// characters, bidirectional controls (which make it display as another) or line
-	// separators.
-	ErrBadName = errors.New("cudapool: invalid name")
-	// ErrStaleLease means the exporter holds no such lease for this connection: it
-	// was released already (a second release, a replay), it is another connection's,
-	// or it was never issued. The message says which.
-	ErrStaleLease = errors.New("cudapool: stale lease")
-	// ErrBufferGone means the buffer was freed (or its pool closed) before it could be
-	// leased: the library never hands out export data of a freed buffer (FACTS 3).
-	ErrBufferGone = errors.New("cudapool: buffer freed")
-	// ErrIMEXRequired means a FABRIC pool could not be exported because the host has
-	// no IMEX channel (the driver answers operation not permitted, FACTS 11).
-	ErrIMEXRequired = errors.New("cudapool: FABRIC export needs an IMEX channel, and this host has none")
-	// ErrHandleType means the pool's handle type cannot travel to this peer: a POSIX
-	// fd pool to a peer on a byte stream without descriptor passing, a pool the peer
-	// cannot import, or a pool that is not shareable at all.
-	ErrHandleType = errors.New("cudapool: pool handle type cannot be shared with this peer")
-	// ErrExporter means the exporter failed to serve a request for a reason of its own
-	// (a CUDA error, for instance); the message carries its text.
-	ErrExporter = errors.New("cudapool: exporter failed")
-	// ErrBadRequest means the exporter found a request malformed in a way the frame
-	// layout cannot show (a lease count of zero, for instance).
-	ErrBadRequest = errors.New("cudapool: bad request")
-	// ErrBadRange means a range to publish is empty or does not lie within its buffer.
-	ErrBadRange = errors.New("cudapool: range outside the buffer")
-	// ErrNoLeases means the connection was made for State alone (QueryState's), so it
-	// cannot take leases.
-	ErrNoLeases = errors.New("cudapool: connection cannot hold leases")
-)
-
-// RemoteError is a request the exporter refused: Text is the exporter's message, and
-// errors.Is matches Err, the sentinel it stands for (ErrUnknownName, ErrStaleLease, ...).
-type RemoteError struct {
-	Err  error
-	Text string
-}
-
-func (e *RemoteError) Error() string { return "exporter: " + e.Text }
-
-func (e *RemoteError) Unwrap() error { return e.Err }
 
 // ReplyErr turns an Error frame into the error it stands for.
 func ReplyErr(m *ErrorMsg) error {
-	return &RemoteError{Err: CodeErrs[m.Code], Text: m.Text}
+	return &export.RemoteError{Err: CodeErrs[m.Code], Text: m.Text}
 }

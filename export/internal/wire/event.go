@@ -1,6 +1,8 @@
 package wire
 
-import "github.com/cudapool/cudapool/cudart"
+import (
+	"github.com/cudapool/cudapool/cudart"
+)
 
 // Completed reports whether the work captured by e, an event of this process or an
 // IPC event of another, has completed already. Both sides ask before making a stream

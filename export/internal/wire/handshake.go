@@ -10,6 +10,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/cudapool/cudapool/export"
 )
 
 // DialSocket connects to the exporter's socket at path.
@@ -20,9 +22,9 @@ func DialSocket(ctx context.Context, path string) (net.Conn, error) {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
 			// A connect to a file that is no socket is refused too: say what is there.
 			if info, serr := os.Stat(path); serr == nil && info.Mode().Type() != fs.ModeSocket {
-				return nil, fmt.Errorf("%w: %s (mode %v) is not an exporter's socket", ErrNotSocket, path, info.Mode())
+				return nil, fmt.Errorf("%w: %s (mode %v) is not an exporter's socket", export.ErrNotSocket, path, info.Mode())
 			}
-			return nil, fmt.Errorf("%w: nothing listens at %s: %w", ErrExporterGone, path, err)
+			return nil, fmt.Errorf("%w: nothing listens at %s: %w", export.ErrExporterGone, path, err)
 		}
 		return nil, fmt.Errorf("cudapool: dial %s: %w", path, err)
 	}
@@ -51,19 +53,19 @@ func Handshake(ctx context.Context, nc net.Conn, h *HelloMsg, timeout time.Durat
 	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
-			return nil, nil, fmt.Errorf("%w: the exporter closed the connection during the handshake", ErrExporterGone)
+			return nil, nil, fmt.Errorf("%w: the exporter closed the connection during the handshake", export.ErrExporterGone)
 		}
 		return nil, nil, ctxOr(ctx, fmt.Errorf("cudapool: handshake: %w", err))
 	}
 	switch m := m.(type) {
 	case *RefusedMsg:
-		if m.Version != ProtocolVersion {
-			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d: %s", ErrVersionMismatch, m.Version, ProtocolVersion, m.Reason)
+		if m.Version != export.ProtocolVersion {
+			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d: %s", export.ErrVersionMismatch, m.Version, export.ProtocolVersion, m.Reason)
 		}
-		return nil, nil, fmt.Errorf("%w: %s", ErrRefused, m.Reason)
+		return nil, nil, fmt.Errorf("%w: %s", export.ErrRefused, m.Reason)
 	case *WelcomeMsg:
-		if m.Version != ProtocolVersion {
-			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d", ErrVersionMismatch, m.Version, ProtocolVersion)
+		if m.Version != export.ProtocolVersion {
+			return nil, nil, fmt.Errorf("%w: exporter speaks protocol version %d, this side speaks %d", export.ErrVersionMismatch, m.Version, export.ProtocolVersion)
 		}
 		if !stop() {
 			return nil, nil, fmt.Errorf("cudapool: handshake: %w", ctx.Err())
@@ -71,7 +73,7 @@ func Handshake(ctx context.Context, nc net.Conn, h *HelloMsg, timeout time.Durat
 		_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return c, m, nil
 	}
-	return nil, nil, fmt.Errorf("%w: the exporter answered Hello with %s", ErrProtocol, m.Kind())
+	return nil, nil, fmt.Errorf("%w: the exporter answered Hello with %s", export.ErrProtocol, m.Kind())
 }
 
 func ctxOr(ctx context.Context, err error) error {

@@ -8,14 +8,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/printable"
 )
-
-// ProtocolVersion is the version of the sharing protocol this package speaks. Both
-// sides must speak the same one. Version 2 leases a range of a buffer and carries the
-// publish's metadata with each lease, and adds retained imports: Welcome's flags,
-// Release's retain flag, Revoke and Revoked.
-const ProtocolVersion = 2
 
 // The frame layout: [u32 little-endian payload length][u8 type][payload].
 const (
@@ -24,10 +19,6 @@ const (
 	// side allocate more than this for one message.
 	MaxFrame   = 64 << 10
 	MaxPayload = MaxFrame - HeaderLen
-	// MaxNameLen is the longest name a buffer can be published under, in bytes.
-	MaxNameLen = 255
-	// MaxMetaLen is the most metadata a publish can carry (WithMeta), in bytes.
-	MaxMetaLen = 4096
 	// MaxDevices bounds the device UUIDs a Welcome lists.
 	MaxDevices = 16
 	// MaxStateBytes bounds the JSON a State reply may add up to across its frames.
@@ -158,7 +149,7 @@ type LeaseMsg struct {
 	Flags          uint32
 	Record         cudart.PtrExportData
 	Ready          cudart.IpcEventHandle
-	Meta           []byte // at most MaxMetaLen; its length goes before Record
+	Meta           []byte // at most export.MaxMetaLen; its length goes before Record
 }
 
 // LeaseLen is a Lease's fixed part; the metadata follows it.
@@ -207,8 +198,8 @@ const (
 	codeExporter ErrCode = iota + 1
 	codeUnknownName
 	codeStaleLease
-	codeForeignLease // read as ErrStaleLease; exporters send codeStaleLease for every case
-	codeForgedLease  // read as ErrStaleLease; exporters send codeStaleLease for every case
+	codeForeignLease // read as export.ErrStaleLease; exporters send codeStaleLease for every case
+	codeForgedLease  // read as export.ErrStaleLease; exporters send codeStaleLease for every case
 	CodeBufferGone
 	codeClosed
 	codeHandleType
@@ -220,15 +211,15 @@ const (
 )
 
 var CodeErrs = [CodeLimit]error{
-	codeExporter: ErrExporter, codeUnknownName: ErrUnknownName, codeStaleLease: ErrStaleLease,
-	codeForeignLease: ErrStaleLease, codeForgedLease: ErrStaleLease, CodeBufferGone: ErrBufferGone,
-	codeClosed: ErrExporterGone, codeHandleType: ErrHandleType, codeIMEXRequired: ErrIMEXRequired,
-	codeBadRequest: ErrBadRequest, codeNoLeases: ErrNoLeases, codeTooManyGrants: ErrTooManyGrants,
+	codeExporter: export.ErrExporter, codeUnknownName: export.ErrUnknownName, codeStaleLease: export.ErrStaleLease,
+	codeForeignLease: export.ErrStaleLease, codeForgedLease: export.ErrStaleLease, CodeBufferGone: export.ErrBufferGone,
+	codeClosed: export.ErrExporterGone, codeHandleType: export.ErrHandleType, codeIMEXRequired: export.ErrIMEXRequired,
+	codeBadRequest: export.ErrBadRequest, codeNoLeases: export.ErrNoLeases, codeTooManyGrants: export.ErrTooManyGrants,
 }
 
 // CodeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
 func CodeOf(err error) ErrCode {
-	if errors.Is(err, ErrClosed) {
+	if errors.Is(err, export.ErrClosed) {
 		return codeClosed
 	}
 	for c := codeExporter + 1; c < CodeLimit; c++ {
@@ -288,10 +279,6 @@ type RevokeMsg struct{ Record cudart.PtrExportData }
 type RevokedMsg struct{ Record cudart.PtrExportData }
 
 const revokeLen = len(cudart.PtrExportData{})
-
-// MaxBatch is the most names an OpenBatch (Importer.OpenAll) and the most leases a
-// ReleaseBatch (Importer.ReleaseAll) may carry.
-const MaxBatch = 1024
 
 // OpenBatchMsg asks for many names at once: each is a u8 length and its bytes.
 type OpenBatchMsg struct {
@@ -511,12 +498,12 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgWelcome:      {welcomeLen, welcomeLen},
 	MsgRefused:      {4 + 1, MaxPayload},
 	MsgPoolHandle:   {poolHandleLen, poolHandleLen},
-	MsgOpen:         {8 + 1, 8 + MaxNameLen},
-	MsgLease:        {LeaseLen, LeaseLen + MaxMetaLen},
+	MsgOpen:         {8 + 1, 8 + export.MaxNameLen},
+	MsgLease:        {LeaseLen, LeaseLen + export.MaxMetaLen},
 	MsgRelease:      {releaseLen, releaseLen},
 	MsgReleased:     {releasedLen, releasedLen},
 	MsgError:        {8 + 4 + 1, MaxPayload},
-	MsgPush:         {LeaseLen + 1, LeaseLen + MaxMetaLen + MaxNameLen},
+	MsgPush:         {LeaseLen + 1, LeaseLen + export.MaxMetaLen + export.MaxNameLen},
 	MsgStateRequest: {8, 8},
 	MsgState:        {8 + 4, MaxPayload},
 	MsgBye:          {0, 0},
@@ -524,7 +511,7 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgRevoked:      {revokeLen, revokeLen},
 	MsgOpenBatch:    {8 + 2, MaxPayload},
 	MsgLeaseBatch:   {LeaseBatchHeaderLen + LeaseLen, MaxPayload},
-	MsgReleaseBatch: {8 + 4, 8 + 4 + MaxBatch*releaseEntryLen},
+	MsgReleaseBatch: {8 + 4, 8 + 4 + export.MaxBatch*releaseEntryLen},
 }
 
 // DecodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -536,7 +523,7 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 	switch t {
 	case MsgHello:
 		m := &HelloMsg{Version: r.u32()}
-		if m.Version != ProtocolVersion {
+		if m.Version != export.ProtocolVersion {
 			return nil, versionErr(m.Version)
 		}
 		if len(p) != helloLen {
@@ -653,8 +640,8 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 			}
 			m.Names = append(m.Names, name)
 		}
-		if len(m.Names) > MaxBatch {
-			return nil, ProtocolErr("OpenBatch has %d names, at most %d", len(m.Names), MaxBatch)
+		if len(m.Names) > export.MaxBatch {
+			return nil, ProtocolErr("OpenBatch has %d names, at most %d", len(m.Names), export.MaxBatch)
 		}
 		return m, nil
 	case MsgLeaseBatch:
@@ -663,8 +650,8 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		if err := checkFlags(t, m.Flags, LeaseBatchKnown); err != nil {
 			return nil, err
 		}
-		if n == 0 || n > MaxBatch {
-			return nil, ProtocolErr("LeaseBatch has %d leases, want 1 to %d", n, MaxBatch)
+		if n == 0 || n > export.MaxBatch {
+			return nil, ProtocolErr("LeaseBatch has %d leases, want 1 to %d", n, export.MaxBatch)
 		}
 		m.Leases = make([]LeaseMsg, n)
 		for i := range m.Leases {
@@ -744,8 +731,8 @@ func (r *reader) lease(m *LeaseMsg) error {
 	if err := CheckRange(m.Size, m.Offset, m.Length); err != nil {
 		return ProtocolErr("Lease: %v", err)
 	}
-	if metaLen > MaxMetaLen || int(metaLen) > len(r.b)-r.i {
-		return ProtocolErr("Lease has %d bytes of metadata, %d are there and at most %d allowed", metaLen, len(r.b)-r.i, MaxMetaLen)
+	if metaLen > export.MaxMetaLen || int(metaLen) > len(r.b)-r.i {
+		return ProtocolErr("Lease has %d bytes of metadata, %d are there and at most %d allowed", metaLen, len(r.b)-r.i, export.MaxMetaLen)
 	}
 	if metaLen > 0 {
 		m.Meta = bytes.Clone(r.b[r.i : r.i+int(metaLen)]) // the read buffer is reused
@@ -757,7 +744,7 @@ func (r *reader) lease(m *LeaseMsg) error {
 // CheckRange says why length bytes at offset are not a range of a size-byte buffer.
 func CheckRange(size, offset, length uint64) error {
 	if length == 0 || offset > size || length > size-offset {
-		return fmt.Errorf("%w: %d bytes at offset %d of a %d-byte buffer", ErrBadRange, length, offset, size)
+		return fmt.Errorf("%w: %d bytes at offset %d of a %d-byte buffer", export.ErrBadRange, length, offset, size)
 	}
 	return nil
 }
@@ -780,8 +767,8 @@ func (r *reader) text(t MsgType, field string) (string, error) {
 
 // CheckName says why name cannot be published, or nil.
 func CheckName(name string) error {
-	if err := printable.Check(name, MaxNameLen); err != nil {
-		return fmt.Errorf("%w: %w", ErrBadName, err)
+	if err := printable.Check(name, export.MaxNameLen); err != nil {
+		return fmt.Errorf("%w: %w", export.ErrBadName, err)
 	}
 	return nil
 }
@@ -794,9 +781,9 @@ func checkFlags(t MsgType, flags, known uint32) error {
 }
 
 func ProtocolErr(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
+	return fmt.Errorf("%w: %s", export.ErrProtocol, fmt.Sprintf(format, args...))
 }
 
 func versionErr(peer uint32) error {
-	return fmt.Errorf("%w: peer speaks protocol version %d, this side speaks %d", ErrVersionMismatch, peer, ProtocolVersion)
+	return fmt.Errorf("%w: peer speaks protocol version %d, this side speaks %d", export.ErrVersionMismatch, peer, export.ProtocolVersion)
 }

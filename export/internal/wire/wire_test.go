@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
 )
 
 // sampleMessages has one well-formed message of every type, each field set so that a
@@ -29,9 +30,9 @@ func sampleMessages() []Message {
 	l := LeaseMsg{ReqID: 7, LeaseID: 0xdeadbeefcafe, PoolID: 3, BufferID: 9, Size: 1 << 21, Offset: 4096, Length: 1000,
 		Flags: LeaseReadyEvent, Record: rec, Ready: ev, Meta: []byte(`{"dtype":"float16","shape":[2,250]}`)}
 	return []Message{
-		&HelloMsg{Version: ProtocolVersion, PID: 4242, Flags: HelloLeases | HelloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
-		&WelcomeMsg{Version: ProtocolVersion, PID: 17, Flags: WelcomeRetain, Devices: []cudart.UUID{{9}, {8, 7}}},
-		&RefusedMsg{Version: ProtocolVersion, Reason: "uid 1001 is not allowed"},
+		&HelloMsg{Version: export.ProtocolVersion, PID: 4242, Flags: HelloLeases | HelloReleaseEvent, HandleTypes: uint32(cudart.HandleTypePosixFD | cudart.HandleTypeFabric), Device: cudart.UUID{1, 2, 3}, ReleaseEvent: ev},
+		&WelcomeMsg{Version: export.ProtocolVersion, PID: 17, Flags: WelcomeRetain, Devices: []cudart.UUID{{9}, {8, 7}}},
+		&RefusedMsg{Version: export.ProtocolVersion, Reason: "uid 1001 is not allowed"},
 		&PoolHandleMsg{PoolID: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{5}, MaxSize: 64 << 20},
 		&PoolHandleMsg{PoolID: 4, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{6}, MaxSize: 1 << 30, Fabric: fab},
 		&OpenMsg{ReqID: 1, Name: "kv/layer-0"},
@@ -105,7 +106,7 @@ func malformedFrames() []malformedFrame {
 		{name: "name with NUL", b: frame(10, MsgOpen, append(make([]byte, 8), 'a', 0)), want: "control character"},
 		{name: "unknown hello flag", b: withField(goodHello, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
 		{name: "release event without leases", b: withField(goodHello, 8, []byte{byte(HelloReleaseEvent)}), want: "takes no leases"},
-		{name: "hello short", b: frame(20, MsgHello, Le.AppendUint32(make([]byte, 0, 20), ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
+		{name: "hello short", b: frame(20, MsgHello, Le.AppendUint32(make([]byte, 0, 20), export.ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
 		{name: "unknown lease flag", b: withField(goodLease, 56, []byte{2}), want: "Lease has unknown flags 0x2"},
 		{name: "event bytes without flag", b: withField(goodLease, 56, []byte{0}), want: "without the ready-event flag"},
 		{name: "lease range past the end", b: withField(goodLease, 40, Le.AppendUint64(nil, 1<<21)), want: "1000 bytes at offset 2097152 of a 2097152-byte buffer"},
@@ -131,8 +132,8 @@ func TestDecoderRefusesMalformedFrames(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			m, _, err := decodeFrame(c.b)
 			require.Error(t, err, "decoded %#v, want an error", m)
-			require.ErrorIs(t, err, ErrProtocol, "error %q, want ErrProtocol saying %q", err, c.want)
-			require.ErrorContains(t, err, c.want, "error %q, want ErrProtocol saying %q", err, c.want)
+			require.ErrorIs(t, err, export.ErrProtocol, "error %q, want export.ErrProtocol saying %q", err, c.want)
+			require.ErrorContains(t, err, c.want, "error %q, want export.ErrProtocol saying %q", err, c.want)
 		})
 	}
 }
@@ -140,11 +141,11 @@ func TestDecoderRefusesMalformedFrames(t *testing.T) {
 func TestDecoderNamesBothVersions(t *testing.T) {
 	// A Hello of a newer version may be longer, an old one shorter; the version is read
 	// first and named.
-	for _, c := range []struct{ version, length uint32 }{{ProtocolVersion + 1, 200}, {1, helloLen}} {
+	for _, c := range []struct{ version, length uint32 }{{export.ProtocolVersion + 1, 200}, {1, helloLen}} {
 		b := frame(c.length, MsgHello, Le.AppendUint32(make([]byte, 0, c.length), c.version)[:c.length])
 		_, _, err := decodeFrame(b)
-		want := fmt.Sprintf("version %d, this side speaks %d", c.version, ProtocolVersion)
-		require.ErrorIs(t, err, ErrVersionMismatch, "error %v, want ErrVersionMismatch saying %q", err, want)
+		want := fmt.Sprintf("version %d, this side speaks %d", c.version, export.ProtocolVersion)
+		require.ErrorIs(t, err, export.ErrVersionMismatch, "error %v, want export.ErrVersionMismatch saying %q", err, want)
 		require.ErrorContains(t, err, want)
 	}
 }
@@ -152,15 +153,15 @@ func TestDecoderNamesBothVersions(t *testing.T) {
 func TestCodeOfMapsEverySentinel(t *testing.T) {
 	for c := codeExporter + 1; c < CodeLimit; c++ {
 		if c == codeClosed {
-			continue // ErrExporterGone on the importer's side, from ErrClosed on the exporter's
+			continue // export.ErrExporterGone on the importer's side, from export.ErrClosed on the exporter's
 		}
 		if c == codeForeignLease || c == codeForgedLease {
 			assert.Equal(t, codeStaleLease, CodeOf(CodeErrs[c]), "codeOf(%v) from code %d", CodeErrs[c], c)
-			continue // read as ErrStaleLease, sent as codeStaleLease
+			continue // read as export.ErrStaleLease, sent as codeStaleLease
 		}
 		assert.Equal(t, c, CodeOf(errors.Join(errors.New("context"), CodeErrs[c])), "codeOf(%v)", CodeErrs[c])
 	}
-	assert.Equal(t, codeClosed, CodeOf(ErrClosed), "codeOf(ErrClosed)")
+	assert.Equal(t, codeClosed, CodeOf(export.ErrClosed), "codeOf(export.ErrClosed)")
 	assert.Equal(t, codeExporter, CodeOf(errors.New("cuda failed")), "codeOf(other)")
 }
 
@@ -174,7 +175,7 @@ func FuzzDecodeFrame(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, rest, err := decodeFrame(b)
 		if err != nil {
-			require.False(t, !errors.Is(err, ErrProtocol) && !errors.Is(err, ErrVersionMismatch), "error %v wraps neither ErrProtocol nor ErrVersionMismatch", err)
+			require.False(t, !errors.Is(err, export.ErrProtocol) && !errors.Is(err, export.ErrVersionMismatch), "error %v wraps neither export.ErrProtocol nor export.ErrVersionMismatch", err)
 			return
 		}
 		used := b[:len(b)-len(rest)]

@@ -13,10 +13,25 @@ import (
 type Reader struct {
 	buf  []byte
 	r, w int
+	max  int // the largest frame taken
 }
 
 // NewReader returns a Reader with a buffer for the largest frame and then some.
-func NewReader() *Reader { return &Reader{buf: make([]byte, 2*MaxFrame)} }
+func NewReader() *Reader { return &Reader{buf: make([]byte, 2*MaxFrame), max: MaxFrame} }
+
+// NewHandshakeReader returns a Reader that takes frames of at most MaxHello bytes, with
+// a buffer to match, until Grow: what an owner gives a connection it has not admitted.
+func NewHandshakeReader() *Reader { return &Reader{buf: make([]byte, 2*MaxHello), max: MaxHello} }
+
+// Grow makes rd take frames of up to MaxFrame bytes, keeping what it has buffered.
+func (rd *Reader) Grow() {
+	if rd.max == MaxFrame {
+		return
+	}
+	buf := make([]byte, 2*MaxFrame)
+	rd.w = copy(buf, rd.buf[rd.r:rd.w])
+	rd.r, rd.buf, rd.max = 0, buf, MaxFrame
+}
 
 // Next returns the next frame from src: its header and its payload, which aliases the
 // Reader's buffer until the next call. A frame that breaks the layout fails with an
@@ -25,8 +40,8 @@ func (rd *Reader) Next(src io.Reader) (Header, []byte, error) {
 	for {
 		if avail := rd.w - rd.r; avail >= 4 {
 			n := int(binary.LittleEndian.Uint32(rd.buf[rd.r:]))
-			if n+4 > MaxFrame {
-				return Header{}, nil, fmt.Errorf("%w: a frame of %d bytes is over the limit of %d", ErrMalformed, uint64(n)+4, MaxFrame)
+			if n+4 > rd.max {
+				return Header{}, nil, fmt.Errorf("%w: a frame of %d bytes is over the limit of %d", ErrMalformed, uint64(n)+4, rd.max)
 			}
 			if n < HeaderLen-4 {
 				return Header{}, nil, fmt.Errorf("%w: a frame of %d bytes is shorter than its header", ErrMalformed, n+4)

@@ -17,8 +17,9 @@ import (
 	"github.com/cudapool/cudapool/kv"
 )
 
-// Version is the version of the page protocol; Hello carries it.
-const Version = 1
+// Version is the version of the page protocol; Hello carries it. Version 2 gave
+// Refused an error code and the Hello's id.
+const Version = 2
 
 // The files of an owner's directory.
 const (
@@ -40,6 +41,11 @@ const (
 	MaxText = 4096
 	// GeometryLen is the bytes of an encoded kv.Geometry.
 	GeometryLen = 24
+	// MaxHello bounds a Hello frame: the owner reads frames no larger until it has
+	// admitted the connection.
+	MaxHello = HeaderLen + 12 + 2 + MaxText
+	// MaxNamespace bounds a Hello's namespace, in bytes.
+	MaxNamespace = 256
 )
 
 // Type is a frame's type byte.
@@ -49,7 +55,7 @@ type Type uint8
 const (
 	TypeHello      Type = 1  // replica: version, pid, device, namespace
 	TypeWelcome    Type = 2  // owner: admitted; the geometry and the slab's name
-	TypeRefused    Type = 3  // owner: not admitted, and why; then close
+	TypeRefused    Type = 3  // owner: not admitted: a code and why; then close
 	TypeAlloc      Type = 4  // replica: n pages for writing
 	TypeLeased     Type = 5  // owner: the write lease answering Alloc
 	TypeSeal       Type = 6  // replica: a write lease's pages under these hashes, after this event
@@ -61,7 +67,7 @@ const (
 	TypeStats      Type = 12 // replica: the owner's Stats
 	TypeStatsReply Type = 13 // owner: Stats as JSON
 	TypeError      Type = 14 // owner: a request failed
-	TypeBye        Type = 15 // replica: no more requests from me
+	TypeBye        Type = 15 // replica: no more requests from me; held leases end after the event if it carries one
 	TypeReattach   Type = 16 // replica: a lease held from before the owner's restart; id 0 ends the list
 	TypeReattached Type = 17 // owner: the lease is kept, or lost and why
 )
@@ -100,9 +106,12 @@ const (
 	CodeGeometry   uint16 = 4
 	CodeTooLarge   uint16 = 5
 	CodeClosed     uint16 = 6
+	CodeRefused    uint16 = 7 // Refused: the policy, the version or the Hello
+	CodeLimit      uint16 = 8 // a cap on connections, leases or event handles is full
 )
 
-var codeErrs = map[uint16]error{CodeNoSpace: kv.ErrNoSpace, CodeStaleLease: kv.ErrStaleLease, CodeGeometry: kv.ErrGeometry, CodeTooLarge: kv.ErrTooLarge, CodeClosed: kv.ErrClosed}
+var codeErrs = map[uint16]error{CodeNoSpace: kv.ErrNoSpace, CodeStaleLease: kv.ErrStaleLease, CodeGeometry: kv.ErrGeometry, CodeTooLarge: kv.ErrTooLarge,
+	CodeClosed: kv.ErrClosed, CodeRefused: kv.ErrRefused, CodeLimit: kv.ErrLimit}
 
 // Code is the Error frame code for err.
 func Code(err error) uint16 {
@@ -187,14 +196,22 @@ func AppendWelcome(b []byte, id uint32, m Welcome) ([]byte, error) {
 	return frame(b, TypeWelcome, 0, id, func(b []byte) []byte { return appendText(AppendGeometry(b, m.Geometry), m.Slab) })
 }
 
-// AppendText appends a frame whose payload is one string: Refused.
-func AppendText(b []byte, t Type, id uint32, s string) ([]byte, error) {
-	return frame(b, t, 0, id, func(b []byte) []byte { return appendText(b, s) })
+// AppendError appends an Error frame, or with t TypeRefused a Refused frame: a code
+// and a message.
+func AppendError(b []byte, t Type, id uint32, code uint16, msg string) ([]byte, error) {
+	return frame(b, t, 0, id, func(b []byte) []byte { return appendText(appendU16(b, code), msg) })
 }
 
-// AppendError appends an Error frame.
-func AppendError(b []byte, id uint32, code uint16, msg string) ([]byte, error) {
-	return frame(b, TypeError, 0, id, func(b []byte) []byte { return appendText(appendU16(b, code), msg) })
+// ParseError reads the payload of an Error or Refused frame as the error it stands for.
+func ParseError(t Type, p []byte) error {
+	pm, err := DecodeProblem(t, p)
+	if err != nil {
+		return err
+	}
+	if t == TypeRefused {
+		pm.Text = "refused: " + pm.Text
+	}
+	return RemoteError(pm.Code, pm.Text)
 }
 
 // AppendEmpty appends a frame without payload: Stats, Bye.
@@ -396,6 +413,9 @@ func (r *Parser) Geometry() kv.Geometry {
 	g.Layers, g.KVHeads, g.HeadDim, g.TokensPerPage, g.Pages = int(r.U32()), int(r.U32()), int(r.U32()), int(r.U32()), int(r.U32())
 	if b := r.take(4); b != nil {
 		g.DType = kv.DType(b[0])
+		if r.err == nil && (b[1] != 0 || b[2] != 0 || b[3] != 0) {
+			r.err = fmt.Errorf("%w: %s geometry's reserved bytes are not zero", ErrMalformed, r.t)
+		}
 	}
 	return g
 }

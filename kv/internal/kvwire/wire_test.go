@@ -55,7 +55,7 @@ func frames(t *testing.T) []byte {
 	must(AppendSealed(b, 5, Sealed{Visible: 1, Duplicates: 2, Pending: 3}))
 	must(AppendMatch(b, 6, []kv.Hash{{3}}))
 	must(AppendRelease(b, 7, &ev, []uint64{1, 1 << 60}))
-	must(AppendError(b, 8, CodeNoSpace, "no room"))
+	must(AppendError(b, TypeError, 8, CodeNoSpace, "no room"))
 	must(AppendEmpty(b, TypeBye, 9))
 	return b
 }

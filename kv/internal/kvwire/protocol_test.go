@@ -1,0 +1,266 @@
+package kvwire
+
+import (
+	"encoding/binary"
+	"fmt"
+	"reflect"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/internal/protospec"
+	"github.com/cudapool/cudapool/kv"
+)
+
+const protocolDoc = "../../../docs/PROTOCOL.md"
+
+func readSpec(t *testing.T) *protospec.Spec {
+	t.Helper()
+	return protospec.Read(t, protocolDoc, "The KV page protocol")
+}
+
+func number(t *testing.T, cell string) uint64 {
+	t.Helper()
+	return protospec.Number(t, protocolDoc, cell)
+}
+
+// protocolConstants are the spec's constants table, by the name it gives each.
+var protocolConstants = map[string]uint64{
+	"protocol version":        Version,
+	"frame header bytes":      HeaderLen,
+	"maximum frame bytes":     MaxFrame,
+	"maximum Hello bytes":     MaxHello,
+	"maximum text bytes":      MaxText,
+	"maximum namespace bytes": MaxNamespace,
+	"maximum batch":           kv.MaxBatch,
+	"event handle bytes":      EventLen,
+	"geometry bytes":          GeometryLen,
+	"observer device":         uint64(Observer),
+	"maximum listed replicas": kv.MaxListed,
+}
+
+// protocolErrors are the sentinels by the names the spec's error table gives them.
+var protocolErrors = map[string]error{
+	"internal": nil, "ErrNoSpace": kv.ErrNoSpace, "ErrStaleLease": kv.ErrStaleLease, "ErrGeometry": kv.ErrGeometry,
+	"ErrTooLarge": kv.ErrTooLarge, "ErrClosed": kv.ErrClosed, "ErrRefused": kv.ErrRefused, "ErrLimit": kv.ErrLimit,
+}
+
+// protocolFlags are the flag constants by the spec's "message flag" names.
+var protocolFlags = map[string]uint64{"Seal wait": FlagWait}
+
+// sample is one frame of a type, each field set to a value no other field has, so that
+// a field at the wrong offset shows. A new frame type needs one.
+type sample struct {
+	t Type
+	m any
+}
+
+func fillBytes(b []byte, v byte) {
+	for i := range b {
+		b[i] = v + byte(i)
+	}
+}
+
+func protocolSamples() []sample {
+	var ev [EventLen]byte
+	fillBytes(ev[:], 0x40)
+	hashes := make([]kv.Hash, 3)
+	for i := range hashes {
+		fillBytes(hashes[i][:], byte(0x80+16*i))
+	}
+	geo := kv.Geometry{Layers: 0x0201, KVHeads: 0x0202, HeadDim: 0x0203, TokensPerPage: 0x0204, Pages: 0x0205, DType: kv.DTypeFP32}
+	return []sample{
+		{TypeHello, Hello{Version: 0x0101, PID: 0x0102, Device: 0x0103, Namespace: "llama/prod"}},
+		{TypeWelcome, Welcome{Geometry: geo, Slab: "kv/slab/0"}},
+		{TypeRefused, Problem{Code: 0x0301, Text: "not you"}},
+		{TypeAlloc, Alloc{Pages: 0x0401}},
+		{TypeLeased, Lease{ID: 0x0501, Pages: []uint32{0x0502, 0x0503}}},
+		{TypeSeal, Seal{Wait: true, Lease: 0x0601, Event: ev, Hashes: hashes}},
+		{TypeSealed, Sealed{Visible: 0x0701, Duplicates: 0x0702, Pending: 0x0703}},
+		{TypeMatch, Match{Hashes: hashes}},
+		{TypeMatched, Lease{ID: 0x0901, Pages: []uint32{0x0902, 0x0903, 0x0904}}},
+		{TypeRelease, Release{Event: ev, Leases: []uint64{0x0a01, 0x0a02}}},
+		{TypeReleased, Released{Count: 0x0b01}},
+		{TypeStats, Empty{}},
+		{TypeStatsReply, StatsReply{JSON: []byte(`{"pid":1}`)}},
+		{TypeError, Problem{Code: 0x0e01, Text: "no room"}},
+		{TypeBye, Bye{Final: true, Event: ev}},
+	}
+}
+
+func TestProtocolConstants(t *testing.T) { readSpec(t).CheckConstants(t, protocolConstants) }
+
+// The versions table ends with the version the code speaks: a bump says what changed.
+func TestProtocolVersions(t *testing.T) { readSpec(t).CheckVersions(t, Version) }
+
+// Every frame type the code decodes is in the messages table with its name and the
+// payload lengths it may have (PayloadLimits), and the table lists no other.
+func TestProtocolMessages(t *testing.T) {
+	s := readSpec(t)
+	inSpec := map[Type]bool{}
+	for _, row := range s.Messages {
+		typ := Type(number(t, row[0]))
+		inSpec[typ] = true
+		assert.Equal(t, typ.String(), row[1], "%s: frame type %d", protocolDoc, typ)
+		lim, ok := PayloadLimits[typ]
+		if !assert.True(t, ok, "%s lists frame type %d (%s), which the code does not decode", protocolDoc, typ, row[1]) {
+			continue
+		}
+		want := fmt.Sprintf("%d–%d", lim.Min, lim.Max)
+		if lim.Min == lim.Max {
+			want = strconv.Itoa(lim.Min)
+		}
+		assert.Equal(t, want, row[3], "%s: payload bytes of %s differ from PayloadLimits", protocolDoc, typ)
+	}
+	for typ := range PayloadLimits {
+		assert.True(t, inSpec[typ], "frame type %d (%s) is not in %s's KV messages table", typ, typ, protocolDoc)
+	}
+}
+
+// Every layout table is where its sample's fields land when encoded; the sample
+// decodes back to itself. A type with a payload has a table.
+func TestProtocolLayouts(t *testing.T) {
+	s := readSpec(t)
+	for _, smp := range protocolSamples() {
+		t.Run(smp.t.String(), func(t *testing.T) {
+			frame, err := Append(nil, smp.t, 0x77, smp.m)
+			require.NoError(t, err)
+			payload := frame[HeaderLen:]
+			h, back, n, err := DecodeFrame(frame)
+			require.NoError(t, err, "the sample of %s does not decode", smp.t)
+			assert.Equal(t, len(frame), n)
+			assert.Equal(t, Header{Type: smp.t, Flags: h.Flags, ID: 0x77}, h)
+			assert.Equal(t, smp.m, back, "the sample of %s decodes to another message", smp.t)
+			layout, ok := s.Layouts[smp.t.String()]
+			if PayloadLimits[smp.t].Max == 0 {
+				assert.False(t, ok, "%s: a layout table for %s, which has no payload", protocolDoc, smp.t)
+				return
+			}
+			require.True(t, ok, "%s has no layout table under \"### %d %s\"", protocolDoc, smp.t, smp.t)
+			off := 0
+			lengths := map[string]int{}
+			for i, f := range *layout {
+				require.Equal(t, strconv.Itoa(off), f[0], "%s: %s field %s: offset, after the fields before it", protocolDoc, smp.t, f[2])
+				size, isLength := lengths[f[1]]
+				switch {
+				case f[1] == "rest":
+					require.Equal(t, len(*layout)-1, i, "%s: %s field %s takes the rest, so it must be last", protocolDoc, smp.t, f[2])
+					size = len(payload) - off
+				case !isLength:
+					size = int(number(t, f[1]))
+				}
+				require.LessOrEqual(t, off+size, len(payload), "%s: %s field %s runs past the encoded payload", protocolDoc, smp.t, f[2])
+				want := fieldBytes(t, smp.m, smp.t.String(), f[2], size)
+				require.Equal(t, want, payload[off:off+size], "%s: %s field %s at offset %d", protocolDoc, smp.t, f[2], off)
+				if strings.HasSuffix(f[2], "_len") || f[2] == "count" {
+					lengths[f[2]] = int(binary.LittleEndian.Uint16(payload[off:]))
+					if f[2] == "count" {
+						lengths[f[2]] = int(binary.LittleEndian.Uint32(payload[off:]))
+					}
+				}
+				off += size
+			}
+			require.Equal(t, len(payload), off, "%s: %s's fields cover %d of the %d bytes the code encodes", protocolDoc, smp.t, off, len(payload))
+		})
+	}
+}
+
+// fieldBytes is the encoding of the field the spec calls name in message m, size
+// bytes: the Go field of the same name without underscores (in m, or its Geometry),
+// a length or count of the field it precedes, or reserved zeros.
+func fieldBytes(t *testing.T, m any, msg, name string, size int) []byte {
+	t.Helper()
+	v := reflect.ValueOf(m)
+	find := func(name string) reflect.Value {
+		want := strings.ReplaceAll(name, "_", "")
+		match := func(n string) bool { return strings.EqualFold(n, want) }
+		if f := v.FieldByNameFunc(match); f.IsValid() {
+			return f
+		}
+		if g := v.FieldByName("Geometry"); g.IsValid() {
+			return g.FieldByNameFunc(match)
+		}
+		return reflect.Value{}
+	}
+	switch {
+	case name == "reserved":
+		return make([]byte, size)
+	case strings.HasSuffix(name, "_len"):
+		f := find(strings.TrimSuffix(name, "_len"))
+		require.True(t, f.IsValid(), "%s: %s has field %s, whose field %T has not", protocolDoc, msg, name, m)
+		return binary.LittleEndian.AppendUint16(nil, uint16(f.Len()))
+	case name == "count":
+		for i := range v.NumField() {
+			if f := v.Field(i); f.Kind() == reflect.Slice {
+				return binary.LittleEndian.AppendUint32(nil, uint32(f.Len()))
+			}
+		}
+	}
+	f := find(name)
+	require.True(t, f.IsValid(), "%s: %s has field %s, which %T has not", protocolDoc, msg, name, m)
+	var b []byte
+	switch f.Kind() {
+	case reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Int:
+		var n uint64
+		if f.CanUint() {
+			n = f.Uint()
+		} else {
+			n = uint64(f.Int())
+		}
+		return binary.LittleEndian.AppendUint64(nil, n)[:size]
+	case reflect.String:
+		return []byte(f.String())
+	case reflect.Array, reflect.Slice:
+		for i := range f.Len() {
+			e := f.Index(i)
+			switch e.Kind() {
+			case reflect.Uint8:
+				b = append(b, byte(e.Uint()))
+			case reflect.Uint32:
+				b = binary.LittleEndian.AppendUint32(b, uint32(e.Uint()))
+			case reflect.Uint64:
+				b = binary.LittleEndian.AppendUint64(b, e.Uint())
+			case reflect.Array:
+				for j := range e.Len() {
+					b = append(b, byte(e.Index(j).Uint()))
+				}
+			}
+		}
+		return b
+	}
+	t.Fatalf("%s field %s: %v, a type the test cannot encode", msg, name, f.Type())
+	return nil
+}
+
+// The flags table lists every flag bit each frame type accepts, and no other.
+func TestProtocolFlags(t *testing.T) {
+	masks := readSpec(t).FlagMasks(t, protocolFlags)
+	for typ := range PayloadLimits {
+		assert.Equal(t, uint64(KnownFlags(typ)), masks[typ.String()], "%s: the flags of %s differ from those the code accepts", protocolDoc, typ)
+	}
+}
+
+// The error codes table lists every code, each with its sentinel.
+func TestProtocolErrorCodes(t *testing.T) {
+	s := readSpec(t)
+	inSpec := map[uint16]bool{}
+	for _, row := range s.Errors {
+		code := uint16(number(t, row[0]))
+		inSpec[code] = true
+		want, ok := protocolErrors[row[1]]
+		if !assert.True(t, ok, "%s names error %q, which protocolErrors (protocol_test.go) does not know", protocolDoc, row[1]) {
+			continue
+		}
+		assert.Equal(t, want, codeErrs[code], "%s: error code %d", protocolDoc, code)
+		if want != nil {
+			assert.Equal(t, code, Code(want), "%s: the code sent for %s", protocolDoc, row[1])
+		}
+	}
+	assert.True(t, inSpec[CodeInternal], "error code %d is not in %s's KV error codes table", CodeInternal, protocolDoc)
+	for code := range codeErrs {
+		assert.True(t, inSpec[code], "error code %d (%v) is not in %s's KV error codes table", code, codeErrs[code], protocolDoc)
+	}
+}

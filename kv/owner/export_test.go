@@ -1,0 +1,33 @@
+package owner
+
+import (
+	"net"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
+
+// SetWrapListener makes the next Listens wrap their page socket's listener with f,
+// until the returned func undoes it.
+func SetWrapListener(f func(net.Listener) net.Listener) (undo func()) {
+	wrapListener = f
+	return func() { wrapListener = nil }
+}
+
+// PanicOn makes every owner's handler panic on a request of type t, until the
+// returned func undoes it.
+func PanicOn(t kvwire.Type) (undo func()) {
+	frameHook = func(got kvwire.Type) {
+		if got == t {
+			panic("kv/owner test: a handler made to panic")
+		}
+	}
+	return func() { frameHook = nil }
+}
+
+// EncodeStats is the JSON of the Stats frame answering st.
+var EncodeStats = encodeStats
+
+// SlabStream is the owner's stream of device dev's slab: its set-up and the copies
+// out of it.
+func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }

@@ -1,0 +1,236 @@
+package owner_test
+
+import (
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net"
+	"os"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testlog"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// listenWith starts an owner of small on device 0 with o (Geometry and NoAnnounce set).
+func listenWith(t *testing.T, o owner.Options) (*owner.Owner, string) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kvs")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	dev := cudarttest.ForTest(t)
+	o.Geometry, o.NoAnnounce = small, true
+	ow, err := owner.Listen(dir, dev, o)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		assert.NoError(t, ow.Close(bound(t)))
+		assert.NoError(t, dev.Err(), "the owner's device saw broken rules")
+	})
+	return ow, dir
+}
+
+// failingOnce is a listener whose first Accept fails with EMFILE.
+type failingOnce struct {
+	net.Listener
+	failed atomic.Bool
+}
+
+func (l *failingOnce) Accept() (net.Conn, error) {
+	if !l.failed.Swap(true) {
+		return nil, &net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept", syscall.EMFILE)}
+	}
+	return l.Listener.Accept()
+}
+
+// N1: one accept that fails for want of descriptors does not stop admission: the
+// owner backs off and accepts again.
+func TestAcceptOutlastsEMFILE(t *testing.T) {
+	l := &failingOnce{}
+	defer owner.SetWrapListener(func(in net.Listener) net.Listener { l.Listener = in; return l })()
+	_, dir := listenWith(t, owner.Options{})
+	r := dialRaw(t, dir)
+	r.hello()
+	assert.True(t, l.failed.Load(), "the first accept failed")
+}
+
+// N3: connections in their handshake are capped per uid; one past the cap is closed
+// at once, without a word, while those within it wait for their Hello; the handshake
+// timeout is the owner's to set.
+func TestHandshakesAreCapped(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}})
+	var silent []*raw
+	for range 3 {
+		silent = append(silent, dialRaw(t, dir))
+	}
+	over := dialRaw(t, dir)
+	over.closed("a connection past the handshake cap")
+	for i, r := range silent {
+		_ = r.nc.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+		_, _, err := r.next()
+		var ne net.Error
+		require.True(t, errors.As(err, &ne) && ne.Timeout(), "connection %d within the cap was closed: %v", i, err)
+		_ = r.nc.SetDeadline(time.Now().Add(testwait.Bound))
+	}
+	silent[0].hello() // within its hour; then its slot is free
+	late := dialRaw(t, dir)
+	late.hello()
+}
+
+// N3: the handshake timeout is configurable: a connection that says nothing is
+// closed once it has passed.
+func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakeTimeout: 20 * time.Millisecond}})
+	r := dialRaw(t, dir)
+	r.closed("a connection silent past the handshake timeout")
+}
+
+// N2: admitted connections are capped per process: one past the cap is refused
+// with kv.ErrLimit naming the cap, and the owner serves the others on.
+func TestConnectionsPerProcessAreCapped(t *testing.T) {
+	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{ConnsPerProcess: 2}})
+	a, b := dialRaw(t, dir), dialRaw(t, dir)
+	a.hello()
+	b.hello()
+	c := dialRaw(t, dir)
+	c.send(kvwire.AppendHello(nil, 4, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid())}))
+	h, p, err := c.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeRefused, h.Type)
+	err = kvwire.ParseError(h.Type, p)
+	assert.ErrorIs(t, err, kv.ErrLimit)
+	assert.ErrorContains(t, err, "ConnsPerProcess")
+	c.closed("a connection past the cap")
+	a.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
+	h, _, err = a.next()
+	require.NoError(t, err)
+	assert.Equal(t, kvwire.TypeLeased, h.Type, "the others are served on")
+	b.send(kvwire.AppendEmpty(nil, kvwire.TypeBye, 0))
+	b.closed("after Bye")
+	d := dialRaw(t, dir)
+	d.hello() // b's slot is free again
+}
+
+// N2: a connection that hangs up without Bye and holds nothing ends at once, though
+// its process lives on: its goroutine, descriptor and pidfd are not kept for the
+// process's exit. One that holds a lease waits for the exit.
+func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
+	o, dir := listenWith(t, owner.Options{})
+	for range 20 {
+		r := dialRaw(t, dir)
+		r.hello()
+		require.NoError(t, r.nc.Close())
+	}
+	holder := dialRaw(t, dir)
+	holder.hello()
+	holder.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
+	h, _, err := holder.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeLeased, h.Type)
+	require.NoError(t, holder.nc.Close())
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && st.Replicas[0].AwaitingExit && st.Replicas[0].Leases == 1
+	}, testwait.Bound, time.Millisecond, "the lease-less lost connections end, and the holder awaits its exit: %+v", o.Stats().Replicas)
+}
+
+// A panic while serving one connection's request ends that connection alone: the
+// owner serves the others on and admits new ones.
+func TestPanicEndsOnlyItsConnection(t *testing.T) {
+	t.Cleanup(owner.PanicOn(kvwire.TypeStats)) // after the cleanups below, which end the connections
+	_, dir := listenWith(t, owner.Options{})
+	dev := cudarttest.ForTest(t)
+	good, err := replica.Dial(bound(t), dir, dev, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { good.Close(bound(t)) })
+	bad := dialRaw(t, dir)
+	bad.hello()
+	bad.send(kvwire.AppendEmpty(nil, kvwire.TypeStats, 3))
+	bad.closed("the connection whose request panicked")
+	l, err := good.Alloc(bound(t), 2)
+	require.NoError(t, err, "the other replica is served on")
+	require.NoError(t, good.Release(bound(t), 0, l))
+	again := dialRaw(t, dir)
+	again.hello()
+}
+
+// N5: the Stats frame fits one frame however many replicas are connected: the list
+// is cut, and the count of those left out says so. (3,000 replicas made a frame of
+// 138 KB, over the 128 KiB limit, and stats failed for everyone.)
+func TestStatsFitOneFrameForAnyNumberOfReplicas(t *testing.T) {
+	for _, n := range []int{0, 10, kv.MaxListed, 3000, 100000} {
+		st := owner.Stats{PID: 1, Devices: []kv.DeviceStats{{Device: 0}}, Replicas: make([]kv.ReplicaStats, n), ReplicaCount: n}
+		for i := range st.Replicas {
+			st.Replicas[i] = kv.ReplicaStats{PID: 4000000 + i, Device: 7, Leases: 1 << 20, Pages: 1 << 30, AwaitingExit: true}
+		}
+		js, err := owner.EncodeStats(st)
+		require.NoError(t, err, "%d replicas", n)
+		assert.LessOrEqual(t, len(js), kvwire.MaxFrame-kvwire.HeaderLen, "%d replicas", n)
+		var got kv.Stats
+		require.NoError(t, json.Unmarshal(js, &got))
+		assert.Equal(t, n, got.ReplicaCount)
+		assert.Equal(t, n, len(got.Replicas)+got.ReplicasOmitted, "%d replicas: listed or counted", n)
+		assert.LessOrEqual(t, len(got.Replicas), kv.MaxListed)
+		if n <= kv.MaxListed {
+			assert.Zero(t, got.ReplicasOmitted, "%d replicas all listed", n)
+		}
+	}
+}
+
+// N12: a replica whose connection was lost (cut off as a slow reader, or hung up
+// without Bye) while its process lives on can release its leases on a new
+// connection: they no longer pin their pages until the process exits, and the lost
+// connection, left holding nothing, ends.
+func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
+	o, dir := listenWith(t, owner.Options{})
+	lost := dialRaw(t, dir)
+	lost.hello()
+	l := lost.alloc(2, 3)
+	require.NoError(t, lost.nc.Close())
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && st.Replicas[0].AwaitingExit
+	}, testwait.Bound, time.Millisecond, "the owner to see the connection lost")
+
+	again := dialRaw(t, dir)
+	again.hello()
+	var none [kvwire.EventLen]byte
+	again.send(kvwire.AppendRelease(nil, 4, &none, []uint64{l}))
+	h, p, err := again.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeReleased, h.Type, "the lost connection's lease, released on a new one: %v", kvwire.ParseError(h.Type, p))
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 1 && !st.Replicas[0].AwaitingExit && st.Devices[0].Free == small.Pages
+	}, testwait.Bound, time.Millisecond, "the lost connection to end and its pages to be free: %+v", o.Stats())
+}
+
+// The owner logs nothing unless given a Logger (like producer and consumer): a
+// connection closed for a malformed frame is logged to the Logger given, never to
+// slog's default.
+func TestOwnerIsSilentByDefault(t *testing.T) {
+	var def, given testlog.Buffer
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(&def, nil)))
+	defer slog.SetDefault(prev)
+	for _, logger := range []*slog.Logger{nil, slog.New(slog.NewTextHandler(&given, nil))} {
+		o, dir := listenWith(t, owner.Options{Logger: logger})
+		r := dialRaw(t, dir)
+		r.hello()
+		r.send(header(8, 99, 0), nil)
+		r.closed("a frame of an unknown type")
+		require.Eventually(t, func() bool { return len(o.Stats().Replicas) == 0 }, testwait.Bound, time.Millisecond, "the connection to end")
+	}
+	assert.Empty(t, def.String(), "the owner logged to slog's default")
+	assert.Contains(t, given.String(), "closing a replica's connection", "the owner logs to the Logger given")
+}
