@@ -50,10 +50,15 @@ const (
 	mMemcpyDtoHAsync                  = "MemcpyDtoHAsync"
 	mMemcpyDtoDAsync                  = "MemcpyDtoDAsync"
 	mMemsetAsync                      = "MemsetAsync"
+	mHostRegister                     = "HostRegister"
+	mHostUnregister                   = "HostUnregister"
+	mHostDevicePointer                = "HostDevicePointer"
+	mMemcpyBatchAsync                 = "MemcpyBatchAsync"
+	mBatchCopyPath                    = "BatchCopyPath"
 )
 
 // methods is every Runtime method Runtime intercepts, in cudart.Runtime's order.
-var methods = [...]string{mName, mDriverVersion, mRuntimeVersion, mDeviceCount, mDeviceAttribute, mDeviceUUID, mDevicePCIBusID, mDeviceCanAccessPeer, mMemGetInfo, mAllocationGranularity, mStreamCreate, mStreamDestroy, mStreamSynchronize, mStreamDevice, mStreamWaitEvent, mEventCreate, mEventDestroy, mEventRecord, mEventSynchronize, mEventQuery, mIpcGetEventHandle, mIpcOpenEventHandle, mMemPoolCreate, mMemPoolDestroy, mDeviceGetDefaultMemPool, mMemPoolGetAttribute, mMemPoolSetAttribute, mMemPoolSetAccess, mMemPoolGetAccess, mMemPoolTrimTo, mMallocFromPoolAsync, mFreeAsync, mMemPoolExportToShareableHandle, mMemPoolImportFromShareableHandle, mMemPoolExportPointer, mMemPoolImportPointer, mMemcpyHtoDAsync, mMemcpyDtoHAsync, mMemcpyDtoDAsync, mMemsetAsync}
+var methods = [...]string{mName, mDriverVersion, mRuntimeVersion, mDeviceCount, mDeviceAttribute, mDeviceUUID, mDevicePCIBusID, mDeviceCanAccessPeer, mMemGetInfo, mAllocationGranularity, mStreamCreate, mStreamDestroy, mStreamSynchronize, mStreamDevice, mStreamWaitEvent, mEventCreate, mEventDestroy, mEventRecord, mEventSynchronize, mEventQuery, mIpcGetEventHandle, mIpcOpenEventHandle, mMemPoolCreate, mMemPoolDestroy, mDeviceGetDefaultMemPool, mMemPoolGetAttribute, mMemPoolSetAttribute, mMemPoolSetAccess, mMemPoolGetAccess, mMemPoolTrimTo, mMallocFromPoolAsync, mFreeAsync, mMemPoolExportToShareableHandle, mMemPoolImportFromShareableHandle, mMemPoolExportPointer, mMemPoolImportPointer, mMemcpyHtoDAsync, mMemcpyDtoHAsync, mMemcpyDtoDAsync, mMemsetAsync, mHostRegister, mHostUnregister, mHostDevicePointer, mMemcpyBatchAsync, mBatchCopyPath}
 
 // Name intercepts cudart.Runtime.Name.
 func (r *Runtime) Name() string {
@@ -636,4 +641,76 @@ func (r *Runtime) MemsetAsync(dev int, dst cudart.DevicePtr, value byte, n uint6
 	}
 	r.done(c)
 	return c.Err
+}
+
+// HostRegister intercepts cudart.Runtime.HostRegister.
+func (r *Runtime) HostRegister(dev int, mem []byte, flags cudart.HostRegisterFlags) error {
+	if !r.watches(mHostRegister) {
+		return r.Runtime.HostRegister(dev, mem, flags)
+	}
+	c := r.call(mHostRegister, dev, mem, flags)
+	if c.Err == nil && !c.answered {
+		c.Err = r.Runtime.HostRegister(arg[int](c, 0), arg[[]byte](c, 1), arg[cudart.HostRegisterFlags](c, 2))
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// HostUnregister intercepts cudart.Runtime.HostUnregister.
+func (r *Runtime) HostUnregister(dev int, mem []byte) error {
+	if !r.watches(mHostUnregister) {
+		return r.Runtime.HostUnregister(dev, mem)
+	}
+	c := r.call(mHostUnregister, dev, mem)
+	if c.Err == nil && !c.answered {
+		c.Err = r.Runtime.HostUnregister(arg[int](c, 0), arg[[]byte](c, 1))
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// HostDevicePointer intercepts cudart.Runtime.HostDevicePointer.
+func (r *Runtime) HostDevicePointer(dev int, mem []byte) (cudart.DevicePtr, error) {
+	if !r.watches(mHostDevicePointer) {
+		return r.Runtime.HostDevicePointer(dev, mem)
+	}
+	c := r.call(mHostDevicePointer, dev, mem)
+	if c.Err == nil && !c.answered {
+		v0, err := r.Runtime.HostDevicePointer(arg[int](c, 0), arg[[]byte](c, 1))
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.DevicePtr](c, 0), c.Err
+}
+
+// MemcpyBatchAsync intercepts cudart.Runtime.MemcpyBatchAsync.
+func (r *Runtime) MemcpyBatchAsync(dev int, pieces []cudart.CopyPiece, s cudart.Stream) error {
+	if !r.watches(mMemcpyBatchAsync) {
+		return r.Runtime.MemcpyBatchAsync(dev, pieces, s)
+	}
+	c := r.call(mMemcpyBatchAsync, dev, pieces, s)
+	if c.Err == nil && !c.answered {
+		c.Err = r.Runtime.MemcpyBatchAsync(arg[int](c, 0), arg[[]cudart.CopyPiece](c, 1), arg[cudart.Stream](c, 2))
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// BatchCopyPath intercepts cudart.Runtime.BatchCopyPath.
+func (r *Runtime) BatchCopyPath(dev int) (cudart.CopyPath, error) {
+	if !r.watches(mBatchCopyPath) {
+		return r.Runtime.BatchCopyPath(dev)
+	}
+	c := r.call(mBatchCopyPath, dev)
+	if c.Err == nil && !c.answered {
+		v0, err := r.Runtime.BatchCopyPath(arg[int](c, 0))
+		c.Results, c.Err = []any{v0}, err
+		c.ran = true
+	}
+	r.done(c)
+	return result[cudart.CopyPath](c, 0), c.Err
 }

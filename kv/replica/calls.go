@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/cudapool/cudapool/export"
 	"net"
 	"slices"
 	"time"
@@ -233,6 +234,18 @@ func (r *Replica) releaseAbandoned(id uint64) {
 	}
 }
 
+// giveBackBreach returns err, the failure of a call that may have parsed a lease the
+// owner granted against the protocol (too many pages, a page past the slab): such a
+// lease, which the caller never sees, is released before it returns, so that the owner
+// holds nothing for it.
+func (r *Replica) giveBackBreach(ctx context.Context, l *Lease, err error) error {
+	if l.id == 0 || !errors.Is(err, export.ErrProtocol) {
+		return err
+	}
+	var none [kvwire.EventLen]byte
+	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}))
+}
+
 // replyErr is the error of a reply that is not of type want.
 func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 	if h.Type == kvwire.TypeError {
@@ -257,7 +270,7 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 			return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages)
 		})
 	if err != nil {
-		return nil, err
+		return nil, r.giveBackBreach(ctx, l, err)
 	}
 	if r.opts.reconnect {
 		r.track(l)
@@ -277,14 +290,14 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 	}
 	l.id, l.pages = m.ID, m.Pages
 	if (l.id == 0) != (len(l.pages) == 0) {
-		return fmt.Errorf("%w: lease %d of %d pages", kvwire.ErrMalformed, l.id, len(l.pages))
+		return fmt.Errorf("%w: %w: lease %d of %d pages", export.ErrProtocol, kvwire.ErrMalformed, l.id, len(l.pages))
 	}
 	if len(l.pages) > asked || (want == kvwire.TypeLeased && len(l.pages) != asked) {
-		return fmt.Errorf("%w: %s of %d pages for a request of %d", kvwire.ErrMalformed, want, len(l.pages), asked)
+		return fmt.Errorf("%w: %w: %s of %d pages for a request of %d", export.ErrProtocol, kvwire.ErrMalformed, want, len(l.pages), asked)
 	}
 	for i, pg := range l.pages {
 		if int64(pg) >= int64(slabPages) {
-			return fmt.Errorf("%w: %s page %d is %d, past the slab's %d pages", kvwire.ErrMalformed, want, i, pg, slabPages)
+			return fmt.Errorf("%w: %w: %s page %d is %d, past the slab's %d pages", export.ErrProtocol, kvwire.ErrMalformed, want, i, pg, slabPages)
 		}
 	}
 	return nil
@@ -359,7 +372,7 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages)
 		})
 	if err != nil {
-		return nil, err
+		return nil, r.giveBackBreach(ctx, l, err)
 	}
 	if r.opts.reconnect && l.id != 0 {
 		l.hashes = slices.Clone(hashes[:len(l.pages)])
