@@ -576,6 +576,10 @@ def kv_rows(run):
     rows.append(["the owner's pages matched / sealed / evicted",
                  " / ".join("%d" % c.median if c else "-" for c in counts) if any(counts)
                  else kv_stats(run, "replicas", "pages/matched")[1], "-", "-"])
+    st, why = kv_stats(run, "cudapool", "kv/restart")
+    rows.append(["page server SIGKILLed and restarted over its keeper: all %d replicas reattached and matching all "
+                 "2,048 pages (32,768 tokens), ms from its start, Go" % 3,
+                 "p50 %s ms, p99 %s ms (n=%d restarts)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
     rows.append(["greedy tokens of every request equal to the reference run's",
                  run.meta.get("replicas-greedy", kv_stats(run, "replicas", "greedy")[1]),
                  run.meta.get("replicas-checks", "-"), "-"])
@@ -654,6 +658,10 @@ def kv_targets(run):
               sealed.median / GIB, one.median / GIB, "the replicas hold %.2f GiB with the pool vs %.2f GiB in "
               "private copies" % (pool.median / GIB, private.median / GIB) if pool and private else "") if r else "",
           why)
+    st, why = kv_stats(run, "cudapool", "kv/restart")
+    judge("page server SIGKILLed and restarted: every replica reattached and matching all 2,048 pages of the "
+          "32k prompt within 1 s of the restart (issue 24)", st and st.median, lambda x: x <= 1000,
+          "%s ms (median of %d restarts, 3 replicas)" % (num(st.median), st.n) if st else "", why)
     g = run.meta.get("replicas-greedy")
     judge("every request's greedy tokens equal the reference run's (issue 18)", g, lambda x: x.startswith("all "),
           g, kv_stats(run, "replicas", "greedy")[1])

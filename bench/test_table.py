@@ -170,10 +170,11 @@ class Sharing(unittest.TestCase):
 
 
 def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, dial_ms=(180.0, 200.0, 210.0, 190.0),
-             host=50.0, rate16=None, hash_us=50.0, visible_us=30.0, idle_pct=0.1):
+             host=50.0, restart=120.0, rate16=None, hash_us=50.0, visible_us=30.0, idle_pct=0.1):
     """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail), Go's
-    rates, its slab and its replicas' dials, the host tier's GB/s, and issue 25's rows
-    (batch 16's rate, rate16 if given, else rate; the hashes, seal -> visible, idle CPU)."""
+    rates, its slab and its replicas' dials, the host tier's GB/s, the restarts (ms), and
+    issue 25's rows (batch 16's rate, rate16 if given, else rate; the hashes, seal ->
+    visible, idle CPU)."""
     lines = ["meta kv-slab %d GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 replica processes" % slab_gib]
     lines += result("cudapool", "kv/slab", "B", [slab_gib * (1 << 30)])
     lines += result("cudapool", "kv/dial", "ms", list(dial_ms))
@@ -188,6 +189,7 @@ def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, di
     lines += result("cudapool", "kv/hash512", "us", [hash_us] * 10)
     lines += result("cudapool", "kv/visible", "us", [visible_us] * 10)
     lines += result("cudapool", "kv/idle-cpu", "%cpu", [idle_pct])
+    lines += result("cudapool", "kv/restart", "ms", [restart, restart * 1.1, restart * 0.9])
     return lines
 
 
@@ -219,7 +221,7 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite(), replicas_fig())
         self.assertEqual(run.problems, [])
         got = kv_verdicts(run)
-        self.assertEqual(len(got), 20)
+        self.assertEqual(len(got), 21)
         self.assertEqual(set(got.values()), {table.MET}, got)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
@@ -244,7 +246,8 @@ class KVPool(unittest.TestCase):
 
     def test_missed(self):
         run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, dial_ms=(900, 1001, 950),
-                                   host=40.0, rate16=0.2e6, hash_us=70.0, visible_us=60.0, idle_pct=2.0),
+                                   host=40.0, restart=1001.0, rate16=0.2e6, hash_us=70.0, visible_us=60.0,
+                                   idle_pct=2.0),
                           replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
         got = kv_verdicts(run)
         self.assertEqual(set(got.values()), {table.MISSED}, got)
@@ -267,7 +270,7 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite())
         got = kv_verdicts(run)
         model = [n for n in got if "KV match" not in n and "pages/s" not in n and "slab" not in n and "GB/s" not in n
-                 and "(issue 25)" not in n]
+                 and "(issue 25)" not in n and "restarted" not in n]
         self.assertEqual(len(model), 5)
         for n in model:
             self.assertEqual(got[n], table.NO_LINES, n)

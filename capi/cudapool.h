@@ -465,7 +465,14 @@ enum cudapool_kv_dtype {
 /* The flags of cudapool_kv_dial. */
 enum cudapool_kv_dial_flags {
 	/* Wait (up to timeout_ms) for an owner that is not listening yet. */
-	CUDAPOOL_KV_WAIT_FOR_OWNER = 1
+	CUDAPOOL_KV_WAIT_FOR_OWNER = 1,
+	/* Reattach by itself to an owner restarted on dir (kvpoold over its keeper): once
+	 * the owner is lost, calls fail with CUDAPOOL_EGONE while the replica redials and
+	 * re-declares its leases; then they work again, the slab mapped where it was. A
+	 * lease the new owner did not take back fails with CUDAPOOL_ESTALE ("lost"). A
+	 * seal or release that failed with CUDAPOOL_EGONE leaves its lease held: make it
+	 * again once attached (cudapool_kv_wait_attached). */
+	CUDAPOOL_KV_RECONNECT = 2
 };
 
 /* The geometry of a replica's slab. Set size to sizeof(cudapool_kv_geometry) before the
@@ -552,8 +559,17 @@ int cudapool_kv_release(cudapool_kv_replica r, const uint64_t *leases, size_t n,
 /* cudapool_kv_done_fd: a file descriptor that becomes readable when the owner is gone
  * (for poll or epoll). It belongs to the replica: do not read or close it. */
 int cudapool_kv_done_fd(cudapool_kv_replica r, int *fd);
-/* cudapool_kv_alive: *alive is 1 while the owner is there, 0 once it is gone. */
+/* cudapool_kv_alive: *alive is 1 while the owner is there, 0 once it is gone (with
+ * CUDAPOOL_KV_RECONNECT: 1 again once reattached). The done fd tells the first loss only. */
 int cudapool_kv_alive(cudapool_kv_replica r, int *alive);
+/* cudapool_kv_reattaches: *n counts the times the replica reattached to a restarted
+ * owner (CUDAPOOL_KV_RECONNECT). */
+int cudapool_kv_reattaches(cudapool_kv_replica r, uint64_t *n);
+/* cudapool_kv_wait_attached waits, up to timeout_ms (0: no bound; CUDAPOOL_NO_WAIT: not
+ * at all), until the replica is attached to
+ * a live owner: CUDAPOOL_OK (at once while it is), CUDAPOOL_ETIMEOUT, or CUDAPOOL_EGONE
+ * where no reattach can come (no CUDAPOOL_KV_RECONNECT, or the slab's keeper is gone). */
+int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms);
 /* cudapool_kv_error writes why the owner is gone ("" while it is there), as text. On
  * CUDAPOOL_ERANGE *len is the size needed. */
 int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len);

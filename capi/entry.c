@@ -365,6 +365,12 @@ int cudapool_kv_done_fd(cudapool_kv_replica r, int *fd) { CP_CALL(cpgo_kv_done_f
 
 int cudapool_kv_alive(cudapool_kv_replica r, int *alive) { CP_CALL(cpgo_kv_alive(r.h, alive)); }
 
+int cudapool_kv_reattaches(cudapool_kv_replica r, uint64_t *n) { CP_CALL(cpgo_kv_reattaches(r.h, n)); }
+
+int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms) {
+	CP_CALL(cpgo_kv_wait_attached(r.h, timeout_ms));
+}
+
 int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len) {
 	CP_CALL(cpgo_kv_error(r.h, buf, cap, len));
 }

@@ -41,9 +41,10 @@ var kvDTypes = map[kv.DType]C.int32_t{
 // kvReplica is a replica as C holds it: C names a lease by its id alone, so the
 // replica's live leases are kept here by id, from alloc or match to seal or release.
 type kvReplica struct {
-	r      *replica.Replica
-	ns     string
-	device int
+	r         *replica.Replica
+	ns        string
+	device    int
+	reconnect bool // CUDAPOOL_KV_RECONNECT
 
 	mu     sync.Mutex
 	leases map[uint64]*replica.Lease
@@ -228,8 +229,8 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	case nsLen > 0 && ns == nil:
 		return fail(invalid("ns is NULL with ns_len %d", uint64(nsLen)))
 	}
-	if flags&^kvDialWaitForOwner != 0 {
-		return fail(invalid("unknown dial flags %#x", int(flags)&^kvDialWaitForOwner))
+	if known := C.int(kvDialWaitForOwner | kvDialReconnect); flags&^known != 0 {
+		return fail(invalid("unknown dial flags %#x", int(flags&^known)))
 	}
 	d, ctx, cancel, err := nameAndContext(dir, "dir", timeoutMs)
 	if err != nil {
@@ -254,11 +255,16 @@ func cpgo_kv_dial(dir *C.char, device C.int, ns *C.char, nsLen C.size_t, flags C
 	if flags&kvDialWaitForOwner != 0 && !noWait(ctx) {
 		opts = append(opts, replica.WaitForOwner())
 	}
+	if flags&kvDialReconnect != 0 {
+		opts = append(opts, replica.WithReconnect())
+	}
 	r, err := replica.Dial(ctx, d, rt, int(device), opts...)
 	if err != nil {
 		return fail(err)
 	}
-	*out = C.uint64_t(kvReplicas.add(newKVReplica(r, namespace, int(device))))
+	k := newKVReplica(r, namespace, int(device))
+	k.reconnect = flags&kvDialReconnect != 0
+	*out = C.uint64_t(kvReplicas.add(k))
 	return statusOK
 }
 
@@ -601,7 +607,9 @@ func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) 
 }
 
 // afterFailure settles the leases of a seal or release that failed with err:
-//   - the owner is gone or the replica closed: they are gone with it;
+//   - the owner is gone and the replica reconnects (CUDAPOOL_KV_RECONNECT): they are
+//     kept, to be re-declared to the restarted owner and made again;
+//   - the owner is gone or the replica closed, or a restart lost them: they are gone;
 //   - the call ran out of time: it may have reached the owner, which then ended them,
 //     or not. The C call holds nothing either way (CUDAPOOL_ETIMEOUT's promise), so
 //     the table forgets them and they are released again after s, with a bound of
@@ -611,7 +619,9 @@ func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) 
 //     stale lease among them) the owner ended none: they are kept.
 func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Lease) {
 	switch {
-	case errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed):
+	case k.keepsLeasesWhenGone(err):
+		k.put(ls...) // still held, to be re-declared to the restarted owner
+	case errors.Is(err, kv.ErrOwnerGone) || errors.Is(err, kv.ErrClosed) || errors.Is(err, kv.ErrLeaseLost):
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
 		defer cancel()

@@ -135,6 +135,7 @@ var statuses = []struct {
 	{rtchoice.ErrNoSoftwareDevice, statusNoRuntime},
 	{kv.ErrNoSpace, statusNoSpace},
 	{kv.ErrStaleLease, statusStale},
+	{kv.ErrLeaseLost, statusStale}, // the restarted owner does not hold it
 	{kv.ErrOwnerGone, statusGone},
 	{kv.ErrClosed, statusClosed},
 	{kv.ErrGeometry, statusInval},

@@ -29,6 +29,10 @@ var (
 	// ErrLimit means a cap of the owner's is full (connections, leases or event
 	// handles of one connection); the error names the cap. Nothing was granted.
 	ErrLimit = errors.New("kv: limit reached")
+	// ErrLeaseLost means a lease held when the owner died was not re-established by
+	// the owner that took its place: its pages may have been reused, so nothing read
+	// from or written to them since can be trusted.
+	ErrLeaseLost = errors.New("kv: lease lost in an owner's restart")
 )
 
 // RemoteError is a failure the owner reported with a message of its own. Err is the

@@ -11,6 +11,19 @@ type Stats struct {
 	Replicas        []ReplicaStats `json:"replicas"`
 	ReplicaCount    int            `json:"replica_count"`
 	ReplicasOmitted int            `json:"replicas_omitted,omitempty"`
+	// Restart says what the owner took back at its start (kv/owner.Recovery); absent
+	// for an owner that keeps no index.
+	Restart *RestartStats `json:"restart,omitempty"`
+}
+
+// RestartStats is an owner's start over a keeper's slabs, in Stats.
+type RestartStats struct {
+	Epoch    uint64 `json:"epoch"`    // starts on this index, this one included
+	Adopted  bool   `json:"adopted"`  // the slabs were a live keeper's
+	Keeper   int    `json:"keeper"`   // its pid
+	Restored int    `json:"restored"` // visible pages taken back from the index
+	Awaiting int    `json:"awaiting"` // replicas of before not reattached yet
+	Dropped  string `json:"dropped,omitempty"`
 }
 
 // MaxListed is the most replicas a Stats frame lists.

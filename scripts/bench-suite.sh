@@ -10,7 +10,7 @@
 #	legacy IPC bench/cref: cudaMalloc and cudaIpc{Get,Open,Close}MemHandle
 #	cuda.core  bench/cudacore.py (orders nothing between processes)
 #	torch      bench/torchbench.py (issue 10's rows)
-#	KV pool    bin/gpu/gosuite kv (Go) and bench/kvbench.py (Python, over
+#	KV pool    bin/gpu/gosuite kv and kv-restart (Go) and bench/kvbench.py (Python, over
 #	           bin/gpu/libcudapool.so and a bin/gpu/kvpoold of its own): issue 18's
 #	           match and page-rate rows; bin/gpu/gosuite kvtier: issue 24's host tier
 #
@@ -273,6 +273,10 @@ part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "
 kv_slab=${KV_SLAB:-100GiB}
 [ "$rt" = test ] && kv_slab=${KV_SLAB:-4GiB}
 part gosuite-kv 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -kv-bytes "$kv_slab" kv
+# The page server SIGKILLed and restarted over its keeper while 3 replicas hold the
+# 32k prompt (issue 24): a part of its own, so that its processes' starts do not eat
+# the kv rows' time.
+part gosuite-kv-restart 45 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kv-restart
 # The host tier (issue 24): a 32,768-token prompt evicted to it and restored, bytes
 # checked (kv/host/restore32k), and the spills' GB/s (kv/host/spill).
 part gosuite-kvtier 90 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" kvtier

@@ -319,11 +319,17 @@ func kvReplicaMain(args []string) int {
 		return fail(err)
 	}
 	k := &kvLoad{r: rp, rt: rt, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed}
+	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return k.obey(ctx, strings.Fields(line)) }, fail)
+}
+
+// serveReplica says "ready", answers each line of stdin with obey's reply, and at its
+// end closes rp and destroys s; a command that fails ends it, through fail.
+func serveReplica(ctx context.Context, rp *replica.Replica, rt cudart.Runtime, s cudart.Stream, obey func(line string) (string, error), fail func(error) int) int {
 	out := &lineWriter{w: os.Stdout}
 	out.say("ready")
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
-		reply, err := k.obey(ctx, strings.Fields(in.Text()))
+		reply, err := obey(in.Text())
 		if err != nil {
 			_ = rp.Close(ctx) // cleanup: the command's error is the one returned
 			return fail(fmt.Errorf("%q: %w", in.Text(), err))

@@ -21,8 +21,9 @@
 //	gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc
 //	gosuite [-runtime ...] granularity
 //	gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv
+//	gosuite [-runtime ...] [-quick] kv-restart
 //
-// "kv" runs the KV page pool's rows (kv.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
+// "kv" runs the KV page pool's rows (kv.go), "kv-restart" its restart row (kvrestart.go). "all" runs the sharing operations and the import pair. "alloc" runs the allocation
 // pairs as one participant of the ring that scripts/bench-suite.sh starts (see
 // alloc.go). "granularity" prints the bytes an exportable pool allocates for one
 // byte asked, which the script puts in the plan. -quick takes few samples, for a dry
@@ -100,6 +101,12 @@ func playRole() {
 			os.Exit(exporterMain(os.Args[2:]))
 		case kvReplicaRole:
 			os.Exit(kvReplicaMain(os.Args[2:]))
+		case kvKeeperRole:
+			os.Exit(kvKeeperMain(os.Args[2:]))
+		case kvOwnerRole:
+			os.Exit(kvOwnerMain(os.Args[2:]))
+		case kvRestartRole:
+			os.Exit(kvRestartMain(os.Args[2:]))
 		}
 	}
 }
@@ -122,7 +129,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "usage: gosuite [-runtime auto|gpu|test] [-quick] [-validate] all\n"+
 			"       gosuite [-runtime ...] -plan PLAN -ring IN,OUT [-ready FIFO] [-round R] [-batches B] [-pairs N] alloc\n"+
 			"       gosuite [-runtime ...] granularity\n"+
-			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier   (kvtier: the host tier's rows)")
+			"       gosuite [-runtime ...] [-quick] [-kv-bytes SIZE] kv|kvtier|kv-restart   (kvtier: the host tier's rows; kv-restart: the page server's restart)")
 		return 2
 	}
 	if flag.NArg() != 1 {
@@ -135,7 +142,7 @@ func run() int {
 		return usage(fmt.Sprintf("-kv-bytes %q: want a size such as 100GiB", *kvBytes))
 	}
 	switch mode {
-	case "all", "granularity", "kv", "kvtier":
+	case "all", "granularity", "kv", "kvtier", "kv-restart":
 	case "alloc":
 		var err error
 		if plan, err = parsePlan(*planText); err != nil {
@@ -196,16 +203,19 @@ func run() int {
 		}
 		r.measure("cudart", "import/pair", "us", func() ([]float64, error) { return importPairs(rt, kind, sh) })
 		sharing(r, rt, kind, sh, *validate)
-	case "kv", "kvtier":
+	case "kv", "kvtier", "kv-restart":
 		fmt.Printf("# gosuite %s: %s; GOMAXPROCS=%d\n", mode, why, runtime.GOMAXPROCS(0))
 		sh := fullShape
 		if *quick {
 			sh = quickShape
 		}
-		if mode == "kv" {
+		switch mode {
+		case "kv":
 			kvRows(r, rt, picked.OnGPU, sh, slab)
-		} else {
+		case "kvtier":
 			kvTierRows(r, rt, picked.OnGPU, sh)
+		default:
+			kvRestartRow(r, picked.OnGPU, sh)
 		}
 	}
 	if err := choose.Violations(rt); err != nil {

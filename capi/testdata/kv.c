@@ -186,6 +186,13 @@ int main(void) {
 	size_t len = 99;
 	EXPECT(cudapool_kv_error(r, msg, sizeof msg, &len), CUDAPOOL_OK);
 	CHECK(len == 0 && msg[0] == 0);
+	uint64_t reattaches = 99;
+	EXPECT(cudapool_kv_reattaches(r, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_reattaches(r, &reattaches), CUDAPOOL_OK);
+	CHECK(reattaches == 0);
+	EXPECT(cudapool_kv_wait_attached(r, 0), CUDAPOOL_OK); // attached: at once
+	EXPECT(cudapool_kv_wait_attached(r, CUDAPOOL_NO_WAIT), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_wait_attached(r, -2), CUDAPOOL_EINVAL);
 
 	// Handles.
 	EXPECT(cudapool_kv_alive(bad, &alive), CUDAPOOL_EHANDLE);

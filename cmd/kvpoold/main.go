@@ -5,6 +5,8 @@
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
 //	        (-pages N | -bytes SIZE) [-segment-bytes SIZE]
+//	        [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+//	kvpoold keeper [the same flags]
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
 // export), and prints one line saying where and on which runtime. -devices defaults to
@@ -29,6 +31,17 @@
 //
 // A replica that is told of the stop should close (release, unmap); one that keeps
 // the mapping past the wait makes the stop status 3, not 1: kvpoold did its part.
+//
+// The slabs live in a keeper, `kvpoold keeper` (the same flags), which kvpoold starts
+// in a session of its own where none serves DIR, so that they outlive kvpoold: a
+// kvpoold started again on DIR adopts them, makes the pages journaled in DIR/index
+// visible again, and waits up to -reattach-grace for the replicas attached before
+// (replica.WithReconnect) to re-declare their leases. Its first line says what it took
+// back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
+// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no process
+// has mapped for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
+// gone with it. When the keeper dies, kvpoold exits with status 1: the cache is gone,
+// and a supervisor should start it again (docs/kvpoold.service runs it under systemd).
 package main
 
 import (
@@ -88,6 +101,8 @@ type flags struct {
 	segmentBytes                                string
 	set                                         map[string]bool // the flags given
 	stopWait                                    time.Duration
+	oneProcess, leaveKeeper                     bool
+	grace, keeperIdle                           time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (flags, bool) {
@@ -108,6 +123,10 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.StringVar(&f.segmentBytes, "segment-bytes", "4GiB", "the most bytes one allocation of a slab holds (at most 4GiB; smaller for tests)")
 	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
 	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for replicas to unmap the slabs (exit status 3 if some still do)")
+	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
+	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
+	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	if err := fs.Parse(args); err != nil {
 		return f, false
 	}
@@ -211,6 +230,9 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "keeper" {
+		return runKeeper(ctx, args[1:], stderr)
+	}
 	f, ok := parse(args, stderr)
 	if !ok {
 		return exitUsage
@@ -256,7 +278,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	o, err := owner.Listen(f.dir, rt, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes, Logger: logger})
+	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes, Logger: logger}
+	var child *keeperChild // the keeper this kvpoold started, if it did
+	if !f.oneProcess {
+		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs), &child)
+		opts.Index, opts.ReattachGrace = filepath.Join(f.dir, owner.IndexFile), f.grace
+	}
+	o, err := owner.Listen(f.dir, rt, opts)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitFailed
@@ -265,13 +293,46 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if h := o.Stats().Devices[0].Host; h != nil {
 		tier = fmt.Sprintf("a host tier of %s (%d pages) a device, copies by %s", humanize.IBytes(h.Bytes), h.Pages, h.CopyPath)
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab (%v), %s; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Segments(), tier, picked.Why)
-	<-ctx.Done()
+	cache := "slabs in this process (-one-process)"
+	if !f.oneProcess {
+		cache = o.Recovery().String()
+	}
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab (%v), %s; %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Segments(), tier, picked.Why, cache)
+	keeperGone := false
+	select {
+	case <-ctx.Done():
+	case <-o.KeeperGone():
+		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
+		keeperGone = true
+	}
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
 	closeErr, broken := o.Close(cctx), choose.Violations(rt)
+	if opts.Keeper && !f.leaveKeeper && !keeperGone {
+		// The keeper's close waits -stop-wait for the replicas to unmap the slabs, and
+		// says so on stderr where they did not: its status 3 is this stop's.
+		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
+		defer kcancel()
+		pid := o.Recovery().KeeperPID
+		if err := owner.StopKeeper(kctx, pid); err != nil {
+			closeErr = errors.Join(closeErr, err)
+		} else if child != nil && child.pid == pid {
+			<-child.exited
+			switch child.status() {
+			case exitOK:
+			case exitAbandoned:
+				if closeErr == nil && broken == nil {
+					return exitAbandoned
+				}
+			default:
+				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
+			}
+		}
+	}
 	switch {
+	case keeperGone:
+		return exitFailed
 	case closeErr == nil && broken == nil:
 		fmt.Fprintln(stdout, "kvpoold: stopped")
 		return exitOK

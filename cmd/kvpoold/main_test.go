@@ -6,6 +6,7 @@ import (
 	"context"
 	"io"
 	"os"
+	"os/exec"
 	"os/signal"
 	"strings"
 	"sync"
@@ -194,6 +195,17 @@ func TestRefusedAtStart(t *testing.T) {
 }
 
 func TestMain(m *testing.M) {
+	// kvpoold's keeper is this test binary in the kvpoold role, "keeper" its first
+	// argument.
+	keeperCommand = func(args []string) (*exec.Cmd, error) {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		cmd := exec.Command(exe, args...)
+		cmd.Env = append(os.Environ(), "CUDAPOOL_PROCTEST_ROLE=kvpoold", "GORACE=atexit_sleep_ms=0")
+		return cmd, nil
+	}
 	proctest.Main(m, map[string]func(args []string) int{
 		// kvpoold is this command as a process of its own, signals and all.
 		"kvpoold": func(args []string) int {
@@ -201,6 +213,9 @@ func TestMain(m *testing.M) {
 			defer stop()
 			return run(ctx, args, os.Stdout, os.Stderr)
 		},
+		"midseal":    midSealWriter,
+		"reattacher": reattacher,
+		"holder":     holder,
 	})
 }
 

@@ -71,6 +71,17 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 	g := st.Geometry
 	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s in %s)\n",
 		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes), kv.SegmentsString(g.Segments))
+	if r := st.Restart; r != nil {
+		how := "new slabs"
+		if r.Adopted {
+			how = "slabs adopted"
+		}
+		fmt.Fprintf(w, "start %d over keeper pid %d: %s, %d visible pages restored, %d replicas of before awaited", r.Epoch, r.Keeper, how, r.Restored, r.Awaiting)
+		if r.Dropped != "" {
+			fmt.Fprintf(w, " (%s)", r.Dropped)
+		}
+		fmt.Fprintln(w)
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	// LEASED and RELEASING are sealed pages that readers hold, or whose release has
 	// not settled.

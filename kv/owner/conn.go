@@ -32,6 +32,7 @@ type conn struct {
 	proc *peercred.Process // nil where the process cannot be watched
 	s    *slab             // the slab of the replica's device
 	ns   string
+	id   procID // the replica's process, as the index names it; zero if unknown
 
 	// Guarded by Owner.mu.
 	welcomed bool
@@ -179,6 +180,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}
 	o.mu.Lock()
 	c.welcomed = true
+	o.attachedLocked(c)
 	o.mu.Unlock()
 	return nil
 }
@@ -238,6 +240,8 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 			err = c.release(h, p)
 		case kvwire.TypeStats:
 			err = c.stats(h, p)
+		case kvwire.TypeReattach:
+			err = c.reattach(h, p)
 		case kvwire.TypeBye:
 			m, err := kvwire.DecodeBye(p)
 			if err != nil {
@@ -279,6 +283,9 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
 	case n < 1 || n > len(s.pages):
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
+	}
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
 	o.mu.Lock()
 	if err := c.roomLocked(n); err != nil {
@@ -848,6 +855,9 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	o.mu.Lock()
 	c.ended = true
 	owed = o.exitedLocked(c, owed)
+	if c.welcomed {
+		o.detachedLocked(c)
+	}
 	delete(o.conns, c)
 	o.dead = append(o.dead, c)
 	dead := o.takeDeadLocked()

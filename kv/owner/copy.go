@@ -36,6 +36,9 @@ type piece struct {
 // If the replica's slab has no room for the copies, the run ends before the first.
 func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	o, s := c.o, c.s
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
+	}
 	o.mu.Lock()
 	run := make([]piece, 0, len(hashes))
 	copies := 0
@@ -115,6 +118,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 		s.stats.Copied++
 		pages = append(pages, pc.dst)
 	}
+	s.j.flush() // the copies are in the index before the replica reads them
 	if err != nil {
 		for _, p := range pages {
 			s.pages[p].readers--

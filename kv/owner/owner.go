@@ -64,6 +64,16 @@
 // without holding the source's copy lock, and no longer than until the owner closes),
 // seals the pages in B's index and then answers.
 //
+// # Restarts
+//
+// Keep makes a keeper: the slabs and their exporter alone, in a process of their own.
+// Listen with Options.Keeper serves the pages of a keeper's slabs, journals the visible
+// pages in Options.Index, and, started again after its predecessor died, adopts the
+// live keeper's slabs, makes the journaled pages visible again and takes back the
+// leases that replicas re-declare (Reattach) before it allocates any page
+// (Options.ReattachGrace). Recovery says what it took back, and why not what it
+// dropped. See restart.go and journal.go.
+//
 // # Host tiers
 //
 // With Options.HostBytes each device also has a host tier (hosttier.go): pinned host
@@ -87,11 +97,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/dustin/go-humanize"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
@@ -131,6 +143,23 @@ type Options struct {
 	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
 	AnnounceDir string
 	NoAnnounce  bool
+
+	// Keeper makes Listen serve the pages of the slabs a keeper (Keep) publishes on
+	// dir/slab.sock instead of making slabs of its own: they outlive this owner, and
+	// the next one adopts them. Listen then holds dir/owner.lock (another owner on dir
+	// fails), and starts a keeper with StartKeeper where none is alive, or where the
+	// live one keeps slabs of another geometry or other devices (it is stopped first,
+	// SIGTERM).
+	Keeper      bool
+	StartKeeper func(ctx context.Context) error
+	// Index is the file the visible pages are journaled in; "" keeps no index. A
+	// Listen finding one of the same slabs (their keeper, geometry and devices) makes
+	// its pages visible again; any other, or a corrupt one, is dropped, and Recovery
+	// says why.
+	Index string
+	// ReattachGrace bounds how long allocations wait, after a restart, for the replicas
+	// attached before to re-declare their leases; 0 is DefaultReattachGrace.
+	ReattachGrace time.Duration
 	// HostBytes gives each device a host tier of that many bytes of pinned host
 	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
 	// every device, than the host's available memory are refused.
@@ -173,6 +202,8 @@ type Owner struct {
 	log  *slog.Logger
 
 	ex    *producer.Exporter
+	imp   *consumer.Importer // the keeper's, for adopted slabs (Options.Keeper)
+	lock  *os.File           // dir/owner.lock, held (Options.Keeper)
 	ln    *net.UnixListener
 	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	srv   *session.Server
@@ -191,6 +222,14 @@ type Owner struct {
 	queries, waits atomic.Uint64  // Pace's
 	allocWaits     atomic.Uint64  // Pace's
 	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
+
+	// A cache that survives its owner (restart.go).
+	j        *journal                // nil: no index
+	keeperID procID                  // the process whose slabs these are
+	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
+	recovery Recovery                // set by Listen
+	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
+	resumed  chan struct{}           // closed once allocations may go on
 
 	stop    context.CancelFunc
 	stopped context.Context // ends when Close begins
@@ -214,7 +253,15 @@ type lease struct {
 // kv.ErrGeometry; a slab larger than a device's free memory (MemGetInfo), with one
 // wrapping cudart.ErrOutOfMemory that names both sizes. On failure nothing is left
 // behind.
-func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
+func Listen(dir string, rt cudart.Runtime, o Options) (*Owner, error) {
+	r := roleWhole
+	if o.Keeper {
+		r = rolePages
+	}
+	return listen(dir, rt, o, r)
+}
+
+func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
@@ -283,42 +330,42 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 		}
 	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
-		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{}}
+		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
+		expected: map[uint32]*expectation{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
 			_ = ow.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
-	lopts := []producer.ListenOption{producer.WithPolicy(o.Policy), producer.WithLogger(o.Logger), producer.WithName(ownerName())}
-	if opensToOthers(o.Policy) {
-		lopts = append(lopts, producer.SocketFollowsPolicy())
-	}
-	if o.NoAnnounce {
-		lopts = append(lopts, producer.WithoutAnnounce())
-	} else if o.AnnounceDir != "" {
-		lopts = append(lopts, producer.WithAnnounce(o.AnnounceDir))
-	}
-	// The exporter first: its socket tells a live owner from a dead one.
-	if ow.ex, err = producer.Listen(filepath.Join(dir, SlabSocket), rt, lopts...); err != nil {
-		if errors.Is(err, producer.ErrAddressInUse) {
-			return nil, fmt.Errorf("kv/owner: an owner already serves %s: %w", dir, err)
+	if r == rolePages {
+		if ow.lock, err = lockDir(dir); err != nil {
+			return nil, err
 		}
+		if err = ow.adoptSlabs(); err != nil {
+			return nil, err
+		}
+		if ow.keeperID, err = procOf(ow.imp.ExporterPID()); err != nil {
+			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.imp.ExporterPID(), err)
+		}
+	} else if err = ow.makeSlabs(); err != nil {
 		return nil, err
 	}
-	for _, d := range o.Devices {
-		s, err := ow.makeSlab(d)
-		if s != nil {
-			ow.slabs = append(ow.slabs, s)
-			ow.byDev[d] = s
-		}
-		if err != nil {
+	if r == roleKeeper {
+		return ow, nil
+	}
+	if r == roleWhole {
+		ow.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
+	}
+	if o.Index != "" {
+		if err = ow.restore(); err != nil {
 			return nil, err
 		}
 	}
 	if err := ow.startTiers(); err != nil {
 		return nil, err
 	}
+	ow.holdAllocs()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
@@ -328,6 +375,37 @@ func Listen(dir string, rt cudart.Runtime, o Options) (_ *Owner, err error) {
 	}
 	ow.srv = session.Serve(ln, o.Logger, "kv/owner", o.Limits, ow.serveConn)
 	return ow, nil
+}
+
+// makeSlabs makes the exporter on dir/slab.sock and each device's slab.
+func (o *Owner) makeSlabs() (err error) {
+	lopts := []producer.ListenOption{producer.WithPolicy(o.opts.Policy), producer.WithLogger(o.log), producer.WithName(ownerName())}
+	if opensToOthers(o.opts.Policy) {
+		lopts = append(lopts, producer.SocketFollowsPolicy())
+	}
+	if o.opts.NoAnnounce {
+		lopts = append(lopts, producer.WithoutAnnounce())
+	} else if o.opts.AnnounceDir != "" {
+		lopts = append(lopts, producer.WithAnnounce(o.opts.AnnounceDir))
+	}
+	// The exporter first: its socket tells a live owner from a dead one.
+	if o.ex, err = producer.Listen(filepath.Join(o.dir, SlabSocket), o.rt, lopts...); err != nil {
+		if errors.Is(err, producer.ErrAddressInUse) {
+			return fmt.Errorf("kv/owner: an owner already serves %s: %w", o.dir, err)
+		}
+		return err
+	}
+	for _, d := range o.opts.Devices {
+		s, err := o.makeSlab(d)
+		if s != nil {
+			o.slabs = append(o.slabs, s)
+			o.byDev[d] = s
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // ownerName is the process name the exporter announces.
@@ -483,6 +561,14 @@ func (o *Owner) Stats() Stats {
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
 	st.ReplicaCount = len(st.Replicas)
+	if o.j != nil {
+		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
+			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
+		for _, e := range o.expected {
+			rs.Awaiting += e.n
+		}
+		st.Restart = rs
+	}
 	return st
 }
 
@@ -531,6 +617,19 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Unlock()
 	o.destroyEvents(dead)
 	errs := o.stopTiers()
+	o.mu.Lock()
+	if err := o.j.close(); err != nil {
+		errs = append(errs, err)
+	}
+	o.mu.Unlock()
+	if o.imp != nil {
+		if err := o.closeImport(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if o.lock != nil {
+		_ = o.lock.Close() // cleanup: closing it is what lets the lock go
+	}
 	force := false
 	if o.ex != nil {
 		if err := o.ex.Close(ctx); err != nil {

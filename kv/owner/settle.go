@@ -72,6 +72,7 @@ func (o *Owner) settle(rec *record, publish bool) {
 	for _, p := range rec.released {
 		s.pages[p].releasing--
 	}
+	s.j.flush()
 	rec.done = true
 	s.spaceLocked()
 }

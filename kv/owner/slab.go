@@ -4,6 +4,7 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -49,11 +50,13 @@ type slab struct {
 	dev    int
 	name   string // the slab's name (kvwire.SlabName); its segments' are SlabName(dev, i)
 	pool   *pool.Pool
-	bufs   []*pool.Buffer     // the segments, in order
-	bases  []cudart.DevicePtr // their addresses
-	stream cudart.Stream      // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex         // one copy at a time queued on stream
-	done   cudart.Event       // recorded on stream after a copy (or at Close), asked until it completes
+	bufs   []*pool.Buffer      // the segments, in order, where this process made them
+	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (Options.Keeper)
+	bases  []cudart.DevicePtr  // their addresses
+	j      *journal            // the index file; nil: none
+	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex          // one copy at a time queued on stream
+	done   cudart.Event        // recorded on stream after a copy (or at Close), asked until it completes
 
 	pages      []page
 	free       []uint32 // a stack of free pages
@@ -161,6 +164,7 @@ func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
 			s.evict(p)
 		}
 	}
+	s.j.flush() // the evictions are in the index before the pages are written
 	for range n {
 		p := s.free[len(s.free)-1]
 		s.free = s.free[:len(s.free)-1]
@@ -178,6 +182,7 @@ func (s *slab) evict(p uint32) {
 	}
 	delete(s.index, pg.hash)
 	s.unlink(p)
+	s.j.free(s.dev, p)
 	s.stats.Evictions++
 	s.release(p)
 }
@@ -233,6 +238,7 @@ func (s *slab) publish(p uint32, h kv.Hash, parent link) (visible bool) {
 	s.index[h] = p
 	s.pushFront(p)
 	s.stats.Seals++
+	s.j.seal(s.dev, p, h)
 	if s.tier != nil {
 		s.tier.wake()
 	}

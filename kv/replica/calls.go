@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"github.com/cudapool/cudapool/export"
 	"net"
+	"slices"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -43,11 +44,12 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		return r.err
 	}
 	r.calls[id] = c
+	w, nc := r.w, r.nc // the connection the call is made on
 	r.mu.Unlock()
 
-	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return build(b, id) })
+	err := w.Write(ctx, func(b []byte) ([]byte, error) { return build(b, id) })
 	if errors.Is(err, session.ErrBroken) {
-		r.fail(err) // a frame cut short: the owner cannot read on
+		r.failConn(nc, err) // a frame cut short: the owner cannot read on
 	}
 	if err != nil {
 		r.forget(id)
@@ -67,11 +69,25 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 			releaseUnclaimed := func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
 			if errors.Is(r.wait(bg, id, c, releaseUnclaimed), errGaveUp) && !r.forget(id) {
 				<-c.ch // delivered as this wait gave up
-				r.releaseUnclaimed(c.h, c.buf)
+				if c.failed == nil {
+					r.releaseUnclaimed(c.h, c.buf)
+				}
 			}
 		}()
 		return ctx.Err()
 	}
+	return err
+}
+
+// result hands the call's reply to handle, or returns why the connection it was made
+// on ended, and puts the call back.
+func (c *call) result(handle func(h kvwire.Header, p []byte) error) error {
+	err := c.failed
+	if err == nil {
+		err = handle(c.h, c.buf)
+	}
+	c.failed = nil
+	calls.Put(c)
 	return err
 }
 
@@ -83,19 +99,16 @@ var errGaveUp = errors.New("kv/replica: gave up waiting")
 // while no other caller does, delivering the others'. If ctx ends first it returns
 // errGaveUp, leaving the call registered; if the replica stops, its error.
 func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kvwire.Header, p []byte) error) error {
+	done := r.Done()
 	for {
 		select {
 		case <-c.ch:
-			err := handle(c.h, c.buf)
-			calls.Put(c)
-			return err
+			return c.result(handle)
 		case r.role <- struct{}{}:
 			select {
 			case <-c.ch: // delivered while this caller waited for the role
 				<-r.role
-				err := handle(c.h, c.buf)
-				calls.Put(c)
-				return err
+				return c.result(handle)
 			default:
 			}
 			h, p, mine, err := r.readFor(ctx, id)
@@ -112,7 +125,7 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 				return err
 			}
 		case <-ctx.Done():
-		case <-r.done:
+		case <-done:
 		}
 		if gone := r.gone(); gone != nil {
 			if r.forget(id) {
@@ -120,9 +133,7 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 			}
 			// The answer came meanwhile: take it, so that nothing it grants is lost.
 			<-c.ch
-			err := handle(c.h, c.buf)
-			calls.Put(c)
-			return err
+			return c.result(handle)
 		}
 		if ctx.Err() != nil {
 			return errGaveUp
@@ -151,6 +162,7 @@ func (r *Replica) forget(id uint32) bool {
 // readFor reads frames, with the reading role held, delivering those for other calls,
 // until the reply to id (mine), ctx's end or the connection's failure.
 func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []byte, mine bool, err error) {
+	nc := r.nc // the present connection: it changes only while no one holds the role
 	if ctx.Done() != nil {
 		r.dlMu.Lock()
 		r.dlBy = id
@@ -158,7 +170,7 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 		stop := context.AfterFunc(ctx, func() {
 			r.dlMu.Lock()
 			if r.dlBy == id {
-				_ = r.nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
+				_ = nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
 			}
 			r.dlMu.Unlock()
 		})
@@ -166,12 +178,12 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 			stop()
 			r.dlMu.Lock()
 			r.dlBy = 0
-			_ = r.nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
+			_ = nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 			r.dlMu.Unlock()
 		}()
 	}
 	for {
-		h, p, err := r.rd.Next(r.nc)
+		h, p, err := r.rd.Next(nc)
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
@@ -180,11 +192,14 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 				}
 				// A stale cut meant for an earlier reader. Clearing it fails only on a
 				// closed connection, which the next read reports.
-				_ = r.nc.SetReadDeadline(time.Time{})
+				_ = nc.SetReadDeadline(time.Time{})
 				continue
 			}
-			r.fail(err)
-			return h, nil, false, r.gone()
+			r.failConn(nc, err)
+			if gone := r.gone(); gone != nil {
+				return h, nil, false, gone
+			}
+			return h, nil, false, fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
 		if h.ID == id {
 			return h, p, true, nil
@@ -260,6 +275,9 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
+	if r.opts.reconnect {
+		r.track(l)
+	}
 	return l, nil
 }
 
@@ -308,6 +326,12 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 	case len(hashes) > len(l.pages):
 		return SealResult{}, fmt.Errorf("%w: %d hashes for a lease of %d pages", kv.ErrGeometry, len(hashes), len(l.pages))
 	}
+	if err := l.Lost(); err != nil {
+		return SealResult{}, err
+	}
+	if err := r.gone(); err != nil {
+		return SealResult{}, err // no record while the owner is gone: a reconnection waits for the last one
+	}
 	ev, err := r.record(s)
 	if err != nil {
 		return SealResult{}, err
@@ -325,6 +349,9 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
 			return err
 		})
+	if r.opts.reconnect && (err == nil || errors.Is(err, kv.ErrStaleLease)) {
+		r.untrack(l)
+	}
 	return res, err
 }
 
@@ -350,6 +377,10 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
+	if r.opts.reconnect && l.id != 0 {
+		l.hashes = slices.Clone(hashes[:len(l.pages)])
+		r.track(l)
+	}
 	return l, nil
 }
 
@@ -357,25 +388,40 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 // pages are not reused (nor, for read leases, evicted) before. A lease with no pages is
 // skipped. If the owner holds one of them no more for this replica (released already,
 // another replica's), it fails with kv.ErrStaleLease and ends none. At most
-// kv.MaxBatch leases.
+// kv.MaxBatch leases. A lease lost in an owner's restart (WithReconnect) is skipped:
+// the others are released, and the error wraps kv.ErrLeaseLost.
 func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) error {
 	ids := make([]uint64, 0, len(ls))
+	var lost []error
 	for _, l := range ls {
 		if l != nil && l.id != 0 {
+			if err := l.Lost(); err != nil {
+				lost = append(lost, err)
+				continue
+			}
 			ids = append(ids, l.id)
 		}
 	}
 	if len(ids) == 0 {
-		return nil
+		return errors.Join(lost...)
 	}
 	if len(ids) > kv.MaxBatch {
 		return fmt.Errorf("%w: %d leases, at most %d", kv.ErrTooLarge, len(ids), kv.MaxBatch)
+	}
+	if err := r.gone(); err != nil {
+		return err // no record while the owner is gone: a reconnection waits for the last one
 	}
 	ev, err := r.record(s)
 	if err != nil {
 		return err
 	}
-	return r.releaseIDs(ctx, &ev.h, ids)
+	if err := r.releaseIDs(ctx, &ev.h, ids); err != nil {
+		return err
+	}
+	if r.opts.reconnect {
+		r.untrack(ls...)
+	}
+	return errors.Join(lost...)
 }
 
 func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64) error {

@@ -45,9 +45,10 @@ import (
 type Option func(*options)
 
 type options struct {
-	ns   string
-	wait bool
-	log  *slog.Logger
+	ns        string
+	wait      bool
+	reconnect bool
+	log       *slog.Logger
 }
 
 // WithNamespace sets the namespace of the replica's prefix hashes (Hashes). It is no
@@ -83,9 +84,11 @@ type SealResult struct{ Visible, Duplicates, Pending int }
 // (Match). A Match that found nothing returns a Lease with no pages, which the owner
 // does not hold.
 type Lease struct {
-	id    uint64
-	pages []uint32
-	write bool
+	id     uint64
+	pages  []uint32
+	write  bool
+	hashes []kv.Hash              // a read lease's, for its re-declaration after an owner's restart
+	lost   atomic.Pointer[string] // why an owner's restart lost it; nil while held
 }
 
 // Pages are the leased pages' indices, in the order of the hashes (for a read lease).
@@ -94,6 +97,16 @@ func (l *Lease) Pages() []uint32 { return l.pages }
 
 // ID is the owner's id of the lease; 0 for a lease with no pages.
 func (l *Lease) ID() uint64 { return l.id }
+
+// Lost is nil while the lease is held (or was ended by Seal or Release), and an error
+// wrapping kv.ErrLeaseLost once an owner's restart lost it (WithReconnect): its pages
+// may have been reused since, and Seal and Release of it fail with that error.
+func (l *Lease) Lost() error {
+	if why := l.lost.Load(); why != nil {
+		return fmt.Errorf("%w: %s: %s", kv.ErrLeaseLost, l, *why)
+	}
+	return nil
+}
 
 // Writable says whether it is a write lease.
 func (l *Lease) Writable() bool { return l.write }
@@ -114,6 +127,9 @@ type Replica struct {
 	ns     string
 	geo    kv.Geometry
 	log    *slog.Logger
+	dir    string
+	slab   string // the slab's name
+	opts   options
 	imp    *consumer.Importer
 	segs   kv.Segments
 	ms     []*consumer.Mapping // the slab's segments, in order
@@ -140,6 +156,15 @@ type Replica struct {
 	// tornDown is closed once Close's teardown has completed.
 	tornDown chan struct{}
 
+	// Reconnecting (reconnect.go), guarded by mu.
+	leases     map[uint64]*Lease // the leases held, to re-declare
+	closing    chan struct{}     // closed by Close: a reconnection gives up
+	closed     bool
+	stranded   bool // no reconnection can help: the slab's keeper is gone, or one gave up
+	reattaches uint64
+	attached   chan struct{} // closed while attached; replaced when the owner is lost
+	reconnWG   sync.WaitGroup
+
 	evMu       sync.Mutex
 	events     map[cudart.Stream]*streamEvent
 	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
@@ -154,9 +179,10 @@ type streamEvent struct {
 
 // call is a request waiting for its reply.
 type call struct {
-	ch  chan struct{}
-	h   kvwire.Header
-	buf []byte
+	ch     chan struct{}
+	h      kvwire.Header
+	buf    []byte
+	failed error // set, instead of a reply, when the connection it was sent on ended
 }
 
 var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
@@ -177,7 +203,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		}
 	}
 	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{}}
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{},
+		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
+	close(r.attached)
 	defer func() {
 		if err != nil {
 			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
@@ -190,7 +218,8 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, err
 	}
 	r.w = session.NewWriter(r.nc, 0)
-	slabName, err := r.hello(ctx)
+	r.geo, r.slab, err = r.hello(ctx, r.nc, r.rd)
+	slabName := r.slab
 	if err != nil {
 		return nil, err
 	}
@@ -216,10 +245,11 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 	if err := r.mapSegments(ctx, slabName); err != nil {
 		return nil, err
 	}
-	if r.hup, err = watchHangup(r.nc, func() { r.fail(errors.New("it closed the connection")) }); err != nil {
+	nc := r.nc
+	if r.hup, err = watchHangup(nc, func() { r.failConn(nc, errors.New("it closed the connection")) }); err != nil {
 		return nil, err
 	}
-	go r.watch()
+	go r.watch(nc, r.owner, r.stopW)
 	return r, nil
 }
 
@@ -276,74 +306,84 @@ func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, erro
 }
 
 // hello is the handshake: it learns the geometry and the slab's name.
-func (r *Replica) hello(ctx context.Context) (string, error) {
-	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
+func (r *Replica) hello(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader) (kv.Geometry, string, error) {
+	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
 	b, err := kvwire.AppendHello(nil, 0, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid()), Device: uint32(r.dev), Namespace: r.ns})
 	if err != nil {
-		return "", err
+		return kv.Geometry{}, "", err
 	}
-	if _, err := r.nc.Write(b); err != nil {
-		return "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+	if _, err := nc.Write(b); err != nil {
+		return kv.Geometry{}, "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 	}
-	h, p, err := r.rd.Next(r.nc)
+	h, p, err := rd.Next(nc)
 	if err != nil {
 		if ctx.Err() != nil {
-			return "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, ctx.Err())
+			return kv.Geometry{}, "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, ctx.Err())
 		}
-		return "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
+		return kv.Geometry{}, "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
 	}
 	switch h.Type {
 	case kvwire.TypeWelcome:
 		m, err := kvwire.DecodeWelcome(p)
 		if err != nil {
-			return "", err
+			return kv.Geometry{}, "", err
 		}
-		r.geo = m.Geometry
-		if err := r.geo.Validate(); err != nil {
-			return "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
+		if err := m.Geometry.Validate(); err != nil {
+			return kv.Geometry{}, "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
 		}
-		return m.Slab, nil
+		return m.Geometry, m.Slab, nil
 	case kvwire.TypeRefused:
 		// Its code says why: kv.ErrRefused, kv.ErrGeometry (the device), kv.ErrLimit.
-		return "", kvwire.ParseError(h.Type, p)
+		return kv.Geometry{}, "", kvwire.ParseError(h.Type, p)
 	}
-	return "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
+	return kv.Geometry{}, "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
 }
 
-// watch marks the replica's owner gone when its process exits or its exporter's
-// connection ends, until Close.
-func (r *Replica) watch() {
+// watch marks the owner of connection nc gone when its process (owner) exits or the
+// slab's exporter's connection ends, until stop closes.
+func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan struct{}) {
 	exited := make(chan struct{})
-	ctx, stop := context.WithCancel(context.Background())
-	defer stop()
-	if r.owner != nil {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if owner != nil {
 		go func() {
-			if r.owner.Wait(ctx) == nil {
+			if owner.Wait(ctx) == nil {
 				close(exited)
 			}
 		}()
 	}
 	select {
 	case <-exited:
-		r.fail(errors.New("its process exited"))
+		r.failConn(nc, errors.New("its process exited"))
 	case <-r.imp.Done():
-		r.fail(r.imp.Err())
-	case <-r.stopW:
+		r.mu.Lock()
+		r.stranded = true
+		r.mu.Unlock()
+		r.failConn(nc, r.imp.Err())
+	case <-stop:
 	}
 }
 
-// fail marks the owner gone for why, once, and wakes every call.
-func (r *Replica) fail(why error) {
+// failConn marks the owner gone for why, once per connection, if nc is the present
+// connection, and fails every call made on it. With WithReconnect, a reconnection
+// starts (reconnect.go).
+func (r *Replica) failConn(nc *net.UnixConn, why error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.err != nil {
+	if r.err != nil || nc != r.nc {
 		return
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
 	close(r.done)
+	for id, c := range r.calls {
+		delete(r.calls, id)
+		c.failed = r.err
+		c.ch <- struct{}{}
+	}
 	_ = r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
 	_ = r.nc.Close()      // cleanup: the owner is gone already
+	r.reconnectLocked()
 }
 
 // Geometry is the slab's geometry.
@@ -378,8 +418,14 @@ func (r *Replica) Hashes(tokens []int32) []kv.Hash {
 }
 
 // Done is closed once the replica cannot make requests any more: the owner is gone
-// (Err wraps kv.ErrOwnerGone) or Close was called (kv.ErrClosed).
-func (r *Replica) Done() <-chan struct{} { return r.done }
+// (Err wraps kv.ErrOwnerGone) or Close was called (kv.ErrClosed). With WithReconnect,
+// a replica that reattaches to a restarted owner is attached again: Err is nil, and
+// Done is a new channel, closed when that owner is gone (see WaitAttached).
+func (r *Replica) Done() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.done
+}
 
 // Err is nil while the replica works, and afterwards says why it stopped.
 func (r *Replica) Err() error {
@@ -406,10 +452,15 @@ func (r *Replica) Err() error {
 // completes, and returns nil. A second Close returns kv.ErrClosed.
 func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Lock()
-	if errors.Is(r.err, kv.ErrClosed) {
+	if r.closed {
 		r.mu.Unlock()
 		return kv.ErrClosed
 	}
+	r.closed = true
+	close(r.closing)
+	r.mu.Unlock()
+	r.reconnWG.Wait() // a reconnection gives up, or has installed its connection
+	r.mu.Lock()
 	alive := r.err == nil
 	if alive {
 		r.err = kv.ErrClosed

@@ -327,10 +327,13 @@ _SIGNATURES = {
     "cudapool_kv_error": (_Replica, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_stats": (_Replica, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_close": (_Replica, _lib.i64),
+    "cudapool_kv_reattaches": (_Replica, _u64p),
+    "cudapool_kv_wait_attached": (_Replica, _lib.i64),
 }
 
 # The flags of cudapool_kv_dial.
 _DIAL_WAIT_FOR_OWNER = 1
+_DIAL_RECONNECT = 2
 
 _lib_kv = None
 _load_lock = threading.Lock()
@@ -422,6 +425,13 @@ class Replica:
         not wait.
     wait_for_owner : bool
         Wait (up to timeout) for an owner that has not started yet.
+    reconnect : bool
+        Reattach by itself to an owner restarted on dir (kvpoold over its keeper),
+        without a new process or CUDA context: once the owner is lost, alive is False
+        and calls raise Gone while it redials and re-declares its leases; then they
+        work again (wait_attached, reattaches). A lease the new owner did not take
+        back raises StaleLease ("lost") when released or sealed; one whose release or
+        seal raised Gone is still held, to be released again once attached.
 
     Attributes
     ----------
@@ -455,7 +465,8 @@ class Replica:
         A bad dir, device, namespace or timeout.
     """
 
-    def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False):
+    def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False,
+                 reconnect=False):
         path = os.fsencode(dir)
         if b"\0" in path:
             raise ValueError("dir %r has a NUL byte" % (dir,))
@@ -468,8 +479,8 @@ class Replica:
         self._ms = _lib.timeout_ms(timeout)
         self._l = l = _kvlib()
         self._r = _Replica()
-        status = l.cudapool_kv_dial(path, device, ns, len(ns), _DIAL_WAIT_FOR_OWNER if wait_for_owner else 0,
-                                    self._ms, ctypes.byref(self._r))
+        flags = (_DIAL_WAIT_FOR_OWNER if wait_for_owner else 0) | (_DIAL_RECONNECT if reconnect else 0)
+        status = l.cudapool_kv_dial(path, device, ns, len(ns), flags, self._ms, ctypes.byref(self._r))
         if status:
             raise _lib.error(status)
         try:
@@ -521,6 +532,32 @@ class Replica:
         return bool(a.value)
 
     @property
+    def reattaches(self):
+        """How many times the replica reattached to a restarted owner (reconnect)."""
+        n = _lib.u64()
+        self._call("cudapool_kv_reattaches", ctypes.byref(n))
+        return n.value
+
+    def wait_attached(self, timeout=REPLICA_TIMEOUT):
+        """Wait until the replica is attached to a live owner: at once while it is.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds to wait: the replica's timeout by default, None no bound, 0 do not
+            wait (Timeout unless attached).
+
+        Raises
+        ------
+        Timeout
+            If it is not attached within timeout.
+        Gone
+            Where no reattach can come: without reconnect, or once the slab's keeper
+            is gone.
+        """
+        self._call("cudapool_kv_wait_attached", self._ms_of(timeout))
+
+    @property
     def error(self):
         """Why the owner is gone (a Gone exception), or None while it is there."""
         msg = _lib.call_sized("cudapool_kv_error", self._r, cap=256) if self._r.h else b""
@@ -528,7 +565,9 @@ class Replica:
 
     def fileno(self):
         """A file descriptor that becomes readable when the owner is gone (for select,
-        poll or asyncio's add_reader); it stays the replica's, valid until close."""
+        poll or asyncio's add_reader); it stays the replica's, valid until close. With
+        reconnect it tells the first loss only, and stays readable: after it, poll
+        alive or wait_attached."""
         fd = _lib.c_int()
         self._call("cudapool_kv_done_fd", ctypes.byref(fd))
         return fd.value

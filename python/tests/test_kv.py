@@ -53,10 +53,35 @@ class Owner:
         self.serve = os.path.join(self.dir, "owner")
         self.log_path = os.path.join(self.dir, "kvpoold.log")
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
-             "-segment-bytes", segment_bytes, "-runtime", runtime_flag()],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.args = [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
+                     "-segment-bytes", segment_bytes, "-runtime", runtime_flag()]
+        self.keepers = set()
+        self.start()
+
+    def start(self):
+        """Starts kvpoold (again) on the directory."""
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def first_line(self, after=0):
+        """kvpoold's first line after offset after of its log, once it is there; the
+        keeper it names is killed at stop."""
+        def line():
+            out = self.output()[after:]
+            for l in out.splitlines():
+                if l.startswith("kvpoold: serving"):
+                    return l
+            if self.proc.poll() is not None:
+                raise AssertionError("kvpoold exited with %s:\n%s" % (self.proc.returncode, out))
+            return None
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while (l := line()) is None:
+            if time.monotonic() > deadline:
+                raise AssertionError("kvpoold said nothing:\n%s" % self.output())
+            time.sleep(0.005)
+        words = l.split("keeper pid ")
+        if len(words) > 1:
+            self.keepers.add(int(words[1].split(":")[0].split()[0]))
+        return l
 
     def output(self):
         with open(self.log_path, "rb") as f:
@@ -71,6 +96,7 @@ class Owner:
             raise AssertionError("dialing kvpoold: %s\nkvpoold's log:\n%s" % (e, self.output())) from e
 
     def kill(self):
+        """SIGKILLs kvpoold, not its keeper: the slab survives it."""
         self.proc.kill()
         self.proc.wait(CHILD_TIMEOUT)
 
@@ -82,7 +108,20 @@ class Owner:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(CHILD_TIMEOUT)
+        # A kvpoold that was killed left its keeper (the slab's process): end it too.
+        self.first_line_if_any()
+        for pid in self.keepers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.log.close()
+
+    def first_line_if_any(self):
+        for l in self.output().splitlines():
+            words = l.split("keeper pid ")
+            if l.startswith("kvpoold: serving") and len(words) > 1:
+                self.keepers.add(int(words[1].split(":")[0].split()[0]))
 
 
 def pattern(n, seed):
@@ -659,6 +698,38 @@ class ReplicaTest(unittest.TestCase):
             t.join(CHILD_TIMEOUT)
         self.assertFalse(any(t.is_alive() for t in ts), "a thread hung")
         self.assertEqual(errors, [])
+
+
+class RestartTest(unittest.TestCase):
+    """kvpoold SIGKILLed and started again over its keeper's slab."""
+
+    def test_owner_restart_reattaches(self):
+        self.owner = Owner(pages=64)
+        self.addCleanup(self.owner.stop)
+        self.owner.first_line()
+        r = self.owner.replica(reconnect=True)
+        self.addCleanup(r.close)
+        hs = r.hashes(tokens(4 * T, 15))
+        w = r.alloc(4)
+        write_pages(r, w.pages, 15)
+        r.seal(w, hs, wait=True)
+        held = r.match(hs)
+        self.assertEqual(r.reattaches, 0)
+        offset = len(self.owner.output())
+        self.owner.kill()
+        eventually(self, "alive to turn False", lambda: not r.alive)
+        with self.assertRaises(cudapool.Gone):
+            r.match(hs)
+        self.owner.start()
+        line = self.owner.first_line(offset)
+        self.assertIn("4 visible pages restored", line)
+        r.wait_attached(CHILD_TIMEOUT)
+        self.assertTrue(r.alive)
+        self.assertEqual(r.reattaches, 1)
+        m = r.match(hs)
+        self.assertEqual(list(m.pages), list(w.pages), "the pages sealed before the restart match")
+        self.assertEqual(read_pages(r, m.pages, 15), [True] * 4)
+        r.release(m, held)
 
 
 class TensorViewTest(unittest.TestCase):

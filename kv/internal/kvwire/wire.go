@@ -68,10 +68,12 @@ const (
 	TypeStatsReply Type = 13 // owner: Stats as JSON
 	TypeError      Type = 14 // owner: a request failed
 	TypeBye        Type = 15 // replica: no more requests from me; held leases end after the event if it carries one
+	TypeReattach   Type = 16 // replica: a lease held from before the owner's restart; id 0 ends the list
+	TypeReattached Type = 17 // owner: the lease is kept, or lost and why
 )
 
 func (t Type) String() string {
-	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye"}
+	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached"}
 	if int(t) < len(names) && t != 0 {
 		return names[t]
 	}

@@ -1,0 +1,316 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// The restart row ("gosuite kv-restart"): a keeper (owner.Keep) of a 4 GiB llama-0.85b slab, a
+// page server over it (owner.Listen with Keeper and an index) and kvRestartReplicas
+// replica processes dialed WithReconnect, each a process of its own. One replica seals
+// a 32,768-token prompt (2,048 pages); every replica matches it. Then, per sample, the
+// page server is SIGKILLed and a new one started:
+//
+//	kv/restart   ms from the new page server's start (its exec) until every replica
+//	             has reattached and matched all 2,048 pages of the prompt; the pages'
+//	             bytes are checked afterwards
+const (
+	kvKeeperRole        = "kvkeeper"
+	kvOwnerRole         = "kvowner"
+	kvRestartRole       = "kvrestart"
+	kvRestartReplicas   = 3
+	kvRestartPages      = 2048
+	kvRestartSlabPages  = 8192
+	kvRestartNamespace  = "restart"
+	kvRestartTokenStart = 11
+)
+
+func kvRestartGeometry() kv.Geometry {
+	g, _ := kv.Layout("llama-0.85b")
+	g.Pages = kvRestartSlabPages
+	return g
+}
+
+// kvRestartRow measures kv/restart.
+func kvRestartRow(r *reporter, onGPU bool, sh shape) {
+	const op = "kv/restart"
+	kind := choose.Software
+	if onGPU {
+		kind = choose.GPU
+	}
+	dir, err := os.MkdirTemp("", "gosuite-kvr")
+	if err != nil {
+		r.fail("cudapool", op, err)
+		return
+	}
+	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless
+	var procs []*consumerSide
+	defer func() {
+		for _, c := range procs {
+			c.kill()
+		}
+	}()
+	keeper, err := startRole(kvKeeperRole, kind, dir)
+	if err != nil {
+		r.fail("cudapool", op, fmt.Errorf("the keeper: %w", err))
+		return
+	}
+	procs = append(procs, keeper)
+	own, err := startRole(kvOwnerRole, kind, dir)
+	if err != nil {
+		r.fail("cudapool", op, fmt.Errorf("the page server: %w", err))
+		return
+	}
+	var reps []*consumerSide
+	for range kvRestartReplicas {
+		c, err := startRole(kvRestartRole, kind, dir)
+		if err != nil {
+			r.fail("cudapool", op, fmt.Errorf("a replica: %w", err))
+			own.kill()
+			return
+		}
+		procs = append(procs, c)
+		reps = append(reps, c)
+	}
+	if _, err := reps[0].ask("seal", "sealed"); err != nil {
+		r.fail("cudapool", op, err)
+		own.kill()
+		return
+	}
+	for _, c := range reps {
+		if _, err := c.ask("match", "matched"); err != nil {
+			r.fail("cudapool", op, err)
+			own.kill()
+			return
+		}
+	}
+	r.measure("cudapool", op, "ms", func() ([]float64, error) {
+		var v []float64
+		for range min(sh.rounds, 3) { // each round starts a process: CUDA's start is most of it
+			own.kill() // SIGKILL, and reaped
+			for _, c := range reps {
+				if err := c.say("await"); err != nil {
+					return nil, err
+				}
+			}
+			t0 := time.Now()
+			own, err = startRole(kvOwnerRole, kind, dir)
+			if err != nil {
+				return nil, fmt.Errorf("the restarted page server: %w", err)
+			}
+			last := t0
+			for _, c := range reps {
+				at, err := c.await("at")
+				if err != nil {
+					return nil, err
+				}
+				if len(at) != 1 {
+					return nil, fmt.Errorf("replica %d said at %v", c.pid, at)
+				}
+				if t := time.Unix(0, int64(at[0])); t.After(last) {
+					last = t
+				}
+			}
+			for _, c := range reps {
+				if _, err := c.ask("check", "checked"); err != nil {
+					return nil, err
+				}
+			}
+			v = append(v, float64(last.Sub(t0).Microseconds())/1000)
+		}
+		return v, nil
+	})
+	own.kill()
+}
+
+// kvRestartRuntime is the runtime of kind for the restart row's processes.
+func kvRestartRuntime(kind string) (cudart.Runtime, error) {
+	picked, err := choose.Runtime(kind)
+	if err != nil {
+		return nil, err
+	}
+	return picked.Runtime, nil
+}
+
+// kvKeeperMain is the restart row's keeper: "ready" once it keeps the slab, then until
+// its stdin ends.
+func kvKeeperMain(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvkeeper:", err); return 1 }
+	if len(args) != 2 {
+		return fail(errors.New("want KIND DIR"))
+	}
+	rt, err := kvRestartRuntime(args[0])
+	if err != nil {
+		return fail(err)
+	}
+	k, err := owner.Keep(args[1], rt, owner.Options{Geometry: kvRestartGeometry(), NoAnnounce: true})
+	if err != nil {
+		return fail(err)
+	}
+	fmt.Println("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if err := k.Close(ctx); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// kvOwnerMain is the restart row's page server: "ready" once it serves, then until it
+// is killed or its stdin ends.
+func kvOwnerMain(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvowner:", err); return 1 }
+	if len(args) != 2 {
+		return fail(errors.New("want KIND DIR"))
+	}
+	rt, err := kvRestartRuntime(args[0])
+	if err != nil {
+		return fail(err)
+	}
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	o, err := owner.Listen(args[1], rt, owner.Options{Geometry: kvRestartGeometry(), Keeper: true, NoAnnounce: true,
+		Index: filepath.Join(args[1], owner.IndexFile), Logger: quiet})
+	if err != nil {
+		return fail(err)
+	}
+	fmt.Fprintf(os.Stderr, "# gosuite kvowner: %s\n", o.Recovery())
+	fmt.Println("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if err := o.Close(ctx); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// kvRestartMain is a replica of the restart row, driven by lines on stdin:
+//
+//	seal    write and seal the prompt's 2,048 pages: "sealed"
+//	match   match them all: "matched"
+//	await   after the page server's death: wait until reattached and a match hits
+//	        every page: "at UNIX-NANOSECONDS"
+//	check   match and check every page's bytes: "checked"
+func kvRestartMain(args []string) int {
+	fail := func(err error) int { fmt.Fprintln(os.Stderr, "gosuite kvrestart:", err); return 1 }
+	if len(args) != 2 {
+		return fail(errors.New("want KIND DIR"))
+	}
+	rt, err := kvRestartRuntime(args[0])
+	if err != nil {
+		return fail(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	rp, err := replica.Dial(ctx, args[1], rt, 0, replica.WithNamespace(kvRestartNamespace), replica.WithReconnect(), replica.WithLogger(quiet))
+	if err != nil {
+		return fail(err)
+	}
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	if err != nil {
+		return fail(err)
+	}
+	g := rp.Geometry()
+	toks := make([]int32, kvRestartPages*g.TokensPerPage)
+	for i := range toks {
+		toks[i] = int32(i*7919 + kvRestartTokenStart)
+	}
+	hashes := rp.Hashes(toks)
+	var sealedAs []uint32 // the pages as sealed: what each holds
+	match := func() (*replica.Lease, error) {
+		l, err := rp.Match(ctx, hashes)
+		if err != nil {
+			return nil, err
+		}
+		if len(l.Pages()) != len(hashes) {
+			err = fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(hashes))
+			return nil, errors.Join(err, rp.Release(ctx, s, l))
+		}
+		return l, nil
+	}
+	obey := func(cmd string) (string, error) {
+		switch cmd {
+		case "seal":
+			w, err := rp.Alloc(ctx, len(hashes))
+			if err != nil {
+				return "", err
+			}
+			for _, p := range w.Pages() {
+				if err := rt.MemsetAsync(0, rp.Addr(0, kv.K, int(p)), byte(p%251+1), g.PageBytes(), s); err != nil {
+					return "", err
+				}
+			}
+			res, err := rp.Seal(ctx, w, hashes, s, replica.WaitVisible())
+			if err != nil {
+				return "", err
+			}
+			if res.Visible != len(hashes) {
+				return "", fmt.Errorf("sealed %+v", res)
+			}
+			return "sealed", nil
+		case "match":
+			l, err := match()
+			if err != nil {
+				return "", err
+			}
+			sealedAs = append([]uint32(nil), l.Pages()...)
+			return "matched", rp.Release(ctx, s, l)
+		case "await":
+			for {
+				if err := rp.WaitAttached(ctx); err != nil {
+					return "", err
+				}
+				l, err := match()
+				if err == nil {
+					at := time.Now().UnixNano()
+					return fmt.Sprintf("at %d", at), rp.Release(ctx, s, l)
+				}
+				if !errors.Is(err, kv.ErrOwnerGone) {
+					return "", err
+				}
+			}
+		case "check":
+			l, err := match()
+			if err != nil {
+				return "", err
+			}
+			got := make([]byte, 4)
+			for i, p := range l.Pages() {
+				if p != sealedAs[i] {
+					return "", fmt.Errorf("page %d of the prompt is page %d, was %d", i, p, sealedAs[i])
+				}
+				if err := rt.MemcpyDtoHAsync(0, got, rp.Addr(0, kv.K, int(p))+cudart.DevicePtr(g.PageBytes()-4), s); err != nil {
+					return "", err
+				}
+				if err := rt.StreamSynchronize(0, s); err != nil {
+					return "", err
+				}
+				if want := byte(p%251 + 1); got[0] != want || got[3] != want {
+					return "", fmt.Errorf("page %d holds %x, want %x", p, got, want)
+				}
+			}
+			return "checked", rp.Release(ctx, s, l)
+		}
+		return "", fmt.Errorf("unknown command %q", cmd)
+	}
+	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return obey(strings.TrimSpace(line)) }, fail)
+}

@@ -1,0 +1,196 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
+)
+
+// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs
+// (owner.Keep) and nothing else, in a session of its own, so that kvpoold's death
+// (SIGKILL, a crash, an upgrade) leaves the slabs and every replica's mapping of them
+// alone, and the next kvpoold on the directory adopts them. kvpoold starts it where
+// none is alive and, on a clean stop, stops it (unless -leave-keeper). It stops on
+// SIGTERM or SIGINT, or once no process has mapped the slabs for -keeper-idle.
+
+// keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
+// stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
+const keeperStopMargin = 5 * time.Second
+
+// keeperCommand makes the command that runs `kvpoold keeper ARGS`: this executable.
+// The tests replace it.
+var keeperCommand = func(args []string) (*exec.Cmd, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	return exec.Command(exe, args...), nil
+}
+
+// keeperArgs is the keeper's command line for a slab of g on devs.
+func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
+	ds := make([]string, len(devs))
+	for i, d := range devs {
+		ds[i] = strconv.Itoa(d)
+	}
+	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
+		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
+		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
+		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
+}
+
+// keeperChild is the keeper this kvpoold started: its exit status is known here once
+// it has exited (exitAbandoned: replicas still mapped the slabs when it stopped).
+type keeperChild struct {
+	pid    int
+	exited chan struct{}
+	err    error // cmd.Wait's, once exited is closed
+}
+
+// status is the keeper's exit status once it has exited (-1 for a signal).
+func (k *keeperChild) status() int {
+	var ee *exec.ExitError
+	if errors.As(k.err, &ee) {
+		return ee.ExitCode()
+	}
+	if k.err != nil {
+		return -1
+	}
+	return 0
+}
+
+// startKeeper starts the keeper in a session of its own and waits, until ctx ends, for
+// it to say it keeps the slabs (a line on its fd 3); started is the last it started.
+func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ctx context.Context) error {
+	return func(ctx context.Context) error {
+		cmd, err := keeperCommand(args)
+		if err != nil {
+			return err
+		}
+		rd, wr, err := os.Pipe()
+		if err != nil {
+			return err
+		}
+		defer func() { _ = rd.Close() }() // cleanup: the line was read, or will not be
+		cmd.ExtraFiles = []*os.File{wr}
+		cmd.Stderr = stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		err = cmd.Start()
+		_ = wr.Close() // the keeper holds its end; this one must not keep the pipe open
+		if err != nil {
+			return err
+		}
+		kc := &keeperChild{pid: cmd.Process.Pid, exited: make(chan struct{})}
+		*started = kc
+		go func() { // reaps it if it ends before this process
+			kc.err = cmd.Wait()
+			close(kc.exited)
+		}()
+		line := make(chan string, 1)
+		go func() {
+			s, _ := bufio.NewReader(rd).ReadString('\n') // an early end is told by the exit below
+			line <- strings.TrimSpace(s)
+		}()
+		select {
+		case l := <-line:
+			if l == "ready" {
+				return nil
+			}
+			<-kc.exited
+			return fmt.Errorf("the keeper (pid %d) exited before keeping the slabs: %v", cmd.Process.Pid, kc.err)
+		case <-ctx.Done():
+			_ = cmd.Process.Kill() // cleanup: the wait's end is the error returned
+			return fmt.Errorf("the keeper (pid %d) did not start: %w", cmd.Process.Pid, ctx.Err())
+		}
+	}
+}
+
+// idleFor waits until ctx ends or, true, no process has mapped k's slabs for idle: a
+// keeper whose kvpoold died for good, and its replicas with it, frees the GPU memory.
+// It looks once a second (a tenth of idle if shorter).
+func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
+	tick := time.NewTicker(min(time.Second, max(idle/10, time.Millisecond)))
+	defer tick.Stop()
+	var since time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case now := <-tick.C:
+			switch {
+			case k.Importers() > 0:
+				since = time.Time{}
+			case since.IsZero():
+				since = now
+			case now.Sub(since) >= idle:
+				return true
+			}
+		}
+	}
+}
+
+// runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
+func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
+	f, ok := parse(args, stderr)
+	if !ok {
+		return 2
+	}
+	g, err := f.geometry()
+	if err == nil {
+		g, err = f.slabPages(g)
+	}
+	var bound uint64
+	if err == nil {
+		bound, err = f.segmentBound()
+	}
+	var devs []int
+	if err == nil {
+		devs, err = deviceList(f.devices, 0, false)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 2
+	}
+	picked, err := choose.Runtime(f.runtime)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 1
+	}
+	k, err := owner.Keep(f.dir, picked.Runtime, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound})
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return 1
+	}
+	if ready := os.NewFile(3, "ready"); ready != nil {
+		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
+		_ = ready.Close()                   // cleanup: it was written
+	}
+	if idleFor(ctx, k, f.keeperIdle) {
+		fmt.Fprintf(stderr, "kvpoold keeper: no process has mapped the slabs of %s for %v: they are freed\n", f.dir, f.keeperIdle)
+	}
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
+	defer cancel()
+	closeErr, broken := k.Close(cctx), choose.Violations(picked.Runtime)
+	switch {
+	case closeErr == nil && broken == nil:
+		return exitOK
+	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
+		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
+		return exitAbandoned
+	}
+	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
+}

@@ -1,0 +1,63 @@
+package owner
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/kv"
+)
+
+// An index of records that are well formed but make no sense is dropped, saying why;
+// one that does is read back as it was written.
+func TestLoadIndex(t *testing.T) {
+	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
+	hdr := indexHeader{Epoch: 3, Keeper: procID{PID: 7, Start: 99}, Geometry: g, Devices: []int{0, 1}}
+	h1, h2 := kv.Hash{1}, kv.Hash{2}
+	alice := procID{PID: 11, Start: 5}
+	good := appendHeader(nil, hdr)
+	good = appendPageRecord(good, recSeal, 0, 3, &h1)
+	good = appendPageRecord(good, recSeal, 1, 4, &h2)
+	good = appendPageRecord(good, recSeal, 0, 5, &h2)
+	good = appendPageRecord(good, recFree, 0, 3, nil)
+	good = appendPageRecord(good, recSeal, 0, 6, &h1)
+	good = appendProcRecord(good, recAttach, alice)
+	good = appendProcRecord(good, recAttach, procID{PID: 12})
+	good = appendProcRecord(good, recDetach, procID{PID: 12})
+	dir := t.TempDir()
+	write := func(b []byte) string {
+		path := filepath.Join(dir, "index")
+		require.NoError(t, os.WriteFile(path, b, 0o600))
+		return path
+	}
+	rec, err := loadIndex(write(good))
+	require.NoError(t, err)
+	assert.Equal(t, hdr, rec.hdr)
+	assert.Equal(t, []sealedPage{{5, h2}, {6, h1}}, rec.sealed[0], "least recent first, the freed page gone")
+	assert.Equal(t, []sealedPage{{4, h2}}, rec.sealed[1])
+	assert.Equal(t, []procID{alice}, rec.attached)
+
+	_, err = loadIndex(filepath.Join(dir, "none"))
+	assert.ErrorIs(t, err, errNoIndex)
+	for _, tc := range []struct {
+		name string
+		b    []byte
+		why  string
+	}{
+		{"empty", nil, "the header: truncated"},
+		{"magic", appendRecord(nil, func(b []byte) []byte { return append(b, "CPKVIDX9"...) }), "bad magic"},
+		{"device", appendPageRecord(appendHeader(nil, hdr), recSeal, 2, 1, &h1), "device 2 is not one of [0 1]"},
+		{"page", appendPageRecord(appendHeader(nil, hdr), recSeal, 0, 16, &h1), "page 16 of 16"},
+		{"type", appendRecord(appendHeader(nil, hdr), func(b []byte) []byte { return append(b, 9) }), "unknown type 9"},
+		{"short page", appendRecord(appendHeader(nil, hdr), func(b []byte) []byte { return append(b, recSeal, 0, 0) }), "2 bytes for a page record"},
+		{"one hash twice", appendPageRecord(appendPageRecord(appendHeader(nil, hdr), recSeal, 0, 1, &h1), recSeal, 0, 2, &h1), "visible under one hash"},
+		{"a tail cut", good[:len(good)-1], "truncated"},
+	} {
+		_, err := loadIndex(write(tc.b))
+		require.Error(t, err, tc.name)
+		assert.Contains(t, err.Error(), tc.why, tc.name)
+	}
+}

@@ -1,0 +1,605 @@
+package owner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/dustin/go-humanize"
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/export/consumer"
+	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
+
+// A cache that survives its owner. The slabs live in a keeper process (Keep: the
+// pools, the allocations and the exporter on dir/slab.sock, nothing else), and the
+// page server (Listen with Options.Keeper) imports them from it, as every replica
+// does. So the page server's death changes nothing for the slabs or the replicas'
+// mappings; a new page server on the same directory adopts the slabs from the live
+// keeper, restores the visible pages from the index file (Options.Index, journal.go)
+// and takes back the leases the replicas re-declare (Reattach). When the keeper is
+// gone the slabs are gone: the next page server starts a new keeper, and says so.
+
+// The files a page server makes in its directory besides the sockets.
+const (
+	LockFile  = "owner.lock" // held (flock) by the live page server
+	IndexFile = "index"      // the index of visible pages, the default Options.Index of kvpoold
+)
+
+// DefaultReattachGrace is how long a restarted owner waits, at most, for the replicas
+// attached to its predecessor to re-declare their leases before it lets pages be
+// allocated (Options.ReattachGrace).
+const DefaultReattachGrace = 5 * time.Second
+
+// Recovery says what Listen took back from the owner before it.
+type Recovery struct {
+	// Adopted says the slabs are a live keeper's, made before this Listen; false on
+	// a first start, after the keeper died (the cache is gone) or for slabs the owner
+	// makes itself.
+	Adopted bool
+	// KeeperPID is the keeper's pid (Options.Keeper), else 0.
+	KeeperPID int
+	// Pages are the visible pages restored from the index, all devices together.
+	Pages int
+	// Replicas are the replicas attached before, whose leases wait for them.
+	Replicas int
+	// Dropped says why the slabs or the index were not taken back; "" if they were,
+	// or if there was nothing to take.
+	Dropped string
+}
+
+// String is one line for a log or a first line.
+func (r Recovery) String() string {
+	var b strings.Builder
+	switch {
+	case r.Adopted:
+		fmt.Fprintf(&b, "cache adopted from keeper pid %d: %d visible pages restored, %d replicas to reattach", r.KeeperPID, r.Pages, r.Replicas)
+	case r.KeeperPID != 0:
+		fmt.Fprintf(&b, "new cache in keeper pid %d", r.KeeperPID)
+	default:
+		b.WriteString("new cache")
+	}
+	if r.Dropped != "" {
+		fmt.Fprintf(&b, " (%s)", r.Dropped)
+	}
+	return b.String()
+}
+
+// Recovery says what Listen took back.
+func (o *Owner) Recovery() Recovery { return o.recovery }
+
+// KeeperGone is closed when the keeper of an owner's adopted slabs has gone
+// (Options.Keeper): the slabs are gone with it, and the owner should be closed and
+// started again. nil for an owner that makes its own slabs.
+func (o *Owner) KeeperGone() <-chan struct{} {
+	if o.imp == nil {
+		return nil
+	}
+	return o.imp.Done()
+}
+
+// Keeper holds the slabs of a directory for the page servers that come and go: it
+// makes a pool and a slab on each device and publishes them on dir/slab.sock, as
+// Listen does, and serves no pages. The host tier's memory (a memfd shared with every
+// replica) belongs here too, made by Keep, so that it outlives the page server as the
+// slabs do.
+type Keeper struct{ o *Owner }
+
+// Keep makes a Keeper on dir with o's devices, geometry, policy and announcement. A
+// live keeper (or owner of its own slabs) on dir makes it fail with an error wrapping
+// producer.ErrAddressInUse. On failure nothing is left behind.
+func Keep(dir string, rt cudart.Runtime, o Options) (*Keeper, error) {
+	ow, err := listen(dir, rt, o, roleKeeper)
+	if err != nil {
+		return nil, err
+	}
+	return &Keeper{o: ow}, nil
+}
+
+// Importers counts the processes that map the keeper's slabs (page servers and
+// replicas).
+func (k *Keeper) Importers() int { return len(k.o.ex.Peers()) }
+
+// Close ends the slabs: the exporter waits, until ctx ends, for the importers to
+// unmap them, and frees them. A second Close returns kv.ErrClosed.
+func (k *Keeper) Close(ctx context.Context) error { return k.o.Close(ctx) }
+
+// role is what listen makes.
+type role int
+
+const (
+	roleWhole  role = iota // slabs and pages in one process: Listen without Keeper
+	roleKeeper             // the slabs alone: Keep
+	rolePages              // the pages, over a keeper's slabs: Listen with Keeper
+)
+
+// lockDir takes the page server's lock on dir, or fails naming the holder.
+func lockDir(dir string) (*os.File, error) {
+	path := filepath.Join(dir, LockFile)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("kv/owner: the lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		holder, _ := os.ReadFile(path) // best effort: it only names the holder
+		_ = f.Close()                  // cleanup: the lock's error is the one returned
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("kv/owner: an owner already serves %s (%s holds %s): %w", dir, strings.TrimSpace(string(holder)), path, producer.ErrAddressInUse)
+		}
+		return nil, fmt.Errorf("kv/owner: locking %s: %w", path, err)
+	}
+	// The holder's pid, for the message above; the lock is what counts.
+	if err := f.Truncate(0); err == nil {
+		_, _ = fmt.Fprintf(f, "pid %d\n", os.Getpid()) // best effort: only messages read it
+	}
+	return f, nil
+}
+
+// keeperTimeout bounds the dial of the keeper, and its start.
+const keeperTimeout = 30 * time.Second
+
+// adoptSlabs imports each device's slab from the keeper on dir/slab.sock, starting one
+// (Options.StartKeeper) if none is alive or if the live one keeps slabs of another
+// geometry or other devices, which it stops first.
+func (o *Owner) adoptSlabs() error {
+	ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
+	defer cancel()
+	path := filepath.Join(o.dir, SlabSocket)
+	started := false
+	start := func() error {
+		if o.opts.StartKeeper == nil {
+			return fmt.Errorf("kv/owner: no keeper serves %s, and Options.StartKeeper is nil", path)
+		}
+		if err := o.opts.StartKeeper(ctx); err != nil {
+			return fmt.Errorf("kv/owner: starting the keeper: %w", err)
+		}
+		started = true
+		return nil
+	}
+	for attempt := 0; ; attempt++ {
+		var dopts []consumer.DialOption
+		if started {
+			dopts = append(dopts, consumer.WaitForExporter())
+		}
+		imp, err := consumer.Dial(ctx, path, o.rt, o.opts.Devices[0], append(dopts, consumer.WithLogger(o.log))...)
+		if errors.Is(err, export.ErrExporterGone) && !started {
+			if err := start(); err != nil {
+				return err
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("kv/owner: the keeper: %w", err)
+		}
+		o.imp = imp
+		why, err := o.openSlabs(ctx)
+		if err != nil {
+			return err
+		}
+		if why == "" {
+			o.recovery.Adopted = !started
+			o.recovery.KeeperPID = imp.ExporterPID()
+			return nil
+		}
+		if started || attempt > 0 {
+			return fmt.Errorf("kv/owner: the keeper it started: %s", why)
+		}
+		// Refuse the old slabs: stop their keeper, and start one of this geometry.
+		o.recovery.Dropped = why + ": the old slabs and index are dropped"
+		pid := imp.ExporterPID()
+		o.log.Warn("kv: the live keeper's slabs do not fit; stopping it", "pid", pid, "why", why)
+		if err := o.closeImport(ctx); err != nil {
+			return err
+		}
+		if err := StopKeeper(ctx, pid); err != nil {
+			return err
+		}
+		if err := start(); err != nil {
+			return err
+		}
+	}
+}
+
+// openSlabs maps each device's slab, segment by segment, through o.imp; why says what
+// does not fit.
+func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
+	for _, d := range o.opts.Devices {
+		s := newSlab(d, o.geo.Pages)
+		s.name = kvwire.SlabName(d)
+		o.slabs = append(o.slabs, s)
+		o.byDev[d] = s
+		if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
+			return "", fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
+		}
+		if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
+			return "", fmt.Errorf("kv/owner: event on device %d: %w", d, err)
+		}
+		for i := range o.segs.Count() {
+			// The stream of the Importer's device maps every segment; copies run on
+			// each slab's own stream, on its device.
+			m, err := o.imp.Open(ctx, SlabName(d, i), o.slabs[0].stream)
+			if errors.Is(err, export.ErrUnknownName) {
+				return fmt.Sprintf("the keeper (pid %d) keeps no segment %d for device %d", o.imp.ExporterPID(), i, d), nil
+			}
+			if err != nil {
+				return "", fmt.Errorf("kv/owner: mapping the kept segment %d of device %d: %w", i, d, err)
+			}
+			s.ms = append(s.ms, m)
+			got, _, err := kvwire.ParseSegmentMeta(m.Meta())
+			if err != nil {
+				return "", fmt.Errorf("kv/owner: the kept segment %d of device %d: %w", i, d, err)
+			}
+			want := kvwire.SegmentMeta{Geometry: o.geo, Bound: o.segs.Bound(), Count: o.segs.Count(), Index: i}
+			if got != want || m.Size() < o.segs.Bytes(i) {
+				return fmt.Sprintf("the keeper (pid %d) keeps slabs of %v in segments of %s, this owner serves %v in segments of %s",
+					o.imp.ExporterPID(), got.Geometry, humanize.IBytes(got.Bound), o.geo, humanize.IBytes(o.segs.Bound())), nil
+			}
+			s.bases = append(s.bases, m.Ptr())
+		}
+	}
+	return "", nil
+}
+
+// closeImport unmaps the adopted slabs and disconnects from their keeper.
+func (o *Owner) closeImport(ctx context.Context) error {
+	var errs []error
+	for _, s := range o.slabs {
+		for _, m := range s.ms {
+			if err := m.Release(ctx, o.slabs[0].stream); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		s.ms, s.bases = nil, nil
+	}
+	if o.imp != nil {
+		if err := o.imp.Close(ctx); err != nil {
+			errs = append(errs, err)
+		}
+		o.imp = nil
+	}
+	for _, s := range o.slabs {
+		if s.stream != 0 {
+			errs = append(errs, o.rt.StreamSynchronize(s.dev, s.stream))
+		}
+		if s.done != 0 {
+			errs = append(errs, o.rt.EventDestroy(s.dev, s.done))
+		}
+		if s.stream != 0 {
+			errs = append(errs, o.rt.StreamDestroy(s.dev, s.stream))
+		}
+	}
+	o.slabs, o.byDev = nil, map[int]*slab{}
+	return errors.Join(errs...)
+}
+
+// StopKeeper sends the keeper pid SIGTERM, which makes it close (Keeper.Close), and
+// waits, until ctx ends, for it to exit. A keeper gone already is no error.
+func StopKeeper(ctx context.Context, pid int) error {
+	p, err := peercred.OpenProcess(pid)
+	if err != nil {
+		return nil // gone already
+	}
+	defer func() { _ = p.Close() }() // cleanup: the wait is over
+	if err := syscall.Kill(pid, syscall.SIGTERM); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return fmt.Errorf("kv/owner: stopping the keeper (pid %d): %w", pid, err)
+	}
+	if err := p.Wait(ctx); err != nil {
+		return fmt.Errorf("kv/owner: stopping the keeper (pid %d): %w", pid, err)
+	}
+	return nil
+}
+
+// restore takes back the index at o.opts.Index if it is of these slabs, and starts
+// the journal. It is called before the page server accepts anyone.
+func (o *Owner) restore() error {
+	hdr := indexHeader{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
+	rec, err := loadIndex(o.opts.Index)
+	switch {
+	case errors.Is(err, errNoIndex):
+	case err != nil:
+		o.dropIndex(fmt.Sprintf("the index %s is corrupt (%v)", o.opts.Index, err))
+		// Past the epochs a readable header names; a random one where it is not, so
+		// that no lease id of the owner before is likely issued again.
+		hdr.Epoch = 1<<22 | rand.Uint64N(1<<22)
+		if rec != nil {
+			hdr.Epoch = rec.hdr.Epoch + 1
+		}
+	default:
+		hdr.Epoch = rec.hdr.Epoch + 1
+		switch {
+		case rec.hdr.Geometry != o.geo:
+			o.dropIndex(fmt.Sprintf("the index is of %v, not %v", rec.hdr.Geometry, o.geo))
+		case !slices.Equal(rec.hdr.Devices, o.opts.Devices):
+			o.dropIndex(fmt.Sprintf("the index is of devices %v, not %v", rec.hdr.Devices, o.opts.Devices))
+		case rec.hdr.Keeper != o.keeperID && o.imp != nil && !o.recovery.Adopted:
+			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", rec.hdr.Keeper, countSealed(rec)))
+		case rec.hdr.Keeper != o.keeperID:
+			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", rec.hdr.Keeper))
+		default:
+			o.apply(rec)
+		}
+	}
+	o.epoch = hdr.Epoch
+	o.nextLease = hdr.Epoch << 40 // no lease id of an earlier epoch is issued again
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	j, err := newJournal(o.opts.Index, hdr, o.log, o.snapshotLocked)
+	if err != nil {
+		return err
+	}
+	for _, s := range o.slabs {
+		s.j = j
+	}
+	o.j = j
+	return nil
+}
+
+func countSealed(rec *recovered) (n int) {
+	for _, ps := range rec.sealed {
+		n += len(ps)
+	}
+	return n
+}
+
+// dropIndex records why the index is not taken back.
+func (o *Owner) dropIndex(why string) {
+	o.log.Warn("kv: the index is dropped; the pool starts with no visible pages", "why", why)
+	if o.recovery.Dropped == "" {
+		o.recovery.Dropped = why
+	}
+}
+
+// apply makes rec's pages visible again and waits for its replicas.
+func (o *Owner) apply(rec *recovered) {
+	for _, s := range o.slabs {
+		sealed := rec.sealed[s.dev]
+		for _, sp := range sealed { // least recent first: each goes to the front
+			pg := &s.pages[sp.page]
+			pg.state, pg.hash = pageSealed, sp.hash
+			s.index[sp.hash] = sp.page
+			s.pushFront(sp.page)
+		}
+		s.free = s.free[:0]
+		for p := len(s.pages) - 1; p >= 0; p-- {
+			if s.pages[p].state == pageFree {
+				s.free = append(s.free, uint32(p))
+			}
+		}
+		o.recovery.Pages += len(sealed)
+	}
+	for _, id := range rec.attached {
+		if e := o.expected[id.PID]; e != nil && e.id == id {
+			e.n++
+		} else if now, err := procOf(int(id.PID)); err == nil && now == id {
+			o.expected[id.PID] = &expectation{id: id, n: 1}
+		}
+	}
+	for _, e := range o.expected {
+		o.recovery.Replicas += e.n
+	}
+}
+
+// expectation is a process whose replicas (n of them, one per connection) attached to
+// the owner before a restart and have not reattached yet.
+type expectation struct {
+	id procID
+	n  int
+}
+
+// snapshotLocked appends the records of the present state, under o.mu.
+func (o *Owner) snapshotLocked(b []byte) []byte {
+	for _, s := range o.slabs {
+		for p := s.tail; p != none; p = s.pages[p].prev {
+			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
+		}
+	}
+	for _, e := range o.expected {
+		for range e.n {
+			b = appendProcRecord(b, recAttach, e.id)
+		}
+	}
+	for c := range o.conns {
+		if c.welcomed && c.id.PID != 0 {
+			b = appendProcRecord(b, recAttach, c.id)
+		}
+	}
+	return b
+}
+
+// holdAllocs makes allocations wait until every replica expected back has re-declared
+// its leases (or exited), or the grace has passed, so that no page a replica still
+// holds from before is handed to another.
+func (o *Owner) holdAllocs() {
+	o.mu.Lock()
+	none := len(o.expected) == 0
+	o.mu.Unlock()
+	if none {
+		close(o.resumed)
+		return
+	}
+	grace := o.opts.ReattachGrace
+	if grace <= 0 {
+		grace = DefaultReattachGrace
+	}
+	t := time.AfterFunc(grace, func() {
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		if len(o.expected) > 0 {
+			var late []string
+			for _, e := range o.expected {
+				late = append(late, e.id.String())
+			}
+			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases are lost", "grace", grace, "replicas", late)
+			for pid := range o.expected {
+				o.forgetLocked(pid, o.expected[pid].n)
+			}
+			o.resumeLocked()
+		}
+	})
+	context.AfterFunc(o.stopped, func() { t.Stop() })
+	o.mu.Lock()
+	var ids []procID
+	for _, e := range o.expected {
+		ids = append(ids, e.id)
+	}
+	o.mu.Unlock()
+	for _, id := range ids {
+		p, err := peercred.OpenProcess(int(id.PID))
+		if err != nil {
+			continue // the grace ends the wait
+		}
+		go func() {
+			defer func() { _ = p.Close() }() // cleanup: the wait is over
+			if p.Wait(o.stopped) == nil {
+				o.mu.Lock()
+				defer o.mu.Unlock()
+				if e := o.expected[id.PID]; e != nil && e.id == id {
+					o.forgetLocked(id.PID, e.n)
+				}
+				o.resumeLocked()
+			}
+		}()
+	}
+}
+
+// returnedLocked takes one of pid's replicas off those waited for, under o.mu: its
+// connection now is journaled as attached.
+func (o *Owner) returnedLocked(pid uint32) {
+	if o.expected[pid] != nil {
+		o.forgetLocked(pid, 1)
+		o.resumeLocked()
+	}
+}
+
+// forgetLocked stops waiting for n of pid's replicas, and journals it, under o.mu.
+func (o *Owner) forgetLocked(pid uint32, n int) {
+	e := o.expected[pid]
+	for range n {
+		o.j.replica(recDetach, e.id)
+	}
+	if e.n -= n; e.n <= 0 {
+		delete(o.expected, pid)
+	}
+}
+
+func (o *Owner) resumeLocked() {
+	if len(o.expected) == 0 {
+		select {
+		case <-o.resumed:
+		default:
+			close(o.resumed)
+		}
+	}
+}
+
+// awaitResumed waits until allocations may go on (holdAllocs); false if the owner is
+// closing.
+func (o *Owner) awaitResumed() bool {
+	select {
+	case <-o.resumed:
+		return true
+	case <-o.stopped.Done():
+		return false
+	}
+}
+
+// attachedLocked journals that c was admitted, under o.mu.
+func (o *Owner) attachedLocked(c *conn) {
+	id, err := procOf(c.cred.PID)
+	if err != nil {
+		return
+	}
+	c.id = id
+	o.j.replica(recAttach, id)
+}
+
+// detachedLocked journals that c's connection ended, under o.mu.
+func (o *Owner) detachedLocked(c *conn) {
+	if c.id.PID != 0 {
+		o.j.replica(recDetach, c.id)
+	}
+}
+
+// reattach answers Reattach: a lease c's replica held from before the restart is
+// the owner's again if its pages are as they were (a write lease's free, a read
+// lease's visible under the same hashes), else lost. Lease 0 ends the list.
+func (c *conn) reattach(h kvwire.Header, p []byte) error {
+	o, s := c.o, c.s
+	m, err := kvwire.ParseReattach(p, c.scratch[:0])
+	if err != nil {
+		return err
+	}
+	answer := func(status uint32, reason string) error {
+		return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendReattached(b, h.ID, status, reason) })
+	}
+	o.mu.Lock()
+	if m.Lease == 0 {
+		o.returnedLocked(uint32(c.cred.PID))
+		o.mu.Unlock()
+		return answer(kvwire.ReattachKept, "")
+	}
+	why := o.reattachLocked(c, s, m)
+	o.mu.Unlock()
+	if why != "" {
+		return answer(kvwire.ReattachLost, why)
+	}
+	return answer(kvwire.ReattachKept, "")
+}
+
+// reattachLocked takes m back for c, or says why not, under o.mu.
+func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
+	if l, ok := o.leases[m.Lease]; ok {
+		// The same process's lease over a connection that ended (without the owner's
+		// death) moves to this one.
+		if l.c != c && l.c.cred.PID == c.cred.PID && l.c.lost && l.s == s && l.write == m.Write && slices.Equal(l.pages, m.Pages) {
+			l.c = c
+			return ""
+		}
+		return fmt.Sprintf("lease %d is held already", m.Lease)
+	}
+	if m.Lease >= o.epoch<<40 {
+		return fmt.Sprintf("lease %d was not issued before this owner", m.Lease)
+	}
+	if len(m.Pages) == 0 || (!m.Write && len(m.Hashes) != len(m.Pages)) || (m.Write && len(m.Hashes) != 0) {
+		return fmt.Sprintf("lease %d: %d pages and %d hashes", m.Lease, len(m.Pages), len(m.Hashes))
+	}
+	seen := map[uint32]bool{}
+	for i, pg := range m.Pages {
+		switch {
+		case int(pg) >= len(s.pages):
+			return fmt.Sprintf("page %d of %d", pg, len(s.pages))
+		case seen[pg]:
+			return fmt.Sprintf("page %d is listed twice", pg)
+		case m.Write && s.pages[pg].state != pageFree:
+			return fmt.Sprintf("page %d is no longer free to write", pg)
+		case !m.Write && (s.pages[pg].state != pageSealed || s.pages[pg].hash != m.Hashes[i]):
+			return fmt.Sprintf("page %d is no longer visible under its hash", pg)
+		}
+		seen[pg] = true
+	}
+	if m.Write {
+		s.free = slices.DeleteFunc(s.free, func(p uint32) bool { return seen[p] })
+		for _, pg := range m.Pages {
+			s.pages[pg].state = pageWriting
+		}
+	} else {
+		for _, pg := range m.Pages {
+			s.pages[pg].readers++
+		}
+		s.touch(m.Pages)
+	}
+	o.leases[m.Lease] = &lease{id: m.Lease, c: c, s: s, write: m.Write, pages: slices.Clone(m.Pages)}
+	return ""
+}
