@@ -32,7 +32,11 @@
 # Environment: SUITE_BUDGET (default 330) seconds after which no part starts and
 # running ones are stopped; OUT (when set) is where the raw file, RESULTS.md and the
 # logs go, else /tmp/bench-suite; ALLOC_CPU (default 3) and ALLOC_ROUNDS (default 3);
-# KV_SLAB the Go KV rows' slab (default 100GiB on a GPU).
+# KV_SLAB the Go KV rows' slab (default 100GiB on a GPU); SUITE_PARTS (when set) the
+# names of the parts to run, space-separated (alloc, cref, gosuite, cudacore, validate,
+# torch, gosuite-kv, gosuite-kv-restart, gosuite-kvtier, kvbench): the others are
+# reported "skipped", which fails nothing, for a call with less device time than the
+# whole suite takes.
 # CUDAPOOL_LIB and CUDAPOOL_KVPOOLD (when set) are the libcudapool.so and kvpoold the
 # Python parts use, else bin/gpu's. For a dry run of the script itself where there is
 # no GPU: GOSUITE_RUNTIME=test (the software device) and SUITE_QUICK=1 (few samples),
@@ -73,9 +77,16 @@ left() { echo $((budget - (SECONDS - start))); }
 # part NAME SECONDS CMD... runs CMD with its output appended to the raw file (and
 # its stderr to a log), stopped after SECONDS or at the suite's budget; a part that
 # fails, or runs out of time, is recorded as a fail line that the table shows.
+# asked NAME says whether SUITE_PARTS (if set) names part NAME.
+asked() { [ -z "${SUITE_PARTS:-}" ] || [[ " $SUITE_PARTS " == *" $1 "* ]]; }
+
 part() {
 	local name=$1 limit=$2
 	shift 2
+	if ! asked "$name"; then
+		parts+=("$name skipped (SUITE_PARTS)")
+		return
+	fi
 	if [ "$(left)" -lt 10 ]; then
 		echo "fail suite $name not run: the suite's budget of ${budget}s is spent" >>"$raw"
 		parts+=("$name NOT-RUN")
@@ -128,7 +139,10 @@ fi
 
 echo "== bench-suite: C reference (build)"
 cref=/tmp/cudapool-cref
-if [ -x "$cref" ] && [ "$cref" -nt bench/cref/cref.cu ]; then
+if ! asked cref && ! asked alloc; then
+	echo "not built: SUITE_PARTS names neither cref nor alloc"
+	cref=
+elif [ -x "$cref" ] && [ "$cref" -nt bench/cref/cref.cu ]; then
 	echo "reusing $cref"
 elif ! timeout 180 nvcc -O2 -cudart shared -o "$cref" bench/cref/cref.cu; then
 	echo "fail c all nvcc could not build bench/cref" >>"$raw"
@@ -142,7 +156,9 @@ echo "== bench-suite: allocation ring (CPU $alloc_cpu, $alloc_rounds rounds)"
 # What an exportable pool allocates for a small buffer: cudapool rounds to this, so C
 # and cuda.core are asked for it too, and every column allocates the same bytes.
 gran=$(timeout 60 "$bin/gosuite" -runtime "$rt" granularity 2>"$logs/granularity.err")
-if [ -z "$cref" ]; then
+if ! asked alloc; then
+	parts+=("alloc skipped (SUITE_PARTS)")
+elif [ -z "$cref" ]; then
 	# Without C there is nothing to compare the Go pairs with, batch by batch.
 	echo "fail suite alloc not run: bench/cref did not build" >>"$raw"
 	parts+=("alloc NOT-RUN(no cref)")
