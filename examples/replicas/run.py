@@ -63,6 +63,11 @@ def tokens(seed, n):
 
 # --- the owner's statistics, over its page socket ---------------------------------------
 
+# The page protocol's version (kv/internal/kvwire.Version): the Hello of owner_stats's
+# observer connection carries it.
+KV_PROTOCOL_VERSION = 2
+
+
 def owner_stats(dir, timeout=10.0):
     """The owner's Stats (JSON) through a connection of its own: Hello, then Stats."""
     def frame(t, rid, payload=b""):
@@ -87,7 +92,7 @@ def owner_stats(dir, timeout=10.0):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(os.path.join(dir, "kv.sock"))
-        s.sendall(frame(1, 1, struct.pack("<III", 1, os.getpid(), 0) + struct.pack("<H", 0)))
+        s.sendall(frame(1, 1, struct.pack("<III", KV_PROTOCOL_VERSION, os.getpid(), 0) + struct.pack("<H", 0)))
         t, body = read(s)
         if t != 2:
             raise RuntimeError("owner refused the stats connection: %r" % body[:200])
