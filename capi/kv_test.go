@@ -35,7 +35,7 @@ func kvOwner(t *testing.T) (string, *owner.Owner) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, dev, owner.Options{Geometry: kvSmall, Devices: []int{0}, NoAnnounce: true})
+	o, err := owner.Listen(dir, dev, kvSmall, owner.WithDevices(0), owner.WithoutAnnounce())
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)

@@ -89,7 +89,7 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint
 	}
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, Logger: quiet})
+	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithLogger(quiet))
 	if err != nil {
 		r.fail("cudapool", "kv", err)
 		return

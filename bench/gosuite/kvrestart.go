@@ -156,7 +156,7 @@ func kvKeeperMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	k, err := owner.Keep(args[1], rt, owner.Options{Geometry: kvRestartGeometry(), NoAnnounce: true})
+	k, err := owner.Keep(args[1], rt, kvRestartGeometry(), owner.WithoutAnnounce())
 	if err != nil {
 		return fail(err)
 	}
@@ -184,8 +184,8 @@ func kvOwnerMain(args []string) int {
 		return fail(err)
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	o, err := owner.Listen(args[1], rt, owner.Options{Geometry: kvRestartGeometry(), Keeper: true, NoAnnounce: true,
-		Index: filepath.Join(args[1], owner.IndexFile), Logger: quiet})
+	o, err := owner.Listen(args[1], rt, kvRestartGeometry(), owner.WithKeeper(nil), owner.WithoutAnnounce(),
+		owner.WithIndex(filepath.Join(args[1], owner.IndexFile)), owner.WithLogger(quiet))
 	if err != nil {
 		return fail(err)
 	}

@@ -16,7 +16,7 @@ import (
 )
 
 // The host tier's rows ("gosuite kvtier"): an owner in this process
-// with a host tier (owner.Options.HostBytes) and one replica process, the llama-0.85b
+// with a host tier (owner.WithHostBytes) and one replica process, the llama-0.85b
 // layout. Each cycle the replica seals a prompt of its own (distinct bytes in every
 // piece of every page), allocs the whole slab, which evicts it to the host tier, gives
 // the pages back, and matches the prompt again, which restores it; it then checks
@@ -45,7 +45,7 @@ func kvTierRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	host := uint64(prompt+prompt/4) * owner.HostPageBytes(g)
-	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true, Logger: quiet, HostBytes: host})
+	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithLogger(quiet), owner.WithHostBytes(host))
 	if err != nil {
 		r.fail("cudapool", "kv/host", err)
 		return

@@ -169,7 +169,7 @@ func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1
 	}
-	k, err := owner.Keep(f.dir, picked.Runtime, owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound})
+	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithSegmentBytes(bound))
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1

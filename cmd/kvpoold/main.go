@@ -278,13 +278,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	opts := owner.Options{Devices: devs, Geometry: g, SegmentBytes: bound, HostBytes: hostBytes, Logger: logger}
+	opts := []owner.Option{owner.WithDevices(devs...), owner.WithSegmentBytes(bound), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
 	var child *keeperChild // the keeper this kvpoold started, if it did
 	if !f.oneProcess {
-		opts.Keeper, opts.StartKeeper = true, startKeeper(stderr, keeperArgs(f, g, devs), &child)
-		opts.Index, opts.ReattachGrace = filepath.Join(f.dir, owner.IndexFile), f.grace
+		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f, g, devs), &child)),
+			owner.WithIndex(filepath.Join(f.dir, owner.IndexFile)), owner.WithReattachGrace(f.grace))
 	}
-	o, err := owner.Listen(f.dir, rt, opts)
+	o, err := owner.Listen(f.dir, rt, g, opts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitFailed
@@ -309,7 +309,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
 	closeErr, broken := o.Close(cctx), choose.Violations(rt)
-	if opts.Keeper && !f.leaveKeeper && !keeperGone {
+	if !f.oneProcess && !f.leaveKeeper && !keeperGone {
 		// The keeper's close waits -stop-wait for the replicas to unmap the slabs, and
 		// says so on stderr where they did not: its status 3 is this stop's.
 		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)

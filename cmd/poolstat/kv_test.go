@@ -28,7 +28,7 @@ func kvOwner(t *testing.T) string {
 	t.Cleanup(cancel)
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true, SegmentBytes: 3 * g.TensorBytes()})
+	o, err := owner.Listen(dir, odev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*g.TensorBytes()))
 	require.NoError(t, err)
 	t.Cleanup(func() { o.Close(ctx) })
 	rdev := cudarttest.ForTest(t)
@@ -76,7 +76,7 @@ func TestKVHostTier(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	t.Cleanup(cancel)
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), owner.Options{Geometry: g, NoAnnounce: true, HostBytes: 8 * owner.HostPageBytes(g)})
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(8*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	t.Cleanup(func() { o.Close(ctx) })
 	code, out, errOut := poolstat(t, "-kv", dir)

@@ -29,11 +29,11 @@ func ipcEvents(t *testing.T, n int) [][kvwire.EventLen]byte {
 	return hs
 }
 
-// The event handles one connection sends are capped (Options.MaxEvents), and a
+// The event handles one connection sends are capped (WithMaxEvents), and a
 // release or seal refused for its lease opens none: refused releases under 10
 // handles leave room for the 4 of the cap.
 func TestEventHandlesAreCappedAndOpenedAfterTheLeaseCheck(t *testing.T) {
-	_, dir := listenWith(t, owner.Options{MaxEvents: 4})
+	_, dir := listenWith(t, owner.WithMaxEvents(4))
 	r := dialRaw(t, dir)
 	r.hello()
 	evs := ipcEvents(t, 15)
@@ -60,11 +60,11 @@ func TestEventHandlesAreCappedAndOpenedAfterTheLeaseCheck(t *testing.T) {
 	assert.Equal(t, kvwire.TypeReleased, h.Type, "a handle sent before is used again")
 }
 
-// The leases of one connection are capped (Options.MaxLeases), and their pages
-// (Options.MaxLeasedPages): past a cap an Alloc or Match is refused with kv.ErrLimit
+// The leases of one connection are capped (WithMaxLeases), and their pages
+// (WithMaxLeasedPages): past a cap an Alloc or Match is refused with kv.ErrLimit
 // naming it, and a release makes room again.
 func TestLeasesPerConnectionAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.Options{MaxLeases: 3, MaxLeasedPages: 5})
+	_, dir := listenWith(t, owner.WithMaxLeases(3), owner.WithMaxLeasedPages(5))
 	r := dialRaw(t, dir)
 	r.hello()
 	a := r.alloc(2, 2)
@@ -86,7 +86,7 @@ func TestLeasesPerConnectionAreCapped(t *testing.T) {
 // connection may hold × connections) reaches 2^32.
 func TestListenRefusesCapsThatCouldWrapAReaderCount(t *testing.T) {
 	dev := cudarttest.ForTest(t)
-	_, err := owner.Listen(t.TempDir(), dev, owner.Options{Geometry: small, NoAnnounce: true, MaxLeases: 1 << 20, Limits: owner.Limits{Conns: 1 << 12}})
+	_, err := owner.Listen(t.TempDir(), dev, small, owner.WithoutAnnounce(), owner.WithMaxLeases(1<<20), owner.WithLimits(owner.Limits{Conns: 1 << 12}))
 	require.Error(t, err)
 	assert.ErrorContains(t, err, "could wrap")
 }

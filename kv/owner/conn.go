@@ -408,10 +408,10 @@ func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 // roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
 func (c *conn) roomLocked(n int) error {
 	if max := c.o.opts.MaxLeases; len(c.held) >= max {
-		return fmt.Errorf("%w: the connection holds %d leases, the most one may (Options.MaxLeases)", kv.ErrLimit, max)
+		return fmt.Errorf("%w: the connection holds %d leases, the most one may (WithMaxLeases)", kv.ErrLimit, max)
 	}
 	if max := c.o.opts.MaxLeasedPages; c.heldPgs+n > max {
-		return fmt.Errorf("%w: the connection holds leases of %d pages; %d more is over the most one may (Options.MaxLeasedPages, %d)", kv.ErrLimit, c.heldPgs, n, max)
+		return fmt.Errorf("%w: the connection holds leases of %d pages; %d more is over the most one may (WithMaxLeasedPages, %d)", kv.ErrLimit, c.heldPgs, n, max)
 	}
 	return nil
 }
@@ -465,7 +465,7 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 		return e, nil
 	}
 	if max := c.o.opts.MaxEvents; len(c.events) >= max {
-		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (Options.MaxEvents): record one event per stream", kv.ErrLimit, max)
+		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (WithMaxEvents): record one event per stream", kv.ErrLimit, max)
 	}
 	e := &event{c: c}
 	if *h != ([kvwire.EventLen]byte{}) {

@@ -22,7 +22,7 @@ func TestCloseEndsAHungCrossDeviceCopy(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, Devices: []int{0, 1}, NoAnnounce: true})
+	o, err := owner.Listen(dir, odev, small, owner.WithDevices(0, 1), owner.WithoutAnnounce())
 	require.NoError(t, err)
 	wdev, rdev := cudarttest.ForTest(t), cudarttest.ForTest(t)
 	w, err := replica.Dial(bound(t), dir, wdev, 0)

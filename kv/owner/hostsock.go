@@ -24,7 +24,7 @@ type hostSide struct {
 	spillers sync.WaitGroup
 }
 
-// startTiers makes every device's host tier, if Options.HostBytes asks for them, starts
+// startTiers makes every device's host tier, if WithHostBytes asks for them, starts
 // their spillers and listens on dir/host.sock. teardown undoes what it got to.
 func (o *Owner) startTiers() error {
 	if o.opts.HostBytes == 0 {
@@ -51,7 +51,7 @@ func (o *Owner) startTiers() error {
 		return err
 	}
 	// Served like the page socket: accept errors backed off, handshakes and connections
-	// capped by Options.Limits, a panic contained to its connection.
+	// capped by WithLimits, a panic contained to its connection.
 	o.host.srv = session.Serve(ln, o.log, "kv/owner: host tier", o.opts.Limits, func(c *session.Conn) {
 		if err := o.handOutTier(c.UnixConn, c.Cred); err != nil && o.stopped.Err() == nil {
 			o.log.Warn("kv: handing out a host tier", "err", err)

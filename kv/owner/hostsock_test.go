@@ -25,7 +25,7 @@ import (
 func TestHostSocketAnswers(t *testing.T) {
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
 	dir := filepath.Join(t.TempDir(), "kv")
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), owner.Options{Geometry: g, NoAnnounce: true, HostBytes: 4 * owner.HostPageBytes(g)})
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(4*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, o.Close(t.Context())) }()
 	sock := filepath.Join(dir, kv.HostSocket)

@@ -18,7 +18,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 )
 
-// The host tier of a device (Options.HostBytes): pinned host memory that holds sealed
+// The host tier of a device (WithHostBytes): pinned host memory that holds sealed
 // pages the slab evicts, so that a later match gets them back instead of a miss.
 //
 // Its memory is a memfd, sealed at its size, mapped and registered with the runtime
@@ -159,7 +159,7 @@ func memAvailable() (uint64, error) {
 
 // checkHostBytes refuses a host tier that cannot be: smaller than one page, or, over
 // every device, larger than the host's available memory.
-func checkHostBytes(o Options) error {
+func checkHostBytes(o options) error {
 	if o.HostBytes == 0 {
 		return nil
 	}

@@ -17,7 +17,7 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
-// The index file (Options.Index) is what a restarted owner needs to serve the pages
+// The index file (WithIndex) is what a restarted owner needs to serve the pages
 // its predecessor made visible: an append-only journal of records, each u32 length |
 // payload | u32 CRC-32C of the payload, little-endian. The first record is the header:
 // the magic, the version, the epoch (one more at each start), the keeper of the slabs

@@ -35,19 +35,19 @@ func TestListenRefusesATensorOverTheSegmentBound(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "kv")
 	dev := cudarttest.ForTest(t, cudarttest.WithMemory(1<<40))
 	g.Pages = 262145 // a tensor of 4 GiB + 16 KiB
-	_, err = owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true})
+	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce())
 	require.ErrorIs(t, err, kv.ErrGeometry)
 	assert.ErrorContains(t, err, "tensor of 4.0 GiB (262145 pages of 16 KiB) is over the 4.0 GiB")
 	assert.ErrorContains(t, err, "at most 262144 pages")
 	nothingLeft(t, dir, dev)
 
 	g.Pages = 64
-	_, err = owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true, SegmentBytes: 63 << 14})
+	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(63<<14))
 	require.ErrorIs(t, err, kv.ErrGeometry, "a smaller bound")
 	assert.ErrorContains(t, err, "at most 63 pages")
 	nothingLeft(t, dir, dev)
 
-	_, err = owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true, SegmentBytes: kv.MaxSegmentBytes + 1})
+	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(kv.MaxSegmentBytes+1))
 	require.ErrorIs(t, err, kv.ErrGeometry, "a bound over what a replica imports")
 	assert.ErrorContains(t, err, "segments of 4294967297 bytes: a replica can import at most 4294967296 (4.0 GiB) as one allocation")
 	nothingLeft(t, dir, dev)
@@ -61,7 +61,7 @@ func TestListenRefusesASlabOverFreeMemory(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "kv")
 	dev := cudarttest.ForTest(t, cudarttest.WithMemory(8<<30))
 	g.Pages = 16385 // 8 GiB + 512 KiB
-	_, err = owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true})
+	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce())
 	require.ErrorIs(t, err, cudart.ErrOutOfMemory)
 	assert.ErrorContains(t, err, "a slab of 8.0 GiB (8590458880 bytes, 16385 pages) is larger than device 0's free memory, 8.0 GiB (8589934592 bytes")
 	nothingLeft(t, dir, dev)
@@ -75,7 +75,7 @@ func TestListenServesASlabOfSeveralSegments(t *testing.T) {
 	g.Pages = 40960 // 20 GiB: 32 tensors of 640 MiB, 6 to a segment
 	dir := filepath.Join(t.TempDir(), "kv")
 	dev := cudarttest.ForTest(t, cudarttest.WithMemory(32<<30))
-	o, err := owner.Listen(dir, dev, owner.Options{Geometry: g, NoAnnounce: true})
+	o, err := owner.Listen(dir, dev, g, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	segs := o.Segments()
 	assert.Equal(t, "5 segments of 3.8 GiB and 1 of 1.3 GiB", segs.String())

@@ -51,8 +51,8 @@
 // connection once the replica's releases have settled, so that the replica may then
 // destroy its events. Every malformed frame closes the connection it came on, and only
 // that one; so does a panic while serving it. The connections are served by
-// internal/session, within Options.Limits, and what one holds within MaxLeases,
-// MaxLeasedPages and MaxEvents.
+// internal/session, within WithLimits, and what one holds within WithMaxLeases,
+// WithMaxLeasedPages and WithMaxEvents.
 //
 // # Devices
 //
@@ -67,16 +67,16 @@
 // # Restarts
 //
 // Keep makes a keeper: the slabs and their exporter alone, in a process of their own.
-// Listen with Options.Keeper serves the pages of a keeper's slabs, journals the visible
-// pages in Options.Index, and, started again after its predecessor died, adopts the
+// Listen given WithKeeper serves the pages of a keeper's slabs, journals the visible
+// pages in WithIndex's file, and, started again after its predecessor died, adopts the
 // live keeper's slabs, makes the journaled pages visible again and takes back the
 // leases that replicas re-declare (Reattach) before it allocates any page
-// (Options.ReattachGrace). Recovery says what it took back, and why not what it
+// (WithReattachGrace). Recovery says what it took back, and why not what it
 // dropped. See restart.go and journal.go.
 //
 // # Host tiers
 //
-// With Options.HostBytes each device also has a host tier (hosttier.go): pinned host
+// Given WithHostBytes, each device also has a host tier (hosttier.go): pinned host
 // memory, a memfd handed to every replica on dir/host.sock, that keeps the sealed pages
 // the slab evicts. A spiller copies the least recently used pages there ahead of their
 // eviction; a match that runs into the host tier gets its pages back into the slab in
@@ -123,73 +123,123 @@ func SlabName(dev, seg int) string { return kvwire.SegmentName(kvwire.SlabName(d
 // Stats is a snapshot of an owner.
 type Stats = kv.Stats
 
-// Options configures Listen.
-type Options struct {
-	// Devices are the GPUs to serve, a slab on each; nil serves device 0.
-	Devices []int
-	// Geometry is every slab's, Pages included.
-	Geometry kv.Geometry
-	// SegmentBytes bounds each of a slab's allocations (kv.Geometry.Segments); 0 is
-	// kv.MaxSegmentBytes, the most a replica can import, and more is refused. Tests
-	// make it small, so that small geometries have several segments.
-	SegmentBytes uint64
-	// Policy says which processes may connect, as export's does.
-	Policy export.Policy
-	// Logger gets what no call returns: connections refused or closed for malformed
-	// frames, a handler's panic, cleanup that failed. nil logs nothing (as producer
-	// and consumer do).
-	Logger *slog.Logger
-	// AnnounceDir is where the slab exporter announces itself for cmd/poolstat;
-	// "" is discover.DefaultDir(). NoAnnounce leaves the announcement out.
-	AnnounceDir string
-	NoAnnounce  bool
+// Option configures Listen and Keep. A nil Option is skipped.
+type Option func(*options)
 
-	// Keeper makes Listen serve the pages of the slabs a keeper (Keep) publishes on
-	// dir/slab.sock instead of making slabs of its own: they outlive this owner, and
-	// the next one adopts them. Listen then holds dir/owner.lock (another owner on dir
-	// fails), and starts a keeper with StartKeeper where none is alive, or where the
-	// live one keeps slabs of another geometry or other devices (it is stopped first,
-	// SIGTERM).
-	Keeper      bool
-	StartKeeper func(ctx context.Context) error
-	// Index is the file the visible pages are journaled in; "" keeps no index. A
-	// Listen finding one of the same slabs (their keeper, geometry and devices) makes
-	// its pages visible again; any other, or a corrupt one, is dropped, and Recovery
-	// says why.
-	Index string
-	// ReattachGrace bounds how long allocations wait, after a restart, for the replicas
-	// attached before to re-declare their leases; 0 is DefaultReattachGrace.
-	ReattachGrace time.Duration
-	// HostBytes gives each device a host tier of that many bytes of pinned host
-	// memory (hosttier.go), rounded down to whole pages; 0: none. Tiers larger, over
-	// every device, than the host's available memory are refused.
-	HostBytes uint64
-	// Limits bound the page socket's connections: the handshake's timeout, the
-	// connections in their handshake and the admitted connections, in all and per
-	// user or process. A zero field takes its default (session's Default values:
-	// 10 s, 1024 handshakes and 128 per uid, 4096 connections and 64 per process). A
-	// connection past a connection cap is refused with an error wrapping kv.ErrLimit
-	// that names the cap; one past a handshake cap is closed, and logged.
-	Limits Limits
-	// MaxLeases, MaxLeasedPages and MaxEvents cap what one connection holds: its
-	// leases, the pages of its leases (a page counted once a lease), and the
-	// distinct event handles it has sent (each opened once and kept until the
-	// connection ends). A request past a cap is refused with an error wrapping
-	// kv.ErrLimit that names it, and changes nothing. Zero takes the default:
-	// DefaultMaxLeases, DefaultMaxLeasedPages, DefaultMaxEvents. With the
-	// connection caps they bound a page's reader count, which cannot wrap: Listen
-	// refuses a MaxLeases × Limits.Conns of 2^32 or more.
-	MaxLeases, MaxLeasedPages, MaxEvents int
+// options are what the Option values set; the zero value is every default. The fields keep
+// the names of the settings they hold.
+type options struct {
+	Geometry       kv.Geometry // Listen's and Keep's argument
+	Devices        []int
+	SegmentBytes   uint64
+	Policy         export.Policy
+	Logger         *slog.Logger
+	AnnounceDir    string
+	NoAnnounce     bool
+	Keeper         bool
+	StartKeeper    func(ctx context.Context) error
+	Index          string
+	ReattachGrace  time.Duration
+	HostBytes      uint64
+	Limits         Limits
+	MaxLeases      int
+	MaxLeasedPages int
+	MaxEvents      int
 }
 
-// Defaults of Options' per-connection caps.
+// WithDevices sets the GPUs to serve, a slab on each; by default, and with none
+// listed, device 0. A device the runtime does not have, or one listed twice, makes
+// Listen fail with an error wrapping kv.ErrGeometry.
+func WithDevices(devices ...int) Option {
+	devices = slices.Clone(devices) // the caller's slice may change after
+	return func(o *options) { o.Devices = devices }
+}
+
+// WithSegmentBytes bounds each of a slab's allocations (kv.Geometry.Segments); the
+// default (and 0) is kv.MaxSegmentBytes, the most a replica can import, and more is
+// refused (kv.ErrGeometry). Tests make it small, so that small geometries have
+// several segments.
+func WithSegmentBytes(n uint64) Option { return func(o *options) { o.SegmentBytes = n } }
+
+// WithPolicy sets which processes may connect, as export's Policy does; the default,
+// the zero Policy, admits this user's processes.
+func WithPolicy(p export.Policy) Option { return func(o *options) { o.Policy = p } }
+
+// WithLogger sets where what no call returns goes: connections refused or closed for
+// malformed frames, a handler's panic, cleanup that failed. The default (and nil)
+// logs nothing, as producer and consumer do.
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.Logger = l } }
+
+// WithAnnounceDir sets where the slab exporter announces itself for cmd/poolstat; the
+// default (and "") is discover.DefaultDir().
+func WithAnnounceDir(dir string) Option { return func(o *options) { o.AnnounceDir = dir } }
+
+// WithoutAnnounce leaves the slab exporter's announcement out; by default it is made.
+func WithoutAnnounce() Option { return func(o *options) { o.NoAnnounce = true } }
+
+// WithKeeper makes Listen serve the pages of the slabs a keeper (Keep) publishes on
+// dir/slab.sock instead of making slabs of its own: they outlive this owner, and the
+// next one adopts them. Listen then holds dir/owner.lock (another owner on dir
+// fails), and calls start where no keeper is alive, or where the live one keeps slabs
+// of another geometry or other devices (it is stopped first, SIGTERM); with a nil
+// start that fails instead. By default an owner makes its own slabs. Keep ignores it.
+func WithKeeper(start func(ctx context.Context) error) Option {
+	return func(o *options) { o.Keeper, o.StartKeeper = true, start }
+}
+
+// WithIndex sets the file the visible pages are journaled in; by default (and with
+// "") no index is kept. A Listen finding one of the same slabs (their keeper,
+// geometry and devices) makes its pages visible again; any other, or a corrupt one,
+// is dropped, and Recovery says why.
+func WithIndex(path string) Option { return func(o *options) { o.Index = path } }
+
+// WithReattachGrace bounds how long allocations wait, after a restart, for the
+// replicas attached before to re-declare their leases; the default (and 0) is
+// DefaultReattachGrace.
+func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.ReattachGrace = d } }
+
+// WithHostBytes gives each device a host tier of n bytes of pinned host memory
+// (hosttier.go), rounded down to whole pages; by default (and with 0) there is none.
+// Tiers smaller than a page, or larger, over every device, than the host's available
+// memory, are refused with an error wrapping kv.ErrGeometry.
+func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
+
+// WithLimits bounds the page socket's connections: the handshake's timeout, the
+// connections in their handshake and the admitted connections, in all and per user or
+// process. A zero field takes its default (session's Default values: 10 s, 1024
+// handshakes and 128 per uid, 4096 connections and 64 per process), and so does every
+// field without this option. A connection past a connection cap is refused with an
+// error wrapping kv.ErrLimit that names the cap; one past a handshake cap is closed,
+// and logged.
+func WithLimits(l Limits) Option { return func(o *options) { o.Limits = l } }
+
+// WithMaxLeases caps the leases one connection holds; the default (and n <= 0) is
+// DefaultMaxLeases. A request past it is refused with an error wrapping kv.ErrLimit
+// that names it, and changes nothing. With the connection caps it bounds a page's
+// reader count, which cannot wrap: Listen refuses a MaxLeases × Limits.Conns of 2^32
+// or more.
+func WithMaxLeases(n int) Option { return func(o *options) { o.MaxLeases = n } }
+
+// WithMaxLeasedPages caps the pages of one connection's leases (a page counted once a
+// lease); the default (and n <= 0) is DefaultMaxLeasedPages. A request past it is
+// refused with an error wrapping kv.ErrLimit that names it, and changes nothing.
+func WithMaxLeasedPages(n int) Option { return func(o *options) { o.MaxLeasedPages = n } }
+
+// WithMaxEvents caps the distinct event handles one connection sends (each opened
+// once and kept until the connection ends); the default (and n <= 0) is
+// DefaultMaxEvents. A request past it is refused with an error wrapping kv.ErrLimit
+// that names it, and changes nothing.
+func WithMaxEvents(n int) Option { return func(o *options) { o.MaxEvents = n } }
+
+// Defaults of the per-connection caps (WithMaxLeases, WithMaxLeasedPages,
+// WithMaxEvents).
 const (
 	DefaultMaxLeases      = 16384
 	DefaultMaxLeasedPages = 1 << 20
 	DefaultMaxEvents      = 256
 )
 
-// Limits bound the page socket's connections (Options.Limits).
+// Limits bound the page socket's connections (WithLimits).
 type Limits = session.Limits
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -198,12 +248,12 @@ type Owner struct {
 	rt   cudart.Runtime
 	geo  kv.Geometry
 	segs kv.Segments
-	opts Options
+	opts options
 	log  *slog.Logger
 
 	ex    *producer.Exporter
-	imp   *consumer.Importer // the keeper's, for adopted slabs (Options.Keeper)
-	lock  *os.File           // dir/owner.lock, held (Options.Keeper)
+	imp   *consumer.Importer // the keeper's, for adopted slabs (WithKeeper)
+	lock  *os.File           // dir/owner.lock, held (WithKeeper)
 	ln    *net.UnixListener
 	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	srv   *session.Server
@@ -245,7 +295,8 @@ type lease struct {
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
-// slab on each device, an producer.Exporter on dir/slab.sock publishing each segment
+// slab of geometry geo on each device (WithDevices; geo is required: it has no
+// default, and every replica of dir maps slabs of it), an producer.Exporter on dir/slab.sock publishing each segment
 // of each slab whole under SlabName(device, segment) with kvwire.SegmentMeta as
 // metadata (the geometry and the segment map), and the page server on dir/kv.sock.
 // A live owner on dir makes it fail with an error wrapping producer.ErrAddressInUse;
@@ -253,7 +304,8 @@ type lease struct {
 // kv.ErrGeometry; a slab larger than a device's free memory (MemGetInfo), with one
 // wrapping cudart.ErrOutOfMemory that names both sizes. On failure nothing is left
 // behind.
-func Listen(dir string, rt cudart.Runtime, o Options) (*Owner, error) {
+func Listen(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Owner, error) {
+	o := optionsOf(geo, opts)
 	r := roleWhole
 	if o.Keeper {
 		r = rolePages
@@ -261,7 +313,18 @@ func Listen(dir string, rt cudart.Runtime, o Options) (*Owner, error) {
 	return listen(dir, rt, o, r)
 }
 
-func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err error) {
+// optionsOf applies opts, nil ones skipped, over the defaults.
+func optionsOf(geo kv.Geometry, opts []Option) options {
+	o := options{Geometry: geo}
+	for _, f := range opts {
+		if f != nil {
+			f(&o)
+		}
+	}
+	return o
+}
+
+func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
@@ -318,7 +381,7 @@ func listen(dir string, rt cudart.Runtime, o Options, r role) (_ *Owner, err err
 		conns = session.DefaultConns
 	}
 	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
-		return nil, fmt.Errorf("kv/owner: Options.MaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {

@@ -37,7 +37,7 @@ func TestReattachRefusesWhatIsNotAsItWas(t *testing.T) {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	odev := cudarttest.ForTest(t)
 	// An index makes lease ids start past those an earlier owner issued (epoch << 40).
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true, Index: filepath.Join(dir, owner.IndexFile)})
+	o, err := owner.Listen(dir, odev, small, owner.WithoutAnnounce(), owner.WithIndex(filepath.Join(dir, owner.IndexFile)))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	dev := cudarttest.ForTest(t)

@@ -20,27 +20,28 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
 // A cache that survives its owner. The slabs live in a keeper process (Keep: the
 // pools, the allocations and the exporter on dir/slab.sock, nothing else), and the
-// page server (Listen with Options.Keeper) imports them from it, as every replica
+// page server (Listen given WithKeeper) imports them from it, as every replica
 // does. So the page server's death changes nothing for the slabs or the replicas'
 // mappings; a new page server on the same directory adopts the slabs from the live
-// keeper, restores the visible pages from the index file (Options.Index, journal.go)
+// keeper, restores the visible pages from the index file (WithIndex, journal.go)
 // and takes back the leases the replicas re-declare (Reattach). When the keeper is
 // gone the slabs are gone: the next page server starts a new keeper, and says so.
 
 // The files a page server makes in its directory besides the sockets.
 const (
 	LockFile  = "owner.lock" // held (flock) by the live page server
-	IndexFile = "index"      // the index of visible pages, the default Options.Index of kvpoold
+	IndexFile = "index"      // the index of visible pages, kvpoold's default WithIndex
 )
 
 // DefaultReattachGrace is how long a restarted owner waits, at most, for the replicas
 // attached to its predecessor to re-declare their leases before it lets pages be
-// allocated (Options.ReattachGrace).
+// allocated (WithReattachGrace).
 const DefaultReattachGrace = 5 * time.Second
 
 // Recovery says what Listen took back from the owner before it.
@@ -49,7 +50,7 @@ type Recovery struct {
 	// a first start, after the keeper died (the cache is gone) or for slabs the owner
 	// makes itself.
 	Adopted bool
-	// KeeperPID is the keeper's pid (Options.Keeper), else 0.
+	// KeeperPID is the keeper's pid (WithKeeper), else 0.
 	KeeperPID int
 	// Pages are the visible pages restored from the index, all devices together.
 	Pages int
@@ -81,7 +82,7 @@ func (r Recovery) String() string {
 func (o *Owner) Recovery() Recovery { return o.recovery }
 
 // KeeperGone is closed when the keeper of an owner's adopted slabs has gone
-// (Options.Keeper): the slabs are gone with it, and the owner should be closed and
+// (WithKeeper): the slabs are gone with it, and the owner should be closed and
 // started again. nil for an owner that makes its own slabs.
 func (o *Owner) KeeperGone() <-chan struct{} {
 	if o.imp == nil {
@@ -97,11 +98,13 @@ func (o *Owner) KeeperGone() <-chan struct{} {
 // slabs do.
 type Keeper struct{ o *Owner }
 
-// Keep makes a Keeper on dir with o's devices, geometry, policy and announcement. A
+// Keep makes a Keeper on dir of slabs of geometry geo, with the devices, segment
+// bound, policy, logger and announcement opts set (WithKeeper and the page server's
+// options have no effect). A
 // live keeper (or owner of its own slabs) on dir makes it fail with an error wrapping
 // producer.ErrAddressInUse. On failure nothing is left behind.
-func Keep(dir string, rt cudart.Runtime, o Options) (*Keeper, error) {
-	ow, err := listen(dir, rt, o, roleKeeper)
+func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
+	ow, err := listen(dir, rt, optionsOf(geo, opts), roleKeeper)
 	if err != nil {
 		return nil, err
 	}
@@ -151,7 +154,7 @@ func lockDir(dir string) (*os.File, error) {
 const keeperTimeout = 30 * time.Second
 
 // adoptSlabs imports each device's slab from the keeper on dir/slab.sock, starting one
-// (Options.StartKeeper) if none is alive or if the live one keeps slabs of another
+// (WithKeeper's start) if none is alive or if the live one keeps slabs of another
 // geometry or other devices, which it stops first.
 func (o *Owner) adoptSlabs() error {
 	ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
@@ -160,7 +163,7 @@ func (o *Owner) adoptSlabs() error {
 	started := false
 	start := func() error {
 		if o.opts.StartKeeper == nil {
-			return fmt.Errorf("kv/owner: no keeper serves %s, and Options.StartKeeper is nil", path)
+			return fmt.Errorf("kv/owner: no keeper serves %s, and WithKeeper's start is nil", path)
 		}
 		if err := o.opts.StartKeeper(ctx); err != nil {
 			return fmt.Errorf("kv/owner: starting the keeper: %w", err)

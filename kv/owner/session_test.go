@@ -23,15 +23,15 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// listenWith starts an owner of small on device 0 with o (Geometry and NoAnnounce set).
-func listenWith(t *testing.T, o owner.Options) (*owner.Owner, string) {
+// listenWith starts an owner of small on device 0 with opts, and without an
+// announcement.
+func listenWith(t *testing.T, opts ...owner.Option) (*owner.Owner, string) {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kvs")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	o.Geometry, o.NoAnnounce = small, true
-	ow, err := owner.Listen(dir, dev, o)
+	ow, err := owner.Listen(dir, dev, small, append(opts, owner.WithoutAnnounce())...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, ow.Close(bound(t)))
@@ -58,7 +58,7 @@ func (l *failingOnce) Accept() (net.Conn, error) {
 func TestAcceptOutlastsEMFILE(t *testing.T) {
 	l := &failingOnce{}
 	defer owner.SetWrapListener(func(in net.Listener) net.Listener { l.Listener = in; return l })()
-	_, dir := listenWith(t, owner.Options{})
+	_, dir := listenWith(t)
 	r := dialRaw(t, dir)
 	r.hello()
 	assert.True(t, l.failed.Load(), "the first accept failed")
@@ -68,7 +68,7 @@ func TestAcceptOutlastsEMFILE(t *testing.T) {
 // at once, without a word, while those within it wait for their Hello; the handshake
 // timeout is the owner's to set.
 func TestHandshakesAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}})
+	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}))
 	var silent []*raw
 	for range 3 {
 		silent = append(silent, dialRaw(t, dir))
@@ -90,7 +90,7 @@ func TestHandshakesAreCapped(t *testing.T) {
 // N3: the handshake timeout is configurable: a connection that says nothing is
 // closed once it has passed.
 func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
-	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{HandshakeTimeout: 20 * time.Millisecond}})
+	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakeTimeout: 20 * time.Millisecond}))
 	r := dialRaw(t, dir)
 	r.closed("a connection silent past the handshake timeout")
 }
@@ -98,7 +98,7 @@ func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
 // N2: admitted connections are capped per process: one past the cap is refused
 // with kv.ErrLimit naming the cap, and the owner serves the others on.
 func TestConnectionsPerProcessAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.Options{Limits: owner.Limits{ConnsPerProcess: 2}})
+	_, dir := listenWith(t, owner.WithLimits(owner.Limits{ConnsPerProcess: 2}))
 	a, b := dialRaw(t, dir), dialRaw(t, dir)
 	a.hello()
 	b.hello()
@@ -125,7 +125,7 @@ func TestConnectionsPerProcessAreCapped(t *testing.T) {
 // its process lives on: its goroutine, descriptor and pidfd are not kept for the
 // process's exit. One that holds a lease waits for the exit.
 func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
-	o, dir := listenWith(t, owner.Options{})
+	o, dir := listenWith(t)
 	for range 20 {
 		r := dialRaw(t, dir)
 		r.hello()
@@ -148,7 +148,7 @@ func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
 // owner serves the others on and admits new ones.
 func TestPanicEndsOnlyItsConnection(t *testing.T) {
 	t.Cleanup(owner.PanicOn(kvwire.TypeStats)) // after the cleanups below, which end the connections
-	_, dir := listenWith(t, owner.Options{})
+	_, dir := listenWith(t)
 	dev := cudarttest.ForTest(t)
 	good, err := replica.Dial(bound(t), dir, dev, 0)
 	require.NoError(t, err)
@@ -192,7 +192,7 @@ func TestStatsFitOneFrameForAnyNumberOfReplicas(t *testing.T) {
 // connection: they no longer pin their pages until the process exits, and the lost
 // connection, left holding nothing, ends.
 func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
-	o, dir := listenWith(t, owner.Options{})
+	o, dir := listenWith(t)
 	lost := dialRaw(t, dir)
 	lost.hello()
 	l := lost.alloc(2, 3)
@@ -224,7 +224,7 @@ func TestOwnerIsSilentByDefault(t *testing.T) {
 	slog.SetDefault(slog.New(slog.NewTextHandler(&def, nil)))
 	defer slog.SetDefault(prev)
 	for _, logger := range []*slog.Logger{nil, slog.New(slog.NewTextHandler(&given, nil))} {
-		o, dir := listenWith(t, owner.Options{Logger: logger})
+		o, dir := listenWith(t, owner.WithLogger(logger))
 		r := dialRaw(t, dir)
 		r.hello()
 		r.send(header(8, 99, 0), nil)

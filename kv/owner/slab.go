@@ -51,7 +51,7 @@ type slab struct {
 	name   string // the slab's name (kvwire.SlabName); its segments' are SlabName(dev, i)
 	pool   *pool.Pool
 	bufs   []*pool.Buffer      // the segments, in order, where this process made them
-	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (Options.Keeper)
+	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (WithKeeper)
 	bases  []cudart.DevicePtr  // their addresses
 	j      *journal            // the index file; nil: none
 	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab

@@ -48,7 +48,7 @@ func TestGPUSlabOfSegments(t *testing.T) {
 		t.Skipf("not run (needs %d GiB free on GPU 0, %d GiB are)", (g.SlabBytes()>>30)+4, free>>30)
 	}
 	dir := shortDir(t)
-	o, err := owner.Listen(dir, rt, owner.Options{Geometry: g, NoAnnounce: true})
+	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	require.Equal(t, 4, o.Segments().Count(), "%v", o.Segments())

@@ -23,7 +23,7 @@ import (
 // maps it lets go), and lets the replica read host pages by itself: host page p is
 // Mem[p*PageBytes:(p+1)*PageBytes], every layer's K then V piece, layer by layer. Which
 // hash a host page holds is the owner's to say; a match restores host pages into
-// slab pages itself (owner.Options.HostBytes).
+// slab pages itself (owner.WithHostBytes).
 type HostTier struct {
 	Mem       []byte
 	Pages     int

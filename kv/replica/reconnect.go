@@ -17,7 +17,7 @@ import (
 )
 
 // WithReconnect makes the replica reattach by itself to an owner restarted on the
-// same directory (cmd/kvpoold over a keeper, owner.Options.Keeper), keeping its
+// same directory (cmd/kvpoold over a keeper, owner.WithKeeper), keeping its
 // process, its CUDA context and its mapping of the slab, which the keeper holds.
 //
 // When the owner is lost, Done closes and calls fail with kv.ErrOwnerGone, as without
@@ -33,7 +33,7 @@ import (
 // it may be made again once attached.
 //
 // The restarted owner lets pages be allocated once every replica attached before has
-// re-declared its leases, or after its grace (owner.Options.ReattachGrace, kvpoold's
+// re-declared its leases, or after its grace (owner.WithReattachGrace, kvpoold's
 // -reattach-grace): a replica whose streams still run work on pages past it (a stream
 // stalled that long) may find them reused, its leases lost.
 //

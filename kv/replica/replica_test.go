@@ -416,7 +416,7 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 func TestOwnerClosesWhileIdle(t *testing.T) {
 	dir := shortDir(t)
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true})
+	o, err := owner.Listen(dir, odev, small, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	r, _, _ := dial(t, dir, 0)
 	closed := make(chan error, 1)

@@ -113,7 +113,7 @@ func TestDialMapsA100GiBSlab(t *testing.T) {
 	g.Pages = 204800
 	dir := shortDir(t)
 	odev := cudarttest.ForTest(t, cudarttest.WithMemory(128<<30))
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: g, NoAnnounce: true})
+	o, err := owner.Listen(dir, odev, g, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		require.NoError(t, o.Close(bound(t)))

@@ -293,7 +293,7 @@ func TestDialWaitsForOwner(t *testing.T) {
 		dialed <- err
 	}()
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, owner.Options{Geometry: small, NoAnnounce: true})
+	o, err := owner.Listen(dir, odev, small, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	require.NoError(t, testwait.Recv(t, dialed, "a Dial waiting for the owner"))
 	require.NoError(t, o.Close(bound(t)))
