@@ -55,8 +55,12 @@ type Recovery struct {
 	Pages int
 	// Replicas are the replicas attached before, whose leases wait for them.
 	Replicas int
-	// Dropped says why the slabs or the index were not taken back; "" if they were,
-	// or if there was nothing to take.
+	// HostTiersKept counts the devices whose host tier memory the keeper held and
+	// the page server took back (keeptier.go). Their host pages are not restored:
+	// every host page starts free.
+	HostTiersKept int
+	// Dropped says why the slabs, the index or a host tier's memory were not taken
+	// back; "" if they were, or if there was nothing to take.
 	Dropped string
 }
 
@@ -70,6 +74,9 @@ func (r Recovery) String() string {
 		fmt.Fprintf(&b, "new cache in keeper pid %d", r.KeeperPID)
 	default:
 		b.WriteString("new cache")
+	}
+	if r.HostTiersKept > 0 {
+		fmt.Fprintf(&b, ", host tier memory of %d devices kept (0 host pages restored)", r.HostTiersKept)
 	}
 	if r.Dropped != "" {
 		fmt.Fprintf(&b, " (%s)", r.Dropped)
@@ -93,9 +100,12 @@ func (o *Owner) KeeperGone() <-chan struct{} {
 // Keeper holds the slabs of a directory for the page servers that come and go: it
 // makes a pool and a slab on each device and publishes them on dir/slab.sock, as
 // Listen does, and serves no pages. The host tier's memory (a memfd shared with every
-// replica) belongs here too, made by Keep, so that it outlives the page server as the
+// replica) is held here too (keeptier.go), so that it outlives the page server as the
 // slabs do.
-type Keeper struct{ o *Owner }
+type Keeper struct {
+	o     *Owner
+	tiers keptTiers
+}
 
 // Keep makes a Keeper on dir with o's devices, geometry, policy and announcement. A
 // live keeper (or owner of its own slabs) on dir makes it fail with an error wrapping
@@ -105,7 +115,12 @@ func Keep(dir string, rt cudart.Runtime, o Options) (*Keeper, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Keeper{o: ow}, nil
+	k := &Keeper{o: ow}
+	if err := k.serveTiers(); err != nil {
+		_ = ow.Close(context.Background()) // cleanup: the socket's error is the one returned
+		return nil, err
+	}
+	return k, nil
 }
 
 // Importers counts the processes that map the keeper's slabs (page servers and
@@ -114,7 +129,12 @@ func (k *Keeper) Importers() int { return len(k.o.ex.Peers()) }
 
 // Close ends the slabs: the exporter waits, until ctx ends, for the importers to
 // unmap them, and frees them. A second Close returns kv.ErrClosed.
-func (k *Keeper) Close(ctx context.Context) error { return k.o.Close(ctx) }
+// The host tiers' memfds it holds are closed first: their memory lives on while a
+// process maps it.
+func (k *Keeper) Close(ctx context.Context) error {
+	k.closeTiers()
+	return k.o.Close(ctx)
+}
 
 // role is what listen makes.
 type role int
