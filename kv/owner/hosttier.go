@@ -252,6 +252,34 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 	return t, nil
 }
 
+// restoreTier seals the host pages the index held (least recent first) in t, a tier
+// whose memory the keeper kept, and journals them again. A page out of the tier's
+// range, or a hash held already, is skipped. It returns how many it restored.
+func (t *hostTier) restoreTier(sealed []sealedPage) int {
+	n := 0
+	for _, sp := range sealed {
+		if int(sp.page) >= len(t.pages) || t.pages[sp.page].state != hostFree {
+			continue
+		}
+		if _, dup := t.index[sp.hash]; dup {
+			continue
+		}
+		t.seal(sp.page, sp.hash, none)
+		n++
+	}
+	if n == 0 {
+		return 0
+	}
+	t.free = t.free[:0]
+	for p := len(t.pages) - 1; p >= 0; p-- {
+		if t.pages[p].state == hostFree {
+			t.free = append(t.free, uint32(p))
+		}
+	}
+	t.s.j.flush()
+	return n
+}
+
 // makeTierFD makes device dev's host tier memfd of size bytes, sealed at that size.
 // On failure no descriptor is left open.
 func makeTierFD(dev int, size uint64) (_ int, err error) {
@@ -344,6 +372,7 @@ func (t *hostTier) take() (uint32, bool) {
 	for p := t.tail; p != none; p = t.pages[p].prev {
 		if t.evictable(p) {
 			t.evict(p)
+			t.s.j.flush() // the eviction is in the index before the page is filled again
 			return t.take()
 		}
 	}
@@ -354,6 +383,7 @@ func (t *hostTier) take() (uint32, bool) {
 func (t *hostTier) evict(p uint32) {
 	pg := &t.pages[p]
 	delete(t.index, pg.hash)
+	t.s.j.hostFree(t.s.dev, p)
 	t.unlink(p)
 	if pg.gpu != none {
 		t.twin[pg.gpu] = none
@@ -379,6 +409,7 @@ func (t *hostTier) seal(hp uint32, h kv.Hash, gp uint32) {
 		pg.state, pg.hash = hostSealed, h
 		t.index[h] = hp
 		t.pushFront(hp)
+		t.s.j.hostSeal(t.s.dev, hp, h) // its spill copy has completed
 	}
 	if gp != none {
 		t.link(gp, hp)

@@ -23,8 +23,13 @@ import (
 // new -host-bytes needs no new keeper: a memfd of another size is replaced (the old
 // tier dropped, and the page server says why).
 //
-// The keeper holds the memory only: the host pages' index is the page server's, and
-// a restarted page server starts with every host page free.
+// The keeper holds the memory only. The host pages' index is journaled with the slab's
+// pages in the index file (Options.Index, journal.go): a host page is sealed there
+// once its spill copy has completed, and its eviction is written out before the page
+// is filled again, so a page whose copy had not completed never comes back. A
+// restarted page server that takes back both the index and the kept memfd restores
+// those host pages (Recovery.HostPages); with a memfd made anew (none kept, or one of
+// another size) the index's host pages are dropped.
 
 // TierSocket is the keeper's socket that holds the host tiers' memfds.
 const TierSocket = "tier.sock"

@@ -56,9 +56,11 @@ type Recovery struct {
 	// Replicas are the replicas attached before, whose leases wait for them.
 	Replicas int
 	// HostTiersKept counts the devices whose host tier memory the keeper held and
-	// the page server took back (keeptier.go). Their host pages are not restored:
-	// every host page starts free.
+	// the page server took back (keeptier.go).
 	HostTiersKept int
+	// HostPages are the sealed host pages restored from the index, all devices
+	// together: only those of a kept tier.
+	HostPages int
 	// Dropped says why the slabs, the index or a host tier's memory were not taken
 	// back; "" if they were, or if there was nothing to take.
 	Dropped string
@@ -76,7 +78,7 @@ func (r Recovery) String() string {
 		b.WriteString("new cache")
 	}
 	if r.HostTiersKept > 0 {
-		fmt.Fprintf(&b, ", host tier memory of %d devices kept (0 host pages restored)", r.HostTiersKept)
+		fmt.Fprintf(&b, ", %d host pages restored (the host tier of %d devices kept)", r.HostPages, r.HostTiersKept)
 	}
 	if r.Dropped != "" {
 		fmt.Fprintf(&b, " (%s)", r.Dropped)
@@ -383,6 +385,7 @@ func (o *Owner) dropIndex(why string) {
 
 // apply makes rec's pages visible again and waits for its replicas.
 func (o *Owner) apply(rec *recovered) {
+	o.hostRec = rec.host // taken back by startTiers, where the keeper kept the memory
 	for _, s := range o.slabs {
 		sealed := rec.sealed[s.dev]
 		for _, sp := range sealed { // least recent first: each goes to the front
@@ -423,6 +426,11 @@ func (o *Owner) snapshotLocked(b []byte) []byte {
 	for _, s := range o.slabs {
 		for p := s.tail; p != none; p = s.pages[p].prev {
 			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
+		}
+		if t := s.tier; t != nil {
+			for p := t.tail; p != none; p = t.pages[p].prev {
+				b = appendPageRecord(b, recHostSeal, s.dev, p, &t.pages[p].hash)
+			}
 		}
 	}
 	for _, e := range o.expected {
