@@ -709,15 +709,23 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 		o.mu.Unlock()
 		return c.matchRestore(h, hashes)
 	}
+	return c.answerMatchLocked(h.ID, hashes, pages)
+}
+
+// answerMatchLocked ends a Match, with o.mu held on entry and released on return: it
+// leases pages, the run of the hashes found (no lease if none), within c's caps, and
+// answers request id with that lease.
+func (c *conn) answerMatchLocked(id uint32, hashes []kv.Hash, pages []uint32) error {
+	o := c.o
 	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
 		o.mu.Unlock()
-		return c.sendError(h.ID, err)
+		return c.sendError(id, err)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	c.noteTipLocked(hashes, pages)
 	o.mu.Unlock()
 	return c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
+		return kvwire.AppendLease(b, kvwire.TypeMatched, id, ans.id, ans.pages)
 	})
 }
 

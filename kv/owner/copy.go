@@ -129,16 +129,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	for _, p := range pages {
 		s.pages[p].readers-- // leaseRunLocked takes the reader back
 	}
-	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
-		o.mu.Unlock()
-		return c.sendError(h.ID, err)
-	}
-	ans := o.leaseRunLocked(c, pages, len(hashes))
-	c.noteTipLocked(hashes, pages)
-	o.mu.Unlock()
-	return c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
-	})
+	return c.answerMatchLocked(h.ID, hashes, pages)
 }
 
 // unholdLocked drops the readers matchAcross took on run, under o.mu.

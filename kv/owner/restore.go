@@ -127,14 +127,5 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 			pages = append(pages, st.gpu)
 		}
 	}
-	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
-		o.mu.Unlock()
-		return c.sendError(h.ID, err)
-	}
-	ans := o.leaseRunLocked(c, pages, len(hashes))
-	c.noteTipLocked(hashes, pages)
-	o.mu.Unlock()
-	return c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendLease(b, kvwire.TypeMatched, h.ID, ans.id, ans.pages)
-	})
+	return c.answerMatchLocked(h.ID, hashes, pages)
 }

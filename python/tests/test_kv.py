@@ -219,6 +219,23 @@ def dying_writer(q, serve, n, seed):
         q.put(failure(e))
 
 
+def dying_sealer(q, serve, n, seed):
+    """A replica process that holds a stream of its own, writes n pages on it and seals
+    them there: the seal stays pending (the stream's work cannot complete) while it waits
+    to be killed."""
+    try:
+        r = kv.Replica(serve, timeout=CHILD_TIMEOUT)
+        s = cudapool.Stream(0)
+        stall_stream(None, s)
+        l = r.alloc(n)
+        write_pages(r, l.pages, seed, s)
+        res = r.seal(l, r.hashes(tokens(n * T, seed)), stream=s)
+        q.put(("pending", res.visible))
+        time.sleep(CHILD_TIMEOUT)
+    except Exception as e:
+        q.put(failure(e))
+
+
 def result_of_put(test, p, q):
     """The first thing p put on q, failing test if none came in time or it failed."""
     try:
@@ -656,6 +673,24 @@ class ReplicaTest(unittest.TestCase):
         self.assertTrue(all(read_pages(self.r, m.pages, 13)), "and holds its bytes")
         self.r.release(m)
         self.assertEqual(len(self.r.match(self.r.hashes(tokens(32 * T, 13)))), 16, "nothing more was published")
+
+    def test_writer_killed_with_its_seal_pending_publishes_nothing(self):
+        """A writer killed while its seal waits for its stream's work publishes none of
+        those pages, ever, and they all come back free."""
+        free = self.r.stats()["devices"][0]["free"]
+        p, q = spawn(dying_sealer, self.owner.serve, 8, 17)
+        try:
+            self.assertEqual(result_of_put(self, p, q), ("pending", 0))
+            dev = self.r.stats()["devices"][0]
+            self.assertEqual((dev["sealing"], dev["free"]), (8, free - 8), "the seal waits for the held stream")
+        finally:
+            p.kill()
+            p.join(CHILD_TIMEOUT)
+        eventually(self, "the dead writer's pending pages to be free",
+                   lambda: self.r.stats()["devices"][0]["free"] == free)
+        dev = self.r.stats()["devices"][0]
+        self.assertEqual(dev["sealing"], 0, dev)
+        self.assertEqual(len(self.r.match(self.r.hashes(tokens(8 * T, 17)))), 0, "nothing of the pending seal is visible")
 
     def test_owner_death(self):
         hs = self.r.hashes(tokens(2 * T, 14))
