@@ -219,7 +219,7 @@ func (o *Owner) adoptSlabs() error {
 			return fmt.Errorf("kv/owner: the keeper it started: %s", why)
 		}
 		// Refuse the old slabs: stop their keeper, and start one of this geometry.
-		o.recovery.Dropped = why + ": the old slabs and index are dropped"
+		o.recovery.Dropped = why + ": the old slabs and index are dropped, and their host tiers (kept by that keeper) with them"
 		pid := imp.ExporterPID()
 		o.log.Warn("kv: the live keeper's slabs do not fit; stopping it", "pid", pid, "why", why)
 		if err := o.closeImport(ctx); err != nil {
