@@ -19,12 +19,13 @@ import (
 	"github.com/cudapool/cudapool/kv/owner"
 )
 
-// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs
-// (owner.Keep) and nothing else, in a session of its own, so that kvpoold's death
-// (SIGKILL, a crash, an upgrade) leaves the slabs and every replica's mapping of them
-// alone, and the next kvpoold on the directory adopts them. kvpoold starts it where
-// none is alive and, on a clean stop, stops it (unless -leave-keeper). It stops on
-// SIGTERM or SIGINT, or once no process has mapped the slabs for -keeper-idle.
+// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs and the
+// host tiers' memfds (owner.Keep) and nothing else, in a session of its own, so that
+// kvpoold's death (SIGKILL, a crash, an upgrade) leaves that memory and every
+// replica's mapping of it alone, and the next kvpoold on the directory adopts them.
+// kvpoold starts it where none is alive and, on a clean stop, stops it (unless
+// -leave-keeper). It stops on SIGTERM or SIGINT, or once no process has mapped the
+// slabs for -keeper-idle.
 
 // keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
 // stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.

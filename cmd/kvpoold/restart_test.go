@@ -275,7 +275,7 @@ func TestCorruptIndexIsDropped(t *testing.T) {
 // A replica of the old slabs is told, and stays stopped.
 func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
 	dir := shortDir(t)
-	first, line := daemon(t, restartArgs(dir, 32)...)
+	first, line := daemon(t, append(restartArgs(dir, 32), "-host-bytes", "8MiB")...)
 	old := keeperPID.FindStringSubmatch(line)[1]
 	dev, r, s := attach(t, dir)
 	ctx := bound(t)
@@ -292,9 +292,10 @@ func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
 		}
 		closed <- r.Close(ctx)
 	}()
-	_, line = daemon(t, restartArgs(dir, 16)...)
+	_, line = daemon(t, append(restartArgs(dir, 16), "-host-bytes", "8MiB")...)
 	assert.Contains(t, line, "keeps slabs of 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages in segments of 3.0 MiB, this owner serves")
-	assert.Contains(t, line, "the old slabs and index are dropped")
+	assert.Contains(t, line, "the old slabs and index are dropped, and their host tiers (kept by that keeper) with them")
+	assert.NotContains(t, line, "host pages restored")
 	assert.Contains(t, line, "new cache in keeper pid")
 	assert.NotContains(t, line, "keeper pid "+old+" ")
 	require.NoError(t, testwait.Recv(t, closed, "the old slab's replica to close"))

@@ -37,6 +37,9 @@ func (o *Owner) startTiers() error {
 		}
 		o.mu.Lock()
 		s.tier = t
+		if t.kept {
+			o.recovery.HostPages += t.restoreTier(o.hostRec[s.dev])
+		}
 		o.mu.Unlock()
 	}
 	for _, s := range o.slabs {

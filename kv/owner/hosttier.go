@@ -9,6 +9,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dustin/go-humanize"
@@ -68,6 +69,7 @@ const rescanEvery = 64
 type hostTier struct {
 	s         *slab
 	fd        int    // the memfd; the owner keeps it to hand to replicas
+	kept      bool   // the memfd is the keeper's, made before this Listen (keeptier.go)
 	mem       []byte // its mapping, registered
 	dptr      cudart.DevicePtr
 	pageBytes uint64 // one host page: 2 x layers pieces
@@ -205,14 +207,25 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 		}
 	}()
 	size := n * pb
-	if t.fd, err = unix.MemfdCreate(fmt.Sprintf("cudapool-kv-host-%d", s.dev), unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING); err != nil {
-		return nil, fmt.Errorf("kv/owner: host tier of device %d: memfd_create: %w", s.dev, err)
-	}
-	if err = unix.Ftruncate(t.fd, int64(size)); err != nil {
-		return nil, fmt.Errorf("kv/owner: host tier of device %d: sizing the memfd to %s: %w", s.dev, humanize.IBytes(size), err)
-	}
-	if _, err = unix.FcntlInt(uintptr(t.fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		return nil, fmt.Errorf("kv/owner: host tier of device %d: sealing the memfd: %w", s.dev, err)
+	if o.imp == nil {
+		if t.fd, err = makeTierFD(s.dev, size); err != nil {
+			return nil, err
+		}
+	} else {
+		// The keeper's slabs: the keeper holds the memfd too (keeptier.go).
+		ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
+		var dropped string
+		t.fd, t.kept, dropped, err = o.keptTierFD(ctx, s.dev, size, func() (int, error) { return makeTierFD(s.dev, size) })
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		if t.kept {
+			o.recovery.HostTiersKept++
+		}
+		if dropped != "" {
+			o.recovery.Dropped = strings.TrimPrefix(o.recovery.Dropped+"; "+dropped, "; ")
+		}
 	}
 	if t.mem, err = unix.Mmap(t.fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
 		return nil, fmt.Errorf("kv/owner: host tier of device %d: mapping %s: %w", s.dev, humanize.IBytes(size), err)
@@ -237,6 +250,52 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 	}
 	t.stats = kv.HostStats{Bytes: size, Pages: int(n), PageBytes: pb, CopyPath: t.path.String()}
 	return t, nil
+}
+
+// restoreTier seals the host pages the index held (least recent first) in t, a tier
+// whose memory the keeper kept, and journals them again. A page out of the tier's
+// range, or a hash held already, is skipped. It returns how many it restored.
+func (t *hostTier) restoreTier(sealed []sealedPage) int {
+	n := 0
+	for _, sp := range sealed {
+		if int(sp.page) >= len(t.pages) || t.pages[sp.page].state != hostFree {
+			continue
+		}
+		if _, dup := t.index[sp.hash]; dup {
+			continue
+		}
+		t.seal(sp.page, sp.hash, none)
+		n++
+	}
+	if n == 0 {
+		return 0
+	}
+	t.free = t.free[:0]
+	for p := len(t.pages) - 1; p >= 0; p-- {
+		if t.pages[p].state == hostFree {
+			t.free = append(t.free, uint32(p))
+		}
+	}
+	t.s.j.flush()
+	return n
+}
+
+// makeTierFD makes device dev's host tier memfd of size bytes, sealed at that size.
+// On failure no descriptor is left open.
+func makeTierFD(dev int, size uint64) (_ int, err error) {
+	fd, err := unix.MemfdCreate(fmt.Sprintf("cudapool-kv-host-%d", dev), unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return -1, fmt.Errorf("kv/owner: host tier of device %d: memfd_create: %w", dev, err)
+	}
+	if err = unix.Ftruncate(fd, int64(size)); err != nil {
+		_ = unix.Close(fd) // cleanup: the size's error is the one returned
+		return -1, fmt.Errorf("kv/owner: host tier of device %d: sizing the memfd to %s: %w", dev, humanize.IBytes(size), err)
+	}
+	if _, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		_ = unix.Close(fd) // cleanup: the seal's error is the one returned
+		return -1, fmt.Errorf("kv/owner: host tier of device %d: sealing the memfd: %w", dev, err)
+	}
+	return fd, nil
 }
 
 // closeTier undoes makeTier, once the spiller has stopped and no restore runs: the
@@ -313,6 +372,7 @@ func (t *hostTier) take() (uint32, bool) {
 	for p := t.tail; p != none; p = t.pages[p].prev {
 		if t.evictable(p) {
 			t.evict(p)
+			t.s.j.flush() // the eviction is in the index before the page is filled again
 			return t.take()
 		}
 	}
@@ -323,6 +383,7 @@ func (t *hostTier) take() (uint32, bool) {
 func (t *hostTier) evict(p uint32) {
 	pg := &t.pages[p]
 	delete(t.index, pg.hash)
+	t.s.j.hostFree(t.s.dev, p)
 	t.unlink(p)
 	if pg.gpu != none {
 		t.twin[pg.gpu] = none
@@ -348,6 +409,7 @@ func (t *hostTier) seal(hp uint32, h kv.Hash, gp uint32) {
 		pg.state, pg.hash = hostSealed, h
 		t.index[h] = hp
 		t.pushFront(hp)
+		t.s.j.hostSeal(t.s.dev, hp, h) // its spill copy has completed
 	}
 	if gp != none {
 		t.link(gp, hp)

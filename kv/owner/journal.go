@@ -28,11 +28,14 @@ import (
 //	free   dev, page         visible page evicted (written before the page is reused)
 //	attach pid, start        a replica was admitted
 //	detach pid, start        a replica's connection ended
+//	hostseal dev, hpage, hash  host page hpage holds hash, its spill copy completed
+//	hostfree dev, hpage        sealed host page evicted (written before it is refilled)
 //
 // Only visible pages are ever written, so a page whose writer had not finished never
 // becomes visible, also across a restart. Once the journal holds more records than
 // twice the pages (and 1,024), it is rewritten as a snapshot: the header with the next
-// epoch and one record per visible page, least recent first, and the replicas attached.
+// epoch and one record per visible page and per sealed host page, least recent
+// first, and the replicas attached.
 // A record whose checksum or length is wrong, anywhere, drops the whole index: the
 // owner starts empty and says why, rather than serve a page it cannot vouch for.
 
@@ -47,6 +50,10 @@ const (
 	recFree   byte = 2
 	recAttach byte = 3
 	recDetach byte = 4
+	// The host tier's (hosttier.go): a host page sealed under a hash once its spill
+	// copy has completed, and one evicted (written before the page is filled again).
+	recHostSeal byte = 5
+	recHostFree byte = 6
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -105,6 +112,7 @@ type sealedPage struct {
 type recovered struct {
 	hdr      indexHeader
 	sealed   map[int][]sealedPage // by device, least recent first
+	host     map[int][]sealedPage // the host tiers' sealed pages, likewise
 	attached []procID             // replicas admitted and not gone, one per connection
 }
 
@@ -149,9 +157,9 @@ func loadIndex(path string) (*recovered, error) {
 		hash kv.Hash
 		seq  int
 	}
-	pages := map[int]map[uint32]live{}
+	pages, host := map[int]map[uint32]live{}, map[int]map[uint32]live{}
 	for _, d := range hdr.Devices {
-		pages[d] = map[uint32]live{}
+		pages[d], host[d] = map[uint32]live{}, map[uint32]live{}
 	}
 	attached := map[procID]int{}
 	for seq := 0; len(b) > 0; seq++ {
@@ -164,23 +172,27 @@ func loadIndex(path string) (*recovered, error) {
 		}
 		typ, p := p[0], p[1:]
 		switch typ {
-		case recSeal, recFree:
+		case recSeal, recFree, recHostSeal, recHostFree:
 			want := 8
-			if typ == recSeal {
+			if typ == recSeal || typ == recHostSeal {
 				want += len(kv.Hash{})
 			}
 			if len(p) != want {
 				return &recovered{hdr: hdr}, fmt.Errorf("record %d: %d bytes for a page record", seq+1, len(p))
 			}
 			dev, pg := int(binary.LittleEndian.Uint32(p)), binary.LittleEndian.Uint32(p[4:])
-			m, ok := pages[dev]
+			of := pages
+			if typ == recHostSeal || typ == recHostFree {
+				of = host // host pages are bounded by the tier, checked as it is restored
+			}
+			m, ok := of[dev]
 			switch {
 			case !ok:
 				return &recovered{hdr: hdr}, fmt.Errorf("record %d: device %d is not one of %v", seq+1, dev, hdr.Devices)
-			case int(pg) >= hdr.Geometry.Pages:
+			case typ <= recFree && int(pg) >= hdr.Geometry.Pages:
 				return &recovered{hdr: hdr}, fmt.Errorf("record %d: page %d of %d", seq+1, pg, hdr.Geometry.Pages)
 			}
-			if typ == recFree {
+			if typ == recFree || typ == recHostFree {
 				delete(m, pg)
 				continue
 			}
@@ -199,23 +211,30 @@ func loadIndex(path string) (*recovered, error) {
 			return &recovered{hdr: hdr}, fmt.Errorf("record %d has unknown type %d", seq+1, typ)
 		}
 	}
-	for dev, m := range pages {
-		seen := make(map[kv.Hash]uint32, len(m))
-		type ordered struct {
-			sealedPage
-			seq int
-		}
-		all := make([]ordered, 0, len(m))
-		for pg, l := range m {
-			if other, dup := seen[l.hash]; dup {
-				return &recovered{hdr: hdr}, fmt.Errorf("device %d: pages %d and %d are visible under one hash", dev, other, pg)
+	rec.host = map[int][]sealedPage{}
+	for _, tier := range []struct {
+		of   map[int]map[uint32]live
+		to   map[int][]sealedPage
+		what string
+	}{{pages, rec.sealed, "pages %d and %d are visible"}, {host, rec.host, "host pages %d and %d are sealed"}} {
+		for dev, m := range tier.of {
+			seen := make(map[kv.Hash]uint32, len(m))
+			type ordered struct {
+				sealedPage
+				seq int
 			}
-			seen[l.hash] = pg
-			all = append(all, ordered{sealedPage{pg, l.hash}, l.seq})
-		}
-		slices.SortFunc(all, func(a, b ordered) int { return a.seq - b.seq })
-		for _, o := range all {
-			rec.sealed[dev] = append(rec.sealed[dev], o.sealedPage)
+			all := make([]ordered, 0, len(m))
+			for pg, l := range m {
+				if other, dup := seen[l.hash]; dup {
+					return &recovered{hdr: hdr}, fmt.Errorf("device %d: "+tier.what+" under one hash", dev, other, pg)
+				}
+				seen[l.hash] = pg
+				all = append(all, ordered{sealedPage{pg, l.hash}, l.seq})
+			}
+			slices.SortFunc(all, func(a, b ordered) int { return a.seq - b.seq })
+			for _, o := range all {
+				tier.to[dev] = append(tier.to[dev], o.sealedPage)
+			}
 		}
 	}
 	for id, n := range attached {
@@ -325,15 +344,18 @@ func newJournal(path string, hdr indexHeader, log *slog.Logger, snapshot func([]
 	return j, nil
 }
 
-func (j *journal) seal(dev int, page uint32, h kv.Hash) {
-	if j != nil && j.f != nil {
-		j.buf = appendPageRecord(j.buf, recSeal, dev, page, &h)
-	}
-}
+func (j *journal) seal(dev int, page uint32, h kv.Hash) { j.page(recSeal, dev, page, &h) }
 
-func (j *journal) free(dev int, page uint32) {
+func (j *journal) free(dev int, page uint32) { j.page(recFree, dev, page, nil) }
+
+func (j *journal) hostSeal(dev int, page uint32, h kv.Hash) { j.page(recHostSeal, dev, page, &h) }
+
+func (j *journal) hostFree(dev int, page uint32) { j.page(recHostFree, dev, page, nil) }
+
+// page buffers a page record of typ (h nil for a free).
+func (j *journal) page(typ byte, dev int, page uint32, h *kv.Hash) {
 	if j != nil && j.f != nil {
-		j.buf = appendPageRecord(j.buf, recFree, dev, page, nil)
+		j.buf = appendPageRecord(j.buf, typ, dev, page, h)
 	}
 }
 

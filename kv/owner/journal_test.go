@@ -24,6 +24,10 @@ func TestLoadIndex(t *testing.T) {
 	good = appendPageRecord(good, recSeal, 0, 5, &h2)
 	good = appendPageRecord(good, recFree, 0, 3, nil)
 	good = appendPageRecord(good, recSeal, 0, 6, &h1)
+	good = appendPageRecord(good, recHostSeal, 0, 40, &h1) // host pages: beyond the slab's 16, and under a hash the slab holds too
+	good = appendPageRecord(good, recHostSeal, 0, 2, &h2)
+	good = appendPageRecord(good, recHostFree, 0, 40, nil)
+	good = appendPageRecord(good, recHostSeal, 1, 9, &h1)
 	good = appendProcRecord(good, recAttach, alice)
 	good = appendProcRecord(good, recAttach, procID{PID: 12})
 	good = appendProcRecord(good, recDetach, procID{PID: 12})
@@ -39,6 +43,8 @@ func TestLoadIndex(t *testing.T) {
 	assert.Equal(t, []sealedPage{{5, h2}, {6, h1}}, rec.sealed[0], "least recent first, the freed page gone")
 	assert.Equal(t, []sealedPage{{4, h2}}, rec.sealed[1])
 	assert.Equal(t, []procID{alice}, rec.attached)
+	assert.Equal(t, []sealedPage{{2, h2}}, rec.host[0], "the evicted host page gone")
+	assert.Equal(t, []sealedPage{{9, h1}}, rec.host[1])
 
 	_, err = loadIndex(filepath.Join(dir, "none"))
 	assert.ErrorIs(t, err, errNoIndex)
@@ -54,6 +60,8 @@ func TestLoadIndex(t *testing.T) {
 		{"type", appendRecord(appendHeader(nil, hdr), func(b []byte) []byte { return append(b, 9) }), "unknown type 9"},
 		{"short page", appendRecord(appendHeader(nil, hdr), func(b []byte) []byte { return append(b, recSeal, 0, 0) }), "2 bytes for a page record"},
 		{"one hash twice", appendPageRecord(appendPageRecord(appendHeader(nil, hdr), recSeal, 0, 1, &h1), recSeal, 0, 2, &h1), "visible under one hash"},
+		{"host device", appendPageRecord(appendHeader(nil, hdr), recHostSeal, 2, 1, &h1), "device 2 is not one of [0 1]"},
+		{"host hash twice", appendPageRecord(appendPageRecord(appendHeader(nil, hdr), recHostSeal, 0, 1, &h1), recHostSeal, 0, 20, &h1), "are sealed under one hash"},
 		{"a tail cut", good[:len(good)-1], "truncated"},
 	} {
 		_, err := loadIndex(write(tc.b))

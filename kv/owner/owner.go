@@ -278,6 +278,7 @@ type Owner struct {
 	keeperID procID                  // the process whose slabs these are
 	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
 	recovery Recovery                // set by Listen
+	hostRec  map[int][]sealedPage    // the index's host pages, for startTiers; nil: none
 	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
 	resumed  chan struct{}           // closed once allocations may go on
 

@@ -56,8 +56,14 @@ type Recovery struct {
 	Pages int
 	// Replicas are the replicas attached before, whose leases wait for them.
 	Replicas int
-	// Dropped says why the slabs or the index were not taken back; "" if they were,
-	// or if there was nothing to take.
+	// HostTiersKept counts the devices whose host tier memory the keeper held and
+	// the page server took back (keeptier.go).
+	HostTiersKept int
+	// HostPages are the sealed host pages restored from the index, all devices
+	// together: only those of a kept tier.
+	HostPages int
+	// Dropped says why the slabs, the index or a host tier's memory were not taken
+	// back; "" if they were, or if there was nothing to take.
 	Dropped string
 }
 
@@ -71,6 +77,9 @@ func (r Recovery) String() string {
 		fmt.Fprintf(&b, "new cache in keeper pid %d", r.KeeperPID)
 	default:
 		b.WriteString("new cache")
+	}
+	if r.HostTiersKept > 0 {
+		fmt.Fprintf(&b, ", %d host pages restored (the host tier of %d devices kept)", r.HostPages, r.HostTiersKept)
 	}
 	if r.Dropped != "" {
 		fmt.Fprintf(&b, " (%s)", r.Dropped)
@@ -94,9 +103,12 @@ func (o *Owner) KeeperGone() <-chan struct{} {
 // Keeper holds the slabs of a directory for the page servers that come and go: it
 // makes a pool and a slab on each device and publishes them on dir/slab.sock, as
 // Listen does, and serves no pages. The host tier's memory (a memfd shared with every
-// replica) belongs here too, made by Keep, so that it outlives the page server as the
+// replica) is held here too (keeptier.go), so that it outlives the page server as the
 // slabs do.
-type Keeper struct{ o *Owner }
+type Keeper struct {
+	o     *Owner
+	tiers keptTiers
+}
 
 // Keep makes a Keeper on dir of slabs of geometry geo, with the devices, segment
 // bound, policy, logger and announcement opts set (WithKeeper and the page server's
@@ -108,7 +120,12 @@ func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keep
 	if err != nil {
 		return nil, err
 	}
-	return &Keeper{o: ow}, nil
+	k := &Keeper{o: ow}
+	if err := k.serveTiers(); err != nil {
+		_ = ow.Close(context.Background()) // cleanup: the socket's error is the one returned
+		return nil, err
+	}
+	return k, nil
 }
 
 // Importers counts the processes that map the keeper's slabs (page servers and
@@ -117,7 +134,12 @@ func (k *Keeper) Importers() int { return len(k.o.ex.Peers()) }
 
 // Close ends the slabs: the exporter waits, until ctx ends, for the importers to
 // unmap them, and frees them. A second Close returns kv.ErrClosed.
-func (k *Keeper) Close(ctx context.Context) error { return k.o.Close(ctx) }
+// The host tiers' memfds it holds are closed first: their memory lives on while a
+// process maps it.
+func (k *Keeper) Close(ctx context.Context) error {
+	k.closeTiers()
+	return k.o.Close(ctx)
+}
 
 // role is what listen makes.
 type role int
@@ -200,7 +222,7 @@ func (o *Owner) adoptSlabs() error {
 			return fmt.Errorf("kv/owner: the keeper it started: %s", why)
 		}
 		// Refuse the old slabs: stop their keeper, and start one of this geometry.
-		o.recovery.Dropped = why + ": the old slabs and index are dropped"
+		o.recovery.Dropped = why + ": the old slabs and index are dropped, and their host tiers (kept by that keeper) with them"
 		pid := imp.ExporterPID()
 		o.log.Warn("kv: the live keeper's slabs do not fit; stopping it", "pid", pid, "why", why)
 		if err := o.closeImport(ctx); err != nil {
@@ -366,6 +388,7 @@ func (o *Owner) dropIndex(why string) {
 
 // apply makes rec's pages visible again and waits for its replicas.
 func (o *Owner) apply(rec *recovered) {
+	o.hostRec = rec.host // taken back by startTiers, where the keeper kept the memory
 	for _, s := range o.slabs {
 		sealed := rec.sealed[s.dev]
 		for _, sp := range sealed { // least recent first: each goes to the front
@@ -406,6 +429,11 @@ func (o *Owner) snapshotLocked(b []byte) []byte {
 	for _, s := range o.slabs {
 		for p := s.tail; p != none; p = s.pages[p].prev {
 			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
+		}
+		if t := s.tier; t != nil {
+			for p := t.tail; p != none; p = t.pages[p].prev {
+				b = appendPageRecord(b, recHostSeal, s.dev, p, &t.pages[p].hash)
+			}
 		}
 	}
 	for _, e := range o.expected {
