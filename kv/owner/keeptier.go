@@ -17,14 +17,14 @@ import (
 )
 
 // The host tier's memory outlives the page server as the slabs do: a page server of a
-// keeper's slabs (Options.Keeper) makes each device's memfd and gives it to the keeper
+// keeper's slabs (WithKeeper) makes each device's memfd and gives it to the keeper
 // on dir/tier.sock, or, restarted, takes back the one the keeper holds. The page server
 // makes the memfd, not the keeper, so that the keeper needs no host tier setting and a
 // new -host-bytes needs no new keeper: a memfd of another size is replaced (the old
 // tier dropped, and the page server says why).
 //
 // The keeper holds the memory only. The host pages' index is journaled with the slab's
-// pages in the index file (Options.Index, journal.go): a host page is sealed there
+// pages in the index file (WithIndex, journal.go): a host page is sealed there
 // once its spill copy has completed, and its eviction is written out before the page
 // is filled again, so a page whose copy had not completed never comes back. A
 // restarted page server that takes back both the index and the kept memfd restores

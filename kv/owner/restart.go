@@ -111,10 +111,10 @@ type Keeper struct {
 }
 
 // Keep makes a Keeper on dir of slabs of geometry geo, with the devices, segment
-// bound, policy, logger and announcement opts set (WithKeeper and the page server's
-// options have no effect). A
-// live keeper (or owner of its own slabs) on dir makes it fail with an error wrapping
-// producer.ErrAddressInUse. On failure nothing is left behind.
+// bound, policy, logger, limits and announcement opts set (WithKeeper and the page
+// server's other options have no effect). A live keeper (or owner of its own slabs)
+// on dir makes it fail with an error wrapping producer.ErrAddressInUse. On failure
+// nothing is left behind.
 func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
 	ow, err := listen(dir, rt, optionsOf(geo, opts), roleKeeper)
 	if err != nil {
