@@ -661,10 +661,11 @@ static cp_res cp_batch_pieces(uintptr_t lib, long long dev, const cp_piece *piec
 // but the thread has no context yet (a fresh thread reports device 0 without one),
 // cudaSetDevice makes dev's primary context current, as it does from CUDA 12 on.
 // The driver and the runtime then share that context: the runtime uses the primary
-// one.
+// one. cuInit, which the runtime has called, costs nothing more.
 #define CP_ON_CONTEXT(r, lib, dev) \
 	CP_OPTIONAL(r, lib, cuCtxGetCurrent) \
 	CP_ON_DEVICE(r, lib, dev) \
+	CP_CU_INIT(r, lib) \
 	{ \
 		void *ctx_ = 0; \
 		if ((lib)->cuCtxGetCurrent(&ctx_) != 0 || !ctx_) { \

@@ -649,10 +649,8 @@ func vmmHandleArg(op string, ht HandleType) error {
 
 func (l *library) MemCreate(dev int, size uint64, ht HandleType) (MemHandle, error) {
 	const op = "cuMemCreate"
-	if ht != HandleTypeNone {
-		if err := vmmHandleArg(op, ht); err != nil {
-			return 0, err
-		}
+	if ht&^(HandleTypePosixFD|HandleTypeFabric) != 0 {
+		return 0, invalidArgument(op, "cannot share a VMM allocation as handle type "+ht.String())
 	}
 	r := C.cp_mem_create(l.c, C.longlong(dev), C.uint64_t(size), C.int(ht))
 	if err := l.check(op, r); err != nil {
