@@ -139,7 +139,9 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 	X(cp_err, cuMemAddressFree, (uint64_t, size_t), 0) \
 	X(cp_err, cuMemMap, (uint64_t, size_t, size_t, uint64_t, unsigned long long), 0) \
 	X(cp_err, cuMemUnmap, (uint64_t, size_t), 0) \
-	X(cp_err, cuMemSetAccess, (uint64_t, size_t, const cp_access_desc *, size_t), 0)
+	X(cp_err, cuMemSetAccess, (uint64_t, size_t, const cp_access_desc *, size_t), 0) \
+	X(cp_err, cuStreamWriteValue32, (void *, uint64_t, unsigned, unsigned), "cuStreamWriteValue32_v2") \
+	X(cp_err, cuStreamWaitValue32, (void *, uint64_t, unsigned, unsigned), "cuStreamWaitValue32_v2")
 
 // cp_lib is the table of a loaded runtime and driver: every entry point, resolved once.
 typedef struct {
@@ -192,7 +194,8 @@ static void *cp_open(cp_lib *lib, const char *path, int driver, char *msg, size_
 		return NULL;
 	}
 	for (const cp_symbol *s = driver ? cp_driver_optional_symbols : cp_runtime_optional_symbols; s->name; s++) {
-		void *f = dlsym(h, s->name); // NULL where the library predates it
+		void *f = s->newer ? dlsym(h, s->newer) : NULL;
+		if (!f) f = dlsym(h, s->name); // NULL where the library predates it
 		memcpy((char *)lib + s->offset, &f, sizeof f);
 	}
 	return h;
@@ -729,6 +732,13 @@ CP_VMM_CALL(cp_mem_unmap, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t 
 	l->cuMemUnmap(ptr, (size_t)size))
 CP_VMM_CALL(cp_mem_set_access, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t size, const cp_access_desc *d, size_t n), cuMemSetAccess,
 	l->cuMemSetAccess(ptr, (size_t)size, d, n))
+
+// Stream memory operations (FACTS 27, 28): a 32-bit word written, or waited for, in
+// stream order. The runtime's streams are the driver's.
+CP_VMM_CALL(cp_stream_write_value32, (uintptr_t lib, long long dev, uint64_t ptr, unsigned v, uintptr_t s), cuStreamWriteValue32,
+	l->cuStreamWriteValue32(CP_PTR(s), ptr, v, 0))
+CP_VMM_CALL(cp_stream_wait_value32, (uintptr_t lib, long long dev, uint64_t ptr, unsigned v, unsigned cond, uintptr_t s), cuStreamWaitValue32,
+	l->cuStreamWaitValue32(CP_PTR(s), ptr, v, cond))
 
 // cp_current_device is the calling thread's current device, for tests of the rule
 // above.

@@ -722,3 +722,15 @@ func (l *library) MemSetAccess(dev int, ptr DevicePtr, size uint64, descs []Acce
 	d := (*C.cp_access_desc)(unsafe.Pointer(unsafe.SliceData(descs)))
 	return l.check(op, C.cp_mem_set_access(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint64_t(size), d, C.size_t(len(descs))))
 }
+
+func (l *library) StreamWriteValue32(dev int, ptr DevicePtr, value uint32, s Stream) error {
+	return l.check("cuStreamWriteValue32", C.cp_stream_write_value32(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint(value), C.uintptr_t(s)))
+}
+
+func (l *library) StreamWaitValue32(dev int, ptr DevicePtr, value uint32, cond WaitCond, s Stream) error {
+	const op = "cuStreamWaitValue32"
+	if cond > WaitNor {
+		return invalidArgument(op, fmt.Sprintf("unknown wait condition %d", cond))
+	}
+	return l.check(op, C.cp_stream_wait_value32(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint(value), C.uint(cond), C.uintptr_t(s)))
+}

@@ -79,6 +79,13 @@ func TestFakeVMMArgumentsInTheirPlaces(t *testing.T) {
 		{"cuMemSetAccess", 1, func() error { return v.MemSetAccess(dev, bad, 1, rw) }},
 		{"cuMemSetAccess", 2, func() error { return v.MemSetAccess(dev, 1, bad, rw) }},
 		{"cuMemSetAccess", 3, func() error { return v.MemSetAccess(dev, 1, 1, badFlags) }},
+		{"cuStreamWriteValue32", 1, func() error { return v.StreamWriteValue32(dev, 1, 1, bad) }},
+		{"cuStreamWriteValue32", 2, func() error { return v.StreamWriteValue32(dev, bad, 1, 1) }},
+		{"cuStreamWriteValue32", 3, func() error { return v.StreamWriteValue32(dev, 1, bad, 1) }},
+		{"cuStreamWaitValue32", 1, func() error { return v.StreamWaitValue32(dev, 1, 1, cudart.WaitEQ, bad) }},
+		{"cuStreamWaitValue32", 2, func() error { return v.StreamWaitValue32(dev, bad, 1, cudart.WaitEQ, 1) }},
+		{"cuStreamWaitValue32", 3, func() error { return v.StreamWaitValue32(dev, 1, bad, cudart.WaitEQ, 1) }},
+		{"cuStreamWaitValue32", 4, func() error { return v.StreamWaitValue32(dev, 1, 1, cudart.WaitNor, 1) }},
 	} {
 		wantError(t, tc.call(), tc.op, cudart.Code(1000+tc.pos))
 	}
@@ -96,6 +103,7 @@ func TestFakeVMMRefusals(t *testing.T) {
 	_, err = v.MemImportFromShareableHandle(0, cudart.ShareableHandle{Type: cudart.HandleTypePosixFD, FD: -1})
 	refused(t, err, "cuMemImportFromShareableHandle", "-1 is not a file descriptor")
 	refused(t, v.MemSetAccess(0, 1, 1, nil), "cuMemSetAccess", "no access to set")
+	refused(t, v.StreamWaitValue32(0, 1, 1, 4, 1), "cuStreamWaitValue32", "unknown wait condition 4")
 	_, err = v.MemAddressReserve(7, 2<<20, 0)
 	wantError(t, err, "cudaSetDevice (for cuMemAddressReserve)", cudart.ErrInvalidDevice)
 }

@@ -51,6 +51,39 @@ type VMM interface {
 	MemUnmap(dev int, ptr DevicePtr, size uint64) error
 	// MemSetAccess grants each desc's device access to the mapped [ptr, ptr+size).
 	MemSetAccess(dev int, ptr DevicePtr, size uint64, descs []AccessDesc) error
+
+	// StreamWriteValue32 writes value to the 4-byte aligned word at ptr once the
+	// work queued on s before it has run (cuStreamWriteValue32). It works on VMM
+	// memory, where pool memory refuses it with ErrInvalidValue (FACTS 15, 27).
+	StreamWriteValue32(dev int, ptr DevicePtr, value uint32, s Stream) error
+	// StreamWaitValue32 holds the work queued on s after it until the word at ptr
+	// meets cond against value (cuStreamWaitValue32); it does not block the host.
+	StreamWaitValue32(dev int, ptr DevicePtr, value uint32, cond WaitCond, s Stream) error
+}
+
+// WaitCond is the condition StreamWaitValue32 waits for (CUstreamWaitValue_flags).
+type WaitCond uint32
+
+const (
+	WaitGEQ WaitCond = 0x0 // int32(word - value) >= 0: the word reached value, with wrap-around
+	WaitEQ  WaitCond = 0x1 // word == value
+	WaitAnd WaitCond = 0x2 // word & value != 0
+	WaitNor WaitCond = 0x3 // ^(word | value) != 0
+)
+
+// Met reports whether word meets c against value, as the GPU decides it.
+func (c WaitCond) Met(word, value uint32) bool {
+	switch c {
+	case WaitGEQ:
+		return int32(word-value) >= 0
+	case WaitEQ:
+		return word == value
+	case WaitAnd:
+		return word&value != 0
+	case WaitNor:
+		return ^(word | value) != 0
+	}
+	return false
 }
 
 // VMMOf is the VMM behind rt: rt itself where it has one, else that of the Runtime

@@ -319,3 +319,20 @@ func importer(kind, sock string) error {
 	}
 	return nil
 }
+
+// Stream memory operations work on a reservation's memory (FACTS 27): a word written
+// in stream order reads back, and a wait for a value already there passes.
+func TestStreamMemoryOperations(t *testing.T) {
+	eachRuntime(t, func(t *testing.T, rt cudart.Runtime, _ string) {
+		g := granularity(t, rt)
+		r := reserve(t, rt, 2*g)
+		require.NoError(t, r.Grow(newChunk(t, rt, g), newChunk(t, rt, g)))
+		v, err := cudart.VMMOf(rt)
+		require.NoError(t, err)
+		word := r.Ptr() + cudart.DevicePtr(g) + 4 // in the second chunk
+		require.NoError(t, v.StreamWriteValue32(dev, word, 0x01020304, 0))
+		require.NoError(t, v.StreamWaitValue32(dev, word, 0x01020304, cudart.WaitEQ, 0))
+		require.NoError(t, v.StreamWriteValue32(dev, word-4, 0x0a0b0c0d, 0))
+		require.Equal(t, []byte{0x0d, 0x0c, 0x0b, 0x0a, 0x04, 0x03, 0x02, 0x01}, read(t, rt, word-4, 8))
+	})
+}

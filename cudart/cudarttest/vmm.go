@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/bits"
 	"slices"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -667,4 +668,71 @@ func (d *Device) closeVMM() {
 		d.dropChunk(c)
 	}
 	d.vmm = vmmState{}
+}
+
+// StreamWriteValue32 writes the word when the stream reaches it. Stream memory
+// operations are modelled on VMM memory only: pool memory refuses them with
+// ErrInvalidValue, as the driver does (FACTS 15). They are synchronisation, not data:
+// their accesses are not marked, so a word written by one process and waited for by
+// another is no unordered access.
+func (d *Device) StreamWriteValue32(dev int, ptr cudart.DevicePtr, value uint32, s cudart.Stream) error {
+	return d.memOp("cuStreamWriteValue32", dev, ptr, true, s, nil, func(w *uint32) { atomic.StoreUint32(w, value) })
+}
+
+// StreamWaitValue32 holds the stream until the word meets cond; once it does, the
+// stream's later work is ordered after whatever had run anywhere by then, as after an
+// event's completion.
+func (d *Device) StreamWaitValue32(dev int, ptr cudart.DevicePtr, value uint32, cond cudart.WaitCond, s cudart.Stream) error {
+	const op = "cuStreamWaitValue32"
+	if cond > cudart.WaitNor {
+		return invalid(op, fmt.Sprintf("unknown wait condition %d", cond))
+	}
+	return d.memOp(op, dev, ptr, false, s, func(w *uint32) bool { return cond.Met(atomic.LoadUint32(w), value) }, nil)
+}
+
+// memOp queues a stream memory operation on the word at ptr: ready, if not nil, holds
+// the stream until it is met; run, if not nil, runs when the stream reaches it.
+func (d *Device) memOp(op string, dev int, ptr cudart.DevicePtr, write bool, s cudart.Stream,
+	ready func(w *uint32) bool, run func(w *uint32)) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(op, dev); err != nil {
+		return err
+	}
+	st, err := d.stream(op, dev, s)
+	if err != nil {
+		return err
+	}
+	r := d.reservation(ptr, 4)
+	switch {
+	case ptr%4 != 0:
+		return invalid(op, fmt.Sprintf("%#x is not 4-byte aligned", uint64(ptr)))
+	case r == nil:
+		return invalid(op, fmt.Sprintf("%#x is not VMM memory: pool memory refuses stream memory operations (FACTS 15), and the software device models them on VMM memory only", uint64(ptr)))
+	}
+	sp, err := d.vmmAccess(op, dev, r, ptr, 4, write)
+	if err != nil {
+		return err
+	}
+	w := (*uint32)(unsafe.Pointer(&sp.buf()[0]))
+	m := sp.v[0].m
+	release := holdMaps([]span{sp})
+	o := &task{run: func(st *stream, _ uint64) error {
+		defer release()
+		if m.gone {
+			return violationErr(op, 0, d.violate(ViolationUseAfterRelease, op,
+				"the word at %#x was unmapped before the operation ran", uint64(ptr)))
+		}
+		if run != nil {
+			run(w)
+		}
+		if ready != nil {
+			st.waited = max(st.waited, now())
+		}
+		return nil
+	}}
+	if ready != nil {
+		o.ready = func() bool { return m.gone || ready(w) }
+	}
+	return d.submit(op, st, o)
 }

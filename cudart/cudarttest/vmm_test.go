@@ -52,6 +52,18 @@ func (f fx) mapRW(ptr cudart.DevicePtr, n uint64, h cudart.MemHandle) {
 	require.NoError(f.t, f.MemSetAccess(0, ptr, n*gran, rw0))
 }
 
+// sharedChunk maps one chunk of maker's in maker and in user, readable and writable, and
+// returns its addresses in each.
+func sharedChunk(maker, user fx) (p, q cudart.DevicePtr) {
+	maker.t.Helper()
+	h := maker.chunk(1)
+	p = maker.reserve(1)
+	maker.mapRW(p, 1, h)
+	q = user.reserve(1)
+	user.mapRW(q, 1, user.importChunk(maker.exportChunk(h)))
+	return p, q
+}
+
 // Two chunks made in one Device, mapped contiguously in another that imported their
 // descriptors: a copy across the boundary lands in both, the maker sees it, and the
 // importer still reads it once the maker released its handles and exited.
@@ -254,11 +266,7 @@ func TestVMMFabric(t *testing.T) {
 // Accesses of one chunk from two Devices are checked for order as pool memory's are.
 func TestVMMUnorderedAccessAcrossDevices(t *testing.T) {
 	maker, user := newFx(t), newFx(t)
-	h := maker.chunk(1)
-	p := maker.reserve(1)
-	maker.mapRW(p, 1, h)
-	q := user.reserve(1)
-	user.mapRW(q, 1, user.importChunk(maker.exportChunk(h)))
+	p, q := sharedChunk(maker, user)
 	resume := maker.stall()
 	maker.write(p, []byte("late"))
 	resume()
@@ -276,4 +284,54 @@ func TestVMMUnorderedAccessAcrossDevices(t *testing.T) {
 	stalled()
 	err := user.sync()
 	wantViolation(t, err, ViolationUnorderedWrite)
+}
+
+// A stream of one Device waits for a word another Device's stream writes behind its
+// data: the waiting stream holds until then, and reads the data in order.
+func TestVMMStreamMemoryOperations(t *testing.T) {
+	maker, user := newFx(t), newFx(t)
+	p, q := sharedChunk(maker, user)
+	const flag = gran - 4
+
+	require.NoError(t, user.StreamWaitValue32(0, q+flag, 7, cudart.WaitGEQ, 0))
+	got := make([]byte, 4)
+	done := make(chan error, 1)
+	go func() { done <- user.MemcpyDtoHAsync(0, got, q+64, 0) }()
+	idle, err := user.StreamQuery(0, 0)
+	require.NoError(t, err)
+	require.False(t, idle, "the wait did not hold the stream")
+
+	maker.write(p+64, []byte("data"))
+	require.NoError(t, maker.StreamWriteValue32(0, p+flag, 6, 0))
+	require.NoError(t, maker.StreamWriteValue32(0, p+flag, 8, 0))
+	require.NoError(t, <-done)
+	require.Equal(t, "data", string(got))
+	require.NoError(t, user.Err())
+	require.NoError(t, maker.Err())
+
+	for _, c := range []struct {
+		cond        cudart.WaitCond
+		word, value uint32
+		met         bool
+	}{
+		{cudart.WaitGEQ, 8, 7, true}, {cudart.WaitGEQ, 6, 7, false}, {cudart.WaitGEQ, 1, 0xffffffff, true},
+		{cudart.WaitEQ, 7, 7, true}, {cudart.WaitEQ, 8, 7, false},
+		{cudart.WaitAnd, 6, 2, true}, {cudart.WaitAnd, 4, 2, false},
+		{cudart.WaitNor, 1, 2, true}, {cudart.WaitNor, 0xfffffffe, 1, false},
+	} {
+		require.Equal(t, c.met, c.cond.Met(c.word, c.value), "%d.Met(%#x, %#x)", c.cond, c.word, c.value)
+	}
+}
+
+func TestVMMStreamMemoryOperationsRefusals(t *testing.T) {
+	f := newFx(t)
+	p := f.reserve(1)
+	f.mapRW(p, 1, f.chunk(1))
+	wantErr(t, f.StreamWriteValue32(0, p+2, 1, 0), cudart.ErrInvalidValue)
+	wantErr(t, f.StreamWaitValue32(0, p, 1, 9, 0), cudart.ErrInvalidValue)
+	pool, fd := f.exported()
+	defer func() { _ = unix.Close(fd) }() // test cleanup
+	ptr := f.alloc(pool, 4096)
+	wantErr(t, f.StreamWriteValue32(0, ptr, 1, 0), cudart.ErrInvalidValue) // FACTS 15
+	require.NoError(t, f.FreeAsync(0, ptr, 0))
 }

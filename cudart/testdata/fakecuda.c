@@ -163,3 +163,20 @@ int cuMemSetAccess(u64 p, size_t size, const void *desc, size_t n) {
 	}
 	return n ? SUCCESS : INVALID_VALUE;
 }
+
+// The stream memory operations: a bad stream, address, value or flags fails with
+// 1000 + its position.
+int cuStreamWriteValue32_v2(void *s, u64 p, unsigned v, unsigned flags) {
+	ARG(1, (uintptr_t)s);
+	ARG(2, p);
+	ARG(3, v);
+	return flags ? INVALID_VALUE : SUCCESS;
+}
+
+int cuStreamWaitValue32_v2(void *s, u64 p, unsigned v, unsigned flags) {
+	ARG(1, (uintptr_t)s);
+	ARG(2, p);
+	ARG(3, v);
+	ARG(4, flags + BAD - 3); // WaitNor (3) is the last condition
+	return flags > 3 ? INVALID_VALUE : SUCCESS;
+}
