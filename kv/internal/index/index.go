@@ -149,6 +149,17 @@ func (ix *Index) Queued() uint64 {
 	return ix.queued
 }
 
+// Err is why the index stopped (wrapping ErrFailed, and ErrStale where its file was
+// left behind), or nil while it writes, and after a Close.
+func (ix *Index) Err() error {
+	if ix == nil {
+		return nil
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.err
+}
+
 // Seal queues that page of dev became visible under h, and returns its sequence
 // number.
 func (ix *Index) Seal(dev int, page uint32, h kv.Hash) uint64 { return ix.page(Seal, dev, page, h) }

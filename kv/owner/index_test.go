@@ -1,0 +1,298 @@
+package owner_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/intercept"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
+	"github.com/cudapool/cudapool/kv/owner"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// tempDir is a directory short enough for the owner's sockets.
+func tempDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "kvo")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// sealPages allocates n pages through r, seals them under n fresh hashes (seed) and
+// waits until they are visible.
+func sealPages(t *testing.T, r *replica.Replica, n int, seed byte) []kv.Hash {
+	w, err := r.Alloc(bound(t), n)
+	require.NoError(t, err)
+	hashes := make([]kv.Hash, n)
+	for i := range hashes {
+		hashes[i] = kv.Hash{seed, byte(i), 0x5e}
+	}
+	res, err := r.Seal(bound(t), w, hashes, 0, replica.WaitVisible())
+	require.NoError(t, err)
+	require.Equal(t, n, res.Visible)
+	return hashes
+}
+
+// Only a regular file is an index: Listen with a named pipe at the index's path (which
+// made it hang, opening the pipe to read it) or a link there fails at once, saying
+// what is there, and leaves it alone.
+func TestListenRefusesAnIndexThatIsNoFile(t *testing.T) {
+	for _, c := range []struct {
+		what string
+		make func(path string) error
+	}{
+		{"a named pipe", func(path string) error { return unix.Mkfifo(path, 0o600) }},
+		{"a symbolic link", func(path string) error { return os.Symlink(filepath.Join(t.TempDir(), "elsewhere"), path) }},
+		{"a directory", func(path string) error { return os.Mkdir(path, 0o700) }},
+	} {
+		t.Run(c.what, func(t *testing.T) {
+			dir := tempDir(t)
+			path := filepath.Join(dir, owner.IndexFile)
+			require.NoError(t, c.make(path))
+			dev := cudarttest.ForTest(t)
+			done := make(chan error, 1)
+			go func() {
+				o, err := owner.Listen(dir, dev, small, owner.WithoutAnnounce(), owner.WithIndex(path))
+				if err == nil {
+					err = o.Close(context.Background())
+					if err == nil {
+						err = os.ErrExist // no error: a failure of its own below
+					}
+				}
+				done <- err
+			}()
+			err := testwait.Recv(t, done, "Listen with "+c.what+" at the index's path")
+			require.ErrorIs(t, err, index.ErrNotRegular)
+			assert.Contains(t, err.Error(), c.what)
+			fi, err := os.Lstat(path)
+			require.NoError(t, err, "left alone")
+			assert.NotZero(t, fi.Mode().Type(), "left alone")
+		})
+	}
+}
+
+// The index is compacted through a file made anew: a link planted at index.new is not
+// followed (it was: the file it named was overwritten with the index).
+func TestIndexCompactionFollowsNoPlantedLink(t *testing.T) {
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	victim := filepath.Join(t.TempDir(), "victim")
+	require.NoError(t, os.WriteFile(victim, []byte("precious"), 0o600))
+	require.NoError(t, os.Symlink(victim, path+".new"))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce(), owner.WithIndex(path))
+	require.NoError(t, err)
+	require.NoError(t, o.Close(bound(t)))
+	b, err := os.ReadFile(victim)
+	require.NoError(t, err)
+	assert.Equal(t, "precious", string(b), "the link's target is untouched")
+	fi, err := os.Lstat(path)
+	require.NoError(t, err)
+	assert.True(t, fi.Mode().IsRegular(), "the index is a file of its own")
+}
+
+// An index of another geometry is dropped, saying why; and an owner that makes its
+// own slabs starts them empty, so an index of its own slabs from before (another
+// Listen in the same process, whose keeper is the same process) is dropped too: its
+// pages were in slabs that are gone (they were made visible again, over fresh slabs).
+func TestIndexOfOtherSlabsIsDropped(t *testing.T) {
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce(), owner.WithIndex(path))
+	require.NoError(t, err)
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	sealPages(t, r, 3, 1)
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, o.Close(bound(t)))
+
+	other := small
+	other.Layers++
+	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithoutAnnounce(), owner.WithIndex(path))
+	require.NoError(t, err)
+	rec := o.Recovery()
+	assert.Zero(t, rec.Pages)
+	assert.Contains(t, rec.Dropped, "the index is of ")
+	assert.Contains(t, rec.Dropped, "not "+other.String())
+	r, err = replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	sealPages(t, r, 3, 2)
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, o.Close(bound(t)))
+
+	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithoutAnnounce(), owner.WithIndex(path))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	st := o.Stats()
+	assert.Zero(t, st.Devices[0].Sealed, "no page of slabs that are gone is visible")
+	assert.Zero(t, o.Recovery().Pages)
+	assert.Contains(t, o.Recovery().Dropped, "this owner makes its own slabs")
+}
+
+// shapeOf is a shape that bounds whatever index the tests' owners write.
+func shapeOf(g kv.Geometry, hostPages int) index.Shape {
+	return index.Shape{Geometry: g, Devices: []int{0}, HostPages: hostPages, Replicas: 1 << 14}
+}
+
+// A host page is journaled once its spill copy has completed, not before (a restart
+// would serve the bytes of a copy that never ended under the page's hash), and with
+// the spill, not at the next unrelated write of the index (they were: a restart right
+// after spills restored 2 of 4, 62 of 72, 10 of 20 spilled pages).
+func TestHostPagesAreJournaledWithTheirSpill(t *testing.T) {
+	g := small
+	g.Pages = 16
+	const hostPages = 32
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	sw := cudarttest.ForTest(t)
+	rt := intercept.Wrap(sw)
+	var mu sync.Mutex
+	resumes := make(chan func(), 1)
+	stalled := false
+	rt.Before("MemcpyBatchAsync", func(c *intercept.Call) {
+		mu.Lock()
+		defer mu.Unlock()
+		if !stalled { // the first spill's copy stalls until resumed
+			stalled = true
+			resume, err := sw.Stall(c.Dev(), c.Args[2].(cudart.Stream))
+			require.NoError(t, err)
+			resumes <- resume
+		}
+	})
+	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	sealPages(t, r, 8, 1)
+
+	resume := testwait.Recv(t, resumes, "the spill's copy")
+	st, err := index.Load(path, shapeOf(g, hostPages))
+	require.NoError(t, err)
+	assert.Len(t, st.Sealed[0], 8, "the sealed pages are in the index")
+	assert.Empty(t, st.Host[0], "no host page is journaled before its copy has completed")
+
+	resume()
+	require.NoError(t, o.WaitSpills(bound(t)))
+	spilled := o.Stats().Devices[0].Host.Sealed
+	require.NotZero(t, spilled)
+	st, err = index.Load(path, shapeOf(g, hostPages))
+	require.NoError(t, err)
+	assert.Len(t, st.Host[0], spilled, "every spilled page is journaled once WaitSpills returns: a restart now restores them all")
+}
+
+// gate holds the index's writer, while shut, in its next write.
+type gate struct {
+	mu     sync.Mutex
+	shut   bool
+	open   chan struct{}
+	inside chan struct{}
+}
+
+func newGate() *gate { return &gate{open: make(chan struct{}), inside: make(chan struct{}, 1)} }
+
+func (g *gate) before() error {
+	g.mu.Lock()
+	shut, open := g.shut, g.open
+	g.mu.Unlock()
+	if shut {
+		select {
+		case g.inside <- struct{}{}:
+		default:
+		}
+		<-open
+	}
+	return nil
+}
+
+func (g *gate) close() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.shut = true
+}
+
+func (g *gate) reopen() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.shut = false
+	close(g.open)
+}
+
+// The index is written off the owner's lock: with its writer held in a write (a disk
+// that stalls), Match and Stats are answered; an Alloc whose pages were evicted waits
+// until the evictions are written (a restart would otherwise publish the pages it
+// hands out under their old hashes), and is answered once they are.
+func TestIndexWritesOffTheOwnersLock(t *testing.T) {
+	g := small
+	g.Pages = 8
+	gt := newGate()
+	t.Cleanup(owner.SetIndexOptions(index.BeforeWrite(gt.before)))
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithIndex(path))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	hashes := sealPages(t, r, 8, 1)                                     // the whole slab
+	other, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0) // admitted once the index has it: before the writer is held
+	require.NoError(t, err)
+	t.Cleanup(func() { other.Close(bound(t)) })
+
+	gt.close()
+	done := make(chan error, 1)
+	go func() {
+		m, err := r.Match(bound(t), hashes[:2])
+		if err == nil {
+			err = r.Release(bound(t), 0, m)
+		}
+		if err == nil {
+			_, err = r.Stats(bound(t))
+		}
+		if err == nil {
+			o.Stats()
+		}
+		done <- err
+	}()
+	require.NoError(t, testwait.Recv(t, done, "Match, Release and Stats while the index's writer is held"))
+
+	allocated := make(chan *replica.Lease, 1)
+	go func() {
+		w, err := r.Alloc(bound(t), 2) // evicts two visible pages
+		assert.NoError(t, err)
+		allocated <- w
+	}()
+	testwait.Recv(t, gt.inside, "the index's writer at the evictions' records")
+	select {
+	case <-allocated:
+		t.Fatal("an Alloc of evicted pages was answered before their evictions were written")
+	default:
+	}
+	// Another replica is served meanwhile (this one's connection serves its requests
+	// in order: its next waits for the Alloc's answer).
+	m, err := other.Match(bound(t), hashes[6:])
+	if err == nil {
+		err = other.Release(bound(t), 0, m)
+	}
+	gt.reopen()
+	require.NoError(t, err, "another replica dialed and matched while the Alloc waits")
+	w := testwait.Recv(t, allocated, "the Alloc once the evictions are written")
+	require.NotNil(t, w)
+	st, err := index.Load(path, shapeOf(g, 0))
+	require.NoError(t, err)
+	assert.Len(t, st.Sealed[0], 6, "the evictions are in the index")
+	_, err = r.Seal(bound(t), w, nil, 0)
+	require.NoError(t, err)
+}
