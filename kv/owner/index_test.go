@@ -296,3 +296,71 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	_, err = r.Seal(bound(t), w, nil, 0)
 	require.NoError(t, err)
 }
+
+// A restart after the index compacted keeps every host page and the LRU order: the
+// compaction writes the pages least recent first (as a match left them, not as they
+// were sealed), so the restarted owner evicts the same pages first.
+func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
+	g := small
+	g.Pages = 8
+	const hostPages = 16
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	k, err := owner.Keep(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce())
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, k.Close(bound(t))) })
+	listen := func() *owner.Owner {
+		o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithKeeper(nil),
+			owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
+		require.NoError(t, err)
+		return o
+	}
+	first := listen()
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	a := sealPages(t, r, 4, 1)
+	b := sealPages(t, r, 4, 2) // the slab is full
+	m, err := r.Match(bound(t), a)
+	require.NoError(t, err)
+	require.NoError(t, r.Release(bound(t), 0, m)) // a is now more recent than b, sealed after it
+	require.NoError(t, first.WaitSpills(bound(t)))
+	host := first.Stats().Devices[0].Host.Sealed
+	require.NotZero(t, host, "b's least recent pages are copied ahead to the host tier")
+
+	// Replicas that come and go: 2 records each, past the 1,072 (twice the 24 pages,
+	// and 1,024) that compact the index, and nothing else changes.
+	const comings = 600
+	for range comings {
+		raw := dialRaw(t, dir)
+		raw.hello()
+		raw.nc.Close()
+	}
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, first.Close(bound(t)))
+	fi, err := os.Stat(path)
+	require.NoError(t, err)
+	assert.Less(t, fi.Size(), int64(2*comings*21), "the index compacted: it holds fewer records than were written")
+
+	second := listen()
+	t.Cleanup(func() { assert.NoError(t, second.Close(bound(t))) })
+	rec := second.Recovery()
+	require.True(t, rec.Adopted, "%+v", rec)
+	assert.Equal(t, 8, rec.Pages, "%+v", rec)
+	assert.Equal(t, host, rec.HostPages, "every host page is restored: %+v", rec)
+	r, err = replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	w, err := r.Alloc(bound(t), 4) // evicts the 4 least recent pages: b's
+	require.NoError(t, err)
+	require.NoError(t, r.Release(bound(t), 0, w))
+	m, err = r.Match(bound(t), a)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 4)
+	assert.Zero(t, second.Stats().Devices[0].Host.Restores, "a, the more recent, stayed in the slab")
+	require.NoError(t, r.Release(bound(t), 0, m))
+	m, err = r.Match(bound(t), b)
+	require.NoError(t, err)
+	assert.Len(t, m.Pages(), 4, "b comes back from the host tier")
+	assert.Equal(t, uint64(4), second.Stats().Devices[0].Host.Restores)
+	require.NoError(t, r.Release(bound(t), 0, m))
+}
