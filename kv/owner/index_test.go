@@ -2,6 +2,7 @@ package owner_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -363,4 +364,80 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	assert.Len(t, m.Pages(), 4, "b comes back from the host tier")
 	assert.Equal(t, uint64(4), second.Stats().Devices[0].Host.Restores)
 	require.NoError(t, r.Release(bound(t), 0, m))
+}
+
+// A host page evicted is out of the index before it is filled again: at every copy
+// into a host page (a spill ahead, or an eviction's copy), the index on disk does not
+// hold that page (a crash mid-copy would otherwise restore the page under its old
+// hash, holding part of another's bytes). Host tier pressure: 4 host pages under a
+// slab of 8, prompts sealed, evicted and restored in turn.
+func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
+	g := small
+	g.Pages = 8
+	const hostPages = 4
+	pageBytes := owner.HostPageBytes(g)
+	dir := tempDir(t)
+	path := filepath.Join(dir, owner.IndexFile)
+	rt := intercept.Wrap(cudarttest.ForTest(t))
+	var mu sync.Mutex
+	var base cudart.DevicePtr
+	fills, violations := 0, []string{}
+	rt.After("HostDevicePointer", func(c *intercept.Call) {
+		mu.Lock()
+		defer mu.Unlock()
+		base = c.Results[0].(cudart.DevicePtr)
+	})
+	rt.Before("MemcpyBatchAsync", func(c *intercept.Call) {
+		mu.Lock()
+		defer mu.Unlock()
+		filled := map[uint32]bool{}
+		for _, pc := range c.Args[1].([]cudart.CopyPiece) {
+			if base != 0 && pc.Dst >= base && uint64(pc.Dst-base) < hostPages*pageBytes {
+				filled[uint32(uint64(pc.Dst-base)/pageBytes)] = true
+			}
+		}
+		if len(filled) == 0 {
+			return // a restore: into the slab
+		}
+		var st *index.State
+		var err error
+		for range 100 { // the writer may be appending newer records: a tail cut short
+			if st, err = index.Load(path, shapeOf(g, hostPages)); err == nil {
+				break
+			}
+		}
+		if err != nil {
+			violations = append(violations, "the index cannot be read: "+err.Error())
+			return
+		}
+		fills++
+		for _, p := range st.Host[0] {
+			if filled[p.Page] {
+				violations = append(violations, fmt.Sprintf("host page %d is filled while the index holds it under %x", p.Page, p.Hash[:3]))
+			}
+		}
+	})
+	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*pageBytes))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	var prompts [][]kv.Hash
+	for round := range 12 {
+		prompts = append(prompts, sealPages(t, r, 4, byte(round+1)))
+		require.NoError(t, o.WaitSpills(bound(t)))
+		if round >= 2 { // an older prompt back: restored from the host tier where it is there
+			m, err := r.Match(bound(t), prompts[round-2])
+			require.NoError(t, err)
+			require.NoError(t, r.Release(bound(t), 0, m))
+		}
+	}
+	require.NoError(t, o.WaitSpills(bound(t)))
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Empty(t, violations)
+	host := o.Stats().Devices[0].Host
+	assert.NotZero(t, host.Evictions, "host pages were evicted: %+v", host)
+	assert.Greater(t, fills, int(hostPages), "host pages were filled again")
 }
