@@ -143,7 +143,7 @@ func TestBadCommandLines(t *testing.T) {
 }
 
 // -host-bytes gives the device a host tier, which replicas get at dial; one larger
-// than the host's memory is refused at start, saying so.
+// than the host's memory is refused at start, saying so, as a bad command line.
 func TestHostBytes(t *testing.T) {
 	dir := shortDir(t)
 	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "8MiB")
@@ -162,7 +162,7 @@ func TestHostBytes(t *testing.T) {
 
 	var o, e bytes.Buffer
 	code = run(context.Background(), []string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "1EiB"}, &o, &e)
-	assert.Equal(t, 1, code)
+	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, e.String(), "larger than the host's available memory")
 }
 
