@@ -1,4 +1,4 @@
-package owner
+package owner_test
 
 import (
 	"os"
