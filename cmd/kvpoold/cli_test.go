@@ -96,8 +96,8 @@ func TestBadValuesExit2(t *testing.T) {
 	}
 }
 
-// kvpoold -h prints the usage on stdout, every flag and the -dtype spellings with it,
-// and exits 0.
+// kvpoold -h (and kvpoold keeper -h) prints the usage on stdout, every flag and the
+// -dtype spellings with it, and exits 0.
 func TestHelp(t *testing.T) {
 	for _, h := range []string{"-h", "-help", "--help"} {
 		var out, errOut bytes.Buffer
@@ -110,6 +110,11 @@ func TestHelp(t *testing.T) {
 			assert.Regexp(t, "\n  -"+name+"[ \n]", out.String(), "%s shows -%s", h, name)
 		}
 	}
+	var kout, kerr bytes.Buffer
+	assert.Equal(t, exitOK, run(context.Background(), []string{"keeper", "-h"}, &kout, &kerr), "kvpoold keeper -h")
+	assert.True(t, strings.HasPrefix(kout.String(), "usage: kvpoold "), "kvpoold keeper -h: %s", &kout)
+	assert.Empty(t, kerr.String())
+
 	code, errOut := refused(t, "-nope")
 	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, errOut, "flag provided but not defined: -nope")

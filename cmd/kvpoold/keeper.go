@@ -144,8 +144,8 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 }
 
 // runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
-func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
-	f, code, ok := parse(args, io.Discard, stderr)
+func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
 		return code
 	}

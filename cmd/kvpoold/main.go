@@ -350,7 +350,7 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "keeper" {
-		return runKeeper(ctx, args[1:], stderr)
+		return runKeeper(ctx, args[1:], stdout, stderr)
 	}
 	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
