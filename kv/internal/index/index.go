@@ -421,8 +421,8 @@ func (ix *Index) writeNew(b []byte) (_ *os.File, err error) {
 	if err = os.Rename(tmp, ix.path); err != nil {
 		return nil, fmt.Errorf("kv/internal/index: %w", err)
 	}
-	if err := syncDir(filepath.Dir(ix.path)); err != nil {
-		return f, fmt.Errorf("kv/internal/index: syncing the directory of %s: %w", ix.path, err)
+	if err = syncDir(filepath.Dir(ix.path)); err != nil {
+		return nil, fmt.Errorf("kv/internal/index: syncing the directory of %s: %w", ix.path, err)
 	}
 	return f, nil
 }
