@@ -183,8 +183,12 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	c.welcomed = true
 	seq := o.attachedLocked(c, id, err)
 	o.mu.Unlock()
-	// Served once the index has the replica: a restart waits for its leases then.
-	return o.journaled(o.stopped, seq)
+	// Served once the index has the replica: a restart waits for its leases then. An
+	// index left behind broken (journaled's error) refuses writes, not the replica.
+	if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
+		return err
+	}
+	return nil
 }
 
 // frameHook, set by tests alone, sees each request's type before it is served.
