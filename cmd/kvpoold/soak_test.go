@@ -271,18 +271,18 @@ func soakRuntimeName() string {
 // soakWait bounds each wait of the soak for a process; it only ends a soak that hangs.
 const soakWait = time.Minute
 
-// TestKillSoak is the bounded soak: one seed (CUDAPOOL_KV_SOAK_SEED, or a fixed one),
-// 12 kills; with CUDAPOOL_KV_SOAK=DURATION, seeds one after another for that long.
+// TestKillSoak is the bounded soak: seeds 1 to 3 (or CUDAPOOL_KV_SOAK_SEED alone), 12
+// kills each; with CUDAPOOL_KV_SOAK=DURATION, seeds one after another for that long.
 func TestKillSoak(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the kill soak starts processes for seconds")
 	}
-	seeds := []uint64{1}
+	seeds, count := []uint64{1}, 3
 	var until time.Time
 	if v := os.Getenv("CUDAPOOL_KV_SOAK_SEED"); v != "" {
 		s, err := strconv.ParseUint(v, 10, 64)
 		require.NoError(t, err, "CUDAPOOL_KV_SOAK_SEED")
-		seeds = []uint64{s}
+		seeds, count = []uint64{s}, 1
 	}
 	kills := 12
 	if v := os.Getenv("CUDAPOOL_KV_SOAK"); v != "" {
@@ -302,7 +302,7 @@ func TestKillSoak(t *testing.T) {
 		total.add(c)
 		restarts += n
 		t.Logf("seed %d: %d kvpoold restarts, %s", seed, n, c)
-		if t.Failed() || until.IsZero() || time.Now().After(until) {
+		if t.Failed() || (until.IsZero() && i+1 >= count) || (!until.IsZero() && time.Now().After(until)) {
 			break
 		}
 	}
