@@ -4,7 +4,6 @@ package cudart_test
 
 import (
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime"
@@ -17,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/eventfdtest"
 )
 
 func TestFakeVersionsAndDevices(t *testing.T) {
@@ -191,24 +191,8 @@ func TestFakeStreamNotifyWritesTheEventfd(t *testing.T) {
 	rt := loadFake(t)
 	const dev = 1
 	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
-	fds := make([]int, 2)
-	for i := range fds {
-		fd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
-		require.NoError(t, err, "eventfd")
-		t.Cleanup(func() { _ = unix.Close(fd) }) // test cleanup
-		fds[i] = fd
-	}
-	total := func(fd int) uint64 {
-		t.Helper()
-		var b [8]byte
-		n, err := unix.Read(fd, b[:])
-		if err == unix.EAGAIN {
-			return 0
-		}
-		require.NoError(t, err, "reading the eventfd")
-		require.Equal(t, 8, n)
-		return binary.LittleEndian.Uint64(b[:])
-	}
+	fds := []int{eventfdtest.New(t), eventfdtest.New(t)}
+	total := func(fd int) uint64 { return eventfdtest.Take(t, fd, false) }
 	for range 3 {
 		require.NoError(t, rt.StreamNotify(dev, s, fds[1]), "StreamNotify")
 	}
