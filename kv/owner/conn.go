@@ -10,7 +10,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/cudapool/cudapool/cudart"
+	"golang.org/x/sys/unix"
+
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
@@ -37,7 +38,6 @@ type conn struct {
 	// Guarded by Owner.mu.
 	welcomed bool
 	ended    bool          // finish has begun ending its leases: no new lease is made
-	orphans  int           // its events left to their waiters by destroyEvents
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 	stopWait func()        // ends a lost connection's wait for its process's exit
@@ -46,7 +46,8 @@ type conn struct {
 	heldPgs int               // the pages of held
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
-	events map[[kvwire.EventLen]byte]*event
+	notifiers map[uint32]*notifier
+	fds       *fdReader // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
 	scratch []uint32
 	leaseID []uint64
@@ -94,7 +95,7 @@ func (c *conn) sendError(id uint32, err error) error {
 // if it had hung up, and the server logs it.
 func (o *Owner) serveConn(sc *session.Conn) {
 	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
-		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
+		notifiers: map[uint32]*notifier{}, held: map[uint64]*lease{}}
 	c.tip.last = noLink
 	o.mu.Lock()
 	if o.closed {
@@ -221,13 +222,18 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
 func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
+	c.fds = &fdReader{nc: c.nc}
 	for {
-		h, p, err := rd.Next(c.nc)
+		h, p, err := rd.Next(c.fds)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
 				return nil, nil
 			}
 			return nil, err
+		}
+		end := c.fds.off - int64(rd.Unread()) // where the frame ended in the stream
+		if h.Type != kvwire.TypeNotifier {
+			c.fds.drop(end)
 		}
 		if frameHook != nil {
 			frameHook(h.Type)
@@ -248,6 +254,8 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 			err = c.stats(h, p)
 		case kvwire.TypeReattach:
 			err = c.reattach(h, p)
+		case kvwire.TypeNotifier:
+			err = c.registerNotifier(p, end-int64(kvwire.HeaderLen+len(p)), end)
 		case kvwire.TypeBye:
 			m, err := kvwire.DecodeBye(p)
 			if err != nil {
@@ -348,7 +356,7 @@ func (c *conn) spillEvicted(evicted spillTask) {
 }
 
 // AllocWait bounds how long an Alloc waits for pages that settle (released pages whose
-// release events have not completed) before it answers kv.ErrNoSpace.
+// releases' points have not been reached) before it answers kv.ErrNoSpace.
 const AllocWait = 10 * time.Second
 
 // allocLater answers Alloc id of n pages once enough pages have settled, or with
@@ -489,37 +497,72 @@ func (o *Owner) adoptLocked(c *conn, l *lease) bool {
 	return true
 }
 
-// event returns c's event for handle h, opening it the first time.
-func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
-	if e, ok := c.events[*h]; ok {
-		return e, nil
+// notifier returns the notifier at names, nil for none (the work had completed).
+func (c *conn) notifier(at kvwire.Point) (*notifier, error) {
+	if at.Notifier == 0 {
+		return nil, nil
 	}
-	if max := c.o.opts.MaxEvents; len(c.events) >= max {
-		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (WithMaxEvents): record one event per stream", kv.ErrLimit, max)
+	if n, ok := c.notifiers[at.Notifier]; ok {
+		return n, nil
 	}
-	e := &event{c: c}
-	if *h != ([kvwire.EventLen]byte{}) {
-		ev, err := c.o.rt.IpcOpenEventHandle(c.s.dev, cudart.IpcEventHandle(*h))
-		if err != nil {
-			return nil, fmt.Errorf("opening the replica's event: %w", err)
+	if max := c.o.opts.MaxNotifiers; len(c.notifiers) >= max {
+		return nil, fmt.Errorf("%w: notifier %d is not registered: the connection has registered %d notifiers, the most the owner reads for one (WithMaxNotifiers): make one per stream", kv.ErrLimit, at.Notifier, max)
+	}
+	return nil, fmt.Errorf("%w: notifier %d was never registered on this connection", kv.ErrGeometry, at.Notifier)
+}
+
+// registerNotifier registers the notifier of a Notifier frame (payload p, bytes
+// [start, end) of the stream) with the eventfd that came with it, and starts its
+// watcher. A Notifier without an eventfd, of id 0 or of an id registered already ends
+// the connection (the error wraps kvwire.ErrMalformed); one past the connection's cap
+// is dropped, and the Seal or Release that names it refused.
+func (c *conn) registerNotifier(p []byte, start, end int64) error {
+	o := c.o
+	m, err := kvwire.DecodeNotifier(p)
+	fd, ok := c.fds.take(start, end)
+	switch {
+	case err != nil:
+	case !ok:
+		err = fmt.Errorf("%w: Notifier %d came without its eventfd", kvwire.ErrMalformed, m.ID)
+	case c.notifiers[m.ID] != nil:
+		err = fmt.Errorf("%w: notifier %d is registered already", kvwire.ErrMalformed, m.ID)
+	case len(c.notifiers) >= o.opts.MaxNotifiers:
+		_ = unix.Close(fd) // cleanup: a notifier past the cap is dropped, and its use refused
+		o.log.Debug("kv: a replica's notifier past the cap is dropped", "pid", c.cred.PID, "notifier", m.ID, "max", o.opts.MaxNotifiers)
+		return nil
+	}
+	if err != nil {
+		if ok {
+			_ = unix.Close(fd) // cleanup: the frame's error is the one returned
 		}
-		e.ev = ev
+		return err
 	}
-	c.o.mu.Lock() // destroyEvents reads c.events under it
-	c.events[*h] = e
-	c.o.mu.Unlock()
-	return e, nil
+	n, err := newNotifier(c, m.ID, fd)
+	if err != nil {
+		return fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
+	}
+	o.mu.Lock()
+	if o.closed {
+		o.mu.Unlock()
+		_ = n.f.Close() // cleanup: the owner is closing
+		return kv.ErrClosed
+	}
+	c.notifiers[m.ID] = n
+	o.waiters.Add(1)
+	o.mu.Unlock()
+	go o.watch(n)
+	return nil
 }
 
 // seal answers Seal: the write lease ends; its first n pages are published under the
-// hashes once the writer's event has completed, the rest are freed then.
+// hashes once the writer's point is reached, the rest are freed then.
 func (c *conn) seal(h kvwire.Header, p []byte) error {
 	o := c.o
 	m, err := kvwire.DecodeSeal(h, p)
 	if err != nil {
 		return c.refuse(h.ID, err)
 	}
-	id, evh, hashes := m.Lease, m.Event, m.Hashes
+	id, hashes := m.Lease, m.Hashes
 	check := func() (*lease, error) {
 		l, err := o.findLocked(c, id)
 		if err == nil && !l.write {
@@ -530,15 +573,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		}
 		return l, err
 	}
-	// The lease is checked before the event is opened, so that a refused seal opens
-	// nothing, and again after, the lock let go meanwhile.
-	o.mu.Lock()
-	_, err = check()
-	o.mu.Unlock()
-	if err != nil {
-		return c.sendError(h.ID, err)
-	}
-	e, err := c.event(&evh)
+	n, err := c.notifier(m.Point)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -549,14 +584,14 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		return c.sendError(h.ID, err)
 	}
 	o.dropLocked(l)
-	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes)}
+	rec := &record{s: l.s, target: m.Target, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes)}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
 	}
 	for _, pg := range rec.free {
 		l.s.pages[pg].state = pageSettling
 	}
-	owed := c.submitLocked(e, rec)
+	o.submitLocked(n, rec)
 	ans := kvwire.Sealed{Pending: uint32(len(rec.seal))}
 	if rec.done {
 		ans = kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}
@@ -569,7 +604,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if rec.done && h.Flags&kvwire.FlagWait != 0 {
 		seq = o.ix.Queued()
 	}
-	o.unlockAfterSubmit(e, rec, owed)
+	o.mu.Unlock()
 	if wait {
 		return nil
 	}
@@ -578,7 +613,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 }
 
 // release answers Release: every lease named ends (or, if one is not c's, none does),
-// its pages settling until the event has completed.
+// its pages settling until the point is reached.
 func (c *conn) release(h kvwire.Header, p []byte) error {
 	o := c.o
 	m, err := kvwire.DecodeRelease(p, c.leaseID[:0])
@@ -586,22 +621,13 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.refuse(h.ID, err)
 	}
-	evh := m.Event
 	if len(c.leaseID) == 0 {
 		return c.sendError(h.ID, fmt.Errorf("%w: a release of no lease", kv.ErrGeometry))
 	}
 	if err := c.distinctIDs(c.leaseID); err != nil { // outside the lock: O(n), with a map
 		return c.sendError(h.ID, err)
 	}
-	// The leases are checked before the event is opened, so that a refused release
-	// opens nothing, and again after, the lock let go meanwhile.
-	o.mu.Lock()
-	err = o.ownsLocked(c, c.leaseID)
-	o.mu.Unlock()
-	if err != nil {
-		return c.sendError(h.ID, err)
-	}
-	e, err := c.event(&evh)
+	n, err := c.notifier(m.Point)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -610,18 +636,18 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		o.mu.Unlock()
 		return c.sendError(h.ID, err)
 	}
-	rec := &record{s: c.s}
+	rec := &record{s: c.s, target: m.Target}
 	for _, id := range c.leaseID {
 		o.endBehindLocked(rec, o.leases[id])
 	}
-	owed := c.submitLocked(e, rec)
-	o.unlockAfterSubmit(e, rec, owed)
-	n := uint32(len(c.leaseID))
-	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
+	o.submitLocked(n, rec)
+	o.mu.Unlock()
+	count := uint32(len(c.leaseID))
+	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, count) })
 }
 
-// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's event
-// has completed (write-leased pages are then freed, read-leased ones lose a reader
+// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's point
+// is reached (write-leased pages are then freed, read-leased ones lose a reader
 // now and are evictable then).
 func (o *Owner) endBehindLocked(rec *record, l *lease) {
 	o.dropLocked(l)
@@ -640,14 +666,14 @@ func (o *Owner) endBehindLocked(rec *record, l *lease) {
 	rec.released = append(rec.released, l.pages...)
 }
 
-// releaseHeld ends c's leases after its final event ev (a Bye's), as a Release of all
-// of them would; if the event cannot be opened, they are left for finish to end at
+// releaseHeld ends c's leases after its final point at (a Bye's), as a Release of all
+// of them would; if at names no notifier of c's, they are left for finish to end at
 // once, logged.
-func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
+func (c *conn) releaseHeld(at kvwire.Point) {
 	o := c.o
-	e, err := c.event(ev)
+	n, err := c.notifier(at)
 	if err != nil {
-		o.log.Warn("kv: a replica's final event; its leases end at once", "pid", c.cred.PID, "err", err)
+		o.log.Warn("kv: a replica's final point; its leases end at once", "pid", c.cred.PID, "err", err)
 		return
 	}
 	o.mu.Lock()
@@ -655,41 +681,23 @@ func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
 		o.mu.Unlock()
 		return
 	}
-	rec := &record{s: c.s}
+	rec := &record{s: c.s, target: at.Target}
 	for _, l := range c.held {
 		o.endBehindLocked(rec, l)
 	}
-	owed := c.submitLocked(e, rec)
-	o.unlockAfterSubmit(e, rec, owed)
+	o.submitLocked(n, rec)
+	o.mu.Unlock()
 }
 
-// submitLocked queues rec behind e and asks e at once, with o.mu held on entry and
-// on return (not during the query): if e has completed, rec is settled when it
-// returns. It returns the answers owed to Seals that waited.
-func (c *conn) submitLocked(e *event, rec *record) []answer {
-	o := c.o
-	upTo := e.append(rec)
-	o.mu.Unlock()
-	done, dead := o.query(e)
-	o.mu.Lock()
-	switch {
-	case dead:
-		return o.exitedLocked(c, nil)
-	case done:
-		return o.settleUpTo(e, upTo, true, nil)
+// submitLocked settles rec at once, under o.mu, if its point is reached (n is nil: it
+// named none, or n's total has reached it), and else queues it behind n, whose
+// watcher settles it.
+func (o *Owner) submitLocked(n *notifier, rec *record) {
+	if n == nil || rec.target <= n.total {
+		o.settle(rec, true)
+		return
 	}
-	return nil
-}
-
-// unlockAfterSubmit leaves rec, submitted, to e's waiter if it has not settled,
-// releases o.mu and sends owed.
-func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
-	pending := !rec.done
-	if pending {
-		o.enqueue(e)
-	}
-	o.mu.Unlock()
-	o.send(owed)
+	n.pending = append(n.pending, rec)
 }
 
 // distinctIDs says which lease of ids is listed twice, if one is.
@@ -864,7 +872,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	case bye == nil && c.holdsNothing():
 	case bye != nil:
 		if bye.Final {
-			c.releaseHeld(&bye.Event)
+			c.releaseHeld(bye.Point)
 		}
 		o.mu.Lock()
 		o.endLeasesLocked(c)
@@ -902,14 +910,20 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		o.detachedLocked(c)
 	}
 	delete(o.conns, c)
-	o.dead = append(o.dead, c)
-	dead := o.takeDeadLocked()
+	ns := c.notifiers
+	c.notifiers = map[uint32]*notifier{}
 	o.mu.Unlock()
 	o.send(owed)
-	o.destroyEvents(dead)
+	closeNotifiers(ns)
+	if c.fds != nil {
+		c.fds.drop(c.fds.off)
+	}
+	if c.proc != nil {
+		_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
+	}
 }
 
-// holdsNothing says whether c holds no lease and no record waits for its events.
+// holdsNothing says whether c holds no lease and no record waits for its notifiers.
 func (c *conn) holdsNothing() bool {
 	c.o.mu.Lock()
 	defer c.o.mu.Unlock()
@@ -945,10 +959,10 @@ func (c *conn) awaitExit(ctx context.Context) {
 	}
 }
 
-// pendingLocked says whether records wait for any of c's events, under o.mu.
+// pendingLocked says whether records wait for any of c's notifiers, under o.mu.
 func (c *conn) pendingLocked() bool {
-	for _, e := range c.events {
-		if len(e.pending) > 0 {
+	for _, n := range c.notifiers {
+		if len(n.pending) > 0 {
 			return true
 		}
 	}
@@ -985,8 +999,8 @@ func (o *Owner) endLeasesLocked(c *conn) {
 // with the answers to Seals that waited, marked dead (nobody to send them to).
 func (o *Owner) exitedLocked(c *conn, owed []answer) []answer {
 	o.endLeasesLocked(c)
-	for _, e := range c.events {
-		owed = o.settleUpTo(e, e.appended, false, owed)
+	for _, n := range c.notifiers {
+		owed = o.settleReachedLocked(n, false, owed)
 	}
 	for i := range owed {
 		if owed[i].c == c {

@@ -204,8 +204,7 @@ func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
 
 	again := dialRaw(t, dir)
 	again.hello()
-	var none [kvwire.EventLen]byte
-	again.send(kvwire.AppendRelease(nil, 4, &none, []uint64{l}))
+	again.send(kvwire.AppendRelease(nil, 4, kvwire.Now, []uint64{l}))
 	h, p, err := again.next()
 	require.NoError(t, err)
 	require.Equal(t, kvwire.TypeReleased, h.Type, "the lost connection's lease, released on a new one: %v", kvwire.ParseError(h.Type, p))

@@ -224,12 +224,11 @@ func (r *Replica) deliver(h kvwire.Header, p []byte) {
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was
-// queued on its pages, so the release waits for no event.
+// queued on its pages, so the release waits for no point.
 func (r *Replica) releaseAbandoned(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 	defer cancel()
-	var none [kvwire.EventLen]byte
-	if err := r.releaseIDs(ctx, &none, []uint64{id}); err != nil && r.gone() == nil {
+	if err := r.releaseIDs(ctx, kvwire.Now, []uint64{id}); err != nil && r.gone() == nil {
 		r.log.Warn("kv: releasing a lease whose caller gave up", "lease", id, "err", err)
 	}
 }
@@ -242,8 +241,7 @@ func (r *Replica) giveBackBreach(ctx context.Context, l *Lease, err error) error
 	if l.id == 0 || !errors.Is(err, export.ErrProtocol) {
 		return err
 	}
-	var none [kvwire.EventLen]byte
-	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}))
+	return errors.Join(err, r.releaseIDs(ctx, kvwire.Now, []uint64{l.id}))
 }
 
 // replyErr is the error of a reply that is not of type want.
@@ -332,14 +330,14 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 	if err := r.gone(); err != nil {
 		return SealResult{}, err // no record while the owner is gone: a reconnection waits for the last one
 	}
-	ev, err := r.record(s)
+	at, err := r.point(ctx, s)
 	if err != nil {
 		return SealResult{}, err
 	}
 	var res SealResult
 	err = r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) {
-			return kvwire.AppendSeal(b, id, so.wait, l.id, &ev.h, hashes)
+			return kvwire.AppendSeal(b, id, so.wait, l.id, at, hashes)
 		},
 		func(h kvwire.Header, p []byte) error {
 			if h.Type != kvwire.TypeSealed {
@@ -411,11 +409,11 @@ func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) er
 	if err := r.gone(); err != nil {
 		return err // no record while the owner is gone: a reconnection waits for the last one
 	}
-	ev, err := r.record(s)
+	at, err := r.point(ctx, s)
 	if err != nil {
 		return err
 	}
-	if err := r.releaseIDs(ctx, &ev.h, ids); err != nil {
+	if err := r.releaseIDs(ctx, at, ids); err != nil {
 		return err
 	}
 	if r.opts.reconnect {
@@ -424,9 +422,9 @@ func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) er
 	return errors.Join(lost...)
 }
 
-func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64) error {
+func (r *Replica) releaseIDs(ctx context.Context, at kvwire.Point, ids []uint64) error {
 	return r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, at, ids) },
 		func(h kvwire.Header, p []byte) error {
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
@@ -448,44 +446,4 @@ func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 			return json.Unmarshal(p, &st)
 		})
 	return st, err
-}
-
-// idle is the event of a stream whose work has all completed: the zero handle, which
-// the owner needs no wait for.
-var idle = &streamEvent{}
-
-// record records s's event on s, creating it the first time (so that Close's final
-// event covers s too); where the runtime says that s's work has all completed
-// (cudart.StreamQuerier), it records nothing and returns idle: an event record costs a
-// turn of the GPU for this process's context (docs/FACTS.md 23), and the owner's query
-// or wait of it more.
-func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
-	r.evMu.Lock()
-	defer r.evMu.Unlock()
-	if r.evClosed {
-		return nil, kv.ErrClosed
-	}
-	e, ok := r.events[s]
-	if !ok {
-		ev, err := r.rt.EventCreate(r.dev, cudart.EventIPC|cudart.EventBlockingSync) // for a driver that lets the owner's waits sleep (FACTS 24)
-		if err != nil {
-			return nil, err
-		}
-		h, err := r.rt.IpcGetEventHandle(r.dev, ev)
-		if err != nil {
-			_ = r.rt.EventDestroy(r.dev, ev) // cleanup: the handle's error is the one returned
-			return nil, err
-		}
-		e = &streamEvent{ev: ev, h: h}
-		r.events[s] = e
-	}
-	if q, ok := r.rt.(cudart.StreamQuerier); ok {
-		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
-			return idle, nil
-		}
-	}
-	if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
-		return nil, err
-	}
-	return e, nil
 }

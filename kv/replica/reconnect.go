@@ -166,12 +166,12 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 	}
 }
 
-// drainEvents waits until the last record of every stream event of the replica has
-// completed: then no Seal's writes and no Release's reads are still running.
+// drainEvents waits until the last record of every stream's event (after its latest
+// point) has completed: then no Seal's writes and no Release's reads are still running.
 func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
-	var evs []*streamEvent
-	for _, e := range r.events {
+	var evs []*streamNotifier
+	for _, e := range r.notifiers {
 		evs = append(evs, e)
 	}
 	r.evMu.Unlock()

@@ -12,10 +12,11 @@
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
 //	err = r.Release(ctx, s, l)           // pages are reused only after s's work so far
 //
-// Seal and Release record an IPC event of the stream's own (one per stream, reused)
-// on the stream they are given, and the owner waits for it on the host: the host of
-// the replica never waits for the GPU, and a Match needs no stream wait, as the owner
-// exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
+// Seal and Release queue a point on the stream they are given (cudart.StreamNotify: a
+// write to an eventfd of the stream's own, passed to the owner once per connection,
+// once the work queued before it has completed), and the owner reads the eventfd on
+// the host: the host of the replica never waits for the GPU, and a Match needs no
+// stream wait, as the owner exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
 // the first address Layer(l) returns, and page p of it PageBytes() * p further on
 // (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
 package replica
@@ -165,16 +166,11 @@ type Replica struct {
 	attached   chan struct{} // closed while attached; replaced when the owner is lost
 	reconnWG   sync.WaitGroup
 
-	evMu       sync.Mutex
-	events     map[cudart.Stream]*streamEvent
-	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
-	evClosed   bool
-}
-
-// streamEvent is the IPC event the replica records on one stream.
-type streamEvent struct {
-	ev cudart.Event
-	h  [kvwire.EventLen]byte
+	evMu         sync.Mutex
+	notifiers    map[cudart.Stream]*streamNotifier // notify.go
+	lastNotifier uint32                            // the id of the latest eventfd registered
+	openFDs      atomic.Int64                      // eventfds made and not closed
+	evClosed     bool
 }
 
 // call is a request waiting for its reply.
@@ -203,7 +199,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		}
 	}
 	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{},
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), notifiers: map[cudart.Stream]*streamNotifier{},
 		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
 	close(r.attached)
 	defer func() {
@@ -211,7 +207,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
 				_ = r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) }) // best effort: an owner that misses it waits for this process's exit
 			}
-			_ = r.teardown(context.Background(), true) // cleanup: the first error is the one returned
+			_ = r.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
 	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
@@ -436,15 +432,14 @@ func (r *Replica) Err() error {
 
 // Close ends the replica: it tells the owner goodbye, the leases still held ending
 // after the work queued so far on every stream the replica has sealed or released on
-// (Bye carries an event recorded after it), so that no page a kernel still writes goes
+// (Bye carries a point queued after it), so that no page a kernel still writes goes
 // to another replica; work on a stream never given to Seal or Release is not covered:
 // release such leases first. It then waits, until ctx ends, for the owner to close
-// the connection, so that the owner is done with this
-// replica's events before they are destroyed. It then unmaps the slab after the last
-// records of those events and disconnects from the slab's exporter. If ctx ends before
-// the owner has closed the connection (a release still waits for a busy stream, or the
-// owner does not read), Close gives up on it and returns, and leaves the events
-// undestroyed, as the owner may still query them: they go with the process's exit.
+// the connection (its releases have settled), and unmaps the slab after the work
+// queued so far on those streams and disconnects from the slab's exporter. If ctx
+// ends before the owner has closed the connection (a release still waits for a busy
+// stream, or the owner does not read), Close gives up on it and returns. An eventfd
+// that a stream may still write to is left open, to the process's exit.
 // The slab is unmapped after the work queued on the streams the replica used; if ctx
 // ends while that waits (a stream that does not run), Close returns an error wrapping
 // ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
@@ -467,9 +462,8 @@ func (r *Replica) Close(ctx context.Context) error {
 		close(r.done)
 	}
 	r.mu.Unlock()
-	ownerDone := true
 	if alive {
-		ownerDone = r.bye(ctx)
+		r.bye(ctx)
 	}
 	r.mu.Lock()
 	r.err = kv.ErrClosed
@@ -479,7 +473,7 @@ func (r *Replica) Close(ctx context.Context) error {
 		defer close(r.tornDown)
 		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
 		defer cancel()
-		done <- r.teardown(bg, ownerDone)
+		done <- r.teardown(bg)
 	}()
 	select {
 	case err := <-done:
@@ -493,11 +487,11 @@ func (r *Replica) Close(ctx context.Context) error {
 // connection or ctx ends; it says whether the owner closed it (or is gone).
 func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	final := kvwire.Bye{Final: true}
-	if ev, err := r.finalEvent(); err == nil {
-		final.Event = ev
+	if at, err := r.finalPoint(ctx); err == nil {
+		final.Point = at
 	} else {
 		final.Final = false
-		r.log.Warn("kv: recording the final event of Close; the leases still held end at once", "err", err)
+		r.log.Warn("kv: queueing the final point of Close; the leases still held end at once", "err", err)
 	}
 	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.Append(b, kvwire.TypeBye, 0, final) })
 	if err != nil {
@@ -520,35 +514,8 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	}
 }
 
-// finalEvent records the event Close's Bye carries: on the replica's own stream, after
-// the work queued so far on every stream the replica has sealed or released on.
-func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
-	r.evMu.Lock()
-	for s, e := range r.events {
-		if s == r.stream {
-			continue
-		}
-		if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
-			r.evMu.Unlock()
-			return [kvwire.EventLen]byte{}, err
-		}
-		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
-			r.evMu.Unlock()
-			return [kvwire.EventLen]byte{}, err
-		}
-	}
-	r.evMu.Unlock()
-	e, err := r.record(r.stream)
-	if err != nil {
-		return [kvwire.EventLen]byte{}, err
-	}
-	return e.h, nil
-}
-
-// teardown undoes what Dial made, whatever it got to; it destroys the events only if
-// destroyEvents (the owner is done with them), and otherwise leaves them to the
-// process's exit.
-func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
+// teardown undoes what Dial made, whatever it got to.
+func (r *Replica) teardown(ctx context.Context) error {
 	select {
 	case <-r.stopW:
 	default:
@@ -565,13 +532,8 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	r.evMu.Lock()
 	r.evClosed = true
-	events := r.events
-	r.events = map[cudart.Stream]*streamEvent{}
-	if !destroyEvents {
-		for _, e := range events {
-			r.leftEvents = append(r.leftEvents, e.ev)
-		}
-	}
+	events := r.notifiers
+	r.notifiers = map[cudart.Stream]*streamNotifier{}
 	r.evMu.Unlock()
 	if len(r.ms) > 0 {
 		// The segments' imports are freed after the last seal and release of every stream.
@@ -591,16 +553,7 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	// A stream's wait on an event, and work queued on a stream, outlive their
 	// destruction: nothing here waits for the GPU.
-	for _, e := range events {
-		if destroyEvents {
-			if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
-				errs = append(errs, err)
-			}
-		}
-	}
-	if !destroyEvents && len(events) > 0 {
-		r.log.Debug("kv: Close gave up on the owner; its events are left to the process's exit", "events", len(events))
-	}
+	errs = append(errs, r.endNotifiers(events)...)
 	if r.stream != 0 {
 		if err := r.rt.StreamDestroy(r.dev, r.stream); err != nil {
 			errs = append(errs, err)
