@@ -165,6 +165,9 @@ int cudapool_runtime_info(int *on_gpu, int *devices, char *name, size_t name_len
 /* Streams and copies, for programs without the CUDA headers (and the software device,
  * whose memory only its own calls reach). */
 int cudapool_stream_create(int device, void **stream);
+/* cudapool_stream_destroy destroys a stream of cudapool_stream_create; every KV replica
+ * that sealed or released on it takes its last record of it first, so that its close
+ * still covers the stream's work without naming the destroyed stream. */
 int cudapool_stream_destroy(int device, void *stream);
 int cudapool_stream_synchronize(int device, void *stream);
 /* cudapool_stream_wait makes the work queued on waiter from now on wait for the work
@@ -582,6 +585,8 @@ int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size
  * stream the replica has sealed or released on (as a release on those streams would),
  * so pages a kernel still writes are not given to another replica; work on a stream
  * the replica never sealed or released on is not covered: release such leases first.
+ * Such a stream must not be destroyed before the close (the driver does not survive a
+ * record on a destroyed stream), unless it is destroyed with cudapool_stream_destroy.
  * If timeout_ms passes while that work is still queued, it returns CUDAPOOL_ETIMEOUT
  * and the rest completes once the work has run. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);
