@@ -63,6 +63,28 @@ class ExamplesTest(unittest.TestCase):
         self.assertEqual(out.stdout, os.path.join(site, "cudapool", "libcudapool.so"))
         self.assertTrue(os.path.exists(os.path.join(site, "cudapool", "py.typed")))
 
+    def test_torch_pairs_run_the_go_commands_there_are(self):
+        """examples/torch/pairs.py runs the Go example as a program that
+        scripts/build-gpu.sh builds (a main package's folder names it), with a
+        subcommand it has: it ran producer and consumer programs that had become
+        kvshare's subcommands (issue 31)."""
+        sys.path.insert(0, os.path.join(ROOT, "examples", "torch"))
+        try:
+            import pairs
+        finally:
+            sys.path.pop(0)
+        bindir = tempfile.mkdtemp()
+        with self.assertRaisesRegex(FileNotFoundError, "build-gpu.sh"):
+            pairs.kvshare(bindir, "producer")
+        open(os.path.join(bindir, "kvshare"), "w").close()
+        for role in ("producer", "consumer"):
+            argv = pairs.kvshare(bindir, role, "-runtime", "gpu")
+            name = os.path.basename(argv[0])
+            self.assertTrue(any(os.path.isfile(os.path.join(ROOT, top, name, "main.go")) for top in ("cmd", "examples")),
+                            "%s is no command build-gpu.sh builds" % name)
+            with open(os.path.join(ROOT, "examples", name, "main.go")) as f:
+                self.assertIn('"%s %s"' % (name, argv[1]), f.read(), "kvshare has no subcommand %s" % argv[1])
+
     def test_c_example(self):
         cc = shutil.which("cc") or shutil.which("gcc")
         if cc is None:
