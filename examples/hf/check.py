@@ -1,8 +1,17 @@
 """Stock transformers models over the KV page pool (cudapool.hf) against transformers'
-own generate, on one GPU, for two architectures built from configs with seeded random
-weights (no downloads): the replicas example's 0.85B Llama and a Qwen3-like model
-with another head dim and KV-head count. For each it starts a kvpoold of the model's
-geometry and checks:
+own generate, on one GPU.
+
+First, the decisive check: a small Llama trained here for a few seconds on the
+standard library's .py files (examples/hf/decisive.py: seeded, byte tokens, trained on
+8k-byte windows), whose logits decide. Per prompt length (held-out text, 1k, 2k, 4k and
+8k bytes), a request computed (and sealed) and the same prompt matched by a second
+request must each give greedy tokens equal to transformers' generate (DynamicCache,
+sdpa), every one of --new (64); at 32k (past the positions it was trained at) the count
+of leading equal tokens is reported, not required.
+
+Then, for speed, two architectures built from configs with seeded random weights (no
+downloads): the replicas example's 0.85B Llama and a Qwen3-like model with another head
+dim and KV-head count. For each it starts a kvpoold of the model's geometry and checks:
 
 1. prefill logits through the pool (from position 0: SDPA; over pages: the paged
    kernel) within bf16 tolerance of transformers' own forward;
@@ -10,13 +19,10 @@ geometry and checks:
 3. per prompt length: a request computed (and sealed), the same prompt matched by a
    second request, and the same computed alone into private pages: their greedy tokens
    and first logits equal (the same operations on the same bytes); the prompt's last
-   logits within bf16 tolerance of transformers' forward; the greedy tokens against
-   transformers' generate with its default cache (DynamicCache, sdpa), said, and the
-   pool fed transformers' tokens step by step: its argmax must equal transformers' at
-   every step but near-ties (transformers' own margin between the two tokens within
-   the larger of the bf16 tolerance and transformers' generate-vs-forward difference;
-   random weights make near-ties common, and transformers' own caches disagree on
-   them too);
+   logits within bf16 tolerance of transformers' forward. The greedy tokens against
+   transformers' generate, and the pool's argmax fed transformers' tokens, are
+   reported only: random weights make near-ties common, which two correct bf16 paths
+   break apart (the decisive model is where tokens must be equal);
 4. time to first token, computed vs matched, at 32,768 tokens at most 5%; decode
    tokens/s over pool pages at 32,768 tokens at least transformers' fastest own path
    (DynamicCache; StaticCache, eager; with --compile, StaticCache + torch.compile as
@@ -45,8 +51,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, HERE)
 os.environ.setdefault("CUDAPOOL_LIB", os.path.join(ROOT, "bin", "libcudapool.so"))
 
-import suitelines  # noqa: E402 (after the path)
-from models import ARCHS, build, kvpoold_flags, params, use_attention  # noqa: E402
+import decisive  # noqa: E402 (after the path)
+import suitelines  # noqa: E402
+from models import ARCHS, build, geometry_flags, kvpoold_flags, params, use_attention  # noqa: E402
 
 T = 16
 TOL = 0.05  # bf16 tolerance of logits, relative to the largest
@@ -144,9 +151,10 @@ class Checks:
         self.raw += suitelines.lines("hf", op, unit, values)
 
 
-def start_owner(kvpoold, dir, arch, pages):
-    log = open(os.path.join(os.path.dirname(dir), "kvpoold-%s.log" % arch), "w")
-    p = subprocess.Popen([kvpoold, "-dir", dir, "-runtime", "gpu"] + kvpoold_flags(arch, T) +
+def start_owner(kvpoold, dir, name, flags, pages):
+    """kvpoold serving dir with the geometry flags, its log beside dir."""
+    log = open(os.path.join(os.path.dirname(dir), "kvpoold-%s.log" % name), "w")
+    p = subprocess.Popen([kvpoold, "-dir", dir, "-runtime", "gpu"] + flags +
                          ["-pages", str(pages), "-devices", "0"], stdout=log, stderr=subprocess.STDOUT)
     end = time.monotonic() + 60
     while not os.path.exists(os.path.join(dir, "kv.sock")):
@@ -210,6 +218,78 @@ def check_kernel(model, c, arch):
     c.check(worst <= 2e-2, "%s: the paged kernel differs from SDPA by %.2e" % (arch, worst))
 
 
+def stop_owner(owner, log):
+    owner.terminate()
+    try:
+        owner.wait(15)
+    except subprocess.TimeoutExpired:
+        owner.kill()
+    log.close()
+
+
+def leading_equal(a, b):
+    """How many leading tokens a and b share."""
+    d = first_difference(a, b)
+    return min(len(a), len(b)) if d is None else d
+
+
+def run_decisive(args, work, c, summary):
+    """The decisive check (the module's docstring): greedy tokens through the pool,
+    computed and matched, equal to transformers' generate, every one, at each length up
+    to decisive.WINDOW; reported beyond."""
+    import torch
+    import cudapool
+    import cudapool.hf as chf
+    import cudapool.kv as ckv
+    print("\n== decisive: a small Llama trained on the standard library's .py files (%d steps)" % args.train_steps)
+    model = decisive.train("cuda:0", args.train_steps)
+    text = decisive.corpus()
+    attn = chf.register()
+    dir = os.path.join(work, "kv-decisive")
+    owner, log = start_owner(args.kvpoold, dir, "decisive", geometry_flags(decisive.CONFIG, T), args.pages)
+    try:
+        r = ckv.Replica(dir, 0, namespace="decisive", timeout=60, wait_for_owner=True)
+        try:
+            use_attention(model, attn)
+            gen = chf.Generator(model, r)
+            offset = 0
+            for L in args.decisive_lengths:
+                prompt = decisive.held_out(L, offset, text)  # prompts apart: no one matches another's pages
+                offset += L
+                comp = gen.generate(prompt, args.new)[0, L:].tolist()
+                mat = gen.generate(prompt, args.new)[0, L:].tolist()
+                matched = gen.last["matched_pages"]
+                use_attention(model, "sdpa")
+                try:
+                    hf_toks, _, _ = hf_generate(model, torch.tensor([prompt], device="cuda"), args.new)
+                finally:
+                    use_attention(model, attn)
+                n_c, n_m = leading_equal(comp, hf_toks), leading_equal(mat, hf_toks)
+                required = L <= decisive.WINDOW
+                print("  %6d tokens: greedy tokens equal to transformers' generate: computed %d of %d, matched %d of "
+                      "%d (%d pages matched)%s" % (L, n_c, len(hf_toks), n_m, len(hf_toks), matched,
+                                                   "" if required else "; past the trained positions: reported only"))
+                c.figure("greedy-equal-tokens/decisive/computed/%d" % L, "tokens", [n_c])
+                c.figure("greedy-equal-tokens/decisive/matched/%d" % L, "tokens", [n_m])
+                summary.setdefault("decisive", []).append((L, "%d/%d computed" % (n_c, len(hf_toks)),
+                                                           "%d/%d matched" % (n_m, len(hf_toks))))
+                c.check(matched == (L - 1) // T, "decisive %d: matched %d pages, not %d" % (L, matched, (L - 1) // T))
+                if required:
+                    c.check(len(hf_toks) == args.new and comp == hf_toks and mat == hf_toks,
+                            "decisive %d: greedy tokens over the pool differ from transformers' generate: computed "
+                            "%d of %d equal, matched %d of %d" % (L, n_c, args.new, n_m, args.new))
+            del gen
+        finally:
+            try:
+                r.close(timeout=10)
+            except cudapool.CudapoolError as e:
+                print("  close: %s" % e)
+    finally:
+        stop_owner(owner, log)
+        del model
+        torch.cuda.empty_cache()
+
+
 def run_arch(args, arch, work, c, summary):
     import torch
     import cudapool
@@ -217,7 +297,7 @@ def run_arch(args, arch, work, c, summary):
     import cudapool.kv as ckv
     print("\n== %s" % arch)
     dir = os.path.join(work, "kv-" + arch)
-    owner, log = start_owner(args.kvpoold, dir, arch, args.pages)
+    owner, log = start_owner(args.kvpoold, dir, arch, kvpoold_flags(arch, T), args.pages)
     try:
         r = ckv.Replica(dir, 0, namespace=arch, timeout=60, wait_for_owner=True)
         try:
@@ -333,8 +413,9 @@ def run_arch(args, arch, work, c, summary):
                           L, same, "" if d is None else " (first difference at token %d)" % d, len(hf_toks) - len(bad),
                           len(hf_toks), "" if not bad else ", the others within transformers' margin %.3g" % max(margins),
                           e_tf, tol))
-                c.check(all(m <= tol for m in margins), "%s %d: the pool's argmax differs from transformers' beyond a "
-                        "near-tie (margin %.3g > %.3g)" % (arch, L, max(margins) if margins else 0, tol))
+                if any(m > tol for m in margins):  # random weights: reported, not required (the docstring's 3.)
+                    print("  %6d tokens: the pool's argmax differs from transformers' beyond a near-tie (margin %.3g > "
+                          "%.3g): random weights, not checked" % (L, max(margins), tol))
                 summary.setdefault("greedy", []).append((arch, L, same, "%d/%d" % (len(hf_toks) - len(bad),
                                                                                   len(hf_toks))))
                 c.figure("greedy-equal/%s/%d" % (arch, L), "bool", [1.0 if same else 0.0])
@@ -363,12 +444,7 @@ def run_arch(args, arch, work, c, summary):
             except cudapool.CudapoolError as e:
                 print("  close: %s" % e)
     finally:
-        owner.terminate()
-        try:
-            owner.wait(15)
-        except subprocess.TimeoutExpired:
-            owner.kill()
-        log.close()
+        stop_owner(owner, log)
 
 
 def main():
@@ -378,6 +454,10 @@ def main():
     ap.add_argument("--lengths", default="8192,32768", help="prompt lengths checked against transformers")
     ap.add_argument("--ttft-lengths", default="1024,4096,16384", help="more lengths timed (TTFT only)")
     ap.add_argument("--new", type=int, default=64, help="tokens decoded per request")
+    ap.add_argument("--decisive-lengths", default="1024,2048,4096,8192,32768",
+                    help="prompt lengths of the decisive check (equal tokens required up to %d; empty: skip it)"
+                         % decisive.WINDOW)
+    ap.add_argument("--train-steps", type=int, default=decisive.STEPS, help="the decisive model's training steps")
     ap.add_argument("--pages", type=int, default=6144)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--compile", nargs="?", const="llama,qwen3", default="",
@@ -387,6 +467,7 @@ def main():
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.ttft_lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
+    args.decisive_lengths = [int(x) for x in args.decisive_lengths.split(",") if x]
     args.compile = [x for x in args.compile.split(",") if x]
     try:
         import torch
@@ -407,6 +488,12 @@ def main():
             traceback.print_exc()
     c, summary = Checks(), {}
     work = tempfile.mkdtemp(prefix="cudapool-hf-")
+    if args.decisive_lengths:
+        try:
+            run_decisive(args, work, c, summary)
+        except Exception as e:
+            traceback.print_exc()
+            c.check(False, "decisive stopped: %s: %s" % (type(e).__name__, e))
     for arch in args.archs.split(","):
         try:
             run_arch(args, arch, work, c, summary)
