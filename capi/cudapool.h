@@ -82,10 +82,10 @@ enum cudapool_status {
 	CUDAPOOL_EPOINTER = 3,   /* a device pointer no cudapool pool gave (or freed) */
 	CUDAPOOL_ECLOSED = 4,    /* the object is closed or closing */
 	CUDAPOOL_ENOMEM = 5,     /* the pool or device is out of memory */
-	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name (or no such peer) */
+	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name (its buffer freed, or never published), or no such peer */
 	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
-	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
+	CUDAPOOL_EGONE = 9,      /* the exporter (or the KV owner) is gone */
 	CUDAPOOL_EREFUSED = 10,  /* the exporter (or KV owner) refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
 	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */

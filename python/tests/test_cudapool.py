@@ -523,6 +523,14 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(self.pool.stats().active_leases, 0, "the consumer released")
         cudapool.free(ptr)
 
+    def test_a_freed_buffers_name_is_unknown(self):
+        """Opening a buffer its producer freed raised Gone though the exporter lived
+        (issue 31): the free unpublished the name, and the open says so."""
+        ptr = self.publish("freed", MiB, 13)
+        cudapool.free(ptr)
+        p, q = spawn(open_error, self.ex.path, "freed")
+        self.assertEqual(result_of(self, p, q), "NotFound")
+
     def test_a_second_close_changes_nothing_a_second_release_raises(self):
         ptr = self.publish("twice", MiB, 12)
         p, q = spawn(release_twice, self.ex.path, "twice")
@@ -564,7 +572,7 @@ class SharingTest(unittest.TestCase):
             cudapool.free(ptr)  # deferred: the consumer still maps it
             self.assertEqual(self.pool.stats().deferred_frees, 1)
             o, oq = spawn(open_error, self.ex.path, "held")
-            self.assertEqual(result_of(self, o, oq), "Gone", "an open after the free")
+            self.assertEqual(result_of(self, o, oq), "NotFound", "an open after the free: the name is unpublished")
         finally:
             go.set()
         self.assertTrue(result_of(self, p, q)["ok"], "the mapping stayed readable")
