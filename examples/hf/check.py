@@ -443,7 +443,7 @@ def run_arch(args, arch, work, c, summary):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvpoold", default=os.environ.get("KVPOOLD", os.path.join(ROOT, "bin", "kvpoold")))
-    ap.add_argument("--archs", default="llama,qwen3")
+    ap.add_argument("--archs", default="llama,qwen3", help="the random-weight models (empty: the decisive check alone)")
     ap.add_argument("--lengths", default="8192,32768", help="prompt lengths checked against transformers")
     ap.add_argument("--ttft-lengths", default="1024,4096,16384", help="more lengths timed (TTFT only)")
     ap.add_argument("--new", type=int, default=64, help="tokens decoded per request")
@@ -487,7 +487,7 @@ def main():
         except Exception as e:
             traceback.print_exc()
             c.check(False, "decisive stopped: %s: %s" % (type(e).__name__, e))
-    for arch in args.archs.split(","):
+    for arch in [a for a in args.archs.split(",") if a]:
         try:
             run_arch(args, arch, work, c, summary)
         except Exception as e:
