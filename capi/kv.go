@@ -49,10 +49,11 @@ type kvReplica struct {
 	mu     sync.Mutex
 	leases map[uint64]*replica.Lease
 
-	doneOnce sync.Once
-	doneR    *os.File // readable (at EOF) once the owner is gone
-	doneErr  error
-	closed   chan struct{} // closed by close, the handle's last use
+	doneOnce  sync.Once
+	doneR     *os.File // readable (at EOF) once the owner is gone
+	doneErr   error
+	closed    chan struct{} // closed by close, the handle's last use
+	closeOnce sync.Once
 }
 
 func newKVReplica(r *replica.Replica, ns string, device int) *kvReplica {
@@ -153,14 +154,31 @@ func (k *kvReplica) doneFd() (int, error) {
 	return int(k.doneR.Fd()), nil
 }
 
+// close closes the replica (cudapool_kv_close); a second close returns the
+// replica's kv.ErrClosed and changes nothing.
 func (k *kvReplica) close(ctx context.Context) error {
 	err := k.r.Close(ctx)
-	close(k.closed)
-	k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
-	if k.doneR != nil {
-		_ = k.doneR.Close() // cleanup: nothing is left to do if closing fails
-	}
+	k.closeOnce.Do(func() {
+		close(k.closed)
+		k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
+		if k.doneR != nil {
+			_ = k.doneR.Close() // cleanup: nothing is left to do if closing fails
+		}
+	})
 	return err
+}
+
+// forgetStream tells every replica C holds that stream s is about to be destroyed
+// (cudapool_stream_destroy), so that none names it to the runtime again: their Close
+// would record an event on it, which the driver does not survive on a destroyed
+// stream ([replica.Replica.Forget]). A record that fails is logged: the stream goes
+// all the same, and that replica's close no longer covers its work.
+func forgetStream(s cudart.Stream) {
+	for _, k := range kvReplicas.all() {
+		if err := k.r.Forget(s); err != nil {
+			logger.Warn("cudapool: a kv replica's last record on a stream being destroyed failed; its close does not cover that stream's work", "stream", uintptr(s), "err", err)
+		}
+	}
 }
 
 func kvGet(h C.uint64_t) (*kvReplica, error) { return kvReplicas.get(uint64(h)) }

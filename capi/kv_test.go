@@ -231,3 +231,39 @@ func TestOwnerRepliesBeyondTheRequestAreRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestCloseNamesNoDestroyedStream: a replica's close recorded its final event on every
+// stream it had sealed or released on, also on one the caller had destroyed since
+// (cudapool.Stream closed at the end of its with block): on the GPU the driver died of
+// SIGSEGV inside cudapool_kv_close (issue 31). cudapool_stream_destroy makes every
+// replica take its last record of the stream first, and close names it no more, yet
+// still covers its work.
+func TestCloseNamesNoDestroyedStream(t *testing.T) {
+	dir, _ := kvOwner(t)
+	k, _ := kvDial(t, dir)
+	h := kvReplicas.add(k)
+	t.Cleanup(func() { _, _ = kvReplicas.remove(h) }) // the test's end: kvDial closes it
+	rt, err := runtimeNow()
+	require.NoError(t, err)
+	dev, ok := rt.(*cudarttest.Device)
+	if !ok {
+		t.Skip("the library's runtime is not the software device")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking) // as cudapool_stream_create does
+	require.NoError(t, err)
+	l, err := k.r.Alloc(ctx, 2)
+	require.NoError(t, err)
+	k.put(l)
+	require.NoError(t, k.release(ctx, []uint64{l.ID()}, s)) // s is a stream the replica used
+	held, err := k.r.Alloc(ctx, 1)                          // held at close
+	require.NoError(t, err)
+	k.put(held)
+	before := len(dev.Violations())
+	require.NoError(t, destroyStream(0, s)) // cudapool_stream_destroy
+	_, err = kvReplicas.remove(h)
+	require.NoError(t, err)
+	require.NoError(t, k.close(ctx))
+	assert.Empty(t, dev.Violations()[before:], "the replica named a stream that was destroyed")
+}

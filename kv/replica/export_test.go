@@ -15,7 +15,7 @@ func HangUp(r *Replica) {
 func OpenEvents(r *Replica) int {
 	r.evMu.Lock()
 	defer r.evMu.Unlock()
-	return len(r.events) + len(r.leftEvents)
+	return len(r.events) + len(r.retired) + len(r.leftEvents)
 }
 
 // TornDown is closed once r's Close has completed its teardown, in the background

@@ -170,10 +170,7 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 // completed: then no Seal's writes and no Release's reads are still running.
 func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
-	var evs []*streamEvent
-	for _, e := range r.events {
-		evs = append(evs, e)
-	}
+	evs := r.allEvents()
 	r.evMu.Unlock()
 	for _, e := range evs {
 		wait := 50 * time.Microsecond

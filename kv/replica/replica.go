@@ -167,6 +167,7 @@ type Replica struct {
 
 	evMu       sync.Mutex
 	events     map[cudart.Stream]*streamEvent
+	retired    []*streamEvent // of streams given to Forget: recorded no more, waited on by Close
 	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
 	evClosed   bool
 }
@@ -438,7 +439,9 @@ func (r *Replica) Err() error {
 // after the work queued so far on every stream the replica has sealed or released on
 // (Bye carries an event recorded after it), so that no page a kernel still writes goes
 // to another replica; work on a stream never given to Seal or Release is not covered:
-// release such leases first. It then waits, until ctx ends, for the owner to close
+// release such leases first. Such a stream must not be destroyed before Close (the
+// driver does not survive a record on a destroyed stream) unless given to
+// [Replica.Forget] first. It then waits, until ctx ends, for the owner to close
 // the connection, so that the owner is done with this
 // replica's events before they are destroyed. It then unmaps the slab after the last
 // records of those events and disconnects from the slab's exporter. If ctx ends before
@@ -537,12 +540,47 @@ func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
 			return [kvwire.EventLen]byte{}, err
 		}
 	}
+	for _, e := range r.retired { // their streams' last records, made by Forget
+		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+	}
 	r.evMu.Unlock()
 	e, err := r.record(r.stream)
 	if err != nil {
 		return [kvwire.EventLen]byte{}, err
 	}
 	return e.h, nil
+}
+
+// Forget ends the replica's use of stream s, to be called before s is destroyed:
+// the replica records s's event on s one last time and never names s to the runtime
+// again, so that [Replica.Close] still covers the work queued on s so far (through
+// that record) without touching a destroyed stream, which the driver does not survive.
+// A stream the replica never sealed or released on, or a closed replica, is left as it
+// is and Forget returns nil. On failure (the record failed) s is forgotten all the
+// same, and Close no longer covers its work: release the leases it writes first.
+func (r *Replica) Forget(s cudart.Stream) error {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	e, ok := r.events[s]
+	if !ok || r.evClosed || s == r.stream {
+		return nil
+	}
+	delete(r.events, s)
+	r.retired = append(r.retired, e)
+	return r.rt.EventRecord(r.dev, e.ev, s)
+}
+
+// allEvents is every event the replica holds: of its streams and of those it forgot.
+// r.evMu is held.
+func (r *Replica) allEvents() []*streamEvent {
+	evs := make([]*streamEvent, 0, len(r.events)+len(r.retired))
+	for _, e := range r.events {
+		evs = append(evs, e)
+	}
+	return append(evs, r.retired...)
 }
 
 // teardown undoes what Dial made, whatever it got to; it destroys the events only if
@@ -565,8 +603,8 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	r.evMu.Lock()
 	r.evClosed = true
-	events := r.events
-	r.events = map[cudart.Stream]*streamEvent{}
+	events := r.allEvents()
+	r.events, r.retired = map[cudart.Stream]*streamEvent{}, nil
 	if !destroyEvents {
 		for _, e := range events {
 			r.leftEvents = append(r.leftEvents, e.ev)

@@ -29,6 +29,13 @@ software device where no GPU is (and says so), init("test") always uses it, and 
 $CUDAPOOL_RUNTIME. The library logs nothing unless set_log_level asks it to, and then
 through the logging module's "cudapool" logger.
 
+Closing and releasing, the rule of every language: a second close changes nothing
+(Python returns None, as files and sockets do; Go's Close returns the package's
+ErrClosed and C's CUDAPOOL_EHANDLE, which a caller may ignore, as close(2)'s EBADF).
+A second release of what was leased (Mapping.release, a KV lease, Buffer.free) is a
+bug: it raises (InvalidHandle, StaleLease, ForeignPointer), as Go returns ErrReleased
+or kv.ErrStaleLease and C CUDAPOOL_EHANDLE or CUDAPOOL_ESTALE.
+
 The library runs a Go runtime, which does not survive fork(): a process forked after
 it was loaded gets ForkedProcess from every call. Use multiprocessing's "spawn" start
 method.
@@ -758,7 +765,8 @@ class Mapping(_Handle):
     (the bytes published with it) and the stream it was opened on. Through
     __cuda_array_interface__ it is a 1-D uint8 array whose data is valid on that stream;
     view() gives it another dtype and shape. Once released, or lost (its exporter died
-    and it lives on another GPU), every use raises: InvalidHandle or MappingLost."""
+    and it lives on another GPU), every use raises: InvalidHandle or MappingLost; a
+    second release too, and only close (the with block's end) does nothing then."""
 
     def __init__(self, handle: int, name: str, device: int, stream: int):
         self._h, self.name, self.device, self.stream = handle, name, device, stream
@@ -823,15 +831,22 @@ class Mapping(_Handle):
     def release(self, stream: StreamLike = None, timeout: Timeout_ = DEFAULT_TIMEOUT) -> None:
         """Gives the mapping back once the work queued on stream (default: the stream it
         was opened on) before the call is done. A lost mapping is released too: that
-        frees its import without touching the memory."""
-        if self._h:
-            h, self._h = self._h, 0
-            s = self.stream if stream is None else stream_handle(stream)
-            _lib.call("cudapool_mapping_release", _lib.MappingH(h), ctypes.c_void_p(s or None),
-                      _lib.timeout_ms(timeout))
+        frees its import without touching the memory. Releasing a released mapping is a
+        bug and raises InvalidHandle, as C's CUDAPOOL_EHANDLE and Go's ErrReleased say
+        (close, and the with block's end, are the calls that do nothing the second
+        time)."""
+        if not self._h:
+            raise InvalidHandle(2, "cudapool: mapping %r was released already" % self.name)
+        h, self._h = self._h, 0
+        s = self.stream if stream is None else stream_handle(stream)
+        _lib.call("cudapool_mapping_release", _lib.MappingH(h), ctypes.c_void_p(s or None),
+                  _lib.timeout_ms(timeout))
 
     def close(self) -> None:
-        self.release()
+        """release() on the stream the mapping was opened on; on a released mapping it
+        does nothing (as a file's close)."""
+        if self._h:
+            self.release()
 
     def __repr__(self) -> str:
         e = None if not self._h else self.error

@@ -780,6 +780,10 @@ class Replica:
         replica has sealed or released on, as a release on those streams would: pages
         a kernel still writes are not given to another replica. Work on a stream never
         passed to ``seal`` or ``release`` is not covered; release such leases first.
+        A stream passed to ``seal`` or ``release`` must not be destroyed before the
+        close (the driver does not survive a record on a destroyed stream): torch's
+        streams never are; a cudapool.Stream may be, as its close hands the replica
+        its last record first.
 
         Parameters
         ----------

@@ -43,6 +43,37 @@ def consume(q, path, name, n, seed, device):
         q.put(failure(e))
 
 
+def release_twice(q, path, name):
+    """A consumer process that tries the rule of every language (issue 31): a second
+    close changes nothing; a second release of a mapping is a bug, and raises."""
+    try:
+        got = {}
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        m.release()
+        for what, f in (("release twice", m.release), ("close after release", m.close)):
+            try:
+                f()
+                got[what] = None
+            except cudapool.CudapoolError as e:
+                got[what] = type(e).__name__
+        with imp.open(name) as m2:
+            pass
+        try:
+            m2.release()
+            got["release after the with block"] = None
+        except cudapool.CudapoolError as e:
+            got["release after the with block"] = type(e).__name__
+        with imp.open(name) as m3:
+            m3.release()  # the block's close then changes nothing
+        imp.close()
+        imp.close()
+        got["importer closed twice"] = imp.error is not None
+        q.put(got)
+    except Exception as e:
+        q.put(failure(e))
+
+
 class RuntimeTest(unittest.TestCase):
     def test_runtime_is_chosen_once(self):
         on_gpu, n, name = cudapool.runtime_info()
@@ -492,6 +523,26 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(self.pool.stats().active_leases, 0, "the consumer released")
         cudapool.free(ptr)
 
+    def test_a_freed_buffers_name_is_unknown(self):
+        """Opening a buffer its producer freed raised Gone though the exporter lived
+        (issue 31): the free unpublished the name, and the open says so."""
+        ptr = self.publish("freed", MiB, 13)
+        cudapool.free(ptr)
+        p, q = spawn(open_error, self.ex.path, "freed")
+        self.assertEqual(result_of(self, p, q), "NotFound")
+
+    def test_a_second_close_changes_nothing_a_second_release_raises(self):
+        ptr = self.publish("twice", MiB, 12)
+        p, q = spawn(release_twice, self.ex.path, "twice")
+        self.assertEqual(result_of(self, p, q), {
+            "release twice": "InvalidHandle", "close after release": None,
+            "release after the with block": "InvalidHandle", "importer closed twice": True})
+        self.assertEqual(self.pool.stats().active_leases, 0, "every open was released once")
+        cudapool.free(ptr)
+        with cudapool.Exporter(socket_path("twice"), announce=False) as ex:
+            ex.close()
+        ex.close()  # a third: still nothing
+
     def test_retained_imports_and_no_announcement(self):
         with cudapool.Pool(0, cache_bytes=8 * MiB) as pool, \
                 cudapool.Exporter(socket_path("retain"), retain_imports=True, announce=False) as ex:
@@ -521,7 +572,7 @@ class SharingTest(unittest.TestCase):
             cudapool.free(ptr)  # deferred: the consumer still maps it
             self.assertEqual(self.pool.stats().deferred_frees, 1)
             o, oq = spawn(open_error, self.ex.path, "held")
-            self.assertEqual(result_of(self, o, oq), "Gone", "an open after the free")
+            self.assertEqual(result_of(self, o, oq), "NotFound", "an open after the free: the name is unpublished")
         finally:
             go.set()
         self.assertTrue(result_of(self, p, q)["ok"], "the mapping stayed readable")

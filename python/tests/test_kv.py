@@ -735,6 +735,46 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(errors, [])
 
 
+class CloseTest(unittest.TestCase):
+    """A close never crashes (issue 31: SIGSEGV inside cudapool_kv_close on the GPU):
+    after the stream it released on was destroyed, after the owner and its keeper went
+    away, twice, and calls after it raise Closed."""
+
+    def test_close_after_its_stream_was_destroyed(self):
+        owner = Owner(pages=64)
+        self.addCleanup(owner.stop)
+        r = owner.replica()
+        with cudapool.Stream(0) as s:
+            l = r.alloc(2)
+            r.release(l, stream=s)
+            held = r.alloc(1)
+        self.assertEqual(len(held), 1)
+        r.close()  # records no event on s, which is destroyed: the driver died of that
+        r.close()
+
+    def test_close_after_the_owner_went_away(self):
+        owner = Owner(pages=64)
+        self.addCleanup(owner.stop)
+        owner.first_line()
+        r = owner.replica()
+        l = r.alloc(2)
+        s = cudapool.Stream(0)
+        self.addCleanup(s.close)
+        r.release(r.alloc(1), stream=s)
+        owner.kill()
+        for pid in owner.keepers:  # the slab's exporter too
+            os.kill(pid, signal.SIGKILL)
+        eventually(self, "alive to turn False", lambda: not r.alive)
+        with self.assertRaises(cudapool.Gone):
+            r.release(l)
+        r.close()
+        r.close()
+        with self.assertRaises(cudapool.Closed):
+            r.release(l)
+        with self.assertRaises(cudapool.Closed):
+            r.alloc(1)
+
+
 class RestartTest(unittest.TestCase):
     """kvpoold SIGKILLed and started again over its keeper's slab."""
 
