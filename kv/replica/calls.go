@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -36,12 +37,11 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 	if id == 0 {
 		id = r.nextID.Add(1)
 	}
-	c := calls.Get().(*call)
+	c := &call{id: id, done: make(chan struct{})}
 	r.mu.Lock()
-	if r.err != nil {
+	if err := r.err; err != nil {
 		r.mu.Unlock()
-		calls.Put(c)
-		return r.err
+		return err
 	}
 	r.calls[id] = c
 	w, nc := r.w, r.nc // the connection the call is made on
@@ -52,14 +52,16 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		r.failConn(nc, err) // a frame cut short: the owner cannot read on
 	}
 	if err != nil {
-		r.forget(id)
+		if !r.settle(c) {
+			return c.result(handle) // failConn completed it first
+		}
 		if gone := r.gone(); gone != nil {
 			return gone
 		}
 		return err
 	}
 
-	err = r.wait(ctx, id, c, handle)
+	err = r.wait(ctx, c, handle)
 	if errors.Is(err, errGaveUp) {
 		// Someone must still read the answer, which may grant a lease: a waiter of
 		// its own takes it and gives the lease back.
@@ -67,11 +69,8 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
 			releaseUnclaimed := func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
-			if errors.Is(r.wait(bg, id, c, releaseUnclaimed), errGaveUp) && !r.forget(id) {
-				<-c.ch // delivered as this wait gave up
-				if c.failed == nil {
-					r.releaseUnclaimed(c.h, c.buf)
-				}
+			if errors.Is(r.wait(bg, c, releaseUnclaimed), errGaveUp) && !r.settle(c) {
+				_ = c.result(releaseUnclaimed) // its error is the failure of the connection, which no one waits for
 			}
 		}()
 		return ctx.Err()
@@ -79,60 +78,79 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 	return err
 }
 
-// result hands the call's reply to handle, or returns why the connection it was made
-// on ended, and puts the call back.
-func (c *call) result(handle func(h kvwire.Header, p []byte) error) error {
-	err := c.failed
-	if err == nil {
-		err = handle(c.h, c.buf)
+// take removes call id from the calls waiting and returns it; nil if another took it
+// first. The one that takes a call decides how it ends (see call): it completes it,
+// or, if it is the call's own caller, ends its wait without a reply.
+func (r *Replica) take(id uint32) *call {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.calls[id]
+	delete(r.calls, id)
+	return c
+}
+
+// settle ends c's caller's wait for good: it takes c and says so (true: no reply or
+// failure will come to it), or else waits until the one that took c first has
+// completed it (false), which that one does without blocking.
+func (r *Replica) settle(c *call) (taken bool) {
+	if r.take(c.id) != nil {
+		return true
 	}
-	c.failed = nil
-	calls.Put(c)
-	return err
+	<-c.done
+	return false
+}
+
+// complete gives c, taken from the calls waiting, its reply (h and a copy of p) or
+// the failure of its connection, and wakes its caller.
+func (c *call) complete(h kvwire.Header, p []byte, failed error) {
+	c.h, c.buf, c.failed = h, bytes.Clone(p), failed
+	close(c.done)
+}
+
+// result hands the completed call's reply to handle, or returns why the connection
+// it was made on ended.
+func (c *call) result(handle func(h kvwire.Header, p []byte) error) error {
+	if c.failed != nil {
+		return c.failed
+	}
+	return handle(c.h, c.buf)
 }
 
 // errGaveUp says that wait's ctx ended before the answer came; the call is still
 // registered, for another wait to take over.
 var errGaveUp = errors.New("kv/replica: gave up waiting")
 
-// wait waits for call id's answer and hands it to handle: it reads answers itself
+// wait waits for call c's answer and hands it to handle: it reads answers itself
 // while no other caller does, delivering the others'. If ctx ends first it returns
 // errGaveUp, leaving the call registered; if the replica stops, its error.
-func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kvwire.Header, p []byte) error) error {
+func (r *Replica) wait(ctx context.Context, c *call, handle func(h kvwire.Header, p []byte) error) error {
 	done := r.Done()
 	for {
 		select {
-		case <-c.ch:
+		case <-c.done:
 			return c.result(handle)
 		case r.role <- struct{}{}:
-			select {
-			case <-c.ch: // delivered while this caller waited for the role
-				<-r.role
-				return c.result(handle)
-			default:
-			}
-			h, p, mine, err := r.readFor(ctx, id)
+			h, p, mine, err := r.readFor(ctx, c)
 			if mine {
-				err = handle(h, p)
+				err = handle(h, p) // with the role held: p is valid until the next read
 				<-r.role
-				r.forget(id)
-				calls.Put(c)
 				return err
 			}
 			<-r.role
 			if err != nil && ctx.Err() == nil {
-				r.forget(id)
-				return err
+				if r.settle(c) {
+					return err
+				}
+				return c.result(handle)
 			}
 		case <-ctx.Done():
 		case <-done:
 		}
 		if gone := r.gone(); gone != nil {
-			if r.forget(id) {
+			if r.settle(c) {
 				return gone
 			}
 			// The answer came meanwhile: take it, so that nothing it grants is lost.
-			<-c.ch
 			return c.result(handle)
 		}
 		if ctx.Err() != nil {
@@ -150,18 +168,16 @@ func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
 	}
 }
 
-// forget removes call id, and says whether it was still waiting (no reply delivered).
-func (r *Replica) forget(id uint32) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	_, ok := r.calls[id]
-	delete(r.calls, id)
-	return ok
-}
-
 // readFor reads frames, with the reading role held, delivering those for other calls,
-// until the reply to id (mine), ctx's end or the connection's failure.
-func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []byte, mine bool, err error) {
+// until the reply to c (mine: c is taken, the reply is the caller's to handle), c's
+// completion by another, ctx's end or the connection's failure.
+func (r *Replica) readFor(ctx context.Context, c *call) (h kvwire.Header, p []byte, mine bool, err error) {
+	select {
+	case <-c.done: // delivered while this caller waited for the role
+		return h, nil, false, nil
+	default:
+	}
+	id := c.id
 	nc := r.nc // the present connection: it changes only while no one holds the role
 	if ctx.Done() != nil {
 		r.dlMu.Lock()
@@ -201,23 +217,27 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 			}
 			return h, nil, false, fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
-		if h.ID == id {
-			return h, p, true, nil
+		if r.readHook != nil {
+			r.readHook(h)
 		}
-		r.deliver(h, p)
+		if h.ID != id {
+			r.deliver(h, p)
+			continue
+		}
+		if r.take(id) == nil {
+			// failConn completed c as its reply came: the failure stands, as for every
+			// call on the connection, and the lease a reply grants ends with it.
+			return h, nil, false, nil
+		}
+		return h, p, true, nil
 	}
 }
 
-// deliver hands a reply to its call; a reply nobody waits for any more releases the
-// lease it grants.
+// deliver completes the call a reply answers; a reply nobody waits for any more
+// releases the lease it grants.
 func (r *Replica) deliver(h kvwire.Header, p []byte) {
-	r.mu.Lock()
-	c, ok := r.calls[h.ID]
-	delete(r.calls, h.ID)
-	r.mu.Unlock()
-	if ok {
-		c.h, c.buf = h, append(c.buf[:0], p...)
-		c.ch <- struct{}{}
+	if c := r.take(h.ID); c != nil {
+		c.complete(h, p, nil)
 		return
 	}
 	r.releaseUnclaimed(h, p)

@@ -147,6 +147,10 @@ type Replica struct {
 	rd   *kvwire.Reader
 	dlMu sync.Mutex
 	dlBy uint32 // the request whose ctx may cut the current read short; 0 none
+	// readHook, where a test set it (export_test.go), runs as the reader has read a
+	// reply frame, before it hands the reply on: the seam where a test makes the
+	// connection fail at an exact point.
+	readHook func(h kvwire.Header)
 
 	mu    sync.Mutex
 	calls map[uint32]*call
@@ -177,15 +181,20 @@ type streamEvent struct {
 	h  [kvwire.EventLen]byte
 }
 
-// call is a request waiting for its reply.
+// call is one request's wait for its reply, made for that request alone and never
+// reused. Replica.calls holds it until one party takes it out (take): the reader
+// that reads its reply, failConn when the connection it was made on fails, or its
+// own caller ending its wait. Only the party that took it completes it (sets its
+// reply or failure, then closes done), and does so without blocking; the caller reads
+// those fields only after done is closed, or after taking it itself (then no one
+// completes it).
 type call struct {
-	ch     chan struct{}
+	id     uint32
+	done   chan struct{}
 	h      kvwire.Header
 	buf    []byte
 	failed error // set, instead of a reply, when the connection it was sent on ended
 }
-
-var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
 
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
@@ -370,20 +379,21 @@ func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan str
 // starts (reconnect.go).
 func (r *Replica) failConn(nc *net.UnixConn, why error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	if r.err != nil || nc != r.nc {
+		r.mu.Unlock()
 		return
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
+	failed, err := r.calls, r.err
+	r.calls = map[uint32]*call{}
 	close(r.done)
-	for id, c := range r.calls {
-		delete(r.calls, id)
-		c.failed = r.err
-		c.ch <- struct{}{}
-	}
-	_ = r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
-	_ = r.nc.Close()      // cleanup: the owner is gone already
 	r.reconnectLocked()
+	r.mu.Unlock()
+	for _, c := range failed {
+		c.complete(kvwire.Header{}, nil, err)
+	}
+	_ = nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
+	_ = nc.Close()      // cleanup: the owner is gone already
 }
 
 // Geometry is the slab's geometry.

@@ -153,18 +153,15 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 }
 
 // fakeOwner serves a directory whose slab socket is o's and whose page socket answers
-// Hello, then each request with answer(request's header).
-func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header) []byte) string {
+// Hello, then each request with answer(request's header, payload); it serves every
+// connection made to it (a replica that reconnects makes another), each until Bye.
+func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header, p []byte) []byte) string {
 	dir := shortDir(t)
 	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
 	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
 	require.NoError(t, err)
 	t.Cleanup(func() { ln.Close() })
-	go func() {
-		nc, err := ln.Accept()
-		if err != nil {
-			return
-		}
+	serve := func(nc net.Conn) {
 		defer nc.Close()
 		rd := kvwire.NewReader()
 		if _, _, err := rd.Next(nc); err != nil {
@@ -175,13 +172,22 @@ func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwir
 			return
 		}
 		for {
-			h, _, err := rd.Next(nc)
+			h, p, err := rd.Next(nc)
 			if err != nil || h.Type == kvwire.TypeBye {
 				return
 			}
-			if _, err := nc.Write(answer(h)); err != nil {
+			if _, err := nc.Write(answer(h, p)); err != nil {
 				return
 			}
+		}
+	}
+	go func() {
+		for {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go serve(nc)
 		}
 	}()
 	return dir
@@ -202,7 +208,7 @@ func TestLeaseRepliesAreRangeChecked(t *testing.T) {
 		{"an alloc of fewer pages than asked", []uint32{1}, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dir := fakeOwner(t, o, realDir, func(h kvwire.Header) []byte {
+			dir := fakeOwner(t, o, realDir, func(h kvwire.Header, _ []byte) []byte {
 				typ := kvwire.TypeMatched
 				if h.Type == kvwire.TypeAlloc {
 					typ = kvwire.TypeLeased

@@ -1,0 +1,175 @@
+package replica_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/replica"
+)
+
+// echoAnswer answers as an owner under which every page is visible: a Match leases,
+// under a fresh lease id, page h[0] for each hash h asked, so that a reply names the
+// request it answers; a Release is Released, a Reattach kept, anything else refused.
+func echoAnswer() func(h kvwire.Header, p []byte) []byte {
+	var lease atomic.Uint64
+	return func(h kvwire.Header, p []byte) []byte {
+		var b []byte
+		switch h.Type {
+		case kvwire.TypeMatch:
+			m, _ := kvwire.DecodeMatch(p)
+			b, _ = kvwire.AppendLease(nil, kvwire.TypeMatched, h.ID, lease.Add(1), echoPages(m.Hashes))
+		case kvwire.TypeRelease:
+			m, _ := kvwire.DecodeRelease(p, nil)
+			b, _ = kvwire.AppendU32(nil, kvwire.TypeReleased, h.ID, uint32(len(m.Leases)))
+		case kvwire.TypeReattach:
+			b, _ = kvwire.AppendReattached(nil, h.ID, kvwire.ReattachKept, "")
+		default:
+			b, _ = kvwire.AppendError(nil, kvwire.TypeError, h.ID, kvwire.Code(kv.ErrRefused), "not served: "+h.Type.String())
+		}
+		return b
+	}
+}
+
+// echoPages are the pages echoAnswer leases for hashes.
+func echoPages(hashes []kv.Hash) []uint32 {
+	pages := make([]uint32, len(hashes))
+	for i, h := range hashes {
+		pages[i] = uint32(h[0])
+	}
+	return pages
+}
+
+// Issue 29: a reply reaches the call that made its request, and only it, across
+// reconnections. The connection fails at the worst point, as the reader has read its
+// own call's reply and not handed it on yet; the replica reconnects (to an owner that
+// keeps every lease), and each Match after it gets its own pages. It failed before
+// the fix: the call whose reply was read went back to a pool still signalled by the
+// failure, so the next Match, on a live connection, failed at once with
+// kv.ErrOwnerGone and left its request's id to the recycled object, through which a
+// later Match took another's reply.
+func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
+	// One P: an object recycled through a pool goes to the very next call, so that a
+	// leftover signal is met at once rather than by chance.
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	o, _, realDir := startOwner(t, small)
+	r, _, s := dial(t, fakeOwner(t, o, realDir, echoAnswer()), 0, replica.WithReconnect())
+	var armed atomic.Bool
+	injected := errors.New("failed by the test as the reply was read")
+	replica.OnReply(r, func(uint32) {
+		if armed.CompareAndSwap(true, false) {
+			replica.FailConn(r, injected)
+		}
+	})
+	next := 0
+	match := func() (*replica.Lease, []kv.Hash, error) {
+		hashes := []kv.Hash{{byte(next % small.Pages), byte(next)}}
+		next++
+		l, err := r.Match(bound(t), hashes)
+		return l, hashes, err
+	}
+	const rounds, after = 16, 4
+	for round := range rounds {
+		armed.Store(true)
+		l, hashes, err := match()
+		if err != nil {
+			require.ErrorIs(t, err, kv.ErrOwnerGone, "round %d: the Match the connection failed under", round)
+		} else {
+			require.Equal(t, echoPages(hashes), l.Pages(), "round %d: the Match the connection failed under got another's pages", round)
+		}
+		require.NoError(t, r.WaitAttached(bound(t)), "round %d", round)
+		require.Equal(t, uint64(round+1), r.Reattaches())
+		if err == nil {
+			require.NoError(t, l.Lost(), "round %d: the owner kept every lease", round)
+			require.NoError(t, r.Release(bound(t), s, l), "round %d: the lease re-declared", round)
+		}
+		for i := range after {
+			l, hashes, err := match()
+			require.NoError(t, err, "round %d, Match %d after the reconnection", round, i)
+			require.Equal(t, echoPages(hashes), l.Pages(), "round %d, Match %d after the reconnection got another's pages", round, i)
+			require.NoError(t, r.Release(bound(t), s, l), "round %d, Release %d after the reconnection", round, i)
+		}
+	}
+}
+
+// TestRepliesReachTheirCallsAcrossReconnects with four goroutines, as issue 29 saw it:
+// each Matches and Releases in turn while the connection fails after a seeded number
+// of replies read (1 to 6), the replica reconnecting each time; every Match gets its
+// own pages or kv.ErrOwnerGone, and every lease is released in the end (a Release
+// that failed with kv.ErrOwnerGone is made again once attached). Which reply the
+// failure meets depends on how the goroutines interleave; the seed fixes how often.
+func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
+	const goroutines, matches, seed = 4, 40, 29
+	o, _, realDir := startOwner(t, small)
+	r, _, s := dial(t, fakeOwner(t, o, realDir, echoAnswer()), 0, replica.WithReconnect())
+	rng := rand.New(rand.NewPCG(seed, 0))
+	var mu sync.Mutex
+	left, fails := 1+rng.IntN(6), 0
+	replica.OnReply(r, func(uint32) {
+		mu.Lock()
+		left--
+		fail := left == 0
+		if fail {
+			left, fails = 1+rng.IntN(6), fails+1
+		}
+		mu.Unlock()
+		if fail {
+			replica.FailConn(r, errors.New("failed by the test"))
+		}
+	})
+	errs := make(chan error, goroutines)
+	for g := range goroutines {
+		go func() { errs <- matchAndRelease(bound(t), r, s, g, matches) }()
+	}
+	for range goroutines {
+		require.NoError(t, testwait.Recv(t, errs, "a goroutine's Matches and Releases"))
+	}
+	t.Logf("%d failures injected, %d reattaches", fails, r.Reattaches())
+}
+
+// matchAndRelease Matches n chains of goroutine g's through r from an echoAnswer owner,
+// each of its own pages, and releases each lease on s, waiting for the reconnection
+// where the owner is gone.
+func matchAndRelease(ctx context.Context, r *replica.Replica, s cudart.Stream, g, n int) error {
+	for i := range n {
+		hashes := []kv.Hash{{byte((g*n + i) % small.Pages), byte(g), byte(i)}, {byte(i % small.Pages), byte(g), byte(i), 1}}
+		l, err := r.Match(ctx, hashes)
+		if errors.Is(err, kv.ErrOwnerGone) {
+			if err := r.WaitAttached(ctx); err != nil {
+				return err
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("goroutine %d, Match %d: %w", g, i, err)
+		}
+		if !slices.Equal(echoPages(hashes), l.Pages()) {
+			return fmt.Errorf("goroutine %d, Match %d got pages %v, another's: want %v", g, i, l.Pages(), echoPages(hashes))
+		}
+		for {
+			err := r.Release(ctx, s, l)
+			if !errors.Is(err, kv.ErrOwnerGone) {
+				if err != nil {
+					return fmt.Errorf("goroutine %d, Release %d: %w", g, i, err)
+				}
+				break
+			}
+			if err := r.WaitAttached(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
