@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -20,27 +21,63 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// echoAnswer answers as an owner under which every page is visible: a Match leases,
+// echoOwner answers as an owner under which every page is visible: a Match leases,
 // under a fresh lease id, page h[0] for each hash h asked, so that a reply names the
-// request it answers; a Release is Released, a Reattach kept, anything else refused.
-func echoAnswer() func(h kvwire.Header, p []byte) []byte {
-	var lease atomic.Uint64
+// request it answers. Each connection stands for an owner of its own, restarted: it
+// holds the leases it granted and those re-declared to it (a Reattach is kept), and
+// refuses to release another (kv.ErrStaleLease). Anything else is refused.
+type echoOwner struct {
+	mu    sync.Mutex
+	lease uint64          // the last lease id granted
+	held  map[uint64]bool // the leases the latest connection's owner holds
+}
+
+// conn is the answer of a new connection's owner (fakeOwner).
+func (e *echoOwner) conn() func(h kvwire.Header, p []byte) []byte {
+	held := map[uint64]bool{}
+	e.mu.Lock()
+	e.held = held
+	e.mu.Unlock()
 	return func(h kvwire.Header, p []byte) []byte {
+		e.mu.Lock()
+		defer e.mu.Unlock()
 		var b []byte
 		switch h.Type {
 		case kvwire.TypeMatch:
 			m, _ := kvwire.DecodeMatch(p)
-			b, _ = kvwire.AppendLease(nil, kvwire.TypeMatched, h.ID, lease.Add(1), echoPages(m.Hashes))
+			e.lease++
+			held[e.lease] = true
+			b, _ = kvwire.AppendLease(nil, kvwire.TypeMatched, h.ID, e.lease, echoPages(m.Hashes))
 		case kvwire.TypeRelease:
 			m, _ := kvwire.DecodeRelease(p, nil)
+			for _, id := range m.Leases {
+				if !held[id] {
+					b, _ = kvwire.AppendError(nil, kvwire.TypeError, h.ID, kvwire.Code(kv.ErrStaleLease), fmt.Sprintf("lease %d is not held", id))
+					return b
+				}
+			}
+			for _, id := range m.Leases {
+				delete(held, id)
+			}
 			b, _ = kvwire.AppendU32(nil, kvwire.TypeReleased, h.ID, uint32(len(m.Leases)))
 		case kvwire.TypeReattach:
+			m, _ := kvwire.ParseReattach(p, nil)
+			if m.Lease != 0 {
+				held[m.Lease] = true
+			}
 			b, _ = kvwire.AppendReattached(nil, h.ID, kvwire.ReattachKept, "")
 		default:
 			b, _ = kvwire.AppendError(nil, kvwire.TypeError, h.ID, kvwire.Code(kv.ErrRefused), "not served: "+h.Type.String())
 		}
 		return b
 	}
+}
+
+// leases are the lease ids the latest connection's owner holds.
+func (e *echoOwner) leases() []uint64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Sorted(maps.Keys(e.held))
 }
 
 // echoPages are the pages echoAnswer leases for hashes.
@@ -65,7 +102,8 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 	// leftover signal is met at once rather than by chance.
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
 	o, _, realDir := startOwner(t, small)
-	r, _, s := dial(t, fakeOwner(t, o, realDir, echoAnswer()), 0, replica.WithReconnect())
+	echo := &echoOwner{}
+	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
 	var armed atomic.Bool
 	injected := errors.New("failed by the test as the reply was read")
 	replica.OnReply(r, func(uint32) {
@@ -113,7 +151,8 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
 	const goroutines, matches, seed = 4, 40, 29
 	o, _, realDir := startOwner(t, small)
-	r, _, s := dial(t, fakeOwner(t, o, realDir, echoAnswer()), 0, replica.WithReconnect())
+	echo := &echoOwner{}
+	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
 	rng := rand.New(rand.NewPCG(seed, 0))
 	var mu sync.Mutex
 	left, fails := 1+rng.IntN(6), 0
@@ -137,6 +176,7 @@ func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
 		require.NoError(t, testwait.Recv(t, errs, "a goroutine's Matches and Releases"))
 	}
 	t.Logf("%d failures injected, %d reattaches", fails, r.Reattaches())
+	require.Empty(t, echo.leases(), "leases the owner holds after every one was released")
 }
 
 // matchAndRelease Matches n chains of goroutine g's through r from an echoAnswer owner,

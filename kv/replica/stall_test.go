@@ -153,15 +153,16 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 }
 
 // fakeOwner serves a directory whose slab socket is o's and whose page socket answers
-// Hello, then each request with answer(request's header, payload); it serves every
-// connection made to it (a replica that reconnects makes another), each until Bye.
-func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header, p []byte) []byte) string {
+// Hello, then each request with answer(request's header, payload), where conn made
+// answer for the connection; it serves every connection made to it (a replica that
+// reconnects makes another), each until Bye.
+func fakeOwner(t *testing.T, o *owner.Owner, realDir string, conn func() func(h kvwire.Header, p []byte) []byte) string {
 	dir := shortDir(t)
 	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
 	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
 	require.NoError(t, err)
 	t.Cleanup(func() { ln.Close() })
-	serve := func(nc net.Conn) {
+	serve := func(nc net.Conn, answer func(h kvwire.Header, p []byte) []byte) {
 		defer nc.Close()
 		rd := kvwire.NewReader()
 		if _, _, err := rd.Next(nc); err != nil {
@@ -187,7 +188,7 @@ func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwir
 			if err != nil {
 				return
 			}
-			go serve(nc)
+			go serve(nc, conn())
 		}
 	}()
 	return dir
@@ -208,13 +209,15 @@ func TestLeaseRepliesAreRangeChecked(t *testing.T) {
 		{"an alloc of fewer pages than asked", []uint32{1}, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dir := fakeOwner(t, o, realDir, func(h kvwire.Header, _ []byte) []byte {
-				typ := kvwire.TypeMatched
-				if h.Type == kvwire.TypeAlloc {
-					typ = kvwire.TypeLeased
+			dir := fakeOwner(t, o, realDir, func() func(kvwire.Header, []byte) []byte {
+				return func(h kvwire.Header, _ []byte) []byte {
+					typ := kvwire.TypeMatched
+					if h.Type == kvwire.TypeAlloc {
+						typ = kvwire.TypeLeased
+					}
+					b, _ := kvwire.AppendLease(nil, typ, h.ID, 7, c.pages)
+					return b
 				}
-				b, _ := kvwire.AppendLease(nil, typ, h.ID, 7, c.pages)
-				return b
 			})
 			dev := cudarttest.ForTest(t)
 			r, err := replica.Dial(bound(t), dir, dev, 0)
