@@ -1,7 +1,6 @@
 package replica
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -27,17 +26,19 @@ func (r *Replica) gone() error {
 	return r.err
 }
 
-// roundTrip sends the request build makes under a fresh id and hands its reply to
-// handle. The caller that sent a request reads replies itself while no other caller
-// does (one reading role), delivering the others' replies to them, so that a reply
-// usually wakes the goroutine that waits for it directly. handle runs while the
-// payload is valid and must not block.
+// roundTrip sends the request build makes under a fresh id and has its reply handled
+// by handle. The caller that sent a request reads replies itself while no other
+// caller does (one reading role), handling the others' replies for them, so that a
+// reply usually wakes the goroutine that waits for it directly. handle runs on the
+// reading goroutine, with the role held, while the payload is valid; it must not
+// block. What it records (a lease held, or ended) is so recorded before the role is
+// free again, which a reconnection takes before it lists the leases held.
 func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle func(h kvwire.Header, p []byte) error) error {
 	id := r.nextID.Add(1)
 	if id == 0 {
 		id = r.nextID.Add(1)
 	}
-	c := &call{id: id, done: make(chan struct{})}
+	c := &call{id: id, handle: handle, done: make(chan struct{})}
 	r.mu.Lock()
 	if err := r.err; err != nil {
 		r.mu.Unlock()
@@ -53,7 +54,7 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 	}
 	if err != nil {
 		if !r.settle(c) {
-			return c.result(handle) // failConn completed it first
+			return c.err // failConn completed it first
 		}
 		if gone := r.gone(); gone != nil {
 			return gone
@@ -61,16 +62,19 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		return err
 	}
 
-	err = r.wait(ctx, c, handle)
+	err = r.wait(ctx, c)
 	if errors.Is(err, errGaveUp) {
+		if !r.abandon(c) {
+			<-c.done // its reply came as ctx ended, and was handled: what it grants is the caller's
+			return c.err
+		}
 		// Someone must still read the answer, which may grant a lease: a waiter of
-		// its own takes it and gives the lease back.
+		// its own does, and the lease is given back.
 		go func() {
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
-			releaseUnclaimed := func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
-			if errors.Is(r.wait(bg, c, releaseUnclaimed), errGaveUp) && !r.settle(c) {
-				_ = c.result(releaseUnclaimed) // its error is the failure of the connection, which no one waits for
+			if errors.Is(r.wait(bg, c), errGaveUp) {
+				r.settle(c) // a reply that comes later is given back as unclaimed
 			}
 		}()
 		return ctx.Err()
@@ -100,48 +104,46 @@ func (r *Replica) settle(c *call) (taken bool) {
 	return false
 }
 
-// complete gives c, taken from the calls waiting, its reply (h and a copy of p) or
-// the failure of its connection, and wakes its caller.
-func (c *call) complete(h kvwire.Header, p []byte, failed error) {
-	c.h, c.buf, c.failed = h, bytes.Clone(p), failed
-	close(c.done)
+// abandon makes c's reply, if it is still to come, give back the lease it grants
+// instead of handing it to c's caller, who gave up; false if c was taken already.
+func (r *Replica) abandon(c *call) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.calls[c.id] != c {
+		return false
+	}
+	c.handle = func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
+	return true
 }
 
-// result hands the completed call's reply to handle, or returns why the connection
-// it was made on ended.
-func (c *call) result(handle func(h kvwire.Header, p []byte) error) error {
-	if c.failed != nil {
-		return c.failed
-	}
-	return handle(c.h, c.buf)
+// complete ends c, taken from the calls waiting, with err (its reply's handling, or
+// the failure of its connection), and wakes its caller.
+func (c *call) complete(err error) {
+	c.err = err
+	close(c.done)
 }
 
 // errGaveUp says that wait's ctx ended before the answer came; the call is still
 // registered, for another wait to take over.
 var errGaveUp = errors.New("kv/replica: gave up waiting")
 
-// wait waits for call c's answer and hands it to handle: it reads answers itself
-// while no other caller does, delivering the others'. If ctx ends first it returns
-// errGaveUp, leaving the call registered; if the replica stops, its error.
-func (r *Replica) wait(ctx context.Context, c *call, handle func(h kvwire.Header, p []byte) error) error {
+// wait waits until call c is completed and returns how: it reads replies itself while
+// no other caller does, handling the others'. If ctx ends first it returns errGaveUp,
+// leaving the call registered; if the replica stops, its error.
+func (r *Replica) wait(ctx context.Context, c *call) error {
 	done := r.Done()
 	for {
 		select {
 		case <-c.done:
-			return c.result(handle)
+			return c.err
 		case r.role <- struct{}{}:
-			h, p, mine, err := r.readFor(ctx, c)
-			if mine {
-				err = handle(h, p) // with the role held: p is valid until the next read
-				<-r.role
-				return err
-			}
+			err := r.readFor(ctx, c)
 			<-r.role
 			if err != nil && ctx.Err() == nil {
 				if r.settle(c) {
 					return err
 				}
-				return c.result(handle)
+				return c.err
 			}
 		case <-ctx.Done():
 		case <-done:
@@ -150,8 +152,8 @@ func (r *Replica) wait(ctx context.Context, c *call, handle func(h kvwire.Header
 			if r.settle(c) {
 				return gone
 			}
-			// The answer came meanwhile: take it, so that nothing it grants is lost.
-			return c.result(handle)
+			// The answer came meanwhile: it was handled, so nothing it grants is lost.
+			return c.err
 		}
 		if ctx.Err() != nil {
 			return errGaveUp
@@ -159,22 +161,12 @@ func (r *Replica) wait(ctx context.Context, c *call, handle func(h kvwire.Header
 	}
 }
 
-// releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
-func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
-	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
-			go r.releaseAbandoned(m.ID)
-		}
-	}
-}
-
-// readFor reads frames, with the reading role held, delivering those for other calls,
-// until the reply to c (mine: c is taken, the reply is the caller's to handle), c's
-// completion by another, ctx's end or the connection's failure.
-func (r *Replica) readFor(ctx context.Context, c *call) (h kvwire.Header, p []byte, mine bool, err error) {
+// readFor reads replies, with the reading role held, handling each for its call,
+// until c is completed, ctx ends or the connection fails.
+func (r *Replica) readFor(ctx context.Context, c *call) error {
 	select {
-	case <-c.done: // delivered while this caller waited for the role
-		return h, nil, false, nil
+	case <-c.done: // completed while this caller waited for the role
+		return nil
 	default:
 	}
 	id := c.id
@@ -204,7 +196,7 @@ func (r *Replica) readFor(ctx context.Context, c *call) (h kvwire.Header, p []by
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
 				if ctx.Err() != nil {
-					return h, nil, false, ctx.Err()
+					return ctx.Err()
 				}
 				// A stale cut meant for an earlier reader. Clearing it fails only on a
 				// closed connection, which the next read reports.
@@ -213,34 +205,47 @@ func (r *Replica) readFor(ctx context.Context, c *call) (h kvwire.Header, p []by
 			}
 			r.failConn(nc, err)
 			if gone := r.gone(); gone != nil {
-				return h, nil, false, gone
+				return gone
 			}
-			return h, nil, false, fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+			return fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
 		if r.readHook != nil {
 			r.readHook(h)
 		}
-		if h.ID != id {
-			r.deliver(h, p)
-			continue
+		r.deliver(h, p)
+		select {
+		case <-c.done:
+			return nil
+		default:
 		}
-		if r.take(id) == nil {
-			// failConn completed c as its reply came: the failure stands, as for every
-			// call on the connection, and the lease a reply grants ends with it.
-			return h, nil, false, nil
-		}
-		return h, p, true, nil
 	}
 }
 
-// deliver completes the call a reply answers; a reply nobody waits for any more
+// deliver hands a reply to its call's handle and completes the call; a reply nobody
+// waits for any more (its call failed with its connection, or its caller gave up)
 // releases the lease it grants.
 func (r *Replica) deliver(h kvwire.Header, p []byte) {
 	if c := r.take(h.ID); c != nil {
-		c.complete(h, p, nil)
+		c.complete(c.handle(h, p))
 		return
 	}
 	r.releaseUnclaimed(h, p)
+}
+
+// replied runs the test's hook (export_test.go) as a method has its reply.
+func (r *Replica) replied() {
+	if r.replyHook != nil {
+		r.replyHook()
+	}
+}
+
+// releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
+func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
+	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
+		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
+			go r.releaseAbandoned(m.ID)
+		}
+	}
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was
@@ -249,7 +254,7 @@ func (r *Replica) releaseAbandoned(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 	defer cancel()
 	var none [kvwire.EventLen]byte
-	if err := r.releaseIDs(ctx, &none, []uint64{id}); err != nil && r.gone() == nil {
+	if err := r.releaseIDs(ctx, &none, []uint64{id}, nil); err != nil && r.gone() == nil {
 		r.log.Warn("kv: releasing a lease whose caller gave up", "lease", id, "err", err)
 	}
 }
@@ -263,7 +268,7 @@ func (r *Replica) giveBackBreach(ctx context.Context, l *Lease, err error) error
 		return err
 	}
 	var none [kvwire.EventLen]byte
-	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}))
+	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}, nil))
 }
 
 // replyErr is the error of a reply that is not of type want.
@@ -290,14 +295,16 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
 		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages)
+			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
+				return err
+			}
+			r.track(l)
+			return nil
 		})
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
-	if r.opts.reconnect {
-		r.track(l)
-	}
+	r.replied()
 	return l, nil
 }
 
@@ -363,15 +370,21 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 		},
 		func(h kvwire.Header, p []byte) error {
 			if h.Type != kvwire.TypeSealed {
-				return replyErr(h, p, kvwire.TypeSealed)
+				err := replyErr(h, p, kvwire.TypeSealed)
+				if errors.Is(err, kv.ErrStaleLease) {
+					r.untrack(l) // the owner holds it no more
+				}
+				return err
 			}
 			m, err := kvwire.DecodeSealed(p)
+			if err != nil {
+				return err
+			}
+			r.untrack(l)
 			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
-			return err
+			return nil
 		})
-	if r.opts.reconnect && (err == nil || errors.Is(err, kv.ErrStaleLease)) {
-		r.untrack(l)
-	}
+	r.replied()
 	return res, err
 }
 
@@ -392,15 +405,19 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
 		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages)
+			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
+				return err
+			}
+			if r.opts.reconnect && l.id != 0 {
+				l.hashes = slices.Clone(hashes[:len(l.pages)])
+			}
+			r.track(l)
+			return nil
 		})
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
-	if r.opts.reconnect && l.id != 0 {
-		l.hashes = slices.Clone(hashes[:len(l.pages)])
-		r.track(l)
-	}
+	r.replied()
 	return l, nil
 }
 
@@ -435,24 +452,27 @@ func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) er
 	if err != nil {
 		return err
 	}
-	if err := r.releaseIDs(ctx, &ev.h, ids); err != nil {
+	if err := r.releaseIDs(ctx, &ev.h, ids, ls); err != nil {
 		return err
 	}
-	if r.opts.reconnect {
-		r.untrack(ls...)
-	}
+	r.replied()
 	return errors.Join(lost...)
 }
 
-func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64) error {
+// releaseIDs releases the leases ids after ev; once the owner has, the replica holds
+// ended no more.
+func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64, ended []*Lease) error {
 	return r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
 		func(h kvwire.Header, p []byte) error {
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
 			}
-			_, err := kvwire.DecodeReleased(p)
-			return err
+			if _, err := kvwire.DecodeReleased(p); err != nil {
+				return err
+			}
+			r.untrack(ended...)
+			return nil
 		})
 }
 

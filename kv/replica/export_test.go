@@ -38,3 +38,7 @@ func FailConn(r *Replica, why error) {
 	r.mu.Unlock()
 	r.failConn(nc, why)
 }
+
+// OnReplied makes f run as Alloc, Seal, Match or Release has its reply and has acted
+// on it, before it returns.
+func OnReplied(r *Replica, f func()) { r.replyHook = f }

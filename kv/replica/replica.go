@@ -151,6 +151,9 @@ type Replica struct {
 	// reply frame, before it hands the reply on: the seam where a test makes the
 	// connection fail at an exact point.
 	readHook func(h kvwire.Header)
+	// replyHook, where a test set it, runs as Alloc, Seal, Match or Release has its
+	// reply and has acted on it.
+	replyHook func()
 
 	mu    sync.Mutex
 	calls map[uint32]*call
@@ -184,16 +187,15 @@ type streamEvent struct {
 // call is one request's wait for its reply, made for that request alone and never
 // reused. Replica.calls holds it until one party takes it out (take): the reader
 // that reads its reply, failConn when the connection it was made on fails, or its
-// own caller ending its wait. Only the party that took it completes it (sets its
-// reply or failure, then closes done), and does so without blocking; the caller reads
-// those fields only after done is closed, or after taking it itself (then no one
-// completes it).
+// own caller ending its wait. Only the party that took it completes it (runs handle
+// on the reply, or sets the failure, then closes done), and does so without
+// blocking; its caller reads err only after done is closed. handle is changed only
+// while the call is registered, under Replica.mu (abandon).
 type call struct {
 	id     uint32
+	handle func(h kvwire.Header, p []byte) error
 	done   chan struct{}
-	h      kvwire.Header
-	buf    []byte
-	failed error // set, instead of a reply, when the connection it was sent on ended
+	err    error // the handling of the reply, or why the connection it was sent on ended
 }
 
 // Dial connects to the owner serving dir and maps every segment of the slab of device
@@ -390,7 +392,7 @@ func (r *Replica) failConn(nc *net.UnixConn, why error) {
 	r.reconnectLocked()
 	r.mu.Unlock()
 	for _, c := range failed {
-		c.complete(kvwire.Header{}, nil, err)
+		c.complete(err)
 	}
 	_ = nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
 	_ = nc.Close()      // cleanup: the owner is gone already

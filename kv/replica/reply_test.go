@@ -30,6 +30,8 @@ type echoOwner struct {
 	mu    sync.Mutex
 	lease uint64          // the last lease id granted
 	held  map[uint64]bool // the leases the latest connection's owner holds
+	// listed, if not nil, is sent to (without blocking) as a re-declaration ends.
+	listed chan struct{}
 }
 
 // conn is the answer of a new connection's owner (fakeOwner).
@@ -64,6 +66,11 @@ func (e *echoOwner) conn() func(h kvwire.Header, p []byte) []byte {
 			m, _ := kvwire.ParseReattach(p, nil)
 			if m.Lease != 0 {
 				held[m.Lease] = true
+			} else if e.listed != nil {
+				select {
+				case e.listed <- struct{}{}:
+				default:
+				}
 			}
 			b, _ = kvwire.AppendReattached(nil, h.ID, kvwire.ReattachKept, "")
 		default:
@@ -212,4 +219,35 @@ func matchAndRelease(ctx context.Context, r *replica.Replica, s cudart.Stream, g
 		}
 	}
 	return nil
+}
+
+// The leases a restarted owner is told of are those the replica holds as the
+// connection fails: one whose grant was read just before is re-declared, and one
+// whose release was answered just before is not (else the new owner would hold its
+// pages for good). The connection fails as a Match, then a Release, has its reply,
+// and the re-declaration ends before the call returns. Before the fix, the replica
+// recorded what the reply did only after that: the restarted owner did not hold the
+// lease matched (its Release failed with kv.ErrStaleLease), and held the one released.
+func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
+	o, _, realDir := startOwner(t, small)
+	echo := &echoOwner{listed: make(chan struct{}, 1)}
+	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
+	var armed atomic.Bool
+	replica.OnReplied(r, func() {
+		if armed.CompareAndSwap(true, false) {
+			replica.FailConn(r, errors.New("failed by the test as the reply came"))
+			testwait.Recv(t, echo.listed, "the re-declaration to the restarted owner")
+		}
+	})
+	armed.Store(true)
+	l, err := r.Match(bound(t), []kv.Hash{{1}})
+	require.NoError(t, err)
+	require.NoError(t, r.WaitAttached(bound(t)))
+	require.Equal(t, []uint64{l.ID()}, echo.leases(), "the leases the restarted owner holds after a Match answered as the connection failed")
+	require.NoError(t, l.Lost())
+	armed.Store(true)
+	require.NoError(t, r.Release(bound(t), s, l))
+	require.NoError(t, r.WaitAttached(bound(t)))
+	require.Empty(t, echo.leases(), "the leases the restarted owner holds after a Release answered as the connection failed")
+	require.Equal(t, uint64(2), r.Reattaches())
 }
