@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -17,84 +16,9 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
-	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/kvtest"
 	"github.com/cudapool/cudapool/kv/replica"
 )
-
-// echoOwner answers as an owner under which every page is visible: a Match leases,
-// under a fresh lease id, page h[0] for each hash h asked, so that a reply names the
-// request it answers. Each connection stands for an owner of its own, restarted: it
-// holds the leases it granted and those re-declared to it (a Reattach is kept), and
-// refuses to release another (kv.ErrStaleLease). Anything else is refused.
-type echoOwner struct {
-	mu    sync.Mutex
-	lease uint64          // the last lease id granted
-	held  map[uint64]bool // the leases the latest connection's owner holds
-	// listed, if not nil, is sent to (without blocking) as a re-declaration ends.
-	listed chan struct{}
-}
-
-// conn is the answer of a new connection's owner (fakeOwner).
-func (e *echoOwner) conn() func(h kvwire.Header, p []byte) []byte {
-	held := map[uint64]bool{}
-	e.mu.Lock()
-	e.held = held
-	e.mu.Unlock()
-	return func(h kvwire.Header, p []byte) []byte {
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		var b []byte
-		switch h.Type {
-		case kvwire.TypeMatch:
-			m, _ := kvwire.DecodeMatch(p)
-			e.lease++
-			held[e.lease] = true
-			b, _ = kvwire.AppendLease(nil, kvwire.TypeMatched, h.ID, e.lease, echoPages(m.Hashes))
-		case kvwire.TypeRelease:
-			m, _ := kvwire.DecodeRelease(p, nil)
-			for _, id := range m.Leases {
-				if !held[id] {
-					b, _ = kvwire.AppendError(nil, kvwire.TypeError, h.ID, kvwire.Code(kv.ErrStaleLease), fmt.Sprintf("lease %d is not held", id))
-					return b
-				}
-			}
-			for _, id := range m.Leases {
-				delete(held, id)
-			}
-			b, _ = kvwire.AppendU32(nil, kvwire.TypeReleased, h.ID, uint32(len(m.Leases)))
-		case kvwire.TypeReattach:
-			m, _ := kvwire.ParseReattach(p, nil)
-			if m.Lease != 0 {
-				held[m.Lease] = true
-			} else if e.listed != nil {
-				select {
-				case e.listed <- struct{}{}:
-				default:
-				}
-			}
-			b, _ = kvwire.AppendReattached(nil, h.ID, kvwire.ReattachKept, "")
-		default:
-			b, _ = kvwire.AppendError(nil, kvwire.TypeError, h.ID, kvwire.Code(kv.ErrRefused), "not served: "+h.Type.String())
-		}
-		return b
-	}
-}
-
-// leases are the lease ids the latest connection's owner holds.
-func (e *echoOwner) leases() []uint64 {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.Sorted(maps.Keys(e.held))
-}
-
-// echoPages are the pages echoAnswer leases for hashes.
-func echoPages(hashes []kv.Hash) []uint32 {
-	pages := make([]uint32, len(hashes))
-	for i, h := range hashes {
-		pages[i] = uint32(h[0])
-	}
-	return pages
-}
 
 // Issue 29: a reply reaches the call that made its request, and only it, across
 // reconnections. The connection fails at the worst point, as the reader has read its
@@ -108,9 +32,9 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 	// One P: an object recycled through a pool goes to the very next call, so that a
 	// leftover signal is met at once rather than by chance.
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
-	o, _, realDir := startOwner(t, small)
-	echo := &echoOwner{}
-	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
+	_, _, realDir := startOwner(t, small)
+	echo := kvtest.NewEcho(t, realDir, small)
+	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	var armed atomic.Bool
 	injected := errors.New("failed by the test as the reply was read")
 	replica.OnReply(r, func(uint32) {
@@ -132,7 +56,7 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 		if err != nil {
 			require.ErrorIs(t, err, kv.ErrOwnerGone, "round %d: the Match the connection failed under", round)
 		} else {
-			require.Equal(t, echoPages(hashes), l.Pages(), "round %d: the Match the connection failed under got another's pages", round)
+			require.Equal(t, echo.Pages(hashes), l.Pages(), "round %d: the Match the connection failed under got another's pages", round)
 		}
 		require.NoError(t, r.WaitAttached(bound(t)), "round %d", round)
 		require.Equal(t, uint64(round+1), r.Reattaches())
@@ -143,10 +67,11 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 		for i := range after {
 			l, hashes, err := match()
 			require.NoError(t, err, "round %d, Match %d after the reconnection", round, i)
-			require.Equal(t, echoPages(hashes), l.Pages(), "round %d, Match %d after the reconnection got another's pages", round, i)
+			require.Equal(t, echo.Pages(hashes), l.Pages(), "round %d, Match %d after the reconnection got another's pages", round, i)
 			require.NoError(t, r.Release(bound(t), s, l), "round %d, Release %d after the reconnection", round, i)
 		}
 	}
+	require.Empty(t, echo.Leases(), "leases the owner holds after every one was released")
 }
 
 // TestRepliesReachTheirCallsAcrossReconnects with four goroutines, as issue 29 saw it:
@@ -157,9 +82,9 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 // failure meets depends on how the goroutines interleave; the seed fixes how often.
 func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
 	const goroutines, matches, seed = 4, 40, 29
-	o, _, realDir := startOwner(t, small)
-	echo := &echoOwner{}
-	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
+	_, _, realDir := startOwner(t, small)
+	echo := kvtest.NewEcho(t, realDir, small)
+	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	rng := rand.New(rand.NewPCG(seed, 0))
 	var mu sync.Mutex
 	left, fails := 1+rng.IntN(6), 0
@@ -177,19 +102,19 @@ func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
 	})
 	errs := make(chan error, goroutines)
 	for g := range goroutines {
-		go func() { errs <- matchAndRelease(bound(t), r, s, g, matches) }()
+		go func() { errs <- matchAndRelease(bound(t), r, echo, s, g, matches) }()
 	}
 	for range goroutines {
 		require.NoError(t, testwait.Recv(t, errs, "a goroutine's Matches and Releases"))
 	}
 	t.Logf("%d failures injected, %d reattaches", fails, r.Reattaches())
-	require.Empty(t, echo.leases(), "leases the owner holds after every one was released")
+	require.Empty(t, echo.Leases(), "leases the owner holds after every one was released")
 }
 
-// matchAndRelease Matches n chains of goroutine g's through r from an echoAnswer owner,
+// matchAndRelease Matches n chains of goroutine g's through r from echo,
 // each of its own pages, and releases each lease on s, waiting for the reconnection
 // where the owner is gone.
-func matchAndRelease(ctx context.Context, r *replica.Replica, s cudart.Stream, g, n int) error {
+func matchAndRelease(ctx context.Context, r *replica.Replica, echo *kvtest.Echo, s cudart.Stream, g, n int) error {
 	for i := range n {
 		hashes := []kv.Hash{{byte((g*n + i) % small.Pages), byte(g), byte(i)}, {byte(i % small.Pages), byte(g), byte(i), 1}}
 		l, err := r.Match(ctx, hashes)
@@ -202,8 +127,8 @@ func matchAndRelease(ctx context.Context, r *replica.Replica, s cudart.Stream, g
 		if err != nil {
 			return fmt.Errorf("goroutine %d, Match %d: %w", g, i, err)
 		}
-		if !slices.Equal(echoPages(hashes), l.Pages()) {
-			return fmt.Errorf("goroutine %d, Match %d got pages %v, another's: want %v", g, i, l.Pages(), echoPages(hashes))
+		if !slices.Equal(echo.Pages(hashes), l.Pages()) {
+			return fmt.Errorf("goroutine %d, Match %d got pages %v, another's: want %v", g, i, l.Pages(), echo.Pages(hashes))
 		}
 		for {
 			err := r.Release(ctx, s, l)
@@ -229,25 +154,25 @@ func matchAndRelease(ctx context.Context, r *replica.Replica, s cudart.Stream, g
 // recorded what the reply did only after that: the restarted owner did not hold the
 // lease matched (its Release failed with kv.ErrStaleLease), and held the one released.
 func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
-	o, _, realDir := startOwner(t, small)
-	echo := &echoOwner{listed: make(chan struct{}, 1)}
-	r, _, s := dial(t, fakeOwner(t, o, realDir, echo.conn), 0, replica.WithReconnect())
+	_, _, realDir := startOwner(t, small)
+	echo := kvtest.NewEcho(t, realDir, small)
+	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	var armed atomic.Bool
 	replica.OnReplied(r, func() {
 		if armed.CompareAndSwap(true, false) {
 			replica.FailConn(r, errors.New("failed by the test as the reply came"))
-			testwait.Recv(t, echo.listed, "the re-declaration to the restarted owner")
+			testwait.Recv(t, echo.Listed(), "the re-declaration to the restarted owner")
 		}
 	})
 	armed.Store(true)
 	l, err := r.Match(bound(t), []kv.Hash{{1}})
 	require.NoError(t, err)
 	require.NoError(t, r.WaitAttached(bound(t)))
-	require.Equal(t, []uint64{l.ID()}, echo.leases(), "the leases the restarted owner holds after a Match answered as the connection failed")
+	require.Equal(t, []uint64{l.ID()}, echo.Leases(), "the leases the restarted owner holds after a Match answered as the connection failed")
 	require.NoError(t, l.Lost())
 	armed.Store(true)
 	require.NoError(t, r.Release(bound(t), s, l))
 	require.NoError(t, r.WaitAttached(bound(t)))
-	require.Empty(t, echo.leases(), "the leases the restarted owner holds after a Release answered as the connection failed")
+	require.Empty(t, echo.Leases(), "the leases the restarted owner holds after a Release answered as the connection failed")
 	require.Equal(t, uint64(2), r.Reattaches())
 }

@@ -153,16 +153,18 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 }
 
 // fakeOwner serves a directory whose slab socket is o's and whose page socket answers
-// Hello, then each request with answer(request's header, payload), where conn made
-// answer for the connection; it serves every connection made to it (a replica that
-// reconnects makes another), each until Bye.
-func fakeOwner(t *testing.T, o *owner.Owner, realDir string, conn func() func(h kvwire.Header, p []byte) []byte) string {
+// Hello, then each request with answer(request's header).
+func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header) []byte) string {
 	dir := shortDir(t)
 	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
 	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
 	require.NoError(t, err)
 	t.Cleanup(func() { ln.Close() })
-	serve := func(nc net.Conn, answer func(h kvwire.Header, p []byte) []byte) {
+	go func() {
+		nc, err := ln.Accept()
+		if err != nil {
+			return
+		}
 		defer nc.Close()
 		rd := kvwire.NewReader()
 		if _, _, err := rd.Next(nc); err != nil {
@@ -173,22 +175,13 @@ func fakeOwner(t *testing.T, o *owner.Owner, realDir string, conn func() func(h 
 			return
 		}
 		for {
-			h, p, err := rd.Next(nc)
+			h, _, err := rd.Next(nc)
 			if err != nil || h.Type == kvwire.TypeBye {
 				return
 			}
-			if _, err := nc.Write(answer(h, p)); err != nil {
+			if _, err := nc.Write(answer(h)); err != nil {
 				return
 			}
-		}
-	}
-	go func() {
-		for {
-			nc, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go serve(nc, conn())
 		}
 	}()
 	return dir
@@ -209,15 +202,13 @@ func TestLeaseRepliesAreRangeChecked(t *testing.T) {
 		{"an alloc of fewer pages than asked", []uint32{1}, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dir := fakeOwner(t, o, realDir, func() func(kvwire.Header, []byte) []byte {
-				return func(h kvwire.Header, _ []byte) []byte {
-					typ := kvwire.TypeMatched
-					if h.Type == kvwire.TypeAlloc {
-						typ = kvwire.TypeLeased
-					}
-					b, _ := kvwire.AppendLease(nil, typ, h.ID, 7, c.pages)
-					return b
+			dir := fakeOwner(t, o, realDir, func(h kvwire.Header) []byte {
+				typ := kvwire.TypeMatched
+				if h.Type == kvwire.TypeAlloc {
+					typ = kvwire.TypeLeased
 				}
+				b, _ := kvwire.AppendLease(nil, typ, h.ID, 7, c.pages)
+				return b
 			})
 			dev := cudarttest.ForTest(t)
 			r, err := replica.Dial(bound(t), dir, dev, 0)
