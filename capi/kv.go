@@ -89,12 +89,27 @@ func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 			if slices.Contains(ids[:i], id) {
 				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
 			}
-			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+			return nil, notHeld(id)
 		}
 		delete(k.leases, id)
 		ls = append(ls, l)
 	}
 	return ls, nil
+}
+
+// notHeld is the error of a lease id the replica does not hold.
+func notHeld(id uint64) error {
+	return fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+}
+
+// held is the lease id names, which the replica holds.
+func (k *kvReplica) held(id uint64) (*replica.Lease, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if l, ok := k.leases[id]; ok {
+		return l, nil
+	}
+	return nil, notHeld(id)
 }
 
 // fits checks that lease l has room in the caller's array of n pages (exactly n for

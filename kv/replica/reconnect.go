@@ -29,8 +29,13 @@ import (
 // under the same id, and reports the others lost: their Lost() wraps kv.ErrLeaseLost,
 // and Seal or Release of them fails with it. Then the replica is attached again:
 // Err is nil, Done is a new channel, Reattaches counts one more and WaitAttached
-// returns. A Seal or Release that failed with kv.ErrOwnerGone left its lease held:
-// it may be made again once attached.
+// returns. A lost lease's pages may be another replica's already: do not read or
+// write them. A Seal or Release that failed with kv.ErrOwnerGone leaves its lease
+// held, and re-declared: the restarted owner holds its pages until the call is made
+// again once attached (WaitAttached), or until Close; a caller that drops such a
+// lease leaks its pages until then. The leases re-declared are those the replies
+// read before the owner was lost left held: a lease granted by a reply that was not
+// read was never the caller's, and one whose release was answered is not declared.
 //
 // The restarted owner lets pages be allocated once every replica attached before has
 // re-declared its leases, or after its grace (owner.WithReattachGrace, kvpoold's

@@ -767,6 +767,82 @@ class RestartTest(unittest.TestCase):
         r.release(m, held)
 
 
+    def test_lease_lost_in_a_restart(self):
+        """A read lease whose pages the restarted owner does not have (its index was
+        spoilt) comes back lost: Lease.lost says why, and releasing it raises
+        StaleLease and ends it; a write lease, whose pages are still free, is kept."""
+        self.owner = Owner(pages=64)
+        self.addCleanup(self.owner.stop)
+        self.owner.first_line()
+        r = self.owner.replica(reconnect=True)
+        self.addCleanup(r.close)
+        hs = r.hashes(tokens(4 * T, 16))
+        w = r.alloc(4)
+        write_pages(r, w.pages, 16)
+        r.seal(w, hs, wait=True)
+        held = r.match(hs)
+        writing = r.alloc(2)
+        self.assertIsNone(held.lost)
+        self.assertIsNone(writing.lost)
+        offset = len(self.owner.output())
+        self.owner.kill()
+        eventually(self, "alive to turn False", lambda: not r.alive)
+        index = os.path.join(self.owner.serve, "index")
+        with open(index, "r+b") as f:  # a header byte flipped: the restart drops the index
+            f.seek(6)
+            b = f.read(1)
+            f.seek(6)
+            f.write(bytes([b[0] ^ 1]))
+        self.owner.start()
+        self.assertIn("0 visible pages restored", self.owner.first_line(offset))
+        r.wait_attached(CHILD_TIMEOUT)
+        self.assertIsInstance(held.lost, kv.StaleLease)
+        self.assertIn("lost", str(held.lost))
+        self.assertIsNone(writing.lost, "the write lease's pages are still free: kept")
+        with self.assertRaises(kv.StaleLease):
+            r.release(held)
+        self.assertIsNone(held.lost, "the release ended it")
+        r.release(writing)
+        self.assertIsNone(kv.Lease(0, array("I"), False).lost)
+
+    def test_wait_attached_honours_its_timeout(self):
+        """wait_attached(0) does not wait, whatever the replica's timeout (here none):
+        while the owner is away it raises Timeout at once; it returns once attached."""
+        self.owner = Owner(pages=64)
+        self.addCleanup(self.owner.stop)
+        self.owner.first_line()
+        r = self.owner.replica(reconnect=True, timeout=None)
+        self.addCleanup(r.close)
+        r.wait_attached(0)  # attached: at once
+        offset = len(self.owner.output())
+        self.owner.kill()
+        eventually(self, "alive to turn False", lambda: not r.alive)
+        got = []
+
+        def wait():
+            try:
+                r.wait_attached(0)
+                got.append(None)
+            except Exception as e:  # noqa: BLE001 (the test looks at it)
+                got.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        # The owner is started again only once the wait returned (or the bound ran
+        # out): a wait_attached(0) that waits would return attached, not Timeout.
+        t.join(CHILD_TIMEOUT)
+        alive = t.is_alive()
+        self.owner.start()
+        self.owner.first_line(offset)
+        t.join(CHILD_TIMEOUT)
+        self.assertFalse(alive, "wait_attached(0) waited for the owner")
+        self.assertEqual(len(got), 1)
+        self.assertIsInstance(got[0], cudapool.Timeout)
+        r.wait_attached(CHILD_TIMEOUT)
+        r.wait_attached(0)
+        self.assertEqual(r.reattaches, 1)
+
+
 class TensorViewTest(unittest.TestCase):
     """What kv_caches hands torch, read back without torch."""
 
