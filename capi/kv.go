@@ -133,7 +133,7 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	if err == nil {
 		return nil
 	}
-	return errors.Join(err, k.r.Release(ctx, 0, l))
+	return errors.Join(err, k.r.Release(ctx, l, 0))
 }
 
 // put keeps leases (new ones, or ones a failed call gave back).
@@ -614,7 +614,7 @@ func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) 
 	if err != nil {
 		return err
 	}
-	err = k.r.Release(ctx, s, ls...)
+	err = k.r.ReleaseAll(ctx, ls, s)
 	if err != nil {
 		k.afterFailure(err, s, ls...)
 	}
@@ -640,7 +640,7 @@ func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Leas
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
 		defer cancel()
-		_ = k.r.Release(ctx, s, ls...) // the usual answer is stale: the owner had ended them
+		_ = k.r.ReleaseAll(ctx, ls, s) // the usual answer is stale: the owner had ended them
 	default:
 		k.put(ls...)
 	}

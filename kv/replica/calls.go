@@ -421,13 +421,22 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	return l, nil
 }
 
-// Release ends leases once the work queued on s before the call has completed: their
-// pages are not reused (nor, for read leases, evicted) before. A lease with no pages is
-// skipped. If the owner holds one of them no more for this replica (released already,
-// another replica's), it fails with kv.ErrStaleLease and ends none. At most
-// kv.MaxBatch leases. A lease lost in an owner's restart (WithReconnect) is skipped:
-// the others are released, and the error wraps kv.ErrLeaseLost.
-func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) error {
+// Release ends lease l once the work queued on s before the call has completed, as
+// ReleaseAll does for several.
+func (r *Replica) Release(ctx context.Context, l *Lease, s cudart.Stream) error {
+	return r.ReleaseAll(ctx, []*Lease{l}, s)
+}
+
+// ReleaseAll ends leases ls once the work queued on s before the call has completed:
+// their pages are not reused (nor, for read leases, evicted) before. A lease with no
+// pages (or nil) is skipped. If the owner holds one of them no more for this replica
+// (released already, another replica's), it fails with kv.ErrStaleLease and ends none.
+// At most kv.MaxBatch leases. A lease lost in an owner's restart (WithReconnect) is
+// skipped: the others are released, and the error wraps kv.ErrLeaseLost. If the owner
+// is gone (kv.ErrOwnerGone) the leases are still held; with WithReconnect they are
+// re-declared to the restarted owner, which holds their pages until they are
+// released: call ReleaseAll again once attached (WaitAttached), or Close.
+func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) error {
 	ids := make([]uint64, 0, len(ls))
 	var lost []error
 	for _, l := range ls {

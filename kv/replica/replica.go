@@ -10,14 +10,14 @@
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into
 //	// ... write w.Pages() on s ...
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
-//	err = r.Release(ctx, s, l)           // pages are reused only after s's work so far
+//	err = r.Release(ctx, l, s)           // pages are reused only after s's work so far
 //
 // Seal and Release record an IPC event of the stream's own (one per stream, reused)
 // on the stream they are given, and the owner waits for it on the host: the host of
 // the replica never waits for the GPU, and a Match needs no stream wait, as the owner
 // exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
-// the first address Layer(l) returns, and page p of it PageBytes() * p further on
-// (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
+// the first address Layer(l) returns, and page p of it Geometry().PageBytes() * p
+// further on (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
 package replica
 
 import (
@@ -418,8 +418,8 @@ func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
 	return r.Addr(layer, kv.K, 0), r.Addr(layer, kv.V, 0)
 }
 
-// Addr is the address of page's block of layer's part in this process (PageBytes()
-// bytes). layer and page must be in range.
+// Addr is the address of page's block of layer's part in this process
+// (Geometry().PageBytes() bytes). layer and page must be in range.
 func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
 	return r.segs.Addr(r.ptrs, layer, p, page)
 }

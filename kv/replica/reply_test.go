@@ -62,13 +62,13 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 		require.Equal(t, uint64(round+1), r.Reattaches())
 		if err == nil {
 			require.NoError(t, l.Lost(), "round %d: the owner kept every lease", round)
-			require.NoError(t, r.Release(bound(t), s, l), "round %d: the lease re-declared", round)
+			require.NoError(t, r.Release(bound(t), l, s), "round %d: the lease re-declared", round)
 		}
 		for i := range after {
 			l, hashes, err := match()
 			require.NoError(t, err, "round %d, Match %d after the reconnection", round, i)
 			require.Equal(t, echo.Pages(hashes), l.Pages(), "round %d, Match %d after the reconnection got another's pages", round, i)
-			require.NoError(t, r.Release(bound(t), s, l), "round %d, Release %d after the reconnection", round, i)
+			require.NoError(t, r.Release(bound(t), l, s), "round %d, Release %d after the reconnection", round, i)
 		}
 	}
 	require.Empty(t, echo.Leases(), "leases the owner holds after every one was released")
@@ -131,7 +131,7 @@ func matchAndRelease(ctx context.Context, r *replica.Replica, echo *kvtest.Echo,
 			return fmt.Errorf("goroutine %d, Match %d got pages %v, another's: want %v", g, i, l.Pages(), echo.Pages(hashes))
 		}
 		for {
-			err := r.Release(ctx, s, l)
+			err := r.Release(ctx, l, s)
 			if !errors.Is(err, kv.ErrOwnerGone) {
 				if err != nil {
 					return fmt.Errorf("goroutine %d, Release %d: %w", g, i, err)
@@ -171,7 +171,7 @@ func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
 	require.Equal(t, []uint64{l.ID()}, echo.Leases(), "the leases the restarted owner holds after a Match answered as the connection failed")
 	require.NoError(t, l.Lost())
 	armed.Store(true)
-	require.NoError(t, r.Release(bound(t), s, l))
+	require.NoError(t, r.Release(bound(t), l, s))
 	require.NoError(t, r.WaitAttached(bound(t)))
 	require.Empty(t, echo.Leases(), "the leases the restarted owner holds after a Release answered as the connection failed")
 	require.Equal(t, uint64(2), r.Reattaches())
