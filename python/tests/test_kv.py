@@ -738,21 +738,33 @@ class ReplicaTest(unittest.TestCase):
 class RestartTest(unittest.TestCase):
     """kvpoold SIGKILLed and started again over its keeper's slab."""
 
-    def test_owner_restart_reattaches(self):
+    def attached(self, **kw):
+        """A reconnecting replica (kw: more of its arguments) of a new kvpoold, self.owner."""
         self.owner = Owner(pages=64)
         self.addCleanup(self.owner.stop)
         self.owner.first_line()
-        r = self.owner.replica(reconnect=True)
+        r = self.owner.replica(reconnect=True, **kw)
         self.addCleanup(r.close)
-        hs = r.hashes(tokens(4 * T, 15))
+        return r
+
+    def seal_and_kill(self, r, seed):
+        """Seals 4 pages of seed's tokens through r, kills kvpoold once r holds a read
+        lease of them, and returns (hashes, the write lease sealed, the read lease, the
+        log's offset before the restart)."""
+        hs = r.hashes(tokens(4 * T, seed))
         w = r.alloc(4)
-        write_pages(r, w.pages, 15)
+        write_pages(r, w.pages, seed)
         r.seal(w, hs, wait=True)
         held = r.match(hs)
-        self.assertEqual(r.reattaches, 0)
         offset = len(self.owner.output())
         self.owner.kill()
         eventually(self, "alive to turn False", lambda: not r.alive)
+        return hs, w, held, offset
+
+    def test_owner_restart_reattaches(self):
+        r = self.attached()
+        hs, w, held, offset = self.seal_and_kill(r, 15)
+        self.assertEqual(r.reattaches, 0)
         with self.assertRaises(cudapool.Gone):
             r.match(hs)
         self.owner.start()
@@ -766,27 +778,14 @@ class RestartTest(unittest.TestCase):
         self.assertEqual(read_pages(r, m.pages, 15), [True] * 4)
         r.release(m, held)
 
-
     def test_lease_lost_in_a_restart(self):
         """A read lease whose pages the restarted owner does not have (its index was
         spoilt) comes back lost: Lease.lost says why, and releasing it raises
         StaleLease and ends it; a write lease, whose pages are still free, is kept."""
-        self.owner = Owner(pages=64)
-        self.addCleanup(self.owner.stop)
-        self.owner.first_line()
-        r = self.owner.replica(reconnect=True)
-        self.addCleanup(r.close)
-        hs = r.hashes(tokens(4 * T, 16))
-        w = r.alloc(4)
-        write_pages(r, w.pages, 16)
-        r.seal(w, hs, wait=True)
-        held = r.match(hs)
+        r = self.attached()
         writing = r.alloc(2)
-        self.assertIsNone(held.lost)
         self.assertIsNone(writing.lost)
-        offset = len(self.owner.output())
-        self.owner.kill()
-        eventually(self, "alive to turn False", lambda: not r.alive)
+        _, _, held, offset = self.seal_and_kill(r, 16)
         index = os.path.join(self.owner.serve, "index")
         with open(index, "r+b") as f:  # a header byte flipped: the restart drops the index
             f.seek(6)
@@ -808,11 +807,7 @@ class RestartTest(unittest.TestCase):
     def test_wait_attached_honours_its_timeout(self):
         """wait_attached(0) does not wait, whatever the replica's timeout (here none):
         while the owner is away it raises Timeout at once; it returns once attached."""
-        self.owner = Owner(pages=64)
-        self.addCleanup(self.owner.stop)
-        self.owner.first_line()
-        r = self.owner.replica(reconnect=True, timeout=None)
-        self.addCleanup(r.close)
+        r = self.attached(timeout=None)
         r.wait_attached(0)  # attached: at once
         offset = len(self.owner.output())
         self.owner.kill()
