@@ -139,6 +139,11 @@ func (r *Replica) wait(ctx context.Context, c *call) error {
 		case r.role <- struct{}{}:
 			err := r.readFor(ctx, c)
 			<-r.role
+			select {
+			case <-c.done:
+				return c.err
+			default:
+			}
 			if err != nil && ctx.Err() == nil {
 				if r.settle(c) {
 					return err
