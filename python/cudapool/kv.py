@@ -648,7 +648,8 @@ class Replica:
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
-        write lease ends either way, also when the call times out.
+        write lease ends either way, also when the call times out (not when it raises
+        Gone with reconnect: see Gone).
 
         Returns
         -------
@@ -664,6 +665,10 @@ class Replica:
         InvalidArgument
             A read lease (from match), or more hashes than the lease has pages; the
             lease is kept.
+        Gone
+            The owner is gone. With reconnect the lease is still held, and re-declared
+            to the restarted owner: seal it again once attached (wait_attached), or
+            close the replica; without it, the lease went with the owner.
         TypeError, ValueError
             lease is not a Lease, or hashes are not 16-byte hashes (or over MAX_BATCH).
         """
@@ -717,7 +722,13 @@ class Replica:
         ------
         StaleLease
             A lease was released or sealed already, or is another replica's: none is
-            released.
+            released. Or a lease was lost in an owner's restart (Lease.lost): it is
+            ended, and the others are released.
+        Gone
+            The owner is gone. With reconnect the leases are still held, and
+            re-declared to the restarted owner, which holds their pages until they are
+            released: release them again once attached (wait_attached), or close the
+            replica; without reconnect they went with the owner.
         TypeError, ValueError
             Not Leases, or more than MAX_BATCH of them.
         Timeout
