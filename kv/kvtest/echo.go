@@ -35,6 +35,8 @@ type Echo struct {
 	lease uint64          // the last lease id granted
 	held  map[uint64]bool // the leases the latest connection's owner holds
 	die   bool            // the next Release ends its connection unanswered
+	gate  chan struct{}   // while not nil, replies wait for it to close (HoldReplies)
+	gated chan struct{}   // told that a reply waits at the gate
 }
 
 // NewEcho serves a new directory over the slab socket of the owner serving realDir,
@@ -99,6 +101,21 @@ func (e *Echo) DieAtNextRelease() {
 	e.mu.Unlock()
 }
 
+// HoldReplies makes every reply wait, after its request has been acted on, until
+// resume is called; waiting receives as a reply starts to wait.
+func (e *Echo) HoldReplies() (waiting <-chan struct{}, resume func()) {
+	gate, gated := make(chan struct{}), make(chan struct{}, 1)
+	e.mu.Lock()
+	e.gate, e.gated = gate, gated
+	e.mu.Unlock()
+	return gated, func() {
+		e.mu.Lock()
+		e.gate = nil
+		e.mu.Unlock()
+		close(gate)
+	}
+}
+
 // serve answers one connection, a new owner's: Hello with Welcome, then each request,
 // until Bye or the end of the connection.
 func (e *Echo) serve(nc net.Conn) {
@@ -126,6 +143,16 @@ func (e *Echo) serve(nc net.Conn) {
 		b, ok := e.answer(held, h, p)
 		if !ok {
 			return
+		}
+		e.mu.Lock()
+		gate, gated := e.gate, e.gated
+		e.mu.Unlock()
+		if gate != nil {
+			select {
+			case gated <- struct{}{}:
+			default:
+			}
+			<-gate
 		}
 		if _, err := nc.Write(b); err != nil {
 			return

@@ -26,6 +26,12 @@ func (r *Replica) gone() error {
 	return r.err
 }
 
+// A replyHandler acts on a call's reply (roundTrip). claimed is false once the
+// call's caller gave up on it (its ctx ended, abandon): the handler then touches
+// nothing of the caller's and does only what the replica itself must, such as no
+// longer holding a lease the reply ended; a lease the reply grants is given back.
+type replyHandler func(h kvwire.Header, p []byte, claimed bool) error
+
 // roundTrip sends the request build makes under a fresh id and has its reply handled
 // by handle. The caller that sent a request reads replies itself while no other
 // caller does (one reading role), handling the others' replies for them, so that a
@@ -33,7 +39,7 @@ func (r *Replica) gone() error {
 // reading goroutine, with the role held, while the payload is valid; it must not
 // block. What it records (a lease held, or ended) is so recorded before the role is
 // free again, which a reconnection takes before it lists the leases held.
-func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle func(h kvwire.Header, p []byte) error) error {
+func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle replyHandler) error {
 	id := r.nextID.Add(1)
 	if id == 0 {
 		id = r.nextID.Add(1)
@@ -68,8 +74,8 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 			<-c.done // its reply came as ctx ended, and was handled: what it grants is the caller's
 			return c.err
 		}
-		// Someone must still read the answer, which may grant a lease: a waiter of
-		// its own does, and the lease is given back.
+		// Someone must still read the answer, which may grant a lease or end one: a
+		// waiter of its own does, and a lease granted is given back.
 		go func() {
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
@@ -104,15 +110,15 @@ func (r *Replica) settle(c *call) (taken bool) {
 	return false
 }
 
-// abandon makes c's reply, if it is still to come, give back the lease it grants
-// instead of handing it to c's caller, who gave up; false if c was taken already.
+// abandon makes c's reply, if it is still to come, be handled unclaimed (see
+// replyHandler): c's caller gave up. False if c was taken already.
 func (r *Replica) abandon(c *call) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.calls[c.id] != c {
 		return false
 	}
-	c.handle = func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
+	c.abandoned = true
 	return true
 }
 
@@ -231,7 +237,10 @@ func (r *Replica) readFor(ctx context.Context, c *call) error {
 // releases the lease it grants.
 func (r *Replica) deliver(h kvwire.Header, p []byte) {
 	if c := r.take(h.ID); c != nil {
-		c.complete(c.handle(h, p))
+		if c.abandoned {
+			r.releaseUnclaimed(h, p)
+		}
+		c.complete(c.handle(h, p, !c.abandoned))
 		return
 	}
 	r.releaseUnclaimed(h, p)
@@ -299,7 +308,10 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
+			if !claimed {
+				return nil
+			}
 			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
 				return err
 			}
@@ -373,7 +385,7 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 		func(b []byte, id uint32) ([]byte, error) {
 			return kvwire.AppendSeal(b, id, so.wait, l.id, &ev.h, hashes)
 		},
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
 			if h.Type != kvwire.TypeSealed {
 				err := replyErr(h, p, kvwire.TypeSealed)
 				if errors.Is(err, kv.ErrStaleLease) {
@@ -386,7 +398,9 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 				return err
 			}
 			r.untrack(l)
-			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
+			if claimed {
+				res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
+			}
 			return nil
 		})
 	r.replied()
@@ -409,7 +423,10 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
+			if !claimed {
+				return nil
+			}
 			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
 				return err
 			}
@@ -478,7 +495,7 @@ func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) 
 func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64, ended []*Lease) error {
 	return r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, _ bool) error {
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
 			}
@@ -495,9 +512,12 @@ func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 	var st kv.Stats
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeStats, id) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
 			if h.Type != kvwire.TypeStatsReply {
 				return replyErr(h, p, kvwire.TypeStatsReply)
+			}
+			if !claimed {
+				return nil
 			}
 			return json.Unmarshal(p, &st)
 		})

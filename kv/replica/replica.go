@@ -189,13 +189,14 @@ type streamEvent struct {
 // that reads its reply, failConn when the connection it was made on fails, or its
 // own caller ending its wait. Only the party that took it completes it (runs handle
 // on the reply, or sets the failure, then closes done), and does so without
-// blocking; its caller reads err only after done is closed. handle is changed only
+// blocking; its caller reads err only after done is closed. abandoned is set only
 // while the call is registered, under Replica.mu (abandon).
 type call struct {
-	id     uint32
-	handle func(h kvwire.Header, p []byte) error
-	done   chan struct{}
-	err    error // the handling of the reply, or why the connection it was sent on ended
+	id        uint32
+	handle    replyHandler
+	abandoned bool // its caller gave up: the reply is handled unclaimed
+	done      chan struct{}
+	err       error // the handling of the reply, or why the connection it was sent on ended
 }
 
 // Dial connects to the owner serving dir and maps every segment of the slab of device

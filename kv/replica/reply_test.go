@@ -176,3 +176,31 @@ func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
 	require.Empty(t, echo.Leases(), "the leases the restarted owner holds after a Release answered as the connection failed")
 	require.Equal(t, uint64(2), r.Reattaches())
 }
+
+// A Release whose caller gave up before its reply (its ctx ended) still ends the
+// lease for the replica once the reply comes: the restarted owner is not told of it.
+// It failed before: the lease stayed among those held, and was re-declared to the
+// restarted owner, which then held its pages until Close.
+func TestReleaseGivenUpOnIsNotRedeclared(t *testing.T) {
+	_, _, realDir := startOwner(t, small)
+	echo := kvtest.NewEcho(t, realDir, small)
+	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
+	l, err := r.Match(bound(t), []kv.Hash{{1}})
+	require.NoError(t, err)
+
+	waiting, resume := echo.HoldReplies()
+	ctx, cancel := context.WithCancel(context.Background())
+	released := make(chan error, 1)
+	go func() { released <- r.Release(ctx, l, s) }()
+	testwait.Recv(t, waiting, "the owner's Released, held back")
+	cancel()
+	require.ErrorIs(t, testwait.Recv(t, released, "the Release given up on"), context.Canceled)
+	resume()
+	// Replies come in order: once this Match has its own, the Released was read.
+	other, err := r.Match(bound(t), []kv.Hash{{2}})
+	require.NoError(t, err)
+
+	replica.FailConn(r, errors.New("failed by the test"))
+	require.NoError(t, r.WaitAttached(bound(t)))
+	require.Equal(t, []uint64{other.ID()}, echo.Leases(), "the leases re-declared: the one matched, not the one released")
+}
