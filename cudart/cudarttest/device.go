@@ -40,6 +40,10 @@
 // batch as one op, as the GPU runs it as one kernel launch, and refuses pieces that
 // overlap where one writes.
 //
+// The VMM route (cudart.VMM) is modelled too: a chunk is a memfd whose descriptor is
+// its POSIX handle, a reservation is addresses of the process, a mapping an mmap of
+// the chunk there (vmm.go says what is checked).
+//
 // Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
 // violation names it, and ForTest logs it when a test fails. WithImmediate gives the
 // old behaviour, for the few tests that need it: every call's work runs before the call
@@ -123,6 +127,7 @@ type Device struct {
 	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
 	violations    []Violation
 	hosts         []*hostReg // registered host memory, by address (host.go)
+	vmm           vmmState   // the VMM route (vmm.go)
 
 	// Deferred execution (queue.go).
 	seed     uint64
@@ -207,6 +212,7 @@ func (d *Device) Close() error {
 		}
 		p.reg.release()
 	}
+	d.closeVMM()
 	if d.arena != nil {
 		d.arena.kill()
 	}

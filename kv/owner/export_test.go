@@ -4,6 +4,7 @@ import (
 	"net"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -23,6 +24,13 @@ func PanicOn(t kvwire.Type) (undo func()) {
 		}
 	}
 	return func() { frameHook = nil }
+}
+
+// SetIndexOptions adds opts to the options of every index the next Listens open,
+// until the returned func undoes it.
+func SetIndexOptions(opts ...index.Option) (undo func()) {
+	indexOptions = opts
+	return func() { indexOptions = nil }
 }
 
 // EncodeStats is the JSON of the Stats frame answering st.
