@@ -444,20 +444,24 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 }
 
 // Release ends lease l once the work queued on s before the call has completed, as
-// ReleaseAll does for several.
+// [Replica.ReleaseAll] does for several.
 func (r *Replica) Release(ctx context.Context, l *Lease, s cudart.Stream) error {
 	return r.ReleaseAll(ctx, []*Lease{l}, s)
 }
 
 // ReleaseAll ends leases ls once the work queued on s before the call has completed:
 // their pages are not reused (nor, for read leases, evicted) before. A lease with no
-// pages (or nil) is skipped. If the owner holds one of them no more for this replica
-// (released already, another replica's), it fails with kv.ErrStaleLease and ends none.
-// At most kv.MaxBatch leases. A lease lost in an owner's restart (WithReconnect) is
-// skipped: the others are released, and the error wraps kv.ErrLeaseLost. If the owner
-// is gone (kv.ErrOwnerGone) the leases are still held; with WithReconnect they are
+// pages (or nil) is skipped. At most [kv.MaxBatch] leases. On success the replica
+// holds none of them. If the owner holds one of them no more for this replica
+// (released already, another replica's), it fails with [kv.ErrStaleLease] and ends
+// none. A lease lost in an owner's restart ([WithReconnect]) is skipped: the others
+// are released, and the error wraps [kv.ErrLeaseLost]. If the owner is gone
+// ([kv.ErrOwnerGone]) the leases are still held; with [WithReconnect] they are
 // re-declared to the restarted owner, which holds their pages until they are
-// released: call ReleaseAll again once attached (WaitAttached), or Close.
+// released: call ReleaseAll again once attached ([Replica.WaitAttached]), or
+// [Replica.Close]. If ctx ends first it returns ctx's error; the leases are then
+// ended or not, as the owner got the request or not, and naming them again fails
+// with [kv.ErrStaleLease] where it had.
 func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) error {
 	ids := make([]uint64, 0, len(ls))
 	var lost []error
