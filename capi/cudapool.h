@@ -476,9 +476,12 @@ enum cudapool_kv_dial_flags {
 	/* Reattach by itself to an owner restarted on dir (kvpoold over its keeper): once
 	 * the owner is lost, calls fail with CUDAPOOL_EGONE while the replica redials and
 	 * re-declares its leases; then they work again, the slab mapped where it was. A
-	 * lease the new owner did not take back fails with CUDAPOOL_ESTALE ("lost"). A
-	 * seal or release that failed with CUDAPOOL_EGONE leaves its lease held: make it
-	 * again once attached (cudapool_kv_wait_attached). */
+	 * lease the new owner did not take back is lost (cudapool_kv_lease_lost says why):
+	 * its pages may be another's already, so do not read or write them; sealing or
+	 * releasing it fails with CUDAPOOL_ESTALE and forgets it. A seal or release that
+	 * failed with CUDAPOOL_EGONE leaves its lease held, re-declared to the restarted
+	 * owner, which holds its pages until it is ended: make the call again once
+	 * attached (cudapool_kv_wait_attached), or close the replica. */
 	CUDAPOOL_KV_RECONNECT = 2
 };
 
@@ -577,6 +580,11 @@ int cudapool_kv_reattaches(cudapool_kv_replica r, uint64_t *n);
  * a live owner: CUDAPOOL_OK (at once while it is), CUDAPOOL_ETIMEOUT, or CUDAPOOL_EGONE
  * where no reattach can come (no CUDAPOOL_KV_RECONNECT, or the slab's keeper is gone). */
 int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms);
+/* cudapool_kv_lease_lost writes why an owner's restart lost lease, as text, or ""
+ * while the replica holds it (CUDAPOOL_KV_RECONNECT). On CUDAPOOL_ERANGE *len is the
+ * size needed. A lease the replica does not hold (sealed or released already, lost
+ * and then sealed or released, never issued) fails with CUDAPOOL_ESTALE. */
+int cudapool_kv_lease_lost(cudapool_kv_replica r, uint64_t lease, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_error writes why the owner is gone ("" while it is there), as text. On
  * CUDAPOOL_ERANGE *len is the size needed. */
 int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len);

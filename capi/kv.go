@@ -90,12 +90,27 @@ func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 			if slices.Contains(ids[:i], id) {
 				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
 			}
-			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+			return nil, notHeld(id)
 		}
 		delete(k.leases, id)
 		ls = append(ls, l)
 	}
 	return ls, nil
+}
+
+// notHeld is the error of a lease id the replica does not hold.
+func notHeld(id uint64) error {
+	return fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+}
+
+// held is the lease id names, which the replica holds.
+func (k *kvReplica) held(id uint64) (*replica.Lease, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if l, ok := k.leases[id]; ok {
+		return l, nil
+	}
+	return nil, notHeld(id)
 }
 
 // fits checks that lease l has room in the caller's array of n pages (exactly n for
@@ -119,7 +134,7 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	if err == nil {
 		return nil
 	}
-	return errors.Join(err, k.r.Release(ctx, 0, l))
+	return errors.Join(err, k.r.Release(ctx, l, 0))
 }
 
 // put keeps leases (new ones, or ones a failed call gave back).
@@ -617,7 +632,7 @@ func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) 
 	if err != nil {
 		return err
 	}
-	err = k.r.Release(ctx, s, ls...)
+	err = k.r.ReleaseAll(ctx, ls, s)
 	if err != nil {
 		k.afterFailure(err, s, ls...)
 	}
@@ -643,7 +658,7 @@ func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Leas
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
 		defer cancel()
-		_ = k.r.Release(ctx, s, ls...) // the usual answer is stale: the owner had ended them
+		_ = k.r.ReleaseAll(ctx, ls, s) // the usual answer is stale: the owner had ended them
 	default:
 		k.put(ls...)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/kvtest"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -46,13 +47,13 @@ func kvOwner(t *testing.T) (string, *owner.Owner) {
 }
 
 // kvDial is a replica of the owner at dir as C holds it, on the library's runtime.
-func kvDial(t *testing.T, dir string) (*kvReplica, cudart.Stream) {
+func kvDial(t *testing.T, dir string, opts ...replica.Option) (*kvReplica, cudart.Stream) {
 	t.Helper()
 	rt, err := runtimeNow()
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
 	defer cancel()
-	r, err := replica.Dial(ctx, dir, rt, 0)
+	r, err := replica.Dial(ctx, dir, rt, 0, opts...)
 	require.NoError(t, err)
 	k := newKVReplica(r, "", 0)
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
@@ -266,4 +267,29 @@ func TestCloseNamesNoDestroyedStream(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, k.close(ctx))
 	assert.Empty(t, dev.Violations()[before:], "the replica named a stream that was destroyed")
+}
+
+// Issue 31: with CUDAPOOL_KV_RECONNECT, a release cut short by the owner's death
+// (CUDAPOOL_EGONE) keeps its lease in the C table, re-declared to the restarted owner,
+// so that the release made again once attached ends it. If the table dropped it, that
+// release failed with CUDAPOOL_ESTALE and the restarted owner held the pages until the
+// process exited.
+func TestReleaseCutShortByTheOwnersDeathIsMadeAgain(t *testing.T) {
+	dir, _ := kvOwner(t)
+	echo := kvtest.NewEcho(t, dir, kvSmall)
+	k, s := kvDial(t, echo.Dir(), replica.WithReconnect())
+	k.reconnect = true
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	l, err := k.match(ctx, kv.PrefixHashes("", []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4))
+	require.NoError(t, err)
+	require.Equal(t, []uint64{l.ID()}, echo.Leases())
+
+	echo.DieAtNextRelease()
+	err = k.release(ctx, []uint64{l.ID()}, s)
+	require.Equal(t, statusGone, statusOf(err), "the release the owner died under: %v", err)
+	require.NoError(t, k.r.WaitAttached(ctx))
+	require.Equal(t, []uint64{l.ID()}, echo.Leases(), "the lease is re-declared to the restarted owner")
+	require.NoError(t, k.release(ctx, []uint64{l.ID()}, s), "the release made again once attached")
+	require.Empty(t, echo.Leases(), "the leases the restarted owner holds")
 }

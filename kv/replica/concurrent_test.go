@@ -56,7 +56,7 @@ func (sd side) readEach(ctx context.Context, chains ...[]kv.Hash) error {
 		if err := check(sd.dev, sd.r, sd.s, m.Pages(), chain); err != nil {
 			return err
 		}
-		if err := sd.r.Release(ctx, sd.s, m); err != nil {
+		if err := sd.r.Release(ctx, m, sd.s); err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
 	}

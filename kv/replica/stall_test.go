@@ -133,7 +133,7 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	require.NoError(t, err)
 	resume, err := rdev.Stall(0, rs)
 	require.NoError(t, err)
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 	closed := make(chan error, 1)
 	start := time.Now()
 	go func() {
@@ -252,7 +252,7 @@ func closeEndsHeldLeasesAfter(t *testing.T, forget bool) {
 	ctx := bound(t)
 	first, err := a.Alloc(ctx, 1)
 	require.NoError(t, err)
-	require.NoError(t, a.Release(ctx, as, first)) // as is a stream a has used
+	require.NoError(t, a.Release(ctx, first, as)) // as is a stream a has used
 	eventually(t, "the first release to settle", func() bool { return device0(o).Free == g.Pages })
 	w, err := a.Alloc(ctx, g.Pages) // the whole slab, held at Close
 	require.NoError(t, err)
@@ -290,11 +290,11 @@ func closeEndsHeldLeasesAfter(t *testing.T, forget bool) {
 	resume()
 	require.NoError(t, testwait.Recv(t, closed, "Close, once its stream ran"))
 	require.NoError(t, testwait.Recv(t, got, "b's Alloc, once the pages settled"))
-	require.NoError(t, b.Release(ctx, 0, one))
+	require.NoError(t, b.Release(ctx, one, 0))
 	eventually(t, "the pages to be free", func() bool { return device0(o).Free == g.Pages })
 	l, err := b.Alloc(ctx, g.Pages)
 	require.NoError(t, err)
-	require.NoError(t, b.Release(ctx, 0, l))
+	require.NoError(t, b.Release(ctx, l, 0))
 }
 
 // WaitForOwner makes Dial wait for an owner that starts later; a nil option is

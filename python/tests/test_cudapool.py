@@ -467,7 +467,7 @@ def bounded(test, call, bound=10):
 
 class TimeoutConventionTest(unittest.TestCase):
     """Python's convention: timeout=0 is "do not wait" (threading.Event.wait(0),
-    queue.get(timeout=0)): what is not there fails at once, as without wait=True; None
+    queue.get(timeout=0)): what is not there fails at once, as without wait_for_exporter; None
     is no bound. The C ABI's 0 is no bound and CUDAPOOL_NO_WAIT (-1) is Python's 0."""
 
     def test_conversion(self):
@@ -480,7 +480,7 @@ class TimeoutConventionTest(unittest.TestCase):
             _lib.timeout_ms(-1)
 
     def test_zero_does_not_wait_for_an_exporter(self):
-        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait=True))
+        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait_for_exporter=True))
         self.assertIsInstance(e, cudapool.Gone, "no exporter is there: at once, as without wait")
 
     def test_zero_does_not_wait_for_a_name(self):
@@ -496,6 +496,19 @@ class TimeoutConventionTest(unittest.TestCase):
             e = bounded(self, lambda: p.alloc(MiB, timeout=0))
             self.assertIsInstance(e, (cudapool.Timeout, cudapool.OutOfMemory))
             cudapool.free(a)
+
+
+class RenamedKeywordTest(unittest.TestCase):
+    """A keyword that makes a call wait for something to be there is wait_for_<thing>
+    (Go's WaitFor<Thing>); wait=, the former name of Importer's and Importer.open's,
+    still works, with a DeprecationWarning, and not beside the new one."""
+
+    def test_wait_is_wait_for_exporter(self):
+        with self.assertWarns(DeprecationWarning) as w, self.assertRaises(cudapool.Gone):
+            cudapool.Importer(socket_path("later"), timeout=0, wait=True)  # timeout 0: at once
+        self.assertIn("wait_for_exporter", str(w.warning))
+        with self.assertRaises(TypeError):
+            cudapool.Importer(socket_path("later"), timeout=0, wait_for_exporter=True, wait=True)
 
 
 class SharingTest(unittest.TestCase):
@@ -647,7 +660,7 @@ def open_with_timeout_zero(q, path):
     try:
         with cudapool.Importer(path, timeout=10) as imp:
             try:
-                imp.open("never", timeout=0, wait=True).release()
+                imp.open("never", timeout=0, wait_for_name=True).release()
                 q.put("opened")
             except cudapool.NotFound:
                 q.put("NotFound")
