@@ -15,11 +15,11 @@ const (
 	RecFree                     // visible GPU page Page was evicted (before it is reused)
 	RecHostSeal                 // host page Page holds Hash (after the copy into it completed)
 	RecHostFree                 // sealed host page Page was evicted (before it is refilled)
-	RecGrant                    // lease Lease granted to Holder: Write, Pages (a read lease's: Hashes)
+	RecLeased                   // lease Lease granted to Holder: Write, Pages (a read lease's: Hashes)
 	RecEnd                      // lease Lease ended
 )
 
-var kindNames = [...]string{"?", "seal", "free", "hostseal", "hostfree", "grant", "end"}
+var kindNames = [...]string{"?", "seal", "free", "hostseal", "hostfree", "leased", "end"}
 
 func (k Kind) String() string {
 	if int(k) < len(kindNames) {
@@ -34,11 +34,11 @@ type Record struct {
 	Kind   Kind
 	Page   uint32  // RecSeal, RecFree: a GPU page; RecHostSeal, RecHostFree: a host page
 	Hash   kv.Hash // RecSeal, RecHostSeal
-	Lease  LeaseID // RecGrant, RecEnd
-	Holder Holder  // RecGrant
-	Write  bool    // RecGrant
+	Lease  LeaseID // RecLeased, RecEnd
+	Holder Holder  // RecLeased
+	Write  bool    // RecLeased
 	Pages  []uint32
-	Hashes []kv.Hash // RecGrant of a read lease: the hashes of Pages
+	Hashes []kv.Hash // RecLeased of a read lease: the hashes of Pages
 }
 
 // CopyKind is what a copy moves.
@@ -98,9 +98,9 @@ func (t *Table) effects() Effects {
 // Seq is the sequence number of the last record t returned.
 func (t *Table) Seq() Seq { return t.seq }
 
-// grantRecord is lease l's grant.
-func grantRecord(l *lease) Record {
-	r := Record{Kind: RecGrant, Lease: l.id, Holder: l.holder, Write: l.write, Pages: slices.Clone(l.pages)}
+// leaseRecord is lease l's RecLeased record.
+func leaseRecord(l *lease) Record {
+	r := Record{Kind: RecLeased, Lease: l.id, Holder: l.holder, Write: l.write, Pages: slices.Clone(l.pages)}
 	if !l.write {
 		r.Hashes = slices.Clone(l.hashes)
 	}

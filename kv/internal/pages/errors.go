@@ -25,7 +25,7 @@ var (
 	// before the restart, or not with those pages and hashes.
 	ErrLost = errors.New("pages: lease lost")
 	// ErrJournal means the records a restart is given do not describe one state: a
-	// page out of range, a read grant of a page not sealed under its hash, a page in
-	// two grants.
+	// page out of range, a read lease of a page not sealed under its hash, a page in
+	// two leases.
 	ErrJournal = errors.New("pages: the journal is inconsistent")
 )

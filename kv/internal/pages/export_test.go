@@ -58,3 +58,14 @@ func LeavesFirst(t *Table) error {
 
 // Tail is the least recent evictable GPU page, or false.
 func Tail(t *Table) (uint32, bool) { return t.glru.tail, t.glru.tail != none }
+
+// Order is the GPU LRU list, most recent first, and the host one.
+func Order(t *Table) (gpu, host []uint32) {
+	for p := t.glru.head; p != none; p = t.g[p].next {
+		gpu = append(gpu, p)
+	}
+	for p := t.hlru.head; p != none; p = t.h[p].next {
+		host = append(host, p)
+	}
+	return gpu, host
+}

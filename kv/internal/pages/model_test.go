@@ -16,7 +16,7 @@ import (
 )
 
 var (
-	modelSeeds = flag.Int("model.seeds", 300, "TestModel: how many seeds to run")
+	modelSeeds = flag.Int("model.seeds", 0, "TestModel: how many seeds to run (0: 300, fewer under the race detector)")
 	modelSeed  = flag.Uint64("model.seed", 0, "TestModel: run this seed alone (replay a failure)")
 	modelSteps = flag.Int("model.steps", 600, "TestModel: operations per seed")
 	modelTrace = flag.Bool("model.trace", false, "TestModel: log every operation")
@@ -494,7 +494,7 @@ func (m *model) crash() {
 	m.restarts++
 	m.checkJournaled(rec)
 	granted := map[pages.LeaseID]bool{}
-	for _, g := range rec.Grants {
+	for _, g := range rec.Leases {
 		granted[g.Lease] = true
 	}
 	clear(m.redeclare)
@@ -544,7 +544,7 @@ func (m *model) checkJournaled(rec pages.Recovered) {
 			m.fail("restart: hash of host page %d not at it", p)
 		}
 	}
-	for _, g := range rec.Grants {
+	for _, g := range rec.Leases {
 		if info, ok := m.tab.Lease(g.Lease); !ok || !info.Stranded || info.Holder != g.Holder {
 			m.fail("restart: grant %d not stranded", g.Lease)
 		}
@@ -587,7 +587,7 @@ func (m *model) reattach() {
 		}
 	}
 	delete(m.redeclare, slot)
-	m.tab.Declared(m.holders[slot])
+	m.apply(m.tab.Declared(m.holders[slot]), nil)
 }
 
 // check is every invariant, after every step.
@@ -673,9 +673,13 @@ func (m *model) run(steps int) (err error) {
 // every invariant after every step. A failure names its seed: -model.seed=N replays it.
 func TestModel(t *testing.T) {
 	seeds := []uint64{*modelSeed}
+	n := *modelSeeds
+	if n == 0 {
+		n = 300 / slowdown
+	}
 	if *modelSeed == 0 {
 		seeds = seeds[:0]
-		for s := range *modelSeeds {
+		for s := range n {
 			seeds = append(seeds, uint64(s)+1)
 		}
 	}

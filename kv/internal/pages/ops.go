@@ -238,7 +238,7 @@ func (t *Table) Alloc(h Holder, n int) (LeaseID, []uint32, Effects, error) {
 	for _, p := range pages {
 		t.setState(p, Writing, l.id)
 	}
-	t.journal(grantRecord(l))
+	t.journal(leaseRecord(l))
 	t.must()
 	t.fx.Await = waits
 	return l.id, slices.Clone(pages), t.effects(), nil
@@ -442,7 +442,7 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 		}
 	}
 	if hosts == 0 {
-		t.journal(grantRecord(l))
+		t.journal(leaseRecord(l))
 		t.must()
 		return MatchResult{Lease: l.id, Pages: slices.Clone(pages)}, t.effects(), nil
 	}
@@ -575,7 +575,7 @@ func (t *Table) restoreDone(job *copyJob, ok bool) MatchResult {
 		t.dropLease(l)
 		return MatchResult{}
 	}
-	t.journal(grantRecord(l))
+	t.journal(leaseRecord(l))
 	t.must()
 	return MatchResult{Lease: l.id, Pages: slices.Clone(l.pages)}
 }

@@ -19,13 +19,13 @@ type PageHash struct {
 type Recovered struct {
 	Sealed []PageHash // sealed GPU pages, least recent first
 	Host   []PageHash // sealed host pages, least recent first
-	Grants []Record   // leases granted and not ended, by id
+	Leases []Record   // leases granted and not ended, by id
 	// Seq is the last record's sequence number: the table numbers on from it.
 	Seq Seq
 }
 
 // Replay applies records, in order, to an empty state: the sealed pages are those
-// sealed and not freed since, the host pages likewise, the grants those not ended. A
+// sealed and not freed since, the host pages likewise, the leases those granted and not ended. A
 // record that does not fit what came before (a page sealed twice, a page freed that
 // is not sealed, a lease granted twice) is an ErrJournal.
 func Replay(records []Record) (Recovered, error) {
@@ -34,7 +34,7 @@ func Replay(records []Record) (Recovered, error) {
 		seq  int
 	}
 	gpu, host := map[uint32]at{}, map[uint32]at{}
-	grants := map[LeaseID]Record{}
+	leases := map[LeaseID]Record{}
 	for i, r := range records {
 		var err error
 		switch r.Kind {
@@ -56,13 +56,13 @@ func Replay(records []Record) (Recovered, error) {
 				err = fmt.Errorf("%w: record %d frees page %d, not sealed", ErrJournal, i, r.Page)
 			}
 			delete(m, r.Page)
-		case RecGrant:
-			if _, dup := grants[r.Lease]; dup {
+		case RecLeased:
+			if _, dup := leases[r.Lease]; dup {
 				err = fmt.Errorf("%w: record %d grants lease %d again", ErrJournal, i, r.Lease)
 			}
-			grants[r.Lease] = r
+			leases[r.Lease] = r
 		case RecEnd:
-			delete(grants, r.Lease) // a lease may end unjournaled-granted: a stranded lease lost in a compaction
+			delete(leases, r.Lease) // an end may outlive its lease's record in a compaction
 		default:
 			err = fmt.Errorf("%w: record %d is of kind %d", ErrJournal, i, r.Kind)
 		}
@@ -82,19 +82,19 @@ func Replay(records []Record) (Recovered, error) {
 	if n := len(records); n > 0 {
 		rec.Seq = max(records[n-1].Seq, Seq(n))
 	}
-	for _, id := range slices.Sorted(maps.Keys(grants)) {
-		rec.Grants = append(rec.Grants, grants[id])
+	for _, id := range slices.Sorted(maps.Keys(leases)) {
+		rec.Leases = append(rec.Leases, leases[id])
 	}
 	return rec, nil
 }
 
 // Restart makes the table of a restart from rec, the journal's state: rec's sealed
-// pages and host pages, and each of its grants as a stranded lease of its holder, its
+// pages and host pages, and each of its leases as a stranded lease of its holder, its
 // pages out of reach (a write lease's) or held (a read lease's). The reattach window
 // is open while any holder has a stranded lease: until each has declared its leases
 // ([Table.Declared]) or is dead ([Table.HolderDead]), or [Table.CloseWindow]. A
 // stranded lease is the holder's again once it reattaches it ([Table.Reattach]) and
-// ends when its holder is dead. cfg.Epoch must be past every grant's. On failure
+// ends when its holder is dead. cfg.Epoch must be past every lease's. On failure
 // (ErrJournal, ErrInput) there is no table.
 func Restart(cfg Config, rec Recovered) (*Table, error) { return restart(cfg, rec, rules{}) }
 
@@ -114,8 +114,8 @@ func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
 			return nil, err
 		}
 	}
-	for _, r := range rec.Grants {
-		if err := t.restoreGrant(r); err != nil {
+	for _, r := range rec.Leases {
+		if err := t.restoreLease(r); err != nil {
 			return nil, err
 		}
 	}
@@ -168,10 +168,10 @@ func (t *Table) restoreHost(sp PageHash) error {
 	return nil
 }
 
-func (t *Table) restoreGrant(r Record) error {
+func (t *Table) restoreLease(r Record) error {
 	switch {
-	case r.Kind != RecGrant:
-		return fmt.Errorf("%w: a grant of kind %v", ErrJournal, r.Kind)
+	case r.Kind != RecLeased:
+		return fmt.Errorf("%w: a lease record of kind %v", ErrJournal, r.Kind)
 	case r.Lease.Epoch() >= t.cfg.Epoch:
 		return fmt.Errorf("%w: lease %d is of epoch %d, this table's is %d", ErrJournal, r.Lease, r.Lease.Epoch(), t.cfg.Epoch)
 	case len(r.Pages) == 0 || (!r.Write && len(r.Hashes) != len(r.Pages)):
@@ -229,9 +229,26 @@ func (t *Table) Reattach(h Holder, id LeaseID, write bool, pages []uint32, hashe
 	return nil
 }
 
-// Declared says that h has reattached every lease it holds: the window no longer
-// waits for it, and closes once it waits for no one.
-func (t *Table) Declared(h Holder) {
+// Declared says that h has reattached every lease whose pages it may still touch:
+// its stranded leases left are given back (ended: a write lease's pages freed, a read
+// lease's let go), the window no longer waits for it and closes once it waits for no
+// one. A holder re-declares every lease it holds, sealed and released ones whose
+// answer it did not get included; one whose answer it never got it never
+// touched.
+func (t *Table) Declared(h Holder) Effects {
+	t.expect(h)
+	if hd := t.holders[h]; hd != nil {
+		for _, id := range slices.Sorted(maps.Keys(hd.leases)) {
+			if l := hd.leases[id]; l.state == stranded {
+				t.endDead(l)
+			}
+		}
+	}
+	return t.effects()
+}
+
+// expect stops waiting for h.
+func (t *Table) expect(h Holder) {
 	delete(t.expected, h)
 	if len(t.expected) == 0 {
 		t.window = false
@@ -256,7 +273,7 @@ func (t *Table) Expected() []Holder {
 // freed (pages it sealed whose work was pending publish nothing), its read leases let
 // go, its restores in flight answer no one. The window no longer waits for it.
 func (t *Table) HolderDead(h Holder) Effects {
-	t.Declared(h)
+	t.expect(h)
 	hd := t.holders[h]
 	if hd == nil {
 		return t.effects()
@@ -296,8 +313,8 @@ func (t *Table) endDead(l *lease) {
 }
 
 // Snapshot is the records that rebuild t's state from nothing, for a compaction: a
-// seal per sealed GPU page and per sealed host page, least recent first, and a grant
-// per lease granted. It costs O(pages in use).
+// seal per sealed GPU page and per sealed host page, least recent first, and a RecLeased
+// record per lease. It costs O(pages in use).
 func (t *Table) Snapshot() []Record {
 	var out []Record
 	for _, p := range slices.Sorted(maps.Values(t.index)) {
@@ -323,8 +340,8 @@ func (t *Table) Snapshot() []Record {
 		}
 	}
 	for _, id := range slices.Sorted(maps.Keys(t.leases)) {
-		if l := t.leases[id]; l.state != restoring {
-			out = append(out, grantRecord(l))
+		if l := t.leases[id]; l.state != restoring && (l.state != sealing || !t.rules.endAtSeal) {
+			out = append(out, leaseRecord(l))
 		}
 	}
 	return out

@@ -29,24 +29,30 @@
 // is held and goes back to the head when the last holder lets go, the deepest page of
 // a lease first, so that a parent stays more recent than its child and eviction takes
 // a chain's leaves first (callers lease runs from a chain's root). Eviction,
-// allocation and every count are O(1) or O(pages asked); nothing walks the slab.
+// allocation and every count are O(1) or O(pages asked), a spill's pick O(the pages
+// it looks ahead), a seal's touch of its ancestors O(the chain); nothing walks the
+// slab but [Table.Snapshot] and [Table.Check].
 //
 // # Journal and restart
 //
-// Records are journaled in the order an operation returns them. An eviction (Free) is
-// in the journal before its page is handed out (the reply waits for its sequence
-// number); a host page is journaled sealed (HostSeal) only once the copy into it has
-// completed, and evicted (HostFree) before a copy refills it (the copy waits). Every
-// lease is journaled when granted (Grant, before the reply) and when it ends (End): a
-// write lease ends only once its writer's work has completed or the writer is dead,
-// never at its seal. [Restart] rebuilds a table from the journaled records exactly:
-// the sealed pages, the host pages, and each lease granted and not ended, stranded:
-// its pages out of reach (a write lease's) or held (a read lease's) until its holder,
-// the same process, reattaches it ([Table.Reattach]) or is dead. A Reattach is
-// accepted only for a stranded lease of that holder with the same pages (and hashes),
-// however late; no page of a stranded write lease is reused while its holder lives.
-// Until the reattach window closes, Alloc and Match (and so every restore) answer
-// [ErrWait].
+// Records are journaled in the order an operation returns them. An eviction
+// (RecFree) is in the journal before its page is handed out (the reply waits for its
+// sequence number); a host page is journaled sealed (RecHostSeal) only once the copy
+// into it has completed, and evicted (RecHostFree) before a copy refills it (the copy
+// waits). Every lease is journaled when granted (RecLeased, before the reply) and
+// when it ends (RecEnd): a write lease ends only once its writer's work has completed
+// or the writer is dead, never at its seal, and its end goes before its pages' seals.
+//
+// [Restart] rebuilds a table from the journaled records exactly: the sealed pages,
+// the host pages, and each lease granted and not ended, as a stranded lease of its
+// holder (a process: pid and start time): a write lease's pages out of reach, a read
+// lease's held. A stranded lease is its holder's again when that holder reattaches it
+// with the same pages and hashes ([Table.Reattach]), however late; it ends when the
+// holder is dead ([Table.HolderDead]) or declares that it has re-declared all it
+// holds ([Table.Declared]): no page of a write lease from before the restart is
+// reused while its writer may still write it. Until the reattach window closes
+// ([Table.CloseWindow], or every holder expected back declared or died), Alloc and
+// Match, and so every restore, answer [ErrWait].
 package pages
 
 import (
