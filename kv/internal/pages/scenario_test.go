@@ -123,6 +123,17 @@ func TestRestoreWaitsForWindow(t *testing.T) {
 	assert.False(t, restoreTakesHeldPages(t, pages.Rules{NoStrand: true}), "the window alone protects within it")
 }
 
+// writing is a table of cfg and r whose writer holds a write lease of 2 pages.
+func writing(t *testing.T, cfg pages.Config, r pages.Rules) (*pages.Table, *journal, pages.LeaseID, []uint32) {
+	tab, err := pages.NewWith(cfg, r)
+	require.NoError(t, err)
+	j := &journal{}
+	id, held, fx, err := tab.Alloc(writer, 2)
+	require.NoError(t, err)
+	j.add(fx)
+	return tab, j, id, held
+}
+
 // lateReattachOverReuse: a writer holds a write lease when the owner dies and
 // reattaches only after the grace. Meanwhile another replica allocates, writes and
 // gives back pages. It reports whether the late Reattach was kept over pages that
@@ -130,14 +141,9 @@ func TestRestoreWaitsForWindow(t *testing.T) {
 // runs).
 func lateReattachOverReuse(t *testing.T, r pages.Rules) bool {
 	cfg := pages.Config{Pages: 4, Epoch: 1}
-	tab, err := pages.NewWith(cfg, r)
-	require.NoError(t, err)
-	var j journal
-	id, held, fx, err := tab.Alloc(writer, 2)
-	require.NoError(t, err)
-	j.add(fx)
+	_, j, id, held := writing(t, cfg, r)
 
-	tab = j.restart(t, cfg, r)
+	tab := j.restart(t, cfg, r)
 	tab.CloseWindow() // the grace passed
 	reused := false
 	for n := 4; n >= 1; n-- {
@@ -151,7 +157,7 @@ func lateReattachOverReuse(t *testing.T, r pages.Rules) bool {
 		j.add(must(tab.ReleaseDone(oid)))
 		break
 	}
-	err = tab.Reattach(writer, id, true, held, nil)
+	err := tab.Reattach(writer, id, true, held, nil)
 	require.NoError(t, tab.Check())
 	return err == nil && reused
 }
@@ -167,15 +173,10 @@ func TestLateReattachKeepsNoReusedPage(t *testing.T) {
 // on pages given to others, every such round).
 func sealOutlivesOwner(t *testing.T, r pages.Rules) bool {
 	cfg := pages.Config{Pages: 3, Epoch: 1}
-	tab, err := pages.NewWith(cfg, r)
-	require.NoError(t, err)
-	var j journal
-	id, held, fx, err := tab.Alloc(writer, 2)
-	require.NoError(t, err)
-	j.add(fx)
-	j.add(must(tab.Seal(writer, id, []kv.Hash{chainHash(2, 0), chainHash(2, 1)}, pages.NoRef)))
+	before, j, id, held := writing(t, cfg, r)
+	j.add(must(before.Seal(writer, id, []kv.Hash{chainHash(2, 0), chainHash(2, 1)}, pages.NoRef)))
 
-	tab = j.restart(t, cfg, r)
+	tab := j.restart(t, cfg, r)
 	tab.CloseWindow() // the writer is slow to come back
 	_, got, _, err := tab.Alloc(other, 3)
 	if err != nil {
