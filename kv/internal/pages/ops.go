@@ -190,7 +190,7 @@ func (t *Table) publish(p uint32, h kv.Hash, parent Ref) (uint32, bool) {
 	t.index[h] = p
 	t.journal(Record{Kind: RecSeal, Page: p, Hash: h})
 	t.stats.Seals++
-	if hp, ok := t.hindex[h]; ok && t.h[hp].gpu == none { // its bytes are on the host already
+	if hp, ok := t.hostHolds(h); ok && t.h[hp].gpu == none { // its bytes are on the host already
 		t.hleave(hp)
 		t.h[hp].gpu = p
 		t.henter(hp)
@@ -198,6 +198,16 @@ func (t *Table) publish(p uint32, h kv.Hash, parent Ref) (uint32, bool) {
 	}
 	t.enter(p)
 	return p, true
+}
+
+// hostHolds says which sealed host page holds h, without a lookup where there is no
+// host tier.
+func (t *Table) hostHolds(h kv.Hash) (uint32, bool) {
+	if len(t.h) == 0 {
+		return 0, false
+	}
+	hp, ok := t.hindex[h]
+	return hp, ok
 }
 
 // maxAncestors bounds the walk of touchAncestors.
@@ -404,7 +414,7 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 	for _, hh := range hashes {
 		if p, ok := t.index[hh]; ok {
 			run = append(run, step{p, none})
-		} else if hp, ok := t.hindex[hh]; ok {
+		} else if hp, ok := t.hostHolds(hh); ok {
 			run = append(run, step{none, hp})
 			hosts++
 		} else {
