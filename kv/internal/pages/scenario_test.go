@@ -384,3 +384,53 @@ func TestReplayRefusesContradictions(t *testing.T) {
 	_, err = pages.Restart(pages.Config{Pages: 4, Epoch: 2}, rec)
 	assert.ErrorIs(t, err, pages.ErrJournal, "a page out of range")
 }
+
+// A copy between devices is the owner's own pair of leases: visible on the second
+// device once sealed there, and ended, with the pages freed, by the next owner when
+// the copier died mid-copy.
+func TestCrossDeviceCopy(t *testing.T) {
+	cfg := pages.Config{Pages: 4, Epoch: 1}
+	a, err := pages.New(cfg)
+	require.NoError(t, err)
+	b, err := pages.New(cfg)
+	require.NoError(t, err)
+	var ja, jb journal
+	hs := []kv.Hash{chainHash(20, 0), chainHash(20, 1)}
+	src := seal(t, a, &ja, writer, hs...)
+	copier := pages.Holder{PID: 1, Start: 99} // the owner itself
+
+	res, fx, err := a.Match(copier, hs)
+	require.NoError(t, err)
+	ja.add(fx)
+	require.Equal(t, src, res.Pages)
+	id, dst, fx, err := b.Alloc(copier, len(hs))
+	require.NoError(t, err)
+	jb.add(fx)
+	// (the copy from src to dst)
+	jb.add(must(b.Seal(copier, id, hs, pages.NoRef)))
+	_, _, fx, err = b.SealDone(id, true)
+	require.NoError(t, err)
+	jb.add(fx)
+	require.NoError(t, a.Release(copier, res.Lease))
+	ja.add(must(a.ReleaseDone(res.Lease)))
+	got, fx, err := b.Match(reader, hs)
+	require.NoError(t, err)
+	jb.add(fx)
+	assert.Equal(t, dst, got.Pages)
+
+	// The owner dies mid-copy: its successor ends the copier's leases on both.
+	res, fx, err = a.Match(copier, hs)
+	require.NoError(t, err)
+	ja.add(fx)
+	_, _, fx, err = b.Alloc(copier, 2)
+	require.NoError(t, err)
+	jb.add(fx)
+	a2, b2 := ja.restart(t, cfg, pages.Rules{}), jb.restart(t, cfg, pages.Rules{})
+	assert.Contains(t, b2.Expected(), copier)
+	jb.add(b2.HolderDead(copier))
+	ja.add(a2.HolderDead(copier))
+	assert.Equal(t, 2, b2.Stats().Free, "the copy's pages")
+	assert.Equal(t, 0, a2.Stats().Leased, "the copy's source")
+	require.NoError(t, a2.Check())
+	require.NoError(t, b2.Check())
+}

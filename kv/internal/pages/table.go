@@ -33,6 +33,15 @@
 // it looks ahead), a seal's touch of its ancestors O(the chain); nothing walks the
 // slab but [Table.Snapshot] and [Table.Check].
 //
+// # Devices
+//
+// A table is one device's. A copy between devices is the owner's own work, as a
+// holder of its own (its process): a read lease of the source pages on the source's
+// table (Match), a write lease of as many pages on the destination's (Alloc), the
+// copy, then Seal and SealDone on the destination and Release and ReleaseDone on the
+// source. An owner that dies mid-copy leaves both leases stranded under a holder that
+// is dead, which its successor ends ([Table.HolderDead]).
+//
 // # Journal and restart
 //
 // Records are journaled in the order an operation returns them. An eviction
