@@ -20,6 +20,10 @@ type Recovered struct {
 	Sealed []PageHash // sealed GPU pages, least recent first
 	Host   []PageHash // sealed host pages, least recent first
 	Leases []Record   // leases granted and not ended, by id
+	// Replicas counts, by holder, the connections (replicas) each holder had: each
+	// declares on its own ([Table.Declared]). A holder with leases and no count here
+	// had one. Replay leaves it nil: the caller's attach records say.
+	Replicas map[Holder]int
 	// Seq is the last record's sequence number: the table numbers on from it.
 	Seq Seq
 }
@@ -131,6 +135,9 @@ func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
 			t.hfree = append(t.hfree, uint32(p))
 		}
 	}
+	for h := range t.expected {
+		t.expected[h] = max(1, rec.Replicas[h])
+	}
 	t.window = len(t.expected) > 0
 	return t, nil
 }
@@ -197,7 +204,7 @@ func (t *Table) restoreLease(r Record) error {
 	}
 	t.addLease(&lease{id: r.Lease, holder: r.Holder, write: r.Write, state: stranded,
 		pages: slices.Clone(r.Pages), hashes: slices.Clone(r.Hashes), parent: NoRef})
-	t.expected[r.Holder] = struct{}{}
+	t.expected[r.Holder] = 1
 	return nil
 }
 
@@ -229,13 +236,17 @@ func (t *Table) Reattach(h Holder, id LeaseID, write bool, pages []uint32, hashe
 	return nil
 }
 
-// Declared says that h has reattached every lease whose pages it may still touch:
-// its stranded leases left are given back (ended: a write lease's pages freed, a read
-// lease's let go), the window no longer waits for it and closes once it waits for no
-// one. A holder re-declares every lease it holds, sealed and released ones whose
-// answer it did not get included; one whose answer it never got it never
-// touched.
+// Declared says that one replica (connection) of h has reattached every lease whose
+// pages it may still touch. Once every replica of h has (Recovered.Replicas), h's
+// stranded leases left are given back (ended: a write lease's pages freed, a read
+// lease's let go), and the window no longer waits for h; it closes once it waits for
+// no one. A replica re-declares every lease it holds, sealed and released ones whose
+// answer it did not get included; one whose answer it never got it never touched.
 func (t *Table) Declared(h Holder) Effects {
+	if n, ok := t.expected[h]; ok && n > 1 {
+		t.expected[h] = n - 1
+		return t.effects()
+	}
 	t.expect(h)
 	if hd := t.holders[h]; hd != nil {
 		for _, id := range slices.Sorted(maps.Keys(hd.leases)) {
@@ -256,11 +267,10 @@ func (t *Table) expect(h Holder) {
 }
 
 // CloseWindow closes the reattach window (its grace has passed). Stranded leases stay
-// stranded: their pages stay out of reach until their holders reattach them or die.
-func (t *Table) CloseWindow() {
-	clear(t.expected)
-	t.window = false
-}
+// stranded, their pages out of reach, until their holders reattach them, declare, or
+// die; a holder that had several replicas still gives its leases back only once each
+// has declared.
+func (t *Table) CloseWindow() { t.window = false }
 
 // Expected are the holders the window waits for, sorted.
 func (t *Table) Expected() []Holder {

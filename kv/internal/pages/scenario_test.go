@@ -434,3 +434,36 @@ func TestCrossDeviceCopy(t *testing.T) {
 	require.NoError(t, a2.Check())
 	require.NoError(t, b2.Check())
 }
+
+// A holder with several replicas gives its stranded leases back only once each has
+// declared: the first to declare does not end the others' leases.
+func TestDeclaredWaitsForEveryReplica(t *testing.T) {
+	cfg := pages.Config{Pages: 4, Epoch: 1}
+	tab, err := pages.New(cfg)
+	require.NoError(t, err)
+	var j journal
+	id1, p1, fx, err := tab.Alloc(writer, 2)
+	require.NoError(t, err)
+	j.add(fx)
+	id2, p2, fx, err := tab.Alloc(writer, 2)
+	require.NoError(t, err)
+	j.add(fx)
+	rec, err := pages.Replay(j.recs)
+	require.NoError(t, err)
+	rec.Replicas = map[pages.Holder]int{writer: 2}
+	cfg.Epoch++
+	tab, err = pages.Restart(cfg, rec)
+	require.NoError(t, err)
+
+	require.NoError(t, tab.Reattach(writer, id1, true, p1, nil))
+	tab.Declared(writer)
+	assert.True(t, tab.Window(), "the second replica has not declared")
+	tab.CloseWindow()
+	_, _, _, err = tab.Alloc(other, 1)
+	require.ErrorIs(t, err, pages.ErrNoSpace, "the second replica's pages stay out of reach")
+	require.NoError(t, tab.Reattach(writer, id2, true, p2, nil), "late, its lease intact")
+	tab.Declared(writer)
+	leases, _ := tab.Load(writer)
+	assert.Equal(t, 2, leases)
+	require.NoError(t, tab.Check())
+}

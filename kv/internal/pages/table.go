@@ -194,7 +194,7 @@ type Table struct {
 	seq    Seq
 
 	window   bool
-	expected map[Holder]struct{}
+	expected map[Holder]int // holders with stranded leases: their replicas yet to declare
 
 	count  [nStates]int
 	hcount [nHostStates]int
@@ -231,7 +231,7 @@ func New(cfg Config) (*Table, error) {
 	t := &Table{cfg: cfg, g: make([]gpage, cfg.Pages), h: make([]hpage, cfg.HostPages),
 		index: make(map[kv.Hash]uint32), hindex: make(map[kv.Hash]uint32),
 		leases: make(map[LeaseID]*lease), holders: make(map[Holder]*holder),
-		copies: make(map[CopyID]*copyJob), expected: make(map[Holder]struct{}),
+		copies: make(map[CopyID]*copyJob), expected: make(map[Holder]int),
 		glru: list{head: none, tail: none}, hlru: list{head: none, tail: none},
 		next: LeaseID(cfg.Epoch << 40)}
 	t.free = make([]uint32, cfg.Pages)
