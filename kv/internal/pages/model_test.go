@@ -66,26 +66,28 @@ type reply struct {
 // memory of every page (which hash's bytes it holds), moved only by the writers'
 // finished work and by copies.
 type model struct {
-	t         *testing.T
-	r         *rand.Rand
-	cfg       pages.Config
-	rules     pages.Rules
-	tab       *pages.Table
-	holders   []pages.Holder
-	starts    uint64
-	leases    map[pages.LeaseID]*mlease
-	replies   []reply
-	inflight  map[pages.CopyID]pages.Copy
-	done      map[pages.CopyID]bool
-	records   []pages.Record
-	durable   int
-	gmem      []kv.Hash
-	hmem      []kv.Hash
-	mayWrite  map[uint32]*mlease // pages a live writer's work may still land on
-	redeclare map[int][]*mlease  // after a restart: what each slot re-declares
-	chains    int
-	restarts  int
-	step      int
+	t           *testing.T
+	r           *rand.Rand
+	cfg         pages.Config
+	rules       pages.Rules
+	tab         *pages.Table
+	holders     []pages.Holder
+	starts      uint64
+	leases      map[pages.LeaseID]*mlease
+	replies     []reply
+	inflight    map[pages.CopyID]pages.Copy
+	done        map[pages.CopyID]bool
+	records     []pages.Record
+	durable     int
+	gmem        []kv.Hash
+	hmem        []kv.Hash
+	mayWrite    map[uint32]*mlease // pages a live writer's work may still land on
+	redeclare   map[int][]*mlease  // after a restart: what each slot re-declares
+	chains      int
+	restarts    int
+	step        int
+	lastSeq     pages.Seq // the latest record's number
+	compactions int
 }
 
 func newModel(t *testing.T, seed uint64, rules pages.Rules) *model {
@@ -122,9 +124,10 @@ func (m *model) fail(f string, a ...any) {
 func (m *model) apply(fx pages.Effects, l *mlease) {
 	m.logf("effects %+v", fx)
 	for _, r := range fx.Records {
-		if int(r.Seq) != len(m.records)+1 {
-			m.fail("record %v numbered %d after %d records", r.Kind, r.Seq, len(m.records))
+		if r.Seq != m.lastSeq+1 {
+			m.fail("record %v numbered %d after %d", r.Kind, r.Seq, m.lastSeq)
 		}
+		m.lastSeq = r.Seq
 		m.records = append(m.records, r)
 		if r.Kind == pages.RecFree || r.Kind == pages.RecHostFree {
 			m.checkNotHeld(r)
@@ -362,7 +365,7 @@ func (m *model) copyDone() {
 }
 
 func (m *model) startable(c pages.Copy) bool {
-	if int(c.After) > m.durable {
+	if c.After > m.durableSeq() {
 		return false
 	}
 	for _, w := range c.Wait {
@@ -422,12 +425,31 @@ func (m *model) dropEmptyRestores() {
 
 func (m *model) flush() { m.durable += m.r.IntN(len(m.records) - m.durable + 1) }
 
+// durableSeq is the number of the last record on disk.
+func (m *model) durableSeq() pages.Seq {
+	if m.durable == 0 {
+		return 0
+	}
+	return m.records[m.durable-1].Seq
+}
+
+// compact rewrites a journal that is all on disk as the table's snapshot, its last
+// record numbered as the table's latest.
+func (m *model) compact() {
+	if m.durable != len(m.records) {
+		return
+	}
+	m.records = append(m.tab.Snapshot(), pages.Record{Kind: pages.RecEnd, Seq: m.tab.Seq()})
+	m.durable = len(m.records)
+	m.compactions++
+}
+
 // deliver sends the answers whose effects are done: a write lease's pages may now be
 // written, a read lease's read.
 func (m *model) deliver() {
 	keep := m.replies[:0]
 	for _, rp := range m.replies {
-		ready := int(rp.wait) <= m.durable
+		ready := rp.wait <= m.durableSeq()
 		for _, c := range rp.await {
 			ready = ready && m.done[c]
 		}
@@ -485,6 +507,7 @@ func (m *model) crash() {
 	if err != nil {
 		m.fail("replay: %v", err)
 	}
+	m.lastSeq = rec.Seq
 	m.cfg.Epoch++
 	tab, err := pages.RestartWith(m.cfg, rec, m.rules)
 	if err != nil {
@@ -648,8 +671,10 @@ func (m *model) run(steps int) (err error) {
 			m.releaseDone()
 		case k < 74:
 			m.copyDone()
-		case k < 80:
+		case k < 79:
 			m.flush()
+		case k < 80:
+			m.compact()
 		case k < 88:
 			m.deliver()
 		case k < 92:
@@ -683,15 +708,16 @@ func TestModel(t *testing.T) {
 			seeds = append(seeds, uint64(s)+1)
 		}
 	}
-	restarts := 0
+	restarts, compactions := 0, 0
 	for _, seed := range seeds {
 		m := newModel(t, seed, pages.Rules{})
 		if err := m.run(*modelSteps); err != nil {
 			t.Fatalf("seed %d: %v\nreplay: go test ./kv/internal/pages -run 'TestModel$' -model.seed=%d -model.trace", seed, err, seed)
 		}
 		restarts += m.restarts
+		compactions += m.compactions
 	}
-	t.Logf("%d seeds, %d restarts", len(seeds), restarts)
+	t.Logf("%d seeds, %d restarts, %d compactions", len(seeds), restarts, compactions)
 }
 
 func mapsKeys[K comparable, V any](m map[K]V) func(func(K) bool) {

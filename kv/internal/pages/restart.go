@@ -83,8 +83,11 @@ func Replay(records []Record) (Recovered, error) {
 	}
 	var rec Recovered
 	rec.Sealed, rec.Host = order(gpu), order(host)
-	if n := len(records); n > 0 {
-		rec.Seq = max(records[n-1].Seq, Seq(n))
+	for _, r := range records { // a snapshot's records carry no number but its last
+		rec.Seq = max(rec.Seq, r.Seq)
+	}
+	if rec.Seq == 0 {
+		rec.Seq = Seq(len(records))
 	}
 	for _, id := range slices.Sorted(maps.Keys(leases)) {
 		rec.Leases = append(rec.Leases, leases[id])
