@@ -467,3 +467,20 @@ func TestDeclaredWaitsForEveryReplica(t *testing.T) {
 	assert.Equal(t, 2, leases)
 	require.NoError(t, tab.Check())
 }
+
+// Fill counts as Stats does, and as a recount would.
+func TestFill(t *testing.T) {
+	tab, err := pages.New(pages.Config{Pages: 4, HostPages: 2, Epoch: 1})
+	require.NoError(t, err)
+	var j journal
+	seal(t, tab, &j, writer, chainHash(30, 0), chainHash(30, 1))
+	spillAll(t, tab, &j)
+	_, _, fx, err := tab.Alloc(other, 1)
+	require.NoError(t, err)
+	j.add(fx)
+	st := kv.DeviceStats{Host: &kv.HostStats{}}
+	tab.Fill(&st)
+	assert.Equal(t, kv.DeviceStats{Pages: 4, Free: 1, Writing: 1, Sealed: 2, Seals: 2,
+		Host: &kv.HostStats{Pages: 2, Sealed: 2, Twins: 2, Spills: 2}}, st)
+	require.NoError(t, tab.Check())
+}

@@ -415,3 +415,19 @@ func (t *Table) HostLookup(h kv.Hash) (uint32, bool) {
 	p, ok := t.hindex[h]
 	return p, ok
 }
+
+// Ref is GPU page p's Ref in its current life: a seal's parent.
+func (t *Table) Ref(p uint32) Ref { return t.ref(p) }
+
+// Fill sets st's page counts and counters from t, in O(1), and its host tier's where
+// st.Host is set; the rest (bytes, times, the copy path, Hits by other means) is the
+// caller's.
+func (t *Table) Fill(st *kv.DeviceStats) {
+	st.Pages, st.Free, st.Writing, st.Sealing = len(t.g), t.count[Free], t.count[Writing], t.count[Sealing]
+	st.Sealed, st.Settling, st.Leased, st.Releasing = t.count[Sealed], t.count[Settling], t.leased, t.releasing
+	st.Hits, st.Misses, st.Evictions, st.Seals, st.Duplicates = t.stats.Hits, t.stats.Misses, t.stats.Evictions, t.stats.Seals, t.stats.Duplicates
+	if h := st.Host; h != nil {
+		h.Pages, h.Free, h.Filling, h.Sealed, h.Twins = len(t.h), t.hcount[HostFree], t.hcount[HostFilling], t.hcount[HostSealed], t.twins
+		h.Spills, h.Restores, h.Spilled, h.Lost, h.Evictions = t.stats.Spills, t.stats.Restores, t.stats.Spilled, t.stats.HostLost, t.stats.HostEvictions
+	}
+}
