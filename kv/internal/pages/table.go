@@ -8,6 +8,21 @@
 // reports each completion with another operation ([Table.CopyDone], [Table.SealDone],
 // [Table.ReleaseDone], [Table.HolderDead]).
 //
+// # The caller
+//
+// The owner holds one lock around each operation of a device's table and performs
+// the Effects after it, outside the lock: it queues the records in the journal in
+// Seq order (a record queued is one a restart sees once it is on disk), starts each
+// copy once the journal is on disk through its After and the copies it names in Wait
+// have completed, and answers the replica only once the journal is on disk through
+// Wait and the copies in Await have completed. It reports a copy's end with CopyDone,
+// a replica's event (after a seal or a release) with SealDone or ReleaseDone, a
+// replica's exit with HolderDead, and, after a restart, each replica's re-declared
+// leases with Reattach and Declared, and the grace's end with CloseWindow. An
+// operation that answers ErrWait or ErrSettling is asked again once the window has
+// closed or pages have settled. Caps (leases, pages per replica) are the caller's:
+// Load says what a holder holds.
+//
 // # Pages
 //
 // A GPU page is free, writing (under a write lease, or the table's own restore
