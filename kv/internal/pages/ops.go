@@ -257,7 +257,8 @@ func (t *Table) Alloc(h Holder, n int) (LeaseID, []uint32, Effects, error) {
 // Seal ends h's write lease id's writing: its first len(hashes) pages are to be
 // visible under hashes, the first continuing the chain at parent (NoRef: none), the
 // rest freed, once the writer's work has completed ([Table.SealDone]). Until then the
-// pages are out of reach and the lease is h's.
+// pages are out of reach and the lease is h's. ErrStale for a lease that is not h's
+// held write lease, ErrInput for more hashes than pages; nothing changed then.
 func (t *Table) Seal(h Holder, id LeaseID, hashes []kv.Hash, parent Ref) (Effects, error) {
 	l, err := t.find(h, id, held)
 	if err == nil && !l.write {
@@ -286,7 +287,8 @@ func (t *Table) Seal(h Holder, id LeaseID, hashes []kv.Hash, parent Ref) (Effect
 // SealDone settles sealed lease id once its writer's work has completed (published)
 // or its writer is dead (not published): the pages become visible (those whose hash
 // is visible already are freed, duplicates), or are freed. It returns how many became
-// visible and how many were duplicates.
+// visible and how many were duplicates. ErrStale, with nothing changed, for a lease
+// that is not sealing.
 func (t *Table) SealDone(id LeaseID, published bool) (visible, dups int, fx Effects, err error) {
 	l, ok := t.leases[id]
 	if !ok || l.state != sealing {
@@ -338,7 +340,8 @@ func (t *Table) settleSeal(l *lease, published bool, visible, dups *int) {
 
 // Release ends h's lease id once the holder's work on it has completed
 // ([Table.ReleaseDone]): a read lease's pages are neither evicted nor reused, a
-// write lease's not reused, until then.
+// write lease's not reused, until then. ErrStale, with nothing changed, for a lease
+// that is not h's, or not held (sealing, releasing, restoring, stranded).
 func (t *Table) Release(h Holder, id LeaseID) error {
 	l, err := t.find(h, id, held)
 	if err != nil {
@@ -360,6 +363,7 @@ func (t *Table) Release(h Holder, id LeaseID) error {
 }
 
 // ReleaseDone ends released lease id: its holder's work on the pages has completed.
+// ErrStale, with nothing changed, for a lease that is not releasing.
 func (t *Table) ReleaseDone(id LeaseID) (Effects, error) {
 	l, ok := t.leases[id]
 	if !ok || l.state != releasing {
@@ -486,7 +490,9 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 // CopyDone reports that copy id has completed (ok) or failed. A spill's host pages
 // are journaled sealed (or freed); a restore's GPU pages become visible (or are
 // freed, and its match ends before the first) and its lease is granted: res is the
-// match's answer, to be sent once the effects are done.
+// match's answer, to be sent once the effects are done (Lease 0: the match leases
+// nothing, or its holder died). ErrInput, with nothing changed, for a copy not in
+// flight.
 func (t *Table) CopyDone(id CopyID, ok bool) (res MatchResult, fx Effects, err error) {
 	job, found := t.copies[id]
 	if !found {
