@@ -51,8 +51,9 @@ type mlease struct {
 	delivered bool // its answer came: the holder uses it
 	sealing   bool
 	releasing bool
-	lost      bool // refused at a reattach: its writes may still land
-	stranded  bool // held across a restart, not re-declared yet
+	lost      bool      // refused at a reattach: its writes may still land
+	stranded  bool      // held across a restart, not re-declared yet
+	asked     []kv.Hash // a match's hashes, while its restore runs
 }
 
 // reply is an answer the caller holds until its effects are done.
@@ -223,7 +224,9 @@ func (m *model) alloc() {
 	l := &mlease{id: id, slot: slot, write: true, pages: got, chain: m.r.IntN(m.chains), parent: pages.NoRef}
 	// Continue a chain this holder reads, where it holds a run of it: as a replica
 	// that matched a prefix seals what follows.
-	if rl := m.pick(func(o *mlease) bool { return o.slot == slot && !o.write && o.delivered && !o.releasing && !o.lost }); rl != nil && m.r.IntN(2) == 0 {
+	if rl := m.pick(func(o *mlease) bool {
+		return o.slot == slot && !o.write && o.delivered && !o.releasing && !o.lost && isPrefix(o.hashes)
+	}); rl != nil && m.r.IntN(2) == 0 {
 		last := len(rl.pages) - 1
 		_, _, gen := m.tab.Page(rl.pages[last])
 		l.chain, l.from, l.parent = hashChain(rl.hashes[0]), last+1, pages.Ref{Page: rl.pages[last], Gen: gen}
@@ -233,6 +236,16 @@ func (m *model) alloc() {
 }
 
 func hashChain(h kv.Hash) int { return int(binary.LittleEndian.Uint32(h[0:])) - 1 }
+
+// isPrefix says whether hs is a chain's first len(hs) hashes, each once.
+func isPrefix(hs []kv.Hash) bool {
+	for i, h := range hs {
+		if h != chainHash(hashChain(hs[0]), i) {
+			return false
+		}
+	}
+	return true
+}
 
 func (m *model) seal() {
 	l := m.pick(func(l *mlease) bool {
@@ -284,7 +297,11 @@ func (m *model) endWrite(l *mlease) {
 func (m *model) match() {
 	slot := m.r.IntN(len(m.holders))
 	c := m.r.IntN(m.chains)
-	res, fx, err := m.tab.Match(m.holders[slot], m.hashes(c, 0, 1+m.r.IntN(6)))
+	hashes := m.hashes(c, 0, 1+m.r.IntN(6))
+	if m.r.IntN(8) == 0 { // a hash listed twice
+		hashes = append(hashes, hashes[m.r.IntN(len(hashes))])
+	}
+	res, fx, err := m.tab.Match(m.holders[slot], hashes)
 	switch {
 	case m.tab.Window() && !errors.Is(err, pages.ErrWait) && !m.rules.RestoreInWindow:
 		m.fail("match in the window: %v", err)
@@ -302,11 +319,11 @@ func (m *model) match() {
 	l := &mlease{id: res.Lease, slot: slot, pages: res.Pages}
 	m.leases[l.id] = l
 	if res.Pending {
-		l.chain = c
+		l.chain, l.asked = c, hashes
 		m.apply(fx, nil)
 		return
 	}
-	l.hashes = m.hashes(c, 0, len(res.Pages))
+	l.hashes = hashes[:len(res.Pages)]
 	m.apply(fx, l)
 }
 
@@ -407,7 +424,7 @@ func (m *model) pendingRestore(res pages.MatchResult) *mlease {
 		}
 		if l.id == res.Lease {
 			l.pages = res.Pages
-			l.hashes = m.hashes(l.chain, 0, len(res.Pages))
+			l.hashes = l.asked[:len(res.Pages)]
 			return l
 		}
 	}

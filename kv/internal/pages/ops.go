@@ -399,18 +399,12 @@ type MatchResult struct {
 // GPU tier holds or the host tier does. Host-tier pages are restored into GPU pages
 // taken as Alloc takes them (if the GPU tier has no room, the run ends before the
 // first); the answer then waits for the copy, and the lease is granted at
-// [Table.CopyDone]. The reply waits for the effects. ErrWait in the reattach window,
-// ErrInput for a hash listed twice; nothing changed then.
+// [Table.CopyDone]. The reply waits for the effects. A hash listed twice is leased
+// twice (its page counts two readers, until the lease ends). ErrWait in the reattach
+// window, with nothing changed.
 func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) {
 	if t.window && !t.rules.restoreInWindow {
 		return MatchResult{}, Effects{}, fmt.Errorf("%w: a match of %d hashes", ErrWait, len(hashes))
-	}
-	seen := make(map[kv.Hash]struct{}, len(hashes))
-	for _, hh := range hashes {
-		if _, dup := seen[hh]; dup {
-			return MatchResult{}, Effects{}, fmt.Errorf("%w: hash %v listed twice", ErrInput, hh)
-		}
-		seen[hh] = struct{}{}
 	}
 	type step struct{ gpu, host uint32 }
 	run := make([]step, 0, len(hashes))
