@@ -42,6 +42,23 @@ func (j *journal) restart(t *testing.T, cfg pages.Config, r pages.Rules) *pages.
 	return tab
 }
 
+// fresh is a new table of cfg and its journal.
+func fresh(t *testing.T, cfg pages.Config) (*pages.Table, *journal) {
+	t.Helper()
+	tab, err := pages.New(cfg)
+	require.NoError(t, err)
+	return tab, &journal{}
+}
+
+// alloc grants h a write lease of n pages on tab, journaled in j.
+func alloc(t *testing.T, tab *pages.Table, j *journal, h pages.Holder, n int) (pages.LeaseID, []uint32) {
+	t.Helper()
+	id, got, fx, err := tab.Alloc(h, n)
+	require.NoError(t, err)
+	j.add(fx)
+	return id, got
+}
+
 // seal publishes hashes in a fresh write lease of h, its work completed.
 func seal(t *testing.T, tab *pages.Table, j *journal, h pages.Holder, hashes ...kv.Hash) []uint32 {
 	t.Helper()
@@ -91,10 +108,10 @@ func restoreTakesHeldPages(t *testing.T, r pages.Rules) bool {
 	cfg := pages.Config{Pages: 3, HostPages: 2, Epoch: 1}
 	tab, err := pages.NewWith(cfg, r)
 	require.NoError(t, err)
-	var j journal
+	j := &journal{}
 	x := chainHash(1, 0)
-	seal(t, tab, &j, reader, x)
-	spillAll(t, tab, &j)
+	seal(t, tab, j, reader, x)
+	spillAll(t, tab, j)
 	_, held, fx, err := tab.Alloc(writer, 3) // evicts x's page: x is on the host only
 	require.NoError(t, err)
 	j.add(fx)
@@ -128,9 +145,7 @@ func writing(t *testing.T, cfg pages.Config, r pages.Rules) (*pages.Table, *jour
 	tab, err := pages.NewWith(cfg, r)
 	require.NoError(t, err)
 	j := &journal{}
-	id, held, fx, err := tab.Alloc(writer, 2)
-	require.NoError(t, err)
-	j.add(fx)
+	id, held := alloc(t, tab, j, writer, 2)
 	return tab, j, id, held
 }
 
@@ -194,14 +209,10 @@ func TestSealOutlivesOwner(t *testing.T) {
 // the pages granted, once; the lease counts against its holder; it ends with it.
 func TestReattachOnlyWhatWasGranted(t *testing.T) {
 	cfg := pages.Config{Pages: 8, Epoch: 1}
-	tab, err := pages.New(cfg)
-	require.NoError(t, err)
-	var j journal
-	id, held, fx, err := tab.Alloc(writer, 3)
-	require.NoError(t, err)
-	j.add(fx)
+	tab, j := fresh(t, cfg)
+	id, held := alloc(t, tab, j, writer, 3)
 	x := chainHash(3, 0)
-	seal(t, tab, &j, other, x)
+	seal(t, tab, j, other, x)
 	res, fx, err := tab.Match(reader, []kv.Hash{x})
 	require.NoError(t, err)
 	j.add(fx)
@@ -236,15 +247,11 @@ func TestReattachOnlyWhatWasGranted(t *testing.T) {
 // re-declare: an Alloc answered to it that it never received holds nothing.
 func TestDeclaredGivesBackTheRest(t *testing.T) {
 	cfg := pages.Config{Pages: 4, Epoch: 1}
-	tab, err := pages.New(cfg)
-	require.NoError(t, err)
-	var j journal
-	_, _, fx, err := tab.Alloc(writer, 4)
-	require.NoError(t, err)
-	j.add(fx)
+	tab, j := fresh(t, cfg)
+	alloc(t, tab, j, writer, 4)
 	tab = j.restart(t, cfg, pages.Rules{})
 	assert.Equal(t, 4, tab.Stats().Writing)
-	fx = tab.Declared(writer)
+	fx := tab.Declared(writer)
 	require.Len(t, fx.Records, 1)
 	assert.Equal(t, pages.RecEnd, fx.Records[0].Kind)
 	assert.Equal(t, 4, tab.Stats().Free)
@@ -256,8 +263,8 @@ func TestDeclaredGivesBackTheRest(t *testing.T) {
 func TestHostJournaledAfterCopy(t *testing.T) {
 	tab, err := pages.New(pages.Config{Pages: 4, HostPages: 1, Epoch: 1})
 	require.NoError(t, err)
-	var j journal
-	seal(t, tab, &j, writer, chainHash(5, 0))
+	j := &journal{}
+	seal(t, tab, j, writer, chainHash(5, 0))
 	c, fx, ok := tab.PickSpill(8, 8)
 	require.True(t, ok)
 	for _, r := range fx.Records {
@@ -271,12 +278,12 @@ func TestHostJournaledAfterCopy(t *testing.T) {
 
 	// The tier is full: the next spill evicts the host page first, journaled
 	// before the copy may start.
-	seal(t, tab, &j, writer, chainHash(6, 0))
+	seal(t, tab, j, writer, chainHash(6, 0))
 	_, _, fx, err = tab.Alloc(other, 3) // evicts both pages: the first's twin stays on the host
 	require.NoError(t, err)
 	j.add(fx)
 	j.add(tab.HolderDead(other))
-	seal(t, tab, &j, writer, chainHash(9, 0))
+	seal(t, tab, j, writer, chainHash(9, 0))
 	c, fx, ok = tab.PickSpill(8, 8)
 	require.True(t, ok)
 	var free pages.Seq
@@ -295,10 +302,10 @@ func TestHostJournaledAfterCopy(t *testing.T) {
 func TestSpillSparesPinnedAndReadHostPages(t *testing.T) {
 	tab, err := pages.New(pages.Config{Pages: 2, HostPages: 1, Epoch: 1})
 	require.NoError(t, err)
-	var j journal
+	j := &journal{}
 	x, y := chainHash(7, 0), chainHash(8, 0)
-	seal(t, tab, &j, writer, x)
-	spillAll(t, tab, &j)
+	seal(t, tab, j, writer, x)
+	spillAll(t, tab, j)
 	_, _, fx, err := tab.Alloc(other, 2) // x is on the host only
 	require.NoError(t, err)
 	j.add(fx)
@@ -311,7 +318,7 @@ func TestSpillSparesPinnedAndReadHostPages(t *testing.T) {
 	require.True(t, res.Pending)
 	restore := fx.Copies[len(fx.Copies)-1]
 	// Another page sealed meanwhile cannot spill: the one host page is read.
-	seal(t, tab, &j, writer, y)
+	seal(t, tab, j, writer, y)
 	_, _, ok := tab.PickSpill(8, 8)
 	assert.False(t, ok, "a spill took the host page a restore reads")
 	res, fx, err = tab.CopyDone(restore.ID, true)
@@ -329,13 +336,11 @@ func TestSpillSparesPinnedAndReadHostPages(t *testing.T) {
 // tiers.
 func TestRestartAfterCompactionKeepsOrder(t *testing.T) {
 	cfg := pages.Config{Pages: 6, HostPages: 4, Epoch: 1}
-	tab, err := pages.New(cfg)
-	require.NoError(t, err)
-	var j journal
+	tab, j := fresh(t, cfg)
 	for c := range 6 {
-		seal(t, tab, &j, writer, chainHash(10+c, 0))
+		seal(t, tab, j, writer, chainHash(10+c, 0))
 	}
-	spillAll(t, tab, &j)
+	spillAll(t, tab, j)
 	_, _, fx, err := tab.Alloc(other, 3) // three pages to the host tier
 	require.NoError(t, err)
 	j.add(fx)
@@ -394,9 +399,9 @@ func TestCrossDeviceCopy(t *testing.T) {
 	require.NoError(t, err)
 	b, err := pages.New(cfg)
 	require.NoError(t, err)
-	var ja, jb journal
+	ja, jb := &journal{}, &journal{}
 	hs := []kv.Hash{chainHash(20, 0), chainHash(20, 1)}
-	src := seal(t, a, &ja, writer, hs...)
+	src := seal(t, a, ja, writer, hs...)
 	copier := pages.Holder{PID: 1, Start: 99} // the owner itself
 
 	res, fx, err := a.Match(copier, hs)
@@ -422,9 +427,7 @@ func TestCrossDeviceCopy(t *testing.T) {
 	res, fx, err = a.Match(copier, hs)
 	require.NoError(t, err)
 	ja.add(fx)
-	_, _, fx, err = b.Alloc(copier, 2)
-	require.NoError(t, err)
-	jb.add(fx)
+	alloc(t, b, jb, copier, 2)
 	a2, b2 := ja.restart(t, cfg, pages.Rules{}), jb.restart(t, cfg, pages.Rules{})
 	assert.Contains(t, b2.Expected(), copier)
 	jb.add(b2.HolderDead(copier))
@@ -439,15 +442,9 @@ func TestCrossDeviceCopy(t *testing.T) {
 // declared: the first to declare does not end the others' leases.
 func TestDeclaredWaitsForEveryReplica(t *testing.T) {
 	cfg := pages.Config{Pages: 4, Epoch: 1}
-	tab, err := pages.New(cfg)
-	require.NoError(t, err)
-	var j journal
-	id1, p1, fx, err := tab.Alloc(writer, 2)
-	require.NoError(t, err)
-	j.add(fx)
-	id2, p2, fx, err := tab.Alloc(writer, 2)
-	require.NoError(t, err)
-	j.add(fx)
+	tab, j := fresh(t, cfg)
+	id1, p1 := alloc(t, tab, j, writer, 2)
+	id2, p2 := alloc(t, tab, j, writer, 2)
 	rec, err := pages.Replay(j.recs)
 	require.NoError(t, err)
 	rec.Replicas = map[pages.Holder]int{writer: 2}
@@ -472,12 +469,10 @@ func TestDeclaredWaitsForEveryReplica(t *testing.T) {
 func TestFill(t *testing.T) {
 	tab, err := pages.New(pages.Config{Pages: 4, HostPages: 2, Epoch: 1})
 	require.NoError(t, err)
-	var j journal
-	seal(t, tab, &j, writer, chainHash(30, 0), chainHash(30, 1))
-	spillAll(t, tab, &j)
-	_, _, fx, err := tab.Alloc(other, 1)
-	require.NoError(t, err)
-	j.add(fx)
+	j := &journal{}
+	seal(t, tab, j, writer, chainHash(30, 0), chainHash(30, 1))
+	spillAll(t, tab, j)
+	alloc(t, tab, j, other, 1)
 	st := kv.DeviceStats{Host: &kv.HostStats{}}
 	tab.Fill(&st)
 	assert.Equal(t, kv.DeviceStats{Pages: 4, Free: 1, Writing: 1, Sealed: 2, Seals: 2,
