@@ -77,7 +77,7 @@ func (t *Table) dropLease(l *lease) {
 
 // newLease grants a lease of pages to h.
 func (t *Table) newLease(h Holder, write bool, pages []uint32, hashes []kv.Hash) *lease {
-	t.next++
+	t.next += LeaseID(t.cfg.Stride)
 	l := &lease{id: t.next, holder: h, write: write, pages: pages, hashes: hashes, parent: NoRef}
 	t.addLease(l)
 	return l

@@ -479,3 +479,22 @@ func TestFill(t *testing.T) {
 		Host: &kv.HostStats{Pages: 2, Sealed: 2, Twins: 2, Spills: 2}}, st)
 	require.NoError(t, tab.Check())
 }
+
+// Two devices' tables issue lease ids apart; a bad spacing is refused.
+func TestLeaseIDsApart(t *testing.T) {
+	seen := map[pages.LeaseID]int{}
+	for dev := range 3 {
+		tab, err := pages.New(pages.Config{Pages: 8, Epoch: 7, Stride: 3, Offset: uint64(dev)})
+		require.NoError(t, err)
+		for range 4 {
+			id, _, _, err := tab.Alloc(writer, 1)
+			require.NoError(t, err)
+			require.Equal(t, uint64(7), id.Epoch())
+			_, dup := seen[id]
+			require.False(t, dup, "lease id %d issued by devices %d and %d", id, seen[id], dev)
+			seen[id] = dev
+		}
+	}
+	_, err := pages.New(pages.Config{Pages: 8, Epoch: 1, Stride: 2, Offset: 2})
+	require.ErrorIs(t, err, pages.ErrInput)
+}

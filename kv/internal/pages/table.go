@@ -97,8 +97,8 @@ type Holder struct {
 
 func (h Holder) String() string { return fmt.Sprintf("pid %d (start %d)", h.PID, h.Start) }
 
-// LeaseID names a lease; the table issues Epoch<<40 + n, so that an id of an epoch
-// before is never issued again.
+// LeaseID names a lease; the table issues Epoch<<40 + Offset + k*Stride (Config), so
+// that an id of an epoch before, or of another device's table, is never issued.
 type LeaseID uint64
 
 // Epoch is the epoch a lease id was issued in.
@@ -185,6 +185,10 @@ type Config struct {
 	Pages     int    // GPU pages, at least 1
 	HostPages int    // host-tier pages; 0: no host tier
 	Epoch     uint64 // the epoch of the lease ids this table issues, at least 1
+	// Stride and Offset make the lease ids of an owner's tables (one per device)
+	// apart: this table issues Epoch<<40 + Offset + k*Stride, k = 1, 2, ...; the zero
+	// values are 1 and 0.
+	Stride, Offset uint64
 }
 
 // Table is one device's page table. It is not safe for concurrent use: its caller
@@ -240,15 +244,17 @@ type Counters struct {
 
 // New makes the table of a first start: every page free, no window.
 func New(cfg Config) (*Table, error) {
-	if cfg.Pages < 1 || cfg.Pages >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 {
-		return nil, fmt.Errorf("%w: %d GPU pages, %d host pages, epoch %d", ErrInput, cfg.Pages, cfg.HostPages, cfg.Epoch)
+	cfg.Stride = max(cfg.Stride, 1)
+	if cfg.Pages < 1 || cfg.Pages >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 ||
+		cfg.Stride > 1<<20 || cfg.Offset >= cfg.Stride {
+		return nil, fmt.Errorf("%w: %d GPU pages, %d host pages, epoch %d, lease ids %d apart from %d", ErrInput, cfg.Pages, cfg.HostPages, cfg.Epoch, cfg.Stride, cfg.Offset)
 	}
 	t := &Table{cfg: cfg, g: make([]gpage, cfg.Pages), h: make([]hpage, cfg.HostPages),
 		index: make(map[kv.Hash]uint32), hindex: make(map[kv.Hash]uint32),
 		leases: make(map[LeaseID]*lease), holders: make(map[Holder]*holder),
 		copies: make(map[CopyID]*copyJob), expected: make(map[Holder]int),
 		glru: list{head: none, tail: none}, hlru: list{head: none, tail: none},
-		next: LeaseID(cfg.Epoch << 40)}
+		next: LeaseID(cfg.Epoch<<40 + cfg.Offset)}
 	t.free = make([]uint32, cfg.Pages)
 	for i := range t.g {
 		t.g[i] = gpage{prev: none, next: none, parent: NoRef, twin: none}
