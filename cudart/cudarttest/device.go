@@ -122,6 +122,7 @@ type Device struct {
 	spans         []*pool                  // pools that map memory, sorted by base
 	importedByUID map[uid]*pool
 	streams       map[cudart.Stream]*stream
+	destroyed     map[cudart.Stream]bool // streams StreamDestroy destroyed: naming one is a violation
 	events        map[cudart.Event]*event
 	arena         *arena         // this Device's IPC events, created on first use
 	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
@@ -171,6 +172,7 @@ func New(opts ...Option) *Device {
 		pools:         map[cudart.MemPool]*pool{},
 		importedByUID: map[uid]*pool{},
 		streams:       map[cudart.Stream]*stream{},
+		destroyed:     map[cudart.Stream]bool{},
 		events:        map[cudart.Event]*event{},
 		remoteArenas:  map[uid]*arena{},
 	}

@@ -24,9 +24,9 @@ type streamNotifier struct {
 	nc     *net.UnixConn // the connection fd is registered on
 	points uint64        // StreamNotify calls queued through fd
 	reg    *registration // fd's Notifier frame on nc
-	// retired are eventfds of earlier connections whose writes may still be queued:
+	// oldFDs are eventfds of earlier connections whose writes may still be queued:
 	// closed once ev says they have run, else left to the process's exit.
-	retired []int
+	oldFDs []int
 }
 
 // registration is the sending of a Notifier frame: done is closed once it was sent,
@@ -103,7 +103,7 @@ func (r *Replica) point(ctx context.Context, s cudart.Stream) (kvwire.Point, err
 
 // renewLocked gives n an eventfd of its own on nc, counting from 0, under r.evMu: the
 // caller sends its Notifier frame. The eventfd n had is closed where the stream's
-// writes to it have all run, and else retired.
+// writes to it have all run, and else kept among n's old ones.
 func (r *Replica) renewLocked(n *streamNotifier, nc *net.UnixConn) error {
 	fd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
 	if err != nil {
@@ -111,29 +111,29 @@ func (r *Replica) renewLocked(n *streamNotifier, nc *net.UnixConn) error {
 	}
 	r.openFDs.Add(1)
 	if n.fd >= 0 {
-		n.retired = append(n.retired, n.fd)
+		n.oldFDs = append(n.oldFDs, n.fd)
 	}
 	r.lastNotifier++
 	n.id, n.fd, n.nc, n.points, n.reg = r.lastNotifier, fd, nc, 0, &registration{done: make(chan struct{})}
-	n.closeRetired(r)
+	n.closeOld(r)
 	return nil
 }
 
-// closeRetired closes n's retired eventfds if the stream has run every write queued
+// closeOld closes n's old eventfds if the stream has run every write queued
 // to them (its event's last record, queued after them, has completed); it says
 // whether none is left.
-func (n *streamNotifier) closeRetired(r *Replica) bool {
-	if len(n.retired) == 0 {
+func (n *streamNotifier) closeOld(r *Replica) bool {
+	if len(n.oldFDs) == 0 {
 		return true
 	}
 	if done, err := r.rt.EventQuery(r.dev, n.ev); err != nil || !done {
 		return false
 	}
-	for _, fd := range n.retired {
+	for _, fd := range n.oldFDs {
 		_ = unix.Close(fd) // cleanup: nothing writes to it any more
 		r.openFDs.Add(-1)
 	}
-	n.retired = nil
+	n.oldFDs = nil
 	return true
 }
 
@@ -154,6 +154,12 @@ func (r *Replica) finalPoint(ctx context.Context) (kvwire.Point, error) {
 			return kvwire.Now, err
 		}
 	}
+	for _, n := range r.retired { // their streams' last records, made by Forget
+		if err := r.rt.StreamWaitEvent(r.dev, r.stream, n.ev); err != nil {
+			r.evMu.Unlock()
+			return kvwire.Now, err
+		}
+	}
 	r.evMu.Unlock()
 	return r.point(ctx, r.stream)
 }
@@ -162,16 +168,16 @@ func (r *Replica) finalPoint(ctx context.Context) (kvwire.Point, error) {
 // all run: the others are left to the process's exit, as a write still queued to a
 // closed descriptor would go to whatever file took its number. Nothing here waits for
 // the GPU. It returns the errors met.
-func (r *Replica) endNotifiers(ns map[cudart.Stream]*streamNotifier) []error {
+func (r *Replica) endNotifiers(ns []*streamNotifier) []error {
 	var errs []error
 	left := 0
 	for _, n := range ns {
 		if n.fd >= 0 {
-			n.retired = append(n.retired, n.fd)
+			n.oldFDs = append(n.oldFDs, n.fd)
 			n.fd = -1
 		}
-		if !n.closeRetired(r) {
-			left += len(n.retired)
+		if !n.closeOld(r) {
+			left += len(n.oldFDs)
 		}
 		if err := r.rt.EventDestroy(r.dev, n.ev); err != nil {
 			errs = append(errs, err)

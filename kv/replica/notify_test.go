@@ -37,7 +37,10 @@ func TestSealsOnSeveralStreamsBecomeVisibleInTheirOrder(t *testing.T) {
 	for i := range lanes {
 		s, err := wdev.StreamCreate(0, cudart.StreamNonBlocking)
 		require.NoError(t, err)
-		t.Cleanup(func() { wdev.StreamDestroy(0, s) })
+		t.Cleanup(func() {
+			require.NoError(t, w.Forget(s))
+			wdev.StreamDestroy(0, s)
+		})
 		resume, err := wdev.Stall(0, s)
 		require.NoError(t, err)
 		t.Cleanup(resume)
@@ -56,14 +59,14 @@ func TestSealsOnSeveralStreamsBecomeVisibleInTheirOrder(t *testing.T) {
 		eventually(t, "the resumed stream's seal to become visible", func() bool {
 			m, err := r.Match(ctx, lanes[i].hashes)
 			require.NoError(t, err)
-			defer func() { require.NoError(t, r.Release(ctx, rs, m)) }()
+			defer func() { require.NoError(t, r.Release(ctx, m, rs)) }()
 			return len(m.Pages()) == 2
 		})
 		m, err := r.Match(ctx, lanes[i].hashes)
 		require.NoError(t, err)
 		assert.Equal(t, lanes[i].pages, m.Pages())
 		require.NoError(t, check(rdev, r, rs, m.Pages(), lanes[i].hashes), "stream %d's bytes", i)
-		require.NoError(t, r.Release(ctx, rs, m))
+		require.NoError(t, r.Release(ctx, m, rs))
 		for _, j := range order[k+1:] {
 			m, err := r.Match(ctx, lanes[j].hashes)
 			require.NoError(t, err)

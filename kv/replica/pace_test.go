@@ -73,7 +73,7 @@ func TestOwnerPace(t *testing.T) {
 	}
 	assert.Equal(t, settled, o.Pace(), "an owner with nothing pending wakes for nothing")
 	assert.Equal(t, called, calls.Load(), "and calls nothing")
-	require.NoError(t, r.Release(ctx, rs, held...))
+	require.NoError(t, r.ReleaseAll(ctx, held, rs))
 }
 
 // A seal and a release from a stream whose work has all completed name no notifier:
@@ -90,7 +90,7 @@ func TestIdleStreamNeedsNoPoint(t *testing.T) {
 	assert.Equal(t, replica.SealResult{Visible: 4}, res, "visible at once: the writes had completed")
 	m, err := w.Match(ctx, hashes)
 	require.NoError(t, err)
-	require.NoError(t, w.Release(ctx, ws, m))
+	require.NoError(t, w.Release(ctx, m, ws))
 	assert.Zero(t, device0(o).Releasing, "settled at once: nothing was queued on the stream")
 	assert.Equal(t, before, o.Pace(), "no eventfd was read")
 	assert.Equal(t, called, calls.Load(), "no driver call")

@@ -10,15 +10,16 @@
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into
 //	// ... write w.Pages() on s ...
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
-//	err = r.Release(ctx, s, l)           // pages are reused only after s's work so far
+//	err = r.Release(ctx, l, s)           // pages are reused only after s's work so far
 //
 // Seal and Release queue a point on the stream they are given (cudart.StreamNotify: a
 // write to an eventfd of the stream's own, passed to the owner once per connection,
 // once the work queued before it has completed), and the owner reads the eventfd on
 // the host: the host of the replica never waits for the GPU, and a Match needs no
-// stream wait, as the owner exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
-// the first address Layer(l) returns, and page p of it PageBytes() * p further on
-// (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
+// stream wait, as the owner exposes only pages whose writes it has seen complete.
+// Layer l's K tensor starts at the first address Layer(l) returns, and page p of it
+// Geometry().PageBytes() * p further on (Addr(l, kv.K, p)); each tensor lies whole in
+// one segment (see package kv).
 package replica
 
 import (
@@ -148,6 +149,13 @@ type Replica struct {
 	rd   *kvwire.Reader
 	dlMu sync.Mutex
 	dlBy uint32 // the request whose ctx may cut the current read short; 0 none
+	// readHook, where a test set it (export_test.go), runs as the reader has read a
+	// reply frame, before it hands the reply on: the seam where a test makes the
+	// connection fail at an exact point.
+	readHook func(h kvwire.Header)
+	// replyHook, where a test set it, runs as Alloc, Seal, Match or Release has its
+	// reply and has acted on it.
+	replyHook func()
 
 	mu    sync.Mutex
 	calls map[uint32]*call
@@ -168,20 +176,26 @@ type Replica struct {
 
 	evMu         sync.Mutex
 	notifiers    map[cudart.Stream]*streamNotifier // notify.go
+	retired      []*streamNotifier                 // of streams given to Forget: notified no more, waited on by Close
 	lastNotifier uint32                            // the id of the latest eventfd registered
 	openFDs      atomic.Int64                      // eventfds made and not closed
 	evClosed     bool
 }
 
-// call is a request waiting for its reply.
+// call is one request's wait for its reply, made for that request alone and never
+// reused. Replica.calls holds it until one party takes it out (take): the reader
+// that reads its reply, failConn when the connection it was made on fails, or its
+// own caller ending its wait. Only the party that took it completes it (runs handle
+// on the reply, or sets the failure, then closes done), and does so without
+// blocking; its caller reads err only after done is closed. abandoned is set only
+// while the call is registered, under Replica.mu (abandon).
 type call struct {
-	ch     chan struct{}
-	h      kvwire.Header
-	buf    []byte
-	failed error // set, instead of a reply, when the connection it was sent on ended
+	id        uint32
+	handle    replyHandler
+	abandoned bool // its caller gave up: the reply is handled unclaimed
+	done      chan struct{}
+	err       error // the handling of the reply, or why the connection it was sent on ended
 }
-
-var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
 
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
@@ -366,20 +380,21 @@ func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan str
 // starts (reconnect.go).
 func (r *Replica) failConn(nc *net.UnixConn, why error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	if r.err != nil || nc != r.nc {
+		r.mu.Unlock()
 		return
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
+	failed, err := r.calls, r.err
+	r.calls = map[uint32]*call{}
 	close(r.done)
-	for id, c := range r.calls {
-		delete(r.calls, id)
-		c.failed = r.err
-		c.ch <- struct{}{}
-	}
-	_ = r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
-	_ = r.nc.Close()      // cleanup: the owner is gone already
 	r.reconnectLocked()
+	r.mu.Unlock()
+	for _, c := range failed {
+		c.complete(err)
+	}
+	_ = nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
+	_ = nc.Close()      // cleanup: the owner is gone already
 }
 
 // Geometry is the slab's geometry.
@@ -402,8 +417,8 @@ func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
 	return r.Addr(layer, kv.K, 0), r.Addr(layer, kv.V, 0)
 }
 
-// Addr is the address of page's block of layer's part in this process (PageBytes()
-// bytes). layer and page must be in range.
+// Addr is the address of page's block of layer's part in this process
+// (Geometry().PageBytes() bytes). layer and page must be in range.
 func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
 	return r.segs.Addr(r.ptrs, layer, p, page)
 }
@@ -434,12 +449,14 @@ func (r *Replica) Err() error {
 // after the work queued so far on every stream the replica has sealed or released on
 // (Bye carries a point queued after it), so that no page a kernel still writes goes
 // to another replica; work on a stream never given to Seal or Release is not covered:
-// release such leases first. It then waits, until ctx ends, for the owner to close
-// the connection (its releases have settled), and unmaps the slab after the work
-// queued so far on those streams and disconnects from the slab's exporter. If ctx
-// ends before the owner has closed the connection (a release still waits for a busy
-// stream, or the owner does not read), Close gives up on it and returns. An eventfd
-// that a stream may still write to is left open, to the process's exit.
+// release such leases first. Such a stream must not be destroyed before Close (the
+// driver does not survive a record on a destroyed stream) unless given to
+// [Replica.Forget] first. It then waits, until ctx ends, for the owner to close the
+// connection (its releases have settled), and unmaps the slab after the work queued
+// so far on those streams and disconnects from the slab's exporter. If ctx ends before
+// the owner has closed the connection (a release still waits for a busy stream, or the
+// owner does not read), Close gives up on it and returns. An eventfd that a stream
+// may still write to is left open, to the process's exit.
 // The slab is unmapped after the work queued on the streams the replica used; if ctx
 // ends while that waits (a stream that does not run), Close returns an error wrapping
 // ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
@@ -514,6 +531,35 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	}
 }
 
+// Forget ends the replica's use of stream s, to be called before s is destroyed:
+// the replica records s's event on s one last time and never names s to the runtime
+// again, so that [Replica.Close] still covers the work queued on s so far (through
+// that record) without touching a destroyed stream, which the driver does not survive.
+// A stream the replica never sealed or released on, or a closed replica, is left as it
+// is and Forget returns nil. On failure (the record failed) s is forgotten all the
+// same, and Close no longer covers its work: release the leases it writes first.
+func (r *Replica) Forget(s cudart.Stream) error {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	n, ok := r.notifiers[s]
+	if !ok || r.evClosed || s == r.stream {
+		return nil
+	}
+	delete(r.notifiers, s)
+	r.retired = append(r.retired, n)
+	return r.rt.EventRecord(r.dev, n.ev, s)
+}
+
+// allNotifiers is every notifier the replica holds: of its streams and of those it
+// forgot. r.evMu is held.
+func (r *Replica) allNotifiers() []*streamNotifier {
+	ns := make([]*streamNotifier, 0, len(r.notifiers)+len(r.retired))
+	for _, n := range r.notifiers {
+		ns = append(ns, n)
+	}
+	return append(ns, r.retired...)
+}
+
 // teardown undoes what Dial made, whatever it got to.
 func (r *Replica) teardown(ctx context.Context) error {
 	select {
@@ -532,8 +578,8 @@ func (r *Replica) teardown(ctx context.Context) error {
 	}
 	r.evMu.Lock()
 	r.evClosed = true
-	events := r.notifiers
-	r.notifiers = map[cudart.Stream]*streamNotifier{}
+	events := r.allNotifiers()
+	r.notifiers, r.retired = map[cudart.Stream]*streamNotifier{}, nil
 	r.evMu.Unlock()
 	if len(r.ms) > 0 {
 		// The segments' imports are freed after the last seal and release of every stream.
