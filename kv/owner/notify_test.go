@@ -256,12 +256,19 @@ func listenPages(t *testing.T, pages int) (*owner.Owner, *raw, string) {
 func TestAnEventReplicaIsRefused(t *testing.T) {
 	_, dir := listen(t, small)
 	r := dialRaw(t, dir)
-	r.send(kvwire.AppendHello(nil, 1, kvwire.Hello{Version: 2, PID: 1}))
-	h, p, err := r.next()
-	require.NoError(t, err)
-	require.Equal(t, kvwire.TypeRefused, h.Type)
-	err = kvwire.ParseError(h.Type, p)
-	assert.ErrorIs(t, err, kv.ErrRefused)
+	err := r.helloRefused(kvwire.Hello{Version: 2, PID: 1}, kv.ErrRefused)
 	assert.ErrorContains(t, err, "protocol version 2; this owner speaks 3")
 	r.closed("after Refused")
+}
+
+// helloRefused says Hello m and expects Refused, with an error wrapping want, which it
+// returns.
+func (r *raw) helloRefused(m kvwire.Hello, want error) error {
+	r.send(kvwire.AppendHello(nil, 4, m))
+	h, p, err := r.next()
+	require.NoError(r.t, err)
+	require.Equal(r.t, kvwire.TypeRefused, h.Type)
+	err = kvwire.ParseError(h.Type, p)
+	assert.ErrorIs(r.t, err, want)
+	return err
 }
