@@ -2,11 +2,13 @@ package replica
 
 import (
 	"context"
+	"errors"
 	"net"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -53,12 +55,14 @@ func (r *Replica) point(ctx context.Context, s cudart.Stream) (kvwire.Point, err
 	}
 	n, ok := r.notifiers[s]
 	if !ok {
-		ev, err := r.rt.EventCreate(r.dev, cudart.EventDisableTiming)
-		if err != nil {
-			r.evMu.Unlock()
-			return kvwire.Now, err
+		if n = r.reuseLocked(); n == nil {
+			ev, err := r.rt.EventCreate(r.dev, cudart.EventDisableTiming)
+			if err != nil {
+				r.evMu.Unlock()
+				return kvwire.Now, err
+			}
+			n = &streamNotifier{ev: ev, fd: -1}
 		}
-		n = &streamNotifier{ev: ev, fd: -1}
 		r.notifiers[s] = n
 	}
 	if q, ok := r.rt.(cudart.StreamQuerier); ok {
@@ -86,6 +90,9 @@ func (r *Replica) point(ctx context.Context, s cudart.Stream) (kvwire.Point, err
 	if send { // sent whatever the point's fate: other calls wait for it
 		reg.err = w.WriteFD(ctx, fd, func(b []byte) ([]byte, error) { return kvwire.AppendNotifier(b, kvwire.Notifier{ID: id}) })
 		close(reg.done)
+		if errors.Is(reg.err, session.ErrBroken) {
+			r.failConn(nc, reg.err) // a frame cut short: the owner cannot read on
+		}
 	}
 	select {
 	case <-reg.done:
@@ -99,6 +106,22 @@ func (r *Replica) point(ctx context.Context, s cudart.Stream) (kvwire.Point, err
 		return kvwire.Now, err
 	}
 	return at, nil
+}
+
+// reuseLocked takes the notifier of a stream given to Forget whose work has all
+// completed (its event's last record, after its last point, has), under r.evMu, for
+// a new stream: the eventfd counts on from the points it counted, which have all
+// been written, so a target of the new stream's is reached only by its own points.
+// The owner's notifiers so stay as many as the streams the replica uses at once. Nil
+// if none has completed.
+func (r *Replica) reuseLocked() *streamNotifier {
+	for i, n := range r.retired {
+		if done, err := r.rt.EventQuery(r.dev, n.ev); err == nil && done {
+			r.retired = append(r.retired[:i], r.retired[i+1:]...)
+			return n
+		}
+	}
+	return nil
 }
 
 // renewLocked gives n an eventfd of its own on nc, counting from 0, under r.evMu: the

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
@@ -76,4 +77,30 @@ func TestSealsOnSeveralStreamsBecomeVisibleInTheirOrder(t *testing.T) {
 	}
 	assert.Equal(t, called, calls.Load(), "no driver call of the owner's made them visible")
 	assert.Equal(t, 3*2, device0(o).Sealed)
+}
+
+// A forgotten stream's notifier serves the next new stream once its work has all
+// completed: a replica that seals on one short-lived stream after another (each
+// given to Forget and destroyed) registers as many notifiers as it uses streams at
+// once, and an owner capped at two notifiers serves five such streams in turn.
+func TestForgottenStreamsLendTheirNotifiers(t *testing.T) {
+	o, _, dir := countedOwner(t, owner.WithMaxNotifiers(2))
+	w, wdev, _ := dial(t, dir, 0)
+	ctx := bound(t)
+	for i := range 5 {
+		s, err := wdev.StreamCreate(0, cudart.StreamNonBlocking)
+		require.NoError(t, err)
+		resume, err := wdev.Stall(0, s)
+		require.NoError(t, err)
+		l, hashes := written(t, wdev, w, s, int32(60+i), 2)
+		res, err := w.Seal(ctx, l, hashes, s)
+		require.NoError(t, err, "stream %d", i)
+		require.Equal(t, replica.SealResult{Pending: 2}, res, "stream %d is stalled", i)
+		resume()
+		require.NoError(t, wdev.StreamSynchronize(0, s))
+		require.NoError(t, w.Forget(s))
+		require.NoError(t, wdev.StreamDestroy(0, s))
+	}
+	eventually(t, "every seal to become visible", func() bool { return device0(o).Sealed == 5*2 })
+	assert.Equal(t, 1, replica.OpenEventfds(w), "one eventfd served the five streams")
 }

@@ -13,15 +13,16 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// countedOwner is startOwner with every call the owner makes to its runtime counted.
-func countedOwner(t *testing.T) (*owner.Owner, *atomic.Int64, string) {
+// countedOwner is startOwner with opts and every call the owner makes to its runtime
+// counted.
+func countedOwner(t *testing.T, opts ...owner.Option) (*owner.Owner, *atomic.Int64, string) {
 	t.Helper()
 	dir := shortDir(t)
 	dev := cudarttest.ForTest(t)
 	rt := intercept.Wrap(dev)
 	var calls atomic.Int64
 	rt.Before(intercept.Any, func(*intercept.Call) { calls.Add(1) })
-	o, err := owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*small.TensorBytes()))
+	o, err := owner.Listen(dir, rt, small, append(opts, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*small.TensorBytes()))...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		o.Close(bound(t))

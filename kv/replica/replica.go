@@ -532,8 +532,8 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 }
 
 // Forget ends the replica's use of stream s, to be called before s is destroyed:
-// the replica records s's event on s one last time and never names s to the runtime
-// again, so that [Replica.Close] still covers the work queued on s so far (through
+// the replica records s's event on s one last time (unless s's work has all
+// completed) and never names s to the runtime again, so that [Replica.Close] still covers the work queued on s so far (through
 // that record) without touching a destroyed stream, which the driver does not survive.
 // A stream the replica never sealed or released on, or a closed replica, is left as it
 // is and Forget returns nil. On failure (the record failed) s is forgotten all the
@@ -547,6 +547,11 @@ func (r *Replica) Forget(s cudart.Stream) error {
 	}
 	delete(r.notifiers, s)
 	r.retired = append(r.retired, n)
+	if q, ok := r.rt.(cudart.StreamQuerier); ok {
+		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
+			return nil // s's work has all completed, its event's last record included
+		}
+	}
 	return r.rt.EventRecord(r.dev, n.ev, s)
 }
 
