@@ -3,6 +3,7 @@ package replica
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 
 	"golang.org/x/sys/unix"
@@ -32,7 +33,8 @@ type streamNotifier struct {
 }
 
 // registration is the sending of a Notifier frame: done is closed once it was sent,
-// or failed (err).
+// or failed (err: the points queued through it are lost, and the next point
+// registers an eventfd anew).
 type registration struct {
 	done chan struct{}
 	err  error
@@ -88,11 +90,18 @@ func (r *Replica) point(ctx context.Context, s cudart.Stream) (kvwire.Point, err
 	}
 	r.evMu.Unlock()
 	if send { // sent whatever the point's fate: other calls wait for it
-		reg.err = w.WriteFD(ctx, fd, func(b []byte) ([]byte, error) { return kvwire.AppendNotifier(b, kvwire.Notifier{ID: id}) })
-		close(reg.done)
-		if errors.Is(reg.err, session.ErrBroken) {
-			r.failConn(nc, reg.err) // a frame cut short: the owner cannot read on
+		if err := w.WriteFD(ctx, fd, func(b []byte) ([]byte, error) { return kvwire.AppendNotifier(b, kvwire.Notifier{ID: id}) }); err != nil {
+			reg.err = fmt.Errorf("kv/replica: registering the stream's notifier with the owner: %w", err)
+			r.evMu.Lock()
+			if n.reg == reg {
+				n.nc = nil // the next point registers an eventfd anew
+			}
+			r.evMu.Unlock()
+			if errors.Is(err, session.ErrBroken) {
+				r.failConn(nc, err) // a frame cut short: the owner cannot read on
+			}
 		}
+		close(reg.done)
 	}
 	select {
 	case <-reg.done:

@@ -1,6 +1,7 @@
 package replica_test
 
 import (
+	"context"
 	"math/rand/v2"
 	"testing"
 
@@ -103,4 +104,25 @@ func TestForgottenStreamsLendTheirNotifiers(t *testing.T) {
 	}
 	eventually(t, "every seal to become visible", func() bool { return device0(o).Sealed == 5*2 })
 	assert.Equal(t, 1, replica.OpenEventfds(w), "one eventfd served the five streams")
+}
+
+// A registration that fails (its Seal's ctx had ended before the Notifier frame went
+// out) fails that Seal, and the next Seal on the stream registers an eventfd anew:
+// the owner never hears of a notifier it was not sent.
+func TestAFailedRegistrationIsMadeAgain(t *testing.T) {
+	o, _, dir := countedOwner(t)
+	w, wdev, ws := dial(t, dir, 0)
+	resume, err := wdev.Stall(0, ws)
+	require.NoError(t, err)
+	t.Cleanup(resume)
+	l, hashes := written(t, wdev, w, ws, 70, 2)
+	ended, cancel := context.WithCancel(bound(t))
+	cancel()
+	_, err = w.Seal(ended, l, hashes, ws)
+	require.ErrorIs(t, err, context.Canceled)
+	res, err := w.Seal(bound(t), l, hashes, ws)
+	require.NoError(t, err, "the second seal registers its notifier")
+	assert.Equal(t, replica.SealResult{Pending: 2}, res)
+	resume()
+	eventually(t, "the seal to become visible", func() bool { return device0(o).Sealed == 2 })
 }
