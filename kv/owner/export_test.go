@@ -31,3 +31,22 @@ var EncodeStats = encodeStats
 // SlabStream is the owner's stream of device dev's slab: its set-up and the copies
 // out of it.
 func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
+
+// Crash stops o's index as its process's death would: the records buffered are lost
+// and nothing more is written, so that Close then ends the connections without a
+// detach in the index. The caller closes o after.
+func Crash(o *Owner) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.j != nil && o.j.f != nil {
+		_ = o.j.f.Close()
+		o.j.f, o.j.buf = nil, nil
+	}
+}
+
+// OnWindowWait makes every owner call f when a request begins to wait for the
+// reattach window, until the returned func undoes it.
+func OnWindowWait(f func()) (undo func()) {
+	windowHook = f
+	return func() { windowHook = nil }
+}

@@ -541,10 +541,22 @@ func (o *Owner) awaitResumed() bool {
 	select {
 	case <-o.resumed:
 		return true
+	default:
+	}
+	if windowHook != nil {
+		windowHook()
+	}
+	select {
+	case <-o.resumed:
+		return true
 	case <-o.stopped.Done():
 		return false
 	}
 }
+
+// windowHook, set by tests alone, is called when a request begins to wait for the
+// reattach window.
+var windowHook func()
 
 // attachedLocked journals that c was admitted, under o.mu.
 func (o *Owner) attachedLocked(c *conn) {

@@ -1,6 +1,8 @@
 package owner
 
 import (
+	"fmt"
+
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -24,10 +26,14 @@ func (c *conn) inHostLocked(h kv.Hash) bool {
 // the copy on the host, publishes them in the slab's index
 // (their host pages stay, as their twins) and leases the whole run: the reply names
 // GPU pages only, readable once it has come. If the copy fails, the run ends before
-// the first restored page and the error is logged.
+// the first restored page and the error is logged. It takes no page before the
+// reattach window has ended, as Alloc does (awaitResumed).
 func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	o, s := c.o, c.s
 	t := s.tier
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
+	}
 	o.mu.Lock()
 	type step struct {
 		gpu  uint32 // the page, or for a restore the page it goes to
