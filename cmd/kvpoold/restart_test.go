@@ -395,6 +395,33 @@ func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
 	assert.Equal(t, 32, st.Devices[0].Free, "its pages are free again")
 }
 
+// A writer whose seal waits for its stream across kvpoold's SIGKILL and restart keeps
+// its pages while it lives, the reattach grace over: its queued writes may still land
+// there. (Before, the restarted kvpoold gave them to others, and the writes landed
+// on their pages.) Once it has exited they are free, and none of them is visible.
+func TestWriterMidSealKeepsItsPagesAcrossARestart(t *testing.T) {
+	dir := shortDir(t)
+	w := childThenKill(t, dir, 32, "midseal", "sealed")
+	_, line := daemon(t, append(restartArgs(dir, 32), "-reattach-grace", "1ms")...)
+	assert.Contains(t, line, "the pages of 1 write leases kept for their writers")
+	_, r, _ := attach(t, dir)
+	ctx := bound(t)
+	l, err := r.Alloc(ctx, 24)
+	require.NoError(t, err, "the pages the writer does not hold")
+	_, err = r.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "the writer's 8 pages are its own while it lives")
+	w.Kill()
+	_ = w.Wait() // killed: its status says so
+	require.Eventually(t, func() bool {
+		st, err := r.Stats(ctx)
+		return err == nil && st.Devices[0].Free == 8
+	}, testwait.Bound, time.Millisecond, "the writer's pages to be free once it has exited")
+	got, err := r.Match(ctx, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 9)))
+	require.NoError(t, err)
+	assert.Empty(t, got.Pages(), "no page of the writer's seal is visible")
+	require.NoError(t, r.Release(ctx, 0, l))
+}
+
 // A keeper whose kvpoold died, with no replica mapping its slabs, frees them and
 // exits once -keeper-idle has passed.
 func TestKeeperOfADeadKvpooldExitsWhenIdle(t *testing.T) {

@@ -41,6 +41,7 @@ type conn struct {
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 	stopWait func()        // ends a lost connection's wait for its process's exit
+	returned bool          // it ended its list of leases re-declared (Reattach of lease 0)
 
 	held    map[uint64]*lease // the connection's leases
 	heldPgs int               // the pages of held
@@ -395,14 +396,23 @@ func (c *conn) sendLeased(id uint32, l *lease) error {
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, id, l.id, l.pages) })
 }
 
-// newLeaseLocked makes a lease of pages for c, under o.mu.
+// newLeaseLocked makes a lease of pages for c, under o.mu; a write lease's grant is
+// in the index when it returns (restart.go).
 func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 	o.nextLease++
 	l := &lease{id: o.nextLease, c: c, s: c.s, write: write, pages: pages}
-	o.leases[l.id] = l
-	c.held[l.id] = l
-	c.heldPgs += len(pages)
+	o.holdLocked(l)
+	if write {
+		o.grantLocked(l)
+	}
 	return l
+}
+
+// holdLocked books lease l as its connection's, under o.mu.
+func (o *Owner) holdLocked(l *lease) {
+	o.leases[l.id] = l
+	l.c.held[l.id] = l
+	l.c.heldPgs += len(l.pages)
 }
 
 // roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
@@ -519,7 +529,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		return c.sendError(h.ID, err)
 	}
 	o.dropLocked(l)
-	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes)}
+	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes), ends: []uint64{l.id}}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
 	}
@@ -595,6 +605,7 @@ func (o *Owner) endBehindLocked(rec *record, l *lease) {
 			l.s.pages[pg].state = pageSettling
 		}
 		rec.free = append(rec.free, l.pages...)
+		rec.ends = append(rec.ends, l.id)
 		return
 	}
 	for _, pg := range l.pages {
@@ -940,6 +951,9 @@ func (o *Owner) endLeasesLocked(c *conn) {
 			} else {
 				l.s.pages[pg].readers--
 			}
+		}
+		if l.write {
+			o.endGrantLocked(l.id)
 		}
 	}
 }

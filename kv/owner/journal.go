@@ -2,6 +2,7 @@ package owner
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -30,6 +31,9 @@ import (
 //	detach pid, start        a replica's connection ended
 //	hostseal dev, hpage, hash  host page hpage holds hash, its spill copy completed
 //	hostfree dev, hpage        sealed host page evicted (written before it is refilled)
+//	grant  lease, dev, pid, start, pages  a write lease was granted to a process
+//	       (written before the grant is answered)
+//	end    lease                 a write lease's pages are visible or free again
 //
 // Only visible pages are ever written, so a page whose writer had not finished never
 // becomes visible, also across a restart. Once the journal holds more records than
@@ -54,6 +58,10 @@ const (
 	// copy has completed, and one evicted (written before the page is filled again).
 	recHostSeal byte = 5
 	recHostFree byte = 6
+	// A write lease's grant, and its end (restart.go): the pages a restarted owner
+	// keeps for the writer while its process lives.
+	recGrant byte = 7
+	recEnd   byte = 8
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -108,12 +116,21 @@ type sealedPage struct {
 	hash kv.Hash
 }
 
+// grantRec is a write lease of the index: granted, and not ended.
+type grantRec struct {
+	lease  uint64
+	dev    int
+	holder procID
+	pages  []uint32
+}
+
 // recovered is what an index file held.
 type recovered struct {
 	hdr      indexHeader
 	sealed   map[int][]sealedPage // by device, least recent first
 	host     map[int][]sealedPage // the host tiers' sealed pages, likewise
 	attached []procID             // replicas admitted and not gone, one per connection
+	grants   []grantRec           // write leases not ended, by lease id
 }
 
 // errNoIndex says there is no index file: a first start.
@@ -162,6 +179,7 @@ func loadIndex(path string) (*recovered, error) {
 		pages[d], host[d] = map[uint32]live{}, map[uint32]live{}
 	}
 	attached := map[procID]int{}
+	grants := map[uint64]grantRec{}
 	for seq := 0; len(b) > 0; seq++ {
 		p, err := next()
 		if err != nil {
@@ -207,10 +225,37 @@ func loadIndex(path string) (*recovered, error) {
 			} else if attached[id]--; attached[id] <= 0 {
 				delete(attached, id)
 			}
+		case recGrant:
+			const fixed = 8 + 4 + 4 + 8
+			if len(p) < fixed+4 || (len(p)-fixed)%4 != 0 {
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: %d bytes for a grant record", seq+1, len(p))
+			}
+			g := grantRec{lease: binary.LittleEndian.Uint64(p), dev: int(binary.LittleEndian.Uint32(p[8:])),
+				holder: procID{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}}
+			if !slices.Contains(hdr.Devices, g.dev) {
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: device %d is not one of %v", seq+1, g.dev, hdr.Devices)
+			}
+			for q := p[fixed:]; len(q) > 0; q = q[4:] {
+				pg := binary.LittleEndian.Uint32(q)
+				if int(pg) >= hdr.Geometry.Pages {
+					return &recovered{hdr: hdr}, fmt.Errorf("record %d: page %d of %d", seq+1, pg, hdr.Geometry.Pages)
+				}
+				g.pages = append(g.pages, pg)
+			}
+			grants[g.lease] = g
+		case recEnd:
+			if len(p) != 8 {
+				return &recovered{hdr: hdr}, fmt.Errorf("record %d: %d bytes for an end record", seq+1, len(p))
+			}
+			delete(grants, binary.LittleEndian.Uint64(p))
 		default:
 			return &recovered{hdr: hdr}, fmt.Errorf("record %d has unknown type %d", seq+1, typ)
 		}
 	}
+	for _, g := range grants {
+		rec.grants = append(rec.grants, g)
+	}
+	slices.SortFunc(rec.grants, func(a, b grantRec) int { return cmp.Compare(a.lease, b.lease) })
 	rec.host = map[int][]sealedPage{}
 	for _, tier := range []struct {
 		of   map[int]map[uint32]live
@@ -319,6 +364,18 @@ func appendProcRecord(b []byte, typ byte, id procID) []byte {
 	})
 }
 
+func appendGrantRecord(b []byte, g *grantRec) []byte {
+	return appendRecord(b, func(b []byte) []byte {
+		b = binary.LittleEndian.AppendUint64(append(b, recGrant), g.lease)
+		b = binary.LittleEndian.AppendUint32(b, uint32(g.dev))
+		b = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(b, g.holder.PID), g.holder.Start)
+		for _, pg := range g.pages {
+			b = binary.LittleEndian.AppendUint32(b, pg)
+		}
+		return b
+	})
+}
+
 // journal appends the owner's changes to its index file. Its methods are called with
 // the Owner's mu held.
 type journal struct {
@@ -356,6 +413,22 @@ func (j *journal) hostFree(dev int, page uint32) { j.page(recHostFree, dev, page
 func (j *journal) page(typ byte, dev int, page uint32, h *kv.Hash) {
 	if j != nil && j.f != nil {
 		j.buf = appendPageRecord(j.buf, typ, dev, page, h)
+	}
+}
+
+// grant writes write lease g's grant: it is on disk when grant returns (or the
+// journal is broken), so that no restart frees its pages while its writer lives.
+func (j *journal) grant(g *grantRec) {
+	if j != nil && j.f != nil {
+		j.buf = appendGrantRecord(j.buf, g)
+		j.flush()
+	}
+}
+
+// end buffers the end of write lease id: its pages are visible or free.
+func (j *journal) end(id uint64) {
+	if j != nil && j.f != nil {
+		j.buf = appendRecord(j.buf, func(b []byte) []byte { return binary.LittleEndian.AppendUint64(append(b, recEnd), id) })
 	}
 }
 

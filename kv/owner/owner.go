@@ -280,6 +280,8 @@ type Owner struct {
 	recovery Recovery                // set by Listen
 	hostRec  map[int][]sealedPage    // the index's host pages, for startTiers; nil: none
 	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
+	grants   map[uint64]*grant       // write leases granted and not settled, as journaled; nil: no index
+	prior    map[procID]*prior       // the live processes the owner before a restart served
 	resumed  chan struct{}           // closed once allocations may go on
 
 	stop    context.CancelFunc
@@ -395,7 +397,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		expected: map[uint32]*expectation{}, resumed: make(chan struct{})}
+		expected: map[uint32]*expectation{}, prior: map[procID]*prior{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {

@@ -1,15 +1,21 @@
 package owner_test
 
 import (
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -161,4 +167,168 @@ func TestRestoreWaitsForTheReattachWindow(t *testing.T) {
 	for _, p := range got.l.Pages() {
 		assert.False(t, slices.Contains(pages, p), "the restore took page %d of the write lease %v held across the restart", p, pages)
 	}
+}
+
+func TestMain(m *testing.M) {
+	proctest.Main(m, map[string]func([]string) int{"writer": writer})
+}
+
+// writer is a replica process of raw frames on the page socket of dir (args[0]),
+// driven by lines, each answered by one line:
+//
+//	alloc N           lease N pages for writing: "leased ID P,P,..."
+//	reattach ID P,..  on a new connection, re-declare write lease ID of pages P and
+//	                  end the list: "status S why"
+//	bye               say Bye (the leases held end) and close: "bye"
+func writer(args []string) int {
+	var nc *net.UnixConn
+	rd := kvwire.NewReader()
+	ask := func(b []byte, err error) (kvwire.Header, []byte, error) {
+		if err != nil {
+			return kvwire.Header{}, nil, err
+		}
+		if _, err := nc.Write(b); err != nil {
+			return kvwire.Header{}, nil, err
+		}
+		return rd.Next(nc)
+	}
+	dial := func() error {
+		var err error
+		if nc, err = net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(args[0], owner.PageSocket), Net: "unix"}); err != nil {
+			return err
+		}
+		rd = kvwire.NewReader()
+		h, p, err := ask(kvwire.AppendHello(nil, 1, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid())}))
+		if err == nil && h.Type != kvwire.TypeWelcome {
+			err = kvwire.ParseError(h.Type, p)
+		}
+		return err
+	}
+	for line := range proctest.Commands() {
+		f := strings.Fields(line)
+		var err error
+		switch f[0] {
+		case "alloc":
+			n, _ := strconv.Atoi(f[1])
+			if err = dial(); err != nil {
+				break
+			}
+			var h kvwire.Header
+			var p []byte
+			if h, p, err = ask(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, uint32(n))); err != nil {
+				break
+			}
+			var l kvwire.Lease
+			if l, err = kvwire.DecodeLease(h.Type, p, nil); err != nil {
+				err = kvwire.ParseError(h.Type, p)
+				break
+			}
+			fmt.Println("leased", l.ID, joinPages(l.Pages))
+		case "reattach":
+			id, _ := strconv.ParseUint(f[1], 10, 64)
+			if err = dial(); err != nil {
+				break
+			}
+			var h kvwire.Header
+			var p []byte
+			if h, p, err = ask(kvwire.AppendReattach(nil, 3, kvwire.Reattach{Lease: id, Write: true, Pages: splitPages(f[2])})); err != nil {
+				break
+			}
+			pr := kvwire.NewParser(h.Type, p)
+			status, why := pr.U32(), pr.Text()
+			if _, _, err = ask(kvwire.AppendReattach(nil, 4, kvwire.Reattach{})); err != nil {
+				break
+			}
+			fmt.Println("status", status, why)
+		case "bye":
+			b, _ := kvwire.AppendEmpty(nil, kvwire.TypeBye, 0)
+			if _, err = nc.Write(b); err == nil {
+				_, _, _ = rd.Next(nc) // the owner closes the connection once its releases settled: an EOF
+			}
+			fmt.Println("bye")
+		}
+		if err != nil {
+			fmt.Println("error:", err)
+			return 1
+		}
+	}
+	return 0
+}
+
+func joinPages(ps []uint32) string {
+	s := make([]string, len(ps))
+	for i, p := range ps {
+		s[i] = strconv.Itoa(int(p))
+	}
+	return strings.Join(s, ",")
+}
+
+func splitPages(s string) []uint32 {
+	var ps []uint32
+	for _, f := range strings.Split(s, ",") {
+		p, _ := strconv.Atoi(f)
+		ps = append(ps, uint32(p))
+	}
+	return ps
+}
+
+// startWriter starts a writer process on dir that leases n pages, and returns it with
+// its lease's id and pages.
+func startWriter(t *testing.T, dir string, n int) (*proctest.Child, uint64, []uint32) {
+	t.Helper()
+	w := proctest.Start(t, "writer", dir)
+	w.Send(fmt.Sprintf("alloc %d", n))
+	f := strings.Fields(w.Next())
+	require.Len(t, f, 3, "the writer's lease: %v", f)
+	id, err := strconv.ParseUint(f[1], 10, 64)
+	require.NoError(t, err)
+	return w, id, splitPages(f[2])
+}
+
+// awaited waits until the owner awaits no replica of before its restart.
+func awaited(t *testing.T, o *owner.Owner) {
+	t.Helper()
+	require.Eventually(t, func() bool { return o.Stats().Restart.Awaiting == 0 }, testwait.Bound, time.Millisecond, "the reattach window to end")
+}
+
+// No page of a write lease from before a restart is handed to anyone else while the
+// process it was granted to lives, the reattach grace over or not: a writer that
+// re-declares it late keeps it (its pages were never reused), another process cannot
+// take it, and the pages come back when the writer gives them back or exits. (Before,
+// once the grace was over the pages were allocated again, and the late writer's
+// Reattach was answered as the pages happened to be.)
+func TestWriteLeasesOfBeforeStayTheirWritersWhileTheyLive(t *testing.T) {
+	k := keep(t, owner.WithReattachGrace(time.Nanosecond))
+	late, lateID, latePages := startWriter(t, k.dir, 16)
+	dies, _, diesPages := startWriter(t, k.dir, 8)
+	k.restart()
+	awaited(t, k.o) // the grace is over
+
+	r, err := replica.Dial(bound(t), k.dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
+	all, err := r.Alloc(bound(t), small.Pages-24)
+	require.NoError(t, err, "the pages no writer holds")
+	for _, p := range all.Pages() {
+		require.False(t, slices.Contains(latePages, p) || slices.Contains(diesPages, p), "page %d of a write lease of a live writer was allocated again", p)
+	}
+	_, err = r.Alloc(bound(t), 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "the writers' pages are theirs")
+
+	forger := dialRaw(t, k.dir)
+	forger.hello()
+	status, why := forger.reattach(2, kvwire.Reattach{Lease: lateID, Write: true, Pages: latePages})
+	assert.Equal(t, kvwire.ReattachLost, status, "another process's write lease")
+	assert.Contains(t, why, "granted to another process")
+
+	late.Send(fmt.Sprintf("reattach %d %s", lateID, joinPages(latePages)))
+	late.Expect(fmt.Sprintf("status %d ", kvwire.ReattachKept))
+	dies.Kill()
+	require.Eventually(t, func() bool { return k.o.Stats().Devices[0].Free == 8 }, testwait.Bound, time.Millisecond,
+		"the pages of the writer that died to be free: %+v", k.o.Stats().Devices[0])
+	late.Send("bye")
+	late.Expect("bye")
+	require.Eventually(t, func() bool { return k.o.Stats().Devices[0].Free == 24 }, testwait.Bound, time.Millisecond,
+		"the pages of the lease re-declared to end with its connection: %+v", k.o.Stats().Devices[0])
+	require.NoError(t, r.Release(bound(t), 0, all))
 }
