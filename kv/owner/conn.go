@@ -49,6 +49,8 @@ type conn struct {
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	events map[[kvwire.EventLen]byte]*event
 	// The connection's goroutine alone.
+	locked  bool        // it holds Owner.mu (lock)
+	req     kvwire.Type // the request it serves
 	scratch []uint32
 	leaseID []uint64
 	// tip is where the latest Match's run ended short of the hashes asked: the first
@@ -61,6 +63,27 @@ type conn struct {
 	seen    map[kv.Hash]int
 	seenIDs map[uint64]struct{}
 }
+
+// lock takes Owner.mu for the connection's goroutine, the only caller of lock and
+// unlock: a panic while it holds it lets it go (serveConn) before the connection's
+// cleanup takes it, instead of hanging the owner.
+func (c *conn) lock() {
+	c.o.mu.Lock()
+	c.locked = true
+	if lockedHook != nil {
+		lockedHook(c.req)
+	}
+}
+
+// unlock lets Owner.mu go, taken by lock.
+func (c *conn) unlock() {
+	c.locked = false
+	c.o.mu.Unlock()
+}
+
+// lockedHook, set by tests alone, is called with the request served each time a
+// connection's goroutine has taken Owner.mu.
+var lockedHook func(kvwire.Type)
 
 // exited says whether the replica's process has exited; false where it cannot be
 // watched.
@@ -97,16 +120,21 @@ func (o *Owner) serveConn(sc *session.Conn) {
 	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
 		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
 	c.tip.last = noLink
-	o.mu.Lock()
+	c.lock()
 	if o.closed {
-		o.mu.Unlock()
+		c.unlock()
 		return
 	}
 	o.conns[c] = struct{}{}
-	o.mu.Unlock()
+	c.unlock()
 	rd := kvwire.NewHandshakeReader()
 	var bye *kvwire.Bye
 	defer func() { c.finish(bye) }()
+	defer func() { // first, while a panic unwinds: the cleanup above takes the lock
+		if c.locked {
+			c.unlock()
+		}
+	}()
 	err := c.admit(rd)
 	if errors.Is(err, errObserved) {
 		err = nil
@@ -179,10 +207,10 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}); err != nil {
 		return err
 	}
-	o.mu.Lock()
+	c.lock()
 	c.welcomed = true
 	o.attachedLocked(c)
-	o.mu.Unlock()
+	c.unlock()
 	return nil
 }
 
@@ -224,6 +252,7 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 			}
 			return nil, err
 		}
+		c.req = h.Type
 		if frameHook != nil {
 			frameHook(h.Type)
 		}
@@ -288,9 +317,9 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
-	o.mu.Lock()
+	c.lock()
 	if err := c.roomLocked(n); err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	pages, ok, evicted := o.takeLocked(s, n)
@@ -304,15 +333,15 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 				defer o.waiters.Done()
 				c.allocLater(h.ID, n)
 			}()
-			o.mu.Unlock()
+			c.unlock()
 			return nil
 		}
 		err := c.noSpaceLocked(n)
-		o.mu.Unlock()
+		c.unlock()
 		return c.refuse(h.ID, err)
 	}
 	l := o.newLeaseLocked(c, true, pages)
-	o.mu.Unlock()
+	c.unlock()
 	c.spillEvicted(evicted)
 	return c.sendLeased(h.ID, l)
 }
@@ -485,9 +514,9 @@ func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
 		}
 		e.ev = ev
 	}
-	c.o.mu.Lock() // destroyEvents reads c.events under it
+	c.lock() // destroyEvents reads c.events under it
 	c.events[*h] = e
-	c.o.mu.Unlock()
+	c.unlock()
 	return e, nil
 }
 
@@ -512,9 +541,9 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	}
 	// The lease is checked before the event is opened, so that a refused seal opens
 	// nothing, and again after, the lock let go meanwhile.
-	o.mu.Lock()
+	c.lock()
 	_, err = check()
-	o.mu.Unlock()
+	c.unlock()
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -522,10 +551,10 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	l, err := check()
 	if err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	o.dropLocked(l)
@@ -545,7 +574,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
-	o.unlockAfterSubmit(e, rec, owed)
+	c.unlockAfterSubmit(e, rec, owed)
 	if wait {
 		return nil
 	}
@@ -570,9 +599,9 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	}
 	// The leases are checked before the event is opened, so that a refused release
 	// opens nothing, and again after, the lock let go meanwhile.
-	o.mu.Lock()
+	c.lock()
 	err = o.ownsLocked(c, c.leaseID)
-	o.mu.Unlock()
+	c.unlock()
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -580,9 +609,9 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	if err := o.ownsLocked(c, c.leaseID); err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	rec := &record{s: c.s}
@@ -590,7 +619,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		o.endBehindLocked(rec, o.leases[id])
 	}
 	owed := c.submitLocked(e, rec)
-	o.unlockAfterSubmit(e, rec, owed)
+	c.unlockAfterSubmit(e, rec, owed)
 	n := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
 }
@@ -626,9 +655,9 @@ func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
 		o.log.Warn("kv: a replica's final event; its leases end at once", "pid", c.cred.PID, "err", err)
 		return
 	}
-	o.mu.Lock()
+	c.lock()
 	if len(c.held) == 0 {
-		o.mu.Unlock()
+		c.unlock()
 		return
 	}
 	rec := &record{s: c.s}
@@ -636,7 +665,7 @@ func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
 		o.endBehindLocked(rec, l)
 	}
 	owed := c.submitLocked(e, rec)
-	o.unlockAfterSubmit(e, rec, owed)
+	c.unlockAfterSubmit(e, rec, owed)
 }
 
 // submitLocked queues rec behind e and asks e at once, with o.mu held on entry and
@@ -645,9 +674,9 @@ func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
 func (c *conn) submitLocked(e *event, rec *record) []answer {
 	o := c.o
 	upTo := e.append(rec)
-	o.mu.Unlock()
+	c.unlock()
 	done, dead := o.query(e)
-	o.mu.Lock()
+	c.lock()
 	switch {
 	case dead:
 		return o.exitedLocked(c, nil)
@@ -659,12 +688,13 @@ func (c *conn) submitLocked(e *event, rec *record) []answer {
 
 // unlockAfterSubmit leaves rec, submitted, to e's waiter if it has not settled,
 // releases o.mu and sends owed.
-func (o *Owner) unlockAfterSubmit(e *event, rec *record, owed []answer) {
+func (c *conn) unlockAfterSubmit(e *event, rec *record, owed []answer) {
+	o := c.o
 	pending := !rec.done
 	if pending {
 		o.enqueue(e)
 	}
-	o.mu.Unlock()
+	c.unlock()
 	o.send(owed)
 }
 
@@ -709,15 +739,15 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if err := c.distinct(hashes); err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	pages := s.lookup(hashes, c.scratch[:0])
 	c.scratch = pages[:0]
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
-		o.mu.Unlock()
+		c.unlock()
 		return c.matchAcross(h, hashes)
 	}
 	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
-		o.mu.Unlock()
+		c.unlock()
 		return c.matchRestore(h, hashes)
 	}
 	return c.answerMatchLocked(h.ID, hashes, pages)
@@ -729,12 +759,12 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 func (c *conn) answerMatchLocked(id uint32, hashes []kv.Hash, pages []uint32) error {
 	o := c.o
 	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(id, err)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	c.noteTipLocked(hashes, pages)
-	o.mu.Unlock()
+	c.unlock()
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, id, ans.id, ans.pages)
 	})
@@ -842,7 +872,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		if bye.Final {
 			c.releaseHeld(&bye.Event)
 		}
-		o.mu.Lock()
+		c.lock()
 		o.endLeasesLocked(c)
 		idle := make(chan struct{})
 		c.idle = idle
@@ -850,7 +880,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 			close(idle)
 			c.idle = nil
 		}
-		o.mu.Unlock()
+		c.unlock()
 		ctx, stop := context.WithCancel(o.stopped)
 		exited := c.waitExit(ctx)
 		select {
@@ -862,16 +892,16 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		<-exited
 	case c.proc != nil && o.stopped.Err() == nil:
 		ctx, stop := context.WithCancel(o.stopped)
-		o.mu.Lock()
+		c.lock()
 		c.lost, c.stopWait = true, stop
-		o.mu.Unlock()
+		c.unlock()
 		_ = c.nc.Close() // cleanup: the connection is lost already
 		c.awaitExit(ctx)
 		stop()
 	}
 	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
-	o.mu.Lock()
+	c.lock()
 	c.ended = true
 	owed = o.exitedLocked(c, owed)
 	if c.welcomed {
@@ -880,21 +910,21 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	delete(o.conns, c)
 	o.dead = append(o.dead, c)
 	dead := o.takeDeadLocked()
-	o.mu.Unlock()
+	c.unlock()
 	o.send(owed)
 	o.destroyEvents(dead)
 }
 
 // holdsNothing says whether c holds no lease and no record waits for its events.
 func (c *conn) holdsNothing() bool {
-	c.o.mu.Lock()
-	defer c.o.mu.Unlock()
+	c.lock()
+	defer c.unlock()
 	return len(c.held) == 0 && !c.pendingLocked()
 }
 
 func (c *conn) isWelcomed() bool {
-	c.o.mu.Lock()
-	defer c.o.mu.Unlock()
+	c.lock()
+	defer c.unlock()
 	return c.welcomed
 }
 

@@ -2,6 +2,7 @@ package owner
 
 import (
 	"net"
+	"sync/atomic"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
@@ -23,6 +24,18 @@ func PanicOn(t kvwire.Type) (undo func()) {
 		}
 	}
 	return func() { frameHook = nil }
+}
+
+// PanicLockedOn makes the next owner's handler of a request of type t panic while it
+// holds the owner's lock, once, until the returned func undoes it.
+func PanicLockedOn(t kvwire.Type) (undo func()) {
+	var done atomic.Bool
+	lockedHook = func(got kvwire.Type) {
+		if got == t && !done.Swap(true) {
+			panic("kv/owner test: a handler made to panic under the owner's lock")
+		}
+	}
+	return func() { lockedHook = nil }
 }
 
 // EncodeStats is the JSON of the Stats frame answering st.

@@ -751,14 +751,14 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	answer := func(status uint32, reason string) error {
 		return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendReattached(b, h.ID, status, reason) })
 	}
-	o.mu.Lock()
+	c.lock()
 	if m.Lease == 0 {
 		o.returnedLocked(c)
-		o.mu.Unlock()
+		c.unlock()
 		return answer(kvwire.ReattachKept, "")
 	}
 	why := o.reattachLocked(c, s, m)
-	o.mu.Unlock()
+	c.unlock()
 	if why != "" {
 		return answer(kvwire.ReattachLost, why)
 	}

@@ -34,7 +34,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
-	o.mu.Lock()
+	c.lock()
 	type step struct {
 		gpu  uint32 // the page, or for a restore the page it goes to
 		host uint32 // none: visible in the slab already
@@ -79,7 +79,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 		}
 	}
 	run = run[:cut]
-	o.mu.Unlock()
+	c.unlock()
 
 	gpu, host := make([]uint32, 0, restores), make([]uint32, 0, restores)
 	for _, st := range run {
@@ -90,7 +90,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	// The pages taken are copied out first where they held pages the host tier has
 	// no copy of, then the restore, in one stream order.
 	err := o.copyEvicted(s, evicted, o.tierPieces(t, gpu, host, true))
-	o.mu.Lock()
+	c.lock()
 	if err != nil {
 		o.log.Error("kv: restoring pages from the host tier failed; the match ends before them", "device", s.dev, "err", err)
 	} else {

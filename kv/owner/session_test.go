@@ -164,6 +164,31 @@ func TestPanicEndsOnlyItsConnection(t *testing.T) {
 	again.hello()
 }
 
+// A panic while a handler holds the owner's lock ends that connection alone: the lock
+// is let go before the connection's cleanup takes it, and the owner serves the others
+// on. (Before, the cleanup waited for the lock forever, and with it every replica and
+// Close.)
+func TestPanicUnderTheLockEndsOnlyItsConnection(t *testing.T) {
+	t.Cleanup(owner.PanicLockedOn(kvwire.TypeMatch))
+	o, dir := listenWith(t)
+	dev := cudarttest.ForTest(t)
+	good, err := replica.Dial(bound(t), dir, dev, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { good.Close(bound(t)) })
+	bad := dialRaw(t, dir)
+	bad.hello()
+	bad.alloc(2, 3)
+	bad.send(kvwire.AppendMatch(nil, 3, []kv.Hash{{1}}))
+	bad.closed("the connection whose request panicked under the lock")
+	l, err := good.Alloc(bound(t), 2)
+	require.NoError(t, err, "the other replica is served on")
+	require.NoError(t, good.Release(bound(t), 0, l))
+	require.Eventually(t, func() bool {
+		st := o.Stats()
+		return len(st.Replicas) == 2 && (st.Replicas[0].AwaitingExit || st.Replicas[1].AwaitingExit)
+	}, testwait.Bound, time.Millisecond, "the panicking connection to hold its lease as if it had hung up: %+v", o.Stats().Replicas)
+}
+
 // N5: the Stats frame fits one frame however many replicas are connected: the list
 // is cut, and the count of those left out says so. (3,000 replicas made a frame of
 // 138 KB, over the 128 KiB limit, and stats failed for everyone.)
