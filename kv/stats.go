@@ -22,7 +22,12 @@ type RestartStats struct {
 	Adopted  bool   `json:"adopted"`  // the slabs were a live keeper's
 	Keeper   int    `json:"keeper"`   // its pid
 	Restored int    `json:"restored"` // visible pages taken back from the index
-	Awaiting int    `json:"awaiting"` // replicas of before not reattached yet
+	// Replicas are the replicas of before to reattach, as the owner said at its start
+	// (kv/owner's Recovery.Replicas, kvpoold's "N replicas to reattach"); Awaiting
+	// are those of them not reattached yet, nor exited, while the reattach window
+	// lasts (0 once it has ended).
+	Replicas int    `json:"replicas"`
+	Awaiting int    `json:"awaiting"`
 	Dropped  string `json:"dropped,omitempty"`
 }
 

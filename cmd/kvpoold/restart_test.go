@@ -219,7 +219,8 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	assert.Equal(t, 15, st.Devices[0].Sealed)
 	assert.Equal(t, 0, st.Devices[0].Leased)
 	require.NotNil(t, st.Restart)
-	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12}, *st.Restart)
+	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12, Replicas: 3}, *st.Restart,
+		"the replicas to reattach are the number of the first line; none is awaited now")
 	for _, c := range others {
 		c.Finish()
 	}

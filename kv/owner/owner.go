@@ -629,7 +629,7 @@ func (o *Owner) Stats() Stats {
 	st.ReplicaCount = len(st.Replicas)
 	if o.j != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
-			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
+			Restored: o.recovery.Pages, Replicas: o.recovery.Replicas, Dropped: o.recovery.Dropped}
 		for _, e := range o.expected {
 			rs.Awaiting += e.n
 		}

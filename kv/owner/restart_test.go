@@ -134,6 +134,8 @@ func TestRestoreWaitsForTheReattachWindow(t *testing.T) {
 	waits := windowWaits(t)
 	rec := k.restart()
 	require.Equal(t, 1, rec.Replicas, "the writer is awaited: %v", rec)
+	require.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: os.Getpid(), Restored: 48, Replicas: 1, Awaiting: 1}, *k.o.Stats().Restart,
+		"Stats says what Recovery says")
 	require.Equal(t, 1, rec.HostTiersKept)
 	w = dialRaw(t, k.dir)
 	w.hello()
