@@ -1,6 +1,7 @@
 package owner
 
 import (
+	"encoding/binary"
 	"os"
 	"path/filepath"
 	"testing"
@@ -31,6 +32,11 @@ func TestLoadIndex(t *testing.T) {
 	good = appendProcRecord(good, recAttach, alice)
 	good = appendProcRecord(good, recAttach, procID{PID: 12})
 	good = appendProcRecord(good, recDetach, procID{PID: 12})
+	bob := grantRec{lease: 9, dev: 1, holder: procID{PID: 13, Start: 8}, pages: []uint32{7, 8}}
+	good = appendGrantRecord(good, &grantRec{lease: 5, dev: 0, holder: alice, pages: []uint32{9}})
+	good = appendGrantRecord(good, &bob)
+	good = appendGrantRecord(good, &grantRec{lease: 4, dev: 0, holder: alice, pages: []uint32{10, 11}})
+	good = appendRecord(good, func(b []byte) []byte { return binary.LittleEndian.AppendUint64(append(b, recEnd), 5) })
 	dir := t.TempDir()
 	write := func(b []byte) string {
 		path := filepath.Join(dir, "index")
@@ -45,6 +51,7 @@ func TestLoadIndex(t *testing.T) {
 	assert.Equal(t, []procID{alice}, rec.attached)
 	assert.Equal(t, []sealedPage{{2, h2}}, rec.host[0], "the evicted host page gone")
 	assert.Equal(t, []sealedPage{{9, h1}}, rec.host[1])
+	assert.Equal(t, []grantRec{{lease: 4, dev: 0, holder: alice, pages: []uint32{10, 11}}, bob}, rec.grants, "the write leases not ended, by id")
 
 	_, err = loadIndex(filepath.Join(dir, "none"))
 	assert.ErrorIs(t, err, errNoIndex)
@@ -63,6 +70,10 @@ func TestLoadIndex(t *testing.T) {
 		{"host device", appendPageRecord(appendHeader(nil, hdr), recHostSeal, 2, 1, &h1), "device 2 is not one of [0 1]"},
 		{"host hash twice", appendPageRecord(appendPageRecord(appendHeader(nil, hdr), recHostSeal, 0, 1, &h1), recHostSeal, 0, 20, &h1), "are sealed under one hash"},
 		{"a tail cut", good[:len(good)-1], "truncated"},
+		{"grant device", appendGrantRecord(appendHeader(nil, hdr), &grantRec{lease: 1, dev: 2, pages: []uint32{1}}), "device 2 is not one of [0 1]"},
+		{"grant page", appendGrantRecord(appendHeader(nil, hdr), &grantRec{lease: 1, pages: []uint32{1, 16}}), "page 16 of 16"},
+		{"grant of no page", appendGrantRecord(appendHeader(nil, hdr), &grantRec{lease: 1}), "24 bytes for a grant record"},
+		{"short end", appendRecord(appendHeader(nil, hdr), func(b []byte) []byte { return append(b, recEnd, 1) }), "1 bytes for an end record"},
 	} {
 		_, err := loadIndex(write(tc.b))
 		require.Error(t, err, tc.name)
