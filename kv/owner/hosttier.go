@@ -176,7 +176,7 @@ func checkHostBytes(o options) error {
 	devs := uint64(max(len(o.Devices), 1))
 	if o.HostBytes > avail/devs { // not o.HostBytes*devs > avail: that may overflow
 		return fmt.Errorf("%w: host tiers of %s on each of %d devices are larger than the host's available memory, %s (MemAvailable)",
-			kv.ErrGeometry, humanize.IBytes(o.HostBytes), devs, humanize.IBytes(avail))
+			kv.ErrHostMemory, humanize.IBytes(o.HostBytes), devs, humanize.IBytes(avail))
 	}
 	return nil
 }

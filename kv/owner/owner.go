@@ -206,8 +206,9 @@ func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.Rea
 
 // WithHostBytes gives each device a host tier of n bytes of pinned host memory
 // (hosttier.go), rounded down to whole pages; by default (and with 0) there is none.
-// Tiers smaller than a page, or larger, over every device, than the host's available
-// memory, are refused with an error wrapping kv.ErrGeometry.
+// A tier smaller than a page is refused with an error wrapping kv.ErrGeometry; tiers
+// larger, over every device, than the host's available memory, with one wrapping
+// kv.ErrHostMemory.
 func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
 
 // WithLimits bounds the page socket's connections: the handshake's timeout, the

@@ -171,10 +171,6 @@ func TestRestoreWaitsForTheReattachWindow(t *testing.T) {
 	}
 }
 
-func TestMain(m *testing.M) {
-	proctest.Main(m, map[string]func([]string) int{"writer": writer})
-}
-
 // writer is a replica process of raw frames on the page socket of dir (args[0]),
 // driven by lines, each answered by one line:
 //
