@@ -26,9 +26,13 @@ type RestartStats struct {
 	// (kv/owner's Recovery.Replicas, kvpoold's "N replicas to reattach"); Awaiting
 	// are those of them not reattached yet, nor exited, while the reattach window
 	// lasts (0 once it has ended).
-	Replicas int    `json:"replicas"`
-	Awaiting int    `json:"awaiting"`
-	Dropped  string `json:"dropped,omitempty"`
+	Replicas int `json:"replicas"`
+	Awaiting int `json:"awaiting"`
+	// Kept are the pages of write leases granted before the restart that their
+	// writers, alive, have not re-declared (nor given back): no one else gets them
+	// while those processes live.
+	Kept    int    `json:"kept,omitempty"`
+	Dropped string `json:"dropped,omitempty"`
 }
 
 // MaxListed is the most replicas a Stats frame lists.

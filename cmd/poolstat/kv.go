@@ -77,6 +77,9 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 			how = "slabs adopted"
 		}
 		fmt.Fprintf(w, "start %d over keeper pid %d: %s, %d visible pages restored, %d replicas to reattach (%d not yet)", r.Epoch, r.Keeper, how, r.Restored, r.Replicas, r.Awaiting)
+		if r.Kept > 0 {
+			fmt.Fprintf(w, ", %d pages kept for the writers of before", r.Kept)
+		}
 		if r.Dropped != "" {
 			fmt.Fprintf(w, " (%s)", r.Dropped)
 		}

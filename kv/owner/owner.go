@@ -640,6 +640,11 @@ func (o *Owner) Stats() Stats {
 		for _, e := range o.expected {
 			rs.Awaiting += e.n
 		}
+		for _, g := range o.grants {
+			if g.orphan {
+				rs.Kept += len(g.pages)
+			}
+		}
 		st.Restart = rs
 	}
 	return st

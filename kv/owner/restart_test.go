@@ -134,7 +134,7 @@ func TestRestoreWaitsForTheReattachWindow(t *testing.T) {
 	waits := windowWaits(t)
 	rec := k.restart()
 	require.Equal(t, 1, rec.Replicas, "the writer is awaited: %v", rec)
-	require.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: os.Getpid(), Restored: 48, Replicas: 1, Awaiting: 1}, *k.o.Stats().Restart,
+	require.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: os.Getpid(), Restored: 48, Replicas: 1, Awaiting: 1, Kept: 16}, *k.o.Stats().Restart,
 		"Stats says what Recovery says")
 	require.Equal(t, 1, rec.HostTiersKept)
 	w = dialRaw(t, k.dir)
@@ -302,6 +302,7 @@ func TestWriteLeasesOfBeforeStayTheirWritersWhileTheyLive(t *testing.T) {
 	dies, _, diesPages := startWriter(t, k.dir, 8)
 	k.restart()
 	awaited(t, k.o) // the grace is over
+	require.Equal(t, 24, k.o.Stats().Restart.Kept, "the writers' pages are kept for them")
 
 	r, err := replica.Dial(bound(t), k.dir, cudarttest.ForTest(t), 0)
 	require.NoError(t, err)
