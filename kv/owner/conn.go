@@ -417,7 +417,11 @@ func (c *conn) allocLater(id uint32, n int) {
 // noSpaceLocked is the refusal of an Alloc of n pages, under o.mu.
 func (c *conn) noSpaceLocked(n int) error {
 	s := c.s
-	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), s.dev)
+	kept := ""
+	if k := c.o.keptLocked(s); k > 0 {
+		kept = fmt.Sprintf(", %d kept for the writers of before the restart", k)
+	}
+	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable%s (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), kept, s.dev)
 }
 
 // sendLeased answers Alloc id with write lease l.

@@ -640,10 +640,8 @@ func (o *Owner) Stats() Stats {
 		for _, e := range o.expected {
 			rs.Awaiting += e.n
 		}
-		for _, g := range o.grants {
-			if g.orphan {
-				rs.Kept += len(g.pages)
-			}
+		for _, s := range o.slabs {
+			rs.Kept += o.keptLocked(s)
 		}
 		st.Restart = rs
 	}

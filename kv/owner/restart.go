@@ -499,6 +499,17 @@ type prior struct {
 	conns, back int
 }
 
+// keptLocked counts the pages of s kept for the writers of before the restart
+// (orphan grants), under o.mu.
+func (o *Owner) keptLocked(s *slab) (n int) {
+	for _, g := range o.grants {
+		if g.orphan && g.s == s {
+			n += len(g.pages)
+		}
+	}
+	return n
+}
+
 // grantLocked journals write lease l's grant, under o.mu: on disk when it returns, so
 // that a restart keeps its pages while its writer lives. Without an index, or for a
 // process that cannot be named across pid reuse, nothing is kept.

@@ -314,6 +314,7 @@ func TestWriteLeasesOfBeforeStayTheirWritersWhileTheyLive(t *testing.T) {
 	}
 	_, err = r.Alloc(bound(t), 1)
 	require.ErrorIs(t, err, kv.ErrNoSpace, "the writers' pages are theirs")
+	assert.ErrorContains(t, err, "24 kept for the writers of before the restart")
 
 	forger := dialRaw(t, k.dir)
 	forger.hello()
