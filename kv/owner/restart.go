@@ -494,7 +494,10 @@ type grant struct {
 
 // prior is a live process the owner before a restart served: conns of its
 // connections were attached then, back of them have ended their lists of leases
-// re-declared since.
+// re-declared since. With conns 0 (the index holds grants of the process but no
+// connection of it: its replicas were given up at an earlier restart's grace) no
+// count of lists can vouch for all its replicas, and its write leases' pages wait
+// for its exit or its re-declarations.
 type prior struct {
 	conns, back int
 }
@@ -683,7 +686,7 @@ func (o *Owner) returnedLocked(c *conn) {
 		o.resumeLocked()
 	}
 	if p := o.prior[c.id]; p != nil {
-		if p.back++; p.back >= p.conns {
+		if p.back++; p.conns > 0 && p.back >= p.conns {
 			o.freeOrphansLocked(c.id)
 		}
 	}
