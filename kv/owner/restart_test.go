@@ -332,3 +332,25 @@ func TestWriteLeasesOfBeforeStayTheirWritersWhileTheyLive(t *testing.T) {
 		"the pages of the lease re-declared to end with its process: %+v", k.o.Stats().Devices[0])
 	require.NoError(t, r.Release(bound(t), 0, all))
 }
+
+// A writer whose replicas were given up at one restart's grace, and whose write leases
+// are kept through the next restart, gets them back only one by one, or all at its
+// exit: the end of one connection's list cannot vouch for its other replicas, which
+// the index no longer counts. (Before, that one end freed the pages of every lease of
+// the process, the other replica's too.)
+func TestKeptPagesOfAProcessOfUnknownReplicasWaitForItsExit(t *testing.T) {
+	k := keep(t, owner.WithReattachGrace(time.Nanosecond))
+	w, first, firstPages := startWriter(t, k.dir, 4)
+	w.Send("alloc 4") // a second connection of the same process
+	require.Len(t, strings.Fields(w.Next()), 3)
+	k.restart()
+	awaited(t, k.o) // its two replicas are given up
+	k.restart()
+	require.Equal(t, 8, k.o.Stats().Restart.Kept)
+	w.Send(fmt.Sprintf("reattach %d %s", first, joinPages(firstPages)))
+	w.Expect(fmt.Sprintf("status %d ", kvwire.ReattachKept))
+	assert.Equal(t, 4, k.o.Stats().Restart.Kept, "the other lease's pages, still kept for the writer")
+	w.Kill()
+	require.Eventually(t, func() bool { return k.o.Stats().Devices[0].Free == small.Pages }, testwait.Bound, time.Millisecond,
+		"every page of the writer to be free once it has exited: %+v", k.o.Stats().Devices[0])
+}
