@@ -219,9 +219,10 @@ func TestMain(m *testing.M) {
 			defer stop()
 			return run(ctx, args, os.Stdout, os.Stderr)
 		},
-		"midseal":    midSealWriter,
-		"reattacher": reattacher,
-		"holder":     holder,
+		"midseal":     midSealWriter,
+		"reattacher":  reattacher,
+		"holder":      holder,
+		"soakreplica": soakReplica,
 	})
 }
 

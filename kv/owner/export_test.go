@@ -1,11 +1,14 @@
 package owner
 
 import (
+	"context"
 	"net"
+	"os"
 	"sync/atomic"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -39,6 +42,13 @@ func PanicLockedOn(t kvwire.Type) (undo func()) {
 	return func() { lockedHook = nil }
 }
 
+// SetIndexOptions adds opts to the options of every index the next Listens open,
+// until the returned func undoes it.
+func SetIndexOptions(opts ...index.Option) (undo func()) {
+	indexOptions = opts
+	return func() { indexOptions = nil }
+}
+
 // EncodeStats is the JSON of the Stats frame answering st.
 var EncodeStats = encodeStats
 
@@ -46,16 +56,14 @@ var EncodeStats = encodeStats
 // out of it.
 func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
 
-// Crash stops o's index as its process's death would: the records buffered are lost
-// and nothing more is written, so that Close then ends the connections without a
-// detach in the index. The caller closes o after.
-func Crash(o *Owner) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.j != nil && o.j.f != nil {
-		_ = o.j.f.Close()
-		o.j.f, o.j.buf = nil, nil
+// IndexNow is what o's index file holds once every record queued so far is written:
+// what its process's death would leave now. A test closes o, puts the bytes back and
+// starts another owner, as a SIGKILL and a restart would.
+func IndexNow(ctx context.Context, o *Owner) ([]byte, error) {
+	if err := o.ix.Wait(ctx, o.ix.Queued()); err != nil {
+		return nil, err
 	}
+	return os.ReadFile(o.opts.Index)
 }
 
 // OnWindowWait makes every owner call f when a request begins to wait for the

@@ -113,6 +113,7 @@ import (
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -196,7 +197,12 @@ func WithKeeper(start func(ctx context.Context) error) Option {
 // WithIndex sets the file the visible pages are journaled in; by default (and with
 // "") no index is kept. A Listen finding one of the same slabs (their keeper,
 // geometry and devices) makes its pages visible again; any other, or a corrupt one,
-// is dropped, and Recovery says why.
+// is dropped, and Recovery says why. Something other than a regular file at path (a
+// named pipe, a device, a directory, a link) makes Listen fail, saying what is there.
+// The index is written off the owner's lock (journal.go): a Seal that waits for
+// visibility is answered once its pages are in the index (a restart after it finds
+// them), an Alloc once the pages it evicted are out of it, and WaitSpills returns
+// once the host pages spilled are in it.
 func WithIndex(path string) Option { return func(o *options) { o.Index = path } }
 
 // WithReattachGrace bounds how long allocations wait, after a restart, for the
@@ -281,11 +287,11 @@ type Owner struct {
 	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
 
 	// A cache that survives its owner (restart.go).
-	j        *journal                // nil: no index
+	ix       *index.Index            // nil: no index
 	keeperID procID                  // the process whose slabs these are
 	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
 	recovery Recovery                // set by Listen
-	hostRec  map[int][]sealedPage    // the index's host pages, for startTiers; nil: none
+	hostRec  map[int][]index.Page    // the index's host pages, for startTiers; nil: none
 	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
 	grants   map[uint64]*grant       // write leases granted and not settled, as journaled; nil: no index
 	prior    map[procID]*prior       // the live processes the owner before a restart served
@@ -302,6 +308,9 @@ type lease struct {
 	s     *slab
 	write bool
 	pages []uint32
+	// granted is the sequence number of a write lease's grant in the index, for its
+	// Alloc's answer to wait for (0: none).
+	granted uint64
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
@@ -634,7 +643,7 @@ func (o *Owner) Stats() Stats {
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
 	st.ReplicaCount = len(st.Replicas)
-	if o.j != nil {
+	if o.ix != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
 			Restored: o.recovery.Pages, Replicas: o.recovery.Replicas, Dropped: o.recovery.Dropped}
 		for _, e := range o.expected {
@@ -693,11 +702,9 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Unlock()
 	o.destroyEvents(dead)
 	errs := o.stopTiers()
-	o.mu.Lock()
-	if err := o.j.close(); err != nil {
+	if err := o.ix.Close(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	o.mu.Unlock()
 	if o.imp != nil {
 		if err := o.closeImport(ctx); err != nil {
 			errs = append(errs, err)

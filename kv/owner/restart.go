@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -334,53 +335,53 @@ func StopKeeper(ctx context.Context, pid int) error {
 }
 
 // restore takes back the index at o.opts.Index if it is of these slabs, and starts
-// the journal. It is called before the page server accepts anyone.
+// the index anew. It is called before the page server accepts anyone. Something other
+// than a regular file at the index's path fails it (index.ErrNotRegular); any other
+// index that cannot be taken back is dropped, and Recovery says why.
 func (o *Owner) restore() error {
-	hdr := indexHeader{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
+	hdr := index.Header{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
 	o.grants = map[uint64]*grant{}
-	rec, err := loadIndex(o.opts.Index)
+	st, err := index.Load(o.opts.Index, o.shape())
 	switch {
-	case errors.Is(err, errNoIndex):
+	case errors.Is(err, index.ErrNoIndex):
+	case errors.Is(err, index.ErrNotRegular):
+		return fmt.Errorf("kv/owner: the index: %w", err)
+	case errors.Is(err, index.ErrOtherShape):
+		hdr.Epoch = st.Header.Epoch + 1
+		if st.Header.Geometry != o.geo {
+			o.dropIndex(fmt.Sprintf("the index is of %v, not %v", st.Header.Geometry, o.geo))
+		} else {
+			o.dropIndex(fmt.Sprintf("the index is of devices %v, not %v", st.Header.Devices, o.opts.Devices))
+		}
 	case err != nil:
 		o.dropIndex(fmt.Sprintf("the index %s is corrupt (%v)", o.opts.Index, err))
 		// Past the epochs a readable header names; a random one where it is not, so
 		// that no lease id of the owner before is likely issued again.
 		hdr.Epoch = 1<<22 | rand.Uint64N(1<<22)
-		if rec != nil {
-			hdr.Epoch = rec.hdr.Epoch + 1
+		if st != nil {
+			hdr.Epoch = st.Header.Epoch + 1
 		}
 	default:
-		hdr.Epoch = rec.hdr.Epoch + 1
+		hdr.Epoch = st.Header.Epoch + 1
 		switch {
-		case rec.hdr.Geometry != o.geo:
-			o.dropIndex(fmt.Sprintf("the index is of %v, not %v", rec.hdr.Geometry, o.geo))
-		case !slices.Equal(rec.hdr.Devices, o.opts.Devices):
-			o.dropIndex(fmt.Sprintf("the index is of devices %v, not %v", rec.hdr.Devices, o.opts.Devices))
-		case rec.hdr.Keeper != o.keeperID && o.imp != nil && !o.recovery.Adopted:
-			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", rec.hdr.Keeper, countSealed(rec)))
-		case rec.hdr.Keeper != o.keeperID:
-			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", rec.hdr.Keeper))
+		case o.imp != nil && !o.recovery.Adopted:
+			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", st.Header.Keeper, countSealed(st)))
+		case st.Header.Keeper != o.keeperID:
+			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", st.Header.Keeper))
+		case o.imp == nil:
+			// The same process's own slabs, from an earlier Listen: made anew since.
+			o.dropIndex(fmt.Sprintf("this owner makes its own slabs, new at each start: the %d visible pages of the index are gone with the old ones", countSealed(st)))
 		default:
-			o.apply(rec)
+			o.apply(st)
 		}
 	}
 	o.epoch = hdr.Epoch
 	o.nextLease = hdr.Epoch << 40 // no lease id of an earlier epoch is issued again
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	j, err := newJournal(o.opts.Index, hdr, o.log, o.snapshotLocked)
-	if err != nil {
-		return err
-	}
-	for _, s := range o.slabs {
-		s.j = j
-	}
-	o.j = j
-	return nil
+	return o.openIndex(hdr)
 }
 
-func countSealed(rec *recovered) (n int) {
-	for _, ps := range rec.sealed {
+func countSealed(st *index.State) (n int) {
+	for _, ps := range st.Sealed {
 		n += len(ps)
 	}
 	return n
@@ -394,16 +395,16 @@ func (o *Owner) dropIndex(why string) {
 	}
 }
 
-// apply makes rec's pages visible again and waits for its replicas.
-func (o *Owner) apply(rec *recovered) {
-	o.hostRec = rec.host // taken back by startTiers, where the keeper kept the memory
+// apply makes st's pages visible again and waits for its replicas.
+func (o *Owner) apply(st *index.State) {
+	o.hostRec = st.Host // taken back by startTiers, where the keeper kept the memory
 	for _, s := range o.slabs {
-		sealed := rec.sealed[s.dev]
+		sealed := st.Sealed[s.dev]
 		for _, sp := range sealed { // least recent first: each goes to the front
-			pg := &s.pages[sp.page]
-			pg.state, pg.hash = pageSealed, sp.hash
-			s.index[sp.hash] = sp.page
-			s.pushFront(sp.page)
+			pg := &s.pages[sp.Page]
+			pg.state, pg.hash = pageSealed, sp.Hash
+			s.index[sp.Hash] = sp.Page
+			s.pushFront(sp.Page)
 		}
 		s.free = s.free[:0]
 		for p := len(s.pages) - 1; p >= 0; p-- {
@@ -423,7 +424,7 @@ func (o *Owner) apply(rec *recovered) {
 		}
 		return ok
 	}
-	for _, id := range rec.attached {
+	for _, id := range st.Attached {
 		if !lives(id) {
 			continue
 		}
@@ -441,8 +442,8 @@ func (o *Owner) apply(rec *recovered) {
 	for _, e := range o.expected {
 		o.recovery.Replicas += e.n
 	}
-	for _, g := range rec.grants {
-		if lives(g.holder) {
+	for _, g := range st.Grants {
+		if lives(g.Holder) {
 			o.reserve(g)
 		}
 	}
@@ -461,23 +462,23 @@ func (o *Owner) apply(rec *recovered) {
 // anyone: they are not handed to anyone else until it re-declares the lease (then
 // its own), ends its list of leases without it, or exits. A grant whose pages are not
 // free (an index at odds with itself) is dropped, and logged.
-func (o *Owner) reserve(g grantRec) {
-	s := o.byDev[g.dev]
+func (o *Owner) reserve(g index.Grant) {
+	s := o.byDev[g.Dev]
 	seen := map[uint32]bool{}
-	for _, pg := range g.pages {
+	for _, pg := range g.Pages {
 		if seen[pg] || s.pages[pg].state != pageFree {
-			o.log.Warn("kv: a write lease of the index names a page that is not free; it is dropped", "lease", g.lease, "page", pg, "holder", g.holder.String())
+			o.log.Warn("kv: a write lease of the index names a page that is not free; it is dropped", "lease", g.Lease, "page", pg, "holder", g.Holder.String())
 			return
 		}
 		seen[pg] = true
 	}
-	if o.prior[g.holder] == nil {
-		o.prior[g.holder] = &prior{}
+	if o.prior[g.Holder] == nil {
+		o.prior[g.Holder] = &prior{}
 	}
-	for _, pg := range g.pages {
+	for _, pg := range g.Pages {
 		s.pages[pg].state = pageWriting
 	}
-	o.grants[g.lease] = &grant{grantRec: g, s: s, orphan: true}
+	o.grants[g.Lease] = &grant{Grant: g, s: s, orphan: true}
 	o.recovery.WriteLeases++
 }
 
@@ -485,7 +486,7 @@ func (o *Owner) reserve(g grantRec) {
 // visible or free again, whatever the lease's own end (a Seal ends the lease at
 // once, its writes may still be running until its event completes).
 type grant struct {
-	grantRec
+	index.Grant
 	s *slab
 	// orphan: granted before the restart and not re-declared yet; its pages are
 	// kept for its holder.
@@ -507,22 +508,23 @@ type prior struct {
 func (o *Owner) keptLocked(s *slab) (n int) {
 	for _, g := range o.grants {
 		if g.orphan && g.s == s {
-			n += len(g.pages)
+			n += len(g.Pages)
 		}
 	}
 	return n
 }
 
-// grantLocked journals write lease l's grant, under o.mu: on disk when it returns, so
-// that a restart keeps its pages while its writer lives. Without an index, or for a
-// process that cannot be named across pid reuse, nothing is kept.
-func (o *Owner) grantLocked(l *lease) {
+// grantLocked queues write lease l's grant in the index, under o.mu, and returns the
+// sequence number to wait for (Owner.journaled) before l is answered: then a restart
+// keeps its pages while its writer lives. Without an index, or for a process that
+// cannot be named across pid reuse, nothing is kept (0).
+func (o *Owner) grantLocked(l *lease) uint64 {
 	if o.grants == nil || l.c.id.PID == 0 {
-		return
+		return 0
 	}
-	g := &grant{grantRec: grantRec{lease: l.id, dev: l.s.dev, holder: l.c.id, pages: l.pages}, s: l.s}
+	g := &grant{Grant: index.Grant{Lease: l.id, Dev: l.s.dev, Holder: l.c.id, Pages: l.pages}, s: l.s}
 	o.grants[l.id] = g
-	o.j.grant(&g.grantRec)
+	return o.ix.Grant(&g.Grant)
 }
 
 // endGrantLocked journals that write lease id's pages are visible or free again,
@@ -530,7 +532,7 @@ func (o *Owner) grantLocked(l *lease) {
 func (o *Owner) endGrantLocked(id uint64) {
 	if _, ok := o.grants[id]; ok {
 		delete(o.grants, id)
-		o.j.end(id)
+		o.ix.End(id)
 	}
 }
 
@@ -539,16 +541,15 @@ func (o *Owner) endGrantLocked(id uint64) {
 // of leases on every connection it had (its work on them has completed).
 func (o *Owner) freeOrphansLocked(holder procID) {
 	for id, g := range o.grants {
-		if !g.orphan || g.holder != holder {
+		if !g.orphan || g.Holder != holder {
 			continue
 		}
-		for _, pg := range g.pages {
+		for _, pg := range g.Pages {
 			g.s.release(pg)
 		}
 		g.s.spaceLocked()
 		o.endGrantLocked(id)
 	}
-	o.j.flush()
 }
 
 // expectation is a process whose replicas (n of them, one per connection) attached to
@@ -558,26 +559,28 @@ type expectation struct {
 	n  int
 }
 
-// snapshotLocked appends the records of the present state, under o.mu.
-func (o *Owner) snapshotLocked(b []byte) []byte {
+// snapshotLocked appends the records of the present state to b, under o.mu: each
+// slab's visible pages and its host tier's sealed pages, least recent first, and the
+// replicas attached or waited for.
+func (o *Owner) snapshotLocked(b *index.Batch) {
 	for _, s := range o.slabs {
 		for p := s.tail; p != none; p = s.pages[p].prev {
-			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
+			b.Seal(s.dev, p, s.pages[p].hash)
 		}
 		if t := s.tier; t != nil {
 			for p := t.tail; p != none; p = t.pages[p].prev {
-				b = appendPageRecord(b, recHostSeal, s.dev, p, &t.pages[p].hash)
+				b.HostSeal(s.dev, p, t.pages[p].hash)
 			}
 		}
 	}
 	for _, e := range o.expected {
 		for range e.n {
-			b = appendProcRecord(b, recAttach, e.id)
+			b.Attach(e.id)
 		}
 	}
 	for c := range o.conns {
 		if c.welcomed && c.id.PID != 0 {
-			b = appendProcRecord(b, recAttach, c.id)
+			b.Attach(c.id)
 		}
 	}
 	ids := make([]uint64, 0, len(o.grants))
@@ -586,9 +589,8 @@ func (o *Owner) snapshotLocked(b []byte) []byte {
 	}
 	slices.Sort(ids)
 	for _, id := range ids {
-		b = appendGrantRecord(b, &o.grants[id].grantRec)
+		b.Grant(&o.grants[id].Grant)
 	}
-	return b
 }
 
 // holdAllocs makes allocations wait until every replica expected back has re-declared
@@ -696,7 +698,7 @@ func (o *Owner) returnedLocked(c *conn) {
 func (o *Owner) forgetLocked(pid uint32, n int) {
 	e := o.expected[pid]
 	for range n {
-		o.j.replica(recDetach, e.id)
+		o.ix.Detach(e.id)
 	}
 	if e.n -= n; e.n <= 0 {
 		delete(o.expected, pid)
@@ -736,20 +738,21 @@ func (o *Owner) awaitResumed() bool {
 // reattach window.
 var windowHook func()
 
-// attachedLocked journals that c was admitted, under o.mu.
-func (o *Owner) attachedLocked(c *conn) {
-	id, err := procOf(c.cred.PID)
+// attachedLocked journals that c, of process id (err: not known), was admitted,
+// under o.mu, and returns the record's sequence number (0: none), for the caller to
+// wait for outside o.mu.
+func (o *Owner) attachedLocked(c *conn, id procID, err error) uint64 {
 	if err != nil {
-		return
+		return 0
 	}
 	c.id = id
-	o.j.replica(recAttach, id)
+	return o.ix.Attach(id)
 }
 
 // detachedLocked journals that c's connection ended, under o.mu.
 func (o *Owner) detachedLocked(c *conn) {
 	if c.id.PID != 0 {
-		o.j.replica(recDetach, c.id)
+		o.ix.Detach(c.id)
 	}
 }
 
@@ -807,9 +810,9 @@ func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 		switch {
 		case g == nil || !g.orphan:
 			return fmt.Sprintf("lease %d is no write lease granted before the restart that is still kept", m.Lease)
-		case g.holder != c.id:
+		case g.Holder != c.id:
 			return fmt.Sprintf("lease %d was granted to another process", m.Lease)
-		case g.s != s || !slices.Equal(g.pages, m.Pages):
+		case g.s != s || !slices.Equal(g.Pages, m.Pages):
 			return fmt.Sprintf("lease %d was granted other pages", m.Lease)
 		}
 		g.orphan = false

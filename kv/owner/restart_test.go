@@ -24,9 +24,10 @@ import (
 )
 
 // kept is a keeper and the page server over its slabs, both in this process: the
-// page server is restarted as kvpoold's SIGKILL and start would (Crash, Close, Listen
-// again on the directory), and the keeper keeps the slabs, the host tiers' memory and
-// the index throughout. Every replica is this process, alive throughout.
+// page server is restarted as kvpoold's SIGKILL and start would (the index as its
+// death leaves it, IndexNow; Close; the index put back; Listen again on the
+// directory), and the keeper keeps the slabs and the host tiers' memory throughout.
+// Every replica is this process, alive throughout, or a writer child of it.
 type kept struct {
 	t    *testing.T
 	dir  string
@@ -69,8 +70,10 @@ func (k *kept) start() owner.Recovery {
 // replicas, and starts another.
 func (k *kept) restart() owner.Recovery {
 	k.t.Helper()
-	owner.Crash(k.o)
-	require.NoError(k.t, k.o.Close(bound(k.t)))
+	b, err := owner.IndexNow(bound(k.t), k.o)
+	require.NoError(k.t, err)
+	require.NoError(k.t, k.o.Close(bound(k.t))) // it journals the connections' ends, which a death would not
+	require.NoError(k.t, os.WriteFile(filepath.Join(k.dir, owner.IndexFile), b, 0o600))
 	return k.start()
 }
 
@@ -126,6 +129,7 @@ func TestRestoreWaitsForTheReattachWindow(t *testing.T) {
 		require.NoError(t, k.o.WaitSpills(bound(t)))
 	}
 	require.NoError(t, a.Close(bound(t))) // gone: the writer alone is awaited after the restart
+	require.Eventually(t, func() bool { return len(k.o.Stats().Replicas) == 0 }, testwait.Bound, time.Millisecond, "the closed replica's connection to end")
 	w := dialRaw(t, k.dir)
 	w.hello()
 	lease, pages := w.allocPages(2, 16) // evicts chain 0, whose host copies stay
