@@ -161,6 +161,14 @@ lib=$bin/libcudapool.so
 if [ -f "$src/libcudapool.so" ]; then
 	cp "$src/libcudapool.so" "$lib"
 fi
+if [ "$runtime" = test ] && [ -f "$lib" ]; then
+	# build-gpu.sh's libcudapool and kvpoold have no software device (the GPU host's
+	# need none): the dry run builds its own, where Go is.
+	echo "== RUNTIME=test: libcudapool and kvpoold with the software device, for the Python tests"
+	go build -buildmode=c-shared -tags cudapool_softdevice -o "$lib" ./capi &&
+		go build -tags cudapool_softdevice -o "$bin/kvpoold" ./cmd/kvpoold
+	step softdevice-build $?
+fi
 if [ -f "$lib" ]; then
 	export CUDAPOOL_LIB=$lib CUDAPOOL_KVPOOLD=$bin/kvpoold # the KV page pool's owner, for test_kv*.py
 	scripts/python-tests.sh

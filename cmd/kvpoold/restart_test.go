@@ -213,7 +213,7 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	res, err := r.Seal(ctx, write, more, s, replica.WaitVisible())
 	require.NoError(t, err)
 	assert.Equal(t, 3, res.Visible)
-	require.NoError(t, r.Release(ctx, s, read, got))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{read, got}, s))
 	st, err := r.Stats(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, 15, st.Devices[0].Sealed)
@@ -263,7 +263,7 @@ func TestCorruptIndexIsDropped(t *testing.T) {
 			assert.Contains(t, line, tc.why)
 			require.NoError(t, r.WaitAttached(ctx))
 			require.ErrorIs(t, read.Lost(), kv.ErrLeaseLost)
-			require.ErrorIs(t, r.Release(ctx, s, read), kv.ErrLeaseLost)
+			require.ErrorIs(t, r.Release(ctx, read, s), kv.ErrLeaseLost)
 			got, err := r.Match(ctx, hashes)
 			require.NoError(t, err)
 			assert.Empty(t, got.Pages(), "no page of a dropped index is visible")
@@ -420,7 +420,7 @@ func TestWriterMidSealKeepsItsPagesAcrossARestart(t *testing.T) {
 	got, err := r.Match(ctx, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 9)))
 	require.NoError(t, err)
 	assert.Empty(t, got.Pages(), "no page of the writer's seal is visible")
-	require.NoError(t, r.Release(ctx, 0, l))
+	require.NoError(t, r.Release(ctx, l, 0))
 }
 
 // A keeper whose kvpoold died, with no replica mapping its slabs, frees them and
@@ -491,7 +491,7 @@ func TestIndexCompactsAndRestores(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, pages, got.Pages())
 	checkPages(t, dev, r, s, got.Pages(), pages)
-	require.NoError(t, r.Release(ctx, s, got))
+	require.NoError(t, r.Release(ctx, got, s))
 }
 
 // reattacher is a replica process dialed WithReconnect, driven by lines:
@@ -544,7 +544,7 @@ func reattacher(args []string) int {
 		}
 		fmt.Println("matched", len(l.Pages()), "bytes", ok, "reattaches", r.Reattaches(), "held", held.Lost() == nil)
 		if f[0] == "await" {
-			if err := r.Release(ctx, s, l, held); err != nil {
+			if err := r.ReleaseAll(ctx, []*replica.Lease{l, held}, s); err != nil {
 				fmt.Println("release:", err)
 				return 1
 			}
@@ -574,7 +574,7 @@ func TestRestartTwoDevices(t *testing.T) {
 	copied, err := r1.Match(ctx, hashes)
 	require.NoError(t, err)
 	require.Len(t, copied.Pages(), 4, "copied from device 0's slab")
-	require.NoError(t, r1.Release(ctx, s1, copied))
+	require.NoError(t, r1.Release(ctx, copied, s1))
 	done0, done1 := r0.Done(), r1.Done()
 	sigkill(t, first)
 	testwait.Recv(t, done0, "device 0's replica told")
@@ -590,8 +590,8 @@ func TestRestartTwoDevices(t *testing.T) {
 	got1, err := r1.Match(ctx, hashes)
 	require.NoError(t, err)
 	assert.Equal(t, copied.Pages(), got1.Pages(), "device 1's copies are back where they were")
-	require.NoError(t, r0.Release(ctx, s, got0))
-	require.NoError(t, r1.Release(ctx, s1, got1))
+	require.NoError(t, r0.Release(ctx, got0, s))
+	require.NoError(t, r1.Release(ctx, got1, s1))
 	require.NoError(t, dev1.StreamSynchronize(1, s1))
 	require.NoError(t, dev1.StreamDestroy(1, s1))
 }
@@ -649,7 +649,7 @@ func TestTwoRestarts(t *testing.T) {
 		got, err := r.Match(ctx, hashes)
 		require.NoError(t, err)
 		assert.Equal(t, pages, got.Pages())
-		require.NoError(t, r.Release(ctx, s, got))
+		require.NoError(t, r.Release(ctx, got, s))
 	}
 }
 
@@ -700,7 +700,7 @@ func TestAllocsWaitForTheReplicasOfBefore(t *testing.T) {
 	// back after: 15 pages are the holder's 8 and 7 more.
 	w, err := r.Alloc(bound(t), 15)
 	require.NoError(t, err, "the holder's pages too, once it has exited")
-	require.NoError(t, r.Release(bound(t), 0, w))
+	require.NoError(t, r.Release(bound(t), w, 0))
 }
 
 // A clean stop stops the keeper too; with -leave-keeper it leaves it, and the next
@@ -738,7 +738,7 @@ func TestCleanStopAndLeaveKeeper(t *testing.T) {
 			got, err := r2.Match(ctx, hashes)
 			require.NoError(t, err)
 			assert.Equal(t, pages, got.Pages())
-			require.NoError(t, r2.Release(ctx, s2, got))
+			require.NoError(t, r2.Release(ctx, got, s2))
 		})
 	}
 }

@@ -259,7 +259,7 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	go func() {
 		m, err := r.Match(bound(t), hashes[:2])
 		if err == nil {
-			err = r.Release(bound(t), 0, m)
+			err = r.Release(bound(t), m, 0)
 		}
 		if err == nil {
 			_, err = r.Stats(bound(t))
@@ -287,7 +287,7 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	// in order: its next waits for the Alloc's answer).
 	m, err := other.Match(bound(t), hashes[6:])
 	if err == nil {
-		err = other.Release(bound(t), 0, m)
+		err = other.Release(bound(t), m, 0)
 	}
 	gt.reopen()
 	require.NoError(t, err, "another replica dialed and matched while the Alloc waits")
@@ -325,7 +325,7 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	b := sealPages(t, r, 4, 2) // the slab is full
 	m, err := r.Match(bound(t), a)
 	require.NoError(t, err)
-	require.NoError(t, r.Release(bound(t), 0, m)) // a is now more recent than b, sealed after it
+	require.NoError(t, r.Release(bound(t), m, 0)) // a is now more recent than b, sealed after it
 	require.NoError(t, first.WaitSpills(bound(t)))
 	host := first.Stats().Devices[0].Host.Sealed
 	require.NotZero(t, host, "b's least recent pages are copied ahead to the host tier")
@@ -355,17 +355,17 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	t.Cleanup(func() { r.Close(bound(t)) })
 	w, err := r.Alloc(bound(t), 4) // evicts the 4 least recent pages: b's
 	require.NoError(t, err)
-	require.NoError(t, r.Release(bound(t), 0, w))
+	require.NoError(t, r.Release(bound(t), w, 0))
 	m, err = r.Match(bound(t), a)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 4)
 	assert.Zero(t, second.Stats().Devices[0].Host.Restores, "a, the more recent, stayed in the slab")
-	require.NoError(t, r.Release(bound(t), 0, m))
+	require.NoError(t, r.Release(bound(t), m, 0))
 	m, err = r.Match(bound(t), b)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 4, "b comes back from the host tier")
 	assert.Equal(t, uint64(4), second.Stats().Devices[0].Host.Restores)
-	require.NoError(t, r.Release(bound(t), 0, m))
+	require.NoError(t, r.Release(bound(t), m, 0))
 }
 
 // A host page evicted is out of the index before it is filled again: at every copy
@@ -432,7 +432,7 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 		if round >= 2 { // an older prompt back: restored from the host tier where it is there
 			m, err := r.Match(bound(t), prompts[round-2])
 			require.NoError(t, err)
-			require.NoError(t, r.Release(bound(t), 0, m))
+			require.NoError(t, r.Release(bound(t), m, 0))
 		}
 	}
 	require.NoError(t, o.WaitSpills(bound(t)))

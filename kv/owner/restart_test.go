@@ -334,7 +334,7 @@ func TestWriteLeasesOfBeforeStayTheirWritersWhileTheyLive(t *testing.T) {
 	late.Kill() // re-declared, the lease is its connection's: it ends with the process (issue 29: LEASED after its death)
 	require.Eventually(t, func() bool { return k.o.Stats().Devices[0].Free == 24 }, testwait.Bound, time.Millisecond,
 		"the pages of the lease re-declared to end with its process: %+v", k.o.Stats().Devices[0])
-	require.NoError(t, r.Release(bound(t), 0, all))
+	require.NoError(t, r.Release(bound(t), all, 0))
 }
 
 // A writer whose replicas were given up at one restart's grace, and whose write leases

@@ -173,7 +173,7 @@ func TestPanicEndsOnlyItsConnection(t *testing.T) {
 			bad.closed("the connection whose request panicked")
 			l, err := good.Alloc(bound(t), 2)
 			require.NoError(t, err, "the other replica is served on")
-			require.NoError(t, good.Release(bound(t), 0, l))
+			require.NoError(t, good.Release(bound(t), l, 0))
 			again := dialRaw(t, dir)
 			again.hello()
 			require.Eventually(t, func() bool {
