@@ -56,6 +56,13 @@ var EncodeStats = encodeStats
 // out of it.
 func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
 
+// OnJournaledWait makes every owner call f as a reply begins to wait for its records
+// to be in the index, until the returned func undoes it.
+func OnJournaledWait(f func()) (undo func()) {
+	journaledHook = f
+	return func() { journaledHook = nil }
+}
+
 // IndexNow is what o's index file holds once every record queued so far is written:
 // what its process's death would leave now. A test closes o, puts the bytes back and
 // starts another owner, as a SIGKILL and a restart would.

@@ -90,6 +90,10 @@ func (o *Owner) openIndex(hdr index.Header) error {
 	return nil
 }
 
+// journaledHook, set by tests alone, is called as a reply begins to wait for the index
+// (journaled).
+var journaledHook func()
+
 // journaled waits, outside o.mu, until every record up to seq is in the index, for a
 // reply or a copy whose truth depends on one (an evicted page's Free before the page
 // is written). It returns nil at once without an index, and also once the index has
@@ -98,6 +102,9 @@ func (o *Owner) openIndex(hdr index.Header) error {
 // behind (a restart could publish an evicted page under its old hash: no page is
 // handed out for writing then), and one wrapping kv.ErrClosed if ctx ends first.
 func (o *Owner) journaled(ctx context.Context, seq uint64) error {
+	if journaledHook != nil {
+		journaledHook()
+	}
 	err := o.ix.Wait(ctx, seq)
 	if err == nil {
 		err = o.ix.Err()

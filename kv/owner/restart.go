@@ -771,7 +771,13 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	c.lock()
 	if m.Lease == 0 {
 		o.returnedLocked(c)
+		seq := o.ix.Queued()
 		c.unlock()
+		// Answered once the index no longer awaits the replica of before, lest the
+		// next restart wait for it as well as for this connection.
+		if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
+			return err
+		}
 		return answer(kvwire.ReattachKept, "")
 	}
 	why := o.reattachLocked(c, s, m)

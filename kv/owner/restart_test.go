@@ -18,6 +18,7 @@ import (
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
@@ -83,6 +84,15 @@ func windowWaits(t *testing.T) <-chan struct{} {
 	ch := make(chan struct{}, 16)
 	t.Cleanup(owner.OnWindowWait(func() { ch <- struct{}{} }))
 	return ch
+}
+
+// served makes a round trip on r: its admission is over, its attach in the index
+// (the Welcome comes before).
+func (r *raw) served() {
+	r.send(kvwire.AppendEmpty(nil, kvwire.TypeStats, 2))
+	h, _, err := r.next()
+	require.NoError(r.t, err)
+	require.Equal(r.t, kvwire.TypeStatsReply, h.Type)
 }
 
 // allocPages leases n pages on r and returns the lease's id and pages.
@@ -357,4 +367,48 @@ func TestKeptPagesOfAProcessOfUnknownReplicasWaitForItsExit(t *testing.T) {
 	w.Kill()
 	require.Eventually(t, func() bool { return k.o.Stats().Devices[0].Free == small.Pages }, testwait.Bound, time.Millisecond,
 		"every page of the writer to be free once it has exited: %+v", k.o.Stats().Devices[0])
+}
+
+// A replica's end of its list of leases re-declared is answered once the index no
+// longer awaits it as a replica of before: a restart right after the answer awaits
+// only its new connection. (Before, the answer came while the record was queued; a
+// SIGKILL then left the index awaiting both, and the next restart waited for a ghost
+// until the grace: cmd/kvpoold's TestTwoRestarts failed so, once in a loaded run.)
+func TestEndOfListIsAnsweredOnceJournaled(t *testing.T) {
+	k := keep(t)
+	before := dialRaw(t, k.dir)
+	before.hello()
+	before.served()
+	gt := newGate()
+	t.Cleanup(owner.SetIndexOptions(index.BeforeWrite(gt.before)))
+	require.Equal(t, 1, k.restart().Replicas)
+	r := dialRaw(t, k.dir)
+	r.hello()
+	r.served()
+
+	gt.close()
+	waits := make(chan struct{}, 1)
+	t.Cleanup(owner.OnJournaledWait(func() {
+		select {
+		case waits <- struct{}{}:
+		default:
+		}
+	}))
+	attached := make(chan int, 1)
+	go func() {
+		status, _ := r.reattach(3, kvwire.Reattach{})
+		assert.Equal(t, kvwire.ReattachKept, status)
+		st, err := index.Load(filepath.Join(k.dir, owner.IndexFile), shapeOf(small, 0))
+		assert.NoError(t, err)
+		attached <- len(st.Attached) // read at the answer, from the disk
+	}()
+	var n int
+	select {
+	case <-waits: // the answer waits for the index's writer, held: let it go
+		gt.reopen()
+		n = testwait.Recv(t, attached, "the end of the list answered")
+	case n = <-attached: // answered with the writer held
+		gt.reopen()
+	}
+	assert.Equal(t, 1, n, "the replicas the index awaits when the end of the list is answered")
 }
