@@ -87,15 +87,18 @@ func sigkill(t *testing.T, cmd *exec.Cmd) {
 // stream; both are closed at the test's end.
 func attach(t *testing.T, dir string) (*cudarttest.Device, *replica.Replica, cudart.Stream) {
 	dev := cudarttest.ForTest(t)
-	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
-	require.NoError(t, err)
-	t.Cleanup(func() { r.Close(bound(t)) })
+	t.Cleanup(func() { // last: after the replica's Close and the stream's destroy
+		assert.Empty(t, dev.Violations(), "the software device's rule violations")
+	})
 	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
 	require.NoError(t, err)
-	t.Cleanup(func() {
+	t.Cleanup(func() { // after the replica's Close, which records on s one last time
 		assert.NoError(t, dev.StreamSynchronize(0, s))
 		assert.NoError(t, dev.StreamDestroy(0, s))
 	})
+	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
 	return dev, r, s
 }
 
@@ -219,7 +222,8 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	assert.Equal(t, 15, st.Devices[0].Sealed)
 	assert.Equal(t, 0, st.Devices[0].Leased)
 	require.NotNil(t, st.Restart)
-	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12}, *st.Restart)
+	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12, Replicas: 3}, *st.Restart,
+		"the replicas to reattach are the number of the first line; none is awaited now")
 	for _, c := range others {
 		c.Finish()
 	}
@@ -393,6 +397,33 @@ func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 0, st.Devices[0].Sealed)
 	assert.Equal(t, 32, st.Devices[0].Free, "its pages are free again")
+}
+
+// A writer whose seal waits for its stream across kvpoold's SIGKILL and restart keeps
+// its pages while it lives, the reattach grace over: its queued writes may still land
+// there. (Before, the restarted kvpoold gave them to others, and the writes landed
+// on their pages.) Once it has exited they are free, and none of them is visible.
+func TestWriterMidSealKeepsItsPagesAcrossARestart(t *testing.T) {
+	dir := shortDir(t)
+	w := childThenKill(t, dir, 32, "midseal", "sealed")
+	_, line := daemon(t, append(restartArgs(dir, 32), "-reattach-grace", "1ms")...)
+	assert.Contains(t, line, "the pages of 1 write leases kept for their writers")
+	_, r, _ := attach(t, dir)
+	ctx := bound(t)
+	l, err := r.Alloc(ctx, 24)
+	require.NoError(t, err, "the pages the writer does not hold")
+	_, err = r.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "the writer's 8 pages are its own while it lives")
+	w.Kill()
+	_ = w.Wait() // killed: its status says so
+	require.Eventually(t, func() bool {
+		st, err := r.Stats(ctx)
+		return err == nil && st.Devices[0].Free == 8
+	}, testwait.Bound, time.Millisecond, "the writer's pages to be free once it has exited")
+	got, err := r.Match(ctx, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 9)))
+	require.NoError(t, err)
+	assert.Empty(t, got.Pages(), "no page of the writer's seal is visible")
+	require.NoError(t, r.Release(ctx, l, 0))
 }
 
 // A keeper whose kvpoold died, with no replica mapping its slabs, frees them and

@@ -41,6 +41,7 @@ type conn struct {
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 	stopWait func()        // ends a lost connection's wait for its process's exit
+	returned bool          // it ended its list of leases re-declared (Reattach of lease 0)
 
 	held    map[uint64]*lease // the connection's leases
 	heldPgs int               // the pages of held
@@ -49,6 +50,8 @@ type conn struct {
 	notifiers map[uint32]*notifier
 	fds       *fdReader // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
+	locked  bool        // it holds Owner.mu (lock)
+	req     kvwire.Type // the request it serves
 	scratch []uint32
 	leaseID []uint64
 	// tip is where the latest Match's run ended short of the hashes asked: the first
@@ -61,6 +64,27 @@ type conn struct {
 	seen    map[kv.Hash]int
 	seenIDs map[uint64]struct{}
 }
+
+// lock takes Owner.mu for the connection's goroutine, the only caller of lock and
+// unlock: a panic while it holds it lets it go (serveConn) before the connection's
+// cleanup takes it, instead of hanging the owner.
+func (c *conn) lock() {
+	c.o.mu.Lock()
+	c.locked = true
+	if lockedHook != nil {
+		lockedHook(c.req)
+	}
+}
+
+// unlock lets Owner.mu go, taken by lock.
+func (c *conn) unlock() {
+	c.locked = false
+	c.o.mu.Unlock()
+}
+
+// lockedHook, set by tests alone, is called with the request served each time a
+// connection's goroutine has taken Owner.mu.
+var lockedHook func(kvwire.Type)
 
 // exited says whether the replica's process has exited; false where it cannot be
 // watched.
@@ -97,16 +121,21 @@ func (o *Owner) serveConn(sc *session.Conn) {
 	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
 		notifiers: map[uint32]*notifier{}, held: map[uint64]*lease{}}
 	c.tip.last = noLink
-	o.mu.Lock()
+	c.lock()
 	if o.closed {
-		o.mu.Unlock()
+		c.unlock()
 		return
 	}
 	o.conns[c] = struct{}{}
-	o.mu.Unlock()
+	c.unlock()
 	rd := kvwire.NewHandshakeReader()
 	var bye *kvwire.Bye
 	defer func() { c.finish(bye) }()
+	defer func() { // first, while a panic unwinds: the cleanup above takes the lock
+		if c.locked {
+			c.unlock()
+		}
+	}()
 	err := c.admit(rd)
 	if errors.Is(err, errObserved) {
 		err = nil
@@ -180,10 +209,10 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return err
 	}
 	id, err := procOf(c.cred.PID) // read before o.mu: /proc is no lock's
-	o.mu.Lock()
+	c.lock()
 	c.welcomed = true
 	seq := o.attachedLocked(c, id, err)
-	o.mu.Unlock()
+	c.unlock()
 	// Served once the index has the replica: a restart waits for its leases then. An
 	// index left behind broken (journaled's error) refuses writes, not the replica.
 	if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
@@ -235,6 +264,7 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 		if h.Type != kvwire.TypeNotifier {
 			c.fds.drop(end)
 		}
+		c.req = h.Type
 		if frameHook != nil {
 			frameHook(h.Type)
 		}
@@ -301,9 +331,9 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
-	o.mu.Lock()
+	c.lock()
 	if err := c.roomLocked(n); err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	pages, ok, evicted := o.takeLocked(s, n)
@@ -317,17 +347,17 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 				defer o.waiters.Done()
 				c.allocLater(h.ID, n)
 			}()
-			o.mu.Unlock()
+			c.unlock()
 			return nil
 		}
 		err := c.noSpaceLocked(n)
-		o.mu.Unlock()
+		c.unlock()
 		return c.refuse(h.ID, err)
 	}
 	l := o.newLeaseLocked(c, true, pages)
-	o.mu.Unlock()
+	c.unlock()
 	c.spillEvicted(evicted)
-	if err := o.journaled(o.stopped, evicted.wait); err != nil {
+	if err := o.journaled(o.stopped, max(evicted.wait, l.granted)); err != nil {
 		c.abandon(l)
 		return c.sendError(h.ID, err)
 	}
@@ -344,6 +374,7 @@ func (c *conn) abandon(l *lease) {
 	for _, p := range l.pages {
 		l.s.release(p)
 	}
+	o.endGrantLocked(l.id)
 	l.s.spaceLocked()
 }
 
@@ -384,7 +415,7 @@ func (c *conn) allocLater(id uint32, n int) {
 			l := o.newLeaseLocked(c, true, pages)
 			o.mu.Unlock()
 			c.spillEvicted(evicted)
-			if err := o.journaled(o.stopped, evicted.wait); err != nil {
+			if err := o.journaled(o.stopped, max(evicted.wait, l.granted)); err != nil {
 				c.abandon(l)
 				if err := c.sendError(id, err); err != nil {
 					_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
@@ -425,7 +456,11 @@ func (c *conn) allocLater(id uint32, n int) {
 // noSpaceLocked is the refusal of an Alloc of n pages, under o.mu.
 func (c *conn) noSpaceLocked(n int) error {
 	s := c.s
-	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), s.dev)
+	kept := ""
+	if k := c.o.keptLocked(s); k > 0 {
+		kept = fmt.Sprintf(", %d kept for the writers of before the restart", k)
+	}
+	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable%s (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), kept, s.dev)
 }
 
 // sendLeased answers Alloc id with write lease l.
@@ -433,14 +468,23 @@ func (c *conn) sendLeased(id uint32, l *lease) error {
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, id, l.id, l.pages) })
 }
 
-// newLeaseLocked makes a lease of pages for c, under o.mu.
+// newLeaseLocked makes a lease of pages for c, under o.mu; a write lease's grant is
+// in the index when it returns (restart.go).
 func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
 	o.nextLease++
 	l := &lease{id: o.nextLease, c: c, s: c.s, write: write, pages: pages}
-	o.leases[l.id] = l
-	c.held[l.id] = l
-	c.heldPgs += len(pages)
+	o.holdLocked(l)
+	if write {
+		l.granted = o.grantLocked(l)
+	}
 	return l
+}
+
+// holdLocked books lease l as its connection's, under o.mu.
+func (o *Owner) holdLocked(l *lease) {
+	o.leases[l.id] = l
+	l.c.held[l.id] = l
+	l.c.heldPgs += len(l.pages)
 }
 
 // roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
@@ -541,15 +585,15 @@ func (c *conn) registerNotifier(p []byte, start, end int64) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	if o.closed {
-		o.mu.Unlock()
+		c.unlock()
 		_ = n.f.Close() // cleanup: the owner is closing
 		return kv.ErrClosed
 	}
 	c.notifiers[m.ID] = n
 	o.waiters.Add(1)
-	o.mu.Unlock()
+	c.unlock()
 	go o.watch(n)
 	return nil
 }
@@ -577,14 +621,14 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	l, err := check()
 	if err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	o.dropLocked(l)
-	rec := &record{s: l.s, target: m.Target, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes)}
+	rec := &record{s: l.s, target: m.Target, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes), ends: []uint64{l.id}}
 	for _, pg := range rec.seal {
 		l.s.pages[pg].state = pageSealing
 	}
@@ -600,11 +644,11 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
-	var seq uint64 // a seal waited for is in the index once answered (settleUpTo's too)
+	var seq uint64 // a seal waited for is in the index once answered (settleReachedLocked's too)
 	if rec.done && h.Flags&kvwire.FlagWait != 0 {
 		seq = o.ix.Queued()
 	}
-	o.mu.Unlock()
+	c.unlock()
 	if wait {
 		return nil
 	}
@@ -631,9 +675,9 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	if err := o.ownsLocked(c, c.leaseID); err != nil {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, err)
 	}
 	rec := &record{s: c.s, target: m.Target}
@@ -641,7 +685,7 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		o.endBehindLocked(rec, o.leases[id])
 	}
 	o.submitLocked(n, rec)
-	o.mu.Unlock()
+	c.unlock()
 	count := uint32(len(c.leaseID))
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, count) })
 }
@@ -656,6 +700,7 @@ func (o *Owner) endBehindLocked(rec *record, l *lease) {
 			l.s.pages[pg].state = pageSettling
 		}
 		rec.free = append(rec.free, l.pages...)
+		rec.ends = append(rec.ends, l.id)
 		return
 	}
 	for _, pg := range l.pages {
@@ -676,9 +721,9 @@ func (c *conn) releaseHeld(at kvwire.Point) {
 		o.log.Warn("kv: a replica's final point; its leases end at once", "pid", c.cred.PID, "err", err)
 		return
 	}
-	o.mu.Lock()
+	c.lock()
 	if len(c.held) == 0 {
-		o.mu.Unlock()
+		c.unlock()
 		return
 	}
 	rec := &record{s: c.s, target: at.Target}
@@ -686,7 +731,7 @@ func (c *conn) releaseHeld(at kvwire.Point) {
 		o.endBehindLocked(rec, l)
 	}
 	o.submitLocked(n, rec)
-	o.mu.Unlock()
+	c.unlock()
 }
 
 // submitLocked settles rec at once, under o.mu, if its point is reached (n is nil: it
@@ -741,15 +786,15 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if err := c.distinct(hashes); err != nil {
 		return c.sendError(h.ID, err)
 	}
-	o.mu.Lock()
+	c.lock()
 	pages := s.lookup(hashes, c.scratch[:0])
 	c.scratch = pages[:0]
 	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
-		o.mu.Unlock()
+		c.unlock()
 		return c.matchAcross(h, hashes)
 	}
 	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
-		o.mu.Unlock()
+		c.unlock()
 		return c.matchRestore(h, hashes)
 	}
 	return c.answerMatchLocked(h.ID, hashes, pages)
@@ -761,12 +806,12 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 func (c *conn) answerMatchLocked(id uint32, hashes []kv.Hash, pages []uint32) error {
 	o := c.o
 	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(id, err)
 	}
 	ans := o.leaseRunLocked(c, pages, len(hashes))
 	c.noteTipLocked(hashes, pages)
-	o.mu.Unlock()
+	c.unlock()
 	return c.write(func(b []byte) ([]byte, error) {
 		return kvwire.AppendLease(b, kvwire.TypeMatched, id, ans.id, ans.pages)
 	})
@@ -874,7 +919,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		if bye.Final {
 			c.releaseHeld(bye.Point)
 		}
-		o.mu.Lock()
+		c.lock()
 		o.endLeasesLocked(c)
 		idle := make(chan struct{})
 		c.idle = idle
@@ -882,7 +927,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 			close(idle)
 			c.idle = nil
 		}
-		o.mu.Unlock()
+		c.unlock()
 		ctx, stop := context.WithCancel(o.stopped)
 		exited := c.waitExit(ctx)
 		select {
@@ -894,16 +939,16 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		<-exited
 	case c.proc != nil && o.stopped.Err() == nil:
 		ctx, stop := context.WithCancel(o.stopped)
-		o.mu.Lock()
+		c.lock()
 		c.lost, c.stopWait = true, stop
-		o.mu.Unlock()
+		c.unlock()
 		_ = c.nc.Close() // cleanup: the connection is lost already
 		c.awaitExit(ctx)
 		stop()
 	}
 	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
-	o.mu.Lock()
+	c.lock()
 	c.ended = true
 	owed = o.exitedLocked(c, owed)
 	if c.welcomed {
@@ -912,7 +957,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	delete(o.conns, c)
 	ns := c.notifiers
 	c.notifiers = map[uint32]*notifier{}
-	o.mu.Unlock()
+	c.unlock()
 	o.send(owed)
 	closeNotifiers(ns)
 	if c.fds != nil {
@@ -925,14 +970,14 @@ func (c *conn) finish(bye *kvwire.Bye) {
 
 // holdsNothing says whether c holds no lease and no record waits for its notifiers.
 func (c *conn) holdsNothing() bool {
-	c.o.mu.Lock()
-	defer c.o.mu.Unlock()
+	c.lock()
+	defer c.unlock()
 	return len(c.held) == 0 && !c.pendingLocked()
 }
 
 func (c *conn) isWelcomed() bool {
-	c.o.mu.Lock()
-	defer c.o.mu.Unlock()
+	c.lock()
+	defer c.unlock()
 	return c.welcomed
 }
 
@@ -989,6 +1034,9 @@ func (o *Owner) endLeasesLocked(c *conn) {
 			} else {
 				l.s.pages[pg].readers--
 			}
+		}
+		if l.write {
+			o.endGrantLocked(l.id)
 		}
 	}
 }

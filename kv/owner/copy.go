@@ -39,7 +39,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
-	o.mu.Lock()
+	c.lock()
 	run := make([]piece, 0, len(hashes))
 	copies := 0
 	for _, hh := range hashes {
@@ -91,14 +91,14 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 			k++
 		}
 	}
-	o.mu.Unlock()
+	c.unlock()
 
 	err := o.journaled(o.stopped, wait)
 	if err == nil {
 		err = o.copyRun(s, run)
 	}
 
-	o.mu.Lock()
+	c.lock()
 	pages := make([]uint32, 0, len(run))
 	for i, pc := range run {
 		if pc.src == nil {
@@ -130,7 +130,7 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 		for _, p := range pages {
 			s.pages[p].readers--
 		}
-		o.mu.Unlock()
+		c.unlock()
 		return c.sendError(h.ID, fmt.Errorf("copying pages to device %d: %w", s.dev, err))
 	}
 	for _, p := range pages {

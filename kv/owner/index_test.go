@@ -251,6 +251,8 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	other, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0) // admitted once the index has it: before the writer is held
 	require.NoError(t, err)
 	t.Cleanup(func() { other.Close(bound(t)) })
+	_, err = other.Stats(bound(t)) // served: its admission is in the index (Dial returns at the Welcome, before that)
+	require.NoError(t, err)
 
 	gt.close()
 	done := make(chan error, 1)

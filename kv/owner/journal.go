@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
@@ -17,10 +18,11 @@ import (
 // The index file (WithIndex) is kv/internal/index's: the owner queues a record there,
 // under o.mu, at each change a restarted owner needs (a page made visible or evicted,
 // a host page sealed once its spill copy has completed or evicted, a replica admitted
-// or gone), and a reply whose truth depends on a record waits, outside o.mu, until the
-// index has written it (Owner.journaled): an Alloc whose pages were evicted, a copy
-// into an evicted page (GPU or host), a Seal that waits for visibility, and a
-// replica's admission. Only visible pages are journaled, so a page whose writer had
+// or gone, a write lease granted to a process and its pages visible or free again:
+// restart.go), and a reply whose truth depends on a record waits, outside o.mu, until
+// the index has written it (Owner.journaled): an Alloc whose pages were evicted, or
+// any Alloc (its grant), a copy into an evicted page (GPU or host), a Seal that waits
+// for visibility, and a replica's admission. Only visible pages are journaled, so a page whose writer had
 // not finished never becomes visible, also across a restart.
 
 // procID names a process across pid reuse: its pid and its start time in clock ticks
@@ -89,6 +91,12 @@ func (o *Owner) openIndex(hdr index.Header) error {
 	return nil
 }
 
+// journaledHook, set by tests alone, is called as a reply begins to wait for the index
+// (journaled). It is atomic: a test sets it while connections run, and the frames
+// that follow reach the owner through recvmsg, which the race detector does not take
+// for the ordering it is.
+var journaledHook atomic.Pointer[func()]
+
 // journaled waits, outside o.mu, until every record up to seq is in the index, for a
 // reply or a copy whose truth depends on one (an evicted page's Free before the page
 // is written). It returns nil at once without an index, and also once the index has
@@ -97,6 +105,9 @@ func (o *Owner) openIndex(hdr index.Header) error {
 // behind (a restart could publish an evicted page under its old hash: no page is
 // handed out for writing then), and one wrapping kv.ErrClosed if ctx ends first.
 func (o *Owner) journaled(ctx context.Context, seq uint64) error {
+	if hook := journaledHook.Load(); hook != nil {
+		(*hook)()
+	}
 	err := o.ix.Wait(ctx, seq)
 	if err == nil {
 		err = o.ix.Err()

@@ -79,9 +79,15 @@
 // Listen given WithKeeper serves the pages of a keeper's slabs, journals the visible
 // pages in WithIndex's file, and, started again after its predecessor died, adopts the
 // live keeper's slabs, makes the journaled pages visible again and takes back the
-// leases that replicas re-declare (Reattach) before it allocates any page
-// (WithReattachGrace). Recovery says what it took back, and why not what it
-// dropped. See restart.go and journal.go.
+// leases that replicas re-declare (Reattach) before it allocates, restores or copies
+// into any page (WithReattachGrace). The index journals each write lease's grant, to
+// the process it was granted to, until its pages are visible or free again: a
+// restarted owner hands no page of such a lease to anyone else while that process
+// lives, the grace over or not, unless the process gives it back (re-declares and
+// releases it, ends its lists of leases without it, or exits). A lease is taken back
+// only by the process it was granted to, within its connection's caps, and ends with
+// that connection. Recovery says what it took back, and why not what it dropped. See
+// restart.go, journal.go and docs/PROTOCOL.md.
 //
 // # Host tiers
 //
@@ -295,6 +301,8 @@ type Owner struct {
 	recovery Recovery                // set by Listen
 	hostRec  map[int][]index.Page    // the index's host pages, for startTiers; nil: none
 	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
+	grants   map[uint64]*grant       // write leases granted and not settled, as journaled; nil: no index
+	prior    map[procID]*prior       // the live processes the owner before a restart served
 	resumed  chan struct{}           // closed once allocations may go on
 
 	stop    context.CancelFunc
@@ -308,6 +316,9 @@ type lease struct {
 	s     *slab
 	write bool
 	pages []uint32
+	// granted is the sequence number of a write lease's grant in the index, for its
+	// Alloc's answer to wait for (0: none).
+	granted uint64
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
@@ -410,7 +421,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		expected: map[uint32]*expectation{}, resumed: make(chan struct{})}
+		expected: map[uint32]*expectation{}, prior: map[procID]*prior{}, resumed: make(chan struct{})}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -642,9 +653,12 @@ func (o *Owner) Stats() Stats {
 	st.ReplicaCount = len(st.Replicas)
 	if o.ix != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
-			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
+			Restored: o.recovery.Pages, Replicas: o.recovery.Replicas, Dropped: o.recovery.Dropped}
 		for _, e := range o.expected {
 			rs.Awaiting += e.n
+		}
+		for _, s := range o.slabs {
+			rs.Kept += o.keptLocked(s)
 		}
 		st.Restart = rs
 	}

@@ -57,6 +57,10 @@ type Recovery struct {
 	Pages int
 	// Replicas are the replicas attached before, whose leases wait for them.
 	Replicas int
+	// WriteLeases are the write leases granted before to processes that live: their
+	// pages are kept for their writers until each re-declares them, ends its list of
+	// leases without them, or exits.
+	WriteLeases int
 	// HostTiersKept counts the devices whose host tier memory the keeper held and
 	// the page server took back (keeptier.go).
 	HostTiersKept int
@@ -74,6 +78,9 @@ func (r Recovery) String() string {
 	switch {
 	case r.Adopted:
 		fmt.Fprintf(&b, "cache adopted from keeper pid %d: %d visible pages restored, %d replicas to reattach", r.KeeperPID, r.Pages, r.Replicas)
+		if r.WriteLeases > 0 {
+			fmt.Fprintf(&b, ", the pages of %d write leases kept for their writers", r.WriteLeases)
+		}
 	case r.KeeperPID != 0:
 		fmt.Fprintf(&b, "new cache in keeper pid %d", r.KeeperPID)
 	default:
@@ -333,6 +340,7 @@ func StopKeeper(ctx context.Context, pid int) error {
 // index that cannot be taken back is dropped, and Recovery says why.
 func (o *Owner) restore() error {
 	hdr := index.Header{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
+	o.grants = map[uint64]*grant{}
 	st, err := index.Load(o.opts.Index, o.shape())
 	switch {
 	case errors.Is(err, index.ErrNoIndex):
@@ -406,15 +414,141 @@ func (o *Owner) apply(st *index.State) {
 		}
 		o.recovery.Pages += len(sealed)
 	}
+	alive := map[procID]bool{}
+	lives := func(id procID) bool {
+		ok, seen := alive[id]
+		if !seen {
+			now, err := procOf(int(id.PID))
+			ok = err == nil && now == id
+			alive[id] = ok
+		}
+		return ok
+	}
 	for _, id := range st.Attached {
+		if !lives(id) {
+			continue
+		}
 		if e := o.expected[id.PID]; e != nil && e.id == id {
 			e.n++
-		} else if now, err := procOf(int(id.PID)); err == nil && now == id {
+		} else {
 			o.expected[id.PID] = &expectation{id: id, n: 1}
+		}
+		if p := o.prior[id]; p != nil {
+			p.conns++
+		} else {
+			o.prior[id] = &prior{conns: 1}
 		}
 	}
 	for _, e := range o.expected {
 		o.recovery.Replicas += e.n
+	}
+	for _, g := range st.Grants {
+		if lives(g.Holder) {
+			o.reserve(g)
+		}
+	}
+	for _, s := range o.slabs {
+		s.free = s.free[:0]
+		for p := len(s.pages) - 1; p >= 0; p-- {
+			if s.pages[p].state == pageFree {
+				s.free = append(s.free, uint32(p))
+			}
+		}
+	}
+}
+
+// reserve keeps the pages of write lease g, granted before the restart to a process
+// that lives, for that process (an orphan grant), before the page server accepts
+// anyone: they are not handed to anyone else until it re-declares the lease (then
+// its own), ends its list of leases without it, or exits. A grant whose pages are not
+// free (an index at odds with itself) is dropped, and logged.
+func (o *Owner) reserve(g index.Grant) {
+	s := o.byDev[g.Dev]
+	seen := map[uint32]bool{}
+	for _, pg := range g.Pages {
+		if seen[pg] || s.pages[pg].state != pageFree {
+			o.log.Warn("kv: a write lease of the index names a page that is not free; it is dropped", "lease", g.Lease, "page", pg, "holder", g.Holder.String())
+			return
+		}
+		seen[pg] = true
+	}
+	if o.prior[g.Holder] == nil {
+		o.prior[g.Holder] = &prior{}
+	}
+	for _, pg := range g.Pages {
+		s.pages[pg].state = pageWriting
+	}
+	o.grants[g.Lease] = &grant{Grant: g, s: s, orphan: true}
+	o.recovery.WriteLeases++
+}
+
+// grant is a write lease as the index knows it: from its Alloc until its pages are
+// visible or free again, whatever the lease's own end (a Seal ends the lease at
+// once, its writes may still be running until its point is reached).
+type grant struct {
+	index.Grant
+	s *slab
+	// orphan: granted before the restart and not re-declared yet; its pages are
+	// kept for its holder.
+	orphan bool
+}
+
+// prior is a live process the owner before a restart served: conns of its
+// connections were attached then, back of them have ended their lists of leases
+// re-declared since. With conns 0 (the index holds grants of the process but no
+// connection of it: its replicas were given up at an earlier restart's grace) no
+// count of lists can vouch for all its replicas, and its write leases' pages wait
+// for its exit or its re-declarations.
+type prior struct {
+	conns, back int
+}
+
+// keptLocked counts the pages of s kept for the writers of before the restart
+// (orphan grants), under o.mu.
+func (o *Owner) keptLocked(s *slab) (n int) {
+	for _, g := range o.grants {
+		if g.orphan && g.s == s {
+			n += len(g.Pages)
+		}
+	}
+	return n
+}
+
+// grantLocked queues write lease l's grant in the index, under o.mu, and returns the
+// sequence number to wait for (Owner.journaled) before l is answered: then a restart
+// keeps its pages while its writer lives. Without an index, or for a process that
+// cannot be named across pid reuse, nothing is kept (0).
+func (o *Owner) grantLocked(l *lease) uint64 {
+	if o.grants == nil || l.c.id.PID == 0 {
+		return 0
+	}
+	g := &grant{Grant: index.Grant{Lease: l.id, Dev: l.s.dev, Holder: l.c.id, Pages: l.pages}, s: l.s}
+	o.grants[l.id] = g
+	return o.ix.Grant(&g.Grant)
+}
+
+// endGrantLocked journals that write lease id's pages are visible or free again,
+// under o.mu.
+func (o *Owner) endGrantLocked(id uint64) {
+	if _, ok := o.grants[id]; ok {
+		delete(o.grants, id)
+		o.ix.End(id)
+	}
+}
+
+// freeOrphansLocked frees the pages of the write leases granted to holder before the
+// restart that it has not re-declared, under o.mu: it has exited, or ended its lists
+// of leases on every connection it had (its work on them has completed).
+func (o *Owner) freeOrphansLocked(holder procID) {
+	for id, g := range o.grants {
+		if !g.orphan || g.Holder != holder {
+			continue
+		}
+		for _, pg := range g.Pages {
+			g.s.release(pg)
+		}
+		g.s.spaceLocked()
+		o.endGrantLocked(id)
 	}
 }
 
@@ -449,12 +583,21 @@ func (o *Owner) snapshotLocked(b *index.Batch) {
 			b.Attach(c.id)
 		}
 	}
+	ids := make([]uint64, 0, len(o.grants))
+	for id := range o.grants {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		b.Grant(&o.grants[id].Grant)
+	}
 }
 
 // holdAllocs makes allocations wait until every replica expected back has re-declared
 // its leases (or exited), or the grace has passed, so that no page a replica still
 // holds from before is handed to another.
 func (o *Owner) holdAllocs() {
+	o.watchPrior()
 	o.mu.Lock()
 	none := len(o.expected) == 0
 	o.mu.Unlock()
@@ -474,7 +617,7 @@ func (o *Owner) holdAllocs() {
 			for _, e := range o.expected {
 				late = append(late, e.id.String())
 			}
-			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases are lost", "grace", grace, "replicas", late)
+			o.log.Warn("kv: replicas attached before the restart did not reattach in time: pages are allocated again, their read leases are lost, and their write leases' pages stay theirs until they exit", "grace", grace, "replicas", late)
 			for pid := range o.expected {
 				o.forgetLocked(pid, o.expected[pid].n)
 			}
@@ -482,37 +625,72 @@ func (o *Owner) holdAllocs() {
 		}
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
+}
+
+// watchPrior watches each process the owner before the restart served: once it has
+// exited, its replicas are no longer waited for and the pages of its write leases
+// from before are free. A process that cannot be watched is not waited for past the
+// grace, and its write leases' pages stay kept (it may still write them).
+func (o *Owner) watchPrior() {
 	o.mu.Lock()
-	var ids []procID
-	for _, e := range o.expected {
-		ids = append(ids, e.id)
+	ids := make([]procID, 0, len(o.prior))
+	for id := range o.prior {
+		ids = append(ids, id)
 	}
 	o.mu.Unlock()
 	for _, id := range ids {
 		p, err := peercred.OpenProcess(int(id.PID))
 		if err != nil {
-			continue // the grace ends the wait
+			o.log.Warn("kv: cannot watch a replica's process of before the restart", "replica", id.String(), "err", err)
+			continue
 		}
+		if now, err := procOf(int(id.PID)); err != nil || now != id { // the pid was reused before the pidfd
+			_ = p.Close() // cleanup: another process
+			o.exitedPrior(id)
+			continue
+		}
+		o.waiters.Add(1)
 		go func() {
+			defer o.waiters.Done()
 			defer func() { _ = p.Close() }() // cleanup: the wait is over
 			if p.Wait(o.stopped) == nil {
-				o.mu.Lock()
-				defer o.mu.Unlock()
-				if e := o.expected[id.PID]; e != nil && e.id == id {
-					o.forgetLocked(id.PID, e.n)
-				}
-				o.resumeLocked()
+				o.exitedPrior(id)
 			}
 		}()
 	}
 }
 
-// returnedLocked takes one of pid's replicas off those waited for, under o.mu: its
-// connection now is journaled as attached.
-func (o *Owner) returnedLocked(pid uint32) {
-	if o.expected[pid] != nil {
-		o.forgetLocked(pid, 1)
+// exitedPrior ends what process id, served before the restart, left: its replicas are
+// no longer waited for, its write leases' pages are free.
+func (o *Owner) exitedPrior(id procID) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if e := o.expected[id.PID]; e != nil && e.id == id {
+		o.forgetLocked(id.PID, e.n)
+	}
+	delete(o.prior, id)
+	o.freeOrphansLocked(id)
+	o.resumeLocked()
+}
+
+// returnedLocked takes c's replica off those waited for, under o.mu, once it has
+// re-declared its leases (its connection now is journaled as attached). Once every
+// replica its process had before the restart has, the write leases from before that
+// none re-declared are free: a replica ends its list only once its streams' work on
+// the pages it no longer holds has completed (docs/PROTOCOL.md).
+func (o *Owner) returnedLocked(c *conn) {
+	if c.returned || c.id.PID == 0 {
+		return
+	}
+	c.returned = true
+	if e := o.expected[c.id.PID]; e != nil && e.id == c.id {
+		o.forgetLocked(c.id.PID, 1)
 		o.resumeLocked()
+	}
+	if p := o.prior[c.id]; p != nil {
+		if p.back++; p.conns > 0 && p.back >= p.conns {
+			o.freeOrphansLocked(c.id)
+		}
 	}
 }
 
@@ -543,10 +721,22 @@ func (o *Owner) awaitResumed() bool {
 	select {
 	case <-o.resumed:
 		return true
+	default:
+	}
+	if windowHook != nil {
+		windowHook()
+	}
+	select {
+	case <-o.resumed:
+		return true
 	case <-o.stopped.Done():
 		return false
 	}
 }
+
+// windowHook, set by tests alone, is called when a request begins to wait for the
+// reattach window.
+var windowHook func()
 
 // attachedLocked journals that c, of process id (err: not known), was admitted,
 // under o.mu, and returns the record's sequence number (0: none), for the caller to
@@ -578,27 +768,36 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	answer := func(status uint32, reason string) error {
 		return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendReattached(b, h.ID, status, reason) })
 	}
-	o.mu.Lock()
+	c.lock()
 	if m.Lease == 0 {
-		o.returnedLocked(uint32(c.cred.PID))
-		o.mu.Unlock()
+		o.returnedLocked(c)
+		seq := o.ix.Queued()
+		c.unlock()
+		// Answered once the index no longer awaits the replica of before, lest the
+		// next restart wait for it as well as for this connection.
+		if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
+			return err
+		}
 		return answer(kvwire.ReattachKept, "")
 	}
 	why := o.reattachLocked(c, s, m)
-	o.mu.Unlock()
+	c.unlock()
 	if why != "" {
 		return answer(kvwire.ReattachLost, why)
 	}
 	return answer(kvwire.ReattachKept, "")
 }
 
-// reattachLocked takes m back for c, or says why not, under o.mu.
+// reattachLocked takes m back for c, or says why not, under o.mu. A write lease is
+// taken back only by the process it was granted to, as the index says, with the
+// same pages (kept for it since the restart); a read lease only by a process the
+// owner before served, with its pages visible under the same hashes (as a Match of
+// them would lease). Either joins c's leases, within its caps, and ends with it.
 func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if l, ok := o.leases[m.Lease]; ok {
 		// The same process's lease over a connection that ended (without the owner's
 		// death) moves to this one.
-		if l.c != c && l.c.cred.PID == c.cred.PID && l.c.lost && l.s == s && l.write == m.Write && slices.Equal(l.pages, m.Pages) {
-			l.c = c
+		if l.c != c && l.write == m.Write && slices.Equal(l.pages, m.Pages) && o.adoptLocked(c, l) {
 			return ""
 		}
 		return fmt.Sprintf("lease %d is held already", m.Lease)
@@ -609,6 +808,26 @@ func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if len(m.Pages) == 0 || (!m.Write && len(m.Hashes) != len(m.Pages)) || (m.Write && len(m.Hashes) != 0) {
 		return fmt.Sprintf("lease %d: %d pages and %d hashes", m.Lease, len(m.Pages), len(m.Hashes))
 	}
+	if err := c.roomLocked(len(m.Pages)); err != nil {
+		return fmt.Sprintf("lease %d: %v", m.Lease, err)
+	}
+	if m.Write {
+		g := o.grants[m.Lease]
+		switch {
+		case g == nil || !g.orphan:
+			return fmt.Sprintf("lease %d is no write lease granted before the restart that is still kept", m.Lease)
+		case g.Holder != c.id:
+			return fmt.Sprintf("lease %d was granted to another process", m.Lease)
+		case g.s != s || !slices.Equal(g.Pages, m.Pages):
+			return fmt.Sprintf("lease %d was granted other pages", m.Lease)
+		}
+		g.orphan = false
+		o.holdLocked(&lease{id: m.Lease, c: c, s: s, write: true, pages: slices.Clone(m.Pages)})
+		return ""
+	}
+	if o.prior[c.id] == nil {
+		return fmt.Sprintf("lease %d: pid %d is not a process the owner before this one served", m.Lease, c.cred.PID)
+	}
 	seen := map[uint32]bool{}
 	for i, pg := range m.Pages {
 		switch {
@@ -616,24 +835,15 @@ func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 			return fmt.Sprintf("page %d of %d", pg, len(s.pages))
 		case seen[pg]:
 			return fmt.Sprintf("page %d is listed twice", pg)
-		case m.Write && s.pages[pg].state != pageFree:
-			return fmt.Sprintf("page %d is no longer free to write", pg)
-		case !m.Write && (s.pages[pg].state != pageSealed || s.pages[pg].hash != m.Hashes[i]):
+		case s.pages[pg].state != pageSealed || s.pages[pg].hash != m.Hashes[i]:
 			return fmt.Sprintf("page %d is no longer visible under its hash", pg)
 		}
 		seen[pg] = true
 	}
-	if m.Write {
-		s.free = slices.DeleteFunc(s.free, func(p uint32) bool { return seen[p] })
-		for _, pg := range m.Pages {
-			s.pages[pg].state = pageWriting
-		}
-	} else {
-		for _, pg := range m.Pages {
-			s.pages[pg].readers++
-		}
-		s.touch(m.Pages)
+	for _, pg := range m.Pages {
+		s.pages[pg].readers++
 	}
-	o.leases[m.Lease] = &lease{id: m.Lease, c: c, s: s, write: m.Write, pages: slices.Clone(m.Pages)}
+	s.touch(m.Pages)
+	o.holdLocked(&lease{id: m.Lease, c: c, s: s, pages: slices.Clone(m.Pages)})
 	return ""
 }

@@ -1,6 +1,8 @@
 package owner
 
 import (
+	"fmt"
+
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -24,11 +26,15 @@ func (c *conn) inHostLocked(h kv.Hash) bool {
 // the copy on the host, publishes them in the slab's index
 // (their host pages stay, as their twins) and leases the whole run: the reply names
 // GPU pages only, readable once it has come. If the copy fails, the run ends before
-// the first restored page and the error is logged.
+// the first restored page and the error is logged. It takes no page before the
+// reattach window has ended, as Alloc does (awaitResumed).
 func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	o, s := c.o, c.s
 	t := s.tier
-	o.mu.Lock()
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
+	}
+	c.lock()
 	type step struct {
 		gpu  uint32 // the page, or for a restore the page it goes to
 		host uint32 // none: visible in the slab already
@@ -73,7 +79,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 		}
 	}
 	run = run[:cut]
-	o.mu.Unlock()
+	c.unlock()
 
 	gpu, host := make([]uint32, 0, restores), make([]uint32, 0, restores)
 	for _, st := range run {
@@ -84,7 +90,7 @@ func (c *conn) matchRestore(h kvwire.Header, hashes []kv.Hash) error {
 	// The pages taken are copied out first where they held pages the host tier has
 	// no copy of, then the restore, in one stream order.
 	err := o.copyEvicted(s, evicted, o.tierPieces(t, gpu, host, true))
-	o.mu.Lock()
+	c.lock()
 	if err != nil {
 		o.log.Error("kv: restoring pages from the host tier failed; the match ends before them", "device", s.dev, "err", err)
 	} else {

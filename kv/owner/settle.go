@@ -26,6 +26,7 @@ type record struct {
 	parent   link     // the sealed page seal[0] continues, if the owner knows it
 	free     []uint32 // pages to free
 	released []uint32 // sealed pages whose release settles
+	ends     []uint64 // the write leases whose grants end with it (restart.go)
 	// wait is the request to answer once the seal is settled (a Seal with FlagWait).
 	wait    uint32
 	waiting bool
@@ -78,6 +79,9 @@ func (o *Owner) settle(rec *record, publish bool) {
 	}
 	for _, p := range rec.released {
 		s.pages[p].releasing--
+	}
+	for _, id := range rec.ends {
+		o.endGrantLocked(id)
 	}
 	rec.done = true
 	s.spaceLocked()

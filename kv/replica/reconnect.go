@@ -39,8 +39,9 @@ import (
 //
 // The restarted owner lets pages be allocated once every replica attached before has
 // re-declared its leases, or after its grace (owner.WithReattachGrace, kvpoold's
-// -reattach-grace): a replica whose streams still run work on pages past it (a stream
-// stalled that long) may find them reused, its leases lost.
+// -reattach-grace): past it, a read lease whose pages were evicted meanwhile is lost;
+// a write lease's pages are kept for this process while it lives, and re-declared late
+// it is kept (docs/PROTOCOL.md, the restart contract).
 //
 // When the slab's keeper is gone, the slab is gone: the replica stays stopped.
 func WithReconnect() Option { return func(o *options) { o.reconnect = true } }

@@ -31,15 +31,22 @@ const (
 	Detach   Kind = 4 // pid, start: a replica's connection ended
 	HostSeal Kind = 5 // dev, host page, hash: the host page holds hash, its copy completed
 	HostFree Kind = 6 // dev, host page: a sealed host page was evicted
+	// A write lease, from its grant until its pages are visible or free again: its
+	// grant, then one record per page (appended together), and its end.
+	Lease     Kind = 7 // lease, dev, pid, start: a write lease was granted to a process
+	LeasePage Kind = 8 // lease, page: a page of that write lease
+	LeaseEnd  Kind = 9 // lease: the write lease's pages are visible or free again
 )
 
 // Byte sizes of the records, framing included.
 const (
-	pagePayload = 1 + 4 + 4 + len(kv.Hash{}) // a Free's is shorter by the hash
-	procPayload = 1 + 4 + 8
-	headerFixed = len(magic) + 4 + 8 + 4 + 8 + kvwire.GeometryLen + 4
-	maxPayload  = headerFixed + 4*MaxDevices
-	frame       = 8 // the length and the checksum
+	pagePayload  = 1 + 4 + 4 + len(kv.Hash{}) // a Free's is shorter by the hash
+	procPayload  = 1 + 4 + 8
+	grantPayload = 1 + 8 + 4 + 4 + 8 // no more than a page record's: the reader's bound
+	leasePayload = 1 + 8             // an End's; a GrantPage's has the page too
+	headerFixed  = len(magic) + 4 + 8 + 4 + 8 + kvwire.GeometryLen + 4
+	maxPayload   = headerFixed + 4*MaxDevices
+	frame        = 8 // the length and the checksum
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -105,6 +112,37 @@ func AppendProc(b []byte, k Kind, p Proc) []byte {
 	return appendRecord(b, func(b []byte) []byte {
 		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(append(b, byte(k)), p.PID), p.Start)
 	})
+}
+
+// Grant is a write lease as the index journals it: granted to Holder on device Dev,
+// of Pages, until its End.
+type Grant struct {
+	Lease  uint64
+	Dev    int
+	Holder Proc
+	Pages  []uint32
+}
+
+// records is how many records g takes: its grant and one per page.
+func (g *Grant) records() int { return 1 + len(g.Pages) }
+
+// AppendGrant appends g's records: its grant, then one per page.
+func AppendGrant(b []byte, g *Grant) []byte {
+	b = appendRecord(b, func(b []byte) []byte {
+		b = binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(Lease)), g.Lease), uint32(g.Dev))
+		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(b, g.Holder.PID), g.Holder.Start)
+	})
+	for _, pg := range g.Pages {
+		b = appendRecord(b, func(b []byte) []byte {
+			return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(LeasePage)), g.Lease), pg)
+		})
+	}
+	return b
+}
+
+// AppendEnd appends the end of write lease id.
+func AppendEnd(b []byte, id uint64) []byte {
+	return appendRecord(b, func(b []byte) []byte { return binary.LittleEndian.AppendUint64(append(b, byte(LeaseEnd)), id) })
 }
 
 // parseHeader reads a header record's payload.
