@@ -65,7 +65,8 @@ func (o *Owner) shape() index.Shape {
 	if conns <= 0 {
 		conns = session.DefaultConns
 	}
-	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns}
+	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns,
+		ReadPages: conns * o.opts.MaxLeasedPages}
 }
 
 // openIndex starts the index at o.opts.Index with hdr and the present state. It is
