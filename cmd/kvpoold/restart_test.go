@@ -87,15 +87,18 @@ func sigkill(t *testing.T, cmd *exec.Cmd) {
 // stream; both are closed at the test's end.
 func attach(t *testing.T, dir string) (*cudarttest.Device, *replica.Replica, cudart.Stream) {
 	dev := cudarttest.ForTest(t)
-	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
-	require.NoError(t, err)
-	t.Cleanup(func() { r.Close(bound(t)) })
+	t.Cleanup(func() { // last: after the replica's Close and the stream's destroy
+		assert.Empty(t, dev.Violations(), "the software device's rule violations")
+	})
 	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
 	require.NoError(t, err)
-	t.Cleanup(func() {
+	t.Cleanup(func() { // after the replica's Close, which records on s one last time
 		assert.NoError(t, dev.StreamSynchronize(0, s))
 		assert.NoError(t, dev.StreamDestroy(0, s))
 	})
+	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
 	return dev, r, s
 }
 
