@@ -70,9 +70,15 @@
 // Listen given WithKeeper serves the pages of a keeper's slabs, journals the visible
 // pages in WithIndex's file, and, started again after its predecessor died, adopts the
 // live keeper's slabs, makes the journaled pages visible again and takes back the
-// leases that replicas re-declare (Reattach) before it allocates any page
-// (WithReattachGrace). Recovery says what it took back, and why not what it
-// dropped. See restart.go and journal.go.
+// leases that replicas re-declare (Reattach) before it answers any Alloc or Match
+// (WithReattachGrace). The index journals each lease's grant, to the process it was
+// granted to, until it ends: a restarted owner hands no page of such a lease to
+// anyone else (a write lease's) nor evicts it (a read lease's) while that process
+// lives, the grace over or not, unless the process gives it back (re-declares and
+// releases it, ends its lists of leases without it, or exits). A lease is taken back
+// only by the process it was granted to, within its connection's caps, and ends with
+// that connection. Recovery says what it took back, and why not what it dropped. See
+// restart.go, journal.go and docs/PROTOCOL.md.
 //
 // # Host tiers
 //

@@ -579,13 +579,16 @@ func (o *Owner) holdAllocs() {
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
 	for _, h := range expected {
-		if now, err := procOf(int(h.PID)); err != nil || pages.Holder(now) != h {
+		p, err := peercred.OpenProcess(int(h.PID))
+		if now, nerr := procOf(int(h.PID)); nerr != nil || pages.Holder(now) != h { // checked after the pidfd: it names h
+			if err == nil {
+				_ = p.Close() // cleanup: another process, or none
+			}
 			o.holderDead(h) // gone, or its pid another process's
 			continue
 		}
-		p, err := peercred.OpenProcess(int(h.PID))
-		if err != nil {
-			o.holderDead(h)
+		if err != nil { // alive: its leases stay its own until it re-declares them or declares
+			o.log.Warn("kv: cannot watch a replica's process of before the restart", "replica", h.String(), "err", err)
 			continue
 		}
 		o.waiters.Add(1)
