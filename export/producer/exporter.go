@@ -93,7 +93,7 @@ type readyEvent struct {
 // at path is replaced; a live exporter's gives ErrAddressInUse, a file that is not a
 // socket export.ErrNotSocket, and a path longer than a socket address holds ErrSocketPath. Unless
 // WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
-// WithAnnounce directory, created private if missing). On failure nothing is left
+// [WithAnnounceDir] directory, created private if missing). On failure nothing is left
 // behind: no socket, no announcement.
 func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, error) {
 	if rt == nil {

@@ -17,7 +17,7 @@ type ListenOption func(*listenOptions)
 type listenOptions struct {
 	wire.SharedOptions
 	policy      export.Policy
-	announceDir string // "" with announce false: none
+	announceDir string // "": discover.DefaultDir()
 	announce    bool
 	name        string
 	retain      bool
@@ -77,9 +77,11 @@ func WithLogger(l *slog.Logger) ListenOption {
 	return func(o *listenOptions) { o.SetLogger(l) }
 }
 
-// WithAnnounce makes Listen announce the exporter in dir instead of DefaultDir().
-func WithAnnounce(dir string) ListenOption {
-	return func(o *listenOptions) { o.announce, o.announceDir = true, dir }
+// WithAnnounceDir sets where [Listen] announces the exporter; the default (and "") is
+// [discover.DefaultDir]. [WithoutAnnounce] wins over it, whatever their order, as in
+// kv/owner.
+func WithAnnounceDir(dir string) ListenOption {
+	return func(o *listenOptions) { o.announceDir = dir }
 }
 
 // WithRetainedImports lets local consumers keep a buffer's import mapped after they

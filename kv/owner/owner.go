@@ -51,8 +51,9 @@
 // connection once the replica's releases have settled, so that the replica may then
 // destroy its events. Every malformed frame closes the connection it came on, and only
 // that one; so does a panic while serving it. The connections are served by
-// internal/session, within WithLimits, and what one holds within WithMaxLeases,
-// WithMaxLeasedPages and WithMaxEvents.
+// internal/session, within [WithHandshakeTimeout], [WithHandshakeLimit] and
+// [WithConnLimit], and what one holds within [WithMaxLeases], [WithMaxLeasedPages] and
+// [WithMaxEvents].
 //
 // # Devices
 //
@@ -141,7 +142,7 @@ type options struct {
 	Index          string
 	ReattachGrace  time.Duration
 	HostBytes      uint64
-	Limits         Limits
+	Limits         session.Limits // WithHandshakeTimeout, WithHandshakeLimit, WithConnLimit
 	MaxLeases      int
 	MaxLeasedPages int
 	MaxEvents      int
@@ -171,7 +172,7 @@ func WithPolicy(p export.Policy) Option { return func(o *options) { o.Policy = p
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.Logger = l } }
 
 // WithAnnounceDir sets where the slab exporter announces itself for cmd/poolstat; the
-// default (and "") is discover.DefaultDir().
+// default (and "") is [discover.DefaultDir]. [WithoutAnnounce] wins over it.
 func WithAnnounceDir(dir string) Option { return func(o *options) { o.AnnounceDir = dir } }
 
 // WithoutAnnounce leaves the slab exporter's announcement out; by default it is made.
@@ -204,20 +205,33 @@ func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.Rea
 // memory, are refused with an error wrapping kv.ErrGeometry.
 func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
 
-// WithLimits bounds the page socket's connections: the handshake's timeout, the
-// connections in their handshake and the admitted connections, in all and per user or
-// process. A zero field takes its default (session's Default values: 10 s, 1024
-// handshakes and 128 per uid, 4096 connections and 64 per process), and so does every
-// field without this option. A connection past a connection cap is refused with an
-// error wrapping kv.ErrLimit that names the cap; one past a handshake cap is closed,
-// and logged.
-func WithLimits(l Limits) Option { return func(o *options) { o.Limits = l } }
+// WithHandshakeTimeout bounds how long a connection to the page socket (or the host
+// tier's) may take from its accept to its admission: past it, the owner closes it. The
+// default (and d <= 0) is 10 s.
+func WithHandshakeTimeout(d time.Duration) Option {
+	return func(o *options) { o.Limits.HandshakeTimeout = d }
+}
+
+// WithHandshakeLimit caps the connections still in their handshake (connected, not yet
+// admitted): total in all, perUID from any one user. One past a cap is closed at once,
+// without a word, and logged, so that no local user can hold all the handshakes. The
+// defaults are 1024 and 128; a value below 1 keeps the default.
+func WithHandshakeLimit(total, perUID int) Option {
+	return func(o *options) { o.Limits.Handshakes, o.Limits.HandshakesPerUID = total, perUID }
+}
+
+// WithConnLimit caps the admitted connections: total in all, perProcess from any one
+// process. A connection past a cap is refused with an error wrapping [kv.ErrLimit]
+// that names the cap. The defaults are 4096 and 64; a value below 1 keeps the default.
+func WithConnLimit(total, perProcess int) Option {
+	return func(o *options) { o.Limits.Conns, o.Limits.ConnsPerProcess = total, perProcess }
+}
 
 // WithMaxLeases caps the leases one connection holds; the default (and n <= 0) is
 // DefaultMaxLeases. A request past it is refused with an error wrapping kv.ErrLimit
 // that names it, and changes nothing. With the connection caps it bounds a page's
-// reader count, which cannot wrap: Listen refuses a MaxLeases × Limits.Conns of 2^32
-// or more.
+// reader count, which cannot wrap: [Listen] refuses a MaxLeases × [WithConnLimit]'s
+// total of 2^32 or more.
 func WithMaxLeases(n int) Option { return func(o *options) { o.MaxLeases = n } }
 
 // WithMaxLeasedPages caps the pages of one connection's leases (a page counted once a
@@ -238,9 +252,6 @@ const (
 	DefaultMaxLeasedPages = 1 << 20
 	DefaultMaxEvents      = 256
 )
-
-// Limits bound the page socket's connections (WithLimits).
-type Limits = session.Limits
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
 type Owner struct {
@@ -382,7 +393,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		conns = session.DefaultConns
 	}
 	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
-		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × WithConnLimit's total (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {
@@ -450,7 +461,7 @@ func (o *Owner) makeSlabs() (err error) {
 	if o.opts.NoAnnounce {
 		lopts = append(lopts, producer.WithoutAnnounce())
 	} else if o.opts.AnnounceDir != "" {
-		lopts = append(lopts, producer.WithAnnounce(o.opts.AnnounceDir))
+		lopts = append(lopts, producer.WithAnnounceDir(o.opts.AnnounceDir))
 	}
 	// The exporter first: its socket tells a live owner from a dead one.
 	if o.ex, err = producer.Listen(filepath.Join(o.dir, SlabSocket), o.rt, lopts...); err != nil {

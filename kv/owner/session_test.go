@@ -68,7 +68,7 @@ func TestAcceptOutlastsEMFILE(t *testing.T) {
 // at once, without a word, while those within it wait for their Hello; the handshake
 // timeout is the owner's to set.
 func TestHandshakesAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}))
+	_, dir := listenWith(t, owner.WithHandshakeLimit(0, 3), owner.WithHandshakeTimeout(time.Hour))
 	var silent []*raw
 	for range 3 {
 		silent = append(silent, dialRaw(t, dir))
@@ -90,7 +90,7 @@ func TestHandshakesAreCapped(t *testing.T) {
 // N3: the handshake timeout is configurable: a connection that says nothing is
 // closed once it has passed.
 func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakeTimeout: 20 * time.Millisecond}))
+	_, dir := listenWith(t, owner.WithHandshakeTimeout(20*time.Millisecond))
 	r := dialRaw(t, dir)
 	r.closed("a connection silent past the handshake timeout")
 }
@@ -98,7 +98,7 @@ func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
 // N2: admitted connections are capped per process: one past the cap is refused
 // with kv.ErrLimit naming the cap, and the owner serves the others on.
 func TestConnectionsPerProcessAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{ConnsPerProcess: 2}))
+	_, dir := listenWith(t, owner.WithConnLimit(0, 2))
 	a, b := dialRaw(t, dir), dialRaw(t, dir)
 	a.hello()
 	b.hello()
@@ -109,7 +109,7 @@ func TestConnectionsPerProcessAreCapped(t *testing.T) {
 	require.Equal(t, kvwire.TypeRefused, h.Type)
 	err = kvwire.ParseError(h.Type, p)
 	assert.ErrorIs(t, err, kv.ErrLimit)
-	assert.ErrorContains(t, err, "ConnsPerProcess")
+	assert.ErrorContains(t, err, "connection limit per process")
 	c.closed("a connection past the cap")
 	a.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
 	h, _, err = a.next()
