@@ -148,6 +148,7 @@ func startKVPoold(t *testing.T, pages int) string {
 	defer log.Close() // the child has its own copy
 	cmd := exec.Command(kvpoold(t), "-dir", serve, "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-runtime", "test")
 	cmd.Stdout, cmd.Stderr = log, log
+	cmd.Env = append(os.Environ(), "CUDAPOOL_DIR="+t.TempDir()) // its announcements outlive a kill
 	require.NoError(t, cmd.Start())
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()

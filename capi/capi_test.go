@@ -20,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -32,7 +33,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	code := m.Run()
+	code := proctest.TrapAnnounceDir(m) // the tests announce in directories of their own
 	if built.lib != "" {
 		os.RemoveAll(filepath.Dir(built.lib)) // the library the tests built (cabi_test.go)
 	}

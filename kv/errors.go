@@ -21,6 +21,9 @@ var (
 	// ErrGeometry means a request does not fit the geometry: a page count out of
 	// range, a hash count that does not match, a wrong device, an invalid geometry.
 	ErrGeometry = errors.New("kv: does not fit the geometry")
+	// ErrHostMemory means a host tier asked for is larger than the host's available
+	// memory; nothing was made.
+	ErrHostMemory = errors.New("kv: not enough host memory")
 	// ErrTooLarge means a batch is over [MaxBatch] (or a frame over the wire's limit).
 	ErrTooLarge = errors.New("kv: batch too large")
 	// ErrRefused means the owner did not admit the replica: its policy, the protocol

@@ -1,4 +1,4 @@
-package kv
+package kv_test
 
 import (
 	"encoding/json"
@@ -8,17 +8,19 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/kv"
 )
 
 // TestPrefixHashesFixed pins two vectors in the code itself, so that a change to the
 // hash cannot pass by regenerating testdata.
 func TestPrefixHashesFixed(t *testing.T) {
-	assert.Equal(t, "33fbf7215ae8bdbba6ff4b8fdd79c194", Root("").String())
-	got := PrefixHashes("", []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}, 4)
+	assert.Equal(t, "33fbf7215ae8bdbba6ff4b8fdd79c194", kv.Root("").String())
+	got := kv.PrefixHashes("", []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}, 4)
 	require.Len(t, got, 2, "9 tokens in pages of 4: two full pages, the ninth token has no hash")
 	assert.Equal(t, "35b8a3bdb29162483d14958d09c9b648", got[0].String())
 	assert.Equal(t, "42de7ecc30277d5cb6586e5fb32b4cd5", got[1].String())
-	got = PrefixHashes("llama", []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
+	got = kv.PrefixHashes("llama", []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
 	require.Len(t, got, 2)
 	assert.Equal(t, "2c9c15a3101940859a7ed1fbb0d79a9f", got[0].String())
 	assert.Equal(t, "343f7461d259a2511a69e4a8645f3fdd", got[1].String())
@@ -42,10 +44,10 @@ func TestPrefixHashesVectors(t *testing.T) {
 	require.NotEmpty(t, v.Roots)
 	require.NotEmpty(t, v.Cases)
 	for _, r := range v.Roots {
-		assert.Equal(t, r.Root, Root(r.Namespace).String(), "root of %q", r.Namespace)
+		assert.Equal(t, r.Root, kv.Root(r.Namespace).String(), "root of %q", r.Namespace)
 	}
 	for i, c := range v.Cases {
-		got := PrefixHashes(c.Namespace, c.Tokens, c.TokensPerPage)
+		got := kv.PrefixHashes(c.Namespace, c.Tokens, c.TokensPerPage)
 		s := make([]string, len(got))
 		for j, h := range got {
 			s[j] = h.String()
@@ -62,69 +64,69 @@ func TestPrefixHashesIsAPrefixFunction(t *testing.T) {
 	for i := range toks {
 		toks[i] = int32(i * 7)
 	}
-	all := PrefixHashes("x", toks, 8)
+	all := kv.PrefixHashes("x", toks, 8)
 	require.Len(t, all, 8)
-	assert.Equal(t, all[:3], PrefixHashes("x", toks[:24], 8), "the hashes of a prefix are a prefix of the hashes")
-	assert.NotEqual(t, all[0], PrefixHashes("y", toks, 8)[0], "namespaces separate hashes")
+	assert.Equal(t, all[:3], kv.PrefixHashes("x", toks[:24], 8), "the hashes of a prefix are a prefix of the hashes")
+	assert.NotEqual(t, all[0], kv.PrefixHashes("y", toks, 8)[0], "namespaces separate hashes")
 	toks[9]++
-	changed := PrefixHashes("x", toks, 8)
+	changed := kv.PrefixHashes("x", toks, 8)
 	assert.Equal(t, all[0], changed[0], "a change in page 1 leaves page 0's hash")
 	for i := 1; i < 8; i++ {
 		assert.NotEqual(t, all[i], changed[i], "a change in page 1 changes every later hash (page %d)", i)
 	}
-	assert.Nil(t, PrefixHashes("x", toks, 0))
-	assert.Empty(t, PrefixHashes("x", toks[:7], 8))
-	assert.Equal(t, append([]Hash{{1}}, all[0]), AppendPrefixHashes([]Hash{{1}}, "x", toks[:8], 8), "Append appends")
+	assert.Nil(t, kv.PrefixHashes("x", toks, 0))
+	assert.Empty(t, kv.PrefixHashes("x", toks[:7], 8))
+	assert.Equal(t, append([]kv.Hash{{1}}, all[0]), kv.AppendPrefixHashes([]kv.Hash{{1}}, "x", toks[:8], 8), "Append appends")
 }
 
 func TestGeometry(t *testing.T) {
-	g, err := Layout("llama-0.85b")
+	g, err := kv.Layout("llama-0.85b")
 	require.NoError(t, err)
-	assert.Equal(t, Geometry{Layers: 16, KVHeads: 8, HeadDim: 64, TokensPerPage: 16, DType: DTypeBF16}, g)
-	require.ErrorIs(t, g.Validate(), ErrGeometry, "a layout leaves Pages to the caller")
+	assert.Equal(t, kv.Geometry{Layers: 16, KVHeads: 8, HeadDim: 64, TokensPerPage: 16, DType: kv.DTypeBF16}, g)
+	require.ErrorIs(t, g.Validate(), kv.ErrGeometry, "a layout leaves Pages to the caller")
 	g.Pages = 1000
 	require.NoError(t, g.Validate())
 	assert.Equal(t, uint64(16*8*64*2), g.PageBytes())
 	assert.Equal(t, 16*2*g.PageBytes(), g.PageSpanBytes(), "a page in every layer's K and V")
 	assert.Equal(t, uint64(16*2*1000*16384), g.SlabBytes())
-	s, err := g.Segments(MaxSegmentBytes)
+	s, err := g.Segments(kv.MaxSegmentBytes)
 	require.NoError(t, err)
 	require.Equal(t, 1, s.Count(), "a 500 MiB slab is one segment")
-	assert.Equal(t, Place{0, 0}, s.Tensor(0, K))
-	assert.Equal(t, Place{0, 1000 * 16384}, s.Tensor(0, V))
-	assert.Equal(t, Place{0, 2 * 1000 * 16384}, s.Tensor(1, K))
-	assert.Equal(t, Place{0, 31 * 1000 * 16384}, s.Tensor(15, V))
-	assert.Equal(t, g.SlabBytes(), s.Tensor(15, V).Offset+g.TensorBytes(), "the last tensor ends at the slab's end")
+	assert.Equal(t, kv.Place{0, 0}, s.Tensor(0, kv.K))
+	assert.Equal(t, kv.Place{0, 1000 * 16384}, s.Tensor(0, kv.V))
+	assert.Equal(t, kv.Place{0, 2 * 1000 * 16384}, s.Tensor(1, kv.K))
+	assert.Equal(t, kv.Place{0, 31 * 1000 * 16384}, s.Tensor(15, kv.V))
+	assert.Equal(t, g.SlabBytes(), s.Tensor(15, kv.V).Offset+g.TensorBytes(), "the last tensor ends at the slab's end")
 
-	_, err = Layout("nope")
-	require.ErrorIs(t, err, ErrGeometry)
+	_, err = kv.Layout("nope")
+	require.ErrorIs(t, err, kv.ErrGeometry)
 	assert.Contains(t, err.Error(), "llama-0.85b", "an unknown layout's error lists the known ones")
 
-	for _, bad := range []Geometry{
-		{Layers: 0, KVHeads: 1, HeadDim: 1, TokensPerPage: 1, DType: DTypeFP32, Pages: 1},
+	for _, bad := range []kv.Geometry{
+		{Layers: 0, KVHeads: 1, HeadDim: 1, TokensPerPage: 1, DType: kv.DTypeFP32, Pages: 1},
 		{Layers: 1, KVHeads: 1, HeadDim: 1, TokensPerPage: 1, DType: 0, Pages: 1},
-		{Layers: 1, KVHeads: 1, HeadDim: -4, TokensPerPage: 1, DType: DTypeFP32, Pages: 1},
-		{Layers: 1 << 20, KVHeads: 1 << 20, HeadDim: 1 << 20, TokensPerPage: 1, DType: DTypeFP32, Pages: 1},
+		{Layers: 1, KVHeads: 1, HeadDim: -4, TokensPerPage: 1, DType: kv.DTypeFP32, Pages: 1},
+		{Layers: 1 << 20, KVHeads: 1 << 20, HeadDim: 1 << 20, TokensPerPage: 1, DType: kv.DTypeFP32, Pages: 1},
 	} {
-		assert.ErrorIs(t, bad.Validate(), ErrGeometry, "%+v", bad)
+		assert.ErrorIs(t, bad.Validate(), kv.ErrGeometry, "%+v", bad)
 	}
 }
 
 func TestDType(t *testing.T) {
-	for d, size := range map[DType]int{DTypeBF16: 2, DTypeFP16: 2, DTypeFP32: 4, DTypeFP8E4M3: 1} {
+	for d, size := range map[kv.DType]int{kv.DTypeBF16: 2, kv.DTypeFP16: 2, kv.DTypeFP32: 4, kv.DTypeFP8E4M3: 1} {
 		assert.Equal(t, size, d.Size(), "%v", d)
-		p, err := ParseDType(d.String())
+		p, err := kv.ParseDType(d.String())
 		require.NoError(t, err)
 		assert.Equal(t, d, p)
 	}
-	_, err := ParseDType("int4")
-	assert.ErrorIs(t, err, ErrGeometry)
-	assert.Equal(t, 0, DType(77).Size())
+	_, err := kv.ParseDType("int4")
+	assert.ErrorIs(t, err, kv.ErrGeometry)
+	assert.Equal(t, 0, kv.DType(77).Size())
 }
 
 func TestRemoteError(t *testing.T) {
-	err := error(&RemoteError{Err: ErrNoSpace, Text: "12 pages asked, 3 free"})
-	assert.True(t, errors.Is(err, ErrNoSpace))
+	err := error(&kv.RemoteError{Err: kv.ErrNoSpace, Text: "12 pages asked, 3 free"})
+	assert.True(t, errors.Is(err, kv.ErrNoSpace))
 	assert.Contains(t, err.Error(), "12 pages asked")
 }
 
@@ -133,9 +135,9 @@ func BenchmarkPrefixHashes512(b *testing.B) {
 	for i := range toks {
 		toks[i] = int32(i)
 	}
-	dst := make([]Hash, 0, 512)
+	dst := make([]kv.Hash, 0, 512)
 	b.SetBytes(int64(4 * len(toks)))
 	for b.Loop() {
-		dst = AppendPrefixHashes(dst[:0], "ns", toks, 16)
+		dst = kv.AppendPrefixHashes(dst[:0], "ns", toks, 16)
 	}
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -25,7 +26,7 @@ import (
 // the program is.
 func TestMain(m *testing.M) {
 	playRole()
-	os.Exit(m.Run())
+	os.Exit(proctest.TrapAnnounceDir(m)) // the tests announce in directories of their own
 }
 
 // lines splits the suite's output into its lines' fields, by the first word.

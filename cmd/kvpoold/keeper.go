@@ -144,10 +144,10 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 }
 
 // runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
-func runKeeper(ctx context.Context, args []string, stderr io.Writer) int {
-	f, ok := parse(args, stderr)
+func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
-		return 2
+		return code
 	}
 	g, err := f.geometry()
 	if err == nil {

@@ -3,10 +3,15 @@
 // libcudapool, Python's cudapool.kv) until SIGTERM or Ctrl-C.
 //
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
-//	        [-layout NAME | -layers L -kv-heads H -head-dim D -dtype bf16 -tokens-per-page T]
-//	        (-pages N | -bytes SIZE) [-segment-bytes SIZE]
-//	        [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+//	        [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
+//	        (-pages N | -bytes SIZE) [-segment-bytes SIZE] [-host-bytes SIZE]
+//	        [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
+//
+// A -layout names a whole geometry, and excludes every dimension flag: one given beside
+// it, even one that agrees, is refused, naming both. -dtype is one of bf16, fp16, fp32
+// and fp8e4m3 (in any case; no other spelling). A SIZE is a number of bytes with an
+// optional unit (4096, 512MiB, 100GiB, 1.5TB). kvpoold -h prints the usage.
 //
 // It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
 // export), and prints one line saying where and on which runtime. -devices defaults to
@@ -25,7 +30,9 @@
 //
 //	0  a clean stop: every replica let go of the slabs within -stop-wait
 //	1  a failure (at start, or the runtime reported broken rules at the stop)
-//	2  a bad command line
+//	2  a bad command line: a flag or value kvpoold does not take, flags that exclude
+//	   each other, a -runtime this build lacks, a -devices the runtime lacks, a -dir
+//	   that is not a directory, a -host-bytes over the host's available memory
 //	3  stopped, but replicas still mapped a slab when -stop-wait ended: each slab's
 //	   memory goes back to the driver once its last replica unmaps it or exits
 //
@@ -54,6 +61,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -61,6 +69,7 @@ import (
 
 	"github.com/dustin/go-humanize"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/producer"
@@ -105,18 +114,36 @@ type flags struct {
 	grace, keeperIdle                           time.Duration
 }
 
-func parse(args []string, stderr io.Writer) (flags, bool) {
-	var f flags
+// synopsis is the command line's shape, as the command's doc gives it.
+const synopsis = `usage: kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
+               [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
+               (-pages N | -bytes SIZE) [-segment-bytes SIZE] [-host-bytes SIZE]
+               [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+       kvpoold keeper [the same flags]
+
+Serves a KV page pool: a slab of KV pages on each GPU, leased to replica processes.
+A SIZE is a number of bytes with an optional unit: 4096, 512MiB, 100GiB, 1.5TB.
+Exit status: 0 a clean stop, 1 a failure, 2 a bad command line, 3 replicas still
+mapped a slab when -stop-wait ended.
+`
+
+// dtypeSpellings are the -dtype values kvpoold takes (kv.ParseDType's, in any case).
+var dtypeSpellings = []string{kv.DTypeBF16.String(), kv.DTypeFP16.String(), kv.DTypeFP32.String(), kv.DTypeFP8E4M3.String()}
+
+// dimensionFlags are the flags a -layout sets; they exclude it.
+var dimensionFlags = []string{"layers", "kv-heads", "head-dim", "dtype", "tokens-per-page"}
+
+// newFlagSet is kvpoold's flags, bound to f.
+func newFlagSet(f *flags) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvpoold", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	fs.StringVar(&f.dir, "dir", DefaultDir(), "the directory to serve in (kv.sock, slab.sock)")
 	fs.StringVar(&f.devices, "devices", "", "the devices to serve, comma-separated (default: every GPU, or 0 on the software device)")
-	fs.StringVar(&f.runtime, "runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test")
-	fs.StringVar(&f.layout, "layout", "", "a named geometry ("+strings.Join(kv.LayoutNames(), ", ")+"), instead of the dimension flags")
+	fs.StringVar(&f.runtime, "runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test (the software device)")
+	fs.StringVar(&f.layout, "layout", "", "a named geometry ("+strings.Join(kv.LayoutNames(), ", ")+"), instead of the dimension flags (-layers, -kv-heads, -head-dim, -dtype, -tokens-per-page), which it excludes")
 	fs.IntVar(&f.layers, "layers", 0, "model layers")
 	fs.IntVar(&f.kvHeads, "kv-heads", 0, "KV heads")
 	fs.IntVar(&f.headDim, "head-dim", 0, "elements per head")
-	fs.StringVar(&f.dtype, "dtype", "bf16", "element type: bf16, fp16, fp32 or fp8e4m3")
+	fs.StringVar(&f.dtype, "dtype", kv.DTypeBF16.String(), "element type, one of "+strings.Join(dtypeSpellings, ", ")+" (these spellings only, in any case)")
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (or -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 100GiB, rounded down to whole pages (or -pages)")
@@ -127,38 +154,85 @@ func parse(args []string, stderr io.Writer) (flags, bool) {
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
 	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper frees the slabs and exits once no process (kvpoold or replica) has mapped them for this long")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
+	return fs
+}
+
+// parse reads the command line. It reports false, with the exit status, for -h
+// (usage on stdout, status 0) and for a bad command line (why on stderr, status 2).
+func parse(args []string, stdout, stderr io.Writer) (flags, int, bool) {
+	var f flags
+	fs := newFlagSet(&f)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {} // printed below, to stdout when asked for with -h
 	if err := fs.Parse(args); err != nil {
-		return f, false
+		if errors.Is(err, flag.ErrHelp) {
+			usage(stdout, fs)
+			return f, exitOK, false
+		}
+		fmt.Fprintln(stderr, "kvpoold -h prints the usage")
+		return f, exitUsage, false
 	}
 	f.set = map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
 	if f.stopWait < 0 {
 		fmt.Fprintf(stderr, "kvpoold: -stop-wait %v is negative\n", f.stopWait)
-		return f, false
+		return f, exitUsage, false
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvpoold: unexpected arguments %q\n", fs.Args())
-		return f, false
+		return f, exitUsage, false
 	}
-	return f, true
+	if info, err := os.Stat(f.dir); err == nil && !info.IsDir() {
+		fmt.Fprintf(stderr, "kvpoold: -dir %s is not a directory\n", f.dir)
+		return f, exitUsage, false
+	}
+	return f, exitOK, true
+}
+
+// usage prints the synopsis and the flags to w.
+func usage(w io.Writer, fs *flag.FlagSet) {
+	fmt.Fprint(w, synopsis)
+	fmt.Fprintln(w)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
 }
 
 // geometry is the geometry the flags describe; pages are left to slabPages.
 func (f flags) geometry() (kv.Geometry, error) {
 	if f.layout != "" {
-		if f.layers != 0 || f.kvHeads != 0 || f.headDim != 0 {
-			return kv.Geometry{}, errors.New("-layout and -layers/-kv-heads/-head-dim exclude each other")
+		g, err := kv.Layout(f.layout)
+		if err != nil {
+			return g, err
 		}
-		return kv.Layout(f.layout)
+		for _, name := range dimensionFlags {
+			if f.set[name] {
+				return kv.Geometry{}, fmt.Errorf("-layout %s and -%s exclude each other: the layout sets every dimension (%d layers x %d kv heads x %d head dim, %s, %d tokens/page); give -layout alone, or -layers, -kv-heads and -head-dim with -dtype and -tokens-per-page",
+					f.layout, name, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage)
+			}
+		}
+		return g, nil
 	}
 	if f.layers == 0 || f.kvHeads == 0 || f.headDim == 0 {
 		return kv.Geometry{}, errors.New("give -layout, or -layers, -kv-heads and -head-dim")
 	}
 	dt, err := kv.ParseDType(f.dtype)
 	if err != nil {
-		return kv.Geometry{}, err
+		return kv.Geometry{}, fmt.Errorf("-dtype %q: want one of %s", f.dtype, strings.Join(dtypeSpellings, ", "))
 	}
 	return kv.Geometry{Layers: f.layers, KVHeads: f.kvHeads, HeadDim: f.headDim, TokensPerPage: f.tokensPerPage, DType: dt}, nil
+}
+
+// parseSize reads flag name's value, a SIZE: a number of bytes with an optional unit.
+func parseSize(name, value string) (uint64, error) {
+	v := strings.TrimSpace(value)
+	if strings.HasPrefix(v, "-") {
+		return 0, fmt.Errorf("-%s %s: a size cannot be negative", name, value)
+	}
+	n, err := humanize.ParseBytes(v)
+	if err != nil {
+		return 0, fmt.Errorf("-%s %q is not a size: want a number of bytes with an optional unit (4096, 512MiB, 100GiB, 1.5TB)", name, value)
+	}
+	return n, nil
 }
 
 // slabPages sets g.Pages from -pages or -bytes, exactly one of which is given.
@@ -175,9 +249,9 @@ func (f flags) slabPages(g kv.Geometry) (kv.Geometry, error) {
 	case !f.set["bytes"]:
 		return g, errors.New("give -pages or -bytes: how much each slab serves")
 	}
-	size, err := humanize.ParseBytes(f.bytes)
+	size, err := parseSize("bytes", f.bytes)
 	if err != nil {
-		return g, fmt.Errorf("-bytes: %w", err)
+		return g, err
 	}
 	g.Pages = 1
 	if err := g.Validate(); err != nil {
@@ -196,14 +270,59 @@ func (f flags) slabPages(g kv.Geometry) (kv.Geometry, error) {
 
 // segmentBound is -segment-bytes.
 func (f flags) segmentBound() (uint64, error) {
-	n, err := humanize.ParseBytes(f.segmentBytes)
+	n, err := parseSize("segment-bytes", f.segmentBytes)
 	switch {
 	case err != nil:
-		return 0, fmt.Errorf("-segment-bytes: %w", err)
+		return 0, err
 	case n == 0 || n > kv.MaxSegmentBytes:
 		return 0, fmt.Errorf("-segment-bytes %s: want 1 B to %s (the most a replica can import as one allocation)", f.segmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
 	}
 	return n, nil
+}
+
+// hostTierBytes is -host-bytes, 0 when not given.
+func (f flags) hostTierBytes() (uint64, error) {
+	if f.hostBytes == "" {
+		return 0, nil
+	}
+	return parseSize("host-bytes", f.hostBytes)
+}
+
+// checkDevices says why devs, -devices, cannot be served by a runtime of n devices.
+func checkDevices(devs []int, n int) error {
+	for i, d := range devs {
+		if d < 0 || d >= n {
+			return fmt.Errorf("-devices: device %d: the runtime has %d device(s), 0 to %d", d, n, n-1)
+		}
+		if slices.Contains(devs[:i], d) {
+			return fmt.Errorf("-devices: device %d is listed twice", d)
+		}
+	}
+	return nil
+}
+
+// pickRuntime is choose.Runtime; the tests replace it.
+var pickRuntime = choose.Runtime
+
+// runtimeRefused says, for the command line, why -runtime name could not be had, and
+// with which exit status: an unknown name, or the software device in a kvpoold built
+// without it, is a bad command line.
+func runtimeRefused(name string, err error) (string, int) {
+	switch {
+	case errors.Is(err, choose.ErrUnknownPreference):
+		return fmt.Sprintf("-runtime %q: want %s, %s or %s", name, choose.Auto, choose.GPU, choose.Software), exitUsage
+	case errors.Is(err, choose.ErrNoSoftwareDevice) && name == choose.Software:
+		return fmt.Sprintf("-runtime %s: this kvpoold is built without the software device; build one with it (go build -tags cudapool_softdevice ./cmd/kvpoold), or serve GPUs with -runtime %s", choose.Software, choose.GPU), exitUsage
+	case errors.Is(err, choose.ErrNoSoftwareDevice):
+		why := "no usable GPU"
+		if errors.Is(err, cudart.ErrNoRuntime) {
+			why = "no CUDA runtime loaded (set " + cudart.LibraryEnv + " to libcudart's path)"
+		} else if errors.Is(err, cudart.ErrNoDevice) {
+			why = "the CUDA runtime sees no GPU"
+		}
+		return why + ", and this kvpoold is built without the software device to fall back on (go build -tags cudapool_softdevice ./cmd/kvpoold builds one with it)", exitFailed
+	}
+	return err.Error(), exitFailed
 }
 
 // deviceList parses -devices; "" is every device of n.
@@ -231,51 +350,54 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "keeper" {
-		return runKeeper(ctx, args[1:], stderr)
+		return runKeeper(ctx, args[1:], stdout, stderr)
 	}
-	f, ok := parse(args, stderr)
+	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
-		return exitUsage
+		return code
 	}
+	// The command line first, whole: what is wrong with it is said before any runtime
+	// is touched.
 	g, err := f.geometry()
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitUsage
+	if err == nil {
+		g, err = f.slabPages(g)
 	}
-	picked, err := choose.Runtime(f.runtime)
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitFailed
+	var bound, hostBytes uint64
+	if err == nil {
+		bound, err = f.segmentBound()
 	}
-	rt := picked.Runtime
-	if g, err = f.slabPages(g); err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitUsage
-	}
-	bound, err := f.segmentBound()
 	if err == nil {
 		_, err = g.Segments(bound)
 	}
+	if err == nil {
+		hostBytes, err = f.hostTierBytes()
+	}
+	if err == nil {
+		_, err = deviceList(f.devices, 0, false) // the syntax; the range once the runtime says
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitUsage
 	}
+	picked, err := pickRuntime(f.runtime)
+	if err != nil {
+		msg, code := runtimeRefused(f.runtime, err)
+		fmt.Fprintf(stderr, "kvpoold: %s\n", msg)
+		return code
+	}
+	rt := picked.Runtime
 	n, err := rt.DeviceCount()
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitFailed
 	}
 	devs, err := deviceList(f.devices, n, picked.OnGPU)
+	if err == nil {
+		err = checkDevices(devs, n)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
 		return exitUsage
-	}
-	var hostBytes uint64
-	if f.hostBytes != "" {
-		if hostBytes, err = humanize.ParseBytes(f.hostBytes); err != nil {
-			fmt.Fprintf(stderr, "kvpoold: -host-bytes: %v\n", err)
-			return exitUsage
-		}
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
 	opts := []owner.Option{owner.WithDevices(devs...), owner.WithSegmentBytes(bound), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
@@ -287,6 +409,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	o, err := owner.Listen(f.dir, rt, g, opts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		if errors.Is(err, kv.ErrHostMemory) || errors.Is(err, kv.ErrGeometry) {
+			return exitUsage // what the command line asks cannot be served: -host-bytes, -segment-bytes
+		}
 		return exitFailed
 	}
 	tier := "no host tier"

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
@@ -58,7 +59,12 @@ func started(t *testing.T, args ...string) (stop func() (int, string, string)) {
 	return stop
 }
 
+// shortDir is a directory for kvpoold to serve in, short enough for its sockets'
+// paths, and points the announce directory, where kvpoold and its keeper announce
+// their slab exporters, at one of the test's own: announcements of the processes a
+// test kills stay out of the user's (TestMain traps the default, proctest.Main).
 func shortDir(t *testing.T) string {
+	t.Setenv(discover.DirEnv, t.TempDir())
 	dir, err := os.MkdirTemp("", "kvpoold")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
@@ -137,7 +143,7 @@ func TestBadCommandLines(t *testing.T) {
 }
 
 // -host-bytes gives the device a host tier, which replicas get at dial; one larger
-// than the host's memory is refused at start, saying so.
+// than the host's memory is refused at start, saying so, as a bad command line.
 func TestHostBytes(t *testing.T) {
 	dir := shortDir(t)
 	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "8MiB")
@@ -156,7 +162,7 @@ func TestHostBytes(t *testing.T) {
 
 	var o, e bytes.Buffer
 	code = run(context.Background(), []string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-host-bytes", "1EiB"}, &o, &e)
-	assert.Equal(t, 1, code)
+	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, e.String(), "larger than the host's available memory")
 }
 
@@ -213,9 +219,10 @@ func TestMain(m *testing.M) {
 			defer stop()
 			return run(ctx, args, os.Stdout, os.Stderr)
 		},
-		"midseal":    midSealWriter,
-		"reattacher": reattacher,
-		"holder":     holder,
+		"midseal":     midSealWriter,
+		"reattacher":  reattacher,
+		"holder":      holder,
+		"soakreplica": soakReplica,
 	})
 }
 

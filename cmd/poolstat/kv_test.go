@@ -66,7 +66,7 @@ func TestKV(t *testing.T) {
 	code, _, errOut = poolstat(t, "-kv", shortDir(t))
 	assert.Equal(t, 1, code)
 	assert.Contains(t, errOut, "owner is gone")
-	code, _, _ = poolstat(t, "-kv", dir, "-clean")
+	code, _, _ = poolstat(t, "-kv", dir, "-keep-dead")
 	assert.Equal(t, 2, code)
 }
 

@@ -2,9 +2,9 @@
 // how it is used: every cudapool exporter, its pools with the driver's figures, the names
 // it publishes, and each consumer process (pid and command name) with the leases it holds.
 //
-//	poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]
+//	poolstat [-json] [-watch INTERVAL] [-keep-dead] [-dir DIR | -socket PATH] [-timeout D]
 //	poolstat -kv DIR [-json] [-watch INTERVAL] [-timeout D]
-//	poolstat -serve ADDR [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]
+//	poolstat -serve ADDR [-keep-dead] [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]
 //	poolstat -version
 //
 // -kv shows the KV page pool whose owner (cmd/kvpoold) serves DIR: each slab's pages by
@@ -20,9 +20,13 @@
 // user made first under the temp dir. Each is asked for its state over its own
 // socket, under its own admission policy, with a read-only request, at most 16 at once.
 // An announced exporter whose process is gone or whose socket refuses connections is
-// shown as dead, never as live; -clean removes such an announcement only once the
-// exporter is dead beyond doubt (its socket refuses connections and its process is
-// gone), never a live process's.
+// shown as dead, never as live. poolstat prunes: an announcement whose exporter is dead
+// beyond doubt (its socket refuses connections or is gone, and its process is gone or
+// its pid now names a later process) is what a killed exporter leaves behind, and
+// poolstat removes it and shows it once as removed, which is no failure; -serve exports
+// it no more. It never removes a live process's announcement, nor one it cannot read:
+// those stay dead, and count as failures. -keep-dead removes nothing, and every dead
+// exporter counts as a failure.
 //
 // -json prints a Report, whose schema is report.schema.json beside this file; with
 // -watch it prints one Report per line. -watch redraws every INTERVAL (a duration, or
@@ -30,8 +34,8 @@
 // http://ADDR/metrics with the figures of every exporter (package metrics names them),
 // taking a fresh look at each scrape.
 //
-// Exit status: 0 when poolstat reached every exporter it lists (dead ones removed by
-// -clean count as reached, and so does an empty list), and for -h, -version and a
+// Exit status: 0 when poolstat reached every exporter it lists (dead ones it removed
+// count as reached, and so does an empty list), and for -h, -version and a
 // -serve ended by Ctrl-C; 1 otherwise; 2 for a bad command line, a -dir that is not a
 // directory included.
 package main
@@ -76,7 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	every := interval(0)
 	flags.StringVar(&l.dir, "dir", discover.DefaultDir(), "the announce directory to look in")
 	flags.StringVar(&l.socket, "socket", "", "ask only the exporter on this Unix socket")
-	flags.BoolVar(&l.clean, "clean", false, "remove the announcements of exporters that are provably dead")
+	flags.BoolVar(&l.keepDead, "keep-dead", false, "leave the announcements of exporters that are dead beyond doubt, and count them as failures (by default they are removed)")
 	flags.DurationVar(&l.timeout, "timeout", 5*time.Second, "how long to wait for each exporter's answer")
 	asJSON := flags.Bool("json", false, "print a JSON report (schema: cmd/poolstat/report.schema.json) instead of the table")
 	flags.Var(&every, "watch", "redraw every `INTERVAL` (2s, 500ms, or a number of seconds) until Ctrl-C")
@@ -100,14 +104,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case flags.NArg() > 0:
 		fmt.Fprintf(stderr, "poolstat: unexpected arguments %q\n", flags.Args())
 		return 2
-	case l.kv != "" && (l.socket != "" || l.clean):
-		fmt.Fprintln(stderr, "poolstat: -kv shows a KV page pool; it cannot be used with -socket or -clean")
+	case l.kv != "" && *serveAddr == "" && (l.socket != "" || l.keepDead):
+		fmt.Fprintln(stderr, "poolstat: -kv shows a KV page pool; it cannot be used with -socket or -keep-dead")
 		return 2
-	case l.socket != "" && l.clean:
-		fmt.Fprintln(stderr, "poolstat: -clean works on the announce directory; it cannot be used with -socket")
+	case l.socket != "" && l.keepDead:
+		fmt.Fprintln(stderr, "poolstat: -keep-dead works on the announce directory; it cannot be used with -socket")
 		return 2
-	case *serveAddr != "" && (*asJSON || every != 0 || l.clean):
-		fmt.Fprintln(stderr, "poolstat: -serve answers each scrape on its own; it cannot be used with -json, -watch or -clean")
+	case *serveAddr != "" && (*asJSON || every != 0):
+		fmt.Fprintln(stderr, "poolstat: -serve answers each scrape on its own; it cannot be used with -json or -watch")
 		return 2
 	case every < 0 || l.timeout <= 0:
 		fmt.Fprintln(stderr, "poolstat: -watch and -timeout must be positive")
@@ -154,9 +158,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // usage prints the synopsis and the flags.
 func usage(w io.Writer, flags *flag.FlagSet) {
-	fmt.Fprintln(w, "usage: poolstat [-json] [-watch INTERVAL] [-clean] [-dir DIR | -socket PATH] [-timeout D]")
+	fmt.Fprintln(w, "usage: poolstat [-json] [-watch INTERVAL] [-keep-dead] [-dir DIR | -socket PATH] [-timeout D]")
 	fmt.Fprintln(w, "       poolstat -kv DIR [-json] [-watch INTERVAL] [-timeout D]")
-	fmt.Fprintln(w, "       poolstat -serve ADDR [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]")
+	fmt.Fprintln(w, "       poolstat -serve ADDR [-keep-dead] [-dir DIR | -socket PATH] [-kv DIR] [-timeout D]")
 	fmt.Fprintln(w, "       poolstat -version")
 	fmt.Fprintln(w, "\nShows the cudapool exporters of this host: their pools, published names and peers.")
 	flags.SetOutput(w)

@@ -194,17 +194,17 @@ func lifecycle(t *testing.T, compareGolden bool) {
 	assert.Equal(t, 0, p.ActiveLeases, "after the killed consumer's lease ended: %+v", p)
 	assert.Equal(t, 0, p.SharedBuffers, "after the killed consumer's lease ended: %+v", p)
 
+	// A killed exporter leaves its announcement: -keep-dead lists it as dead, a
+	// failure; poolstat removes it, shows it once as removed, and is content.
 	ex.Kill()
 	_ = ex.Wait() // test cleanup
-	code, out, _ = poolstat(t)
+	code, out, _ = poolstat(t, "-keep-dead")
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "1 dead")
-	assert.Contains(t, out, "poolstat -clean")
-	r = report(t, 0, "-clean")
-	if assert.Len(t, r.Exporters, 1, "poolstat -clean") {
-		assert.Equal(t, Removed, r.Exporters[0].Status, r.Exporters[0].Error)
-	}
-	assert.Empty(t, report(t, 0).Exporters, "after -clean")
+	code, out, _ = poolstat(t)
+	assert.Equal(t, 0, code, "a killed exporter's announcement is no failure\n%s", out)
+	assert.Contains(t, out, "1 removed")
+	assert.Empty(t, report(t, 0).Exporters, "after poolstat removed the dead announcement")
 }
 
 // golden checks r against testdata/lifecycle.{txt,json} with its volatile fields (pids,
@@ -384,9 +384,9 @@ func (w *lineCounter) Write(p []byte) (int, error) {
 }
 
 func TestUsage(t *testing.T) {
-	for _, args := range [][]string{{"extra"}, {"-clean", "-socket", "x"}, {"-watch", "-1s"}, {"-watch", "-1"},
+	for _, args := range [][]string{{"extra"}, {"-keep-dead", "-socket", "x"}, {"-watch", "-1s"}, {"-watch", "-1"},
 		{"-watch", "soon"}, {"-timeout", "0s"}, {"-nope"}, {"-serve", ":0", "-json"}, {"-serve", ":0", "-watch", "1"},
-		{"-serve", ":0", "-clean"}} {
+		{"-clean"}, {"-kv", "x", "-keep-dead"}} {
 		code, out, errOut := poolstat(t, args...)
 		assert.Equal(t, 2, code, "poolstat %q", args)
 		assert.Empty(t, out, "poolstat %q printed on stdout", args)
@@ -459,17 +459,17 @@ func TestTableWidth(t *testing.T) {
 	}
 }
 
-// -clean leaves an announcement it cannot read, as it cannot tell whether it is stale,
-// and names the file for the operator to look at.
-func TestCleanLeavesUnreadableAnnouncement(t *testing.T) {
+// poolstat leaves an announcement it cannot read, as it cannot tell whether it is
+// stale, and names the file for the operator to look at.
+func TestPruneLeavesUnreadableAnnouncement(t *testing.T) {
 	dir := t.TempDir()
 	junk := filepath.Join(dir, "123.json")
 	require.NoError(t, os.WriteFile(junk, []byte("{"), 0o600))
-	r := report(t, 1, "-dir", dir, "-clean")
+	r := report(t, 1, "-dir", dir)
 	require.Len(t, r.Exporters, 1)
 	assert.Equal(t, Dead, r.Exporters[0].Status)
 	assert.Contains(t, r.Exporters[0].Error, "remove "+junk+" by hand")
-	assert.FileExists(t, junk, "-clean removed an unreadable announcement")
+	assert.FileExists(t, junk, "poolstat removed an unreadable announcement")
 }
 
 // announce writes an announcement for pid, its socket at socket, as an exporter would.
@@ -482,10 +482,10 @@ func announce(t *testing.T, dir string, pid int, socket string, started time.Tim
 	return path
 }
 
-// -clean removes an announcement only when its exporter is dead beyond doubt: a live
+// poolstat removes an announcement only when its exporter is dead beyond doubt: a live
 // process whose socket does not answer (or cannot be dialled, as a path past the
-// kernel's 108 bytes cannot) keeps it.
-func TestCleanSparesLiveProcesses(t *testing.T) {
+// kernel's 108 bytes cannot) keeps it, and counts as a failure.
+func TestPruneSparesLiveProcesses(t *testing.T) {
 	dir := shortDir(t)
 	me, err := peercred.Lookup(os.Getpid())
 	require.NoError(t, err)
@@ -495,19 +495,24 @@ func TestCleanSparesLiveProcesses(t *testing.T) {
 		"socket is no sock": dir,
 	} {
 		path := announce(t, dir, os.Getpid(), socket, me.Started.Add(time.Second))
-		r := report(t, 1, "-dir", dir, "-clean")
+		r := report(t, 1, "-dir", dir)
 		if assert.Len(t, r.Exporters, 1, name) {
 			assert.Equal(t, Dead, r.Exporters[0].Status, "%s: %s", name, r.Exporters[0].Error)
 			assert.Contains(t, r.Exporters[0].Error, "not removed", name)
 		}
-		assert.FileExists(t, path, "%s: -clean removed a live process's announcement", name)
+		assert.FileExists(t, path, "%s: poolstat removed a live process's announcement", name)
 		require.NoError(t, os.Remove(path))
 	}
 
 	// The same pid, taken by a process that started after the announcement was
 	// written: the announced exporter is dead.
 	path := announce(t, dir, os.Getpid(), filepath.Join(dir, "gone.sock"), me.Started.Add(-time.Hour))
-	r := report(t, 0, "-dir", dir, "-clean")
+	r := report(t, 1, "-dir", dir, "-keep-dead")
+	if assert.Len(t, r.Exporters, 1) {
+		assert.Equal(t, Dead, r.Exporters[0].Status, r.Exporters[0].Error)
+	}
+	assert.FileExists(t, path, "-keep-dead removed an announcement")
+	r = report(t, 0, "-dir", dir)
 	if assert.Len(t, r.Exporters, 1) {
 		assert.Equal(t, Removed, r.Exporters[0].Status, r.Exporters[0].Error)
 	}
@@ -521,13 +526,13 @@ func TestDirNotPrivate(t *testing.T) {
 	dir := shortDir(t)
 	path := announce(t, dir, 1<<22+1, filepath.Join(dir, "planted.sock"), time.Now())
 	require.NoError(t, os.Chmod(dir, 0o777))
-	for _, args := range [][]string{{"-dir", dir}, {"-dir", dir, "-clean"}} {
+	for _, args := range [][]string{{"-dir", dir}, {"-dir", dir, "-keep-dead"}} {
 		code, out, errOut := poolstat(t, args...)
 		assert.Equal(t, 1, code, "poolstat %q\n%s", args, out)
 		assert.Empty(t, out, "poolstat %q showed a directory it does not trust", args)
 		assert.Contains(t, errOut, "announce directory is not private: "+dir+" has mode")
 	}
-	assert.FileExists(t, path, "-clean removed a file from a directory it does not trust")
+	assert.FileExists(t, path, "poolstat removed a file from a directory it does not trust")
 }
 
 // Every string another process sends (its names, published names, errors, device

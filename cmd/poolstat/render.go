@@ -47,9 +47,6 @@ func render(w io.Writer, r *Report, now time.Time) {
 		}
 		fmt.Fprintf(w, "%s: %s\n  socket %s\n  %s\n", strings.ToUpper(text(string(e.Status), maxPoolName)), who,
 			text(e.Socket, maxText), text(e.Error, maxText))
-		if e.Status == Dead {
-			fmt.Fprintln(w, "  poolstat -clean removes its announcement")
-		}
 	}
 }
 

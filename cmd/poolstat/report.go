@@ -35,8 +35,8 @@ const ReportSchema = 1
 //	  socket   string   its Unix socket
 //	  name     string   the program name it announced
 //	  status   string   "live": it answered and state is set; "dead": announced, but the process
-//	                    is gone or its socket refuses connections; "removed": dead, and -clean removed
-//	                    its announcement; "unreachable": it should answer but did not (refused this
+//	                    is gone or its socket refuses connections; "removed": dead beyond doubt, and
+//	                    poolstat removed its announcement (not with -keep-dead); "unreachable": it should answer but did not (refused this
 //	                    user, spoke another protocol version, timed out)
 //	  error    string   why, for every status but "live"
 //	  processes object  the command names of the state's peers (and of the exporter), by pid, as
@@ -76,7 +76,7 @@ const (
 )
 
 // reached reports whether the report covers every exporter it lists: each one either
-// answered or was a dead entry that -clean removed. poolstat's exit status says this.
+// answered or was a dead entry that poolstat removed. poolstat's exit status says this.
 func (r *Report) reached() bool {
 	for _, e := range r.Exporters {
 		if e.Status != Live && e.Status != Removed {
@@ -99,11 +99,11 @@ func (r *Report) count(s Status) int {
 
 // looker takes Reports.
 type looker struct {
-	dir     string // the announce directory; unused when socket is set
-	socket  string // -socket: the one exporter to ask
-	clean   bool   // -clean: remove the announcements of dead exporters
-	kv      string // -kv: the directory of a KV page pool's owner
-	timeout time.Duration
+	dir      string // the announce directory; unused when socket is set
+	socket   string // -socket: the one exporter to ask
+	keepDead bool   // -keep-dead: leave the announcements of dead exporters
+	kv       string // -kv: the directory of a KV page pool's owner
+	timeout  time.Duration
 }
 
 // look takes one Report. It fails only when the announce directory cannot be read; an
@@ -123,7 +123,7 @@ func (l *looker) look(ctx context.Context) (*Report, error) {
 			e := Exporter{PID: a.PID, Socket: a.Socket, Name: a.Name, Status: Live}
 			if !a.Live {
 				e.Status, e.Error = Dead, a.Dead
-				if l.clean {
+				if !l.keepDead {
 					l.remove(&e, a)
 				}
 			}

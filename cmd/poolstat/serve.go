@@ -19,8 +19,8 @@ import (
 
 // serve answers Prometheus scrapes at http://addr/metrics until ctx ends, and returns
 // the exit status: 0 after Ctrl-C, 1 when it cannot serve. Each scrape takes a fresh
-// look at the exporters, as poolstat does, and reports every one it finds: the dead and
-// the unreachable with cudapool_exporter_up 0.
+// look at the exporters, as poolstat does, and reports every one it finds but those it
+// removed as dead beyond doubt: the dead and the unreachable with cudapool_exporter_up 0.
 func serve(ctx context.Context, l *looker, addr string, stdout, stderr io.Writer) int {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -66,9 +66,11 @@ func (l *looker) targets(ctx context.Context) ([]metrics.Target, error) {
 	if err != nil {
 		return nil, err
 	}
-	ts := make([]metrics.Target, len(r.Exporters))
-	for i, e := range r.Exporters {
-		ts[i] = metrics.Target{Name: e.Name, Socket: e.Socket, State: e.State}
+	ts := make([]metrics.Target, 0, len(r.Exporters))
+	for _, e := range r.Exporters {
+		if e.Status != Removed { // gone for good: no target to watch
+			ts = append(ts, metrics.Target{Name: e.Name, Socket: e.Socket, State: e.State})
+		}
 	}
 	return ts, nil
 }

@@ -22,7 +22,9 @@ import (
 )
 
 // TestServe scrapes poolstat -serve over loopback: a live exporter with a published
-// buffer, and a dead one, announced by a process that has exited.
+// buffer; a dead one, announced by a process that has exited, whose announcement the
+// first scrape removes and no scrape exports; and one whose process lives but whose
+// socket refuses connections, exported with up 0.
 func TestServe(t *testing.T) {
 	dir := shortDir(t)
 	ex := testExporter(t, dir, producer.WithName("served"))
@@ -30,8 +32,9 @@ func TestServe(t *testing.T) {
 	require.NoError(t, err)
 	gone := exec.Command("true")
 	require.NoError(t, gone.Run())
+	goneAnnounced := announce(t, dir, gone.Process.Pid, filepath.Join(dir, "gone.sock"), time.Now())
 	deadSocket := filepath.Join(dir, "dead.sock")
-	announce(t, dir, gone.Process.Pid, deadSocket, time.Now())
+	announce(t, dir, os.Getppid(), deadSocket, time.Now()) // a process that lives on
 
 	url, stop := serving(t, "-dir", dir)
 
@@ -45,6 +48,7 @@ cudapool_exporter_up{exporter="served",socket=%q} 1
 cudapool_exporter_peers{exporter="served",socket=%q} 0
 `, deadSocket, live.Socket, live.Socket)
 	require.NoError(t, testutil.ScrapeAndCompare(url, strings.NewReader(want), "cudapool_exporter_up", "cudapool_exporter_peers"))
+	assert.NoFileExists(t, goneAnnounced, "the scrape removed the announcement of an exporter whose process is gone")
 
 	// Scrapes may overlap; each takes its own look.
 	client := &http.Client{Timeout: hangGuard}

@@ -17,6 +17,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
+	"github.com/cudapool/cudapool/internal/proctest"
 )
 
 // TestMain lets the launcher test re-execute this binary as "producer" and "consumer",
@@ -25,7 +26,7 @@ func TestMain(m *testing.M) {
 	if len(os.Args) > 1 && (os.Args[1] == "producer" || os.Args[1] == "consumer") {
 		os.Exit(Run(LaunchCommand, os.Args[1:]))
 	}
-	os.Exit(m.Run())
+	os.Exit(proctest.TrapAnnounceDir(m)) // the tests announce in directories of their own
 }
 
 // smallShape is an 8 MiB cache: enough for several host chunks' worth of pattern checks

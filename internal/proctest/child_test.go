@@ -11,7 +11,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	Main(m, map[string]func([]string) int{"echo": echoRole})
+	Main(m, map[string]func([]string) int{"echo": echoRole, "announce-dir": announceDirRole})
 }
 
 // echoRole says "ready ARGS", then answers each command with "echo COMMAND"; the command

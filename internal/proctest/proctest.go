@@ -7,6 +7,7 @@ package proctest
 import (
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 )
 
@@ -15,11 +16,12 @@ const roleEnv = "CUDAPOOL_PROCTEST_ROLE"
 
 // Main is called from TestMain. When this process was started by Command it runs the
 // named role with the arguments Command was given and exits with the role's status;
-// otherwise it runs the tests. A role name that is not in roles exits with status 2.
+// otherwise it runs the tests, with the announce directory trapped (see TrapAnnounceDir).
+// A role name that is not in roles exits with status 2.
 func Main(m *testing.M, roles map[string]func(args []string) int) {
 	role, ok := os.LookupEnv(roleEnv)
 	if !ok {
-		os.Exit(m.Run())
+		os.Exit(TrapAnnounceDir(m))
 	}
 	run, ok := roles[role]
 	if !ok {
@@ -27,6 +29,42 @@ func Main(m *testing.M, roles map[string]func(args []string) int) {
 		os.Exit(2)
 	}
 	os.Exit(run(os.Args[1:]))
+}
+
+// announceDirEnv is discover.DirEnv, which overrides the default announce directory
+// (proctest cannot import discover: cudart's own tests use proctest).
+const announceDirEnv = "CUDAPOOL_DIR"
+
+// trapName is the last element of the trapped announce directory: what the error of a
+// test that announces there names.
+const trapName = "tests-announce-in-a-directory-of-their-own"
+
+// TrapAnnounceDir runs m's tests with the default announce directory ($CUDAPOOL_DIR,
+// discover.DefaultDir) set to a path that cannot be made, under a regular file, and
+// returns their status. A test, or a process it starts (they inherit the
+// environment), that announces an exporter without a directory of its own then fails
+// to listen, the error naming trapName, instead of leaving announcements of killed
+// processes in the user's real directory, which poolstat would list. A test that
+// announces sets its own: t.Setenv(discover.DirEnv, t.TempDir()), or
+// producer.WithAnnounce, owner.WithAnnounceDir, or WithoutAnnounce. Main calls it; a
+// package whose TestMain does not call Main calls it itself.
+func TrapAnnounceDir(m *testing.M) int {
+	tmp, err := os.MkdirTemp("", "proctest-trap-")
+	if err != nil {
+		_, _ = os.Stderr.WriteString("proctest: " + err.Error() + "\n") // nowhere else to report it
+		return 1
+	}
+	defer func() { _ = os.RemoveAll(tmp) }() // cleanup: a temp dir left behind is harmless
+	file := filepath.Join(tmp, "not-a-directory")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		_, _ = os.Stderr.WriteString("proctest: " + err.Error() + "\n") // nowhere else to report it
+		return 1
+	}
+	if err := os.Setenv(announceDirEnv, filepath.Join(file, trapName)); err != nil {
+		_, _ = os.Stderr.WriteString("proctest: " + err.Error() + "\n") // nowhere else to report it
+		return 1
+	}
+	return m.Run()
 }
 
 // IsChild reports whether this process is a role started by Command.

@@ -179,10 +179,16 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 	}); err != nil {
 		return err
 	}
+	id, err := procOf(c.cred.PID) // read before o.mu: /proc is no lock's
 	o.mu.Lock()
 	c.welcomed = true
-	o.attachedLocked(c)
+	seq := o.attachedLocked(c, id, err)
 	o.mu.Unlock()
+	// Served once the index has the replica: a restart waits for its leases then. An
+	// index left behind broken (journaled's error) refuses writes, not the replica.
+	if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
+		return err
+	}
 	return nil
 }
 
@@ -314,7 +320,24 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	l := o.newLeaseLocked(c, true, pages)
 	o.mu.Unlock()
 	c.spillEvicted(evicted)
+	if err := o.journaled(o.stopped, evicted.wait); err != nil {
+		c.abandon(l)
+		return c.sendError(h.ID, err)
+	}
 	return c.sendLeased(h.ID, l)
+}
+
+// abandon ends write lease l, unanswered, and frees its pages: an Alloc that cannot
+// be answered with them.
+func (c *conn) abandon(l *lease) {
+	o := c.o
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.dropLocked(l)
+	for _, p := range l.pages {
+		l.s.release(p)
+	}
+	l.s.spaceLocked()
 }
 
 // spillEvicted sends the evicted pages the host tier has no copy of there before they
@@ -354,6 +377,13 @@ func (c *conn) allocLater(id uint32, n int) {
 			l := o.newLeaseLocked(c, true, pages)
 			o.mu.Unlock()
 			c.spillEvicted(evicted)
+			if err := o.journaled(o.stopped, evicted.wait); err != nil {
+				c.abandon(l)
+				if err := c.sendError(id, err); err != nil {
+					_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+				}
+				return
+			}
 			if err := c.sendLeased(id, l); err != nil {
 				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
 			}
@@ -536,10 +566,15 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
+	var seq uint64 // a seal waited for is in the index once answered (settleUpTo's too)
+	if rec.done && h.Flags&kvwire.FlagWait != 0 {
+		seq = o.ix.Queued()
+	}
 	o.unlockAfterSubmit(e, rec, owed)
 	if wait {
 		return nil
 	}
+	_ = o.journaled(o.stopped, seq) // visible already: an index that failed, or a close, was said elsewhere
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendSealed(b, h.ID, ans) })
 }
 

@@ -70,7 +70,12 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 			pc.src.pages[pc.from].readers++
 		}
 	}
+	evictions := s.stats.Evictions
 	dsts, ok := s.take(copies, make([]uint32, 0, copies))
+	var wait uint64 // the evictions' records, in the index before the copies overwrite the pages
+	if s.stats.Evictions != evictions {
+		wait = s.lastFree
+	}
 	if !ok {
 		cut := 0
 		for cut < len(run) && run[cut].src == nil {
@@ -88,7 +93,10 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	}
 	o.mu.Unlock()
 
-	err := o.copyRun(s, run)
+	err := o.journaled(o.stopped, wait)
+	if err == nil {
+		err = o.copyRun(s, run)
+	}
 
 	o.mu.Lock()
 	pages := make([]uint32, 0, len(run))
@@ -118,7 +126,6 @@ func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 		s.stats.Copied++
 		pages = append(pages, pc.dst)
 	}
-	s.j.flush() // the copies are in the index before the replica reads them
 	if err != nil {
 		for _, p := range pages {
 			s.pages[p].readers--

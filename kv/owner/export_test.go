@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -32,6 +33,13 @@ func PanicOn(t kvwire.Type) (undo func()) {
 		}
 	}
 	return func() { frameHook = nil }
+}
+
+// SetIndexOptions adds opts to the options of every index the next Listens open,
+// until the returned func undoes it.
+func SetIndexOptions(opts ...index.Option) (undo func()) {
+	indexOptions = opts
+	return func() { indexOptions = nil }
 }
 
 // EncodeStats is the JSON of the Stats frame answering st.

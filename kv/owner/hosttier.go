@@ -17,6 +17,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 )
 
 // The host tier of a device (WithHostBytes): pinned host memory that holds sealed
@@ -95,6 +96,10 @@ type hostTier struct {
 	mark     uint32 // the most recent slab page a pick examined, or none (pickSpillLocked)
 	markSeen int    // the evictable pages from the tail to the mark, when examined
 	picks    uint64 // picks made
+
+	// lastFree is the sequence number of the latest host page eviction queued in the
+	// index: a page it evicted is filled again only once the index has it.
+	lastFree uint64
 
 	kick chan struct{}
 	want bool // pages were sealed since the spiller last looked for pages to copy
@@ -176,20 +181,21 @@ func checkHostBytes(o options) error {
 	devs := uint64(max(len(o.Devices), 1))
 	if o.HostBytes > avail/devs { // not o.HostBytes*devs > avail: that may overflow
 		return fmt.Errorf("%w: host tiers of %s on each of %d devices are larger than the host's available memory, %s (MemAvailable)",
-			kv.ErrGeometry, humanize.IBytes(o.HostBytes), devs, humanize.IBytes(avail))
+			kv.ErrHostMemory, humanize.IBytes(o.HostBytes), devs, humanize.IBytes(avail))
 	}
 	return nil
+}
+
+// hostPagesOf is the pages of each device's host tier that o asks for.
+func hostPagesOf(o options) uint64 {
+	return min(o.HostBytes/HostPageBytes(o.Geometry), uint64(none-2))
 }
 
 // makeTier makes s's host tier of o.HostBytes: the memfd, sealed, mapped and
 // registered, its stream and events. On failure nothing of it is left.
 func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
-	g := o.geo
-	pb := HostPageBytes(g)
-	n := o.opts.HostBytes / pb
-	if n > uint64(none-2) {
-		n = uint64(none - 2)
-	}
+	pb := HostPageBytes(o.geo)
+	n := hostPagesOf(o.opts)
 	t := &hostTier{s: s, fd: -1, pageBytes: pb, index: make(map[kv.Hash]uint32), head: none, tail: none, mark: none,
 		pages: make([]hostPage, n), free: make([]uint32, n), twin: make([]uint32, len(s.pages)),
 		kick: make(chan struct{}, 1)}
@@ -255,16 +261,16 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 // restoreTier seals the host pages the index held (least recent first) in t, a tier
 // whose memory the keeper kept, and journals them again. A page out of the tier's
 // range, or a hash held already, is skipped. It returns how many it restored.
-func (t *hostTier) restoreTier(sealed []sealedPage) int {
+func (t *hostTier) restoreTier(sealed []index.Page) int {
 	n := 0
 	for _, sp := range sealed {
-		if int(sp.page) >= len(t.pages) || t.pages[sp.page].state != hostFree {
+		if int(sp.Page) >= len(t.pages) || t.pages[sp.Page].state != hostFree {
 			continue
 		}
-		if _, dup := t.index[sp.hash]; dup {
+		if _, dup := t.index[sp.Hash]; dup {
 			continue
 		}
-		t.seal(sp.page, sp.hash, none)
+		t.seal(sp.Page, sp.Hash, none)
 		n++
 	}
 	if n == 0 {
@@ -276,7 +282,6 @@ func (t *hostTier) restoreTier(sealed []sealedPage) int {
 			t.free = append(t.free, uint32(p))
 		}
 	}
-	t.s.j.flush()
 	return n
 }
 
@@ -361,7 +366,8 @@ func (t *hostTier) evictable(p uint32) bool {
 }
 
 // take returns a host page to fill: a free one, else the least recent evictable
-// sealed one, evicted. ok is false if there is none.
+// sealed one, evicted: the caller waits for t.lastFree (Owner.journaled) before it
+// fills the page. ok is false if there is none.
 func (t *hostTier) take() (uint32, bool) {
 	if n := len(t.free); n > 0 {
 		p := t.free[n-1]
@@ -371,8 +377,7 @@ func (t *hostTier) take() (uint32, bool) {
 	}
 	for p := t.tail; p != none; p = t.pages[p].prev {
 		if t.evictable(p) {
-			t.evict(p)
-			t.s.j.flush() // the eviction is in the index before the page is filled again
+			t.evict(p) // its record is queued; the filler waits for t.lastFree
 			return t.take()
 		}
 	}
@@ -383,7 +388,7 @@ func (t *hostTier) take() (uint32, bool) {
 func (t *hostTier) evict(p uint32) {
 	pg := &t.pages[p]
 	delete(t.index, pg.hash)
-	t.s.j.hostFree(t.s.dev, p)
+	t.lastFree = t.s.ix.HostFree(t.s.dev, p)
 	t.unlink(p)
 	if pg.gpu != none {
 		t.twin[pg.gpu] = none
@@ -409,7 +414,7 @@ func (t *hostTier) seal(hp uint32, h kv.Hash, gp uint32) {
 		pg.state, pg.hash = hostSealed, h
 		t.index[h] = hp
 		t.pushFront(hp)
-		t.s.j.hostSeal(t.s.dev, hp, h) // its spill copy has completed
+		t.s.ix.HostSeal(t.s.dev, hp, h) // its spill copy has completed
 	}
 	if gp != none {
 		t.link(gp, hp)
@@ -455,33 +460,52 @@ func (t *hostTier) evicted(gp uint32, h kv.Hash) {
 // takeLocked is s.take for a caller that will write the pages it gets: sealed pages it
 // evicts that the host tier holds no copy of are given host pages, and returned, to be
 // copied out (copyEvicted) before the pages are written. Under o.mu.
+//
+// The task's wait is the sequence number of the evictions' records (GPU and host
+// pages), 0 if it evicted nothing: no page it evicted may be written before the index
+// has them (Owner.journaled), lest a restart publish the page under its old hash.
 func (o *Owner) takeLocked(s *slab, n int) ([]uint32, bool, spillTask) {
 	t := s.tier
+	evictions := s.stats.Evictions
 	if t == nil {
 		pages, ok := s.take(n, make([]uint32, 0, n))
-		return pages, ok, spillTask{}
+		task := spillTask{}
+		if s.stats.Evictions != evictions {
+			task.wait = s.lastFree
+		}
+		return pages, ok, task
 	}
+	hostEvictions := t.stats.Evictions
 	t.capture = true
 	pages, ok := s.take(n, make([]uint32, 0, n))
 	t.capture = false
 	task := t.evictedNow
 	t.evictedNow = spillTask{}
+	if s.stats.Evictions != evictions || t.stats.Evictions != hostEvictions {
+		task.wait = max(s.lastFree, t.lastFree)
+	}
 	return pages, ok, task
 }
 
 // copyEvicted copies the pages takeLocked evicted into their host pages, on the tier's
 // stream, then more: restore (nil: none) is queued behind it, in the same stream
 // order, so that a restore into pages just evicted reads nothing overwritten. It
-// waits for both on the host, then seals the host pages (their slab pages are reused:
-// no twins). On failure the host pages are freed, and the error returned.
+// waits for the evictions' records first (task.wait: no evicted page, GPU or host, is
+// written before the index has it), then for the copies on the host, then seals the
+// host pages (their slab pages are reused: no twins). On failure the host pages are
+// freed, and the error returned.
 func (o *Owner) copyEvicted(s *slab, task spillTask, restore []cudart.CopyPiece) error {
 	t := s.tier
 	if t == nil || (len(task.gpu) == 0 && len(restore) == 0) {
 		return nil
 	}
-	o.mu.Lock()
-	ev, err := t.eventLocked(o)
-	o.mu.Unlock()
+	var ev cudart.Event
+	err := o.journaled(o.stopped, task.wait)
+	if err == nil {
+		o.mu.Lock()
+		ev, err = t.eventLocked(o)
+		o.mu.Unlock()
+	}
 	start := time.Now()
 	if err == nil && len(task.gpu) > 0 {
 		err = o.rt.MemcpyBatchAsync(s.dev, o.tierPieces(t, task.gpu, task.host, false), t.stream)
@@ -574,10 +598,12 @@ func (t *hostTier) snapshot() *kv.HostStats {
 	return &st
 }
 
-// spillTask is one spill: GPU pages and the host pages they go to.
+// spillTask is one spill: GPU pages and the host pages they go to, and the sequence
+// number of the evictions' records to wait for before the copy (0: none).
 type spillTask struct {
 	gpu, host []uint32
 	hashes    []kv.Hash
+	wait      uint64
 }
 
 // spiller copies the least recently used sealed GPU pages ahead into the host tier,
@@ -592,6 +618,7 @@ func (o *Owner) spiller(ctx context.Context, t *hostTier) {
 			o.pickSpillLocked(t, &task)
 		}
 		t.busy = len(task.gpu) > 0
+		wait := t.lastFree // the host pages it evicted are free in the index before they are filled
 		o.mu.Unlock()
 		if !t.busy {
 			select {
@@ -601,7 +628,10 @@ func (o *Owner) spiller(ctx context.Context, t *hostTier) {
 				return
 			}
 		}
-		err := o.spill(ctx, t, &task)
+		err := o.journaled(ctx, wait)
+		if err == nil {
+			err = o.spill(ctx, t, &task)
+		}
 		o.mu.Lock()
 		for i, gp := range task.gpu {
 			t.s.pages[gp].readers--
@@ -722,9 +752,11 @@ func (o *Owner) tierPieces(t *hostTier, gpu, host []uint32, restore bool) []cuda
 }
 
 // WaitSpills waits until every device's spiller has copied ahead all it means to,
-// for now: the least recently used sealed pages of each slab are also in its host
-// tier, so that evicting them is free. It returns at once without host tiers, and
-// ctx's error if ctx ends first. A later seal or eviction gives the spiller more to do.
+// for now, and the index (WithIndex) has written what was queued by then: the least
+// recently used sealed pages of each slab are also in its host tier, so that evicting
+// them is free, and a restart now restores them. It returns at once without host
+// tiers, and ctx's error if ctx ends first. A later seal or eviction gives the spiller
+// more to do.
 func (o *Owner) WaitSpills(ctx context.Context) error {
 	for {
 		o.mu.Lock()
@@ -736,7 +768,10 @@ func (o *Owner) WaitSpills(ctx context.Context) error {
 		}
 		o.mu.Unlock()
 		if idle {
-			return nil
+			if err := o.ix.Wait(ctx, o.ix.Queued()); err != nil && ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return nil // an index that failed said so in the log
 		}
 		t := time.NewTimer(100 * time.Microsecond)
 		select {

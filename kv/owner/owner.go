@@ -108,6 +108,7 @@ import (
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -180,10 +181,10 @@ func WithoutAnnounce() Option { return func(o *options) { o.NoAnnounce = true } 
 
 // WithKeeper makes [Listen] serve the pages of the slabs a keeper ([Keep]) publishes on
 // dir/slab.sock instead of making slabs of its own: they outlive this owner, and the
-// next one adopts them. Listen then holds dir/owner.lock (another owner on dir
+// next one adopts them. [Listen] then holds dir/owner.lock (another owner on dir
 // fails), and calls start where no keeper is alive, or where the live one keeps slabs
 // of another geometry or other devices (it is stopped first, SIGTERM); with a nil
-// start that fails instead. By default an owner makes its own slabs. Keep ignores it.
+// start that fails instead. By default an owner makes its own slabs. [Keep] ignores it.
 func WithKeeper(start func(ctx context.Context) error) Option {
 	return func(o *options) { o.Keeper, o.StartKeeper = true, start }
 }
@@ -191,7 +192,12 @@ func WithKeeper(start func(ctx context.Context) error) Option {
 // WithIndex sets the file the visible pages are journaled in; by default (and with
 // "") no index is kept. A [Listen] finding one of the same slabs (their keeper,
 // geometry and devices) makes its pages visible again; any other, or a corrupt one,
-// is dropped, and [Recovery] says why.
+// is dropped, and [Recovery] says why. Something other than a regular file at path (a
+// named pipe, a device, a directory, a link) makes [Listen] fail, saying what is there.
+// The index is written off the owner's lock (journal.go): a Seal that waits for
+// visibility is answered once its pages are in the index (a restart after it finds
+// them), an Alloc once the pages it evicted are out of it, and WaitSpills returns
+// once the host pages spilled are in it.
 func WithIndex(path string) Option { return func(o *options) { o.Index = path } }
 
 // WithReattachGrace bounds how long allocations wait, after a restart, for the
@@ -201,8 +207,9 @@ func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.Rea
 
 // WithHostBytes gives each device a host tier of n bytes of pinned host memory
 // (hosttier.go), rounded down to whole pages; by default (and with 0) there is none.
-// Tiers smaller than a page, or larger, over every device, than the host's available
-// memory, are refused with an error wrapping [kv.ErrGeometry].
+// A tier smaller than a page is refused with an error wrapping [kv.ErrGeometry]; tiers
+// larger, over every device, than the host's available memory, with one wrapping
+// [kv.ErrHostMemory].
 func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
 
 // WithHandshakeTimeout bounds how long a connection to the page socket (or the host
@@ -285,11 +292,11 @@ type Owner struct {
 	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
 
 	// A cache that survives its owner (restart.go).
-	j        *journal                // nil: no index
+	ix       *index.Index            // nil: no index
 	keeperID procID                  // the process whose slabs these are
 	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
 	recovery Recovery                // set by Listen
-	hostRec  map[int][]sealedPage    // the index's host pages, for startTiers; nil: none
+	hostRec  map[int][]index.Page    // the index's host pages, for startTiers; nil: none
 	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
 	resumed  chan struct{}           // closed once allocations may go on
 
@@ -636,7 +643,7 @@ func (o *Owner) Stats() Stats {
 	}
 	slices.SortFunc(st.Replicas, func(a, b kv.ReplicaStats) int { return a.PID - b.PID })
 	st.ReplicaCount = len(st.Replicas)
-	if o.j != nil {
+	if o.ix != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
 			Restored: o.recovery.Pages, Dropped: o.recovery.Dropped}
 		for _, e := range o.expected {
@@ -692,11 +699,9 @@ func (o *Owner) teardown(ctx context.Context) error {
 	o.mu.Unlock()
 	o.destroyEvents(dead)
 	errs := o.stopTiers()
-	o.mu.Lock()
-	if err := o.j.close(); err != nil {
+	if err := o.ix.Close(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	o.mu.Unlock()
 	if o.imp != nil {
 		if err := o.closeImport(ctx); err != nil {
 			errs = append(errs, err)

@@ -21,6 +21,7 @@ import (
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
@@ -327,52 +328,52 @@ func StopKeeper(ctx context.Context, pid int) error {
 }
 
 // restore takes back the index at o.opts.Index if it is of these slabs, and starts
-// the journal. It is called before the page server accepts anyone.
+// the index anew. It is called before the page server accepts anyone. Something other
+// than a regular file at the index's path fails it (index.ErrNotRegular); any other
+// index that cannot be taken back is dropped, and Recovery says why.
 func (o *Owner) restore() error {
-	hdr := indexHeader{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
-	rec, err := loadIndex(o.opts.Index)
+	hdr := index.Header{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
+	st, err := index.Load(o.opts.Index, o.shape())
 	switch {
-	case errors.Is(err, errNoIndex):
+	case errors.Is(err, index.ErrNoIndex):
+	case errors.Is(err, index.ErrNotRegular):
+		return fmt.Errorf("kv/owner: the index: %w", err)
+	case errors.Is(err, index.ErrOtherShape):
+		hdr.Epoch = st.Header.Epoch + 1
+		if st.Header.Geometry != o.geo {
+			o.dropIndex(fmt.Sprintf("the index is of %v, not %v", st.Header.Geometry, o.geo))
+		} else {
+			o.dropIndex(fmt.Sprintf("the index is of devices %v, not %v", st.Header.Devices, o.opts.Devices))
+		}
 	case err != nil:
 		o.dropIndex(fmt.Sprintf("the index %s is corrupt (%v)", o.opts.Index, err))
 		// Past the epochs a readable header names; a random one where it is not, so
 		// that no lease id of the owner before is likely issued again.
 		hdr.Epoch = 1<<22 | rand.Uint64N(1<<22)
-		if rec != nil {
-			hdr.Epoch = rec.hdr.Epoch + 1
+		if st != nil {
+			hdr.Epoch = st.Header.Epoch + 1
 		}
 	default:
-		hdr.Epoch = rec.hdr.Epoch + 1
+		hdr.Epoch = st.Header.Epoch + 1
 		switch {
-		case rec.hdr.Geometry != o.geo:
-			o.dropIndex(fmt.Sprintf("the index is of %v, not %v", rec.hdr.Geometry, o.geo))
-		case !slices.Equal(rec.hdr.Devices, o.opts.Devices):
-			o.dropIndex(fmt.Sprintf("the index is of devices %v, not %v", rec.hdr.Devices, o.opts.Devices))
-		case rec.hdr.Keeper != o.keeperID && o.imp != nil && !o.recovery.Adopted:
-			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", rec.hdr.Keeper, countSealed(rec)))
-		case rec.hdr.Keeper != o.keeperID:
-			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", rec.hdr.Keeper))
+		case o.imp != nil && !o.recovery.Adopted:
+			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", st.Header.Keeper, countSealed(st)))
+		case st.Header.Keeper != o.keeperID:
+			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", st.Header.Keeper))
+		case o.imp == nil:
+			// The same process's own slabs, from an earlier Listen: made anew since.
+			o.dropIndex(fmt.Sprintf("this owner makes its own slabs, new at each start: the %d visible pages of the index are gone with the old ones", countSealed(st)))
 		default:
-			o.apply(rec)
+			o.apply(st)
 		}
 	}
 	o.epoch = hdr.Epoch
 	o.nextLease = hdr.Epoch << 40 // no lease id of an earlier epoch is issued again
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	j, err := newJournal(o.opts.Index, hdr, o.log, o.snapshotLocked)
-	if err != nil {
-		return err
-	}
-	for _, s := range o.slabs {
-		s.j = j
-	}
-	o.j = j
-	return nil
+	return o.openIndex(hdr)
 }
 
-func countSealed(rec *recovered) (n int) {
-	for _, ps := range rec.sealed {
+func countSealed(st *index.State) (n int) {
+	for _, ps := range st.Sealed {
 		n += len(ps)
 	}
 	return n
@@ -386,16 +387,16 @@ func (o *Owner) dropIndex(why string) {
 	}
 }
 
-// apply makes rec's pages visible again and waits for its replicas.
-func (o *Owner) apply(rec *recovered) {
-	o.hostRec = rec.host // taken back by startTiers, where the keeper kept the memory
+// apply makes st's pages visible again and waits for its replicas.
+func (o *Owner) apply(st *index.State) {
+	o.hostRec = st.Host // taken back by startTiers, where the keeper kept the memory
 	for _, s := range o.slabs {
-		sealed := rec.sealed[s.dev]
+		sealed := st.Sealed[s.dev]
 		for _, sp := range sealed { // least recent first: each goes to the front
-			pg := &s.pages[sp.page]
-			pg.state, pg.hash = pageSealed, sp.hash
-			s.index[sp.hash] = sp.page
-			s.pushFront(sp.page)
+			pg := &s.pages[sp.Page]
+			pg.state, pg.hash = pageSealed, sp.Hash
+			s.index[sp.Hash] = sp.Page
+			s.pushFront(sp.Page)
 		}
 		s.free = s.free[:0]
 		for p := len(s.pages) - 1; p >= 0; p-- {
@@ -405,7 +406,7 @@ func (o *Owner) apply(rec *recovered) {
 		}
 		o.recovery.Pages += len(sealed)
 	}
-	for _, id := range rec.attached {
+	for _, id := range st.Attached {
 		if e := o.expected[id.PID]; e != nil && e.id == id {
 			e.n++
 		} else if now, err := procOf(int(id.PID)); err == nil && now == id {
@@ -424,29 +425,30 @@ type expectation struct {
 	n  int
 }
 
-// snapshotLocked appends the records of the present state, under o.mu.
-func (o *Owner) snapshotLocked(b []byte) []byte {
+// snapshotLocked appends the records of the present state to b, under o.mu: each
+// slab's visible pages and its host tier's sealed pages, least recent first, and the
+// replicas attached or waited for.
+func (o *Owner) snapshotLocked(b *index.Batch) {
 	for _, s := range o.slabs {
 		for p := s.tail; p != none; p = s.pages[p].prev {
-			b = appendPageRecord(b, recSeal, s.dev, p, &s.pages[p].hash)
+			b.Seal(s.dev, p, s.pages[p].hash)
 		}
 		if t := s.tier; t != nil {
 			for p := t.tail; p != none; p = t.pages[p].prev {
-				b = appendPageRecord(b, recHostSeal, s.dev, p, &t.pages[p].hash)
+				b.HostSeal(s.dev, p, t.pages[p].hash)
 			}
 		}
 	}
 	for _, e := range o.expected {
 		for range e.n {
-			b = appendProcRecord(b, recAttach, e.id)
+			b.Attach(e.id)
 		}
 	}
 	for c := range o.conns {
 		if c.welcomed && c.id.PID != 0 {
-			b = appendProcRecord(b, recAttach, c.id)
+			b.Attach(c.id)
 		}
 	}
-	return b
 }
 
 // holdAllocs makes allocations wait until every replica expected back has re-declared
@@ -518,7 +520,7 @@ func (o *Owner) returnedLocked(pid uint32) {
 func (o *Owner) forgetLocked(pid uint32, n int) {
 	e := o.expected[pid]
 	for range n {
-		o.j.replica(recDetach, e.id)
+		o.ix.Detach(e.id)
 	}
 	if e.n -= n; e.n <= 0 {
 		delete(o.expected, pid)
@@ -546,20 +548,21 @@ func (o *Owner) awaitResumed() bool {
 	}
 }
 
-// attachedLocked journals that c was admitted, under o.mu.
-func (o *Owner) attachedLocked(c *conn) {
-	id, err := procOf(c.cred.PID)
+// attachedLocked journals that c, of process id (err: not known), was admitted,
+// under o.mu, and returns the record's sequence number (0: none), for the caller to
+// wait for outside o.mu.
+func (o *Owner) attachedLocked(c *conn, id procID, err error) uint64 {
 	if err != nil {
-		return
+		return 0
 	}
 	c.id = id
-	o.j.replica(recAttach, id)
+	return o.ix.Attach(id)
 }
 
 // detachedLocked journals that c's connection ended, under o.mu.
 func (o *Owner) detachedLocked(c *conn) {
 	if c.id.PID != 0 {
-		o.j.replica(recDetach, c.id)
+		o.ix.Detach(c.id)
 	}
 }
 

@@ -72,7 +72,6 @@ func (o *Owner) settle(rec *record, publish bool) {
 	for _, p := range rec.released {
 		s.pages[p].releasing--
 	}
-	s.j.flush()
 	rec.done = true
 	s.spaceLocked()
 }
@@ -93,7 +92,7 @@ func (o *Owner) settleUpTo(e *event, upTo uint64, publish bool, owed []answer) [
 		rec := e.pending[k]
 		o.settle(rec, publish)
 		if rec.waiting {
-			owed = append(owed, answer{c: e.c, id: rec.wait, sealed: kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}, dead: !publish})
+			owed = append(owed, answer{c: e.c, id: rec.wait, sealed: kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}, dead: !publish, seq: o.ix.Queued()})
 		}
 		e.settled++
 		k++
@@ -112,15 +111,19 @@ type answer struct {
 	c      *conn
 	id     uint32
 	sealed kvwire.Sealed
-	dead   bool // the writer died: nobody to answer
+	dead   bool   // the writer died: nobody to answer
+	seq    uint64 // the seal's records: it is answered once the index has them
 }
 
-// send sends owed, each on a goroutine of its own: a waiter never waits for a
-// replica that does not read.
+// send sends owed, each on a goroutine of its own once the index has its records: a
+// waiter never waits for a replica that does not read, nor for the index.
 func (o *Owner) send(owed []answer) {
 	for _, a := range owed {
 		if !a.dead {
-			go a.c.sendSealed(a.id, a.sealed)
+			go func() {
+				_ = o.journaled(o.stopped, a.seq) // visible already: an index that failed, or a close, was said elsewhere
+				a.c.sendSealed(a.id, a.sealed)
+			}()
 		}
 	}
 }

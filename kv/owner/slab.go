@@ -6,6 +6,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -53,7 +54,7 @@ type slab struct {
 	bufs   []*pool.Buffer      // the segments, in order, where this process made them
 	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (WithKeeper)
 	bases  []cudart.DevicePtr  // their addresses
-	j      *journal            // the index file; nil: none
+	ix     *index.Index        // the index file; nil: none
 	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab
 	copyMu sync.Mutex          // one copy at a time queued on stream
 	done   cudart.Event        // recorded on stream after a copy (or at Close), asked until it completes
@@ -64,6 +65,9 @@ type slab struct {
 	head, tail uint32 // LRU list of sealed pages: head most recent
 	stats      kv.DeviceStats
 	tier       *hostTier // the device's host tier (hosttier.go), nil without one
+	// lastFree is the sequence number of the latest eviction queued in the index: a
+	// page it evicted is written only once the index has it (Owner.journaled).
+	lastFree uint64
 	// space is closed (and replaced) whenever pages may have become free or
 	// evictable: the Allocs that wait for settling pages look again.
 	space chan struct{}
@@ -146,7 +150,9 @@ func (s *slab) evictable(p uint32) bool {
 }
 
 // take leases n pages for writing: free pages first, then the least recent evictable
-// sealed pages, evicted. It takes all n or, with ok false, none.
+// sealed pages, evicted. It takes all n or, with ok false, none. Evicted pages are
+// free in the index once s.lastFree is written: the caller waits for it
+// (Owner.journaled) before the pages are written.
 func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
 	short := n - len(s.free)
 	var victims []uint32
@@ -164,7 +170,6 @@ func (s *slab) take(n int, dst []uint32) ([]uint32, bool) {
 			s.evict(p)
 		}
 	}
-	s.j.flush() // the evictions are in the index before the pages are written
 	for range n {
 		p := s.free[len(s.free)-1]
 		s.free = s.free[:len(s.free)-1]
@@ -182,7 +187,7 @@ func (s *slab) evict(p uint32) {
 	}
 	delete(s.index, pg.hash)
 	s.unlink(p)
-	s.j.free(s.dev, p)
+	s.lastFree = s.ix.Free(s.dev, p)
 	s.stats.Evictions++
 	s.release(p)
 }
@@ -238,7 +243,7 @@ func (s *slab) publish(p uint32, h kv.Hash, parent link) (visible bool) {
 	s.index[h] = p
 	s.pushFront(p)
 	s.stats.Seals++
-	s.j.seal(s.dev, p, h)
+	s.ix.Seal(s.dev, p, h)
 	if s.tier != nil {
 		s.tier.wake()
 	}

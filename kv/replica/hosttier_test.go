@@ -250,7 +250,7 @@ func TestHostTierRefused(t *testing.T) {
 		devices []int
 	}{{1 << 60, nil}, {1 << 63, []int{0, 1}}} { // the second's total overflows a uint64
 		_, err := owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithHostBytes(c.bytes), owner.WithDevices(c.devices...))
-		require.ErrorIs(t, err, kv.ErrGeometry, "%d bytes on %v", c.bytes, c.devices)
+		require.ErrorIs(t, err, kv.ErrHostMemory, "%d bytes on %v", c.bytes, c.devices)
 		require.ErrorContains(t, err, "larger than the host's available memory")
 		require.ErrorContains(t, err, "MemAvailable")
 	}
