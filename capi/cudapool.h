@@ -17,7 +17,11 @@
  *    cudapool_mapping, each a struct of one opaque 64-bit value (never 0), passed by
  *    value, returned through a pointer. Each kind is its own type, so passing one where
  *    another is wanted does not compile. A handle that was closed, released or never
- *    issued fails with CUDAPOOL_EHANDLE; it never crashes the process.
+ *    issued fails with CUDAPOOL_EHANDLE; it never crashes the process. So a second
+ *    close changes nothing and returns CUDAPOOL_EHANDLE, which a caller may ignore (as
+ *    close(2)'s EBADF); a second release of a mapping is a bug and returns the same
+ *    (of a KV lease, CUDAPOOL_ESTALE). Python's bindings return None for the second
+ *    close and raise for the second release; Go returns ErrClosed and ErrReleased.
  *  - Options are structs whose first field, size, is sizeof the struct the caller was
  *    compiled with: fill one with its *_default function (a static inline here, which
  *    sets size), then set what you need. The library reads only the fields that size
@@ -78,10 +82,10 @@ enum cudapool_status {
 	CUDAPOOL_EPOINTER = 3,   /* a device pointer no cudapool pool gave (or freed) */
 	CUDAPOOL_ECLOSED = 4,    /* the object is closed or closing */
 	CUDAPOOL_ENOMEM = 5,     /* the pool or device is out of memory */
-	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name (or no such peer) */
+	CUDAPOOL_ENOTFOUND = 6,  /* no buffer is published under that name (its buffer freed, or never published), or no such peer */
 	CUDAPOOL_EEXIST = 7,     /* the name is published already, or the socket path is taken */
 	CUDAPOOL_EBUSY = 8,      /* the pool has live buffers (close without force) */
-	CUDAPOOL_EGONE = 9,      /* the exporter or the buffer is gone */
+	CUDAPOOL_EGONE = 9,      /* the exporter (or the KV owner) is gone */
 	CUDAPOOL_EREFUSED = 10,  /* the exporter (or KV owner) refused this process */
 	CUDAPOOL_EVERSION = 11,  /* the peer speaks another protocol version */
 	CUDAPOOL_EPROTOCOL = 12, /* the peer broke the protocol, or found a request malformed */
@@ -165,6 +169,9 @@ int cudapool_runtime_info(int *on_gpu, int *devices, char *name, size_t name_len
 /* Streams and copies, for programs without the CUDA headers (and the software device,
  * whose memory only its own calls reach). */
 int cudapool_stream_create(int device, void **stream);
+/* cudapool_stream_destroy destroys a stream of cudapool_stream_create; every KV replica
+ * that sealed or released on it takes its last record of it first, so that its close
+ * still covers the stream's work without naming the destroyed stream. */
 int cudapool_stream_destroy(int device, void *stream);
 int cudapool_stream_synchronize(int device, void *stream);
 /* cudapool_stream_wait makes the work queued on waiter from now on wait for the work
@@ -469,9 +476,12 @@ enum cudapool_kv_dial_flags {
 	/* Reattach by itself to an owner restarted on dir (kvpoold over its keeper): once
 	 * the owner is lost, calls fail with CUDAPOOL_EGONE while the replica redials and
 	 * re-declares its leases; then they work again, the slab mapped where it was. A
-	 * lease the new owner did not take back fails with CUDAPOOL_ESTALE ("lost"). A
-	 * seal or release that failed with CUDAPOOL_EGONE leaves its lease held: make it
-	 * again once attached (cudapool_kv_wait_attached). */
+	 * lease the new owner did not take back is lost (cudapool_kv_lease_lost says why):
+	 * its pages may be another's already, so do not read or write them; sealing or
+	 * releasing it fails with CUDAPOOL_ESTALE and forgets it. A seal or release that
+	 * failed with CUDAPOOL_EGONE leaves its lease held, re-declared to the restarted
+	 * owner, which holds its pages until it is ended: make the call again once
+	 * attached (cudapool_kv_wait_attached), or close the replica. */
 	CUDAPOOL_KV_RECONNECT = 2
 };
 
@@ -570,6 +580,11 @@ int cudapool_kv_reattaches(cudapool_kv_replica r, uint64_t *n);
  * a live owner: CUDAPOOL_OK (at once while it is), CUDAPOOL_ETIMEOUT, or CUDAPOOL_EGONE
  * where no reattach can come (no CUDAPOOL_KV_RECONNECT, or the slab's keeper is gone). */
 int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms);
+/* cudapool_kv_lease_lost writes why an owner's restart lost lease, as text, or ""
+ * while the replica holds it (CUDAPOOL_KV_RECONNECT). On CUDAPOOL_ERANGE *len is the
+ * size needed. A lease the replica does not hold (sealed or released already, lost
+ * and then sealed or released, never issued) fails with CUDAPOOL_ESTALE. */
+int cudapool_kv_lease_lost(cudapool_kv_replica r, uint64_t lease, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_error writes why the owner is gone ("" while it is there), as text. On
  * CUDAPOOL_ERANGE *len is the size needed. */
 int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len);
@@ -582,6 +597,8 @@ int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size
  * stream the replica has sealed or released on (as a release on those streams would),
  * so pages a kernel still writes are not given to another replica; work on a stream
  * the replica never sealed or released on is not covered: release such leases first.
+ * Such a stream must not be destroyed before the close (the driver does not survive a
+ * record on a destroyed stream), unless it is destroyed with cudapool_stream_destroy.
  * If timeout_ms passes while that work is still queued, it returns CUDAPOOL_ETIMEOUT
  * and the rest completes once the work has run. */
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms);

@@ -371,6 +371,10 @@ int cudapool_kv_wait_attached(cudapool_kv_replica r, int64_t timeout_ms) {
 	CP_CALL(cpgo_kv_wait_attached(r.h, timeout_ms));
 }
 
+int cudapool_kv_lease_lost(cudapool_kv_replica r, uint64_t lease, char *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_kv_lease_lost(r.h, lease, buf, cap, len));
+}
+
 int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len) {
 	CP_CALL(cpgo_kv_error(r.h, buf, cap, len));
 }

@@ -98,6 +98,19 @@ func (t *table[T]) get(h uint64) (T, error) {
 	return s.v, nil
 }
 
+// all returns every live object, in no order.
+func (t *table[T]) all() []T {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	var vs []T
+	for _, s := range t.slots {
+		if s.live {
+			vs = append(vs, s.v)
+		}
+	}
+	return vs
+}
+
 // remove forgets h and returns what it referred to; h is invalid from then on.
 func (t *table[T]) remove(h uint64) (T, error) {
 	t.mu.Lock()

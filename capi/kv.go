@@ -49,10 +49,11 @@ type kvReplica struct {
 	mu     sync.Mutex
 	leases map[uint64]*replica.Lease
 
-	doneOnce sync.Once
-	doneR    *os.File // readable (at EOF) once the owner is gone
-	doneErr  error
-	closed   chan struct{} // closed by close, the handle's last use
+	doneOnce  sync.Once
+	doneR     *os.File // readable (at EOF) once the owner is gone
+	doneErr   error
+	closed    chan struct{} // closed by close, the handle's last use
+	closeOnce sync.Once
 }
 
 func newKVReplica(r *replica.Replica, ns string, device int) *kvReplica {
@@ -89,12 +90,27 @@ func (k *kvReplica) take(ids []uint64) ([]*replica.Lease, error) {
 			if slices.Contains(ids[:i], id) {
 				return nil, fmt.Errorf("%w: lease %#x is given twice", kv.ErrStaleLease, id)
 			}
-			return nil, fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+			return nil, notHeld(id)
 		}
 		delete(k.leases, id)
 		ls = append(ls, l)
 	}
 	return ls, nil
+}
+
+// notHeld is the error of a lease id the replica does not hold.
+func notHeld(id uint64) error {
+	return fmt.Errorf("%w: this replica holds no lease %#x (released or sealed already, another replica's, or never issued)", kv.ErrStaleLease, id)
+}
+
+// held is the lease id names, which the replica holds.
+func (k *kvReplica) held(id uint64) (*replica.Lease, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if l, ok := k.leases[id]; ok {
+		return l, nil
+	}
+	return nil, notHeld(id)
 }
 
 // fits checks that lease l has room in the caller's array of n pages (exactly n for
@@ -118,7 +134,7 @@ func (k *kvReplica) fits(ctx context.Context, l *replica.Lease, n int, exact boo
 	if err == nil {
 		return nil
 	}
-	return errors.Join(err, k.r.Release(ctx, 0, l))
+	return errors.Join(err, k.r.Release(ctx, l, 0))
 }
 
 // put keeps leases (new ones, or ones a failed call gave back).
@@ -153,14 +169,31 @@ func (k *kvReplica) doneFd() (int, error) {
 	return int(k.doneR.Fd()), nil
 }
 
+// close closes the replica (cudapool_kv_close); a second close returns the
+// replica's kv.ErrClosed and changes nothing.
 func (k *kvReplica) close(ctx context.Context) error {
 	err := k.r.Close(ctx)
-	close(k.closed)
-	k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
-	if k.doneR != nil {
-		_ = k.doneR.Close() // cleanup: nothing is left to do if closing fails
-	}
+	k.closeOnce.Do(func() {
+		close(k.closed)
+		k.doneOnce.Do(func() { k.doneErr = kv.ErrClosed }) // no pipe from now on
+		if k.doneR != nil {
+			_ = k.doneR.Close() // cleanup: nothing is left to do if closing fails
+		}
+	})
 	return err
+}
+
+// forgetStream tells every replica C holds that stream s is about to be destroyed
+// (cudapool_stream_destroy), so that none names it to the runtime again: their Close
+// would record an event on it, which the driver does not survive on a destroyed
+// stream ([replica.Replica.Forget]). A record that fails is logged: the stream goes
+// all the same, and that replica's close no longer covers its work.
+func forgetStream(s cudart.Stream) {
+	for _, k := range kvReplicas.all() {
+		if err := k.r.Forget(s); err != nil {
+			logger.Warn("cudapool: a kv replica's last record on a stream being destroyed failed; its close does not cover that stream's work", "stream", uintptr(s), "err", err)
+		}
+	}
 }
 
 func kvGet(h C.uint64_t) (*kvReplica, error) { return kvReplicas.get(uint64(h)) }
@@ -599,7 +632,7 @@ func (k *kvReplica) release(ctx context.Context, ids []uint64, s cudart.Stream) 
 	if err != nil {
 		return err
 	}
-	err = k.r.Release(ctx, s, ls...)
+	err = k.r.ReleaseAll(ctx, ls, s)
 	if err != nil {
 		k.afterFailure(err, s, ls...)
 	}
@@ -625,7 +658,7 @@ func (k *kvReplica) afterFailure(err error, s cudart.Stream, ls ...*replica.Leas
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 		ctx, cancel := context.WithTimeout(context.Background(), giveBackTimeout)
 		defer cancel()
-		_ = k.r.Release(ctx, s, ls...) // the usual answer is stale: the owner had ended them
+		_ = k.r.ReleaseAll(ctx, ls, s) // the usual answer is stale: the owner had ended them
 	default:
 		k.put(ls...)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/kvtest"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -46,13 +47,13 @@ func kvOwner(t *testing.T) (string, *owner.Owner) {
 }
 
 // kvDial is a replica of the owner at dir as C holds it, on the library's runtime.
-func kvDial(t *testing.T, dir string) (*kvReplica, cudart.Stream) {
+func kvDial(t *testing.T, dir string, opts ...replica.Option) (*kvReplica, cudart.Stream) {
 	t.Helper()
 	rt, err := runtimeNow()
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
 	defer cancel()
-	r, err := replica.Dial(ctx, dir, rt, 0)
+	r, err := replica.Dial(ctx, dir, rt, 0, opts...)
 	require.NoError(t, err)
 	k := newKVReplica(r, "", 0)
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
@@ -230,4 +231,65 @@ func TestOwnerRepliesBeyondTheRequestAreRefused(t *testing.T) {
 			assert.Zero(t, ownerLeases(o), "and the owner got them back")
 		})
 	}
+}
+
+// TestCloseNamesNoDestroyedStream: a replica's close recorded its final event on every
+// stream it had sealed or released on, also on one the caller had destroyed since
+// (cudapool.Stream closed at the end of its with block): on the GPU the driver died of
+// SIGSEGV inside cudapool_kv_close (issue 31). cudapool_stream_destroy makes every
+// replica take its last record of the stream first, and close names it no more, yet
+// still covers its work.
+func TestCloseNamesNoDestroyedStream(t *testing.T) {
+	dir, _ := kvOwner(t)
+	k, _ := kvDial(t, dir)
+	h := kvReplicas.add(k)
+	t.Cleanup(func() { _, _ = kvReplicas.remove(h) }) // the test's end: kvDial closes it
+	rt, err := runtimeNow()
+	require.NoError(t, err)
+	dev, ok := rt.(*cudarttest.Device)
+	if !ok {
+		t.Skip("the library's runtime is not the software device")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking) // as cudapool_stream_create does
+	require.NoError(t, err)
+	l, err := k.r.Alloc(ctx, 2)
+	require.NoError(t, err)
+	k.put(l)
+	require.NoError(t, k.release(ctx, []uint64{l.ID()}, s)) // s is a stream the replica used
+	held, err := k.r.Alloc(ctx, 1)                          // held at close
+	require.NoError(t, err)
+	k.put(held)
+	before := len(dev.Violations())
+	require.NoError(t, destroyStream(0, s)) // cudapool_stream_destroy
+	_, err = kvReplicas.remove(h)
+	require.NoError(t, err)
+	require.NoError(t, k.close(ctx))
+	assert.Empty(t, dev.Violations()[before:], "the replica named a stream that was destroyed")
+}
+
+// Issue 31: with CUDAPOOL_KV_RECONNECT, a release cut short by the owner's death
+// (CUDAPOOL_EGONE) keeps its lease in the C table, re-declared to the restarted owner,
+// so that the release made again once attached ends it. If the table dropped it, that
+// release failed with CUDAPOOL_ESTALE and the restarted owner held the pages until the
+// process exited.
+func TestReleaseCutShortByTheOwnersDeathIsMadeAgain(t *testing.T) {
+	dir, _ := kvOwner(t)
+	echo := kvtest.NewEcho(t, dir, kvSmall)
+	k, s := kvDial(t, echo.Dir(), replica.WithReconnect())
+	k.reconnect = true
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	l, err := k.match(ctx, kv.PrefixHashes("", []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4))
+	require.NoError(t, err)
+	require.Equal(t, []uint64{l.ID()}, echo.Leases())
+
+	echo.DieAtNextRelease()
+	err = k.release(ctx, []uint64{l.ID()}, s)
+	require.Equal(t, statusGone, statusOf(err), "the release the owner died under: %v", err)
+	require.NoError(t, k.r.WaitAttached(ctx))
+	require.Equal(t, []uint64{l.ID()}, echo.Leases(), "the lease is re-declared to the restarted owner")
+	require.NoError(t, k.release(ctx, []uint64{l.ID()}, s), "the release made again once attached")
+	require.Empty(t, echo.Leases(), "the leases the restarted owner holds")
 }

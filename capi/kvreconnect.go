@@ -8,6 +8,7 @@ import "C"
 import (
 	"context"
 	"errors"
+	"unsafe"
 
 	"github.com/cudapool/cudapool/kv"
 )
@@ -54,4 +55,25 @@ func cpgo_kv_wait_attached(h C.uint64_t, timeoutMs C.int64_t) (rc C.int) {
 		defer now()
 	}
 	return result(k.r.WaitAttached(ctx))
+}
+
+//export cpgo_kv_lease_lost
+func cpgo_kv_lease_lost(h C.uint64_t, lease C.uint64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if n == nil {
+		return fail(invalid("len is NULL"))
+	}
+	k, err := kvGet(h)
+	if err != nil {
+		return fail(err)
+	}
+	l, err := k.held(uint64(lease))
+	if err != nil {
+		return fail(err)
+	}
+	why := ""
+	if err := l.Lost(); err != nil {
+		why = err.Error()
+	}
+	return result(writeOut(unsafe.Pointer(buf), capacity, n, []byte(why), true))
 }

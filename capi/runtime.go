@@ -206,14 +206,21 @@ func cpgo_stream_create(device C.int, out *C.uintptr_t) (rc C.int) {
 //export cpgo_stream_destroy
 func cpgo_stream_destroy(device C.int, s C.uintptr_t) (rc C.int) {
 	defer recoverTo(&rc)
+	return result(destroyStream(int(device), cudart.Stream(s)))
+}
+
+// destroyStream destroys stream s of device dev (cudapool_stream_destroy) once every
+// replica C holds has taken its last record of s (forgetStream).
+func destroyStream(dev int, s cudart.Stream) error {
 	rt, err := runtimeNow()
 	if err != nil {
-		return fail(err)
+		return err
 	}
 	if s == 0 {
-		return fail(invalid("the legacy default stream (NULL) cannot be destroyed"))
+		return invalid("the legacy default stream (NULL) cannot be destroyed")
 	}
-	return result(rt.StreamDestroy(int(device), cudart.Stream(s)))
+	forgetStream(s)
+	return rt.StreamDestroy(dev, s)
 }
 
 //export cpgo_stream_synchronize

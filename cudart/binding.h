@@ -126,12 +126,30 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 	X(cp_err, cuDeviceGetUuid, (cp_uuid *, int), "cuDeviceGetUuid_v2") \
 	X(cp_err, cuMemGetAllocationGranularity, (size_t *, const cp_alloc_prop *, int), 0)
 
+// The driver's virtual memory management (VMM) calls and the context query they need:
+// a driver without one still loads, and the call fails with CUDA_ERROR_NOT_SUPPORTED.
+// CUdeviceptr and CUmemGenericAllocationHandle are 64-bit integers.
+#define CP_DRIVER_OPTIONAL_SYMBOLS(X) \
+	X(cp_err, cuCtxGetCurrent, (void **), 0) \
+	X(cp_err, cuMemCreate, (uint64_t *, size_t, const cp_alloc_prop *, unsigned long long), 0) \
+	X(cp_err, cuMemRelease, (uint64_t), 0) \
+	X(cp_err, cuMemExportToShareableHandle, (void *, uint64_t, int, unsigned long long), 0) \
+	X(cp_err, cuMemImportFromShareableHandle, (uint64_t *, void *, int), 0) \
+	X(cp_err, cuMemAddressReserve, (uint64_t *, size_t, size_t, uint64_t, unsigned long long), 0) \
+	X(cp_err, cuMemAddressFree, (uint64_t, size_t), 0) \
+	X(cp_err, cuMemMap, (uint64_t, size_t, size_t, uint64_t, unsigned long long), 0) \
+	X(cp_err, cuMemUnmap, (uint64_t, size_t), 0) \
+	X(cp_err, cuMemSetAccess, (uint64_t, size_t, const cp_access_desc *, size_t), 0) \
+	X(cp_err, cuStreamWriteValue32, (void *, uint64_t, unsigned, unsigned), "cuStreamWriteValue32_v2") \
+	X(cp_err, cuStreamWaitValue32, (void *, uint64_t, unsigned, unsigned), "cuStreamWaitValue32_v2")
+
 // cp_lib is the table of a loaded runtime and driver: every entry point, resolved once.
 typedef struct {
 #define CP_FIELD(ret, name, params, newer) ret(*name) params;
 	CP_RUNTIME_SYMBOLS(CP_FIELD)
 	CP_RUNTIME_OPTIONAL_SYMBOLS(CP_FIELD)
 	CP_DRIVER_SYMBOLS(CP_FIELD)
+	CP_DRIVER_OPTIONAL_SYMBOLS(CP_FIELD)
 #undef CP_FIELD
 } cp_lib;
 
@@ -144,6 +162,7 @@ typedef struct { const char *name, *newer; size_t offset; } cp_symbol;
 static const cp_symbol cp_runtime_symbols[] = {CP_RUNTIME_SYMBOLS(CP_ENTRY){0}};
 static const cp_symbol cp_runtime_optional_symbols[] = {CP_RUNTIME_OPTIONAL_SYMBOLS(CP_ENTRY){0}};
 static const cp_symbol cp_driver_symbols[] = {CP_DRIVER_SYMBOLS(CP_ENTRY){0}};
+static const cp_symbol cp_driver_optional_symbols[] = {CP_DRIVER_OPTIONAL_SYMBOLS(CP_ENTRY){0}};
 #undef CP_ENTRY
 
 // cp_open opens path and resolves its symbols (the driver's when driver is set) into
@@ -174,8 +193,9 @@ static void *cp_open(cp_lib *lib, const char *path, int driver, char *msg, size_
 		dlclose(h);
 		return NULL;
 	}
-	for (const cp_symbol *s = driver ? NULL : cp_runtime_optional_symbols; s && s->name; s++) {
-		void *f = dlsym(h, s->name); // NULL where the runtime predates it
+	for (const cp_symbol *s = driver ? cp_driver_optional_symbols : cp_runtime_optional_symbols; s->name; s++) {
+		void *f = s->newer ? dlsym(h, s->newer) : NULL;
+		if (!f) f = dlsym(h, s->name); // NULL where the library predates it
 		memcpy((char *)lib + s->offset, &f, sizeof f);
 	}
 	return h;
@@ -324,17 +344,24 @@ static cp_res cp_mem_get_info(uintptr_t lib, long long dev) {
 	return r;
 }
 
-static cp_res cp_allocation_granularity(uintptr_t lib, long long dev, int handle_type, int recommended) {
-	const cp_lib *l = CP_LIB(lib);
-	cp_res r = {0};
-	CP_DEVICE_ARG(r, dev);
-	CP_CU_INIT(r, l);
+// cp_vmm_prop is the CUmemAllocationProp (of cuMemCreate and the granularity) of pinned memory on dev shareable as
+// handle_type.
+static cp_alloc_prop cp_vmm_prop(long long dev, int handle_type) {
 	cp_alloc_prop p;
 	memset(&p, 0, sizeof p);
 	p.type = 1; // CU_MEM_ALLOCATION_TYPE_PINNED
 	p.requestedHandleTypes = handle_type;
 	p.location.type = 1; // CU_MEM_LOCATION_TYPE_DEVICE
 	p.location.id = (int)dev;
+	return p;
+}
+
+static cp_res cp_allocation_granularity(uintptr_t lib, long long dev, int handle_type, int recommended) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_DEVICE_ARG(r, dev);
+	CP_CU_INIT(r, l);
+	cp_alloc_prop p = cp_vmm_prop(dev, handle_type);
 	size_t g = 0;
 	r.err = l->cuMemGetAllocationGranularity(&g, &p, recommended ? 1 : 0);
 	r.v = g;
@@ -628,6 +655,90 @@ static cp_res cp_batch_pieces(uintptr_t lib, long long dev, const cp_piece *piec
 	}
 	return r;
 }
+
+// The VMM route (cudart.VMM): the driver's calls, each with dev's primary context
+// current on the calling thread.
+
+// CP_ON_CONTEXT is CP_ON_DEVICE for a driver call, which needs a current context
+// where a runtime call makes its own: where CP_ON_DEVICE found dev current already
+// but the thread has no context yet (a fresh thread reports device 0 without one),
+// cudaSetDevice makes dev's primary context current, as it does from CUDA 12 on.
+// The driver and the runtime then share that context: the runtime uses the primary
+// one. cuInit, which the runtime has called, costs nothing more.
+#define CP_ON_CONTEXT(r, lib, dev) \
+	CP_OPTIONAL(r, lib, cuCtxGetCurrent) \
+	CP_ON_DEVICE(r, lib, dev) \
+	CP_CU_INIT(r, lib) \
+	{ \
+		void *ctx_ = 0; \
+		if ((lib)->cuCtxGetCurrent(&ctx_) != 0 || !ctx_) { \
+			if (((r).err = (lib)->cudaSetDevice((int)(dev))) != 0) { (r).at = cp_at_set_device; return (r); } \
+		} \
+	}
+
+// CP_VMM_CALL defines trampoline name(params), which makes dev's context current and
+// makes call, which may write a 64-bit result to out (r.v).
+#define CP_VMM_CALL(name, params, fn, call) \
+	static cp_res name params { \
+		const cp_lib *l = CP_LIB(lib); \
+		cp_res r = {0}; \
+		CP_OPTIONAL(r, l, fn); \
+		CP_ON_CONTEXT(r, l, dev); \
+		uint64_t out = 0; \
+		r.err = call; \
+		r.v = out; \
+		return r; \
+	}
+
+static cp_res cp_mem_create(uintptr_t lib, long long dev, uint64_t size, int handle_type) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_res r = {0};
+	CP_OPTIONAL(r, l, cuMemCreate);
+	CP_ON_CONTEXT(r, l, dev);
+	cp_alloc_prop p = cp_vmm_prop(dev, handle_type);
+	uint64_t h = 0;
+	r.err = l->cuMemCreate(&h, (size_t)size, &p, 0);
+	r.v = h;
+	return r;
+}
+
+CP_VMM_CALL(cp_mem_release, (uintptr_t lib, long long dev, uint64_t h), cuMemRelease, l->cuMemRelease(h))
+
+static cp_blob_res cp_mem_export(uintptr_t lib, long long dev, uint64_t h, int handle_type) {
+	const cp_lib *l = CP_LIB(lib);
+	cp_blob_res r = {0};
+	CP_OPTIONAL(r, l, cuMemExportToShareableHandle);
+	CP_ON_CONTEXT(r, l, dev);
+	if (handle_type == cp_handle_posix_fd) {
+		int fd = -1;
+		r.err = l->cuMemExportToShareableHandle(&fd, h, handle_type, 0);
+		r.v = fd;
+	} else {
+		r.err = l->cuMemExportToShareableHandle(&r.blob, h, handle_type, 0);
+		r.v = -1;
+	}
+	return r;
+}
+
+CP_VMM_CALL(cp_mem_import, (uintptr_t lib, long long dev, int handle_type, int fd, cp_blob64 fabric), cuMemImportFromShareableHandle,
+	l->cuMemImportFromShareableHandle(&out, handle_type == cp_handle_posix_fd ? (void *)(intptr_t)fd : (void *)&fabric, handle_type))
+CP_VMM_CALL(cp_mem_address_reserve, (uintptr_t lib, long long dev, uint64_t size, uint64_t alignment), cuMemAddressReserve,
+	l->cuMemAddressReserve(&out, (size_t)size, (size_t)alignment, 0, 0))
+CP_VMM_CALL(cp_mem_address_free, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t size), cuMemAddressFree,
+	l->cuMemAddressFree(ptr, (size_t)size))
+CP_VMM_CALL(cp_mem_map, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t size, uint64_t offset, uint64_t h), cuMemMap,
+	l->cuMemMap(ptr, (size_t)size, (size_t)offset, h, 0))
+CP_VMM_CALL(cp_mem_unmap, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t size), cuMemUnmap,
+	l->cuMemUnmap(ptr, (size_t)size))
+CP_VMM_CALL(cp_mem_set_access, (uintptr_t lib, long long dev, uint64_t ptr, uint64_t size, const cp_access_desc *d, size_t n), cuMemSetAccess,
+	l->cuMemSetAccess(ptr, (size_t)size, d, n))
+
+// Stream memory operations (FACTS 27, 28): a 32-bit word written, or waited for, in
+// stream order. The runtime's streams are the driver's.
+CP_VMM_CALL(cp_stream_write_value32, (uintptr_t lib, long long dev, uint64_t ptr, unsigned v, uintptr_t s), cuStreamWriteValue32,
+	l->cuStreamWriteValue32(CP_PTR(s), ptr, v, 0))
+CP_VMM_CALL(cp_stream_wait_value32, (uintptr_t lib, long long dev, uint64_t ptr, unsigned v, unsigned cond, uintptr_t s), cuStreamWaitValue32,
+	l->cuStreamWaitValue32(CP_PTR(s), ptr, v, cond))
 
 // cp_current_device is the calling thread's current device, for tests of the rule
 // above.

@@ -7,6 +7,7 @@ package cudart
 #cgo noescape cp_memcpy_from_host
 #cgo noescape cp_memcpy_to_host
 #cgo noescape cp_mem_pool_set_access
+#cgo noescape cp_mem_set_access
 #cgo noescape cp_open
 #cgo noescape cp_batch_kernel
 #cgo noescape cp_batch_memcpy
@@ -634,4 +635,102 @@ func (l *library) batchOn(dev int) (*batchCopy, error) {
 	}
 	l.batch[dev] = b
 	return b, nil
+}
+
+var _ VMM = (*library)(nil)
+
+// vmmHandleArg checks a handle type for a VMM call that shares memory.
+func vmmHandleArg(op string, ht HandleType) error {
+	if ht != HandleTypePosixFD && ht != HandleTypeFabric {
+		return invalidArgument(op, "cannot share a VMM allocation as handle type "+ht.String())
+	}
+	return nil
+}
+
+func (l *library) MemCreate(dev int, size uint64, ht HandleType) (MemHandle, error) {
+	const op = "cuMemCreate"
+	if ht&^(HandleTypePosixFD|HandleTypeFabric) != 0 {
+		return 0, invalidArgument(op, "cannot share a VMM allocation as handle type "+ht.String())
+	}
+	r := C.cp_mem_create(l.c, C.longlong(dev), C.uint64_t(size), C.int(ht))
+	if err := l.check(op, r); err != nil {
+		return 0, err
+	}
+	return MemHandle(r.v), nil
+}
+
+func (l *library) MemRelease(dev int, h MemHandle) error {
+	return l.check("cuMemRelease", C.cp_mem_release(l.c, C.longlong(dev), C.uint64_t(h)))
+}
+
+func (l *library) MemExportToShareableHandle(dev int, h MemHandle, ht HandleType) (ShareableHandle, error) {
+	const op = "cuMemExportToShareableHandle"
+	if err := vmmHandleArg(op, ht); err != nil {
+		return ShareableHandle{}, err
+	}
+	r := C.cp_mem_export(l.c, C.longlong(dev), C.uint64_t(h), C.int(ht))
+	if err := l.checkBlob(op, &r); err != nil {
+		return ShareableHandle{}, err
+	}
+	sh := ShareableHandle{Type: ht, FD: int(r.v)}
+	if ht == HandleTypeFabric {
+		sh.Fabric = bytes64(&r.blob)
+	}
+	return sh, nil
+}
+
+func (l *library) MemImportFromShareableHandle(dev int, sh ShareableHandle) (MemHandle, error) {
+	const op = "cuMemImportFromShareableHandle"
+	if err := vmmHandleArg(op, sh.Type); err != nil {
+		return 0, err
+	}
+	if sh.Type == HandleTypePosixFD && (sh.FD < 0 || sh.FD > math.MaxInt32) {
+		return 0, invalidArgument(op, fmt.Sprintf("%d is not a file descriptor", sh.FD))
+	}
+	r := C.cp_mem_import(l.c, C.longlong(dev), C.int(sh.Type), C.int(sh.FD), blob(sh.Fabric))
+	if err := l.check(op, r); err != nil {
+		return 0, err
+	}
+	return MemHandle(r.v), nil
+}
+
+func (l *library) MemAddressReserve(dev int, size, alignment uint64) (DevicePtr, error) {
+	r := C.cp_mem_address_reserve(l.c, C.longlong(dev), C.uint64_t(size), C.uint64_t(alignment))
+	if err := l.check("cuMemAddressReserve", r); err != nil {
+		return 0, err
+	}
+	return DevicePtr(r.v), nil
+}
+
+func (l *library) MemAddressFree(dev int, ptr DevicePtr, size uint64) error {
+	return l.check("cuMemAddressFree", C.cp_mem_address_free(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint64_t(size)))
+}
+
+func (l *library) MemMap(dev int, ptr DevicePtr, size, offset uint64, h MemHandle) error {
+	return l.check("cuMemMap", C.cp_mem_map(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint64_t(size), C.uint64_t(offset), C.uint64_t(h)))
+}
+
+func (l *library) MemUnmap(dev int, ptr DevicePtr, size uint64) error {
+	return l.check("cuMemUnmap", C.cp_mem_unmap(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint64_t(size)))
+}
+
+func (l *library) MemSetAccess(dev int, ptr DevicePtr, size uint64, descs []AccessDesc) error {
+	const op = "cuMemSetAccess"
+	if len(descs) == 0 {
+		return invalidArgument(op, "no access to set")
+	}
+	d := (*C.cp_access_desc)(unsafe.Pointer(unsafe.SliceData(descs)))
+	return l.check(op, C.cp_mem_set_access(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint64_t(size), d, C.size_t(len(descs))))
+}
+
+func (l *library) StreamWriteValue32(dev int, ptr DevicePtr, value uint32, s Stream) error {
+	return l.check("cuStreamWriteValue32", C.cp_stream_write_value32(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint(value), C.uintptr_t(s)))
+}
+
+func (l *library) StreamWaitValue32(dev int, ptr DevicePtr, value uint32, cond WaitCond, s Stream) error {
+	const op = "cuStreamWaitValue32"
+	if cond > WaitNor {
+		return invalidArgument(op, fmt.Sprintf("unknown wait condition %d", cond))
+	}
+	return l.check(op, C.cp_stream_wait_value32(l.c, C.longlong(dev), C.uint64_t(ptr), C.uint(value), C.uint(cond), C.uintptr_t(s)))
 }

@@ -119,6 +119,10 @@ var ErrContextLost = errors.New("cudart: this process's CUDA context is lost; ev
 // without a symbol cudapool needs, or a build without cgo.
 var ErrNoRuntime = errors.New("cudart: no usable CUDA runtime")
 
+// ErrNoVMM means a Runtime has no virtual memory management binding (VMMOf): it
+// can share memory through pools only.
+var ErrNoVMM = errors.New("cudart: the runtime has no virtual memory management (VMM) binding")
+
 // LoadError says why Load found no usable runtime. It wraps ErrNoRuntime.
 type LoadError struct {
 	// Tried lists each library tried with why it failed, in order.

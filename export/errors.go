@@ -43,8 +43,10 @@ var (
 	// or it was never issued. The message says which.
 	ErrStaleLease = errors.New("cudapool: stale lease")
 	// ErrBufferGone means the buffer was freed (or its pool closed) before it could be
-	// leased: the library never hands out export data of a freed buffer (FACTS 3).
-	ErrBufferGone = errors.New("cudapool: buffer freed")
+	// leased: the library never hands out export data of a freed buffer (FACTS 3). The
+	// free unpublished its names, so it is an ErrUnknownName too: errors.Is matches
+	// both, and C and Python report the name as unknown (CUDAPOOL_ENOTFOUND, NotFound).
+	ErrBufferGone error = nameUnpublished{}
 	// ErrIMEXRequired means a FABRIC pool could not be exported because the host has
 	// no IMEX channel (the driver answers operation not permitted, FACTS 11).
 	ErrIMEXRequired = errors.New("cudapool: FABRIC export needs an IMEX channel, and this host has none")
@@ -64,6 +66,14 @@ var (
 	// so it cannot take leases.
 	ErrNoLeases = errors.New("cudapool: connection cannot hold leases")
 )
+
+// nameUnpublished is ErrBufferGone: an ErrUnknownName of its own.
+type nameUnpublished struct{}
+
+func (nameUnpublished) Error() string { return "cudapool: buffer freed, its name unpublished" }
+
+// Is says that a freed buffer's name is an unknown one.
+func (nameUnpublished) Is(target error) bool { return target == ErrUnknownName }
 
 // RemoteError is a request the exporter refused: Text is the exporter's message, and
 // [errors.Is] matches Err, the sentinel it stands for ([ErrUnknownName], [ErrStaleLease], ...).

@@ -22,8 +22,17 @@ type RestartStats struct {
 	Adopted  bool   `json:"adopted"`  // the slabs were a live keeper's
 	Keeper   int    `json:"keeper"`   // its pid
 	Restored int    `json:"restored"` // visible pages taken back from the index
-	Awaiting int    `json:"awaiting"` // replicas of before not reattached yet
-	Dropped  string `json:"dropped,omitempty"`
+	// Replicas are the replicas of before to reattach, as the owner said at its start
+	// (kv/owner's Recovery.Replicas, kvpoold's "N replicas to reattach"); Awaiting
+	// are those of them not reattached yet, nor exited, while the reattach window
+	// lasts (0 once it has ended).
+	Replicas int `json:"replicas"`
+	Awaiting int `json:"awaiting"`
+	// Kept are the pages of write leases granted before the restart that their
+	// writers, alive, have not re-declared (nor given back): no one else gets them
+	// while those processes live.
+	Kept    int    `json:"kept,omitempty"`
+	Dropped string `json:"dropped,omitempty"`
 }
 
 // MaxListed is the most replicas a [Stats] frame lists.

@@ -33,6 +33,10 @@ logs=/tmp/gpu-check
 rm -rf "$logs"
 mkdir -p "$logs"
 export CUDAPOOL_REQUIRE_GPU=1
+# cmd/kvpoold's kill soak (TestKillSoak: kvpoold, its keeper and replica processes
+# SIGKILLed on a seeded schedule, every byte read checked) runs its processes on the GPU
+# here; scripts/kv-soak.sh runs it for longer.
+export CUDAPOOL_KV_SOAK_RUNTIME=gpu
 failed=0
 results=()
 

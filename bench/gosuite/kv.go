@@ -444,7 +444,7 @@ func (k *kvLoad) latency(ctx context.Context, samples, warmup int, hashing bool)
 		if len(l.Pages()) != len(k.chain) {
 			return "", fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(k.chain))
 		}
-		if err := k.r.Release(ctx, k.s, l); err != nil {
+		if err := k.r.Release(ctx, l, k.s); err != nil {
 			return "", err
 		}
 		if i >= warmup {
@@ -510,7 +510,7 @@ func (k *kvLoad) rate(ctx context.Context, b int, window time.Duration) (string,
 			evicted++
 		}
 		t3 := time.Now()
-		if err := k.r.Release(ctx, k.s, m); err != nil {
+		if err := k.r.Release(ctx, m, k.s); err != nil {
 			return "", err
 		}
 		t4 := time.Now()
@@ -607,7 +607,7 @@ func (k *kvLoad) visible(ctx context.Context, samples, warmup int, scratch uint6
 			}
 			if len(m.Pages()) == 1 {
 				d = time.Since(done)
-				if err := k.r.Release(ctx, k.s, m); err != nil {
+				if err := k.r.Release(ctx, m, k.s); err != nil {
 					return "", err
 				}
 				break

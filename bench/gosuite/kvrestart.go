@@ -243,7 +243,7 @@ func kvRestartMain(args []string) int {
 		}
 		if len(l.Pages()) != len(hashes) {
 			err = fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(hashes))
-			return nil, errors.Join(err, rp.Release(ctx, s, l))
+			return nil, errors.Join(err, rp.Release(ctx, l, s))
 		}
 		return l, nil
 	}
@@ -273,7 +273,7 @@ func kvRestartMain(args []string) int {
 				return "", err
 			}
 			sealedAs = append([]uint32(nil), l.Pages()...)
-			return "matched", rp.Release(ctx, s, l)
+			return "matched", rp.Release(ctx, l, s)
 		case "await":
 			for {
 				if err := rp.WaitAttached(ctx); err != nil {
@@ -282,7 +282,7 @@ func kvRestartMain(args []string) int {
 				l, err := match()
 				if err == nil {
 					at := time.Now().UnixNano()
-					return fmt.Sprintf("at %d", at), rp.Release(ctx, s, l)
+					return fmt.Sprintf("at %d", at), rp.Release(ctx, l, s)
 				}
 				if !errors.Is(err, kv.ErrOwnerGone) {
 					return "", err
@@ -308,7 +308,7 @@ func kvRestartMain(args []string) int {
 					return "", fmt.Errorf("page %d holds %x, want %x", p, got, want)
 				}
 			}
-			return "checked", rp.Release(ctx, s, l)
+			return "checked", rp.Release(ctx, l, s)
 		}
 		return "", fmt.Errorf("unknown command %q", cmd)
 	}

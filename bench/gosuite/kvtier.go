@@ -137,7 +137,7 @@ func (k *kvLoad) tierEvict(ctx context.Context, n int) error {
 	if err != nil {
 		return err
 	}
-	return k.r.Release(ctx, k.s, l)
+	return k.r.Release(ctx, l, k.s)
 }
 
 // tierMatch matches the prompt, timing the Match, checks every byte of every page,
@@ -156,7 +156,7 @@ func (k *kvLoad) tierMatch(ctx context.Context) (string, error) {
 		if len(m.Pages()) == len(k.tierChain) {
 			break
 		}
-		if err := k.r.Release(ctx, k.s, m); err != nil {
+		if err := k.r.Release(ctx, m, k.s); err != nil {
 			return "", err
 		}
 		select {
@@ -181,7 +181,7 @@ func (k *kvLoad) tierMatch(ctx context.Context) (string, error) {
 			}
 		}
 	}
-	if err := k.r.Release(ctx, k.s, m); err != nil {
+	if err := k.r.Release(ctx, m, k.s); err != nil {
 		return "", err
 	}
 	return fmt.Sprintf("restored %.6f", d.Seconds()), nil

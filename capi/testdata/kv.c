@@ -151,7 +151,13 @@ int main(void) {
 	EXPECT(cudapool_kv_release(r, &m, SIZE_MAX, NULL, 10000), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_match(r, hashes, SIZE_MAX, NULL, 10000, &m, got, &n), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_seal(r, m, hashes, SIZE_MAX, NULL, 1, 10000, &visible, &dup), CUDAPOOL_EINVAL);
+	char lost[256] = "x";
+	size_t lost_len = 99;
+	EXPECT(cudapool_kv_lease_lost(r, m, lost, sizeof lost, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_lease_lost(r, m, lost, sizeof lost, &lost_len), CUDAPOOL_OK); // held
+	CHECK(lost_len == 0 && lost[0] == 0);
 	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_OK);
+	EXPECT(cudapool_kv_lease_lost(r, m, lost, sizeof lost, &lost_len), CUDAPOOL_ESTALE); // ended
 	EXPECT(cudapool_kv_release(r, &m, 1, NULL, 10000), CUDAPOOL_ESTALE);
 	EXPECT(cudapool_kv_release(r, &w, 1, NULL, 10000), CUDAPOOL_ESTALE); // sealed: the lease ended
 

@@ -124,5 +124,5 @@ func TestRestartRestoresTheHostTier(t *testing.T) {
 	require.NoError(t, err)
 	// A page a spill copy held while the slab evicted may have stayed in the slab.
 	assert.NotZero(t, st.Devices[0].Host.Restores, "the pages came from the host tier: %+v", st.Devices[0].Host)
-	require.NoError(t, r.Release(ctx, s, got))
+	require.NoError(t, r.Release(ctx, got, s))
 }

@@ -86,7 +86,7 @@ func TestServesAndStops(t *testing.T) {
 	assert.Equal(t, []uint64{3 << 20, 3 << 20, 3 << 20, 3 << 20, 3 << 20, 1 << 20}, r.Segments().Sizes(), "6 tensors of 512 KiB to a segment")
 	l, err := r.Alloc(ctx, 4)
 	require.NoError(t, err)
-	require.NoError(t, r.Release(ctx, 0, l))
+	require.NoError(t, r.Release(ctx, l, 0))
 	require.NoError(t, r.Close(ctx))
 
 	code, out, errOut := stop()
@@ -331,13 +331,13 @@ func TestOwnersPerTrustDomain(t *testing.T) {
 			_, err = r.Seal(ctx, l, hs, 0, replica.WaitVisible())
 			require.NoError(t, err)
 		} else {
-			require.NoError(t, r.Release(ctx, 0, l))
+			require.NoError(t, r.Release(ctx, l, 0))
 		}
 	}
 	m, err := rs[0].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 2, "the owner that sealed them shows them")
-	require.NoError(t, rs[0].Release(ctx, 0, m))
+	require.NoError(t, rs[0].Release(ctx, m, 0))
 	m, err = rs[1].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")

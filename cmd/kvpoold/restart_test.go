@@ -87,15 +87,18 @@ func sigkill(t *testing.T, cmd *exec.Cmd) {
 // stream; both are closed at the test's end.
 func attach(t *testing.T, dir string) (*cudarttest.Device, *replica.Replica, cudart.Stream) {
 	dev := cudarttest.ForTest(t)
-	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
-	require.NoError(t, err)
-	t.Cleanup(func() { r.Close(bound(t)) })
+	t.Cleanup(func() { // last: after the replica's Close and the stream's destroy
+		assert.Empty(t, dev.Violations(), "the software device's rule violations")
+	})
 	s, err := dev.StreamCreate(0, cudart.StreamNonBlocking)
 	require.NoError(t, err)
-	t.Cleanup(func() {
+	t.Cleanup(func() { // after the replica's Close, which records on s one last time
 		assert.NoError(t, dev.StreamSynchronize(0, s))
 		assert.NoError(t, dev.StreamDestroy(0, s))
 	})
+	r, err := replica.Dial(bound(t), dir, dev, 0, replica.WithReconnect())
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close(bound(t)) })
 	return dev, r, s
 }
 
@@ -213,13 +216,14 @@ func TestRestartKeepsTheCacheAndReplicasReattach(t *testing.T) {
 	res, err := r.Seal(ctx, write, more, s, replica.WaitVisible())
 	require.NoError(t, err)
 	assert.Equal(t, 3, res.Visible)
-	require.NoError(t, r.Release(ctx, s, read, got))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{read, got}, s))
 	st, err := r.Stats(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, 15, st.Devices[0].Sealed)
 	assert.Equal(t, 0, st.Devices[0].Leased)
 	require.NotNil(t, st.Restart)
-	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12}, *st.Restart)
+	assert.Equal(t, kv.RestartStats{Epoch: 2, Adopted: true, Keeper: st.Restart.Keeper, Restored: 12, Replicas: 3}, *st.Restart,
+		"the replicas to reattach are the number of the first line; none is awaited now")
 	for _, c := range others {
 		c.Finish()
 	}
@@ -262,7 +266,7 @@ func TestCorruptIndexIsDropped(t *testing.T) {
 			assert.Contains(t, line, tc.why)
 			require.NoError(t, r.WaitAttached(ctx))
 			require.ErrorIs(t, read.Lost(), kv.ErrLeaseLost)
-			require.ErrorIs(t, r.Release(ctx, s, read), kv.ErrLeaseLost)
+			require.ErrorIs(t, r.Release(ctx, read, s), kv.ErrLeaseLost)
 			got, err := r.Match(ctx, hashes)
 			require.NoError(t, err)
 			assert.Empty(t, got.Pages(), "no page of a dropped index is visible")
@@ -395,6 +399,33 @@ func TestWriterKilledMidSealAcrossARestart(t *testing.T) {
 	assert.Equal(t, 32, st.Devices[0].Free, "its pages are free again")
 }
 
+// A writer whose seal waits for its stream across kvpoold's SIGKILL and restart keeps
+// its pages while it lives, the reattach grace over: its queued writes may still land
+// there. (Before, the restarted kvpoold gave them to others, and the writes landed
+// on their pages.) Once it has exited they are free, and none of them is visible.
+func TestWriterMidSealKeepsItsPagesAcrossARestart(t *testing.T) {
+	dir := shortDir(t)
+	w := childThenKill(t, dir, 32, "midseal", "sealed")
+	_, line := daemon(t, append(restartArgs(dir, 32), "-reattach-grace", "1ms")...)
+	assert.Contains(t, line, "the pages of 1 write leases kept for their writers")
+	_, r, _ := attach(t, dir)
+	ctx := bound(t)
+	l, err := r.Alloc(ctx, 24)
+	require.NoError(t, err, "the pages the writer does not hold")
+	_, err = r.Alloc(ctx, 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "the writer's 8 pages are its own while it lives")
+	w.Kill()
+	_ = w.Wait() // killed: its status says so
+	require.Eventually(t, func() bool {
+		st, err := r.Stats(ctx)
+		return err == nil && st.Devices[0].Free == 8
+	}, testwait.Bound, time.Millisecond, "the writer's pages to be free once it has exited")
+	got, err := r.Match(ctx, r.Hashes(tokens(8*r.Geometry().TokensPerPage, 9)))
+	require.NoError(t, err)
+	assert.Empty(t, got.Pages(), "no page of the writer's seal is visible")
+	require.NoError(t, r.Release(ctx, l, 0))
+}
+
 // A keeper whose kvpoold died, with no replica mapping its slabs, frees them and
 // exits once -keeper-idle has passed.
 func TestKeeperOfADeadKvpooldExitsWhenIdle(t *testing.T) {
@@ -463,7 +494,7 @@ func TestIndexCompactsAndRestores(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, pages, got.Pages())
 	checkPages(t, dev, r, s, got.Pages(), pages)
-	require.NoError(t, r.Release(ctx, s, got))
+	require.NoError(t, r.Release(ctx, got, s))
 }
 
 // reattacher is a replica process dialed WithReconnect, driven by lines:
@@ -516,7 +547,7 @@ func reattacher(args []string) int {
 		}
 		fmt.Println("matched", len(l.Pages()), "bytes", ok, "reattaches", r.Reattaches(), "held", held.Lost() == nil)
 		if f[0] == "await" {
-			if err := r.Release(ctx, s, l, held); err != nil {
+			if err := r.ReleaseAll(ctx, []*replica.Lease{l, held}, s); err != nil {
 				fmt.Println("release:", err)
 				return 1
 			}
@@ -546,7 +577,7 @@ func TestRestartTwoDevices(t *testing.T) {
 	copied, err := r1.Match(ctx, hashes)
 	require.NoError(t, err)
 	require.Len(t, copied.Pages(), 4, "copied from device 0's slab")
-	require.NoError(t, r1.Release(ctx, s1, copied))
+	require.NoError(t, r1.Release(ctx, copied, s1))
 	done0, done1 := r0.Done(), r1.Done()
 	sigkill(t, first)
 	testwait.Recv(t, done0, "device 0's replica told")
@@ -562,8 +593,8 @@ func TestRestartTwoDevices(t *testing.T) {
 	got1, err := r1.Match(ctx, hashes)
 	require.NoError(t, err)
 	assert.Equal(t, copied.Pages(), got1.Pages(), "device 1's copies are back where they were")
-	require.NoError(t, r0.Release(ctx, s, got0))
-	require.NoError(t, r1.Release(ctx, s1, got1))
+	require.NoError(t, r0.Release(ctx, got0, s))
+	require.NoError(t, r1.Release(ctx, got1, s1))
 	require.NoError(t, dev1.StreamSynchronize(1, s1))
 	require.NoError(t, dev1.StreamDestroy(1, s1))
 }
@@ -621,7 +652,7 @@ func TestTwoRestarts(t *testing.T) {
 		got, err := r.Match(ctx, hashes)
 		require.NoError(t, err)
 		assert.Equal(t, pages, got.Pages())
-		require.NoError(t, r.Release(ctx, s, got))
+		require.NoError(t, r.Release(ctx, got, s))
 	}
 }
 
@@ -672,7 +703,7 @@ func TestAllocsWaitForTheReplicasOfBefore(t *testing.T) {
 	// back after: 15 pages are the holder's 8 and 7 more.
 	w, err := r.Alloc(bound(t), 15)
 	require.NoError(t, err, "the holder's pages too, once it has exited")
-	require.NoError(t, r.Release(bound(t), 0, w))
+	require.NoError(t, r.Release(bound(t), w, 0))
 }
 
 // A clean stop stops the keeper too; with -leave-keeper it leaves it, and the next
@@ -710,7 +741,7 @@ func TestCleanStopAndLeaveKeeper(t *testing.T) {
 			got, err := r2.Match(ctx, hashes)
 			require.NoError(t, err)
 			assert.Equal(t, pages, got.Pages())
-			require.NoError(t, r2.Release(ctx, s2, got))
+			require.NoError(t, r2.Release(ctx, got, s2))
 		})
 	}
 }

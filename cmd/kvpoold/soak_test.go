@@ -200,7 +200,7 @@ func soakStep(ctx context.Context, dev cudart.Runtime, r *replica.Replica, s cud
 	if err := dev.StreamSynchronize(0, s); err != nil {
 		return err
 	}
-	if err := r.Release(ctx, s, l); err != nil {
+	if err := r.Release(ctx, l, s); err != nil {
 		// A lease the owner did not keep through a restart: what was read under it
 		// proves nothing.
 		c.unverified += len(pages)
@@ -245,7 +245,7 @@ func soakStep(ctx context.Context, dev cudart.Runtime, r *replica.Replica, s cud
 		sopts = append(sopts, replica.WaitVisible())
 	}
 	if _, err := r.Seal(ctx, w, rest, s, sopts...); err != nil {
-		_ = r.Release(ctx, s, w) // a seal refused leaves the lease; give it back if it is still ours
+		_ = r.Release(ctx, w, s) // a seal refused leaves the lease; give it back if it is still ours
 		return err
 	}
 	return nil

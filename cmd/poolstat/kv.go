@@ -76,7 +76,10 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 		if r.Adopted {
 			how = "slabs adopted"
 		}
-		fmt.Fprintf(w, "start %d over keeper pid %d: %s, %d visible pages restored, %d replicas of before awaited", r.Epoch, r.Keeper, how, r.Restored, r.Awaiting)
+		fmt.Fprintf(w, "start %d over keeper pid %d: %s, %d visible pages restored, %d replicas to reattach (%d not yet)", r.Epoch, r.Keeper, how, r.Restored, r.Replicas, r.Awaiting)
+		if r.Kept > 0 {
+			fmt.Fprintf(w, ", %d pages kept for the writers of before", r.Kept)
+		}
 		if r.Dropped != "" {
 			fmt.Fprintf(w, " (%s)", r.Dropped)
 		}

@@ -115,10 +115,10 @@ cudapool_kv_up{kv_dir=%q} 1
 func TestKVShowsTheRestart(t *testing.T) {
 	var b strings.Builder
 	renderKV(&b, "/run/kv", kv.Stats{PID: 7, Geometry: kv.StatsGeometry{Layers: 2, Pages: 4, Segments: []uint64{8}},
-		Restart: &kv.RestartStats{Epoch: 3, Adopted: true, Keeper: 42, Restored: 2048, Awaiting: 1}})
+		Restart: &kv.RestartStats{Epoch: 3, Adopted: true, Keeper: 42, Restored: 2048, Replicas: 3, Awaiting: 1, Kept: 16}})
 	lines := strings.Split(b.String(), "\n")
 	require.Greater(t, len(lines), 2, b.String())
-	assert.Equal(t, "start 3 over keeper pid 42: slabs adopted, 2048 visible pages restored, 1 replicas of before awaited", lines[1])
+	assert.Equal(t, "start 3 over keeper pid 42: slabs adopted, 2048 visible pages restored, 3 replicas to reattach (1 not yet), 16 pages kept for the writers of before", lines[1])
 }
 
 // A Stats frame that left replicas out says how many, and how many are connected.

@@ -40,6 +40,10 @@
 // batch as one op, as the GPU runs it as one kernel launch, and refuses pieces that
 // overlap where one writes.
 //
+// The VMM route (cudart.VMM) is modelled too: a chunk is a memfd whose descriptor is
+// its POSIX handle, a reservation is addresses of the process, a mapping an mmap of
+// the chunk there (vmm.go says what is checked).
+//
 // Each Device has a seed (WithSeed, else $CUDAPOOL_SOFTDEV_SEED, else random); every
 // violation names it, and ForTest logs it when a test fails. WithImmediate gives the
 // old behaviour, for the few tests that need it: every call's work runs before the call
@@ -118,11 +122,13 @@ type Device struct {
 	spans         []*pool                  // pools that map memory, sorted by base
 	importedByUID map[uid]*pool
 	streams       map[cudart.Stream]*stream
+	destroyed     map[cudart.Stream]bool // streams StreamDestroy destroyed: naming one is a violation
 	events        map[cudart.Event]*event
 	arena         *arena         // this Device's IPC events, created on first use
 	remoteArenas  map[uid]*arena // other Devices' IPC events opened here
 	violations    []Violation
 	hosts         []*hostReg // registered host memory, by address (host.go)
+	vmm           vmmState   // the VMM route (vmm.go)
 
 	// Deferred execution (queue.go).
 	seed     uint64
@@ -166,6 +172,7 @@ func New(opts ...Option) *Device {
 		pools:         map[cudart.MemPool]*pool{},
 		importedByUID: map[uid]*pool{},
 		streams:       map[cudart.Stream]*stream{},
+		destroyed:     map[cudart.Stream]bool{},
 		events:        map[cudart.Event]*event{},
 		remoteArenas:  map[uid]*arena{},
 	}
@@ -207,6 +214,7 @@ func (d *Device) Close() error {
 		}
 		p.reg.release()
 	}
+	d.closeVMM()
 	if d.arena != nil {
 		d.arena.kill()
 	}

@@ -36,7 +36,8 @@ const (
 	ViolationExporterFreedWhileImported ViolationKind = iota + 1
 	// ViolationUseAfterRelease: access or free of memory after its release: a freed
 	// allocation, an import already unmapped (by its own free or a double import's),
-	// an import of a stale record, an imported event its owner destroyed.
+	// an import of a stale record, an imported event its owner destroyed, a stream
+	// named after its destruction.
 	ViolationUseAfterRelease
 	// ViolationUnorderedRead: memory that another Device wrote (or allocated) was
 	// read on a stream not ordered after that write by an event: typically an import

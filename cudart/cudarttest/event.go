@@ -26,9 +26,20 @@ func (d *Device) stream(op string, dev int, s cudart.Stream) (*stream, error) {
 	}
 	st, ok := d.streams[s]
 	if !ok || st.dev != dev {
-		return nil, fail(op, cudart.ErrInvalidResourceHandle)
+		return nil, d.unknownStream(op, s)
 	}
 	return st, nil
+}
+
+// unknownStream is the error of a call naming s, which is not a live stream of the
+// call's device: a violation where s was destroyed (the driver's handle is freed
+// memory then, and it may crash), else ErrInvalidResourceHandle. d.mu is held.
+func (d *Device) unknownStream(op string, s cudart.Stream) error {
+	if d.destroyed[s] {
+		return violationErr(op, cudart.ErrInvalidResourceHandle,
+			d.violate(ViolationUseAfterRelease, op, "stream %#x was destroyed", uintptr(s)))
+	}
+	return fail(op, cudart.ErrInvalidResourceHandle)
 }
 
 func (d *Device) StreamCreate(dev int, flags cudart.StreamFlags) (cudart.Stream, error) {
@@ -56,9 +67,10 @@ func (d *Device) StreamDestroy(dev int, s cudart.Stream) error {
 		return err
 	}
 	if st, ok := d.streams[s]; !ok || st.dev != dev {
-		return fail(op, cudart.ErrInvalidResourceHandle)
+		return d.unknownStream(op, s)
 	}
 	delete(d.streams, s)
+	d.destroyed[s] = true
 	return nil
 }
 
@@ -113,7 +125,7 @@ func (d *Device) StreamDevice(dev int, s cudart.Stream) (int, error) {
 	}
 	st, ok := d.streams[s]
 	if !ok {
-		return 0, fail(opName, cudart.ErrInvalidResourceHandle)
+		return 0, d.unknownStream(opName, s)
 	}
 	return st.dev, nil
 }

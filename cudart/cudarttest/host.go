@@ -195,12 +195,14 @@ func (d *Device) MemcpyBatchAsync(dev int, pieces []cudart.CopyPiece, s cudart.S
 	}
 	pools, hosts := map[*pool]bool{}, map[*hostReg]bool{}
 	for _, sp := range spans {
-		if sp.h != nil {
+		switch {
+		case sp.h != nil:
 			hosts[sp.h] = true
-		} else {
+		case sp.p != nil:
 			pools[sp.p] = true
 		}
 	}
+	release := holdMaps(spans)
 	for p := range pools {
 		p.pending++
 	}
@@ -209,6 +211,7 @@ func (d *Device) MemcpyBatchAsync(dev int, pieces []cudart.CopyPiece, s cudart.S
 	}
 	o := &task{run: func(st *stream, after uint64) error {
 		defer func() {
+			release()
 			for p := range pools {
 				p.pending--
 				d.dropPool(p)

@@ -21,11 +21,18 @@ type span struct {
 	entry uint32
 	write bool
 	h     *hostReg // registered host memory (host.go), instead of p
+	// Memory of the VMM route (vmm.go), instead of p: off is in the reservation r,
+	// and v is the part in each mapping.
+	r *vmmReservation
+	v []vmmPiece
 }
 
 func (s span) buf() []byte {
 	if s.h != nil {
 		return s.h.mem[s.off : s.off+s.n : s.off+s.n]
+	}
+	if s.r != nil {
+		return s.r.mem[s.off : s.off+s.n : s.off+s.n]
 	}
 	return s.p.data(s.off, s.n)
 }
@@ -46,6 +53,9 @@ type markSet interface {
 // not granted; through a stale import it fails with a ViolationUseAfterRelease alone, as
 // the driver would read whatever is there now. d.mu is held.
 func (d *Device) access(op string, dev int, ptr cudart.DevicePtr, n uint64, write bool) (span, error) {
+	if r := d.reservation(ptr, 1); r != nil {
+		return d.vmmAccess(op, dev, r, ptr, n, write)
+	}
 	p := d.poolAt(ptr)
 	if p == nil || n > p.base+p.size-uint64(ptr) {
 		return span{}, fail(op, cudart.ErrInvalidValue)
@@ -141,6 +151,9 @@ func (d *Device) staleImport(op string, imp *importRec, sp span, verb string) (V
 // It returns the violations; bad is true if the memory is gone, and the work must not
 // touch it. d.mu is held.
 func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Violation, bad bool) {
+	if sp.r != nil {
+		return d.touchVMM(op, sp, st, after)
+	}
 	write := sp.write
 	verb := verbOf(write)
 	var m markSet
@@ -166,6 +179,19 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 		m = sp.p.marks(sp.entry, d.id)
 	}
 	lo, hi := sp.off, sp.off+sp.n
+	vs = d.checkMarks(op, sp, m, st, after, lo, hi)
+	if write {
+		m.wrote(st, now(), lo, hi)
+	} else {
+		m.read(st, now(), lo, hi)
+	}
+	return vs, false
+}
+
+// checkMarks is the violations of sp's access, on st, of the bytes [lo, hi) of m that
+// it is not ordered after. d.mu is held.
+func (d *Device) checkMarks(op string, sp span, m markSet, st *stream, after, lo, hi uint64) (vs []Violation) {
+	write, verb := sp.write, verbOf(sp.write)
 	for _, k := range m.overlapping(lo, hi) {
 		switch {
 		case k.is(d.id, st) || k.epoch <= after:
@@ -186,12 +212,7 @@ func (d *Device) touch(op string, sp span, st *stream, after uint64) (vs []Viola
 				"write of %#x+%d on a stream not ordered after %v's read of it", uint64(sp.ptr), sp.n, k.accessor))
 		}
 	}
-	if write {
-		m.wrote(st, now(), lo, hi)
-	} else {
-		m.read(st, now(), lo, hi)
-	}
-	return vs, false
+	return vs
 }
 
 // transfer makes one copy or set: resolve resolves the device ranges as the call is
@@ -214,10 +235,12 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bo
 	if err != nil {
 		return err
 	}
+	release := holdMaps(spans)
 	o := &task{pool: spans[0].p, run: func(st *stream, after uint64) error {
+		defer release()
 		return d.runSpans(op, spans, st, after, work)
 	}}
-	if len(spans) > 1 && spans[1].p != spans[0].p {
+	if len(spans) > 1 && spans[1].p != nil && spans[1].p != spans[0].p {
 		other := spans[1].p // kept mapped by its own count
 		other.pending++
 		run := o.run
@@ -241,8 +264,8 @@ func (d *Device) transfer(op string, dev int, s cudart.Stream, n uint64, sync bo
 // violations found. d.mu is held.
 func (d *Device) runSpans(op string, spans []span, st *stream, after uint64, work func(spans []span)) error {
 	for _, sp := range spans {
-		if sp.h != nil {
-			continue // host memory: nothing of another process's to contain
+		if sp.h != nil || sp.r != nil {
+			continue // host memory, or the VMM route's: its descriptor keeps it (FACTS 26)
 		}
 		if err := d.contained(op, st.dev, sp); err != nil {
 			return err

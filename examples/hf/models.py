@@ -23,7 +23,11 @@ ARCHS = {
 
 def kvpoold_flags(arch, tokens_per_page=16):
     """kvpoold's geometry flags for the model of ARCHS[arch]."""
-    a = ARCHS[arch]
+    return geometry_flags(ARCHS[arch], tokens_per_page)
+
+
+def geometry_flags(a, tokens_per_page=16):
+    """kvpoold's geometry flags for a model of config a (bf16)."""
     return ["-layers", str(a["num_hidden_layers"]), "-kv-heads", str(a["num_key_value_heads"]),
             "-head-dim", str(a["head_dim"]), "-dtype", "bf16", "-tokens-per-page", str(tokens_per_page)]
 

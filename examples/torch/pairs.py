@@ -8,7 +8,8 @@ examples (examples/kvshare) without a copy of its own.
     torch producer -> CuPy consumer
 
 Run from the repository root with libcudapool in bin/ (or $CUDAPOOL_LIB) and the Go
-commands built by scripts/build-gpu.sh unpacked in --bin:
+command kvshare (its producer and consumer subcommands) that scripts/build-gpu.sh
+builds, unpacked in --bin (scripts/gpu-examples.sh copies it to /tmp/cudapool-bin):
 
     python3 examples/torch/pairs.py --bin /tmp/cudapool-bin
 
@@ -86,9 +87,20 @@ def check(r):
     return r["bad_words"] == 0 and r["no_copy"]
 
 
+def kvshare(bindir, role, *flags):
+    """The command line of the Go example's role ("producer" or "consumer"): kvshare
+    ROLE FLAGS..., from bindir, where scripts/build-gpu.sh's kvshare must be unpacked."""
+    exe = os.path.join(bindir, "kvshare")
+    if not os.path.isfile(exe):
+        packed = " (it is still compressed: unpack it with scripts/unpack.sh)" if os.path.exists(exe + ".xz") else ""
+        raise FileNotFoundError("no %s%s: build it with scripts/build-gpu.sh, or go build -o %s ./examples/kvshare"
+                                % (exe, packed, bindir))
+    return [exe, role] + list(flags)
+
+
 def go_producer_torch_consumer(bindir, path):
-    prod = subprocess.Popen([os.path.join(bindir, "producer"), "-runtime", "gpu", "-socket", path,
-                             "-tokens", "512", "-seed", str(SEED), "-json"],
+    prod = subprocess.Popen(kvshare(bindir, "producer", "-runtime", "gpu", "-socket", path,
+                                    "-tokens", "512", "-seed", str(SEED), "-json"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = prod.stdout.readline()  # the producer's one JSON line, once published
@@ -122,8 +134,8 @@ class TorchProducer:
 
 
 def go_consumer(bindir, path, device):
-    out = subprocess.run([os.path.join(bindir, "consumer"), "-runtime", "gpu", "-socket", path,
-                          "-name", NAME, "-seed", str(SEED), "-device", str(device), "-reps", "1"],
+    out = subprocess.run(kvshare(bindir, "consumer", "-runtime", "gpu", "-socket", path,
+                                 "-name", NAME, "-seed", str(SEED), "-device", str(device), "-reps", "1"),
                          capture_output=True, text=True, timeout=TIMEOUT)
     last = (out.stdout.strip().splitlines() or [out.stderr.strip()])[-1]
     return out.returncode == 0, "Go consumer on GPU %d: %s" % (device, last)
@@ -131,7 +143,7 @@ def go_consumer(bindir, path, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bin", default="/tmp/cudapool-bin", help="where the Go producer and consumer are")
+    ap.add_argument("--bin", default="/tmp/cudapool-bin", help="where scripts/build-gpu.sh's kvshare is, unpacked")
     ap.add_argument("--mib", type=int, default=64, help="the size the torch producer shares")
     args = ap.parse_args()
     print(cudapool.init("gpu"))

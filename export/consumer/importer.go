@@ -349,9 +349,10 @@ func (imp *Importer) releaseUnused(l *wire.LeaseMsg) {
 // before Publish; the host does not wait. Opening a buffer this [Importer] already holds
 // returns the same [Mapping], counted once more; each Open needs its Release.
 //
-// s must belong to the Importer's device, else Open fails with [ErrStreamDevice]. It
+// s must belong to the [Importer]'s device, else Open fails with [ErrStreamDevice]. It
 // fails with [export.ErrUnknownName] (whose message lists a few names that are published;
-// [WaitForName] waits for the name instead), [export.ErrBufferGone] (the producer freed it),
+// [WaitForName] waits for the name instead), [export.ErrBufferGone] (the producer freed it:
+// an export.ErrUnknownName too, which WaitForName does not wait out),
 // [export.ErrHandleType], [export.ErrExporterGone] once the exporter left, [export.ErrClosed] after Close, or
 // ctx's error. On failure nothing is held.
 func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opts ...OpenOption) (*Mapping, error) {

@@ -45,7 +45,8 @@ func (imp *Importer) openWaiting(ctx context.Context, name string, s cudart.Stre
 	last, ctxErr := session.Retry(ctx, openRetryFirst, openRetryMost, notYet, func() (bool, error) {
 		var err error
 		m, err = imp.open(ctx, name, s)
-		return errors.Is(err, export.ErrUnknownName), err
+		// A freed buffer's name is unknown too, but its producer freed it: no wait.
+		return errors.Is(err, export.ErrUnknownName) && !errors.Is(err, export.ErrBufferGone), err
 	})
 	if ctxErr != nil {
 		return nil, fmt.Errorf("%w (waited for it to be published until %w)", last, ctxErr)

@@ -43,6 +43,7 @@ func TestFreeWhileLeasedWaitsForRelease(t *testing.T) {
 	// A new open must not get the freed buffer.
 	_, err = c.Imp.Open(ctx, "a", c.Stream)
 	require.ErrorIs(t, err, export.ErrBufferGone, "open of a freed buffer, want export.ErrBufferGone")
+	require.ErrorIs(t, err, export.ErrUnknownName, "the freed buffer's name is unpublished: an unknown name")
 	require.NoError(t, m.Release(ctx, c.Stream))
 	s, _ = pr.Pool.Stats()
 	require.EqualValues(t, 0, s.DeferredFrees, "after release: %d deferred, %d live, %d leases; want 0, 0, 0", s.DeferredFrees, s.LiveBuffers, s.ActiveLeases)

@@ -216,7 +216,7 @@ func (ex *Exporter) greet(nc net.Conn) {
 // failure shows here: a FABRIC pool on a host without IMEX fails with [export.ErrIMEXRequired].
 // A name already in use fails with [ErrNameInUse]; Unpublish it first. A buffer may be
 // published under several names. To end every publication of a buffer, Free it: later Opens
-// fail with [export.ErrBufferGone], its memory returns to the pool once the consumers that
+// fail with [export.ErrBufferGone] (an [export.ErrUnknownName]: the name is unpublished), its memory returns to the pool once the consumers that
 // hold it released it, and its names are free for Publish at once. [Range] publishes part of b, [WithMeta] sends metadata with it;
 // an empty range or one past b's end fails with [export.ErrBadRange], metadata longer than
 // [export.MaxMetaLen] with [ErrMetaTooLong].

@@ -1,7 +1,10 @@
 package owner
 
 import (
+	"context"
 	"net"
+	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -35,6 +38,18 @@ func PanicOn(t kvwire.Type) (undo func()) {
 	return func() { frameHook = nil }
 }
 
+// PanicLockedOn makes the next owner's handler of a request of type t panic while it
+// holds the owner's lock, once, until the returned func undoes it.
+func PanicLockedOn(t kvwire.Type) (undo func()) {
+	var done atomic.Bool
+	lockedHook = func(got kvwire.Type) {
+		if got == t && !done.Swap(true) {
+			panic("kv/owner test: a handler made to panic under the owner's lock")
+		}
+	}
+	return func() { lockedHook = nil }
+}
+
 // SetIndexOptions adds opts to the options of every index the next Listens open,
 // until the returned func undoes it.
 func SetIndexOptions(opts ...index.Option) (undo func()) {
@@ -48,3 +63,30 @@ var EncodeStats = encodeStats
 // SlabStream is the owner's stream of device dev's slab: its set-up and the copies
 // out of it.
 func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
+
+// OnJournaledWait makes every owner call f as a reply begins to wait for its records
+// to be in the index, until the returned func undoes it.
+func OnJournaledWait(f func()) (undo func()) {
+	journaledHook = f
+	return func() { journaledHook = nil }
+}
+
+// IndexNow is what o's index file holds once every record queued so far is written:
+// what its process's death would leave now. A test closes o, puts the bytes back and
+// starts another owner, as a SIGKILL and a restart would.
+func IndexNow(ctx context.Context, o *Owner) ([]byte, error) {
+	if err := o.ix.Wait(ctx, o.ix.Queued()); err != nil {
+		return nil, err
+	}
+	return os.ReadFile(o.opts.Index)
+}
+
+// OnWindowWait makes every owner call f when a request begins to wait for the
+// reattach window, until the returned func undoes it.
+func OnWindowWait(f func()) (undo func()) {
+	windowHook = f
+	return func() { windowHook = nil }
+}
+
+// SetTierPeerUID makes k see the peers of dir/tier.sock as uid.
+func SetTierPeerUID(k *Keeper, uid uint32) { k.tiers.peerUID.Store(&uid) }

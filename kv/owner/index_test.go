@@ -231,9 +231,11 @@ func (g *gate) reopen() {
 }
 
 // The index is written off the owner's lock: with its writer held in a write (a disk
-// that stalls), Match and Stats are answered; an Alloc whose pages were evicted waits
-// until the evictions are written (a restart would otherwise publish the pages it
-// hands out under their old hashes), and is answered once they are.
+// that stalls), Stats is answered; an Alloc whose pages were evicted waits until the
+// evictions are written (a restart would otherwise publish the pages it hands out
+// under their old hashes), and is answered once they are; so does a Match, until its
+// lease's grant is written (a restart would otherwise hand the pages its reader reads
+// to a writer).
 func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	g := small
 	g.Pages = 8
@@ -251,23 +253,19 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	other, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0) // admitted once the index has it: before the writer is held
 	require.NoError(t, err)
 	t.Cleanup(func() { other.Close(bound(t)) })
+	_, err = other.Stats(bound(t)) // served: its admission is in the index (Dial returns at the Welcome, before that)
+	require.NoError(t, err)
 
 	gt.close()
 	done := make(chan error, 1)
 	go func() {
-		m, err := r.Match(bound(t), hashes[:2])
-		if err == nil {
-			err = r.Release(bound(t), 0, m)
-		}
-		if err == nil {
-			_, err = r.Stats(bound(t))
-		}
+		_, err := r.Stats(bound(t))
 		if err == nil {
 			o.Stats()
 		}
 		done <- err
 	}()
-	require.NoError(t, testwait.Recv(t, done, "Match, Release and Stats while the index's writer is held"))
+	require.NoError(t, testwait.Recv(t, done, "Stats while the index's writer is held"))
 
 	allocated := make(chan *replica.Lease, 1)
 	go func() {
@@ -283,12 +281,18 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	}
 	// Another replica is served meanwhile (this one's connection serves its requests
 	// in order: its next waits for the Alloc's answer).
-	m, err := other.Match(bound(t), hashes[6:])
-	if err == nil {
-		err = other.Release(bound(t), 0, m)
-	}
+	_, err = other.Stats(bound(t))
+	require.NoError(t, err, "another replica served while the Alloc waits")
+	matched := make(chan error, 1)
+	go func() {
+		m, err := other.Match(bound(t), hashes[6:])
+		if err == nil {
+			err = other.Release(bound(t), m, 0)
+		}
+		matched <- err
+	}()
 	gt.reopen()
-	require.NoError(t, err, "another replica dialed and matched while the Alloc waits")
+	require.NoError(t, testwait.Recv(t, matched, "the Match once its grant is written"))
 	w := testwait.Recv(t, allocated, "the Alloc once the evictions are written")
 	require.NotNil(t, w)
 	st, err := index.Load(path, shapeOf(g, 0))
@@ -323,7 +327,7 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	b := sealPages(t, r, 4, 2) // the slab is full
 	m, err := r.Match(bound(t), a)
 	require.NoError(t, err)
-	require.NoError(t, r.Release(bound(t), 0, m)) // a is now more recent than b, sealed after it
+	require.NoError(t, r.Release(bound(t), m, 0)) // a is now more recent than b, sealed after it
 	require.NoError(t, first.WaitSpills(bound(t)))
 	host := first.Stats().Devices[0].Host.Sealed
 	require.NotZero(t, host, "b's least recent pages are copied ahead to the host tier")
@@ -353,17 +357,17 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	t.Cleanup(func() { r.Close(bound(t)) })
 	w, err := r.Alloc(bound(t), 4) // evicts the 4 least recent pages: b's
 	require.NoError(t, err)
-	require.NoError(t, r.Release(bound(t), 0, w))
+	require.NoError(t, r.Release(bound(t), w, 0))
 	m, err = r.Match(bound(t), a)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 4)
 	assert.Zero(t, second.Stats().Devices[0].Host.Restores, "a, the more recent, stayed in the slab")
-	require.NoError(t, r.Release(bound(t), 0, m))
+	require.NoError(t, r.Release(bound(t), m, 0))
 	m, err = r.Match(bound(t), b)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 4, "b comes back from the host tier")
 	assert.Equal(t, uint64(4), second.Stats().Devices[0].Host.Restores)
-	require.NoError(t, r.Release(bound(t), 0, m))
+	require.NoError(t, r.Release(bound(t), m, 0))
 }
 
 // A host page evicted is out of the index before it is filled again: at every copy
@@ -430,7 +434,7 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 		if round >= 2 { // an older prompt back: restored from the host tier where it is there
 			m, err := r.Match(bound(t), prompts[round-2])
 			require.NoError(t, err)
-			require.NoError(t, r.Release(bound(t), 0, m))
+			require.NoError(t, r.Release(bound(t), m, 0))
 		}
 	}
 	require.NoError(t, o.WaitSpills(bound(t)))

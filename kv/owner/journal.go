@@ -17,11 +17,13 @@ import (
 // The index file (WithIndex) is kv/internal/index's: the owner queues a record there,
 // under o.mu, at each change a restarted owner needs (a page made visible or evicted,
 // a host page sealed once its spill copy has completed or evicted, a replica admitted
-// or gone), and a reply whose truth depends on a record waits, outside o.mu, until the
-// index has written it (Owner.journaled): an Alloc whose pages were evicted, a copy
-// into an evicted page (GPU or host), a Seal that waits for visibility, and a
-// replica's admission. Only visible pages are journaled, so a page whose writer had
-// not finished never becomes visible, also across a restart.
+// or gone, a lease granted to a process and its end: restart.go), in the order the
+// page table returns them (slab.go), and a reply whose truth depends on a record
+// waits, outside o.mu, until the index has written it (Owner.journaled): an Alloc or
+// a Match (its grant, the pages it evicted), a copy into an evicted page (GPU or
+// host), a Seal that waits for visibility, and a replica's admission. Only visible
+// pages are journaled, so a page whose writer had not finished never becomes
+// visible, also across a restart.
 
 // procID names a process across pid reuse: its pid and its start time in clock ticks
 // since boot (/proc/PID/stat, field 22), as the index journals it.
@@ -64,7 +66,8 @@ func (o *Owner) shape() index.Shape {
 	if conns <= 0 {
 		conns = session.DefaultConns
 	}
-	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns}
+	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns,
+		ReadPages: conns * o.opts.MaxLeasedPages}
 }
 
 // openIndex starts the index at o.opts.Index with hdr and the present state. It is
@@ -89,6 +92,10 @@ func (o *Owner) openIndex(hdr index.Header) error {
 	return nil
 }
 
+// journaledHook, set by tests alone, is called as a reply begins to wait for the index
+// (journaled).
+var journaledHook func()
+
 // journaled waits, outside o.mu, until every record up to seq is in the index, for a
 // reply or a copy whose truth depends on one (an evicted page's Free before the page
 // is written). It returns nil at once without an index, and also once the index has
@@ -97,6 +104,9 @@ func (o *Owner) openIndex(hdr index.Header) error {
 // behind (a restart could publish an evicted page under its old hash: no page is
 // handed out for writing then), and one wrapping kv.ErrClosed if ctx ends first.
 func (o *Owner) journaled(ctx context.Context, seq uint64) error {
+	if journaledHook != nil {
+		journaledHook()
+	}
 	err := o.ix.Wait(ctx, seq)
 	if err == nil {
 		err = o.ix.Err()

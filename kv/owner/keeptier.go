@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -49,8 +50,11 @@ type tierMsg struct {
 // keptTiers are the memfds a keeper holds, by device.
 type keptTiers struct {
 	srv *session.Server
-	mu  sync.Mutex
-	fds map[int]keptTier
+	// peerUID, set by tests alone, replaces the uid the kernel names for each peer
+	// (tests run as root, which the keeper admits).
+	peerUID atomic.Pointer[uint32]
+	mu      sync.Mutex
+	fds     map[int]keptTier
 }
 
 type keptTier struct {
@@ -67,7 +71,11 @@ func (k *Keeper) serveTiers() error {
 		return err
 	}
 	k.tiers.srv = session.Serve(ln, o.log, "kv/owner: keeper's host tiers", o.opts.Limits, func(c *session.Conn) {
-		if err := k.serveTier(c.UnixConn, c.Cred.UID); err != nil && o.stopped.Err() == nil {
+		uid := c.Cred.UID
+		if seam := k.tiers.peerUID.Load(); seam != nil {
+			uid = *seam
+		}
+		if err := k.serveTier(c.UnixConn, uid); err != nil && o.stopped.Err() == nil {
 			o.log.Warn("kv: keeping a host tier", "pid", c.Cred.PID, "err", err)
 		}
 	})

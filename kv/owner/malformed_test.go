@@ -147,7 +147,7 @@ func TestMalformedFramesCloseOnlyTheirConnection(t *testing.T) {
 			r.closed(c.name)
 			l, err := good.Alloc(bound(t), 1)
 			require.NoError(t, err, "the other replica after %s", c.name)
-			require.NoError(t, good.Release(bound(t), 0, l))
+			require.NoError(t, good.Release(bound(t), l, 0))
 		})
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
 // A cache that survives its owner. The slabs live in a keeper process (Keep: the
@@ -57,6 +58,10 @@ type Recovery struct {
 	Pages int
 	// Replicas are the replicas attached before, whose leases wait for them.
 	Replicas int
+	// WriteLeases are the write leases granted before to processes that live: their
+	// pages are kept for their writers until each re-declares them, ends its list of
+	// leases without them, or exits.
+	WriteLeases int
 	// HostTiersKept counts the devices whose host tier memory the keeper held and
 	// the page server took back (keeptier.go).
 	HostTiersKept int
@@ -74,6 +79,9 @@ func (r Recovery) String() string {
 	switch {
 	case r.Adopted:
 		fmt.Fprintf(&b, "cache adopted from keeper pid %d: %d visible pages restored, %d replicas to reattach", r.KeeperPID, r.Pages, r.Replicas)
+		if r.WriteLeases > 0 {
+			fmt.Fprintf(&b, ", the pages of %d write leases kept for their writers", r.WriteLeases)
+		}
 	case r.KeeperPID != 0:
 		fmt.Fprintf(&b, "new cache in keeper pid %d", r.KeeperPID)
 	default:
@@ -242,7 +250,7 @@ func (o *Owner) adoptSlabs() error {
 // does not fit.
 func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
 	for _, d := range o.opts.Devices {
-		s := newSlab(d, o.geo.Pages)
+		s := newSlab(d)
 		s.name = kvwire.SlabName(d)
 		o.slabs = append(o.slabs, s)
 		o.byDev[d] = s
@@ -367,9 +375,8 @@ func (o *Owner) restore() error {
 			o.apply(st)
 		}
 	}
-	o.epoch = hdr.Epoch
-	o.nextLease = hdr.Epoch << 40 // no lease id of an earlier epoch is issued again
-	return o.openIndex(hdr)
+	o.epoch, o.hdr = hdr.Epoch, hdr // no lease id of an earlier epoch is issued again
+	return nil
 }
 
 func countSealed(st *index.State) (n int) {
@@ -387,61 +394,151 @@ func (o *Owner) dropIndex(why string) {
 	}
 }
 
-// apply makes st's pages visible again and waits for its replicas.
-func (o *Owner) apply(st *index.State) {
-	o.hostRec = st.Host // taken back by startTiers, where the keeper kept the memory
-	for _, s := range o.slabs {
-		sealed := st.Sealed[s.dev]
-		for _, sp := range sealed { // least recent first: each goes to the front
-			pg := &s.pages[sp.Page]
-			pg.state, pg.hash = pageSealed, sp.Hash
-			s.index[sp.Hash] = sp.Page
-			s.pushFront(sp.Page)
-		}
-		s.free = s.free[:0]
-		for p := len(s.pages) - 1; p >= 0; p-- {
-			if s.pages[p].state == pageFree {
-				s.free = append(s.free, uint32(p))
+// apply keeps st, for makeTables to make its pages visible again and its leases
+// wait for their holders.
+func (o *Owner) apply(st *index.State) { o.recState = st }
+
+// unknownReplicas stands for the replicas of a process whose leases the index holds
+// but none of whose connections it does (given up at an earlier restart's grace): no
+// count of lists of leases can vouch for all of them, so its leases not re-declared
+// wait for its exit.
+const unknownReplicas = 1 << 30
+
+// makeTables makes each slab's page table: from the index taken back (its visible
+// pages, its host pages where the keeper kept the tier's memory, its leases stranded
+// until their holders reattach them, declare or exit), else empty. A table the
+// journal cannot rebuild is made empty, and Recovery says why.
+func (o *Owner) makeTables() {
+	o.issued = o.epoch << 40
+	o.prior = map[pages.Holder]bool{}
+	st := o.recState
+	o.recState = nil
+	replicas := map[pages.Holder]int{}
+	if st != nil {
+		alive := map[procID]bool{}
+		for _, id := range append(slices.Clone(st.Attached), grantHolders(st)...) {
+			if _, seen := alive[id]; !seen {
+				now, err := procOf(int(id.PID))
+				alive[id] = err == nil && now == id
 			}
 		}
-		o.recovery.Pages += len(sealed)
-	}
-	for _, id := range st.Attached {
-		if e := o.expected[id.PID]; e != nil && e.id == id {
-			e.n++
-		} else if now, err := procOf(int(id.PID)); err == nil && now == id {
-			o.expected[id.PID] = &expectation{id: id, n: 1}
+		for _, id := range st.Attached {
+			if alive[id] {
+				replicas[pages.Holder(id)]++
+				o.recovery.Replicas++
+			}
+		}
+		for _, g := range st.Grants {
+			h := pages.Holder(g.Holder)
+			if alive[g.Holder] && replicas[h] == 0 {
+				replicas[h] = unknownReplicas
+			}
+			if alive[g.Holder] && !g.Read {
+				o.recovery.WriteLeases++
+				o.kept = append(o.kept, pages.LeaseID(g.Lease))
+			}
+		}
+		for h := range replicas {
+			o.prior[h] = true
 		}
 	}
-	for _, e := range o.expected {
-		o.recovery.Replicas += e.n
+	for i, s := range o.slabs {
+		cfg := pages.Config{Pages: o.geo.Pages, Epoch: o.epoch, Stride: uint64(len(o.slabs)), Offset: uint64(i)}
+		if s.tier != nil {
+			cfg.HostPages = s.tier.pages
+		}
+		if st != nil {
+			rec := recovered(st, s.dev, s.tier != nil && s.tier.kept)
+			rec.Replicas = replicas
+			tab, err := pages.Restart(cfg, rec)
+			if err == nil {
+				s.tab = tab
+				o.recovery.Pages += len(rec.Sealed)
+				o.recovery.HostPages += len(rec.Host)
+				continue
+			}
+			o.dropIndex(fmt.Sprintf("the index of device %d does not describe one state (%v)", s.dev, err))
+		}
+		tab, err := pages.New(cfg)
+		if err != nil {
+			panic(err) // the geometry and the devices are checked by Listen
+		}
+		s.tab = tab
 	}
 }
 
-// expectation is a process whose replicas (n of them, one per connection) attached to
-// the owner before a restart and have not reattached yet.
-type expectation struct {
-	id procID
-	n  int
+// grantHolders are the holders of st's leases.
+func grantHolders(st *index.State) []procID {
+	ids := make([]procID, len(st.Grants))
+	for i, g := range st.Grants {
+		ids[i] = g.Holder
+	}
+	return ids
+}
+
+// recovered is what st says of device dev: its visible pages, its host pages (if the
+// tier was kept) and its leases.
+func recovered(st *index.State, dev int, kept bool) pages.Recovered {
+	var rec pages.Recovered
+	for _, p := range st.Sealed[dev] {
+		rec.Sealed = append(rec.Sealed, pages.PageHash{Page: p.Page, Hash: p.Hash})
+	}
+	if kept {
+		for _, p := range st.Host[dev] {
+			rec.Host = append(rec.Host, pages.PageHash{Page: p.Page, Hash: p.Hash})
+		}
+	}
+	for _, g := range st.Grants {
+		if g.Dev == dev {
+			rec.Leases = append(rec.Leases, pages.Record{Kind: pages.RecLeased, Lease: pages.LeaseID(g.Lease), Holder: pages.Holder(g.Holder),
+				Write: !g.Read, Pages: g.Pages, Hashes: g.Hashes})
+		}
+	}
+	return rec
+}
+
+// keptLocked counts the pages of s kept for the writers of before the restart (their
+// write leases stranded), under o.mu.
+func (o *Owner) keptLocked(s *slab) (n int) {
+	for _, id := range o.kept {
+		if l, ok := s.tab.Lease(id); ok && l.Stranded && l.Write {
+			n += len(l.Pages)
+		}
+	}
+	return n
+}
+
+// expectedLocked are the processes the reattach window waits for, every device's,
+// under o.mu.
+func (o *Owner) expectedLocked() []pages.Holder {
+	var hs []pages.Holder
+	for _, s := range o.slabs {
+		if s.tab == nil {
+			continue
+		}
+		for _, h := range s.tab.Expected() {
+			if !slices.Contains(hs, h) {
+				hs = append(hs, h)
+			}
+		}
+	}
+	return hs
 }
 
 // snapshotLocked appends the records of the present state to b, under o.mu: each
-// slab's visible pages and its host tier's sealed pages, least recent first, and the
-// replicas attached or waited for.
+// slab's visible pages and its host tier's sealed pages, least recent first, its
+// leases, and the replicas attached.
 func (o *Owner) snapshotLocked(b *index.Batch) {
 	for _, s := range o.slabs {
-		for p := s.tail; p != none; p = s.pages[p].prev {
-			b.Seal(s.dev, p, s.pages[p].hash)
-		}
-		if t := s.tier; t != nil {
-			for p := t.tail; p != none; p = t.pages[p].prev {
-				b.HostSeal(s.dev, p, t.pages[p].hash)
+		for _, r := range s.tab.Snapshot() {
+			switch r.Kind {
+			case pages.RecSeal:
+				b.Seal(s.dev, r.Page, r.Hash)
+			case pages.RecHostSeal:
+				b.HostSeal(s.dev, r.Page, r.Hash)
+			case pages.RecLeased:
+				b.Grant(grantOf(s.dev, r))
 			}
-		}
-	}
-	for _, e := range o.expected {
-		for range e.n {
-			b.Attach(e.id)
 		}
 	}
 	for c := range o.conns {
@@ -451,14 +548,17 @@ func (o *Owner) snapshotLocked(b *index.Batch) {
 	}
 }
 
-// holdAllocs makes allocations wait until every replica expected back has re-declared
-// its leases (or exited), or the grace has passed, so that no page a replica still
-// holds from before is handed to another.
+// holdAllocs makes allocations, matches and restores wait while a table's reattach
+// window is open: until every process with leases from before the restart has
+// re-declared them or exited, or the grace has passed (Table.CloseWindow). Past
+// the grace, a stranded lease's pages stay out of reach until its process reattaches
+// it, declares, or exits: no page a writer of before may still write is handed to
+// another.
 func (o *Owner) holdAllocs() {
 	o.mu.Lock()
-	none := len(o.expected) == 0
+	expected := o.expectedLocked()
 	o.mu.Unlock()
-	if none {
+	if len(expected) == 0 {
 		close(o.resumed)
 		return
 	}
@@ -469,71 +569,60 @@ func (o *Owner) holdAllocs() {
 	t := time.AfterFunc(grace, func() {
 		o.mu.Lock()
 		defer o.mu.Unlock()
-		if len(o.expected) > 0 {
-			var late []string
-			for _, e := range o.expected {
-				late = append(late, e.id.String())
-			}
-			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases are lost", "grace", grace, "replicas", late)
-			for pid := range o.expected {
-				o.forgetLocked(pid, o.expected[pid].n)
-			}
-			o.resumeLocked()
+		if late := o.expectedLocked(); len(late) > 0 {
+			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases' pages stay out of reach until they reattach, declare or exit", "grace", grace, "replicas", fmt.Sprint(late))
 		}
+		for _, s := range o.slabs {
+			s.tab.CloseWindow()
+		}
+		o.resumeLocked()
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
-	o.mu.Lock()
-	var ids []procID
-	for _, e := range o.expected {
-		ids = append(ids, e.id)
-	}
-	o.mu.Unlock()
-	for _, id := range ids {
-		p, err := peercred.OpenProcess(int(id.PID))
-		if err != nil {
-			continue // the grace ends the wait
+	for _, h := range expected {
+		p, err := peercred.OpenProcess(int(h.PID))
+		if now, nerr := procOf(int(h.PID)); nerr != nil || pages.Holder(now) != h { // checked after the pidfd: it names h
+			if err == nil {
+				_ = p.Close() // cleanup: another process, or none
+			}
+			o.holderDead(h) // gone, or its pid another process's
+			continue
 		}
+		if err != nil { // alive: its leases stay its own until it re-declares them or declares
+			o.log.Warn("kv: cannot watch a replica's process of before the restart", "replica", h.String(), "err", err)
+			continue
+		}
+		o.waiters.Add(1)
 		go func() {
+			defer o.waiters.Done()
 			defer func() { _ = p.Close() }() // cleanup: the wait is over
 			if p.Wait(o.stopped) == nil {
-				o.mu.Lock()
-				defer o.mu.Unlock()
-				if e := o.expected[id.PID]; e != nil && e.id == id {
-					o.forgetLocked(id.PID, e.n)
-				}
-				o.resumeLocked()
+				o.holderDead(h)
 			}
 		}()
 	}
 }
 
-// returnedLocked takes one of pid's replicas off those waited for, under o.mu: its
-// connection now is journaled as attached.
-func (o *Owner) returnedLocked(pid uint32) {
-	if o.expected[pid] != nil {
-		o.forgetLocked(pid, 1)
-		o.resumeLocked()
+// holderDead ends every lease of process h, which has exited (Table.HolderDead).
+func (o *Owner) holderDead(h pages.Holder) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, s := range o.slabs {
+		o.effectsLocked(s, s.tab.HolderDead(h))
 	}
+	o.resumeLocked()
 }
 
-// forgetLocked stops waiting for n of pid's replicas, and journals it, under o.mu.
-func (o *Owner) forgetLocked(pid uint32, n int) {
-	e := o.expected[pid]
-	for range n {
-		o.ix.Detach(e.id)
-	}
-	if e.n -= n; e.n <= 0 {
-		delete(o.expected, pid)
-	}
-}
-
+// resumeLocked lets allocations go on once no table's window is open, under o.mu.
 func (o *Owner) resumeLocked() {
-	if len(o.expected) == 0 {
-		select {
-		case <-o.resumed:
-		default:
-			close(o.resumed)
+	for _, s := range o.slabs {
+		if s.tab.Window() {
+			return
 		}
+	}
+	select {
+	case <-o.resumed:
+	default:
+		close(o.resumed)
 	}
 }
 
@@ -543,10 +632,22 @@ func (o *Owner) awaitResumed() bool {
 	select {
 	case <-o.resumed:
 		return true
+	default:
+	}
+	if windowHook != nil {
+		windowHook()
+	}
+	select {
+	case <-o.resumed:
+		return true
 	case <-o.stopped.Done():
 		return false
 	}
 }
+
+// windowHook, set by tests alone, is called when a request begins to wait for the
+// reattach window.
+var windowHook func()
 
 // attachedLocked journals that c, of process id (err: not known), was admitted,
 // under o.mu, and returns the record's sequence number (0: none), for the caller to
@@ -566,9 +667,11 @@ func (o *Owner) detachedLocked(c *conn) {
 	}
 }
 
-// reattach answers Reattach: a lease c's replica held from before the restart is
-// the owner's again if its pages are as they were (a write lease's free, a read
-// lease's visible under the same hashes), else lost. Lease 0 ends the list.
+// reattach answers Reattach: a lease c's process held from before the restart is
+// its again, on c, within c's caps, if the predecessor granted it to that process
+// with those pages (Table.Reattach), else lost, saying why. Lease 0 ends the list:
+// one replica of c's process has re-declared what it holds (Table.Declared), which
+// is answered once journaled.
 func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	m, err := kvwire.ParseReattach(p, c.scratch[:0])
@@ -578,27 +681,40 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	answer := func(status uint32, reason string) error {
 		return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendReattached(b, h.ID, status, reason) })
 	}
-	o.mu.Lock()
+	c.lock()
 	if m.Lease == 0 {
-		o.returnedLocked(uint32(c.cred.PID))
-		o.mu.Unlock()
+		if !c.returned {
+			c.returned = true
+			for _, s := range o.slabs {
+				o.effectsLocked(s, s.tab.Declared(c.holder))
+			}
+			o.resumeLocked()
+		}
+		seq := o.ix.Queued()
+		c.unlock()
+		// Answered once the index has what the end freed, lest the next restart keep
+		// it for the replica as well.
+		if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
+			return err
+		}
 		return answer(kvwire.ReattachKept, "")
 	}
 	why := o.reattachLocked(c, s, m)
-	o.mu.Unlock()
+	c.unlock()
 	if why != "" {
 		return answer(kvwire.ReattachLost, why)
 	}
 	return answer(kvwire.ReattachKept, "")
 }
 
-// reattachLocked takes m back for c, or says why not, under o.mu.
+// reattachLocked takes m back for c, or says why not, under o.mu. A lease is taken
+// back only by the process it was granted to, as the index says, with the same pages
+// (a read lease's: visible under the same hashes), within c's caps.
 func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if l, ok := o.leases[m.Lease]; ok {
 		// The same process's lease over a connection that ended (without the owner's
 		// death) moves to this one.
-		if l.c != c && l.c.cred.PID == c.cred.PID && l.c.lost && l.s == s && l.write == m.Write && slices.Equal(l.pages, m.Pages) {
-			l.c = c
+		if l.c != c && l.write == m.Write && slices.Equal(l.pages, m.Pages) && o.adoptLocked(c, l) {
 			return ""
 		}
 		return fmt.Sprintf("lease %d is held already", m.Lease)
@@ -609,31 +725,44 @@ func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if len(m.Pages) == 0 || (!m.Write && len(m.Hashes) != len(m.Pages)) || (m.Write && len(m.Hashes) != 0) {
 		return fmt.Sprintf("lease %d: %d pages and %d hashes", m.Lease, len(m.Pages), len(m.Hashes))
 	}
-	seen := map[uint32]bool{}
-	for i, pg := range m.Pages {
-		switch {
-		case int(pg) >= len(s.pages):
-			return fmt.Sprintf("page %d of %d", pg, len(s.pages))
-		case seen[pg]:
-			return fmt.Sprintf("page %d is listed twice", pg)
-		case m.Write && s.pages[pg].state != pageFree:
-			return fmt.Sprintf("page %d is no longer free to write", pg)
-		case !m.Write && (s.pages[pg].state != pageSealed || s.pages[pg].hash != m.Hashes[i]):
-			return fmt.Sprintf("page %d is no longer visible under its hash", pg)
-		}
-		seen[pg] = true
+	if err := c.roomLocked(len(m.Pages)); err != nil {
+		return fmt.Sprintf("lease %d: %v", m.Lease, err)
 	}
+	info, held := s.tab.Lease(pages.LeaseID(m.Lease))
+	held = held && info.Stranded && info.Write == m.Write
 	if m.Write {
-		s.free = slices.DeleteFunc(s.free, func(p uint32) bool { return seen[p] })
-		for _, pg := range m.Pages {
-			s.pages[pg].state = pageWriting
+		switch {
+		case !held:
+			return fmt.Sprintf("lease %d is no write lease granted before the restart that is still kept", m.Lease)
+		case info.Holder != c.holder:
+			return fmt.Sprintf("lease %d was granted to another process", m.Lease)
 		}
 	} else {
-		for _, pg := range m.Pages {
-			s.pages[pg].readers++
+		if !o.prior[c.holder] {
+			return fmt.Sprintf("lease %d: pid %d is not a process the owner before this one served", m.Lease, c.cred.PID)
 		}
-		s.touch(m.Pages)
+		seen := map[uint32]bool{}
+		for i, pg := range m.Pages {
+			switch st, hh, _ := s.tab.Page(min(pg, uint32(o.geo.Pages-1))); {
+			case int(pg) >= o.geo.Pages:
+				return fmt.Sprintf("page %d of %d", pg, o.geo.Pages)
+			case seen[pg]:
+				return fmt.Sprintf("page %d is listed twice", pg)
+			case st != pages.Sealed || hh != m.Hashes[i]:
+				return fmt.Sprintf("page %d is no longer visible under its hash", pg)
+			}
+			seen[pg] = true
+		}
+		if !held || info.Holder != c.holder {
+			return fmt.Sprintf("lease %d is no read lease granted before the restart to pid %d that is still held", m.Lease, c.cred.PID)
+		}
 	}
-	o.leases[m.Lease] = &lease{id: m.Lease, c: c, s: s, write: m.Write, pages: slices.Clone(m.Pages)}
+	if err := s.tab.Reattach(c.holder, pages.LeaseID(m.Lease), m.Write, m.Pages, m.Hashes); err != nil {
+		return fmt.Sprintf("lease %d was granted other pages (%v)", m.Lease, err)
+	}
+	l := &lease{id: m.Lease, c: c, s: s, holder: c.holder, write: m.Write, pages: slices.Clone(m.Pages)}
+	o.leases[l.id] = l
+	c.held[l.id] = l
+	c.heldPgs += len(l.pages)
 	return ""
 }

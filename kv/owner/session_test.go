@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -177,23 +178,50 @@ func TestLostConnectionWithoutLeasesEndsAtOnce(t *testing.T) {
 }
 
 // A panic while serving one connection's request ends that connection alone: the
-// owner serves the others on and admits new ones.
+// owner serves the others on and admits new ones, and the connection's leases are
+// held as if it had hung up. Under the owner's lock too: the lock is let go before
+// the connection's cleanup takes it. (Before, that cleanup waited for the lock
+// forever, and with it every replica and Close.)
 func TestPanicEndsOnlyItsConnection(t *testing.T) {
-	t.Cleanup(owner.PanicOn(kvwire.TypeStats)) // after the cleanups below, which end the connections
-	_, dir := listenWith(t)
-	dev := cudarttest.ForTest(t)
-	good, err := replica.Dial(bound(t), dir, dev, 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { good.Close(bound(t)) })
-	bad := dialRaw(t, dir)
-	bad.hello()
-	bad.send(kvwire.AppendEmpty(nil, kvwire.TypeStats, 3))
-	bad.closed("the connection whose request panicked")
-	l, err := good.Alloc(bound(t), 2)
-	require.NoError(t, err, "the other replica is served on")
-	require.NoError(t, good.Release(bound(t), 0, l))
-	again := dialRaw(t, dir)
-	again.hello()
+	for _, c := range []struct {
+		name  string
+		panic func(kvwire.Type) func()
+		req   []byte
+	}{
+		{"outside the lock", owner.PanicOn, must(kvwire.AppendEmpty(nil, kvwire.TypeStats, 3))},
+		{"under the lock", owner.PanicLockedOn, must(kvwire.AppendMatch(nil, 3, []kv.Hash{{1}}))},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Cleanup(c.panic(kvwire.Type(c.req[4]))) // after the cleanups below, which end the connections
+			o, dir := listenWith(t)
+			dev := cudarttest.ForTest(t)
+			good, err := replica.Dial(bound(t), dir, dev, 0)
+			require.NoError(t, err)
+			t.Cleanup(func() { good.Close(bound(t)) })
+			bad := dialRaw(t, dir)
+			bad.hello()
+			bad.alloc(2, 3)
+			bad.send(c.req, nil)
+			bad.closed("the connection whose request panicked")
+			l, err := good.Alloc(bound(t), 2)
+			require.NoError(t, err, "the other replica is served on")
+			require.NoError(t, good.Release(bound(t), l, 0))
+			again := dialRaw(t, dir)
+			again.hello()
+			require.Eventually(t, func() bool {
+				st := o.Stats()
+				return slices.ContainsFunc(st.Replicas, func(r kv.ReplicaStats) bool { return r.AwaitingExit && r.Leases == 1 })
+			}, testwait.Bound, time.Millisecond, "the panicking connection to hold its lease as if it had hung up: %+v", o.Stats().Replicas)
+		})
+	}
+}
+
+// must is b, for a frame that cannot fail to encode.
+func must(b []byte, err error) []byte {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }
 
 // N5: the Stats frame fits one frame however many replicas are connected: the list

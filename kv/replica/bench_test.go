@@ -27,7 +27,7 @@ func BenchmarkMatch512(b *testing.B) {
 			if err != nil || len(m.Pages()) != 512 {
 				b.Fatal(err, len(m.Pages()))
 			}
-			if err := r.Release(ctx, rs, m); err != nil {
+			if err := r.Release(ctx, m, rs); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -58,7 +58,7 @@ func BenchmarkCycle256(b *testing.B) {
 		if err != nil || len(m.Pages()) != n {
 			b.Fatal(err)
 		}
-		if err := r.Release(ctx, rs, m); err != nil {
+		if err := r.Release(ctx, m, rs); err != nil {
 			b.Fatal(err)
 		}
 	}

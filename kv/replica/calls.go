@@ -26,22 +26,29 @@ func (r *Replica) gone() error {
 	return r.err
 }
 
-// roundTrip sends the request build makes under a fresh id and hands its reply to
-// handle. The caller that sent a request reads replies itself while no other caller
-// does (one reading role), delivering the others' replies to them, so that a reply
-// usually wakes the goroutine that waits for it directly. handle runs while the
-// payload is valid and must not block.
-func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle func(h kvwire.Header, p []byte) error) error {
+// A replyHandler acts on a call's reply (roundTrip). claimed is false once the
+// call's caller gave up on it (its ctx ended, abandon): the handler then touches
+// nothing of the caller's and does only what the replica itself must, such as no
+// longer holding a lease the reply ended; a lease the reply grants is given back.
+type replyHandler func(h kvwire.Header, p []byte, claimed bool) error
+
+// roundTrip sends the request build makes under a fresh id and has its reply handled
+// by handle. The caller that sent a request reads replies itself while no other
+// caller does (one reading role), handling the others' replies for them, so that a
+// reply usually wakes the goroutine that waits for it directly. handle runs on the
+// reading goroutine, with the role held, while the payload is valid; it must not
+// block. What it records (a lease held, or ended) is so recorded before the role is
+// free again, which a reconnection takes before it lists the leases held.
+func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle replyHandler) error {
 	id := r.nextID.Add(1)
 	if id == 0 {
 		id = r.nextID.Add(1)
 	}
-	c := calls.Get().(*call)
+	c := &call{id: id, handle: handle, done: make(chan struct{})}
 	r.mu.Lock()
-	if r.err != nil {
+	if err := r.err; err != nil {
 		r.mu.Unlock()
-		calls.Put(c)
-		return r.err
+		return err
 	}
 	r.calls[id] = c
 	w, nc := r.w, r.nc // the connection the call is made on
@@ -52,26 +59,28 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 		r.failConn(nc, err) // a frame cut short: the owner cannot read on
 	}
 	if err != nil {
-		r.forget(id)
+		if !r.settle(c) {
+			return c.err // failConn completed it first
+		}
 		if gone := r.gone(); gone != nil {
 			return gone
 		}
 		return err
 	}
 
-	err = r.wait(ctx, id, c, handle)
+	err = r.wait(ctx, c)
 	if errors.Is(err, errGaveUp) {
-		// Someone must still read the answer, which may grant a lease: a waiter of
-		// its own takes it and gives the lease back.
+		if !r.abandon(c) {
+			<-c.done // its reply came as ctx ended, and was handled: what it grants is the caller's
+			return c.err
+		}
+		// Someone must still read the answer, which may grant a lease or end one: a
+		// waiter of its own does, and a lease granted is given back.
 		go func() {
 			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 			defer cancel()
-			releaseUnclaimed := func(h kvwire.Header, p []byte) error { r.releaseUnclaimed(h, p); return nil }
-			if errors.Is(r.wait(bg, id, c, releaseUnclaimed), errGaveUp) && !r.forget(id) {
-				<-c.ch // delivered as this wait gave up
-				if c.failed == nil {
-					r.releaseUnclaimed(c.h, c.buf)
-				}
+			if errors.Is(r.wait(bg, c), errGaveUp) {
+				r.settle(c) // a reply that comes later is given back as unclaimed
 			}
 		}()
 		return ctx.Err()
@@ -79,61 +88,83 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32)
 	return err
 }
 
-// result hands the call's reply to handle, or returns why the connection it was made
-// on ended, and puts the call back.
-func (c *call) result(handle func(h kvwire.Header, p []byte) error) error {
-	err := c.failed
-	if err == nil {
-		err = handle(c.h, c.buf)
+// take removes call id from the calls waiting and returns it; nil if another took it
+// first. The one that takes a call decides how it ends (see call): it completes it,
+// or, if it is the call's own caller, ends its wait without a reply.
+func (r *Replica) take(id uint32) *call {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.calls[id]
+	delete(r.calls, id)
+	return c
+}
+
+// settle ends c's caller's wait for good: it takes c and says so (true: no reply or
+// failure will come to it), or else waits until the one that took c first has
+// completed it (false), which that one does without blocking.
+func (r *Replica) settle(c *call) (taken bool) {
+	if r.take(c.id) != nil {
+		return true
 	}
-	c.failed = nil
-	calls.Put(c)
-	return err
+	<-c.done
+	return false
+}
+
+// abandon makes c's reply, if it is still to come, be handled unclaimed (see
+// replyHandler): c's caller gave up. False if c was taken already.
+func (r *Replica) abandon(c *call) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.calls[c.id] != c {
+		return false
+	}
+	c.abandoned = true
+	return true
+}
+
+// complete ends c, taken from the calls waiting, with err (its reply's handling, or
+// the failure of its connection), and wakes its caller.
+func (c *call) complete(err error) {
+	c.err = err
+	close(c.done)
 }
 
 // errGaveUp says that wait's ctx ended before the answer came; the call is still
 // registered, for another wait to take over.
 var errGaveUp = errors.New("kv/replica: gave up waiting")
 
-// wait waits for call id's answer and hands it to handle: it reads answers itself
-// while no other caller does, delivering the others'. If ctx ends first it returns
-// errGaveUp, leaving the call registered; if the replica stops, its error.
-func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kvwire.Header, p []byte) error) error {
+// wait waits until call c is completed and returns how: it reads replies itself while
+// no other caller does, handling the others'. If ctx ends first it returns errGaveUp,
+// leaving the call registered; if the replica stops, its error.
+func (r *Replica) wait(ctx context.Context, c *call) error {
 	done := r.Done()
 	for {
 		select {
-		case <-c.ch:
-			return c.result(handle)
+		case <-c.done:
+			return c.err
 		case r.role <- struct{}{}:
+			err := r.readFor(ctx, c)
+			<-r.role
 			select {
-			case <-c.ch: // delivered while this caller waited for the role
-				<-r.role
-				return c.result(handle)
+			case <-c.done:
+				return c.err
 			default:
 			}
-			h, p, mine, err := r.readFor(ctx, id)
-			if mine {
-				err = handle(h, p)
-				<-r.role
-				r.forget(id)
-				calls.Put(c)
-				return err
-			}
-			<-r.role
 			if err != nil && ctx.Err() == nil {
-				r.forget(id)
-				return err
+				if r.settle(c) {
+					return err
+				}
+				return c.err
 			}
 		case <-ctx.Done():
 		case <-done:
 		}
 		if gone := r.gone(); gone != nil {
-			if r.forget(id) {
+			if r.settle(c) {
 				return gone
 			}
-			// The answer came meanwhile: take it, so that nothing it grants is lost.
-			<-c.ch
-			return c.result(handle)
+			// The answer came meanwhile: it was handled, so nothing it grants is lost.
+			return c.err
 		}
 		if ctx.Err() != nil {
 			return errGaveUp
@@ -141,27 +172,15 @@ func (r *Replica) wait(ctx context.Context, id uint32, c *call, handle func(h kv
 	}
 }
 
-// releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
-func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
-	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
-			go r.releaseAbandoned(m.ID)
-		}
+// readFor reads replies, with the reading role held, handling each for its call,
+// until c is completed, ctx ends or the connection fails.
+func (r *Replica) readFor(ctx context.Context, c *call) error {
+	select {
+	case <-c.done: // completed while this caller waited for the role
+		return nil
+	default:
 	}
-}
-
-// forget removes call id, and says whether it was still waiting (no reply delivered).
-func (r *Replica) forget(id uint32) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	_, ok := r.calls[id]
-	delete(r.calls, id)
-	return ok
-}
-
-// readFor reads frames, with the reading role held, delivering those for other calls,
-// until the reply to id (mine), ctx's end or the connection's failure.
-func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []byte, mine bool, err error) {
+	id := c.id
 	nc := r.nc // the present connection: it changes only while no one holds the role
 	if ctx.Done() != nil {
 		r.dlMu.Lock()
@@ -188,7 +207,7 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
 				if ctx.Err() != nil {
-					return h, nil, false, ctx.Err()
+					return ctx.Err()
 				}
 				// A stale cut meant for an earlier reader. Clearing it fails only on a
 				// closed connection, which the next read reports.
@@ -197,30 +216,50 @@ func (r *Replica) readFor(ctx context.Context, id uint32) (h kvwire.Header, p []
 			}
 			r.failConn(nc, err)
 			if gone := r.gone(); gone != nil {
-				return h, nil, false, gone
+				return gone
 			}
-			return h, nil, false, fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+			return fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
-		if h.ID == id {
-			return h, p, true, nil
+		if r.readHook != nil {
+			r.readHook(h)
 		}
 		r.deliver(h, p)
+		select {
+		case <-c.done:
+			return nil
+		default:
+		}
 	}
 }
 
-// deliver hands a reply to its call; a reply nobody waits for any more releases the
-// lease it grants.
+// deliver hands a reply to its call's handle and completes the call; a reply nobody
+// waits for any more (its call failed with its connection, or its caller gave up)
+// releases the lease it grants.
 func (r *Replica) deliver(h kvwire.Header, p []byte) {
-	r.mu.Lock()
-	c, ok := r.calls[h.ID]
-	delete(r.calls, h.ID)
-	r.mu.Unlock()
-	if ok {
-		c.h, c.buf = h, append(c.buf[:0], p...)
-		c.ch <- struct{}{}
+	if c := r.take(h.ID); c != nil {
+		if c.abandoned {
+			r.releaseUnclaimed(h, p)
+		}
+		c.complete(c.handle(h, p, !c.abandoned))
 		return
 	}
 	r.releaseUnclaimed(h, p)
+}
+
+// replied runs the test's hook (export_test.go) as a method has its reply.
+func (r *Replica) replied() {
+	if r.replyHook != nil {
+		r.replyHook()
+	}
+}
+
+// releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
+func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
+	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
+		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
+			go r.releaseAbandoned(m.ID)
+		}
+	}
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was
@@ -229,7 +268,7 @@ func (r *Replica) releaseAbandoned(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 	defer cancel()
 	var none [kvwire.EventLen]byte
-	if err := r.releaseIDs(ctx, &none, []uint64{id}); err != nil && r.gone() == nil {
+	if err := r.releaseIDs(ctx, &none, []uint64{id}, nil); err != nil && r.gone() == nil {
 		r.log.Warn("kv: releasing a lease whose caller gave up", "lease", id, "err", err)
 	}
 }
@@ -243,7 +282,7 @@ func (r *Replica) giveBackBreach(ctx context.Context, l *Lease, err error) error
 		return err
 	}
 	var none [kvwire.EventLen]byte
-	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}))
+	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}, nil))
 }
 
 // replyErr is the error of a reply that is not of type want.
@@ -269,15 +308,20 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
-		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages)
+		func(h kvwire.Header, p []byte, claimed bool) error {
+			if !claimed {
+				return nil
+			}
+			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
+				return err
+			}
+			r.track(l)
+			return nil
 		})
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
-	if r.opts.reconnect {
-		r.track(l)
-	}
+	r.replied()
 	return l, nil
 }
 
@@ -341,17 +385,25 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 		func(b []byte, id uint32) ([]byte, error) {
 			return kvwire.AppendSeal(b, id, so.wait, l.id, &ev.h, hashes)
 		},
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
 			if h.Type != kvwire.TypeSealed {
-				return replyErr(h, p, kvwire.TypeSealed)
+				err := replyErr(h, p, kvwire.TypeSealed)
+				if errors.Is(err, kv.ErrStaleLease) {
+					r.untrack(l) // the owner holds it no more
+				}
+				return err
 			}
 			m, err := kvwire.DecodeSealed(p)
-			res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
-			return err
+			if err != nil {
+				return err
+			}
+			r.untrack(l)
+			if claimed {
+				res = SealResult{Visible: int(m.Visible), Duplicates: int(m.Duplicates), Pending: int(m.Pending)}
+			}
+			return nil
 		})
-	if r.opts.reconnect && (err == nil || errors.Is(err, kv.ErrStaleLease)) {
-		r.untrack(l)
-	}
+	r.replied()
 	return res, err
 }
 
@@ -371,26 +423,46 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 	}
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
-		func(h kvwire.Header, p []byte) error {
-			return l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages)
+		func(h kvwire.Header, p []byte, claimed bool) error {
+			if !claimed {
+				return nil
+			}
+			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
+				return err
+			}
+			if r.opts.reconnect && l.id != 0 {
+				l.hashes = slices.Clone(hashes[:len(l.pages)])
+			}
+			r.track(l)
+			return nil
 		})
 	if err != nil {
 		return nil, r.giveBackBreach(ctx, l, err)
 	}
-	if r.opts.reconnect && l.id != 0 {
-		l.hashes = slices.Clone(hashes[:len(l.pages)])
-		r.track(l)
-	}
+	r.replied()
 	return l, nil
 }
 
-// Release ends leases once the work queued on s before the call has completed: their
-// pages are not reused (nor, for read leases, evicted) before. A lease with no pages is
-// skipped. If the owner holds one of them no more for this replica (released already,
-// another replica's), it fails with [kv.ErrStaleLease] and ends none. At most
-// [kv.MaxBatch] leases. A lease lost in an owner's restart ([WithReconnect]) is skipped:
-// the others are released, and the error wraps [kv.ErrLeaseLost].
-func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) error {
+// Release ends lease l once the work queued on s before the call has completed, as
+// [Replica.ReleaseAll] does for several.
+func (r *Replica) Release(ctx context.Context, l *Lease, s cudart.Stream) error {
+	return r.ReleaseAll(ctx, []*Lease{l}, s)
+}
+
+// ReleaseAll ends leases ls once the work queued on s before the call has completed:
+// their pages are not reused (nor, for read leases, evicted) before. A lease with no
+// pages (or nil) is skipped. At most [kv.MaxBatch] leases. On success the replica
+// holds none of them. If the owner holds one of them no more for this replica
+// (released already, another replica's), it fails with [kv.ErrStaleLease] and ends
+// none. A lease lost in an owner's restart ([WithReconnect]) is skipped: the others
+// are released, and the error wraps [kv.ErrLeaseLost]. If the owner is gone
+// ([kv.ErrOwnerGone]) the leases are still held; with [WithReconnect] they are
+// re-declared to the restarted owner, which holds their pages until they are
+// released: call ReleaseAll again once attached ([Replica.WaitAttached]), or
+// [Replica.Close]. If ctx ends first it returns ctx's error; the leases are then
+// ended or not, as the owner got the request or not, and naming them again fails
+// with [kv.ErrStaleLease] where it had.
+func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) error {
 	ids := make([]uint64, 0, len(ls))
 	var lost []error
 	for _, l := range ls {
@@ -415,24 +487,27 @@ func (r *Replica) Release(ctx context.Context, s cudart.Stream, ls ...*Lease) er
 	if err != nil {
 		return err
 	}
-	if err := r.releaseIDs(ctx, &ev.h, ids); err != nil {
+	if err := r.releaseIDs(ctx, &ev.h, ids, ls); err != nil {
 		return err
 	}
-	if r.opts.reconnect {
-		r.untrack(ls...)
-	}
+	r.replied()
 	return errors.Join(lost...)
 }
 
-func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64) error {
+// releaseIDs releases the leases ids after ev; once the owner has, the replica holds
+// ended no more.
+func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64, ended []*Lease) error {
 	return r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, _ bool) error {
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
 			}
-			_, err := kvwire.DecodeReleased(p)
-			return err
+			if _, err := kvwire.DecodeReleased(p); err != nil {
+				return err
+			}
+			r.untrack(ended...)
+			return nil
 		})
 }
 
@@ -441,9 +516,12 @@ func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 	var st kv.Stats
 	err := r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeStats, id) },
-		func(h kvwire.Header, p []byte) error {
+		func(h kvwire.Header, p []byte, claimed bool) error {
 			if h.Type != kvwire.TypeStatsReply {
 				return replyErr(h, p, kvwire.TypeStatsReply)
+			}
+			if !claimed {
+				return nil
 			}
 			return json.Unmarshal(p, &st)
 		})

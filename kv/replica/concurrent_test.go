@@ -56,7 +56,7 @@ func (sd side) readEach(ctx context.Context, chains ...[]kv.Hash) error {
 		if err := check(sd.dev, sd.r, sd.s, m.Pages(), chain); err != nil {
 			return err
 		}
-		if err := sd.r.Release(ctx, sd.s, m); err != nil {
+		if err := sd.r.Release(ctx, m, sd.s); err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
 	}
@@ -77,7 +77,10 @@ func sideBySide(t *testing.T, devices int) {
 		r, dev, s := dial(t, dir, i%devices)
 		ws, err := dev.StreamCreate(i%devices, cudart.StreamNonBlocking)
 		require.NoError(t, err)
-		t.Cleanup(func() { dev.StreamDestroy(i%devices, ws) })
+		t.Cleanup(func() {
+			_ = r.Forget(ws) // before ws goes: r's Close records on it otherwise
+			dev.StreamDestroy(i%devices, ws)
+		})
 		sides[i] = side{r: r, dev: dev, s: s, ws: ws, chain: sealed(t, dev, r, s, int32(1000+i), pages)}
 	}
 	ctx := bound(t)

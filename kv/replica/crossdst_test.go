@@ -5,6 +5,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/kv/replica"
 )
 
 // A cross-device match copies each page into the pages it leases on the reader's
@@ -29,6 +31,6 @@ func TestCrossDeviceCopyLandsInTheLeasedPages(t *testing.T) {
 		assert.NotEqual(t, src.Pages()[i], p, "page %d: the copy's destination differs from its source", i)
 	}
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "the bytes of the pages the reader leased")
-	require.NoError(t, r.Release(ctx, rs, m, hold))
-	require.NoError(t, w.Release(ctx, ws, src))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{m, hold}, rs))
+	require.NoError(t, w.Release(ctx, src, ws))
 }

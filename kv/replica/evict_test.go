@@ -37,7 +37,7 @@ func TestEvictionLeavesFirstAfterAGrownChain(t *testing.T) {
 	res, err = r.Seal(ctx, w, all[3:], rs, replica.WaitVisible())
 	require.NoError(t, err)
 	require.Equal(t, 3, res.Visible)
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 	eventually(t, "the match's release to settle", func() bool { return device0(o).Releasing == 0 })
 
 	// The 2 free pages and then one eviction.
@@ -47,5 +47,5 @@ func TestEvictionLeavesFirstAfterAGrownChain(t *testing.T) {
 	got, err := r.Match(ctx, all)
 	require.NoError(t, err)
 	assert.Len(t, got.Pages(), 5, "the chain lost its leaf; a parent evicted first leaves the rest unmatched")
-	require.NoError(t, r.Release(ctx, rs, got, hold))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{got, hold}, rs))
 }

@@ -1,5 +1,7 @@
 package replica
 
+import "github.com/cudapool/cudapool/kv/internal/kvwire"
+
 // ForgeLease is a Lease the owner never issued, for tests of its refusals.
 func ForgeLease(id uint64, write bool, pages ...uint32) *Lease {
 	return &Lease{id: id, write: write, pages: pages}
@@ -15,9 +17,28 @@ func HangUp(r *Replica) {
 func OpenEvents(r *Replica) int {
 	r.evMu.Lock()
 	defer r.evMu.Unlock()
-	return len(r.events) + len(r.leftEvents)
+	return len(r.events) + len(r.retired) + len(r.leftEvents)
 }
 
 // TornDown is closed once r's Close has completed its teardown, in the background
 // where Close gave up waiting.
 func TornDown(r *Replica) <-chan struct{} { return r.tornDown }
+
+// OnReply makes f run as r's reader has read each reply frame, with the request's
+// id, before the reply is handed on. Set it before the calls it is to see.
+func OnReply(r *Replica, f func(id uint32)) {
+	r.readHook = func(h kvwire.Header) { f(h.ID) }
+}
+
+// FailConn fails r's present connection for why, as its hang-up watch does when the
+// owner dies.
+func FailConn(r *Replica, why error) {
+	r.mu.Lock()
+	nc := r.nc
+	r.mu.Unlock()
+	r.failConn(nc, why)
+}
+
+// OnReplied makes f run as Alloc, Seal, Match or Release has its reply and has acted
+// on it, before it returns.
+func OnReplied(r *Replica, f func()) { r.replyHook = f }

@@ -116,7 +116,7 @@ func gpuReplicaRole(args []string) int {
 		if err := rt.StreamSynchronize(0, s); err != nil {
 			return fail(err)
 		}
-		if err := r.Release(ctx, s, m); err != nil {
+		if err := r.Release(ctx, m, s); err != nil {
 			return fail(err)
 		}
 		fmt.Println("read", len(m.Pages()))
@@ -125,7 +125,7 @@ func gpuReplicaRole(args []string) int {
 		if err != nil {
 			return fail(err)
 		}
-		if err := r.Release(ctx, s, l); err != nil {
+		if err := r.Release(ctx, l, s); err != nil {
 			return fail(err)
 		}
 		fmt.Println("evicted", n)

@@ -119,7 +119,7 @@ func TestHostTierEvictsAndRestores(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 16, "the match did not restore chain 1 from the host tier")
 	require.NoError(t, check(rdev, rd, rs, l.Pages(), chains[1]), "restored bytes differ from what was sealed")
-	require.NoError(t, rd.Release(bound(t), rs, l))
+	require.NoError(t, rd.Release(bound(t), l, rs))
 	h = host0(t, o)
 	require.Equal(t, uint64(16), h.Restores)
 	require.Equal(t, 16*owner.HostPageBytes(small), h.RestoreBytes)
@@ -130,7 +130,7 @@ func TestHostTierEvictsAndRestores(t *testing.T) {
 	l, err = w.Match(bound(t), chains[1])
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 16)
-	require.NoError(t, w.Release(bound(t), ws, l))
+	require.NoError(t, w.Release(bound(t), l, ws))
 	require.Equal(t, uint64(16), host0(t, o).Restores)
 }
 
@@ -159,13 +159,13 @@ func TestHostTierLRUAcrossTiers(t *testing.T) {
 	l, err = r.Match(bound(t), chains[17]) // the most recent: in the slab
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 8)
-	require.NoError(t, r.Release(bound(t), rs, l))
+	require.NoError(t, r.Release(bound(t), l, rs))
 	require.Zero(t, host0(t, o).Restores)
 	l, err = r.Match(bound(t), chains[9]) // the most recent the slab evicted: in the host tier
 	require.NoError(t, err)
 	require.Len(t, l.Pages(), 8)
 	require.NoError(t, check(rdev, r, rs, l.Pages(), chains[9]))
-	require.NoError(t, r.Release(bound(t), rs, l))
+	require.NoError(t, r.Release(bound(t), l, rs))
 	require.Equal(t, uint64(8), host0(t, o).Restores)
 }
 
@@ -189,8 +189,8 @@ func TestHostTierNeverEvictsLeasedPages(t *testing.T) {
 	l, err := w.Match(bound(t), first)
 	require.NoError(t, err)
 	require.Equal(t, held.Pages(), l.Pages(), "the leased pages left the slab")
-	require.NoError(t, w.Release(bound(t), ws, l))
-	require.NoError(t, r.Release(bound(t), rs, held))
+	require.NoError(t, w.Release(bound(t), l, ws))
+	require.NoError(t, r.Release(bound(t), held, rs))
 	require.Zero(t, host0(t, o).Restores)
 }
 
@@ -224,7 +224,7 @@ func TestSpillDoesNotBlockAMatch(t *testing.T) {
 			err = errors.New("a short match")
 		}
 		if err == nil {
-			err = r.Release(bound(t), rs, l)
+			err = r.Release(bound(t), l, rs)
 		}
 		matched <- err
 	}()
@@ -287,7 +287,7 @@ func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
 	require.Equal(t, uint64(64), h.Spills, "%+v", h)
 	require.Equal(t, uint64(64), h.Spilled)
 	require.Zero(t, h.Lost)
-	require.NoError(t, w.Release(bound(t), ws, l))
+	require.NoError(t, w.Release(bound(t), l, ws))
 
 	r, rdev, rs := dial(t, dir, 0)
 	eventually(t, "the aborted write's pages to settle", func() bool { return device0(o).Free == 64 })
@@ -295,7 +295,7 @@ func TestHostTierCopiesWhatAnAllocEvicts(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 64)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain), "restored bytes differ from what was sealed")
-	require.NoError(t, r.Release(bound(t), rs, m))
+	require.NoError(t, r.Release(bound(t), m, rs))
 	require.Equal(t, uint64(64), host0(t, o).Restores)
 }
 
@@ -311,14 +311,14 @@ func TestHostTierPerDevice(t *testing.T) {
 	chain := sealedSpilled(t, o, wdev, w, ws, 64, 1)[1]
 	l, err := w.Alloc(bound(t), 64) // evicts the chain from device 1's slab
 	require.NoError(t, err)
-	require.NoError(t, w.Release(bound(t), ws, l))
+	require.NoError(t, w.Release(bound(t), l, ws))
 	r, rdev, rs := dial(t, dir, 1)
 	eventually(t, "the aborted write's pages to settle", func() bool { return o.Stats().Devices[1].Free == 64 })
 	m, err := r.Match(bound(t), chain)
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 64)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), chain))
-	require.NoError(t, r.Release(bound(t), rs, m))
+	require.NoError(t, r.Release(bound(t), m, rs))
 	st := o.Stats()
 	require.Equal(t, uint64(64), st.Devices[1].Host.Restores)
 	require.Zero(t, st.Devices[0].Host.Restores)

@@ -33,7 +33,7 @@ func TestNamespacesNameTheirOwnPages(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 4, "a replica of the same namespace matches the pages")
 	require.NoError(t, check(a2dev, a2, a2s, m.Pages(), hashes), "and reads what was written")
-	require.NoError(t, a2.Release(ctx, a2s, m))
+	require.NoError(t, a2.Release(ctx, m, a2s))
 	for _, r := range []*replica.Replica{b, plain} {
 		m, err := r.Match(ctx, r.Hashes(toks))
 		require.NoError(t, err)

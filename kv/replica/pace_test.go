@@ -53,7 +53,7 @@ func TestOwnerPace(t *testing.T) {
 		held = append(held, m)
 	}
 	assert.Equal(t, settled, o.Pace(), "an owner with nothing pending makes no call")
-	require.NoError(t, r.Release(ctx, rs, held...))
+	require.NoError(t, r.ReleaseAll(ctx, held, rs))
 }
 
 // A seal and a release from a stream whose work has all completed carry no event: the
@@ -70,7 +70,7 @@ func TestIdleStreamNeedsNoEvent(t *testing.T) {
 	assert.Equal(t, replica.SealResult{Visible: 4}, res, "visible at once: the writes had completed")
 	m, err := w.Match(ctx, hashes)
 	require.NoError(t, err)
-	require.NoError(t, w.Release(ctx, ws, m))
+	require.NoError(t, w.Release(ctx, m, ws))
 	assert.Zero(t, device0(o).Releasing, "settled at once: nothing was queued on the stream")
 	assert.Equal(t, before, o.Pace(), "no event was queried or waited for")
 }

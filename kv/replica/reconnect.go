@@ -29,13 +29,19 @@ import (
 // under the same id, and reports the others lost: their Lost() wraps [kv.ErrLeaseLost],
 // and Seal or Release of them fails with it. Then the replica is attached again:
 // Err is nil, Done is a new channel, Reattaches counts one more and WaitAttached
-// returns. A Seal or Release that failed with kv.ErrOwnerGone left its lease held:
-// it may be made again once attached.
+// returns. A lost lease's pages may be another replica's already: do not read or
+// write them. A Seal or Release that failed with kv.ErrOwnerGone leaves its lease
+// held, and re-declared: the restarted owner holds its pages until the call is made
+// again once attached (WaitAttached), or until Close; a caller that drops such a
+// lease leaks its pages until then. The leases re-declared are those the replies
+// read before the owner was lost left held: a lease granted by a reply that was not
+// read was never the caller's, and one whose release was answered is not declared.
 //
 // The restarted owner lets pages be allocated once every replica attached before has
 // re-declared its leases, or after its grace (owner.WithReattachGrace, kvpoold's
-// -reattach-grace): a replica whose streams still run work on pages past it (a stream
-// stalled that long) may find them reused, its leases lost.
+// -reattach-grace): past it, a read lease whose pages were evicted meanwhile is lost;
+// a write lease's pages are kept for this process while it lives, and re-declared late
+// it is kept (docs/PROTOCOL.md, the restart contract).
 //
 // When the slab's keeper is gone, the slab is gone: the replica stays stopped.
 func WithReconnect() Option { return func(o *options) { o.reconnect = true } }
@@ -74,9 +80,10 @@ func (r *Replica) WaitAttached(ctx context.Context) error {
 	}
 }
 
-// track records l as held, to re-declare after an owner's restart.
+// track records l as held, to re-declare after an owner's restart (WithReconnect). It
+// runs as the reply granting l is handled, with the reading role held (roundTrip).
 func (r *Replica) track(l *Lease) {
-	if l.id == 0 {
+	if l.id == 0 || !r.opts.reconnect {
 		return
 	}
 	r.mu.Lock()
@@ -84,8 +91,11 @@ func (r *Replica) track(l *Lease) {
 	r.mu.Unlock()
 }
 
-// untrack forgets leases that ended.
+// untrack forgets leases that ended, as the reply ending them is handled.
 func (r *Replica) untrack(ls ...*Lease) {
+	if !r.opts.reconnect {
+		return
+	}
 	r.mu.Lock()
 	for _, l := range ls {
 		if l != nil {
@@ -170,10 +180,7 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 // completed: then no Seal's writes and no Release's reads are still running.
 func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
-	var evs []*streamEvent
-	for _, e := range r.events {
-		evs = append(evs, e)
-	}
+	evs := r.allEvents()
 	r.evMu.Unlock()
 	for _, e := range evs {
 		wait := 50 * time.Microsecond
@@ -231,6 +238,16 @@ func (r *Replica) reattach(ctx context.Context) (err error) {
 			_ = owner.Close() // cleanup: the reattach's error is the one returned
 		}
 	}()
+	// With the role, no reply is being handled: every lease a reply read on the lost
+	// connection granted is listed, and none it ended, until the new one is installed.
+	select {
+	case r.role <- struct{}{}:
+	case <-r.closing:
+		return kv.ErrClosed
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	defer func() { <-r.role }()
 	r.mu.Lock()
 	held := make([]*Lease, 0, len(r.leases))
 	for _, l := range r.leases {
@@ -292,15 +309,9 @@ func redeclare(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader, held []
 	return lost, nil
 }
 
-// install makes nc the replica's connection, attached; false (nc to be closed by the
-// caller) if Close came first.
+// install makes nc the replica's connection, attached, with the reading role held;
+// kv.ErrClosed (nc to be closed by the caller) if Close came first.
 func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.Process, lost map[*Lease]string) error {
-	select {
-	case r.role <- struct{}{}: // no reader of the old connection is left
-	case <-r.closing:
-		return kv.ErrClosed
-	}
-	defer func() { <-r.role }()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {

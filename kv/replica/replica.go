@@ -10,14 +10,14 @@
 //	w, err := r.Alloc(ctx, n)            // pages to write the rest into
 //	// ... write w.Pages() on s ...
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
-//	err = r.Release(ctx, s, l)           // pages are reused only after s's work so far
+//	err = r.Release(ctx, l, s)           // pages are reused only after s's work so far
 //
 // Seal and Release record an IPC event of the stream's own (one per stream, reused)
 // on the stream they are given, and the owner waits for it on the host: the host of
 // the replica never waits for the GPU, and a Match needs no stream wait, as the owner
 // exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
-// the first address Layer(l) returns, and page p of it PageBytes() * p further on
-// (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
+// the first address Layer(l) returns, and page p of it Geometry().PageBytes() * p
+// further on (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
 package replica
 
 import (
@@ -147,6 +147,13 @@ type Replica struct {
 	rd   *kvwire.Reader
 	dlMu sync.Mutex
 	dlBy uint32 // the request whose ctx may cut the current read short; 0 none
+	// readHook, where a test set it (export_test.go), runs as the reader has read a
+	// reply frame, before it hands the reply on: the seam where a test makes the
+	// connection fail at an exact point.
+	readHook func(h kvwire.Header)
+	// replyHook, where a test set it, runs as Alloc, Seal, Match or Release has its
+	// reply and has acted on it.
+	replyHook func()
 
 	mu    sync.Mutex
 	calls map[uint32]*call
@@ -167,6 +174,7 @@ type Replica struct {
 
 	evMu       sync.Mutex
 	events     map[cudart.Stream]*streamEvent
+	retired    []*streamEvent // of streams given to Forget: recorded no more, waited on by Close
 	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
 	evClosed   bool
 }
@@ -177,15 +185,20 @@ type streamEvent struct {
 	h  [kvwire.EventLen]byte
 }
 
-// call is a request waiting for its reply.
+// call is one request's wait for its reply, made for that request alone and never
+// reused. Replica.calls holds it until one party takes it out (take): the reader
+// that reads its reply, failConn when the connection it was made on fails, or its
+// own caller ending its wait. Only the party that took it completes it (runs handle
+// on the reply, or sets the failure, then closes done), and does so without
+// blocking; its caller reads err only after done is closed. abandoned is set only
+// while the call is registered, under Replica.mu (abandon).
 type call struct {
-	ch     chan struct{}
-	h      kvwire.Header
-	buf    []byte
-	failed error // set, instead of a reply, when the connection it was sent on ended
+	id        uint32
+	handle    replyHandler
+	abandoned bool // its caller gave up: the reply is handled unclaimed
+	done      chan struct{}
+	err       error // the handling of the reply, or why the connection it was sent on ended
 }
-
-var calls = sync.Pool{New: func() any { return &call{ch: make(chan struct{}, 1)} }}
 
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
@@ -370,20 +383,21 @@ func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan str
 // starts (reconnect.go).
 func (r *Replica) failConn(nc *net.UnixConn, why error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	if r.err != nil || nc != r.nc {
+		r.mu.Unlock()
 		return
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
+	failed, err := r.calls, r.err
+	r.calls = map[uint32]*call{}
 	close(r.done)
-	for id, c := range r.calls {
-		delete(r.calls, id)
-		c.failed = r.err
-		c.ch <- struct{}{}
-	}
-	_ = r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
-	_ = r.nc.Close()      // cleanup: the owner is gone already
 	r.reconnectLocked()
+	r.mu.Unlock()
+	for _, c := range failed {
+		c.complete(err)
+	}
+	_ = nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
+	_ = nc.Close()      // cleanup: the owner is gone already
 }
 
 // Geometry is the slab's geometry.
@@ -406,8 +420,8 @@ func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
 	return r.Addr(layer, kv.K, 0), r.Addr(layer, kv.V, 0)
 }
 
-// Addr is the address of page's block of layer's part in this process (PageBytes()
-// bytes). layer and page must be in range.
+// Addr is the address of page's block of layer's part in this process
+// (Geometry().PageBytes() bytes). layer and page must be in range.
 func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
 	return r.segs.Addr(r.ptrs, layer, p, page)
 }
@@ -438,7 +452,9 @@ func (r *Replica) Err() error {
 // after the work queued so far on every stream the replica has sealed or released on
 // (Bye carries an event recorded after it), so that no page a kernel still writes goes
 // to another replica; work on a stream never given to Seal or Release is not covered:
-// release such leases first. It then waits, until ctx ends, for the owner to close
+// release such leases first. Such a stream must not be destroyed before Close (the
+// driver does not survive a record on a destroyed stream) unless given to
+// [Replica.Forget] first. It then waits, until ctx ends, for the owner to close
 // the connection, so that the owner is done with this
 // replica's events before they are destroyed. It then unmaps the slab after the last
 // records of those events and disconnects from the slab's exporter. If ctx ends before
@@ -537,12 +553,47 @@ func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
 			return [kvwire.EventLen]byte{}, err
 		}
 	}
+	for _, e := range r.retired { // their streams' last records, made by Forget
+		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
+			r.evMu.Unlock()
+			return [kvwire.EventLen]byte{}, err
+		}
+	}
 	r.evMu.Unlock()
 	e, err := r.record(r.stream)
 	if err != nil {
 		return [kvwire.EventLen]byte{}, err
 	}
 	return e.h, nil
+}
+
+// Forget ends the replica's use of stream s, to be called before s is destroyed:
+// the replica records s's event on s one last time and never names s to the runtime
+// again, so that [Replica.Close] still covers the work queued on s so far (through
+// that record) without touching a destroyed stream, which the driver does not survive.
+// A stream the replica never sealed or released on, or a closed replica, is left as it
+// is and Forget returns nil. On failure (the record failed) s is forgotten all the
+// same, and Close no longer covers its work: release the leases it writes first.
+func (r *Replica) Forget(s cudart.Stream) error {
+	r.evMu.Lock()
+	defer r.evMu.Unlock()
+	e, ok := r.events[s]
+	if !ok || r.evClosed || s == r.stream {
+		return nil
+	}
+	delete(r.events, s)
+	r.retired = append(r.retired, e)
+	return r.rt.EventRecord(r.dev, e.ev, s)
+}
+
+// allEvents is every event the replica holds: of its streams and of those it forgot.
+// r.evMu is held.
+func (r *Replica) allEvents() []*streamEvent {
+	evs := make([]*streamEvent, 0, len(r.events)+len(r.retired))
+	for _, e := range r.events {
+		evs = append(evs, e)
+	}
+	return append(evs, r.retired...)
 }
 
 // teardown undoes what Dial made, whatever it got to; it destroys the events only if
@@ -565,8 +616,8 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	r.evMu.Lock()
 	r.evClosed = true
-	events := r.events
-	r.events = map[cudart.Stream]*streamEvent{}
+	events := r.allEvents()
+	r.events, r.retired = map[cudart.Stream]*streamEvent{}, nil
 	if !destroyEvents {
 		for _, e := range events {
 			r.leftEvents = append(r.leftEvents, e.ev)

@@ -49,7 +49,7 @@ func TestRoundTrip(t *testing.T) {
 	assert.Equal(t, 5, st.Devices[0].Sealed)
 	assert.Equal(t, 5, st.Devices[0].Leased)
 	assert.Equal(t, uint64(5), st.Devices[0].Hits)
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 	remote, err := r.Stats(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, small.Pages, remote.Geometry.Pages)
@@ -77,7 +77,7 @@ func TestRoundTripAcrossProcesses(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 6)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes))
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 
 	rd.Send("release")
 	rd.Expect("released")
@@ -98,19 +98,19 @@ func TestMatchLongestRun(t *testing.T) {
 	m, err := w.Match(ctx, all)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 3, "3 of the 5 hashes are visible")
-	require.NoError(t, w.Release(ctx, ws, m))
+	require.NoError(t, w.Release(ctx, m, ws))
 
 	gap := []kv.Hash{all[0], all[1], {9}, all[2]}
 	m, err = w.Match(ctx, gap)
 	require.NoError(t, err)
 	assert.Len(t, m.Pages(), 2, "the run ends at the first hash not visible")
-	require.NoError(t, w.Release(ctx, ws, m))
+	require.NoError(t, w.Release(ctx, m, ws))
 
 	none, err := w.Match(ctx, []kv.Hash{{1}, all[0]})
 	require.NoError(t, err)
 	assert.Empty(t, none.Pages())
 	assert.Zero(t, none.ID(), "no lease for an empty match")
-	require.NoError(t, w.Release(ctx, ws, none), "releasing an empty lease does nothing")
+	require.NoError(t, w.Release(ctx, none, ws), "releasing an empty lease does nothing")
 
 	st := device0(o)
 	assert.Equal(t, uint64(3+2), st.Hits)
@@ -130,34 +130,34 @@ func TestStaleLeaseRefused(t *testing.T) {
 	require.NoError(t, err)
 	held, err := a.Match(ctx, hashes)
 	require.NoError(t, err)
-	require.NoError(t, a.Release(ctx, as, m))
+	require.NoError(t, a.Release(ctx, m, as))
 	eventually(t, "the release to settle", func() bool { return device0(o).Releasing == 0 })
 	before := o.Stats()
 
-	err = a.Release(ctx, as, m)
+	err = a.Release(ctx, m, as)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "released twice")
 	assert.Contains(t, err.Error(), "has ended")
-	err = b.Release(ctx, bs, held)
+	err = b.Release(ctx, held, bs)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "another replica's")
 	assert.Contains(t, err.Error(), "another replica")
-	err = a.Release(ctx, as, replica.ForgeLease(1<<40, false, 0))
+	err = a.Release(ctx, replica.ForgeLease(1<<40, false, 0), as)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "never issued")
 	assert.Contains(t, err.Error(), "never issued")
-	require.ErrorIs(t, a.Release(ctx, as, held, m), kv.ErrStaleLease, "a valid lease beside a stale one")
+	require.ErrorIs(t, a.ReleaseAll(ctx, []*replica.Lease{held, m}, as), kv.ErrStaleLease, "a valid lease beside a stale one")
 	_, err = a.Seal(ctx, replica.ForgeLease(held.ID(), true, held.Pages()...), hashes, as)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "a read lease sealed")
 	_, err = b.Seal(ctx, replica.ForgeLease(held.ID(), true, held.Pages()...), hashes, bs)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "another replica's lease sealed")
 	assert.Equal(t, before.Devices, o.Stats().Devices, "refusals change nothing")
 
-	require.NoError(t, a.Release(ctx, as, held), "the valid lease is still held")
+	require.NoError(t, a.Release(ctx, held, as), "the valid lease is still held")
 	w, err := a.Alloc(ctx, 2)
 	require.NoError(t, err)
 	_, err = a.Seal(ctx, w, nil, as)
 	require.NoError(t, err, "a seal of no hashes frees the pages")
 	_, err = a.Seal(ctx, w, nil, as)
 	require.ErrorIs(t, err, kv.ErrStaleLease, "a write lease sealed twice")
-	require.ErrorIs(t, a.Release(ctx, as, w), kv.ErrStaleLease, "a sealed write lease released")
+	require.ErrorIs(t, a.Release(ctx, w, as), kv.ErrStaleLease, "a sealed write lease released")
 }
 
 // TestNoSpaceIsAllOrNothing: an alloc that cannot have every page it asks for leases
@@ -183,7 +183,7 @@ func TestNoSpaceIsAllOrNothing(t *testing.T) {
 	assert.Equal(t, before, device0(o), "a refused alloc changes nothing")
 	one, err := r.Alloc(ctx, 1)
 	require.NoError(t, err, "the free page")
-	require.NoError(t, r.Release(ctx, rs, m, w, one))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{m, w, one}, rs))
 }
 
 // TestEvictionLeavesFirst: alloc evicts the least recently used visible pages, a
@@ -218,7 +218,7 @@ func TestEvictionLeavesFirst(t *testing.T) {
 	resume, err := rdev.Stall(0, rs)
 	require.NoError(t, err)
 	t.Cleanup(resume)
-	require.NoError(t, r.Release(ctx, rs, mb))
+	require.NoError(t, r.Release(ctx, mb, rs))
 	assert.Equal(t, 2, device0(o).Releasing)
 	// The Alloc waits for b's pages to settle (no eviction before), then takes one.
 	got := make(chan error, 1)
@@ -235,7 +235,7 @@ func TestEvictionLeavesFirst(t *testing.T) {
 	mb, err = r.Match(ctx, b)
 	require.NoError(t, err)
 	assert.Len(t, mb.Pages(), 1, "b's deepest page left went")
-	require.NoError(t, r.Release(ctx, rs, ma, mb, w1, w2, w3))
+	require.NoError(t, r.ReleaseAll(ctx, []*replica.Lease{ma, mb, w1, w2, w3}, rs))
 }
 
 // TestSealNotVisibleBeforeItsWork: pages sealed behind work that has not run are not
@@ -278,7 +278,7 @@ func TestSealNotVisibleBeforeItsWork(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 4)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes))
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 }
 
 // TestDuplicateSeal: a second seal of hashes already visible frees its pages and
@@ -356,7 +356,7 @@ func TestReaderKilledEndsItsLeases(t *testing.T) {
 	eventually(t, "the dead reader's leases to end", func() bool { return device0(o).Leased == 0 })
 	l, err := w.Alloc(bound(t), 8)
 	require.NoError(t, err, "the pages are evictable again")
-	require.NoError(t, w.Release(bound(t), ws, l))
+	require.NoError(t, w.Release(bound(t), l, ws))
 	rd.Wait()
 }
 
@@ -375,7 +375,7 @@ func TestOwnerKilled(t *testing.T) {
 	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
 	_, err = r.Alloc(ctx, 1)
 	require.ErrorIs(t, err, kv.ErrOwnerGone)
-	err = r.Release(ctx, rs, l)
+	err = r.Release(ctx, l, rs)
 	require.True(t, errors.Is(err, kv.ErrOwnerGone), "%v", err)
 	ow.Wait()
 }
@@ -402,13 +402,13 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 	assert.Equal(t, 6, st[1].Sealed)
 	assert.Equal(t, 6, st[0].Sealed)
 	assert.Zero(t, st[0].Leased, "the copy's hold on the sources ended")
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 
 	again, err := r.Match(ctx, hashes)
 	require.NoError(t, err)
 	assert.Equal(t, m.Pages(), again.Pages(), "matched in device 1's slab")
 	assert.Equal(t, uint64(4), o.Stats().Devices[1].Copied, "no second copy")
-	require.NoError(t, r.Release(ctx, rs, again))
+	require.NoError(t, r.Release(ctx, again, rs))
 }
 
 // TestOwnerClosesWhileIdle: an idle replica learns at once that its owner closes, and
@@ -444,7 +444,7 @@ func TestQueryStats(t *testing.T) {
 	assert.Equal(t, 3, st.Devices[0].Leased)
 	require.Len(t, st.Replicas, 1, "the observer is not listed")
 	assert.Equal(t, kv.ReplicaStats{PID: os.Getpid(), Device: 0, Leases: 1, Pages: 3}, st.Replicas[0])
-	require.NoError(t, r.Release(bound(t), rs, m))
+	require.NoError(t, r.Release(bound(t), m, rs))
 
 	_, err = replica.QueryStats(bound(t), shortDir(t))
 	require.ErrorIs(t, err, kv.ErrOwnerGone, "a directory no owner serves")
@@ -465,7 +465,7 @@ func TestCloseWaitsForReleases(t *testing.T) {
 	resume, err := rdev.Stall(0, rs)
 	require.NoError(t, err)
 	t.Cleanup(resume)
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 	closed := make(chan error, 1)
 	go func() { closed <- r.Close(ctx) }()
 	eventually(t, "the held lease to end at Bye, behind its final event", func() bool { return device0(o).Leased == 0 })
@@ -515,7 +515,7 @@ func TestConcurrentCalls(t *testing.T) {
 				m, err := r.Match(ctx, shared)
 				assert.NoError(t, err)
 				assert.Len(t, m.Pages(), 8)
-				assert.NoError(t, r.Release(ctx, rs, m))
+				assert.NoError(t, r.Release(ctx, m, rs))
 				// A caller that gives up at once: the owner's answer grants a lease
 				// nobody takes, which the replica releases.
 				gone, cancel := context.WithCancel(ctx)
@@ -524,7 +524,7 @@ func TestConcurrentCalls(t *testing.T) {
 				if err != nil {
 					assert.ErrorIs(t, err, context.Canceled)
 				} else { // the answer came first: the lease is the caller's
-					assert.NoError(t, r.Release(ctx, rs, late))
+					assert.NoError(t, r.Release(ctx, late, rs))
 				}
 			}
 		})

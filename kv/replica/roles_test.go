@@ -129,7 +129,7 @@ func replicaRole(args []string) int {
 			replica.HangUp(r)
 			fmt.Println("hung up")
 		case "release":
-			if err := r.Release(ctx, s, held...); err != nil {
+			if err := r.ReleaseAll(ctx, held, s); err != nil {
 				return fail(err)
 			}
 			held = nil

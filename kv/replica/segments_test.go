@@ -80,7 +80,7 @@ func TestLayerPointersAcrossSegments(t *testing.T) {
 			}
 		}
 	}
-	require.NoError(t, r.Release(ctx, rs, m))
+	require.NoError(t, r.Release(ctx, m, rs))
 }
 
 // A slab whose segments' metadata names another geometry than the owner's Welcome is
@@ -130,5 +130,5 @@ func TestDialMapsA100GiBSlab(t *testing.T) {
 	m, err := r.Match(bound(t), hashes)
 	require.NoError(t, err)
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "every layer's K and V: all 32 segments")
-	require.NoError(t, r.Release(bound(t), rs, m))
+	require.NoError(t, r.Release(bound(t), m, rs))
 }

@@ -27,7 +27,7 @@ func TestAllocWaitsForSettlingPages(t *testing.T) {
 	resume, err := rdev.Stall(0, rs)
 	require.NoError(t, err)
 	t.Cleanup(resume)
-	require.NoError(t, r.Release(ctx, rs, all))
+	require.NoError(t, r.Release(ctx, all, rs))
 	assert.Equal(t, 8, device0(o).Settling)
 
 	_, err = r.Alloc(ctx, 9)
@@ -66,5 +66,5 @@ func TestAllocWaitsForSettlingPages(t *testing.T) {
 	cancel()
 	_, err = r.Alloc(short, 1)
 	require.ErrorIs(t, err, context.Canceled)
-	require.NoError(t, r.Release(ctx, rs, l))
+	require.NoError(t, r.Release(ctx, l, rs))
 }

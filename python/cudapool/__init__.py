@@ -18,7 +18,8 @@ Every call that takes a stream takes the caller's: an int (cudaStream_t), a torc
 CuPy or cuda.core stream, or anything with __cuda_stream__; None is the legacy default
 stream. Every call that waits takes a timeout in seconds, by Python's convention:
 None is no bound, and 0 is do not wait, as in threading and queue: what is not there
-yet (an exporter, a name) fails at once as without wait=True, and a live exporter's
+yet (an exporter, a name) fails at once as without wait_for_exporter or wait_for_name,
+and a live exporter's
 answer is waited for at most a second. Only the standard library is needed;
 cudapool.torch holds the PyTorch helpers, cudapool.kv the KV page pool (torch only for
 kv_caches), and cudapool.hf runs stock transformers models over its pages (torch and
@@ -28,6 +29,13 @@ The runtime is the GPU unless asked otherwise: init("auto") falls back to cudapo
 software device where no GPU is (and says so), init("test") always uses it, and so does
 $CUDAPOOL_RUNTIME. The library logs nothing unless set_log_level asks it to, and then
 through the logging module's "cudapool" logger.
+
+Closing and releasing, the rule of every language: a second close changes nothing
+(Python returns None, as files and sockets do; Go's Close returns the package's
+ErrClosed and C's CUDAPOOL_EHANDLE, which a caller may ignore, as close(2)'s EBADF).
+A second release of what was leased (Mapping.release, a KV lease, Buffer.free) is a
+bug: it raises (InvalidHandle, StaleLease, ForeignPointer), as Go returns ErrReleased
+or kv.ErrStaleLease and C CUDAPOOL_EHANDLE or CUDAPOOL_ESTALE.
 
 The library runs a Go runtime, which does not survive fork(): a process forked after
 it was loaded gets ForkedProcess from every call. Use multiprocessing's "spawn" start
@@ -48,10 +56,10 @@ its timeout out holds nothing) and ForkedProcess anywhere:
     Exporter.publish              NameInUse, ForeignPointer, InvalidArgument (range, meta)
     Exporter.push                 NotFound (no such peer or name)
     Exporter.close                Abandoned (consumers still held buffers: closed anyway)
-    Importer                      Gone (no exporter: without wait, or with timeout 0),
+    Importer                      Gone (no exporter: without wait_for_exporter, or with timeout 0),
                                   Refused, VersionMismatch, DuplicateImporter,
                                   NotSupported (this process's own exporter)
-    Importer.open, open_all       NotFound (without wait), Gone, StreamDevice,
+    Importer.open, open_all       NotFound (without wait_for_name), Gone, StreamDevice,
                                   TooManyGrants, ExporterFailed
     Mapping (ptr, view, DLPack)   MappingLost (exporter gone, another GPU), InvalidHandle
                                   (released)
@@ -69,6 +77,7 @@ import dataclasses
 import json
 import logging
 import selectors
+import warnings
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import _dlpack, _lib
@@ -623,21 +632,39 @@ def query_state(socket: str, timeout: Timeout_ = DEFAULT_TIMEOUT) -> State:
 
 # ---- Importer ----
 
+def _renamed(new: str, value: bool, old: str, old_value: Optional[bool]) -> bool:
+    """The value of keyword new, given as value or under its former name old (then
+    old_value is not None, and a DeprecationWarning names both): a TypeError if both
+    were given."""
+    if old_value is None:
+        return value
+    if value:
+        raise TypeError("%s= is %s='s former name: give one of them" % (old, new))
+    warnings.warn("%s= is deprecated: use %s=" % (old, new), DeprecationWarning, stacklevel=3)
+    return bool(old_value)
+
+
 class Importer(_Handle):
     """The consumer's side: a connection to the exporter at path, mapping its buffers on
     device. One per exporter per process (DuplicateImporter otherwise); a process cannot
-    import its own exports (NotSupported: use the buffer's pointer). With wait, it waits
-    (up to timeout) for an exporter to listen there, as a replica started before its
-    producer does.
+    import its own exports (NotSupported: use the buffer's pointer). With
+    wait_for_exporter, it waits (up to timeout) for an exporter to listen there, as a
+    replica started before its producer does. (A keyword that makes a call wait for
+    something to be there, instead of failing at once, is wait_for_<thing>, as Go's
+    WaitFor<Thing> options: wait_for_exporter, wait_for_name, Pool's wait_for_memory,
+    kv.Replica's wait_for_owner. wait=, their former name here, still works, with a
+    DeprecationWarning.)
 
     When the exporter's process ends, alive turns False, error says why, done_fd() becomes
     readable (for selectors, asyncio's add_reader, poll) and wait_done returns True;
     opens raise Gone, and mappings on another GPU than the exporter's raise MappingLost
     (release them)."""
 
-    def __init__(self, path: str, device: int = 0, timeout: Timeout_ = DEFAULT_TIMEOUT, *, wait: bool = False):
+    def __init__(self, path: str, device: int = 0, timeout: Timeout_ = DEFAULT_TIMEOUT, *,
+                 wait_for_exporter: bool = False, wait: Optional[bool] = None):
+        wait_for_exporter = _renamed("wait_for_exporter", wait_for_exporter, "wait", wait)
         o = _lib.options(_lib.DialOptions)
-        o.flags = 1 if wait else 0
+        o.flags = 1 if wait_for_exporter else 0
         h = _lib.ImporterH()
         self.device = _lib.device(device)
         _lib.call("cudapool_importer_dial", _lib.encode_name(path, "path"), self.device, ctypes.byref(o),
@@ -649,19 +676,21 @@ class Importer(_Handle):
         return _lib.ImporterH(self._h)
 
     def open(self, name: str, stream: StreamLike = None, timeout: Timeout_ = DEFAULT_TIMEOUT, *,
-             wait: bool = False, local_copy: Union[bool, Pool] = False,
-             replica: Union[bool, Pool, None] = None) -> "Mapping":
+             wait_for_name: bool = False, local_copy: Union[bool, Pool] = False,
+             replica: Union[bool, Pool, None] = None, wait: Optional[bool] = None) -> "Mapping":
         """Leases the buffer published under name and maps it. Work queued on stream (of
-        this importer's device) after the call sees the producer's writes. With wait, it
+        this importer's device) after the call sees the producer's writes. With
+        wait_for_name (wait, its former name, still works with a DeprecationWarning), it
         waits (up to timeout) for the name to be published. With local_copy (True, or a
         Pool that grants the exporter's device access) it copies the buffer into memory of
         this device and gives the lease back: the Mapping then outlives its producer on
         any GPU. replica is local_copy's former name, still accepted. Release the Mapping
         when done."""
+        wait_for_name = _renamed("wait_for_name", wait_for_name, "wait", wait)
         if replica is not None:
             local_copy = replica
         o = _lib.options(_lib.OpenOptions)
-        o.flags = (1 if wait else 0) | (2 if local_copy is not False and local_copy is not None else 0)
+        o.flags = (1 if wait_for_name else 0) | (2 if local_copy is not False and local_copy is not None else 0)
         if isinstance(local_copy, Pool):
             o.replica_pool = _lib.PoolH(local_copy.handle)
         elif not isinstance(local_copy, bool) and local_copy is not None:
@@ -763,7 +792,8 @@ class Mapping(_Handle):
     (the bytes published with it) and the stream it was opened on. Through
     __cuda_array_interface__ it is a 1-D uint8 array whose data is valid on that stream;
     view() gives it another dtype and shape. Once released, or lost (its exporter died
-    and it lives on another GPU), every use raises: InvalidHandle or MappingLost.
+    and it lives on another GPU), every use raises: InvalidHandle or MappingLost; a
+    second release too, and only close (the with block's end) does nothing then.
     cudapool.torch.open_tensor sets tensor, its view of the memory as a torch tensor."""
 
     tensor: Any  # set by cudapool.torch.open_tensor only
@@ -831,15 +861,22 @@ class Mapping(_Handle):
     def release(self, stream: StreamLike = None, timeout: Timeout_ = DEFAULT_TIMEOUT) -> None:
         """Gives the mapping back once the work queued on stream (default: the stream it
         was opened on) before the call is done. A lost mapping is released too: that
-        frees its import without touching the memory."""
-        if self._h:
-            h, self._h = self._h, 0
-            s = self.stream if stream is None else stream_handle(stream)
-            _lib.call("cudapool_mapping_release", _lib.MappingH(h), ctypes.c_void_p(s or None),
-                      _lib.timeout_ms(timeout))
+        frees its import without touching the memory. Releasing a released mapping is a
+        bug and raises InvalidHandle, as C's CUDAPOOL_EHANDLE and Go's ErrReleased say
+        (close, and the with block's end, are the calls that do nothing the second
+        time)."""
+        if not self._h:
+            raise InvalidHandle(2, "cudapool: mapping %r was released already" % self.name)
+        h, self._h = self._h, 0
+        s = self.stream if stream is None else stream_handle(stream)
+        _lib.call("cudapool_mapping_release", _lib.MappingH(h), ctypes.c_void_p(s or None),
+                  _lib.timeout_ms(timeout))
 
     def close(self) -> None:
-        self.release()
+        """release() on the stream the mapping was opened on; on a released mapping it
+        does nothing (as a file's close)."""
+        if self._h:
+            self.release()
 
     def __repr__(self) -> str:
         e = None if not self._h else self.error

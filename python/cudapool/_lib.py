@@ -231,7 +231,8 @@ class OutOfMemory(CudapoolError, MemoryError):
 
 
 class NotFound(CudapoolError, LookupError):
-    """No buffer is published under that name (or no such peer)."""
+    """No buffer is published under that name (never, or no more: its buffer was
+    freed), or no such peer."""
 
 
 class NameInUse(CudapoolError):
@@ -243,7 +244,7 @@ class Busy(CudapoolError):
 
 
 class Gone(CudapoolError):
-    """The exporter or the buffer is gone."""
+    """The exporter (or the KV owner) is gone."""
 
 
 class Refused(CudapoolError, PermissionError):

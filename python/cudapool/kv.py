@@ -281,13 +281,33 @@ class Lease:
     array('I') of page indices; id is the owner's lease id (0 for a match that found
     nothing, which holds no lease)."""
 
-    __slots__ = ("pages", "id", "writable")
+    __slots__ = ("pages", "id", "writable", "_replica")
 
-    def __init__(self, lease_id, pages, writable):
-        self.id, self.pages, self.writable = lease_id, pages, writable
+    def __init__(self, lease_id, pages, writable, replica=None):
+        self.id, self.pages, self.writable, self._replica = lease_id, pages, writable, replica
 
     def __len__(self):
         return len(self.pages)
+
+    @property
+    def lost(self):
+        """Why an owner's restart lost the lease, as a StaleLease exception (not
+        raised), or None while the replica holds it, as Go's Lease.Lost.
+
+        Only a Replica made with reconnect loses leases: the restarted owner did not
+        take this one back, and its pages may be another replica's already, so do not
+        read or write them. Sealing or releasing it raises that StaleLease and ends
+        it. Once the lease ended (sealed, released, the replica closed), and for a
+        Lease of len 0, lost is None.
+        """
+        r = self._replica
+        if not self.id or r is None or not r._r.h:
+            return None
+        try:
+            why = _lib.call_sized("cudapool_kv_lease_lost", r._r, self.id, cap=256)
+        except (StaleLease, Closed):
+            return None  # ended, or the replica closed meanwhile
+        return StaleLease(27, why.decode(errors="replace")) if why else None
 
     def __repr__(self):
         shown = ", ".join(str(p) for p in self.pages[:8]) + (", ..." if len(self.pages) > 8 else "")
@@ -325,6 +345,7 @@ _SIGNATURES = {
     "cudapool_kv_done_fd": (_Replica, ctypes.POINTER(_lib.c_int)),
     "cudapool_kv_alive": (_Replica, ctypes.POINTER(_lib.c_int)),
     "cudapool_kv_error": (_Replica, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_lease_lost": (_Replica, _lib.u64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_stats": (_Replica, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_close": (_Replica, _lib.i64),
     "cudapool_kv_reattaches": (_Replica, _u64p),
@@ -430,8 +451,12 @@ class Replica:
         without a new process or CUDA context: once the owner is lost, alive is False
         and calls raise Gone while it redials and re-declares its leases; then they
         work again (wait_attached, reattaches). A lease the new owner did not take
-        back raises StaleLease ("lost") when released or sealed; one whose release or
-        seal raised Gone is still held, to be released again once attached.
+        back is lost (Lease.lost says why): do not read or write its pages; releasing
+        or sealing it raises StaleLease and ends it. A lease whose release or seal
+        raised Gone is still held, and re-declared: the restarted owner holds its pages
+        until you make the call again once attached (wait_attached, then release or
+        seal it) or close the replica. Catching Gone and dropping the lease leaks its
+        pages until then.
 
     Attributes
     ----------
@@ -614,7 +639,7 @@ class Replica:
             pages = self._pages if mine else (ctypes.c_uint32 * max(n, 1))()
             lease = self._lease if mine else _lib.u64()
             self._call("cudapool_kv_alloc", n, self._ms_of(timeout), ctypes.byref(lease), pages)
-            return Lease(lease.value, _page_array(pages, n), True)
+            return Lease(lease.value, _page_array(pages, n), True, self)
         finally:
             if mine:
                 self._busy.release()
@@ -623,7 +648,8 @@ class Replica:
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
-        write lease ends either way, also when the call times out.
+        write lease ends either way, also when the call times out (not when it raises
+        Gone with reconnect: see Gone).
 
         Returns
         -------
@@ -639,6 +665,10 @@ class Replica:
         InvalidArgument
             A read lease (from match), or more hashes than the lease has pages; the
             lease is kept.
+        Gone
+            The owner is gone. With reconnect the lease is still held, and re-declared
+            to the restarted owner: seal it again once attached (wait_attached), or
+            close the replica; without it, the lease went with the owner.
         TypeError, ValueError
             lease is not a Lease, or hashes are not 16-byte hashes (or over MAX_BATCH).
         """
@@ -677,7 +707,7 @@ class Replica:
             lease, got = (self._lease, self._n) if mine else (_lib.u64(), _lib.size_t())
             self._call("cudapool_kv_match", raw, n, _stream(stream), self._ms_of(timeout), ctypes.byref(lease),
                        pages, ctypes.byref(got))
-            return Lease(lease.value, _page_array(pages, got.value), False)
+            return Lease(lease.value, _page_array(pages, got.value), False, self)
         finally:
             if mine:
                 self._busy.release()
@@ -692,7 +722,13 @@ class Replica:
         ------
         StaleLease
             A lease was released or sealed already, or is another replica's: none is
-            released.
+            released. Or a lease was lost in an owner's restart (Lease.lost): it is
+            ended, and the others are released.
+        Gone
+            The owner is gone. With reconnect the leases are still held, and
+            re-declared to the restarted owner, which holds their pages until they are
+            released: release them again once attached (wait_attached), or close the
+            replica; without reconnect they went with the owner.
         TypeError, ValueError
             Not Leases, or more than MAX_BATCH of them.
         Timeout
@@ -780,6 +816,10 @@ class Replica:
         replica has sealed or released on, as a release on those streams would: pages
         a kernel still writes are not given to another replica. Work on a stream never
         passed to ``seal`` or ``release`` is not covered; release such leases first.
+        A stream passed to ``seal`` or ``release`` must not be destroyed before the
+        close (the driver does not survive a record on a destroyed stream): torch's
+        streams never are; a cudapool.Stream may be, as its close hands the replica
+        its last record first.
 
         Parameters
         ----------

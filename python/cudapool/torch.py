@@ -119,19 +119,23 @@ class _Kept:
 
 
 def open_tensor(importer: cudapool.Importer, name: str, dtype: Any = None, shape: Optional[Sequence[int]] = None,
-                stream: Any = None, timeout: Optional[float] = cudapool.DEFAULT_TIMEOUT, *, wait: bool = False,
-                local_copy: Any = False, replica: Any = None) -> cudapool.Mapping:
+                stream: Any = None, timeout: Optional[float] = cudapool.DEFAULT_TIMEOUT, *,
+                wait_for_name: bool = False, local_copy: Any = False, replica: Any = None,
+                wait: Optional[bool] = None) -> cudapool.Mapping:
     """Opens name as a tensor on the importer's device: returns the Mapping with
     .tensor set, a view of the mapped memory (no copy) of the producer's dtype and shape
     (from the metadata; dtype and shape given here win, and are needed where the
     protocol carries none). The tensor is usable on stream (default: torch's current
     stream); release the Mapping when done with it (its release, by default, is ordered
-    after that stream). wait, local_copy and replica (local_copy's former name) are
+    after that stream). wait_for_name (wait, its former name, still works with a
+    DeprecationWarning), local_copy and replica (local_copy's former name) are
     Importer.open's."""
+    wait_for_name = cudapool._renamed("wait_for_name", wait_for_name, "wait", wait)
     dev = torch.device("cuda", importer.device)
     if stream is None:
         stream = _current_stream(dev)
-    m = importer.open(name, stream=stream, timeout=timeout, wait=wait, local_copy=local_copy, replica=replica)
+    m = importer.open(name, stream=stream, timeout=timeout, wait_for_name=wait_for_name, local_copy=local_copy,
+                      replica=replica)
     try:
         m.tensor = _as_tensor(m, dtype, shape, dev)
     except BaseException:

@@ -20,6 +20,13 @@ import cudapool  # noqa: E402
 CHILD_TIMEOUT = 60  # seconds any child process may take
 
 
+def can_stall():
+    """Whether the library can hold a stream (cudapool_test_stall_stream): only a build
+    with the software device can."""
+    from cudapool import _lib
+    return hasattr(_lib.lib(), "cudapool_test_stall_stream")
+
+
 def stall_stream(test, stream):
     """Holds stream (a cudapool.Stream) of the software device, as Go's cudarttest Stall
     does, through libcudapool's test-only cudapool_test_stall_stream: work queued on it

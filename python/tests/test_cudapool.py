@@ -43,6 +43,37 @@ def consume(q, path, name, n, seed, device):
         q.put(failure(e))
 
 
+def release_twice(q, path, name):
+    """A consumer process that tries the rule of every language (issue 31): a second
+    close changes nothing; a second release of a mapping is a bug, and raises."""
+    try:
+        got = {}
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open(name)
+        m.release()
+        for what, f in (("release twice", m.release), ("close after release", m.close)):
+            try:
+                f()
+                got[what] = None
+            except cudapool.CudapoolError as e:
+                got[what] = type(e).__name__
+        with imp.open(name) as m2:
+            pass
+        try:
+            m2.release()
+            got["release after the with block"] = None
+        except cudapool.CudapoolError as e:
+            got["release after the with block"] = type(e).__name__
+        with imp.open(name) as m3:
+            m3.release()  # the block's close then changes nothing
+        imp.close()
+        imp.close()
+        got["importer closed twice"] = imp.error is not None
+        q.put(got)
+    except Exception as e:
+        q.put(failure(e))
+
+
 class RuntimeTest(unittest.TestCase):
     def test_runtime_is_chosen_once(self):
         on_gpu, n, name = cudapool.runtime_info()
@@ -436,7 +467,7 @@ def bounded(test, call, bound=10):
 
 class TimeoutConventionTest(unittest.TestCase):
     """Python's convention: timeout=0 is "do not wait" (threading.Event.wait(0),
-    queue.get(timeout=0)): what is not there fails at once, as without wait=True; None
+    queue.get(timeout=0)): what is not there fails at once, as without wait_for_exporter; None
     is no bound. The C ABI's 0 is no bound and CUDAPOOL_NO_WAIT (-1) is Python's 0."""
 
     def test_conversion(self):
@@ -449,7 +480,7 @@ class TimeoutConventionTest(unittest.TestCase):
             _lib.timeout_ms(-1)
 
     def test_zero_does_not_wait_for_an_exporter(self):
-        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait=True))
+        e = bounded(self, lambda: cudapool.Importer(socket_path("later"), timeout=0, wait_for_exporter=True))
         self.assertIsInstance(e, cudapool.Gone, "no exporter is there: at once, as without wait")
 
     def test_zero_does_not_wait_for_a_name(self):
@@ -465,6 +496,19 @@ class TimeoutConventionTest(unittest.TestCase):
             e = bounded(self, lambda: p.alloc(MiB, timeout=0))
             self.assertIsInstance(e, (cudapool.Timeout, cudapool.OutOfMemory))
             cudapool.free(a)
+
+
+class RenamedKeywordTest(unittest.TestCase):
+    """A keyword that makes a call wait for something to be there is wait_for_<thing>
+    (Go's WaitFor<Thing>); wait=, the former name of Importer's and Importer.open's,
+    still works, with a DeprecationWarning, and not beside the new one."""
+
+    def test_wait_is_wait_for_exporter(self):
+        with self.assertWarns(DeprecationWarning) as w, self.assertRaises(cudapool.Gone):
+            cudapool.Importer(socket_path("later"), timeout=0, wait=True)  # timeout 0: at once
+        self.assertIn("wait_for_exporter", str(w.warning))
+        with self.assertRaises(TypeError):
+            cudapool.Importer(socket_path("later"), timeout=0, wait_for_exporter=True, wait=True)
 
 
 class SharingTest(unittest.TestCase):
@@ -491,6 +535,26 @@ class SharingTest(unittest.TestCase):
         self.assertEqual(r["cai_stream"], 1, "the legacy default stream is 1 in the interface")
         self.assertEqual(self.pool.stats().active_leases, 0, "the consumer released")
         cudapool.free(ptr)
+
+    def test_a_freed_buffers_name_is_unknown(self):
+        """Opening a buffer its producer freed raised Gone though the exporter lived
+        (issue 31): the free unpublished the name, and the open says so."""
+        ptr = self.publish("freed", MiB, 13)
+        cudapool.free(ptr)
+        p, q = spawn(open_error, self.ex.path, "freed")
+        self.assertEqual(result_of(self, p, q), "NotFound")
+
+    def test_a_second_close_changes_nothing_a_second_release_raises(self):
+        ptr = self.publish("twice", MiB, 12)
+        p, q = spawn(release_twice, self.ex.path, "twice")
+        self.assertEqual(result_of(self, p, q), {
+            "release twice": "InvalidHandle", "close after release": None,
+            "release after the with block": "InvalidHandle", "importer closed twice": True})
+        self.assertEqual(self.pool.stats().active_leases, 0, "every open was released once")
+        cudapool.free(ptr)
+        with cudapool.Exporter(socket_path("twice"), announce=False) as ex:
+            ex.close()
+        ex.close()  # a third: still nothing
 
     def test_retained_imports_and_no_announcement(self):
         with cudapool.Pool(0, cache_bytes=8 * MiB) as pool, \
@@ -521,7 +585,7 @@ class SharingTest(unittest.TestCase):
             cudapool.free(ptr)  # deferred: the consumer still maps it
             self.assertEqual(self.pool.stats().deferred_frees, 1)
             o, oq = spawn(open_error, self.ex.path, "held")
-            self.assertEqual(result_of(self, o, oq), "Gone", "an open after the free")
+            self.assertEqual(result_of(self, o, oq), "NotFound", "an open after the free: the name is unpublished")
         finally:
             go.set()
         self.assertTrue(result_of(self, p, q)["ok"], "the mapping stayed readable")
@@ -596,7 +660,7 @@ def open_with_timeout_zero(q, path):
     try:
         with cudapool.Importer(path, timeout=10) as imp:
             try:
-                imp.open("never", timeout=0, wait=True).release()
+                imp.open("never", timeout=0, wait_for_name=True).release()
                 q.put("opened")
             except cudapool.NotFound:
                 q.put("NotFound")

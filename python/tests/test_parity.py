@@ -60,9 +60,9 @@ class LivenessTest(unittest.TestCase):
 
     def test_a_consumer_is_told_its_producer_died(self):
         self.go.set()  # the dial below waits for the exporter, the open for the name
-        imp = cudapool.Importer(self.path, device=1, wait=True, timeout=CHILD_TIMEOUT)
+        imp = cudapool.Importer(self.path, device=1, wait_for_exporter=True, timeout=CHILD_TIMEOUT)
         self.addCleanup(imp.close)
-        first = imp.open("a", wait=True, timeout=CHILD_TIMEOUT)
+        first = imp.open("a", wait_for_name=True, timeout=CHILD_TIMEOUT)
         self.assertEqual(result_of_queue(self, self.q), "published")
         ms = imp.open_all(["b", "c"])
         self.assertEqual([m.meta for m in ms], [b"b", b"c"])
@@ -105,12 +105,12 @@ class LivenessTest(unittest.TestCase):
 
     def test_waits_are_bounded(self):
         with self.assertRaises(cudapool.Timeout):
-            cudapool.Importer(self.path, device=1, wait=True, timeout=0.2)
+            cudapool.Importer(self.path, device=1, wait_for_exporter=True, timeout=0.2)
         self.go.set()
-        imp = cudapool.Importer(self.path, device=1, wait=True, timeout=CHILD_TIMEOUT)
+        imp = cudapool.Importer(self.path, device=1, wait_for_exporter=True, timeout=CHILD_TIMEOUT)
         self.addCleanup(imp.close)
         with self.assertRaises(cudapool.Timeout):
-            imp.open("never", wait=True, timeout=0.2)
+            imp.open("never", wait_for_name=True, timeout=0.2)
         with self.assertRaises(cudapool.NotFound):
             imp.open("never")
 
@@ -143,7 +143,7 @@ class ErrorsTest(unittest.TestCase):
         p, q = spawn(produce, path, ["x"], go)
         try:
             go.set()
-            imp = cudapool.Importer(path, device=0, wait=True, timeout=CHILD_TIMEOUT)
+            imp = cudapool.Importer(path, device=0, wait_for_exporter=True, timeout=CHILD_TIMEOUT)
             try:
                 self.assertEqual(result_of_queue(self, q), "published")
                 with self.assertRaises(cudapool.DuplicateImporter):

@@ -219,8 +219,11 @@ var CodeErrs = [CodeLimit]error{
 
 // CodeOf is the wire code for err: the first sentinel it wraps, else codeExporter.
 func CodeOf(err error) ErrCode {
-	if errors.Is(err, export.ErrClosed) {
+	switch {
+	case errors.Is(err, export.ErrClosed):
 		return codeClosed
+	case errors.Is(err, export.ErrBufferGone): // an ErrUnknownName too: its own code first
+		return CodeBufferGone
 	}
 	for c := codeExporter + 1; c < CodeLimit; c++ {
 		if errors.Is(err, CodeErrs[c]) {

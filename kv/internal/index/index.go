@@ -1,6 +1,7 @@
 // Package index owns the KV owner's index file: the journal of the pages a restarted
-// owner may serve again (visible pages, sealed host pages) and of the replicas
-// attached. It owns the file's format, its reading (Load, a stream with a bound) and
+// owner may serve again (visible pages, sealed host pages), of the replicas attached
+// and of the write leases granted, to which process, until their pages are visible or
+// free again. It owns the file's format, its reading (Load, a stream with a bound) and
 // its writing (Index): records are queued in memory by the caller, under the caller's
 // lock and without a syscall, and written, in batches, and compacted, by the index's
 // own goroutine; Wait tells the caller when a record is on disk.
@@ -58,6 +59,12 @@ func (b *Batch) Attach(p Proc) {
 	b.n++
 }
 
+// Grant appends write lease g, granted and not ended.
+func (b *Batch) Grant(g *Grant) {
+	b.b = AppendGrant(b.b, g)
+	b.n += g.records()
+}
+
 func (b *Batch) page(k Kind, dev int, page uint32, h kv.Hash) {
 	b.b = AppendPage(b.b, k, dev, page, h)
 	b.n++
@@ -83,7 +90,7 @@ func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 func BeforeWrite(f func() error) Option { return func(o *options) { o.beforeWrite = f } }
 
 // Index writes an index file. Its methods are safe for concurrent use; those that
-// queue records (Seal, Free, HostSeal, HostFree, Attach, Detach) make no syscall and
+// queue records (Seal, Free, HostSeal, HostFree, Attach, Detach, Grant, End) make no syscall and
 // may be called under the caller's locks, and a nil *Index queues nothing (its
 // sequence numbers are 0, and Wait returns nil at once).
 type Index struct {
@@ -182,6 +189,34 @@ func (ix *Index) Attach(p Proc) uint64 { return ix.proc(Attach, p) }
 
 // Detach queues that a connection of replica p ended.
 func (ix *Index) Detach(p Proc) uint64 { return ix.proc(Detach, p) }
+
+// Grant queues write lease g's grant and pages, and returns the sequence number of
+// the last of their records: the lease is not to be answered before that is written.
+func (ix *Index) Grant(g *Grant) uint64 {
+	if ix == nil {
+		return 0
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if ix.err == nil && !ix.closing {
+		ix.queue = AppendGrant(ix.queue, g)
+	}
+	ix.queued += uint64(g.records() - 1)
+	return ix.queuedLocked()
+}
+
+// End queues that write lease id's pages are visible or free again.
+func (ix *Index) End(id uint64) uint64 {
+	if ix == nil {
+		return 0
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if ix.err == nil && !ix.closing {
+		ix.queue = AppendEnd(ix.queue, id)
+	}
+	return ix.queuedLocked()
+}
 
 func (ix *Index) page(k Kind, dev int, page uint32, h kv.Hash) uint64 {
 	if ix == nil {

@@ -57,6 +57,14 @@ func TestLoad(t *testing.T) {
 	good = AppendProc(good, Attach, alice)
 	good = AppendProc(good, Attach, Proc{PID: 12})
 	good = AppendProc(good, Detach, Proc{PID: 12})
+	bob := Grant{Lease: 9, Dev: 1, Holder: Proc{PID: 13, Start: 8}, Pages: []uint32{7, 8}}
+	good = AppendGrant(good, &Grant{Lease: 5, Dev: 0, Holder: alice, Pages: []uint32{9}})
+	good = AppendGrant(good, &bob)
+	good = AppendGrant(good, &Grant{Lease: 4, Dev: 0, Holder: alice, Pages: []uint32{10, 11}})
+	good = AppendEnd(good, 5)
+	reader := Grant{Lease: 11, Dev: 0, Holder: alice, Pages: []uint32{3, 1}, Read: true, Hashes: []kv.Hash{h2, h1}}
+	good = AppendGrant(good, &reader)
+	good = AppendGrant(good, &Grant{Lease: 6, Dev: 0, Holder: alice}) // cut short by a crash: never answered
 	st, err := Load(write(t, good), shape)
 	require.NoError(t, err)
 	assert.Equal(t, hdr, st.Header)
@@ -65,6 +73,7 @@ func TestLoad(t *testing.T) {
 	assert.Equal(t, []Proc{alice}, st.Attached)
 	assert.Equal(t, []Page{{2, h2}}, st.Host[0], "the evicted host page gone")
 	assert.Equal(t, []Page{{9, h1}}, st.Host[1], "the host page beyond the tier skipped")
+	assert.Equal(t, []Grant{{Lease: 4, Dev: 0, Holder: alice, Pages: []uint32{10, 11}}, bob, reader}, st.Grants, "the leases not ended, by lease")
 
 	_, err = Load(filepath.Join(t.TempDir(), "none"), shape)
 	assert.ErrorIs(t, err, ErrNoIndex)
@@ -77,13 +86,22 @@ func TestLoad(t *testing.T) {
 		{"magic", appendRecord(nil, func(b []byte) []byte { return append(b, "CPKVIDX9"...) }), "bad magic"},
 		{"device", AppendPage(AppendHeader(nil, hdr), Seal, 2, 1, h1), "device 2 is not one of [0 1]"},
 		{"page", AppendPage(AppendHeader(nil, hdr), Seal, 0, 16, h1), "page 16 of 16"},
-		{"type", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, 9) }), "unknown type 9"},
+		{"type", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, 99) }), "unknown type 99"},
 		{"short page", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, byte(Seal), 0, 0) }), "2 bytes for a page record"},
 		{"long record", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, make([]byte, 100)...) }), "of 100 bytes, at most 25"},
 		{"one hash twice", AppendPage(AppendPage(AppendHeader(nil, hdr), Seal, 0, 1, h1), Seal, 0, 2, h1), "visible under one hash"},
 		{"host device", AppendPage(AppendHeader(nil, hdr), HostSeal, 2, 1, h1), "device 2 is not one of [0 1]"},
 		{"host hash twice", AppendPage(AppendPage(AppendHeader(nil, hdr), HostSeal, 0, 1, h1), HostSeal, 0, 20, h1), "are sealed under one hash"},
 		{"a tail cut", good[:len(good)-1], "truncated"},
+		{"grant device", AppendGrant(AppendHeader(nil, hdr), &Grant{Lease: 1, Dev: 2, Pages: []uint32{1}}), "device 2 is not one of [0 1]"},
+		{"grant page", AppendGrant(AppendHeader(nil, hdr), &Grant{Lease: 1, Pages: []uint32{1, 16}}), "page 16 of 16"},
+		{"stray grant page", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte {
+			return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(LeasePage)), 3), 1)
+		}), "a page of lease 3, which no grant before names"},
+		{"stray hash", appendRecord(AppendGrant(AppendHeader(nil, hdr), &Grant{Lease: 3, Pages: []uint32{1}}), func(b []byte) []byte {
+			return append(binary.LittleEndian.AppendUint64(append(b, byte(LeaseHash)), 3), h1[:]...)
+		}), "a hash of lease 3, which no read lease's page before names"},
+		{"short end", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, byte(LeaseEnd), 1) }), "1 bytes for an end record"},
 		{"a bit flipped", func() []byte { b := slices.Clone(good); b[60] ^= 0x40; return b }(), "checksum is wrong"},
 	} {
 		_, err := Load(write(t, tc.b), shape)

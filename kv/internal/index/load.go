@@ -2,6 +2,7 @@ package index
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -24,20 +25,24 @@ type Shape struct {
 	Devices   []int
 	HostPages int
 	Replicas  int
+	// ReadPages is the most pages of read leases live at once, all devices together:
+	// each takes a LeasePage and a LeaseHash record, and at most one grant.
+	ReadPages int
 }
 
 // maxBatch is the most records the writer writes at once: a file grows past its
 // compaction limit by at most that many.
 const maxBatch = 4096
 
-// pages is the most page records a snapshot of s holds.
-func (s Shape) pages() int { return len(s.Devices) * (s.Geometry.Pages + s.HostPages) }
+// pages is the most page records a snapshot of s holds: each slab page visible, or
+// in a write lease (its GrantPage, and at most one Grant a page), and each host page.
+func (s Shape) pages() int { return len(s.Devices) * (3*s.Geometry.Pages + s.HostPages) }
 
 // limit bounds the records past which the writer compacts a file of shape s: twice
 // the largest snapshot (every page, and the replicas) and 1,024, so that a
 // compaction's cost is spread over as many changes. The writer compacts sooner, past
 // twice its latest snapshot (and twice the pages, and 1,024).
-func (s Shape) limit() int { return 2*(s.pages()+s.Replicas) + 1024 }
+func (s Shape) limit() int { return 2*(s.pages()+s.Replicas+3*s.ReadPages) + 1024 }
 
 // MaxRecords is the most records a file of shape s holds, its header included: a
 // snapshot grows to the compaction limit, and by one batch past it. Load refuses a
@@ -56,13 +61,15 @@ type Page struct {
 }
 
 // State is what an index file held: its header, each device's visible pages and
-// sealed host pages, least recent first, and the replicas attached and not gone,
-// one per connection (a process may hold several).
+// sealed host pages, least recent first, the replicas attached and not gone, one per
+// connection (a process may hold several), and the write leases granted and not
+// ended, by lease.
 type State struct {
 	Header   Header
 	Sealed   map[int][]Page
 	Host     map[int][]Page
 	Attached []Proc
+	Grants   []Grant
 }
 
 // openRegular opens path for reading if it is a regular file: without following a
@@ -201,6 +208,7 @@ func (r *reader) load(shape Shape) (*State, error) {
 		pages[d], host[d] = map[uint32]live{}, map[uint32]live{}
 	}
 	attached := map[Proc]int{}
+	grants := map[uint64]*Grant{}
 	maxRecords := shape.MaxRecords()
 	for {
 		p, err := r.next(pagePayload)
@@ -257,10 +265,57 @@ func (r *reader) load(shape Shape) (*State, error) {
 			} else if attached[id]--; attached[id] <= 0 {
 				delete(attached, id)
 			}
+		case Lease, ReadLease:
+			if len(p) != grantPayload-1 {
+				return st, fmt.Errorf("%w: record %d: %d bytes for a grant record", ErrCorrupt, seq, len(p))
+			}
+			g := &Grant{Lease: binary.LittleEndian.Uint64(p), Dev: int(binary.LittleEndian.Uint32(p[8:])),
+				Holder: Proc{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}, Read: k == ReadLease}
+			if _, ok := pages[g.Dev]; !ok {
+				return st, fmt.Errorf("%w: record %d: device %d is not one of %v", ErrCorrupt, seq, g.Dev, hdr.Devices)
+			}
+			grants[g.Lease] = g
+		case LeasePage:
+			if len(p) != leasePayload-1+4 {
+				return st, fmt.Errorf("%w: record %d: %d bytes for a grant's page record", ErrCorrupt, seq, len(p))
+			}
+			id, pg := binary.LittleEndian.Uint64(p), binary.LittleEndian.Uint32(p[8:])
+			g := grants[id]
+			switch {
+			case g == nil:
+				return st, fmt.Errorf("%w: record %d: a page of lease %d, which no grant before names", ErrCorrupt, seq, id)
+			case int64(pg) >= int64(shape.Geometry.Pages):
+				return st, fmt.Errorf("%w: record %d: page %d of %d", ErrCorrupt, seq, pg, shape.Geometry.Pages)
+			}
+			if g.Read && len(g.Hashes) != len(g.Pages) {
+				return st, fmt.Errorf("%w: record %d: a page of read lease %d before the hash of its last", ErrCorrupt, seq, id)
+			}
+			g.Pages = append(g.Pages, pg)
+		case LeaseHash:
+			if len(p) != leasePayload-1+len(kv.Hash{}) {
+				return st, fmt.Errorf("%w: record %d: %d bytes for a read lease's hash record", ErrCorrupt, seq, len(p))
+			}
+			id := binary.LittleEndian.Uint64(p)
+			g := grants[id]
+			if g == nil || !g.Read || len(g.Hashes) != len(g.Pages)-1 {
+				return st, fmt.Errorf("%w: record %d: a hash of lease %d, which no read lease's page before names", ErrCorrupt, seq, id)
+			}
+			g.Hashes = append(g.Hashes, kv.Hash(p[8:]))
+		case LeaseEnd:
+			if len(p) != leasePayload-1 {
+				return st, fmt.Errorf("%w: record %d: %d bytes for an end record", ErrCorrupt, seq, len(p))
+			}
+			delete(grants, binary.LittleEndian.Uint64(p))
 		default:
 			return st, fmt.Errorf("%w: record %d has unknown type %d", ErrCorrupt, seq, k)
 		}
 	}
+	for _, g := range grants {
+		if len(g.Pages) > 0 && (!g.Read || len(g.Hashes) == len(g.Pages)) { // a grant cut short by a crash was never answered
+			st.Grants = append(st.Grants, *g)
+		}
+	}
+	slices.SortFunc(st.Grants, func(a, b Grant) int { return cmp.Compare(a.Lease, b.Lease) })
 	sealed, err := ordered(pages, "pages %d and %d are visible")
 	if err != nil {
 		return st, err
