@@ -40,7 +40,8 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence,
+                    Tuple)
 
 from . import StreamLike
 from . import kv as _kv
@@ -154,6 +155,11 @@ class PagePool(Protocol):
     def release(self, *leases: _kv.Lease, stream: StreamLike = None) -> None: ...
 
     def kv_caches(self) -> List[Tuple[Any, Any]]: ...
+
+
+if TYPE_CHECKING:  # mypy checks that both pools are PagePools
+    def _page_pools(r: _kv.Replica, local: LocalPool) -> Tuple[PagePool, PagePool]:
+        return r, local
 
 
 class Pages:
