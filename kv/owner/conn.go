@@ -21,8 +21,9 @@ import (
 )
 
 // writeTimeout bounds a write to a replica that does not read its answers: past it,
-// the connection is closed.
-const writeTimeout = 10 * time.Second
+// the connection is closed. A variable for tests alone (SetWriteTimeout), set while no
+// owner serves.
+var writeTimeout = 10 * time.Second
 
 // conn is one replica's connection.
 type conn struct {

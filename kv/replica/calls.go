@@ -292,7 +292,7 @@ func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 }
 
 // Alloc leases n free pages for writing, evicting the least recently used sealed pages
-// nobody reads where it must. It leases all n or none (kv.ErrNoSpace). Where pages
+// nobody reads where it must. It leases all n or none ([kv.ErrNoSpace]). Where pages
 // still settle (released, their release events not yet complete) and would make up
 // the difference, the owner waits for them (up to owner.AllocWait), and so does
 // Alloc, until ctx ends.
@@ -351,8 +351,8 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 // Seal ends write lease l: its first len(hashes) pages become visible under hashes
 // once the work queued on s before the call (their writes) has completed, and the
 // rest are freed then. A hash visible already makes its page a duplicate, freed.
-// Without WaitVisible it returns at once, with the pages still pending counted; with
-// it, once they are visible. At most kv.MaxBatch hashes.
+// Without [WaitVisible] it returns at once, with the pages still pending counted; with
+// it, once they are visible. At most [kv.MaxBatch] hashes.
 func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart.Stream, opts ...SealOption) (SealResult, error) {
 	var so sealOptions
 	for _, o := range opts {
@@ -407,7 +407,7 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 
 // Match leases for reading the longest run of hashes, from the first, that is visible
 // on the replica's device (copied there from another device's slab where only that
-// one has them). A Lease with no pages means none was visible; the owner holds nothing
+// one has them). A [Lease] with no pages means none was visible; the owner holds nothing
 // for it. Match takes no stream: it queues nothing, since the pages' writes have
 // completed before the owner made them visible; the stream the caller reads on is the
 // one it gives Release.

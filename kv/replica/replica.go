@@ -43,7 +43,7 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
-// Option configures Dial.
+// Option configures [Dial].
 type Option func(*options)
 
 type options struct {
@@ -57,10 +57,10 @@ type options struct {
 // boundary: every replica maps the whole slab read-write, whatever its namespace; one
 // owner directory per trust domain is (package kv, Trust). A namespace other than ""
 // is printable (no control or bidirectional character) and at most 256 bytes; the
-// owner refuses another with kv.ErrRefused.
+// owner refuses another with [kv.ErrRefused].
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
-// WaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
+// WaitForOwner makes [Dial] wait, until its ctx ends, for an owner to serve the
 // directory, dialing again with backoff from 5 ms up to 500 ms.
 func WaitForOwner() Option { return func(o *options) { o.wait = true } }
 
@@ -94,14 +94,14 @@ type Lease struct {
 }
 
 // Pages are the leased pages' indices, in the order of the hashes (for a read lease).
-// They are the Lease's own: do not modify them.
+// They are the [Lease]'s own: do not modify them.
 func (l *Lease) Pages() []uint32 { return l.pages }
 
 // ID is the owner's id of the lease; 0 for a lease with no pages.
 func (l *Lease) ID() uint64 { return l.id }
 
 // Lost is nil while the lease is held (or was ended by Seal or Release), and an error
-// wrapping kv.ErrLeaseLost once an owner's restart lost it (WithReconnect): its pages
+// wrapping [kv.ErrLeaseLost] once an owner's restart lost it ([WithReconnect]): its pages
 // may have been reused since, and Seal and Release of it fail with that error.
 func (l *Lease) Lost() error {
 	if why := l.lost.Load(); why != nil {
@@ -200,11 +200,11 @@ type call struct {
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
 // there are, then the rest at once). It fails with
-// an error wrapping kv.ErrOwnerGone if no owner serves dir (WaitForOwner waits for
-// one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
-// refuses this process. A process holds one Replica per owner and runtime: the slab is
-// imported through a consumer.Importer, and a second Dial fails with an error wrapping
-// consumer.ErrDuplicateImporter. On failure nothing is left behind.
+// an error wrapping [kv.ErrOwnerGone] if no owner serves dir ([WaitForOwner] waits for
+// one), [kv.ErrGeometry] if the owner does not serve device, and the owner's reason if it
+// refuses this process. A process holds one [Replica] per owner and runtime: the slab is
+// imported through a [consumer.Importer], and a second Dial fails with an error wrapping
+// [consumer.ErrDuplicateImporter]. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
@@ -407,7 +407,7 @@ func (r *Replica) Device() int { return r.dev }
 func (r *Replica) Segments() kv.Segments { return r.segs }
 
 // SegmentPtrs are the addresses of the slab's segments in this process, on the
-// replica's device, in order. They are the Replica's own: do not modify them.
+// replica's device, in order. They are the [Replica]'s own: do not modify them.
 func (r *Replica) SegmentPtrs() []cudart.DevicePtr { return r.ptrs }
 
 // Layer is where layer's K and V tensors begin in this process, on the replica's
@@ -423,13 +423,13 @@ func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
 	return r.segs.Addr(r.ptrs, layer, p, page)
 }
 
-// Hashes is kv.PrefixHashes of tokens with the replica's namespace and page size.
+// Hashes is [kv.PrefixHashes] of tokens with the replica's namespace and page size.
 func (r *Replica) Hashes(tokens []int32) []kv.Hash {
 	return kv.PrefixHashes(r.ns, tokens, r.geo.TokensPerPage)
 }
 
 // Done is closed once the replica cannot make requests any more: the owner is gone
-// (Err wraps kv.ErrOwnerGone) or Close was called (kv.ErrClosed). With WithReconnect,
+// (Err wraps [kv.ErrOwnerGone]) or Close was called ([kv.ErrClosed]). With [WithReconnect],
 // a replica that reattaches to a restarted owner is attached again: Err is nil, and
 // Done is a new channel, closed when that owner is gone (see WaitAttached).
 func (r *Replica) Done() <-chan struct{} {
@@ -461,7 +461,7 @@ func (r *Replica) Err() error {
 // ends while that waits (a stream that does not run), Close returns an error wrapping
 // ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
 // more for what waits on the slab's exporter). With the owner gone Close still
-// completes, and returns nil. A second Close returns kv.ErrClosed.
+// completes, and returns nil. A second Close returns [kv.ErrClosed].
 func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
