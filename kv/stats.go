@@ -62,7 +62,7 @@ func StatsOf(s Segments) StatsGeometry {
 // DeviceStats is one slab's pages by state, and its counters since the owner started.
 // A page is in one of Free, Writing, Sealing, Sealed or Settling (which add up to the
 // slab's pages); Leased counts the sealed pages that readers hold, and Releasing the
-// sealed pages waiting for a reader's release event.
+// sealed pages waiting for a reader's release to reach its point.
 type DeviceStats struct {
 	Device    int `json:"device"`
 	Pages     int `json:"pages"`

@@ -25,6 +25,7 @@ const (
 	mStreamSynchronize                = "StreamSynchronize"
 	mStreamDevice                     = "StreamDevice"
 	mStreamWaitEvent                  = "StreamWaitEvent"
+	mStreamNotify                     = "StreamNotify"
 	mEventCreate                      = "EventCreate"
 	mEventDestroy                     = "EventDestroy"
 	mEventRecord                      = "EventRecord"
@@ -58,7 +59,7 @@ const (
 )
 
 // methods is every Runtime method Runtime intercepts, in cudart.Runtime's order.
-var methods = [...]string{mName, mDriverVersion, mRuntimeVersion, mDeviceCount, mDeviceAttribute, mDeviceUUID, mDevicePCIBusID, mDeviceCanAccessPeer, mMemGetInfo, mAllocationGranularity, mStreamCreate, mStreamDestroy, mStreamSynchronize, mStreamDevice, mStreamWaitEvent, mEventCreate, mEventDestroy, mEventRecord, mEventSynchronize, mEventQuery, mIpcGetEventHandle, mIpcOpenEventHandle, mMemPoolCreate, mMemPoolDestroy, mDeviceGetDefaultMemPool, mMemPoolGetAttribute, mMemPoolSetAttribute, mMemPoolSetAccess, mMemPoolGetAccess, mMemPoolTrimTo, mMallocFromPoolAsync, mFreeAsync, mMemPoolExportToShareableHandle, mMemPoolImportFromShareableHandle, mMemPoolExportPointer, mMemPoolImportPointer, mMemcpyHtoDAsync, mMemcpyDtoHAsync, mMemcpyDtoDAsync, mMemsetAsync, mHostRegister, mHostUnregister, mHostDevicePointer, mMemcpyBatchAsync, mBatchCopyPath}
+var methods = [...]string{mName, mDriverVersion, mRuntimeVersion, mDeviceCount, mDeviceAttribute, mDeviceUUID, mDevicePCIBusID, mDeviceCanAccessPeer, mMemGetInfo, mAllocationGranularity, mStreamCreate, mStreamDestroy, mStreamSynchronize, mStreamDevice, mStreamWaitEvent, mStreamNotify, mEventCreate, mEventDestroy, mEventRecord, mEventSynchronize, mEventQuery, mIpcGetEventHandle, mIpcOpenEventHandle, mMemPoolCreate, mMemPoolDestroy, mDeviceGetDefaultMemPool, mMemPoolGetAttribute, mMemPoolSetAttribute, mMemPoolSetAccess, mMemPoolGetAccess, mMemPoolTrimTo, mMallocFromPoolAsync, mFreeAsync, mMemPoolExportToShareableHandle, mMemPoolImportFromShareableHandle, mMemPoolExportPointer, mMemPoolImportPointer, mMemcpyHtoDAsync, mMemcpyDtoHAsync, mMemcpyDtoDAsync, mMemsetAsync, mHostRegister, mHostUnregister, mHostDevicePointer, mMemcpyBatchAsync, mBatchCopyPath}
 
 // Name intercepts cudart.Runtime.Name.
 func (r *Runtime) Name() string {
@@ -274,6 +275,20 @@ func (r *Runtime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) erro
 	c := r.call(mStreamWaitEvent, dev, s, e)
 	if c.Err == nil && !c.answered {
 		c.Err = r.Runtime.StreamWaitEvent(arg[int](c, 0), arg[cudart.Stream](c, 1), arg[cudart.Event](c, 2))
+		c.ran = true
+	}
+	r.done(c)
+	return c.Err
+}
+
+// StreamNotify intercepts cudart.Runtime.StreamNotify.
+func (r *Runtime) StreamNotify(dev int, s cudart.Stream, fd int) error {
+	if !r.watches(mStreamNotify) {
+		return r.Runtime.StreamNotify(dev, s, fd)
+	}
+	c := r.call(mStreamNotify, dev, s, fd)
+	if c.Err == nil && !c.answered {
+		c.Err = r.Runtime.StreamNotify(arg[int](c, 0), arg[cudart.Stream](c, 1), arg[int](c, 2))
 		c.ran = true
 	}
 	r.done(c)

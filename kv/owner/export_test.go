@@ -67,8 +67,8 @@ func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
 // OnJournaledWait makes every owner call f as a reply begins to wait for its records
 // to be in the index, until the returned func undoes it.
 func OnJournaledWait(f func()) (undo func()) {
-	journaledHook = f
-	return func() { journaledHook = nil }
+	journaledHook.Store(&f)
+	return func() { journaledHook.Store(nil) }
 }
 
 // IndexNow is what o's index file holds once every record queued so far is written:

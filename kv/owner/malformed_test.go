@@ -128,9 +128,8 @@ func TestMalformedFramesCloseOnlyTheirConnection(t *testing.T) {
 			return b
 		}()},
 		{"a Seal with fewer hashes than it says", func() []byte {
-			var ev [kvwire.EventLen]byte
-			b, _ := kvwire.AppendSeal(nil, 3, false, 1, &ev, []kv.Hash{{1}})
-			binary.LittleEndian.PutUint32(b[kvwire.HeaderLen+8+kvwire.EventLen:], 10)
+			b, _ := kvwire.AppendSeal(nil, 3, false, 1, kvwire.Now, []kv.Hash{{1}})
+			binary.LittleEndian.PutUint32(b[kvwire.HeaderLen+8+kvwire.PointLen:], 10)
 			return b
 		}()},
 		{"a Bye with a payload", append(header(9, kvwire.TypeBye, 0), 7)},

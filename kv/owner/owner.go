@@ -10,9 +10,9 @@
 // the owner drives under its lock: a request is one table operation, and what the
 // operation returns (records for the index, copies into and out of the host tier) is
 // done outside the lock (slab.go, hosttier.go). A page is free, writing (under a write
-// lease), sealing (sealed, its writer's event still pending), sealed (visible, read by
-// any number of read leases) or settling (to be freed once a release event has
-// completed). Alloc takes free pages first, then evicts the least recently used sealed
+// lease), sealing (sealed, its writer's point not yet reached), sealed (visible, read by
+// any number of read leases) or settling (to be freed once a release's point is
+// reached). Alloc takes free pages first, then evicts the least recently used sealed
 // pages that no reader holds and whose releases have settled; where that is not enough
 // and settling pages would make up the rest, it waits for them (up to [AllocWait]) off
 // the connection's goroutine, and answers NoSpace only when none is left to wait for.
@@ -23,20 +23,30 @@
 // its page (a duplicate). Every lease is journaled in the index before it is answered,
 // and its end once its pages settled.
 //
-// # Events
+// # Notifiers
 //
-// A replica records an IPC event of its stream's own at each seal and release and sends
-// its handle (created with [cudart.EventBlockingSync]); the owner opens each handle once
-// per connection and asks it with EventQuery, on the host: nothing the owner exposes or
-// reuses waits on a stream. A seal asks at once and answers visible if the writer's
-// work has completed; otherwise a goroutine of that event's waits in the driver
-// (EventSynchronize; it spins on driver 580, docs/FACTS.md 24) and makes the pages
-// visible as soon as the work has completed, and a Seal with the wait flag is answered then. An owner with nothing
-// pending makes no call at all ([Owner.Pace] counts them). A release's pages are neither
-// evicted nor reused until its event has completed. Before and after each query or
-// wait the owner asks whether the replica's process has exited (a pidfd), and uses an
-// answer only if the process was alive after it: a dead writer's pending seals publish
-// nothing and their pages go back to free, a dead reader's leases end.
+// A replica tells the owner that its stream's work has completed through an eventfd
+// per stream (a notifier), sent once per connection in a Notifier frame (SCM_RIGHTS):
+// at each seal and release it queues [cudart.Runtime.StreamNotify] on the stream (a host
+// function in C that adds 1 to the eventfd once the work queued before it has
+// completed) and names the notifier and the count its eventfd will then have reached
+// (the point). Host functions run in stream order, so the eventfd's running total is
+// the number of the stream's points that have completed. The owner reads each
+// eventfd on a goroutine of its own through Go's netpoller (watch): while a seal is
+// pending it sleeps, makes no driver call and spins nothing (the IPC event it waited
+// for before spun a CPU in cudaEventSynchronize, docs/FACTS.md 24), and it makes the
+// pages visible, and answers a Seal with the wait flag, as soon as the count arrives.
+// A seal or release whose stream had completed its work names no notifier and settles
+// at once. A release's pages are neither evicted nor reused until its point is reached.
+//
+// A replica's death cannot race this (it could race the event query that this
+// replaced, N8): the count only ever reports work that completed, written by the
+// replica's own stream, and no driver call of the owner's touches the dead process's
+// objects. When the process has exited (its pidfd, as the connection watches it), its
+// points will never be reached: its pending seals publish nothing and their pages go
+// back to free, and its pending releases settle, its work on the GPU having ended with
+// its context. A bogus notifier or a target never reached holds only the replica's own
+// pages, and only until its process exits.
 //
 // # Connections
 //
@@ -46,14 +56,13 @@
 // read or write the pages), or until a new connection of that process releases or
 // seals them (a replica the owner cut off, redialled); one that holds nothing ends at
 // once, and so does one whose process cannot be watched.
-// Bye ends the leases still held after the event it carries (a replica's Close
-// records one after its streams' work; at once if it carries none) and closes the
-// connection once the replica's releases have settled, so that the replica may then
-// destroy its events. Every malformed frame closes the connection it came on, and only
+// Bye ends the leases still held after the point it carries (a replica's Close
+// queues one after its streams' work; at once if it carries none) and closes the
+// connection once the replica's releases have settled. Every malformed frame closes the connection it came on, and only
 // that one; so does a panic while serving it. The connections are served by
 // internal/session, within [WithHandshakeTimeout], [WithHandshakeLimit] and
 // [WithConnLimit], and what one holds within [WithMaxLeases], [WithMaxLeasedPages] and
-// [WithMaxEvents].
+// [WithMaxNotifiers].
 //
 // # Devices
 //
@@ -153,7 +162,7 @@ type options struct {
 	Limits         session.Limits // WithHandshakeTimeout, WithHandshakeLimit, WithConnLimit
 	MaxLeases      int
 	MaxLeasedPages int
-	MaxEvents      int
+	MaxNotifiers   int
 }
 
 // WithDevices sets the GPUs to serve, a slab on each; by default, and with none
@@ -253,18 +262,19 @@ func WithMaxLeases(n int) Option { return func(o *options) { o.MaxLeases = n } }
 // refused with an error wrapping [kv.ErrLimit] that names it, and changes nothing.
 func WithMaxLeasedPages(n int) Option { return func(o *options) { o.MaxLeasedPages = n } }
 
-// WithMaxEvents caps the distinct event handles one connection sends (each opened
-// once and kept until the connection ends); the default (and n <= 0) is
-// [DefaultMaxEvents]. A request past it is refused with an error wrapping [kv.ErrLimit]
-// that names it, and changes nothing.
-func WithMaxEvents(n int) Option { return func(o *options) { o.MaxEvents = n } }
+// WithMaxNotifiers caps the notifiers one connection registers (each an eventfd the
+// owner reads until the connection ends); the default (and n <= 0) is
+// [DefaultMaxNotifiers]. A notifier past it is dropped, and the Seal or Release that
+// names it refused with an error wrapping [kv.ErrLimit] that names the cap; nothing
+// changes.
+func WithMaxNotifiers(n int) Option { return func(o *options) { o.MaxNotifiers = n } }
 
 // Defaults of the per-connection caps ([WithMaxLeases], [WithMaxLeasedPages],
-// [WithMaxEvents]).
+// [WithMaxNotifiers]).
 const (
 	DefaultMaxLeases      = 16384
 	DefaultMaxLeasedPages = 1 << 20
-	DefaultMaxEvents      = 256
+	DefaultMaxNotifiers   = 256
 )
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
@@ -285,18 +295,16 @@ type Owner struct {
 	slabs []*slab
 	byDev map[int]*slab
 
-	mu      sync.Mutex
-	conns   map[*conn]struct{}
-	leases  map[uint64]*lease
-	issued  uint64       // the latest lease id granted (or epoch<<40): a later one was never issued
-	self    pages.Holder // this process, the holder of its own copies' leases
-	dead    []*conn      // ended connections, whose events destroyEvents destroys
-	closed  bool
-	waiting int // waiters in the driver's wait or about to be
+	mu     sync.Mutex
+	conns  map[*conn]struct{}
+	leases map[uint64]*lease
+	issued uint64       // the latest lease id granted (or epoch<<40): a later one was never issued
+	self   pages.Holder // this process, the holder of its own copies' leases
+	closed bool
 
-	queries, waits atomic.Uint64  // Pace's
-	allocWaits     atomic.Uint64  // Pace's
-	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
+	wakes      atomic.Uint64  // Pace's
+	allocWaits atomic.Uint64  // Pace's
+	waiters    sync.WaitGroup // the notifiers' watchers (watch) and the Allocs that wait (allocLater)
 
 	// A cache that survives its owner (restart.go).
 	ix       *index.Index          // nil: no index
@@ -401,7 +409,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	for _, c := range []struct {
 		v   *int
 		def int
-	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxEvents, DefaultMaxEvents}} {
+	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxNotifiers, DefaultMaxNotifiers}} {
 		if *c.v <= 0 {
 			*c.v = c.def
 		}
@@ -705,8 +713,8 @@ func (o *Owner) teardown(ctx context.Context) error {
 	if o.ln != nil {
 		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
 	}
-	// The waiters return once their waits do; one whose replica's stream never
-	// completes keeps its event, which the process's exit frees.
+	// The notifiers' watchers return once their connections' ends close them, and the
+	// Allocs that wait once their waits do.
 	waited := make(chan struct{})
 	go func() {
 		o.waiters.Wait()
@@ -716,10 +724,6 @@ func (o *Owner) teardown(ctx context.Context) error {
 	case <-waited:
 	case <-ctx.Done():
 	}
-	o.mu.Lock()
-	dead := o.takeDeadLocked()
-	o.mu.Unlock()
-	o.destroyEvents(dead)
 	errs := o.stopTiers()
 	if err := o.ix.Close(ctx); err != nil {
 		errs = append(errs, err)

@@ -176,11 +176,11 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 	}
 }
 
-// drainEvents waits until the last record of every stream event of the replica has
-// completed: then no Seal's writes and no Release's reads are still running.
+// drainEvents waits until the last record of every stream's event (after its latest
+// point) has completed: then no Seal's writes and no Release's reads are still running.
 func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
-	evs := r.allEvents()
+	evs := r.allNotifiers()
 	r.evMu.Unlock()
 	for _, e := range evs {
 		wait := 50 * time.Microsecond

@@ -298,7 +298,7 @@ class DuplicateImporter(CudapoolError):
 
 class TooManyGrants(CudapoolError):
     """The connection holds as many grants as the exporter allows, or a KV owner's cap
-    (connections, leases, leased pages, event handles) is full: the message names it.
+    (connections, leases, leased pages, notifiers) is full: the message names it.
     Release some."""
 
 
