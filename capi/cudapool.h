@@ -592,6 +592,11 @@ int cudapool_kv_error(cudapool_kv_replica r, char *buf, size_t cap, size_t *len)
  * state and its counters, per replica its leases. On CUDAPOOL_ERANGE *len is the size
  * needed. */
 int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
+/* cudapool_kv_query_stats writes, as cudapool_kv_stats does, the statistics of the owner
+ * serving dir, asked as an observer: a connection that maps no slab and takes no leases,
+ * so it needs no runtime and no replica (poolstat's view). It fails with CUDAPOOL_EGONE
+ * if no owner serves dir; on CUDAPOOL_ERANGE *len is the size needed. */
+int cudapool_kv_query_stats(const char *dir, int64_t timeout_ms, char *buf, size_t cap, size_t *len);
 /* cudapool_kv_close gives back the replica's leases, unmaps the slab and hangs up. The
  * handle is spent. The leases still held end after the work queued so far on every
  * stream the replica has sealed or released on (as a release on those streams would),

@@ -383,4 +383,8 @@ int cudapool_kv_stats(cudapool_kv_replica r, int64_t timeout_ms, char *buf, size
 	CP_CALL(cpgo_kv_stats(r.h, timeout_ms, buf, cap, len));
 }
 
+int cudapool_kv_query_stats(const char *dir, int64_t timeout_ms, char *buf, size_t cap, size_t *len) {
+	CP_CALL(cpgo_kv_query_stats((char *)dir, timeout_ms, buf, cap, len));
+}
+
 int cudapool_kv_close(cudapool_kv_replica r, int64_t timeout_ms) { CP_CALL(cpgo_kv_close(r.h, timeout_ms)); }

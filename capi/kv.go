@@ -744,6 +744,29 @@ func cpgo_kv_stats(h C.uint64_t, timeoutMs C.int64_t, buf *C.char, capacity C.si
 	}
 	defer cancel()
 	st, err := k.r.Stats(ctx)
+	return writeStats(st, err, buf, capacity, n)
+}
+
+//export cpgo_kv_query_stats
+func cpgo_kv_query_stats(dir *C.char, timeoutMs C.int64_t, buf *C.char, capacity C.size_t, n *C.size_t) (rc C.int) {
+	defer recoverTo(&rc)
+	if n == nil {
+		return fail(invalid("len is NULL"))
+	}
+	d, ctx, cancel, err := nameAndContext(dir, "dir", timeoutMs)
+	if err != nil {
+		return fail(err)
+	}
+	defer cancel()
+	if d == "" {
+		return fail(invalid("dir is empty"))
+	}
+	st, err := replica.QueryStats(ctx, d)
+	return writeStats(st, err, buf, capacity, n)
+}
+
+// writeStats writes st as JSON into (buf, capacity, n), or fails with err.
+func writeStats(st kv.Stats, err error, buf *C.char, capacity C.size_t, n *C.size_t) C.int {
 	if err != nil {
 		return fail(err)
 	}

@@ -26,8 +26,6 @@ import os
 import select
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -61,47 +59,15 @@ def tokens(seed, n):
     return [r.randrange(32000) for _ in range(n)]
 
 
-# --- the owner's statistics, over its page socket ---------------------------------------
-
-# The page protocol's version (kv/internal/kvwire.Version): the Hello of owner_stats's
-# observer connection carries it.
-KV_PROTOCOL_VERSION = 2
+# --- the owner's statistics ----------------------------------------------------------
 
 
 def owner_stats(dir, timeout=10.0):
-    """The owner's Stats (JSON) through a connection of its own: Hello, then Stats."""
-    def frame(t, rid, payload=b""):
-        return struct.pack("<IBBHI", 8 + len(payload), t, 0, 0, rid) + payload
-
-    def read(s):
-        head = b""
-        while len(head) < 12:
-            c = s.recv(12 - len(head))
-            if not c:
-                raise ConnectionError("the owner hung up")
-            head += c
-        n, t, _, _, _ = struct.unpack("<IBBHI", head)
-        body = b""
-        while len(body) < n - 8:
-            c = s.recv(n - 8 - len(body))
-            if not c:
-                raise ConnectionError("the owner hung up")
-            body += c
-        return t, body
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(os.path.join(dir, "kv.sock"))
-        s.sendall(frame(1, 1, struct.pack("<III", KV_PROTOCOL_VERSION, os.getpid(), 0) + struct.pack("<H", 0)))
-        t, body = read(s)
-        if t != 2:
-            raise RuntimeError("owner refused the stats connection: %r" % body[:200])
-        s.sendall(frame(12, 2))
-        t, body = read(s)
-        if t != 13:
-            raise RuntimeError("owner answered Stats with frame type %d: %r" % (t, body[:200]))
-        s.sendall(frame(15, 3))
-        return json.loads(body)
+    """The owner's Stats (JSON), asked as an observer (cudapool.kv.query_stats): no GPU
+    and no replica in this process, and the protocol is the library's, never written
+    out here again."""
+    import cudapool.kv as kv  # the parent loads the library only here; replicas are spawned
+    return kv.query_stats(dir, timeout=timeout)
 
 
 def device_stats(st, device=0):

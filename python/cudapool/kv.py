@@ -51,7 +51,7 @@ from typing import (Any, Callable, Dict, Iterable, List, Optional, SupportsIndex
 from . import StreamLike, _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
-__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "root",
+__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "query_stats", "root",
            "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "REPLICA_TIMEOUT", "NoSpace", "StaleLease", "Gone",
            "Closed"]
 
@@ -366,6 +366,7 @@ _SIGNATURES = {
     "cudapool_kv_error": (_Replica, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_lease_lost": (_Replica, _lib.u64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_stats": (_Replica, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_query_stats": (_lib.cstr, _lib.i64, ctypes.c_char_p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_close": (_Replica, _lib.i64),
     "cudapool_kv_reattaches": (_Replica, _u64p),
     "cudapool_kv_wait_attached": (_Replica, _lib.i64),
@@ -405,6 +406,35 @@ def _kvlib() -> Any:
                     f.restype = _lib.c_int
                 _lib_kv = l
     return _lib_kv
+
+
+def query_stats(dir: PathLike, timeout: Optional[float] = DEFAULT_TIMEOUT) -> Dict[str, Any]:
+    """The statistics of the owner serving dir (as Replica.stats gives them), asked as an
+    observer: a connection that maps no slab and takes no leases, so it needs no GPU and
+    no Replica.
+
+    Parameters
+    ----------
+    dir : str or os.PathLike
+        The owner's directory (kvpoold -dir).
+    timeout : float or None
+        Seconds to wait for the answer; None waits without bound, 0 does not wait.
+
+    Raises
+    ------
+    Gone
+        No owner serves dir.
+    ValueError, TypeError
+        A bad dir or timeout.
+    """
+    path = os.fsencode(dir)
+    if b"\0" in path:
+        raise ValueError("dir %r has a NUL byte" % (dir,))
+    if not path:
+        raise ValueError("dir is empty")
+    _kvlib()
+    st: Dict[str, Any] = json.loads(_lib.call_sized("cudapool_kv_query_stats", path, _lib.timeout_ms(timeout)))
+    return st
 
 
 def _stream(stream: StreamLike) -> Optional[int]:

@@ -570,6 +570,15 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(st["devices"][0]["writing"], 4, "the write lease's pages, no more, no fewer")
         mine = [x for x in st["replicas"] if x["pid"] == os.getpid()]
         self.assertEqual([(x["leases"], x["pages"]) for x in mine], [(1, 4)])
+        # An observer sees the same, with no replica of its own.
+        seen = kv.query_stats(self.owner.serve)
+        self.assertEqual(seen["devices"][0]["writing"], 4)
+        self.assertEqual(seen["geometry"], st["geometry"])
+        for bad in ("", self.owner.serve + "\0x"):
+            with self.assertRaises(ValueError):
+                kv.query_stats(bad)
+        with self.assertRaises(cudapool.Gone):
+            kv.query_stats(os.path.join(self.owner.serve, "nobody-serves-this"))
         with self.assertRaises(cudapool.InvalidArgument, msg="a read lease is not sealed"):
             self._seal_read_lease()
         # The write lease survived every refusal: it seals whole.
