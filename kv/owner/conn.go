@@ -16,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
 // writeTimeout bounds a write to a replica that does not read its answers: past it,
@@ -33,6 +34,9 @@ type conn struct {
 	s    *slab             // the slab of the replica's device
 	ns   string
 	id   procID // the replica's process, as the index names it; zero if unknown
+	// holder is the replica's process as the page table names it: id, or the pid
+	// alone where its start is unknown.
+	holder pages.Holder
 
 	// Guarded by Owner.mu.
 	welcomed bool
@@ -58,7 +62,7 @@ type conn struct {
 	// page, that Seal's parent. Guarded by Owner.mu.
 	tip struct {
 		next kv.Hash
-		last link
+		last pages.Ref
 	}
 	seen    map[kv.Hash]int
 	seenIDs map[uint64]struct{}
@@ -119,7 +123,7 @@ func (c *conn) sendError(id uint32, err error) error {
 func (o *Owner) serveConn(sc *session.Conn) {
 	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
 		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
-	c.tip.last = noLink
+	c.tip.last = pages.NoRef
 	c.lock()
 	if o.closed {
 		c.unlock()
@@ -208,6 +212,10 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return err
 	}
 	id, err := procOf(c.cred.PID) // read before o.mu: /proc is no lock's
+	c.holder = pages.Holder{PID: uint32(c.cred.PID)}
+	if err == nil {
+		c.holder = pages.Holder(id)
+	}
 	c.lock()
 	c.welcomed = true
 	seq := o.attachedLocked(c, id, err)
@@ -317,8 +325,8 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	switch {
 	case n > kv.MaxBatch:
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
-	case n < 1 || n > len(s.pages):
-		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, len(s.pages)))
+	case n < 1 || n > o.geo.Pages:
+		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, o.geo.Pages))
 	}
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
@@ -328,53 +336,75 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 		c.unlock()
 		return c.sendError(h.ID, err)
 	}
-	pages, ok, evicted := o.takeLocked(s, n)
-	if !ok {
-		if s.settlingLocked() > 0 && s.reachableLocked() >= n && !c.ended && !o.closed {
-			// Pages that settle will do: wait for them off the connection's
-			// goroutine, which serves the replica's other requests meanwhile.
-			o.allocWaits.Add(1)
-			o.waiters.Add(1)
-			go func() {
-				defer o.waiters.Done()
-				c.allocLater(h.ID, n)
-			}()
-			c.unlock()
-			return nil
-		}
-		err := c.noSpaceLocked(n)
+	l, fx, err := c.takeLocked(n)
+	if errors.Is(err, pages.ErrSettling) && !c.ended && !o.closed {
+		// Pages that settle will do: wait for them off the connection's goroutine,
+		// which serves the replica's other requests meanwhile.
+		o.allocWaits.Add(1)
+		o.waiters.Add(1)
+		go func() {
+			defer o.waiters.Done()
+			c.allocLater(h.ID, n)
+		}()
+		c.unlock()
+		return nil
+	}
+	if err != nil {
+		err = c.noSpace(n, err)
 		c.unlock()
 		return c.refuse(h.ID, err)
 	}
-	l := o.newLeaseLocked(c, true, pages)
+	seq := o.effectsLocked(s, fx)
 	c.unlock()
-	c.spillEvicted(evicted)
-	if err := o.journaled(o.stopped, max(evicted.wait, l.granted)); err != nil {
-		c.abandon(l)
-		return c.sendError(h.ID, err)
-	}
-	return c.sendLeased(h.ID, l)
+	return c.answerAlloc(h.ID, l, fx, seq)
 }
 
-// abandon ends write lease l, unanswered, and frees its pages: an Alloc that cannot
-// be answered with them.
+// takeLocked grants c a write lease of n pages of its slab, under o.mu: the table's
+// Alloc, and the lease booked for c.
+func (c *conn) takeLocked(n int) (*lease, pages.Effects, error) {
+	id, pgs, fx, err := c.s.tab.Alloc(c.holder, n)
+	if err != nil {
+		return nil, fx, err
+	}
+	return c.o.grantLocked(c, c.s, id, true, pgs), fx, nil
+}
+
+// answerAlloc answers Alloc id with write lease l once what the table asked (the
+// evicted pages copied out, the evictions journaled) is done; if that fails, l is
+// abandoned and the error sent.
+func (c *conn) answerAlloc(id uint32, l *lease, fx pages.Effects, seq uint64) error {
+	if _, err := c.o.doEffects(c.s, fx, seq); err != nil {
+		c.abandon(l)
+		return c.sendError(id, err)
+	}
+	if l == nil { // the connection ended meanwhile
+		return nil
+	}
+	return c.sendLeased(id, l)
+}
+
+// abandon ends write lease l (nil: none), unanswered, and frees its pages: an Alloc
+// that cannot be answered with them.
 func (c *conn) abandon(l *lease) {
+	if l == nil {
+		return
+	}
 	o := c.o
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.dropLocked(l)
-	for _, p := range l.pages {
-		l.s.release(p)
-	}
-	o.endGrantLocked(l.id)
-	l.s.spaceLocked()
+	o.endNowLocked(l)
 }
 
-// spillEvicted sends the evicted pages the host tier has no copy of there before they
-// are written.
-func (c *conn) spillEvicted(evicted spillTask) {
-	if err := c.o.copyEvicted(c.s, evicted, nil); err != nil {
-		c.o.log.Error("kv: spilling evicted pages to the host tier failed; they are gone", "device", c.s.dev, "err", err)
+// endNowLocked ends lease l at once, under o.mu: its write pages are freed, its read
+// pages let go (Table.Release and ReleaseDone).
+func (o *Owner) endNowLocked(l *lease) {
+	o.dropLocked(l)
+	if err := l.s.tab.Release(l.holder, pages.LeaseID(l.id)); err != nil {
+		return // the table ended it already (its holder declared dead)
+	}
+	fx, err := l.s.tab.ReleaseDone(pages.LeaseID(l.id))
+	if err == nil {
+		o.effectsLocked(l.s, fx)
 	}
 }
 
@@ -389,6 +419,11 @@ func (c *conn) allocLater(id uint32, n int) {
 	o, s := c.o, c.s
 	timer := time.NewTimer(AllocWait)
 	defer timer.Stop()
+	fail := func(err error) {
+		if err := c.sendError(id, err); err != nil {
+			_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+		}
+	}
 	for {
 		o.mu.Lock()
 		if c.ended || o.closed {
@@ -397,34 +432,22 @@ func (c *conn) allocLater(id uint32, n int) {
 		}
 		if err := c.roomLocked(n); err != nil {
 			o.mu.Unlock()
-			if err := c.sendError(id, err); err != nil {
+			fail(err)
+			return
+		}
+		l, fx, err := c.takeLocked(n)
+		if err == nil {
+			seq := o.effectsLocked(s, fx)
+			o.mu.Unlock()
+			if err := c.answerAlloc(id, l, fx, seq); err != nil {
 				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
 			}
 			return
 		}
-		pages, ok, evicted := o.takeLocked(s, n)
-		if ok {
-			l := o.newLeaseLocked(c, true, pages)
+		if !errors.Is(err, pages.ErrSettling) {
+			err = c.noSpace(n, err)
 			o.mu.Unlock()
-			c.spillEvicted(evicted)
-			if err := o.journaled(o.stopped, max(evicted.wait, l.granted)); err != nil {
-				c.abandon(l)
-				if err := c.sendError(id, err); err != nil {
-					_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
-				}
-				return
-			}
-			if err := c.sendLeased(id, l); err != nil {
-				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
-			}
-			return
-		}
-		if s.settlingLocked() == 0 || s.reachableLocked() < n {
-			err := c.noSpaceLocked(n)
-			o.mu.Unlock()
-			if err := c.sendError(id, err); err != nil {
-				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
-			}
+			fail(err)
 			return
 		}
 		space := s.space
@@ -433,11 +456,9 @@ func (c *conn) allocLater(id uint32, n int) {
 		case <-space:
 		case <-timer.C:
 			o.mu.Lock()
-			err := c.noSpaceLocked(n)
+			err = c.noSpace(n, err)
 			o.mu.Unlock()
-			if err := c.sendError(id, fmt.Errorf("%w, after waiting %v for pages to settle", err, AllocWait)); err != nil {
-				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
-			}
+			fail(fmt.Errorf("%w, after waiting %v for pages to settle", err, AllocWait))
 			return
 		case <-o.stopped.Done():
 			return
@@ -445,14 +466,18 @@ func (c *conn) allocLater(id uint32, n int) {
 	}
 }
 
-// noSpaceLocked is the refusal of an Alloc of n pages, under o.mu.
-func (c *conn) noSpaceLocked(n int) error {
-	s := c.s
+// noSpace is the refusal of an Alloc of n pages that the table refused with err,
+// under o.mu.
+func (c *conn) noSpace(n int, err error) error {
+	if !errors.Is(err, pages.ErrNoSpace) && !errors.Is(err, pages.ErrSettling) {
+		return fmt.Errorf("%w: %w (device %d)", kv.ErrNoSpace, err, c.s.dev)
+	}
 	kept := ""
-	if k := c.o.keptLocked(s); k > 0 {
+	if k := c.o.keptLocked(c.s); k > 0 {
 		kept = fmt.Sprintf(", %d kept for the writers of before the restart", k)
 	}
-	return fmt.Errorf("%w: %d pages asked, %d free, %d settling and not enough evictable%s (device %d)", kv.ErrNoSpace, n, len(s.free), s.settlingLocked(), kept, s.dev)
+	t := c.s.tab
+	return fmt.Errorf("%w: %d pages asked, %d free or evictable, %d once pages settle%s (device %d)", kv.ErrNoSpace, n, t.Evictable(), t.Reachable(), kept, c.s.dev)
 }
 
 // sendLeased answers Alloc id with write lease l.
@@ -460,23 +485,23 @@ func (c *conn) sendLeased(id uint32, l *lease) error {
 	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendLease(b, kvwire.TypeLeased, id, l.id, l.pages) })
 }
 
-// newLeaseLocked makes a lease of pages for c, under o.mu; a write lease's grant is
-// in the index when it returns (restart.go).
-func (o *Owner) newLeaseLocked(c *conn, write bool, pages []uint32) *lease {
-	o.nextLease++
-	l := &lease{id: o.nextLease, c: c, s: c.s, write: write, pages: pages}
-	o.holdLocked(l)
-	if write {
-		l.granted = o.grantLocked(l)
+// grantLocked books lease id of s's table, of pgs, for c, under o.mu, and returns it;
+// nil for no lease (id 0), or where c has ended meanwhile (the lease then ends at
+// once).
+func (o *Owner) grantLocked(c *conn, s *slab, id pages.LeaseID, write bool, pgs []uint32) *lease {
+	if id == 0 {
+		return nil
+	}
+	l := &lease{id: uint64(id), c: c, s: s, holder: c.holder, write: write, pages: pgs}
+	o.issued = max(o.issued, l.id)
+	o.leases[l.id] = l
+	c.held[l.id] = l
+	c.heldPgs += len(pgs)
+	if c.ended {
+		o.endNowLocked(l)
+		return nil
 	}
 	return l
-}
-
-// holdLocked books lease l as its connection's, under o.mu.
-func (o *Owner) holdLocked(l *lease) {
-	o.leases[l.id] = l
-	l.c.held[l.id] = l
-	l.c.heldPgs += len(l.pages)
 }
 
 // roomLocked says why c may not take a lease of n more pages, under o.mu, or nil.
@@ -490,8 +515,12 @@ func (c *conn) roomLocked(n int) error {
 	return nil
 }
 
-// dropLocked removes lease l from the books, under o.mu; its pages are the caller's.
+// dropLocked removes lease l from the owner's books, under o.mu; the table's lease is
+// the caller's.
 func (o *Owner) dropLocked(l *lease) {
+	if o.leases[l.id] != l {
+		return
+	}
 	delete(o.leases, l.id)
 	delete(l.c.held, l.id)
 	l.c.heldPgs -= len(l.pages)
@@ -507,7 +536,7 @@ func (o *Owner) findLocked(c *conn, id uint64) (*lease, error) {
 		return l, nil
 	case ok:
 		return nil, fmt.Errorf("%w: lease %d belongs to another replica", kv.ErrStaleLease, id)
-	case id == 0 || id > o.nextLease:
+	case id == 0 || id > o.issued || id == o.epoch<<40:
 		return nil, fmt.Errorf("%w: lease %d was never issued", kv.ErrStaleLease, id)
 	}
 	return nil, fmt.Errorf("%w: lease %d has ended", kv.ErrStaleLease, id)
@@ -519,7 +548,7 @@ func (o *Owner) findLocked(c *conn, id uint64) (*lease, error) {
 // pinning pages until its exit. A lost connection left holding nothing ends then.
 func (o *Owner) adoptLocked(c *conn, l *lease) bool {
 	old := l.c
-	if !old.lost || old.cred.PID != c.cred.PID || old.s != c.s || c.proc == nil || old.exited() {
+	if !old.lost || old.cred.PID != c.cred.PID || old.s != c.s || c.proc == nil || l.holder != c.holder || old.exited() {
 		return false
 	}
 	delete(old.held, l.id)
@@ -588,20 +617,19 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	}
 	c.lock()
 	l, err := check()
+	if err == nil {
+		var fx pages.Effects
+		fx, err = l.s.tab.Seal(l.holder, pages.LeaseID(l.id), hashes, c.parentLocked(hashes))
+		o.effectsLocked(l.s, fx)
+	}
 	if err != nil {
 		c.unlock()
-		return c.sendError(h.ID, err)
+		return c.sendError(h.ID, fmt.Errorf("%w: %w", kv.ErrStaleLease, err))
 	}
 	o.dropLocked(l)
-	rec := &record{s: l.s, seal: l.pages[:len(hashes)], hashes: append([]kv.Hash(nil), hashes...), free: l.pages[len(hashes):], parent: c.parentLocked(hashes), ends: []uint64{l.id}}
-	for _, pg := range rec.seal {
-		l.s.pages[pg].state = pageSealing
-	}
-	for _, pg := range rec.free {
-		l.s.pages[pg].state = pageSettling
-	}
+	rec := &record{s: l.s, seal: pages.LeaseID(l.id)}
 	owed := c.submitLocked(e, rec)
-	ans := kvwire.Sealed{Pending: uint32(len(rec.seal))}
+	ans := kvwire.Sealed{Pending: uint32(len(hashes))}
 	if rec.done {
 		ans = kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}
 	}
@@ -665,24 +693,13 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 }
 
 // endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's event
-// has completed (write-leased pages are then freed, read-leased ones lose a reader
-// now and are evictable then).
+// has completed (Table.Release; write-leased pages are then freed, read-leased ones
+// evictable).
 func (o *Owner) endBehindLocked(rec *record, l *lease) {
 	o.dropLocked(l)
-	if l.write {
-		for _, pg := range l.pages {
-			l.s.pages[pg].state = pageSettling
-		}
-		rec.free = append(rec.free, l.pages...)
-		rec.ends = append(rec.ends, l.id)
-		return
+	if l.s.tab.Release(l.holder, pages.LeaseID(l.id)) == nil {
+		rec.released = append(rec.released, pages.LeaseID(l.id))
 	}
-	for _, pg := range l.pages {
-		pp := &l.s.pages[pg]
-		pp.readers--
-		pp.releasing++
-	}
-	rec.released = append(rec.released, l.pages...)
 }
 
 // releaseHeld ends c's leases after its final event ev (a Bye's), as a Release of all
@@ -768,9 +785,10 @@ func (o *Owner) ownsLocked(c *conn, ids []uint64) error {
 
 // match answers Match: the longest run of the hashes visible on c's device, copied in
 // from another device's slab where only that one has them, or restored from the
-// device's host tier (restore.go), leased for reading.
+// device's host tier, leased for reading. It waits for the reattach window as an
+// Alloc does.
 func (c *conn) match(h kvwire.Header, p []byte) error {
-	o, s := c.o, c.s
+	o := c.o
 	m, err := kvwire.DecodeMatch(p)
 	if err != nil {
 		return c.refuse(h.ID, err)
@@ -779,53 +797,94 @@ func (c *conn) match(h kvwire.Header, p []byte) error {
 	if err := c.distinct(hashes); err != nil {
 		return c.sendError(h.ID, err)
 	}
+	if !o.awaitResumed() {
+		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
+	}
 	c.lock()
-	pages := s.lookup(hashes, c.scratch[:0])
-	c.scratch = pages[:0]
-	if len(pages) < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(s, hashes[len(pages)]) {
+	run := c.runLocked(hashes)
+	if run < len(hashes) && len(o.slabs) > 1 && o.elsewhereLocked(c.s, hashes[run]) {
 		c.unlock()
 		return c.matchAcross(h, hashes)
 	}
-	if len(pages) < len(hashes) && c.inHostLocked(hashes[len(pages)]) {
-		c.unlock()
-		return c.matchRestore(h, hashes)
-	}
-	return c.answerMatchLocked(h.ID, hashes, pages)
+	return c.matchLocked(h.ID, hashes, run)
 }
 
-// answerMatchLocked ends a Match, with o.mu held on entry and released on return: it
-// leases pages, the run of the hashes found (no lease if none), within c's caps, and
-// answers request id with that lease.
-func (c *conn) answerMatchLocked(id uint32, hashes []kv.Hash, pages []uint32) error {
-	o := c.o
-	if err := c.roomLocked(len(pages)); err != nil && len(pages) > 0 {
+// runLocked is how long a run of hashes, from the first, c's slab holds in either
+// tier, under o.mu.
+func (c *conn) runLocked(hashes []kv.Hash) int {
+	t := c.s.tab
+	for i, hh := range hashes {
+		if _, ok := t.Lookup(hh); ok {
+			continue
+		}
+		if _, ok := t.HostLookup(hh); !ok {
+			return i
+		}
+	}
+	return len(hashes)
+}
+
+// matchLocked ends a Match whose run in c's slab is run pages long, with o.mu held on
+// entry and released on return: it leases the run (no lease if none), within c's
+// caps, restoring what is in the host tier (Table.Match, the copies, CopyDone), and
+// answers request id with that lease once the index has it.
+func (c *conn) matchLocked(id uint32, hashes []kv.Hash, run int) error {
+	o, s := c.o, c.s
+	if err := c.roomLocked(run); err != nil && run > 0 {
 		c.unlock()
 		return c.sendError(id, err)
 	}
-	ans := o.leaseRunLocked(c, pages, len(hashes))
-	c.noteTipLocked(hashes, pages)
+	res, fx, err := s.tab.Match(c.holder, hashes)
+	if err != nil {
+		c.unlock()
+		return c.sendError(id, fmt.Errorf("%w: %w", kv.ErrClosed, err))
+	}
+	seq := o.effectsLocked(s, fx)
+	var l *lease
+	if !res.Pending {
+		l = o.grantLocked(c, s, res.Lease, false, res.Pages)
+		c.noteTipLocked(hashes, res.Pages)
+	}
 	c.unlock()
+	if res.Pending {
+		res, err = o.doEffects(s, fx, seq)
+		c.lock()
+		l = o.grantLocked(c, s, res.Lease, false, res.Pages)
+		c.noteTipLocked(hashes, res.Pages)
+		c.unlock()
+	} else {
+		err = o.journaled(o.stopped, seq)
+	}
+	if err != nil {
+		c.abandon(l)
+		return c.sendError(id, err)
+	}
+	var lid uint64
+	var pgs []uint32
+	if l != nil {
+		lid, pgs = l.id, l.pages
+	}
 	return c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendLease(b, kvwire.TypeMatched, id, ans.id, ans.pages)
+		return kvwire.AppendLease(b, kvwire.TypeMatched, id, lid, pgs)
 	})
 }
 
 // noteTipLocked remembers where a match of hashes that found the run pages ended, under
 // o.mu: a run short of the hashes is usually continued by a Seal of the rest.
-func (c *conn) noteTipLocked(hashes []kv.Hash, pages []uint32) {
-	c.tip.last = noLink
-	if len(pages) > 0 && len(pages) < len(hashes) {
-		c.tip.next, c.tip.last = hashes[len(pages)], c.s.linkOf(pages[len(pages)-1])
+func (c *conn) noteTipLocked(hashes []kv.Hash, pgs []uint32) {
+	c.tip.last = pages.NoRef
+	if len(pgs) > 0 && len(pgs) < len(hashes) {
+		c.tip.next, c.tip.last = hashes[len(pgs)], c.s.tab.Ref(pgs[len(pgs)-1])
 	}
 }
 
 // parentLocked is the page that a seal of hashes continues, if it continues the latest
 // match's run, under o.mu.
-func (c *conn) parentLocked(hashes []kv.Hash) link {
-	if len(hashes) > 0 && c.tip.last.page != none && hashes[0] == c.tip.next {
+func (c *conn) parentLocked(hashes []kv.Hash) pages.Ref {
+	if len(hashes) > 0 && c.tip.last != pages.NoRef && hashes[0] == c.tip.next {
 		return c.tip.last
 	}
-	return noLink
+	return pages.NoRef
 }
 
 // distinct says which hash of hashes repeats an earlier one, if one does.
@@ -844,22 +903,6 @@ func (c *conn) distinct(hashes []kv.Hash) error {
 		c.seen[h] = i
 	}
 	return nil
-}
-
-// leaseRunLocked leases sealed pages of c's slab for reading (no lease if none), under
-// o.mu, and counts the hits and misses of a match of asked hashes.
-func (o *Owner) leaseRunLocked(c *conn, pages []uint32, asked int) (l lease) {
-	s := c.s
-	s.stats.Hits += uint64(len(pages))
-	s.stats.Misses += uint64(asked - len(pages))
-	if len(pages) == 0 {
-		return lease{}
-	}
-	for _, pg := range pages {
-		s.pages[pg].readers++
-	}
-	s.touch(pages)
-	return *o.newLeaseLocked(c, false, append([]uint32(nil), pages...))
 }
 
 // stats answers Stats with the owner's Stats as JSON.
@@ -1013,18 +1056,7 @@ func (o *Owner) signalIdle(c *conn) {
 // read-leased pages lose a reader.
 func (o *Owner) endLeasesLocked(c *conn) {
 	for _, l := range c.held {
-		l.s.spaceLocked()
-		o.dropLocked(l)
-		for _, pg := range l.pages {
-			if l.write {
-				l.s.release(pg)
-			} else {
-				l.s.pages[pg].readers--
-			}
-		}
-		if l.write {
-			o.endGrantLocked(l.id)
-		}
+		o.endNowLocked(l)
 	}
 }
 

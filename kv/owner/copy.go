@@ -7,13 +7,14 @@ import (
 
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
 // elsewhereLocked says whether h is visible in a slab other than s, under o.mu.
 func (o *Owner) elsewhereLocked(s *slab, h kv.Hash) bool {
 	for _, other := range o.slabs {
 		if other != s {
-			if _, ok := other.index[h]; ok {
+			if _, ok := other.tab.Lookup(h); ok {
 				return true
 			}
 		}
@@ -21,131 +22,114 @@ func (o *Owner) elsewhereLocked(s *slab, h kv.Hash) bool {
 	return false
 }
 
-// piece is one page of a match run: where it is on the replica's device, and for a
-// page to copy, where it comes from.
+// piece is one page to copy into the replica's device: where it goes, and where it
+// comes from.
 type piece struct {
 	dst  uint32
-	src  *slab // nil: visible on the replica's device already
+	src  *slab
 	from uint32
+	hash kv.Hash
 }
 
-// matchAcross answers a Match whose run goes on in other devices' slabs: it takes the
-// run (pages visible on the replica's device, or on another device), allocates pages
-// on the replica's device for those of other devices, copies them on a stream of their
-// device, waits for the copy on the host, seals the copies and leases the whole run.
-// If the replica's slab has no room for the copies, the run ends before the first.
+// borrowed is a read lease of the owner's own on a source slab, for a copy.
+type borrowed struct {
+	s  *slab
+	id pages.LeaseID
+}
+
+// matchAcross answers a Match whose run goes on in other devices' slabs. The owner,
+// as a holder of its own, leases the pages of other devices' slabs for reading
+// (Table.Match there) and as many pages of the replica's slab for writing (Alloc),
+// copies them on a stream of their device, waits for the copy on the host, seals the
+// copies (Seal, SealDone) and ends its source leases; then the run is the replica's
+// slab's, and it is matched there. If the replica's slab has no room for the copies,
+// the run ends before the first.
 func (c *conn) matchAcross(h kvwire.Header, hashes []kv.Hash) error {
 	o, s := c.o, c.s
-	if !o.awaitResumed() {
-		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
-	}
 	c.lock()
-	run := make([]piece, 0, len(hashes))
-	copies := 0
+	var copies []piece
 	for _, hh := range hashes {
-		if p, ok := s.index[hh]; ok {
-			run = append(run, piece{dst: p})
+		if _, ok := s.tab.Lookup(hh); ok {
 			continue
 		}
-		var src *slab
-		var from uint32
+		found := false
 		for _, other := range o.slabs {
-			if p, ok := other.index[hh]; ok && other != s {
-				src, from = other, p
+			if p, ok := other.tab.Lookup(hh); ok && other != s {
+				copies, found = append(copies, piece{src: other, from: p, hash: hh}), true
 				break
 			}
 		}
-		if src == nil {
+		if !found {
 			break
 		}
-		run = append(run, piece{src: src, from: from})
-		copies++
 	}
-	// Hold every page of the run (readers), so that none is evicted meanwhile, then
-	// find room for the copies.
-	for _, pc := range run {
-		if pc.src == nil {
-			s.pages[pc.dst].readers++
-		} else {
-			pc.src.pages[pc.from].readers++
+	// Hold the sources, so that none is evicted meanwhile, then find room for the
+	// copies.
+	var srcs []borrowed
+	for _, other := range o.slabs {
+		var hs []kv.Hash
+		for _, pc := range copies {
+			if pc.src == other {
+				hs = append(hs, pc.hash)
+			}
+		}
+		if len(hs) == 0 {
+			continue
+		}
+		res, fx, err := other.tab.Match(o.self, hs)
+		o.effectsLocked(other, fx)
+		if err == nil && res.Lease != 0 {
+			srcs = append(srcs, borrowed{other, res.Lease})
 		}
 	}
-	evictions := s.stats.Evictions
-	dsts, ok := s.take(copies, make([]uint32, 0, copies))
-	var wait uint64 // the evictions' records, in the index before the copies overwrite the pages
-	if s.stats.Evictions != evictions {
-		wait = s.lastFree
+	id, dsts, fx, err := s.tab.Alloc(o.self, len(copies))
+	if err != nil {
+		o.giveBackLocked(srcs)
+		return c.matchLocked(h.ID, hashes, c.runLocked(hashes))
 	}
-	if !ok {
-		cut := 0
-		for cut < len(run) && run[cut].src == nil {
-			cut++
-		}
-		o.unholdLocked(s, run[cut:])
-		run, copies, dsts = run[:cut], 0, nil
+	for i := range copies {
+		copies[i].dst = dsts[i]
 	}
-	k := 0
-	for i := range run {
-		if run[i].src != nil {
-			run[i].dst = dsts[k]
-			k++
-		}
-	}
+	seq := o.effectsLocked(s, fx)
 	c.unlock()
 
-	err := o.journaled(o.stopped, wait)
+	_, err = o.doEffects(s, fx, seq)
 	if err == nil {
-		err = o.copyRun(s, run)
+		err = o.copyRun(s, copies)
 	}
 
 	c.lock()
-	pages := make([]uint32, 0, len(run))
-	for i, pc := range run {
-		if pc.src == nil {
-			pages = append(pages, pc.dst)
-			continue
+	o.giveBackLocked(srcs)
+	hs := make([]kv.Hash, len(copies))
+	for i, pc := range copies {
+		hs[i] = pc.hash
+	}
+	if err == nil {
+		var sfx pages.Effects
+		if sfx, err = s.tab.Seal(o.self, id, hs, pages.NoRef); err == nil {
+			o.effectsLocked(s, sfx)
+			var v int
+			v, _, sfx, err = s.tab.SealDone(id, true)
+			o.effectsLocked(s, sfx)
+			s.copied += uint64(v)
 		}
-		pc.src.pages[pc.from].readers--
-		if err != nil {
-			s.release(pc.dst)
-			continue
-		}
-		// Another copy (or a seal) may have made the hash visible here meanwhile.
-		if p, dup := s.index[hashes[i]]; dup {
-			s.release(pc.dst)
-			s.pages[p].readers++
-			pages = append(pages, p)
-			continue
-		}
-		parent := noLink
-		if len(pages) > 0 {
-			parent = s.linkOf(pages[len(pages)-1])
-		}
-		s.publish(pc.dst, hashes[i], parent)
-		s.pages[pc.dst].readers++
-		s.stats.Copied++
-		pages = append(pages, pc.dst)
+	} else if s.tab.Release(o.self, id) == nil {
+		rfx, _ := s.tab.ReleaseDone(id)
+		o.effectsLocked(s, rfx)
 	}
 	if err != nil {
-		for _, p := range pages {
-			s.pages[p].readers--
-		}
 		c.unlock()
 		return c.sendError(h.ID, fmt.Errorf("copying pages to device %d: %w", s.dev, err))
 	}
-	for _, p := range pages {
-		s.pages[p].readers-- // leaseRunLocked takes the reader back
-	}
-	return c.answerMatchLocked(h.ID, hashes, pages)
+	return c.matchLocked(h.ID, hashes, c.runLocked(hashes))
 }
 
-// unholdLocked drops the readers matchAcross took on run, under o.mu.
-func (o *Owner) unholdLocked(s *slab, run []piece) {
-	for _, pc := range run {
-		if pc.src == nil {
-			s.pages[pc.dst].readers--
-		} else {
-			pc.src.pages[pc.from].readers--
+// giveBackLocked ends the owner's read leases srcs, under o.mu.
+func (o *Owner) giveBackLocked(srcs []borrowed) {
+	for _, b := range srcs {
+		if b.s.tab.Release(o.self, b.id) == nil {
+			fx, _ := b.s.tab.ReleaseDone(b.id)
+			o.effectsLocked(b.s, fx)
 		}
 	}
 }
@@ -156,10 +140,6 @@ func (o *Owner) unholdLocked(s *slab, run []piece) {
 func (o *Owner) copyRun(s *slab, run []piece) error {
 	for i := 0; i < len(run); {
 		src := run[i].src
-		if src == nil {
-			i++
-			continue
-		}
 		j := i + 1
 		for j < len(run) && run[j].src == src {
 			j++

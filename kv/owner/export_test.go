@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -82,30 +81,3 @@ func OnWindowWait(f func()) (undo func()) {
 
 // SetTierPeerUID makes k see the peers of dir/tier.sock as uid.
 func SetTierPeerUID(k *Keeper, uid uint32) { k.tiers.peerUID.Store(&uid) }
-
-// HostTakes makes a host tier of len(pins) host pages over a slab of as many pages,
-// host page i sealed, the twin of GPU page i, read by pins[i] restores, GPU page i
-// leased by readers[i] replicas, host page 0 the least recent; and returns the host
-// pages its take gives, one after another, until it has none.
-func HostTakes(pins, readers []uint32) []uint32 {
-	n := len(pins)
-	s := newSlab(0, n)
-	t := &hostTier{s: s, pages: make([]hostPage, n), index: map[kv.Hash]uint32{}, head: none, tail: none, twin: make([]uint32, n), mark: none}
-	s.tier = t
-	for i := range n {
-		s.free = s.free[:len(s.free)-1]
-		s.pages[i].state, s.pages[i].hash, s.pages[i].readers = pageSealed, kv.Hash{byte(i + 1)}, readers[i]
-		s.index[s.pages[i].hash] = uint32(i)
-		t.pages[i] = hostPage{prev: none, next: none, gpu: none}
-		t.seal(uint32(i), kv.Hash{byte(i + 1)}, uint32(i))
-		t.pages[i].pins = pins[i]
-	}
-	var took []uint32
-	for {
-		p, ok := t.take()
-		if !ok {
-			return took
-		}
-		took = append(took, p)
-	}
-}

@@ -24,9 +24,9 @@ type hostSide struct {
 	spillers sync.WaitGroup
 }
 
-// startTiers makes every device's host tier, if WithHostBytes asks for them, starts
-// their spillers and listens on dir/host.sock. teardown undoes what it got to.
-func (o *Owner) startTiers() error {
+// makeTiers makes every device's host tier's memory, if WithHostBytes asks for
+// them. teardown undoes what it got to.
+func (o *Owner) makeTiers() error {
 	if o.opts.HostBytes == 0 {
 		return nil
 	}
@@ -37,10 +37,16 @@ func (o *Owner) startTiers() error {
 		}
 		o.mu.Lock()
 		s.tier = t
-		if t.kept {
-			o.recovery.HostPages += t.restoreTier(o.hostRec[s.dev])
-		}
 		o.mu.Unlock()
+	}
+	return nil
+}
+
+// startTiers starts the host tiers' spillers and listens on dir/host.sock, once the
+// tables are made. teardown undoes what it got to.
+func (o *Owner) startTiers() error {
+	if o.opts.HostBytes == 0 {
+		return nil
 	}
 	for _, s := range o.slabs {
 		o.host.spillers.Add(1)
@@ -103,7 +109,7 @@ func (o *Owner) handOutTier(nc *net.UnixConn, cred peercred.Cred) error {
 		info.Error = fmt.Sprintf("device %d has no host tier here", dev)
 	default:
 		t := s.tier
-		info.Bytes, info.Pages, info.PageBytes, fd = uint64(len(t.mem)), len(t.pages), t.pageBytes, t.fd
+		info.Bytes, info.Pages, info.PageBytes, fd = uint64(len(t.mem)), t.pages, t.pageBytes, t.fd
 	}
 	o.mu.Unlock()
 	b, err := json.Marshal(info)

@@ -89,17 +89,6 @@ func TestKeeperTierSocketRefusesAnotherUser(t *testing.T) {
 	assert.Contains(t, string(buf[:n]), fmt.Sprintf("uid %d is not the keeper's", other), "the keeper answered another user's page server")
 }
 
-// A host tier under pressure takes the least recent host page that no restore reads
-// and whose GPU twin no replica reads: a page a restore is still copying from stays
-// (else it would be refilled under the copy, and stay pinned for good), and so do the
-// host copies of pages replicas are reading, though they are the least recent.
-func TestHostTierTakesNeitherPinnedNorLeasedTwins(t *testing.T) {
-	// Host page 0 (the least recent) is read by a restore; GPU page 1, host page 1's
-	// twin, by a replica.
-	assert.Equal(t, []uint32{2, 3}, owner.HostTakes([]uint32{1, 0, 0, 0}, []uint32{0, 2, 0, 0}))
-	assert.Equal(t, []uint32{0, 1, 2, 3}, owner.HostTakes([]uint32{0, 0, 0, 0}, []uint32{0, 0, 0, 0}), "least recent first")
-}
-
 // The host tier's socket answers a device it serves with the tier's memfd, one it
 // does not with a reason and no descriptor, and a connection that says nothing, or
 // too little, with nothing; none of them stops it serving the next.

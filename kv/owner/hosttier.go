@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dustin/go-humanize"
@@ -17,7 +18,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv"
-	"github.com/cudapool/cudapool/kv/internal/index"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
 // The host tier of a device (WithHostBytes): pinned host memory that holds sealed
@@ -31,28 +32,22 @@ import (
 // maps it, which keeps the tier's memory alive as long as any process maps it, and
 // lets a replica read host pages by itself.
 //
-// A host page is free, filling (a spill copy in flight into it) or sealed (in the
-// tier's own index, hash -> host page, and its own LRU list). Pages leave the GPU tier
-// for the host tier and the host tier for nowhere: the least recently used page of
-// either tier goes first, a sealed GPU page on eviction becoming the most recent host
-// page. A page is never evicted from either tier while it is leased (on the GPU) or
-// while a copy reads it.
+// Its pages are the device's page table's (kv/internal/pages): free, filling or
+// sealed, one LRU across both tiers, a host page a restore reads or that twins a
+// leased GPU page never evicted. The tier holds the memory and makes the copies the
+// table asks for, each MemcpyBatchAsync on the tier's stream, one at a time in the
+// order they are started, and reports each one's end (Table.CopyDone):
 //
-// Spill: a spiller goroutine per tier keeps the least recently used sealed GPU pages
-// (up to hostTier.ahead of them) also in the host tier, copying them ahead in batches of
-// spillBatch pages, each one MemcpyBatchAsync on the tier's stream. A GPU page whose
-// bytes are in the host tier (its twin) is evicted for free: its host page stays. The
-// spill is never on the path of a match or an alloc: they only read the index, and a
-// GPU page being copied out is held (as a reader holds it) until the copy has
-// completed, so it is never reused before. A page an alloc or a restore evicts before
-// the spiller got to it is copied out by that call, before the page is written (the
-// alloc answers after the copy; the restore queues it ahead of its own copy on the
-// tier's stream); one evicted otherwise (by a copy from another device) is gone.
+// Spill: a spiller goroutine per tier copies ahead the least recently used sealed GPU
+// pages (up to hostTier.ahead of them, spillBatch at a time: Table.PickSpill), so that
+// their eviction is free. The spill is never on the path of a match or an alloc. A
+// page an alloc or a restore evicts before the spiller got to it is copied out by
+// that call (the table's capture copy) before the page is written; one evicted
+// otherwise is gone.
 //
-// Restore: a match whose run goes on in the host tier takes GPU pages for those
-// hashes, copies the host pages into them in one MemcpyBatchAsync on the tier's
-// stream, waits for it on the host, publishes them in the slab's index and leases the
-// run, all in the same reply. The restored GPU pages keep their host pages as twins.
+// Restore: a match whose run goes on in the host tier gets GPU pages for those
+// hashes, copied back from the host pages, in the same reply (Table.Match, then
+// CopyDone). The restored GPU pages keep their host pages as twins.
 
 // spillBatch is the most pages one spill copies: one kernel launch.
 const spillBatch = 512
@@ -62,11 +57,8 @@ const spillBatch = 512
 // slab and an eighth of the tier bound it too: the copies ahead hold host pages twice.
 const maxAhead = 8192
 
-// rescanEvery is how often a pick starts from the LRU tail however far the mark got.
-const rescanEvery = 64
-
-// hostTier is one device's host tier. Everything but the fields set at Listen is
-// guarded by the Owner's mu.
+// hostTier is one device's host tier: its memory, stream and copies. Everything but
+// the fields set at Listen is guarded by the Owner's mu.
 type hostTier struct {
 	s         *slab
 	fd        int    // the memfd; the owner keeps it to hand to replicas
@@ -74,55 +66,17 @@ type hostTier struct {
 	mem       []byte // its mapping, registered
 	dptr      cudart.DevicePtr
 	pageBytes uint64 // one host page: 2 x layers pieces
+	pages     int    // host pages
 	stream    cudart.Stream
-	spillEv   cudart.Event // the spiller's, one batch at a time
 	path      cudart.CopyPath
-	ahead     int // sealed GPU pages, from the LRU tail, kept copied in the host tier
-
-	pages      []hostPage
-	free       []uint32
-	index      map[kv.Hash]uint32
-	head, tail uint32         // LRU of sealed host pages: head most recent
-	twin       []uint32       // by GPU page: the host page holding its bytes, none, or filling
-	events     []cudart.Event // spare, for copies other than the spiller's
-	stats      kv.HostStats
-
-	// capture is set while a caller that copies them takes slab pages (takeLocked):
-	// sealed pages without a host copy that it evicts are put in evictedNow, each with
-	// a host page, instead of being lost.
-	capture    bool
-	evictedNow spillTask
-
-	mark     uint32 // the most recent slab page a pick examined, or none (pickSpillLocked)
-	markSeen int    // the evictable pages from the tail to the mark, when examined
-	picks    uint64 // picks made
-
-	// lastFree is the sequence number of the latest host page eviction queued in the
-	// index: a page it evicted is filled again only once the index has it.
-	lastFree uint64
+	ahead     int            // sealed GPU pages, from the LRU tail, kept copied in the host tier
+	events    []cudart.Event // spare, one per copy in flight
+	stats     kv.HostStats   // the bytes and times; the table counts the rest
+	streamMu  sync.Mutex     // a copy and its event's record are queued together
 
 	kick chan struct{}
 	want bool // pages were sealed since the spiller last looked for pages to copy
 	busy bool // the spiller copies a batch
-}
-
-// filling marks, in hostTier.twin, a GPU page whose spill copy is in flight.
-const filling = none - 1
-
-type hostPageState uint8
-
-const (
-	hostFree hostPageState = iota
-	hostFilling
-	hostSealed
-)
-
-type hostPage struct {
-	hash       kv.Hash
-	prev, next uint32 // LRU neighbours, for a sealed host page: prev is more recent
-	gpu        uint32 // the GPU page holding the same bytes, or none
-	pins       uint32 // restores reading it
-	state      hostPageState
 }
 
 // piece is the device address of layer's part (K or V) of page p of s: where a
@@ -188,7 +142,7 @@ func checkHostBytes(o options) error {
 
 // hostPagesOf is the pages of each device's host tier that o asks for.
 func hostPagesOf(o options) uint64 {
-	return min(o.HostBytes/HostPageBytes(o.Geometry), uint64(none-2))
+	return min(o.HostBytes/HostPageBytes(o.Geometry), 1<<31)
 }
 
 // makeTier makes s's host tier of o.HostBytes: the memfd, sealed, mapped and
@@ -196,17 +150,8 @@ func hostPagesOf(o options) uint64 {
 func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 	pb := HostPageBytes(o.geo)
 	n := hostPagesOf(o.opts)
-	t := &hostTier{s: s, fd: -1, pageBytes: pb, index: make(map[kv.Hash]uint32), head: none, tail: none, mark: none,
-		pages: make([]hostPage, n), free: make([]uint32, n), twin: make([]uint32, len(s.pages)),
-		kick: make(chan struct{}, 1)}
-	for i := range t.free {
-		t.free[i] = uint32(n - 1 - uint64(i))
-		t.pages[i] = hostPage{prev: none, next: none, gpu: none}
-	}
-	for i := range t.twin {
-		t.twin[i] = none
-	}
-	t.ahead = max(min(len(s.pages)/4, int(n)/8, maxAhead), 1)
+	t := &hostTier{s: s, fd: -1, pageBytes: pb, pages: int(n), kick: make(chan struct{}, 1)}
+	t.ahead = max(min(o.geo.Pages/4, int(n)/8, maxAhead), 1)
 	defer func() {
 		if err != nil {
 			_ = o.closeTier(t) // cleanup: the first error is the one returned
@@ -251,38 +196,8 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 	if t.stream, err = o.rt.StreamCreate(s.dev, cudart.StreamNonBlocking); err != nil {
 		return nil, fmt.Errorf("kv/owner: host tier of device %d: %w", s.dev, err)
 	}
-	if t.spillEv, err = o.rt.EventCreate(s.dev, cudart.EventDisableTiming); err != nil {
-		return nil, fmt.Errorf("kv/owner: host tier of device %d: %w", s.dev, err)
-	}
-	t.stats = kv.HostStats{Bytes: size, Pages: int(n), PageBytes: pb, CopyPath: t.path.String()}
+	t.stats = kv.HostStats{Bytes: size, PageBytes: pb, CopyPath: t.path.String()}
 	return t, nil
-}
-
-// restoreTier seals the host pages the index held (least recent first) in t, a tier
-// whose memory the keeper kept, and journals them again. A page out of the tier's
-// range, or a hash held already, is skipped. It returns how many it restored.
-func (t *hostTier) restoreTier(sealed []index.Page) int {
-	n := 0
-	for _, sp := range sealed {
-		if int(sp.Page) >= len(t.pages) || t.pages[sp.Page].state != hostFree {
-			continue
-		}
-		if _, dup := t.index[sp.Hash]; dup {
-			continue
-		}
-		t.seal(sp.Page, sp.Hash, none)
-		n++
-	}
-	if n == 0 {
-		return 0
-	}
-	t.free = t.free[:0]
-	for p := len(t.pages) - 1; p >= 0; p-- {
-		if t.pages[p].state == hostFree {
-			t.free = append(t.free, uint32(p))
-		}
-	}
-	return n
 }
 
 // makeTierFD makes device dev's host tier memfd of size bytes, sealed at that size.
@@ -313,7 +228,7 @@ func (o *Owner) closeTier(t *hostTier) error {
 			errs = append(errs, fmt.Errorf("kv/owner: the host tier's stream of device %d: %w", dev, err))
 		}
 	}
-	for _, ev := range append(t.events, t.spillEv) {
+	for _, ev := range t.events {
 		if ev != 0 {
 			if err := o.rt.EventDestroy(dev, ev); err != nil {
 				errs = append(errs, err)
@@ -341,230 +256,6 @@ func (o *Owner) closeTier(t *hostTier) error {
 	return errors.Join(errs...)
 }
 
-// unlink takes sealed host page p out of the LRU list.
-func (t *hostTier) unlink(p uint32) { lruRemove(&t.head, &t.tail, p, t.links) }
-
-// pushFront makes host page p the most recent; p must not be in the list.
-func (t *hostTier) pushFront(p uint32) { lruPushFront(&t.head, &t.tail, p, t.links) }
-
-// links are host page p's LRU neighbours.
-func (t *hostTier) links(p uint32) (prev, next *uint32) { return &t.pages[p].prev, &t.pages[p].next }
-
-// touch makes sealed host page p the most recent.
-func (t *hostTier) touch(p uint32) {
-	if t.head != p {
-		t.unlink(p)
-		t.pushFront(p)
-	}
-}
-
-// evictable says whether sealed host page p may go: no restore reads it, and the GPU
-// page it twins (if any) is not leased.
-func (t *hostTier) evictable(p uint32) bool {
-	pg := &t.pages[p]
-	return pg.pins == 0 && (pg.gpu == none || t.s.pages[pg.gpu].readers == 0)
-}
-
-// take returns a host page to fill: a free one, else the least recent evictable
-// sealed one, evicted: the caller waits for t.lastFree (Owner.journaled) before it
-// fills the page. ok is false if there is none.
-func (t *hostTier) take() (uint32, bool) {
-	if n := len(t.free); n > 0 {
-		p := t.free[n-1]
-		t.free = t.free[:n-1]
-		t.pages[p].state = hostFilling
-		return p, true
-	}
-	for p := t.tail; p != none; p = t.pages[p].prev {
-		if t.evictable(p) {
-			t.evict(p) // its record is queued; the filler waits for t.lastFree
-			return t.take()
-		}
-	}
-	return 0, false
-}
-
-// evict drops sealed host page p: out of the index and the LRU list, to free.
-func (t *hostTier) evict(p uint32) {
-	pg := &t.pages[p]
-	delete(t.index, pg.hash)
-	t.lastFree = t.s.ix.HostFree(t.s.dev, p)
-	t.unlink(p)
-	if pg.gpu != none {
-		t.twin[pg.gpu] = none
-	}
-	t.stats.Evictions++
-	t.release(p)
-}
-
-// release makes host page p free.
-func (t *hostTier) release(p uint32) {
-	t.pages[p] = hostPage{prev: none, next: none, gpu: none}
-	t.free = append(t.free, p)
-}
-
-// seal makes host page hp hold hash h, a copy of GPU page gp (none if that page is no
-// longer h), unless h is held already: then hp is freed and the holder is linked.
-func (t *hostTier) seal(hp uint32, h kv.Hash, gp uint32) {
-	if have, dup := t.index[h]; dup {
-		t.release(hp)
-		hp = have
-	} else {
-		pg := &t.pages[hp]
-		pg.state, pg.hash = hostSealed, h
-		t.index[h] = hp
-		t.pushFront(hp)
-		t.s.ix.HostSeal(t.s.dev, hp, h) // its spill copy has completed
-	}
-	if gp != none {
-		t.link(gp, hp)
-	}
-}
-
-// link makes host page hp the twin of GPU page gp.
-func (t *hostTier) link(gp, hp uint32) {
-	if old := t.pages[hp].gpu; old != none && old != gp {
-		t.twin[old] = none
-	}
-	t.pages[hp].gpu = gp
-	t.twin[gp] = hp
-}
-
-// evicted is told that the slab evicts sealed GPU page gp, which held h: its host twin
-// becomes the most recent host page; without one, the page is gone.
-func (t *hostTier) evicted(gp uint32, h kv.Hash) {
-	hp := t.twin[gp]
-	t.twin[gp] = none
-	if t.markSeen > 0 {
-		t.markSeen-- // evictions take the tail, below the mark
-	}
-	if hp != none && hp != filling { // filling cannot be: a page being copied out is held
-		t.pages[hp].gpu = none
-		t.touch(hp)
-		t.stats.Spilled++
-		return
-	}
-	if _, ok := t.index[h]; ok {
-		return // the host tier holds the hash already
-	}
-	if t.capture {
-		if hp, ok := t.take(); ok {
-			e := &t.evictedNow
-			e.gpu, e.host, e.hashes = append(e.gpu, gp), append(e.host, hp), append(e.hashes, h)
-			return
-		}
-	}
-	t.stats.Lost++
-}
-
-// takeLocked is s.take for a caller that will write the pages it gets: sealed pages it
-// evicts that the host tier holds no copy of are given host pages, and returned, to be
-// copied out (copyEvicted) before the pages are written. Under o.mu.
-//
-// The task's wait is the sequence number of the evictions' records (GPU and host
-// pages), 0 if it evicted nothing: no page it evicted may be written before the index
-// has them (Owner.journaled), lest a restart publish the page under its old hash.
-func (o *Owner) takeLocked(s *slab, n int) ([]uint32, bool, spillTask) {
-	t := s.tier
-	evictions := s.stats.Evictions
-	if t == nil {
-		pages, ok := s.take(n, make([]uint32, 0, n))
-		task := spillTask{}
-		if s.stats.Evictions != evictions {
-			task.wait = s.lastFree
-		}
-		return pages, ok, task
-	}
-	hostEvictions := t.stats.Evictions
-	t.capture = true
-	pages, ok := s.take(n, make([]uint32, 0, n))
-	t.capture = false
-	task := t.evictedNow
-	t.evictedNow = spillTask{}
-	if s.stats.Evictions != evictions || t.stats.Evictions != hostEvictions {
-		task.wait = max(s.lastFree, t.lastFree)
-	}
-	return pages, ok, task
-}
-
-// copyEvicted copies the pages takeLocked evicted into their host pages, on the tier's
-// stream, then more: restore (nil: none) is queued behind it, in the same stream
-// order, so that a restore into pages just evicted reads nothing overwritten. It
-// waits for the evictions' records first (task.wait: no evicted page, GPU or host, is
-// written before the index has it), then for the copies on the host, then seals the
-// host pages (their slab pages are reused: no twins). On failure the host pages are
-// freed, and the error returned.
-func (o *Owner) copyEvicted(s *slab, task spillTask, restore []cudart.CopyPiece) error {
-	t := s.tier
-	if t == nil || (len(task.gpu) == 0 && len(restore) == 0) {
-		return nil
-	}
-	var ev cudart.Event
-	err := o.journaled(o.stopped, task.wait)
-	if err == nil {
-		o.mu.Lock()
-		ev, err = t.eventLocked(o)
-		o.mu.Unlock()
-	}
-	start := time.Now()
-	if err == nil && len(task.gpu) > 0 {
-		err = o.rt.MemcpyBatchAsync(s.dev, o.tierPieces(t, task.gpu, task.host, false), t.stream)
-	}
-	spilled := time.Since(start)
-	if err == nil && len(restore) > 0 {
-		err = o.rt.MemcpyBatchAsync(s.dev, restore, t.stream)
-	}
-	if err == nil {
-		err = o.rt.EventRecord(s.dev, ev, t.stream)
-	}
-	if err == nil {
-		err = o.waitEvent(o.stopped, s.dev, ev)
-	} else {
-		err = fmt.Errorf("%w (and the stream: %w)", err, o.rt.StreamSynchronize(s.dev, t.stream))
-	}
-	took := time.Since(start)
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if ev != 0 {
-		t.events = append(t.events, ev)
-	}
-	for i, hp := range task.host {
-		if err != nil {
-			t.release(hp)
-			t.stats.Lost++
-			continue
-		}
-		t.seal(hp, task.hashes[i], none)
-		t.stats.Spilled++
-	}
-	if err != nil {
-		return err
-	}
-	if n := uint64(len(task.gpu)); n > 0 {
-		t.stats.Spills += n
-		t.stats.SpillBytes += n * t.pageBytes
-		if len(restore) == 0 {
-			spilled = took
-		}
-		t.stats.SpillNanos += uint64(spilled) // with a restore behind it: its submission, a bound below
-	}
-	if len(restore) > 0 {
-		t.stats.RestoreNanos += uint64(took)
-	}
-	return nil
-}
-
-// eventLocked is an event for one copy: a spare one, or a new one. The caller puts it
-// back in events when done. Under o.mu.
-func (t *hostTier) eventLocked(o *Owner) (cudart.Event, error) {
-	if n := len(t.events); n > 0 {
-		ev := t.events[n-1]
-		t.events = t.events[:n-1]
-		return ev, nil
-	}
-	return o.rt.EventCreate(t.s.dev, cudart.EventDisableTiming)
-}
-
 // wake tells the spiller that the slab has new sealed pages, under o.mu. Evictions do
 // not wake it: the pages they free are about to be written, and the spiller copies
 // once they are sealed.
@@ -580,47 +271,31 @@ func kick(ch chan struct{}) {
 	}
 }
 
-// snapshot is the tier's stats, its pages counted by state.
-func (t *hostTier) snapshot() *kv.HostStats {
+// statsLocked is the tier's stats that the owner counts (bytes, times, the copy
+// path), under o.mu; the table fills in the rest.
+func (t *hostTier) statsLocked() *kv.HostStats {
 	st := t.stats
-	st.Free = len(t.free)
-	for i := range t.pages {
-		switch pg := &t.pages[i]; pg.state {
-		case hostFilling:
-			st.Filling++
-		case hostSealed:
-			st.Sealed++
-			if pg.gpu != none {
-				st.Twins++
-			}
-		}
-	}
 	return &st
-}
-
-// spillTask is one spill: GPU pages and the host pages they go to, and the sequence
-// number of the evictions' records to wait for before the copy (0: none).
-type spillTask struct {
-	gpu, host []uint32
-	hashes    []kv.Hash
-	wait      uint64
 }
 
 // spiller copies the least recently used sealed GPU pages ahead into the host tier,
 // until ctx ends.
 func (o *Owner) spiller(ctx context.Context, t *hostTier) {
-	var task spillTask
+	s := t.s
 	for {
 		o.mu.Lock()
-		task.gpu = task.gpu[:0]
+		var cp pages.Copy
+		var after uint64
+		picked := false
 		if t.want { // a wake-up with nothing asked since (a stale one) changes nothing
 			t.want = false
-			o.pickSpillLocked(t, &task)
+			var fx pages.Effects
+			cp, fx, picked = s.tab.PickSpill(t.ahead, spillBatch)
+			after = o.effectsLocked(s, fx)
 		}
-		t.busy = len(task.gpu) > 0
-		wait := t.lastFree // the host pages it evicted are free in the index before they are filled
+		t.busy = picked
 		o.mu.Unlock()
-		if !t.busy {
+		if !picked {
 			select {
 			case <-t.kick:
 				continue
@@ -628,107 +303,114 @@ func (o *Owner) spiller(ctx context.Context, t *hostTier) {
 				return
 			}
 		}
-		err := o.journaled(ctx, wait)
-		if err == nil {
-			err = o.spill(ctx, t, &task)
-		}
-		o.mu.Lock()
-		for i, gp := range task.gpu {
-			t.s.pages[gp].readers--
-			t.twin[gp] = none
-			if err != nil {
-				t.release(task.host[i])
-				continue
-			}
-			t.seal(task.host[i], task.hashes[i], gp)
-		}
-		if err == nil {
-			t.stats.Spills += uint64(len(task.gpu))
-			t.stats.SpillBytes += uint64(len(task.gpu)) * t.pageBytes
-			t.want = true // a full batch may have left more to copy
-		}
-		o.mu.Unlock()
+		_, _, err := o.runCopy(ctx, s, cp, after)
 		if err != nil {
 			if ctx.Err() == nil {
-				o.log.Error("kv: spilling pages to the host tier failed; the spiller stops", "device", t.s.dev, "err", err)
+				o.log.Error("kv: spilling pages to the host tier failed; the spiller stops", "device", s.dev, "err", err)
 			}
+			o.mu.Lock()
+			t.busy = false
+			o.mu.Unlock()
 			return
 		}
+		o.mu.Lock()
+		t.want = true // a full batch may have left more to copy
+		o.mu.Unlock()
 	}
 }
 
-// pickSpillLocked fills task with up to spillBatch sealed GPU pages without a host
-// copy among the t.ahead least recent evictable ones, and host pages for them, under
-// o.mu. Each GPU page is held (a reader) until its copy has completed. A page whose
-// hash the host tier holds already is linked to it, without a copy.
-//
-// It goes on from t.mark, the most recent page an earlier pick examined, rather than
-// from the LRU tail: pages enter the list at its head only, so what lies below the
-// mark was examined, and a pick costs the pages it adds, not a walk of the whole
-// window under o.mu at every seal (BenchmarkPickSpill). The mark is dropped when its page leaves the list, and the next pick starts
-// from the tail, as does every rescanEvery'th: markSeen only guesses once pages below
-// the mark leave the list other than by eviction, and a page below the mark that
-// becomes evictable again (its readers gone) is not copied ahead until then (its
-// eviction copies it meanwhile, takeLocked).
-func (o *Owner) pickSpillLocked(t *hostTier, task *spillTask) {
-	s := t.s
-	task.gpu, task.host, task.hashes = task.gpu[:0], task.host[:0], task.hashes[:0]
-	t.picks++
-	if t.picks%rescanEvery == 0 {
-		t.mark, t.markSeen = none, 0
+// runCopy makes copy cp of s's table: once the index has every record up to after
+// and the copies cp waits for have completed, it queues cp on the tier's stream,
+// waits for it on the host and reports its end (Table.CopyDone), its effects done
+// under o.mu. It returns the copy's answer (a restore's: the match) and the index's
+// sequence number that answer waits for. A copy that fails, or that cannot start
+// before ctx ends, is reported failed (its pages freed), and its error returned.
+func (o *Owner) runCopy(ctx context.Context, s *slab, cp pages.Copy, after uint64) (pages.MatchResult, uint64, error) {
+	t := s.tier
+	err := o.journaled(ctx, after)
+	if err == nil {
+		err = o.awaitCopies(ctx, s, cp.Wait)
 	}
-	p, seen := s.tail, 0
-	if t.mark != none {
-		p, seen = s.pages[t.mark].prev, t.markSeen
-	}
-	for ; p != none && seen < t.ahead && len(task.gpu) < spillBatch; p = s.pages[p].prev {
-		if !s.evictable(p) {
-			t.mark = p
-			continue // leased: it stays in the slab, and so does its copy, if any
+	var ev cudart.Event
+	if err == nil {
+		o.mu.Lock()
+		if n := len(t.events); n > 0 {
+			ev = t.events[n-1]
+			t.events = t.events[:n-1]
 		}
-		if t.twin[p] == none {
-			h := s.pages[p].hash
-			if hp, ok := t.index[h]; ok {
-				t.link(p, hp)
-			} else {
-				hp, ok := t.take()
-				if !ok {
-					return
-				}
-				t.twin[p] = filling
-				s.pages[p].readers++
-				task.gpu, task.host, task.hashes = append(task.gpu, p), append(task.host, hp), append(task.hashes, h)
-			}
+		o.mu.Unlock()
+		if ev == 0 {
+			ev, err = o.rt.EventCreate(s.dev, cudart.EventDisableTiming)
 		}
-		seen++
-		t.mark, t.markSeen = p, seen
 	}
-}
-
-// unlinked is told that the slab takes page p out of its LRU list (evicted, or
-// touched to its head): if p is the mark, the next pick starts from the tail.
-func (t *hostTier) unlinked(p uint32) {
-	if p == t.mark {
-		t.mark, t.markSeen = none, 0
-	}
-}
-
-// spill copies task's GPU pages into their host pages, one batch on the tier's stream,
-// and waits for it.
-func (o *Owner) spill(ctx context.Context, t *hostTier, task *spillTask) error {
-	pieces := o.tierPieces(t, task.gpu, task.host, false)
 	start := time.Now()
-	if err := o.rt.MemcpyBatchAsync(t.s.dev, pieces, t.stream); err != nil {
-		return errors.Join(err, o.rt.StreamSynchronize(t.s.dev, t.stream))
+	if err == nil {
+		err = o.tierCopy(ctx, t, ev, o.tierPieces(t, cp.GPU, cp.Host, cp.Kind == pages.Restore))
 	}
-	if err := o.rt.EventRecord(t.s.dev, t.spillEv, t.stream); err != nil {
-		return errors.Join(err, o.rt.StreamSynchronize(t.s.dev, t.stream))
-	}
-	err := o.waitEvent(ctx, t.s.dev, t.spillEv)
+	took := uint64(time.Since(start))
 	o.mu.Lock()
-	t.stats.SpillNanos += uint64(time.Since(start))
-	o.mu.Unlock()
-	return err
+	defer o.mu.Unlock()
+	if ev != 0 {
+		t.events = append(t.events, ev)
+	}
+	res, fx, derr := s.tab.CopyDone(cp.ID, err == nil)
+	seq := o.effectsLocked(s, fx)
+	if ch := s.copies[cp.ID]; ch != nil {
+		close(ch)
+		delete(s.copies, cp.ID)
+	}
+	if err == nil {
+		n := uint64(len(cp.GPU))
+		if cp.Kind == pages.Restore {
+			t.stats.RestoreBytes += n * t.pageBytes
+			t.stats.RestoreNanos += took
+		} else {
+			t.stats.SpillBytes += n * t.pageBytes
+			t.stats.SpillNanos += took
+		}
+	}
+	return res, seq, errors.Join(err, derr)
+}
+
+// tierCopy queues pieces on t's stream, records ev behind them and waits for it on
+// the host, until ctx ends.
+func (o *Owner) tierCopy(ctx context.Context, t *hostTier, ev cudart.Event, pieces []cudart.CopyPiece) error {
+	dev := t.s.dev
+	t.streamMu.Lock()
+	err := o.rt.MemcpyBatchAsync(dev, pieces, t.stream)
+	if err == nil {
+		err = o.rt.EventRecord(dev, ev, t.stream)
+	}
+	t.streamMu.Unlock()
+	if err != nil {
+		return errors.Join(err, o.rt.StreamSynchronize(dev, t.stream))
+	}
+	return o.waitEvent(ctx, dev, ev)
+}
+
+// doEffects does, outside o.mu, what an operation of s's table returned that a reply
+// waits for: its copies, in order (a capture copy that fails is logged: its pages
+// are gone; a restore's answer is returned), the copies it awaits, and the index
+// through seq (effectsLocked's).
+func (o *Owner) doEffects(s *slab, fx pages.Effects, seq uint64) (pages.MatchResult, error) {
+	var res pages.MatchResult
+	var err error
+	for _, cp := range fx.Copies {
+		r, rseq, cerr := o.runCopy(o.stopped, s, cp, seq)
+		switch {
+		case cp.Kind == pages.Restore:
+			res, seq = r, max(seq, rseq)
+			if cerr != nil {
+				o.log.Error("kv: restoring pages from the host tier failed; the match ends before them", "device", s.dev, "err", cerr)
+			}
+		case cerr != nil:
+			o.log.Error("kv: spilling evicted pages to the host tier failed; they are gone", "device", s.dev, "err", cerr)
+		}
+	}
+	if err = o.awaitCopies(o.stopped, s, fx.Await); err != nil {
+		return res, err
+	}
+	return res, o.journaled(o.stopped, seq)
 }
 
 // tierPieces are the copies of GPU pages gpu to host pages host (restore: the other

@@ -232,9 +232,11 @@ func (g *gate) reopen() {
 }
 
 // The index is written off the owner's lock: with its writer held in a write (a disk
-// that stalls), Match and Stats are answered; an Alloc whose pages were evicted waits
-// until the evictions are written (a restart would otherwise publish the pages it
-// hands out under their old hashes), and is answered once they are.
+// that stalls), Stats is answered; an Alloc whose pages were evicted waits until the
+// evictions are written (a restart would otherwise publish the pages it hands out
+// under their old hashes), and is answered once they are; so does a Match, until its
+// lease's grant is written (a restart would otherwise hand the pages its reader reads
+// to a writer).
 func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	g := small
 	g.Pages = 8
@@ -258,19 +260,13 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	gt.close()
 	done := make(chan error, 1)
 	go func() {
-		m, err := r.Match(bound(t), hashes[:2])
-		if err == nil {
-			err = r.Release(bound(t), m, 0)
-		}
-		if err == nil {
-			_, err = r.Stats(bound(t))
-		}
+		_, err := r.Stats(bound(t))
 		if err == nil {
 			o.Stats()
 		}
 		done <- err
 	}()
-	require.NoError(t, testwait.Recv(t, done, "Match, Release and Stats while the index's writer is held"))
+	require.NoError(t, testwait.Recv(t, done, "Stats while the index's writer is held"))
 
 	allocated := make(chan *replica.Lease, 1)
 	go func() {
@@ -286,12 +282,18 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	}
 	// Another replica is served meanwhile (this one's connection serves its requests
 	// in order: its next waits for the Alloc's answer).
-	m, err := other.Match(bound(t), hashes[6:])
-	if err == nil {
-		err = other.Release(bound(t), m, 0)
-	}
+	_, err = other.Stats(bound(t))
+	require.NoError(t, err, "another replica served while the Alloc waits")
+	matched := make(chan error, 1)
+	go func() {
+		m, err := other.Match(bound(t), hashes[6:])
+		if err == nil {
+			err = other.Release(bound(t), m, 0)
+		}
+		matched <- err
+	}()
 	gt.reopen()
-	require.NoError(t, err, "another replica dialed and matched while the Alloc waits")
+	require.NoError(t, testwait.Recv(t, matched, "the Match once its grant is written"))
 	w := testwait.Recv(t, allocated, "the Alloc once the evictions are written")
 	require.NotNil(t, w)
 	st, err := index.Load(path, shapeOf(g, 0))

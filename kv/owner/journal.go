@@ -17,12 +17,13 @@ import (
 // The index file (WithIndex) is kv/internal/index's: the owner queues a record there,
 // under o.mu, at each change a restarted owner needs (a page made visible or evicted,
 // a host page sealed once its spill copy has completed or evicted, a replica admitted
-// or gone, a write lease granted to a process and its pages visible or free again:
-// restart.go), and a reply whose truth depends on a record waits, outside o.mu, until
-// the index has written it (Owner.journaled): an Alloc whose pages were evicted, or
-// any Alloc (its grant), a copy into an evicted page (GPU or host), a Seal that waits
-// for visibility, and a replica's admission. Only visible pages are journaled, so a page whose writer had
-// not finished never becomes visible, also across a restart.
+// or gone, a lease granted to a process and its end: restart.go), in the order the
+// page table returns them (slab.go), and a reply whose truth depends on a record
+// waits, outside o.mu, until the index has written it (Owner.journaled): an Alloc or
+// a Match (its grant, the pages it evicted), a copy into an evicted page (GPU or
+// host), a Seal that waits for visibility, and a replica's admission. Only visible
+// pages are journaled, so a page whose writer had not finished never becomes
+// visible, also across a restart.
 
 // procID names a process across pid reuse: its pid and its start time in clock ticks
 // since boot (/proc/PID/stat, field 22), as the index journals it.
@@ -65,7 +66,8 @@ func (o *Owner) shape() index.Shape {
 	if conns <= 0 {
 		conns = session.DefaultConns
 	}
-	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns}
+	return index.Shape{Geometry: o.geo, Devices: o.opts.Devices, HostPages: int(hostPagesOf(o.opts)), Replicas: 2 * conns,
+		ReadPages: conns * o.opts.MaxLeasedPages}
 }
 
 // openIndex starts the index at o.opts.Index with hdr and the present state. It is

@@ -5,23 +5,23 @@
 //
 // # Pages
 //
-// A page is free, writing (under a write lease), sealing (sealed, its writer's event
-// still pending), sealed (visible: in the slab's hash index and its LRU list, read by
+// Each slab's pages are its page table's (kv/internal/pages, one Table per device:
+// the pages of both tiers, one LRU, the hash index, the leases), a pure state machine
+// the owner drives under its lock: a request is one table operation, and what the
+// operation returns (records for the index, copies into and out of the host tier) is
+// done outside the lock (slab.go, hosttier.go). A page is free, writing (under a write
+// lease), sealing (sealed, its writer's event still pending), sealed (visible, read by
 // any number of read leases) or settling (to be freed once a release event has
 // completed). Alloc takes free pages first, then evicts the least recently used sealed
 // pages that no reader holds and whose releases have settled; where that is not enough
 // and settling pages would make up the rest, it waits for them (up to AllocWait) off
 // the connection's goroutine, and answers NoSpace only when none is left to wait for.
-// A sealed page that no lease holds may be evicted at once, a batch just sealed and
-// not yet matched included, when it is the least recently used evictable page: pages
-// that settle are never evicted, and waited for only where eviction cannot cover the
-// Alloc. A replica that must read what it sealed holds it by a match first. Match and
-// seal touch a run deepest page first, so that parents are more recent than their
-// children and eviction takes leaves first. A seal that continues the run of the connection's latest
-// match (its first hash is the first one that match did not find) links its first page
-// to that run's last, and makes the chain's ancestors more recent than the pages it
-// seals: a chain grown by match and seal is evicted leaf first too. A seal of a hash
-// already visible frees its page (a duplicate).
+// A replica that must read what it sealed holds it by a match first. A seal that
+// continues the run of the connection's latest match (its first hash is the first one
+// that match did not find) links its first page to that run's last, so that a chain
+// grown by match and seal is evicted leaf first. A seal of a hash already visible frees
+// its page (a duplicate). Every lease is journaled in the index before it is answered,
+// and its end once its pages settled.
 //
 // # Events
 //
@@ -70,10 +70,10 @@
 // Listen given WithKeeper serves the pages of a keeper's slabs, journals the visible
 // pages in WithIndex's file, and, started again after its predecessor died, adopts the
 // live keeper's slabs, makes the journaled pages visible again and takes back the
-// leases that replicas re-declare (Reattach) before it allocates, restores or copies
-// into any page (WithReattachGrace). The index journals each write lease's grant, to
-// the process it was granted to, until its pages are visible or free again: a
-// restarted owner hands no page of such a lease to anyone else while that process
+// leases that replicas re-declare (Reattach) before it answers any Alloc or Match
+// (WithReattachGrace). The index journals each lease's grant, to the process it was
+// granted to, until it ends: a restarted owner hands no page of such a lease to
+// anyone else (a write lease's) nor evicts it (a read lease's) while that process
 // lives, the grace over or not, unless the process gives it back (re-declares and
 // releases it, ends its lists of leases without it, or exits). A lease is taken back
 // only by the process it was granted to, within its connection's caps, and ends with
@@ -115,6 +115,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -273,44 +274,43 @@ type Owner struct {
 	slabs []*slab
 	byDev map[int]*slab
 
-	mu        sync.Mutex
-	conns     map[*conn]struct{}
-	leases    map[uint64]*lease
-	nextLease uint64
-	dead      []*conn // ended connections, whose events destroyEvents destroys
-	closed    bool
-	waiting   int      // waiters in the driver's wait or about to be
-	ancestors []uint32 // touchAncestors' scratch
+	mu      sync.Mutex
+	conns   map[*conn]struct{}
+	leases  map[uint64]*lease
+	issued  uint64       // the latest lease id granted (or epoch<<40): a later one was never issued
+	self    pages.Holder // this process, the holder of its own copies' leases
+	dead    []*conn      // ended connections, whose events destroyEvents destroys
+	closed  bool
+	waiting int // waiters in the driver's wait or about to be
 
 	queries, waits atomic.Uint64  // Pace's
 	allocWaits     atomic.Uint64  // Pace's
 	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
 
 	// A cache that survives its owner (restart.go).
-	ix       *index.Index            // nil: no index
-	keeperID procID                  // the process whose slabs these are
-	epoch    uint64                  // the index's epoch: lease ids start at epoch<<40
-	recovery Recovery                // set by Listen
-	hostRec  map[int][]index.Page    // the index's host pages, for startTiers; nil: none
-	expected map[uint32]*expectation // by pid: replicas of before a restart not yet reattached
-	grants   map[uint64]*grant       // write leases granted and not settled, as journaled; nil: no index
-	prior    map[procID]*prior       // the live processes the owner before a restart served
-	resumed  chan struct{}           // closed once allocations may go on
+	ix       *index.Index          // nil: no index
+	hdr      index.Header          // the index's header, once restore has read the old one
+	keeperID procID                // the process whose slabs these are
+	epoch    uint64                // the index's epoch: lease ids start at epoch<<40
+	recovery Recovery              // set by Listen
+	recState *index.State          // the index taken back, for makeTables; nil: none
+	prior    map[pages.Holder]bool // the live processes the owner before a restart served
+	kept     []pages.LeaseID       // the write leases of before the restart, kept for their writers
+	resumed  chan struct{}         // closed once every table's reattach window has closed
 
 	stop    context.CancelFunc
 	stopped context.Context // ends when Close begins
 }
 
-// lease is a replica's hold on pages of one slab.
+// lease is a replica's hold on pages of one slab: a lease of the slab's table, booked
+// for the connection that holds it (its caps, its end).
 type lease struct {
-	id    uint64
-	c     *conn
-	s     *slab
-	write bool
-	pages []uint32
-	// granted is the sequence number of a write lease's grant in the index, for its
-	// Alloc's answer to wait for (0: none).
-	granted uint64
+	id     uint64
+	c      *conn
+	s      *slab
+	holder pages.Holder
+	write  bool
+	pages  []uint32
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
@@ -413,7 +413,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	}()
 	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
-		expected: map[uint32]*expectation{}, prior: map[procID]*prior{}, resumed: make(chan struct{})}
+		resumed: make(chan struct{}), epoch: 1}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -439,12 +439,23 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	if r == roleWhole {
 		ow.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
 	}
+	self, _ := procOf(os.Getpid())
+	ow.self = pages.Holder(self)
 	if o.Index != "" {
 		if err = ow.restore(); err != nil {
 			return nil, err
 		}
 	}
-	if err := ow.startTiers(); err != nil {
+	if err = ow.makeTiers(); err != nil {
+		return nil, err
+	}
+	ow.makeTables()
+	if o.Index != "" {
+		if err = ow.openIndex(ow.hdr); err != nil {
+			return nil, err
+		}
+	}
+	if err = ow.startTiers(); err != nil {
 		return nil, err
 	}
 	ow.holdAllocs()
@@ -497,7 +508,7 @@ func ownerName() string { return filepath.Base(os.Args[0]) }
 // segments' allocations have completed when it returns, so that every replica's
 // access is ordered after them.
 func (o *Owner) makeSlab(d int) (*slab, error) {
-	s := newSlab(d, o.geo.Pages)
+	s := newSlab(d)
 	s.name = kvwire.SlabName(d)
 	var peers []int
 	for _, other := range o.opts.Devices {
@@ -631,10 +642,7 @@ func (o *Owner) Stats() Stats {
 	defer o.mu.Unlock()
 	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.segs), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
-		st.Devices[i] = s.snapshot()
-		if s.tier != nil {
-			st.Devices[i].Host = s.tier.snapshot()
-		}
+		st.Devices[i] = s.stats()
 	}
 	for c := range o.conns {
 		if c.welcomed {
@@ -646,11 +654,11 @@ func (o *Owner) Stats() Stats {
 	if o.ix != nil {
 		rs := &kv.RestartStats{Epoch: o.epoch, Adopted: o.recovery.Adopted, Keeper: o.recovery.KeeperPID,
 			Restored: o.recovery.Pages, Replicas: o.recovery.Replicas, Dropped: o.recovery.Dropped}
-		for _, e := range o.expected {
-			rs.Awaiting += e.n
-		}
 		for _, s := range o.slabs {
 			rs.Kept += o.keptLocked(s)
+			if s.tab.Window() {
+				rs.Awaiting = len(o.expectedLocked())
+			}
 		}
 		st.Restart = rs
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
 // A cache that survives its owner. The slabs live in a keeper process (Keep: the
@@ -249,7 +250,7 @@ func (o *Owner) adoptSlabs() error {
 // does not fit.
 func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
 	for _, d := range o.opts.Devices {
-		s := newSlab(d, o.geo.Pages)
+		s := newSlab(d)
 		s.name = kvwire.SlabName(d)
 		o.slabs = append(o.slabs, s)
 		o.byDev[d] = s
@@ -340,7 +341,6 @@ func StopKeeper(ctx context.Context, pid int) error {
 // index that cannot be taken back is dropped, and Recovery says why.
 func (o *Owner) restore() error {
 	hdr := index.Header{Epoch: 1, Keeper: o.keeperID, Geometry: o.geo, Devices: o.opts.Devices}
-	o.grants = map[uint64]*grant{}
 	st, err := index.Load(o.opts.Index, o.shape())
 	switch {
 	case errors.Is(err, index.ErrNoIndex):
@@ -375,9 +375,8 @@ func (o *Owner) restore() error {
 			o.apply(st)
 		}
 	}
-	o.epoch = hdr.Epoch
-	o.nextLease = hdr.Epoch << 40 // no lease id of an earlier epoch is issued again
-	return o.openIndex(hdr)
+	o.epoch, o.hdr = hdr.Epoch, hdr // no lease id of an earlier epoch is issued again
+	return nil
 }
 
 func countSealed(st *index.State) (n int) {
@@ -395,187 +394,151 @@ func (o *Owner) dropIndex(why string) {
 	}
 }
 
-// apply makes st's pages visible again and waits for its replicas.
-func (o *Owner) apply(st *index.State) {
-	o.hostRec = st.Host // taken back by startTiers, where the keeper kept the memory
-	for _, s := range o.slabs {
-		sealed := st.Sealed[s.dev]
-		for _, sp := range sealed { // least recent first: each goes to the front
-			pg := &s.pages[sp.Page]
-			pg.state, pg.hash = pageSealed, sp.Hash
-			s.index[sp.Hash] = sp.Page
-			s.pushFront(sp.Page)
-		}
-		s.free = s.free[:0]
-		for p := len(s.pages) - 1; p >= 0; p-- {
-			if s.pages[p].state == pageFree {
-				s.free = append(s.free, uint32(p))
+// apply keeps st, for makeTables to make its pages visible again and its leases
+// wait for their holders.
+func (o *Owner) apply(st *index.State) { o.recState = st }
+
+// unknownReplicas stands for the replicas of a process whose leases the index holds
+// but none of whose connections it does (given up at an earlier restart's grace): no
+// count of lists of leases can vouch for all of them, so its leases not re-declared
+// wait for its exit.
+const unknownReplicas = 1 << 30
+
+// makeTables makes each slab's page table: from the index taken back (its visible
+// pages, its host pages where the keeper kept the tier's memory, its leases stranded
+// until their holders reattach them, declare or exit), else empty. A table the
+// journal cannot rebuild is made empty, and Recovery says why.
+func (o *Owner) makeTables() {
+	o.issued = o.epoch << 40
+	o.prior = map[pages.Holder]bool{}
+	st := o.recState
+	o.recState = nil
+	replicas := map[pages.Holder]int{}
+	if st != nil {
+		alive := map[procID]bool{}
+		for _, id := range append(slices.Clone(st.Attached), grantHolders(st)...) {
+			if _, seen := alive[id]; !seen {
+				now, err := procOf(int(id.PID))
+				alive[id] = err == nil && now == id
 			}
 		}
-		o.recovery.Pages += len(sealed)
-	}
-	alive := map[procID]bool{}
-	lives := func(id procID) bool {
-		ok, seen := alive[id]
-		if !seen {
-			now, err := procOf(int(id.PID))
-			ok = err == nil && now == id
-			alive[id] = ok
+		for _, id := range st.Attached {
+			if alive[id] {
+				replicas[pages.Holder(id)]++
+				o.recovery.Replicas++
+			}
 		}
-		return ok
-	}
-	for _, id := range st.Attached {
-		if !lives(id) {
-			continue
+		for _, g := range st.Grants {
+			h := pages.Holder(g.Holder)
+			if alive[g.Holder] && replicas[h] == 0 {
+				replicas[h] = unknownReplicas
+			}
+			if alive[g.Holder] && !g.Read {
+				o.recovery.WriteLeases++
+				o.kept = append(o.kept, pages.LeaseID(g.Lease))
+			}
 		}
-		if e := o.expected[id.PID]; e != nil && e.id == id {
-			e.n++
-		} else {
-			o.expected[id.PID] = &expectation{id: id, n: 1}
-		}
-		if p := o.prior[id]; p != nil {
-			p.conns++
-		} else {
-			o.prior[id] = &prior{conns: 1}
+		for h := range replicas {
+			o.prior[h] = true
 		}
 	}
-	for _, e := range o.expected {
-		o.recovery.Replicas += e.n
+	for i, s := range o.slabs {
+		cfg := pages.Config{Pages: o.geo.Pages, Epoch: o.epoch, Stride: uint64(len(o.slabs)), Offset: uint64(i)}
+		if s.tier != nil {
+			cfg.HostPages = s.tier.pages
+		}
+		if st != nil {
+			rec := recovered(st, s.dev, s.tier != nil && s.tier.kept)
+			rec.Replicas = replicas
+			tab, err := pages.Restart(cfg, rec)
+			if err == nil {
+				s.tab = tab
+				o.recovery.Pages += len(rec.Sealed)
+				o.recovery.HostPages += len(rec.Host)
+				continue
+			}
+			o.dropIndex(fmt.Sprintf("the index of device %d does not describe one state (%v)", s.dev, err))
+		}
+		tab, err := pages.New(cfg)
+		if err != nil {
+			panic(err) // the geometry and the devices are checked by Listen
+		}
+		s.tab = tab
+	}
+}
+
+// grantHolders are the holders of st's leases.
+func grantHolders(st *index.State) []procID {
+	ids := make([]procID, len(st.Grants))
+	for i, g := range st.Grants {
+		ids[i] = g.Holder
+	}
+	return ids
+}
+
+// recovered is what st says of device dev: its visible pages, its host pages (if the
+// tier was kept) and its leases.
+func recovered(st *index.State, dev int, kept bool) pages.Recovered {
+	var rec pages.Recovered
+	for _, p := range st.Sealed[dev] {
+		rec.Sealed = append(rec.Sealed, pages.PageHash{Page: p.Page, Hash: p.Hash})
+	}
+	if kept {
+		for _, p := range st.Host[dev] {
+			rec.Host = append(rec.Host, pages.PageHash{Page: p.Page, Hash: p.Hash})
+		}
 	}
 	for _, g := range st.Grants {
-		if lives(g.Holder) {
-			o.reserve(g)
+		if g.Dev == dev {
+			rec.Leases = append(rec.Leases, pages.Record{Kind: pages.RecLeased, Lease: pages.LeaseID(g.Lease), Holder: pages.Holder(g.Holder),
+				Write: !g.Read, Pages: g.Pages, Hashes: g.Hashes})
 		}
 	}
-	for _, s := range o.slabs {
-		s.free = s.free[:0]
-		for p := len(s.pages) - 1; p >= 0; p-- {
-			if s.pages[p].state == pageFree {
-				s.free = append(s.free, uint32(p))
-			}
-		}
-	}
+	return rec
 }
 
-// reserve keeps the pages of write lease g, granted before the restart to a process
-// that lives, for that process (an orphan grant), before the page server accepts
-// anyone: they are not handed to anyone else until it re-declares the lease (then
-// its own), ends its list of leases without it, or exits. A grant whose pages are not
-// free (an index at odds with itself) is dropped, and logged.
-func (o *Owner) reserve(g index.Grant) {
-	s := o.byDev[g.Dev]
-	seen := map[uint32]bool{}
-	for _, pg := range g.Pages {
-		if seen[pg] || s.pages[pg].state != pageFree {
-			o.log.Warn("kv: a write lease of the index names a page that is not free; it is dropped", "lease", g.Lease, "page", pg, "holder", g.Holder.String())
-			return
-		}
-		seen[pg] = true
-	}
-	if o.prior[g.Holder] == nil {
-		o.prior[g.Holder] = &prior{}
-	}
-	for _, pg := range g.Pages {
-		s.pages[pg].state = pageWriting
-	}
-	o.grants[g.Lease] = &grant{Grant: g, s: s, orphan: true}
-	o.recovery.WriteLeases++
-}
-
-// grant is a write lease as the index knows it: from its Alloc until its pages are
-// visible or free again, whatever the lease's own end (a Seal ends the lease at
-// once, its writes may still be running until its event completes).
-type grant struct {
-	index.Grant
-	s *slab
-	// orphan: granted before the restart and not re-declared yet; its pages are
-	// kept for its holder.
-	orphan bool
-}
-
-// prior is a live process the owner before a restart served: conns of its
-// connections were attached then, back of them have ended their lists of leases
-// re-declared since. With conns 0 (the index holds grants of the process but no
-// connection of it: its replicas were given up at an earlier restart's grace) no
-// count of lists can vouch for all its replicas, and its write leases' pages wait
-// for its exit or its re-declarations.
-type prior struct {
-	conns, back int
-}
-
-// keptLocked counts the pages of s kept for the writers of before the restart
-// (orphan grants), under o.mu.
+// keptLocked counts the pages of s kept for the writers of before the restart (their
+// write leases stranded), under o.mu.
 func (o *Owner) keptLocked(s *slab) (n int) {
-	for _, g := range o.grants {
-		if g.orphan && g.s == s {
-			n += len(g.Pages)
+	for _, id := range o.kept {
+		if l, ok := s.tab.Lease(id); ok && l.Stranded && l.Write {
+			n += len(l.Pages)
 		}
 	}
 	return n
 }
 
-// grantLocked queues write lease l's grant in the index, under o.mu, and returns the
-// sequence number to wait for (Owner.journaled) before l is answered: then a restart
-// keeps its pages while its writer lives. Without an index, or for a process that
-// cannot be named across pid reuse, nothing is kept (0).
-func (o *Owner) grantLocked(l *lease) uint64 {
-	if o.grants == nil || l.c.id.PID == 0 {
-		return 0
-	}
-	g := &grant{Grant: index.Grant{Lease: l.id, Dev: l.s.dev, Holder: l.c.id, Pages: l.pages}, s: l.s}
-	o.grants[l.id] = g
-	return o.ix.Grant(&g.Grant)
-}
-
-// endGrantLocked journals that write lease id's pages are visible or free again,
+// expectedLocked are the processes the reattach window waits for, every device's,
 // under o.mu.
-func (o *Owner) endGrantLocked(id uint64) {
-	if _, ok := o.grants[id]; ok {
-		delete(o.grants, id)
-		o.ix.End(id)
-	}
-}
-
-// freeOrphansLocked frees the pages of the write leases granted to holder before the
-// restart that it has not re-declared, under o.mu: it has exited, or ended its lists
-// of leases on every connection it had (its work on them has completed).
-func (o *Owner) freeOrphansLocked(holder procID) {
-	for id, g := range o.grants {
-		if !g.orphan || g.Holder != holder {
+func (o *Owner) expectedLocked() []pages.Holder {
+	var hs []pages.Holder
+	for _, s := range o.slabs {
+		if s.tab == nil {
 			continue
 		}
-		for _, pg := range g.Pages {
-			g.s.release(pg)
-		}
-		g.s.spaceLocked()
-		o.endGrantLocked(id)
-	}
-}
-
-// expectation is a process whose replicas (n of them, one per connection) attached to
-// the owner before a restart and have not reattached yet.
-type expectation struct {
-	id procID
-	n  int
-}
-
-// snapshotLocked appends the records of the present state to b, under o.mu: each
-// slab's visible pages and its host tier's sealed pages, least recent first, and the
-// replicas attached or waited for.
-func (o *Owner) snapshotLocked(b *index.Batch) {
-	for _, s := range o.slabs {
-		for p := s.tail; p != none; p = s.pages[p].prev {
-			b.Seal(s.dev, p, s.pages[p].hash)
-		}
-		if t := s.tier; t != nil {
-			for p := t.tail; p != none; p = t.pages[p].prev {
-				b.HostSeal(s.dev, p, t.pages[p].hash)
+		for _, h := range s.tab.Expected() {
+			if !slices.Contains(hs, h) {
+				hs = append(hs, h)
 			}
 		}
 	}
-	for _, e := range o.expected {
-		for range e.n {
-			b.Attach(e.id)
+	return hs
+}
+
+// snapshotLocked appends the records of the present state to b, under o.mu: each
+// slab's visible pages and its host tier's sealed pages, least recent first, its
+// leases, and the replicas attached.
+func (o *Owner) snapshotLocked(b *index.Batch) {
+	for _, s := range o.slabs {
+		for _, r := range s.tab.Snapshot() {
+			switch r.Kind {
+			case pages.RecSeal:
+				b.Seal(s.dev, r.Page, r.Hash)
+			case pages.RecHostSeal:
+				b.HostSeal(s.dev, r.Page, r.Hash)
+			case pages.RecLeased:
+				b.Grant(grantOf(s.dev, r))
+			}
 		}
 	}
 	for c := range o.conns {
@@ -583,25 +546,19 @@ func (o *Owner) snapshotLocked(b *index.Batch) {
 			b.Attach(c.id)
 		}
 	}
-	ids := make([]uint64, 0, len(o.grants))
-	for id := range o.grants {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
-	for _, id := range ids {
-		b.Grant(&o.grants[id].Grant)
-	}
 }
 
-// holdAllocs makes allocations wait until every replica expected back has re-declared
-// its leases (or exited), or the grace has passed, so that no page a replica still
-// holds from before is handed to another.
+// holdAllocs makes allocations, matches and restores wait while a table's reattach
+// window is open: until every process with leases from before the restart has
+// re-declared them or exited, or the grace has passed (Table.CloseWindow). Past
+// the grace, a stranded lease's pages stay out of reach until its process reattaches
+// it, declares, or exits: no page a writer of before may still write is handed to
+// another.
 func (o *Owner) holdAllocs() {
-	o.watchPrior()
 	o.mu.Lock()
-	none := len(o.expected) == 0
+	expected := o.expectedLocked()
 	o.mu.Unlock()
-	if none {
+	if len(expected) == 0 {
 		close(o.resumed)
 		return
 	}
@@ -612,41 +569,26 @@ func (o *Owner) holdAllocs() {
 	t := time.AfterFunc(grace, func() {
 		o.mu.Lock()
 		defer o.mu.Unlock()
-		if len(o.expected) > 0 {
-			var late []string
-			for _, e := range o.expected {
-				late = append(late, e.id.String())
-			}
-			o.log.Warn("kv: replicas attached before the restart did not reattach in time: pages are allocated again, their read leases are lost, and their write leases' pages stay theirs until they exit", "grace", grace, "replicas", late)
-			for pid := range o.expected {
-				o.forgetLocked(pid, o.expected[pid].n)
-			}
-			o.resumeLocked()
+		if late := o.expectedLocked(); len(late) > 0 {
+			o.log.Warn("kv: replicas attached before the restart did not reattach in time; their leases' pages stay out of reach until they reattach, declare or exit", "grace", grace, "replicas", fmt.Sprint(late))
 		}
+		for _, s := range o.slabs {
+			s.tab.CloseWindow()
+		}
+		o.resumeLocked()
 	})
 	context.AfterFunc(o.stopped, func() { t.Stop() })
-}
-
-// watchPrior watches each process the owner before the restart served: once it has
-// exited, its replicas are no longer waited for and the pages of its write leases
-// from before are free. A process that cannot be watched is not waited for past the
-// grace, and its write leases' pages stay kept (it may still write them).
-func (o *Owner) watchPrior() {
-	o.mu.Lock()
-	ids := make([]procID, 0, len(o.prior))
-	for id := range o.prior {
-		ids = append(ids, id)
-	}
-	o.mu.Unlock()
-	for _, id := range ids {
-		p, err := peercred.OpenProcess(int(id.PID))
-		if err != nil {
-			o.log.Warn("kv: cannot watch a replica's process of before the restart", "replica", id.String(), "err", err)
+	for _, h := range expected {
+		p, err := peercred.OpenProcess(int(h.PID))
+		if now, nerr := procOf(int(h.PID)); nerr != nil || pages.Holder(now) != h { // checked after the pidfd: it names h
+			if err == nil {
+				_ = p.Close() // cleanup: another process, or none
+			}
+			o.holderDead(h) // gone, or its pid another process's
 			continue
 		}
-		if now, err := procOf(int(id.PID)); err != nil || now != id { // the pid was reused before the pidfd
-			_ = p.Close() // cleanup: another process
-			o.exitedPrior(id)
+		if err != nil { // alive: its leases stay its own until it re-declares them or declares
+			o.log.Warn("kv: cannot watch a replica's process of before the restart", "replica", h.String(), "err", err)
 			continue
 		}
 		o.waiters.Add(1)
@@ -654,64 +596,33 @@ func (o *Owner) watchPrior() {
 			defer o.waiters.Done()
 			defer func() { _ = p.Close() }() // cleanup: the wait is over
 			if p.Wait(o.stopped) == nil {
-				o.exitedPrior(id)
+				o.holderDead(h)
 			}
 		}()
 	}
 }
 
-// exitedPrior ends what process id, served before the restart, left: its replicas are
-// no longer waited for, its write leases' pages are free.
-func (o *Owner) exitedPrior(id procID) {
+// holderDead ends every lease of process h, which has exited (Table.HolderDead).
+func (o *Owner) holderDead(h pages.Holder) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if e := o.expected[id.PID]; e != nil && e.id == id {
-		o.forgetLocked(id.PID, e.n)
+	for _, s := range o.slabs {
+		o.effectsLocked(s, s.tab.HolderDead(h))
 	}
-	delete(o.prior, id)
-	o.freeOrphansLocked(id)
 	o.resumeLocked()
 }
 
-// returnedLocked takes c's replica off those waited for, under o.mu, once it has
-// re-declared its leases (its connection now is journaled as attached). Once every
-// replica its process had before the restart has, the write leases from before that
-// none re-declared are free: a replica ends its list only once its streams' work on
-// the pages it no longer holds has completed (docs/PROTOCOL.md).
-func (o *Owner) returnedLocked(c *conn) {
-	if c.returned || c.id.PID == 0 {
-		return
-	}
-	c.returned = true
-	if e := o.expected[c.id.PID]; e != nil && e.id == c.id {
-		o.forgetLocked(c.id.PID, 1)
-		o.resumeLocked()
-	}
-	if p := o.prior[c.id]; p != nil {
-		if p.back++; p.conns > 0 && p.back >= p.conns {
-			o.freeOrphansLocked(c.id)
-		}
-	}
-}
-
-// forgetLocked stops waiting for n of pid's replicas, and journals it, under o.mu.
-func (o *Owner) forgetLocked(pid uint32, n int) {
-	e := o.expected[pid]
-	for range n {
-		o.ix.Detach(e.id)
-	}
-	if e.n -= n; e.n <= 0 {
-		delete(o.expected, pid)
-	}
-}
-
+// resumeLocked lets allocations go on once no table's window is open, under o.mu.
 func (o *Owner) resumeLocked() {
-	if len(o.expected) == 0 {
-		select {
-		case <-o.resumed:
-		default:
-			close(o.resumed)
+	for _, s := range o.slabs {
+		if s.tab.Window() {
+			return
 		}
+	}
+	select {
+	case <-o.resumed:
+	default:
+		close(o.resumed)
 	}
 }
 
@@ -756,9 +667,11 @@ func (o *Owner) detachedLocked(c *conn) {
 	}
 }
 
-// reattach answers Reattach: a lease c's replica held from before the restart is
-// the owner's again if its pages are as they were (a write lease's free, a read
-// lease's visible under the same hashes), else lost. Lease 0 ends the list.
+// reattach answers Reattach: a lease c's process held from before the restart is
+// its again, on c, within c's caps, if the predecessor granted it to that process
+// with those pages (Table.Reattach), else lost, saying why. Lease 0 ends the list:
+// one replica of c's process has re-declared what it holds (Table.Declared), which
+// is answered once journaled.
 func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	o, s := c.o, c.s
 	m, err := kvwire.ParseReattach(p, c.scratch[:0])
@@ -770,11 +683,17 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	}
 	c.lock()
 	if m.Lease == 0 {
-		o.returnedLocked(c)
+		if !c.returned {
+			c.returned = true
+			for _, s := range o.slabs {
+				o.effectsLocked(s, s.tab.Declared(c.holder))
+			}
+			o.resumeLocked()
+		}
 		seq := o.ix.Queued()
 		c.unlock()
-		// Answered once the index no longer awaits the replica of before, lest the
-		// next restart wait for it as well as for this connection.
+		// Answered once the index has what the end freed, lest the next restart keep
+		// it for the replica as well.
 		if err := o.journaled(o.stopped, seq); errors.Is(err, kv.ErrClosed) {
 			return err
 		}
@@ -788,11 +707,9 @@ func (c *conn) reattach(h kvwire.Header, p []byte) error {
 	return answer(kvwire.ReattachKept, "")
 }
 
-// reattachLocked takes m back for c, or says why not, under o.mu. A write lease is
-// taken back only by the process it was granted to, as the index says, with the
-// same pages (kept for it since the restart); a read lease only by a process the
-// owner before served, with its pages visible under the same hashes (as a Match of
-// them would lease). Either joins c's leases, within its caps, and ends with it.
+// reattachLocked takes m back for c, or says why not, under o.mu. A lease is taken
+// back only by the process it was granted to, as the index says, with the same pages
+// (a read lease's: visible under the same hashes), within c's caps.
 func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if l, ok := o.leases[m.Lease]; ok {
 		// The same process's lease over a connection that ended (without the owner's
@@ -811,39 +728,41 @@ func (o *Owner) reattachLocked(c *conn, s *slab, m kvwire.Reattach) string {
 	if err := c.roomLocked(len(m.Pages)); err != nil {
 		return fmt.Sprintf("lease %d: %v", m.Lease, err)
 	}
+	info, held := s.tab.Lease(pages.LeaseID(m.Lease))
+	held = held && info.Stranded && info.Write == m.Write
 	if m.Write {
-		g := o.grants[m.Lease]
 		switch {
-		case g == nil || !g.orphan:
+		case !held:
 			return fmt.Sprintf("lease %d is no write lease granted before the restart that is still kept", m.Lease)
-		case g.Holder != c.id:
+		case info.Holder != c.holder:
 			return fmt.Sprintf("lease %d was granted to another process", m.Lease)
-		case g.s != s || !slices.Equal(g.Pages, m.Pages):
-			return fmt.Sprintf("lease %d was granted other pages", m.Lease)
 		}
-		g.orphan = false
-		o.holdLocked(&lease{id: m.Lease, c: c, s: s, write: true, pages: slices.Clone(m.Pages)})
-		return ""
-	}
-	if o.prior[c.id] == nil {
-		return fmt.Sprintf("lease %d: pid %d is not a process the owner before this one served", m.Lease, c.cred.PID)
-	}
-	seen := map[uint32]bool{}
-	for i, pg := range m.Pages {
-		switch {
-		case int(pg) >= len(s.pages):
-			return fmt.Sprintf("page %d of %d", pg, len(s.pages))
-		case seen[pg]:
-			return fmt.Sprintf("page %d is listed twice", pg)
-		case s.pages[pg].state != pageSealed || s.pages[pg].hash != m.Hashes[i]:
-			return fmt.Sprintf("page %d is no longer visible under its hash", pg)
+	} else {
+		if !o.prior[c.holder] {
+			return fmt.Sprintf("lease %d: pid %d is not a process the owner before this one served", m.Lease, c.cred.PID)
 		}
-		seen[pg] = true
+		seen := map[uint32]bool{}
+		for i, pg := range m.Pages {
+			switch st, hh, _ := s.tab.Page(min(pg, uint32(o.geo.Pages-1))); {
+			case int(pg) >= o.geo.Pages:
+				return fmt.Sprintf("page %d of %d", pg, o.geo.Pages)
+			case seen[pg]:
+				return fmt.Sprintf("page %d is listed twice", pg)
+			case st != pages.Sealed || hh != m.Hashes[i]:
+				return fmt.Sprintf("page %d is no longer visible under its hash", pg)
+			}
+			seen[pg] = true
+		}
+		if !held || info.Holder != c.holder {
+			return fmt.Sprintf("lease %d is no read lease granted before the restart to pid %d that is still held", m.Lease, c.cred.PID)
+		}
 	}
-	for _, pg := range m.Pages {
-		s.pages[pg].readers++
+	if err := s.tab.Reattach(c.holder, pages.LeaseID(m.Lease), m.Write, m.Pages, m.Hashes); err != nil {
+		return fmt.Sprintf("lease %d was granted other pages (%v)", m.Lease, err)
 	}
-	s.touch(m.Pages)
-	o.holdLocked(&lease{id: m.Lease, c: c, s: s, pages: slices.Clone(m.Pages)})
+	l := &lease{id: m.Lease, c: c, s: s, holder: c.holder, write: m.Write, pages: slices.Clone(m.Pages)}
+	o.leases[l.id] = l
+	c.held[l.id] = l
+	c.heldPgs += len(l.pages)
 	return ""
 }

@@ -412,3 +412,46 @@ func TestEndOfListIsAnsweredOnceJournaled(t *testing.T) {
 	}
 	assert.Equal(t, 1, n, "the replicas the index awaits when the end of the list is answered")
 }
+
+// No page of a read lease from before a restart is evicted while the process it was
+// granted to lives, the reattach grace over or not: every lease is journaled when
+// granted, and the restarted owner holds the pages of a read lease not re-declared
+// until its process re-declares it (then the lease is its connection's, kept), ends
+// its lists without it, or exits. (Before, past the grace its pages were evictable,
+// and a reader still reading them read what the next writer wrote.)
+func TestReadLeasesOfBeforeStayTheirReadersWhileTheyLive(t *testing.T) {
+	k := keep(t, owner.WithReattachGrace(time.Nanosecond))
+	r, err := replica.Dial(bound(t), k.dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	sealChain(t, r, 1, 8)
+	r.Close(bound(t))
+	reader := dialRaw(t, k.dir)
+	reader.hello()
+	reader.send(kvwire.AppendMatch(nil, 2, chain(1, 8)))
+	h, p, err := reader.next()
+	require.NoError(t, err)
+	require.Equal(t, kvwire.TypeMatched, h.Type, "%v", kvwire.ParseError(h.Type, p))
+	l, err := kvwire.DecodeLease(h.Type, p, nil)
+	require.NoError(t, err)
+	require.Len(t, l.Pages, 8)
+
+	k.restart()
+	awaited(t, k.o) // the grace is over
+	w, err := replica.Dial(bound(t), k.dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { w.Close(bound(t)) })
+	all, err := w.Alloc(bound(t), small.Pages-8) // every page but the read lease's
+	require.NoError(t, err)
+	for _, p := range all.Pages() {
+		require.False(t, slices.Contains(l.Pages, p), "page %d of a read lease of a live reader was evicted and allocated", p)
+	}
+	_, err = w.Alloc(bound(t), 1)
+	require.ErrorIs(t, err, kv.ErrNoSpace, "the reader's pages are its own")
+
+	back := dialRaw(t, k.dir)
+	back.hello()
+	status, why := back.reattach(3, kvwire.Reattach{Lease: l.ID, Pages: l.Pages, Hashes: chain(1, 8)})
+	require.Equal(t, kvwire.ReattachKept, status, "the read lease, re-declared past the grace: %s", why)
+	st := k.o.Stats()
+	assert.Equal(t, 8, st.Devices[0].Leased, "its pages are leased")
+}

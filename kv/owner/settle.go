@@ -4,21 +4,17 @@ import (
 	"sync/atomic"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
-// record is work that waits for one record of a replica's event: a seal's pages to
-// make visible (or, if the writer dies first, to free), pages to free (an aborted write
-// lease, the pages a seal left without a hash) and read pages whose release settles.
+// record is work that waits for one record of a replica's event: a sealed write
+// lease to settle (its pages made visible, or, if the writer dies first, freed) and
+// leases released whose pages settle (Table.SealDone, Table.ReleaseDone).
 type record struct {
 	s        *slab
-	seal     []uint32 // pages to publish under hashes
-	hashes   []kv.Hash
-	parent   link     // the sealed page seal[0] continues, if the owner knows it
-	free     []uint32 // pages to free
-	released []uint32 // sealed pages whose release settles
-	ends     []uint64 // the write leases whose grants end with it (restart.go)
+	seal     pages.LeaseID   // the lease sealed, 0 if none
+	released []pages.LeaseID // the leases released
 	// wait is the request to answer once the seal is settled (a Seal with FlagWait).
 	wait    uint32
 	waiting bool
@@ -41,40 +37,21 @@ type event struct {
 	failed   atomic.Bool  // a query failed, and that was logged
 }
 
-// settle applies rec under o.mu: seal pages become visible if publish (else they are
-// freed: their writer died first), the rest are freed or their release settles.
+// settle applies rec under o.mu: the sealed lease's pages become visible if publish
+// (else they are freed: their writer died first), the released leases end. A lease
+// the table no longer holds (its holder was declared dead after a restart) is skipped.
 func (o *Owner) settle(rec *record, publish bool) {
 	s := rec.s
-	if publish {
-		// Deepest first, so that the parent is the more recent in the LRU list, and
-		// then the chain's known ancestors, more recent still.
-		for i := len(rec.seal) - 1; i >= 0; i-- {
-			parent := rec.parent
-			if i > 0 {
-				parent = s.linkOf(rec.seal[i-1])
-			}
-			if s.publish(rec.seal[i], rec.hashes[i], parent) {
-				rec.visible++
-			} else {
-				rec.duplicate++
-			}
-		}
-		if len(rec.seal) > 0 {
-			o.ancestors = s.touchAncestors(rec.parent, o.ancestors)
-		}
-	} else {
-		for _, p := range rec.seal {
-			s.release(p)
+	if rec.seal != 0 {
+		if v, d, fx, err := s.tab.SealDone(rec.seal, publish); err == nil {
+			rec.visible, rec.duplicate = v, d
+			o.effectsLocked(s, fx)
 		}
 	}
-	for _, p := range rec.free {
-		s.release(p)
-	}
-	for _, p := range rec.released {
-		s.pages[p].releasing--
-	}
-	for _, id := range rec.ends {
-		o.endGrantLocked(id)
+	for _, id := range rec.released {
+		if fx, err := s.tab.ReleaseDone(id); err == nil {
+			o.effectsLocked(s, fx)
+		}
 	}
 	rec.done = true
 	s.spaceLocked()

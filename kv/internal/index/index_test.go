@@ -62,6 +62,8 @@ func TestLoad(t *testing.T) {
 	good = AppendGrant(good, &bob)
 	good = AppendGrant(good, &Grant{Lease: 4, Dev: 0, Holder: alice, Pages: []uint32{10, 11}})
 	good = AppendEnd(good, 5)
+	reader := Grant{Lease: 11, Dev: 0, Holder: alice, Pages: []uint32{3, 1}, Read: true, Hashes: []kv.Hash{h2, h1}}
+	good = AppendGrant(good, &reader)
 	good = AppendGrant(good, &Grant{Lease: 6, Dev: 0, Holder: alice}) // cut short by a crash: never answered
 	st, err := Load(write(t, good), shape)
 	require.NoError(t, err)
@@ -71,7 +73,7 @@ func TestLoad(t *testing.T) {
 	assert.Equal(t, []Proc{alice}, st.Attached)
 	assert.Equal(t, []Page{{2, h2}}, st.Host[0], "the evicted host page gone")
 	assert.Equal(t, []Page{{9, h1}}, st.Host[1], "the host page beyond the tier skipped")
-	assert.Equal(t, []Grant{{Lease: 4, Dev: 0, Holder: alice, Pages: []uint32{10, 11}}, bob}, st.Grants, "the write leases not ended, by lease")
+	assert.Equal(t, []Grant{{Lease: 4, Dev: 0, Holder: alice, Pages: []uint32{10, 11}}, bob, reader}, st.Grants, "the leases not ended, by lease")
 
 	_, err = Load(filepath.Join(t.TempDir(), "none"), shape)
 	assert.ErrorIs(t, err, ErrNoIndex)
@@ -96,6 +98,9 @@ func TestLoad(t *testing.T) {
 		{"stray grant page", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte {
 			return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(LeasePage)), 3), 1)
 		}), "a page of lease 3, which no grant before names"},
+		{"stray hash", appendRecord(AppendGrant(AppendHeader(nil, hdr), &Grant{Lease: 3, Pages: []uint32{1}}), func(b []byte) []byte {
+			return append(binary.LittleEndian.AppendUint64(append(b, byte(LeaseHash)), 3), h1[:]...)
+		}), "a hash of lease 3, which no read lease's page before names"},
 		{"short end", appendRecord(AppendHeader(nil, hdr), func(b []byte) []byte { return append(b, byte(LeaseEnd), 1) }), "1 bytes for an end record"},
 		{"a bit flipped", func() []byte { b := slices.Clone(good); b[60] ^= 0x40; return b }(), "checksum is wrong"},
 	} {

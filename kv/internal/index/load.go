@@ -25,6 +25,9 @@ type Shape struct {
 	Devices   []int
 	HostPages int
 	Replicas  int
+	// ReadPages is the most pages of read leases live at once, all devices together:
+	// each takes a LeasePage and a LeaseHash record, and at most one grant.
+	ReadPages int
 }
 
 // maxBatch is the most records the writer writes at once: a file grows past its
@@ -39,7 +42,7 @@ func (s Shape) pages() int { return len(s.Devices) * (3*s.Geometry.Pages + s.Hos
 // the largest snapshot (every page, and the replicas) and 1,024, so that a
 // compaction's cost is spread over as many changes. The writer compacts sooner, past
 // twice its latest snapshot (and twice the pages, and 1,024).
-func (s Shape) limit() int { return 2*(s.pages()+s.Replicas) + 1024 }
+func (s Shape) limit() int { return 2*(s.pages()+s.Replicas+3*s.ReadPages) + 1024 }
 
 // MaxRecords is the most records a file of shape s holds, its header included: a
 // snapshot grows to the compaction limit, and by one batch past it. Load refuses a
@@ -262,12 +265,12 @@ func (r *reader) load(shape Shape) (*State, error) {
 			} else if attached[id]--; attached[id] <= 0 {
 				delete(attached, id)
 			}
-		case Lease:
+		case Lease, ReadLease:
 			if len(p) != grantPayload-1 {
 				return st, fmt.Errorf("%w: record %d: %d bytes for a grant record", ErrCorrupt, seq, len(p))
 			}
 			g := &Grant{Lease: binary.LittleEndian.Uint64(p), Dev: int(binary.LittleEndian.Uint32(p[8:])),
-				Holder: Proc{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}}
+				Holder: Proc{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}, Read: k == ReadLease}
 			if _, ok := pages[g.Dev]; !ok {
 				return st, fmt.Errorf("%w: record %d: device %d is not one of %v", ErrCorrupt, seq, g.Dev, hdr.Devices)
 			}
@@ -284,7 +287,20 @@ func (r *reader) load(shape Shape) (*State, error) {
 			case int64(pg) >= int64(shape.Geometry.Pages):
 				return st, fmt.Errorf("%w: record %d: page %d of %d", ErrCorrupt, seq, pg, shape.Geometry.Pages)
 			}
+			if g.Read && len(g.Hashes) != len(g.Pages) {
+				return st, fmt.Errorf("%w: record %d: a page of read lease %d before the hash of its last", ErrCorrupt, seq, id)
+			}
 			g.Pages = append(g.Pages, pg)
+		case LeaseHash:
+			if len(p) != leasePayload-1+len(kv.Hash{}) {
+				return st, fmt.Errorf("%w: record %d: %d bytes for a read lease's hash record", ErrCorrupt, seq, len(p))
+			}
+			id := binary.LittleEndian.Uint64(p)
+			g := grants[id]
+			if g == nil || !g.Read || len(g.Hashes) != len(g.Pages)-1 {
+				return st, fmt.Errorf("%w: record %d: a hash of lease %d, which no read lease's page before names", ErrCorrupt, seq, id)
+			}
+			g.Hashes = append(g.Hashes, kv.Hash(p[8:]))
 		case LeaseEnd:
 			if len(p) != leasePayload-1 {
 				return st, fmt.Errorf("%w: record %d: %d bytes for an end record", ErrCorrupt, seq, len(p))
@@ -295,7 +311,7 @@ func (r *reader) load(shape Shape) (*State, error) {
 		}
 	}
 	for _, g := range grants {
-		if len(g.Pages) > 0 { // a grant cut short by a crash was never answered
+		if len(g.Pages) > 0 && (!g.Read || len(g.Hashes) == len(g.Pages)) { // a grant cut short by a crash was never answered
 			st.Grants = append(st.Grants, *g)
 		}
 	}

@@ -31,11 +31,14 @@ const (
 	Detach   Kind = 4 // pid, start: a replica's connection ended
 	HostSeal Kind = 5 // dev, host page, hash: the host page holds hash, its copy completed
 	HostFree Kind = 6 // dev, host page: a sealed host page was evicted
-	// A write lease, from its grant until its pages are visible or free again: its
-	// grant, then one record per page (appended together), and its end.
-	Lease     Kind = 7 // lease, dev, pid, start: a write lease was granted to a process
-	LeasePage Kind = 8 // lease, page: a page of that write lease
-	LeaseEnd  Kind = 9 // lease: the write lease's pages are visible or free again
+	// A lease, from its grant until its end (a write lease's: its pages visible or
+	// free again): its grant, then one record per page (a read lease's each followed
+	// by the page's hash), appended together, and its end.
+	Lease     Kind = 7  // lease, dev, pid, start: a write lease was granted to a process
+	LeasePage Kind = 8  // lease, page: a page of that lease
+	LeaseEnd  Kind = 9  // lease: the lease ended
+	ReadLease Kind = 10 // lease, dev, pid, start: a read lease was granted to a process
+	LeaseHash Kind = 11 // lease, hash: the hash of a read lease's page, after its LeasePage
 )
 
 // Byte sizes of the records, framing included.
@@ -43,7 +46,7 @@ const (
 	pagePayload  = 1 + 4 + 4 + len(kv.Hash{}) // a Free's is shorter by the hash
 	procPayload  = 1 + 4 + 8
 	grantPayload = 1 + 8 + 4 + 4 + 8 // no more than a page record's: the reader's bound
-	leasePayload = 1 + 8             // an End's; a GrantPage's has the page too
+	leasePayload = 1 + 8             // an End's; a LeasePage's has the page too, a LeaseHash's the hash
 	headerFixed  = len(magic) + 4 + 8 + 4 + 8 + kvwire.GeometryLen + 4
 	maxPayload   = headerFixed + 4*MaxDevices
 	frame        = 8 // the length and the checksum
@@ -114,28 +117,47 @@ func AppendProc(b []byte, k Kind, p Proc) []byte {
 	})
 }
 
-// Grant is a write lease as the index journals it: granted to Holder on device Dev,
-// of Pages, until its End.
+// Grant is a lease as the index journals it: granted to Holder on device Dev, of
+// Pages, until its End; a read lease (Read) with the Hashes its pages were visible
+// under.
 type Grant struct {
 	Lease  uint64
 	Dev    int
 	Holder Proc
 	Pages  []uint32
+	Read   bool
+	Hashes []kv.Hash
 }
 
-// records is how many records g takes: its grant and one per page.
-func (g *Grant) records() int { return 1 + len(g.Pages) }
+// records is how many records g takes: its grant and one per page (a read lease's
+// two).
+func (g *Grant) records() int {
+	if g.Read {
+		return 1 + 2*len(g.Pages)
+	}
+	return 1 + len(g.Pages)
+}
 
-// AppendGrant appends g's records: its grant, then one per page.
+// AppendGrant appends g's records: its grant, then one per page (a read lease's
+// each followed by its hash).
 func AppendGrant(b []byte, g *Grant) []byte {
+	k := Lease
+	if g.Read {
+		k = ReadLease
+	}
 	b = appendRecord(b, func(b []byte) []byte {
-		b = binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(Lease)), g.Lease), uint32(g.Dev))
+		b = binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(k)), g.Lease), uint32(g.Dev))
 		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(b, g.Holder.PID), g.Holder.Start)
 	})
-	for _, pg := range g.Pages {
+	for i, pg := range g.Pages {
 		b = appendRecord(b, func(b []byte) []byte {
 			return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint64(append(b, byte(LeasePage)), g.Lease), pg)
 		})
+		if g.Read {
+			b = appendRecord(b, func(b []byte) []byte {
+				return append(binary.LittleEndian.AppendUint64(append(b, byte(LeaseHash)), g.Lease), g.Hashes[i][:]...)
+			})
+		}
 	}
 	return b
 }

@@ -110,3 +110,46 @@ func BenchmarkMatch(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkPickSpill is the spiller's pick, under the owner's lock after seals, on a
+// 100 GiB slab of llama-0.85b pages (204,800) whose window of pages to copy ahead
+// (kv/owner's 8192) is all copied already: what a pick costs when it finds nothing,
+// O(the window).
+func BenchmarkPickSpill(b *testing.B) {
+	const pagesN, ahead, batch = 204800, 8192, 512
+	tab, err := pages.New(pages.Config{Pages: pagesN, HostPages: 8 * ahead, Epoch: 1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	h := pages.Holder{PID: 1, Start: 1}
+	for c := 0; c < pagesN/batch; c++ {
+		hs := make([]kv.Hash, batch)
+		for i := range hs {
+			hs[i] = chainHash(c, i)
+		}
+		id, _, _, err := tab.Alloc(h, batch)
+		if err == nil {
+			_, err = tab.Seal(h, id, hs, pages.NoRef)
+		}
+		if err == nil {
+			_, _, _, err = tab.SealDone(id, true)
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	for {
+		cp, _, ok := tab.PickSpill(ahead, batch)
+		if !ok {
+			break
+		}
+		if _, _, err := tab.CopyDone(cp.ID, true); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for b.Loop() {
+		if cp, _, ok := tab.PickSpill(ahead, batch); ok {
+			b.Fatalf("picked %d pages of a window copied already", len(cp.GPU))
+		}
+	}
+}
