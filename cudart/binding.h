@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 
 // No CUDA headers: the module builds where there is no toolkit. The few C types the
 // calls take are declared here with the layouts CUDA documents, and checked by size.
@@ -81,6 +83,7 @@ typedef struct { unsigned char b[16]; } cp_uuid;
 	X(cp_err, cudaStreamSynchronize, (void *), 0) \
 	X(cp_err, cudaStreamQuery, (void *), 0) \
 	X(cp_err, cudaStreamWaitEvent, (void *, void *, unsigned), 0) \
+	X(cp_err, cudaLaunchHostFunc, (void *, void (*)(void *), void *), 0) \
 	X(cp_err, cudaEventCreateWithFlags, (void **, unsigned), 0) \
 	X(cp_err, cudaEventDestroy, (void *), 0) \
 	X(cp_err, cudaEventRecord, (void *, void *), 0) \
@@ -493,6 +496,19 @@ CP_CALL(cp_res, cp_stream_destroy, (uintptr_t lib, long long dev, uintptr_t s), 
 CP_CALL(cp_res, cp_stream_synchronize, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamSynchronize(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_query, (uintptr_t lib, long long dev, uintptr_t s), l->cudaStreamQuery(CP_PTR(s)))
 CP_CALL(cp_res, cp_stream_wait_event, (uintptr_t lib, long long dev, uintptr_t s, uintptr_t e), l->cudaStreamWaitEvent(CP_PTR(s), CP_PTR(e), 0))
+
+// cp_notify is the host function StreamNotify queues: it adds 1 to the eventfd its
+// argument names. A host function must make no CUDA call, and this one calls no Go
+// either: it runs on the driver's own thread.
+static void cp_notify(void *arg) {
+	uint64_t one = 1;
+	ssize_t n;
+	do n = write((int)(intptr_t)arg, &one, sizeof one);
+	while (n < 0 && errno == EINTR);
+}
+
+CP_CALL(cp_res, cp_stream_notify, (uintptr_t lib, long long dev, uintptr_t s, int fd),
+	l->cudaLaunchHostFunc(CP_PTR(s), cp_notify, (void *)(intptr_t)fd))
 enum { cp_not_supported = 801 }; // cudaErrorNotSupported
 
 static cp_res cp_stream_get_device(uintptr_t lib, long long dev, uintptr_t s) {

@@ -292,6 +292,13 @@ func (l *library) StreamWaitEvent(dev int, s Stream, e Event) error {
 	return l.check("cudaStreamWaitEvent", C.cp_stream_wait_event(l.c, C.longlong(dev), C.uintptr_t(s), C.uintptr_t(e)))
 }
 
+func (l *library) StreamNotify(dev int, s Stream, fd int) error {
+	if fd < 0 {
+		return NewError("cudaLaunchHostFunc", ErrInvalidValue)
+	}
+	return l.check("cudaLaunchHostFunc", C.cp_stream_notify(l.c, C.longlong(dev), C.uintptr_t(s), C.int(fd)))
+}
+
 func (l *library) EventCreate(dev int, flags EventFlags) (Event, error) {
 	r := C.cp_event_create(l.c, C.longlong(dev), C.uint(flags))
 	if err := l.check("cudaEventCreateWithFlags", r); err != nil {

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/eventfdtest"
 )
 
 func TestFakeVersionsAndDevices(t *testing.T) {
@@ -183,6 +184,28 @@ func TestFakeStreamsAndEvents(t *testing.T) {
 	wantError(t, rt.StreamDestroy(dev, s), "cudaStreamDestroy", cudart.ErrInvalidResourceHandle)
 }
 
+// StreamNotify passes the stream and the eventfd through cudaLaunchHostFunc to a host
+// function that adds 1 to the eventfd: the fake runs it at once, so each call adds 1,
+// on the fd given and no other.
+func TestFakeStreamNotifyWritesTheEventfd(t *testing.T) {
+	rt := loadFake(t)
+	const dev = 1
+	s := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	fds := []int{eventfdtest.New(t), eventfdtest.New(t)}
+	total := func(fd int) uint64 { return eventfdtest.Take(t, fd, false) }
+	for range 3 {
+		require.NoError(t, rt.StreamNotify(dev, s, fds[1]), "StreamNotify")
+	}
+	require.NoError(t, rt.StreamNotify(dev, 0, fds[0]), "StreamNotify on the legacy stream")
+	require.Equal(t, uint64(1), total(fds[0]), "the first eventfd's total")
+	require.Equal(t, uint64(3), total(fds[1]), "the second eventfd's total")
+	gone := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(dev, cudart.StreamNonBlocking))
+	require.NoError(t, rt.StreamDestroy(dev, gone), "StreamDestroy")
+	wantError(t, rt.StreamNotify(dev, gone, fds[0]), "cudaLaunchHostFunc", cudart.ErrInvalidResourceHandle)
+	require.ErrorIs(t, rt.StreamNotify(dev, s, -1), cudart.ErrInvalidValue, "a negative fd")
+	require.Equal(t, uint64(0), total(fds[0]), "a refused call writes nothing")
+}
+
 func TestFakeSharingRoundTrips(t *testing.T) {
 	rt := loadFake(t)
 	pool := newPool(t, rt, 0)
@@ -300,6 +323,7 @@ func TestFakeErrorsNameTheFailingCall(t *testing.T) {
 		{"cudaStreamSynchronize", "", func() error { return rt.StreamSynchronize(d, 0) }},
 		{"cudaStreamWaitEvent", "", func() error { return rt.StreamWaitEvent(d, 0, 1) }},
 		{"cudaStreamGetDevice", "", func() error { return discard(rt.StreamDevice(d, 0)) }},
+		{"cudaLaunchHostFunc", "", func() error { return rt.StreamNotify(d, 0, 0) }},
 		{"cudaEventCreateWithFlags", "", func() error { return discard(rt.EventCreate(d, 0)) }},
 		{"cudaEventDestroy", "", func() error { return rt.EventDestroy(d, 1) }},
 		{"cudaEventRecord", "", func() error { return rt.EventRecord(d, 1, 0) }},

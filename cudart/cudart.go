@@ -239,6 +239,14 @@ type Runtime interface {
 	// StreamWaitEvent makes all future work on s wait for the work captured by the
 	// last EventRecord of e before this call; it does not block the host.
 	StreamWaitEvent(dev int, s Stream, e Event) error
+	// StreamNotify queues on s a write of 1 to eventfd fd (cudaLaunchHostFunc with a
+	// host function in C that makes no CUDA call): it runs once all the work queued
+	// on s before it has completed, in stream order, so the eventfd's running total
+	// counts the points of s that have completed. fd must stay open until the write
+	// has run: the write goes to whatever fd names then. On success the write is
+	// queued; on failure nothing is. A write that fails (fd closed) is lost, and
+	// nothing reports it.
+	StreamNotify(dev int, s Stream, fd int) error
 
 	EventCreate(dev int, flags EventFlags) (Event, error)
 	EventDestroy(dev int, e Event) error

@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/eventfdtest"
 	"github.com/cudapool/cudapool/internal/gputest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/unixfd"
@@ -319,6 +320,38 @@ func TestGPUEvents(t *testing.T) {
 		}
 		require.NoError(t, rt.EventDestroy(0, e), "EventDestroy")
 	}
+}
+
+// StreamNotify on the real runtime: the host function writes the eventfd once the
+// work queued before it has completed, in stream order, so the bytes of the memsets
+// before it are there when the host sees the count (read on another stream, with no
+// wait of its own).
+func TestGPUStreamNotify(t *testing.T) {
+	rt := gputest.Runtime(t)
+	f := newGPUFixture(t, rt, 0, ipcPool)
+	s2 := must[cudart.Stream](t, "StreamCreate")(rt.StreamCreate(0, cudart.StreamNonBlocking))
+	defer func() { _ = rt.StreamDestroy(0, s2) }() // test cleanup
+	const size = 256 * MiB
+	p := f.malloc(t, size)
+	defer f.free(t, p)
+	fd := eventfdtest.New(t)
+	for i := range 8 {
+		require.NoError(t, rt.MemsetAsync(0, p, byte(i+1), size, f.stream), "MemsetAsync")
+	}
+	start := time.Now()
+	require.NoError(t, rt.StreamNotify(0, f.stream, fd), "StreamNotify")
+	queued := time.Since(start)
+	require.NoError(t, rt.MemsetAsync(0, p, 0x5a, size, f.stream), "MemsetAsync")
+	require.NoError(t, rt.StreamNotify(0, f.stream, fd), "StreamNotify")
+	var total uint64
+	for total < 2 {
+		total += eventfdtest.Take(t, fd, true)
+	}
+	t.Logf("StreamNotify took %v to queue; both points counted %v after the first was queued", queued, time.Since(start))
+	require.Equal(t, uint64(2), total)
+	b := make([]byte, 4096)
+	require.NoError(t, rt.MemcpyDtoHAsync(0, b, p+cudart.DevicePtr(size-4096), s2), "MemcpyDtoHAsync on another stream")
+	assert.Equal(t, bytes.Repeat([]byte{0x5a}, 4096), b, "the last memset's bytes, once its point was counted")
 }
 
 // FACTS 9, 11 and 12: what may be exported, and when. Each sequence runs in a child

@@ -7,7 +7,7 @@ import (
 // The errors both sides meet: those that travel as the protocol's error codes
 // (docs/PROTOCOL.md's error table) and those of the handshake. Every error that package
 // producer, consumer or discover returns about one of these conditions wraps the
-// sentinel, so callers match with errors.Is; the message around it says which peer,
+// sentinel, so callers match with [errors.Is]; the message around it says which peer,
 // name or lease.
 var (
 	// ErrNotSocket means the socket path exists and is not a socket; it is left alone.
@@ -62,7 +62,7 @@ var (
 	ErrBadRequest = errors.New("cudapool: bad request")
 	// ErrBadRange means a range to publish is empty or does not lie within its buffer.
 	ErrBadRange = errors.New("cudapool: range outside the buffer")
-	// ErrNoLeases means the connection was made for State alone (discover.QueryState's),
+	// ErrNoLeases means the connection was made for [State] alone (discover.QueryState's),
 	// so it cannot take leases.
 	ErrNoLeases = errors.New("cudapool: connection cannot hold leases")
 )
@@ -76,7 +76,7 @@ func (nameUnpublished) Error() string { return "cudapool: buffer freed, its name
 func (nameUnpublished) Is(target error) bool { return target == ErrUnknownName }
 
 // RemoteError is a request the exporter refused: Text is the exporter's message, and
-// errors.Is matches Err, the sentinel it stands for (ErrUnknownName, ErrStaleLease, ...).
+// [errors.Is] matches Err, the sentinel it stands for ([ErrUnknownName], [ErrStaleLease], ...).
 type RemoteError struct {
 	Err  error
 	Text string

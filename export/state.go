@@ -8,12 +8,12 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// StateSchema is the version of the State JSON schema. Fields may be added within a
+// StateSchema is the version of the [State] JSON schema. Fields may be added within a
 // version; none is removed or changes meaning.
 const StateSchema = 1
 
 // State describes a running exporter: what cmd/poolstat shows, and what its -json
-// flag prints. Its JSON form is a stable schema (StateSchema).
+// flag prints. Its JSON form is a stable schema ([StateSchema]).
 type State struct {
 	Schema    int           `json:"schema"`
 	Name      string        `json:"name"`
@@ -33,8 +33,8 @@ type DeviceState struct {
 }
 
 // PoolState is one pool the exporter has published buffers of: its wire id and its
-// pool.Stats. Error is set, and the figures are what could still be read, when the
-// stats failed (the pool was closed, for instance). Its JSON form keeps the State
+// [pool.Stats]. Error is set, and the figures are what could still be read, when the
+// stats failed (the pool was closed, for instance). Its JSON form keeps the [State]
 // schema's field names (see MarshalJSON).
 type PoolState struct {
 	ID uint64
@@ -66,7 +66,7 @@ type poolStateJSON struct {
 	Error            string            `json:"error,omitempty"`
 }
 
-// MarshalJSON writes the State schema's pool object.
+// MarshalJSON writes the [State] schema's pool object.
 func (p PoolState) MarshalJSON() ([]byte, error) {
 	s := p.Stats
 	return json.Marshal(poolStateJSON{
@@ -78,7 +78,7 @@ func (p PoolState) MarshalJSON() ([]byte, error) {
 	})
 }
 
-// UnmarshalJSON reads the State schema's pool object.
+// UnmarshalJSON reads the [State] schema's pool object.
 func (p *PoolState) UnmarshalJSON(b []byte) error {
 	var j poolStateJSON
 	if err := json.Unmarshal(b, &j); err != nil {
@@ -112,7 +112,7 @@ type NameState struct {
 }
 
 // PeerState is one peer, a connection that takes leases (Exporter.Peers, State.Peers).
-// Connections made for State alone, such as QueryState's, are not peers. Leases counts
+// Connections made for [State] alone, such as QueryState's, are not peers. Leases counts
 // the buffers the peer holds, Grants the Opens and Pushes behind them (see the
 // glossary in the package documentation).
 type PeerState struct {

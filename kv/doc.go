@@ -3,7 +3,7 @@
 // the pool reports.
 //
 // One owner process (package kv/owner, cmd/kvpoold) owns one slab per GPU it serves:
-// allocations (segments) of an IPC-capable pool carved into pages of one Geometry. Replicas
+// allocations (segments) of an IPC-capable pool carved into pages of one [Geometry]. Replicas
 // (package kv/replica) map the slab once and lease pages by index: alloc for writing,
 // seal to make written pages readable under their prefix hashes once the writer's work
 // has completed (visible), match to lease the longest run of visible pages for a list
@@ -14,8 +14,8 @@
 // Each layer's K (and V) is one tensor [Pages, TokensPerPage, KVHeads, HeadDim],
 // row-major and contiguous, the paged layout of FlashAttention and FlashInfer, and page
 // p names the same block in every layer. A slab is several allocations (segments) of
-// at most MaxSegmentBytes each, as a replica cannot import larger ones: the tensors K0,
-// V0, K1, V1, ... are packed whole into them in that order (Geometry.Segments), so
+// at most [MaxSegmentBytes] each, as a replica cannot import larger ones: the tensors K0,
+// V0, K1, V1, ... are packed whole into them in that order ([Geometry.Segments]), so
 // that layer l's K of page p lies at Segments.Page(l, K, p), and its device address is
 // Segments.Addr(bases, l, K, p) for the segments' addresses bases.
 //

@@ -6,7 +6,7 @@ import "errors"
 const MaxBatch = 4096
 
 // Errors of the KV page pool. Every error the pool returns about one of these
-// conditions wraps the sentinel, so callers match with errors.Is.
+// conditions wraps the sentinel, so callers match with [errors.Is].
 var (
 	// ErrNoSpace means an alloc found not enough free or evictable pages; nothing was
 	// leased.
@@ -24,7 +24,7 @@ var (
 	// ErrHostMemory means a host tier asked for is larger than the host's available
 	// memory; nothing was made.
 	ErrHostMemory = errors.New("kv: not enough host memory")
-	// ErrTooLarge means a batch is over MaxBatch (or a frame over the wire's limit).
+	// ErrTooLarge means a batch is over [MaxBatch] (or a frame over the wire's limit).
 	ErrTooLarge = errors.New("kv: batch too large")
 	// ErrRefused means the owner did not admit the replica: its policy, the protocol
 	// version or the Hello.
@@ -39,7 +39,7 @@ var (
 )
 
 // RemoteError is a failure the owner reported with a message of its own. Err is the
-// sentinel it stands for where there is one (ErrNoSpace, ErrStaleLease, ...), else nil.
+// sentinel it stands for where there is one ([ErrNoSpace], [ErrStaleLease], ...), else nil.
 type RemoteError struct {
 	Err  error
 	Text string

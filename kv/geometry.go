@@ -17,7 +17,7 @@ const (
 	DTypeFP8E4M3
 )
 
-// Size is the bytes of one element; 0 for an unknown DType.
+// Size is the bytes of one element; 0 for an unknown [DType].
 func (d DType) Size() int {
 	switch d {
 	case DTypeBF16, DTypeFP16:
@@ -44,7 +44,7 @@ func (d DType) String() string {
 	return fmt.Sprintf("dtype(%d)", uint8(d))
 }
 
-// ParseDType is the DType whose String is s (case-insensitive).
+// ParseDType is the [DType] whose String is s (case-insensitive).
 func ParseDType(s string) (DType, error) {
 	for d := DTypeBF16; d <= DTypeFP8E4M3; d++ {
 		if strings.EqualFold(s, d.String()) {

@@ -33,7 +33,7 @@ func PrefixHashes(namespace string, tokens []int32, tokensPerPage int) []Hash {
 	return AppendPrefixHashes(nil, namespace, tokens, tokensPerPage)
 }
 
-// AppendPrefixHashes is PrefixHashes appending to dst.
+// AppendPrefixHashes is [PrefixHashes] appending to dst.
 func AppendPrefixHashes(dst []Hash, namespace string, tokens []int32, tokensPerPage int) []Hash {
 	if tokensPerPage < 1 {
 		return dst

@@ -2,14 +2,14 @@ package kv
 
 // HostSocket is the socket, in an owner's directory, that hands each replica the memfd
 // of its device's host tier: a replica connects, sends its device ordinal as 4 bytes
-// (little-endian), and reads one HostTierInfo as JSON, carrying the memfd (SCM_RIGHTS)
+// (little-endian), and reads one [HostTierInfo] as JSON, carrying the memfd (SCM_RIGHTS)
 // unless Error is set; the owner then closes the connection. An owner without host
 // tiers has no such socket.
 const HostSocket = "host.sock"
 
 // HostTierInfo describes a device's host tier: a memfd of Bytes (sealed against
 // shrinking and growing) holding Pages host pages of PageBytes, page p at p*PageBytes,
-// each every layer's K then V piece of Geometry.PageBytes, layer by layer.
+// each every layer's K then V piece of [Geometry.PageBytes], layer by layer.
 type HostTierInfo struct {
 	Device    int    `json:"device"`
 	Bytes     uint64 `json:"bytes"`

@@ -39,7 +39,7 @@ type Place struct {
 	Offset  uint64
 }
 
-// Segments is how the slab of one Geometry lies in its allocations (segments): the
+// Segments is how the slab of one [Geometry] lies in its allocations (segments): the
 // tensors K0, V0, K1, V1, ... in that order, each [Pages, TokensPerPage, KVHeads,
 // HeadDim] and contiguous, packed whole into segments of at most the bound, as many
 // to a segment as fit. Every segment but the last holds the same number of tensors.
@@ -52,9 +52,9 @@ type Segments struct {
 	count int
 }
 
-// Segments lays g's slab out in segments of at most bound bytes. A geometry whose one
+// [Segments] lays g's slab out in segments of at most bound bytes. A geometry whose one
 // tensor (a layer's K or V) is over bound is refused with an error wrapping
-// ErrGeometry that names both sizes and the most pages that fit, as is an invalid
+// [ErrGeometry] that names both sizes and the most pages that fit, as is an invalid
 // geometry.
 func (g Geometry) Segments(bound uint64) (Segments, error) {
 	if err := g.Validate(); err != nil {
@@ -73,7 +73,7 @@ func (g Geometry) Segments(bound uint64) (Segments, error) {
 // TensorBytes is one layer's K (or V) tensor: Pages*PageBytes().
 func (g Geometry) TensorBytes() uint64 { return uint64(g.Pages) * g.PageBytes() }
 
-// Geometry is the geometry s lays out.
+// [Geometry] is the geometry s lays out.
 func (s Segments) Geometry() Geometry { return s.geo }
 
 // Bound is the most bytes one segment may hold.
@@ -125,7 +125,7 @@ func (s Segments) Addr(bases []cudart.DevicePtr, layer int, p Part, page int) cu
 
 func (s Segments) String() string { return SegmentsString(s.Sizes()) }
 
-// SegmentsString says how a slab lies in segments of sizes, as Segments.String does:
+// SegmentsString says how a slab lies in segments of sizes, as [Segments.String] does:
 // "32 segments of 3.1 GiB", "5 segments of 3.8 GiB and 1 of 1.3 GiB".
 func SegmentsString(sizes []uint64) string {
 	switch len(sizes) {

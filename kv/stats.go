@@ -1,7 +1,7 @@
 package kv
 
 // Stats is a snapshot of an owner: what its Stats frame answers, as JSON. Replicas
-// lists the connected replicas by pid; the Stats frame lists at most MaxListed
+// lists the connected replicas by pid; the Stats frame lists at most [MaxListed]
 // (ReplicasOmitted counts those left out), so that it fits one frame however many
 // replicas are connected. ReplicaCount counts them all.
 type Stats struct {
@@ -16,7 +16,7 @@ type Stats struct {
 	Restart *RestartStats `json:"restart,omitempty"`
 }
 
-// RestartStats is an owner's start over a keeper's slabs, in Stats.
+// RestartStats is an owner's start over a keeper's slabs, in [Stats].
 type RestartStats struct {
 	Epoch    uint64 `json:"epoch"`    // starts on this index, this one included
 	Adopted  bool   `json:"adopted"`  // the slabs were a live keeper's
@@ -35,10 +35,10 @@ type RestartStats struct {
 	Dropped string `json:"dropped,omitempty"`
 }
 
-// MaxListed is the most replicas a Stats frame lists.
+// MaxListed is the most replicas a [Stats] frame lists.
 const MaxListed = 1024
 
-// StatsGeometry is the geometry in Stats' JSON.
+// StatsGeometry is the geometry in [Stats]' JSON.
 type StatsGeometry struct {
 	Layers        int    `json:"layers"`
 	KVHeads       int    `json:"kv_heads"`
@@ -52,7 +52,7 @@ type StatsGeometry struct {
 	Segments []uint64 `json:"segments"`
 }
 
-// StatsOf is the geometry of s, and its segments, as Stats shows them.
+// StatsOf is the geometry of s, and its segments, as [Stats] shows them.
 func StatsOf(s Segments) StatsGeometry {
 	g := s.Geometry()
 	return StatsGeometry{Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim, TokensPerPage: g.TokensPerPage,
@@ -62,7 +62,7 @@ func StatsOf(s Segments) StatsGeometry {
 // DeviceStats is one slab's pages by state, and its counters since the owner started.
 // A page is in one of Free, Writing, Sealing, Sealed or Settling (which add up to the
 // slab's pages); Leased counts the sealed pages that readers hold, and Releasing the
-// sealed pages waiting for a reader's release event.
+// sealed pages waiting for a reader's release to reach its point.
 type DeviceStats struct {
 	Device    int `json:"device"`
 	Pages     int `json:"pages"`

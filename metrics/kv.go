@@ -34,11 +34,11 @@ var (
 	kvSlabSegments = gauge("kv_slab_segments",
 		"Allocations each slab is made of (each at most 4 GiB, each layer's K and V whole in one).", kvDeviceLabels)
 	kvPages = gauge("kv_pages",
-		"The slab's pages by state: free, writing (write-leased), sealing (waiting for the writer's work), sealed (visible), settling (waiting for a release event to be freed).", kvDeviceLabels, labelPageState)
+		"The slab's pages by state: free, writing (write-leased), sealing (waiting for the writer's work), sealed (visible), settling (waiting for a release's point to be freed).", kvDeviceLabels, labelPageState)
 	kvLeased = gauge("kv_leased_pages",
 		"Sealed pages that read leases hold.", kvDeviceLabels)
 	kvReleasing = gauge("kv_releasing_pages",
-		"Sealed pages whose readers' release events have not completed: not evictable yet.", kvDeviceLabels)
+		"Sealed pages whose readers' release points have not been reached: not evictable yet.", kvDeviceLabels)
 	kvHits = counter("kv_hits_total",
 		"Pages that matches found (leased for reading).", kvDeviceLabels)
 	kvMisses = counter("kv_misses_total",

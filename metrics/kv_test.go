@@ -28,7 +28,7 @@ var kvStats = kv.Stats{
 func TestKVCollector(t *testing.T) {
 	c := metrics.NewKVCollector("/run/kv", func() (kv.Stats, error) { return kvStats, nil })
 	want := `
-# HELP cudapool_kv_pages The slab's pages by state: free, writing (write-leased), sealing (waiting for the writer's work), sealed (visible), settling (waiting for a release event to be freed).
+# HELP cudapool_kv_pages The slab's pages by state: free, writing (write-leased), sealing (waiting for the writer's work), sealed (visible), settling (waiting for a release's point to be freed).
 # TYPE cudapool_kv_pages gauge
 cudapool_kv_pages{device="0",kv_dir="/run/kv",state="free"} 4
 cudapool_kv_pages{device="0",kv_dir="/run/kv",state="sealed"} 2

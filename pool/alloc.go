@@ -37,18 +37,18 @@ func (p *Pool) forget(b *Buffer) {
 // Alloc returns a buffer of at least size bytes, rounded up to the pool's granularity,
 // ready for work queued on s after the call. On failure nothing is allocated.
 //
-// With WithCache, a buffer freed on s that fits is taken from the cache first, without
+// With [WithCache], a buffer freed on s that fits is taken from the cache first, without
 // calling the driver; it may hold up to a quarter more than the granularity asks for
 // (Reserved says how much), and an exportable one keeps its export record.
 //
-// A full pool fails with an error that wraps cudart.ErrOutOfMemory and says how much
+// A full pool fails with an error that wraps [cudart.ErrOutOfMemory] and says how much
 // the pool has reserved and in use, after it returned its cache to the driver and
-// tried again; with WaitForMemory, Alloc instead waits for a Free in this process
+// tried again; with [WaitForMemory], Alloc instead waits for a Free in this process
 // and tries again until ctx ends (the error then wraps both ctx's error and
-// cudart.ErrOutOfMemory). A request that can never fit, larger than WithMaxSize or
+// cudart.ErrOutOfMemory). A request that can never fit, larger than [WithMaxSize] or
 // than the device's memory, fails at once with cudart.ErrOutOfMemory, waiting or not.
 // A pointer that is not aligned to the granularity is freed
-// and reported with ErrMisaligned.
+// and reported with [ErrMisaligned].
 func (p *Pool) Alloc(ctx context.Context, size uint64, s cudart.Stream) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, p.errorf("alloc %s: %w", human(size), err)
@@ -228,7 +228,7 @@ func (p *Pool) allocWaiting(ctx context.Context, b *Buffer, s cudart.Stream) err
 }
 
 // Free returns b to the pool once the work queued on s before the call has
-// completed. Free of a buffer that was never leased puts it in the cache (WithCache)
+// completed. Free of a buffer that was never leased puts it in the cache ([WithCache])
 // if the cache has room, calling nothing, and is otherwise one cudaFreeAsync on s.
 //
 // If b has live leases, Free records the point reached on s and returns nil at once;
@@ -239,8 +239,8 @@ func (p *Pool) allocWaiting(ctx context.Context, b *Buffer, s cudart.Stream) err
 // follows every completion already waited for; or s waits for those completions and
 // the buffer goes to the cache.
 //
-// Freeing a buffer twice fails with ErrFreed, a buffer of another pool with
-// ErrForeignBuffer, and after Close with ErrClosed; none of them changes anything.
+// Freeing a buffer twice fails with [ErrFreed], a buffer of another pool with
+// [ErrForeignBuffer], and after Close with [ErrClosed]; none of them changes anything.
 // If CUDA fails, b stays live and Free may be called again.
 func (p *Pool) Free(b *Buffer, s cudart.Stream) error {
 	if b == nil || b.pool != p {

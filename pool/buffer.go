@@ -19,8 +19,8 @@ const (
 	bufFailed            // a deferred free failed; the memory stays reserved
 )
 
-// Buffer is device memory from a Pool, or from another Allocator that made it with
-// NewBuffer. Its accessors are safe for concurrent use; it stays valid to read after
+// Buffer is device memory from a [Pool], or from another [Allocator] that made it with
+// [NewBuffer]. Its accessors are safe for concurrent use; it stays valid to read after
 // Free, but not to free, lease or export.
 //
 // Its layout is kept within 96 bytes: Alloc makes one per call, and that is the whole
@@ -83,12 +83,12 @@ func (b *Buffer) Device() int {
 // ID is unique among the buffers of this process.
 func (b *Buffer) ID() uint64 { return b.id }
 
-// Pool is the pool the buffer came from; nil for a buffer made by NewBuffer.
+// [Pool] is the pool the buffer came from; nil for a buffer made by [NewBuffer].
 func (b *Buffer) Pool() *Pool { return b.pool }
 
-// NewBuffer makes a Buffer of the size bytes at ptr on owner's device, for an
-// Allocator that is not a Pool (a wrapper or a test double) to hand out. Its Free
-// calls owner.Free; it cannot be leased or exported (ErrNotShareable).
+// NewBuffer makes a [Buffer] of the size bytes at ptr on owner's device, for an
+// [Allocator] that is not a [Pool] (a wrapper or a test double) to hand out. Its Free
+// calls owner.Free; it cannot be leased or exported ([ErrNotShareable]).
 func NewBuffer(owner Allocator, ptr cudart.DevicePtr, size uint64) *Buffer {
 	return &Buffer{foreign: &foreign{owner, owner.Device()}, ptr: ptr, size: size, reserved: size, id: newIDs().next}
 }

@@ -238,9 +238,9 @@ func (p *Pool) cacheShared(b *Buffer, s cudart.Stream, now bool) bool {
 
 // Trim returns every cached buffer to the driver: one freed on a stream is freed on
 // that stream, one that waits for importers on the release stream after them. A free
-// that fails leaves its memory reserved; the failure wraps ErrFreeFailed, and Stats
+// that fails leaves its memory reserved; the failure wraps [ErrFreeFailed], and [Stats]
 // counts it and Close reports it as it does a failed deferred free. It fails with
-// ErrClosed after Close.
+// [ErrClosed] after Close.
 //
 // A cached buffer is freed on its stream, so a stream that buffers were freed on must
 // outlive their time in the cache: call TrimStream before destroying it. (CUDA may

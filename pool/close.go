@@ -53,12 +53,12 @@ func (r CloseReport) String() string {
 	return b.String()
 }
 
-// Close destroys the pool. Without Force it refuses, with ErrBusy and no change, while
+// Close destroys the pool. Without [Force] it refuses, with [ErrBusy] and no change, while
 // buffers are live (leased, waiting for a deferred free, or whose deferred free
 // failed) or calls are in flight. With Force it stops new calls, waits for the calls
 // in flight (bounded by ctx), frees the live buffers that no importer holds and
 // abandons the rest (see Force); if ctx ends first it returns ctx's error, and a later
-// Close finishes the job. Waiting Allocs fail with ErrClosed.
+// Close finishes the job. Waiting Allocs fail with [ErrClosed].
 //
 // Close then returns the cache to the driver (as Trim does), destroys the release
 // stream, the pool's events, the exported handle's descriptor and the CUDA pool (not a

@@ -42,8 +42,8 @@ type Completion struct {
 	owers  map[*Buffer]struct{} // buffers whose ended leases ev must still cover
 }
 
-// NewCompletion returns the Completion of ev, an event on the pool's device, for
-// Lease.EndAt. ev must be recorded only on one stream, in order, after each free it
+// NewCompletion returns the [Completion] of ev, an event on the pool's device, for
+// [Lease.EndAt]. ev must be recorded only on one stream, in order, after each free it
 // stands for; Close it before destroying ev. gone, if not nil, is asked before each use
 // of ev: once the importer's process has exited its imports are gone with it, and its
 // event (which it may have died recording) is waited for no more.
@@ -53,8 +53,8 @@ func (p *Pool) NewCompletion(ev cudart.Event, gone func() bool) *Completion {
 
 // EndAt ends the lease now, as End does, but leaves the wait for the importer's free
 // to the buffer's own free or reuse: it waits for c's latest record then, if that has
-// not completed. It fails with ErrLeaseEnded if the lease has ended, and with
-// ErrInvalidOption if c belongs to another pool or was closed. If this was the last
+// not completed. It fails with [ErrLeaseEnded] if the lease has ended, and with
+// [ErrInvalidOption] if c belongs to another pool or was closed. If this was the last
 // lease of a buffer that Free was called on, EndAt issues the deferred free as End
 // does, after c.
 func (l *Lease) EndAt(c *Completion) error {

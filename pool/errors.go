@@ -11,7 +11,7 @@ var (
 	ErrForeignBuffer = errors.New("pool: buffer belongs to another pool")
 	// ErrClosed means the pool has been closed (or is being force-closed).
 	ErrClosed = errors.New("pool: closed")
-	// ErrBusy means Close without Force found live or shared buffers, or calls in
+	// ErrBusy means Close without [Force] found live or shared buffers, or calls in
 	// flight; the pool is unchanged.
 	ErrBusy = errors.New("pool: busy")
 	// ErrNotShareable means the pool has handle type none (or is a device's default
@@ -24,17 +24,17 @@ var (
 	ErrMisaligned = errors.New("pool: driver returned a misaligned pointer")
 	// ErrZeroSize means an allocation of 0 bytes was asked for.
 	ErrZeroSize = errors.New("pool: zero-size allocation")
-	// ErrInvalidOption means an option of New was out of range.
+	// ErrInvalidOption means an option of [New] was out of range.
 	ErrInvalidOption = errors.New("pool: invalid option")
-	// ErrNoPeerAccess means a peer device given to WithPeerAccess cannot reach the
+	// ErrNoPeerAccess means a peer device given to [WithPeerAccess] cannot reach the
 	// pool's device.
 	ErrNoPeerAccess = errors.New("pool: peer device cannot access the pool's device")
 	// ErrFreeFailed means a free the pool deferred until the buffer's leases ended
-	// failed when it was finally issued. The buffer's memory stays reserved; Stats
+	// failed when it was finally issued. The buffer's memory stays reserved; [Stats]
 	// counts it and Close reports it.
 	ErrFreeFailed = errors.New("pool: deferred free failed")
-	// ErrLeaseEnded means a Lease or Retention was ended again.
+	// ErrLeaseEnded means a [Lease] or [Retention] was ended again.
 	ErrLeaseEnded = errors.New("pool: lease already ended")
-	// ErrNotLeased means Retain was given a buffer without a live Lease.
+	// ErrNotLeased means Retain was given a buffer without a live [Lease].
 	ErrNotLeased = errors.New("pool: buffer not leased")
 )

@@ -4,7 +4,7 @@ import "github.com/cudapool/cudapool/cudart"
 
 // ExportHandle exports the pool once and returns its shareable handle from then on.
 // The pool owns the handle's descriptor and closes it at Close: pass it on (sendmsg
-// duplicates it) but do not close it. A local pool fails with ErrNotShareable.
+// duplicates it) but do not close it. A local pool fails with [ErrNotShareable].
 func (p *Pool) ExportHandle() (cudart.ShareableHandle, error) {
 	if p.handleType == cudart.HandleTypeNone {
 		return cudart.ShareableHandle{}, p.errorf("export: %w", ErrNotShareable)
@@ -39,7 +39,7 @@ func (p *Pool) exportHandleLocked() (cudart.ShareableHandle, error) {
 // ExportRecord returns the 64-byte record that lets another process that imported
 // the pool import b. It exports the pool first if it has not been (the driver exports
 // pointers only of exported pools), exports b once and returns the same bytes from
-// then on. It fails with ErrNotShareable on a local pool and ErrFreed once b was freed.
+// then on. It fails with [ErrNotShareable] on a local pool and [ErrFreed] once b was freed.
 func (b *Buffer) ExportRecord() (cudart.PtrExportData, error) {
 	p := b.pool
 	if p == nil {

@@ -17,12 +17,12 @@ type Lease struct {
 	ending, ended bool
 }
 
-// Buffer is the leased buffer.
+// [Buffer] is the leased buffer.
 func (l *Lease) Buffer() *Buffer { return l.b }
 
-// Lease takes a lease on b, to be ended with the importer's completion. It fails with
-// ErrNotShareable on a local pool, and with ErrFreed once Free was called or the pool
-// closed (the error then wraps ErrClosed too). Take the lease before exporting the
+// [Lease] takes a lease on b, to be ended with the importer's completion. It fails with
+// [ErrNotShareable] on a local pool, and with [ErrFreed] once Free was called or the pool
+// closed (the error then wraps [ErrClosed] too). Take the lease before exporting the
 // buffer's record, so it cannot be freed while being shared.
 func (b *Buffer) Lease() (*Lease, error) {
 	p := b.pool
@@ -62,9 +62,9 @@ func (b *Buffer) Lease() (*Lease, error) {
 //
 // If this was the last lease of a buffer that Free was called on, End issues the
 // deferred free; if that fails, the lease has still ended, and the error wraps
-// ErrFreeFailed (the failure is also kept for Stats and Close).
+// [ErrFreeFailed] (the failure is also kept for [Stats] and Close).
 //
-// Ending a lease twice fails with ErrLeaseEnded. If waiting for releaseEvent fails, the
+// Ending a lease twice fails with [ErrLeaseEnded]. If waiting for releaseEvent fails, the
 // lease is still live and End may be called again. After Close began, End only ends
 // the lease: the buffer has been abandoned and will not be freed.
 func (l *Lease) End(releaseEvent cudart.Event) error {

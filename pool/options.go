@@ -13,11 +13,11 @@ type config struct {
 	cacheLimit       uint64
 }
 
-// Option configures New.
+// Option configures [New].
 type Option func(*config)
 
-// WithHandleType makes the pool shareable as ht: cudart.HandleTypePosixFD (the
-// default), cudart.HandleTypeFabric, or cudart.HandleTypeNone for a pool that only this
+// WithHandleType makes the pool shareable as ht: [cudart.HandleTypePosixFD] (the
+// default), [cudart.HandleTypeFabric], or [cudart.HandleTypeNone] for a pool that only this
 // process uses (which neither rounds allocations nor can be exported).
 func WithHandleType(ht cudart.HandleType) Option {
 	return func(c *config) { c.handleType = ht }
@@ -26,7 +26,7 @@ func WithHandleType(ht cudart.HandleType) Option {
 // WithMaxSize bounds the memory the pool's buffers may hold. An exportable pool rounds
 // it up to the allocation granularity. The pool keeps the bound itself, since the
 // driver's cap is looser than the maxSize it is given; an Alloc past it fails with
-// cudart.ErrOutOfMemory (or waits, with WaitForMemory). 0, the default, leaves the
+// [cudart.ErrOutOfMemory] (or waits, with [WaitForMemory]). 0, the default, leaves the
 // driver's bound: the device's memory.
 func WithMaxSize(bytes uint64) Option {
 	return func(c *config) { c.maxSize = bytes }
@@ -49,9 +49,9 @@ func WithReleaseThreshold(bytes uint64) Option {
 // MaxNameLen is the longest pool name, in bytes.
 const MaxNameLen = 128
 
-// WithName names the pool in errors, Stats and CloseReport, and so in what other
-// processes show of it (poolstat, metrics): New refuses, with ErrInvalidOption, a name
-// of more than MaxNameLen bytes, or one that is not UTF-8 or holds a character that
+// WithName names the pool in errors, [Stats] and [CloseReport], and so in what other
+// processes show of it (poolstat, metrics): [New] refuses, with [ErrInvalidOption], a name
+// of more than [MaxNameLen] bytes, or one that is not UTF-8 or holds a character that
 // does not show as itself (a control or bidirectional control character, a line or
 // paragraph separator).
 func WithName(name string) Option {
@@ -60,7 +60,7 @@ func WithName(name string) Option {
 
 // WaitForMemory makes Alloc on a full pool wait for a Free in this process and
 // try again, until it succeeds or its context ends, instead of failing at once. A
-// request that can never fit (larger than WithMaxSize or the device) still fails at
+// request that can never fit (larger than [WithMaxSize] or the device) still fails at
 // once.
 func WaitForMemory() Option {
 	return func(c *config) { c.waitForMemory = true }
@@ -69,8 +69,8 @@ func WaitForMemory() Option {
 // WithCache lets the pool keep up to bytes of freed buffers for reuse: a buffer freed
 // on a stream serves the next Alloc of a fitting size on that stream at once, without
 // calling the driver, and an exportable one keeps its export record. 0, the default,
-// returns every free to the driver. The cached memory stays reserved (Stats counts it
-// as CachedBytes, and against WithMaxSize); a full pool returns it to the driver before
+// returns every free to the driver. The cached memory stays reserved ([Stats] counts it
+// as CachedBytes, and against [WithMaxSize]); a full pool returns it to the driver before
 // failing, and so do Trim and Close.
 func WithCache(bytes uint64) Option {
 	return func(c *config) { c.cacheLimit = bytes }

@@ -2,9 +2,9 @@
 // program allocates from instead of calling cudaMalloc, with the bookkeeping that lets
 // other processes share their buffers safely.
 //
-// A Pool stands on a cudart.Runtime, so it runs on a GPU and on the cudarttest
+// A [Pool] stands on a [cudart.Runtime], so it runs on a GPU and on the cudarttest
 // software device alike. Alloc and Free are stream-ordered (cudaMallocFromPoolAsync,
-// cudaFreeAsync) and safe from many goroutines; Allocator is the interface that code
+// cudaFreeAsync) and safe from many goroutines; [Allocator] is the interface that code
 // accepts so that a program can switch between a local pool, an exportable pool and
 // the device's default pool without change.
 //
@@ -14,8 +14,8 @@
 // (2 MiB on the target GPUs), so each buffer starts and ends on a granule and owns its
 // pages: the driver packs smaller allocations below the granularity, and alignment only
 // holds when every allocation in the pool is a multiple of it. Alloc checks every
-// pointer and fails with ErrMisaligned if the driver ever breaks that. WithMaxSize is
-// rounded the same way. Stats report the rounding overhead. A local pool (handle type
+// pointer and fails with [ErrMisaligned] if the driver ever breaks that. [WithMaxSize] is
+// rounded the same way. [Stats] report the rounding overhead. A local pool (handle type
 // none) does not round.
 //
 // # The pool is the unit of trust
@@ -30,8 +30,8 @@
 //
 // A buffer that other processes imported must not go back to the pool before every
 // importer has freed its import and that free has completed. The sharing layer
-// (package producer) takes a Lease on a buffer (Buffer.Lease) before it shares it, and
-// ends the lease with the importer's release event (Lease.End). Free on a leased buffer only marks it
+// (package producer) takes a [Lease] on a buffer ([Buffer.Lease]) before it shares it, and
+// ends the lease with the importer's release event ([Lease.End]). Free on a leased buffer only marks it
 // (Shared reports it); the real cudaFreeAsync is issued when the last lease ends, on
 // the pool's release stream, which first waits for every completion and for the work
 // the freeing stream had queued before Free. A lease may leave that wait to the
@@ -55,9 +55,9 @@ import (
 )
 
 // Allocator is what code that needs device memory accepts: a *Pool of any kind,
-// including the device's default pool (FromDefault), or a wrapper or a test double
-// that hands out buffers made with NewBuffer. A wrapper that passes on a Pool's
-// buffers should know that Buffer.Free goes to the Pool, not to the wrapper.
+// including the device's default pool ([FromDefault]), or a wrapper or a test double
+// that hands out buffers made with [NewBuffer]. A wrapper that passes on a [Pool]'s
+// buffers should know that [Buffer.Free] goes to the Pool, not to the wrapper.
 type Allocator interface {
 	// Alloc returns a buffer of at least size bytes, ready for work queued on s
 	// after the call.
@@ -187,7 +187,7 @@ func newPool(rt cudart.Runtime, dev int, handle cudart.MemPool, name string) *Po
 // New creates a pool on device. By default it is shareable as a POSIX file
 // descriptor; see the options. Before creating anything it asks the device whether it
 // supports memory pools and the handle type, and refuses with an error wrapping
-// ErrUnsupportedHandleType (naming what the device supports) if not. On failure
+// [ErrUnsupportedHandleType] (naming what the device supports) if not. On failure
 // nothing is left behind.
 func New(rt cudart.Runtime, device int, opts ...Option) (*Pool, error) {
 	if rt == nil {
@@ -348,8 +348,8 @@ func (p *Pool) configure(cfg config, peers []int) error {
 	return nil
 }
 
-// FromDefault returns the device's default pool as a local Pool, so that code written
-// against Allocator can use it. The pool is not owned: Close releases the buffers and
+// FromDefault returns the device's default pool as a local [Pool], so that code written
+// against [Allocator] can use it. The pool is not owned: Close releases the buffers and
 // the bookkeeping but does not destroy the device's default pool. It cannot be shared
 // (CUDA's default pools are not exportable).
 func FromDefault(rt cudart.Runtime, device int) (*Pool, error) {
@@ -369,7 +369,7 @@ func FromDefault(rt cudart.Runtime, device int) (*Pool, error) {
 // Device is the ordinal of the pool's device.
 func (p *Pool) Device() int { return p.dev }
 
-// Name is the pool's name, from WithName or made up by New.
+// Name is the pool's name, from [WithName] or made up by [New].
 func (p *Pool) Name() string { return p.name }
 
 // HandleType is how the pool can be shared; HandleTypeNone for a local pool.

@@ -44,8 +44,8 @@ func (s *retainSet) holds() bool { return s != nil && len(s.list) > 0 }
 // caller then has the importer free its mapping and ends the retention with the
 // importer's completion. revoke must not block.
 //
-// It fails with ErrNotShareable on a local pool, ErrNotLeased without a live lease,
-// and ErrClosed after Close.
+// It fails with [ErrNotShareable] on a local pool, [ErrNotLeased] without a live lease,
+// and [ErrClosed] after Close.
 func (b *Buffer) Retain(revoke func()) (*Retention, error) {
 	p := b.pool
 	if p == nil {
@@ -79,9 +79,9 @@ func (b *Buffer) Retain(revoke func()) (*Retention, error) {
 // event on the pool's device whose last record covers that free, or 0 if it is known
 // to have completed; the release stream waits for it as it is now. If this was the
 // last retention of memory the pool is taking back, End frees it; a failure there is
-// reported as for Lease.End (ErrFreeFailed) and the retention has still ended.
+// reported as for [Lease.End] ([ErrFreeFailed]) and the retention has still ended.
 //
-// Ending a retention twice fails with ErrLeaseEnded. If waiting for releaseEvent fails,
+// Ending a retention twice fails with [ErrLeaseEnded]. If waiting for releaseEvent fails,
 // the retention lives on and End may be called again. After Close began, End only
 // ends the retention.
 func (r *Retention) End(releaseEvent cudart.Event) error {

@@ -66,8 +66,8 @@ var driverAttrs = []struct {
 	{cudart.PoolUsedMemHigh, func(s *Stats) *uint64 { return &s.UsedHigh }},
 }
 
-// Stats returns the pool's figures. The driver's are read after the pool's own, so
-// the two may differ by what happened in between. It fails with ErrClosed after
+// [Stats] returns the pool's figures. The driver's are read after the pool's own, so
+// the two may differ by what happened in between. It fails with [ErrClosed] after
 // Close, and if the driver cannot be asked (then the pool's own figures are still
 // returned).
 func (p *Pool) Stats() (Stats, error) {
@@ -97,7 +97,7 @@ func (p *Pool) Stats() (Stats, error) {
 }
 
 // ResetHighWatermarks resets the driver's reserved and used high marks, which then
-// climb again from the current figures. It fails with ErrClosed after Close.
+// climb again from the current figures. It fails with [ErrClosed] after Close.
 func (p *Pool) ResetHighWatermarks() error {
 	if !p.gate.enter() {
 		return p.closedError("reset high watermarks")

@@ -260,7 +260,7 @@ func testExporter(t *testing.T, dir string, opts ...producer.ListenOption) *prod
 	picked, err := choose.Runtime(choose.Software)
 	rt := picked.Runtime
 	require.NoError(t, err)
-	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), rt, append([]producer.ListenOption{producer.WithAnnounce(dir)}, opts...)...)
+	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), rt, append([]producer.ListenOption{producer.WithAnnounceDir(dir)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = ex.Close(context.Background()) }) // test cleanup
 	return ex

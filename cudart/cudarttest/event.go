@@ -1,8 +1,11 @@
 package cudarttest
 
 import (
+	"encoding/binary"
 	"fmt"
 	"slices"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
 )
@@ -536,4 +539,33 @@ func (d *Device) IpcOpenEventHandle(dev int, h cudart.IpcEventHandle) (cudart.Ev
 	e := cudart.Event(newHandle())
 	d.events[e] = ev
 	return e, nil
+}
+
+// StreamNotify queues on s a write of 1 to eventfd fd, run when s reaches it in the
+// Device's interleaving, after every earlier op of s, as the driver runs a host
+// function: across processes it is a real write to the eventfd. A write that fails
+// (fd closed meanwhile) is lost, as the real host function's is.
+func (d *Device) StreamNotify(dev int, s cudart.Stream, fd int) error {
+	const opName = "cudaLaunchHostFunc"
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.enter(opName, dev); err != nil {
+		return err
+	}
+	if fd < 0 {
+		return fail(opName, cudart.ErrInvalidValue)
+	}
+	st, err := d.stream(opName, dev, s)
+	if err != nil {
+		return err
+	}
+	return d.submit(opName, st, &task{run: func(*stream, uint64) error {
+		var one [8]byte
+		binary.NativeEndian.PutUint64(one[:], 1)
+		for {
+			if _, err := unix.Write(fd, one[:]); err != unix.EINTR {
+				return nil
+			}
+		}
+	}})
 }

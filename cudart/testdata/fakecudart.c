@@ -275,6 +275,16 @@ int cudaStreamWaitEvent(void *s, void *e, unsigned flags) {
 	return SUCCESS;
 }
 
+// The fake's work completes as it is queued: the host function runs before the call
+// returns, on the caller's thread, with the argument it was given.
+int cudaLaunchHostFunc(void *s, void (*fn)(void *), void *arg) {
+	ON_CURRENT();
+	if (!as_stream(s)) return INVALID_HANDLE;
+	if (!fn) return INVALID_VALUE;
+	fn(arg);
+	return SUCCESS;
+}
+
 #ifndef OMIT_cudaStreamGetDevice
 // cudaStreamGetDevice, unlike the other stream calls, may name a stream of any device.
 int cudaStreamGetDevice(void *s, int *device) {

@@ -14,7 +14,7 @@ import (
 // names too long to fit one frame together), and s waits once for each distinct
 // producer stream the buffers were published on. It returns the Mappings in the order
 // of names, all or none: on failure nothing is held, and the error names the first
-// name that failed. At most export.MaxBatch names.
+// name that failed. At most [export.MaxBatch] names.
 func (imp *Importer) OpenAll(ctx context.Context, names []string, s cudart.Stream) ([]*Mapping, error) {
 	switch {
 	case len(names) == 0:
@@ -102,12 +102,12 @@ func (imp *Importer) adoptAll(ctx context.Context, leases []wire.LeaseMsg, names
 	return out, nil
 }
 
-// ReleaseAll is Release of every Mapping at once: the release stream is ordered after
+// ReleaseAll is Release of every [Mapping] at once: the release stream is ordered after
 // s once, the imports that no Mapping holds any more are freed (or kept, where the
 // exporter retains them) and the release event recorded once, and the exporter is told
-// in one request. A Mapping listed twice is released twice. It fails with ErrReleased,
+// in one request. A Mapping listed twice is released twice. It fails with [ErrReleased],
 // releasing nothing, if one of them has no reference left; if the exporter refuses
-// some of the leases, the others are released all the same. At most export.MaxBatch Mappings.
+// some of the leases, the others are released all the same. At most [export.MaxBatch] Mappings.
 func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Stream) error {
 	switch {
 	case len(ms) == 0:

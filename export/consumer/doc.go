@@ -1,4 +1,4 @@
-// Package consumer owns the importing side of cudapool's sharing protocol: an Importer
+// Package consumer owns the importing side of cudapool's sharing protocol: an [Importer]
 // connects to an exporter (package producer), leases the buffers it publishes by name
 // and maps them into this process as Mappings on its device, with the producer's writes
 // ordered before the consumer's stream and the consumer's frees before the producer's.
@@ -16,15 +16,15 @@
 // Release frees the import on the Importer's release stream after the caller's stream
 // and tells the exporter. Opening a buffer the Importer already holds returns the same
 // *Mapping, counted once more (two imports of one record would alias, FACTS 4); ranges
-// of one buffer share one import of it. OpenAll and ReleaseAll carry up to export.MaxBatch
-// leases in one request and one answer. WithPushes accepts buffers the exporter pushes.
+// of one buffer share one import of it. OpenAll and ReleaseAll carry up to [export.MaxBatch]
+// leases in one request and one answer. [WithPushes] accepts buffers the exporter pushes.
 //
 // The Importer watches the exporter's process (a pidfd where it can, else the
 // connection). When it is gone, Done is closed, Err says why, and Opens fail with
-// export.ErrExporterGone. Mappings on the exporter's own GPU stay readable until released
+// [export.ErrExporterGone]. Mappings on the exporter's own GPU stay readable until released
 // (FACTS 7); on another GPU the next read would lose this process's CUDA context
-// (FACTS 14), so each such Mapping's Context ends with ErrMappingLost at once. Release
-// them: that is safe. WithLocalCopy copies the buffer at Open into this process's own
+// (FACTS 14), so each such [Mapping]'s Context ends with [ErrMappingLost] at once. Release
+// them: that is safe. [WithLocalCopy] copies the buffer at Open into this process's own
 // memory, through a stream of the exporter's device (FACTS 14), and releases the lease:
 // the copy outlives its producer on any GPU.
 //
@@ -33,14 +33,14 @@
 // Release mappings before the process exits or the Importer closes: Close frees what is
 // still mapped without ordering the frees after your streams.
 //
-// One process holds one Importer per exporter and runtime: a second Dial fails with
-// ErrDuplicateImporter, because two would import the same pointers. A stream given to
-// Open belongs to the Importer's device (ErrStreamDevice).
+// One process holds one Importer per exporter and runtime: a second [Dial] fails with
+// [ErrDuplicateImporter], because two would import the same pointers. A stream given to
+// Open belongs to the Importer's device ([ErrStreamDevice]).
 //
 // A consumer on another GPU than its producer's must never read a mapping from its own
-// device once the producer is gone, not even to copy it (cudart.ErrContextLost; restart
+// device once the producer is gone, not even to copy it ([cudart.ErrContextLost]; restart
 // the process). Stop at ErrMappingLost, or open with WithLocalCopy, whose allocator must
-// let the exporter's device write it (pool.WithPeerAccess).
+// let the exporter's device write it ([pool.WithPeerAccess]).
 //
 // The pool is the unit of trust: a Mapping exposes its whole pool to this process, not
 // only its range (FACTS 2). A pointer used after its Release reads whatever the producer

@@ -100,11 +100,11 @@ type importerKey struct {
 }
 
 // Dial connects to the exporter listening at path, for buffers to be used on device
-// of rt. It fails with export.ErrRefused (and the exporter's reason) if the exporter does not
-// admit this process, export.ErrVersionMismatch if it speaks another protocol version, and
-// export.ErrExporterGone if nothing listens at path. One process should hold one Importer per
-// exporter and runtime: a second fails with ErrDuplicateImporter. An exporter of this
-// very process on the same runtime is refused at once with ErrOwnExporter: its buffers
+// of rt. It fails with [export.ErrRefused] (and the exporter's reason) if the exporter does not
+// admit this process, [export.ErrVersionMismatch] if it speaks another protocol version, and
+// [export.ErrExporterGone] if nothing listens at path. One process should hold one [Importer] per
+// exporter and runtime: a second fails with [ErrDuplicateImporter]. An exporter of this
+// very process on the same runtime is refused at once with [ErrOwnExporter]: its buffers
 // are this process's already (use their pointers), and CUDA imports none of a
 // process's own pools or events. On failure nothing is left behind.
 func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts ...DialOption) (*Importer, error) {
@@ -123,7 +123,7 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 	return newImporter(ctx, nc, rt, device, o)
 }
 
-// DialConn is Dial over a connection the caller made, such as TCP to another node of
+// DialConn is [Dial] over a connection the caller made, such as TCP to another node of
 // the same NVLink domain. On anything but a Unix socket only FABRIC pools can be
 // opened, the exporter waits for the producer's writes before it answers, and Release
 // waits for the import's free before it tells the exporter: IPC events do not cross
@@ -346,14 +346,14 @@ func (imp *Importer) releaseUnused(l *wire.LeaseMsg) {
 
 // Open leases the buffer published under name and returns it mapped into this
 // process. Work queued on s after Open returns sees the producer's writes that came
-// before Publish; the host does not wait. Opening a buffer this Importer already holds
-// returns the same Mapping, counted once more; each Open needs its Release.
+// before Publish; the host does not wait. Opening a buffer this [Importer] already holds
+// returns the same [Mapping], counted once more; each Open needs its Release.
 //
-// s must belong to the Importer's device, else Open fails with ErrStreamDevice. It
-// fails with export.ErrUnknownName (whose message lists a few names that are published;
-// WaitForName waits for the name instead), export.ErrBufferGone (the producer freed it:
+// s must belong to the [Importer]'s device, else Open fails with [ErrStreamDevice]. It
+// fails with [export.ErrUnknownName] (whose message lists a few names that are published;
+// [WaitForName] waits for the name instead), [export.ErrBufferGone] (the producer freed it:
 // an export.ErrUnknownName too, which WaitForName does not wait out),
-// export.ErrHandleType, export.ErrExporterGone once the exporter left, export.ErrClosed after Close, or
+// [export.ErrHandleType], [export.ErrExporterGone] once the exporter left, [export.ErrClosed] after Close, or
 // ctx's error. On failure nothing is held.
 func (imp *Importer) Open(ctx context.Context, name string, s cudart.Stream, opts ...OpenOption) (*Mapping, error) {
 	if err := wire.CheckName(name); err != nil {
@@ -574,7 +574,7 @@ func (imp *Importer) ExporterPID() int { return imp.cl.ExporterPID }
 // connection, so that it is done with this process's release event before that is
 // destroyed. It then destroys the events, stream and imported pools it made. With the
 // exporter gone Close still completes, and returns nil. A second Close returns
-// export.ErrClosed.
+// [export.ErrClosed].
 func (imp *Importer) Close(ctx context.Context) error {
 	if !imp.cl.Close() {
 		return export.ErrClosed

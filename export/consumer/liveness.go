@@ -86,11 +86,11 @@ func (imp *Importer) loseMappings() {
 // Done is closed when the connection to the exporter has ended: the exporter's
 // process exited, crashed or closed the connection. Select on it to stop work that
 // needs the exporter; Err says why. Mappings on the exporter's GPU stay usable after
-// it (FACTS 7); those on another GPU end with their Context (ErrMappingLost).
+// it (FACTS 7); those on another GPU end with their Context ([ErrMappingLost]).
 func (imp *Importer) Done() <-chan struct{} { return imp.cl.Done }
 
 // Err is nil while the connection to the exporter carries requests, and afterwards
-// says why it ended; it wraps export.ErrExporterGone.
+// says why it ended; it wraps [export.ErrExporterGone].
 func (imp *Importer) Err() error {
 	select {
 	case <-imp.cl.Done:

@@ -13,7 +13,7 @@ import (
 )
 
 // Mapping is a published range of another process's buffer, imported into this one.
-// The same range opened again through the same Importer is the same Mapping, counted
+// The same range opened again through the same [Importer] is the same Mapping, counted
 // once more. Mappings of ranges of one buffer share one import of the whole buffer
 // (FACTS 4), which is freed when the last reference to any of them is released.
 type Mapping struct {
@@ -66,7 +66,7 @@ func (m *Mapping) Size() uint64 { return m.size }
 func (m *Mapping) Name() string { return m.name }
 
 // Meta is the metadata published with the range (producer.WithMeta), nil if none. It is the
-// Mapping's own: do not modify it.
+// [Mapping]'s own: do not modify it.
 func (m *Mapping) Meta() []byte { return m.meta }
 
 // awaitFrees makes sure every free issued so far has completed, so that a pointer
@@ -88,15 +88,15 @@ func (imp *Importer) awaitFrees(wait bool) error {
 	return nil
 }
 
-// Release gives back one reference. The last one frees the import on the Importer's
+// Release gives back one reference. The last one frees the import on the [Importer]'s
 // release stream once the work queued on s before the call has completed (unless a
-// Mapping of another range of the buffer still holds it), and tells the exporter,
+// [Mapping] of another range of the buffer still holds it), and tells the exporter,
 // whose own free of the buffer then waits for that free; the host does not wait for
 // the GPU. After Release the pointer must not be used by work queued
 // later. If the exporter is gone, the import is freed all the same and Release
 // returns nil: there is no one to tell. Releasing more often than opening fails with
-// ErrReleased, and a stream of another device than the Importer's with
-// ErrStreamDevice, as Open does; neither releases anything.
+// [ErrReleased], and a stream of another device than the Importer's with
+// [ErrStreamDevice], as Open does; neither releases anything.
 func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	imp := m.imp
 	if err := imp.checkStream(s); err != nil {
@@ -375,11 +375,11 @@ func (imp *Importer) releaseGrants(ctx context.Context, name string, grants map[
 	return errors.Join(errs...)
 }
 
-// Context is done once the Mapping must not be used any more: after its last Release
-// (the cause is ErrReleased) and, for a Mapping on another GPU than its exporter's,
-// the moment the exporter's process is gone (the cause is ErrMappingLost: reading the
+// Context is done once the [Mapping] must not be used any more: after its last Release
+// (the cause is [ErrReleased]) and, for a Mapping on another GPU than its exporter's,
+// the moment the exporter's process is gone (the cause is [ErrMappingLost]: reading the
 // memory then would lose this process's CUDA context). Derive the contexts of work
-// that reads the Mapping from it; context.Cause says which.
+// that reads the Mapping from it; [context.Cause] says which.
 func (m *Mapping) Context() context.Context {
 	l := &m.life
 	l.mu.Lock()
@@ -393,9 +393,9 @@ func (m *Mapping) Context() context.Context {
 	return l.ctx
 }
 
-// Err is nil while the Mapping may be used, and otherwise why not: ErrMappingLost
-// (wrapping export.ErrExporterGone) for a Mapping on another GPU whose exporter is gone,
-// ErrReleased once it was released. A lost Mapping must still be released, which
+// Err is nil while the [Mapping] may be used, and otherwise why not: [ErrMappingLost]
+// (wrapping [export.ErrExporterGone]) for a Mapping on another GPU whose exporter is gone,
+// [ErrReleased] once it was released. A lost Mapping must still be released, which
 // frees its import without touching the memory.
 func (m *Mapping) Err() error {
 	m.life.mu.Lock()

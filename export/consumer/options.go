@@ -9,7 +9,7 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// DialOption configures Dial and DialConn.
+// DialOption configures [Dial] and [DialConn].
 type DialOption func(*dialOptions)
 
 type dialOptions struct {
@@ -19,7 +19,7 @@ type dialOptions struct {
 	pushHandler     func(name string, m *Mapping)
 }
 
-// OpenOption configures Importer.Open.
+// OpenOption configures [Importer.Open].
 type OpenOption func(*openOptions)
 
 type openOptions struct {
@@ -42,7 +42,7 @@ func newOpenOptions(opts []OpenOption) openOptions {
 
 // WaitForName makes Open wait, until its ctx ends, for the name to be published: it
 // asks again, with backoff from 1 ms up to 100 ms, while the exporter answers
-// export.ErrUnknownName. Other errors end the wait at once. When ctx ends first, the error
+// [export.ErrUnknownName]. Other errors end the wait at once. When ctx ends first, the error
 // wraps ctx's error and export.ErrUnknownName.
 func WaitForName() OpenOption {
 	return func(o *openOptions) { o.waitForName = true }
@@ -58,17 +58,17 @@ func newDialOptions(opts []DialOption) dialOptions {
 	return o
 }
 
-// WaitForExporter makes Dial wait, until its ctx ends, for an exporter to listen at the
+// WaitForExporter makes [Dial] wait, until its ctx ends, for an exporter to listen at the
 // path: it dials again, with backoff from 5 ms up to 500 ms, while nothing listens
 // there (a missing socket, or one nobody accepts on). A refusal or a failed handshake
 // ends the wait at once. When ctx ends first, the error wraps ctx's error and
-// export.ErrExporterGone. DialConn, given a connection made already, has nothing to wait for.
+// [export.ErrExporterGone]. [DialConn], given a connection made already, has nothing to wait for.
 func WaitForExporter() DialOption {
 	return func(o *dialOptions) { o.waitForExporter = true }
 }
 
 // WithPushes accepts buffers the exporter pushes: each is imported, s is made to wait
-// for the producer's writes, and handler is called with the name and the Mapping,
+// for the producer's writes, and handler is called with the name and the [Mapping],
 // which it owns and must Release. Handlers run one at a time, in arrival order, on a
 // goroutine of their own, so they may call Open. Without WithPushes, pushed leases are
 // handed back at once.
@@ -76,12 +76,12 @@ func WithPushes(handler func(name string, m *Mapping), s cudart.Stream) DialOpti
 	return func(o *dialOptions) { o.pushStream, o.pushHandler = s, handler }
 }
 
-// WithLocalCopy makes Open copy the buffer into memory of the Importer's own device and
-// release the lease as soon as the copy is queued: the Mapping then holds no lease
+// WithLocalCopy makes Open copy the buffer into memory of the [Importer]'s own device and
+// release the lease as soon as the copy is queued: the [Mapping] then holds no lease
 // and its memory is this process's own, so it outlives its producer on any GPU. Use it
 // for consumers on another GPU than the producer's that read the buffer more than
 // once: a local read is faster than one over NVLink, and such a consumer's mapping
-// would otherwise be lost with its producer (ErrMappingLost, FACTS 14).
+// would otherwise be lost with its producer ([ErrMappingLost], FACTS 14).
 //
 // The copy runs on a stream of the exporter's device, never the consumer's (FACTS 14):
 // the Importer makes it at the first local copy (and with it this process's CUDA context
@@ -95,8 +95,8 @@ func WithPushes(handler func(name string, m *Mapping), s cudart.Stream) DialOpti
 // exporter's device, which keeps the memory of released local copies for the next ones and
 // is destroyed with the last local copy once the Importer is closed (pass an allocator to
 // bound that memory). The exporter's device writes the local copy, so a's pool must grant
-// it read-write access (pool.WithPeerAccess): a pool.Pool that does not is refused with
-// an error wrapping pool.ErrNoPeerAccess, before anything is allocated; an allocator
+// it read-write access ([pool.WithPeerAccess]): a [pool.Pool] that does not is refused with
+// an error wrapping [pool.ErrNoPeerAccess], before anything is allocated; an allocator
 // that does not say its pool (no Handle method) fails the copy instead. Each Open with
 // WithLocalCopy makes its own local copy, and its Release frees it after the work queued on
 // s.
@@ -107,12 +107,12 @@ func WithLocalCopy(a pool.Allocator) OpenOption {
 // WithLogger sets where events no call returns are logged: connections closed for
 // malformed input, cleanup that failed. The default discards them: the
 // library writes nothing to its process's stderr unless given a logger
-// (slog.Default() logs where the program's log package does).
+// ([slog.Default] logs where the program's log package does).
 func WithLogger(l *slog.Logger) DialOption {
 	return func(o *dialOptions) { o.SetLogger(l) }
 }
 
-// WithHandshakeTimeout bounds how long Dial and DialConn wait for the exporter's
+// WithHandshakeTimeout bounds how long [Dial] and [DialConn] wait for the exporter's
 // answer when ctx has no earlier deadline. It only guards against exporters that hang;
 // the default is 30 s.
 func WithHandshakeTimeout(d time.Duration) DialOption {

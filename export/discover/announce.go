@@ -17,7 +17,7 @@ import (
 	"github.com/cudapool/cudapool/internal/privdir"
 )
 
-// DirEnv names the environment variable that overrides DefaultDir.
+// DirEnv names the environment variable that overrides [DefaultDir].
 const DirEnv = "CUDAPOOL_DIR"
 
 // DefaultDir is where exporters announce themselves and cmd/poolstat looks for them:
@@ -63,7 +63,7 @@ type Announcement struct {
 //
 // dir must be private to this user, as Listen requires of the directory it announces
 // in: a directory that another user owns, that group or others can write, or that is a
-// symbolic link fails with ErrBadDir, and nothing in it is read. (Under the temp
+// symbolic link fails with [ErrBadDir], and nothing in it is read. (Under the temp
 // directory, another user can make the default directory first; what it holds is then
 // theirs to fill.)
 func Discover(dir string) ([]Announcement, error) {
@@ -134,7 +134,7 @@ func liveness(a Announcement) string {
 }
 
 // EnsureDir creates dir with mode 0700 if it is missing, and checks that it is
-// private to this user (privdir.Check). On failure the error wraps ErrBadDir, or says
+// private to this user (privdir.Check). On failure the error wraps [ErrBadDir], or says
 // why dir could not be created.
 func EnsureDir(dir string) error {
 	reason, err := privdir.Check(dir)
@@ -149,7 +149,7 @@ func EnsureDir(dir string) error {
 
 // Announce writes a's file, <dir>/<a.PID>.json, into dir atomically (a reader sees all
 // of it or none) and returns its path: what producer.Listen does while it listens.
-// Check dir with EnsureDir first. On failure no file is left behind.
+// Check dir with [EnsureDir] first. On failure no file is left behind.
 func Announce(dir string, a Announcement) (string, error) {
 	body, err := json.Marshal(a)
 	if err != nil {

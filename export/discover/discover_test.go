@@ -84,7 +84,7 @@ func TestListenRefusesAnAnnounceDirectoryOthersControl(t *testing.T) {
 	require.NoError(t, os.Chmod(open, 0o777))
 	sock := filepath.Join(dir, "x.sock")
 	rt := exporttest.NewSide(t, 0).Dev
-	_, err := producer.Listen(sock, rt, producer.WithAnnounce(open))
+	_, err := producer.Listen(sock, rt, producer.WithAnnounceDir(open))
 	require.ErrorIs(t, err, discover.ErrBadDir)
 	assert.NoFileExists(t, sock, "Listen left a socket behind")
 	entries, err := os.ReadDir(open)

@@ -7,7 +7,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/wire"
 )
 
-// QueryOption configures QueryState.
+// QueryOption configures [QueryState].
 type QueryOption func(*queryOptions)
 
 type queryOptions struct {
@@ -24,13 +24,13 @@ func newQueryOptions(opts []QueryOption) queryOptions {
 	return o
 }
 
-// WithLogger sets where QueryState logs what no call returns. The default discards
+// WithLogger sets where [QueryState] logs what no call returns. The default discards
 // it: the library writes nothing to its process's stderr unless given a logger.
 func WithLogger(l *slog.Logger) QueryOption {
 	return func(o *queryOptions) { o.SetLogger(l) }
 }
 
-// WithHandshakeTimeout bounds how long QueryState waits for the exporter's answer when
+// WithHandshakeTimeout bounds how long [QueryState] waits for the exporter's answer when
 // ctx has no earlier deadline. The default is 30 s.
 func WithHandshakeTimeout(d time.Duration) QueryOption {
 	return func(o *queryOptions) { o.SetHandshakeTimeout(d) }

@@ -12,7 +12,7 @@ import (
 
 // QueryState connects to the exporter at socketPath as an observer, a connection that
 // takes no leases, asks for its State and disconnects. The exporter's admission policy applies as to any peer: a
-// refusal wraps export.ErrRefused. It needs no CUDA runtime.
+// refusal wraps [export.ErrRefused]. It needs no CUDA runtime.
 func QueryState(ctx context.Context, socketPath string, opts ...QueryOption) (*export.State, error) {
 	o := newQueryOptions(opts)
 	nc, err := wire.DialSocket(ctx, socketPath)

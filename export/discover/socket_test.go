@@ -24,7 +24,7 @@ func TestAnnounceAndDiscover(t *testing.T) {
 	defer d.Close()
 	dir := filepath.Join(exporttest.ShortDir(t), "ann")
 	path := filepath.Join(exporttest.ShortDir(t), "x.sock")
-	ex, err := producer.Listen(path, d, producer.WithAnnounce(dir), producer.WithName("unit"), producer.WithLogger(exporttest.DiscardLogger))
+	ex, err := producer.Listen(path, d, producer.WithAnnounceDir(dir), producer.WithName("unit"), producer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)
 	info, err := os.Stat(dir)
 	require.NoError(t, err, "announce dir: %v %v, want mode 0700", info.Mode(), err)

@@ -22,7 +22,7 @@ func TestOptionsBelongToTheirSides(t *testing.T) {
 		listen, dial, query bool
 	}{
 		{"WithPolicy", producer.WithPolicy(export.Policy{}), true, false, false},
-		{"WithAnnounce", producer.WithAnnounce("/x"), true, false, false},
+		{"WithAnnounceDir", producer.WithAnnounceDir("/x"), true, false, false},
 		{"WithoutAnnounce", producer.WithoutAnnounce(), true, false, false},
 		{"WithName", producer.WithName("x"), true, false, false},
 		{"WithPushes", consumer.WithPushes(nil, 0), false, true, false},

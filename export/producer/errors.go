@@ -5,11 +5,11 @@ import (
 )
 
 // Errors of the producer side; those it shares with the consumer side are package
-// export's (export.ErrClosed, export.ErrUnknownName, ...). Every error this package returns about one of these
-// conditions wraps the sentinel, so callers match with errors.Is; the message around it
+// export's ([export.ErrClosed], [export.ErrUnknownName], ...). Every error this package returns about one of these
+// conditions wraps the sentinel, so callers match with [errors.Is]; the message around it
 // says which peer, name or lease.
 var (
-	// ErrAbandoned means Exporter.Close ended while consumers still mapped buffers: their
+	// ErrAbandoned means [Exporter.Close] ended while consumers still mapped buffers: their
 	// leases were kept, not ended, and each buffer is freed once its consumer releases
 	// it or exits.
 	ErrAbandoned = errors.New("producer: leases abandoned at close: each buffer is freed once its consumer releases it or exits")
@@ -23,6 +23,6 @@ var (
 	ErrNoPeer = errors.New("producer: no such peer")
 	// ErrAddressInUse means a live exporter already answers on the socket path.
 	ErrAddressInUse = errors.New("producer: socket path in use by a live exporter")
-	// ErrMetaTooLong means metadata to publish is longer than export.MaxMetaLen.
+	// ErrMetaTooLong means metadata to publish is longer than [export.MaxMetaLen].
 	ErrMetaTooLong = errors.New("producer: metadata too long")
 )

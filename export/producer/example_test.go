@@ -85,7 +85,7 @@ func ExampleQueryState() {
 	check(err)
 	buf, err := p.Alloc(ctx, 3<<20, 0)
 	check(err)
-	ex, err := producer.Listen(filepath.Join(dir, "kv.sock"), rt, producer.WithAnnounce(dir), producer.WithName("producer"))
+	ex, err := producer.Listen(filepath.Join(dir, "kv.sock"), rt, producer.WithAnnounceDir(dir), producer.WithName("producer"))
 	check(err)
 	check(ex.Publish(ctx, "cache", buf, 0))
 

@@ -88,12 +88,12 @@ type readyEvent struct {
 	handle cudart.IpcEventHandle
 }
 
-// Listen creates an Exporter on a new Unix socket at path (mode 0600, or as
-// SocketFollowsPolicy makes it) and starts accepting connections. A stale socket file
-// at path is replaced; a live exporter's gives ErrAddressInUse, a file that is not a
-// socket export.ErrNotSocket, and a path longer than a socket address holds ErrSocketPath. Unless
-// WithoutAnnounce is given, the exporter announces itself in DefaultDir() (or the
-// WithAnnounce directory, created private if missing). On failure nothing is left
+// Listen creates an [Exporter] on a new Unix socket at path (mode 0600, or as
+// [SocketFollowsPolicy] makes it) and starts accepting connections. A stale socket file
+// at path is replaced; a live exporter's gives [ErrAddressInUse], a file that is not a
+// socket [export.ErrNotSocket], and a path longer than a socket address holds [ErrSocketPath]. Unless
+// [WithoutAnnounce] is given, the exporter announces itself in DefaultDir() (or the
+// [WithAnnounceDir] directory, created private if missing). On failure nothing is left
 // behind: no socket, no announcement.
 func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, error) {
 	if rt == nil {
@@ -143,10 +143,10 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	return ex, nil
 }
 
-// Serve accepts connections on l too, until l fails or the Exporter closes (which
+// Serve accepts connections on l too, until l fails or the [Exporter] closes (which
 // closes l). It is for byte streams such as TCP between the nodes of one NVLink domain:
 // peers there have no credentials, so the Policy must set AllowRemote, and only FABRIC
-// pools can be shared with them. Serve returns at once; it fails with export.ErrClosed after
+// pools can be shared with them. Serve returns at once; it fails with [export.ErrClosed] after
 // Close.
 func (ex *Exporter) Serve(l net.Listener) error {
 	ex.mu.Lock()
@@ -213,13 +213,13 @@ func (ex *Exporter) greet(nc net.Conn) {
 // Publish makes b available under name, ready once the work queued on s before the
 // call (the producer's writes) has completed: consumers' streams wait for
 // that, the host does not. It exports b's pool and b now, so that Open is quick and a
-// failure shows here: a FABRIC pool on a host without IMEX fails with export.ErrIMEXRequired.
-// A name already in use fails with ErrNameInUse; Unpublish it first. A buffer may be
+// failure shows here: a FABRIC pool on a host without IMEX fails with [export.ErrIMEXRequired].
+// A name already in use fails with [ErrNameInUse]; Unpublish it first. A buffer may be
 // published under several names. To end every publication of a buffer, Free it: later Opens
-// fail with export.ErrBufferGone (an export.ErrUnknownName: the name is unpublished), its memory returns to the pool once the consumers that
-// hold it released it, and its names are free for Publish at once. Range publishes part of b, WithMeta sends metadata with it;
-// an empty range or one past b's end fails with export.ErrBadRange, metadata longer than
-// export.MaxMetaLen with ErrMetaTooLong.
+// fail with [export.ErrBufferGone] (an [export.ErrUnknownName]: the name is unpublished), its memory returns to the pool once the consumers that
+// hold it released it, and its names are free for Publish at once. [Range] publishes part of b, [WithMeta] sends metadata with it;
+// an empty range or one past b's end fails with [export.ErrBadRange], metadata longer than
+// [export.MaxMetaLen] with [ErrMetaTooLong].
 func (ex *Exporter) Publish(ctx context.Context, name string, b *pool.Buffer, s cudart.Stream, opts ...PublishOption) error {
 	return ex.PublishAll(ctx, []Entry{{Name: name, Buffer: b, Options: opts}}, s)
 }
@@ -325,7 +325,7 @@ func newPublication(e Entry) (*publication, error) {
 }
 
 // Unpublish removes name. Leases already given out are unaffected. An unknown name
-// fails with export.ErrUnknownName.
+// fails with [export.ErrUnknownName].
 func (ex *Exporter) Unpublish(name string) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
@@ -368,7 +368,7 @@ func (ex *Exporter) readyFor(dev int, s cudart.Stream) (*readyEvent, error) {
 // Push leases the buffer published under name to every connection of process pid,
 // without being asked; the importer there hands it to its consumer.WithPushes handler (or gives
 // it back at once if it has none). It returns once the lease is sent. No connected
-// process pid gives ErrNoPeer.
+// process pid gives [ErrNoPeer].
 func (ex *Exporter) Push(ctx context.Context, name string, pid int) error {
 	return ex.PushAll(ctx, name, pid)
 }
@@ -381,7 +381,7 @@ const maxPushSends = 64
 // for another process to take its push, so fanning a buffer out to n processes takes
 // about as long as pushing it to one. (A process that stopped reading holds its slot
 // until ctx ends.) It returns once every lease is sent or has failed. A pid without a
-// connection gives an error wrapping ErrNoPeer and the others are pushed all the same;
+// connection gives an error wrapping [ErrNoPeer] and the others are pushed all the same;
 // a pid listed twice is pushed to twice. Without pids it fails and pushes nothing.
 func (ex *Exporter) PushAll(ctx context.Context, name string, pids ...int) error {
 	if len(pids) == 0 {
@@ -524,12 +524,12 @@ func (ex *Exporter) Peers() []export.PeerState {
 // Bye to exit), closes every connection and destroys the events it made.
 //
 // Close never frees memory a living process maps. Leases still held when ctx ends are
-// abandoned, as pool.Close(Force) abandons buffers: the error wraps ErrAbandoned and
+// abandoned, as pool.Close(Force) abandons buffers: the error wraps [ErrAbandoned] and
 // ctx's error and names each peer and what it holds; those peers are served on in the
 // background (they can Release and say Bye, nothing else) and each buffer goes back to
 // its pool once its consumer released it or its process exited. Close leaves the
 // pools alone: they are the caller's (closing one with Force abandons what is still
-// leased). A second Close returns export.ErrClosed.
+// leased). A second Close returns [export.ErrClosed].
 func (ex *Exporter) Close(ctx context.Context) error {
 	ex.mu.Lock()
 	if ex.closed {

@@ -11,13 +11,13 @@ import (
 	"github.com/cudapool/cudapool/internal/printable"
 )
 
-// ListenOption configures Listen.
+// ListenOption configures [Listen].
 type ListenOption func(*listenOptions)
 
 type listenOptions struct {
 	wire.SharedOptions
 	policy      export.Policy
-	announceDir string // "" with announce false: none
+	announceDir string // "": discover.DefaultDir()
 	announce    bool
 	name        string
 	retain      bool
@@ -30,7 +30,7 @@ type listenOptions struct {
 	maxGrants int
 }
 
-// PublishOption configures Exporter.Publish.
+// PublishOption configures [Exporter.Publish].
 type PublishOption func(*publishOptions)
 
 type publishOptions struct {
@@ -47,7 +47,7 @@ func Range(offset, length uint64) PublishOption {
 	return func(o *publishOptions) { o.offset, o.length = offset, length }
 }
 
-// WithMeta sends meta (at most export.MaxMetaLen bytes, copied) to every consumer of the
+// WithMeta sends meta (at most [export.MaxMetaLen] bytes, copied) to every consumer of the
 // publication with its lease: consumer.Mapping.Meta. A dtype and shape, say.
 func WithMeta(meta []byte) PublishOption {
 	return func(o *publishOptions) { o.meta = append([]byte(nil), meta...) }
@@ -72,37 +72,39 @@ func WithPolicy(p export.Policy) ListenOption {
 // WithLogger sets where events no call returns are logged: connections refused or
 // closed for malformed input, cleanup that failed. The default discards them: the
 // library writes nothing to its process's stderr unless given a logger
-// (slog.Default() logs where the program's log package does).
+// ([slog.Default] logs where the program's log package does).
 func WithLogger(l *slog.Logger) ListenOption {
 	return func(o *listenOptions) { o.SetLogger(l) }
 }
 
-// WithAnnounce makes Listen announce the exporter in dir instead of DefaultDir().
-func WithAnnounce(dir string) ListenOption {
-	return func(o *listenOptions) { o.announce, o.announceDir = true, dir }
+// WithAnnounceDir sets where [Listen] announces the exporter; the default (and "") is
+// [discover.DefaultDir]. [WithoutAnnounce] wins over it, whatever their order, as in
+// kv/owner.
+func WithAnnounceDir(dir string) ListenOption {
+	return func(o *listenOptions) { o.announceDir = dir }
 }
 
 // WithRetainedImports lets local consumers keep a buffer's import mapped after they
 // release it, so that leasing the same memory again (a buffer recycled through its
-// pool's cache, pool.WithCache) costs a message and a stream wait: no import, no free.
+// pool's cache, [pool.WithCache]) costs a message and a stream wait: no import, no free.
 // The exporter revokes such imports (the consumer frees them) before their memory
 // goes back to the driver; see the package docs.
 func WithRetainedImports() ListenOption {
 	return func(o *listenOptions) { o.retain = true }
 }
 
-// WithoutAnnounce makes Listen write no announcement.
+// WithoutAnnounce makes [Listen] write no announcement.
 func WithoutAnnounce() ListenOption {
 	return func(o *listenOptions) { o.announce = false }
 }
 
-// MaxExporterNameLen is the longest exporter name (WithName), in bytes.
+// MaxExporterNameLen is the longest exporter name ([WithName]), in bytes.
 const MaxExporterNameLen = 128
 
 // WithName sets the process name the exporter gives in its announcement and State.
 // The default is the program's base name, with each character that does not show as
-// itself replaced by '?' and cut to MaxExporterNameLen bytes. Listen refuses, with
-// export.ErrBadName, a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
+// itself replaced by '?' and cut to [MaxExporterNameLen] bytes. [Listen] refuses, with
+// [export.ErrBadName], a name that is empty, longer than MaxExporterNameLen bytes, not UTF-8,
 // or holds a control or bidirectional control character or a line or paragraph
 // separator.
 func WithName(name string) ListenOption {
@@ -147,7 +149,7 @@ func WithHandshakeLimit(total, perUID int) ListenOption {
 const defaultMaxGrants = 1 << 16
 
 // WithMaxGrants caps the grants one connection may hold at once (each Open or Push of a
-// buffer is one, until released). An Open past it fails with export.ErrTooManyGrants and
+// buffer is one, until released). An Open past it fails with [export.ErrTooManyGrants] and
 // holds nothing more; a Push past it fails the same way. The default is 65536; a value
 // below 1 keeps it.
 func WithMaxGrants(n int) ListenOption {

@@ -43,7 +43,7 @@ func TestListenRefusesBadExporterNames(t *testing.T) {
 	t.Cleanup(func() { os.Args[0] = arg0 })
 	os.Args[0] = "/bin/\x1b[2Jprog\n"
 	dir := exporttest.ShortDir(t)
-	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), s.Dev, producer.WithAnnounce(dir))
+	ex, err := producer.Listen(filepath.Join(dir, "x.sock"), s.Dev, producer.WithAnnounceDir(dir))
 	require.NoError(t, err, "Listen with the default name of an odd program name")
 	defer ex.Close(exporttest.Ended())
 	anns, err := discover.Discover(dir)

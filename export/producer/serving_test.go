@@ -98,6 +98,18 @@ func TestLeaseIDsOfAReusedConnectionNumberNeverCollide(t *testing.T) {
 	}
 }
 
+// A peer that connects and says nothing is closed by the exporter once its handshake
+// timeout has passed, and its handshake slot comes back, so that silent connections
+// cannot hold a user's slots for ever. The raw peer's own read deadline
+// (exporttest.HangGuard) is far longer, and ClosedByExporter is false when that
+// deadline, not the exporter's close, ends the read.
+func TestSilentPeerIsClosedAtTheHandshakeTimeout(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithHandshakeTimeout(20 * time.Millisecond)})
+	r := exporttest.DialRaw(t, pr.Path)
+	require.True(t, r.ClosedByExporter(), "the exporter left a silent peer connected past its handshake timeout")
+	exporttest.WaitFor(t, "the silent peer's handshake slot to come back", func() bool { return pr.Ex.GreetingCount() == 0 })
+}
+
 // Connections that never finish their handshake are capped per uid (and in total):
 // past the cap a connection is closed at once, and the slots come back as those
 // connections go, so a user cannot hold the exporter's handshakes forever.

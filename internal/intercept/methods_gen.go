@@ -24,6 +24,7 @@ type Hooks struct {
 	StreamSynchronize                StreamSynchronizeHooks
 	StreamDevice                     StreamDeviceHooks
 	StreamWaitEvent                  StreamWaitEventHooks
+	StreamNotify                     StreamNotifyHooks
 	EventCreate                      EventCreateHooks
 	EventDestroy                     EventDestroyHooks
 	EventRecord                      EventRecordHooks
@@ -73,6 +74,7 @@ func (hs *Hooks) init(rt cudart.Runtime) {
 	hs.StreamSynchronize.init(rt)
 	hs.StreamDevice.init(rt)
 	hs.StreamWaitEvent.init(rt)
+	hs.StreamNotify.init(rt)
 	hs.EventCreate.init(rt)
 	hs.EventDestroy.init(rt)
 	hs.EventRecord.init(rt)
@@ -123,6 +125,7 @@ func (hs *Hooks) methods() []Method {
 		&hs.StreamSynchronize,
 		&hs.StreamDevice,
 		&hs.StreamWaitEvent,
+		&hs.StreamNotify,
 		&hs.EventCreate,
 		&hs.EventDestroy,
 		&hs.EventRecord,
@@ -810,6 +813,50 @@ func (hs *StreamWaitEventHooks) After(fn func(err error) error) {
 // StreamWaitEvent calls [cudart.Runtime.StreamWaitEvent] through r.On.StreamWaitEvent.
 func (r *Runtime) StreamWaitEvent(dev int, s cudart.Stream, e cudart.Event) error {
 	return r.On.StreamWaitEvent.chain()(dev, s, e)
+}
+
+// StreamNotifyFunc is the type of [cudart.Runtime.StreamNotify].
+type StreamNotifyFunc = func(dev int, s cudart.Stream, fd int) error
+
+// StreamNotifyHooks are the hooks of [cudart.Runtime.StreamNotify]: Around, Before and After
+// here, Name, Calls, Fail and Once as every [Method]'s.
+type StreamNotifyHooks struct{ hooks[StreamNotifyFunc] }
+
+func (hs *StreamNotifyHooks) init(rt cudart.Runtime) {
+	hs.hooks.init("StreamNotify", rt.StreamNotify, func(pre func() error) {
+		hs.Before(func(int, cudart.Stream, int) error { return pre() })
+	})
+}
+
+// Around runs fn in place of each call of StreamNotify, after the hooks added before it:
+// next is the rest of the chain (the hooks added after fn, then the wrapped runtime),
+// which fn may call with other arguments, or not at all.
+func (hs *StreamNotifyHooks) Around(fn func(next StreamNotifyFunc, dev int, s cudart.Stream, fd int) error) {
+	hs.add(func(next StreamNotifyFunc) StreamNotifyFunc {
+		return func(dev int, s cudart.Stream, fd int) error { return fn(next, dev, s, fd) }
+	})
+}
+
+// Before runs fn with the arguments of each call of StreamNotify that reaches it; an error
+// from fn fails the call with it, and the rest of the chain is not run.
+func (hs *StreamNotifyHooks) Before(fn func(dev int, s cudart.Stream, fd int) error) {
+	hs.Around(func(next StreamNotifyFunc, dev int, s cudart.Stream, fd int) error {
+		if err := fn(dev, s, fd); err != nil {
+			return err
+		}
+		return next(dev, s, fd)
+	})
+}
+
+// After runs fn with the results of the rest of the chain for each call of StreamNotify
+// that reaches it; the call returns what fn returns.
+func (hs *StreamNotifyHooks) After(fn func(err error) error) {
+	hs.Around(func(next StreamNotifyFunc, dev int, s cudart.Stream, fd int) error { return fn(next(dev, s, fd)) })
+}
+
+// StreamNotify calls [cudart.Runtime.StreamNotify] through r.On.StreamNotify.
+func (r *Runtime) StreamNotify(dev int, s cudart.Stream, fd int) error {
+	return r.On.StreamNotify.chain()(dev, s, fd)
 }
 
 // EventCreateFunc is the type of [cudart.Runtime.EventCreate].

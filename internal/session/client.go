@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"syscall"
 	"time"
 )
 
@@ -99,6 +100,17 @@ func NewWriter(nc net.Conn, timeout time.Duration) *Writer {
 // and so does every later Write: the caller closes the connection. An error from fill
 // is returned as it is, with nothing written.
 func (w *Writer) Write(ctx context.Context, fill func([]byte) ([]byte, error)) error {
+	return w.write(ctx, fill, nil)
+}
+
+// WriteFD is Write of a frame that carries descriptor fd with its first byte
+// (SCM_RIGHTS), on a Writer made on a *net.UnixConn; the caller keeps fd. It fails as
+// Write does, and with an error wrapping ErrBroken on another kind of connection.
+func (w *Writer) WriteFD(ctx context.Context, fd int, fill func([]byte) ([]byte, error)) error {
+	return w.write(ctx, fill, syscall.UnixRights(fd))
+}
+
+func (w *Writer) write(ctx context.Context, fill func([]byte) ([]byte, error), oob []byte) error {
 	select {
 	case w.turn <- struct{}{}:
 	default:
@@ -143,7 +155,7 @@ func (w *Writer) Write(ctx context.Context, fill func([]byte) ([]byte, error)) e
 			}
 		}()
 	}
-	n, err := w.nc.Write(b)
+	n, err := w.send(b, oob)
 	if err == nil {
 		return nil
 	}
@@ -158,4 +170,22 @@ func (w *Writer) Write(ctx context.Context, fill func([]byte) ([]byte, error)) e
 	}
 	w.broken = fmt.Errorf("%w (%d of %d bytes): %w", ErrBroken, n, len(b), err)
 	return w.broken
+}
+
+// send writes b, the descriptors of oob with its first byte where oob is not nil.
+func (w *Writer) send(b, oob []byte) (int, error) {
+	if oob == nil {
+		return w.nc.Write(b)
+	}
+	uc, ok := w.nc.(*net.UnixConn)
+	if !ok {
+		return 0, fmt.Errorf("descriptors cannot go over a %T", w.nc)
+	}
+	n, _, err := uc.WriteMsgUnix(b, oob, nil)
+	if err == nil && n < len(b) { // the rest, as Write would go on
+		var m int
+		m, err = w.nc.Write(b[n:])
+		n += m
+	}
+	return n, err
 }

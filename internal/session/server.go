@@ -203,9 +203,9 @@ func (c *Conn) Admit() error {
 	}
 	if ok, full := c.s.conns.Enter(uint32(c.Cred.PID)); !ok {
 		if full == "total" {
-			return fmt.Errorf("%w: %d connections, the most the server takes (Limits.Conns)", ErrLimit, c.s.lim.Conns)
+			return fmt.Errorf("%w: %d connections, the most the server takes (its connection limit)", ErrLimit, c.s.lim.Conns)
 		}
-		return fmt.Errorf("%w: pid %d has %d connections, the most one process may have (Limits.ConnsPerProcess)", ErrLimit, c.Cred.PID, c.s.lim.ConnsPerProcess)
+		return fmt.Errorf("%w: pid %d has %d connections, the most one process may have (its connection limit per process)", ErrLimit, c.Cred.PID, c.s.lim.ConnsPerProcess)
 	}
 	c.admitted = true
 	_ = c.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports

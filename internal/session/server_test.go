@@ -66,7 +66,7 @@ func TestServerCapsConnectionsPerProcess(t *testing.T) {
 	require.Equal(t, "y", say(t, a, 'a'))
 	require.Equal(t, "y", say(t, b, 'a'))
 	got := say(t, dialT(t, path), 'a')
-	assert.Contains(t, got, "ConnsPerProcess")
+	assert.Contains(t, got, "connection limit per process")
 	assert.Contains(t, got, ErrLimit.Error())
 	require.NoError(t, b.Close())
 	require.Eventually(t, func() bool { return say(t, dialT(t, path), 'a') == "y" }, testwait.Bound, 5*time.Millisecond, "b's slot to be free")

@@ -10,7 +10,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/cudapool/cudapool/cudart"
+	"golang.org/x/sys/unix"
+
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
@@ -20,8 +21,9 @@ import (
 )
 
 // writeTimeout bounds a write to a replica that does not read its answers: past it,
-// the connection is closed.
-const writeTimeout = 10 * time.Second
+// the connection is closed. A variable for tests alone (SetWriteTimeout), set while no
+// owner serves.
+var writeTimeout = 10 * time.Second
 
 // conn is one replica's connection.
 type conn struct {
@@ -41,7 +43,6 @@ type conn struct {
 	// Guarded by Owner.mu.
 	welcomed bool
 	ended    bool          // finish has begun ending its leases: no new lease is made
-	orphans  int           // its events left to their waiters by destroyEvents
 	lost     bool          // the connection ended without Bye; the process may live on
 	idle     chan struct{} // set while Bye waits for the releases to settle
 	stopWait func()        // ends a lost connection's wait for its process's exit
@@ -51,7 +52,8 @@ type conn struct {
 	heldPgs int               // the pages of held
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
-	events map[[kvwire.EventLen]byte]*event
+	notifiers map[uint32]*notifier
+	fds       *fdReader // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
 	locked  bool        // it holds Owner.mu (lock)
 	req     kvwire.Type // the request it serves
@@ -122,7 +124,7 @@ func (c *conn) sendError(id uint32, err error) error {
 // if it had hung up, and the server logs it.
 func (o *Owner) serveConn(sc *session.Conn) {
 	c := &conn{o: o, sc: sc, nc: sc.UnixConn, w: session.NewWriter(sc.UnixConn, writeTimeout), cred: sc.Cred,
-		events: map[[kvwire.EventLen]byte]*event{}, held: map[uint64]*lease{}}
+		notifiers: map[uint32]*notifier{}, held: map[uint64]*lease{}}
 	c.tip.last = pages.NoRef
 	c.lock()
 	if o.closed {
@@ -258,13 +260,18 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
 func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
+	c.fds = &fdReader{nc: c.nc}
 	for {
-		h, p, err := rd.Next(c.nc)
+		h, p, err := rd.Next(c.fds)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
 				return nil, nil
 			}
 			return nil, err
+		}
+		end := c.fds.off - int64(rd.Unread()) // where the frame ended in the stream
+		if h.Type != kvwire.TypeNotifier {
+			c.fds.drop(end)
 		}
 		c.req = h.Type
 		if frameHook != nil {
@@ -286,6 +293,8 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 			err = c.stats(h, p)
 		case kvwire.TypeReattach:
 			err = c.reattach(h, p)
+		case kvwire.TypeNotifier:
+			err = c.registerNotifier(p, end-int64(kvwire.HeaderLen+len(p)), end)
 		case kvwire.TypeBye:
 			m, err := kvwire.DecodeBye(p)
 			if err != nil {
@@ -409,7 +418,7 @@ func (o *Owner) endNowLocked(l *lease) {
 }
 
 // AllocWait bounds how long an Alloc waits for pages that settle (released pages whose
-// release events have not completed) before it answers kv.ErrNoSpace.
+// releases' points have not been reached) before it answers kv.ErrNoSpace.
 const AllocWait = 10 * time.Second
 
 // allocLater answers Alloc id of n pages once enough pages have settled, or with
@@ -562,37 +571,72 @@ func (o *Owner) adoptLocked(c *conn, l *lease) bool {
 	return true
 }
 
-// event returns c's event for handle h, opening it the first time.
-func (c *conn) event(h *[kvwire.EventLen]byte) (*event, error) {
-	if e, ok := c.events[*h]; ok {
-		return e, nil
+// notifier returns the notifier at names, nil for none (the work had completed).
+func (c *conn) notifier(at kvwire.Point) (*notifier, error) {
+	if at.Notifier == 0 {
+		return nil, nil
 	}
-	if max := c.o.opts.MaxEvents; len(c.events) >= max {
-		return nil, fmt.Errorf("%w: the connection has sent %d event handles, the most the owner opens for one (WithMaxEvents): record one event per stream", kv.ErrLimit, max)
+	if n, ok := c.notifiers[at.Notifier]; ok {
+		return n, nil
 	}
-	e := &event{c: c}
-	if *h != ([kvwire.EventLen]byte{}) {
-		ev, err := c.o.rt.IpcOpenEventHandle(c.s.dev, cudart.IpcEventHandle(*h))
-		if err != nil {
-			return nil, fmt.Errorf("opening the replica's event: %w", err)
+	if max := c.o.opts.MaxNotifiers; len(c.notifiers) >= max {
+		return nil, fmt.Errorf("%w: notifier %d is not registered: the connection has registered %d notifiers, the most the owner reads for one (WithMaxNotifiers): make one per stream", kv.ErrLimit, at.Notifier, max)
+	}
+	return nil, fmt.Errorf("%w: notifier %d was never registered on this connection", kv.ErrGeometry, at.Notifier)
+}
+
+// registerNotifier registers the notifier of a Notifier frame (payload p, bytes
+// [start, end) of the stream) with the eventfd that came with it, and starts its
+// watcher. A Notifier without an eventfd, of id 0 or of an id registered already ends
+// the connection (the error wraps kvwire.ErrMalformed); one past the connection's cap
+// is dropped, and the Seal or Release that names it refused.
+func (c *conn) registerNotifier(p []byte, start, end int64) error {
+	o := c.o
+	m, err := kvwire.DecodeNotifier(p)
+	fd, ok := c.fds.take(start, end)
+	switch {
+	case err != nil:
+	case !ok:
+		err = fmt.Errorf("%w: Notifier %d came without its eventfd", kvwire.ErrMalformed, m.ID)
+	case c.notifiers[m.ID] != nil:
+		err = fmt.Errorf("%w: notifier %d is registered already", kvwire.ErrMalformed, m.ID)
+	case len(c.notifiers) >= o.opts.MaxNotifiers:
+		_ = unix.Close(fd) // cleanup: a notifier past the cap is dropped, and its use refused
+		o.log.Debug("kv: a replica's notifier past the cap is dropped", "pid", c.cred.PID, "notifier", m.ID, "max", o.opts.MaxNotifiers)
+		return nil
+	}
+	if err != nil {
+		if ok {
+			_ = unix.Close(fd) // cleanup: the frame's error is the one returned
 		}
-		e.ev = ev
+		return err
 	}
-	c.lock() // destroyEvents reads c.events under it
-	c.events[*h] = e
+	n, err := newNotifier(c, m.ID, fd)
+	if err != nil {
+		return fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
+	}
+	c.lock()
+	if o.closed {
+		c.unlock()
+		_ = n.f.Close() // cleanup: the owner is closing
+		return kv.ErrClosed
+	}
+	c.notifiers[m.ID] = n
+	o.waiters.Add(1)
 	c.unlock()
-	return e, nil
+	go o.watch(n)
+	return nil
 }
 
 // seal answers Seal: the write lease ends; its first n pages are published under the
-// hashes once the writer's event has completed, the rest are freed then.
+// hashes once the writer's point is reached, the rest are freed then.
 func (c *conn) seal(h kvwire.Header, p []byte) error {
 	o := c.o
 	m, err := kvwire.DecodeSeal(h, p)
 	if err != nil {
 		return c.refuse(h.ID, err)
 	}
-	id, evh, hashes := m.Lease, m.Event, m.Hashes
+	id, hashes := m.Lease, m.Hashes
 	check := func() (*lease, error) {
 		l, err := o.findLocked(c, id)
 		if err == nil && !l.write {
@@ -603,15 +647,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 		}
 		return l, err
 	}
-	// The lease is checked before the event is opened, so that a refused seal opens
-	// nothing, and again after, the lock let go meanwhile.
-	c.lock()
-	_, err = check()
-	c.unlock()
-	if err != nil {
-		return c.sendError(h.ID, err)
-	}
-	e, err := c.event(&evh)
+	n, err := c.notifier(m.Point)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -619,16 +655,18 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	l, err := check()
 	if err == nil {
 		var fx pages.Effects
-		fx, err = l.s.tab.Seal(l.holder, pages.LeaseID(l.id), hashes, c.parentLocked(hashes))
+		if fx, err = l.s.tab.Seal(l.holder, pages.LeaseID(l.id), hashes, c.parentLocked(hashes)); err != nil {
+			err = fmt.Errorf("%w: %w", kv.ErrStaleLease, err)
+		}
 		o.effectsLocked(l.s, fx)
 	}
 	if err != nil {
 		c.unlock()
-		return c.sendError(h.ID, fmt.Errorf("%w: %w", kv.ErrStaleLease, err))
+		return c.sendError(h.ID, err)
 	}
 	o.dropLocked(l)
-	rec := &record{s: l.s, seal: pages.LeaseID(l.id)}
-	owed := c.submitLocked(e, rec)
+	rec := &record{s: l.s, target: m.Target, seal: pages.LeaseID(l.id)}
+	o.submitLocked(n, rec)
 	ans := kvwire.Sealed{Pending: uint32(len(hashes))}
 	if rec.done {
 		ans = kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}
@@ -637,11 +675,11 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 	if wait {
 		rec.waiting, rec.wait = true, h.ID
 	}
-	var seq uint64 // a seal waited for is in the index once answered (settleUpTo's too)
+	var seq uint64 // a seal waited for is in the index once answered (settleReachedLocked's too)
 	if rec.done && h.Flags&kvwire.FlagWait != 0 {
 		seq = o.ix.Queued()
 	}
-	c.unlockAfterSubmit(e, rec, owed)
+	c.unlock()
 	if wait {
 		return nil
 	}
@@ -650,7 +688,7 @@ func (c *conn) seal(h kvwire.Header, p []byte) error {
 }
 
 // release answers Release: every lease named ends (or, if one is not c's, none does),
-// its pages settling until the event has completed.
+// its pages settling until the point is reached.
 func (c *conn) release(h kvwire.Header, p []byte) error {
 	o := c.o
 	m, err := kvwire.DecodeRelease(p, c.leaseID[:0])
@@ -658,22 +696,13 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 	if err != nil {
 		return c.refuse(h.ID, err)
 	}
-	evh := m.Event
 	if len(c.leaseID) == 0 {
 		return c.sendError(h.ID, fmt.Errorf("%w: a release of no lease", kv.ErrGeometry))
 	}
 	if err := c.distinctIDs(c.leaseID); err != nil { // outside the lock: O(n), with a map
 		return c.sendError(h.ID, err)
 	}
-	// The leases are checked before the event is opened, so that a refused release
-	// opens nothing, and again after, the lock let go meanwhile.
-	c.lock()
-	err = o.ownsLocked(c, c.leaseID)
-	c.unlock()
-	if err != nil {
-		return c.sendError(h.ID, err)
-	}
-	e, err := c.event(&evh)
+	n, err := c.notifier(m.Point)
 	if err != nil {
 		return c.sendError(h.ID, err)
 	}
@@ -682,18 +711,18 @@ func (c *conn) release(h kvwire.Header, p []byte) error {
 		c.unlock()
 		return c.sendError(h.ID, err)
 	}
-	rec := &record{s: c.s}
+	rec := &record{s: c.s, target: m.Target}
 	for _, id := range c.leaseID {
 		o.endBehindLocked(rec, o.leases[id])
 	}
-	owed := c.submitLocked(e, rec)
-	c.unlockAfterSubmit(e, rec, owed)
-	n := uint32(len(c.leaseID))
-	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, n) })
+	o.submitLocked(n, rec)
+	c.unlock()
+	count := uint32(len(c.leaseID))
+	return c.write(func(b []byte) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeReleased, h.ID, count) })
 }
 
-// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's event
-// has completed (Table.Release; write-leased pages are then freed, read-leased ones
+// endBehindLocked ends lease l into rec, under o.mu: its pages settle once rec's point
+// is reached (Table.Release; write-leased pages are then freed, read-leased ones
 // evictable).
 func (o *Owner) endBehindLocked(rec *record, l *lease) {
 	o.dropLocked(l)
@@ -702,14 +731,14 @@ func (o *Owner) endBehindLocked(rec *record, l *lease) {
 	}
 }
 
-// releaseHeld ends c's leases after its final event ev (a Bye's), as a Release of all
-// of them would; if the event cannot be opened, they are left for finish to end at
+// releaseHeld ends c's leases after its final point at (a Bye's), as a Release of all
+// of them would; if at names no notifier of c's, they are left for finish to end at
 // once, logged.
-func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
+func (c *conn) releaseHeld(at kvwire.Point) {
 	o := c.o
-	e, err := c.event(ev)
+	n, err := c.notifier(at)
 	if err != nil {
-		o.log.Warn("kv: a replica's final event; its leases end at once", "pid", c.cred.PID, "err", err)
+		o.log.Warn("kv: a replica's final point; its leases end at once", "pid", c.cred.PID, "err", err)
 		return
 	}
 	c.lock()
@@ -717,42 +746,23 @@ func (c *conn) releaseHeld(ev *[kvwire.EventLen]byte) {
 		c.unlock()
 		return
 	}
-	rec := &record{s: c.s}
+	rec := &record{s: c.s, target: at.Target}
 	for _, l := range c.held {
 		o.endBehindLocked(rec, l)
 	}
-	owed := c.submitLocked(e, rec)
-	c.unlockAfterSubmit(e, rec, owed)
+	o.submitLocked(n, rec)
+	c.unlock()
 }
 
-// submitLocked queues rec behind e and asks e at once, with o.mu held on entry and
-// on return (not during the query): if e has completed, rec is settled when it
-// returns. It returns the answers owed to Seals that waited.
-func (c *conn) submitLocked(e *event, rec *record) []answer {
-	o := c.o
-	upTo := e.append(rec)
-	c.unlock()
-	done, dead := o.query(e)
-	c.lock()
-	switch {
-	case dead:
-		return o.exitedLocked(c, nil)
-	case done:
-		return o.settleUpTo(e, upTo, true, nil)
+// submitLocked settles rec at once, under o.mu, if its point is reached (n is nil: it
+// named none, or n's total has reached it), and else queues it behind n, whose
+// watcher settles it.
+func (o *Owner) submitLocked(n *notifier, rec *record) {
+	if n == nil || rec.target <= n.total {
+		o.settle(rec, true)
+		return
 	}
-	return nil
-}
-
-// unlockAfterSubmit leaves rec, submitted, to e's waiter if it has not settled,
-// releases o.mu and sends owed.
-func (c *conn) unlockAfterSubmit(e *event, rec *record, owed []answer) {
-	o := c.o
-	pending := !rec.done
-	if pending {
-		o.enqueue(e)
-	}
-	c.unlock()
-	o.send(owed)
+	n.pending = append(n.pending, rec)
 }
 
 // distinctIDs says which lease of ids is listed twice, if one is.
@@ -953,7 +963,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	case bye == nil && c.holdsNothing():
 	case bye != nil:
 		if bye.Final {
-			c.releaseHeld(&bye.Event)
+			c.releaseHeld(bye.Point)
 		}
 		c.lock()
 		o.endLeasesLocked(c)
@@ -991,14 +1001,20 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		o.detachedLocked(c)
 	}
 	delete(o.conns, c)
-	o.dead = append(o.dead, c)
-	dead := o.takeDeadLocked()
+	ns := c.notifiers
+	c.notifiers = map[uint32]*notifier{}
 	c.unlock()
 	o.send(owed)
-	o.destroyEvents(dead)
+	closeNotifiers(ns)
+	if c.fds != nil {
+		c.fds.drop(c.fds.off)
+	}
+	if c.proc != nil {
+		_ = c.proc.Close() // cleanup: nothing is left to do if closing fails
+	}
 }
 
-// holdsNothing says whether c holds no lease and no record waits for its events.
+// holdsNothing says whether c holds no lease and no record waits for its notifiers.
 func (c *conn) holdsNothing() bool {
 	c.lock()
 	defer c.unlock()
@@ -1034,10 +1050,10 @@ func (c *conn) awaitExit(ctx context.Context) {
 	}
 }
 
-// pendingLocked says whether records wait for any of c's events, under o.mu.
+// pendingLocked says whether records wait for any of c's notifiers, under o.mu.
 func (c *conn) pendingLocked() bool {
-	for _, e := range c.events {
-		if len(e.pending) > 0 {
+	for _, n := range c.notifiers {
+		if len(n.pending) > 0 {
 			return true
 		}
 	}
@@ -1066,8 +1082,8 @@ func (o *Owner) endLeasesLocked(c *conn) {
 // with the answers to Seals that waited, marked dead (nobody to send them to).
 func (o *Owner) exitedLocked(c *conn, owed []answer) []answer {
 	o.endLeasesLocked(c)
-	for _, e := range c.events {
-		owed = o.settleUpTo(e, e.appended, false, owed)
+	for _, n := range c.notifiers {
+		owed = o.settleReachedLocked(n, false, owed)
 	}
 	for i := range owed {
 		if owed[i].c == c {

@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"sync/atomic"
+	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/kv/internal/index"
@@ -16,6 +17,14 @@ import (
 func SetWrapListener(f func(net.Listener) net.Listener) (undo func()) {
 	wrapListener = f
 	return func() { wrapListener = nil }
+}
+
+// SetWriteTimeout bounds the owners' writes to a replica by d instead of 10 s, until
+// the returned func undoes it. Set it, and undo it, while no owner serves.
+func SetWriteTimeout(d time.Duration) (undo func()) {
+	old := writeTimeout
+	writeTimeout = d
+	return func() { writeTimeout = old }
 }
 
 // PanicOn makes every owner's handler panic on a request of type t, until the
@@ -58,8 +67,8 @@ func SlabStream(o *Owner, dev int) cudart.Stream { return o.byDev[dev].stream }
 // OnJournaledWait makes every owner call f as a reply begins to wait for its records
 // to be in the index, until the returned func undoes it.
 func OnJournaledWait(f func()) (undo func()) {
-	journaledHook = f
-	return func() { journaledHook = nil }
+	journaledHook.Store(&f)
+	return func() { journaledHook.Store(nil) }
 }
 
 // IndexNow is what o's index file holds once every record queued so far is written:

@@ -60,7 +60,7 @@ func (o *Owner) startTiers() error {
 		return err
 	}
 	// Served like the page socket: accept errors backed off, handshakes and connections
-	// capped by WithLimits, a panic contained to its connection.
+	// capped by the handshake and connection limits, a panic contained to its connection.
 	o.host.srv = session.Serve(ln, o.log, "kv/owner: host tier", o.opts.Limits, func(c *session.Conn) {
 		if err := o.handOutTier(c.UnixConn, c.Cred); err != nil && o.stopped.Err() == nil {
 			o.log.Warn("kv: handing out a host tier", "err", err)

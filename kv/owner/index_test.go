@@ -310,14 +310,18 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	g := small
 	g.Pages = 8
 	const hostPages = 16
+	const comings = 600 // replicas that come and go, below
 	dir := tempDir(t)
 	path := filepath.Join(dir, owner.IndexFile)
 	k, err := owner.Keep(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce())
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, k.Close(bound(t))) })
 	listen := func() *owner.Owner {
+		// The replicas that come and go below are one process's connections, closed
+		// one after another: the owner may not have seen the last ones end when the next
+		// dials, so the per-process cap is set above their count.
 		o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithKeeper(nil),
-			owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
+			owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)), owner.WithConnLimit(0, 2*comings))
 		require.NoError(t, err)
 		return o
 	}
@@ -335,7 +339,6 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 
 	// Replicas that come and go: 2 records each, past the 1,072 (twice the 24 pages,
 	// and 1,024) that compact the index, and nothing else changes.
-	const comings = 600
 	for range comings {
 		raw := dialRaw(t, dir)
 		raw.hello()

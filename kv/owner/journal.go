@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
@@ -93,8 +94,10 @@ func (o *Owner) openIndex(hdr index.Header) error {
 }
 
 // journaledHook, set by tests alone, is called as a reply begins to wait for the index
-// (journaled).
-var journaledHook func()
+// (journaled). It is atomic: a test sets it while connections run, and the frames
+// that follow reach the owner through recvmsg, which the race detector does not take
+// for the ordering it is.
+var journaledHook atomic.Pointer[func()]
 
 // journaled waits, outside o.mu, until every record up to seq is in the index, for a
 // reply or a copy whose truth depends on one (an evicted page's Free before the page
@@ -104,8 +107,8 @@ var journaledHook func()
 // behind (a restart could publish an evicted page under its old hash: no page is
 // handed out for writing then), and one wrapping kv.ErrClosed if ctx ends first.
 func (o *Owner) journaled(ctx context.Context, seq uint64) error {
-	if journaledHook != nil {
-		journaledHook()
+	if hook := journaledHook.Load(); hook != nil {
+		(*hook)()
 	}
 	err := o.ix.Wait(ctx, seq)
 	if err == nil {

@@ -1,6 +1,6 @@
 // Package owner owns the owner of a KV page pool: one slab per GPU, allocations
-// (segments, kv.Segments) of an IPC-capable pool each published whole through package
-// export, carved into pages of one kv.Geometry, and the page server on dir/kv.sock that
+// (segments, [kv.Segments]) of an IPC-capable pool each published whole through package
+// export, carved into pages of one [kv.Geometry], and the page server on dir/kv.sock that
 // leases those pages to replicas (package kv/replica) and keeps their states.
 //
 // # Pages
@@ -10,11 +10,11 @@
 // the owner drives under its lock: a request is one table operation, and what the
 // operation returns (records for the index, copies into and out of the host tier) is
 // done outside the lock (slab.go, hosttier.go). A page is free, writing (under a write
-// lease), sealing (sealed, its writer's event still pending), sealed (visible, read by
-// any number of read leases) or settling (to be freed once a release event has
-// completed). Alloc takes free pages first, then evicts the least recently used sealed
+// lease), sealing (sealed, its writer's point not yet reached), sealed (visible, read by
+// any number of read leases) or settling (to be freed once a release's point is
+// reached). Alloc takes free pages first, then evicts the least recently used sealed
 // pages that no reader holds and whose releases have settled; where that is not enough
-// and settling pages would make up the rest, it waits for them (up to AllocWait) off
+// and settling pages would make up the rest, it waits for them (up to [AllocWait]) off
 // the connection's goroutine, and answers NoSpace only when none is left to wait for.
 // A replica that must read what it sealed holds it by a match first. A seal that
 // continues the run of the connection's latest match (its first hash is the first one
@@ -23,36 +23,46 @@
 // its page (a duplicate). Every lease is journaled in the index before it is answered,
 // and its end once its pages settled.
 //
-// # Events
+// # Notifiers
 //
-// A replica records an IPC event of its stream's own at each seal and release and sends
-// its handle (created with cudart.EventBlockingSync); the owner opens each handle once
-// per connection and asks it with EventQuery, on the host: nothing the owner exposes or
-// reuses waits on a stream. A seal asks at once and answers visible if the writer's
-// work has completed; otherwise a goroutine of that event's waits in the driver
-// (EventSynchronize; it spins on driver 580, docs/FACTS.md 24) and makes the pages
-// visible as soon as the work has completed, and a Seal with the wait flag is answered then. An owner with nothing
-// pending makes no call at all (Owner.Pace counts them). A release's pages are neither
-// evicted nor reused until its event has completed. Before and after each query or
-// wait the owner asks whether the replica's process has exited (a pidfd), and uses an
-// answer only if the process was alive after it: a dead writer's pending seals publish
-// nothing and their pages go back to free, a dead reader's leases end.
+// A replica tells the owner that its stream's work has completed through an eventfd
+// per stream (a notifier), sent once per connection in a Notifier frame (SCM_RIGHTS):
+// at each seal and release it queues [cudart.Runtime.StreamNotify] on the stream (a host
+// function in C that adds 1 to the eventfd once the work queued before it has
+// completed) and names the notifier and the count its eventfd will then have reached
+// (the point). Host functions run in stream order, so the eventfd's running total is
+// the number of the stream's points that have completed. The owner reads each
+// eventfd on a goroutine of its own through Go's netpoller (watch): while a seal is
+// pending it sleeps, makes no driver call and spins nothing (the IPC event it waited
+// for before spun a CPU in cudaEventSynchronize, docs/FACTS.md 24), and it makes the
+// pages visible, and answers a Seal with the wait flag, as soon as the count arrives.
+// A seal or release whose stream had completed its work names no notifier and settles
+// at once. A release's pages are neither evicted nor reused until its point is reached.
+//
+// A replica's death cannot race this (it could race the event query that this
+// replaced, N8): the count only ever reports work that completed, written by the
+// replica's own stream, and no driver call of the owner's touches the dead process's
+// objects. When the process has exited (its pidfd, as the connection watches it), its
+// points will never be reached: its pending seals publish nothing and their pages go
+// back to free, and its pending releases settle, its work on the GPU having ended with
+// its context. A bogus notifier or a target never reached holds only the replica's own
+// pages, and only until its process exits.
 //
 // # Connections
 //
 // The kernel names the process at the other end of each connection (SO_PEERCRED), and
-// an export.Policy admits it (the zero Policy: this user's processes). A connection
+// an [export.Policy] admits it (the zero Policy: this user's processes). A connection
 // that ends without Bye keeps its leases until its process has exited (it may still
 // read or write the pages), or until a new connection of that process releases or
 // seals them (a replica the owner cut off, redialled); one that holds nothing ends at
 // once, and so does one whose process cannot be watched.
-// Bye ends the leases still held after the event it carries (a replica's Close
-// records one after its streams' work; at once if it carries none) and closes the
-// connection once the replica's releases have settled, so that the replica may then
-// destroy its events. Every malformed frame closes the connection it came on, and only
+// Bye ends the leases still held after the point it carries (a replica's Close
+// queues one after its streams' work; at once if it carries none) and closes the
+// connection once the replica's releases have settled. Every malformed frame closes the connection it came on, and only
 // that one; so does a panic while serving it. The connections are served by
-// internal/session, within WithLimits, and what one holds within WithMaxLeases,
-// WithMaxLeasedPages and WithMaxEvents.
+// internal/session, within [WithHandshakeTimeout], [WithHandshakeLimit] and
+// [WithConnLimit], and what one holds within [WithMaxLeases], [WithMaxLeasedPages] and
+// [WithMaxNotifiers].
 //
 // # Devices
 //
@@ -66,23 +76,23 @@
 //
 // # Restarts
 //
-// Keep makes a keeper: the slabs and their exporter alone, in a process of their own.
-// Listen given WithKeeper serves the pages of a keeper's slabs, journals the visible
-// pages in WithIndex's file, and, started again after its predecessor died, adopts the
+// [Keep] makes a keeper: the slabs and their exporter alone, in a process of their own.
+// [Listen] given [WithKeeper] serves the pages of a keeper's slabs, journals the visible
+// pages in [WithIndex]'s file, and, started again after its predecessor died, adopts the
 // live keeper's slabs, makes the journaled pages visible again and takes back the
 // leases that replicas re-declare (Reattach) before it answers any Alloc or Match
-// (WithReattachGrace). The index journals each lease's grant, to the process it was
+// ([WithReattachGrace]). The index journals each lease's grant, to the process it was
 // granted to, until it ends: a restarted owner hands no page of such a lease to
 // anyone else (a write lease's) nor evicts it (a read lease's) while that process
 // lives, the grace over or not, unless the process gives it back (re-declares and
 // releases it, ends its lists of leases without it, or exits). A lease is taken back
 // only by the process it was granted to, within its connection's caps, and ends with
-// that connection. Recovery says what it took back, and why not what it dropped. See
+// that connection. [Recovery] says what it took back, and why not what it dropped. See
 // restart.go, journal.go and docs/PROTOCOL.md.
 //
 // # Host tiers
 //
-// Given WithHostBytes, each device also has a host tier (hosttier.go): pinned host
+// Given [WithHostBytes], each device also has a host tier (hosttier.go): pinned host
 // memory, a memfd handed to every replica on dir/host.sock, that keeps the sealed pages
 // the slab evicts. A spiller copies the least recently used pages there ahead of their
 // eviction; a match that runs into the host tier gets its pages back into the slab in
@@ -131,7 +141,7 @@ func SlabName(dev, seg int) string { return kvwire.SegmentName(kvwire.SlabName(d
 // Stats is a snapshot of an owner.
 type Stats = kv.Stats
 
-// Option configures Listen and Keep. A nil Option is skipped.
+// Option configures [Listen] and [Keep]. A nil Option is skipped.
 type Option func(*options)
 
 // options are what the Option values set; the zero value is every default. The fields keep
@@ -149,23 +159,23 @@ type options struct {
 	Index          string
 	ReattachGrace  time.Duration
 	HostBytes      uint64
-	Limits         Limits
+	Limits         session.Limits // WithHandshakeTimeout, WithHandshakeLimit, WithConnLimit
 	MaxLeases      int
 	MaxLeasedPages int
-	MaxEvents      int
+	MaxNotifiers   int
 }
 
 // WithDevices sets the GPUs to serve, a slab on each; by default, and with none
 // listed, device 0. A device the runtime does not have, or one listed twice, makes
-// Listen fail with an error wrapping kv.ErrGeometry.
+// [Listen] fail with an error wrapping [kv.ErrGeometry].
 func WithDevices(devices ...int) Option {
 	devices = slices.Clone(devices) // the caller's slice may change after
 	return func(o *options) { o.Devices = devices }
 }
 
-// WithSegmentBytes bounds each of a slab's allocations (kv.Geometry.Segments); the
-// default (and 0) is kv.MaxSegmentBytes, the most a replica can import, and more is
-// refused (kv.ErrGeometry). Tests make it small, so that small geometries have
+// WithSegmentBytes bounds each of a slab's allocations ([kv.Geometry.Segments]); the
+// default (and 0) is [kv.MaxSegmentBytes], the most a replica can import, and more is
+// refused ([kv.ErrGeometry]). Tests make it small, so that small geometries have
 // several segments.
 func WithSegmentBytes(n uint64) Option { return func(o *options) { o.SegmentBytes = n } }
 
@@ -179,27 +189,27 @@ func WithPolicy(p export.Policy) Option { return func(o *options) { o.Policy = p
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.Logger = l } }
 
 // WithAnnounceDir sets where the slab exporter announces itself for cmd/poolstat; the
-// default (and "") is discover.DefaultDir().
+// default (and "") is [discover.DefaultDir]. [WithoutAnnounce] wins over it.
 func WithAnnounceDir(dir string) Option { return func(o *options) { o.AnnounceDir = dir } }
 
 // WithoutAnnounce leaves the slab exporter's announcement out; by default it is made.
 func WithoutAnnounce() Option { return func(o *options) { o.NoAnnounce = true } }
 
-// WithKeeper makes Listen serve the pages of the slabs a keeper (Keep) publishes on
+// WithKeeper makes [Listen] serve the pages of the slabs a keeper ([Keep]) publishes on
 // dir/slab.sock instead of making slabs of its own: they outlive this owner, and the
-// next one adopts them. Listen then holds dir/owner.lock (another owner on dir
+// next one adopts them. [Listen] then holds dir/owner.lock (another owner on dir
 // fails), and calls start where no keeper is alive, or where the live one keeps slabs
 // of another geometry or other devices (it is stopped first, SIGTERM); with a nil
-// start that fails instead. By default an owner makes its own slabs. Keep ignores it.
+// start that fails instead. By default an owner makes its own slabs. [Keep] ignores it.
 func WithKeeper(start func(ctx context.Context) error) Option {
 	return func(o *options) { o.Keeper, o.StartKeeper = true, start }
 }
 
 // WithIndex sets the file the visible pages are journaled in; by default (and with
-// "") no index is kept. A Listen finding one of the same slabs (their keeper,
+// "") no index is kept. A [Listen] finding one of the same slabs (their keeper,
 // geometry and devices) makes its pages visible again; any other, or a corrupt one,
-// is dropped, and Recovery says why. Something other than a regular file at path (a
-// named pipe, a device, a directory, a link) makes Listen fail, saying what is there.
+// is dropped, and [Recovery] says why. Something other than a regular file at path (a
+// named pipe, a device, a directory, a link) makes [Listen] fail, saying what is there.
 // The index is written off the owner's lock (journal.go): a Seal that waits for
 // visibility is answered once its pages are in the index (a restart after it finds
 // them), an Alloc once the pages it evicted are out of it, and WaitSpills returns
@@ -208,53 +218,64 @@ func WithIndex(path string) Option { return func(o *options) { o.Index = path } 
 
 // WithReattachGrace bounds how long allocations wait, after a restart, for the
 // replicas attached before to re-declare their leases; the default (and 0) is
-// DefaultReattachGrace.
+// [DefaultReattachGrace].
 func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.ReattachGrace = d } }
 
 // WithHostBytes gives each device a host tier of n bytes of pinned host memory
 // (hosttier.go), rounded down to whole pages; by default (and with 0) there is none.
-// A tier smaller than a page is refused with an error wrapping kv.ErrGeometry; tiers
+// A tier smaller than a page is refused with an error wrapping [kv.ErrGeometry]; tiers
 // larger, over every device, than the host's available memory, with one wrapping
-// kv.ErrHostMemory.
+// [kv.ErrHostMemory].
 func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
 
-// WithLimits bounds the page socket's connections: the handshake's timeout, the
-// connections in their handshake and the admitted connections, in all and per user or
-// process. A zero field takes its default (session's Default values: 10 s, 1024
-// handshakes and 128 per uid, 4096 connections and 64 per process), and so does every
-// field without this option. A connection past a connection cap is refused with an
-// error wrapping kv.ErrLimit that names the cap; one past a handshake cap is closed,
-// and logged.
-func WithLimits(l Limits) Option { return func(o *options) { o.Limits = l } }
+// WithHandshakeTimeout bounds how long a connection to the page socket (or the host
+// tier's) may take from its accept to its admission: past it, the owner closes it. The
+// default (and d <= 0) is 10 s.
+func WithHandshakeTimeout(d time.Duration) Option {
+	return func(o *options) { o.Limits.HandshakeTimeout = d }
+}
+
+// WithHandshakeLimit caps the connections still in their handshake (connected, not yet
+// admitted): total in all, perUID from any one user. One past a cap is closed at once,
+// without a word, and logged, so that no local user can hold all the handshakes. The
+// defaults are 1024 and 128; a value below 1 keeps the default.
+func WithHandshakeLimit(total, perUID int) Option {
+	return func(o *options) { o.Limits.Handshakes, o.Limits.HandshakesPerUID = total, perUID }
+}
+
+// WithConnLimit caps the admitted connections: total in all, perProcess from any one
+// process. A connection past a cap is refused with an error wrapping [kv.ErrLimit]
+// that names the cap. The defaults are 4096 and 64; a value below 1 keeps the default.
+func WithConnLimit(total, perProcess int) Option {
+	return func(o *options) { o.Limits.Conns, o.Limits.ConnsPerProcess = total, perProcess }
+}
 
 // WithMaxLeases caps the leases one connection holds; the default (and n <= 0) is
-// DefaultMaxLeases. A request past it is refused with an error wrapping kv.ErrLimit
+// [DefaultMaxLeases]. A request past it is refused with an error wrapping [kv.ErrLimit]
 // that names it, and changes nothing. With the connection caps it bounds a page's
-// reader count, which cannot wrap: Listen refuses a MaxLeases × Limits.Conns of 2^32
-// or more.
+// reader count, which cannot wrap: [Listen] refuses a MaxLeases × [WithConnLimit]'s
+// total of 2^32 or more.
 func WithMaxLeases(n int) Option { return func(o *options) { o.MaxLeases = n } }
 
 // WithMaxLeasedPages caps the pages of one connection's leases (a page counted once a
-// lease); the default (and n <= 0) is DefaultMaxLeasedPages. A request past it is
-// refused with an error wrapping kv.ErrLimit that names it, and changes nothing.
+// lease); the default (and n <= 0) is [DefaultMaxLeasedPages]. A request past it is
+// refused with an error wrapping [kv.ErrLimit] that names it, and changes nothing.
 func WithMaxLeasedPages(n int) Option { return func(o *options) { o.MaxLeasedPages = n } }
 
-// WithMaxEvents caps the distinct event handles one connection sends (each opened
-// once and kept until the connection ends); the default (and n <= 0) is
-// DefaultMaxEvents. A request past it is refused with an error wrapping kv.ErrLimit
-// that names it, and changes nothing.
-func WithMaxEvents(n int) Option { return func(o *options) { o.MaxEvents = n } }
+// WithMaxNotifiers caps the notifiers one connection registers (each an eventfd the
+// owner reads until the connection ends); the default (and n <= 0) is
+// [DefaultMaxNotifiers]. A notifier past it is dropped, and the Seal or Release that
+// names it refused with an error wrapping [kv.ErrLimit] that names the cap; nothing
+// changes.
+func WithMaxNotifiers(n int) Option { return func(o *options) { o.MaxNotifiers = n } }
 
-// Defaults of the per-connection caps (WithMaxLeases, WithMaxLeasedPages,
-// WithMaxEvents).
+// Defaults of the per-connection caps ([WithMaxLeases], [WithMaxLeasedPages],
+// [WithMaxNotifiers]).
 const (
 	DefaultMaxLeases      = 16384
 	DefaultMaxLeasedPages = 1 << 20
-	DefaultMaxEvents      = 256
+	DefaultMaxNotifiers   = 256
 )
-
-// Limits bound the page socket's connections (WithLimits).
-type Limits = session.Limits
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
 type Owner struct {
@@ -274,18 +295,16 @@ type Owner struct {
 	slabs []*slab
 	byDev map[int]*slab
 
-	mu      sync.Mutex
-	conns   map[*conn]struct{}
-	leases  map[uint64]*lease
-	issued  uint64       // the latest lease id granted (or epoch<<40): a later one was never issued
-	self    pages.Holder // this process, the holder of its own copies' leases
-	dead    []*conn      // ended connections, whose events destroyEvents destroys
-	closed  bool
-	waiting int // waiters in the driver's wait or about to be
+	mu     sync.Mutex
+	conns  map[*conn]struct{}
+	leases map[uint64]*lease
+	issued uint64       // the latest lease id granted (or epoch<<40): a later one was never issued
+	self   pages.Holder // this process, the holder of its own copies' leases
+	closed bool
 
-	queries, waits atomic.Uint64  // Pace's
-	allocWaits     atomic.Uint64  // Pace's
-	waiters        sync.WaitGroup // the events' waiters (waitFor) and the Allocs that wait (allocLater)
+	wakes      atomic.Uint64  // Pace's
+	allocWaits atomic.Uint64  // Pace's
+	waiters    sync.WaitGroup // the notifiers' watchers (watch) and the Allocs that wait (allocLater)
 
 	// A cache that survives its owner (restart.go).
 	ix       *index.Index          // nil: no index
@@ -314,14 +333,14 @@ type lease struct {
 }
 
 // Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
-// slab of geometry geo on each device (WithDevices; geo is required: it has no
-// default, and every replica of dir maps slabs of it), an producer.Exporter on dir/slab.sock publishing each segment
+// slab of geometry geo on each device ([WithDevices]; geo is required: it has no
+// default, and every replica of dir maps slabs of it), an [producer.Exporter] on dir/slab.sock publishing each segment
 // of each slab whole under SlabName(device, segment) with kvwire.SegmentMeta as
 // metadata (the geometry and the segment map), and the page server on dir/kv.sock.
-// A live owner on dir makes it fail with an error wrapping producer.ErrAddressInUse;
+// A live owner on dir makes it fail with an error wrapping [producer.ErrAddressInUse];
 // a geometry one of whose tensors is over the segment bound, with one wrapping
-// kv.ErrGeometry; a slab larger than a device's free memory (MemGetInfo), with one
-// wrapping cudart.ErrOutOfMemory that names both sizes. On failure nothing is left
+// [kv.ErrGeometry]; a slab larger than a device's free memory (MemGetInfo), with one
+// wrapping [cudart.ErrOutOfMemory] that names both sizes. On failure nothing is left
 // behind.
 func Listen(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Owner, error) {
 	o := optionsOf(geo, opts)
@@ -390,7 +409,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	for _, c := range []struct {
 		v   *int
 		def int
-	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxEvents, DefaultMaxEvents}} {
+	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxNotifiers, DefaultMaxNotifiers}} {
 		if *c.v <= 0 {
 			*c.v = c.def
 		}
@@ -400,7 +419,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		conns = session.DefaultConns
 	}
 	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
-		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × Limits.Conns (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × WithConnLimit's total (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {
@@ -479,7 +498,7 @@ func (o *Owner) makeSlabs() (err error) {
 	if o.opts.NoAnnounce {
 		lopts = append(lopts, producer.WithoutAnnounce())
 	} else if o.opts.AnnounceDir != "" {
-		lopts = append(lopts, producer.WithAnnounce(o.opts.AnnounceDir))
+		lopts = append(lopts, producer.WithAnnounceDir(o.opts.AnnounceDir))
 	}
 	// The exporter first: its socket tells a live owner from a dead one.
 	if o.ex, err = producer.Listen(filepath.Join(o.dir, SlabSocket), o.rt, lopts...); err != nil {
@@ -636,7 +655,7 @@ func (o *Owner) Geometry() kv.Geometry { return o.geo }
 // Segments is how every slab lies in its allocations.
 func (o *Owner) Segments() kv.Segments { return o.segs }
 
-// Stats is a snapshot of the owner's slabs and replicas.
+// [Stats] is a snapshot of the owner's slabs and replicas.
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -668,7 +687,7 @@ func (o *Owner) Stats() Stats {
 // Close stops serving: it closes every replica's connection (their Done closes, and
 // their leases end), then closes the exporter, which waits, until ctx ends, for the
 // replicas to unmap their slabs, and frees the slabs. A second Close returns
-// kv.ErrClosed.
+// [kv.ErrClosed].
 func (o *Owner) Close(ctx context.Context) error {
 	o.mu.Lock()
 	if o.closed {
@@ -694,8 +713,8 @@ func (o *Owner) teardown(ctx context.Context) error {
 	if o.ln != nil {
 		_ = os.Remove(filepath.Join(o.dir, PageSocket)) // best effort: the next Listen replaces a stale socket
 	}
-	// The waiters return once their waits do; one whose replica's stream never
-	// completes keeps its event, which the process's exit frees.
+	// The notifiers' watchers return once their connections' ends close them, and the
+	// Allocs that wait once their waits do.
 	waited := make(chan struct{})
 	go func() {
 		o.waiters.Wait()
@@ -705,10 +724,6 @@ func (o *Owner) teardown(ctx context.Context) error {
 	case <-waited:
 	case <-ctx.Done():
 	}
-	o.mu.Lock()
-	dead := o.takeDeadLocked()
-	o.mu.Unlock()
-	o.destroyEvents(dead)
 	errs := o.stopTiers()
 	if err := o.ix.Close(ctx); err != nil {
 		errs = append(errs, err)

@@ -42,16 +42,15 @@ func TestOwnerRefusesWhatTheReplicaNeverSends(t *testing.T) {
 	_, dir := listen(t, small)
 	r := dialRaw(t, dir)
 	r.hello()
-	var none [kvwire.EventLen]byte
 
 	l := r.alloc(2, 1)
-	r.send(kvwire.AppendSeal(nil, 3, false, l, &none, []kv.Hash{{1}, {2}}))
+	r.send(kvwire.AppendSeal(nil, 3, false, l, kvwire.Now, []kv.Hash{{1}, {2}}))
 	r.refused(3, kv.ErrGeometry, "a seal of 2 hashes for a lease of 1 page")
 
-	r.send(kvwire.AppendRelease(nil, 4, &none, []uint64{l, l}))
+	r.send(kvwire.AppendRelease(nil, 4, kvwire.Now, []uint64{l, l}))
 	err := r.refused(4, kv.ErrStaleLease, "a release naming one lease twice")
 	assert.ErrorContains(t, err, "twice")
-	r.send(kvwire.AppendRelease(nil, 5, &none, []uint64{l}))
+	r.send(kvwire.AppendRelease(nil, 5, kvwire.Now, []uint64{l}))
 	h, _, err := r.next()
 	require.NoError(t, err)
 	assert.Equal(t, kvwire.TypeReleased, h.Type, "the refused release ended nothing")
@@ -65,13 +64,12 @@ func TestOwnerRefusesWhatTheReplicaNeverSends(t *testing.T) {
 // the connection is closed.
 func TestUnknownFlagsAreRefused(t *testing.T) {
 	_, dir := listen(t, small)
-	var none [kvwire.EventLen]byte
 	for _, c := range []struct {
 		name  string
 		frame func(l uint64) ([]byte, error)
 	}{
 		{"Alloc", func(uint64) ([]byte, error) { return kvwire.AppendU32(nil, kvwire.TypeAlloc, 3, 1) }},
-		{"Seal", func(l uint64) ([]byte, error) { return kvwire.AppendSeal(nil, 3, true, l, &none, nil) }},
+		{"Seal", func(l uint64) ([]byte, error) { return kvwire.AppendSeal(nil, 3, true, l, kvwire.Now, nil) }},
 		{"Match", func(uint64) ([]byte, error) { return kvwire.AppendMatch(nil, 3, []kv.Hash{{1}}) }},
 	} {
 		t.Run(c.name, func(t *testing.T) {

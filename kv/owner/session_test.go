@@ -69,7 +69,7 @@ func TestAcceptOutlastsEMFILE(t *testing.T) {
 // at once, without a word, while those within it wait for their Hello; the handshake
 // timeout is the owner's to set.
 func TestHandshakesAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakesPerUID: 3, HandshakeTimeout: time.Hour}))
+	_, dir := listenWith(t, owner.WithHandshakeLimit(0, 3), owner.WithHandshakeTimeout(time.Hour))
 	var silent []*raw
 	for range 3 {
 		silent = append(silent, dialRaw(t, dir))
@@ -89,31 +89,58 @@ func TestHandshakesAreCapped(t *testing.T) {
 }
 
 // N3: the handshake timeout is configurable: a connection that says nothing is
-// closed once it has passed.
+// closed by the owner once it has passed. The test's own read deadline
+// (testwait.Bound) is far longer, and closed fails if that deadline, not the owner's
+// close, ends the read.
 func TestHandshakeTimeoutIsConfigurable(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{HandshakeTimeout: 20 * time.Millisecond}))
+	_, dir := listenWith(t, owner.WithHandshakeTimeout(20*time.Millisecond))
 	r := dialRaw(t, dir)
 	r.closed("a connection silent past the handshake timeout")
+}
+
+// A replica that stops reading its answers is dropped once a write to it has waited
+// the owner's bound, rather than holding the owner's write (and its connection's
+// goroutine) forever. The replica here sends Stats requests and reads nothing: once
+// both sockets' buffers are full, the owner's answer blocks, its bound (made short)
+// passes and it closes the connection, which this side's writes then see. Without
+// the bound, the owner would stop reading too, and this side's write would end at its
+// own deadline (testwait.Bound) instead: the test fails.
+func TestReplicaThatStopsReadingIsDropped(t *testing.T) {
+	t.Cleanup(owner.SetWriteTimeout(20 * time.Millisecond)) // after the owner's Close, registered below
+	_, dir := listenWith(t)
+	r := dialRaw(t, dir)
+	r.hello()
+	req, err := kvwire.AppendEmpty(nil, kvwire.TypeStats, 1)
+	require.NoError(t, err)
+	var werr error
+	for werr == nil { // the owner's close ends it; dialRaw's deadline bounds it
+		_, werr = r.nc.Write(req)
+	}
+	require.False(t, errors.Is(werr, os.ErrDeadlineExceeded), "the owner never dropped a replica that stopped reading: this side's write waited out its own deadline (%v)", werr)
+	require.True(t, errors.Is(werr, syscall.EPIPE) || errors.Is(werr, syscall.ECONNRESET), "the owner closed the connection: %v", werr)
+	for { // the answers the owner wrote before its bound passed, then the end
+		h, _, err := r.next()
+		if err != nil {
+			require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the connection was not closed: %v", err)
+			break
+		}
+		require.Equal(t, kvwire.TypeStatsReply, h.Type)
+	}
 }
 
 // N2: admitted connections are capped per process: one past the cap is refused
 // with kv.ErrLimit naming the cap, and the owner serves the others on.
 func TestConnectionsPerProcessAreCapped(t *testing.T) {
-	_, dir := listenWith(t, owner.WithLimits(owner.Limits{ConnsPerProcess: 2}))
+	_, dir := listenWith(t, owner.WithConnLimit(0, 2))
 	a, b := dialRaw(t, dir), dialRaw(t, dir)
 	a.hello()
 	b.hello()
 	c := dialRaw(t, dir)
-	c.send(kvwire.AppendHello(nil, 4, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid())}))
-	h, p, err := c.next()
-	require.NoError(t, err)
-	require.Equal(t, kvwire.TypeRefused, h.Type)
-	err = kvwire.ParseError(h.Type, p)
-	assert.ErrorIs(t, err, kv.ErrLimit)
-	assert.ErrorContains(t, err, "ConnsPerProcess")
+	err := c.helloRefused(kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid())}, kv.ErrLimit)
+	assert.ErrorContains(t, err, "connection limit per process")
 	c.closed("a connection past the cap")
 	a.send(kvwire.AppendU32(nil, kvwire.TypeAlloc, 2, 1))
-	h, _, err = a.next()
+	h, _, err := a.next()
 	require.NoError(t, err)
 	assert.Equal(t, kvwire.TypeLeased, h.Type, "the others are served on")
 	b.send(kvwire.AppendEmpty(nil, kvwire.TypeBye, 0))
@@ -232,8 +259,7 @@ func TestANewConnectionReleasesTheLostOnesLeases(t *testing.T) {
 
 	again := dialRaw(t, dir)
 	again.hello()
-	var none [kvwire.EventLen]byte
-	again.send(kvwire.AppendRelease(nil, 4, &none, []uint64{l}))
+	again.send(kvwire.AppendRelease(nil, 4, kvwire.Now, []uint64{l}))
 	h, p, err := again.next()
 	require.NoError(t, err)
 	require.Equal(t, kvwire.TypeReleased, h.Type, "the lost connection's lease, released on a new one: %v", kvwire.ParseError(h.Type, p))

@@ -1,18 +1,26 @@
 package owner
 
 import (
-	"sync/atomic"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"os"
 
-	"github.com/cudapool/cudapool/cudart"
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
-// record is work that waits for one record of a replica's event: a sealed write
+// record is work that waits for one point of a replica's notifier: a sealed write
 // lease to settle (its pages made visible, or, if the writer dies first, freed) and
 // leases released whose pages settle (Table.SealDone, Table.ReleaseDone).
 type record struct {
 	s        *slab
+	target   uint64          // the notifier's running total at which it settles
 	seal     pages.LeaseID   // the lease sealed, 0 if none
 	released []pages.LeaseID // the leases released
 	// wait is the request to answer once the seal is settled (a Seal with FlagWait).
@@ -23,18 +31,17 @@ type record struct {
 	visible, duplicate int
 }
 
-// event is a replica's IPC event as the owner opened it, with the records that wait for
-// it in the order they came. A later record of the event covers earlier ones: the
-// replica records it on one stream.
-type event struct {
-	c        *conn
-	ev       cudart.Event // 0 for the zero handle: nothing to wait for
-	pending  []*record    // guarded by Owner.mu
-	appended uint64       // records ever appended; guarded by Owner.mu
-	settled  uint64       // records ever settled; guarded by Owner.mu
-	watched  bool         // its waiter runs (Owner.waitFor); guarded by Owner.mu
-	orphan   bool         // its connection ended while its waiter ran; guarded by Owner.mu
-	failed   atomic.Bool  // a query failed, and that was logged
+// notifier is one of a replica's eventfds as its Notifier frame registered it: the
+// owner's copy of the descriptor, nonblocking, which its own goroutine (watch) reads
+// through Go's netpoller, and the records that wait for its points. The replica's
+// stream adds 1 to it at each point it reaches, in stream order (cudart.StreamNotify),
+// so its running total is the number of the stream's points that have completed.
+type notifier struct {
+	c       *conn
+	id      uint32
+	f       *os.File
+	total   uint64    // completions counted so far; guarded by Owner.mu
+	pending []*record // in the order they came, of any target; guarded by Owner.mu
 }
 
 // settle applies rec under o.mu: the sealed lease's pages become visible if publish
@@ -57,32 +64,27 @@ func (o *Owner) settle(rec *record, publish bool) {
 	s.spaceLocked()
 }
 
-// append queues rec behind e, under o.mu, and returns how many records e will have had
-// once it is there: a query of e that says complete settles that many.
-func (e *event) append(rec *record) uint64 {
-	e.pending = append(e.pending, rec)
-	e.appended++
-	return e.appended
-}
-
-// settleUpTo settles e's records up to the upTo'th ever appended, under o.mu, and
-// returns the answers owed to Seals that waited.
-func (o *Owner) settleUpTo(e *event, upTo uint64, publish bool, owed []answer) []answer {
+// settleReachedLocked settles n's records whose target n's total has reached, under
+// o.mu, or, with publish false (the replica's process has exited: its points will
+// never be reached, and its work on the GPU ended with it), every record of n,
+// publishing nothing. It returns owed with the answers owed to Seals that waited.
+func (o *Owner) settleReachedLocked(n *notifier, publish bool, owed []answer) []answer {
 	k := 0
-	for e.settled < upTo && k < len(e.pending) {
-		rec := e.pending[k]
+	for _, rec := range n.pending {
+		if publish && rec.target > n.total {
+			n.pending[k] = rec
+			k++
+			continue
+		}
 		o.settle(rec, publish)
 		if rec.waiting {
-			owed = append(owed, answer{c: e.c, id: rec.wait, sealed: kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}, dead: !publish, seq: o.ix.Queued()})
+			owed = append(owed, answer{c: n.c, id: rec.wait, sealed: kvwire.Sealed{Visible: uint32(rec.visible), Duplicates: uint32(rec.duplicate)}, dead: !publish, seq: o.ix.Queued()})
 		}
-		e.settled++
-		k++
 	}
-	n := copy(e.pending, e.pending[k:])
-	clear(e.pending[n:])
-	e.pending = e.pending[:n]
-	if n == 0 && e.c.idle != nil {
-		o.signalIdle(e.c)
+	clear(n.pending[k:])
+	n.pending = n.pending[:k]
+	if k == 0 && n.c.idle != nil {
+		o.signalIdle(n.c)
 	}
 	return owed
 }
@@ -109,89 +111,53 @@ func (o *Owner) send(owed []answer) {
 	}
 }
 
-// query says whether e's latest record has completed, or its replica's process has
-// exited (dead). It asks the process before and after the query: a query's answer
-// counts only if the process was alive after it, so that no answer about an event
-// whose process had died is used, and a process seen dead before is not queried at
-// all. (Between the two answers the process may die; the query is then of a dying
-// process's event, and its answer is dropped. What the driver does with such a query
-// is not measured, docs/FACTS.md 24.) A query that fails says neither; it is logged
-// once per event.
-func (o *Owner) query(e *event) (done, dead bool) {
-	if e.ev == 0 {
-		return true, false
+// errNotifier is why a Notifier frame closes its connection.
+var errNotifier = errors.New("kv/owner: a bad Notifier")
+
+// newNotifier checks that fd, received with Notifier id, is an eventfd and makes it
+// nonblocking, so that reading it parks a goroutine in Go's netpoller. On success n
+// owns fd; on failure fd is closed and the error wraps errNotifier.
+func newNotifier(c *conn, id uint32, fd int) (*notifier, error) {
+	link, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err == nil && link != "anon_inode:[eventfd]" {
+		err = fmt.Errorf("its descriptor is %q, not an eventfd", link)
 	}
-	if e.c.exited() {
-		return false, true
-	}
-	o.queries.Add(1)
-	ok, err := o.rt.EventQuery(e.c.s.dev, e.ev)
-	if e.c.exited() {
-		return false, true
+	if err == nil {
+		err = unix.SetNonblock(fd, true)
 	}
 	if err != nil {
-		if !e.failed.Swap(true) {
-			o.log.Warn("kv: querying a replica's event failed; its pages wait for the replica's exit", "pid", e.c.cred.PID, "err", err)
-		}
-		return false, false
+		_ = unix.Close(fd) // cleanup: the check's error is the one returned
+		return nil, fmt.Errorf("%w: notifier %d: %v", errNotifier, id, err)
 	}
-	return ok, false
+	return &notifier{c: c, id: id, f: os.NewFile(uintptr(fd), fmt.Sprintf("notifier %d of pid %d", id, c.cred.PID))}, nil
 }
 
-// sync waits, on the host, until e's latest record has completed, or reports that its
-// replica's process has exited (dead), with the same checks of the process as query.
-// On driver 580 the wait spins a CPU for as long as the replica's work runs, although
-// the replica creates its events with cudart.EventBlockingSync (docs/FACTS.md 24): an
-// owner spends a CPU per event with records pending, none when idle. A wait that fails
-// says neither; it is logged once per event.
-func (o *Owner) sync(e *event) (done, dead bool) {
-	if e.ev == 0 {
-		return true, false
-	}
-	if e.c.exited() {
-		return false, true
-	}
-	o.waits.Add(1)
-	err := o.rt.EventSynchronize(e.c.s.dev, e.ev)
-	if e.c.exited() {
-		return false, true
-	}
-	if err != nil {
-		if !e.failed.Swap(true) {
-			o.log.Warn("kv: waiting for a replica's event failed; its pages wait for the replica's exit", "pid", e.c.cred.PID, "err", err)
-		}
-		return false, false
-	}
-	return true, false
-}
-
-// waitFor settles e's records as e's records complete: one goroutine per event with
-// records pending, blocked in the driver's wait (sync) while the replica's work runs,
-// so that pages become visible as soon as the writer's work has completed and an owner
-// with nothing pending runs nothing. It returns once e has no records pending, its
-// connection was lost (its records then wait for the process's exit), a wait failed,
-// or the owner closes; the event is destroyed here if its connection ended meanwhile.
-func (o *Owner) waitFor(e *event) {
+// watch reads n's eventfd until it is closed (its connection ended: close), each read
+// adding what the replica's stream counted since the last to n's total and settling
+// the records that total has reached: a goroutine per notifier, parked in the
+// netpoller while nothing completes. It makes no driver call. A read that fails
+// otherwise is logged, and n's records then wait for the replica's exit.
+func (o *Owner) watch(n *notifier) {
 	defer o.waiters.Done()
+	var b [8]byte
 	var owed []answer
 	for {
-		o.mu.Lock()
-		if len(e.pending) == 0 || e.c.lost || o.closed || e.failed.Load() {
-			e.watched = false
-			o.destroyOrphanLocked(e)
-			o.mu.Unlock()
+		k, err := n.f.Read(b[:])
+		if err != nil || k != len(b) {
+			if !errors.Is(err, os.ErrClosed) {
+				o.log.Warn("kv: reading a replica's notifier failed; its pending seals and releases wait for the replica's exit", "pid", n.c.cred.PID, "notifier", n.id, "read", k, "err", err)
+			}
 			return
 		}
-		upTo := e.appended
-		o.mu.Unlock()
-		done, dead := o.sync(e)
+		o.wakes.Add(1)
+		v := binary.NativeEndian.Uint64(b[:])
 		o.mu.Lock()
-		switch {
-		case dead:
-			owed = o.exitedLocked(e.c, owed)
-		case done:
-			owed = o.settleUpTo(e, upTo, true, owed)
+		if n.total > math.MaxUint64-v { // a replica that writes its eventfd itself
+			n.total = math.MaxUint64
+		} else {
+			n.total += v
 		}
+		owed = o.settleReachedLocked(n, true, owed)
 		o.mu.Unlock()
 		o.send(owed)
 		clear(owed)
@@ -199,104 +165,89 @@ func (o *Owner) waitFor(e *event) {
 	}
 }
 
-// destroyOrphanLocked destroys e, under o.mu, if its connection has ended while e's
-// waiter was in the driver's wait (destroyEvents left it to the waiter), and closes the
-// handle on the connection's process after its last such event.
-func (o *Owner) destroyOrphanLocked(e *event) {
-	if e.orphan {
-		e.orphan = false
-		o.destroyEvent(e)
-		if e.c.orphans--; e.c.orphans == 0 && e.c.proc != nil {
-			_ = e.c.proc.Close() // cleanup: nothing is left to do if closing fails
-		}
-	}
-}
-
-// Pace counts the owner's calls about replicas' events since it started: Queries
-// (cudaEventQuery, one at each seal and release) and Waits (cudaEventSynchronize, one
-// per event for each run of records that was pending when the wait began), and how
-// many waits are in flight now (Waiting). An owner with nothing pending makes none.
+// Pace counts what the owner does about replicas' points since it started: Wakes
+// (reads of a replica's eventfd that returned a count) and how many notifiers have
+// records pending now (Waiting). It makes no driver call for them: a point pending
+// costs a goroutine parked in the netpoller, nothing more.
 type Pace struct {
-	Queries, Waits uint64
-	Waiting        int
+	Wakes   uint64
+	Waiting int
 	// AllocWaits counts the Allocs that waited for pages to settle.
 	AllocWaits uint64
 }
 
-// Pace is a snapshot of the owner's event calls.
+// Pace is a snapshot of the owner's pace.
 func (o *Owner) Pace() Pace {
 	o.mu.Lock()
-	n := o.waiting
-	o.mu.Unlock()
-	return Pace{Queries: o.queries.Load(), Waits: o.waits.Load(), Waiting: n, AllocWaits: o.allocWaits.Load()}
-}
-
-// enqueue starts e's waiter (waitFor) if it has none, under o.mu.
-func (o *Owner) enqueue(e *event) {
-	if !e.watched && !o.closed {
-		e.watched = true
-		o.waiting++
-		o.waiters.Add(1)
-		go func() {
-			o.waitFor(e)
-			o.mu.Lock()
-			o.waiting--
-			o.mu.Unlock()
-		}()
-	}
-}
-
-// takeDeadLocked takes the connections that ended off o.dead, under o.mu, with what
-// destroyEvents is to destroy of each: an event whose waiter is in the driver's wait is
-// left to the waiter, which destroys it when the wait returns (and the handle on the
-// process, which the waiter asks, after the last such event): no event or handle is
-// closed while a call uses it.
-func (o *Owner) takeDeadLocked() []doomed {
-	var ds []doomed
-	for _, c := range o.dead {
-		d := doomed{c: c}
-		for _, e := range c.events {
-			if e.watched {
-				e.orphan = true
-				c.orphans++
-				continue
+	n := 0
+	for c := range o.conns {
+		for _, nt := range c.notifiers {
+			if len(nt.pending) > 0 {
+				n++
 			}
-			d.events = append(d.events, e)
 		}
-		d.closeProc = c.proc != nil && c.orphans == 0
-		ds = append(ds, d)
 	}
-	clear(o.dead)
-	o.dead = o.dead[:0]
-	return ds
+	o.mu.Unlock()
+	return Pace{Wakes: o.wakes.Load(), Waiting: n, AllocWaits: o.allocWaits.Load()}
 }
 
-// doomed is what destroyEvents destroys of a connection that ended.
-type doomed struct {
-	c         *conn
-	events    []*event
-	closeProc bool
-}
-
-// destroyEvents destroys what takeDeadLocked took, without o.mu, so that thousands of
-// events stall nobody: nothing else uses those events or handles any more.
-func (o *Owner) destroyEvents(ds []doomed) {
-	for _, d := range ds {
-		for _, e := range d.events {
-			o.destroyEvent(e)
-		}
-		if d.closeProc {
-			_ = d.c.proc.Close() // cleanup: nothing is left to do if closing fails
-		}
+// closeNotifiers closes the eventfds of ns, without o.mu: their watchers return.
+func closeNotifiers(ns map[uint32]*notifier) {
+	for _, n := range ns {
+		_ = n.f.Close() // cleanup: closing is what ends its watcher
 	}
 }
 
-// destroyEvent destroys e's driver event, if it has one.
-func (o *Owner) destroyEvent(e *event) {
-	if e.ev != 0 {
-		if err := o.rt.EventDestroy(e.c.s.dev, e.ev); err != nil {
-			o.log.Debug("kv: destroying a replica's event", "pid", e.c.cred.PID, "err", err)
-		}
-		e.ev = 0
+// fdReader is the connection as a replica's Reader reads it once the replica is
+// admitted: each read takes the descriptors that came with its bytes, at most one a
+// message, noting where the read ended. The kernel delivers a message's descriptor
+// with the read that takes the message's last byte or an earlier one of it, and ends
+// that read inside the message, so the descriptor belongs to the frame holding the
+// read's last byte: a Notifier takes it (take) only if that byte is its own, and a
+// descriptor that came with any other frame is closed (drop).
+type fdReader struct {
+	nc   *net.UnixConn
+	recv unixfd.Receiver
+	off  int64 // bytes read so far
+	fds  []sentFD
+}
+
+// sentFD is a descriptor received and the stream offset of the last byte read with it.
+type sentFD struct {
+	fd   int
+	last int64
+}
+
+func (r *fdReader) Read(b []byte) (int, error) {
+	n, fds, err := r.recv.Recv(r.nc, b, 1)
+	r.off += int64(n)
+	for _, fd := range fds {
+		r.fds = append(r.fds, sentFD{fd: fd, last: r.off - 1})
 	}
+	if errors.Is(err, unixfd.ErrUnexpectedFDs) {
+		err = fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
+	}
+	return n, err
+}
+
+// take returns the descriptor that came with the frame of bytes [start, end) of the
+// stream, closing those that came before it; false if none did.
+func (r *fdReader) take(start, end int64) (int, bool) {
+	r.drop(start)
+	if len(r.fds) > 0 && r.fds[0].last < end {
+		fd := r.fds[0].fd
+		r.fds = r.fds[1:]
+		return fd, true
+	}
+	return -1, false
+}
+
+// drop closes the descriptors that came with bytes before offset end.
+func (r *fdReader) drop(end int64) {
+	k := 0
+	for k < len(r.fds) && r.fds[k].last < end {
+		_ = unix.Close(r.fds[k].fd) // cleanup: a descriptor nobody asked for
+		k++
+	}
+	r.fds = r.fds[k:]
 }

@@ -263,12 +263,11 @@ func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
 }
 
 // releaseAbandoned releases a lease whose caller gave up before its reply: nothing was
-// queued on its pages, so the release waits for no event.
+// queued on its pages, so the release waits for no point.
 func (r *Replica) releaseAbandoned(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), abandonTimeout)
 	defer cancel()
-	var none [kvwire.EventLen]byte
-	if err := r.releaseIDs(ctx, &none, []uint64{id}, nil); err != nil && r.gone() == nil {
+	if err := r.releaseIDs(ctx, kvwire.Now, []uint64{id}, nil); err != nil && r.gone() == nil {
 		r.log.Warn("kv: releasing a lease whose caller gave up", "lease", id, "err", err)
 	}
 }
@@ -281,8 +280,7 @@ func (r *Replica) giveBackBreach(ctx context.Context, l *Lease, err error) error
 	if l.id == 0 || !errors.Is(err, export.ErrProtocol) {
 		return err
 	}
-	var none [kvwire.EventLen]byte
-	return errors.Join(err, r.releaseIDs(ctx, &none, []uint64{l.id}, nil))
+	return errors.Join(err, r.releaseIDs(ctx, kvwire.Now, []uint64{l.id}, nil))
 }
 
 // replyErr is the error of a reply that is not of type want.
@@ -294,7 +292,7 @@ func replyErr(h kvwire.Header, p []byte, want kvwire.Type) error {
 }
 
 // Alloc leases n free pages for writing, evicting the least recently used sealed pages
-// nobody reads where it must. It leases all n or none (kv.ErrNoSpace). Where pages
+// nobody reads where it must. It leases all n or none ([kv.ErrNoSpace]). Where pages
 // still settle (released, their release events not yet complete) and would make up
 // the difference, the owner waits for them (up to owner.AllocWait), and so does
 // Alloc, until ctx ends.
@@ -353,8 +351,8 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 // Seal ends write lease l: its first len(hashes) pages become visible under hashes
 // once the work queued on s before the call (their writes) has completed, and the
 // rest are freed then. A hash visible already makes its page a duplicate, freed.
-// Without WaitVisible it returns at once, with the pages still pending counted; with
-// it, once they are visible. At most kv.MaxBatch hashes.
+// Without [WaitVisible] it returns at once, with the pages still pending counted; with
+// it, once they are visible. At most [kv.MaxBatch] hashes.
 func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart.Stream, opts ...SealOption) (SealResult, error) {
 	var so sealOptions
 	for _, o := range opts {
@@ -376,14 +374,14 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 	if err := r.gone(); err != nil {
 		return SealResult{}, err // no record while the owner is gone: a reconnection waits for the last one
 	}
-	ev, err := r.record(s)
+	at, err := r.point(ctx, s)
 	if err != nil {
 		return SealResult{}, err
 	}
 	var res SealResult
 	err = r.roundTrip(ctx,
 		func(b []byte, id uint32) ([]byte, error) {
-			return kvwire.AppendSeal(b, id, so.wait, l.id, &ev.h, hashes)
+			return kvwire.AppendSeal(b, id, so.wait, l.id, at, hashes)
 		},
 		func(h kvwire.Header, p []byte, claimed bool) error {
 			if h.Type != kvwire.TypeSealed {
@@ -409,7 +407,7 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 
 // Match leases for reading the longest run of hashes, from the first, that is visible
 // on the replica's device (copied there from another device's slab where only that
-// one has them). A Lease with no pages means none was visible; the owner holds nothing
+// one has them). A [Lease] with no pages means none was visible; the owner holds nothing
 // for it. Match takes no stream: it queues nothing, since the pages' writes have
 // completed before the owner made them visible; the stream the caller reads on is the
 // one it gives Release.
@@ -483,22 +481,22 @@ func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) 
 	if err := r.gone(); err != nil {
 		return err // no record while the owner is gone: a reconnection waits for the last one
 	}
-	ev, err := r.record(s)
+	at, err := r.point(ctx, s)
 	if err != nil {
 		return err
 	}
-	if err := r.releaseIDs(ctx, &ev.h, ids, ls); err != nil {
+	if err := r.releaseIDs(ctx, at, ids, ls); err != nil {
 		return err
 	}
 	r.replied()
 	return errors.Join(lost...)
 }
 
-// releaseIDs releases the leases ids after ev; once the owner has, the replica holds
+// releaseIDs releases the leases ids after at; once the owner has, the replica holds
 // ended no more.
-func (r *Replica) releaseIDs(ctx context.Context, ev *[kvwire.EventLen]byte, ids []uint64, ended []*Lease) error {
+func (r *Replica) releaseIDs(ctx context.Context, at kvwire.Point, ids []uint64, ended []*Lease) error {
 	return r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, ev, ids) },
+		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, at, ids) },
 		func(h kvwire.Header, p []byte, _ bool) error {
 			if h.Type != kvwire.TypeReleased {
 				return replyErr(h, p, kvwire.TypeReleased)
@@ -526,44 +524,4 @@ func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 			return json.Unmarshal(p, &st)
 		})
 	return st, err
-}
-
-// idle is the event of a stream whose work has all completed: the zero handle, which
-// the owner needs no wait for.
-var idle = &streamEvent{}
-
-// record records s's event on s, creating it the first time (so that Close's final
-// event covers s too); where the runtime says that s's work has all completed
-// (cudart.StreamQuerier), it records nothing and returns idle: an event record costs a
-// turn of the GPU for this process's context (docs/FACTS.md 23), and the owner's query
-// or wait of it more.
-func (r *Replica) record(s cudart.Stream) (*streamEvent, error) {
-	r.evMu.Lock()
-	defer r.evMu.Unlock()
-	if r.evClosed {
-		return nil, kv.ErrClosed
-	}
-	e, ok := r.events[s]
-	if !ok {
-		ev, err := r.rt.EventCreate(r.dev, cudart.EventIPC|cudart.EventBlockingSync) // for a driver that lets the owner's waits sleep (FACTS 24)
-		if err != nil {
-			return nil, err
-		}
-		h, err := r.rt.IpcGetEventHandle(r.dev, ev)
-		if err != nil {
-			_ = r.rt.EventDestroy(r.dev, ev) // cleanup: the handle's error is the one returned
-			return nil, err
-		}
-		e = &streamEvent{ev: ev, h: h}
-		r.events[s] = e
-	}
-	if q, ok := r.rt.(cudart.StreamQuerier); ok {
-		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
-			return idle, nil
-		}
-	}
-	if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
-		return nil, err
-	}
-	return e, nil
 }

@@ -13,12 +13,8 @@ func HangUp(r *Replica) {
 	r.nc.Close()
 }
 
-// OpenEvents counts the events r created and has not destroyed.
-func OpenEvents(r *Replica) int {
-	r.evMu.Lock()
-	defer r.evMu.Unlock()
-	return len(r.events) + len(r.retired) + len(r.leftEvents)
-}
+// OpenEventfds counts the eventfds r made and has not closed.
+func OpenEventfds(r *Replica) int { return int(r.openFDs.Load()) }
 
 // TornDown is closed once r's Close has completed its teardown, in the background
 // where Close gave up waiting.

@@ -17,7 +17,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 )
 
-// HostTier is the host tier of the replica's device, as Dial mapped it: the owner's
+// HostTier is the host tier of the replica's device, as [Dial] mapped it: the owner's
 // memfd of pinned host memory, read-only here. Holding it keeps the tier's memory
 // alive as long as the replica lives (the memfd is freed when the last process that
 // maps it lets go), and lets the replica read host pages by itself: host page p is
@@ -30,7 +30,7 @@ type HostTier struct {
 	PageBytes uint64
 }
 
-// HostTier is the device's host tier, mapped at Dial until Close; ok is false where
+// [HostTier] is the device's host tier, mapped at [Dial] until Close; ok is false where
 // the owner has none.
 func (r *Replica) HostTier() (t HostTier, ok bool) {
 	if r.host == nil {

@@ -20,13 +20,13 @@ import (
 // same directory (cmd/kvpoold over a keeper, owner.WithKeeper), keeping its
 // process, its CUDA context and its mapping of the slab, which the keeper holds.
 //
-// When the owner is lost, Done closes and calls fail with kv.ErrOwnerGone, as without
+// When the owner is lost, Done closes and calls fail with [kv.ErrOwnerGone], as without
 // it. The replica then waits for the work its streams queued before its last Seal
 // and Release (so that no page it gave back is still read or written), redials the
 // page socket with backoff (5 ms up to 100 ms), says Hello, and re-declares every
 // lease it holds. The new owner keeps each lease whose pages are as they were (a
 // write lease's still free, a read lease's still visible under the hashes matched)
-// under the same id, and reports the others lost: their Lost() wraps kv.ErrLeaseLost,
+// under the same id, and reports the others lost: their Lost() wraps [kv.ErrLeaseLost],
 // and Seal or Release of them fails with it. Then the replica is attached again:
 // Err is nil, Done is a new channel, Reattaches counts one more and WaitAttached
 // returns. A lost lease's pages may be another replica's already: do not read or
@@ -54,8 +54,8 @@ func (r *Replica) Reattaches() uint64 {
 }
 
 // WaitAttached waits until the replica is attached to a live owner: at once while it
-// is, after a reconnection (WithReconnect) otherwise. It fails with ctx's error, with
-// kv.ErrClosed after Close, and with kv.ErrOwnerGone where no reconnection can come
+// is, after a reconnection ([WithReconnect]) otherwise. It fails with ctx's error, with
+// [kv.ErrClosed] after Close, and with [kv.ErrOwnerGone] where no reconnection can come
 // (without WithReconnect, or once the slab's keeper is gone).
 func (r *Replica) WaitAttached(ctx context.Context) error {
 	for {
@@ -176,11 +176,11 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 	}
 }
 
-// drainEvents waits until the last record of every stream event of the replica has
-// completed: then no Seal's writes and no Release's reads are still running.
+// drainEvents waits until the last record of every stream's event (after its latest
+// point) has completed: then no Seal's writes and no Release's reads are still running.
 func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
-	evs := r.allEvents()
+	evs := r.allNotifiers()
 	r.evMu.Unlock()
 	for _, e := range evs {
 		wait := 50 * time.Microsecond

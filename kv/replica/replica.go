@@ -12,12 +12,14 @@
 //	res, err := r.Seal(ctx, w, hashes[len(l.Pages()):], s)
 //	err = r.Release(ctx, l, s)           // pages are reused only after s's work so far
 //
-// Seal and Release record an IPC event of the stream's own (one per stream, reused)
-// on the stream they are given, and the owner waits for it on the host: the host of
-// the replica never waits for the GPU, and a Match needs no stream wait, as the owner
-// exposes only pages whose writes it has seen complete. Layer l's K tensor starts at
-// the first address Layer(l) returns, and page p of it Geometry().PageBytes() * p
-// further on (Addr(l, kv.K, p)); each tensor lies whole in one segment (see package kv).
+// Seal and Release queue a point on the stream they are given (cudart.StreamNotify: a
+// write to an eventfd of the stream's own, passed to the owner once per connection,
+// once the work queued before it has completed), and the owner reads the eventfd on
+// the host: the host of the replica never waits for the GPU, and a Match needs no
+// stream wait, as the owner exposes only pages whose writes it has seen complete.
+// Layer l's K tensor starts at the first address Layer(l) returns, and page p of it
+// Geometry().PageBytes() * p further on (Addr(l, kv.K, p)); each tensor lies whole in
+// one segment (see package kv).
 package replica
 
 import (
@@ -41,7 +43,7 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
-// Option configures Dial.
+// Option configures [Dial].
 type Option func(*options)
 
 type options struct {
@@ -55,10 +57,10 @@ type options struct {
 // boundary: every replica maps the whole slab read-write, whatever its namespace; one
 // owner directory per trust domain is (package kv, Trust). A namespace other than ""
 // is printable (no control or bidirectional character) and at most 256 bytes; the
-// owner refuses another with kv.ErrRefused.
+// owner refuses another with [kv.ErrRefused].
 func WithNamespace(ns string) Option { return func(o *options) { o.ns = ns } }
 
-// WaitForOwner makes Dial wait, until its ctx ends, for an owner to serve the
+// WaitForOwner makes [Dial] wait, until its ctx ends, for an owner to serve the
 // directory, dialing again with backoff from 5 ms up to 500 ms.
 func WaitForOwner() Option { return func(o *options) { o.wait = true } }
 
@@ -92,14 +94,14 @@ type Lease struct {
 }
 
 // Pages are the leased pages' indices, in the order of the hashes (for a read lease).
-// They are the Lease's own: do not modify them.
+// They are the [Lease]'s own: do not modify them.
 func (l *Lease) Pages() []uint32 { return l.pages }
 
 // ID is the owner's id of the lease; 0 for a lease with no pages.
 func (l *Lease) ID() uint64 { return l.id }
 
 // Lost is nil while the lease is held (or was ended by Seal or Release), and an error
-// wrapping kv.ErrLeaseLost once an owner's restart lost it (WithReconnect): its pages
+// wrapping [kv.ErrLeaseLost] once an owner's restart lost it ([WithReconnect]): its pages
 // may have been reused since, and Seal and Release of it fail with that error.
 func (l *Lease) Lost() error {
 	if why := l.lost.Load(); why != nil {
@@ -172,17 +174,12 @@ type Replica struct {
 	attached   chan struct{} // closed while attached; replaced when the owner is lost
 	reconnWG   sync.WaitGroup
 
-	evMu       sync.Mutex
-	events     map[cudart.Stream]*streamEvent
-	retired    []*streamEvent // of streams given to Forget: recorded no more, waited on by Close
-	leftEvents []cudart.Event // left to the process's exit by a Close that gave up on the owner
-	evClosed   bool
-}
-
-// streamEvent is the IPC event the replica records on one stream.
-type streamEvent struct {
-	ev cudart.Event
-	h  [kvwire.EventLen]byte
+	evMu         sync.Mutex
+	notifiers    map[cudart.Stream]*streamNotifier // notify.go
+	retired      []*streamNotifier                 // of streams given to Forget: notified no more, waited on by Close
+	lastNotifier uint32                            // the id of the latest eventfd registered
+	openFDs      atomic.Int64                      // eventfds made and not closed
+	evClosed     bool
 }
 
 // call is one request's wait for its reply, made for that request alone and never
@@ -203,11 +200,11 @@ type call struct {
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
 // there are, then the rest at once). It fails with
-// an error wrapping kv.ErrOwnerGone if no owner serves dir (WaitForOwner waits for
-// one), kv.ErrGeometry if the owner does not serve device, and the owner's reason if it
-// refuses this process. A process holds one Replica per owner and runtime: the slab is
-// imported through a consumer.Importer, and a second Dial fails with an error wrapping
-// consumer.ErrDuplicateImporter. On failure nothing is left behind.
+// an error wrapping [kv.ErrOwnerGone] if no owner serves dir ([WaitForOwner] waits for
+// one), [kv.ErrGeometry] if the owner does not serve device, and the owner's reason if it
+// refuses this process. A process holds one [Replica] per owner and runtime: the slab is
+// imported through a [consumer.Importer], and a second Dial fails with an error wrapping
+// [consumer.ErrDuplicateImporter]. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
@@ -216,7 +213,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		}
 	}
 	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), events: map[cudart.Stream]*streamEvent{},
+		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), notifiers: map[cudart.Stream]*streamNotifier{},
 		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
 	close(r.attached)
 	defer func() {
@@ -224,7 +221,7 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			if r.w != nil { // a Bye, so that the owner does not wait for this process's exit
 				_ = r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeBye, 0) }) // best effort: an owner that misses it waits for this process's exit
 			}
-			_ = r.teardown(context.Background(), true) // cleanup: the first error is the one returned
+			_ = r.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
 	if r.nc, err = dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), o.wait); err != nil {
@@ -410,7 +407,7 @@ func (r *Replica) Device() int { return r.dev }
 func (r *Replica) Segments() kv.Segments { return r.segs }
 
 // SegmentPtrs are the addresses of the slab's segments in this process, on the
-// replica's device, in order. They are the Replica's own: do not modify them.
+// replica's device, in order. They are the [Replica]'s own: do not modify them.
 func (r *Replica) SegmentPtrs() []cudart.DevicePtr { return r.ptrs }
 
 // Layer is where layer's K and V tensors begin in this process, on the replica's
@@ -426,13 +423,13 @@ func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
 	return r.segs.Addr(r.ptrs, layer, p, page)
 }
 
-// Hashes is kv.PrefixHashes of tokens with the replica's namespace and page size.
+// Hashes is [kv.PrefixHashes] of tokens with the replica's namespace and page size.
 func (r *Replica) Hashes(tokens []int32) []kv.Hash {
 	return kv.PrefixHashes(r.ns, tokens, r.geo.TokensPerPage)
 }
 
 // Done is closed once the replica cannot make requests any more: the owner is gone
-// (Err wraps kv.ErrOwnerGone) or Close was called (kv.ErrClosed). With WithReconnect,
+// (Err wraps [kv.ErrOwnerGone]) or Close was called ([kv.ErrClosed]). With [WithReconnect],
 // a replica that reattaches to a restarted owner is attached again: Err is nil, and
 // Done is a new channel, closed when that owner is gone (see WaitAttached).
 func (r *Replica) Done() <-chan struct{} {
@@ -450,22 +447,21 @@ func (r *Replica) Err() error {
 
 // Close ends the replica: it tells the owner goodbye, the leases still held ending
 // after the work queued so far on every stream the replica has sealed or released on
-// (Bye carries an event recorded after it), so that no page a kernel still writes goes
+// (Bye carries a point queued after it), so that no page a kernel still writes goes
 // to another replica; work on a stream never given to Seal or Release is not covered:
 // release such leases first. Such a stream must not be destroyed before Close (the
 // driver does not survive a record on a destroyed stream) unless given to
-// [Replica.Forget] first. It then waits, until ctx ends, for the owner to close
-// the connection, so that the owner is done with this
-// replica's events before they are destroyed. It then unmaps the slab after the last
-// records of those events and disconnects from the slab's exporter. If ctx ends before
+// [Replica.Forget] first. It then waits, until ctx ends, for the owner to close the
+// connection (its releases have settled), and unmaps the slab after the work queued
+// so far on those streams and disconnects from the slab's exporter. If ctx ends before
 // the owner has closed the connection (a release still waits for a busy stream, or the
-// owner does not read), Close gives up on it and returns, and leaves the events
-// undestroyed, as the owner may still query them: they go with the process's exit.
+// owner does not read), Close gives up on it and returns. An eventfd that a stream
+// may still write to is left open, to the process's exit.
 // The slab is unmapped after the work queued on the streams the replica used; if ctx
 // ends while that waits (a stream that does not run), Close returns an error wrapping
 // ctx's, and the unmapping completes on its own once the work has run (bounded by 30 s
 // more for what waits on the slab's exporter). With the owner gone Close still
-// completes, and returns nil. A second Close returns kv.ErrClosed.
+// completes, and returns nil. A second Close returns [kv.ErrClosed].
 func (r *Replica) Close(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
@@ -483,9 +479,8 @@ func (r *Replica) Close(ctx context.Context) error {
 		close(r.done)
 	}
 	r.mu.Unlock()
-	ownerDone := true
 	if alive {
-		ownerDone = r.bye(ctx)
+		r.bye(ctx)
 	}
 	r.mu.Lock()
 	r.err = kv.ErrClosed
@@ -495,7 +490,7 @@ func (r *Replica) Close(ctx context.Context) error {
 		defer close(r.tornDown)
 		bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonTimeout)
 		defer cancel()
-		done <- r.teardown(bg, ownerDone)
+		done <- r.teardown(bg)
 	}()
 	select {
 	case err := <-done:
@@ -509,11 +504,11 @@ func (r *Replica) Close(ctx context.Context) error {
 // connection or ctx ends; it says whether the owner closed it (or is gone).
 func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	final := kvwire.Bye{Final: true}
-	if ev, err := r.finalEvent(); err == nil {
-		final.Event = ev
+	if at, err := r.finalPoint(ctx); err == nil {
+		final.Point = at
 	} else {
 		final.Final = false
-		r.log.Warn("kv: recording the final event of Close; the leases still held end at once", "err", err)
+		r.log.Warn("kv: queueing the final point of Close; the leases still held end at once", "err", err)
 	}
 	err := r.w.Write(ctx, func(b []byte) ([]byte, error) { return kvwire.Append(b, kvwire.TypeBye, 0, final) })
 	if err != nil {
@@ -536,40 +531,9 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	}
 }
 
-// finalEvent records the event Close's Bye carries: on the replica's own stream, after
-// the work queued so far on every stream the replica has sealed or released on.
-func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
-	r.evMu.Lock()
-	for s, e := range r.events {
-		if s == r.stream {
-			continue
-		}
-		if err := r.rt.EventRecord(r.dev, e.ev, s); err != nil {
-			r.evMu.Unlock()
-			return [kvwire.EventLen]byte{}, err
-		}
-		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
-			r.evMu.Unlock()
-			return [kvwire.EventLen]byte{}, err
-		}
-	}
-	for _, e := range r.retired { // their streams' last records, made by Forget
-		if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
-			r.evMu.Unlock()
-			return [kvwire.EventLen]byte{}, err
-		}
-	}
-	r.evMu.Unlock()
-	e, err := r.record(r.stream)
-	if err != nil {
-		return [kvwire.EventLen]byte{}, err
-	}
-	return e.h, nil
-}
-
 // Forget ends the replica's use of stream s, to be called before s is destroyed:
-// the replica records s's event on s one last time and never names s to the runtime
-// again, so that [Replica.Close] still covers the work queued on s so far (through
+// the replica records s's event on s one last time (unless s's work has all
+// completed) and never names s to the runtime again, so that [Replica.Close] still covers the work queued on s so far (through
 // that record) without touching a destroyed stream, which the driver does not survive.
 // A stream the replica never sealed or released on, or a closed replica, is left as it
 // is and Forget returns nil. On failure (the record failed) s is forgotten all the
@@ -577,29 +541,32 @@ func (r *Replica) finalEvent() ([kvwire.EventLen]byte, error) {
 func (r *Replica) Forget(s cudart.Stream) error {
 	r.evMu.Lock()
 	defer r.evMu.Unlock()
-	e, ok := r.events[s]
+	n, ok := r.notifiers[s]
 	if !ok || r.evClosed || s == r.stream {
 		return nil
 	}
-	delete(r.events, s)
-	r.retired = append(r.retired, e)
-	return r.rt.EventRecord(r.dev, e.ev, s)
-}
-
-// allEvents is every event the replica holds: of its streams and of those it forgot.
-// r.evMu is held.
-func (r *Replica) allEvents() []*streamEvent {
-	evs := make([]*streamEvent, 0, len(r.events)+len(r.retired))
-	for _, e := range r.events {
-		evs = append(evs, e)
+	delete(r.notifiers, s)
+	r.retired = append(r.retired, n)
+	if q, ok := r.rt.(cudart.StreamQuerier); ok {
+		if done, err := q.StreamQuery(r.dev, s); err == nil && done {
+			return nil // s's work has all completed, its event's last record included
+		}
 	}
-	return append(evs, r.retired...)
+	return r.rt.EventRecord(r.dev, n.ev, s)
 }
 
-// teardown undoes what Dial made, whatever it got to; it destroys the events only if
-// destroyEvents (the owner is done with them), and otherwise leaves them to the
-// process's exit.
-func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
+// allNotifiers is every notifier the replica holds: of its streams and of those it
+// forgot. r.evMu is held.
+func (r *Replica) allNotifiers() []*streamNotifier {
+	ns := make([]*streamNotifier, 0, len(r.notifiers)+len(r.retired))
+	for _, n := range r.notifiers {
+		ns = append(ns, n)
+	}
+	return append(ns, r.retired...)
+}
+
+// teardown undoes what Dial made, whatever it got to.
+func (r *Replica) teardown(ctx context.Context) error {
 	select {
 	case <-r.stopW:
 	default:
@@ -616,13 +583,8 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	r.evMu.Lock()
 	r.evClosed = true
-	events := r.allEvents()
-	r.events, r.retired = map[cudart.Stream]*streamEvent{}, nil
-	if !destroyEvents {
-		for _, e := range events {
-			r.leftEvents = append(r.leftEvents, e.ev)
-		}
-	}
+	events := r.allNotifiers()
+	r.notifiers, r.retired = map[cudart.Stream]*streamNotifier{}, nil
 	r.evMu.Unlock()
 	if len(r.ms) > 0 {
 		// The segments' imports are freed after the last seal and release of every stream.
@@ -642,16 +604,7 @@ func (r *Replica) teardown(ctx context.Context, destroyEvents bool) error {
 	}
 	// A stream's wait on an event, and work queued on a stream, outlive their
 	// destruction: nothing here waits for the GPU.
-	for _, e := range events {
-		if destroyEvents {
-			if err := r.rt.EventDestroy(r.dev, e.ev); err != nil {
-				errs = append(errs, err)
-			}
-		}
-	}
-	if !destroyEvents && len(events) > 0 {
-		r.log.Debug("kv: Close gave up on the owner; its events are left to the process's exit", "events", len(events))
-	}
+	errs = append(errs, r.endNotifiers(events)...)
 	if r.stream != 0 {
 		if err := r.rt.StreamDestroy(r.dev, r.stream); err != nil {
 			errs = append(errs, err)

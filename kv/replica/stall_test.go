@@ -144,7 +144,7 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	err = testwait.Recv(t, closed, "Close(200 ms) behind a stalled stream")
 	t.Logf("Close took %v: %v", time.Since(start), err)
 	assert.Equal(t, 4, device0(o).Releasing, "the release still waits for its stream")
-	assert.Equal(t, 2, replica.OpenEvents(r), "the events of rs and of the replica's own stream (Close's final one) are left to the process's exit")
+	assert.Equal(t, 2, replica.OpenEventfds(r), "the eventfds of rs and of the replica's own stream (Close's final point) stay open while their streams may write them")
 	resume()
 	eventually(t, "the release to settle once the stream runs", func() bool { return device0(o).Releasing == 0 })
 	testwait.Recv(t, replica.TornDown(r), "the closed replica's teardown, once its stream ran")

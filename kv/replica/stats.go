@@ -14,7 +14,7 @@ import (
 // QueryStats asks the owner serving dir for its Stats, as an observer: a connection
 // that maps no slab and takes no leases, so it needs no CUDA runtime (cmd/poolstat's).
 // The owner's policy admits it as any replica. It fails with an error wrapping
-// kv.ErrOwnerGone if no owner serves dir.
+// [kv.ErrOwnerGone] if no owner serves dir.
 func QueryStats(ctx context.Context, dir string) (kv.Stats, error) {
 	var st kv.Stats
 	nc, err := dialPages(ctx, filepath.Join(dir, kvwire.PageSocket), false)

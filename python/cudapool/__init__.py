@@ -78,7 +78,7 @@ import json
 import logging
 import selectors
 import warnings
-from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 from . import _dlpack, _lib
 from ._lib import (  # noqa: F401 (re-exported)
@@ -156,8 +156,7 @@ _LOG_OFF = 127
 _to_c = [(logging.DEBUG, -4), (logging.INFO, 0), (logging.WARNING, 4), (logging.ERROR, 8)]
 
 
-@_lib.LOG_FN
-def _log(level: int, msg: bytes, _arg: Any) -> None:
+def _log_event(level: int, msg: bytes, _arg: Any) -> None:
     py = logging.ERROR
     for p, c in _to_c:
         if level <= c:
@@ -166,12 +165,15 @@ def _log(level: int, msg: bytes, _arg: Any) -> None:
     logger.log(py, "%s", msg.decode(errors="replace"))
 
 
+_log = _lib.LOG_FN(_log_event)  # the C callback: kept here, alive while the library may call it
+
+
 def set_log_level(level: Union[int, str, None]) -> None:
     """Sends the library's events that no call returns (a connection refused or cut,
     cleanup that failed) at level or above to the "cudapool" logger: a logging level
     (logging.WARNING, "DEBUG", ...), or None to send nothing, the default."""
     if level is None:
-        _lib.call("cudapool_set_log", _LOG_OFF, _lib.LOG_FN(), None)
+        _lib.call("cudapool_set_log", _LOG_OFF, _lib.LOG_NONE, None)
         return
     if isinstance(level, str):
         named = logging.getLevelName(level.upper())
@@ -190,7 +192,7 @@ def set_log_level(level: Union[int, str, None]) -> None:
 @atexit.register
 def _stop_logging() -> None:  # no callback into an interpreter that is going away
     if _lib._lib is not None:
-        _lib.lib().cudapool_set_log(_LOG_OFF, _lib.LOG_FN(), None)
+        _lib.lib().cudapool_set_log(_LOG_OFF, _lib.LOG_NONE, None)
 
 
 # ---- Streams and copies ----
@@ -335,6 +337,9 @@ def _pool_options(name: Optional[str] = None, handle_type: str = "posix-fd", max
     return o
 
 
+_H = TypeVar("_H", bound="_Handle")
+
+
 class _Handle:
     """An object of the library, known by its handle; 0 once closed. As a context
     manager it is closed at the end of the with block; a block that raised keeps its
@@ -343,7 +348,7 @@ class _Handle:
 
     _h = 0
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _H) -> _H:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -445,7 +450,7 @@ class Buffer:
 
 # ---- State ----
 
-def _fields(cls: Any, d: dict) -> dict:
+def _fields(cls: Any, d: Dict[str, Any]) -> Dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in d.items() if k in names}
 
@@ -484,8 +489,8 @@ class State:
     pid: int
     socket: str
     started: str
-    devices: List[dict]
-    pools: List[dict]
+    devices: List[Dict[str, Any]]
+    pools: List[Dict[str, Any]]
     published: List[PublishedName]
     peers: List[Peer]
 
@@ -545,7 +550,7 @@ class Exporter(_Handle):
         h = _lib.ExporterH()
         _lib.call("cudapool_exporter_listen", _lib.encode_name(path, "path"), ctypes.byref(o), ctypes.byref(h))
         self._h, self.path, self.name = h.h, path, name
-        self._kept: dict = {}  # name -> the array published under it, kept alive
+        self._kept: Dict[str, Any] = {}  # name -> the array published under it, kept alive
 
     @property
     def _ch(self) -> "_lib.ExporterH":
@@ -788,7 +793,10 @@ class Mapping(_Handle):
     __cuda_array_interface__ it is a 1-D uint8 array whose data is valid on that stream;
     view() gives it another dtype and shape. Once released, or lost (its exporter died
     and it lives on another GPU), every use raises: InvalidHandle or MappingLost; a
-    second release too, and only close (the with block's end) does nothing then."""
+    second release too, and only close (the with block's end) does nothing then.
+    cudapool.torch.open_tensor sets tensor, its view of the memory as a torch tensor."""
+
+    tensor: Any  # set by cudapool.torch.open_tensor only
 
     def __init__(self, handle: int, name: str, device: int, stream: int):
         self._h, self.name, self.device, self.stream = handle, name, device, stream
@@ -832,7 +840,7 @@ class Mapping(_Handle):
         return self._ptr
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
         return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False),
                 "version": 3, "strides": None, "stream": _cai_stream(self.stream)}
 
@@ -920,7 +928,7 @@ class ArrayView:
         self.offset, self.itemsize = offset, itemsize
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
         if self.typestr == "bf16":
             raise TypeError("__cuda_array_interface__ has no bfloat16: use DLPack")
         cai = dict(self.mapping.__cuda_array_interface__)

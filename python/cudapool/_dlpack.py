@@ -7,7 +7,10 @@ names the device, so a consumer on GPU 1 gets a cuda:1 tensor that reads the pro
 memory over NVLink (the importer gave its device access to the pool).
 """
 
+from __future__ import annotations
+
 import ctypes
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 KDL_CUDA = 2
 
@@ -45,7 +48,7 @@ DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_vo
 
 
 
-def _deleter():
+def _deleter() -> Tuple[Dict[int, Any], Any]:
     """The capsules' deleter and what it keeps: each capsule's memory and owner, by the
     address of its DLManagedTensor, until its consumer calls the deleter.
 
@@ -53,10 +56,10 @@ def _deleter():
     gone (torch frees its tensors late): so it reads only its closure, never a global,
     and the C function itself is never freed (one reference is leaked on purpose), as a
     consumer holds its address where Python cannot see it."""
-    alive = {}
+    alive: Dict[int, Any] = {}
     addressof = ctypes.addressof
 
-    def delete(managed):
+    def delete(managed: Any) -> None:
         try:
             alive.pop(addressof(managed.contents), None)
         except Exception:  # pragma: no cover (nothing to report to at exit)
@@ -75,7 +78,7 @@ _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
 
 
-def dtype_of(typestr):
+def dtype_of(typestr: str) -> DLDataType:
     """The DLDataType for a __cuda_array_interface__ typestr, or for "bf16"."""
     if typestr == "bf16":
         return DLDataType(KDL_BFLOAT, 16, 1)
@@ -85,7 +88,8 @@ def dtype_of(typestr):
     return DLDataType(_CODES[kind], 8 * size, 1)
 
 
-def capsule(owner, ptr, device, dtype, shape, strides_bytes, itemsize):
+def capsule(owner: object, ptr: int, device: int, dtype: DLDataType, shape: Sequence[int],
+            strides_bytes: Optional[Sequence[int]], itemsize: int) -> Any:
     """A "dltensor" capsule for shape elements of dtype at ptr on device; owner is kept
     alive until the consumer is done with the capsule."""
     ndim = len(shape)

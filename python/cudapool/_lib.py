@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional, Type, TypeVar, Union
 
 u64 = ctypes.c_uint64
 u32 = ctypes.c_uint32
@@ -104,7 +104,10 @@ class PublishEntry(ctypes.Structure):
     _fields_ = [("name", cstr), ("ptr", vp), ("size", u64), ("meta", ctypes.c_char_p), ("meta_len", size_t)]
 
 
-def options(cls):
+_Options = TypeVar("_Options", bound=ctypes.Structure)
+
+
+def options(cls: Type[_Options]) -> _Options:
     """A new options struct of cls with its size set, as the header's _default does."""
     o = cls()
     o.size = ctypes.sizeof(cls)
@@ -122,6 +125,7 @@ class PoolStats(ctypes.Structure):
 
 
 LOG_FN = ctypes.CFUNCTYPE(None, c_int, ctypes.c_char_p, vp)
+LOG_NONE = LOG_FN(0)  # the NULL callback (address 0), which turns the library's log off
 
 P = ctypes.POINTER
 # name: (argument types), every one returning an int status.
@@ -294,7 +298,7 @@ class DuplicateImporter(CudapoolError):
 
 class TooManyGrants(CudapoolError):
     """The connection holds as many grants as the exporter allows, or a KV owner's cap
-    (connections, leases, leased pages, event handles) is full: the message names it.
+    (connections, leases, leased pages, notifiers) is full: the message names it.
     Release some."""
 
 
@@ -402,16 +406,19 @@ def encode_name(name: Any, what: str = "name") -> bytes:
 def integer(v: Any, what: str, lo: int, hi: int) -> int:
     """v as an int in [lo, hi]: TypeError for a non-integer (bool included), ValueError
     below lo, OverflowError above hi."""
+    n: int
     if isinstance(v, bool) or not isinstance(v, int):
         try:
-            v = v.__index__()
+            n = v.__index__()
         except AttributeError:
             raise TypeError("%s must be an int, not %s" % (what, type(v).__name__)) from None
-    if v < lo:
-        raise ValueError("%s %d is below %d" % (what, v, lo))
-    if v > hi:
-        raise OverflowError("%s %d is above %d" % (what, v, hi))
-    return v
+    else:
+        n = v
+    if n < lo:
+        raise ValueError("%s %d is below %d" % (what, n, lo))
+    if n > hi:
+        raise OverflowError("%s %d is above %d" % (what, n, hi))
+    return n
 
 
 def device(d: Any) -> int:

@@ -35,13 +35,19 @@ imports torch and transformers when first used (Triton only on a GPU: elsewhere 
 attention gathers the pages and uses SDPA, for tests).
 """
 
+from __future__ import annotations
+
 import threading
 import time
 from array import array
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence,
+                    Tuple)
 
+from . import StreamLike
 from . import kv as _kv
 
-__all__ = ["ATTENTION", "BUCKET", "SUPPORTED", "Unsupported", "GeometryMismatch", "Pages", "LocalPool", "refusal",
+__all__ = ["ATTENTION", "BUCKET", "SUPPORTED", "Unsupported", "GeometryMismatch", "PagePool", "Pages", "LocalPool",
+           "refusal",
            "model_geometry", "check_model", "register", "Generator", "generator", "cudapool_generate",
            "PoolCache"]
 
@@ -59,27 +65,27 @@ class GeometryMismatch(Unsupported):
     """A model whose KV geometry is not the pool's; the message names both."""
 
 
-def _ceil(a, b):
+def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
 # --- which models, and their geometry (plain Python: config attributes only) ---------
 
-def _text_config(config):
+def _text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
 
 
-def model_geometry(config):
+def model_geometry(config: Any) -> Tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a transformers config's KV cache."""
     c = _text_config(config)
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return c.num_hidden_layers, kv_heads, head_dim
+    return int(c.num_hidden_layers), int(kv_heads), int(head_dim)
 
 
-def refusal(config):
+def refusal(config: Any) -> Optional[str]:
     """Why cudapool.hf cannot serve a model of this transformers config (a sentence
     naming it), or None if it can."""
     c = _text_config(config)
@@ -110,18 +116,18 @@ def refusal(config):
     return None
 
 
-def _geometry_words(layers, kv_heads, head_dim, dtype):
+def _geometry_words(layers: int, kv_heads: int, head_dim: int, dtype: str) -> str:
     return "%d layers, %d KV heads, head dim %d, %s" % (layers, kv_heads, head_dim, dtype)
 
 
-def check_model(config, dtype, geometry):
+def check_model(config: Any, dtype: str, geometry: _kv.Geometry) -> None:
     """Raises Unsupported if a model of config cannot be served, GeometryMismatch
     (naming both) if its KV geometry with dtype ("bf16", ...) is not geometry's (a
     cudapool.kv.Geometry); returns None when it can be served over that pool."""
     why = refusal(config)
     if why:
         raise Unsupported("cudapool.hf cannot serve this model: " + why)
-    mine = model_geometry(config) + (dtype,)
+    mine: Tuple[int, int, int, str] = model_geometry(config) + (dtype,)
     pool = (geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.dtype)
     if mine != pool:
         raise GeometryMismatch("the model's KV geometry (%s) is not the pool's (%s)"
@@ -130,10 +136,36 @@ def check_model(config, dtype, geometry):
 
 # --- a request's pages (plain Python: any pool with Replica's calls) ------------------
 
+class PagePool(Protocol):
+    """What Pages and Generator use of a pool of KV pages: the calls of
+    cudapool.kv.Replica, which LocalPool has too (see theirs)."""
+
+    @property
+    def geometry(self) -> _kv.Geometry: ...
+
+    def hashes(self, tokens: Sequence[int]) -> Sequence[bytes]: ...
+
+    def alloc(self, n: int) -> _kv.Lease: ...
+
+    def seal(self, lease: _kv.Lease, hashes: Sequence[bytes], stream: StreamLike = None,
+             wait: bool = False) -> _kv.SealResult: ...
+
+    def match(self, hashes: Sequence[bytes], stream: StreamLike = None) -> _kv.Lease: ...
+
+    def release(self, *leases: _kv.Lease, stream: StreamLike = None) -> None: ...
+
+    def kv_caches(self) -> List[Tuple[Any, Any]]: ...
+
+
+if TYPE_CHECKING:  # mypy checks that both pools are PagePools
+    def _page_pools(r: _kv.Replica, local: LocalPool) -> Tuple[PagePool, PagePool]:
+        return r, local
+
+
 class Pages:
     """The pages one request of tokens (prompt token ids) and up to max_new decoded
-    tokens reads and writes in pool (a cudapool.kv.Replica, or anything with its
-    hashes, match, alloc, seal and release).
+    tokens reads and writes in pool (a PagePool: a cudapool.kv.Replica, or anything
+    with its hashes, match, alloc, seal and release).
 
     With share, the first shared tokens (default all) are the prefix other requests
     may match: their longest run of visible full pages is leased for reading
@@ -148,7 +180,8 @@ class Pages:
     (NoSpace, the owner gone) nothing stays leased. release() gives back what is held,
     after stream's work."""
 
-    def __init__(self, pool, tokens, max_new, *, shared=None, share=True, stream=None):
+    def __init__(self, pool: PagePool, tokens: Sequence[int], max_new: int, *, shared: Optional[int] = None,
+                 share: bool = True, stream: StreamLike = None) -> None:
         if max_new < 0:
             raise ValueError("max_new %d is negative" % max_new)
         n = len(tokens)
@@ -160,8 +193,10 @@ class Pages:
         self.pool, self.stream = pool, stream
         self.T = T = pool.geometry.tokens_per_page
         self.n_tokens, self.capacity = n, n + max_new
-        self.hashes = pool.hashes(tokens[:shared]) if share and shared >= T else []
-        self.read = self.written = self.private = None
+        self.hashes: Sequence[bytes] = pool.hashes(tokens[:shared]) if share and shared >= T else []
+        self.read: Optional[_kv.Lease] = None
+        self.written: Optional[_kv.Lease] = None
+        self.private: Optional[_kv.Lease] = None
         self.sealed = self.duplicates = 0
         try:
             usable = min(len(self.hashes), (n - 1) // T)  # the last token is always computed
@@ -184,11 +219,11 @@ class Pages:
                             if lease is not None for p in lease.pages]
 
     @property
-    def to_seal(self):
+    def to_seal(self) -> int:
         """The number of pages seal() will seal (written, not sealed yet)."""
         return len(self.written) if self.written is not None else 0
 
-    def seal(self, stream=None):
+    def seal(self, stream: StreamLike = None) -> Optional[_kv.SealResult]:
         """Seals the written pages under their prefix hashes, waits until they are
         visible (the work queued on stream so far has completed), then leases the whole
         prefix for reading again and points block_table's first pages at it (the same
@@ -212,7 +247,7 @@ class Pages:
             self.pool.release(old, stream=stream)
         return res
 
-    def release(self, stream=None):
+    def release(self, stream: StreamLike = None) -> None:
         """Gives back every lease still held (a written page unsealed is freed) once
         the work queued on stream (default: the stream given at creation) has
         completed; a second call does nothing. The leases are forgotten even if the
@@ -222,10 +257,10 @@ class Pages:
         if held:
             self.pool.release(*held, stream=self.stream if stream is None else stream)
 
-    def __enter__(self):
+    def __enter__(self) -> Pages:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -239,31 +274,32 @@ class LocalPool:
     and then none is released). The slab, torch tensors [layers][2][pages][tokens_per_page]
     [kv_heads][head_dim] on device, is made at the first kv_caches. Not thread-safe."""
 
-    def __init__(self, layers, kv_heads, head_dim, tokens_per_page, pages, device="cpu", dtype="bf16",
-                 namespace=""):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens_per_page: int, pages: int,
+                 device: Any = "cpu", dtype: str = "bf16", namespace: str = "") -> None:
         self.geometry = _kv.Geometry(layers, kv_heads, head_dim, dtype, tokens_per_page, pages)
         self.device, self.namespace = device, namespace
         self.free = list(range(pages - 1, -1, -1))
-        self.index = {}  # hash -> page (sealed)
-        self.leases = {}
+        self.index: Dict[bytes, int] = {}  # hash -> page (sealed)
+        self.leases: Dict[int, _kv.Lease] = {}
         self._next = 1
-        self._caches = None
+        self._caches: Optional[List[Tuple[Any, Any]]] = None
 
-    def hashes(self, tokens):
+    def hashes(self, tokens: Iterable[int]) -> _kv.Hashes:
         return _kv.prefix_hashes(list(tokens), self.geometry.tokens_per_page, self.namespace)
 
-    def _lease(self, pages, writable):
+    def _lease(self, pages: Iterable[int], writable: bool) -> _kv.Lease:
         lease = _kv.Lease(self._next, array("I", pages), writable)
         self._next += 1
         self.leases[lease.id] = lease
         return lease
 
-    def alloc(self, n, timeout=None):
+    def alloc(self, n: int, timeout: Optional[float] = None) -> _kv.Lease:
         if n > len(self.free):
             raise _kv.NoSpace(29, "%d pages asked, %d free" % (n, len(self.free)))
         return self._lease([self.free.pop() for _ in range(n)], True)
 
-    def seal(self, lease, hashes, stream=None, wait=False, timeout=None):
+    def seal(self, lease: _kv.Lease, hashes: Sequence[bytes], stream: StreamLike = None, wait: bool = False,
+             timeout: Optional[float] = None) -> _kv.SealResult:
         if self.leases.get(lease.id) is not lease or not lease.writable:
             raise _kv.StaleLease(27, "no write lease %d" % lease.id)
         del self.leases[lease.id]
@@ -277,15 +313,15 @@ class LocalPool:
                 self.free.append(p)
         return _kv.SealResult(visible, dup)
 
-    def match(self, hashes, stream=None, timeout=None):
-        pages = []
+    def match(self, hashes: Sequence[bytes], stream: StreamLike = None, timeout: Optional[float] = None) -> _kv.Lease:
+        pages: List[int] = []
         for h in hashes:
             if h not in self.index:
                 break
             pages.append(self.index[h])
         return self._lease(pages, False) if pages else _kv.Lease(0, array("I"), False)
 
-    def release(self, *leases, stream=None, timeout=None):
+    def release(self, *leases: _kv.Lease, stream: StreamLike = None, timeout: Optional[float] = None) -> None:
         held = [l for l in leases if l.id]
         for l in held:
             if self.leases.get(l.id) is not l:
@@ -295,7 +331,7 @@ class LocalPool:
             if l.writable:
                 self.free.extend(l.pages)
 
-    def kv_caches(self):
+    def kv_caches(self) -> List[Tuple[Any, Any]]:
         if self._caches is None:
             import torch
             g = self.geometry
@@ -308,13 +344,20 @@ class LocalPool:
 
 # --- the torch side: built when first asked for --------------------------------------
 
+class _Parts(NamedTuple):
+    """What _build makes once torch and transformers are imported."""
+    torch: Any
+    PoolCache: Any  # the class
+    attention: Callable[..., Any]
+
+
 _lock = threading.Lock()
-_parts = None
+_parts: Optional[_Parts] = None
 _active = threading.local()  # (cache, key tensor, layer, how) between a Cache update and its attention
 _TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8e4m3"}
 
 
-def register():
+def register() -> str:
     """Registers cudapool.hf's attention in transformers' AttentionInterface (once) and
     returns its name, for attn_implementation=. Over any cache but a PoolCache it
     attends as "sdpa" does for one sequence without padding (transformers makes no mask
@@ -323,17 +366,17 @@ def register():
     return ATTENTION
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name == "PoolCache":
         return _torch_parts().PoolCache
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
-def _dtype_name(dtype):
+def _dtype_name(dtype: Any) -> str:
     return _TORCH_DTYPE_NAMES.get(str(dtype).replace("torch.", ""), str(dtype))
 
 
-def _torch_parts():
+def _torch_parts() -> _Parts:
     global _parts
     with _lock:
         if _parts is None:
@@ -341,9 +384,7 @@ def _torch_parts():
     return _parts
 
 
-def _build():
-    import types
-
+def _build() -> _Parts:
     import torch
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache
@@ -354,7 +395,8 @@ def _build():
     except ImportError:  # transformers before 4.56: a Cache has no layer objects
         CacheLayerMixin = object
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Optional[float] = None,
+                  dropout: float = 0.0, **kwargs: Any) -> Any:
         """transformers' attention interface: over a PoolCache's layer just updated, the
         pages (or, for a prefill from position 0, SDPA over the new keys); otherwise
         transformers' own SDPA, unchanged."""
@@ -375,12 +417,12 @@ def _build():
 
     AttentionInterface.register(ATTENTION, attention)
 
-    class _Layer(CacheLayerMixin):
+    class _Layer(CacheLayerMixin):  # type: ignore[misc] # transformers is Any to mypy
         """One layer of a PoolCache, for the parts of transformers that look at layers."""
         is_compileable = False
         is_sliding = False
 
-        def __init__(self, cache, i):
+        def __init__(self, cache: Any, i: int) -> None:
             if CacheLayerMixin is not object:
                 try:
                     super().__init__()
@@ -390,26 +432,26 @@ def _build():
             self.is_initialized = True
             self.keys, self.values = cache.caches[i]
 
-        def lazy_initialization(self, *_):
+        def lazy_initialization(self, *_: Any) -> None:
             return None
 
-        def update(self, key_states, value_states, cache_kwargs=None):
+        def update(self, key_states: Any, value_states: Any, cache_kwargs: Any = None) -> Any:
             return self.cache.update(key_states, value_states, self.i, cache_kwargs)
 
-        def get_seq_length(self, *_):
-            return self.cache.lengths[self.i]
+        def get_seq_length(self, *_: Any) -> int:
+            return int(self.cache.lengths[self.i])
 
-        def get_mask_sizes(self, *args, **_):
+        def get_mask_sizes(self, *args: Any, **_: Any) -> Any:
             return self.cache.get_mask_sizes(*args, layer_idx=self.i)
 
-        def get_max_cache_shape(self):
-            return self.cache.capacity
+        def get_max_cache_shape(self) -> int:
+            return int(self.cache.capacity)
 
-        def get_max_length(self):
-            return self.cache.capacity
+        def get_max_length(self) -> int:
+            return int(self.cache.capacity)
 
-    def _missing(name):
-        def missing(self, *_, **__):
+    def _missing(name: str) -> Callable[..., Any]:
+        def missing(self: Any, *_: Any, **__: Any) -> Any:
             raise Unsupported("a PoolCache layer has no %s (a transformers newer than cudapool.hf knows)" % name)
         return missing
 
@@ -418,7 +460,7 @@ def _build():
     if getattr(_Layer, "__abstractmethods__", None):
         _Layer.__abstractmethods__ = frozenset()
 
-    class PoolCache(Cache):
+    class PoolCache(Cache):  # type: ignore[misc] # transformers is Any to mypy
         """A transformers Cache over pool pages: layer l's K and V are caches[l]
         (Replica.kv_caches()), a sequence's token t lives in slot t % tokens_per_page
         of page block_table[t // tokens_per_page]. update writes the new K and V there
@@ -428,7 +470,8 @@ def _build():
 
         is_compileable = False  # its positions are host counts: transformers must not compile it
 
-        def __init__(self, caches, capacity, *, block_table=None, device=None):
+        def __init__(self, caches: List[Tuple[Any, Any]], capacity: int, *, block_table: Optional[Sequence[int]] = None,
+                     device: Any = None) -> None:
             self.caches = caches
             K = caches[0][0]
             self.T, self.kv_heads, self.head_dim = K.shape[1], K.shape[2], K.shape[3]
@@ -436,10 +479,10 @@ def _build():
             self.capacity = capacity
             self.block_table = torch.zeros(_ceil(capacity, self.T), dtype=torch.int32, device=self.device)
             self.lengths = [0] * len(caches)
-            self.pages = None  # the Pages of for_request
-            self._static = None  # (positions [1] int64, ctx [1] int32) while a decode graph's step runs
-            self._memo = None
-            self._ws = {}
+            self.pages: Optional[Pages] = None  # the Pages of for_request
+            self._static: Optional[Tuple[Any, Any]] = None  # (positions [1] int64, ctx [1] int32) in a graph's step
+            self._memo: Optional[Tuple[Tuple[int, int], Any, Any, Dict[Tuple[int, int], Any]]] = None
+            self._ws: Dict[Tuple[int, int], Any] = {}
             layers = [_Layer(self, i) for i in range(len(caches))]
             for args in ({"layers": layers}, {}):  # transformers' Cache.__init__ differs by version
                 try:
@@ -455,7 +498,8 @@ def _build():
                 self.reset(block_table)
 
         @classmethod
-        def for_request(cls, model, pool, input_ids, max_new_tokens, *, shared=None, share=True, stream=None):
+        def for_request(cls, model: Any, pool: PagePool, input_ids: Any, max_new_tokens: int, *,
+                        shared: Optional[int] = None, share: bool = True, stream: StreamLike = None) -> Any:
             """A PoolCache for one request of model.generate: Pages of the prompt
             (matched ones held, the rest allocated), the cache holding the matched
             tokens (generate computes only the others). Close it after generate (or
@@ -475,7 +519,7 @@ def _build():
             c.pages = pages
             return c
 
-        def reset(self, block_table, start=0):
+        def reset(self, block_table: Sequence[int], start: int = 0) -> None:
             """Points the cache at a sequence's pages (its first start tokens already
             written there)."""
             if len(block_table) > self.block_table.numel():
@@ -486,7 +530,7 @@ def _build():
             self.lengths = [start] * len(self.caches)
             self._memo = None
 
-        def close(self):
+        def close(self) -> None:
             """Seals the written pages (visible once the stream's work so far has
             completed) and releases every lease of for_request's Pages."""
             p, self.pages = self.pages, None
@@ -497,14 +541,15 @@ def _build():
                 finally:
                     p.release()
 
-        def __enter__(self):
+        def __enter__(self) -> Any:
             return self
 
-        def __exit__(self, *exc):
+        def __exit__(self, *exc: object) -> None:
             self.close()
 
         # what transformers asks of a Cache
-        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        def update(self, key_states: Any, value_states: Any, layer_idx: int,
+                   cache_kwargs: Any = None) -> Tuple[Any, Any]:
             b, h, q, d = key_states.shape
             if b != 1:
                 raise Unsupported("cudapool.hf serves batch one, not %d sequences" % b)
@@ -534,7 +579,8 @@ def _build():
             _active.step = (self, key_states, layer_idx, how)
             return key_states, value_states
 
-        def _attend(self, module, query, key, value, layer, how, scaling, dropout, kwargs):
+        def _attend(self, module: Any, query: Any, key: Any, value: Any, layer: int, how: Tuple[Any, int, bool, Any],
+                    scaling: Optional[float], dropout: float, kwargs: Dict[str, Any]) -> Any:
             ctx, max_ctx, fresh, wss = how
             if fresh:  # a prefill from position 0: the new keys are all there is
                 kwargs.pop("is_causal", None)
@@ -557,43 +603,44 @@ def _build():
                 out = reference(q, K, V, self.block_table, int(ctx.item()), scale=scaling).to(q.dtype)
             return out[None], None
 
-        def get_seq_length(self, layer_idx=0):
+        def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
             return self.lengths[layer_idx or 0]
 
-        def get_mask_sizes(self, cache_position=None, layer_idx=0, *_, **__):
+        def get_mask_sizes(self, cache_position: Any = None, layer_idx: Optional[int] = 0, *_: Any,
+                           **__: Any) -> Tuple[int, int]:
             q = cache_position.shape[0] if hasattr(cache_position, "shape") else int(cache_position or 0)
             return self.lengths[layer_idx or 0] + q, 0
 
-        def get_max_cache_shape(self, layer_idx=0):
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:
             return self.capacity
 
-        def get_max_length(self):
+        def get_max_length(self) -> int:
             return self.capacity
 
         @property
-        def max_batch_size(self):
+        def max_batch_size(self) -> int:
             return 1
 
         @property
-        def max_cache_len(self):
+        def max_cache_len(self) -> int:
             return self.capacity
 
         @property
-        def is_sliding(self):
+        def is_sliding(self) -> List[bool]:
             return [False] * len(self.caches)
 
-        def __len__(self):
+        def __len__(self) -> int:
             return len(self.caches)
 
-        def _refuse(self, *_, **__):
+        def _refuse(self, *_: Any, **__: Any) -> Any:
             raise Unsupported("a PoolCache serves one greedy sequence: no beam search, cropping or batch changes")
 
         reorder_cache = crop = batch_repeat_interleave = batch_select_indices = to_legacy_cache = _refuse
 
-    return types.SimpleNamespace(torch=torch, PoolCache=PoolCache, attention=attention)
+    return _Parts(torch=torch, PoolCache=PoolCache, attention=attention)
 
 
-def _one_sequence(input_ids):
+def _one_sequence(input_ids: Any) -> List[int]:
     """input_ids ([1, n] tensor, [n] tensor, or a list of ints) as a list of ints."""
     if hasattr(input_ids, "tolist"):
         shape = tuple(input_ids.shape)
@@ -614,7 +661,7 @@ class Generator:
     use. graphs=False decodes eagerly (the default off a GPU). Use one Generator per
     (model, pool), from one thread at a time."""
 
-    def __init__(self, model, pool, *, graphs=None):
+    def __init__(self, model: Any, pool: PagePool, *, graphs: Optional[bool] = None) -> None:
         parts = _torch_parts()
         torch = self.torch = parts.torch
         check_model(model.config, _dtype_name(model.dtype), pool.geometry)
@@ -630,37 +677,37 @@ class Generator:
         self.graphs = (self.device.type == "cuda") if graphs is None else graphs
         import inspect
         params = inspect.signature(model.forward).parameters
-        self._extra = {}
+        self._extra: Dict[str, Any] = {}
         if "logits_to_keep" in params:
             self._extra["logits_to_keep"] = 1
         self._cache_position = "cache_position" in params
-        self._decoders = {}
-        self._extenders = {}
-        self.last = {}
-        self.graph_error = None  # why a decode graph could not be captured (then decoding is eager)
+        self._decoders: Dict[int, _Decoder] = {}
+        self._extenders: Dict[Tuple[int, int], _Extender] = {}
+        self.last: Dict[str, Any] = {}
+        self.graph_error: Optional[str] = None  # why a decode graph could not be captured (then decoding is eager)
 
-    def _stream(self):
+    def _stream(self) -> Any:
         return self.torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _sync(self):
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def _decoder(self, tokens):
+    def _decoder(self, tokens: int) -> _Decoder:
         cap = _ceil(tokens, BUCKET) * BUCKET
         d = self._decoders.get(cap)
         if d is None:
             d = self._decoders[cap] = _Decoder(self, cap)
         return d
 
-    def _extender(self, dec, q):
+    def _extender(self, dec: _Decoder, q: int) -> _Extender:
         key = (dec.capacity, q)
         e = self._extenders.get(key)
         if e is None:
             e = self._extenders[key] = _Extender(self, dec.cache, q)
         return e
 
-    def _prefill(self, dec, tokens, start):
+    def _prefill(self, dec: _Decoder, tokens: List[int], start: int) -> Any:
         """The logits [vocab] of the last of tokens[start:] over the cache holding the
         first start: a CUDA graph for a short rest over matched pages, else eagerly."""
         q = len(tokens) - start
@@ -670,7 +717,7 @@ class Generator:
             return logits
         return self.forward(dec.cache, tokens[start:], start).reshape(-1)
 
-    def forward(self, cache, ids, start):
+    def forward(self, cache: Any, ids: List[int], start: int) -> Any:
         """The model over token ids at positions start.. with cache: logits [1, 1, vocab]
         of the last."""
         torch = self.torch
@@ -683,7 +730,8 @@ class Generator:
             out = self.model(input_ids=t, position_ids=pos[None], past_key_values=cache, use_cache=True, **kw)
         return out.logits[:, -1:]
 
-    def generate(self, input_ids, max_new_tokens=32, *, shared=None, share=True, stop=None, on_decode=None):
+    def generate(self, input_ids: Any, max_new_tokens: int = 32, *, shared: Optional[int] = None, share: bool = True,
+                 stop: Optional[Callable[[], object]] = None, on_decode: Optional[Callable[[], object]] = None) -> Any:
         """Greedy tokens of the model after input_ids over the pool's pages: the prompt
         and the max_new_tokens decoded (the first included), a [1, n] tensor of int64 on
         the model's device. shared: how many leading prompt tokens other requests may
@@ -699,7 +747,8 @@ class Generator:
         n = len(tokens)
         dec = self._decoder(n + max_new_tokens)
         stream = self._stream()
-        info = self.last = {"prompt": n}
+        info: Dict[str, Any] = {"prompt": n}
+        self.last = info
         self._sync()
         t0 = time.perf_counter()
         pages = Pages(self.pool, tokens, max_new_tokens, shared=shared, share=share, stream=stream)
@@ -717,8 +766,8 @@ class Generator:
             first = int(torch.argmax(logits))  # a host sync: the first token is known
             info["ttft_s"] = time.perf_counter() - t0
             info["first_logits"] = logits.clone()
-            if pages.to_seal:
-                res = pages.seal(stream)
+            res = pages.seal(stream)  # None if nothing was written
+            if res is not None:
                 info["sealed"], info["duplicates"] = res.visible, res.duplicates
                 cache.block_table[:len(pages.hashes)].copy_(torch.tensor(pages.block_table[:len(pages.hashes)],
                                                                          dtype=torch.int32))
@@ -735,7 +784,7 @@ class Generator:
                 info["release_error"] = "%s: %s" % (type(e).__name__, e)
         return torch.tensor([tokens + toks], dtype=torch.long, device=self.device)
 
-    def warm(self, lengths, max_new_tokens):
+    def warm(self, lengths: Iterable[int], max_new_tokens: int) -> None:
         """Builds (and captures) the decode graphs of requests of these prompt lengths
         on private pages, so that no later timing includes them."""
         T = self.pool.geometry.tokens_per_page
@@ -751,7 +800,7 @@ class Generator:
                 pages.release()
 
 
-def _capture(gen, body):
+def _capture(gen: Generator, body: Callable[[], object]) -> Any:
     """body() captured in a CUDA graph, or None (and gen.graphs off, saying why in
     gen.graph_error) if it cannot be."""
     torch = gen.torch
@@ -768,11 +817,12 @@ def _capture(gen, body):
     return g
 
 
-def _eager(gen, body):
+def _eager(gen: Generator, body: Callable[[], object]) -> None:
     """body() once, on a side stream on a GPU (what a capture must follow)."""
     torch = gen.torch
     if gen.device.type != "cuda":
-        return body()
+        body()
+        return
     side = torch.cuda.Stream(gen.device)
     side.wait_stream(torch.cuda.current_stream(gen.device))
     with torch.cuda.stream(side):
@@ -786,16 +836,16 @@ class _Extender:
     last page over its matched ones costs one launch. The first run is eager, the
     graph is captured after it."""
 
-    def __init__(self, gen, cache, q):
+    def __init__(self, gen: Generator, cache: Any, q: int) -> None:
         torch = gen.torch
         self.gen, self.cache, self.q, self.torch = gen, cache, q, torch
         self.ids = torch.zeros(q, dtype=torch.long, device=gen.device)
         self.pos = torch.zeros(q, dtype=torch.long, device=gen.device)
         self.ctx = torch.zeros(1, dtype=torch.int32, device=gen.device)
-        self.graph = None
-        self.logits = None
+        self.graph: Any = None
+        self.logits: Any = None
 
-    def _body(self):
+    def _body(self) -> None:
         gen, c = self.gen, self.cache
         c._static = (self.pos, self.ctx)
         try:
@@ -805,7 +855,7 @@ class _Extender:
             c._static = None
         self.logits = out.logits[0, -1]
 
-    def run(self, ids, start):
+    def run(self, ids: List[int], start: int) -> Any:
         """The logits [vocab] of the last of ids (q tokens at positions start..)."""
         torch = self.torch
         if len(ids) != self.q or start + self.q > self.cache.capacity:
@@ -830,7 +880,7 @@ class _Decoder:
     PoolCache of capacity tokens: the first step eager (compiles and plans), the others
     replays of one CUDA graph of the whole step (or eager steps without graphs)."""
 
-    def __init__(self, gen, capacity):
+    def __init__(self, gen: Generator, capacity: int) -> None:
         torch = gen.torch
         self.gen, self.capacity, self.torch = gen, capacity, torch
         dev = gen.device
@@ -840,9 +890,9 @@ class _Decoder:
         self.ctx = torch.zeros(1, dtype=torch.int32, device=dev)
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
         self.hist = torch.zeros(capacity, dtype=torch.long, device=dev)
-        self.graph = None
+        self.graph: Any = None
 
-    def _step(self):
+    def _step(self) -> None:
         gen, c = self.gen, self.cache
         kw = dict(gen._extra)
         if gen._cache_position:
@@ -860,7 +910,8 @@ class _Decoder:
         self.ctx += 1
         self.step += 1
 
-    def run(self, first, start, n, stop=None):
+    def run(self, first: int, start: int, n: int,
+            stop: Optional[Callable[[], object]] = None) -> Tuple[List[int], float]:
         """Feeds token first at position start (the cache holds 0..start-1) and decodes
         until n tokens (first included) are known or stop() says so (asked every 16
         steps). Returns the tokens and the seconds per step after the first."""
@@ -906,7 +957,7 @@ class _Decoder:
 _GENERATORS = "_cudapool_generators"  # the model's attribute: {id(pool): Generator}
 
 
-def generator(model, pool):
+def generator(model: Any, pool: PagePool) -> Generator:
     """The Generator of (model, pool), made at the first call and kept by the model (it
     goes with the model; make a new one, or call this again, for a new pool)."""
     gens = getattr(model, _GENERATORS, None)
@@ -919,7 +970,7 @@ def generator(model, pool):
     return gen
 
 
-def cudapool_generate(model, pool, input_ids, max_new_tokens=32, **kwargs):
+def cudapool_generate(model: Any, pool: PagePool, input_ids: Any, max_new_tokens: int = 32, **kwargs: Any) -> Any:
     """Greedy generation of model after input_ids over pool's pages (Generator.generate
     of generator(model, pool)): a [1, prompt + max_new_tokens] tensor of token ids."""
     return generator(model, pool).generate(input_ids, max_new_tokens, **kwargs)

@@ -34,6 +34,8 @@ timeout ran out (the call then holds nothing), TypeError and ValueError for bad
 arguments before the library sees them, and InvalidArgument for those it refuses.
 """
 
+from __future__ import annotations
+
 import ctypes
 import hashlib
 import json
@@ -43,8 +45,10 @@ import sys
 import threading
 from array import array
 from dataclasses import dataclass
+from typing import (Any, Callable, Dict, Iterable, List, Optional, SupportsIndex, Tuple, Type, TypeVar, Union,
+                    overload)
 
-from . import _dlpack, _lib, stream_handle
+from . import StreamLike, _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
 __all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "root",
@@ -66,44 +70,59 @@ if array("i").itemsize != 4:  # pragma: no cover (no such CPython platform today
     raise ImportError("cudapool.kv needs a 4-byte C int for token ids")
 
 
-class Hashes(list):
+Tokens = Iterable[int]  # int32 token ids: a sequence of ints, array('i'), a buffer of 4-byte ints
+# Prefix hashes as match and seal take them: Hashes, any iterable of 16-byte bytes, or
+# their bytes joined.
+HashesLike = Union[Iterable[bytes], bytes, bytearray, memoryview]
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+
+class Hashes(list[bytes]):
     """A list of 16-byte prefix hashes that cannot change, carrying them joined, so
     that match and seal send them without joining and checking each one again.
     prefix_hashes and Replica.hashes return one; any list of 16-byte bytes works too."""
 
     __slots__ = ("raw",)
 
-    def __init__(self, raw):
+    def __init__(self, raw: Union[bytes, bytearray, memoryview]) -> None:
         raw = bytes(raw)
         if len(raw) % HASH_BYTES:
             raise ValueError("%d bytes are not a whole number of %d-byte hashes" % (len(raw), HASH_BYTES))
         super().__init__(struct.unpack(_ONE_HASH * (len(raw) // HASH_BYTES), raw))  # split in C
         self.raw = raw
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Hashes: ...
+
+    def __getitem__(self, i: Union[SupportsIndex, slice]) -> Union[bytes, Hashes]:
         if isinstance(i, slice):
             start, stop, step = i.indices(len(self))
             if step == 1:
                 return Hashes(self.raw[start * HASH_BYTES:max(start, stop) * HASH_BYTES])
-            return Hashes(b"".join(list.__getitem__(self, i)))
-        return list.__getitem__(self, i)
+            return Hashes(b"".join(super().__getitem__(i)))
+        return super().__getitem__(i)
 
-    def _frozen(self, *_, **__):
+    def _frozen(self, *_: Any, **__: Any) -> Any:
         raise TypeError("Hashes cannot change: make a list of it (list(h)) to edit")
 
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _frozen
-    append = extend = insert = pop = remove = clear = sort = reverse = _frozen
+    # list's methods that change it, each raising TypeError (so not list's signatures)
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _frozen  # type: ignore[assignment]
+    append = extend = insert = pop = remove = clear = sort = reverse = _frozen  # type: ignore[assignment]
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Type[Hashes], Tuple[bytes]]:
         return (Hashes, (self.raw,))
 
 
-def root(namespace=""):
+def root(namespace: Union[str, bytes] = "") -> bytes:
     """The hash before a namespace's first page: SHA-256("cudapool/kv/v1\\0" + namespace)[:16]."""
     return hashlib.sha256(_ROOT_PREFIX + _namespace_bytes(namespace)).digest()[:HASH_BYTES]
 
 
-def prefix_hashes(tokens, tokens_per_page, namespace="", reference=False):
+def prefix_hashes(tokens: Tokens, tokens_per_page: int, namespace: Union[str, bytes] = "",
+                  reference: bool = False) -> Hashes:
     """The prefix hash of each full page of tokens, as kv.PrefixHashes computes it:
     h_i = SHA-256(h_{i-1} || le32(tok[i*T]) || ... || le32(tok[i*T+T-1]))[:16],
     h_{-1} = root(namespace). A trailing partial page gets none. Token ids are int32
@@ -125,10 +144,10 @@ def prefix_hashes(tokens, tokens_per_page, namespace="", reference=False):
     return Hashes(out)
 
 
-_prefix_fn = None  # the library's cudapool_kv_prefix_hashes, False if it has none
+_prefix_fn: Any = None  # the library's cudapool_kv_prefix_hashes, False if it has none
 
 
-def _library_hashes(tokens, t, ns):
+def _library_hashes(tokens: Tokens, t: int, ns: bytes) -> Optional[Hashes]:
     """prefix_hashes through the library, or None where it does not load or lacks the
     call (or t is past its uint32)."""
     global _prefix_fn
@@ -155,7 +174,7 @@ def _library_hashes(tokens, t, ns):
     return Hashes(out.raw[:n.value * HASH_BYTES])
 
 
-def _namespace_bytes(namespace):
+def _namespace_bytes(namespace: Union[str, bytes, bytearray]) -> bytes:
     if isinstance(namespace, str):
         return namespace.encode()
     if isinstance(namespace, (bytes, bytearray)):
@@ -163,40 +182,40 @@ def _namespace_bytes(namespace):
     raise TypeError("namespace must be a str, not %s" % type(namespace).__name__)
 
 
-def _page_size(tokens_per_page):
+def _page_size(tokens_per_page: int) -> int:
     if not isinstance(tokens_per_page, int) or isinstance(tokens_per_page, bool) or tokens_per_page <= 0:
         raise ValueError("tokens_per_page must be a positive int, not %r" % (tokens_per_page,))
     return tokens_per_page
 
 
-def _token_bytes(tokens, order="<"):
+def _token_bytes(tokens: Tokens, order: str = "<") -> bytes:
     """tokens, int32 token ids, as bytes in order ("<" little-endian, "=" native): from
     a sequence of ints, an array('i') or a buffer of 4-byte ints (numpy int32, ...)."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise TypeError("tokens must be int32 token ids, not %s" % type(tokens).__name__)
+    a: array[int]
     if isinstance(tokens, array) and tokens.typecode == "i":
         a = tokens
     else:
         try:
-            mv = memoryview(tokens)
+            mv = memoryview(tokens)  # type: ignore[arg-type] # a buffer of 4-byte ints, or TypeError
         except TypeError:
             mv = None
         if mv is not None:
             a = _buffer_ints(mv)
         else:
-            if not isinstance(tokens, (list, tuple)):
-                tokens = list(tokens)
+            seq = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
             try:
-                return struct.pack("%s%di" % (order, len(tokens)), *tokens)
+                return struct.pack("%s%di" % (order, len(seq)), *seq)
             except struct.error:
-                a = _array_ints(tokens)  # to say what is wrong
+                a = _array_ints(seq)  # to say what is wrong
     if order == "<" and sys.byteorder != "little":
         a = array("i", a)
         a.byteswap()
     return a.tobytes()
 
 
-def _buffer_ints(mv):
+def _buffer_ints(mv: memoryview) -> array[int]:
     native = "@=" + ("<" if sys.byteorder == "little" else ">")
     if mv.itemsize != 4 or mv.format.lstrip(native) != "i":
         raise TypeError("tokens must be int32 token ids, not a buffer of format %r" % mv.format)
@@ -207,7 +226,7 @@ def _buffer_ints(mv):
     return a
 
 
-def _array_ints(tokens):
+def _array_ints(tokens: Iterable[int]) -> array[int]:
     try:
         return array("i", tokens)
     except OverflowError:
@@ -232,28 +251,28 @@ class Geometry:
     pages: int
 
     @property
-    def dtype_size(self):
+    def dtype_size(self) -> int:
         return DTYPES[self.dtype][1]
 
     @property
-    def page_bytes(self):
+    def page_bytes(self) -> int:
         """One layer's K (or V) of one page: the block a page index names in each of the
         layers * 2 tensors."""
         return self.tokens_per_page * self.kv_heads * self.head_dim * self.dtype_size
 
     @property
-    def tensor_bytes(self):
+    def tensor_bytes(self) -> int:
         """One layer's K (or V) tensor: pages * page_bytes."""
         return self.pages * self.page_bytes
 
     @property
-    def page_span_bytes(self):
+    def page_span_bytes(self) -> int:
         """One page in every layer's K and V (layers * 2 * page_bytes): what a page
         holds of the slab, kvpoold's "page span"."""
         return self.layers * 2 * self.page_bytes
 
     @property
-    def slab_bytes(self):
+    def slab_bytes(self) -> int:
         """The whole slab, every segment: layers * 2 * tensor_bytes."""
         return self.layers * 2 * self.tensor_bytes
 
@@ -283,14 +302,14 @@ class Lease:
 
     __slots__ = ("pages", "id", "writable", "_replica")
 
-    def __init__(self, lease_id, pages, writable, replica=None):
+    def __init__(self, lease_id: int, pages: array[int], writable: bool, replica: Optional[Replica] = None) -> None:
         self.id, self.pages, self.writable, self._replica = lease_id, pages, writable, replica
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.pages)
 
     @property
-    def lost(self):
+    def lost(self) -> Optional[StaleLease]:
         """Why an owner's restart lost the lease, as a StaleLease exception (not
         raised), or None while the replica holds it, as Go's Lease.Lost.
 
@@ -309,7 +328,7 @@ class Lease:
             return None  # ended, or the replica closed meanwhile
         return StaleLease(27, why.decode(errors="replace")) if why else None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         shown = ", ".join(str(p) for p in self.pages[:8]) + (", ..." if len(self.pages) > 8 else "")
         return "<cudapool.kv.Lease %s id=%#x pages=[%s] (%d)>" % (
             "write" if self.writable else "read", self.id, shown, len(self.pages))
@@ -356,7 +375,7 @@ _SIGNATURES = {
 _DIAL_WAIT_FOR_OWNER = 1
 _DIAL_RECONNECT = 2
 
-_lib_kv = None
+_lib_kv: Any = None
 _load_lock = threading.Lock()
 
 
@@ -364,14 +383,16 @@ class _ReplicaTimeout:
     """The default of every Replica call's timeout: the Replica's own (its constructor's
     timeout). None is no bound and 0 do not wait, as everywhere in cudapool."""
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<the replica's timeout>"
 
 
 REPLICA_TIMEOUT = _ReplicaTimeout()
+# A Replica call's timeout: seconds, None (no bound), or REPLICA_TIMEOUT (the replica's).
+TimeoutArg = Union[float, None, _ReplicaTimeout]
 
 
-def _kvlib():
+def _kvlib() -> Any:
     """The library with the KV calls' prototypes set (once)."""
     global _lib_kv
     if _lib_kv is None:
@@ -386,11 +407,11 @@ def _kvlib():
     return _lib_kv
 
 
-def _stream(stream):
+def _stream(stream: StreamLike) -> Optional[int]:
     return stream_handle(stream) or None
 
 
-def _count(n, what):
+def _count(n: int, what: str) -> int:
     if not isinstance(n, int) or isinstance(n, bool):
         raise TypeError("%s must be an int, not %s" % (what, type(n).__name__))
     if n < 0:
@@ -400,7 +421,7 @@ def _count(n, what):
     return n
 
 
-def _hash_bytes(hashes):
+def _hash_bytes(hashes: HashesLike) -> Tuple[bytes, int]:
     """hashes (a Hashes, a list of 16-byte bytes, or their bytes joined) as (bytes, n)."""
     if isinstance(hashes, Hashes) and len(hashes.raw) == HASH_BYTES * len(hashes):
         raw = hashes.raw
@@ -410,14 +431,14 @@ def _hash_bytes(hashes):
             raise ValueError("%d bytes of hashes are not a whole number of %d-byte hashes"
                              % (len(raw), HASH_BYTES))
     else:
-        hashes = list(hashes)
+        hs = list(hashes)
         try:
-            raw = b"".join(hashes)
+            raw = b"".join(hs)
         except TypeError:
             raise TypeError("hashes must be bytes of %d each" % HASH_BYTES) from None
-        if len(raw) != HASH_BYTES * len(hashes) or (hashes and min(map(len, hashes)) != HASH_BYTES):
-            bad = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
-            raise ValueError("hash %d is %d bytes, not %d" % (bad, len(hashes[bad]), HASH_BYTES))
+        if len(raw) != HASH_BYTES * len(hs) or (hs and min(map(len, hs)) != HASH_BYTES):
+            bad = next(i for i, h in enumerate(hs) if len(h) != HASH_BYTES)
+            raise ValueError("hash %d is %d bytes, not %d" % (bad, len(hs[bad]), HASH_BYTES))
     n = len(raw) // HASH_BYTES
     _count(n, "the number of hashes")
     return raw, n
@@ -490,8 +511,9 @@ class Replica:
         A bad dir, device, namespace or timeout.
     """
 
-    def __init__(self, dir, device=0, *, namespace="", timeout=DEFAULT_TIMEOUT, wait_for_owner=False,
-                 reconnect=False):
+    def __init__(self, dir: PathLike, device: int = 0, *, namespace: Union[str, bytes] = "",
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, wait_for_owner: bool = False,
+                 reconnect: bool = False) -> None:
         path = os.fsencode(dir)
         if b"\0" in path:
             raise ValueError("dir %r has a NUL byte" % (dir,))
@@ -518,7 +540,7 @@ class Replica:
             self._call("cudapool_kv_segments", ptrs, sizes, n, ctypes.byref(got))
             self.segments = tuple(Segment(ptrs[i] or 0, sizes[i]) for i in range(got.value))
             k, v = _lib.vp(), _lib.vp()
-            layers = []
+            layers: List[Tuple[int, int]] = []
             for layer in range(g.layers):
                 self._call("cudapool_kv_layer_ptrs", layer, ctypes.byref(k), ctypes.byref(v))
                 layers.append((k.value or 0, v.value or 0))
@@ -533,37 +555,37 @@ class Replica:
         self._lease, self._n, self._u32a, self._u32b = _lib.u64(), _lib.size_t(), ctypes.c_uint32(), ctypes.c_uint32()
         self._one = (_lib.u64 * 1)()
 
-    def _call(self, name, *args):
+    def _call(self, name: str, *args: Any) -> None:
         if not self._r.h:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
         status = getattr(self._l, name)(self._r, *args)
         if status:
             raise _lib.error(status)
 
-    def __enter__(self):
+    def __enter__(self) -> Replica:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ms_of(self, timeout):
-        return self._ms if timeout is REPLICA_TIMEOUT else _lib.timeout_ms(timeout)
+    def _ms_of(self, timeout: TimeoutArg) -> int:
+        return self._ms if isinstance(timeout, _ReplicaTimeout) else _lib.timeout_ms(timeout)
 
     @property
-    def alive(self):
+    def alive(self) -> bool:
         """False once the owner is gone (its process died or the connection ended)."""
         a = _lib.c_int()
         self._call("cudapool_kv_alive", ctypes.byref(a))
         return bool(a.value)
 
     @property
-    def reattaches(self):
+    def reattaches(self) -> int:
         """How many times the replica reattached to a restarted owner (reconnect)."""
         n = _lib.u64()
         self._call("cudapool_kv_reattaches", ctypes.byref(n))
-        return n.value
+        return int(n.value)
 
-    def wait_attached(self, timeout=REPLICA_TIMEOUT):
+    def wait_attached(self, timeout: TimeoutArg = REPLICA_TIMEOUT) -> None:
         """Wait until the replica is attached to a live owner: at once while it is.
 
         Parameters
@@ -583,21 +605,21 @@ class Replica:
         self._call("cudapool_kv_wait_attached", self._ms_of(timeout))
 
     @property
-    def error(self):
+    def error(self) -> Optional[Gone]:
         """Why the owner is gone (a Gone exception), or None while it is there."""
         msg = _lib.call_sized("cudapool_kv_error", self._r, cap=256) if self._r.h else b""
         return Gone(9, msg.decode(errors="replace")) if msg else None
 
-    def fileno(self):
+    def fileno(self) -> int:
         """A file descriptor that becomes readable when the owner is gone (for select,
         poll or asyncio's add_reader); it stays the replica's, valid until close. With
         reconnect it tells the first loss only, and stays readable: after it, poll
         alive or wait_attached."""
         fd = _lib.c_int()
         self._call("cudapool_kv_done_fd", ctypes.byref(fd))
-        return fd.value
+        return int(fd.value)
 
-    def hashes(self, tokens):
+    def hashes(self, tokens: Tokens) -> Hashes:
         """The prefix hash of each full page of tokens (int32 ids) in this replica's
         namespace, computed by the library (prefix_hashes computes the same).
 
@@ -615,7 +637,7 @@ class Replica:
         self._call("cudapool_kv_hashes", raw if n_tokens else None, n_tokens, out, cap, ctypes.byref(n))
         return Hashes(out.raw[:n.value * HASH_BYTES])
 
-    def alloc(self, n, timeout=REPLICA_TIMEOUT):
+    def alloc(self, n: int, timeout: TimeoutArg = REPLICA_TIMEOUT) -> Lease:
         """Leases n free (or evicted) pages for writing: all of them or none.
 
         Returns
@@ -644,7 +666,8 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def seal(self, lease, hashes, stream=None, wait=False, timeout=REPLICA_TIMEOUT):
+    def seal(self, lease: Lease, hashes: HashesLike, stream: StreamLike = None, wait: bool = False,
+             timeout: TimeoutArg = REPLICA_TIMEOUT) -> SealResult:
         """Publishes the first len(hashes) pages of the write lease under hashes (the
         rest are freed): they become visible to every replica once the work queued on
         stream before the call has completed; with wait the call returns only then. The
@@ -680,7 +703,7 @@ class Replica:
                    ctypes.byref(visible), ctypes.byref(dup))
         return SealResult(visible.value, dup.value)
 
-    def match(self, hashes, stream=None, timeout=REPLICA_TIMEOUT):
+    def match(self, hashes: HashesLike, stream: StreamLike = None, timeout: TimeoutArg = REPLICA_TIMEOUT) -> Lease:
         """Leases for reading the longest run of visible pages under hashes from the
         first. Work queued on any stream after the call may read them; release them after
         it, on that stream. ``stream`` is not used (the match queues nothing: the pages'
@@ -712,7 +735,7 @@ class Replica:
             if mine:
                 self._busy.release()
 
-    def release(self, *leases, stream=None, timeout=REPLICA_TIMEOUT):
+    def release(self, *leases: Lease, stream: StreamLike = None, timeout: TimeoutArg = REPLICA_TIMEOUT) -> None:
         """Gives leases back once the work queued on stream before the call has
         completed: a page is not evicted or reused before. A Lease of len 0 (id 0, from
         a match that found nothing) holds nothing and is skipped: with only such leases
@@ -735,7 +758,7 @@ class Replica:
             The owner did not answer in time: the leases are given back all the same
             (after stream's work) and must not be used again.
         """
-        ids = []
+        ids: List[int] = []
         for l in leases:
             if not isinstance(l, Lease):
                 raise TypeError("release wants Leases, not %s" % type(l).__name__)
@@ -754,7 +777,7 @@ class Replica:
         arr = (_lib.u64 * len(ids))(*ids)
         self._call("cudapool_kv_release", arr, len(ids), _stream(stream), self._ms_of(timeout))
 
-    def stats(self, timeout=REPLICA_TIMEOUT):
+    def stats(self, timeout: TimeoutArg = REPLICA_TIMEOUT) -> Dict[str, Any]:
         """The owner's statistics: per device its pages by state (free, writing,
         sealing, sealed, settling; leased, releasing) and counters (hits, misses,
         evictions, seals, duplicates, copied) and, where kvpoold runs with
@@ -762,9 +785,10 @@ class Replica:
         their bytes, pages lost and evicted), per replica its leases and pages."""
         if not self._r.h:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
-        return json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
+        st: Dict[str, Any] = json.loads(_lib.call_sized("cudapool_kv_stats", self._r, self._ms_of(timeout)))
+        return st
 
-    def layer_ptrs(self, layer):
+    def layer_ptrs(self, layer: int) -> Tuple[int, int]:
         """Where layer's K and V tensors begin in this process, on the replica's
         device, as (k, v) addresses: each [pages, tokens_per_page, kv_heads, head_dim]
         of the geometry's dtype, contiguous, page p of it p * geometry.page_bytes
@@ -783,7 +807,7 @@ class Replica:
             raise Closed(4, "cudapool: the kv replica of %r is closed" % (self.namespace,))
         return self._layers[layer]
 
-    def tensor_view(self, layer, part):
+    def tensor_view(self, layer: int, part: int) -> _TensorView:
         """A DLPack and __cuda_array_interface__ view of layer's K (part 0) or V
         (part 1): [pages, tokens_per_page, kv_heads, head_dim] integers of the dtype's
         size (DLPack consumers differ on bf16 and fp8: view them as the dtype). It
@@ -794,7 +818,7 @@ class Replica:
         return _TensorView(self, self.layer_ptrs(layer)[part], _WORDS[g.dtype_size],
                            (g.pages, g.tokens_per_page, g.kv_heads, g.head_dim))
 
-    def kv_caches(self):
+    def kv_caches(self) -> List[Tuple[Any, Any]]:
         """Per layer, (K, V) torch tensors [pages, tokens_per_page, kv_heads, head_dim]
         of the geometry's dtype on this replica's device, views of the mapped slab's
         segments (no copy), built from layer_ptrs. Imports torch."""
@@ -802,13 +826,13 @@ class Replica:
         g = self.geometry
         dtype = getattr(torch, _TORCH_DTYPES[g.dtype])
 
-        def tensor(layer, part):
+        def tensor(layer: int, part: int) -> Any:
             t = torch.from_dlpack(self.tensor_view(layer, part))
             return t if t.dtype == dtype else t.view(dtype)
 
         return _layer_caches(tensor, g.layers)
 
-    def close(self, timeout=REPLICA_TIMEOUT):
+    def close(self, timeout: TimeoutArg = REPLICA_TIMEOUT) -> None:
         """Gives every lease back, unmaps the slab and hangs up; a second close does
         nothing.
 
@@ -835,7 +859,7 @@ class Replica:
             if status:
                 raise _lib.error(status)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<cudapool.kv.Replica device=%d namespace=%r %s>" % (
             self.device, self.namespace, "open" if self._r.h else "closed")
 
@@ -846,12 +870,15 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8e
 _WORDS = {1: "|u1", 2: "<i2", 4: "<i4"}
 
 
-def _layer_caches(tensor, layers):
+_T = TypeVar("_T")
+
+
+def _layer_caches(tensor: Callable[[int, int], _T], layers: int) -> List[Tuple[_T, _T]]:
     """Per layer, (K, V): tensor(layer, 0) and tensor(layer, 1)."""
     return [(tensor(l, 0), tensor(l, 1)) for l in range(layers)]
 
 
-def _page_array(pages, n):
+def _page_array(pages: Any, n: int) -> array[int]:
     a = array("I")
     a.frombytes(memoryview(pages).cast("B")[:4 * n])
     return a
@@ -862,7 +889,7 @@ class _TensorView:
     __cuda_array_interface__ consumers; it keeps the replica alive while a consumer
     holds it."""
 
-    def __init__(self, replica, ptr, typestr, shape):
+    def __init__(self, replica: Replica, ptr: int, typestr: str, shape: Tuple[int, ...]) -> None:
         itemsize = 2 if typestr == "bf16" else int(typestr[2:])
         n = itemsize
         for d in shape:
@@ -872,22 +899,22 @@ class _TensorView:
         self.replica, self.ptr, self.typestr, self.shape, self.itemsize = (
             replica, ptr, typestr, tuple(shape), itemsize)
 
-    def _ptr(self):
+    def _ptr(self) -> int:
         if not self.replica._r.h:
             raise Closed(4, "cudapool: the kv replica is closed")
         return self.ptr
 
     @property
-    def __cuda_array_interface__(self):
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
         if self.typestr == "bf16":
             raise TypeError("__cuda_array_interface__ has no bfloat16: use DLPack")
         # No stream: the slab's pages are ordered by the owner's leases, not by a stream.
         return {"shape": self.shape, "typestr": self.typestr, "data": (self._ptr(), False), "version": 3,
                 "strides": None, "stream": None}
 
-    def __dlpack__(self, stream=None, **_):
+    def __dlpack__(self, stream: Any = None, **_: Any) -> Any:
         return _dlpack.capsule(self, self._ptr(), self.replica.device, _dlpack.dtype_of(self.typestr),
                                self.shape, None, self.itemsize)
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> Tuple[int, int]:
         return (_dlpack.KDL_CUDA, self.replica.device)

@@ -18,9 +18,14 @@ the heads that share it. The keys are split into chunks processed by separate pr
 (split-K, "flash-decoding"), whose partial results a second kernel combines, so a decode
 step over 32k tokens keeps the GPU busy. ctx_len is read from device memory, so a CUDA
 graph captured once replays for every length up to max_ctx.
+
+The two kernels carry no Python type annotations, only Triton's (tl.constexpr): Triton
+reads a kernel's annotations to specialise it, and its untyped jit decorator is Any to
+mypy, so they alone are exempt from its checks (their "type: ignore" comments).
 """
 
 import math
+from typing import Any, Optional, Tuple
 
 import torch
 import triton
@@ -30,8 +35,8 @@ NEG = tl.constexpr(-1.0e30)  # the score of a masked key (finite, so that empty 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["n_q", "n_splits", "split_tokens"])
-def _partial(Q, K, V, BT, CTX, O, ML,
+@triton.jit(do_not_specialize=["n_q", "n_splits", "split_tokens"])  # type: ignore[misc]
+def _partial(Q, K, V, BT, CTX, O, ML,  # type: ignore[no-untyped-def]
              stride_qt, stride_qh,
              stride_kp, stride_kt, stride_kh,
              stride_vp, stride_vt, stride_vh,
@@ -87,8 +92,8 @@ def _partial(Q, K, V, BT, CTX, O, ML,
     tl.store(ML + (n_splits + split) * n_q * H + row, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_splits"])
-def _combine(O, ML, OUT, n_rows, n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])  # type: ignore[misc]
+def _combine(O, ML, OUT, n_rows, n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):  # type: ignore[no-untyped-def]
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     ok = s < n_splits
@@ -102,7 +107,7 @@ def _combine(O, ML, OUT, n_rows, n_splits, D: tl.constexpr, BLOCK_S: tl.constexp
     tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty))
 
 
-def plan(max_ctx, n_q, kv_heads, group):
+def plan(max_ctx: int, n_q: int, kv_heads: int, group: int) -> Tuple[int, int, int, int]:
     """The launch shape for contexts up to max_ctx: (BLOCK_M, m blocks, splits, tokens
     per split). Splits aim at a few hundred programs over the GPU's 132 SMs."""
     block_n = 64
@@ -116,14 +121,15 @@ def plan(max_ctx, n_q, kv_heads, group):
 class Workspace:
     """The partial results of one launch shape, allocated once (graph-safe reuse)."""
 
-    def __init__(self, max_ctx, n_q, heads, kv_heads, head_dim, device):
+    def __init__(self, max_ctx: int, n_q: int, heads: int, kv_heads: int, head_dim: int, device: Any) -> None:
         self.n_q, self.heads, self.head_dim = n_q, heads, head_dim
         self.block_m, self.m_blocks, self.splits, self.split = plan(max_ctx, n_q, kv_heads, heads // kv_heads)
         self.o = torch.empty(self.splits, n_q, heads, head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(2, self.splits, n_q, heads, dtype=torch.float32, device=device)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None, ws=None, scale=None):
+def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, ctx_len: Any, max_ctx: int,
+                    out: Any = None, ws: Optional[Workspace] = None, scale: Optional[float] = None) -> Any:
     """softmax(scale q K^T) V of q [q_len, heads, head_dim] over the ctx_len tokens (a
     device int tensor of one element, ctx_len >= q_len, <= max_ctx) the block table
     (int32, at least ceil(max_ctx / page) entries) names; scale defaults to
@@ -152,7 +158,7 @@ def paged_attention(q, k_cache, v_cache, block_table, ctx_len, max_ctx, out=None
     return out
 
 
-def reference(q, k_cache, v_cache, block_table, ctx, scale=None):
+def reference(q: Any, k_cache: Any, v_cache: Any, block_table: Any, ctx: int, scale: Optional[float] = None) -> Any:
     """The same attention with SDPA over K and V gathered from the pages (a copy), in
     float32; ctx a host int. Where no GPU (or no Triton) is, cudapool.hf attends with
     this."""

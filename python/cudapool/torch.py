@@ -21,8 +21,9 @@ with a MemPool: `with torch.cuda.use_mem_pool(cpt.mem_pool()): kv = torch.empty(
 
 from __future__ import annotations
 
+import ctypes
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ _TYPESTRS = {
 }
 _BY_NAME = {str(d).removeprefix("torch."): d for d in _TYPESTRS}
 
-_allocator = None
+_allocator: Any = None
 
 
 def configure(**pool_options: Any) -> None:
@@ -71,8 +72,8 @@ def mem_pool() -> Any:
 def pool_handle(device: int = 0) -> int:
     """The cudapool pool the allocator uses on device, as a handle for stats."""
     h = _lib.PoolH()
-    _lib.call("cudapool_torch_pool", _lib.device(device), _lib.ctypes.byref(h))
-    return h.h
+    _lib.call("cudapool_torch_pool", _lib.device(device), ctypes.byref(h))
+    return int(h.h)
 
 
 def stats(device: int = 0) -> cudapool.PoolStats:
@@ -80,7 +81,7 @@ def stats(device: int = 0) -> cudapool.PoolStats:
     return cudapool.pool_stats(_lib.PoolH(pool_handle(device)))
 
 
-def _current_stream(device):
+def _current_stream(device: Any) -> Any:
     return torch.cuda.current_stream(device)
 
 
@@ -110,9 +111,9 @@ def publish(exporter: cudapool.Exporter, name: str, tensor: Any, stream: Any = N
 class _Kept:
     """A tensor as Exporter.publish takes it: its bytes, and the tensor to keep alive."""
 
-    def __init__(self, tensor):
+    def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
-        self.__cuda_array_interface__ = {
+        self.__cuda_array_interface__: Dict[str, Any] = {
             "shape": (tensor.numel() * tensor.element_size(),), "typestr": "|u1",
             "data": (tensor.data_ptr(), False), "version": 3, "strides": None}
 

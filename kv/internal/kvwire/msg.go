@@ -19,18 +19,18 @@ type (
 		Pages []uint32
 	}
 	// Seal ends write lease Lease: its first len(Hashes) pages are published under
-	// Hashes once Event has completed.
+	// Hashes once Point is reached.
 	Seal struct {
-		Wait   bool
-		Lease  uint64
-		Event  [EventLen]byte
+		Wait  bool
+		Lease uint64
+		Point
 		Hashes []kv.Hash
 	}
 	// Match asks for the longest visible run of Hashes.
 	Match struct{ Hashes []kv.Hash }
-	// Release ends Leases once Event has completed.
+	// Release ends Leases once Point is reached.
 	Release struct {
-		Event  [EventLen]byte
+		Point
 		Leases []uint64
 	}
 	// Released says how many leases a Release ended.
@@ -44,12 +44,16 @@ type (
 	StatsReply struct{ JSON []byte }
 	// Empty is the payload of Stats.
 	Empty struct{}
-	// Bye ends a connection; with Final, the leases still held end after Event
-	// (a replica's Close), else at once.
+	// Bye ends a connection; with Final, the leases still held end once Point is
+	// reached (a replica's Close), else at once.
 	Bye struct {
 		Final bool
-		Event [EventLen]byte
+		Point
 	}
+	// Notifier registers notifier ID (not 0) of the connection: the eventfd sent
+	// with the frame's bytes (SCM_RIGHTS), which counts the completions of one stream
+	// of the replica's. It has no reply.
+	Notifier struct{ ID uint32 }
 )
 
 // Limit is the smallest and largest payload a frame type has.
@@ -63,16 +67,17 @@ var PayloadLimits = map[Type]Limit{
 	TypeRefused:    {4, 4 + MaxText},
 	TypeAlloc:      {4, 4},
 	TypeLeased:     {12, 12 + 4*kv.MaxBatch},
-	TypeSeal:       {8 + EventLen + 4, 8 + EventLen + 4 + 16*kv.MaxBatch},
+	TypeSeal:       {8 + PointLen + 4, 8 + PointLen + 4 + 16*kv.MaxBatch},
 	TypeSealed:     {12, 12},
 	TypeMatch:      {4, 4 + 16*kv.MaxBatch},
 	TypeMatched:    {12, 12 + 4*kv.MaxBatch},
-	TypeRelease:    {EventLen + 4, EventLen + 4 + 8*kv.MaxBatch},
+	TypeRelease:    {PointLen + 4, PointLen + 4 + 8*kv.MaxBatch},
 	TypeReleased:   {4, 4},
 	TypeStats:      {0, 0},
 	TypeStatsReply: {0, MaxFrame - HeaderLen},
 	TypeError:      {4, 4 + MaxText},
-	TypeBye:        {0, EventLen},
+	TypeBye:        {0, PointLen},
+	TypeNotifier:   {4, 4},
 }
 
 // KnownFlags are the flag bits a frame of type t may carry.
@@ -85,7 +90,7 @@ func KnownFlags(t Type) uint8 {
 
 // Decode decodes the payload p of a frame with header h into the message of its type
 // (Hello, Welcome, Problem, Alloc, Lease, Seal, Sealed, Match, Release, Released,
-// StatsReply or Empty), as the Decode function of that type does. A payload that
+// StatsReply, Empty, Bye or Notifier), as the Decode function of that type does. A payload that
 // breaks the layout, or flags its type does not define, fail with an error wrapping
 // ErrMalformed; a batch over kv.MaxBatch with one wrapping kv.ErrTooLarge. What decodes
 // encodes back (Append) to the same bytes.
@@ -120,6 +125,8 @@ func Decode(h Header, p []byte) (any, error) {
 		return Empty{}, NewParser(h.Type, p).Done()
 	case TypeBye:
 		return DecodeBye(p)
+	case TypeNotifier:
+		return DecodeNotifier(p)
 	}
 	return nil, fmt.Errorf("%w: unknown frame type %s", ErrMalformed, h.Type)
 }
@@ -171,7 +178,7 @@ func DecodeLease(t Type, p []byte, dst []uint32) (Lease, error) {
 // DecodeSeal decodes the payload of a Seal with header h; its hashes alias p.
 func DecodeSeal(h Header, p []byte) (Seal, error) {
 	r := NewParser(TypeSeal, p)
-	m := Seal{Wait: h.Flags&FlagWait != 0, Lease: r.U64(), Event: r.Event(), Hashes: r.Hashes()}
+	m := Seal{Wait: h.Flags&FlagWait != 0, Lease: r.U64(), Point: r.Point(), Hashes: r.Hashes()}
 	return m, r.Done()
 }
 
@@ -192,18 +199,36 @@ func DecodeMatch(p []byte) (Match, error) {
 // DecodeRelease decodes a Release's payload, its leases appended to dst.
 func DecodeRelease(p []byte, dst []uint64) (Release, error) {
 	r := NewParser(TypeRelease, p)
-	m := Release{Event: r.Event(), Leases: r.U64s(dst)}
+	m := Release{Point: r.Point(), Leases: r.U64s(dst)}
 	return m, r.Done()
 }
 
-// DecodeBye decodes a Bye's payload: empty, or a final event.
+// DecodeBye decodes a Bye's payload: empty, or a final point.
 func DecodeBye(p []byte) (Bye, error) {
 	if len(p) == 0 {
 		return Bye{}, nil
 	}
 	r := NewParser(TypeBye, p)
-	m := Bye{Final: true, Event: r.Event()}
+	m := Bye{Final: true, Point: r.Point()}
 	return m, r.Done()
+}
+
+// DecodeNotifier decodes a Notifier's payload; id 0 is malformed.
+func DecodeNotifier(p []byte) (Notifier, error) {
+	r := NewParser(TypeNotifier, p)
+	m := Notifier{ID: r.U32()}
+	if err := r.Done(); err != nil {
+		return m, err
+	}
+	if m.ID == 0 {
+		return m, fmt.Errorf("%w: Notifier of id 0", ErrMalformed)
+	}
+	return m, nil
+}
+
+// AppendNotifier appends a Notifier frame; the caller sends it with the eventfd.
+func AppendNotifier(b []byte, m Notifier) ([]byte, error) {
+	return frame(b, TypeNotifier, 0, 0, func(b []byte) []byte { return appendU32(b, m.ID) })
 }
 
 // DecodeReleased decodes a Released's payload.
@@ -228,13 +253,13 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 	case Lease:
 		return AppendLease(b, t, id, m.ID, m.Pages)
 	case Seal:
-		return AppendSeal(b, id, m.Wait, m.Lease, &m.Event, m.Hashes)
+		return AppendSeal(b, id, m.Wait, m.Lease, m.Point, m.Hashes)
 	case Sealed:
 		return AppendSealed(b, id, m)
 	case Match:
 		return AppendMatch(b, id, m.Hashes)
 	case Release:
-		return AppendRelease(b, id, &m.Event, m.Leases)
+		return AppendRelease(b, id, m.Point, m.Leases)
 	case Released:
 		return AppendU32(b, TypeReleased, id, m.Count)
 	case StatsReply:
@@ -246,7 +271,9 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 		if !m.Final {
 			return AppendEmpty(b, TypeBye, id)
 		}
-		return frame(b, TypeBye, 0, id, func(b []byte) []byte { return append(b, m.Event[:]...) })
+		return frame(b, TypeBye, 0, id, m.Point.append)
+	case Notifier:
+		return frame(b, TypeNotifier, 0, id, func(b []byte) []byte { return appendU32(b, m.ID) })
 	}
 	return b, fmt.Errorf("kvwire: no frame carries a %T", m)
 }

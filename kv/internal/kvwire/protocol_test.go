@@ -36,7 +36,7 @@ var protocolConstants = map[string]uint64{
 	"maximum text bytes":      MaxText,
 	"maximum namespace bytes": MaxNamespace,
 	"maximum batch":           kv.MaxBatch,
-	"event handle bytes":      EventLen,
+	"point bytes":             PointLen,
 	"geometry bytes":          GeometryLen,
 	"observer device":         uint64(Observer),
 	"maximum listed replicas": kv.MaxListed,
@@ -65,8 +65,7 @@ func fillBytes(b []byte, v byte) {
 }
 
 func protocolSamples() []sample {
-	var ev [EventLen]byte
-	fillBytes(ev[:], 0x40)
+	at := Point{Notifier: 0x0c0b0a09, Target: 0x1817161514131211}
 	hashes := make([]kv.Hash, 3)
 	for i := range hashes {
 		fillBytes(hashes[i][:], byte(0x80+16*i))
@@ -78,16 +77,17 @@ func protocolSamples() []sample {
 		{TypeRefused, Problem{Code: 0x0301, Text: "not you"}},
 		{TypeAlloc, Alloc{Pages: 0x0401}},
 		{TypeLeased, Lease{ID: 0x0501, Pages: []uint32{0x0502, 0x0503}}},
-		{TypeSeal, Seal{Wait: true, Lease: 0x0601, Event: ev, Hashes: hashes}},
+		{TypeSeal, Seal{Wait: true, Lease: 0x0601, Point: at, Hashes: hashes}},
 		{TypeSealed, Sealed{Visible: 0x0701, Duplicates: 0x0702, Pending: 0x0703}},
 		{TypeMatch, Match{Hashes: hashes}},
 		{TypeMatched, Lease{ID: 0x0901, Pages: []uint32{0x0902, 0x0903, 0x0904}}},
-		{TypeRelease, Release{Event: ev, Leases: []uint64{0x0a01, 0x0a02}}},
+		{TypeRelease, Release{Point: at, Leases: []uint64{0x0a01, 0x0a02}}},
 		{TypeReleased, Released{Count: 0x0b01}},
 		{TypeStats, Empty{}},
 		{TypeStatsReply, StatsReply{JSON: []byte(`{"pid":1}`)}},
 		{TypeError, Problem{Code: 0x0e01, Text: "no room"}},
-		{TypeBye, Bye{Final: true, Event: ev}},
+		{TypeBye, Bye{Final: true, Point: at}},
+		{TypeNotifier, Notifier{ID: 0x1201}},
 	}
 }
 

@@ -86,3 +86,7 @@ func (rd *Reader) compact() {
 
 // Buffered says whether a frame (or part of one) is in the buffer, unread.
 func (rd *Reader) Buffered() bool { return rd.w > rd.r }
+
+// Unread is how many bytes the Reader has taken from its source past the last frame
+// Next returned: with the bytes read so far, where in the stream that frame ended.
+func (rd *Reader) Unread() int { return rd.w - rd.r }

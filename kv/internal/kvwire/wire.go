@@ -18,8 +18,10 @@ import (
 )
 
 // Version is the version of the page protocol; Hello carries it. Version 2 gave
-// Refused an error code and the Hello's id.
-const Version = 2
+// Refused an error code and the Hello's id; version 3 replaced the IPC event of Seal,
+// Release and Bye with a Point of a notifier (an eventfd the replica passes once, in a
+// Notifier frame).
+const Version = 3
 
 // The files of an owner's directory.
 const (
@@ -35,8 +37,8 @@ const (
 	HeaderLen = 12
 	// MaxFrame bounds a whole frame, header included.
 	MaxFrame = 128 << 10
-	// EventLen is the bytes of an IPC event handle.
-	EventLen = 64
+	// PointLen is the bytes of an encoded Point.
+	PointLen = 12
 	// MaxText bounds the strings a frame carries (namespace, reason, message).
 	MaxText = 4096
 	// GeometryLen is the bytes of an encoded kv.Geometry.
@@ -58,22 +60,23 @@ const (
 	TypeRefused    Type = 3  // owner: not admitted: a code and why; then close
 	TypeAlloc      Type = 4  // replica: n pages for writing
 	TypeLeased     Type = 5  // owner: the write lease answering Alloc
-	TypeSeal       Type = 6  // replica: a write lease's pages under these hashes, after this event
+	TypeSeal       Type = 6  // replica: a write lease's pages under these hashes, after this point
 	TypeSealed     Type = 7  // owner: how many became visible, were duplicates, are pending
 	TypeMatch      Type = 8  // replica: the longest visible run of these hashes
 	TypeMatched    Type = 9  // owner: the read lease answering Match
-	TypeRelease    Type = 10 // replica: these leases end after this event
+	TypeRelease    Type = 10 // replica: these leases end after this point
 	TypeReleased   Type = 11 // owner: how many ended
 	TypeStats      Type = 12 // replica: the owner's Stats
 	TypeStatsReply Type = 13 // owner: Stats as JSON
 	TypeError      Type = 14 // owner: a request failed
-	TypeBye        Type = 15 // replica: no more requests from me; held leases end after the event if it carries one
+	TypeBye        Type = 15 // replica: no more requests from me; held leases end after the point if it carries one
 	TypeReattach   Type = 16 // replica: a lease held from before the owner's restart; id 0 ends the list
 	TypeReattached Type = 17 // owner: the lease is kept, or lost and why
+	TypeNotifier   Type = 18 // replica: a notifier's id; its eventfd rides with the frame (SCM_RIGHTS); no reply
 )
 
 func (t Type) String() string {
-	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached"}
+	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached", "Notifier"}
 	if int(t) < len(names) && t != 0 {
 		return names[t]
 	}
@@ -107,7 +110,7 @@ const (
 	CodeTooLarge   uint16 = 5
 	CodeClosed     uint16 = 6
 	CodeRefused    uint16 = 7 // Refused: the policy, the version or the Hello
-	CodeLimit      uint16 = 8 // a cap on connections, leases or event handles is full
+	CodeLimit      uint16 = 8 // a cap on connections, leases or notifiers is full
 )
 
 var codeErrs = map[uint16]error{CodeNoSpace: kv.ErrNoSpace, CodeStaleLease: kv.ErrStaleLease, CodeGeometry: kv.ErrGeometry, CodeTooLarge: kv.ErrTooLarge,
@@ -252,7 +255,7 @@ func checkBatch(what string, n int) error {
 }
 
 // AppendSeal appends a Seal frame.
-func AppendSeal(b []byte, id uint32, wait bool, lease uint64, event *[EventLen]byte, hashes []kv.Hash) ([]byte, error) {
+func AppendSeal(b []byte, id uint32, wait bool, lease uint64, at Point, hashes []kv.Hash) ([]byte, error) {
 	if err := checkBatch("hashes", len(hashes)); err != nil {
 		return b, err
 	}
@@ -262,9 +265,23 @@ func AppendSeal(b []byte, id uint32, wait bool, lease uint64, event *[EventLen]b
 	}
 	start := len(b)
 	b = appendU64(Begin(b, TypeSeal, flags, id), lease)
-	b = appendU32(append(b, event[:]...), uint32(len(hashes)))
+	b = appendU32(at.append(b), uint32(len(hashes)))
 	return End(append(b, hashBytes(hashes)...), start)
 }
+
+// Point is where a stream's work is done: once notifier Notifier's eventfd has
+// counted Target completions in all (the Target'th StreamNotify the replica queued
+// on that notifier's stream has run). Notifier 0 (with Target 0) means nothing to wait for:
+// the work had completed when the replica sent it.
+type Point struct {
+	Notifier uint32
+	Target   uint64
+}
+
+// Now is the Point that waits for nothing.
+var Now = Point{}
+
+func (at Point) append(b []byte) []byte { return appendU64(appendU32(b, at.Notifier), at.Target) }
 
 // Sealed answers a Seal.
 type Sealed struct{ Visible, Duplicates, Pending uint32 }
@@ -286,12 +303,12 @@ func AppendMatch(b []byte, id uint32, hashes []kv.Hash) ([]byte, error) {
 }
 
 // AppendRelease appends a Release frame.
-func AppendRelease(b []byte, id uint32, event *[EventLen]byte, leases []uint64) ([]byte, error) {
+func AppendRelease(b []byte, id uint32, at Point, leases []uint64) ([]byte, error) {
 	if err := checkBatch("leases", len(leases)); err != nil {
 		return b, err
 	}
 	start := len(b)
-	b = appendU32(append(Begin(b, TypeRelease, 0, id), event[:]...), uint32(len(leases)))
+	b = appendU32(at.append(Begin(b, TypeRelease, 0, id)), uint32(len(leases)))
 	for _, l := range leases {
 		b = appendU64(b, l)
 	}
@@ -356,10 +373,13 @@ func (r *Parser) Text() string {
 	return string(r.take(n))
 }
 
-// Event reads an IPC event handle.
-func (r *Parser) Event() (e [EventLen]byte) {
-	copy(e[:], r.take(EventLen))
-	return e
+// Point reads a Point; a point of notifier 0 must be 0.
+func (r *Parser) Point() Point {
+	at := Point{Notifier: r.U32(), Target: r.U64()}
+	if r.err == nil && at.Notifier == 0 && at.Target != 0 {
+		r.err = fmt.Errorf("%w: %s names no notifier but a target %d", ErrMalformed, r.t, at.Target)
+	}
+	return at
 }
 
 // count reads a u32 count of items of size bytes each, at most kv.MaxBatch.

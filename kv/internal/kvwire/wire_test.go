@@ -40,8 +40,7 @@ func (c *chunks) Read(p []byte) (int, error) {
 
 func frames(t *testing.T) []byte {
 	t.Helper()
-	var ev [EventLen]byte
-	ev[0], ev[63] = 1, 2
+	at := Point{Notifier: 1, Target: 2}
 	var b []byte
 	must := func(nb []byte, e error) {
 		require.NoError(t, e)
@@ -51,10 +50,10 @@ func frames(t *testing.T) []byte {
 	g := kv.Geometry{Layers: 3, KVHeads: 4, HeadDim: 5, TokensPerPage: 6, DType: kv.DTypeFP16, Pages: 7}
 	must(AppendWelcome(b, 2, Welcome{Geometry: g, Slab: "kv/slab/1"}))
 	must(AppendLease(b, TypeLeased, 3, 99, []uint32{5, 6, 7}))
-	must(AppendSeal(b, 4, true, 99, &ev, []kv.Hash{{1}, {2}}))
+	must(AppendSeal(b, 4, true, 99, at, []kv.Hash{{1}, {2}}))
 	must(AppendSealed(b, 5, Sealed{Visible: 1, Duplicates: 2, Pending: 3}))
 	must(AppendMatch(b, 6, []kv.Hash{{3}}))
-	must(AppendRelease(b, 7, &ev, []uint64{1, 1 << 60}))
+	must(AppendRelease(b, 7, at, []uint64{1, 1 << 60}))
 	must(AppendError(b, TypeError, 8, CodeNoSpace, "no room"))
 	must(AppendEmpty(b, TypeBye, 9))
 	return b
@@ -92,8 +91,7 @@ func checkFrames(t *testing.T, rd *Reader, src io.Reader) {
 	assert.Equal(t, Header{Type: TypeSeal, Flags: FlagWait, ID: 4}, h)
 	p = NewParser(h.Type, pl)
 	assert.Equal(t, uint64(99), p.U64())
-	ev := p.Event()
-	assert.Equal(t, [2]byte{1, 2}, [2]byte{ev[0], ev[63]})
+	assert.Equal(t, Point{Notifier: 1, Target: 2}, p.Point())
 	assert.Equal(t, []kv.Hash{{1}, {2}}, p.Hashes())
 	require.NoError(t, p.Done())
 	p = next(TypeSealed, 5)
@@ -101,7 +99,7 @@ func checkFrames(t *testing.T, rd *Reader, src io.Reader) {
 	p = next(TypeMatch, 6)
 	assert.Equal(t, []kv.Hash{{3}}, p.Hashes())
 	p = next(TypeRelease, 7)
-	p.Event()
+	p.Point()
 	assert.Equal(t, []uint64{1, 1 << 60}, p.U64s(nil))
 	require.NoError(t, p.Done())
 	p = next(TypeError, 8)
@@ -152,12 +150,12 @@ func TestReaderReusesItsBuffer(t *testing.T) {
 }
 
 func TestSenderRefusesTooLarge(t *testing.T) {
-	var ev [EventLen]byte
+	var at Point
 	_, err := AppendMatch(nil, 1, make([]kv.Hash, kv.MaxBatch+1))
 	assert.ErrorIs(t, err, kv.ErrTooLarge)
-	_, err = AppendSeal(nil, 1, false, 1, &ev, make([]kv.Hash, kv.MaxBatch+1))
+	_, err = AppendSeal(nil, 1, false, 1, at, make([]kv.Hash, kv.MaxBatch+1))
 	assert.ErrorIs(t, err, kv.ErrTooLarge)
-	_, err = AppendRelease(nil, 1, &ev, make([]uint64, kv.MaxBatch+1))
+	_, err = AppendRelease(nil, 1, at, make([]uint64, kv.MaxBatch+1))
 	assert.ErrorIs(t, err, kv.ErrTooLarge)
 	_, err = AppendLease(nil, TypeMatched, 1, 1, make([]uint32, kv.MaxBatch+1))
 	assert.ErrorIs(t, err, kv.ErrTooLarge)

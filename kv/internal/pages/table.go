@@ -16,7 +16,7 @@
 // copy once the journal is on disk through its After and the copies it names in Wait
 // have completed, and answers the replica only once the journal is on disk through
 // Wait and the copies in Await have completed. It reports a copy's end with CopyDone,
-// a replica's event (after a seal or a release) with SealDone or ReleaseDone, a
+// a seal's or release's point reached (its notifier) with SealDone or ReleaseDone, a
 // replica's exit with HolderDead, and, after a restart, each replica's re-declared
 // leases with Reattach and Declared, and the grace's end with CloseWindow. An
 // operation that answers ErrWait or ErrSettling is asked again once the window has
