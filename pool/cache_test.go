@@ -21,11 +21,11 @@ type countingRuntime struct{ *intercept.Runtime }
 
 func newCounting(rt cudart.Runtime) countingRuntime { return countingRuntime{intercept.Wrap(rt)} }
 
-func (r countingRuntime) mallocs() int64     { return r.Calls("MallocFromPoolAsync") }
-func (r countingRuntime) frees() int64       { return r.Calls("FreeAsync") }
-func (r countingRuntime) poolExports() int64 { return r.Calls("MemPoolExportToShareableHandle") }
-func (r countingRuntime) ptrExports() int64  { return r.Calls("MemPoolExportPointer") }
-func (r countingRuntime) waits() int64       { return r.Calls("StreamWaitEvent") }
+func (r countingRuntime) mallocs() int64     { return r.On.MallocFromPoolAsync.Calls() }
+func (r countingRuntime) frees() int64       { return r.On.FreeAsync.Calls() }
+func (r countingRuntime) poolExports() int64 { return r.On.MemPoolExportToShareableHandle.Calls() }
+func (r countingRuntime) ptrExports() int64  { return r.On.MemPoolExportPointer.Calls() }
+func (r countingRuntime) waits() int64       { return r.On.StreamWaitEvent.Calls() }
 
 // calls is what the counting runtime has seen so far.
 type calls struct{ mallocs, frees, ptrExports, waits int64 }

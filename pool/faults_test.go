@@ -14,11 +14,11 @@ import (
 	"github.com/cudapool/cudapool/internal/testwait"
 )
 
-// faultyRuntime fails the calls it is told to, and can misalign pointers.
+// faultyRuntime fails the calls it is told to (r.On.<Method>.Fail(1, errInjected)),
+// answers device attributes, and can misalign pointers.
 type faultyRuntime struct {
 	*intercept.Runtime
 	mu    sync.Mutex
-	fail  map[string]int // call name -> how many more calls fail
 	shift cudart.DevicePtr
 	attrs map[cudart.DeviceAttr]int // device attributes answered instead of the device
 	pools int                       // pools created and not destroyed
@@ -26,49 +26,28 @@ type faultyRuntime struct {
 
 var errInjected = cudart.NewError("injected", cudart.ErrUnknown)
 
-func (r *faultyRuntime) failNext(call string, n int) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.fail[call] = n
-}
-
-func (r *faultyRuntime) fails(call string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.fail[call] > 0 {
-		r.fail[call]--
-		return true
-	}
-	return false
-}
-
 func newFaulty(t testing.TB) (*faultyRuntime, testEnv) {
 	d := softDevice(t)
-	r := &faultyRuntime{Runtime: intercept.Wrap(d), fail: map[string]int{}, attrs: map[cudart.DeviceAttr]int{}}
-	r.Before(intercept.Any, func(c *intercept.Call) {
-		if c.Method == "DeviceAttribute" {
-			if v, ok := r.attrs[c.Args[1].(cudart.DeviceAttr)]; ok {
-				c.Answer(v)
-				return
-			}
+	r := &faultyRuntime{Runtime: intercept.Wrap(d), attrs: map[cudart.DeviceAttr]int{}}
+	r.On.DeviceAttribute.Around(func(next intercept.DeviceAttributeFunc, dev int, attr cudart.DeviceAttr) (int, error) {
+		if v, ok := r.attrs[attr]; ok {
+			return v, nil
 		}
-		if r.fails(c.Method) {
-			c.Err = errInjected
-		}
+		return next(dev, attr)
 	})
-	r.After("MallocFromPoolAsync", func(c *intercept.Call) { c.Results[0] = c.Results[0].(cudart.DevicePtr) + r.shift })
-	r.Before("FreeAsync", func(c *intercept.Call) { c.Args[1] = c.Args[1].(cudart.DevicePtr) - r.shift })
-	count := func(d int) intercept.Hook {
-		return func(c *intercept.Call) {
-			if c.Err == nil {
-				r.mu.Lock()
-				r.pools += d
-				r.mu.Unlock()
-			}
+	r.On.MallocFromPoolAsync.After(func(p cudart.DevicePtr, err error) (cudart.DevicePtr, error) { return p + r.shift, err })
+	r.On.FreeAsync.Around(func(next intercept.FreeAsyncFunc, dev int, p cudart.DevicePtr, s cudart.Stream) error {
+		return next(dev, p-r.shift, s)
+	})
+	count := func(d int, err error) {
+		if err == nil {
+			r.mu.Lock()
+			r.pools += d
+			r.mu.Unlock()
 		}
 	}
-	r.After("MemPoolCreate", count(1))
-	r.After("MemPoolDestroy", count(-1))
+	r.On.MemPoolCreate.After(func(p cudart.MemPool, err error) (cudart.MemPool, error) { count(1, err); return p, err })
+	r.On.MemPoolDestroy.After(func(err error) error { count(-1, err); return err })
 	return r, newTestEnv(t, d, d)
 }
 
@@ -104,9 +83,9 @@ func TestNewFailuresLeaveNothing(t *testing.T) {
 			nil, ErrUnsupportedHandleType, "supports win32 (0x2)"},
 		{"no memory pools", func(r *faultyRuntime) { r.attrs[cudart.DevAttrMemoryPoolsSupported] = 0 },
 			nil, cudart.ErrNotSupported, "does not support memory pools"},
-		{"failing DeviceAttribute", func(r *faultyRuntime) { r.failNext("DeviceAttribute", 1) },
+		{"failing DeviceAttribute", func(r *faultyRuntime) { r.On.DeviceAttribute.Fail(1, errInjected) },
 			nil, errInjected, "supports memory pools"},
-		{"failing MemPoolSetAccess", func(r *faultyRuntime) { r.failNext("MemPoolSetAccess", 1) },
+		{"failing MemPoolSetAccess", func(r *faultyRuntime) { r.On.MemPoolSetAccess.Fail(1, errInjected) },
 			[]Option{WithPeerAccess(1)}, errInjected, "access"},
 	}
 	for _, c := range cases {
@@ -123,7 +102,7 @@ func TestFailedFreeKeepsBufferLive(t *testing.T) {
 	r, e := newFaulty(t)
 	p := mustNew(t, r)
 	b := mustAlloc(t, p, 1, e.stream)
-	r.failNext("FreeAsync", 1)
+	r.On.FreeAsync.Fail(1, errInjected)
 	wantErr(t, "Free with failing FreeAsync", b.Free(e.stream), errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
 	mustFree(t, b, e.stream)
@@ -131,14 +110,14 @@ func TestFailedFreeKeepsBufferLive(t *testing.T) {
 	// The same for a buffer that was shared, and one whose free is deferred.
 	b = mustAlloc(t, p, 1, e.stream)
 	require.NoError(t, mustLease(t, b).End(0))
-	r.failNext("EventRecord", 1)
+	r.On.EventRecord.Fail(1, errInjected)
 	wantErr(t, "Free of a shared buffer with failing EventRecord", b.Free(e.stream), errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
 	mustFree(t, b, e.stream)
 
 	b = mustAlloc(t, p, 1, e.stream)
 	l := mustLease(t, b)
-	r.failNext("EventRecord", 1)
+	r.On.EventRecord.Fail(1, errInjected)
 	wantErr(t, "deferred Free with failing EventRecord", b.Free(e.stream), errInjected)
 	wantCounts(t, p, 1, 1, 1, 0)
 	mustFree(t, b, e.stream)
@@ -152,7 +131,7 @@ func TestFailedDeferredFreeIsReported(t *testing.T) {
 	b := mustAlloc(t, p, 1, e.stream)
 	l := mustLease(t, b)
 	mustFree(t, b, e.stream)
-	r.failNext("FreeAsync", 1)
+	r.On.FreeAsync.Fail(1, errInjected)
 	err := l.End(0)
 	wantErr(t, "End issuing a failing deferred free", err, ErrFreeFailed, errInjected)
 	wantErr(t, "End again", l.End(0), ErrLeaseEnded)
@@ -173,7 +152,7 @@ func TestReleaseStreamFailure(t *testing.T) {
 	r, e := newFaulty(t)
 	p := mustNew(t, r)
 	b := mustAlloc(t, p, 1, e.stream)
-	r.failNext("StreamCreate", 1)
+	r.On.StreamCreate.Fail(1, errInjected)
 	_, err := b.Lease()
 	wantErr(t, "Lease without a release stream", err, errInjected)
 	wantCounts(t, p, 1, 0, 0, 0)
@@ -181,25 +160,29 @@ func TestReleaseStreamFailure(t *testing.T) {
 	mustFree(t, b, e.stream)
 }
 
-// blockingRuntime holds the first call of one method until release is closed, saying
-// on entered that it is inside.
+// blockingRuntime holds the first call of one method (hold's) until release is closed,
+// saying on entered that it is inside.
 type blockingRuntime struct {
 	*intercept.Runtime
 	entered, release chan struct{}
 }
 
-func newBlocking(rt cudart.Runtime, method string) *blockingRuntime {
-	r := &blockingRuntime{Runtime: intercept.Wrap(rt), entered: make(chan struct{}), release: make(chan struct{})}
-	r.Before(method, intercept.Once(func() {
+func newBlocking(rt cudart.Runtime) *blockingRuntime {
+	return &blockingRuntime{Runtime: intercept.Wrap(rt), entered: make(chan struct{}), release: make(chan struct{})}
+}
+
+// hold makes the first call of m, one of r's methods, block until release is closed.
+func (r *blockingRuntime) hold(m intercept.Method) {
+	m.Once(func() {
 		close(r.entered)
 		<-r.release
-	}))
-	return r
+	})
 }
 
 func TestCloseWaitsForCallsInFlight(t *testing.T) {
 	d := softDevice(t)
-	r := newBlocking(d, "MallocFromPoolAsync")
+	r := newBlocking(d)
+	r.hold(&r.On.MallocFromPoolAsync)
 	release := sync.OnceFunc(func() { close(r.release) })
 	t.Cleanup(release) // a failure before the release must not leave the call blocked
 	p := mustNew(t, r)
@@ -278,7 +261,7 @@ func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 			require.NoError(t, err)
 			want := !refused
 			assert.Equal(t, want, report.Destroyed, "export refused %v: Close destroyed", refused)
-			assert.Equal(t, map[bool]int64{true: 1}[want], r.Calls("MemPoolDestroy"), "export refused %v: MemPoolDestroy calls", refused)
+			assert.Equal(t, map[bool]int64{true: 1}[want], r.On.MemPoolDestroy.Calls(), "export refused %v: MemPoolDestroy calls", refused)
 			if e.soft != nil && export {
 				assert.True(t, refused, "the software device without WithFabric let a FABRIC pool be exported")
 			}
@@ -292,7 +275,8 @@ func TestFabricPoolWhoseExportWasRefusedIsNotDestroyed(t *testing.T) {
 func TestEndDuringEndAfterCloseBeganEndsOnce(t *testing.T) {
 	d := softDevice(t)
 	e := newTestEnv(t, d, d)
-	r := newBlocking(d, "StreamWaitEvent")
+	r := newBlocking(d)
+	r.hold(&r.On.StreamWaitEvent)
 	release := sync.OnceFunc(func() { close(r.release) })
 	t.Cleanup(release) // a failure before the release must not leave End blocked
 	p := mustNew(t, r)

@@ -27,17 +27,20 @@ func newCallCounts(rt cudart.Runtime) *callCounts {
 }
 
 // counted are the calls callCounts reports.
-var counted = []string{"StreamWaitEvent", "EventRecord", "EventQuery", "StreamSynchronize", "FreeAsync", "MemPoolImportPointer", "MemPoolExportPointer", "MallocFromPoolAsync"}
+func (r *callCounts) counted() []intercept.Method {
+	on := &r.On
+	return []intercept.Method{&on.StreamWaitEvent, &on.EventRecord, &on.EventQuery, &on.StreamSynchronize, &on.FreeAsync, &on.MemPoolImportPointer, &on.MemPoolExportPointer, &on.MallocFromPoolAsync}
+}
 
-// take returns the counts since the last take, of the calls made.
+// take returns the counts since the last take, of the calls made, by method name.
 func (r *callCounts) take() map[string]int {
 	n := map[string]int{}
-	for _, m := range counted {
-		c := r.Calls(m)
-		if d := c - r.last[m]; d > 0 {
-			n[m] = int(d)
+	for _, m := range r.counted() {
+		c := m.Calls()
+		if d := c - r.last[m.Name()]; d > 0 {
+			n[m.Name()] = int(d)
 		}
-		r.last[m] = c
+		r.last[m.Name()] = c
 	}
 	return n
 }

@@ -283,14 +283,14 @@ func TestOpenAllOfLongNames(t *testing.T) {
 func countWaits(rt *intercept.Runtime) (waited func(cudart.Stream) int) {
 	var mu sync.Mutex
 	waits := map[cudart.Stream]map[cudart.Event]bool{}
-	rt.Before("StreamWaitEvent", func(c *intercept.Call) {
-		s, e := c.Args[1].(cudart.Stream), c.Args[2].(cudart.Event)
+	rt.On.StreamWaitEvent.Before(func(_ int, s cudart.Stream, e cudart.Event) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if waits[s] == nil {
 			waits[s] = map[cudart.Event]bool{}
 		}
 		waits[s][e] = true
+		return nil
 	})
 	return func(s cudart.Stream) int {
 		mu.Lock()

@@ -29,10 +29,10 @@ func TestOpenInFlightDuringCloseFailsClosed(t *testing.T) {
 			// that it is inside.
 			entered, release := make(chan struct{}), make(chan struct{})
 			rt := intercept.Wrap(s.Dev)
-			rt.Before("MemPoolImportPointer", intercept.Once(func() {
+			rt.On.MemPoolImportPointer.Once(func() {
 				close(entered)
 				<-release
-			}))
+			})
 			ctx := exporttest.Ctx(t)
 			imp, err := consumer.Dial(ctx, pr.Path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 			require.NoError(t, err)

@@ -30,7 +30,7 @@ func newRendezvousProducer(t *testing.T, n int) *exporttest.Producer {
 		rt := intercept.Wrap(r)
 		var mu sync.Mutex
 		arrived, all := 0, make(chan struct{})
-		rt.Before("IpcOpenEventHandle", func(c *intercept.Call) {
+		rt.On.IpcOpenEventHandle.Before(func(int, cudart.IpcEventHandle) error {
 			mu.Lock()
 			if arrived++; arrived == n {
 				close(all)
@@ -38,8 +38,9 @@ func newRendezvousProducer(t *testing.T, n int) *exporttest.Producer {
 			mu.Unlock()
 			select {
 			case <-all:
+				return nil
 			case <-time.After(exporttest.HangGuard):
-				c.Err = errors.New("test: the other peers' grants never came while this one waited")
+				return errors.New("test: the other peers' grants never came while this one waited")
 			}
 		})
 		return rt

@@ -125,7 +125,7 @@ func TestOpenInFlightWhenProducerDies(t *testing.T) {
 	// The producer dies the moment the Importer opens its ready event: with an Open
 	// in flight.
 	rt := intercept.Wrap(s.Dev)
-	rt.Before("IpcOpenEventHandle", intercept.Once(func() { exporttest.KillProducer(t, k) }))
+	rt.On.IpcOpenEventHandle.Once(func() { exporttest.KillProducer(t, k) })
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 0, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

@@ -56,7 +56,7 @@ func TestFailedReleaseCanBeRetried(t *testing.T) {
 	defer imp.Close(context.Background())
 	m, err := imp.Open(ctx, "a", s.Stream)
 	require.NoError(t, err)
-	rt.Fail("FreeAsync", 1, cudart.NewError("cudaFreeAsync", cudart.ErrUnknown)) // the next free, the import's
+	rt.On.FreeAsync.Fail(1, cudart.NewError("cudaFreeAsync", cudart.ErrUnknown)) // the next free, the import's
 	err = m.Release(ctx, s.Stream)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, consumer.ErrReleased)

@@ -30,7 +30,7 @@ func TestReplicaMadeAsItsProducerDies(t *testing.T) {
 		// The producer dies as the first device-to-device copy is queued: the
 		// replica's copy, made as its producer dies.
 		rt := intercept.Wrap(s.Dev)
-		rt.Before("MemcpyDtoDAsync", intercept.Once(func() { exporttest.KillProducer(t, k) }))
+		rt.On.MemcpyDtoDAsync.Once(func() { exporttest.KillProducer(t, k) })
 		ctx := exporttest.Ctx(t)
 		imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 		require.NoError(t, err)
@@ -142,18 +142,19 @@ func TestReplicaAllocatorMustGrantTheExportersDevice(t *testing.T) {
 // kills the producer as a stream is made to wait on one: the producer dies in the one
 // window Open cannot close, between its last look at the process and the wait.
 func killAtReadyWait(rt *intercept.Runtime, kill func()) {
-	ready := intercept.TrackLive[cudart.Event](rt, "IpcOpenEventHandle", "")
-	isReady := func(c *intercept.Call) bool { return ready.Has(c.Args[len(c.Args)-1].(cudart.Event)) }
-	rt.Before("EventQuery", func(c *intercept.Call) {
-		if isReady(c) {
-			c.Answer(false)
+	ready := intercept.TrackLive[cudart.Event](&rt.On.IpcOpenEventHandle, nil)
+	rt.On.EventQuery.Around(func(next intercept.EventQueryFunc, dev int, e cudart.Event) (bool, error) {
+		if ready.Has(e) {
+			return false, nil
 		}
+		return next(dev, e)
 	})
 	var once sync.Once
-	rt.Before("StreamWaitEvent", func(c *intercept.Call) {
-		if isReady(c) {
+	rt.On.StreamWaitEvent.Before(func(_ int, _ cudart.Stream, e cudart.Event) error {
+		if ready.Has(e) {
 			once.Do(kill)
 		}
+		return nil
 	})
 }
 
@@ -219,8 +220,8 @@ func TestOpenSaysGoneWhenTheProducerDiesAtTheImport(t *testing.T) {
 	// The producer is killed as a buffer is imported, and the import fails as a
 	// driver might for a dead process's pool.
 	rt := intercept.Wrap(s.Dev)
-	rt.Before("MemPoolImportPointer", intercept.Once(func() { exporttest.KillProducer(t, k) }))
-	rt.Fail("MemPoolImportPointer", -1, cudart.NewError("cudaMemPoolImportPointer", cudart.ErrInvalidValue))
+	rt.On.MemPoolImportPointer.Once(func() { exporttest.KillProducer(t, k) })
+	rt.On.MemPoolImportPointer.Fail(-1, cudart.NewError("cudaMemPoolImportPointer", cudart.ErrInvalidValue))
 	ctx := exporttest.Ctx(t)
 	imp, err := consumer.Dial(ctx, path, rt, 1, consumer.WithLogger(exporttest.DiscardLogger))
 	require.NoError(t, err)

@@ -42,6 +42,6 @@ func TestReleaseEventOfExitedConsumerIsNotOpened(t *testing.T) {
 	err = pr.Ex.Push(exporttest.Ctx(t), "a", k.PID())
 	require.Error(t, err)
 	assert.ErrorIs(t, err, producer.ErrNoPeer)
-	assert.Zero(t, counter.Calls("IpcOpenEventHandle"), "the release event of an exited process was opened")
+	assert.Zero(t, counter.On.IpcOpenEventHandle.Calls(), "the release event of an exited process was opened")
 	pr.CheckClean(t)
 }

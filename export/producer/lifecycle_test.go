@@ -105,7 +105,7 @@ func TestGrantAfterPeerLeftLeaksNoEvent(t *testing.T) {
 	var opened *intercept.Live[cudart.Event] // the IPC events opened and not destroyed
 	pr := exporttest.NewProducerOn(t, func(r cudart.Runtime) cudart.Runtime {
 		rt := intercept.Wrap(r)
-		opened = intercept.TrackLive[cudart.Event](rt, "IpcOpenEventHandle", "EventDestroy")
+		opened = intercept.TrackLive(&rt.On.IpcOpenEventHandle, &rt.On.EventDestroy)
 		return rt
 	}, nil, nil)
 	pr.Publish(t, "p", 1<<20, 1)

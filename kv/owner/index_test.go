@@ -160,15 +160,16 @@ func TestHostPagesAreJournaledWithTheirSpill(t *testing.T) {
 	var mu sync.Mutex
 	resumes := make(chan func(), 1)
 	stalled := false
-	rt.Before("MemcpyBatchAsync", func(c *intercept.Call) {
+	rt.On.MemcpyBatchAsync.Before(func(dev int, _ []cudart.CopyPiece, s cudart.Stream) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if !stalled { // the first spill's copy stalls until resumed
 			stalled = true
-			resume, err := sw.Stall(c.Dev(), c.Args[2].(cudart.Stream))
+			resume, err := sw.Stall(dev, s)
 			require.NoError(t, err)
 			resumes <- resume
 		}
+		return nil
 	})
 	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
 	require.NoError(t, err)
@@ -389,22 +390,23 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 	var mu sync.Mutex
 	var base cudart.DevicePtr
 	fills, violations := 0, []string{}
-	rt.After("HostDevicePointer", func(c *intercept.Call) {
+	rt.On.HostDevicePointer.After(func(p cudart.DevicePtr, err error) (cudart.DevicePtr, error) {
 		mu.Lock()
 		defer mu.Unlock()
-		base = c.Results[0].(cudart.DevicePtr)
+		base = p
+		return p, err
 	})
-	rt.Before("MemcpyBatchAsync", func(c *intercept.Call) {
+	rt.On.MemcpyBatchAsync.Before(func(_ int, pieces []cudart.CopyPiece, _ cudart.Stream) error {
 		mu.Lock()
 		defer mu.Unlock()
 		filled := map[uint32]bool{}
-		for _, pc := range c.Args[1].([]cudart.CopyPiece) {
+		for _, pc := range pieces {
 			if base != 0 && pc.Dst >= base && uint64(pc.Dst-base) < hostPages*pageBytes {
 				filled[uint32(uint64(pc.Dst-base)/pageBytes)] = true
 			}
 		}
 		if len(filled) == 0 {
-			return // a restore: into the slab
+			return nil // a restore: into the slab
 		}
 		var st *index.State
 		var err error
@@ -415,7 +417,7 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 		}
 		if err != nil {
 			violations = append(violations, "the index cannot be read: "+err.Error())
-			return
+			return nil
 		}
 		fills++
 		for _, p := range st.Host[0] {
@@ -423,6 +425,7 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 				violations = append(violations, fmt.Sprintf("host page %d is filled while the index holds it under %x", p.Page, p.Hash[:3]))
 			}
 		}
+		return nil
 	})
 	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*pageBytes))
 	require.NoError(t, err)

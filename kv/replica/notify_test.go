@@ -54,7 +54,7 @@ func TestSealsOnSeveralStreamsBecomeVisibleInTheirOrder(t *testing.T) {
 	}
 	assert.Equal(t, streams, o.Pace().Waiting, "a notifier waiting per stream")
 	assert.Equal(t, streams, replica.OpenEventfds(w), "an eventfd per stream")
-	called := calls.Load()
+	called := calls.Calls()
 	order := rng.Perm(streams)
 	for k, i := range order {
 		lanes[i].resume()
@@ -76,7 +76,7 @@ func TestSealsOnSeveralStreamsBecomeVisibleInTheirOrder(t *testing.T) {
 		}
 		assert.Equal(t, streams-k-1, o.Pace().Waiting, "notifiers still waiting")
 	}
-	assert.Equal(t, called, calls.Load(), "no driver call of the owner's made them visible")
+	assert.Equal(t, called, calls.Calls(), "no driver call of the owner's made them visible")
 	assert.Equal(t, 3*2, device0(o).Sealed)
 }
 

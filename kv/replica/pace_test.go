@@ -1,7 +1,6 @@
 package replica_test
 
 import (
-	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -14,21 +13,19 @@ import (
 )
 
 // countedOwner is startOwner with opts and every call the owner makes to its runtime
-// counted.
-func countedOwner(t *testing.T, opts ...owner.Option) (*owner.Owner, *atomic.Int64, string) {
+// counted (calls.Calls()).
+func countedOwner(t *testing.T, opts ...owner.Option) (o *owner.Owner, calls *intercept.Runtime, dir string) {
 	t.Helper()
-	dir := shortDir(t)
+	dir = shortDir(t)
 	dev := cudarttest.ForTest(t)
 	rt := intercept.Wrap(dev)
-	var calls atomic.Int64
-	rt.Before(intercept.Any, func(*intercept.Call) { calls.Add(1) })
 	o, err := owner.Listen(dir, rt, small, append(opts, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*small.TensorBytes()))...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		o.Close(bound(t))
 		require.NoError(t, dev.Err(), "the owner's device saw broken rules")
 	})
-	return o, &calls, dir
+	return o, rt, dir
 }
 
 // The owner's pace, by its counters and by every call it makes to its runtime: while a
@@ -46,7 +43,7 @@ func TestOwnerPace(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(resume)
 	l, hashes := written(t, wdev, w, ws, 11, 4)
-	before, called := o.Pace(), calls.Load()
+	before, called := o.Pace(), calls.Calls()
 	res, err := w.Seal(ctx, l, hashes, ws)
 	require.NoError(t, err)
 	require.Equal(t, replica.SealResult{Pending: 4}, res)
@@ -59,7 +56,7 @@ func TestOwnerPace(t *testing.T) {
 		require.NoError(t, err)
 	}
 	assert.Equal(t, owner.Pace{Wakes: before.Wakes, Waiting: 1}, o.Pace(), "no wake while the stream is stalled: requests served meanwhile do not make it poll")
-	assert.Equal(t, called, calls.Load(), "no driver call while the seal is pending")
+	assert.Equal(t, called, calls.Calls(), "no driver call while the seal is pending")
 
 	resume()
 	eventually(t, "the seal to become visible", func() bool { return device0(o).Sealed == 4 })
@@ -73,7 +70,7 @@ func TestOwnerPace(t *testing.T) {
 		held = append(held, m)
 	}
 	assert.Equal(t, settled, o.Pace(), "an owner with nothing pending wakes for nothing")
-	assert.Equal(t, called, calls.Load(), "and calls nothing")
+	assert.Equal(t, called, calls.Calls(), "and calls nothing")
 	require.NoError(t, r.ReleaseAll(ctx, held, rs))
 }
 
@@ -85,7 +82,7 @@ func TestIdleStreamNeedsNoPoint(t *testing.T) {
 	ctx := bound(t)
 	l, hashes := written(t, wdev, w, ws, 12, 4)
 	require.NoError(t, wdev.StreamSynchronize(0, ws))
-	before, called := o.Pace(), calls.Load()
+	before, called := o.Pace(), calls.Calls()
 	res, err := w.Seal(ctx, l, hashes, ws)
 	require.NoError(t, err)
 	assert.Equal(t, replica.SealResult{Visible: 4}, res, "visible at once: the writes had completed")
@@ -94,6 +91,6 @@ func TestIdleStreamNeedsNoPoint(t *testing.T) {
 	require.NoError(t, w.Release(ctx, m, ws))
 	assert.Zero(t, device0(o).Releasing, "settled at once: nothing was queued on the stream")
 	assert.Equal(t, before, o.Pace(), "no eventfd was read")
-	assert.Equal(t, called, calls.Load(), "no driver call")
+	assert.Equal(t, called, calls.Calls(), "no driver call")
 	assert.Zero(t, replica.OpenEventfds(w), "no eventfd was made")
 }

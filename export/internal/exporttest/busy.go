@@ -34,8 +34,8 @@ type BusyGPU struct {
 // NewBusyGPU is rt, busy as BusyGPU says once Stall is called.
 func NewBusyGPU(rt cudart.Runtime) *BusyGPU {
 	b := &BusyGPU{Runtime: intercept.Wrap(rt)}
-	b.Before("StreamSynchronize", func(*intercept.Call) { b.End() })
-	b.Before("EventSynchronize", func(*intercept.Call) { b.End() })
+	b.On.StreamSynchronize.Before(func(int, cudart.Stream) error { b.End(); return nil })
+	b.On.EventSynchronize.Before(func(int, cudart.Event) error { b.End(); return nil })
 	return b
 }
 

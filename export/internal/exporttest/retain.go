@@ -18,13 +18,13 @@ import (
 type ImportCounter struct{ *intercept.Runtime }
 
 // Imports counts MemPoolImportPointer calls.
-func (r ImportCounter) Imports() int64 { return r.Calls("MemPoolImportPointer") }
+func (r ImportCounter) Imports() int64 { return r.On.MemPoolImportPointer.Calls() }
 
 // Frees counts FreeAsync calls.
-func (r ImportCounter) Frees() int64 { return r.Calls("FreeAsync") }
+func (r ImportCounter) Frees() int64 { return r.On.FreeAsync.Calls() }
 
 // Exports counts MemPoolExportPointer calls.
-func (r ImportCounter) Exports() int64 { return r.Calls("MemPoolExportPointer") }
+func (r ImportCounter) Exports() int64 { return r.On.MemPoolExportPointer.Calls() }
 
 // RetainingPair is a producer whose pool caches and whose exporter lets consumers
 // retain imports, and a consumer whose runtime counts imports and frees.
