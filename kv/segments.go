@@ -52,7 +52,7 @@ type Segments struct {
 	count int
 }
 
-// [Segments] lays g's slab out in segments of at most bound bytes. A geometry whose one
+// Segments lays g's slab out in segments of at most bound bytes. A geometry whose one
 // tensor (a layer's K or V) is over bound is refused with an error wrapping
 // [ErrGeometry] that names both sizes and the most pages that fit, as is an invalid
 // geometry.
@@ -73,7 +73,7 @@ func (g Geometry) Segments(bound uint64) (Segments, error) {
 // TensorBytes is one layer's K (or V) tensor: Pages*PageBytes().
 func (g Geometry) TensorBytes() uint64 { return uint64(g.Pages) * g.PageBytes() }
 
-// [Geometry] is the geometry s lays out.
+// Geometry is the geometry s lays out.
 func (s Segments) Geometry() Geometry { return s.geo }
 
 // Bound is the most bytes one segment may hold.

@@ -83,7 +83,7 @@ func (b *Buffer) Device() int {
 // ID is unique among the buffers of this process.
 func (b *Buffer) ID() uint64 { return b.id }
 
-// [Pool] is the pool the buffer came from; nil for a buffer made by [NewBuffer].
+// Pool is the pool the buffer came from; nil for a buffer made by [NewBuffer].
 func (b *Buffer) Pool() *Pool { return b.pool }
 
 // NewBuffer makes a [Buffer] of the size bytes at ptr on owner's device, for an

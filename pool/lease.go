@@ -17,10 +17,10 @@ type Lease struct {
 	ending, ended bool
 }
 
-// [Buffer] is the leased buffer.
+// Buffer is the leased buffer.
 func (l *Lease) Buffer() *Buffer { return l.b }
 
-// [Lease] takes a lease on b, to be ended with the importer's completion. It fails with
+// Lease takes a lease on b, to be ended with the importer's completion. It fails with
 // [ErrNotShareable] on a local pool, and with [ErrFreed] once Free was called or the pool
 // closed (the error then wraps [ErrClosed] too). Take the lease before exporting the
 // buffer's record, so it cannot be freed while being shared.

@@ -66,7 +66,7 @@ var driverAttrs = []struct {
 	{cudart.PoolUsedMemHigh, func(s *Stats) *uint64 { return &s.UsedHigh }},
 }
 
-// [Stats] returns the pool's figures. The driver's are read after the pool's own, so
+// Stats returns the pool's figures. The driver's are read after the pool's own, so
 // the two may differ by what happened in between. It fails with [ErrClosed] after
 // Close, and if the driver cannot be asked (then the pool's own figures are still
 // returned).

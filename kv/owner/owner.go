@@ -655,7 +655,7 @@ func (o *Owner) Geometry() kv.Geometry { return o.geo }
 // Segments is how every slab lies in its allocations.
 func (o *Owner) Segments() kv.Segments { return o.segs }
 
-// [Stats] is a snapshot of the owner's slabs and replicas.
+// Stats is a snapshot of the owner's slabs and replicas.
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
 	defer o.mu.Unlock()

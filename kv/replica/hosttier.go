@@ -30,7 +30,7 @@ type HostTier struct {
 	PageBytes uint64
 }
 
-// [HostTier] is the device's host tier, mapped at [Dial] until Close; ok is false where
+// HostTier is the device's host tier, mapped at [Dial] until Close; ok is false where
 // the owner has none.
 func (r *Replica) HostTier() (t HostTier, ok bool) {
 	if r.host == nil {
