@@ -203,12 +203,7 @@ func (r *reader) load(shape Shape) (*State, error) {
 	case !slices.Equal(hdr.Devices, shape.Devices):
 		return st, fmt.Errorf("%w: the index is of devices %v, not %v", ErrOtherShape, hdr.Devices, shape.Devices)
 	}
-	pages, host := map[int]map[uint32]live{}, map[int]map[uint32]live{}
-	for _, d := range hdr.Devices {
-		pages[d], host[d] = map[uint32]live{}, map[uint32]live{}
-	}
-	attached := map[Proc]int{}
-	grants := map[uint64]*Grant{}
+	l := newLoader(shape, hdr.Devices)
 	maxRecords := shape.MaxRecords()
 	for {
 		p, err := r.next(pagePayload)
@@ -225,113 +220,163 @@ func (r *reader) load(shape Shape) (*State, error) {
 		if len(p) == 0 {
 			return st, fmt.Errorf("%w: record %d is empty", ErrCorrupt, seq)
 		}
-		k, p := Kind(p[0]), p[1:]
-		switch k {
-		case Seal, Free, HostSeal, HostFree:
-			want := 8
-			if k == Seal || k == HostSeal {
-				want += len(kv.Hash{})
-			}
-			if len(p) != want {
-				return st, fmt.Errorf("%w: record %d: %d bytes for a page record", ErrCorrupt, seq, len(p))
-			}
-			dev, pg := int(binary.LittleEndian.Uint32(p)), binary.LittleEndian.Uint32(p[4:])
-			onHost := k == HostSeal || k == HostFree
-			of, bound := pages, shape.Geometry.Pages
-			if onHost {
-				of, bound = host, shape.HostPages
-			}
-			m, ok := of[dev]
-			switch {
-			case !ok:
-				return st, fmt.Errorf("%w: record %d: device %d is not one of %v", ErrCorrupt, seq, dev, hdr.Devices)
-			case int64(pg) >= int64(bound) && onHost:
-				continue // a tier of another size: dropped with its pages
-			case int64(pg) >= int64(bound):
-				return st, fmt.Errorf("%w: record %d: page %d of %d", ErrCorrupt, seq, pg, bound)
-			}
-			if k == Free || k == HostFree {
-				delete(m, pg)
-				continue
-			}
-			m[pg] = live{hash: kv.Hash(p[8:]), seq: seq}
-		case Attach, Detach:
-			if len(p) != procPayload-1 {
-				return st, fmt.Errorf("%w: record %d: %d bytes for a replica record", ErrCorrupt, seq, len(p))
-			}
-			id := Proc{PID: binary.LittleEndian.Uint32(p), Start: binary.LittleEndian.Uint64(p[4:])}
-			if k == Attach {
-				attached[id]++
-			} else if attached[id]--; attached[id] <= 0 {
-				delete(attached, id)
-			}
-		case Lease, ReadLease:
-			if len(p) != grantPayload-1 {
-				return st, fmt.Errorf("%w: record %d: %d bytes for a grant record", ErrCorrupt, seq, len(p))
-			}
-			g := &Grant{Lease: binary.LittleEndian.Uint64(p), Dev: int(binary.LittleEndian.Uint32(p[8:])),
-				Holder: Proc{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}, Read: k == ReadLease}
-			if _, ok := pages[g.Dev]; !ok {
-				return st, fmt.Errorf("%w: record %d: device %d is not one of %v", ErrCorrupt, seq, g.Dev, hdr.Devices)
-			}
-			grants[g.Lease] = g
-		case LeasePage:
-			if len(p) != leasePayload-1+4 {
-				return st, fmt.Errorf("%w: record %d: %d bytes for a grant's page record", ErrCorrupt, seq, len(p))
-			}
-			id, pg := binary.LittleEndian.Uint64(p), binary.LittleEndian.Uint32(p[8:])
-			g := grants[id]
-			switch {
-			case g == nil:
-				return st, fmt.Errorf("%w: record %d: a page of lease %d, which no grant before names", ErrCorrupt, seq, id)
-			case int64(pg) >= int64(shape.Geometry.Pages):
-				return st, fmt.Errorf("%w: record %d: page %d of %d", ErrCorrupt, seq, pg, shape.Geometry.Pages)
-			}
-			if g.Read && len(g.Hashes) != len(g.Pages) {
-				return st, fmt.Errorf("%w: record %d: a page of read lease %d before the hash of its last", ErrCorrupt, seq, id)
-			}
-			g.Pages = append(g.Pages, pg)
-		case LeaseHash:
-			if len(p) != leasePayload-1+len(kv.Hash{}) {
-				return st, fmt.Errorf("%w: record %d: %d bytes for a read lease's hash record", ErrCorrupt, seq, len(p))
-			}
-			id := binary.LittleEndian.Uint64(p)
-			g := grants[id]
-			if g == nil || !g.Read || len(g.Hashes) != len(g.Pages)-1 {
-				return st, fmt.Errorf("%w: record %d: a hash of lease %d, which no read lease's page before names", ErrCorrupt, seq, id)
-			}
-			g.Hashes = append(g.Hashes, kv.Hash(p[8:]))
-		case LeaseEnd:
-			if len(p) != leasePayload-1 {
-				return st, fmt.Errorf("%w: record %d: %d bytes for an end record", ErrCorrupt, seq, len(p))
-			}
-			delete(grants, binary.LittleEndian.Uint64(p))
-		default:
-			return st, fmt.Errorf("%w: record %d has unknown type %d", ErrCorrupt, seq, k)
+		if err := l.record(seq, Kind(p[0]), p[1:]); err != nil {
+			return st, fmt.Errorf("%w: record %d: %s", ErrCorrupt, seq, err)
 		}
 	}
-	for _, g := range grants {
+	return st, l.finish(st)
+}
+
+// loader is what the records read so far say: each device's live pages of both
+// tiers, the replicas attached and the grants not ended.
+type loader struct {
+	shape       Shape
+	devices     []int
+	pages, host map[int]map[uint32]live
+	attached    map[Proc]int
+	grants      map[uint64]*Grant
+}
+
+func newLoader(shape Shape, devices []int) *loader {
+	l := &loader{shape: shape, devices: devices, pages: map[int]map[uint32]live{}, host: map[int]map[uint32]live{},
+		attached: map[Proc]int{}, grants: map[uint64]*Grant{}}
+	for _, d := range devices {
+		l.pages[d], l.host[d] = map[uint32]live{}, map[uint32]live{}
+	}
+	return l
+}
+
+// record applies the seq'th record, of kind k and payload p (after its kind); an
+// error says what is wrong with it (the caller names the record and ErrCorrupt).
+func (l *loader) record(seq int, k Kind, p []byte) error {
+	switch k {
+	case Seal, Free, HostSeal, HostFree:
+		return l.page(seq, k, p)
+	case Attach, Detach:
+		if len(p) != procPayload-1 {
+			return fmt.Errorf("%d bytes for a replica record", len(p))
+		}
+		id := Proc{PID: binary.LittleEndian.Uint32(p), Start: binary.LittleEndian.Uint64(p[4:])}
+		if k == Attach {
+			l.attached[id]++
+		} else if l.attached[id]--; l.attached[id] <= 0 {
+			delete(l.attached, id)
+		}
+	case Lease, ReadLease:
+		if len(p) != grantPayload-1 {
+			return fmt.Errorf("%d bytes for a grant record", len(p))
+		}
+		g := &Grant{Lease: binary.LittleEndian.Uint64(p), Dev: int(binary.LittleEndian.Uint32(p[8:])),
+			Holder: Proc{PID: binary.LittleEndian.Uint32(p[12:]), Start: binary.LittleEndian.Uint64(p[16:])}, Read: k == ReadLease}
+		if _, ok := l.pages[g.Dev]; !ok {
+			return fmt.Errorf("device %d is not one of %v", g.Dev, l.devices)
+		}
+		l.grants[g.Lease] = g
+	case LeasePage, LeaseHash:
+		return l.grantPart(k, p)
+	case LeaseEnd:
+		if len(p) != leasePayload-1 {
+			return fmt.Errorf("%d bytes for an end record", len(p))
+		}
+		delete(l.grants, binary.LittleEndian.Uint64(p))
+	default:
+		return fmt.Errorf("unknown type %d", k)
+	}
+	return nil
+}
+
+// page applies a page record (Seal, Free, HostSeal, HostFree).
+func (l *loader) page(seq int, k Kind, p []byte) error {
+	want := 8
+	if k == Seal || k == HostSeal {
+		want += len(kv.Hash{})
+	}
+	if len(p) != want {
+		return fmt.Errorf("%d bytes for a page record", len(p))
+	}
+	dev, pg := int(binary.LittleEndian.Uint32(p)), binary.LittleEndian.Uint32(p[4:])
+	onHost := k == HostSeal || k == HostFree
+	of, bound := l.pages, l.shape.Geometry.Pages
+	if onHost {
+		of, bound = l.host, l.shape.HostPages
+	}
+	m, ok := of[dev]
+	switch {
+	case !ok:
+		return fmt.Errorf("device %d is not one of %v", dev, l.devices)
+	case int64(pg) >= int64(bound) && onHost:
+		return nil // a tier of another size: dropped with its pages
+	case int64(pg) >= int64(bound):
+		return fmt.Errorf("page %d of %d", pg, bound)
+	}
+	if k == Free || k == HostFree {
+		delete(m, pg)
+		return nil
+	}
+	m[pg] = live{hash: kv.Hash(p[8:]), seq: seq}
+	return nil
+}
+
+// grantPart applies a record of a grant's page (LeasePage) or of a read lease's
+// hash (LeaseHash).
+func (l *loader) grantPart(k Kind, p []byte) error {
+	want := leasePayload - 1 + 4
+	if k == LeaseHash {
+		want = leasePayload - 1 + len(kv.Hash{})
+	}
+	if len(p) != want {
+		if k == LeaseHash {
+			return fmt.Errorf("%d bytes for a read lease's hash record", len(p))
+		}
+		return fmt.Errorf("%d bytes for a grant's page record", len(p))
+	}
+	id := binary.LittleEndian.Uint64(p)
+	g := l.grants[id]
+	if k == LeaseHash {
+		if g == nil || !g.Read || len(g.Hashes) != len(g.Pages)-1 {
+			return fmt.Errorf("a hash of lease %d, which no read lease's page before names", id)
+		}
+		g.Hashes = append(g.Hashes, kv.Hash(p[8:]))
+		return nil
+	}
+	pg := binary.LittleEndian.Uint32(p[8:])
+	switch {
+	case g == nil:
+		return fmt.Errorf("a page of lease %d, which no grant before names", id)
+	case int64(pg) >= int64(l.shape.Geometry.Pages):
+		return fmt.Errorf("page %d of %d", pg, l.shape.Geometry.Pages)
+	case g.Read && len(g.Hashes) != len(g.Pages):
+		return fmt.Errorf("a page of read lease %d before the hash of its last", id)
+	}
+	g.Pages = append(g.Pages, pg)
+	return nil
+}
+
+// finish fills st with what the records said: the grants answered, each tier's live
+// pages least recent first, the replicas attached.
+func (l *loader) finish(st *State) error {
+	for _, g := range l.grants {
 		if len(g.Pages) > 0 && (!g.Read || len(g.Hashes) == len(g.Pages)) { // a grant cut short by a crash was never answered
 			st.Grants = append(st.Grants, *g)
 		}
 	}
 	slices.SortFunc(st.Grants, func(a, b Grant) int { return cmp.Compare(a.Lease, b.Lease) })
-	sealed, err := ordered(pages, "pages %d and %d are visible")
+	sealed, err := ordered(l.pages, "pages %d and %d are visible")
 	if err != nil {
-		return st, err
+		return err
 	}
-	hosted, err := ordered(host, "host pages %d and %d are sealed")
+	hosted, err := ordered(l.host, "host pages %d and %d are sealed")
 	if err != nil {
-		return st, err
+		return err
 	}
 	st.Sealed, st.Host = sealed, hosted
-	for id, n := range attached {
+	for id, n := range l.attached {
 		for range n {
 			st.Attached = append(st.Attached, id)
 		}
 	}
 	slices.SortFunc(st.Attached, func(a, b Proc) int { return int(a.PID) - int(b.PID) })
-	return st, nil
+	return nil
 }
 
 // ordered lists each device's live pages least recent first, refusing two under one
