@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"time"
 
@@ -16,60 +15,62 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
-// serveConn admits nc and serves it, as a peer or an observer, until it closes.
-// detach takes a peer's goroutine out of what Close waits for.
-func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
-	p, o, err := ex.admit(nc)
+// serveConn admits sc and serves it, as a peer or an observer, until it closes: the
+// session server's handler, which closes sc when it returns. A panic while serving a
+// peer ends the peer as one that hung up (its leases kept until its process exits);
+// the server logs it with its stack and serves the others on.
+func (ex *Exporter) serveConn(sc *session.Conn) {
+	p, o, err := ex.admit(sc)
 	if err != nil {
 		level := slog.LevelWarn
 		if errors.Is(err, io.EOF) {
 			level = slog.LevelDebug // a liveness probe (Discover) hangs up without a word
 		}
 		ex.log.Log(context.Background(), level, "producer: connection not admitted", "err", err)
-		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	if o != nil {
 		o.serve()
 		return
 	}
-	p.detach = detach
+	// Close waits for every connection but a peer it abandons, which detaches itself
+	// and is served on until it has released all or its process exited.
+	p.detach = sc.Detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
-	reason, clean := p.serveContained()
-	if reason != nil {
-		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
-	}
-	if p.lost() {
-		_ = p.c.Close() // cleanup: nothing is left to do if closing fails
-		clean = p.awaitExit(clean)
-	}
-	p.cleanup(clean)
+	served := false
+	var reason error
+	clean := false
+	defer func() {
+		if !served { // a panic, which the server logs; the peer ends as one that hung up
+			reason, clean = errors.New("a panic while serving it"), false
+			_ = p.c.Close() // cleanup: the panic is what ends the connection
+		}
+		if reason != nil {
+			ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
+		}
+		if p.lost() {
+			_ = p.c.Close() // cleanup: nothing is left to do if closing fails
+			clean = p.awaitExit(clean)
+		}
+		p.cleanup(clean)
+	}()
+	reason, clean = p.serve()
+	served = true
 }
 
 // admit is the exporter's half of the handshake: it reads the Hello, applies the
-// policy and answers Welcome or Refused (which carries the reason and nothing else).
-// A Hello that takes leases makes a peer; one that does not, an observer.
-func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
-	defer func() {
-		ex.mu.Lock()
-		if uid, ok := ex.greeting[nc]; ok {
-			delete(ex.greeting, nc)
-			ex.handshakes.Leave(uid)
-		}
-		ex.mu.Unlock()
-	}()
-	c := wire.NewConn(nc, false)
-	_ = nc.SetDeadline(time.Now().Add(ex.opts.HandshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	var cred *peercred.Cred                                      // nil on a byte stream
-	if c.Uc != nil {
-		cr, err := peercred.Get(c.Uc)
-		if err != nil {
-			return nil, nil, err
-		}
-		cred = &cr
+// policy and the connection caps, and answers Welcome or Refused (which carries the
+// reason and nothing else). A Hello that takes leases makes a peer; one that does
+// not, an observer. The session server bounds it by the handshake timeout.
+func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
+	c := wire.NewConn(sc.Conn, false)
+	var cred *peercred.Cred // nil on a byte stream
+	if !sc.Remote {
+		cred = &sc.Cred
 	}
 	var h wire.HelloMsg
 	pid := func() int {
@@ -94,11 +95,15 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
 	}
 	h = *hm
-	if reason := admit(ex.opts.policy, cred); reason != "" {
+	pol := ex.opts.policy
+	if reason := sc.Admits(pol.AllowUIDs, pol.AllowGIDs, pol.AllowRemote, "the exporter"); reason != "" {
 		return refuse(reason)
 	}
 	if cred == nil && h.Flags&wire.HelloReleaseEvent != 0 {
 		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
+	}
+	if err := sc.Admit(); err != nil {
+		return refuse(err.Error())
 	}
 	welcome := func(flags uint32) error {
 		return c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
@@ -117,7 +122,6 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 			o.leave()
 			return nil, nil, err
 		}
-		_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 		return nil, o, nil
 	}
 
@@ -151,6 +155,5 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 		p.cleanup(false)
 		return nil, nil, err
 	}
-	_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
 	return p, nil, nil
 }

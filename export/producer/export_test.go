@@ -11,10 +11,12 @@ import (
 
 // GreetingCount is how many connections are in their handshake.
 func (ex *Exporter) GreetingCount() int {
-	ex.mu.Lock()
-	defer ex.mu.Unlock()
-	return len(ex.greeting)
+	n, _ := ex.srv.Count()
+	return n
 }
+
+// ConnCount is how many connections are in their handshake, and how many admitted.
+func (ex *Exporter) ConnCount() (handshakes, admitted int) { return ex.srv.Count() }
 
 // SetConnIDLimit makes the id spaces of exporters the test starts from now on n
 // connections long.

@@ -133,3 +133,24 @@ func TestHandshakesInProgressAreCapped(t *testing.T) {
 	c := exporttest.NewConsumer(t, pr.Path, 0)
 	require.NoError(t, c.Imp.Close(exporttest.Ctx(t)))
 }
+
+// Admitted connections are capped per process, as kv.sock's are: one past the cap is
+// refused naming it, the others are served on, and a slot comes back when its
+// connection goes.
+func TestConnectionsPerProcessAreCapped(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithConnLimit(0, 2)})
+	pr.Publish(t, "a", 1<<20, 1)
+	a, b := admitted(t, pr.Path), admitted(t, pr.Path)
+	over := exporttest.DialRaw(t, pr.Path)
+	over.Send(exporttest.LeasingHello())
+	m, ok := over.Recv().(*wire.RefusedMsg)
+	require.True(t, ok, "a third connection of one process is refused")
+	assert.Contains(t, m.Reason, "connection limit per process")
+	assert.True(t, over.ClosedByExporter(), "and closed")
+	_, ok = a.Open(1, "a").(*wire.LeaseMsg)
+	assert.True(t, ok, "the others are served on")
+	b.Send(&wire.ByeMsg{})
+	require.True(t, b.ClosedByExporter(), "after Bye")
+	exporttest.WaitFor(t, "b's slot to come back", func() bool { _, n := pr.Ex.ConnCount(); return n == 1 })
+	admitted(t, pr.Path)
+}

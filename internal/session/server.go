@@ -266,13 +266,14 @@ func (c *Conn) pid() uint32 {
 }
 
 // Admits says why uids, gids and remote do not admit c's peer, or "" if they do: a
-// peer on a byte stream is admitted by remote alone, a local one as [Admits] says.
+// peer on a byte stream is admitted by remote alone (a Policy's AllowRemote), a local
+// one as [Admits] says.
 func (c *Conn) Admits(uids, gids []uint32, remote bool, who string) string {
 	if c.Remote {
 		if remote {
 			return ""
 		}
-		return "peers without credentials (not on a Unix socket) are not allowed: " + who + "'s policy does not admit remote peers"
+		return "peers without credentials (not on a Unix socket) are not allowed: " + who + "'s policy does not set AllowRemote"
 	}
 	return Admits(uids, gids, c.Cred, who)
 }
