@@ -19,6 +19,17 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
+// writeTimeout bounds a write to a peer that does not read its answers: past it, the
+// exporter stops writing to it and drops it (wire.Conn.Send aborts the connection). A
+// variable for tests alone (SetWriteTimeout), set while no exporter serves.
+var writeTimeout = 10 * time.Second
+
+// bounded is the context of the writes of one answer to a peer: it ends writeTimeout
+// from now.
+func bounded() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), writeTimeout)
+}
+
 // serveConn admits sc and serves it, as a peer or an observer, until it closes: the
 // session server's handler, which closes sc when it returns. A panic while serving a
 // peer ends the peer as one that hung up (its leases kept until its process exits);
@@ -106,7 +117,9 @@ func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
 		return refuse(err.Error())
 	}
 	welcome := func(flags uint32) error {
-		return c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
+		ctx, cancel := bounded()
+		defer cancel()
+		return c.Send(ctx, &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
 	}
 
 	if h.Flags&wire.HelloLeases == 0 {

@@ -1,8 +1,12 @@
 package producer_test
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"io"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -153,4 +157,39 @@ func TestConnectionsPerProcessAreCapped(t *testing.T) {
 	require.True(t, b.ClosedByExporter(), "after Bye")
 	exporttest.WaitFor(t, "b's slot to come back", func() bool { _, n := pr.Ex.ConnCount(); return n == 1 })
 	admitted(t, pr.Path)
+}
+
+// A consumer that stops reading the exporter's answers is dropped once a write to it
+// has waited the exporter's bound, rather than holding the write (and its
+// connection's goroutine, descriptor and slot) forever. The peer here sends Opens of
+// a name not published and reads nothing: once both sockets' buffers are full, the
+// exporter's answer blocks, its bound (made short) passes, and it stops writing
+// (the end of the stream, after the answers written before) and reads on for what the
+// peer had sent. Without the bound the exporter would stop reading too, and this
+// side's write would end at its own deadline (exporttest.HangGuard) instead: the test
+// fails.
+func TestPeerThatStopsReadingIsDropped(t *testing.T) {
+	t.Cleanup(producer.SetWriteTimeout(20 * time.Millisecond)) // after the exporter's Close, registered below
+	pr := exporttest.NewProducer(t, nil, nil)
+	r := admitted(t, pr.Path)
+	const perWrite, writes = 1000, 20 // answers far past any socket buffer
+	batch := bytes.Repeat(wire.AppendFrame(nil, &wire.OpenMsg{ReqID: 1, Name: "nothing"}), perWrite)
+	for range writes {
+		_, err := r.Nc.Write(batch)
+		require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never dropped a peer that stopped reading: this side's write waited out its own deadline (%v)", err)
+		require.NoError(t, err)
+	}
+	answers := 0
+	for { // the answers the exporter wrote before its bound passed, then the end
+		m, _, err := r.C.Recv()
+		if err != nil {
+			require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never ended the stream: %v", err)
+			require.ErrorIs(t, err, io.EOF)
+			break
+		}
+		require.Equal(t, wire.MsgError, m.Kind())
+		answers++
+	}
+	assert.Less(t, answers, perWrite*writes, "the exporter stopped answering once its write had waited its bound")
+	exporttest.WaitFor(t, "the peer to be dropped", func() bool { return len(pr.Ex.Peers()) == 0 })
 }
