@@ -48,9 +48,6 @@ func (ex *Exporter) serveConn(sc *session.Conn) {
 		o.serve()
 		return
 	}
-	// Close waits for every connection but a peer it abandons, which detaches itself
-	// and is served on until it has released all or its process exited.
-	p.detach = sc.Detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
 	served := false
 	var reason error
@@ -141,7 +138,10 @@ func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
 		completions: map[*pool.Pool]*pool.Completion{},
-		retained:    map[cudart.PtrExportData]*retention{}}
+		retained:    map[cudart.PtrExportData]*retention{},
+		// Close waits for every connection but a peer it abandons, which it detaches:
+		// that one is served on until it has released all or its process exited.
+		detach: sc.Detach}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&wire.HelloReleaseEvent != 0
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())

@@ -140,8 +140,10 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 // Serve accepts connections on l too, until l fails or the [Exporter] closes (which
 // closes l). It is for byte streams such as TCP between the nodes of one NVLink domain:
 // peers there have no credentials, so the Policy must set AllowRemote, and only FABRIC
-// pools can be shared with them. Serve returns at once; it fails with [export.ErrClosed] after
-// Close.
+// pools can be shared with them. Its connections are served as the socket's are, under
+// the same caps and handshake timeout ([WithHandshakeLimit], [WithConnLimit],
+// [WithHandshakeTimeout]). Serve returns at once; it fails with [export.ErrClosed]
+// after Close.
 func (ex *Exporter) Serve(l net.Listener) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
