@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/internal/wire"
@@ -192,4 +193,40 @@ func TestPeerThatStopsReadingIsDropped(t *testing.T) {
 	}
 	assert.Less(t, answers, perWrite*writes, "the exporter stopped answering once its write had waited its bound")
 	exporttest.WaitFor(t, "the peer to be dropped", func() bool { return len(pr.Ex.Peers()) == 0 })
+}
+
+// A byte stream (TCP) is served as the socket is: a silent connection is closed at
+// the handshake timeout, and admitted ones are capped, all remote peers counting as
+// one process.
+func TestByteStreamsShareTheSocketsCaps(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithHandshakeTimeout(20 * time.Millisecond),
+		producer.WithConnLimit(0, 1), producer.WithPolicy(export.Policy{AllowRemote: true})})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	require.NoError(t, pr.Ex.Serve(l))
+	dial := func() *wire.Conn {
+		nc, err := net.Dial("tcp", l.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { nc.Close() })
+		require.NoError(t, nc.SetDeadline(time.Now().Add(exporttest.HangGuard)))
+		return wire.NewConn(nc, true)
+	}
+	_, _, err = dial().Recv()
+	require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never closed a silent connection: the test's own read deadline ended the read (%v)", err)
+	require.ErrorIs(t, err, io.EOF, "a silent connection past the handshake timeout")
+
+	hello := &wire.HelloMsg{Version: export.ProtocolVersion, Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)}
+	first := dial()
+	require.NoError(t, first.Send(exporttest.Ctx(t), hello, -1))
+	m, _, err := first.Recv()
+	require.NoError(t, err)
+	require.EqualValues(t, wire.MsgWelcome, m.Kind())
+	second := dial()
+	require.NoError(t, second.Send(exporttest.Ctx(t), hello, -1))
+	m, _, err = second.Recv()
+	require.NoError(t, err)
+	r, ok := m.(*wire.RefusedMsg)
+	require.True(t, ok, "a second remote peer is refused: %s", m.Kind())
+	assert.Contains(t, r.Reason, "peers on byte streams")
+	assert.Contains(t, r.Reason, "connection limit per process")
 }

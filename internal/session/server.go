@@ -298,7 +298,7 @@ func (c *Conn) Admit() error {
 		case full == "total":
 			return fmt.Errorf("%w: %d connections, the most the server takes (its connection limit)", ErrLimit, s.lim.Conns)
 		case c.Remote:
-			return fmt.Errorf("%w: peers on byte streams have %d connections, the most one process may have (its connection limit per process)", ErrLimit, s.lim.ConnsPerProcess)
+			return fmt.Errorf("%w: peers on byte streams (one process, as the caps count them) hold %d connections, the most one process may have (its connection limit per process)", ErrLimit, s.lim.ConnsPerProcess)
 		}
 		return fmt.Errorf("%w: pid %d has %d connections, the most one process may have (its connection limit per process)", ErrLimit, c.Cred.PID, s.lim.ConnsPerProcess)
 	}
