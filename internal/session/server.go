@@ -35,7 +35,9 @@ type Limits struct {
 	Conns, ConnsPerProcess int
 }
 
-func (l Limits) withDefaults() Limits {
+// WithDefaults is l with each zero field at its default: the limits a [Server] made
+// with l keeps.
+func (l Limits) WithDefaults() Limits {
 	def := func(v *int, d int) {
 		if *v <= 0 {
 			*v = d
@@ -113,7 +115,7 @@ func NewServer(log *slog.Logger, who string, lim Limits, serve func(*Conn)) *Ser
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	lim = lim.withDefaults()
+	lim = lim.WithDefaults()
 	return &Server{log: log, who: who, lim: lim, serve: serve,
 		shakes: NewCounter(lim.Handshakes, lim.HandshakesPerUID), conns: NewCounter(lim.Conns, lim.ConnsPerProcess),
 		live: map[*Conn]struct{}{}}
