@@ -70,71 +70,108 @@ func (ex *Exporter) serveConn(sc *session.Conn) {
 	served = true
 }
 
+// handshake is a connection in its handshake, as admit knows it.
+type handshake struct {
+	ex    *Exporter
+	sc    *session.Conn
+	c     *wire.Conn
+	cred  *peercred.Cred // nil on a byte stream
+	hello wire.HelloMsg
+}
+
+// pid is the peer's process: the kernel's word on a Unix socket, the Hello's on a byte
+// stream (not checked).
+func (hs *handshake) pid() int {
+	if hs.cred != nil {
+		return hs.cred.PID
+	}
+	return int(hs.hello.PID)
+}
+
+// refuse answers Refused with reason, which is all it carries, and returns the error
+// that says so.
+func (hs *handshake) refuse(reason string) error {
+	_ = hs.c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
+	return fmt.Errorf("%w: pid %d: %s", export.ErrRefused, hs.pid(), reason)
+}
+
+// welcome answers Welcome with flags.
+func (hs *handshake) welcome(flags uint32) error {
+	ctx, cancel := bounded()
+	defer cancel()
+	devices := hs.ex.devices[:min(len(hs.ex.devices), wire.MaxDevices)]
+	return hs.c.Send(ctx, &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: devices}, -1)
+}
+
 // admit is the exporter's half of the handshake: it reads the Hello, applies the
 // policy and the connection caps, and answers Welcome or Refused (which carries the
 // reason and nothing else). A Hello that takes leases makes a peer; one that does
 // not, an observer. The session server bounds it by the handshake timeout.
 func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
-	c := wire.NewConn(sc.Conn, false)
-	var cred *peercred.Cred // nil on a byte stream
+	hs := &handshake{ex: ex, sc: sc, c: wire.NewConn(sc.Conn, false)}
 	if !sc.Remote {
-		cred = &sc.Cred
+		hs.cred = &sc.Cred
 	}
-	var h wire.HelloMsg
-	pid := func() int {
-		if cred != nil {
-			return cred.PID
-		}
-		return int(h.PID) // what a remote peer says: not checked
+	if err := hs.readHello(); err != nil {
+		return nil, nil, err
 	}
-	refuse := func(reason string) (*peer, *observer, error) {
-		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
-		return nil, nil, fmt.Errorf("%w: pid %d: %s", export.ErrRefused, pid(), reason)
+	if hs.hello.Flags&wire.HelloLeases == 0 {
+		o, err := ex.admitObserver(hs)
+		return nil, o, err
 	}
-	m, _, err := c.Recv()
+	p, err := ex.admitPeer(hs)
+	return p, nil, err
+}
+
+// readHello reads the Hello and admits the connection, or refuses it: another
+// version, another first message, a process the policy does not admit, a release
+// event offered on a byte stream, a connection cap full.
+func (hs *handshake) readHello() error {
+	m, _, err := hs.c.Recv()
 	if errors.Is(err, export.ErrVersionMismatch) {
-		return refuse(err.Error())
+		return hs.refuse(err.Error())
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("pid %d: before Hello: %w", pid(), err)
+		return fmt.Errorf("pid %d: before Hello: %w", hs.pid(), err)
 	}
 	hm, ok := m.(*wire.HelloMsg)
 	if !ok {
-		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
+		return hs.refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
 	}
-	h = *hm
-	pol := ex.opts.policy
-	if reason := sc.Admits(pol.AllowUIDs, pol.AllowGIDs, pol.AllowRemote, "the exporter"); reason != "" {
-		return refuse(reason)
+	hs.hello = *hm
+	pol := hs.ex.opts.policy
+	if reason := hs.sc.Admits(pol.AllowUIDs, pol.AllowGIDs, pol.AllowRemote, "the exporter"); reason != "" {
+		return hs.refuse(reason)
 	}
-	if cred == nil && h.Flags&wire.HelloReleaseEvent != 0 {
-		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
+	if hs.cred == nil && hs.hello.Flags&wire.HelloReleaseEvent != 0 {
+		return hs.refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
 	}
-	if err := sc.Admit(); err != nil {
-		return refuse(err.Error())
+	if err := hs.sc.Admit(); err != nil {
+		return hs.refuse(err.Error())
 	}
-	welcome := func(flags uint32) error {
-		ctx, cancel := bounded()
-		defer cancel()
-		return c.Send(ctx, &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
-	}
+	return nil
+}
 
-	if h.Flags&wire.HelloLeases == 0 {
-		o := &observer{ex: ex, c: c, pid: pid()}
-		ex.mu.Lock()
-		if ex.closed {
-			ex.mu.Unlock()
-			return refuse("the exporter is closing")
-		}
-		ex.observers[o] = struct{}{}
+// admitObserver welcomes a connection that takes no leases.
+func (ex *Exporter) admitObserver(hs *handshake) (*observer, error) {
+	o := &observer{ex: ex, c: hs.c, pid: hs.pid()}
+	ex.mu.Lock()
+	if ex.closed {
 		ex.mu.Unlock()
-		if err := welcome(0); err != nil {
-			o.leave()
-			return nil, nil, err
-		}
-		return nil, o, nil
+		return nil, hs.refuse("the exporter is closing")
 	}
+	ex.observers[o] = struct{}{}
+	ex.mu.Unlock()
+	if err := hs.welcome(0); err != nil {
+		o.leave()
+		return nil, err
+	}
+	return o, nil
+}
 
+// admitPeer welcomes a connection that takes leases.
+func (ex *Exporter) admitPeer(hs *handshake) (*peer, error) {
+	c, cred, h, sc := hs.c, hs.cred, hs.hello, hs.sc
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
 		completions: map[*pool.Pool]*pool.Completion{},
@@ -149,7 +186,7 @@ func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
-		return refuse("the exporter is closing")
+		return nil, hs.refuse("the exporter is closing")
 	}
 	ex.peers[p] = struct{}{}
 	ex.mu.Unlock()
@@ -164,9 +201,9 @@ func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
 	if p.retains {
 		flags |= wire.WelcomeRetain
 	}
-	if err := welcome(flags); err != nil {
+	if err := hs.welcome(flags); err != nil {
 		p.cleanup(false)
-		return nil, nil, err
+		return nil, err
 	}
-	return p, nil, nil
+	return p, nil
 }
