@@ -10,12 +10,6 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// GreetingCount is how many connections are in their handshake.
-func (ex *Exporter) GreetingCount() int {
-	n, _ := ex.srv.Count()
-	return n
-}
-
 // ConnCount is how many connections are in their handshake, and how many admitted.
 func (ex *Exporter) ConnCount() (handshakes, admitted int) { return ex.srv.Count() }
 

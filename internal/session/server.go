@@ -60,10 +60,10 @@ var ErrLimit = errors.New("connection limit reached")
 // ErrClosed means the server was shut down: it serves no new listener.
 var ErrClosed = errors.New("the server is shut down")
 
-// RemoteKey stands for a peer on a byte stream (TCP), which has no credentials, in the
+// remoteKey stands for a peer on a byte stream (TCP), which has no credentials, in the
 // caps: such peers count as one user (its handshakes) and as one process (its
 // connections). No uid or pid of Linux takes this value.
-const RemoteKey = ^uint32(0)
+const remoteKey = ^uint32(0)
 
 // Server serves the connections of its listeners, Unix sockets and byte streams alike,
 // with one handler, under one set of caps and one handshake timeout: net/http's
@@ -165,7 +165,7 @@ func (s *Server) isClosed() bool {
 // start takes a handshake slot for nc and serves it, or closes it.
 func (s *Server) start(nc net.Conn) {
 	c := &Conn{Conn: nc, s: s}
-	key := RemoteKey
+	key := remoteKey
 	if c.UnixConn, _ = nc.(*net.UnixConn); c.UnixConn != nil {
 		cred, err := peercred.Get(c.UnixConn)
 		if err != nil {
@@ -255,14 +255,14 @@ func (c *Conn) leaveLocked() {
 // uid is c's key in the handshake caps, pid in the connection caps.
 func (c *Conn) uid() uint32 {
 	if c.Remote {
-		return RemoteKey
+		return remoteKey
 	}
 	return c.Cred.UID
 }
 
 func (c *Conn) pid() uint32 {
 	if c.Remote {
-		return RemoteKey
+		return remoteKey
 	}
 	return uint32(c.Cred.PID)
 }
@@ -282,7 +282,7 @@ func (c *Conn) Admits(uids, gids []uint32, remote bool, who string) string {
 
 // Admit ends c's handshake: its handshake slot is given back, its deadline cleared,
 // and it takes a connection slot (peers on a byte stream count as one process,
-// [RemoteKey]). If a connection cap is full it fails with an error wrapping
+// remoteKey). If a connection cap is full it fails with an error wrapping
 // [ErrLimit] that names the cap (the handler refuses the peer with it), and c holds no
 // slot. Only c's handler calls it, once.
 func (c *Conn) Admit() error {
