@@ -98,10 +98,11 @@ type Conn struct {
 	Remote bool
 
 	s *Server
+	// done gives back c's place in s.wg, once; set before its handler starts.
+	done func()
 	// Under s.mu:
-	shaking  bool   // holds a handshake slot
-	admitted bool   // holds a connection slot
-	done     func() // gives back its place in s.wg, once
+	shaking  bool // holds a handshake slot
+	admitted bool // holds a connection slot
 }
 
 // NewServer returns a Server that hands each connection its listeners accept to serve
