@@ -131,8 +131,8 @@ func SocketFollowsPolicy() ListenOption {
 }
 
 // WithHandshakeLimit caps the connections still in their handshake (connected, not yet
-// admitted): total in all, perUID from any one user (peers on a byte stream count as
-// one user). A connection past a cap is closed at once, without a word, and logged, so
+// admitted): total in all, perUID from any one user (the peers on byte streams of one
+// host count as one user). A connection past a cap is closed at once, without a word, and logged, so
 // that no local user can hold all the handshakes. The defaults are 1024 and 128; a
 // value below 1 keeps the default.
 func WithHandshakeLimit(total, perUID int) ListenOption {
@@ -140,7 +140,8 @@ func WithHandshakeLimit(total, perUID int) ListenOption {
 }
 
 // WithConnLimit caps the admitted connections, peers and observers alike: total in
-// all, perProcess from any one process (peers on a byte stream count as one process).
+// all, perProcess from any one process (the peers on byte streams of one host count as
+// one process).
 // A connection past a cap is refused: its Dial fails with an error wrapping
 // [export.ErrRefused] that names the cap. The defaults are 4096 and 64; a value below 1
 // keeps the default.

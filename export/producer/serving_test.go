@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -178,14 +179,17 @@ func TestPeerThatStopsReadingIsDropped(t *testing.T) {
 	for range writes {
 		_, err := r.Nc.Write(batch)
 		require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never dropped a peer that stopped reading: this side's write waited out its own deadline (%v)", err)
-		require.NoError(t, err)
+		if err != nil { // the exporter gave up reading too: this side paused past its drain window
+			require.True(t, isReset(err), "the exporter closed the connection: %v", err)
+			break
+		}
 	}
 	answers := 0
 	for { // the answers the exporter wrote before its bound passed, then the end
 		m, _, err := r.C.Recv()
 		if err != nil {
 			require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never ended the stream: %v", err)
-			require.ErrorIs(t, err, io.EOF)
+			require.True(t, errors.Is(err, io.EOF) || isReset(err), "the end of the stream: %v", err)
 			break
 		}
 		require.Equal(t, wire.MsgError, m.Kind())
@@ -196,32 +200,30 @@ func TestPeerThatStopsReadingIsDropped(t *testing.T) {
 }
 
 // A byte stream (TCP) is served as the socket is: a silent connection is closed at
-// the handshake timeout, and admitted ones are capped, all remote peers counting as
-// one process.
+// the handshake timeout, and admitted ones are capped, the remote peers of one host
+// counting as one process.
 func TestByteStreamsShareTheSocketsCaps(t *testing.T) {
-	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithHandshakeTimeout(20 * time.Millisecond),
-		producer.WithConnLimit(0, 1), producer.WithPolicy(export.Policy{AllowRemote: true})})
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	require.NoError(t, pr.Ex.Serve(l))
-	dial := func() *wire.Conn {
-		nc, err := net.Dial("tcp", l.Addr().String())
+	// Two exporters: a handshake timeout short enough for the test to wait for would
+	// cut the Hellos of the second part on a loaded machine.
+	dial := func(opts ...producer.ListenOption) *wire.Conn {
+		pr := exporttest.NewProducer(t, nil, append(opts, producer.WithPolicy(export.Policy{AllowRemote: true})))
+		l, err := net.Listen("tcp", "127.0.0.1:0")
 		require.NoError(t, err)
-		t.Cleanup(func() { nc.Close() })
-		require.NoError(t, nc.SetDeadline(time.Now().Add(exporttest.HangGuard)))
-		return wire.NewConn(nc, true)
+		require.NoError(t, pr.Ex.Serve(l))
+		return dialTCP(t, l.Addr().String())
 	}
-	_, _, err = dial().Recv()
+	_, _, err := dial(producer.WithHandshakeTimeout(20 * time.Millisecond)).Recv()
 	require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the exporter never closed a silent connection: the test's own read deadline ended the read (%v)", err)
 	require.ErrorIs(t, err, io.EOF, "a silent connection past the handshake timeout")
 
+	first := dial(producer.WithConnLimit(0, 1))
+	addr := first.Nc.RemoteAddr().String()
 	hello := &wire.HelloMsg{Version: export.ProtocolVersion, Flags: wire.HelloLeases, HandleTypes: uint32(cudart.HandleTypeFabric)}
-	first := dial()
 	require.NoError(t, first.Send(exporttest.Ctx(t), hello, -1))
 	m, _, err := first.Recv()
 	require.NoError(t, err)
 	require.EqualValues(t, wire.MsgWelcome, m.Kind())
-	second := dial()
+	second := dialTCP(t, addr)
 	require.NoError(t, second.Send(exporttest.Ctx(t), hello, -1))
 	m, _, err = second.Recv()
 	require.NoError(t, err)
@@ -235,4 +237,19 @@ func TestByteStreamsShareTheSocketsCaps(t *testing.T) {
 func handshakes(pr *exporttest.Producer) int {
 	n, _ := pr.Ex.ConnCount()
 	return n
+}
+
+// dialTCP connects to addr, with a deadline that only ends a test that hangs.
+func dialTCP(t *testing.T, addr string) *wire.Conn {
+	nc, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { nc.Close() })
+	require.NoError(t, nc.SetDeadline(time.Now().Add(exporttest.HangGuard)))
+	return wire.NewConn(nc, true)
+}
+
+// isReset says whether err is the exporter's close seen as a reset: it closed with
+// bytes of ours unread.
+func isReset(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }

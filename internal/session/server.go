@@ -3,6 +3,7 @@ package session
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"net"
 	"runtime/debug"
@@ -27,11 +28,13 @@ type Limits struct {
 	// connection's reads and writes fail. Default DefaultHandshakeTimeout.
 	HandshakeTimeout time.Duration
 	// Handshakes and HandshakesPerUID cap the connections accepted and not yet
-	// admitted, in all and per uid: one past a cap is closed at once, logged. So a user
-	// whom the policy refuses cannot hold every descriptor. Defaults 1024 and 128.
+	// admitted, in all and per uid (the peers on byte streams of one host count as one
+	// uid): one past a cap is closed at once, logged. So a user whom the policy
+	// refuses cannot hold every descriptor. Defaults 1024 and 128.
 	Handshakes, HandshakesPerUID int
 	// Conns and ConnsPerProcess cap the admitted connections, in all and per process
-	// (pid): Admit past a cap fails naming it. Defaults 4096 and 64.
+	// (pid; the peers on byte streams of one host count as one process): Admit past a
+	// cap fails naming it. Defaults 4096 and 64.
 	Conns, ConnsPerProcess int
 }
 
@@ -60,10 +63,29 @@ var ErrLimit = errors.New("connection limit reached")
 // ErrClosed means the server was shut down: it serves no new listener.
 var ErrClosed = errors.New("the server is shut down")
 
-// remoteKey stands for a peer on a byte stream (TCP), which has no credentials, in the
-// caps: such peers count as one user (its handshakes) and as one process (its
-// connections). No uid or pid of Linux takes this value.
+// remoteKey stands for a peer on a byte stream whose address names no host (a pipe),
+// in the caps; no pid of Linux takes it.
 const remoteKey = ^uint32(0)
+
+// hostKey is a peer on a byte stream's key in the caps, which has no credentials: its
+// host's, so that each host counts as one user (its handshakes) and as one process
+// (its connections). The top bit is set, which no pid of Linux has (pid_max is at
+// most 2^22). An address without an IP gives remoteKey.
+func hostKey(addr net.Addr) uint32 {
+	var ip net.IP
+	switch a := addr.(type) {
+	case *net.TCPAddr:
+		ip = a.IP
+	case *net.IPAddr:
+		ip = a.IP
+	}
+	if ip == nil {
+		return remoteKey
+	}
+	h := fnv.New32a()
+	_, _ = h.Write(ip.To16()) // a hash's Write never fails
+	return h.Sum32() | 1<<31
+}
 
 // Server serves the connections of its listeners, Unix sockets and byte streams alike,
 // with one handler, under one set of caps and one handshake timeout: net/http's
@@ -97,7 +119,8 @@ type Conn struct {
 	// Remote: the peer is on a byte stream (TCP); nothing names it but what it says.
 	Remote bool
 
-	s *Server
+	s    *Server
+	host uint32 // a remote peer's key in the caps (hostKey)
 	// done gives back c's place in s.wg, once; set before its handler starts.
 	done func()
 	// Under s.mu:
@@ -166,7 +189,7 @@ func (s *Server) isClosed() bool {
 // start takes a handshake slot for nc and serves it, or closes it.
 func (s *Server) start(nc net.Conn) {
 	c := &Conn{Conn: nc, s: s}
-	key := remoteKey
+	var key uint32
 	if c.UnixConn, _ = nc.(*net.UnixConn); c.UnixConn != nil {
 		cred, err := peercred.Get(c.UnixConn)
 		if err != nil {
@@ -177,6 +200,8 @@ func (s *Server) start(nc net.Conn) {
 		c.Cred, key = cred, cred.UID
 	} else {
 		c.Remote = true
+		c.host = hostKey(nc.RemoteAddr())
+		key = c.host
 	}
 	if ok, full := s.shakes.Enter(key); !ok {
 		s.log.Warn(s.who+": too many handshakes in progress; connection closed", "pid", c.Cred.PID, "uid", c.Cred.UID, "remote", c.remoteAddr(),
@@ -198,6 +223,15 @@ func (s *Server) start(nc net.Conn) {
 	s.mu.Unlock()
 	_ = nc.SetDeadline(time.Now().Add(s.lim.HandshakeTimeout)) // it fails only on a closed connection, which the handler's first read reports
 	go s.run(c)
+}
+
+// remoteHost names a remote peer's host: its address without the port.
+func (c *Conn) remoteHost() string {
+	addr := c.RemoteAddr().String()
+	if host, _, err := net.SplitHostPort(addr); err == nil {
+		return host
+	}
+	return addr
 }
 
 // remoteAddr is what the log says of a peer on a byte stream: its address.
@@ -256,14 +290,14 @@ func (c *Conn) leaveLocked() {
 // uid is c's key in the handshake caps, pid in the connection caps.
 func (c *Conn) uid() uint32 {
 	if c.Remote {
-		return remoteKey
+		return c.host
 	}
 	return c.Cred.UID
 }
 
 func (c *Conn) pid() uint32 {
 	if c.Remote {
-		return remoteKey
+		return c.host
 	}
 	return uint32(c.Cred.PID)
 }
@@ -282,8 +316,8 @@ func (c *Conn) Admits(uids, gids []uint32, remote bool, who string) string {
 }
 
 // Admit ends c's handshake: its handshake slot is given back, its deadline cleared,
-// and it takes a connection slot (peers on a byte stream count as one process,
-// remoteKey). If a connection cap is full it fails with an error wrapping
+// and it takes a connection slot (the peers on a byte stream of one host count as one
+// process). If a connection cap is full it fails with an error wrapping
 // [ErrLimit] that names the cap (the handler refuses the peer with it), and c holds no
 // slot. Only c's handler calls it, once.
 func (c *Conn) Admit() error {
@@ -301,7 +335,7 @@ func (c *Conn) Admit() error {
 		case full == "total":
 			return fmt.Errorf("%w: %d connections, the most the server takes (its connection limit)", ErrLimit, s.lim.Conns)
 		case c.Remote:
-			return fmt.Errorf("%w: peers on byte streams (one process, as the caps count them) hold %d connections, the most one process may have (its connection limit per process)", ErrLimit, s.lim.ConnsPerProcess)
+			return fmt.Errorf("%w: the peers on byte streams from %s (one process, as the caps count them) hold %d connections, the most one process may have (its connection limit per process)", ErrLimit, c.remoteHost(), s.lim.ConnsPerProcess)
 		}
 		return fmt.Errorf("%w: pid %d has %d connections, the most one process may have (its connection limit per process)", ErrLimit, c.Cred.PID, s.lim.ConnsPerProcess)
 	}

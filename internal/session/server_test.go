@@ -151,14 +151,14 @@ func TestServerContainsAPanic(t *testing.T) {
 	assert.Error(t, err, "Close closed the admitted connection")
 }
 
-// Peers on a byte stream are served, and count as one process in the connection caps:
-// nothing names them but what they say.
-func TestServerCapsRemotePeersAsOneProcess(t *testing.T) {
+// Peers on a byte stream are served, and those of one host count as one process in
+// the connection caps: nothing names them but what they say.
+func TestServerCapsRemotePeersPerHost(t *testing.T) {
 	_, addr, _ := serveEchoOn(t, "tcp", Limits{ConnsPerProcess: 1})
 	a := dialOn(t, "tcp", addr)
 	require.Equal(t, "y", say(t, a, 'a'))
 	got := say(t, dialOn(t, "tcp", addr), 'a')
-	assert.Contains(t, got, "peers on byte streams")
+	assert.Contains(t, got, "peers on byte streams from 127.0.0.1")
 	assert.Contains(t, got, ErrLimit.Error())
 }
 
