@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"time"
 
@@ -16,115 +15,170 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
-// serveConn admits nc and serves it, as a peer or an observer, until it closes.
-// detach takes a peer's goroutine out of what Close waits for.
-func (ex *Exporter) serveConn(nc net.Conn, detach func()) {
-	p, o, err := ex.admit(nc)
+// writeTimeout bounds a write to a peer that does not read its answers: past it, the
+// exporter stops writing to it and drops it (wire.Conn.Send aborts the connection). A
+// variable for tests alone (SetWriteTimeout), set while no exporter serves.
+var writeTimeout = 10 * time.Second
+
+// bounded is the context of the writes of one answer to a peer: it ends writeTimeout
+// from now.
+func bounded() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), writeTimeout)
+}
+
+// serveConn admits sc and serves it, as a peer or an observer, until it closes: the
+// session server's handler, which closes sc when it returns. A panic while serving a
+// peer ends the peer as one that hung up (its leases kept until its process exits);
+// the server logs it with its stack and serves the others on.
+func (ex *Exporter) serveConn(sc *session.Conn) {
+	p, o, err := ex.admit(sc)
 	if err != nil {
 		level := slog.LevelWarn
 		if errors.Is(err, io.EOF) {
 			level = slog.LevelDebug // a liveness probe (Discover) hangs up without a word
 		}
 		ex.log.Log(context.Background(), level, "producer: connection not admitted", "err", err)
-		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 		return
 	}
 	if o != nil {
 		o.serve()
 		return
 	}
-	p.detach = detach
 	ex.log.Debug("producer: peer admitted", "pid", p.pid(), "remote", p.remote())
-	reason, clean := p.serveContained()
-	if reason != nil {
-		ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
+	served := false
+	var reason error
+	clean := false
+	defer func() {
+		if !served { // a panic, which the server logs; the peer ends as one that hung up
+			reason, clean = errors.New("a panic while serving it"), false
+			_ = p.c.Close() // cleanup: the panic is what ends the connection
+		}
+		if reason != nil {
+			ex.log.Warn("producer: closing peer connection", "pid", p.pid(), "reason", reason)
+		}
+		if p.lost() {
+			_ = p.c.Close() // cleanup: nothing is left to do if closing fails
+			clean = p.awaitExit(clean)
+		}
+		p.cleanup(clean)
+	}()
+	reason, clean = p.serve()
+	served = true
+}
+
+// handshake is a connection in its handshake, as admit knows it.
+type handshake struct {
+	ex    *Exporter
+	sc    *session.Conn
+	c     *wire.Conn
+	cred  *peercred.Cred // nil on a byte stream
+	hello wire.HelloMsg
+}
+
+// pid is the peer's process: the kernel's word on a Unix socket, the Hello's on a byte
+// stream (not checked).
+func (hs *handshake) pid() int {
+	if hs.cred != nil {
+		return hs.cred.PID
 	}
-	if p.lost() {
-		_ = p.c.Close() // cleanup: nothing is left to do if closing fails
-		clean = p.awaitExit(clean)
-	}
-	p.cleanup(clean)
+	return int(hs.hello.PID)
+}
+
+// refuse answers Refused with reason, which is all it carries, and returns the error
+// that says so.
+func (hs *handshake) refuse(reason string) error {
+	_ = hs.c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
+	return fmt.Errorf("%w: pid %d: %s", export.ErrRefused, hs.pid(), reason)
+}
+
+// welcome answers Welcome with flags.
+func (hs *handshake) welcome(flags uint32) error {
+	ctx, cancel := bounded()
+	defer cancel()
+	devices := hs.ex.devices[:min(len(hs.ex.devices), wire.MaxDevices)]
+	return hs.c.Send(ctx, &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: devices}, -1)
 }
 
 // admit is the exporter's half of the handshake: it reads the Hello, applies the
-// policy and answers Welcome or Refused (which carries the reason and nothing else).
-// A Hello that takes leases makes a peer; one that does not, an observer.
-func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
-	defer func() {
-		ex.mu.Lock()
-		if uid, ok := ex.greeting[nc]; ok {
-			delete(ex.greeting, nc)
-			ex.handshakes.Leave(uid)
-		}
-		ex.mu.Unlock()
-	}()
-	c := wire.NewConn(nc, false)
-	_ = nc.SetDeadline(time.Now().Add(ex.opts.HandshakeTimeout)) // it fails only on a closed connection, which the next read or write reports
-	var cred *peercred.Cred                                      // nil on a byte stream
-	if c.Uc != nil {
-		cr, err := peercred.Get(c.Uc)
-		if err != nil {
-			return nil, nil, err
-		}
-		cred = &cr
+// policy and the connection caps, and answers Welcome or Refused (which carries the
+// reason and nothing else). A Hello that takes leases makes a peer; one that does
+// not, an observer. The session server bounds it by the handshake timeout.
+func (ex *Exporter) admit(sc *session.Conn) (*peer, *observer, error) {
+	hs := &handshake{ex: ex, sc: sc, c: wire.NewConn(sc.Conn, false)}
+	if !sc.Remote {
+		hs.cred = &sc.Cred
 	}
-	var h wire.HelloMsg
-	pid := func() int {
-		if cred != nil {
-			return cred.PID
-		}
-		return int(h.PID) // what a remote peer says: not checked
+	if err := hs.readHello(); err != nil {
+		return nil, nil, err
 	}
-	refuse := func(reason string) (*peer, *observer, error) {
-		_ = c.Send(context.Background(), &wire.RefusedMsg{Version: export.ProtocolVersion, Reason: wire.FitText(reason, wire.MaxPayload-4)}, -1) // the peer may be gone already; the connection closes next
-		return nil, nil, fmt.Errorf("%w: pid %d: %s", export.ErrRefused, pid(), reason)
+	if hs.hello.Flags&wire.HelloLeases == 0 {
+		o, err := ex.admitObserver(hs)
+		return nil, o, err
 	}
-	m, _, err := c.Recv()
+	p, err := ex.admitPeer(hs)
+	return p, nil, err
+}
+
+// readHello reads the Hello and admits the connection, or refuses it: another
+// version, another first message, a process the policy does not admit, a release
+// event offered on a byte stream, a connection cap full.
+func (hs *handshake) readHello() error {
+	m, _, err := hs.c.Recv()
 	if errors.Is(err, export.ErrVersionMismatch) {
-		return refuse(err.Error())
+		return hs.refuse(err.Error())
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("pid %d: before Hello: %w", pid(), err)
+		return fmt.Errorf("pid %d: before Hello: %w", hs.pid(), err)
 	}
 	hm, ok := m.(*wire.HelloMsg)
 	if !ok {
-		return refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
+		return hs.refuse(fmt.Sprintf("%v: the first message must be Hello, got %s", export.ErrProtocol, m.Kind()))
 	}
-	h = *hm
-	if reason := admit(ex.opts.policy, cred); reason != "" {
-		return refuse(reason)
+	hs.hello = *hm
+	pol := hs.ex.opts.policy
+	if reason := hs.sc.Admits(pol.AllowUIDs, pol.AllowGIDs, pol.AllowRemote, "the exporter"); reason != "" {
+		return hs.refuse(reason)
 	}
-	if cred == nil && h.Flags&wire.HelloReleaseEvent != 0 {
-		return refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
+	if hs.cred == nil && hs.hello.Flags&wire.HelloReleaseEvent != 0 {
+		return hs.refuse(fmt.Sprintf("%v: a peer on a byte stream cannot offer an IPC release event", export.ErrProtocol))
 	}
-	welcome := func(flags uint32) error {
-		return c.Send(context.Background(), &wire.WelcomeMsg{Version: export.ProtocolVersion, PID: uint32(os.Getpid()), Flags: flags, Devices: ex.devices[:min(len(ex.devices), wire.MaxDevices)]}, -1)
+	if err := hs.sc.Admit(); err != nil {
+		return hs.refuse(err.Error())
 	}
+	return nil
+}
 
-	if h.Flags&wire.HelloLeases == 0 {
-		o := &observer{ex: ex, c: c, pid: pid()}
-		ex.mu.Lock()
-		if ex.closed {
-			ex.mu.Unlock()
-			return refuse("the exporter is closing")
-		}
-		ex.observers[o] = struct{}{}
+// admitObserver welcomes a connection that takes no leases.
+func (ex *Exporter) admitObserver(hs *handshake) (*observer, error) {
+	o := &observer{ex: ex, c: hs.c, pid: hs.pid()}
+	ex.mu.Lock()
+	if ex.closed {
 		ex.mu.Unlock()
-		if err := welcome(0); err != nil {
-			o.leave()
-			return nil, nil, err
-		}
-		_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-		return nil, o, nil
+		return nil, hs.refuse("the exporter is closing")
 	}
+	ex.observers[o] = struct{}{}
+	ex.mu.Unlock()
+	if err := hs.welcome(0); err != nil {
+		o.leave()
+		return nil, err
+	}
+	return o, nil
+}
 
+// admitPeer welcomes a connection that takes leases.
+func (ex *Exporter) admitPeer(hs *handshake) (*peer, error) {
+	c, cred, h, sc := hs.c, hs.cred, hs.hello, hs.sc
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
 		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
 		completions: map[*pool.Pool]*pool.Completion{},
-		retained:    map[cudart.PtrExportData]*retention{}}
+		retained:    map[cudart.PtrExportData]*retention{},
+		// Close waits for every connection but a peer it abandons, which it detaches:
+		// that one is served on until it has released all or its process exited.
+		detach: sc.Detach}
 	// Retention needs the peer's release event to cover its work: a local peer's.
 	p.retains = ex.opts.retain && cred != nil && h.Flags&wire.HelloReleaseEvent != 0
 	p.exitWait, p.stopExitWait = context.WithCancel(context.Background())
@@ -132,7 +186,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	ex.mu.Lock()
 	if ex.closed {
 		ex.mu.Unlock()
-		return refuse("the exporter is closing")
+		return nil, hs.refuse("the exporter is closing")
 	}
 	ex.peers[p] = struct{}{}
 	ex.mu.Unlock()
@@ -147,10 +201,9 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	if p.retains {
 		flags |= wire.WelcomeRetain
 	}
-	if err := welcome(flags); err != nil {
+	if err := hs.welcome(flags); err != nil {
 		p.cleanup(false)
-		return nil, nil, err
+		return nil, err
 	}
-	_ = nc.SetDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-	return p, nil, nil
+	return p, nil
 }

@@ -70,6 +70,9 @@
 //
 // A Policy that admits other users needs SocketFollowsPolicy too, or they cannot open
 // the socket. Names may not hold control characters, bidirectional controls or line
-// separators. [WithHandshakeLimit] and [WithMaxGrants] bound what one user or connection
-// can hold.
+// separators. [WithHandshakeLimit], [WithConnLimit] and [WithMaxGrants] bound what one
+// user, process or connection can hold. The exporter's socket, and each listener of
+// [Exporter.Serve], are served by internal/session's server, as kv.sock is: one accept
+// loop, one set of caps, one handshake timeout, one admission by credentials, and a
+// panic while serving a connection contained to it.
 package producer

@@ -3,17 +3,22 @@ package producer
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/pool"
 )
 
-// GreetingCount is how many connections are in their handshake.
-func (ex *Exporter) GreetingCount() int {
-	ex.mu.Lock()
-	defer ex.mu.Unlock()
-	return len(ex.greeting)
+// ConnCount is how many connections are in their handshake, and how many admitted.
+func (ex *Exporter) ConnCount() (handshakes, admitted int) { return ex.srv.Count() }
+
+// SetWriteTimeout bounds the exporters' writes to a peer by d instead of 10 s, until
+// the returned func undoes it. Set it, and undo it, while no exporter serves.
+func SetWriteTimeout(d time.Duration) (undo func()) {
+	old := writeTimeout
+	writeTimeout = d
+	return func() { writeTimeout = old }
 }
 
 // SetConnIDLimit makes the id spaces of exporters the test starts from now on n

@@ -22,7 +22,6 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/export/internal/wire"
-	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
@@ -53,14 +52,11 @@ type Exporter struct {
 	peers    map[*peer]struct{}
 	// observers are the connections made for State alone.
 	observers map[*observer]struct{}
-	// greeting holds the connections still in their handshake, for Close to cut, with
-	// the uid each counts under in handshakes.
-	greeting   map[net.Conn]uint32
-	handshakes *session.Counter
-	listeners  []net.Listener
+	// srv serves the socket and the listeners of Serve: their caps, handshake timeout
+	// and admission by credentials.
+	srv *session.Server
 	// changed is poked whenever a lease ends or a peer leaves, for Close to recount.
 	changed chan struct{}
-	wg      sync.WaitGroup
 }
 
 // publication is a buffer under a name, with the event consumers wait on for the
@@ -106,10 +102,10 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 	ex := &Exporter{
 		rt: rt, opts: o, log: o.Log, connIDs: newConnIDs(), started: time.Now(),
 		ready: map[readyKey]*readyEvent{}, pubs: map[string]*publication{},
-		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{}, greeting: map[net.Conn]uint32{},
-		handshakes: session.NewCounter(o.handshakesTotal, o.handshakesPerUID),
-		changed:    make(chan struct{}, 1),
+		pools: map[*pool.Pool]uint64{}, peers: map[*peer]struct{}{}, observers: map[*observer]struct{}{},
+		changed: make(chan struct{}, 1),
 	}
+	ex.srv = session.NewServer(o.Log, "producer", o.limits(), ex.serveConn)
 	var err error
 	if ex.devices, err = deviceUUIDs(rt); err != nil {
 		return nil, err
@@ -137,78 +133,28 @@ func Listen(path string, rt cudart.Runtime, opts ...ListenOption) (*Exporter, er
 			return nil, err
 		}
 	}
-	ex.listeners = append(ex.listeners, ex.sock)
-	ex.wg.Add(1)
-	go ex.accept(ex.sock)
+	_ = ex.srv.Serve(ex.sock) // a new server is not shut down
 	return ex, nil
 }
 
 // Serve accepts connections on l too, until l fails or the [Exporter] closes (which
 // closes l). It is for byte streams such as TCP between the nodes of one NVLink domain:
 // peers there have no credentials, so the Policy must set AllowRemote, and only FABRIC
-// pools can be shared with them. Serve returns at once; it fails with [export.ErrClosed] after
-// Close.
+// pools can be shared with them. Its connections are served as the socket's are, under
+// the same caps and handshake timeout ([WithHandshakeLimit], [WithConnLimit],
+// [WithHandshakeTimeout]). Serve returns at once; it fails with [export.ErrClosed]
+// after Close.
 func (ex *Exporter) Serve(l net.Listener) error {
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
 	if ex.closed {
 		return export.ErrClosed
 	}
-	ex.listeners = append(ex.listeners, l)
-	ex.wg.Add(1)
-	go ex.accept(l)
-	return nil
+	return ex.srv.Serve(l) // shut down only after closed is set, under mu
 }
 
 // Addr is the path of the exporter's socket.
 func (ex *Exporter) Addr() string { return ex.sock.path }
-
-// accept serves l's connections until l is closed (session.AcceptLoop keeps it going
-// through a shortage of descriptors).
-func (ex *Exporter) accept(l net.Listener) {
-	defer ex.wg.Done()
-	session.AcceptLoop(l, ex.log, "producer", ex.isClosed, ex.greet, time.Sleep)
-}
-
-func (ex *Exporter) isClosed() bool {
-	ex.mu.Lock()
-	defer ex.mu.Unlock()
-	return ex.closed
-}
-
-// greet starts the handshake of a new connection on a goroutine of its own, unless the
-// handshakes in progress of its user, or of all, are at their cap.
-func (ex *Exporter) greet(nc net.Conn) {
-	uid := remoteUID
-	if uc, ok := nc.(*net.UnixConn); ok {
-		if cred, err := peercred.Get(uc); err == nil {
-			uid = cred.UID
-		}
-	}
-	if ok, full := ex.handshakes.Enter(uid); !ok {
-		ex.log.Warn("producer: too many handshakes in progress; connection closed", "uid", uid, "cap", full,
-			"total", ex.opts.handshakesTotal, "per_uid", ex.opts.handshakesPerUID)
-		_ = nc.Close() // cleanup: nothing is left to do if closing fails
-		return
-	}
-	ex.mu.Lock()
-	if ex.closed {
-		ex.mu.Unlock()
-		ex.handshakes.Leave(uid)
-		_ = nc.Close() // cleanup: nothing is left to do if closing fails
-		return
-	}
-	ex.wg.Add(1)
-	ex.greeting[nc] = uid
-	ex.mu.Unlock()
-	go func() {
-		// Close waits for every connection, except a peer it abandons, which detaches
-		// itself and is served on until it has released all or exited.
-		detach := sync.OnceFunc(ex.wg.Done)
-		defer detach()
-		ex.serveConn(nc, detach)
-	}()
-}
 
 // Publish makes b available under name, ready once the work queued on s before the
 // call (the producer's writes) has completed: consumers' streams wait for
@@ -537,24 +483,17 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		return export.ErrClosed
 	}
 	ex.closed = true
-	listeners := ex.listeners
 	ex.pubs = map[string]*publication{}
-	for nc := range ex.greeting {
-		_ = nc.Close() // a peer not yet admitted holds nothing
-	}
 	for o := range ex.observers {
-		_ = o.c.Close() // an observer holds nothing either
+		_ = o.c.Close() // an observer holds nothing
 	}
 	ex.mu.Unlock()
 
-	var errs []error
-	for _, l := range listeners {
-		if l == net.Listener(ex.sock) {
-			errs = append(errs, ex.sock.remove())
-		} else {
-			_ = l.Close() // cleanup: nothing is left to do if closing fails
-		}
-	}
+	// The socket first, so that its file goes and its listener's close is counted
+	// once; then the other listeners and the connections not yet admitted, which
+	// hold nothing either.
+	errs := []error{ex.sock.remove()}
+	ex.srv.Shutdown()
 	if ex.announced != "" {
 		if err := os.Remove(ex.announced); err != nil {
 			errs = append(errs, fmt.Errorf("producer: remove announcement: %w", err))
@@ -583,7 +522,7 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		p.shut()
 	}
 	byes.Wait()
-	ex.wg.Wait()
+	ex.srv.Close() // waits for every handler but those of the peers detached above
 	ex.readyMu.Lock()
 	for k, re := range ex.ready {
 		if err := ex.rt.EventDestroy(re.dev, re.ev); err != nil {

@@ -17,11 +17,13 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 	if err != nil {
 		return err
 	}
-	l, pl, err := p.grant(context.Background(), pub, m.ReqID)
+	ctx, cancel := bounded()
+	defer cancel()
+	l, pl, err := p.grant(ctx, pub, m.ReqID)
 	if err != nil {
 		return err
 	}
-	if err := p.c.Send(context.Background(), &l, -1); err != nil {
+	if err := p.c.Send(ctx, &l, -1); err != nil {
 		p.releaseUnsent(l.LeaseID, pl)
 		return err
 	}
@@ -31,6 +33,8 @@ func (p *peer) answerOpen(m *wire.OpenMsg) error {
 // answerOpenBatch grants the buffers an OpenBatch asks for, all or none, and sends
 // them in as few LeaseBatch frames as they fit in.
 func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
+	ctx, cancel := bounded()
+	defer cancel()
 	leases := make([]wire.LeaseMsg, 0, len(m.Names))
 	granted := make([]*pool.Lease, 0, len(m.Names))
 	releaseFrom := func(from int) {
@@ -43,7 +47,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 		if err == nil {
 			var l wire.LeaseMsg
 			var pl *pool.Lease
-			if l, pl, err = p.grant(context.Background(), pub, m.ReqID); err == nil {
+			if l, pl, err = p.grant(ctx, pub, m.ReqID); err == nil {
 				leases, granted = append(leases, l), append(granted, pl)
 				continue
 			}
@@ -61,7 +65,7 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 		if end < len(leases) {
 			frame.Flags = wire.LeaseBatchMore
 		}
-		if err := p.c.Send(context.Background(), frame, -1); err != nil {
+		if err := p.c.Send(ctx, frame, -1); err != nil {
 			releaseFrom(start)
 			return err
 		}

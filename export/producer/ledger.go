@@ -1,7 +1,6 @@
 package producer
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -77,7 +76,9 @@ func (p *peer) releaseLease(m *wire.ReleaseMsg) error {
 	if err := p.release(m); err != nil {
 		return err
 	}
-	return p.c.Send(context.Background(), &wire.ReleasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
+	ctx, cancel := bounded()
+	defer cancel()
+	return p.c.Send(ctx, &wire.ReleasedMsg{ReqID: m.ReqID, LeaseID: m.LeaseID}, -1)
 }
 
 // releaseBatch releases every entry of a ReleaseBatch, and answers once. An entry that
@@ -96,7 +97,9 @@ func (p *peer) releaseBatch(m *wire.ReleaseBatchMsg) error {
 	if len(errs) > 0 {
 		return batchError(errs, len(m.Entries))
 	}
-	return p.c.Send(context.Background(), &wire.ReleasedMsg{ReqID: m.ReqID}, -1)
+	ctx, cancel := bounded()
+	defer cancel()
+	return p.c.Send(ctx, &wire.ReleasedMsg{ReqID: m.ReqID}, -1)
 }
 
 // batchShown is how many of a batch's failures its Error names.

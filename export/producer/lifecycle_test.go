@@ -90,7 +90,7 @@ func TestCloseCutsSilentPeers(t *testing.T) {
 	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithHandshakeTimeout(exporttest.HangGuard * 10)})
 	r := exporttest.DialRaw(t, pr.Path)
 	exporttest.WaitFor(t, "the silent peer to be accepted", func() bool {
-		return pr.Ex.GreetingCount() == 1
+		return handshakes(pr) == 1
 	})
 	require.NoError(t, pr.Ex.Close(exporttest.Ctx(t)))
 	require.True(t, r.ClosedByExporter(), "the silent peer's connection stayed open")

@@ -1,7 +1,6 @@
 package producer
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -61,5 +60,7 @@ func answer(c *wire.Conn, reqID uint64, err error) {
 	if err == nil {
 		return
 	}
-	_ = c.Send(context.Background(), wire.ErrorFor(reqID, err), -1) // the peer may be gone already; the connection closes next
+	ctx, cancel := bounded()
+	defer cancel()
+	_ = c.Send(ctx, wire.ErrorFor(reqID, err), -1) // the peer may be gone already; a write past the bound ends the connection
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/printable"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // ListenOption configures [Listen].
@@ -24,8 +25,9 @@ type listenOptions struct {
 	// socketFollowsPolicy: the socket's mode and group open it to whom the policy
 	// admits; otherwise it is 0600.
 	socketFollowsPolicy bool
-	// handshakesTotal and handshakesPerUID cap the connections in their handshake.
-	handshakesTotal, handshakesPerUID int
+	// caps are the session server's caps (WithHandshakeLimit, WithConnLimit); its
+	// handshake timeout is SharedOptions'.
+	caps session.Limits
 	// maxGrants caps the grants one connection holds.
 	maxGrants int
 }
@@ -55,7 +57,7 @@ func WithMeta(meta []byte) PublishOption {
 
 func newListenOptions(opts []ListenOption) listenOptions {
 	o := listenOptions{SharedOptions: wire.DefaultShared(), announce: true, name: printable.Clean(filepath.Base(os.Args[0]), MaxExporterNameLen),
-		handshakesTotal: defaultHandshakesTotal, handshakesPerUID: defaultHandshakesPerUID, maxGrants: defaultMaxGrants}
+		maxGrants: defaultMaxGrants}
 	for _, opt := range opts {
 		if opt != nil {
 			opt(&o)
@@ -111,8 +113,9 @@ func WithName(name string) ListenOption {
 	return func(o *listenOptions) { o.name = name }
 }
 
-// WithHandshakeTimeout bounds how long a connecting peer may take to say Hello. It
-// only guards against peers that hang; the default is 30 s.
+// WithHandshakeTimeout bounds how long a connection may take from its accept to its
+// admission: past it, the exporter closes it. It only guards against peers that hang;
+// the default (and d <= 0) is 30 s.
 func WithHandshakeTimeout(d time.Duration) ListenOption {
 	return func(o *listenOptions) { o.SetHandshakeTimeout(d) }
 }
@@ -128,19 +131,29 @@ func SocketFollowsPolicy() ListenOption {
 }
 
 // WithHandshakeLimit caps the connections still in their handshake (connected, not yet
-// admitted): total in all, perUID from any one user (peers on a byte stream count as
-// one user). A connection past a cap is closed at once, and the log says so, so that
-// no local user can hold all the handshakes. The defaults are 1024 and 128; a value
-// below 1 keeps the default.
+// admitted): total in all, perUID from any one user (the peers on byte streams of one
+// host count as one user). A connection past a cap is closed at once, without a word, and logged, so
+// that no local user can hold all the handshakes. The defaults are 1024 and 128; a
+// value below 1 keeps the default.
 func WithHandshakeLimit(total, perUID int) ListenOption {
-	return func(o *listenOptions) {
-		if total > 0 {
-			o.handshakesTotal = total
-		}
-		if perUID > 0 {
-			o.handshakesPerUID = perUID
-		}
-	}
+	return func(o *listenOptions) { o.caps.Handshakes, o.caps.HandshakesPerUID = total, perUID }
+}
+
+// WithConnLimit caps the admitted connections, peers and observers alike: total in
+// all, perProcess from any one process (the peers on byte streams of one host count as
+// one process).
+// A connection past a cap is refused: its Dial fails with an error wrapping
+// [export.ErrRefused] that names the cap. The defaults are 4096 and 64; a value below 1
+// keeps the default.
+func WithConnLimit(total, perProcess int) ListenOption {
+	return func(o *listenOptions) { o.caps.Conns, o.caps.ConnsPerProcess = total, perProcess }
+}
+
+// limits are the session server's limits.
+func (o *listenOptions) limits() session.Limits {
+	l := o.caps
+	l.HandshakeTimeout = o.HandshakeTimeout
+	return l
 }
 
 // defaultMaxGrants is WithMaxGrants's default: far more than a consumer needs (one per

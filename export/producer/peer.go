@@ -14,7 +14,6 @@ import (
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -135,25 +134,12 @@ func (p *peer) pid() int {
 	return int(p.hello.PID) // what a remote peer says: not checked
 }
 
-// serve answers the peer's requests in order until the connection ends. reason says
-// why, nil for a peer that said Bye or an exporter that is closing; clean reports
-// whether the peer's release event covers all it freed.
-// serveContained is serve with a panic contained: it is logged with its stack, the
-// connection is closed, and the peer is then ended as one that hung up (its leases
-// kept until its process exits).
-func (p *peer) serveContained() (reason error, clean bool) {
-	defer func() {
-		if v := recover(); v != nil {
-			reason, clean = session.Recovered(p.ex.log, "producer", p.pid(), v), false
-			_ = p.c.Close() // cleanup: the panic is what ends the connection
-		}
-	}()
-	return p.serve()
-}
-
 // frameHook, set by tests alone, sees each request before it is served.
 var frameHook func(wire.Message)
 
+// serve answers the peer's requests in order until the connection ends. reason says
+// why, nil for a peer that said Bye or an exporter that is closing; clean reports
+// whether the peer's release event covers all it freed.
 func (p *peer) serve() (reason error, clean bool) {
 	for {
 		m, _, err := p.c.Recv()

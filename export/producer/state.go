@@ -2,7 +2,6 @@ package producer
 
 import (
 	"cmp"
-	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -64,13 +63,15 @@ func (ex *Exporter) sendState(c *wire.Conn, reqID uint64) error {
 		return fmt.Errorf("producer: state: %w", err)
 	}
 	const chunk = wire.MaxPayload - 12
+	ctx, cancel := bounded()
+	defer cancel()
 	for {
 		n := min(len(body), chunk)
 		m := &wire.StateMsg{ReqID: reqID, JSON: body[:n]}
 		if n < len(body) {
 			m.Flags = wire.StateMore
 		}
-		if err := c.Send(context.Background(), m, -1); err != nil {
+		if err := c.Send(ctx, m, -1); err != nil {
 			return err
 		}
 		if body = body[n:]; len(body) == 0 {

@@ -1,13 +1,14 @@
 // Package session owns what cudapool's two socket protocols (the exporter's on
-// producer's socket and the KV page pool's on dir/kv.sock) share below their messages:
-// the server's accept loop that outlasts a moment's exhaustion (EMFILE, ENFILE), the
-// caps on connections in their handshake and on admitted connections, the handshake
-// timeout, admission by the peer's credentials (SO_PEERCRED), a handler's panic
-// contained to its connection; and the client's dial with backoff and its writes,
-// each bounded by its caller's context.
+// producer's socket, and over TCP, and the KV page pool's on dir/kv.sock) share below
+// their messages: the [Server] (net/http's, for these protocols) with its accept loop
+// that outlasts a moment's exhaustion (EMFILE, ENFILE), the caps on connections in
+// their handshake and on admitted connections, the handshake timeout, admission by
+// the peer's credentials (SO_PEERCRED; a peer on a byte stream has none), a handler's
+// panic contained to its connection; and the client's dial with backoff and its
+// writes, each bounded by its caller's context.
 //
-// A protocol is a handler over it: Serve hands each accepted connection, its peer
-// named, to the handler on a goroutine of its own; the handler reads the Hello in its
-// own framing, applies Admits and calls Conn.Admit, which ends the handshake or says
-// which cap is full.
+// A protocol is a handler over it: the Server hands each accepted connection, its
+// peer named, to the handler on a goroutine of its own; the handler reads the Hello in
+// its own framing, applies [Conn.Admits] and calls [Conn.Admit], which ends the
+// handshake or says which cap is full.
 package session

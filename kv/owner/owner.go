@@ -228,9 +228,9 @@ func WithReattachGrace(d time.Duration) Option { return func(o *options) { o.Rea
 // [kv.ErrHostMemory].
 func WithHostBytes(n uint64) Option { return func(o *options) { o.HostBytes = n } }
 
-// WithHandshakeTimeout bounds how long a connection to the page socket (or the host
-// tier's) may take from its accept to its admission: past it, the owner closes it. The
-// default (and d <= 0) is 10 s.
+// WithHandshakeTimeout bounds how long a connection to the page socket (or the slab
+// socket, or the host tier's) may take from its accept to its admission: past it, the
+// owner closes it. The default (and d <= 0) is 10 s.
 func WithHandshakeTimeout(d time.Duration) Option {
 	return func(o *options) { o.Limits.HandshakeTimeout = d }
 }
@@ -243,7 +243,8 @@ func WithHandshakeLimit(total, perUID int) Option {
 	return func(o *options) { o.Limits.Handshakes, o.Limits.HandshakesPerUID = total, perUID }
 }
 
-// WithConnLimit caps the admitted connections: total in all, perProcess from any one
+// WithConnLimit caps the admitted connections of each of the owner's sockets (the page
+// socket, the slab socket, the host tier's): total in all, perProcess from any one
 // process. A connection past a cap is refused with an error wrapping [kv.ErrLimit]
 // that names the cap. The defaults are 4096 and 64; a value below 1 keeps the default.
 func WithConnLimit(total, perProcess int) Option {
@@ -491,7 +492,10 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 
 // makeSlabs makes the exporter on dir/slab.sock and each device's slab.
 func (o *Owner) makeSlabs() (err error) {
-	lopts := []producer.ListenOption{producer.WithPolicy(o.opts.Policy), producer.WithLogger(o.log), producer.WithName(ownerName())}
+	lim := o.opts.Limits.WithDefaults() // slab.sock's caps and timeout are kv.sock's
+	lopts := []producer.ListenOption{producer.WithPolicy(o.opts.Policy), producer.WithLogger(o.log), producer.WithName(ownerName()),
+		producer.WithHandshakeTimeout(lim.HandshakeTimeout), producer.WithHandshakeLimit(lim.Handshakes, lim.HandshakesPerUID),
+		producer.WithConnLimit(lim.Conns, lim.ConnsPerProcess)}
 	if opensToOthers(o.opts.Policy) {
 		lopts = append(lopts, producer.SocketFollowsPolicy())
 	}
