@@ -64,31 +64,6 @@ func TestHostSocketFollowsThePolicy(t *testing.T) {
 	assert.Zero(t, info.Bytes)
 }
 
-// The keeper's tier socket refuses another user's process: it neither hands it a
-// host tier's memory nor takes one from it. (The tests run as root, which it admits:
-// the peer's uid is replaced through a seam.)
-func TestKeeperTierSocketRefusesAnotherUser(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "kv")
-	k, err := owner.Keep(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce())
-	require.NoError(t, err)
-	defer func() { assert.NoError(t, k.Close(t.Context())) }()
-	other := uint32(os.Getuid()) + 4242
-	owner.SetTierPeerUID(k, other)
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(dir, owner.TierSocket), Net: "unix"})
-	require.NoError(t, err)
-	defer c.Close()
-	require.NoError(t, c.SetDeadline(time.Now().Add(testwait.Bound)))
-	require.NoError(t, unixfd.Send(c, []byte(`{"device":0,"bytes":4096}`)))
-	buf := make([]byte, 512)
-	n, fds, err := unixfd.Recv(c, buf, 1)
-	require.NoError(t, err)
-	for _, fd := range fds {
-		unix.Close(fd)
-	}
-	assert.Empty(t, fds)
-	assert.Contains(t, string(buf[:n]), fmt.Sprintf("uid %d is not the keeper's", other), "the keeper answered another user's page server")
-}
-
 // The host tier's socket answers a device it serves with the tier's memfd, one it
 // does not with a reason and no descriptor, and a connection that says nothing, or
 // too little, with nothing; none of them stops it serving the next.
