@@ -9,6 +9,7 @@ import (
 	"bufio"
 	"encoding/binary"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -269,4 +270,48 @@ func appendValue(t *testing.T, b []byte, e reflect.Value) []byte {
 	}
 	t.Fatalf("an element of kind %v, which the test cannot encode", e.Kind())
 	return nil
+}
+
+// CheckSeedCorpus checks the checked-in seed corpus in dir (files of `go test fuzz
+// v1` holding one []byte each): decode names the frame type of each entry, or fails;
+// every one of types has a well-formed entry, and every one of classes (a part of an
+// error's text) an entry that fails with it.
+func CheckSeedCorpus(t *testing.T, dir string, decode func([]byte) (string, error), types, classes []string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	seen := map[string]bool{}
+	var failures []string
+	for _, e := range entries {
+		b := readCorpusEntry(t, filepath.Join(dir, e.Name()))
+		typ, err := decode(b)
+		if err == nil {
+			seen[typ] = true
+		} else {
+			failures = append(failures, err.Error())
+		}
+	}
+	for _, typ := range types {
+		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
+	}
+	for _, class := range classes {
+		found := false
+		for _, f := range failures {
+			found = found || strings.Contains(f, class)
+		}
+		assert.True(t, found, "no seed in %s fails with %q", dir, class)
+	}
+}
+
+// readCorpusEntry reads a `go test fuzz v1` file of one []byte.
+func readCorpusEntry(t *testing.T, path string) []byte {
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	lines := strings.SplitN(strings.TrimSpace(string(raw)), "\n", 2)
+	require.Len(t, lines, 2, "%s", path)
+	require.Equal(t, "go test fuzz v1", lines[0], "%s", path)
+	lit := strings.TrimSuffix(strings.TrimPrefix(lines[1], "[]byte("), ")")
+	s, err := strconv.Unquote(lit)
+	require.NoError(t, err, "%s", path)
+	return []byte(s)
 }

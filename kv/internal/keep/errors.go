@@ -24,13 +24,17 @@ var (
 	// ErrGone means the connection to the keeper has ended: the keeper stopped or
 	// died (what it kept is gone with it), or the Client was closed.
 	ErrGone = errors.New("keep: the connection to the keeper has ended")
+	// ErrNoTier means the owner has no host tier on the device asked for (the host
+	// tier socket).
+	ErrNoTier = errors.New("keep: the device has no host tier here")
 	// ErrMalformed is kvwire's: a frame does not follow its layout, and the connection
 	// it came on is closed.
 	ErrMalformed = kvwire.ErrMalformed
 )
 
 // codes are the Error and Refused codes, by sentinel.
-var codes = map[uint16]error{CodeInternal: ErrInternal, CodeNotKept: ErrNotKept, CodeRefused: ErrRefused, CodeLimit: ErrLimit, CodeName: ErrName}
+var codes = map[uint16]error{CodeInternal: ErrInternal, CodeNotKept: ErrNotKept, CodeRefused: ErrRefused, CodeLimit: ErrLimit, CodeName: ErrName,
+	CodeNoTier: ErrNoTier}
 
 // codeOf is the code for err, CodeInternal for an error of no sentinel.
 func codeOf(err error) uint16 {

@@ -32,9 +32,6 @@ const (
 // CodeNoTier is HostRefused's code for a device with no host tier here.
 const CodeNoTier uint16 = 6
 
-// ErrNoTier means the owner has no host tier on the device asked for.
-var ErrNoTier = errors.New("keep: the device has no host tier here")
-
 type (
 	// HostHello asks for device Device's host tier: the replica's version and pid
 	// (for logs; the owner judges by the kernel's credentials).

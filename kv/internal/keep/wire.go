@@ -198,7 +198,7 @@ func appendPayload(b []byte, t Type, m any) ([]byte, error) {
 		}
 	case Put:
 		if t == TypePut {
-			return appendU64(appendText(b, v.Name), v.Size), nil
+			return appendText(appendU64(b, v.Size), v.Name), nil
 		}
 	case Name:
 		if t == TypeTake || t == TypeDrop || t == TypeList {
@@ -264,7 +264,8 @@ func Decode(h Header, p []byte) (any, error) {
 	case TypeHostTier:
 		m = HostTier{Device: r.U32(), Pages: r.U32(), PageBytes: r.U64(), Bytes: r.U64()}
 	case TypePut:
-		m = Put{Name: r.Text(), Size: r.U64()}
+		size := r.U64()
+		m = Put{Name: r.Text(), Size: size}
 	case TypeTake, TypeDrop, TypeList:
 		m = Name{Name: r.Text()}
 	case TypeTaken:
