@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -108,16 +109,25 @@ func (f *keptFiles) close() bool {
 func (k *Keeper) Clients() int { return k.files.fds.Clients() }
 
 // dialKeeper connects to the keeper's dir/keep.sock for the page server's life,
-// within keeperTimeout.
-func (o *Owner) dialKeeper() error {
+// within keeperTimeout. Where no keeper listens there, it starts one with
+// WithKeeper's start, if it has one, and dials it; started says it did.
+func (o *Owner) dialKeeper() (started bool, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
 	defer cancel()
-	c, err := keep.Dial(ctx, filepath.Join(o.dir, KeepSocket))
+	path := filepath.Join(o.dir, KeepSocket)
+	c, err := keep.Dial(ctx, path)
+	if (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)) && o.opts.StartKeeper != nil {
+		if err := o.opts.StartKeeper(ctx); err != nil {
+			return false, fmt.Errorf("kv/owner: starting the keeper: %w", err)
+		}
+		started = true
+		c, err = keep.Dial(ctx, path)
+	}
 	if err != nil {
-		return fmt.Errorf("kv/owner: the keeper's descriptors: %w", err)
+		return started, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err)
 	}
 	o.keeper = c
-	return nil
+	return started, nil
 }
 
 // watchKeeper makes KeeperGone's channel, closed once the keeper's slab exporter (if

@@ -452,7 +452,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		if err = ow.adoptSlabs(); err != nil {
 			return nil, err
 		}
-		if err = ow.dialKeeper(); err != nil {
+		if _, err = ow.dialKeeper(); err != nil { // the keeper of the slabs adopted serves it
 			return nil, err
 		}
 		ow.watchKeeper()
