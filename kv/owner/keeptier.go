@@ -54,7 +54,7 @@ type keptFiles struct {
 	srv  *session.Server
 }
 
-// KeepFiles makes a Keeper on dir that holds file descriptors alone: no slab, and no
+// KeepFiles makes a [Keeper] on dir that holds file descriptors alone: no slab, and no
 // runtime is made or called. The logger and limits of opts apply; the others have no
 // effect. A live keeper on dir makes it fail naming it; on failure nothing is left
 // behind.
@@ -105,7 +105,7 @@ func (f *keptFiles) close() bool {
 	return true
 }
 
-// Clients counts the page servers connected to the keeper now.
+// Clients counts the page servers connected to the keeper now (see [Keeper.Importers]).
 func (k *Keeper) Clients() int { return k.files.fds.Clients() }
 
 // dialKeeper connects to the keeper's dir/keep.sock for the page server's life,

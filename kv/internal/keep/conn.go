@@ -10,7 +10,7 @@ import (
 )
 
 // frames reads whole frames, and the descriptors that ride with them, from one end of
-// a keeper connection: a frame whose type carries one (CarriesFD) takes it, and every
+// a keeper connection: a frame whose type carries one ([CarriesFD]) takes it, and every
 // other descriptor is closed. frames is not safe for concurrent use.
 type frames struct {
 	in    *unixfd.Stream
@@ -34,7 +34,7 @@ func (f *frames) Read(b []byte) (int, error) {
 // next returns the next frame, its payload (aliasing the Reader's buffer until the
 // next call) and, for a type that carries one, its descriptor, which the caller then
 // owns. A frame of such a type without a descriptor, a message of more than one, or a
-// layout the Reader refuses, fails with an error wrapping ErrMalformed.
+// layout the Reader refuses, fails with an error wrapping [ErrMalformed].
 func (f *frames) next() (Header, []byte, int, error) {
 	kh, p, err := f.rd.Next(f)
 	if errors.Is(err, unixfd.ErrUnexpectedFDs) {

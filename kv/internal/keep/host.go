@@ -58,9 +58,9 @@ const hostTimeout = 10 * time.Second
 
 // AskHostTier asks the owner on the host tier socket at path for device dev's tier:
 // its description and memfd, which the caller owns. It fails with an error wrapping
-// ErrNoTier where the owner has no tier on dev, ErrRefused where it does not admit
+// [ErrNoTier] where the owner has no tier on dev, [ErrRefused] where it does not admit
 // this process or speaks another version (naming both, an owner of the unframed
-// version 1 included), ErrMalformed for an answer that breaks the layout, and with the
+// version 1 included), [ErrMalformed] for an answer that breaks the layout, and with the
 // dial's error where nothing listens. On failure no descriptor is left open.
 func AskHostTier(ctx context.Context, path string, dev int) (HostTier, int, error) {
 	nc, err := session.Dial(ctx, path, false)
@@ -114,7 +114,7 @@ func AskHostTier(ctx context.Context, path string, dev int) (HostTier, int, erro
 
 // ServeHostTier answers one connection of the host tier socket: it reads the
 // HostHello and answers it with what tier says for the device (a tier and its memfd,
-// which stays the caller's, or an error: one wrapping ErrNoTier or ErrRefused is said
+// which stays the caller's, or an error: one wrapping [ErrNoTier] or [ErrRefused] is said
 // with its code), or refuses another version, naming both. It returns what went
 // wrong, for the caller's log: a refusal, a malformed frame, a failed write.
 func ServeHostTier(ctx context.Context, c *session.Conn, tier func(HostHello) (HostTier, int, error)) error {

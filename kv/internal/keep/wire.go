@@ -35,7 +35,7 @@ const (
 	// MaxKept bounds the names one keeper holds.
 	MaxKept = 4096
 	// MaxRequest bounds a frame the keeper reads: its largest request, a Put of a name
-	// of MaxName bytes, fits.
+	// of [MaxName] bytes, fits.
 	MaxRequest = kvwire.HeaderLen + 2 + MaxName + 8
 )
 
@@ -167,7 +167,7 @@ func KnownFlags(t Type) uint8 {
 func CarriesFD(t Type) bool { return t == TypePut || t == TypeTaken || t == TypeHostTier }
 
 // Append appends the frame of type t, request id, whose payload is m (the message
-// type Decode gives for t). It fails for a message that is not t's or does not fit
+// type [Decode] gives for t). It fails for a message that is not t's or does not fit
 // the layout.
 func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 	start := len(b)
@@ -239,9 +239,9 @@ func appendText(b []byte, s string) []byte { return append(appendU16(b, uint16(l
 
 // Decode decodes payload p of a frame with header h into the message of its type
 // (Hello, Problem, Put, Name, Taken, Listed, Empty, HostHello or HostTier). A payload outside its type's
-// PayloadLimits, a type not listed, flags the type does not define or a payload that
-// breaks the layout fail with an error wrapping ErrMalformed. What decodes encodes
-// back (Append) to the same bytes.
+// [PayloadLimits], a type not listed, flags the type does not define or a payload that
+// breaks the layout fail with an error wrapping [ErrMalformed]. What decodes encodes
+// back ([Append]) to the same bytes.
 func Decode(h Header, p []byte) (any, error) {
 	lim, ok := limitOf(h.Type)
 	switch {
@@ -295,8 +295,8 @@ func Decode(h Header, p []byte) (any, error) {
 }
 
 // DecodeFrame decodes the frame at the start of b, read as a stream by kvwire's
-// Reader: its header, its message and its length. It fails as the Reader and Decode
-// do, with an error wrapping ErrMalformed.
+// Reader: its header, its message and its length. It fails as the Reader and [Decode]
+// do, with an error wrapping [ErrMalformed].
 func DecodeFrame(b []byte) (Header, any, int, error) {
 	src := bytes.NewReader(b)
 	rd := kvwire.NewReader()
