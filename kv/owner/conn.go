@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
@@ -53,7 +54,7 @@ type conn struct {
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	notifiers map[uint32]*notifier
-	fds       *fdReader // what serve reads from: the frames and the notifiers' descriptors
+	fds       *unixfd.Stream // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
 	locked  bool        // it holds Owner.mu (lock)
 	req     kvwire.Type // the request it serves
@@ -260,18 +261,21 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
 func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
-	c.fds = &fdReader{nc: c.nc}
+	c.fds = unixfd.NewStream(c.nc)
 	for {
 		h, p, err := rd.Next(c.fds)
+		if errors.Is(err, unixfd.ErrUnexpectedFDs) {
+			err = fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
+		}
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
 				return nil, nil
 			}
 			return nil, err
 		}
-		end := c.fds.off - int64(rd.Unread()) // where the frame ended in the stream
+		end := c.fds.Offset() - int64(rd.Unread()) // where the frame ended in the stream
 		if h.Type != kvwire.TypeNotifier {
-			c.fds.drop(end)
+			c.fds.Drop(end)
 		}
 		c.req = h.Type
 		if frameHook != nil {
@@ -593,7 +597,7 @@ func (c *conn) notifier(at kvwire.Point) (*notifier, error) {
 func (c *conn) registerNotifier(p []byte, start, end int64) error {
 	o := c.o
 	m, err := kvwire.DecodeNotifier(p)
-	fd, ok := c.fds.take(start, end)
+	fd, ok := c.fds.Take(start, end)
 	switch {
 	case err != nil:
 	case !ok:
@@ -1007,7 +1011,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	o.send(owed)
 	closeNotifiers(ns)
 	if c.fds != nil {
-		c.fds.drop(c.fds.off)
+		c.fds.Drop(c.fds.Offset())
 	}
 	if c.proc != nil {
 		_ = c.proc.Close() // cleanup: nothing is left to do if closing fails

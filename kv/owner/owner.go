@@ -124,6 +124,7 @@ import (
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
+	"github.com/cudapool/cudapool/kv/internal/keep"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
 	"github.com/cudapool/cudapool/pool"
@@ -296,6 +297,11 @@ type Owner struct {
 	slabs []*slab
 	byDev map[int]*slab
 
+	// keeper is the keeper's dir/keep.sock, held for the page server's life
+	// (WithKeeper), and keeperGone closed once it or imp ends (keeptier.go).
+	keeper     *keep.Client
+	keeperGone chan struct{}
+
 	mu     sync.Mutex
 	conns  map[*conn]struct{}
 	leases map[uint64]*lease
@@ -441,12 +447,16 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		}
 	}()
 	if r == rolePages {
-		if ow.lock, err = lockDir(dir); err != nil {
+		if ow.lock, err = lockDir(dir, LockFile, "an owner"); err != nil {
 			return nil, err
 		}
 		if err = ow.adoptSlabs(); err != nil {
 			return nil, err
 		}
+		if _, err = ow.dialKeeper(); err != nil { // the keeper of the slabs adopted serves it
+			return nil, err
+		}
+		ow.watchKeeper()
 		if ow.keeperID, err = procOf(ow.imp.ExporterPID()); err != nil {
 			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.imp.ExporterPID(), err)
 		}
@@ -735,6 +745,11 @@ func (o *Owner) teardown(ctx context.Context) error {
 	if o.imp != nil {
 		if err := o.closeImport(ctx); err != nil {
 			errs = append(errs, err)
+		}
+	}
+	if o.keeper != nil {
+		if err := o.keeper.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err))
 		}
 	}
 	if o.lock != nil {

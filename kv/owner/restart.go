@@ -100,37 +100,34 @@ func (r Recovery) String() string {
 func (o *Owner) Recovery() Recovery { return o.recovery }
 
 // KeeperGone is closed when the keeper of an owner's adopted slabs has gone
-// (WithKeeper): the slabs are gone with it, and the owner should be closed and
+// (WithKeeper: its slabs' exporter or its keep.sock connection ended): the slabs and
+// the host tiers' memory it kept are gone with it, and the owner should be closed and
 // started again. nil for an owner that makes its own slabs.
-func (o *Owner) KeeperGone() <-chan struct{} {
-	if o.imp == nil {
-		return nil
-	}
-	return o.imp.Done()
-}
+func (o *Owner) KeeperGone() <-chan struct{} { return o.keeperGone }
 
 // Keeper holds the slabs of a directory for the page servers that come and go: it
 // makes a pool and a slab on each device and publishes them on dir/slab.sock, as
-// Listen does, and serves no pages. The host tier's memory (a memfd shared with every
-// replica) is held here too (keeptier.go), so that it outlives the page server as the
-// slabs do.
+// Listen does, and serves no pages. It holds file descriptors too, on dir/keep.sock
+// (keeptier.go): the host tiers' memfds, so that they outlive the page server as the
+// slabs do. A Keeper of KeepFiles holds the descriptors alone.
 type Keeper struct {
-	o     *Owner
-	tiers keptTiers
+	o     *Owner // the slabs; nil for KeepFiles
+	files keptFiles
 }
 
 // Keep makes a Keeper on dir of slabs of geometry geo, with the devices, segment
 // bound, policy, logger, limits and announcement opts set (WithKeeper and the page
-// server's other options have no effect). A live keeper (or owner of its own slabs)
-// on dir makes it fail with an error wrapping producer.ErrAddressInUse. On failure
-// nothing is left behind.
+// server's other options have no effect), and serves dir/keep.sock. A live keeper (or
+// owner of its own slabs) on dir makes it fail with an error wrapping
+// producer.ErrAddressInUse. On failure nothing is left behind.
 func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
-	ow, err := listen(dir, rt, optionsOf(geo, opts), roleKeeper)
+	o := optionsOf(geo, opts)
+	ow, err := listen(dir, rt, o, roleKeeper)
 	if err != nil {
 		return nil, err
 	}
 	k := &Keeper{o: ow}
-	if err := k.serveTiers(); err != nil {
+	if err := k.files.serve(dir, ow.opts); err != nil {
 		_ = ow.Close(context.Background()) // cleanup: the socket's error is the one returned
 		return nil, err
 	}
@@ -138,16 +135,27 @@ func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keep
 }
 
 // Importers counts the processes that map the keeper's slabs (page servers and
-// replicas).
-func (k *Keeper) Importers() int { return len(k.o.ex.Peers()) }
+// replicas); 0 for a Keeper of KeepFiles, which sees no mapping.
+func (k *Keeper) Importers() int {
+	if k.o == nil {
+		return 0
+	}
+	return len(k.o.ex.Peers())
+}
 
-// Close ends the slabs: the exporter waits, until ctx ends, for the importers to
-// unmap them, and frees them. A second Close returns kv.ErrClosed.
-// The host tiers' memfds it holds are closed first: their memory lives on while a
-// process maps it.
+// Close ends the keeper: the descriptors it holds are closed first (their memory lives
+// on while a process holds or maps it); then the exporter waits, until ctx ends, for
+// the importers to unmap the slabs, and frees them. A second Close returns
+// kv.ErrClosed.
 func (k *Keeper) Close(ctx context.Context) error {
-	k.closeTiers()
-	return k.o.Close(ctx)
+	closed := k.files.close()
+	if k.o != nil {
+		return k.o.Close(ctx)
+	}
+	if !closed {
+		return kv.ErrClosed
+	}
+	return nil
 }
 
 // role is what listen makes.
@@ -159,9 +167,10 @@ const (
 	rolePages              // the pages, over a keeper's slabs: Listen with Keeper
 )
 
-// lockDir takes the page server's lock on dir, or fails naming the holder.
-func lockDir(dir string) (*os.File, error) {
-	path := filepath.Join(dir, LockFile)
+// lockDir takes the lock file name on dir (who takes it: "an owner", "a keeper"), or
+// fails naming the holder with an error wrapping producer.ErrAddressInUse.
+func lockDir(dir, name, who string) (*os.File, error) {
+	path := filepath.Join(dir, name)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("kv/owner: the lock: %w", err)
@@ -170,7 +179,7 @@ func lockDir(dir string) (*os.File, error) {
 		holder, _ := os.ReadFile(path) // best effort: it only names the holder
 		_ = f.Close()                  // cleanup: the lock's error is the one returned
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, fmt.Errorf("kv/owner: an owner already serves %s (%s holds %s): %w", dir, strings.TrimSpace(string(holder)), path, producer.ErrAddressInUse)
+			return nil, fmt.Errorf("kv/owner: %s already serves %s (%s holds %s): %w", who, dir, strings.TrimSpace(string(holder)), path, producer.ErrAddressInUse)
 		}
 		return nil, fmt.Errorf("kv/owner: locking %s: %w", path, err)
 	}
