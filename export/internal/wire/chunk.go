@@ -1,0 +1,64 @@
+package wire
+
+import (
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+)
+
+// ChunkHandleMsg is one chunk of a VMM allocation the importer is about to receive a
+// lease in: chunk Index of Count, in the order they map into one range, Size bytes.
+// The exporter sends the chunks of a set, all Count of them, before the Lease (flag
+// LeaseVMM) that names the set; for a POSIX-fd chunk the descriptor rides on the
+// frame, for a FABRIC one the handle is inline.
+type ChunkHandleMsg struct {
+	SetID      uint64
+	AllocID    uint64
+	Size       uint64
+	Index      uint32
+	Count      uint32
+	HandleType cudart.HandleType
+	Device     cudart.UUID
+	Fabric     cudart.FabricHandle // zero unless HandleType is FABRIC
+}
+
+const chunkHandleLen = 8 + 8 + 8 + 4 + 4 + 4 + 16 + 64
+
+func (*ChunkHandleMsg) Kind() MsgType { return MsgChunkHandle }
+
+func (m *ChunkHandleMsg) AppendPayload(b []byte) []byte {
+	b = Le.AppendUint64(b, m.SetID)
+	b = Le.AppendUint64(b, m.AllocID)
+	b = Le.AppendUint64(b, m.Size)
+	b = Le.AppendUint32(b, m.Index)
+	b = Le.AppendUint32(b, m.Count)
+	b = Le.AppendUint32(b, uint32(m.HandleType))
+	b = append(b, m.Device[:]...)
+	return append(b, m.Fabric[:]...)
+}
+
+func decodeChunkHandle(r *reader) (Message, error) {
+	m := &ChunkHandleMsg{SetID: r.u64(), AllocID: r.u64(), Size: r.u64(), Index: r.u32(), Count: r.u32(),
+		HandleType: cudart.HandleType(r.u32())}
+	r.bytes(m.Device[:])
+	r.bytes(m.Fabric[:])
+	switch {
+	case m.Count == 0 || m.Count > export.MaxChunks:
+		return nil, ProtocolErr("ChunkHandle of an allocation of %d chunks, want 1 to %d", m.Count, export.MaxChunks)
+	case m.Index >= m.Count:
+		return nil, ProtocolErr("ChunkHandle is chunk %d of %d", m.Index, m.Count)
+	case m.Size == 0:
+		return nil, ProtocolErr("ChunkHandle of a chunk of 0 bytes")
+	case m.SetID == 0:
+		return nil, ProtocolErr("ChunkHandle of chunk set 0")
+	}
+	switch m.HandleType {
+	case cudart.HandleTypePosixFD:
+		if m.Fabric != (cudart.FabricHandle{}) {
+			return nil, ProtocolErr("POSIX fd ChunkHandle carries fabric bytes")
+		}
+	case cudart.HandleTypeFabric:
+	default:
+		return nil, ProtocolErr("ChunkHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+	}
+	return m, nil
+}
