@@ -51,14 +51,23 @@ func decodeChunkHandle(r *reader) (Message, error) {
 	case m.SetID == 0:
 		return nil, ProtocolErr("ChunkHandle of chunk set 0")
 	}
-	switch m.HandleType {
+	if err := checkHandle(MsgChunkHandle, m.HandleType, m.Fabric); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// checkHandle refuses a handle type other than POSIX fd and FABRIC, and fabric bytes
+// on a POSIX fd handle, in a frame of type t.
+func checkHandle(t MsgType, ht cudart.HandleType, fab cudart.FabricHandle) error {
+	switch ht {
 	case cudart.HandleTypePosixFD:
-		if m.Fabric != (cudart.FabricHandle{}) {
-			return nil, ProtocolErr("POSIX fd ChunkHandle carries fabric bytes")
+		if fab != (cudart.FabricHandle{}) {
+			return ProtocolErr("POSIX fd %s carries fabric bytes", t)
 		}
 	case cudart.HandleTypeFabric:
 	default:
-		return nil, ProtocolErr("ChunkHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+		return ProtocolErr("%s has handle type %v, want posix-fd or fabric", t, ht)
 	}
-	return m, nil
+	return nil
 }

@@ -578,14 +578,8 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		r.bytes(m.Device[:])
 		m.MaxSize = r.u64()
 		r.bytes(m.Fabric[:])
-		switch m.HandleType {
-		case cudart.HandleTypePosixFD:
-			if m.Fabric != (cudart.FabricHandle{}) {
-				return nil, ProtocolErr("POSIX fd PoolHandle carries fabric bytes")
-			}
-		case cudart.HandleTypeFabric:
-		default:
-			return nil, ProtocolErr("PoolHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+		if err := checkHandle(t, m.HandleType, m.Fabric); err != nil {
+			return nil, err
 		}
 		return m, nil
 	case MsgOpen:

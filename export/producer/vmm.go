@@ -1,0 +1,251 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/vmm"
+)
+
+// vmmAlloc is a published VMM allocation: a descriptor of each of its chunks (and,
+// for FABRIC chunks, the handle), held from PublishChunks until the publication ends
+// and no grant is sending them. While it holds them the memory lives, whatever the
+// producer closed; each consumer's import holds it from then on.
+type vmmAlloc struct {
+	id     uint64 // the wire id, Lease's pool_id with flag vmm
+	dev    int
+	size   uint64
+	chunks []vmmChunk
+	fabric bool // every chunk has a FABRIC handle
+
+	mu      sync.Mutex
+	sending int  // grants sending the chunks now
+	retired bool // the publication ended: the descriptors close once sending is 0
+}
+
+// vmmChunk is one chunk of a vmmAlloc: its size, the exporter's descriptor of it, and
+// its FABRIC handle where it has one.
+type vmmChunk struct {
+	size uint64
+	fd   int
+	fab  cudart.FabricHandle
+}
+
+// PublishChunks makes a VMM allocation available under name: chunks, made on one
+// device (vmm.NewChunk) and mapped one behind the other from the first, are one
+// contiguous allocation of their summed size, which a consumer's Open maps as one
+// range of its addresses and gets as the same [consumer.Mapping] a pool buffer gives.
+// It is ready once the work queued on s before the call has completed, as [Exporter.Publish] is.
+// [Range] publishes part of the allocation and [WithMeta] sends metadata with it. Each
+// call publishes an allocation of its own: the same chunks published under two names
+// are mapped twice by a consumer that opens both.
+//
+// The Exporter takes a descriptor of each chunk now: the memory lives while the name
+// is published, even if the caller closes its [vmm.Chunk] values and unmaps them, and
+// each consumer's import holds it from its Open to its Release (or its process's
+// exit). [Exporter.Unpublish] (or Close) gives the descriptors up once no Open is
+// sending them; leases already given out are unaffected. Leases of the allocation are
+// counted, released and ended on a consumer's death as those of pool buffers are; the
+// consumer has waited for its work on the range before its Release.
+//
+// Chunks made [vmm.WithFabric] travel to peers on a byte stream as FABRIC handles too
+// ([Exporter.Serve]): on a host without an IMEX channel PublishChunks fails with
+// [export.ErrIMEXRequired]. It fails with [export.ErrBadRequest] for no chunks, more
+// than [export.MaxChunks], a nil or imported chunk ([vmm.ErrImported]) or chunks of
+// different devices; with [ErrNameInUse], [export.ErrBadRange], [ErrMetaTooLong] and
+// [export.ErrClosed] as Publish does. On failure nothing is published and no
+// descriptor is kept.
+func (ex *Exporter) PublishChunks(ctx context.Context, name string, chunks []*vmm.Chunk, s cudart.Stream, opts ...PublishOption) error {
+	if err := wire.CheckName(name); err != nil {
+		return err
+	}
+	a, err := newVMMAlloc(name, chunks)
+	if err != nil {
+		return err
+	}
+	pub, err := publicationOf(name, a.size, opts)
+	if err != nil {
+		a.retire()
+		return err
+	}
+	pub.alloc = a
+	if err := ctx.Err(); err != nil {
+		a.retire()
+		return err
+	}
+	re, err := ex.readyFor(a.dev, s)
+	if err != nil {
+		a.retire()
+		return fmt.Errorf("producer: publish %q: %w", name, err)
+	}
+	ex.mu.Lock()
+	defer ex.mu.Unlock()
+	switch {
+	case ex.closed:
+		a.retire()
+		return export.ErrClosed
+	case ex.nameTakenLocked(name):
+		a.retire()
+		return fmt.Errorf("%w: %q", ErrNameInUse, name)
+	}
+	// Recorded under mu, as PublishAll does: no Open sees the name before the
+	// producer's writes are captured.
+	if err := ex.rt.EventRecord(re.dev, re.ev, s); err != nil {
+		a.retire()
+		return fmt.Errorf("producer: publish %q: record ready event: %w", name, err)
+	}
+	ex.lastAlloc++
+	a.id = ex.lastAlloc
+	pub.ready = re
+	ex.pubs[name] = pub
+	return nil
+}
+
+// newVMMAlloc checks chunks and takes a descriptor (and a FABRIC handle, where the
+// chunk has one) of each. On failure it keeps none.
+func newVMMAlloc(name string, chunks []*vmm.Chunk) (*vmmAlloc, error) {
+	switch {
+	case len(chunks) == 0:
+		return nil, fmt.Errorf("producer: publish %q: %w: no chunks", name, export.ErrBadRequest)
+	case len(chunks) > export.MaxChunks:
+		return nil, fmt.Errorf("producer: publish %q: %w: %d chunks, at most %d", name, export.ErrBadRequest, len(chunks), export.MaxChunks)
+	}
+	a := &vmmAlloc{dev: -1, fabric: true}
+	for i, c := range chunks {
+		var err error
+		switch {
+		case c == nil:
+			err = fmt.Errorf("%w: chunk %d is nil", export.ErrBadRequest, i)
+		case c.Imported():
+			err = fmt.Errorf("%w: chunk %d: %w", export.ErrBadRequest, i, vmm.ErrImported)
+		case i > 0 && c.Device() != a.dev:
+			err = fmt.Errorf("%w: chunk %d is on device %d, chunk 0 on %d", export.ErrBadRequest, i, c.Device(), a.dev)
+		}
+		if err == nil {
+			err = a.add(c)
+		}
+		if err != nil {
+			a.retire()
+			return nil, fmt.Errorf("producer: publish %q: %w", name, err)
+		}
+	}
+	return a, nil
+}
+
+// add takes c's descriptor, and its FABRIC handle if it has one.
+func (a *vmmAlloc) add(c *vmm.Chunk) error {
+	a.dev = c.Device()
+	fd, err := c.Export()
+	if err != nil {
+		return err
+	}
+	vc := vmmChunk{size: c.Size(), fd: fd}
+	a.chunks = append(a.chunks, vc) // from now on retire closes fd
+	a.size += c.Size()
+	if c.HandleType()&cudart.HandleTypeFabric == 0 {
+		a.fabric = false
+		return nil
+	}
+	if a.chunks[len(a.chunks)-1].fab, err = c.ExportFabric(); err != nil {
+		if errors.Is(err, cudart.ErrNotPermitted) {
+			return fmt.Errorf("%w: %w", export.ErrIMEXRequired, err)
+		}
+		return err
+	}
+	return nil
+}
+
+// retire ends the publication: the descriptors are closed now, or by the last grant
+// that is sending them. A second retire changes nothing.
+func (a *vmmAlloc) retire() {
+	a.mu.Lock()
+	a.retired = true
+	last := a.sending == 0
+	a.mu.Unlock()
+	if last {
+		a.closeFDs()
+	}
+}
+
+// closeFDs closes the exporter's descriptors, once.
+func (a *vmmAlloc) closeFDs() {
+	a.mu.Lock()
+	chunks := a.chunks
+	a.chunks = nil
+	a.mu.Unlock()
+	for _, c := range chunks {
+		_ = unix.Close(c.fd) // cleanup: the descriptor is ours and unused
+	}
+}
+
+// send runs f with the chunks, whose descriptors stay open until it returns; once the
+// publication has ended it fails with export.ErrUnknownName.
+func (a *vmmAlloc) send(name string, f func([]vmmChunk) error) error {
+	a.mu.Lock()
+	if a.retired {
+		a.mu.Unlock()
+		return fmt.Errorf("%w: %q was unpublished as it was leased", export.ErrUnknownName, name)
+	}
+	a.sending++
+	chunks := a.chunks
+	a.mu.Unlock()
+	err := f(chunks)
+	a.mu.Lock()
+	a.sending--
+	last := a.retired && a.sending == 0
+	a.mu.Unlock()
+	if last {
+		a.closeFDs()
+	}
+	return err
+}
+
+// prepareVMM sends the chunks of pub's allocation to the peer as a new chunk set and
+// returns the Lease message that names it. LeaseID and ReqID are left to the caller.
+func (p *peer) prepareVMM(ctx context.Context, pub *publication) (wire.LeaseMsg, error) {
+	a := pub.alloc
+	var ht cudart.HandleType
+	switch {
+	case p.c.CanPassFDs() && p.hello.HandleTypes&uint32(cudart.HandleTypePosixFD) != 0:
+		ht = cudart.HandleTypePosixFD
+	case a.fabric && p.hello.HandleTypes&uint32(cudart.HandleTypeFabric) != 0:
+		ht = cudart.HandleTypeFabric
+	case !p.c.CanPassFDs():
+		return wire.LeaseMsg{}, fmt.Errorf("%w: %q: chunks without a FABRIC handle cannot travel on a byte stream; make them with vmm.WithFabric", export.ErrHandleType, pub.name)
+	default:
+		return wire.LeaseMsg{}, fmt.Errorf("%w: %q: the peer imports %#x", export.ErrHandleType, pub.name, p.hello.HandleTypes)
+	}
+	set := p.sets.Add(1)
+	err := a.send(pub.name, func(chunks []vmmChunk) error {
+		for i, c := range chunks {
+			m := &wire.ChunkHandleMsg{SetID: set, AllocID: a.id, Size: c.size, Index: uint32(i), Count: uint32(len(chunks)),
+				HandleType: ht, Device: p.ex.deviceUUID(a.dev)}
+			fd := -1
+			if ht == cudart.HandleTypeFabric {
+				m.Fabric = c.fab
+			} else {
+				fd = c.fd // sendmsg duplicates it into the peer
+			}
+			if err := p.c.Send(ctx, m, fd); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return wire.LeaseMsg{}, err
+	}
+	msg := wire.LeaseMsg{PoolID: a.id, BufferID: set, Size: a.size, Offset: pub.offset, Length: pub.length,
+		Meta: pub.meta, Flags: wire.LeaseVMM}
+	if err := p.readyFields(pub, &msg); err != nil {
+		return wire.LeaseMsg{}, err
+	}
+	return msg, nil
+}
