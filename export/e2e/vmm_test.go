@@ -1,14 +1,23 @@
 package e2e_test
 
 import (
+	"context"
+	"fmt"
+	"net"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/producer"
+	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/vmm"
 )
 
 // A VMM allocation of three chunks is opened as one range: its bytes, across the
@@ -80,4 +89,155 @@ func TestVMMRangesInOneBatch(t *testing.T) {
 	exporttest.WaitFor(t, "the leases to end", func() bool { return pr.Ex.Peers()[0].Leases == 0 })
 	require.NoError(t, c.Imp.Close(ctx))
 	c.CheckClean(t)
+}
+
+// Publishing, opening and releasing VMM allocations, then unpublishing and closing,
+// leaves no descriptor open: neither the exporter's of the chunks, nor the sets the
+// consumer imported, nor its mappings.
+func TestVMMChunkDescriptorsNotLeaked(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	c := exporttest.NewConsumer(t, pr.Path, 0)
+	exporttest.WarmEventArena(t, pr.Side)
+	exporttest.WarmEventArena(t, c.Side)
+	ctx := exporttest.Ctx(t)
+	warm := pr.PublishVMM(t, "warm", 1, 1) // the ready event, made once per stream
+	m, err := c.Imp.Open(ctx, "warm", c.Stream)
+	require.NoError(t, err)
+	require.NoError(t, m.Release(ctx, c.Stream))
+	require.NoError(t, pr.Ex.Unpublish("warm"))
+	warm.Close()
+	before := exporttest.OpenFDs(t)
+
+	a := pr.PublishVMM(t, "slab", 4, 60)
+	for range 3 {
+		m, err := c.Imp.Open(ctx, "slab", c.Stream)
+		require.NoError(t, err)
+		require.Greater(t, exporttest.OpenFDs(t), before, "nothing open while the allocation is mapped")
+		require.NoError(t, m.Release(ctx, c.Stream))
+	}
+	ms, err := c.Imp.OpenAll(ctx, []string{"slab", "slab"}, c.Stream)
+	require.NoError(t, err)
+	require.NoError(t, c.Imp.ReleaseAll(ctx, ms, c.Stream))
+	require.NoError(t, pr.Ex.Unpublish("slab"))
+	a.Close()
+	require.Equal(t, before, exporttest.OpenFDs(t), "descriptors open after the allocation was released, unpublished and closed")
+}
+
+// A consumer killed while it maps a VMM allocation has its lease ended once its
+// process is gone; the exporter then closes without abandoning anything.
+func TestVMMConsumerKilled(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	pr.PublishVMM(t, "slab", 3, 20)
+	require.NoError(t, pr.Dev.StreamSynchronize(pr.Ord, pr.Stream))
+	k := proctest.Start(t, "vmm-consumer", "test", pr.Path, "slab", "20")
+	k.Expect("holding")
+	peers := pr.Ex.Peers()
+	require.Len(t, peers, 1)
+	require.Equal(t, 1, peers[0].Leases)
+	k.Kill()
+	exporttest.KilledBySIGKILL(t, k)
+	exporttest.WaitFor(t, "the dead consumer's lease to end", func() bool { return len(pr.Ex.Peers()) == 0 })
+	require.NoError(t, pr.Ex.Close(exporttest.Ctx(t)))
+	pr.CheckClean(t)
+}
+
+// A producer killed while a consumer maps its VMM allocation takes nothing with it:
+// the consumer's import holds the memory, which reads as the producer wrote it; the
+// Mapping is not lost, Release and Close complete, and new Opens fail with
+// export.ErrExporterGone.
+func TestVMMProducerKilled(t *testing.T) {
+	path := filepath.Join(exporttest.ShortDir(t), "v.sock")
+	k := proctest.Start(t, "vmm-producer", "test", path, "slab", "3", "70")
+	var g uint64
+	_, err := fmt.Sscanf(k.Next(), "ready %d", &g)
+	require.NoError(t, err)
+	c := exporttest.NewConsumer(t, path, 0)
+	ctx := exporttest.Ctx(t)
+	m, err := c.Imp.Open(ctx, "slab", c.Stream)
+	require.NoError(t, err)
+	exporttest.KillProducer(t, k)
+	testwait.Recv(t, c.Imp.Done(), "the importer to see its exporter die")
+	require.NoError(t, m.Err(), "a VMM mapping outlives its exporter")
+	got := c.Read(t, m)
+	require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
+	exporttest.CheckVMMBytes(t, got, 0, g, 70)
+	_, err = c.Imp.Open(ctx, "slab", c.Stream)
+	require.ErrorIs(t, err, export.ErrExporterGone)
+	require.NoError(t, m.Release(ctx, c.Stream))
+	require.NoError(t, c.Imp.Close(ctx))
+	c.CheckClean(t)
+}
+
+// PublishChunks refuses what is not one allocation of one device, and publishes
+// nothing: no chunks, chunks of two devices, an imported chunk, a range past the end.
+func TestVMMPublishRefusals(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	a := pr.NewVMMAlloc(t, 2, 1)
+	other := exporttest.NewVMMAllocOn(t, pr.Dev, 1, 0, 1, 1)
+	fd, err := a.Chunks[0].Export()
+	require.NoError(t, err)
+	imported, err := vmm.Import(pr.Dev, 0, fd, a.Gran)
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(fd))
+	defer imported.Close()
+	before := exporttest.OpenFDs(t)
+	for _, tc := range []struct {
+		name   string
+		chunks []*vmm.Chunk
+		opts   []producer.PublishOption
+		want   error
+	}{
+		{"no chunks", nil, nil, export.ErrBadRequest},
+		{"two devices", []*vmm.Chunk{a.Chunks[0], other.Chunks[0]}, nil, export.ErrBadRequest},
+		{"imported chunk", []*vmm.Chunk{imported}, nil, vmm.ErrImported},
+		{"range past the end", a.Chunks, []producer.PublishOption{producer.Range(a.Gran, 2*a.Gran)}, export.ErrBadRange},
+	} {
+		err := pr.Ex.PublishChunks(ctx, "x", tc.chunks, pr.Stream, tc.opts...)
+		require.ErrorIs(t, err, tc.want, "%s: PublishChunks = %v", tc.name, err)
+	}
+	st, err := pr.Ex.State()
+	require.NoError(t, err)
+	require.Empty(t, st.Published)
+	require.Equal(t, before, exporttest.OpenFDs(t), "descriptors kept by refused publishes")
+	require.NoError(t, pr.Ex.PublishChunks(ctx, "x", a.Chunks, pr.Stream))
+	require.ErrorIs(t, pr.Ex.PublishChunks(ctx, "x", a.Chunks, pr.Stream), producer.ErrNameInUse)
+}
+
+// FABRIC: chunks made WithFabric on a host without an IMEX channel are refused
+// (vmm.ErrFabricNotPermitted), and a peer on a byte stream cannot be sent chunks
+// that have no FABRIC handle (export.ErrHandleType). Where the device grants FABRIC
+// (the software device WithFabric) the chunks travel over TCP as FABRIC handles.
+func TestVMMFabric(t *testing.T) {
+	noIMEX := exporttest.NewSide(t, 0)
+	_, err := vmm.NewChunk(noIMEX.Dev, 0, 2<<20, vmm.WithFabric())
+	require.ErrorIs(t, err, vmm.ErrFabricNotPermitted)
+
+	pr := exporttest.NewProducer(t, nil, []producer.ListenOption{producer.WithPolicy(export.Policy{AllowRemote: true})}, cudarttest.WithFabric())
+	ctx := exporttest.Ctx(t)
+	pr.PublishVMM(t, "fd-only", 2, 30)
+	fab := exporttest.NewVMMAllocOn(t, pr.Dev, 0, pr.Stream, 2, 50, vmm.WithFabric())
+	require.NoError(t, pr.Ex.PublishChunks(ctx, "fabric", fab.Chunks, pr.Stream))
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Skipf("no TCP loopback: %v", err)
+	}
+	require.NoError(t, pr.Ex.Serve(l))
+	s := exporttest.NewSide(t, 0, cudarttest.WithFabric())
+	nc, err := net.Dial("tcp", l.Addr().String())
+	require.NoError(t, err)
+	imp, err := consumer.DialConn(ctx, nc, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger))
+	require.NoError(t, err)
+	t.Cleanup(func() { imp.Close(context.Background()) })
+	_, err = imp.Open(ctx, "fd-only", s.Stream)
+	require.ErrorIs(t, err, export.ErrHandleType, "Open of chunks without FABRIC handles over TCP = %v", err)
+	m, err := imp.Open(ctx, "fabric", s.Stream)
+	require.NoError(t, err)
+	c := &exporttest.Consumer{Side: s, Imp: imp}
+	got := c.Read(t, m)
+	require.NoError(t, s.Dev.StreamSynchronize(0, s.Stream))
+	exporttest.CheckVMMBytes(t, got, 0, fab.Gran, 50)
+	require.NoError(t, m.Release(ctx, s.Stream))
+	require.NoError(t, imp.Close(ctx))
+	s.CheckClean(t)
 }
