@@ -27,6 +27,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 
 	"github.com/dustin/go-humanize"
 
@@ -238,6 +239,8 @@ func consume(ctx context.Context, rt cudart.Runtime, o options, stdout io.Writer
 // launch runs a producer process and then a consumer process of this executable, and
 // stops the producer once the consumer is done.
 func launch(ctx context.Context, o options, stdout, stderr io.Writer) (err error) {
+	// The children's output is copied from several goroutines.
+	stdout, stderr = &lockedWriter{w: stdout}, &lockedWriter{w: stderr}
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -293,4 +296,16 @@ func launch(ctx context.Context, o options, stdout, stderr io.Writer) (err error
 		return fmt.Errorf("consumer: %w", err)
 	}
 	return nil
+}
+
+// lockedWriter is w for writers on several goroutines, one write at a time.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
