@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"testing"
 
@@ -240,4 +241,44 @@ func TestVMMFabric(t *testing.T) {
 	require.NoError(t, m.Release(ctx, s.Stream))
 	require.NoError(t, imp.Close(ctx))
 	s.CheckClean(t)
+}
+
+// A VMM allocation pushed to a process reaches each of its Importers: one with a push
+// handler maps it as one range, one without gives it back, and the chunks sent to it
+// are closed unused. No descriptor is left open once all is released and closed.
+func TestVMMPush(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	exporttest.WarmEventArena(t, pr.Side)
+	ctx := exporttest.Ctx(t)
+	a := pr.PublishVMM(t, "slab", 2, 90)
+	got := make(chan *consumer.Mapping, 1)
+	taker := exporttest.NewSide(t, 0)
+	refuser := exporttest.NewSide(t, 0)
+	exporttest.WarmEventArena(t, taker)
+	exporttest.WarmEventArena(t, refuser)
+	before := exporttest.OpenFDs(t)
+	takes, err := consumer.Dial(ctx, pr.Path, taker.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger),
+		consumer.WithPushes(func(name string, m *consumer.Mapping) { got <- m }, taker.Stream))
+	require.NoError(t, err)
+	refuses, err := consumer.Dial(ctx, pr.Path, refuser.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger))
+	require.NoError(t, err)
+	require.NoError(t, pr.Ex.Push(ctx, "slab", os.Getpid()))
+	m := testwait.Recv(t, got, "the pushed allocation")
+	out := make([]byte, m.Size())
+	require.NoError(t, taker.Dev.MemcpyDtoHAsync(0, out, m.Ptr(), taker.Stream))
+	require.NoError(t, taker.Dev.StreamSynchronize(0, taker.Stream))
+	exporttest.CheckVMMBytes(t, out, 0, a.Gran, 90)
+	exporttest.WaitFor(t, "the refused push to be given back", func() bool {
+		leases := 0
+		for _, p := range pr.Ex.Peers() {
+			leases += p.Leases
+		}
+		return leases == 1
+	})
+	require.NoError(t, m.Release(ctx, taker.Stream))
+	require.NoError(t, takes.Close(ctx))
+	require.NoError(t, refuses.Close(ctx))
+	require.Equal(t, before, exporttest.OpenFDs(t), "descriptors left open by the pushes")
+	taker.CheckClean(t)
+	refuser.CheckClean(t)
 }
