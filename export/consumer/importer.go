@@ -52,8 +52,8 @@ type Importer struct {
 	eventOpens singleflight.Group
 	pushes     []*wire.PushMsg
 	pushCue    chan struct{}
-	// sets are the chunk sets that came and wait for their leases (vmm.go).
-	sets map[uint64]*chunkSet
+	// kept are the chunks of VMM allocations, imported, by allocation (vmm.go).
+	kept map[uint64]*chunkSet
 
 	// closing is set when Close begins; adopting is held (shared) by each adoption of
 	// a lease (adoptLease) and taken by Close before it frees anything, so an Open in
@@ -147,7 +147,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 		rt: rt, dev: device, log: o.Log, opts: o,
 		pools: map[uint64]*importedPool{}, events: map[cudart.IpcEventHandle]cudart.Event{}, pushCue: make(chan struct{}, 1),
 		mappings: map[rangeKey]*Mapping{}, orderEvents: map[cudart.Stream]cudart.Event{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
-		pushDone: make(chan struct{}), vmmImports: map[uint64]*vmmImport{}, sets: map[uint64]*chunkSet{},
+		pushDone: make(chan struct{}), vmmImports: map[uint64]*vmmImport{}, kept: map[uint64]*chunkSet{},
 	}
 	imp.life, imp.endLife = context.WithCancel(context.Background())
 	_, isUnix := nc.(*net.UnixConn)
@@ -198,6 +198,8 @@ func (imp *Importer) handle(m wire.Message, fd int) error {
 		imp.importPool(m, fd)
 	case *wire.ChunkHandleMsg:
 		return imp.importChunk(m, fd)
+	case *wire.DropChunksMsg:
+		imp.dropChunks(m.AllocID)
 	case *wire.RevokeMsg:
 		// Not answered from here: the reader must not block on a send.
 		go imp.answerRevoke(m.Record)
@@ -344,9 +346,6 @@ func cue(ch chan struct{}) {
 
 // releaseUnused releases a lease this process will not use, without waiting for the answer.
 func (imp *Importer) releaseUnused(l *wire.LeaseMsg) {
-	if l.Flags&wire.LeaseVMM != 0 {
-		imp.takeSet(l.BufferID).close() // its chunks, if they were not taken
-	}
 	err := imp.cl.C.Send(imp.life, &wire.ReleaseMsg{LeaseID: l.LeaseID, Count: 1, Flags: wire.ReleaseNothingImported}, -1)
 	if err != nil {
 		imp.log.Debug("consumer: could not release an unused lease; the exporter ends it when the connection closes", "err", err)

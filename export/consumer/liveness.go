@@ -42,6 +42,7 @@ func (imp *Importer) watchExporter(nc net.Conn) {
 		}
 		close(imp.watch.gone)
 		imp.loseMappings()
+		imp.dropAllChunks() // no lease of them can come now: only mappings hold the memory
 	}()
 }
 

@@ -12,24 +12,26 @@ import (
 )
 
 // The VMM route (producer.Exporter.PublishChunks): the exporter sends the chunks of an
-// allocation as a chunk set before each lease of it, each chunk's descriptor once per
-// set; the Importer imports them as they come, and the lease maps them, in order, into
-// one reserved range, which every Mapping of a range of the allocation shares. The
-// chunks are not kept between leases: once mapped, the Importer closes them (the
-// mapping holds the memory), and the last Release of the allocation unmaps it, so
-// nothing here holds the producer's memory once no lease does. (A pool's import, by
-// contrast, is kept for the connection: it holds no buffer's memory of its own.)
+// allocation once per connection, before the first lease of it, each chunk's
+// descriptor passed with SCM_RIGHTS; the Importer imports them as they come and keeps
+// them (chunks) while the allocation is published, as it keeps a pool's import for
+// the connection. A lease maps them, in order, into one reserved range, which every
+// Mapping of a range of the allocation shares; the last Release unmaps it, and a later
+// Open maps the kept chunks again without a descriptor passed. The exporter's
+// DropChunks (the allocation is unpublished), its death and Close close the kept
+// chunks: a chunk's memory lives while any process holds an import or a mapping of it,
+// so nothing here holds the producer's memory once it is unpublished and no lease
+// maps it.
 
-// maxPendingSets bounds the chunk sets that have come and wait for their leases: an
-// exporter sends a set just before its lease, so more are a misbehaving exporter.
-const maxPendingSets = 1024
+// maxKeptAllocs bounds the allocations whose chunks are kept: an exporter sends them
+// only for what it publishes, so more are a misbehaving exporter.
+const maxKeptAllocs = 4096
 
-// chunkSet is the chunks of one set as they come (ChunkHandle), imported, for the lease
-// that names it. Guarded by Importer.mu.
+// chunkSet is the chunks of one allocation as they come (ChunkHandle), imported, kept
+// for the leases that name it. Guarded by Importer.mu.
 type chunkSet struct {
-	alloc  uint64
 	chunks []*vmm.Chunk // by index; nil until it has come
-	err    error        // an import failed: the lease fails with it
+	err    error        // an import failed: the leases fail with it
 }
 
 // close closes the chunks imported so far: a mapping of them holds their memory.
@@ -52,9 +54,9 @@ type vmmImport struct {
 	views int
 }
 
-// importChunk imports a chunk that came in a ChunkHandle into its set; fd, if any, is
-// closed here (the driver does not keep it). A frame the set cannot take is a
-// protocol violation, which ends the connection.
+// importChunk imports a chunk that came in a ChunkHandle into its allocation's set; fd,
+// if any, is closed here (the driver does not keep it). A frame the set cannot take is
+// a protocol violation, which ends the connection.
 func (imp *Importer) importChunk(m *wire.ChunkHandleMsg, fd int) error {
 	if fd >= 0 {
 		defer wire.CloseFDs([]int{fd})
@@ -77,22 +79,22 @@ func (imp *Importer) importChunk(m *wire.ChunkHandleMsg, fd int) error {
 	}
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
-	set := imp.sets[m.SetID]
+	set := imp.kept[m.AllocID]
 	if set == nil {
-		if len(imp.sets) >= maxPendingSets {
+		if len(imp.kept) >= maxKeptAllocs {
 			_ = closeChunk(c)
-			return wire.ProtocolErr("%d chunk sets wait for their leases, at most %d", len(imp.sets), maxPendingSets)
+			return wire.ProtocolErr("chunks of %d allocations kept, at most %d", len(imp.kept), maxKeptAllocs)
 		}
-		set = &chunkSet{alloc: m.AllocID, chunks: make([]*vmm.Chunk, m.Count)}
-		imp.sets[m.SetID] = set
+		set = &chunkSet{chunks: make([]*vmm.Chunk, m.Count)}
+		imp.kept[m.AllocID] = set
 	}
 	switch {
-	case set.alloc != m.AllocID || len(set.chunks) != int(m.Count):
+	case len(set.chunks) != int(m.Count):
 		_ = closeChunk(c)
-		return wire.ProtocolErr("chunk set %d is of allocation %d in %d chunks, and a ChunkHandle says %d in %d", m.SetID, set.alloc, len(set.chunks), m.AllocID, m.Count)
+		return wire.ProtocolErr("allocation %d has %d chunks, and a ChunkHandle says %d", m.AllocID, len(set.chunks), m.Count)
 	case set.chunks[m.Index] != nil:
 		_ = closeChunk(c)
-		return wire.ProtocolErr("chunk %d of set %d came twice", m.Index, m.SetID)
+		return wire.ProtocolErr("chunk %d of allocation %d came twice", m.Index, m.AllocID)
 	}
 	set.chunks[m.Index] = c
 	if err != nil && set.err == nil {
@@ -108,20 +110,35 @@ func closeChunk(c *vmm.Chunk) error {
 	return c.Close()
 }
 
-// takeSet removes the chunk set id from those waiting and returns it, nil if none came.
-func (imp *Importer) takeSet(id uint64) *chunkSet {
+// dropChunks closes the chunks kept of allocation id (DropChunks: it is unpublished).
+func (imp *Importer) dropChunks(id uint64) {
 	imp.mu.Lock()
-	defer imp.mu.Unlock()
-	set := imp.sets[id]
-	delete(imp.sets, id)
-	return set
+	set := imp.kept[id]
+	delete(imp.kept, id)
+	imp.mu.Unlock()
+	set.close()
 }
 
-// mappedChunks checks that set holds the whole allocation l leases, and returns its
-// chunks in order.
-func (set *chunkSet) mappedChunks(l *wire.LeaseMsg) ([]*vmm.Chunk, error) {
+// dropAllChunks closes every chunk kept: the exporter is gone, or the Importer closing.
+func (imp *Importer) dropAllChunks() {
+	imp.mu.Lock()
+	kept := imp.kept
+	imp.kept = map[uint64]*chunkSet{}
+	imp.mu.Unlock()
+	for _, set := range kept {
+		set.close()
+	}
+}
+
+// mappedChunks returns the chunks kept of the allocation l leases, in order, once
+// they add up to it. Call with imp.mu held.
+func (imp *Importer) mappedChunks(l *wire.LeaseMsg) ([]*vmm.Chunk, error) {
+	set := imp.kept[l.PoolID]
 	if set == nil {
-		return nil, wire.ProtocolErr("a lease of allocation %d names chunk set %d, which never came", l.PoolID, l.BufferID)
+		// The exporter sends the chunks before its first lease of the allocation, and
+		// drops them once it is unpublished: a lease sent as it was unpublished comes
+		// after the drop.
+		return nil, fmt.Errorf("%w: allocation %d was unpublished as it was leased (its chunks are not here)", export.ErrUnknownName, l.PoolID)
 	}
 	if set.err != nil {
 		return nil, set.err
@@ -129,12 +146,12 @@ func (set *chunkSet) mappedChunks(l *wire.LeaseMsg) ([]*vmm.Chunk, error) {
 	var total uint64
 	for i, c := range set.chunks {
 		if c == nil {
-			return nil, wire.ProtocolErr("chunk %d of %d of set %d never came", i, len(set.chunks), l.BufferID)
+			return nil, wire.ProtocolErr("chunk %d of %d of allocation %d never came", i, len(set.chunks), l.PoolID)
 		}
 		total += c.Size()
 	}
-	if set.alloc != l.PoolID || total != l.Size {
-		return nil, wire.ProtocolErr("a lease of %d bytes of allocation %d names a set of %d bytes of allocation %d", l.Size, l.PoolID, total, set.alloc)
+	if total != l.Size {
+		return nil, wire.ProtocolErr("a lease of %d bytes of allocation %d, whose chunks add up to %d", l.Size, l.PoolID, total)
 	}
 	return set.chunks, nil
 }
@@ -143,24 +160,15 @@ func (set *chunkSet) mappedChunks(l *wire.LeaseMsg) ([]*vmm.Chunk, error) {
 // on: the allocation's range is mapped unless this Importer maps it already. Call with
 // mapMu held.
 func (imp *Importer) adoptVMM(l *wire.LeaseMsg, name string) (*Mapping, error) {
-	set := imp.takeSet(l.BufferID)
-	defer set.close() // mapped or not needed: a mapping holds the memory
 	key := rangeKey{alloc: l.PoolID, offset: l.Offset, length: l.Length}
 	if m := imp.heldMapping(key, l.LeaseID); m != nil {
 		return m, nil
 	}
 	vi := imp.vmmImports[l.PoolID]
 	if vi == nil {
-		chunks, err := set.mappedChunks(l)
+		res, err := imp.mapChunks(l)
 		if err != nil {
 			return nil, err
-		}
-		res, err := vmm.Reserve(imp.rt, imp.dev, l.Size)
-		if err != nil {
-			return nil, fmt.Errorf("map allocation %d: %w", l.PoolID, err)
-		}
-		if err := res.Grow(chunks...); err != nil {
-			return nil, errors.Join(fmt.Errorf("map allocation %d: %w", l.PoolID, err), res.Close())
 		}
 		vi = &vmmImport{alloc: l.PoolID, res: res}
 		imp.vmmImports[l.PoolID] = vi
@@ -170,6 +178,27 @@ func (imp *Importer) adoptVMM(l *wire.LeaseMsg, name string) (*Mapping, error) {
 		name: name, meta: l.Meta, refs: 1, grants: map[uint64]uint32{l.LeaseID: 1}, owner: -1}
 	imp.mappings[key] = m
 	return m, nil
+}
+
+// mapChunks maps the chunks kept of the allocation l leases into a new range. imp.mu is
+// held across it, so that a DropChunks that comes meanwhile closes them only once they
+// are mapped (the mapping then holds their memory): a few driver calls that do not
+// wait for the GPU.
+func (imp *Importer) mapChunks(l *wire.LeaseMsg) (*vmm.Reservation, error) {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	chunks, err := imp.mappedChunks(l)
+	if err != nil {
+		return nil, err
+	}
+	res, err := vmm.Reserve(imp.rt, imp.dev, l.Size)
+	if err != nil {
+		return nil, fmt.Errorf("map allocation %d: %w", l.PoolID, err)
+	}
+	if err := res.Grow(chunks...); err != nil {
+		return nil, errors.Join(fmt.Errorf("map allocation %d: %w", l.PoolID, err), res.Close())
+	}
+	return res, nil
 }
 
 // unviewVMM forgets m, whose last reference is gone, and returns the grants it answered
@@ -212,8 +241,8 @@ func (imp *Importer) unmapVMM(vis []*vmmImport) error {
 	return errors.Join(errs...)
 }
 
-// closeVMM unmaps every allocation and closes the chunk sets still waiting, for
-// Close. Call with mapMu held.
+// closeVMM unmaps every allocation and closes the chunks kept, for Close. Call with
+// mapMu held.
 func (imp *Importer) closeVMM() error {
 	var errs []error
 	for id, vi := range imp.vmmImports {
@@ -222,13 +251,7 @@ func (imp *Importer) closeVMM() error {
 			errs = append(errs, fmt.Errorf("consumer: close: unmap allocation %d: %w", id, err))
 		}
 	}
-	imp.mu.Lock()
-	sets := imp.sets
-	imp.sets = map[uint64]*chunkSet{}
-	imp.mu.Unlock()
-	for _, set := range sets {
-		set.close()
-	}
+	imp.dropAllChunks()
 	return errors.Join(errs...)
 }
 

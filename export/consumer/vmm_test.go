@@ -15,10 +15,11 @@ import (
 	"github.com/cudapool/cudapool/vmm"
 )
 
-// An exporter that grants a VMM allocation whose chunks do not add up is refused:
-// a chunk not a multiple of the granularity, a set of another size than the lease's,
-// a lease whose set never came. Open fails with export.ErrProtocol saying why, holds
-// nothing, gives the lease back, and no descriptor is left open.
+// An exporter that grants a VMM allocation whose chunks do not add up is refused: a
+// chunk not a multiple of the granularity, chunks of another size than the lease's
+// (export.ErrProtocol), a lease whose chunks never came (export.ErrUnknownName: as
+// after a DropChunks). Open fails saying why, holds nothing, gives the lease back, and
+// no descriptor is left open.
 func TestVMMBadChunkSetsRefused(t *testing.T) {
 	maker := exporttest.NewSide(t, 0) // the fake exporter's device
 	g, err := vmm.Granularity(maker.Dev, 0, cudart.HandleTypePosixFD)
@@ -31,11 +32,11 @@ func TestVMMBadChunkSetsRefused(t *testing.T) {
 		chunkSize uint64 // 0: no ChunkHandle at all
 		leaseSize uint64
 		want      string
-		also      error
+		is        error
 	}{
 		{"chunk not a multiple of the granularity", g + 4096, g + 4096, "granularity", vmm.ErrGranularity},
-		{"set of another size than the lease", g, 2 * g, "names a set of", nil},
-		{"set that never came", 0, g, "never came", nil},
+		{"chunks of another size than the lease", g, 2 * g, "whose chunks add up to", export.ErrProtocol},
+		{"chunks that never came", 0, g, "its chunks are not here", export.ErrUnknownName},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -51,10 +52,10 @@ func TestVMMBadChunkSetsRefused(t *testing.T) {
 					if err != nil {
 						return
 					}
-					c.Send(context.Background(), &wire.ChunkHandleMsg{SetID: 5, AllocID: 1, Size: tc.chunkSize, Count: 1, HandleType: cudart.HandleTypePosixFD}, fd)
+					c.Send(context.Background(), &wire.ChunkHandleMsg{AllocID: 1, Size: tc.chunkSize, Count: 1, HandleType: cudart.HandleTypePosixFD}, fd)
 					wire.CloseFDs([]int{fd})
 				}
-				c.Send(context.Background(), &wire.LeaseMsg{ReqID: open.ReqID, LeaseID: 9, PoolID: 1, BufferID: 5, Size: tc.leaseSize, Length: tc.leaseSize, Flags: wire.LeaseVMM}, -1)
+				c.Send(context.Background(), &wire.LeaseMsg{ReqID: open.ReqID, LeaseID: 9, PoolID: 1, Size: tc.leaseSize, Length: tc.leaseSize, Flags: wire.LeaseVMM}, -1)
 				for {
 					m, _, err := c.Recv()
 					if err != nil {
@@ -74,11 +75,8 @@ func TestVMMBadChunkSetsRefused(t *testing.T) {
 			imp, err := consumer.Dial(exporttest.Ctx(t), path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger))
 			require.NoError(t, err)
 			_, err = imp.Open(exporttest.Ctx(t), "slab", s.Stream)
-			require.ErrorIs(t, err, export.ErrProtocol, "Open = %v", err)
+			require.ErrorIs(t, err, tc.is, "Open = %v", err)
 			require.ErrorContains(t, err, tc.want)
-			if tc.also != nil {
-				require.ErrorIs(t, err, tc.also)
-			}
 			r := testwait.Recv(t, released, "the refused lease to be given back")
 			require.EqualValues(t, 9, r.LeaseID)
 			require.NoError(t, imp.Close(exporttest.Ctx(t)))
@@ -87,4 +85,27 @@ func TestVMMBadChunkSetsRefused(t *testing.T) {
 			s.CheckClean(t)
 		})
 	}
+}
+
+// An allocation's chunks, descriptors and all, come once per connection: a reopen
+// after the last Release maps the kept chunks again, with only its Lease on the wire.
+func TestVMMChunksPassedOncePerConnection(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	const chunks = 3
+	a := pr.PublishVMM(t, "slab", chunks, 10)
+	c := exporttest.NewConsumer(t, pr.Path, 0)
+	received := &consumer.Client(c.Imp).C.Received
+	var perOpen []int64
+	for range 3 {
+		from := received.Load()
+		m, err := c.Imp.Open(ctx, "slab", c.Stream)
+		require.NoError(t, err)
+		perOpen = append(perOpen, received.Load()-from)
+		got := c.Read(t, m)
+		require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
+		exporttest.CheckVMMBytes(t, got, 0, a.Gran, 10)
+		require.NoError(t, m.Release(ctx, c.Stream))
+	}
+	require.Equal(t, []int64{chunks + 1, 1, 1}, perOpen, "frames an Open received: the chunks and the Lease, then the Lease alone")
 }

@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 	"testing"
@@ -29,6 +30,19 @@ func startVMMProducerGPU(t *testing.T, n int, fill byte) (*proctest.Child, strin
 	return k, path, g
 }
 
+// dialGPU makes a stream on device 0 and an Importer there, both closed at the test's
+// end.
+func dialGPU(t *testing.T, rt cudart.Runtime, path string) (cudart.Stream, *consumer.Importer) {
+	t.Helper()
+	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = rt.StreamDestroy(0, s) }) // cleanup: what is tested is above
+	imp, err := consumer.Dial(exporttest.Ctx(t), path, rt, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = imp.Close(context.Background()) }) // cleanup: a second Close after the test's own is export.ErrClosed
+	return s, imp
+}
+
 // readVMM copies n bytes at off of m to the host on s and waits for them.
 func readVMM(t *testing.T, rt cudart.Runtime, s cudart.Stream, m *consumer.Mapping, off, n uint64) []byte {
 	t.Helper()
@@ -47,12 +61,7 @@ func TestGPUVMMPublishOpenRelease(t *testing.T) {
 	const chunks = 4
 	k, path, g := startVMMProducerGPU(t, chunks, 0x30)
 	ctx := exporttest.Ctx(t)
-	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
-	require.NoError(t, err)
-	defer rt.StreamDestroy(0, s)
-	imp, err := consumer.Dial(ctx, path, rt, 0)
-	require.NoError(t, err)
-	defer imp.Close(ctx)
+	s, imp := dialGPU(t, rt, path)
 	for round := range 2 {
 		m, err := imp.Open(ctx, "slab", s)
 		require.NoError(t, err, "round %d", round)
@@ -76,12 +85,7 @@ func TestGPUVMMOutlivesProducer(t *testing.T) {
 	rt := gputest.Runtime(t)
 	k, path, g := startVMMProducerGPU(t, 3, 0x50)
 	ctx := exporttest.Ctx(t)
-	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
-	require.NoError(t, err)
-	defer rt.StreamDestroy(0, s)
-	imp, err := consumer.Dial(ctx, path, rt, 0)
-	require.NoError(t, err)
-	defer imp.Close(ctx)
+	s, imp := dialGPU(t, rt, path)
 	m, err := imp.Open(ctx, "slab", s)
 	require.NoError(t, err)
 	exporttest.KillProducer(t, k)

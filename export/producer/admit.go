@@ -122,7 +122,7 @@ func (ex *Exporter) admit(nc net.Conn) (*peer, *observer, error) {
 	}
 
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
-		leases: map[uint64]*lease{}, byHeld: map[any]*lease{}, releaseEvents: map[int]cudart.Event{},
+		leases: map[uint64]*lease{}, byHeld: map[any]*lease{}, sentAllocs: map[*vmmAlloc]bool{}, releaseEvents: map[int]cudart.Event{},
 		completions: map[*pool.Pool]*pool.Completion{},
 		retained:    map[cudart.PtrExportData]*retention{}}
 	// Retention needs the peer's release event to cover its work: a local peer's.

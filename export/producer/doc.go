@@ -27,7 +27,7 @@
 // [Exporter.PublishChunks] publishes a VMM allocation instead (package vmm: chunks made
 // with cuMemCreate, of any size), which a consumer maps as one range; the leases,
 // ordering and liveness are those of a pool buffer, and the consumer's Mapping the same.
-// The chunks' descriptors travel with each lease (SCM_RIGHTS), or their FABRIC handles
+// The chunks' descriptors travel once per peer (SCM_RIGHTS), or their FABRIC handles
 // to a peer on a byte stream.
 //
 // Each connecting process is identified by the kernel (SO_PEERCRED) and admitted by

@@ -105,10 +105,10 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	return msg, pl, nil
 }
 
-// grantVMM is grant of a VMM allocation: its chunks go to the peer as a new set, and
-// the grant holds no pool lease (nil in the ledger), as the peer's import holds the
-// memory. Whether the peer may hold one more grant is asked before the chunks go too,
-// so that a refusal leaves no set the peer would keep unused.
+// grantVMM is grant of a VMM allocation: its chunks go to the peer first unless they
+// went before, and the grant holds no pool lease (nil in the ledger), as the peer's
+// import holds the memory. Whether the peer may hold one more grant is asked before
+// the chunks go too, so that a peer at its limit is sent nothing.
 func (p *peer) grantVMM(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
 	p.mu.Lock()
 	err := p.grantableLocked()

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/semaphore"
@@ -50,8 +49,9 @@ type peer struct {
 	grants int    // grants held, over all leases (WithMaxGrants caps it)
 	leases map[uint64]*lease
 	byHeld map[any]*lease // by lease.held
-	// sets numbers the chunk sets sent to the peer (prepareVMM).
-	sets atomic.Uint64
+	// sentAllocs are the VMM allocations whose chunks the peer has imported
+	// (sendChunks), until it is told to drop them (dropChunks).
+	sentAllocs map[*vmmAlloc]bool
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them

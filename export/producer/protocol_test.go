@@ -67,8 +67,9 @@ func protocolSamples() map[wire.MsgType]wire.Message {
 		wire.MsgReleaseBatch: &wire.ReleaseBatchMsg{ReqID: 0x1201, Entries: []wire.ReleaseMsg{{LeaseID: 0x1202, Count: 0x1203, Flags: wire.ReleaseRetain}, {LeaseID: 0x1204, Count: 1}}},
 		wire.MsgRevoke:       &wire.RevokeMsg{Record: record(0x0e)},
 		wire.MsgRevoked:      &wire.RevokedMsg{Record: record(0x0f)},
-		wire.MsgChunkHandle: &wire.ChunkHandleMsg{SetID: 0x1301, AllocID: 0x1302, Size: 0x130300, Index: 0x0304, Count: 0x0305,
+		wire.MsgChunkHandle: &wire.ChunkHandleMsg{AllocID: 0x1302, Size: 0x130300, Index: 0x0304, Count: 0x0305,
 			HandleType: cudart.HandleTypeFabric, Device: uuid(0x13), Fabric: fabric(0x14)},
+		wire.MsgDropChunks: &wire.DropChunksMsg{AllocID: 0x1401},
 	}
 }
 

@@ -17,13 +17,17 @@ import (
 // vmmAlloc is a published VMM allocation: a descriptor of each of its chunks (and,
 // for FABRIC chunks, the handle), held from PublishChunks until the publication ends
 // and no grant is sending them. While it holds them the memory lives, whatever the
-// producer closed; each consumer's import holds it from then on.
+// producer closed; the imports of the peers it was sent to hold it too, until they
+// are told to drop them (dropped, once the descriptors are closed).
 type vmmAlloc struct {
 	id     uint64 // the wire id, Lease's pool_id with flag vmm
 	dev    int
 	size   uint64
 	chunks []vmmChunk
 	fabric bool // every chunk has a FABRIC handle
+	// dropped runs once the descriptors are closed: it tells the peers the chunks were
+	// sent to that they may drop them. Set before the allocation is published.
+	dropped func(*vmmAlloc)
 
 	mu      sync.Mutex
 	sending int  // grants sending the chunks now
@@ -48,12 +52,14 @@ type vmmChunk struct {
 // are mapped twice by a consumer that opens both.
 //
 // The Exporter takes a descriptor of each chunk now: the memory lives while the name
-// is published, even if the caller closes its [vmm.Chunk] values and unmaps them, and
-// each consumer's import holds it from its Open to its Release (or its process's
-// exit). [Exporter.Unpublish] (or Close) gives the descriptors up once no Open is
-// sending them; leases already given out are unaffected. Leases of the allocation are
-// counted, released and ended on a consumer's death as those of pool buffers are; the
-// consumer has waited for its work on the range before its Release.
+// is published, even if the caller closes its [vmm.Chunk] values and unmaps them. Each
+// peer is sent the descriptors once (SCM_RIGHTS) and keeps its imports while the name
+// is published; its mappings hold the memory from its Open to its last Release (or its
+// process's exit). [Exporter.Unpublish] (or Close) gives the Exporter's descriptors up
+// once no Open is sending them and tells the peers to drop their imports; leases
+// already given out are unaffected. Leases of the allocation are counted, released and
+// ended on a consumer's death as those of pool buffers are; the consumer unmaps only
+// once its work on the range has run.
 //
 // Chunks made [vmm.WithFabric] travel to peers on a byte stream as FABRIC handles too
 // ([Exporter.Serve]): on a host without an IMEX channel PublishChunks fails with
@@ -103,6 +109,7 @@ func (ex *Exporter) PublishChunks(ctx context.Context, name string, chunks []*vm
 	}
 	ex.lastAlloc++
 	a.id = ex.lastAlloc
+	a.dropped = ex.dropChunks
 	pub.ready = re
 	ex.pubs[name] = pub
 	return nil
@@ -174,7 +181,8 @@ func (a *vmmAlloc) retire() {
 	}
 }
 
-// closeFDs closes the exporter's descriptors, once.
+// closeFDs closes the exporter's descriptors, once, and then tells the peers that
+// imported the chunks to drop them.
 func (a *vmmAlloc) closeFDs() {
 	a.mu.Lock()
 	chunks := a.chunks
@@ -182,6 +190,28 @@ func (a *vmmAlloc) closeFDs() {
 	a.mu.Unlock()
 	for _, c := range chunks {
 		_ = unix.Close(c.fd) // cleanup: the descriptor is ours and unused
+	}
+	if chunks != nil && a.dropped != nil {
+		a.dropped(a)
+	}
+}
+
+// dropChunks tells each peer a's chunks were sent to that a is unpublished, so that it
+// closes its imports of them (DropChunks). Each is told on a goroutine of its own: a
+// peer that stopped reading holds up no other, and no caller of Unpublish.
+func (ex *Exporter) dropChunks(a *vmmAlloc) {
+	for _, p := range ex.peerList() {
+		p.mu.Lock()
+		sent := p.sentAllocs[a]
+		delete(p.sentAllocs, a)
+		p.mu.Unlock()
+		if sent {
+			go func() {
+				if err := p.c.Send(context.Background(), &wire.DropChunksMsg{AllocID: a.id}, -1); err != nil {
+					p.ex.log.Debug("producer: could not tell a peer to drop an allocation's chunks; they go with its connection", "pid", p.pid(), "err", err)
+				}
+			}()
+		}
 	}
 }
 
@@ -207,8 +237,9 @@ func (a *vmmAlloc) send(name string, f func([]vmmChunk) error) error {
 	return err
 }
 
-// prepareVMM sends the chunks of pub's allocation to the peer as a new chunk set and
-// returns the Lease message that names it. LeaseID and ReqID are left to the caller.
+// prepareVMM sends the chunks of pub's allocation to the peer unless it has them, and
+// returns the Lease message that names the allocation. LeaseID and ReqID are left to
+// the caller.
 func (p *peer) prepareVMM(ctx context.Context, pub *publication) (wire.LeaseMsg, error) {
 	a := pub.alloc
 	var ht cudart.HandleType
@@ -222,10 +253,35 @@ func (p *peer) prepareVMM(ctx context.Context, pub *publication) (wire.LeaseMsg,
 	default:
 		return wire.LeaseMsg{}, fmt.Errorf("%w: %q: the peer imports %#x", export.ErrHandleType, pub.name, p.hello.HandleTypes)
 	}
-	set := p.sets.Add(1)
-	err := a.send(pub.name, func(chunks []vmmChunk) error {
+	if err := p.sendChunks(ctx, pub.name, a, ht); err != nil {
+		return wire.LeaseMsg{}, err
+	}
+	msg := wire.LeaseMsg{PoolID: a.id, Size: a.size, Offset: pub.offset, Length: pub.length,
+		Meta: pub.meta, Flags: wire.LeaseVMM}
+	if err := p.readyFields(pub, &msg); err != nil {
+		return wire.LeaseMsg{}, err
+	}
+	return msg, nil
+}
+
+// sendChunks sends a's chunks to the peer as ht, once per peer and allocation: the
+// peer keeps its imports until DropChunks (dropChunks) or the connection's end. The
+// pool handles' lock is held across it, so that the chunks go once and before any
+// Lease that names a; waiting for it ends with ctx.
+func (p *peer) sendChunks(ctx context.Context, name string, a *vmmAlloc, ht cudart.HandleType) error {
+	if err := p.poolLock.Acquire(ctx, 1); err != nil {
+		return fmt.Errorf("producer: send the chunks of %q: %w", name, err)
+	}
+	defer p.poolLock.Release(1)
+	p.mu.Lock()
+	sent := p.sentAllocs[a]
+	p.mu.Unlock()
+	if sent {
+		return nil
+	}
+	return a.send(name, func(chunks []vmmChunk) error {
 		for i, c := range chunks {
-			m := &wire.ChunkHandleMsg{SetID: set, AllocID: a.id, Size: c.size, Index: uint32(i), Count: uint32(len(chunks)),
+			m := &wire.ChunkHandleMsg{AllocID: a.id, Size: c.size, Index: uint32(i), Count: uint32(len(chunks)),
 				HandleType: ht, Device: p.ex.deviceUUID(a.dev)}
 			fd := -1
 			if ht == cudart.HandleTypeFabric {
@@ -237,15 +293,11 @@ func (p *peer) prepareVMM(ctx context.Context, pub *publication) (wire.LeaseMsg,
 				return err
 			}
 		}
+		// Marked while a.send still holds the descriptors open: the drop, which
+		// follows their close, then sees it.
+		p.mu.Lock()
+		p.sentAllocs[a] = true
+		p.mu.Unlock()
 		return nil
 	})
-	if err != nil {
-		return wire.LeaseMsg{}, err
-	}
-	msg := wire.LeaseMsg{PoolID: a.id, BufferID: set, Size: a.size, Offset: pub.offset, Length: pub.length,
-		Meta: pub.meta, Flags: wire.LeaseVMM}
-	if err := p.readyFields(pub, &msg); err != nil {
-		return wire.LeaseMsg{}, err
-	}
-	return msg, nil
 }

@@ -7,11 +7,10 @@ import (
 
 // ChunkHandleMsg is one chunk of a VMM allocation the importer is about to receive a
 // lease in: chunk Index of Count, in the order they map into one range, Size bytes.
-// The exporter sends the chunks of a set, all Count of them, before the Lease (flag
-// LeaseVMM) that names the set; for a POSIX-fd chunk the descriptor rides on the
-// frame, for a FABRIC one the handle is inline.
+// The exporter sends an allocation's chunks, all Count of them, once per connection,
+// before the first Lease (flag LeaseVMM) that names the allocation; for a POSIX-fd
+// chunk the descriptor rides on the frame, for a FABRIC one the handle is inline.
 type ChunkHandleMsg struct {
-	SetID      uint64
 	AllocID    uint64
 	Size       uint64
 	Index      uint32
@@ -21,12 +20,19 @@ type ChunkHandleMsg struct {
 	Fabric     cudart.FabricHandle // zero unless HandleType is FABRIC
 }
 
-const chunkHandleLen = 8 + 8 + 8 + 4 + 4 + 4 + 16 + 64
+const chunkHandleLen = 8 + 8 + 4 + 4 + 4 + 16 + 64
+
+// DropChunksMsg tells the importer that the allocation is unpublished: it closes the
+// chunks it imported of it (a mapping of them keeps the memory until released).
+type DropChunksMsg struct{ AllocID uint64 }
+
+const dropChunksLen = 8
 
 func (*ChunkHandleMsg) Kind() MsgType { return MsgChunkHandle }
 
+func (*DropChunksMsg) Kind() MsgType { return MsgDropChunks }
+
 func (m *ChunkHandleMsg) AppendPayload(b []byte) []byte {
-	b = Le.AppendUint64(b, m.SetID)
 	b = Le.AppendUint64(b, m.AllocID)
 	b = Le.AppendUint64(b, m.Size)
 	b = Le.AppendUint32(b, m.Index)
@@ -36,8 +42,10 @@ func (m *ChunkHandleMsg) AppendPayload(b []byte) []byte {
 	return append(b, m.Fabric[:]...)
 }
 
+func (m *DropChunksMsg) AppendPayload(b []byte) []byte { return Le.AppendUint64(b, m.AllocID) }
+
 func decodeChunkHandle(r *reader) (Message, error) {
-	m := &ChunkHandleMsg{SetID: r.u64(), AllocID: r.u64(), Size: r.u64(), Index: r.u32(), Count: r.u32(),
+	m := &ChunkHandleMsg{AllocID: r.u64(), Size: r.u64(), Index: r.u32(), Count: r.u32(),
 		HandleType: cudart.HandleType(r.u32())}
 	r.bytes(m.Device[:])
 	r.bytes(m.Fabric[:])
@@ -48,11 +56,19 @@ func decodeChunkHandle(r *reader) (Message, error) {
 		return nil, ProtocolErr("ChunkHandle is chunk %d of %d", m.Index, m.Count)
 	case m.Size == 0:
 		return nil, ProtocolErr("ChunkHandle of a chunk of 0 bytes")
-	case m.SetID == 0:
-		return nil, ProtocolErr("ChunkHandle of chunk set 0")
+	case m.AllocID == 0:
+		return nil, ProtocolErr("ChunkHandle of allocation 0")
 	}
 	if err := checkHandle(MsgChunkHandle, m.HandleType, m.Fabric); err != nil {
 		return nil, err
+	}
+	return m, nil
+}
+
+func decodeDropChunks(r *reader) (Message, error) {
+	m := &DropChunksMsg{AllocID: r.u64()}
+	if m.AllocID == 0 {
+		return nil, ProtocolErr("DropChunks of allocation 0")
 	}
 	return m, nil
 }

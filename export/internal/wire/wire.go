@@ -48,6 +48,7 @@ const (
 	MsgLeaseBatch   MsgType = 17 // exporter: leases answering an OpenBatch, in one or more frames
 	MsgReleaseBatch MsgType = 18 // importer: give these leases back; answered by one Released
 	MsgChunkHandle  MsgType = 19 // exporter: one chunk of a VMM allocation (fd attached for POSIX fd)
+	MsgDropChunks   MsgType = 20 // exporter: the allocation is unpublished; close its chunks
 )
 
 var msgNames = [...]string{
@@ -56,7 +57,7 @@ var msgNames = [...]string{
 	MsgError: "Error", MsgPush: "Push", MsgStateRequest: "StateRequest", MsgState: "State", MsgBye: "Bye",
 	MsgRevoke: "Revoke", MsgRevoked: "Revoked",
 	MsgOpenBatch: "OpenBatch", MsgLeaseBatch: "LeaseBatch", MsgReleaseBatch: "ReleaseBatch",
-	MsgChunkHandle: "ChunkHandle",
+	MsgChunkHandle: "ChunkHandle", MsgDropChunks: "DropChunks",
 }
 
 func (t MsgType) String() string {
@@ -138,7 +139,7 @@ const (
 	// Without it the exporter waited for the producer's writes before it answered.
 	LeaseReadyEvent uint32 = 1 << 0
 	// LeaseVMM: the lease is of a VMM allocation (chunk.go): PoolID names the
-	// allocation, BufferID the chunk set that came before it, Record is zero.
+	// allocation, whose chunks came before it; BufferID and Record are zero.
 	LeaseVMM   uint32 = 1 << 1
 	LeaseKnown        = LeaseReadyEvent | LeaseVMM
 )
@@ -521,6 +522,7 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgLeaseBatch:   {LeaseBatchHeaderLen + LeaseLen, MaxPayload},
 	MsgReleaseBatch: {8 + 4, 8 + 4 + export.MaxBatch*releaseEntryLen},
 	MsgChunkHandle:  {chunkHandleLen, chunkHandleLen},
+	MsgDropChunks:   {dropChunksLen, dropChunksLen},
 }
 
 // DecodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -697,6 +699,8 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		return m, nil
 	case MsgChunkHandle:
 		return decodeChunkHandle(&r)
+	case MsgDropChunks:
+		return decodeDropChunks(&r)
 	}
 	return nil, ProtocolErr("unknown message type %d", uint8(t))
 }
@@ -733,8 +737,8 @@ func (r *reader) lease(m *LeaseMsg) error {
 	if m.Flags&LeaseReadyEvent == 0 && m.Ready != (cudart.IpcEventHandle{}) {
 		return ProtocolErr("Lease carries event bytes without the ready-event flag")
 	}
-	if m.Flags&LeaseVMM != 0 && m.Record != (cudart.PtrExportData{}) {
-		return ProtocolErr("Lease of a VMM allocation carries a pointer's export record")
+	if m.Flags&LeaseVMM != 0 && (m.Record != (cudart.PtrExportData{}) || m.BufferID != 0) {
+		return ProtocolErr("Lease of a VMM allocation carries a buffer id or a pointer's export record")
 	}
 	if err := CheckRange(m.Size, m.Offset, m.Length); err != nil {
 		return ProtocolErr("Lease: %v", err)
