@@ -42,7 +42,15 @@ func (imp *Importer) watchExporter(nc net.Conn) {
 		}
 		close(imp.watch.gone)
 		imp.loseMappings()
-		imp.dropAllChunks() // no lease of them can come now: only mappings hold the memory
+	}()
+	go func() {
+		// Once the connection has ended no lease can come: the kept chunks go, and only
+		// the mappings hold the exporter's memory (the exporter may live on, closed).
+		select {
+		case <-imp.cl.Done:
+			imp.dropAllChunks()
+		case <-imp.life.Done():
+		}
 	}()
 }
 

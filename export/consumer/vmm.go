@@ -137,7 +137,10 @@ func (imp *Importer) mappedChunks(l *wire.LeaseMsg) ([]*vmm.Chunk, error) {
 	if set == nil {
 		// The exporter sends the chunks before its first lease of the allocation, and
 		// drops them once it is unpublished: a lease sent as it was unpublished comes
-		// after the drop.
+		// after the drop. Or the connection ended, and its end dropped them.
+		if err := imp.Err(); err != nil {
+			return nil, err
+		}
 		return nil, fmt.Errorf("%w: allocation %d was unpublished as it was leased (its chunks are not here)", export.ErrUnknownName, l.PoolID)
 	}
 	if set.err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/internal/exporttest"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/vmm"
 )
@@ -108,4 +109,40 @@ func TestVMMChunksPassedOncePerConnection(t *testing.T) {
 		require.NoError(t, m.Release(ctx, c.Stream))
 	}
 	require.Equal(t, []int64{chunks + 1, 1, 1}, perOpen, "frames an Open received: the chunks and the Lease, then the Lease alone")
+}
+
+// The chunks an Importer keeps go when their allocation is unpublished (DropChunks),
+// by Unpublish or by an Exporter.Close that leaves the lease held; then only the
+// mapping, until its Release, holds the producer's memory. At the connection's end
+// nothing is kept either.
+func TestVMMKeptChunksDropped(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	c := exporttest.NewConsumer(t, pr.Path, 0)
+	openRelease := func(name string) {
+		m, err := c.Imp.Open(ctx, name, c.Stream)
+		require.NoError(t, err)
+		require.NoError(t, m.Release(ctx, c.Stream))
+	}
+	pr.PublishVMM(t, "a", 2, 1)
+	openRelease("a")
+	require.Equal(t, 1, consumer.KeptAllocs(c.Imp), "chunks kept after the last Release")
+	require.NoError(t, pr.Ex.Unpublish("a"))
+	exporttest.WaitFor(t, "the unpublished allocation's chunks to be dropped", func() bool { return consumer.KeptAllocs(c.Imp) == 0 })
+
+	pr.PublishVMM(t, "b", 2, 1)
+	openRelease("b")
+	held, err := c.Imp.Open(ctx, "b", c.Stream)
+	require.NoError(t, err)
+	require.Equal(t, 1, consumer.KeptAllocs(c.Imp))
+	// Close gives up waiting at once: the peer is served on until it releases.
+	require.ErrorIs(t, pr.Ex.Close(exporttest.Ended()), producer.ErrAbandoned)
+	exporttest.WaitFor(t, "the closed exporter's chunks to be dropped", func() bool { return consumer.KeptAllocs(c.Imp) == 0 })
+	require.NoError(t, held.Err(), "a mapping outlives its exporter's close")
+	got := c.Read(t, held)
+	require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
+	exporttest.CheckVMMBytes(t, got, 0, held.Size()/2, 1)
+	require.NoError(t, held.Release(ctx, c.Stream))
+	require.NoError(t, c.Imp.Close(ctx))
+	c.CheckClean(t)
 }

@@ -576,6 +576,8 @@ func (ex *Exporter) Close(ctx context.Context) error {
 	ex.mu.Unlock()
 	for _, pub := range pubs {
 		if pub.alloc != nil {
+			// Its DropChunks may follow the Bye, as Revokes do: a peer whose leases
+			// Close abandons is served on, and must not keep the chunks meanwhile.
 			pub.alloc.retire()
 		}
 	}

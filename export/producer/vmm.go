@@ -109,7 +109,7 @@ func (ex *Exporter) PublishChunks(ctx context.Context, name string, chunks []*vm
 	}
 	ex.lastAlloc++
 	a.id = ex.lastAlloc
-	a.dropped = ex.dropChunks
+	a.dropped = ex.dropChunks // before anyone else sees a: unguarded
 	pub.ready = re
 	ex.pubs[name] = pub
 	return nil
@@ -191,8 +191,11 @@ func (a *vmmAlloc) closeFDs() {
 	for _, c := range chunks {
 		_ = unix.Close(c.fd) // cleanup: the descriptor is ours and unused
 	}
-	if chunks != nil && a.dropped != nil {
-		a.dropped(a)
+	a.mu.Lock()
+	dropped := a.dropped
+	a.mu.Unlock()
+	if chunks != nil && dropped != nil {
+		dropped(a)
 	}
 }
 
