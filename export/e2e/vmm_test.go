@@ -277,3 +277,21 @@ func TestVMMPush(t *testing.T) {
 	taker.CheckClean(t)
 	refuser.CheckClean(t)
 }
+
+// A VMM allocation opened WithLocalCopy is copied into the consumer's own memory, and
+// its lease given back at once.
+func TestVMMLocalCopy(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	a := pr.PublishVMM(t, "slab", 3, 120)
+	c := exporttest.NewConsumer(t, pr.Path, 0)
+	m, err := c.Imp.Open(ctx, "slab", c.Stream, consumer.WithLocalCopy(nil))
+	require.NoError(t, err)
+	exporttest.WaitFor(t, "the lease to be given back", func() bool { return pr.Ex.Peers()[0].Leases == 0 })
+	got := c.Read(t, m)
+	require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
+	exporttest.CheckVMMBytes(t, got, 0, a.Gran, 120)
+	require.NoError(t, m.Release(ctx, c.Stream))
+	require.NoError(t, c.Imp.Close(ctx))
+	c.CheckClean(t)
+}
