@@ -102,9 +102,10 @@ func (imp *Importer) awaitFrees(wait bool) error {
 // [ErrReleased], and a stream of another device than the Importer's with
 // [ErrStreamDevice], as Open does; neither releases anything.
 //
-// The last Release of a VMM allocation's Mappings (the vmm route) unmaps its range once
-// the work queued on s, and on the streams of its earlier Releases, has run: the host
-// waits for that work there, as the driver must not unmap memory in use.
+// On the vmm route the import is the allocation's range, which the last Release of its
+// last Mapping unmaps once the work queued on s, and on the streams its other Mappings
+// were last released on, has run: the host waits for that work there, as the driver
+// must not unmap memory in use.
 func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	imp := m.imp
 	if err := imp.checkStream(s); err != nil {
