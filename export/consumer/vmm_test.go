@@ -103,9 +103,7 @@ func TestVMMChunksPassedOncePerConnection(t *testing.T) {
 		m, err := c.Imp.Open(ctx, "slab", c.Stream)
 		require.NoError(t, err)
 		perOpen = append(perOpen, received.Load()-from)
-		got := c.Read(t, m)
-		require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
-		exporttest.CheckVMMBytes(t, got, 0, a.Gran, 10)
+		c.CheckVMM(t, m, 0, a.Gran, 10)
 		require.NoError(t, m.Release(ctx, c.Stream))
 	}
 	require.Equal(t, []int64{chunks + 1, 1, 1}, perOpen, "frames an Open received: the chunks and the Lease, then the Lease alone")
@@ -139,10 +137,50 @@ func TestVMMKeptChunksDropped(t *testing.T) {
 	require.ErrorIs(t, pr.Ex.Close(exporttest.Ended()), producer.ErrAbandoned)
 	exporttest.WaitFor(t, "the closed exporter's chunks to be dropped", func() bool { return consumer.KeptAllocs(c.Imp) == 0 })
 	require.NoError(t, held.Err(), "a mapping outlives its exporter's close")
-	got := c.Read(t, held)
-	require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
-	exporttest.CheckVMMBytes(t, got, 0, held.Size()/2, 1)
+	c.CheckVMM(t, held, 0, held.Size()/2, 1)
 	require.NoError(t, held.Release(ctx, c.Stream))
+	require.NoError(t, c.Imp.Close(ctx))
+	c.CheckClean(t)
+}
+
+// Ranges of one VMM allocation (PublishChunksAll) are mapped once: their Mappings lie
+// in one range at their offsets, each readable while the other is released; the
+// allocation's chunks stay kept until its last name is unpublished.
+func TestVMMRangesOfOneAllocationShareOneRange(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	a := pr.NewVMMAlloc(t, 3, 50)
+	g := a.Gran
+	require.NoError(t, pr.Ex.PublishChunksAll(ctx, a.Chunks, []producer.ChunkEntry{
+		{Name: "head", Options: []producer.PublishOption{producer.Range(0, g)}},
+		{Name: "across", Options: []producer.PublishOption{producer.Range(g-512, g), producer.WithMeta([]byte("x"))}},
+	}, pr.Stream))
+	st, err := pr.Ex.State()
+	require.NoError(t, err)
+	require.Len(t, st.Published, 2)
+	require.Equal(t, st.Published[0].BufferID, st.Published[1].BufferID, "one allocation under both names")
+
+	c := exporttest.NewConsumer(t, pr.Path, 0)
+	ms, err := c.Imp.OpenAll(ctx, []string{"head", "across"}, c.Stream)
+	require.NoError(t, err)
+	head, across := ms[0], ms[1]
+	require.EqualValues(t, g-512, uint64(across.Ptr()-head.Ptr()), "the ranges lie in one mapping at their offsets")
+	require.Equal(t, []byte("x"), across.Meta())
+	require.NoError(t, head.Release(ctx, c.Stream))
+	c.CheckVMM(t, across, g-512, g, 50)
+	require.NoError(t, across.Release(ctx, c.Stream))
+
+	require.NoError(t, pr.Ex.Unpublish("head"))
+	m, err := c.Imp.Open(ctx, "across", c.Stream)
+	require.NoError(t, err, "the allocation lives on under its other name")
+	require.NoError(t, m.Release(ctx, c.Stream))
+	require.Equal(t, 1, consumer.KeptAllocs(c.Imp))
+	require.NoError(t, pr.Ex.Unpublish("across"))
+	exporttest.WaitFor(t, "the chunks to be dropped with the last name", func() bool { return consumer.KeptAllocs(c.Imp) == 0 })
+
+	err = pr.Ex.PublishChunksAll(ctx, a.Chunks, []producer.ChunkEntry{{Name: "x"}, {Name: "x"}}, pr.Stream)
+	require.ErrorIs(t, err, producer.ErrNameInUse)
+	require.ErrorIs(t, pr.Ex.PublishChunksAll(ctx, a.Chunks, nil, pr.Stream), export.ErrBadRequest)
 	require.NoError(t, c.Imp.Close(ctx))
 	c.CheckClean(t)
 }

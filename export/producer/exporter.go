@@ -358,7 +358,7 @@ func (ex *Exporter) Unpublish(name string) error {
 	delete(ex.pubs, name)
 	ex.mu.Unlock()
 	if pub.alloc != nil {
-		pub.alloc.retire()
+		pub.alloc.unpublished()
 	}
 	return nil
 }
@@ -578,7 +578,7 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		if pub.alloc != nil {
 			// Its DropChunks may follow the Bye, as Revokes do: a peer whose leases
 			// Close abandons is served on, and must not keep the chunks meanwhile.
-			pub.alloc.retire()
+			pub.alloc.unpublished()
 		}
 	}
 

@@ -30,8 +30,9 @@ type vmmAlloc struct {
 	dropped func(*vmmAlloc)
 
 	mu      sync.Mutex
+	names   int  // the names it is published under
 	sending int  // grants sending the chunks now
-	retired bool // the publication ended: the descriptors close once sending is 0
+	retired bool // its last name went: the descriptors close once sending is 0
 }
 
 // vmmChunk is one chunk of a vmmAlloc: its size, the exporter's descriptor of it, and
@@ -47,16 +48,18 @@ type vmmChunk struct {
 // contiguous allocation of their summed size, which a consumer's Open maps as one
 // range of its addresses and gets as the same [consumer.Mapping] a pool buffer gives.
 // It is ready once the work queued on s before the call has completed, as [Exporter.Publish] is.
-// [Range] publishes part of the allocation and [WithMeta] sends metadata with it. Each
-// call publishes an allocation of its own: the same chunks published under two names
-// are mapped twice by a consumer that opens both.
+// [Range] publishes part of the allocation and [WithMeta] sends metadata with it;
+// [Exporter.PublishChunksAll] publishes several ranges of one allocation. Each call
+// publishes an allocation of its own: the same chunks published by two calls are
+// mapped twice by a consumer that opens both.
 //
-// The Exporter takes a descriptor of each chunk now: the memory lives while the name
-// is published, even if the caller closes its [vmm.Chunk] values and unmaps them. Each
-// peer is sent the descriptors once (SCM_RIGHTS) and keeps its imports while the name
-// is published; its mappings hold the memory from its Open to its last Release (or its
-// process's exit). [Exporter.Unpublish] (or Close) gives the Exporter's descriptors up
-// once no Open is sending them and tells the peers to drop their imports; leases
+// The Exporter takes a descriptor of each chunk now: the memory lives while a name of
+// the allocation is published, even if the caller closes its [vmm.Chunk] values and
+// unmaps them. Each peer is sent the descriptors once (SCM_RIGHTS) and keeps its
+// imports while the allocation is published; its mappings hold the memory from its
+// Open to its last Release (or its process's exit). Once [Exporter.Unpublish] (or
+// Close) has removed the allocation's last name, the Exporter gives its descriptors up
+// as soon as no Open is sending them and tells the peers to drop their imports; leases
 // already given out are unaffected. Leases of the allocation are counted, released and
 // ended on a consumer's death as those of pool buffers are; the consumer unmaps only
 // once its work on the range has run.
@@ -69,49 +72,102 @@ type vmmChunk struct {
 // [export.ErrClosed] as Publish does. On failure nothing is published and no
 // descriptor is kept.
 func (ex *Exporter) PublishChunks(ctx context.Context, name string, chunks []*vmm.Chunk, s cudart.Stream, opts ...PublishOption) error {
-	if err := wire.CheckName(name); err != nil {
-		return err
+	return ex.PublishChunksAll(ctx, chunks, []ChunkEntry{{Name: name, Options: opts}}, s)
+}
+
+// ChunkEntry is one name of a VMM allocation for PublishChunksAll, with its options
+// ([Range], [WithMeta]).
+type ChunkEntry struct {
+	Name    string
+	Options []PublishOption
+}
+
+// PublishChunksAll is [Exporter.PublishChunks] of one allocation under every entry's
+// name at once, each name for its range, all ready once the work queued on s before
+// the call has completed. A consumer maps the allocation once, however many of its
+// names it opens: their Mappings lie in one range, at their offsets. The allocation
+// stays published, and its descriptors kept, until its last name is unpublished. It
+// publishes all the entries or, with the error of the first that fails, none; without
+// entries it fails with [export.ErrBadRequest].
+func (ex *Exporter) PublishChunksAll(ctx context.Context, chunks []*vmm.Chunk, entries []ChunkEntry, s cudart.Stream) error {
+	if len(entries) == 0 {
+		return fmt.Errorf("producer: publish chunks: %w: no names", export.ErrBadRequest)
 	}
-	a, err := newVMMAlloc(name, chunks)
+	for _, e := range entries {
+		if err := wire.CheckName(e.Name); err != nil {
+			return err
+		}
+	}
+	a, err := newVMMAlloc(entries[0].Name, chunks)
 	if err != nil {
 		return err
 	}
-	pub, err := publicationOf(name, a.size, opts)
+	pubs, err := a.publications(entries)
+	if err == nil {
+		err = ctx.Err()
+	}
+	var re *readyEvent
+	if err == nil {
+		if re, err = ex.readyFor(a.dev, s); err != nil {
+			err = fmt.Errorf("producer: publish %q: %w", entries[0].Name, err)
+		}
+	}
 	if err != nil {
 		a.retire()
 		return err
-	}
-	pub.alloc = a
-	if err := ctx.Err(); err != nil {
-		a.retire()
-		return err
-	}
-	re, err := ex.readyFor(a.dev, s)
-	if err != nil {
-		a.retire()
-		return fmt.Errorf("producer: publish %q: %w", name, err)
 	}
 	ex.mu.Lock()
 	defer ex.mu.Unlock()
-	switch {
-	case ex.closed:
+	if err := ex.addVMMLocked(a, pubs, re, s); err != nil {
 		a.retire()
-		return export.ErrClosed
-	case ex.nameTakenLocked(name):
-		a.retire()
-		return fmt.Errorf("%w: %q", ErrNameInUse, name)
+		return err
 	}
-	// Recorded under mu, as PublishAll does: no Open sees the name before the
+	return nil
+}
+
+// publications are the publications of a the entries ask for.
+func (a *vmmAlloc) publications(entries []ChunkEntry) ([]*publication, error) {
+	pubs := make([]*publication, len(entries))
+	seen := make(map[string]bool, len(entries))
+	for i, e := range entries {
+		if seen[e.Name] {
+			return nil, fmt.Errorf("%w: %q twice in one publish", ErrNameInUse, e.Name)
+		}
+		seen[e.Name] = true
+		pub, err := publicationOf(e.Name, a.size, e.Options)
+		if err != nil {
+			return nil, err
+		}
+		pub.alloc = a
+		pubs[i] = pub
+	}
+	a.names = len(pubs)
+	return pubs, nil
+}
+
+// addVMMLocked publishes pubs, all of a, after the work queued on s, unless one of
+// their names is taken or the Exporter closed. Call with ex.mu held.
+func (ex *Exporter) addVMMLocked(a *vmmAlloc, pubs []*publication, re *readyEvent, s cudart.Stream) error {
+	if ex.closed {
+		return export.ErrClosed
+	}
+	for _, pub := range pubs {
+		if ex.nameTakenLocked(pub.name) {
+			return fmt.Errorf("%w: %q", ErrNameInUse, pub.name)
+		}
+	}
+	// Recorded under mu, as PublishAll does: no Open sees the names before the
 	// producer's writes are captured.
 	if err := ex.rt.EventRecord(re.dev, re.ev, s); err != nil {
-		a.retire()
-		return fmt.Errorf("producer: publish %q: record ready event: %w", name, err)
+		return fmt.Errorf("producer: publish %q: record ready event: %w", pubs[0].name, err)
 	}
 	ex.lastAlloc++
 	a.id = ex.lastAlloc
 	a.dropped = ex.dropChunks // before anyone else sees a: unguarded
-	pub.ready = re
-	ex.pubs[name] = pub
+	for _, pub := range pubs {
+		pub.ready = re
+		ex.pubs[pub.name] = pub
+	}
 	return nil
 }
 
@@ -167,6 +223,17 @@ func (a *vmmAlloc) add(c *vmm.Chunk) error {
 		return err
 	}
 	return nil
+}
+
+// unpublished says that one of a's names is no longer published: the last retires a.
+func (a *vmmAlloc) unpublished() {
+	a.mu.Lock()
+	a.names--
+	last := a.names == 0
+	a.mu.Unlock()
+	if last {
+		a.retire()
+	}
 }
 
 // retire ends the publication: the descriptors are closed now, or by the last grant

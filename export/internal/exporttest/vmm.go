@@ -220,3 +220,13 @@ func RoleVMMConsumer(args []string) int {
 	}
 	return 0
 }
+
+// CheckVMM reads m, a range at offset off of an allocation made by NewVMMAlloc with
+// fill and granule g, on the consumer's stream, and fails the test unless it holds
+// what was written there.
+func (c *Consumer) CheckVMM(t testing.TB, m *consumer.Mapping, off, g uint64, fill byte) {
+	t.Helper()
+	got := c.Read(t, m)
+	require.NoError(t, c.Dev.StreamSynchronize(c.Ord, c.Stream))
+	CheckVMMBytes(t, got, off, g, fill)
+}
