@@ -25,7 +25,8 @@
 // lease a buffer to a process unasked.
 //
 // [Exporter.PublishChunks] publishes a VMM allocation instead (package vmm: chunks made
-// with cuMemCreate, of any size), which a consumer maps as one range; the leases,
+// with cuMemCreate, of any size), which a consumer maps as one range
+// ([Exporter.PublishChunksAll]: ranges of it under several names); the leases,
 // ordering and liveness are those of a pool buffer, and the consumer's Mapping the same.
 // The chunks' descriptors travel once per peer (SCM_RIGHTS), or their FABRIC handles
 // to a peer on a byte stream.
