@@ -2,15 +2,18 @@ package e2e_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/consumer"
@@ -286,4 +289,63 @@ func TestVMMLocalCopy(t *testing.T) {
 	require.NoError(t, m.Release(ctx, c.Stream))
 	require.NoError(t, c.Imp.Close(ctx))
 	c.CheckClean(t)
+}
+
+// Goroutines of one Importer open and release one VMM allocation at once, and the
+// exporter pushes it meanwhile: every Mapping reads the producer's bytes, the chunks
+// go to the connection once, and all leases end.
+func TestVMMConcurrentOpens(t *testing.T) {
+	pr := exporttest.NewProducer(t, nil, nil)
+	ctx := exporttest.Ctx(t)
+	a := pr.PublishVMM(t, "slab", 3, 11)
+	pushed := make(chan *consumer.Mapping, 64)
+	s := exporttest.NewSide(t, 0)
+	imp, err := consumer.Dial(ctx, pr.Path, s.Dev, 0, consumer.WithLogger(exporttest.DiscardLogger),
+		consumer.WithPushes(func(_ string, m *consumer.Mapping) { pushed <- m }, s.Stream))
+	require.NoError(t, err)
+	t.Cleanup(func() { imp.Close(context.Background()) })
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Go(func() {
+			st, err := s.Dev.StreamCreate(0, cudart.StreamNonBlocking)
+			if err != nil {
+				errs <- err
+				return
+			}
+			for range 20 {
+				m, err := imp.Open(ctx, "slab", st)
+				if err != nil {
+					errs <- err
+					return
+				}
+				got := make([]byte, m.Size())
+				err = errors.Join(s.Dev.MemcpyDtoHAsync(0, got, m.Ptr(), st), s.Dev.StreamSynchronize(0, st))
+				for i := uint64(0); err == nil && i < m.Size(); i += 4096 {
+					if want := 11 + byte(i/a.Gran); got[i] != want {
+						err = fmt.Errorf("byte %d is %#x, want %#x", i, got[i], want)
+					}
+				}
+				if err = errors.Join(err, m.Release(ctx, st)); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	for range 4 {
+		require.NoError(t, pr.Ex.Push(ctx, "slab", os.Getpid()))
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	for range 4 {
+		m := testwait.Recv(t, pushed, "a pushed mapping")
+		require.NoError(t, m.Release(ctx, s.Stream))
+	}
+	exporttest.WaitFor(t, "every lease to end", func() bool { return pr.Ex.Peers()[0].Leases == 0 })
+	require.NoError(t, imp.Close(ctx))
+	s.CheckClean(t)
 }
