@@ -98,12 +98,27 @@ func (p *PoolState) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
+// The routes a published name's memory comes by ([NameState].Route).
+const (
+	// RoutePool is a buffer of an IPC-capable pool (producer.Exporter.Publish).
+	RoutePool = "pool"
+	// RouteVMM is a VMM allocation of one or more chunks (producer.Exporter.PublishChunks).
+	RouteVMM = "vmm"
+)
+
 // NameState is one published name.
 type NameState struct {
-	Name     string `json:"name"`
+	Name string `json:"name"`
+	// Route is how the memory is shared: [RoutePool] or [RouteVMM]. An exporter older
+	// than the VMM route sends none: read "" as RoutePool.
+	Route string `json:"route,omitempty"`
+	// Pool and BufferID name a pool buffer; for a VMM allocation Pool is 0 and
+	// BufferID the allocation's id.
 	Pool     uint64 `json:"pool"`
 	BufferID uint64 `json:"buffer_id"`
-	Size     uint64 `json:"size"` // the buffer's
+	Size     uint64 `json:"size"` // the buffer's, or the VMM allocation's
+	// Chunks is how many chunks a VMM allocation has; 0 for a pool buffer.
+	Chunks int `json:"chunks,omitempty"`
 	// Offset and Length are the range published (Range), both 0 for the whole buffer.
 	Offset uint64 `json:"offset,omitempty"`
 	Length uint64 `json:"length,omitempty"`

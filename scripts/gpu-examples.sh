@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu-examples.sh runs on a GPU host, from the repository root, with the commands
 # scripts/build-gpu.sh built into bin/gpu. It runs the README's main job (kvshare: one
-# producer, consumers on every GPU) and then the operator's view: a producer and two
+# producer, consumers on every GPU) and the VMM route's (vmmshare: a producer's
+# allocation of several chunks mapped as one range by a consumer process), and then the operator's view: a producer and two
 # holding consumers (GPU 0 and GPU 1) watched with poolstat (and scraped once through
 # poolstat -serve) while one consumer is SIGKILLed and the other releases; then, with libcudapool, the Python package's tests
 # (CUDAPOOL_REQUIRE_GPU=1: torch, CuPy and cuda.core must be there; the KV page pool's tests
@@ -27,7 +28,7 @@ src=${GPU_BIN:-bin/gpu}
 # build-gpu.sh compresses the commands; gpu-check.sh may have unpacked them already.
 . scripts/unpack.sh
 unpack "$src" || exit 2
-for c in kvshare poolstat kvpoold; do
+for c in kvshare vmmshare poolstat kvpoold; do
 	if [ ! -f "$src/$c" ]; then
 		echo "no $src/$c: run scripts/build-gpu.sh" >&2
 		exit 2
@@ -73,6 +74,9 @@ if wanted kvshare; then
 echo "== main job: kvshare (default size, one consumer per GPU, at least two)"
 timeout 240 "$bin/kvshare" -runtime "$runtime"
 step kvshare $?
+echo "== the VMM route: vmmshare (8 chunks of 64 MiB, mapped as one range in a second process)"
+timeout 120 "$bin/vmmshare" -runtime "$runtime" -chunks 8 -chunk-granules 32
+step vmmshare $?
 fi
 
 # leases_of PID prints the leases peer PID holds in the only exporter, or "none".

@@ -95,6 +95,11 @@ func (c *Chunk) Size() uint64 { return c.size }
 // Device is the device the chunk's driver calls use: its own, or its importer's.
 func (c *Chunk) Device() int { return c.dev }
 
+// HandleType is how the chunk can be shared: cudart.HandleTypePosixFD, with
+// cudart.HandleTypeFabric too for a chunk made WithFabric; for an imported chunk, the
+// type it was imported from.
+func (c *Chunk) HandleType() cudart.HandleType { return c.ht }
+
 // Imported reports whether the chunk was imported (Import, ImportFabric).
 func (c *Chunk) Imported() bool { return c.imported }
 

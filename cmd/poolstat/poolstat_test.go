@@ -443,7 +443,8 @@ func TestTableWidth(t *testing.T) {
 			MaxSize: widest, ReservedCurrent: widest, ReservedHigh: widest, UsedCurrent: widest, UsedHigh: widest,
 			BytesReserved: widest, LiveBuffers: 99999, SharedBuffers: 99999, ActiveLeases: 99999, DeferredFrees: 99999,
 			FailedFrees: 99999}})
-		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest})
+		st.Published = append(st.Published, export.NameState{Name: long, Pool: uint64(i), Size: widest},
+			export.NameState{Name: long, Route: export.RouteVMM, Size: widest, Chunks: export.MaxChunks})
 		st.Peers = append(st.Peers, export.PeerState{PID: 4194304 - i, UID: 4000000000, Device: "GPU-" + long, Leases: 99999,
 			BytesLeased: widest, ConnectedSince: now.Add(-999 * time.Hour), AwaitingExit: true})
 	}

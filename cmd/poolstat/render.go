@@ -106,9 +106,13 @@ func renderLive(w io.Writer, e Exporter, now time.Time) {
 			names[p.ID] = p.Name
 		}
 		tw := table(w)
-		fmt.Fprintln(tw, "  PUBLISHED\tSIZE\tPOOL")
+		fmt.Fprintln(tw, "  PUBLISHED\tSIZE\tROUTE\tFROM")
 		for _, n := range st.Published {
-			fmt.Fprintf(tw, "  %s\t%s\t%s\n", text(n.Name, maxPublished), size(n.Size), text(names[n.Pool], maxPoolName))
+			route, from := export.RoutePool, text(names[n.Pool], maxPoolName)
+			if n.Route == export.RouteVMM {
+				route, from = export.RouteVMM, plural(n.Chunks, "chunk")
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", text(n.Name, maxPublished), size(n.Size), route, from)
 		}
 		_ = tw.Flush() // output to the terminal: nowhere else to report its failure
 	}

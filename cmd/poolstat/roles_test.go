@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/vmm"
 )
 
 // The processes poolstat is tested against: an exporter and consumers that do what the
@@ -60,6 +61,23 @@ func exporterRole(args []string) int {
 				return err
 			}
 			bufs[b.name] = buf
+		}
+		// And a VMM allocation of two chunks, which the table shows by its route.
+		var chunks []*vmm.Chunk
+		defer func() {
+			for _, c := range chunks {
+				_ = c.Close() // the publication held the memory; the exporter is closed by now
+			}
+		}()
+		for range 2 {
+			c, err := vmm.NewChunk(rt, 0, 2<<20)
+			if err != nil {
+				return err
+			}
+			chunks = append(chunks, c)
+		}
+		if err := ex.PublishChunks(ctx, "gamma", chunks, stream); err != nil {
+			return err
 		}
 		fmt.Println("ready")
 		in := bufio.NewScanner(os.Stdin)

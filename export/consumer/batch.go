@@ -137,6 +137,7 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 	plain, kept := map[uint64]uint32{}, map[uint64]uint32{}
 	anyFreed := false
 	var keptBufs []*imported
+	var lastVMM []*vmmImport
 	var revoked []cudart.PtrExportData
 	var errs []error
 	for m, n := range drops {
@@ -150,6 +151,17 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 				continue
 			}
 			m.end(errReleasedCause)
+			continue
+		}
+		if m.vmm != nil {
+			grants, last := imp.unviewVMM(m)
+			if last != nil {
+				lastVMM = append(lastVMM, last)
+			}
+			m.end(errReleasedCause)
+			for id, g := range grants {
+				plain[id] += g
+			}
 			continue
 		}
 		buf := m.buf
@@ -189,21 +201,27 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		}
 	}
 	imp.mapMu.Unlock()
+	// The grants of an allocation whose unmap failed are released all the same, as
+	// Release does: the lease holds nothing of the exporter's.
+	unmapErr := imp.unmapVMM(lastVMM)
+	if unmapErr != nil {
+		unmapErr = fmt.Errorf("consumer: release %d mappings: %w", len(ms), unmapErr)
+	}
 	if err := errors.Join(errs...); err != nil {
-		return err
+		return errors.Join(err, unmapErr)
 	}
 	if len(plain) == 0 && len(kept) == 0 {
 		// Every Mapping is still referenced (or a local copy): no grant to release.
 		for _, rec := range revoked {
 			imp.sendRevoked(rec)
 		}
-		return nil
+		return unmapErr
 	}
 	err := imp.releaseBatch(ctx, plain, kept, keptBufs)
 	for _, rec := range revoked {
 		imp.sendRevoked(rec)
 	}
-	return err
+	return errors.Join(unmapErr, err)
 }
 
 // releaseBatch tells the exporter in one request that plain grants are released and

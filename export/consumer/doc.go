@@ -19,6 +19,18 @@
 // of one buffer share one import of it. OpenAll and ReleaseAll carry up to [export.MaxBatch]
 // leases in one request and one answer. [WithPushes] accepts buffers the exporter pushes.
 //
+// A name may be a VMM allocation (producer.Exporter.PublishChunks, the vmm route) rather
+// than a pool buffer: Open then maps its chunks in order into one range of this
+// process's addresses (package vmm), and returns the same [Mapping], so that code using
+// it does not care which route the memory came by. Mappings of ranges of one allocation
+// share its range. The chunks' descriptors come once per connection, and the imports
+// are kept while the allocation is published, as a pool's import is kept: a reopen
+// maps them again at once. The last Release of an allocation unmaps it, once the work
+// queued on its streams has run (the host waits for that: the driver must not unmap
+// memory in use); once it is unpublished (or its exporter is gone) the imports are
+// closed, so nothing here holds the producer's memory that no lease maps. Such a
+// Mapping outlives its exporter on any GPU: its import holds the memory (FACTS 26).
+//
 // The Importer watches the exporter's process (a pidfd where it can, else the
 // connection). When it is gone, Done is closed, Err says why, and Opens fail with
 // [export.ErrExporterGone]. Mappings on the exporter's own GPU stay readable until released
@@ -30,8 +42,8 @@
 //
 // # Caveats
 //
-// Release mappings before the process exits or the Importer closes: Close frees what is
-// still mapped without ordering the frees after your streams.
+// Release mappings before the process exits or the Importer closes: Close frees (and
+// unmaps) what is still mapped without ordering that after your streams.
 //
 // One process holds one Importer per exporter and runtime: a second [Dial] fails with
 // [ErrDuplicateImporter], because two would import the same pointers. A stream given to

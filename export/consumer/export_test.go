@@ -62,3 +62,10 @@ func LocalCopyPool(imp *Importer) cudart.MemPool {
 	}
 	return 0
 }
+
+// KeptAllocs counts the VMM allocations whose chunks the Importer keeps.
+func KeptAllocs(imp *Importer) int {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	return len(imp.kept)
+}

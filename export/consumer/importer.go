@@ -52,6 +52,8 @@ type Importer struct {
 	eventOpens singleflight.Group
 	pushes     []*wire.PushMsg
 	pushCue    chan struct{}
+	// kept are the chunks of VMM allocations, imported, by allocation (vmm.go).
+	kept map[uint64]*chunkSet
 
 	// closing is set when Close begins; adopting is held (shared) by each adoption of
 	// a lease (adoptLease) and taken by Close before it frees anything, so an Open in
@@ -65,7 +67,9 @@ type Importer struct {
 	mapMu    sync.Mutex
 	mappings map[rangeKey]*Mapping
 	imports  map[cudart.PtrExportData]*imported
-	freed    map[cudart.PtrExportData]struct{} // freed since relEvent last completed
+	// vmmImports are the VMM allocations mapped, by id (vmm.go).
+	vmmImports map[uint64]*vmmImport
+	freed      map[cudart.PtrExportData]struct{} // freed since relEvent last completed
 
 	pushDone chan struct{}
 	// watch tells when the exporter's process is gone (liveness.go).
@@ -143,7 +147,7 @@ func newImporter(ctx context.Context, nc net.Conn, rt cudart.Runtime, device int
 		rt: rt, dev: device, log: o.Log, opts: o,
 		pools: map[uint64]*importedPool{}, events: map[cudart.IpcEventHandle]cudart.Event{}, pushCue: make(chan struct{}, 1),
 		mappings: map[rangeKey]*Mapping{}, orderEvents: map[cudart.Stream]cudart.Event{}, imports: map[cudart.PtrExportData]*imported{}, freed: map[cudart.PtrExportData]struct{}{},
-		pushDone: make(chan struct{}),
+		pushDone: make(chan struct{}), vmmImports: map[uint64]*vmmImport{}, kept: map[uint64]*chunkSet{},
 	}
 	imp.life, imp.endLife = context.WithCancel(context.Background())
 	_, isUnix := nc.(*net.UnixConn)
@@ -192,6 +196,10 @@ func (imp *Importer) handle(m wire.Message, fd int) error {
 	switch m := m.(type) {
 	case *wire.PoolHandleMsg:
 		imp.importPool(m, fd)
+	case *wire.ChunkHandleMsg:
+		return imp.importChunk(m, fd)
+	case *wire.DropChunksMsg:
+		imp.dropChunks(m.AllocID)
 	case *wire.RevokeMsg:
 		// Not answered from here: the reader must not block on a send.
 		go imp.answerRevoke(m.Record)
@@ -453,14 +461,17 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	if imp.closing.Load() {
 		return nil, export.ErrClosed
 	}
-	imp.mu.Lock()
-	ip := imp.pools[l.PoolID]
-	imp.mu.Unlock()
-	if ip == nil {
-		return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", export.ErrProtocol, l.PoolID)
-	}
-	if ip.err != nil {
-		return nil, ip.err
+	var ip *importedPool
+	if l.Flags&wire.LeaseVMM == 0 {
+		imp.mu.Lock()
+		ip = imp.pools[l.PoolID]
+		imp.mu.Unlock()
+		if ip == nil {
+			return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", export.ErrProtocol, l.PoolID)
+		}
+		if ip.err != nil {
+			return nil, ip.err
+		}
 	}
 	if l.Flags&wire.LeaseReadyEvent != 0 && !waited[l.Ready] {
 		// The exporter's event is asked about, and waited on, only while its process
@@ -502,10 +513,11 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	}
 	imp.mapMu.Lock()
 	defer imp.mapMu.Unlock()
+	if ip == nil {
+		return imp.adoptVMM(l, name)
+	}
 	key := rangeKey{record: l.Record, offset: l.Offset, length: l.Length}
-	if m := imp.mappings[key]; m != nil {
-		m.refs++
-		m.grants[l.LeaseID]++
+	if m := imp.heldMapping(key, l.LeaseID); m != nil {
 		return m, nil
 	}
 	buf := imp.imports[l.Record]
@@ -533,6 +545,17 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 		m.end(ErrMappingLost) // died as it was mapped; the watcher may have looked already
 	}
 	return m, nil
+}
+
+// heldMapping is the Mapping of key, counted once more under lease id, if this Importer
+// holds it; else nil. Call with mapMu held.
+func (imp *Importer) heldMapping(key rangeKey, id uint64) *Mapping {
+	m := imp.mappings[key]
+	if m != nil {
+		m.refs++
+		m.grants[id]++
+	}
+	return m
 }
 
 // readyEvent opens a ready event once; it costs 0.29 ms on the measured host, far too
@@ -603,6 +626,9 @@ func (imp *Importer) Close(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("consumer: close: free an import: %w", err))
 			kept[buf] = imp.imports[buf.record] != nil
 		}
+	}
+	if err := imp.closeVMM(); err != nil {
+		errs = append(errs, err)
 	}
 	grants := map[uint64]uint32{}
 	for _, m := range imp.mappings {

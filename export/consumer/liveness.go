@@ -43,6 +43,15 @@ func (imp *Importer) watchExporter(nc net.Conn) {
 		close(imp.watch.gone)
 		imp.loseMappings()
 	}()
+	go func() {
+		// Once the connection has ended no lease can come: the kept chunks go, and only
+		// the mappings hold the exporter's memory (the exporter may live on, closed).
+		select {
+		case <-imp.cl.Done:
+			imp.dropAllChunks()
+		case <-imp.life.Done():
+		}
+	}()
 }
 
 // exporterDead reports whether the exporter's process is known to have exited (or, where

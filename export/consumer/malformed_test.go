@@ -38,6 +38,9 @@ func TestMalformedExporterInput(t *testing.T) {
 		{"pool handle without descriptor", func(c *wire.Conn) {
 			c.Send(context.Background(), &wire.PoolHandleMsg{PoolID: 1, HandleType: cudart.HandleTypePosixFD}, -1)
 		}, "arrived with 0 descriptors, want 1"},
+		{"chunk handle without descriptor", func(c *wire.Conn) {
+			c.Send(context.Background(), &wire.ChunkHandleMsg{AllocID: 1, Size: 2 << 20, Count: 1, HandleType: cudart.HandleTypePosixFD}, -1)
+		}, "POSIX fd ChunkHandle arrived with 0 descriptors, want 1"},
 		{"descriptor on another frame", func(c *wire.Conn) {
 			pr, pw, _ := os.Pipe()
 			defer pr.Close()

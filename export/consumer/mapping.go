@@ -17,9 +17,11 @@ import (
 // once more. Mappings of ranges of one buffer share one import of the whole buffer
 // (FACTS 4), which is freed when the last reference to any of them is released.
 type Mapping struct {
-	imp  *Importer
-	key  rangeKey
-	buf  *imported
+	imp *Importer
+	key rangeKey
+	buf *imported
+	// vmm is the VMM allocation's import a Mapping of the VMM route views; buf is nil.
+	vmm  *vmmImport
 	ptr  cudart.DevicePtr
 	size uint64
 	name string
@@ -39,9 +41,11 @@ type Mapping struct {
 	grants map[uint64]uint32 // lease id -> grants of it this mapping answers for
 }
 
-// rangeKey names a Mapping: a range of the buffer that record imports.
+// rangeKey names a Mapping: a range of the buffer that record imports, or (record
+// zero) of the VMM allocation alloc.
 type rangeKey struct {
 	record         cudart.PtrExportData
+	alloc          uint64
 	offset, length uint64
 }
 
@@ -97,6 +101,11 @@ func (imp *Importer) awaitFrees(wait bool) error {
 // returns nil: there is no one to tell. Releasing more often than opening fails with
 // [ErrReleased], and a stream of another device than the Importer's with
 // [ErrStreamDevice], as Open does; neither releases anything.
+//
+// On the vmm route the import is the allocation's range, which the last Release of its
+// last Mapping unmaps once the work queued on s, and on the streams its other Mappings
+// were last released on, has run: the host waits for that work there, as the driver
+// must not unmap memory in use.
 func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 	imp := m.imp
 	if err := imp.checkStream(s); err != nil {
@@ -116,6 +125,9 @@ func (m *Mapping) Release(ctx context.Context, s cudart.Stream) error {
 		m.finishRelease(err == nil)
 		imp.mapMu.Unlock()
 		return err
+	}
+	if m.vmm != nil {
+		return imp.releaseVMM(ctx, m, s)
 	}
 	buf := m.buf
 	if imp.retain && buf.views == 1 && !buf.revoked {

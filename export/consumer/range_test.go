@@ -33,7 +33,7 @@ func TestRangesOfOneBufferShareOneImport(t *testing.T) {
 	for _, ns := range st.Published {
 		byName[ns.Name] = ns
 	}
-	require.Equal(t, export.NameState{Name: "mid", Pool: 1, BufferID: b.ID(), Size: size, Offset: 1000, Length: 3001, MetaBytes: 6}, byName["mid"])
+	require.Equal(t, export.NameState{Name: "mid", Route: export.RoutePool, Pool: 1, BufferID: b.ID(), Size: size, Offset: 1000, Length: 3001, MetaBytes: 6}, byName["mid"])
 	require.Equal(t, uint64(size-7), byName["tail"].Offset)
 
 	c := exporttest.NewConsumer(t, pr.Path, 0)

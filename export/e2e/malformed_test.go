@@ -94,8 +94,9 @@ func TestMalformedInputClosesOnlyThatPeer(t *testing.T) {
 
 func TestVersionMismatchNamesBothVersions(t *testing.T) {
 	pr := exporttest.NewProducer(t, nil, nil)
-	// A newer peer, and an old one (version 1: whole buffers, no metadata).
-	for _, v := range []uint32{7, 1} {
+	// A newer peer, and old ones (version 1: whole buffers, no metadata; version 2: no
+	// VMM allocations).
+	for _, v := range []uint32{7, 1, 2} {
 		r := exporttest.DialRaw(t, pr.Path)
 		h := wire.AppendFrame(nil, exporttest.LeasingHello())
 		wire.Le.PutUint32(h[wire.HeaderLen:], v)

@@ -173,7 +173,7 @@ func (ex *Exporter) admitObserver(hs *handshake) (*observer, error) {
 func (ex *Exporter) admitPeer(hs *handshake) (*peer, error) {
 	c, cred, h, sc := hs.c, hs.cred, hs.hello, hs.sc
 	p := &peer{ex: ex, c: c, cred: cred, hello: h, since: time.Now(), sent: map[*pool.Pool]bool{}, poolLock: semaphore.NewWeighted(1),
-		leases: map[uint64]*lease{}, byBuffer: map[*pool.Buffer]*lease{}, releaseEvents: map[int]cudart.Event{},
+		leases: map[uint64]*lease{}, byHeld: map[any]*lease{}, sentAllocs: map[*vmmAlloc]bool{}, releaseEvents: map[int]cudart.Event{},
 		completions: map[*pool.Pool]*pool.Completion{},
 		retained:    map[cudart.PtrExportData]*retention{},
 		// Close waits for every connection but a peer it abandons, which it detaches:

@@ -24,6 +24,13 @@
 // each lease; PublishAll publishes many entries with one ready event; Push and PushAll
 // lease a buffer to a process unasked.
 //
+// [Exporter.PublishChunks] publishes a VMM allocation instead (package vmm: chunks made
+// with cuMemCreate, of any size), which a consumer maps as one range
+// ([Exporter.PublishChunksAll]: ranges of it under several names); the leases,
+// ordering and liveness are those of a pool buffer, and the consumer's Mapping the same.
+// The chunks' descriptors travel once per peer (SCM_RIGHTS), or their FABRIC handles
+// to a peer on a byte stream.
+//
 // Each connecting process is identified by the kernel (SO_PEERCRED) and admitted by
 // the Exporter's Policy: by default only processes of the exporter's own user. The
 // socket is created 0600 ([SocketFollowsPolicy] opens it to the policy's group or users).

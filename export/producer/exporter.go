@@ -49,7 +49,9 @@ type Exporter struct {
 	pubs     map[string]*publication
 	pools    map[*pool.Pool]uint64 // wire ids of the pools ever published
 	lastPool uint64
-	peers    map[*peer]struct{}
+	// lastAlloc is the wire id of the last VMM allocation published (PublishChunks).
+	lastAlloc uint64
+	peers     map[*peer]struct{}
 	// observers are the connections made for State alone.
 	observers map[*observer]struct{}
 	// srv serves the socket and the listeners of Serve: their caps, handshake timeout
@@ -59,12 +61,14 @@ type Exporter struct {
 	changed chan struct{}
 }
 
-// publication is a buffer under a name, with the event consumers wait on for the
-// producer's writes.
+// publication is a buffer, or a VMM allocation, under a name, with the event
+// consumers wait on for the producer's writes.
 type publication struct {
-	name           string
+	name string
+	// buf is the pool buffer published, nil for a VMM allocation (alloc).
 	buf            *pool.Buffer
-	offset, length uint64 // the range of buf published
+	alloc          *vmmAlloc
+	offset, length uint64 // the range of buf (or alloc) published
 	meta           []byte
 	ready          *readyEvent
 }
@@ -221,7 +225,7 @@ func (ex *Exporter) PublishAll(ctx context.Context, entries []Entry, s cudart.St
 	}
 	seen := make(map[string]bool, len(pubs))
 	for _, pub := range pubs {
-		if old, ok := ex.pubs[pub.name]; (ok && !freed(old.buf)) || seen[pub.name] {
+		if ex.nameTakenLocked(pub.name) || seen[pub.name] {
 			return fmt.Errorf("%w: %q", ErrNameInUse, pub.name)
 		}
 		seen[pub.name] = true
@@ -248,37 +252,60 @@ func newPublication(e Entry) (*publication, error) {
 	if err := wire.CheckName(e.Name); err != nil {
 		return nil, err
 	}
-	b := e.Buffer
-	if b == nil {
+	if e.Buffer == nil {
 		return nil, fmt.Errorf("producer: publish %q: %w: nil buffer", e.Name, export.ErrBadRequest)
 	}
+	pub, err := publicationOf(e.Name, e.Buffer.Size(), e.Options)
+	if err != nil {
+		return nil, err
+	}
+	pub.buf = e.Buffer
+	return pub, nil
+}
+
+// publicationOf is the publication under name of the range opts give of size bytes,
+// with its metadata, and neither its memory nor its ready event.
+func publicationOf(name string, size uint64, opts []PublishOption) (*publication, error) {
 	var o publishOptions
-	for _, opt := range e.Options {
+	for _, opt := range opts {
 		if opt != nil {
 			opt(&o)
 		}
 	}
-	if o.length == 0 && o.offset <= b.Size() {
-		o.length = b.Size() - o.offset
+	if o.length == 0 && o.offset <= size {
+		o.length = size - o.offset
 	}
-	if err := wire.CheckRange(b.Size(), o.offset, o.length); err != nil {
-		return nil, fmt.Errorf("producer: publish %q: %w", e.Name, err)
+	if err := wire.CheckRange(size, o.offset, o.length); err != nil {
+		return nil, fmt.Errorf("producer: publish %q: %w", name, err)
 	}
 	if len(o.meta) > export.MaxMetaLen {
-		return nil, fmt.Errorf("producer: publish %q: %w: %d bytes, at most %d", e.Name, ErrMetaTooLong, len(o.meta), export.MaxMetaLen)
+		return nil, fmt.Errorf("producer: publish %q: %w: %d bytes, at most %d", name, ErrMetaTooLong, len(o.meta), export.MaxMetaLen)
 	}
-	return &publication{name: e.Name, buf: b, offset: o.offset, length: o.length, meta: o.meta}, nil
+	return &publication{name: name, offset: o.offset, length: o.length, meta: o.meta}, nil
 }
 
-// Unpublish removes name. Leases already given out are unaffected. An unknown name
-// fails with [export.ErrUnknownName].
+// nameTakenLocked reports whether name is published, by a buffer not freed or a VMM
+// allocation. Call with mu held.
+func (ex *Exporter) nameTakenLocked(name string) bool {
+	old, ok := ex.pubs[name]
+	return ok && (old.alloc != nil || !freed(old.buf))
+}
+
+// Unpublish removes name. Leases already given out are unaffected. A VMM allocation
+// ([Exporter.PublishChunks]) gives up the Exporter's descriptors of its chunks. An
+// unknown name fails with [export.ErrUnknownName].
 func (ex *Exporter) Unpublish(name string) error {
 	ex.mu.Lock()
-	defer ex.mu.Unlock()
-	if _, ok := ex.pubs[name]; !ok {
+	pub, ok := ex.pubs[name]
+	if !ok {
+		defer ex.mu.Unlock()
 		return ex.unknownName(name)
 	}
 	delete(ex.pubs, name)
+	ex.mu.Unlock()
+	if pub.alloc != nil {
+		pub.alloc.unpublished()
+	}
 	return nil
 }
 
@@ -483,11 +510,19 @@ func (ex *Exporter) Close(ctx context.Context) error {
 		return export.ErrClosed
 	}
 	ex.closed = true
+	pubs := ex.pubs
 	ex.pubs = map[string]*publication{}
 	for o := range ex.observers {
 		_ = o.c.Close() // an observer holds nothing
 	}
 	ex.mu.Unlock()
+	for _, pub := range pubs {
+		if pub.alloc != nil {
+			// Its DropChunks may follow the Bye, as Revokes do: a peer whose leases
+			// Close abandons is served on, and must not keep the chunks meanwhile.
+			pub.alloc.unpublished()
+		}
+	}
 
 	// The socket first, so that its file goes and its listener's close is counted
 	// once; then the other listeners and the connections not yet admitted, which

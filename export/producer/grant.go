@@ -79,6 +79,9 @@ func (p *peer) answerOpenBatch(m *wire.OpenBatchMsg) error {
 // under the same id once more, to be released as many times. The pool lease it took
 // is returned for releaseUnsent, should the message fail to go out.
 func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
+	if pub.alloc != nil {
+		return p.grantVMM(ctx, pub, reqID)
+	}
 	b := pub.buf
 	// Each grant holds its own pool lease: taking it is also the check that b was not
 	// freed, so a freed buffer's record is never handed out (FACTS 3).
@@ -98,27 +101,68 @@ func (p *peer) grant(ctx context.Context, pub *publication, reqID uint64) (wire.
 	msg.ReqID = reqID
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.left || p.awaitingExit {
+	if err := p.grantableLocked(); err != nil {
 		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
-		return wire.LeaseMsg{}, nil, p.goneErr()
+		return wire.LeaseMsg{}, nil, err
+	}
+	msg.LeaseID = p.recordGrantLocked(&lease{buf: b, bytes: b.Size(), record: msg.Record}, pl)
+	return msg, pl, nil
+}
+
+// grantVMM is grant of a VMM allocation: its chunks go to the peer first unless they
+// went before, and the grant holds no pool lease (nil in the ledger), as the peer's
+// import holds the memory. Whether the peer may hold one more grant is asked before
+// the chunks go too, so that a peer at its limit is sent nothing.
+func (p *peer) grantVMM(ctx context.Context, pub *publication, reqID uint64) (wire.LeaseMsg, *pool.Lease, error) {
+	p.mu.Lock()
+	err := p.grantableLocked()
+	p.mu.Unlock()
+	if err != nil {
+		return wire.LeaseMsg{}, nil, err
+	}
+	msg, err := p.prepareVMM(ctx, pub)
+	if err != nil {
+		return wire.LeaseMsg{}, nil, err
+	}
+	msg.ReqID = reqID
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.grantableLocked(); err != nil {
+		return wire.LeaseMsg{}, nil, err
+	}
+	msg.LeaseID = p.recordGrantLocked(&lease{alloc: pub.alloc, bytes: pub.alloc.size}, nil)
+	return msg, nil, nil
+}
+
+// grantableLocked says why the peer may not be granted one more lease, or nil. Call
+// with p.mu held.
+func (p *peer) grantableLocked() error {
+	if p.left || p.awaitingExit {
+		return p.goneErr()
 	}
 	if p.grants >= p.ex.opts.maxGrants {
-		_ = pl.End(0) // the Lease message was not sent, so nothing was imported
-		return wire.LeaseMsg{}, nil, fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", export.ErrTooManyGrants, p.pid(), p.grants)
+		return fmt.Errorf("%w: pid %d holds %d grants, the most one connection may; release some first", export.ErrTooManyGrants, p.pid(), p.grants)
 	}
-	entry := p.byBuffer[b]
+	return nil
+}
+
+// recordGrantLocked records grant pl (nil for a VMM allocation's) of what l holds,
+// under the peer's lease on it, made from l if it has none, and returns the lease id.
+// Call with p.mu held.
+func (p *peer) recordGrantLocked(l *lease, pl *pool.Lease) uint64 {
+	entry := p.byHeld[l.held()]
 	if entry == nil {
 		p.issued++
 		p.space.noteIssued(p.issued)
-		entry = &lease{id: p.space.keys.seal(p.id, p.issued), buf: b}
+		entry = l
+		entry.id = p.space.keys.seal(p.id, p.issued)
 		p.leases[entry.id] = entry
-		p.byBuffer[b] = entry
+		p.byHeld[l.held()] = entry
 	}
 	entry.grants = append(entry.grants, pl)
-	entry.bytes, entry.record = b.Size(), msg.Record
+	entry.bytes, entry.record = l.bytes, l.record
 	p.grants++
-	msg.LeaseID = entry.id
-	return msg, pl, nil
+	return entry.id
 }
 
 // push grants pub's buffer to the peer unasked and sends it as a Push.
@@ -152,14 +196,8 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (wire.LeaseMsg, er
 	}
 	msg := wire.LeaseMsg{PoolID: poolID, BufferID: b.ID(), Size: b.Size(), Offset: pub.offset, Length: pub.length,
 		Meta: pub.meta, Record: rec}
-	if p.remote() {
-		// IPC events do not cross hosts: the producer's writes are waited for here.
-		if err := p.ex.rt.EventSynchronize(pub.ready.dev, pub.ready.ev); err != nil {
-			return wire.LeaseMsg{}, fmt.Errorf("producer: %q: wait for the producer's writes: %w", pub.name, err)
-		}
-	} else {
-		msg.Flags |= wire.LeaseReadyEvent
-		msg.Ready = pub.ready.handle
+	if err := p.readyFields(pub, &msg); err != nil {
+		return wire.LeaseMsg{}, err
 	}
 	if p.hello.Flags&wire.HelloReleaseEvent != 0 {
 		if _, err := p.releaseEvent(b.Device()); err != nil {
@@ -167,6 +205,20 @@ func (p *peer) prepare(ctx context.Context, pub *publication) (wire.LeaseMsg, er
 		}
 	}
 	return msg, nil
+}
+
+// readyFields gives msg pub's ready event; for a peer on a byte stream, where IPC
+// events do not cross hosts, it waits for the producer's writes instead.
+func (p *peer) readyFields(pub *publication, msg *wire.LeaseMsg) error {
+	if p.remote() {
+		if err := p.ex.rt.EventSynchronize(pub.ready.dev, pub.ready.ev); err != nil {
+			return fmt.Errorf("producer: %q: wait for the producer's writes: %w", pub.name, err)
+		}
+		return nil
+	}
+	msg.Flags |= wire.LeaseReadyEvent
+	msg.Ready = pub.ready.handle
+	return nil
 }
 
 // sendPool sends p's handle to the peer unless it already has it, and returns the

@@ -11,15 +11,25 @@ import (
 	"github.com/cudapool/cudapool/pool"
 )
 
-// lease is a peer's hold on one buffer, under one lease id: one grant (a pool lease)
-// per Open or Push the id answered, as a connection asking again for a buffer it holds
-// gets the same id. It ends when its last grant is released.
+// lease is a peer's hold on one buffer (or VMM allocation), under one lease id: one
+// grant (a pool lease) per Open or Push the id answered, as a connection asking again
+// for a buffer it holds gets the same id. It ends when its last grant is released. A
+// VMM allocation's grants are nil: the peer's import holds its memory, not a pool.
 type lease struct {
 	id     uint64
 	buf    *pool.Buffer
+	alloc  *vmmAlloc // set instead of buf for a VMM allocation
 	record cudart.PtrExportData
 	grants []*pool.Lease
 	bytes  uint64
+}
+
+// held is what the lease holds, its key in peer.byHeld.
+func (l *lease) held() any {
+	if l.alloc != nil {
+		return l.alloc
+	}
+	return l.buf
 }
 
 // releaseUnsent ends pl, granted under lease id but whose message did not go out
@@ -44,11 +54,11 @@ func (p *peer) releaseUnsent(id uint64, pl *pool.Lease) {
 		p.grants--
 		if len(entry.grants) == 0 {
 			delete(p.leases, entry.id)
-			delete(p.byBuffer, entry.buf)
+			delete(p.byHeld, entry.held())
 		}
 	}
 	p.mu.Unlock()
-	if i < 0 {
+	if i < 0 || pl == nil {
 		return
 	}
 	if err := pl.End(0); err != nil {
@@ -142,11 +152,11 @@ func (p *peer) release(m *wire.ReleaseMsg) error {
 	p.grants -= len(ending)
 	if n == 0 {
 		delete(p.leases, entry.id)
-		delete(p.byBuffer, entry.buf)
+		delete(p.byHeld, entry.held())
 	}
 	var ev cudart.Event
 	var completion *pool.Completion
-	if m.Flags&wire.ReleaseNothingImported == 0 && p.hello.Flags&wire.HelloReleaseEvent != 0 {
+	if entry.buf != nil && m.Flags&wire.ReleaseNothingImported == 0 && p.hello.Flags&wire.HelloReleaseEvent != 0 {
 		// Otherwise nothing to wait for: nothing imported, or a peer that synchronised
 		// its free before it said Release.
 		ev = p.releaseEvents[entry.buf.Device()]
@@ -208,6 +218,9 @@ func (p *peer) settleCompletions(wait bool) {
 func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Completion, ev cudart.Event) error {
 	var errs []error
 	for _, l := range ls {
+		if l == nil {
+			continue // a VMM allocation's grant: nothing to end
+		}
 		var err error
 		if completion != nil {
 			err = l.EndAt(completion)
@@ -222,7 +235,7 @@ func (p *peer) endGrants(entry *lease, ls []*pool.Lease, completion *pool.Comple
 			p.mu.Lock()
 			entry.grants = append(entry.grants, l)
 			p.grants++
-			p.leases[entry.id], p.byBuffer[entry.buf] = entry, entry
+			p.leases[entry.id], p.byHeld[entry.held()] = entry, entry
 			p.mu.Unlock()
 		}
 	}
@@ -245,13 +258,16 @@ func (p *peer) cleanup(clean bool) {
 	for _, entry := range p.leases {
 		held = append(held, entry)
 	}
-	p.leases, p.byBuffer = map[uint64]*lease{}, map[*pool.Buffer]*lease{}
+	p.leases, p.byHeld = map[uint64]*lease{}, map[any]*lease{}
 	p.grants = 0
 	p.left = true
 	release := p.releaseEvents
 	p.releaseEvents = map[int]cudart.Event{}
 	p.mu.Unlock()
 	for _, entry := range held {
+		if entry.buf == nil {
+			continue // a VMM allocation's: its grants hold nothing here
+		}
 		releaseEvent := cudart.Event(0)
 		if clean {
 			releaseEvent = release[entry.buf.Device()]

@@ -43,11 +43,14 @@ type peer struct {
 	poolLock *semaphore.Weighted
 	sent     map[*pool.Pool]bool
 
-	mu       sync.Mutex
-	issued   uint64 // lease counter: ids 1..issued were given out
-	grants   int    // grants held, over all leases (WithMaxGrants caps it)
-	leases   map[uint64]*lease
-	byBuffer map[*pool.Buffer]*lease
+	mu     sync.Mutex
+	issued uint64 // lease counter: ids 1..issued were given out
+	grants int    // grants held, over all leases (WithMaxGrants caps it)
+	leases map[uint64]*lease
+	byHeld map[any]*lease // by lease.held
+	// sentAllocs are the VMM allocations whose chunks the peer has imported
+	// (sendChunks), until it is told to drop them (dropChunks).
+	sentAllocs map[*vmmAlloc]bool
 	// releaseEvents holds the peer's release event opened on each device it leased from.
 	releaseEvents map[int]cudart.Event
 	// completions are those events as the pools they ended leases of know them

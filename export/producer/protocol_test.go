@@ -28,6 +28,7 @@ var protocolConstants = map[string]uint64{
 	"maximum name bytes":     export.MaxNameLen,
 	"maximum metadata bytes": export.MaxMetaLen,
 	"maximum devices":        wire.MaxDevices,
+	"maximum chunks":         export.MaxChunks,
 	"maximum State bytes":    wire.MaxStateBytes,
 	"connection id bits":     producer.ConnIDBits,
 }
@@ -66,6 +67,9 @@ func protocolSamples() map[wire.MsgType]wire.Message {
 		wire.MsgReleaseBatch: &wire.ReleaseBatchMsg{ReqID: 0x1201, Entries: []wire.ReleaseMsg{{LeaseID: 0x1202, Count: 0x1203, Flags: wire.ReleaseRetain}, {LeaseID: 0x1204, Count: 1}}},
 		wire.MsgRevoke:       &wire.RevokeMsg{Record: record(0x0e)},
 		wire.MsgRevoked:      &wire.RevokedMsg{Record: record(0x0f)},
+		wire.MsgChunkHandle: &wire.ChunkHandleMsg{AllocID: 0x1302, Size: 0x130300, Index: 0x0304, Count: 0x0305,
+			HandleType: cudart.HandleTypeFabric, Device: uuid(0x13), Fabric: fabric(0x14)},
+		wire.MsgDropChunks: &wire.DropChunksMsg{AllocID: 0x1401},
 	}
 }
 
@@ -81,6 +85,7 @@ var (
 	protocolFlags = map[string]uint32{
 		"Hello leases": wire.HelloLeases, "Hello release event": wire.HelloReleaseEvent,
 		"Lease ready event":        wire.LeaseReadyEvent,
+		"Lease vmm":                wire.LeaseVMM,
 		"Release nothing imported": wire.ReleaseNothingImported,
 		"Release retain":           wire.ReleaseRetain,
 		"LeaseBatch more":          wire.LeaseBatchMore,

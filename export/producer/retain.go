@@ -21,6 +21,9 @@ type retention struct {
 // retainLocked makes sure the peer retains entry's memory before its grants end, so
 // that there is no moment when neither holds it. Call with p.mu held.
 func (p *peer) retainLocked(entry *lease) error {
+	if entry.buf == nil {
+		return fmt.Errorf("%w: release retaining lease %#x: a VMM allocation's lease cannot be retained", export.ErrBadRequest, entry.id)
+	}
 	if !p.retains {
 		return fmt.Errorf("%w: release retaining lease %#x: this exporter does not keep imports", export.ErrBadRequest, entry.id)
 	}

@@ -26,8 +26,15 @@ func (ex *Exporter) State() (*export.State, error) {
 		pools[p] = id
 	}
 	for _, pub := range ex.pubs {
-		ns := export.NameState{Name: pub.name, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size(), MetaBytes: len(pub.meta)}
-		if pub.offset != 0 || pub.length != pub.buf.Size() {
+		var ns export.NameState
+		if a := pub.alloc; a != nil {
+			a.mu.Lock()
+			ns = export.NameState{Name: pub.name, Route: export.RouteVMM, BufferID: a.id, Size: a.size, Chunks: len(a.chunks), MetaBytes: len(pub.meta)}
+			a.mu.Unlock()
+		} else {
+			ns = export.NameState{Name: pub.name, Route: export.RoutePool, Pool: ex.pools[pub.buf.Pool()], BufferID: pub.buf.ID(), Size: pub.buf.Size(), MetaBytes: len(pub.meta)}
+		}
+		if pub.offset != 0 || pub.length != ns.Size {
 			ns.Offset, ns.Length = pub.offset, pub.length
 		}
 		st.Published = append(st.Published, ns)

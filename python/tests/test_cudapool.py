@@ -86,7 +86,7 @@ class RuntimeTest(unittest.TestCase):
         self.assertIn("running on", cudapool.init(os.environ["CUDAPOOL_RUNTIME"]))
 
     def test_protocol_version(self):
-        self.assertEqual(cudapool.protocol_version(), 2)
+        self.assertEqual(cudapool.protocol_version(), 3)
 
     def test_stream_handle_takes_every_kind(self):
         class Torchish:

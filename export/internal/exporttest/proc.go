@@ -364,4 +364,6 @@ var Roles = map[string]func([]string) int{
 	"peer-consumer":      RolePeerConsumer,
 	"dialer":             RoleDialer,
 	"quiet":              RoleQuiet,
+	"vmm-producer":       RoleVMMProducer,
+	"vmm-consumer":       RoleVMMConsumer,
 }

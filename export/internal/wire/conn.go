@@ -229,6 +229,9 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 	if ph, ok := m.(*PoolHandleMsg); ok && ph.HandleType == cudart.HandleTypePosixFD {
 		wantFD = true
 	}
+	if ch, ok := m.(*ChunkHandleMsg); ok && ch.HandleType == cudart.HandleTypePosixFD {
+		wantFD = true
+	}
 	// The next descriptor is this frame's if it came with the bytes where this frame
 	// starts and no later frame starts there (this one reaches the read's end).
 	owns := len(c.arrived) > 0 && c.arrived[0].from <= at && c.inOff >= c.arrived[0].to
@@ -242,7 +245,7 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 	case owns:
 		return nil, -1, ProtocolErr("%s arrived with %d unexpected descriptors", t, 1)
 	case wantFD:
-		return nil, -1, ProtocolErr("POSIX fd PoolHandle arrived with 0 descriptors, want 1")
+		return nil, -1, ProtocolErr("POSIX fd %s arrived with 0 descriptors, want 1", t)
 	}
 	if c.draining.Load() {
 		_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports

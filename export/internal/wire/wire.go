@@ -47,6 +47,8 @@ const (
 	MsgOpenBatch    MsgType = 16 // importer: lease the buffers under these names
 	MsgLeaseBatch   MsgType = 17 // exporter: leases answering an OpenBatch, in one or more frames
 	MsgReleaseBatch MsgType = 18 // importer: give these leases back; answered by one Released
+	MsgChunkHandle  MsgType = 19 // exporter: one chunk of a VMM allocation (fd attached for POSIX fd)
+	MsgDropChunks   MsgType = 20 // exporter: the allocation is unpublished; close its chunks
 )
 
 var msgNames = [...]string{
@@ -55,6 +57,7 @@ var msgNames = [...]string{
 	MsgError: "Error", MsgPush: "Push", MsgStateRequest: "StateRequest", MsgState: "State", MsgBye: "Bye",
 	MsgRevoke: "Revoke", MsgRevoked: "Revoked",
 	MsgOpenBatch: "OpenBatch", MsgLeaseBatch: "LeaseBatch", MsgReleaseBatch: "ReleaseBatch",
+	MsgChunkHandle: "ChunkHandle", MsgDropChunks: "DropChunks",
 }
 
 func (t MsgType) String() string {
@@ -135,7 +138,10 @@ const (
 	// LeaseReadyEvent: Ready is an IPC event the consumer's stream must wait on.
 	// Without it the exporter waited for the producer's writes before it answered.
 	LeaseReadyEvent uint32 = 1 << 0
-	LeaseKnown             = LeaseReadyEvent
+	// LeaseVMM: the lease is of a VMM allocation (chunk.go): PoolID names the
+	// allocation, whose chunks came before it; BufferID and Record are zero.
+	LeaseVMM   uint32 = 1 << 1
+	LeaseKnown        = LeaseReadyEvent | LeaseVMM
 )
 
 type LeaseMsg struct {
@@ -515,6 +521,8 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 	MsgOpenBatch:    {8 + 2, MaxPayload},
 	MsgLeaseBatch:   {LeaseBatchHeaderLen + LeaseLen, MaxPayload},
 	MsgReleaseBatch: {8 + 4, 8 + 4 + export.MaxBatch*releaseEntryLen},
+	MsgChunkHandle:  {chunkHandleLen, chunkHandleLen},
+	MsgDropChunks:   {dropChunksLen, dropChunksLen},
 }
 
 // DecodePayload decodes the payload of a frame whose header parseHeader accepted.
@@ -572,14 +580,8 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		r.bytes(m.Device[:])
 		m.MaxSize = r.u64()
 		r.bytes(m.Fabric[:])
-		switch m.HandleType {
-		case cudart.HandleTypePosixFD:
-			if m.Fabric != (cudart.FabricHandle{}) {
-				return nil, ProtocolErr("POSIX fd PoolHandle carries fabric bytes")
-			}
-		case cudart.HandleTypeFabric:
-		default:
-			return nil, ProtocolErr("PoolHandle has handle type %v, want posix-fd or fabric", m.HandleType)
+		if err := checkHandle(t, m.HandleType, m.Fabric); err != nil {
+			return nil, err
 		}
 		return m, nil
 	case MsgOpen:
@@ -695,6 +697,10 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		m := &RevokedMsg{}
 		r.bytes(m.Record[:])
 		return m, nil
+	case MsgChunkHandle:
+		return decodeChunkHandle(&r)
+	case MsgDropChunks:
+		return decodeDropChunks(&r)
 	}
 	return nil, ProtocolErr("unknown message type %d", uint8(t))
 }
@@ -730,6 +736,9 @@ func (r *reader) lease(m *LeaseMsg) error {
 	}
 	if m.Flags&LeaseReadyEvent == 0 && m.Ready != (cudart.IpcEventHandle{}) {
 		return ProtocolErr("Lease carries event bytes without the ready-event flag")
+	}
+	if m.Flags&LeaseVMM != 0 && (m.Record != (cudart.PtrExportData{}) || m.BufferID != 0) {
+		return ProtocolErr("Lease of a VMM allocation carries a buffer id or a pointer's export record")
 	}
 	if err := CheckRange(m.Size, m.Offset, m.Length); err != nil {
 		return ProtocolErr("Lease: %v", err)

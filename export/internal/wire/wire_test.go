@@ -49,6 +49,11 @@ func sampleMessages() []Message {
 		&OpenBatchMsg{ReqID: 3, Names: []string{"a", "kv/block-17"}},
 		&LeaseBatchMsg{ReqID: 7, Flags: LeaseBatchMore, Leases: []LeaseMsg{l, l}},
 		&ReleaseBatchMsg{ReqID: 9, Entries: []ReleaseMsg{{LeaseID: 5, Count: 2, Flags: ReleaseRetain}, {LeaseID: 6, Count: 1}}},
+		&ChunkHandleMsg{AllocID: 2, Size: 2 << 20, Index: 1, Count: 3, HandleType: cudart.HandleTypePosixFD, Device: cudart.UUID{4}},
+		&ChunkHandleMsg{AllocID: 3, Size: 2 << 20, Index: 0, Count: 1, HandleType: cudart.HandleTypeFabric, Device: cudart.UUID{4}, Fabric: fab},
+		&LeaseMsg{ReqID: 8, LeaseID: 0xdeadbeefcaff, PoolID: 2, Size: 6 << 20, Offset: 1 << 20, Length: 4 << 20,
+			Flags: LeaseReadyEvent | LeaseVMM, Ready: ev, Meta: []byte("kv")},
+		&DropChunksMsg{AllocID: 2},
 	}
 }
 
@@ -107,7 +112,17 @@ func malformedFrames() []malformedFrame {
 		{name: "unknown hello flag", b: withField(goodHello, 8, []byte{0x80}), want: "Hello has unknown flags 0x80"},
 		{name: "release event without leases", b: withField(goodHello, 8, []byte{byte(HelloReleaseEvent)}), want: "takes no leases"},
 		{name: "hello short", b: frame(20, MsgHello, Le.AppendUint32(make([]byte, 0, 20), export.ProtocolVersion)[:20:20]), want: "Hello payload is 20 bytes, want 96"},
-		{name: "unknown lease flag", b: withField(goodLease, 56, []byte{2}), want: "Lease has unknown flags 0x2"},
+		{name: "unknown lease flag", b: withField(goodLease, 56, []byte{4}), want: "Lease has unknown flags 0x4"},
+		{name: "vmm lease with a record", b: withField(goodLease, 56, []byte{byte(LeaseReadyEvent | LeaseVMM)}), want: "VMM allocation carries a buffer id or a pointer's export record"},
+		{name: "vmm lease with a buffer id", b: withField(good[21], 24, Le.AppendUint64(nil, 5)), want: "VMM allocation carries a buffer id"},
+		{name: "chunk index past count", b: withField(good[19], 16, Le.AppendUint32(nil, 3)), want: "chunk 3 of 3"},
+		{name: "chunk count zero", b: withField(good[19], 20, Le.AppendUint32(nil, 0)), want: "allocation of 0 chunks"},
+		{name: "chunk count past the limit", b: withField(good[19], 20, Le.AppendUint32(nil, export.MaxChunks+1)), want: "allocation of 4097 chunks"},
+		{name: "chunk of no bytes", b: withField(good[19], 8, Le.AppendUint64(nil, 0)), want: "chunk of 0 bytes"},
+		{name: "chunk of allocation zero", b: withField(good[19], 0, Le.AppendUint64(nil, 0)), want: "ChunkHandle of allocation 0"},
+		{name: "chunk handle type none", b: withField(good[19], 24, Le.AppendUint32(nil, 0)), want: "ChunkHandle has handle type"},
+		{name: "fd chunk with fabric bytes", b: withField(good[19], 44, []byte{1}), want: "POSIX fd ChunkHandle carries fabric bytes"},
+		{name: "drop chunks of allocation zero", b: withField(good[22], 0, Le.AppendUint64(nil, 0)), want: "DropChunks of allocation 0"},
 		{name: "event bytes without flag", b: withField(goodLease, 56, []byte{0}), want: "without the ready-event flag"},
 		{name: "lease range past the end", b: withField(goodLease, 40, Le.AppendUint64(nil, 1<<21)), want: "1000 bytes at offset 2097152 of a 2097152-byte buffer"},
 		{name: "lease empty range", b: withField(goodLease, 48, Le.AppendUint64(nil, 0)), want: "0 bytes at offset 4096"},
@@ -197,10 +212,10 @@ func TestSeedCorpusCoversEveryType(t *testing.T) {
 			seen[m.Kind()] = true
 		}
 	}
-	for typ := MsgHello; typ <= MsgReleaseBatch; typ++ {
+	for typ := MsgHello; typ <= MsgDropChunks; typ++ {
 		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
 	}
-	assert.GreaterOrEqual(t, len(entries), int(MsgReleaseBatch)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
+	assert.GreaterOrEqual(t, len(entries), int(MsgDropChunks)+10, "%d seeds, want the well-formed ones and at least 10 malformed", len(entries))
 }
 
 var writeCorpus = flag.Bool("write-corpus", false, "rewrite testdata/fuzz/FuzzDecodeFrame from sampleMessages and malformedFrames")
