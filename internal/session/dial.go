@@ -1,0 +1,70 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"net"
+	"time"
+)
+
+// DialBackoffMin and DialBackoffMax bound the backoff of a dial that waits for a
+// server: it tries again after 5 ms, doubling to 500 ms.
+const (
+	DialBackoffMin = 5 * time.Millisecond
+	DialBackoffMax = 500 * time.Millisecond
+)
+
+// Dial connects to the Unix socket at path. With wait, a dial that fails is tried
+// again with backoff (DialBackoffMin to DialBackoffMax) until ctx ends; the error is
+// then ctx's, joined with the last dial's.
+func Dial(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
+	var nc *net.UnixConn
+	dial := func() (bool, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unix", path)
+		if err != nil {
+			return wait, err
+		}
+		nc = c.(*net.UnixConn)
+		return false, nil
+	}
+	last, ctxErr := Retry(ctx, DialBackoffMin, DialBackoffMax, errors.New("no dial was tried before the deadline"), dial)
+	if ctxErr != nil {
+		return nil, errors.Join(ctxErr, last)
+	}
+	return nc, last
+}
+
+// Retry calls try until it succeeds, fails with an error not worth waiting on (again
+// false), or ctx ends, waiting between calls with backoff from first to most. It
+// returns try's last error, or, once ctx has ended (while waiting, or cutting a try
+// short), the last error worth waiting on, and ctx's error. If ctx ended before any
+// try got as far as an error worth waiting on (a loaded machine can run the first try
+// after the deadline), that error is notYet: what the caller waited for never came,
+// which is all a caller can say, and all it needs to.
+func Retry(ctx context.Context, first, most time.Duration, notYet error, try func() (again bool, err error)) (last, ctxErr error) {
+	delay := first
+	t := time.NewTimer(0)
+	<-t.C
+	defer t.Stop()
+	waitedOn := notYet
+	for {
+		again, err := try()
+		if again {
+			waitedOn = err
+		}
+		if err != nil && ctx.Err() != nil {
+			return waitedOn, ctx.Err()
+		}
+		if !again {
+			return err, nil
+		}
+		t.Reset(delay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return waitedOn, ctx.Err()
+		}
+		delay = min(2*delay, most)
+	}
+}
