@@ -16,6 +16,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/internal/unixfd"
 )
 
@@ -91,10 +92,6 @@ const inSize = 16 << 10
 // errRefusedFDs marks a read whose descriptors were refused (and closed).
 var errRefusedFDs = errors.New("descriptors refused")
 
-// errNoFrame: a read that does not wait (next(false)) found no whole frame; what did
-// arrive is kept for the next read.
-var errNoFrame = errors.New("cudapool: no whole frame has arrived")
-
 // CanPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *Conn) CanPassFDs() bool { return c.Uc != nil }
 
@@ -103,12 +100,35 @@ func (c *Conn) CanPassFDs() bool { return c.Uc != nil }
 // interrupted write may leave part of a frame on the stream, which nothing can follow:
 // Send then ends the connection (abort), so the peer sees it end.
 func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
+	if err := c.send(ctx, fd, func(b []byte) ([]byte, error) { return appendChecked(b, m) }); err != nil {
+		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err)
+	}
+	return nil
+}
+
+// write is Send of the frame fill appends, without a descriptor.
+func (c *Conn) write(ctx context.Context, fill func([]byte) ([]byte, error)) error {
+	return c.send(ctx, -1, fill)
+}
+
+// appendChecked appends m as one frame, or fails with nothing appended if the frame
+// is past MaxFrame: the other side would cut the connection for it.
+func appendChecked(b []byte, m Message) ([]byte, error) {
+	start := len(b)
+	b = AppendFrame(b, m)
+	if len(b)-start > MaxFrame {
+		return b[:start], fmt.Errorf("%w: a frame of %d bytes, past the frame limit of %d", export.ErrBadRequest, len(b)-start, MaxFrame)
+	}
+	return b, nil
+}
+
+func (c *Conn) send(ctx context.Context, fd int, fill func([]byte) ([]byte, error)) error {
 	if err := c.wlock.Acquire(ctx, 1); err != nil {
-		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err) // nothing written: the stream is intact
+		return err // nothing written: the stream is intact
 	}
 	defer c.wlock.Release(1)
 	if err := ctx.Err(); err != nil { // Acquire may succeed with ctx already ended
-		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err) // nothing written
+		return err // nothing written
 	}
 	if ctx.Done() != nil {
 		fired := make(chan struct{})
@@ -123,12 +143,10 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 			}
 		}()
 	}
-	c.wbuf = AppendFrame(c.wbuf[:0], m)
-	if len(c.wbuf) > MaxFrame {
-		// Nothing written: the other side would cut the connection for it.
-		return fmt.Errorf("cudapool: send %s: %w: a frame of %d bytes, past the frame limit of %d", m.Kind(), export.ErrBadRequest, len(c.wbuf), MaxFrame)
-	}
 	var err error
+	if c.wbuf, err = fill(c.wbuf[:0]); err != nil {
+		return err // nothing written
+	}
 	switch {
 	case fd >= 0 && c.Uc != nil:
 		err = unixfd.Send(c.Uc, c.wbuf, fd)
@@ -142,8 +160,7 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 		if ctx.Err() != nil {
 			err = ctx.Err()
 		}
-		err = unaddressed(err)
-		return fmt.Errorf("cudapool: send %s: %w", m.Kind(), err)
+		return fmt.Errorf("%w: %w", session.ErrBroken, unaddressed(err))
 	}
 	c.Sent.Add(1)
 	return nil
@@ -165,6 +182,17 @@ func (c *Conn) abort() {
 	_ = c.Nc.SetReadDeadline(time.Now().Add(drainWindow)) // it fails only on a closed connection, which the next read or write reports
 }
 
+// Next is [Conn.Recv] as a [session.Client] reads it: with wait false, it fails with
+// [session.ErrNoFrame] where no whole frame has arrived.
+func (c *Conn) Next(wait bool) (Frame, error) {
+	m, fd, err := c.next(wait)
+	return Frame{M: m, FD: fd}, err
+}
+
+// Buffered reports whether a whole frame (or a malformed header) has been read and
+// not yet taken: Next returns it without reading.
+func (c *Conn) Buffered() bool { return c.hasFrame() }
+
 // Recv reads the next frame, waiting for it. fd is the descriptor that came with a
 // POSIX fd PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on
 // any other frame, a PoolHandle without one, and every malformed frame are errors
@@ -175,7 +203,7 @@ func (c *Conn) Recv() (Message, int, error) { return c.next(true) }
 
 func (c *Conn) next(wait bool) (m Message, fd int, err error) {
 	defer func() {
-		if err != nil && err != errNoFrame && !errors.Is(err, os.ErrDeadlineExceeded) {
+		if err != nil && err != session.ErrNoFrame && !errors.Is(err, os.ErrDeadlineExceeded) {
 			c.dropFDs() // the connection ends: nothing will claim them
 		}
 	}()
@@ -204,8 +232,6 @@ func (c *Conn) next(wait bool) (m Message, fd int, err error) {
 	}
 }
 
-// hasFrame reports whether a whole frame (or a malformed header) has been read and
-// not yet taken: recv returns it without reading.
 func (c *Conn) hasFrame() bool {
 	if c.hi-c.lo < HeaderLen {
 		return false
@@ -283,7 +309,7 @@ func (c *Conn) fill(need int, wait bool) error {
 }
 
 // read reads what has arrived into b, waiting for something unless wait is false (then
-// errNoFrame says nothing had).
+// session.ErrNoFrame says nothing had).
 func (c *Conn) read(b []byte, wait bool) (int, []int, error) {
 	if c.Uc == nil {
 		n, err := c.Nc.Read(b)
@@ -298,7 +324,7 @@ func (c *Conn) read(b []byte, wait bool) (int, []int, error) {
 	case errors.Is(err, unixfd.ErrUnexpectedFDs):
 		return n, nil, fmt.Errorf("%w: %w", errRefusedFDs, ProtocolErr("%v", err))
 	case errors.Is(err, unixfd.ErrWouldBlock):
-		return 0, nil, errNoFrame
+		return 0, nil, session.ErrNoFrame
 	}
 	return n, fds, unaddressed(err)
 }
