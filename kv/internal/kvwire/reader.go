@@ -84,6 +84,16 @@ func (rd *Reader) compact() {
 	rd.r = 0
 }
 
+// Whole says whether a whole frame (or a header that breaks the layout) is in the
+// buffer: Next returns it without reading.
+func (rd *Reader) Whole() bool {
+	if rd.w-rd.r < 4 {
+		return false
+	}
+	n := int(binary.LittleEndian.Uint32(rd.buf[rd.r:]))
+	return n+4 > rd.max || n < HeaderLen-4 || rd.w-rd.r >= n+4
+}
+
 // Buffered says whether a frame (or part of one) is in the buffer, unread.
 func (rd *Reader) Buffered() bool { return rd.w > rd.r }
 
