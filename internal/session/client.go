@@ -44,6 +44,22 @@ const (
 // its own, so that what it grants is given back.
 const AbandonTimeout = 30 * time.Second
 
+// Handler acts on the frames of one call's reply ([Client.Call]).
+type Handler[F any] interface {
+	// Handle runs on the reading goroutine for each frame of the reply, in order,
+	// while the frame is valid; it must not block. claimed is false once the caller
+	// gave up (its ctx ended): Handle then touches nothing of the caller's and does
+	// only what the protocol must, such as give back what the reply grants. An error
+	// ends the call (not the connection) with it.
+	Handle(f F, claimed bool) error
+}
+
+// HandlerFunc is a function as a [Handler].
+type HandlerFunc[F any] func(f F, claimed bool) error
+
+// Handle calls h.
+func (h HandlerFunc[F]) Handle(f F, claimed bool) error { return h(f, claimed) }
+
 // Protocol is what a [Client] needs of the protocol above it.
 type Protocol[F any] struct {
 	// ReplyTo says which request f answers, and whether f is the last frame of that
@@ -53,8 +69,8 @@ type Protocol[F any] struct {
 	// call has ended. It runs on the reading goroutine and must not block; an error
 	// ends the connection.
 	Push func(f F) error
-	// Write sends one frame, fill appending it, bounded by ctx ([Writer.Write]).
-	Write func(ctx context.Context, fill func([]byte) ([]byte, error)) error
+	// Writer sends the requests.
+	Writer *Writer
 	// Gone is the error calls fail with once the connection ended for why.
 	Gone func(why error) error
 	// Down, if not nil, runs once when the connection ends, with why, after every
@@ -94,6 +110,16 @@ type Client[F any] struct {
 	watch    *idleWatch // nil: the watcher reads for good, and replies are handed over
 	watchOff bool       // watch is switched off; only the role's holder touches it
 
+	// cutMu guards cutGen, the lead (numbered by leads, under the role) whose ctx may
+	// cut the present read short, 0 none: a cut meant for an earlier holder of the
+	// role, late, finds another there and does nothing.
+	cutMu  sync.Mutex
+	cutGen uint64
+	leads  uint64
+
+	// free holds calls done with, for reuse: a request costs no allocation of its own.
+	free sync.Pool
+
 	done       chan struct{} // closed when down is set
 	readerDone chan struct{} // closed when the watcher has returned
 }
@@ -113,8 +139,8 @@ const (
 // role alone (Hold).
 type call[F any] struct {
 	id     uint64
-	handle func(f F, claimed bool) error
-	wake   chan struct{} // a token: look at the fields below again
+	handle Handler[F]
+	wake   chan struct{} // a token: look at the fields below again (or none: spurious)
 	// Under Client.mu:
 	lead      bool // handed the reading role, not yet taken up
 	done      bool
@@ -299,22 +325,24 @@ func (cl *Client[F]) quiet() {
 }
 
 // Call sends the request build appends under a fresh id and waits for its reply,
-// reading it itself if nobody else reads the connection. handle runs on the reading
-// goroutine for each frame of the reply, in order, while the frame is valid; it must
-// not block. claimed is false once the caller gave up (ctx ended): handle then touches
-// nothing of the caller's and does only what the protocol must, such as give back
-// what the reply grants. On success the reply's last frame has been handled, and Call
-// returns what handle returned for it (or for the first frame it failed on). If ctx
-// ends first Call returns ctx's error, and the reply is still handled, unclaimed,
-// when it comes. If the connection ends first, or a write is cut short inside the
-// frame ([ErrBroken], which ends it), it returns [Client.Err]. An error of build, or
-// of a write that wrote nothing, is returned as it is, and the connection carries on.
-func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) ([]byte, error), handle func(f F, claimed bool) error) error {
-	c := &call[F]{handle: handle, wake: make(chan struct{}, 1)}
+// reading it itself if nobody else reads the connection; h handles each frame of the
+// reply ([Handler]). On success the reply's last frame has been handled, and Call
+// returns what h returned for it (or for the first frame it failed on). If ctx ends
+// first Call returns ctx's error, and the reply is still handled, unclaimed, when it
+// comes. If the connection ends first, or a write is cut short inside the frame
+// ([ErrBroken], which ends it), it returns [Client.Err]. An error of build, or of a
+// write that wrote nothing, is returned as it is, and the connection carries on.
+func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) ([]byte, error), h Handler[F]) error {
+	c, _ := cl.free.Get().(*call[F])
+	if c == nil {
+		c = &call[F]{wake: make(chan struct{}, 1)}
+	}
+	c.handle = h
 	cl.mu.Lock()
 	if cl.down != nil {
 		err := cl.down
 		cl.mu.Unlock()
+		cl.reuse(c)
 		return err
 	}
 	cl.nextID++
@@ -331,14 +359,40 @@ func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) (
 		cl.leaders = append(cl.leaders, c)
 	}
 	cl.mu.Unlock()
-	if err := cl.p.Write(ctx, func(b []byte) ([]byte, error) { return build(b, c.id) }); err != nil {
+	if err := cl.p.Writer.Write(ctx, func(b []byte) ([]byte, error) { return build(b, c.id) }); err != nil {
 		cl.forget(c, lead)
+		cl.reuse(c)
 		if errors.Is(err, ErrBroken) {
 			cl.Fail(err) // a frame cut short: the peer cannot read on
 		}
 		return cl.errOr(err)
 	}
-	return cl.wait(ctx, c, lead)
+	err := cl.wait(ctx, c, lead)
+	cl.mu.Lock()
+	kept := c.abandoned // its reply is still to be handled
+	cl.mu.Unlock()
+	if !kept {
+		cl.reuse(c)
+	}
+	return err
+}
+
+// reuse puts c, done with, in the free list. Nothing refers to it any more but a
+// wake that may still come, which its next call takes for a spurious one: it is out
+// of pending, and taken out of leaders here (a call completed while it waited for the
+// role is left there, for passRole to skip).
+func (cl *Client[F]) reuse(c *call[F]) {
+	cl.mu.Lock()
+	if i := slices.Index(cl.leaders, c); i >= 0 {
+		cl.leaders = slices.Delete(cl.leaders, i, i+1)
+	}
+	c.id, c.handle, c.lead, c.done, c.abandoned, c.err = 0, nil, false, false, false, nil
+	cl.mu.Unlock()
+	select {
+	case <-c.wake:
+	default:
+	}
+	cl.free.Put(c)
 }
 
 // wait waits until c is completed, reading for it while it holds the reading role
@@ -384,16 +438,24 @@ func (cl *Client[F]) lead(ctx context.Context, c *call[F]) error {
 	defer cl.passRole()
 	cl.quiet()
 	if ctx.Done() != nil {
-		fired := make(chan struct{})
+		cl.leads++
+		me := cl.leads
+		cl.cutMu.Lock()
+		cl.cutGen = me
+		cl.cutMu.Unlock()
 		stop := context.AfterFunc(ctx, func() {
-			_ = cl.nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
-			close(fired)
+			cl.cutMu.Lock()
+			if cl.cutGen == me {
+				_ = cl.nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
+			}
+			cl.cutMu.Unlock()
 		})
 		defer func() {
-			if !stop() {
-				<-fired                                // or it could set the deadline after it is cleared
-				_ = cl.nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-			}
+			stop()
+			cl.cutMu.Lock()
+			cl.cutGen = 0
+			_ = cl.nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
+			cl.cutMu.Unlock()
 		}()
 	}
 	for {
@@ -517,7 +579,7 @@ func (cl *Client[F]) dispatch(f F) (*call[F], error) {
 	}
 	claimed := !c.abandoned
 	cl.mu.Unlock()
-	err := c.handle(f, claimed)
+	err := c.handle.Handle(f, claimed)
 	if !last {
 		if err == nil {
 			return nil, nil

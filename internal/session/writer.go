@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -13,6 +15,11 @@ import (
 // ErrBroken means a write was cut short inside a frame: the peer cannot find the next
 // frame's start, so the connection must be closed.
 var ErrBroken = errors.New("a write was cut short inside a frame")
+
+// ErrStalled means a write's bound passed before the peer took any of the frame:
+// nothing was written and the stream is intact, but the peer does not read; a server
+// gives up on such a peer.
+var ErrStalled = errors.New("the peer took nothing of the frame within the write's bound")
 
 // Writer sends whole frames on a connection, one at a time, each bounded by its
 // caller's context: the wait for the previous write and the write itself. Its methods
@@ -23,6 +30,12 @@ type Writer struct {
 	turn    chan struct{} // holds a value while a write is under way
 	buf     []byte        // used by the writer holding the turn
 	broken  error         // set by the writer holding the turn, read with it
+	sent    atomic.Int64  // frames written whole
+	gen     uint64        // counts the writes whose ctx can end; by the turn's holder
+	// cutMu guards cutGen, the write (gen) that its ctx may cut short, 0 none: a cut
+	// that comes late finds another there, and does nothing.
+	cutMu  sync.Mutex
+	cutGen uint64
 }
 
 // NewWriter returns a Writer on nc; timeout, if not zero, bounds each write whose
@@ -31,9 +44,13 @@ func NewWriter(nc net.Conn, timeout time.Duration) *Writer {
 	return &Writer{nc: nc, timeout: timeout, turn: make(chan struct{}, 1)}
 }
 
+// Sent is the number of frames written whole.
+func (w *Writer) Sent() int64 { return w.sent.Load() }
+
 // Write sends the frame fill appends to the Writer's buffer. If ctx ends (or the
 // timeout passes) before any of it was written, it fails with ctx's error (or
-// os.ErrDeadlineExceeded), and the connection carries on. If it ends inside the frame,
+// os.ErrDeadlineExceeded), and the connection carries on; if the write had begun, the
+// error wraps [ErrStalled] too. If it ends inside the frame,
 // or the write fails, it fails with an error wrapping ErrBroken and the write's error,
 // and so does every later Write: the caller closes the connection. An error from fill
 // is returned as it is, with nothing written.
@@ -82,29 +99,41 @@ func (w *Writer) write(ctx context.Context, fill func([]byte) ([]byte, error), o
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		woken := make(chan struct{})
+		w.gen++
+		gen := w.gen
+		w.cutMu.Lock()
+		w.cutGen = gen
+		w.cutMu.Unlock()
 		stop := context.AfterFunc(ctx, func() {
-			_ = w.nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes the write
-			close(woken)
+			w.cutMu.Lock()
+			if w.cutGen == gen { // else a later write's: this one has returned
+				_ = w.nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes the write
+			}
+			w.cutMu.Unlock()
 		})
 		defer func() {
-			if !stop() {
-				<-woken // so that no later write's deadline is cut by this one's
-			}
+			stop()
+			w.cutMu.Lock()
+			w.cutGen = 0
+			w.cutMu.Unlock()
 		}()
 	}
 	n, err := w.send(b, oob)
 	if err == nil {
+		w.sent.Add(1)
 		return nil
 	}
 	if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
 		switch {
 		case ctx.Err() != nil:
-			return ctx.Err()
+			return fmt.Errorf("%w: %w", ErrStalled, ctx.Err())
 		case ctxDeadline: // the socket's timer can fire before ctx's
-			return context.DeadlineExceeded
+			return fmt.Errorf("%w: %w", ErrStalled, context.DeadlineExceeded)
 		}
-		return fmt.Errorf("the write did not start within %v: %w", w.timeout, err)
+		return fmt.Errorf("%w: the write did not start within %v: %w", ErrStalled, w.timeout, err)
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) && ctx.Err() != nil {
+		err = ctx.Err() // what cut it
 	}
 	w.broken = fmt.Errorf("%w (%d of %d bytes): %w", ErrBroken, n, len(b), err)
 	return w.broken

@@ -53,7 +53,7 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint64)
 	if err != nil {
 		return err
 	}
-	return cl.Call(ctx, build, handle)
+	return cl.Call(ctx, build, session.HandlerFunc[reply](handle))
 }
 
 // newClient is the request client on connection nc, whose frames rd reads.
@@ -61,7 +61,7 @@ func (r *Replica) newClient(nc *net.UnixConn, rd *kvwire.Reader, w *session.Writ
 	return session.NewClient[reply](nc, &frames{r: r, rd: rd, nc: nc}, session.Protocol[reply]{
 		ReplyTo: func(f reply) (uint64, bool) { return uint64(f.ID), true },
 		Push:    func(f reply) error { r.releaseUnclaimed(f); return nil },
-		Write:   w.Write,
+		Writer:  w,
 		Gone: func(why error) error {
 			if err := r.gone(); errors.Is(err, kv.ErrClosed) {
 				return err

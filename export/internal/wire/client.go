@@ -51,7 +51,7 @@ func NewClient(c *Conn, log *slog.Logger, exporterPID int) *Client {
 	cl.s = session.NewClient[Frame](c.Nc, c, session.Protocol[Frame]{
 		ReplyTo: replyTo,
 		Push:    cl.push,
-		Write:   c.write,
+		Writer:  c.w,
 		Gone:    cl.gone,
 		Watch:   session.WatchArrivals,
 	})
@@ -142,54 +142,63 @@ func (cl *Client) Request(ctx context.Context, build func(reqID uint64) Message,
 	case isNew && cl.bye.Load():
 		return nil, fmt.Errorf("%w: it is closing", export.ErrExporterGone)
 	}
-	var reply Message
-	var state []byte
-	var leases []LeaseMsg
-	err := cl.s.Call(ctx,
-		func(b []byte, id uint64) ([]byte, error) { return appendChecked(b, build(id)) },
-		func(f Frame, claimed bool) error {
-			switch m := f.M.(type) {
-			case *StateMsg:
-				if state = append(state, m.JSON...); len(state) > MaxStateBytes {
-					reply = &ErrorMsg{ReqID: m.ReqID, Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", export.ErrProtocol, humanize.IBytes(MaxStateBytes))}
-					return errOver
-				}
-				if m.Flags&StateMore == 0 {
-					reply = &StateMsg{ReqID: m.ReqID, JSON: state}
-				}
-				return nil
-			case *LeaseBatchMsg:
-				leases = append(leases, m.Leases...)
-				switch {
-				case len(leases) > export.MaxBatch:
-					cl.GiveBackAll(leases)
-					reply = &ErrorMsg{ReqID: m.ReqID, Code: codeExporter, Text: fmt.Sprintf("%v: LeaseBatch of more than %d leases", export.ErrProtocol, export.MaxBatch)}
-					return errOver
-				case !claimed:
-					cl.GiveBackAll(leases)
-					leases = nil
-				case m.Flags&LeaseBatchMore == 0:
-					reply = &LeaseBatchMsg{ReqID: m.ReqID, Leases: leases}
-				}
-				return nil
-			case *LeaseMsg:
-				if !claimed {
-					if cl.Unclaimed != nil {
-						go cl.Unclaimed(m) // off the reader, as push says
-					}
-					return nil
-				}
-			}
-			reply = f.M
-			return nil
-		})
+	rq := &request{cl: cl}
+	err := cl.s.Call(ctx, func(b []byte, id uint64) ([]byte, error) { return appendChecked(b, build(id)) }, rq)
 	if errors.Is(err, errOver) {
-		return reply, nil // its later parts go to push
+		return rq.reply, nil // its later parts go to push
 	}
 	if err != nil {
 		return nil, err
 	}
-	return reply, nil
+	return rq.reply, nil
+}
+
+// request gathers the reply to one request, as its [session.Handler].
+type request struct {
+	cl     *Client
+	reply  Message
+	state  []byte     // a State in parts
+	leases []LeaseMsg // a LeaseBatch in parts
+}
+
+// Handle takes one frame of the reply: a State or LeaseBatch is gathered to its
+// bound, leases nobody waits for any more are given back.
+func (rq *request) Handle(f Frame, claimed bool) error {
+	cl := rq.cl
+	switch m := f.M.(type) {
+	case *StateMsg:
+		if rq.state = append(rq.state, m.JSON...); len(rq.state) > MaxStateBytes {
+			rq.reply = &ErrorMsg{ReqID: m.ReqID, Code: codeExporter, Text: fmt.Sprintf("%v: State larger than %s", export.ErrProtocol, humanize.IBytes(MaxStateBytes))}
+			return errOver
+		}
+		if m.Flags&StateMore == 0 {
+			rq.reply = &StateMsg{ReqID: m.ReqID, JSON: rq.state}
+		}
+		return nil
+	case *LeaseBatchMsg:
+		rq.leases = append(rq.leases, m.Leases...)
+		switch {
+		case len(rq.leases) > export.MaxBatch:
+			cl.GiveBackAll(rq.leases)
+			rq.reply = &ErrorMsg{ReqID: m.ReqID, Code: codeExporter, Text: fmt.Sprintf("%v: LeaseBatch of more than %d leases", export.ErrProtocol, export.MaxBatch)}
+			return errOver
+		case !claimed:
+			cl.GiveBackAll(rq.leases)
+			rq.leases = nil
+		case m.Flags&LeaseBatchMore == 0:
+			rq.reply = &LeaseBatchMsg{ReqID: m.ReqID, Leases: rq.leases}
+		}
+		return nil
+	case *LeaseMsg:
+		if !claimed {
+			if cl.Unclaimed != nil {
+				go cl.Unclaimed(m) // off the reader, as push says
+			}
+			return nil
+		}
+	}
+	rq.reply = f.M
+	return nil
 }
 
 // errOver ends a reply in parts that grew past its bound: reply is an Error.

@@ -11,7 +11,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
@@ -31,11 +30,9 @@ type Conn struct {
 	// exporter's side any descriptor that arrives is closed and is a violation.
 	acceptsFDs bool
 
-	// wlock is held while a frame is written: unlike a mutex, waiting for it ends with
-	// the waiter's context, so a peer that stopped reading holds up no caller past its
-	// deadline.
-	wlock *semaphore.Weighted
-	wbuf  []byte
+	// w writes whole frames, each bounded by its caller's context, so a peer that
+	// stopped reading holds up no caller past its deadline.
+	w *session.Writer
 
 	// Frames in: in[lo:hi] holds bytes read and not yet taken, often several frames or
 	// part of one, so that a frame costs one read, not one for its header and one for
@@ -54,8 +51,8 @@ type Conn struct {
 	// peer sent, each frame within drainWindow of the last.
 	draining atomic.Bool
 
-	// Sent and received count whole frames: what a share costs in messages.
-	Sent, Received atomic.Int64
+	// Received counts whole frames (Sent those out): what a share costs in messages.
+	Received atomic.Int64
 }
 
 // drainWindow bounds how long the exporter goes on reading a connection it can no
@@ -65,7 +62,7 @@ type Conn struct {
 const drainWindow = 250 * time.Millisecond
 
 func NewConn(nc net.Conn, acceptsFDs bool) *Conn {
-	c := &Conn{Nc: nc, acceptsFDs: acceptsFDs, wlock: semaphore.NewWeighted(1)}
+	c := &Conn{Nc: nc, acceptsFDs: acceptsFDs, w: session.NewWriter(nc, 0)}
 	if c.Uc, _ = nc.(*net.UnixConn); c.Uc != nil {
 		var err error
 		if c.raw, err = c.Uc.SyscallConn(); err != nil {
@@ -92,6 +89,9 @@ const inSize = 16 << 10
 // errRefusedFDs marks a read whose descriptors were refused (and closed).
 var errRefusedFDs = errors.New("descriptors refused")
 
+// Sent counts the whole frames written.
+func (c *Conn) Sent() int64 { return c.w.Sent() }
+
 // CanPassFDs reports whether this connection can carry a POSIX fd pool handle.
 func (c *Conn) CanPassFDs() bool { return c.Uc != nil }
 
@@ -106,11 +106,6 @@ func (c *Conn) Send(ctx context.Context, m Message, fd int) error {
 	return nil
 }
 
-// write is Send of the frame fill appends, without a descriptor.
-func (c *Conn) write(ctx context.Context, fill func([]byte) ([]byte, error)) error {
-	return c.send(ctx, -1, fill)
-}
-
 // appendChecked appends m as one frame, or fails with nothing appended if the frame
 // is past MaxFrame: the other side would cut the connection for it.
 func appendChecked(b []byte, m Message) ([]byte, error) {
@@ -123,47 +118,22 @@ func appendChecked(b []byte, m Message) ([]byte, error) {
 }
 
 func (c *Conn) send(ctx context.Context, fd int, fill func([]byte) ([]byte, error)) error {
-	if err := c.wlock.Acquire(ctx, 1); err != nil {
-		return err // nothing written: the stream is intact
-	}
-	defer c.wlock.Release(1)
-	if err := ctx.Err(); err != nil { // Acquire may succeed with ctx already ended
-		return err // nothing written
-	}
-	if ctx.Done() != nil {
-		fired := make(chan struct{})
-		stop := context.AfterFunc(ctx, func() {
-			_ = c.Nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes a blocked call; it fails only on a closed connection
-			close(fired)
-		})
-		defer func() {
-			if !stop() {
-				<-fired                                // or it could set the deadline after it is cleared
-				_ = c.Nc.SetWriteDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-			}
-		}()
-	}
 	var err error
-	if c.wbuf, err = fill(c.wbuf[:0]); err != nil {
-		return err // nothing written
-	}
 	switch {
-	case fd >= 0 && c.Uc != nil:
-		err = unixfd.Send(c.Uc, c.wbuf, fd)
-	case fd >= 0:
-		err = errors.New("a descriptor cannot travel on a byte stream")
+	case fd < 0:
+		err = c.w.Write(ctx, fill)
+	case c.Uc == nil:
+		return errors.New("a descriptor cannot travel on a byte stream") // nothing written
 	default:
-		_, err = c.Nc.Write(c.wbuf)
+		err = c.w.WriteFD(ctx, fd, fill)
 	}
-	if err != nil {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, session.ErrBroken) || errors.Is(err, session.ErrStalled) {
 		c.abort()
-		if ctx.Err() != nil {
-			err = ctx.Err()
-		}
-		return fmt.Errorf("%w: %w", session.ErrBroken, unaddressed(err))
 	}
-	c.Sent.Add(1)
-	return nil
+	return unaddressed(err)
 }
 
 // abort ends the connection after a failed write. The importer's side, and a byte
