@@ -3,7 +3,11 @@ package session
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io/fs"
 	"net"
+	"os"
+	"syscall"
 	"time"
 )
 
@@ -14,21 +18,37 @@ const (
 	DialBackoffMax = 500 * time.Millisecond
 )
 
-// Dial connects to the Unix socket at path. With wait, a dial that fails is tried
-// again with backoff (DialBackoffMin to DialBackoffMax) until ctx ends; the error is
-// then ctx's, joined with the last dial's.
+// ErrNoListener means nothing listens at a socket's path: the file is missing, or no
+// process accepts on it.
+var ErrNoListener = errors.New("nothing listens")
+
+// ErrNotSocket means the file at a socket's path is something else.
+var ErrNotSocket = errors.New("not a socket")
+
+// Dial connects to the Unix socket at path. Where nothing listens there it fails with
+// an error wrapping [ErrNoListener], or, with wait, tries again with backoff
+// (DialBackoffMin to DialBackoffMax) until ctx ends; the error is then ctx's, joined
+// with the last dial's. A file that is no socket fails it with [ErrNotSocket], and any
+// other error of the connect as it is, without a wait.
 func Dial(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
 	var nc *net.UnixConn
 	dial := func() (bool, error) {
 		var d net.Dialer
 		c, err := d.DialContext(ctx, "unix", path)
-		if err != nil {
-			return wait, err
+		if err == nil {
+			nc = c.(*net.UnixConn)
+			return false, nil
 		}
-		nc = c.(*net.UnixConn)
-		return false, nil
+		if !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.ENOENT) {
+			return false, err
+		}
+		// A connect to a file that is no socket is refused too: say what is there.
+		if info, serr := os.Stat(path); serr == nil && info.Mode().Type() != fs.ModeSocket {
+			return false, fmt.Errorf("%w: %s (mode %v)", ErrNotSocket, path, info.Mode())
+		}
+		return wait, fmt.Errorf("%w at %s: %w", ErrNoListener, path, err)
 	}
-	last, ctxErr := Retry(ctx, DialBackoffMin, DialBackoffMax, errors.New("no dial was tried before the deadline"), dial)
+	last, ctxErr := Retry(ctx, DialBackoffMin, DialBackoffMax, fmt.Errorf("%w at %s: no dial was tried before the deadline", ErrNoListener, path), dial)
 	if ctxErr != nil {
 		return nil, errors.Join(ctxErr, last)
 	}

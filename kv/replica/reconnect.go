@@ -105,6 +105,12 @@ func (r *Replica) untrack(ls ...*Lease) {
 	r.mu.Unlock()
 }
 
+// reattachBackoffMin and reattachBackoffMax bound the backoff between reattaches.
+const (
+	reattachBackoffMin = 5 * time.Millisecond
+	reattachBackoffMax = 100 * time.Millisecond
+)
+
 // reconnectLocked starts a reconnection after connection cl failed, under r.mu.
 func (r *Replica) reconnectLocked(cl *session.Client[reply]) {
 	if !r.opts.reconnect || r.closed || r.stranded {
@@ -147,27 +153,20 @@ func (r *Replica) reconnect(cl *session.Client[reply], owner *peercred.Process, 
 		r.log.Warn("kv: cannot wait for this replica's streams; it does not reattach", "err", err)
 		return
 	}
-	backoff := 5 * time.Millisecond
-	for {
+	last, ctxErr := session.Retry(ctx, reattachBackoffMin, reattachBackoffMax, kv.ErrOwnerGone, func() (bool, error) {
 		err := r.reattach(ctx, cl)
-		if err == nil {
-			installed = true
-			return
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		if errors.Is(err, kv.ErrGeometry) {
-			r.log.Warn("kv: the restarted owner serves another slab; this replica does not reattach", "err", err)
-			return
+		if err == nil || errors.Is(err, kv.ErrGeometry) {
+			return false, err
 		}
 		r.log.Debug("kv: reattaching", "err", err)
-		select {
-		case <-time.After(backoff):
-		case <-ctx.Done():
-			return
-		}
-		backoff = min(2*backoff, 100*time.Millisecond)
+		return true, err
+	})
+	switch {
+	case ctxErr != nil:
+	case last != nil:
+		r.log.Warn("kv: the restarted owner serves another slab; this replica does not reattach", "err", last)
+	default:
+		installed = true
 	}
 }
 
