@@ -81,14 +81,9 @@ type frames struct {
 	nc *net.UnixConn
 }
 
-// Next reads the next frame. Without wait it reads nothing: it returns a frame
-// already buffered, or [session.ErrNoFrame] (a Client watching for the hang-up alone
-// never reads without waiting).
+// Next reads the next frame, waiting for it or not ([session.ErrNoFrame]).
 func (f *frames) Next(wait bool) (reply, error) {
-	if !wait && !f.rd.Whole() {
-		return reply{}, session.ErrNoFrame
-	}
-	h, p, err := f.rd.Next(f.nc)
+	h, p, err := f.rd.NextWait(f.nc, wait)
 	if err != nil {
 		return reply{}, err
 	}
