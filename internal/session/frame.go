@@ -189,9 +189,9 @@ func (r *FrameReader) fill(src io.Reader, need int, wait bool) error {
 	for _, fd := range fds {
 		r.arrived = append(r.arrived, arrivedFD{fd: fd, last: last})
 	}
-	if n > 0 && err != nil && errors.Is(err, unixfd.ErrUnexpectedFDs) {
+	if n > 0 && errors.Is(err, unixfd.ErrUnexpectedFDs) {
 		// The frame they came with fails, not the ones before it in this read.
-		r.arrived = append(r.arrived, arrivedFD{fd: -1, last: last, err: err})
+		r.arrived = append(r.arrived, arrivedFD{fd: -1, last: last, err: r.f.Refused(err)})
 	}
 	r.hi += n
 	if n > 0 {
@@ -225,8 +225,8 @@ func (r *FrameReader) read(src io.Reader, b []byte, wait bool) (int, []int, erro
 	switch {
 	case errors.Is(err, unixfd.ErrWouldBlock):
 		return 0, nil, ErrNoFrame
-	case errors.Is(err, unixfd.ErrUnexpectedFDs):
-		return n, nil, r.f.Refused(err)
+	case n == 0 && errors.Is(err, unixfd.ErrUnexpectedFDs):
+		return 0, nil, r.f.Refused(err)
 	}
-	return n, fds, err
+	return n, fds, err // with n > 0, an ErrUnexpectedFDs is fill's to place
 }

@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -16,7 +14,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/session"
-	"github.com/cudapool/cudapool/internal/unixfd"
 )
 
 // Conn is one side of a protocol connection: whole frames out one at a time, so that
@@ -34,18 +31,8 @@ type Conn struct {
 	// stopped reading holds up no caller past its deadline.
 	w *session.Writer
 
-	// Frames in: in[lo:hi] holds bytes read and not yet taken, often several frames or
-	// part of one, so that a frame costs one read, not one for its header and one for
-	// its payload; inOff is the stream offset of in[lo]. arrived holds the descriptors
-	// that came with them.
-	in      []byte
-	lo, hi  int
-	inOff   uint64
-	arrived []arrivedFD
-	// rx keeps the control buffer between reads.
-	rx unixfd.Receiver
-	// raw is the Unix socket's descriptor, which reads go through; nil on a byte stream.
-	raw syscall.RawConn
+	// fr takes whole frames in, and the descriptors that come with them.
+	fr *session.FrameReader
 
 	// draining: a write failed on the exporter's side, which now only reads what the
 	// peer sent, each frame within drainWindow of the last.
@@ -62,32 +49,30 @@ type Conn struct {
 const drainWindow = 250 * time.Millisecond
 
 func NewConn(nc net.Conn, acceptsFDs bool) *Conn {
-	c := &Conn{Nc: nc, acceptsFDs: acceptsFDs, w: session.NewWriter(nc, 0)}
-	if c.Uc, _ = nc.(*net.UnixConn); c.Uc != nil {
-		var err error
-		if c.raw, err = c.Uc.SyscallConn(); err != nil {
-			c.Uc = nil // closed already: reads fail as on any closed connection
-		}
+	maxFDs := 0
+	if acceptsFDs {
+		maxFDs = 1 // a frame carries at most one
 	}
+	c := &Conn{Nc: nc, acceptsFDs: acceptsFDs, w: session.NewWriter(nc, 0), fr: session.NewFrameReader(framing, MaxFrame, maxFDs)}
+	c.Uc, _ = nc.(*net.UnixConn)
 	return c
 }
 
-// arrivedFD is a descriptor that came with the bytes at stream offsets [from, to). It
-// belongs to the last frame that starts there: a sender attaches a frame's descriptor
-// to the frame's first byte, and the kernel ends a read after the bytes that carried
-// descriptors.
-type arrivedFD struct {
-	fd       int
-	from, to uint64
-	// err: what came was refused (and closed), fd is -1; the frame fails with err.
-	err error
+// framing is the sharing protocol's on a stream ([session.Framing]).
+var framing = session.Framing{
+	HeaderLen: HeaderLen,
+	Len: func(h []byte, _ int) (int, error) {
+		_, n, err := parseHeader(h) // each type's bound
+		return HeaderLen + n, err
+	},
+	Ended: func(part []byte, need int) error {
+		if need == 0 {
+			return ProtocolErr("truncated frame header: connection closed after %d of %d bytes", len(part), HeaderLen)
+		}
+		return ProtocolErr("truncated %s frame: connection closed after %d of %d payload bytes", MsgType(part[4]), len(part)-HeaderLen, need-HeaderLen)
+	},
+	Refused: func(err error) error { return ProtocolErr("%v", err) },
 }
-
-// inSize is the read buffer's size to start with; a larger frame grows it.
-const inSize = 16 << 10
-
-// errRefusedFDs marks a read whose descriptors were refused (and closed).
-var errRefusedFDs = errors.New("descriptors refused")
 
 // Sent counts the whole frames written.
 func (c *Conn) Sent() int64 { return c.w.Sent() }
@@ -161,7 +146,7 @@ func (c *Conn) Next(wait bool) (Frame, error) {
 
 // Buffered reports whether a whole frame (or a malformed header) has been read and
 // not yet taken: Next returns it without reading.
-func (c *Conn) Buffered() bool { return c.hasFrame() }
+func (c *Conn) Buffered() bool { return c.fr.Buffered() }
 
 // Recv reads the next frame, waiting for it. fd is the descriptor that came with a
 // POSIX fd PoolHandle, close-on-exec and owned by the caller, else -1. A descriptor on
@@ -172,52 +157,18 @@ func (c *Conn) Buffered() bool { return c.hasFrame() }
 func (c *Conn) Recv() (Message, int, error) { return c.next(true) }
 
 func (c *Conn) next(wait bool) (m Message, fd int, err error) {
-	defer func() {
-		if err != nil && err != session.ErrNoFrame && !errors.Is(err, os.ErrDeadlineExceeded) {
-			c.dropFDs() // the connection ends: nothing will claim them
-		}
-	}()
-	for {
-		need := HeaderLen
-		if c.hi-c.lo >= HeaderLen {
-			t, n, err := parseHeader(c.in[c.lo:c.hi])
-			if err != nil {
-				return nil, -1, err
-			}
-			if c.hi-c.lo >= HeaderLen+n {
-				return c.take(t, n)
-			}
-			need = HeaderLen + n
-		}
-		if err := c.fill(need, wait); err != nil {
-			switch have := c.hi - c.lo; {
-			case !errors.Is(err, io.EOF) || have == 0:
-			case have < HeaderLen:
-				err = ProtocolErr("truncated frame header: connection closed after %d of %d bytes", have, HeaderLen)
-			default:
-				err = ProtocolErr("truncated %s frame: connection closed after %d of %d payload bytes", MsgType(c.in[c.lo+4]), have-HeaderLen, need-HeaderLen)
-			}
-			return nil, -1, err
-		}
-	}
-}
-
-func (c *Conn) hasFrame() bool {
-	if c.hi-c.lo < HeaderLen {
-		return false
-	}
-	_, n, err := parseHeader(c.in[c.lo:c.hi])
-	return err != nil || c.hi-c.lo >= HeaderLen+n
-}
-
-// take decodes the whole frame at in[lo:] and gives it its descriptor, if it has one.
-func (c *Conn) take(t MsgType, n int) (Message, int, error) {
-	at := c.inOff
-	p := c.in[c.lo+HeaderLen : c.lo+HeaderLen+n]
-	c.lo += HeaderLen + n
-	c.inOff += uint64(HeaderLen + n)
-	m, err := DecodePayload(t, p)
+	f, err := c.fr.Next(c.Nc, wait)
 	if err != nil {
+		if err != session.ErrNoFrame && !errors.Is(err, os.ErrDeadlineExceeded) {
+			c.fr.Close() // the connection ends: nothing will claim them
+		}
+		return nil, -1, unaddressed(err)
+	}
+	fd = c.fr.TakeFD()
+	t := MsgType(f[4])
+	if m, err = DecodePayload(t, f[HeaderLen:]); err != nil {
+		closeFD(fd)
+		c.fr.Close()
 		return nil, -1, err
 	}
 	c.Received.Add(1)
@@ -225,19 +176,15 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 	if ph, ok := m.(*PoolHandleMsg); ok && ph.HandleType == cudart.HandleTypePosixFD {
 		wantFD = true
 	}
-	// The next descriptor is this frame's if it came with the bytes where this frame
-	// starts and no later frame starts there (this one reaches the read's end).
-	owns := len(c.arrived) > 0 && c.arrived[0].from <= at && c.inOff >= c.arrived[0].to
 	switch {
-	case owns && c.arrived[0].err != nil:
-		return nil, -1, c.arrived[0].err
-	case owns && wantFD:
-		fd := c.arrived[0].fd
-		c.arrived = c.arrived[1:]
+	case fd >= 0 && wantFD:
 		return m, fd, nil
-	case owns:
+	case fd >= 0:
+		closeFD(fd)
+		c.fr.Close()
 		return nil, -1, ProtocolErr("%s arrived with %d unexpected descriptors", t, 1)
 	case wantFD:
+		c.fr.Close()
 		return nil, -1, ProtocolErr("POSIX fd PoolHandle arrived with 0 descriptors, want 1")
 	}
 	if c.draining.Load() {
@@ -246,65 +193,11 @@ func (c *Conn) take(t MsgType, n int) (Message, int, error) {
 	return m, -1, nil
 }
 
-// fill reads more bytes, with room for need bytes from in[lo].
-func (c *Conn) fill(need int, wait bool) error {
-	if c.lo == c.hi {
-		c.lo, c.hi = 0, 0
+// closeFD closes fd, if it is one.
+func closeFD(fd int) {
+	if fd >= 0 {
+		_ = unix.Close(fd) // cleanup: the descriptor is ours and unused
 	}
-	if len(c.in)-c.lo < need {
-		if len(c.in) < need {
-			grown := make([]byte, max(need, inSize))
-			copy(grown, c.in[c.lo:c.hi])
-			c.in = grown
-		} else {
-			copy(c.in, c.in[c.lo:c.hi])
-		}
-		c.hi -= c.lo
-		c.lo = 0
-	}
-	n, fds, err := c.read(c.in[c.hi:], wait)
-	from := c.inOff + uint64(c.hi-c.lo)
-	for _, fd := range fds {
-		c.arrived = append(c.arrived, arrivedFD{fd: fd, from: from, to: from + uint64(n)})
-	}
-	if n > 0 && errors.Is(err, errRefusedFDs) {
-		// The frame they came with fails, not the ones before it in this read.
-		c.arrived = append(c.arrived, arrivedFD{fd: -1, from: from, to: from + uint64(n), err: err})
-	}
-	c.hi += n
-	if n > 0 {
-		return nil // any other error shows again at the next read
-	}
-	return err
-}
-
-// read reads what has arrived into b, waiting for something unless wait is false (then
-// session.ErrNoFrame says nothing had).
-func (c *Conn) read(b []byte, wait bool) (int, []int, error) {
-	if c.Uc == nil {
-		n, err := c.Nc.Read(b)
-		return n, nil, unaddressed(err)
-	}
-	maxFDs := 0
-	if c.acceptsFDs {
-		maxFDs = 1 // a frame carries at most one
-	}
-	n, fds, err := c.rx.RecvRaw(c.raw, b, maxFDs, wait)
-	switch {
-	case errors.Is(err, unixfd.ErrUnexpectedFDs):
-		return n, nil, fmt.Errorf("%w: %w", errRefusedFDs, ProtocolErr("%v", err))
-	case errors.Is(err, unixfd.ErrWouldBlock):
-		return 0, nil, session.ErrNoFrame
-	}
-	return n, fds, unaddressed(err)
-}
-
-// dropFDs closes the descriptors that arrived and were not taken.
-func (c *Conn) dropFDs() {
-	for _, a := range c.arrived {
-		_ = unix.Close(a.fd) // cleanup: the descriptor is ours and unused
-	}
-	c.arrived = nil
 }
 
 func (c *Conn) Close() error { return c.Nc.Close() }
