@@ -110,12 +110,7 @@ type Client[F any] struct {
 	watch    *idleWatch // nil: the watcher reads for good, and replies are handed over
 	watchOff bool       // watch is switched off; only the role's holder touches it
 
-	// cutMu guards cutGen, the lead (numbered by leads, under the role) whose ctx may
-	// cut the present read short, 0 none: a cut meant for an earlier holder of the
-	// role, late, finds another there and does nothing.
-	cutMu  sync.Mutex
-	cutGen uint64
-	leads  uint64
+	cut cut // the present holder's read, cut short when its ctx ends
 
 	// free holds calls done with, for reuse: a request costs no allocation of its own.
 	free sync.Pool
@@ -157,7 +152,7 @@ func (c *call[F]) signal() {
 
 // NewClient returns a Client on nc, reading with fr, for protocol p; Start runs it.
 func NewClient[F any](nc net.Conn, fr Frames[F], p Protocol[F]) *Client[F] {
-	return &Client[F]{nc: nc, fr: fr, p: p, pending: map[uint64]*call[F]{},
+	return &Client[F]{nc: nc, fr: fr, p: p, pending: map[uint64]*call[F]{}, cut: cut{set: nc.SetReadDeadline},
 		done: make(chan struct{}), readerDone: make(chan struct{})}
 }
 
@@ -438,25 +433,7 @@ func (cl *Client[F]) lead(ctx context.Context, c *call[F]) error {
 	defer cl.passRole()
 	cl.quiet()
 	if ctx.Done() != nil {
-		cl.leads++
-		me := cl.leads
-		cl.cutMu.Lock()
-		cl.cutGen = me
-		cl.cutMu.Unlock()
-		stop := context.AfterFunc(ctx, func() {
-			cl.cutMu.Lock()
-			if cl.cutGen == me {
-				_ = cl.nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
-			}
-			cl.cutMu.Unlock()
-		})
-		defer func() {
-			stop()
-			cl.cutMu.Lock()
-			cl.cutGen = 0
-			_ = cl.nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-			cl.cutMu.Unlock()
-		}()
+		defer cl.cut.disarm(cl.cut.arm(ctx), true)
 	}
 	for {
 		got, err := cl.handOn(true)

@@ -161,6 +161,10 @@ func (r *FrameReader) Close() {
 	r.arrived = nil
 }
 
+// Unread is how many bytes r has taken from its source past the last frame Next
+// returned: with the bytes read so far, where in the stream that frame ended.
+func (r *FrameReader) Unread() int { return r.hi - r.lo }
+
 // Buffered reports whether a whole frame (or a header that breaks the framing) has
 // been read and not taken: Next returns it without reading.
 func (r *FrameReader) Buffered() bool {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -31,17 +30,13 @@ type Writer struct {
 	buf     []byte        // used by the writer holding the turn
 	broken  error         // set by the writer holding the turn, read with it
 	sent    atomic.Int64  // frames written whole
-	gen     uint64        // counts the writes whose ctx can end; by the turn's holder
-	// cutMu guards cutGen, the write (gen) that its ctx may cut short, 0 none: a cut
-	// that comes late finds another there, and does nothing.
-	cutMu  sync.Mutex
-	cutGen uint64
+	cut     cut           // the present write, cut short when its ctx ends
 }
 
 // NewWriter returns a Writer on nc; timeout, if not zero, bounds each write whose
 // context has no earlier deadline.
 func NewWriter(nc net.Conn, timeout time.Duration) *Writer {
-	return &Writer{nc: nc, timeout: timeout, turn: make(chan struct{}, 1)}
+	return &Writer{nc: nc, timeout: timeout, turn: make(chan struct{}, 1), cut: cut{set: nc.SetWriteDeadline}}
 }
 
 // Sent is the number of frames written whole.
@@ -99,24 +94,7 @@ func (w *Writer) write(ctx context.Context, fill func([]byte) ([]byte, error), o
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		w.gen++
-		gen := w.gen
-		w.cutMu.Lock()
-		w.cutGen = gen
-		w.cutMu.Unlock()
-		stop := context.AfterFunc(ctx, func() {
-			w.cutMu.Lock()
-			if w.cutGen == gen { // else a later write's: this one has returned
-				_ = w.nc.SetWriteDeadline(time.Unix(1, 0)) // it only wakes the write
-			}
-			w.cutMu.Unlock()
-		})
-		defer func() {
-			stop()
-			w.cutMu.Lock()
-			w.cutGen = 0
-			w.cutMu.Unlock()
-		}()
+		defer w.cut.disarm(w.cut.arm(ctx), false) // the next write sets its own deadline
 	}
 	n, err := w.send(b, oob)
 	if err == nil {

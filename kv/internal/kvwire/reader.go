@@ -73,3 +73,7 @@ func (rd *Reader) Close() { rd.fr.Close() }
 // Whole says whether a whole frame (or a header that breaks the layout) is in the
 // buffer: Next returns it without reading.
 func (rd *Reader) Whole() bool { return rd.fr.Buffered() }
+
+// Unread is how many bytes the Reader has taken from its source past the last frame
+// Next returned: with the bytes read so far, where in the stream that frame ended.
+func (rd *Reader) Unread() int { return rd.fr.Unread() }
