@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"syscall"
 	"testing"
 
@@ -75,17 +74,7 @@ var errToyGone = errors.New("the toy peer is gone")
 // toyClient is a Client on one end of a socket pair, the other end returned; pushes
 // go to pushed.
 func toyClient(t *testing.T, watch Watch, pushed chan<- toy) (*Client[toy], *net.UnixConn) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	require.NoError(t, err)
-	conn := func(fd int) *net.UnixConn {
-		f := os.NewFile(uintptr(fd), "toy")
-		defer f.Close()
-		nc, err := net.FileConn(f)
-		require.NoError(t, err)
-		return nc.(*net.UnixConn)
-	}
-	mine, peer := conn(fds[0]), conn(fds[1])
-	t.Cleanup(func() { peer.Close() })
+	mine, peer := socketPair(t)
 	rc, err := mine.SyscallConn()
 	require.NoError(t, err)
 	cl := NewClient[toy](mine, &toyFrames{nc: mine, rc: rc}, Protocol[toy]{
