@@ -55,6 +55,28 @@ func Dial(ctx context.Context, path string, wait bool) (*net.UnixConn, error) {
 	return nc, last
 }
 
+// ProbeTimeout bounds the connect of Answers. A live listener answers a local connect
+// at once; this only guards against a hang.
+const ProbeTimeout = 2 * time.Second
+
+// Answers reports whether a listener accepts connections on the Unix socket at path:
+// a path where nothing listens (no file, a socket nobody accepts on, a file that is no
+// socket) is not live; any other failure (a full backlog, a path too long, no right to
+// connect) is returned, as it proves nothing either way.
+func Answers(path string) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), ProbeTimeout)
+	defer cancel()
+	nc, err := Dial(ctx, path, false)
+	switch {
+	case err == nil:
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
+		return true, nil
+	case errors.Is(err, ErrNoListener) || errors.Is(err, ErrNotSocket):
+		return false, nil
+	}
+	return false, err
+}
+
 // Retry calls try until it succeeds, fails with an error not worth waiting on (again
 // false), or ctx ends, waiting between calls with backoff from first to most. It
 // returns try's last error, or, once ctx has ended (while waiting, or cutting a try
