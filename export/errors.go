@@ -76,10 +76,11 @@ func (nameUnpublished) Error() string { return "cudapool: buffer freed, its name
 func (nameUnpublished) Is(target error) bool { return target == ErrUnknownName }
 
 // RemoteError is a request a server refused with a message of its own, the one form
-// of such a refusal in cudapool: an exporter's, and a KV owner's ([github.com/cudapool/cudapool/kv.RemoteError] is
-// this type). Text is the server's message, and [errors.Is] matches Err, the sentinel
-// it stands for ([ErrUnknownName], [ErrStaleLease], [github.com/cudapool/cudapool/kv.ErrNoSpace], ...), where there
-// is one. Peer names the server in Error; empty is "exporter".
+// of such a refusal in cudapool: an exporter's, and a KV owner's
+// ([github.com/cudapool/cudapool/kv.RemoteError] is this type). Text is the server's
+// message, and [errors.Is] matches Err, the sentinel it stands for ([ErrUnknownName],
+// [ErrStaleLease], [github.com/cudapool/cudapool/kv.ErrNoSpace], ...), where there is
+// one. Peer names the server in Error; empty is "exporter".
 type RemoteError struct {
 	Err  error
 	Text string
