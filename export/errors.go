@@ -75,14 +75,24 @@ func (nameUnpublished) Error() string { return "cudapool: buffer freed, its name
 // Is says that a freed buffer's name is an unknown one.
 func (nameUnpublished) Is(target error) bool { return target == ErrUnknownName }
 
-// RemoteError is a request the exporter refused: Text is the exporter's message, and
-// [errors.Is] matches Err, the sentinel it stands for ([ErrUnknownName], [ErrStaleLease], ...).
+// RemoteError is a request a server refused with a message of its own, the one form
+// of such a refusal in cudapool: an exporter's, and a KV owner's
+// ([github.com/cudapool/cudapool/kv.RemoteError] is this type). Text is the server's
+// message, and [errors.Is] matches Err, the sentinel it stands for ([ErrUnknownName],
+// [ErrStaleLease], [github.com/cudapool/cudapool/kv.ErrNoSpace], ...), where there is
+// one. Peer names the server in Error; empty is "exporter".
 type RemoteError struct {
 	Err  error
 	Text string
+	Peer string
 }
 
-func (e *RemoteError) Error() string { return "exporter: " + e.Text }
+func (e *RemoteError) Error() string {
+	if e.Peer == "" {
+		return "exporter: " + e.Text
+	}
+	return e.Peer + ": " + e.Text
+}
 
 // Unwrap is the sentinel the refusal stands for.
 func (e *RemoteError) Unwrap() error { return e.Err }

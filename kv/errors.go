@@ -1,6 +1,10 @@
 package kv
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/cudapool/cudapool/export"
+)
 
 // MaxBatch is the most pages (or hashes, or leases) one request may carry.
 const MaxBatch = 4096
@@ -38,13 +42,8 @@ var (
 	ErrLeaseLost = errors.New("kv: lease lost in an owner's restart")
 )
 
-// RemoteError is a failure the owner reported with a message of its own. Err is the
-// sentinel it stands for where there is one ([ErrNoSpace], [ErrStaleLease], ...), else nil.
-type RemoteError struct {
-	Err  error
-	Text string
-}
-
-func (e *RemoteError) Error() string { return "kv: owner: " + e.Text }
-
-func (e *RemoteError) Unwrap() error { return e.Err }
+// RemoteError is a failure the owner reported with a message of its own: Err is the
+// sentinel it stands for where there is one ([ErrNoSpace], [ErrStaleLease], ...), else
+// nil, and Peer is "kv: owner". It is [export.RemoteError], the one form of a
+// server's refusal.
+type RemoteError = export.RemoteError

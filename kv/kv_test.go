@@ -125,9 +125,9 @@ func TestDType(t *testing.T) {
 }
 
 func TestRemoteError(t *testing.T) {
-	err := error(&kv.RemoteError{Err: kv.ErrNoSpace, Text: "12 pages asked, 3 free"})
+	err := error(&kv.RemoteError{Err: kv.ErrNoSpace, Text: "12 pages asked, 3 free", Peer: "kv: owner"})
 	assert.True(t, errors.Is(err, kv.ErrNoSpace))
-	assert.Contains(t, err.Error(), "12 pages asked")
+	assert.Equal(t, "kv: owner: 12 pages asked, 3 free", err.Error())
 }
 
 func BenchmarkPrefixHashes512(b *testing.B) {

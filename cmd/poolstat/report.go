@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"os"
 	"syscall"
 	"time"
@@ -17,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/privdir"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // ReportSchema is the version of the -json schema. Fields may be added within a
@@ -290,13 +290,12 @@ const startSlack = time.Second
 // what may still be alive. A socket that cannot be checked (a path too long to dial, a
 // full backlog) or a process that cannot be looked up proves nothing.
 func provenDead(a discover.Announcement) error {
-	c, err := net.DialTimeout("unix", a.Socket, time.Second)
+	live, err := session.Answers(a.Socket)
 	switch {
-	case err == nil:
-		_ = c.Close() // cleanup: nothing is left to do if closing fails
-		return fmt.Errorf("its socket %s accepts connections", a.Socket)
-	case !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, fs.ErrNotExist):
+	case err != nil:
 		return fmt.Errorf("its socket %s could not be checked: %w", a.Socket, err)
+	case live:
+		return fmt.Errorf("its socket %s accepts connections", a.Socket)
 	}
 	info, err := peercred.Lookup(a.PID)
 	switch {

@@ -73,7 +73,7 @@ func newCountedPair(t *testing.T, poolOpts []pool.Option, exOpts ...producer.Lis
 // counted them: its requests, and the answers it has read (and so waited for).
 func (cp countedPair) frames() (received, sent int64) {
 	c := consumer.Client(cp.c.Imp).C
-	return c.Sent.Load(), c.Received.Load()
+	return c.Sent(), c.Received.Load()
 }
 
 // awaitFrees waits until the consumer's frees and releases so far have completed, as they

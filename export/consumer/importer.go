@@ -116,7 +116,7 @@ func Dial(ctx context.Context, path string, rt cudart.Runtime, device int, opts 
 		return nil, errors.New("consumer: Dial needs a runtime")
 	}
 	o := newDialOptions(opts)
-	nc, err := dialWaiting(ctx, path, o.waitForExporter)
+	nc, err := wire.DialSocket(ctx, path, o.waitForExporter)
 	if err != nil {
 		return nil, err
 	}

@@ -107,9 +107,7 @@ func TestExporterCloseWaitsForReleases(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- pr.Ex.Close(ctx) }()
 	exporttest.WaitFor(t, "the importer to hear Bye", func() bool {
-		consumer.Client(c.Imp).Mu.Lock()
-		defer consumer.Client(c.Imp).Mu.Unlock()
-		return consumer.Client(c.Imp).Bye
+		return consumer.Client(c.Imp).SaidBye()
 	})
 	_, err = c.Imp.Open(ctx, "a", c.Stream)
 	require.ErrorIs(t, err, export.ErrExporterGone, "Open during Close, want export.ErrExporterGone")
@@ -143,9 +141,7 @@ func TestCloseWaitsForReleasesPastPeersThatDoNotRead(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- pr.Ex.Close(ctx) }()
 	exporttest.WaitFor(t, "the consumer to be told Bye", func() bool {
-		consumer.Client(c.Imp).Mu.Lock()
-		defer consumer.Client(c.Imp).Mu.Unlock()
-		return consumer.Client(c.Imp).Bye
+		return consumer.Client(c.Imp).SaidBye()
 	})
 	require.NoError(t, m.Release(ctx, c.Stream))
 	require.NoError(t, testwait.Recv(t, closed, "Close to return"), "Close, want nil: every lease was released before its context ended")

@@ -72,7 +72,7 @@ func TestMalformedExporterInput(t *testing.T) {
 			imp, err := consumer.Dial(exporttest.Ctx(t), path, s.Dev, 0, consumer.WithLogger(lb.Logger()))
 			require.NoError(t, err)
 			testwait.Recv(t, sent, "the malformed frame to go out")
-			testwait.Recv(t, consumer.Client(imp).ReaderDone, "the importer to drop the connection")
+			testwait.Recv(t, consumer.Client(imp).ReaderDone(), "the importer to drop the connection")
 			_, err = imp.Open(exporttest.Ctx(t), "x", s.Stream)
 			require.ErrorIs(t, err, export.ErrExporterGone, "Open = %v, want export.ErrExporterGone with the violation", err)
 			require.ErrorIs(t, err, export.ErrProtocol, "Open = %v, want export.ErrExporterGone with the violation", err)

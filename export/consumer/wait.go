@@ -4,12 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/session"
 )
 
@@ -19,24 +17,6 @@ const (
 	openRetryFirst = 1 * time.Millisecond
 	openRetryMost  = 100 * time.Millisecond
 )
-
-// dialWaiting is dialSocket that, with wait, tries again while nothing listens at path.
-func dialWaiting(ctx context.Context, path string, wait bool) (net.Conn, error) {
-	if !wait {
-		return wire.DialSocket(ctx, path)
-	}
-	var nc net.Conn
-	notYet := fmt.Errorf("%w: nothing answered at %s", export.ErrExporterGone, path)
-	last, ctxErr := session.Retry(ctx, session.DialBackoffMin, session.DialBackoffMax, notYet, func() (bool, error) {
-		var err error
-		nc, err = wire.DialSocket(ctx, path)
-		return errors.Is(err, export.ErrExporterGone), err
-	})
-	if ctxErr != nil {
-		return nil, fmt.Errorf("%w (waited for an exporter until %w)", last, ctxErr)
-	}
-	return nc, last
-}
 
 // openWaiting is open that tries again while the name is not published.
 func (imp *Importer) openWaiting(ctx context.Context, name string, s cudart.Stream) (*Mapping, error) {

@@ -13,8 +13,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/internal/privdir"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // DirEnv names the environment variable that overrides [DefaultDir].
@@ -123,7 +123,7 @@ func liveness(a Announcement) string {
 	if err := syscall.Kill(a.PID, 0); err != nil && !errors.Is(err, syscall.EPERM) {
 		return fmt.Sprintf("process %d is gone", a.PID)
 	}
-	live, err := wire.SocketAnswers(a.Socket)
+	live, err := session.Answers(a.Socket)
 	switch {
 	case err != nil:
 		return fmt.Sprintf("socket %s could not be checked: %v", a.Socket, err)

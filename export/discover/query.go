@@ -15,7 +15,7 @@ import (
 // refusal wraps [export.ErrRefused]. It needs no CUDA runtime.
 func QueryState(ctx context.Context, socketPath string, opts ...QueryOption) (*export.State, error) {
 	o := newQueryOptions(opts)
-	nc, err := wire.DialSocket(ctx, socketPath)
+	nc, err := wire.DialSocket(ctx, socketPath, false)
 	if err != nil {
 		return nil, err
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/intercept"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/pool"
 )
@@ -53,7 +54,7 @@ func TestFabricWithoutIMEXIsReported(t *testing.T) {
 // for debugging only, not as a warning.
 func TestProbeIsNotAWarning(t *testing.T) {
 	pr := exporttest.NewProducer(t, nil, nil)
-	live, err := wire.SocketAnswers(pr.Path)
+	live, err := session.Answers(pr.Path)
 	require.False(t, !live || err != nil, "socketAnswers = %v, %v; want a live socket", live, err)
 	exporttest.WaitFor(t, "the probe to be logged", func() bool { return strings.Contains(pr.Log.String(), "not admitted") })
 	log := pr.Log.String()

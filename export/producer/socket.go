@@ -13,6 +13,7 @@ import (
 
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/export/internal/wire"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
 // socketFile is a listening Unix socket that only this user can connect to, and the
@@ -119,7 +120,7 @@ func clearStaleSocket(path string) error {
 	if info.Mode().Type() != fs.ModeSocket {
 		return fmt.Errorf("%w: %s is a %v", export.ErrNotSocket, path, info.Mode().Type())
 	}
-	live, err := wire.SocketAnswers(path)
+	live, err := session.Answers(path)
 	if err != nil {
 		return fmt.Errorf("producer: probe existing socket %s: %w", path, err)
 	}

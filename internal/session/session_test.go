@@ -133,3 +133,21 @@ func TestCounterCaps(t *testing.T) {
 	assert.Equal(t, 3, total)
 	assert.Equal(t, 1, one)
 }
+
+// Dial says what is at the path: nothing (waited for only with wait), or a file that
+// is no socket (never waited for).
+func TestDialSaysWhatIsThere(t *testing.T) {
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "missing.sock")
+	_, err := Dial(context.Background(), missing, false)
+	require.ErrorIs(t, err, ErrNoListener)
+	file := filepath.Join(dir, "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	_, err = Dial(context.Background(), file, true)
+	require.ErrorIs(t, err, ErrNotSocket, "a file that is no socket is not waited for")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = Dial(ctx, missing, true)
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorIs(t, err, ErrNoListener)
+}

@@ -57,6 +57,13 @@ func Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []int, err error)
 // value is ready for use. A Receiver serves one reader at a time.
 type Receiver struct {
 	oob []byte
+	// A RecvRaw's call, for read, made once (newRead): a closure made per call would
+	// cost allocations per read.
+	read           func(fd uintptr) bool
+	buf, roob      []byte
+	n, oobn, flags int
+	wait           bool
+	rerr           error
 }
 
 // Recv is the package's Recv, with the same guarantees, using r's control buffer.
@@ -73,13 +80,13 @@ func (r *Receiver) Recv(c *net.UnixConn, buf []byte, maxFDs int) (n int, fds []i
 // descriptors. With wait false it does not wait for data: if none has arrived it
 // fails with ErrWouldBlock. A peer that closed gives io.EOF.
 func (r *Receiver) RecvRaw(rc syscall.RawConn, buf []byte, maxFDs int, wait bool) (n int, fds []int, err error) {
-	oob := r.control(maxFDs)
-	var oobn, flags int
-	var rerr error
-	err = rc.Read(func(fd uintptr) bool {
-		n, oobn, flags, rerr = recvmsg(int(fd), buf, oob, unix.MSG_DONTWAIT|recvFlags)
-		return !wait || !errors.Is(rerr, unix.EAGAIN)
-	})
+	if r.read == nil {
+		r.read = r.readOnce
+	}
+	r.buf, r.roob, r.wait = buf, r.control(maxFDs), wait
+	err = rc.Read(r.read)
+	n, oobn, flags, rerr, oob := r.n, r.oobn, r.flags, r.rerr, r.roob
+	r.buf, r.roob, r.rerr = nil, nil, nil
 	switch {
 	case err != nil:
 		return 0, nil, err
@@ -91,6 +98,12 @@ func (r *Receiver) RecvRaw(rc syscall.RawConn, buf []byte, maxFDs int, wait bool
 		return 0, nil, io.EOF
 	}
 	return r.finish(n, oob[:oobn], flags, maxFDs)
+}
+
+// readOnce is one recvmsg of RecvRaw's, done when it read or need not wait.
+func (r *Receiver) readOnce(fd uintptr) bool {
+	r.n, r.oobn, r.flags, r.rerr = recvmsg(int(fd), r.buf, r.roob, unix.MSG_DONTWAIT|recvFlags)
+	return !r.wait || !errors.Is(r.rerr, unix.EAGAIN)
 }
 
 // control returns the control buffer for maxFDs descriptors. One spare slot lets an

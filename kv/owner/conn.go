@@ -15,7 +15,6 @@ import (
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
@@ -54,7 +53,7 @@ type conn struct {
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	notifiers map[uint32]*notifier
-	fds       *unixfd.Stream // what serve reads from: the frames and the notifiers' descriptors
+	rd        *kvwire.Reader // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
 	locked  bool        // it holds Owner.mu (lock)
 	req     kvwire.Type // the request it serves
@@ -261,21 +260,14 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
 func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
-	c.fds = unixfd.NewStream(c.nc)
+	c.rd = rd
 	for {
-		h, p, err := rd.Next(c.fds)
-		if errors.Is(err, unixfd.ErrUnexpectedFDs) {
-			err = fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
-		}
+		h, p, err := rd.Next(c.nc) // a descriptor with any frame but a Notifier is closed
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
 				return nil, nil
 			}
 			return nil, err
-		}
-		end := c.fds.Offset() - int64(rd.Unread()) // where the frame ended in the stream
-		if h.Type != kvwire.TypeNotifier {
-			c.fds.Drop(end)
 		}
 		c.req = h.Type
 		if frameHook != nil {
@@ -298,7 +290,7 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 		case kvwire.TypeReattach:
 			err = c.reattach(h, p)
 		case kvwire.TypeNotifier:
-			err = c.registerNotifier(p, end-int64(kvwire.HeaderLen+len(p)), end)
+			err = c.registerNotifier(p, rd.TakeFD())
 		case kvwire.TypeBye:
 			m, err := kvwire.DecodeBye(p)
 			if err != nil {
@@ -589,15 +581,14 @@ func (c *conn) notifier(at kvwire.Point) (*notifier, error) {
 	return nil, fmt.Errorf("%w: notifier %d was never registered on this connection", kv.ErrGeometry, at.Notifier)
 }
 
-// registerNotifier registers the notifier of a Notifier frame (payload p, bytes
-// [start, end) of the stream) with the eventfd that came with it, and starts its
-// watcher. A Notifier without an eventfd, of id 0 or of an id registered already ends
+// registerNotifier registers the notifier of a Notifier frame (payload p) with fd,
+// the eventfd that came with it (-1 none), and starts its watcher. A Notifier without an eventfd, of id 0 or of an id registered already ends
 // the connection (the error wraps kvwire.ErrMalformed); one past the connection's cap
 // is dropped, and the Seal or Release that names it refused.
-func (c *conn) registerNotifier(p []byte, start, end int64) error {
+func (c *conn) registerNotifier(p []byte, fd int) error {
 	o := c.o
 	m, err := kvwire.DecodeNotifier(p)
-	fd, ok := c.fds.Take(start, end)
+	ok := fd >= 0
 	switch {
 	case err != nil:
 	case !ok:
@@ -1010,8 +1001,8 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	c.unlock()
 	o.send(owed)
 	closeNotifiers(ns)
-	if c.fds != nil {
-		c.fds.Drop(c.fds.Offset())
+	if c.rd != nil {
+		c.rd.Close()
 	}
 	if c.proc != nil {
 		_ = c.proc.Close() // cleanup: nothing is left to do if closing fails

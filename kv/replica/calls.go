@@ -6,9 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"github.com/cudapool/cudapool/export"
+	"math"
 	"net"
 	"slices"
-	"time"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/internal/session"
@@ -17,7 +17,7 @@ import (
 )
 
 // abandonTimeout bounds the release of a lease whose caller gave up before its reply.
-const abandonTimeout = 30 * time.Second
+const abandonTimeout = session.AbandonTimeout
 
 // gone is the error of a request made once the replica stopped.
 func (r *Replica) gone() error {
@@ -26,225 +26,75 @@ func (r *Replica) gone() error {
 	return r.err
 }
 
+// reply is a reply frame: its header, and its payload, valid while it is handled.
+type reply struct {
+	kvwire.Header
+	p []byte
+}
+
 // A replyHandler acts on a call's reply (roundTrip). claimed is false once the
-// call's caller gave up on it (its ctx ended, abandon): the handler then touches
-// nothing of the caller's and does only what the replica itself must, such as no
-// longer holding a lease the reply ended; a lease the reply grants is given back.
-type replyHandler func(h kvwire.Header, p []byte, claimed bool) error
+// call's caller gave up on it (its ctx ended): the handler then touches nothing of
+// the caller's and does only what the replica itself must, such as no longer holding
+// a lease the reply ended, or giving back (releaseUnclaimed) a lease it grants.
+type replyHandler = func(h reply, claimed bool) error
 
 // roundTrip sends the request build makes under a fresh id and has its reply handled
-// by handle. The caller that sent a request reads replies itself while no other
-// caller does (one reading role), handling the others' replies for them, so that a
-// reply usually wakes the goroutine that waits for it directly. handle runs on the
-// reading goroutine, with the role held, while the payload is valid; it must not
-// block. What it records (a lease held, or ended) is so recorded before the role is
-// free again, which a reconnection takes before it lists the leases held.
-func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint32) ([]byte, error), handle replyHandler) error {
-	id := r.nextID.Add(1)
-	if id == 0 {
-		id = r.nextID.Add(1)
-	}
-	c := &call{id: id, handle: handle, done: make(chan struct{})}
+// by handle, on the present connection's [session.Client]: the caller that sent a
+// request reads replies itself while no other caller does, handling the others'
+// replies for them, so that a reply usually wakes the goroutine that waits for it
+// directly. handle runs on the reading goroutine, with the role held, while the
+// payload is valid; it must not block. What it records (a lease held, or ended) is so
+// recorded before the role is free again, which a reconnection takes before it lists
+// the leases held.
+func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint64) ([]byte, error), handle replyHandler) error {
 	r.mu.Lock()
-	if err := r.err; err != nil {
-		r.mu.Unlock()
-		return err
-	}
-	r.calls[id] = c
-	w, nc := r.w, r.nc // the connection the call is made on
+	err, cl := r.err, r.cl
 	r.mu.Unlock()
-
-	err := w.Write(ctx, func(b []byte) ([]byte, error) { return build(b, id) })
-	if errors.Is(err, session.ErrBroken) {
-		r.failConn(nc, err) // a frame cut short: the owner cannot read on
-	}
 	if err != nil {
-		if !r.settle(c) {
-			return c.err // failConn completed it first
-		}
-		if gone := r.gone(); gone != nil {
-			return gone
-		}
 		return err
 	}
+	return cl.Call(ctx, build, session.HandlerFunc[reply](handle))
+}
 
-	err = r.wait(ctx, c)
-	if errors.Is(err, errGaveUp) {
-		if !r.abandon(c) {
-			<-c.done // its reply came as ctx ended, and was handled: what it grants is the caller's
-			return c.err
-		}
-		// Someone must still read the answer, which may grant a lease or end one: a
-		// waiter of its own does, and a lease granted is given back.
-		go func() {
-			bg, cancel := context.WithTimeout(context.Background(), abandonTimeout)
-			defer cancel()
-			if errors.Is(r.wait(bg, c), errGaveUp) {
-				r.settle(c) // a reply that comes later is given back as unclaimed
+// newClient is the request client on connection nc, whose frames rd reads.
+func (r *Replica) newClient(nc *net.UnixConn, rd *kvwire.Reader, w *session.Writer) *session.Client[reply] {
+	return session.NewClient[reply](nc, &frames{r: r, rd: rd, nc: nc}, session.Protocol[reply]{
+		ReplyTo: func(f reply) (uint64, bool) { return uint64(f.ID), true },
+		Push:    func(f reply) error { r.releaseUnclaimed(f); return nil },
+		Writer:  w,
+		Gone: func(why error) error {
+			if err := r.gone(); errors.Is(err, kv.ErrClosed) {
+				return err
 			}
-		}()
-		return ctx.Err()
-	}
-	return err
+			return fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
+		},
+		Down:  func(why error) { r.failConn(nc, why) },
+		Watch: session.WatchHangUp,
+		MaxID: math.MaxUint32,
+	})
 }
 
-// take removes call id from the calls waiting and returns it; nil if another took it
-// first. The one that takes a call decides how it ends (see call): it completes it,
-// or, if it is the call's own caller, ends its wait without a reply.
-func (r *Replica) take(id uint32) *call {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	c := r.calls[id]
-	delete(r.calls, id)
-	return c
+// frames reads the page protocol's frames for a [session.Client].
+type frames struct {
+	r  *Replica
+	rd *kvwire.Reader
+	nc *net.UnixConn
 }
 
-// settle ends c's caller's wait for good: it takes c and says so (true: no reply or
-// failure will come to it), or else waits until the one that took c first has
-// completed it (false), which that one does without blocking.
-func (r *Replica) settle(c *call) (taken bool) {
-	if r.take(c.id) != nil {
-		return true
+// Next reads the next frame, waiting for it or not ([session.ErrNoFrame]).
+func (f *frames) Next(wait bool) (reply, error) {
+	h, p, err := f.rd.NextWait(f.nc, wait)
+	if err != nil {
+		return reply{}, err
 	}
-	<-c.done
-	return false
+	if f.r.readHook != nil {
+		f.r.readHook(h)
+	}
+	return reply{h, p}, nil
 }
 
-// abandon makes c's reply, if it is still to come, be handled unclaimed (see
-// replyHandler): c's caller gave up. False if c was taken already.
-func (r *Replica) abandon(c *call) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.calls[c.id] != c {
-		return false
-	}
-	c.abandoned = true
-	return true
-}
-
-// complete ends c, taken from the calls waiting, with err (its reply's handling, or
-// the failure of its connection), and wakes its caller.
-func (c *call) complete(err error) {
-	c.err = err
-	close(c.done)
-}
-
-// errGaveUp says that wait's ctx ended before the answer came; the call is still
-// registered, for another wait to take over.
-var errGaveUp = errors.New("kv/replica: gave up waiting")
-
-// wait waits until call c is completed and returns how: it reads replies itself while
-// no other caller does, handling the others'. If ctx ends first it returns errGaveUp,
-// leaving the call registered; if the replica stops, its error.
-func (r *Replica) wait(ctx context.Context, c *call) error {
-	done := r.Done()
-	for {
-		select {
-		case <-c.done:
-			return c.err
-		case r.role <- struct{}{}:
-			err := r.readFor(ctx, c)
-			<-r.role
-			select {
-			case <-c.done:
-				return c.err
-			default:
-			}
-			if err != nil && ctx.Err() == nil {
-				if r.settle(c) {
-					return err
-				}
-				return c.err
-			}
-		case <-ctx.Done():
-		case <-done:
-		}
-		if gone := r.gone(); gone != nil {
-			if r.settle(c) {
-				return gone
-			}
-			// The answer came meanwhile: it was handled, so nothing it grants is lost.
-			return c.err
-		}
-		if ctx.Err() != nil {
-			return errGaveUp
-		}
-	}
-}
-
-// readFor reads replies, with the reading role held, handling each for its call,
-// until c is completed, ctx ends or the connection fails.
-func (r *Replica) readFor(ctx context.Context, c *call) error {
-	select {
-	case <-c.done: // completed while this caller waited for the role
-		return nil
-	default:
-	}
-	id := c.id
-	nc := r.nc // the present connection: it changes only while no one holds the role
-	if ctx.Done() != nil {
-		r.dlMu.Lock()
-		r.dlBy = id
-		r.dlMu.Unlock()
-		stop := context.AfterFunc(ctx, func() {
-			r.dlMu.Lock()
-			if r.dlBy == id {
-				_ = nc.SetReadDeadline(time.Unix(1, 0)) // it only wakes the read; on a closed connection the read fails anyway
-			}
-			r.dlMu.Unlock()
-		})
-		defer func() {
-			stop()
-			r.dlMu.Lock()
-			r.dlBy = 0
-			_ = nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read or write reports
-			r.dlMu.Unlock()
-		}()
-	}
-	for {
-		h, p, err := r.rd.Next(nc)
-		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
-				if ctx.Err() != nil {
-					return ctx.Err()
-				}
-				// A stale cut meant for an earlier reader. Clearing it fails only on a
-				// closed connection, which the next read reports.
-				_ = nc.SetReadDeadline(time.Time{})
-				continue
-			}
-			r.failConn(nc, err)
-			if gone := r.gone(); gone != nil {
-				return gone
-			}
-			return fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
-		}
-		if r.readHook != nil {
-			r.readHook(h)
-		}
-		r.deliver(h, p)
-		select {
-		case <-c.done:
-			return nil
-		default:
-		}
-	}
-}
-
-// deliver hands a reply to its call's handle and completes the call; a reply nobody
-// waits for any more (its call failed with its connection, or its caller gave up)
-// releases the lease it grants.
-func (r *Replica) deliver(h kvwire.Header, p []byte) {
-	if c := r.take(h.ID); c != nil {
-		if c.abandoned {
-			r.releaseUnclaimed(h, p)
-		}
-		c.complete(c.handle(h, p, !c.abandoned))
-		return
-	}
-	r.releaseUnclaimed(h, p)
-}
+// Buffered reports whether a whole frame is buffered.
+func (f *frames) Buffered() bool { return f.rd.Whole() }
 
 // replied runs the test's hook (export_test.go) as a method has its reply.
 func (r *Replica) replied() {
@@ -254,9 +104,9 @@ func (r *Replica) replied() {
 }
 
 // releaseUnclaimed handles an answer whose caller gave up: a lease it grants is released.
-func (r *Replica) releaseUnclaimed(h kvwire.Header, p []byte) {
+func (r *Replica) releaseUnclaimed(h reply) {
 	if h.Type == kvwire.TypeLeased || h.Type == kvwire.TypeMatched {
-		if m, err := kvwire.DecodeLease(h.Type, p, nil); err == nil && m.ID != 0 {
+		if m, err := kvwire.DecodeLease(h.Type, h.p, nil); err == nil && m.ID != 0 {
 			go r.releaseAbandoned(m.ID)
 		}
 	}
@@ -305,12 +155,15 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 	}
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendU32(b, kvwire.TypeAlloc, id, uint32(n)) },
-		func(h kvwire.Header, p []byte, claimed bool) error {
+		func(b []byte, id uint64) ([]byte, error) {
+			return kvwire.AppendU32(b, kvwire.TypeAlloc, uint32(id), uint32(n))
+		},
+		func(h reply, claimed bool) error {
 			if !claimed {
+				r.releaseUnclaimed(h)
 				return nil
 			}
-			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
+			if err := l.parse(h.Header, h.p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
 				return err
 			}
 			r.track(l)
@@ -380,18 +233,18 @@ func (r *Replica) Seal(ctx context.Context, l *Lease, hashes []kv.Hash, s cudart
 	}
 	var res SealResult
 	err = r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) {
-			return kvwire.AppendSeal(b, id, so.wait, l.id, at, hashes)
+		func(b []byte, id uint64) ([]byte, error) {
+			return kvwire.AppendSeal(b, uint32(id), so.wait, l.id, at, hashes)
 		},
-		func(h kvwire.Header, p []byte, claimed bool) error {
+		func(h reply, claimed bool) error {
 			if h.Type != kvwire.TypeSealed {
-				err := replyErr(h, p, kvwire.TypeSealed)
+				err := replyErr(h.Header, h.p, kvwire.TypeSealed)
 				if errors.Is(err, kv.ErrStaleLease) {
 					r.untrack(l) // the owner holds it no more
 				}
 				return err
 			}
-			m, err := kvwire.DecodeSealed(p)
+			m, err := kvwire.DecodeSealed(h.p)
 			if err != nil {
 				return err
 			}
@@ -420,12 +273,13 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 		return l, nil
 	}
 	err := r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendMatch(b, id, hashes) },
-		func(h kvwire.Header, p []byte, claimed bool) error {
+		func(b []byte, id uint64) ([]byte, error) { return kvwire.AppendMatch(b, uint32(id), hashes) },
+		func(h reply, claimed bool) error {
 			if !claimed {
+				r.releaseUnclaimed(h)
 				return nil
 			}
-			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
+			if err := l.parse(h.Header, h.p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
 				return err
 			}
 			if r.opts.reconnect && l.id != 0 {
@@ -496,12 +350,12 @@ func (r *Replica) ReleaseAll(ctx context.Context, ls []*Lease, s cudart.Stream) 
 // ended no more.
 func (r *Replica) releaseIDs(ctx context.Context, at kvwire.Point, ids []uint64, ended []*Lease) error {
 	return r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendRelease(b, id, at, ids) },
-		func(h kvwire.Header, p []byte, _ bool) error {
+		func(b []byte, id uint64) ([]byte, error) { return kvwire.AppendRelease(b, uint32(id), at, ids) },
+		func(h reply, _ bool) error {
 			if h.Type != kvwire.TypeReleased {
-				return replyErr(h, p, kvwire.TypeReleased)
+				return replyErr(h.Header, h.p, kvwire.TypeReleased)
 			}
-			if _, err := kvwire.DecodeReleased(p); err != nil {
+			if _, err := kvwire.DecodeReleased(h.p); err != nil {
 				return err
 			}
 			r.untrack(ended...)
@@ -513,15 +367,15 @@ func (r *Replica) releaseIDs(ctx context.Context, at kvwire.Point, ids []uint64,
 func (r *Replica) Stats(ctx context.Context) (kv.Stats, error) {
 	var st kv.Stats
 	err := r.roundTrip(ctx,
-		func(b []byte, id uint32) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeStats, id) },
-		func(h kvwire.Header, p []byte, claimed bool) error {
+		func(b []byte, id uint64) ([]byte, error) { return kvwire.AppendEmpty(b, kvwire.TypeStats, uint32(id)) },
+		func(h reply, claimed bool) error {
 			if h.Type != kvwire.TypeStatsReply {
-				return replyErr(h, p, kvwire.TypeStatsReply)
+				return replyErr(h.Header, h.p, kvwire.TypeStatsReply)
 			}
 			if !claimed {
 				return nil
 			}
-			return json.Unmarshal(p, &st)
+			return json.Unmarshal(h.p, &st)
 		})
 	return st, err
 }

@@ -1,6 +1,10 @@
 package replica
 
-import "github.com/cudapool/cudapool/kv/internal/kvwire"
+import (
+	"errors"
+
+	"github.com/cudapool/cudapool/kv/internal/kvwire"
+)
 
 // ForgeLease is a Lease the owner never issued, for tests of its refusals.
 func ForgeLease(id uint64, write bool, pages ...uint32) *Lease {
@@ -9,8 +13,10 @@ func ForgeLease(id uint64, write bool, pages ...uint32) *Lease {
 
 // HangUp closes r's page connection without Bye, as a process does as it dies.
 func HangUp(r *Replica) {
-	r.nc.CloseWrite() // the hang-up watch holds a duplicate of the socket
-	r.nc.Close()
+	r.mu.Lock()
+	cl := r.cl
+	r.mu.Unlock()
+	cl.Fail(errors.New("it hung up"))
 }
 
 // OpenEventfds counts the eventfds r made and has not closed.

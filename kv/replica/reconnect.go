@@ -105,20 +105,26 @@ func (r *Replica) untrack(ls ...*Lease) {
 	r.mu.Unlock()
 }
 
-// reconnectLocked starts a reconnection after the connection failed, under r.mu.
-func (r *Replica) reconnectLocked() {
+// reattachBackoffMin and reattachBackoffMax bound the backoff between reattaches.
+const (
+	reattachBackoffMin = 5 * time.Millisecond
+	reattachBackoffMax = 100 * time.Millisecond
+)
+
+// reconnectLocked starts a reconnection after connection cl failed, under r.mu.
+func (r *Replica) reconnectLocked(cl *session.Client[reply]) {
 	if !r.opts.reconnect || r.closed || r.stranded {
 		return
 	}
 	r.attached = make(chan struct{})
 	r.reconnWG.Add(1)
-	go r.reconnect(r.hup, r.owner, r.stopW)
-	r.hup, r.owner = nil, nil // the reconnection ends them
+	go r.reconnect(cl, r.owner, r.stopW)
+	r.owner = nil // the reconnection ends it
 }
 
 // reconnect redials until it reattaches, the keeper goes or Close; it first ends what
-// watched the lost connection.
-func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan struct{}) {
+// watched the lost connection, cl.
+func (r *Replica) reconnect(cl *session.Client[reply], owner *peercred.Process, stopW chan struct{}) {
 	defer r.reconnWG.Done()
 	installed := false
 	defer func() {
@@ -130,11 +136,6 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 		}
 	}()
 	close(stopW)
-	if hup != nil {
-		if err := hup.close(); err != nil {
-			r.log.Warn("kv: the lost owner's hang-up watch", "err", err)
-		}
-	}
 	if owner != nil {
 		_ = owner.Close() // cleanup: the process is gone
 	}
@@ -152,27 +153,20 @@ func (r *Replica) reconnect(hup *hangup, owner *peercred.Process, stopW chan str
 		r.log.Warn("kv: cannot wait for this replica's streams; it does not reattach", "err", err)
 		return
 	}
-	backoff := 5 * time.Millisecond
-	for {
-		err := r.reattach(ctx)
-		if err == nil {
-			installed = true
-			return
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		if errors.Is(err, kv.ErrGeometry) {
-			r.log.Warn("kv: the restarted owner serves another slab; this replica does not reattach", "err", err)
-			return
+	last, ctxErr := session.Retry(ctx, reattachBackoffMin, reattachBackoffMax, kv.ErrOwnerGone, func() (bool, error) {
+		err := r.reattach(ctx, cl)
+		if err == nil || errors.Is(err, kv.ErrGeometry) {
+			return false, err
 		}
 		r.log.Debug("kv: reattaching", "err", err)
-		select {
-		case <-time.After(backoff):
-		case <-ctx.Done():
-			return
-		}
-		backoff = min(2*backoff, 100*time.Millisecond)
+		return true, err
+	})
+	switch {
+	case ctxErr != nil:
+	case last != nil:
+		r.log.Warn("kv: the restarted owner serves another slab; this replica does not reattach", "err", last)
+	default:
+		installed = true
 	}
 }
 
@@ -203,9 +197,9 @@ func (r *Replica) drainEvents(ctx context.Context) error {
 	return nil
 }
 
-// reattach dials the page socket, says Hello, re-declares the leases and installs the
-// connection.
-func (r *Replica) reattach(ctx context.Context) (err error) {
+// reattach dials the page socket, says Hello, re-declares the leases held on lost, the
+// lost connection's client, and installs the connection.
+func (r *Replica) reattach(ctx context.Context, lost *session.Client[reply]) (err error) {
 	nc, err := dialPages(ctx, filepath.Join(r.dir, kvwire.PageSocket), false)
 	if err != nil {
 		return err
@@ -238,16 +232,13 @@ func (r *Replica) reattach(ctx context.Context) (err error) {
 			_ = owner.Close() // cleanup: the reattach's error is the one returned
 		}
 	}()
-	// With the role, no reply is being handled: every lease a reply read on the lost
-	// connection granted is listed, and none it ended, until the new one is installed.
-	select {
-	case r.role <- struct{}{}:
-	case <-r.closing:
-		return kv.ErrClosed
-	case <-ctx.Done():
-		return ctx.Err()
+	// With the lost connection's reading role, no reply is being handled: every lease a
+	// reply read on it granted is listed, and none it ended. (ctx ends with Close.)
+	release, err := lost.Hold(ctx)
+	if err != nil {
+		return err
 	}
-	defer func() { <-r.role }()
+	defer release()
 	r.mu.Lock()
 	held := make([]*Lease, 0, len(r.leases))
 	for _, l := range r.leases {
@@ -255,11 +246,11 @@ func (r *Replica) reattach(ctx context.Context) (err error) {
 	}
 	r.mu.Unlock()
 	slices.SortFunc(held, func(a, b *Lease) int { return cmp.Compare(a.id, b.id) })
-	lost, err := redeclare(ctx, nc, rd, held)
+	gone, err := redeclare(ctx, nc, rd, held)
 	if err != nil {
 		return err
 	}
-	return r.install(nc, rd, owner, lost)
+	return r.install(nc, rd, owner, gone)
 }
 
 // redeclare sends a Reattach for each lease and then the end of the list, and reads
@@ -309,7 +300,7 @@ func redeclare(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader, held []
 	return lost, nil
 }
 
-// install makes nc the replica's connection, attached, with the reading role held;
+// install makes nc the replica's connection, attached, on a client of its own;
 // kv.ErrClosed (nc to be closed by the caller) if Close came first.
 func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.Process, lost map[*Lease]string) error {
 	r.mu.Lock()
@@ -318,16 +309,14 @@ func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.P
 		return kv.ErrClosed
 	}
 	stopW := make(chan struct{})
-	hup, err := watchHangup(nc, func() { r.failConn(nc, errors.New("it closed the connection")) })
-	if err != nil {
-		return err
-	}
 	for l, why := range lost {
 		l.lost.Store(&why)
 		delete(r.leases, l.id)
 		r.log.Warn("kv: a lease was lost in the owner's restart", "lease", l.String(), "why", why)
 	}
-	r.nc, r.w, r.rd, r.owner, r.hup, r.stopW = nc, session.NewWriter(nc, 0), rd, owner, hup, stopW
+	r.nc, r.w, r.rd, r.owner, r.stopW = nc, session.NewWriter(nc, 0), rd, owner, stopW
+	r.cl = r.newClient(nc, rd, r.w)
+	r.cl.Start()
 	r.err = nil
 	r.done = make(chan struct{})
 	r.reattaches++

@@ -139,16 +139,11 @@ type Replica struct {
 	stream cudart.Stream       // the replica's own: the slab's import and its free
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
-	hup    *hangup
-	host   *HostTier // the device's host tier, mapped (hosttier.go); nil: none
+	host   *HostTier         // the device's host tier, mapped (hosttier.go); nil: none
 
-	nextID atomic.Uint32
-	w      *session.Writer // every write bounded by its caller's ctx
-
-	role chan struct{} // held (a value in it) by the one goroutine reading nc
-	rd   *kvwire.Reader
-	dlMu sync.Mutex
-	dlBy uint32 // the request whose ctx may cut the current read short; 0 none
+	w  *session.Writer        // every write bounded by its caller's ctx
+	cl *session.Client[reply] // the requests on nc; nil until Dial has made it
+	rd *kvwire.Reader
 	// readHook, where a test set it (export_test.go), runs as the reader has read a
 	// reply frame, before it hands the reply on: the seam where a test makes the
 	// connection fail at an exact point.
@@ -158,7 +153,6 @@ type Replica struct {
 	replyHook func()
 
 	mu    sync.Mutex
-	calls map[uint32]*call
 	err   error // why the replica stopped: ErrOwnerGone or ErrClosed
 	done  chan struct{}
 	stopW chan struct{} // stops the watcher
@@ -182,21 +176,6 @@ type Replica struct {
 	evClosed     bool
 }
 
-// call is one request's wait for its reply, made for that request alone and never
-// reused. Replica.calls holds it until one party takes it out (take): the reader
-// that reads its reply, failConn when the connection it was made on fails, or its
-// own caller ending its wait. Only the party that took it completes it (runs handle
-// on the reply, or sets the failure, then closes done), and does so without
-// blocking; its caller reads err only after done is closed. abandoned is set only
-// while the call is registered, under Replica.mu (abandon).
-type call struct {
-	id        uint32
-	handle    replyHandler
-	abandoned bool // its caller gave up: the reply is handled unclaimed
-	done      chan struct{}
-	err       error // the handling of the reply, or why the connection it was sent on ended
-}
-
 // Dial connects to the owner serving dir and maps every segment of the slab of device
 // (two requests to the slab exporter: the first segment, whose metadata says how many
 // there are, then the rest at once). It fails with
@@ -212,8 +191,8 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			opt(&o)
 		}
 	}
-	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, role: make(chan struct{}, 1), rd: kvwire.NewReader(),
-		calls: map[uint32]*call{}, done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), notifiers: map[cudart.Stream]*streamNotifier{},
+	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, rd: kvwire.NewReader(),
+		done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), notifiers: map[cudart.Stream]*streamNotifier{},
 		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
 	close(r.attached)
 	defer func() {
@@ -255,11 +234,11 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 	if err := r.mapSegments(ctx, slabName); err != nil {
 		return nil, err
 	}
-	nc := r.nc
-	if r.hup, err = watchHangup(nc, func() { r.failConn(nc, errors.New("it closed the connection")) }); err != nil {
-		return nil, err
-	}
-	go r.watch(nc, r.owner, r.stopW)
+	r.mu.Lock()
+	r.cl = r.newClient(r.nc, r.rd, r.w)
+	r.mu.Unlock()
+	r.cl.Start()
+	go r.watch(r.nc, r.owner, r.stopW)
 	return r, nil
 }
 
@@ -385,16 +364,15 @@ func (r *Replica) failConn(nc *net.UnixConn, why error) {
 		return
 	}
 	r.err = fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
-	failed, err := r.calls, r.err
-	r.calls = map[uint32]*call{}
+	cl := r.cl
 	close(r.done)
-	r.reconnectLocked()
+	r.reconnectLocked(cl)
 	r.mu.Unlock()
-	for _, c := range failed {
-		c.complete(err)
+	if cl != nil {
+		cl.Fail(why) // its calls fail as r.err says
+	} else {
+		_ = nc.Close() // cleanup: the owner is gone already
 	}
-	_ = nc.CloseWrite() // the hang-up watch holds a duplicate of the socket; the owner is gone already
-	_ = nc.Close()      // cleanup: the owner is gone already
 }
 
 // Geometry is the slab's geometry.
@@ -514,21 +492,7 @@ func (r *Replica) bye(ctx context.Context) (ownerDone bool) {
 	if err != nil {
 		return ctx.Err() == nil && !errors.Is(err, session.ErrBroken) // the owner hung up already
 	}
-	select {
-	case r.role <- struct{}{}:
-	case <-ctx.Done():
-		return false
-	}
-	defer func() { <-r.role }()
-	stop := context.AfterFunc(ctx, func() { _ = r.nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
-	defer stop()
-	for {
-		h, p, err := r.rd.Next(r.nc)
-		if err != nil {
-			return ctx.Err() == nil
-		}
-		r.deliver(h, p)
-	}
+	return r.cl.Drain(ctx) == nil
 }
 
 // Forget ends the replica's use of stream s, to be called before s is destroyed:
@@ -573,13 +537,15 @@ func (r *Replica) teardown(ctx context.Context) error {
 		close(r.stopW)
 	}
 	var errs []error
-	if r.hup != nil {
-		if err := r.hup.close(); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if r.nc != nil {
-		_ = r.nc.Close() // cleanup: nothing is left to do if closing fails
+	r.mu.Lock()
+	cl, nc := r.cl, r.nc
+	r.mu.Unlock()
+	switch {
+	case cl != nil:
+		cl.Fail(kv.ErrClosed)
+		<-cl.ReaderDone()
+	case nc != nil:
+		_ = nc.Close() // cleanup: nothing is left to do if closing fails
 	}
 	r.evMu.Lock()
 	r.evClosed = true

@@ -5,30 +5,28 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"net"
-	"os"
-	"syscall"
 	"time"
 
 	"github.com/cudapool/cudapool/export"
+	"github.com/cudapool/cudapool/internal/session"
 )
 
-// DialSocket connects to the exporter's socket at path.
-func DialSocket(ctx context.Context, path string) (net.Conn, error) {
-	var d net.Dialer
-	nc, err := d.DialContext(ctx, "unix", path)
-	if err != nil {
-		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
-			// A connect to a file that is no socket is refused too: say what is there.
-			if info, serr := os.Stat(path); serr == nil && info.Mode().Type() != fs.ModeSocket {
-				return nil, fmt.Errorf("%w: %s (mode %v) is not an exporter's socket", export.ErrNotSocket, path, info.Mode())
-			}
-			return nil, fmt.Errorf("%w: nothing listens at %s: %w", export.ErrExporterGone, path, err)
-		}
-		return nil, fmt.Errorf("cudapool: dial %s: %w", path, err)
+// DialSocket connects to the exporter's socket at path; with wait, it waits for an
+// exporter to listen there, until ctx ends ([session.Dial]). It fails with
+// [export.ErrExporterGone] where nothing listens, [export.ErrNotSocket] where the file
+// is no socket.
+func DialSocket(ctx context.Context, path string, wait bool) (net.Conn, error) {
+	nc, err := session.Dial(ctx, path, wait)
+	switch {
+	case err == nil:
+		return nc, nil
+	case errors.Is(err, session.ErrNotSocket):
+		return nil, fmt.Errorf("%w: %w, not an exporter's socket", export.ErrNotSocket, err)
+	case errors.Is(err, session.ErrNoListener):
+		return nil, fmt.Errorf("%w: %w", export.ErrExporterGone, err)
 	}
-	return nc, nil
+	return nil, fmt.Errorf("cudapool: dial %s: %w", path, err)
 }
 
 // Handshake is the connecting side's half of the handshake: it says h and reads the

@@ -128,7 +128,7 @@ func Code(err error) uint16 {
 
 // RemoteError is the error an Error frame stands for.
 func RemoteError(code uint16, msg string) error {
-	return &kv.RemoteError{Err: codeErrs[code], Text: msg}
+	return &kv.RemoteError{Err: codeErrs[code], Text: msg, Peer: "kv: owner"}
 }
 
 // Begin starts a frame of type t in b (appended), to be finished by End.

@@ -1,4 +1,4 @@
-package wire
+package session
 
 import (
 	"errors"
@@ -9,11 +9,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// idleWatch wakes the client's watcher when frames arrive while no caller reads the
-// connection (client.go). It is an epoll instance of its own that holds the socket and
-// is itself waited on in the runtime's poller. Unlike the socket's own registration,
-// which wakes whoever reads the socket, it can be switched off while a caller reads, so
-// that a reply wakes that caller alone, and on again after.
+// idleWatch wakes a [Client]'s watcher when frames arrive while no caller reads the
+// connection (WatchArrivals), or when the peer hangs up (WatchHangUp). It is an epoll
+// instance of its own that holds the socket and is itself waited on in the runtime's
+// poller. Unlike the socket's own registration, which wakes whoever reads the socket,
+// it can be switched off while a caller reads, so that a reply wakes that caller
+// alone, and on again after; a watch for the hang-up alone is never switched.
 type idleWatch struct {
 	ep    *os.File
 	epRaw syscall.RawConn
@@ -26,12 +27,18 @@ type idleWatch struct {
 	epfd   int
 	sockfd int
 	events [1]unix.EpollEvent
+	on     uint32 // the events watched while switched on
 }
 
-const idleEvents = unix.EPOLLIN | unix.EPOLLRDHUP | unix.EPOLLET
+// watchEvents are the events each Watch waits for: an arrival or the peer's hang-up,
+// or the hang-up alone.
+var watchEvents = [...]uint32{
+	WatchArrivals: unix.EPOLLIN | unix.EPOLLRDHUP | unix.EPOLLET,
+	WatchHangUp:   unix.EPOLLRDHUP | unix.EPOLLET,
+}
 
-// newIdleWatch watches the socket behind sock, switched on.
-func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
+// newIdleWatch watches the socket behind sock for what, switched on.
+func newIdleWatch(sock syscall.RawConn, what Watch) (*idleWatch, error) {
 	if sock == nil {
 		return nil, errors.New("no socket to watch")
 	}
@@ -43,7 +50,7 @@ func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
 	var ctlErr error
 	err = sock.Control(func(fd uintptr) {
 		sockfd = int(fd)
-		ev := unix.EpollEvent{Events: idleEvents, Fd: int32(fd)}
+		ev := unix.EpollEvent{Events: watchEvents[what], Fd: int32(fd)}
 		ctlErr = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, int(fd), &ev)
 	})
 	if err == nil {
@@ -56,7 +63,7 @@ func newIdleWatch(sock syscall.RawConn) (*idleWatch, error) {
 		_ = unix.Close(epfd) // cleanup: the descriptor is ours and unused
 		return nil, err
 	}
-	w := &idleWatch{ep: os.NewFile(uintptr(epfd), "export idle watch"), epfd: epfd, sockfd: sockfd}
+	w := &idleWatch{ep: os.NewFile(uintptr(epfd), "session idle watch"), epfd: epfd, sockfd: sockfd, on: watchEvents[what]}
 	if w.epRaw, err = w.ep.SyscallConn(); err != nil {
 		_ = w.ep.Close() // cleanup: nothing is left to do if closing fails
 		return nil, err
@@ -88,7 +95,7 @@ func (w *idleWatch) wait() error {
 func (w *idleWatch) set(on bool) {
 	ev := unix.EpollEvent{Fd: int32(w.sockfd)}
 	if on {
-		ev.Events = idleEvents
+		ev.Events = w.on
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()

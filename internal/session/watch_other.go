@@ -1,6 +1,6 @@
 //go:build !linux
 
-package wire
+package session
 
 import (
 	"errors"
@@ -10,7 +10,7 @@ import (
 // idleWatch is Linux's (epoll); elsewhere the client's watcher reads for good.
 type idleWatch struct{}
 
-func newIdleWatch(syscall.RawConn) (*idleWatch, error) {
+func newIdleWatch(syscall.RawConn, Watch) (*idleWatch, error) {
 	return nil, errors.New("no idle watch on this system")
 }
 
