@@ -10,7 +10,7 @@ var (
 	// leases ([Table.Declared]) or is dead ([Table.HolderDead]).
 	ErrWait = errors.New("pages: the reattach window is open")
 	// ErrNoSpace means not enough pages are free or evictable, and pages that settle
-	// would not make up the difference.
+	// would not make up the difference: the table may grow ([Table.Grow]).
 	ErrNoSpace = errors.New("pages: not enough free pages")
 	// ErrSettling means the pages asked for are not free or evictable now, but will be
 	// once pages that settle have settled: ask again after a SealDone or ReleaseDone.

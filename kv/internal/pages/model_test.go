@@ -94,11 +94,12 @@ type model struct {
 func newModel(t *testing.T, seed uint64, rules pages.Rules) *model {
 	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 	cfg := pages.Config{Pages: 6 + r.IntN(20), HostPages: r.IntN(12), Epoch: 1}
+	cfg.Bound = cfg.Pages + r.IntN(12)
 	tab, err := pages.NewWith(cfg, rules)
 	require.NoError(t, err)
 	m := &model{t: t, r: r, cfg: cfg, rules: rules, tab: tab, leases: map[pages.LeaseID]*mlease{},
 		inflight: map[pages.CopyID]pages.Copy{}, done: map[pages.CopyID]bool{},
-		gmem: make([]kv.Hash, cfg.Pages), hmem: make([]kv.Hash, cfg.HostPages),
+		gmem: make([]kv.Hash, cfg.Bound), hmem: make([]kv.Hash, cfg.HostPages),
 		mayWrite: map[uint32]*mlease{}, redeclare: map[int][]*mlease{}, chains: 2 + r.IntN(4)}
 	for range 3 {
 		m.starts++
@@ -495,6 +496,18 @@ func (m *model) spill() {
 	m.apply(fx, nil)
 }
 
+// grow maps more pages, up to the Bound.
+func (m *model) grow() {
+	if m.tab.Mapped() == m.cfg.Bound {
+		return
+	}
+	to := m.tab.Mapped() + 1 + m.r.IntN(m.cfg.Bound-m.tab.Mapped())
+	m.logf("grow to %d", to)
+	if err := m.tab.Grow(to); err != nil {
+		m.fail("grow to %d: %v", to, err)
+	}
+}
+
 func (m *model) die() {
 	slot := m.r.IntN(len(m.holders))
 	m.logf("slot %d dies", slot)
@@ -526,6 +539,7 @@ func (m *model) crash() {
 	}
 	m.lastSeq = rec.Seq
 	m.cfg.Epoch++
+	m.cfg.Pages = m.tab.Mapped()
 	tab, err := pages.RestartWith(m.cfg, rec, m.rules)
 	if err != nil {
 		m.fail("restart: %v", err)
@@ -673,7 +687,7 @@ func (m *model) run(steps int) (err error) {
 		}
 	}()
 	for m.step = 0; m.step < steps; m.step++ {
-		switch k := m.r.IntN(100); {
+		switch k := m.r.IntN(101); {
 		case k < 14:
 			m.alloc()
 		case k < 24:
@@ -702,8 +716,10 @@ func (m *model) run(steps int) (err error) {
 			m.crash()
 		case k < 99:
 			m.reattach()
-		default:
+		case k < 100:
 			m.tab.CloseWindow()
+		default:
+			m.grow()
 		}
 		m.dropEmptyRestores()
 		m.check()

@@ -57,6 +57,15 @@
 // source. An owner that dies mid-copy leaves both leases stranded under a holder that
 // is dead, which its successor ends ([Table.HolderDead]).
 //
+// # Capacity
+//
+// The GPU pages are those of the memory the caller has mapped: pages [0,
+// [Table.Mapped]), from Config.Pages up to Config.Bound. [Table.Grow] adds pages,
+// free, once the caller has mapped their memory; an Alloc that finds no room
+// answers ErrNoSpace, upon which the caller may grow the table and ask again.
+// Growth is not journaled: [Restart] is told how many pages are mapped, and drops
+// what the journal says of pages past them.
+//
 // # Journal and restart
 //
 // Records are journaled in the order an operation returns them. An eviction
@@ -182,9 +191,11 @@ type list struct {
 
 // Config is what a table is of.
 type Config struct {
-	Pages     int    // GPU pages, at least 1
-	HostPages int    // host-tier pages; 0: no host tier
-	Epoch     uint64 // the epoch of the lease ids this table issues, at least 1
+	// Pages are the GPU pages mapped at the start (at a restart: mapped now), at
+	// least 1; Bound is the most the table grows to ([Table.Grow]), 0: Pages.
+	Pages, Bound int
+	HostPages    int    // host-tier pages; 0: no host tier
+	Epoch        uint64 // the epoch of the lease ids this table issues, at least 1
 	// Stride and Offset make the lease ids of an owner's tables (one per device)
 	// apart: this table issues Epoch<<40 + Offset + k*Stride, k = 1, 2, ...; the zero
 	// values are 1 and 0.
@@ -245,9 +256,12 @@ type Counters struct {
 // New makes the table of a first start: every page free, no window.
 func New(cfg Config) (*Table, error) {
 	cfg.Stride = max(cfg.Stride, 1)
-	if cfg.Pages < 1 || cfg.Pages >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 ||
+	if cfg.Bound == 0 {
+		cfg.Bound = cfg.Pages
+	}
+	if cfg.Pages < 1 || cfg.Bound < cfg.Pages || cfg.Bound >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 ||
 		cfg.Stride > 1<<20 || cfg.Offset >= cfg.Stride {
-		return nil, fmt.Errorf("%w: %d GPU pages, %d host pages, epoch %d, lease ids %d apart from %d", ErrInput, cfg.Pages, cfg.HostPages, cfg.Epoch, cfg.Stride, cfg.Offset)
+		return nil, fmt.Errorf("%w: %d GPU pages of at most %d, %d host pages, epoch %d, lease ids %d apart from %d", ErrInput, cfg.Pages, cfg.Bound, cfg.HostPages, cfg.Epoch, cfg.Stride, cfg.Offset)
 	}
 	t := &Table{cfg: cfg, g: make([]gpage, cfg.Pages), h: make([]hpage, cfg.HostPages),
 		index: make(map[kv.Hash]uint32), hindex: make(map[kv.Hash]uint32),
@@ -257,7 +271,7 @@ func New(cfg Config) (*Table, error) {
 		next: LeaseID(cfg.Epoch<<40 + cfg.Offset)}
 	t.free = make([]uint32, cfg.Pages)
 	for i := range t.g {
-		t.g[i] = gpage{prev: none, next: none, parent: NoRef, twin: none}
+		t.g[i] = blank(0)
 		t.free[i] = uint32(cfg.Pages - 1 - i) // page 0 on top
 	}
 	t.hfree = make([]uint32, cfg.HostPages)
@@ -270,8 +284,13 @@ func New(cfg Config) (*Table, error) {
 	return t, nil
 }
 
-// Config is what t is of.
+// Config is what t is of: Pages as it was made (see [Table.Mapped]), Bound set.
 func (t *Table) Config() Config { return t.cfg }
+
+// blank is a free GPU page in its life gen.
+func blank(gen uint32) gpage {
+	return gpage{prev: none, next: none, parent: NoRef, twin: none, gen: gen}
+}
 
 // --- counting: every change of a page goes between leave and enter ---
 
@@ -389,7 +408,7 @@ func (t *Table) gtouch(p uint32) {
 
 // Stats is a snapshot of a table's counts, each O(1).
 type Stats struct {
-	Pages                                        int
+	Pages, Bound                                 int // mapped now, and the most
 	Free, Writing, Sealing, Sealed, Settling     int
 	Leased, Releasing, Evictable                 int
 	HostPages, HostFree, HostFilling, HostSealed int
@@ -401,7 +420,7 @@ type Stats struct {
 
 // Stats counts t's pages by state, in O(1).
 func (t *Table) Stats() Stats {
-	st := Stats{Pages: len(t.g), Free: t.count[Free], Writing: t.count[Writing], Sealing: t.count[Sealing],
+	st := Stats{Pages: len(t.g), Bound: t.cfg.Bound, Free: t.count[Free], Writing: t.count[Writing], Sealing: t.count[Sealing],
 		Sealed: t.count[Sealed], Settling: t.count[Settling], Leased: t.leased, Releasing: t.releasing,
 		Evictable: t.glru.n, HostPages: len(t.h), HostFree: t.hcount[HostFree], HostFilling: t.hcount[HostFilling],
 		HostSealed: t.hcount[HostSealed], Twins: t.twins, Pinned: t.pinned, HostEvictable: t.hlru.n,
