@@ -15,6 +15,9 @@ var (
 	// ErrSettling means the pages asked for are not free or evictable now, but will be
 	// once pages that settle have settled: ask again after a SealDone or ReleaseDone.
 	ErrSettling = errors.New("pages: pages settle")
+	// ErrInUse means a shrink is not over: a page it gives back is still leased or
+	// read by a copy ([Table.Shrunk]); ask again once leases end and copies complete.
+	ErrInUse = errors.New("pages: pages given back are in use")
 	// ErrStale means the lease named is not the holder's (ended, never granted, or
 	// another holder's), or is not in a state that allows the operation.
 	ErrStale = errors.New("pages: stale lease")

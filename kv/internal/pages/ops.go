@@ -31,7 +31,9 @@ func (t *Table) release(p uint32) {
 	c := g.copy
 	*g = blank(g.gen + 1)
 	g.copy = c
-	t.free = append(t.free, p)
+	if int(p) < t.limit {
+		t.free = append(t.free, p)
+	}
 	t.enter(p)
 }
 
@@ -414,6 +416,9 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 	hosts := 0
 	for _, hh := range hashes {
 		if p, ok := t.index[hh]; ok {
+			if int(p) >= t.limit {
+				break // given back: matched no more
+			}
 			run = append(run, step{p, none})
 		} else if hp, ok := t.hostHolds(hh); ok {
 			run = append(run, step{none, hp})
@@ -632,6 +637,6 @@ func (t *Table) PickSpill(ahead, batch int) (c Copy, fx Effects, ok bool) {
 		return Copy{}, t.effects(), false
 	}
 	t.startCopy(job)
-	fx = t.effects()
-	return fx.Copies[len(fx.Copies)-1], fx, true
+	c = t.fx.Copies[len(t.fx.Copies)-1]
+	return c, t.effects(), true
 }

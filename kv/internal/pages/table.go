@@ -66,6 +66,16 @@
 // Growth is not journaled: [Restart] is told how many pages are mapped, and drops
 // what the journal says of pages past them.
 //
+// [Table.Shrink] starts giving back the last pages, so that the caller can
+// release their memory: from then on none of them is allocated, restored into or
+// matched; those sealed and unheld are evicted at once (copied to the host tier
+// where it has room), the rest once their leases end (a lease is never taken,
+// stranded ones included) and their copies complete. The caller asks
+// [Table.Shrunk] after leases end and copies complete; once it answers, Mapped is
+// the smaller count, and the memory may go once the journal is durable through
+// the sequence number it gives. A restart mid-shrink forgets it: the caller maps
+// what it still holds and shrinks again.
+//
 // # Journal and restart
 //
 // Records are journaled in the order an operation returns them. An eviction
@@ -226,8 +236,19 @@ type Table struct {
 	window   bool
 	expected map[Holder]int // holders with stranded leases: their replicas yet to declare
 
+	// limit is where the pages given back start: pages [limit, len(g)) are
+	// drained for a shrink ([Table.Shrink]); limit == len(g) when none is.
+	limit int
+	// drainq are draining pages that may have become sealed and unheld during the
+	// operation in progress, to evict before it returns.
+	drainq []uint32
+
 	count  [nStates]int
 	hcount [nHostStates]int
+	// Of the draining pages: how many are in each state, and of the sealed ones,
+	// those no reader holds.
+	dcount  [nStates]int
+	dunread int
 	// Of the sealed GPU pages: those a reader holds, those with a release settling,
 	// those no reader holds (evictable now or once their releases settle).
 	leased, releasing, unread int
@@ -245,6 +266,7 @@ type rules struct {
 	noStrand        bool // a stranded lease's pages are free once the window closes
 	restoreInWindow bool // a Match's restore does not wait for the window
 	endAtSeal       bool // a write lease's End is journaled at its seal
+	shrinkTakes     bool // a shrink ends the leases of the pages it gives back
 }
 
 // Counters count what the table did since it was made.
@@ -280,6 +302,7 @@ func New(cfg Config) (*Table, error) {
 		t.hfree[i] = uint32(cfg.HostPages - 1 - i)
 	}
 	t.count[Free] = cfg.Pages
+	t.limit = cfg.Pages
 	t.hcount[HostFree] = cfg.HostPages
 	return t, nil
 }
@@ -303,6 +326,10 @@ func (t *Table) enter(p uint32) {
 	t.tally(p, 1)
 	g := &t.g[p]
 	want := g.state == Sealed && g.readers == 0 && g.releasing == 0
+	if want && int(p) >= t.limit {
+		want = false
+		t.drainq = append(t.drainq, p) // given back: evicted before the operation returns
+	}
 	switch {
 	case want && !g.listed:
 		t.gpush(p)
@@ -314,11 +341,18 @@ func (t *Table) enter(p uint32) {
 func (t *Table) tally(p uint32, d int) {
 	g := &t.g[p]
 	t.count[g.state] += d
+	drain := int(p) >= t.limit
+	if drain {
+		t.dcount[g.state] += d
+	}
 	if g.state == Sealed {
 		if g.readers > 0 {
 			t.leased += d
 		} else {
 			t.unread += d
+			if drain {
+				t.dunread += d
+			}
 		}
 		if g.releasing > 0 {
 			t.releasing += d
@@ -429,11 +463,14 @@ func (t *Table) Stats() Stats {
 }
 
 // Reachable is how many pages an Alloc could get without any lease ending: free,
-// evictable, and those that settle. O(1).
-func (t *Table) Reachable() int { return t.count[Free] + t.count[Settling] + t.unread }
+// evictable, and those that settle, none of those a shrink gives back. O(1).
+func (t *Table) Reachable() int {
+	return t.count[Free] + t.count[Settling] + t.unread - t.dcount[Free] - t.dcount[Settling] - t.dunread
+}
 
-// Evictable is how many pages an Alloc could get now: free and evictable. O(1).
-func (t *Table) Evictable() int { return t.count[Free] + t.glru.n }
+// Evictable is how many pages an Alloc could get now: free and evictable, none of
+// those a shrink gives back. O(1).
+func (t *Table) Evictable() int { return len(t.free) + t.glru.n }
 
 // Window says whether the reattach window is open.
 func (t *Table) Window() bool { return t.window }
