@@ -475,8 +475,12 @@ func (t *Table) Evictable() int { return len(t.free) + t.glru.n }
 // Window says whether the reattach window is open.
 func (t *Table) Window() bool { return t.window }
 
-// Page is GPU page p's state and hash (meaningful once sealing), and its generation.
+// Page is GPU page p's state and hash (meaningful once sealing), and its
+// generation; a page not mapped ([Table.Mapped]) is free, of no hash.
 func (t *Table) Page(p uint32) (State, kv.Hash, uint32) {
+	if int(p) >= len(t.g) {
+		return Free, kv.Hash{}, 0
+	}
 	g := &t.g[p]
 	return g.state, g.hash, g.gen
 }
@@ -493,8 +497,14 @@ func (t *Table) HostLookup(h kv.Hash) (uint32, bool) {
 	return p, ok
 }
 
-// Ref is GPU page p's Ref in its current life: a seal's parent.
-func (t *Table) Ref(p uint32) Ref { return t.ref(p) }
+// Ref is GPU page p's Ref in its current life: a seal's parent; NoRef for a page
+// not mapped.
+func (t *Table) Ref(p uint32) Ref {
+	if int(p) >= len(t.g) {
+		return NoRef
+	}
+	return t.ref(p)
+}
 
 // Fill sets st's page counts and counters from t, in O(1), and its host tier's where
 // st.Host is set; the rest (bytes, times, the copy path, Hits by other means) is the
