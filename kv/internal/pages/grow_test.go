@@ -201,6 +201,9 @@ func TestShrinkWaitsForLeases(t *testing.T) {
 		_, ok = tab.HostLookup(h)
 		assert.True(t, ok, "every sealed page given back is in the host tier")
 	}
+	st, _, _ := tab.Page(7)
+	assert.Equal(t, pages.Free, st, "a page given back is free, not out of range")
+	assert.Equal(t, pages.NoRef, tab.Ref(7))
 	again := j.restart(t, pages.Config{Pages: 4, Bound: 8, HostPages: 4, Epoch: 1}, pages.Rules{})
 	assert.Equal(t, 4, again.Stats().Sealed, "the journal names no page past 3")
 
