@@ -441,22 +441,25 @@ func (o *sowner) shrinker() {
 	})
 }
 
-// poll asks whether the shrink is over, now and then, until it is (or a grow took
-// its pages back).
+// poll evicts the pages given back that have come free and asks whether the
+// shrink is over, now and then, until it is (or a grow took its pages back).
 func (o *sowner) poll() {
 	s := o.s
 	s.after(s.delay(5, 30), func() {
 		if s.owner != o {
 			return
 		}
-		to, wait, err := o.tab.Shrunk()
-		switch {
-		case errors.Is(err, pages.ErrInUse):
-			o.poll()
-			return
-		case errors.Is(err, pages.ErrInput):
+		if _, ok := o.tab.Shrinking(); !ok {
 			return // grown back
 		}
+		fx, left := o.tab.Drain()
+		o.do(fx)
+		o.check(nil)
+		if left > 0 {
+			o.poll()
+			return
+		}
+		to, wait, err := o.tab.Shrunk()
 		o.check(err)
 		s.trace("t=%d shrunk to %d, release after %d", s.now, to, wait)
 		for _, r := range s.reps {

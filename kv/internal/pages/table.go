@@ -70,11 +70,13 @@
 // release their memory: from then on none of them is allocated, restored into or
 // matched; those sealed and unheld are evicted at once (copied to the host tier
 // where it has room), the rest once their leases end (a lease is never taken,
-// stranded ones included) and their copies complete. The caller asks
-// [Table.Shrunk] after leases end and copies complete; once it answers, Mapped is
-// the smaller count, and the memory may go once the journal is durable through
-// the sequence number it gives. A restart mid-shrink forgets it: the caller maps
-// what it still holds and shrinks again.
+// stranded ones included) and their copies complete: the caller polls
+// [Table.Drain], which evicts those that have come free and says how many are
+// still in use, and then [Table.Shrunk]; once it answers, Mapped is the smaller
+// count, and the memory may go once the journal is durable through the sequence
+// number it gives. Only Shrink and Drain evict a page given back, so no other
+// operation asks for a copy it did not before. A restart mid-shrink forgets it:
+// the caller maps what it still holds and shrinks again.
 //
 // # Journal and restart
 //
@@ -239,9 +241,6 @@ type Table struct {
 	// limit is where the pages given back start: pages [limit, len(g)) are
 	// drained for a shrink ([Table.Shrink]); limit == len(g) when none is.
 	limit int
-	// drainq are draining pages that may have become sealed and unheld during the
-	// operation in progress, to evict before it returns.
-	drainq []uint32
 
 	count  [nStates]int
 	hcount [nHostStates]int
@@ -325,11 +324,7 @@ func (t *Table) leave(p uint32) { t.tally(p, -1) }
 func (t *Table) enter(p uint32) {
 	t.tally(p, 1)
 	g := &t.g[p]
-	want := g.state == Sealed && g.readers == 0 && g.releasing == 0
-	if want && int(p) >= t.limit {
-		want = false
-		t.drainq = append(t.drainq, p) // given back: evicted before the operation returns
-	}
+	want := g.state == Sealed && g.readers == 0 && g.releasing == 0 && int(p) < t.limit // not given back
 	switch {
 	case want && !g.listed:
 		t.gpush(p)
