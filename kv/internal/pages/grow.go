@@ -32,12 +32,19 @@ func (t *Table) Grow(to int) error {
 	}
 	old := t.limit
 	t.limit = back
+	var unheld []uint32 // sealed pages no one holds, waiting for Drain: listed again
 	for p := back - 1; p >= old; p-- {
+		if g := &t.g[p]; g.state == Sealed && g.readers == 0 && g.releasing == 0 {
+			t.tally(uint32(p), 1)
+			unheld = append(unheld, uint32(p))
+			continue
+		}
 		t.enter(uint32(p))
 		if t.g[p].state == Free {
 			t.free = append(t.free, uint32(p))
 		}
 	}
+	t.relist(unheld)
 	if to > from {
 		full := t.g[:cap(t.g)]
 		if to > len(full) {
@@ -52,6 +59,32 @@ func (t *Table) Grow(to int) error {
 		t.limit = to
 	}
 	return nil
+}
+
+// relist puts unlisted sealed pages ps, counted already, back in the LRU list as
+// the most recent pages, each more recent than its children among them, and then
+// their ancestors more recent still, as a seal does: eviction takes a chain's
+// leaves first.
+func (t *Table) relist(ps []uint32) {
+	in := make(map[uint32]bool, len(ps))
+	for _, p := range ps {
+		in[p] = true
+	}
+	depth := make(map[uint32]int, len(ps)) // how many of ps are above a page in its chain
+	for _, p := range ps {
+		for r := t.g[p].parent; t.alive(r) && in[r.Page] && depth[p] < len(ps); r = t.g[r.Page].parent {
+			depth[p]++
+		}
+	}
+	slices.SortStableFunc(ps, func(a, b uint32) int { return depth[b] - depth[a] }) // the deepest first: least recent
+	for _, p := range ps {
+		t.gpush(p)
+	}
+	for _, p := range ps {
+		if r := t.g[p].parent; !t.alive(r) || !in[r.Page] {
+			t.touchAncestors(r)
+		}
+	}
 }
 
 // Shrink starts giving back pages [to, Mapped) (or, during a shrink, [to, its

@@ -287,3 +287,23 @@ func TestRestartMidShrink(t *testing.T) {
 	assert.Equal(t, 4, to)
 	require.NoError(t, tab.Check())
 }
+
+// TestGrowKeepsLeavesFirst: pages given back whose leases ended wait, sealed, for
+// Drain; a grow that takes them back lists them again with their ancestors more
+// recent than they, so that eviction still takes a chain's leaves first.
+func TestGrowKeepsLeavesFirst(t *testing.T) {
+	tab, j := fresh(t, pages.Config{Pages: 8, Epoch: 1})
+	hs := []kv.Hash{chainHash(1, 0), chainHash(1, 1), chainHash(1, 2), chainHash(1, 3), chainHash(1, 4), chainHash(1, 5)}
+	require.Equal(t, []uint32{0, 1, 2, 3, 4, 5}, seal(t, tab, j, writer, hs...))
+	res, fx, err := tab.Match(reader, hs)
+	require.NoError(t, err)
+	j.add(fx)
+	j.add(must(tab.Shrink(4)))
+	require.NoError(t, tab.Release(reader, res.Lease))
+	j.add(must(tab.ReleaseDone(res.Lease)))
+	require.NoError(t, tab.Grow(8), "pages 4 and 5 back, sealed, not drained")
+	require.NoError(t, pages.LeavesFirst(tab))
+	gpu, _ := pages.Order(tab)
+	assert.Equal(t, []uint32{0, 1, 2, 3, 4, 5}, gpu, "the chain's root the most recent")
+	require.NoError(t, tab.Check())
+}
