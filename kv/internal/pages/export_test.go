@@ -5,11 +5,12 @@ import "fmt"
 // Rules turns the restart contract's rules off, one by one, to show the defect each
 // prevents: NoStrand frees a stranded write lease's pages (a reattach takes them back
 // if they are still free), RestoreInWindow lets a Match (and its restore) run in the
-// reattach window, EndAtSeal journals a write lease's end at its seal.
-type Rules struct{ NoStrand, RestoreInWindow, EndAtSeal bool }
+// reattach window, EndAtSeal journals a write lease's end at its seal,
+// ShrinkTakes lets a shrink end the leases of the pages it gives back.
+type Rules struct{ NoStrand, RestoreInWindow, EndAtSeal, ShrinkTakes bool }
 
 func (r Rules) rules() rules {
-	return rules{noStrand: r.NoStrand, restoreInWindow: r.RestoreInWindow, endAtSeal: r.EndAtSeal}
+	return rules{noStrand: r.NoStrand, restoreInWindow: r.RestoreInWindow, endAtSeal: r.EndAtSeal, shrinkTakes: r.ShrinkTakes}
 }
 
 // NewWith is New with rules off.
