@@ -5,12 +5,14 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
@@ -129,4 +131,53 @@ func TestRestartDropsChunksOfAnotherLayout(t *testing.T) {
 	rec := o.Recovery()
 	assert.False(t, rec.Adopted)
 	assert.Contains(t, rec.Dropped, "the keeper keeps chunks of 2x2x8x4xfp32x64-4096 (4096 bytes) for device 0, this owner serves 2x2x8x4xfp32x64-8192")
+}
+
+// A give-back of memory (the table's pages past a step given back, then GiveBack's
+// unmapping) reaches every connected replica, which unmaps the chunks in place; the
+// slab grows again afterwards, into new chunks, which every replica maps.
+func TestGiveBackReachesEveryReplica(t *testing.T) {
+	dir, err := os.MkdirTemp("", "kvc")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	o, err := owner.Listen(dir, fineDev(t), small, owner.WithChunkBytes(4096), owner.WithInitialPages(1))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	step := o.Layout().Regions()
+	var rs []*replica.Replica
+	for range 2 {
+		r, err := replica.Dial(bound(t), dir, fineDev(t), 0)
+		require.NoError(t, err)
+		t.Cleanup(func() { r.Close(bound(t)) })
+		rs = append(rs, r)
+	}
+	l, err := rs[0].Alloc(bound(t), 40) // the slab grows to 3 steps, 48 pages
+	require.NoError(t, err)
+	require.NoError(t, rs[0].Release(bound(t), l, 0))
+	require.Eventually(t, func() bool { return o.Stats().Devices[0].Free == 48 }, testwait.Bound, time.Millisecond, "the released pages settle")
+	require.Equal(t, 3*step, o.Stats().Devices[0].Chunks)
+
+	require.ErrorIs(t, owner.GiveBack(o, 0, step+1), kv.ErrGeometry, "not a whole step")
+	require.NoError(t, owner.GiveBack(o, 0, step))
+	st := o.Stats().Devices[0]
+	assert.Equal(t, step, st.Chunks)
+	assert.Equal(t, uint64(step*4096), st.MappedBytes)
+	for _, r := range rs {
+		_, err := r.Stats(bound(t)) // a round trip: the Shrink before its reply is read
+		require.NoError(t, err)
+		chunks, pages := r.Mapped()
+		assert.Equal(t, step, chunks, "every replica unmapped the chunks given back")
+		assert.Equal(t, 16, pages)
+	}
+
+	l, err = rs[1].Alloc(bound(t), 20) // grows again: chunks made anew where the old ones were
+	require.NoError(t, err)
+	chunks, _ := rs[1].Mapped()
+	assert.Equal(t, 2*step, chunks)
+	assert.Equal(t, 2*step, o.Stats().Devices[0].Chunks)
+	require.NoError(t, rs[1].Release(bound(t), l, 0))
+	_, err = rs[0].Stats(bound(t))
+	require.NoError(t, err)
+	chunks, _ = rs[0].Mapped()
+	assert.Equal(t, 2*step, chunks, "the other replica maps the new growth")
 }

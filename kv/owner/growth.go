@@ -170,6 +170,69 @@ func (o *Owner) makeChunk(s *slab) error {
 	return nil
 }
 
+// unmapChunks shrinks s to its first keep chunks, a whole number of steps, once its
+// table has given back the pages past them (pages.Table.Shrink, then Shrunk): every
+// replica connection is told (a Shrink frame; one that cannot take it is cut off),
+// this process unmaps them, the keeper drops them and their descriptors close, so
+// that their memory goes back to the driver once every replica has unmapped them
+// too. It fails, changing nothing, where the table still has pages in them or keep
+// is not a whole number of steps below the chunks mapped.
+func (o *Owner) unmapChunks(s *slab, keep int) error {
+	s.grow.Lock()
+	defer s.grow.Unlock()
+	n := len(s.fds)
+	if err := o.keepable(n, keep); err != nil {
+		return err
+	}
+	o.mu.Lock()
+	pages := 0
+	if s.tab != nil {
+		pages = s.tab.Mapped()
+		if to, shrinking := s.tab.Shrinking(); shrinking {
+			pages = to
+		}
+	}
+	o.mu.Unlock()
+	if keepPages := o.layout.MappedPages(keep); pages > keepPages {
+		return fmt.Errorf("%w: the table of device %d has %d pages, %d chunks hold %d: give them back first", kv.ErrGeometry, s.dev, pages, keep, keepPages)
+	}
+	for c := range s.reached {
+		if err := c.w.Write(context.Background(), func(b []byte) ([]byte, error) { return kvwire.AppendShrink(b, kvwire.Shrink{Chunks: uint32(keep)}) }); err != nil {
+			o.log.Warn("kv: a replica cannot take the slab's shrink; it is cut off", "pid", c.cred.PID, "err", err)
+			delete(s.reached, c)
+			_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+		}
+	}
+	if err := s.m.Shrink(n - keep); err != nil {
+		return fmt.Errorf("kv/owner: unmapping chunks %d to %d of device %d: %w", keep, n-1, s.dev, err)
+	}
+	var errs []error
+	for i := n - 1; i >= keep; i-- {
+		if o.keeper != nil {
+			ctx, cancel := context.WithTimeout(o.stopped, keeperTimeout)
+			if err := o.keeper.Drop(ctx, o.chunkName(s, i)); err != nil {
+				errs = append(errs, fmt.Errorf("kv/owner: the keeper's chunk %d of device %d: %w", i, s.dev, err))
+			}
+			cancel()
+		}
+		_ = unix.Close(s.fds[i]) // cleanup: the chunk goes once every mapping of it has
+	}
+	s.fds = s.fds[:keep]
+	o.mu.Lock()
+	s.chunks = keep
+	o.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+// keepable says why a slab of n chunks cannot shrink to keep: a whole number of
+// steps, at least one, fewer than n.
+func (o *Owner) keepable(n, keep int) error {
+	if keep < o.layout.Regions() || keep >= n || keep%o.layout.Regions() != 0 {
+		return fmt.Errorf("%w: keep %d of %d chunks: a whole number of steps of %d, at least one, fewer than mapped", kv.ErrGeometry, keep, n, o.layout.Regions())
+	}
+	return nil
+}
+
 // welcome answers a replica's Hello (request id) with the Welcome and every chunk of
 // s, and makes c one that later growths reach.
 func (c *conn) welcome(s *slab, id uint32) error {

@@ -234,6 +234,11 @@ func (r *Replica) reattach(ctx context.Context) (err error) {
 		return fmt.Errorf("%w: the owner serves %s of %v in chunks of %d bytes; this replica maps %s of %v in chunks of %d bytes",
 			kv.ErrGeometry, w.Slab, w.Geometry, w.ChunkBytes, r.slab, r.geo, r.layout.ChunkBytes())
 	}
+	if int(w.Chunks) < r.m.Chunks() { // the owner gave chunks back meanwhile
+		if err := keepChunks(r.m, int(w.Chunks)); err != nil {
+			return err
+		}
+	}
 	if err := awaitOn(ctx, nc, func() error { return ln.await(r.m, int(w.Chunks)) }); err != nil {
 		return fmt.Errorf("%w: the slab's chunks: %w", kv.ErrOwnerGone, err)
 	}

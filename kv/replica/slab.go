@@ -44,20 +44,50 @@ func (l *link) frame() (kvwire.Header, []byte, int, error) {
 	return h, p, fd, nil
 }
 
-// next returns the next frame of l that is not a Grow, mapping the chunk of every
-// Grow before it into m. A descriptor that came with any other frame is closed. A
-// Grow that breaks the protocol fails with an error wrapping kvwire.ErrMalformed.
+// next returns the next frame of l that is neither a Grow nor a Shrink, mapping the
+// chunk of every Grow before it into m and unmapping what every Shrink gives back. A
+// descriptor that came with any other frame is closed. A Grow or Shrink that breaks
+// the protocol fails with an error wrapping kvwire.ErrMalformed.
 func (l *link) next(m *slabmap.Map) (kvwire.Header, []byte, error) {
 	for {
 		h, p, fd, err := l.frame()
-		if err != nil || h.Type != kvwire.TypeGrow {
+		switch {
+		case err == nil && h.Type == kvwire.TypeGrow:
+			err = grow(m, p, fd)
+		case err == nil && h.Type == kvwire.TypeShrink:
+			closeFD(fd)
+			err = shrink(m, p)
+		default:
 			closeFD(fd)
 			return h, p, err
 		}
-		if err := grow(m, p, fd); err != nil {
+		if err != nil {
 			return h, nil, err
 		}
 	}
+}
+
+// shrink unmaps the chunks that the Shrink of payload p gives back. Their pages are
+// given back: no lease of this replica holds one.
+func shrink(m *slabmap.Map, p []byte) error {
+	s, err := kvwire.DecodeShrink(p)
+	if err != nil {
+		return err
+	}
+	return keepChunks(m, int(s.Chunks))
+}
+
+// keepChunks unmaps m's chunks past the first keep; more than m maps fails with an
+// error wrapping kvwire.ErrMalformed.
+func keepChunks(m *slabmap.Map, keep int) error {
+	have := m.Chunks()
+	if keep > have {
+		return fmt.Errorf("%w: Shrink to %d chunks, where %d are mapped", kvwire.ErrMalformed, keep, have)
+	}
+	if err := m.Shrink(have - keep); err != nil {
+		return fmt.Errorf("kv/replica: unmapping chunks %d to %d: %w", keep, have-1, err)
+	}
+	return nil
 }
 
 // await reads l until m has n chunks mapped: the Grow frames that follow a Welcome.

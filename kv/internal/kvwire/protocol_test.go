@@ -89,6 +89,7 @@ func protocolSamples() []sample {
 		{TypeBye, Bye{Final: true, Point: at}},
 		{TypeNotifier, Notifier{ID: 0x1201}},
 		{TypeGrow, Grow{Chunk: 0x1301}},
+		{TypeShrink, Shrink{Chunks: 0x1401}},
 	}
 }
 

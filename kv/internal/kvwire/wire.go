@@ -79,10 +79,11 @@ const (
 	TypeReattached Type = 17 // owner: the lease is kept, or lost and why
 	TypeNotifier   Type = 18 // replica: a notifier's id; its eventfd rides with the frame (SCM_RIGHTS); no reply
 	TypeGrow       Type = 19 // owner: a chunk of the slab, mapped; its descriptor rides with the frame (SCM_RIGHTS); id 0, no reply
+	TypeShrink     Type = 20 // owner: the slab keeps this many chunks, the others unmapped; id 0, no reply
 )
 
 func (t Type) String() string {
-	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached", "Notifier", "Grow"}
+	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached", "Notifier", "Grow", "Shrink"}
 	if int(t) < len(names) && t != 0 {
 		return names[t]
 	}
@@ -218,6 +219,16 @@ func AppendWelcome(b []byte, id uint32, m Welcome) ([]byte, error) {
 // frame (SCM_RIGHTS). The owner sends it with id 0 before any reply that grants a page
 // in that chunk.
 type Grow struct{ Chunk uint32 }
+
+// Shrink says that the slab keeps its first Chunks chunks: the owner has given the
+// pages of the others back (none is leased, nor will be) and unmaps them; a replica
+// unmaps them too, so that their memory goes back to the driver. Id 0, no reply.
+type Shrink struct{ Chunks uint32 }
+
+// AppendShrink appends a Shrink frame.
+func AppendShrink(b []byte, m Shrink) ([]byte, error) {
+	return frame(b, TypeShrink, 0, 0, func(b []byte) []byte { return appendU32(b, m.Chunks) })
+}
 
 // AppendGrow appends a Grow frame; the caller sends it with the descriptor.
 func AppendGrow(b []byte, m Grow) ([]byte, error) {
