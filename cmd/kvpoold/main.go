@@ -4,7 +4,7 @@
 //
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
-//	        (-pages N | -bytes SIZE) [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
+//	        (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
 //	        [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
 //
@@ -21,7 +21,9 @@
 // layer's K and V, whatever its size, reserved for -bytes, into which chunks of
 // -chunk-bytes (a multiple of the device's granularity; by default the smallest that
 // makes each tensor at most 8 chunks) are mapped as pages are needed: it starts with
-// a chunk per tensor and grows before it evicts. -handle fabric makes the chunks
+// a chunk per tensor (or the chunks that hold -initial-bytes, rounded down to whole
+// pages and up to whole steps; -initial-bytes equal to -bytes maps the whole slab at
+// the start) and grows before it evicts. -handle fabric makes the chunks
 // exportable as FABRIC handles too (NVLink multi-node); where the driver refuses them
 // (no IMEX channel) kvpoold says so and exits 2. A chunk size off the granularity, or
 // a start larger than a device's free memory, is refused at start. A second kvpoold
@@ -113,7 +115,7 @@ type flags struct {
 	hostBytes                                   string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
-	chunkBytes, handle                          string
+	chunkBytes, handle, initialBytes            string
 	set                                         map[string]bool // the flags given
 	stopWait                                    time.Duration
 	oneProcess, leaveKeeper                     bool
@@ -123,7 +125,7 @@ type flags struct {
 // synopsis is the command line's shape, as the command's doc gives it.
 const synopsis = `usage: kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
                [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
-               (-pages N | -bytes SIZE) [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
+               (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
                [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
        kvpoold keeper [the same flags]
 
@@ -152,6 +154,7 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (or -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 100GiB, rounded down to whole pages (or -pages)")
+	fs.StringVar(&f.initialBytes, "initial-bytes", "", "bytes per slab mapped at the start, rounded down to whole pages (default: a chunk per tensor); the slab grows from there up to -bytes")
 	fs.StringVar(&f.chunkBytes, "chunk-bytes", "", "the size of the chunks a slab maps as it grows, a multiple of the device's granularity (default: each tensor in at most 8 chunks)")
 	fs.StringVar(&f.handle, "handle", "posix-fd", "posix-fd, or fabric: chunks exportable as FABRIC handles too (needs an IMEX channel)")
 	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
@@ -286,6 +289,21 @@ func (f flags) chunkSize() (uint64, error) {
 	return n, err
 }
 
+// initialPages is -initial-bytes in pages of g, 0 when not given (the default).
+func (f flags) initialPages(g kv.Geometry) (int, error) {
+	if f.initialBytes == "" {
+		return 0, nil
+	}
+	n, err := parseSize("initial-bytes", f.initialBytes)
+	if err != nil {
+		return 0, err
+	}
+	if n/g.PageSpanBytes() < 1 {
+		return 0, fmt.Errorf("-initial-bytes %s holds no page of %s", humanize.IBytes(n), humanize.IBytes(g.PageSpanBytes()))
+	}
+	return int(min(n/g.PageSpanBytes(), uint64(g.Pages))), nil
+}
+
 // fabric is -handle: whether chunks are FABRIC too.
 func (f flags) fabric() (bool, error) {
 	switch f.handle {
@@ -381,8 +399,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	var chunk, hostBytes uint64
 	var fabric bool
+	var initial int
 	if err == nil {
 		chunk, err = f.chunkSize()
+	}
+	if err == nil {
+		initial, err = f.initialPages(g)
 	}
 	if err == nil && chunk > 0 {
 		_, err = g.SlabLayout(chunk)
@@ -421,7 +443,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
+	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithInitialPages(initial), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
 	if fabric {
 		opts = append(opts, owner.WithFabric())
 	}

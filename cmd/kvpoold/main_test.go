@@ -132,6 +132,7 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1TiB"},                          // over the most pages a slab has
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "64", "-chunk-bytes", "1000KiB"}, // off the granularity
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-chunk-bytes", "0"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-initial-bytes", "1KiB"}, // no page
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-handle", "ipc"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-handle", "fabric"}, // no IMEX channel on the software device
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-stop-wait", "-1s"},
@@ -347,4 +348,22 @@ func TestOwnersPerTrustDomain(t *testing.T) {
 	m, err = rs[1].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")
+}
+
+// -initial-bytes maps that much of each slab at the start (here all of it), and a
+// replica maps it at its dial.
+func TestInitialBytesMapsTheSlabAtTheStart(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "256", "-chunk-bytes", "2MiB", "-initial-bytes", "128MiB")
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	chunks, pages := r.Mapped()
+	assert.Equal(t, 64, chunks, "2 chunks a tensor")
+	assert.Equal(t, 256, pages)
+	require.NoError(t, r.Close(ctx))
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "128 MiB a slab at most (32 regions of 4.0 MiB, in chunks of 2.0 MiB; 128 MiB mapped now)")
 }
