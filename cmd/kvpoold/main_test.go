@@ -194,7 +194,7 @@ func TestRefusedAtStart(t *testing.T) {
 		code int
 		want string
 	}{
-		{[]string{"-bytes", "100GiB", "-chunk-bytes", "1GiB"}, 1, "a slab of 32 GiB (34359738368 bytes: 204800 pages in 128 chunks of 1.0 GiB) is larger than device 0's free memory, 16 GiB (17179869184 bytes, of 16 GiB)"},
+		{[]string{"-bytes", "100GiB", "-chunk-bytes", "1GiB"}, 1, "a slab's start of 32 GiB (34359738368 bytes: 32 chunks of 1.0 GiB, 65536 pages of the 204800 at most) is larger than device 0's free memory, 16 GiB (17179869184 bytes, of 16 GiB)"},
 		{[]string{"-pages", "64", "-chunk-bytes", "1000KiB"}, 2, "chunks of 1024000 bytes (1000 KiB): not a multiple of device 0's granularity, 2.0 MiB"},
 		{[]string{"-pages", "64", "-handle", "fabric"}, 2, "-handle fabric needs an IMEX channel on this host"},
 	} {

@@ -48,7 +48,7 @@ func TestListenRefusesASlabOverFreeMemory(t *testing.T) {
 	g.Pages = 16385 // 8 GiB + 512 KiB
 	_, err = owner.Listen(dir, dev, g, owner.WithInitialPages(g.Pages))
 	require.ErrorIs(t, err, cudart.ErrOutOfMemory)
-	assert.ErrorContains(t, err, "a slab of 8.5 GiB (9126805504 bytes: 16385 pages in 256 chunks of 34 MiB) is larger than device 0's free memory, 8.0 GiB (8589934592 bytes")
+	assert.ErrorContains(t, err, "a slab's start of 8.5 GiB (9126805504 bytes: 256 chunks of 34 MiB, 16385 pages of the 16385 at most) is larger than device 0's free memory, 8.0 GiB (8589934592 bytes")
 	nothingLeft(t, dir, dev)
 }
 

@@ -380,6 +380,12 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		if d < 0 || d >= n {
 			return nil, fmt.Errorf("%w: device %d: the runtime has %d", kv.ErrGeometry, d, n)
 		}
+		if slices.Contains(o.Devices[:i], d) {
+			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
+		}
+		if r == roleKeeper {
+			continue // it holds descriptors: no CUDA context, no device memory
+		}
 		l, err := layoutOf(rt, d, o.Geometry, o.ChunkBytes, handleTypeOf(o))
 		if err != nil {
 			return nil, err
@@ -388,16 +394,14 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 			return nil, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
 		}
 		layout = l
-		if slices.Contains(o.Devices[:i], d) {
-			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
-		}
 		free, total, err := rt.MemGetInfo(d)
 		if err != nil {
 			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
 		}
-		if n := layout.MappedBytes(initialChunks(layout, o.InitialPages)); n > free {
-			return nil, fmt.Errorf("kv/owner: %w: a slab of %s (%d bytes: %d pages in %d chunks of %s) is larger than device %d's free memory, %s (%d bytes, of %s)",
-				cudart.ErrOutOfMemory, humanize.IBytes(n), n, o.Geometry.Pages, layout.Chunks(), humanize.IBytes(layout.ChunkBytes()), d, humanize.IBytes(free), free, humanize.IBytes(total))
+		if c := initialChunks(layout, o.InitialPages); layout.MappedBytes(c) > free {
+			n := layout.MappedBytes(c)
+			return nil, fmt.Errorf("kv/owner: %w: a slab's start of %s (%d bytes: %d chunks of %s, %d pages of the %d at most) is larger than device %d's free memory, %s (%d bytes, of %s)",
+				cudart.ErrOutOfMemory, humanize.IBytes(n), n, c, humanize.IBytes(layout.ChunkBytes()), layout.MappedPages(c), o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
 		}
 	}
 	if o.Logger == nil {

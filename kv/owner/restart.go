@@ -126,8 +126,8 @@ type Keeper struct {
 }
 
 // Keep makes a Keeper on dir for the devices, policy, logger and limits opts set
-// (the geometry and the page server's other options have no effect; rt only checks
-// them). A live keeper on dir makes it fail with an error wrapping
+// (the geometry and the page server's other options have no effect). Of rt it asks
+// the device count alone: it makes no CUDA context and takes no device memory. A live keeper on dir makes it fail with an error wrapping
 // producer.ErrAddressInUse. On failure nothing is left behind.
 func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
 	ow, err := listen(dir, rt, optionsOf(geo, opts), roleKeeper)
