@@ -50,7 +50,7 @@ func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
 	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
 		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
 		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
-		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
+		"-chunk-bytes", f.chunkBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
 }
 
 // keeperChild is the keeper this kvpoold started: its exit status is known here once
@@ -153,9 +153,9 @@ func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if err == nil {
 		g, err = f.slabPages(g)
 	}
-	var bound uint64
+	var chunk uint64
 	if err == nil {
-		bound, err = f.segmentBound()
+		chunk, err = f.chunkSize()
 	}
 	var devs []int
 	if err == nil {
@@ -170,7 +170,7 @@ func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1
 	}
-	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithSegmentBytes(bound))
+	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithChunkBytes(chunk))
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
 		return 1

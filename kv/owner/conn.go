@@ -15,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/printable"
 	"github.com/cudapool/cudapool/internal/session"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
@@ -53,7 +54,7 @@ type conn struct {
 
 	// Written by the connection's goroutine under Owner.mu, read by it without.
 	notifiers map[uint32]*notifier
-	fds       *fdReader // what serve reads from: the frames and the notifiers' descriptors
+	fds       *unixfd.Stream // what serve reads from: the frames and the notifiers' descriptors
 	// The connection's goroutine alone.
 	locked  bool        // it holds Owner.mu (lock)
 	req     kvwire.Type // the request it serves
@@ -183,7 +184,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return refuse(kvwire.CodeRefused, reason)
 	}
 	if hello.Version != kvwire.Version {
-		return refuse(kvwire.CodeRefused, fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+		return refuse(kvwire.CodeRefused, versionMismatch(hello.Version))
 	}
 	if err := c.sc.Admit(); err != nil {
 		return refuse(kvwire.CodeLimit, err.Error())
@@ -208,9 +209,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		c.proc = nil
 		o.log.Warn("kv: cannot watch a replica's process; its leases end with its connection", "pid", c.cred.PID, "err", err)
 	}
-	if err := c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo, Slab: s.name})
-	}); err != nil {
+	if err := c.welcome(s, h.ID); err != nil {
 		return err
 	}
 	id, err := procOf(c.cred.PID) // read before o.mu: /proc is no lock's
@@ -228,6 +227,14 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return err
 	}
 	return nil
+}
+
+// versionMismatch says why a Hello of version v is refused, naming both versions.
+func versionMismatch(v uint32) string {
+	if v == 3 {
+		return fmt.Sprintf("protocol version 3 (the slab as pool segments on slab.sock); this owner speaks %d (the slab's chunks on kv.sock, the VMM route): upgrade the replica", kvwire.Version)
+	}
+	return fmt.Sprintf("protocol version %d; this owner speaks %d", v, kvwire.Version)
 }
 
 // frameHook, set by tests alone, sees each request's type before it is served.
@@ -260,7 +267,7 @@ func (c *conn) observe(rd *kvwire.Reader) error {
 
 // serve answers requests until the connection ends; bye says it ended with Bye.
 func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
-	c.fds = &fdReader{nc: c.nc}
+	c.fds = unixfd.NewStream(c.nc)
 	for {
 		h, p, err := rd.Next(c.fds)
 		if err != nil {
@@ -269,9 +276,9 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 			}
 			return nil, err
 		}
-		end := c.fds.off - int64(rd.Unread()) // where the frame ended in the stream
+		end := c.fds.Offset() - int64(rd.Unread()) // where the frame ended in the stream
 		if h.Type != kvwire.TypeNotifier {
-			c.fds.drop(end)
+			c.fds.Drop(end)
 		}
 		c.req = h.Type
 		if frameHook != nil {
@@ -335,11 +342,12 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	case n > kv.MaxBatch:
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
 	case n < 1 || n > o.geo.Pages:
-		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, o.geo.Pages))
+		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d at most", kv.ErrGeometry, n, o.geo.Pages))
 	}
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
+	o.growFor(s, n)
 	c.lock()
 	if err := c.roomLocked(n); err != nil {
 		c.unlock()
@@ -593,7 +601,7 @@ func (c *conn) notifier(at kvwire.Point) (*notifier, error) {
 func (c *conn) registerNotifier(p []byte, start, end int64) error {
 	o := c.o
 	m, err := kvwire.DecodeNotifier(p)
-	fd, ok := c.fds.take(start, end)
+	fd, ok := c.fds.Take(start, end)
 	switch {
 	case err != nil:
 	case !ok:
@@ -992,6 +1000,9 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		c.awaitExit(ctx)
 		stop()
 	}
+	if c.s != nil {
+		c.unreach(c.s)
+	}
 	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer
 	c.lock()
@@ -1007,7 +1018,7 @@ func (c *conn) finish(bye *kvwire.Bye) {
 	o.send(owed)
 	closeNotifiers(ns)
 	if c.fds != nil {
-		c.fds.drop(c.fds.off)
+		c.fds.Drop(c.fds.Offset())
 	}
 	if c.proc != nil {
 		_ = c.proc.Close() // cleanup: nothing is left to do if closing fails

@@ -50,7 +50,7 @@ func TestHostSocketFollowsThePolicy(t *testing.T) {
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
 	dir := filepath.Join(t.TempDir(), "kv")
 	other := uint32(os.Getuid()) + 4242
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(4*owner.HostPageBytes(g)),
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithHostBytes(4*owner.HostPageBytes(g)),
 		owner.WithPolicy(export.Policy{AllowUIDs: []uint32{other}}))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, o.Close(t.Context())) }()
@@ -69,7 +69,7 @@ func TestHostSocketFollowsThePolicy(t *testing.T) {
 // the peer's uid is replaced through a seam.)
 func TestKeeperTierSocketRefusesAnotherUser(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "kv")
-	k, err := owner.Keep(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce())
+	k, err := owner.Keep(dir, cudarttest.ForTest(t), small)
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, k.Close(t.Context())) }()
 	other := uint32(os.Getuid()) + 4242
@@ -95,7 +95,7 @@ func TestKeeperTierSocketRefusesAnotherUser(t *testing.T) {
 func TestHostSocketAnswers(t *testing.T) {
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
 	dir := filepath.Join(t.TempDir(), "kv")
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(4*owner.HostPageBytes(g)))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithHostBytes(4*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, o.Close(t.Context())) }()
 	ask := func(req []byte) (kv.HostTierInfo, []int, error) { return askHostTier(t, dir, req) }

@@ -32,7 +32,7 @@ func listenWith(t *testing.T, opts ...owner.Option) (*owner.Owner, string) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	ow, err := owner.Listen(dir, dev, small, append(opts, owner.WithoutAnnounce())...)
+	ow, err := owner.Listen(dir, dev, small, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, ow.Close(bound(t)))

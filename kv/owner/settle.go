@@ -5,12 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net"
 	"os"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
 )
@@ -196,58 +194,4 @@ func closeNotifiers(ns map[uint32]*notifier) {
 	for _, n := range ns {
 		_ = n.f.Close() // cleanup: closing is what ends its watcher
 	}
-}
-
-// fdReader is the connection as a replica's Reader reads it once the replica is
-// admitted: each read takes the descriptors that came with its bytes, at most one a
-// message, noting where the read ended. The kernel delivers a message's descriptor
-// with the read that takes the message's last byte or an earlier one of it, and ends
-// that read inside the message, so the descriptor belongs to the frame holding the
-// read's last byte: a Notifier takes it (take) only if that byte is its own, and a
-// descriptor that came with any other frame is closed (drop).
-type fdReader struct {
-	nc   *net.UnixConn
-	recv unixfd.Receiver
-	off  int64 // bytes read so far
-	fds  []sentFD
-}
-
-// sentFD is a descriptor received and the stream offset of the last byte read with it.
-type sentFD struct {
-	fd   int
-	last int64
-}
-
-func (r *fdReader) Read(b []byte) (int, error) {
-	n, fds, err := r.recv.Recv(r.nc, b, 1)
-	r.off += int64(n)
-	for _, fd := range fds {
-		r.fds = append(r.fds, sentFD{fd: fd, last: r.off - 1})
-	}
-	if errors.Is(err, unixfd.ErrUnexpectedFDs) {
-		err = fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
-	}
-	return n, err
-}
-
-// take returns the descriptor that came with the frame of bytes [start, end) of the
-// stream, closing those that came before it; false if none did.
-func (r *fdReader) take(start, end int64) (int, bool) {
-	r.drop(start)
-	if len(r.fds) > 0 && r.fds[0].last < end {
-		fd := r.fds[0].fd
-		r.fds = r.fds[1:]
-		return fd, true
-	}
-	return -1, false
-}
-
-// drop closes the descriptors that came with bytes before offset end.
-func (r *fdReader) drop(end int64) {
-	k := 0
-	for k < len(r.fds) && r.fds[k].last < end {
-		_ = unix.Close(r.fds[k].fd) // cleanup: a descriptor nobody asked for
-		k++
-	}
-	r.fds = r.fds[k:]
 }

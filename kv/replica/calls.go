@@ -202,7 +202,7 @@ func (r *Replica) readFor(ctx context.Context, c *call) error {
 		}()
 	}
 	for {
-		h, p, err := r.rd.Next(nc)
+		h, p, err := r.ln.next(r.m)
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() && r.gone() == nil {
@@ -301,7 +301,7 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 		return nil, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch)
 	}
 	if n < 1 || n > r.geo.Pages {
-		return nil, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, r.geo.Pages)
+		return nil, fmt.Errorf("%w: %d pages asked, the slab has %d at most", kv.ErrGeometry, n, r.geo.Pages)
 	}
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
@@ -310,7 +310,7 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 			if !claimed {
 				return nil
 			}
-			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
+			if err := l.parse(h, p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.mappedPages()); err != nil {
 				return err
 			}
 			r.track(l)
@@ -342,7 +342,7 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 	}
 	for i, pg := range l.pages {
 		if int64(pg) >= int64(slabPages) {
-			return fmt.Errorf("%w: %w: %s page %d is %d, past the slab's %d pages", export.ErrProtocol, kvwire.ErrMalformed, want, i, pg, slabPages)
+			return fmt.Errorf("%w: %w: %s page %d is %d, past the slab's %d pages mapped", export.ErrProtocol, kvwire.ErrMalformed, want, i, pg, slabPages)
 		}
 	}
 	return nil
@@ -425,7 +425,7 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 			if !claimed {
 				return nil
 			}
-			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
+			if err := l.parse(h, p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.mappedPages()); err != nil {
 				return err
 			}
 			if r.opts.reconnect && l.id != 0 {
