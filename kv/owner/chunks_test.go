@@ -137,7 +137,7 @@ func TestRestartDropsChunksOfAnotherLayout(t *testing.T) {
 // unmapping) reaches every connected replica, which unmaps the chunks in place; the
 // slab grows again afterwards, into new chunks, which every replica maps.
 func TestGiveBackReachesEveryReplica(t *testing.T) {
-	o, rs := elastic(t, 2)
+	o, rs, _ := elastic(t, 2)
 	step := o.Layout().Regions()
 	l, err := rs[0].Alloc(bound(t), 40) // the slab grows to 3 steps, 48 pages
 	require.NoError(t, err)
