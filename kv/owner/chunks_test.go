@@ -36,6 +36,34 @@ func keeperDir(t *testing.T) string {
 	return dir
 }
 
+// fillPages writes pageFill into pages through r, on d's stream s.
+func fillPages(t *testing.T, d *cudarttest.Device, r *replica.Replica, s cudart.Stream, pages []uint32) {
+	t.Helper()
+	for _, p := range pages {
+		for layer := range small.Layers {
+			for _, part := range []kv.Part{kv.K, kv.V} {
+				require.NoError(t, d.MemcpyHtoDAsync(0, r.Addr(layer, part, int(p)), pageFill(p, layer, part), s))
+			}
+		}
+	}
+}
+
+// requireFilled requires pages, read through r on d's stream s, to hold what
+// fillPages wrote into written (page i into written[i]).
+func requireFilled(t *testing.T, d *cudarttest.Device, r *replica.Replica, s cudart.Stream, pages, written []uint32) {
+	t.Helper()
+	got := make([]byte, small.PageBytes())
+	for i, p := range pages {
+		for layer := range small.Layers {
+			for _, part := range []kv.Part{kv.K, kv.V} {
+				require.NoError(t, d.MemcpyDtoHAsync(0, got, r.Addr(layer, part, int(p)), s))
+				require.NoError(t, d.StreamSynchronize(0, s))
+				require.True(t, bytes.Equal(pageFill(written[i], layer, part), got), "page %d (written as %d) layer %d %v", p, written[i], layer, part)
+			}
+		}
+	}
+}
+
 // pageFill is what page p of layer's part holds in the chunk tests.
 func pageFill(p uint32, layer int, part kv.Part) []byte {
 	b := make([]byte, small.PageBytes())
@@ -66,13 +94,7 @@ func TestRestartTakesBackTheSlabsChunks(t *testing.T) {
 	require.NoError(t, err)
 	l, err := r.Alloc(bound(t), 40) // past a step: the slab grows to 3 steps, 48 pages
 	require.NoError(t, err)
-	for _, p := range l.Pages() {
-		for layer := range small.Layers {
-			for _, part := range []kv.Part{kv.K, kv.V} {
-				require.NoError(t, rdev.MemcpyHtoDAsync(0, r.Addr(layer, part, int(p)), pageFill(p, layer, part), s))
-			}
-		}
-	}
+	fillPages(t, rdev, r, s, l.Pages())
 	hashes := r.Hashes(make([]int32, 40*small.TokensPerPage))
 	_, err = r.Seal(bound(t), l, hashes, s, replica.WaitVisible())
 	require.NoError(t, err)
@@ -105,16 +127,7 @@ func TestRestartTakesBackTheSlabsChunks(t *testing.T) {
 	m, err := r2.Match(bound(t), hashes)
 	require.NoError(t, err)
 	require.Equal(t, l.Pages(), m.Pages())
-	got := make([]byte, small.PageBytes())
-	for _, p := range m.Pages() {
-		for layer := range small.Layers {
-			for _, part := range []kv.Part{kv.K, kv.V} {
-				require.NoError(t, fresh.MemcpyDtoHAsync(0, got, r2.Addr(layer, part, int(p)), s2))
-				require.NoError(t, fresh.StreamSynchronize(0, s2))
-				require.True(t, bytes.Equal(pageFill(p, layer, part), got), "page %d layer %d %v", p, layer, part)
-			}
-		}
-	}
+	requireFilled(t, fresh, r2, s2, m.Pages(), l.Pages())
 	require.NoError(t, r2.Release(bound(t), m, s2))
 }
 

@@ -1,7 +1,6 @@
 package owner_test
 
 import (
-	"bytes"
 	"os"
 	"sync/atomic"
 	"testing"
@@ -13,7 +12,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
-	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
@@ -112,13 +110,7 @@ func TestGiveBackKeepsPagesInTheHostTier(t *testing.T) {
 	require.NoError(t, err)
 	l, err := r.Alloc(bound(t), 40) // grown to 3 steps: pages 16..47 first, then 0..7
 	require.NoError(t, err)
-	for _, p := range l.Pages() {
-		for layer := range small.Layers {
-			for _, part := range []kv.Part{kv.K, kv.V} {
-				require.NoError(t, d.MemcpyHtoDAsync(0, r.Addr(layer, part, int(p)), pageFill(p, layer, part), s))
-			}
-		}
-	}
+	fillPages(t, d, r, s, l.Pages())
 	hashes := r.Hashes(make([]int32, 40*small.TokensPerPage))
 	_, err = r.Seal(bound(t), l, hashes, s, replica.WaitVisible())
 	require.NoError(t, err)
@@ -134,16 +126,9 @@ func TestGiveBackKeepsPagesInTheHostTier(t *testing.T) {
 	m, err := r.Match(bound(t), hashes[:12])
 	require.NoError(t, err)
 	require.Len(t, m.Pages(), 12, "restored into the step kept")
-	got := make([]byte, small.PageBytes())
-	for i, p := range m.Pages() {
+	for _, p := range m.Pages() {
 		require.Less(t, p, uint32(16))
-		for layer := range small.Layers {
-			for _, part := range []kv.Part{kv.K, kv.V} {
-				require.NoError(t, d.MemcpyDtoHAsync(0, got, r.Addr(layer, part, int(p)), s))
-				require.NoError(t, d.StreamSynchronize(0, s))
-				require.True(t, bytes.Equal(pageFill(written[i], layer, part), got), "page %d (was %d) layer %d %v", p, written[i], layer, part)
-			}
-		}
 	}
+	requireFilled(t, d, r, s, m.Pages(), written)
 	require.NoError(t, r.Release(bound(t), m, s))
 }
