@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"strconv"
@@ -13,19 +14,25 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 )
 
-// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs and the
-// host tiers' memfds (owner.Keep) and nothing else, in a session of its own, so that
-// kvpoold's death (SIGKILL, a crash, an upgrade) leaves that memory and every
-// replica's mapping of it alone, and the next kvpoold on the directory adopts them.
-// kvpoold starts it where none is alive and, on a clean stop, stops it (unless
-// -leave-keeper). It stops on SIGTERM or SIGINT, or once no process has mapped the
-// slabs for -keeper-idle.
+// The keeper is kvpoold's other process: `kvpoold keeper` holds what must outlive
+// kvpoold (owner.Keep, owner.KeepFiles), in a session of its own, so that kvpoold's
+// death (SIGKILL, a crash, an upgrade) leaves that memory and every replica's mapping
+// of it alone, and the next kvpoold on the directory adopts it. It holds file
+// descriptors by name on dir/keep.sock (the host tiers' memfds, given by kvpoold) and,
+// given a slab size (-pages or -bytes), the slabs of the pool route; without one it
+// holds descriptors alone and loads no CUDA runtime at all (an fd keeps its memory
+// alive by itself). kvpoold starts it where none is alive and, on a clean stop, stops
+// it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once, for -keeper-idle,
+// no kvpoold has been connected to it and no process has mapped its slabs: it cannot
+// see who maps the memory of the descriptors it holds, and need not, for a mapping
+// keeps that memory alive by itself.
 
 // keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
 // stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
@@ -119,10 +126,23 @@ func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ct
 	}
 }
 
-// idleFor waits until ctx ends or, true, no process has mapped k's slabs for idle: a
-// keeper whose kvpoold died for good, and its replicas with it, frees the GPU memory.
-// It looks once a second (a tenth of idle if shorter).
-func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
+// keeperRuntime makes the keeper's runtime, for slabs of the pool route alone: a
+// keeper of descriptors alone makes none. The tests replace it.
+var keeperRuntime = choose.Runtime
+
+// keeping is what the keeper's idle wait asks of an owner.Keeper.
+type keeping interface {
+	Importers() int
+	Clients() int
+}
+
+// idleFor waits until ctx ends or, true, no kvpoold has been connected to k (and no
+// process has mapped its slabs, where it has any) for idle: a keeper whose kvpoold
+// died for good frees what it holds. It cannot see who maps the memory of the
+// descriptors it holds (a replica's mapping keeps that memory alive by itself, and
+// it goes back once the last one unmaps). It looks once a second (a tenth of idle if
+// shorter).
+func idleFor(ctx context.Context, k keeping, idle time.Duration) bool {
 	tick := time.NewTicker(min(time.Second, max(idle/10, time.Millisecond)))
 	defer tick.Stop()
 	var since time.Time
@@ -132,7 +152,7 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 			return false
 		case now := <-tick.C:
 			switch {
-			case k.Importers() > 0:
+			case k.Importers() > 0 || k.Clients() > 0:
 				since = time.Time{}
 			case since.IsZero():
 				since = now
@@ -143,12 +163,56 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 	}
 }
 
-// runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
+// runKeeper is `kvpoold keeper`: the descriptors kvpoold gives it and, given a slab
+// size (-pages or -bytes), the slabs of the pool route, until ctx ends. Without a slab
+// size it loads no CUDA runtime at all.
 func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
 		return code
 	}
+	var k *owner.Keeper
+	var rt cudart.Runtime
+	if f.set["pages"] || f.set["bytes"] {
+		var code int
+		if k, rt, code = keepSlabs(f, stderr); k == nil {
+			return code
+		}
+	} else {
+		var err error
+		if k, err = owner.KeepFiles(f.dir, owner.WithLogger(slog.New(slog.NewTextHandler(stderr, nil)))); err != nil {
+			fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+			return exitFailed
+		}
+	}
+	if ready := os.NewFile(3, "ready"); ready != nil {
+		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
+		_ = ready.Close()                   // cleanup: it was written
+	}
+	if idleFor(ctx, k, f.keeperIdle) {
+		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold has been connected to %s, and no process has mapped its slabs, for %v: what it kept is freed\n", f.dir, f.keeperIdle)
+	}
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
+	defer cancel()
+	closeErr := k.Close(cctx)
+	var broken error
+	if rt != nil {
+		broken = choose.Violations(rt)
+	}
+	switch {
+	case closeErr == nil && broken == nil:
+		return exitOK
+	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
+		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
+		return exitAbandoned
+	}
+	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
+}
+
+// keepSlabs makes the keeper of the pool route's slabs: the runtime, and a Keeper of
+// them; nil and the exit status on failure, said on stderr.
+func keepSlabs(f flags, stderr io.Writer) (*owner.Keeper, cudart.Runtime, int) {
 	g, err := f.geometry()
 	if err == nil {
 		g, err = f.slabPages(g)
@@ -163,35 +227,17 @@ func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 2
+		return nil, nil, exitUsage
 	}
-	picked, err := choose.Runtime(f.runtime)
+	picked, err := keeperRuntime(f.runtime)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 1
+		return nil, nil, exitFailed
 	}
 	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithChunkBytes(chunk))
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 1
+		return nil, nil, exitFailed
 	}
-	if ready := os.NewFile(3, "ready"); ready != nil {
-		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
-		_ = ready.Close()                   // cleanup: it was written
-	}
-	if idleFor(ctx, k, f.keeperIdle) {
-		fmt.Fprintf(stderr, "kvpoold keeper: no process has mapped the slabs of %s for %v: they are freed\n", f.dir, f.keeperIdle)
-	}
-	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
-	defer cancel()
-	closeErr, broken := k.Close(cctx), choose.Violations(picked.Runtime)
-	switch {
-	case closeErr == nil && broken == nil:
-		return exitOK
-	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
-		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
-		return exitAbandoned
-	}
-	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
-	return exitFailed
+	return k, picked.Runtime, exitOK
 }

@@ -88,10 +88,8 @@ func (t *Table) journal(r Record) Seq {
 // must makes the reply wait for the journal through the latest record.
 func (t *Table) must() { t.fx.Wait = t.seq }
 
-// effects hands over what the operation in progress gathered, once it has evicted
-// the pages given back that it left sealed and unheld.
+// effects hands over what the operation in progress gathered.
 func (t *Table) effects() Effects {
-	t.drain()
 	fx := t.fx
 	t.fx = Effects{}
 	return fx

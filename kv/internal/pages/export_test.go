@@ -27,16 +27,24 @@ func RestartWith(cfg Config, rec Recovered, r Rules) (*Table, error) {
 	return restart(cfg, rec, r.rules())
 }
 
-// Writer is the lease that writes (or seals) page p, or 0.
+// Writer is the lease that writes (or seals) page p, or 0 (a page not mapped).
 func Writer(t *Table, p uint32) LeaseID {
+	if int(p) >= len(t.g) {
+		return 0
+	}
 	if st := t.g[p].state; st == Writing || st == Sealing || st == Settling {
 		return t.g[p].lease
 	}
 	return 0
 }
 
-// Readers is page p's readers.
-func Readers(t *Table, p uint32) int { return int(t.g[p].readers) }
+// Readers is page p's readers (0: a page not mapped).
+func Readers(t *Table, p uint32) int {
+	if int(p) >= len(t.g) {
+		return 0
+	}
+	return int(t.g[p].readers)
+}
 
 // LeavesFirst says where the GPU LRU list has a child more recent than its live
 // parent: eviction would take the parent first.

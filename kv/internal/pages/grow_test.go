@@ -160,16 +160,27 @@ func TestShrinkWaitsForLeases(t *testing.T) {
 	_, ok = tab.HostLookup(chainHash(1, 4))
 	assert.True(t, ok, "page 4's bytes are in the host tier")
 
-	// The writer seals page 6 (chain 2): published, then evicted at once.
+	// The writer seals page 6 (chain 2): published, sealed and unheld until Drain
+	// evicts it.
 	j.add(must(tab.Seal(writer, wl, []kv.Hash{chainHash(2, 0)}, pages.NoRef)))
 	_, _, err = tab.Shrunk()
 	require.ErrorIs(t, err, pages.ErrInUse)
 	_, _, fx, err = tab.SealDone(wl, true)
 	require.NoError(t, err)
 	j.add(fx)
+	assert.Empty(t, fx.Copies, "only Shrink and Drain evict the pages given back")
+	res, fx, err = tab.Match(other, []kv.Hash{chainHash(2, 0)})
+	require.NoError(t, err)
+	j.add(fx)
+	assert.Zero(t, res.Lease, "a page given back, sealed since, is not matched")
+	_, _, err = tab.Shrunk()
+	require.ErrorIs(t, err, pages.ErrInUse, "page 6 waits for Drain")
+	fx, left := tab.Drain()
+	j.add(fx)
+	assert.Equal(t, 2, left, "page 5 read, page 6 read by its copy out")
 	_, ok = tab.Lookup(chainHash(2, 0))
-	assert.False(t, ok, "a seal into a page given back is evicted at once")
-	require.Len(t, fx.Copies, 1, "and copied out")
+	assert.False(t, ok, "Drain evicted it")
+	require.Len(t, fx.Copies, 1, "and copied it out")
 	_, fx, err = tab.CopyDone(fx.Copies[0].ID, true)
 	require.NoError(t, err)
 	j.add(fx)
@@ -179,7 +190,10 @@ func TestShrinkWaitsForLeases(t *testing.T) {
 	require.NoError(t, tab.Release(reader, rl))
 	_, _, err = tab.Shrunk()
 	require.ErrorIs(t, err, pages.ErrInUse, "until its release completes")
-	fx = j.add(must(tab.ReleaseDone(rl)))
+	j.add(must(tab.ReleaseDone(rl)))
+	fx, left = tab.Drain()
+	j.add(fx)
+	assert.Equal(t, 1, left)
 	require.Len(t, fx.Copies, 1, "page 5, let go, is evicted and copied out")
 	_, _, err = tab.Shrunk()
 	require.ErrorIs(t, err, pages.ErrInUse, "until the copy completes")
@@ -201,6 +215,9 @@ func TestShrinkWaitsForLeases(t *testing.T) {
 		_, ok = tab.HostLookup(h)
 		assert.True(t, ok, "every sealed page given back is in the host tier")
 	}
+	st, _, _ := tab.Page(7)
+	assert.Equal(t, pages.Free, st, "a page given back is free, not out of range")
+	assert.Equal(t, pages.NoRef, tab.Ref(7))
 	again := j.restart(t, pages.Config{Pages: 4, Bound: 8, HostPages: 4, Epoch: 1}, pages.Rules{})
 	assert.Equal(t, 4, again.Stats().Sealed, "the journal names no page past 3")
 
@@ -257,7 +274,10 @@ func TestRestartMidShrink(t *testing.T) {
 	_, _, err := tab.Shrunk()
 	require.ErrorIs(t, err, pages.ErrInUse, "the stranded leases hold pages 5 and 6")
 	j.add(tab.HolderDead(writer))
-	fx := j.add(tab.Declared(reader))
+	j.add(tab.Declared(reader))
+	fx, left := tab.Drain()
+	j.add(fx)
+	assert.Equal(t, 1, left, "page 5 read by its copy out")
 	require.Len(t, fx.Copies, 1, "page 5, let go, is copied out")
 	_, fx, err = tab.CopyDone(fx.Copies[0].ID, true)
 	require.NoError(t, err)
@@ -265,5 +285,25 @@ func TestRestartMidShrink(t *testing.T) {
 	to, _, err := tab.Shrunk()
 	require.NoError(t, err)
 	assert.Equal(t, 4, to)
+	require.NoError(t, tab.Check())
+}
+
+// TestGrowKeepsLeavesFirst: pages given back whose leases ended wait, sealed, for
+// Drain; a grow that takes them back lists them again with their ancestors more
+// recent than they, so that eviction still takes a chain's leaves first.
+func TestGrowKeepsLeavesFirst(t *testing.T) {
+	tab, j := fresh(t, pages.Config{Pages: 8, Epoch: 1})
+	hs := []kv.Hash{chainHash(1, 0), chainHash(1, 1), chainHash(1, 2), chainHash(1, 3), chainHash(1, 4), chainHash(1, 5)}
+	require.Equal(t, []uint32{0, 1, 2, 3, 4, 5}, seal(t, tab, j, writer, hs...))
+	res, fx, err := tab.Match(reader, hs)
+	require.NoError(t, err)
+	j.add(fx)
+	j.add(must(tab.Shrink(4)))
+	require.NoError(t, tab.Release(reader, res.Lease))
+	j.add(must(tab.ReleaseDone(res.Lease)))
+	require.NoError(t, tab.Grow(8), "pages 4 and 5 back, sealed, not drained")
+	require.NoError(t, pages.LeavesFirst(tab))
+	gpu, _ := pages.Order(tab)
+	assert.Equal(t, []uint32{0, 1, 2, 3, 4, 5}, gpu, "the chain's root the most recent")
 	require.NoError(t, tab.Check())
 }

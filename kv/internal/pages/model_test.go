@@ -551,10 +551,21 @@ func (m *model) shrink() {
 	m.apply(fx, nil)
 }
 
-// shrunk ends a shrink whose pages are free; their memory is released once the
-// journal is durable through what Shrunk says.
+// shrunk evicts the pages given back that have come free (now and then) and ends
+// a shrink whose pages are free; their memory is released once the journal is
+// durable through what Shrunk says.
 func (m *model) shrunk() {
+	left := -1
+	if m.r.IntN(2) == 0 {
+		var fx pages.Effects
+		fx, left = m.tab.Drain()
+		m.logf("drain: %d left", left)
+		m.apply(fx, nil)
+	}
 	to, wait, err := m.tab.Shrunk()
+	if _, ok := m.tab.Shrinking(); left == 0 && ok && err != nil {
+		m.fail("shrunk with none left in use: %v", err)
+	}
 	switch {
 	case errors.Is(err, pages.ErrInUse), errors.Is(err, pages.ErrInput):
 		return

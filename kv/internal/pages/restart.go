@@ -258,7 +258,7 @@ func (t *Table) Reattach(h Holder, id LeaseID, write bool, pages []uint32, hashe
 	}
 	if write && t.rules.noStrand { // the defect: the pages were free meanwhile
 		for _, p := range pages {
-			if t.g[p].state != Free {
+			if int(p) >= t.limit || t.g[p].state != Free {
 				return fmt.Errorf("%w: page %d is no longer free", ErrLost, p)
 			}
 		}

@@ -70,11 +70,13 @@
 // release their memory: from then on none of them is allocated, restored into or
 // matched; those sealed and unheld are evicted at once (copied to the host tier
 // where it has room), the rest once their leases end (a lease is never taken,
-// stranded ones included) and their copies complete. The caller asks
-// [Table.Shrunk] after leases end and copies complete; once it answers, Mapped is
-// the smaller count, and the memory may go once the journal is durable through
-// the sequence number it gives. A restart mid-shrink forgets it: the caller maps
-// what it still holds and shrinks again.
+// stranded ones included) and their copies complete: the caller polls
+// [Table.Drain], which evicts those that have come free and says how many are
+// still in use, and then [Table.Shrunk]; once it answers, Mapped is the smaller
+// count, and the memory may go once the journal is durable through the sequence
+// number it gives. Only Shrink and Drain evict a page given back, so no other
+// operation asks for a copy it did not before. A restart mid-shrink forgets it:
+// the caller maps what it still holds and shrinks again.
 //
 // # Journal and restart
 //
@@ -239,9 +241,6 @@ type Table struct {
 	// limit is where the pages given back start: pages [limit, len(g)) are
 	// drained for a shrink ([Table.Shrink]); limit == len(g) when none is.
 	limit int
-	// drainq are draining pages that may have become sealed and unheld during the
-	// operation in progress, to evict before it returns.
-	drainq []uint32
 
 	count  [nStates]int
 	hcount [nHostStates]int
@@ -325,11 +324,7 @@ func (t *Table) leave(p uint32) { t.tally(p, -1) }
 func (t *Table) enter(p uint32) {
 	t.tally(p, 1)
 	g := &t.g[p]
-	want := g.state == Sealed && g.readers == 0 && g.releasing == 0
-	if want && int(p) >= t.limit {
-		want = false
-		t.drainq = append(t.drainq, p) // given back: evicted before the operation returns
-	}
+	want := g.state == Sealed && g.readers == 0 && g.releasing == 0 && int(p) < t.limit // not given back
 	switch {
 	case want && !g.listed:
 		t.gpush(p)
@@ -475,8 +470,12 @@ func (t *Table) Evictable() int { return len(t.free) + t.glru.n }
 // Window says whether the reattach window is open.
 func (t *Table) Window() bool { return t.window }
 
-// Page is GPU page p's state and hash (meaningful once sealing), and its generation.
+// Page is GPU page p's state and hash (meaningful once sealing), and its
+// generation; a page not mapped ([Table.Mapped]) is free, of no hash.
 func (t *Table) Page(p uint32) (State, kv.Hash, uint32) {
+	if int(p) >= len(t.g) {
+		return Free, kv.Hash{}, 0
+	}
 	g := &t.g[p]
 	return g.state, g.hash, g.gen
 }
@@ -493,8 +492,14 @@ func (t *Table) HostLookup(h kv.Hash) (uint32, bool) {
 	return p, ok
 }
 
-// Ref is GPU page p's Ref in its current life: a seal's parent.
-func (t *Table) Ref(p uint32) Ref { return t.ref(p) }
+// Ref is GPU page p's Ref in its current life: a seal's parent; NoRef for a page
+// not mapped.
+func (t *Table) Ref(p uint32) Ref {
+	if int(p) >= len(t.g) {
+		return NoRef
+	}
+	return t.ref(p)
+}
 
 // Fill sets st's page counts and counters from t, in O(1), and its host tier's where
 // st.Host is set; the rest (bytes, times, the copy path, Hits by other means) is the
