@@ -394,6 +394,11 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 			return nil, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
 		}
 		layout = l
+		if o.Fabric {
+			if err := probeFabric(rt, d); err != nil {
+				return nil, err
+			}
+		}
 		free, total, err := rt.MemGetInfo(d)
 		if err != nil {
 			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
