@@ -5,7 +5,7 @@
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
 //	        (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
-//	        [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+//	        [-min-free SIZE] [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
 //
 // A -layout names a whole geometry, and excludes every dimension flag: one given beside
@@ -23,7 +23,11 @@
 // makes each tensor at most 8 chunks) are mapped as pages are needed: it starts with
 // a chunk per tensor (or the chunks that hold -initial-bytes, rounded down to whole
 // pages and up to whole steps; -initial-bytes equal to -bytes maps the whole slab at
-// the start) and grows before it evicts. -handle fabric makes the chunks
+// the start) and grows before it evicts. While a device's free memory is below
+// -min-free (default 0: never), kvpoold gives the slab's last chunks back, down to a
+// chunk per tensor: their pages are evicted (copied to the host tier where it has
+// room) or, where leased, waited for, every replica unmaps them, and the slab grows
+// again only once a step more than -min-free is free. -handle fabric makes the chunks
 // exportable as FABRIC handles too (NVLink multi-node); where the driver refuses them
 // (no IMEX channel) kvpoold says so and exits 2. A chunk size off the granularity, or
 // a start larger than a device's free memory, is refused at start. A second kvpoold
@@ -109,7 +113,7 @@ func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
 // flags are kvpoold's command line.
 type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
-	hostBytes                                   string
+	hostBytes, minFree                          string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
 	chunkBytes, handle, initialBytes            string
@@ -123,7 +127,7 @@ type flags struct {
 const synopsis = `usage: kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
                [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
                (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
-               [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+               [-min-free SIZE] [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
        kvpoold keeper [the same flags]
 
 Serves a KV page pool: a slab of KV pages on each GPU, leased to replica processes.
@@ -154,6 +158,7 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.StringVar(&f.initialBytes, "initial-bytes", "", "bytes per slab mapped at the start, rounded down to whole pages (default: a chunk per tensor); the slab grows from there up to -bytes")
 	fs.StringVar(&f.chunkBytes, "chunk-bytes", "", "the size of the chunks a slab maps as it grows, a multiple of the device's granularity (default: each tensor in at most 8 chunks)")
 	fs.StringVar(&f.handle, "handle", "posix-fd", "posix-fd, or fabric: chunks exportable as FABRIC handles too (needs an IMEX channel)")
+	fs.StringVar(&f.minFree, "min-free", "", "give the slab's last chunks back while the device's free memory is below this, e.g. 4GiB (default: never)")
 	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
 	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for its own copies and for the keeper to stop")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
@@ -301,6 +306,14 @@ func (f flags) initialPages(g kv.Geometry) (int, error) {
 	return int(min(n/g.PageSpanBytes(), uint64(g.Pages))), nil
 }
 
+// minFreeBytes is -min-free, 0 when not given.
+func (f flags) minFreeBytes() (uint64, error) {
+	if f.minFree == "" {
+		return 0, nil
+	}
+	return parseSize("min-free", f.minFree)
+}
+
 // fabric is -handle: whether chunks are FABRIC too.
 func (f flags) fabric() (bool, error) {
 	switch f.handle {
@@ -394,7 +407,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		g, err = f.slabPages(g)
 	}
-	var chunk, hostBytes uint64
+	var chunk, hostBytes, minFree uint64
 	var fabric bool
 	var initial int
 	if err == nil {
@@ -411,6 +424,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err == nil {
 		hostBytes, err = f.hostTierBytes()
+	}
+	if err == nil {
+		minFree, err = f.minFreeBytes()
 	}
 	if err == nil {
 		_, err = deviceList(f.devices, 0, false) // the syntax; the range once the runtime says
@@ -440,7 +456,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithInitialPages(initial), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
+	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithInitialPages(initial), owner.WithHostBytes(hostBytes), owner.WithMinFree(minFree), owner.WithLogger(logger)}
 	if fabric {
 		opts = append(opts, owner.WithFabric())
 	}

@@ -136,18 +136,8 @@ func TestRestartDropsChunksOfAnotherLayout(t *testing.T) {
 // unmapping) reaches every connected replica, which unmaps the chunks in place; the
 // slab grows again afterwards, into new chunks, which every replica maps.
 func TestGiveBackReachesEveryReplica(t *testing.T) {
-	dir := tempDir(t)
-	o, err := owner.Listen(dir, fineDev(t), small, owner.WithChunkBytes(4096), owner.WithInitialPages(1))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	o, rs, _ := elastic(t, 2)
 	step := o.Layout().Regions()
-	var rs []*replica.Replica
-	for range 2 {
-		r, err := replica.Dial(bound(t), dir, fineDev(t), 0)
-		require.NoError(t, err)
-		t.Cleanup(func() { r.Close(bound(t)) })
-		rs = append(rs, r)
-	}
 	l, err := rs[0].Alloc(bound(t), 40) // the slab grows to 3 steps, 48 pages
 	require.NoError(t, err)
 	require.NoError(t, rs[0].Release(bound(t), l, 0))
@@ -159,13 +149,7 @@ func TestGiveBackReachesEveryReplica(t *testing.T) {
 	st := o.Stats().Devices[0]
 	assert.Equal(t, step, st.Chunks)
 	assert.Equal(t, uint64(step*4096), st.MappedBytes)
-	for _, r := range rs {
-		_, err := r.Stats(bound(t)) // a round trip: the Shrink before its reply is read
-		require.NoError(t, err)
-		chunks, pages := r.Mapped()
-		assert.Equal(t, step, chunks, "every replica unmapped the chunks given back")
-		assert.Equal(t, 16, pages)
-	}
+	requireMapped(t, rs, step, 16)
 
 	l, err = rs[1].Alloc(bound(t), 20) // grows again: chunks made anew where the old ones were
 	require.NoError(t, err)

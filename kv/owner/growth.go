@@ -102,7 +102,7 @@ func (o *Owner) growFor(s *slab, n int) bool {
 	}
 	want := o.layout.ChunksFor(min(st.Bound, st.Pages+n-st.Free))
 	s.grow.Lock()
-	more := want - len(s.fds)
+	more := s.mayGrowTo(want) - len(s.fds)
 	s.grow.Unlock()
 	if more <= 0 {
 		return true // another Alloc grew it meanwhile
@@ -203,10 +203,7 @@ func (o *Owner) unmapChunks(s *slab, keep int) error {
 	o.mu.Lock()
 	pages := 0
 	if s.tab != nil {
-		pages = s.tab.Mapped()
-		if to, shrinking := s.tab.Shrinking(); shrinking {
-			pages = to
-		}
+		pages = s.tab.Mapped() // past the chunks kept while a shrink is not over (Shrunk)
 	}
 	o.mu.Unlock()
 	if keepPages := o.layout.MappedPages(keep); pages > keepPages {

@@ -157,6 +157,7 @@ type options struct {
 	MaxLeases      int
 	MaxLeasedPages int
 	MaxNotifiers   int
+	MinFree        uint64 // WithMinFree (giveback.go)
 }
 
 // WithDevices sets the GPUs to serve, a slab on each; by default, and with none
@@ -307,7 +308,7 @@ type Owner struct {
 
 	wakes      atomic.Uint64  // Pace's
 	allocWaits atomic.Uint64  // Pace's
-	waiters    sync.WaitGroup // the notifiers' watchers (watch) and the Allocs that wait (allocLater)
+	waiters    sync.WaitGroup // the notifiers' watchers (watch), the Allocs that wait (allocLater), the give-back (giveback.go)
 
 	// A cache that survives its owner (restart.go).
 	ix       *index.Index          // nil: no index
@@ -482,6 +483,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		return nil, err
 	}
 	ow.holdAllocs()
+	ow.startGiveBack()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}

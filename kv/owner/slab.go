@@ -49,6 +49,8 @@ type slab struct {
 	// reached are the replica connections welcomed, which each growth reaches.
 	// Guarded by grow.
 	reached map[*conn]struct{}
+	// gb is the give-back of its memory (giveback.go).
+	gb giveBack
 }
 
 // spaceLocked wakes the Allocs that wait for pages to settle.
