@@ -6,26 +6,26 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 )
 
-// The keeper is kvpoold's other process: `kvpoold keeper` holds the slabs and the
-// host tiers' memfds (owner.Keep) and nothing else, in a session of its own, so that
-// kvpoold's death (SIGKILL, a crash, an upgrade) leaves that memory and every
-// replica's mapping of it alone, and the next kvpoold on the directory adopts them.
-// kvpoold starts it where none is alive and, on a clean stop, stops it (unless
-// -leave-keeper). It stops on SIGTERM or SIGINT, or once no process has mapped the
-// slabs for -keeper-idle.
+// The keeper is kvpoold's other process: `kvpoold keeper` holds what must outlive
+// kvpoold (owner.Keep, owner.KeepFiles), in a session of its own, so that kvpoold's
+// death (SIGKILL, a crash, an upgrade) leaves that memory and every replica's mapping
+// of it alone, and the next kvpoold on the directory adopts it. It holds file
+// descriptors by name on dir/keep.sock (the slabs' chunks and the host tiers' memfds,
+// given by kvpoold) and nothing else: it loads no CUDA runtime at all (an fd keeps its
+// memory alive by itself). kvpoold starts it where none is alive and, on a clean stop,
+// stops it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once no kvpoold
+// has been connected to it for -keeper-idle: it cannot see who maps the memory of the
+// descriptors it holds, and need not, for a mapping keeps that memory alive by itself.
 
 // keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
 // stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
@@ -41,20 +41,14 @@ var keeperCommand = func(args []string) (*exec.Cmd, error) {
 	return exec.Command(exe, args...), nil
 }
 
-// keeperArgs is the keeper's command line for a slab of g on devs.
-func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
-	ds := make([]string, len(devs))
-	for i, d := range devs {
-		ds[i] = strconv.Itoa(d)
-	}
-	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
-		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
-		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
-		"-chunk-bytes", f.chunkBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
+// keeperArgs is the keeper's command line: it holds descriptors of any slab, and
+// needs no slab flag.
+func keeperArgs(f flags) []string {
+	return []string{"keeper", "-dir", f.dir, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
 }
 
 // keeperChild is the keeper this kvpoold started: its exit status is known here once
-// it has exited (exitAbandoned: replicas still mapped the slabs when it stopped).
+// it has exited.
 type keeperChild struct {
 	pid    int
 	exited chan struct{}
@@ -119,10 +113,19 @@ func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ct
 	}
 }
 
-// idleFor waits until ctx ends or, true, no process has mapped k's slabs for idle: a
-// keeper whose kvpoold died for good, and its replicas with it, frees the GPU memory.
-// It looks once a second (a tenth of idle if shorter).
-func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
+// keeping is what the keeper's idle wait asks of an owner.Keeper.
+type keeping interface {
+	Importers() int
+	Clients() int
+}
+
+// idleFor waits until ctx ends or, true, no kvpoold has been connected to k (and no
+// process has mapped its slabs, where it has any) for idle: a keeper whose kvpoold
+// died for good frees what it holds. It cannot see who maps the memory of the
+// descriptors it holds (a replica's mapping keeps that memory alive by itself, and
+// it goes back once the last one unmaps). It looks once a second (a tenth of idle if
+// shorter).
+func idleFor(ctx context.Context, k keeping, idle time.Duration) bool {
 	tick := time.NewTicker(min(time.Second, max(idle/10, time.Millisecond)))
 	defer tick.Stop()
 	var since time.Time
@@ -132,7 +135,7 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 			return false
 		case now := <-tick.C:
 			switch {
-			case k.Importers() > 0:
+			case k.Importers() > 0 || k.Clients() > 0:
 				since = time.Time{}
 			case since.IsZero():
 				since = now
@@ -143,55 +146,31 @@ func idleFor(ctx context.Context, k *owner.Keeper, idle time.Duration) bool {
 	}
 }
 
-// runKeeper is `kvpoold keeper`: the slabs, until ctx ends.
+// runKeeper is `kvpoold keeper`: the descriptors kvpoold gives it (the slabs' chunks,
+// the host tiers' memfds), until ctx ends. It loads no CUDA runtime at all: the slab
+// flags, where given, have no effect.
 func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
 		return code
 	}
-	g, err := f.geometry()
-	if err == nil {
-		g, err = f.slabPages(g)
-	}
-	var chunk uint64
-	if err == nil {
-		chunk, err = f.chunkSize()
-	}
-	var devs []int
-	if err == nil {
-		devs, err = deviceList(f.devices, 0, false)
-	}
+	k, err := owner.KeepFiles(f.dir, owner.WithLogger(slog.New(slog.NewTextHandler(stderr, nil))))
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 2
-	}
-	picked, err := choose.Runtime(f.runtime)
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 1
-	}
-	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithChunkBytes(chunk))
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	if ready := os.NewFile(3, "ready"); ready != nil {
 		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
 		_ = ready.Close()                   // cleanup: it was written
 	}
 	if idleFor(ctx, k, f.keeperIdle) {
-		fmt.Fprintf(stderr, "kvpoold keeper: no process has mapped the slabs of %s for %v: they are freed\n", f.dir, f.keeperIdle)
+		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold has been connected to %s for %v: what it kept is freed (its memory once no replica maps it)\n", f.dir, f.keeperIdle)
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
-	closeErr, broken := k.Close(cctx), choose.Violations(picked.Runtime)
-	switch {
-	case closeErr == nil && broken == nil:
-		return exitOK
-	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
-		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
-		return exitAbandoned
+	if err := k.Close(cctx); err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", err)
+		return exitFailed
 	}
-	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
-	return exitFailed
+	return exitOK
 }

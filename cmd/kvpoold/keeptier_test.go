@@ -2,45 +2,38 @@ package main
 
 import (
 	"bytes"
-	"encoding/binary"
-	"encoding/json"
-	"net"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/internal/testwait"
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 )
 
-// hostTierInode is the inode of the memfd dir/host.sock hands out for device 0: the
-// same inode is the same memory.
-func hostTierInode(t *testing.T, dir string) uint64 {
+// hostTierInode is the inode of the memfd of device 0's host tier that process pid
+// holds (a page server serves it on dir/host.sock): the same inode is the same memory.
+func hostTierInode(t *testing.T, pid int) uint64 {
 	t.Helper()
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(dir, kv.HostSocket), Net: "unix"})
+	dir := filepath.Join("/proc", strconv.Itoa(pid), "fd")
+	es, err := os.ReadDir(dir)
 	require.NoError(t, err)
-	defer c.Close()
-	require.NoError(t, c.SetDeadline(time.Now().Add(testwait.Bound)))
-	_, err = c.Write(binary.LittleEndian.AppendUint32(nil, 0))
-	require.NoError(t, err)
-	buf := make([]byte, 4096)
-	n, fds, err := unixfd.Recv(c, buf, 1)
-	require.NoError(t, err)
-	var info kv.HostTierInfo
-	require.NoError(t, json.Unmarshal(buf[:n], &info))
-	require.Empty(t, info.Error)
-	require.Len(t, fds, 1)
-	defer unix.Close(fds[0])
-	var st unix.Stat_t
-	require.NoError(t, unix.Fstat(fds[0], &st))
-	return st.Ino
+	for _, e := range es {
+		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil && strings.Contains(l, "memfd:cudapool-kv-host-0") {
+			info, err := os.Stat(filepath.Join(dir, e.Name()))
+			require.NoError(t, err)
+			return info.Sys().(*syscall.Stat_t).Ino
+		}
+	}
+	t.Fatalf("pid %d holds no host tier memfd", pid)
+	return 0
 }
 
 // The keeper holds the host tier's memfd: kvpoold SIGKILLed and started again serves
@@ -52,21 +45,21 @@ func TestRestartKeepsTheHostTiersMemory(t *testing.T) {
 	first, line := daemon(t, args...)
 	assert.Contains(t, line, "new cache in keeper pid")
 	assert.NotContains(t, line, "host pages restored")
-	ino := hostTierInode(t, dir)
+	ino := hostTierInode(t, first.Process.Pid)
 
 	sigkill(t, first)
 	second, line := daemon(t, args...)
 	assert.Contains(t, line, "cache adopted from keeper pid")
 	assert.Contains(t, line, "0 host pages restored (the host tier of 1 devices kept)")
-	assert.Equal(t, ino, hostTierInode(t, dir), "the restarted kvpoold serves the keeper's memfd")
+	assert.Equal(t, ino, hostTierInode(t, second.Process.Pid), "the restarted kvpoold serves the keeper's memfd")
 
 	sigkill(t, second)
-	_, line = daemon(t, append(restartArgs(dir, 16), "-host-bytes", "16MiB")...)
+	third, line := daemon(t, append(restartArgs(dir, 16), "-host-bytes", "16MiB")...)
 	assert.Contains(t, line, "cache adopted from keeper pid")
 	assert.NotContains(t, line, "host pages restored")
 	assert.Contains(t, line, "device 0's host tier was of ")
 	assert.Contains(t, line, "its pages are dropped")
-	assert.NotEqual(t, ino, hostTierInode(t, dir), "another size is another memfd")
+	assert.NotEqual(t, ino, hostTierInode(t, third.Process.Pid), "another size is another memfd")
 }
 
 var hostRestored = regexp.MustCompile(`(\d+) host pages restored \(the host tier of 1 devices kept\)`)

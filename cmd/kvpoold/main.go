@@ -83,10 +83,8 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/discover"
-	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
-	"github.com/cudapool/cudapool/pool"
 	"github.com/cudapool/cudapool/vmm"
 )
 
@@ -98,16 +96,15 @@ func main() {
 	os.Exit(code)
 }
 
-// defaultStopWait is -stop-wait's default: how long a stop waits for replicas to
-// unmap the slabs.
+// defaultStopWait is -stop-wait's default: how long a stop waits for its own copies
+// and for the keeper to stop.
 const defaultStopWait = 10 * time.Second
 
 // The exit statuses (the command's doc).
 const (
-	exitOK        = 0
-	exitFailed    = 1
-	exitUsage     = 2
-	exitAbandoned = 3
+	exitOK     = 0
+	exitFailed = 1
+	exitUsage  = 2
 )
 
 // DefaultDir is where kvpoold serves without -dir: kv in export's announce directory.
@@ -163,7 +160,7 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.StringVar(&f.handle, "handle", "posix-fd", "posix-fd, or fabric: chunks exportable as FABRIC handles too (needs an IMEX channel)")
 	fs.StringVar(&f.minFree, "min-free", "", "give the slab's last chunks back while the device's free memory is below this, e.g. 4GiB (default: never)")
 	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
-	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for replicas to unmap the slabs (exit status 3 if some still do)")
+	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for its own copies and for the keeper to stop")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
 	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once no kvpoold has been connected to it for this long (replicas keep what they map)")
@@ -465,7 +462,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	var child *keeperChild // the keeper this kvpoold started, if it did
 	if !f.oneProcess {
-		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f, g, devs), &child)),
+		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f), &child)),
 			owner.WithIndex(filepath.Join(f.dir, owner.IndexFile)), owner.WithReattachGrace(f.grace))
 	}
 	o, err := owner.Listen(f.dir, rt, g, opts...)
@@ -502,8 +499,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	defer cancel()
 	closeErr, broken := o.Close(cctx), choose.Violations(rt)
 	if !f.oneProcess && !f.leaveKeeper && !keeperGone {
-		// The keeper's close waits -stop-wait for the replicas to unmap the slabs, and
-		// says so on stderr where they did not: its status 3 is this stop's.
+		// The keeper closes the descriptors it holds: their memory goes once the
+		// replicas unmap it.
 		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
 		defer kcancel()
 		pid := o.Recovery().KeeperPID
@@ -511,13 +508,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			closeErr = errors.Join(closeErr, err)
 		} else if child != nil && child.pid == pid {
 			<-child.exited
-			switch child.status() {
-			case exitOK:
-			case exitAbandoned:
-				if closeErr == nil && broken == nil {
-					return exitAbandoned
-				}
-			default:
+			if child.status() != exitOK {
 				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
 			}
 		}
@@ -528,26 +519,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case closeErr == nil && broken == nil:
 		fmt.Fprintln(stdout, "kvpoold: stopped")
 		return exitOK
-	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
-		fmt.Fprintf(stderr, "kvpoold: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
-		return exitAbandoned
 	}
 	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
 	return exitFailed
-}
-
-// onlyAbandoned says whether every error joined in err is the abandoned leases of a
-// stop that ran out of -stop-wait (with the context's end and what the pools' close
-// says of the memory still mapped), and no other failure.
-func onlyAbandoned(err error) bool {
-	var joined interface{ Unwrap() []error }
-	if !errors.As(err, &joined) {
-		return errors.Is(err, producer.ErrAbandoned)
-	}
-	for _, e := range joined.Unwrap() {
-		if !errors.Is(e, producer.ErrAbandoned) && !errors.Is(e, context.DeadlineExceeded) && !errors.Is(e, pool.ErrBusy) {
-			return false
-		}
-	}
-	return true
 }

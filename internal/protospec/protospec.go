@@ -1,12 +1,16 @@
 // Package protospec owns the reading of docs/PROTOCOL.md's tables for the tests that
-// hold the code to them (export/producer's and kv/internal/kvwire's protocol tests):
-// the document's part of one protocol, read table by table as each table's header
-// row names it.
+// hold the code to them (export/producer's, kv/internal/kvwire's and
+// kv/internal/keep's protocol tests): the document's part of one protocol, read table
+// by table as each table's header row names it, and the check of a message's layout
+// table against the code's encoding of a sample.
 package protospec
 
 import (
 	"bufio"
+	"encoding/binary"
 	"os"
+	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strconv"
@@ -146,4 +150,168 @@ func (s *Spec) FlagMasks(t *testing.T, flags map[string]uint64) map[string]uint6
 		masks[row[0]] |= want
 	}
 	return masks
+}
+
+// CheckLayout checks the layout table of message msg (its rows: offset, size, field,
+// meaning) against payload, the code's encoding of m: each field at the offset the
+// fields before it end at, of its size ("rest": the rest of the payload, last; a
+// size named by an earlier length field: that length), holding m's value. A field
+// is m's (or its Geometry's) field of the same name without underscores, compared
+// little-endian; "reserved" is zeros; "NAME_len" is the u16 length of field NAME;
+// "count" the u32 length of m's first slice. A slice of structs is compared element
+// by element, field by field, a string as a u16 length and its bytes. The fields must
+// cover the payload.
+func CheckLayout(t *testing.T, path, msg string, layout [][]string, payload []byte, m any) {
+	t.Helper()
+	off := 0
+	lengths := map[string]int{}
+	for i, f := range layout {
+		require.Equal(t, strconv.Itoa(off), f[0], "%s: %s field %s: offset, after the fields before it", path, msg, f[2])
+		size, isLength := lengths[f[1]]
+		switch {
+		case f[1] == "rest":
+			require.Equal(t, len(layout)-1, i, "%s: %s field %s takes the rest, so it must be last", path, msg, f[2])
+			size = len(payload) - off
+		case !isLength:
+			size = int(Number(t, path, f[1]))
+		}
+		require.LessOrEqual(t, off+size, len(payload), "%s: %s field %s runs past the encoded payload", path, msg, f[2])
+		want := fieldBytes(t, path, m, msg, f[2], size)
+		require.Equal(t, want, payload[off:off+size], "%s: %s field %s at offset %d", path, msg, f[2], off)
+		if strings.HasSuffix(f[2], "_len") {
+			lengths[f[2]] = int(binary.LittleEndian.Uint16(payload[off:]))
+		}
+		if f[2] == "count" {
+			lengths[f[2]] = int(binary.LittleEndian.Uint32(payload[off:]))
+		}
+		off += size
+	}
+	require.Equal(t, len(payload), off, "%s: %s's fields cover %d of the %d bytes the code encodes", path, msg, off, len(payload))
+}
+
+// fieldBytes is the encoding of the field the document calls name in message m, size
+// bytes (see CheckLayout).
+func fieldBytes(t *testing.T, path string, m any, msg, name string, size int) []byte {
+	t.Helper()
+	v := reflect.ValueOf(m)
+	find := func(name string) reflect.Value {
+		want := strings.ReplaceAll(name, "_", "")
+		match := func(n string) bool { return strings.EqualFold(n, want) }
+		if f := v.FieldByNameFunc(match); f.IsValid() {
+			return f
+		}
+		if g := v.FieldByName("Geometry"); g.IsValid() {
+			return g.FieldByNameFunc(match)
+		}
+		return reflect.Value{}
+	}
+	switch {
+	case name == "reserved":
+		return make([]byte, size)
+	case strings.HasSuffix(name, "_len"):
+		f := find(strings.TrimSuffix(name, "_len"))
+		require.True(t, f.IsValid(), "%s: %s has field %s, whose field %T has not", path, msg, name, m)
+		return binary.LittleEndian.AppendUint16(nil, uint16(f.Len()))
+	case name == "count":
+		for i := range v.NumField() {
+			if f := v.Field(i); f.Kind() == reflect.Slice {
+				return binary.LittleEndian.AppendUint32(nil, uint32(f.Len()))
+			}
+		}
+	}
+	f := find(name)
+	require.True(t, f.IsValid(), "%s: %s has field %s, which %T has not", path, msg, name, m)
+	switch f.Kind() {
+	case reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Int:
+		return binary.LittleEndian.AppendUint64(nil, uintOf(f))[:size]
+	case reflect.String:
+		return []byte(f.String())
+	case reflect.Array, reflect.Slice:
+		var b []byte
+		for i := range f.Len() {
+			b = appendValue(t, b, f.Index(i))
+		}
+		return b
+	}
+	t.Fatalf("%s field %s: %v, a type the test cannot encode", msg, name, f.Type())
+	return nil
+}
+
+func uintOf(v reflect.Value) uint64 {
+	if v.CanUint() {
+		return v.Uint()
+	}
+	return uint64(v.Int())
+}
+
+// appendValue appends the encoding of an element of an array or slice field.
+func appendValue(t *testing.T, b []byte, e reflect.Value) []byte {
+	switch e.Kind() {
+	case reflect.Uint8:
+		return append(b, byte(e.Uint()))
+	case reflect.Uint16:
+		return binary.LittleEndian.AppendUint16(b, uint16(e.Uint()))
+	case reflect.Uint32:
+		return binary.LittleEndian.AppendUint32(b, uint32(e.Uint()))
+	case reflect.Uint64:
+		return binary.LittleEndian.AppendUint64(b, e.Uint())
+	case reflect.String:
+		return append(binary.LittleEndian.AppendUint16(b, uint16(e.Len())), e.String()...)
+	case reflect.Array:
+		for j := range e.Len() {
+			b = appendValue(t, b, e.Index(j))
+		}
+		return b
+	case reflect.Struct:
+		for j := range e.NumField() {
+			b = appendValue(t, b, e.Field(j))
+		}
+		return b
+	}
+	t.Fatalf("an element of kind %v, which the test cannot encode", e.Kind())
+	return nil
+}
+
+// CheckSeedCorpus checks the checked-in seed corpus in dir (files of `go test fuzz
+// v1` holding one []byte each): decode names the frame type of each entry, or fails;
+// every one of types has a well-formed entry, and every one of classes (a part of an
+// error's text) an entry that fails with it.
+func CheckSeedCorpus(t *testing.T, dir string, decode func([]byte) (string, error), types, classes []string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	seen := map[string]bool{}
+	var failures []string
+	for _, e := range entries {
+		b := readCorpusEntry(t, filepath.Join(dir, e.Name()))
+		typ, err := decode(b)
+		if err == nil {
+			seen[typ] = true
+		} else {
+			failures = append(failures, err.Error())
+		}
+	}
+	for _, typ := range types {
+		assert.True(t, seen[typ], "no well-formed %s seed in %s", typ, dir)
+	}
+	for _, class := range classes {
+		found := false
+		for _, f := range failures {
+			found = found || strings.Contains(f, class)
+		}
+		assert.True(t, found, "no seed in %s fails with %q", dir, class)
+	}
+}
+
+// readCorpusEntry reads a `go test fuzz v1` file of one []byte.
+func readCorpusEntry(t *testing.T, path string) []byte {
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	lines := strings.SplitN(strings.TrimSpace(string(raw)), "\n", 2)
+	require.Len(t, lines, 2, "%s", path)
+	require.Equal(t, "go test fuzz v1", lines[0], "%s", path)
+	lit := strings.TrimSuffix(strings.TrimPrefix(lines[1], "[]byte("), ")")
+	s, err := strconv.Unquote(lit)
+	require.NoError(t, err, "%s", path)
+	return []byte(s)
 }

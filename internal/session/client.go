@@ -110,14 +110,6 @@ func (w *Writer) WriteFD(ctx context.Context, fd int, fill func([]byte) ([]byte,
 	return w.write(ctx, fill, syscall.UnixRights(fd))
 }
 
-// WriteFDs is WriteFD of a frame that carries the descriptors fds (at least one).
-func (w *Writer) WriteFDs(ctx context.Context, fds []int, fill func([]byte) ([]byte, error)) error {
-	if len(fds) == 0 {
-		return errors.New("session: WriteFDs of no descriptor")
-	}
-	return w.write(ctx, fill, syscall.UnixRights(fds...))
-}
-
 func (w *Writer) write(ctx context.Context, fill func([]byte) ([]byte, error), oob []byte) error {
 	select {
 	case w.turn <- struct{}{}:

@@ -16,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
+	"github.com/cudapool/cudapool/vmm"
 )
 
 // fineDev is a software device of 4 KiB granularity: small's tensors (16 KiB) are 4
@@ -27,9 +28,7 @@ func fineDev(t *testing.T) *cudarttest.Device {
 // keeperDir is a new directory that a keeper serves, until the test's end.
 func keeperDir(t *testing.T) string {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "kvc")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := tempDir(t)
 	kp, err := owner.Keep(dir, fineDev(t), small)
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, kp.Close(bound(t))) })
@@ -175,4 +174,26 @@ func TestGiveBackReachesEveryReplica(t *testing.T) {
 	require.NoError(t, err)
 	chunks, _ = rs[0].Mapped()
 	assert.Equal(t, 2*step, chunks, "the other replica maps the new growth")
+}
+
+// WithFabric makes FABRIC chunks: where the driver refuses them (no IMEX channel, as
+// the software device by default) Listen fails saying so and leaves nothing; where it
+// has one, replicas map the chunks through their descriptors as ever.
+func TestFabricChunks(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "kv")
+	dev := cudarttest.ForTest(t)
+	_, err := owner.Listen(dir, dev, small, owner.WithFabric())
+	require.ErrorIs(t, err, vmm.ErrFabricNotPermitted)
+	nothingLeft(t, dir, dev)
+
+	dir = tempDir(t)
+	o, err := owner.Listen(dir, cudarttest.ForTest(t, cudarttest.WithFabric()), small, owner.WithFabric())
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
+	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	chunks, pages := r.Mapped()
+	assert.Equal(t, o.Layout().Regions(), chunks)
+	assert.Equal(t, small.Pages, pages)
+	require.NoError(t, r.Close(bound(t)))
 }

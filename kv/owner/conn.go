@@ -270,6 +270,9 @@ func (c *conn) serve(rd *kvwire.Reader) (bye *kvwire.Bye, err error) {
 	c.fds = unixfd.NewStream(c.nc)
 	for {
 		h, p, err := rd.Next(c.fds)
+		if errors.Is(err, unixfd.ErrUnexpectedFDs) {
+			err = fmt.Errorf("%w: %w", kvwire.ErrMalformed, err)
+		}
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || isEOF(err) {
 				return nil, nil

@@ -110,6 +110,3 @@ func OnWindowWait(f func()) (undo func()) {
 	windowHook = f
 	return func() { windowHook = nil }
 }
-
-// SetTierPeerUID makes k see the peers of dir/tier.sock as uid.
-func SetTierPeerUID(k *Keeper, uid uint32) { k.tiers.peerUID.Store(&uid) }

@@ -51,6 +51,22 @@ func handleTypeOf(o options) cudart.HandleType {
 	return cudart.HandleTypePosixFD
 }
 
+// probeFabric makes and releases one FABRIC chunk of the granularity on dev: where the
+// driver refuses them (vmm.ErrFabricNotPermitted, no IMEX channel) Listen fails before
+// it has made anything, a keeper started included.
+func probeFabric(rt cudart.Runtime, dev int) error {
+	ht := cudart.HandleTypePosixFD | cudart.HandleTypeFabric
+	g, err := vmm.Granularity(rt, dev, ht)
+	if err != nil {
+		return fmt.Errorf("kv/owner: %w", err)
+	}
+	c, err := vmm.NewChunk(rt, dev, g, vmm.WithFabric())
+	if err != nil {
+		return fmt.Errorf("kv/owner: FABRIC chunks on device %d: %w", dev, err)
+	}
+	return c.Close()
+}
+
 // mapSlab reserves device s.dev's regions, with access for the devices of peers, and
 // names the slab.
 func (o *Owner) mapSlab(s *slab, peers []int) error {

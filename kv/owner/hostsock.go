@@ -1,20 +1,15 @@
 package owner
 
 import (
-	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net"
+	"math"
 	"os"
 	"path/filepath"
 	"sync"
 
-	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/session"
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/keep"
 )
 
 // hostSide is what the host tiers run besides the slabs: a spiller per tier and the
@@ -62,7 +57,7 @@ func (o *Owner) startTiers() error {
 	// Served like the page socket: accept errors backed off, handshakes and connections
 	// capped by the handshake and connection limits, a panic contained to its connection.
 	o.host.srv = session.Serve(ln, o.log, "kv/owner: host tier", o.opts.Limits, func(c *session.Conn) {
-		if err := o.handOutTier(c.UnixConn, c.Cred); err != nil && o.stopped.Err() == nil {
+		if err := o.handOutTier(c); err != nil && o.stopped.Err() == nil {
 			o.log.Warn("kv: handing out a host tier", "err", err)
 		}
 	})
@@ -89,35 +84,23 @@ func (o *Owner) stopTiers() []error {
 	return errs
 }
 
-// handOutTier answers one connection of the host tier's socket: the policy admits the
-// process, which names its device, and gets that device's tier's memfd.
-// It runs within the server's handshake timeout: one answer per connection.
-func (o *Owner) handOutTier(nc *net.UnixConn, cred peercred.Cred) error {
-	var req [4]byte
-	if _, err := io.ReadFull(nc, req[:]); err != nil {
-		return fmt.Errorf("pid %d sent no device: %w", cred.PID, err)
-	}
-	dev := int(binary.LittleEndian.Uint32(req[:]))
-	info := kv.HostTierInfo{Device: dev}
-	fd := -1
-	o.mu.Lock()
-	s := o.byDev[dev]
-	switch reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, cred, "the owner"); {
-	case reason != "":
-		info.Error = reason
-	case s == nil || s.tier == nil:
-		info.Error = fmt.Sprintf("device %d has no host tier here", dev)
-	default:
+// handOutTier answers one connection of the host tier's socket (keep.ServeHostTier):
+// the policy admits the process, which names its device, and gets that device's
+// tier's memfd. It runs within the server's handshake timeout: one answer per
+// connection.
+func (o *Owner) handOutTier(c *session.Conn) error {
+	return keep.ServeHostTier(o.stopped, c, func(m keep.HostHello) (keep.HostTier, int, error) {
+		if reason := session.Admits(o.opts.Policy.AllowUIDs, o.opts.Policy.AllowGIDs, c.Cred, "the owner"); reason != "" {
+			return keep.HostTier{}, -1, fmt.Errorf("%w: %s", keep.ErrRefused, reason)
+		}
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		s := o.byDev[int(m.Device)]
+		if m.Device > math.MaxInt32 || s == nil || s.tier == nil {
+			return keep.HostTier{}, -1, keep.ErrNoTier
+		}
 		t := s.tier
-		info.Bytes, info.Pages, info.PageBytes, fd = uint64(len(t.mem)), t.pages, t.pageBytes, t.fd
-	}
-	o.mu.Unlock()
-	b, err := json.Marshal(info)
-	if err != nil {
-		return err
-	}
-	if fd < 0 {
-		return errors.Join(unixfd.Send(nc, b), fmt.Errorf("refused pid %d: %s", cred.PID, info.Error))
-	}
-	return unixfd.Send(nc, b, fd) // the fd stays open until stopTiers, after every hand-out
+		// The fd stays open until stopTiers, after every hand-out.
+		return keep.HostTier{Device: m.Device, Pages: uint32(t.pages), PageBytes: t.pageBytes, Bytes: uint64(len(t.mem))}, t.fd, nil
+	})
 }

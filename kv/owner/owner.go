@@ -1,7 +1,8 @@
-// Package owner owns the owner of a KV page pool: one slab per GPU, allocations
-// (segments, [kv.Segments]) of an IPC-capable pool each published whole through package
-// export, carved into pages of one [kv.Geometry], and the page server on dir/kv.sock that
-// leases those pages to replicas (package kv/replica) and keeps their states.
+// Package owner owns the owner of a KV page pool: one slab per GPU on the VMM route
+// (chunks mapped into one range of addresses per tensor, [kv.SlabLayout], growing as
+// pages are needed: growth.go), carved into pages of one [kv.Geometry], and the page
+// server on dir/kv.sock that passes the chunks to replicas (package kv/replica), leases
+// them the pages and keeps their states.
 //
 // # Pages
 //
@@ -194,12 +195,12 @@ func WithPolicy(p export.Policy) Option { return func(o *options) { o.Policy = p
 // logs nothing, as producer and consumer do.
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.Logger = l } }
 
-// WithKeeper makes [Listen] serve the pages of the slabs a keeper ([Keep]) publishes on
-// dir/slab.sock instead of making slabs of its own: they outlive this owner, and the
-// next one adopts them. [Listen] then holds dir/owner.lock (another owner on dir
-// fails), and calls start where no keeper is alive, or where the live one keeps slabs
-// of another geometry or other devices (it is stopped first, SIGTERM); with a nil
-// start that fails instead. By default an owner makes its own slabs. [Keep] ignores it.
+// WithKeeper makes [Listen] give each chunk it makes to a keeper ([Keep], on
+// dir/keep.sock) before any page in it is granted, and take the keeper's chunks back
+// at its start: they outlive this owner, and the next one maps them again (chunks of
+// another geometry or chunk size are dropped, the slab made anew, Recovery saying
+// why). [Listen] calls start where no keeper is alive; with a nil start that fails
+// instead. By default an owner's chunks die with it. [Keep] ignores it.
 func WithKeeper(start func(ctx context.Context) error) Option {
 	return func(o *options) { o.Keeper, o.StartKeeper = true, start }
 }
@@ -285,15 +286,18 @@ type Owner struct {
 	opts   options
 	log    *slog.Logger
 
-	lock *os.File // dir/owner.lock (the keeper's: dir/keeper.lock), held
-	// keeper holds the slabs' chunks for the page servers that come and go
-	// (WithKeeper); nil without one.
-	keeper *keep.Client
-	ln     *net.UnixListener
-	host   hostSide // the host tiers' spillers and socket (hostsock.go)
-	srv    *session.Server
-	slabs  []*slab
-	byDev  map[int]*slab
+	lock  *os.File // dir/owner.lock (the keeper's: dir/keeper.lock), held
+	ln    *net.UnixListener
+	host  hostSide // the host tiers' spillers and socket (hostsock.go)
+	srv   *session.Server
+	slabs []*slab
+	byDev map[int]*slab
+
+	// keeper is the keeper's dir/keep.sock, held for the page server's life
+	// (WithKeeper): the chunks' descriptors and the host tiers' memfds; keeperGone is
+	// closed once it ends (keeptier.go).
+	keeper     *keep.Client
+	keeperGone chan struct{}
 
 	mu     sync.Mutex
 	conns  map[*conn]struct{}
@@ -332,16 +336,15 @@ type lease struct {
 	pages  []uint32
 }
 
-// Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
-// slab of geometry geo on each device ([WithDevices]; geo is required: it has no
-// default, and every replica of dir maps slabs of it), an [producer.Exporter] on dir/slab.sock publishing each segment
-// of each slab whole under SlabName(device, segment) with kvwire.SegmentMeta as
-// metadata (the geometry and the segment map), and the page server on dir/kv.sock.
-// A live owner on dir makes it fail with an error wrapping [producer.ErrAddressInUse];
-// a geometry one of whose tensors is over the segment bound, with one wrapping
-// [kv.ErrGeometry]; a slab larger than a device's free memory (MemGetInfo), with one
-// wrapping [cudart.ErrOutOfMemory] that names both sizes. On failure nothing is left
-// behind.
+// Listen creates dir (mode 0700, 0711 where the policy admits others), holds
+// dir/owner.lock, makes a slab of geometry geo on each device ([WithDevices]; geo is
+// required: it has no default, every replica of dir maps slabs of it, and its Pages is
+// the bound a slab grows to), its regions reserved and its first chunks mapped
+// ([WithInitialPages], [WithChunkBytes]), and serves the page socket dir/kv.sock. A
+// live owner on dir makes it fail with an error wrapping [producer.ErrAddressInUse];
+// chunks off the device's granularity, with one wrapping [kv.ErrGeometry]; a start
+// larger than a device's free memory (MemGetInfo), with one wrapping
+// [cudart.ErrOutOfMemory] that names both sizes. On failure nothing is left behind.
 func Listen(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Owner, error) {
 	o := optionsOf(geo, opts)
 	r := roleWhole
@@ -384,9 +387,6 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		if slices.Contains(o.Devices[:i], d) {
 			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
 		}
-		if r == roleKeeper {
-			continue // it holds descriptors: no CUDA context, no device memory
-		}
 		l, err := layoutOf(rt, d, o.Geometry, o.ChunkBytes, handleTypeOf(o))
 		if err != nil {
 			return nil, err
@@ -395,6 +395,11 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 			return nil, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
 		}
 		layout = l
+		if o.Fabric {
+			if err := probeFabric(rt, d); err != nil {
+				return nil, err
+			}
+		}
 		free, total, err := rt.MemGetInfo(d)
 		if err != nil {
 			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
@@ -442,20 +447,8 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		}
 	}()
 	// The lock first: it tells a live owner from a dead one.
-	lock := LockFile
-	if r == roleKeeper {
-		lock = KeeperLockFile
-	}
-	if ow.lock, err = lockDir(dir, lock); err != nil {
+	if ow.lock, err = lockDir(dir, LockFile, "an owner"); err != nil {
 		return nil, err
-	}
-	if r == roleKeeper { // the devices, for the host tiers it keeps; no slab
-		for _, d := range o.Devices {
-			s := newSlab(d)
-			ow.slabs = append(ow.slabs, s)
-			ow.byDev[d] = s
-		}
-		return ow, nil
 	}
 	if r == rolePages {
 		if err = ow.adoptSlabs(); err != nil {
@@ -734,7 +727,9 @@ func (o *Owner) teardown(ctx context.Context) error {
 		}
 	}
 	if o.keeper != nil {
-		_ = o.keeper.Close() // cleanup: the keeper keeps what it keeps
+		if err := o.keeper.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err))
+		}
 	}
 	if o.lock != nil {
 		_ = o.lock.Close() // cleanup: closing it is what lets the lock go

@@ -18,7 +18,6 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
-	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/keep"
@@ -39,10 +38,8 @@ import (
 
 // The files a page server makes in its directory besides the sockets.
 const (
-	LockFile       = "owner.lock"  // held (flock) by the live page server
-	KeeperLockFile = "keeper.lock" // held (flock) by the live keeper
-	IndexFile      = "index"       // the index of visible pages, kvpoold's default WithIndex
-	KeepSocket     = keep.Socket   // the keeper's socket: the chunks' descriptors
+	LockFile  = "owner.lock" // held (flock) by the live page server
+	IndexFile = "index"      // the index of visible pages, kvpoold's default WithIndex
 )
 
 // DefaultReattachGrace is how long a restarted owner waits, at most, for the replicas
@@ -103,79 +100,52 @@ func (r Recovery) String() string {
 // Recovery says what Listen took back.
 func (o *Owner) Recovery() Recovery { return o.recovery }
 
-// KeeperGone is closed when the keeper of an owner's chunks has gone (WithKeeper):
-// the cache is gone with it (its memory once the replicas unmap it), and the owner
-// should be closed and started again. nil for an owner that keeps its own chunks.
-func (o *Owner) KeeperGone() <-chan struct{} {
-	if o.keeper == nil {
-		return nil
-	}
-	return o.keeper.Done()
-}
+// KeeperGone is closed when the keeper of an owner's chunks has gone (WithKeeper: its
+// keep.sock connection ended): the cache and the host tiers' memory it kept are gone
+// with it (their memory once the replicas unmap it), and the owner should be closed
+// and started again. nil for an owner that keeps its own chunks.
+func (o *Owner) KeeperGone() <-chan struct{} { return o.keeperGone }
 
-// Keeper holds the slabs' chunks of a directory for the page servers that come and
-// go: the descriptors each page server gives it (keep.Server on dir/keep.sock), and
-// nothing else; it maps nothing. The host tier's memory (a memfd shared with every
-// replica) is held here too (keeptier.go), so that it outlives the page server as the
-// chunks do.
+// Keeper holds the descriptors of a directory's chunks and host tiers for the page
+// servers that come and go, on dir/keep.sock (keeptier.go), and nothing else: it
+// maps nothing and makes no CUDA context.
 type Keeper struct {
-	o      *Owner
-	chunks *keep.Server
-	srv    *session.Server
-	tiers  keptTiers
+	files keptFiles
 }
 
-// Keep makes a Keeper on dir for the devices, policy, logger and limits opts set
-// (the geometry and the page server's other options have no effect). Of rt it asks
-// the device count alone: it makes no CUDA context and takes no device memory. A live keeper on dir makes it fail with an error wrapping
-// producer.ErrAddressInUse. On failure nothing is left behind.
-func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
-	ow, err := listen(dir, rt, optionsOf(geo, opts), roleKeeper)
-	if err != nil {
-		return nil, err
-	}
-	k := &Keeper{o: ow, chunks: keep.NewServer(ow.log)}
-	ln, err := listenPages(filepath.Join(dir, KeepSocket), false)
-	if err == nil {
-		k.srv = session.Serve(ln, ow.log, "kv/owner: keeper", ow.opts.Limits, k.chunks.Serve)
-		err = k.serveTiers()
-	}
-	if err != nil {
-		_ = k.Close(context.Background()) // cleanup: the socket's error is the one returned
-		return nil, err
-	}
-	return k, nil
+// Keep is [KeepFiles] of dir with opts: rt and geo have no effect (the page server
+// gives the keeper its chunks whatever their geometry). A live keeper on dir makes it
+// fail with an error wrapping producer.ErrAddressInUse. On failure nothing is left
+// behind.
+func Keep(dir string, _ cudart.Runtime, _ kv.Geometry, opts ...Option) (*Keeper, error) {
+	return KeepFiles(dir, opts...)
 }
 
 // Importers counts the page servers connected to the keeper (a replica maps the
 // chunks without it).
-func (k *Keeper) Importers() int { return k.chunks.Clients() }
+func (k *Keeper) Importers() int { return k.Clients() }
 
-// Close closes what the keeper holds, the chunks' descriptors and the host tiers'
-// memfds: their memory lives on while a process maps it. A second Close returns
+// Close closes the descriptors the keeper holds (their memory lives on while a
+// process holds or maps it) and stops dir/keep.sock. A second Close returns
 // kv.ErrClosed.
-func (k *Keeper) Close(ctx context.Context) error {
-	k.closeTiers()
-	if k.srv != nil {
-		k.srv.Close()
-		_ = os.Remove(filepath.Join(k.o.dir, KeepSocket)) // best effort: the next keeper replaces a stale socket
+func (k *Keeper) Close(context.Context) error {
+	if !k.files.close() {
+		return kv.ErrClosed
 	}
-	k.chunks.Close()
-	return k.o.Close(ctx)
+	return nil
 }
 
 // role is what listen makes.
 type role int
 
 const (
-	roleWhole  role = iota // slabs and pages in one process: Listen without Keeper
-	roleKeeper             // the slabs alone: Keep
-	rolePages              // the pages, over a keeper's slabs: Listen with Keeper
+	roleWhole role = iota // slabs and pages in one process: Listen without Keeper
+	rolePages             // the pages, over a keeper's chunks: Listen with Keeper
 )
 
-// lockDir takes the lock name (LockFile, KeeperLockFile) on dir, or fails naming the
-// holder.
-func lockDir(dir, name string) (*os.File, error) {
+// lockDir takes the lock file name on dir (who takes it: "an owner", "a keeper"), or
+// fails naming the holder with an error wrapping producer.ErrAddressInUse.
+func lockDir(dir, name, who string) (*os.File, error) {
 	path := filepath.Join(dir, name)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
@@ -185,7 +155,7 @@ func lockDir(dir, name string) (*os.File, error) {
 		holder, _ := os.ReadFile(path) // best effort: it only names the holder
 		_ = f.Close()                  // cleanup: the lock's error is the one returned
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, fmt.Errorf("kv/owner: an owner already serves %s (%s holds %s): %w", dir, strings.TrimSpace(string(holder)), path, producer.ErrAddressInUse)
+			return nil, fmt.Errorf("kv/owner: %s already serves %s (%s holds %s): %w", who, dir, strings.TrimSpace(string(holder)), path, producer.ErrAddressInUse)
 		}
 		return nil, fmt.Errorf("kv/owner: locking %s: %w", path, err)
 	}
@@ -203,33 +173,14 @@ const keeperTimeout = 30 * time.Second
 // start) if none is alive, and makes each device's slab of the chunks it keeps, or
 // anew where it keeps none that fit.
 func (o *Owner) adoptSlabs() error {
+	started, err := o.dialKeeper()
+	if err != nil {
+		return err
+	}
+	o.watchKeeper()
 	ctx, cancel := context.WithTimeout(o.stopped, keeperTimeout)
 	defer cancel()
-	path := filepath.Join(o.dir, KeepSocket)
-	c, err := keep.Dial(ctx, path)
-	started := false
-	if err != nil && !errors.Is(err, keep.ErrRefused) {
-		if o.opts.StartKeeper == nil {
-			return fmt.Errorf("kv/owner: no keeper serves %s (%v), and WithKeeper's start is nil", path, err)
-		}
-		if err := o.opts.StartKeeper(ctx); err != nil {
-			return fmt.Errorf("kv/owner: starting the keeper: %w", err)
-		}
-		started = true
-		last, cerr := session.Retry(ctx, 5*time.Millisecond, 100*time.Millisecond, nil, func() (bool, error) {
-			var err error
-			c, err = keep.Dial(ctx, path)
-			return err != nil && !errors.Is(err, keep.ErrRefused), err
-		})
-		if err = last; cerr != nil {
-			err = fmt.Errorf("waiting for the keeper it started: %w (the last dial: %v)", cerr, last)
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("kv/owner: the keeper: %w", err)
-	}
-	o.keeper = c
-	o.recovery.KeeperPID = c.KeeperPID()
+	o.recovery.KeeperPID = o.keeper.KeeperPID()
 	adopted := !started
 	for _, d := range o.opts.Devices {
 		s, took, err := o.adoptSlab(ctx, d)

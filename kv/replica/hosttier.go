@@ -2,19 +2,15 @@ package replica
 
 import (
 	"context"
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"path/filepath"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/keep"
 )
 
 // HostTier is the host tier of the replica's device, as [Dial] mapped it: the owner's
@@ -40,50 +36,19 @@ func (r *Replica) HostTier() (t HostTier, ok bool) {
 }
 
 // dialHostTier asks the owner serving dir for the memfd of device dev's host tier and
-// maps it. Without a host tier socket (an owner without tiers) it returns nil and no
-// error; a socket that answers badly is an error.
+// maps it. Without a host tier socket (an owner without tiers), or where the owner has
+// no tier on dev, it returns nil and no error; a socket that answers badly, or refuses
+// this process or its version, is an error.
 func dialHostTier(ctx context.Context, dir string, dev int) (*HostTier, error) {
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", filepath.Join(dir, kv.HostSocket))
-	if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("kv/replica: the host tier's socket: %w", err)
-	}
-	nc := c.(*net.UnixConn)
-	defer func() { _ = nc.Close() }()                                              // cleanup: the owner answers once
-	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
-	defer stop()
-	_ = nc.SetDeadline(time.Now().Add(10 * time.Second)) // it fails only on a closed connection, which the write reports
-	var req [4]byte
-	binary.LittleEndian.PutUint32(req[:], uint32(dev))
-	if _, err := nc.Write(req[:]); err != nil {
-		return nil, fmt.Errorf("kv/replica: the host tier's socket: %w", err)
-	}
-	buf := make([]byte, 4096)
-	n, fds, err := unixfd.Recv(nc, buf, 1)
-	if err != nil {
-		return nil, fmt.Errorf("kv/replica: the host tier's socket: %w", err)
-	}
-	fd := -1
-	if len(fds) == 1 {
-		fd = fds[0]
-		defer func() { _ = unix.Close(fd) }() // cleanup: the mapping keeps the memory
-	}
-	var info kv.HostTierInfo
-	if err := json.Unmarshal(buf[:n], &info); err != nil {
-		return nil, fmt.Errorf("kv/replica: the host tier's socket answered %q: %w", buf[:n], err)
-	}
+	info, fd, err := keep.AskHostTier(ctx, filepath.Join(dir, kv.HostSocket), dev)
 	switch {
-	case info.Error != "" && fd < 0:
-		if info.Device == dev {
-			return nil, nil // this device has no tier
-		}
-		return nil, fmt.Errorf("kv/replica: the host tier's socket: %s", info.Error)
-	case fd < 0 || info.Device != dev:
-		return nil, fmt.Errorf("kv/replica: the host tier's socket answered %+v without the memfd of device %d", info, dev)
-	case info.PageBytes == 0 || info.Bytes != uint64(info.Pages)*info.PageBytes:
+	case errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, keep.ErrNoTier):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("kv/replica: the host tier's socket: %w", err)
+	}
+	defer func() { _ = unix.Close(fd) }() // cleanup: the mapping keeps the memory
+	if info.PageBytes == 0 || info.Bytes != uint64(info.Pages)*info.PageBytes {
 		return nil, fmt.Errorf("kv/replica: the host tier's socket answered an inconsistent tier %+v", info)
 	}
 	return mapHostTier(fd, info)
@@ -92,7 +57,7 @@ func dialHostTier(ctx context.Context, dir string, dev int) (*HostTier, error) {
 // mapHostTier maps the tier's memfd read-only once it has checked that it is sealed
 // against shrinking (so that no page of the mapping can vanish under a read) and as
 // large as info says.
-func mapHostTier(fd int, info kv.HostTierInfo) (*HostTier, error) {
+func mapHostTier(fd int, info keep.HostTier) (*HostTier, error) {
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
 		return nil, fmt.Errorf("kv/replica: the host tier's memfd: %w", err)
@@ -111,7 +76,7 @@ func mapHostTier(fd int, info kv.HostTierInfo) (*HostTier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kv/replica: mapping the host tier: %w", err)
 	}
-	return &HostTier{Mem: mem, Pages: info.Pages, PageBytes: info.PageBytes}, nil
+	return &HostTier{Mem: mem, Pages: int(info.Pages), PageBytes: info.PageBytes}, nil
 }
 
 // unmap unmaps the tier, if mapped.

@@ -199,14 +199,14 @@ type call struct {
 	err       error // the handling of the reply, or why the connection it was sent on ended
 }
 
-// Dial connects to the owner serving dir and maps every segment of the slab of device
-// (two requests to the slab exporter: the first segment, whose metadata says how many
-// there are, then the rest at once). It fails with
-// an error wrapping [kv.ErrOwnerGone] if no owner serves dir ([WaitForOwner] waits for
-// one), [kv.ErrGeometry] if the owner does not serve device, and the owner's reason if it
-// refuses this process. A process holds one [Replica] per owner and runtime: the slab is
-// imported through a [consumer.Importer], and a second Dial fails with an error wrapping
-// [consumer.ErrDuplicateImporter]. On failure nothing is left behind.
+// Dial connects to the owner serving dir, reserves the regions of the slab of device
+// (kv.SlabLayout, for the slab's bound) and maps the chunks the owner's Welcome counts,
+// whose descriptors follow it on the connection; later growths are mapped as they are
+// read. It fails with an error wrapping [kv.ErrOwnerGone] if no owner serves dir
+// ([WaitForOwner] waits for one), [kv.ErrGeometry] if the owner does not serve device,
+// and the owner's reason if it refuses this process (kv.ErrRefused for another
+// protocol version, naming both). A process may hold several Replicas of one owner,
+// each mapping the slab at addresses of its own. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {

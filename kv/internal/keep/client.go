@@ -40,7 +40,7 @@ type call struct {
 }
 
 // Dial connects to the keeper's socket at path and says Hello. It fails with an error
-// wrapping ErrRefused where the keeper refuses this user or version (naming both
+// wrapping [ErrRefused] where the keeper refuses this user or version (naming both
 // versions), and with the dial's error where no keeper listens. On failure nothing
 // is left open.
 func Dial(ctx context.Context, path string) (*Client, error) {
@@ -124,7 +124,7 @@ func (c *Client) Err() error {
 	return c.err
 }
 
-// Close ends the connection: every call waiting fails with ErrGone. The keeper keeps
+// Close ends the connection: every call waiting fails with [ErrGone]. The keeper keeps
 // what it keeps. A second Close does nothing.
 func (c *Client) Close() error {
 	err := c.nc.Close()
@@ -251,8 +251,8 @@ func expect(t Type, h Header, want Type) error {
 
 // Put asks the keeper to keep fd (the caller keeps its own) under name, with size,
 // which Take and List give back (the keeper does not check it); a descriptor kept
-// under name before is closed by the keeper. It fails with an error wrapping ErrName
-// for a bad name, ErrLimit where the keeper keeps MaxKept names, ErrGone where the
+// under name before is closed by the keeper. It fails with an error wrapping [ErrName]
+// for a bad name, [ErrLimit] where the keeper keeps [MaxKept] names, [ErrGone] where the
 // keeper has gone; then nothing is kept under name by this call.
 func (c *Client) Put(ctx context.Context, name string, fd int, size uint64) error {
 	if fd < 0 {
@@ -271,7 +271,7 @@ func (c *Client) Put(ctx context.Context, name string, fd int, size uint64) erro
 
 // Take returns a duplicate of the descriptor kept under name, which the caller owns
 // and closes, and its size; the keeper keeps its own. It fails with an error wrapping
-// ErrNotKept where nothing is kept under name.
+// [ErrNotKept] where nothing is kept under name.
 func (c *Client) Take(ctx context.Context, name string) (fd int, size uint64, err error) {
 	if err := checkName(name); err != nil {
 		return -1, 0, err
@@ -288,7 +288,7 @@ func (c *Client) Take(ctx context.Context, name string) (fd int, size uint64, er
 }
 
 // Drop makes the keeper close the descriptor kept under name: its memory lives on
-// while another process holds or maps it. It fails with an error wrapping ErrNotKept
+// while another process holds or maps it. It fails with an error wrapping [ErrNotKept]
 // where nothing is kept under name.
 func (c *Client) Drop(ctx context.Context, name string) error {
 	if err := checkName(name); err != nil {

@@ -10,23 +10,33 @@ import (
 )
 
 // frames reads whole frames, and the descriptors that ride with them, from one end of
-// a keeper connection: a frame whose type carries one (CarriesFD) takes it, and every
+// a keeper connection: a frame whose type carries one ([CarriesFD]) takes it, and every
 // other descriptor is closed. frames is not safe for concurrent use.
 type frames struct {
-	in *unixfd.Stream
-	rd *kvwire.Reader
+	in    *unixfd.Stream
+	rd    *kvwire.Reader
+	first int // the first byte read, or -1
 }
 
 func newFrames(nc *net.UnixConn, rd *kvwire.Reader) *frames {
-	return &frames{in: unixfd.NewStream(nc), rd: rd}
+	return &frames{in: unixfd.NewStream(nc), rd: rd, first: -1}
+}
+
+// Read is the connection's bytes, for the Reader, the first one noted.
+func (f *frames) Read(b []byte) (int, error) {
+	n, err := f.in.Read(b)
+	if f.first < 0 && n > 0 {
+		f.first = int(b[0])
+	}
+	return n, err
 }
 
 // next returns the next frame, its payload (aliasing the Reader's buffer until the
 // next call) and, for a type that carries one, its descriptor, which the caller then
 // owns. A frame of such a type without a descriptor, a message of more than one, or a
-// layout the Reader refuses, fails with an error wrapping ErrMalformed.
+// layout the Reader refuses, fails with an error wrapping [ErrMalformed].
 func (f *frames) next() (Header, []byte, int, error) {
-	kh, p, err := f.rd.Next(f.in)
+	kh, p, err := f.rd.Next(f)
 	if errors.Is(err, unixfd.ErrUnexpectedFDs) {
 		err = fmt.Errorf("%w: %w", ErrMalformed, err)
 	}

@@ -42,7 +42,7 @@ type Server struct {
 	closed  bool
 }
 
-// NewServer returns a Server that keeps nothing yet; log nil logs nothing.
+// NewServer returns a [Server] that keeps nothing yet; log nil logs nothing.
 func NewServer(log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -209,7 +209,7 @@ func (s *Server) answer(ctx context.Context, w *session.Writer, h Header, m any,
 	return fmt.Errorf("%w: a client sent %s", ErrMalformed, h.Type)
 }
 
-// checkName says why name breaks the rule, wrapping ErrName, or nil.
+// checkName says why name breaks the rule, wrapping [ErrName], or nil.
 func checkName(name string) error {
 	if err := printable.Check(name, MaxName); err != nil {
 		return fmt.Errorf("%w: %w", ErrName, err)

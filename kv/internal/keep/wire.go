@@ -1,6 +1,8 @@
-// Package keep owns the keeper protocol (dir/keep.sock): its frames, the keeper's side
+// Package keep owns the two sockets of an owner's directory that hand over file
+// descriptors: the keeper protocol (dir/keep.sock) with its frames, the keeper's side
 // ([Server]: named file descriptors held until dropped or the keeper stops) and the
-// page server's ([Client]). A keeper holds descriptors and nothing else (the host
+// page server's ([Client]); and the host tier socket (dir/host.sock, host.go), where a
+// replica gets its device's host tier's memfd ([AskHostTier], [ServeHostTier]). A keeper holds descriptors and nothing else (the host
 // tiers' memfds, a VMM slab's chunks), so it needs no CUDA context: the memory an fd
 // names lives while any process holds the fd or maps it.
 //
@@ -8,7 +10,8 @@
 // reserved, u32 request id, then the payload; descriptors ride with a frame's bytes,
 // SCM_RIGHTS), with the keeper's own types, numbered from 32 so that a frame of the
 // page protocol sent here, or one of these sent there, is refused by its type rather
-// than misread. docs/PROTOCOL.md ("The keeper protocol") is the specification.
+// than misread (the host tier socket's from 48). docs/PROTOCOL.md ("The keeper
+// protocol", "The host tier socket") is the specification.
 package keep
 
 import (
@@ -32,7 +35,7 @@ const (
 	// MaxKept bounds the names one keeper holds.
 	MaxKept = 4096
 	// MaxRequest bounds a frame the keeper reads: its largest request, a Put of a name
-	// of MaxName bytes, fits.
+	// of [MaxName] bytes, fits.
 	MaxRequest = kvwire.HeaderLen + 2 + MaxName + 8
 )
 
@@ -55,7 +58,8 @@ const (
 )
 
 var typeNames = map[Type]string{TypeHello: "Hello", TypeWelcome: "Welcome", TypeRefused: "Refused", TypePut: "Put", TypeTake: "Take",
-	TypeDrop: "Drop", TypeList: "List", TypeDone: "Done", TypeTaken: "Taken", TypeListed: "Listed", TypeError: "Error"}
+	TypeDrop: "Drop", TypeList: "List", TypeDone: "Done", TypeTaken: "Taken", TypeListed: "Listed", TypeError: "Error",
+	TypeHostHello: "HostHello", TypeHostTier: "HostTier", TypeHostRefused: "HostRefused"}
 
 func (t Type) String() string {
 	if n, ok := typeNames[t]; ok {
@@ -141,6 +145,15 @@ var PayloadLimits = map[Type]Limit{
 	TypeError:   {4, 4 + kvwire.MaxText},
 }
 
+// limitOf is the payload lengths of type t, of either protocol.
+func limitOf(t Type) (Limit, bool) {
+	if lim, ok := PayloadLimits[t]; ok {
+		return lim, true
+	}
+	lim, ok := HostPayloadLimits[t]
+	return lim, ok
+}
+
 // KnownFlags are the flag bits a frame of type t may carry.
 func KnownFlags(t Type) uint8 {
 	if t == TypeListed {
@@ -150,11 +163,11 @@ func KnownFlags(t Type) uint8 {
 }
 
 // CarriesFD says whether a frame of type t carries exactly one descriptor (Put,
-// Taken); every other type carries none, and a descriptor sent with one is closed.
-func CarriesFD(t Type) bool { return t == TypePut || t == TypeTaken }
+// Taken, HostTier); every other type carries none, and a descriptor sent with one is closed.
+func CarriesFD(t Type) bool { return t == TypePut || t == TypeTaken || t == TypeHostTier }
 
 // Append appends the frame of type t, request id, whose payload is m (the message
-// type Decode gives for t). It fails for a message that is not t's or does not fit
+// type [Decode] gives for t). It fails for a message that is not t's or does not fit
 // the layout.
 func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 	start := len(b)
@@ -167,8 +180,8 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 	if err != nil {
 		return b[:start], err
 	}
-	if lim, ok := PayloadLimits[t]; !ok || len(body)-len(b) < lim.Min || len(body)-len(b) > lim.Max {
-		return b[:start], fmt.Errorf("keep: a %s payload of %d bytes is outside its layout's %v", t, len(body)-len(b), PayloadLimits[t])
+	if lim, ok := limitOf(t); !ok || len(body)-len(b) < lim.Min || len(body)-len(b) > lim.Max {
+		return b[:start], fmt.Errorf("keep: a %s payload of %d bytes is outside its layout's %v", t, len(body)-len(b), lim)
 	}
 	return kvwire.End(body, start)
 }
@@ -180,12 +193,12 @@ func appendPayload(b []byte, t Type, m any) ([]byte, error) {
 			return appendU32(appendU32(b, v.Version), v.PID), nil
 		}
 	case Problem:
-		if t == TypeRefused || t == TypeError {
+		if t == TypeRefused || t == TypeError || t == TypeHostRefused {
 			return appendText(appendU16(b, v.Code), v.Text), nil
 		}
 	case Put:
 		if t == TypePut {
-			return appendU64(appendText(b, v.Name), v.Size), nil
+			return appendText(appendU64(b, v.Size), v.Name), nil
 		}
 	case Name:
 		if t == TypeTake || t == TypeDrop || t == TypeList {
@@ -207,6 +220,14 @@ func appendPayload(b []byte, t Type, m any) ([]byte, error) {
 		if t == TypeDone {
 			return b, nil
 		}
+	case HostHello:
+		if t == TypeHostHello {
+			return appendU32(appendU32(appendU32(b, v.Version), v.PID), v.Device), nil
+		}
+	case HostTier:
+		if t == TypeHostTier {
+			return appendU64(appendU64(appendU32(appendU32(b, v.Device), v.Pages), v.PageBytes), v.Bytes), nil
+		}
 	}
 	return b, fmt.Errorf("keep: a %T is not the payload of %s", m, t)
 }
@@ -217,12 +238,12 @@ func appendU64(b []byte, v uint64) []byte  { return binary.LittleEndian.AppendUi
 func appendText(b []byte, s string) []byte { return append(appendU16(b, uint16(len(s))), s...) }
 
 // Decode decodes payload p of a frame with header h into the message of its type
-// (Hello, Problem, Put, Name, Taken, Listed or Empty). A payload outside its type's
-// PayloadLimits, a type not listed, flags the type does not define or a payload that
-// breaks the layout fail with an error wrapping ErrMalformed. What decodes encodes
-// back (Append) to the same bytes.
+// (Hello, Problem, Put, Name, Taken, Listed, Empty, HostHello or HostTier). A payload outside its type's
+// [PayloadLimits], a type not listed, flags the type does not define or a payload that
+// breaks the layout fail with an error wrapping [ErrMalformed]. What decodes encodes
+// back ([Append]) to the same bytes.
 func Decode(h Header, p []byte) (any, error) {
-	lim, ok := PayloadLimits[h.Type]
+	lim, ok := limitOf(h.Type)
 	switch {
 	case !ok:
 		return nil, fmt.Errorf("%w: unknown frame type %s", ErrMalformed, h.Type)
@@ -236,10 +257,15 @@ func Decode(h Header, p []byte) (any, error) {
 	switch h.Type {
 	case TypeHello, TypeWelcome:
 		m = Hello{Version: r.U32(), PID: r.U32()}
-	case TypeRefused, TypeError:
+	case TypeRefused, TypeError, TypeHostRefused:
 		m = Problem{Code: r.U16(), Text: r.Text()}
+	case TypeHostHello:
+		m = HostHello{Version: r.U32(), PID: r.U32(), Device: r.U32()}
+	case TypeHostTier:
+		m = HostTier{Device: r.U32(), Pages: r.U32(), PageBytes: r.U64(), Bytes: r.U64()}
 	case TypePut:
-		m = Put{Name: r.Text(), Size: r.U64()}
+		size := r.U64()
+		m = Put{Name: r.Text(), Size: size}
 	case TypeTake, TypeDrop, TypeList:
 		m = Name{Name: r.Text()}
 	case TypeTaken:
@@ -269,8 +295,8 @@ func Decode(h Header, p []byte) (any, error) {
 }
 
 // DecodeFrame decodes the frame at the start of b, read as a stream by kvwire's
-// Reader: its header, its message and its length. It fails as the Reader and Decode
-// do, with an error wrapping ErrMalformed.
+// Reader: its header, its message and its length. It fails as the Reader and [Decode]
+// do, with an error wrapping [ErrMalformed].
 func DecodeFrame(b []byte) (Header, any, int, error) {
 	src := bytes.NewReader(b)
 	rd := kvwire.NewReader()

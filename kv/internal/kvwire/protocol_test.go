@@ -1,11 +1,8 @@
 package kvwire
 
 import (
-	"encoding/binary"
 	"fmt"
-	"reflect"
 	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -142,99 +139,9 @@ func TestProtocolLayouts(t *testing.T) {
 				return
 			}
 			require.True(t, ok, "%s has no layout table under \"### %d %s\"", protocolDoc, smp.t, smp.t)
-			off := 0
-			lengths := map[string]int{}
-			for i, f := range *layout {
-				require.Equal(t, strconv.Itoa(off), f[0], "%s: %s field %s: offset, after the fields before it", protocolDoc, smp.t, f[2])
-				size, isLength := lengths[f[1]]
-				switch {
-				case f[1] == "rest":
-					require.Equal(t, len(*layout)-1, i, "%s: %s field %s takes the rest, so it must be last", protocolDoc, smp.t, f[2])
-					size = len(payload) - off
-				case !isLength:
-					size = int(number(t, f[1]))
-				}
-				require.LessOrEqual(t, off+size, len(payload), "%s: %s field %s runs past the encoded payload", protocolDoc, smp.t, f[2])
-				want := fieldBytes(t, smp.m, smp.t.String(), f[2], size)
-				require.Equal(t, want, payload[off:off+size], "%s: %s field %s at offset %d", protocolDoc, smp.t, f[2], off)
-				if strings.HasSuffix(f[2], "_len") || f[2] == "count" {
-					lengths[f[2]] = int(binary.LittleEndian.Uint16(payload[off:]))
-					if f[2] == "count" {
-						lengths[f[2]] = int(binary.LittleEndian.Uint32(payload[off:]))
-					}
-				}
-				off += size
-			}
-			require.Equal(t, len(payload), off, "%s: %s's fields cover %d of the %d bytes the code encodes", protocolDoc, smp.t, off, len(payload))
+			protospec.CheckLayout(t, protocolDoc, smp.t.String(), *layout, payload, smp.m)
 		})
 	}
-}
-
-// fieldBytes is the encoding of the field the spec calls name in message m, size
-// bytes: the Go field of the same name without underscores (in m, or its Geometry),
-// a length or count of the field it precedes, or reserved zeros.
-func fieldBytes(t *testing.T, m any, msg, name string, size int) []byte {
-	t.Helper()
-	v := reflect.ValueOf(m)
-	find := func(name string) reflect.Value {
-		want := strings.ReplaceAll(name, "_", "")
-		match := func(n string) bool { return strings.EqualFold(n, want) }
-		if f := v.FieldByNameFunc(match); f.IsValid() {
-			return f
-		}
-		if g := v.FieldByName("Geometry"); g.IsValid() {
-			return g.FieldByNameFunc(match)
-		}
-		return reflect.Value{}
-	}
-	switch {
-	case name == "reserved":
-		return make([]byte, size)
-	case strings.HasSuffix(name, "_len"):
-		f := find(strings.TrimSuffix(name, "_len"))
-		require.True(t, f.IsValid(), "%s: %s has field %s, whose field %T has not", protocolDoc, msg, name, m)
-		return binary.LittleEndian.AppendUint16(nil, uint16(f.Len()))
-	case name == "count":
-		for i := range v.NumField() {
-			if f := v.Field(i); f.Kind() == reflect.Slice {
-				return binary.LittleEndian.AppendUint32(nil, uint32(f.Len()))
-			}
-		}
-	}
-	f := find(name)
-	require.True(t, f.IsValid(), "%s: %s has field %s, which %T has not", protocolDoc, msg, name, m)
-	var b []byte
-	switch f.Kind() {
-	case reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Int:
-		var n uint64
-		if f.CanUint() {
-			n = f.Uint()
-		} else {
-			n = uint64(f.Int())
-		}
-		return binary.LittleEndian.AppendUint64(nil, n)[:size]
-	case reflect.String:
-		return []byte(f.String())
-	case reflect.Array, reflect.Slice:
-		for i := range f.Len() {
-			e := f.Index(i)
-			switch e.Kind() {
-			case reflect.Uint8:
-				b = append(b, byte(e.Uint()))
-			case reflect.Uint32:
-				b = binary.LittleEndian.AppendUint32(b, uint32(e.Uint()))
-			case reflect.Uint64:
-				b = binary.LittleEndian.AppendUint64(b, e.Uint())
-			case reflect.Array:
-				for j := range e.Len() {
-					b = append(b, byte(e.Index(j).Uint()))
-				}
-			}
-		}
-		return b
-	}
-	t.Fatalf("%s field %s: %v, a type the test cannot encode", msg, name, f.Type())
-	return nil
 }
 
 // The flags table lists every flag bit each frame type accepts, and no other.
