@@ -137,8 +137,7 @@ func TestKVCInterface(t *testing.T) {
 }
 
 // startKVPoold starts a kvpoold of pages pages (llama-0.85b) on the software device,
-// its slab in segments of at most 3 MiB (6 tensors of 32 pages), serving a new
-// directory, which it returns; the test's cleanup stops it.
+// serving a new directory, which it returns; the test's cleanup stops it.
 func startKVPoold(t *testing.T, pages int) string {
 	t.Helper()
 	tmp := t.TempDir()
@@ -146,7 +145,7 @@ func startKVPoold(t *testing.T, pages int) string {
 	log, err := os.Create(filepath.Join(tmp, "kvpoold.log"))
 	require.NoError(t, err)
 	defer log.Close() // the child has its own copy
-	cmd := exec.Command(kvpoold(t), "-dir", serve, "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-runtime", "test")
+	cmd := exec.Command(kvpoold(t), "-dir", serve, "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-runtime", "test")
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.Env = append(os.Environ(), "CUDAPOOL_DIR="+t.TempDir()) // its announcements outlive a kill
 	require.NoError(t, cmd.Start())

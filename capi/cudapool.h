@@ -433,9 +433,10 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
  * mapped once, and leases of its pages by index. The slab is the unit of trust: every
  * replica can read and write all of it (see cudapool_kv_dial). Each layer's K (and V)
  * is one [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and
- * contiguous, and a page index names the same block in every layer. The slab is
- * several allocations (segments, at most 4 GiB each: a process cannot import larger
- * ones), each tensor whole in one of them: cudapool_kv_layer_ptrs says where each
+ * contiguous, and a page index names the same block in every layer. The slab is on the
+ * VMM route: one range of addresses per tensor (a region: K0, V0, K1, V1, ...),
+ * whatever its size, into which the owner's chunks are mapped as the slab grows; the
+ * pages a lease names are always mapped: cudapool_kv_layer_ptrs says where each
  * layer's K and V begin.
  *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
  *  - seal publishes written pages under their prefix hashes, visible to every replica
@@ -497,8 +498,9 @@ typedef struct {
 	int32_t device;     /* the replica's device */
 	uint64_t page_bytes; /* one layer's K (or V) of one page: the block a page index names */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
-	/* Since 1.1: the slab is `segments` allocations (cudapool_kv_segments) of at most
-	 * segment_bound bytes each; each layer's K and V lies whole in one of them. */
+	/* Since 1.2: the slab is `segments` regions (cudapool_kv_segments), one per tensor
+	 * (K0, V0, K1, V1, ...), of segment_bound bytes of addresses each, the first pages
+	 * of which are mapped. (1.1: allocations of at most 4 GiB.) */
 	uint64_t segment_bound;
 	int32_t segments;
 	/* Since 1.1: one page in every layer's K and V, layers * 2 * page_bytes (kvpoold's
@@ -506,13 +508,12 @@ typedef struct {
 	uint64_t page_span_bytes;
 } cudapool_kv_geometry;
 
-/* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock and dir/slab.sock)
- * and maps its slab for device. ns (ns_len bytes, at most CUDAPOOL_KV_MAX_NAMESPACE;
+/* cudapool_kv_dial connects to the owner serving dir (dir/kv.sock) and maps its slab
+ * for device. ns (ns_len bytes, at most CUDAPOOL_KV_MAX_NAMESPACE;
  * may be NULL when 0) is the namespace the prefix hashes start from. It is no
  * boundary: the slab is the unit of trust, and every replica maps it whole, read-write,
  * whatever its namespace; run one owner (one dir) per trust domain. flags: CUDAPOOL_KV_*. With no owner there it fails
- * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). A process holds one replica of
- * an owner at a time: close it before dialing the same owner again. */
+ * with CUDAPOOL_EGONE (CUDAPOOL_ETIMEOUT if it waited). */
 int cudapool_kv_dial(const char *dir, int device, const char *ns, size_t ns_len, int flags,
                      int64_t timeout_ms, cudapool_kv_replica *out);
 /* cudapool_kv_geometry_get: the geometry of the replica's slab. */
@@ -522,14 +523,13 @@ int cudapool_kv_geometry_get(cudapool_kv_replica r, cudapool_kv_geometry *out);
  * the geometry's dtype, contiguous, page p of it page_bytes * p further on. Either
  * output may be NULL. A layer outside [0, layers) is CUDAPOOL_EINVAL. */
 int cudapool_kv_layer_ptrs(cudapool_kv_replica r, int32_t layer, void **k, void **v);
-/* cudapool_kv_segments (since 1.1): the slab's allocations (segments) in this process,
- * in order: their addresses into ptrs and their sizes into bytes (either may be NULL),
- * which have room for cap; *n is their number. On CUDAPOOL_ERANGE nothing is written
- * and *n is the number needed. */
+/* cudapool_kv_segments (since 1.1): the slab's regions in this process, in order (K0,
+ * V0, K1, V1, ...; 1.1: its allocations): their addresses into ptrs and the addresses
+ * each reserves into bytes (either may be NULL), which have room for cap; *n is their
+ * number. On CUDAPOOL_ERANGE nothing is written and *n is the number needed. */
 int cudapool_kv_segments(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n);
-/* cudapool_kv_slab: the mapped slab's address in this process and its size, for a
- * slab of one segment; for more it fails with CUDAPOOL_ENOTSUP.
- * Deprecated since 1.1: a slab is several segments; use cudapool_kv_layer_ptrs. */
+/* cudapool_kv_slab: fails with CUDAPOOL_ENOTSUP: since 1.2 no slab is one range.
+ * Deprecated since 1.1: use cudapool_kv_layer_ptrs. */
 int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);
 /* cudapool_kv_hashes writes the prefix hash of each full page of tokens
  * (n_tokens / tokens_per_page of them, CUDAPOOL_KV_HASH_BYTES each) into hashes_out,

@@ -327,8 +327,8 @@ func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
 		device:          C.int32_t(k.device),
 		page_bytes:      C.uint64_t(g.PageBytes()),
 		slab_bytes:      C.uint64_t(g.SlabBytes()),
-		segment_bound:   C.uint64_t(k.r.Segments().Bound()),
-		segments:        C.int32_t(k.r.Segments().Count()),
+		segment_bound:   C.uint64_t(k.r.Layout().RegionBytes()),
+		segments:        C.int32_t(k.r.Layout().Regions()),
 		page_span_bytes: C.uint64_t(g.PageSpanBytes()),
 	}
 	n := min(uintptr(out.size), unsafe.Sizeof(full))
@@ -346,16 +346,7 @@ func cpgo_kv_slab(h C.uint64_t, base *C.uintptr_t, bytes *C.uint64_t) (rc C.int)
 	if err != nil {
 		return fail(err)
 	}
-	if n := k.r.Segments().Count(); n != 1 {
-		return fail(fmt.Errorf("%w: the slab is %v, not one allocation: use cudapool_kv_layer_ptrs (or cudapool_kv_segments)", errNotSup, k.r.Segments()))
-	}
-	if base != nil {
-		*base = C.uintptr_t(k.r.SegmentPtrs()[0])
-	}
-	if bytes != nil {
-		*bytes = C.uint64_t(k.r.Geometry().SlabBytes())
-	}
-	return statusOK
+	return fail(fmt.Errorf("%w: the slab is %v, a range of addresses per tensor, not one: use cudapool_kv_layer_ptrs (or cudapool_kv_segments)", errNotSup, k.r.Layout()))
 }
 
 //export cpgo_kv_layer_ptrs
@@ -388,10 +379,10 @@ func cpgo_kv_segments(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capSeg
 	if err != nil {
 		return fail(err)
 	}
-	segs, addrs := k.r.Segments(), k.r.SegmentPtrs()
-	*n = C.size_t(segs.Count())
-	if int(capSegs) < segs.Count() && (ptrs != nil || bytes != nil) {
-		return fail(fmt.Errorf("%w: room for %d segments, the slab has %d", errRange, uint64(capSegs), segs.Count()))
+	l, addrs := k.r.Layout(), k.r.Regions()
+	*n = C.size_t(len(addrs))
+	if int(capSegs) < len(addrs) && (ptrs != nil || bytes != nil) {
+		return fail(fmt.Errorf("%w: room for %d regions, the slab has %d", errRange, uint64(capSegs), len(addrs)))
 	}
 	if ptrs != nil {
 		out := unsafe.Slice(ptrs, len(addrs))
@@ -400,9 +391,9 @@ func cpgo_kv_segments(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capSeg
 		}
 	}
 	if bytes != nil {
-		out := unsafe.Slice(bytes, segs.Count())
+		out := unsafe.Slice(bytes, len(addrs))
 		for i := range out {
-			out[i] = C.uint64_t(segs.Bytes(i))
+			out[i] = C.uint64_t(l.RegionBytes())
 		}
 	}
 	return statusOK

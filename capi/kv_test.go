@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/kvtest"
 	"github.com/cudapool/cudapool/kv/owner"
@@ -36,7 +38,7 @@ func kvOwner(t *testing.T) (string, *owner.Owner) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, dev, kvSmall, owner.WithDevices(0), owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, dev, kvSmall, owner.WithDevices(0))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
@@ -136,7 +138,6 @@ func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) str
 	fake, err := os.MkdirTemp("", "capilie")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(fake) })
-	require.NoError(t, os.Symlink(filepath.Join(dir, "slab.sock"), filepath.Join(fake, "slab.sock")))
 	ln, err := net.Listen("unix", filepath.Join(fake, "kv.sock"))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = ln.Close() }) // the test's end
@@ -154,15 +155,20 @@ func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) str
 			go func() { _, _ = io.Copy(out, in); _ = out.Close() }() // requests as they are
 			go func() {
 				defer in.Close()
+				// Frames come and go whole, each with the descriptor it carries (the
+				// slab's chunks ride with Grow frames).
+				src := unixfd.NewStream(out.(*net.UnixConn))
 				for {
+					start := src.Offset()
 					var h [frameHeader]byte
-					if _, err := io.ReadFull(out, h[:]); err != nil {
+					if _, err := io.ReadFull(src, h[:]); err != nil {
 						return
 					}
 					p := make([]byte, binary.LittleEndian.Uint32(h[:4])+4-frameHeader)
-					if _, err := io.ReadFull(out, p); err != nil {
+					if _, err := io.ReadFull(src, p); err != nil {
 						return
 					}
+					fd, _ := src.Take(start, src.Offset())
 					if (h[4] == frameLeased || h[4] == frameMatched) && len(p) >= 12 {
 						pages := make([]uint32, binary.LittleEndian.Uint32(p[8:12]))
 						for i := range pages {
@@ -177,7 +183,15 @@ func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) str
 						}
 						binary.LittleEndian.PutUint32(h[:4], uint32(len(p)+frameHeader-4))
 					}
-					if _, err := in.Write(append(h[:], p...)); err != nil {
+					var fds []int
+					if fd >= 0 {
+						fds = []int{fd}
+					}
+					err := unixfd.Send(in.(*net.UnixConn), append(h[:], p...), fds...)
+					if fd >= 0 {
+						_ = syscall.Close(fd) // sent: the replica has its own
+					}
+					if err != nil {
 						return
 					}
 				}
@@ -275,8 +289,7 @@ func TestCloseNamesNoDestroyedStream(t *testing.T) {
 // release failed with CUDAPOOL_ESTALE and the restarted owner held the pages until the
 // process exited.
 func TestReleaseCutShortByTheOwnersDeathIsMadeAgain(t *testing.T) {
-	dir, _ := kvOwner(t)
-	echo := kvtest.NewEcho(t, dir, kvSmall)
+	echo := kvtest.NewEcho(t, cudarttest.ForTest(t), kvSmall)
 	k, s := kvDial(t, echo.Dir(), replica.WithReconnect())
 	k.reconnect = true
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)

@@ -3,8 +3,9 @@
 // the pool reports.
 //
 // One owner process (package kv/owner, cmd/kvpoold) owns one slab per GPU it serves:
-// allocations (segments) of an IPC-capable pool carved into pages of one [Geometry]. Replicas
-// (package kv/replica) map the slab once and lease pages by index: alloc for writing,
+// chunks of device memory on the VMM route (package vmm) carved into pages of one
+// [Geometry]. Replicas (package kv/replica) map the slab once, and its growths in place,
+// and lease pages by index: alloc for writing,
 // seal to make written pages readable under their prefix hashes once the writer's work
 // has completed (visible), match to lease the longest run of visible pages for a list
 // of hashes, and release to give leases back after the caller's stream.
@@ -13,11 +14,27 @@
 //
 // Each layer's K (and V) is one tensor [Pages, TokensPerPage, KVHeads, HeadDim],
 // row-major and contiguous, the paged layout of FlashAttention and FlashInfer, and page
-// p names the same block in every layer. A slab is several allocations (segments) of
-// at most [MaxSegmentBytes] each, as a replica cannot import larger ones: the tensors K0,
-// V0, K1, V1, ... are packed whole into them in that order ([Geometry.Segments]), so
-// that layer l's K of page p lies at Segments.Page(l, K, p), and its device address is
-// Segments.Addr(bases, l, K, p) for the segments' addresses bases.
+// p names the same block in every layer. Every process that maps a slab (the owner and
+// each replica) reserves, once, one range of addresses per tensor (a region: K0, V0,
+// K1, V1, ... in that order, RegionBytes each, [SlabLayout]), whatever the slab's size:
+// no tensor is bound by what one allocation may be. Geometry.Pages is the slab's bound
+// (kvpoold -bytes). The memory is chunks of ChunkBytes (a multiple of the device's
+// granularity, vmm.Granularity), each made by the owner and passed as a descriptor to
+// every replica (kv.sock, Grow frames), which maps chunk i where [SlabLayout.ChunkPlace]
+// says: region i mod 2*Layers, at offset (i div 2*Layers)*ChunkBytes. Chunks are mapped
+// in index order, a step (a chunk a region) at a time, so the first
+// [SlabLayout.MappedPages] pages of every tensor are mapped, and a growth maps more
+// behind them in place: nothing mapped moves, and a tensor's address is its region's
+// for the slab's life. What holds:
+//
+//   - a page a lease names is mapped in the replica when the reply granting it is read
+//     (the owner sends every growth to every connection before such a reply);
+//   - layer l's K of page p is at SlabLayout.Addr(regions, l, K, p), region 2l's
+//     address plus p*PageBytes(), in every process at its own addresses;
+//   - the slab grows (the owner maps more chunks) before an allocation evicts, up to the
+//     bound; a replica maps each growth before it reads the frame after it;
+//   - the chunks outlive the owner: a keeper holds their descriptors (kv/owner), and a
+//     replica's mapping alone keeps their memory until it unmaps it.
 //
 // # Prefix hashes
 //

@@ -48,15 +48,19 @@ type StatsGeometry struct {
 	Pages         int    `json:"pages"`
 	PageBytes     uint64 `json:"page_bytes"`
 	SlabBytes     uint64 `json:"slab_bytes"`
-	// Segments are the sizes of the allocations each slab is made of, in order.
-	Segments []uint64 `json:"segments"`
+	// ChunkBytes is the size of the chunks a slab maps ([SlabLayout]), Chunks their
+	// number at the bound, and ReservedBytes the addresses a slab reserves.
+	ChunkBytes    uint64 `json:"chunk_bytes"`
+	Chunks        int    `json:"chunks"`
+	ReservedBytes uint64 `json:"reserved_bytes"`
 }
 
-// StatsOf is the geometry of s, and its segments, as [Stats] shows them.
-func StatsOf(s Segments) StatsGeometry {
-	g := s.Geometry()
+// StatsOf is the geometry of l, and its chunks, as [Stats] shows them.
+func StatsOf(l SlabLayout) StatsGeometry {
+	g := l.Geometry()
 	return StatsGeometry{Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim, TokensPerPage: g.TokensPerPage,
-		DType: g.DType.String(), Pages: g.Pages, PageBytes: g.PageBytes(), SlabBytes: g.SlabBytes(), Segments: s.Sizes()}
+		DType: g.DType.String(), Pages: g.Pages, PageBytes: g.PageBytes(), SlabBytes: g.SlabBytes(),
+		ChunkBytes: l.ChunkBytes(), Chunks: l.Chunks(), ReservedBytes: l.ReservedBytes()}
 }
 
 // DeviceStats is one slab's pages by state, and its counters since the owner started.
@@ -64,15 +68,19 @@ func StatsOf(s Segments) StatsGeometry {
 // slab's pages); Leased counts the sealed pages that readers hold, and Releasing the
 // sealed pages waiting for a reader's release to reach its point.
 type DeviceStats struct {
-	Device    int `json:"device"`
-	Pages     int `json:"pages"`
-	Free      int `json:"free"`
-	Writing   int `json:"writing"`
-	Sealing   int `json:"sealing"`
-	Sealed    int `json:"sealed"`
-	Settling  int `json:"settling"`
-	Leased    int `json:"leased"`
-	Releasing int `json:"releasing"`
+	Device int `json:"device"`
+	// Chunks are the chunks mapped and MappedBytes their memory; Pages are the pages
+	// they hold (Geometry.Pages at the bound), the table's.
+	Chunks      int    `json:"chunks"`
+	MappedBytes uint64 `json:"mapped_bytes"`
+	Pages       int    `json:"pages"`
+	Free        int    `json:"free"`
+	Writing     int    `json:"writing"`
+	Sealing     int    `json:"sealing"`
+	Sealed      int    `json:"sealed"`
+	Settling    int    `json:"settling"`
+	Leased      int    `json:"leased"`
+	Releasing   int    `json:"releasing"`
 	// Hits and Misses count pages matched and hashes a match did not find.
 	Hits   uint64 `json:"hits"`
 	Misses uint64 `json:"misses"`

@@ -31,8 +31,10 @@ var (
 		"Pages of each slab.", kvDeviceLabels)
 	kvSlabBytes = gauge("kv_slab_bytes",
 		"Size of each slab (every layer's K and V of every page).", kvDeviceLabels)
-	kvSlabSegments = gauge("kv_slab_segments",
-		"Allocations each slab is made of (each at most 4 GiB, each layer's K and V whole in one).", kvDeviceLabels)
+	kvSlabChunks = gauge("kv_slab_chunks",
+		"Chunks each slab maps now (the VMM route: it grows as pages are needed, up to kv_slab_bytes).", kvDeviceLabels)
+	kvSlabMapped = gauge("kv_slab_mapped_bytes",
+		"Memory each slab maps now: its chunks.", kvDeviceLabels)
 	kvPages = gauge("kv_pages",
 		"The slab's pages by state: free, writing (write-leased), sealing (waiting for the writer's work), sealed (visible), settling (waiting for a release's point to be freed).", kvDeviceLabels, labelPageState)
 	kvLeased = gauge("kv_leased_pages",
@@ -119,7 +121,8 @@ func (c kvCollector) Collect(ch chan<- prometheus.Metric) {
 		dl := []string{c.dir, strconv.Itoa(d.Device)}
 		send(ch, kvSlabPages, float64(d.Pages), dl)
 		send(ch, kvSlabBytes, float64(g.SlabBytes), dl)
-		send(ch, kvSlabSegments, float64(len(g.Segments)), dl)
+		send(ch, kvSlabChunks, float64(d.Chunks), dl)
+		send(ch, kvSlabMapped, float64(d.MappedBytes), dl)
 		for _, s := range []struct {
 			state string
 			n     int

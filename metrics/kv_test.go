@@ -16,10 +16,10 @@ import (
 // device 1 and one on device 0.
 var kvStats = kv.Stats{
 	PID:      77,
-	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960, Segments: []uint64{30720, 10240}},
+	Geometry: kv.StatsGeometry{Layers: 2, KVHeads: 4, HeadDim: 8, TokensPerPage: 16, DType: "bf16", Pages: 10, PageBytes: 1024, SlabBytes: 40960, ChunkBytes: 4096, Chunks: 10, ReservedBytes: 40960},
 	Devices: []kv.DeviceStats{
-		{Device: 0, Pages: 10, Free: 4, Writing: 1, Sealing: 2, Sealed: 2, Settling: 1, Leased: 1, Releasing: 1, Hits: 5, Misses: 6, Copied: 0, Evictions: 7, Seals: 8, Duplicates: 9},
-		{Device: 1, Pages: 10, Free: 10, Copied: 3, Seals: 3, Host: &kv.HostStats{Bytes: 1 << 20, Pages: 4, Free: 1, Filling: 1, Sealed: 2, Twins: 1,
+		{Device: 0, Chunks: 4, MappedBytes: 16384, Pages: 10, Free: 4, Writing: 1, Sealing: 2, Sealed: 2, Settling: 1, Leased: 1, Releasing: 1, Hits: 5, Misses: 6, Copied: 0, Evictions: 7, Seals: 8, Duplicates: 9},
+		{Device: 1, Chunks: 10, MappedBytes: 40960, Pages: 10, Free: 10, Copied: 3, Seals: 3, Host: &kv.HostStats{Bytes: 1 << 20, Pages: 4, Free: 1, Filling: 1, Sealed: 2, Twins: 1,
 			Spills: 3, SpillBytes: 3 << 18, SpillNanos: 2e9, Restores: 1, RestoreBytes: 1 << 18, RestoreNanos: 5e8, Spilled: 2, Lost: 1, Evictions: 1}},
 	},
 	Replicas: []kv.ReplicaStats{{PID: 100, Device: 1, Leases: 1, Pages: 2}, {PID: 100, Device: 1, Leases: 2, Pages: 3}, {PID: 101, Device: 0, Leases: 1, Pages: 1}},
@@ -52,16 +52,20 @@ cudapool_kv_replica_pages{device="1",kv_dir="/run/kv",replica="100"} 5
 # TYPE cudapool_kv_slab_bytes gauge
 cudapool_kv_slab_bytes{device="0",kv_dir="/run/kv"} 40960
 cudapool_kv_slab_bytes{device="1",kv_dir="/run/kv"} 40960
-# HELP cudapool_kv_slab_segments Allocations each slab is made of (each at most 4 GiB, each layer's K and V whole in one).
-# TYPE cudapool_kv_slab_segments gauge
-cudapool_kv_slab_segments{device="0",kv_dir="/run/kv"} 2
-cudapool_kv_slab_segments{device="1",kv_dir="/run/kv"} 2
+# HELP cudapool_kv_slab_chunks Chunks each slab maps now (the VMM route: it grows as pages are needed, up to kv_slab_bytes).
+# TYPE cudapool_kv_slab_chunks gauge
+cudapool_kv_slab_chunks{device="0",kv_dir="/run/kv"} 4
+cudapool_kv_slab_chunks{device="1",kv_dir="/run/kv"} 10
+# HELP cudapool_kv_slab_mapped_bytes Memory each slab maps now: its chunks.
+# TYPE cudapool_kv_slab_mapped_bytes gauge
+cudapool_kv_slab_mapped_bytes{device="0",kv_dir="/run/kv"} 16384
+cudapool_kv_slab_mapped_bytes{device="1",kv_dir="/run/kv"} 40960
 # HELP cudapool_kv_up 1 when the KV page pool's owner answered its stats at this scrape, 0 when it did not.
 # TYPE cudapool_kv_up gauge
 cudapool_kv_up{kv_dir="/run/kv"} 1
 `
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want),
-		"cudapool_kv_pages", "cudapool_kv_evictions_total", "cudapool_kv_replica_pages", "cudapool_kv_slab_bytes", "cudapool_kv_slab_segments", "cudapool_kv_up"))
+		"cudapool_kv_pages", "cudapool_kv_evictions_total", "cudapool_kv_replica_pages", "cudapool_kv_slab_bytes", "cudapool_kv_slab_chunks", "cudapool_kv_slab_mapped_bytes", "cudapool_kv_up"))
 
 	// Only device 1 has a host tier.
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(`

@@ -23,7 +23,7 @@
 //	  deferred_frees,failed_frees,failed_free_bytes,cache_limit_bytes,cached_buffers,
 //	  cached_bytes,cache_hits_total,cache_misses_total}
 //	cudapool_peer_{info,leases,grants,leased_bytes,connect_time_seconds,awaiting_exit}
-//	cudapool_kv_{up,info,slab_pages,slab_bytes,slab_segments,pages,leased_pages,releasing_pages,hits_total,
+//	cudapool_kv_{up,info,slab_pages,slab_bytes,slab_chunks,slab_mapped_bytes,pages,leased_pages,releasing_pages,hits_total,
 //	  misses_total,copied_pages_total,evictions_total,seals_total,duplicate_seals_total,
 //	  host_bytes,host_pages,host_twin_pages,host_spills_total,host_spill_bytes_total,
 //	  host_spill_seconds_total,host_restores_total,host_restore_bytes_total,

@@ -25,10 +25,10 @@ import (
 // The KV page pool's rows ("gosuite [-kv-bytes SIZE] kv"): an owner (kv/owner) in this
 // process, its slab of SIZE (default 4 GiB) on device 0 with the llama-0.85b layout, and
 // kvReplicas replica processes (kv/replica). A "meta kv-slab" line says the slab's size,
-// segments and replicas.
+// layout (regions and chunks, every chunk mapped) and replicas.
 //
-//	kv/dial            ms per replica process: its Dial, every segment of the slab
-//	                   mapped (one sample a replica)
+//	kv/dial            ms per replica process: its Dial, every chunk of the slab
+//	                   imported and mapped (one sample a replica)
 //	kv/slab            the slab's bytes (one sample), for the table's verdicts
 //	kv/match512        one replica's Match of 512 visible pages (one round trip, the
 //	                   lease included), hashes computed beforehand; us per Match
@@ -90,13 +90,13 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint
 	}
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithLogger(quiet))
+	o, err := owner.Listen(dir, rt, g, owner.WithLogger(quiet), owner.WithInitialPages(g.Pages)) // all mapped: the rows measure pages, not growth
 	if err != nil {
 		r.fail("cudapool", "kv", err)
 		return
 	}
 	fmt.Fprintf(r.w, "meta kv-slab %s (%d pages, %v) on device 0, mapped by %d replica processes\n",
-		humanize.IBytes(g.SlabBytes()), g.Pages, o.Segments(), kvReplicas)
+		humanize.IBytes(g.SlabBytes()), g.Pages, o.Layout(), kvReplicas)
 	var cs []*consumerSide
 	defer func() {
 		for _, c := range cs {

@@ -27,7 +27,7 @@ func TestKVRateCountsABatchEvictedBeforeItsMatch(t *testing.T) {
 	require.NoError(t, err)
 	g.Pages = 64
 	dir := t.TempDir()
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g)
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
 	t.Cleanup(cancel) // after the closes below, which use it

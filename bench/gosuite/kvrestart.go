@@ -156,7 +156,7 @@ func kvKeeperMain(args []string) int {
 	if err != nil {
 		return fail(err)
 	}
-	k, err := owner.Keep(args[1], rt, kvRestartGeometry(), owner.WithoutAnnounce())
+	k, err := owner.Keep(args[1], rt, kvRestartGeometry())
 	if err != nil {
 		return fail(err)
 	}
@@ -184,8 +184,8 @@ func kvOwnerMain(args []string) int {
 		return fail(err)
 	}
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	o, err := owner.Listen(args[1], rt, kvRestartGeometry(), owner.WithKeeper(nil), owner.WithoutAnnounce(),
-		owner.WithIndex(filepath.Join(args[1], owner.IndexFile)), owner.WithLogger(quiet))
+	o, err := owner.Listen(args[1], rt, kvRestartGeometry(), owner.WithKeeper(nil),
+		owner.WithIndex(filepath.Join(args[1], owner.IndexFile)), owner.WithLogger(quiet), owner.WithInitialPages(kvRestartGeometry().Pages))
 	if err != nil {
 		return fail(err)
 	}

@@ -45,7 +45,7 @@ func kvTierRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless, and the first error is the one returned
 	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	host := uint64(prompt+prompt/4) * owner.HostPageBytes(g)
-	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithLogger(quiet), owner.WithHostBytes(host))
+	o, err := owner.Listen(dir, rt, g, owner.WithLogger(quiet), owner.WithHostBytes(host), owner.WithInitialPages(g.Pages))
 	if err != nil {
 		r.fail("cudapool", "kv/host", err)
 		return

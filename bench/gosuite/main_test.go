@@ -335,7 +335,7 @@ func TestCheckCacheRefusesTheWrongPath(t *testing.T) {
 func TestKVRowsOnSoftwareDevice(t *testing.T) {
 	sh := quickShape
 	by, got, out := softwareRows(t, func(r *reporter, rt cudart.Runtime, onGPU bool, sh shape) {
-		kvRows(r, rt, onGPU, sh, 8<<30) // 2 segments
+		kvRows(r, rt, onGPU, sh, 8<<30) // 32 regions of 8 chunks
 	}, sh)
 	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
 		"kv/hash512": sh.samples, "kv/visible": sh.samples, "kv/pages/b16": sh.rounds, "kv/pages/b64": sh.rounds,
@@ -345,7 +345,7 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
 	}
 	assert.Len(t, by["#"], 4+len(kvBatches), "three percentile lines, a cycle line per batch and the owner's figures:\n%s", out)
-	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 2 segments of 4.0 GiB) on device 0, mapped by 4 replica processes")}, by["meta"])
+	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 32 regions of 256 MiB, in chunks of 32 MiB) on device 0, mapped by 4 replica processes")}, by["meta"])
 }
 
 // softwareRows runs rows with shape sh on the software device and returns the lines

@@ -52,41 +52,37 @@ int main(void) {
 	CHECK(g.slab_bytes == 16ull * 2 * PAGES * g.page_bytes);
 	CHECK(g.page_span_bytes == 16ull * 2 * g.page_bytes);
 	CHECK(g.slab_bytes == PAGES * g.page_span_bytes);
-	// The slab is 6 segments (kvpoold -segment-bytes 3MiB): 6 tensors of 512 KiB each,
-	// but the last, of 2.
-	CHECK(g.segments == 6 && g.segment_bound == 3u << 20);
-	void *segs[6] = {0};
-	uint64_t seg_bytes[6] = {0};
+	// The slab is 32 regions, one per tensor (K0, V0, K1, ...), each 2 MiB of addresses:
+	// one chunk of the software device's granularity holds a tensor of 512 KiB.
+	CHECK(g.segments == 32 && g.segment_bound == 2u << 20);
+	void *segs[32] = {0};
+	uint64_t seg_bytes[32] = {0};
 	size_t nsegs = 0;
-	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 5, &nsegs), CUDAPOOL_ERANGE);
-	CHECK(nsegs == 6 && segs[0] == NULL);
+	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 31, &nsegs), CUDAPOOL_ERANGE);
+	CHECK(nsegs == 32 && segs[0] == NULL);
 	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, NULL), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, &nsegs), CUDAPOOL_OK);
-	CHECK(nsegs == 6);
-	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 6, &nsegs), CUDAPOOL_OK);
-	uint64_t total = 0;
-	for (int i = 0; i < 6; i++) {
+	CHECK(nsegs == 32);
+	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 32, &nsegs), CUDAPOOL_OK);
+	for (int i = 0; i < 32; i++) {
 		CHECK(segs[i] != NULL);
-		CHECK(seg_bytes[i] == (i < 5 ? 3u << 20 : 1u << 20));
-		total += seg_bytes[i];
+		CHECK(seg_bytes[i] == 2u << 20);
 	}
-	CHECK(total == g.slab_bytes);
 	void *k5 = NULL, *v5 = NULL, *k15 = NULL;
 	EXPECT(cudapool_kv_layer_ptrs(r, 16, &k5, &v5), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_layer_ptrs(r, -1, &k5, &v5), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_layer_ptrs(r, 15, &k15, NULL), CUDAPOOL_OK);
-	CHECK(k15 == (char *)segs[5]); // tensor 30 begins the last segment
+	CHECK(k15 == (char *)segs[30]); // tensor 30 is region 30
 	EXPECT(cudapool_kv_layer_ptrs(r, 5, &k5, &v5), CUDAPOOL_OK);
-	// Layer 5's K and V are tensors 10 and 11: the last two of segment 1; layer 6's K
-	// begins segment 2.
-	CHECK(k5 == (char *)segs[1] + 4 * PAGES * g.page_bytes);
-	CHECK(v5 == (char *)segs[1] + 5 * PAGES * g.page_bytes);
+	// Layer 5's K and V are tensors 10 and 11, each a region of its own.
+	CHECK(k5 == (char *)segs[10]);
+	CHECK(v5 == (char *)segs[11]);
 	void *k6 = NULL;
 	EXPECT(cudapool_kv_layer_ptrs(r, 6, &k6, NULL), CUDAPOOL_OK);
-	CHECK(k6 == (char *)segs[2]);
+	CHECK(k6 == (char *)segs[12]);
 	void *base = NULL;
 	uint64_t bytes = 0;
-	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_ENOTSUP); // deprecated: one segment only
+	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_ENOTSUP); // deprecated: no slab is one range
 
 	// Hashes: N full pages and a partial one.
 	int32_t tokens[N * T + 5];

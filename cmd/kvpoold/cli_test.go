@@ -86,7 +86,9 @@ func TestBadValuesExit2(t *testing.T) {
 		{[]string{"-runtime", "test", "-bytes", "-5GiB"}, "-bytes -5GiB: a size cannot be negative"},
 		{[]string{"-runtime", "test", "-bytes", "lots"}, `-bytes "lots" is not a size: want a number of bytes with an optional unit`},
 		{[]string{"-runtime", "test", "-pages", "8", "-host-bytes", "-1"}, "-host-bytes -1: a size cannot be negative"},
-		{[]string{"-runtime", "test", "-pages", "8", "-segment-bytes", "big"}, `-segment-bytes "big" is not a size`},
+		{[]string{"-runtime", "test", "-pages", "8", "-chunk-bytes", "big"}, `-chunk-bytes "big" is not a size`},
+		{[]string{"-runtime", "test", "-pages", "8", "-min-free", "lots"}, `-min-free "lots" is not a size`},
+		{[]string{"-runtime", "test", "-pages", "8", "-handle", "ipc"}, `-handle "ipc": want posix-fd or fabric`},
 	} {
 		code, errOut := refused(t, append(slices.Clone(base), c.args...)...)
 		assert.Equal(t, exitUsage, code, "%q: %s", c.args, errOut)

@@ -9,15 +9,10 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/cudart/choose"
-	"github.com/cudapool/cudapool/export/producer"
-	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 )
 
@@ -25,14 +20,12 @@ import (
 // kvpoold (owner.Keep, owner.KeepFiles), in a session of its own, so that kvpoold's
 // death (SIGKILL, a crash, an upgrade) leaves that memory and every replica's mapping
 // of it alone, and the next kvpoold on the directory adopts it. It holds file
-// descriptors by name on dir/keep.sock (the host tiers' memfds, given by kvpoold) and,
-// given a slab size (-pages or -bytes), the slabs of the pool route; without one it
-// holds descriptors alone and loads no CUDA runtime at all (an fd keeps its memory
-// alive by itself). kvpoold starts it where none is alive and, on a clean stop, stops
-// it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once, for -keeper-idle,
-// no kvpoold has been connected to it and no process has mapped its slabs: it cannot
-// see who maps the memory of the descriptors it holds, and need not, for a mapping
-// keeps that memory alive by itself.
+// descriptors by name on dir/keep.sock (the slabs' chunks and the host tiers' memfds,
+// given by kvpoold) and nothing else: it loads no CUDA runtime at all (an fd keeps its
+// memory alive by itself). kvpoold starts it where none is alive and, on a clean stop,
+// stops it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once no kvpoold
+// has been connected to it for -keeper-idle: it cannot see who maps the memory of the
+// descriptors it holds, and need not, for a mapping keeps that memory alive by itself.
 
 // keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
 // stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
@@ -48,20 +41,14 @@ var keeperCommand = func(args []string) (*exec.Cmd, error) {
 	return exec.Command(exe, args...), nil
 }
 
-// keeperArgs is the keeper's command line for a slab of g on devs.
-func keeperArgs(f flags, g kv.Geometry, devs []int) []string {
-	ds := make([]string, len(devs))
-	for i, d := range devs {
-		ds[i] = strconv.Itoa(d)
-	}
-	return []string{"keeper", "-dir", f.dir, "-runtime", f.runtime, "-devices", strings.Join(ds, ","),
-		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
-		"-dtype", g.DType.String(), "-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-pages", strconv.Itoa(g.Pages),
-		"-segment-bytes", f.segmentBytes, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
+// keeperArgs is the keeper's command line: it holds descriptors of any slab, and
+// needs no slab flag.
+func keeperArgs(f flags) []string {
+	return []string{"keeper", "-dir", f.dir, "-keeper-idle", f.keeperIdle.String(), "-stop-wait", f.stopWait.String()}
 }
 
 // keeperChild is the keeper this kvpoold started: its exit status is known here once
-// it has exited (exitAbandoned: replicas still mapped the slabs when it stopped).
+// it has exited.
 type keeperChild struct {
 	pid    int
 	exited chan struct{}
@@ -126,10 +113,6 @@ func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ct
 	}
 }
 
-// keeperRuntime makes the keeper's runtime, for slabs of the pool route alone: a
-// keeper of descriptors alone makes none. The tests replace it.
-var keeperRuntime = choose.Runtime
-
 // keeping is what the keeper's idle wait asks of an owner.Keeper.
 type keeping interface {
 	Importers() int
@@ -163,81 +146,31 @@ func idleFor(ctx context.Context, k keeping, idle time.Duration) bool {
 	}
 }
 
-// runKeeper is `kvpoold keeper`: the descriptors kvpoold gives it and, given a slab
-// size (-pages or -bytes), the slabs of the pool route, until ctx ends. Without a slab
-// size it loads no CUDA runtime at all.
+// runKeeper is `kvpoold keeper`: the descriptors kvpoold gives it (the slabs' chunks,
+// the host tiers' memfds), until ctx ends. It loads no CUDA runtime at all: the slab
+// flags, where given, have no effect.
 func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	f, code, ok := parse(args, stdout, stderr)
 	if !ok {
 		return code
 	}
-	var k *owner.Keeper
-	var rt cudart.Runtime
-	if f.set["pages"] || f.set["bytes"] {
-		var code int
-		if k, rt, code = keepSlabs(f, stderr); k == nil {
-			return code
-		}
-	} else {
-		var err error
-		if k, err = owner.KeepFiles(f.dir, owner.WithLogger(slog.New(slog.NewTextHandler(stderr, nil)))); err != nil {
-			fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-			return exitFailed
-		}
+	k, err := owner.KeepFiles(f.dir, owner.WithLogger(slog.New(slog.NewTextHandler(stderr, nil))))
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
+		return exitFailed
 	}
 	if ready := os.NewFile(3, "ready"); ready != nil {
 		_, _ = ready.WriteString("ready\n") // kvpoold reads it; without it (run by hand) nobody does
 		_ = ready.Close()                   // cleanup: it was written
 	}
 	if idleFor(ctx, k, f.keeperIdle) {
-		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold has been connected to %s, and no process has mapped its slabs, for %v: what it kept is freed\n", f.dir, f.keeperIdle)
+		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold has been connected to %s for %v: what it kept is freed (its memory once no replica maps it)\n", f.dir, f.keeperIdle)
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
-	closeErr := k.Close(cctx)
-	var broken error
-	if rt != nil {
-		broken = choose.Violations(rt)
+	if err := k.Close(cctx); err != nil {
+		fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", err)
+		return exitFailed
 	}
-	switch {
-	case closeErr == nil && broken == nil:
-		return exitOK
-	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
-		fmt.Fprintf(stderr, "kvpoold keeper: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
-		return exitAbandoned
-	}
-	fmt.Fprintf(stderr, "kvpoold keeper: stopping: %v\n", errors.Join(closeErr, broken))
-	return exitFailed
-}
-
-// keepSlabs makes the keeper of the pool route's slabs: the runtime, and a Keeper of
-// them; nil and the exit status on failure, said on stderr.
-func keepSlabs(f flags, stderr io.Writer) (*owner.Keeper, cudart.Runtime, int) {
-	g, err := f.geometry()
-	if err == nil {
-		g, err = f.slabPages(g)
-	}
-	var bound uint64
-	if err == nil {
-		bound, err = f.segmentBound()
-	}
-	var devs []int
-	if err == nil {
-		devs, err = deviceList(f.devices, 0, false)
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return nil, nil, exitUsage
-	}
-	picked, err := keeperRuntime(f.runtime)
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return nil, nil, exitFailed
-	}
-	k, err := owner.Keep(f.dir, picked.Runtime, g, owner.WithDevices(devs...), owner.WithSegmentBytes(bound))
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold keeper: %v\n", err)
-		return nil, nil, exitFailed
-	}
-	return k, picked.Runtime, exitOK
+	return exitOK
 }

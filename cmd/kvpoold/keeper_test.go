@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"errors"
 	"net"
 	"path/filepath"
 	"strconv"
@@ -13,35 +12,23 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv/owner"
 )
 
-// noRuntime makes any runtime the keeper asks for fail the test, until it ends.
-func noRuntime(t *testing.T) {
-	old := keeperRuntime
-	keeperRuntime = func(string, ...cudart.LoadOption) (choose.Choice, error) {
-		t.Error("the keeper of descriptors made a runtime")
-		return choose.Choice{}, errors.New("no runtime in this test")
-	}
-	t.Cleanup(func() { keeperRuntime = old })
-}
-
-// A keeper given no slab size holds descriptors alone: it makes no runtime at all
-// (the runtime factory fails the test if called), serves keep.sock, and stops when
-// told, with status 0.
+// A keeper holds descriptors alone (runKeeper has no runtime to make): it serves
+// keep.sock, whatever slab flags it is given, and stops when told, with status 0.
 func TestKeeperOfDescriptorsMakesNoRuntime(t *testing.T) {
-	noRuntime(t)
 	dir := shortDir(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var out, errOut testlog.Buffer
 	exited := make(chan int, 1)
-	go func() { exited <- runKeeper(ctx, []string{"-dir", dir, "-keeper-idle", "1h"}, &out, &errOut) }()
+	go func() {
+		exited <- runKeeper(ctx, []string{"-dir", dir, "-keeper-idle", "1h", "-layout", "llama-0.85b", "-pages", "8"}, &out, &errOut)
+	}()
 	path := filepath.Join(dir, owner.KeepSocket)
 	require.Eventually(t, func() bool {
 		c, err := net.Dial("unix", path)
@@ -57,7 +44,6 @@ func TestKeeperOfDescriptorsMakesNoRuntime(t *testing.T) {
 // A keeper of descriptors to which no kvpoold has connected for -keeper-idle exits by
 // itself and says why.
 func TestKeeperOfDescriptorsExitsWhenIdle(t *testing.T) {
-	noRuntime(t)
 	var out, errOut testlog.Buffer
 	code := runKeeper(context.Background(), []string{"-dir", shortDir(t), "-keeper-idle", "20ms"}, &out, &errOut)
 	assert.Equal(t, exitOK, code, errOut.String())
@@ -92,6 +78,6 @@ func TestKvpooldSaysTheKeeperDied(t *testing.T) {
 	go func() { waited <- cmd.Wait() }()
 	err = testwait.Recv(t, waited, "kvpoold's exit once its keeper died")
 	assert.Equal(t, exitFailed, cmd.ProcessState.ExitCode(), "%v", err)
-	assert.Contains(t, errOut.String(), "the keeper is gone, and with it the slabs and the host tiers' memory it kept")
+	assert.Contains(t, errOut.String(), "the keeper is gone, and with it the chunks and the host tiers' memory it kept")
 	assert.Contains(t, errOut.String(), "kvpoold: the keeper (pid "+m[1]+") is gone, and the cache with it")
 }

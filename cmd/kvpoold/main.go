@@ -4,8 +4,8 @@
 //
 //	kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
 //	        [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
-//	        (-pages N | -bytes SIZE) [-segment-bytes SIZE] [-host-bytes SIZE]
-//	        [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+//	        (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
+//	        [-min-free SIZE] [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
 //	kvpoold keeper [the same flags]
 //
 // A -layout names a whole geometry, and excludes every dimension flag: one given beside
@@ -13,40 +13,51 @@
 // and fp8e4m3 (in any case; no other spelling). A SIZE is a number of bytes with an
 // optional unit (4096, 512MiB, 100GiB, 1.5TB). kvpoold -h prints the usage.
 //
-// It serves DIR/kv.sock (the pages) and DIR/slab.sock (the slabs, through package
-// export), and prints one line saying where and on which runtime. -devices defaults to
-// every GPU, or device 0 on the software device. Exactly one of -pages (the page count,
-// at least 1) and -bytes (each slab's size, e.g. 100GiB, rounded down to whole pages)
-// says how much it serves. A slab is several allocations (segments) of at most
-// -segment-bytes each (default and most 4 GiB, kv.MaxSegmentBytes: a replica cannot
-// import larger ones; a smaller bound is for tests), each layer's K and V whole in one
-// of them; a geometry whose one tensor is larger than that, or a slab larger than a
-// device's free memory, is refused at start. A second kvpoold on a DIR that a live one
-// serves fails, naming it.
+// It serves DIR/kv.sock (the pages, and the slabs' chunks) and prints one line saying
+// where and on which runtime. -devices defaults to every GPU, or device 0 on the
+// software device. Exactly one of -pages (the page count, at least 1) and -bytes (each
+// slab's size, e.g. 100GiB, rounded down to whole pages) says how much it serves at
+// most. A slab is on the VMM route (package kv, Layout): one range of addresses per
+// layer's K and V, whatever its size, reserved for -bytes, into which chunks of
+// -chunk-bytes (a multiple of the device's granularity; by default the smallest that
+// makes each tensor at most 8 chunks) are mapped as pages are needed: it starts with
+// a chunk per tensor (or the chunks that hold -initial-bytes, rounded down to whole
+// pages and up to whole steps; -initial-bytes equal to -bytes maps the whole slab at
+// the start) and grows before it evicts. While a device's free memory is below
+// -min-free (default 0: never), kvpoold gives the slab's last chunks back, down to a
+// chunk per tensor: their pages are evicted (copied to the host tier where it has
+// room) or, where leased, waited for, every replica unmaps them, and the slab grows
+// again only once a step more than -min-free is free. -handle fabric makes the chunks
+// exportable as FABRIC handles too (NVLink multi-node); where the driver refuses them
+// (no IMEX channel) kvpoold says so and exits 2. A chunk size off the granularity, or
+// a start larger than a device's free memory, is refused at start. A second kvpoold
+// on a DIR that a live one serves fails, naming it.
 //
 // SIGTERM or Ctrl-C stops it: every replica is told at once (its Done closes, Python's
-// alive turns False), and kvpoold waits up to -stop-wait (default 10s) for them to unmap
-// its slabs; a second signal stops it at once. Exit status:
+// alive turns False), and kvpoold waits up to -stop-wait (default 10s) for its own
+// copies; a replica's mapping keeps a slab's memory until it unmaps it or exits. A
+// second signal stops it at once. Exit status:
 //
-//	0  a clean stop: every replica let go of the slabs within -stop-wait
+//	0  a clean stop
 //	1  a failure (at start, or the runtime reported broken rules at the stop)
 //	2  a bad command line: a flag or value kvpoold does not take, flags that exclude
 //	   each other, a -runtime this build lacks, a -devices the runtime lacks, a -dir
 //	   that is not a directory, a -host-bytes over the host's available memory
-//	3  stopped, but replicas still mapped a slab when -stop-wait ended: each slab's
-//	   memory goes back to the driver once its last replica unmaps it or exits
 //
-// A replica that is told of the stop should close (release, unmap); one that keeps
-// the mapping past the wait makes the stop status 3, not 1: kvpoold did its part.
+// A replica that is told of the stop should close (release, unmap): the slab's memory
+// goes back to the driver once its last replica unmaps it or exits. (Status 3, "replicas
+// still mapped a slab", was the pool route's: a stop no longer waits for them.)
 //
-// The slabs live in a keeper, `kvpoold keeper` (the same flags), which kvpoold starts
-// in a session of its own where none serves DIR, so that they outlive kvpoold: a
-// kvpoold started again on DIR adopts them, makes the pages journaled in DIR/index
+// The slabs' chunks are held by a keeper, `kvpoold keeper` (the same flags), which
+// kvpoold starts in a session of its own where none serves DIR and gives each chunk's
+// descriptor as it makes it, so that they outlive kvpoold: a kvpoold started again on
+// DIR takes them back and maps them (chunks of another geometry or chunk size are
+// dropped, the slab made anew), makes the pages journaled in DIR/index
 // visible again, and waits up to -reattach-grace for the replicas attached before
 // (replica.WithReconnect) to re-declare their leases. Its first line says what it took
 // back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
-// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no process
-// has mapped for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
+// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no kvpoold
+// has been connected to for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
 // gone with it. When the keeper dies, kvpoold exits with status 1: the cache is gone,
 // and a supervisor should start it again (docs/kvpoold.service runs it under systemd).
 package main
@@ -72,10 +83,9 @@ import (
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
 	"github.com/cudapool/cudapool/export/discover"
-	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
-	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/vmm"
 )
 
 func main() {
@@ -86,16 +96,15 @@ func main() {
 	os.Exit(code)
 }
 
-// defaultStopWait is -stop-wait's default: how long a stop waits for replicas to
-// unmap the slabs.
+// defaultStopWait is -stop-wait's default: how long a stop waits for its own copies
+// and for the keeper to stop.
 const defaultStopWait = 10 * time.Second
 
 // The exit statuses (the command's doc).
 const (
-	exitOK        = 0
-	exitFailed    = 1
-	exitUsage     = 2
-	exitAbandoned = 3
+	exitOK     = 0
+	exitFailed = 1
+	exitUsage  = 2
 )
 
 // DefaultDir is where kvpoold serves without -dir: kv in export's announce directory.
@@ -104,10 +113,10 @@ func DefaultDir() string { return filepath.Join(discover.DefaultDir(), "kv") }
 // flags are kvpoold's command line.
 type flags struct {
 	dir, devices, runtime, layout, dtype, bytes string
-	hostBytes                                   string
+	hostBytes, minFree                          string
 	layers, kvHeads, headDim, tokensPerPage     int
 	pages                                       int
-	segmentBytes                                string
+	chunkBytes, handle, initialBytes            string
 	set                                         map[string]bool // the flags given
 	stopWait                                    time.Duration
 	oneProcess, leaveKeeper                     bool
@@ -117,14 +126,13 @@ type flags struct {
 // synopsis is the command line's shape, as the command's doc gives it.
 const synopsis = `usage: kvpoold [-dir DIR] [-devices 0,1] [-runtime auto|gpu|test]
                [-layout NAME | -layers L -kv-heads H -head-dim D [-dtype bf16] [-tokens-per-page 16]]
-               (-pages N | -bytes SIZE) [-segment-bytes SIZE] [-host-bytes SIZE]
-               [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
+               (-pages N | -bytes SIZE) [-initial-bytes SIZE] [-chunk-bytes SIZE] [-handle posix-fd|fabric] [-host-bytes SIZE]
+               [-min-free SIZE] [-stop-wait 10s] [-reattach-grace 5s] [-keeper-idle 10s] [-leave-keeper | -one-process]
        kvpoold keeper [the same flags]
 
 Serves a KV page pool: a slab of KV pages on each GPU, leased to replica processes.
 A SIZE is a number of bytes with an optional unit: 4096, 512MiB, 100GiB, 1.5TB.
-Exit status: 0 a clean stop, 1 a failure, 2 a bad command line, 3 replicas still
-mapped a slab when -stop-wait ended.
+Exit status: 0 a clean stop, 1 a failure, 2 a bad command line.
 `
 
 // dtypeSpellings are the -dtype values kvpoold takes (kv.ParseDType's, in any case).
@@ -136,7 +144,7 @@ var dimensionFlags = []string{"layers", "kv-heads", "head-dim", "dtype", "tokens
 // newFlagSet is kvpoold's flags, bound to f.
 func newFlagSet(f *flags) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvpoold", flag.ContinueOnError)
-	fs.StringVar(&f.dir, "dir", DefaultDir(), "the directory to serve in (kv.sock, slab.sock)")
+	fs.StringVar(&f.dir, "dir", DefaultDir(), "the directory to serve in (kv.sock)")
 	fs.StringVar(&f.devices, "devices", "", "the devices to serve, comma-separated (default: every GPU, or 0 on the software device)")
 	fs.StringVar(&f.runtime, "runtime", choose.Auto, "auto (GPU if there is one, else the software device), gpu or test (the software device)")
 	fs.StringVar(&f.layout, "layout", "", "a named geometry ("+strings.Join(kv.LayoutNames(), ", ")+"), instead of the dimension flags (-layers, -kv-heads, -head-dim, -dtype, -tokens-per-page), which it excludes")
@@ -147,12 +155,15 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.IntVar(&f.tokensPerPage, "tokens-per-page", 16, "tokens per page")
 	fs.IntVar(&f.pages, "pages", 0, "pages per slab (or -bytes)")
 	fs.StringVar(&f.bytes, "bytes", "", "bytes per slab, e.g. 100GiB, rounded down to whole pages (or -pages)")
-	fs.StringVar(&f.segmentBytes, "segment-bytes", "4GiB", "the most bytes one allocation of a slab holds (at most 4GiB; smaller for tests)")
+	fs.StringVar(&f.initialBytes, "initial-bytes", "", "bytes per slab mapped at the start, rounded down to whole pages (default: a chunk per tensor); the slab grows from there up to -bytes")
+	fs.StringVar(&f.chunkBytes, "chunk-bytes", "", "the size of the chunks a slab maps as it grows, a multiple of the device's granularity (default: each tensor in at most 8 chunks)")
+	fs.StringVar(&f.handle, "handle", "posix-fd", "posix-fd, or fabric: chunks exportable as FABRIC handles too (needs an IMEX channel)")
+	fs.StringVar(&f.minFree, "min-free", "", "give the slab's last chunks back while the device's free memory is below this, e.g. 4GiB (default: never)")
 	fs.StringVar(&f.hostBytes, "host-bytes", "", "bytes of pinned host memory per device for a host tier of evicted pages, e.g. 200GiB (default none)")
-	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for replicas to unmap the slabs (exit status 3 if some still do)")
+	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for its own copies and for the keeper to stop")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
-	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper frees what it holds and exits once no kvpoold has been connected to it, and no process has mapped its slabs, for this long")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once no kvpoold has been connected to it for this long (replicas keep what they map)")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	return fs
 }
@@ -268,16 +279,50 @@ func (f flags) slabPages(g kv.Geometry) (kv.Geometry, error) {
 	return g, g.Validate()
 }
 
-// segmentBound is -segment-bytes.
-func (f flags) segmentBound() (uint64, error) {
-	n, err := parseSize("segment-bytes", f.segmentBytes)
-	switch {
-	case err != nil:
-		return 0, err
-	case n == 0 || n > kv.MaxSegmentBytes:
-		return 0, fmt.Errorf("-segment-bytes %s: want 1 B to %s (the most a replica can import as one allocation)", f.segmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
+// chunkSize is -chunk-bytes, 0 when not given (the default).
+func (f flags) chunkSize() (uint64, error) {
+	if f.chunkBytes == "" {
+		return 0, nil
 	}
-	return n, nil
+	n, err := parseSize("chunk-bytes", f.chunkBytes)
+	if err == nil && n == 0 {
+		err = fmt.Errorf("-chunk-bytes %s: want a multiple of the device's granularity, not 0", f.chunkBytes)
+	}
+	return n, err
+}
+
+// initialPages is -initial-bytes in pages of g, 0 when not given (the default).
+func (f flags) initialPages(g kv.Geometry) (int, error) {
+	if f.initialBytes == "" {
+		return 0, nil
+	}
+	n, err := parseSize("initial-bytes", f.initialBytes)
+	if err != nil {
+		return 0, err
+	}
+	if n/g.PageSpanBytes() < 1 {
+		return 0, fmt.Errorf("-initial-bytes %s holds no page of %s", humanize.IBytes(n), humanize.IBytes(g.PageSpanBytes()))
+	}
+	return int(min(n/g.PageSpanBytes(), uint64(g.Pages))), nil
+}
+
+// minFreeBytes is -min-free, 0 when not given.
+func (f flags) minFreeBytes() (uint64, error) {
+	if f.minFree == "" {
+		return 0, nil
+	}
+	return parseSize("min-free", f.minFree)
+}
+
+// fabric is -handle: whether chunks are FABRIC too.
+func (f flags) fabric() (bool, error) {
+	switch f.handle {
+	case "posix-fd":
+		return false, nil
+	case "fabric":
+		return true, nil
+	}
+	return false, fmt.Errorf("-handle %q: want posix-fd or fabric", f.handle)
 }
 
 // hostTierBytes is -host-bytes, 0 when not given.
@@ -362,15 +407,26 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		g, err = f.slabPages(g)
 	}
-	var bound, hostBytes uint64
+	var chunk, hostBytes, minFree uint64
+	var fabric bool
+	var initial int
 	if err == nil {
-		bound, err = f.segmentBound()
+		chunk, err = f.chunkSize()
 	}
 	if err == nil {
-		_, err = g.Segments(bound)
+		initial, err = f.initialPages(g)
+	}
+	if err == nil && chunk > 0 {
+		_, err = g.SlabLayout(chunk)
+	}
+	if err == nil {
+		fabric, err = f.fabric()
 	}
 	if err == nil {
 		hostBytes, err = f.hostTierBytes()
+	}
+	if err == nil {
+		minFree, err = f.minFreeBytes()
 	}
 	if err == nil {
 		_, err = deviceList(f.devices, 0, false) // the syntax; the range once the runtime says
@@ -400,17 +456,24 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	opts := []owner.Option{owner.WithDevices(devs...), owner.WithSegmentBytes(bound), owner.WithHostBytes(hostBytes), owner.WithLogger(logger)}
+	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithInitialPages(initial), owner.WithHostBytes(hostBytes), owner.WithMinFree(minFree), owner.WithLogger(logger)}
+	if fabric {
+		opts = append(opts, owner.WithFabric())
+	}
 	var child *keeperChild // the keeper this kvpoold started, if it did
 	if !f.oneProcess {
-		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f, g, devs), &child)),
+		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f), &child)),
 			owner.WithIndex(filepath.Join(f.dir, owner.IndexFile)), owner.WithReattachGrace(f.grace))
 	}
 	o, err := owner.Listen(f.dir, rt, g, opts...)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		if errors.Is(err, vmm.ErrFabricNotPermitted) {
+			fmt.Fprintln(stderr, "kvpoold: -handle fabric needs an IMEX channel on this host (nvidia-imex running, /dev/nvidia-caps-imex-channels/channel0 granted); -handle posix-fd serves the replicas of this host")
+			return exitUsage
+		}
 		if errors.Is(err, kv.ErrHostMemory) || errors.Is(err, kv.ErrGeometry) {
-			return exitUsage // what the command line asks cannot be served: -host-bytes, -segment-bytes
+			return exitUsage // what the command line asks cannot be served: -host-bytes, -chunk-bytes
 		}
 		return exitFailed
 	}
@@ -422,8 +485,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if !f.oneProcess {
 		cache = o.Recovery().String()
 	}
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab (%v), %s; %s; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Segments(), tier, picked.Why, cache)
+	st := o.Stats()
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab at most (%v; %s mapped now), %s; %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Layout(), humanize.IBytes(st.Devices[0].MappedBytes), tier, picked.Why, cache)
 	keeperGone := false
 	select {
 	case <-ctx.Done():
@@ -435,8 +499,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	defer cancel()
 	closeErr, broken := o.Close(cctx), choose.Violations(rt)
 	if !f.oneProcess && !f.leaveKeeper && !keeperGone {
-		// The keeper's close waits -stop-wait for the replicas to unmap the slabs, and
-		// says so on stderr where they did not: its status 3 is this stop's.
+		// The keeper closes the descriptors it holds: their memory goes once the
+		// replicas unmap it.
 		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
 		defer kcancel()
 		pid := o.Recovery().KeeperPID
@@ -444,13 +508,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			closeErr = errors.Join(closeErr, err)
 		} else if child != nil && child.pid == pid {
 			<-child.exited
-			switch child.status() {
-			case exitOK:
-			case exitAbandoned:
-				if closeErr == nil && broken == nil {
-					return exitAbandoned
-				}
-			default:
+			if child.status() != exitOK {
 				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
 			}
 		}
@@ -461,26 +519,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case closeErr == nil && broken == nil:
 		fmt.Fprintln(stdout, "kvpoold: stopped")
 		return exitOK
-	case broken == nil && errors.Is(closeErr, producer.ErrAbandoned) && onlyAbandoned(closeErr):
-		fmt.Fprintf(stderr, "kvpoold: stopped; replicas still mapped a slab after -stop-wait %v: its memory goes back once they unmap it or exit (%v)\n", f.stopWait, closeErr)
-		return exitAbandoned
 	}
 	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
 	return exitFailed
-}
-
-// onlyAbandoned says whether every error joined in err is the abandoned leases of a
-// stop that ran out of -stop-wait (with the context's end and what the pools' close
-// says of the memory still mapped), and no other failure.
-func onlyAbandoned(err error) bool {
-	var joined interface{ Unwrap() []error }
-	if !errors.As(err, &joined) {
-		return errors.Is(err, producer.ErrAbandoned)
-	}
-	for _, e := range joined.Unwrap() {
-		if !errors.Is(e, producer.ErrAbandoned) && !errors.Is(e, context.DeadlineExceeded) && !errors.Is(e, pool.ErrBusy) {
-			return false
-		}
-	}
-	return true
 }

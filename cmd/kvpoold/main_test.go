@@ -73,7 +73,7 @@ func shortDir(t *testing.T) string {
 
 func TestServesAndStops(t *testing.T) {
 	dir := shortDir(t)
-	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "32", "-segment-bytes", "3MiB")
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "256", "-chunk-bytes", "2MiB")
 
 	dev := cudarttest.ForTest(t)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
@@ -81,9 +81,12 @@ func TestServesAndStops(t *testing.T) {
 	r, err := replica.Dial(ctx, dir, dev, 0)
 	require.NoError(t, err)
 	want, _ := kv.Layout("llama-0.85b")
-	want.Pages = 32
+	want.Pages = 256
 	assert.Equal(t, want, r.Geometry())
-	assert.Equal(t, []uint64{3 << 20, 3 << 20, 3 << 20, 3 << 20, 3 << 20, 1 << 20}, r.Segments().Sizes(), "6 tensors of 512 KiB to a segment")
+	assert.Equal(t, "32 regions of 4.0 MiB, in chunks of 2.0 MiB", r.Layout().String(), "tensors of 4 MiB, 2 chunks each")
+	chunks, pages := r.Mapped()
+	assert.Equal(t, 32, chunks, "a chunk a tensor at the start")
+	assert.Equal(t, 128, pages)
 	l, err := r.Alloc(ctx, 4)
 	require.NoError(t, err)
 	require.NoError(t, r.Release(ctx, l, 0))
@@ -93,7 +96,7 @@ func TestServesAndStops(t *testing.T) {
 	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2, "one line serving, one stopped:\n%s", out)
-	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages, pages of 16 KiB per layer's K or V (a page span of 512 KiB, all layers' K and V), 16 MiB a slab (5 segments of 3.0 MiB and 1 of 1.0 MiB), no host tier;")
+	assert.Contains(t, lines[0], "kvpoold: serving "+dir+" on device(s) [0]: 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 256 pages, pages of 16 KiB per layer's K or V (a page span of 512 KiB, all layers' K and V), 128 MiB a slab at most (32 regions of 4.0 MiB, in chunks of 2.0 MiB; 64 MiB mapped now), no host tier;")
 	assert.Contains(t, lines[0], "software device", "the first line names the runtime")
 	assert.Equal(t, "kvpoold: stopped", lines[1])
 	_, err = os.Stat(dir + "/kv.sock")
@@ -121,15 +124,17 @@ func TestBadCommandLines(t *testing.T) {
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-devices", "zero"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "extra"},
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-host-bytes", "lots"},
-		{"-runtime", "test", "-layout", "llama-0.85b"},                                              // neither -pages nor -bytes
-		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "0"},                               // no page
-		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "-3"},                              // no page
-		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "0"},                               // no page
-		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "lots"},                            // no size
-		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1TiB"},                            // over the most pages a slab has
-		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "64", "-segment-bytes", "1000KiB"}, // a tensor over the bound
-		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "0"},
-		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-segment-bytes", "8GiB"}, // more than a replica imports
+		{"-runtime", "test", "-layout", "llama-0.85b"},                                            // neither -pages nor -bytes
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "0"},                             // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "-3"},                            // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "0"},                             // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "lots"},                          // no size
+		{"-runtime", "test", "-layout", "llama-0.85b", "-bytes", "1TiB"},                          // over the most pages a slab has
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "64", "-chunk-bytes", "1000KiB"}, // off the granularity
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-chunk-bytes", "0"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-initial-bytes", "1KiB"}, // no page
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-handle", "ipc"},
+		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-handle", "fabric"}, // no IMEX channel on the software device
 		{"-runtime", "test", "-layout", "llama-0.85b", "-pages", "4", "-stop-wait", "-1s"},
 	} {
 		var out, errOut bytes.Buffer
@@ -179,17 +184,19 @@ func TestBytesMakesWholePages(t *testing.T) {
 	assert.Equal(t, uint64(100<<30), got.SlabBytes())
 }
 
-// A slab larger than the device's free memory is refused at start (status 1), the
-// message naming both sizes; a geometry whose one tensor is over the segment bound is
-// a bad command line (status 2), the message naming the most pages that fit.
+// A slab whose start is larger than the device's free memory is refused at start
+// (status 1), the message naming both sizes; chunks off the device's granularity are a
+// bad command line (status 2), the message naming both; so are FABRIC chunks where the
+// driver refuses them (no IMEX channel), the message saying so.
 func TestRefusedAtStart(t *testing.T) {
 	for _, c := range []struct {
 		args []string
 		code int
 		want string
 	}{
-		{[]string{"-bytes", "100GiB"}, 1, "a slab of 100 GiB (107374182400 bytes, 204800 pages) is larger than device 0's free memory, 16 GiB (17179869184 bytes, of 16 GiB)"},
-		{[]string{"-pages", "64", "-segment-bytes", "1000KiB"}, 2, "tensor of 1.0 MiB (64 pages of 16 KiB) is over the 1000 KiB one segment may hold (an allocation a replica can import): at most 62 pages"},
+		{[]string{"-bytes", "100GiB", "-chunk-bytes", "1GiB"}, 1, "a slab's start of 32 GiB (34359738368 bytes: 32 chunks of 1.0 GiB, 65536 pages of the 204800 at most) is larger than device 0's free memory, 16 GiB (17179869184 bytes, of 16 GiB)"},
+		{[]string{"-pages", "64", "-chunk-bytes", "1000KiB"}, 2, "chunks of 1024000 bytes (1000 KiB): not a multiple of device 0's granularity, 2.0 MiB"},
+		{[]string{"-pages", "64", "-handle", "fabric"}, 2, "-handle fabric needs an IMEX channel on this host"},
 	} {
 		var out, errOut bytes.Buffer
 		args := append([]string{"-dir", shortDir(t), "-runtime", "test", "-layout", "llama-0.85b"}, c.args...)
@@ -282,9 +289,9 @@ func TestStopWaitsForReplicasToLetGo(t *testing.T) {
 	assert.Empty(t, errOut)
 }
 
-// TestStopWithReplicasHoldingOn: replicas that still map a slab when -stop-wait ends
-// leave it to them: kvpoold says how many it left and exits 3, which is neither a
-// clean stop (0) nor a failure (1).
+// TestStopWithReplicasHoldingOn: on the VMM route a replica's mapping keeps the slab's
+// memory, whatever kvpoold does: a stop with replicas that still map the slab is a
+// clean one (0), and each replica is told.
 func TestStopWithReplicasHoldingOn(t *testing.T) {
 	dir := shortDir(t)
 	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "8", "-stop-wait", "100ms")
@@ -294,10 +301,10 @@ func TestStopWithReplicasHoldingOn(t *testing.T) {
 	r, err := replica.Dial(ctx, dir, dev, 0)
 	require.NoError(t, err)
 	code, out, errOut := stop()
-	assert.Equal(t, exitAbandoned, code, "stdout: %s\nstderr: %s", out, errOut)
-	assert.Contains(t, errOut, "-stop-wait")
-	assert.Contains(t, errOut, "still mapped")
-	_ = r.Close(ctx) // the owner is gone: Close says so
+	assert.Equal(t, exitOK, code, "stdout: %s\nstderr: %s", out, errOut)
+	testwait.Recv(t, r.Done(), "the replica's Done at the stop")
+	require.ErrorIs(t, r.Err(), kv.ErrOwnerGone)
+	require.NoError(t, r.Close(ctx), "its slab unmapped: the memory goes back")
 }
 
 // TestOwnersPerTrustDomain: the slab, not the namespace, is the unit of trust (every
@@ -341,4 +348,22 @@ func TestOwnersPerTrustDomain(t *testing.T) {
 	m, err = rs[1].Match(ctx, hs)
 	require.NoError(t, err)
 	assert.Empty(t, m.Pages(), "another owner's directory holds none of them")
+}
+
+// -initial-bytes maps that much of each slab at the start (here all of it), and a
+// replica maps it at its dial.
+func TestInitialBytesMapsTheSlabAtTheStart(t *testing.T) {
+	dir := shortDir(t)
+	stop := started(t, "-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", "256", "-chunk-bytes", "2MiB", "-initial-bytes", "128MiB")
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Bound)
+	defer cancel()
+	r, err := replica.Dial(ctx, dir, cudarttest.ForTest(t), 0)
+	require.NoError(t, err)
+	chunks, pages := r.Mapped()
+	assert.Equal(t, 64, chunks, "2 chunks a tensor")
+	assert.Equal(t, 256, pages)
+	require.NoError(t, r.Close(ctx))
+	code, out, errOut := stop()
+	require.Equal(t, 0, code, "stdout: %s\nstderr: %s", out, errOut)
+	assert.Contains(t, out, "128 MiB a slab at most (32 regions of 4.0 MiB, in chunks of 2.0 MiB; 128 MiB mapped now)")
 }

@@ -29,10 +29,9 @@ import (
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// restartArgs serve a small llama-0.85b slab on the software device, in segments of
-// 3 MiB (several).
+// restartArgs serve a small llama-0.85b slab on the software device.
 func restartArgs(dir string, pages int) []string {
-	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-segment-bytes", "3MiB", "-reattach-grace", "30s", "-stop-wait", "1s"}
+	return []string{"-dir", dir, "-runtime", "test", "-layout", "llama-0.85b", "-pages", strconv.Itoa(pages), "-reattach-grace", "30s", "-stop-wait", "1s"}
 }
 
 var keeperPID = regexp.MustCompile(`keeper pid (\d+)`)
@@ -274,9 +273,9 @@ func TestCorruptIndexIsDropped(t *testing.T) {
 	}
 }
 
-// A kvpoold started with another geometry refuses the live keeper's slabs and the
-// index: it stops that keeper, starts one of its own and says why in its first line.
-// A replica of the old slabs is told, and stays stopped.
+// A kvpoold started with another geometry refuses the live keeper's chunks and the
+// index: it drops them, makes a slab anew in the same keeper and says why in its
+// first line. A replica of the old slab is told, and stays stopped.
 func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
 	dir := shortDir(t)
 	first, line := daemon(t, append(restartArgs(dir, 32), "-host-bytes", "8MiB")...)
@@ -297,11 +296,9 @@ func TestRestartWithAnotherGeometryDropsTheOldSlab(t *testing.T) {
 		closed <- r.Close(ctx)
 	}()
 	_, line = daemon(t, append(restartArgs(dir, 16), "-host-bytes", "8MiB")...)
-	assert.Contains(t, line, "keeps slabs of 16 layers x 8 kv heads x 64 head dim, bf16, 16 tokens/page, 32 pages in segments of 3.0 MiB, this owner serves")
-	assert.Contains(t, line, "the old slabs and index are dropped, and their host tiers (kept by that keeper) with them")
-	assert.NotContains(t, line, "host pages restored")
-	assert.Contains(t, line, "new cache in keeper pid")
-	assert.NotContains(t, line, "keeper pid "+old+" ")
+	assert.Contains(t, line, "the keeper keeps chunks of 16x8x64x16xbf16x32-2097152 (2097152 bytes) for device 0, this owner serves 16x8x64x16xbf16x16-2097152")
+	assert.Contains(t, line, "the old chunks and index are dropped")
+	assert.Contains(t, line, "new cache in keeper pid "+old+",", "the same keeper: it holds descriptors of any slab")
 	require.NoError(t, testwait.Recv(t, closed, "the old slab's replica to close"))
 }
 

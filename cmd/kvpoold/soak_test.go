@@ -256,7 +256,7 @@ func soakArgs(t *testing.T, dir string) []string {
 	g, err := kv.Layout("llama-0.85b")
 	require.NoError(t, err)
 	return []string{"-dir", dir, "-runtime", soakRuntimeName(), "-layout", "llama-0.85b", "-pages", strconv.Itoa(soakPages),
-		"-segment-bytes", "3MiB", "-host-bytes", strconv.FormatUint(soakHostPages*owner.HostPageBytes(g), 10), "-reattach-grace", "2s", "-stop-wait", "1s"}
+		"-host-bytes", strconv.FormatUint(soakHostPages*owner.HostPageBytes(g), 10), "-reattach-grace", "2s", "-stop-wait", "1s"}
 }
 
 // soakRuntimeName is the runtime of the soak's processes: CUDAPOOL_KV_SOAK_RUNTIME

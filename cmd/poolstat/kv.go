@@ -69,8 +69,8 @@ func kvWatch(ctx context.Context, dir string, timeout, every time.Duration, asJS
 // renderKV writes the owner's Stats as the operator's table.
 func renderKV(w io.Writer, dir string, st kv.Stats) {
 	g := st.Geometry
-	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, %d pages of %s per slab (%s in %s)\n",
-		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.SlabBytes), kv.SegmentsString(g.Segments))
+	fmt.Fprintf(w, "KV page pool at %s, owner pid %d: %d layers x %d kv heads x %d head dim, %s, %d tokens/page, at most %d pages of %s per slab (%s reserved, in chunks of %s)\n",
+		dir, st.PID, g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, g.Pages, humanize.IBytes(pageAll(g)), humanize.IBytes(g.ReservedBytes), humanize.IBytes(g.ChunkBytes))
 	if r := st.Restart; r != nil {
 		how := "new slabs"
 		if r.Adopted {
@@ -88,9 +88,9 @@ func renderKV(w io.Writer, dir string, st kv.Stats) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	// LEASED and RELEASING are sealed pages that readers hold, or whose release has
 	// not settled.
-	fmt.Fprintln(tw, "DEVICE\tFREE\tWRITING\tSEALING\tSEALED\tLEASED\tRELEASING\tSETTLING\tHITS\tMISSES\tCOPIED\tEVICTED\tSEALS\tDUPLICATES\t")
+	fmt.Fprintln(tw, "DEVICE\tMAPPED\tPAGES\tFREE\tWRITING\tSEALING\tSEALED\tLEASED\tRELEASING\tSETTLING\tHITS\tMISSES\tCOPIED\tEVICTED\tSEALS\tDUPLICATES\t")
 	for _, d := range st.Devices {
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", d.Device, humanize.IBytes(d.MappedBytes), d.Pages, d.Free, d.Writing, d.Sealing, d.Sealed, d.Leased,
 			d.Releasing, d.Settling, d.Hits, d.Misses, d.Copied, d.Evictions, d.Seals, d.Duplicates)
 	}
 	_ = tw.Flush() // output to the terminal: nowhere else to report its failure

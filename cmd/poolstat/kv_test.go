@@ -28,7 +28,7 @@ func kvOwner(t *testing.T) string {
 	t.Cleanup(cancel)
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*g.TensorBytes()))
+	o, err := owner.Listen(dir, odev, g)
 	require.NoError(t, err)
 	t.Cleanup(func() { o.Close(ctx) })
 	rdev := cudarttest.ForTest(t)
@@ -52,8 +52,8 @@ func TestKV(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 5, "a summary, the devices' header and row, the replicas' header and row:\n%s", out)
 	assert.Contains(t, lines[0], fmt.Sprintf("KV page pool at %s, owner pid %d: 2 layers", dir, os.Getpid()))
-	assert.Contains(t, lines[0], "16 pages of 512 B per slab (8.0 KiB in 1 segment of 6.0 KiB and 1 of 2.0 KiB)")
-	assert.Equal(t, strings.Fields("0 13 0 0 3 3 0 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 13 free, 3 sealed and leased, 3 hits, 3 seals")
+	assert.Contains(t, lines[0], "at most 16 pages of 512 B per slab (8.0 MiB reserved, in chunks of 2.0 MiB)")
+	assert.Equal(t, strings.Fields("0 8.0 MiB 16 13 0 0 3 3 0 0 3 0 0 0 3 0"), strings.Fields(lines[2]), "device 0: 4 chunks mapped, 16 pages, 13 free, 3 sealed and leased, 3 hits, 3 seals")
 	assert.Equal(t, []string{fmt.Sprint(os.Getpid()), "0", "1", "3"}, dropCommand(strings.Fields(lines[4])), "the replica: device 0, 1 lease, 3 pages")
 
 	code, out, errOut = poolstat(t, "-kv", dir, "-json")
@@ -61,7 +61,10 @@ func TestKV(t *testing.T) {
 	var st kv.Stats
 	require.NoError(t, json.Unmarshal([]byte(out), &st))
 	assert.Equal(t, 3, st.Devices[0].Leased)
-	assert.Equal(t, []uint64{6144, 2048}, st.Geometry.Segments)
+	assert.Equal(t, uint64(2<<20), st.Geometry.ChunkBytes)
+	assert.Equal(t, 4, st.Devices[0].Chunks)
+	assert.Equal(t, uint64(8<<20), st.Devices[0].MappedBytes)
+	assert.Equal(t, uint64(8<<20), st.Geometry.ReservedBytes)
 
 	code, _, errOut = poolstat(t, "-kv", shortDir(t))
 	assert.Equal(t, 1, code)
@@ -76,7 +79,7 @@ func TestKVHostTier(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	t.Cleanup(cancel)
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeBF16, Pages: 16}
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(8*owner.HostPageBytes(g)))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithHostBytes(8*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	t.Cleanup(func() { o.Close(ctx) })
 	code, out, errOut := poolstat(t, "-kv", dir)
@@ -114,7 +117,7 @@ cudapool_kv_up{kv_dir=%q} 1
 // own after the summary.
 func TestKVShowsTheRestart(t *testing.T) {
 	var b strings.Builder
-	renderKV(&b, "/run/kv", kv.Stats{PID: 7, Geometry: kv.StatsGeometry{Layers: 2, Pages: 4, Segments: []uint64{8}},
+	renderKV(&b, "/run/kv", kv.Stats{PID: 7, Geometry: kv.StatsGeometry{Layers: 2, Pages: 4, ChunkBytes: 2 << 20},
 		Restart: &kv.RestartStats{Epoch: 3, Adopted: true, Keeper: 42, Restored: 2048, Replicas: 3, Awaiting: 1, Kept: 16}})
 	lines := strings.Split(b.String(), "\n")
 	require.Greater(t, len(lines), 2, b.String())

@@ -104,7 +104,7 @@ def _replica(conn, name, device, dir, seed, lens, n_new_max):
         raise RuntimeError("expected the dial command")
     t0 = time.perf_counter()
     r = ckv.Replica(dir, device, namespace=NAMESPACE, timeout=60, wait_for_owner=True)
-    conn.send({"dialed": name, "dial_s": time.perf_counter() - t0, "segments": len(r.segments)})
+    conn.send({"dialed": name, "dial_s": time.perf_counter() - t0, "regions": len(r.segments)})
     t0 = time.perf_counter()
     m = build("llama", seed=seed, attn=chf.register())
     torch.cuda.synchronize()
@@ -308,8 +308,9 @@ def main():
     ap.add_argument("--replicas", type=int, default=3, help="replicas per GPU (at least 3)")
     ap.add_argument("--lengths", default="8192,32768", help="system prompt lengths (multiples of 16)")
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
-    # A slab is segments of at most 4 GiB (a replica cannot import larger allocations,
-    # docs/FACTS.md 17), so it may take most of the GPU: 64 GiB by default.
+    # A slab is one range of addresses per tensor on the VMM route, whatever its size;
+    # kvpoold maps it all at the start (-initial-bytes), so that each dial maps the
+    # whole slab: 64 GiB by default.
     ap.add_argument("--bytes", default="64GiB", help="bytes per slab, as kvpoold -bytes takes them")
     ap.add_argument("--pages", type=int, help="pages per slab (512 KiB each), instead of --bytes")
     ap.add_argument("--kvpoold", default=os.environ.get("KVPOOLD", os.path.join(ROOT, "bin", "kvpoold")))
@@ -329,7 +330,8 @@ def main():
     dir = os.path.join(work, "kv")
     log = open(os.path.join(work, "kvpoold.log"), "w")
     owner = subprocess.Popen([args.kvpoold, "-dir", dir, "-runtime", "gpu", "-layout", "llama-0.85b",
-                              *(["-pages", str(args.pages)] if args.pages else ["-bytes", args.bytes]),
+                              *(["-pages", str(args.pages), "-initial-bytes", str(args.pages * 512 * 1024)] if args.pages
+                                else ["-bytes", args.bytes, "-initial-bytes", args.bytes]),
                               "-devices", ",".join(map(str, range(gpus)))], stdout=log, stderr=subprocess.STDOUT)
     failures = []
     fig = {"lengths": {}, "checks": 0, "failures": failures}
@@ -361,10 +363,10 @@ def main():
                 victims[v] = Proc(ctx, "victim %s" % v, 0, dir, args.seed, lengths, args.new)
         dials = [p.call(op="dial", timeout=120) for p in procs + list(victims.values())]
         fig["dial_ms"] = [1e3 * d["dial_s"] for d in dials]
-        fig["slab"] = "%.1f GiB in %d segments, mapped by %d replica processes a GPU" % (
-            g["slab_bytes"] / GiB, len(g.get("segments", [])), len(dials) // gpus)
-        print("each replica mapped the whole slab (%d segments) at its dial in %.0f-%.0f ms (median %.0f)" % (
-            dials[0]["segments"], min(fig["dial_ms"]), max(fig["dial_ms"]), sorted(fig["dial_ms"])[len(dials) // 2]))
+        fig["slab"] = "%.1f GiB in %d chunks of %.0f MiB, mapped by %d replica processes a GPU" % (
+            g["slab_bytes"] / GiB, g.get("chunks", 0), g.get("chunk_bytes", 0) / (1 << 20), len(dials) // gpus)
+        print("each replica mapped the whole slab (%d regions) at its dial in %.0f-%.0f ms (median %.0f)" % (
+            dials[0]["regions"], min(fig["dial_ms"]), max(fig["dial_ms"]), sorted(fig["dial_ms"])[len(dials) // 2]))
         check(max(fig["dial_ms"]) <= 1000, "a dial took %.0f ms, over the 1 s target" % max(fig["dial_ms"]))
         ready = [p.get() for p in procs + list(victims.values())]
         fps = {r["fingerprint"] for r in ready}

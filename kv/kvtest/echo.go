@@ -1,7 +1,6 @@
 // Package kvtest owns scripted owners of a KV page pool, for tests of replicas (Go's
 // kv/replica, and C's and Python's through capi): an owner's page socket that answers
-// by rule, over the slab socket of a real owner, and fails on cue. It has no device of
-// its own: the slab is the real owner's.
+// by rule, with a slab of its own on the VMM route, and fails on cue.
 package kvtest
 
 import (
@@ -14,12 +13,18 @@ import (
 	"sync"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/vmm"
 )
 
-// Echo serves a directory whose slab socket is a real owner's and whose page socket
-// answers as an owner under which every page is visible: a Match leases, under a
+// Echo serves a directory whose page socket answers as an owner of a slab of its own
+// (every chunk mapped, the same slab for every connection) under which every page is
+// visible: a Match leases, under a
 // fresh lease id, page Page(h) for each hash h asked, so that a reply names the request
 // it answers; a Release ends the leases it names if the owner holds them all, and is
 // refused with kv.ErrStaleLease otherwise; a Reattach is kept; anything else is
@@ -29,6 +34,8 @@ import (
 type Echo struct {
 	dir    string
 	geo    kv.Geometry
+	chunk  uint64
+	fds    []int // the slab's chunks
 	listed chan struct{}
 
 	mu    sync.Mutex
@@ -39,24 +46,46 @@ type Echo struct {
 	gated chan struct{}   // told that a reply waits at the gate
 }
 
-// NewEcho serves a new directory over the slab socket of the owner serving realDir,
-// whose device 0's slab has geometry g. It stops at t's end.
-func NewEcho(t testing.TB, realDir string, g kv.Geometry) *Echo {
+// NewEcho serves a new directory with a slab of geometry g made on device 0 of rt (its
+// chunks' descriptors alone: Echo maps nothing). It stops at t's end.
+func NewEcho(t testing.TB, rt cudart.Runtime, g kv.Geometry) *Echo {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kvecho") // short: a socket's path has at most 107 bytes
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) }) // the test's end
-	if err := os.Symlink(filepath.Join(realDir, kvwire.SlabSocket), filepath.Join(dir, kvwire.SlabSocket)); err != nil {
+	gran, err := vmm.Granularity(rt, 0, cudart.HandleTypePosixFD)
+	if err != nil {
 		t.Fatal(err)
+	}
+	e := &Echo{dir: dir, geo: g, chunk: kv.DefaultChunkBytes(g, gran), listed: make(chan struct{}, 1), held: map[uint64]bool{}}
+	l, err := g.SlabLayout(e.chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, fd := range e.fds {
+			_ = unix.Close(fd) // the test's end
+		}
+	})
+	for range l.Chunks() {
+		c, err := vmm.NewChunk(rt, 0, e.chunk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd, err := c.Export()
+		_ = c.Close() // the descriptor keeps the memory
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.fds = append(e.fds, fd)
 	}
 	ln, err := net.Listen("unix", filepath.Join(dir, kvwire.PageSocket))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ln.Close() }) // the test's end
-	e := &Echo{dir: dir, geo: g, listed: make(chan struct{}, 1), held: map[uint64]bool{}}
 	go func() {
 		for {
 			nc, err := ln.Accept()
@@ -128,12 +157,18 @@ func (e *Echo) serve(nc net.Conn) {
 	if _, _, err := rd.Next(nc); err != nil {
 		return
 	}
-	welcome, err := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: e.geo, Slab: kvwire.SlabName(0)})
+	welcome, err := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: e.geo, ChunkBytes: e.chunk, Chunks: uint32(len(e.fds)), Slab: kvwire.SlabName(0, 1)})
 	if err != nil {
 		return // the replica's Dial fails, and its test says so
 	}
 	if _, err := nc.Write(welcome); err != nil {
 		return
+	}
+	for i, fd := range e.fds {
+		b, err := kvwire.AppendGrow(nil, kvwire.Grow{Chunk: uint32(i)})
+		if err != nil || unixfd.Send(nc.(*net.UnixConn), b, fd) != nil {
+			return
+		}
 	}
 	for {
 		h, p, err := rd.Next(nc)

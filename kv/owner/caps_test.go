@@ -37,7 +37,7 @@ func TestLeasesPerConnectionAreCapped(t *testing.T) {
 // connection may hold × connections) reaches 2^32.
 func TestListenRefusesCapsThatCouldWrapAReaderCount(t *testing.T) {
 	dev := cudarttest.ForTest(t)
-	_, err := owner.Listen(t.TempDir(), dev, small, owner.WithoutAnnounce(), owner.WithMaxLeases(1<<20), owner.WithConnLimit(1<<12, 0))
+	_, err := owner.Listen(t.TempDir(), dev, small, owner.WithMaxLeases(1<<20), owner.WithConnLimit(1<<12, 0))
 	require.Error(t, err)
 	assert.ErrorContains(t, err, "could wrap")
 }

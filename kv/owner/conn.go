@@ -183,7 +183,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return refuse(kvwire.CodeRefused, reason)
 	}
 	if hello.Version != kvwire.Version {
-		return refuse(kvwire.CodeRefused, fmt.Sprintf("protocol version %d; this owner speaks %d", hello.Version, kvwire.Version))
+		return refuse(kvwire.CodeRefused, versionMismatch(hello.Version))
 	}
 	if err := c.sc.Admit(); err != nil {
 		return refuse(kvwire.CodeLimit, err.Error())
@@ -208,9 +208,7 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		c.proc = nil
 		o.log.Warn("kv: cannot watch a replica's process; its leases end with its connection", "pid", c.cred.PID, "err", err)
 	}
-	if err := c.write(func(b []byte) ([]byte, error) {
-		return kvwire.AppendWelcome(b, h.ID, kvwire.Welcome{Geometry: o.geo, Slab: s.name})
-	}); err != nil {
+	if err := c.welcome(s, h.ID); err != nil {
 		return err
 	}
 	id, err := procOf(c.cred.PID) // read before o.mu: /proc is no lock's
@@ -228,6 +226,14 @@ func (c *conn) admit(rd *kvwire.Reader) (err error) {
 		return err
 	}
 	return nil
+}
+
+// versionMismatch says why a Hello of version v is refused, naming both versions.
+func versionMismatch(v uint32) string {
+	if v == 3 {
+		return fmt.Sprintf("protocol version 3 (the slab as pool segments on slab.sock); this owner speaks %d (the slab's chunks on kv.sock, the VMM route): upgrade the replica", kvwire.Version)
+	}
+	return fmt.Sprintf("protocol version %d; this owner speaks %d", v, kvwire.Version)
 }
 
 // frameHook, set by tests alone, sees each request's type before it is served.
@@ -331,11 +337,12 @@ func (c *conn) alloc(h kvwire.Header, p []byte) error {
 	case n > kv.MaxBatch:
 		return c.refuse(h.ID, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch))
 	case n < 1 || n > o.geo.Pages:
-		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, o.geo.Pages))
+		return c.refuse(h.ID, fmt.Errorf("%w: %d pages asked, the slab has %d at most", kv.ErrGeometry, n, o.geo.Pages))
 	}
 	if !o.awaitResumed() {
 		return c.refuse(h.ID, fmt.Errorf("%w: the owner is closing", kv.ErrClosed))
 	}
+	o.growFor(s, n)
 	c.lock()
 	if err := c.roomLocked(n); err != nil {
 		c.unlock()
@@ -986,6 +993,9 @@ func (c *conn) finish(bye *kvwire.Bye) {
 		_ = c.nc.Close() // cleanup: the connection is lost already
 		c.awaitExit(ctx)
 		stop()
+	}
+	if c.s != nil {
+		c.unreach(c.s)
 	}
 	_ = c.sc.Close() // cleanup: nothing is left to do if closing fails
 	var owed []answer

@@ -191,7 +191,7 @@ func (o *Owner) waitDone(ctx context.Context, s *slab) error {
 // queueCopies queues the copies of pieces from src into dst on src's stream, under
 // src's copy lock.
 func (o *Owner) queueCopies(src, dst *slab, pieces []piece) error {
-	g, segs := o.geo, o.segs
+	g, layout := o.geo, o.layout
 	for i := 0; i < len(pieces); {
 		j := i + 1
 		for j < len(pieces) && pieces[j].from == pieces[j-1].from+1 && pieces[j].dst == pieces[j-1].dst+1 {
@@ -200,8 +200,8 @@ func (o *Owner) queueCopies(src, dst *slab, pieces []piece) error {
 		n := uint64(j-i) * g.PageBytes()
 		for l := range g.Layers {
 			for _, part := range [2]kv.Part{kv.K, kv.V} {
-				from := segs.Addr(src.bases, l, part, int(pieces[i].from))
-				to := segs.Addr(dst.bases, l, part, int(pieces[i].dst))
+				from := layout.Addr(src.bases, l, part, int(pieces[i].from))
+				to := layout.Addr(dst.bases, l, part, int(pieces[i].dst))
 				if err := o.rt.MemcpyDtoDAsync(src.dev, to, from, n, src.stream); err != nil {
 					return err
 				}

@@ -22,7 +22,7 @@ func TestCloseEndsAHungCrossDeviceCopy(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, small, owner.WithDevices(0, 1), owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, odev, small, owner.WithDevices(0, 1))
 	require.NoError(t, err)
 	wdev, rdev := cudarttest.ForTest(t), cudarttest.ForTest(t)
 	w, err := replica.Dial(bound(t), dir, wdev, 0)

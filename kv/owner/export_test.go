@@ -12,6 +12,29 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
+// GiveBack shrinks device dev's slab to keep chunks, as a give-back of memory does:
+// the table gives back the pages past them, which must be free, and the chunks are
+// unmapped, every replica told.
+func GiveBack(o *Owner, dev, keep int) error {
+	s := o.byDev[dev]
+	s.grow.Lock()
+	err := o.keepable(len(s.fds), keep)
+	s.grow.Unlock()
+	if err != nil {
+		return err
+	}
+	o.mu.Lock()
+	_, err = s.tab.Shrink(o.layout.MappedPages(keep))
+	if err == nil {
+		_, _, err = s.tab.Shrunk()
+	}
+	o.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return o.unmapChunks(s, keep)
+}
+
 // SetWrapListener makes the next Listens wrap their page socket's listener with f,
 // until the returned func undoes it.
 func SetWrapListener(f func(net.Listener) net.Listener) (undo func()) {

@@ -60,7 +60,7 @@ func TestHostSocketFollowsThePolicy(t *testing.T) {
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
 	dir := filepath.Join(t.TempDir(), "kv")
 	other := uint32(os.Getuid()) + 4242
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(4*owner.HostPageBytes(g)),
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithHostBytes(4*owner.HostPageBytes(g)),
 		owner.WithPolicy(export.Policy{AllowUIDs: []uint32{other}}))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, o.Close(t.Context())) }()
@@ -78,7 +78,7 @@ func TestHostSocketAnswers(t *testing.T) {
 	g := kv.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, TokensPerPage: 4, DType: kv.DTypeFP32, Pages: 16}
 	dir := filepath.Join(t.TempDir(), "kv")
 	var log testlog.Buffer
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithHostBytes(4*owner.HostPageBytes(g)), owner.WithLogger(log.Logger()))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithHostBytes(4*owner.HostPageBytes(g)), owner.WithLogger(log.Logger()))
 	require.NoError(t, err)
 	defer func() { assert.NoError(t, o.Close(t.Context())) }()
 

@@ -79,10 +79,10 @@ type hostTier struct {
 	busy bool // the spiller copies a batch
 }
 
-// piece is the device address of layer's part (K or V) of page p of s: where a
-// page's pieces lie in the slab's segments is segs' to say.
-func (s *slab) piece(segs kv.Segments, layer int, part kv.Part, p uint32) cudart.DevicePtr {
-	return segs.Addr(s.bases, layer, part, int(p))
+// piece is the device address of layer's part (K or V) of page p of s, as l lays
+// the slab out.
+func (s *slab) piece(l kv.SlabLayout, layer int, part kv.Part, p uint32) cudart.DevicePtr {
+	return l.Addr(s.bases, layer, part, int(p))
 }
 
 // hostOffset is where layer's part (K or V) lies in a host page: K then V, layer by
@@ -158,7 +158,7 @@ func (o *Owner) makeTier(s *slab) (_ *hostTier, err error) {
 		}
 	}()
 	size := n * pb
-	if o.imp == nil {
+	if o.keeper == nil {
 		if t.fd, err = makeTierFD(s.dev, size); err != nil {
 			return nil, err
 		}
@@ -422,7 +422,7 @@ func (o *Owner) tierPieces(t *hostTier, gpu, host []uint32, restore bool) []cuda
 		base := t.dptr + cudart.DevicePtr(uint64(host[i])*t.pageBytes)
 		for l := range g.Layers {
 			for _, part := range [2]kv.Part{kv.K, kv.V} {
-				pc := cudart.CopyPiece{Dst: base + cudart.DevicePtr(hostOffset(g, l, part)), Src: t.s.piece(o.segs, l, part, gp), Size: g.PageBytes()}
+				pc := cudart.CopyPiece{Dst: base + cudart.DevicePtr(hostOffset(g, l, part)), Src: t.s.piece(o.layout, l, part, gp), Size: g.PageBytes()}
 				if restore {
 					pc.Dst, pc.Src = pc.Src, pc.Dst
 				}

@@ -64,7 +64,7 @@ func TestListenRefusesAnIndexThatIsNoFile(t *testing.T) {
 			dev := cudarttest.ForTest(t)
 			done := make(chan error, 1)
 			go func() {
-				o, err := owner.Listen(dir, dev, small, owner.WithoutAnnounce(), owner.WithIndex(path))
+				o, err := owner.Listen(dir, dev, small, owner.WithIndex(path))
 				if err == nil {
 					err = o.Close(context.Background())
 					if err == nil {
@@ -91,7 +91,7 @@ func TestIndexCompactionFollowsNoPlantedLink(t *testing.T) {
 	victim := filepath.Join(t.TempDir(), "victim")
 	require.NoError(t, os.WriteFile(victim, []byte("precious"), 0o600))
 	require.NoError(t, os.Symlink(victim, path+".new"))
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce(), owner.WithIndex(path))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithIndex(path))
 	require.NoError(t, err)
 	require.NoError(t, o.Close(bound(t)))
 	b, err := os.ReadFile(victim)
@@ -109,7 +109,7 @@ func TestIndexCompactionFollowsNoPlantedLink(t *testing.T) {
 func TestIndexOfOtherSlabsIsDropped(t *testing.T) {
 	dir := tempDir(t)
 	path := filepath.Join(dir, owner.IndexFile)
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce(), owner.WithIndex(path))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithIndex(path))
 	require.NoError(t, err)
 	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
 	require.NoError(t, err)
@@ -119,7 +119,7 @@ func TestIndexOfOtherSlabsIsDropped(t *testing.T) {
 
 	other := small
 	other.Layers++
-	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithoutAnnounce(), owner.WithIndex(path))
+	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithIndex(path))
 	require.NoError(t, err)
 	rec := o.Recovery()
 	assert.Zero(t, rec.Pages)
@@ -131,7 +131,7 @@ func TestIndexOfOtherSlabsIsDropped(t *testing.T) {
 	require.NoError(t, r.Close(bound(t)))
 	require.NoError(t, o.Close(bound(t)))
 
-	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithoutAnnounce(), owner.WithIndex(path))
+	o, err = owner.Listen(dir, cudarttest.ForTest(t), other, owner.WithIndex(path))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	st := o.Stats()
@@ -171,7 +171,7 @@ func TestHostPagesAreJournaledWithTheirSpill(t *testing.T) {
 		}
 		return nil
 	})
-	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
+	o, err := owner.Listen(dir, rt, g, owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
@@ -244,7 +244,7 @@ func TestIndexWritesOffTheOwnersLock(t *testing.T) {
 	t.Cleanup(owner.SetIndexOptions(index.BeforeWrite(gt.before)))
 	dir := tempDir(t)
 	path := filepath.Join(dir, owner.IndexFile)
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithIndex(path))
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithIndex(path))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)
@@ -313,14 +313,14 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	const comings = 600 // replicas that come and go, below
 	dir := tempDir(t)
 	path := filepath.Join(dir, owner.IndexFile)
-	k, err := owner.Keep(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce())
+	k, err := owner.Keep(dir, cudarttest.ForTest(t), g)
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, k.Close(bound(t))) })
 	listen := func() *owner.Owner {
 		// The replicas that come and go below are one process's connections, closed
 		// one after another: the owner may not have seen the last ones end when the next
 		// dials, so the per-process cap is set above their count.
-		o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithoutAnnounce(), owner.WithKeeper(nil),
+		o, err := owner.Listen(dir, cudarttest.ForTest(t), g, owner.WithKeeper(nil),
 			owner.WithIndex(path), owner.WithHostBytes(hostPages*owner.HostPageBytes(g)), owner.WithConnLimit(0, 2*comings))
 		require.NoError(t, err)
 		return o
@@ -427,7 +427,7 @@ func TestHostPagesLeaveTheIndexBeforeTheyAreRefilled(t *testing.T) {
 		}
 		return nil
 	})
-	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithIndex(path), owner.WithHostBytes(hostPages*pageBytes))
+	o, err := owner.Listen(dir, rt, g, owner.WithIndex(path), owner.WithHostBytes(hostPages*pageBytes))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	r, err := replica.Dial(bound(t), dir, cudarttest.ForTest(t), 0)

@@ -130,24 +130,16 @@ func (o *Owner) dialKeeper() (started bool, err error) {
 	return started, nil
 }
 
-// watchKeeper makes KeeperGone's channel, closed once the keeper's slab exporter (if
-// the slabs are its) or its keep.sock connection ends; the owner then says so, unless
-// it is closing.
+// watchKeeper makes KeeperGone's channel, closed once the keeper's keep.sock
+// connection ends; the owner then says so, unless it is closing.
 func (o *Owner) watchKeeper() {
 	gone := make(chan struct{})
 	o.keeperGone = gone
-	var slabs <-chan struct{}
-	if o.imp != nil {
-		slabs = o.imp.Done()
-	}
 	files := o.keeper.Done()
 	go func() {
-		select {
-		case <-slabs:
-		case <-files:
-		}
+		<-files
 		if o.stopped.Err() == nil {
-			o.log.Warn("kv: the keeper is gone, and with it the slabs and the host tiers' memory it kept", "pid", o.keeper.KeeperPID(), "err", o.keeper.Err())
+			o.log.Warn("kv: the keeper is gone, and with it the chunks and the host tiers' memory it kept", "pid", o.keeper.KeeperPID(), "err", o.keeper.Err())
 		}
 		close(gone)
 	}()

@@ -61,10 +61,10 @@ func TestPageServerSeesTheKeeperGo(t *testing.T) {
 	dir, err := os.MkdirTemp("", "kvr")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	kp, err := owner.Keep(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce())
+	kp, err := owner.Keep(dir, cudarttest.ForTest(t), small)
 	require.NoError(t, err)
 	var log testlog.Buffer
-	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithoutAnnounce(), owner.WithKeeper(nil),
+	o, err := owner.Listen(dir, cudarttest.ForTest(t), small, owner.WithKeeper(nil),
 		owner.WithHostBytes(4*owner.HostPageBytes(small)), owner.WithLogger(log.Logger()))
 	require.NoError(t, err)
 	assert.Equal(t, 1, kp.Clients(), "the page server holds a connection to the keeper")
@@ -76,7 +76,7 @@ func TestPageServerSeesTheKeeperGo(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- kp.Close(bound(t)) }() // its descriptors go first; then it waits for the page server to unmap the slabs
 	testwait.Recv(t, o.KeeperGone(), "KeeperGone once the keeper stopped")
-	assert.Contains(t, log.String(), "the keeper is gone, and with it the slabs and the host tiers' memory it kept")
+	assert.Contains(t, log.String(), "the keeper is gone, and with it the chunks and the host tiers' memory it kept")
 	require.NoError(t, o.Close(bound(t)))
 	require.NoError(t, testwait.Recv(t, closed, "the keeper's close"))
 }

@@ -18,7 +18,7 @@ import (
 // reserved on dev.
 func nothingLeft(t *testing.T, dir string, dev *cudarttest.Device) {
 	t.Helper()
-	for _, name := range []string{owner.SlabSocket, owner.PageSocket} {
+	for _, name := range []string{owner.PageSocket, owner.LockFile} {
 		_, err := os.Lstat(filepath.Join(dir, name))
 		assert.ErrorIs(t, err, os.ErrNotExist, "%s left behind", name)
 	}
@@ -27,29 +27,14 @@ func nothingLeft(t *testing.T, dir string, dev *cudarttest.Device) {
 	assert.Equal(t, total, free, "memory left reserved by the refused Listen")
 }
 
-// A geometry one of whose tensors is over the segment bound is refused at Listen,
-// naming both sizes and the most pages that fit, with nothing left behind.
-func TestListenRefusesATensorOverTheSegmentBound(t *testing.T) {
-	g, err := kv.Layout("llama-0.85b") // 16 KiB a page per tensor
-	require.NoError(t, err)
+// A chunk size that is not a multiple of the device's granularity is refused at
+// Listen, naming both, with nothing left behind.
+func TestListenRefusesAChunkOffTheGranularity(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "kv")
-	dev := cudarttest.ForTest(t, cudarttest.WithMemory(1<<40))
-	g.Pages = 262145 // a tensor of 4 GiB + 16 KiB
-	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce())
+	dev := cudarttest.ForTest(t)
+	_, err := owner.Listen(dir, dev, small, owner.WithChunkBytes(3<<20))
 	require.ErrorIs(t, err, kv.ErrGeometry)
-	assert.ErrorContains(t, err, "tensor of 4.0 GiB (262145 pages of 16 KiB) is over the 4.0 GiB")
-	assert.ErrorContains(t, err, "at most 262144 pages")
-	nothingLeft(t, dir, dev)
-
-	g.Pages = 64
-	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(63<<14))
-	require.ErrorIs(t, err, kv.ErrGeometry, "a smaller bound")
-	assert.ErrorContains(t, err, "at most 63 pages")
-	nothingLeft(t, dir, dev)
-
-	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce(), owner.WithSegmentBytes(kv.MaxSegmentBytes+1))
-	require.ErrorIs(t, err, kv.ErrGeometry, "a bound over what a replica imports")
-	assert.ErrorContains(t, err, "segments of 4294967297 bytes: a replica can import at most 4294967296 (4.0 GiB) as one allocation")
+	assert.ErrorContains(t, err, "chunks of 3145728 bytes (3.0 MiB): not a multiple of device 0's granularity, 2.0 MiB")
 	nothingLeft(t, dir, dev)
 }
 
@@ -61,31 +46,35 @@ func TestListenRefusesASlabOverFreeMemory(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "kv")
 	dev := cudarttest.ForTest(t, cudarttest.WithMemory(8<<30))
 	g.Pages = 16385 // 8 GiB + 512 KiB
-	_, err = owner.Listen(dir, dev, g, owner.WithoutAnnounce())
+	_, err = owner.Listen(dir, dev, g, owner.WithInitialPages(g.Pages))
 	require.ErrorIs(t, err, cudart.ErrOutOfMemory)
-	assert.ErrorContains(t, err, "a slab of 8.0 GiB (8590458880 bytes, 16385 pages) is larger than device 0's free memory, 8.0 GiB (8589934592 bytes")
+	assert.ErrorContains(t, err, "a slab's start of 8.5 GiB (9126805504 bytes: 256 chunks of 34 MiB, 16385 pages of the 16385 at most) is larger than device 0's free memory, 8.0 GiB (8589934592 bytes")
 	nothingLeft(t, dir, dev)
 }
 
-// A slab over 4 GiB is served as several segments, each at most the bound, published
-// under SlabName(device, segment); Stats shows them.
-func TestListenServesASlabOfSeveralSegments(t *testing.T) {
+// A slab whose tensors are over 4 GiB each is served as one region per tensor, in
+// chunks of the default size, every chunk mapped; Stats shows the chunks, and the
+// device's memory taken is theirs.
+func TestListenServesTensorsOverFourGiB(t *testing.T) {
 	g, err := kv.Layout("llama-0.85b")
 	require.NoError(t, err)
-	g.Pages = 40960 // 20 GiB: 32 tensors of 640 MiB, 6 to a segment
+	g.Pages = 270000 // tensors of 4.1 GiB, a slab of 132 GiB
 	dir := filepath.Join(t.TempDir(), "kv")
-	dev := cudarttest.ForTest(t, cudarttest.WithMemory(32<<30))
-	o, err := owner.Listen(dir, dev, g, owner.WithoutAnnounce())
+	dev := cudarttest.ForTest(t, cudarttest.WithMemory(1<<40))
+	o, err := owner.Listen(dir, dev, g, owner.WithInitialPages(g.Pages))
 	require.NoError(t, err)
-	segs := o.Segments()
-	assert.Equal(t, "5 segments of 3.8 GiB and 1 of 1.3 GiB", segs.String())
+	l := o.Layout()
+	assert.Equal(t, "32 regions of 4.1 GiB, in chunks of 528 MiB", l.String())
 	st := o.Stats()
-	assert.Equal(t, segs.Sizes(), st.Geometry.Segments)
-	assert.Equal(t, g.SlabBytes(), st.Geometry.SlabBytes)
+	assert.Equal(t, l.ChunkBytes(), st.Geometry.ChunkBytes)
+	assert.Equal(t, 32*8, st.Geometry.Chunks)
+	assert.Equal(t, l.ReservedBytes(), st.Geometry.ReservedBytes)
+	require.Len(t, st.Devices, 1)
+	assert.Equal(t, st.Geometry.Chunks, st.Devices[0].Chunks, "every chunk mapped")
+	assert.Equal(t, g.Pages, st.Devices[0].Pages)
 	free, total, err := dev.MemGetInfo(0)
 	require.NoError(t, err)
-	assert.Equal(t, g.SlabBytes(), total-free, "the segments reserve the slab, no more")
-	assert.Equal(t, "kv/slab/0/5", owner.SlabName(0, 5))
+	assert.Equal(t, st.Devices[0].MappedBytes, total-free, "the chunks take the slab's memory, rounded up to whole chunks")
 	assert.NoError(t, o.Close(bound(t)))
 	assert.NoError(t, dev.Err(), "the owner's device saw broken rules")
 }

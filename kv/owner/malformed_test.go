@@ -18,6 +18,7 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/owner"
@@ -38,7 +39,7 @@ func listen(t testing.TB, g kv.Geometry, devices ...int) (*owner.Owner, string) 
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, dev, g, owner.WithDevices(devices...), owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, dev, g, owner.WithDevices(devices...))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, o.Close(bound(t)))
@@ -47,11 +48,13 @@ func listen(t testing.TB, g kv.Geometry, devices ...int) (*owner.Owner, string) 
 	return o, dir
 }
 
-// raw is a connection to the page socket that speaks frames by hand.
+// raw is a connection to the page socket that speaks frames by hand. It reads past
+// the Grow frames (the slab's chunks), closing their descriptors.
 type raw struct {
 	t  *testing.T
 	nc *net.UnixConn
 	rd *kvwire.Reader
+	fr *unixfd.Stream
 }
 
 func dialRaw(t *testing.T, dir string) *raw {
@@ -59,7 +62,9 @@ func dialRaw(t *testing.T, dir string) *raw {
 	require.NoError(t, err)
 	t.Cleanup(func() { nc.Close() })
 	nc.SetDeadline(time.Now().Add(testwait.Bound))
-	return &raw{t: t, nc: nc, rd: kvwire.NewReader()}
+	fr := unixfd.NewStream(nc)
+	t.Cleanup(func() { fr.Drop(fr.Offset()) })
+	return &raw{t: t, nc: nc, rd: kvwire.NewReader(), fr: fr}
 }
 
 func (r *raw) send(b []byte, err error) {
@@ -68,7 +73,15 @@ func (r *raw) send(b []byte, err error) {
 	require.NoError(r.t, err)
 }
 
-func (r *raw) next() (kvwire.Header, []byte, error) { return r.rd.Next(r.nc) }
+func (r *raw) next() (kvwire.Header, []byte, error) {
+	for {
+		h, p, err := r.rd.Next(r.fr)
+		r.fr.Drop(r.fr.Offset() - int64(r.rd.Unread()))
+		if err != nil || h.Type != kvwire.TypeGrow {
+			return h, p, err
+		}
+	}
+}
 
 // hello says Hello for device 0 and expects Welcome.
 func (r *raw) hello() {
@@ -231,7 +244,7 @@ func TestPolicyRefuses(t *testing.T) {
 			require.NoError(t, err)
 			t.Cleanup(func() { os.RemoveAll(dir) })
 			dev := cudarttest.ForTest(t)
-			o, err := owner.Listen(dir, dev, small, owner.WithPolicy(c.policy), owner.WithoutAnnounce())
+			o, err := owner.Listen(dir, dev, small, owner.WithPolicy(c.policy))
 			require.NoError(t, err)
 			t.Cleanup(func() { o.Close(bound(t)) })
 			r := dialRaw(t, dir)

@@ -257,7 +257,17 @@ func TestAnEventReplicaIsRefused(t *testing.T) {
 	_, dir := listen(t, small)
 	r := dialRaw(t, dir)
 	err := r.helloRefused(kvwire.Hello{Version: 2, PID: 1}, kv.ErrRefused)
-	assert.ErrorContains(t, err, "protocol version 2; this owner speaks 3")
+	assert.ErrorContains(t, err, "protocol version 2; this owner speaks 4")
+	r.closed("after Refused")
+}
+
+// A replica of version 3, which imports the slab as pool segments from slab.sock, is
+// refused naming both versions and what changed.
+func TestASegmentReplicaIsRefused(t *testing.T) {
+	_, dir := listen(t, small)
+	r := dialRaw(t, dir)
+	err := r.helloRefused(kvwire.Hello{Version: 3, PID: 1}, kv.ErrRefused)
+	assert.ErrorContains(t, err, "protocol version 3 (the slab as pool segments on slab.sock); this owner speaks 4 (the slab's chunks on kv.sock, the VMM route)")
 	r.closed("after Refused")
 }
 

@@ -1,7 +1,8 @@
-// Package owner owns the owner of a KV page pool: one slab per GPU, allocations
-// (segments, [kv.Segments]) of an IPC-capable pool each published whole through package
-// export, carved into pages of one [kv.Geometry], and the page server on dir/kv.sock that
-// leases those pages to replicas (package kv/replica) and keeps their states.
+// Package owner owns the owner of a KV page pool: one slab per GPU on the VMM route
+// (chunks mapped into one range of addresses per tensor, [kv.SlabLayout], growing as
+// pages are needed: growth.go), carved into pages of one [kv.Geometry], and the page
+// server on dir/kv.sock that passes the chunks to replicas (package kv/replica), leases
+// them the pages and keeps their states.
 //
 // # Pages
 //
@@ -119,25 +120,17 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/keep"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
-	"github.com/cudapool/cudapool/pool"
 )
 
-// The files an owner makes in its directory.
-const (
-	SlabSocket = kvwire.SlabSocket // export's socket: the slabs, published whole
-	PageSocket = kvwire.PageSocket // the page server
-)
-
-// SlabName is the name segment seg of device dev's slab is published under.
-func SlabName(dev, seg int) string { return kvwire.SegmentName(kvwire.SlabName(dev), seg) }
+// PageSocket is the page server's socket in the owner's directory: the pages, and the
+// slabs' chunks.
+const PageSocket = kvwire.PageSocket
 
 // Stats is a snapshot of an owner.
 type Stats = kv.Stats
@@ -150,11 +143,11 @@ type Option func(*options)
 type options struct {
 	Geometry       kv.Geometry // Listen's and Keep's argument
 	Devices        []int
-	SegmentBytes   uint64
+	ChunkBytes     uint64
+	InitialPages   int
+	Fabric         bool
 	Policy         export.Policy
 	Logger         *slog.Logger
-	AnnounceDir    string
-	NoAnnounce     bool
 	Keeper         bool
 	StartKeeper    func(ctx context.Context) error
 	Index          string
@@ -164,6 +157,7 @@ type options struct {
 	MaxLeases      int
 	MaxLeasedPages int
 	MaxNotifiers   int
+	MinFree        uint64 // WithMinFree (giveback.go)
 }
 
 // WithDevices sets the GPUs to serve, a slab on each; by default, and with none
@@ -174,11 +168,23 @@ func WithDevices(devices ...int) Option {
 	return func(o *options) { o.Devices = devices }
 }
 
-// WithSegmentBytes bounds each of a slab's allocations ([kv.Geometry.Segments]); the
-// default (and 0) is [kv.MaxSegmentBytes], the most a replica can import, and more is
-// refused ([kv.ErrGeometry]). Tests make it small, so that small geometries have
-// several segments.
-func WithSegmentBytes(n uint64) Option { return func(o *options) { o.SegmentBytes = n } }
+// WithChunkBytes sets the size of the chunks a slab maps ([kv.SlabLayout]): a multiple
+// of the device's granularity (vmm.Granularity), else [Listen] fails with an error
+// wrapping [kv.ErrGeometry]. The default (and 0) is [kv.DefaultChunkBytes].
+func WithChunkBytes(n uint64) Option { return func(o *options) { o.ChunkBytes = n } }
+
+// WithInitialPages sets how many pages each slab maps at its start: the fewest whole
+// steps of chunks that hold n ([kv.SlabLayout.ChunksFor]), at most the geometry's
+// Pages. The slab then grows, a step or more at a time, as an Alloc finds fewer free
+// pages than it asks for, up to the geometry's Pages, before it evicts. The default
+// (and n <= 0) is one page: one step, a chunk per tensor, where a page fits a chunk.
+func WithInitialPages(n int) Option { return func(o *options) { o.InitialPages = n } }
+
+// WithFabric makes the slabs' chunks exportable as FABRIC handles too (vmm.WithFabric),
+// for replicas across the nodes of an NVLink fabric. Where the driver refuses them (no
+// IMEX channel), [Listen] fails with an error wrapping vmm.ErrFabricNotPermitted. By
+// default chunks are exported as POSIX descriptors alone.
+func WithFabric() Option { return func(o *options) { o.Fabric = true } }
 
 // WithPolicy sets which processes may connect, as export's Policy does; the default,
 // the zero Policy, admits this user's processes.
@@ -189,19 +195,12 @@ func WithPolicy(p export.Policy) Option { return func(o *options) { o.Policy = p
 // logs nothing, as producer and consumer do.
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.Logger = l } }
 
-// WithAnnounceDir sets where the slab exporter announces itself for cmd/poolstat; the
-// default (and "") is [discover.DefaultDir]. [WithoutAnnounce] wins over it.
-func WithAnnounceDir(dir string) Option { return func(o *options) { o.AnnounceDir = dir } }
-
-// WithoutAnnounce leaves the slab exporter's announcement out; by default it is made.
-func WithoutAnnounce() Option { return func(o *options) { o.NoAnnounce = true } }
-
-// WithKeeper makes [Listen] serve the pages of the slabs a keeper ([Keep]) publishes on
-// dir/slab.sock instead of making slabs of its own: they outlive this owner, and the
-// next one adopts them. [Listen] then holds dir/owner.lock (another owner on dir
-// fails), and calls start where no keeper is alive, or where the live one keeps slabs
-// of another geometry or other devices (it is stopped first, SIGTERM); with a nil
-// start that fails instead. By default an owner makes its own slabs. [Keep] ignores it.
+// WithKeeper makes [Listen] give each chunk it makes to a keeper ([Keep], on
+// dir/keep.sock) before any page in it is granted, and take the keeper's chunks back
+// at its start: they outlive this owner, and the next one maps them again (chunks of
+// another geometry or chunk size are dropped, the slab made anew, Recovery saying
+// why). [Listen] calls start where no keeper is alive; with a nil start that fails
+// instead. By default an owner's chunks die with it. [Keep] ignores it.
 func WithKeeper(start func(ctx context.Context) error) Option {
 	return func(o *options) { o.Keeper, o.StartKeeper = true, start }
 }
@@ -281,16 +280,14 @@ const (
 
 // Owner serves the pages of its slabs. Its methods are safe for concurrent use.
 type Owner struct {
-	dir  string
-	rt   cudart.Runtime
-	geo  kv.Geometry
-	segs kv.Segments
-	opts options
-	log  *slog.Logger
+	dir    string
+	rt     cudart.Runtime
+	geo    kv.Geometry
+	layout kv.SlabLayout
+	opts   options
+	log    *slog.Logger
 
-	ex    *producer.Exporter
-	imp   *consumer.Importer // the keeper's, for adopted slabs (WithKeeper)
-	lock  *os.File           // dir/owner.lock, held (WithKeeper)
+	lock  *os.File // dir/owner.lock (the keeper's: dir/keeper.lock), held
 	ln    *net.UnixListener
 	host  hostSide // the host tiers' spillers and socket (hostsock.go)
 	srv   *session.Server
@@ -298,7 +295,8 @@ type Owner struct {
 	byDev map[int]*slab
 
 	// keeper is the keeper's dir/keep.sock, held for the page server's life
-	// (WithKeeper), and keeperGone closed once it or imp ends (keeptier.go).
+	// (WithKeeper): the chunks' descriptors and the host tiers' memfds; keeperGone is
+	// closed once it ends (keeptier.go).
 	keeper     *keep.Client
 	keeperGone chan struct{}
 
@@ -311,7 +309,7 @@ type Owner struct {
 
 	wakes      atomic.Uint64  // Pace's
 	allocWaits atomic.Uint64  // Pace's
-	waiters    sync.WaitGroup // the notifiers' watchers (watch) and the Allocs that wait (allocLater)
+	waiters    sync.WaitGroup // the notifiers' watchers (watch), the Allocs that wait (allocLater), the give-back (giveback.go)
 
 	// A cache that survives its owner (restart.go).
 	ix       *index.Index          // nil: no index
@@ -339,16 +337,15 @@ type lease struct {
 	pages  []uint32
 }
 
-// Listen creates dir (mode 0700, 0711 where the policy admits others), a pool and a
-// slab of geometry geo on each device ([WithDevices]; geo is required: it has no
-// default, and every replica of dir maps slabs of it), an [producer.Exporter] on dir/slab.sock publishing each segment
-// of each slab whole under SlabName(device, segment) with kvwire.SegmentMeta as
-// metadata (the geometry and the segment map), and the page server on dir/kv.sock.
-// A live owner on dir makes it fail with an error wrapping [producer.ErrAddressInUse];
-// a geometry one of whose tensors is over the segment bound, with one wrapping
-// [kv.ErrGeometry]; a slab larger than a device's free memory (MemGetInfo), with one
-// wrapping [cudart.ErrOutOfMemory] that names both sizes. On failure nothing is left
-// behind.
+// Listen creates dir (mode 0700, 0711 where the policy admits others), holds
+// dir/owner.lock, makes a slab of geometry geo on each device ([WithDevices]; geo is
+// required: it has no default, every replica of dir maps slabs of it, and its Pages is
+// the bound a slab grows to), its regions reserved and its first chunks mapped
+// ([WithInitialPages], [WithChunkBytes]), and serves the page socket dir/kv.sock. A
+// live owner on dir makes it fail with an error wrapping [producer.ErrAddressInUse];
+// chunks off the device's granularity, with one wrapping [kv.ErrGeometry]; a start
+// larger than a device's free memory (MemGetInfo), with one wrapping
+// [cudart.ErrOutOfMemory] that names both sizes. On failure nothing is left behind.
 func Listen(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Owner, error) {
 	o := optionsOf(geo, opts)
 	r := roleWhole
@@ -373,17 +370,6 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
 	}
-	switch {
-	case o.SegmentBytes == 0:
-		o.SegmentBytes = kv.MaxSegmentBytes
-	case o.SegmentBytes > kv.MaxSegmentBytes:
-		return nil, fmt.Errorf("%w: segments of %d bytes: a replica can import at most %d (%s) as one allocation (kv.MaxSegmentBytes)",
-			kv.ErrGeometry, o.SegmentBytes, kv.MaxSegmentBytes, humanize.IBytes(kv.MaxSegmentBytes))
-	}
-	segs, err := o.Geometry.Segments(o.SegmentBytes)
-	if err != nil {
-		return nil, err
-	}
 	if len(o.Devices) == 0 {
 		o.Devices = []int{0}
 	}
@@ -394,6 +380,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	if err != nil {
 		return nil, err
 	}
+	var layout kv.SlabLayout
 	for i, d := range o.Devices {
 		if d < 0 || d >= n {
 			return nil, fmt.Errorf("%w: device %d: the runtime has %d", kv.ErrGeometry, d, n)
@@ -401,13 +388,27 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		if slices.Contains(o.Devices[:i], d) {
 			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
 		}
+		l, err := layoutOf(rt, d, o.Geometry, o.ChunkBytes, handleTypeOf(o))
+		if err != nil {
+			return nil, err
+		}
+		if i > 0 && l != layout {
+			return nil, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
+		}
+		layout = l
+		if o.Fabric {
+			if err := probeFabric(rt, d); err != nil {
+				return nil, err
+			}
+		}
 		free, total, err := rt.MemGetInfo(d)
 		if err != nil {
 			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
 		}
-		if n := o.Geometry.SlabBytes(); n > free {
-			return nil, fmt.Errorf("kv/owner: %w: a slab of %s (%d bytes, %d pages) is larger than device %d's free memory, %s (%d bytes, of %s)",
-				cudart.ErrOutOfMemory, humanize.IBytes(n), n, o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
+		if c := initialChunks(layout, o.InitialPages); layout.MappedBytes(c) > free {
+			n := layout.MappedBytes(c)
+			return nil, fmt.Errorf("kv/owner: %w: a slab's start of %s (%d bytes: %d chunks of %s, %d pages of the %d at most) is larger than device %d's free memory, %s (%d bytes, of %s)",
+				cudart.ErrOutOfMemory, humanize.IBytes(n), n, c, humanize.IBytes(layout.ChunkBytes()), layout.MappedPages(c), o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
 		}
 	}
 	if o.Logger == nil {
@@ -437,7 +438,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 			_ = os.RemoveAll(made) // cleanup: what Listen made goes; the first error is the one returned
 		}
 	}()
-	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, segs: segs, opts: o, log: o.Logger,
+	ow := &Owner{dir: dir, rt: rt, geo: o.Geometry, layout: layout, opts: o, log: o.Logger,
 		byDev: map[int]*slab{}, conns: map[*conn]struct{}{}, leases: map[uint64]*lease{},
 		resumed: make(chan struct{}), epoch: 1}
 	ow.stopped, ow.stop = context.WithCancel(context.Background())
@@ -446,25 +447,19 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 			_ = ow.teardown(context.Background()) // cleanup: the first error is the one returned
 		}
 	}()
+	// The lock first: it tells a live owner from a dead one.
+	if ow.lock, err = lockDir(dir, LockFile, "an owner"); err != nil {
+		return nil, err
+	}
 	if r == rolePages {
-		if ow.lock, err = lockDir(dir, LockFile, "an owner"); err != nil {
-			return nil, err
-		}
 		if err = ow.adoptSlabs(); err != nil {
 			return nil, err
 		}
-		if _, err = ow.dialKeeper(); err != nil { // the keeper of the slabs adopted serves it
-			return nil, err
-		}
-		ow.watchKeeper()
-		if ow.keeperID, err = procOf(ow.imp.ExporterPID()); err != nil {
-			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.imp.ExporterPID(), err)
+		if ow.keeperID, err = procOf(ow.recovery.KeeperPID); err != nil {
+			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.recovery.KeeperPID, err)
 		}
 	} else if err = ow.makeSlabs(); err != nil {
 		return nil, err
-	}
-	if r == roleKeeper {
-		return ow, nil
 	}
 	if r == roleWhole {
 		ow.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
@@ -489,6 +484,7 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 		return nil, err
 	}
 	ow.holdAllocs()
+	ow.startGiveBack()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
@@ -500,27 +496,8 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	return ow, nil
 }
 
-// makeSlabs makes the exporter on dir/slab.sock and each device's slab.
-func (o *Owner) makeSlabs() (err error) {
-	lim := o.opts.Limits.WithDefaults() // slab.sock's caps and timeout are kv.sock's
-	lopts := []producer.ListenOption{producer.WithPolicy(o.opts.Policy), producer.WithLogger(o.log), producer.WithName(ownerName()),
-		producer.WithHandshakeTimeout(lim.HandshakeTimeout), producer.WithHandshakeLimit(lim.Handshakes, lim.HandshakesPerUID),
-		producer.WithConnLimit(lim.Conns, lim.ConnsPerProcess)}
-	if opensToOthers(o.opts.Policy) {
-		lopts = append(lopts, producer.SocketFollowsPolicy())
-	}
-	if o.opts.NoAnnounce {
-		lopts = append(lopts, producer.WithoutAnnounce())
-	} else if o.opts.AnnounceDir != "" {
-		lopts = append(lopts, producer.WithAnnounceDir(o.opts.AnnounceDir))
-	}
-	// The exporter first: its socket tells a live owner from a dead one.
-	if o.ex, err = producer.Listen(filepath.Join(o.dir, SlabSocket), o.rt, lopts...); err != nil {
-		if errors.Is(err, producer.ErrAddressInUse) {
-			return fmt.Errorf("kv/owner: an owner already serves %s: %w", o.dir, err)
-		}
-		return err
-	}
+// makeSlabs makes each device's slab.
+func (o *Owner) makeSlabs() error {
 	for _, d := range o.opts.Devices {
 		s, err := o.makeSlab(d)
 		if s != nil {
@@ -534,15 +511,22 @@ func (o *Owner) makeSlabs() (err error) {
 	return nil
 }
 
-// ownerName is the process name the exporter announces.
-func ownerName() string { return filepath.Base(os.Args[0]) }
-
-// makeSlab makes device d's pool, stream and slab, and publishes its segments. The
-// segments' allocations have completed when it returns, so that every replica's
-// access is ordered after them.
+// makeSlab makes device d's slab (newSlabOf) and maps its initial chunks.
 func (o *Owner) makeSlab(d int) (*slab, error) {
+	s, err := o.newSlabOf(d)
+	if err != nil {
+		return s, err
+	}
+	if err = o.growSlab(s, initialChunks(o.layout, o.opts.InitialPages)); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+// newSlabOf makes device d's stream and slab, its regions reserved with access for
+// the other devices served that can reach d, nothing mapped.
+func (o *Owner) newSlabOf(d int) (*slab, error) {
 	s := newSlab(d)
-	s.name = kvwire.SlabName(d)
 	var peers []int
 	for _, other := range o.opts.Devices {
 		if other == d {
@@ -552,38 +536,15 @@ func (o *Owner) makeSlab(d int) (*slab, error) {
 			peers = append(peers, other)
 		}
 	}
-	popts := []pool.Option{pool.WithName(s.name)}
-	if len(peers) > 0 {
-		popts = append(popts, pool.WithPeerAccess(peers...))
-	}
 	var err error
-	if s.pool, err = pool.New(o.rt, d, popts...); err != nil {
-		return nil, fmt.Errorf("kv/owner: pool on device %d: %w", d, err)
-	}
 	if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
 		return s, fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
 	}
 	if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
 		return s, fmt.Errorf("kv/owner: event on device %d: %w", d, err)
 	}
-	ctx := context.Background()
-	entries := make([]producer.Entry, o.segs.Count())
-	for i := range entries {
-		n := o.segs.Bytes(i)
-		b, err := s.pool.Alloc(ctx, n, s.stream)
-		if err != nil {
-			return s, fmt.Errorf("kv/owner: segment %d of the slab of device %d (%s of %s): %w", i, d, humanize.IBytes(n), humanize.IBytes(o.geo.SlabBytes()), err)
-		}
-		s.bufs = append(s.bufs, b)
-		s.bases = append(s.bases, b.Ptr())
-		meta := kvwire.AppendSegmentMeta(nil, kvwire.SegmentMeta{Geometry: o.geo, Bound: o.segs.Bound(), Count: o.segs.Count(), Index: i})
-		entries[i] = producer.Entry{Name: SlabName(d, i), Buffer: b, Options: []producer.PublishOption{producer.WithMeta(meta)}}
-	}
-	if err = o.rt.StreamSynchronize(d, s.stream); err != nil {
-		return s, fmt.Errorf("kv/owner: slab on device %d: %w", d, err)
-	}
-	if err = o.ex.PublishAll(ctx, entries, s.stream); err != nil {
-		return s, fmt.Errorf("kv/owner: publishing the slab of device %d: %w", d, err)
+	if err = o.mapSlab(s, peers); err != nil {
+		return s, err
 	}
 	return s, nil
 }
@@ -666,14 +627,14 @@ func (o *Owner) Dir() string { return o.dir }
 // Geometry is every slab's geometry.
 func (o *Owner) Geometry() kv.Geometry { return o.geo }
 
-// Segments is how every slab lies in its allocations.
-func (o *Owner) Segments() kv.Segments { return o.segs }
+// Layout is how every slab lies in its chunks.
+func (o *Owner) Layout() kv.SlabLayout { return o.layout }
 
 // Stats is a snapshot of the owner's slabs and replicas.
 func (o *Owner) Stats() Stats {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.segs), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
+	st := Stats{PID: os.Getpid(), Geometry: kv.StatsOf(o.layout), Devices: make([]kv.DeviceStats, len(o.slabs)), Replicas: []kv.ReplicaStats{}}
 	for i, s := range o.slabs {
 		st.Devices[i] = s.stats()
 	}
@@ -699,8 +660,8 @@ func (o *Owner) Stats() Stats {
 }
 
 // Close stops serving: it closes every replica's connection (their Done closes, and
-// their leases end), then closes the exporter, which waits, until ctx ends, for the
-// replicas to unmap their slabs, and frees the slabs. A second Close returns
+// their leases end), waits, until ctx ends, for its own copies to complete, and unmaps
+// the slabs: their memory lives on while a replica maps it. A second Close returns
 // [kv.ErrClosed].
 func (o *Owner) Close(ctx context.Context) error {
 	o.mu.Lock()
@@ -742,44 +703,17 @@ func (o *Owner) teardown(ctx context.Context) error {
 	if err := o.ix.Close(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	if o.imp != nil {
-		if err := o.closeImport(ctx); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if o.keeper != nil {
-		if err := o.keeper.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err))
-		}
-	}
-	if o.lock != nil {
-		_ = o.lock.Close() // cleanup: closing it is what lets the lock go
-	}
-	force := false
-	if o.ex != nil {
-		if err := o.ex.Close(ctx); err != nil {
-			errs = append(errs, err)
-			force = true
-		}
-	}
 	for _, s := range o.slabs {
-		for _, b := range s.bufs {
-			if err := b.Free(s.stream); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		if s.pool != nil {
-			var copts []pool.CloseOption
-			if force {
-				copts = append(copts, pool.Force())
-			}
-			if _, err := s.pool.Close(ctx, copts...); err != nil {
-				errs = append(errs, fmt.Errorf("kv/owner: closing the pool of device %d: %w", s.dev, err))
-			}
-		}
+		drained := true
 		if s.stream != 0 && s.done != 0 {
 			if err := o.waitStream(ctx, s); err != nil {
 				errs = append(errs, fmt.Errorf("kv/owner: the stream of device %d: %w", s.dev, err))
+				drained = false
+			}
+		}
+		if drained { // else the mapping stays, to the process's exit: a copy may still run on it
+			if err := s.closeSlab(); err != nil {
+				errs = append(errs, err)
 			}
 		}
 		if s.done != 0 {
@@ -792,6 +726,14 @@ func (o *Owner) teardown(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("kv/owner: destroying the stream of device %d: %w", s.dev, err))
 			}
 		}
+	}
+	if o.keeper != nil {
+		if err := o.keeper.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err))
+		}
+	}
+	if o.lock != nil {
+		_ = o.lock.Close() // cleanup: closing it is what lets the lock go
 	}
 	return errors.Join(errs...)
 }

@@ -112,13 +112,13 @@ func TestFailedListenRemovesTheDirectoryItMade(t *testing.T) {
 	parent := t.TempDir()
 	dir := filepath.Join(parent, strings.Repeat("d", 120)) // too long for the socket's address
 	dev := cudarttest.ForTest(t)
-	_, err := owner.Listen(dir, dev, small, owner.WithoutAnnounce())
+	_, err := owner.Listen(dir, dev, small)
 	require.Error(t, err)
 	_, err = os.Lstat(dir)
 	assert.ErrorIs(t, err, os.ErrNotExist, "the directory Listen made is left behind")
 
 	require.NoError(t, os.Mkdir(dir, 0o700))
-	_, err = owner.Listen(dir, dev, small, owner.WithoutAnnounce())
+	_, err = owner.Listen(dir, dev, small)
 	require.Error(t, err)
 	_, err = os.Lstat(dir)
 	assert.NoError(t, err, "a directory that was there before stays")

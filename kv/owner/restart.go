@@ -8,32 +8,33 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/dustin/go-humanize"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
+	"github.com/cudapool/cudapool/kv/internal/keep"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/pages"
 )
 
-// A cache that survives its owner. The slabs live in a keeper process (Keep: the
-// pools, the allocations and the exporter on dir/slab.sock, nothing else), and the
-// page server (Listen given WithKeeper) imports them from it, as every replica
-// does. So the page server's death changes nothing for the slabs or the replicas'
-// mappings; a new page server on the same directory adopts the slabs from the live
-// keeper, restores the visible pages from the index file (WithIndex, journal.go)
-// and takes back the leases the replicas re-declare (Reattach). When the keeper is
-// gone the slabs are gone: the next page server starts a new keeper, and says so.
+// A cache that survives its owner. The slabs' chunks are held by a keeper process
+// (Keep: a keep.Server on dir/keep.sock, holding descriptors by name and nothing else,
+// no CUDA context): the page server (Listen given WithKeeper) gives it each chunk's
+// descriptor as it makes the chunk, before any page in it is granted. So the page
+// server's death changes nothing for the chunks or the replicas' mappings; a new page
+// server on the same directory takes the chunks back from the live keeper and maps
+// them, restores the visible pages from the index file (WithIndex, journal.go) and
+// takes back the leases the replicas re-declare (Reattach). When the keeper is gone
+// the chunks are gone (once the replicas unmap them): the next page server starts a
+// new keeper, and says so.
 
 // The files a page server makes in its directory besides the sockets.
 const (
@@ -99,60 +100,36 @@ func (r Recovery) String() string {
 // Recovery says what Listen took back.
 func (o *Owner) Recovery() Recovery { return o.recovery }
 
-// KeeperGone is closed when the keeper of an owner's adopted slabs has gone
-// (WithKeeper: its slabs' exporter or its keep.sock connection ended): the slabs and
-// the host tiers' memory it kept are gone with it, and the owner should be closed and
-// started again. nil for an owner that makes its own slabs.
+// KeeperGone is closed when the keeper of an owner's chunks has gone (WithKeeper: its
+// keep.sock connection ended): the cache and the host tiers' memory it kept are gone
+// with it (their memory once the replicas unmap it), and the owner should be closed
+// and started again. nil for an owner that keeps its own chunks.
 func (o *Owner) KeeperGone() <-chan struct{} { return o.keeperGone }
 
-// Keeper holds the slabs of a directory for the page servers that come and go: it
-// makes a pool and a slab on each device and publishes them on dir/slab.sock, as
-// Listen does, and serves no pages. It holds file descriptors too, on dir/keep.sock
-// (keeptier.go): the host tiers' memfds, so that they outlive the page server as the
-// slabs do. A Keeper of KeepFiles holds the descriptors alone.
+// Keeper holds the descriptors of a directory's chunks and host tiers for the page
+// servers that come and go, on dir/keep.sock (keeptier.go), and nothing else: it
+// maps nothing and makes no CUDA context.
 type Keeper struct {
-	o     *Owner // the slabs; nil for KeepFiles
 	files keptFiles
 }
 
-// Keep makes a Keeper on dir of slabs of geometry geo, with the devices, segment
-// bound, policy, logger, limits and announcement opts set (WithKeeper and the page
-// server's other options have no effect), and serves dir/keep.sock. A live keeper (or
-// owner of its own slabs) on dir makes it fail with an error wrapping
-// producer.ErrAddressInUse. On failure nothing is left behind.
-func Keep(dir string, rt cudart.Runtime, geo kv.Geometry, opts ...Option) (*Keeper, error) {
-	o := optionsOf(geo, opts)
-	ow, err := listen(dir, rt, o, roleKeeper)
-	if err != nil {
-		return nil, err
-	}
-	k := &Keeper{o: ow}
-	if err := k.files.serve(dir, ow.opts); err != nil {
-		_ = ow.Close(context.Background()) // cleanup: the socket's error is the one returned
-		return nil, err
-	}
-	return k, nil
+// Keep is [KeepFiles] of dir with opts: rt and geo have no effect (the page server
+// gives the keeper its chunks whatever their geometry). A live keeper on dir makes it
+// fail with an error wrapping producer.ErrAddressInUse. On failure nothing is left
+// behind.
+func Keep(dir string, _ cudart.Runtime, _ kv.Geometry, opts ...Option) (*Keeper, error) {
+	return KeepFiles(dir, opts...)
 }
 
-// Importers counts the processes that map the keeper's slabs (page servers and
-// replicas); 0 for a Keeper of KeepFiles, which sees no mapping.
-func (k *Keeper) Importers() int {
-	if k.o == nil {
-		return 0
-	}
-	return len(k.o.ex.Peers())
-}
+// Importers counts the page servers connected to the keeper (a replica maps the
+// chunks without it).
+func (k *Keeper) Importers() int { return k.Clients() }
 
-// Close ends the keeper: the descriptors it holds are closed first (their memory lives
-// on while a process holds or maps it); then the exporter waits, until ctx ends, for
-// the importers to unmap the slabs, and frees them. A second Close returns
+// Close closes the descriptors the keeper holds (their memory lives on while a
+// process holds or maps it) and stops dir/keep.sock. A second Close returns
 // kv.ErrClosed.
-func (k *Keeper) Close(ctx context.Context) error {
-	closed := k.files.close()
-	if k.o != nil {
-		return k.o.Close(ctx)
-	}
-	if !closed {
+func (k *Keeper) Close(context.Context) error {
+	if !k.files.close() {
 		return kv.ErrClosed
 	}
 	return nil
@@ -162,9 +139,8 @@ func (k *Keeper) Close(ctx context.Context) error {
 type role int
 
 const (
-	roleWhole  role = iota // slabs and pages in one process: Listen without Keeper
-	roleKeeper             // the slabs alone: Keep
-	rolePages              // the pages, over a keeper's slabs: Listen with Keeper
+	roleWhole role = iota // slabs and pages in one process: Listen without Keeper
+	rolePages             // the pages, over a keeper's chunks: Listen with Keeper
 )
 
 // lockDir takes the lock file name on dir (who takes it: "an owner", "a keeper"), or
@@ -193,138 +169,127 @@ func lockDir(dir, name, who string) (*os.File, error) {
 // keeperTimeout bounds the dial of the keeper, and its start.
 const keeperTimeout = 30 * time.Second
 
-// adoptSlabs imports each device's slab from the keeper on dir/slab.sock, starting one
-// (WithKeeper's start) if none is alive or if the live one keeps slabs of another
-// geometry or other devices, which it stops first.
+// adoptSlabs connects to the keeper on dir/keep.sock, starting one (WithKeeper's
+// start) if none is alive, and makes each device's slab of the chunks it keeps, or
+// anew where it keeps none that fit.
 func (o *Owner) adoptSlabs() error {
-	ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
+	started, err := o.dialKeeper()
+	if err != nil {
+		return err
+	}
+	o.watchKeeper()
+	ctx, cancel := context.WithTimeout(o.stopped, keeperTimeout)
 	defer cancel()
-	path := filepath.Join(o.dir, SlabSocket)
-	started := false
-	start := func() error {
-		if o.opts.StartKeeper == nil {
-			return fmt.Errorf("kv/owner: no keeper serves %s, and WithKeeper's start is nil", path)
-		}
-		if err := o.opts.StartKeeper(ctx); err != nil {
-			return fmt.Errorf("kv/owner: starting the keeper: %w", err)
-		}
-		started = true
-		return nil
-	}
-	for attempt := 0; ; attempt++ {
-		var dopts []consumer.DialOption
-		if started {
-			dopts = append(dopts, consumer.WaitForExporter())
-		}
-		imp, err := consumer.Dial(ctx, path, o.rt, o.opts.Devices[0], append(dopts, consumer.WithLogger(o.log))...)
-		if errors.Is(err, export.ErrExporterGone) && !started {
-			if err := start(); err != nil {
-				return err
-			}
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("kv/owner: the keeper: %w", err)
-		}
-		o.imp = imp
-		why, err := o.openSlabs(ctx)
-		if err != nil {
-			return err
-		}
-		if why == "" {
-			o.recovery.Adopted = !started
-			o.recovery.KeeperPID = imp.ExporterPID()
-			return nil
-		}
-		if started || attempt > 0 {
-			return fmt.Errorf("kv/owner: the keeper it started: %s", why)
-		}
-		// Refuse the old slabs: stop their keeper, and start one of this geometry.
-		o.recovery.Dropped = why + ": the old slabs and index are dropped, and their host tiers (kept by that keeper) with them"
-		pid := imp.ExporterPID()
-		o.log.Warn("kv: the live keeper's slabs do not fit; stopping it", "pid", pid, "why", why)
-		if err := o.closeImport(ctx); err != nil {
-			return err
-		}
-		if err := StopKeeper(ctx, pid); err != nil {
-			return err
-		}
-		if err := start(); err != nil {
-			return err
-		}
-	}
-}
-
-// openSlabs maps each device's slab, segment by segment, through o.imp; why says what
-// does not fit.
-func (o *Owner) openSlabs(ctx context.Context) (why string, err error) {
+	o.recovery.KeeperPID = o.keeper.KeeperPID()
+	adopted := !started
 	for _, d := range o.opts.Devices {
-		s := newSlab(d)
-		s.name = kvwire.SlabName(d)
-		o.slabs = append(o.slabs, s)
-		o.byDev[d] = s
-		if s.stream, err = o.rt.StreamCreate(d, cudart.StreamNonBlocking); err != nil {
-			return "", fmt.Errorf("kv/owner: stream on device %d: %w", d, err)
+		s, took, err := o.adoptSlab(ctx, d)
+		if s != nil {
+			o.slabs = append(o.slabs, s)
+			o.byDev[d] = s
 		}
-		if s.done, err = o.rt.EventCreate(d, cudart.EventDisableTiming); err != nil {
-			return "", fmt.Errorf("kv/owner: event on device %d: %w", d, err)
+		if err != nil {
+			return err
 		}
-		for i := range o.segs.Count() {
-			// The stream of the Importer's device maps every segment; copies run on
-			// each slab's own stream, on its device.
-			m, err := o.imp.Open(ctx, SlabName(d, i), o.slabs[0].stream)
-			if errors.Is(err, export.ErrUnknownName) {
-				return fmt.Sprintf("the keeper (pid %d) keeps no segment %d for device %d", o.imp.ExporterPID(), i, d), nil
-			}
-			if err != nil {
-				return "", fmt.Errorf("kv/owner: mapping the kept segment %d of device %d: %w", i, d, err)
-			}
-			s.ms = append(s.ms, m)
-			got, _, err := kvwire.ParseSegmentMeta(m.Meta())
-			if err != nil {
-				return "", fmt.Errorf("kv/owner: the kept segment %d of device %d: %w", i, d, err)
-			}
-			want := kvwire.SegmentMeta{Geometry: o.geo, Bound: o.segs.Bound(), Count: o.segs.Count(), Index: i}
-			if got != want || m.Size() < o.segs.Bytes(i) {
-				return fmt.Sprintf("the keeper (pid %d) keeps slabs of %v in segments of %s, this owner serves %v in segments of %s",
-					o.imp.ExporterPID(), got.Geometry, humanize.IBytes(got.Bound), o.geo, humanize.IBytes(o.segs.Bound())), nil
-			}
-			s.bases = append(s.bases, m.Ptr())
-		}
+		adopted = adopted && took
 	}
-	return "", nil
+	o.recovery.Adopted = adopted
+	return nil
 }
 
-// closeImport unmaps the adopted slabs and disconnects from their keeper.
-func (o *Owner) closeImport(ctx context.Context) error {
-	var errs []error
-	for _, s := range o.slabs {
-		for _, m := range s.ms {
-			if err := m.Release(ctx, o.slabs[0].stream); err != nil {
-				errs = append(errs, err)
+// chunkPrefix is what the names of device d's chunks in the keeper begin with.
+func chunkPrefix(d int) string { return "kv/slab/" + strconv.Itoa(d) + "/" }
+
+// chunkName is the name chunk i of s is kept under: the slab's id, its geometry and
+// chunk size, and the chunk's index, so that a restarted owner takes back only the
+// chunks of its own layout.
+func (o *Owner) chunkName(s *slab, i int) string {
+	return chunkPrefix(s.dev) + strconv.FormatUint(s.id, 16) + "/" + o.shapeName() + "/" + strconv.Itoa(i)
+}
+
+// shapeName is the geometry and chunk size in a chunk's name.
+func (o *Owner) shapeName() string {
+	g := o.geo
+	return fmt.Sprintf("%dx%dx%dx%dx%sx%d-%d", g.Layers, g.KVHeads, g.HeadDim, g.TokensPerPage, g.DType, g.Pages, o.layout.ChunkBytes())
+}
+
+// adoptSlab makes device d's slab of the chunks the keeper keeps for it, if they are
+// of this layout (took), else anew, the old ones dropped and Recovery saying why.
+func (o *Owner) adoptSlab(ctx context.Context, d int) (_ *slab, took bool, err error) {
+	s, err := o.newSlabOf(d)
+	if err != nil {
+		return s, false, err
+	}
+	kept, err := o.keeper.List(ctx, chunkPrefix(d))
+	if err != nil {
+		return s, false, fmt.Errorf("kv/owner: the keeper's chunks of device %d: %w", d, err)
+	}
+	id, why := o.keptChunks(d, kept)
+	if why == "" && len(kept) > 0 {
+		s.id, s.name = id, kvwire.SlabName(d, id)
+		if err := o.takeChunks(ctx, s, len(kept)); err != nil {
+			return s, false, err
+		}
+		return s, true, nil
+	}
+	if why != "" {
+		o.log.Warn("kv: the keeper's chunks do not fit; they are dropped", "device", d, "why", why)
+		if o.recovery.Dropped == "" {
+			o.recovery.Dropped = why + ": the old chunks and index are dropped"
+		}
+		for _, e := range kept {
+			if err := o.keeper.Drop(ctx, e.Name); err != nil {
+				return s, false, fmt.Errorf("kv/owner: dropping the keeper's chunk %s: %w", e.Name, err)
 			}
 		}
-		s.ms, s.bases = nil, nil
 	}
-	if o.imp != nil {
-		if err := o.imp.Close(ctx); err != nil {
-			errs = append(errs, err)
+	return s, false, o.growSlab(s, initialChunks(o.layout, o.opts.InitialPages))
+}
+
+// keptChunks checks that kept are chunks 0 to len(kept)-1 of one slab of this layout,
+// and returns its id; why says what does not fit.
+func (o *Owner) keptChunks(d int, kept []keep.Entry) (id uint64, why string) {
+	seen := make([]bool, len(kept))
+	for _, e := range kept {
+		parts := strings.Split(strings.TrimPrefix(e.Name, chunkPrefix(d)), "/")
+		if len(parts) != 3 {
+			return 0, fmt.Sprintf("the keeper keeps %q for device %d, no chunk's name", e.Name, d)
 		}
-		o.imp = nil
+		if parts[1] != o.shapeName() || e.Size != o.layout.ChunkBytes() {
+			return 0, fmt.Sprintf("the keeper keeps chunks of %s (%d bytes) for device %d, this owner serves %s", parts[1], e.Size, d, o.shapeName())
+		}
+		sid, err1 := strconv.ParseUint(parts[0], 16, 64)
+		i, err2 := strconv.Atoi(parts[2])
+		switch {
+		case err1 != nil || err2 != nil:
+			return 0, fmt.Sprintf("the keeper keeps %q for device %d, no chunk's name", e.Name, d)
+		case id != 0 && sid != id:
+			return 0, fmt.Sprintf("the keeper keeps chunks of two slabs for device %d", d)
+		case i < 0 || i >= len(kept) || seen[i] || i >= o.layout.Chunks():
+			return 0, fmt.Sprintf("the keeper keeps %d chunks for device %d, not chunks 0 to %d (%q)", len(kept), d, len(kept)-1, e.Name)
+		}
+		id, seen[i] = sid, true
 	}
-	for _, s := range o.slabs {
-		if s.stream != 0 {
-			errs = append(errs, o.rt.StreamSynchronize(s.dev, s.stream))
+	return id, ""
+}
+
+// takeChunks takes chunks 0 to n-1 of s back from the keeper and maps them.
+func (o *Owner) takeChunks(ctx context.Context, s *slab, n int) error {
+	s.grow.Lock()
+	defer s.grow.Unlock()
+	for i := range n {
+		fd, _, err := o.keeper.Take(ctx, o.chunkName(s, i))
+		if err != nil {
+			return fmt.Errorf("kv/owner: taking chunk %d of device %d back from the keeper: %w", i, s.dev, err)
 		}
-		if s.done != 0 {
-			errs = append(errs, o.rt.EventDestroy(s.dev, s.done))
+		if err := s.m.Import(i, []int{fd}); err != nil {
+			_ = unix.Close(fd) // cleanup: the import's error is the one returned
+			return fmt.Errorf("kv/owner: mapping the kept chunk %d of device %d: %w", i, s.dev, err)
 		}
-		if s.stream != 0 {
-			errs = append(errs, o.rt.StreamDestroy(s.dev, s.stream))
-		}
+		s.fds = append(s.fds, fd)
 	}
-	o.slabs, o.byDev = nil, map[int]*slab{}
-	return errors.Join(errs...)
+	s.chunks = len(s.fds)
+	return nil
 }
 
 // StopKeeper sends the keeper pid SIGTERM, which makes it close (Keeper.Close), and
@@ -373,11 +338,13 @@ func (o *Owner) restore() error {
 	default:
 		hdr.Epoch = st.Header.Epoch + 1
 		switch {
-		case o.imp != nil && !o.recovery.Adopted:
+		case o.keeper != nil && !o.recovery.Adopted && o.recovery.Dropped != "": // the keeper's chunks did not fit
+			o.dropIndex(o.recovery.Dropped)
+		case o.keeper != nil && !o.recovery.Adopted:
 			o.dropIndex(fmt.Sprintf("no keeper was alive: the slabs of %v are gone, and the %d visible pages of the index with them", st.Header.Keeper, countSealed(st)))
 		case st.Header.Keeper != o.keeperID:
 			o.dropIndex(fmt.Sprintf("the index is of the slabs of %v, gone", st.Header.Keeper))
-		case o.imp == nil:
+		case o.keeper == nil:
 			// The same process's own slabs, from an earlier Listen: made anew since.
 			o.dropIndex(fmt.Sprintf("this owner makes its own slabs, new at each start: the %d visible pages of the index are gone with the old ones", countSealed(st)))
 		default:
@@ -452,7 +419,7 @@ func (o *Owner) makeTables() {
 		}
 	}
 	for i, s := range o.slabs {
-		cfg := pages.Config{Pages: o.geo.Pages, Epoch: o.epoch, Stride: uint64(len(o.slabs)), Offset: uint64(i)}
+		cfg := pages.Config{Pages: o.layout.MappedPages(len(s.fds)), Bound: o.geo.Pages, Epoch: o.epoch, Stride: uint64(len(o.slabs)), Offset: uint64(i)}
 		if s.tier != nil {
 			cfg.HostPages = s.tier.pages
 		}

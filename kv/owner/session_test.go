@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -17,9 +16,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/export/consumer"
-	"github.com/cudapool/cudapool/export/discover"
 	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
@@ -36,7 +32,7 @@ func listenWith(t *testing.T, opts ...owner.Option) (*owner.Owner, string) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	dev := cudarttest.ForTest(t)
-	ow, err := owner.Listen(dir, dev, small, append(opts, owner.WithoutAnnounce())...)
+	ow, err := owner.Listen(dir, dev, small, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, ow.Close(bound(t)))
@@ -90,19 +86,6 @@ func TestHandshakesAreCapped(t *testing.T) {
 	silent[0].hello() // within its hour; then its slot is free
 	late := dialRaw(t, dir)
 	late.hello()
-}
-
-// The slab socket is served under the page socket's caps: WithConnLimit caps its
-// admitted connections too, an observer's (QueryState) beside a replica's importer.
-func TestSlabSocketHasThePageSocketsCaps(t *testing.T) {
-	_, dir := listenWith(t, owner.WithConnLimit(0, 1))
-	path := filepath.Join(dir, owner.SlabSocket)
-	imp, err := consumer.Dial(bound(t), path, cudarttest.ForTest(t), 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, imp.Close(bound(t))) })
-	_, err = discover.QueryState(bound(t), path)
-	require.ErrorIs(t, err, export.ErrRefused, "a second connection of one process to the slab socket")
-	assert.ErrorContains(t, err, "connection limit per process")
 }
 
 // N3: the handshake timeout is configurable: a connection that says nothing is

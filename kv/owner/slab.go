@@ -6,27 +6,26 @@ import (
 	"sync"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/index"
 	"github.com/cudapool/cudapool/kv/internal/pages"
-	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/kv/internal/slabmap"
 )
 
-// slab is one device's allocations (segments) and its page table (kv/internal/pages:
-// the pages of both tiers, the LRU, the hash index, the leases). Everything but the
-// fields set at Listen is guarded by the Owner's mu.
+// slab is one device's chunks, mapped (kv/internal/slabmap), and its page table
+// (kv/internal/pages: the pages of both tiers, the LRU, the hash index, the leases).
+// Everything but the fields set at Listen and those grow guards is guarded by the
+// Owner's mu.
 type slab struct {
 	dev    int
-	name   string // the slab's name (kvwire.SlabName); its segments' are SlabName(dev, i)
-	pool   *pool.Pool
-	bufs   []*pool.Buffer      // the segments, in order, where this process made them
-	ms     []*consumer.Mapping // the segments, where they were adopted from a keeper (WithKeeper)
-	bases  []cudart.DevicePtr  // their addresses
-	ix     *index.Index        // the index file; nil: none
-	stream cudart.Stream       // the owner's stream on dev: set-up and copies out of this slab
-	copyMu sync.Mutex          // one copy at a time queued on stream
-	done   cudart.Event        // recorded on stream after a copy (or at Close), asked until it completes
+	id     uint64             // made with its first chunk: a restart over the keeper's keeps it
+	name   string             // the slab's name (kvwire.SlabName)
+	m      *slabmap.Map       // the chunks, mapped in this process
+	bases  []cudart.DevicePtr // the regions' addresses: m.Bases()
+	ix     *index.Index       // the index file; nil: none
+	stream cudart.Stream      // the owner's stream on dev: set-up and copies out of this slab
+	copyMu sync.Mutex         // one copy at a time queued on stream
+	done   cudart.Event       // recorded on stream after a copy (or at Close), asked until it completes
 
 	tab    *pages.Table
 	copied uint64    // pages a match copied in from another device's slab (DeviceStats.Copied)
@@ -36,6 +35,22 @@ type slab struct {
 	// space is closed (and replaced) whenever pages may have become free or
 	// evictable: the Allocs that wait for settling pages look again.
 	space chan struct{}
+
+	// grow serializes the slab's growths and its replicas' welcomes, so that every
+	// replica connection gets every chunk once, in order, before any reply that
+	// grants a page in it (growth.go). It is held across the writes of Grow frames,
+	// each bounded by the connection's write timeout.
+	grow sync.Mutex
+	// fds are the chunks' descriptors, in index order: what a replica imports, and
+	// what the keeper holds. Guarded by grow; their count by mu too (chunks).
+	fds []int
+	// chunks is len(fds), read under mu (stats).
+	chunks int
+	// reached are the replica connections welcomed, which each growth reaches.
+	// Guarded by grow.
+	reached map[*conn]struct{}
+	// gb is the give-back of its memory (giveback.go).
+	gb giveBack
 }
 
 // spaceLocked wakes the Allocs that wait for pages to settle.
@@ -45,7 +60,7 @@ func (s *slab) spaceLocked() {
 }
 
 func newSlab(dev int) *slab {
-	return &slab{dev: dev, space: make(chan struct{}), copies: map[pages.CopyID]chan struct{}{}}
+	return &slab{dev: dev, space: make(chan struct{}), copies: map[pages.CopyID]chan struct{}{}, reached: map[*conn]struct{}{}}
 }
 
 // effectsLocked does what an operation of s's table returned that takes no syscall,
@@ -114,6 +129,9 @@ func (o *Owner) awaitCopies(ctx context.Context, s *slab, ids []pages.CopyID) er
 // stats is s's stats: its table's counts, and what only the owner counts.
 func (s *slab) stats() kv.DeviceStats {
 	st := kv.DeviceStats{Device: s.dev, Copied: s.copied}
+	if s.m != nil {
+		st.Chunks, st.MappedBytes = s.chunks, s.m.Layout().MappedBytes(s.chunks)
+	}
 	if s.tier != nil {
 		st.Host = s.tier.statsLocked()
 	}

@@ -56,9 +56,11 @@ func (r *Replica) roundTrip(ctx context.Context, build func(b []byte, id uint64)
 	return cl.Call(ctx, build, session.HandlerFunc[reply](handle))
 }
 
-// newClient is the request client on connection nc, whose frames rd reads.
-func (r *Replica) newClient(nc *net.UnixConn, rd *kvwire.Reader, w *session.Writer) *session.Client[reply] {
-	return session.NewClient[reply](nc, &frames{r: r, rd: rd, nc: nc}, session.Protocol[reply]{
+// newClient is the request client on connection nc, whose frames ln reads. The
+// watcher reads what arrives while no caller does (session.WatchArrivals): the owner's
+// Grow and Shrink frames come unasked, and an idle replica maps a growth as it comes.
+func (r *Replica) newClient(nc *net.UnixConn, ln *link, w *session.Writer) *session.Client[reply] {
+	return session.NewClient[reply](nc, &frames{r: r, ln: ln}, session.Protocol[reply]{
 		ReplyTo: func(f reply) (uint64, bool) { return uint64(f.ID), true },
 		Push:    func(f reply) error { r.releaseUnclaimed(f); return nil },
 		Writer:  w,
@@ -69,21 +71,22 @@ func (r *Replica) newClient(nc *net.UnixConn, rd *kvwire.Reader, w *session.Writ
 			return fmt.Errorf("%w: %w", kv.ErrOwnerGone, why)
 		},
 		Down:  func(why error) { r.failConn(nc, why) },
-		Watch: session.WatchHangUp,
+		Watch: session.WatchArrivals,
 		MaxID: math.MaxUint32,
 	})
 }
 
-// frames reads the page protocol's frames for a [session.Client].
+// frames reads the page protocol's frames for a [session.Client], mapping the
+// slab's growths (and unmapping what a Shrink gives back) as they come.
 type frames struct {
 	r  *Replica
-	rd *kvwire.Reader
-	nc *net.UnixConn
+	ln *link
 }
 
-// Next reads the next frame, waiting for it or not ([session.ErrNoFrame]).
+// Next reads the next frame that is neither a Grow nor a Shrink, waiting for it or not
+// ([session.ErrNoFrame]).
 func (f *frames) Next(wait bool) (reply, error) {
-	h, p, err := f.rd.NextWait(f.nc, wait)
+	h, p, err := f.ln.next(f.r.m, wait)
 	if err != nil {
 		return reply{}, err
 	}
@@ -94,7 +97,7 @@ func (f *frames) Next(wait bool) (reply, error) {
 }
 
 // Buffered reports whether a whole frame is buffered.
-func (f *frames) Buffered() bool { return f.rd.Whole() }
+func (f *frames) Buffered() bool { return f.ln.rd.Whole() }
 
 // replied runs the test's hook (export_test.go) as a method has its reply.
 func (r *Replica) replied() {
@@ -151,7 +154,7 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 		return nil, fmt.Errorf("%w: %d pages, at most %d", kv.ErrTooLarge, n, kv.MaxBatch)
 	}
 	if n < 1 || n > r.geo.Pages {
-		return nil, fmt.Errorf("%w: %d pages asked, the slab has %d", kv.ErrGeometry, n, r.geo.Pages)
+		return nil, fmt.Errorf("%w: %d pages asked, the slab has %d at most", kv.ErrGeometry, n, r.geo.Pages)
 	}
 	l := &Lease{write: true}
 	err := r.roundTrip(ctx,
@@ -163,7 +166,7 @@ func (r *Replica) Alloc(ctx context.Context, n int) (*Lease, error) {
 				r.releaseUnclaimed(h)
 				return nil
 			}
-			if err := l.parse(h.Header, h.p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.geo.Pages); err != nil {
+			if err := l.parse(h.Header, h.p, kvwire.TypeLeased, make([]uint32, 0, n), n, r.mappedPages()); err != nil {
 				return err
 			}
 			r.track(l)
@@ -195,7 +198,7 @@ func (l *Lease) parse(h kvwire.Header, p []byte, want kvwire.Type, pages []uint3
 	}
 	for i, pg := range l.pages {
 		if int64(pg) >= int64(slabPages) {
-			return fmt.Errorf("%w: %w: %s page %d is %d, past the slab's %d pages", export.ErrProtocol, kvwire.ErrMalformed, want, i, pg, slabPages)
+			return fmt.Errorf("%w: %w: %s page %d is %d, past the slab's %d pages mapped", export.ErrProtocol, kvwire.ErrMalformed, want, i, pg, slabPages)
 		}
 	}
 	return nil
@@ -279,7 +282,7 @@ func (r *Replica) Match(ctx context.Context, hashes []kv.Hash) (*Lease, error) {
 				r.releaseUnclaimed(h)
 				return nil
 			}
-			if err := l.parse(h.Header, h.p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.geo.Pages); err != nil {
+			if err := l.parse(h.Header, h.p, kvwire.TypeMatched, make([]uint32, 0, len(hashes)), len(hashes), r.mappedPages()); err != nil {
 				return err
 			}
 			if r.opts.reconnect && l.id != 0 {

@@ -41,7 +41,7 @@ func startOwner(t testing.TB, g kv.Geometry, devices ...int) (*owner.Owner, *cud
 	t.Helper()
 	dir := shortDir(t)
 	dev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, dev, g, owner.WithDevices(devices...), owner.WithoutAnnounce(), owner.WithSegmentBytes(3*g.TensorBytes()))
+	o, err := owner.Listen(dir, dev, g, owner.WithDevices(devices...))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		o.Close(bound(t))

@@ -59,7 +59,7 @@ func (r *tierRuntime) MemcpyBatchAsync(dev int, pieces []cudart.CopyPiece, s cud
 func startTierOwner(t *testing.T, rt *tierRuntime, g kv.Geometry, hostPages int, devices ...int) (*owner.Owner, string) {
 	t.Helper()
 	dir := shortDir(t)
-	o, err := owner.Listen(dir, rt, g, owner.WithDevices(devices...), owner.WithoutAnnounce(), owner.WithHostBytes(uint64(hostPages)*owner.HostPageBytes(g)))
+	o, err := owner.Listen(dir, rt, g, owner.WithDevices(devices...), owner.WithHostBytes(uint64(hostPages)*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		assert.NoError(t, o.Close(bound(t)))
@@ -249,17 +249,17 @@ func TestHostTierRefused(t *testing.T) {
 		bytes   uint64
 		devices []int
 	}{{1 << 60, nil}, {1 << 63, []int{0, 1}}} { // the second's total overflows a uint64
-		_, err := owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithHostBytes(c.bytes), owner.WithDevices(c.devices...))
+		_, err := owner.Listen(dir, rt, small, owner.WithHostBytes(c.bytes), owner.WithDevices(c.devices...))
 		require.ErrorIs(t, err, kv.ErrHostMemory, "%d bytes on %v", c.bytes, c.devices)
 		require.ErrorContains(t, err, "larger than the host's available memory")
 		require.ErrorContains(t, err, "MemAvailable")
 	}
-	_, err := owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithHostBytes(100))
+	_, err := owner.Listen(dir, rt, small, owner.WithHostBytes(100))
 	require.ErrorIs(t, err, kv.ErrGeometry)
 	require.ErrorContains(t, err, "holds no page")
 
 	rt.registerErr = cudart.NewError("cudaHostRegister", cudart.ErrNotPermitted)
-	_, err = owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithHostBytes(1<<20))
+	_, err = owner.Listen(dir, rt, small, owner.WithHostBytes(1<<20))
 	require.ErrorIs(t, err, cudart.ErrNotPermitted)
 	require.ErrorContains(t, err, "cannot register")
 	require.NoFileExists(t, dir+"/"+kv.HostSocket)
@@ -267,7 +267,7 @@ func TestHostTierRefused(t *testing.T) {
 
 	// And the directory serves again afterwards.
 	rt.registerErr = nil
-	o, err := owner.Listen(dir, rt, small, owner.WithoutAnnounce(), owner.WithHostBytes(1<<20))
+	o, err := owner.Listen(dir, rt, small, owner.WithHostBytes(1<<20))
 	require.NoError(t, err)
 	require.NoError(t, o.Close(bound(t)))
 	require.NoError(t, rt.Err())
@@ -339,7 +339,7 @@ func TestGPUHostTier(t *testing.T) {
 	require.NoError(t, err)
 	g.Pages = 64
 	dir := shortDir(t)
-	o, err := owner.Listen(dir, rt, g, owner.WithoutAnnounce(), owner.WithHostBytes(96*owner.HostPageBytes(g)))
+	o, err := owner.Listen(dir, rt, g, owner.WithHostBytes(96*owner.HostPageBytes(g)))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, o.Close(bound(t))) })
 	require.Equal(t, "kernel", host0(t, o).CopyPath, "the batch copy kernel did not load")

@@ -19,7 +19,7 @@ func countedOwner(t *testing.T, opts ...owner.Option) (o *owner.Owner, calls *in
 	dir = shortDir(t)
 	dev := cudarttest.ForTest(t)
 	rt := intercept.Wrap(dev)
-	o, err := owner.Listen(dir, rt, small, append(opts, owner.WithoutAnnounce(), owner.WithSegmentBytes(3*small.TensorBytes()))...)
+	o, err := owner.Listen(dir, rt, small, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		o.Close(bound(t))

@@ -144,7 +144,7 @@ func (r *Replica) reconnect(cl *session.Client[reply], owner *peercred.Process, 
 	go func() {
 		select {
 		case <-r.closing:
-		case <-r.imp.Done():
+		case <-r.keeperGone:
 		case <-ctx.Done():
 		}
 		cancel()
@@ -176,6 +176,12 @@ func (r *Replica) drainEvents(ctx context.Context) error {
 	r.evMu.Lock()
 	evs := r.allNotifiers()
 	r.evMu.Unlock()
+	return r.awaitEvents(ctx, evs)
+}
+
+// awaitEvents waits until the last record of each of evs' events has completed, or
+// ctx ends.
+func (r *Replica) awaitEvents(ctx context.Context, evs []*streamNotifier) error {
 	for _, e := range evs {
 		wait := 50 * time.Microsecond
 		for {
@@ -213,13 +219,22 @@ func (r *Replica) reattach(ctx context.Context, lost *session.Client[reply]) (er
 			_ = nc.Close() // cleanup: the reattach's error is the one returned
 		}
 	}()
-	rd := kvwire.NewReader()
-	geo, slab, err := r.hello(ctx, nc, rd)
+	ln := newLink(nc)
+	w, err := r.hello(ctx, nc, ln)
 	if err != nil {
 		return err
 	}
-	if geo != r.geo || slab != r.slab {
-		return fmt.Errorf("%w: the owner serves %s of %v; this replica maps %s of %v", kv.ErrGeometry, slab, geo, r.slab, r.geo)
+	if w.Geometry != r.geo || w.Slab != r.slab || w.ChunkBytes != r.layout.ChunkBytes() || int(w.Chunks) > r.layout.Chunks() {
+		return fmt.Errorf("%w: the owner serves %s of %v in chunks of %d bytes; this replica maps %s of %v in chunks of %d bytes",
+			kv.ErrGeometry, w.Slab, w.Geometry, w.ChunkBytes, r.slab, r.geo, r.layout.ChunkBytes())
+	}
+	if int(w.Chunks) < r.m.Chunks() { // the owner gave chunks back meanwhile
+		if err := keepChunks(r.m, int(w.Chunks)); err != nil {
+			return err
+		}
+	}
+	if err := awaitOn(ctx, nc, func() error { return ln.await(r.m, int(w.Chunks)) }); err != nil {
+		return fmt.Errorf("%w: the slab's chunks: %w", kv.ErrOwnerGone, err)
 	}
 	var owner *peercred.Process
 	if cred, err := peercred.Get(nc); err == nil {
@@ -246,16 +261,16 @@ func (r *Replica) reattach(ctx context.Context, lost *session.Client[reply]) (er
 	}
 	r.mu.Unlock()
 	slices.SortFunc(held, func(a, b *Lease) int { return cmp.Compare(a.id, b.id) })
-	gone, err := redeclare(ctx, nc, rd, held)
+	gone, err := r.redeclare(ctx, nc, ln, held)
 	if err != nil {
 		return err
 	}
-	return r.install(nc, rd, owner, gone)
+	return r.install(nc, ln, owner, gone)
 }
 
 // redeclare sends a Reattach for each lease and then the end of the list, and reads
 // the answers; it returns the leases lost and why.
-func redeclare(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader, held []*Lease) (map[*Lease]string, error) {
+func (r *Replica) redeclare(ctx context.Context, nc *net.UnixConn, ln *link, held []*Lease) (map[*Lease]string, error) {
 	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
 	lost := map[*Lease]string{}
@@ -268,7 +283,7 @@ func redeclare(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader, held []
 		if _, err := nc.Write(b); err != nil {
 			return "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
-		h, p, err := rd.Next(nc)
+		h, p, err := ln.next(r.m, true)
 		if err != nil {
 			return "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 		}
@@ -302,7 +317,7 @@ func redeclare(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader, held []
 
 // install makes nc the replica's connection, attached, on a client of its own;
 // kv.ErrClosed (nc to be closed by the caller) if Close came first.
-func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.Process, lost map[*Lease]string) error {
+func (r *Replica) install(nc *net.UnixConn, ln *link, owner *peercred.Process, lost map[*Lease]string) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -314,8 +329,8 @@ func (r *Replica) install(nc *net.UnixConn, rd *kvwire.Reader, owner *peercred.P
 		delete(r.leases, l.id)
 		r.log.Warn("kv: a lease was lost in the owner's restart", "lease", l.String(), "why", why)
 	}
-	r.nc, r.w, r.rd, r.owner, r.stopW = nc, session.NewWriter(nc, 0), rd, owner, stopW
-	r.cl = r.newClient(nc, rd, r.w)
+	r.nc, r.w, r.ln, r.owner, r.stopW = nc, session.NewWriter(nc, 0), ln, owner, stopW
+	r.cl = r.newClient(nc, ln, r.w)
 	r.cl.Start()
 	r.err = nil
 	r.done = make(chan struct{})

@@ -1,6 +1,7 @@
 // Package replica owns a replica's side of a KV page pool: the connection to the owner
-// (package kv/owner, cmd/kvpoold), the segments of its device's slab mapped once, and
-// the leases of pages by index.
+// (package kv/owner, cmd/kvpoold), its device's slab mapped on the VMM route (one range
+// of addresses per tensor, chunks mapped in place as the owner grows the slab), and the
+// leases of pages by index.
 //
 //	r, err := replica.Dial(ctx, dir, rt, device, replica.WaitForOwner())
 //	hashes := r.Hashes(tokens)
@@ -18,8 +19,8 @@
 // the host: the host of the replica never waits for the GPU, and a Match needs no
 // stream wait, as the owner exposes only pages whose writes it has seen complete.
 // Layer l's K tensor starts at the first address Layer(l) returns, and page p of it
-// Geometry().PageBytes() * p further on (Addr(l, kv.K, p)); each tensor lies whole in
-// one segment (see package kv).
+// Geometry().PageBytes() * p further on (Addr(l, kv.K, p)); each tensor is one range of
+// addresses whatever the slab's size (see package kv).
 package replica
 
 import (
@@ -35,12 +36,11 @@ import (
 	"time"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/export"
-	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
+	"github.com/cudapool/cudapool/kv/internal/slabmap"
 )
 
 // Option configures [Dial].
@@ -132,18 +132,20 @@ type Replica struct {
 	dir    string
 	slab   string // the slab's name
 	opts   options
-	imp    *consumer.Importer
-	segs   kv.Segments
-	ms     []*consumer.Mapping // the slab's segments, in order
-	ptrs   []cudart.DevicePtr  // their addresses
-	stream cudart.Stream       // the replica's own: the slab's import and its free
+	layout kv.SlabLayout
+	m      *slabmap.Map  // the slab, mapped
+	stream cudart.Stream // the replica's own: the unmapping waits on it for every stream's work
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
-	host   *HostTier         // the device's host tier, mapped (hosttier.go); nil: none
+	// keeperGone is closed once the keeper of the slab's chunks has exited (the
+	// Welcome named it): no restarted owner serves this slab any more.
+	keeperGone chan struct{}
+	stopKeeper context.CancelFunc // ends the keeper's watch
+	host       *HostTier          // the device's host tier, mapped (hosttier.go); nil: none
 
 	w  *session.Writer        // every write bounded by its caller's ctx
 	cl *session.Client[reply] // the requests on nc; nil until Dial has made it
-	rd *kvwire.Reader
+	ln *link                  // nc's reading side
 	// readHook, where a test set it (export_test.go), runs as the reader has read a
 	// reply frame, before it hands the reply on: the seam where a test makes the
 	// connection fail at an exact point.
@@ -176,14 +178,14 @@ type Replica struct {
 	evClosed     bool
 }
 
-// Dial connects to the owner serving dir and maps every segment of the slab of device
-// (two requests to the slab exporter: the first segment, whose metadata says how many
-// there are, then the rest at once). It fails with
-// an error wrapping [kv.ErrOwnerGone] if no owner serves dir ([WaitForOwner] waits for
-// one), [kv.ErrGeometry] if the owner does not serve device, and the owner's reason if it
-// refuses this process. A process holds one [Replica] per owner and runtime: the slab is
-// imported through a [consumer.Importer], and a second Dial fails with an error wrapping
-// [consumer.ErrDuplicateImporter]. On failure nothing is left behind.
+// Dial connects to the owner serving dir, reserves the regions of the slab of device
+// (kv.SlabLayout, for the slab's bound) and maps the chunks the owner's Welcome counts,
+// whose descriptors follow it on the connection; later growths are mapped as they are
+// read. It fails with an error wrapping [kv.ErrOwnerGone] if no owner serves dir
+// ([WaitForOwner] waits for one), [kv.ErrGeometry] if the owner does not serve device,
+// and the owner's reason if it refuses this process (kv.ErrRefused for another
+// protocol version, naming both). A process may hold several Replicas of one owner,
+// each mapping the slab at addresses of its own. On failure nothing is left behind.
 func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts ...Option) (_ *Replica, err error) {
 	o := options{log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
@@ -191,9 +193,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 			opt(&o)
 		}
 	}
-	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log, rd: kvwire.NewReader(),
+	r := &Replica{rt: rt, dev: device, ns: o.ns, log: o.log,
 		done: make(chan struct{}), stopW: make(chan struct{}), tornDown: make(chan struct{}), notifiers: map[cudart.Stream]*streamNotifier{},
-		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{})}
+		dir: dir, opts: o, leases: map[uint64]*Lease{}, closing: make(chan struct{}), attached: make(chan struct{}), keeperGone: make(chan struct{}), stopKeeper: func() {}}
 	close(r.attached)
 	defer func() {
 		if err != nil {
@@ -207,10 +209,20 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, err
 	}
 	r.w = session.NewWriter(r.nc, 0)
-	r.geo, r.slab, err = r.hello(ctx, r.nc, r.rd)
-	slabName := r.slab
+	r.ln = newLink(r.nc)
+	welcome, err := r.hello(ctx, r.nc, r.ln)
 	if err != nil {
 		return nil, err
+	}
+	r.geo, r.slab = welcome.Geometry, welcome.Slab
+	if r.layout, err = r.geo.SlabLayout(welcome.ChunkBytes); err != nil {
+		return nil, fmt.Errorf("kv/replica: the owner's slab: %w", err)
+	}
+	if int64(welcome.Chunks) > int64(r.layout.Chunks()) {
+		return nil, fmt.Errorf("%w: the owner maps %d chunks of a slab of %d", kvwire.ErrMalformed, welcome.Chunks, r.layout.Chunks())
+	}
+	if welcome.Keeper != 0 {
+		r.watchKeeper(int(welcome.Keeper))
 	}
 	if cred, err := peercred.Get(r.nc); err == nil {
 		if r.owner, err = peercred.OpenProcess(cred.PID); err != nil {
@@ -224,62 +236,39 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 	if r.stream, err = rt.StreamCreate(device, cudart.StreamNonBlocking); err != nil {
 		return nil, err
 	}
-	if r.imp, err = consumer.Dial(ctx, filepath.Join(dir, kvwire.SlabSocket), rt, device, consumer.WithLogger(o.log)); err != nil {
-		if errors.Is(err, export.ErrExporterGone) {
-			return nil, fmt.Errorf("%w: the slab exporter: %w", kv.ErrOwnerGone, err)
-		}
-		// consumer.ErrDuplicateImporter: one Replica per owner and runtime in a process.
-		return nil, fmt.Errorf("kv/replica: the slab exporter: %w", err)
+	if r.m, err = slabmap.New(rt, device, r.layout); err != nil {
+		return nil, fmt.Errorf("kv/replica: %w", err)
 	}
-	if err := r.mapSegments(ctx, slabName); err != nil {
+	if err := r.awaitChunks(ctx, int(welcome.Chunks)); err != nil {
 		return nil, err
 	}
 	r.mu.Lock()
-	r.cl = r.newClient(r.nc, r.rd, r.w)
+	r.cl = r.newClient(r.nc, r.ln, r.w)
 	r.mu.Unlock()
 	r.cl.Start()
 	go r.watch(r.nc, r.owner, r.stopW)
 	return r, nil
 }
 
-// mapSegments maps the segments of the slab published as slab: the first, whose
-// metadata names the segment map, then the others in one batch, checking each one's
-// metadata and size against the owner's geometry.
-func (r *Replica) mapSegments(ctx context.Context, slab string) error {
-	first, err := r.imp.Open(ctx, kvwire.SegmentName(slab, 0), r.stream)
-	if err != nil {
-		return fmt.Errorf("kv/replica: mapping %s: %w", kvwire.SegmentName(slab, 0), err)
-	}
-	r.ms = append(r.ms, first)
-	meta, segs, err := kvwire.ParseSegmentMeta(first.Meta())
-	if err != nil {
-		return fmt.Errorf("kv/replica: the metadata of %s: %w", kvwire.SegmentName(slab, 0), err)
-	}
-	if meta.Geometry != r.geo {
-		return fmt.Errorf("%w: the slab's geometry (%v) is not the owner's (%v)", kv.ErrGeometry, meta.Geometry, r.geo)
-	}
-	names := make([]string, 0, segs.Count()-1)
-	for i := 1; i < segs.Count(); i++ {
-		names = append(names, kvwire.SegmentName(slab, i))
-	}
-	rest, err := r.imp.OpenAll(ctx, names, r.stream)
-	if err != nil {
-		return fmt.Errorf("kv/replica: mapping the %d other segments of %s: %w", len(names), slab, err)
-	}
-	r.ms = append(r.ms, rest...)
-	r.segs = segs
-	for i, m := range r.ms {
-		got, _, err := kvwire.ParseSegmentMeta(m.Meta())
-		want := kvwire.SegmentMeta{Geometry: r.geo, Bound: segs.Bound(), Count: segs.Count(), Index: i}
-		switch {
-		case err != nil:
-			return fmt.Errorf("kv/replica: the metadata of %s: %w", kvwire.SegmentName(slab, i), err)
-		case got != want || m.Size() < segs.Bytes(i):
-			return fmt.Errorf("%w: %s (%+v, %d bytes) is not segment %d of the slab (%v)", kv.ErrGeometry, kvwire.SegmentName(slab, i), got, m.Size(), i, segs)
+// awaitChunks maps the n chunks the Welcome counted, as their Grow frames come, until
+// ctx ends.
+func (r *Replica) awaitChunks(ctx context.Context, n int) error {
+	if err := awaitOn(ctx, r.nc, func() error { return r.ln.await(r.m, n) }); err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("%w: the slab's chunks: %w", kv.ErrOwnerGone, ctx.Err())
 		}
-		r.ptrs = append(r.ptrs, m.Ptr())
+		return fmt.Errorf("kv/replica: the slab's chunks: %w", err)
 	}
 	return nil
+}
+
+// awaitOn runs read, which reads nc, cut short when ctx ends.
+func awaitOn(ctx context.Context, nc *net.UnixConn, read func() error) error {
+	stop := context.AfterFunc(ctx, func() { _ = nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
+	defer stop()
+	err := read()
+	_ = nc.SetReadDeadline(time.Time{}) // it fails only on a closed connection, which the next read reports
+	return err
 }
 
 // dialPages connects to the page socket, waiting for it if wait.
@@ -294,43 +283,44 @@ func dialPages(ctx context.Context, path string, wait bool) (*net.UnixConn, erro
 	return nil, fmt.Errorf("%w: no owner serves %s: %w", kv.ErrOwnerGone, filepath.Dir(path), err)
 }
 
-// hello is the handshake: it learns the geometry and the slab's name.
-func (r *Replica) hello(ctx context.Context, nc *net.UnixConn, rd *kvwire.Reader) (kv.Geometry, string, error) {
+// hello is the handshake: it learns the geometry, the slab's name and its chunks.
+func (r *Replica) hello(ctx context.Context, nc *net.UnixConn, ln *link) (kvwire.Welcome, error) {
 	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Unix(1, 0)) }) // it only wakes the read; on a closed connection the read fails anyway
 	defer stop()
 	b, err := kvwire.AppendHello(nil, 0, kvwire.Hello{Version: kvwire.Version, PID: uint32(os.Getpid()), Device: uint32(r.dev), Namespace: r.ns})
 	if err != nil {
-		return kv.Geometry{}, "", err
+		return kvwire.Welcome{}, err
 	}
 	if _, err := nc.Write(b); err != nil {
-		return kv.Geometry{}, "", fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
+		return kvwire.Welcome{}, fmt.Errorf("%w: %w", kv.ErrOwnerGone, err)
 	}
-	h, p, err := rd.Next(nc)
+	h, p, _, err := ln.frame(true)
 	if err != nil {
 		if ctx.Err() != nil {
-			return kv.Geometry{}, "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, ctx.Err())
+			return kvwire.Welcome{}, fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, ctx.Err())
 		}
-		return kv.Geometry{}, "", fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
+		return kvwire.Welcome{}, fmt.Errorf("%w: the handshake: %w", kv.ErrOwnerGone, err)
 	}
 	switch h.Type {
 	case kvwire.TypeWelcome:
 		m, err := kvwire.DecodeWelcome(p)
 		if err != nil {
-			return kv.Geometry{}, "", err
+			return kvwire.Welcome{}, err
 		}
 		if err := m.Geometry.Validate(); err != nil {
-			return kv.Geometry{}, "", fmt.Errorf("kv/replica: the owner's geometry: %w", err)
+			return kvwire.Welcome{}, fmt.Errorf("kv/replica: the owner's geometry: %w", err)
 		}
-		return m.Geometry, m.Slab, nil
+		return m, nil
 	case kvwire.TypeRefused:
-		// Its code says why: kv.ErrRefused, kv.ErrGeometry (the device), kv.ErrLimit.
-		return kv.Geometry{}, "", kvwire.ParseError(h.Type, p)
+		// Its code says why: kv.ErrRefused (the policy, the version), kv.ErrGeometry
+		// (the device), kv.ErrLimit.
+		return kvwire.Welcome{}, kvwire.ParseError(h.Type, p)
 	}
-	return kv.Geometry{}, "", fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
+	return kvwire.Welcome{}, fmt.Errorf("%w: the owner answered Hello with %s", kvwire.ErrMalformed, h.Type)
 }
 
-// watch marks the owner of connection nc gone when its process (owner) exits or the
-// slab's exporter's connection ends, until stop closes.
+// watch marks the owner of connection nc gone when its process (owner) exits, until
+// stop closes.
 func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan struct{}) {
 	exited := make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -345,11 +335,6 @@ func (r *Replica) watch(nc *net.UnixConn, owner *peercred.Process, stop chan str
 	select {
 	case <-exited:
 		r.failConn(nc, errors.New("its process exited"))
-	case <-r.imp.Done():
-		r.mu.Lock()
-		r.stranded = true
-		r.mu.Unlock()
-		r.failConn(nc, r.imp.Err())
 	case <-stop:
 	}
 }
@@ -381,16 +366,9 @@ func (r *Replica) Geometry() kv.Geometry { return r.geo }
 // Device is the device the replica's slab is on.
 func (r *Replica) Device() int { return r.dev }
 
-// Segments is how the slab lies in its allocations.
-func (r *Replica) Segments() kv.Segments { return r.segs }
-
-// SegmentPtrs are the addresses of the slab's segments in this process, on the
-// replica's device, in order. They are the [Replica]'s own: do not modify them.
-func (r *Replica) SegmentPtrs() []cudart.DevicePtr { return r.ptrs }
-
 // Layer is where layer's K and V tensors begin in this process, on the replica's
-// device: each [Pages, TokensPerPage, KVHeads, HeadDim], contiguous. layer must be in
-// [0, Geometry().Layers).
+// device: each [Pages, TokensPerPage, KVHeads, HeadDim], contiguous, its first
+// Mapped() pages mapped. layer must be in [0, Geometry().Layers).
 func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
 	return r.Addr(layer, kv.K, 0), r.Addr(layer, kv.V, 0)
 }
@@ -398,7 +376,7 @@ func (r *Replica) Layer(layer int) (k, v cudart.DevicePtr) {
 // Addr is the address of page's block of layer's part in this process
 // (Geometry().PageBytes() bytes). layer and page must be in range.
 func (r *Replica) Addr(layer int, p kv.Part, page int) cudart.DevicePtr {
-	return r.segs.Addr(r.ptrs, layer, p, page)
+	return r.layout.Addr(r.m.Bases(), layer, p, page)
 }
 
 // Hashes is [kv.PrefixHashes] of tokens with the replica's namespace and page size.
@@ -552,19 +530,12 @@ func (r *Replica) teardown(ctx context.Context) error {
 	events := r.allNotifiers()
 	r.notifiers, r.retired = map[cudart.Stream]*streamNotifier{}, nil
 	r.evMu.Unlock()
-	if len(r.ms) > 0 {
-		// The segments' imports are freed after the last seal and release of every stream.
-		for _, e := range events {
-			if err := r.rt.StreamWaitEvent(r.dev, r.stream, e.ev); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		if err := r.imp.ReleaseAll(ctx, r.ms, r.stream); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if r.imp != nil {
-		if err := r.imp.Close(ctx); err != nil {
+	if r.m != nil {
+		// The slab is unmapped once the last seal and release of every stream have
+		// completed; if ctx ends first, it stays mapped, to the process's exit.
+		if err := r.awaitEvents(ctx, events); err != nil {
+			errs = append(errs, fmt.Errorf("kv/replica: the slab stays mapped: its streams' work has not completed: %w", err))
+		} else if err := r.m.Close(); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -579,6 +550,7 @@ func (r *Replica) teardown(ctx context.Context) error {
 	if r.owner != nil {
 		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
 	}
+	r.stopKeeper()
 	if err := r.host.unmap(); err != nil {
 		errs = append(errs, err)
 	}

@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart/cudarttest"
-	"github.com/cudapool/cudapool/export/consumer"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
@@ -388,7 +387,7 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 	w, wdev, ws := dial(t, dir, 0)
 	r, rdev, rs := dial(t, dir, 1)
 	ctx := bound(t)
-	require.NotEqual(t, w.SegmentPtrs(), r.SegmentPtrs(), "each device has its slab")
+	require.NotEqual(t, w.Regions(), r.Regions(), "each device has its slab")
 	hashes := sealed(t, wdev, w, ws, 11, 6)
 	local := sealed(t, rdev, r, rs, 11, 2) // the first two are on device 1 already
 	require.Equal(t, hashes[:2], local)
@@ -416,7 +415,7 @@ func TestCrossDeviceMatchCopies(t *testing.T) {
 func TestOwnerClosesWhileIdle(t *testing.T) {
 	dir := shortDir(t)
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, small, owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, odev, small)
 	require.NoError(t, err)
 	r, _, _ := dial(t, dir, 0)
 	closed := make(chan error, 1)
@@ -482,14 +481,25 @@ func TestCloseWaitsForReleases(t *testing.T) {
 	eventually(t, "the owner to drop the closed replica", func() bool { return len(o.Stats().Replicas) == 0 })
 }
 
-// TestOneReplicaPerRuntime: a second Replica of one runtime fails, and says why.
-func TestOneReplicaPerRuntime(t *testing.T) {
+// TestReplicasOfOneRuntime: one runtime holds several Replicas, each mapping the
+// slab of its own (the VMM route imports each chunk anew): pages one seals read back
+// through another's mapping, and one on another device works alongside.
+func TestReplicasOfOneRuntime(t *testing.T) {
 	o, _, dir := startOwner(t, small, 0, 1)
-	_, dev, _ := dial(t, dir, 0)
-	_, err := replica.Dial(bound(t), dir, dev, 1)
-	require.ErrorIs(t, err, consumer.ErrDuplicateImporter)
-	assert.NotErrorIs(t, err, kv.ErrOwnerGone)
-	eventually(t, "the failed replica's connection to end", func() bool { return len(o.Stats().Replicas) == 1 })
+	w, dev, ws := dial(t, dir, 0)
+	r, err := replica.Dial(bound(t), dir, dev, 0)
+	require.NoError(t, err)
+	other, err := replica.Dial(bound(t), dir, dev, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, w.Regions(), r.Regions(), "each maps the slab at addresses of its own")
+	hashes := sealed(t, dev, w, ws, 3, 4)
+	m, err := r.Match(bound(t), hashes)
+	require.NoError(t, err)
+	require.NoError(t, check(dev, r, ws, m.Pages(), hashes))
+	require.NoError(t, r.Release(bound(t), m, ws))
+	require.NoError(t, r.Close(bound(t)))
+	require.NoError(t, other.Close(bound(t)))
+	eventually(t, "the closed replicas' connections to end", func() bool { return len(o.Stats().Replicas) == 1 })
 }
 
 // TestConcurrentCalls: many goroutines share one replica, some of them giving up on

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/kvtest"
@@ -32,8 +33,7 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 	// One P: an object recycled through a pool goes to the very next call, so that a
 	// leftover signal is met at once rather than by chance.
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
-	_, _, realDir := startOwner(t, small)
-	echo := kvtest.NewEcho(t, realDir, small)
+	echo := kvtest.NewEcho(t, cudarttest.ForTest(t), small)
 	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	var armed atomic.Bool
 	injected := errors.New("failed by the test as the reply was read")
@@ -82,8 +82,7 @@ func TestRepliesReachTheirCallsAcrossReconnects(t *testing.T) {
 // failure meets depends on how the goroutines interleave; the seed fixes how often.
 func TestRepliesReachTheirCallsUnderConcurrentReconnects(t *testing.T) {
 	const goroutines, matches, seed = 4, 40, 29
-	_, _, realDir := startOwner(t, small)
-	echo := kvtest.NewEcho(t, realDir, small)
+	echo := kvtest.NewEcho(t, cudarttest.ForTest(t), small)
 	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	rng := rand.New(rand.NewPCG(seed, 0))
 	var mu sync.Mutex
@@ -154,8 +153,7 @@ func matchAndRelease(ctx context.Context, r *replica.Replica, echo *kvtest.Echo,
 // recorded what the reply did only after that: the restarted owner did not hold the
 // lease matched (its Release failed with kv.ErrStaleLease), and held the one released.
 func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
-	_, _, realDir := startOwner(t, small)
-	echo := kvtest.NewEcho(t, realDir, small)
+	echo := kvtest.NewEcho(t, cudarttest.ForTest(t), small)
 	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	var armed atomic.Bool
 	replica.OnReplied(r, func() {
@@ -182,8 +180,7 @@ func TestReattachDeclaresTheLeasesTheRepliesLeft(t *testing.T) {
 // It failed before: the lease stayed among those held, and was re-declared to the
 // restarted owner, which then held its pages until Close.
 func TestReleaseGivenUpOnIsNotRedeclared(t *testing.T) {
-	_, _, realDir := startOwner(t, small)
-	echo := kvtest.NewEcho(t, realDir, small)
+	echo := kvtest.NewEcho(t, cudarttest.ForTest(t), small)
 	r, _, s := dial(t, echo.Dir(), 0, replica.WithReconnect())
 	l, err := r.Match(bound(t), []kv.Hash{{1}})
 	require.NoError(t, err)

@@ -34,7 +34,7 @@ func geometryArg(args []string) kv.Geometry {
 func ownerRole(args []string) int {
 	dev := cudarttest.New()
 	defer dev.Close()
-	o, err := owner.Listen(args[0], dev, geometryArg(args), owner.WithoutAnnounce())
+	o, err := owner.Listen(args[0], dev, geometryArg(args))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "owner:", err)
 		return 1

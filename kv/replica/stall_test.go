@@ -5,35 +5,31 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/testwait"
+	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
+	"github.com/cudapool/cudapool/vmm"
 )
 
-// stalledOwner serves a directory whose slab socket is o's and whose page socket
-// answers Hello and then reads nothing more, as an owner whose connection's goroutine
-// is stuck would; hangUp closes that page connection.
-func stalledOwner(t *testing.T, o *owner.Owner, realDir string) (dir string, hangUp func()) {
-	return welcomingOwner(t, realDir, o.Geometry())
-}
-
-// welcomingOwner is stalledOwner with the geometry its Welcome says.
-func welcomingOwner(t *testing.T, realDir string, g kv.Geometry) (dir string, hangUp func()) {
+// stalledOwner serves a directory whose page socket answers Hello with a Welcome of
+// o's slab with no chunk mapped and then reads nothing more, as an owner whose
+// connection's goroutine is stuck would; hangUp closes that page connection.
+func stalledOwner(t *testing.T, o *owner.Owner, _ string) (dir string, hangUp func()) {
 	dir = shortDir(t)
 	accepted := make(chan net.Conn, 1)
-	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
 	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
 	require.NoError(t, err)
 	t.Cleanup(func() { ln.Close() })
@@ -46,7 +42,7 @@ func welcomingOwner(t *testing.T, realDir string, g kv.Geometry) (dir string, ha
 		if _, _, err := kvwire.NewReader().Next(nc); err != nil {
 			return
 		}
-		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: g, Slab: kvwire.SlabName(0)})
+		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), ChunkBytes: o.Layout().ChunkBytes(), Slab: kvwire.SlabName(0, 1)})
 		nc.Write(b) // the test's Dial fails if it does not arrive
 	}()
 	return dir, func() { testwait.Recv(t, accepted, "the replica's page connection").Close() }
@@ -153,11 +149,27 @@ func TestCloseBehindABusyStreamEndsWithItsContext(t *testing.T) {
 	eventually(t, "the owner to drop the closed replica", func() bool { return len(o.Stats().Replicas) == 0 })
 }
 
-// fakeOwner serves a directory whose slab socket is o's and whose page socket answers
-// Hello, then each request with answer(request's header).
-func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwire.Header) []byte) string {
+// fakeOwner serves a directory whose page socket answers Hello with a slab of o's
+// geometry and chunks, every chunk mapped (made on a software device of its own), then
+// each request with answer(request's header).
+func fakeOwner(t *testing.T, o *owner.Owner, _ string, answer func(h kvwire.Header) []byte) string {
 	dir := shortDir(t)
-	require.NoError(t, os.Symlink(filepath.Join(realDir, owner.SlabSocket), filepath.Join(dir, owner.SlabSocket)))
+	l := o.Layout()
+	dev := cudarttest.ForTest(t)
+	var fds []int
+	for range l.Chunks() {
+		c, err := vmm.NewChunk(dev, 0, l.ChunkBytes())
+		require.NoError(t, err)
+		fd, err := c.Export()
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+		fds = append(fds, fd)
+	}
+	t.Cleanup(func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	})
 	ln, err := net.Listen("unix", filepath.Join(dir, owner.PageSocket))
 	require.NoError(t, err)
 	t.Cleanup(func() { ln.Close() })
@@ -171,9 +183,15 @@ func fakeOwner(t *testing.T, o *owner.Owner, realDir string, answer func(h kvwir
 		if _, _, err := rd.Next(nc); err != nil {
 			return
 		}
-		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), Slab: kvwire.SlabName(0)})
+		b, _ := kvwire.AppendWelcome(nil, 0, kvwire.Welcome{Geometry: o.Geometry(), ChunkBytes: l.ChunkBytes(), Chunks: uint32(len(fds)), Slab: kvwire.SlabName(0, 1)})
 		if _, err := nc.Write(b); err != nil {
 			return
+		}
+		for i, fd := range fds {
+			b, _ := kvwire.AppendGrow(nil, kvwire.Grow{Chunk: uint32(i)})
+			if unixfd.Send(nc.(*net.UnixConn), b, fd) != nil {
+				return
+			}
 		}
 		for {
 			h, _, err := rd.Next(nc)
@@ -313,7 +331,7 @@ func TestDialWaitsForOwner(t *testing.T) {
 		dialed <- err
 	}()
 	odev := cudarttest.ForTest(t)
-	o, err := owner.Listen(dir, odev, small, owner.WithoutAnnounce())
+	o, err := owner.Listen(dir, odev, small)
 	require.NoError(t, err)
 	require.NoError(t, testwait.Recv(t, dialed, "a Dial waiting for the owner"))
 	require.NoError(t, o.Close(bound(t)))

@@ -1,5 +1,5 @@
 """The KV page pool from Python: a replica of an owner (cmd/kvpoold) that maps the
-owner's slab (its segments) once and leases its pages by index (ctypes over
+owner's slab once and leases its pages by index (ctypes over
 libcudapool's KV calls).
 
     r = cudapool.kv.Replica("/run/kv", device=0, namespace="llama")
@@ -15,9 +15,10 @@ libcudapool's KV calls).
 
 Each layer's K (and V) is one tensor [pages, tokens_per_page, kv_heads, head_dim] of
 the geometry's dtype (the FlashAttention / FlashInfer paged layout), contiguous, and a
-page index names the same block in every layer. The slab is several allocations
-(Replica.segments, each at most 4 GiB: a process cannot import larger ones), each
-tensor whole in one of them, so there is no one slab address: use layer_ptrs or
+page index names the same block in every layer. The slab is on the VMM route: one
+range of addresses per tensor (Replica.segments, its regions: K0, V0, K1, ...),
+whatever its size, into which the owner maps chunks as the slab grows (a page a lease
+names is always mapped), so there is no one slab address: use layer_ptrs or
 kv_caches. prefix_hashes is the pure-Python reference of the hashes (Replica.hashes
 computes the same in Go). Only kv_caches imports torch.
 
@@ -240,7 +241,7 @@ class Geometry:
     """The KV geometry of an owner's slab: per layer, K and V of pages pages of
     tokens_per_page tokens of kv_heads x head_dim elements of dtype ("bf16", "fp16",
     "fp32" or "fp8e4m3"). Each layer's K (and V) is one tensor [pages]
-    [tokens_per_page][kv_heads][head_dim], row-major, in one of the slab's segments
+    [tokens_per_page][kv_heads][head_dim], row-major, a region of the slab of its own
     (Replica.layer_ptrs says where)."""
 
     layers: int
@@ -273,14 +274,15 @@ class Geometry:
 
     @property
     def slab_bytes(self) -> int:
-        """The whole slab, every segment: layers * 2 * tensor_bytes."""
+        """The whole slab at its bound, every tensor: layers * 2 * tensor_bytes."""
         return self.layers * 2 * self.tensor_bytes
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One allocation of a replica's slab, mapped in this process: its device address
-    ptr and its size in bytes."""
+    """One region of a replica's slab in this process, one tensor's (K0, V0, K1, ...):
+    its device address ptr and the bytes of addresses it reserves, size (at least the
+    tensor's), of which the owner's chunks map the first as the slab grows."""
 
     ptr: int
     size: int
@@ -515,8 +517,8 @@ class Replica:
         The slab's geometry: layers, kv_heads, head_dim, dtype, tokens_per_page,
         pages, and the sizes of a page (page_bytes, page_span_bytes) and a tensor.
     segments : tuple of Segment
-        The slab's allocations in this process, in order: each layer's K and V lies
-        whole in one of them (layer_ptrs says where). Without torch, layer_ptrs is how
+        The slab's regions in this process, one per tensor, in order (K0, V0, K1, ...):
+        layer l's K is segments[2 * l], its V segments[2 * l + 1]. Without torch, layer_ptrs is how
         kernels address pages: page p of layer l's K starts at layer_ptrs(l)[0] +
         p * geometry.page_bytes.
     device : int
@@ -850,8 +852,8 @@ class Replica:
 
     def kv_caches(self) -> List[Tuple[Any, Any]]:
         """Per layer, (K, V) torch tensors [pages, tokens_per_page, kv_heads, head_dim]
-        of the geometry's dtype on this replica's device, views of the mapped slab's
-        segments (no copy), built from layer_ptrs. Imports torch."""
+        of the geometry's dtype on this replica's device, views of the slab's regions
+        (no copy), built from layer_ptrs. Imports torch."""
         import torch
         g = self.geometry
         dtype = getattr(torch, _TORCH_DTYPES[g.dtype])

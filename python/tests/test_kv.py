@@ -44,9 +44,10 @@ def runtime_flag():
 
 class Owner:
     """A kvpoold process serving a fresh directory; its log is in dir/kvpoold.log. Its
-    slab is segments of at most segment_bytes (3 tensors of 64 pages of the layout)."""
+    slab maps chunks of the device's granularity (kvpoold's default for small
+    slabs)."""
 
-    def __init__(self, pages=64, layout=LAYOUT, segment_bytes="3MiB"):
+    def __init__(self, pages=64, layout=LAYOUT):
         need_kvpoold()
         os.makedirs(os.environ["CUDAPOOL_DIR"], exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="kv-", dir=os.environ["CUDAPOOL_DIR"])
@@ -54,7 +55,7 @@ class Owner:
         self.log_path = os.path.join(self.dir, "kvpoold.log")
         self.log = open(self.log_path, "wb")
         self.args = [KVPOOLD, "-dir", self.serve, "-layout", layout, "-pages", str(pages), "-devices", "0",
-                     "-segment-bytes", segment_bytes, "-runtime", runtime_flag()]
+                     "-runtime", runtime_flag()]
         self.keepers = set()
         self.start()
 
@@ -356,15 +357,14 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g.page_span_bytes, 16 * 2 * g.page_bytes, "a page in every layer's K and V")
         self.assertEqual(g.slab_bytes, g.pages * g.page_span_bytes)
         self.assertEqual(g.tensor_bytes, 64 * g.page_bytes)
-        # 32 tensors of 1 MiB, 3 to a segment of at most 3 MiB: 10 of 3 MiB and 1 of 2.
+        # 32 tensors of 1 MiB, each a region of 2 MiB of addresses (a chunk of the
+        # software device's granularity).
         segs = self.r.segments
-        self.assertEqual([s.size for s in segs], [3 << 20] * 10 + [2 << 20])
-        self.assertEqual(sum(s.size for s in segs), g.slab_bytes)
+        self.assertEqual([s.size for s in segs], [2 << 20] * 32)
         self.assertTrue(all(s.ptr for s in segs))
         for layer in range(g.layers):
             for part in (0, 1):
-                t = 2 * layer + part
-                want = segs[t // 3].ptr + (t % 3) * g.tensor_bytes
+                want = segs[2 * layer + part].ptr
                 self.assertEqual(self.r.layer_ptrs(layer)[part], want, "layer %d part %d" % (layer, part))
         with self.assertRaises(IndexError):
             self.r.layer_ptrs(16)
@@ -1002,7 +1002,7 @@ class KVCachesLayoutTest(unittest.TestCase):
                 ends.append((x.base, x.base + g.tensor_bytes))
         for (lo, hi) in ends:
             self.assertTrue(any(s.ptr <= lo and hi <= s.ptr + s.size for s in r.segments),
-                            "each tensor lies whole in one segment")
+                            "each tensor lies whole in one region")
         ends.sort()
         self.assertTrue(all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "no two tensors overlap")
 

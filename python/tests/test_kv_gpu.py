@@ -98,9 +98,10 @@ class KVTorchTest(unittest.TestCase):
         need("torch")
         need_gpu()
         need_kvpoold()
-        # 256 pages make each layer's K (and V) a tensor of 4 MiB: segments of 8 MiB
-        # hold two (the default 3 MiB holds none, and kvpoold refuses the geometry).
-        self.owner = Owner(pages=256, segment_bytes="8MiB")
+        # 256 pages make each layer's K (and V) a tensor of 4 MiB: two chunks of the
+        # GPU's granularity (2 MiB), one mapped at the start, the other as pages are
+        # needed.
+        self.owner = Owner(pages=256)
         self.addCleanup(self.owner.stop)
 
     def test_kernel_writes_reach_another_replicas_reads(self):

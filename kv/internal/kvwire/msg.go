@@ -63,7 +63,7 @@ type Limit struct{ Min, Max int }
 // with no entry is unknown.
 var PayloadLimits = map[Type]Limit{
 	TypeHello:      {14, 14 + MaxText},
-	TypeWelcome:    {GeometryLen + 2, GeometryLen + 2 + MaxText},
+	TypeWelcome:    {GeometryLen + 18, GeometryLen + 18 + MaxText},
 	TypeRefused:    {4, 4 + MaxText},
 	TypeAlloc:      {4, 4},
 	TypeLeased:     {12, 12 + 4*kv.MaxBatch},
@@ -78,6 +78,8 @@ var PayloadLimits = map[Type]Limit{
 	TypeError:      {4, 4 + MaxText},
 	TypeBye:        {0, PointLen},
 	TypeNotifier:   {4, 4},
+	TypeGrow:       {4, 4},
+	TypeShrink:     {4, 4},
 }
 
 // KnownFlags are the flag bits a frame of type t may carry.
@@ -90,7 +92,7 @@ func KnownFlags(t Type) uint8 {
 
 // Decode decodes the payload p of a frame with header h into the message of its type
 // (Hello, Welcome, Problem, Alloc, Lease, Seal, Sealed, Match, Release, Released,
-// StatsReply, Empty, Bye or Notifier), as the Decode function of that type does. A payload that
+// StatsReply, Empty, Bye, Notifier, Grow or Shrink), as the Decode function of that type does. A payload that
 // breaks the layout, or flags its type does not define, fail with an error wrapping
 // ErrMalformed; a batch over kv.MaxBatch with one wrapping kv.ErrTooLarge. What decodes
 // encodes back (Append) to the same bytes.
@@ -127,6 +129,10 @@ func Decode(h Header, p []byte) (any, error) {
 		return DecodeBye(p)
 	case TypeNotifier:
 		return DecodeNotifier(p)
+	case TypeGrow:
+		return DecodeGrow(p)
+	case TypeShrink:
+		return DecodeShrink(p)
 	}
 	return nil, fmt.Errorf("%w: unknown frame type %s", ErrMalformed, h.Type)
 }
@@ -149,7 +155,21 @@ func DecodeHello(p []byte) (Hello, error) {
 // DecodeWelcome decodes a Welcome's payload (the geometry not validated).
 func DecodeWelcome(p []byte) (Welcome, error) {
 	r := NewParser(TypeWelcome, p)
-	m := Welcome{Geometry: r.Geometry(), Slab: r.Text()}
+	m := Welcome{Geometry: r.Geometry(), ChunkBytes: r.U64(), Chunks: r.U32(), Keeper: r.U32(), Slab: r.Text()}
+	return m, r.Done()
+}
+
+// DecodeShrink decodes a Shrink's payload.
+func DecodeShrink(p []byte) (Shrink, error) {
+	r := NewParser(TypeShrink, p)
+	m := Shrink{Chunks: r.U32()}
+	return m, r.Done()
+}
+
+// DecodeGrow decodes a Grow's payload.
+func DecodeGrow(p []byte) (Grow, error) {
+	r := NewParser(TypeGrow, p)
+	m := Grow{Chunk: r.U32()}
 	return m, r.Done()
 }
 
@@ -274,6 +294,10 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 		return frame(b, TypeBye, 0, id, m.Point.append)
 	case Notifier:
 		return frame(b, TypeNotifier, 0, id, func(b []byte) []byte { return appendU32(b, m.ID) })
+	case Grow:
+		return frame(b, TypeGrow, 0, id, func(b []byte) []byte { return appendU32(b, m.Chunk) })
+	case Shrink:
+		return frame(b, TypeShrink, 0, id, func(b []byte) []byte { return appendU32(b, m.Chunks) })
 	}
 	return b, fmt.Errorf("kvwire: no frame carries a %T", m)
 }

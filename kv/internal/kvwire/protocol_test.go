@@ -70,7 +70,7 @@ func protocolSamples() []sample {
 	geo := kv.Geometry{Layers: 0x0201, KVHeads: 0x0202, HeadDim: 0x0203, TokensPerPage: 0x0204, Pages: 0x0205, DType: kv.DTypeFP32}
 	return []sample{
 		{TypeHello, Hello{Version: 0x0101, PID: 0x0102, Device: 0x0103, Namespace: "llama/prod"}},
-		{TypeWelcome, Welcome{Geometry: geo, Slab: "kv/slab/0"}},
+		{TypeWelcome, Welcome{Geometry: geo, ChunkBytes: 0x0211121314151617, Chunks: 0x0221, Keeper: 0x0231, Slab: "kv/slab/0@1f"}},
 		{TypeRefused, Problem{Code: 0x0301, Text: "not you"}},
 		{TypeAlloc, Alloc{Pages: 0x0401}},
 		{TypeLeased, Lease{ID: 0x0501, Pages: []uint32{0x0502, 0x0503}}},
@@ -85,6 +85,8 @@ func protocolSamples() []sample {
 		{TypeError, Problem{Code: 0x0e01, Text: "no room"}},
 		{TypeBye, Bye{Final: true, Point: at}},
 		{TypeNotifier, Notifier{ID: 0x1201}},
+		{TypeGrow, Grow{Chunk: 0x1301}},
+		{TypeShrink, Shrink{Chunks: 0x1401}},
 	}
 }
 

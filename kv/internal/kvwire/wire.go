@@ -20,17 +20,22 @@ import (
 // Version is the version of the page protocol; Hello carries it. Version 2 gave
 // Refused an error code and the Hello's id; version 3 replaced the IPC event of Seal,
 // Release and Bye with a Point of a notifier (an eventfd the replica passes once, in a
-// Notifier frame).
-const Version = 3
+// Notifier frame); version 4 put the slab on the VMM route: the Welcome says how it
+// lies in chunks (kv.SlabLayout), and the chunks' descriptors ride with Grow frames on
+// this connection, where segments were imported from slab.sock before.
+const Version = 4
 
 // The files of an owner's directory.
 const (
-	SlabSocket = "slab.sock" // export's socket: the slabs, published whole
-	PageSocket = "kv.sock"   // the page server
+	PageSocket = "kv.sock" // the page server
 )
 
-// SlabName is the name the slab of device dev is published under.
-func SlabName(dev int) string { return "kv/slab/" + strconv.Itoa(dev) }
+// SlabName is the name of the slab of device dev whose chunks were first made under
+// id (random, so that a replica tells a restarted owner's slab of the same memory from a
+// new one).
+func SlabName(dev int, id uint64) string {
+	return "kv/slab/" + strconv.Itoa(dev) + "@" + strconv.FormatUint(id, 16)
+}
 
 const (
 	// HeaderLen is the bytes of a frame before its payload.
@@ -73,10 +78,12 @@ const (
 	TypeReattach   Type = 16 // replica: a lease held from before the owner's restart; id 0 ends the list
 	TypeReattached Type = 17 // owner: the lease is kept, or lost and why
 	TypeNotifier   Type = 18 // replica: a notifier's id; its eventfd rides with the frame (SCM_RIGHTS); no reply
+	TypeGrow       Type = 19 // owner: a chunk of the slab, mapped; its descriptor rides with the frame (SCM_RIGHTS); id 0, no reply
+	TypeShrink     Type = 20 // owner: the slab keeps this many chunks, the others unmapped; id 0, no reply
 )
 
 func (t Type) String() string {
-	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached", "Notifier"}
+	names := [...]string{"", "Hello", "Welcome", "Refused", "Alloc", "Leased", "Seal", "Sealed", "Match", "Matched", "Release", "Released", "Stats", "StatsReply", "Error", "Bye", "Reattach", "Reattached", "Notifier", "Grow", "Shrink"}
 	if int(t) < len(names) && t != 0 {
 		return names[t]
 	}
@@ -188,15 +195,44 @@ func AppendGeometry(b []byte, g kv.Geometry) []byte {
 	return append(b, byte(g.DType), 0, 0, 0)
 }
 
-// Welcome admits a replica.
+// Welcome admits a replica: the slab's geometry, the size of its chunks (the layout is
+// Geometry.SlabLayout(ChunkBytes)), how many chunks are mapped (the Grow frames that
+// follow at once carry their descriptors, one each, before any reply), the pid of the
+// keeper that holds them (0: none; the slab is gone once it exits) and the slab's
+// name.
 type Welcome struct {
-	Geometry kv.Geometry
-	Slab     string
+	Geometry   kv.Geometry
+	ChunkBytes uint64
+	Chunks     uint32
+	Keeper     uint32
+	Slab       string
 }
 
 // AppendWelcome appends a Welcome frame.
 func AppendWelcome(b []byte, id uint32, m Welcome) ([]byte, error) {
-	return frame(b, TypeWelcome, 0, id, func(b []byte) []byte { return appendText(AppendGeometry(b, m.Geometry), m.Slab) })
+	return frame(b, TypeWelcome, 0, id, func(b []byte) []byte {
+		return appendText(appendU32(appendU32(appendU64(AppendGeometry(b, m.Geometry), m.ChunkBytes), m.Chunks), m.Keeper), m.Slab)
+	})
+}
+
+// Grow says that chunk Chunk of the slab is mapped; its descriptor rides with the
+// frame (SCM_RIGHTS). The owner sends it with id 0 before any reply that grants a page
+// in that chunk.
+type Grow struct{ Chunk uint32 }
+
+// Shrink says that the slab keeps its first Chunks chunks: the owner has given the
+// pages of the others back (none is leased, nor will be) and unmaps them; a replica
+// unmaps them too, so that their memory goes back to the driver. Id 0, no reply.
+type Shrink struct{ Chunks uint32 }
+
+// AppendShrink appends a Shrink frame.
+func AppendShrink(b []byte, m Shrink) ([]byte, error) {
+	return frame(b, TypeShrink, 0, 0, func(b []byte) []byte { return appendU32(b, m.Chunks) })
+}
+
+// AppendGrow appends a Grow frame; the caller sends it with the descriptor.
+func AppendGrow(b []byte, m Grow) ([]byte, error) {
+	return frame(b, TypeGrow, 0, 0, func(b []byte) []byte { return appendU32(b, m.Chunk) })
 }
 
 // AppendError appends an Error frame, or with t TypeRefused a Refused frame: a code

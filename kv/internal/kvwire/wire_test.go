@@ -48,7 +48,7 @@ func frames(t *testing.T) []byte {
 	}
 	must(AppendHello(b, 1, Hello{Version: Version, PID: 42, Device: 1, Namespace: "ns"}))
 	g := kv.Geometry{Layers: 3, KVHeads: 4, HeadDim: 5, TokensPerPage: 6, DType: kv.DTypeFP16, Pages: 7}
-	must(AppendWelcome(b, 2, Welcome{Geometry: g, Slab: "kv/slab/1"}))
+	must(AppendWelcome(b, 2, Welcome{Geometry: g, ChunkBytes: 2 << 20, Chunks: 12, Slab: "kv/slab/1@7"}))
 	must(AppendLease(b, TypeLeased, 3, 99, []uint32{5, 6, 7}))
 	must(AppendSeal(b, 4, true, 99, at, []kv.Hash{{1}, {2}}))
 	must(AppendSealed(b, 5, Sealed{Visible: 1, Duplicates: 2, Pending: 3}))
@@ -77,7 +77,10 @@ func checkFrames(t *testing.T, rd *Reader, src io.Reader) {
 	require.NoError(t, p.Done())
 	p = next(TypeWelcome, 2)
 	assert.Equal(t, kv.Geometry{Layers: 3, KVHeads: 4, HeadDim: 5, TokensPerPage: 6, DType: kv.DTypeFP16, Pages: 7}, p.Geometry())
-	assert.Equal(t, "kv/slab/1", p.Text())
+	assert.Equal(t, uint64(2<<20), p.U64())
+	assert.Equal(t, uint32(12), p.U32())
+	assert.Equal(t, uint32(0), p.U32())
+	assert.Equal(t, "kv/slab/1@7", p.Text())
 	require.NoError(t, p.Done())
 	p = next(TypeLeased, 3)
 	assert.Equal(t, uint64(99), p.U64())

@@ -85,11 +85,18 @@ func (t *Table) Check() error {
 		}
 	}
 
-	var count [nStates]int
-	leased, releasing, unread, listed := 0, 0, 0, 0
+	var count, dcount [nStates]int
+	leased, releasing, unread, listed, dunread := 0, 0, 0, 0, 0
+	if t.limit < 1 || t.limit > len(t.g) {
+		bad("pages from %d of %d given back", t.limit, len(t.g))
+	}
 	for i := range t.g {
 		p, g := uint32(i), &t.g[i]
+		drain := i >= t.limit
 		count[g.state]++
+		if drain {
+			dcount[g.state]++
+		}
 		if int(g.readers) != readers[p] || int(g.releasing) != releases[p] {
 			bad("page %d (%s) has %d readers and %d releasing, its leases %d and %d", p, g.state, g.readers, g.releasing, readers[p], releases[p])
 		}
@@ -111,12 +118,15 @@ func (t *Table) Check() error {
 				leased++
 			} else {
 				unread++
+				if drain {
+					dunread++
+				}
 			}
 			if g.releasing > 0 {
 				releasing++
 			}
 		}
-		want := g.state == Sealed && g.readers == 0 && g.releasing == 0
+		want := g.state == Sealed && g.readers == 0 && g.releasing == 0 && !drain
 		if want != g.listed {
 			bad("page %d (%s, %d readers, %d releasing) listed %v", p, g.state, g.readers, g.releasing, g.listed)
 		}
@@ -132,13 +142,14 @@ func (t *Table) Check() error {
 			}
 		}
 	}
-	if count != t.count || leased != t.leased || releasing != t.releasing || unread != t.unread {
-		bad("counts %v leased %d releasing %d unread %d; recounted %v %d %d %d", t.count, t.leased, t.releasing, t.unread, count, leased, releasing, unread)
+	if count != t.count || leased != t.leased || releasing != t.releasing || unread != t.unread || dcount != t.dcount || dunread != t.dunread {
+		bad("counts %v leased %d releasing %d unread %d given back %v %d; recounted %v %d %d %d %v %d", t.count, t.leased, t.releasing, t.unread,
+			t.dcount, t.dunread, count, leased, releasing, unread, dcount, dunread)
 	}
 	if len(t.index) != count[Sealed] {
 		bad("%d hashes indexed, %d pages sealed", len(t.index), count[Sealed])
 	}
-	checkStack(bad, "GPU", t.free, func(p uint32) bool { return t.g[p].state == Free }, count[Free], len(t.g))
+	checkStack(bad, "GPU", t.free, func(p uint32) bool { return t.g[p].state == Free && int(p) < t.limit }, count[Free]-dcount[Free], len(t.g))
 	n, prev := 0, none
 	for p := t.glru.head; p != none && n <= len(t.g); p = t.g[p].next {
 		if !t.g[p].listed || t.g[p].prev != prev {

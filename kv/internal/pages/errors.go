@@ -10,11 +10,14 @@ var (
 	// leases ([Table.Declared]) or is dead ([Table.HolderDead]).
 	ErrWait = errors.New("pages: the reattach window is open")
 	// ErrNoSpace means not enough pages are free or evictable, and pages that settle
-	// would not make up the difference.
+	// would not make up the difference: the table may grow ([Table.Grow]).
 	ErrNoSpace = errors.New("pages: not enough free pages")
 	// ErrSettling means the pages asked for are not free or evictable now, but will be
 	// once pages that settle have settled: ask again after a SealDone or ReleaseDone.
 	ErrSettling = errors.New("pages: pages settle")
+	// ErrInUse means a shrink is not over: a page it gives back is still leased or
+	// read by a copy ([Table.Shrunk]); ask again once leases end and copies complete.
+	ErrInUse = errors.New("pages: pages given back are in use")
 	// ErrStale means the lease named is not the holder's (ended, never granted, or
 	// another holder's), or is not in a state that allows the operation.
 	ErrStale = errors.New("pages: stale lease")

@@ -5,11 +5,12 @@ import "fmt"
 // Rules turns the restart contract's rules off, one by one, to show the defect each
 // prevents: NoStrand frees a stranded write lease's pages (a reattach takes them back
 // if they are still free), RestoreInWindow lets a Match (and its restore) run in the
-// reattach window, EndAtSeal journals a write lease's end at its seal.
-type Rules struct{ NoStrand, RestoreInWindow, EndAtSeal bool }
+// reattach window, EndAtSeal journals a write lease's end at its seal,
+// ShrinkTakes lets a shrink end the leases of the pages it gives back.
+type Rules struct{ NoStrand, RestoreInWindow, EndAtSeal, ShrinkTakes bool }
 
 func (r Rules) rules() rules {
-	return rules{noStrand: r.NoStrand, restoreInWindow: r.RestoreInWindow, endAtSeal: r.EndAtSeal}
+	return rules{noStrand: r.NoStrand, restoreInWindow: r.RestoreInWindow, endAtSeal: r.EndAtSeal, shrinkTakes: r.ShrinkTakes}
 }
 
 // NewWith is New with rules off.
@@ -26,16 +27,24 @@ func RestartWith(cfg Config, rec Recovered, r Rules) (*Table, error) {
 	return restart(cfg, rec, r.rules())
 }
 
-// Writer is the lease that writes (or seals) page p, or 0.
+// Writer is the lease that writes (or seals) page p, or 0 (a page not mapped).
 func Writer(t *Table, p uint32) LeaseID {
+	if int(p) >= len(t.g) {
+		return 0
+	}
 	if st := t.g[p].state; st == Writing || st == Sealing || st == Settling {
 		return t.g[p].lease
 	}
 	return 0
 }
 
-// Readers is page p's readers.
-func Readers(t *Table, p uint32) int { return int(t.g[p].readers) }
+// Readers is page p's readers (0: a page not mapped).
+func Readers(t *Table, p uint32) int {
+	if int(p) >= len(t.g) {
+		return 0
+	}
+	return int(t.g[p].readers)
+}
 
 // LeavesFirst says where the GPU LRU list has a child more recent than its live
 // parent: eviction would take the parent first.

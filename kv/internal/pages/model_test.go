@@ -89,17 +89,27 @@ type model struct {
 	step        int
 	lastSeq     pages.Seq // the latest record's number
 	compactions int
+	// held is how many pages' memory is held: Mapped, or more while the memory of
+	// a shrink's pages waits for the journal (release) before it is given back.
+	held    int
+	pending bool      // memory waits to be released
+	freeAt  pages.Seq // once the journal is durable through this
+	shrinks int
 }
+
+// junk is what memory just mapped, or given back, holds.
+var junk = kv.Hash{0xde, 0xad}
 
 func newModel(t *testing.T, seed uint64, rules pages.Rules) *model {
 	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 	cfg := pages.Config{Pages: 6 + r.IntN(20), HostPages: r.IntN(12), Epoch: 1}
+	cfg.Bound = cfg.Pages + r.IntN(12)
 	tab, err := pages.NewWith(cfg, rules)
 	require.NoError(t, err)
 	m := &model{t: t, r: r, cfg: cfg, rules: rules, tab: tab, leases: map[pages.LeaseID]*mlease{},
 		inflight: map[pages.CopyID]pages.Copy{}, done: map[pages.CopyID]bool{},
-		gmem: make([]kv.Hash, cfg.Pages), hmem: make([]kv.Hash, cfg.HostPages),
-		mayWrite: map[uint32]*mlease{}, redeclare: map[int][]*mlease{}, chains: 2 + r.IntN(4)}
+		gmem: make([]kv.Hash, cfg.Bound), hmem: make([]kv.Hash, cfg.HostPages),
+		mayWrite: map[uint32]*mlease{}, redeclare: map[int][]*mlease{}, chains: 2 + r.IntN(4), held: cfg.Pages}
 	for range 3 {
 		m.starts++
 		m.holders = append(m.holders, pages.Holder{PID: uint32(100 + len(m.holders)), Start: m.starts})
@@ -138,6 +148,7 @@ func (m *model) apply(fx pages.Effects, l *mlease) {
 		m.inflight[c.ID] = c
 		if c.Kind == pages.Restore {
 			for _, p := range c.GPU {
+				m.checkKept(p, "restored into")
 				m.checkFresh(p, "restored into", nil)
 			}
 		}
@@ -161,6 +172,13 @@ func (m *model) checkNotHeld(r pages.Record) {
 
 // checkFresh fails if page p, handed to a writer or a copy, is one a lease holds or
 // a live writer may still write.
+// checkKept fails if page p, just granted, is past the pages a shrink keeps.
+func (m *model) checkKept(p uint32, what string) {
+	if to, _ := m.tab.Shrinking(); int(p) >= to {
+		m.fail("page %d %s, past the %d pages the table keeps", p, what, to)
+	}
+}
+
 func (m *model) checkFresh(p uint32, what string, self *mlease) {
 	if w, ok := m.mayWrite[p]; ok {
 		m.fail("page %d %s while lease %d's writer may still write it", p, what, w.id)
@@ -219,6 +237,7 @@ func (m *model) alloc() {
 	}
 	m.logf("alloc slot %d: lease %d pages %v", slot, id, got)
 	for _, p := range got {
+		m.checkKept(p, "allocated")
 		m.checkFresh(p, "allocated", nil)
 	}
 	l := &mlease{id: id, slot: slot, write: true, pages: got, chain: m.r.IntN(m.chains), parent: pages.NoRef}
@@ -318,6 +337,9 @@ func (m *model) match() {
 	}
 	l := &mlease{id: res.Lease, slot: slot, pages: res.Pages}
 	m.leases[l.id] = l
+	for _, p := range res.Pages {
+		m.checkKept(p, "matched")
+	}
 	if res.Pending {
 		l.chain, l.asked = c, hashes
 		m.apply(fx, nil)
@@ -495,6 +517,78 @@ func (m *model) spill() {
 	m.apply(fx, nil)
 }
 
+// grow maps more pages, up to the Bound; during a shrink, it may take back pages
+// given back. Memory waiting to be released is released first.
+func (m *model) grow() {
+	from, _ := m.tab.Shrinking()
+	if from == m.cfg.Bound || m.pending {
+		return
+	}
+	to := from + 1 + m.r.IntN(m.cfg.Bound-from)
+	m.logf("grow to %d", to)
+	if err := m.tab.Grow(to); err != nil {
+		m.fail("grow to %d: %v", to, err)
+	}
+	for p := m.held; p < to; p++ {
+		m.gmem[p] = junk
+	}
+	m.held = max(m.held, to)
+}
+
+// shrink starts giving back pages.
+func (m *model) shrink() {
+	from, _ := m.tab.Shrinking()
+	if from < 2 {
+		return
+	}
+	to := from - 1 - m.r.IntN((from+1)/2)
+	to = max(to, 1)
+	m.logf("shrink to %d", to)
+	fx, err := m.tab.Shrink(to)
+	if err != nil {
+		m.fail("shrink to %d: %v", to, err)
+	}
+	m.apply(fx, nil)
+}
+
+// shrunk evicts the pages given back that have come free (now and then) and ends
+// a shrink whose pages are free; their memory is released once the journal is
+// durable through what Shrunk says.
+func (m *model) shrunk() {
+	left := -1
+	if m.r.IntN(2) == 0 {
+		var fx pages.Effects
+		fx, left = m.tab.Drain()
+		m.logf("drain: %d left", left)
+		m.apply(fx, nil)
+	}
+	to, wait, err := m.tab.Shrunk()
+	if _, ok := m.tab.Shrinking(); left == 0 && ok && err != nil {
+		m.fail("shrunk with none left in use: %v", err)
+	}
+	switch {
+	case errors.Is(err, pages.ErrInUse), errors.Is(err, pages.ErrInput):
+		return
+	case err != nil:
+		m.fail("shrunk: %v", err)
+	}
+	m.logf("shrunk to %d, release after %d", to, wait)
+	m.shrinks++
+	m.pending, m.freeAt = true, wait
+}
+
+// released gives back the memory of the pages past Mapped once the journal allows.
+func (m *model) released() {
+	if !m.pending || m.freeAt > m.durableSeq() {
+		return
+	}
+	m.logf("memory of pages %d..%d released", m.tab.Mapped(), m.held)
+	for p := m.tab.Mapped(); p < m.held; p++ {
+		m.gmem[p] = junk
+	}
+	m.held, m.pending = m.tab.Mapped(), false
+}
+
 func (m *model) die() {
 	slot := m.r.IntN(len(m.holders))
 	m.logf("slot %d dies", slot)
@@ -526,6 +620,8 @@ func (m *model) crash() {
 	}
 	m.lastSeq = rec.Seq
 	m.cfg.Epoch++
+	m.cfg.Pages = m.held // the memory held is mapped again, the shrink forgotten
+	m.pending = false
 	tab, err := pages.RestartWith(m.cfg, rec, m.rules)
 	if err != nil {
 		m.fail("restart: %v", err)
@@ -673,7 +769,7 @@ func (m *model) run(steps int) (err error) {
 		}
 	}()
 	for m.step = 0; m.step < steps; m.step++ {
-		switch k := m.r.IntN(100); {
+		switch k := m.r.IntN(106); {
 		case k < 14:
 			m.alloc()
 		case k < 24:
@@ -702,9 +798,16 @@ func (m *model) run(steps int) (err error) {
 			m.crash()
 		case k < 99:
 			m.reattach()
-		default:
+		case k < 100:
 			m.tab.CloseWindow()
+		case k < 101:
+			m.grow()
+		case k < 103:
+			m.shrink()
+		default:
+			m.shrunk()
 		}
+		m.released()
 		m.dropEmptyRestores()
 		m.check()
 	}
@@ -725,7 +828,7 @@ func TestModel(t *testing.T) {
 			seeds = append(seeds, uint64(s)+1)
 		}
 	}
-	restarts, compactions := 0, 0
+	restarts, compactions, shrinks := 0, 0, 0
 	for _, seed := range seeds {
 		m := newModel(t, seed, pages.Rules{})
 		if err := m.run(*modelSteps); err != nil {
@@ -733,8 +836,9 @@ func TestModel(t *testing.T) {
 		}
 		restarts += m.restarts
 		compactions += m.compactions
+		shrinks += m.shrinks
 	}
-	t.Logf("%d seeds, %d restarts, %d compactions", len(seeds), restarts, compactions)
+	t.Logf("%d seeds, %d restarts, %d compactions, %d shrinks", len(seeds), restarts, compactions, shrinks)
 }
 
 func mapsKeys[K comparable, V any](m map[K]V) func(func(K) bool) {
@@ -749,12 +853,13 @@ func mapsKeys[K comparable, V any](m map[K]V) func(func(K) bool) {
 
 // TestModelRules shows that the model catches a table without each restart rule: a
 // write lease's pages free at a restart (NoStrand), its end journaled at its seal
-// (EndAtSeal). Each finds a failing seed among the first few hundred.
+// (EndAtSeal), a shrink that ends the leases of the pages it gives back
+// (ShrinkTakes). Each finds a failing seed among the first few hundred.
 func TestModelRules(t *testing.T) {
 	for _, c := range []struct {
 		name  string
 		rules pages.Rules
-	}{{"NoStrand", pages.Rules{NoStrand: true}}, {"EndAtSeal", pages.Rules{EndAtSeal: true}}} {
+	}{{"NoStrand", pages.Rules{NoStrand: true}}, {"EndAtSeal", pages.Rules{EndAtSeal: true}}, {"ShrinkTakes", pages.Rules{ShrinkTakes: true}}} {
 		t.Run(c.name, func(t *testing.T) {
 			for seed := uint64(1); seed <= 2000; seed++ {
 				if err := newModel(t, seed, c.rules).run(*modelSteps); err != nil {

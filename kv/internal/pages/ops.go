@@ -28,8 +28,12 @@ func (t *Table) release(p uint32) {
 	if g.listed {
 		t.gremove(p)
 	}
-	*g = gpage{prev: none, next: none, parent: NoRef, twin: none, gen: g.gen + 1, copy: g.copy}
-	t.free = append(t.free, p)
+	c := g.copy
+	*g = blank(g.gen + 1)
+	g.copy = c
+	if int(p) < t.limit {
+		t.free = append(t.free, p)
+	}
 	t.enter(p)
 }
 
@@ -231,11 +235,12 @@ func (t *Table) touchAncestors(parent Ref) {
 // used evictable ones, evicted. The reply waits for the effects (the evictions
 // journaled, pages copied out to the host tier). On failure nothing changed: ErrWait
 // in the reattach window, ErrSettling where pages that settle would do, else
-// ErrNoSpace.
+// ErrNoSpace (the caller may map more and [Table.Grow] the table, up to its
+// Bound); ErrInput for n above the Bound.
 func (t *Table) Alloc(h Holder, n int) (LeaseID, []uint32, Effects, error) {
 	switch {
-	case n < 1 || n > len(t.g):
-		return 0, nil, Effects{}, fmt.Errorf("%w: %d pages asked, the table has %d", ErrInput, n, len(t.g))
+	case n < 1 || n > t.cfg.Bound:
+		return 0, nil, Effects{}, fmt.Errorf("%w: %d pages asked, the table has at most %d", ErrInput, n, t.cfg.Bound)
 	case t.window:
 		return 0, nil, Effects{}, fmt.Errorf("%w: an alloc of %d pages", ErrWait, n)
 	case t.Evictable() < n && t.Reachable() >= n:
@@ -411,6 +416,9 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 	hosts := 0
 	for _, hh := range hashes {
 		if p, ok := t.index[hh]; ok {
+			if int(p) >= t.limit {
+				break // given back: matched no more
+			}
 			run = append(run, step{p, none})
 		} else if hp, ok := t.hostHolds(hh); ok {
 			run = append(run, step{none, hp})
@@ -629,6 +637,6 @@ func (t *Table) PickSpill(ahead, batch int) (c Copy, fx Effects, ok bool) {
 		return Copy{}, t.effects(), false
 	}
 	t.startCopy(job)
-	fx = t.effects()
-	return fx.Copies[len(fx.Copies)-1], fx, true
+	c = t.fx.Copies[len(t.fx.Copies)-1]
+	return c, t.effects(), true
 }

@@ -101,8 +101,11 @@ func Replay(records []Record) (Recovered, error) {
 // is open while any holder has a stranded lease: until each has declared its leases
 // ([Table.Declared]) or is dead ([Table.HolderDead]), or [Table.CloseWindow]. A
 // stranded lease is the holder's again once it reattaches it ([Table.Reattach]) and
-// ends when its holder is dead. cfg.Epoch must be past every lease's. On failure
-// (ErrJournal, ErrInput) there is no table.
+// ends when its holder is dead. cfg.Epoch must be past every lease's. cfg.Pages
+// are the pages mapped now: rec's records of pages past them (and below cfg.Bound)
+// are dropped, their hashes no longer visible, and a lease that names one is
+// stranded over its other pages only (its reattach refused); a page past the Bound
+// is an ErrJournal. On failure (ErrJournal, ErrInput) there is no table.
 func Restart(cfg Config, rec Recovered) (*Table, error) { return restart(cfg, rec, rules{}) }
 
 func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
@@ -112,6 +115,9 @@ func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
 	}
 	t.rules, t.seq = r, rec.Seq
 	for _, sp := range rec.Sealed {
+		if int(sp.Page) >= len(t.g) && int(sp.Page) < t.cfg.Bound {
+			continue // not mapped now: its hash is gone
+		}
 		if err := t.restoreSealed(sp); err != nil {
 			return nil, err
 		}
@@ -122,6 +128,10 @@ func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
 		}
 	}
 	for _, r := range rec.Leases {
+		r = t.mappedOnly(r)
+		if len(r.Pages) == 0 {
+			continue // of pages not mapped now: its reattach is refused
+		}
 		if err := t.restoreLease(r); err != nil {
 			return nil, err
 		}
@@ -144,6 +154,29 @@ func restart(cfg Config, rec Recovered, r rules) (*Table, error) {
 	t.window = len(t.expected) > 0
 	return t, nil
 }
+
+// mappedOnly is lease record r without its pages past Mapped and below the Bound
+// (those not mapped now): a lease that names one is stranded over the rest, which
+// stay out of reach until its holder declares or dies, and its reattach is refused.
+func (t *Table) mappedOnly(r Record) Record {
+	if !slices.ContainsFunc(r.Pages, t.unmapped) || !r.Write && len(r.Hashes) != len(r.Pages) {
+		return r
+	}
+	out := r
+	out.Pages, out.Hashes = nil, nil
+	for i, p := range r.Pages {
+		if !t.unmapped(p) {
+			out.Pages = append(out.Pages, p)
+			if !r.Write {
+				out.Hashes = append(out.Hashes, r.Hashes[i])
+			}
+		}
+	}
+	return out
+}
+
+// unmapped says whether GPU page p is one the table may have but does not now.
+func (t *Table) unmapped(p uint32) bool { return int(p) >= len(t.g) && int(p) < t.cfg.Bound }
 
 func (t *Table) restoreSealed(sp PageHash) error {
 	if int(sp.Page) >= len(t.g) || t.g[sp.Page].state != Free {
@@ -225,7 +258,7 @@ func (t *Table) Reattach(h Holder, id LeaseID, write bool, pages []uint32, hashe
 	}
 	if write && t.rules.noStrand { // the defect: the pages were free meanwhile
 		for _, p := range pages {
-			if t.g[p].state != Free {
+			if int(p) >= t.limit || t.g[p].state != Free {
 				return fmt.Errorf("%w: page %d is no longer free", ErrLost, p)
 			}
 		}

@@ -30,13 +30,17 @@ import (
 // writes on a slow stream and seal, often before the writes have landed. Writers,
 // readers and the owner are killed at random points; the owner restarts from its
 // journal with a reattach window and a grace; replicas reconnect, some late, and
-// re-declare their leases. A seed replays exactly.
+// re-declare their leases. The slab is elastic: the owner maps chunks of pages as
+// Allocs find no room and, at random, gives the last chunks back (Shrink, polled
+// with Shrunk); their memory is released (junk from then on) once the journal is
+// durable through what Shrunk says, and memory mapped again is junk too. A restart
+// maps the memory still held. A seed replays exactly.
 
 var (
 	simSeeds    = flag.Int("sim.seeds", 0, "TestSim: seeds to run (0: a few, or as many as CUDAPOOL_SIM_DURATION allows)")
 	simSeed     = flag.Uint64("sim.seed", 0, "TestSim: run this seed alone (replay a failure)")
 	simFirst    = flag.Uint64("sim.first", 1, "TestSim: the first seed")
-	simRules    = flag.String("sim.rules", "", "TestSim: rules to turn off, comma-separated: nostrand, endatseal, restoreinwindow")
+	simRules    = flag.String("sim.rules", "", "TestSim: rules to turn off, comma-separated: nostrand, endatseal, restoreinwindow, shrinktakes")
 	simVerbose  = flag.Bool("sim.trace", false, "TestSim: log the simulation's events")
 	simDuration = os.Getenv("CUDAPOOL_SIM_DURATION")
 )
@@ -85,7 +89,9 @@ type simStats struct {
 	killSealing, killSpilling, killRestoring, killJournal int
 	pieces, wrong, matched, sealed, restores, spills      int
 	lost, lostHeld, lateReattach, compactions             int
-	firstWrong                                            string
+	grows, shrinks, shrunk, givenBack, killShrinking      int
+	givenHeld                                             int // pages given back that a replica held
+	firstWrong, firstGiven                                string
 }
 
 func (a *simStats) add(b simStats) {
@@ -107,14 +113,24 @@ func (a *simStats) add(b simStats) {
 	a.lostHeld += b.lostHeld
 	a.lateReattach += b.lateReattach
 	a.compactions += b.compactions
+	a.grows += b.grows
+	a.shrinks += b.shrinks
+	a.shrunk += b.shrunk
+	a.givenBack += b.givenBack
+	a.killShrinking += b.killShrinking
+	a.givenHeld += b.givenHeld
 	if a.firstWrong == "" {
 		a.firstWrong = b.firstWrong
+	}
+	if a.firstGiven == "" {
+		a.firstGiven = b.firstGiven
 	}
 }
 
 func (a simStats) String() string {
-	return fmt.Sprintf("%d seeds, %d owner restarts (%d with seals pending, %d mid-spill, %d mid-restore, %d with an unflushed journal), %d replica kills, %d compactions; %d pages matched, %d sealed, %d restored, %d spilled; %d pieces checked (%d bytes), %d wrong bytes; %d leases lost (%d in use), %d late reattaches",
-		a.seeds, a.restarts, a.killSealing, a.killSpilling, a.killRestoring, a.killJournal, a.replicaKills, a.compactions,
+	return fmt.Sprintf("%d seeds, %d owner restarts (%d with seals pending, %d mid-spill, %d mid-restore, %d with an unflushed journal, %d mid-shrink), %d replica kills, %d compactions; %d grows, %d shrinks (%d over, %d pages given back, %d of them held); %d pages matched, %d sealed, %d restored, %d spilled; %d pieces checked (%d bytes), %d wrong bytes; %d leases lost (%d in use), %d late reattaches",
+		a.seeds, a.restarts, a.killSealing, a.killSpilling, a.killRestoring, a.killJournal, a.killShrinking, a.replicaKills, a.compactions,
+		a.grows, a.shrinks, a.shrunk, a.givenBack, a.givenHeld,
 		a.matched, a.sealed, a.restores, a.spills, a.pieces, 8*a.pieces, 8*a.wrong, a.lost, a.lostHeld, a.lateReattach)
 }
 
@@ -127,7 +143,13 @@ type sim struct {
 	st    simStats
 	trace func(string, ...any)
 
-	cfg     pages.Config
+	cfg   pages.Config
+	chunk int // pages mapped or given back at once
+	// held is how many pages' memory is held (what a restart maps): Mapped, or
+	// more while memory given back waits for the journal (release, freeAt).
+	held    int
+	release bool
+	freeAt  pages.Seq
 	gmem    [][simLayers]uint64
 	hmem    [][simLayers]uint64
 	journal []pages.Record // what the journal file holds
@@ -190,6 +212,7 @@ func (s *sim) startOwner() {
 	}
 	s.journal = s.journal[:s.durable]
 	s.cfg.Epoch++
+	s.cfg.Pages, s.release = s.held, false // the memory held is mapped again
 	tab, err := pages.RestartWith(s.cfg, rec, s.rules)
 	if err != nil {
 		s.err = fmt.Errorf("restart: %w", err)
@@ -215,6 +238,7 @@ func (s *sim) startOwner() {
 		})
 	}
 	o.spiller()
+	o.shrinker()
 	for _, r := range s.reps {
 		if r.alive {
 			r.reconnectLater()
@@ -253,6 +277,7 @@ func (o *sowner) do(fx pages.Effects) {
 			if s.owner == o {
 				o.flushAt = false
 				s.durable = len(s.journal)
+				o.released()
 				o.compact()
 				o.progress()
 			}
@@ -365,6 +390,112 @@ func (o *sowner) spiller() {
 	})
 }
 
+// grow maps chunks for an Alloc of n pages that found no room, up to the Bound:
+// always when no shrink is in progress (taking back pages given back), now and
+// then during one, never while memory waits to be released.
+func (o *sowner) grow(n int) bool {
+	s := o.s
+	limit, shrinking := o.tab.Shrinking()
+	if s.release || limit >= s.cfg.Bound || shrinking && s.r.IntN(4) != 0 {
+		return false
+	}
+	to := min(s.cfg.Bound, limit+s.chunk*((n+s.chunk-1)/s.chunk))
+	s.trace("t=%d grow to %d", s.now, to)
+	o.check(o.tab.Grow(to))
+	for p := s.held; p < to; p++ {
+		s.gmem[p] = garble(p)
+	}
+	s.held = max(s.held, to)
+	s.st.grows++
+	return true
+}
+
+// garble is what memory just mapped, or given back, holds.
+func garble(p int) [simLayers]uint64 {
+	var j [simLayers]uint64
+	for l := range j {
+		j[l] = 0xdead0000_00000000 | uint64(p)<<8 | uint64(l)
+	}
+	return j
+}
+
+// shrinker gives the last chunks back now and then, and polls the shrink.
+func (o *sowner) shrinker() {
+	s := o.s
+	s.after(s.delay(200, 2500), func() {
+		if s.owner != o {
+			return
+		}
+		limit, shrinking := o.tab.Shrinking()
+		if !shrinking && !s.release && limit > s.chunk {
+			to := max(s.chunk, limit-s.chunk*(1+s.r.IntN(3)))
+			fx, err := o.tab.Shrink(to)
+			s.trace("t=%d shrink to %d: %v", s.now, to, err)
+			o.check(err)
+			s.st.shrinks++
+			o.do(fx)
+			o.check(nil)
+			o.poll()
+		}
+		o.shrinker()
+	})
+}
+
+// poll evicts the pages given back that have come free and asks whether the
+// shrink is over, now and then, until it is (or a grow took its pages back).
+func (o *sowner) poll() {
+	s := o.s
+	s.after(s.delay(5, 30), func() {
+		if s.owner != o {
+			return
+		}
+		if _, ok := o.tab.Shrinking(); !ok {
+			return // grown back
+		}
+		fx, left := o.tab.Drain()
+		o.do(fx)
+		o.check(nil)
+		if left > 0 {
+			o.poll()
+			return
+		}
+		to, wait, err := o.tab.Shrunk()
+		o.check(err)
+		s.trace("t=%d shrunk to %d, release after %d", s.now, to, wait)
+		for _, r := range s.reps {
+			for _, l := range r.leases {
+				// A lease held (not sealed or released: those the table settles once
+				// the holder's work is done) is in use.
+				if r.alive && l.state == lHeld && slices.ContainsFunc(l.pages, func(p uint32) bool { return int(p) >= to }) {
+					s.st.givenHeld++
+					if s.st.firstGiven == "" {
+						s.st.firstGiven = fmt.Sprintf("t=%d: shrunk to %d pages while replica %d holds lease %d of pages %v", s.now, to, r.idx, l.id, l.pages)
+					}
+				}
+			}
+		}
+		s.st.shrunk++
+		s.release, s.freeAt = true, wait
+		o.released()
+	})
+}
+
+// released releases the memory given back once the journal is durable through
+// what Shrunk said.
+func (o *sowner) released() {
+	s := o.s
+	if !s.release || s.freeAt > s.durableSeq() {
+		return
+	}
+	to := o.tab.Mapped()
+	s.trace("t=%d memory of pages %d..%d released", s.now, to, s.held)
+	for p := to; p < s.held; p++ {
+		s.gmem[p] = garble(p)
+	}
+	s.st.givenBack += s.held - to
+	s.held, s.release = to, false
+}
+
 // compact rewrites the journal as a snapshot once it has grown, atomically: the
 // snapshot's last record carries the table's sequence number, and the records that
 // follow go on from it.
@@ -410,7 +541,8 @@ func (o *sowner) match(r *srep, inc int, hashes []kv.Hash) {
 	}
 	o.check(err)
 	if res.Pending {
-		o.restoring[fx.Copies[len(fx.Copies)-1].ID] = &restoreReply{rep: r, inc: inc, hashes: hashes}
+		i := slices.IndexFunc(fx.Copies, func(c pages.Copy) bool { return c.Kind == pages.Restore })
+		o.restoring[fx.Copies[i].ID] = &restoreReply{rep: r, inc: inc, hashes: hashes}
 		o.do(fx)
 		return
 	}
@@ -432,6 +564,10 @@ func (o *sowner) alloc(r *srep, inc, n int, hashes []kv.Hash) {
 		o.waiting = append(o.waiting, func() { o.alloc(r, inc, n, hashes) })
 		return
 	case errors.Is(err, pages.ErrNoSpace):
+		if o.grow(n) {
+			o.alloc(r, inc, n, hashes)
+			return
+		}
 		o.s.after(1, func() { r.noSpace(inc) })
 		return
 	}
@@ -891,6 +1027,9 @@ func (s *sim) killOwner() {
 	if len(o.restoring) > 0 {
 		s.st.killRestoring++
 	}
+	if _, ok := o.tab.Shrinking(); ok || s.release {
+		s.st.killShrinking++
+	}
 	if s.durable < len(s.journal) {
 		s.st.killJournal++
 		s.durable += s.r.IntN(len(s.journal) - s.durable + 1)
@@ -911,8 +1050,11 @@ func (s *sim) killOwner() {
 func newSim(seed uint64, rules pages.Rules, trace func(string, ...any)) *sim {
 	r := rand.New(rand.NewPCG(seed, seed*0x9e3779b97f4a7c15+1))
 	s := &sim{r: r, rules: rules, trace: trace, journal: []pages.Record{{Kind: pages.RecEnd, Seq: 1}}, durable: 1}
-	s.cfg = pages.Config{Pages: 24 + r.IntN(24), HostPages: 8 + r.IntN(16), Epoch: 0}
-	s.gmem = make([][simLayers]uint64, s.cfg.Pages)
+	s.chunk = 2 + r.IntN(4)
+	bound := 24 + r.IntN(24)
+	s.cfg = pages.Config{Pages: max(s.chunk, bound/2/s.chunk*s.chunk), Bound: bound, HostPages: 8 + r.IntN(16), Epoch: 0}
+	s.held = s.cfg.Pages
+	s.gmem = make([][simLayers]uint64, bound)
 	s.hmem = make([][simLayers]uint64, s.cfg.HostPages)
 	for c := range simChains {
 		for i := range simChainLen {
@@ -973,6 +1115,8 @@ func parseRules(spec string) (pages.Rules, error) {
 			r.EndAtSeal = true
 		case "restoreinwindow":
 			r.RestoreInWindow = true
+		case "shrinktakes":
+			r.ShrinkTakes = true
 		default:
 			return r, fmt.Errorf("unknown rule %q", w)
 		}
@@ -1024,8 +1168,9 @@ func TestSim(t *testing.T) {
 		if st.lostHeld > 0 && rules == (pages.Rules{}) {
 			t.Fatalf("seed %d: %d leases in use lost at a reattach\nreplay: go test ./kv/internal/pages -run 'TestSim$' -sim.seed=%d -sim.trace", seed, st.lostHeld, seed)
 		}
-		if st.wrong > 0 {
-			t.Fatalf("seed %d: %d wrong bytes; first: %s\nreplay: go test ./kv/internal/pages -run 'TestSim$' -sim.seed=%d -sim.trace", seed, 8*st.wrong, st.firstWrong, seed)
+		if st.wrong > 0 || st.givenHeld > 0 {
+			t.Fatalf("seed %d: %d wrong bytes, %d leases held over pages given back; first: %s; %s\nreplay: go test ./kv/internal/pages -run 'TestSim$' -sim.seed=%d -sim.trace",
+				seed, 8*st.wrong, st.givenHeld, st.firstWrong, st.firstGiven, seed)
 		}
 		if !until.IsZero() && time.Now().After(until) {
 			break

@@ -57,6 +57,27 @@
 // source. An owner that dies mid-copy leaves both leases stranded under a holder that
 // is dead, which its successor ends ([Table.HolderDead]).
 //
+// # Capacity
+//
+// The GPU pages are those of the memory the caller has mapped: pages [0,
+// [Table.Mapped]), from Config.Pages up to Config.Bound. [Table.Grow] adds pages,
+// free, once the caller has mapped their memory; an Alloc that finds no room
+// answers ErrNoSpace, upon which the caller may grow the table and ask again.
+// Growth is not journaled: [Restart] is told how many pages are mapped, and drops
+// what the journal says of pages past them.
+//
+// [Table.Shrink] starts giving back the last pages, so that the caller can
+// release their memory: from then on none of them is allocated, restored into or
+// matched; those sealed and unheld are evicted at once (copied to the host tier
+// where it has room), the rest once their leases end (a lease is never taken,
+// stranded ones included) and their copies complete: the caller polls
+// [Table.Drain], which evicts those that have come free and says how many are
+// still in use, and then [Table.Shrunk]; once it answers, Mapped is the smaller
+// count, and the memory may go once the journal is durable through the sequence
+// number it gives. Only Shrink and Drain evict a page given back, so no other
+// operation asks for a copy it did not before. A restart mid-shrink forgets it:
+// the caller maps what it still holds and shrinks again.
+//
 // # Journal and restart
 //
 // Records are journaled in the order an operation returns them. An eviction
@@ -182,9 +203,11 @@ type list struct {
 
 // Config is what a table is of.
 type Config struct {
-	Pages     int    // GPU pages, at least 1
-	HostPages int    // host-tier pages; 0: no host tier
-	Epoch     uint64 // the epoch of the lease ids this table issues, at least 1
+	// Pages are the GPU pages mapped at the start (at a restart: mapped now), at
+	// least 1; Bound is the most the table grows to ([Table.Grow]), 0: Pages.
+	Pages, Bound int
+	HostPages    int    // host-tier pages; 0: no host tier
+	Epoch        uint64 // the epoch of the lease ids this table issues, at least 1
 	// Stride and Offset make the lease ids of an owner's tables (one per device)
 	// apart: this table issues Epoch<<40 + Offset + k*Stride, k = 1, 2, ...; the zero
 	// values are 1 and 0.
@@ -215,8 +238,16 @@ type Table struct {
 	window   bool
 	expected map[Holder]int // holders with stranded leases: their replicas yet to declare
 
+	// limit is where the pages given back start: pages [limit, len(g)) are
+	// drained for a shrink ([Table.Shrink]); limit == len(g) when none is.
+	limit int
+
 	count  [nStates]int
 	hcount [nHostStates]int
+	// Of the draining pages: how many are in each state, and of the sealed ones,
+	// those no reader holds.
+	dcount  [nStates]int
+	dunread int
 	// Of the sealed GPU pages: those a reader holds, those with a release settling,
 	// those no reader holds (evictable now or once their releases settle).
 	leased, releasing, unread int
@@ -234,6 +265,7 @@ type rules struct {
 	noStrand        bool // a stranded lease's pages are free once the window closes
 	restoreInWindow bool // a Match's restore does not wait for the window
 	endAtSeal       bool // a write lease's End is journaled at its seal
+	shrinkTakes     bool // a shrink ends the leases of the pages it gives back
 }
 
 // Counters count what the table did since it was made.
@@ -245,9 +277,12 @@ type Counters struct {
 // New makes the table of a first start: every page free, no window.
 func New(cfg Config) (*Table, error) {
 	cfg.Stride = max(cfg.Stride, 1)
-	if cfg.Pages < 1 || cfg.Pages >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 ||
+	if cfg.Bound == 0 {
+		cfg.Bound = cfg.Pages
+	}
+	if cfg.Pages < 1 || cfg.Bound < cfg.Pages || cfg.Bound >= int(none-1) || cfg.HostPages < 0 || cfg.HostPages >= int(none-1) || cfg.Epoch < 1 || cfg.Epoch >= 1<<23 ||
 		cfg.Stride > 1<<20 || cfg.Offset >= cfg.Stride {
-		return nil, fmt.Errorf("%w: %d GPU pages, %d host pages, epoch %d, lease ids %d apart from %d", ErrInput, cfg.Pages, cfg.HostPages, cfg.Epoch, cfg.Stride, cfg.Offset)
+		return nil, fmt.Errorf("%w: %d GPU pages of at most %d, %d host pages, epoch %d, lease ids %d apart from %d", ErrInput, cfg.Pages, cfg.Bound, cfg.HostPages, cfg.Epoch, cfg.Stride, cfg.Offset)
 	}
 	t := &Table{cfg: cfg, g: make([]gpage, cfg.Pages), h: make([]hpage, cfg.HostPages),
 		index: make(map[kv.Hash]uint32), hindex: make(map[kv.Hash]uint32),
@@ -257,7 +292,7 @@ func New(cfg Config) (*Table, error) {
 		next: LeaseID(cfg.Epoch<<40 + cfg.Offset)}
 	t.free = make([]uint32, cfg.Pages)
 	for i := range t.g {
-		t.g[i] = gpage{prev: none, next: none, parent: NoRef, twin: none}
+		t.g[i] = blank(0)
 		t.free[i] = uint32(cfg.Pages - 1 - i) // page 0 on top
 	}
 	t.hfree = make([]uint32, cfg.HostPages)
@@ -266,12 +301,18 @@ func New(cfg Config) (*Table, error) {
 		t.hfree[i] = uint32(cfg.HostPages - 1 - i)
 	}
 	t.count[Free] = cfg.Pages
+	t.limit = cfg.Pages
 	t.hcount[HostFree] = cfg.HostPages
 	return t, nil
 }
 
-// Config is what t is of.
+// Config is what t is of: Pages as it was made (see [Table.Mapped]), Bound set.
 func (t *Table) Config() Config { return t.cfg }
+
+// blank is a free GPU page in its life gen.
+func blank(gen uint32) gpage {
+	return gpage{prev: none, next: none, parent: NoRef, twin: none, gen: gen}
+}
 
 // --- counting: every change of a page goes between leave and enter ---
 
@@ -283,7 +324,7 @@ func (t *Table) leave(p uint32) { t.tally(p, -1) }
 func (t *Table) enter(p uint32) {
 	t.tally(p, 1)
 	g := &t.g[p]
-	want := g.state == Sealed && g.readers == 0 && g.releasing == 0
+	want := g.state == Sealed && g.readers == 0 && g.releasing == 0 && int(p) < t.limit // not given back
 	switch {
 	case want && !g.listed:
 		t.gpush(p)
@@ -295,11 +336,18 @@ func (t *Table) enter(p uint32) {
 func (t *Table) tally(p uint32, d int) {
 	g := &t.g[p]
 	t.count[g.state] += d
+	drain := int(p) >= t.limit
+	if drain {
+		t.dcount[g.state] += d
+	}
 	if g.state == Sealed {
 		if g.readers > 0 {
 			t.leased += d
 		} else {
 			t.unread += d
+			if drain {
+				t.dunread += d
+			}
 		}
 		if g.releasing > 0 {
 			t.releasing += d
@@ -389,7 +437,7 @@ func (t *Table) gtouch(p uint32) {
 
 // Stats is a snapshot of a table's counts, each O(1).
 type Stats struct {
-	Pages                                        int
+	Pages, Bound                                 int // mapped now, and the most
 	Free, Writing, Sealing, Sealed, Settling     int
 	Leased, Releasing, Evictable                 int
 	HostPages, HostFree, HostFilling, HostSealed int
@@ -401,7 +449,7 @@ type Stats struct {
 
 // Stats counts t's pages by state, in O(1).
 func (t *Table) Stats() Stats {
-	st := Stats{Pages: len(t.g), Free: t.count[Free], Writing: t.count[Writing], Sealing: t.count[Sealing],
+	st := Stats{Pages: len(t.g), Bound: t.cfg.Bound, Free: t.count[Free], Writing: t.count[Writing], Sealing: t.count[Sealing],
 		Sealed: t.count[Sealed], Settling: t.count[Settling], Leased: t.leased, Releasing: t.releasing,
 		Evictable: t.glru.n, HostPages: len(t.h), HostFree: t.hcount[HostFree], HostFilling: t.hcount[HostFilling],
 		HostSealed: t.hcount[HostSealed], Twins: t.twins, Pinned: t.pinned, HostEvictable: t.hlru.n,
@@ -410,17 +458,24 @@ func (t *Table) Stats() Stats {
 }
 
 // Reachable is how many pages an Alloc could get without any lease ending: free,
-// evictable, and those that settle. O(1).
-func (t *Table) Reachable() int { return t.count[Free] + t.count[Settling] + t.unread }
+// evictable, and those that settle, none of those a shrink gives back. O(1).
+func (t *Table) Reachable() int {
+	return t.count[Free] + t.count[Settling] + t.unread - t.dcount[Free] - t.dcount[Settling] - t.dunread
+}
 
-// Evictable is how many pages an Alloc could get now: free and evictable. O(1).
-func (t *Table) Evictable() int { return t.count[Free] + t.glru.n }
+// Evictable is how many pages an Alloc could get now: free and evictable, none of
+// those a shrink gives back. O(1).
+func (t *Table) Evictable() int { return len(t.free) + t.glru.n }
 
 // Window says whether the reattach window is open.
 func (t *Table) Window() bool { return t.window }
 
-// Page is GPU page p's state and hash (meaningful once sealing), and its generation.
+// Page is GPU page p's state and hash (meaningful once sealing), and its
+// generation; a page not mapped ([Table.Mapped]) is free, of no hash.
 func (t *Table) Page(p uint32) (State, kv.Hash, uint32) {
+	if int(p) >= len(t.g) {
+		return Free, kv.Hash{}, 0
+	}
 	g := &t.g[p]
 	return g.state, g.hash, g.gen
 }
@@ -437,8 +492,14 @@ func (t *Table) HostLookup(h kv.Hash) (uint32, bool) {
 	return p, ok
 }
 
-// Ref is GPU page p's Ref in its current life: a seal's parent.
-func (t *Table) Ref(p uint32) Ref { return t.ref(p) }
+// Ref is GPU page p's Ref in its current life: a seal's parent; NoRef for a page
+// not mapped.
+func (t *Table) Ref(p uint32) Ref {
+	if int(p) >= len(t.g) {
+		return NoRef
+	}
+	return t.ref(p)
+}
 
 // Fill sets st's page counts and counters from t, in O(1), and its host tier's where
 // st.Host is set; the rest (bytes, times, the copy path, Hits by other means) is the
