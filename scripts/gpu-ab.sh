@@ -5,7 +5,10 @@
 # (bin/gpu/gosuite.xz from scripts/build-gpu.sh), round by round, the order swapped each
 # round, so that both see the same card, clocks and neighbours. Each MODE is a quick
 # gosuite run: "all" (the sharing rows), or "kv:SIZE" (the KV rows on a slab of SIZE,
-# e.g. kv:4GiB kv:100GiB). The default is all kv:4GiB kv:100GiB. Rounds go on while
+# e.g. kv:4GiB kv:100GiB); or "replicas:LEN", examples/replicas/run.py without its faults
+# on LEN-token prompts (TTFT computed and matched, decode over pool pages), whose base
+# is BASE/tree.tar.xz (that commit's examples/replicas, examples/hf, python and bench
+# *.py), BASE/libcudapool.so and BASE/kvpoold. The default is all kv:4GiB kv:100GiB. Rounds go on while
 # AB_BUDGET (default 240) seconds last, at least AB_ROUNDS_MIN (default 2).
 #
 # It prints, for every row both builds gave, the median over rounds of each build's
@@ -43,6 +46,26 @@ while [ $round -lt "$min_rounds" ] || [ $((SECONDS - start)) -lt "$budget" ]; do
 			args=(-runtime "$rt" -quick all)
 			case $m in
 			all) ;;
+			replicas:*)
+				t0=$SECONDS
+				if [ "$b" = base ]; then
+					tree=/tmp/gpu-ab-base-tree
+					[ -d "$tree" ] || { mkdir -p "$tree" && tar xJf "$base/tree.tar.xz" -C "$tree"; } || exit 2
+					lib=$base/libcudapool.so kvpoold=$base/kvpoold
+				else
+					tree=. lib=bin/gpu/libcudapool.so kvpoold=bin/gpu/kvpoold
+				fi
+				rm -f /tmp/ab-one.txt
+				if ! CUDAPOOL_LIB=$(realpath "$lib") timeout 400 python3 "$tree/examples/replicas/run.py" --kvpoold "$(realpath "$kvpoold")" \
+					--lengths "${m#replicas:}" --no-faults --raw /tmp/ab-one.txt >/tmp/ab-log.txt 2>&1; then
+					echo "gpu-ab: round $round $b $m FAILED:" >&2
+					tail -5 /tmp/ab-log.txt >&2
+					failed=1
+				fi
+				sed -n "s/^result /$round $b $m /p" /tmp/ab-one.txt >>"$raw"
+				echo "round $round $b $m: $((SECONDS - t0))s"
+				continue
+				;;
 			kv:*) args=(-runtime "$rt" -quick -kv-bytes "${m#kv:}" kv) ;;
 			*) echo "gpu-ab: unknown mode $m" >&2; exit 2 ;;
 			esac
