@@ -50,7 +50,7 @@ while [ $round -lt "$min_rounds" ] || [ $((SECONDS - start)) -lt "$budget" ]; do
 				t0=$SECONDS
 				if [ "$b" = base ]; then
 					tree=/tmp/gpu-ab-base-tree
-					[ -d "$tree" ] || { mkdir -p "$tree" && tar xJf "$base/tree.tar.xz" -C "$tree"; } || exit 2
+					[ -d "$tree" ] || { mkdir -p "$tree" && tar xf "$(ls "$base"/tree.tar* | head -1)" -C "$tree"; } || exit 2
 					lib=$base/libcudapool.so kvpoold=$base/kvpoold
 				else
 					tree=. lib=bin/gpu/libcudapool.so kvpoold=bin/gpu/kvpoold
