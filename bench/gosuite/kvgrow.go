@@ -84,7 +84,8 @@ type growSample struct {
 }
 
 // kvGrowRow measures kv/grow on slabs of geometry g (Pages its bound), replica
-// processes of kind.
+// processes of kind, and prints its meta, "#" and result lines; a round that fails
+// fails the row, naming the round.
 func kvGrowRow(r *reporter, rt cudart.Runtime, kind string, sh shape, g kv.Geometry) {
 	const op = "kv/grow"
 	clock, err := newGrowClock(rt)
@@ -121,7 +122,9 @@ func kvGrowRow(r *reporter, rt cudart.Runtime, kind string, sh shape, g kv.Geome
 }
 
 // growRound grows a fresh owner's slab of g from one step to its bound, a step a
-// sample, with kvGrowWatchers watchers and a writer.
+// sample, with kvGrowWatchers watchers and a writer, and returns the samples and the
+// slab's layout. Either way the processes it started have been told to quit and waited
+// for, and the owner closed; on failure the error is the first one met.
 func growRound(clock *growClock, kind string, g kv.Geometry) (_ []growSample, _ kv.SlabLayout, err error) {
 	dir, err := os.MkdirTemp("", "gosuite-kvgrow")
 	if err != nil {
