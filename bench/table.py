@@ -522,6 +522,15 @@ def kv_stats(run, impl, op):
     return None, ("FAIL: " + why[:120]) if why else "not run (no line in the raw files)"
 
 
+def replicas_slab_gib(run):
+    """The replicas example's slab in GiB, from its meta line ("64.0 GiB in 21 chunks ..."), or None."""
+    f = run.meta.get("replicas-slab", "").split()
+    try:
+        return float(f[0]) if len(f) > 1 and f[1] == "GiB" else None
+    except ValueError:
+        return None
+
+
 def kv_pair(run, op, ref_op, unit, scale=1.0):
     """The cells of replicas' op against ref_op (medians, scaled) and their ratio."""
     a, why_a = kv_stats(run, "replicas", op)
@@ -544,9 +553,13 @@ def kv_rows(run):
     dial, why_d = kv_stats(run, "cudapool", "kv/dial")
     rows.append(["the Go rows' slab: %s" % run.meta.get("kv-slab", "-"),
                  "%s GiB" % num(slab.median / GIB) if slab else why, "-", "-"])
-    rows.append(["dial of a replica process, every segment of that slab mapped, Go",
+    rows.append(["dial of a replica process, every chunk of that slab mapped, Go",
                  "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
                  "-", "-"])
+    st, why = kv_stats(run, "cudapool", "kv/grow")
+    rows.append(["growth of a slab by a step, from the owner's mapping to every idle replica's, Go: %s" %
+                 run.meta.get("kv-grow", "-"),
+                 "p50 %s us, p99 %s us (n=%d growths)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
     dial, why_d = kv_stats(run, "replicas", "dial")
     rows.append(["dial of a replicas example process (Python): %s" % run.meta.get("replicas-slab", "-"),
                  "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
@@ -587,7 +600,7 @@ def kv_rows(run):
 
 
 def kv_targets(run):
-    """Issues 18's and 24's targets: (target, the figure of this run, verdict)."""
+    """Issues 18's, 24's and 30's targets: (target, the figure of this run, verdict)."""
     out = []
 
     def judge(name, value, ok, figure, why):
@@ -612,6 +625,21 @@ def kv_targets(run):
           "%s GiB mapped by %d replica processes, dial median %s ms, max %s ms" % (
               num(slab.median / GIB), dial.n, num(dial.median), num(dial.max)) if dial and slab else "",
           why_d or why_s)
+    judge("a replica dials a slab of at least 100 GiB, all of it mapped, in at most 200 ms from Go (issue 30)",
+          dial and slab and (slab.median, dial.max), lambda x: x[0] >= 100 * GIB and x[1] <= 200,
+          "the slowest of %d dials %s ms on %s GiB" % (dial.n, num(dial.max), num(slab.median / GIB))
+          if dial and slab else "", why_d or why_s)
+    pydial, why_p = kv_stats(run, "replicas", "dial")
+    pyslab = replicas_slab_gib(run)
+    judge("a replica dials a slab of at least 100 GiB, all of it mapped, in at most 400 ms from Python (issue 30)",
+          pydial and (pyslab, pydial.max), lambda x: x[0] is not None and x[0] >= 100 and x[1] <= 400,
+          "the slowest of %d dials %s ms on %s" % (pydial.n, num(pydial.max), run.meta.get("replicas-slab", "a slab of "
+                                                   "unknown size (no meta replicas-slab line)")) if pydial else "",
+          why_p)
+    st, why = kv_stats(run, "cudapool", "kv/grow")
+    judge("the slab's growth visible in every idle replica at most 1 ms after the owner mapped it, a whole step "
+          "(a chunk a tensor), p50, Go (issue 30)", st and st.median, lambda x: x <= 1000,
+          "p50 %s us, p99 %s us (n=%d growths)" % (num(st.median), num(st.p99), st.n) if st else "", why)
     st, why = kv_stats(run, "cudapool", "kv/match512")
     judge("KV match + lease of 512 pages from Go, p50 at most 100 us on the 100 GiB slab (issue 24)",
           st and slab and (st.median, big), lambda x: x[1] and x[0] <= 100,

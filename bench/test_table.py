@@ -169,13 +169,16 @@ class Sharing(unittest.TestCase):
         self.assertEqual(run.problems, ["cudapool's consumers validated 10 of the 12 buffers they were given"])
 
 
-def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, dial_ms=(180.0, 200.0, 210.0, 190.0),
-             host=50.0, restart=120.0, rate16=None, hash_us=50.0, visible_us=30.0, idle_pct=0.1):
+def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, dial_ms=(180.0, 190.0, 195.0, 170.0),
+             host=50.0, restart=120.0, rate16=None, hash_us=50.0, visible_us=30.0, idle_pct=0.1, grow_us=600.0):
     """A suite's KV rows: Go's and Python's match (95 samples at p50, 5 at tail), Go's
-    rates, its slab and its replicas' dials, the host tier's GB/s, the restarts (ms), and
+    rates, its slab and its replicas' dials, the host tier's GB/s, the restarts (ms),
     issue 25's rows (batch 16's rate, rate16 if given, else rate; the hashes, seal ->
-    visible, idle CPU)."""
-    lines = ["meta kv-slab %d GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 replica processes" % slab_gib]
+    visible, idle CPU) and issue 30's growth (us)."""
+    lines = ["meta kv-slab %d GiB (..., 32 regions of 3.1 GiB) on device 0, mapped by 4 replica processes" % slab_gib,
+             "meta kv-grow %d GiB slab (...) from one step of 32 chunks (12 GiB) to its 256, on device 0, mapped by 3 "
+             "idle replica processes" % slab_gib]
+    lines += result("cudapool", "kv/grow", "us", [grow_us] * 9 + [grow_us * 1.5])
     lines += result("cudapool", "kv/slab", "B", [slab_gib * (1 << 30)])
     lines += result("cudapool", "kv/dial", "ms", list(dial_ms))
     for op in ("kv/host/restore32k", "kv/host/spill"):
@@ -193,7 +196,8 @@ def kv_suite(go_p50=60.0, py_p50=120.0, tail=300.0, rate=1.5e6, slab_gib=100, di
     return lines
 
 
-def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, transformers=8500.0, sealed_pages=2560, greedy=(6, 6)):
+def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, transformers=8500.0, sealed_pages=2560, greedy=(6, 6),
+                 dial_ms=(300.0, 350.0, 390.0), slab="100.0 GiB in 256 chunks of 400 MiB, mapped by 3 replica processes a GPU"):
     """run.py's figures as rawlines.lines takes them (seconds, tok/s, bytes)."""
     kv_per_token = 32768
     return {"run": "3 replicas a GPU on 1 GPU(s)",
@@ -203,7 +207,7 @@ def replicas_fig(matched=3.0, computed=283.0, pool=9000.0, transformers=8500.0, 
             "bytes": {"sealed": sealed_pages * 16 * kv_per_token, "one-copy": (8192 + 32768) * kv_per_token,
                       "pool": 1.3 * GIB, "private": 3.8 * GIB},
             "pages": {"matched": 5120, "sealed": 2560, "evicted": 0},
-            "greedy": greedy, "checks": 20, "failures": []}
+            "greedy": greedy, "checks": 20, "failures": [], "dial_ms": list(dial_ms), "slab": slab}
 
 
 GIB = float(1 << 30)
@@ -221,15 +225,20 @@ class KVPool(unittest.TestCase):
         run = self.run_of(kv_suite(), replicas_fig())
         self.assertEqual(run.problems, [])
         got = kv_verdicts(run)
-        self.assertEqual(len(got), 21)
+        self.assertEqual(len(got), 24)
         self.assertEqual(set(got.values()), {table.MET}, got)
         rows = {r[0]: r[1:] for r in table.kv_rows(run)[1]}
         self.assertEqual(rows["match + lease of 512 pages (8,192 tokens), one round trip, Go"][0],
                          "p50 60.00 us, p99 300.0 us (n=100)")
-        self.assertEqual(rows["dial of a replica process, every segment of that slab mapped, Go"][0],
-                         "median 200.0 ms, max 210.0 ms (n=4)")
-        self.assertEqual(rows["the Go rows' slab: 100 GiB (..., 32 segments of 3.1 GiB) on device 0, mapped by 4 "
+        self.assertEqual(rows["dial of a replica process, every chunk of that slab mapped, Go"][0],
+                         "median 190.0 ms, max 195.0 ms (n=4)")
+        self.assertEqual(rows["the Go rows' slab: 100 GiB (..., 32 regions of 3.1 GiB) on device 0, mapped by 4 "
                               "replica processes"][0], "100.0 GiB")
+        self.assertEqual(rows["growth of a slab by a step, from the owner's mapping to every idle replica's, Go: 100 GiB "
+                              "slab (...) from one step of 32 chunks (12 GiB) to its 256, on device 0, mapped by 3 idle "
+                              "replica processes"][0], "p50 600.0 us, p99 900.0 us (n=10 growths)")
+        self.assertEqual(rows["dial of a replicas example process (Python): 100.0 GiB in 256 chunks of 400 MiB, mapped "
+                              "by 3 replica processes a GPU"][0], "median 350.0 ms, max 390.0 ms (n=3)")
         self.assertEqual(rows["time to first token, 32,768-token prompt: matched vs computed"],
                          ["3.00 ms (n=2)", "283.0 ms (n=4)", "1.1%"])
         self.assertEqual(rows["time to first token, 8,192-token prompt: matched vs computed"][2], "1.1%")
@@ -247,8 +256,9 @@ class KVPool(unittest.TestCase):
     def test_missed(self):
         run = self.run_of(kv_suite(go_p50=101.0, py_p50=151.0, tail=501.0, rate=0.9e6, dial_ms=(900, 1001, 950),
                                    host=40.0, restart=1001.0, rate16=0.2e6, hash_us=70.0, visible_us=60.0,
-                                   idle_pct=2.0),
-                          replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6)))
+                                   idle_pct=2.0, grow_us=1001.0),
+                          replicas_fig(matched=30.0, pool=8000.0, sealed_pages=2 * 2560, greedy=(5, 6),
+                                       dial_ms=(300.0, 401.0)))
         got = kv_verdicts(run)
         self.assertEqual(set(got.values()), {table.MISSED}, got)
         figure = {n: f for n, f, _ in table.kv_targets(run)}[
@@ -262,6 +272,12 @@ class KVPool(unittest.TestCase):
         self.assertEqual(got["KV match + lease of 512 pages from Go, p50 at most 100 us on the 100 GiB slab "
                              "(issue 24)"], table.MISSED)
         self.assertEqual(got["KV match + lease of 512 pages from Go, p50 at most 100 us (issue 18)"], table.MET)
+        self.assertEqual(got["a replica dials a slab of at least 100 GiB, all of it mapped, in at most 200 ms from Go "
+                             "(issue 30)"], table.MISSED)
+        for slab in ("64.0 GiB in 256 chunks of 256 MiB, mapped by 3 replica processes a GPU", ""):
+            got = kv_verdicts(self.run_of(kv_suite(), replicas_fig(dial_ms=(100.0,), slab=slab)))
+            self.assertEqual(got["a replica dials a slab of at least 100 GiB, all of it mapped, in at most 400 ms from "
+                                 "Python (issue 30)"], table.MISSED, slab or "no meta replicas-slab line")
         got = kv_verdicts(self.run_of(kv_suite(dial_ms=(100.0, 120.0)), replicas_fig()))
         self.assertEqual(got["one GPU's slab of at least 100 GiB mapped by 3 replicas, each dial at most 1 s "
                              "(issue 24)"], table.MISSED, "2 replicas")
@@ -269,9 +285,9 @@ class KVPool(unittest.TestCase):
     def test_not_run_without_the_replicas_lines(self):
         run = self.run_of(kv_suite())
         got = kv_verdicts(run)
-        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "slab" not in n and "GB/s" not in n
-                 and "(issue 25)" not in n and "restarted" not in n]
-        self.assertEqual(len(model), 5)
+        model = [n for n in got if "KV match" not in n and "pages/s" not in n and "GB/s" not in n
+                 and "(issue 25)" not in n and "restarted" not in n and ("slab" not in n or "from Python" in n)]
+        self.assertEqual(len(model), 6)
         for n in model:
             self.assertEqual(got[n], table.NO_LINES, n)
         for n in set(got) - set(model):

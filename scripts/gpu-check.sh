@@ -12,6 +12,13 @@
 # (needs 2 GPUs)" beside their binary's PASS; CUDAPOOL_REQUIRE_GPUS=2 in the
 # environment demands two GPUs and fails them instead (internal/gputest).
 #
+# After the tests, the step kvpoold-keeper (keeper_check below) starts bin/gpu/kvpoold
+# on a small slab and asks nvidia-smi whether its keeper holds GPU memory (it must not:
+# issue 30), then SIGKILLs kvpoold and checks that the next one adopts the keeper's
+# slab. CHECK_ONLY=kvpoold-keeper runs that step alone, with KVPOOLD (default
+# bin/gpu/kvpoold) on KVPOOLD_RUNTIME (default gpu): scripts/gpu-check-test.sh runs it
+# on the software device against a fake nvidia-smi.
+#
 # Environment: BENCH=0 runs the tests alone (scripts/gpu-run.sh runs the benchmark
 # suite after them instead); BENCHTIME (default 1s) and BENCHCOUNT (default 3) for the Go
 # benchmarks, whose ns/op is the median of the counts; TEST_TIMEOUT (default 90s) per
@@ -39,6 +46,167 @@ export CUDAPOOL_REQUIRE_GPU=1
 export CUDAPOOL_KV_SOAK_RUNTIME=gpu
 failed=0
 results=()
+
+# await_line FILE PATTERN PID SECONDS waits until a line of FILE matches PATTERN (grep
+# -E), while process PID lives, for at most SECONDS; it says why it stopped waiting.
+await_line() {
+	local i
+	for ((i = 0; i < $4 * 10; i++)); do
+		grep -qE "$2" "$1" 2>/dev/null && return 0
+		kill -0 "$3" 2>/dev/null || { grep -qE "$2" "$1" 2>/dev/null && return 0; echo "it exited before saying /$2/"; return 1; }
+		sleep 0.1
+	done
+	echo "it did not say /$2/ within $4 s"
+	return 1
+}
+
+# alive PID says whether process PID lives: exists and is no zombie (a keeper whose
+# kvpoold was SIGKILLed is reaped by whoever adopted it, if at all).
+alive() {
+	local stat
+	stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+	stat=${stat##*) }
+	[ "${stat%% *}" != Z ]
+}
+
+# smi_check WHO KEEPER KVPOOLD says whether nvidia-smi lists the keeper among the
+# compute apps (it must not: it holds the chunks' descriptors and no CUDA context) and
+# kvpoold (it must, when WHO is "while kvpoold runs", or the keeper's absence proves nothing):
+# "pass WHY", "fail WHY" or "none WHY" (nvidia-smi sees no process of ours, as in a
+# pid namespace of its own). Where no pid matches, the processes named like kvpoold's
+# executable are counted instead (the keeper runs the same one): one is kvpoold.
+smi_check() {
+	local who=$1 keeper=$2 kvpoold=$3 apps line mine=0 named=0 name
+	if ! apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1); then
+		echo "fail nvidia-smi --query-compute-apps failed: $apps"
+		return
+	fi
+	echo "$apps" >>"$logs/kvpoold-keeper.log"
+	name=$(basename "$kvpoold_bin")
+	while IFS=, read -r pid pname used; do
+		pid=${pid// /}
+		case $pid in
+		"$keeper") echo "fail nvidia-smi lists the keeper (pid $keeper) with$used of GPU memory $who"; return ;;
+		"$kvpoold") mine=1 ;;
+		esac
+		[ "$(basename "${pname# }")" = "$name" ] && named=$((named + 1))
+	done <<<"$apps"
+	if [ "$who" != "while kvpoold runs" ]; then
+		echo "pass nvidia-smi does not list the keeper (pid $keeper) $who"
+	elif [ $mine = 1 ]; then
+		echo "pass nvidia-smi lists kvpoold (pid $kvpoold) and not its keeper (pid $keeper)"
+	elif [ $named = 1 ]; then
+		echo "pass nvidia-smi lists no pid of ours (another pid namespace) but one $name process: kvpoold's, none for its keeper"
+	elif [ $named -gt 1 ]; then
+		echo "fail nvidia-smi lists no pid of ours (another pid namespace) but $named $name processes: the keeper has a CUDA context"
+	else
+		echo "none nvidia-smi lists neither kvpoold (pid $kvpoold) nor any $name process, so the keeper's absence proves nothing"
+	fi
+}
+
+# keeper_check is the step kvpoold-keeper (issue 30): kvpoold on a small slab, its
+# keeper (its first line names it) not among nvidia-smi's compute apps while kvpoold is,
+# nor once kvpoold is SIGKILLed; the next kvpoold adopts the keeper's slab; a clean stop
+# then stops both. Its log is $logs/kvpoold-keeper.log.
+keeper_check() {
+	local step=kvpoold-keeper dir out pid pid2 keeper= verdict why why2
+	if ! command -v nvidia-smi >/dev/null; then
+		results+=("$step not run (no nvidia-smi)")
+		return
+	fi
+	kvpoold_bin=${KVPOOLD:-$bin/kvpoold}
+	if [ ! -x "$kvpoold_bin" ]; then
+		results+=("$step FAIL(no $kvpoold_bin: run scripts/build-gpu.sh first)")
+		failed=1
+		return
+	fi
+	echo "== $step: $kvpoold_bin -runtime $kvpoold_runtime"
+	dir=$(mktemp -d)
+	out=$logs/$step.log
+	: >"$out"
+	local args=(-runtime "$kvpoold_runtime" -dir "$dir" -layout llama-0.85b -bytes 1GiB -reattach-grace 1s)
+	"$kvpoold_bin" "${args[@]}" >"$dir/first.txt" 2>>"$out" &
+	pid=$!
+	verdict=fail
+	if ! why=$(await_line "$dir/first.txt" '^kvpoold: serving' $pid 60); then
+		why="kvpoold: $why"
+	elif ! keeper=$(sed -nE 's/.*new cache in keeper pid ([0-9]+).*/\1/p' "$dir/first.txt") || [ -z "$keeper" ]; then
+		why="kvpoold's first line names no new keeper: $(head -c 300 "$dir/first.txt")"
+	elif ! alive "$keeper"; then
+		why="the keeper (pid $keeper) is not alive"
+	else
+		why=$(smi_check "while kvpoold runs" "$keeper" $pid)
+		verdict=${why%% *}
+		why=${why#* }
+	fi
+	cat "$dir/first.txt" >>"$out"
+	kill -KILL $pid 2>/dev/null
+	wait $pid 2>/dev/null
+	if [ "$verdict" != fail ]; then
+		# kvpoold is gone: the keeper's descriptors alone keep the slab; still no context.
+		local after
+		after=$(smi_check "with kvpoold SIGKILLed" "$keeper" $pid)
+		if [ "${after%% *}" = fail ]; then verdict=fail why=${after#* }; fi
+	fi
+	if [ "$verdict" != fail ]; then
+		"$kvpoold_bin" "${args[@]}" >"$dir/second.txt" 2>>"$out" &
+		pid2=$!
+		if ! why2=$(await_line "$dir/second.txt" '^kvpoold: serving' $pid2 60); then
+			verdict=fail why="kvpoold started again after the SIGKILL: $why2"
+		elif ! grep -q "cache adopted from keeper pid $keeper" "$dir/second.txt"; then
+			verdict=fail why="kvpoold started again did not adopt the keeper (pid $keeper)'s slab: $(head -c 300 "$dir/second.txt")"
+		else
+			why="$why; kvpoold SIGKILLed, the next adopted its slab"
+		fi
+		cat "$dir/second.txt" >>"$out"
+		kill -TERM $pid2 2>/dev/null
+		if ! await_line "$dir/second.txt" '^kvpoold: stopped' $pid2 30 >/dev/null; then
+			verdict=fail why="$why; kvpoold did not stop cleanly on SIGTERM"
+			kill -KILL $pid2 2>/dev/null
+		fi
+		wait $pid2 2>/dev/null
+	fi
+	# What is left of ours: a keeper that a clean stop did not stop.
+	if [ -n "$keeper" ] && alive "$keeper"; then
+		sleep 1
+		if alive "$keeper"; then
+			[ "$verdict" != fail ] && verdict=fail why="$why; the keeper (pid $keeper) outlived kvpoold's clean stop"
+			kill -KILL "$keeper" 2>/dev/null
+		fi
+	fi
+	rm -rf "$dir"
+	echo "$step: $verdict: $why"
+	case $verdict in
+	pass) results+=("$step PASS: $why") ;;
+	none) results+=("$step not run ($why)") ;;
+	*)
+		results+=("$step FAIL($why)")
+		failed=1
+		;;
+	esac
+}
+
+# print_results prints each step's verdict, a line each.
+print_results() {
+	printf '%s\n' "${results[@]}" | awk '{ name = $1; sub(/^[^ ]+ /, ""); printf "%-28s %s\n", name, $0 }'
+}
+
+kvpoold_runtime=${KVPOOLD_RUNTIME:-gpu}
+if [ -n "${CHECK_ONLY:-}" ]; then
+	if [ "$CHECK_ONLY" != kvpoold-keeper ]; then
+		echo "gpu-check: CHECK_ONLY=$CHECK_ONLY: the one step that runs alone is kvpoold-keeper" >&2
+		exit 2
+	fi
+	if [ -z "${KVPOOLD:-}" ]; then
+		. scripts/unpack.sh
+		unpack "$bin" || exit 2
+	fi
+	keeper_check
+	echo
+	echo "== summary (${SECONDS}s)"
+	print_results
+	exit $failed
+fi
 
 # build-gpu.sh compresses the binaries for the journey; unpack them once.
 . scripts/unpack.sh
@@ -88,6 +256,8 @@ while read -r name dir; do
 	fi
 	echo "$name: rc=$rc at ${SECONDS}s, $(grep -c -- '--- PASS' "$log") passed, $(grep -c -- '--- SKIP' "$log") skipped, $(grep -c -- '--- FAIL' "$log") failed"
 done <"$bin/tests.txt"
+
+keeper_check
 
 # Pinned to the same few CPUs, C and Go see the same cores and caches.
 pin=()
@@ -140,7 +310,7 @@ fi
 
 echo
 echo "== summary (${SECONDS}s)"
-printf '%s\n' "${results[@]}" | awk '{ name = $1; sub(/^[^ ]+ /, ""); printf "%-28s %s\n", name, $0 }'
+print_results
 if [ "$run_benches" = 1 ]; then
 echo
 # Go lines: "PKG NAME-PROCS N NS ns/op [LATE late-ns/op] ..."; C lines: "cref NAME NS".

@@ -27,8 +27,10 @@ import (
 // kvReplicas replica processes (kv/replica). A "meta kv-slab" line says the slab's size,
 // layout (regions and chunks, every chunk mapped) and replicas.
 //
-//	kv/dial            ms per replica process: its Dial, every chunk of the slab
-//	                   imported and mapped (one sample a replica)
+//	kv/dial            ms per replica process: its Dial, every chunk of the whole
+//	                   slab imported and mapped (the owner maps all of it at its
+//	                   start, and each replica says it has every chunk mapped; one
+//	                   sample a replica)
 //	kv/slab            the slab's bytes (one sample), for the table's verdicts
 //	kv/match512        one replica's Match of 512 visible pages (one round trip, the
 //	                   lease included), hashes computed beforehand; us per Match
@@ -46,6 +48,8 @@ import (
 //	                   at once, one window per sample; each batch has hashes of its own
 //	                   (counters, not SHA-256: the rate is the pool's, not the hash's).
 //	                   A "# kv cycle" line gives the mean time of each step of a cycle.
+//	kv/grow            the slab's growth by a step, from the owner's mapping to every
+//	                   replica's (kvgrow.go: a slab and replicas of its own, first)
 //	kv/idle-cpu        the owner's process (the page server and its slab exporter, with
 //	                   kvReplicas replicas connected and idle): % of one CPU over the
 //	                   idle window (10 s; 1 s -quick), from /proc/self/stat
@@ -83,6 +87,7 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint
 	g, _ := kv.Layout("llama-0.85b")
 	g.Pages = 1
 	g.Pages = int(slabBytes / g.SlabBytes())
+	kvGrowRow(r, rt, kind, sh, g) // before this slab is made: each may be most of the device
 	dir, err := os.MkdirTemp("", "gosuite-kv")
 	if err != nil {
 		r.fail("cudapool", "kv", err)
@@ -121,8 +126,11 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint
 	var dials []float64
 	for _, c := range cs {
 		v, err := c.ask("dial", "dialed")
-		if err != nil || len(v) != 1 {
-			r.fail("cudapool", "kv/dial", fmt.Errorf("replica %d: %v %w", c.pid, v, err))
+		if err == nil && (len(v) != 2 || int(v[1]) != o.Layout().Chunks()) {
+			err = fmt.Errorf("replica %d said %v, want MS and the slab's %d chunks mapped", c.pid, v, o.Layout().Chunks())
+		}
+		if err != nil {
+			r.fail("cudapool", "kv/dial", err)
 			return
 		}
 		dials = append(dials, v[0])
@@ -287,7 +295,9 @@ func percentile(v []float64, q float64) float64 {
 
 // kvReplicaMain is a replica process of the kv rows, driven by lines on stdin:
 //
-//	dial                          how long its Dial took: "dialed MS"
+//	dial                          how long its Dial took: "dialed MS CHUNKS" (the
+//	                              chunks it had mapped then)
+//	fill, grow, arm C, grown      kv/grow's writer and watchers (kvgrow.go)
 //	prepare N                     seal a chain of N pages: "prepared"
 //	latency N SAMPLES WARMUP H    time Match (+ hashing if H is 1) of that chain and its
 //	                              release: "samples US..." (the Match alone, in us)
@@ -317,11 +327,12 @@ func kvReplicaMain(args []string) int {
 		return fail(err)
 	}
 	dialed := time.Since(t0)
+	mapped, _ := rp.Mapped()
 	s, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
 	if err != nil {
 		return fail(err)
 	}
-	k := &kvLoad{r: rp, rt: rt, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed}
+	k := &kvLoad{r: rp, rt: rt, s: s, seq: uint64(os.Getpid()) << 32, dialed: dialed, mapped: mapped}
 	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return k.obey(ctx, strings.Fields(line)) }, fail)
 }
 
@@ -360,6 +371,8 @@ type kvLoad struct {
 	chain  []kv.Hash // its hashes
 	seq    uint64    // the counter the rate's hashes are made of
 	dialed time.Duration
+	mapped int        // chunks mapped when Dial returned
+	watch  *growWatch // kv/grow's spin, armed (kvgrow.go)
 
 	tierChain []kv.Hash // the host tier rows' prompt (kvtier.go)
 	afterSeal func()    // a test's, run between a rate cycle's seal and its match; nil in a replica
@@ -376,7 +389,15 @@ func (k *kvLoad) obey(ctx context.Context, f []string) (string, error) {
 	}
 	switch {
 	case f[0] == "dial" && len(nums) == 0:
-		return fmt.Sprintf("dialed %.3f", float64(k.dialed.Microseconds())/1e3), nil
+		return fmt.Sprintf("dialed %.3f %d", float64(k.dialed.Microseconds())/1e3, k.mapped), nil
+	case f[0] == "fill" && len(nums) == 0:
+		return "filled", k.fill(ctx)
+	case f[0] == "grow" && len(nums) == 0:
+		return "grew", k.growOne(ctx)
+	case f[0] == "arm" && len(nums) == 1:
+		return "armed", k.arm(nums[0])
+	case f[0] == "grown" && len(nums) == 0:
+		return k.grown()
 	case f[0] == "prepare" && len(nums) == 1:
 		return "prepared", k.prepare(ctx, nums[0])
 	case f[0] == "latency" && len(nums) == 4:

@@ -339,13 +339,17 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 	}, sh)
 	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
 		"kv/hash512": sh.samples, "kv/visible": sh.samples, "kv/pages/b16": sh.rounds, "kv/pages/b64": sh.rounds,
-		"kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds, "kv/idle-cpu": 1}
+		"kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds, "kv/idle-cpu": 1,
+		"kv/grow": kvGrowRounds(sh) * 7} // a sample a growth, from one step to eight
 	assert.Len(t, got, len(want))
 	for op, n := range want {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
 	}
-	assert.Len(t, by["#"], 4+len(kvBatches), "three percentile lines, a cycle line per batch and the owner's figures:\n%s", out)
-	assert.Equal(t, [][]string{strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 32 regions of 256 MiB, in chunks of 32 MiB) on device 0, mapped by 4 replica processes")}, by["meta"])
+	assert.Len(t, by["#"], 6+len(kvBatches), "four percentile lines, the growth's, a cycle line per batch and the owner's figures:\n%s", out)
+	assert.Equal(t, [][]string{
+		strings.Fields("meta kv-grow 8.0 GiB slab (32 regions of 256 MiB, in chunks of 32 MiB) from one step of 32 chunks (1.0 GiB) to its 256, on device 0, mapped by 3 idle replica processes"),
+		strings.Fields("meta kv-slab 8.0 GiB (16384 pages, 32 regions of 256 MiB, in chunks of 32 MiB) on device 0, mapped by 4 replica processes"),
+	}, by["meta"])
 }
 
 // softwareRows runs rows with shape sh on the software device and returns the lines
