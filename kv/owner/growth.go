@@ -113,9 +113,10 @@ func (o *Owner) growFor(s *slab, n int) bool {
 	return true
 }
 
-// growSlab maps n more chunks into s, made here, passes them to every replica
-// connection of s (one that cannot take them is cut off), and then grows s's table
-// to the pages they hold, if it has one: no reply grants a page in them before every
+// growSlab maps n more chunks into s, made here, passes each to every replica
+// connection of s as soon as it is mapped here (one that cannot take it is cut off),
+// so that a replica maps a chunk while the next is made, and then grows s's table to
+// the pages they hold, if it has one: no reply grants a page in them before every
 // connection has them. On failure the chunks made before the one that failed stay
 // mapped, passed and in the table.
 func (o *Owner) growSlab(s *slab, n int) error {
@@ -127,16 +128,17 @@ func (o *Owner) growSlab(s *slab, n int) error {
 		if err = o.makeChunk(s); err != nil {
 			break
 		}
+		i := len(s.fds) - 1
+		for c := range s.reached {
+			if werr := c.sendChunks(i, s.fds[i:]); werr != nil {
+				o.log.Warn("kv: a replica cannot take the slab's growth; it is cut off", "pid", c.cred.PID, "err", werr)
+				delete(s.reached, c)
+				_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
+			}
+		}
 	}
 	if len(s.fds) == from {
 		return err
-	}
-	for c := range s.reached {
-		if werr := c.sendChunks(from, s.fds[from:]); werr != nil {
-			o.log.Warn("kv: a replica cannot take the slab's growth; it is cut off", "pid", c.cred.PID, "err", werr)
-			delete(s.reached, c)
-			_ = c.nc.Close() // cleanup: the write's failure is what ends the connection
-		}
 	}
 	o.mu.Lock()
 	s.chunks = len(s.fds)

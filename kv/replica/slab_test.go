@@ -2,14 +2,19 @@ package replica_test
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"slices"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
@@ -223,3 +228,69 @@ func TestDialMapsA100GiBSlab(t *testing.T) {
 	require.NoError(t, check(rdev, r, rs, m.Pages(), hashes), "every layer's K and V")
 	require.NoError(t, r.Release(bound(t), m, rs))
 }
+
+// pacedVMM is a runtime whose VMM makes each chunk past the first step only once the
+// replica watched has mapped every chunk made before it: a growth must reach replicas
+// chunk by chunk as the owner makes them, not once the whole step is made. A chunk
+// that would wait past testwait.Bound fails MemCreate and is recorded in late.
+type pacedVMM struct {
+	cudart.Runtime
+	cudart.VMM
+	step    int
+	made    atomic.Int64
+	watched atomic.Pointer[replica.Replica]
+	late    atomic.Pointer[string]
+}
+
+func (p *pacedVMM) MemCreate(dev int, size uint64, ht cudart.HandleType) (cudart.MemHandle, error) {
+	before := int(p.made.Load())
+	if r := p.watched.Load(); r != nil && before > p.step {
+		deadline := time.Now().Add(growWait)
+		for {
+			if chunks, _ := r.Mapped(); chunks >= before {
+				break
+			}
+			if time.Now().After(deadline) {
+				why := fmt.Sprintf("chunk %d made while the idle replica had not mapped chunk %d", before, before-1)
+				p.late.Store(&why)
+				return 0, errors.New(why)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	h, err := p.VMM.MemCreate(dev, size, ht)
+	if err == nil {
+		p.made.Add(1)
+	}
+	return h, err
+}
+
+// A growth reaches an idle replica chunk by chunk: each Grow is sent as its chunk is
+// mapped in the owner, and the replica's watcher maps it as it arrives, so that a
+// chunk is usable in every replica about a mapping's time after the owner's (issue
+// 30's target: one chunk visible within 1 ms), not a whole step's.
+func TestGrowthReachesIdleReplicasChunkByChunk(t *testing.T) {
+	dir := shortDir(t)
+	dev := cudarttest.ForTest(t, cudarttest.WithGranularity(fine))
+	v, err := cudart.VMMOf(dev)
+	require.NoError(t, err)
+	paced := &pacedVMM{Runtime: dev, VMM: v}
+	o, err := owner.Listen(dir, paced, wide, owner.WithChunkBytes(fine), owner.WithInitialPages(1))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, o.Close(bound(t))) })
+	paced.step = o.Layout().Regions()
+	w, _, _ := dialFine(t, dir)
+	idle, _, _ := dialFine(t, dir)
+	paced.watched.Store(idle)
+
+	_, err = w.Alloc(bound(t), 40) // past the first step's 32 pages: the slab grows a step
+	if why := paced.late.Load(); why != nil {
+		t.Fatalf("the growth reached the idle replica only after its step: %s", *why)
+	}
+	require.NoError(t, err)
+	chunks, _ := idle.Mapped()
+	assert.Equal(t, 2*paced.step, chunks)
+}
+
+// growWait bounds pacedVMM's wait for a chunk to reach the idle replica.
+var growWait = testwait.Bound
