@@ -557,9 +557,9 @@ def kv_rows(run):
                  "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
                  "-", "-"])
     st, why = kv_stats(run, "cudapool", "kv/grow")
-    rows.append(["growth of a slab by a step, from the owner's mapping to every idle replica's, Go: %s" %
+    rows.append(["growth of a slab, a chunk from the owner's mapping to every idle replica's, Go: %s" %
                  run.meta.get("kv-grow", "-"),
-                 "p50 %s us, p99 %s us (n=%d growths)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
+                 "p50 %s us, p99 %s us (n=%d chunks)" % (num(st.median), num(st.p99), st.n) if st else why, "-", "-"])
     dial, why_d = kv_stats(run, "replicas", "dial")
     rows.append(["dial of a replicas example process (Python): %s" % run.meta.get("replicas-slab", "-"),
                  "median %s ms, max %s ms (n=%d)" % (num(dial.median), num(dial.max), dial.n) if dial else why_d,
@@ -637,9 +637,9 @@ def kv_targets(run):
                                                    "unknown size (no meta replicas-slab line)")) if pydial else "",
           why_p)
     st, why = kv_stats(run, "cudapool", "kv/grow")
-    judge("the slab's growth visible in every idle replica at most 1 ms after the owner mapped it, a whole step "
-          "(a chunk a tensor), p50, Go (issue 30)", st and st.median, lambda x: x <= 1000,
-          "p50 %s us, p99 %s us (n=%d growths)" % (num(st.median), num(st.p99), st.n) if st else "", why)
+    judge("growth by one chunk visible in every idle replica at most 1 ms after the owner mapped it, p50, Go "
+          "(issue 30)", st and st.median, lambda x: x <= 1000,
+          "p50 %s us, p99 %s us (n=%d chunks)" % (num(st.median), num(st.p99), st.n) if st else "", why)
     st, why = kv_stats(run, "cudapool", "kv/match512")
     judge("KV match + lease of 512 pages from Go, p50 at most 100 us on the 100 GiB slab (issue 24)",
           st and slab and (st.median, big), lambda x: x[1] and x[0] <= 100,

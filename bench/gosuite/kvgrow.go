@@ -10,7 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
+	"sync"
 
 	"github.com/dustin/go-humanize"
 
@@ -22,31 +22,31 @@ import (
 // The growth row of the kv rows (issue 30: "growth by one chunk visible in every
 // replica at most 1 ms after the owner maps it"):
 //
-//	kv/grow   us from the owner having mapped a growth of the slab (the last chunk of
-//	          the step it maps: cuMemSetAccess returned in the owner) until every one
-//	          of kvGrowWatchers idle replica processes (no call in flight: their
-//	          connection's watcher maps what arrives) has the whole step mapped
-//	          (replica.Mapped); one sample a growth
+//	kv/grow   us from the owner having mapped a chunk of a growth of the slab
+//	          (cuMemSetAccess returned in the owner) until every one of
+//	          kvGrowWatchers idle replica processes (no call in flight: their
+//	          connection's watcher maps what arrives) has it mapped
+//	          (replica.Mapped); one sample a chunk
 //
 // The slab is the kv rows' geometry and size, on an owner of its own that starts with
 // one step mapped (owner.WithInitialPages(1)) and grows a step at a time (2*Layers
-// chunks, one a tensor: the owner never grows by less, so the row's figure is a whole
-// step's, 32 chunks for llama-0.85b, which is stricter than one chunk's): a writer
-// process holds every free page under write leases and then allocates one page more,
-// which makes the owner grow before its reply. It grows to its bound, a sample a step,
+// chunks, one a tensor, each passed to the replicas as soon as the owner has mapped
+// it): a writer process holds every free page under write leases and then allocates
+// one page more, which makes the owner grow before its reply. It grows to its bound,
 // in each of kvGrowRounds(sh) rounds (a fresh owner and fresh processes each). The
-// owner is this process's and has no keeper (kvpoold's adds one keeper round trip, the
-// step's last chunk's, to the interval).
+// owner is this process's and has no keeper (kvpoold's adds one keeper round trip a
+// chunk, before the owner passes it on).
 //
 // The clocks: the owner's instant is taken in this process, by the Runtime it is given
 // (growClock wraps the device's: CLOCK_MONOTONIC as each cuMemSetAccess returns), and
-// each watcher's in its own process, CLOCK_MONOTONIC as it sees Mapped() reach the
-// step (it spins on Mapped, yielding, from before the growth until then). CLOCK_MONOTONIC
-// is one clock for every process of the host on Linux, so the two instants are
-// compared directly, with no round trip and no share of one guessed; the spin's
-// resolution (one Mapped call, well under a microsecond) is the figure's. A "# kv grow"
-// line gives the p50 of the first chunk of a step mapped in every watcher, on the same
-// clocks, and the watchers' time a chunk within a step.
+// each watcher's in its own process, CLOCK_MONOTONIC as it sees Mapped() pass each
+// chunk (it spins on Mapped, yielding, from before the growth until the step is
+// mapped; two chunks seen in one look both get its time, the later one's).
+// CLOCK_MONOTONIC is one clock for every process of the host on Linux, so the two
+// instants are compared directly, with no round trip and no share of one guessed; the
+// spin's resolution (one Mapped call, well under a microsecond) is the figure's. A
+// "# kv grow" line gives the p50 of a whole step, from the owner's mapping of its
+// first chunk to every watcher having its last.
 const kvGrowWatchers = 3
 
 // kvGrowRounds is how many owners the row grows to their bound.
@@ -57,8 +57,8 @@ func kvGrowRounds(sh shape) int { return sh.rounds }
 type growClock struct {
 	cudart.Runtime
 	cudart.VMM
-	last  atomic.Int64 // CLOCK_MONOTONIC, ns
-	calls atomic.Int64
+	mu    sync.Mutex
+	times []int64 // CLOCK_MONOTONIC, ns, as each MemSetAccess returned
 }
 
 // newGrowClock wraps rt, which must have a VMM (cudart.VMMOf).
@@ -72,15 +72,30 @@ func newGrowClock(rt cudart.Runtime) (*growClock, error) {
 
 func (c *growClock) MemSetAccess(dev int, ptr cudart.DevicePtr, size uint64, descs []cudart.AccessDesc) error {
 	err := c.VMM.MemSetAccess(dev, ptr, size, descs)
-	c.last.Store(monotonic())
-	c.calls.Add(1)
+	now := monotonic()
+	c.mu.Lock()
+	c.times = append(c.times, now)
+	c.mu.Unlock()
 	return err
 }
 
-// growSample is one growth: each watcher's first chunk and whole step, after the
-// owner's mapping, in us.
+// mapped is how many MemSetAccess calls have returned, and their times from the
+// first'th on.
+func (c *growClock) mapped(first int) (int, []int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if first > len(c.times) {
+		first = len(c.times)
+	}
+	return len(c.times), slices.Clone(c.times[first:])
+}
+
+// growSample is one growth: for each chunk, the slowest watcher's mapping of it after
+// the owner's, and the whole step, from the owner's mapping of its first chunk to the
+// slowest watcher's of its last, in us.
 type growSample struct {
-	step, first []float64 // one a watcher
+	chunks []float64
+	step   float64
 }
 
 // kvGrowRow measures kv/grow on slabs of geometry g (Pages its bound), replica
@@ -105,20 +120,15 @@ func kvGrowRow(r *reporter, rt cudart.Runtime, kind string, sh shape, g kv.Geome
 	}
 	fmt.Fprintf(r.w, "meta kv-grow %s slab (%v) from one step of %d chunks (%s) to its %d, on device 0, mapped by %d idle replica processes\n",
 		humanize.IBytes(g.SlabBytes()), layout, layout.Regions(), humanize.IBytes(layout.MappedBytes(layout.Regions())), layout.Chunks(), kvGrowWatchers)
-	var step, first, perChunk []float64
+	var chunks, step []float64
 	for _, s := range samples {
-		step = append(step, slices.Max(s.step))
-		first = append(first, slices.Max(s.first))
-		for i := range s.step {
-			if n := layout.Regions() - 1; n > 0 {
-				perChunk = append(perChunk, (s.step[i]-s.first[i])/float64(n))
-			}
-		}
+		chunks = append(chunks, s.chunks...)
+		step = append(step, s.step)
 	}
-	fmt.Fprintf(r.w, "# pct cudapool %s us p50 %.2f p99 %.2f\n", op, percentile(step, 0.5), percentile(step, 0.99))
-	fmt.Fprintf(r.w, "# kv grow: a step is %d chunks of %s; its first chunk mapped in every replica p50 %.1f us after the owner mapped the step, a chunk after it p50 %.1f us in a replica (%d growths)\n",
-		layout.Regions(), humanize.IBytes(layout.ChunkBytes()), percentile(first, 0.5), percentile(perChunk, 0.5), len(samples))
-	r.result("cudapool", op, "us", step)
+	fmt.Fprintf(r.w, "# pct cudapool %s us p50 %.2f p99 %.2f\n", op, percentile(chunks, 0.5), percentile(chunks, 0.99))
+	fmt.Fprintf(r.w, "# kv grow: a step is %d chunks of %s; a whole step, from the owner's mapping of its first chunk to every replica's of its last, p50 %.1f us (%d growths)\n",
+		layout.Regions(), humanize.IBytes(layout.ChunkBytes()), percentile(step, 0.5), len(samples))
+	r.result("cudapool", op, "us", chunks)
 }
 
 // growRound grows a fresh owner's slab of g from one step to its bound, a step a
@@ -172,35 +182,27 @@ func growRound(clock *growClock, kind string, g kv.Geometry) (_ []growSample, _ 
 				return nil, l, err
 			}
 		}
-		calls := clock.calls.Load()
+		calls, _ := clock.mapped(0)
 		if _, err := writer.ask("grow", "grew"); err != nil {
 			return nil, l, fmt.Errorf("the writer: %w", err)
 		}
-		mapped, owned := clock.last.Load(), clock.calls.Load()-calls
-		if now := o.Stats().Devices[0].Chunks; now != target || owned != int64(l.Regions()) {
-			return nil, l, fmt.Errorf("the writer's Alloc grew the slab from %d to %d chunks with %d mappings, want %d and %d", chunks, now, owned, target, l.Regions())
+		_, owner := clock.mapped(calls)
+		if now := o.Stats().Devices[0].Chunks; now != target || len(owner) != l.Regions() {
+			return nil, l, fmt.Errorf("the writer's Alloc grew the slab from %d to %d chunks with %d mappings, want %d and %d", chunks, now, len(owner), target, l.Regions())
 		}
-		var s growSample
+		s := growSample{chunks: make([]float64, len(owner))}
 		for _, c := range watchers {
-			rest, err := c.awaitAfter("grown", "grown")
+			at, err := c.grownAt(len(owner))
 			if err != nil {
 				return nil, l, err
 			}
-			f := strings.Fields(rest)
-			if len(f) != 2 {
-				return nil, l, fmt.Errorf("watcher %d said %q, want FIRST-NS ALL-NS", c.pid, rest)
-			}
-			at := [2]int64{}
-			for i, x := range f {
-				if at[i], err = strconv.ParseInt(x, 10, 64); err != nil {
-					return nil, l, fmt.Errorf("watcher %d said %q: %w", c.pid, rest, err)
+			for i, t := range at {
+				if t < owner[i] {
+					return nil, l, fmt.Errorf("watcher %d mapped the step's chunk %d at %d ns, the owner at %d: CLOCK_MONOTONIC is not one clock here", c.pid, i, t, owner[i])
 				}
+				s.chunks[i] = max(s.chunks[i], float64(t-owner[i])/1e3)
 			}
-			if at[0] < mapped || at[1] < at[0] {
-				return nil, l, fmt.Errorf("watcher %d mapped the step's first chunk at %d ns and its last at %d, the owner mapped it at %d: CLOCK_MONOTONIC is not one clock here", c.pid, at[0], at[1], mapped)
-			}
-			s.first = append(s.first, float64(at[0]-mapped)/1e3)
-			s.step = append(s.step, float64(at[1]-mapped)/1e3)
+			s.step = max(s.step, float64(at[len(at)-1]-owner[0])/1e3)
 		}
 		samples = append(samples, s)
 		if _, err := writer.ask("fill", "filled"); err != nil {
@@ -208,6 +210,26 @@ func growRound(clock *growClock, kind string, g kv.Geometry) (_ []growSample, _ 
 		}
 	}
 	return samples, l, nil
+}
+
+// grownAt asks a watcher for the times it saw each of the n chunks of the growth
+// mapped (CLOCK_MONOTONIC, ns).
+func (c *consumerSide) grownAt(n int) ([]int64, error) {
+	rest, err := c.awaitAfter("grown", "grown")
+	if err != nil {
+		return nil, err
+	}
+	f := strings.Fields(rest)
+	if len(f) != n {
+		return nil, fmt.Errorf("watcher %d said %d times, want one for each of %d chunks", c.pid, len(f), n)
+	}
+	at := make([]int64, n)
+	for i, x := range f {
+		if at[i], err = strconv.ParseInt(x, 10, 64); err != nil {
+			return nil, fmt.Errorf("watcher %d said %q: %w", c.pid, rest, err)
+		}
+	}
+	return at, nil
 }
 
 // awaitAfter says cmd and returns the rest of the reply that starts with want.
@@ -220,10 +242,9 @@ func (c *consumerSide) awaitAfter(cmd, want string) (string, error) {
 
 // growWatch is a watcher's spin over Mapped for one growth (kvLoad.arm).
 type growWatch struct {
-	done  chan struct{}
-	first int64 // CLOCK_MONOTONIC ns: Mapped() past the chunks it had when armed
-	all   int64 // Mapped() at the target
-	err   error
+	done chan struct{}
+	at   []int64 // CLOCK_MONOTONIC ns: Mapped() past each chunk after those it had when armed
+	err  error
 }
 
 // fill takes every free page of the slab under write leases, held until the replica
@@ -268,7 +289,7 @@ func (k *kvLoad) arm(target int) error {
 	if before >= target {
 		return fmt.Errorf("%d chunks mapped already, the target is %d", before, target)
 	}
-	w := &growWatch{done: make(chan struct{})}
+	w := &growWatch{done: make(chan struct{}), at: make([]int64, 0, target-before)}
 	k.watch = w
 	running := make(chan struct{})
 	go func() {
@@ -278,11 +299,10 @@ func (k *kvLoad) arm(target int) error {
 		for {
 			n, _ := k.r.Mapped()
 			now := monotonic()
-			if n > before && w.first == 0 {
-				w.first = now
+			for before+len(w.at) < min(n, target) {
+				w.at = append(w.at, now)
 			}
 			if n >= target {
-				w.all = now
 				return
 			}
 			if now > deadline {
@@ -296,7 +316,7 @@ func (k *kvLoad) arm(target int) error {
 	return nil
 }
 
-// grown waits for the armed spin's end: "grown FIRST-NS ALL-NS".
+// grown waits for the armed spin's end: "grown NS..." (each chunk's time).
 func (k *kvLoad) grown() (string, error) {
 	w := k.watch
 	if w == nil {
@@ -307,5 +327,10 @@ func (k *kvLoad) grown() (string, error) {
 	if w.err != nil {
 		return "", w.err
 	}
-	return fmt.Sprintf("grown %d %d", w.first, w.all), nil
+	var b strings.Builder
+	b.WriteString("grown")
+	for _, t := range w.at {
+		fmt.Fprintf(&b, " %d", t)
+	}
+	return b.String(), nil
 }

@@ -340,7 +340,7 @@ func TestKVRowsOnSoftwareDevice(t *testing.T) {
 	want := map[string]int{"kv/dial": kvReplicas, "kv/slab": 1, "kv/match512": sh.samples, "kv/match512+hash": sh.samples,
 		"kv/hash512": sh.samples, "kv/visible": sh.samples, "kv/pages/b16": sh.rounds, "kv/pages/b64": sh.rounds,
 		"kv/pages/b256": sh.rounds, "kv/pages/b512": sh.rounds, "kv/idle-cpu": 1,
-		"kv/grow": kvGrowRounds(sh) * 7} // a sample a growth, from one step to eight
+		"kv/grow": kvGrowRounds(sh) * 7 * 32} // a sample a chunk: 7 growths of a step of 32 chunks, from one step to eight
 	assert.Len(t, got, len(want))
 	for op, n := range want {
 		assert.Equal(t, strconv.Itoa(n), got[op], "%s: samples", op)
