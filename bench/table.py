@@ -637,7 +637,7 @@ def kv_targets(run):
                                                    "unknown size (no meta replicas-slab line)")) if pydial else "",
           why_p)
     st, why = kv_stats(run, "cudapool", "kv/grow")
-    judge("growth by one chunk visible in every idle replica at most 1 ms after the owner mapped it, p50, Go "
+    judge("the slab's growth by one chunk visible in every idle replica at most 1 ms after the owner mapped it, p50, Go "
           "(issue 30)", st and st.median, lambda x: x <= 1000,
           "p50 %s us, p99 %s us (n=%d chunks)" % (num(st.median), num(st.p99), st.n) if st else "", why)
     st, why = kv_stats(run, "cudapool", "kv/match512")

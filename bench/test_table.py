@@ -234,9 +234,9 @@ class KVPool(unittest.TestCase):
                          "median 190.0 ms, max 195.0 ms (n=4)")
         self.assertEqual(rows["the Go rows' slab: 100 GiB (..., 32 regions of 3.1 GiB) on device 0, mapped by 4 "
                               "replica processes"][0], "100.0 GiB")
-        self.assertEqual(rows["growth of a slab by a step, from the owner's mapping to every idle replica's, Go: 100 GiB "
+        self.assertEqual(rows["growth of a slab, a chunk from the owner's mapping to every idle replica's, Go: 100 GiB "
                               "slab (...) from one step of 32 chunks (12 GiB) to its 256, on device 0, mapped by 3 idle "
-                              "replica processes"][0], "p50 600.0 us, p99 900.0 us (n=10 growths)")
+                              "replica processes"][0], "p50 600.0 us, p99 900.0 us (n=10 chunks)")
         self.assertEqual(rows["dial of a replicas example process (Python): 100.0 GiB in 256 chunks of 400 MiB, mapped "
                               "by 3 replica processes a GPU"][0], "median 350.0 ms, max 390.0 ms (n=3)")
         self.assertEqual(rows["time to first token, 32,768-token prompt: matched vs computed"],
