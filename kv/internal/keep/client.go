@@ -39,18 +39,20 @@ type call struct {
 	list  []Entry
 }
 
-// Dial connects to the keeper's socket at path and says Hello. It fails with an error
-// wrapping [ErrRefused] where the keeper refuses this user or version (naming both
-// versions), and with the dial's error where no keeper listens. On failure nothing
-// is left open.
-func Dial(ctx context.Context, path string) (*Client, error) {
+// Dial connects to the keeper's socket at path and says Hello, as role: a page server
+// ([RoleServer]) or a holder ([RoleHolder], whose requests the keeper refuses; it
+// holds the connection so that the keeper stays, and learns of its death by Done). It
+// fails with an error wrapping [ErrRefused] where the keeper refuses this user or
+// version (naming both versions), and with the dial's error where no keeper listens.
+// On failure nothing is left open.
+func Dial(ctx context.Context, path string, role Role) (*Client, error) {
 	nc, err := session.Dial(ctx, path, false)
 	if err != nil {
 		return nil, fmt.Errorf("keep: the keeper's socket: %w", err)
 	}
 	c := &Client{nc: nc, w: session.NewWriter(nc, writeTimeout), pending: map[uint32]*call{}, done: make(chan struct{})}
 	f := newFrames(nc, kvwire.NewReader())
-	if err := c.hello(ctx, f); err != nil {
+	if err := c.hello(ctx, f, role); err != nil {
 		f.close()
 		_ = nc.Close() // cleanup: the handshake's error is the one returned
 		return nil, err
@@ -60,9 +62,9 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 }
 
 // hello says Hello and reads the answer, within ctx.
-func (c *Client) hello(ctx context.Context, f *frames) error {
+func (c *Client) hello(ctx context.Context, f *frames, role Role) error {
 	err := c.w.Write(ctx, func(b []byte) ([]byte, error) {
-		return Append(b, TypeHello, 1, Hello{Version: Version, PID: uint32(os.Getpid())})
+		return Append(b, TypeHello, 1, Hello{Version: Version, PID: uint32(os.Getpid()), Role: role})
 	})
 	if err != nil {
 		return fmt.Errorf("keep: saying Hello to the keeper: %w", err)
@@ -83,11 +85,9 @@ func (c *Client) hello(ctx context.Context, f *frames) error {
 	}
 	switch v := m.(type) {
 	case Problem:
-		return remote(h.Type, v)
-	case Hello:
-		if h.Type != TypeWelcome {
-			break
-		}
+		// A keeper of version 1 refuses this version's Hello by its length, not its version.
+		return fmt.Errorf("%w (this client speaks keeper protocol version %d)", remote(h.Type, v), Version)
+	case Welcome:
 		if v.Version != Version {
 			return fmt.Errorf("%w: the keeper speaks keeper protocol version %d; this client speaks %d", ErrRefused, v.Version, Version)
 		}
