@@ -163,7 +163,7 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for its own copies and for the keeper to stop")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
-	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once no kvpoold has been connected to it for this long (replicas keep what they map)")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once nobody (no kvpoold, no replica mapping the slab) has been connected to it for this long")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	return fs
 }
