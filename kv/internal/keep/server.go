@@ -115,7 +115,7 @@ func (s *Server) serve(c *session.Conn) error {
 	}
 	defer s.count(role, -1)
 	for {
-		h, p, fd, err := f.next()
+		h, p, fd, err := f.next(true)
 		switch {
 		case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed):
 			return nil
@@ -143,7 +143,7 @@ func (s *Server) serve(c *session.Conn) error {
 // before the rest of the Hello, whose layout may be another version's), a role not
 // known, or a full cap.
 func (s *Server) admit(ctx context.Context, c *session.Conn, f *frames, w *session.Writer) (Role, bool, error) {
-	h, p, fd, err := f.next()
+	h, p, fd, err := f.next(true)
 	if err != nil {
 		return 0, false, fmt.Errorf("no Hello: %w", err)
 	}
