@@ -56,8 +56,9 @@
 // visible again, and waits up to -reattach-grace for the replicas attached before
 // (replica.WithReconnect) to re-declare their leases. Its first line says what it took
 // back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
-// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no kvpoold
-// has been connected to for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
+// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper nobody (no
+// kvpoold, no replica mapping the slab) has been connected to for -keeper-idle exits;
+// -one-process makes the slabs in kvpoold itself,
 // gone with it. When the keeper dies, kvpoold exits with status 1: the cache is gone,
 // and a supervisor should start it again (docs/kvpoold.service runs it under systemd).
 package main
