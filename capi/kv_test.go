@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/cudarttest"
+	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
@@ -130,6 +132,15 @@ const (
 	frameMatched = 9
 )
 
+// proxyFraming is the frames' framing, as the lying owner reads them; what it reads
+// is the real owner's, which keeps the bounds.
+var proxyFraming = session.Framing{
+	HeaderLen: frameHeader,
+	Len:       func(h []byte, _ int) (int, error) { return int(binary.LittleEndian.Uint32(h)) + 4, nil },
+	Ended:     func([]byte, int) error { return io.ErrUnexpectedEOF },
+	Refused:   func(err error) error { return err },
+}
+
 // lyingOwner serves a new directory whose slab.sock is the real owner's at dir and
 // whose kv.sock passes every frame through, but for the lease replies, which lie
 // rewrites (given the pages, it returns the pages to claim).
@@ -157,18 +168,17 @@ func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) str
 				defer in.Close()
 				// Frames come and go whole, each with the descriptor it carries (the
 				// slab's chunks ride with Grow frames).
-				src := unixfd.NewStream(out.(*net.UnixConn))
+				src := session.NewFrameReader(proxyFraming, 1<<20, 1)
+				defer src.Close()
 				for {
-					start := src.Offset()
+					f, err := src.Next(out, true)
+					if err != nil {
+						return
+					}
+					fd := src.TakeFD()
 					var h [frameHeader]byte
-					if _, err := io.ReadFull(src, h[:]); err != nil {
-						return
-					}
-					p := make([]byte, binary.LittleEndian.Uint32(h[:4])+4-frameHeader)
-					if _, err := io.ReadFull(src, p); err != nil {
-						return
-					}
-					fd, _ := src.Take(start, src.Offset())
+					copy(h[:], f)
+					p := slices.Clone(f[frameHeader:])
 					if (h[4] == frameLeased || h[4] == frameMatched) && len(p) >= 12 {
 						pages := make([]uint32, binary.LittleEndian.Uint32(p[8:12]))
 						for i := range pages {
@@ -187,7 +197,7 @@ func lyingOwner(t *testing.T, dir string, lie func(pages []uint32) []uint32) str
 					if fd >= 0 {
 						fds = []int{fd}
 					}
-					err := unixfd.Send(in.(*net.UnixConn), append(h[:], p...), fds...)
+					err = unixfd.Send(in.(*net.UnixConn), append(h[:], p...), fds...)
 					if fd >= 0 {
 						_ = syscall.Close(fd) // sent: the replica has its own
 					}

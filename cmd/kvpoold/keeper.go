@@ -23,9 +23,11 @@ import (
 // descriptors by name on dir/keep.sock (the slabs' chunks and the host tiers' memfds,
 // given by kvpoold) and nothing else: it loads no CUDA runtime at all (an fd keeps its
 // memory alive by itself). kvpoold starts it where none is alive and, on a clean stop,
-// stops it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once no kvpoold
-// has been connected to it for -keeper-idle: it cannot see who maps the memory of the
-// descriptors it holds, and need not, for a mapping keeps that memory alive by itself.
+// stops it (unless -leave-keeper). It stops on SIGTERM or SIGINT, or once nobody at all
+// has been connected to it for -keeper-idle: no kvpoold, and no replica (a replica
+// holds a connection to dir/keep.sock while it maps the slab, and stops once the
+// keeper hangs up), so that a kvpoold dead for longer leaves the replicas' cache to
+// the next one.
 
 // keeperStopMargin is how much longer than -stop-wait kvpoold waits for the keeper it
 // stops: the keeper's own close waits -stop-wait for the replicas to unmap its slabs.
@@ -115,16 +117,13 @@ func startKeeper(stderr io.Writer, args []string, started **keeperChild) func(ct
 
 // keeping is what the keeper's idle wait asks of an owner.Keeper.
 type keeping interface {
-	Importers() int
 	Clients() int
 }
 
-// idleFor waits until ctx ends or, true, no kvpoold has been connected to k (and no
-// process has mapped its slabs, where it has any) for idle: a keeper whose kvpoold
-// died for good frees what it holds. It cannot see who maps the memory of the
-// descriptors it holds (a replica's mapping keeps that memory alive by itself, and
-// it goes back once the last one unmaps). It looks once a second (a tenth of idle if
-// shorter).
+// idleFor waits until ctx ends or, true, nobody has been connected to k for idle: no
+// kvpoold and no replica that maps the slab. A keeper whose kvpoold died for good,
+// its replicas gone too, frees what it holds. It looks once a second (a tenth of idle
+// if shorter).
 func idleFor(ctx context.Context, k keeping, idle time.Duration) bool {
 	tick := time.NewTicker(min(time.Second, max(idle/10, time.Millisecond)))
 	defer tick.Stop()
@@ -135,7 +134,7 @@ func idleFor(ctx context.Context, k keeping, idle time.Duration) bool {
 			return false
 		case now := <-tick.C:
 			switch {
-			case k.Importers() > 0 || k.Clients() > 0:
+			case k.Clients() > 0:
 				since = time.Time{}
 			case since.IsZero():
 				since = now
@@ -164,7 +163,7 @@ func runKeeper(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		_ = ready.Close()                   // cleanup: it was written
 	}
 	if idleFor(ctx, k, f.keeperIdle) {
-		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold has been connected to %s for %v: what it kept is freed (its memory once no replica maps it)\n", f.dir, f.keeperIdle)
+		fmt.Fprintf(stderr, "kvpoold keeper: no kvpoold and no replica has been connected to %s for %v: what it kept is freed\n", f.dir, f.keeperIdle)
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()

@@ -6,12 +6,14 @@ import (
 	"net"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/internal/testlog"
 	"github.com/cudapool/cudapool/internal/testwait"
@@ -47,7 +49,55 @@ func TestKeeperOfDescriptorsExitsWhenIdle(t *testing.T) {
 	var out, errOut testlog.Buffer
 	code := runKeeper(context.Background(), []string{"-dir", shortDir(t), "-keeper-idle", "20ms"}, &out, &errOut)
 	assert.Equal(t, exitOK, code, errOut.String())
-	assert.Contains(t, errOut.String(), "no kvpoold has been connected to")
+	assert.Contains(t, errOut.String(), "no kvpoold and no replica has been connected to")
+}
+
+// A replica that maps the slab holds the keeper: kvpoold killed, the keeper outlives
+// -keeper-idle many times over, the next kvpoold adopts the chunks, and the replica
+// reattaches with its pages intact; once no kvpoold runs and the last replica closes,
+// the keeper frees what it holds and exits. (Failed first: the keeper exited
+// -keeper-idle after kvpoold's death, for it counted kvpoolds alone; the replica
+// stopped with it, and the next kvpoold's first line said "new cache in keeper pid".)
+func TestKeeperStaysWhileAReplicaMapsTheSlab(t *testing.T) {
+	dir := shortDir(t)
+	const idle = 20 * time.Millisecond
+	args := append(restartArgs(dir, 16), "-keeper-idle", idle.String())
+	first, line := daemon(t, args...)
+	m := keeperPID.FindStringSubmatch(line)
+	require.NotNil(t, m, line)
+	pid, err := strconv.Atoi(m[1])
+	require.NoError(t, err)
+	keeper, err := peercred.OpenProcess(pid)
+	require.NoError(t, err)
+	defer keeper.Close()
+
+	dev, r, s := attach(t, dir)
+	ctx := bound(t)
+	hashes, pages := sealed(t, ctx, dev, r, s, 3, 61)
+	done := r.Done()
+	sigkill(t, first)
+	testwait.Recv(t, done, "the replica's Done after kvpoold's death")
+	// Not a bound on anything: the time an idle keeper of before took fifty times over.
+	// The keeper stays however long it is, while the replica is connected.
+	time.Sleep(50 * idle)
+	require.NoError(t, syscall.Kill(pid, 0), "the keeper is alive while a replica maps its slab")
+
+	second, line := daemon(t, args...)
+	assert.Contains(t, line, "cache adopted from keeper pid "+m[1]+": 3 visible pages restored")
+	require.NoError(t, r.WaitAttached(ctx))
+	got, err := r.Match(ctx, hashes)
+	require.NoError(t, err)
+	require.Equal(t, pages, got.Pages(), "the pages sealed before kvpoold's death match, where they were")
+	checkPages(t, dev, r, s, got.Pages(), pages)
+	require.NoError(t, r.Release(ctx, got, s))
+	require.NoError(t, dev.StreamSynchronize(0, s))
+
+	done = r.Done()
+	sigkill(t, second)
+	testwait.Recv(t, done, "the replica's Done after the second kvpoold's death")
+	require.NoError(t, syscall.Kill(pid, 0), "the keeper is alive while a replica maps its slab")
+	require.NoError(t, r.Close(ctx))
+	require.NoError(t, keeper.Wait(ctx), "the keeper's exit once nobody is connected")
 }
 
 // The keeper killed, kvpoold says that the cache and the host tiers' memory went with

@@ -56,8 +56,9 @@
 // visible again, and waits up to -reattach-grace for the replicas attached before
 // (replica.WithReconnect) to re-declare their leases. Its first line says what it took
 // back, or why the cache is new. It holds DIR/owner.lock: a second kvpoold on DIR
-// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper no kvpoold
-// has been connected to for -keeper-idle exits; -one-process makes the slabs in kvpoold itself,
+// fails. A clean stop stops the keeper too, unless -leave-keeper; a keeper nobody (no
+// kvpoold, no replica mapping the slab) has been connected to for -keeper-idle exits;
+// -one-process makes the slabs in kvpoold itself,
 // gone with it. When the keeper dies, kvpoold exits with status 1: the cache is gone,
 // and a supervisor should start it again (docs/kvpoold.service runs it under systemd).
 package main
@@ -163,7 +164,7 @@ func newFlagSet(f *flags) *flag.FlagSet {
 	fs.DurationVar(&f.stopWait, "stop-wait", defaultStopWait, "how long a stop waits for its own copies and for the keeper to stop")
 	fs.BoolVar(&f.oneProcess, "one-process", false, "make the slabs in this process, without a keeper: they die with it, and a restart starts with an empty cache")
 	fs.BoolVar(&f.leaveKeeper, "leave-keeper", false, "on a clean stop, leave the keeper (and the cache) alive for the next kvpoold")
-	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once no kvpoold has been connected to it for this long (replicas keep what they map)")
+	fs.DurationVar(&f.keeperIdle, "keeper-idle", 10*time.Second, "the keeper closes the chunks it holds and exits once nobody (no kvpoold, no replica mapping the slab) has been connected to it for this long")
 	fs.DurationVar(&f.grace, "reattach-grace", owner.DefaultReattachGrace, "after a restart, how long allocations wait for the replicas attached before to re-declare their leases")
 	return fs
 }

@@ -328,6 +328,12 @@ func (cl *Client[F]) quiet() {
 // ([ErrBroken], which ends it), it returns [Client.Err]. An error of build, or of a
 // write that wrote nothing, is returned as it is, and the connection carries on.
 func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) ([]byte, error), h Handler[F]) error {
+	return cl.CallFD(ctx, -1, build, h)
+}
+
+// CallFD is [Client.Call] of a request whose frame carries descriptor fd (SCM_RIGHTS,
+// [Writer.WriteFD]; -1: none), which stays the caller's.
+func (cl *Client[F]) CallFD(ctx context.Context, fd int, build func(b []byte, id uint64) ([]byte, error), h Handler[F]) error {
 	c, _ := cl.free.Get().(*call[F])
 	if c == nil {
 		c = &call[F]{wake: make(chan struct{}, 1)}
@@ -354,7 +360,14 @@ func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) (
 		cl.leaders = append(cl.leaders, c)
 	}
 	cl.mu.Unlock()
-	if err := cl.p.Writer.Write(ctx, func(b []byte) ([]byte, error) { return build(b, c.id) }); err != nil {
+	fill := func(b []byte) ([]byte, error) { return build(b, c.id) }
+	var err error
+	if fd >= 0 {
+		err = cl.p.Writer.WriteFD(ctx, fd, fill)
+	} else {
+		err = cl.p.Writer.Write(ctx, fill)
+	}
+	if err != nil {
 		cl.forget(c, lead)
 		cl.reuse(c)
 		if errors.Is(err, ErrBroken) {
@@ -362,7 +375,7 @@ func (cl *Client[F]) Call(ctx context.Context, build func(b []byte, id uint64) (
 		}
 		return cl.errOr(err)
 	}
-	err := cl.wait(ctx, c, lead)
+	err = cl.wait(ctx, c, lead)
 	cl.mu.Lock()
 	kept := c.abandoned // its reply is still to be handled
 	cl.mu.Unlock()

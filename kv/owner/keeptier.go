@@ -21,8 +21,9 @@ import (
 // docs/PROTOCOL.md): each under a name, until the page server drops it or the keeper
 // stops. It needs no runtime for them (KeepFiles): an fd alone keeps the memory it
 // names alive, and the keeper maps nothing. A page server of a keeper's slabs
-// (WithKeeper) holds one connection to it for its life: the keeper's Clients, and the
-// page server's KeeperGone when the keeper dies.
+// (WithKeeper) holds one connection to it for its life, and a replica one while it maps
+// the slab (a holder's, which asks nothing): the keeper's Clients, and the page
+// server's KeeperGone, or the replica's stop, when the keeper dies.
 //
 // The host tiers' memory outlives the page server this way: the page server makes each
 // device's memfd and puts it in the keeper under "kv/host/DEVICE", or, restarted,
@@ -105,7 +106,8 @@ func (f *keptFiles) close() bool {
 	return true
 }
 
-// Clients counts the page servers connected to the keeper now (see [Keeper.Importers]).
+// Clients counts the connections to the keeper now: the page servers', and the
+// replicas' that map the chunks (each holds one while it maps them).
 func (k *Keeper) Clients() int { return k.files.fds.Clients() }
 
 // dialKeeper connects to the keeper's dir/keep.sock for the page server's life,
@@ -115,13 +117,13 @@ func (o *Owner) dialKeeper() (started bool, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), keeperTimeout)
 	defer cancel()
 	path := filepath.Join(o.dir, KeepSocket)
-	c, err := keep.Dial(ctx, path)
+	c, err := keep.Dial(ctx, path, keep.RoleServer)
 	if (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)) && o.opts.StartKeeper != nil {
 		if err := o.opts.StartKeeper(ctx); err != nil {
 			return false, fmt.Errorf("kv/owner: starting the keeper: %w", err)
 		}
 		started = true
-		c, err = keep.Dial(ctx, path)
+		c, err = keep.Dial(ctx, path, keep.RoleServer)
 	}
 	if err != nil {
 		return started, fmt.Errorf("kv/owner: the keeper's descriptors: %w", err)

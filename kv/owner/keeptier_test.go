@@ -21,7 +21,7 @@ import (
 // size and inode.
 func keptTier(t *testing.T, dir string) (uint64, uint64) {
 	t.Helper()
-	c, err := keepwire.Dial(bound(t), filepath.Join(dir, owner.KeepSocket))
+	c, err := keepwire.Dial(bound(t), filepath.Join(dir, owner.KeepSocket), keepwire.RoleServer)
 	require.NoError(t, err)
 	defer c.Close()
 	fd, size, err := c.Take(bound(t), "kv/host/0")
@@ -89,7 +89,7 @@ func TestKeepFilesNeedsNoRuntime(t *testing.T) {
 	require.NoError(t, err)
 	_, err = owner.KeepFiles(dir)
 	assert.ErrorContains(t, err, "a keeper already serves")
-	c, err := keepwire.Dial(bound(t), filepath.Join(dir, owner.KeepSocket))
+	c, err := keepwire.Dial(bound(t), filepath.Join(dir, owner.KeepSocket), keepwire.RoleServer)
 	require.NoError(t, err)
 	fd, err := unix.MemfdCreate("t", unix.MFD_CLOEXEC)
 	require.NoError(t, err)

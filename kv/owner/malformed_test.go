@@ -18,7 +18,6 @@ import (
 	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/export"
 	"github.com/cudapool/cudapool/internal/testwait"
-	"github.com/cudapool/cudapool/internal/unixfd"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/owner"
@@ -54,7 +53,6 @@ type raw struct {
 	t  *testing.T
 	nc *net.UnixConn
 	rd *kvwire.Reader
-	fr *unixfd.Stream
 }
 
 func dialRaw(t *testing.T, dir string) *raw {
@@ -62,9 +60,9 @@ func dialRaw(t *testing.T, dir string) *raw {
 	require.NoError(t, err)
 	t.Cleanup(func() { nc.Close() })
 	nc.SetDeadline(time.Now().Add(testwait.Bound))
-	fr := unixfd.NewStream(nc)
-	t.Cleanup(func() { fr.Drop(fr.Offset()) })
-	return &raw{t: t, nc: nc, rd: kvwire.NewReader(), fr: fr}
+	rd := kvwire.NewReader()
+	t.Cleanup(rd.Close)
+	return &raw{t: t, nc: nc, rd: rd}
 }
 
 func (r *raw) send(b []byte, err error) {
@@ -75,8 +73,7 @@ func (r *raw) send(b []byte, err error) {
 
 func (r *raw) next() (kvwire.Header, []byte, error) {
 	for {
-		h, p, err := r.rd.Next(r.fr)
-		r.fr.Drop(r.fr.Offset() - int64(r.rd.Unread()))
+		h, p, err := r.rd.Next(r.nc) // a Grow's descriptor is closed by the next Next, or Close
 		if err != nil || h.Type != kvwire.TypeGrow {
 			return h, p, err
 		}

@@ -121,10 +121,6 @@ func Keep(dir string, _ cudart.Runtime, _ kv.Geometry, opts ...Option) (*Keeper,
 	return KeepFiles(dir, opts...)
 }
 
-// Importers counts the page servers connected to the keeper (a replica maps the
-// chunks without it).
-func (k *Keeper) Importers() int { return k.Clients() }
-
 // Close closes the descriptors the keeper holds (their memory lives on while a
 // process holds or maps it) and stops dir/keep.sock. A second Close returns
 // kv.ErrClosed.

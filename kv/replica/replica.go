@@ -137,11 +137,12 @@ type Replica struct {
 	stream cudart.Stream // the replica's own: the unmapping waits on it for every stream's work
 	nc     *net.UnixConn
 	owner  *peercred.Process // nil where the owner's process cannot be watched
-	// keeperGone is closed once the keeper of the slab's chunks has exited (the
-	// Welcome named it): no restarted owner serves this slab any more.
+	// keeperGone is closed once the keeper of the slab's chunks (the Welcome named
+	// it) has hung up the replica's connection to it: no restarted owner serves this
+	// slab any more.
 	keeperGone chan struct{}
-	stopKeeper context.CancelFunc // ends the keeper's watch
-	host       *HostTier          // the device's host tier, mapped (hosttier.go); nil: none
+	stopKeeper func()    // closes the connection to the keeper (slab.go holdKeeper)
+	host       *HostTier // the device's host tier, mapped (hosttier.go); nil: none
 
 	w  *session.Writer        // every write bounded by its caller's ctx
 	cl *session.Client[reply] // the requests on nc; nil until Dial has made it
@@ -222,7 +223,9 @@ func Dial(ctx context.Context, dir string, rt cudart.Runtime, device int, opts .
 		return nil, fmt.Errorf("%w: the owner maps %d chunks of a slab of %d", kvwire.ErrMalformed, welcome.Chunks, r.layout.Chunks())
 	}
 	if welcome.Keeper != 0 {
-		r.watchKeeper(int(welcome.Keeper))
+		if err := r.holdKeeper(ctx, int(welcome.Keeper)); err != nil {
+			return nil, err
+		}
 	}
 	if cred, err := peercred.Get(r.nc); err == nil {
 		if r.owner, err = peercred.OpenProcess(cred.PID); err != nil {
@@ -530,10 +533,13 @@ func (r *Replica) teardown(ctx context.Context) error {
 	events := r.allNotifiers()
 	r.notifiers, r.retired = map[cudart.Stream]*streamNotifier{}, nil
 	r.evMu.Unlock()
+	mapped := false
 	if r.m != nil {
 		// The slab is unmapped once the last seal and release of every stream have
-		// completed; if ctx ends first, it stays mapped, to the process's exit.
+		// completed; if ctx ends first, it stays mapped, to the process's exit, and
+		// the connection to its keeper stays held with it.
 		if err := r.awaitEvents(ctx, events); err != nil {
+			mapped = true
 			errs = append(errs, fmt.Errorf("kv/replica: the slab stays mapped: its streams' work has not completed: %w", err))
 		} else if err := r.m.Close(); err != nil {
 			errs = append(errs, err)
@@ -550,7 +556,9 @@ func (r *Replica) teardown(ctx context.Context) error {
 	if r.owner != nil {
 		_ = r.owner.Close() // cleanup: nothing is left to do if closing fails
 	}
-	r.stopKeeper()
+	if !mapped {
+		r.stopKeeper()
+	}
 	if err := r.host.unmap(); err != nil {
 		errs = append(errs, err)
 	}

@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"path/filepath"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudapool/cudapool/cudart"
-	"github.com/cudapool/cudapool/internal/peercred"
 	"github.com/cudapool/cudapool/kv"
+	"github.com/cudapool/cudapool/kv/internal/keep"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 	"github.com/cudapool/cudapool/kv/internal/slabmap"
 )
@@ -152,29 +154,42 @@ func (r *Replica) Mapped() (chunks, pages int) {
 // [Replica]'s own: do not modify them.
 func (r *Replica) Regions() []cudart.DevicePtr { return r.m.Bases() }
 
-// watchKeeper watches the keeper pid that holds the slab's chunks: once it exits, the
+// holdKeeper connects to the keeper of the slab's chunks (pid, as the Welcome named
+// it) on the directory's keep.sock, as a holder, and holds the connection while the
+// replica maps the slab: the keeper stays while anyone does, an owner or not, so that
+// a restarted owner finds the slab. Once the keeper hangs up (it stopped or died), the
 // slab is gone for every later owner, and the replica stops (stranded), as its
-// connection does. A keeper that cannot be watched is not.
-func (r *Replica) watchKeeper(pid int) {
-	p, err := peercred.OpenProcess(pid)
+// connection does. It fails where no keeper answers there, or another than the
+// Welcome's; then nothing is held.
+func (r *Replica) holdKeeper(ctx context.Context, pid int) error {
+	c, err := keep.Dial(ctx, filepath.Join(r.dir, keep.Socket), keep.RoleHolder)
 	if err != nil {
-		r.log.Debug("kv: cannot watch the slab's keeper; a restarted owner's Welcome tells", "pid", pid, "err", err)
-		return
+		return fmt.Errorf("kv/replica: the slab's keeper (pid %d): %w", pid, err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	r.stopKeeper = cancel
+	if c.KeeperPID() != pid {
+		_ = c.Close() // cleanup: the mismatch is the error returned
+		return fmt.Errorf("%w: the keeper on %s is pid %d, not the slab's (pid %d)", kv.ErrOwnerGone, keep.Socket, c.KeeperPID(), pid)
+	}
+	stop := make(chan struct{})
+	r.stopKeeper = sync.OnceFunc(func() {
+		close(stop)
+		_ = c.Close() // cleanup: nothing is left to do if closing fails
+	})
 	go func() {
-		defer func() { _ = p.Close() }() // cleanup: the watch is over
-		if p.Wait(ctx) != nil {
-			return
+		<-c.Done()
+		select {
+		case <-stop:
+			return // the replica let go
+		default:
 		}
 		r.mu.Lock()
 		r.stranded = true
 		nc := r.nc
 		r.mu.Unlock()
 		close(r.keeperGone)
-		r.failConn(nc, fmt.Errorf("the slab's keeper (pid %d) exited, and the slab with it", pid))
+		r.failConn(nc, fmt.Errorf("the slab's keeper (pid %d) hung up, and the slab is gone with it: %w", pid, c.Err()))
 	}()
+	return nil
 }
 
 // mappedPages is the pages mapped, the bound a reply's pages are checked against:

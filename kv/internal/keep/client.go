@@ -4,72 +4,133 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
-// Client is a page server's connection to its keeper: it holds one connection for its
-// life, so that the keeper knows a page server is there, and Done says when the keeper
-// has gone. Its methods are safe for concurrent use; each blocking one is bounded by
-// its context.
+// Client is a connection to the keeper, held for the client's life, so that the
+// keeper knows it is there; Done says when the keeper has gone. A page server's makes
+// requests, on a [session.Client]. Its methods are safe for concurrent use; each
+// blocking one is bounded by its context.
 type Client struct {
 	nc  *net.UnixConn
 	w   *session.Writer
+	f   *frames // read by the reading role's holder alone
+	s   *session.Client[frame]
 	pid int
-
-	mu      sync.Mutex
-	pending map[uint32]*call
-	id      uint32
-	err     error // why the connection ended, once done is closed
-	done    chan struct{}
 }
 
-// call is one request waiting for its answer.
-type call struct {
-	ready chan struct{} // closed once the answer is whole, or the connection ended
-	h     Header
-	m     any   // the answer's message; a List's entries gather in listed
-	fd    int   // Taken's descriptor, or -1
-	err   error // the connection's end, if it ended first
-	list  []Entry
+// frame is one of the keeper's answers as the Client reads it: its header, its
+// message, and the descriptor that came with it (Taken's; -1 if none), which its
+// handler takes or closes.
+type frame struct {
+	Header
+	m  any
+	fd int
 }
 
-// Dial connects to the keeper's socket at path and says Hello. It fails with an error
-// wrapping [ErrRefused] where the keeper refuses this user or version (naming both
-// versions), and with the dial's error where no keeper listens. On failure nothing
-// is left open.
-func Dial(ctx context.Context, path string) (*Client, error) {
+// reader reads the keeper's answers for the [session.Client].
+type reader struct{ f *frames }
+
+// Next reads the next answer, waiting for it or not (session.ErrNoFrame). One that
+// breaks the layout, or is a request's (which the keeper never sends), fails with an
+// error wrapping [ErrMalformed]: the connection ends. Once the stream
+// cannot be read further, the descriptors that came and were not taken are closed.
+func (r reader) Next(wait bool) (frame, error) {
+	h, p, fd, err := r.f.next(wait)
+	if err != nil {
+		if !errors.Is(err, session.ErrNoFrame) && !errors.Is(err, os.ErrDeadlineExceeded) {
+			r.f.close()
+		}
+		return frame{}, err
+	}
+	m, err := Decode(h, p)
+	if err == nil {
+		err = notAnswer(h.Type)
+	}
+	if err != nil {
+		closeFD(fd)
+		return frame{}, err
+	}
+	return frame{Header: h, m: m, fd: fd}, nil
+}
+
+// Buffered reports whether a whole frame is buffered.
+func (r reader) Buffered() bool { return r.f.rd.Whole() }
+
+// Dial connects to the keeper's socket at path and says Hello, as role: a page server
+// ([RoleServer]) or a holder ([RoleHolder], whose requests the keeper refuses; it
+// holds the connection so that the keeper stays, and learns of its death by Done). It
+// fails with an error wrapping [ErrRefused] where the keeper refuses this user or
+// version (naming both versions), and with the dial's error where no keeper listens.
+// On failure nothing is left open.
+func Dial(ctx context.Context, path string, role Role) (*Client, error) {
 	nc, err := session.Dial(ctx, path, false)
 	if err != nil {
 		return nil, fmt.Errorf("keep: the keeper's socket: %w", err)
 	}
-	c := &Client{nc: nc, w: session.NewWriter(nc, writeTimeout), pending: map[uint32]*call{}, done: make(chan struct{})}
 	f := newFrames(nc, kvwire.NewReader())
-	if err := c.hello(ctx, f); err != nil {
+	c := &Client{nc: nc, w: session.NewWriter(nc, writeTimeout), f: f}
+	if err := c.hello(ctx, f, role); err != nil {
 		f.close()
 		_ = nc.Close() // cleanup: the handshake's error is the one returned
 		return nil, err
 	}
-	go c.read(f)
+	c.s = session.NewClient[frame](nc, reader{f}, session.Protocol[frame]{
+		ReplyTo: replyTo,
+		Push:    push,
+		Writer:  c.w,
+		Gone:    func(why error) error { return fmt.Errorf("%w: %w", ErrGone, why) },
+		// The keeper sends nothing unasked: what comes while no call reads is read at
+		// once, so that a late answer's descriptor is closed then, and a frame that
+		// breaks the protocol ends the connection then.
+		Watch: session.WatchArrivals,
+		MaxID: math.MaxUint32,
+	})
+	c.s.Start()
 	return c, nil
 }
 
+// replyTo says which request f answers, and whether it is its answer's last frame.
+func replyTo(f frame) (uint64, bool) {
+	if l, ok := f.m.(Listed); ok {
+		return uint64(f.ID), !l.More
+	}
+	return uint64(f.ID), true
+}
+
+// push takes an answer that no call waits for: it is dropped, its descriptor closed.
+func push(f frame) error {
+	closeFD(f.fd)
+	return nil
+}
+
+// notAnswer fails, with an error wrapping [ErrMalformed], for a frame of type t that
+// the keeper never sends: a request's.
+func notAnswer(t Type) error {
+	switch t {
+	case TypeHello, TypePut, TypeTake, TypeDrop, TypeList:
+		return fmt.Errorf("%w: the keeper sent %s", ErrMalformed, t)
+	}
+	return nil
+}
+
 // hello says Hello and reads the answer, within ctx.
-func (c *Client) hello(ctx context.Context, f *frames) error {
+func (c *Client) hello(ctx context.Context, f *frames, role Role) error {
 	err := c.w.Write(ctx, func(b []byte) ([]byte, error) {
-		return Append(b, TypeHello, 1, Hello{Version: Version, PID: uint32(os.Getpid())})
+		return Append(b, TypeHello, 1, Hello{Version: Version, PID: uint32(os.Getpid()), Role: role})
 	})
 	if err != nil {
 		return fmt.Errorf("keep: saying Hello to the keeper: %w", err)
 	}
 	stop := context.AfterFunc(ctx, func() { _ = c.nc.SetReadDeadline(time.Unix(1, 0)) }) // it only wakes the read
 	defer stop()
-	h, p, fd, err := f.next()
+	h, p, fd, err := f.next(true)
 	if err != nil {
 		if ctx.Err() != nil {
 			err = errors.Join(ctx.Err(), err)
@@ -83,11 +144,9 @@ func (c *Client) hello(ctx context.Context, f *frames) error {
 	}
 	switch v := m.(type) {
 	case Problem:
-		return remote(h.Type, v)
-	case Hello:
-		if h.Type != TypeWelcome {
-			break
-		}
+		// A keeper of version 1 refuses this version's Hello by its length, not its version.
+		return fmt.Errorf("%w (this client speaks keeper protocol version %d)", remote(h.Type, v), Version)
+	case Welcome:
 		if v.Version != Version {
 			return fmt.Errorf("%w: the keeper speaks keeper protocol version %d; this client speaks %d", ErrRefused, v.Version, Version)
 		}
@@ -115,130 +174,69 @@ func (c *Client) KeeperPID() int { return c.pid }
 
 // Done is closed once the connection has ended: the keeper stopped or died (what it
 // kept is gone), or Close was called. Err then says why.
-func (c *Client) Done() <-chan struct{} { return c.done }
+func (c *Client) Done() <-chan struct{} { return c.s.Done() }
 
 // Err is why the connection ended, once Done is closed; nil before.
-func (c *Client) Err() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.err
-}
+func (c *Client) Err() error { return c.s.Err() }
 
 // Close ends the connection: every call waiting fails with [ErrGone]. The keeper keeps
 // what it keeps. A second Close does nothing.
 func (c *Client) Close() error {
-	err := c.nc.Close()
-	<-c.done
-	if errors.Is(err, net.ErrClosed) {
-		return nil
+	c.s.Fail(net.ErrClosed)
+	<-c.s.ReaderDone()
+	// With the reading role, once every reader has seen the end: the descriptors
+	// that came and were not taken are closed.
+	release, err := c.s.Hold(context.Background())
+	if err == nil {
+		c.f.close()
+		release()
 	}
-	return err
+	return nil
 }
 
-// read takes the keeper's answers and hands each to its call, until the connection
-// ends; then it fails every call still waiting.
-func (c *Client) read(f *frames) {
-	var err error
-	for err == nil {
-		var h Header
-		var p []byte
-		var fd int
-		if h, p, fd, err = f.next(); err == nil {
-			err = c.deliver(h, p, fd)
-		}
-	}
-	f.close()
-	_ = c.nc.Close() // cleanup: the connection is over either way
-	c.mu.Lock()
-	c.err = fmt.Errorf("%w: %w", ErrGone, err)
-	for id, cl := range c.pending {
-		cl.err = c.err
-		close(cl.ready)
-		delete(c.pending, id)
-	}
-	c.mu.Unlock()
-	close(c.done)
+// answer is what a call's handler keeps of the keeper's answer.
+type answer struct {
+	h    Header
+	m    any // a List's entries gather in list
+	fd   int // Taken's descriptor, or -1
+	list []Entry
 }
 
-// deliver hands the answer h, p (fd for Taken) to its call; an answer nobody waits for
-// (its call gave up) is dropped. An answer that breaks the layout ends the connection.
-func (c *Client) deliver(h Header, p []byte, fd int) error {
-	m, err := Decode(h, p)
-	if err != nil {
-		closeFD(fd)
-		return err
-	}
-	if h.Type == TypeHello || h.Type == TypePut || h.Type == TypeTake || h.Type == TypeDrop || h.Type == TypeList {
-		closeFD(fd)
-		return fmt.Errorf("%w: the keeper sent %s", ErrMalformed, h.Type)
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	cl, ok := c.pending[h.ID]
-	if !ok {
-		closeFD(fd)
+// Handle keeps the answer f for its caller; one nobody claims is dropped, its
+// descriptor closed.
+func (a *answer) Handle(f frame, claimed bool) error {
+	if !claimed {
+		closeFD(f.fd)
 		return nil
 	}
-	if l, ok := m.(Listed); ok {
-		cl.list = append(cl.list, l.Entries...) // the payload's strings are copies already
+	if l, ok := f.m.(Listed); ok {
+		a.list = append(a.list, l.Entries...) // the payload's strings are copies already
 		if l.More {
 			return nil
 		}
-		m = Listed{Entries: cl.list}
+		f.m = Listed{Entries: a.list}
 	}
-	cl.h, cl.m, cl.fd = h, m, fd
-	delete(c.pending, h.ID)
-	close(cl.ready)
+	a.h, a.m, a.fd = f.Header, f.m, f.fd
 	return nil
 }
 
 // do sends the request m of type t (with fd, if not negative) and waits, until ctx
 // ends, for its answer: the answer's header and message, and Taken's descriptor
-// (which the caller owns). An Error answer is its error.
+// (which the caller owns). An Error answer is its error; an answer that comes after
+// ctx ended is dropped, its descriptor closed.
 func (c *Client) do(ctx context.Context, t Type, m any, fd int) (Header, any, int, error) {
-	cl := &call{ready: make(chan struct{}), fd: -1}
-	c.mu.Lock()
-	if c.err != nil {
-		err := c.err
-		c.mu.Unlock()
-		return Header{}, nil, -1, err
-	}
-	c.id++
-	id := c.id
-	c.pending[id] = cl
-	c.mu.Unlock()
-	fill := func(b []byte) ([]byte, error) { return Append(b, t, id, m) }
-	var err error
-	if fd >= 0 {
-		err = c.w.WriteFD(ctx, fd, fill)
-	} else {
-		err = c.w.Write(ctx, fill)
-	}
-	if errors.Is(err, session.ErrBroken) {
-		_ = c.nc.Close() // the keeper cannot find the next frame: read ends, and says why
-	}
-	if err == nil {
-		select {
-		case <-cl.ready:
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-	}
-	c.mu.Lock()
-	if _, waiting := c.pending[id]; waiting {
-		delete(c.pending, id)
-		c.mu.Unlock()
+	a := &answer{fd: -1}
+	build := func(b []byte, id uint64) ([]byte, error) { return Append(b, t, uint32(id), m) }
+	err := c.s.CallFD(ctx, fd, build, a)
+	if err != nil {
+		closeFD(a.fd)
 		return Header{}, nil, -1, fmt.Errorf("keep: %s: %w", t, err)
 	}
-	c.mu.Unlock()
-	if cl.err != nil {
-		return Header{}, nil, -1, cl.err
+	if p, ok := a.m.(Problem); ok {
+		closeFD(a.fd)
+		return a.h, nil, -1, remote(a.h.Type, p)
 	}
-	if p, ok := cl.m.(Problem); ok {
-		closeFD(cl.fd)
-		return cl.h, nil, -1, remote(cl.h.Type, p)
-	}
-	return cl.h, cl.m, cl.fd, nil
+	return a.h, a.m, a.fd, nil
 }
 
 // expect checks that the answer to a t is of type want.

@@ -64,7 +64,7 @@ func fakeKeeper(t *testing.T) (string, <-chan *net.UnixConn) {
 		if err != nil {
 			return
 		}
-		b, _ := keep.Append(nil, keep.TypeWelcome, h.ID, keep.Hello{Version: keep.Version, PID: 1})
+		b, _ := keep.Append(nil, keep.TypeWelcome, h.ID, keep.Welcome{Version: keep.Version, PID: 1})
 		if _, err := nc.Write(b); err != nil {
 			return
 		}
@@ -77,7 +77,7 @@ func fakeKeeper(t *testing.T) (string, <-chan *net.UnixConn) {
 // carried closed: nothing leaks, and the Client serves on.
 func TestClientDropsAnAbandonedAnswer(t *testing.T) {
 	path, conns := fakeKeeper(t)
-	c, err := keep.Dial(bound(t), path)
+	c, err := keep.Dial(bound(t), path, keep.RoleServer)
 	require.NoError(t, err)
 	defer c.Close()
 	nc := testwait.Recv(t, conns, "the fake keeper's connection")
@@ -122,7 +122,7 @@ func TestClientDropsAnAbandonedAnswer(t *testing.T) {
 // connection: Done closes, calls fail with ErrGone.
 func TestClientEndsOnAMalformedAnswer(t *testing.T) {
 	path, conns := fakeKeeper(t)
-	c, err := keep.Dial(bound(t), path)
+	c, err := keep.Dial(bound(t), path, keep.RoleServer)
 	require.NoError(t, err)
 	defer c.Close()
 	nc := testwait.Recv(t, conns, "the fake keeper's connection")

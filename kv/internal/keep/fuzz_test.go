@@ -77,7 +77,7 @@ func converse(t *testing.T, path string, b []byte) {
 
 // hello is the keeper's Hello, and the requests after it that a seed sends.
 func keeperSeed(f *testing.F, msgs ...sample) []byte {
-	b, err := Append(nil, TypeHello, 1, Hello{Version: Version, PID: 1})
+	b, err := Append(nil, TypeHello, 1, Hello{Version: Version, PID: 1, Role: RoleServer})
 	require.NoError(f, err)
 	for i, m := range msgs {
 		b, err = Append(b, m.t, uint32(i+2), m.m)

@@ -9,6 +9,8 @@ import (
 	"os"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cudapool/cudapool/internal/session"
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
@@ -80,8 +82,9 @@ func AskHostTier(ctx context.Context, path string, dev int) (HostTier, int, erro
 	_ = nc.SetReadDeadline(time.Now().Add(hostTimeout)) // it fails only on a closed connection, which the read reports
 	f := newFrames(nc, kvwire.NewReader())
 	defer f.close()
-	h, p, fd, err := f.next()
-	if err != nil && f.first == '{' { // an owner of version 1 answers JSON, unframed
+	first := firstByte(nc)
+	h, p, fd, err := f.next(true)
+	if err != nil && first == '{' { // an owner of version 1 answers JSON, unframed
 		return HostTier{}, -1, fmt.Errorf("%w: the owner speaks host tier socket version 1 (unframed JSON); this replica speaks %d", ErrRefused, HostVersion)
 	}
 	if err != nil {
@@ -112,6 +115,29 @@ func AskHostTier(ctx context.Context, path string, dev int) (HostTier, int, erro
 	return m.(HostTier), fd, nil
 }
 
+// firstByte waits for the first byte of nc's answer, as a read does (until its
+// deadline), and returns it without taking it, or -1 where none came: an owner of
+// version 1 answers with JSON, whose first byte tells.
+func firstByte(nc *net.UnixConn) int {
+	rc, err := nc.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	var b [1]byte
+	first := -1
+	_ = rc.Read(func(fd uintptr) bool { // its error is the next read's too
+		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		if errors.Is(err, unix.EAGAIN) {
+			return false // wait until the socket is readable
+		}
+		if err == nil && n == 1 {
+			first = int(b[0])
+		}
+		return true
+	})
+	return first
+}
+
 // ServeHostTier answers one connection of the host tier socket: it reads the
 // HostHello and answers it with what tier says for the device (a tier and its memfd,
 // which stays the caller's, or an error: one wrapping [ErrNoTier] or [ErrRefused] is said
@@ -121,7 +147,7 @@ func ServeHostTier(ctx context.Context, c *session.Conn, tier func(HostHello) (H
 	f := newFrames(c.UnixConn, kvwire.NewHandshakeReader())
 	defer f.close()
 	w := session.NewWriter(c.UnixConn, hostTimeout)
-	h, p, _, err := f.next()
+	h, p, _, err := f.next(true)
 	if err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
 			return fmt.Errorf("pid %d sent no HostHello: %w", c.Cred.PID, err)

@@ -54,7 +54,7 @@ func bound(t *testing.T) context.Context {
 
 func dial(t *testing.T, k *keeper) *keep.Client {
 	t.Helper()
-	c, err := keep.Dial(bound(t), k.path)
+	c, err := keep.Dial(bound(t), k.path, keep.RoleServer)
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, c.Close()) })
 	return c
@@ -210,7 +210,7 @@ func TestAnotherUserIsRefused(t *testing.T) {
 	k := serve(t)
 	other := uint32(os.Getuid()) + 4242
 	keep.SetUIDOf(k.s, func(uint32) uint32 { return other })
-	_, err := keep.Dial(bound(t), k.path)
+	_, err := keep.Dial(bound(t), k.path, keep.RoleServer)
 	require.ErrorIs(t, err, keep.ErrRefused)
 	assert.ErrorContains(t, err, fmt.Sprintf("uid %d is not the keeper's (%d)", other, os.Getuid()))
 	assert.Zero(t, k.s.Clients())

@@ -56,8 +56,8 @@ type sample struct {
 
 func protocolSamples() []sample {
 	return []sample{
-		{TypeHello, Hello{Version: 0x2001, PID: 0x2002}},
-		{TypeWelcome, Hello{Version: 0x2101, PID: 0x2102}},
+		{TypeHello, Hello{Version: 0x2001, PID: 0x2002, Role: 0x2003}},
+		{TypeWelcome, Welcome{Version: 0x2101, PID: 0x2102}},
 		{TypeRefused, Problem{Code: 0x2201, Text: "not you"}},
 		{TypePut, Put{Name: "kv/host/0", Size: 0x2302_0000_2303}},
 		{TypeTake, Name{Name: "kv/chunk/1/2"}},

@@ -57,9 +57,19 @@ func (r *raw) next() []byte {
 }
 
 func (r *raw) hello() {
-	r.send(r.frame(keep.TypeHello, keep.Hello{Version: keep.Version, PID: 1}))
+	r.send(r.frame(keep.TypeHello, keep.Hello{Version: keep.Version, PID: 1, Role: keep.RoleServer}))
 	h, _ := r.answer()
 	require.Equal(r.t, keep.TypeWelcome, h.Type)
+}
+
+// refused checks that the keeper answered with Refused (code 3, the id of the
+// Hello, text) and closed the connection.
+func (r *raw) refused(text string) {
+	h, m := r.answer()
+	require.Equal(r.t, keep.TypeRefused, h.Type)
+	assert.Equal(r.t, uint32(9), h.ID, "Refused carries the Hello's id")
+	assert.Equal(r.t, keep.Problem{Code: keep.CodeRefused, Text: text}, m)
+	r.closed("after Refused")
 }
 
 // closed checks that the keeper closed the connection.
@@ -68,31 +78,72 @@ func (r *raw) closed(what string) {
 	assert.ErrorIs(r.t, err, io.EOF, "the keeper did not close the connection %s", what)
 }
 
-// A client of another version is refused, with a reason that names both versions, and
-// the connection closed.
-func TestAnotherVersionIsRefused(t *testing.T) {
-	k := serve(t)
-	r := dialRaw(t, k)
-	r.send(r.frame(keep.TypeHello, keep.Hello{Version: keep.Version + 1, PID: 1}))
-	h, m := r.answer()
-	require.Equal(t, keep.TypeRefused, h.Type)
-	assert.Equal(t, uint32(9), h.ID, "Refused carries the Hello's id")
-	assert.Equal(t, keep.Problem{Code: keep.CodeRefused, Text: "keeper protocol version 2; this keeper speaks 1"}, m)
-	r.closed("after Refused")
-	assert.Zero(t, k.s.Clients())
+// A Hello the keeper does not admit is refused (code 3), with a reason, and the
+// connection closed: another version, named with the keeper's, version 1's included,
+// whose Hello had no role and 8 bytes (it failed first with "kvwire: malformed frame: a
+// Hello payload of 8 bytes, outside 12 to 12", while the keeper decoded the Hello
+// before it read the version); a role the protocol does not define; a first frame that
+// is not Hello, or one of the page protocol's.
+func TestHellosRefused(t *testing.T) {
+	v1, err := kvwire.End(append(kvwire.Begin(nil, kvwire.Type(keep.TypeHello), 0, 9), 1, 0, 0, 0, 7, 0, 0, 0), 0)
+	require.NoError(t, err)
+	page, err := kvwire.AppendHello(nil, 9, kvwire.Hello{Version: kvwire.Version, PID: 1})
+	require.NoError(t, err)
+	hello := func(m keep.Hello) []byte {
+		b, err := keep.Append(nil, keep.TypeHello, 9, m)
+		require.NoError(t, err)
+		return b
+	}
+	for _, tc := range []struct {
+		name  string
+		frame []byte
+		why   string
+	}{
+		{"next version", hello(keep.Hello{Version: keep.Version + 1, PID: 1, Role: keep.RoleServer}), "keeper protocol version 3; this keeper speaks 2"},
+		{"version 1", v1, "keeper protocol version 1; this keeper speaks 2"},
+		{"unknown role", hello(keep.Hello{Version: keep.Version, PID: 1, Role: 7}), "role(7) is no role of keeper protocol version 2"},
+		{"page protocol", page, "the first frame is type(1), not Hello"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k := serve(t)
+			r := dialRaw(t, k)
+			r.send(tc.frame)
+			r.refused(tc.why)
+			assert.Zero(t, k.s.Clients())
+		})
+	}
 }
 
-// A first frame that is not Hello, or one of the page protocol's, is refused.
-func TestFirstFrameMustBeHello(t *testing.T) {
+// A holder is counted while it is connected, and asks for nothing: each request of its
+// is answered with Error (code 3), a Put's descriptor closed and nothing kept, and
+// the connection goes on.
+func TestHolderMakesNoRequests(t *testing.T) {
 	k := serve(t)
 	r := dialRaw(t, k)
-	b, err := kvwire.AppendHello(nil, 3, kvwire.Hello{Version: kvwire.Version, PID: 1})
-	require.NoError(t, err)
-	r.send(b)
-	h, m := r.answer()
-	require.Equal(t, keep.TypeRefused, h.Type)
-	assert.Equal(t, keep.Problem{Code: keep.CodeRefused, Text: "the first frame is type(1), not Hello"}, m)
-	r.closed("after Refused")
+	r.send(r.frame(keep.TypeHello, keep.Hello{Version: keep.Version, PID: 1, Role: keep.RoleHolder}))
+	h, _ := r.answer()
+	require.Equal(t, keep.TypeWelcome, h.Type)
+	assert.Equal(t, 1, k.s.Holders())
+	assert.Equal(t, 1, k.s.Clients(), "a holder is a client the keeper stays for")
+	fd := memfd(t, 16, "held")
+	r.send(r.frame(keep.TypePut, keep.Put{Name: "kv/host/0", Size: 16}), fd)
+	require.NoError(t, unix.Close(fd))
+	for _, req := range []struct {
+		t keep.Type
+		m any
+	}{{keep.TypeTake, keep.Name{Name: "kv/host/0"}}, {keep.TypeList, keep.Name{}}, {keep.TypeDrop, keep.Name{Name: "kv/host/0"}}} {
+		r.send(r.frame(req.t, req.m))
+	}
+	for _, want := range []string{"Put", "Take", "List", "Drop"} {
+		h, m := r.answer()
+		require.Equal(t, keep.TypeError, h.Type, want)
+		assert.Equal(t, keep.Problem{Code: keep.CodeRefused, Text: "a holder makes no requests: " + want + " refused"}, m)
+	}
+	assert.Empty(t, k.s.Kept())
+	assert.Zero(t, openMemfds(t), "the holder's Put's descriptor is closed")
+	require.NoError(t, r.nc.Close())
+	require.Eventually(t, func() bool { return k.s.Clients() == 0 }, testwait.Bound, time.Millisecond, "the holder's connection counted out")
+	assert.Zero(t, k.s.Holders())
 }
 
 // Each malformed frame closes the connection it came on, and only that one: the reason

@@ -2,6 +2,7 @@ package keep
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -38,7 +39,7 @@ type Server struct {
 	mu      sync.Mutex
 	kept    map[string]Entry // by name; Entry.Size is Put's
 	fds     map[string]int
-	clients int // admitted connections now
+	clients map[Role]int // admitted connections now, by role
 	closed  bool
 }
 
@@ -47,15 +48,26 @@ func NewServer(log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Server{log: log, kept: map[string]Entry{}, fds: map[string]int{}}
+	return &Server{log: log, kept: map[string]Entry{}, fds: map[string]int{}, clients: map[Role]int{}}
 }
 
-// Clients counts the connections admitted and not yet ended: the page servers that
-// hold one.
+// Clients counts the connections admitted and not yet ended, of every role: the page
+// servers and the holders (replicas that map what the descriptors name).
 func (s *Server) Clients() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.clients
+	n := 0
+	for _, c := range s.clients {
+		n += c
+	}
+	return n
+}
+
+// Holders counts the connections of [RoleHolder] admitted and not yet ended.
+func (s *Server) Holders() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.clients[RoleHolder]
 }
 
 // Kept lists what the server keeps, by name.
@@ -97,17 +109,13 @@ func (s *Server) serve(c *session.Conn) error {
 	defer f.close()
 	w := session.NewWriter(c.UnixConn, writeTimeout)
 	ctx := context.Background()
-	admitted, err := s.admit(ctx, c, f, w)
+	role, admitted, err := s.admit(ctx, c, f, w)
 	if !admitted {
 		return err
 	}
-	defer func() {
-		s.mu.Lock()
-		s.clients--
-		s.mu.Unlock()
-	}()
+	defer s.count(role, -1)
 	for {
-		h, p, fd, err := f.next()
+		h, p, fd, err := f.next(true)
 		switch {
 		case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed):
 			return nil
@@ -119,26 +127,38 @@ func (s *Server) serve(c *session.Conn) error {
 			closeFD(fd)
 			return err
 		}
-		if err := s.answer(ctx, w, h, m, fd); err != nil {
+		if role == RoleHolder {
+			err = s.refuseRequest(ctx, w, h, fd)
+		} else {
+			err = s.answer(ctx, w, h, m, fd)
+		}
+		if err != nil {
 			return err
 		}
 	}
 }
 
-// admit reads the Hello and answers it: Welcome, or Refused (and false) for a first
-// frame that is not Hello, another user, another version, or a full cap.
-func (s *Server) admit(ctx context.Context, c *session.Conn, f *frames, w *session.Writer) (bool, error) {
-	h, p, fd, err := f.next()
+// admit reads the Hello and answers it: Welcome and the connection's role, or Refused
+// (and false) for a first frame that is not Hello, another user, another version (read
+// before the rest of the Hello, whose layout may be another version's), a role not
+// known, or a full cap.
+func (s *Server) admit(ctx context.Context, c *session.Conn, f *frames, w *session.Writer) (Role, bool, error) {
+	h, p, fd, err := f.next(true)
 	if err != nil {
-		return false, fmt.Errorf("no Hello: %w", err)
+		return 0, false, fmt.Errorf("no Hello: %w", err)
 	}
 	closeFD(fd) // a Hello carries none
-	refuse := func(code uint16, why string) (bool, error) {
+	refuse := func(code uint16, why string) (Role, bool, error) {
 		werr := w.Write(ctx, func(b []byte) ([]byte, error) { return Append(b, TypeRefused, h.ID, Problem{Code: code, Text: why}) })
-		return false, errors.Join(errors.New("refused: "+why), werr)
+		return 0, false, errors.Join(errors.New("refused: "+why), werr)
 	}
 	if h.Type != TypeHello {
 		return refuse(CodeRefused, fmt.Sprintf("the first frame is %s, not Hello", h.Type))
+	}
+	if len(p) >= 4 {
+		if v := binary.LittleEndian.Uint32(p); v != Version {
+			return refuse(CodeRefused, fmt.Sprintf("keeper protocol version %d; this keeper speaks %d", v, Version))
+		}
 	}
 	m, err := Decode(h, p)
 	if err != nil {
@@ -152,25 +172,43 @@ func (s *Server) admit(ctx context.Context, c *session.Conn, f *frames, w *sessi
 	if own := uint32(os.Getuid()); uid != own && uid != 0 {
 		return refuse(CodeRefused, fmt.Sprintf("uid %d is not the keeper's (%d): it answers only its own user", uid, own))
 	}
-	if hello.Version != Version {
-		return refuse(CodeRefused, fmt.Sprintf("keeper protocol version %d; this keeper speaks %d", hello.Version, Version))
+	if hello.Role != RoleServer && hello.Role != RoleHolder {
+		return refuse(CodeRefused, fmt.Sprintf("%s is no role of keeper protocol version %d", hello.Role, Version))
 	}
 	if err := c.Admit(); err != nil {
 		return refuse(CodeLimit, err.Error())
 	}
-	s.mu.Lock()
-	s.clients++
-	s.mu.Unlock()
+	s.count(hello.Role, 1)
 	err = w.Write(ctx, func(b []byte) ([]byte, error) {
-		return Append(b, TypeWelcome, h.ID, Hello{Version: Version, PID: uint32(os.Getpid())})
+		return Append(b, TypeWelcome, h.ID, Welcome{Version: Version, PID: uint32(os.Getpid())})
 	})
 	if err != nil {
-		s.mu.Lock()
-		s.clients--
-		s.mu.Unlock()
-		return false, err
+		s.count(hello.Role, -1)
+		return 0, false, err
 	}
-	return true, nil
+	return hello.Role, true, nil
+}
+
+// count adds n to the connections of role.
+func (s *Server) count(role Role, n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.clients[role] += n
+}
+
+// refuseRequest answers a holder's request, h (fd: Put's descriptor, which it
+// closes), with an Error: a holder asks for nothing. A frame a client does not send
+// ends the connection.
+func (s *Server) refuseRequest(ctx context.Context, w *session.Writer, h Header, fd int) error {
+	closeFD(fd)
+	switch h.Type {
+	case TypePut, TypeTake, TypeDrop, TypeList:
+	default:
+		return fmt.Errorf("%w: a client sent %s", ErrMalformed, h.Type)
+	}
+	return w.Write(ctx, func(b []byte) ([]byte, error) {
+		return Append(b, TypeError, h.ID, Problem{Code: CodeRefused, Text: fmt.Sprintf("a %s makes no requests: %s refused", RoleHolder, h.Type)})
+	})
 }
 
 // answer serves one request, m of header h (fd: Put's descriptor, which it takes).

@@ -23,8 +23,31 @@ import (
 	"github.com/cudapool/cudapool/kv/internal/kvwire"
 )
 
-// Version is the keeper protocol's version; Hello and Welcome carry it.
-const Version = 1
+// Version is the keeper protocol's version; Hello and Welcome carry it. Version 1's
+// Hello had no role.
+const Version = 2
+
+// Role is what a connection is to the keeper, as its Hello says: a page server, which
+// puts and takes descriptors, or a holder, a process that maps memory the keeper's
+// descriptors name and asks nothing. The keeper stops by itself only once, for its idle
+// time, nobody at all has been connected; a holder learns of the keeper's death by
+// its connection's end.
+type Role uint32
+
+// The roles.
+const (
+	RoleServer Role = 1 // a page server: Put, Take, Drop, List
+	RoleHolder Role = 2 // a replica that maps the slab: no request at all
+)
+
+var roleNames = map[Role]string{RoleServer: "page server", RoleHolder: "holder"}
+
+func (r Role) String() string {
+	if n, ok := roleNames[r]; ok {
+		return n
+	}
+	return fmt.Sprintf("role(%d)", uint32(r))
+}
 
 // Socket is the keeper's socket in an owner's directory.
 const Socket = "keep.sock"
@@ -44,7 +67,7 @@ type Type uint8
 
 // The frame types.
 const (
-	TypeHello   Type = 32 // client: version, pid
+	TypeHello   Type = 32 // client: version, pid, role
 	TypeWelcome Type = 33 // keeper: admitted; its version and pid
 	TypeRefused Type = 34 // keeper: not admitted: a code and why; then close
 	TypePut     Type = 35 // client: keep this descriptor (riding with the frame) under a name, of a size
@@ -89,9 +112,14 @@ type Header struct {
 
 // The payload of each frame type, decoded.
 type (
-	// Hello opens a connection: the client's version and pid (for logs; the keeper
-	// judges by the kernel's credentials). Welcome answers it with the keeper's.
-	Hello struct{ Version, PID uint32 }
+	// Hello opens a connection: the client's version, pid (for logs; the keeper
+	// judges by the kernel's credentials) and [Role].
+	Hello struct {
+		Version, PID uint32
+		Role         Role
+	}
+	// Welcome answers Hello: the keeper's version and pid.
+	Welcome struct{ Version, PID uint32 }
 	// Problem is an Error or Refused frame: a code and why.
 	Problem struct {
 		Code uint16
@@ -132,7 +160,7 @@ type Limit struct{ Min, Max int }
 // PayloadLimits are the payload lengths each frame type may have; a type with no entry
 // is unknown.
 var PayloadLimits = map[Type]Limit{
-	TypeHello:   {8, 8},
+	TypeHello:   {12, 12},
 	TypeWelcome: {8, 8},
 	TypeRefused: {4, 4 + kvwire.MaxText},
 	TypePut:     {2 + 1 + 8, 2 + MaxName + 8},
@@ -189,7 +217,11 @@ func Append(b []byte, t Type, id uint32, m any) ([]byte, error) {
 func appendPayload(b []byte, t Type, m any) ([]byte, error) {
 	switch v := m.(type) {
 	case Hello:
-		if t == TypeHello || t == TypeWelcome {
+		if t == TypeHello {
+			return appendU32(appendU32(appendU32(b, v.Version), v.PID), uint32(v.Role)), nil
+		}
+	case Welcome:
+		if t == TypeWelcome {
 			return appendU32(appendU32(b, v.Version), v.PID), nil
 		}
 	case Problem:
@@ -238,7 +270,7 @@ func appendU64(b []byte, v uint64) []byte  { return binary.LittleEndian.AppendUi
 func appendText(b []byte, s string) []byte { return append(appendU16(b, uint16(len(s))), s...) }
 
 // Decode decodes payload p of a frame with header h into the message of its type
-// (Hello, Problem, Put, Name, Taken, Listed, Empty, HostHello or HostTier). A payload outside its type's
+// (Hello, Welcome, Problem, Put, Name, Taken, Listed, Empty, HostHello or HostTier). A payload outside its type's
 // [PayloadLimits], a type not listed, flags the type does not define or a payload that
 // breaks the layout fail with an error wrapping [ErrMalformed]. What decodes encodes
 // back ([Append]) to the same bytes.
@@ -255,8 +287,10 @@ func Decode(h Header, p []byte) (any, error) {
 	r := kvwire.NewParser(kvwire.Type(h.Type), p)
 	var m any
 	switch h.Type {
-	case TypeHello, TypeWelcome:
-		m = Hello{Version: r.U32(), PID: r.U32()}
+	case TypeHello:
+		m = Hello{Version: r.U32(), PID: r.U32(), Role: Role(r.U32())}
+	case TypeWelcome:
+		m = Welcome{Version: r.U32(), PID: r.U32()}
 	case TypeRefused, TypeError, TypeHostRefused:
 		m = Problem{Code: r.U16(), Text: r.Text()}
 	case TypeHostHello:
