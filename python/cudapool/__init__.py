@@ -21,7 +21,9 @@ None is no bound, and 0 is do not wait, as in threading and queue: what is not t
 yet (an exporter, a name) fails at once as without wait_for_exporter or wait_for_name,
 and a live exporter's
 answer is waited for at most a second. Only the standard library is needed;
-cudapool.torch holds the PyTorch helpers, cudapool.kv the KV page pool (torch only for
+cudapool.vmm holds the VMM route (an Allocation of chunks mapped as one range, of any
+size, which Exporter.publish_chunks publishes and Importer.open maps as one range),
+cudapool.torch the PyTorch helpers, cudapool.kv the KV page pool (torch only for
 kv_caches), and cudapool.hf runs stock transformers models over its pages (torch and
 transformers imported at first use).
 
@@ -54,6 +56,8 @@ its timeout out holds nothing) and ForkedProcess anywhere:
     Exporter                      NameInUse (a live exporter there), InvalidArgument (path),
                                   BadDirectory (the announce directory)
     Exporter.publish              NameInUse, ForeignPointer, InvalidArgument (range, meta)
+    Exporter.publish_chunks       NameInUse, InvalidArgument (range, meta), Closed (allocation),
+                                  NotSupported (FABRIC chunks without an IMEX channel)
     Exporter.push                 NotFound (no such peer or name)
     Exporter.close                Abandoned (consumers still held buffers: closed anyway)
     Importer                      Gone (no exporter: without wait_for_exporter, or with timeout 0),
@@ -595,6 +599,24 @@ class Exporter(_Handle):
             if not isinstance(e[1], (int, Buffer)):
                 self._kept[e[0]] = e[1]
 
+    def publish_chunks(self, name: str, allocation: "vmm.Allocation", size: int = 0, stream: StreamLike = None,
+                       meta: Union[bytes, str, None] = b"", *, offset: int = 0) -> None:
+        """Makes the memory of a cudapool.vmm.Allocation available under name, as publish
+        does a pool's, ready once the work queued on stream before the call is done:
+        [offset, offset+size) of it (size 0: to the end), with meta (at most MAX_META
+        bytes). A consumer's Importer.open maps it as one range, whatever its chunks.
+        The exporter keeps a descriptor of every chunk until the name is unpublished (or
+        the exporter closed): the allocation may be closed once its queued work has run,
+        and the memory lives on. Each call publishes an allocation of its own. Raises
+        NameInUse, InvalidArgument (range, meta), Closed (a closed allocation) and
+        NotSupported (FABRIC chunks on a host without an IMEX channel)."""
+        if not isinstance(allocation, vmm.Allocation):
+            raise TypeError("publish_chunks wants a cudapool.vmm.Allocation, not %s" % type(allocation).__name__)
+        arr = allocation._chunk_array()
+        m = _lib.meta_bytes(meta)
+        _lib.call("cudapool_exporter_publish_chunks", self._ch, _lib.encode_name(name), arr, len(arr),
+                  _lib.size(offset, "offset"), _lib.size(size), _vp(stream), m or None, len(m))
+
     def unpublish(self, name: str) -> None:
         _lib.call("cudapool_exporter_unpublish", self._ch, _lib.encode_name(name))
         self._kept.pop(name, None)
@@ -951,3 +973,6 @@ class ArrayView:
 
     def __repr__(self) -> str:
         return "<cudapool.ArrayView %s %s of %r>" % (self.typestr, self.shape, self.mapping.name)
+
+
+from . import vmm  # noqa: E402 (it builds on the classes above)
