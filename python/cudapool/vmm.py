@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _dlpack, _lib
+from . import _dlpack, _Handle, _lib
 from ._lib import Closed
 
 __all__ = ["granularity", "Chunk", "Allocation"]
@@ -44,7 +44,7 @@ def granularity(device: int = 0, fabric: bool = False) -> int:
     return g.value
 
 
-class Chunk:
+class Chunk(_Handle):
     """One chunk of size bytes of device memory on device, unmapped (an Allocation maps
     its chunks). With fabric it can travel as a FABRIC handle too. Closing it gives up
     this handle only: the memory lives on while a mapping or a publication holds it.
@@ -54,23 +54,12 @@ class Chunk:
         h = _lib.ChunkH()
         self.device, self.size, self.fabric = _lib.device(device), _lib.size(size, lo=1), bool(fabric)
         _lib.call("cudapool_chunk_create", self.device, self.size, _CHUNK_FABRIC if fabric else 0, ctypes.byref(h))
-        self._h: int = h.h
-
-    @property
-    def handle(self) -> int:
-        """The library's handle; 0 once closed."""
-        return self._h
+        self._h = h.h
 
     def close(self) -> None:
         if self._h:
             h, self._h = self._h, 0
             _lib.call("cudapool_chunk_close", _lib.ChunkH(h))
-
-    def __enter__(self) -> "Chunk":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return "<cudapool.vmm.Chunk size=%d device=%d%s%s>" % (self.size, self.device, " fabric" if self.fabric else "",
@@ -83,7 +72,7 @@ def _chunk_sizes(size: int, chunk_size: int) -> Tuple[int, ...]:
     return (chunk_size,) * whole + ((rest,) if rest else ())
 
 
-class Allocation:
+class Allocation(_Handle):
     """size bytes of device memory on device, made as chunks of chunk_size bytes (the
     last one what is left; None: one chunk) and mapped one behind the other from ptr:
     one contiguous range, which Exporter.publish_chunks publishes. size and chunk_size
@@ -107,15 +96,15 @@ class Allocation:
         self._ptr = 0
         r = _lib.ReservationH()
         _lib.call("cudapool_reservation_create", self.device, self.size, ctypes.byref(r))
-        self._r: int = r.h
+        self._h = r.h
         made: List[Chunk] = []
         try:
             for n in sizes:
                 made.append(Chunk(self.device, n, fabric=fabric))
             arr = (_lib.ChunkH * len(made))(*(_lib.ChunkH(c.handle) for c in made))
-            _lib.call("cudapool_reservation_grow", _lib.ReservationH(self._r), arr, len(made))
+            _lib.call("cudapool_reservation_grow", _lib.ReservationH(self._h), arr, len(made))
             p = ctypes.c_void_p()
-            _lib.call("cudapool_reservation_info", _lib.ReservationH(self._r), ctypes.byref(p), None, None, None)
+            _lib.call("cudapool_reservation_info", _lib.ReservationH(self._h), ctypes.byref(p), None, None, None)
         except BaseException:
             try:
                 self._close_all(made)
@@ -127,7 +116,7 @@ class Allocation:
     def _close_all(self, chunks: Sequence[Chunk]) -> None:
         """Unmaps the range and closes chunks; the first failure is raised, after all."""
         first: Optional[BaseException] = None
-        r, self._r = self._r, 0
+        r, self._h = self._h, 0
         try:
             if r:
                 _lib.call("cudapool_reservation_close", _lib.ReservationH(r))
@@ -143,11 +132,11 @@ class Allocation:
 
     @property
     def closed(self) -> bool:
-        return not self._r
+        return not self._h
 
     def check(self) -> None:
         """Raises Closed once the allocation is closed."""
-        if not self._r:
+        if not self._h:
             raise Closed(_lib.CLOSED, "cudapool: the allocation of %d bytes on device %d is closed"
                          % (self.size, self.device))
 
@@ -178,23 +167,11 @@ class Allocation:
     def close(self) -> None:
         """Unmaps the range (its queued work must have run) and gives up the chunks'
         handles. Does nothing the second time."""
-        if self._r:
+        if self._h:
             self._close_all(self.chunks)
 
-    def __enter__(self) -> "Allocation":
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except _lib.CudapoolError:
-            pass  # the block's exception is the one to see
-
     def __repr__(self) -> str:
-        state = "closed" if not self._r else "%#x" % self._ptr
+        state = "closed" if not self._h else "%#x" % self._ptr
         return "<cudapool.vmm.Allocation %s size=%d chunks=%d device=%d%s>" % (
             state, self.size, len(self.chunks), self.device, " fabric" if self.fabric else "")
 
