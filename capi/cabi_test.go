@@ -76,7 +76,7 @@ func TestCHandleTypes(t *testing.T) {
 	}
 	out, err := compile(0)
 	require.NoError(t, err, "testdata/handles.c must compile without a case:\n%s", out)
-	for c := 1; c <= 6; c++ {
+	for c := 1; c <= 8; c++ {
 		out, err := compile(c)
 		require.Error(t, err, "case %d compiled: a handle of the wrong kind was taken", c)
 		assert.Contains(t, string(out), "incompatible", "case %d failed for another reason:\n%s", c, out)
