@@ -83,6 +83,11 @@ static void bad(uint64_t g, cudapool_chunk c, cudapool_reservation r, cudapool_e
 	EXPECT(cudapool_chunk_create(0, UINT64_MAX, 0, &out), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_chunk_create(0, g, 2, &out), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_chunk_create(-1, g, 0, &out), CUDAPOOL_EINVAL);
+	// The software device, as a host without an IMEX channel, refuses FABRIC chunks.
+	uint64_t gf = 0;
+	EXPECT(cudapool_vmm_granularity(0, CUDAPOOL_CHUNK_FABRIC, &gf), CUDAPOOL_OK);
+	EXPECT(cudapool_chunk_create(0, gf, CUDAPOOL_CHUNK_FABRIC, &out), CUDAPOOL_ENOTSUP);
+	CHECK(strstr(cudapool_last_error(), "IMEX") != NULL);
 	CHECK(out.h == 0);
 	EXPECT(cudapool_chunk_info(none, NULL, NULL, NULL), CUDAPOOL_EHANDLE);
 	EXPECT(cudapool_chunk_info(made_up, NULL, NULL, NULL), CUDAPOOL_EHANDLE);

@@ -91,6 +91,13 @@ class AllocationTest(unittest.TestCase):
         self.assertIn("closed", repr(c))
         c.close()  # a second close does nothing
 
+    def test_fabric_without_an_imex_channel(self):
+        on_gpu, _, _ = cudapool.runtime_info()
+        if on_gpu:
+            self.skipTest("whether a GPU host has an IMEX channel is the host's (the software device has none)")
+        with self.assertRaisesRegex(cudapool.NotSupported, "IMEX"):
+            vmm.Allocation(0, vmm.granularity(0, fabric=True), fabric=True)
+
     def test_with_block_that_raised_keeps_its_exception(self):
         with self.assertRaises(KeyError):
             with vmm.Allocation(0, self.g) as a:
