@@ -498,6 +498,24 @@ int cudapool_reservation_close(cudapool_reservation reservation);
 int cudapool_exporter_publish_chunks(cudapool_exporter exporter, const char *name, const cudapool_chunk *chunks,
                                      size_t n, uint64_t offset, uint64_t size, void *stream, const void *meta,
                                      size_t meta_len);
+/* One name for cudapool_exporter_publish_chunks_all: its range of the allocation
+ * (size 0: to the end) and its metadata. */
+typedef struct {
+	const char *name;
+	uint64_t offset;
+	uint64_t size;
+	const void *meta;
+	size_t meta_len;
+} cudapool_chunk_entry;
+/* cudapool_exporter_publish_chunks_all publishes one allocation of n chunks (as
+ * cudapool_exporter_publish_chunks) under the n_entries names of entries (at most
+ * CUDAPOOL_MAX_BATCH), each for its range, all ready once the work queued on stream
+ * before the call has completed. A consumer maps the allocation once, however many of
+ * its names it opens: their mappings lie in one range, at their offsets. The exporter
+ * keeps the chunks' descriptors until the last of the names is unpublished. It
+ * publishes all the entries or, with the error of the first that fails, none. */
+int cudapool_exporter_publish_chunks_all(cudapool_exporter exporter, const cudapool_chunk *chunks, size_t n,
+                                         const cudapool_chunk_entry *entries, size_t n_entries, void *stream);
 
 /* ---- PyTorch allocator ----
  * The entry points torch.cuda.memory.CUDAPluggableAllocator loads. Each device's

@@ -322,6 +322,12 @@ int cudapool_exporter_publish_chunks(cudapool_exporter exporter, const char *nam
 	                                     (uintptr_t)stream, (void *)meta, meta_len));
 }
 
+int cudapool_exporter_publish_chunks_all(cudapool_exporter exporter, const cudapool_chunk *chunks, size_t n,
+                                         const cudapool_chunk_entry *entries, size_t n_entries, void *stream) {
+	CP_CALL(cpgo_exporter_publish_chunks_all(exporter.h, (uint64_t *)chunks, n, (cudapool_chunk_entry *)entries,
+	                                         n_entries, (uintptr_t)stream));
+}
+
 // The PyTorch entry points keep PyTorch's signatures: no status, NULL for a failed
 // allocation (PyTorch raises), and the message in cudapool_last_error. They do not
 // clear the last error: that would cost every allocation a store for nothing.

@@ -253,5 +253,34 @@ func cpgo_exporter_publish_chunks(h C.uint64_t, name *C.char, hs *C.uint64_t, n 
 	return result(ex.PublishChunks(context.Background(), nm, cs, cudart.Stream(s), opts...))
 }
 
+//export cpgo_exporter_publish_chunks_all
+func cpgo_exporter_publish_chunks_all(h C.uint64_t, hs *C.uint64_t, n C.size_t, entries *C.cudapool_chunk_entry, nEntries C.size_t, s C.uintptr_t) (rc C.int) {
+	defer recoverTo(&rc)
+	cs, err := chunkList(hs, n, export.MaxChunks, "chunks")
+	if err != nil {
+		return fail(err)
+	}
+	if err := checkBatch(nEntries, unsafe.Pointer(entries), "entries"); err != nil {
+		return fail(err)
+	}
+	es := make([]producer.ChunkEntry, nEntries)
+	for i, e := range unsafe.Slice(entries, int(nEntries)) {
+		name, err := goString(e.name, fmt.Sprintf("entries[%d].name", i))
+		if err != nil {
+			return fail(err)
+		}
+		opts, err := metaOptions(e.meta, e.meta_len)
+		if err != nil {
+			return fail(fmt.Errorf("entries[%d] (%q): %w", i, name, err))
+		}
+		es[i] = producer.ChunkEntry{Name: name, Options: append(opts, producer.Range(uint64(e.offset), uint64(e.size)))}
+	}
+	ex, err := exporters.get(uint64(h))
+	if err != nil {
+		return fail(err)
+	}
+	return result(ex.PublishChunksAll(context.Background(), cs, es, cudart.Stream(s)))
+}
+
 // cudapoolMaxChunks is the header's bound, which TestVMMCInterface holds to export's.
 const cudapoolMaxChunks = C.CUDAPOOL_MAX_CHUNKS

@@ -59,6 +59,26 @@ static int consume(const char *sock) {
 	for (uint64_t i = 0; i < sizeof got; i++) bad += got[i] != pattern(g - SPAN + i);
 	CHECKF(bad == 0, "%d bytes of the published range differ", bad);
 
+	// "k" and "v" are one allocation: mapped once, v a chunk behind k.
+	cudapool_mapping k = {0}, v = {0};
+	EXPECT(cudapool_importer_open(imp, "k", NULL, NULL, 60000, &k), CUDAPOOL_OK);
+	EXPECT(cudapool_importer_open(imp, "v", NULL, NULL, 60000, &v), CUDAPOOL_OK);
+	void *kp = NULL, *vp = NULL;
+	uint64_t kn = 0, vn = 0;
+	EXPECT(cudapool_mapping_info(k, &kp, &kn, NULL), CUDAPOOL_OK);
+	EXPECT(cudapool_mapping_info(v, &vp, &vn, NULL), CUDAPOOL_OK);
+	CHECKF(kn == g && vn == g, "k is %llu bytes and v %llu, want %llu each", (unsigned long long)kn,
+	       (unsigned long long)vn, (unsigned long long)g);
+	CHECKF((char *)vp - (char *)kp == (ptrdiff_t)g, "v lies %td bytes behind k, want %llu", (char *)vp - (char *)kp,
+	       (unsigned long long)g);
+	uint8_t head[SPAN];
+	EXPECT(cudapool_copy_from_device(0, head, vp, sizeof head, NULL), CUDAPOOL_OK);
+	bad = 0;
+	for (uint64_t i = 0; i < sizeof head; i++) bad += head[i] != pattern(g + i);
+	CHECKF(bad == 0, "%d bytes at the start of v differ", bad);
+	cudapool_mapping kvs[2] = {k, v};
+	EXPECT(cudapool_importer_release_all(imp, kvs, 2, NULL, 60000), CUDAPOOL_OK);
+
 	EXPECT(cudapool_mapping_release(slab, NULL, 60000), CUDAPOOL_OK);
 	EXPECT(cudapool_mapping_release(part, NULL, 60000), CUDAPOOL_OK);
 	EXPECT(cudapool_importer_close(imp, 60000), CUDAPOOL_OK);
@@ -130,6 +150,26 @@ static void bad(uint64_t g, cudapool_chunk c, cudapool_reservation r, cudapool_e
 	EXPECT(cudapool_exporter_publish_chunks(ex, "", &c, 1, 0, 0, NULL, NULL, 0), CUDAPOOL_EINVAL);
 	cudapool_exporter exnone = {0};
 	EXPECT(cudapool_exporter_publish_chunks(exnone, "x", &c, 1, 0, 0, NULL, NULL, 0), CUDAPOOL_EHANDLE);
+
+	cudapool_chunk_entry es[2] = {{"x", 0, 0, NULL, 0}, {"y", 0, 0, NULL, 0}};
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, NULL, 1, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, 0, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, CUDAPOOL_MAX_BATCH + 1, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, NULL, 1, es, 2, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_exporter_publish_chunks_all(exnone, &c, 1, es, 2, NULL), CUDAPOOL_EHANDLE);
+	es[1].name = NULL;
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, 2, NULL), CUDAPOOL_EINVAL);
+	es[1].name = "x"; // twice in one publish
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, 2, NULL), CUDAPOOL_EEXIST);
+	es[1].name = "y";
+	es[1].offset = g + 1;
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, 2, NULL), CUDAPOOL_EINVAL);
+	es[1].offset = 0;
+	es[1].meta_len = CUDAPOOL_MAX_META + 1;
+	es[1].meta = meta;
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, &c, 1, es, 2, NULL), CUDAPOOL_EINVAL);
+	// Nothing of the refused calls is published.
+	EXPECT(cudapool_exporter_unpublish(ex, "x"), CUDAPOOL_ENOTFOUND);
 }
 
 int main(int argc, char **argv) {
@@ -177,6 +217,9 @@ int main(int argc, char **argv) {
 	EXPECT(cudapool_exporter_publish_chunks(ex, "slab", cs, 2, 0, 0, s, NULL, 0), CUDAPOOL_OK);
 	EXPECT(cudapool_exporter_publish_chunks(ex, "part", cs, 2, g - SPAN, 2 * SPAN, s, "edge", 4), CUDAPOOL_OK);
 	EXPECT(cudapool_exporter_publish_chunks(ex, "slab", cs, 2, 0, 0, s, NULL, 0), CUDAPOOL_EEXIST);
+	// One allocation under two names, a chunk each: the consumer maps it once.
+	cudapool_chunk_entry kv[2] = {{"k", 0, g, NULL, 0}, {"v", g, 0, "v", 1}};
+	EXPECT(cudapool_exporter_publish_chunks_all(ex, cs, 2, kv, 2, s), CUDAPOOL_OK);
 	// The exporter holds the memory now: the producer's handles and mapping may go.
 	EXPECT(cudapool_stream_synchronize(0, s), CUDAPOOL_OK);
 	EXPECT(cudapool_chunk_close(cs[0]), CUDAPOOL_OK);
@@ -198,6 +241,8 @@ int main(int argc, char **argv) {
 	}
 	EXPECT(cudapool_exporter_unpublish(ex, "slab"), CUDAPOOL_OK);
 	EXPECT(cudapool_exporter_unpublish(ex, "part"), CUDAPOOL_OK);
+	EXPECT(cudapool_exporter_unpublish(ex, "k"), CUDAPOOL_OK);
+	EXPECT(cudapool_exporter_unpublish(ex, "v"), CUDAPOOL_OK);
 	EXPECT(cudapool_exporter_close(ex, 60000), CUDAPOOL_OK);
 	EXPECT(cudapool_stream_destroy(0, s), CUDAPOOL_OK);
 	unlink(sock);

@@ -112,6 +112,10 @@ class PublishEntry(ctypes.Structure):
     _fields_ = [("name", cstr), ("ptr", vp), ("size", u64), ("meta", ctypes.c_char_p), ("meta_len", size_t)]
 
 
+class ChunkEntry(ctypes.Structure):
+    _fields_ = [("name", cstr), ("offset", u64), ("size", u64), ("meta", ctypes.c_char_p), ("meta_len", size_t)]
+
+
 _Options = TypeVar("_Options", bound=ctypes.Structure)
 
 
@@ -184,6 +188,7 @@ _SIGNATURES = {
     "cudapool_reservation_info": (ReservationH, P(vp), P(u64), P(u64), P(size_t)),
     "cudapool_reservation_close": (ReservationH,),
     "cudapool_exporter_publish_chunks": (ExporterH, cstr, P(ChunkH), size_t, u64, u64, vp, ctypes.c_char_p, size_t),
+    "cudapool_exporter_publish_chunks_all": (ExporterH, P(ChunkH), size_t, P(ChunkEntry), size_t, vp),
     "cudapool_torch_configure": (P(PoolOptions),),
     "cudapool_torch_pool": (c_int, P(PoolH)),
 }

@@ -36,6 +36,20 @@ def consume_boundary(q, path, name, at):
         q.put(failure(e))
 
 
+def consume_names(q, path, names):
+    """A consumer process: opens names, reports each one's offset from the first, size,
+    meta and first SPAN bytes, releases them all."""
+    try:
+        imp = cudapool.Importer(path, device=0)
+        ms = imp.open_all(names)
+        got = [(m.ptr - ms[0].ptr, m.size, m.meta, cudapool.copy_from_device(0, m.ptr, SPAN, m.stream)) for m in ms]
+        imp.release_all(ms)
+        imp.close()
+        q.put(got)
+    except Exception as e:  # the parent reports it
+        q.put(failure(e))
+
+
 class AllocationTest(unittest.TestCase):
     def setUp(self):
         self.g = vmm.granularity(0)
@@ -136,6 +150,22 @@ class PublishChunksTest(unittest.TestCase):
         self.ex.unpublish("slab")
         self.ex.unpublish("edge")
 
+    def test_names_of_one_allocation_map_once(self):
+        g = self.g
+        s = cudapool.Stream(0)
+        self.addCleanup(s.close)
+        with vmm.Allocation(0, 3 * g, chunk_size=g) as a:
+            cudapool.copy_to_device(0, a.ptr, pattern(0, 3 * g), s)
+            self.ex.publish_chunks_all(a, [("k",), ("v", g, g, b"v"), ("tail", 2 * g, 0)], stream=s)
+            s.synchronize()
+        p, q = spawn(consume_names, self.ex.path, ["k", "v", "tail"])
+        got = result_of(self, p, q)
+        self.assertEqual(got, [(0, 3 * g, b"", pattern(0, SPAN)), (g, g, b"v", pattern(g, SPAN)),
+                               (2 * g, g, b"", pattern(2 * g, SPAN))],
+                         "each name at its offset of one range")
+        for n in ("k", "v", "tail"):
+            self.ex.unpublish(n)
+
     def test_bad_publications_publish_nothing(self):
         g = self.g
         with vmm.Allocation(0, 2 * g, chunk_size=g) as a:
@@ -149,8 +179,14 @@ class PublishChunksTest(unittest.TestCase):
                 self.ex.publish_chunks("nul\0", a)
             with self.assertRaises(TypeError):
                 self.ex.publish_chunks("x", a.chunks)  # type: ignore[arg-type]
+            for entries, err in [([], ValueError), ([("a", 0)], ValueError), ([("a",), ("a",)], cudapool.NameInUse),
+                                 ([("a",), ("b", 3 * g, 0)], cudapool.InvalidArgument)]:
+                with self.subTest(entries=entries), self.assertRaises(err):
+                    self.ex.publish_chunks_all(a, entries)
         with self.assertRaises(cudapool.Closed):
             self.ex.publish_chunks("closed", a)
+        with self.assertRaises(cudapool.Closed):
+            self.ex.publish_chunks_all(a, [("closed",)])
         self.assertEqual([n.name for n in self.ex.state().published], [])
 
 
