@@ -14,14 +14,15 @@
  *    thread, and every call that returns a status clears it first. The PyTorch entry
  *    points set it when they fail (NULL from malloc) and leave it alone otherwise.
  *  - Objects are handles: cudapool_pool, cudapool_exporter, cudapool_importer,
- *    cudapool_mapping, cudapool_chunk, cudapool_reservation, ..., each a struct of one opaque 64-bit value (never 0), passed by
- *    value, returned through a pointer. Each kind is its own type, so passing one where
- *    another is wanted does not compile. A handle that was closed, released or never
- *    issued fails with CUDAPOOL_EHANDLE; it never crashes the process. So a second
- *    close changes nothing and returns CUDAPOOL_EHANDLE, which a caller may ignore (as
- *    close(2)'s EBADF); a second release of a mapping is a bug and returns the same
- *    (of a KV lease, CUDAPOOL_ESTALE). Python's bindings return None for the second
- *    close and raise for the second release; Go returns ErrClosed and ErrReleased.
+ *    cudapool_mapping, cudapool_chunk, cudapool_reservation, ..., each a struct of one
+ *    opaque 64-bit value (never 0), passed by value, returned through a pointer. Each
+ *    kind is its own type, so passing one where another is wanted does not compile. A
+ *    handle that was closed, released or never issued fails with CUDAPOOL_EHANDLE; it
+ *    never crashes the process. So a second close changes nothing and returns
+ *    CUDAPOOL_EHANDLE, which a caller may ignore (as close(2)'s EBADF); a second
+ *    release of a mapping is a bug and returns the same (of a KV lease,
+ *    CUDAPOOL_ESTALE). Python's bindings return None for the second close and raise for
+ *    the second release; Go returns ErrClosed and ErrReleased.
  *  - Options are structs whose first field, size, is sizeof the struct the caller was
  *    compiled with: fill one with its *_default function (a static inline here, which
  *    sets size), then set what you need. The library reads only the fields that size
