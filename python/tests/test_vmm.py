@@ -84,7 +84,7 @@ class AllocationTest(unittest.TestCase):
         with vmm.Allocation(0, 2 * self.g) as a:
             self.assertEqual(len(a.chunks), 1)
 
-    def test_bad_sizes_hold_nothing(self):
+    def test_bad_sizes_raise(self):
         g = self.g
         for size, chunk, err in [(0, None, ValueError), (g + 1, None, cudapool.InvalidArgument),
                                  (2 * g, g + 1, cudapool.InvalidArgument), (2 * g, 0, ValueError),
