@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -24,23 +25,38 @@ import (
 // close, a forked child) must come back as the status it names, with a message. It
 // needs the go command and a C compiler (the GPU host has neither, and skips it).
 func TestCInterface(t *testing.T) {
+	runC(t, "testdata/abi.c", buildC(t, "testdata/abi.c"))
+}
+
+// buildC builds the C program src against the library, skipping the test where there
+// is no C compiler, and returns the executable's path.
+func buildC(t *testing.T, src string) string {
+	t.Helper()
 	cc, err := exec.LookPath("cc")
 	if err != nil {
 		t.Skip("no C compiler")
 	}
 	lib := library(t)
 	dir := filepath.Dir(lib)
-	abi := filepath.Join(t.TempDir(), "abi")
-	run(t, cc, "-Wall", "-Wextra", "-Werror", "-I.", "testdata/abi.c", "-L"+dir, "-lcudapool", "-Wl,-rpath,"+dir, "-o", abi)
+	prog := filepath.Join(t.TempDir(), strings.TrimSuffix(filepath.Base(src), ".c"))
+	run(t, cc, "-Wall", "-Wextra", "-Werror", "-I.", src, "-L"+dir, "-lcudapool", "-Wl,-rpath,"+dir, "-o", prog)
+	return prog
+}
 
+// runC runs prog, built from src by buildC, with env added to the test's, in a
+// CUDAPOOL_DIR of its own, and fails unless it exits 0 and reports no failed check;
+// it returns what it printed.
+func runC(t *testing.T, src, prog string, env ...string) string {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, abi)
-	cmd.Env = append(os.Environ(), "CUDAPOOL_DIR="+t.TempDir())
+	cmd := exec.CommandContext(ctx, prog)
+	cmd.Env = append(append(os.Environ(), "CUDAPOOL_DIR="+t.TempDir()), env...)
 	out, err := cmd.CombinedOutput()
-	require.NoError(t, ctx.Err(), "testdata/abi.c ran past its bound:\n%s", out)
-	require.NoError(t, err, "testdata/abi.c:\n%s", out)
+	require.NoError(t, ctx.Err(), "%s ran past its bound:\n%s", src, out)
+	require.NoError(t, err, "%s:\n%s", src, out)
 	require.Contains(t, string(out), ", 0 failed")
+	return string(out)
 }
 
 // TestCHandleTypes checks that the handle types of cudapool.h are distinct: each case of
@@ -60,7 +76,7 @@ func TestCHandleTypes(t *testing.T) {
 	}
 	out, err := compile(0)
 	require.NoError(t, err, "testdata/handles.c must compile without a case:\n%s", out)
-	for c := 1; c <= 6; c++ {
+	for c := 1; c <= 8; c++ {
 		out, err := compile(c)
 		require.Error(t, err, "case %d compiled: a handle of the wrong kind was taken", c)
 		assert.Contains(t, string(out), "incompatible", "case %d failed for another reason:\n%s", c, out)
@@ -116,24 +132,8 @@ const softDeviceTag = "cudapool_softdevice"
 // dials, allocs, writes a page, seals, matches, reads it back and releases, and every
 // stale lease and bad input comes back as the status it names.
 func TestKVCInterface(t *testing.T) {
-	cc, err := exec.LookPath("cc")
-	if err != nil {
-		t.Skip("no C compiler")
-	}
-	lib := library(t)
-	dir := filepath.Dir(lib)
-	prog := filepath.Join(t.TempDir(), "kv")
-	run(t, cc, "-Wall", "-Wextra", "-Werror", "-I.", "testdata/kv.c", "-L"+dir, "-lcudapool", "-Wl,-rpath,"+dir, "-o", prog)
-	serve := startKVPoold(t, 32)
-
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, prog)
-	cmd.Env = append(os.Environ(), "CUDAPOOL_KV_DIR="+serve, "CUDAPOOL_DIR="+t.TempDir())
-	out, err := cmd.CombinedOutput()
-	require.NoError(t, ctx.Err(), "testdata/kv.c ran past its bound:\n%s", out)
-	require.NoError(t, err, "testdata/kv.c:\n%s", out)
-	require.Contains(t, string(out), ", 0 failed")
+	prog := buildC(t, "testdata/kv.c")
+	runC(t, "testdata/kv.c", prog, "CUDAPOOL_KV_DIR="+startKVPoold(t, 32))
 }
 
 // startKVPoold starts a kvpoold of pages pages (llama-0.85b) on the software device,

@@ -13,15 +13,16 @@
  *    cudapool_last_error() returns a message saying what failed and why; it is per
  *    thread, and every call that returns a status clears it first. The PyTorch entry
  *    points set it when they fail (NULL from malloc) and leave it alone otherwise.
- *  - Objects are handles: cudapool_pool, cudapool_exporter, cudapool_importer and
- *    cudapool_mapping, each a struct of one opaque 64-bit value (never 0), passed by
- *    value, returned through a pointer. Each kind is its own type, so passing one where
- *    another is wanted does not compile. A handle that was closed, released or never
- *    issued fails with CUDAPOOL_EHANDLE; it never crashes the process. So a second
- *    close changes nothing and returns CUDAPOOL_EHANDLE, which a caller may ignore (as
- *    close(2)'s EBADF); a second release of a mapping is a bug and returns the same
- *    (of a KV lease, CUDAPOOL_ESTALE). Python's bindings return None for the second
- *    close and raise for the second release; Go returns ErrClosed and ErrReleased.
+ *  - Objects are handles: cudapool_pool, cudapool_exporter, cudapool_importer,
+ *    cudapool_mapping, cudapool_chunk, cudapool_reservation, ..., each a struct of one
+ *    opaque 64-bit value (never 0), passed by value, returned through a pointer. Each
+ *    kind is its own type, so passing one where another is wanted does not compile. A
+ *    handle that was closed, released or never issued fails with CUDAPOOL_EHANDLE; it
+ *    never crashes the process. So a second close changes nothing and returns
+ *    CUDAPOOL_EHANDLE, which a caller may ignore (as close(2)'s EBADF); a second
+ *    release of a mapping is a bug and returns the same (of a KV lease,
+ *    CUDAPOOL_ESTALE). Python's bindings return None for the second close and raise for
+ *    the second release; Go returns ErrClosed and ErrReleased.
  *  - Options are structs whose first field, size, is sizeof the struct the caller was
  *    compiled with: fill one with its *_default function (a static inline here, which
  *    sets size), then set what you need. The library reads only the fields that size
@@ -131,6 +132,8 @@ typedef struct { uint64_t h; } cudapool_pool;
 typedef struct { uint64_t h; } cudapool_exporter;
 typedef struct { uint64_t h; } cudapool_importer;
 typedef struct { uint64_t h; } cudapool_mapping;
+typedef struct { uint64_t h; } cudapool_chunk;       /* the VMM route, below */
+typedef struct { uint64_t h; } cudapool_reservation; /* the VMM route, below */
 
 /* ---- Logging ---- */
 
@@ -413,6 +416,107 @@ int cudapool_mapping_err(cudapool_mapping mapping);
 /* cudapool_mapping_release gives the mapping back once the work queued on stream
  * before the call has completed. The handle is spent. */
 int cudapool_mapping_release(cudapool_mapping mapping, void *stream, int64_t timeout_ms);
+
+/* ---- VMM route ----
+ * Device memory made as chunks (cuMemCreate) rather than in a pool, shared as file
+ * descriptors (or FABRIC handles) and mapped one behind the other into one range of
+ * addresses: what a pool cannot share (one import of more than about 4.5 GiB), a chunk
+ * can, and a consumer maps an allocation of many chunks as one range. The producer
+ * makes the chunks (cudapool_chunk_create), maps them into a reservation of its own to
+ * write them (cudapool_reservation_create, _grow; the address is
+ * cudapool_reservation_info's ptr) and publishes them
+ * (cudapool_exporter_publish_chunks). A consumer opens the name with
+ * cudapool_importer_open as any other: its mapping is the whole allocation (or the
+ * published range of it), one range, whatever the number of chunks.
+ *
+ * Who holds the memory: a chunk's memory lives while a handle, a mapping or a
+ * descriptor of it remains, here or in another process. The exporter takes a
+ * descriptor of each chunk at publish and keeps it until the name is unpublished (or
+ * the exporter closed); a consumer's mapping holds it until its release. So once
+ * published, the producer may close its chunks and, once the work queued on its
+ * mapping has run (cudapool_stream_synchronize), its reservation: that unmaps the
+ * producer's range only. cudapool_reservation_close (and _shrink) unmaps; nothing else
+ * does.
+ *
+ * Sizes are positive multiples of cudapool_vmm_granularity (2 MiB on an H200):
+ * another size fails with CUDAPOOL_EINVAL. A runtime without the VMM route fails with
+ * CUDAPOOL_ENOTSUP. */
+
+/* The flags of cudapool_chunk_create and cudapool_vmm_granularity. */
+enum cudapool_chunk_flags {
+	/* The chunk can travel as a FABRIC handle too (to a consumer on a byte stream, or
+	 * on another node of an NVLink fabric). The driver refuses it on a host without an
+	 * IMEX channel (nvidia-imex): CUDAPOOL_ENOTSUP. */
+	CUDAPOOL_CHUNK_FABRIC = 1
+};
+
+/* cudapool_vmm_granularity: the size every chunk and reservation of device made with
+ * flags (CUDAPOOL_CHUNK_*) is a multiple of. */
+int cudapool_vmm_granularity(int device, int flags, uint64_t *granularity);
+/* cudapool_chunk_create makes a chunk of size bytes of device memory on device,
+ * unmapped: map it into a reservation to reach it. flags: CUDAPOOL_CHUNK_*. On failure
+ * nothing is made. */
+int cudapool_chunk_create(int device, uint64_t size, int flags, cudapool_chunk *chunk);
+/* cudapool_chunk_info: the chunk's device, size and whether it has a FABRIC handle (1
+ * or 0); any output may be NULL. */
+int cudapool_chunk_info(cudapool_chunk chunk, int *device, uint64_t *size, int *fabric);
+/* cudapool_chunk_close gives up this handle of the chunk; its memory lives on while a
+ * reservation maps it or an exporter publishes it. The handle is spent, also on
+ * failure. */
+int cudapool_chunk_close(cudapool_chunk chunk);
+
+/* cudapool_reservation_create reserves size bytes of addresses on device, readable and
+ * writable from it, with nothing mapped. */
+int cudapool_reservation_create(int device, uint64_t size, cudapool_reservation *reservation);
+/* cudapool_reservation_grow maps n chunks (of the reservation's device), whole and in
+ * order, behind what is mapped: the mapped part, from ptr on, grows by their sizes,
+ * the bytes already mapped unchanged. Chunks that do not fit fail with CUDAPOOL_EINVAL.
+ * On failure nothing of this call stays mapped. The chunks may be closed afterwards. */
+int cudapool_reservation_grow(cudapool_reservation reservation, const cudapool_chunk *chunks, size_t n);
+/* cudapool_reservation_shrink unmaps the last n mapped chunks (more than are mapped:
+ * CUDAPOOL_EINVAL, nothing unmapped). Work queued that touches them must have run. */
+int cudapool_reservation_shrink(cudapool_reservation reservation, size_t n);
+/* cudapool_reservation_info: the reservation's address in this process (it never
+ * moves), the bytes reserved, the bytes mapped from ptr on and the chunks mapped; any
+ * output may be NULL. */
+int cudapool_reservation_info(cudapool_reservation reservation, void **ptr, uint64_t *reserved,
+                              uint64_t *mapped, size_t *chunks);
+/* cudapool_reservation_close unmaps every chunk and frees the addresses. Work queued
+ * that touches them must have run. The handle is spent, also on failure. */
+int cudapool_reservation_close(cudapool_reservation reservation);
+
+/* cudapool_exporter_publish_chunks makes the allocation of n chunks (at most
+ * CUDAPOOL_MAX_CHUNKS, of one device; chunk i lies behind chunk i-1, as
+ * cudapool_reservation_grow maps them) available under name, as
+ * cudapool_exporter_publish does a pool's memory: ready once the work queued on stream
+ * before the call has completed, meta (meta_len bytes, at most CUDAPOOL_MAX_META) sent
+ * to every consumer. [offset, offset+size) is the range published; size 0 means to the
+ * end. The exporter keeps a descriptor of every chunk until the name is unpublished,
+ * so the chunks' handles may be closed. Each call publishes an allocation of its own.
+ * Chunks made with CUDAPOOL_CHUNK_FABRIC on a host without an IMEX channel fail with
+ * CUDAPOOL_ENOTSUP; on failure nothing is published. */
+#define CUDAPOOL_MAX_CHUNKS 4096
+int cudapool_exporter_publish_chunks(cudapool_exporter exporter, const char *name, const cudapool_chunk *chunks,
+                                     size_t n, uint64_t offset, uint64_t size, void *stream, const void *meta,
+                                     size_t meta_len);
+/* One name for cudapool_exporter_publish_chunks_all: its range of the allocation
+ * (size 0: to the end) and its metadata. */
+typedef struct {
+	const char *name;
+	uint64_t offset;
+	uint64_t size;
+	const void *meta;
+	size_t meta_len;
+} cudapool_chunk_entry;
+/* cudapool_exporter_publish_chunks_all publishes one allocation of n chunks (as
+ * cudapool_exporter_publish_chunks) under the n_entries names of entries (at most
+ * CUDAPOOL_MAX_BATCH), each for its range, all ready once the work queued on stream
+ * before the call has completed. A consumer maps the allocation once, however many of
+ * its names it opens: their mappings lie in one range, at their offsets. The exporter
+ * keeps the chunks' descriptors until the last of the names is unpublished. It
+ * publishes all the entries or, with the error of the first that fails, none. */
+int cudapool_exporter_publish_chunks_all(cudapool_exporter exporter, const cudapool_chunk *chunks, size_t n,
+                                         const cudapool_chunk_entry *entries, size_t n_entries, void *stream);
 
 /* ---- PyTorch allocator ----
  * The entry points torch.cuda.memory.CUDAPluggableAllocator loads. Each device's

@@ -280,6 +280,54 @@ int cudapool_mapping_release(cudapool_mapping mapping, void *stream, int64_t tim
 	CP_CALL(cpgo_mapping_release(mapping.h, (uintptr_t)stream, timeout_ms));
 }
 
+int cudapool_vmm_granularity(int device, int flags, uint64_t *granularity) {
+	CP_CALL(cpgo_vmm_granularity(device, flags, granularity));
+}
+
+int cudapool_chunk_create(int device, uint64_t size, int flags, cudapool_chunk *chunk) {
+	CP_CALL(cpgo_chunk_create(device, size, flags, OUT(chunk)));
+}
+
+int cudapool_chunk_info(cudapool_chunk chunk, int *device, uint64_t *size, int *fabric) {
+	CP_CALL(cpgo_chunk_info(chunk.h, device, size, fabric));
+}
+
+int cudapool_chunk_close(cudapool_chunk chunk) { CP_CALL(cpgo_chunk_close(chunk.h)); }
+
+int cudapool_reservation_create(int device, uint64_t size, cudapool_reservation *reservation) {
+	CP_CALL(cpgo_reservation_create(device, size, OUT(reservation)));
+}
+
+int cudapool_reservation_grow(cudapool_reservation reservation, const cudapool_chunk *chunks, size_t n) {
+	CP_CALL(cpgo_reservation_grow(reservation.h, (uint64_t *)chunks, n));
+}
+
+int cudapool_reservation_shrink(cudapool_reservation reservation, size_t n) {
+	CP_CALL(cpgo_reservation_shrink(reservation.h, n));
+}
+
+int cudapool_reservation_info(cudapool_reservation reservation, void **ptr, uint64_t *reserved,
+                              uint64_t *mapped, size_t *chunks) {
+	CP_CALL(cpgo_reservation_info(reservation.h, (uintptr_t *)ptr, reserved, mapped, chunks));
+}
+
+int cudapool_reservation_close(cudapool_reservation reservation) {
+	CP_CALL(cpgo_reservation_close(reservation.h));
+}
+
+int cudapool_exporter_publish_chunks(cudapool_exporter exporter, const char *name, const cudapool_chunk *chunks,
+                                     size_t n, uint64_t offset, uint64_t size, void *stream, const void *meta,
+                                     size_t meta_len) {
+	CP_CALL(cpgo_exporter_publish_chunks(exporter.h, (char *)name, (uint64_t *)chunks, n, offset, size,
+	                                     (uintptr_t)stream, (void *)meta, meta_len));
+}
+
+int cudapool_exporter_publish_chunks_all(cudapool_exporter exporter, const cudapool_chunk *chunks, size_t n,
+                                         const cudapool_chunk_entry *entries, size_t n_entries, void *stream) {
+	CP_CALL(cpgo_exporter_publish_chunks_all(exporter.h, (uint64_t *)chunks, n, (cudapool_chunk_entry *)entries,
+	                                         n_entries, (uintptr_t)stream));
+}
+
 // The PyTorch entry points keep PyTorch's signatures: no status, NULL for a failed
 // allocation (PyTorch raises), and the message in cudapool_last_error. They do not
 // clear the last error: that would cost every allocation a store for nothing.

@@ -17,6 +17,8 @@ const (
 	kindImporter
 	kindMapping
 	kindKVReplica
+	kindChunk
+	kindReservation
 )
 
 func (k kind) String() string {
@@ -31,6 +33,10 @@ func (k kind) String() string {
 		return "mapping"
 	case kindKVReplica:
 		return "kv replica"
+	case kindChunk:
+		return "chunk"
+	case kindReservation:
+		return "reservation"
 	}
 	return fmt.Sprintf("kind-%d", uint8(k))
 }
@@ -135,7 +141,7 @@ func (t *table[T]) slotLocked(h uint64) (*slot[T], error) {
 		return nil, fmt.Errorf("%w: %v handle 0", errHandle, t.kind)
 	}
 	if k := kind(h >> kindShift); k != t.kind {
-		if k >= kindPool && k <= kindKVReplica {
+		if k >= kindPool && k <= kindReservation {
 			return nil, fmt.Errorf("%w: %#x is the handle of %v, not of %v", errHandle, h, k.withArticle(), t.kind.withArticle())
 		}
 		return nil, fmt.Errorf("%w: %#x is not a cudapool handle", errHandle, h)

@@ -208,13 +208,12 @@ func cpgo_exporter_publish(h C.uint64_t, name *C.char, ptr C.uintptr_t, size C.u
 // publication finds the buffer that holds [ptr, ptr+size) and makes the options that
 // publish that range with meta.
 func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen C.size_t) (*pool.Buffer, []producer.PublishOption, error) {
-	switch {
-	case ptr == 0:
+	if ptr == 0 {
 		return nil, nil, invalid("ptr is NULL")
-	case metaLen > maxMeta:
-		return nil, nil, invalid("metadata of %d bytes is longer than %d", uint64(metaLen), maxMeta)
-	case metaLen > 0 && meta == nil:
-		return nil, nil, invalid("meta is NULL with meta_len %d", uint64(metaLen))
+	}
+	metaOpts, err := metaOptions(meta, metaLen)
+	if err != nil {
+		return nil, nil, err
 	}
 	b, off, ok := buffers.containing(uintptr(ptr))
 	if !ok {
@@ -223,11 +222,21 @@ func publication(ptr C.uintptr_t, size C.uint64_t, meta unsafe.Pointer, metaLen 
 	if uint64(size) > b.Size()-off {
 		return nil, nil, invalid("%d bytes at offset %d run past the end of its %d-byte buffer", uint64(size), off, b.Size())
 	}
-	opts := []producer.PublishOption{producer.Range(off, uint64(size))}
-	if metaLen > 0 {
-		opts = append(opts, producer.WithMeta(C.GoBytes(meta, C.int(metaLen))))
+	return b, append(metaOpts, producer.Range(off, uint64(size))), nil
+}
+
+// metaOptions checks the metadata of a publish (meta_len bytes at meta) and makes the
+// option that sends it, none for none.
+func metaOptions(meta unsafe.Pointer, metaLen C.size_t) ([]producer.PublishOption, error) {
+	switch {
+	case metaLen == 0:
+		return nil, nil
+	case metaLen > maxMeta:
+		return nil, invalid("metadata of %d bytes is longer than %d", uint64(metaLen), maxMeta)
+	case meta == nil:
+		return nil, invalid("meta is NULL with meta_len %d", uint64(metaLen))
 	}
-	return b, opts, nil
+	return []producer.PublishOption{producer.WithMeta(C.GoBytes(meta, C.int(metaLen)))}, nil
 }
 
 // checkBatch checks the array of n items (called what) at p of a batch call.

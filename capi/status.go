@@ -23,6 +23,7 @@ import (
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/pool"
+	"github.com/cudapool/cudapool/vmm"
 )
 
 // The status codes of cudapool.h.
@@ -141,6 +142,13 @@ var statuses = []struct {
 	{kv.ErrTooLarge, statusInval},
 	{kv.ErrRefused, statusRefused},
 	{kv.ErrLimit, statusTooMany},
+	{vmm.ErrGranularity, statusInval},
+	{vmm.ErrFull, statusInval},
+	{vmm.ErrNotMapped, statusInval},
+	{vmm.ErrClosed, statusClosed},
+	{vmm.ErrFabricNotPermitted, statusNotSup}, // it wraps cudart.ErrNotPermitted, a CUDA code
+	{vmm.ErrImported, statusNotSup},
+	{cudart.ErrNoVMM, statusNotSup},
 }
 
 // statusOf is the status for err: the first condition it wraps, else a CUDA failure,

@@ -8,14 +8,18 @@ int main(void) {
 	cudapool_exporter ex = {0};
 	cudapool_importer imp = {0};
 	cudapool_mapping m = {0};
+	cudapool_chunk c = {0};
+	cudapool_reservation r = {0};
 	cudapool_pool_stats st;
 	void *ptr;
-	(void)pool, (void)ex, (void)imp, (void)m, (void)st, (void)ptr;
+	(void)pool, (void)ex, (void)imp, (void)m, (void)c, (void)r, (void)st, (void)ptr;
 #if CASE == 0
 	cudapool_pool_stats_get(pool, &st);
 	cudapool_exporter_unpublish(ex, "x");
 	cudapool_importer_close(imp, 1);
 	cudapool_mapping_release(m, 0, 1);
+	cudapool_chunk_close(c);
+	cudapool_reservation_grow(r, &c, 1);
 #elif CASE == 1
 	cudapool_pool_stats_get(imp, &st); // an importer for a pool
 #elif CASE == 2
@@ -28,6 +32,10 @@ int main(void) {
 	cudapool_alloc(12345, 1, 0, 0, &ptr); // a made-up integer for a pool
 #elif CASE == 6
 	cudapool_importer_open(imp, "x", 0, 0, 1, &pool); // a pool's out-parameter for a mapping's
+#elif CASE == 7
+	cudapool_chunk_close(r); // a reservation for a chunk
+#elif CASE == 8
+	cudapool_reservation_grow(r, &m, 1); // mappings for chunks
 #endif
 	return 0;
 }

@@ -21,7 +21,9 @@ None is no bound, and 0 is do not wait, as in threading and queue: what is not t
 yet (an exporter, a name) fails at once as without wait_for_exporter or wait_for_name,
 and a live exporter's
 answer is waited for at most a second. Only the standard library is needed;
-cudapool.torch holds the PyTorch helpers, cudapool.kv the KV page pool (torch only for
+cudapool.vmm holds the VMM route (an Allocation of chunks mapped as one range, of any
+size, which Exporter.publish_chunks publishes and Importer.open maps as one range),
+cudapool.torch the PyTorch helpers, cudapool.kv the KV page pool (torch only for
 kv_caches), and cudapool.hf runs stock transformers models over its pages (torch and
 transformers imported at first use).
 
@@ -54,6 +56,9 @@ its timeout out holds nothing) and ForkedProcess anywhere:
     Exporter                      NameInUse (a live exporter there), InvalidArgument (path),
                                   BadDirectory (the announce directory)
     Exporter.publish              NameInUse, ForeignPointer, InvalidArgument (range, meta)
+    Exporter.publish_chunks       NameInUse, InvalidArgument (range, meta), Closed (allocation),
+                                  NotSupported (FABRIC chunks without an IMEX channel)
+    publish_chunks_all            the same, for each entry (all or none)
     Exporter.push                 NotFound (no such peer or name)
     Exporter.close                Abandoned (consumers still held buffers: closed anyway)
     Importer                      Gone (no exporter: without wait_for_exporter, or with timeout 0),
@@ -595,6 +600,48 @@ class Exporter(_Handle):
             if not isinstance(e[1], (int, Buffer)):
                 self._kept[e[0]] = e[1]
 
+    def publish_chunks(self, name: str, allocation: "vmm.Allocation", size: int = 0, stream: StreamLike = None,
+                       meta: Union[bytes, str, None] = b"", *, offset: int = 0) -> None:
+        """Makes the memory of a cudapool.vmm.Allocation available under name, as publish
+        does a pool's, ready once the work queued on stream before the call is done:
+        [offset, offset+size) of it (size 0: to the end), with meta (at most MAX_META
+        bytes). A consumer's Importer.open maps it as one range, whatever its chunks.
+        The exporter keeps a descriptor of every chunk until the name is unpublished (or
+        the exporter closed): the allocation may be closed once its queued work has run,
+        and the memory lives on. Each call publishes an allocation of its own. Raises
+        NameInUse, InvalidArgument (range, meta), Closed (a closed allocation) and
+        NotSupported (FABRIC chunks on a host without an IMEX channel)."""
+        arr = _chunk_array(allocation, "publish_chunks")
+        m = _lib.meta_bytes(meta)
+        _lib.call("cudapool_exporter_publish_chunks", self._ch, _lib.encode_name(name), arr, len(arr),
+                  _lib.size(offset, "offset"), _lib.size(size), _vp(stream), m or None, len(m))
+
+    def publish_chunks_all(self, allocation: "vmm.Allocation", entries: Iterable[Sequence[Any]],
+                           stream: StreamLike = None) -> None:
+        """Publishes one cudapool.vmm.Allocation under many names at once, each for its
+        range, all ready once the work queued on stream before the call is done: entries
+        are (name,), (name, offset, size) or (name, offset, size, meta), size 0 being to
+        the end. A consumer maps the allocation once, however many of its names it opens:
+        their Mappings lie in one range, at their offsets. The exporter keeps the chunks'
+        descriptors until the last name is unpublished. All of them, or none."""
+        arr = _chunk_array(allocation, "publish_chunks_all")
+        es = list(entries)
+        if not 0 < len(es) <= MAX_BATCH:
+            raise ValueError("%d entries: want 1 to %d" % (len(es), MAX_BATCH))
+        ces = (_lib.ChunkEntry * len(es))()
+        keep = []  # the bytes the entries point at, alive until the call returns
+        for i, e in enumerate(es):
+            if len(e) not in (1, 3, 4):
+                raise ValueError("entry %d has %d fields: want (name,), (name, offset, size) or "
+                                 "(name, offset, size, meta)" % (i, len(e)))
+            meta = _lib.meta_bytes(e[3] if len(e) > 3 else b"")
+            name = _lib.encode_name(e[0])
+            keep.append((name, meta))
+            ces[i].name, ces[i].meta, ces[i].meta_len = name, meta or None, len(meta)
+            if len(e) > 1:
+                ces[i].offset, ces[i].size = _lib.size(e[1], "offset"), _lib.size(e[2])
+        _lib.call("cudapool_exporter_publish_chunks_all", self._ch, arr, len(arr), ces, len(es), _vp(stream))
+
     def unpublish(self, name: str) -> None:
         _lib.call("cudapool_exporter_unpublish", self._ch, _lib.encode_name(name))
         self._kept.pop(name, None)
@@ -622,6 +669,13 @@ class Exporter(_Handle):
 
     def __repr__(self) -> str:
         return "<cudapool.Exporter %r%s>" % (self.path, "" if self._h else " closed")
+
+
+def _chunk_array(allocation: Any, what: str) -> "ctypes.Array[_lib.ChunkH]":
+    """The chunks of allocation, a cudapool.vmm.Allocation, as the library takes them."""
+    if not isinstance(allocation, vmm.Allocation):
+        raise TypeError("%s wants a cudapool.vmm.Allocation, not %s" % (what, type(allocation).__name__))
+    return allocation._chunk_array()
 
 
 def query_state(socket: str, timeout: Timeout_ = DEFAULT_TIMEOUT) -> State:
@@ -951,3 +1005,6 @@ class ArrayView:
 
     def __repr__(self) -> str:
         return "<cudapool.ArrayView %s %s of %r>" % (self.typestr, self.shape, self.mapping.name)
+
+
+from . import vmm  # noqa: E402 (it builds on the classes above)

@@ -64,6 +64,14 @@ class MappingH(ctypes.Structure):
     _fields_ = [("h", u64)]
 
 
+class ChunkH(ctypes.Structure):
+    _fields_ = [("h", u64)]
+
+
+class ReservationH(ctypes.Structure):
+    _fields_ = [("h", u64)]
+
+
 class PoolOptions(ctypes.Structure):
     _fields_ = [
         ("size", size_t),
@@ -102,6 +110,10 @@ class OpenOptions(ctypes.Structure):
 
 class PublishEntry(ctypes.Structure):
     _fields_ = [("name", cstr), ("ptr", vp), ("size", u64), ("meta", ctypes.c_char_p), ("meta_len", size_t)]
+
+
+class ChunkEntry(ctypes.Structure):
+    _fields_ = [("name", cstr), ("offset", u64), ("size", u64), ("meta", ctypes.c_char_p), ("meta_len", size_t)]
 
 
 _Options = TypeVar("_Options", bound=ctypes.Structure)
@@ -166,6 +178,17 @@ _SIGNATURES = {
     "cudapool_mapping_meta": (MappingH, ctypes.c_char_p, size_t, P(size_t)),
     "cudapool_mapping_err": (MappingH,),
     "cudapool_mapping_release": (MappingH, vp, i64),
+    "cudapool_vmm_granularity": (c_int, c_int, P(u64)),
+    "cudapool_chunk_create": (c_int, u64, c_int, P(ChunkH)),
+    "cudapool_chunk_info": (ChunkH, P(c_int), P(u64), P(c_int)),
+    "cudapool_chunk_close": (ChunkH,),
+    "cudapool_reservation_create": (c_int, u64, P(ReservationH)),
+    "cudapool_reservation_grow": (ReservationH, P(ChunkH), size_t),
+    "cudapool_reservation_shrink": (ReservationH, size_t),
+    "cudapool_reservation_info": (ReservationH, P(vp), P(u64), P(u64), P(size_t)),
+    "cudapool_reservation_close": (ReservationH,),
+    "cudapool_exporter_publish_chunks": (ExporterH, cstr, P(ChunkH), size_t, u64, u64, vp, ctypes.c_char_p, size_t),
+    "cudapool_exporter_publish_chunks_all": (ExporterH, P(ChunkH), size_t, P(ChunkEntry), size_t, vp),
     "cudapool_torch_configure": (P(PoolOptions),),
     "cudapool_torch_pool": (c_int, P(PoolH)),
 }

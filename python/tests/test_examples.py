@@ -38,6 +38,11 @@ class ExamplesTest(unittest.TestCase):
         out = run(self, [sys.executable, "examples/python/share.py"], PYTHONPATH=os.path.join(ROOT, "python"))
         self.assertIn("consumer read 'hello from a Python producer'", out)
 
+    def test_python_vmm_example(self):
+        out = run(self, [sys.executable, "examples/python/vmm_share.py"], PYTHONPATH=os.path.join(ROOT, "python"))
+        self.assertIn("as one range", out)
+        self.assertIn("across a boundary: '--------chunk 2 starts here'", out)
+
     def test_pip_install(self):
         """pip install of a copy of python/, as the README says, puts the library beside
         the package, where the installed cudapool finds it without $CUDAPOOL_LIB. It needs

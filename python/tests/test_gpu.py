@@ -197,6 +197,62 @@ def mempool_consumer(q, path):
         fail_to(q)(e)
 
 
+VMM_CHUNKS = 3  # chunks of the VMM allocation, 4 granules each
+
+
+def vmm_bytes(torch, n, device):
+    """The bytes the VMM producer writes: a pattern that differs in every 4 KiB."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    return ((i * 131 + (i >> 12)) & 0xFF).to(torch.uint8)
+
+
+def vmm_producer(q, path, go):
+    """Makes a VMM allocation of VMM_CHUNKS chunks, writes it with torch through DLPack,
+    publishes it, closes its own mapping and holds until go: the exporter keeps the
+    memory."""
+    try:
+        import torch
+        from cudapool import vmm
+        cudapool.init("gpu")
+        chunk = 4 * vmm.granularity(0)
+        a = vmm.Allocation(0, VMM_CHUNKS * chunk, chunk_size=chunk)
+        t = torch.from_dlpack(a)
+        t.copy_(vmm_bytes(torch, a.size, t.device))
+        ex = cudapool.Exporter(path)
+        ex.publish_chunks("slab", a, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        del t
+        a.close()
+        q.put(("published", chunk))
+        go.wait(CHILD_TIMEOUT)
+        ex.close(timeout=CHILD_TIMEOUT)
+        q.put("closed")
+    except Exception as e:
+        fail_to(q)(e)
+
+
+def vmm_consumer(q, path, chunk):
+    """Opens the VMM allocation as one range and checks every byte, and those across
+    each chunk boundary on their own."""
+    try:
+        import torch
+        cudapool.init("gpu")
+        imp = cudapool.Importer(path, device=0)
+        m = imp.open("slab", stream=torch.cuda.current_stream())
+        t = torch.from_dlpack(m)
+        want = vmm_bytes(torch, m.size, t.device)
+        edges = [bool(torch.equal(t[b - 4096:b + 4096], want[b - 4096:b + 4096]))
+                 for b in range(chunk, m.size, chunk)]
+        res = {"size": m.size, "ptr_is_mapping": t.data_ptr() == m.ptr, "equal": bool(torch.equal(t, want)),
+               "edges": edges}
+        del t
+        m.release(stream=torch.cuda.current_stream())
+        imp.close()
+        q.put(res)
+    except Exception as e:
+        fail_to(q)(e)
+
+
 class TorchAllocatorTest(unittest.TestCase):
     def setUp(self):
         need("torch")
@@ -275,6 +331,26 @@ class PairsTest(unittest.TestCase):
         r = self.consume(cudacore_consumer)
         for how in ("dlpack", "cai"):
             self.assertEqual(r[how], {"ptr_is_mapping": True, "shape": SHAPE, "dtype": "float16"}, how)
+
+
+class VMMTest(unittest.TestCase):
+    def test_torch_reads_a_vmm_allocation_as_one_range(self):
+        need("torch")
+        need_gpu()
+        go = multiprocessing.get_context("spawn").Event()
+        path = socket_path("gpu-vmm")
+        p, q = spawn(vmm_producer, path, go)
+        try:
+            r = q.get(timeout=CHILD_TIMEOUT)
+            self.assertIsInstance(r, tuple, "producer: %s" % (r,))
+            chunk = r[1]
+            c, cq = spawn(vmm_consumer, path, chunk)
+            got = result_of(self, c, cq)
+        finally:
+            go.set()
+        self.assertEqual(result_of(self, p, q), "closed")
+        self.assertEqual(got, {"size": VMM_CHUNKS * chunk, "ptr_is_mapping": True, "equal": True,
+                               "edges": [True] * (VMM_CHUNKS - 1)})
 
 
 if __name__ == "__main__":
