@@ -74,7 +74,7 @@ extern "C" {
 /* The version of this header. A library of the same major version and a minor version
  * at least this one has every call declared here (cudapool_version). */
 #define CUDAPOOL_VERSION_MAJOR 1
-#define CUDAPOOL_VERSION_MINOR 1
+#define CUDAPOOL_VERSION_MINOR 2
 
 enum cudapool_status {
 	CUDAPOOL_OK = 0,

@@ -433,7 +433,7 @@ class FeelTest(unittest.TestCase):
             b.free()
 
     def test_version(self):
-        self.assertEqual(cudapool.version(), (1, 1))
+        self.assertEqual(cudapool.version(), (1, 2))
 
     def test_typed(self):
         import cudapool as pkg
