@@ -25,6 +25,17 @@ import (
 // host), a Seal that waits for visibility, and a replica's admission. Only visible
 // pages are journaled, so a page whose writer had not finished never becomes
 // visible, also across a restart.
+//
+// A disk that stops taking the index's writes cannot hold o.mu, nor grow the owner's
+// memory without bound: records are queued under o.mu without a syscall, up to the
+// index's bound on its queue (index.WithMaxQueued; by default the most bytes an index
+// file of the owner's shape holds), and the record past it fails the index, off o.mu,
+// as a write error does. Its file is removed, the reason logged, and every reply
+// waiting in journaled is answered: the owner serves on without an index, and a
+// restart starts with no pages. Until the file is removed (a removal may hang as the
+// write does), or while the queue is within its bound, a reply waits in journaled
+// until the owner stops, a replica's call until its ctx ends, and o.Close until its
+// own does.
 
 // procID names a process across pid reuse: its pid and its start time in clock ticks
 // since boot (/proc/PID/stat, field 22), as the index journals it.

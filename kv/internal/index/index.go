@@ -15,6 +15,31 @@
 // whole. Appended records are not synced: they guard against the death of the owner's
 // process, which the page cache survives; a crash of the host ends the keeper, and
 // with it the slabs the records are about.
+//
+// A disk that stops taking writes (an NFS mount that hangs, a device that is full or
+// failing, a write blocked in the kernel) cannot hold the caller: the queue is bounded
+// ([WithMaxQueued]; by default the most bytes a file of the shape holds, and 16 MiB at
+// least), and the record that takes it past its bound drops it, without a syscall and
+// without waiting, under the caller's lock as any record is queued. The index then
+// fails as it does after a write error, off the caller's lock: its file is removed (or
+// emptied), then every [Index.Wait] returns an error wrapping [ErrFailed], the reason
+// (the bytes queued, the bound, the last record written) is logged once, and later
+// records are dropped, so that the caller carries on without an index. What holds on
+// each side:
+//
+//   - The caller: queueing never blocks and never grows its memory past the bound
+//     (and one batch, which the writer holds). A Wait returns nil only once its record
+//     is in the file; ErrFailed only once the file is gone, so that no start reads a
+//     record of it (with [ErrStale] where it could not be removed); until either, it
+//     waits, bounded by its ctx. [Index.Close] is bounded by its ctx.
+//   - The disk: a write in progress is never interrupted (a write blocked in the kernel
+//     cannot be), and the index sets no timer on it: it cannot tell a hung write from
+//     a slow one, only a queue that outgrew its bound. A disk that hangs while the
+//     caller queues nothing leaves its Waits to their ctx; one that hangs while the
+//     caller goes on fails the index once the bound is passed, as soon as its file can
+//     be removed (a removal that hangs too leaves the Waits to their ctx). A write or a
+//     compaction that returns after the failure writes nothing more: a compaction's
+//     new file is never renamed over the path once the index has failed.
 package index
 
 import (
@@ -23,6 +48,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"sync"
@@ -79,10 +105,25 @@ type Option func(*options)
 type options struct {
 	log         *slog.Logger
 	beforeWrite func() error
+	maxQueued   int
+	onRename    func(done bool) // a test's seam: called as a compaction is about to rename its new file, and once it did
 }
 
 // WithLogger sets where the index's failure is logged; by default nowhere.
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
+
+// WithMaxQueued bounds the bytes of records queued and not yet taken by the writer:
+// the record that takes the queue past n fails the index ([ErrFailed]: its file
+// removed, as after a write error; see the package doc). By default, or with n <= 0, the bound is the
+// most bytes a file of Open's shape holds, and 16 MiB at least: a queue that long
+// holds more changes than a snapshot of the whole state, some 340,000 records at
+// least (seconds of a busy owner's changes, through a compaction's fsync), which a
+// disk that takes writes empties one batch a write, long before; and it is little
+// next to the memory of the pages it is about.
+func WithMaxQueued(n int) Option { return func(o *options) { o.maxQueued = n } }
+
+// minQueued is the least default bound on the queue (WithMaxQueued).
+const minQueued = 16 << 20
 
 // BeforeWrite makes the index's goroutine call f before each write of records to
 // the file: a test's seam, to hold the writer (f blocks) or fail it (f returns an
@@ -103,6 +144,12 @@ type Index struct {
 	kick     chan struct{} // a record was queued, or Close began
 	done     chan struct{} // closed when the writer has returned
 
+	// fileMu orders a compaction's rename after a check that the index has not failed,
+	// and a failure's removal of the file after that rename: no file is renamed over
+	// the path once it was removed. It is never held with ix.mu taken before it.
+	fileMu sync.Mutex
+	failed bool // under fileMu: the failure was logged, and is being set as err
+
 	// Owned by the writer's goroutine (and Open's, before it starts).
 	f       *os.File
 	records int // records in the file after its header
@@ -115,6 +162,7 @@ type Index struct {
 	queued   uint64        // the sequence number of the latest record queued
 	written  uint64        // every record up to it is in the file (or in a snapshot)
 	err      error         // why the index stopped; wraps ErrFailed
+	overflow error         // why the queue was dropped (past its bound): err follows, once the file is removed
 	closing  bool          //
 	progress chan struct{} // closed and replaced when written or err changes
 }
@@ -137,6 +185,9 @@ func Open(path string, hdr Header, shape Shape, snapshot Snapshot, opts ...Optio
 		if o != nil {
 			o(&ix.opts)
 		}
+	}
+	if ix.opts.maxQueued <= 0 {
+		ix.opts.maxQueued = int(min(max(shape.maxBytes(), minQueued), math.MaxInt))
 	}
 	if err := ix.compact(); err != nil {
 		return nil, err
@@ -198,7 +249,7 @@ func (ix *Index) Grant(g *Grant) uint64 {
 	}
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if ix.err == nil && !ix.closing {
+	if ix.queueingLocked() {
 		ix.queue = AppendGrant(ix.queue, g)
 	}
 	ix.queued += uint64(g.records() - 1)
@@ -212,7 +263,7 @@ func (ix *Index) End(id uint64) uint64 {
 	}
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if ix.err == nil && !ix.closing {
+	if ix.queueingLocked() {
 		ix.queue = AppendEnd(ix.queue, id)
 	}
 	return ix.queuedLocked()
@@ -224,7 +275,7 @@ func (ix *Index) page(k Kind, dev int, page uint32, h kv.Hash) uint64 {
 	}
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if ix.err == nil && !ix.closing {
+	if ix.queueingLocked() {
 		ix.queue = AppendPage(ix.queue, k, dev, page, h)
 	}
 	return ix.queuedLocked()
@@ -236,15 +287,29 @@ func (ix *Index) proc(k Kind, p Proc) uint64 {
 	}
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if ix.err == nil && !ix.closing {
+	if ix.queueingLocked() {
 		ix.queue = AppendProc(ix.queue, k, p)
 	}
 	return ix.queuedLocked()
 }
 
-// queuedLocked numbers the record just queued and wakes the writer, under ix.mu.
+// queueingLocked says whether a record is to be queued, under ix.mu: not once the
+// index failed, its queue dropped, or Close began.
+func (ix *Index) queueingLocked() bool {
+	return ix.err == nil && ix.overflow == nil && !ix.closing
+}
+
+// queuedLocked numbers the record just queued and wakes the writer, under ix.mu. A
+// queue past its bound is dropped, and the index fails on a goroutine of its own
+// (this one holds the caller's lock, and makes no syscall).
 func (ix *Index) queuedLocked() uint64 {
 	ix.queued++
+	if n := len(ix.queue) - ix.head; n > ix.opts.maxQueued && ix.overflow == nil {
+		ix.overflow = fmt.Errorf("%d bytes of records queued, over the bound of %d: the disk has taken no record past %d of %d (a write hangs, or is too slow)",
+			n, ix.opts.maxQueued, ix.written, ix.queued)
+		ix.queue, ix.head = nil, 0
+		go ix.fail(ix.overflow, nil)
+	}
 	select {
 	case ix.kick <- struct{}{}:
 	default:
@@ -324,7 +389,11 @@ func (ix *Index) run() {
 		}
 	}()
 	for {
-		batch, last, n, closing := ix.take()
+		batch, last, n, closing, overflow := ix.take()
+		if overflow != nil {
+			ix.fail(overflow, ix.f)
+			return
+		}
 		if n == 0 {
 			if closing {
 				return
@@ -333,14 +402,17 @@ func (ix *Index) run() {
 			continue
 		}
 		if err := ix.write(batch); err != nil {
-			ix.fail(err)
+			ix.fail(err, ix.f)
 			return
 		}
 		ix.records += n
-		ix.advance(last)
+		if overflow := ix.advance(last); overflow != nil {
+			ix.fail(overflow, ix.f)
+			return
+		}
 		if ix.records > ix.limit {
 			if err := ix.compact(); err != nil {
-				ix.fail(err)
+				ix.fail(err, ix.f)
 				return
 			}
 		}
@@ -348,10 +420,14 @@ func (ix *Index) run() {
 }
 
 // take copies up to maxBatch queued records into the writer's scratch and takes them
-// off the queue: last is the sequence number of the last of the n taken.
-func (ix *Index) take() (batch []byte, last uint64, n int, closing bool) {
+// off the queue: last is the sequence number of the last of the n taken. It takes
+// nothing, and returns why, once the queue was dropped past its bound.
+func (ix *Index) take() (batch []byte, last uint64, n int, closing bool, overflow error) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
+	if ix.overflow != nil {
+		return nil, 0, 0, ix.closing, ix.overflow
+	}
 	q := ix.queue[ix.head:]
 	end := 0
 	for end < len(q) && n < maxBatch {
@@ -360,7 +436,7 @@ func (ix *Index) take() (batch []byte, last uint64, n int, closing bool) {
 	}
 	ix.scratch = append(ix.scratch[:0], q[:end]...)
 	ix.dropLocked(end)
-	return ix.scratch, ix.written + uint64(n), n, ix.closing
+	return ix.scratch, ix.written + uint64(n), n, ix.closing, nil
 }
 
 // dropLocked takes the queue's first end bytes of records off it, under ix.mu.
@@ -387,8 +463,9 @@ func (ix *Index) write(batch []byte) error {
 	return nil
 }
 
-// advance says that every record up to seq is written.
-func (ix *Index) advance(seq uint64) {
+// advance says that every record up to seq is written, and returns why the queue was
+// dropped, if it was meanwhile: the writer stops then.
+func (ix *Index) advance(seq uint64) (overflow error) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	if seq > ix.written {
@@ -396,6 +473,7 @@ func (ix *Index) advance(seq uint64) {
 		close(ix.progress)
 		ix.progress = make(chan struct{})
 	}
+	return ix.overflow
 }
 
 // compact writes the header and a snapshot into a new file and renames it over the
@@ -417,6 +495,9 @@ func (ix *Index) compact() error {
 	ix.f, ix.records, ix.limit = f, b.n, min(max(ix.base, 2*b.n), ix.most)
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
+	if ix.overflow != nil {
+		return ix.overflow // the queue is gone: run stops at it
+	}
 	if first := ix.written + 1; seq >= first {
 		// The queue holds the records after written, in order: those up to seq are
 		// in the snapshot.
@@ -453,13 +534,37 @@ func (ix *Index) writeNew(b []byte) (_ *os.File, err error) {
 	if err = f.Sync(); err != nil {
 		return nil, fmt.Errorf("kv/internal/index: syncing %s: %w", tmp, err)
 	}
-	if err = os.Rename(tmp, ix.path); err != nil {
-		return nil, fmt.Errorf("kv/internal/index: %w", err)
+	if err = ix.rename(tmp); err != nil {
+		return nil, err
 	}
 	if err = syncDir(filepath.Dir(ix.path)); err != nil {
 		return nil, fmt.Errorf("kv/internal/index: syncing the directory of %s: %w", ix.path, err)
 	}
 	return f, nil
+}
+
+// rename renames tmp over the index's path, unless the index failed meanwhile (its
+// queue past its bound): its file was removed then, or is about to be, and no other
+// may take its place.
+func (ix *Index) rename(tmp string) error {
+	if f := ix.opts.onRename; f != nil {
+		f(false)
+	}
+	ix.fileMu.Lock()
+	defer ix.fileMu.Unlock()
+	ix.mu.Lock()
+	overflow := ix.overflow
+	ix.mu.Unlock()
+	if overflow != nil {
+		return overflow
+	}
+	if err := os.Rename(tmp, ix.path); err != nil {
+		return fmt.Errorf("kv/internal/index: %w", err)
+	}
+	if f := ix.opts.onRename; f != nil {
+		f(true)
+	}
+	return nil
 }
 
 // createNew creates path for writing, mode 0600, where nothing is: whatever is at
@@ -487,19 +592,32 @@ func syncDir(dir string) error {
 }
 
 // fail stops the index after err: its file is emptied and removed, so that no start
-// serves from an index that missed a change, and every Wait returns the error.
-func (ix *Index) fail(err error) {
+// serves from an index that missed a change, and every Wait returns the error; the
+// first failure is logged, and a second call (the writer's, after a failure its queue
+// caused) does nothing more than remove the file again. f is the file the writer
+// holds, or nil from a goroutine other than the writer's, which leaves it to the
+// writer and removes the path only.
+func (ix *Index) fail(err error, f *os.File) {
+	ix.fileMu.Lock()
+	defer ix.fileMu.Unlock()
 	ferr := fmt.Errorf("%w: %s: %w", ErrFailed, ix.path, err)
-	stale := false
-	if ix.f != nil {
-		terr := ix.f.Truncate(0) // the file this index wrote, wherever its name went
-		rerr := os.Remove(ix.path)
-		if terr != nil && rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-			stale = true
-			ferr = fmt.Errorf("%w; %w: it could be neither emptied (%v) nor removed (%v): remove it before the next start", ferr, ErrStale, terr, rerr)
-		}
+	var terr error
+	if f != nil {
+		terr = f.Truncate(0) // the file this index wrote, wherever its name went
 	}
-	if l := ix.opts.log; l != nil {
+	rerr := os.Remove(ix.path)
+	stale := rerr != nil && !errors.Is(rerr, os.ErrNotExist) && (f == nil || terr != nil)
+	switch {
+	case stale && f == nil:
+		ferr = fmt.Errorf("%w; %w: it could not be removed (%v): remove it before the next start", ferr, ErrStale, rerr)
+	case stale:
+		ferr = fmt.Errorf("%w; %w: it could be neither emptied (%v) nor removed (%v): remove it before the next start", ferr, ErrStale, terr, rerr)
+	}
+	if ix.failed {
+		return // the first failure was logged, and every Wait returns it
+	}
+	ix.failed = true
+	if l := ix.opts.log; l != nil { // before any Wait returns the failure, and not under ix.mu
 		if stale {
 			l.Error("kv: the index cannot be written, nor removed: remove it before the next start", "path", ix.path, "err", ferr)
 		} else {
