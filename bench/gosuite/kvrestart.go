@@ -57,83 +57,111 @@ func kvRestartRow(r *reporter, onGPU bool, sh shape) {
 		return
 	}
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless
-	var procs []*consumerSide
-	defer func() {
-		for _, c := range procs {
-			c.kill()
-		}
-	}()
-	keeper, err := startRole(kvKeeperRole, kind, dir)
-	if err != nil {
-		r.fail("cudapool", op, fmt.Errorf("the keeper: %w", err))
-		return
-	}
-	procs = append(procs, keeper)
-	own, err := startRole(kvOwnerRole, kind, dir)
-	if err != nil {
-		r.fail("cudapool", op, fmt.Errorf("the page server: %w", err))
-		return
-	}
-	var reps []*consumerSide
-	for range kvRestartReplicas {
-		c, err := startRole(kvRestartRole, kind, dir)
-		if err != nil {
-			r.fail("cudapool", op, fmt.Errorf("a replica: %w", err))
-			own.kill()
-			return
-		}
-		procs = append(procs, c)
-		reps = append(reps, c)
-	}
-	if _, err := reps[0].ask("seal", "sealed"); err != nil {
+	w := &restartRow{kind: kind, dir: dir}
+	defer w.stop()
+	if err := w.start(); err != nil {
 		r.fail("cudapool", op, err)
-		own.kill()
 		return
-	}
-	for _, c := range reps {
-		if _, err := c.ask("match", "matched"); err != nil {
-			r.fail("cudapool", op, err)
-			own.kill()
-			return
-		}
 	}
 	r.measure("cudapool", op, "ms", func() ([]float64, error) {
 		var v []float64
 		for range min(sh.rounds, 3) { // each round starts a process: CUDA's start is most of it
-			own.kill() // SIGKILL, and reaped
-			for _, c := range reps {
-				if err := c.say("await"); err != nil {
-					return nil, err
-				}
-			}
-			t0 := time.Now()
-			own, err = startRole(kvOwnerRole, kind, dir)
+			ms, err := w.restart()
 			if err != nil {
-				return nil, fmt.Errorf("the restarted page server: %w", err)
+				return nil, err
 			}
-			last := t0
-			for _, c := range reps {
-				at, err := c.await("at")
-				if err != nil {
-					return nil, err
-				}
-				if len(at) != 1 {
-					return nil, fmt.Errorf("replica %d said at %v", c.pid, at)
-				}
-				if t := time.Unix(0, int64(at[0])); t.After(last) {
-					last = t
-				}
-			}
-			for _, c := range reps {
-				if _, err := c.ask("check", "checked"); err != nil {
-					return nil, err
-				}
-			}
-			v = append(v, float64(last.Sub(t0).Microseconds())/1000)
+			v = append(v, ms)
 		}
 		return v, nil
 	})
-	own.kill()
+}
+
+// restartRow is the processes of one [kvRestartRow] on dir: the keeper, the page
+// server and the replicas.
+type restartRow struct {
+	kind, dir string
+	keeper    *consumerSide
+	own       *consumerSide // the page server now
+	reps      []*consumerSide
+}
+
+// start starts the keeper, the page server and kvRestartReplicas replicas; the
+// first replica seals the prompt and every replica matches it. On failure what it
+// started is left to stop.
+func (w *restartRow) start() error {
+	var err error
+	if w.keeper, err = startRole(kvKeeperRole, w.kind, w.dir); err != nil {
+		return fmt.Errorf("the keeper: %w", err)
+	}
+	if w.own, err = startRole(kvOwnerRole, w.kind, w.dir); err != nil {
+		return fmt.Errorf("the page server: %w", err)
+	}
+	for range kvRestartReplicas {
+		c, err := startRole(kvRestartRole, w.kind, w.dir)
+		if err != nil {
+			return fmt.Errorf("a replica: %w", err)
+		}
+		w.reps = append(w.reps, c)
+	}
+	if _, err := w.reps[0].ask("seal", "sealed"); err != nil {
+		return err
+	}
+	for _, c := range w.reps {
+		if _, err := c.ask("match", "matched"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// restart SIGKILLs the page server, starts a new one and returns the ms from its
+// start until the last replica has reattached and matched the whole prompt, once
+// every replica has checked the prompt's bytes.
+func (w *restartRow) restart() (float64, error) {
+	w.own.kill() // SIGKILL, and reaped
+	for _, c := range w.reps {
+		if err := c.say("await"); err != nil {
+			return 0, err
+		}
+	}
+	t0 := time.Now()
+	own, err := startRole(kvOwnerRole, w.kind, w.dir)
+	if err != nil {
+		return 0, fmt.Errorf("the restarted page server: %w", err)
+	}
+	w.own = own
+	last := t0
+	for _, c := range w.reps {
+		at, err := c.await("at")
+		if err != nil {
+			return 0, err
+		}
+		if len(at) != 1 {
+			return 0, fmt.Errorf("replica %d said at %v", c.pid, at)
+		}
+		if t := time.Unix(0, int64(at[0])); t.After(last) {
+			last = t
+		}
+	}
+	for _, c := range w.reps {
+		if _, err := c.ask("check", "checked"); err != nil {
+			return 0, err
+		}
+	}
+	return float64(last.Sub(t0).Microseconds()) / 1000, nil
+}
+
+// stop kills every process of the row that was started: the page server first.
+func (w *restartRow) stop() {
+	if w.own != nil {
+		w.own.kill()
+	}
+	for _, c := range w.reps {
+		c.kill()
+	}
+	if w.keeper != nil {
+		w.keeper.kill()
+	}
 }
 
 // kvRestartRuntime is the runtime of kind for the restart row's processes.
