@@ -393,6 +393,41 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 	return devs, nil
 }
 
+// stop closes o, waiting up to -stop-wait, and, unless -one-process,
+// -leave-keeper or the keeper is gone, stops the keeper (the one this kvpoold
+// started, child, is waited for). It returns the exit status: exitOK if all went
+// well ("kvpoold: stopped" on stdout), else exitFailed, with what went wrong on
+// stderr (the software device's violations among it); a gone keeper is exitFailed.
+func stop(o *owner.Owner, rt cudart.Runtime, f flags, child *keeperChild, keeperGone bool, stdout, stderr io.Writer) int {
+	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
+	defer cancel()
+	closeErr, broken := o.Close(cctx), choose.Violations(rt)
+	if !f.oneProcess && !f.leaveKeeper && !keeperGone {
+		// The keeper closes the descriptors it holds: their memory goes once the
+		// replicas unmap it.
+		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
+		defer kcancel()
+		pid := o.Recovery().KeeperPID
+		if err := owner.StopKeeper(kctx, pid); err != nil {
+			closeErr = errors.Join(closeErr, err)
+		} else if child != nil && child.pid == pid {
+			<-child.exited
+			if child.status() != exitOK {
+				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
+			}
+		}
+	}
+	switch {
+	case keeperGone:
+		return exitFailed
+	case closeErr == nil && broken == nil:
+		fmt.Fprintln(stdout, "kvpoold: stopped")
+		return exitOK
+	}
+	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
+	return exitFailed
+}
+
 // settings is what a command line asks of the owner, checked whole.
 type settings struct {
 	geo                       kv.Geometry // its Pages the bound a slab grows to
@@ -527,31 +562,5 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
 		keeperGone = true
 	}
-	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
-	defer cancel()
-	closeErr, broken := o.Close(cctx), choose.Violations(rt)
-	if !f.oneProcess && !f.leaveKeeper && !keeperGone {
-		// The keeper closes the descriptors it holds: their memory goes once the
-		// replicas unmap it.
-		kctx, kcancel := context.WithTimeout(context.Background(), f.stopWait+keeperStopMargin)
-		defer kcancel()
-		pid := o.Recovery().KeeperPID
-		if err := owner.StopKeeper(kctx, pid); err != nil {
-			closeErr = errors.Join(closeErr, err)
-		} else if child != nil && child.pid == pid {
-			<-child.exited
-			if child.status() != exitOK {
-				closeErr = errors.Join(closeErr, fmt.Errorf("the keeper (pid %d) stopped: %v", pid, child.err))
-			}
-		}
-	}
-	switch {
-	case keeperGone:
-		return exitFailed
-	case closeErr == nil && broken == nil:
-		fmt.Fprintln(stdout, "kvpoold: stopped")
-		return exitOK
-	}
-	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
-	return exitFailed
+	return stop(o, rt, f, child, keeperGone, stdout, stderr)
 }
