@@ -77,6 +77,49 @@ var kvBatches = []int{16, 64, 256, 512}
 // forces it). The software device's memory is sparse: pages never written cost nothing.
 const defaultKVSlab = 4 << 30
 
+// kvRateRows measures the rows kv/pages/b<B>, one per batch of kvBatches: each
+// round, every replica of cs cycles batches of B pages for sh.window at once, and
+// a sample is their pages a second, summed; a comment line gives a cycle's steps.
+func kvRateRows(r *reporter, cs []*consumerSide, sh shape) {
+	for _, b := range kvBatches {
+		op := fmt.Sprintf("kv/pages/b%d", b)
+		var steps [4]float64 // us, summed over the replicas' cycles
+		cycles, evicted := 0.0, 0.0
+		r.measure("cudapool", op, "pages/s", func() ([]float64, error) {
+			var rates []float64
+			for range sh.rounds {
+				for _, c := range cs {
+					if err := c.say(fmt.Sprintf("rate %d %d", b, sh.window.Microseconds())); err != nil {
+						return nil, err
+					}
+				}
+				total := 0.0
+				for _, c := range cs {
+					v, err := c.await("pages")
+					if err != nil {
+						return nil, err
+					}
+					if len(v) != 8 || v[1] <= 0 {
+						return nil, fmt.Errorf("replica %d said %v, want PAGES SECONDS CYCLES ALLOC SEAL MATCH RELEASE EVICTED", c.pid, v)
+					}
+					total += v[0] / v[1]
+					cycles += v[2]
+					evicted += v[7]
+					for i := range steps {
+						steps[i] += v[3+i]
+					}
+				}
+				rates = append(rates, total)
+			}
+			return rates, nil
+		})
+		if cycles > 0 {
+			fmt.Fprintf(r.w, "# kv cycle b%d us per cycle: alloc %.1f seal %.1f match %.1f release %.1f (%d cycles of %d replicas, %d batches evicted before their match)\n",
+				b, steps[0]/cycles, steps[1]/cycles, steps[2]/cycles, steps[3]/cycles, int(cycles), kvReplicas, int(evicted))
+		}
+	}
+}
+
 // kvRows measures the KV page pool's rows on a slab of slabBytes (rounded down to
 // whole pages).
 func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint64) {
@@ -170,43 +213,7 @@ func kvRows(r *reporter, rt cudart.Runtime, onGPU bool, sh shape, slabBytes uint
 			percentile(v, 0.5), percentile(v, 0.99), float64(c1-c0)/clockTicks/time.Since(t0).Seconds()*100)
 		r.result("cudapool", "kv/visible", "us", v)
 	}
-	for _, b := range kvBatches {
-		op := fmt.Sprintf("kv/pages/b%d", b)
-		var steps [4]float64 // us, summed over the replicas' cycles
-		cycles, evicted := 0.0, 0.0
-		r.measure("cudapool", op, "pages/s", func() ([]float64, error) {
-			var rates []float64
-			for range sh.rounds {
-				for _, c := range cs {
-					if err := c.say(fmt.Sprintf("rate %d %d", b, sh.window.Microseconds())); err != nil {
-						return nil, err
-					}
-				}
-				total := 0.0
-				for _, c := range cs {
-					v, err := c.await("pages")
-					if err != nil {
-						return nil, err
-					}
-					if len(v) != 8 || v[1] <= 0 {
-						return nil, fmt.Errorf("replica %d said %v, want PAGES SECONDS CYCLES ALLOC SEAL MATCH RELEASE EVICTED", c.pid, v)
-					}
-					total += v[0] / v[1]
-					cycles += v[2]
-					evicted += v[7]
-					for i := range steps {
-						steps[i] += v[3+i]
-					}
-				}
-				rates = append(rates, total)
-			}
-			return rates, nil
-		})
-		if cycles > 0 {
-			fmt.Fprintf(r.w, "# kv cycle b%d us per cycle: alloc %.1f seal %.1f match %.1f release %.1f (%d cycles of %d replicas, %d batches evicted before their match)\n",
-				b, steps[0]/cycles, steps[1]/cycles, steps[2]/cycles, steps[3]/cycles, int(cycles), kvReplicas, int(evicted))
-		}
-	}
+	kvRateRows(r, cs, sh)
 	idle := 10 * time.Second
 	if sh.samples < fullShape.samples {
 		idle = time.Second

@@ -57,83 +57,111 @@ func kvRestartRow(r *reporter, onGPU bool, sh shape) {
 		return
 	}
 	defer func() { _ = os.RemoveAll(dir) }() // best effort: a leftover file is harmless
-	var procs []*consumerSide
-	defer func() {
-		for _, c := range procs {
-			c.kill()
-		}
-	}()
-	keeper, err := startRole(kvKeeperRole, kind, dir)
-	if err != nil {
-		r.fail("cudapool", op, fmt.Errorf("the keeper: %w", err))
-		return
-	}
-	procs = append(procs, keeper)
-	own, err := startRole(kvOwnerRole, kind, dir)
-	if err != nil {
-		r.fail("cudapool", op, fmt.Errorf("the page server: %w", err))
-		return
-	}
-	var reps []*consumerSide
-	for range kvRestartReplicas {
-		c, err := startRole(kvRestartRole, kind, dir)
-		if err != nil {
-			r.fail("cudapool", op, fmt.Errorf("a replica: %w", err))
-			own.kill()
-			return
-		}
-		procs = append(procs, c)
-		reps = append(reps, c)
-	}
-	if _, err := reps[0].ask("seal", "sealed"); err != nil {
+	w := &restartRow{kind: kind, dir: dir}
+	defer w.stop()
+	if err := w.start(); err != nil {
 		r.fail("cudapool", op, err)
-		own.kill()
 		return
-	}
-	for _, c := range reps {
-		if _, err := c.ask("match", "matched"); err != nil {
-			r.fail("cudapool", op, err)
-			own.kill()
-			return
-		}
 	}
 	r.measure("cudapool", op, "ms", func() ([]float64, error) {
 		var v []float64
 		for range min(sh.rounds, 3) { // each round starts a process: CUDA's start is most of it
-			own.kill() // SIGKILL, and reaped
-			for _, c := range reps {
-				if err := c.say("await"); err != nil {
-					return nil, err
-				}
-			}
-			t0 := time.Now()
-			own, err = startRole(kvOwnerRole, kind, dir)
+			ms, err := w.restart()
 			if err != nil {
-				return nil, fmt.Errorf("the restarted page server: %w", err)
+				return nil, err
 			}
-			last := t0
-			for _, c := range reps {
-				at, err := c.await("at")
-				if err != nil {
-					return nil, err
-				}
-				if len(at) != 1 {
-					return nil, fmt.Errorf("replica %d said at %v", c.pid, at)
-				}
-				if t := time.Unix(0, int64(at[0])); t.After(last) {
-					last = t
-				}
-			}
-			for _, c := range reps {
-				if _, err := c.ask("check", "checked"); err != nil {
-					return nil, err
-				}
-			}
-			v = append(v, float64(last.Sub(t0).Microseconds())/1000)
+			v = append(v, ms)
 		}
 		return v, nil
 	})
-	own.kill()
+}
+
+// restartRow is the processes of one [kvRestartRow] on dir: the keeper, the page
+// server and the replicas.
+type restartRow struct {
+	kind, dir string
+	keeper    *consumerSide
+	own       *consumerSide // the page server now
+	reps      []*consumerSide
+}
+
+// start starts the keeper, the page server and kvRestartReplicas replicas; the
+// first replica seals the prompt and every replica matches it. On failure what it
+// started is left to stop.
+func (w *restartRow) start() error {
+	var err error
+	if w.keeper, err = startRole(kvKeeperRole, w.kind, w.dir); err != nil {
+		return fmt.Errorf("the keeper: %w", err)
+	}
+	if w.own, err = startRole(kvOwnerRole, w.kind, w.dir); err != nil {
+		return fmt.Errorf("the page server: %w", err)
+	}
+	for range kvRestartReplicas {
+		c, err := startRole(kvRestartRole, w.kind, w.dir)
+		if err != nil {
+			return fmt.Errorf("a replica: %w", err)
+		}
+		w.reps = append(w.reps, c)
+	}
+	if _, err := w.reps[0].ask("seal", "sealed"); err != nil {
+		return err
+	}
+	for _, c := range w.reps {
+		if _, err := c.ask("match", "matched"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// restart SIGKILLs the page server, starts a new one and returns the ms from its
+// start until the last replica has reattached and matched the whole prompt, once
+// every replica has checked the prompt's bytes.
+func (w *restartRow) restart() (float64, error) {
+	w.own.kill() // SIGKILL, and reaped
+	for _, c := range w.reps {
+		if err := c.say("await"); err != nil {
+			return 0, err
+		}
+	}
+	t0 := time.Now()
+	own, err := startRole(kvOwnerRole, w.kind, w.dir)
+	if err != nil {
+		return 0, fmt.Errorf("the restarted page server: %w", err)
+	}
+	w.own = own
+	last := t0
+	for _, c := range w.reps {
+		at, err := c.await("at")
+		if err != nil {
+			return 0, err
+		}
+		if len(at) != 1 {
+			return 0, fmt.Errorf("replica %d said at %v", c.pid, at)
+		}
+		if t := time.Unix(0, int64(at[0])); t.After(last) {
+			last = t
+		}
+	}
+	for _, c := range w.reps {
+		if _, err := c.ask("check", "checked"); err != nil {
+			return 0, err
+		}
+	}
+	return float64(last.Sub(t0).Microseconds()) / 1000, nil
+}
+
+// stop kills every process of the row that was started: the page server first.
+func (w *restartRow) stop() {
+	if w.own != nil {
+		w.own.kill()
+	}
+	for _, c := range w.reps {
+		c.kill()
+	}
+	if w.keeper != nil {
+		w.keeper.kill()
+	}
 }
 
 // kvRestartRuntime is the runtime of kind for the restart row's processes.
@@ -234,83 +262,115 @@ func kvRestartMain(args []string) int {
 	for i := range toks {
 		toks[i] = int32(i*7919 + kvRestartTokenStart)
 	}
-	hashes := rp.Hashes(toks)
-	var sealedAs []uint32 // the pages as sealed: what each holds
-	match := func() (*replica.Lease, error) {
-		l, err := rp.Match(ctx, hashes)
+	k := &restartReplica{rp: rp, rt: rt, s: s, g: g, hashes: rp.Hashes(toks)}
+	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return k.obey(ctx, strings.TrimSpace(line)) }, fail)
+}
+
+// restartReplica is the state of one [kvRestartMain]: its replica, runtime and
+// stream, and the prompt's hashes and, once matched, the pages it was sealed in.
+type restartReplica struct {
+	rp       *replica.Replica
+	rt       cudart.Runtime
+	s        cudart.Stream
+	g        kv.Geometry
+	hashes   []kv.Hash
+	sealedAs []uint32 // the pages as sealed: what each holds
+}
+
+// obey runs one command of [kvRestartMain] and returns its reply.
+func (k *restartReplica) obey(ctx context.Context, cmd string) (string, error) {
+	switch cmd {
+	case "seal":
+		return k.seal(ctx)
+	case "match":
+		l, err := k.match(ctx)
 		if err != nil {
-			return nil, err
+			return "", err
 		}
-		if len(l.Pages()) != len(hashes) {
-			err = fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(hashes))
-			return nil, errors.Join(err, rp.Release(ctx, l, s))
-		}
-		return l, nil
+		k.sealedAs = append([]uint32(nil), l.Pages()...)
+		return "matched", k.rp.Release(ctx, l, k.s)
+	case "await":
+		return k.await(ctx)
+	case "check":
+		return k.check(ctx)
 	}
-	obey := func(cmd string) (string, error) {
-		switch cmd {
-		case "seal":
-			w, err := rp.Alloc(ctx, len(hashes))
-			if err != nil {
-				return "", err
-			}
-			for _, p := range w.Pages() {
-				if err := rt.MemsetAsync(0, rp.Addr(0, kv.K, int(p)), byte(p%251+1), g.PageBytes(), s); err != nil {
-					return "", err
-				}
-			}
-			res, err := rp.Seal(ctx, w, hashes, s, replica.WaitVisible())
-			if err != nil {
-				return "", err
-			}
-			if res.Visible != len(hashes) {
-				return "", fmt.Errorf("sealed %+v", res)
-			}
-			return "sealed", nil
-		case "match":
-			l, err := match()
-			if err != nil {
-				return "", err
-			}
-			sealedAs = append([]uint32(nil), l.Pages()...)
-			return "matched", rp.Release(ctx, l, s)
-		case "await":
-			for {
-				if err := rp.WaitAttached(ctx); err != nil {
-					return "", err
-				}
-				l, err := match()
-				if err == nil {
-					at := time.Now().UnixNano()
-					return fmt.Sprintf("at %d", at), rp.Release(ctx, l, s)
-				}
-				if !errors.Is(err, kv.ErrOwnerGone) {
-					return "", err
-				}
-			}
-		case "check":
-			l, err := match()
-			if err != nil {
-				return "", err
-			}
-			got := make([]byte, 4)
-			for i, p := range l.Pages() {
-				if p != sealedAs[i] {
-					return "", fmt.Errorf("page %d of the prompt is page %d, was %d", i, p, sealedAs[i])
-				}
-				if err := rt.MemcpyDtoHAsync(0, got, rp.Addr(0, kv.K, int(p))+cudart.DevicePtr(g.PageBytes()-4), s); err != nil {
-					return "", err
-				}
-				if err := rt.StreamSynchronize(0, s); err != nil {
-					return "", err
-				}
-				if want := byte(p%251 + 1); got[0] != want || got[3] != want {
-					return "", fmt.Errorf("page %d holds %x, want %x", p, got, want)
-				}
-			}
-			return "checked", rp.Release(ctx, l, s)
-		}
-		return "", fmt.Errorf("unknown command %q", cmd)
+	return "", fmt.Errorf("unknown command %q", cmd)
+}
+
+// match leases every page of the prompt; a match of fewer is released and fails.
+func (k *restartReplica) match(ctx context.Context) (*replica.Lease, error) {
+	l, err := k.rp.Match(ctx, k.hashes)
+	if err != nil {
+		return nil, err
 	}
-	return serveReplica(ctx, rp, rt, s, func(line string) (string, error) { return obey(strings.TrimSpace(line)) }, fail)
+	if len(l.Pages()) != len(k.hashes) {
+		err = fmt.Errorf("matched %d of %d pages", len(l.Pages()), len(k.hashes))
+		return nil, errors.Join(err, k.rp.Release(ctx, l, k.s))
+	}
+	return l, nil
+}
+
+// seal writes each page of the prompt with a byte of its own (page%251+1) and
+// seals them all, waiting until they are visible.
+func (k *restartReplica) seal(ctx context.Context) (string, error) {
+	w, err := k.rp.Alloc(ctx, len(k.hashes))
+	if err != nil {
+		return "", err
+	}
+	for _, p := range w.Pages() {
+		if err := k.rt.MemsetAsync(0, k.rp.Addr(0, kv.K, int(p)), byte(p%251+1), k.g.PageBytes(), k.s); err != nil {
+			return "", err
+		}
+	}
+	res, err := k.rp.Seal(ctx, w, k.hashes, k.s, replica.WaitVisible())
+	if err != nil {
+		return "", err
+	}
+	if res.Visible != len(k.hashes) {
+		return "", fmt.Errorf("sealed %+v", res)
+	}
+	return "sealed", nil
+}
+
+// await, after the page server's death, waits until the replica has reattached and
+// a match hits every page, and says when.
+func (k *restartReplica) await(ctx context.Context) (string, error) {
+	for {
+		if err := k.rp.WaitAttached(ctx); err != nil {
+			return "", err
+		}
+		l, err := k.match(ctx)
+		if err == nil {
+			at := time.Now().UnixNano()
+			return fmt.Sprintf("at %d", at), k.rp.Release(ctx, l, k.s)
+		}
+		if !errors.Is(err, kv.ErrOwnerGone) {
+			return "", err
+		}
+	}
+}
+
+// check matches the prompt and checks that each page is the one it was sealed in
+// and holds its byte in the first and last of its last 4 bytes.
+func (k *restartReplica) check(ctx context.Context) (string, error) {
+	l, err := k.match(ctx)
+	if err != nil {
+		return "", err
+	}
+	got := make([]byte, 4)
+	for i, p := range l.Pages() {
+		if p != k.sealedAs[i] {
+			return "", fmt.Errorf("page %d of the prompt is page %d, was %d", i, p, k.sealedAs[i])
+		}
+		if err := k.rt.MemcpyDtoHAsync(0, got, k.rp.Addr(0, kv.K, int(p))+cudart.DevicePtr(k.g.PageBytes()-4), k.s); err != nil {
+			return "", err
+		}
+		if err := k.rt.StreamSynchronize(0, k.s); err != nil {
+			return "", err
+		}
+		if want := byte(p%251 + 1); got[0] != want || got[3] != want {
+			return "", fmt.Errorf("page %d holds %x, want %x", p, got, want)
+		}
+	}
+	return "checked", k.rp.Release(ctx, l, k.s)
 }

@@ -394,108 +394,12 @@ func deviceList(s string, n int, onGPU bool) ([]int, error) {
 	return devs, nil
 }
 
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) > 0 && args[0] == "keeper" {
-		return runKeeper(ctx, args[1:], stdout, stderr)
-	}
-	f, code, ok := parse(args, stdout, stderr)
-	if !ok {
-		return code
-	}
-	// The command line first, whole: what is wrong with it is said before any runtime
-	// is touched.
-	g, err := f.geometry()
-	if err == nil {
-		g, err = f.slabPages(g)
-	}
-	var chunk, hostBytes, minFree uint64
-	var fabric bool
-	var initial int
-	if err == nil {
-		chunk, err = f.chunkSize()
-	}
-	if err == nil {
-		initial, err = f.initialPages(g)
-	}
-	if err == nil && chunk > 0 {
-		_, err = g.SlabLayout(chunk)
-	}
-	if err == nil {
-		fabric, err = f.fabric()
-	}
-	if err == nil {
-		hostBytes, err = f.hostTierBytes()
-	}
-	if err == nil {
-		minFree, err = f.minFreeBytes()
-	}
-	if err == nil {
-		_, err = deviceList(f.devices, 0, false) // the syntax; the range once the runtime says
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitUsage
-	}
-	picked, err := pickRuntime(f.runtime)
-	if err != nil {
-		msg, code := runtimeRefused(f.runtime, err)
-		fmt.Fprintf(stderr, "kvpoold: %s\n", msg)
-		return code
-	}
-	rt := picked.Runtime
-	n, err := rt.DeviceCount()
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitFailed
-	}
-	devs, err := deviceList(f.devices, n, picked.OnGPU)
-	if err == nil {
-		err = checkDevices(devs, n)
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		return exitUsage
-	}
-	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
-	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(chunk), owner.WithInitialPages(initial), owner.WithHostBytes(hostBytes), owner.WithMinFree(minFree), owner.WithLogger(logger)}
-	if fabric {
-		opts = append(opts, owner.WithFabric())
-	}
-	var child *keeperChild // the keeper this kvpoold started, if it did
-	if !f.oneProcess {
-		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f), &child)),
-			owner.WithIndex(filepath.Join(f.dir, owner.IndexFile)), owner.WithReattachGrace(f.grace))
-	}
-	o, err := owner.Listen(f.dir, rt, g, opts...)
-	if err != nil {
-		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
-		if errors.Is(err, vmm.ErrFabricNotPermitted) {
-			fmt.Fprintln(stderr, "kvpoold: -handle fabric needs an IMEX channel on this host (nvidia-imex running, /dev/nvidia-caps-imex-channels/channel0 granted); -handle posix-fd serves the replicas of this host")
-			return exitUsage
-		}
-		if errors.Is(err, kv.ErrHostMemory) || errors.Is(err, kv.ErrGeometry) {
-			return exitUsage // what the command line asks cannot be served: -host-bytes, -chunk-bytes
-		}
-		return exitFailed
-	}
-	tier := "no host tier"
-	if h := o.Stats().Devices[0].Host; h != nil {
-		tier = fmt.Sprintf("a host tier of %s (%d pages) a device, copies by %s", humanize.IBytes(h.Bytes), h.Pages, h.CopyPath)
-	}
-	cache := "slabs in this process (-one-process)"
-	if !f.oneProcess {
-		cache = o.Recovery().String()
-	}
-	st := o.Stats()
-	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab at most (%v; %s mapped now), %s; %s; %s\n",
-		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Layout(), humanize.IBytes(st.Devices[0].MappedBytes), tier, picked.Why, cache)
-	keeperGone := false
-	select {
-	case <-ctx.Done():
-	case <-o.KeeperGone():
-		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
-		keeperGone = true
-	}
+// stop closes o, waiting up to -stop-wait, and, unless -one-process,
+// -leave-keeper or the keeper is gone, stops the keeper (the one this kvpoold
+// started, child, is waited for). It returns the exit status: exitOK if all went
+// well ("kvpoold: stopped" on stdout), else exitFailed, with what went wrong on
+// stderr (the software device's violations among it); a gone keeper is exitFailed.
+func stop(o *owner.Owner, rt cudart.Runtime, f flags, child *keeperChild, keeperGone bool, stdout, stderr io.Writer) int {
 	cctx, cancel := context.WithTimeout(context.Background(), f.stopWait)
 	defer cancel()
 	closeErr, broken := o.Close(cctx), choose.Violations(rt)
@@ -523,4 +427,141 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stderr, "kvpoold: stopping: %v\n", errors.Join(closeErr, broken))
 	return exitFailed
+}
+
+// settings is what a command line asks of the owner, checked whole.
+type settings struct {
+	geo                       kv.Geometry // its Pages the bound a slab grows to
+	chunk, hostBytes, minFree uint64      // 0: the owner's defaults
+	initial                   int
+	fabric                    bool
+}
+
+// settings checks the command line whole, before any runtime is touched: the
+// geometry and the slab's pages, the chunk size (against the geometry), the initial
+// pages, the handle, the host tier, -min-free and the syntax of -devices (their
+// range waits for the runtime). It fails with what is wrong with which flag.
+func (f flags) settings() (settings, error) {
+	var set settings
+	g, err := f.geometry()
+	if err != nil {
+		return set, err
+	}
+	if set.geo, err = f.slabPages(g); err != nil {
+		return set, err
+	}
+	if set.chunk, err = f.chunkSize(); err != nil {
+		return set, err
+	}
+	if set.initial, err = f.initialPages(set.geo); err != nil {
+		return set, err
+	}
+	if set.chunk > 0 {
+		if _, err := set.geo.SlabLayout(set.chunk); err != nil {
+			return set, err
+		}
+	}
+	if set.fabric, err = f.fabric(); err != nil {
+		return set, err
+	}
+	if set.hostBytes, err = f.hostTierBytes(); err != nil {
+		return set, err
+	}
+	if set.minFree, err = f.minFreeBytes(); err != nil {
+		return set, err
+	}
+	_, err = deviceList(f.devices, 0, false) // the syntax; the range once the runtime says
+	return set, err
+}
+
+// listenFailed says on stderr why [owner.Listen] failed, and returns the exit
+// status: exitUsage where the command line asks what cannot be served (fabric
+// handles without an IMEX channel, -host-bytes, -chunk-bytes), else exitFailed.
+func listenFailed(stderr io.Writer, err error) int {
+	fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+	if errors.Is(err, vmm.ErrFabricNotPermitted) {
+		fmt.Fprintln(stderr, "kvpoold: -handle fabric needs an IMEX channel on this host (nvidia-imex running, /dev/nvidia-caps-imex-channels/channel0 granted); -handle posix-fd serves the replicas of this host")
+		return exitUsage
+	}
+	if errors.Is(err, kv.ErrHostMemory) || errors.Is(err, kv.ErrGeometry) {
+		return exitUsage // what the command line asks cannot be served: -host-bytes, -chunk-bytes
+	}
+	return exitFailed
+}
+
+// printServing writes the line that says what o serves, on which devices, with
+// which tiers, which runtime (why: why it was picked) and which cache.
+func printServing(stdout io.Writer, f flags, devs []int, o *owner.Owner, why string) {
+	g := o.Geometry()
+	tier := "no host tier"
+	if h := o.Stats().Devices[0].Host; h != nil {
+		tier = fmt.Sprintf("a host tier of %s (%d pages) a device, copies by %s", humanize.IBytes(h.Bytes), h.Pages, h.CopyPath)
+	}
+	cache := "slabs in this process (-one-process)"
+	if !f.oneProcess {
+		cache = o.Recovery().String()
+	}
+	st := o.Stats()
+	fmt.Fprintf(stdout, "kvpoold: serving %s on device(s) %v: %v, pages of %s per layer's K or V (a page span of %s, all layers' K and V), %s a slab at most (%v; %s mapped now), %s; %s; %s\n",
+		f.dir, devs, g, humanize.IBytes(g.PageBytes()), humanize.IBytes(g.PageSpanBytes()), humanize.IBytes(g.SlabBytes()), o.Layout(), humanize.IBytes(st.Devices[0].MappedBytes), tier, why, cache)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "keeper" {
+		return runKeeper(ctx, args[1:], stdout, stderr)
+	}
+	f, code, ok := parse(args, stdout, stderr)
+	if !ok {
+		return code
+	}
+	// The command line first, whole: what is wrong with it is said before any runtime
+	// is touched.
+	set, err := f.settings()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return exitUsage
+	}
+	picked, err := pickRuntime(f.runtime)
+	if err != nil {
+		msg, code := runtimeRefused(f.runtime, err)
+		fmt.Fprintf(stderr, "kvpoold: %s\n", msg)
+		return code
+	}
+	rt := picked.Runtime
+	n, err := rt.DeviceCount()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return exitFailed
+	}
+	devs, err := deviceList(f.devices, n, picked.OnGPU)
+	if err == nil {
+		err = checkDevices(devs, n)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "kvpoold: %v\n", err)
+		return exitUsage
+	}
+	logger := slog.New(slog.NewTextHandler(stderr, nil)) // what no call returns: refused and closed connections
+	opts := []owner.Option{owner.WithDevices(devs...), owner.WithChunkBytes(set.chunk), owner.WithInitialPages(set.initial), owner.WithHostBytes(set.hostBytes), owner.WithMinFree(set.minFree), owner.WithLogger(logger)}
+	if set.fabric {
+		opts = append(opts, owner.WithFabric())
+	}
+	var child *keeperChild // the keeper this kvpoold started, if it did
+	if !f.oneProcess {
+		opts = append(opts, owner.WithKeeper(startKeeper(stderr, keeperArgs(f), &child)),
+			owner.WithIndex(filepath.Join(f.dir, owner.IndexFile)), owner.WithReattachGrace(f.grace))
+	}
+	o, err := owner.Listen(f.dir, rt, set.geo, opts...)
+	if err != nil {
+		return listenFailed(stderr, err)
+	}
+	printServing(stdout, f, devs, o, picked.Why)
+	keeperGone := false
+	select {
+	case <-ctx.Done():
+	case <-o.KeeperGone():
+		fmt.Fprintf(stderr, "kvpoold: the keeper (pid %d) is gone, and the cache with it; start kvpoold again for a new one\n", o.Recovery().KeeperPID)
+		keeperGone = true
+	}
+	return stop(o, rt, f, child, keeperGone, stdout, stderr)
 }

@@ -136,24 +136,31 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return kvOnce(ctx, l.kv, l.timeout, *asJSON, true, stdout, stderr)
 	}
-	show := func(r *Report) error { return writeTable(stdout, r) }
-	switch {
-	case *asJSON:
-		show = func(r *Report) error { return writeJSON(stdout, r, every == 0) }
-	case every > 0:
-		clear := isTerminal(stdout)
-		show = func(r *Report) error {
-			if clear {
-				fmt.Fprint(stdout, "\x1b[H\x1b[2J") // home and clear: redraw in place
-			}
-			fmt.Fprintf(stdout, "poolstat at %s, every %v (Ctrl-C stops)\n", r.Time.Format(time.TimeOnly), time.Duration(every))
-			return writeTable(stdout, r)
-		}
-	}
+	show := shower(stdout, *asJSON, time.Duration(every))
 	if every == 0 {
 		return once(ctx, &l, show, stderr)
 	}
 	return watch(ctx, &l, time.Duration(every), show, stderr)
+}
+
+// shower returns how each report is written to stdout: as JSON (indented if
+// once, every == 0, else one line each), or as the table, under a heading with
+// the time when watched every so often (redrawn in place on a terminal).
+func shower(stdout io.Writer, asJSON bool, every time.Duration) func(*Report) error {
+	switch {
+	case asJSON:
+		return func(r *Report) error { return writeJSON(stdout, r, every == 0) }
+	case every > 0:
+		clear := isTerminal(stdout)
+		return func(r *Report) error {
+			if clear {
+				fmt.Fprint(stdout, "\x1b[H\x1b[2J") // home and clear: redraw in place
+			}
+			fmt.Fprintf(stdout, "poolstat at %s, every %v (Ctrl-C stops)\n", r.Time.Format(time.TimeOnly), every)
+			return writeTable(stdout, r)
+		}
+	}
+	return func(r *Report) error { return writeTable(stdout, r) }
 }
 
 // usage prints the synopsis and the flags.

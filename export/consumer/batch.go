@@ -119,80 +119,20 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		return fmt.Errorf("consumer: release %d mappings: %w", len(ms), err)
 	}
 	imp.mapMu.Lock()
-	drops := map[*Mapping]int{}
-	for _, m := range ms {
-		if m.imp != imp {
-			imp.mapMu.Unlock()
-			return fmt.Errorf("consumer: release %q: %w: a Mapping of another Importer", m.name, export.ErrBadRequest)
-		}
-		if drops[m]++; drops[m] > m.refs {
-			imp.mapMu.Unlock()
-			return fmt.Errorf("%w: %q", ErrReleased, m.name)
-		}
+	drops := map[*Mapping]int{} // here, not in countDrops, so that it stays on the stack
+	if err := imp.countDrops(ms, drops); err != nil {
+		imp.mapMu.Unlock()
+		return err
 	}
 	if err := imp.orderRelease(s); err != nil {
 		imp.mapMu.Unlock()
 		return fmt.Errorf("consumer: release %d mappings: %w", len(ms), err)
 	}
-	plain, kept := map[uint64]uint32{}, map[uint64]uint32{}
-	anyFreed := false
-	var keptBufs []*imported
-	var lastVMM []*vmmImport
-	var revoked []cudart.PtrExportData
-	var errs []error
+	b := batchRelease{plain: map[uint64]uint32{}, kept: map[uint64]uint32{}}
 	for m, n := range drops {
-		if m.refs -= n; m.refs > 0 {
-			continue
-		}
-		if m.localCopy != nil {
-			if err := imp.freeLocalCopy(m, s); err != nil {
-				m.refs += n
-				errs = append(errs, err)
-				continue
-			}
-			m.end(errReleasedCause)
-			continue
-		}
-		if m.vmm != nil {
-			grants, last := imp.unviewVMM(m)
-			if last != nil {
-				lastVMM = append(lastVMM, last)
-			}
-			m.end(errReleasedCause)
-			for id, g := range grants {
-				plain[id] += g
-			}
-			continue
-		}
-		buf := m.buf
-		if imp.retain && buf.views == 1 && !buf.revoked {
-			buf.views = 0
-			delete(imp.mappings, m.key)
-			for id, g := range m.grants {
-				kept[id] += g
-			}
-			m.grants = nil
-			m.end(errReleasedCause)
-			keptBufs = append(keptBufs, buf)
-			continue
-		}
-		if buf.revoked && buf.views == 1 {
-			revoked = append(revoked, buf.record)
-		}
-		grants, freed, err := imp.unview(m, 0, false)
-		if err != nil {
-			// Still mapped, its lease held: it can be released again.
-			m.refs += n
-			errs = append(errs, fmt.Errorf("consumer: release %q: %w", m.name, err))
-			continue
-		}
-		anyFreed = anyFreed || freed
-		m.end(errReleasedCause)
-		for id, g := range grants {
-			plain[id] += g
-		}
+		b = imp.dropRefs(b, m, n, s)
 	}
-	if len(kept) > 0 || anyFreed {
+	if len(b.kept) > 0 || b.anyFreed {
 		// One record covers every free of the batch, and the kept imports' last use.
 		if err := imp.recordFrees(); err != nil {
 			// The exporter is not told: without the event its free could come first.
@@ -201,25 +141,120 @@ func (imp *Importer) ReleaseAll(ctx context.Context, ms []*Mapping, s cudart.Str
 		}
 	}
 	imp.mapMu.Unlock()
-	// The grants of an allocation whose unmap failed are released all the same, as
-	// Release does: the lease holds nothing of the exporter's.
-	unmapErr := imp.unmapVMM(lastVMM)
-	if unmapErr != nil {
-		unmapErr = fmt.Errorf("consumer: release %d mappings: %w", len(ms), unmapErr)
+	return imp.finishRelease(ctx, &b, len(ms))
+}
+
+// countDrops counts into drops how many times each of ms is listed, with imp.mapMu
+// held. It fails, changing no Mapping, with [export.ErrBadRequest] for a Mapping of
+// another Importer, and with [ErrReleased] for one listed more times than it has
+// references.
+func (imp *Importer) countDrops(ms []*Mapping, drops map[*Mapping]int) error {
+	for _, m := range ms {
+		if m.imp != imp {
+			return fmt.Errorf("consumer: release %q: %w: a Mapping of another Importer", m.name, export.ErrBadRequest)
+		}
+		if drops[m]++; drops[m] > m.refs {
+			return fmt.Errorf("%w: %q", ErrReleased, m.name)
+		}
 	}
-	if err := errors.Join(errs...); err != nil {
+	return nil
+}
+
+// batchRelease is what one [Importer.ReleaseAll] gathers as it drops its Mappings:
+// the grants to release, plain and with their imports kept, and what is told or
+// undone once the lock is let go. It is passed by value, and holds no *Importer,
+// so that escape analysis keeps its maps on the stack.
+type batchRelease struct {
+	plain, kept map[uint64]uint32 // grants by lease
+	keptBufs    []*imported       // the imports the exporter is asked to retain
+	anyFreed    bool              // an import was freed: the release event is recorded
+	lastVMM     []*vmmImport      // VMM allocations no Mapping views, to unmap
+	revoked     []cudart.PtrExportData
+	errs        []error // Mappings left as they were, their references restored
+}
+
+// dropRefs takes n references from m, with imp.mapMu held. At its last, it ends m
+// and books what it held in b, which it returns: a local copy is freed, a VMM
+// view's grants are released (and the allocation unmapped after if no view is
+// left), an import the exporter retains is kept, others are unviewed (freed if no
+// view is left). If freeing or unviewing fails, m keeps its references and its
+// lease, and the error is booked.
+func (imp *Importer) dropRefs(b batchRelease, m *Mapping, n int, s cudart.Stream) batchRelease {
+	if m.refs -= n; m.refs > 0 {
+		return b
+	}
+	if m.localCopy != nil {
+		if err := imp.freeLocalCopy(m, s); err != nil {
+			m.refs += n
+			b.errs = append(b.errs, err)
+			return b
+		}
+		m.end(errReleasedCause)
+		return b
+	}
+	if m.vmm != nil {
+		grants, last := imp.unviewVMM(m)
+		if last != nil {
+			b.lastVMM = append(b.lastVMM, last)
+		}
+		m.end(errReleasedCause)
+		for id, g := range grants {
+			b.plain[id] += g
+		}
+		return b
+	}
+	buf := m.buf
+	if imp.retain && buf.views == 1 && !buf.revoked {
+		buf.views = 0
+		delete(imp.mappings, m.key)
+		for id, g := range m.grants {
+			b.kept[id] += g
+		}
+		m.grants = nil
+		m.end(errReleasedCause)
+		b.keptBufs = append(b.keptBufs, buf)
+		return b
+	}
+	if buf.revoked && buf.views == 1 {
+		b.revoked = append(b.revoked, buf.record)
+	}
+	grants, freed, err := imp.unview(m, 0, false)
+	if err != nil {
+		// Still mapped, its lease held: it can be released again.
+		m.refs += n
+		b.errs = append(b.errs, fmt.Errorf("consumer: release %q: %w", m.name, err))
+		return b
+	}
+	b.anyFreed = b.anyFreed || freed
+	m.end(errReleasedCause)
+	for id, g := range grants {
+		b.plain[id] += g
+	}
+	return b
+}
+
+// finishRelease, without imp.mapMu, unmaps the VMM allocations of b that no Mapping
+// views and tells the exporter of the grants released and the revoked buffers
+// dropped. If a Mapping's drop failed, no grant is released and the errors are
+// returned; the grants of an allocation whose unmap failed are released all the
+// same, as Release does: the lease holds nothing of the exporter's.
+func (imp *Importer) finishRelease(ctx context.Context, b *batchRelease, nms int) error {
+	unmapErr := imp.unmapVMM(b.lastVMM)
+	if unmapErr != nil {
+		unmapErr = fmt.Errorf("consumer: release %d mappings: %w", nms, unmapErr)
+	}
+	if err := errors.Join(b.errs...); err != nil {
 		return errors.Join(err, unmapErr)
 	}
-	if len(plain) == 0 && len(kept) == 0 {
-		// Every Mapping is still referenced (or a local copy): no grant to release.
-		for _, rec := range revoked {
-			imp.sendRevoked(rec)
-		}
-		return unmapErr
+	var err error
+	if len(b.plain) > 0 || len(b.kept) > 0 { // else every Mapping is still referenced (or a local copy)
+		err = imp.releaseBatch(ctx, b.plain, b.kept, b.keptBufs)
 	}
-	err := imp.releaseBatch(ctx, plain, kept, keptBufs)
-	for _, rec := range revoked {
+	for _, rec := range b.revoked {
 		imp.sendRevoked(rec)
+	}
+	if err == nil {
+		return unmapErr
 	}
 	return errors.Join(unmapErr, err)
 }

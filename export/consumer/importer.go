@@ -463,49 +463,14 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	}
 	var ip *importedPool
 	if l.Flags&wire.LeaseVMM == 0 {
-		imp.mu.Lock()
-		ip = imp.pools[l.PoolID]
-		imp.mu.Unlock()
-		if ip == nil {
-			return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", export.ErrProtocol, l.PoolID)
-		}
-		if ip.err != nil {
-			return nil, ip.err
+		var err error
+		if ip, err = imp.leasePool(l); err != nil {
+			return nil, err
 		}
 	}
 	if l.Flags&wire.LeaseReadyEvent != 0 && !waited[l.Ready] {
-		// The exporter's event is asked about, and waited on, only while its process
-		// lives: a dead process's event may never complete, and a stream left waiting
-		// on it would hold the caller's work for good. Each step asks the kernel first;
-		// a death between the last question and the wait is the one window left, as
-		// narrow as one CUDA call. (An event opened before needs one question: nothing
-		// but a lookup comes between the lease and the next step.)
-		ev, opened := imp.openedEvent(l.Ready)
-		if !opened {
-			if imp.exporterDead() {
-				return nil, imp.goneErr("before the lease could be used")
-			}
-			var err error
-			if ev, err = imp.readyEvent(l.Ready); err != nil {
-				if imp.exporterDead() {
-					return nil, imp.goneErr("as its ready event was opened")
-				}
-				return nil, err
-			}
-		}
-		if imp.exporterDead() {
-			return nil, imp.goneErr("before its ready event was waited on")
-		}
-		if !wire.Completed(imp.rt, imp.dev, ev) {
-			if imp.exporterDead() {
-				return nil, imp.goneErr("before its ready event was waited on")
-			}
-			if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
-				if imp.exporterDead() { // it died in the window: say so, not what the driver made of it
-					return nil, errors.Join(imp.goneErr("as its ready event was waited on"), err)
-				}
-				return nil, fmt.Errorf("wait for the producer's writes: %w", err)
-			}
+		if err := imp.awaitReady(l.Ready, s); err != nil {
+			return nil, err
 		}
 		if waited != nil {
 			waited[l.Ready] = true
@@ -520,22 +485,9 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 	if m := imp.heldMapping(key, l.LeaseID); m != nil {
 		return m, nil
 	}
-	buf := imp.imports[l.Record]
-	if buf == nil {
-		if _, ok := imp.freed[l.Record]; ok {
-			if err := imp.awaitFrees(true); err != nil {
-				return nil, err
-			}
-		}
-		ptr, err := imp.rt.MemPoolImportPointer(imp.dev, ip.handle, l.Record)
-		if err != nil {
-			if imp.exporterDead() { // whatever the driver makes of a dead exporter's pool
-				return nil, errors.Join(imp.goneErr("as its buffer was imported"), err)
-			}
-			return nil, fmt.Errorf("import buffer %d: %w", l.BufferID, err)
-		}
-		buf = &imported{record: l.Record, ptr: ptr}
-		imp.imports[l.Record] = buf
+	buf, err := imp.importBuffer(l, ip)
+	if err != nil {
+		return nil, err
 	}
 	buf.views++
 	m := &Mapping{imp: imp, key: key, buf: buf, ptr: buf.ptr + cudart.DevicePtr(l.Offset), size: l.Length,
@@ -545,6 +497,90 @@ func (imp *Importer) adoptLease(l *wire.LeaseMsg, name string, s cudart.Stream, 
 		m.end(ErrMappingLost) // died as it was mapped; the watcher may have looked already
 	}
 	return m, nil
+}
+
+// leasePool is the imported pool that lease l (not of a VMM allocation) is on. It
+// fails with [export.ErrProtocol] if the pool's handle never came, and with the
+// pool's own error if its import failed.
+func (imp *Importer) leasePool(l *wire.LeaseMsg) (*importedPool, error) {
+	imp.mu.Lock()
+	ip := imp.pools[l.PoolID]
+	imp.mu.Unlock()
+	if ip == nil {
+		return nil, fmt.Errorf("%w: lease on pool %d, whose handle never came", export.ErrProtocol, l.PoolID)
+	}
+	if ip.err != nil {
+		return nil, ip.err
+	}
+	return ip, nil
+}
+
+// awaitReady makes s wait for the exporter's ready event ready, opened once per
+// Importer, unless it has completed. It fails with [export.ErrExporterGone] if the
+// exporter is found dead at any step, else with what opening or waiting failed
+// with; s then waits for nothing new.
+//
+// The exporter's event is asked about, and waited on, only while its process
+// lives: a dead process's event may never complete, and a stream left waiting on
+// it would hold the caller's work for good. Each step asks the kernel first; a
+// death between the last question and the wait is the one window left, as narrow
+// as one CUDA call. (An event opened before needs one question: nothing but a
+// lookup comes between the lease and the next step.)
+func (imp *Importer) awaitReady(ready cudart.IpcEventHandle, s cudart.Stream) error {
+	ev, opened := imp.openedEvent(ready)
+	if !opened {
+		if imp.exporterDead() {
+			return imp.goneErr("before the lease could be used")
+		}
+		var err error
+		if ev, err = imp.readyEvent(ready); err != nil {
+			if imp.exporterDead() {
+				return imp.goneErr("as its ready event was opened")
+			}
+			return err
+		}
+	}
+	if imp.exporterDead() {
+		return imp.goneErr("before its ready event was waited on")
+	}
+	if wire.Completed(imp.rt, imp.dev, ev) {
+		return nil
+	}
+	if imp.exporterDead() {
+		return imp.goneErr("before its ready event was waited on")
+	}
+	if err := imp.rt.StreamWaitEvent(imp.dev, s, ev); err != nil {
+		if imp.exporterDead() { // it died in the window: say so, not what the driver made of it
+			return errors.Join(imp.goneErr("as its ready event was waited on"), err)
+		}
+		return fmt.Errorf("wait for the producer's writes: %w", err)
+	}
+	return nil
+}
+
+// importBuffer is this Importer's import of the buffer lease l is of, on pool ip,
+// imported now if it holds none (after the frees of an earlier import of it have
+// completed). Call with mapMu held. It fails with [export.ErrExporterGone] if the
+// exporter died, else with what the import failed with; nothing is imported then.
+func (imp *Importer) importBuffer(l *wire.LeaseMsg, ip *importedPool) (*imported, error) {
+	if buf := imp.imports[l.Record]; buf != nil {
+		return buf, nil
+	}
+	if _, ok := imp.freed[l.Record]; ok {
+		if err := imp.awaitFrees(true); err != nil {
+			return nil, err
+		}
+	}
+	ptr, err := imp.rt.MemPoolImportPointer(imp.dev, ip.handle, l.Record)
+	if err != nil {
+		if imp.exporterDead() { // whatever the driver makes of a dead exporter's pool
+			return nil, errors.Join(imp.goneErr("as its buffer was imported"), err)
+		}
+		return nil, fmt.Errorf("import buffer %d: %w", l.BufferID, err)
+	}
+	buf := &imported{record: l.Record, ptr: ptr}
+	imp.imports[l.Record] = buf
+	return buf, nil
 }
 
 // heldMapping is the Mapping of key, counted once more under lease id, if this Importer

@@ -366,6 +366,8 @@ func optionsOf(geo kv.Geometry, opts []Option) options {
 	return o
 }
 
+// listen is [Listen] in role r: it checks rt, o and the devices, then makes dir,
+// takes its lock and starts the owner. On failure nothing is left behind.
 func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err error) {
 	if rt == nil {
 		return nil, errors.New("kv/owner: Listen needs a runtime")
@@ -376,58 +378,12 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	if err := checkHostBytes(o); err != nil {
 		return nil, err
 	}
-	n, err := rt.DeviceCount()
+	layout, err := checkDevices(rt, o)
 	if err != nil {
 		return nil, err
 	}
-	var layout kv.SlabLayout
-	for i, d := range o.Devices {
-		if d < 0 || d >= n {
-			return nil, fmt.Errorf("%w: device %d: the runtime has %d", kv.ErrGeometry, d, n)
-		}
-		if slices.Contains(o.Devices[:i], d) {
-			return nil, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
-		}
-		l, err := layoutOf(rt, d, o.Geometry, o.ChunkBytes, handleTypeOf(o))
-		if err != nil {
-			return nil, err
-		}
-		if i > 0 && l != layout {
-			return nil, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
-		}
-		layout = l
-		if o.Fabric {
-			if err := probeFabric(rt, d); err != nil {
-				return nil, err
-			}
-		}
-		free, total, err := rt.MemGetInfo(d)
-		if err != nil {
-			return nil, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
-		}
-		if c := initialChunks(layout, o.InitialPages); layout.MappedBytes(c) > free {
-			n := layout.MappedBytes(c)
-			return nil, fmt.Errorf("kv/owner: %w: a slab's start of %s (%d bytes: %d chunks of %s, %d pages of the %d at most) is larger than device %d's free memory, %s (%d bytes, of %s)",
-				cudart.ErrOutOfMemory, humanize.IBytes(n), n, c, humanize.IBytes(layout.ChunkBytes()), layout.MappedPages(c), o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
-		}
-	}
-	if o.Logger == nil {
-		o.Logger = slog.New(slog.DiscardHandler)
-	}
-	for _, c := range []struct {
-		v   *int
-		def int
-	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxNotifiers, DefaultMaxNotifiers}} {
-		if *c.v <= 0 {
-			*c.v = c.def
-		}
-	}
-	conns := o.Limits.Conns
-	if conns <= 0 {
-		conns = session.DefaultConns
-	}
-	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
-		return nil, fmt.Errorf("kv/owner: WithMaxLeases (%d) × WithConnLimit's total (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+	if err := settleLimits(&o); err != nil {
+		return nil, err
 	}
 	made, err := makeDir(dir, opensToOthers(o.Policy))
 	if err != nil {
@@ -451,40 +407,9 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	if ow.lock, err = lockDir(dir, LockFile, "an owner"); err != nil {
 		return nil, err
 	}
-	if r == rolePages {
-		if err = ow.adoptSlabs(); err != nil {
-			return nil, err
-		}
-		if ow.keeperID, err = procOf(ow.recovery.KeeperPID); err != nil {
-			return nil, fmt.Errorf("kv/owner: the keeper (pid %d): %w", ow.recovery.KeeperPID, err)
-		}
-	} else if err = ow.makeSlabs(); err != nil {
+	if err = ow.start(r); err != nil {
 		return nil, err
 	}
-	if r == roleWhole {
-		ow.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
-	}
-	self, _ := procOf(os.Getpid())
-	ow.self = pages.Holder(self)
-	if o.Index != "" {
-		if err = ow.restore(); err != nil {
-			return nil, err
-		}
-	}
-	if err = ow.makeTiers(); err != nil {
-		return nil, err
-	}
-	ow.makeTables()
-	if o.Index != "" {
-		if err = ow.openIndex(ow.hdr); err != nil {
-			return nil, err
-		}
-	}
-	if err = ow.startTiers(); err != nil {
-		return nil, err
-	}
-	ow.holdAllocs()
-	ow.startGiveBack()
 	if ow.ln, err = listenPages(filepath.Join(dir, PageSocket), opensToOthers(o.Policy)); err != nil {
 		return nil, err
 	}
@@ -494,6 +419,118 @@ func listen(dir string, rt cudart.Runtime, o options, r role) (_ *Owner, err err
 	}
 	ow.srv = session.Serve(ln, o.Logger, "kv/owner", o.Limits, ow.serveConn)
 	return ow, nil
+}
+
+// start, with the lock held, makes the slabs (in role rolePages: adopts the
+// keeper's), takes the index back ([WithIndex]), makes the tiers and tables and
+// starts the tiers and the give-back. On failure what it made is left to
+// [Owner.teardown].
+func (o *Owner) start(r role) error {
+	var err error
+	if r == rolePages {
+		if err := o.adoptSlabs(); err != nil {
+			return err
+		}
+		if o.keeperID, err = procOf(o.recovery.KeeperPID); err != nil {
+			return fmt.Errorf("kv/owner: the keeper (pid %d): %w", o.recovery.KeeperPID, err)
+		}
+	} else if err := o.makeSlabs(); err != nil {
+		return err
+	}
+	if r == roleWhole {
+		o.keeperID, _ = procOf(os.Getpid()) // its own slabs, new at each start; without /proc no index is taken back
+	}
+	self, _ := procOf(os.Getpid())
+	o.self = pages.Holder(self)
+	if o.opts.Index != "" {
+		if err := o.restore(); err != nil {
+			return err
+		}
+	}
+	if err := o.makeTiers(); err != nil {
+		return err
+	}
+	o.makeTables()
+	if o.opts.Index != "" {
+		if err := o.openIndex(o.hdr); err != nil {
+			return err
+		}
+	}
+	if err := o.startTiers(); err != nil {
+		return err
+	}
+	o.holdAllocs()
+	o.startGiveBack()
+	return nil
+}
+
+// checkDevices checks o's devices against rt: each exists and is listed once, lays
+// o's geometry out as the others do (the layout returned), has fabric handles if
+// [WithFabric] asks, and has room for the slab's start ([WithInitialPages]). It
+// fails with [kv.ErrGeometry] or [cudart.ErrOutOfMemory] naming the device, or
+// with what rt failed with; it changes nothing.
+func checkDevices(rt cudart.Runtime, o options) (kv.SlabLayout, error) {
+	n, err := rt.DeviceCount()
+	if err != nil {
+		return kv.SlabLayout{}, err
+	}
+	var layout kv.SlabLayout
+	for i, d := range o.Devices {
+		if d < 0 || d >= n {
+			return kv.SlabLayout{}, fmt.Errorf("%w: device %d: the runtime has %d", kv.ErrGeometry, d, n)
+		}
+		if slices.Contains(o.Devices[:i], d) {
+			return kv.SlabLayout{}, fmt.Errorf("%w: device %d listed twice", kv.ErrGeometry, d)
+		}
+		l, err := layoutOf(rt, d, o.Geometry, o.ChunkBytes, handleTypeOf(o))
+		if err != nil {
+			return kv.SlabLayout{}, err
+		}
+		if i > 0 && l != layout {
+			return kv.SlabLayout{}, fmt.Errorf("%w: device %d lays the slab out as %v, device %d as %v: give WithChunkBytes", kv.ErrGeometry, d, l, o.Devices[0], layout)
+		}
+		layout = l
+		if o.Fabric {
+			if err := probeFabric(rt, d); err != nil {
+				return kv.SlabLayout{}, err
+			}
+		}
+		free, total, err := rt.MemGetInfo(d)
+		if err != nil {
+			return kv.SlabLayout{}, fmt.Errorf("kv/owner: the memory of device %d: %w", d, err)
+		}
+		if c := initialChunks(layout, o.InitialPages); layout.MappedBytes(c) > free {
+			n := layout.MappedBytes(c)
+			return kv.SlabLayout{}, fmt.Errorf("kv/owner: %w: a slab's start of %s (%d bytes: %d chunks of %s, %d pages of the %d at most) is larger than device %d's free memory, %s (%d bytes, of %s)",
+				cudart.ErrOutOfMemory, humanize.IBytes(n), n, c, humanize.IBytes(layout.ChunkBytes()), layout.MappedPages(c), o.Geometry.Pages, d, humanize.IBytes(free), free, humanize.IBytes(total))
+		}
+	}
+	return layout, nil
+}
+
+// settleLimits gives o a logger and the default caps where it has none, and fails
+// if [WithMaxLeases] times the connection limit could wrap a page's 32-bit reader
+// count.
+func settleLimits(o *options) error {
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	for _, c := range []struct {
+		v   *int
+		def int
+	}{{&o.MaxLeases, DefaultMaxLeases}, {&o.MaxLeasedPages, DefaultMaxLeasedPages}, {&o.MaxNotifiers, DefaultMaxNotifiers}} {
+		if *c.v <= 0 {
+			*c.v = c.def
+		}
+	}
+	conns := o.Limits.Conns
+	if conns <= 0 {
+		conns = session.DefaultConns
+	}
+	if n := uint64(o.MaxLeases) * uint64(conns); n >= math.MaxUint32 {
+		return fmt.Errorf("kv/owner: WithMaxLeases (%d) × WithConnLimit's total (%d) is %d: a page's 32-bit reader count could wrap; keep the product under 2^32", o.MaxLeases, conns, n)
+	}
+	return nil
 }
 
 // makeSlabs makes each device's slab.

@@ -71,151 +71,199 @@ func RoleProducer(args []string) int {
 		return fail(err)
 	}
 	defer done()
-	ctx := context.Background()
-	stream, err := rt.StreamCreate(0, cudart.StreamNonBlocking)
+	r, err := startProducerRole(rt, args[1], args[2], args[3:])
 	if err != nil {
-		return fail(err)
-	}
-	var poolOpts []pool.Option
-	if args[2] == "retain" {
-		poolOpts = append(poolOpts, pool.WithCache(1<<30))
-	}
-	p, err := pool.New(rt, 0, poolOpts...)
-	if err != nil {
-		return fail(err)
-	}
-	// Refusals are this role's job in some tests: only errors are worth a line.
-	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	opts := []producer.ListenOption{producer.WithoutAnnounce(), producer.WithLogger(quiet)}
-	switch args[2] {
-	case "other-uid":
-		opts = append(opts, producer.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
-	case "retain":
-		opts = append(opts, producer.WithRetainedImports())
-	}
-	ex, err := producer.Listen(args[1], rt, opts...)
-	if err != nil {
-		return fail(err)
-	}
-	bufs := map[string]*pool.Buffer{}
-	for _, spec := range args[3:] {
-		var name string
-		var size uint64
-		var fill byte
-		if _, err := fmt.Sscanf(strings.Replace(strings.Replace(spec, "=", " ", 1), ":", " ", 1), "%s %d %d", &name, &size, &fill); err != nil {
-			return fail(fmt.Errorf("spec %q: %w", spec, err))
-		}
-		b, err := p.Alloc(ctx, size, stream)
-		if err == nil {
-			err = rt.MemsetAsync(0, b.Ptr(), fill, size, stream)
-		}
-		if err == nil {
-			err = ex.Publish(ctx, name, b, stream)
-		}
-		if err != nil {
-			return fail(err)
-		}
-		bufs[name] = b
-	}
-	// Written before "ready": a test that kills the producer then kills it after its
-	// writes, not (on a deferred software device) before they ran.
-	if err := rt.StreamSynchronize(0, stream); err != nil {
 		return fail(err)
 	}
 	fmt.Println("ready")
 	for line := range proctest.Commands() {
 		f := strings.Fields(line)
-		switch {
-		case len(f) == 2 && f[0] == "free":
-			if err := bufs[f[1]].Free(stream); err != nil {
-				return fail(err)
-			}
-			fmt.Println("freed")
-		case len(f) == 3 && f[0] == "refill":
-			size, _ := strconv.ParseUint(f[1], 10, 64)
-			fill, _ := strconv.ParseUint(f[2], 10, 8)
-			b, err := p.Alloc(ctx, size, stream)
-			if err == nil {
-				err = rt.MemsetAsync(0, b.Ptr(), byte(fill), size, stream)
-			}
-			if err == nil {
-				err = rt.StreamSynchronize(0, stream)
-			}
-			if err != nil {
-				return fail(err)
-			}
-			fmt.Println("refilled")
-		case len(f) == 1 && f[0] == "stats":
-			s, err := p.Stats()
-			if err != nil {
-				return fail(err)
-			}
-			fmt.Println("stats", s.LiveBuffers, s.ActiveLeases, s.DeferredFrees)
-		case len(f) == 3 && f[0] == "recycle":
-			old := bufs[f[1]]
-			fill, _ := strconv.ParseUint(f[2], 10, 8)
-			err := ex.Unpublish(f[1])
-			if err == nil {
-				err = old.Free(stream)
-			}
-			var b *pool.Buffer
-			if err == nil {
-				b, err = p.Alloc(ctx, old.Size(), stream)
-			}
-			if err == nil {
-				err = rt.MemsetAsync(0, b.Ptr(), byte(fill), b.Size(), stream)
-			}
-			if err == nil {
-				err = ex.Publish(ctx, f[1], b, stream)
-			}
-			if err != nil {
-				return fail(err)
-			}
-			bufs[f[1]] = b
-			if b.Ptr() == old.Ptr() {
-				fmt.Println("recycled same")
-			} else {
-				fmt.Println("recycled new")
-			}
-		case len(f) == 3 && f[0] == "ranges":
-			b := bufs[f[1]]
-			n, _ := strconv.ParseUint(f[2], 10, 32)
-			if n == 0 || b.Size()%n != 0 {
-				return fail(fmt.Errorf("%d ranges of %d bytes", n, b.Size()))
-			}
-			entries := make([]producer.Entry, n)
-			for i := range entries {
-				size := b.Size() / n
-				entries[i] = producer.Entry{Name: fmt.Sprintf("%s-%d", f[1], i), Buffer: b, Options: []producer.PublishOption{producer.Range(uint64(i)*size, size)}}
-			}
-			if err := ex.PublishAll(ctx, entries, stream); err != nil {
-				return fail(err)
-			}
-			fmt.Println("ranged")
-		case len(f) == 1 && f[0] == "trim":
-			if err := p.Trim(); err != nil {
-				return fail(err)
-			}
-			fmt.Println("trimmed")
-		case len(f) == 1 && f[0] == "retained":
-			s, err := p.Stats()
-			if err != nil {
-				return fail(err)
-			}
-			fmt.Println("retained", s.Retentions, s.RevokingBuffers)
-		case len(f) == 1 && f[0] == "quit":
-			if err := ex.Close(ctx); err != nil {
-				return fail(err)
-			}
-			if err := RuntimeErr(rt); err != nil {
-				return fail(err)
-			}
-			return 0
-		default:
+		var c producerCommand
+		if len(f) > 0 {
+			c = producerCommands[f[0]]
+		}
+		if c.do == nil || len(f) != 1+c.args {
 			return fail(fmt.Errorf("unknown command %q", line))
 		}
+		reply, err := c.do(r, f[1:])
+		if err != nil {
+			return fail(err)
+		}
+		if f[0] == "quit" {
+			return 0
+		}
+		fmt.Println(reply)
 	}
 	return 0
+}
+
+// producerRole is what [RoleProducer] works with: its stream, pool and exporter and
+// the buffers it published, by name.
+type producerRole struct {
+	ctx    context.Context
+	rt     cudart.Runtime
+	stream cudart.Stream
+	p      *pool.Pool
+	ex     *producer.Exporter
+	bufs   map[string]*pool.Buffer
+}
+
+// producerCommand is one command of [RoleProducer]: it takes args words after its
+// name, and do obeys it and returns the line to say.
+type producerCommand struct {
+	args int
+	do   func(r *producerRole, f []string) (string, error)
+}
+
+// producerCommands are [RoleProducer]'s commands by name, as its doc comment lists them.
+var producerCommands = map[string]producerCommand{
+	"free":     {1, (*producerRole).free},
+	"refill":   {2, (*producerRole).refill},
+	"stats":    {0, (*producerRole).stats},
+	"recycle":  {2, (*producerRole).recycle},
+	"ranges":   {2, (*producerRole).ranges},
+	"trim":     {0, (*producerRole).trim},
+	"retained": {0, (*producerRole).retained},
+	"quit":     {0, (*producerRole).quit},
+}
+
+// startProducerRole makes a stream and a pool on device 0 of rt (with a cache for
+// policy "retain"), listens on socket under policy, and publishes each buffer of
+// specs (NAME=SIZE:FILL), filled, its writes done before it returns.
+func startProducerRole(rt cudart.Runtime, socket, policy string, specs []string) (*producerRole, error) {
+	r := &producerRole{ctx: context.Background(), rt: rt, bufs: map[string]*pool.Buffer{}}
+	var err error
+	if r.stream, err = rt.StreamCreate(0, cudart.StreamNonBlocking); err != nil {
+		return nil, err
+	}
+	var poolOpts []pool.Option
+	if policy == "retain" {
+		poolOpts = append(poolOpts, pool.WithCache(1<<30))
+	}
+	if r.p, err = pool.New(rt, 0, poolOpts...); err != nil {
+		return nil, err
+	}
+	// Refusals are this role's job in some tests: only errors are worth a line.
+	quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	opts := []producer.ListenOption{producer.WithoutAnnounce(), producer.WithLogger(quiet)}
+	switch policy {
+	case "other-uid":
+		opts = append(opts, producer.WithPolicy(export.Policy{AllowUIDs: []uint32{uint32(os.Getuid()) + 1}}))
+	case "retain":
+		opts = append(opts, producer.WithRetainedImports())
+	}
+	if r.ex, err = producer.Listen(socket, rt, opts...); err != nil {
+		return nil, err
+	}
+	for _, spec := range specs {
+		var name string
+		var size uint64
+		var fill byte
+		if _, err := fmt.Sscanf(strings.Replace(strings.Replace(spec, "=", " ", 1), ":", " ", 1), "%s %d %d", &name, &size, &fill); err != nil {
+			return nil, fmt.Errorf("spec %q: %w", spec, err)
+		}
+		b, err := r.filled(size, fill)
+		if err == nil {
+			err = r.ex.Publish(r.ctx, name, b, r.stream)
+		}
+		if err != nil {
+			return nil, err
+		}
+		r.bufs[name] = b
+	}
+	// Written before "ready": a test that kills the producer then kills it after its
+	// writes, not (on a deferred software device) before they ran.
+	return r, rt.StreamSynchronize(0, r.stream)
+}
+
+// filled allocates size bytes and fills them with fill on the stream.
+func (r *producerRole) filled(size uint64, fill byte) (*pool.Buffer, error) {
+	b, err := r.p.Alloc(r.ctx, size, r.stream)
+	if err != nil {
+		return nil, err
+	}
+	return b, r.rt.MemsetAsync(0, b.Ptr(), fill, size, r.stream)
+}
+
+// free NAME: free the buffer (deferred while leased).
+func (r *producerRole) free(f []string) (string, error) {
+	return "freed", r.bufs[f[0]].Free(r.stream)
+}
+
+// refill SIZE FILL: allocate SIZE bytes, fill them, synchronise.
+func (r *producerRole) refill(f []string) (string, error) {
+	size, _ := strconv.ParseUint(f[0], 10, 64)
+	fill, _ := strconv.ParseUint(f[1], 10, 8)
+	if _, err := r.filled(size, byte(fill)); err != nil {
+		return "", err
+	}
+	return "refilled", r.rt.StreamSynchronize(0, r.stream)
+}
+
+// stats: the pool's live buffers, active leases and deferred frees.
+func (r *producerRole) stats([]string) (string, error) {
+	s, err := r.p.Stats()
+	return fmt.Sprintf("stats %v %v %v", s.LiveBuffers, s.ActiveLeases, s.DeferredFrees), err
+}
+
+// recycle NAME FILL: unpublish NAME and free it, allocate its size again, fill it
+// and publish it under NAME; "recycled same" if the memory is the same.
+func (r *producerRole) recycle(f []string) (string, error) {
+	old := r.bufs[f[0]]
+	fill, _ := strconv.ParseUint(f[1], 10, 8)
+	err := r.ex.Unpublish(f[0])
+	if err == nil {
+		err = old.Free(r.stream)
+	}
+	var b *pool.Buffer
+	if err == nil {
+		b, err = r.filled(old.Size(), byte(fill))
+	}
+	if err == nil {
+		err = r.ex.Publish(r.ctx, f[0], b, r.stream)
+	}
+	if err != nil {
+		return "", err
+	}
+	r.bufs[f[0]] = b
+	if b.Ptr() == old.Ptr() {
+		return "recycled same", nil
+	}
+	return "recycled new", nil
+}
+
+// ranges NAME N: publish N equal ranges of NAME as NAME-0..NAME-(N-1) in one
+// PublishAll.
+func (r *producerRole) ranges(f []string) (string, error) {
+	b := r.bufs[f[0]]
+	n, _ := strconv.ParseUint(f[1], 10, 32)
+	if n == 0 || b.Size()%n != 0 {
+		return "", fmt.Errorf("%d ranges of %d bytes", n, b.Size())
+	}
+	entries := make([]producer.Entry, n)
+	for i := range entries {
+		size := b.Size() / n
+		entries[i] = producer.Entry{Name: fmt.Sprintf("%s-%d", f[0], i), Buffer: b, Options: []producer.PublishOption{producer.Range(uint64(i)*size, size)}}
+	}
+	return "ranged", r.ex.PublishAll(r.ctx, entries, r.stream)
+}
+
+// trim: trim the pool's cache.
+func (r *producerRole) trim([]string) (string, error) { return "trimmed", r.p.Trim() }
+
+// retained: the pool's retentions and revoking buffers.
+func (r *producerRole) retained([]string) (string, error) {
+	s, err := r.p.Stats()
+	return fmt.Sprintf("retained %v %v", s.Retentions, s.RevokingBuffers), err
+}
+
+// quit: close the exporter (waiting for releases); the software device's
+// violations are its error.
+func (r *producerRole) quit([]string) (string, error) {
+	if err := r.ex.Close(r.ctx); err != nil {
+		return "", err
+	}
+	return "", RuntimeErr(r.rt)
 }
 
 // RoleConsumer: consumer KIND SOCKET DEVICE NAME FILL MODE

@@ -529,99 +529,40 @@ var PayloadLimits = [...]struct{ Min, Max int }{
 // Every field is checked: unknown flag bits, out-of-range counts, names and texts that
 // are not clean UTF-8, and non-zero padding are all refused, so that a frame decodes
 // only if encoding what it decoded to gives the same bytes.
+//
+// Each type with more than fixed fields to check has its decoder, decode<Type>,
+// which returns the message or the [export.ErrProtocol] that says what is wrong;
+// a switch, not a table of functions, so that the reader stays on the stack.
 func DecodePayload(t MsgType, p []byte) (Message, error) {
 	r := reader{b: p}
 	switch t {
 	case MsgHello:
-		m := &HelloMsg{Version: r.u32()}
-		if m.Version != export.ProtocolVersion {
-			return nil, versionErr(m.Version)
-		}
-		if len(p) != helloLen {
-			return nil, ProtocolErr("%s payload is %d bytes, want %d", t, len(p), helloLen)
-		}
-		m.PID, m.Flags, m.HandleTypes = r.u32(), r.u32(), r.u32()
-		r.bytes(m.Device[:])
-		r.bytes(m.ReleaseEvent[:])
-		if err := checkFlags(t, m.Flags, HelloKnown); err != nil {
-			return nil, err
-		}
-		if m.Flags&HelloReleaseEvent != 0 && m.Flags&HelloLeases == 0 {
-			return nil, ProtocolErr("Hello has a release event but takes no leases")
-		}
-		return m, nil
+		return decodeHello(&r)
 	case MsgWelcome:
-		m := &WelcomeMsg{Version: r.u32(), PID: r.u32(), Flags: r.u32()}
-		if err := checkFlags(t, m.Flags, WelcomeKnown); err != nil {
-			return nil, err
-		}
-		n := r.u32()
-		if n > MaxDevices {
-			return nil, ProtocolErr("Welcome lists %d devices, at most %d", n, MaxDevices)
-		}
-		m.Devices = make([]cudart.UUID, n)
-		for i := range MaxDevices {
-			var u cudart.UUID
-			r.bytes(u[:])
-			if uint32(i) < n {
-				m.Devices[i] = u
-			} else if u != (cudart.UUID{}) {
-				return nil, ProtocolErr("Welcome has bytes in unused device slot %d", i)
-			}
-		}
-		return m, nil
+		return decodeWelcome(&r)
 	case MsgRefused:
 		m := &RefusedMsg{Version: r.u32()}
 		var err error
 		m.Reason, err = r.text(t, "reason")
 		return m, err
 	case MsgPoolHandle:
-		m := &PoolHandleMsg{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
-		r.bytes(m.Device[:])
-		m.MaxSize = r.u64()
-		r.bytes(m.Fabric[:])
-		if err := checkHandle(t, m.HandleType, m.Fabric); err != nil {
-			return nil, err
-		}
-		return m, nil
+		return decodePoolHandle(&r)
 	case MsgOpen:
 		m := &OpenMsg{ReqID: r.u64()}
 		var err error
 		m.Name, err = r.name(t)
 		return m, err
 	case MsgLease:
-		m := &LeaseMsg{}
-		if err := r.lease(m); err != nil {
-			return nil, err
-		}
-		if r.i != len(p) {
-			return nil, ProtocolErr("Lease has %d bytes after its metadata", len(p)-r.i)
-		}
-		return m, nil
+		return decodeLease(&r)
 	case MsgPush:
-		m := &PushMsg{}
-		if err := r.lease(&m.LeaseMsg); err != nil {
-			return nil, err
-		}
-		if m.ReqID != 0 {
-			return nil, ProtocolErr("Push has request id %d, want 0", m.ReqID)
-		}
-		var err error
-		m.Name, err = r.name(t)
-		return m, err
+		return decodePush(&r)
 	case MsgRelease:
 		m := &ReleaseMsg{ReqID: r.u64(), LeaseID: r.u64(), Count: r.u32(), Flags: r.u32()}
 		return m, checkFlags(t, m.Flags, ReleaseKnown)
 	case MsgReleased:
 		return &ReleasedMsg{ReqID: r.u64(), LeaseID: r.u64()}, nil
 	case MsgError:
-		m := &ErrorMsg{ReqID: r.u64(), Code: ErrCode(r.u32())}
-		if m.Code == 0 || m.Code >= CodeLimit {
-			return nil, ProtocolErr("Error has unknown code %d", m.Code)
-		}
-		var err error
-		m.Text, err = r.text(t, "text")
-		return m, err
+		return decodeError(&r)
 	case MsgStateRequest:
 		return &StateRequestMsg{ReqID: r.u64()}, nil
 	case MsgState:
@@ -631,64 +572,11 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 	case MsgBye:
 		return &ByeMsg{}, nil
 	case MsgOpenBatch:
-		m := &OpenBatchMsg{ReqID: r.u64()}
-		for r.i < len(p) {
-			n := int(p[r.i])
-			r.i++
-			if n > len(p)-r.i {
-				return nil, ProtocolErr("OpenBatch name %d runs past the frame", len(m.Names))
-			}
-			name := string(p[r.i : r.i+n])
-			r.i += n
-			if err := CheckName(name); err != nil {
-				return nil, ProtocolErr("OpenBatch: %v", err)
-			}
-			m.Names = append(m.Names, name)
-		}
-		if len(m.Names) > export.MaxBatch {
-			return nil, ProtocolErr("OpenBatch has %d names, at most %d", len(m.Names), export.MaxBatch)
-		}
-		return m, nil
+		return decodeOpenBatch(&r)
 	case MsgLeaseBatch:
-		m := &LeaseBatchMsg{ReqID: r.u64(), Flags: r.u32()}
-		n := r.u32()
-		if err := checkFlags(t, m.Flags, LeaseBatchKnown); err != nil {
-			return nil, err
-		}
-		if n == 0 || n > export.MaxBatch {
-			return nil, ProtocolErr("LeaseBatch has %d leases, want 1 to %d", n, export.MaxBatch)
-		}
-		m.Leases = make([]LeaseMsg, n)
-		for i := range m.Leases {
-			if len(p)-r.i < LeaseLen {
-				return nil, ProtocolErr("LeaseBatch lease %d runs past the frame", i)
-			}
-			if err := r.lease(&m.Leases[i]); err != nil {
-				return nil, err
-			}
-			if m.Leases[i].ReqID != m.ReqID {
-				return nil, ProtocolErr("LeaseBatch lease %d has request id %d, want %d", i, m.Leases[i].ReqID, m.ReqID)
-			}
-		}
-		if r.i != len(p) {
-			return nil, ProtocolErr("LeaseBatch has %d bytes after its leases", len(p)-r.i)
-		}
-		return m, nil
+		return decodeLeaseBatch(&r)
 	case MsgReleaseBatch:
-		m := &ReleaseBatchMsg{ReqID: r.u64()}
-		n := r.u32()
-		if int(n)*releaseEntryLen != len(p)-r.i { // no entries: a bad request, answered
-			return nil, ProtocolErr("ReleaseBatch says %d entries in %d bytes", n, len(p)-r.i)
-		}
-		m.Entries = make([]ReleaseMsg, n)
-		for i := range m.Entries {
-			e := &m.Entries[i]
-			e.LeaseID, e.Count, e.Flags = r.u64(), r.u32(), r.u32()
-			if err := checkFlags(MsgRelease, e.Flags, ReleaseKnown); err != nil {
-				return nil, err
-			}
-		}
-		return m, nil
+		return decodeReleaseBatch(&r)
 	case MsgRevoke:
 		m := &RevokeMsg{}
 		r.bytes(m.Record[:])
@@ -703,6 +591,177 @@ func DecodePayload(t MsgType, p []byte) (Message, error) {
 		return decodeDropChunks(&r)
 	}
 	return nil, ProtocolErr("unknown message type %d", uint8(t))
+}
+
+// decodeHello refuses another protocol version first ([export.ErrVersionMismatch]),
+// then a payload of another length than this version's, unknown flags, and a
+// release event without leases.
+func decodeHello(r *reader) (Message, error) {
+	m := &HelloMsg{Version: r.u32()}
+	if m.Version != export.ProtocolVersion {
+		return nil, versionErr(m.Version)
+	}
+	if len(r.b) != helloLen {
+		return nil, ProtocolErr("%s payload is %d bytes, want %d", MsgHello, len(r.b), helloLen)
+	}
+	m.PID, m.Flags, m.HandleTypes = r.u32(), r.u32(), r.u32()
+	r.bytes(m.Device[:])
+	r.bytes(m.ReleaseEvent[:])
+	if err := checkFlags(MsgHello, m.Flags, HelloKnown); err != nil {
+		return nil, err
+	}
+	if m.Flags&HelloReleaseEvent != 0 && m.Flags&HelloLeases == 0 {
+		return nil, ProtocolErr("Hello has a release event but takes no leases")
+	}
+	return m, nil
+}
+
+// decodeWelcome refuses unknown flags, more than [MaxDevices] devices, and bytes in
+// the device slots past the count.
+func decodeWelcome(r *reader) (Message, error) {
+	m := &WelcomeMsg{Version: r.u32(), PID: r.u32(), Flags: r.u32()}
+	if err := checkFlags(MsgWelcome, m.Flags, WelcomeKnown); err != nil {
+		return nil, err
+	}
+	n := r.u32()
+	if n > MaxDevices {
+		return nil, ProtocolErr("Welcome lists %d devices, at most %d", n, MaxDevices)
+	}
+	m.Devices = make([]cudart.UUID, n)
+	for i := range MaxDevices {
+		var u cudart.UUID
+		r.bytes(u[:])
+		if uint32(i) < n {
+			m.Devices[i] = u
+		} else if u != (cudart.UUID{}) {
+			return nil, ProtocolErr("Welcome has bytes in unused device slot %d", i)
+		}
+	}
+	return m, nil
+}
+
+// decodePoolHandle refuses a handle type and fabric bytes that do not agree.
+func decodePoolHandle(r *reader) (Message, error) {
+	m := &PoolHandleMsg{PoolID: r.u64(), HandleType: cudart.HandleType(r.u32())}
+	r.bytes(m.Device[:])
+	m.MaxSize = r.u64()
+	r.bytes(m.Fabric[:])
+	if err := checkHandle(MsgPoolHandle, m.HandleType, m.Fabric); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// decodeLease refuses what [reader.lease] refuses, and bytes after the metadata.
+func decodeLease(r *reader) (Message, error) {
+	m := &LeaseMsg{}
+	if err := r.lease(m); err != nil {
+		return nil, err
+	}
+	if r.i != len(r.b) {
+		return nil, ProtocolErr("Lease has %d bytes after its metadata", len(r.b)-r.i)
+	}
+	return m, nil
+}
+
+// decodePush refuses what [reader.lease] refuses, a request id other than 0, and a
+// name that cannot be published.
+func decodePush(r *reader) (Message, error) {
+	m := &PushMsg{}
+	if err := r.lease(&m.LeaseMsg); err != nil {
+		return nil, err
+	}
+	if m.ReqID != 0 {
+		return nil, ProtocolErr("Push has request id %d, want 0", m.ReqID)
+	}
+	var err error
+	m.Name, err = r.name(MsgPush)
+	return m, err
+}
+
+// decodeError refuses an unknown code and a text that is not UTF-8.
+func decodeError(r *reader) (Message, error) {
+	m := &ErrorMsg{ReqID: r.u64(), Code: ErrCode(r.u32())}
+	if m.Code == 0 || m.Code >= CodeLimit {
+		return nil, ProtocolErr("Error has unknown code %d", m.Code)
+	}
+	var err error
+	m.Text, err = r.text(MsgError, "text")
+	return m, err
+}
+
+// decodeOpenBatch reads names, each a length byte and its bytes, to the end of the
+// payload; it refuses a name past the end, one that cannot be published, and more
+// than [export.MaxBatch] names.
+func decodeOpenBatch(r *reader) (Message, error) {
+	m := &OpenBatchMsg{ReqID: r.u64()}
+	p := r.b
+	for r.i < len(p) {
+		n := int(p[r.i])
+		r.i++
+		if n > len(p)-r.i {
+			return nil, ProtocolErr("OpenBatch name %d runs past the frame", len(m.Names))
+		}
+		name := string(p[r.i : r.i+n])
+		r.i += n
+		if err := CheckName(name); err != nil {
+			return nil, ProtocolErr("OpenBatch: %v", err)
+		}
+		m.Names = append(m.Names, name)
+	}
+	if len(m.Names) > export.MaxBatch {
+		return nil, ProtocolErr("OpenBatch has %d names, at most %d", len(m.Names), export.MaxBatch)
+	}
+	return m, nil
+}
+
+// decodeLeaseBatch refuses unknown flags, a count of leases outside 1 to
+// [export.MaxBatch], a lease past the end or of another request id, what
+// [reader.lease] refuses, and bytes after the leases.
+func decodeLeaseBatch(r *reader) (Message, error) {
+	m := &LeaseBatchMsg{ReqID: r.u64(), Flags: r.u32()}
+	n := r.u32()
+	if err := checkFlags(MsgLeaseBatch, m.Flags, LeaseBatchKnown); err != nil {
+		return nil, err
+	}
+	if n == 0 || n > export.MaxBatch {
+		return nil, ProtocolErr("LeaseBatch has %d leases, want 1 to %d", n, export.MaxBatch)
+	}
+	m.Leases = make([]LeaseMsg, n)
+	for i := range m.Leases {
+		if len(r.b)-r.i < LeaseLen {
+			return nil, ProtocolErr("LeaseBatch lease %d runs past the frame", i)
+		}
+		if err := r.lease(&m.Leases[i]); err != nil {
+			return nil, err
+		}
+		if m.Leases[i].ReqID != m.ReqID {
+			return nil, ProtocolErr("LeaseBatch lease %d has request id %d, want %d", i, m.Leases[i].ReqID, m.ReqID)
+		}
+	}
+	if r.i != len(r.b) {
+		return nil, ProtocolErr("LeaseBatch has %d bytes after its leases", len(r.b)-r.i)
+	}
+	return m, nil
+}
+
+// decodeReleaseBatch refuses a count that does not fill the payload exactly and an
+// entry with unknown flags.
+func decodeReleaseBatch(r *reader) (Message, error) {
+	m := &ReleaseBatchMsg{ReqID: r.u64()}
+	n := r.u32()
+	if int(n)*releaseEntryLen != len(r.b)-r.i { // no entries: a bad request, answered
+		return nil, ProtocolErr("ReleaseBatch says %d entries in %d bytes", n, len(r.b)-r.i)
+	}
+	m.Entries = make([]ReleaseMsg, n)
+	for i := range m.Entries {
+		e := &m.Entries[i]
+		e.LeaseID, e.Count, e.Flags = r.u64(), r.u32(), r.u32()
+		if err := checkFlags(MsgRelease, e.Flags, ReleaseKnown); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
 }
 
 // reader reads fixed fields from a payload whose length parseHeader has checked, so

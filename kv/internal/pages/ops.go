@@ -411,37 +411,7 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 	if t.window && !t.rules.restoreInWindow {
 		return MatchResult{}, Effects{}, fmt.Errorf("%w: a match of %d hashes", ErrWait, len(hashes))
 	}
-	type step struct{ gpu, host uint32 }
-	run := make([]step, 0, len(hashes))
-	hosts := 0
-	for _, hh := range hashes {
-		if p, ok := t.index[hh]; ok {
-			if int(p) >= t.limit {
-				break // given back: matched no more
-			}
-			run = append(run, step{p, none})
-		} else if hp, ok := t.hostHolds(hh); ok {
-			run = append(run, step{none, hp})
-			hosts++
-		} else {
-			break
-		}
-	}
-	listed := 0 // pages of the run that the lease takes out of reach
-	for _, s := range run {
-		if s.gpu != none && t.g[s.gpu].listed {
-			listed++
-		}
-	}
-	if hosts > 0 && t.Evictable()-listed < hosts {
-		for i, s := range run { // no room: the run ends before its first host page
-			if s.host != none {
-				run = run[:i]
-				break
-			}
-		}
-		hosts = 0
-	}
+	run, hosts := t.matchRun(hashes)
 	t.stats.Hits += uint64(len(run))
 	t.stats.Misses += uint64(len(hashes) - len(run))
 	pages := make([]uint32, len(run))
@@ -462,6 +432,59 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 		t.must()
 		return MatchResult{Lease: l.id, Pages: slices.Clone(pages)}, t.effects(), nil
 	}
+	t.startRestore(l, run, hashes, hosts)
+	return MatchResult{Lease: l.id, Pending: true}, t.effects(), nil
+}
+
+// matchStep is one hash of a match's run: the GPU page that holds it, or else the
+// host page that does (the other is none).
+type matchStep struct{ gpu, host uint32 }
+
+// matchRun returns the longest run of hashes, from the first, that the GPU tier
+// (below the limit) or the host tier holds, and how many of its steps are on the
+// host. If the GPU tier has no room for the host steps, beyond the run's own listed
+// pages that the lease takes out of reach, the run ends before its first host step.
+// It changes nothing.
+func (t *Table) matchRun(hashes []kv.Hash) (run []matchStep, hosts int) {
+	run = make([]matchStep, 0, len(hashes))
+	for _, hh := range hashes {
+		if p, ok := t.index[hh]; ok {
+			if int(p) >= t.limit {
+				break // given back: matched no more
+			}
+			run = append(run, matchStep{p, none})
+		} else if hp, ok := t.hostHolds(hh); ok {
+			run = append(run, matchStep{none, hp})
+			hosts++
+		} else {
+			break
+		}
+	}
+	if hosts == 0 {
+		return run, 0
+	}
+	listed := 0 // pages of the run that the lease takes out of reach
+	for _, s := range run {
+		if s.gpu != none && t.g[s.gpu].listed {
+			listed++
+		}
+	}
+	if t.Evictable()-listed >= hosts {
+		return run, hosts
+	}
+	for i, s := range run { // no room: the run ends before its first host page
+		if s.host != none {
+			return run[:i], 0
+		}
+	}
+	return run, 0 // not reached: hosts > 0
+}
+
+// startRestore pins the host pages of run (hosts of them, hashes its hashes), takes
+// as many GPU pages, written under read lease l, and starts the restore copy: l is
+// restoring until [Table.CopyDone], and the copy's effect waits for what the pages
+// taken wait for. The GPU tier has room ([Table.matchRun] made sure).
+func (t *Table) startRestore(l *lease, run []matchStep, hashes []kv.Hash, hosts int) {
 	job := &copyJob{kind: Restore, l: l}
 	for i, s := range run {
 		if s.host != none {
@@ -486,7 +509,6 @@ func (t *Table) Match(h Holder, hashes []kv.Hash) (MatchResult, Effects, error) 
 	l.copy = t.startCopy(job)
 	c := &t.fx.Copies[len(t.fx.Copies)-1]
 	c.Wait = waits
-	return MatchResult{Lease: l.id, Pending: true}, t.effects(), nil
 }
 
 // CopyDone reports that copy id has completed (ok) or failed. A spill's host pages
