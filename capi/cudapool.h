@@ -538,8 +538,9 @@ int cudapool_torch_pool(int device, cudapool_pool *pool);
  * replica can read and write all of it (see cudapool_kv_dial). Each layer's K (and V)
  * is one [pages, tokens_per_page, kv_heads, head_dim] tensor, row-major and
  * contiguous, and a page index names the same block in every layer. The slab is on the
- * VMM route: one range of addresses per tensor (a region: K0, V0, K1, V1, ...),
- * whatever its size, into which the owner's chunks are mapped as the slab grows; the
+ * VMM route: one range of addresses per tensor (a region: K0, V0, K1, V1, ...;
+ * cudapool_kv_regions lists them), whatever its size, into which the owner's chunks
+ * are mapped as the slab grows; the
  * pages a lease names are always mapped: cudapool_kv_layer_ptrs says where each
  * layer's K and V begin.
  *  - alloc leases free (or evicted) pages for writing, all or none (CUDAPOOL_ENOSPACE);
@@ -602,11 +603,11 @@ typedef struct {
 	int32_t device;     /* the replica's device */
 	uint64_t page_bytes; /* one layer's K (or V) of one page: the block a page index names */
 	uint64_t slab_bytes; /* layers * 2 * pages * page_bytes */
-	/* Since 1.2: the slab is `segments` regions (cudapool_kv_segments), one per tensor
-	 * (K0, V0, K1, V1, ...), of segment_bound bytes of addresses each, the first pages
-	 * of which are mapped. (1.1: allocations of at most 4 GiB.) */
-	uint64_t segment_bound;
-	int32_t segments;
+	/* Since 1.2: the slab is `regions` regions (cudapool_kv_regions), one per tensor
+	 * (K0, V0, K1, V1, ...), of region_bytes bytes of addresses each, the first pages
+	 * of which are mapped as the slab grows. */
+	uint64_t region_bytes;
+	int32_t regions;
 	/* Since 1.1: one page in every layer's K and V, layers * 2 * page_bytes (kvpoold's
 	 * "page span"). */
 	uint64_t page_span_bytes;
@@ -627,11 +628,12 @@ int cudapool_kv_geometry_get(cudapool_kv_replica r, cudapool_kv_geometry *out);
  * the geometry's dtype, contiguous, page p of it page_bytes * p further on. Either
  * output may be NULL. A layer outside [0, layers) is CUDAPOOL_EINVAL. */
 int cudapool_kv_layer_ptrs(cudapool_kv_replica r, int32_t layer, void **k, void **v);
-/* cudapool_kv_segments (since 1.1): the slab's regions in this process, in order (K0,
- * V0, K1, V1, ...; 1.1: its allocations): their addresses into ptrs and the addresses
- * each reserves into bytes (either may be NULL), which have room for cap; *n is their
- * number. On CUDAPOOL_ERANGE nothing is written and *n is the number needed. */
-int cudapool_kv_segments(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n);
+/* cudapool_kv_regions (since 1.2): the slab's regions in this process, in order (K0,
+ * V0, K1, V1, ...; region 2 * layer + 0 is layer's K, 2 * layer + 1 its V): their
+ * addresses into ptrs and the addresses each reserves (region_bytes) into bytes (either
+ * may be NULL), which have room for cap; *n is their number. On CUDAPOOL_ERANGE nothing
+ * is written and *n is the number needed. */
+int cudapool_kv_regions(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n);
 /* cudapool_kv_slab: fails with CUDAPOOL_ENOTSUP: since 1.2 no slab is one range.
  * Deprecated since 1.1: use cudapool_kv_layer_ptrs. */
 int cudapool_kv_slab(cudapool_kv_replica r, void **base, uint64_t *bytes);

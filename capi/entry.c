@@ -373,8 +373,8 @@ int cudapool_kv_layer_ptrs(cudapool_kv_replica r, int32_t layer, void **k, void 
 	CP_CALL(cpgo_kv_layer_ptrs(r.h, layer, (uintptr_t *)k, (uintptr_t *)v));
 }
 
-int cudapool_kv_segments(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n) {
-	CP_CALL(cpgo_kv_segments(r.h, (uintptr_t *)ptrs, bytes, cap, n));
+int cudapool_kv_regions(cudapool_kv_replica r, void **ptrs, uint64_t *bytes, size_t cap, size_t *n) {
+	CP_CALL(cpgo_kv_regions(r.h, (uintptr_t *)ptrs, bytes, cap, n));
 }
 
 int cudapool_kv_hashes(cudapool_kv_replica r, const int32_t *tokens, size_t n_tokens, uint8_t *hashes_out,

@@ -327,8 +327,8 @@ func cpgo_kv_geometry(h C.uint64_t, out *C.cudapool_kv_geometry) (rc C.int) {
 		device:          C.int32_t(k.device),
 		page_bytes:      C.uint64_t(g.PageBytes()),
 		slab_bytes:      C.uint64_t(g.SlabBytes()),
-		segment_bound:   C.uint64_t(k.r.Layout().RegionBytes()),
-		segments:        C.int32_t(k.r.Layout().Regions()),
+		region_bytes:    C.uint64_t(k.r.Layout().RegionBytes()),
+		regions:         C.int32_t(k.r.Layout().Regions()),
 		page_span_bytes: C.uint64_t(g.PageSpanBytes()),
 	}
 	n := min(uintptr(out.size), unsafe.Sizeof(full))
@@ -346,7 +346,7 @@ func cpgo_kv_slab(h C.uint64_t, base *C.uintptr_t, bytes *C.uint64_t) (rc C.int)
 	if err != nil {
 		return fail(err)
 	}
-	return fail(fmt.Errorf("%w: the slab is %v, a range of addresses per tensor, not one: use cudapool_kv_layer_ptrs (or cudapool_kv_segments)", errNotSup, k.r.Layout()))
+	return fail(fmt.Errorf("%w: the slab is %v, a range of addresses per tensor, not one: use cudapool_kv_layer_ptrs (or cudapool_kv_regions)", errNotSup, k.r.Layout()))
 }
 
 //export cpgo_kv_layer_ptrs
@@ -369,8 +369,8 @@ func cpgo_kv_layer_ptrs(h C.uint64_t, layer C.int32_t, kp, vp *C.uintptr_t) (rc 
 	return statusOK
 }
 
-//export cpgo_kv_segments
-func cpgo_kv_segments(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capSegs C.size_t, n *C.size_t) (rc C.int) {
+//export cpgo_kv_regions
+func cpgo_kv_regions(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capRegions C.size_t, n *C.size_t) (rc C.int) {
 	defer recoverTo(&rc)
 	if n == nil {
 		return fail(invalid("n is NULL"))
@@ -381,8 +381,8 @@ func cpgo_kv_segments(h C.uint64_t, ptrs *C.uintptr_t, bytes *C.uint64_t, capSeg
 	}
 	l, addrs := k.r.Layout(), k.r.Regions()
 	*n = C.size_t(len(addrs))
-	if int(capSegs) < len(addrs) && (ptrs != nil || bytes != nil) {
-		return fail(fmt.Errorf("%w: room for %d regions, the slab has %d", errRange, uint64(capSegs), len(addrs)))
+	if int(capRegions) < len(addrs) && (ptrs != nil || bytes != nil) {
+		return fail(fmt.Errorf("%w: room for %d regions, the slab has %d", errRange, uint64(capRegions), len(addrs)))
 	}
 	if ptrs != nil {
 		out := unsafe.Slice(ptrs, len(addrs))

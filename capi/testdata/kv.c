@@ -54,32 +54,32 @@ int main(void) {
 	CHECK(g.slab_bytes == PAGES * g.page_span_bytes);
 	// The slab is 32 regions, one per tensor (K0, V0, K1, ...), each 2 MiB of addresses:
 	// one chunk of the software device's granularity holds a tensor of 512 KiB.
-	CHECK(g.segments == 32 && g.segment_bound == 2u << 20);
-	void *segs[32] = {0};
-	uint64_t seg_bytes[32] = {0};
-	size_t nsegs = 0;
-	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 31, &nsegs), CUDAPOOL_ERANGE);
-	CHECK(nsegs == 32 && segs[0] == NULL);
-	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, NULL), CUDAPOOL_EINVAL);
-	EXPECT(cudapool_kv_segments(r, NULL, NULL, 0, &nsegs), CUDAPOOL_OK);
-	CHECK(nsegs == 32);
-	EXPECT(cudapool_kv_segments(r, segs, seg_bytes, 32, &nsegs), CUDAPOOL_OK);
+	CHECK(g.regions == 32 && g.region_bytes == 2u << 20);
+	void *regions[32] = {0};
+	uint64_t region_bytes[32] = {0};
+	size_t nregions = 0;
+	EXPECT(cudapool_kv_regions(r, regions, region_bytes, 31, &nregions), CUDAPOOL_ERANGE);
+	CHECK(nregions == 32 && regions[0] == NULL);
+	EXPECT(cudapool_kv_regions(r, NULL, NULL, 0, NULL), CUDAPOOL_EINVAL);
+	EXPECT(cudapool_kv_regions(r, NULL, NULL, 0, &nregions), CUDAPOOL_OK);
+	CHECK(nregions == 32);
+	EXPECT(cudapool_kv_regions(r, regions, region_bytes, 32, &nregions), CUDAPOOL_OK);
 	for (int i = 0; i < 32; i++) {
-		CHECK(segs[i] != NULL);
-		CHECK(seg_bytes[i] == 2u << 20);
+		CHECK(regions[i] != NULL);
+		CHECK(region_bytes[i] == 2u << 20);
 	}
 	void *k5 = NULL, *v5 = NULL, *k15 = NULL;
 	EXPECT(cudapool_kv_layer_ptrs(r, 16, &k5, &v5), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_layer_ptrs(r, -1, &k5, &v5), CUDAPOOL_EINVAL);
 	EXPECT(cudapool_kv_layer_ptrs(r, 15, &k15, NULL), CUDAPOOL_OK);
-	CHECK(k15 == (char *)segs[30]); // tensor 30 is region 30
+	CHECK(k15 == (char *)regions[30]); // tensor 30 is region 30
 	EXPECT(cudapool_kv_layer_ptrs(r, 5, &k5, &v5), CUDAPOOL_OK);
 	// Layer 5's K and V are tensors 10 and 11, each a region of its own.
-	CHECK(k5 == (char *)segs[10]);
-	CHECK(v5 == (char *)segs[11]);
+	CHECK(k5 == (char *)regions[10]);
+	CHECK(v5 == (char *)regions[11]);
 	void *k6 = NULL;
 	EXPECT(cudapool_kv_layer_ptrs(r, 6, &k6, NULL), CUDAPOOL_OK);
-	CHECK(k6 == (char *)segs[12]);
+	CHECK(k6 == (char *)regions[12]);
 	void *base = NULL;
 	uint64_t bytes = 0;
 	EXPECT(cudapool_kv_slab(r, &base, &bytes), CUDAPOOL_ENOTSUP); // deprecated: no slab is one range

@@ -104,7 +104,7 @@ def _replica(conn, name, device, dir, seed, lens, n_new_max):
         raise RuntimeError("expected the dial command")
     t0 = time.perf_counter()
     r = ckv.Replica(dir, device, namespace=NAMESPACE, timeout=60, wait_for_owner=True)
-    conn.send({"dialed": name, "dial_s": time.perf_counter() - t0, "regions": len(r.segments)})
+    conn.send({"dialed": name, "dial_s": time.perf_counter() - t0, "regions": len(r.regions)})
     t0 = time.perf_counter()
     m = build("llama", seed=seed, attn=chf.register())
     torch.cuda.synchronize()

@@ -16,7 +16,7 @@ libcudapool's KV calls).
 Each layer's K (and V) is one tensor [pages, tokens_per_page, kv_heads, head_dim] of
 the geometry's dtype (the FlashAttention / FlashInfer paged layout), contiguous, and a
 page index names the same block in every layer. The slab is on the VMM route: one
-range of addresses per tensor (Replica.segments, its regions: K0, V0, K1, ...),
+range of addresses per tensor (a region; Replica.regions lists them: K0, V0, K1, ...),
 whatever its size, into which the owner maps chunks as the slab grows (a page a lease
 names is always mapped), so there is no one slab address: use layer_ptrs or
 kv_caches. prefix_hashes is the pure-Python reference of the hashes (Replica.hashes
@@ -52,7 +52,7 @@ from typing import (Any, Callable, Dict, Iterable, List, Optional, SupportsIndex
 from . import StreamLike, _dlpack, _lib, stream_handle
 from ._lib import Closed, Gone, NoSpace, StaleLease  # noqa: F401 (re-exported)
 
-__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Segment", "Replica", "prefix_hashes", "query_stats", "root",
+__all__ = ["Geometry", "Hashes", "Lease", "SealResult", "Region", "Replica", "prefix_hashes", "query_stats", "root",
            "HASH_BYTES", "MAX_BATCH", "DEFAULT_TIMEOUT", "REPLICA_TIMEOUT", "NoSpace", "StaleLease", "Gone",
            "Closed"]
 
@@ -279,7 +279,7 @@ class Geometry:
 
 
 @dataclass(frozen=True)
-class Segment:
+class Region:
     """One region of a replica's slab in this process, one tensor's (K0, V0, K1, ...):
     its device address ptr and the bytes of addresses it reserves, size (at least the
     tensor's), of which the owner's chunks map the first as the slab grows."""
@@ -344,8 +344,8 @@ class _Geometry(ctypes.Structure):
     _fields_ = [("size", _lib.size_t)] + [
         (name, ctypes.c_int32) for name in (
             "layers", "kv_heads", "head_dim", "tokens_per_page", "dtype", "dtype_size", "pages", "device")
-    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64), ("segment_bound", _lib.u64),
-         ("segments", ctypes.c_int32), ("page_span_bytes", _lib.u64)]
+    ] + [("page_bytes", _lib.u64), ("slab_bytes", _lib.u64), ("region_bytes", _lib.u64),
+         ("regions", ctypes.c_int32), ("page_span_bytes", _lib.u64)]
 
 
 _u32p = ctypes.POINTER(ctypes.c_uint32)
@@ -355,7 +355,7 @@ _SIGNATURES = {
                          ctypes.POINTER(_Replica)),
     "cudapool_kv_geometry_get": (_Replica, ctypes.POINTER(_Geometry)),
     "cudapool_kv_layer_ptrs": (_Replica, ctypes.c_int32, ctypes.POINTER(_lib.vp), ctypes.POINTER(_lib.vp)),
-    "cudapool_kv_segments": (_Replica, ctypes.POINTER(_lib.vp), _u64p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
+    "cudapool_kv_regions": (_Replica, ctypes.POINTER(_lib.vp), _u64p, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_hashes": (_Replica, _lib.vp, _lib.size_t, _lib.vp, _lib.size_t, ctypes.POINTER(_lib.size_t)),
     "cudapool_kv_alloc": (_Replica, ctypes.c_uint32, _lib.i64, _u64p, _u32p),
     "cudapool_kv_seal": (_Replica, _lib.u64, ctypes.c_char_p, _lib.size_t, _lib.vp, _lib.c_int, _lib.i64,
@@ -516,9 +516,9 @@ class Replica:
     geometry : Geometry
         The slab's geometry: layers, kv_heads, head_dim, dtype, tokens_per_page,
         pages, and the sizes of a page (page_bytes, page_span_bytes) and a tensor.
-    segments : tuple of Segment
+    regions : tuple of Region
         The slab's regions in this process, one per tensor, in order (K0, V0, K1, ...):
-        layer l's K is segments[2 * l], its V segments[2 * l + 1]. Without torch, layer_ptrs is how
+        layer l's K is regions[2 * l], its V regions[2 * l + 1]. Without torch, layer_ptrs is how
         kernels address pages: page p of layer l's K starts at layer_ptrs(l)[0] +
         p * geometry.page_bytes.
     device : int
@@ -567,10 +567,10 @@ class Replica:
             self._call("cudapool_kv_geometry_get", ctypes.byref(g))
             self.geometry = Geometry(g.layers, g.kv_heads, g.head_dim, _DTYPE_NAMES[g.dtype],
                                      g.tokens_per_page, g.pages)
-            n = g.segments
+            n = g.regions
             ptrs, sizes, got = (_lib.vp * n)(), (_lib.u64 * n)(), _lib.size_t()
-            self._call("cudapool_kv_segments", ptrs, sizes, n, ctypes.byref(got))
-            self.segments = tuple(Segment(ptrs[i] or 0, sizes[i]) for i in range(got.value))
+            self._call("cudapool_kv_regions", ptrs, sizes, n, ctypes.byref(got))
+            self.regions = tuple(Region(ptrs[i] or 0, sizes[i]) for i in range(got.value))
             k, v = _lib.vp(), _lib.vp()
             layers: List[Tuple[int, int]] = []
             for layer in range(g.layers):

@@ -359,12 +359,13 @@ class ReplicaTest(unittest.TestCase):
         self.assertEqual(g.tensor_bytes, 64 * g.page_bytes)
         # 32 tensors of 1 MiB, each a region of 2 MiB of addresses (a chunk of the
         # software device's granularity).
-        segs = self.r.segments
-        self.assertEqual([s.size for s in segs], [2 << 20] * 32)
-        self.assertTrue(all(s.ptr for s in segs))
+        regions = self.r.regions
+        self.assertEqual([x.size for x in regions], [2 << 20] * 32)
+        self.assertTrue(all(x.ptr for x in regions))
+        self.assertEqual(len({x.ptr for x in regions}), 32, "a range of its own per tensor")
         for layer in range(g.layers):
             for part in (0, 1):
-                want = segs[2 * layer + part].ptr
+                want = regions[2 * layer + part].ptr
                 self.assertEqual(self.r.layer_ptrs(layer)[part], want, "layer %d part %d" % (layer, part))
         with self.assertRaises(IndexError):
             self.r.layer_ptrs(16)
@@ -1001,7 +1002,7 @@ class KVCachesLayoutTest(unittest.TestCase):
                 self.assertEqual(last + g.dtype_size - x.base, g.tensor_bytes, "a tensor is contiguous")
                 ends.append((x.base, x.base + g.tensor_bytes))
         for (lo, hi) in ends:
-            self.assertTrue(any(s.ptr <= lo and hi <= s.ptr + s.size for s in r.segments),
+            self.assertTrue(any(x.ptr <= lo and hi <= x.ptr + x.size for x in r.regions),
                             "each tensor lies whole in one region")
         ends.sort()
         self.assertTrue(all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "no two tensors overlap")

@@ -46,7 +46,7 @@ def writer(q, serve, go):
                 v[idx] = expected(torch, g, layer, 1, "cuda:0")
         res = r.seal(lease, hs, stream=s)  # no wait: the owner sees s's work complete
         q.put({"pages": list(lease.pages), "visible_at_seal": res.visible, "duplicates": res.duplicates,
-               "k0": caches[0][0].data_ptr() == r.layer_ptrs(0)[0] == r.segments[0].ptr,
+               "k0": caches[0][0].data_ptr() == r.layer_ptrs(0)[0] == r.regions[0].ptr,
                "v3": caches[3][1].data_ptr() == r.layer_ptrs(3)[1],
                "shape": tuple(caches[0][0].shape), "dtype": str(caches[0][0].dtype)})
         wait_go(go)
