@@ -937,8 +937,8 @@ SECTIONS = (
     ("Issues 10 and 11", feature_rows, ""),
     ("KV page pool (issue 18)", kv_rows,
      "Go: bin/gpu/gosuite -kv-bytes SIZE kv, an owner in its process and 4 replica processes on GPU 0 "
-     "(llama-0.85b pages of 16 tokens), its slab of SIZE (100 GiB in the suite) in segments of at most 4 GiB, "
-     "each replica's dial (every segment mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. "
+     "(llama-0.85b pages of 16 tokens), its slab of SIZE (100 GiB in the suite) a region of addresses per tensor, chunks "
+     "mapped into them, each replica's dial (every chunk of the whole slab mapped) timed in its process; Python: bench/kvbench.py, cudapool.kv against a kvpoold of its own. "
      "The host tier rows: bin/gpu/gosuite kvtier, an owner with a host tier and one replica process; each cycle a "
      "2,048-page prompt (1 GiB) is sealed, evicted by an alloc of the whole slab and matched again, every restored "
      "byte checked; restore is its bytes over the Match, spill the bytes copied to the host tier over those "

@@ -22,7 +22,7 @@ def fig():
                         8192: {"ttft_matched_s": [0.001], "ttft_computed_s": [0.044]}},
             "bytes": {"sealed": 1 << 30, "one-copy": 1 << 30, "pool": 3 << 29, "private": 3 << 30},
             "pages": {"matched": 4096, "sealed": 2560, "evicted": 7},
-            "dial_ms": [120.0, 140.0, 130.0], "slab": "64.0 GiB in 21 segments, mapped by 3\nreplica processes a GPU",
+            "dial_ms": [120.0, 140.0, 130.0], "slab": "64.0 GiB in 256 chunks of 256 MiB, mapped by 3\nreplica processes a GPU",
             "greedy": (6, 6), "checks": 9, "failures": []}
 
 
@@ -42,11 +42,20 @@ class Lines(unittest.TestCase):
         self.assertEqual(run.stats("replicas", "pages/evicted").v, [7.0])
         self.assertEqual(run.meta["replicas-run"], "3 replicas a GPU on 1 GPU(s)")
         self.assertEqual(run.stats("replicas", "dial").v, [120.0, 130.0, 140.0])
-        self.assertEqual(run.meta["replicas-slab"], "64.0 GiB in 21 segments, mapped by 3 replica processes a GPU")
+        self.assertEqual(run.meta["replicas-slab"], "64.0 GiB in 256 chunks of 256 MiB, mapped by 3 replica processes a GPU")
+        self.assertEqual(table.replicas_slab_gib(run), 64.0)
         self.assertEqual(run.meta["replicas-greedy"], "all 6 equal")
         self.assertEqual(run.meta["replicas-checks"], "all 9 checks passed")
         self.assertEqual(run.fails, {})
         self.assertTrue(all(l.split()[1] == "replicas" for l in lines if not l.startswith("meta ")))
+
+    def test_the_slab_line_is_what_the_table_reads(self):
+        g = {"slab_bytes": 100 << 30, "chunks": 256, "chunk_bytes": 400 << 20, "pages": 204800}
+        text = rawlines.slab(g, 6)
+        self.assertEqual(text, "100.0 GiB in 256 chunks of 400 MiB, mapped by 6 replica processes a GPU")
+        run = table.Run(["meta suite 2"] + rawlines.lines({"slab": text}))
+        self.assertEqual(run.problems, [])
+        self.assertEqual(table.replicas_slab_gib(run), 100.0)
 
     def test_failed_checks_and_a_stopped_run(self):
         f = {"checks": 4, "failures": ["a: greedy tokens\ndiffer", "b"], "greedy": (5, 6),

@@ -284,8 +284,9 @@ part validate 60 "${wide[@]}" bash -c validate
 part torch 150 "${wide[@]}" env PYTHONUNBUFFERED=1 python3 bench/torchbench.py "${pyquick[@]}" --runtime "$rt"
 # The KV page pool: the same rows (kv/match512, kv/match512+hash) from Go and from
 # Python, each with an owner of its own, one after the other. Go's slab is KV_SLAB
-# (default 100 GiB on a GPU, issue 24's target; 4 GiB on the software device), in
-# segments of at most 4 GiB, and its replicas' dials are timed (kv/dial).
+# (default 100 GiB on a GPU, issue 24's target; 4 GiB on the software device), a region
+# of addresses per tensor with every chunk mapped, and its replicas' dials are timed
+# (kv/dial).
 kv_slab=${KV_SLAB:-100GiB}
 [ "$rt" = test ] && kv_slab=${KV_SLAB:-4GiB}
 part gosuite-kv 150 "${wide[@]}" "$bin/gosuite" -runtime "$rt" "${quick[@]}" -kv-bytes "$kv_slab" kv

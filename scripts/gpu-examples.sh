@@ -203,7 +203,7 @@ if [ -f "$lib" ]; then
 			step torch-kvcache $?
 		fi
 		# The KV page pool under a model: the owner and replica processes of a 0.85B Llama,
-		# over a slab of REPLICAS_SLAB (default 64GiB: 16 segments), each replica's dial timed.
+		# over a slab of REPLICAS_SLAB (default 64GiB, every chunk mapped), each replica's dial timed.
 		if python3 -c 'import torch, transformers, triton' 2>/dev/null; then
 			if wanted replicas; then
 				replicas_raw=${OUT:-/tmp}/replicas-raw.txt # run.py appends: a fresh file each run

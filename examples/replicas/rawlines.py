@@ -16,9 +16,10 @@ torch, so that they are tested anywhere (test_rawlines.py). Every line is of imp
         kv-bytes/private                   the KV of N private copies
         pages/matched, pages/sealed, pages/evicted   the owner's counts
         dial                               ms, each replica process's dial (every
-                                           segment of the slab mapped)
+                                           region of the slab reserved, its chunks
+                                           mapped)
     meta replicas-run TEXT                 what ran (replicas, GPUs, lengths, attention)
-    meta replicas-slab TEXT                the slab: its size, segments, replicas
+    meta replicas-slab TEXT                the slab: its size, chunks, replicas
     meta replicas-greedy TEXT              how many requests' greedy tokens equal the
                                            reference's: "all N equal" or "K of N equal"
     meta replicas-checks TEXT              "all N checks passed", or how many failed
@@ -44,6 +45,16 @@ def one_line(text):
     return " ".join(str(text).split())
 
 
+def slab(geometry, replicas):
+    """The text of the meta replicas-slab line: the slab's size, its chunks and the
+    replica processes a GPU that mapped it, from geometry, the owner's Stats geometry
+    (a dict: slab_bytes, chunks, chunk_bytes), as bench/table.py reads it (its first
+    two words "X GiB")."""
+    return "%.1f GiB in %d chunks of %.0f MiB, mapped by %d replica processes a GPU" % (
+        geometry["slab_bytes"] / (1 << 30), geometry.get("chunks", 0), geometry.get("chunk_bytes", 0) / (1 << 20),
+        replicas)
+
+
 def lines(fig):
     """The lines of fig, a dict of what run.py measured (each key absent where the run
     did not get that far):
@@ -54,7 +65,7 @@ def lines(fig):
         bytes     {"sealed", "one-copy", "pool", "private": bytes}
         pages     {"matched", "sealed", "evicted": count}
         dial_ms   [ms]: each replica process's dial
-        slab      str: the slab's size, segments and replicas
+        slab      str: the slab's size, chunks and replicas
         greedy    (equal, requests): the requests whose greedy tokens equal the reference
         checks    int: how many checks ran (the greedy ones, the KV bytes, the targets, the faults)
         failures  [str]: the failed ones

@@ -363,8 +363,7 @@ def main():
                 victims[v] = Proc(ctx, "victim %s" % v, 0, dir, args.seed, lengths, args.new)
         dials = [p.call(op="dial", timeout=120) for p in procs + list(victims.values())]
         fig["dial_ms"] = [1e3 * d["dial_s"] for d in dials]
-        fig["slab"] = "%.1f GiB in %d chunks of %.0f MiB, mapped by %d replica processes a GPU" % (
-            g["slab_bytes"] / GiB, g.get("chunks", 0), g.get("chunk_bytes", 0) / (1 << 20), len(dials) // gpus)
+        fig["slab"] = rawlines.slab(g, len(dials) // gpus)
         print("each replica mapped the whole slab (%d regions) at its dial in %.0f-%.0f ms (median %.0f)" % (
             dials[0]["regions"], min(fig["dial_ms"]), max(fig["dial_ms"]), sorted(fig["dial_ms"])[len(dials) // 2]))
         check(max(fig["dial_ms"]) <= 1000, "a dial took %.0f ms, over the 1 s target" % max(fig["dial_ms"]))
