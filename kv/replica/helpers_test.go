@@ -35,8 +35,7 @@ func bound(t testing.TB) context.Context {
 }
 
 // startOwner serves dir on a software device of its own (as a process of its own
-// would), checked for broken rules at the end. Its segments hold three tensors each,
-// so that every slab is several segments of two sizes.
+// would), checked for broken rules at the end.
 func startOwner(t testing.TB, g kv.Geometry, devices ...int) (*owner.Owner, *cudarttest.Device, string) {
 	t.Helper()
 	dir := shortDir(t)
