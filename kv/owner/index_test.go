@@ -337,18 +337,22 @@ func TestRestartAfterCompactionKeepsHostPagesAndLRUOrder(t *testing.T) {
 	host := first.Stats().Devices[0].Host.Sealed
 	require.NotZero(t, host, "b's least recent pages are copied ahead to the host tier")
 
-	// Replicas that come and go: 2 records each, past the 1,072 (twice the 24 pages,
-	// and 1,024) that compact the index, and nothing else changes.
-	for range comings {
+	// Replicas that come and go (an Attach and a Detach record each, as the owner sees
+	// them) until the index compacts, and nothing else changes: the file shrinks to a
+	// snapshot of the state, written least recent page first. How many it takes
+	// depends on how many of their records the owner wrote before the next dialed.
+	compacted := false
+	for i, last := 0, int64(0); i < 10*comings && !compacted; i++ {
 		raw := dialRaw(t, dir)
 		raw.hello()
 		raw.nc.Close()
+		fi, err := os.Stat(path)
+		require.NoError(t, err)
+		compacted, last = fi.Size() < last, fi.Size()
 	}
+	require.True(t, compacted, "the index never compacted in %d replicas that came and went", 10*comings)
 	require.NoError(t, r.Close(bound(t)))
 	require.NoError(t, first.Close(bound(t)))
-	fi, err := os.Stat(path)
-	require.NoError(t, err)
-	assert.Less(t, fi.Size(), int64(2*comings*21), "the index compacted: it holds fewer records than were written")
 
 	second := listen()
 	t.Cleanup(func() { assert.NoError(t, second.Close(bound(t))) })
