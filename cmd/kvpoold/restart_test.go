@@ -40,7 +40,13 @@ var keeperPID = regexp.MustCompile(`keeper pid (\d+)`)
 // keeper it names is stopped when the test ends.
 func daemon(t *testing.T, args ...string) (*exec.Cmd, string) {
 	t.Helper()
-	cmd := proctest.Command(t, "kvpoold", args...)
+	return startDaemon(t, proctest.Command(t, "kvpoold", args...))
+}
+
+// startDaemon is daemon of cmd, made by proctest.Command: the caller may set its
+// environment or stderr first.
+func startDaemon(t *testing.T, cmd *exec.Cmd) (*exec.Cmd, string) {
+	t.Helper()
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())

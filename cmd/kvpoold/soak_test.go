@@ -6,6 +6,15 @@ package main
 // that ended well checked against what the writer of its hash wrote. A matched page
 // must hold exactly what its writer sealed, through any kill and restart.
 //
+// The slab is elastic under the kills: kvpoold starts with one step and grows as the
+// writers need pages, and a restart takes back the chunks the keeper holds, however
+// many. On the software device kvpoold also gives chunks back (-min-free): its device
+// reports a free memory that falls and rises on a seeded schedule ($CUDAPOOL_SOFTDEV_FREE,
+// soakFree), so that the slab shrinks and grows again, and kills land mid-give-back.
+// On a GPU (CUDAPOOL_KV_SOAK_RUNTIME=gpu) nothing can make the free memory fall, so
+// the give-back is left off there: the slab only grows. The growths, give-backs and
+// kills mid-give-back that kvpoold's log shows are counted and reported with each seed.
+//
 // A bounded soak runs in go test. CUDAPOOL_KV_SOAK=DURATION (e.g. 10m) runs seeds one
 // after another for that long (scripts/kv-soak.sh); CUDAPOOL_KV_SOAK_SEED=N replays
 // seed N. What replays is the schedule (the prompts each replica asks for, the kills,
@@ -21,6 +30,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -32,19 +42,39 @@ import (
 
 	"github.com/cudapool/cudapool/cudart"
 	"github.com/cudapool/cudapool/cudart/choose"
+	"github.com/cudapool/cudapool/cudart/cudarttest"
 	"github.com/cudapool/cudapool/internal/proctest"
 	"github.com/cudapool/cudapool/kv"
 	"github.com/cudapool/cudapool/kv/owner"
 	"github.com/cudapool/cudapool/kv/replica"
 )
 
-// soakPages is the slab's page count: small, so that the prompts evict each other
-// and spill to the host tier, which holds soakHostPages of them.
+// soakPages is the slab's bound: small, so that the prompts evict each other and
+// spill to the host tier, which holds soakHostPages of them. The slab starts with one
+// step of soakStepPages and grows to soakPages (soakGeometry).
 const (
-	soakPages     = 48
+	soakPages     = 64
+	soakStepPages = 16
 	soakHostPages = 48
 	soakPrompts   = 16 // distinct prompts; prompt p's pages are a prefix of its longer runs
 	soakMaxPages  = 6  // pages of the longest run of a prompt
+)
+
+// soakGeometry is the soak's: 2 layers of 4 KV heads of 128, 128 tokens a page, so
+// that a page of a layer's K or V is 128 KiB, a chunk of 2 MiB (the granularity, on
+// the software device and on a GPU) holds soakStepPages, and the slab grows by steps
+// of 4 chunks (one per tensor) from one step to 4.
+var soakGeometry = kv.Geometry{Layers: 2, KVHeads: 4, HeadDim: 128, TokensPerPage: 128, DType: kv.DTypeBF16, Pages: soakPages}
+
+// The give-back under the kills, on the software device: kvpoold's -min-free is
+// soakMinFree, and its device reports a free memory (cudarttest.FreeSchedule, through
+// $CUDAPOOL_SOFTDEV_FREE) drawn anew every soakFreePeriod from within two steps of it,
+// from a seed of its own for each kvpoold started: half the draws are short, by one or
+// two steps (kvpoold's give-back, which looks every 100 ms, gives that many back), a
+// quarter are a step above it (the slab grows again).
+const (
+	soakMinFree    = 1 << 30
+	soakFreePeriod = 120 * time.Millisecond
 )
 
 // soakPiece fills b with what layer l's K (v false) or V of the page sealed under h
@@ -251,12 +281,29 @@ func soakStep(ctx context.Context, dev cudart.Runtime, r *replica.Replica, s cud
 	return nil
 }
 
-// soakArgs are kvpoold's flags in the soak: the keeper, the index and a host tier.
-func soakArgs(t *testing.T, dir string) []string {
-	g, err := kv.Layout("llama-0.85b")
-	require.NoError(t, err)
-	return []string{"-dir", dir, "-runtime", soakRuntimeName(), "-layout", "llama-0.85b", "-pages", strconv.Itoa(soakPages),
+// soakArgs are kvpoold's flags in the soak: the keeper, the index, a host tier, a
+// slab that starts with one step and, on the software device, -min-free.
+func soakArgs(dir string) []string {
+	g := soakGeometry
+	args := []string{"-dir", dir, "-runtime", soakRuntimeName(),
+		"-layers", strconv.Itoa(g.Layers), "-kv-heads", strconv.Itoa(g.KVHeads), "-head-dim", strconv.Itoa(g.HeadDim),
+		"-tokens-per-page", strconv.Itoa(g.TokensPerPage), "-dtype", "bf16", "-pages", strconv.Itoa(g.Pages),
+		"-chunk-bytes", "2MiB", "-initial-bytes", strconv.FormatUint(soakStepPages*g.PageSpanBytes(), 10),
 		"-host-bytes", strconv.FormatUint(soakHostPages*owner.HostPageBytes(g), 10), "-reattach-grace", "2s", "-stop-wait", "1s"}
+	if soakGivesBack() {
+		args = append(args, "-min-free", strconv.Itoa(soakMinFree))
+	}
+	return args
+}
+
+// soakGivesBack says whether the soak's kvpoold gives chunks back: on the software
+// device only, whose free memory a schedule can make fall and rise.
+func soakGivesBack() bool { return soakRuntimeName() == "test" }
+
+// soakFree is the free-memory schedule of the kvpoold started seed's n-th time.
+func soakFree(seed uint64, n int) cudarttest.FreeSchedule {
+	step := uint64(soakStepPages) * soakGeometry.PageSpanBytes()
+	return cudarttest.FreeSchedule{Seed: seed<<20 + uint64(n), Low: soakMinFree - 2*step, High: soakMinFree + 2*step, Period: soakFreePeriod}
 }
 
 // soakRuntimeName is the runtime of the soak's processes: CUDAPOOL_KV_SOAK_RUNTIME
@@ -273,6 +320,7 @@ const soakWait = time.Minute
 
 // TestKillSoak is the bounded soak: seeds 1 to 3 (or CUDAPOOL_KV_SOAK_SEED alone), 12
 // kills each; with CUDAPOOL_KV_SOAK=DURATION, seeds one after another for that long.
+// Each seed's line and the summary say how often the slab grew and was given back.
 func TestKillSoak(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the kill soak starts processes for seconds")
@@ -295,31 +343,35 @@ func TestKillSoak(t *testing.T) {
 		}
 	}
 	var total soakCounts
+	var slab soakSlab
 	restarts := 0
 	for i := 0; ; i++ {
 		seed := seeds[0] + uint64(i)
-		c, n := soakSeed(t, seed, kills)
+		c, n, sl := soakSeed(t, seed, kills)
 		total.add(c)
+		slab.add(sl)
 		restarts += n
-		t.Logf("seed %d: %d kvpoold restarts, %s", seed, n, c)
+		t.Logf("seed %d: %d kvpoold restarts, %s, %s", seed, n, sl, c)
 		if t.Failed() || (until.IsZero() && i+1 >= count) || (!until.IsZero() && time.Now().After(until)) {
 			break
 		}
 	}
-	t.Logf("kill soak: %d kvpoold restarts, %d pages and %d bytes checked, %d wrong pieces, %d pages unverified (their lease was lost)",
-		restarts, total.pagesChecked, total.bytesChecked, total.wrongPieces, total.unverified)
+	t.Logf("kill soak: %d kvpoold restarts, %s, %d pages and %d bytes checked, %d wrong pieces, %d pages unverified (their lease was lost)",
+		restarts, slab, total.pagesChecked, total.bytesChecked, total.wrongPieces, total.unverified)
 	if r := os.Getenv("CUDAPOOL_KV_SOAK_REPORT"); r != "" {
-		_ = os.WriteFile(r, []byte(fmt.Sprintf("kv kill soak: seeds %d.., %d kvpoold restarts, %d pages (%d bytes) checked, %d wrong pieces, %d pages unverified\n",
-			seeds[0], restarts, total.pagesChecked, total.bytesChecked, total.wrongPieces, total.unverified)), 0o644) // a report for the script; the test's verdict stands without it
+		_ = os.WriteFile(r, []byte(fmt.Sprintf("kv kill soak: seeds %d.., %d kvpoold restarts, %s, %d pages (%d bytes) checked, %d wrong pieces, %d pages unverified\n",
+			seeds[0], restarts, slab, total.pagesChecked, total.bytesChecked, total.wrongPieces, total.unverified)), 0o644) // a report for the script; the test's verdict stands without it
 	}
 }
 
-// soakSeed runs one seed: kvpoold, 3 writers and 1 reader, and kills kills times.
-func soakSeed(t *testing.T, seed uint64, kills int) (soakCounts, int) {
+// soakSeed runs one seed: kvpoold, 3 writers and 1 reader, and kills kills times. It
+// returns what the replicas counted, the restarts, and what kvpoold's logs said of
+// the slab.
+func soakSeed(t *testing.T, seed uint64, kills int) (soakCounts, int, soakSlab) {
 	dir := shortDir(t)
 	rng := rand.New(rand.NewPCG(seed, 0x5eed))
-	cmd, first := daemon(t, soakArgs(t, dir)...)
-	t.Logf("kvpoold pid %d: %s", cmd.Process.Pid, first)
+	owners := []*soakOwner{startSoakOwner(t, dir, seed, 0)}
+	cmd := owners[0].cmd
 	modes := []string{"write", "write", "write", "read"}
 	kids := make([]*soakKid, len(modes))
 	spawned := uint64(0)
@@ -340,10 +392,9 @@ func soakSeed(t *testing.T, seed uint64, kills int) (soakCounts, int) {
 			if rng.IntN(2) == 0 {
 				time.Sleep(time.Duration(rng.IntN(50)) * time.Millisecond)
 			}
-			var line string
-			cmd, line = daemon(t, soakArgs(t, dir)...)
 			restarts++
-			t.Logf("kvpoold restarted: pid %d: %s", cmd.Process.Pid, line)
+			owners = append(owners, startSoakOwner(t, dir, seed, restarts))
+			cmd = owners[len(owners)-1].cmd
 		default: // a replica, started again with a seed of its own
 			i := rng.IntN(len(kids))
 			total.add(kids[i].kill(t))
@@ -354,13 +405,130 @@ func soakSeed(t *testing.T, seed uint64, kills int) (soakCounts, int) {
 		total.add(k.stop(t))
 	}
 	sigkill(t, cmd)
+	slab := endSoakOwners(t, owners)
 	if total.wrongPieces > 0 {
 		t.Errorf("seed %d: %d pieces held other bytes than their writer sealed (CUDAPOOL_KV_SOAK_SEED=%d replays the schedule)", seed, total.wrongPieces, seed)
 	}
 	if total.pagesChecked == 0 {
 		t.Errorf("seed %d: no page was checked", seed)
 	}
-	return total, restarts
+	return total, restarts, slab
+}
+
+// The lines of kvpoold's log (kv/owner's) that the soak counts.
+const (
+	logGrew      = `msg="kv: the slab grew"`
+	logGiveBack  = `msg="kv: device memory short; giving the slab's last chunks back"`
+	logGivenBack = `msg="kv: the slab's last chunks are given back"`
+)
+
+// soakSlab is what kvpoold's logs said of the slab: growths, give-backs begun and
+// ended, kvpoold processes killed with one begun and not ended, and restarts that
+// took back less than the whole slab from the keeper.
+type soakSlab struct{ grew, begun, gaveBack, killedMid, tookBackPart int }
+
+func (c *soakSlab) add(o soakSlab) {
+	c.grew += o.grew
+	c.begun += o.begun
+	c.gaveBack += o.gaveBack
+	c.killedMid += o.killedMid
+	c.tookBackPart += o.tookBackPart
+}
+
+func (c soakSlab) String() string {
+	return fmt.Sprintf("%d growths, %d give-backs (%d begun, %d kvpoold kills mid-give-back), %d restarts took back part of the slab",
+		c.grew, c.gaveBack, c.begun, c.killedMid, c.tookBackPart)
+}
+
+// slabMapped finds in kvpoold's first line the slab's bound and what is mapped at the
+// start (the chunks the keeper held, on a restart).
+var slabMapped = regexp.MustCompile(`([0-9.]+ [KMGT]?i?B) a slab at most .*; ([0-9.]+ [KMGT]?i?B) mapped now`)
+
+// soakOwner is a kvpoold process of the soak, and the reading of its log.
+type soakOwner struct {
+	cmd    *exec.Cmd
+	keeper int           // the keeper pid its first line names, 0 where none
+	part   bool          // a restart that took back part of the slab
+	log    chan soakSlab // what its log said, once the log has ended
+}
+
+// startSoakOwner starts kvpoold on dir, the n-th of seed (its free-memory schedule,
+// soakFree, is the n-th's), and reads its first line. Its log (stderr) is copied to
+// the test's stderr and counted until it ends: when kvpoold has died and, for the one
+// that started the keeper (which inherits its stderr), the keeper too.
+func startSoakOwner(t *testing.T, dir string, seed uint64, n int) *soakOwner {
+	t.Helper()
+	cmd := proctest.Command(t, "kvpoold", soakArgs(dir)...)
+	if soakGivesBack() {
+		cmd.Env = append(cmd.Env, cudarttest.FreeEnv+"="+soakFree(seed, n).String())
+	}
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	cmd.Stderr = w // a file, not a copy of this process's: the keeper may hold it after kvpoold
+	o := &soakOwner{log: make(chan soakSlab, 1)}
+	go o.read(r)
+	var line string
+	o.cmd, line = startDaemon(t, cmd)
+	require.NoError(t, w.Close()) // kvpoold has its own
+	if m := keeperPID.FindStringSubmatch(line); m != nil {
+		o.keeper, _ = strconv.Atoi(m[1])
+	}
+	m := slabMapped.FindStringSubmatch(line)
+	require.NotNil(t, m, "kvpoold's first line says what is mapped")
+	o.part = n > 0 && m[1] != m[2]
+	t.Logf("kvpoold pid %d (start %d of the seed): %s", o.cmd.Process.Pid, n, line)
+	return o
+}
+
+// read copies kvpoold's log from r to the test's stderr, counting, until it ends.
+func (o *soakOwner) read(r *os.File) {
+	defer r.Close()
+	var c soakSlab
+	begun := false
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		line := sc.Text()
+		fmt.Fprintln(os.Stderr, line) // where kvpoold's log went before the soak counted it
+		switch {
+		case strings.Contains(line, logGrew):
+			c.grew++
+		case strings.Contains(line, logGiveBack):
+			c.begun++
+			begun = true
+		case strings.Contains(line, logGivenBack):
+			c.gaveBack++
+			begun = false
+		}
+	}
+	if begun {
+		c.killedMid++
+	}
+	o.log <- c
+}
+
+// endSoakOwners stops the keeper of owners, every one killed already, and returns
+// what their logs said, once each has ended.
+func endSoakOwners(t *testing.T, owners []*soakOwner) soakSlab {
+	for _, o := range owners {
+		if o.keeper != 0 {
+			killKeeper(t, o.keeper) // it shares the log of the kvpoold that started it
+		}
+	}
+	var c soakSlab
+	timeout := time.After(soakWait)
+	for _, o := range owners {
+		select {
+		case s := <-o.log:
+			c.add(s)
+			if o.part {
+				c.tookBackPart++
+			}
+		case <-timeout:
+			t.Errorf("the log of kvpoold %d did not end within %v of its kill and its keeper's", o.cmd.Process.Pid, soakWait)
+			return c
+		}
+	}
+	return c
 }
 
 // soakKid is a soak replica process.

@@ -73,6 +73,8 @@ type config struct {
 	peerAccess  bool
 	immediate   bool
 	seed        *uint64
+	free        *FreeSchedule // WithFreeSchedule or $CUDAPOOL_SOFTDEV_FREE (free.go)
+	freeErr     error         // a schedule that does not parse: MemGetInfo's error
 }
 
 // WithDevices sets the number of devices (default 2). n < 1 means 1.
@@ -108,8 +110,9 @@ func WithImmediate() Option { return func(c *config) { c.immediate = true } }
 // Device is a software CUDA device set implementing cudart.Runtime. Its methods are
 // safe for concurrent use.
 type Device struct {
-	cfg config
-	id  ident
+	cfg  config
+	id   ident
+	born uint64 // now() at New: the free-memory schedule's start
 
 	mu     sync.Mutex
 	closed bool
@@ -159,9 +162,11 @@ func New(opts ...Option) *Device {
 			o(&cfg)
 		}
 	}
+	freeFromEnv(&cfg)
 	seed := seedFrom(cfg)
 	d := &Device{
 		cfg:           cfg,
+		born:          now(),
 		seed:          seed,
 		rng:           rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)),
 		kick:          make(chan struct{}, 1),
@@ -374,14 +379,19 @@ func (d *Device) DeviceCanAccessPeer(dev, peer int) (bool, error) {
 	return dev != peer && d.cfg.peerAccess, nil
 }
 
-// MemGetInfo counts what this Device's own pools reserve on dev as used.
+// MemGetInfo counts what this Device's own pools and chunks reserve on dev as used,
+// and reports less free where a free-memory schedule says so (WithFreeSchedule).
 func (d *Device) MemGetInfo(dev int) (free, total uint64, err error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.enter("cudaMemGetInfo", dev); err != nil {
 		return 0, 0, err
 	}
-	return d.cfg.memory - d.devs[dev].reserved, d.cfg.memory, nil
+	free, err = d.scheduledFree(dev, d.cfg.memory-d.devs[dev].reserved)
+	if err != nil {
+		return 0, 0, err
+	}
+	return free, d.cfg.memory, nil
 }
 
 // AllocationGranularity is the configured granularity, minimum and recommended alike

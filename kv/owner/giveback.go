@@ -179,7 +179,11 @@ func (o *Owner) drainStep(ctx context.Context, s *slab) error {
 		return err
 	}
 	s.gb.keep, s.gb.rest = 0, true
-	return o.unmapChunks(s, keep)
+	if err := o.unmapChunks(s, keep); err != nil {
+		return err
+	}
+	o.log.Info("kv: the slab's last chunks are given back", "device", s.dev, "chunks", keep)
+	return nil
 }
 
 // runCopies makes copies of s's table (a give-back's evictions into the host tier),

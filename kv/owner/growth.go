@@ -102,13 +102,16 @@ func (o *Owner) growFor(s *slab, n int) bool {
 	}
 	want := o.layout.ChunksFor(min(st.Bound, st.Pages+n-st.Free))
 	s.grow.Lock()
-	more := s.mayGrowTo(want) - len(s.fds)
+	to := s.mayGrowTo(want)
+	more := to - len(s.fds)
 	s.grow.Unlock()
 	if more <= 0 {
 		return true // another Alloc grew it meanwhile
 	}
 	if err := o.growSlab(s, more); err != nil {
 		o.log.Warn("kv: the slab cannot grow; pages are evicted instead", "device", s.dev, "err", err)
+	} else {
+		o.log.Info("kv: the slab grew", "device", s.dev, "chunks", to)
 	}
 	return true
 }
