@@ -16,6 +16,7 @@ import (
 	"github.com/cudapool/cudapool/export/internal/wire"
 	"github.com/cudapool/cudapool/export/producer"
 	"github.com/cudapool/cudapool/internal/proctest"
+	"github.com/cudapool/cudapool/internal/testwait"
 	"github.com/cudapool/cudapool/pool"
 )
 
@@ -54,12 +55,15 @@ func TestReleaseAndByeBehindAFailedSendAreRead(t *testing.T) {
 		}
 	}
 	// The serve loop takes the first Release and blocks on its answer; the second and
-	// the Bye wait in the socket until the push's context ends and its send fails.
+	// the Bye wait in the socket until a send fails: the push's, when its context ends,
+	// if it holds the connection's writes; else (a loaded host, where the push had not
+	// begun to write within its second) the Release's answer's, at the exporter's
+	// write bound (10 s). Either way the exporter then reads them.
 	r.Send(&wire.ReleaseMsg{ReqID: 3, LeaseID: la.LeaseID, Count: 1})
 	r.Send(&wire.ReleaseMsg{ReqID: 4, LeaseID: lb.LeaseID, Count: 1})
 	r.Send(&wire.ByeMsg{})
 	require.Error(t, <-stalled, "the stalled push fails when its context ends")
-	require.Eventually(t, func() bool { return len(pr.Ex.Peers()) == 0 }, 5*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return len(pr.Ex.Peers()) == 0 }, testwait.Bound, time.Millisecond,
 		"the peer's Release and Bye were read: it holds nothing and is gone, %+v", pr.Ex.Peers())
 	assert.NotContains(t, pr.Log.String(), "held until its process exits")
 	pr.CheckClean(t)
