@@ -176,7 +176,7 @@ func TestListSpansFrames(t *testing.T) {
 	defer unix.Close(fd)
 	var want []keep.Entry
 	for i := range keep.MaxKept {
-		name := fmt.Sprintf("%s/%04d", strings.Repeat("n", keep.MaxName-5), i)
+		name := fmt.Sprintf("%s/%05d", strings.Repeat("n", keep.MaxName-6), i)
 		want = append(want, keep.Entry{Name: name, Size: uint64(i)})
 		require.NoError(t, c.Put(ctx, name, fd, uint64(i)))
 	}

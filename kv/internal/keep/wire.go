@@ -55,8 +55,10 @@ const Socket = "keep.sock"
 const (
 	// MaxName bounds a name, in bytes.
 	MaxName = 255
-	// MaxKept bounds the names one keeper holds.
-	MaxKept = 4096
+	// MaxKept bounds the names one keeper holds: a slab's chunks on every device and
+	// each device's host tier. A slab has at most 16 chunks a layer by default (8 a tensor,
+	// kv.SlabLayout), so 12,288 holds 8 devices of models of up to 95 layers.
+	MaxKept = 12288
 	// MaxRequest bounds a frame the keeper reads: its largest request, a Put of a name
 	// of [MaxName] bytes, fits.
 	MaxRequest = kvwire.HeaderLen + 2 + MaxName + 8
